@@ -1,0 +1,27 @@
+# Two commands a new user needs: `make demo` (the main job) and `make test` (the suite).
+# Each sets up its own virtual environment; the constraints file pins the CPU build of torch.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck install clean
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c requirements/constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+test: $(STAMP)
+	$(BIN)/ruff check dcp_safe tests examples benchmarks
+	$(BIN)/mypy
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

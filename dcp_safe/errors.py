@@ -1,0 +1,184 @@
+"""The whole dcp_safe exception tree.
+
+Every error dcp_safe raises on purpose derives from :class:`DcpSafeError`, and where a builtin
+means the same thing the error inherits it too, so ``except FileNotFoundError`` keeps working::
+
+    DcpSafeError(Exception)
+    ├── ConfigError(ValueError)                  a bad argument or option value
+    │   └── InvalidCheckpointNameError           a name with '/', '..', a leading dot, or empty
+    ├── CheckpointExistsError(FileExistsError)   saving to a committed name without overwrite
+    ├── CheckpointNotFoundError(FileNotFoundError)
+    ├── CheckpointCorruptError(ValueError)       checksum, size or manifest mismatch
+    ├── CommitError                              the save could not be published; per-rank failures
+    │   └── StaleWriterError                     a writer from an older attempt tried to publish
+    ├── StorageError(OSError)                    an I/O failure, naming the operation and path
+    ├── BudgetExceededError                      a state larger than the host-memory envelope
+    └── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
+
+DCP reports failures as ``CheckpointException``, which derives from ``BaseException`` (so
+``except Exception`` misses it). :func:`from_checkpoint_exception` maps it to this tree once,
+where it crosses dcp_safe's API, keeping the original as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "AdmissionTimeoutError",
+    "BudgetExceededError",
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "ConfigError",
+    "DcpSafeError",
+    "InvalidCheckpointNameError",
+    "StaleWriterError",
+    "StorageError",
+    "from_checkpoint_exception",
+]
+
+
+class DcpSafeError(Exception):
+    """Root of every error dcp_safe raises on purpose."""
+
+
+class ConfigError(DcpSafeError, ValueError):
+    """An argument or option has a value dcp_safe cannot work with."""
+
+
+class InvalidCheckpointNameError(ConfigError):
+    """A checkpoint name that could escape its root or hide itself.
+
+    Attributes:
+        name: the rejected name.
+    """
+
+    def __init__(self, name: object, reason: str) -> None:
+        super().__init__(
+            f"invalid checkpoint name {name!r}: {reason}; use a plain key such as 'step_000100'"
+        )
+        self.name = name
+
+
+class CheckpointExistsError(DcpSafeError, FileExistsError):
+    """A committed checkpoint already has this name and ``overwrite`` is off."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"a committed checkpoint already exists at {path}; pick a new name or pass "
+            "overwrite=True (the old checkpoint then stays loadable until the new one commits)"
+        )
+        self.path = path
+
+
+class CheckpointNotFoundError(DcpSafeError, FileNotFoundError):
+    """No committed checkpoint under that name (or none at all for ``"latest"``)."""
+
+    def __init__(self, path: str, detail: str = "") -> None:
+        message = f"no committed checkpoint at {path}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.path = path
+
+
+class CheckpointCorruptError(DcpSafeError, ValueError):
+    """Stored bytes do not match what the manifest promised.
+
+    Attributes:
+        path: the file that failed.
+        item: the state-dict item (fully qualified name and offset), when one is involved.
+        expected: the checksum, digest or size the manifest records.
+        actual: what was found.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        reason: str,
+        *,
+        item: str | None = None,
+        expected: object = None,
+        actual: object = None,
+    ) -> None:
+        where = f"{path} (item {item})" if item else path
+        detail = f"; expected {expected}, found {actual}" if expected is not None else ""
+        super().__init__(f"corrupt checkpoint data in {where}: {reason}{detail}")
+        self.path = path
+        self.item = item
+        self.expected = expected
+        self.actual = actual
+
+
+class CommitError(DcpSafeError):
+    """A save failed on one or more ranks, so nothing was published.
+
+    Attributes:
+        failures: the failing ranks, each with a one-line description of its error.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        self.failures: dict[int, str] = dict(failures or {})
+        if self.failures:
+            ranks = ", ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+            message = f"{message} ({ranks})"
+        super().__init__(message)
+
+
+class StaleWriterError(CommitError):
+    """A writer from an older job attempt tried to publish beside a newer attempt's work."""
+
+
+class StorageError(DcpSafeError, OSError):
+    """An I/O operation failed.
+
+    Attributes:
+        operation: what was being done ("write", "rename", "fsync", ...).
+        path: the file, directory or object involved.
+    """
+
+    def __init__(self, operation: str, path: str, cause: BaseException | str) -> None:
+        super().__init__(f"{operation} failed for {path}: {cause}")
+        self.operation = operation
+        self.path = path
+
+
+class BudgetExceededError(DcpSafeError):
+    """A save needs more host memory than the whole envelope allows."""
+
+
+class AdmissionTimeoutError(DcpSafeError, TimeoutError):
+    """A save waited longer than its timeout for admission."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def from_checkpoint_exception(exc: BaseException) -> BaseException:
+    """Map DCP's ``CheckpointException`` onto this tree.
+
+    When every failing rank raised the same dcp_safe error type, the first such error is
+    returned as it is (it carries the most context: path, item, checksums). Otherwise the
+    result is a :class:`CommitError` whose ``failures`` name each rank. Anything that is not a
+    ``CheckpointException`` is returned unchanged.
+    """
+    failures: Any = getattr(exc, "failures", None)
+    if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict):
+        return exc
+    errors = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in failures.items()}
+    kinds = {type(e) for e in errors.values()}
+    first = errors[min(errors)]
+    if len(kinds) == 1 and isinstance(first, DcpSafeError) and not isinstance(first, CommitError):
+        first.__cause__ = exc
+        return first
+    if len(kinds) == 1 and isinstance(first, CommitError):
+        merged = dict(first.failures) or {min(errors): _describe(first)}
+        error: CommitError = type(first)("save was not published", merged)
+    else:
+        error = CommitError(
+            "save was not published", {rank: _describe(e) for rank, e in errors.items()}
+        )
+    error.__cause__ = exc
+    return error

@@ -1,0 +1,190 @@
+"""Versioned manifests: per-rank and global, as frozen dataclasses <-> canonical JSON.
+
+The global ``manifest.json`` lists every file of a checkpoint with its size, and every item
+(a tensor chunk or a serialized object) with its byte range and checksum. Shard files are
+covered by their items, byte for byte: a file whose items do not tile it exactly is corrupt, so a
+flipped byte anywhere in a shard lands in some item's checksum. Small files (``.metadata``, rank
+manifests) carry a whole-file checksum instead.
+
+JSON is canonical (sorted keys, no spaces) so the digest in ``_COMMITTED`` is reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_safe.errors import CheckpointCorruptError
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "FileRecord",
+    "ItemKey",
+    "ItemRecord",
+    "Manifest",
+    "RankManifest",
+    "item_key",
+    "manifest_digest",
+]
+
+MANIFEST_VERSION = 1
+
+ItemKey = tuple[str, tuple[int, ...] | None]
+"""How an item is looked up: DCP's ``MetadataIndex`` without its non-identifying hint."""
+
+
+def item_key(fqn: str, offset: Iterable[int] | None) -> ItemKey:
+    """The lookup key of a ``MetadataIndex(fqn, offset)``."""
+    return (fqn, None if offset is None else tuple(int(o) for o in offset))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemRecord:
+    """One write item: where its bytes are and what they hash to."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    file: str
+    start: int
+    length: int
+    checksum: str
+    transforms: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> ItemKey:
+        return (self.fqn, self.offset)
+
+    def describe(self) -> str:
+        return self.fqn if self.offset is None else f"{self.fqn}@{list(self.offset)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    """One file of a checkpoint. ``checksum`` is None for shard files (their items cover them)."""
+
+    path: str
+    size: int
+    checksum: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankManifest:
+    """What one rank wrote, written by that rank after its files are durable."""
+
+    name: str
+    save_id: str
+    rank: int
+    checksum_algorithm: str
+    files: tuple[FileRecord, ...]
+    items: tuple[ItemRecord, ...]
+    version: int = MANIFEST_VERSION
+
+    def to_json(self) -> bytes:
+        return _dumps(_tagged(self, "dcp_safe/rank-manifest"))
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> RankManifest:
+        raw = _loads(data, path, "dcp_safe/rank-manifest")
+        return cls(**_with_records(raw, path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The global manifest, written by the coordinator at publish."""
+
+    name: str
+    save_id: str
+    world_size: int
+    created_at: float
+    checksum_algorithm: str
+    compression: str
+    files: tuple[FileRecord, ...]
+    items: tuple[ItemRecord, ...]
+    dcp_safe_version: str
+    torch_version: str
+    step: int | None = None
+    attempt: str | None = None
+    version: int = MANIFEST_VERSION
+    _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def item(self, key: ItemKey) -> ItemRecord | None:
+        return self._by_key.get(key)
+
+    def file(self, path: str) -> FileRecord | None:
+        return next((f for f in self.files if f.path == path), None)
+
+    def to_json(self) -> bytes:
+        return _dumps(_tagged(self, "dcp_safe/manifest"))
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> Manifest:
+        raw = _loads(data, path, "dcp_safe/manifest")
+        return cls(**_with_records(raw, path))
+
+
+def manifest_digest(data: bytes) -> str:
+    """The digest ``_COMMITTED`` holds: sha256 of the manifest's exact bytes."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _tagged(obj: Any, kind: str) -> dict[str, Any]:
+    raw = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+    raw["files"] = [dataclasses.asdict(f) for f in obj.files]
+    raw["items"] = [_item_to_dict(i) for i in obj.items]
+    raw["format"] = kind
+    return raw
+
+
+def _item_to_dict(item: ItemRecord) -> dict[str, Any]:
+    raw = dataclasses.asdict(item)
+    raw["offset"] = None if item.offset is None else list(item.offset)
+    raw["transforms"] = list(item.transforms)
+    return raw
+
+
+def _dumps(raw: Mapping[str, Any]) -> bytes:
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _loads(data: bytes, path: str, kind: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(path, f"not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or raw.get("format") != kind:
+        raise CheckpointCorruptError(path, f"not a {kind} document")
+    if raw.get("version") != MANIFEST_VERSION:
+        raise CheckpointCorruptError(
+            path, "unsupported manifest version", expected=MANIFEST_VERSION, actual=raw.get("version")
+        )
+    del raw["format"]
+    return raw
+
+
+def _with_records(raw: dict[str, Any], path: str) -> dict[str, Any]:
+    try:
+        raw["files"] = tuple(FileRecord(**f) for f in raw["files"])
+        raw["items"] = tuple(
+            ItemRecord(
+                **{
+                    **i,
+                    "offset": None if i["offset"] is None else tuple(i["offset"]),
+                    "transforms": tuple(i["transforms"]),
+                }
+            )
+            for i in raw["items"]
+        )
+    except (KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(path, f"malformed manifest ({exc})") from exc
+    return raw

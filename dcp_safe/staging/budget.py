@@ -1,0 +1,319 @@
+"""The host-memory envelope of a save and the admission test, as plain integer arithmetic.
+
+This module owns one number, the *envelope*: how many bytes of host memory checkpoint staging may
+hold at once without pushing the machine into the kernel's OOM killer. It is computed as::
+
+    envelope = usable RAM - steady training peak - other consumers - OS reserve
+    envelope = measured MemAvailable - other consumers - OS reserve     (when no peak is given)
+
+where usable RAM is the cgroup limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) when one
+is set and binding, else ``MemTotal``. The admission test says yes or no, with the reason: a new
+generation is admitted only when the bytes the stager would then hold fit the envelope (so the
+projected available memory stays above the reserve) and fewer than ``max_in_flight`` generations
+are in flight. A state larger than the whole envelope can never be admitted, so it raises
+:class:`~dcp_safe.errors.BudgetExceededError` instead of waiting forever.
+
+Why a snapshot and not a live reading: the stager's own buffers lower ``MemAvailable``, so a live
+reading would count them twice and shrink the budget as the pool warms up. The budget is taken
+once (``from_host``), before the pool exists; the stager then accounts its own bytes exactly.
+Only :meth:`MemoryBudget.from_host` touches the host; everything else is pure and thread-free
+(the unit tests need neither torch nor threads).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcp_safe.errors import BudgetExceededError, ConfigError
+
+__all__ = ["Admission", "MemoryBudget", "format_bytes"]
+
+# cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
+_NO_LIMIT_BYTES = 1 << 60
+
+
+def format_bytes(n: int) -> str:
+    """Render a byte count for messages, exactly for small values (``"3.00 GiB (3221225472 B)"``)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit} ({n} B)"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer of the admission test.
+
+    Attributes:
+        admitted: whether the generation may start now.
+        reason: one line saying why (or why not), with the figures.
+        projected_available_bytes: host memory left for everything else after staging, by the
+            budget's arithmetic.
+    """
+
+    admitted: bool
+    reason: str
+    projected_available_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBudget:
+    """The host-memory envelope for checkpoint staging.
+
+    Args:
+        usable_bytes: usable RAM: the cgroup limit when set, else ``MemTotal``.
+        training_peak_bytes: the training process's measured steady peak (RSS). When given, the
+            envelope is ``usable - peak - other - reserve``.
+        available_bytes: measured ``MemAvailable`` (or cgroup headroom); used when no training
+            peak is given. When neither is given, all of ``usable_bytes`` counts as available.
+        other_consumers_bytes: memory other consumers will take that the measurement does not
+            show yet (a data loader that grows, a sidecar).
+        reserve_bytes: memory kept free for the OS and page cache. Overrides
+            ``reserve_fraction`` when given.
+        reserve_fraction: the reserve as a fraction of ``usable_bytes`` (default 0.15).
+        source: how ``usable_bytes`` was found, quoted in error messages.
+
+    Raises:
+        ConfigError: a negative size, a fraction outside ``[0, 1)``, or no usable RAM.
+    """
+
+    usable_bytes: int
+    training_peak_bytes: int | None = None
+    available_bytes: int | None = None
+    other_consumers_bytes: int = 0
+    reserve_bytes: int | None = None
+    reserve_fraction: float = 0.15
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.usable_bytes, int) or self.usable_bytes <= 0:
+            raise ConfigError(f"usable_bytes must be a positive int, got {self.usable_bytes!r}")
+        for name in ("training_peak_bytes", "available_bytes", "reserve_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
+        if not isinstance(self.other_consumers_bytes, int) or self.other_consumers_bytes < 0:
+            raise ConfigError(
+                f"other_consumers_bytes must be a non-negative int, got {self.other_consumers_bytes!r}"
+            )
+        if not 0.0 <= float(self.reserve_fraction) < 1.0:
+            raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
+
+    @property
+    def reserve(self) -> int:
+        """The OS reserve in bytes."""
+        if self.reserve_bytes is not None:
+            return self.reserve_bytes
+        return int(self.usable_bytes * self.reserve_fraction)
+
+    @property
+    def base_available_bytes(self) -> int:
+        """Memory available to staging and the reserve before the stager holds anything."""
+        if self.training_peak_bytes is not None:
+            base = self.usable_bytes - self.training_peak_bytes
+        elif self.available_bytes is not None:
+            base = min(self.available_bytes, self.usable_bytes)
+        else:
+            base = self.usable_bytes
+        return base - self.other_consumers_bytes
+
+    @property
+    def envelope_bytes(self) -> int:
+        """The most host bytes staging may hold at once (never negative)."""
+        return max(0, self.base_available_bytes - self.reserve)
+
+    def explain(self) -> str:
+        """Say how the envelope was computed, with every term."""
+        reserve = (
+            f"reserve {format_bytes(self.reserve)}"
+            if self.reserve_bytes is not None
+            else f"reserve {format_bytes(self.reserve)} ({self.reserve_fraction:.0%} of usable)"
+        )
+        if self.training_peak_bytes is not None:
+            start = (
+                f"usable RAM {format_bytes(self.usable_bytes)} ({self.source})"
+                f" - training peak {format_bytes(self.training_peak_bytes)}"
+            )
+        elif self.available_bytes is not None:
+            start = f"MemAvailable {format_bytes(min(self.available_bytes, self.usable_bytes))}"
+            start += f" (usable RAM {format_bytes(self.usable_bytes)}, {self.source})"
+        else:
+            start = f"usable RAM {format_bytes(self.usable_bytes)} ({self.source})"
+        return (
+            f"envelope {format_bytes(self.envelope_bytes)} = {start}"
+            f" - other consumers {format_bytes(self.other_consumers_bytes)} - {reserve}"
+        )
+
+    def check_fits(self, request_bytes: int) -> None:
+        """Refuse a state that could never be admitted, however long it waited.
+
+        Raises:
+            BudgetExceededError: ``request_bytes`` is larger than the whole envelope.
+        """
+        if request_bytes > self.envelope_bytes:
+            raise BudgetExceededError(
+                f"state needs {format_bytes(request_bytes)} of host staging memory, more than the"
+                f" whole {self.explain()}; shard the state further, lower the training peak, or"
+                " pass a larger budget"
+            )
+
+    def admit(
+        self, *, request_bytes: int, projected_bytes: int, in_flight: int, max_in_flight: int
+    ) -> Admission:
+        """Decide whether one more generation may start now.
+
+        Args:
+            request_bytes: bytes the new generation stages (its whole state).
+            projected_bytes: bytes the stager would hold in all, this generation included, after
+                reusing what it can.
+            in_flight: generations admitted whose buffers are not yet released.
+            max_in_flight: how many generations may be in flight at once.
+
+        Returns:
+            The decision and its reason.
+
+        Raises:
+            BudgetExceededError: ``request_bytes`` is larger than the whole envelope.
+        """
+        self.check_fits(request_bytes)
+        available = self.base_available_bytes - projected_bytes
+        if in_flight >= max_in_flight:
+            return Admission(
+                False, f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}",
+                available,
+            )
+        if available < self.reserve:
+            return Admission(
+                False,
+                f"projected available memory {format_bytes(available)} after staging"
+                f" {format_bytes(projected_bytes)} would fall below the reserve"
+                f" {format_bytes(self.reserve)}",
+                available,
+            )
+        return Admission(
+            True,
+            f"projected available memory {format_bytes(available)} stays above the reserve"
+            f" {format_bytes(self.reserve)}",
+            available,
+        )
+
+    @classmethod
+    def from_host(
+        cls,
+        *,
+        reserve_bytes: int | None = None,
+        reserve_fraction: float = 0.15,
+        training_peak_bytes: int | None = None,
+        other_consumers_bytes: int = 0,
+        cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+        proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+    ) -> MemoryBudget:
+        """Read usable RAM and available memory from this host, now.
+
+        Args:
+            reserve_bytes: see the class.
+            reserve_fraction: see the class.
+            training_peak_bytes: the measured steady training peak; when None, the envelope
+                starts from the measured available memory instead.
+            other_consumers_bytes: see the class.
+            cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
+            proc_self_cgroup: this process's cgroup membership file.
+
+        Returns:
+            A budget whose ``source`` says where the figures came from.
+        """
+        import psutil
+
+        vm = psutil.virtual_memory()
+        limit = _cgroup_limit(Path(cgroup_root), Path(proc_self_cgroup))
+        usable, source, available = int(vm.total), "MemTotal", int(vm.available)
+        if limit is not None and limit.limit_bytes < usable:
+            usable, source = limit.limit_bytes, limit.source
+            if limit.available_bytes is not None:
+                available = min(available, limit.available_bytes)
+        return cls(
+            usable_bytes=usable,
+            training_peak_bytes=training_peak_bytes,
+            available_bytes=max(0, available),
+            other_consumers_bytes=other_consumers_bytes,
+            reserve_bytes=reserve_bytes,
+            reserve_fraction=reserve_fraction,
+            source=source,
+        )
+
+
+@dataclass(frozen=True)
+class _CgroupLimit:
+    limit_bytes: int
+    source: str
+    available_bytes: int | None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _inactive_file(stat_path: Path) -> int:
+    # Inactive page cache is reclaimable, so it counts as available, as MemAvailable does.
+    try:
+        for line in stat_path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_limit(root: Path, proc_self_cgroup: Path) -> _CgroupLimit | None:
+    """The tightest memory limit on this process's cgroup (v2, else v1), or None if unlimited."""
+    try:
+        lines = proc_self_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2_rel: str | None = None
+    v1_rel: str | None = None
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if fields[0] == "0" and fields[1] == "":
+            v2_rel = fields[2]
+        elif "memory" in fields[1].split(","):
+            v1_rel = fields[2]
+    candidates: list[tuple[Path, str, str, str, str]] = []
+    if v2_rel is not None:
+        for d in _self_and_ancestors(root, v2_rel):
+            candidates.append((d, "memory.max", "memory.current", "memory.stat", "v2"))
+    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
+        for d in _self_and_ancestors(root / "memory", rel):
+            candidates.append(
+                (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "v1")
+            )
+    best: _CgroupLimit | None = None
+    for directory, limit_name, usage_name, stat_name, version in candidates:
+        limit = _read_int(directory / limit_name)
+        if limit is None or limit >= _NO_LIMIT_BYTES:
+            continue
+        if best is not None and best.limit_bytes <= limit:
+            continue
+        usage = _read_int(directory / usage_name)
+        available = (
+            None
+            if usage is None
+            else limit - usage + _inactive_file(directory / stat_name)
+        )
+        source = f"cgroup {version} {limit_name} at {directory}"
+        best = _CgroupLimit(limit, source, available)
+    return best
+
+
+def _self_and_ancestors(root: Path, rel: str) -> list[Path]:
+    parts = [p for p in rel.strip("/").split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
