@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from dcp_safe.api import async_save, load, save
+from dcp_safe.catalog import CheckpointInfo, VerifyReport, list_checkpoints, verify_checkpoint
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     BudgetExceededError,
@@ -21,18 +23,29 @@ from dcp_safe.errors import (
     StaleWriterError,
     StorageError,
 )
+from dcp_safe.storage.reader import SafeStorageReader
+from dcp_safe.storage.writer import SafeStorageWriter
 
 __all__ = [
     "AdmissionTimeoutError",
     "BudgetExceededError",
     "CheckpointCorruptError",
+    "CheckpointInfo",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
     "DcpSafeError",
     "InvalidCheckpointNameError",
+    "SafeStorageReader",
+    "SafeStorageWriter",
     "StaleWriterError",
     "StorageError",
+    "VerifyReport",
     "__version__",
+    "async_save",
+    "list_checkpoints",
+    "load",
+    "save",
+    "verify_checkpoint",
 ]

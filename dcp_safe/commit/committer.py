@@ -17,6 +17,7 @@ A failure before the publish removes the partial directory and raises; nothing i
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from collections.abc import Iterable, Mapping
@@ -132,7 +133,9 @@ class Committer:
         self.backend.sync_dir(f"{work_dir}/{protocol.RANKS_DIR}")
         marker = f"{work_dir}/{protocol.COMMITTED_MARKER}"
         try:
-            self.backend.write_bytes(marker, manifest_digest(manifest_bytes).encode(), exclusive=True)
+            self.backend.write_bytes(
+                marker, manifest_digest(manifest_bytes).encode(), exclusive=True
+            )
         except FileExistsError as exc:
             raise CheckpointExistsError(self.backend.full_path(name)) from exc
         self.backend.sync_dir(work_dir)
@@ -159,9 +162,9 @@ class Committer:
             actual = self.backend.size(f"{work_dir}/{file.path}")
             covered = sum(i.length for i in manifest.items if i.file == file.path)
             if not actual == file.size == covered:
+                detail = f"{file.path}: on storage {actual}, manifest {file.size}, items {covered}"
                 raise CommitError(
-                    "a shard file does not have the size its items add up to",
-                    {rank: f"{file.path}: on storage {actual}, manifest {file.size}, items {covered}"},
+                    "a shard file is not the size its items add up to", {rank: detail}
                 )
         manifest_file = FileRecord(
             path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)
@@ -181,10 +184,9 @@ class Committer:
             self.backend.remove_tree(parked)
 
     def _discard(self, work_dir: str) -> None:
-        try:
+        # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.
+        with contextlib.suppress(OSError):
             self.backend.remove_tree(work_dir)
-        except OSError:
-            pass  # a hidden partial: the sweeper collects it after its grace period
 
 
 def _records_by_rank(results: list[list[WriteResult]]) -> dict[int, list[ItemRecord]]:
@@ -202,9 +204,7 @@ def _records_by_rank(results: list[list[WriteResult]]) -> dict[int, list[ItemRec
     return per_rank
 
 
-def _check_every_item_written(
-    metadata: Metadata, per_rank: Mapping[int, list[ItemRecord]]
-) -> None:
+def _check_every_item_written(metadata: Metadata, per_rank: Mapping[int, list[ItemRecord]]) -> None:
     written: dict[ItemKey, int] = {}
     for rank, records in per_rank.items():
         for record in records:

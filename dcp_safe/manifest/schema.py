@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dcp_safe.errors import CheckpointCorruptError
 
@@ -88,8 +88,7 @@ class RankManifest:
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> RankManifest:
-        raw = _loads(data, path, "dcp_safe/rank-manifest")
-        return cls(**_with_records(raw, path))
+        return _build(cls, _loads(data, path, "dcp_safe/rank-manifest"), path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,8 +128,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Manifest:
-        raw = _loads(data, path, "dcp_safe/manifest")
-        return cls(**_with_records(raw, path))
+        return _build(cls, _loads(data, path, "dcp_safe/manifest"), path)
 
 
 def manifest_digest(data: bytes) -> str:
@@ -139,7 +137,9 @@ def manifest_digest(data: bytes) -> str:
 
 
 def _tagged(obj: Any, kind: str) -> dict[str, Any]:
-    raw = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+    raw = {
+        f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")
+    }
     raw["files"] = [dataclasses.asdict(f) for f in obj.files]
     raw["items"] = [_item_to_dict(i) for i in obj.items]
     raw["format"] = kind
@@ -166,25 +166,35 @@ def _loads(data: bytes, path: str, kind: str) -> dict[str, Any]:
         raise CheckpointCorruptError(path, f"not a {kind} document")
     if raw.get("version") != MANIFEST_VERSION:
         raise CheckpointCorruptError(
-            path, "unsupported manifest version", expected=MANIFEST_VERSION, actual=raw.get("version")
+            path,
+            "unsupported manifest version",
+            expected=MANIFEST_VERSION,
+            actual=raw.get("version"),
         )
     del raw["format"]
     return raw
 
 
-def _with_records(raw: dict[str, Any], path: str) -> dict[str, Any]:
+T = TypeVar("T")
+
+
+def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
     try:
-        raw["files"] = tuple(FileRecord(**f) for f in raw["files"])
-        raw["items"] = tuple(
-            ItemRecord(
-                **{
-                    **i,
-                    "offset": None if i["offset"] is None else tuple(i["offset"]),
-                    "transforms": tuple(i["transforms"]),
-                }
-            )
-            for i in raw["items"]
-        )
-    except (KeyError, TypeError) as exc:
+        return cls(**_with_records(raw))
+    except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(path, f"malformed manifest ({exc})") from exc
+
+
+def _with_records(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["files"] = tuple(FileRecord(**f) for f in raw["files"])
+    raw["items"] = tuple(
+        ItemRecord(
+            **{
+                **i,
+                "offset": None if i["offset"] is None else tuple(i["offset"]),
+                "transforms": tuple(i["transforms"]),
+            }
+        )
+        for i in raw["items"]
+    )
     return raw

@@ -35,7 +35,7 @@ _NO_LIMIT_BYTES = 1 << 60
 
 
 def format_bytes(n: int) -> str:
-    """Render a byte count for messages, exactly for small values (``"3.00 GiB (3221225472 B)"``)."""
+    """Render a byte count for messages, with the exact figure (``"3.00 GiB (3221225472 B)"``)."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit} ({n} B)"
@@ -96,7 +96,8 @@ class MemoryBudget:
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         if not isinstance(self.other_consumers_bytes, int) or self.other_consumers_bytes < 0:
             raise ConfigError(
-                f"other_consumers_bytes must be a non-negative int, got {self.other_consumers_bytes!r}"
+                "other_consumers_bytes must be a non-negative int,"
+                f" got {self.other_consumers_bytes!r}"
             )
         if not 0.0 <= float(self.reserve_fraction) < 1.0:
             raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
@@ -181,7 +182,8 @@ class MemoryBudget:
         available = self.base_available_bytes - projected_bytes
         if in_flight >= max_in_flight:
             return Admission(
-                False, f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}",
+                False,
+                f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}",
                 available,
             )
         if available < self.reserve:
@@ -304,11 +306,7 @@ def _cgroup_limit(root: Path, proc_self_cgroup: Path) -> _CgroupLimit | None:
         if best is not None and best.limit_bytes <= limit:
             continue
         usage = _read_int(directory / usage_name)
-        available = (
-            None
-            if usage is None
-            else limit - usage + _inactive_file(directory / stat_name)
-        )
+        available = None if usage is None else limit - usage + _inactive_file(directory / stat_name)
         source = f"cgroup {version} {limit_name} at {directory}"
         best = _CgroupLimit(limit, source, available)
     return best

@@ -46,7 +46,9 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     try:
         marker = backend.read_bytes(marker_path).decode("ascii", errors="replace").strip()
     except FileNotFoundError:
-        raise CheckpointNotFoundError(backend.full_path(name), "it has no _COMMITTED marker") from None
+        raise CheckpointNotFoundError(
+            backend.full_path(name), "it has no _COMMITTED marker"
+        ) from None
     manifest_path = f"{name}/{protocol.MANIFEST}"
     try:
         raw = backend.read_bytes(manifest_path)
@@ -65,8 +67,10 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     manifest = Manifest.from_json(raw, backend.full_path(manifest_path))
     if manifest.name != name:
         raise CheckpointCorruptError(
-            backend.full_path(manifest_path), "manifest names another checkpoint",
-            expected=name, actual=manifest.name,
+            backend.full_path(manifest_path),
+            "manifest names another checkpoint",
+            expected=name,
+            actual=manifest.name,
         )
     return CommittedCheckpoint(name=name, manifest=manifest)
 

@@ -9,7 +9,7 @@ was written (for s3fs, a partial multipart upload becomes a visible object).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
 
 import fsspec
@@ -111,10 +111,8 @@ class FsspecBackend(Backend):
             raise self._fail("remove", rel, exc) from exc
 
     def _remove_quietly(self, rel: str) -> None:
-        try:
+        with suppress(OSError, ValueError):
             self.fs.rm_file(self._abs(rel))
-        except (OSError, ValueError):
-            pass
 
 
 def _discard(f: Any) -> None:

@@ -18,7 +18,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import BinaryIO
 
 from dcp_safe.commit.protocol import partial_dir_name
@@ -188,7 +188,5 @@ class LocalBackend(Backend):
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

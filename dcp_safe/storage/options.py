@@ -30,8 +30,12 @@ class WriterOptions:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compression", parse_enum(Compression, self.compression, "compression"))
-        object.__setattr__(self, "checksum", parse_enum(ChecksumAlgorithm, self.checksum, "checksum"))
+        object.__setattr__(
+            self, "compression", parse_enum(Compression, self.compression, "compression")
+        )
+        object.__setattr__(
+            self, "checksum", parse_enum(ChecksumAlgorithm, self.checksum, "checksum")
+        )
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
 

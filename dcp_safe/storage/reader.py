@@ -152,8 +152,12 @@ class SafeStorageReader(StorageReader):
         try:
             with self.backend.open_read(rel) as stream:
                 raw = read_verified(
-                    stream, path=self.backend.full_path(rel), item=None, start=0,
-                    length=record.size, checksum=record.checksum,
+                    stream,
+                    path=self.backend.full_path(rel),
+                    item=None,
+                    start=0,
+                    length=record.size,
+                    checksum=record.checksum,
                 )
         except FileNotFoundError:
             raise CheckpointCorruptError(self.backend.full_path(rel), "file is missing") from None
@@ -173,9 +177,7 @@ class SafeStorageReader(StorageReader):
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
 
-    def _read_item(
-        self, stream: Any, path: str, request: ReadItem, planner: LoadPlanner
-    ) -> None:
+    def _read_item(self, stream: Any, path: str, request: ReadItem, planner: LoadPlanner) -> None:
         assert self._manifest is not None and self._metadata is not None
         index = request.storage_index
         info = self._metadata.storage_data[index]
@@ -184,7 +186,11 @@ class SafeStorageReader(StorageReader):
         if record is None or (record.start, record.length) != (info.offset, info.length):
             raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
         raw = read_verified(
-            stream, path=path, item=label, start=record.start, length=record.length,
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
             checksum=record.checksum if self.verify else None,
         )
         payload: Any = io.BytesIO(raw)
@@ -199,8 +205,11 @@ class SafeStorageReader(StorageReader):
         target = planner.resolve_tensor(request).detach()
         if target.size() != tensor.size():
             raise CheckpointCorruptError(
-                path, "stored tensor has another shape", item=label,
-                expected=tuple(target.size()), actual=tuple(tensor.size()),
+                path,
+                "stored tensor has another shape",
+                item=label,
+                expected=tuple(target.size()),
+                actual=tuple(tensor.size()),
             )
         target.copy_(tensor)
         planner.commit_tensor(request, target)

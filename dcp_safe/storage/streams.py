@@ -97,7 +97,10 @@ def read_verified(
     data = stream.read(length)
     if len(data) != length:
         raise CheckpointCorruptError(
-            path, "file is shorter than the manifest says", item=item, expected=length,
+            path,
+            "file is shorter than the manifest says",
+            item=item,
+            expected=length,
             actual=len(data),
         )
     if checksum is not None:

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import zstandard
@@ -153,9 +153,7 @@ class SafeStorageWriter(StorageWriter):
             work_dir = name
         self.backend.makedirs(f"{work_dir}/{protocol.RANKS_DIR}")
         return [
-            dataclasses.replace(
-                plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir)
-            )
+            dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
             for rank, plan in enumerate(plans)
         ]
 
@@ -271,7 +269,9 @@ class SafeStorageWriter(StorageWriter):
         data = planner.resolve_data(item)
         compressed = self.options.compression == "zstd"
         out: Any = (
-            zstandard.ZstdCompressor().stream_writer(sink, closefd=False) if compressed else sink
+            zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], sink), closefd=False)
+            if compressed
+            else sink
         )
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):

@@ -1,0 +1,214 @@
+"""Timing, memory and reporting helpers shared by the benchmarks in this folder.
+
+Every benchmark here runs its contenders in one process, alternates their order from round to
+round and reports medians, because the machines we measure on are shared: a single run, or a
+mean, says more about the neighbours than about the code. What lives here:
+
+* :func:`median`, :func:`timed` and :func:`rotate` for the measuring loop;
+* :class:`RssPeakSampler`, a background thread that samples this process's RSS with psutil
+  (every 5 ms by default) and reports the peak above the level it started from;
+* :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_rate`, :func:`fmt_bytes` for reports;
+* :func:`describe_machine` and :func:`write_results` so a JSON result says where it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import psutil
+
+__all__ = [
+    "RssPeakSampler",
+    "describe_machine",
+    "fmt_bytes",
+    "fmt_rate",
+    "fmt_seconds",
+    "markdown_table",
+    "median",
+    "rotate",
+    "timed",
+    "write_results",
+]
+
+T = TypeVar("T")
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of ``values`` (``nan`` when there are none)."""
+    data = list(values)
+    return statistics.median(data) if data else float("nan")
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Run ``fn`` once; return (wall seconds, its result)."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def rotate(items: Sequence[T], round_index: int) -> list[T]:
+    """``items`` rotated by ``round_index``: each contender goes first in turn."""
+    if not items:
+        return []
+    shift = round_index % len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
+class RssPeakSampler:
+    """Samples this process's RSS on a background thread; use as a context manager.
+
+    Attributes (valid after exit):
+        baseline_bytes: RSS when sampling started.
+        peak_bytes: the highest RSS seen, including one last sample at exit.
+        peak_delta_bytes: ``peak_bytes - baseline_bytes`` (never negative).
+        samples: how many samples were taken.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+        self.samples = 0
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+    def _sample(self) -> None:
+        rss = int(self._process.memory_info().rss)
+        self.samples += 1
+        self.peak_bytes = max(self.peak_bytes, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> RssPeakSampler:
+        self.baseline_bytes = int(self._process.memory_info().rss)
+        self.peak_bytes = self.baseline_bytes
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def fmt_seconds(seconds: float) -> str:
+    return f"{seconds:.3f} s"
+
+
+def fmt_rate(nbytes: float, seconds: float) -> str:
+    """Throughput in GB/s (10^9 bytes per second, as disk and hash vendors quote)."""
+    if seconds <= 0:
+        return "n/a"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+def fmt_bytes(nbytes: float) -> str:
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / MIB:.1f} MiB"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table; cells are rendered with ``str``."""
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join("---" for _ in headers) + " |",
+    ]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _filesystem_of(path: str) -> dict[str, str]:
+    """The mount (device, mount point, type) holding ``path``; empty when unknown."""
+    real = os.path.realpath(path)
+    best: Any = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and (
+            best is None or len(mount) > len(best.mountpoint)
+        ):
+            best = part
+    if best is None:
+        return {}
+    return {"device": best.device, "mountpoint": best.mountpoint, "fstype": best.fstype}
+
+
+def describe_machine(data_dir: str | None = None) -> dict[str, Any]:
+    """CPU, memory, Python and library versions, and (optionally) the file system of a folder."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_total_bytes": psutil.virtual_memory().total,
+        "memory_available_bytes": psutil.virtual_memory().available,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    if data_dir is not None:
+        info["data_dir"] = os.path.realpath(data_dir)
+        info["data_fs"] = _filesystem_of(data_dir)
+    return info
+
+
+def describe_machine_line(info: dict[str, Any]) -> str:
+    """One line for the top of a printed report."""
+    fs = info.get("data_fs") or {}
+    where = f", data on {fs.get('fstype', '?')} ({fs.get('device', '?')})" if fs else ""
+    return (
+        f"{info['cpu_model']}, {info['usable_cpus'] or info['logical_cpus']} CPUs, "
+        f"{fmt_bytes(info['memory_total_bytes'])} RAM, Python {info['python']}, "
+        f"torch {info['torch']}{where}"
+    )
+
+
+def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path:
+    """Write ``results`` as indented JSON, creating the folder; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".writing")
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,169 @@
+"""List and verify committed checkpoints: the read-only view an operator needs.
+
+``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
+``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
+checksum, and each shard item's checksum, and that a shard's items tile it exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_safe.commit import protocol
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
+from dcp_safe.storage.backend import Backend
+from dcp_safe.storage.committed import committed_names, open_committed, resolve_name
+from dcp_safe.storage.roots import open_backend
+from dcp_safe.storage.streams import read_verified
+
+__all__ = ["CheckpointInfo", "VerifyReport", "list_checkpoints", "verify_checkpoint"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint, as ``list_checkpoints`` reports it."""
+
+    name: str
+    path: str
+    size_bytes: int
+    created_at: float
+    world_size: int
+    step: int | None
+    save_id: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_checkpoint`` checked."""
+
+    name: str
+    path: str
+    files_checked: int
+    items_checked: int
+    bytes_read: int
+    seconds: float
+
+
+def list_checkpoints(
+    root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, oldest first.
+
+    A name whose marker does not match its manifest is not listed: it is not a checkpoint
+    anyone should load (``verify_checkpoint`` names what is wrong with it).
+    """
+    backend = open_backend(os.fspath(root), storage_options)
+    found = []
+    for name in committed_names(backend):
+        try:
+            manifest = open_committed(backend, name).manifest
+        except (CheckpointNotFoundError, CheckpointCorruptError):
+            continue
+        found.append(
+            CheckpointInfo(
+                name=name,
+                path=backend.full_path(name),
+                size_bytes=manifest.total_bytes,
+                created_at=manifest.created_at,
+                world_size=manifest.world_size,
+                step=manifest.step,
+                save_id=manifest.save_id,
+            )
+        )
+    return sorted(found, key=lambda info: (info.created_at, info.name))
+
+
+def verify_checkpoint(
+    root: str | os.PathLike[str],
+    name: str = protocol.LATEST,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> VerifyReport:
+    """Read every byte of checkpoint ``name`` (or the latest) and check it.
+
+    Returns:
+        A report of what was checked, when everything matches.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint by that name.
+        CheckpointCorruptError: the first mismatch found, naming the file and item.
+    """
+    started = time.perf_counter()
+    backend = open_backend(os.fspath(root), storage_options)
+    name = resolve_name(backend, name)
+    manifest = open_committed(backend, name).manifest
+    bytes_read = 0
+    for record in manifest.files:
+        bytes_read += _verify_file(backend, name, manifest, record)
+    _verify_rank_manifests(backend, name, manifest)
+    return VerifyReport(
+        name=name,
+        path=backend.full_path(name),
+        files_checked=len(manifest.files),
+        items_checked=len(manifest.items),
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _verify_file(backend: Backend, name: str, manifest: Manifest, record: FileRecord) -> int:
+    rel = f"{name}/{record.path}"
+    path = backend.full_path(rel)
+    try:
+        actual_size = backend.size(rel)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None
+    if actual_size != record.size:
+        raise CheckpointCorruptError(
+            path, "file size differs from the manifest", expected=record.size, actual=actual_size
+        )
+    items = sorted((i for i in manifest.items if i.file == record.path), key=lambda i: i.start)
+    if record.checksum is None and not _tiles(items, record.size):
+        raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
+    with backend.open_read(rel) as stream:
+        if record.checksum is not None:
+            read_verified(
+                stream,
+                path=path,
+                item=None,
+                start=0,
+                length=record.size,
+                checksum=record.checksum,
+            )
+        for item in items:
+            read_verified(
+                stream,
+                path=path,
+                item=item.describe(),
+                start=item.start,
+                length=item.length,
+                checksum=item.checksum,
+            )
+    return record.size
+
+
+def _tiles(items: list[Any], size: int) -> bool:
+    position = 0
+    for item in items:
+        if item.start != position:
+            return False
+        position += item.length
+    return position == size
+
+
+def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> None:
+    """Each rank manifest (already checksummed as a file) must agree with the global one."""
+    for rank in range(manifest.world_size):
+        rel = f"{name}/{protocol.rank_manifest_name(rank)}"
+        rank_manifest = RankManifest.from_json(backend.read_bytes(rel), backend.full_path(rel))
+        for item in rank_manifest.items:
+            if manifest.item(item.key) != item:
+                raise CheckpointCorruptError(
+                    backend.full_path(rel),
+                    "rank manifest disagrees with manifest.json",
+                    item=item.describe(),
+                )

@@ -1,0 +1,333 @@
+"""Reusable host buffers for staged tensors, with exact byte accounting and safe release.
+
+This module owns host memory that holds staged copies. Each staged tensor gets one buffer of
+exactly its byte size (a ``uint8`` tensor viewed as the tensor's dtype and shape), so a staged
+tensor owns its whole storage: DCP's writers serialize whole storages and would clone a view of a
+larger slab. Free buffers are kept in per-size free lists; a second save of the same state finds
+a free buffer of every size it needs and allocates nothing.
+
+A *lease* is one generation's buffers. It is created under the pool's lock when the stager
+admits a generation (buffers it cannot reuse are reserved and counted at once, then allocated by
+the staging thread) and released exactly once. Release comes in two strengths:
+
+* ``release(writer_done=True)``: the caller knows the writer has returned (the upload future is
+  done), so the buffers go straight back to the free lists.
+* ``release(writer_done=False)``: the staged state dict was dropped, but someone may still hold
+  a tensor viewing a buffer (a writer that keeps references, a user who kept a staged tensor).
+  A buffer whose storage is still shared stays *pending* (allocated, not reusable) and is
+  rechecked on every later lease, so a buffer is never rewritten while anyone can read it.
+
+Pinned memory comes from torch's caching host allocator (``pin_memory=True``), which rounds
+requests up to a power of two; the accounting counts the rounded size so the budget is never
+understated. ``trim()`` and ``close()`` drop free buffers and empty the host cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from dcp_safe.errors import ConfigError
+
+__all__ = ["BufferPool", "Lease", "PinMemory", "PoolStats"]
+
+# Small buffers gain nothing from pinning and each pinned block costs a driver call.
+_PIN_MIN_BYTES = 64 << 10
+
+
+class PinMemory(str, Enum):
+    """Whether staging buffers are page-locked (pinned) host memory."""
+
+    AUTO = "auto"  # pinned when CUDA is available, pageable otherwise
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def coerce(cls, value: PinMemory | str | bool) -> PinMemory:
+        """Accept the enum, its value, or a bool."""
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(
+                f"pin_memory must be one of 'auto', 'on', 'off' or a bool, got {value!r}"
+            ) from None
+
+    def resolve(self) -> bool:
+        """Whether to pin, on this host.
+
+        Raises:
+            ConfigError: ``ON`` without CUDA (pinning needs a driver).
+        """
+        if self is PinMemory.OFF:
+            return False
+        available = torch.cuda.is_available()
+        if self is PinMemory.ON and not available:
+            raise ConfigError("pin_memory='on' needs CUDA; use 'auto' or 'off' on this host")
+        return available
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Byte accounting of a pool at one moment.
+
+    Attributes:
+        allocated_bytes: host bytes the pool holds or has reserved (free + in use + pending).
+        in_use_bytes: bytes leased to generations not yet released.
+        free_bytes: bytes ready for reuse.
+        pending_bytes: released bytes still viewed from outside, not yet reusable.
+        pinned_bytes: the pinned part of ``allocated_bytes`` (rounded as the allocator rounds).
+        peak_allocated_bytes: the high-water mark of ``allocated_bytes``.
+        allocations: buffers allocated since the pool was created.
+        allocated_bytes_total: bytes allocated since the pool was created.
+        reuses: buffers handed out again from the free lists.
+    """
+
+    allocated_bytes: int
+    in_use_bytes: int
+    free_bytes: int
+    pending_bytes: int
+    pinned_bytes: int
+    peak_allocated_bytes: int
+    allocations: int
+    allocated_bytes_total: int
+    reuses: int
+
+
+def _storage_shared(buffer: torch.Tensor) -> bool:
+    # The pool's tensor plus the temporary storage object make 2; more means an outside view.
+    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)) > 2
+
+
+class Lease:
+    """One generation's buffers, one per requested size, in request order.
+
+    Created by :meth:`BufferPool.lease`; the staging thread calls :meth:`materialize` and then
+    reads :attr:`buffers`. :meth:`release` may be called from any thread, any number of times;
+    only the first call counts.
+    """
+
+    def __init__(self, pool: BufferPool, sizes: list[int], buffers: list[torch.Tensor | None]):
+        self._pool = pool
+        self.sizes = sizes
+        self._buffers = buffers
+        self.nbytes = sum(sizes)
+        self.allocated_bytes = 0
+        self.released = False
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers, in request order (after :meth:`materialize`)."""
+        out = [b for b in self._buffers if b is not None]
+        if len(out) != len(self._buffers):
+            raise AssertionError("lease read before materialize()")
+        return out
+
+    def materialize(self) -> int:
+        """Allocate the buffers that could not be reused; return the bytes allocated."""
+        for i, size in enumerate(self.sizes):
+            if self._buffers[i] is None:
+                self._buffers[i] = self._pool._allocate(size)
+                self.allocated_bytes += size
+        return self.allocated_bytes
+
+    def release(self, *, writer_done: bool) -> None:
+        """Give the buffers back; see the module docstring for the two strengths."""
+        self._pool._release(self, writer_done=writer_done)
+
+
+class BufferPool:
+    """Host buffers reused across saves.
+
+    Args:
+        pin_memory: ``"auto"`` (pinned when CUDA is available), ``"on"``, ``"off"``, or a bool.
+
+    Thread safety: every method may be called from any thread. :attr:`condition` is notified
+    whenever bytes are released or freed, so an admission loop can wait on it.
+    """
+
+    def __init__(self, *, pin_memory: PinMemory | str | bool = "auto") -> None:
+        self.pin = PinMemory.coerce(pin_memory).resolve()
+        # Re-entrant: the stager holds it around pool calls, and a release may run inside a
+        # finalizer on a thread that already holds it.
+        self.condition = threading.Condition(threading.RLock())
+        self._free: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
+        self._pending: list[torch.Tensor] = []
+        self._allocated = self._in_use = self._free_bytes = self._pending_bytes = 0
+        self._pinned = self._peak = self._allocations = self._allocated_total = self._reuses = 0
+        self._closed = False
+
+    def cost(self, size: int) -> int:
+        """Host bytes one buffer of ``size`` bytes really takes."""
+        if self.pin and size >= _PIN_MIN_BYTES:
+            return 1 << (size - 1).bit_length()
+        return size
+
+    def plan(self, sizes: list[int]) -> tuple[int, int]:
+        """How many bytes of a request free buffers cover, and how many must be allocated.
+
+        Call with :attr:`condition` held. Returns ``(reused_cost, new_cost)`` in host bytes.
+        """
+        self._reclaim_pending()
+        available = {size: len(bufs) for size, bufs in self._free.items()}
+        reused = new = 0
+        for size in sizes:
+            if available.get(size, 0) > 0:
+                available[size] -= 1
+                reused += self.cost(size)
+            else:
+                new += self.cost(size)
+        return reused, new
+
+    def lease(self, sizes: list[int]) -> Lease:
+        """Take free buffers for ``sizes`` and reserve the rest. Call with the condition held."""
+        self._reclaim_pending()
+        buffers: list[torch.Tensor | None] = []
+        for size in sizes:
+            free = self._free.get(size)
+            if free:
+                buffers.append(free.pop())
+                self._free_bytes -= self.cost(size)
+                self._reuses += 1
+            else:
+                buffers.append(None)
+                self._allocated += self.cost(size)
+        self._in_use += sum(self.cost(s) for s in sizes)
+        self._peak = max(self._peak, self._allocated)
+        return Lease(self, sizes, buffers)
+
+    def warm(self, sizes: list[int]) -> int:
+        """Allocate and first-touch free buffers for ``sizes``; return the bytes allocated.
+
+        Sizes already covered by free buffers are skipped, so warming twice is free. Call
+        without the condition held (allocation is slow); the caller checks the budget first.
+        """
+        with self.condition:
+            _, new = self.plan(sizes)
+            if new == 0:
+                return 0
+            lease = self.lease(sizes)
+        allocated = lease.materialize()
+        for buffer in lease.buffers:
+            buffer.zero_()  # first touch now, so the first save does not fault pages in
+        lease.release(writer_done=True)
+        return allocated
+
+    def trim(self, target_bytes: int = 0) -> int:
+        """Free unused buffers until at most ``target_bytes`` of free buffers remain.
+
+        Returns:
+            The host bytes freed.
+        """
+        freed = 0
+        with self.condition:
+            self._reclaim_pending()
+            for size in sorted(self._free, reverse=True):
+                bufs = self._free[size]
+                while bufs and self._free_bytes > target_bytes:
+                    bufs.pop()
+                    cost = self.cost(size)
+                    self._free_bytes -= cost
+                    self._account_free(size)
+                    freed += cost
+            self._free = defaultdict(list, {s: b for s, b in self._free.items() if b})
+            self.condition.notify_all()
+        if freed and self.pin:
+            _empty_host_cache()
+        return freed
+
+    def close(self) -> None:
+        """Free every free buffer now; buffers still leased are freed when released."""
+        with self.condition:
+            self._closed = True
+        self.trim(0)
+
+    def stats(self) -> PoolStats:
+        """The pool's accounting now."""
+        with self.condition:
+            self._reclaim_pending()
+            return PoolStats(
+                allocated_bytes=self._allocated,
+                in_use_bytes=self._in_use,
+                free_bytes=self._free_bytes,
+                pending_bytes=self._pending_bytes,
+                pinned_bytes=self._pinned,
+                peak_allocated_bytes=self._peak,
+                allocations=self._allocations,
+                allocated_bytes_total=self._allocated_total,
+                reuses=self._reuses,
+            )
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes held or reserved. Read with the condition held for a consistent value."""
+        return self._allocated
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in the free lists. Read with the condition held for a consistent value."""
+        return self._free_bytes
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        pin = self.pin and size >= _PIN_MIN_BYTES
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        with self.condition:
+            self._allocations += 1
+            self._allocated_total += self.cost(size)
+            if pin:
+                self._pinned += self.cost(size)
+        return buffer
+
+    def _account_free(self, size: int) -> None:
+        self._allocated -= self.cost(size)
+        if self.pin and size >= _PIN_MIN_BYTES:
+            self._pinned -= self.cost(size)
+
+    def _release(self, lease: Lease, *, writer_done: bool) -> None:
+        with self.condition:
+            if lease.released:
+                return
+            lease.released = True
+            self._in_use -= sum(self.cost(s) for s in lease.sizes)
+            for size, buffer in zip(lease.sizes, lease._buffers, strict=False):
+                if buffer is None:  # reserved, never allocated (staging failed early)
+                    self._allocated -= self.cost(size)
+                elif not writer_done and _storage_shared(buffer):
+                    self._pending.append(buffer)
+                    self._pending_bytes += self.cost(size)
+                else:
+                    self._put_free(buffer)
+            lease._buffers = []
+            self.condition.notify_all()
+
+    def _put_free(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
+        if self._closed:
+            self._account_free(size)
+        else:
+            self._free[size].append(buffer)
+            self._free_bytes += self.cost(size)
+
+    def _reclaim_pending(self) -> None:
+        if not self._pending:
+            return
+        still: list[torch.Tensor] = []
+        for buffer in self._pending:
+            if _storage_shared(buffer):
+                still.append(buffer)
+            else:
+                self._pending_bytes -= self.cost(buffer.numel())
+                self._put_free(buffer)
+        self._pending = still
+
+
+def _empty_host_cache() -> None:
+    # Freed pinned blocks stay in torch's host cache until emptied; trim means give back.
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()

@@ -1,0 +1,526 @@
+"""``BudgetedStager``: DCP's ``AsyncStager`` with a memory budget, reusable buffers and isolation.
+
+This module owns the life of a *generation* (one save's staged copy) from admission to release.
+
+Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
+
+    training thread   stage(state_dict): walk the state, size it, admit (wait or raise), lease
+                      buffers, hand the copy to the staging thread, return a Future at once
+    staging thread    allocate missing buffers, copy tensors (non-blocking on a side stream on
+                      CUDA, then synchronize), deep-copy everything else, resolve the Future
+                      -> DCP's ``staging_completion``
+    upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
+    any thread        release: buffers back to the pool, generation leaves the in-flight set
+
+Release, the design decision. The stager is never told when DCP's upload ends, so a generation
+is released by whichever of two signals comes first:
+
+1. *The staged dict is dropped* (automatic). The staged dict is a weak-referenceable ``dict``
+   subclass with a ``weakref.finalize``. DCP's upload thread holds it in ``save_wrapper``'s frame
+   until ``save()`` returns, and nothing else keeps it (the stager keeps no reference to the
+   staging Future), so on success it dies the moment the upload returns. The finalizer only
+   schedules the release on the staging thread, because it runs inside the dict's deallocation,
+   while the dict still references its tensors; the release then returns a buffer to the free
+   list only if no tensor outside the pool still views it (a writer or a user who kept a staged
+   tensor), otherwise the buffer waits, *pending*, until it is unshared. So a buffer is never
+   rewritten while anyone can still read it.
+2. *The upload future is done* (explicit: :meth:`BudgetedStager.track` /
+   :meth:`BudgetedStager.release_after`, or :meth:`BudgetedStager.async_save`, which does both
+   calls). Needed for failures: a failed upload's exception keeps its traceback, whose frames keep
+   the staged dict alive for as long as the caller keeps the response, so signal 1 would come
+   late or never. When the upload future is done, ``save()`` has returned and the writer can
+   no longer read the buffers, so they go back to the pool at once, success or failure.
+
+Without ``track``, a failed generation is released when its response is dropped (an admission
+wait runs the garbage collector once, for reference cycles); a waiting ``stage()`` that times
+out says so. Admission happens in the caller's thread, so refusals surface from
+``dcp.async_save`` itself: ``BudgetExceededError`` (the state can never fit) and
+``AdmissionTimeoutError`` (busy, and ``when_busy="raise"`` or the wait timed out).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError
+from dcp_safe.staging._tree import collect_tensors, rebuild
+from dcp_safe.staging.budget import MemoryBudget, format_bytes
+from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
+
+__all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
+
+StateDict = dict[str, Any]
+
+# After a weakref release the buffers may stay shared for a moment, until the dying dict has
+# dropped its tensors; an admission prefers waiting this long for them to allocating anew.
+_PENDING_GRACE_S = 0.05
+
+
+class WhenBusy(str, Enum):
+    """What ``stage()`` does when a save cannot be admitted now."""
+
+    WAIT = "wait"  # wait up to ``timeout_s`` for a generation to be released
+    RAISE = "raise"  # raise AdmissionTimeoutError at once (a wait of zero)
+
+    @classmethod
+    def coerce(cls, value: WhenBusy | str) -> WhenBusy:
+        """Accept the enum or its value."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"when_busy must be 'wait' or 'raise', got {value!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagerOptions:
+    """Options of :class:`BudgetedStager`.
+
+    Args:
+        max_in_flight: generations (staged, not yet released) allowed at once.
+        pin_memory: ``"auto"`` pins when CUDA is available; ``"on"``, ``"off"`` or a bool.
+        when_busy: ``"wait"`` or ``"raise"``.
+        timeout_s: the longest admission wait, and the longest ``close()`` waits for work in
+            flight.
+
+    Raises:
+        ConfigError: a value out of range or an unknown mode.
+    """
+
+    max_in_flight: int = 1
+    pin_memory: PinMemory = PinMemory.AUTO
+    when_busy: WhenBusy = WhenBusy.WAIT
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        # Callers may pass the modes' string values; store the enums.
+        object.__setattr__(self, "pin_memory", PinMemory.coerce(self.pin_memory))
+        object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s >= 0:
+            raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class StagerStats:
+    """A snapshot of a stager's accounting (bytes are host bytes as the allocator takes them).
+
+    Attributes:
+        envelope_bytes: the budget's envelope.
+        pool_bytes: bytes the pool holds or has reserved.
+        pinned_bytes: the pinned part of ``pool_bytes``.
+        in_use_bytes: bytes leased to generations in flight.
+        free_bytes: bytes ready for reuse.
+        pending_bytes: released bytes still viewed from outside.
+        peak_pool_bytes: high-water mark of ``pool_bytes``.
+        in_flight: generations admitted and not yet released.
+        peak_in_flight: high-water mark of ``in_flight``.
+        allocations: buffers allocated, in all.
+        allocated_bytes_total: bytes allocated, in all.
+        last_allocated_bytes: bytes the latest completed staging allocated (0 on reuse).
+        reuses: buffers reused, in all.
+        admitted: generations admitted.
+        refused: ``stage()`` calls refused (busy with ``when_busy="raise"``, or timed out).
+        total_wait_s: time ``stage()`` calls spent waiting for admission.
+        last_staging_s: duration of the latest completed staging (call to Future resolved).
+    """
+
+    envelope_bytes: int
+    pool_bytes: int
+    pinned_bytes: int
+    in_use_bytes: int
+    free_bytes: int
+    pending_bytes: int
+    peak_pool_bytes: int
+    in_flight: int
+    peak_in_flight: int
+    allocations: int
+    allocated_bytes_total: int
+    last_allocated_bytes: int
+    reuses: int
+    admitted: int
+    refused: int
+    total_wait_s: float
+    last_staging_s: float
+
+
+class _StagedStateDict(dict[str, Any]):
+    """The staged state: a plain dict that can carry the weak reference that releases it."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Generation:
+    def __init__(self, number: int, lease: Lease) -> None:
+        self.number = number
+        self.lease = lease
+        self.tracked = False
+        self.staged = threading.Event()
+        self.error: BaseException | None = None
+
+
+class BudgetedStager(AsyncStager):
+    """A DCP ``AsyncStager`` that stages into budgeted, reused host buffers.
+
+    Args:
+        budget: the host-memory envelope; ``None`` reads this host now
+            (:meth:`MemoryBudget.from_host`).
+        max_in_flight: see :class:`StagerOptions`.
+        pin_memory: see :class:`StagerOptions`.
+        when_busy: see :class:`StagerOptions`.
+        timeout_s: see :class:`StagerOptions`.
+
+    Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        budget: MemoryBudget | None = None,
+        *,
+        max_in_flight: int = 1,
+        pin_memory: PinMemory | str | bool = "auto",
+        when_busy: WhenBusy | str = "wait",
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.options = StagerOptions(
+            max_in_flight=max_in_flight,
+            pin_memory=PinMemory.coerce(pin_memory),
+            when_busy=WhenBusy.coerce(when_busy),
+            timeout_s=timeout_s,
+        )
+        self.budget = budget if budget is not None else MemoryBudget.from_host()
+        self._pool = BufferPool(pin_memory=self.options.pin_memory)
+        self._cond = self._pool.condition
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-stager")
+        # A side stream created here, on the caller's thread, so staging never shares the
+        # compute stream (as DCP's DefaultStager does).
+        self._stream = (
+            torch.cuda.Stream() if torch.cuda.is_available() else None  # type: ignore[no-untyped-call]
+        )
+        self._numbers = itertools.count(1)
+        self._in_flight: dict[int, _Generation] = {}
+        self._last = threading.local()
+        self._latest: _Generation | None = None
+        self._closed = False
+        self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
+        self._total_wait_s = self._last_staging_s = 0.0
+
+    # -- DCP's AsyncStager protocol -------------------------------------------------------------
+
+    def stage(self, state_dict: StateDict) -> Future[StateDict]:
+        """Admit a save and start copying it; return a Future of the staged state dict.
+
+        Runs on the caller's thread until admission; the copy runs on the staging thread.
+
+        Raises:
+            BudgetExceededError: the state is larger than the whole envelope.
+            AdmissionTimeoutError: not admitted within ``timeout_s`` (at once with
+                ``when_busy="raise"``).
+        """
+        started = time.perf_counter()
+        sources = collect_tensors(state_dict)
+        sizes = [t.nbytes for t in sources if t.nbytes > 0]
+        gen = self._admit(sizes)
+        ready = None
+        if self._stream is not None and any(t.is_cuda for t in sources):
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()  # the caller's stream: copy only what its queued kernels wrote
+        future: Future[StateDict] = Future()
+        self._executor.submit(self._copy, gen, state_dict, sources, future, ready, started)
+        return future
+
+    def synchronize_staging(self) -> None:
+        """Wait until the latest staging has finished (DCP uses the Future instead)."""
+        gen = self._latest
+        if gen is not None:
+            gen.staged.wait()
+
+    def close(self) -> None:
+        """Wait (up to ``timeout_s``) for work in flight, then free the pool.
+
+        Raises:
+            TimeoutError: work in flight was not released in time.
+            BaseException: the first error of a staging or tracked upload that was in flight.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._in_flight.values())
+        gc.collect()  # a dropped response caught in a reference cycle still holds its state
+        deadline = time.monotonic() + self.options.timeout_s
+        with self._cond:
+            while self._in_flight and time.monotonic() < deadline:
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            stuck = sorted(self._in_flight)
+        self._executor.shutdown(wait=True)
+        self._pool.close()
+        if stuck:
+            raise TimeoutError(
+                f"close() waited {self.options.timeout_s}s for generation(s) {stuck}; their"
+                " uploads have not finished, or a failed response still holds the staged state"
+                " (pass responses to stager.track())"
+            )
+        errors = [g.error for g in waiting if g.error is not None]
+        if errors:
+            raise errors[0]
+
+    # -- dcp_safe's additions -------------------------------------------------------------------
+
+    def track(self, response: AsyncSaveResponse | Future[Any]) -> AsyncSaveResponse | Future[Any]:
+        """Release the generation this thread staged last when its upload finishes.
+
+        Call right after ``dcp.async_save`` on the same thread. Success or failure, the buffers
+        go back to the pool as soon as the upload future is done, and its error is kept for
+        :meth:`close`.
+
+        Args:
+            response: what ``dcp.async_save`` returned, or its upload future.
+
+        Returns:
+            ``response``, for chaining.
+
+        Raises:
+            ConfigError: this thread has no staged generation left to track.
+        """
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        gen: _Generation | None = getattr(self._last, "generation", None)
+        if gen is None:
+            raise ConfigError("track(): no untracked save was staged on this thread")
+        self._last.generation = None
+        gen.tracked = True
+        upload.add_done_callback(lambda f: self._upload_done(gen, f))
+        return response
+
+    def release_after(self, future: Future[Any]) -> Future[Any]:
+        """:meth:`track` for a bare upload future."""
+        self.track(future)
+        return future
+
+    def async_save(self, state_dict: StateDict, **kwargs: Any) -> AsyncSaveResponse:
+        """``dcp.async_save`` with this stager, its response tracked (see :meth:`track`).
+
+        Args:
+            state_dict: the live state.
+            **kwargs: passed to ``torch.distributed.checkpoint.async_save``.
+        """
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+
+        response = async_save(state_dict, async_stager=self, **kwargs)
+        if not isinstance(response, AsyncSaveResponse):
+            raise AssertionError("dcp.async_save did not return an AsyncSaveResponse")
+        self.track(response)
+        return response
+
+    def warm_up(self, state_dict: StateDict) -> int:
+        """Allocate and first-touch buffers for ``state_dict`` now, so its first save reuses.
+
+        Returns:
+            Host bytes allocated (0 when the pool already covers the state).
+
+        Raises:
+            BudgetExceededError: the state is larger than the whole envelope.
+            AdmissionTimeoutError: the pool cannot grow that much while other work holds it.
+        """
+        sizes = [t.nbytes for t in collect_tensors(state_dict) if t.nbytes > 0]
+        self.budget.check_fits(sum(self._pool.cost(s) for s in sizes))
+        with self._cond:
+            _, new = self._pool.plan(sizes)
+            if self._pool.allocated_bytes + new > self.budget.envelope_bytes:
+                raise AdmissionTimeoutError(
+                    f"warm_up needs {format_bytes(new)} more, but the pool holds"
+                    f" {format_bytes(self._pool.allocated_bytes)} of the"
+                    f" {self.budget.explain()}"
+                )
+        return self._pool.warm(sizes)
+
+    def trim(self) -> int:
+        """Free every buffer not in use; return the bytes freed."""
+        return self._pool.trim(0)
+
+    def stats(self) -> StagerStats:
+        """The stager's accounting now."""
+        pool = self._pool.stats()
+        with self._cond:
+            return StagerStats(
+                envelope_bytes=self.budget.envelope_bytes,
+                pool_bytes=pool.allocated_bytes,
+                pinned_bytes=pool.pinned_bytes,
+                in_use_bytes=pool.in_use_bytes,
+                free_bytes=pool.free_bytes,
+                pending_bytes=pool.pending_bytes,
+                peak_pool_bytes=pool.peak_allocated_bytes,
+                in_flight=len(self._in_flight),
+                peak_in_flight=self._peak_in_flight,
+                allocations=pool.allocations,
+                allocated_bytes_total=pool.allocated_bytes_total,
+                last_allocated_bytes=self._last_allocated,
+                reuses=pool.reuses,
+                admitted=self._admitted,
+                refused=self._refused,
+                total_wait_s=self._total_wait_s,
+                last_staging_s=self._last_staging_s,
+            )
+
+    def __enter__(self) -> BudgetedStager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def _admit(self, sizes: list[int]) -> _Generation:
+        request = sum(self._pool.cost(s) for s in sizes)
+        self.budget.check_fits(request)
+        started = time.monotonic()
+        deadline = started + (
+            0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
+        )
+        collected = False
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise DcpSafeError("stage() after close()")
+                admission, new = self._decide(sizes, request)
+                if admission.admitted and not self._should_wait_for_pending(new, started):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and not admission.admitted:
+                    self._refused += 1
+                    raise AdmissionTimeoutError(self._refusal(admission.reason))
+                if not collected and not admission.admitted:
+                    collected = True
+                    self._cond.release()
+                    try:
+                        gc.collect()  # cycles holding a dropped failed response
+                    finally:
+                        self._cond.acquire()
+                    continue
+                self._cond.wait(min(0.01, max(remaining, 0.001)))
+            gen = _Generation(next(self._numbers), self._pool.lease(sizes))
+            excess = self._pool.allocated_bytes - self.budget.envelope_bytes
+            if excess > 0:  # free buffers this state cannot use make room for ones it can
+                self._pool.trim(max(0, self._pool.free_bytes - excess))
+            self._in_flight[gen.number] = gen
+            self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
+            self._admitted += 1
+            self._total_wait_s += time.monotonic() - started
+            self._last.generation = gen
+            self._latest = gen
+            return gen
+
+    def _decide(self, sizes: list[int], request: int) -> tuple[Any, int]:
+        reused, new = self._pool.plan(sizes)
+        spare = self._pool.free_bytes - reused
+        projected = self._pool.allocated_bytes + new - spare
+        admission = self.budget.admit(
+            request_bytes=request,
+            projected_bytes=projected,
+            in_flight=len(self._in_flight),
+            max_in_flight=self.options.max_in_flight,
+        )
+        return admission, new
+
+    def _should_wait_for_pending(self, new: int, started: float) -> bool:
+        # Just-released buffers are briefly still viewed by their dying dict; reusing them
+        # beats allocating a second copy of the state.
+        pending = self._pool.stats().pending_bytes if new > 0 else 0
+        return pending > 0 and time.monotonic() - started < _PENDING_GRACE_S
+
+    def _refusal(self, reason: str) -> str:
+        held = ", ".join(
+            f"#{g.number}{' (tracked)' if g.tracked else ''}" for g in self._in_flight.values()
+        )
+        how = (
+            "when_busy='raise'"
+            if self.options.when_busy is WhenBusy.RAISE
+            else f"waited {self.options.timeout_s}s"
+        )
+        return (
+            f"save not admitted ({how}): {reason}; generations in flight: {held or 'none'}."
+            " A generation is released when its upload finishes; an untracked failed upload"
+            " holds its buffers until its response is dropped (use stager.track(response))"
+        )
+
+    # -- staging thread -------------------------------------------------------------------------
+
+    def _copy(
+        self,
+        gen: _Generation,
+        state_dict: StateDict,
+        sources: list[torch.Tensor],
+        future: Future[StateDict],
+        ready: torch.cuda.Event | None,
+        started: float,
+    ) -> None:
+        try:
+            allocated = gen.lease.materialize()
+            stream_ctx: AbstractContextManager[Any] = (
+                torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            )
+            staged: dict[int, torch.Tensor] = {}
+            buffers = iter(gen.lease.buffers)
+            with torch.no_grad(), stream_ctx:
+                if ready is not None and self._stream is not None:
+                    self._stream.wait_event(ready)
+                for src in sources:
+                    if src.nbytes == 0:
+                        staged[id(src)] = torch.empty(src.shape, dtype=src.dtype)
+                        continue
+                    dst = next(buffers).view(src.dtype).view(src.shape)
+                    dst.copy_(src, non_blocking=src.is_cuda)
+                    staged[id(src)] = dst
+            if self._stream is not None:
+                self._stream.synchronize()
+            result = _StagedStateDict(rebuild(state_dict, staged))
+        except BaseException as exc:
+            gen.error = exc
+            gen.staged.set()
+            self._release(gen, writer_done=True)
+            future.set_exception(exc)
+            return
+        finalizer = weakref.finalize(result, self._dropped, gen)
+        finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
+        with self._cond:
+            self._last_allocated = allocated
+            self._last_staging_s = time.perf_counter() - started
+        gen.staged.set()
+        del staged, sources
+        future.set_result(result)
+
+    # -- release --------------------------------------------------------------------------------
+
+    def _dropped(self, gen: _Generation) -> None:
+        # Runs inside the dict's deallocation; its tensors are freed only after we return.
+        try:
+            self._executor.submit(self._release, gen, writer_done=False)
+        except RuntimeError:  # executor shut down: release now, the pending check still holds
+            self._release(gen, writer_done=False)
+
+    def _upload_done(self, gen: _Generation, upload: Future[Any]) -> None:
+        exc = upload.exception()
+        if exc is not None and gen.error is None:
+            gen.error = exc
+        self._release(gen, writer_done=True)
+
+    def _release(self, gen: _Generation, *, writer_done: bool) -> None:
+        with self._cond:
+            gen.lease.release(writer_done=writer_done)
+            self._in_flight.pop(gen.number, None)
+            self._cond.notify_all()

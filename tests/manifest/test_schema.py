@@ -1,0 +1,92 @@
+"""Manifests: canonical JSON that round-trips, and damaged documents are named corrupt."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.schema import (
+    FileRecord,
+    ItemRecord,
+    Manifest,
+    RankManifest,
+    item_key,
+    manifest_digest,
+)
+
+_items = st.builds(
+    ItemRecord,
+    fqn=st.text(min_size=1, max_size=20),
+    offset=st.one_of(st.none(), st.tuples(st.integers(0, 10**9), st.integers(0, 10**9))),
+    file=st.just("__0_0.distcp"),
+    start=st.integers(0, 10**12),
+    length=st.integers(0, 10**12),
+    checksum=st.text(max_size=40),
+    transforms=st.one_of(st.just(()), st.just(("stream.zstd/1",))),
+)
+
+
+def _manifest(items: tuple[ItemRecord, ...]) -> Manifest:
+    return Manifest(
+        name="step_1",
+        save_id="abc",
+        world_size=2,
+        created_at=1.5,
+        checksum_algorithm="xxh3_128",
+        compression="none",
+        files=(FileRecord(path="__0_0.distcp", size=10),),
+        items=items,
+        dcp_safe_version="0.1.0",
+        torch_version="2.13.0",
+        step=1,
+    )
+
+
+@given(st.lists(_items, max_size=5).map(tuple))
+def test_manifest_round_trips_through_canonical_json(items: tuple[ItemRecord, ...]) -> None:
+    manifest = _manifest(items)
+    data = manifest.to_json()
+    again = Manifest.from_json(data, "m")
+    assert again == manifest
+    assert again.to_json() == data
+    assert manifest_digest(data) == manifest_digest(again.to_json())
+
+
+def test_rank_manifest_round_trips() -> None:
+    rank = RankManifest(
+        name="s",
+        save_id="x",
+        rank=3,
+        checksum_algorithm="sha256",
+        files=(FileRecord(path="a", size=1),),
+        items=(),
+    )
+    assert RankManifest.from_json(rank.to_json(), "r") == rank
+
+
+def test_items_are_found_by_dcp_index() -> None:
+    item = ItemRecord(fqn="w", offset=(4, 0), file="f", start=0, length=1, checksum="c")
+    assert _manifest((item,)).item(item_key("w", [4, 0])) == item
+    assert _manifest((item,)).item(item_key("w", None)) is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\xfe",
+        b"[]",
+        b'{"format": "other"}',
+        b'{"format":"dcp_safe/manifest","version":99}',
+    ],
+)
+def test_damaged_manifests_are_corrupt(data: bytes) -> None:
+    with pytest.raises(CheckpointCorruptError):
+        Manifest.from_json(data, "m")
+
+
+def test_a_manifest_with_missing_fields_is_corrupt() -> None:
+    with pytest.raises(CheckpointCorruptError):
+        Manifest.from_json(b'{"format":"dcp_safe/manifest","version":1,"files":[],"items":[]}', "m")

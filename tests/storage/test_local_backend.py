@@ -1,0 +1,73 @@
+"""The POSIX backend: streamed writes vanish on failure, publish never clobbers unless asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcp_safe.errors import StorageError
+from dcp_safe.storage.local_backend import LocalBackend
+
+
+def test_a_failed_streamed_write_leaves_nothing(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    with pytest.raises(RuntimeError), backend.open_write("shard") as f:
+        f.write(b"partial bytes")
+        raise RuntimeError("serializer failed")
+    assert not (tmp_path / "shard").exists()
+
+
+def test_streamed_write_refuses_to_replace_an_existing_file(tmp_path: Path) -> None:
+    (tmp_path / "shard").write_bytes(b"old")
+    backend = LocalBackend(str(tmp_path))
+    with pytest.raises(StorageError), backend.open_write("shard") as f:
+        f.write(b"new")
+    assert (tmp_path / "shard").read_bytes() == b"old"
+
+
+def test_exclusive_small_write_is_exclusive(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    backend.write_bytes("marker", b"a", exclusive=True)
+    with pytest.raises(FileExistsError):
+        backend.write_bytes("marker", b"b", exclusive=True)
+    assert backend.read_bytes("marker") == b"a"
+
+
+def _dir(root: Path, name: str, content: bytes) -> None:
+    (root / name).mkdir()
+    (root / name / "f").write_bytes(content)
+
+
+def test_publish_moves_a_directory_into_place(tmp_path: Path) -> None:
+    _dir(tmp_path, ".a.partial-1", b"new")
+    assert LocalBackend(str(tmp_path)).publish_dir(".a.partial-1", "a", replace=False) is None
+    assert (tmp_path / "a" / "f").read_bytes() == b"new"
+    assert not (tmp_path / ".a.partial-1").exists()
+
+
+def test_publish_never_replaces_without_being_asked(tmp_path: Path) -> None:
+    _dir(tmp_path, "a", b"old")
+    _dir(tmp_path, ".a.partial-1", b"new")
+    with pytest.raises(FileExistsError):
+        LocalBackend(str(tmp_path)).publish_dir(".a.partial-1", "a", replace=False)
+    assert (tmp_path / "a" / "f").read_bytes() == b"old"
+
+
+def test_publish_with_replace_swaps_and_hands_back_the_old_one(tmp_path: Path) -> None:
+    _dir(tmp_path, "a", b"old")
+    _dir(tmp_path, ".a.partial-1", b"new")
+    backend = LocalBackend(str(tmp_path))
+    parked = backend.publish_dir(".a.partial-1", "a", replace=True)
+    assert (tmp_path / "a" / "f").read_bytes() == b"new"
+    assert parked is not None and (tmp_path / parked / "f").read_bytes() == b"old"
+
+
+def test_listing_and_walking(tmp_path: Path) -> None:
+    _dir(tmp_path, "a", b"x")
+    (tmp_path / "a" / "sub").mkdir()
+    (tmp_path / "a" / "sub" / "g").write_bytes(b"y")
+    backend = LocalBackend(str(tmp_path))
+    assert backend.list_dir("") == ["a"]
+    assert backend.list_dir("missing") == []
+    assert sorted(backend.walk_files("a")) == ["f", "sub/g"]

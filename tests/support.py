@@ -1,0 +1,50 @@
+"""Helpers shared by the tests: a state dict with every dtype the foundation promises to
+round-trip, a load target for it, and an exact comparison."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    """Tensors of many dtypes and layouts, plus nested Python objects."""
+    gen = torch.Generator().manual_seed(seed)
+    square = torch.randn(6, 6, generator=gen)
+    return {
+        "f32": torch.randn(16, 8, generator=gen),
+        "bf16": torch.randn(32, generator=gen).to(torch.bfloat16),
+        "f16": torch.randn(4, 4, generator=gen).to(torch.float16),
+        "i64": torch.randint(-(2**40), 2**40, (50,), generator=gen),
+        "bool": torch.randint(0, 2, (13,), generator=gen).bool(),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(float(seed)),
+        "transposed": square.t(),
+        "sliced": torch.randn(10, 10, generator=gen)[2:5, 1:9],
+        "extra": {"epoch": seed, "history": [1.5, {"lr": 0.1 * (seed + 1)}], "tag": f"s{seed}"},
+    }
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A load target with the same structure and all tensors zeroed, objects scrambled."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value.contiguous())
+        else:
+            out[key] = copy.deepcopy(value)
+    out["extra"]["epoch"] = -1
+    out["extra"]["history"][1]["lr"] = -1.0
+    return out
+
+
+def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert actual[key].dtype == value.dtype, key
+            assert torch.equal(actual[key], value), key
+        else:
+            assert actual[key] == value, key
