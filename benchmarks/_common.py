@@ -30,6 +30,7 @@ import psutil
 __all__ = [
     "RssPeakSampler",
     "describe_machine",
+    "describe_machine_line",
     "fmt_bytes",
     "fmt_rate",
     "fmt_seconds",

@@ -44,6 +44,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+# torch re-exports TCPStore from torch._C without listing it, which strict mypy rejects.
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
 from dcp_safe.errors import DcpSafeError
 
 __all__ = ["RankFailedError", "RanksTimeoutError", "run_ranks"]
@@ -162,7 +165,7 @@ def run_ranks(
         raise ValueError(f"need world_size >= 1 and timeout_s > 0, got {world_size}, {timeout_s}")
     payload = pickle.dumps((fn, tuple(args)))
     deadline = time.monotonic() + timeout_s
-    store = dist.TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
+    store = TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
     ctx = get_context("spawn")
     procs: list[BaseProcess] = []
     readers: list[connection.Connection] = []
@@ -244,7 +247,10 @@ def _results(
         elif outcome is None and rank not in running:
             failures[rank] = f"process died with exit code {proc.exitcode} and no result"
     if failures:
-        raise _failed(min(failures), failures, outcomes, procs)
+        first = min(failures)
+        for rank in running:
+            failures.setdefault(rank, f"still running after rank {first} failed; killed")
+        raise _failed(first, failures, outcomes, procs)
     if running:
         raise RanksTimeoutError(running, timeout_s)
     return [pickle.loads(outcomes[rank].value or b"") for rank in range(len(procs))]
@@ -339,7 +345,7 @@ def _call_in_group(
     timeout_s: float,
 ) -> Any:
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(HOST, store_port, world_size, False, timeout=timeout)
+    store = TCPStore(HOST, store_port, world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         return fn(rank, world_size, *args)

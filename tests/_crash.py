@@ -1,0 +1,210 @@
+"""Helpers for the crash-consistency and corruption tests.
+
+* states whose every byte is known (``make_values``), a load target for them, and a bit-exact
+  comparison;
+* ``install_kill_switch``: in a forked child only, count every storage operation the POSIX backend
+  makes (file creates and writes, fsync, mkdir, rename, unlink) and SIGKILL the process just before
+  operation N. Large writes are split in two operations, so a kill can also tear a write;
+* ``fork_and_wait``: run a function in a forked child that always ends with ``os._exit`` (never
+  pytest's teardown), and wait for it with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import dcp_safe
+from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe.storage import local_backend
+
+# A child that finished its work exits with this; one killed by the switch shows SIGKILL.
+CHILD_DONE = 0
+CHILD_FAILED = 3
+# Writes longer than this count as two operations (first half, second half): a torn write.
+_SPLIT_BYTES = 512
+
+
+def make_values(seed: int, *, scale: int = 1) -> dict[str, Any]:
+    """Mixed dtypes (f32, bf16, i64, f16) and a nested Python object, all derived from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(32 * scale, 16, generator=gen),
+        "bf16": torch.randn(64 * scale, generator=gen).to(torch.bfloat16),
+        "i64": torch.randint(-(2**40), 2**40, (20,), generator=gen),
+        "f16": torch.randn(4, 4, generator=gen).to(torch.float16),
+        "extra": {"step": seed, "history": [0.5 * seed, {"lr": 1.0 / (seed + 1)}], "tag": f"s{seed}"},
+    }
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A load target with the structure of ``state``: tensors zeroed, objects scrambled."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value)
+        else:
+            out[key] = {"step": -1, "history": [-1.0, {"lr": -1.0}], "tag": "blank"}
+    return out
+
+
+def assert_bit_exact(actual: dict[str, Any], expected: dict[str, Any], label: str = "") -> None:
+    """Every tensor has the same dtype, shape and bytes; every object compares equal."""
+    assert actual.keys() == expected.keys(), label
+    for key, value in expected.items():
+        got = actual[key]
+        if isinstance(value, torch.Tensor):
+            assert got.dtype == value.dtype and got.shape == value.shape, f"{label}: {key}"
+            assert torch.equal(_raw_bytes(got), _raw_bytes(value)), f"{label}: {key} bytes differ"
+        else:
+            assert got == value, f"{label}: {key}"
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def save_values(root: str, name: str, seed: int, **writer_options: Any) -> dict[str, Any]:
+    """Commit ``make_values(seed)`` as ``name``; returns the values."""
+    values = make_values(seed)
+    dcp_safe.save(
+        values,
+        checkpoint_id=name,
+        storage_writer=SafeStorageWriter(root, **writer_options),
+        no_dist=True,
+    )
+    return values
+
+
+def load_values(root: str, name: str, like: dict[str, Any]) -> dict[str, Any]:
+    """Load checkpoint ``name`` (or ``"latest"``) into a blank copy of ``like``."""
+    target = blank_like(like)
+    dcp_safe.load(
+        target, checkpoint_id=name, storage_reader=SafeStorageReader(root), no_dist=True
+    )
+    return target
+
+
+# --------------------------------------------------------------------------- kill switch
+
+
+class _Counter:
+    def __init__(self, kill_at: int) -> None:
+        self.kill_at = kill_at
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self.lock:
+            self.count += 1
+            if self.count == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _CountingFile:
+    """The file ``open_write`` yields, with each write counted (and large ones torn in two)."""
+
+    def __init__(self, target: Any, counter: _Counter) -> None:
+        self._target = target
+        self._counter = counter
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes > _SPLIT_BYTES:
+            half = view.nbytes // 2
+            self._counter.tick()
+            self._target.write(view[:half])
+            self._counter.tick()
+            self._target.write(view[half:])
+        else:
+            self._counter.tick()
+            self._target.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return int(self._target.tell())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def install_kill_switch(kill_at: int) -> _Counter:
+    """Count storage operations in this process and SIGKILL it just before operation ``kill_at``.
+
+    Only ever call this in a forked child: the patches are never undone.
+    """
+    counter = _Counter(kill_at)
+
+    def counted(func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counter.tick()
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    real_write = os.write
+
+    def torn_write(fd: int, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        counter.tick()
+        if view.nbytes > _SPLIT_BYTES:
+            return real_write(fd, view[: view.nbytes // 2])  # the caller loops for the rest
+        return real_write(fd, view)
+
+    for name in ("open", "fsync", "mkdir", "rename", "unlink", "rmdir"):
+        setattr(os, name, counted(getattr(os, name)))
+    os.write = torn_write  # type: ignore[assignment]
+    local_backend._renameat2 = counted(local_backend._renameat2)  # type: ignore[assignment]
+
+    real_open_write = local_backend.LocalBackend.open_write
+
+    @contextlib.contextmanager
+    def open_write(self: Any, rel: str) -> Iterator[Any]:
+        counter.tick()
+        with real_open_write(self, rel) as f:
+            yield _CountingFile(f, counter)
+
+    local_backend.LocalBackend.open_write = open_write  # type: ignore[assignment,method-assign]
+    return counter
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int:
+    """Run ``work`` in a forked child; return its wait status decoded as in ``subprocess``:
+    the exit code, or ``-signal`` if a signal ended it.
+
+    The child always leaves through ``os._exit``. A child still running at the deadline is
+    killed and the call fails (a hang is a bug, not a slow machine: the deadline is generous).
+    """
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = CHILD_FAILED
+        try:
+            work()
+            code = CHILD_DONE
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    end = time.monotonic() + deadline_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"forked child {pid} still running after {deadline_s} s")
+        time.sleep(0.001)
