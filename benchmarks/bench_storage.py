@@ -325,16 +325,16 @@ def bench_zstd(size_bytes: int, work: Path, threads: int) -> dict[str, Any]:
     return out
 
 
-def _hashers() -> dict[str, Callable[[memoryview], object]]:
-    def xxh(factory: Callable[[], Any]) -> Callable[[memoryview], object]:
-        def run(buf: memoryview) -> object:
+def _hashers() -> dict[str, Callable[[Any], object]]:
+    def xxh(factory: Callable[[], Any]) -> Callable[[Any], object]:
+        def run(buf: Any) -> object:
             h = factory()
             h.update(buf)
             return h.digest()
 
         return run
 
-    hashers: dict[str, Callable[[memoryview], object]] = {
+    hashers: dict[str, Callable[[Any], object]] = {
         "xxh3_128": xxh(xxhash.xxh3_128),
         "xxh3_64": xxh(xxhash.xxh3_64),
         "zlib.crc32": zlib.crc32,
@@ -353,8 +353,8 @@ def _hashers() -> dict[str, Callable[[memoryview], object]]:
 
 def bench_checksums(rounds: int) -> dict[str, Any]:
     array = np.random.default_rng(0).integers(0, 256, HASH_BUFFER_BYTES, dtype=np.uint8)
-    array.flags.writeable = False  # google_crc32c insists on a read-only buffer
-    buf = memoryview(array)
+    array.flags.writeable = False  # google_crc32c takes only read-only buffers (not memoryviews)
+    buf: Any = array
     hashers = _hashers()
     times: dict[str, list[float]] = {name: [] for name in hashers}
     for r in range(rounds):

@@ -23,6 +23,7 @@ from dcp_safe.errors import (
     StaleWriterError,
     StorageError,
 )
+from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
 
@@ -41,11 +42,13 @@ __all__ = [
     "SafeStorageWriter",
     "StaleWriterError",
     "StorageError",
+    "SweepReport",
     "VerifyReport",
     "__version__",
     "async_save",
     "list_checkpoints",
     "load",
     "save",
+    "sweep_partials",
     "verify_checkpoint",
 ]

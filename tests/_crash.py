@@ -42,7 +42,11 @@ def make_values(seed: int, *, scale: int = 1) -> dict[str, Any]:
         "bf16": torch.randn(64 * scale, generator=gen).to(torch.bfloat16),
         "i64": torch.randint(-(2**40), 2**40, (20,), generator=gen),
         "f16": torch.randn(4, 4, generator=gen).to(torch.float16),
-        "extra": {"step": seed, "history": [0.5 * seed, {"lr": 1.0 / (seed + 1)}], "tag": f"s{seed}"},
+        "extra": {
+            "step": seed,
+            "history": [0.5 * seed, {"lr": 1.0 / (seed + 1)}],
+            "tag": f"s{seed}",
+        },
     }
 
 
@@ -88,9 +92,7 @@ def save_values(root: str, name: str, seed: int, **writer_options: Any) -> dict[
 def load_values(root: str, name: str, like: dict[str, Any]) -> dict[str, Any]:
     """Load checkpoint ``name`` (or ``"latest"``) into a blank copy of ``like``."""
     target = blank_like(like)
-    dcp_safe.load(
-        target, checkpoint_id=name, storage_reader=SafeStorageReader(root), no_dist=True
-    )
+    dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root), no_dist=True)
     return target
 
 

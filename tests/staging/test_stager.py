@@ -251,8 +251,10 @@ def test_untracked_failed_upload_is_released_when_its_response_is_dropped(
     with BudgetedStager(_budget(), timeout_s=30) as stager:
         slow_fs.fail_writes = 1
         failed = dcp.async_save(
-            state, storage_writer=FsspecWriter(f"slowfile://{tmp_path}/bad"),
-            async_stager=stager, no_dist=True,
+            state,
+            storage_writer=FsspecWriter(f"slowfile://{tmp_path}/bad"),
+            async_stager=stager,
+            no_dist=True,
         )
         with pytest.raises(BaseException, match="injected write failure"):
             failed.upload_completion.result()
@@ -283,7 +285,8 @@ def test_busy_stager_refuses_or_times_out(tmp_path: Path, slow_fs: type[SlowFile
     for when_busy in ("raise", "wait"):
         with BudgetedStager(_budget(), when_busy=when_busy, timeout_s=0.2) as stager:
             first = stager.async_save(
-                state, storage_writer=FsspecWriter(f"slowfile://{tmp_path}/{when_busy}"),
+                state,
+                storage_writer=FsspecWriter(f"slowfile://{tmp_path}/{when_busy}"),
                 no_dist=True,
             )
             with pytest.raises(AdmissionTimeoutError, match="max_in_flight=1") as info:
@@ -310,13 +313,13 @@ def test_close_waits_for_work_in_flight_and_propagates_its_error(
         stager.stage(_state())
 
 
-def test_close_waits_for_a_successful_upload(
-    tmp_path: Path, slow_fs: type[SlowFileSystem]
-) -> None:
+def test_close_waits_for_a_successful_upload(tmp_path: Path, slow_fs: type[SlowFileSystem]) -> None:
     slow_fs.delay_s = 0.2
     stager = BudgetedStager(_budget(), timeout_s=30)
     response = dcp.async_save(
-        _state(), storage_writer=FsspecWriter(f"slowfile://{tmp_path}/c"), async_stager=stager,
+        _state(),
+        storage_writer=FsspecWriter(f"slowfile://{tmp_path}/c"),
+        async_stager=stager,
         no_dist=True,
     )
     stager.close()
@@ -355,8 +358,10 @@ def test_works_with_safe_storage_writer(tmp_path: Path) -> None:
     state = _state(5)
     with BudgetedStager(_budget()) as stager:
         response = stager.async_save(
-            state, checkpoint_id="step_000001",
-            storage_writer=writer_module.SafeStorageWriter(tmp_path), no_dist=True,
+            state,
+            checkpoint_id="step_000001",
+            storage_writer=writer_module.SafeStorageWriter(tmp_path),
+            no_dist=True,
         )
         response.upload_completion.result()
     assert _equal(_load(tmp_path / "step_000001", state), state)
