@@ -24,12 +24,14 @@ from dcp_safe.errors import (
     StorageError,
 )
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
+from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
 
 __all__ = [
     "AdmissionTimeoutError",
     "BudgetExceededError",
+    "BudgetedStager",
     "CheckpointCorruptError",
     "CheckpointInfo",
     "CheckpointExistsError",
@@ -38,12 +40,15 @@ __all__ = [
     "ConfigError",
     "DcpSafeError",
     "InvalidCheckpointNameError",
+    "MemoryBudget",
     "SafeStorageReader",
     "SafeStorageWriter",
+    "StagerStats",
     "StaleWriterError",
     "StorageError",
     "SweepReport",
     "VerifyReport",
+    "WhenBusy",
     "__version__",
     "async_save",
     "list_checkpoints",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import BudgetedStager, SafeStorageReader, SafeStorageWriter
 
 
 def main(root: str) -> None:
@@ -23,6 +23,8 @@ def main(root: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     writer = SafeStorageWriter(root, compression="zstd")
+    # Staged copies go into a reusable, budgeted pool: the 2nd save allocates no new memory.
+    stager = BudgetedStager()
 
     for step in range(1, 4):
         loss = model(torch.randn(32, 64)).square().mean()
@@ -30,12 +32,24 @@ def main(root: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-        # Asynchronous save: the future resolves once the checkpoint is committed on disk.
-        future = dcp.async_save(
-            state, checkpoint_id=f"step_{step:06d}", storage_writer=writer, no_dist=True
+        response = dcp.async_save(
+            state,
+            checkpoint_id=f"step_{step:06d}",
+            storage_writer=writer,
+            async_stager=stager,
+            no_dist=True,
         )
-        future.result()
-        print(f"step {step}: loss {loss.item():.4f}, committed step_{step:06d}")
+        stager.track(response)  # return the buffers to the pool as soon as the upload ends
+        response.staging_completion.result()  # safe to mutate the model from here on
+        response.upload_completion.result()  # committed on disk
+        stats = stager.stats()
+        print(
+            f"step {step}: loss {loss.item():.4f}, committed step_{step:06d} "
+            f"(pool {stats.pool_bytes // 1024} KiB, "
+            f"{stats.allocations} buffers allocated in all, "
+            f"{stats.reuses} reused)"
+        )
+    stager.close()
 
     print(f"\ncommitted checkpoints under {root}:")
     for info in dcp_safe.list_checkpoints(root):

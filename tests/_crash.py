@@ -5,8 +5,8 @@
 * ``install_kill_switch``: in a forked child only, count every storage operation the POSIX backend
   makes (file creates and writes, fsync, mkdir, rename, unlink) and SIGKILL the process just before
   operation N. Large writes are split in two operations, so a kill can also tear a write;
-* ``fork_and_wait``: run a function in a forked child that always ends with ``os._exit`` (never
-  pytest's teardown), and wait for it with a deadline.
+* ``start_fork`` / ``wait_fork`` / ``fork_and_wait``: run a function in a forked child that
+  always ends with ``os._exit`` (never pytest's teardown), and wait for it with a deadline.
 """
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ def blank_like(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def is_bit_exact(actual: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """True when ``actual`` holds exactly the bytes and objects of ``expected``."""
+    try:
+        assert_bit_exact(actual, expected)
+    except AssertionError:
+        return False
+    return True
+
+
 def assert_bit_exact(actual: dict[str, Any], expected: dict[str, Any], label: str = "") -> None:
     """Every tensor has the same dtype, shape and bytes; every object compares equal."""
     assert actual.keys() == expected.keys(), label
@@ -77,9 +86,11 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def save_values(root: str, name: str, seed: int, **writer_options: Any) -> dict[str, Any]:
-    """Commit ``make_values(seed)`` as ``name``; returns the values."""
-    values = make_values(seed)
+def save_values(
+    root: str | os.PathLike[str], name: str, seed: int, *, scale: int = 1, **writer_options: Any
+) -> dict[str, Any]:
+    """Commit ``make_values(seed, scale=scale)`` as ``name``; returns the values."""
+    values = make_values(seed, scale=scale)
     dcp_safe.save(
         values,
         checkpoint_id=name,
@@ -89,7 +100,7 @@ def save_values(root: str, name: str, seed: int, **writer_options: Any) -> dict[
     return values
 
 
-def load_values(root: str, name: str, like: dict[str, Any]) -> dict[str, Any]:
+def load_values(root: str | os.PathLike[str], name: str, like: dict[str, Any]) -> dict[str, Any]:
     """Load checkpoint ``name`` (or ``"latest"``) into a blank copy of ``like``."""
     target = blank_like(like)
     dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root), no_dist=True)
@@ -99,36 +110,53 @@ def load_values(root: str, name: str, like: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- kill switch
 
 
-class _Counter:
-    def __init__(self, kill_at: int) -> None:
+class KillSwitch:
+    """Counts storage operations; SIGKILLs the process just before operation ``kill_at``.
+
+    With ``record``, it also keeps a label per operation (``"fsync .step_2.partial-…/.metadata"``)
+    so a sweep can say what each kill point interrupts.
+    """
+
+    def __init__(self, kill_at: int, *, record: bool = False) -> None:
         self.kill_at = kill_at
         self.count = 0
-        self.lock = threading.Lock()
+        self.labels: list[str] | None = [] if record else None
+        self._lock = threading.Lock()
 
-    def tick(self) -> None:
-        with self.lock:
+    def tick(self, kind: str, target: object) -> None:
+        with self._lock:
             self.count += 1
             if self.count == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.labels is not None:
+                self.labels.append(f"{kind} {_describe(target)}")
+
+
+def _describe(target: object) -> str:
+    if isinstance(target, int):  # a file descriptor
+        with contextlib.suppress(OSError):
+            return os.path.basename(os.readlink(f"/proc/self/fd/{target}"))
+    return os.path.basename(os.fsdecode(target)) if isinstance(target, str | bytes) else "?"
 
 
 class _CountingFile:
     """The file ``open_write`` yields, with each write counted (and large ones torn in two)."""
 
-    def __init__(self, target: Any, counter: _Counter) -> None:
+    def __init__(self, target: Any, rel: str, switch: KillSwitch) -> None:
         self._target = target
-        self._counter = counter
+        self._rel = rel
+        self._switch = switch
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         if view.nbytes > _SPLIT_BYTES:
             half = view.nbytes // 2
-            self._counter.tick()
+            self._switch.tick("write", self._rel)
             self._target.write(view[:half])
-            self._counter.tick()
+            self._switch.tick("write-rest", self._rel)
             self._target.write(view[half:])
         else:
-            self._counter.tick()
+            self._switch.tick("write", self._rel)
             self._target.write(view)
         return view.nbytes
 
@@ -139,17 +167,20 @@ class _CountingFile:
         return getattr(self._target, name)
 
 
-def install_kill_switch(kill_at: int) -> _Counter:
-    """Count storage operations in this process and SIGKILL it just before operation ``kill_at``.
+def install_kill_switch(kill_at: int, *, record: bool = False) -> KillSwitch:
+    """Count the storage operations of this process; SIGKILL it just before ``kill_at``.
 
-    Only ever call this in a forked child: the patches are never undone.
+    Counted: ``LocalBackend.open_write`` and each write into the file it yields, and the ``os``
+    calls the backend makes (open, write, fsync, mkdir, rename, unlink, rmdir, renameat2). A
+    write longer than 512 bytes counts twice (each half), so a kill can tear it. Only ever
+    call this in a forked child: the patches are never undone.
     """
-    counter = _Counter(kill_at)
+    switch = KillSwitch(kill_at, record=record)
 
-    def counted(func: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counter.tick()
-            return func(*args, **kwargs)
+    def counted(kind: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(target: Any, *args: Any, **kwargs: Any) -> Any:
+            switch.tick(kind, target)
+            return func(target, *args, **kwargs)
 
         return wrapper
 
@@ -157,38 +188,34 @@ def install_kill_switch(kill_at: int) -> _Counter:
 
     def torn_write(fd: int, data: Any) -> int:
         view = memoryview(data).cast("B")
-        counter.tick()
+        switch.tick("os.write", fd)
         if view.nbytes > _SPLIT_BYTES:
             return real_write(fd, view[: view.nbytes // 2])  # the caller loops for the rest
         return real_write(fd, view)
 
     for name in ("open", "fsync", "mkdir", "rename", "unlink", "rmdir"):
-        setattr(os, name, counted(getattr(os, name)))
+        setattr(os, name, counted(name, getattr(os, name)))
     os.write = torn_write  # type: ignore[assignment]
-    local_backend._renameat2 = counted(local_backend._renameat2)  # type: ignore[assignment]
+    local_backend._renameat2 = counted("renameat2", local_backend._renameat2)  # type: ignore[assignment]
 
     real_open_write = local_backend.LocalBackend.open_write
 
     @contextlib.contextmanager
     def open_write(self: Any, rel: str) -> Iterator[Any]:
-        counter.tick()
+        switch.tick("create", rel)
         with real_open_write(self, rel) as f:
-            yield _CountingFile(f, counter)
+            yield _CountingFile(f, os.path.basename(rel), switch)
 
     local_backend.LocalBackend.open_write = open_write  # type: ignore[assignment,method-assign]
-    return counter
+    return switch
 
 
 # --------------------------------------------------------------------------- fork
 
 
-def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int:
-    """Run ``work`` in a forked child; return its wait status decoded as in ``subprocess``:
-    the exit code, or ``-signal`` if a signal ended it.
-
-    The child always leaves through ``os._exit``. A child still running at the deadline is
-    killed and the call fails (a hang is a bug, not a slow machine: the deadline is generous).
-    """
+def start_fork(work: Callable[[], None]) -> int:
+    """Run ``work`` in a forked child and return its pid; the child always leaves through
+    ``os._exit`` (never pytest's teardown): 0 when ``work`` returned, 3 when it raised."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = CHILD_FAILED
@@ -200,6 +227,15 @@ def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int
         finally:
             sys.stderr.flush()
             os._exit(code)
+    return pid
+
+
+def wait_fork(pid: int, *, deadline_s: float = 120.0) -> int:
+    """Wait for a forked child; return its exit code, or ``-signal`` if a signal ended it.
+
+    A child still running at the deadline is killed and the call fails: the deadline is far
+    beyond anything a healthy child needs, so reaching it means a hang, not a slow machine.
+    """
     end = time.monotonic() + deadline_s
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -210,3 +246,8 @@ def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int
             os.waitpid(pid, 0)
             raise AssertionError(f"forked child {pid} still running after {deadline_s} s")
         time.sleep(0.001)
+
+
+def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int:
+    """``start_fork`` then ``wait_fork``."""
+    return wait_fork(start_fork(work), deadline_s=deadline_s)

@@ -33,14 +33,17 @@ def stageable(value: object) -> bool:
     )
 
 
-def collect_tensors(
-    obj: object, found: dict[int, torch.Tensor] | None = None
-) -> list[torch.Tensor]:
+def collect_tensors(obj: object) -> list[torch.Tensor]:
     """The distinct stageable tensors of ``obj`` (DTensors contribute their local shard).
 
     Order is the walk order, so two walks of the same state give the same list.
     """
-    found = {} if found is None else found
+    found: dict[int, torch.Tensor] = {}
+    _collect(obj, found)
+    return list(found.values())
+
+
+def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
     if isinstance(obj, DTensor):
         local = obj._local_tensor
         if stageable(local):
@@ -50,11 +53,10 @@ def collect_tensors(
         found.setdefault(id(obj), obj)
     elif isinstance(obj, Mapping):
         for value in obj.values():
-            collect_tensors(value, found)
+            _collect(value, found)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            collect_tensors(value, found)
-    return list(found.values())
+            _collect(value, found)
 
 
 def _seed_dtensors(obj: object, staged: dict[int, torch.Tensor], memo: dict[int, Any]) -> None:

@@ -67,6 +67,8 @@ StateDict = dict[str, Any]
 # After a weakref release the buffers may stay shared for a moment, until the dying dict has
 # dropped its tensors; an admission prefers waiting this long for them to allocating anew.
 _PENDING_GRACE_S = 0.05
+# A full garbage collection is slow; only a wait this long pays for one.
+_COLLECT_AFTER_S = 0.5
 
 
 class WhenBusy(str, Enum):
@@ -393,26 +395,33 @@ class BudgetedStager(AsyncStager):
             0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
         )
         collected = False
+        grace_until: float | None = None
         with self._cond:
             while True:
                 if self._closed:
                     raise DcpSafeError("stage() after close()")
                 admission, new = self._decide(sizes, request)
-                if admission.admitted and not self._should_wait_for_pending(new, started):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and not admission.admitted:
+                now = time.monotonic()
+                if admission.admitted:
+                    if new == 0 or self._pool.stats().pending_bytes == 0:
+                        break
+                    # Just-released buffers stay viewed until their dying dict lets go of
+                    # its tensors; reusing them beats allocating a second copy of the state.
+                    grace_until = grace_until or now + _PENDING_GRACE_S
+                    if now >= grace_until:
+                        break
+                elif now >= deadline:
                     self._refused += 1
                     raise AdmissionTimeoutError(self._refusal(admission.reason))
-                if not collected and not admission.admitted:
+                elif not collected and now - started >= _COLLECT_AFTER_S:
                     collected = True
                     self._cond.release()
                     try:
-                        gc.collect()  # cycles holding a dropped failed response
+                        gc.collect()  # reference cycles holding a dropped failed response
                     finally:
                         self._cond.acquire()
                     continue
-                self._cond.wait(min(0.01, max(remaining, 0.001)))
+                self._cond.wait(0.005)
             gen = _Generation(next(self._numbers), self._pool.lease(sizes))
             excess = self._pool.allocated_bytes - self.budget.envelope_bytes
             if excess > 0:  # free buffers this state cannot use make room for ones it can
@@ -436,12 +445,6 @@ class BudgetedStager(AsyncStager):
             max_in_flight=self.options.max_in_flight,
         )
         return admission, new
-
-    def _should_wait_for_pending(self, new: int, started: float) -> bool:
-        # Just-released buffers are briefly still viewed by their dying dict; reusing them
-        # beats allocating a second copy of the state.
-        pending = self._pool.stats().pending_bytes if new > 0 else 0
-        return pending > 0 and time.monotonic() - started < _PENDING_GRACE_S
 
     def _refusal(self, reason: str) -> str:
         held = ", ".join(

@@ -29,18 +29,22 @@ usual ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables, as unde
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context, parent_process
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -56,6 +60,8 @@ HOST = "127.0.0.1"
 # collective sees the dead peer) before they are killed.
 FAILURE_GRACE_S = 10.0
 _JOIN_AFTER_KILL_S = 10.0
+_FINISHED_KEY = "dcp_safe/run_ranks/finished"
+_ALL_FINISHED_KEY = "dcp_safe/run_ranks/all_finished"
 
 
 class RankFailedError(DcpSafeError):
@@ -65,7 +71,7 @@ class RankFailedError(DcpSafeError):
     process pools), so test reports show where the rank failed.
 
     Attributes:
-        rank: the lowest failing rank.
+        rank: the rank that failed first (its peers often fail only because it did).
         exc_type: the qualified name of the rank's exception ("" when the process died).
         remote_traceback: the formatted traceback from the rank ("" when the process died).
         exception: the rank's exception, when it pickled; else ``None``.
@@ -121,6 +127,15 @@ class _RemoteTraceback(Exception):
 
 
 @dataclass(frozen=True)
+class _Payload:
+    """What a rank runs: ``(fn, args)`` pickled, and where ``fn``'s module lives."""
+
+    fn_and_args: bytes
+    module: str
+    module_file: str | None
+
+
+@dataclass(frozen=True)
 class _Outcome:
     """What a rank sends back: a pickled value, or a description of its error."""
 
@@ -129,6 +144,9 @@ class _Outcome:
     message: str = ""
     remote_traceback: str = ""
     exception: bytes | None = None
+    # time.monotonic() when the rank failed: CLOCK_MONOTONIC is system-wide on Linux, so
+    # failures of different ranks (and the parent's observations) can be ordered.
+    failed_at: float = 0.0
 
 
 def run_ranks(
@@ -156,14 +174,15 @@ def run_ranks(
         Each rank's return value (which must pickle), in rank order.
 
     Raises:
-        RankFailedError: a rank raised or died; names the lowest such rank.
+        RankFailedError: a rank raised or died; names the rank that failed first. Its peers
+            get ``FAILURE_GRACE_S`` to finish or fail too, then they are killed.
         RanksTimeoutError: the deadline passed with ranks still running.
         ValueError: ``world_size`` below 1 or ``timeout_s`` not positive.
         pickle.PicklingError: ``fn`` or ``args`` do not pickle.
     """
     if world_size < 1 or timeout_s <= 0:
         raise ValueError(f"need world_size >= 1 and timeout_s > 0, got {world_size}, {timeout_s}")
-    payload = pickle.dumps((fn, tuple(args)))
+    payload = _Payload(pickle.dumps((fn, tuple(args))), fn.__module__, _module_file(fn))
     deadline = time.monotonic() + timeout_s
     store = TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
     ctx = get_context("spawn")
@@ -202,20 +221,19 @@ def _collect(
     alive = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     failed = False
     while alive and (remaining := deadline - time.monotonic()) > 0:
+        if failed and len(outcomes) == len(procs):
+            break  # everyone has spoken; no need to watch the survivors exit
         for ready in connection.wait([*pending, *alive], timeout=remaining):
             if isinstance(ready, int):
                 rank = alive.pop(ready)
-                _drain(readers[rank], rank, pending, outcomes)
-                failed = failed or rank not in outcomes
-            elif ready in pending:
-                rank = pending[ready]
-                _drain(ready, rank, pending, outcomes)
-                failed = failed or rank not in outcomes or outcomes[rank].value is None
-        if failed:
+            else:
+                rank = pending[cast(connection.Connection, ready)]
+            _drain(readers[rank], rank, pending, outcomes)
+            failed = failed or outcomes[rank].value is None
+        if failed and deadline > (grace_end := time.monotonic() + FAILURE_GRACE_S):
             # Peers of a failed rank usually fail too once a collective sees it gone; give
             # them a bounded while to say so, then they are killed.
-            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-            failed = False
+            deadline = grace_end
     return outcomes, sorted(alive.values())
 
 
@@ -225,11 +243,14 @@ def _drain(
     pending: dict[connection.Connection, int],
     outcomes: dict[int, _Outcome],
 ) -> None:
+    """Read a rank's outcome once: when its pipe is readable, or when its process exited."""
     if reader not in pending:
         return
-    with contextlib.suppress(EOFError, OSError):
-        if reader.poll():
-            outcomes[rank] = pickle.loads(reader.recv_bytes())
+    try:
+        outcomes[rank] = pickle.loads(reader.recv_bytes())
+    except (EOFError, OSError):
+        # Exited (or closed the pipe) without a word: a crash, os._exit, or a kill.
+        outcomes[rank] = _Outcome(failed_at=time.monotonic())
     del pending[reader]
 
 
@@ -239,31 +260,31 @@ def _results(
     procs: Sequence[BaseProcess],
     timeout_s: float,
 ) -> list[Any]:
-    failures: dict[int, str] = {}
-    for rank, proc in enumerate(procs):
-        outcome = outcomes.get(rank)
-        if outcome is not None and outcome.value is None:
-            failures[rank] = f"{outcome.exc_type}: {outcome.message}"
-        elif outcome is None and rank not in running:
-            failures[rank] = f"process died with exit code {proc.exitcode} and no result"
-    if failures:
-        first = min(failures)
+    failed = {r: o for r, o in outcomes.items() if o.value is None}
+    if failed:
+        first = min(failed, key=lambda r: (failed[r].failed_at, r))
+        failures = {r: _summary(o, procs[r]) for r, o in sorted(failed.items())}
         for rank in running:
-            failures.setdefault(rank, f"still running after rank {first} failed; killed")
-        raise _failed(first, failures, outcomes, procs)
+            if rank not in outcomes:
+                failures[rank] = f"still running after rank {first} failed; killed"
+        raise _failed(first, failures, outcomes[first], procs[first])
     if running:
-        raise RanksTimeoutError(running, timeout_s)
+        # Name the ranks still inside ``fn``; those that returned wait for them to leave.
+        raise RanksTimeoutError([r for r in running if r not in outcomes] or running, timeout_s)
     return [pickle.loads(outcomes[rank].value or b"") for rank in range(len(procs))]
 
 
+def _summary(outcome: _Outcome, proc: BaseProcess) -> str:
+    if outcome.exc_type:
+        return f"{outcome.exc_type}: {outcome.message}"
+    return f"process died with exit code {proc.exitcode} and no result"
+
+
 def _failed(
-    rank: int, failures: dict[int, str], outcomes: dict[int, _Outcome], procs: Sequence[BaseProcess]
+    rank: int, failures: dict[int, str], outcome: _Outcome, proc: BaseProcess
 ) -> RankFailedError:
-    outcome = outcomes.get(rank)
-    if outcome is None:
-        return RankFailedError(
-            rank, failures[rank], exit_code=procs[rank].exitcode, failures=failures
-        )
+    if not outcome.exc_type:
+        return RankFailedError(rank, failures[rank], exit_code=proc.exitcode, failures=failures)
     exception: BaseException | None = None
     if outcome.exception is not None:
         with contextlib.suppress(Exception):
@@ -281,12 +302,14 @@ def _failed(
 
 
 def _kill_all(procs: Sequence[BaseProcess]) -> None:
-    """SIGKILL every rank's process group (its descendants too), then reap the ranks.
+    """SIGKILL every rank's process group (its descendants too); return once they are gone.
 
     A rank that exited is not reaped yet (only its sentinel fired), so its pid, and with it its
     group id, cannot have been reused: killing the group is safe and takes down anything the
-    rank left behind.
+    rank left behind. Descendants are not this process's children, so their end is observed by
+    polling their group (with signal 0) until the kernel has removed it, within a bound.
     """
+    pids = [proc.pid for proc in procs if proc.pid is not None]
     for proc in procs:
         if proc.pid is None:
             continue
@@ -299,6 +322,17 @@ def _kill_all(procs: Sequence[BaseProcess]) -> None:
     for proc in procs:
         if proc.pid is not None:
             proc.join(_JOIN_AFTER_KILL_S)
+    deadline = time.monotonic() + _JOIN_AFTER_KILL_S
+    while any(map(_group_exists, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- in the rank
@@ -307,7 +341,7 @@ def _kill_all(procs: Sequence[BaseProcess]) -> None:
 def _rank_main(
     rank: int,
     world_size: int,
-    payload: bytes,
+    payload: _Payload,
     store_port: int,
     backend: str,
     timeout_s: float,
@@ -324,33 +358,114 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        fn, args = pickle.loads(payload)
-        value = _call_in_group(fn, rank, world_size, args, store_port, backend, timeout_s)
-        outcome = _Outcome(value=pickle.dumps(value))
+        _import_by_name(payload.module, payload.module_file)
+        fn, args = pickle.loads(payload.fn_and_args)
+        store = _join_group(rank, world_size, store_port, backend, timeout_s)
+        try:
+            # Report at once, before this rank's connections close: peers notice a failure
+            # only after that, so the failure that causes theirs is always stamped first.
+            outcome = _call(fn, rank, world_size, args)
+            _send(out, outcome)
+            _leave_together(store, world_size, wait=outcome.value is not None)
+        finally:
+            dist.destroy_process_group()
     except BaseException as exc:  # pytest.fail() and friends derive from BaseException
-        outcome = _describe(exc)
+        _send(out, _describe(exc))
+    # Skip interpreter teardown: unloading torch takes seconds on a busy machine, and nothing
+    # in it matters here (the outcome is sent, the group destroyed, and the harness kills
+    # whatever this rank started). atexit handlers of ``fn`` therefore do not run.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _module_file(fn: Callable[..., Any]) -> str | None:
+    module = sys.modules.get(fn.__module__)
+    return getattr(module, "__file__", None)
+
+
+def _import_by_name(name: str, path: str | None) -> None:
+    """Make ``fn``'s module importable here, and in any process this rank spawns, by its name.
+
+    Usually a plain import does it. pytest's ``--import-mode=importlib`` registers a test
+    module under a name derived from its path (``tests.storage.test_x``) that no ``sys.path``
+    entry provides: then the directory that name is relative to joins ``sys.path`` (last, so it
+    shadows nothing). A rank's own children (DCP's checkpoint process) inherit ``sys.path``, so
+    classes defined in that module unpickle there too. Failing that, the module is loaded from
+    its file under its name, for this process only.
+    """
+    if name == "__main__" or name in sys.modules or path is None:
+        return  # spawn already re-ran the parent's main module
+    with contextlib.suppress(ImportError):
+        importlib.import_module(name)
+        return
+    root = _root_for(name, path)
+    if root is not None:
+        sys.path.append(root)
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+            return
+        sys.path.remove(root)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return  # unpickling fn will then say what is missing
+    module = importlib.util.module_from_spec(spec)
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _root_for(name: str, path: str) -> str | None:
+    """``/r`` for module ``a.b.c`` at ``/r/a/b/c.py``; None when the path does not end so."""
+    parts = name.split(".")
+    here = os.path.splitext(os.path.abspath(path))[0]
+    for part in reversed(parts):
+        here, tail = os.path.split(here)
+        if tail != part:
+            return None
+    return here
+
+
+def _join_group(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float) -> Any:
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(HOST, store_port, world_size, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # Gloo's mesh is not necessarily up on every rank when init returns here, and a rank that
+    # ran on and exited would break a peer's connect ("Connection closed by peer").
+    dist.barrier()
+    return store
+
+
+def _call(fn: Callable[..., Any], rank: int, world_size: int, args: tuple[Any, ...]) -> _Outcome:
+    try:
+        return _Outcome(value=pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException as exc:
+        return _describe(exc)
+
+
+def _leave_together(store: Any, world_size: int, *, wait: bool) -> None:
+    """Tear down only once every rank is done with ``fn``, so no peer loses a connection mid-use.
+
+    A failed rank does not wait: its peers may be blocked in a collective it will never join,
+    and only its exit unblocks them.
+    """
+    if store.add(_FINISHED_KEY, 1) == world_size:
+        store.set(_ALL_FINISHED_KEY, "1")
+    if wait:
+        store.wait([_ALL_FINISHED_KEY])
+
+
+def _send(out: connection.Connection, outcome: _Outcome) -> None:
+    """Send the first outcome; later ones (an error while tearing down) are dropped."""
+    if out.closed:
+        return
     # Plain pickle, not the multiprocessing pickler: torch registers reducers there that pass
     # tensors as shared-memory handles, which die with this process.
     out.send_bytes(pickle.dumps(outcome))
     out.close()
-
-
-def _call_in_group(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    args: tuple[Any, ...],
-    store_port: int,
-    backend: str,
-    timeout_s: float,
-) -> Any:
-    timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(HOST, store_port, world_size, False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        return fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _describe(exc: BaseException) -> _Outcome:
@@ -362,6 +477,7 @@ def _describe(exc: BaseException) -> _Outcome:
         message=str(exc),
         remote_traceback="".join(traceback.format_exception(exc)),
         exception=exception,
+        failed_at=time.monotonic(),
     )
 
 

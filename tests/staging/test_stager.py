@@ -79,12 +79,15 @@ def _state(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _template(state: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(state)
-    for t in _tensors(out):
-        t.zero_()
-    out["extra"] = {"step": -1, "history": [-1, {"lr": -1.0}], "name": ""}
-    return out
+def _template(obj: Any) -> Any:
+    """The same structure with every value blanked, to load into."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: _template(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_template(v) for v in obj]
+    return None
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -98,7 +101,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _load(path: Path, like: dict[str, Any]) -> dict[str, Any]:
-    loaded = _template(like)
+    loaded: dict[str, Any] = _template(like)
     dcp.load(loaded, storage_reader=FileSystemReader(str(path)), no_dist=True)
     return loaded
 
@@ -365,3 +368,25 @@ def test_works_with_safe_storage_writer(tmp_path: Path) -> None:
         )
         response.upload_completion.result()
     assert _equal(_load(tmp_path / "step_000001", state), state)
+
+
+def test_failed_staging_releases_its_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    with BudgetedStager(_budget()) as stager:
+        real = stager._pool._allocate
+        calls = {"n": 0}
+
+        def flaky(size: int) -> torch.Tensor:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise MemoryError("injected allocation failure")
+            return real(size)
+
+        monkeypatch.setattr(stager._pool, "_allocate", flaky)
+        with pytest.raises(MemoryError, match="injected"):
+            stager.stage(state).result()
+        s = stager.stats()
+        assert s.in_flight == 0 and s.in_use_bytes == 0
+        staged = stager.stage(state).result()
+        assert _equal(dict(staged), state)
+        del staged

@@ -38,8 +38,20 @@ def _rank_report(rank: int, world_size: int, tag: str) -> dict[str, object]:
     }
 
 
-def _raise_on_rank_1(rank: int, world_size: int) -> str:
+def _start_sleeper(pid_dir: str, rank: int) -> int:
+    """A non-daemon descendant, as DCP's PROCESS checkpointer starts one per rank."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    Path(pid_dir, f"rank{rank}.pids").write_text(f"{os.getpid()} {sleeper.pid}")
+    return sleeper.pid
+
+
+def _leave_sleepers_behind(rank: int, world_size: int, pid_dir: str) -> tuple[int, int]:
+    return os.getpid(), _start_sleeper(pid_dir, rank)
+
+
+def _raise_on_rank_1(rank: int, world_size: int, pid_dir: str) -> str:
     if rank == 1:
+        _start_sleeper(pid_dir, rank)
         raise ValueError("boom on rank 1")
     # Rank 0 waits in a collective that rank 1 never joins: the harness must not wait for it
     # until the run's deadline.
@@ -53,16 +65,9 @@ def _exit_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
-def _hang_on_rank_1(rank: int, world_size: int, pid_dir: str) -> int:
-    pids = [os.getpid()]
-    if rank == 1:
-        # A descendant, as DCP's PROCESS checkpointer starts one per rank: it must die too.
-        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-        pids.append(sleeper.pid)
-    Path(pid_dir, f"rank{rank}.pids").write_text(" ".join(map(str, pids)))
-    if rank == 1:
-        while True:
-            time.sleep(1)
+def _hang_on_rank_1(rank: int, world_size: int) -> int:
+    while rank == 1:
+        time.sleep(1)
     return rank
 
 
@@ -71,6 +76,19 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def _pids(pid_dir: Path, rank: int) -> list[int]:
+    return [int(p) for p in (pid_dir / f"rank{rank}.pids").read_text().split()]
+
+
+def _rank_processes() -> list[psutil.Process]:
+    """This process's children that are spawned ranks (not multiprocessing's resource tracker)."""
+    return [
+        child
+        for child in psutil.Process().children()
+        if "--multiprocessing-fork" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def test_returns_each_ranks_value_in_rank_order() -> None:
@@ -86,9 +104,16 @@ def test_returns_each_ranks_value_in_rank_order() -> None:
         assert torch.equal(result["tensor"], torch.arange(3) * rank)
 
 
-def test_a_rank_exception_is_raised_in_the_parent_naming_the_rank() -> None:
+def test_nothing_a_rank_started_outlives_run_ranks(tmp_path: Path) -> None:
+    results = run_ranks(_leave_sleepers_behind, 2, args=(str(tmp_path),))
+
+    assert [_pids(tmp_path, rank) for rank in (0, 1)] == [list(r) for r in results]
+    assert all(_gone(pid) for result in results for pid in result)
+
+
+def test_a_rank_exception_is_raised_in_the_parent_naming_the_rank(tmp_path: Path) -> None:
     with pytest.raises(RankFailedError) as info:
-        run_ranks(_raise_on_rank_1, 2)
+        run_ranks(_raise_on_rank_1, 2, args=(str(tmp_path),))
 
     error = info.value
     assert isinstance(error, DcpSafeError)
@@ -101,8 +126,10 @@ def test_a_rank_exception_is_raised_in_the_parent_naming_the_rank() -> None:
     assert "_raise_on_rank_1" in error.remote_traceback
     assert 'raise ValueError("boom on rank 1")' in error.remote_traceback
     assert error.remote_traceback in str(error.__cause__)
-    # Rank 0, stuck in a barrier its peer never reached, either failed too or was killed.
+    # Rank 0, stuck in a barrier its peer never reached, either failed too or was killed,
+    # but rank 1 is named: it failed first.
     assert set(error.failures) == {0, 1}
+    assert all(_gone(pid) for pid in _pids(tmp_path, 1))  # the rank and its sleeper
 
 
 def test_a_rank_that_dies_without_a_result_is_reported_with_its_exit_code() -> None:
@@ -114,19 +141,18 @@ def test_a_rank_that_dies_without_a_result_is_reported_with_its_exit_code() -> N
     assert info.value.failures == {1: "process died with exit code 3 and no result"}
 
 
-def test_a_hung_rank_is_killed_at_the_deadline_with_its_descendants(tmp_path: Path) -> None:
+def test_a_hung_rank_is_killed_at_the_deadline() -> None:
     with pytest.raises(RanksTimeoutError) as info:
-        run_ranks(_hang_on_rank_1, 2, args=(str(tmp_path),), timeout_s=10)
+        run_ranks(_hang_on_rank_1, 2, timeout_s=10)
 
     assert isinstance(info.value, TimeoutError)
     assert isinstance(info.value, DcpSafeError)
-    assert info.value.ranks == (1,)
     assert info.value.timeout_s == 10
-    assert "ranks 1 still running after 10s" in str(info.value)
-    rank_pids = [int(p) for p in (tmp_path / "rank0.pids").read_text().split()]
-    rank_1_pids = [int(p) for p in (tmp_path / "rank1.pids").read_text().split()]
-    assert len(rank_1_pids) == 2  # the rank and the sleeper it started
-    assert all(_gone(pid) for pid in rank_pids + rank_1_pids)
+    # Rank 1 never returns. (Rank 0 returns and waits for it; on a machine too busy to start
+    # both ranks within 10 s it is named too, which is also the truth.)
+    assert 1 in info.value.ranks
+    assert "still running after 10s" in str(info.value)
+    assert _rank_processes() == []
 
 
 def test_a_function_that_does_not_pickle_fails_before_anything_is_spawned() -> None:
