@@ -4,7 +4,8 @@ Every benchmark here runs its contenders in one process, alternates their order 
 round and reports medians, because the machines we measure on are shared: a single run, or a
 mean, says more about the neighbours than about the code. What lives here:
 
-* :func:`median`, :func:`timed` and :func:`rotate` for the measuring loop;
+* :func:`median`, :func:`timed`, :func:`process_cpu_seconds` and :func:`rotate` for the
+  measuring loop;
 * :class:`RssPeakSampler`, a background thread that samples this process's RSS with psutil
   (every 5 ms by default) and reports the peak above the level it started from;
 * :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_rate`, :func:`fmt_bytes` for reports;
@@ -36,6 +37,7 @@ __all__ = [
     "fmt_seconds",
     "markdown_table",
     "median",
+    "process_cpu_seconds",
     "rotate",
     "timed",
     "write_results",
@@ -58,6 +60,12 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads together."""
+    times = os.times()
+    return times.user + times.system
 
 
 def rotate(items: Sequence[T], round_index: int) -> list[T]:

@@ -58,6 +58,7 @@ from _common import (
     fmt_rate,
     markdown_table,
     median,
+    process_cpu_seconds,
     rotate,
     timed,
     write_results,
@@ -201,11 +202,17 @@ def load_torch(target: State, path: Path) -> None:
 
 
 def measure(fn: Callable[[], Any]) -> dict[str, float]:
-    """One timed call with the RSS peak sampler running; a GC first so rounds start alike."""
+    """One timed call with the RSS peak sampler running; a GC first so rounds start alike.
+
+    CPU seconds (user + system, all threads of this process) are recorded too: on a shared
+    machine wall time also measures the neighbours, CPU time mostly measures the code.
+    """
     gc.collect()
     with RssPeakSampler() as rss:
+        cpu_before = process_cpu_seconds()
         seconds, _ = timed(fn)
-    return {"seconds": seconds, "rss_peak_delta_bytes": rss.peak_delta_bytes}
+        cpu_s = process_cpu_seconds() - cpu_before
+    return {"seconds": seconds, "cpu_s": cpu_s, "rss_peak_delta_bytes": rss.peak_delta_bytes}
 
 
 def summarize(runs: list[dict[str, float]], payload_bytes: int) -> dict[str, Any]:
@@ -217,6 +224,8 @@ def summarize(runs: list[dict[str, float]], payload_bytes: int) -> dict[str, Any
         "min_s": min(times),
         "max_s": max(times),
         "median_gbps": payload_bytes / med / 1e9,
+        "cpu_s": [r["cpu_s"] for r in runs],
+        "median_cpu_s": median(r["cpu_s"] for r in runs),
         "rss_peak_delta_bytes_max": max(r["rss_peak_delta_bytes"] for r in runs),
     }
 
@@ -347,7 +356,7 @@ def _hashers() -> dict[str, Callable[[Any], object]]:
         hashers[f"crc32c (google_crc32c, {google_crc32c.implementation})"] = google_crc32c.value
     except ImportError:
         pass
-    hashers["memcpy (reference)"] = lambda b: bytearray(b)
+    hashers["copy into a new bytearray (reference)"] = lambda b: bytearray(b)
     return hashers
 
 
@@ -387,6 +396,8 @@ def report(results: dict[str, Any]) -> str:
         f"{results['args']['rounds']} rounds (medians)",
         "",
         describe_machine_line(results["machine"]),
+        f"Load average at start {_load(results['machine'])}, at end {_load(results)}; "
+        "ratios are of wall-clock medians (CPU-time ratio: user + system, all threads).",
         "",
     ]
     save_ratio = saves["dcp_safe"]["median_s"] / saves["torch"]["median_s"]
@@ -394,7 +405,7 @@ def report(results: dict[str, Any]) -> str:
     durable = saves["raw_floor"]["median_s"] / saves["dcp_safe"]["median_s"]
     lines += [
         markdown_table(
-            ["measure", "dcp_safe", "reference", "ratio", "target", "verdict"],
+            ["measure", "dcp_safe", "reference", "ratio", "target", "verdict", "CPU-time ratio"],
             [
                 _ratio_row("save", saves, "dcp_safe", "torch", save_ratio, f"<= {SAVE_TARGET}"),
                 _ratio_row(
@@ -412,6 +423,7 @@ def report(results: dict[str, Any]) -> str:
                     f"{durable:.2f}",
                     f">= {DURABLE_TARGET}",
                     _verdict(durable >= DURABLE_TARGET),
+                    "",
                 ],
             ],
         ),
@@ -439,6 +451,10 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _load(info: dict[str, Any]) -> str:
+    return " / ".join(f"{x:.1f}" for x in info.get("load_average") or ())
+
+
 def _ratio_row(
     what: str, table: dict[str, Any], ours: str, ref: str, ratio: float, target: str
 ) -> list[str]:
@@ -450,6 +466,7 @@ def _ratio_row(
         f"{ratio:.2f}",
         target,
         _verdict(ok),
+        f"{table[ours]['median_cpu_s'] / table[ref]['median_cpu_s']:.2f}",
     ]
 
 
@@ -465,11 +482,22 @@ def _timing_table(title: str, table: dict[str, Any], ref: str, payload: int) -> 
                 f"{r['min_s']:.3f} .. {r['max_s']:.3f}",
                 fmt_rate(payload, r["median_s"]),
                 f"{r['median_s'] / table[ref]['median_s']:.2f}",
+                f"{r['median_cpu_s']:.2f}",
+                f"{r['median_cpu_s'] / table[ref]['median_cpu_s']:.2f}",
                 fmt_bytes(r["rss_peak_delta_bytes_max"]),
             ]
         )
     return f"### {title}\n\n" + markdown_table(
-        ["contender", "median s", "min .. max s", "throughput", f"/ {ref}", "peak RSS growth"],
+        [
+            "contender",
+            "median s",
+            "min .. max s",
+            "throughput",
+            f"/ {ref}",
+            "CPU s",
+            f"CPU / {ref}",
+            "peak RSS growth",
+        ],
         rows,
     )
 
@@ -555,6 +583,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results["zstd"] = bench_zstd(size_bytes, work, args.threads)
     print("checksums", flush=True)
     results["checksums"] = bench_checksums(max(3, args.rounds))
+    results["load_average"] = os.getloadavg()
     return results
 
 

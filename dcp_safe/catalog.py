@@ -96,6 +96,7 @@ def verify_checkpoint(
     backend = open_backend(os.fspath(root), storage_options)
     name = resolve_name(backend, name)
     manifest = open_committed(backend, name).manifest
+    _require_complete_listing(backend, name, manifest)
     bytes_read = 0
     for record in manifest.files:
         bytes_read += _verify_file(backend, name, manifest, record)
@@ -108,6 +109,19 @@ def verify_checkpoint(
         bytes_read=bytes_read,
         seconds=time.perf_counter() - started,
     )
+
+
+def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
+    """The manifest must list every file a load needs: what it omits, nobody checks."""
+    needed = {protocol.DCP_METADATA}
+    needed |= {protocol.rank_manifest_name(rank) for rank in range(manifest.world_size)}
+    needed |= {item.file for item in manifest.items}
+    missing = sorted(needed - {record.path for record in manifest.files})
+    if missing:
+        raise CheckpointCorruptError(
+            backend.full_path(f"{name}/{protocol.MANIFEST}"),
+            f"manifest does not list {', '.join(missing)}",
+        )
 
 
 def _verify_file(backend: Backend, name: str, manifest: Manifest, record: FileRecord) -> int:

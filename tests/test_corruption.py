@@ -268,13 +268,6 @@ def test_manifest_rewritten_with_a_matching_marker_is_still_checked_against_the_
     assert _load_error(root, template.values).item == victim.describe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # pytest.raises: DID NOT RAISE
-    reason="verify_checkpoint checks only the files the manifest lists; load requires .metadata "
-    "to be listed (catalog.verify_checkpoint should require it, every rank manifest, and every "
-    "item's file)",
-)
 def test_verify_rejects_a_committed_manifest_that_load_rejects(
     pristine: dict[str, Pristine], tmp_path: Path
 ) -> None:

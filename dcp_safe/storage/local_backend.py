@@ -6,8 +6,9 @@ fsync of the parent directory, so this backend calls them directly.
 
 ``renameat2(RENAME_NOREPLACE)`` publishes without ever replacing a committed checkpoint, and
 ``RENAME_EXCHANGE`` replaces one atomically (``overwrite=True``). Where the kernel or file system
-lacks them, plain ``rename(2)`` is used: it refuses a non-empty target (a committed checkpoint is
-never empty), and replacing then takes two renames, a window documented in docs/architecture.md.
+lacks them, plain ``rename(2)`` publishes (it refuses a non-empty target, and a committed
+checkpoint is never empty), but replacing is refused: two renames would leave a window in which
+the name holds no checkpoint at all.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import ctypes
 import errno
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import BinaryIO
 
-from dcp_safe.commit.protocol import partial_dir_name
 from dcp_safe.errors import StorageError
 from dcp_safe.storage.backend import Backend, WritableFile
 
@@ -177,14 +176,15 @@ class LocalBackend(Backend):
         return None
 
     def _exchange(self, src: str, dst: str) -> str:
-        src_path, dst_path = self._abs(src), self._abs(dst)
-        if _renameat2(src_path, dst_path, _RENAME_EXCHANGE):
+        if _renameat2(self._abs(src), self._abs(dst), _RENAME_EXCHANGE):
             return src  # the old checkpoint now lives where the partial was
-        # Parked under a partial name so the sweeper collects it if we crash right here.
-        parked = partial_dir_name(os.path.basename(dst), f"replaced-{uuid.uuid4().hex}")
-        os.rename(dst_path, self._abs(parked))
-        os.rename(src_path, dst_path)
-        return parked
+        # Two plain renames would leave the name empty if we died between them; refuse instead.
+        raise StorageError(
+            "replace",
+            self._abs(dst),
+            "this file system cannot swap directories atomically (renameat2 RENAME_EXCHANGE); "
+            "the existing checkpoint is untouched - save under a new name instead",
+        )
 
 
 def _unlink_quietly(path: str) -> None:

@@ -114,7 +114,8 @@ class RanksTimeoutError(DcpSafeError, TimeoutError):
         self.ranks = tuple(ranks)
         self.timeout_s = timeout_s
         names = ", ".join(str(r) for r in self.ranks)
-        super().__init__(f"ranks {names} still running after {timeout_s:g}s; killed them")
+        which = f"rank {names}" if len(self.ranks) == 1 else f"ranks {names}"
+        super().__init__(f"{which} still running after {timeout_s:g}s; killed every rank")
 
 
 class _RemoteTraceback(Exception):
@@ -159,12 +160,17 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
-    Each rank initializes the default process group (``backend`` on ``127.0.0.1``) before
-    calling ``fn`` and destroys it afterwards. Whatever happens, every rank and every process
+    Each rank initializes the default process group (``backend`` on ``127.0.0.1``, with
+    ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` set as ``torchrun`` sets them) before
+    calling ``fn``, waits for every peer to finish ``fn``, destroys the group and ends with
+    ``os._exit`` (so ``atexit`` handlers registered in a rank do not run). Ranks inherit this
+    process's stdout, stderr and ``sys.path``. Whatever happens, every rank and every process
     it started is gone when this returns or raises.
 
     Args:
-        fn: a module-level function (it is pickled by reference into each rank).
+        fn: a module-level function (it is pickled by reference into each rank; its module is
+            imported there by name, also when pytest's importlib import mode registered it
+            under a name no ``sys.path`` entry provides).
         world_size: the number of ranks, at least 1.
         args: extra positional arguments for ``fn``; they must pickle.
         timeout_s: the deadline for the whole run, from spawn to the last rank's exit.
@@ -271,7 +277,7 @@ def _results(
     if running:
         # Name the ranks still inside ``fn``; those that returned wait for them to leave.
         raise RanksTimeoutError([r for r in running if r not in outcomes] or running, timeout_s)
-    return [pickle.loads(outcomes[rank].value or b"") for rank in range(len(procs))]
+    return [pickle.loads(cast(bytes, outcomes[rank].value)) for rank in range(len(procs))]
 
 
 def _summary(outcome: _Outcome, proc: BaseProcess) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, _async_process_executor
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,10 +24,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import (
+    CheckpointCorruptError,
     CheckpointNotFoundError,
     CommitError,
     SafeStorageReader,
     SafeStorageWriter,
+    StorageError,
     list_checkpoints,
     verify_checkpoint,
 )
@@ -168,6 +171,40 @@ def _fail_second_save_on_rank_1(rank: int, world_size: int, root: str) -> dict[s
     return seen
 
 
+def _disk_full_on_rank_1(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    if rank == 1:
+
+        def no_space(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.fsync = no_space  # every durable write on rank 1 fails, as on a full disk
+    try:
+        dcp_safe.save(
+            _rank_state(rank), checkpoint_id="disk_full", storage_writer=SafeStorageWriter(root)
+        )
+    except StorageError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "operation": exc.operation}
+    return {"error": None}
+
+
+def _load_with_rank_1_shard_flipped(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    mesh = _mesh()
+    state = {"w": distribute_tensor(_values(1, *W_SHAPE), mesh, [Shard(0)])}
+    dcp_safe.save(state, checkpoint_id="flipped", storage_writer=SafeStorageWriter(root))
+    if rank == 1:
+        shard = Path(root, "flipped", protocol.shard_file_name(1, 0))
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    target = {"w": distribute_tensor(torch.zeros(W_SHAPE), mesh, [Shard(0)])}
+    try:
+        dcp_safe.load(target, checkpoint_id="flipped", storage_reader=SafeStorageReader(root))
+    except CheckpointCorruptError as exc:
+        return {"error": type(exc).__name__, "path": exc.path, "item": exc.item}
+    return {"error": None}
+
+
 class _FailsOnRank1(SafeStorageWriter):
     """Module level, so that it pickles into DCP's checkpoint process."""
 
@@ -217,7 +254,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
     )
     # Each rank wrote its own tensors; the replicated one was written once.
     items = _manifest(tmp_path, "two_ranks").items
-    by_fqn = {}
+    by_fqn: dict[str, list[int]] = {}
     for item in items:
         by_fqn.setdefault(item.fqn, []).append(_writer_rank(item.file))
     assert by_fqn["rank0.weight"] == [0]
@@ -229,9 +266,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
     ]
     # torch's own reader sees the same checkpoint.
     plain = _blank(expected)
-    torch.distributed.checkpoint.load(
-        plain, storage_reader=FileSystemReader(str(tmp_path / "two_ranks")), no_dist=True
-    )
+    dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "two_ranks")), no_dist=True)
     _assert_equal(plain, expected)
 
 
@@ -287,6 +322,28 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_publishes_no
         _load(tmp_path, "bad", good)
     _assert_equal(_load(tmp_path, "good", good), good)
     verify_checkpoint(tmp_path, "good")
+
+
+def test_a_storage_error_on_one_rank_reaches_every_rank_intact(tmp_path: Path) -> None:
+    # DCP carries a rank's exception to rank 0 (gather_object) and from there to every rank
+    # (broadcast_object) by pickling it, so dcp_safe's errors must survive a pickle round trip.
+    per_rank = run_ranks(_disk_full_on_rank_1, 2, args=(str(tmp_path),), timeout_s=90)
+
+    for seen in per_rank:
+        assert seen["error"] == "StorageError"
+        assert "No space left on device" in seen["message"]
+        assert str(tmp_path) in seen["message"]
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_corruption_found_by_one_rank_fails_the_load_on_every_rank(tmp_path: Path) -> None:
+    per_rank = run_ranks(_load_with_rank_1_shard_flipped, 2, args=(str(tmp_path),), timeout_s=90)
+
+    # Only rank 1 reads the damaged shard (each rank loads its own rows), yet both learn of it.
+    for seen in per_rank:
+        assert seen["error"] == "CheckpointCorruptError"
+        assert seen["path"].endswith(protocol.shard_file_name(1, 0))
+        assert seen["item"] == "w@[4, 0]"
 
 
 def test_async_save_in_a_thread_and_in_a_process_commits_on_two_ranks(tmp_path: Path) -> None:

@@ -1,0 +1,96 @@
+"""The backend contract, run against every backend dcp_safe ships."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options  # noqa: F401 - fixtures
+
+from dcp_safe.errors import StorageError
+from dcp_safe.storage.backend import Backend
+from dcp_safe.storage.fsspec_backend import FsspecBackend
+from dcp_safe.storage.local_backend import LocalBackend
+from dcp_safe.testing.backend_contract import BackendContract
+from dcp_safe.testing.s3 import LocalS3
+
+
+class TestLocalBackend(BackendContract):
+    # POSIX files are visible while written; the writer works in a hidden partial directory.
+    hides_open_writes = False
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        return LocalBackend(str(tmp_path / "root"), fsync=False)
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path: Path) -> None:
+        (tmp_path / "root").mkdir()
+
+
+class TestMemoryBackend(BackendContract):
+    def make_backend(self) -> Backend:
+        return FsspecBackend(f"memory://contract-{uuid.uuid4().hex}")
+
+
+@pytest.mark.s3
+class TestS3Backend(BackendContract):
+    large_write_bytes = 2 * BLOCK_BYTES + 2**20  # three multipart parts
+
+    @pytest.fixture
+    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:  # noqa: F811
+        return FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3: LocalS3, s3_bucket: str) -> None:  # noqa: F811
+        self._s3, self._bucket = s3, s3_bucket
+
+    def assert_no_pending_uploads(self, backend: Backend) -> None:
+        assert self._s3.open_uploads(self._bucket) == []
+
+    def test_s3_claims_conditional_create(self, backend: Backend) -> None:
+        assert backend.supports_exclusive_create
+        assert not backend.supports_atomic_rename
+
+
+@pytest.mark.s3
+class TestS3BucketRoot(BackendContract):
+    """A root that is a whole bucket: removing a tree must never remove the bucket."""
+
+    @pytest.fixture
+    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:  # noqa: F811
+        return FsspecBackend(f"s3://{s3_bucket}", s3_options)
+
+
+@pytest.mark.s3
+def test_s3_failure_to_complete_aborts_the_upload_and_names_the_url(
+    s3: LocalS3,  # noqa: F811
+    s3_bucket: str,  # noqa: F811
+    s3_options: dict[str, Any],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import s3fs
+
+    def fail_commit(self: Any) -> None:
+        raise OSError(5, "CompleteMultipartUpload failed (injected)")
+
+    monkeypatch.setattr(s3fs.core.S3File, "commit", fail_commit)
+    backend = FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
+    with pytest.raises(StorageError) as info, backend.open_write("ckpt/shard") as f:
+        f.write(b"\x01" * (2 * BLOCK_BYTES + 10))
+    assert info.value.operation == "write"
+    assert info.value.path == f"s3://{s3_bucket}/root/ckpt/shard"
+    assert s3.keys(s3_bucket) == []
+    assert s3.open_uploads(s3_bucket) == []
+
+
+@pytest.mark.s3
+def test_s3_errors_name_the_operation_and_url(s3_options: dict[str, Any]) -> None:  # noqa: F811
+    backend = FsspecBackend("s3://no-such-bucket-dcp-safe/root", s3_options)
+    with pytest.raises(StorageError, match=r"write failed for s3://no-such-bucket-dcp-safe/root/m"):
+        backend.write_bytes("m", b"x", exclusive=True)
+    shard = r"s3://no-such-bucket-dcp-safe/root/shard"
+    with pytest.raises(StorageError, match=shard), backend.open_write("shard") as f:
+        f.write(b"x")
