@@ -44,6 +44,18 @@ __all__ = [
 class DcpSafeError(Exception):
     """Root of every error dcp_safe raises on purpose."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DCP moves a rank's error to its peers by pickling it, and the default reduce calls
+        # cls(*args), which our keyword-rich constructors cannot take. Rebuild from the state.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[DcpSafeError], args: tuple[Any, ...], state: dict[str, Any]) -> DcpSafeError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(DcpSafeError, ValueError):
     """An argument or option has a value dcp_safe cannot work with."""

@@ -80,3 +80,29 @@ def test_mixed_failures_become_a_commit_error_naming_each_rank() -> None:
 def test_other_exceptions_pass_through_unchanged(tmp_path: Path) -> None:
     error = ValueError("x")
     assert from_checkpoint_exception(error) is error
+
+
+def _every_error() -> list[Exception]:
+    return [
+        DcpSafeError("plain"),
+        errors.ConfigError("bad option"),
+        InvalidCheckpointNameError("a/b", "separator"),
+        CheckpointExistsError("/r/x"),
+        CheckpointNotFoundError("/r/x", "no marker"),
+        CheckpointCorruptError("/r/x", "bad", item="w@[0]", expected="a", actual="b"),
+        CommitError("not published", {1: "OSError: disk full"}),
+        errors.StaleWriterError("old attempt", {0: "epoch 3 < 4"}),
+        StorageError("fsync", "/r/x", OSError(28, "No space left on device")),
+        errors.BudgetExceededError("too big"),
+        AdmissionTimeoutError("waited 5 s"),
+    ]
+
+
+@pytest.mark.parametrize("error", _every_error(), ids=lambda e: type(e).__name__)
+def test_errors_survive_pickling_between_ranks(error: Exception) -> None:
+    import pickle
+
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+    assert vars(again) == vars(error)

@@ -78,7 +78,7 @@ class LocalS3:
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Every object key in ``bucket`` under ``prefix``, sorted."""
         paginator = self.client().get_paginator("list_objects_v2")
-        found = []
+        found: list[str] = []
         for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
             found.extend(obj["Key"] for obj in page.get("Contents", []))
         return sorted(found)
