@@ -76,11 +76,13 @@ class InvalidCheckpointNameError(ConfigError):
 
 
 class CheckpointExistsError(DcpSafeError, FileExistsError):
-    """A committed checkpoint already has this name and ``overwrite`` is off."""
+    """The name is taken: committed (and ``overwrite`` is off), or held by another save."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, detail: str | None = None) -> None:
         super().__init__(
-            f"a committed checkpoint already exists at {path}; pick a new name or pass "
+            f"the checkpoint name at {path} is taken: {detail}"
+            if detail
+            else f"a committed checkpoint already exists at {path}; pick a new name or pass "
             "overwrite=True (the old checkpoint then stays loadable until the new one commits)"
         )
         self.path = path

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import dcp_safe
 from dcp_safe.commit import protocol
-from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError
+from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.checksum import digest_bytes
 from dcp_safe.manifest.schema import (
     FileRecord,
@@ -77,10 +78,14 @@ class Committer:
             manifest = self._seal(name, save_id, work_dir, world_size, step, metadata, results)
             if renames:
                 self._rename_into_place(work_dir, name)
-        except BaseException:
+        except BaseException as exc:
             if renames:
                 self._discard(work_dir)
+            elif not isinstance(exc, (StaleWriterError, CheckpointExistsError)):
+                self._discard_uncommitted(name, save_id)
             raise
+        if not renames:
+            release_lease(self.backend, name)
         return manifest
 
     # ----------------------------------------------------------------- verification
@@ -132,6 +137,8 @@ class Committer:
         self.backend.write_bytes(f"{work_dir}/{protocol.MANIFEST}", manifest_bytes)
         self.backend.sync_dir(f"{work_dir}/{protocol.RANKS_DIR}")
         marker = f"{work_dir}/{protocol.COMMITTED_MARKER}"
+        if not self.backend.supports_atomic_rename:
+            check_lease(self.backend, name, save_id)
         try:
             self.backend.write_bytes(
                 marker, manifest_digest(manifest_bytes).encode(), exclusive=True
@@ -182,6 +189,13 @@ class Committer:
         if parked is not None:
             # The replaced checkpoint is no longer reachable by name; reclaim its space.
             self.backend.remove_tree(parked)
+
+    def _discard_uncommitted(self, name: str, save_id: str) -> None:
+        """Remove a failed object-store save, but only while its lease shows it is ours."""
+        with contextlib.suppress(OSError, StaleWriterError):
+            check_lease(self.backend, name, save_id)
+            if not self.backend.exists(f"{name}/{protocol.COMMITTED_MARKER}"):
+                self.backend.remove_tree(name)
 
     def _discard(self, work_dir: str) -> None:
         # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.

@@ -20,6 +20,7 @@ __all__ = [
     "PARTIAL_INFIX",
     "RANKS_DIR",
     "SHARD_SUFFIX",
+    "WRITING_LEASE",
     "is_partial_entry",
     "new_save_id",
     "partial_dir_name",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 COMMITTED_MARKER = "_COMMITTED"
+WRITING_LEASE = "_WRITING"
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 RANKS_DIR = "_ranks"

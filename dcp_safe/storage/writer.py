@@ -40,6 +40,7 @@ from torch.futures import Future
 
 from dcp_safe.commit import protocol
 from dcp_safe.commit.committer import Committer
+from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
@@ -150,6 +151,7 @@ class SafeStorageWriter(StorageWriter):
         if self.backend.supports_atomic_rename:
             work_dir = protocol.partial_dir_name(name, save_id)
         else:
+            acquire_lease(self.backend, name, save_id)
             work_dir = name
         self.backend.makedirs(f"{work_dir}/{protocol.RANKS_DIR}")
         return [
