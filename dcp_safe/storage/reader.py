@@ -32,8 +32,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_safe.commit import protocol
-from dcp_safe.errors import CheckpointCorruptError, ConfigError
-from dcp_safe.manifest.schema import Manifest, item_key
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpSafeError,
+)
+from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed, resolve_name
 from dcp_safe.storage.roots import open_backend
@@ -60,17 +65,28 @@ class SafeStorageReader(StorageReader):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         checkpoint_id: str = protocol.LATEST,
+        fallback: str | os.PathLike[str] | None = None,
+        fallback_storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.root = os.fspath(root)
         self.verify = verify
         self.storage_options = storage_options
         self.backend: Backend = open_backend(self.root, storage_options)
+        self.fallback: Backend | None = (
+            None
+            if fallback is None
+            else open_backend(os.fspath(fallback), fallback_storage_options or storage_options)
+        )
         self._requested = checkpoint_id
         self._name: str | None = None
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
+        self._source: Backend = self.backend
+        self._spare: Backend | None = None
+        self._spare_checked = False
         self._extensions = ExtensionRegistry()
+        self.items_from_fallback = 0
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -87,10 +103,28 @@ class SafeStorageReader(StorageReader):
         """
         if checkpoint_id is not None:
             self._requested = os.fspath(checkpoint_id)
-        name = resolve_name(self.backend, self._requested)
-        committed = open_committed(self.backend, name)
-        self._name, self._manifest = name, committed.manifest
-        self._metadata = self._load_metadata(name, committed.manifest)
+        tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
+        opened: list[tuple[float, int, Backend, str, Manifest, Metadata]] = []
+        failures: list[DcpSafeError] = []
+        for order, backend in enumerate(tiers):
+            try:
+                name = resolve_name(backend, self._requested)
+                manifest = open_committed(backend, name).manifest
+                metadata = self._load_metadata(backend, name, manifest)
+            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                failures.append(exc)
+                continue
+            opened.append((manifest.created_at, -order, backend, name, manifest, metadata))
+            if self._requested != protocol.LATEST:
+                break  # a named checkpoint: the first tier that has it, local first
+        if not opened:
+            raise failures[0]
+        # "latest" across tiers is the newest commit; on a tie the local tier wins.
+        _, _, self._source, self._name, self._manifest, self._metadata = max(
+            opened, key=lambda entry: entry[:2]
+        )
+        self._spare, self._spare_checked = None, False
+        self.items_from_fallback = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -144,40 +178,52 @@ class SafeStorageReader(StorageReader):
             return False
         return True
 
-    def _load_metadata(self, name: str, manifest: Manifest) -> Metadata:
+    @staticmethod
+    def _load_metadata(backend: Backend, name: str, manifest: Manifest) -> Metadata:
         rel = f"{name}/{protocol.DCP_METADATA}"
         record = manifest.file(protocol.DCP_METADATA)
         if record is None:
-            raise CheckpointCorruptError(self.backend.full_path(rel), "not listed in the manifest")
+            raise CheckpointCorruptError(backend.full_path(rel), "not listed in the manifest")
         try:
-            with self.backend.open_read(rel) as stream:
+            with backend.open_read(rel) as stream:
                 raw = read_verified(
                     stream,
-                    path=self.backend.full_path(rel),
+                    path=backend.full_path(rel),
                     item=None,
                     start=0,
                     length=record.size,
                     checksum=record.checksum,
                 )
         except FileNotFoundError:
-            raise CheckpointCorruptError(self.backend.full_path(rel), "file is missing") from None
+            raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
         metadata: Metadata = pickle.loads(raw)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
 
     def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
-        assert self._name is not None and self._manifest is not None
+        assert self._name is not None
         rel = f"{self._name}/{file_name}"
-        path = self.backend.full_path(rel)
+        path = self._source.full_path(rel)
         try:
-            with self.backend.open_read(rel) as stream:
+            with self._source.open_read(rel) as stream:
                 for request in requests:
-                    self._read_item(stream, path, request, planner)
+                    label, record = self._record_for(path, request)
+                    try:
+                        raw = self._read_raw(stream, path, label, record)
+                    except CheckpointCorruptError as exc:
+                        raw = self._read_from_spare(rel, label, record, cause=exc)
+                    self._deliver(raw, path, label, record, request, planner)
         except FileNotFoundError:
-            raise CheckpointCorruptError(path, "file is missing") from None
+            spare = self._spare_tier()
+            if spare is None:
+                raise CheckpointCorruptError(path, "file is missing") from None
+            for request in requests:
+                label, record = self._record_for(path, request)
+                raw = self._read_from_spare(rel, label, record, cause=None)
+                self._deliver(raw, path, label, record, request, planner)
 
-    def _read_item(self, stream: Any, path: str, request: ReadItem, planner: LoadPlanner) -> None:
+    def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
         assert self._manifest is not None and self._metadata is not None
         index = request.storage_index
         info = self._metadata.storage_data[index]
@@ -185,7 +231,10 @@ class SafeStorageReader(StorageReader):
         label = index.fqn if index.offset is None else f"{index.fqn}@{list(index.offset)}"
         if record is None or (record.start, record.length) != (info.offset, info.length):
             raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
-        raw = read_verified(
+        return label, record
+
+    def _read_raw(self, stream: Any, path: str, label: str, record: ItemRecord) -> bytes:
+        return read_verified(
             stream,
             path=path,
             item=label,
@@ -193,6 +242,42 @@ class SafeStorageReader(StorageReader):
             length=record.length,
             checksum=record.checksum if self.verify else None,
         )
+
+    def _spare_tier(self) -> Backend | None:
+        """The other tier, if it holds this very checkpoint (the same manifest)."""
+        if not self._spare_checked:
+            self._spare_checked = True
+            other = self.fallback if self._source is self.backend else self.backend
+            if other is not None and self._name is not None:
+                try:
+                    if open_committed(other, self._name).manifest == self._manifest:
+                        self._spare = other
+                except (CheckpointNotFoundError, CheckpointCorruptError):
+                    pass
+        return self._spare
+
+    def _read_from_spare(
+        self, rel: str, label: str, record: ItemRecord, cause: BaseException | None
+    ) -> bytes:
+        spare = self._spare_tier()
+        if spare is None:
+            if cause is not None:
+                raise cause
+            raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
+        with spare.open_read(rel) as stream:
+            raw = self._read_raw(stream, spare.full_path(rel), label, record)
+        self.items_from_fallback += 1
+        return raw
+
+    def _deliver(
+        self,
+        raw: bytes,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
         payload: Any = io.BytesIO(raw)
         for extension in self._extensions.from_descriptor_list(list(record.transforms)):
             if isinstance(extension, StreamTransformExtension):

@@ -22,6 +22,7 @@ nothing counts until the ``_COMMITTED`` marker is written last.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -40,8 +41,8 @@ from torch.futures import Future
 
 from dcp_safe.commit import protocol
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.lease import acquire_lease
-from dcp_safe.errors import CheckpointExistsError, ConfigError
+from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
+from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.storage.backend import Backend
@@ -164,6 +165,18 @@ class SafeStorageWriter(StorageWriter):
         if not isinstance(assignment, _Assignment):
             raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
         self._assignment = assignment
+        try:
+            results = self._write_rank(assignment, plan, planner)
+        except BaseException:
+            self._abandon(assignment, len(plan.items))
+            raise
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_rank(
+        self, assignment: _Assignment, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
         name = self._require_name()
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [protocol.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
@@ -185,14 +198,29 @@ class SafeStorageWriter(StorageWriter):
         )
         rank_manifest = f"{assignment.work_dir}/{protocol.rank_manifest_name(assignment.rank)}"
         self.backend.write_bytes(rank_manifest, manifest.to_json())
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(
-            [
-                WriteResult(index=item.index, size_in_bytes=record.length, storage_data=record)
-                for record, item in records
-            ]
-        )
-        return future
+        return [
+            WriteResult(index=item.index, size_in_bytes=record.length, storage_data=record)
+            for record, item in records
+        ]
+
+    def _abandon(self, assignment: _Assignment, item_count: int) -> None:
+        """After this rank failed: on an object store, remove its own objects and free the name.
+
+        DCP will not call ``finish``, so nobody else would. Another rank may fail too and do the
+        same; a rank killed outright leaves its objects to the sweeper. (A partial directory on
+        POSIX is hidden and collected by the sweeper.)
+        """
+        if self.backend.supports_atomic_rename:
+            return
+        name = assignment.work_dir
+        shard_count = min(self.options.thread_count, max(1, item_count))
+        own = [protocol.shard_file_name(assignment.rank, i) for i in range(shard_count)]
+        own.append(protocol.rank_manifest_name(assignment.rank))
+        with contextlib.suppress(OSError, DcpSafeError):
+            for rel in own:
+                self.backend.remove_file(f"{name}/{rel}")
+            check_lease(self.backend, name, assignment.save_id)
+            release_lease(self.backend, name)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).

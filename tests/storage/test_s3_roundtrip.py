@@ -138,11 +138,6 @@ class _LateWriter(SafeStorageWriter):
         return None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writer.py: on marker-publish backends a losing save overwrites the winner's shards, "
-    "rank manifests, .metadata and manifest.json before its exclusive marker write fails",
-)
 def test_a_losing_concurrent_save_never_damages_the_committed_one(
     s3_root: str,  # noqa: F811
     s3_options: Options,  # noqa: F811
