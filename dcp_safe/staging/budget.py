@@ -186,7 +186,9 @@ class MemoryBudget:
                 f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}",
                 available,
             )
-        if available < self.reserve:
+        # Same test as ``projected_bytes > envelope_bytes``, including when the host is already
+        # below its reserve (envelope 0): then only a save that stages nothing is admitted.
+        if projected_bytes > 0 and available < self.reserve:
             return Admission(
                 False,
                 f"projected available memory {format_bytes(available)} after staging"
