@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import NoReturn
@@ -184,7 +184,9 @@ def _publish_by_rename(copy: _Copy, digest: str) -> None:
         else:
             remote.sync_dir("")
     finally:
-        with contextlib.suppress(OSError):  # absent once published: a no-op then
+        # Best effort, never hiding the real error; absent once published (a no-op then). A
+        # partial left behind is collected by the sweeper after its grace period.
+        with contextlib.suppress(Exception):
             remote.remove_tree(work_dir)
 
 
@@ -212,8 +214,9 @@ def _require_ours(remote: Backend, name: str, digest: str, exc: FileExistsError)
 
 def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
     """Best effort: drop what this attempt uploaded, unless ``name`` got committed meanwhile
-    (then the objects may be a committed checkpoint's, ours or another writer's)."""
-    with contextlib.suppress(OSError):
+    (then the objects may be a committed checkpoint's, ours or another writer's). Never
+    raises: the caller is already raising the error that matters."""
+    with contextlib.suppress(Exception):
         if remote.exists(f"{name}/{protocol.COMMITTED_MARKER}"):
             return
         for rel in uploaded:
@@ -246,9 +249,10 @@ class _Copy:
 
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""
-        for folder in sorted({posixpath.dirname(f.path) for f in self.manifest.files} - {""}):
-            self.remote.makedirs(f"{dest}/{folder}")
+        folders = sorted({posixpath.dirname(f.path) for f in self.manifest.files} - {""})
         self.remote.makedirs(dest)
+        for folder in folders:
+            self.remote.makedirs(f"{dest}/{folder}")
         for record in self.manifest.files:
             self.uploaded.append(f"{dest}/{record.path}")
             self._copy_file(record, f"{dest}/{record.path}")
@@ -257,7 +261,7 @@ class _Copy:
         expected = [(f.path, f.size) for f in self.manifest.files]
         for path, size in [*expected, (protocol.MANIFEST, len(self.raw_manifest))]:
             self._check_size(f"{dest}/{path}", size)
-        for folder in sorted({posixpath.dirname(f.path) for f in self.manifest.files} - {""}):
+        for folder in folders:
             self.remote.sync_dir(f"{dest}/{folder}")
 
     def _copy_file(self, record: FileRecord, dst: str) -> None:
@@ -278,16 +282,18 @@ class _Copy:
                 data = self._read(reader.read, min(self.chunk_bytes, remaining), path)
                 if not data:
                     raise CheckpointCorruptError(
-                        path, "file is shorter than the manifest says", expected=record.size,
+                        path,
+                        "file is shorter than the manifest says",
+                        expected=record.size,
                         actual=record.size - remaining,
-                    )  # fmt: skip
+                    )
                 check.update(data)
                 writer.write(data)
                 remaining -= len(data)
             check.finish()
 
     @staticmethod
-    def _read(read: _Read, size: int, path: str) -> bytes:
+    def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
         # Map here: left raw, a local read error would surface as the remote write failing.
         try:
             return read(size)
@@ -300,19 +306,15 @@ class _Copy:
         try:
             actual = self.remote.size(rel)
         except FileNotFoundError as exc:
-            raise StorageError("verify", self.remote.full_path(rel), "uploaded file is missing") from exc
+            raise StorageError(
+                "verify", self.remote.full_path(rel), "uploaded file is missing"
+            ) from exc
         if actual != expected:
             raise StorageError(
                 "verify",
                 self.remote.full_path(rel),
                 f"uploaded file has {actual} bytes, the manifest says {expected}",
             )
-
-
-class _Read:
-    """The signature of a binary stream's ``read``."""
-
-    def __call__(self, size: int, /) -> bytes: ...
 
 
 def _items_by_file(manifest_path: str, manifest: Manifest) -> dict[str, list[ItemRecord]]:
@@ -371,9 +373,11 @@ class _StreamCheck:
         """Raise unless every byte arrived and the whole-file checksum (if any) matches."""
         if self._position != self._record.size or self._hasher is not None:
             raise CheckpointCorruptError(
-                self._path, "file is shorter than the manifest says",
-                expected=self._record.size, actual=self._position,
-            )  # fmt: skip
+                self._path,
+                "file is shorter than the manifest says",
+                expected=self._record.size,
+                actual=self._position,
+            )
         if self._whole is not None:
             _compare(self._path, None, self._record.checksum, self._whole)
 
@@ -386,7 +390,9 @@ class _StreamCheck:
             _compare(self._path, item.describe(), item.checksum, self._hasher)
             self._next += 1
             following = self._items[self._next] if self._next < len(self._items) else None
-            self._hasher = None if following is None else _hasher_for(following.checksum, self._path)
+            self._hasher = (
+                None if following is None else _hasher_for(following.checksum, self._path)
+            )
 
 
 def _compare(
@@ -441,8 +447,10 @@ class Replicator:
 
     Errors: a failed replication's original exception is in its future. :meth:`close`
     re-raises the first failure whose future nobody retrieved (``result()`` or
-    ``exception()``), so a fire-and-forget owner cannot lose it, while an owner that checked
-    its futures is not told twice. Skips are policy, not failures: ``close`` does not raise them.
+    ``exception()``, a done-callback's included), so a fire-and-forget owner cannot lose it,
+    while an owner that checked its futures is not told twice. Only one such failure is held
+    (a later one takes the slot once the held one is retrieved), so a long run of failures
+    keeps no tracebacks alive. Skips are policy, not failures: ``close`` does not raise them.
 
     Not picklable (it owns a lock and a thread): an owner pickled into DCP's process executor
     must drop it in ``__getstate__``.
@@ -474,10 +482,11 @@ class Replicator:
         self.skipped: list[str] = []
         self._cond = threading.Condition()
         self._futures: dict[str, _ReplicationFuture] = {}
-        self._failures: list[_ReplicationFuture] = []
+        self._unseen: _ReplicationFuture | None = None  # the first failure nobody retrieved
         self._pending: str | None = None
         self._running: str | None = None
         self._thread: threading.Thread | None = None
+        self._last_thread: threading.Thread | None = None
         self._closed = False
 
     def submit(self, name: str) -> Future[Manifest]:
@@ -499,7 +508,7 @@ class Replicator:
             if existing is not None and not existing.done():
                 return existing
             future = _ReplicationFuture()
-            if self._pending is not None:
+            if self._pending is not None and self._pending != name:  # equal: it was cancelled
                 self._skip(self._pending, superseded_by=name)
             self._pending = name
             self._futures.pop(name, None)
@@ -509,6 +518,7 @@ class Replicator:
                 self._thread = threading.Thread(
                     target=self._work, name="dcp_safe-replicator", daemon=True
                 )
+                self._last_thread = self._thread
                 self._thread.start()
             return future
 
@@ -550,10 +560,11 @@ class Replicator:
             self._closed = True
         self.wait(timeout_s)
         with self._cond:
-            unseen = [f for f in self._failures if not f.retrieved]
-            self._failures.clear()
-        if unseen:
-            unseen[0].result()  # raises the original exception and marks it retrieved
+            worker, unseen, self._unseen = self._last_thread, self._unseen, None
+        if worker is not None:
+            worker.join()  # it has left its loop: this returns at once
+        if unseen is not None and not unseen.retrieved:
+            unseen.result()  # raises the original exception and marks it retrieved
 
     def __enter__(self) -> Replicator:
         return self
@@ -580,8 +591,8 @@ class Replicator:
                     self._cond.notify_all()
                     return
                 self._pending, self._running = None, name
-                future = self._futures[name]
-            if future.set_running_or_notify_cancel():
+                future = self._futures.get(name)  # absent only if cancelled and forgotten
+            if future is not None and future.set_running_or_notify_cancel():
                 self._run(name, future)
             with self._cond:
                 self._running = None
@@ -595,7 +606,8 @@ class Replicator:
             )
         except BaseException as exc:  # the owner decides what is fatal; it reaches the future
             with self._cond:
-                self._failures.append(future)
+                if self._unseen is None or self._unseen.retrieved:
+                    self._unseen = future
             future.set_exception(exc)
         else:
             future.set_result(manifest)
@@ -603,8 +615,8 @@ class Replicator:
     def _skip(self, name: str, *, superseded_by: str) -> None:
         """Fail pending ``name``'s future (unless the owner cancelled it). Holds the lock."""
         self.skipped.append(name)
-        future = self._futures[name]
-        if future.set_running_or_notify_cancel():
+        future = self._futures.get(name)
+        if future is not None and future.set_running_or_notify_cancel():
             future.set_exception(ReplicationSkippedError(name, superseded_by))
 
     def _forget_old(self) -> None:

@@ -27,6 +27,7 @@ import dataclasses
 import io
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -47,8 +48,10 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.options import Compression, WriterOptions, parse_enum
+from dcp_safe.storage.replicate import Replicator
 from dcp_safe.storage.roots import open_backend
 from dcp_safe.storage.streams import HashingSink
+from dcp_safe.storage.watch import watch_for_commit
 
 __all__ = ["SafeStorageWriter"]
 
@@ -78,6 +81,11 @@ class SafeStorageWriter(StorageWriter):
         overwrite: allow replacing a committed checkpoint of the same name; the old one stays
             loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
+        replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
+            ``root`` is copied there in the background and committed there too. See
+            :meth:`replication`.
+        replicate_storage_options: fsspec options for ``replicate_to`` (default:
+            ``storage_options``).
 
     Raises:
         ConfigError: an option has an unsupported value.
@@ -94,6 +102,8 @@ class SafeStorageWriter(StorageWriter):
         fsync: bool = True,
         overwrite: bool = False,
         step: int | None = None,
+        replicate_to: str | os.PathLike[str] | None = None,
+        replicate_storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.options = WriterOptions(
@@ -111,6 +121,13 @@ class SafeStorageWriter(StorageWriter):
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
+        self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
+        self.remote: Backend | None = (
+            None
+            if self.replicate_to is None
+            else open_backend(self.replicate_to, replicate_storage_options or storage_options)
+        )
+        self._replicator: Replicator | None = None
         self._name: str | None = None
         self._rank = 0
         self._is_coordinator = True
@@ -233,8 +250,9 @@ class SafeStorageWriter(StorageWriter):
         assignment = self._assignment
         if assignment is None:
             raise ConfigError("finish() called before write_data()")
+        name = self._require_name()
         Committer(self.backend, self.options).publish(
-            name=self._require_name(),
+            name=name,
             save_id=assignment.save_id,
             work_dir=assignment.work_dir,
             world_size=assignment.world_size,
@@ -242,6 +260,34 @@ class SafeStorageWriter(StorageWriter):
             metadata=metadata,
             results=results,
         )
+        if self.remote is not None:
+            if self._replicator is None:
+                self._replicator = Replicator(self.backend, self.remote)
+            self._replicator.submit(name)
+
+    def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
+        """A future that resolves once checkpoint ``name`` is committed on the remote tier.
+
+        On the coordinator it is the replicator's own future (it fails with the cause, or with
+        ``ReplicationSkippedError`` if a newer checkpoint superseded it). On the other ranks,
+        which upload nothing, it watches the remote ``_COMMITTED`` marker: coordination goes
+        through storage, never through the training process group.
+
+        Raises:
+            ConfigError: the writer has no ``replicate_to``.
+        """
+        name = protocol.validate_name(name)
+        if self.remote is None:
+            raise ConfigError("this writer was created without replicate_to")
+        if self._replicator is not None:
+            with contextlib.suppress(KeyError):
+                return self._replicator.future(name)
+        return watch_for_commit(self.remote, name, poll_s=poll_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain background replication (bounded by ``timeout_s``) and stop its thread."""
+        if self._replicator is not None:
+            self._replicator.close(timeout_s)
 
     def storage_meta(self) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -327,6 +373,7 @@ class SafeStorageWriter(StorageWriter):
         # but make sure no per-save state leaks into the child.
         state = self.__dict__.copy()
         state["_assignment"] = None
+        state["_replicator"] = None  # a thread: the child process starts its own if needed
         return state
 
 
