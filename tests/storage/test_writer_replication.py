@@ -1,4 +1,4 @@
-"""SafeStorageWriter(replicate_to=...): local commit first, then the remote tier, in the background."""
+"""SafeStorageWriter(replicate_to=...): the local commit first, then the remote one."""
 
 from __future__ import annotations
 
