@@ -20,6 +20,8 @@ from dcp_safe.errors import (
     ConfigError,
     DcpSafeError,
     InvalidCheckpointNameError,
+    ReplicationSkippedError,
+    ReplicationTimeoutError,
     StaleWriterError,
     StorageError,
 )
@@ -41,6 +43,8 @@ __all__ = [
     "DcpSafeError",
     "InvalidCheckpointNameError",
     "MemoryBudget",
+    "ReplicationSkippedError",
+    "ReplicationTimeoutError",
     "SafeStorageReader",
     "SafeStorageWriter",
     "StagerStats",

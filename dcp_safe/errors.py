@@ -13,7 +13,9 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     │   └── StaleWriterError                     a writer from an older attempt tried to publish
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
     ├── BudgetExceededError                      a state larger than the host-memory envelope
-    └── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
+    ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
+    ├── ReplicationSkippedError                  a pending replication superseded by a newer one
+    └── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
 
 DCP reports failures as ``CheckpointException``, which derives from ``BaseException`` (so
 ``except Exception`` misses it). :func:`from_checkpoint_exception` maps it to this tree once,
@@ -33,6 +35,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
+    "ReplicationSkippedError",
+    "ReplicationTimeoutError",
     "DcpSafeError",
     "InvalidCheckpointNameError",
     "StaleWriterError",
@@ -164,6 +168,27 @@ class BudgetExceededError(DcpSafeError):
 
 class AdmissionTimeoutError(DcpSafeError, TimeoutError):
     """A save waited longer than its timeout for admission."""
+
+
+class ReplicationSkippedError(DcpSafeError):
+    """A pending replication was dropped because a newer checkpoint was submitted.
+
+    Attributes:
+        name: the checkpoint that was not replicated.
+        superseded_by: the newer checkpoint that replaced it in the queue.
+    """
+
+    def __init__(self, name: str, superseded_by: str) -> None:
+        super().__init__(
+            f"replication of {name!r} was skipped: {superseded_by!r} was submitted before it "
+            "started, and only the newest pending checkpoint is replicated"
+        )
+        self.name = name
+        self.superseded_by = superseded_by
+
+
+class ReplicationTimeoutError(DcpSafeError, TimeoutError):
+    """``wait`` or ``close`` gave up before the replications in flight finished."""
 
 
 def _describe(exc: BaseException) -> str:

@@ -55,7 +55,8 @@ from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     ConfigError,
-    DcpSafeError,
+    ReplicationSkippedError,
+    ReplicationTimeoutError,
     StorageError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
@@ -74,27 +75,6 @@ __all__ = [
 DEFAULT_CHUNK_BYTES = 8 << 20
 # Finished futures kept for ``Replicator.future``; pending and running ones are always kept.
 _DEFAULT_KEEP_DONE = 16
-
-
-class ReplicationSkippedError(DcpSafeError):
-    """A pending replication was dropped because a newer checkpoint was submitted.
-
-    Attributes:
-        name: the checkpoint that was not replicated.
-        superseded_by: the newer checkpoint that replaced it in the queue.
-    """
-
-    def __init__(self, name: str, superseded_by: str) -> None:
-        super().__init__(
-            f"replication of {name!r} was skipped: {superseded_by!r} was submitted before it "
-            "started, and only the newest pending checkpoint is replicated"
-        )
-        self.name = name
-        self.superseded_by = superseded_by
-
-
-class ReplicationTimeoutError(DcpSafeError, TimeoutError):
-    """``wait`` or ``close`` gave up before the replications in flight finished."""
 
 
 # --------------------------------------------------------------------- one checkpoint

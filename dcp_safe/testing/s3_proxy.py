@@ -25,6 +25,7 @@ for real, so what it raises on a 503 or a dropped connection is what production 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import socket
@@ -132,7 +133,7 @@ class FaultProxy:
 
     def start(self) -> FaultProxy:
         """Bind a free loopback port and serve in a background thread."""
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+        server = _Server(("127.0.0.1", 0), _make_handler(self))
         server.daemon_threads = False  # joined by server_close(), so stop() leaves no thread
         server.block_on_close = True
         self._server = server
@@ -153,10 +154,8 @@ class FaultProxy:
         with self._lock:
             connections = list(self._connections)
         for conn in connections:  # wakes handlers waiting for a kept-alive client's next request
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._server.server_close()
         if self._thread is not None:
             self._thread.join()
@@ -296,6 +295,12 @@ class FaultProxy:
             conn.close()
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-exchange is routine here, not worth a traceback on stderr.
+        logger.debug("fault proxy: error serving %s", client_address, exc_info=True)
+
+
 def _error_body(code: str, path: str) -> bytes:
     message = _MESSAGES.get(code, code)
     return (
@@ -348,7 +353,10 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             if fault is not None and fault.kind == "delay" and proxy._stopping.wait(fault.seconds):
                 self.close_connection = True
                 return
-            self._reply(status, reason, headers, path, None, data=data)
+            try:
+                self._reply(status, reason, headers, path, None, data=data)
+            except OSError:  # the client gave up waiting (a delayed reply): nobody to tell
+                self.close_connection = True
 
         def _read_body(self) -> bytes:
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -357,7 +365,7 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(length) if length else b""
 
         def _read_chunked(self) -> bytes:
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
