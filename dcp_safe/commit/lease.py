@@ -18,7 +18,7 @@ from dcp_safe.commit import protocol
 from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 from dcp_safe.storage.backend import Backend
 
-__all__ = ["acquire_lease", "check_lease", "release_lease"]
+__all__ = ["acquire_lease", "check_lease", "lease_acquired_at", "release_lease"]
 
 
 def _lease_path(name: str) -> str:
@@ -59,13 +59,23 @@ def release_lease(backend: Backend, name: str) -> None:
     backend.remove_file(_lease_path(name))
 
 
+def lease_acquired_at(backend: Backend, name: str) -> float | None:
+    """When the lease on ``name`` was taken (None: no lease, or an unreadable one)."""
+    value = _field(backend, name, "acquired_at")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _holder(backend: Backend, name: str) -> str | None:
+    value = _field(backend, name, "save_id")
+    return value if isinstance(value, str) else None
+
+
+def _field(backend: Backend, name: str, key: str) -> object:
     try:
         raw = backend.read_bytes(_lease_path(name))
     except FileNotFoundError:
         return None
     try:
-        holder = json.loads(raw).get("save_id")
+        return json.loads(raw).get(key)
     except (ValueError, AttributeError):
         return None
-    return holder if isinstance(holder, str) else None

@@ -1,10 +1,16 @@
-"""Collect abandoned partial directories, after a grace period.
+"""Collect what failed saves left behind, after a grace period.
 
-A save that fails on some rank leaves its hidden ``.<name>.partial-<id>/`` behind: DCP does not
-call rank 0 back after another rank's failure. Such directories are never checkpoints, but they
-hold disk space. They are removed only once they have been idle for ``grace_s`` (by the newest
-modification time of anything inside), so a save still in progress — possibly from another
-process — is never touched.
+A save that fails on some rank (or is killed) leaves work behind: DCP does not call rank 0 back
+after another rank's failure. None of it is ever a checkpoint, but it holds space.
+
+* Local roots: hidden ``.<name>.partial-<id>/`` directories, removed once idle for ``grace_s``
+  (by the newest modification time of anything inside).
+* Object stores: uncommitted ``<name>/`` prefixes still holding a writing lease taken more than
+  ``grace_s`` ago, and incomplete multipart uploads under the root started more than ``grace_s``
+  ago (a bucket lifecycle rule is the backstop for those; see docs/s3.md).
+
+The grace period is what keeps a save still in progress — possibly from another process or
+node — from ever being touched.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_safe.commit import protocol
+from dcp_safe.commit.lease import lease_acquired_at
 from dcp_safe.errors import ConfigError
+from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.local_backend import LocalBackend
+from dcp_safe.storage.multipart import abort_stale_uploads
 from dcp_safe.storage.roots import open_backend
 
 __all__ = ["SweepReport", "sweep_partials"]
@@ -31,6 +40,7 @@ class SweepReport:
     removed: tuple[str, ...]
     too_recent: tuple[str, ...]
     dry_run: bool
+    aborted_uploads: tuple[str, ...] = ()
 
 
 def sweep_partials(
@@ -41,18 +51,17 @@ def sweep_partials(
     storage_options: dict[str, Any] | None = None,
     now: float | None = None,
 ) -> SweepReport:
-    """Remove hidden partial directories under ``root`` idle for longer than ``grace_s``.
+    """Remove leftovers of failed saves under ``root`` that are older than ``grace_s``.
 
     Raises:
-        ConfigError: a negative grace period, or a root that is not a local directory (object
-            stores keep no partial directories; their leftovers are handled by the S3 tier).
+        ConfigError: a negative grace period.
     """
     if grace_s < 0:
         raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
     backend = open_backend(os.fspath(root), storage_options)
-    if not isinstance(backend, LocalBackend):
-        raise ConfigError(f"sweep_partials works on local roots; {root} is not one")
     now = time.time() if now is None else now
+    if not isinstance(backend, LocalBackend):
+        return _sweep_object_store(backend, grace_s, dry_run, now)
     removed, recent = [], []
     for entry in backend.list_dir(""):
         if not protocol.is_partial_entry(entry):
@@ -75,3 +84,25 @@ def _last_modified(path: str) -> float:
             except FileNotFoundError:
                 continue  # removed while we looked: still someone's live work
     return newest
+
+
+def _sweep_object_store(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
+    removed, recent = [], []
+    for entry in backend.list_dir(""):
+        if backend.exists(f"{entry}/{protocol.COMMITTED_MARKER}"):
+            continue
+        acquired = lease_acquired_at(backend, entry)
+        if acquired is None:
+            continue  # no lease: not a save of ours
+        if now - acquired < grace_s:
+            recent.append(entry)
+            continue
+        if not dry_run:
+            backend.remove_tree(entry)
+        removed.append(entry)
+    aborted = abort_stale_uploads(
+        backend, older_than_s=grace_s, now=now, dry_run=dry_run, in_progress=recent
+    )
+    return SweepReport(
+        removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run, aborted_uploads=aborted
+    )

@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from support import make_state
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.retention.sweeper import sweep_partials
+from dcp_safe.storage.roots import open_backend
 
 
 class _DiesInWriteData(SafeStorageWriter):
@@ -53,3 +56,32 @@ def test_dry_run_removes_nothing(tmp_path: Path) -> None:
 def test_negative_grace_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         sweep_partials(tmp_path, grace_s=-1)
+
+
+@pytest.mark.s3
+def test_object_store_sweep_collects_stale_leases_and_uploads_only(
+    s3: Any,  # noqa: F811
+    s3_bucket: str,  # noqa: F811
+    s3_root: str,  # noqa: F811
+    s3_options: dict[str, Any],  # noqa: F811
+) -> None:
+    backend = open_backend(s3_root, s3_options)
+    dcp_safe.save(
+        make_state(0),
+        checkpoint_id="step_1",
+        storage_writer=SafeStorageWriter(s3_root, storage_options=s3_options),
+    )
+    acquire_lease(backend, "step_2", "killed-save")
+    backend.write_bytes("step_2/__0_0.distcp", b"half a shard")
+    prefix = s3_root.removeprefix(f"s3://{s3_bucket}/")
+    s3.client().create_multipart_upload(Bucket=s3_bucket, Key=f"{prefix}/step_2/__1_0.distcp")
+
+    early = sweep_partials(s3_root, grace_s=3600, storage_options=s3_options)
+    assert early.removed == () and early.too_recent == ("step_2",) and early.aborted_uploads == ()
+
+    report = sweep_partials(s3_root, grace_s=60, now=time.time() + 61, storage_options=s3_options)
+    assert report.removed == ("step_2",)
+    assert report.aborted_uploads == (f"s3://{s3_bucket}/{prefix}/step_2/__1_0.distcp",)
+    assert s3.open_uploads(s3_bucket) == []
+    assert backend.list_dir("") == ["step_1"]
+    dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
