@@ -54,7 +54,13 @@ class FsspecBackend(Backend):
         storage_options: passed to fsspec (credentials, ``endpoint_url``, ...).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        client_retries: int | None = None,
+    ) -> None:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
@@ -65,6 +71,19 @@ class FsspecBackend(Backend):
         self.fs: fsspec.AbstractFileSystem = fs
         self.root = root.rstrip("/")
         self.supports_exclusive_create = _has_conditional_create(fs)
+        self.client_retries = client_retries
+        self._limit_client_retries()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # fsspec rebuilds an unpickled file system from its options; s3fs's retry count is none.
+        self.__dict__.update(state)
+        self._limit_client_retries()
+
+    def _limit_client_retries(self) -> None:
+        """s3fs retries in its own loop (class attribute ``retries``), which no storage option
+        reaches; where RetryingBackend owns retries and the deadline, the client tries once."""
+        if self.client_retries is not None and hasattr(self.fs, "retries"):
+            self.fs.retries = self.client_retries
 
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

@@ -18,6 +18,7 @@ __all__ = ["abort_stale_uploads", "incomplete_uploads"]
 
 def incomplete_uploads(backend: Backend) -> list[dict[str, Any]]:
     """Incomplete multipart uploads whose key lies under the backend's root (S3 only)."""
+    backend = _unwrap(backend)
     fs = getattr(backend, "fs", None)
     if fs is None or not hasattr(fs, "list_multipart_uploads"):
         return []
@@ -44,6 +45,7 @@ def abort_stale_uploads(
     Returns:
         The ``s3://bucket/key`` of each upload aborted (or, in a dry run, that would be).
     """
+    backend = _unwrap(backend)
     aborted = []
     root_prefix = str(backend.root).partition("/")[2]  # type: ignore[attr-defined]
     for upload in incomplete_uploads(backend):
@@ -64,3 +66,10 @@ def abort_stale_uploads(
             )
         aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
     return tuple(aborted)
+
+
+def _unwrap(backend: Backend) -> Backend:
+    """The file-system backend under wrappers such as RetryingBackend."""
+    while isinstance(getattr(backend, "inner", None), Backend):
+        backend = backend.inner  # type: ignore[attr-defined]
+    return backend

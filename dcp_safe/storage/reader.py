@@ -10,7 +10,7 @@ DCP calls a reader in this order (every rank)::
     set_up_storage_reader(metadata, is_coordinator, rank=...)
     prepare_local_plan / prepare_global_plan
     read_data(plan, planner)        every item's bytes are checked against the manifest before
-                                    they are deserialized
+                                    they reach the caller's state dict
 
 Checks happen in ``reset`` rather than ``read_metadata`` because DCP turns an exception from
 ``read_metadata`` into a warning and a plain ``AssertionError``; ``reset`` is called directly.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -41,8 +41,9 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed, resolve_name
+from dcp_safe.storage.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.storage.roots import open_backend
-from dcp_safe.storage.streams import read_verified
+from dcp_safe.storage.streams import VerifyingSlice, read_verified
 
 __all__ = ["SafeStorageReader"]
 
@@ -67,16 +68,20 @@ class SafeStorageReader(StorageReader):
         checkpoint_id: str = protocol.LATEST,
         fallback: str | os.PathLike[str] | None = None,
         fallback_storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         self.root = os.fspath(root)
         self.verify = verify
         self.storage_options = storage_options
-        self.backend: Backend = open_backend(self.root, storage_options)
+        self.retry = retry or RetryPolicy()
+        self.backend: Backend = open_backend(self.root, storage_options, retry=retry)
         self.fallback: Backend | None = (
             None
             if fallback is None
-            else open_backend(os.fspath(fallback), fallback_storage_options or storage_options)
+            else open_backend(
+                os.fspath(fallback), fallback_storage_options or storage_options, retry=retry
+            )
         )
         self._requested = checkpoint_id
         self._name: str | None = None
@@ -210,10 +215,10 @@ class SafeStorageReader(StorageReader):
                 for request in requests:
                     label, record = self._record_for(path, request)
                     try:
-                        raw = self._read_raw(stream, path, label, record)
+                        self._load_item(rel, stream, label, record, request, planner)
                     except CheckpointCorruptError as exc:
                         raw = self._read_from_spare(rel, label, record, cause=exc)
-                    self._deliver(raw, path, label, record, request, planner)
+                        self._deliver(raw, path, label, record, request, planner)
         except FileNotFoundError:
             spare = self._spare_tier()
             if spare is None:
@@ -242,6 +247,74 @@ class SafeStorageReader(StorageReader):
             length=record.length,
             checksum=record.checksum if self.verify else None,
         )
+
+    def _load_item(
+        self,
+        rel: str,
+        stream: Any,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        path = self._source.full_path(rel)
+        streamable = self.verify and request.type != LoadItemType.BYTE_IO and not record.transforms
+        if streamable:
+            try:
+                tensor = self._load_streamed(stream, path, label, record)
+            except CheckpointCorruptError:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+            else:
+                self._hand_over(tensor, path, label, request, planner)
+                return
+        raw = self._read_raw_retrying(self._source, rel, stream, label, record)
+        self._deliver(raw, path, label, record, request, planner)
+
+    def _load_streamed(
+        self, stream: Any, path: str, label: str, record: ItemRecord
+    ) -> torch.Tensor:
+        """``torch.load`` reads straight from the file while the same bytes are hashed; the
+        checksum is compared before the tensor goes anywhere near the caller's state dict."""
+        view = VerifyingSlice(stream, record.start, record.length, record.checksum)
+        try:
+            tensor: torch.Tensor = torch.load(
+                cast(IO[bytes], view), map_location="cpu", weights_only=True
+            )
+        except Exception as exc:
+            actual, whole = view.finish()
+            if not whole or actual != record.checksum:
+                raise CheckpointCorruptError(
+                    path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
+                ) from exc
+            raise
+        actual, whole = view.finish()
+        if not whole:
+            raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=label)
+        if actual != record.checksum:
+            raise CheckpointCorruptError(
+                path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
+            )
+        return tensor
+
+    def _read_raw_retrying(
+        self, backend: Backend, rel: str, stream: Any, label: str, record: ItemRecord
+    ) -> bytes:
+        """Read an item; after a transient error, retry it on a fresh stream within the policy."""
+        path = backend.full_path(rel)
+        try:
+            return self._read_raw(stream, path, label, record)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+
+        def again() -> bytes:
+            with backend.open_read(rel) as fresh:
+                return self._read_raw(fresh, path, label, record)
+
+        return call_with_retries("read", path, again, self.retry)
 
     def _spare_tier(self) -> Backend | None:
         """The other tier, if it holds this very checkpoint (the same manifest)."""
@@ -285,7 +358,17 @@ class SafeStorageReader(StorageReader):
         if request.type == LoadItemType.BYTE_IO:
             planner.load_bytes(request, payload)
             return
-        tensor = torch.load(payload, map_location="cpu", weights_only=True)
+        self._hand_over(
+            torch.load(payload, map_location="cpu", weights_only=True),
+            path,
+            label,
+            request,
+            planner,
+        )
+
+    def _hand_over(
+        self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
+    ) -> None:
         tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
         target = planner.resolve_tensor(request).detach()
         if target.size() != tensor.size():

@@ -146,7 +146,7 @@ def single_try_s3_options(
     storage_options: dict[str, Any] | None = None,
     *,
     connect_timeout_s: float = 5.0,
-    read_timeout_s: float = 30.0,
+    read_timeout_s: float = 15.0,
 ) -> dict[str, Any]:
     """s3fs ``storage_options`` under which botocore tries each request once, with bounded
     timeouts, so that :class:`RetryingBackend` owns retries and its deadline holds.
