@@ -149,3 +149,35 @@ def test_a_losing_concurrent_save_never_damages_the_committed_one(
         dcp_safe.save(loser, checkpoint_id="step_1", storage_writer=late)
     dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
     assert_state_equal(_load(s3_root, s3_options, "step_1", winner), winner)
+
+
+def test_two_publishers_racing_for_a_name_give_one_checkpoint_and_a_clear_error(
+    s3_root: str,  # noqa: F811
+    s3_options: Options,  # noqa: F811
+) -> None:
+    import threading
+
+    states = {0: make_state(20), 1: make_state(21)}
+    outcomes: dict[int, BaseException | None] = {}
+    start = threading.Barrier(2)
+
+    def publish(who: int) -> None:
+        start.wait()
+        try:
+            _save(s3_root, s3_options, "step_1", states[who])
+            outcomes[who] = None
+        except BaseException as exc:
+            outcomes[who] = exc
+
+    threads = [threading.Thread(target=publish, args=(who,)) for who in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    winners = [who for who, error in outcomes.items() if error is None]
+    losers = [error for error in outcomes.values() if error is not None]
+    assert len(winners) == 1 and len(losers) == 1
+    assert isinstance(losers[0], CheckpointExistsError)
+    dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
+    winner = states[winners[0]]
+    assert_state_equal(_load(s3_root, s3_options, "step_1", winner), winner)
