@@ -27,6 +27,19 @@ SECRET_KEY = "testing"
 REGION = "us-east-1"
 
 
+def local_storage_options(endpoint_url: str, **extra: Any) -> dict[str, Any]:
+    """s3fs options for a local S3 endpoint with the dummy credentials; ``extra`` adds or
+    overrides top-level options."""
+    options: dict[str, Any] = {
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "endpoint_url": endpoint_url,
+        "client_kwargs": {"region_name": REGION},
+    }
+    options.update(extra)
+    return options
+
+
 @dataclass
 class LocalS3:
     """A running moto S3 server.
@@ -41,14 +54,7 @@ class LocalS3:
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """fsspec/s3fs options for this server; ``extra`` overrides or adds (e.g.
         ``default_block_size``)."""
-        options: dict[str, Any] = {
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "endpoint_url": self.endpoint_url,
-            "client_kwargs": {"region_name": REGION},
-        }
-        options.update(extra)
-        return options
+        return local_storage_options(self.endpoint_url, **extra)
 
     def client(self) -> Any:
         """A boto3 S3 client for this server (for setup and for inspecting what is stored)."""

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any, Literal
 from xml.sax.saxutils import escape
 
-from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY
+from dcp_safe.testing.s3 import local_storage_options
 
 __all__ = ["Fault", "FaultProxy"]
 
@@ -258,14 +258,7 @@ class FaultProxy:
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """s3fs options that go through this proxy, with dummy credentials; ``extra`` adds or
         overrides top-level options."""
-        options: dict[str, Any] = {
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "endpoint_url": self.url,
-            "client_kwargs": {"region_name": REGION},
-        }
-        options.update(extra)
-        return options
+        return local_storage_options(self.url, **extra)
 
     # ------------------------------------------------------------- the handler's side
 

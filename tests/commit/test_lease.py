@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import fsspec
 import pytest
 from support import assert_state_equal, blank_like, make_state
 
@@ -18,12 +15,8 @@ from dcp_safe.storage.roots import open_backend
 
 
 @pytest.fixture
-def root() -> Iterator[str]:
-    url = f"memory://lease-{uuid.uuid4().hex}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
+def root(memory_root: str) -> str:
+    return memory_root
 
 
 def test_a_save_without_rename_commits_and_releases_its_lease(root: str) -> None:

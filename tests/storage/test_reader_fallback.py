@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +18,8 @@ from dcp_safe.storage.roots import open_backend
 
 
 @pytest.fixture
-def remote() -> Iterator[str]:
-    url = f"memory://fallback-{uuid.uuid4().hex}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
+def remote(memory_root: str) -> str:
+    return memory_root
 
 
 def _mirror(local: Path, remote: str, name: str) -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 import torch.distributed.checkpoint as dcp
 from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
@@ -18,12 +15,8 @@ from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter
 
 
 @pytest.fixture
-def remote() -> Iterator[str]:
-    url = f"memory://replica-{uuid.uuid4().hex}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
+def remote(memory_root: str) -> str:
+    return memory_root
 
 
 def _restore(root: str, like: dict[str, Any], **options: Any) -> dict[str, Any]:
