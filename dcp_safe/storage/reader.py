@@ -285,11 +285,13 @@ class SafeStorageReader(StorageReader):
             )
         except Exception as exc:
             actual, whole = view.finish()
-            if not whole or actual != record.checksum:
+            if self.verify and (not whole or actual != record.checksum):
                 raise CheckpointCorruptError(
                     path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
                 ) from exc
             raise
+        if not self.verify:
+            return tensor
         actual, whole = view.finish()
         if not whole:
             raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=label)
