@@ -258,7 +258,7 @@ class SafeStorageReader(StorageReader):
         planner: LoadPlanner,
     ) -> None:
         path = self._source.full_path(rel)
-        streamable = self.verify and request.type != LoadItemType.BYTE_IO and not record.transforms
+        streamable = request.type != LoadItemType.BYTE_IO and not record.transforms
         if streamable:
             try:
                 tensor = self._load_streamed(stream, path, label, record)
