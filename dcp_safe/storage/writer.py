@@ -192,21 +192,25 @@ class SafeStorageWriter(StorageWriter):
         if not isinstance(assignment, _Assignment):
             raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
         self._assignment = assignment
+        buckets = _split_evenly(plan.items, self.options.thread_count)
+        files = [protocol.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
-            results = self._write_rank(assignment, plan, planner)
+            results = self._write_rank(assignment, files, buckets, planner)
         except BaseException:
-            self._abandon(assignment, len(plan.items))
+            self._abandon(assignment, files)
             raise
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def _write_rank(
-        self, assignment: _Assignment, plan: SavePlan, planner: SavePlanner
+        self,
+        assignment: _Assignment,
+        files: list[str],
+        buckets: list[list[WriteItem]],
+        planner: SavePlanner,
     ) -> list[WriteResult]:
         name = self._require_name()
-        buckets = _split_evenly(plan.items, self.options.thread_count)
-        files = [protocol.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 1) as pool:
             hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
             writes = [
@@ -230,7 +234,7 @@ class SafeStorageWriter(StorageWriter):
             for record, item in records
         ]
 
-    def _abandon(self, assignment: _Assignment, item_count: int) -> None:
+    def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
         """After this rank failed: on an object store, remove its own objects and free the name.
 
         DCP will not call ``finish``, so nobody else would. Another rank may fail too and do the
@@ -240,9 +244,7 @@ class SafeStorageWriter(StorageWriter):
         if self.backend.supports_atomic_rename:
             return
         name = assignment.work_dir
-        shard_count = min(self.options.thread_count, max(1, item_count))
-        own = [protocol.shard_file_name(assignment.rank, i) for i in range(shard_count)]
-        own.append(protocol.rank_manifest_name(assignment.rank))
+        own = [*files, protocol.rank_manifest_name(assignment.rank)]
         with contextlib.suppress(OSError, DcpSafeError):
             for rel in own:
                 self.backend.remove_file(f"{name}/{rel}")
