@@ -25,6 +25,7 @@ from dcp_safe.errors import (
     StaleWriterError,
     StorageError,
 )
+from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
 from dcp_safe.storage.reader import SafeStorageReader
@@ -34,23 +35,28 @@ __all__ = [
     "AdmissionTimeoutError",
     "BudgetExceededError",
     "BudgetedStager",
+    "BusyPolicy",
     "CheckpointCorruptError",
-    "CheckpointInfo",
     "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
     "DcpSafeError",
     "InvalidCheckpointNameError",
+    "ManagerStats",
     "MemoryBudget",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "SafeStorageReader",
     "SafeStorageWriter",
+    "SaveHandle",
     "StagerStats",
     "StaleWriterError",
     "StorageError",
     "SweepReport",
+    "Validation",
     "VerifyReport",
     "WhenBusy",
     "__version__",

@@ -1,0 +1,705 @@
+"""``CheckpointManager``: the policy layer a training loop calls once per step.
+
+It owns *when* a save happens and what happens after it, not how bytes are written: saves go
+through :func:`dcp_safe.api.async_save` with a :class:`SafeStorageWriter` and a
+:class:`BudgetedStager`; restores through a :class:`SafeStorageReader` with the replica as
+fallback.
+
+Call order (one training thread calls ``save``/``maybe_save``/``restore``/``close``)::
+
+    training thread   save(step): admission by ``when_busy`` (at most one save in flight and
+                      at most one pending: never an unbounded queue), then stage -> returns
+    upload thread     DCP writes and commits locally
+    manager thread    after each upload: verify the new checkpoint, record history, prune by
+                      the retention policy, free the slot, start the pending (coalesced) save
+    any thread        replication to ``replicate_to`` finishes -> history, ``replicated``
+
+``when_busy`` (a save is still in flight):
+
+* ``"wait"``: block until it is done; the seconds are counted in :meth:`stats`.
+* ``"skip"``: return ``None``; counted, logged, and recorded in the history.
+* ``"coalesce"``: keep only the newest request. The state is copied *now* (the caller goes on
+  mutating it), into one extra host copy, but only if the stager's budget has room for that copy
+  besides the pool; otherwise the request is skipped (counted, reason recorded). A newer request
+  replaces the pending one, whose handle's futures are cancelled. The pending copy is saved by
+  the manager thread as soon as the in-flight save is done.
+* ``"sync"``: save now, in the foreground, with a second writer (a writer runs one save at a
+  time) and no staging: ``dcp_safe.api.save`` on the live state.
+* ``"raise"``: raise :class:`~dcp_safe.errors.AdmissionTimeoutError` (a wait of zero).
+
+``force=True`` waits whatever the policy: for a final save that must not be lost.
+
+After each local commit the new checkpoint is verified (``validate="manifest"``: marker and
+manifest digest; ``"deep"``: every byte), then retention prunes the local root by
+:func:`dcp_safe.retention.policy.decide` (``keep_last``/``keep_every`` plus its safety rules);
+a checkpoint that fails verification stops pruning, and names being restored or replicated are
+kept until a later prune. The remote tier is not pruned. One manager owns a root: retention
+treats every committed checkpoint with a step as its own.
+
+History: ``<root>/_history.jsonl``, one JSON object a line (``event`` = requested, skipped,
+committed, failed or pruned; ``step``, ``name``, ``tier``, ``reason``, ``time``). It is a
+top-level file, so it is never mistaken for a checkpoint. Appended on local roots; rewritten
+whole on object stores, which have no append.
+
+Errors: a background failure (upload, verification, replication) fails the handle's future and
+is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dcp_safe import api
+from dcp_safe.catalog import list_checkpoints, verify_checkpoint
+from dcp_safe.commit import protocol
+from dcp_safe.errors import (
+    AdmissionTimeoutError,
+    ConfigError,
+    DcpSafeError,
+    ReplicationSkippedError,
+)
+from dcp_safe.retention.policy import CheckpointRecord, KeepEvery, KeepLast, combine, decide
+from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging._tree import collect_tensors, rebuild
+from dcp_safe.storage.committed import open_committed
+from dcp_safe.storage.local_backend import LocalBackend
+from dcp_safe.storage.reader import SafeStorageReader
+from dcp_safe.storage.writer import SafeStorageWriter
+
+__all__ = [
+    "HISTORY_FILE",
+    "BusyPolicy",
+    "CheckpointManager",
+    "ManagerStats",
+    "SaveHandle",
+    "Validation",
+]
+
+log = logging.getLogger(__name__)
+
+HISTORY_FILE = "_history.jsonl"
+
+T = TypeVar("T")
+
+
+class BusyPolicy(str, enum.Enum):
+    """What :meth:`CheckpointManager.save` does while a save is in flight."""
+
+    WAIT = "wait"
+    SKIP = "skip"
+    COALESCE = "coalesce"
+    SYNC = "sync"
+    RAISE = "raise"
+
+
+class Validation(str, enum.Enum):
+    """How a new local checkpoint is checked before retention may prune older ones."""
+
+    MANIFEST = "manifest"  # marker and manifest digest agree (a few small reads)
+    DEEP = "deep"  # every byte against its checksum (verify_checkpoint)
+
+
+def _coerce(kind: type[enum.Enum], value: object, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"{what} must be one of {choices}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class SaveHandle:
+    """One requested save.
+
+    Attributes:
+        step: the training step.
+        name: the checkpoint name.
+        staged: resolves once the state was copied (the caller may mutate it again).
+        committed: resolves with ``name`` once committed locally, verified, and retention ran;
+            fails with the upload's or verification's error; cancelled if a newer coalesced
+            request replaced this one.
+        replicated: resolves once committed on ``replicate_to`` (``None`` without one).
+    """
+
+    step: int
+    name: str
+    staged: Future[None] = field(default_factory=Future, repr=False)
+    committed: Future[str] = field(default_factory=Future, repr=False)
+    replicated: Future[Any] = field(default_factory=Future, repr=False)
+
+    def cancel(self) -> None:
+        for future in (self.staged, self.committed, self.replicated):
+            future.cancel()
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """Counters since the manager was created."""
+
+    requested: int
+    started: int
+    skipped: int
+    coalesced: int
+    committed: int
+    failed: int
+    pruned: int
+    waited_s: float
+    waiting: int
+
+
+@dataclass
+class _Pending:
+    handle: SaveHandle
+    state: dict[str, Any]
+    nbytes: int
+
+
+class CheckpointManager:
+    """Admission-controlled saves, retention and restore under one root.
+
+    Args:
+        root: the local (fast) root.
+        replicate_to: a second root every local commit is replicated to.
+        keep_last: keep this many newest checkpoints (retention; see
+            :mod:`dcp_safe.retention.policy` for the safety rules on top).
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        when_busy: ``"wait"``, ``"skip"``, ``"coalesce"``, ``"sync"`` or ``"raise"``.
+        save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
+        budget: the stager's memory budget (default: measured on this host).
+        stager: a stager to use instead of one built here (not closed by :meth:`close`).
+        storage_options: fsspec options for both roots.
+        validate: ``"manifest"`` or ``"deep"``.
+        name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
+        writer: a writer to use instead of one built here (tests, custom options).
+
+    Raises:
+        ConfigError: a bad option.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        replicate_to: str | os.PathLike[str] | None = None,
+        keep_last: int = 2,
+        keep_every: int | None = None,
+        when_busy: BusyPolicy | str = "wait",
+        save_every: int = 1,
+        budget: MemoryBudget | None = None,
+        stager: BudgetedStager | None = None,
+        storage_options: dict[str, Any] | None = None,
+        validate: Validation | str = "manifest",
+        name_format: str = "step_{step:09d}",
+        writer: SafeStorageWriter | None = None,
+    ) -> None:
+        if not isinstance(save_every, int) or save_every < 1:
+            raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
+        self.when_busy: BusyPolicy = _coerce(BusyPolicy, when_busy, "when_busy")
+        self.validate: Validation = _coerce(Validation, validate, "validate")
+        self.save_every = save_every
+        self.name_format = name_format
+        self._name_for(0)  # fail early on a bad pattern
+        policies: list[Any] = [KeepLast(keep_last)]
+        if keep_every is not None:
+            policies.append(KeepEvery(keep_every))
+        self.policy = combine(*policies)
+        self.storage_options = storage_options
+        self.writer = writer or SafeStorageWriter(
+            root, replicate_to=replicate_to, storage_options=storage_options
+        )
+        self.root = self.writer.root
+        self.replicate_to = self.writer.replicate_to
+        self._owns_stager = stager is None
+        self.stager = stager or BudgetedStager(budget, when_busy="wait")
+        self._sync_writer: SafeStorageWriter | None = None
+        self._cond = threading.Condition()
+        self._history_lock = threading.Lock()
+        self._prune_lock = threading.Lock()
+        self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
+        self._busy: SaveHandle | None = None
+        self._pending: _Pending | None = None
+        self._replications: dict[str, Future[Any]] = {}
+        self._reading: set[str] = set()
+        self._errors: list[BaseException] = []
+        self._raised = 0
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("requested", "started", "skipped", "coalesced", "committed", "failed", "pruned"), 0
+        )
+        self._waited_s = 0.0
+        self._waiting = 0
+        self._validated = self._validated_from_history()
+
+    # ------------------------------------------------------------------ saving
+
+    def maybe_save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
+        """:meth:`save` when ``step % save_every == 0``, else ``None``."""
+        if step % self.save_every:
+            return None
+        return self.save(step, state_dict)
+
+    def save(
+        self, step: int, state_dict: dict[str, Any], *, force: bool = False
+    ) -> SaveHandle | None:
+        """Save ``state_dict`` as checkpoint ``step``, by the ``when_busy`` policy.
+
+        Returns:
+            The save's handle, or ``None`` when it was skipped.
+
+        Raises:
+            AdmissionTimeoutError: busy with ``when_busy="raise"``, or not admitted by the stager.
+            BudgetExceededError: the state can never fit the budget.
+            ConfigError: the manager is closed, or the name is invalid.
+        """
+        handle = SaveHandle(step=step, name=self._name_for(step))
+        policy = BusyPolicy.WAIT if force else self.when_busy
+        with self._cond:
+            if self._closed:
+                raise ConfigError("this CheckpointManager is closed")
+            self._counts["requested"] += 1
+        self._record("requested", handle, tier="local")
+        with self._cond:
+            if self._busy is not None and policy is BusyPolicy.WAIT:
+                self._wait_for_slot()
+            start = self._busy is None
+            if start:
+                self._busy = handle
+                self._counts["started"] += 1
+        if start:
+            self._start(handle, state_dict)
+            return handle
+        return self._when_busy(policy, handle, state_dict)
+
+    def _wait_for_slot(self) -> None:
+        started = time.perf_counter()
+        self._waiting += 1
+        try:
+            while self._busy is not None:
+                self._cond.wait()
+        finally:
+            self._waiting -= 1
+            self._waited_s += time.perf_counter() - started
+
+    def _when_busy(
+        self, policy: BusyPolicy, handle: SaveHandle, state_dict: dict[str, Any]
+    ) -> SaveHandle | None:
+        if policy is BusyPolicy.SKIP:
+            self._skip(handle, "busy: a save is in flight (when_busy='skip')")
+            return None
+        if policy is BusyPolicy.RAISE:
+            self._skip(handle, "busy: a save is in flight (when_busy='raise')")
+            raise AdmissionTimeoutError(
+                f"save of step {handle.step} refused: a save is in flight (when_busy='raise')"
+            )
+        if policy is BusyPolicy.SYNC:
+            self._save_in_foreground(handle, state_dict)
+            return handle
+        return self._coalesce(handle, state_dict)
+
+    def _skip(self, handle: SaveHandle, reason: str) -> None:
+        with self._cond:
+            self._counts["skipped"] += 1
+        log.info("checkpoint %s skipped: %s", handle.name, reason)
+        self._record("skipped", handle, tier="local", reason=reason)
+
+    def _coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
+        sources = collect_tensors(state_dict)
+        need = sum(t.nbytes for t in sources)
+        with self._cond:  # the copy it replaces is still alive while this one is taken
+            held = self._pending.nbytes if self._pending is not None else 0
+        room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
+        if need > room:
+            self._skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
+            return None
+        state = rebuild(state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources})
+        handle.staged.set_result(None)
+        start_now = False
+        with self._cond:
+            replaced, self._pending = self._pending, _Pending(handle, state, need)
+            self._counts["coalesced"] += 1
+            if self._busy is None:  # the in-flight save finished meanwhile
+                start_now = True
+                self._busy, self._pending = handle, None
+                self._counts["started"] += 1
+        if replaced is not None:
+            self._supersede(replaced.handle, handle)
+        if start_now:
+            self._start(handle, state)
+        return handle
+
+    def _supersede(self, old: SaveHandle, new: SaveHandle) -> None:
+        with self._cond:
+            self._counts["skipped"] += 1
+        old.cancel()
+        self._record("skipped", old, tier="local", reason=f"coalesced into step {new.step}")
+
+    def _start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
+        """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
+        self.writer.step = handle.step
+        try:
+            response = api.async_save(
+                state_dict,
+                checkpoint_id=handle.name,
+                storage_writer=self.writer,
+                async_stager=self.stager,
+                no_dist=True,
+            )
+            self.stager.track(response)
+        except BaseException as exc:
+            self._fail(handle, exc, tier="local", keep=False)
+            self._finish_slot()
+            raise
+        _chain(response.staging_completion, handle.staged, lambda _: None)
+        response.upload_completion.add_done_callback(
+            lambda done: self._post.submit(self._after_upload, handle, done)
+        )
+
+    def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
+        writer = self._foreground_writer()
+        writer.step = handle.step
+        try:
+            api.save(state_dict, checkpoint_id=handle.name, storage_writer=writer, no_dist=True)
+        except BaseException as exc:
+            self._fail(handle, exc, tier="local", keep=False)
+            raise
+        handle.staged.set_result(None)
+        self._after_commit(handle, writer)
+
+    def _foreground_writer(self) -> SafeStorageWriter:
+        if self._sync_writer is None:
+            self._sync_writer = copy.copy(self.writer)  # no replicator: it starts its own
+        return self._sync_writer
+
+    # ------------------------------------------------------------------ after a save
+
+    def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
+        """On the manager thread: verify, record, prune, then free the slot."""
+        try:
+            error = upload.exception()
+            if error is not None:
+                self._fail(handle, error, tier="local")
+            else:
+                self._after_commit(handle, self.writer)
+        except BaseException as exc:  # a bug here must not wedge the slot
+            self._fail(handle, exc, tier="local")
+        finally:
+            self._finish_slot()
+
+    def _after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
+        try:
+            self._verify(handle.name)
+        except (DcpSafeError, OSError) as exc:
+            # Neither pruning nor a replication future: the newest checkpoint is not trusted.
+            self._fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
+            return
+        with self._cond:
+            self._validated.add(handle.name)
+            self._counts["committed"] += 1
+        self._record("committed", handle, tier="local", validated=True)
+        self._replicate(handle, writer)
+        try:
+            self.prune()
+        except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
+            log.warning("retention after %s failed: %s", handle.name, exc)
+            with self._cond:
+                self._errors.append(exc)
+        handle.committed.set_result(handle.name)
+
+    def _verify(self, name: str) -> None:
+        if self.validate is Validation.DEEP:
+            verify_checkpoint(self.root, name, storage_options=self.storage_options)
+        else:
+            open_committed(self.writer.backend, name)
+
+    def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
+        if writer.replicate_to is None:
+            handle.replicated.set_result(None)
+            return
+        remote = writer.replication(handle.name)
+        with self._cond:  # the handle's future: it is set after the outcome is recorded
+            self._replications[handle.name] = handle.replicated
+        remote.add_done_callback(lambda done: self._replicated(handle, done))
+
+    def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
+        if handle.replicated.done():
+            return
+        error = done.exception()
+        if error is None:
+            self._record("committed", handle, tier="remote")
+            handle.replicated.set_result(done.result())
+        elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
+            self._record("skipped", handle, tier="remote", reason=str(error))
+            handle.replicated.set_exception(error)
+        else:
+            self._fail(handle, error, tier="remote", future=handle.replicated)
+        with self._cond:  # finished: no longer protected from pruning, nothing to wait for
+            if self._replications.get(handle.name) is handle.replicated:
+                del self._replications[handle.name]
+            self._cond.notify_all()
+
+    def _fail(
+        self,
+        handle: SaveHandle,
+        error: BaseException,
+        *,
+        tier: str,
+        reason: str | None = None,
+        keep: bool = True,
+        future: Future[Any] | None = None,
+    ) -> None:
+        """Record a failure; ``keep`` holds it for ``wait``/``close`` (raised ones are not)."""
+        with self._cond:
+            self._counts["failed"] += 1
+            if keep:
+                self._errors.append(error)
+        log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
+        self._record(
+            "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
+        )
+        targets: list[Future[Any]] = (
+            [future] if future is not None else [handle.staged, handle.committed]
+        )
+        for target in targets:
+            if not target.done():
+                target.set_exception(error)
+        if future is None and not handle.replicated.done():
+            handle.replicated.set_exception(error)
+
+    def _finish_slot(self) -> None:
+        """Free the slot, or hand it straight to the pending coalesced save."""
+        with self._cond:
+            pending, self._pending = self._pending, None
+            self._busy = pending.handle if pending is not None else None
+            if pending is not None:
+                self._counts["started"] += 1
+            self._cond.notify_all()
+        if pending is not None:
+            with contextlib.suppress(BaseException):  # _start recorded and kept the error
+                self._start_pending(pending)
+
+    def _start_pending(self, pending: _Pending) -> None:
+        try:
+            self._start(pending.handle, pending.state)
+        except BaseException as exc:
+            with self._cond:
+                self._errors.append(exc)
+            raise
+
+    # ------------------------------------------------------------------ retention
+
+    def prune(self) -> tuple[str, ...]:
+        """Apply retention to the local root now; returns the names removed.
+
+        Checkpoints being read by :meth:`restore` or still being replicated are kept (until a
+        later prune). Names this manager did not save (no step in the manifest) are left alone.
+        """
+        with self._prune_lock:
+            infos = [i for i in list_checkpoints(self.root, storage_options=self.storage_options)]
+            with self._cond:
+                records = [
+                    CheckpointRecord(i.name, i.step, i.name in self._validated)
+                    for i in infos
+                    if i.step is not None
+                ]
+                protected = set(self._reading) | {
+                    n for n, f in self._replications.items() if not f.done()
+                }
+            decision = decide(records, self.policy, protected=protected)
+            for name in decision.drop:
+                self.writer.backend.remove_tree(name)
+                with self._cond:
+                    self._validated.discard(name)
+                    self._replications.pop(name, None)
+                    self._counts["pruned"] += 1
+                step = next(r.step for r in records if r.name == name)
+                self._record("pruned", (step, name), tier="local", reason="retention")
+            return decision.drop
+
+    # ------------------------------------------------------------------ reading
+
+    def latest(self, tier: str = "local") -> str | None:
+        """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
+        if tier not in ("local", "remote"):
+            raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
+        root = self.root if tier == "local" else self.replicate_to
+        if root is None:
+            raise ConfigError("this manager has no replicate_to")
+        found = list_checkpoints(root, storage_options=self.storage_options)
+        return found[-1].name if found else None
+
+    def restore(self, state_dict: dict[str, Any], step: int | str = protocol.LATEST) -> str:
+        """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
+
+        The local root is read first, ``replicate_to`` is the fallback. The checkpoint is kept
+        from pruning while it is read.
+
+        Returns:
+            The name loaded.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed by that name on either tier.
+            CheckpointCorruptError: the bytes do not match their manifest on any tier.
+        """
+        wanted = step if step == protocol.LATEST else self._name_for(int(step))
+        reading = self.latest("local") if wanted == protocol.LATEST else wanted
+        reader = SafeStorageReader(
+            self.root, storage_options=self.storage_options, fallback=self.replicate_to
+        )
+        with self._reading_guard(reading):
+            api.load(state_dict, checkpoint_id=wanted, storage_reader=reader, no_dist=True)
+        return reader.checkpoint_id or str(wanted)
+
+    @contextlib.contextmanager
+    def _reading_guard(self, name: str | None) -> Any:
+        with self._cond:
+            if name is not None:
+                self._reading.add(name)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reading.discard(name or "")
+
+    # ------------------------------------------------------------------ draining
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until no save is in flight or pending and replications are done.
+
+        Raises:
+            TimeoutError: still busy after ``timeout_s``.
+            BaseException: the first background error not raised before.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            idle = self._cond.wait_for(
+                lambda: self._busy is None and self._pending is None, timeout_s
+            )
+            remotes = list(self._replications.values())
+        if not idle:
+            raise TimeoutError(f"a save was still in flight after {timeout_s} s")
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if wait_futures(remotes, timeout=left).not_done:
+            raise TimeoutError(f"replication still running after {timeout_s} s")
+        self._post.submit(lambda: None).result()  # callbacks queued behind the last save
+        self._raise_first()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain, prune once more, stop, then raise the first background error. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        errors: list[BaseException] = []
+        steps: list[Callable[[], object]] = [lambda: self.wait(timeout_s), self.prune]
+        steps.append(lambda: self._post.shutdown(wait=True))
+        if self._owns_stager:
+            steps.append(self.stager.close)
+        for writer in (self.writer, self._sync_writer):
+            if writer is not None:
+                steps.append(functools.partial(writer.close, timeout_s))
+        for step in steps:
+            _collect(step, errors)
+        with self._cond:
+            errors = self._errors[self._raised :] + errors
+            self._raised = len(self._errors)
+        if errors:
+            raise errors[0]
+
+    def _raise_first(self) -> None:
+        with self._cond:
+            if self._raised >= len(self._errors):
+                return
+            error = self._errors[self._raised]
+            self._raised = len(self._errors)
+        raise error
+
+    def stats(self) -> ManagerStats:
+        """The counters now."""
+        with self._cond:
+            return ManagerStats(**self._counts, waited_s=self._waited_s, waiting=self._waiting)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(BaseException):  # do not mask the body's exception
+            self.close()
+
+    # ------------------------------------------------------------------ history
+
+    def _name_for(self, step: int) -> str:
+        try:
+            name = self.name_format.format(step=step)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"bad name_format {self.name_format!r}: {exc}") from None
+        return protocol.validate_name(name)
+
+    def _record(self, event: str, handle: SaveHandle | tuple[int, str], **extra: Any) -> None:
+        step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
+        line: dict[str, Any] = {"event": event, "step": step, "name": name}
+        line |= {k: v for k, v in extra.items() if v is not None}
+        line["time"] = time.time()
+        data = (json.dumps(line, sort_keys=True) + "\n").encode()
+        backend = self.writer.backend
+        with self._history_lock:
+            backend.makedirs("")
+            if isinstance(backend, LocalBackend):
+                with open(backend.full_path(HISTORY_FILE), "ab") as f:
+                    f.write(data)
+            else:  # no append on object stores: rewrite (the history stays small)
+                backend.write_bytes(HISTORY_FILE, self._history_bytes() + data)
+
+    def _history_bytes(self) -> bytes:
+        try:
+            return self.writer.backend.read_bytes(HISTORY_FILE)
+        except FileNotFoundError:
+            return b""
+
+    def history(self) -> list[dict[str, Any]]:
+        """The history file's events, oldest first."""
+        with self._history_lock:
+            raw = self._history_bytes()
+        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+    def _validated_from_history(self) -> set[str]:
+        return {
+            e["name"]
+            for e in self.history()
+            if e.get("event") == "committed" and e.get("tier") == "local" and e.get("validated")
+        }
+
+
+def _chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:
+    def forward(done: Future[Any]) -> None:
+        with contextlib.suppress(InvalidStateError):  # a failure recorded it first
+            try:
+                target.set_result(convert(done.result()))
+            except CancelledError:
+                target.cancel()
+            except BaseException as exc:
+                target.set_exception(exc)
+
+    source.add_done_callback(forward)
+
+
+def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:
+    try:
+        step()
+    except BaseException as exc:
+        errors.append(exc)

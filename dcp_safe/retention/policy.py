@@ -1,0 +1,142 @@
+"""Retention as pure functions: which committed checkpoints to keep and which to drop.
+
+This module owns the *decision* only; it touches no storage (``dcp_safe.manager`` does the IO,
+like the sweeper does for partials). A policy names the checkpoints it wants kept
+(:class:`KeepLast`, :class:`KeepEvery`, or their union through :func:`combine`), and
+:func:`decide` adds the safety rules that no policy can override:
+
+1. the newest committed checkpoint is never dropped;
+2. only checkpoints older than the newest *validated* one are ever dropped (nothing is dropped
+   while no checkpoint is validated), so a run whose latest saves fail verification keeps the
+   history it needs to roll back;
+3. once two checkpoints are validated, the two newest validated ones are kept;
+4. names in ``protected`` (being read, being replicated) are kept.
+
+Why a union of keeps rather than orbax's chain of filters: every policy then only ever *adds*
+checkpoints to keep, so combining policies can never drop something one of them wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dcp_safe.errors import ConfigError
+
+__all__ = [
+    "CheckpointRecord",
+    "KeepEvery",
+    "KeepLast",
+    "RetentionDecision",
+    "RetentionPolicy",
+    "combine",
+    "decide",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A committed checkpoint as retention sees it.
+
+    Attributes:
+        name: the checkpoint's name under its root.
+        step: the training step it captures; orders checkpoints (then ``name``).
+        validated: it passed verification after its commit.
+    """
+
+    name: str
+    step: int
+    validated: bool
+
+
+@dataclass(frozen=True)
+class RetentionDecision:
+    """What :func:`decide` keeps and drops, each oldest first."""
+
+    keep: tuple[str, ...]
+    drop: tuple[str, ...]
+
+
+class RetentionPolicy(Protocol):
+    """Names, among ``records`` (oldest first), the checkpoints a policy wants kept."""
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """Keep the ``n`` newest checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 0:
+            raise ConfigError(f"KeepLast needs an int n >= 0, got {self.n!r}")
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        return {r.name for r in _ordered(records)[len(records) - self.n :]} if self.n else set()
+
+
+@dataclass(frozen=True)
+class KeepEvery:
+    """Keep every checkpoint whose step is a multiple of ``k``."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ConfigError(f"KeepEvery needs an int k >= 1, got {self.k!r}")
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        return {r.name for r in records if r.step % self.k == 0}
+
+
+@dataclass(frozen=True)
+class _Union:
+    policies: tuple[RetentionPolicy, ...]
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        kept: set[str] = set()
+        for policy in self.policies:
+            kept |= policy.keeps(records)
+        return kept
+
+
+def combine(*policies: RetentionPolicy) -> RetentionPolicy:
+    """A policy that keeps what any of ``policies`` keeps (none: keep nothing by policy)."""
+    return _Union(tuple(policies))
+
+
+def decide(
+    records: Sequence[CheckpointRecord],
+    policy: RetentionPolicy,
+    *,
+    protected: Collection[str] = frozenset(),
+) -> RetentionDecision:
+    """Split ``records`` into keep and drop: the policy's keeps plus the safety rules.
+
+    Args:
+        records: committed checkpoints, in any order; names must be distinct.
+        policy: what to keep by choice.
+        protected: names never dropped now (being read or replicated).
+
+    Raises:
+        ConfigError: two records share a name.
+    """
+    ordered = _ordered(records)
+    if len({r.name for r in ordered}) != len(ordered):
+        raise ConfigError("retention records must have distinct names")
+    keep = policy.keeps(ordered) | (set(protected) & {r.name for r in ordered})
+    validated = [i for i, r in enumerate(ordered) if r.validated]
+    cutoff = validated[-1] if validated else 0
+    keep |= {r.name for r in ordered[cutoff:]}  # the newest validated and everything after
+    keep |= {ordered[i].name for i in validated[-2:]}
+    return RetentionDecision(
+        keep=tuple(r.name for r in ordered if r.name in keep),
+        drop=tuple(r.name for r in ordered if r.name not in keep),
+    )
+
+
+def _ordered(records: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:
+    return sorted(records, key=lambda r: (r.step, r.name))

@@ -1,0 +1,108 @@
+"""Retention policies: pure keep/drop decisions, and the safety rules no policy overrides."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dcp_safe.errors import ConfigError
+from dcp_safe.retention.policy import (
+    CheckpointRecord,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+    combine,
+    decide,
+)
+
+
+def _records(steps: list[int], validated: set[int] | None = None) -> list[CheckpointRecord]:
+    return [
+        CheckpointRecord(f"step_{s:04d}", s, validated is None or s in validated) for s in steps
+    ]
+
+
+def _steps(names: tuple[str, ...]) -> list[int]:
+    return [int(n.removeprefix("step_")) for n in names]
+
+
+def test_keep_last_and_every_combined_keep_their_union() -> None:
+    decision = decide(_records(list(range(1, 11))), combine(KeepLast(2), KeepEvery(5)))
+    assert _steps(decision.keep) == [5, 9, 10]
+    assert _steps(decision.drop) == [1, 2, 3, 4, 6, 7, 8]
+
+
+def test_nothing_is_dropped_at_or_after_the_newest_validated_checkpoint() -> None:
+    decision = decide(_records([1, 2, 3, 4], validated={1, 2}), KeepLast(1))
+    assert _steps(decision.keep) == [1, 2, 3, 4]
+
+
+def test_nothing_is_dropped_while_nothing_is_validated() -> None:
+    assert decide(_records([1, 2, 3], validated=set()), KeepLast(0)).drop == ()
+
+
+def test_protected_names_are_kept() -> None:
+    decision = decide(_records([1, 2, 3]), KeepLast(1), protected={"step_0001", "other"})
+    assert _steps(decision.keep) == [1, 2, 3]  # 2 by the two-validated rule
+
+
+def test_bad_arguments_are_config_errors() -> None:
+    with pytest.raises(ConfigError):
+        KeepLast(-1)
+    with pytest.raises(ConfigError):
+        KeepEvery(0)
+    with pytest.raises(ConfigError):
+        decide(_records([1, 1]), KeepLast(1))
+
+
+_policies = st.one_of(
+    st.builds(KeepLast, st.integers(0, 5)),
+    st.builds(KeepEvery, st.integers(1, 6)),
+    st.lists(
+        st.one_of(st.builds(KeepLast, st.integers(0, 5)), st.builds(KeepEvery, st.integers(1, 6))),
+        max_size=3,
+    ).map(lambda ps: combine(*ps)),
+)
+
+_histories = st.lists(
+    st.tuples(st.integers(0, 60), st.booleans()), max_size=25, unique_by=lambda t: t[0]
+).map(lambda pairs: [CheckpointRecord(f"step_{s:04d}", s, v) for s, v in pairs])
+
+
+@given(records=_histories, policy=_policies, protected=st.sets(st.integers(0, 60), max_size=5))
+def test_safety_rules_hold_for_every_policy(
+    records: list[CheckpointRecord], policy: RetentionPolicy, protected: set[int]
+) -> None:
+    protected_names = {f"step_{s:04d}" for s in protected}
+    decision = decide(records, policy, protected=protected_names)
+    keep, drop = set(decision.keep), set(decision.drop)
+    by_step = sorted(records, key=lambda r: r.step)
+    assert keep | drop == {r.name for r in records} and not keep & drop
+    if by_step:
+        assert by_step[-1].name in keep  # the newest committed
+    validated = [r for r in by_step if r.validated]
+    newest_validated = validated[-1].step if validated else None
+    for record in by_step:
+        if record.name in drop:  # only ever older than the newest validated
+            assert newest_validated is not None and record.step < newest_validated
+    if len(validated) >= 2:
+        assert len([r for r in validated if r.name in keep]) >= 2
+    assert not drop & protected_names
+    assert policy.keeps(by_step) & {r.name for r in records} <= keep  # policy keeps honoured
+
+
+@given(records=_histories, a=_policies, b=_policies)
+def test_combine_never_drops_what_either_policy_keeps(
+    records: list[CheckpointRecord], a: RetentionPolicy, b: RetentionPolicy
+) -> None:
+    both = set(decide(records, combine(a, b)).keep)
+    assert set(decide(records, a).keep) <= both
+    assert set(decide(records, b).keep) <= both
+
+
+@given(records=_histories, policy=_policies)
+def test_decide_is_order_independent(
+    records: list[CheckpointRecord], policy: RetentionPolicy
+) -> None:
+    assert decide(records, policy) == decide(list(reversed(records)), policy)
