@@ -6,8 +6,9 @@ mean, says more about the neighbours than about the code. What lives here:
 
 * :func:`median`, :func:`timed`, :func:`process_cpu_seconds` and :func:`rotate` for the
   measuring loop;
-* :class:`RssPeakSampler`, a background thread that samples this process's RSS with psutil
-  (every 5 ms by default) and reports the peak above the level it started from;
+* :class:`RssPeakSampler`, a background thread that samples this process's RSS (or another
+  process's, by pid) with psutil (every 5 ms by default) and reports the peak above the level
+  it started from;
 * :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_rate`, :func:`fmt_bytes` for reports;
 * :func:`describe_machine` and :func:`write_results` so a JSON result says where it was measured.
 """
@@ -86,9 +87,9 @@ class RssPeakSampler:
         samples: how many samples were taken.
     """
 
-    def __init__(self, interval_s: float = 0.005) -> None:
+    def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
         self.interval_s = interval_s
-        self._process = psutil.Process()
+        self._process = psutil.Process(pid)  # this process unless told (e.g. a server child)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.baseline_bytes = 0

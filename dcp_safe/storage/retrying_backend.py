@@ -146,7 +146,7 @@ def single_try_s3_options(
     storage_options: dict[str, Any] | None = None,
     *,
     connect_timeout_s: float = 5.0,
-    read_timeout_s: float = 15.0,
+    read_timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """s3fs ``storage_options`` under which botocore tries each request once, with bounded
     timeouts, so that :class:`RetryingBackend` owns retries and its deadline holds.
@@ -159,6 +159,10 @@ def single_try_s3_options(
         storage_options: the user's options (not modified).
         connect_timeout_s: botocore's connect timeout for one try.
         read_timeout_s: botocore's read timeout for one try (between bytes, not in total).
+            Long, because some servers (moto; AWS less so, it sends keep-alive whitespace)
+            answer CompleteMultipartUpload of a large object only when done: at 15 s a 1 GiB
+            upload to moto timed out. The deadline bounds when new attempts start; one attempt
+            that hangs is bounded by this timeout.
 
     Returns:
         A new options dict.
