@@ -19,12 +19,14 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     DcpSafeError,
+    DrainTimeoutError,
     InvalidCheckpointNameError,
     ReplicationSkippedError,
     ReplicationTimeoutError,
     StaleWriterError,
     StorageError,
 )
+from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
@@ -44,6 +46,8 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "DcpSafeError",
+    "DrainTimeoutError",
+    "FallbackOptions",
     "InvalidCheckpointNameError",
     "ManagerStats",
     "MemoryBudget",

@@ -15,7 +15,8 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── BudgetExceededError                      a state larger than the host-memory envelope
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
-    └── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
+    ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
+    └── DrainTimeoutError(TimeoutError)          a manager's wait/close gave up on work in flight
 
 DCP reports failures as ``CheckpointException``, which derives from ``BaseException`` (so
 ``except Exception`` misses it). :func:`from_checkpoint_exception` maps it to this tree once,
@@ -38,6 +39,7 @@ __all__ = [
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "DcpSafeError",
+    "DrainTimeoutError",
     "InvalidCheckpointNameError",
     "StaleWriterError",
     "StorageError",
@@ -189,6 +191,10 @@ class ReplicationSkippedError(DcpSafeError):
 
 class ReplicationTimeoutError(DcpSafeError, TimeoutError):
     """``wait`` or ``close`` gave up before the replications in flight finished."""
+
+
+class DrainTimeoutError(DcpSafeError, TimeoutError):
+    """A manager's ``wait`` or ``close`` gave up before its saves in flight were done."""
 
 
 def _describe(exc: BaseException) -> str:

@@ -36,13 +36,21 @@ a checkpoint that fails verification stops pruning, and names being restored or 
 kept until a later prune. The remote tier is not pruned. One manager owns a root: retention
 treats every committed checkpoint with a step as its own.
 
-History: ``<root>/_history.jsonl``, one JSON object a line (``event`` = requested, skipped,
-committed, failed or pruned; ``step``, ``name``, ``tier``, ``reason``, ``time``). It is a
-top-level file, so it is never mistaken for a checkpoint. Appended on local roots; rewritten
-whole on object stores, which have no append.
+History: ``<root>/_history.jsonl`` (:mod:`dcp_safe.history` owns the file and its schema).
+
+Fallback: :mod:`dcp_safe.fallback` decides when async saving hurts more than it helps (host memory
+dipping under the reserve, completions slower than two save intervals, staging buffers that
+outlive their save); the manager then saves every request synchronously (as ``"sync"`` does,
+whether or not a save is in flight), logs a WARNING and records a ``fallback`` event, until
+:meth:`CheckpointManager.rearm`.
+
+Preemption: :meth:`CheckpointManager.install_preemption_handler` (see :mod:`dcp_safe.preemption`).
+The manager keeps a reference to the newest state passed to ``save``/``maybe_save``: the LIVE
+state, saved as it is at signal time.
 
 Errors: a background failure (upload, verification, replication) fails the handle's future and
-is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised.
+is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised, and
+:class:`~dcp_safe.errors.DrainTimeoutError` when work is still in flight at their timeout.
 """
 
 from __future__ import annotations
@@ -51,9 +59,9 @@ import contextlib
 import copy
 import enum
 import functools
-import json
 import logging
 import os
+import signal as _signal
 import threading
 import time
 from collections.abc import Callable
@@ -69,13 +77,16 @@ from dcp_safe.errors import (
     AdmissionTimeoutError,
     ConfigError,
     DcpSafeError,
+    DrainTimeoutError,
     ReplicationSkippedError,
 )
+from dcp_safe.fallback import FallbackMonitor, FallbackOptions
+from dcp_safe.history import HISTORY_FILE, History
+from dcp_safe.preemption import PreemptionHandler
 from dcp_safe.retention.policy import CheckpointRecord, KeepEvery, KeepLast, combine, decide
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.local_backend import LocalBackend
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
 
@@ -89,8 +100,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-HISTORY_FILE = "_history.jsonl"
 
 T = TypeVar("T")
 
@@ -158,6 +167,8 @@ class ManagerStats:
     pruned: int
     waited_s: float
     waiting: int
+    sync_saves: int = 0
+    fallback_reason: str | None = None
 
 
 @dataclass
@@ -184,6 +195,11 @@ class CheckpointManager:
         validate: ``"manifest"`` or ``"deep"``.
         name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
         writer: a writer to use instead of one built here (tests, custom options).
+        fallback: thresholds of the automatic fallback to synchronous saves
+            (``FallbackOptions(enabled=False)`` turns it off).
+        memory_sampler: returns the host's available bytes, called at each save request
+            (default: psutil's ``virtual_memory().available``; tests inject one).
+        clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
 
     Raises:
         ConfigError: a bad option.
@@ -204,6 +220,9 @@ class CheckpointManager:
         validate: Validation | str = "manifest",
         name_format: str = "step_{step:09d}",
         writer: SafeStorageWriter | None = None,
+        fallback: FallbackOptions | None = None,
+        memory_sampler: Callable[[], int | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -226,7 +245,7 @@ class CheckpointManager:
         self.stager = stager or BudgetedStager(budget, when_busy="wait")
         self._sync_writer: SafeStorageWriter | None = None
         self._cond = threading.Condition()
-        self._history_lock = threading.Lock()
+        self._history = History(self.writer.backend)
         self._prune_lock = threading.Lock()
         self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
         self._busy: SaveHandle | None = None
@@ -239,9 +258,16 @@ class CheckpointManager:
         self._counts = dict.fromkeys(
             ("requested", "started", "skipped", "coalesced", "committed", "failed", "pruned"), 0
         )
+        self._counts["sync_saves"] = 0
         self._waited_s = 0.0
         self._waiting = 0
-        self._validated = self._validated_from_history()
+        self._validated = self._history.validated_names()
+        self._fallback = FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.reserve)
+        self._sample_memory = memory_sampler or _host_available_bytes
+        self._clock = clock
+        self._requested_at: dict[str, float] = {}
+        self._latest_state: tuple[int, dict[str, Any]] | None = None
+        self._preemption: PreemptionHandler | None = None
 
     # ------------------------------------------------------------------ saving
 
@@ -270,7 +296,17 @@ class CheckpointManager:
             if self._closed:
                 raise ConfigError("this CheckpointManager is closed")
             self._counts["requested"] += 1
+            self._latest_state = (step, state_dict)
+        with self._preemption_deferred():
+            return self._admit(handle, policy, state_dict)
+
+    def _admit(
+        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any]
+    ) -> SaveHandle | None:
         self._record("requested", handle, tier="local")
+        if self._check_fallback(handle):
+            self._save_in_foreground(handle, state_dict)
+            return handle
         with self._cond:
             if self._busy is not None and policy is BusyPolicy.WAIT:
                 self._wait_for_slot()
@@ -312,6 +348,7 @@ class CheckpointManager:
     def _skip(self, handle: SaveHandle, reason: str) -> None:
         with self._cond:
             self._counts["skipped"] += 1
+            self._requested_at.pop(handle.name, None)
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self._record("skipped", handle, tier="local", reason=reason)
 
@@ -343,6 +380,7 @@ class CheckpointManager:
     def _supersede(self, old: SaveHandle, new: SaveHandle) -> None:
         with self._cond:
             self._counts["skipped"] += 1
+            self._requested_at.pop(old.name, None)
         old.cancel()
         self._record("skipped", old, tier="local", reason=f"coalesced into step {new.step}")
 
@@ -370,6 +408,8 @@ class CheckpointManager:
     def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self._foreground_writer()
         writer.step = handle.step
+        with self._cond:
+            self._counts["sync_saves"] += 1
         try:
             api.save(state_dict, checkpoint_id=handle.name, storage_writer=writer, no_dist=True)
         except BaseException as exc:
@@ -408,7 +448,15 @@ class CheckpointManager:
         with self._cond:
             self._validated.add(handle.name)
             self._counts["committed"] += 1
+            requested_at = self._requested_at.pop(handle.name, None)
+            reason = (
+                None
+                if requested_at is None
+                else self._fallback.on_completed(self._clock() - requested_at)
+            )
         self._record("committed", handle, tier="local", validated=True)
+        if reason is not None:
+            self._fell_back(handle, reason)
         self._replicate(handle, writer)
         try:
             self.prune()
@@ -463,6 +511,7 @@ class CheckpointManager:
         """Record a failure; ``keep`` holds it for ``wait``/``close`` (raised ones are not)."""
         with self._cond:
             self._counts["failed"] += 1
+            self._requested_at.pop(handle.name, None)
             if keep:
                 self._errors.append(error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
@@ -506,7 +555,7 @@ class CheckpointManager:
         Checkpoints being read by :meth:`restore` or still being replicated are kept (until a
         later prune). Names this manager did not save (no step in the manifest) are left alone.
         """
-        with self._prune_lock:
+        with self._preemption_deferred(), self._prune_lock:
             infos = [i for i in list_checkpoints(self.root, storage_options=self.storage_options)]
             with self._cond:
                 records = [
@@ -558,7 +607,7 @@ class CheckpointManager:
         reader = SafeStorageReader(
             self.root, storage_options=self.storage_options, fallback=self.replicate_to
         )
-        with self._reading_guard(reading):
+        with self._preemption_deferred(), self._reading_guard(reading):
             api.load(state_dict, checkpoint_id=wanted, storage_reader=reader, no_dist=True)
         return reader.checkpoint_id or str(wanted)
 
@@ -579,9 +628,13 @@ class CheckpointManager:
         """Block until no save is in flight or pending and replications are done.
 
         Raises:
-            TimeoutError: still busy after ``timeout_s``.
+            DrainTimeoutError: still busy after ``timeout_s``.
             BaseException: the first background error not raised before.
         """
+        with self._preemption_deferred():
+            self._drain(timeout_s)
+
+    def _drain(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             idle = self._cond.wait_for(
@@ -589,15 +642,22 @@ class CheckpointManager:
             )
             remotes = list(self._replications.values())
         if not idle:
-            raise TimeoutError(f"a save was still in flight after {timeout_s} s")
+            raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if wait_futures(remotes, timeout=left).not_done:
-            raise TimeoutError(f"replication still running after {timeout_s} s")
+            raise DrainTimeoutError(f"replication still running after {timeout_s} s")
         self._post.submit(lambda: None).result()  # callbacks queued behind the last save
         self._raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Drain, prune once more, stop, then raise the first background error. Idempotent."""
+        """Drain, prune once more, stop, then raise the first background error. Idempotent.
+
+        Raises:
+            DrainTimeoutError: work still in flight after ``timeout_s`` (it is left running).
+            BaseException: the first background error not raised before.
+        """
+        if self._preemption is not None:
+            self._preemption.uninstall()
         with self._cond:
             if self._closed:
                 return
@@ -629,7 +689,12 @@ class CheckpointManager:
     def stats(self) -> ManagerStats:
         """The counters now."""
         with self._cond:
-            return ManagerStats(**self._counts, waited_s=self._waited_s, waiting=self._waiting)
+            return ManagerStats(
+                **self._counts,
+                waited_s=self._waited_s,
+                waiting=self._waiting,
+                fallback_reason=self._fallback.reason,
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -641,8 +706,6 @@ class CheckpointManager:
         with contextlib.suppress(BaseException):  # do not mask the body's exception
             self.close()
 
-    # ------------------------------------------------------------------ history
-
     def _name_for(self, step: int) -> str:
         try:
             name = self.name_format.format(step=step)
@@ -650,39 +713,138 @@ class CheckpointManager:
             raise ConfigError(f"bad name_format {self.name_format!r}: {exc}") from None
         return protocol.validate_name(name)
 
-    def _record(self, event: str, handle: SaveHandle | tuple[int, str], **extra: Any) -> None:
+    def _record(
+        self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
+    ) -> None:
         step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
-        line: dict[str, Any] = {"event": event, "step": step, "name": name}
-        line |= {k: v for k, v in extra.items() if v is not None}
-        line["time"] = time.time()
-        data = (json.dumps(line, sort_keys=True) + "\n").encode()
-        backend = self.writer.backend
-        with self._history_lock:
-            backend.makedirs("")
-            if isinstance(backend, LocalBackend):
-                with open(backend.full_path(HISTORY_FILE), "ab") as f:
-                    f.write(data)
-            else:  # no append on object stores: rewrite (the history stays small)
-                backend.write_bytes(HISTORY_FILE, self._history_bytes() + data)
-
-    def _history_bytes(self) -> bytes:
-        try:
-            return self.writer.backend.read_bytes(HISTORY_FILE)
-        except FileNotFoundError:
-            return b""
+        self._history.append(event, step, name, **extra)
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first."""
-        with self._history_lock:
-            raw = self._history_bytes()
-        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        return self._history.read()
 
-    def _validated_from_history(self) -> set[str]:
-        return {
-            e["name"]
-            for e in self.history()
-            if e.get("event") == "committed" and e.get("tier") == "local" and e.get("validated")
-        }
+    # ------------------------------------------------------------------ fallback
+
+    def _check_fallback(self, handle: SaveHandle) -> bool:
+        """Feed the monitor at a save request; True when this save must be synchronous."""
+        now = self._clock()
+        available = self._sample_memory()
+        with self._cond:
+            self._requested_at[handle.name] = now
+            reason = self._fallback.on_request(now, available)
+            idle = self._busy is None and self._pending is None
+        # Idle first, stats second: only this thread starts saves, so once idle, what the stager
+        # still has in use was leaked by a finished save, not leased by a new one.
+        in_use = self.stager.stats().in_use_bytes if idle and reason is None else 0
+        with self._cond:
+            reason = reason or self._fallback.on_idle(in_use)
+            tripped = self._fallback.tripped
+        if reason is not None:
+            self._fell_back(handle, reason)
+        return tripped
+
+    def _fell_back(self, handle: SaveHandle, reason: str) -> None:
+        log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
+        self._record("fallback", handle, reason=reason)
+
+    def rearm(self) -> None:
+        """Switch back to asynchronous saves after a fallback (no-op when not fallen back)."""
+        with self._cond:
+            was = self._fallback.reason
+            self._fallback.rearm()
+        if was is not None:
+            log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
+            self._record("rearmed", (None, None), reason=f"was: {was}")
+
+    # ------------------------------------------------------------------ preemption
+
+    def install_preemption_handler(
+        self, signal: int = _signal.SIGTERM, budget_s: float = 30.0
+    ) -> PreemptionHandler:
+        """On ``signal``, drain within ``budget_s`` and save the latest state synchronously.
+
+        See :mod:`dcp_safe.preemption` for the sequence and its limits. Call on the main thread;
+        :meth:`close` uninstalls it.
+
+        Returns:
+            The installed handler (``uninstall()`` restores the previous one).
+
+        Raises:
+            ConfigError: not on the main thread, a bad budget, or one is installed already.
+        """
+        if self._preemption is not None:
+            raise ConfigError("a preemption handler is installed already")
+        self._preemption = PreemptionHandler(self, signal, budget_s)
+        self._preemption.install()
+        return self._preemption
+
+    @contextlib.contextmanager
+    def _preemption_deferred(self) -> Any:
+        handler = self._preemption
+        if handler is None:
+            yield
+            return
+        with handler.deferred():
+            yield
+
+    def preempt_save(self, reason: str, deadline: float) -> str:
+        """Drain the save in flight for half the time to ``deadline`` (``time.monotonic``), then
+        save the latest state synchronously if it is not committed and time remains. For the
+        preemption handler.
+
+        Returns:
+            What happened, one line (also in the ``preempted`` history event).
+        """
+        with self._cond:
+            pending, self._pending = self._pending, None
+            drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
+            self._cond.wait_for(lambda: self._busy is None, drain_s)
+            busy, latest = self._busy, self._latest_state
+        if pending is not None:
+            pending.handle.cancel()
+            self._record("skipped", pending.handle, tier="local", reason="preempted")
+        if latest is None:
+            outcome = "nothing was ever saved"
+        else:
+            outcome = self._final_save(latest, busy, deadline)
+        step, name = (None, None) if latest is None else (latest[0], self._name_for(latest[0]))
+        self._record("preempted", (step, name), reason=f"{reason}: {outcome}")
+        log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
+        return outcome
+
+    def _final_save(
+        self, latest: tuple[int, dict[str, Any]], busy: SaveHandle | None, deadline: float
+    ) -> str:
+        step, state = latest
+        handle = SaveHandle(step=step, name=self._name_for(step))
+        drained = "abandoned the save in flight" if busy is not None else "drained"
+        with self._cond:
+            committed = handle.name in self._validated
+        if committed:
+            return f"{drained}; step {step} was committed already"
+        if busy is not None and busy.name == handle.name:
+            return f"{drained}; step {step} is that save, so no final save"
+        if time.monotonic() >= deadline:
+            return f"{drained}; no time left for a final save of step {step}"
+        self._record("requested", handle, tier="local")
+        try:
+            self._save_in_foreground(handle, state)
+        except BaseException as exc:  # recorded as failed by _save_in_foreground
+            return f"{drained}; final save of step {step} failed: {exc}"
+        if not handle.committed.done() or handle.committed.exception() is not None:
+            return f"{drained}; final save of step {step} did not verify"
+        return f"{drained}; final synchronous save of step {step} committed"
+
+    def in_flight(self) -> bool:
+        """A save is in flight or pending."""
+        with self._cond:
+            return self._busy is not None or self._pending is not None
+
+
+def _host_available_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def _chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:

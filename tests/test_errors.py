@@ -95,6 +95,7 @@ def _every_error() -> list[Exception]:
         StorageError("fsync", "/r/x", OSError(28, "No space left on device")),
         errors.BudgetExceededError("too big"),
         AdmissionTimeoutError("waited 5 s"),
+        errors.DrainTimeoutError("still busy after 5 s"),
     ]
 
 

@@ -22,6 +22,7 @@ from dcp_safe.errors import (
     AdmissionTimeoutError,
     CheckpointCorruptError,
     ConfigError,
+    DrainTimeoutError,
     StorageError,
 )
 from dcp_safe.manager import HISTORY_FILE, CheckpointManager
@@ -342,3 +343,23 @@ def test_a_checkpoint_is_not_pruned_while_its_replication_is_running(
     assert _events(tmp_path, "pruned") == [1]
     assert _events(tmp_path, "committed", tier="remote") == [1, 3]
     assert _events(tmp_path, "skipped", tier="remote") == [2]  # superseded by 3 while queued
+
+
+def test_wait_and_close_raise_drain_timeout_while_a_save_is_in_flight(tmp_path: Path) -> None:
+    gate = threading.Event()
+    manager = _manager(tmp_path, _SlowWriter(tmp_path, gate=gate))
+    handle = manager.save(1, make_state(1))
+    with pytest.raises(DrainTimeoutError, match="in flight") as caught:
+        manager.wait(0.01)
+    assert isinstance(caught.value, TimeoutError)
+    gate.set()
+    assert handle is not None and handle.committed.result(_GATE_TIMEOUT_S) == _name(1)
+    manager.close(_GATE_TIMEOUT_S)
+
+
+def test_history_is_read_through_the_manager(tmp_path: Path) -> None:
+    with _manager(tmp_path) as manager:
+        manager.save(1, make_state(1))
+        manager.wait(_GATE_TIMEOUT_S)
+        events = [(e["event"], e["step"]) for e in manager.history()]
+    assert events == [("requested", 1), ("committed", 1)]

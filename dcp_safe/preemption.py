@@ -1,0 +1,158 @@
+"""Save once more when the job is told to stop: an opt-in signal handler for a manager.
+
+Installed by :meth:`CheckpointManager.install_preemption_handler` (``SIGTERM`` and 30 s by
+default). On the signal, within ``budget_s``:
+
+1. the pending coalesced request is abandoned, and the save in flight is waited for during half
+   the budget (if it is not done by then it is abandoned: left running; it may still commit
+   later, unless the process exits first); the other half is kept for step 2;
+2. if time remains and the newest state passed to ``save``/``maybe_save`` is not committed, it is
+   saved *synchronously*. That state is the LIVE dict the training loop mutates: it is saved as
+   it is at signal time, labelled with the step it was last passed with. The handler runs no
+   training code. A script that needs the state to match its step exactly blocks the signal
+   around its update (``signal.pthread_sigmask``), so the signal lands between steps;
+3. a ``preempted`` history event records the signal and what happened;
+4. the previous handler is chained to: a Python callable is called; ``SIG_IGN`` returns (the job
+   goes on); the default action exits with status ``128 + signum`` (143 for SIGTERM): by
+   ``SystemExit`` after closing the manager when nothing is left in flight, else by
+   ``os._exit`` (an abandoned upload thread would otherwise hold up interpreter exit).
+
+Why the work runs in the handler itself: Python runs signal handlers on the main thread between
+bytecodes, not in the C-level handler, so taking locks, starting threads and writing files there
+is allowed. The one hazard is re-entering the manager while the main thread is inside it (a lock
+it holds, a half-updated slot): the handler therefore only notes the signal while the main
+thread is inside a manager call, and the call runs it on its way out. The budget bounds the
+drain; the final synchronous save, once started, is not interruptible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, Protocol
+
+from dcp_safe.errors import ConfigError
+
+__all__ = ["PreemptionHandler"]
+
+log = logging.getLogger(__name__)
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class _Manager(Protocol):
+    def preempt_save(self, reason: str, deadline: float) -> str: ...
+
+    def in_flight(self) -> bool: ...
+
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+
+class PreemptionHandler:
+    """The signal handler; see the module docstring.
+
+    Args:
+        manager: the manager to drain and save with.
+        signum: the signal.
+        budget_s: seconds from the signal to the end of the drain.
+
+    Raises:
+        ConfigError: ``budget_s`` is not positive.
+    """
+
+    def __init__(self, manager: _Manager, signum: int, budget_s: float) -> None:
+        if not budget_s > 0:
+            raise ConfigError(f"budget_s must be > 0, got {budget_s!r}")
+        self.manager = manager
+        self.signum = signal.Signals(signum)
+        self.budget_s = float(budget_s)
+        self.outcome: str | None = None
+        self._previous: _Handler = None
+        self._installed = False
+        self._depth = 0
+        self._deferred: tuple[int, FrameType | None] | None = None
+        self._handling = False
+
+    def install(self) -> None:
+        """Install on the main thread, keeping the previous handler to chain to.
+
+        Raises:
+            ConfigError: not on the main thread.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError("install_preemption_handler() must be called on the main thread")
+        self._previous = signal.signal(self.signum, self._on_signal)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Restore the previous handler (on the main thread; elsewhere, left installed)."""
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(self.signum) == self._on_signal:
+            signal.signal(self.signum, self._previous)
+        self._installed = False
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Around a manager call: a signal arriving inside it is handled on the way out."""
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            if main:
+                self._depth -= 1
+                if self._depth == 0 and self._deferred is not None:
+                    signum, frame = self._deferred
+                    self._deferred = None
+                    self._handle(signum, frame)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._depth > 0:
+            self._deferred = (signum, frame)
+            return
+        self._handle(signum, frame)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._handling:  # a second signal while saving: the first one's run goes on
+            return
+        self._handling = True
+        deadline = time.monotonic() + self.budget_s
+        try:
+            self.outcome = self.manager.preempt_save(
+                f"{signal.Signals(signum).name} (budget {self.budget_s:g} s)", deadline
+            )
+        except BaseException as exc:  # never lose the chained behaviour over a failed save
+            log.error("dcp_safe: preemption save failed: %s", exc)
+        finally:
+            self._handling = False
+        self._chain(signum, frame, deadline)
+
+    def _chain(self, signum: int, frame: FrameType | None, deadline: float) -> None:
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        status = 128 + signum
+        if not self.manager.in_flight():
+            try:
+                self.manager.close(max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:
+                log.error("dcp_safe: close after preemption failed: %s", exc)
+            raise SystemExit(status)
+        log.warning("dcp_safe: exiting with a save still in flight (abandoned)")
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)

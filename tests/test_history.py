@@ -1,0 +1,40 @@
+"""History: the JSON-lines event file, appended locally and rewritten on object stores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dcp_safe.history import HISTORY_FILE, History
+from dcp_safe.storage.roots import open_backend
+
+
+def test_append_and_read_round_trip_on_a_local_root(tmp_path: Path) -> None:
+    history = History(open_backend(str(tmp_path)))
+    history.append("requested", 1, "step_1", tier="local")
+    history.append("committed", 1, "step_1", tier="local", validated=True, reason=None)
+    history.append("fallback", None, None, reason="p99")
+    events = history.read()
+    assert [e["event"] for e in events] == ["requested", "committed", "fallback"]
+    assert "reason" not in events[1]  # None fields are left out
+    assert events[2]["step"] is None and events[2]["reason"] == "p99"
+    assert all(isinstance(e["time"], float) for e in events)
+    lines = (tmp_path / HISTORY_FILE).read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["requested", "committed", "fallback"]
+    assert history.validated_names() == {"step_1"}
+
+
+def test_object_store_history_is_rewritten_whole(memory_root: str) -> None:
+    history = History(open_backend(memory_root))
+    assert history.read() == []
+    for step in (1, 2, 3):
+        history.append("committed", step, f"step_{step}", tier="local", validated=step != 2)
+    assert [e["step"] for e in History(open_backend(memory_root)).read()] == [1, 2, 3]
+    assert history.validated_names() == {"step_1", "step_3"}
+
+
+def test_an_event_outside_the_schema_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown history event"):
+        History(open_backend(str(tmp_path))).append("exploded", 1, "step_1")
