@@ -55,6 +55,7 @@ is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised, and
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import enum
@@ -64,6 +65,7 @@ import os
 import signal as _signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -84,8 +86,10 @@ from dcp_safe.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.history import HISTORY_FILE, History
 from dcp_safe.preemption import PreemptionHandler
 from dcp_safe.retention.policy import CheckpointRecord, KeepEvery, KeepLast, combine, decide
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.staging._tree import collect_tensors, rebuild
+from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
@@ -223,6 +227,8 @@ class CheckpointManager:
         fallback: FallbackOptions | None = None,
         memory_sampler: Callable[[], int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        partial_grace_s: float = DEFAULT_GRACE_S,
+        exit_timeout_s: float = 60.0,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -268,6 +274,10 @@ class CheckpointManager:
         self._requested_at: dict[str, float] = {}
         self._latest_state: tuple[int, dict[str, Any]] | None = None
         self._preemption: PreemptionHandler | None = None
+        self.partial_grace_s = partial_grace_s
+        # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
+        self._at_exit = _close_at_exit(weakref.ref(self), exit_timeout_s)
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ saving
 
@@ -550,11 +560,35 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention
 
     def prune(self) -> tuple[str, ...]:
-        """Apply retention to the local root now; returns the names removed.
+        """Apply retention to both tiers now; returns the local names removed.
 
         Checkpoints being read by :meth:`restore` or still being replicated are kept (until a
         later prune). Names this manager did not save (no step in the manifest) are left alone.
+        On the remote tier a committed checkpoint counts as validated: the replicator checked
+        every item's checksum and every object's size before it wrote the remote marker.
+        Abandoned partials older than ``partial_grace_s`` are collected on both tiers.
         """
+        dropped = self._prune_local()
+        if self.writer.remote is not None and self.replicate_to is not None:
+            self._prune_remote(self.writer.remote, self.replicate_to)
+        sweep_partials(
+            self.root, grace_s=self.partial_grace_s, storage_options=self.storage_options
+        )
+        return dropped
+
+    def _prune_remote(self, remote: Backend, url: str) -> None:
+        options = self.writer.replicate_storage_options
+        with self._preemption_deferred(), self._prune_lock:
+            infos = list_checkpoints(url, storage_options=options)
+            records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
+            with self._cond:
+                protected = {n for n, f in self._replications.items() if not f.done()}
+            for name in decide(records, self.policy, protected=protected).drop:
+                remote.remove_tree(name)
+                step = next(r.step for r in records if r.name == name)
+                self._record("pruned", (step, name), tier="remote", reason="retention")
+
+    def _prune_local(self) -> tuple[str, ...]:
         with self._preemption_deferred(), self._prune_lock:
             infos = [i for i in list_checkpoints(self.root, storage_options=self.storage_options)]
             with self._cond:
@@ -662,6 +696,7 @@ class CheckpointManager:
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self._at_exit)
         errors: list[BaseException] = []
         steps: list[Callable[[], object]] = [lambda: self.wait(timeout_s), self.prune]
         steps.append(lambda: self._post.shutdown(wait=True))
@@ -865,3 +900,15 @@ def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:
         step()
     except BaseException as exc:
         errors.append(exc)
+
+
+def _close_at_exit(manager: weakref.ref[CheckpointManager], timeout_s: float) -> Callable[[], None]:
+    def close() -> None:
+        live = manager()
+        if live is not None:
+            try:
+                live.close(timeout_s)
+            except BaseException:
+                log.exception("dcp_safe: draining the CheckpointManager at exit failed")
+
+    return close

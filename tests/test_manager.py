@@ -363,3 +363,26 @@ def test_history_is_read_through_the_manager(tmp_path: Path) -> None:
         manager.wait(_GATE_TIMEOUT_S)
         events = [(e["event"], e["step"]) for e in manager.history()]
     assert events == [("requested", 1), ("committed", 1)]
+
+
+def test_retention_prunes_the_remote_tier_too_once_replicated(
+    tmp_path: Path, memory_root: str
+) -> None:
+    with CheckpointManager(tmp_path, replicate_to=memory_root, keep_last=2) as manager:
+        for step in range(1, 5):
+            handle = manager.save(step, make_state(step))
+            assert handle is not None
+            handle.replicated.result(timeout=60)
+    remote = [c.name for c in dcp_safe.list_checkpoints(memory_root)]
+    assert remote == [manager._name_for(3), manager._name_for(4)]
+    pruned = [e for e in manager.history() if e["event"] == "pruned" and e["tier"] == "remote"]
+    assert {e["step"] for e in pruned} == {1, 2}
+
+
+def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
+    partial = tmp_path / ".step_000000007.partial-dead"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    with CheckpointManager(tmp_path, partial_grace_s=0) as manager:
+        manager.save(1, make_state(1))
+    assert not partial.exists()

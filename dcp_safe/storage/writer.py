@@ -130,12 +130,11 @@ class SafeStorageWriter(StorageWriter):
             )
         self.step = step
         self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
+        self.replicate_storage_options = replicate_storage_options or storage_options
         self.remote: Backend | None = (
             None
             if self.replicate_to is None
-            else open_backend(
-                self.replicate_to, replicate_storage_options or storage_options, retry=retry
-            )
+            else open_backend(self.replicate_to, self.replicate_storage_options, retry=retry)
         )
         self._replicator: Replicator | None = None
         self._name: str | None = None
