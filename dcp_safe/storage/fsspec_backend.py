@@ -10,7 +10,11 @@ stays ``False`` and exclusive writes are best effort.
 
 Streamed writes, two ways:
 
-* object stores (``s3``, ``gs``, ``az``...) stage in the file object: nothing is visible until
+* S3 through s3fs streams a pipelined multipart upload (:mod:`dcp_safe.storage.s3_upload`): two
+  reused block buffers per file, one part in flight while the next block fills, a single
+  ``PutObject`` for a file under one block; the upload is completed only after a clean exit and
+  aborted on any failure;
+* other object stores (``gs``, ``az``...) stage in the file object: nothing is visible until
   the final ``close`` completes the upload. A failed write is discarded, never closed: closing an
   fsspec buffered file flushes and publishes whatever was written, so ``discard()`` aborts the
   multipart upload and the file is marked closed so that neither ``close`` nor ``__del__`` can
@@ -38,6 +42,7 @@ from fsspec.utils import get_protocol
 
 from dcp_safe.errors import StorageError
 from dcp_safe.storage.backend import Backend, WritableFile
+from dcp_safe.storage.s3_upload import S3MultipartWriter, block_size_of
 
 __all__ = ["FsspecBackend"]
 
@@ -94,9 +99,28 @@ class FsspecBackend(Backend):
     # ----------------------------------------------------------------- writing
 
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
+        if self.object_store and _is_s3fs(self.fs):
+            return self._open_multipart(rel)
         if self.object_store:
             return self._open_staged(rel)
         return self._open_via_temp(rel)
+
+    @contextmanager
+    def _open_multipart(self, rel: str) -> Iterator[WritableFile]:
+        try:
+            f = S3MultipartWriter(self.fs, self._abs(rel), block_size_of(self.fs))
+        except (OSError, ValueError) as exc:
+            raise self._fail("create", rel, exc) from exc
+        try:
+            yield f
+        except BaseException as exc:
+            f.abort()  # nothing was published: the upload completes only in close()
+            self._raise_write_error(rel, exc)
+        try:
+            f.close()  # aborts the upload itself if it fails
+        except BaseException as exc:
+            self._remove_quietly(rel)  # the server may have completed it before failing
+            self._raise_write_error(rel, exc)
 
     @contextmanager
     def _open_staged(self, rel: str) -> Iterator[WritableFile]:
@@ -272,6 +296,11 @@ def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
         return False
     # s3fs releases before exclusive writes would pass ``mode`` on to PutObject and fail.
     return "mode" in inspect.signature(S3FileSystem._pipe_file).parameters
+
+
+def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """s3fs, whose ``call_s3`` reaches the S3 API directly (for the pipelined multipart path)."""
+    return type(fs).__name__ == "S3FileSystem" and callable(getattr(fs, "call_s3", None))
 
 
 def _is_precondition_failed(exc: BaseException) -> bool:

@@ -71,13 +71,15 @@ def test_s3_failure_to_complete_aborts_the_upload_and_names_the_url(
     s3_options: dict[str, Any],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import s3fs
-
-    def fail_commit(self: Any) -> None:
-        raise OSError(5, "CompleteMultipartUpload failed (injected)")
-
-    monkeypatch.setattr(s3fs.core.S3File, "commit", fail_commit)
     backend = FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
+    call_s3 = backend.fs.call_s3
+
+    def fail_completion(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "complete_multipart_upload":
+            raise OSError(5, "CompleteMultipartUpload failed (injected)")
+        return call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(backend.fs, "call_s3", fail_completion)
     with pytest.raises(StorageError) as info, backend.open_write("ckpt/shard") as f:
         f.write(b"\x01" * (2 * BLOCK_BYTES + 10))
     assert info.value.operation == "write"
