@@ -222,3 +222,29 @@ def write_results(path: str | os.PathLike[str], results: dict[str, Any]) -> Path
     tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, out)
     return out
+
+
+def run_and_report(
+    prefix: str,
+    scratch_parent: str | None,
+    run: Callable[[Path], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    save: Callable[[dict[str, Any]], Path],
+) -> int:
+    """A benchmark's main: run in a scratch folder (always removed), print the report, save."""
+    import shutil
+    import tempfile
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if scratch_parent is not None:
+        Path(scratch_parent).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=scratch_parent))
+    try:
+        results = run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(report(results))
+    print(f"\nresults: {save(results)}")
+    return 0

@@ -42,9 +42,7 @@ import pstats
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +64,7 @@ from _common import (
     fmt_bytes,
     markdown_table,
     rotate,
+    run_and_report,
     write_results,
 )
 from bench_storage import NAME, make_state, measure, summarize, tensor_bytes
@@ -708,20 +707,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    if args.dir is not None:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_s3_", dir=args.dir))
-    try:
-        results = run(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    text = report(results)
-    print()
-    print(text)
-    out = write_results(Path(args.out), results)
-    print(f"\nresults: {out}")
-    return 0
+    return run_and_report(
+        "bench_s3_",
+        args.dir,
+        lambda work: run(args, work),
+        report,
+        lambda r: write_results(Path(args.out), r),
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,7 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import time
-import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +59,7 @@ from _common import (
     median,
     process_cpu_seconds,
     rotate,
+    run_and_report,
     timed,
     write_results,
 )
@@ -622,20 +621,13 @@ def save_json(path: Path, results: dict[str, Any]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    if args.dir is not None:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir))
-    try:
-        results = run(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    text = report(results)
-    print()
-    print(text)
-    out = save_json(Path(args.out), results)
-    print(f"\nresults: {out}")
-    return 0
+    return run_and_report(
+        "bench_storage_",
+        args.dir,
+        lambda work: run(args, work),
+        report,
+        lambda r: save_json(Path(args.out), r),
+    )
 
 
 if __name__ == "__main__":
