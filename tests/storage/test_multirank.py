@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support import assert_state_equal
 from torch.distributed.checkpoint import FileSystemReader, _async_process_executor
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,16 +75,6 @@ def _blank(value: Any) -> Any:
     if isinstance(value, list):
         return [_blank(item) for item in value]
     return -1
-
-
-def _assert_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert actual.keys() == expected.keys()
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            assert actual[key].dtype == value.dtype, key
-            assert torch.equal(actual[key], value), key
-        else:
-            assert actual[key] == value, key
 
 
 def _load(root: Path, name: str, like: dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +237,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
     run_ranks(_save_rank_state, 2, args=(str(tmp_path),))
 
     expected = _union(2)
-    _assert_equal(_load(tmp_path, "two_ranks", expected), expected)
+    assert_state_equal(_load(tmp_path, "two_ranks", expected), expected)
     [info] = list_checkpoints(tmp_path)
     assert (info.name, info.world_size) == ("two_ranks", 2)
     assert verify_checkpoint(tmp_path, "two_ranks").items_checked == len(
@@ -267,7 +258,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
     # torch's own reader sees the same checkpoint.
     plain = _blank(expected)
     dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "two_ranks")), no_dist=True)
-    _assert_equal(plain, expected)
+    assert_state_equal(plain, expected)
 
 
 def test_one_rank_save_loads_on_two_ranks(tmp_path: Path) -> None:
@@ -277,7 +268,7 @@ def test_one_rank_save_loads_on_two_ranks(tmp_path: Path) -> None:
     loaded = run_ranks(_load_full_state, 2, args=(str(tmp_path), expected))
 
     for state in loaded:
-        _assert_equal(state, expected)
+        assert_state_equal(state, expected)
 
 
 def test_sharded_dtensors_load_whole_on_one_rank_and_back_as_shards_on_two(
@@ -315,12 +306,12 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_publishes_no
         assert list(seen["failures"]) == [1]
         assert "injected I/O error on rank 1" in seen["failures"][1]
         assert seen["listed_after_failure"] == ["good"]
-        _assert_equal(seen["latest_after_failure"], good)
+        assert_state_equal(seen["latest_after_failure"], good)
     assert [info.name for info in list_checkpoints(tmp_path)] == ["good"]
     assert not (tmp_path / "bad").exists()
     with pytest.raises(CheckpointNotFoundError):
         _load(tmp_path, "bad", good)
-    _assert_equal(_load(tmp_path, "good", good), good)
+    assert_state_equal(_load(tmp_path, "good", good), good)
     verify_checkpoint(tmp_path, "good")
 
 
@@ -354,7 +345,7 @@ def test_async_save_in_a_thread_and_in_a_process_commits_on_two_ranks(tmp_path: 
         assert [seen[name.removeprefix("async_")] for seen in per_rank] == [name, name]
         assert verify_checkpoint(tmp_path, name).name == name
         assert _manifest(tmp_path, name).world_size == 2
-        _assert_equal(_load(tmp_path, name, expected), expected)
+        assert_state_equal(_load(tmp_path, name, expected), expected)
     # PROCESS mode really saved from another process, which did not outlive its rank.
     for seen in per_rank:
         assert seen["checkpoint_pid"] != seen["rank_pid"]
