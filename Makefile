@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/dcp-safe demo
 
 test: $(STAMP)
 	$(BIN)/ruff check dcp_safe tests examples benchmarks

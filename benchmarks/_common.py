@@ -5,7 +5,8 @@ round and reports medians, because the machines we measure on are shared: a sing
 mean, says more about the neighbours than about the code. What lives here:
 
 * :func:`median`, :func:`timed`, :func:`process_cpu_seconds` and :func:`rotate` for the
-  measuring loop;
+  measuring loop (``median`` and ``rotate`` are :mod:`dcp_safe.bench.measure`'s, which the
+  sweep and ``dcp-safe bench`` use too);
 * :class:`RssPeakSampler`, a background thread that samples this process's RSS (or another
   process's, by pid) with psutil (every 5 ms by default) and reports the peak above the level
   it started from;
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -28,6 +28,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dcp_safe.bench.measure import median, rotate
 
 __all__ = [
     "RssPeakSampler",
@@ -50,12 +53,6 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def median(values: Iterable[float]) -> float:
-    """The median of ``values`` (``nan`` when there are none)."""
-    data = list(values)
-    return statistics.median(data) if data else float("nan")
-
-
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
     """Run ``fn`` once; return (wall seconds, its result)."""
     start = time.perf_counter()
@@ -67,14 +64,6 @@ def process_cpu_seconds() -> float:
     """User + system CPU seconds of this process so far, all threads together."""
     times = os.times()
     return times.user + times.system
-
-
-def rotate(items: Sequence[T], round_index: int) -> list[T]:
-    """``items`` rotated by ``round_index``: each contender goes first in turn."""
-    if not items:
-        return []
-    shift = round_index % len(items)
-    return list(items[shift:]) + list(items[:shift])
 
 
 class RssPeakSampler:

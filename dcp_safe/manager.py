@@ -44,6 +44,10 @@ outlive their save); the manager then saves every request synchronously (as ``"s
 whether or not a save is in flight), logs a WARNING and records a ``fallback`` event, until
 :meth:`CheckpointManager.rearm`.
 
+Telemetry (``telemetry=``, off by default): each started save gets a root ``save`` span from
+admission to its verified local commit; the stager's and the (wrapped) writer's spans nest under
+it; skips and fallbacks are marks. See :mod:`dcp_safe.telemetry`.
+
 Preemption: :meth:`CheckpointManager.install_preemption_handler` (see :mod:`dcp_safe.preemption`).
 The manager keeps a reference to the newest state passed to ``save``/``maybe_save``: the LIVE
 state, saved as it is at signal time.
@@ -93,6 +97,8 @@ from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
+from dcp_safe.telemetry.events import SpanHandle
+from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = [
     "HISTORY_FILE",
@@ -204,6 +210,9 @@ class CheckpointManager:
         memory_sampler: returns the host's available bytes, called at each save request
             (default: psutil's ``virtual_memory().available``; tests inject one).
         clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
+        telemetry: records each save's spans (root ``save`` from admission to verified local
+            commit; staging, plan, write, commit, release, replication), and marks skips and
+            fallbacks; ``None`` (the default) records nothing. Not closed by :meth:`close`.
 
     Raises:
         ConfigError: a bad option.
@@ -229,6 +238,7 @@ class CheckpointManager:
         clock: Callable[[], float] = time.monotonic,
         partial_grace_s: float = DEFAULT_GRACE_S,
         exit_timeout_s: float = 60.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -249,6 +259,10 @@ class CheckpointManager:
         self.replicate_to = self.writer.replicate_to
         self._owns_stager = stager is None
         self.stager = stager or BudgetedStager(budget, when_busy="wait")
+        self.telemetry = telemetry
+        self._spans: dict[str, SpanHandle] = {}
+        if telemetry is not None:
+            telemetry.attach_stager(self.stager)
         self._sync_writer: SafeStorageWriter | None = None
         self._cond = threading.Condition()
         self._history = History(self.writer.backend)
@@ -361,6 +375,8 @@ class CheckpointManager:
             self._requested_at.pop(handle.name, None)
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self._record("skipped", handle, tier="local", reason=reason)
+        if self.telemetry is not None:
+            self.telemetry.mark("skipped", save=handle.name, step=handle.step, reason=reason)
 
     def _coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
         sources = collect_tensors(state_dict)
@@ -393,18 +409,21 @@ class CheckpointManager:
             self._requested_at.pop(old.name, None)
         old.cancel()
         self._record("skipped", old, tier="local", reason=f"coalesced into step {new.step}")
+        if self.telemetry is not None:
+            self.telemetry.mark("skipped", save=old.name, step=old.step, reason="coalesced")
 
     def _start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
         self.writer.step = handle.step
         try:
-            response = api.async_save(
-                state_dict,
-                checkpoint_id=handle.name,
-                storage_writer=self.writer,
-                async_stager=self.stager,
-                no_dist=True,
-            )
+            with self._save_span(handle):
+                response = api.async_save(
+                    state_dict,
+                    checkpoint_id=handle.name,
+                    storage_writer=self._instrumented(self.writer),
+                    async_stager=self.stager,
+                    no_dist=True,
+                )
             self.stager.track(response)
         except BaseException as exc:
             self._fail(handle, exc, tier="local", keep=False)
@@ -421,7 +440,13 @@ class CheckpointManager:
         with self._cond:
             self._counts["sync_saves"] += 1
         try:
-            api.save(state_dict, checkpoint_id=handle.name, storage_writer=writer, no_dist=True)
+            with self._save_span(handle):
+                api.save(
+                    state_dict,
+                    checkpoint_id=handle.name,
+                    storage_writer=self._instrumented(writer),
+                    no_dist=True,
+                )
         except BaseException as exc:
             self._fail(handle, exc, tier="local", keep=False)
             raise
@@ -474,6 +499,7 @@ class CheckpointManager:
             log.warning("retention after %s failed: %s", handle.name, exc)
             with self._cond:
                 self._errors.append(exc)
+        self._end_span(handle, None)
         handle.committed.set_result(handle.name)
 
     def _verify(self, name: str) -> None:
@@ -525,6 +551,8 @@ class CheckpointManager:
             if keep:
                 self._errors.append(error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
+        if tier == "local":
+            self._end_span(handle, error)
         self._record(
             "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
         )
@@ -536,6 +564,33 @@ class CheckpointManager:
                 target.set_exception(error)
         if future is None and not handle.replicated.done():
             handle.replicated.set_exception(error)
+
+    # ------------------------------------------------------------------ telemetry
+
+    @contextlib.contextmanager
+    def _save_span(self, handle: SaveHandle) -> Any:
+        """Open the save's root span; its phases started on this thread nest under it."""
+        if self.telemetry is None:
+            yield
+            return
+        span = self.telemetry.begin_save(handle.name, handle.step)
+        with self._cond:
+            self._spans[handle.name] = span
+        with self.telemetry.within(span):
+            yield
+
+    def _end_span(self, handle: SaveHandle, error: BaseException | None) -> None:
+        with self._cond:
+            span = self._spans.pop(handle.name, None)
+        if span is None:
+            return
+        if error is None:
+            span.end()
+        else:
+            span.fail(error)
+
+    def _instrumented(self, writer: SafeStorageWriter) -> Any:
+        return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)
 
     def _finish_slot(self) -> None:
         """Free the slot, or hand it straight to the pending coalesced save."""
@@ -781,6 +836,8 @@ class CheckpointManager:
     def _fell_back(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
         self._record("fallback", handle, reason=reason)
+        if self.telemetry is not None:
+            self.telemetry.mark("fallback", save=handle.name, step=handle.step, reason=reason)
 
     def rearm(self) -> None:
         """Switch back to asynchronous saves after a fallback (no-op when not fallen back)."""

@@ -25,11 +25,15 @@ import torch
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe.staging import stager as stager_module
 from dcp_safe.storage import local_backend
 
 # A child that finished its work exits with this; one killed by the switch shows SIGKILL.
 CHILD_DONE = 0
 CHILD_FAILED = 3
+# A child the switch ended with os._exit exits with this.
+CHILD_EXITED = 97
+KILL_MODES = ("sigkill", "exit")
 # Writes longer than this count as two operations (first half, second half): a torn write.
 _SPLIT_BYTES = 512
 
@@ -111,14 +115,20 @@ def load_values(root: str | os.PathLike[str], name: str, like: dict[str, Any]) -
 
 
 class KillSwitch:
-    """Counts storage operations; SIGKILLs the process just before operation ``kill_at``.
+    """Counts storage operations; kills the process just before operation ``kill_at``.
 
-    With ``record``, it also keeps a label per operation (``"fsync .step_2.partial-…/.metadata"``)
-    so a sweep can say what each kill point interrupts.
+    ``how``: ``"sigkill"`` (the kernel ends the process: no handler, no ``finally``) or
+    ``"exit"`` (``os._exit``: the process ends itself at once, without unwinding, flushing
+    Python's buffers or running ``atexit``, as a fatal error path or ``os._exit`` in user code
+    does). With ``record``, it also keeps a label per operation
+    (``"fsync .step_2.partial-…/.metadata"``) so a sweep can say what each kill point interrupts.
     """
 
-    def __init__(self, kill_at: int, *, record: bool = False) -> None:
+    def __init__(self, kill_at: int, *, record: bool = False, how: str = "sigkill") -> None:
+        if how not in KILL_MODES:
+            raise ValueError(f"how must be one of {KILL_MODES}, got {how!r}")
         self.kill_at = kill_at
+        self.how = how
         self.count = 0
         self.labels: list[str] | None = [] if record else None
         self._lock = threading.Lock()
@@ -127,6 +137,8 @@ class KillSwitch:
         with self._lock:
             self.count += 1
             if self.count == self.kill_at:
+                if self.how == "exit":
+                    os._exit(CHILD_EXITED)
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.labels is not None:
                 self.labels.append(f"{kind} {_describe(target)}")
@@ -167,15 +179,16 @@ class _CountingFile:
         return getattr(self._target, name)
 
 
-def install_kill_switch(kill_at: int, *, record: bool = False) -> KillSwitch:
-    """Count the storage operations of this process; SIGKILL it just before ``kill_at``.
+def install_kill_switch(kill_at: int, *, record: bool = False, how: str = "sigkill") -> KillSwitch:
+    """Count the storage operations of this process; kill it just before ``kill_at``.
 
-    Counted: ``LocalBackend.open_write`` and each write into the file it yields, and the ``os``
-    calls the backend makes (open, write, fsync, mkdir, rename, unlink, rmdir, renameat2). A
-    write longer than 512 bytes counts twice (each half), so a kill can tear it. Only ever
+    Counted: ``LocalBackend.open_write`` and each write into the file it yields, the ``os``
+    calls the backend makes (open, write, fsync, mkdir, rename, unlink, rmdir, renameat2), and
+    each tensor the :class:`~dcp_safe.BudgetedStager` copies (so a kill can land mid-staging).
+    A write longer than 512 bytes counts twice (each half), so a kill can tear it. Only ever
     call this in a forked child: the patches are never undone.
     """
-    switch = KillSwitch(kill_at, record=record)
+    switch = KillSwitch(kill_at, record=record, how=how)
 
     def counted(kind: str, func: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(target: Any, *args: Any, **kwargs: Any) -> Any:
@@ -207,7 +220,30 @@ def install_kill_switch(kill_at: int, *, record: bool = False) -> KillSwitch:
             yield _CountingFile(f, os.path.basename(rel), switch)
 
     local_backend.LocalBackend.open_write = open_write  # type: ignore[assignment,method-assign]
+    _count_staging(switch)
     return switch
+
+
+class _CountedSources(list):  # type: ignore[type-arg]
+    """The stager's list of tensors to copy; iterating it ticks before each one."""
+
+    switch: KillSwitch
+
+    def __iter__(self) -> Iterator[Any]:
+        for tensor in super().__iter__():
+            self.switch.tick("stage", "tensor")
+            yield tensor
+
+
+def _count_staging(switch: KillSwitch) -> None:
+    real_copy = stager_module.BudgetedStager._copy
+
+    def copy(self: Any, gen: Any, state_dict: Any, sources: list[Any], *args: Any) -> None:
+        counted = _CountedSources(sources)
+        counted.switch = switch
+        real_copy(self, gen, state_dict, counted, *args)
+
+    stager_module.BudgetedStager._copy = copy  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------- fork
@@ -251,3 +287,64 @@ def wait_fork(pid: int, *, deadline_s: float = 120.0) -> int:
 def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int:
     """``start_fork`` then ``wait_fork``."""
     return wait_fork(start_fork(work), deadline_s=deadline_s)
+
+
+# --------------------------------------------------------------------------- known writer bug
+
+
+def writer_finalizes_failed_tensor_writes() -> bool:
+    """Whether ``writer._save_tensor`` finalizes torch's zip writer when a write fails.
+
+    If it does not, the writer's C++ destructor writes the end of the archive during a later
+    garbage collection, to a failed or closed file, and the exception there aborts the process
+    (``std::terminate``): any I/O error in the middle of a tensor write kills the job.
+    """
+    import inspect
+
+    from dcp_safe.storage import writer
+
+    return inspect.getsource(writer._save_tensor).count("write_end_of_file") >= 2
+
+
+def finalize_failed_tensor_writes() -> None:
+    """Until writer.py finalizes a failed ``torch.save`` itself, do it for the sweeps that fail
+    writes on purpose (the fix proposed for writer.py, applied to this process only)."""
+    import pickle
+
+    from torch import serialization
+
+    from dcp_safe.storage import writer
+
+    if writer_finalizes_failed_tensor_writes() or not writer._PRIVATE_SAVE:
+        return
+
+    def save_tensor(tensor: torch.Tensor, out: Any) -> None:
+        zip_writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
+        try:
+            serialization._save(  # type: ignore[no-untyped-call]
+                tensor, zip_writer, pickle, serialization.DEFAULT_PROTOCOL, False
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                zip_writer.write_end_of_file()  # marks it finalized even when this fails
+            raise
+        zip_writer.write_end_of_file()
+
+    writer._save_tensor = save_tensor  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------- figures
+
+# Set by scripts/reliability_report.py: each sweep appends one JSON line of figures here.
+FIGURES_ENV = "DCP_SAFE_FIGURES"
+
+
+def record_figures(kind: str, **figures: Any) -> None:
+    """Append ``{"kind": kind, **figures}`` as a JSON line to ``$DCP_SAFE_FIGURES``, if set."""
+    import json
+
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"kind": kind, **figures}) + "\n")

@@ -12,6 +12,10 @@ every shard file has exactly the size its items add up to. Then it writes ``.met
 * marker (object stores): the files are already under ``<name>/``; the marker is created with
   an exclusive write, so a committed name is never overwritten.
 
+Right before the publish (the rename, or the marker) it checks the fence
+(:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
+under the root raises ``StaleWriterError`` instead of publishing.
+
 A failure before the publish removes the partial directory and raises; nothing is visible.
 """
 
@@ -30,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import dcp_safe
 from dcp_safe.commit import protocol
+from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
 from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.checksum import digest_bytes
@@ -65,23 +70,30 @@ class Committer:
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
+        attempt: Attempt | None = None,
     ) -> Manifest:
         """Verify, then publish ``work_dir`` as checkpoint ``name``. Returns its manifest.
 
         Raises:
             CommitError: results or rank manifests do not add up; nothing is published.
+            StaleWriterError: a newer job attempt than ``attempt`` saves under this root;
+                nothing is published and this save's files are removed.
             CheckpointExistsError: ``name`` was committed by someone else meanwhile.
             StorageError: an I/O step failed; nothing is published.
         """
         renames = self.backend.supports_atomic_rename
         try:
-            manifest = self._seal(name, save_id, work_dir, world_size, step, metadata, results)
+            manifest = self._seal(
+                name, save_id, work_dir, world_size, step, metadata, results, attempt
+            )
             if renames:
+                check_fence(self.backend, attempt)  # the commit point is the rename
                 self._rename_into_place(work_dir, name)
         except BaseException as exc:
             if renames:
                 self._discard(work_dir)
-            elif not isinstance(exc, (StaleWriterError, CheckpointExistsError)):
+            elif not isinstance(exc, CheckpointExistsError):
+                # Removes only what is still ours (it checks the lease first).
                 self._discard_uncommitted(name, save_id)
             raise
         if not renames:
@@ -99,6 +111,7 @@ class Committer:
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
+        attempt: Attempt | None,
     ) -> Manifest:
         per_rank = _records_by_rank(results)
         _check_every_item_written(metadata, per_rank)
@@ -132,12 +145,14 @@ class Committer:
             dcp_safe_version=dcp_safe.__version__,
             torch_version=torch.__version__,
             step=step,
+            attempt=None if attempt is None else attempt.number,
         )
         manifest_bytes = manifest.to_json()
         self.backend.write_bytes(f"{work_dir}/{protocol.MANIFEST}", manifest_bytes)
         self.backend.sync_dir(f"{work_dir}/{protocol.RANKS_DIR}")
         marker = f"{work_dir}/{protocol.COMMITTED_MARKER}"
         if not self.backend.supports_atomic_rename:
+            check_fence(self.backend, attempt)  # the commit point is the marker
             check_lease(self.backend, name, save_id)
         try:
             self.backend.write_bytes(

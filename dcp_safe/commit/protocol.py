@@ -2,7 +2,8 @@
 
 A checkpoint exists when, and only when, its ``_COMMITTED`` marker exists and holds the digest of
 its ``manifest.json``. Everything else under a root (hidden partial directories, files without a
-marker) is work in progress or debris, never a checkpoint.
+marker) is work in progress or debris, never a checkpoint. One root-level name is reserved:
+``_ATTEMPTS/``, where :mod:`dcp_safe.commit.fencing` records which job attempts saved there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from dcp_safe.errors import InvalidCheckpointNameError
 
 __all__ = [
+    "ATTEMPTS_DIR",
     "COMMITTED_MARKER",
     "DCP_METADATA",
     "LATEST",
@@ -34,6 +36,7 @@ WRITING_LEASE = "_WRITING"
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 RANKS_DIR = "_ranks"
+ATTEMPTS_DIR = "_ATTEMPTS"
 SHARD_SUFFIX = ".distcp"
 PARTIAL_INFIX = ".partial-"
 LATEST = "latest"
@@ -47,7 +50,8 @@ def validate_name(name: object) -> str:
 
     Raises:
         InvalidCheckpointNameError: empty, with a path separator, ``..``, a leading dot, the
-            reserved word ``latest``, or characters outside ``[A-Za-z0-9_.=+-]``.
+            reserved words ``latest`` and ``_ATTEMPTS``, or characters outside
+            ``[A-Za-z0-9_.=+-]``.
     """
     if not isinstance(name, str):
         raise InvalidCheckpointNameError(name, f"expected a str, got {type(name).__name__}")
@@ -61,6 +65,8 @@ def validate_name(name: object) -> str:
         raise InvalidCheckpointNameError(name, "it starts with a dot (reserved for partials)")
     if name == LATEST:
         raise InvalidCheckpointNameError(name, "'latest' is reserved for the newest checkpoint")
+    if name == ATTEMPTS_DIR:
+        raise InvalidCheckpointNameError(name, f"{ATTEMPTS_DIR!r} is reserved for fencing records")
     if len(name) > _MAX_NAME_LEN:
         raise InvalidCheckpointNameError(name, f"it is longer than {_MAX_NAME_LEN} characters")
     if not _ALLOWED.match(name):

@@ -106,7 +106,9 @@ class Manifest:
     dcp_safe_version: str
     torch_version: str
     step: int | None = None
-    attempt: str | None = None
+    # The job attempt that wrote it (dcp_safe.commit.fencing); None when not fenced, and in
+    # manifests written before fencing existed.
+    attempt: int | None = None
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
 

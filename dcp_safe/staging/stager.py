@@ -49,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -59,6 +59,10 @@ from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.staging.budget import MemoryBudget, format_bytes
 from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
+from dcp_safe.telemetry.events import NULL_RECORDER, Phase, Recorder, SpanHandle
+
+if TYPE_CHECKING:
+    from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
 
@@ -166,9 +170,11 @@ class _StagedStateDict(dict[str, Any]):
 
 
 class _Generation:
-    def __init__(self, number: int, lease: Lease) -> None:
+    def __init__(self, number: int, lease: Lease, span: SpanHandle) -> None:
         self.number = number
         self.lease = lease
+        self.span = span  # the staging span: admission wait + copy
+        self.release_claimed = False
         self.tracked = False
         self.staged = threading.Event()
         self.error: BaseException | None = None
@@ -184,6 +190,8 @@ class BudgetedStager(AsyncStager):
         pin_memory: see :class:`StagerOptions`.
         when_busy: see :class:`StagerOptions`.
         timeout_s: see :class:`StagerOptions`.
+        telemetry: records a ``staging`` span per save (admission wait and copy) and a
+            ``release`` span when its buffers go back to the pool; off by default.
 
     Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
     """
@@ -198,7 +206,11 @@ class BudgetedStager(AsyncStager):
         pin_memory: PinMemory | str | bool = "auto",
         when_busy: WhenBusy | str = "wait",
         timeout_s: float = 600.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        self.telemetry: Recorder = NULL_RECORDER
+        if telemetry is not None:
+            telemetry.attach_stager(self)
         self.options = StagerOptions(
             max_in_flight=max_in_flight,
             pin_memory=PinMemory.coerce(pin_memory),
@@ -237,7 +249,12 @@ class BudgetedStager(AsyncStager):
         started = time.perf_counter()
         sources = collect_tensors(state_dict)
         sizes = [t.nbytes for t in sources if t.nbytes > 0]
-        gen = self._admit(sizes)
+        span = self.telemetry.begin(Phase.STAGING, bytes=sum(sizes))
+        try:
+            gen = self._admit(sizes, span)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
         ready = None
         if self._stream is not None and any(t.is_cuda for t in sources):
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -387,7 +404,7 @@ class BudgetedStager(AsyncStager):
 
     # -- admission ------------------------------------------------------------------------------
 
-    def _admit(self, sizes: list[int]) -> _Generation:
+    def _admit(self, sizes: list[int], span: SpanHandle) -> _Generation:
         request = sum(self._pool.cost(s) for s in sizes)
         self.budget.check_fits(request)
         started = time.monotonic()
@@ -422,7 +439,7 @@ class BudgetedStager(AsyncStager):
                         self._cond.acquire()
                     continue
                 self._cond.wait(0.005)
-            gen = _Generation(next(self._numbers), self._pool.lease(sizes))
+            gen = _Generation(next(self._numbers), self._pool.lease(sizes), span)
             excess = self._pool.allocated_bytes - self.budget.envelope_bytes
             if excess > 0:  # free buffers this state cannot use make room for ones it can
                 self._pool.trim(max(0, self._pool.free_bytes - excess))
@@ -479,7 +496,7 @@ class BudgetedStager(AsyncStager):
             )
             staged: dict[int, torch.Tensor] = {}
             buffers = iter(gen.lease.buffers)
-            with torch.no_grad(), stream_ctx:
+            with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
                 if ready is not None and self._stream is not None:
                     self._stream.wait_event(ready)
                 for src in sources:
@@ -494,6 +511,7 @@ class BudgetedStager(AsyncStager):
             result = _StagedStateDict(rebuild(state_dict, staged))
         except BaseException as exc:
             gen.error = exc
+            gen.span.fail(exc)
             gen.staged.set()
             self._release(gen, writer_done=True)
             future.set_exception(exc)
@@ -504,6 +522,7 @@ class BudgetedStager(AsyncStager):
             self._last_allocated = allocated
             self._last_staging_s = time.perf_counter() - started
         gen.staged.set()
+        gen.span.end(allocated_bytes=allocated)
         del staged, sources
         future.set_result(result)
 
@@ -523,7 +542,19 @@ class BudgetedStager(AsyncStager):
         self._release(gen, writer_done=True)
 
     def _release(self, gen: _Generation, *, writer_done: bool) -> None:
+        # Only the first release ends the generation, so only it is a phase.
+        with self._cond:
+            first, gen.release_claimed = not gen.release_claimed, True
+        span = (
+            self.telemetry.begin(
+                Phase.RELEASE, save=gen.span.save, step=gen.span.step, bytes=gen.lease.nbytes
+            )
+            if first
+            else None
+        )
         with self._cond:
             gen.lease.release(writer_done=writer_done)
             self._in_flight.pop(gen.number, None)
             self._cond.notify_all()
+        if span is not None:
+            span.end(writer_done=writer_done)

@@ -20,7 +20,14 @@ Streamed writes, two ways:
   multipart upload and the file is marked closed so that neither ``close`` nor ``__del__`` can
   flush it later;
 * other file systems (``memory://`` publishes a file as soon as it is opened) write a hidden
-  sibling and move it into place after a clean exit.
+  sibling and move it into place after a clean exit; small files too (``write_bytes``), so that
+  a torn write never sits under its final name. Writes create their parent directory, as on an
+  object store.
+
+A wrapper file system that names the storage it wraps as ``target_fs`` (the fault-injecting
+:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets the flags and the upload path of
+that storage: a faulty S3 root keeps its conditional puts and its multipart uploads (through the
+wrapper's ``call_s3``), a faulty local root claims no atomic rename.
 
 Directory listings are never cached on object stores (``use_listings_cache=False`` unless the
 caller says otherwise): a stale listing would make a shard another rank wrote look missing.
@@ -75,7 +82,13 @@ class FsspecBackend(Backend):
         fs, root = url_to_fs(url, **options)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root = root.rstrip("/")
-        self.supports_exclusive_create = _has_conditional_create(fs)
+        # A wrapper (the fault-injecting file system) claims nothing of its own: the storage
+        # underneath decides what the backend can rely on.
+        target = _target_of(fs)
+        self.object_store = (
+            self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
+        )
+        self.supports_exclusive_create = _has_conditional_create(target)
         self.client_retries = client_retries
         self._limit_client_retries()
 
@@ -87,8 +100,9 @@ class FsspecBackend(Backend):
     def _limit_client_retries(self) -> None:
         """s3fs retries in its own loop (class attribute ``retries``), which no storage option
         reaches; where RetryingBackend owns retries and the deadline, the client tries once."""
-        if self.client_retries is not None and hasattr(self.fs, "retries"):
-            self.fs.retries = self.client_retries
+        target = _target_of(self.fs)
+        if self.client_retries is not None and hasattr(target, "retries"):
+            target.retries = self.client_retries
 
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -108,7 +122,7 @@ class FsspecBackend(Backend):
     @contextmanager
     def _open_multipart(self, rel: str) -> Iterator[WritableFile]:
         try:
-            f = S3MultipartWriter(self.fs, self._abs(rel), block_size_of(self.fs))
+            f = S3MultipartWriter(self.fs, self._abs(rel), block_size_of(_target_of(self.fs)))
         except (OSError, ValueError) as exc:
             raise self._fail("create", rel, exc) from exc
         try:
@@ -144,6 +158,7 @@ class FsspecBackend(Backend):
     def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
         temp = _temp_name(rel)
         try:
+            self._make_parent(rel)
             f = self.fs.open(self._abs(temp), "wb")
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
@@ -168,10 +183,23 @@ class FsspecBackend(Backend):
         if exclusive and self.exists(rel):
             # Best effort only: such a backend says so through its capability flag.
             raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
+        if not self.object_store:
+            # A PUT is atomic; a local write is not: a torn lease or marker must never sit
+            # under its final name (an unreadable lease would block the name for good).
+            with self._open_via_temp(rel) as f:
+                f.write(data)
+            return
         try:
             self.fs.pipe_file(self._abs(rel), data)
         except OSError as exc:
             raise self._fail("write", rel, exc) from exc
+
+    def _make_parent(self, rel: str) -> None:
+        """Writes create their directory, as on an object store (fsspec's local file system
+        would not: ``auto_mkdir`` is off by default)."""
+        parent = posixpath.dirname(rel)
+        if parent and not self.object_store:
+            self.fs.makedirs(self._abs(parent), exist_ok=True)
 
     def _create_exclusive(self, rel: str, data: bytes) -> None:
         """A conditional PUT: the server refuses it, atomically, when the key exists."""
@@ -299,8 +327,22 @@ def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
-    """s3fs, whose ``call_s3`` reaches the S3 API directly (for the pipelined multipart path)."""
-    return type(fs).__name__ == "S3FileSystem" and callable(getattr(fs, "call_s3", None))
+    """s3fs (or a wrapper of it that passes ``call_s3`` on), whose ``call_s3`` reaches the S3
+    API directly (for the pipelined multipart path)."""
+    return type(_target_of(fs)).__name__ == "S3FileSystem" and callable(
+        getattr(fs, "call_s3", None)
+    )
+
+
+def _target_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """The file system under a wrapper that names it as ``target_fs`` (FaultyFileSystem)."""
+    target = getattr(fs, "target_fs", None)
+    return target if isinstance(target, fsspec.AbstractFileSystem) else fs
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    protocol = fs.protocol
+    return {protocol} if isinstance(protocol, str) else set(protocol)
 
 
 def _is_precondition_failed(exc: BaseException) -> bool:

@@ -60,7 +60,13 @@ from dcp_safe.errors import (
     StorageError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
-from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, manifest_digest
+from dcp_safe.manifest.schema import (
+    FileRecord,
+    ItemRecord,
+    Manifest,
+    RankManifest,
+    manifest_digest,
+)
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
 
@@ -69,6 +75,7 @@ __all__ = [
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "Replicator",
+    "copy_file_verified",
     "replicate_checkpoint",
 ]
 
@@ -245,42 +252,15 @@ class _Copy:
             self.remote.sync_dir(f"{dest}/{folder}")
 
     def _copy_file(self, record: FileRecord, dst: str) -> None:
-        src = f"{self.name}/{record.path}"
-        path = self.local.full_path(src)
-        check = _StreamCheck(path, record, self.items.get(record.path, []))
-        try:
-            actual = self.local.size(src)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(path, "file is missing") from None
-        if actual != record.size:
-            raise CheckpointCorruptError(
-                path, "file size differs from the manifest", expected=record.size, actual=actual
-            )
-        with self.local.open_read(src) as reader, self.remote.open_write(dst) as writer:
-            remaining = record.size
-            while remaining:
-                data = self._read(reader.read, min(self.chunk_bytes, remaining), path)
-                if not data:
-                    raise CheckpointCorruptError(
-                        path,
-                        "file is shorter than the manifest says",
-                        expected=record.size,
-                        actual=record.size - remaining,
-                    )
-                check.update(data)
-                writer.write(data)
-                remaining -= len(data)
-            check.finish()
-
-    @staticmethod
-    def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
-        # Map here: left raw, a local read error would surface as the remote write failing.
-        try:
-            return read(size)
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise StorageError("read", path, exc) from exc
+        copy_file_verified(
+            self.local,
+            f"{self.name}/{record.path}",
+            self.remote,
+            dst,
+            record,
+            self.items.get(record.path, []),
+            chunk_bytes=self.chunk_bytes,
+        )
 
     def _check_size(self, rel: str, expected: int) -> None:
         try:
@@ -297,7 +277,67 @@ class _Copy:
             )
 
 
-def _items_by_file(manifest_path: str, manifest: Manifest) -> dict[str, list[ItemRecord]]:
+def copy_file_verified(
+    source: Backend,
+    src: str,
+    dest: Backend,
+    dst: str,
+    record: FileRecord,
+    items: Sequence[ItemRecord],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
+
+    The whole-file checksum (small files) or each item's checksum (shard files, whose
+    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
+    so a source byte flipped since it was written is never made durable a second time.
+
+    Raises:
+        CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
+            (``dst`` may then hold a partial copy; it is the caller's to remove).
+        StorageError: reading or writing failed.
+    """
+    path = source.full_path(src)
+    check = _StreamCheck(path, record, sorted(items, key=lambda i: i.start))
+    try:
+        actual = source.size(src)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None
+    if actual != record.size:
+        raise CheckpointCorruptError(
+            path, "file size differs from the manifest", expected=record.size, actual=actual
+        )
+    with source.open_read(src) as reader, dest.open_write(dst) as writer:
+        remaining = record.size
+        while remaining:
+            data = _read(reader.read, min(chunk_bytes, remaining), path)
+            if not data:
+                raise CheckpointCorruptError(
+                    path,
+                    "file is shorter than the manifest says",
+                    expected=record.size,
+                    actual=record.size - remaining,
+                )
+            check.update(data)
+            writer.write(data)
+            remaining -= len(data)
+        check.finish()
+
+
+def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
+    # Map here: left raw, a local read error would surface as the remote write failing.
+    try:
+        return read(size)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError("read", path, exc) from exc
+
+
+def _items_by_file(
+    manifest_path: str, manifest: Manifest | RankManifest
+) -> dict[str, list[ItemRecord]]:
     """Each file's items in order of ``start``; every file they name must be listed."""
     by_file: dict[str, list[ItemRecord]] = {}
     for item in manifest.items:

@@ -1,14 +1,17 @@
-"""Wait for a checkpoint to be committed on a root, by polling its marker.
+"""Wait for something to appear on storage (a commit marker, every rank's manifest), by polling.
 
 Ranks that do not publish learn that a publish happened through storage, not through the
 training process group, so a background wait can never deadlock with training collectives.
+Every wait here is bounded: it ends with :class:`ReplicationTimeoutError` at its deadline.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import Manifest
@@ -16,7 +19,9 @@ from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
 from dcp_safe.storage.replicate import ReplicationTimeoutError
 
-__all__ = ["watch_for_commit"]
+__all__ = ["poll_until", "watch_for_commit"]
+
+T = TypeVar("T")
 
 DEFAULT_WATCH_TIMEOUT_S = 3600.0
 
@@ -49,3 +54,31 @@ def watch_for_commit(
 
     threading.Thread(target=poll, name=f"dcp_safe-watch-{name}", daemon=True).start()
     return future
+
+
+def poll_until(
+    check: Callable[[], T | None], *, timeout_s: float, poll_s: float, waiting_for: str
+) -> T:
+    """Call ``check`` every ``poll_s`` seconds until it returns something other than None.
+
+    ``check`` raises to end the wait early (a peer reported a failure); its exceptions
+    propagate unchanged. It is called at least once, and once more at the deadline.
+
+    Args:
+        check: returns the awaited value, or None while it is not there yet.
+        timeout_s: the deadline, from now.
+        poll_s: the pause between calls.
+        waiting_for: what is awaited, for the timeout's message.
+
+    Raises:
+        ReplicationTimeoutError: ``check`` still returned None at the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found is not None:
+            return found
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ReplicationTimeoutError(f"gave up after {timeout_s} s waiting for {waiting_for}")
+        time.sleep(min(poll_s, remaining))

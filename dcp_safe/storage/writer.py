@@ -45,6 +45,7 @@ from torch.futures import Future
 
 from dcp_safe.commit import protocol
 from dcp_safe.commit.committer import Committer
+from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
 from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
@@ -92,6 +93,10 @@ class SafeStorageWriter(StorageWriter):
             ``storage_options``).
         retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
             dropped connections); a shard file that fails transiently is rewritten whole.
+        attempt: this job attempt's number, monotone across restarts (default:
+            ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
+            attempt than one that has saved under ``root`` fails with ``StaleWriterError``
+            instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest.
 
     Raises:
         ConfigError: an option has an unsupported value.
@@ -111,6 +116,7 @@ class SafeStorageWriter(StorageWriter):
         replicate_to: str | os.PathLike[str] | None = None,
         replicate_storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        attempt: int | None = None,
     ) -> None:
         super().__init__()
         self.options = WriterOptions(
@@ -123,6 +129,7 @@ class SafeStorageWriter(StorageWriter):
         self.root = os.fspath(root)
         self.storage_options = storage_options
         self.retry = retry or RetryPolicy()
+        self.attempt = attempt_from_env(attempt)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
         if overwrite and not self.backend.supports_atomic_rename:
             raise ConfigError(
@@ -175,6 +182,10 @@ class SafeStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         name = self._require_name()
         save_id = protocol.new_save_id()
+        if self.attempt is not None:
+            # Fenced before a byte is written: a leftover of an older attempt stops here.
+            register_attempt(self.backend, self.attempt)
+            check_fence(self.backend, self.attempt)
         if self.backend.supports_atomic_rename:
             work_dir = protocol.partial_dir_name(name, save_id)
         else:
@@ -270,11 +281,29 @@ class SafeStorageWriter(StorageWriter):
             step=self.step,
             metadata=metadata,
             results=results,
+            attempt=self.attempt,
         )
         if self.remote is not None:
             if self._replicator is None:
                 self._replicator = Replicator(self.backend, self.remote)
             self._replicator.submit(name)
+
+    def missing_ranks(self) -> list[int] | None:
+        """Ranks of the current save whose rank manifest is not (yet) on storage.
+
+        A rank writes its manifest last, after its shard files, so after a failed collective
+        these are the ranks that died or hung before finishing their part (see
+        :func:`dcp_safe.commit.group.collective_failure`). ``None`` before ``write_data``.
+        """
+        assignment = self._assignment
+        if assignment is None:
+            return None
+        present = set(self.backend.list_dir(f"{assignment.work_dir}/{protocol.RANKS_DIR}"))
+        return [
+            rank
+            for rank in range(assignment.world_size)
+            if protocol.rank_manifest_name(rank).rpartition("/")[2] not in present
+        ]
 
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
         """A future that resolves once checkpoint ``name`` is committed on the remote tier.

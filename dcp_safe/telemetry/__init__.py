@@ -1,0 +1,37 @@
+"""Checkpoint telemetry: memory sampling, phase spans, JSON lines, Prometheus, a save report.
+
+Off by default: components hold :data:`~dcp_safe.telemetry.events.NULL_RECORDER` until given a
+:class:`Telemetry`. See ``docs/telemetry.md``.
+
+Modules: :mod:`.events` (phases, the event record, the recorder protocol), :mod:`.recorder`
+(``Telemetry``), :mod:`.memory` and :mod:`.sources` (the sampler and what it reads),
+:mod:`.sinks` (memory, JSON lines), :mod:`.prometheus` (optional extra), :mod:`.report`,
+:mod:`.instrument` (the writer wrapper, the counting retry policy).
+"""
+
+from dcp_safe.telemetry.events import NULL_RECORDER, SCHEMA_VERSION, Event, EventKind, Phase
+from dcp_safe.telemetry.instrument import InstrumentedWriter
+from dcp_safe.telemetry.memory import MemorySample, MemorySampler
+from dcp_safe.telemetry.prometheus import PrometheusSink
+from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.telemetry.report import SaveSummary, TelemetryReport, build_report
+from dcp_safe.telemetry.sinks import JsonLinesSink, MemorySink, Sink
+
+__all__ = [
+    "NULL_RECORDER",
+    "SCHEMA_VERSION",
+    "Event",
+    "EventKind",
+    "InstrumentedWriter",
+    "JsonLinesSink",
+    "MemorySample",
+    "MemorySampler",
+    "MemorySink",
+    "Phase",
+    "PrometheusSink",
+    "SaveSummary",
+    "Sink",
+    "Telemetry",
+    "TelemetryReport",
+    "build_report",
+]

@@ -5,7 +5,13 @@ multi-rank DCP saves and loads on one machine with no launcher: every rank runs
 ``fn(rank, world_size, *args)`` inside an initialized default process group, and the parent
 gets the return values in rank order, a :class:`RankFailedError` naming the first rank that
 raised (with its remote traceback), or a :class:`RanksTimeoutError` naming the ranks that never
-finished, after they were killed.
+finished, after they were killed. Both errors carry the values of the ranks that did return
+(``results``), so a test can kill or stop one rank on purpose and check what its peers saw.
+
+A rank stopped by a signal (``SIGSTOP``: how a test simulates a hung peer) can never finish, so
+once every other rank has reported, the stopped ones count as failed and are killed rather than
+waited for until the deadline (detected through ``/proc``, so on Linux only; elsewhere the
+deadline catches them).
 
 Why spawn and not fork: a forked child inherits the parent's threads' locks in whatever state
 they were (torch's intra-op pool, gloo and store threads, pytest's capture and timeout
@@ -60,6 +66,8 @@ HOST = "127.0.0.1"
 # collective sees the dead peer) before they are killed.
 FAILURE_GRACE_S = 10.0
 _JOIN_AFTER_KILL_S = 10.0
+# How often the parent looks for stopped ranks while it waits.
+_POLL_S = 0.25
 _FINISHED_KEY = "dcp_safe/run_ranks/finished"
 _ALL_FINISHED_KEY = "dcp_safe/run_ranks/all_finished"
 
@@ -77,6 +85,7 @@ class RankFailedError(DcpSafeError):
         exception: the rank's exception, when it pickled; else ``None``.
         exit_code: the process's exit code when it died without reporting; else ``None``.
         failures: every failing rank with a one-line description.
+        results: the return values of the ranks that did return, by rank.
     """
 
     def __init__(
@@ -89,8 +98,10 @@ class RankFailedError(DcpSafeError):
         exception: BaseException | None = None,
         exit_code: int | None = None,
         failures: dict[int, str] | None = None,
+        results: dict[int, Any] | None = None,
     ) -> None:
         self.rank = rank
+        self.results = dict(results or {})
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
         self.exception = exception
@@ -108,10 +119,14 @@ class RanksTimeoutError(DcpSafeError, TimeoutError):
     Attributes:
         ranks: the ranks that had not finished.
         timeout_s: the deadline that passed.
+        results: the return values of the ranks that did return, by rank.
     """
 
-    def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
+    def __init__(
+        self, ranks: Sequence[int], timeout_s: float, results: dict[int, Any] | None = None
+    ) -> None:
         self.ranks = tuple(ranks)
+        self.results = dict(results or {})
         self.timeout_s = timeout_s
         names = ", ".join(str(r) for r in self.ranks)
         which = f"rank {names}" if len(self.ranks) == 1 else f"ranks {names}"
@@ -148,6 +163,8 @@ class _Outcome:
     # time.monotonic() when the rank failed: CLOCK_MONOTONIC is system-wide on Linux, so
     # failures of different ranks (and the parent's observations) can be ordered.
     failed_at: float = 0.0
+    # Set by the parent for a rank it gave up on (a stopped process), saying why.
+    note: str = ""
 
 
 def run_ranks(
@@ -157,6 +174,7 @@ def run_ranks(
     args: Sequence[Any] = (),
     timeout_s: float = 120.0,
     backend: str = "gloo",
+    failure_grace_s: float = FAILURE_GRACE_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
@@ -175,19 +193,24 @@ def run_ranks(
         args: extra positional arguments for ``fn``; they must pickle.
         timeout_s: the deadline for the whole run, from spawn to the last rank's exit.
         backend: the process group backend.
+        failure_grace_s: after a rank fails, how long its peers get to finish (a test that
+            kills a rank on purpose gives its peers' deadlines room here).
 
     Returns:
         Each rank's return value (which must pickle), in rank order.
 
     Raises:
-        RankFailedError: a rank raised or died; names the rank that failed first. Its peers
-            get ``FAILURE_GRACE_S`` to finish or fail too, then they are killed.
+        RankFailedError: a rank raised, died or was stopped; names the rank that failed first.
+            Its peers get ``failure_grace_s`` to finish or fail too, then they are killed.
         RanksTimeoutError: the deadline passed with ranks still running.
         ValueError: ``world_size`` below 1 or ``timeout_s`` not positive.
         pickle.PicklingError: ``fn`` or ``args`` do not pickle.
     """
-    if world_size < 1 or timeout_s <= 0:
-        raise ValueError(f"need world_size >= 1 and timeout_s > 0, got {world_size}, {timeout_s}")
+    if world_size < 1 or timeout_s <= 0 or failure_grace_s < 0:
+        raise ValueError(
+            "need world_size >= 1, timeout_s > 0 and failure_grace_s >= 0, got "
+            f"{world_size}, {timeout_s}, {failure_grace_s}"
+        )
     payload = _Payload(pickle.dumps((fn, tuple(args))), fn.__module__, _module_file(fn))
     deadline = time.monotonic() + timeout_s
     store = TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
@@ -206,7 +229,7 @@ def run_ranks(
             writer.close()
             procs.append(proc)
             readers.append(reader)
-        outcomes, running = _collect(procs, readers, deadline)
+        outcomes, running = _collect(procs, readers, deadline, failure_grace_s)
     finally:
         _kill_all(procs)
         for reader in readers:
@@ -216,7 +239,10 @@ def run_ranks(
 
 
 def _collect(
-    procs: Sequence[BaseProcess], readers: Sequence[connection.Connection], deadline: float
+    procs: Sequence[BaseProcess],
+    readers: Sequence[connection.Connection],
+    deadline: float,
+    failure_grace_s: float,
 ) -> tuple[dict[int, _Outcome], list[int]]:
     """Read outcomes until every rank exited, the deadline passed, or a failure's grace ran out.
 
@@ -229,18 +255,53 @@ def _collect(
     while alive and (remaining := deadline - time.monotonic()) > 0:
         if failed and len(outcomes) == len(procs):
             break  # everyone has spoken; no need to watch the survivors exit
-        for ready in connection.wait([*pending, *alive], timeout=remaining):
+        ready_list = connection.wait([*pending, *alive], timeout=min(remaining, _POLL_S))
+        for ready in ready_list:
             if isinstance(ready, int):
                 rank = alive.pop(ready)
             else:
                 rank = pending[cast(connection.Connection, ready)]
             _drain(readers[rank], rank, pending, outcomes)
             failed = failed or outcomes[rank].value is None
-        if failed and deadline > (grace_end := time.monotonic() + FAILURE_GRACE_S):
+        if not ready_list and _give_up_on_stopped(procs, pending, outcomes):
+            failed = True
+        if failed and deadline > (grace_end := time.monotonic() + failure_grace_s):
             # Peers of a failed rank usually fail too once a collective sees it gone; give
             # them a bounded while to say so, then they are killed.
             deadline = grace_end
     return outcomes, sorted(alive.values())
+
+
+def _give_up_on_stopped(
+    procs: Sequence[BaseProcess],
+    pending: dict[connection.Connection, int],
+    outcomes: dict[int, _Outcome],
+) -> bool:
+    """When every rank yet to report is stopped (SIGSTOP), record them as failed. True if so.
+
+    Only then: a rank stopped for a moment while its peers still work may be resumed; once
+    nobody else is left to resume it, nothing will.
+    """
+    if not pending or not all(_is_stopped(procs[rank].pid) for rank in pending.values()):
+        return False
+    now = time.monotonic()
+    for reader, rank in list(pending.items()):
+        note = "process stopped by a signal (SIGSTOP) with no result; killed"
+        outcomes[rank] = _Outcome(failed_at=now, note=note)
+        del pending[reader]
+    return True
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """True when ``pid`` is in the stopped state (Linux ``/proc``; False where unknown)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in ("T", "t")
 
 
 def _drain(
@@ -267,30 +328,54 @@ def _results(
     timeout_s: float,
 ) -> list[Any]:
     failed = {r: o for r, o in outcomes.items() if o.value is None}
+    returned = _returned(outcomes, strict=not failed)
     if failed:
         first = min(failed, key=lambda r: (failed[r].failed_at, r))
         failures = {r: _summary(o, procs[r]) for r, o in sorted(failed.items())}
         for rank in running:
             if rank not in outcomes:
                 failures[rank] = f"still running after rank {first} failed; killed"
-        raise _failed(first, failures, outcomes[first], procs[first])
+        raise _failed(first, failures, outcomes[first], procs[first], returned)
     if running:
         # Name the ranks still inside ``fn``; those that returned wait for them to leave.
-        raise RanksTimeoutError([r for r in running if r not in outcomes] or running, timeout_s)
-    return [pickle.loads(cast(bytes, outcomes[rank].value)) for rank in range(len(procs))]
+        still = [r for r in running if r not in outcomes] or running
+        raise RanksTimeoutError(still, timeout_s, returned)
+    return [returned[rank] for rank in range(len(procs))]
+
+
+def _returned(outcomes: dict[int, _Outcome], *, strict: bool) -> dict[int, Any]:
+    """The values of the ranks that returned; when not ``strict``, those that unpickle here."""
+    values: dict[int, Any] = {}
+    for rank, outcome in sorted(outcomes.items()):
+        if outcome.value is None:
+            continue
+        try:
+            values[rank] = pickle.loads(outcome.value)
+        except Exception:
+            if strict:
+                raise
+    return values
 
 
 def _summary(outcome: _Outcome, proc: BaseProcess) -> str:
+    if outcome.note:
+        return outcome.note
     if outcome.exc_type:
         return f"{outcome.exc_type}: {outcome.message}"
     return f"process died with exit code {proc.exitcode} and no result"
 
 
 def _failed(
-    rank: int, failures: dict[int, str], outcome: _Outcome, proc: BaseProcess
+    rank: int,
+    failures: dict[int, str],
+    outcome: _Outcome,
+    proc: BaseProcess,
+    results: dict[int, Any],
 ) -> RankFailedError:
     if not outcome.exc_type:
-        return RankFailedError(rank, failures[rank], exit_code=proc.exitcode, failures=failures)
+        return RankFailedError(
+            rank, failures[rank], exit_code=proc.exitcode, failures=failures, results=results
+        )
     exception: BaseException | None = None
     if outcome.exception is not None:
         with contextlib.suppress(Exception):
@@ -302,6 +387,7 @@ def _failed(
         remote_traceback=outcome.remote_traceback,
         exception=exception,
         failures=failures,
+        results=results,
     )
     error.__cause__ = _RemoteTraceback(outcome.remote_traceback)
     return error
@@ -321,6 +407,9 @@ def _kill_all(procs: Sequence[BaseProcess]) -> None:
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+            # SIGKILL ends a stopped process too; SIGCONT only makes sure no stopped
+            # descendant lingers where a kill is delivered late.
+            os.killpg(proc.pid, signal.SIGCONT)
         if proc.exitcode is None:
             # Killed before it made itself a group leader: the group above is not its own.
             with contextlib.suppress(ProcessLookupError):

@@ -1,25 +1,35 @@
 """A save killed at any point never publishes a broken checkpoint and never harms the last one.
 
 The sweep: ``step_1`` is committed; then, for kill point N = 1, 2, ... a forked child saves
-``step_2`` and SIGKILLs itself just before its N-th storage operation (file create, write, half of
-a large write, fsync, mkdir, rename, unlink), until a save finishes without reaching N. After each
-kill the parent checks the root as a restarted job would see it:
+``step_2`` and kills itself just before its N-th storage operation (file create, write, half of
+a large write, fsync, mkdir, rename, unlink; and, under the CheckpointManager, each tensor the
+stager copies), until a save finishes without reaching N. After each kill the parent checks the
+root as a restarted job would see it:
 
 * every visible entry is a committed checkpoint, and every listed checkpoint verifies;
 * ``step_1`` loads bit for bit; ``step_2`` is absent or loads bit for bit as the new values;
   ``latest`` is the newest of them;
 * a fresh save succeeds (leftovers never block the next save).
 
-The same holds for ``overwrite=True`` (the name always holds the old or the new checkpoint, whole)
-and for fresh interpreters killed by the parent at a random moment of a save loop.
+A failed check is counted as a corrupt publish (a listed checkpoint that does not verify or does
+not load as what was saved) or a last-good loss (``step_1`` gone or changed, while no newer
+checkpoint replaced it); the sweep runs to the end and then fails with the first messages.
+
+Kills are SIGKILL, or ``os._exit`` (the process ends itself without unwinding). The same holds
+for ``overwrite=True`` (the name always holds the old or the new checkpoint, whole), for the
+CheckpointManager (kills during staging, the save, its verification, retention pruning ``step_1``
+and replication to a second local root), and for fresh interpreters killed by the parent at a
+random moment of a save loop.
 
 SIGKILL leaves the page cache alone, so these kills do not lose unsynced writes; the durability
 test at the end checks the fsync order that makes a power cut behave the same.
 
-The default run kills before every operation except most of torch.save's small shard writes
-(every 8th of those), for two writer configurations (one for overwrite), and five fresh
-processes. ``DCP_SAFE_LONG=1`` adds every operation for five writer configurations each, and
-forty fresh processes.
+Default run (>= 300 fork kill points, 10 fresh processes): every 4th of torch.save's small shard
+writes for one thread, every 8th for two threads, every operation for two threads with zstd, for
+overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd) and every 8th for the manager.
+``DCP_SAFE_LONG=1`` adds every operation for all five writer configurations in each sweep
+(SIGKILL, ``os._exit``, overwrite) and for the manager with three of them, and 100 fresh
+processes.
 """
 
 from __future__ import annotations
@@ -41,18 +51,22 @@ from typing import Any
 import pytest
 from _crash import (
     CHILD_DONE,
+    CHILD_EXITED,
     fork_and_wait,
     install_kill_switch,
     is_bit_exact,
     load_values,
     make_values,
+    record_figures,
     save_values,
     start_fork,
     wait_fork,
 )
 
 import dcp_safe
+from dcp_safe import CheckpointManager, FallbackOptions
 from dcp_safe.commit import protocol
+from dcp_safe.history import HISTORY_FILE
 from dcp_safe.storage import local_backend
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
@@ -62,8 +76,6 @@ LONG_ONLY = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("DCP_SAFE_LONG") != "1", reason="set DCP_SAFE_LONG=1"),
 ]
-# Of torch.save's many small writes into a shard, the default run kills before every 8th.
-BULK_STRIDE = 8
 # Kill points run two at a time (one per core).
 PARALLEL = 2
 WRITERS = {
@@ -75,13 +87,24 @@ WRITERS = {
 }
 
 
-def _sweeps(default: list[str]) -> list[Any]:
-    """(writer options, stride): ``default`` writers with every 8th bulk write in the default
-    run; every writer with every single operation in the long run."""
-    return [pytest.param(WRITERS[w], BULK_STRIDE, id=w) for w in default] + [
+def _sweeps(default: dict[str, int]) -> list[Any]:
+    """(writer options, stride): ``default`` writers with their stride (keep every stride-th
+    bulk write) in the default run; every writer with every single operation in the long run."""
+    return [
+        pytest.param(WRITERS[w], stride, id=f"{w}-every-{stride}") for w, stride in default.items()
+    ] + [
         pytest.param(options, 1, id=f"{w}-every-op", marks=LONG_ONLY)
         for w, options in WRITERS.items()
+        if w not in default or default[w] != 1
     ]
+
+
+class CorruptPublish(AssertionError):
+    """A listed checkpoint that does not verify, or loads as something never saved."""
+
+
+class LastGoodLost(AssertionError):
+    """The last good checkpoint is gone or changed, and nothing newer replaced it."""
 
 
 @dataclass
@@ -91,12 +114,43 @@ class SweepReport:
     operations: int
     kill_points: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
+    corrupt_publishes: int = 0
+    last_good_losses: int = 0
+    other_failures: int = 0
+    messages: list[str] = field(default_factory=list)
 
     def line(self, label: str) -> str:
         return (
             f"{label}: {self.operations} storage operations, {self.kill_points} kill points, "
-            f"{dict(self.outcomes)}"
+            f"{dict(self.outcomes)}, corrupt publishes {self.corrupt_publishes}, "
+            f"last-good losses {self.last_good_losses}"
         )
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        if isinstance(exc, CorruptPublish):
+            self.corrupt_publishes += 1
+        elif isinstance(exc, LastGoodLost):
+            self.last_good_losses += 1
+        else:
+            self.other_failures += 1
+        self.messages.append(f"{where}: {type(exc).__name__}: {exc}")
+
+    def finish(self, suite: str) -> None:
+        """Record the figures, print them, and fail if any kill point failed its checks."""
+        record_figures(
+            "crash",
+            suite=suite,
+            kill_points=self.kill_points,
+            corrupt_publishes=self.corrupt_publishes,
+            last_good_losses=self.last_good_losses,
+            other_failures=self.other_failures,
+        )
+        print(self.line(suite))
+        assert not self.messages, "\n".join(self.messages[:5])
+
+
+# Files the CheckpointManager keeps next to its checkpoints.
+_NOT_CKPT = frozenset({HISTORY_FILE})
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +167,23 @@ def _check_root(root: Path, accept: dict[str, list[dict[str, Any]]], required: s
     ``accept`` maps each name that may be committed to the values it may hold (any one of them,
     bit for bit); names in ``required`` must be committed.
     """
-    visible = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    visible = sorted(e for e in os.listdir(root) if not e.startswith(".") and e not in _NOT_CKPT)
     listed = [info.name for info in dcp_safe.list_checkpoints(root)]
     assert visible == sorted(listed), f"visible entries that are not checkpoints: {visible}"
-    assert required <= set(listed), f"last good checkpoint lost: listed {listed}"
+    if not required <= set(listed) or not listed:
+        raise LastGoodLost(f"last good checkpoint lost: listed {listed}")
     assert set(listed) <= set(accept), f"unexpected checkpoints: {listed}"
     held = []
     for name in listed:
-        dcp_safe.verify_checkpoint(root, name)  # a corrupt publish raises here
-        loaded = load_values(root, name, accept[name][0])
+        try:
+            dcp_safe.verify_checkpoint(root, name)
+            loaded = load_values(root, name, accept[name][0])
+        except dcp_safe.DcpSafeError as exc:
+            raise CorruptPublish(f"{name} is listed but broken: {exc}") from exc
         matches = [i for i, values in enumerate(accept[name]) if is_bit_exact(loaded, values)]
-        assert matches, f"{name} loads, but as neither of the values saved under that name"
+        if not matches:
+            error = LastGoodLost if name in required else CorruptPublish
+            raise error(f"{name} loads, but as neither of the values saved under that name")
         held.append(f"{name}={matches[0]}")
     newest = listed[-1]
     latest = load_values(root, "latest", accept[newest][0])
@@ -176,52 +236,83 @@ def _sweep(
     template: Path,
     work: Path,
     save: Callable[[Path], None],
-    accept: dict[str, list[dict[str, Any]]],
-    writer_options: dict[str, Any],
+    check: Callable[[Path], str],
+    next_saves: Callable[[Path], None],
     stride: int,
-    retry: tuple[str, int],
+    how: str = "sigkill",
 ) -> SweepReport:
-    """Kill ``save`` before each chosen storage operation, then check what it left, that a new
-    save succeeds, and that the interrupted save, ``retry`` (name, seed), can be done again."""
+    """Kill ``save`` before each chosen storage operation (``how``: SIGKILL or ``os._exit``),
+    then ``check`` what it left and that ``next_saves`` succeed."""
     labels = _probe(template, work, save)
     report = SweepReport(operations=len(labels))
     points = [*_kill_points(labels, stride), len(labels) + 1]
+    killed = -signal.SIGKILL if how == "sigkill" else CHILD_EXITED
     status = None
     for batch in [points[i : i + PARALLEL] for i in range(0, len(points), PARALLEL)]:
         children = []
         for kill_at in batch:
             root = work / f"kill_{kill_at}"
-            shutil.copytree(template, root)
+            shutil.copytree(template, root, symlinks=True)
 
             def child(root: Path = root, kill_at: int = kill_at) -> None:
-                install_kill_switch(kill_at)
+                install_kill_switch(kill_at, how=how)
                 save(root)
 
             children.append((kill_at, root, start_fork(child)))
         for kill_at, root, pid in children:
             status = wait_fork(pid)
-            assert status in (CHILD_DONE, -signal.SIGKILL), f"child failed ({status}), see stderr"
+            assert status in (CHILD_DONE, killed), f"child failed ({status}), see stderr"
             where = labels[kill_at - 1] if kill_at <= len(labels) else "none: ran to completion"
-            try:
-                held = _check_root(root, accept, required={"step_1"})
-                _next_save_succeeds(root, **writer_options)
-                committed = (root / retry[0] / protocol.COMMITTED_MARKER).exists()
-                if writer_options.get("overwrite") or not committed:
-                    _next_save_succeeds(root, *retry, **writer_options)
-            except Exception as exc:
-                raise AssertionError(f"killed before op {kill_at} ({where}): {exc}") from exc
             report.kill_points += 1
+            try:
+                held = check(root)
+                next_saves(root)
+            except AssertionError as exc:
+                report.failed(f"killed before op {kill_at} ({where})", exc)
+                continue
             report.outcomes["completed" if status == CHILD_DONE else held] += 1
     assert status == CHILD_DONE, "a save given every operation did not complete"
     return report
 
 
-@pytest.mark.parametrize(("writer_options", "stride"), _sweeps(["1thread", "2threads-zstd"]))
+def _plain_sweep(
+    template: Path,
+    work: Path,
+    save: Callable[[Path], None],
+    accept: dict[str, list[dict[str, Any]]],
+    writer_options: dict[str, Any],
+    stride: int,
+    retry: tuple[str, int],
+    how: str = "sigkill",
+) -> SweepReport:
+    """A sweep of one save: ``step_1`` must survive; then a new save succeeds, and the
+    interrupted save, ``retry`` (name, seed), can be done again."""
+
+    def next_saves(root: Path) -> None:
+        _next_save_succeeds(root, **writer_options)
+        committed = (root / retry[0] / protocol.COMMITTED_MARKER).exists()
+        if writer_options.get("overwrite") or not committed:
+            _next_save_succeeds(root, *retry, **writer_options)
+
+    return _sweep(
+        template,
+        work,
+        save,
+        lambda root: _check_root(root, accept, required={"step_1"}),
+        next_saves,
+        stride,
+        how,
+    )
+
+
+@pytest.mark.parametrize(
+    ("writer_options", "stride"), _sweeps({"1thread": 4, "2threads": 8, "2threads-zstd": 1})
+)
 def test_killed_save_never_publishes_a_broken_checkpoint_or_harms_the_last_good_one(
     template: Path, tmp_path: Path, writer_options: dict[str, Any], stride: int
 ) -> None:
     step_1, step_2 = make_values(1), make_values(2)
-    report = _sweep(
+    report = _plain_sweep(
         template,
         tmp_path,
         lambda root: _save(root, "step_2", 2, **writer_options),
@@ -230,20 +321,40 @@ def test_killed_save_never_publishes_a_broken_checkpoint_or_harms_the_last_good_
         stride=stride,
         retry=("step_2", 2),
     )
-    print(report.line(f"save {writer_options}"))
+    report.finish(f"save {writer_options} stride {stride}")
     # The sweep crossed the publish: some kills left step_2 absent, some left it committed.
     assert report.outcomes["step_1=0"] > 0
     assert report.outcomes["step_1=0 step_2=0"] > 0  # killed after the rename, before the fsync
     assert report.kill_points >= 20
 
 
-@pytest.mark.parametrize(("writer_options", "stride"), _sweeps(["2threads-zstd"]))
+@pytest.mark.parametrize(("writer_options", "stride"), _sweeps({"1thread-zstd": 1}))
+def test_save_ended_by_os_exit_never_publishes_a_broken_checkpoint(
+    template: Path, tmp_path: Path, writer_options: dict[str, Any], stride: int
+) -> None:
+    step_1, step_2 = make_values(1), make_values(2)
+    report = _plain_sweep(
+        template,
+        tmp_path,
+        lambda root: _save(root, "step_2", 2, **writer_options),
+        accept={"step_1": [step_1], "step_2": [step_2]},
+        writer_options=writer_options,
+        stride=stride,
+        retry=("step_2", 2),
+        how="exit",
+    )
+    report.finish(f"os._exit {writer_options} stride {stride}")
+    assert report.outcomes["step_1=0"] > 0
+    assert report.outcomes["step_1=0 step_2=0"] > 0
+
+
+@pytest.mark.parametrize(("writer_options", "stride"), _sweeps({"2threads-zstd": 1}))
 def test_killed_overwrite_leaves_the_old_or_the_new_checkpoint_whole(
     template: Path, tmp_path: Path, writer_options: dict[str, Any], stride: int
 ) -> None:
     old, new = make_values(1), make_values(2)
     options = {**writer_options, "overwrite": True}
-    report = _sweep(
+    report = _plain_sweep(
         template,
         tmp_path,
         lambda root: _save(root, "step_1", 2, **options),
@@ -252,9 +363,96 @@ def test_killed_overwrite_leaves_the_old_or_the_new_checkpoint_whole(
         stride=stride,
         retry=("step_1", 2),
     )
-    print(report.line(f"overwrite {writer_options}"))
+    report.finish(f"overwrite {writer_options} stride {stride}")
     assert report.outcomes["step_1=0"] > 0  # killed before the exchange: the old one
     assert report.outcomes["step_1=1"] > 0  # killed after it (removing the old copy): the new one
+
+
+# --------------------------------------------------------------------------- the manager
+
+MANAGER_WRITERS = {"1thread": 8, "2threads-zstd": 8}
+LONG_MANAGER_WRITERS = ("1thread", "2threads-zstd", "2threads-sha256")
+
+
+def _manager(root: Path, remote: Path, **writer_options: Any) -> CheckpointManager:
+    writer = dcp_safe.SafeStorageWriter(root, replicate_to=remote, **writer_options)
+    return CheckpointManager(
+        root,
+        writer=writer,
+        keep_last=1,
+        name_format="step_{step}",
+        fallback=FallbackOptions(enabled=False),
+        partial_grace_s=0.0,
+        exit_timeout_s=5.0,
+    )
+
+
+def _manager_save(root: Path, step: int, **writer_options: Any) -> None:
+    """Stage, save, verify, prune (keep_last=1) and replicate ``step``, and wait for it all."""
+    manager = _manager(root / "local", root / "remote", **writer_options)
+    try:
+        handle = manager.save(step, make_values(step))
+        assert handle is not None
+        handle.committed.result(timeout=120)
+        handle.replicated.result(timeout=120)
+    finally:
+        manager.close(timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def manager_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``local`` and ``remote`` roots, each holding ``step_1`` saved by a manager."""
+    base = tmp_path_factory.mktemp("manager_template")
+
+    def child() -> None:
+        _manager_save(base, 1)
+
+    assert fork_and_wait(child) == CHILD_DONE
+    return base
+
+
+def _check_tiers(base: Path) -> str:
+    """Both tiers hold only whole checkpoints, and at least one of step_1 and step_2."""
+    accept = {"step_1": [make_values(1)], "step_2": [make_values(2)]}
+    return " | ".join(
+        _check_root(base / tier, accept, required=set()) for tier in ("local", "remote")
+    )
+
+
+def _manager_saves_again(base: Path, **writer_options: Any) -> None:
+    """A restarted job's manager saves step_3 on both tiers (leftovers are collected)."""
+    _manager_save(base, 3, **{**writer_options, "fsync": False})
+    values = make_values(3)
+    for tier in ("local", "remote"):
+        dcp_safe.verify_checkpoint(base / tier, "step_3")
+        assert is_bit_exact(load_values(base / tier, "step_3", values), values), tier
+
+
+def _manager_sweeps() -> list[Any]:
+    return [pytest.param(w, s, id=f"{w}-every-{s}") for w, s in MANAGER_WRITERS.items()] + [
+        pytest.param(w, 1, id=f"{w}-every-op", marks=LONG_ONLY) for w in LONG_MANAGER_WRITERS
+    ]
+
+
+@pytest.mark.parametrize(("writer", "stride"), _manager_sweeps())
+def test_killed_manager_save_with_pruning_and_replication_keeps_a_whole_checkpoint(
+    manager_template: Path, tmp_path: Path, writer: str, stride: int
+) -> None:
+    options = WRITERS[writer]
+    report = _sweep(
+        manager_template,
+        tmp_path,
+        lambda base: _manager_save(base, 2, **options),
+        _check_tiers,
+        lambda base: _manager_saves_again(base, **options),
+        stride,
+    )
+    report.finish(f"manager {writer} stride {stride}")
+    phases = " ".join(report.outcomes)
+    # The kills landed before the new checkpoint, after it, and after step_1 was pruned.
+    assert "step_1=0 | step_1=0" in report.outcomes
+    assert "step_2=0" in phases and "step_1=0 step_2=0" in phases
+    assert any(o.startswith("step_2=0") for o in report.outcomes)
 
 
 def test_overwrite_without_renameat2_is_refused_and_keeps_the_old_checkpoint(
@@ -318,7 +516,7 @@ def _kill_save_loop(child: subprocess.Popen[bytes], delay_s: float) -> None:
     assert child.returncode == -signal.SIGKILL, "the save loop ended by itself"
 
 
-@pytest.mark.parametrize("kills", [5, pytest.param(40, marks=LONG_ONLY)])
+@pytest.mark.parametrize("kills", [10, pytest.param(100, marks=LONG_ONLY)])
 def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
     tmp_path: Path, kills: int
 ) -> None:
@@ -360,6 +558,7 @@ def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
                 if child.poll() is None:
                     child.kill()
                     child.communicate(timeout=60)
+    record_figures("fresh", kills=kills, killed_mid_save=killed_mid_save)
     print(f"fresh-process kills: {kills}, killed mid-save (partial left behind): {killed_mid_save}")
 
 

@@ -1,0 +1,496 @@
+"""``dcp-safe``: list, verify, inspect and collect checkpoints; run the demo and the benchmark.
+
+This module parses arguments, calls the library, and prints; the work is done by
+:mod:`dcp_safe.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.storage` and
+:mod:`dcp_safe.demo`. Tables and progress bars are rich's.
+
+Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
+error (bad arguments, no such root or checkpoint), always with one line saying what to do.
+Expected errors (the :class:`~dcp_safe.errors.DcpSafeError` tree) print that one line, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from rich.table import Table
+
+from dcp_safe.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
+from dcp_safe.commit import protocol
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpSafeError,
+)
+from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
+from dcp_safe.storage.committed import open_committed, resolve_name
+from dcp_safe.storage.reader import SafeStorageReader
+from dcp_safe.storage.roots import open_backend
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    """A mistake in the command line the user can fix; exit status 2."""
+
+
+class _Unavailable(Exception):
+    """A part of dcp_safe this installation lacks; exit status 1."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dcp-safe`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
+    if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
+        return _guarded(err, lambda: _bench(argv[1:]), "ROOT")
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage and the error
+        return _exit_code(exc)
+    run = args.run
+    return _guarded(
+        err,
+        lambda: run(args, _storage_options(args.storage_options), out),
+        getattr(args, "root", None) or "ROOT",
+    )
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else EXIT_OK
+
+
+def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
+    """Run a command; map expected errors to one line and an exit status."""
+    try:
+        return run()
+    except _UsageError as exc:
+        return _fail(err, str(exc), EXIT_USAGE)
+    except _Unavailable as exc:
+        return _fail(err, str(exc), EXIT_FAILED)
+    except (ConfigError, CheckpointNotFoundError) as exc:
+        hint = f"run 'dcp-safe ls {root}' to see what is committed"
+        return _fail(err, f"{exc}; {hint}", EXIT_USAGE)
+    except CheckpointCorruptError as exc:
+        return _fail(err, f"CORRUPT: {exc}", EXIT_FAILED)
+    except DcpSafeError as exc:
+        return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+
+
+def _fail(err: Console, message: str, status: int) -> int:
+    err.print(f"dcp-safe: error: {message}", markup=False, highlight=False)
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help='fsspec/s3fs options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+    parser = argparse.ArgumentParser(
+        prog="dcp-safe", description="Inspect and maintain dcp_safe checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_ls(sub, common)
+    _add_verify(sub, common)
+    _add_inspect(sub, common)
+    _add_gc(sub, common)
+    _add_demo(sub, common)
+    sub.add_parser("bench", help="the quick benchmark (dcp-safe bench --help for its options)")
+    return parser
+
+
+def _storage_options(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _UsageError(f"--storage-options is not valid JSON ({exc}); pass an object") from None
+    if not isinstance(options, dict):
+        raise _UsageError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
+    return options
+
+
+def _require_root(root: str) -> None:
+    """A local root that does not exist is a typo, not an empty root."""
+    if "://" in root and not root.startswith("file://"):
+        return
+    path = root.removeprefix("file://")
+    if not os.path.isdir(path):
+        raise _UsageError(f"no such directory: {path}; give the checkpoint root (a directory)")
+
+
+# ---------------------------------------------------------------------------------------- ls
+
+
+def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("ls", parents=[common], help="list committed checkpoints")
+    p.add_argument("root", help="checkpoint root: a directory or a URL such as s3://bucket/run")
+    p.add_argument("--remote", metavar="URL", help="the replica root: show where each is committed")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_ls)
+
+
+def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    _require_root(args.root)
+    tiers = {"local": list_checkpoints(args.root, storage_options=options)}
+    if args.remote:
+        tiers["remote"] = list_checkpoints(args.remote, storage_options=options)
+    rows = _merge_tiers(tiers)
+    if args.json:
+        out.print_json(json.dumps([_info_json(info, where) for info, where in rows]))
+        return EXIT_OK
+    table = Table(title=f"committed checkpoints under {args.root}")
+    for column in ("name", "step", "tiers", "size", "created (UTC)", "world size"):
+        table.add_column(column, justify="left" if column in ("name", "tiers") else "right")
+    for info, where in rows:
+        table.add_row(
+            info.name,
+            "-" if info.step is None else str(info.step),
+            ", ".join(where),
+            _size(info.size_bytes),
+            _when(info.created_at),
+            str(info.world_size),
+        )
+    out.print(table)
+    if not rows:
+        out.print("no committed checkpoints", highlight=False)
+    return EXIT_OK
+
+
+def _merge_tiers(
+    tiers: dict[str, list[CheckpointInfo]],
+) -> list[tuple[CheckpointInfo, list[str]]]:
+    merged: dict[str, tuple[CheckpointInfo, list[str]]] = {}
+    for tier, infos in tiers.items():
+        for info in infos:
+            merged.setdefault(info.name, (info, []))[1].append(tier)
+    return sorted(merged.values(), key=lambda row: (row[0].created_at, row[0].name))
+
+
+def _info_json(info: CheckpointInfo, where: list[str]) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "step": info.step,
+        "tiers": where,
+        "size_bytes": info.size_bytes,
+        "created_at": info.created_at,
+        "world_size": info.world_size,
+        "path": info.path,
+        "save_id": info.save_id,
+    }
+
+
+# ------------------------------------------------------------------------------------ verify
+
+
+def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="check a checkpoint: exit 0 sound, 1 corrupt, 2 usage error",
+        description="Quick (default): the commit marker against the manifest, every file "
+        "present with its recorded size. --deep: also read every byte against its checksum.",
+    )
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("name", nargs="?", default=protocol.LATEST, help="checkpoint name or 'latest'")
+    p.add_argument("--deep", action="store_true", help="read every byte against its checksum")
+    p.set_defaults(run=_verify)
+
+
+def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    _require_root(args.root)
+    backend = open_backend(args.root, options)
+    name = resolve_name(backend, args.name)
+    manifest = open_committed(backend, name).manifest
+    total = sum(record.size for record in manifest.files)
+    with _progress(out) as progress:
+        task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
+        if args.deep:
+            _deep_verify(args.root, name, options, lambda n: progress.advance(task, n))
+            progress.update(task, completed=total)
+        else:
+            for record in manifest.files:
+                _check_size(backend, name, record.path, record.size)
+                progress.advance(task, record.size)
+    how = "every byte matches its checksum" if args.deep else "marker, manifest and file sizes"
+    out.print(f"OK {name}: {len(manifest.files)} files, {len(manifest.items)} items; {how}")
+    return EXIT_OK
+
+
+def _progress(out: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        console=out,
+        disable=not out.is_terminal,
+    )
+
+
+def _deep_verify(
+    root: str, name: str, options: dict[str, Any] | None, advance: Callable[[int], None]
+) -> None:
+    # A per-file callback lets the bar move as files are read; older catalogs lack it.
+    extra: dict[str, Any] = {}
+    if "progress" in inspect.signature(verify_checkpoint).parameters:
+        extra["progress"] = lambda record: advance(record.size)
+    verify_checkpoint(root, name, storage_options=options, **extra)
+
+
+def _check_size(backend: Any, name: str, path: str, size: int) -> None:
+    rel = f"{name}/{path}"
+    try:
+        actual = backend.size(rel)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+    if actual != size:
+        raise CheckpointCorruptError(
+            backend.full_path(rel),
+            "file size differs from the manifest",
+            expected=size,
+            actual=actual,
+        )
+
+
+# ----------------------------------------------------------------------------------- inspect
+
+
+def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("inspect", parents=[common], help="tensors and objects in a checkpoint")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("name", help="checkpoint name or 'latest'")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_inspect)
+
+
+def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    _require_root(args.root)
+    reader = SafeStorageReader(args.root, storage_options=options)
+    reader.reset(args.name)
+    metadata = reader.read_metadata()
+    name = reader.checkpoint_id or args.name
+    stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)
+    entries = [
+        _entry(fqn, meta, stored.get(fqn, 0)) for fqn, meta in metadata.state_dict_metadata.items()
+    ]
+    entries.sort(key=lambda e: e["fqn"])
+    totals = {
+        "entries": len(entries),
+        "tensors": sum(1 for e in entries if e["kind"] == "tensor"),
+        "bytes": sum(e["bytes"] for e in entries),
+        "stored_bytes": sum(e["stored_bytes"] for e in entries),
+    }
+    if args.json:
+        out.print_json(json.dumps({"name": name, "entries": entries, "totals": totals}))
+        return EXIT_OK
+    table = Table(title=f"{name} under {args.root}")
+    for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
+        right = column in ("bytes", "stored", "shards")
+        table.add_column(column, justify="right" if right else "left", overflow="fold")
+    for e in entries:
+        shape = "-" if e["shape"] is None else "x".join(map(str, e["shape"])) or "()"
+        table.add_row(
+            e["fqn"],
+            shape,
+            e["dtype"],
+            _size(e["bytes"]),
+            _size(e["stored_bytes"]),
+            str(e["shards"]),
+        )
+    out.print(table)
+    out.print(
+        f"{totals['entries']} entries ({totals['tensors']} tensors): {_size(totals['bytes'])}"
+        f" of tensor data, {_size(totals['stored_bytes'])} stored",
+        highlight=False,
+    )
+    return EXIT_OK
+
+
+def _stored_bytes(items: Sequence[Any]) -> dict[str, int]:
+    stored: dict[str, int] = {}
+    for item in items:
+        stored[item.fqn] = stored.get(item.fqn, 0) + item.length
+    return stored
+
+
+def _entry(fqn: str, meta: Any, stored: int) -> dict[str, Any]:
+    chunks = getattr(meta, "chunks", None)
+    if chunks is None:  # BytesStorageMetadata: a pickled object
+        return {
+            "fqn": fqn,
+            "kind": "object",
+            "shape": None,
+            "dtype": "object",
+            "bytes": 0,
+            "stored_bytes": stored,
+            "shards": 1,
+        }
+    dtype = meta.properties.dtype
+    numel = 1
+    for dim in meta.size:
+        numel *= dim
+    element = dtype.itemsize if hasattr(dtype, "itemsize") else 0
+    return {
+        "fqn": fqn,
+        "kind": "tensor",
+        "shape": list(meta.size),
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": numel * element,
+        "stored_bytes": stored,
+        "shards": len(chunks),
+    }
+
+
+# ---------------------------------------------------------------------------------------- gc
+
+
+def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "gc",
+        parents=[common],
+        help="apply retention and remove abandoned partial saves",
+        description="Keeps the --keep newest checkpoints (plus the safety rules of "
+        "dcp_safe.retention.policy.decide) and removes leftovers of failed saves older than "
+        "--grace-s. Whatever --keep says, the two newest checkpoints are kept. Checkpoints "
+        "without a step (not saved by a CheckpointManager) are left alone.",
+    )
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument(
+        "--keep", type=int, required=True, metavar="N", help="newest checkpoints to keep"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed; remove nothing"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="S",
+        help=f"leave partial saves idle for less than this (default {DEFAULT_GRACE_S:.0f})",
+    )
+    p.set_defaults(run=_gc)
+
+
+def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    _require_root(args.root)
+    if args.keep < 1:
+        raise _UsageError(f"--keep must be at least 1, got {args.keep}")
+    infos = list_checkpoints(args.root, storage_options=options)
+    # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
+    records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
+    decision = decide(records, KeepLast(args.keep))
+    verb = "would remove" if args.dry_run else "removed"
+    backend = open_backend(args.root, options)
+    for name in decision.drop:
+        if not args.dry_run:
+            backend.remove_tree(name)
+        out.print(f"{verb} checkpoint {name}", highlight=False)
+    report = sweep_partials(
+        args.root, grace_s=args.grace_s, dry_run=args.dry_run, storage_options=options
+    )
+    for entry in report.removed:
+        out.print(f"{verb} abandoned partial save {entry}", highlight=False)
+    for upload in report.aborted_uploads:
+        out.print(f"{verb} incomplete multipart upload {upload}", highlight=False)
+    for entry in report.too_recent:
+        out.print(
+            f"kept partial save {entry}: idle for less than {args.grace_s:g} s", highlight=False
+        )
+    out.print(
+        f"kept {len(decision.keep)} checkpoint(s): {', '.join(decision.keep) or '-'}",
+        highlight=False,
+    )
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------- demo
+
+
+def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="train a small model with async checkpoints to local disk + S3, then restore",
+    )
+    p.add_argument("--root", help="local checkpoint root (default: a new temporary directory)")
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="replica root, e.g. s3://bucket/prefix (default: an in-process moto S3 server)",
+    )
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--save-every", type=int, default=5, help="steps between saves (default 5)")
+    p.set_defaults(run=_demo)
+
+
+def _demo(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    from dcp_safe.demo import DemoOptions, quiet, raise_if_failed, render, run_demo
+
+    demo_options = DemoOptions(
+        root=args.root,
+        remote=args.remote,
+        storage_options=options,
+        steps=args.steps,
+        save_every=args.save_every,
+    )
+    with quiet():
+        report = run_demo(demo_options, say=lambda line: out.print(line, highlight=False))
+    render(report, out)
+    raise_if_failed(report)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- bench
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from dcp_safe.bench import quick  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise _Unavailable(
+            f"the benchmark (dcp_safe.bench.quick) is not available in this installation: {exc}"
+        ) from None
+    try:
+        status: int = quick.main(argv)
+    except SystemExit as exc:  # its argparse: --help, or a bad option
+        return _exit_code(exc)
+    return status
+
+
+# ------------------------------------------------------------------------------------ format
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _when(timestamp: float) -> str:
+    moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

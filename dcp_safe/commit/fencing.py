@@ -1,0 +1,148 @@
+"""Fencing: a writer from an older job attempt can never publish once a newer attempt started.
+
+When an elastic job restarts, the old attempt's processes are supposed to be gone, but a rank
+that was partitioned away, stuck in I/O, or simply slow to die can still be finishing a save.
+If it published, the restarted job could find a checkpoint it never wrote, newer than the one
+it resumed from, next to its own. Every save therefore carries its attempt number (torchelastic's
+``TORCHELASTIC_RESTART_COUNT``, or ``attempt=`` on the writer), and the root remembers every
+attempt that ever saved there: ``_ATTEMPTS/<run id>/attempt_<n>``, one small file per attempt.
+
+The record only grows, so no read-modify-write is needed: registering is an exclusive create
+(a second registration of the same attempt finds the file and is fine), and the newest attempt
+is the largest one listed. That works the same on a local disk and an object store, through the
+:class:`~dcp_safe.storage.backend.Backend` protocol alone. Rank 0 registers and checks at plan
+time (an old writer started after a newer attempt is refused before writing a byte) and checks
+again immediately before publishing (on POSIX right before the rename into place, on object
+stores right before the ``_COMMITTED`` marker): a newer attempt that started meanwhile wins and
+the old writer's work is discarded. The window left is the one storage round trip between that
+last check and the publish itself; closing it would need a conditional write across two
+objects, which object stores do not offer.
+
+Attempts are scoped by run id (``TORCHELASTIC_RUN_ID``, else ``"default"``) so that a new job
+reusing a root, whose restart count starts again at 0, is not fenced by an earlier job's
+attempts. A writer with no attempt (neither set) is not fenced and records no attempt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dcp_safe.commit import protocol
+from dcp_safe.errors import ConfigError, StaleWriterError
+from dcp_safe.storage.backend import Backend
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "RUN_ID_ENV",
+    "Attempt",
+    "attempt_from_env",
+    "check_fence",
+    "newest_attempt",
+    "register_attempt",
+]
+
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+DEFAULT_RUN_ID = "default"
+_FILE = re.compile(r"^attempt_(\d{9})$")
+_SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.=+-]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One job attempt: its number (monotone across restarts) and the run it belongs to.
+
+    Raises:
+        ConfigError: ``number`` is not a non-negative int, or ``run_id`` is empty.
+    """
+
+    number: int
+    run_id: str = DEFAULT_RUN_ID
+
+    def __post_init__(self) -> None:
+        if isinstance(self.number, bool) or not isinstance(self.number, int):
+            raise ConfigError(f"attempt must be an int, got {self.number!r}")
+        if not 0 <= self.number < 10**9:
+            raise ConfigError(f"attempt must be in [0, 1e9), got {self.number}")
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ConfigError(f"run_id must be a non-empty str, got {self.run_id!r}")
+
+    @property
+    def directory(self) -> str:
+        """Where this run's attempts are recorded, relative to the root."""
+        # Keep the run id one safe path component whatever torchelastic was given.
+        return f"{protocol.ATTEMPTS_DIR}/{_SAFE_RUN_ID.sub('_', self.run_id)[:100]}"
+
+    @property
+    def marker(self) -> str:
+        return f"{self.directory}/attempt_{self.number:09d}"
+
+
+def attempt_from_env(
+    number: int | None = None, environ: Mapping[str, str] | None = None
+) -> Attempt | None:
+    """The attempt a writer runs as: ``number`` if given, else torchelastic's restart count.
+
+    Returns None when neither is set (the writer is then not fenced).
+
+    Raises:
+        ConfigError: ``TORCHELASTIC_RESTART_COUNT`` is set but not an integer.
+    """
+    environ = os.environ if environ is None else environ
+    run_id = environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID
+    if number is not None:
+        return Attempt(number=number, run_id=run_id)
+    raw = environ.get(ATTEMPT_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        return Attempt(number=int(raw), run_id=run_id)
+    except ValueError as exc:
+        raise ConfigError(f"{ATTEMPT_ENV}={raw!r} is not an attempt number") from exc
+
+
+def register_attempt(backend: Backend, attempt: Attempt) -> None:
+    """Record that ``attempt`` saves under this root (idempotent; rank 0, at plan time)."""
+    if backend.exists(attempt.marker):
+        return
+    backend.makedirs(attempt.directory)
+    body = str(attempt.number).encode()
+    # Another save of the same attempt may register it first: that is the same record.
+    with contextlib.suppress(FileExistsError):
+        backend.write_bytes(attempt.marker, body, exclusive=backend.supports_exclusive_create)
+
+
+def newest_attempt(backend: Backend, attempt: Attempt) -> int | None:
+    """The newest attempt recorded for ``attempt``'s run (None: none recorded)."""
+    numbers = [
+        int(match.group(1))
+        for entry in backend.list_dir(attempt.directory)
+        if (match := _FILE.match(entry))
+    ]
+    return max(numbers, default=None)
+
+
+def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> None:
+    """Refuse to go on if a newer attempt than ``attempt`` has saved under this root.
+
+    Raises:
+        StaleWriterError: a newer attempt exists; this writer must not publish.
+    """
+    if attempt is None:
+        return
+    newest = newest_attempt(backend, attempt)
+    if newest is not None and newest > attempt.number:
+        # The explanation goes into ``failures``: that is what survives DCP's trip to every
+        # rank (dcp_safe.errors.from_checkpoint_exception rebuilds the message from it).
+        raise StaleWriterError(
+            "a writer of an older job attempt may not publish",
+            {
+                rank: f"attempt {attempt.number} of run {attempt.run_id!r} is stale: attempt "
+                f"{newest} has started saving under {backend.url}; this process is a leftover "
+                "of a restart, stop it"
+            },
+        )

@@ -1,0 +1,198 @@
+"""Instrumentation by wrapping: a delegating ``StorageWriter`` and a counting retry policy.
+
+This module owns the spans of the writer's side of a save, recorded from outside the writer:
+:class:`InstrumentedWriter` forwards every DCP call to the wrapped writer and times them::
+
+    reset(name)            opens the save's root span if none is open (plain ``dcp.save``),
+                           then the ``plan`` span (DCP's planning, until write_data)
+    write_data             the ``write`` span: this rank's items serialized, checksummed and
+                           streamed to storage. The writer streams, so serialization and I/O are
+                           one pass, not two intervals; ``bytes`` is what this rank wrote
+    finish                 the ``commit`` span (coordinator: verify and publish)
+    after finish           the ``replication`` span, from the writer's replication future to its
+                           outcome (a sibling of the root: it outlives the save)
+
+Why a wrapper and not hooks inside the writer: the writer stays free of telemetry, and telemetry
+off means the writer is not wrapped at all. The wrapper is cheap to build, so callers wrap per
+save (``storage_writer=telemetry.wrap_writer(writer)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from concurrent.futures import Future as Future_
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_safe.telemetry.events import Phase, SpanHandle
+
+if TYPE_CHECKING:
+    from dcp_safe.storage.retry import RetryPolicy
+    from dcp_safe.telemetry.recorder import Telemetry
+
+__all__ = ["InstrumentedWriter", "counting_retry_policy"]
+
+
+class InstrumentedWriter(StorageWriter):
+    """``writer`` with plan/write/commit/replication spans recorded to ``telemetry``.
+
+    Args:
+        writer: the writer to forward to (typically a ``SafeStorageWriter``).
+        telemetry: the recorder.
+    """
+
+    def __init__(self, writer: Any, telemetry: Telemetry) -> None:
+        super().__init__()
+        self.inner = writer
+        self.telemetry = telemetry
+        self._name: str | None = None
+        self._root: SpanHandle | None = None  # only when this wrapper opened it
+        self._plan: SpanHandle | None = None
+        self._coordinator = True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._end_stale("a new save started before this one finished")
+        self._name = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._guard(lambda: self.inner.reset(checkpoint_id))
+        if self._name is None:
+            return
+        tel = self.telemetry
+        if tel.root(self._name) is None:
+            self._root = tel.begin_save(self._name, getattr(self.inner, "step", None))
+        self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._parent())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        self._guard(lambda: self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        result: SavePlan = self._guard(lambda: self.inner.prepare_local_plan(plan))
+        return result
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        result: list[SavePlan] = self._guard(lambda: self.inner.prepare_global_plan(plans))
+        return result
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._plan is not None:
+            self._plan.end()
+            self._plan = None
+        span = self.telemetry.begin(Phase.WRITE, save=self._name, parent=self._parent())
+        try:
+            with self.telemetry.profile(Phase.WRITE):
+                future: Future[list[WriteResult]] = self.inner.write_data(plan, planner)
+                results = future.wait()
+        except BaseException as exc:
+            span.fail(exc)
+            self._fail_root(exc)
+            raise
+        span.end(bytes=sum(r.size_in_bytes for r in results), items=len(results))
+        if not self._coordinator:
+            self._end_root()  # finish() runs on the coordinator only
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        nbytes = sum(r.size_in_bytes for rank in results for r in rank)
+        span = self.telemetry.begin(Phase.COMMIT, save=self._name, parent=self._parent())
+        try:
+            with self.telemetry.profile(Phase.COMMIT):
+                self.inner.finish(metadata, results)
+        except BaseException as exc:
+            span.fail(exc)
+            self._fail_root(exc)
+            raise
+        span.end(bytes=nbytes)
+        self._end_root()
+        self._watch_replication()
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta: StorageMeta | None = self.inner.storage_meta()
+        return meta
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        from dcp_safe.storage.writer import SafeStorageWriter
+
+        return SafeStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (checkpoint_id, root, replication, ...) is the inner writer's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _parent(self) -> SpanHandle | None:
+        # None: the recorder finds the root by name (or this thread's current span).
+        return self._root
+
+    def _guard(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except BaseException as exc:
+            if self._plan is not None:
+                self._plan.fail(exc)
+                self._plan = None
+            self._fail_root(exc)
+            raise
+
+    def _fail_root(self, exc: BaseException) -> None:
+        if self._root is not None:
+            self._root.fail(exc)
+            self._root = None
+
+    def _end_root(self) -> None:
+        if self._root is not None:
+            self._root.end()
+            self._root = None
+
+    def _end_stale(self, why: str) -> None:
+        # Another rank failed, so DCP never called finish() here: close what this wrapper opened.
+        if self._plan is not None:
+            self._plan.fail(why)
+            self._plan = None
+        if self._root is not None:
+            self._root.fail(why)
+            self._root = None
+
+    def _watch_replication(self) -> None:
+        name = self._name
+        if name is None or getattr(self.inner, "replicate_to", None) is None:
+            return
+        replication: Callable[[str], Future_[Any]] = self.inner.replication
+        future = replication(name)
+        span = self.telemetry.begin(Phase.REPLICATION, save=name)
+        future.add_done_callback(lambda done: _end_replication(span, done))
+
+
+def _end_replication(span: SpanHandle, done: Future_[Any]) -> None:
+    if done.cancelled():
+        span.fail("cancelled")
+        return
+    error = done.exception()
+    if error is not None:
+        span.fail(error)
+        return
+    manifest = done.result()
+    span.end(bytes=getattr(manifest, "total_bytes", None))
+
+
+def counting_retry_policy(policy: RetryPolicy | None, telemetry: Telemetry) -> RetryPolicy:
+    """``policy`` whose every backoff sleep (one per retry) is marked ``retry`` first."""
+    from dcp_safe.storage.retry import RetryPolicy
+
+    base = policy or RetryPolicy()
+    sleep = base.sleep
+
+    def counted(delay_s: float) -> None:
+        telemetry.mark("retry", delay_s=delay_s)
+        sleep(delay_s)
+
+    return dataclasses.replace(base, sleep=counted)

@@ -1,0 +1,164 @@
+"""Prometheus text exposition of checkpoint telemetry, in a registry of its own.
+
+This module owns the metric names (listed in ``docs/telemetry.md``) and their update from
+events and samples. Every metric lives in the sink's own ``CollectorRegistry``, never the
+process-wide default one, so two sinks (or a test and an application) never collide and nothing
+is exported that the user did not ask for. Serve it with ``prometheus_client``'s own helpers
+(``start_http_server(port, registry=sink.registry)``) or write :meth:`PrometheusSink.exposition`
+to a textfile collector.
+
+``prometheus_client`` is an optional extra (``pip install dcp-safe[telemetry]``), imported only
+when a sink is created.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from dcp_safe.errors import ConfigError
+from dcp_safe.telemetry.events import Event, EventKind, Phase
+from dcp_safe.telemetry.sinks import Sink
+
+if TYPE_CHECKING:
+    from dcp_safe.telemetry.memory import MemorySample
+    from dcp_safe.telemetry.recorder import Telemetry
+
+__all__ = ["PrometheusSink"]
+
+# Phase durations span 1 ms (small commits) to an hour (large uploads to a slow store).
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+_BYTES_BUCKETS = tuple(float(2**e) for e in range(20, 42, 2))  # 1 MiB .. 2 TiB
+_MEMORY_GAUGES = {
+    "rss_bytes": "Resident set size of this process.",
+    "pss_bytes": "Proportional set size of this process.",
+    "uss_bytes": "Unique (private) set size of this process.",
+    "cgroup_current_bytes": "Memory charged to this process's cgroup.",
+    "cgroup_peak_bytes": "High-water mark of the cgroup's memory.",
+    "host_available_bytes": "MemAvailable of the host.",
+    "locked_bytes": "Locked (mlocked) memory of this process.",
+    "pinned_bytes": "Pinned host memory held by the staging pool.",
+    "major_faults": "Major page faults of this process since it started.",
+    "swap_in_pages": "Pages swapped in on the host since boot.",
+    "swap_out_pages": "Pages swapped out on the host since boot.",
+}
+
+
+def _client() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ConfigError(
+            "the Prometheus sink needs prometheus_client: pip install dcp-safe[telemetry]"
+        ) from None
+    return prometheus_client
+
+
+class PrometheusSink(Sink):
+    """Counters, gauges and histograms of saves, updated from events and samples.
+
+    Args:
+        telemetry: when given, the sink adds itself to it, and the budget gauges read its
+            attached stagers at scrape time.
+        namespace: the metric name prefix.
+
+    Raises:
+        ConfigError: ``prometheus_client`` is not installed.
+    """
+
+    def __init__(self, telemetry: Telemetry | None = None, *, namespace: str = "dcp_safe") -> None:
+        client = _client()
+        self._client = client
+        self.registry = client.CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._telemetry = telemetry
+        self._define(client, namespace)
+        if telemetry is not None:
+            telemetry.add_sink(self)
+
+    def _define(self, c: Any, ns: str) -> None:
+        reg = self.registry
+        self.saves = c.Counter(
+            f"{ns}_saves", "Saves finished, by outcome.", ["outcome"], registry=reg
+        )
+        self.in_flight = c.Gauge(
+            f"{ns}_saves_in_flight", "Saves started, not finished.", registry=reg
+        )
+        self.phase_seconds = c.Histogram(
+            f"{ns}_phase_duration_seconds", "Duration of each save phase.", ["phase", "outcome"],
+            buckets=_SECONDS_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.phase_bytes = c.Counter(
+            f"{ns}_phase_bytes", "Bytes moved by each phase.", ["phase"], registry=reg
+        )
+        self.save_bytes = c.Histogram(
+            f"{ns}_save_bytes", "Bytes written per save.", buckets=_BYTES_BUCKETS, registry=reg
+        )
+        self.marks = {
+            name: c.Counter(f"{ns}_{name}", help_text, registry=reg)
+            for name, help_text in (
+                ("skips", "Save requests skipped or coalesced away."),
+                ("fallbacks", "Switches to synchronous saves."),
+                ("retries", "Storage operations retried after a transient failure."),
+            )
+        }
+        self.step_seconds = c.Histogram(
+            f"{ns}_step_duration_seconds", "Training step time reported by the loop.",
+            buckets=_SECONDS_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.memory = {
+            key: c.Gauge(f"{ns}_memory_{key}", text, registry=reg)
+            for key, text in _MEMORY_GAUGES.items()
+        }
+        self.budget_envelope = c.Gauge(
+            f"{ns}_budget_envelope_bytes", "The staging budget's envelope.", registry=reg
+        )
+        self.budget_used = c.Gauge(
+            f"{ns}_budget_used_bytes", "Host bytes the staging pool holds.", registry=reg
+        )
+        self.budget_envelope.set_function(lambda: self._stager_sum("envelope_bytes"))
+        self.budget_used.set_function(lambda: self._stager_sum("pool_bytes"))
+
+    # -- Sink -----------------------------------------------------------------------------------
+
+    def emit(self, event: Event) -> None:
+        if event.kind is EventKind.SPAN_START and event.name == Phase.SAVE.value:
+            self.in_flight.inc()
+        elif event.kind is EventKind.SPAN_END:
+            self._span_end(event)
+        elif event.kind is EventKind.MARK:
+            counter = self.marks.get(_MARK_COUNTERS.get(event.name, ""))
+            if counter is not None:
+                counter.inc()
+        elif event.kind is EventKind.STEP and event.duration_s is not None:
+            self.step_seconds.observe(event.duration_s)
+
+    def _span_end(self, event: Event) -> None:
+        outcome = "ok" if event.ok else "error"
+        self.phase_seconds.labels(event.name, outcome).observe(event.duration_s or 0.0)
+        if event.bytes:
+            self.phase_bytes.labels(event.name).inc(event.bytes)
+        if event.name == Phase.SAVE.value:
+            self.in_flight.dec()
+            self.saves.labels(outcome).inc()
+        elif event.name == Phase.WRITE.value and event.ok and event.bytes is not None:
+            self.save_bytes.observe(event.bytes)
+
+    def sample(self, sample: MemorySample) -> None:
+        for key, gauge in self.memory.items():
+            value = getattr(sample, key)
+            if value is not None:
+                gauge.set(value)
+
+    def exposition(self) -> str:
+        """The registry in Prometheus text format."""
+        text: bytes = self._client.generate_latest(self.registry)
+        return text.decode("utf-8")
+
+    def _stager_sum(self, field: str) -> float:
+        if self._telemetry is None:
+            return 0.0
+        return float(sum(getattr(s.stats(), field) for s in self._telemetry.stagers()))
+
+
+_MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}

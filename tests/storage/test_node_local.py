@@ -1,0 +1,181 @@
+"""A simulated two-node job: node-local roots, one shared S3 root (moto), restore from S3 alone.
+
+Four gloo ranks: ranks 0-1 are "node A" and save to local root A, ranks 2-3 are "node B" with
+local root B, as node-local NVMe would be; no node can see the other's files. Each rank uploads
+its own files to the shared S3 root and rank 0 commits there once every rank's rank manifest
+arrived. Checked: the S3 checkpoint is complete and verified, restores exactly on one process
+and on two ranks; the node roots hold only node caches (their own ranks' shards, a
+``_NODE_COMMITTED`` marker) that are never listed or loaded as checkpoints; a rank whose upload
+fails makes every rank's replication future fail and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import dcp_safe
+from dcp_safe import (
+    CheckpointNotFoundError,
+    SafeStorageReader,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from dcp_safe.commit import protocol
+from dcp_safe.storage.node_local import (
+    NODE_COMMITTED_MARKER,
+    NodeLocalOptions,
+    NodeLocalWriter,
+    list_node_caches,
+)
+from dcp_safe.testing.multiproc import run_ranks
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.s3, pytest.mark.timeout(300)]
+
+RANKS_PER_NODE = 2
+W_SHAPE, B_LEN = (8, 4), 6
+FAST = NodeLocalOptions(remote_timeout_s=120.0, poll_s=0.25)
+
+
+def _values(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _full_state(seed: int) -> dict[str, Any]:
+    return {"w": _values(seed, *W_SHAPE), "b": _values(seed + 1, B_LEN), "meta": {"seed": seed}}
+
+
+def _sharded(world_size: int, full: dict[str, Any]) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+        "meta": dict(full["meta"]),
+    }
+
+
+class _UploadFailsOnRank3(NodeLocalWriter):
+    """Rank 3's upload to the remote fails, after its local write succeeded."""
+
+    def _upload_rank(self, assignment: Any, work: str) -> None:
+        if assignment.rank == 3:
+            raise OSError(errno.EIO, "injected upload failure on rank 3")
+        super()._upload_rank(assignment, work)
+
+
+# --------------------------------------------------------------- rank functions (module level)
+
+
+def _save_on_two_nodes(
+    rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    root = roots[rank // RANKS_PER_NODE]
+    seen: dict[str, Any] = {}
+    writer = NodeLocalWriter(root, remote=remote, remote_storage_options=options, node_options=FAST)
+    dcp_safe.save(
+        _sharded(world_size, _full_state(1)), checkpoint_id="step_1", storage_writer=writer
+    )
+    seen["committed_save_id"] = writer.replication("step_1").result(timeout=120).save_id
+    writer.close(timeout_s=60)
+
+    failing = _UploadFailsOnRank3(
+        root, remote=remote, remote_storage_options=options, node_options=FAST
+    )
+    dcp_safe.save(
+        _sharded(world_size, _full_state(2)), checkpoint_id="step_2", storage_writer=failing
+    )
+    error = failing.replication("step_2").exception(timeout=120)
+    seen["failure"] = (type(error).__name__, str(error))
+    seen["listed_locally"] = [info.name for info in list_checkpoints(root)]
+    return seen
+
+
+def _restore_on_two_ranks(
+    rank: int, world_size: int, remote: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    target = _sharded(
+        world_size, {"w": torch.zeros(W_SHAPE), "b": torch.zeros(B_LEN), "meta": {"seed": -1}}
+    )
+    reader = SafeStorageReader(remote, storage_options=options)
+    dcp_safe.load(target, checkpoint_id="latest", storage_reader=reader)
+    assert isinstance(target["w"], DTensor)
+    return {
+        "w_local": target["w"].to_local(),
+        "w": target["w"].full_tensor(),
+        "b": target["b"].full_tensor(),
+        "meta": target["meta"],
+    }
+
+
+# --------------------------------------------------------------- tests
+
+
+def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ranks(
+    tmp_path: Path,
+    s3_root: str,  # noqa: F811
+    s3_options: dict[str, Any],  # noqa: F811
+) -> None:
+    node_a, node_b = tmp_path / "node_a", tmp_path / "node_b"
+    roots = [str(node_a), str(node_b)]
+
+    per_rank = run_ranks(_save_on_two_nodes, 4, args=(roots, s3_root, s3_options))
+
+    # The complete checkpoint is on S3 only, committed once, with every rank's shards.
+    assert len({seen["committed_save_id"] for seen in per_rank}) == 1
+    [info] = list_checkpoints(s3_root, storage_options=s3_options)
+    assert (info.name, info.world_size) == ("step_1", 4)
+    report = verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
+    assert report.items_checked == 4 * 2 + 1  # a shard of w and of b per rank, and meta.seed
+
+    # Each node root holds a node cache of its own ranks' shards, never a checkpoint.
+    for root, ranks in ((node_a, (0, 1)), (node_b, (2, 3))):
+        assert list_checkpoints(root) == []
+        [cache] = list_node_caches(root)
+        assert (cache.name, cache.ranks, cache.manifest.save_id) == (
+            "step_1",
+            ranks,
+            per_rank[0]["committed_save_id"],
+        )
+        shards = sorted(p.name for p in (root / "step_1").glob(f"*{protocol.SHARD_SUFFIX}"))
+        assert shards == [protocol.shard_file_name(r, 0) for r in ranks]
+        assert (root / "step_1" / NODE_COMMITTED_MARKER).exists()
+        assert not (root / "step_1" / protocol.COMMITTED_MARKER).exists()
+        with pytest.raises(CheckpointNotFoundError):
+            SafeStorageReader(root).reset("latest")
+        with pytest.raises(CheckpointNotFoundError):
+            SafeStorageReader(root).reset("step_1")
+
+    # A failed upload on rank 3 failed every rank's replication future; nothing is committed.
+    for rank, seen in enumerate(per_rank):
+        kind, message = seen["failure"]
+        assert kind == ("OSError" if rank == 3 else "CommitError"), (rank, kind)
+        assert "injected upload failure on rank 3" in message
+        assert seen["listed_locally"] == []
+    assert [c.name for c in list_checkpoints(s3_root, storage_options=s3_options)] == ["step_1"]
+    for root in (node_a, node_b):
+        assert [cache.name for cache in list_node_caches(root)] == ["step_1"]
+        assert sorted(os.listdir(root))[-1] == "step_1"  # step_2's work stays hidden
+
+    # Restore from S3 alone: on one process (one node, one rank) ...
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    expected = _full_state(1)
+    whole = {"w": torch.zeros(W_SHAPE), "b": torch.zeros(B_LEN), "meta": {"seed": -1}}
+    dcp_safe.load(whole, storage_reader=SafeStorageReader(s3_root, storage_options=s3_options))
+    assert torch.equal(whole["w"], expected["w"]) and torch.equal(whole["b"], expected["b"])
+    assert whole["meta"] == expected["meta"]
+
+    # ... and on two ranks of one node, resharded from four to two.
+    restored = run_ranks(_restore_on_two_ranks, 2, args=(s3_root, s3_options))
+    for rank, seen in enumerate(restored):
+        assert torch.equal(seen["w"], expected["w"]) and torch.equal(seen["b"], expected["b"])
+        assert torch.equal(seen["w_local"], expected["w"].chunk(2)[rank])
+        assert seen["meta"] == expected["meta"]

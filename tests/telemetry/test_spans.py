@@ -1,0 +1,179 @@
+"""Phase spans of real saves: ordered and nested for sync, async, failed and replicated saves."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
+from support import make_state
+from telemetry._spans import check_nesting, intervals, only, phases
+
+from dcp_safe import api
+from dcp_safe.manager import CheckpointManager
+from dcp_safe.staging import BudgetedStager
+from dcp_safe.storage.writer import SafeStorageWriter
+from dcp_safe.telemetry import NULL_RECORDER, Phase, Telemetry
+
+DEADLINE_S = 120  # detects hangs only
+
+
+class Unpicklable:
+    """Survives staging (deep copy keeps it) but fails DCP's serialization in write_data."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Unpicklable:
+        return self
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError("this object refuses to be pickled")
+
+
+@pytest.fixture
+def tel() -> Any:
+    with Telemetry(sample_memory=False) as telemetry:
+        yield telemetry
+
+
+def test_sync_save_nests_plan_write_commit_under_the_save_in_order(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    writer = tel.wrap_writer(SafeStorageWriter(tmp_path, step=7))
+    api.save(make_state(0), checkpoint_id="ckpt", storage_writer=writer, no_dist=True)
+
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, "ckpt") == ["save", "plan", "write", "commit"]
+    save, plan, write, commit = (only(spans, p) for p in ("save", "plan", "write", "commit"))
+    assert plan.end <= write.start and write.end <= commit.start
+    assert {plan.parent, write.parent, commit.parent} == {save.id}
+    assert all(s.ok for s in spans)
+    assert write.bytes is not None and write.bytes > 0 and commit.bytes == write.bytes
+
+
+def test_async_save_nests_staging_before_write_and_releases_after_commit(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    with CheckpointManager(tmp_path, telemetry=tel) as manager:
+        handle = manager.save(3, make_state(1))
+        assert handle is not None
+        handle.committed.result(DEADLINE_S)
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    name = handle.name
+    assert phases(spans, name) == ["save", "staging", "plan", "write", "commit", "release"]
+    save = only(spans, "save")
+    staging, write, commit = only(spans, "staging"), only(spans, "write"), only(spans, "commit")
+    release = only(spans, "release")
+    assert staging.parent == save.id and write.parent == save.id and commit.parent == save.id
+    assert staging.end <= write.start and write.end <= commit.start
+    assert release.parent is None and release.start >= write.end
+    assert staging.bytes is not None and release.bytes == staging.bytes
+    assert tel.report().saves[0].ok
+
+
+def test_failed_sync_save_fails_write_and_save_and_never_commits(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    writer = tel.wrap_writer(SafeStorageWriter(tmp_path))
+    state = {"w": torch.ones(4), "bad": Unpicklable()}
+    with pytest.raises(BaseException, match="refuses to be pickled"):
+        api.save(state, checkpoint_id="bad", storage_writer=writer, no_dist=True)
+
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, "bad") == ["save", "plan", "write"]
+    write, save = only(spans, "write"), only(spans, "save")
+    assert not write.ok and not save.ok
+    errors = [e.error for e in tel.memory.events() if e.name == "write" and e.error]
+    assert errors and "refuses to be pickled" in errors[0]
+
+
+def test_failed_async_save_fails_its_root_span_and_still_releases(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    manager = CheckpointManager(tmp_path, telemetry=tel)
+    handle = manager.save(1, {"w": torch.ones(4), "bad": Unpicklable()})
+    assert handle is not None
+    with pytest.raises(BaseException, match="refuses to be pickled"):
+        handle.committed.result(DEADLINE_S)
+    with pytest.raises(BaseException, match="refuses to be pickled"):
+        manager.close(DEADLINE_S)
+
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, handle.name) == ["save", "staging", "plan", "write", "release"]
+    assert only(spans, "staging").ok
+    assert not only(spans, "write").ok and not only(spans, "save").ok
+    report = tel.report().to_dict()
+    assert report["saves"][0]["ok"] is False
+
+
+@pytest.mark.s3
+def test_replicated_save_records_replication_after_the_local_commit(
+    tmp_path: Path,
+    tel: Telemetry,
+    s3_root: str,  # noqa: F811
+    s3_options: dict[str, Any],  # noqa: F811
+) -> None:
+    writer = SafeStorageWriter(tmp_path, replicate_to=s3_root, replicate_storage_options=s3_options)
+    with CheckpointManager(tmp_path, writer=writer, telemetry=tel) as manager:
+        handle = manager.save(5, make_state(2))
+        assert handle is not None
+        handle.replicated.result(DEADLINE_S)
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    commit, replication = only(spans, "commit"), only(spans, "replication")
+    assert replication.parent is None and replication.save == handle.name
+    assert replication.start >= commit.end
+    assert replication.ok and replication.bytes is not None and replication.bytes > 0
+    assert tel.report().saves[0].replicated is True
+
+
+def test_telemetry_off_is_the_null_recorder_and_starts_no_thread(tmp_path: Path) -> None:
+    before = {t.name for t in threading.enumerate()}
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.stager.telemetry is NULL_RECORDER
+        handle = manager.save(1, make_state(0))
+        assert handle is not None
+        handle.committed.result(DEADLINE_S)
+        started = {t.name for t in threading.enumerate()} - before
+    assert not any(name.startswith("dcp_safe-memory") for name in started)
+    assert BudgetedStager(when_busy="wait").telemetry is NULL_RECORDER
+
+
+def test_state_dict_span_on_the_training_thread_is_a_profiler_range(tel: Telemetry) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, tel.span(Phase.STATE_DICT, step=4):
+        state = copy.deepcopy(make_state(0))
+    assert state
+    assert any(e.name == "dcp_safe::state_dict" for e in prof.events())
+    (span,) = intervals(tel.memory.events())
+    assert span.phase == "state_dict" and span.ok
+
+
+def test_fallback_save_is_marked_and_runs_synchronously_under_its_root(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    from dcp_safe.fallback import FallbackOptions
+
+    manager = CheckpointManager(
+        tmp_path,
+        telemetry=tel,
+        fallback=FallbackOptions(memory_crossings=1),
+        memory_sampler=lambda: 0,  # the host reports no memory left: below any reserve
+    )
+    with manager:
+        handle = manager.save(2, make_state(0))
+        assert handle is not None
+        assert handle.committed.result(DEADLINE_S) == handle.name
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, handle.name) == ["save", "plan", "write", "commit"]  # no staging
+    report = tel.report()
+    assert report.fallbacks == 1 and report.saves[0].ok
+    assert report.saves[0].stall_s == report.saves[0].completion_s  # sync: the loop waits it all

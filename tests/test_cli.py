@@ -1,0 +1,388 @@
+"""``dcp-safe``: every subcommand against real checkpoints, on a local root and on moto S3.
+
+Most cases call ``main([...])`` in-process (output through pytest's capture); one runs the
+installed ``dcp-safe`` executable as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
+from support import make_state
+
+import dcp_safe
+from dcp_safe import SafeStorageWriter
+from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from dcp_safe.commit import protocol
+from dcp_safe.storage.committed import open_committed
+from dcp_safe.storage.roots import open_backend
+from dcp_safe.testing.s3 import LocalS3
+
+# Generous: only a guard against a hung subprocess, never a measure of speed.
+_SUBPROCESS_TIMEOUT_S = 300
+
+
+class _DiesInWriteData(SafeStorageWriter):
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        raise OSError(5, "Input/output error (injected)")
+
+
+def _save(root: str | Path, step: int, **options: Any) -> SafeStorageWriter:
+    writer = SafeStorageWriter(root, fsync=False, step=step, **options)
+    dcp_safe.save(make_state(step), checkpoint_id=f"step_{step:04d}", storage_writer=writer)
+    return writer
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _shard(root: Path, name: str) -> Path:
+    (shard,) = sorted((root / name).glob(f"*{protocol.SHARD_SUFFIX}"))
+    return shard
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A fresh root on the session's moto S3, and the CLI's --storage-options for it."""
+
+    server: LocalS3
+    bucket: str
+    root: str
+    options: dict[str, Any]
+
+    @property
+    def cli_options(self) -> list[str]:
+        return ["--storage-options", json.dumps(self.options)]
+
+
+@pytest.fixture
+def remote(
+    s3: LocalS3,  # noqa: F811 - fixture
+    s3_bucket: str,  # noqa: F811 - fixture
+    s3_root: str,  # noqa: F811 - fixture
+    s3_options: dict[str, Any],  # noqa: F811 - fixture
+) -> _Remote:
+    return _Remote(server=s3, bucket=s3_bucket, root=s3_root, options=s3_options)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A local root holding step_0001..step_0003, committed."""
+    path = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        _save(path, step)
+    return path
+
+
+# ------------------------------------------------------------------------------------ ls
+
+
+def test_ls_json_lists_committed_checkpoints_with_step_size_and_world_size(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "ls", str(root), "--json")
+    assert status == EXIT_OK
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == ["step_0001", "step_0002", "step_0003"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    infos = dcp_safe.list_checkpoints(root)
+    assert [r["size_bytes"] for r in rows] == [i.size_bytes for i in infos]
+    assert all(r["world_size"] == 1 and r["tiers"] == ["local"] for r in rows)
+
+
+def test_ls_table_leaves_out_an_abandoned_partial_save(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(dcp_safe.CommitError):
+        dcp_safe.save(
+            make_state(9), checkpoint_id="step_0009", storage_writer=_DiesInWriteData(root)
+        )
+    status, out, _ = _run(capsys, "ls", str(root))
+    assert status == EXIT_OK
+    assert "step_0003" in out and "step_0001" in out
+    assert "step_0009" not in out
+
+
+def test_ls_of_a_missing_root_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = _run(capsys, "ls", str(tmp_path / "nope"))
+    assert status == EXIT_USAGE
+    assert "no such directory" in err and "Traceback" not in err
+
+
+@pytest.mark.s3
+def test_ls_with_remote_shows_the_tiers_each_checkpoint_is_committed_on(
+    root: Path, remote: _Remote, capsys: pytest.CaptureFixture[str]
+) -> None:
+    writer = _save(root, 4, replicate_to=remote.root, replicate_storage_options=remote.options)
+    writer.replication("step_0004").result(timeout=_SUBPROCESS_TIMEOUT_S)
+    writer.close()
+    status, out, _ = _run(
+        capsys, "ls", str(root), "--remote", remote.root, *remote.cli_options, "--json"
+    )
+    assert status == EXIT_OK
+    tiers = {r["name"]: r["tiers"] for r in json.loads(out)}
+    assert tiers == {
+        "step_0001": ["local"],
+        "step_0002": ["local"],
+        "step_0003": ["local"],
+        "step_0004": ["local", "remote"],
+    }
+
+
+# -------------------------------------------------------------------------------- verify
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_verify_sound_checkpoint_exits_zero(
+    root: Path, capsys: pytest.CaptureFixture[str], deep: bool
+) -> None:
+    status, out, _ = _run(capsys, "verify", str(root), "latest", *(["--deep"] if deep else []))
+    assert status == EXIT_OK
+    assert "OK step_0003" in out
+
+
+def test_verify_deep_names_the_file_and_item_of_a_flipped_byte(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shard = _shard(root, "step_0002")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    # Sizes still match: the quick check passes, reading every byte does not.
+    assert _run(capsys, "verify", str(root), "step_0002")[0] == EXIT_OK
+    status, _, err = _run(capsys, "verify", str(root), "step_0002", "--deep")
+    assert status == EXIT_FAILED
+    assert "CORRUPT" in err and shard.name in err and "item" in err
+    assert "Traceback" not in err
+
+
+def test_verify_quick_catches_a_truncated_shard(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shard = _shard(root, "step_0001")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    status, _, err = _run(capsys, "verify", str(root), "step_0001")
+    assert status == EXIT_FAILED
+    assert shard.name in err and "size" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["verify", "{root}", "step_0042"], "dcp-safe ls"),
+        (["verify", "{root}", "../escape"], "invalid checkpoint name"),
+        (["verify", "{root}/missing"], "no such directory"),
+        (["verify"], "required"),
+        (["verify", "{root}", "--storage-options", "{{not json"], "not valid JSON"),
+        (["verify", "{root}", "--storage-options", "[1]"], "JSON object"),
+    ],
+)
+def test_verify_usage_errors_exit_two_and_say_what_to_do(
+    root: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    status, _, err = _run(capsys, *(a.format(root=root) for a in argv))
+    assert status == EXIT_USAGE
+    assert says in err and "Traceback" not in err
+
+
+def test_verify_of_an_empty_root_says_nothing_is_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = _run(capsys, "verify", str(tmp_path))
+    assert status == EXIT_USAGE
+    assert "no committed checkpoint" in err
+
+
+@pytest.mark.s3
+def test_verify_deep_on_s3_passes_then_fails_after_an_object_is_overwritten(
+    remote: _Remote, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(remote.root, 5, storage_options=remote.options)
+    status, out, _ = _run(capsys, "verify", remote.root, "--deep", *remote.cli_options)
+    assert status == EXIT_OK and "OK step_0005" in out
+    prefix = remote.root.removeprefix(f"s3://{remote.bucket}/")
+    keys = remote.server.keys(remote.bucket, prefix)
+    (key,) = [k for k in keys if k.endswith(protocol.SHARD_SUFFIX)]
+    client = remote.server.client()
+    body = bytearray(client.get_object(Bucket=remote.bucket, Key=key)["Body"].read())
+    body[-1] ^= 0x01
+    client.put_object(Bucket=remote.bucket, Key=key, Body=bytes(body))
+    status, _, err = _run(capsys, "verify", remote.root, "step_0005", "--deep", *remote.cli_options)
+    assert status == EXIT_FAILED and "CORRUPT" in err and key.rsplit("/", 1)[-1] in err
+
+
+# ------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_json_reports_every_tensor_and_the_totals(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "inspect", str(root), "step_0002", "--json")
+    assert status == EXIT_OK
+    report = json.loads(out)
+    entries = {e["fqn"]: e for e in report["entries"]}
+    state = make_state(2)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for fqn, tensor in tensors.items():
+        entry = entries[fqn]
+        assert entry["shape"] == list(tensor.shape), fqn
+        assert entry["dtype"] == str(tensor.dtype).removeprefix("torch."), fqn
+        assert entry["bytes"] == tensor.numel() * tensor.element_size(), fqn
+        assert entry["shards"] == 1
+    assert entries["extra.epoch"]["kind"] == "object"
+    assert report["totals"]["tensors"] == len(tensors)
+    assert report["totals"]["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    manifest = open_committed(open_backend(str(root)), "step_0002").manifest
+    stored = sum(item.length for item in manifest.items)
+    assert report["totals"]["stored_bytes"] == stored
+
+
+def test_inspect_table_shows_shapes_and_dtypes(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "inspect", str(root), "latest")
+    assert status == EXIT_OK
+    assert "step_0003" in out and "bfloat16" in out and "16x8" in out and "tensors" in out
+
+
+@pytest.mark.s3
+def test_inspect_reads_a_checkpoint_on_s3(
+    remote: _Remote, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(remote.root, 6, storage_options=remote.options)
+    status, out, _ = _run(
+        capsys, "inspect", remote.root, "step_0006", "--json", *remote.cli_options
+    )
+    assert status == EXIT_OK
+    assert {e["fqn"] for e in json.loads(out)["entries"]} >= {"f32", "bf16", "i64"}
+
+
+def test_inspect_unknown_checkpoint_is_a_usage_error(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = _run(capsys, "inspect", str(root), "step_0099")
+    assert status == EXIT_USAGE and "step_0099" in err
+
+
+# ------------------------------------------------------------------------------------ gc
+
+
+def _abandon_a_save(root: Path, step: int) -> str:
+    with pytest.raises(dcp_safe.CommitError):
+        dcp_safe.save(
+            make_state(step),
+            checkpoint_id=f"step_{step:04d}",
+            storage_writer=_DiesInWriteData(root),
+        )
+    return next(e for e in os.listdir(root) if e.startswith(f".step_{step:04d}"))
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    for folder, _, files in os.walk(path):
+        for name in files:
+            os.utime(os.path.join(folder, name), (then, then))
+        os.utime(folder, (then, then))
+
+
+def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(root, 4)
+    old = _abandon_a_save(root, 8)
+    _age(root / old, 3600)
+    before = sorted(os.listdir(root))
+    status, out, _ = _run(capsys, "gc", str(root), "--keep", "2", "--dry-run", "--grace-s", "60")
+    assert status == EXIT_OK
+    assert "would remove checkpoint step_0001" in out
+    assert "would remove checkpoint step_0002" in out
+    assert f"would remove abandoned partial save {old}" in out
+    assert sorted(os.listdir(root)) == before
+
+
+def test_gc_applies_retention_and_collects_only_old_partials(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(root, 4)
+    old = _abandon_a_save(root, 8)
+    _age(root / old, 3600)
+    recent = _abandon_a_save(root, 9)
+    status, out, _ = _run(capsys, "gc", str(root), "--keep", "2", "--grace-s", "60")
+    assert status == EXIT_OK
+    assert [i.name for i in dcp_safe.list_checkpoints(root)] == ["step_0003", "step_0004"]
+    assert not (root / old).exists() and (root / recent).exists()
+    assert f"removed abandoned partial save {old}" in out
+    assert f"kept partial save {recent}" in out
+
+
+@pytest.mark.s3
+def test_gc_on_s3_keeps_the_newest(remote: _Remote, capsys: pytest.CaptureFixture[str]) -> None:
+    for step in (1, 2, 3):
+        _save(remote.root, step, storage_options=remote.options)
+    status, out, _ = _run(capsys, "gc", remote.root, "--keep", "2", *remote.cli_options)
+    assert status == EXIT_OK and "removed checkpoint step_0001" in out
+    infos = dcp_safe.list_checkpoints(remote.root, storage_options=remote.options)
+    assert [i.name for i in infos] == ["step_0002", "step_0003"]
+
+
+def test_gc_keep_below_one_is_a_usage_error(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = _run(capsys, "gc", str(root), "--keep", "0")
+    assert status == EXIT_USAGE and "--keep" in err
+    assert len(dcp_safe.list_checkpoints(root)) == 3
+
+
+# --------------------------------------------------------------------------------- bench
+
+
+def test_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "bench", "--help")
+    assert status == EXIT_OK
+    assert "usage" in out.lower()
+    status, _, err = _run(capsys, "bench", "--no-such-option")
+    assert status == EXIT_USAGE and "--no-such-option" in err
+
+
+# ---------------------------------------------------------------------------- subprocess
+
+
+def test_installed_executable_verifies_and_reports_corruption_without_traceback(
+    root: Path,
+) -> None:
+    exe = Path(sys.executable).with_name("dcp-safe")
+    ok = subprocess.run(
+        [str(exe), "verify", str(root), "--deep"],
+        capture_output=True,
+        text=True,
+        timeout=_SUBPROCESS_TIMEOUT_S,
+        check=False,
+    )
+    assert ok.returncode == EXIT_OK, ok.stderr
+    assert "OK step_0003" in ok.stdout
+    shard = _shard(root, "step_0003")
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad = subprocess.run(
+        [str(exe), "verify", str(root), "--deep"],
+        capture_output=True,
+        text=True,
+        timeout=_SUBPROCESS_TIMEOUT_S,
+        check=False,
+    )
+    assert bad.returncode == EXIT_FAILED
+    assert shard.name in bad.stderr and "Traceback" not in bad.stderr
