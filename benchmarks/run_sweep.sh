@@ -21,8 +21,8 @@ part() {
 }
 
 part --part sizes --sizes-mib 256,1024 --rounds 3
-part --part sizes --sizes-mib 4096 --rounds-large 1 --out benchmarks/results/sweep-sizes-4g.json
 part --part s3 --sizes-mib 256,1024 --rounds 2
-part --part counts --counts 10,100,1000,10000 --count-size-mib 128 --rounds 2
+part --part counts --counts 10,100,1000,10000 --count-size-mib 128 --rounds 1
 part --part compression --sizes-mib 512 --rounds 2
+part --part sizes --sizes-mib 4096 --rounds-large 1 --out benchmarks/results/sweep-sizes-4g.json
 "$PY" benchmarks/sweep.py render

@@ -60,6 +60,9 @@ class _Call:
     owned: bool = False
     deadline_s: float | None = None
     witnesses: tuple[object, ...] = ()
+    # Taken when the call starts: after a failure the group may already be torn down.
+    rank: int = 0
+    world_size: int = 1
 
     def translate(self, exc: BaseException) -> BaseException:
         """The dcp_safe error for ``exc``; ``exc`` itself when it is none of ours to map."""
@@ -71,9 +74,9 @@ class _Call:
             # (a peer closed its connection, or the group's deadline passed).
             error = collective_failure(
                 exc,
-                rank=dist.get_rank(self.group),
-                world_size=dist.get_world_size(self.group),
-                deadline_s=self.deadline_s if self.owned else None,
+                rank=self.rank,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
                 witnesses=self.witnesses,
             )
             if self.owned:
@@ -121,10 +124,18 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
         # Say it explicitly rather than let DCP warn that it guessed.
         kwargs.setdefault("no_dist", not distributed)
         return _Call()
-    if kwargs.get("process_group") is not None:
-        return _Call(group=kwargs["process_group"], witnesses=witnesses)
-    kwargs["process_group"] = checkpoint_group(deadline_s)
-    return _Call(kwargs["process_group"], True, deadline_s, witnesses)
+    group = kwargs.get("process_group")
+    owned = group is None
+    if owned:
+        group = kwargs["process_group"] = checkpoint_group(deadline_s)
+    return _Call(
+        group=group,
+        owned=owned,
+        deadline_s=deadline_s if owned else None,
+        witnesses=witnesses,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+    )
 
 
 def save(

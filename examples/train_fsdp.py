@@ -149,7 +149,7 @@ def train(args: argparse.Namespace) -> None:
                 f"step {step}: loss {loss.item():.5f}, saving {last_saved} "
                 f"(state digest {digest(state)})"
             )
-    if in_flight is not None:
+    if in_flight is not None and last_saved is not None:
         in_flight.upload_completion.result()
         log(f"committed {last_saved}")
         if args.replicate_to is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _crash import assert_bit_exact, blank_like, make_values
+from _crash import assert_bit_exact, blank_like, make_values, record_figures
 
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter
@@ -113,7 +113,22 @@ def _flip(path: Path, offset: int, mask: int) -> None:
 # --------------------------------------------------------------------------- single-byte flips
 
 
-@pytest.mark.parametrize(("variant", "flips"), [("none", 200), ("zstd", 100)])
+LONG_ONLY = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("DCP_SAFE_LONG") != "1", reason="set DCP_SAFE_LONG=1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "flips"),
+    [
+        ("none", 200),
+        ("zstd", 100),
+        pytest.param("none", 2000, marks=LONG_ONLY, id="none-long"),
+        pytest.param("zstd", 1000, marks=LONG_ONLY, id="zstd-long"),
+        pytest.param("two_shards", 1000, marks=LONG_ONLY, id="two_shards-long"),
+    ],
+)
 def test_every_single_byte_flip_is_detected(
     pristine: dict[str, Pristine], tmp_path: Path, variant: str, flips: int
 ) -> None:
@@ -129,7 +144,7 @@ def test_every_single_byte_flip_is_detected(
         protocol.COMMITTED_MARKER,
         RANK_MANIFEST,
     }
-    plan = _flip_plan(sizes, flips, seed=1234 if variant == "none" else 5678)
+    plan = _flip_plan(sizes, flips, seed={"none": 1234, "zstd": 5678}.get(variant, 91) + flips)
     missed: list[str] = []
     unnamed: list[str] = []
     load_wrong: list[str] = []
@@ -154,6 +169,14 @@ def test_every_single_byte_flip_is_detected(
             else:
                 assert_bit_exact(loaded, template.values, where)
         _flip(base / file, offset, mask)
+    record_figures(
+        "flips",
+        variant=variant,
+        tried=len(plan),
+        detected_by_verify=len(plan) - len(missed),
+        unnamed=len(unnamed),
+        accepted_by_load=len(load_wrong),
+    )
     assert len(plan) >= flips
     assert {f for f, _, _ in plan} == set(sizes)
     assert missed == [], f"verify missed {len(missed)}/{len(plan)} flips: {missed}"
@@ -179,6 +202,33 @@ def test_truncated_shard_is_named_with_its_sizes(
     assert error.path.endswith(f"{NAME}/__0_0.distcp")
     assert (error.expected, error.actual) == (size, size // 2)
     assert _load_error(root, template.values).path.endswith(f"{NAME}/__0_0.distcp")
+
+
+@pytest.mark.parametrize("cuts", [24, pytest.param(240, marks=LONG_ONLY, id="long")])
+def test_every_random_truncation_of_any_file_is_detected(
+    pristine: dict[str, Pristine], tmp_path: Path, cuts: int
+) -> None:
+    template = pristine["two_shards"]
+    rng = random.Random(4321 + cuts)
+    files = template.files
+    missed = []
+    for i in range(cuts):
+        root = template.copy(tmp_path / f"root_{i}")
+        name = files[i % len(files)]
+        path = root / NAME / name
+        keep = rng.randrange(path.stat().st_size)  # a strictly shorter file, maybe empty
+        os.truncate(path, keep)
+        try:
+            dcp_safe.verify_checkpoint(root, NAME)
+            missed.append(f"{name} cut to {keep}")
+        except CheckpointCorruptError:
+            pass
+        if name != RANK_MANIFEST:  # loading never reads the rank manifest
+            with pytest.raises(CheckpointCorruptError):
+                _load(root, template.values)
+        shutil.rmtree(root)
+    record_figures("truncations", tried=cuts, detected=cuts - len(missed))
+    assert missed == [], f"verify missed {len(missed)}/{cuts} truncations: {missed}"
 
 
 def test_deleted_shard_is_named_as_missing(pristine: dict[str, Pristine], tmp_path: Path) -> None:

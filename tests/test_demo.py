@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 
 import dcp_safe
-from dcp_safe.cli import EXIT_OK
+from dcp_safe.cli import EXIT_OK, main
 
 # Generous: only a guard against a hung demo, never a measure of speed.
 _DEMO_TIMEOUT_S = 300
@@ -41,3 +46,25 @@ def test_demo_restores_from_s3_alone_and_reports_stall_memory_and_cuts(tmp_path:
     # What the demo says is on disk is there: the two newest, committed and sound.
     assert [i.name for i in dcp_safe.list_checkpoints(root)] == ["step_000008", "step_000012"]
     assert dcp_safe.verify_checkpoint(root, "latest").name == "step_000012"
+
+
+@pytest.mark.s3
+def test_demo_replicates_to_the_remote_it_is_given(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    s3_root: str,  # noqa: F811 - fixture
+    s3_options: dict[str, Any],  # noqa: F811 - fixture
+) -> None:
+    root = tmp_path / "root"
+    status = main(
+        [
+            "demo", "--root", str(root), "--remote", s3_root,
+            "--storage-options", json.dumps(s3_options), "--steps", "2", "--save-every", "1",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == EXIT_OK
+    assert f"S3 replica: {s3_root} (as given)" in out
+    assert "restore of step_000002 from S3 alone: PASSED" in out
+    remote = dcp_safe.list_checkpoints(s3_root, storage_options=s3_options)
+    assert [i.name for i in remote] == ["step_000001", "step_000002"]

@@ -32,6 +32,7 @@ from _crash import (
     finalize_failed_tensor_writes,
     is_bit_exact,
     make_values,
+    record_figures,
     writer_finalizes_failed_tensor_writes,
 )
 from s3_fixtures import s3, s3_bucket, s3_options  # noqa: F401
@@ -151,7 +152,7 @@ def _check_case(root: FaultyRoot, error: BaseException | None, one_off: bool) ->
             return _next_save(root, "succeeded")
         # The marker was written, then a clean-up step (removing the lease) failed: the
         # checkpoint is whole, but the caller was told the save failed. Counted and reported.
-        assert root.faults.failures[0].path.endswith(WRITING_LEASE), error
+        assert WRITING_LEASE in root.faults.failures[0].path, error
         return _next_save(root, f"failed-after-commit:{type(error).__name__}")
     assert listed == ["step_1"], f"a failed save published something: {listed}"
     return _next_save(root, f"failed:{type(error).__name__}") + _save_again(root, step_2, one_off)
@@ -222,6 +223,22 @@ def nth_op_sweep(
     return report
 
 
+def _record(report: NthOpReport, root: str, persistent: bool) -> None:
+    outcomes = report.outcomes
+    record_figures(
+        "nth_op",
+        root=root,
+        mode="persistent" if persistent else "one-off",
+        operations=report.operations,
+        cases=report.cases,
+        failed_cleanly=sum(n for o, n in outcomes.items() if o.startswith("failed:")),
+        failed_after_commit=sum(n for o, n in outcomes.items() if o.startswith("failed-after")),
+        blocked_until_swept=sum(n for o, n in outcomes.items() if "blocked" in o),
+        succeeded=outcomes["succeeded"],
+        broken_publishes=0,  # a broken publish fails the sweep before it gets here
+    )
+
+
 @pytest.fixture(autouse=True)
 def _survive_failed_tensor_writes() -> None:
     finalize_failed_tensor_writes()  # see test_a_failed_shard_write_does_not_abort_the_process
@@ -269,6 +286,7 @@ def test_failing_any_operation_of_a_local_save_fails_cleanly_or_commits(
     faults = FaultInjector()
     report = nth_op_sweep(_local_root(tmp_path, faults), persistent=persistent)
     print(report.line(f"local {'persistent' if persistent else 'one-off'}"))
+    _record(report, "local", persistent)
     assert report.cases == report.operations + 1  # every N, and one past the end
     assert sum(n for o, n in report.outcomes.items() if o.startswith("failed")) > 0
     # The faults hit every kind of operation the save makes, not just one.
@@ -289,4 +307,5 @@ def test_failing_any_operation_of_an_s3_save_fails_cleanly_or_commits(
         sample=None if LONG else S3_SAMPLE,
     )
     print(report.line(f"s3 {'persistent' if persistent else 'one-off'}"))
+    _record(report, "s3", persistent)
     assert sum(n for o, n in report.outcomes.items() if o.startswith("failed")) > 0

@@ -58,16 +58,23 @@ def _begin(saver: Saver, state: State, name: str, sampler: RssSampler) -> tuple[
     return started, record
 
 
-def _finish(saver: Saver, started: Started, record: Record, timeout_s: float) -> Record:
-    started.upload.result(timeout=timeout_s)
-    while "local_commit_s" not in record:  # the done-callback runs just after result() returns
+def _stamped(future: Future[Any], record: Record, key: str, timeout_s: float) -> None:
+    """Wait for ``future`` and for its done-callback, which may run just after ``result()``
+    returns (``concurrent.futures`` wakes waiters before it invokes callbacks)."""
+    future.result(timeout=timeout_s)
+    deadline = time.monotonic() + 10.0
+    while key not in record:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the done-callback that records {key} never ran")
         time.sleep(0.0005)
+
+
+def _finish(saver: Saver, started: Started, record: Record, timeout_s: float) -> Record:
+    _stamped(started.upload, record, "local_commit_s", timeout_s)
     if started.remote is not None:
         remote = started.remote()
         _stamp(remote, record["_start"], record, "remote_commit_s")
-        remote.result(timeout=timeout_s)
-        while "remote_commit_s" not in record:
-            time.sleep(0.0005)
+        _stamped(remote, record, "remote_commit_s", timeout_s)
     elif saver.remote_root:
         record["remote_commit_s"] = record["local_commit_s"]
     del record["_start"]

@@ -218,6 +218,8 @@ class FsspecBackend(Backend):
             f = self.fs.open(self._abs(rel), "rb")
         except FileNotFoundError:
             raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
         except OSError as exc:
             raise self._fail("open", rel, exc) from exc
         with f:
@@ -228,6 +230,8 @@ class FsspecBackend(Backend):
             data: bytes = self.fs.cat_file(self._abs(rel))
         except FileNotFoundError:
             raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
         except OSError as exc:
             raise self._fail("read", rel, exc) from exc
         return data
@@ -237,6 +241,8 @@ class FsspecBackend(Backend):
             return int(self.fs.size(self._abs(rel)))
         except FileNotFoundError:
             raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
         except OSError as exc:
             raise self._fail("stat", rel, exc) from exc
 

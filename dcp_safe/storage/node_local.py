@@ -17,21 +17,28 @@ directory on storage that renames atomically)::
                                  rank on each node publishes the node cache (below)
 
 All coordination after ``write_data`` goes through storage markers, never through the training
-process group, so a slow remote never blocks a collective. A rank whose upload fails writes
-``W/_ranks/rank_R.failed-<save id>``; rank 0 stops waiting at once and publishes nothing,
-writing ``W/_FAILED-<save id>``, which ends every other rank's wait with the same
-:class:`~dcp_safe.errors.CommitError` (the save id in the names keeps a stale marker from ever
-touching a later save of that name).
+process group, so a slow remote never blocks a collective. A rank whose write or upload fails
+writes ``W/_ranks/rank_R.failed-<save id>``: every rank waiting in the background sees it and
+fails at once with :class:`~dcp_safe.errors.CommitError` naming that rank, and rank 0 publishes
+nothing (a failed remote commit on rank 0 writes ``W/_FAILED-<save id>``, which ends the others'
+waits the same way). The save id in these names keeps a stale marker from ever touching a later
+save of that name. A failed save's remote objects stay, under their writing lease, for the
+sweeper to collect after its grace period; a rank killed outright is noticed at the deadline.
 
-What the node-local tier is: a **node cache**, never a checkpoint. Once the remote commit
-exists, each node's files are renamed into ``<local root>/<name>/`` with the remote
-``manifest.json`` and ``.metadata`` and a ``_NODE_COMMITTED`` marker holding the manifest's
-digest. It holds only the shard files its node's ranks wrote, so it carries no
-``_COMMITTED``: ``list_checkpoints``, ``SafeStorageReader`` and ``"latest"`` never see it as a
-checkpoint, and the remote root is the only complete copy (restore from it on any number of
-ranks or nodes). :func:`list_node_caches` lists the caches for an operator or for a
-same-topology restart that wants to know what is local. A save that fails leaves only hidden
-partial directories locally, which the sweeper collects after its grace period.
+What the node-local tier is: a **node cache**, never a checkpoint (the layout is
+:mod:`dcp_safe.storage.node_cache`'s). Once the remote commit exists, each node's files are
+renamed into ``<local root>/<name>/`` with the remote ``manifest.json`` and ``.metadata`` and a
+``_NODE_COMMITTED`` marker. It holds only the shard files its node's ranks wrote, so it carries
+no ``_COMMITTED``: ``list_checkpoints``, ``SafeStorageReader`` and ``"latest"`` never see it as
+a checkpoint, and the remote root is the only complete copy (restore from it on any number of
+ranks or nodes). ``list_node_caches`` lists the caches, for an operator or for a same-topology
+restart that wants to know what is local; the publishing rank keeps the newest
+``keep_node_caches`` of them. A save that fails leaves only hidden partial directories locally,
+which the sweeper collects after its grace period.
+
+Backpressure: at most one upload in flight per rank. ``write_data`` of the next save first
+waits (bounded) for this rank's previous upload, so a slow remote slows saves down (in the
+background, for ``async_save``) instead of piling uploads up.
 
 Why this design: the alternative, rank 0 copying a committed local checkpoint (what
 :class:`~dcp_safe.storage.replicate.Replicator` does for one shared local root), cannot work
@@ -45,9 +52,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,26 +74,19 @@ from dcp_safe.errors import (
     ConfigError,
     ReplicationTimeoutError,
 )
-from dcp_safe.manifest.schema import Manifest, RankManifest, manifest_digest
+from dcp_safe.manifest.schema import Manifest, RankManifest
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
+from dcp_safe.storage.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.storage.replicate import DEFAULT_CHUNK_BYTES, copy_file_verified
 from dcp_safe.storage.retry import call_with_retries
-from dcp_safe.storage.roots import open_backend
 from dcp_safe.storage.watch import poll_until, watch_for_commit
 from dcp_safe.storage.writer import SafeStorageWriter, _Assignment
 
-__all__ = [
-    "NODE_COMMITTED_MARKER",
-    "NodeCache",
-    "NodeLocalOptions",
-    "NodeLocalWriter",
-    "list_node_caches",
-]
+__all__ = ["NodeLocalOptions", "NodeLocalWriter"]
 
-NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
 _FAILED_PREFIX = "_FAILED-"
-_RANK_MANIFEST = re.compile(r"^rank_(\d{5})\.json$")
+_KEEP_DONE = 16  # finished futures kept for replication()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +98,14 @@ class NodeLocalOptions:
             every rank for the remote commit.
         poll_s: pause between polls of the remote markers.
         chunk_bytes: bytes read and uploaded at a time, per file.
+        keep_node_caches: node caches kept on each node after a new one is published (the
+            older ones are removed; the remote tier is untouched). ``None`` keeps them all.
     """
 
     remote_timeout_s: float = 1800.0
     poll_s: float = 0.5
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    keep_node_caches: int | None = 2
 
     def __post_init__(self) -> None:
         if self.remote_timeout_s <= 0 or self.poll_s <= 0 or self.chunk_bytes < 1:
@@ -111,16 +113,8 @@ class NodeLocalOptions:
                 "remote_timeout_s, poll_s and chunk_bytes must be positive, got "
                 f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
             )
-
-
-@dataclass(frozen=True)
-class NodeCache:
-    """One published node cache: a node's share of a checkpoint committed on the remote."""
-
-    name: str
-    path: str
-    ranks: tuple[int, ...]
-    manifest: Manifest
+        if self.keep_node_caches is not None and self.keep_node_caches < 1:
+            raise ConfigError(f"keep_node_caches must be >= 1, got {self.keep_node_caches}")
 
 
 class NodeLocalWriter(SafeStorageWriter):
@@ -202,7 +196,14 @@ class NodeLocalWriter(SafeStorageWriter):
         assignment = _assignment_of(plan)
         # Only the coordinator's node got the work directory from prepare_global_plan.
         self.backend.makedirs(f"{assignment.work_dir}/{protocol.RANKS_DIR}")
-        written = super().write_data(plan, planner)
+        self._wait_for_previous_upload()
+        try:
+            written = super().write_data(plan, planner)
+        except BaseException as exc:
+            # DCP fails the save everywhere, but the ranks that wrote fine already wait in the
+            # background for a remote commit that will never come: tell them through storage.
+            self._report_rank_failure(assignment, exc)
+            raise
         self._start(self._uploads, self._upload_and_publish, self._require_name(), assignment)
         return written
 
@@ -235,14 +236,13 @@ class NodeLocalWriter(SafeStorageWriter):
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
             BaseException: the first failed upload or remote commit, as it was raised.
         """
-        for future in [*self._commits.values(), *self._uploads.values()]:
-            try:
-                future.exception(timeout_s)
-            except TimeoutError as exc:
-                raise ReplicationTimeoutError(
-                    f"node-local uploads still running after {timeout_s} s"
-                ) from exc
-        for future in [*self._commits.values(), *self._uploads.values()]:
+        futures = [*self._commits.values(), *self._uploads.values()]
+        _, running = wait(futures, timeout=timeout_s)
+        if running:
+            raise ReplicationTimeoutError(
+                f"{len(running)} node-local uploads or commits still running after {timeout_s} s"
+            )
+        for future in futures:
             future.result()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -252,9 +252,28 @@ class NodeLocalWriter(SafeStorageWriter):
 
     # ----------------------------------------------------------------- background work
 
+    def _wait_for_previous_upload(self) -> None:
+        """At most one upload in flight per rank: a slow remote slows saves down (DCP's
+        ``write_data`` runs in the background for ``async_save``) instead of piling them up.
+
+        Raises:
+            ReplicationTimeoutError: the previous upload is still running at the deadline.
+        """
+        running = [f for f in self._uploads.values() if not f.done()]
+        _, still = wait(running, timeout=self.node_options.remote_timeout_s)
+        if still:
+            raise ReplicationTimeoutError(
+                f"the previous upload to {self.remote_backend.url} is still running after "
+                f"{self.node_options.remote_timeout_s} s"
+            )
+
     def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
         future: Future[Manifest] = Future()
+        registry.pop(args[0], None)
         registry[args[0]] = future
+        finished = [name for name, f in registry.items() if f.done()]
+        for name in finished[: max(0, len(finished) - _KEEP_DONE)]:
+            del registry[name]  # a long run keeps only the newest outcomes
 
         def run() -> None:
             try:
@@ -269,12 +288,15 @@ class NodeLocalWriter(SafeStorageWriter):
         try:
             self._upload_rank(assignment, work)
         except BaseException as exc:
-            failed = f"{work}/{protocol.RANKS_DIR}/{_rank_failed_name(assignment)}"
-            _write_failure(self.remote_backend, failed, exc)
+            self._report_rank_failure(assignment, exc)
             raise
         manifest = self._await_remote_commit(name, assignment, work)
         if self._leads_node(assignment):
-            self._publish_node_cache(name, assignment, manifest)
+            publish_node_cache(
+                self.backend, self.remote_backend, assignment.work_dir, name, manifest
+            )
+            if self.node_options.keep_node_caches is not None:
+                prune_node_caches(self.backend, self.node_options.keep_node_caches)
         return manifest
 
     def _upload_rank(self, assignment: _Assignment, work: str) -> None:
@@ -329,20 +351,29 @@ class NodeLocalWriter(SafeStorageWriter):
             _write_failure(remote, f"{work}/{_FAILED_PREFIX}{assignment.save_id}", exc)
             raise
 
-    def _every_rank_arrived(self, work: str, assignment: _Assignment) -> bool | None:
-        """True once every rank's remote rank manifest exists; raises on a rank's failure."""
-        ranks_dir = f"{work}/{protocol.RANKS_DIR}"
-        present = set(self.remote_backend.list_dir(ranks_dir))
-        suffix = f".failed-{assignment.save_id}"
+    def _report_rank_failure(self, assignment: _Assignment, exc: BaseException) -> None:
+        work = _remote_work_dir(self.remote_backend, self._require_name(), assignment.save_id)
+        failed = f"{work}/{protocol.RANKS_DIR}/{_rank_failed_name(assignment)}"
+        _write_failure(self.remote_backend, failed, exc)
+
+    def _raise_rank_failures(self, work: str, save_id: str, present: set[str]) -> None:
+        """Raise CommitError naming every rank that reported a failure of this save."""
+        suffix = f".failed-{save_id}"
         failed = sorted(entry for entry in present if entry.endswith(suffix))
         if failed:
+            ranks_dir = f"{work}/{protocol.RANKS_DIR}"
             raise CommitError(
-                "ranks failed to upload to the remote tier; nothing was published",
+                "ranks failed to write or upload their part; nothing was published",
                 {
                     int(entry[5:10]): _read_text(self.remote_backend, f"{ranks_dir}/{entry}")
                     for entry in failed
                 },
             )
+
+    def _every_rank_arrived(self, work: str, assignment: _Assignment) -> bool | None:
+        """True once every rank's remote rank manifest exists; raises on a rank's failure."""
+        present = set(self.remote_backend.list_dir(f"{work}/{protocol.RANKS_DIR}"))
+        self._raise_rank_failures(work, assignment.save_id, present)
         expected = {
             protocol.rank_manifest_name(r).split("/")[-1] for r in range(assignment.world_size)
         }
@@ -369,6 +400,9 @@ class NodeLocalWriter(SafeStorageWriter):
                     "the remote commit failed; nothing was published",
                     {0: _read_text(remote, failed_marker)},
                 )
+            # A rank whose write_data failed: rank 0 never gets finish() and cannot say so.
+            present = set(remote.list_dir(f"{work}/{protocol.RANKS_DIR}"))
+            self._raise_rank_failures(work, assignment.save_id, present)
             return None
 
         return poll_until(
@@ -384,54 +418,8 @@ class NodeLocalWriter(SafeStorageWriter):
         Called after the remote commit, when every rank of the node has written its local rank
         manifest; an empty listing means the leader already renamed the directory into place.
         """
-        ranks = _ranks_in(self.backend, assignment.work_dir)
+        ranks = ranks_in(self.backend, assignment.work_dir)
         return bool(ranks) and assignment.rank == min(ranks)
-
-    def _publish_node_cache(self, name: str, assignment: _Assignment, manifest: Manifest) -> None:
-        """Rename this node's files into ``<name>/`` with the remote manifest and a node marker."""
-        remote, local, work = self.remote_backend, self.backend, assignment.work_dir
-        raw = remote.read_bytes(f"{name}/{protocol.MANIFEST}")
-        if Manifest.from_json(raw, remote.full_path(name)) != manifest:
-            raise CheckpointCorruptError(remote.full_path(name), "manifest changed while read")
-        local.write_bytes(f"{work}/{protocol.MANIFEST}", raw)
-        metadata = remote.read_bytes(f"{name}/{protocol.DCP_METADATA}")
-        local.write_bytes(f"{work}/{protocol.DCP_METADATA}", metadata)
-        local.write_bytes(f"{work}/{NODE_COMMITTED_MARKER}", manifest_digest(raw).encode())
-        local.sync_dir(work)
-        try:
-            local.publish_dir(work, name, replace=False)
-        except FileExistsError as exc:
-            raise CheckpointExistsError(local.full_path(name), "a node cache holds it") from exc
-        local.sync_dir("")
-
-
-# --------------------------------------------------------------------- listing
-
-
-def list_node_caches(
-    root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
-) -> list[NodeCache]:
-    """The node caches published under a node-local ``root``, oldest first.
-
-    A node cache is part of a checkpoint, not a checkpoint: load from the remote root.
-    Entries whose marker does not match their manifest are left out.
-    """
-    backend = open_backend(os.fspath(root), storage_options)
-    caches = []
-    for entry in backend.list_dir(""):
-        if entry.startswith(".") or not backend.exists(f"{entry}/{NODE_COMMITTED_MARKER}"):
-            continue
-        try:
-            marker = _read_text(backend, f"{entry}/{NODE_COMMITTED_MARKER}")
-            raw = backend.read_bytes(f"{entry}/{protocol.MANIFEST}")
-        except FileNotFoundError:
-            continue
-        if manifest_digest(raw) != marker:
-            continue
-        manifest = Manifest.from_json(raw, backend.full_path(entry))
-        ranks = tuple(sorted(_ranks_in(backend, entry)))
-        caches.append(NodeCache(entry, backend.full_path(entry), ranks, manifest))
-    return sorted(caches, key=lambda cache: (cache.manifest.created_at, cache.name))
 
 
 # --------------------------------------------------------------------- helpers
@@ -453,11 +441,6 @@ def _remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
 
 def _rank_failed_name(assignment: _Assignment) -> str:
     return f"rank_{assignment.rank:05d}.failed-{assignment.save_id}"
-
-
-def _ranks_in(backend: Backend, directory: str) -> list[int]:
-    entries = backend.list_dir(f"{directory}/{protocol.RANKS_DIR}")
-    return [int(m.group(1)) for m in map(_RANK_MANIFEST.match, entries) if m]
 
 
 def _write_failure(remote: Backend, rel: str, exc: BaseException) -> None:

@@ -522,7 +522,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def _call(self, kind: str, method: str, path: Any, *args: Any, **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
-        self.faults.check(kind, str(path))
+        self.faults.check(kind, " ".join(path) if isinstance(path, list) else str(path))
         return getattr(self.fs, method)(path, *args, **kwargs)
 
     def info(self, path: str, **kwargs: Any) -> Any:

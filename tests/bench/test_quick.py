@@ -34,7 +34,7 @@ EXPECTED_RATIOS = {
 def quick_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     work = tmp_path_factory.mktemp("bench")
     out = work / "quick.json"
-    code = main(["--size-mib", "8", "--rounds", "2", "--dir", str(work), "--json", str(out)])
+    code = main(["--size-mib", "4", "--rounds", "2", "--dir", str(work), "--json", str(out)])
     assert code == 0
     return json.loads(out.read_text()), work
 
@@ -57,9 +57,9 @@ def test_quick_pass_records_its_rounds_orders_and_machine(
     result, _ = quick_result
     assert result["rounds"] == 2 and len(result["per_round"]) == 2
     assert result["orders"][0] != result["orders"][1]  # the order rotates
-    assert result["payload_bytes"] >= 8 << 20
+    assert result["payload_bytes"] >= 4 << 20
     assert result["machine"]["logical_cpus"] >= 1
-    assert result["command"].startswith("dcp-safe bench --size-mib 8")
+    assert result["command"].startswith("dcp-safe bench --size-mib 4")
     for contender in ("dcp_safe", "torch_default_async"):
         session = result["per_round"][0][contender]
         assert len(session["saves"]) == 2
@@ -137,12 +137,12 @@ def test_main_exits_1_and_names_the_ratio_when_compare_finds_a_regression(
     # A previous run that was far better on one ratio: the new run must read as a regression.
     previous = copy.deepcopy(result)
     previous["ratios"]["stall_vs_copy_floor"]["value"] = (
-        result["ratios"]["stall_vs_copy_floor"]["value"] / 1000
+        result["ratios"]["stall_vs_copy_floor"]["value"] / 1e6
     )
     path = tmp_path / "previous.json"
     path.write_text(json.dumps(previous))
     code = main(
-        ["--size-mib", "4", "--rounds", "1", "--dir", str(tmp_path), "--compare", str(path)]
+        ["--size-mib", "1", "--rounds", "1", "--dir", str(tmp_path), "--compare", str(path)]
     )
     assert code == 1
     out = capsys.readouterr().out

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,8 @@ def doc_files() -> list[Path]:
 def test_parser_reads_languages_and_line_numbers(tmp_path: Path) -> None:
     sample = tmp_path / "sample.md"
     sample.write_text(
-        "intro\n```python\nx = 1\n```\n\n```text\nout\n```\n````bash\necho ```\n````\n```\nplain\n```\n"
+        "intro\n```python\nx = 1\n```\n\n```text\nout\n```\n"
+        "````bash\necho ```\n````\n```\nplain\n```\n"
     )
     blocks = parse_blocks(sample)
     assert [(b.language, b.line, b.code) for b in blocks] == [
@@ -104,7 +106,7 @@ def test_every_doc_file_is_collected() -> None:
 
 @pytest.fixture
 def s3_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """For files that mention s3://: a fresh moto server and the AWS variables pointing at it."""
+    """For files that mention s3://: a moto server, an empty ``bucket``, the AWS variables."""
     path: Path = request.param
     if "s3://" not in path.read_text(encoding="utf-8"):
         yield
@@ -115,7 +117,7 @@ def s3_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 
     server = start_local_s3()
     try:
-        server.create_bucket(BUCKET)
+        _fresh_bucket(server.client())
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
@@ -126,6 +128,21 @@ def s3_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+def _fresh_bucket(client: Any) -> None:
+    """An empty ``bucket``: moto keeps its state per process, across server instances."""
+    names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    if BUCKET in names:
+        for upload in client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []):
+            client.abort_multipart_upload(
+                Bucket=BUCKET, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+            for obj in page.get("Contents", []):
+                client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+        client.delete_bucket(Bucket=BUCKET)
+    client.create_bucket(Bucket=BUCKET)
 
 
 def _run_bash(block: Block, cwd: Path) -> None:

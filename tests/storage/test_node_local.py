@@ -6,7 +6,8 @@ its own files to the shared S3 root and rank 0 commits there once every rank's r
 arrived. Checked: the S3 checkpoint is complete and verified, restores exactly on one process
 and on two ranks; the node roots hold only node caches (their own ranks' shards, a
 ``_NODE_COMMITTED`` marker) that are never listed or loaded as checkpoints; a rank whose upload
-fails makes every rank's replication future fail and nothing is committed.
+or write fails makes every rank's replication future fail, through storage markers, and nothing
+is committed.
 """
 
 from __future__ import annotations
@@ -26,20 +27,18 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import dcp_safe
 from dcp_safe import (
     CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
     SafeStorageReader,
     list_checkpoints,
     verify_checkpoint,
 )
 from dcp_safe.commit import protocol
-from dcp_safe.storage.node_local import (
-    NODE_COMMITTED_MARKER,
-    NodeLocalOptions,
-    NodeLocalWriter,
-    list_node_caches,
-)
+from dcp_safe.storage.node_cache import NODE_COMMITTED_MARKER, list_node_caches
+from dcp_safe.storage.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.testing.multiproc import run_ranks
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.s3, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 RANKS_PER_NODE = 2
 W_SHAPE, B_LEN = (8, 4), 6
@@ -72,6 +71,15 @@ class _UploadFailsOnRank3(NodeLocalWriter):
         super()._upload_rank(assignment, work)
 
 
+class _WriteFailsOnRank2(NodeLocalWriter):
+    """Rank 2's local write fails inside write_data; the other ranks already upload theirs."""
+
+    def _write_rank(self, assignment: Any, *args: Any) -> Any:
+        if assignment.rank == 2:
+            raise OSError(errno.EIO, "injected write failure on rank 2")
+        return super()._write_rank(assignment, *args)
+
+
 # --------------------------------------------------------------- rank functions (module level)
 
 
@@ -95,6 +103,19 @@ def _save_on_two_nodes(
     )
     error = failing.replication("step_2").exception(timeout=120)
     seen["failure"] = (type(error).__name__, str(error))
+
+    broken = _WriteFailsOnRank2(
+        root, remote=remote, remote_storage_options=options, node_options=FAST
+    )
+    try:
+        dcp_safe.save(
+            _sharded(world_size, _full_state(3)), checkpoint_id="step_3", storage_writer=broken
+        )
+    except CommitError as exc:
+        seen["write_failure"] = sorted(exc.failures)
+    if rank != 2:  # the others' background uploads learn of it from storage, not a timeout
+        error = broken.replication("step_3").exception(timeout=120)
+        seen["upload_after_write_failure"] = (type(error).__name__, str(error))
     seen["listed_locally"] = [info.name for info in list_checkpoints(root)]
     return seen
 
@@ -119,6 +140,8 @@ def _restore_on_two_ranks(
 # --------------------------------------------------------------- tests
 
 
+@pytest.mark.multiproc
+@pytest.mark.s3
 def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ranks(
     tmp_path: Path,
     s3_root: str,  # noqa: F811
@@ -161,6 +184,12 @@ def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ra
         assert "injected upload failure on rank 3" in message
         assert seen["listed_locally"] == []
     assert [c.name for c in list_checkpoints(s3_root, storage_options=s3_options)] == ["step_1"]
+    # A rank failing in write_data fails the save (DCP) and every other rank's upload future.
+    for rank, seen in enumerate(per_rank):
+        assert seen["write_failure"] == [2]
+        if rank != 2:
+            kind, message = seen["upload_after_write_failure"]
+            assert kind == "CommitError" and "injected write failure on rank 2" in message
     for root in (node_a, node_b):
         assert [cache.name for cache in list_node_caches(root)] == ["step_1"]
         assert sorted(os.listdir(root))[-1] == "step_1"  # step_2's work stays hidden
@@ -179,3 +208,41 @@ def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ra
         assert torch.equal(seen["w"], expected["w"]) and torch.equal(seen["b"], expected["b"])
         assert torch.equal(seen["w_local"], expected["w"].chunk(2)[rank])
         assert seen["meta"] == expected["meta"]
+
+
+def test_one_process_keeps_the_newest_node_caches_and_every_remote_checkpoint(
+    tmp_path: Path, memory_root: str
+) -> None:
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    options = NodeLocalOptions(remote_timeout_s=60.0, poll_s=0.01, keep_node_caches=2)
+    writer = NodeLocalWriter(tmp_path, remote=memory_root, node_options=options)
+    for step in (1, 2, 3):
+        state = _full_state(step)
+        dcp_safe.save(state, checkpoint_id=f"step_{step}", storage_writer=writer)
+        assert writer.replication(f"step_{step}").result(timeout=60).name == f"step_{step}"
+    writer.close(timeout_s=60)
+
+    remote = [info.name for info in list_checkpoints(memory_root)]
+    assert remote == ["step_1", "step_2", "step_3"]
+    assert [(c.name, c.ranks) for c in list_node_caches(tmp_path)] == [
+        ("step_2", (0,)),
+        ("step_3", (0,)),
+    ]
+    assert not (tmp_path / "step_1").exists()
+    assert list_checkpoints(tmp_path) == []
+    target = {"w": torch.zeros(W_SHAPE), "b": torch.zeros(B_LEN), "meta": {"seed": -1}}
+    dcp_safe.load(target, checkpoint_id="step_2", storage_reader=SafeStorageReader(memory_root))
+    assert torch.equal(target["w"], _full_state(2)["w"]) and target["meta"] == {"seed": 2}
+
+
+def test_node_local_writer_refuses_options_that_would_break_the_tier(
+    tmp_path: Path, memory_root: str
+) -> None:
+    with pytest.raises(ConfigError, match="overwrite"):
+        NodeLocalWriter(tmp_path, remote=memory_root, overwrite=True)
+    with pytest.raises(ConfigError, match="local directory"):
+        NodeLocalWriter(memory_root, remote=str(tmp_path))
+    with pytest.raises(ConfigError, match="keep_node_caches"):
+        NodeLocalOptions(keep_node_caches=0)
+    with pytest.raises(ConfigError, match="positive"):
+        NodeLocalOptions(remote_timeout_s=0)

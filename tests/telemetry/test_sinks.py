@@ -115,3 +115,14 @@ def test_report_aggregates_steps_completions_and_marks(tmp_path: Path) -> None:
     assert save["ok"] is False and save["error"] == "OSError: disk full"
     assert save["bytes"] == 5000 and save["phases_s"]["write"] == pytest.approx(0.25)
     assert save["stall_s"] == pytest.approx(0.5)  # request to the end of staging
+
+
+def test_json_lines_sink_writes_memory_samples_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "samples.jsonl"
+    with Telemetry(sinks=[JsonLinesSink(out, include_samples=True)]) as tel:
+        assert tel.sampler is not None
+        tel.sampler.sample_now()
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) >= 2  # the first at start, one here, one at stop
+    assert {s["kind"] for s in samples} == {"sample"} and {s["schema"] for s in samples} == {1}
+    assert all(s["rss_bytes"] > 0 and s["saves_in_flight"] == 0 for s in samples)

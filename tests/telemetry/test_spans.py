@@ -41,8 +41,13 @@ def tel() -> Any:
 def test_sync_save_nests_plan_write_commit_under_the_save_in_order(
     tmp_path: Path, tel: Telemetry
 ) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
     writer = tel.wrap_writer(SafeStorageWriter(tmp_path, step=7))
-    api.save(make_state(0), checkpoint_id="ckpt", storage_writer=writer, no_dist=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        api.save(make_state(0), checkpoint_id="ckpt", storage_writer=writer, no_dist=True)
+    ranges = {e.name for e in prof.events()}
+    assert {"dcp_safe::write", "dcp_safe::commit"} <= ranges
 
     spans = intervals(tel.memory.events())
     check_nesting(spans)
