@@ -60,7 +60,7 @@ def _f(x: Any, digits: int = 3) -> str:
 
 
 def _ratio(a: Any, b: Any) -> float | None:
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b == 0:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b <= 0:
         return None
     return float(a) / float(b)
 

@@ -32,6 +32,7 @@ from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
+from dcp_safe.telemetry import MemorySampler, Telemetry
 
 __all__ = [
     "AdmissionTimeoutError",
@@ -51,6 +52,7 @@ __all__ = [
     "InvalidCheckpointNameError",
     "ManagerStats",
     "MemoryBudget",
+    "MemorySampler",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "SafeStorageReader",
@@ -60,6 +62,7 @@ __all__ = [
     "StaleWriterError",
     "StorageError",
     "SweepReport",
+    "Telemetry",
     "Validation",
     "VerifyReport",
     "WhenBusy",

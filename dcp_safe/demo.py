@@ -544,4 +544,6 @@ def _ms(seconds: float | None) -> str:
 
 
 def _mib(n: int) -> str:
+    if abs(n) >= 1 << 30:
+        return f"{n / 2**30:.2f} GiB"
     return f"{n / 2**20:.1f} MiB"

@@ -173,6 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the totals here, as JSON")
     parser.add_argument("-k", dest="keyword", help="passed to pytest -k (to run a subset)")
+    parser.add_argument(
+        "--figures",
+        type=Path,
+        help="keep the suites' JSON lines here (appended as each sweep ends; default: a "
+        "temporary file)",
+    )
     args = parser.parse_args(argv)
     suites = [s for s in args.suites.split(",") if s]
     unknown = sorted(set(suites) - set(SUITES))
@@ -180,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown suites {unknown}; known: {sorted(SUITES)}")
     extra = ["-k", args.keyword] if args.keyword else []
     with tempfile.TemporaryDirectory(prefix="dcp-safe-figures-") as scratch:
-        figures = Path(scratch) / "figures.jsonl"
-        figures.touch()
+        figures = args.figures or Path(scratch) / "figures.jsonl"
+        figures.write_text("", encoding="utf-8")
         started = time.monotonic()
         status = run_suites(suites, long=args.long, figures=figures, extra=extra)
         wall_s = time.monotonic() - started

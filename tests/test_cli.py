@@ -144,6 +144,21 @@ def test_ls_with_remote_shows_the_tiers_each_checkpoint_is_committed_on(
     }
 
 
+@pytest.mark.s3
+def test_missing_credentials_are_one_line_with_a_hint_not_a_traceback(
+    remote: _Remote, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_keys = {"endpoint_url": remote.options["endpoint_url"], "anon": False}
+    status, _, err = _run(capsys, "ls", remote.root, "--storage-options", json.dumps(no_keys))
+    assert status == EXIT_FAILED
+    assert "credentials" in err and "Traceback" not in err
+
+
 # -------------------------------------------------------------------------------- verify
 
 
@@ -360,29 +375,21 @@ def test_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.CaptureFixtu
 # ---------------------------------------------------------------------------- subprocess
 
 
-def test_installed_executable_verifies_and_reports_corruption_without_traceback(
+def test_installed_executable_reports_corruption_with_exit_one_and_no_traceback(
     root: Path,
 ) -> None:
-    exe = Path(sys.executable).with_name("dcp-safe")
-    ok = subprocess.run(
-        [str(exe), "verify", str(root), "--deep"],
-        capture_output=True,
-        text=True,
-        timeout=_SUBPROCESS_TIMEOUT_S,
-        check=False,
-    )
-    assert ok.returncode == EXIT_OK, ok.stderr
-    assert "OK step_0003" in ok.stdout
     shard = _shard(root, "step_0003")
     data = bytearray(shard.read_bytes())
     data[0] ^= 0xFF
     shard.write_bytes(bytes(data))
-    bad = subprocess.run(
+    exe = Path(sys.executable).with_name("dcp-safe")
+    done = subprocess.run(
         [str(exe), "verify", str(root), "--deep"],
         capture_output=True,
         text=True,
         timeout=_SUBPROCESS_TIMEOUT_S,
         check=False,
     )
-    assert bad.returncode == EXIT_FAILED
-    assert shard.name in bad.stderr and "Traceback" not in bad.stderr
+    assert done.returncode == EXIT_FAILED, done.stderr
+    assert done.stderr.startswith("dcp-safe: error: CORRUPT")
+    assert shard.name in done.stderr and "Traceback" not in done.stderr

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(900)
 LONG = os.environ.get("DCP_SAFE_LONG") == "1"
 TESTS_DIR = Path(__file__).resolve().parent
 # Of the S3 sweep's N, the default run tries this many, spread over the whole save.
-S3_SAMPLE = 16
+S3_SAMPLE = 4
 
 
 def values(seed: int) -> dict[str, Any]:

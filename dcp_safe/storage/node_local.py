@@ -94,8 +94,10 @@ class NodeLocalOptions:
     """How long and how often the background steps of a node-local save wait.
 
     Args:
-        remote_timeout_s: bound on each wait: rank 0 for every rank's remote rank manifest,
-            every rank for the remote commit.
+        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest. The
+            other waits are bounded by twice this (a rank for the remote commit, a save for
+            the previous upload), so that rank 0's verdict, with its cause, reaches every rank
+            before they give up on their own.
         poll_s: pause between polls of the remote markers.
         chunk_bytes: bytes read and uploaded at a time, per file.
         keep_node_caches: node caches kept on each node after a new one is published (the
@@ -226,7 +228,10 @@ class NodeLocalWriter(SafeStorageWriter):
         if name in self._uploads:
             return self._uploads[name]
         return watch_for_commit(
-            self.remote_backend, name, poll_s=poll_s, timeout_s=self.node_options.remote_timeout_s
+            self.remote_backend,
+            name,
+            poll_s=poll_s,
+            timeout_s=2 * self.node_options.remote_timeout_s,
         )
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -260,11 +265,11 @@ class NodeLocalWriter(SafeStorageWriter):
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
         running = [f for f in self._uploads.values() if not f.done()]
-        _, still = wait(running, timeout=self.node_options.remote_timeout_s)
+        _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
         if still:
             raise ReplicationTimeoutError(
                 f"the previous upload to {self.remote_backend.url} is still running after "
-                f"{self.node_options.remote_timeout_s} s"
+                f"{2 * self.node_options.remote_timeout_s} s"
             )
 
     def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
@@ -407,7 +412,7 @@ class NodeLocalWriter(SafeStorageWriter):
 
         return poll_until(
             committed,
-            timeout_s=self.node_options.remote_timeout_s,
+            timeout_s=2 * self.node_options.remote_timeout_s,
             poll_s=self.node_options.poll_s,
             waiting_for=f"{remote.full_path(name)}/{protocol.COMMITTED_MARKER}",
         )

@@ -14,14 +14,15 @@ when a sink is created.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dcp_safe.errors import ConfigError
 from dcp_safe.telemetry.events import Event, EventKind, Phase
+from dcp_safe.telemetry.memory import MemorySample
 from dcp_safe.telemetry.sinks import Sink
 
 if TYPE_CHECKING:
-    from dcp_safe.telemetry.memory import MemorySample
     from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["PrometheusSink"]
@@ -106,10 +107,10 @@ class PrometheusSink(Sink):
             f"{ns}_step_duration_seconds", "Training step time reported by the loop.",
             buckets=_SECONDS_BUCKETS, registry=reg,
         )  # fmt: skip
-        self.memory = {
-            key: c.Gauge(f"{ns}_memory_{key}", text, registry=reg)
-            for key, text in _MEMORY_GAUGES.items()
-        }
+        # Read at scrape time from the latest sample: the sampler runs every 20 ms during a
+        # save, scrapes come every few seconds, and a figure the host lacks is left out.
+        self._latest: MemorySample | None = None
+        reg.register(_MemoryCollector(self, f"{ns}_memory_"))
         self.budget_envelope = c.Gauge(
             f"{ns}_budget_envelope_bytes", "The staging budget's envelope.", registry=reg
         )
@@ -145,10 +146,7 @@ class PrometheusSink(Sink):
             self.save_bytes.observe(event.bytes)
 
     def sample(self, sample: MemorySample) -> None:
-        for key, gauge in self.memory.items():
-            value = getattr(sample, key)
-            if value is not None:
-                gauge.set(value)
+        self._latest = sample  # one reference store: atomic, no lock needed
 
     def exposition(self) -> str:
         """The registry in Prometheus text format."""
@@ -162,3 +160,24 @@ class PrometheusSink(Sink):
 
 
 _MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}
+
+
+class _MemoryCollector:
+    """Yields one gauge per figure of the sink's latest memory sample that is present."""
+
+    def __init__(self, sink: PrometheusSink, prefix: str) -> None:
+        self._sink, self._prefix = sink, prefix
+
+    def describe(self) -> list[Any]:
+        return []  # names vary with what the host exposes; nothing to check up front
+
+    def collect(self) -> Iterator[Any]:
+        latest = self._sink._latest
+        if latest is None:
+            return
+        from prometheus_client.core import GaugeMetricFamily
+
+        for key, text in _MEMORY_GAUGES.items():
+            value = getattr(latest, key)
+            if value is not None:
+                yield GaugeMetricFamily(f"{self._prefix}{key}", text, value=value)

@@ -29,6 +29,7 @@ from dcp_safe import (
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
+    ReplicationTimeoutError,
     SafeStorageReader,
     list_checkpoints,
     verify_checkpoint,
@@ -78,6 +79,13 @@ class _WriteFailsOnRank2(NodeLocalWriter):
         if assignment.rank == 2:
             raise OSError(errno.EIO, "injected write failure on rank 2")
         return super()._write_rank(assignment, *args)
+
+
+class _NeverUploads(NodeLocalWriter):
+    """A rank that goes silent after its local write: its remote rank manifest never comes."""
+
+    def _upload_rank(self, assignment: Any, work: str) -> None:
+        return None
 
 
 # --------------------------------------------------------------- rank functions (module level)
@@ -246,3 +254,20 @@ def test_node_local_writer_refuses_options_that_would_break_the_tier(
         NodeLocalOptions(keep_node_caches=0)
     with pytest.raises(ConfigError, match="positive"):
         NodeLocalOptions(remote_timeout_s=0)
+
+
+def test_a_rank_that_never_uploads_times_the_remote_commit_out_and_nothing_is_published(
+    tmp_path: Path, memory_root: str
+) -> None:
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    options = NodeLocalOptions(remote_timeout_s=1.0, poll_s=0.05)
+    writer = _NeverUploads(tmp_path, remote=memory_root, node_options=options)
+    dcp_safe.save(_full_state(1), checkpoint_id="step_1", storage_writer=writer)
+
+    error = writer.replication("step_1").exception(timeout=60)
+    assert isinstance(error, ReplicationTimeoutError)
+    assert "every rank's manifest" in str(error)
+    with pytest.raises(ReplicationTimeoutError):
+        writer.close(timeout_s=60)
+    assert list_checkpoints(memory_root) == []
+    assert list_node_caches(tmp_path) == [] and list_checkpoints(tmp_path) == []

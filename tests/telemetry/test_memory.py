@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.manager import CheckpointManager
 from dcp_safe.telemetry import MemorySampler, Telemetry
 
 MIB = 1 << 20
@@ -24,23 +26,41 @@ def _wait_for_samples(sampler: MemorySampler, more: int) -> None:
         time.sleep(0.005)
 
 
-def test_sampler_sees_a_512_mib_spike_held_during_a_save() -> None:
+class _Spike:
+    """State whose serialization, inside DCP's write phase, allocates and touches ``nbytes``
+    and holds them until the sampler has taken five more samples (counted, not timed)."""
+
+    def __init__(self, sampler: MemorySampler, nbytes: int) -> None:
+        self.sampler, self.nbytes = sampler, nbytes
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Spike:
+        return self  # staging keeps it as it is; the spike happens when it is written
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        spike = torch.empty(self.nbytes, dtype=torch.uint8).fill_(1)  # touched: resident
+        _wait_for_samples(self.sampler, 5)
+        del spike
+        return (int, (0,))
+
+
+def test_sampler_sees_a_512_mib_spike_held_during_a_real_save(tmp_path: Path) -> None:
     with Telemetry(busy_interval_s=0.02, idle_interval_s=1.0) as tel:
         sampler = tel.sampler
         assert sampler is not None
         before = sampler.sample_now().rss_bytes
         assert before is not None
-        root = tel.begin_save("spike", step=1)
-        assert sampler.is_busy
-        spike = torch.empty(SPIKE_BYTES, dtype=torch.uint8).fill_(1)  # touched: resident
-        _wait_for_samples(sampler, 5)  # held for several intervals, counted not timed
-        root.end()
-        del spike
+        with CheckpointManager(tmp_path, telemetry=tel) as manager:
+            state = {"w": torch.ones(1024), "spike": _Spike(sampler, SPIKE_BYTES)}
+            handle = manager.save(1, state)
+            assert handle is not None
+            handle.committed.result(DEADLINE_S)
         peak = sampler.peak("rss_bytes")
         report = tel.report()
     assert peak is not None and peak - before >= 0.8 * SPIKE_BYTES
-    over_band = report.saves[0].peak_rss_over_band_bytes
-    assert over_band is not None and over_band >= 0.8 * SPIKE_BYTES
+    (save,) = report.saves
+    assert save.ok
+    assert save.peak_rss_over_band_bytes is not None
+    assert save.peak_rss_over_band_bytes >= 0.8 * SPIKE_BYTES
 
 
 def _fake_proc(root: Path, *, cgroup: str = "") -> Path:
