@@ -30,6 +30,8 @@ from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
+from dcp_safe.storage.node_cache import NodeCache, list_node_caches
+from dcp_safe.storage.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.writer import SafeStorageWriter
 from dcp_safe.telemetry import MemorySampler, Telemetry
@@ -53,6 +55,9 @@ __all__ = [
     "ManagerStats",
     "MemoryBudget",
     "MemorySampler",
+    "NodeCache",
+    "NodeLocalOptions",
+    "NodeLocalWriter",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "SafeStorageReader",
@@ -69,6 +74,7 @@ __all__ = [
     "__version__",
     "async_save",
     "list_checkpoints",
+    "list_node_caches",
     "load",
     "save",
     "sweep_partials",
