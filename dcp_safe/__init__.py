@@ -29,7 +29,15 @@ from dcp_safe.errors import (
 from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
-from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats, WhenBusy
+from dcp_safe.staging import (
+    BudgetedStager,
+    CapacityPlan,
+    Generation,
+    MemoryBudget,
+    StagerStats,
+    WhenBusy,
+    plan_capacity,
+)
 from dcp_safe.storage.node_cache import NodeCache, list_node_caches
 from dcp_safe.storage.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.storage.reader import SafeStorageReader
@@ -41,6 +49,7 @@ __all__ = [
     "BudgetExceededError",
     "BudgetedStager",
     "BusyPolicy",
+    "CapacityPlan",
     "CheckpointCorruptError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -51,6 +60,7 @@ __all__ = [
     "DcpSafeError",
     "DrainTimeoutError",
     "FallbackOptions",
+    "Generation",
     "InvalidCheckpointNameError",
     "ManagerStats",
     "MemoryBudget",
@@ -76,6 +86,7 @@ __all__ = [
     "list_checkpoints",
     "list_node_caches",
     "load",
+    "plan_capacity",
     "save",
     "sweep_partials",
     "verify_checkpoint",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +83,15 @@ def verify_checkpoint(
     name: str = protocol.LATEST,
     *,
     storage_options: dict[str, Any] | None = None,
+    progress: Callable[[FileRecord], None] | None = None,
 ) -> VerifyReport:
     """Read every byte of checkpoint ``name`` (or the latest) and check it.
+
+    Args:
+        root: the checkpoint root (a local path or an fsspec URL).
+        name: the checkpoint's name, or ``"latest"``.
+        storage_options: fsspec options for the root (endpoint, credentials).
+        progress: called with each file's record once that file is checked (progress bars).
 
     Returns:
         A report of what was checked, when everything matches.
@@ -100,6 +108,8 @@ def verify_checkpoint(
     bytes_read = 0
     for record in manifest.files:
         bytes_read += _verify_file(backend, name, manifest, record)
+        if progress is not None:
+            progress(record)
     _verify_rank_manifests(backend, name, manifest)
     return VerifyReport(
         name=name,

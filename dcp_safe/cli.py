@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import sys
@@ -261,11 +260,9 @@ def _progress(out: Console) -> Progress:
 def _deep_verify(
     root: str, name: str, options: dict[str, Any] | None, advance: Callable[[int], None]
 ) -> None:
-    # A per-file callback lets the bar move as files are read; older catalogs lack it.
-    extra: dict[str, Any] = {}
-    if "progress" in inspect.signature(verify_checkpoint).parameters:
-        extra["progress"] = lambda record: advance(record.size)
-    verify_checkpoint(root, name, storage_options=options, **extra)
+    verify_checkpoint(
+        root, name, storage_options=options, progress=lambda record: advance(record.size)
+    )
 
 
 def _check_size(backend: Any, name: str, path: str, size: int) -> None:

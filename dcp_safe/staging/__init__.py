@@ -8,6 +8,13 @@ threads and the pool without DCP.
 from __future__ import annotations
 
 from dcp_safe.staging.budget import Admission, MemoryBudget
+from dcp_safe.staging.capacity import (
+    CapacityPlan,
+    Generation,
+    max_generations,
+    node_budget,
+    plan_capacity,
+)
 from dcp_safe.staging.pool import BufferPool, PinMemory, PoolStats
 from dcp_safe.staging.stager import BudgetedStager, StagerOptions, StagerStats, WhenBusy
 
@@ -15,10 +22,15 @@ __all__ = [
     "Admission",
     "BudgetedStager",
     "BufferPool",
+    "CapacityPlan",
+    "Generation",
     "MemoryBudget",
     "PinMemory",
     "PoolStats",
     "StagerOptions",
     "StagerStats",
     "WhenBusy",
+    "max_generations",
+    "node_budget",
+    "plan_capacity",
 ]

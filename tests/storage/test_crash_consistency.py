@@ -94,7 +94,7 @@ def _sweeps(default: dict[str, int]) -> list[Any]:
     return [
         pytest.param(WRITERS[w], stride, id=f"{w}-every-{stride}") for w, stride in default.items()
     ] + [
-        pytest.param(options, 1, id=f"{w}-every-op", marks=LONG_ONLY)
+        pytest.param(options, 1, id=f"{w}-every-op", marks=[*LONG_ONLY, pytest.mark.timeout(3600)])
         for w, options in WRITERS.items()
         if w not in default or default[w] != 1
     ]
@@ -460,7 +460,10 @@ def _manager_sweeps() -> list[Any]:
     return [
         pytest.param(w, stride, thin, id=f"{w}-every-{stride}-thin-{thin}")
         for w, (stride, thin) in MANAGER_DEFAULT.items()
-    ] + [pytest.param(w, 1, 1, id=f"{w}-every-op", marks=LONG_ONLY) for w in LONG_MANAGER_WRITERS]
+    ] + [
+        pytest.param(w, 1, 1, id=f"{w}-every-op", marks=[*LONG_ONLY, pytest.mark.timeout(3600)])
+        for w in LONG_MANAGER_WRITERS
+    ]
 
 
 @KNOWN_PRUNE_BUG
@@ -547,7 +550,9 @@ def _kill_save_loop(child: subprocess.Popen[bytes], delay_s: float) -> None:
     assert child.returncode == -signal.SIGKILL, "the save loop ended by itself"
 
 
-@pytest.mark.parametrize("kills", [10, pytest.param(100, marks=LONG_ONLY)])
+@pytest.mark.parametrize(
+    "kills", [10, pytest.param(100, marks=[*LONG_ONLY, pytest.mark.timeout(3600)])]
+)
 def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
     tmp_path: Path, kills: int
 ) -> None:
