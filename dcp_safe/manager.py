@@ -672,10 +672,12 @@ class CheckpointManager:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
         if tier not in ("local", "remote"):
             raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
-        root = self.root if tier == "local" else self.replicate_to
+        local = tier == "local"
+        root = self.root if local else self.replicate_to
         if root is None:
             raise ConfigError("this manager has no replicate_to")
-        found = list_checkpoints(root, storage_options=self.storage_options)
+        options = self.storage_options if local else self.writer.replicate_storage_options
+        found = list_checkpoints(root, storage_options=options)
         return found[-1].name if found else None
 
     def restore(self, state_dict: dict[str, Any], step: int | str = protocol.LATEST) -> str:
@@ -694,7 +696,10 @@ class CheckpointManager:
         wanted = step if step == protocol.LATEST else self._name_for(int(step))
         reading = self.latest("local") if wanted == protocol.LATEST else wanted
         reader = SafeStorageReader(
-            self.root, storage_options=self.storage_options, fallback=self.replicate_to
+            self.root,
+            storage_options=self.storage_options,
+            fallback=self.replicate_to,
+            fallback_storage_options=self.writer.replicate_storage_options,
         )
         with self._preemption_deferred(), self._reading_guard(reading):
             api.load(state_dict, checkpoint_id=wanted, storage_reader=reader, no_dist=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -386,3 +387,22 @@ def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, partial_grace_s=0) as manager:
         manager.save(1, make_state(1))
     assert not partial.exists()
+
+
+@pytest.mark.s3
+def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
+    tmp_path: Path, s3_root: str, s3_options: dict[str, Any]  # noqa: F811
+) -> None:
+    # Only the replica needs endpoint and credentials; the local root takes none.
+    local = tmp_path / "local"
+    state = make_state(4)
+    writer = SafeStorageWriter(local, replicate_to=s3_root, replicate_storage_options=s3_options)
+    with CheckpointManager(local, writer=writer) as manager:
+        handle = manager.save(4, state)
+        assert handle is not None
+        handle.replicated.result(_GATE_TIMEOUT_S)
+        assert manager.latest("remote") == _name(4)
+        writer.backend.remove_tree(_name(4))
+        restored = blank_like(state)
+        assert manager.restore(restored, step=4) == _name(4)
+        assert_state_equal(restored, state)
