@@ -487,7 +487,15 @@ def _save_tensor(tensor: torch.Tensor, out: Any) -> None:
         torch.save(tensor, out)
         return
     writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
-    serialization._save(  # type: ignore[no-untyped-call]
-        tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False
-    )
+    try:
+        serialization._save(  # type: ignore[no-untyped-call]
+            tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False
+        )
+    except BaseException:
+        # An unfinished writer finishes itself in its C++ destructor; with a stream that has
+        # just failed, that throws there and aborts the interpreter at the next collection.
+        # Finishing it here marks it finished even when this throws, as a catchable error.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
     writer.write_end_of_file()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,36 @@ def test_manifest_records_versions_world_size_and_step(tmp_path: Path) -> None:
     assert (info.name, info.step, info.world_size) == ("step_7", 7, 1)
     manifest = (tmp_path / "step_7" / protocol.MANIFEST).read_text()
     assert torch.__version__ in manifest and dcp_safe.__version__ in manifest
+
+
+_FAIL_MID_TENSOR = """
+import gc, sys, torch, dcp_safe
+from dcp_safe import SafeStorageWriter
+from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
+faults = FaultInjector(FaultPlan(fail_at=5, ops=("write",)))
+writer = SafeStorageWriter(
+    "faulty://" + sys.argv[1],
+    storage_options={"target_protocol": "file", "faults": faults},
+)
+try:
+    dcp_safe.save({"w": torch.zeros(1024, 1024)}, checkpoint_id="s1", storage_writer=writer)
+except dcp_safe.StorageError:
+    print("storage error")
+gc.collect()
+print("collected")
+"""
+
+
+@pytest.mark.multiproc
+def test_a_write_failing_mid_tensor_raises_and_leaves_the_process_healthy(tmp_path: Path) -> None:
+    # torch's zip writer finishes itself in its C++ destructor if nobody did; after a failed
+    # write that throws inside the destructor and aborts the interpreter, so it runs apart.
+    done = subprocess.run(
+        [sys.executable, "-c", _FAIL_MID_TENSOR, str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["storage", "error", "collected"]
+    assert dcp_safe.list_checkpoints(tmp_path / "root") == []
