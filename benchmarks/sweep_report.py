@@ -137,6 +137,13 @@ def targets_table(parts: dict[str, dict[str, Any]]) -> str:
             0.8,
             False,
         )
+        add(
+            "raw write+fsync floor / write phase (staging done to local commit)",
+            label,
+            _ratio(s.get("raw_floor"), _get(s, SAFE, "write_s")),
+            0.8,
+            False,
+        )
         payload = s["payload_bytes"]
         add(
             "peak RSS above state / one generation",

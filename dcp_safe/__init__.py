@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from dcp_safe.api import async_save, load, save
 from dcp_safe.catalog import CheckpointInfo, VerifyReport, list_checkpoints, verify_checkpoint
+from dcp_safe.commit.group import checkpoint_group
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     BudgetExceededError,
@@ -83,6 +84,7 @@ __all__ = [
     "WhenBusy",
     "__version__",
     "async_save",
+    "checkpoint_group",
     "list_checkpoints",
     "list_node_caches",
     "load",

@@ -146,7 +146,9 @@ def save(
     Args:
         state_dict: what to save.
         deadline_s: how long any collective of this save may wait for a peer (the dedicated
-            group's timeout); ignored with ``process_group=`` or ``no_dist=True``.
+            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. The longest
+            healthy wait is for the slowest rank's writes, so it must exceed the spread of
+            per-rank write times.
         **kwargs: passed to ``dcp.save``.
 
     Raises:

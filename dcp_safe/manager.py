@@ -213,6 +213,8 @@ class CheckpointManager:
         telemetry: records each save's spans (root ``save`` from admission to verified local
             commit; staging, plan, write, commit, release, replication), and marks skips and
             fallbacks; ``None`` (the default) records nothing. Not closed by :meth:`close`.
+        attempt: this job attempt's number, for fencing stale writers (default: from
+            ``TORCHELASTIC_RESTART_COUNT``; see :mod:`dcp_safe.commit.fencing`).
 
     Raises:
         ConfigError: a bad option.
@@ -239,6 +241,7 @@ class CheckpointManager:
         partial_grace_s: float = DEFAULT_GRACE_S,
         exit_timeout_s: float = 60.0,
         telemetry: Telemetry | None = None,
+        attempt: int | None = None,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -253,7 +256,7 @@ class CheckpointManager:
         self.policy = combine(*policies)
         self.storage_options = storage_options
         self.writer = writer or SafeStorageWriter(
-            root, replicate_to=replicate_to, storage_options=storage_options
+            root, replicate_to=replicate_to, storage_options=storage_options, attempt=attempt
         )
         self.root = self.writer.root
         self.replicate_to = self.writer.replicate_to

@@ -289,50 +289,6 @@ def fork_and_wait(work: Callable[[], None], *, deadline_s: float = 120.0) -> int
     return wait_fork(start_fork(work), deadline_s=deadline_s)
 
 
-# --------------------------------------------------------------------------- known writer bug
-
-
-def writer_finalizes_failed_tensor_writes() -> bool:
-    """Whether ``writer._save_tensor`` finalizes torch's zip writer when a write fails.
-
-    If it does not, the writer's C++ destructor writes the end of the archive during a later
-    garbage collection, to a failed or closed file, and the exception there aborts the process
-    (``std::terminate``): any I/O error in the middle of a tensor write kills the job.
-    """
-    import inspect
-
-    from dcp_safe.storage import writer
-
-    return inspect.getsource(writer._save_tensor).count("write_end_of_file") >= 2
-
-
-def finalize_failed_tensor_writes() -> None:
-    """Until writer.py finalizes a failed ``torch.save`` itself, do it for the sweeps that fail
-    writes on purpose (the fix proposed for writer.py, applied to this process only)."""
-    import pickle
-
-    from torch import serialization
-
-    from dcp_safe.storage import writer
-
-    if writer_finalizes_failed_tensor_writes() or not writer._PRIVATE_SAVE:
-        return
-
-    def save_tensor(tensor: torch.Tensor, out: Any) -> None:
-        zip_writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
-        try:
-            serialization._save(  # type: ignore[no-untyped-call]
-                tensor, zip_writer, pickle, serialization.DEFAULT_PROTOCOL, False
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                zip_writer.write_end_of_file()  # marks it finalized even when this fails
-            raise
-        zip_writer.write_end_of_file()
-
-    writer._save_tensor = save_tensor  # type: ignore[assignment]
-
-
 # --------------------------------------------------------------------------- figures
 
 # Set by scripts/reliability_report.py: each sweep appends one JSON line of figures here.

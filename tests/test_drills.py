@@ -22,7 +22,6 @@ import pytest
 import torch
 from _crash import (
     blank_like,
-    finalize_failed_tensor_writes,
     is_bit_exact,
     make_values,
     record_figures,
@@ -47,11 +46,6 @@ pytestmark = pytest.mark.timeout(300)
 BUDGET_BYTES = 72 << 10
 # A bounded wait for futures: only ever reached by a hang.
 DEADLINE_S = 120.0
-
-
-@pytest.fixture(autouse=True)
-def _survive_failed_tensor_writes() -> None:
-    finalize_failed_tensor_writes()  # see tests/test_nth_op.py
 
 
 def _state(step: int) -> dict[str, Any]:

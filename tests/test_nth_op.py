@@ -29,11 +29,9 @@ from typing import Any
 
 import pytest
 from _crash import (
-    finalize_failed_tensor_writes,
     is_bit_exact,
     make_values,
     record_figures,
-    writer_finalizes_failed_tensor_writes,
 )
 from s3_fixtures import s3, s3_bucket, s3_options  # noqa: F401
 
@@ -239,17 +237,11 @@ def _record(report: NthOpReport, root: str, persistent: bool) -> None:
     )
 
 
-@pytest.fixture(autouse=True)
-def _survive_failed_tensor_writes() -> None:
-    finalize_failed_tensor_writes()  # see test_a_failed_shard_write_does_not_abort_the_process
-
-
 _ABORT_PROBE = """
 import gc, sys
 sys.path.insert(0, sys.argv[1])
 from _crash import make_values
 import dcp_safe
-from dcp_safe.commit.protocol import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 faults = FaultInjector(FaultPlan(fail_at=3, ops=("write",)))
 writer = dcp_safe.SafeStorageWriter(
@@ -258,17 +250,12 @@ writer = dcp_safe.SafeStorageWriter(
 try:
     dcp_safe.save(make_values(1), checkpoint_id="step_1", storage_writer=writer, no_dist=True)
 except dcp_safe.StorageError:
-    pass
+    print("failed", flush=True)
 gc.collect()
 print("alive")
 """
 
 
-@pytest.mark.xfail(
-    not writer_finalizes_failed_tensor_writes(),
-    reason="writer._save_tensor leaves torch's zip writer to a destructor that aborts",
-    strict=True,
-)
 def test_a_failed_shard_write_does_not_abort_the_process(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _ABORT_PROBE, str(TESTS_DIR), str(tmp_path)],
@@ -276,7 +263,10 @@ def test_a_failed_shard_write_does_not_abort_the_process(tmp_path: Path) -> None
         timeout=300,
         check=False,
     )
-    assert done.returncode == 0 and b"alive" in done.stdout, done.stderr[-2000:]
+    # The save failed mid-tensor (the third write), and the process outlived the collection
+    # of torch's unfinished zip writer.
+    assert done.stdout.split() == [b"failed", b"alive"], done.stderr[-2000:]
+    assert done.returncode == 0
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["one-off", "persistent"])

@@ -28,8 +28,8 @@ Default run (>= 300 fork kill points, 10 fresh processes): every 4th of torch.sa
 writes for one thread, every 8th for two threads, every operation for two threads with zstd, for
 overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd) and every 8th for the manager.
 ``DCP_SAFE_LONG=1`` adds every operation for all five writer configurations in each sweep
-(SIGKILL, ``os._exit``, overwrite) and for the manager with three of them, and 100 fresh
-processes.
+(SIGKILL, ``os._exit``, overwrite) and for the manager with three of them (and ``os._exit``
+with one), and 100 fresh processes: over ten times the default in each.
 """
 
 from __future__ import annotations
@@ -381,7 +381,12 @@ def test_killed_overwrite_leaves_the_old_or_the_new_checkpoint_whole(
 
 # (stride over bulk writes, then every thin-th kill point): ~40 kill points by default.
 MANAGER_DEFAULT = {"1thread": (8, 2)}
-LONG_MANAGER_WRITERS = ("1thread", "2threads-zstd", "2threads-sha256")
+LONG_MANAGER_SWEEPS = (
+    ("1thread", "sigkill"),
+    ("2threads-zstd", "sigkill"),
+    ("2threads-sha256", "sigkill"),
+    ("1thread", "exit"),
+)
 
 
 def _manager(root: Path, remote: Path, **writer_options: Any) -> CheckpointManager:
@@ -457,19 +462,20 @@ KNOWN_PRUNE_BUG = pytest.mark.xfail(
 
 
 def _manager_sweeps() -> list[Any]:
+    long = [*LONG_ONLY, pytest.mark.timeout(3600)]
     return [
-        pytest.param(w, stride, thin, id=f"{w}-every-{stride}-thin-{thin}")
+        pytest.param(w, stride, thin, "sigkill", id=f"{w}-every-{stride}-thin-{thin}")
         for w, (stride, thin) in MANAGER_DEFAULT.items()
     ] + [
-        pytest.param(w, 1, 1, id=f"{w}-every-op", marks=[*LONG_ONLY, pytest.mark.timeout(3600)])
-        for w in LONG_MANAGER_WRITERS
+        pytest.param(w, 1, 1, how, id=f"{w}-every-op-{how}", marks=long)
+        for w, how in LONG_MANAGER_SWEEPS
     ]
 
 
 @KNOWN_PRUNE_BUG
-@pytest.mark.parametrize(("writer", "stride", "thin"), _manager_sweeps())
+@pytest.mark.parametrize(("writer", "stride", "thin", "how"), _manager_sweeps())
 def test_killed_manager_save_with_pruning_and_replication_keeps_a_whole_checkpoint(
-    manager_template: Path, tmp_path: Path, writer: str, stride: int, thin: int
+    manager_template: Path, tmp_path: Path, writer: str, stride: int, thin: int, how: str
 ) -> None:
     options = WRITERS[writer]
     report = _sweep(
@@ -479,9 +485,10 @@ def test_killed_manager_save_with_pruning_and_replication_keeps_a_whole_checkpoi
         _check_tiers,
         lambda base: _manager_saves_again(base, **options),
         stride,
+        how=how,
         thin=thin,
     )
-    report.finish(f"manager {writer} stride {stride} thin {thin}")
+    report.finish(f"manager {writer} stride {stride} thin {thin} {how}")
     local = Counter(outcome.partition(" | ")[0] for outcome in report.outcomes.elements())
     # Kills landed before step_3 was committed, after it, and after step_1 was pruned.
     assert local["step_1=0 step_2=0"] > 0

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from support import assert_state_equal
@@ -77,6 +78,7 @@ class _DiesMidWrite(SafeStorageWriter):
 def _good_then_bad(
     rank: int, world_size: int, root: str, victim: int, signum: int, use_async: bool
 ) -> dict[str, Any]:
+    Path(root).with_name(f"pid_{rank}").write_text(str(os.getpid()))
     dcp_safe.save(
         _rank_state(rank),
         checkpoint_id="good",
@@ -141,6 +143,9 @@ def _run_failing(
         )
     assert caught.value.rank == victim
     assert set(caught.value.failures) == {victim}
+    # The harness took the victim down too, stopped or not: no rank outlives run_ranks.
+    pid = int(root.with_name(f"pid_{victim}").read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     return caught.value.results
 
 
@@ -174,22 +179,25 @@ def _assert_recovers(root: Path, world_size: int) -> None:
 def test_a_rank_killed_mid_save_fails_the_survivor_with_a_commit_error_naming_it(
     tmp_path: Path,
 ) -> None:
-    survivors = _run_failing(tmp_path, 2, victim=1, signum=signal.SIGKILL)
+    root = tmp_path / "run"
+    survivors = _run_failing(root, 2, victim=1, signum=signal.SIGKILL)
 
-    _assert_failed_cleanly(tmp_path, survivors, 2, victim=1)
-    _assert_recovers(tmp_path, 2)
+    _assert_failed_cleanly(root, survivors, 2, victim=1)
+    _assert_recovers(root, 2)
 
 
 def test_a_rank_stopped_mid_async_save_fails_the_survivors_future_within_the_deadline(
     tmp_path: Path,
 ) -> None:
-    survivors = _run_failing(tmp_path, 2, victim=1, signum=signal.SIGSTOP, use_async=True)
+    root = tmp_path / "run"
+    survivors = _run_failing(root, 2, victim=1, signum=signal.SIGSTOP, use_async=True)
 
-    _assert_failed_cleanly(tmp_path, survivors, 2, victim=1)
-    _assert_recovers(tmp_path, 2)
+    _assert_failed_cleanly(root, survivors, 2, victim=1)
+    _assert_recovers(root, 2)
 
 
 def test_a_killed_rank_among_four_is_named_by_every_survivor(tmp_path: Path) -> None:
-    survivors = _run_failing(tmp_path, 4, victim=2, signum=signal.SIGKILL)
+    root = tmp_path / "run"
+    survivors = _run_failing(root, 4, victim=2, signum=signal.SIGKILL)
 
-    _assert_failed_cleanly(tmp_path, survivors, 4, victim=2)
+    _assert_failed_cleanly(root, survivors, 4, victim=2)
