@@ -29,6 +29,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
+from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import (
     BudgetedStager,
@@ -71,6 +72,7 @@ __all__ = [
     "NodeLocalWriter",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
+    "RetentionReport",
     "SafeStorageReader",
     "SafeStorageWriter",
     "SaveHandle",
@@ -83,6 +85,7 @@ __all__ = [
     "VerifyReport",
     "WhenBusy",
     "__version__",
+    "apply_retention",
     "async_save",
     "checkpoint_group",
     "list_checkpoints",

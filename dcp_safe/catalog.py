@@ -2,7 +2,9 @@
 
 ``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
 ``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
-checksum, and each shard item's checksum, and that a shard's items tile it exactly.
+checksum, and each shard item's checksum, and that a shard's items tile it exactly. With
+``deep=False`` it is the quick check instead: the marker against the manifest and each file's
+presence and size, reading no data (what ``dcp-safe verify`` does by default).
 """
 
 from __future__ import annotations
@@ -84,14 +86,18 @@ def verify_checkpoint(
     *,
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[FileRecord], None] | None = None,
+    deep: bool = True,
 ) -> VerifyReport:
-    """Read every byte of checkpoint ``name`` (or the latest) and check it.
+    """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
 
     Args:
         root: the checkpoint root (a local path or an fsspec URL).
         name: the checkpoint's name, or ``"latest"``.
         storage_options: fsspec options for the root (endpoint, credentials).
         progress: called with each file's record once that file is checked (progress bars).
+        deep: read every byte against its checksum (the default). ``False``: the quick check,
+            the marker against the manifest and each file's presence and size only; its report
+            reads no bytes and checks no items.
 
     Returns:
         A report of what was checked, when everything matches.
@@ -104,6 +110,28 @@ def verify_checkpoint(
     backend = open_backend(os.fspath(root), storage_options)
     name = resolve_name(backend, name)
     manifest = open_committed(backend, name).manifest
+    if deep:
+        bytes_read = _verify_every_byte(backend, name, manifest, progress)
+    else:
+        _verify_sizes(backend, name, manifest, progress)
+        bytes_read = 0
+    return VerifyReport(
+        name=name,
+        path=backend.full_path(name),
+        files_checked=len(manifest.files),
+        items_checked=len(manifest.items) if deep else 0,
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _verify_every_byte(
+    backend: Backend,
+    name: str,
+    manifest: Manifest,
+    progress: Callable[[FileRecord], None] | None,
+) -> int:
+    """The deep check; returns the bytes read."""
     _require_complete_listing(backend, name, manifest)
     bytes_read = 0
     for record in manifest.files:
@@ -111,14 +139,20 @@ def verify_checkpoint(
         if progress is not None:
             progress(record)
     _verify_rank_manifests(backend, name, manifest)
-    return VerifyReport(
-        name=name,
-        path=backend.full_path(name),
-        files_checked=len(manifest.files),
-        items_checked=len(manifest.items),
-        bytes_read=bytes_read,
-        seconds=time.perf_counter() - started,
-    )
+    return bytes_read
+
+
+def _verify_sizes(
+    backend: Backend,
+    name: str,
+    manifest: Manifest,
+    progress: Callable[[FileRecord], None] | None,
+) -> None:
+    """The quick check: every file the manifest lists is there with its recorded size."""
+    for record in manifest.files:
+        _check_size(backend, f"{name}/{record.path}", record.size)
+        if progress is not None:
+            progress(record)
 
 
 def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
@@ -134,17 +168,25 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
         )
 
 
+def _check_size(backend: Backend, rel: str, size: int) -> None:
+    """The file at ``rel`` exists and holds ``size`` bytes."""
+    try:
+        actual = backend.size(rel)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+    if actual != size:
+        raise CheckpointCorruptError(
+            backend.full_path(rel),
+            "file size differs from the manifest",
+            expected=size,
+            actual=actual,
+        )
+
+
 def _verify_file(backend: Backend, name: str, manifest: Manifest, record: FileRecord) -> int:
     rel = f"{name}/{record.path}"
     path = backend.full_path(rel)
-    try:
-        actual_size = backend.size(rel)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
-    if actual_size != record.size:
-        raise CheckpointCorruptError(
-            path, "file size differs from the manifest", expected=record.size, actual=actual_size
-        )
+    _check_size(backend, rel, record.size)
     items = sorted((i for i in manifest.items if i.file == record.path), key=lambda i: i.start)
     if record.checksum is None and not _tiles(items, record.size):
         raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")

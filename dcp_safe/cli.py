@@ -32,8 +32,8 @@ from dcp_safe.errors import (
     ConfigError,
     DcpSafeError,
 )
-from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
+from dcp_safe.retention.apply import RetentionReport, apply_retention
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.storage.committed import open_committed, resolve_name
 from dcp_safe.storage.reader import SafeStorageReader
 from dcp_safe.storage.roots import open_backend
@@ -235,13 +235,13 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
     total = sum(record.size for record in manifest.files)
     with _progress(out) as progress:
         task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
-        if args.deep:
-            _deep_verify(args.root, name, options, lambda n: progress.advance(task, n))
-            progress.update(task, completed=total)
-        else:
-            for record in manifest.files:
-                _check_size(backend, name, record.path, record.size)
-                progress.advance(task, record.size)
+        verify_checkpoint(
+            args.root,
+            name,
+            storage_options=options,
+            progress=lambda record: progress.advance(task, record.size),
+            deep=args.deep,
+        )
     how = "every byte matches its checksum" if args.deep else "marker, manifest and file sizes"
     out.print(f"OK {name}: {len(manifest.files)} files, {len(manifest.items)} items; {how}")
     return EXIT_OK
@@ -255,29 +255,6 @@ def _progress(out: Console) -> Progress:
         console=out,
         disable=not out.is_terminal,
     )
-
-
-def _deep_verify(
-    root: str, name: str, options: dict[str, Any] | None, advance: Callable[[int], None]
-) -> None:
-    verify_checkpoint(
-        root, name, storage_options=options, progress=lambda record: advance(record.size)
-    )
-
-
-def _check_size(backend: Any, name: str, path: str, size: int) -> None:
-    rel = f"{name}/{path}"
-    try:
-        actual = backend.size(rel)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
-    if actual != size:
-        raise CheckpointCorruptError(
-            backend.full_path(rel),
-            "file size differs from the manifest",
-            expected=size,
-            actual=actual,
-        )
 
 
 # ----------------------------------------------------------------------------------- inspect
@@ -403,32 +380,30 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     _require_root(args.root)
     if args.keep < 1:
         raise _UsageError(f"--keep must be at least 1, got {args.keep}")
-    infos = list_checkpoints(args.root, storage_options=options)
-    # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
-    records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
-    decision = decide(records, KeepLast(args.keep))
-    verb = "would remove" if args.dry_run else "removed"
-    backend = open_backend(args.root, options)
-    for name in decision.drop:
-        if not args.dry_run:
-            backend.remove_tree(name)
-        out.print(f"{verb} checkpoint {name}", highlight=False)
-    report = sweep_partials(
-        args.root, grace_s=args.grace_s, dry_run=args.dry_run, storage_options=options
+    report = apply_retention(
+        args.root,
+        keep_last=args.keep,
+        dry_run=args.dry_run,
+        grace_s=args.grace_s,
+        storage_options=options,
     )
-    for entry in report.removed:
-        out.print(f"{verb} abandoned partial save {entry}", highlight=False)
-    for upload in report.aborted_uploads:
-        out.print(f"{verb} incomplete multipart upload {upload}", highlight=False)
-    for entry in report.too_recent:
-        out.print(
-            f"kept partial save {entry}: idle for less than {args.grace_s:g} s", highlight=False
-        )
-    out.print(
-        f"kept {len(decision.keep)} checkpoint(s): {', '.join(decision.keep) or '-'}",
-        highlight=False,
-    )
+    for line in _gc_lines(report, args.grace_s):
+        out.print(line, highlight=False)
     return EXIT_OK
+
+
+def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
+    verb = "would remove" if report.dry_run else "removed"
+    return [
+        *(f"{verb} checkpoint {name}" for name in report.dropped),
+        *(f"{verb} abandoned partial save {entry}" for entry in report.sweep.removed),
+        *(f"{verb} incomplete multipart upload {u}" for u in report.sweep.aborted_uploads),
+        *(
+            f"kept partial save {entry}: idle for less than {grace_s:g} s"
+            for entry in report.sweep.too_recent
+        ),
+        f"kept {len(report.kept)} checkpoint(s): {', '.join(report.kept) or '-'}",
+    ]
 
 
 # -------------------------------------------------------------------------------------- demo

@@ -14,10 +14,10 @@ the training thread and ends on the staging thread; replication ends on the repl
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 __all__ = [
     "NULL_RECORDER",
@@ -29,6 +29,7 @@ __all__ = [
     "Phase",
     "Recorder",
     "SpanHandle",
+    "SpanOptions",
 ]
 
 SCHEMA_VERSION = 1
@@ -120,6 +121,20 @@ class SpanHandle(Protocol):
     def fail(self, error: BaseException | str) -> None: ...
 
 
+class SpanOptions(TypedDict, total=False):
+    """The keywords of :meth:`Recorder.begin`, which :meth:`Recorder.span` passes on unchanged.
+
+    Named once for every ``span`` (the protocol, :class:`NullRecorder`,
+    :class:`~dcp_safe.telemetry.Telemetry`). ``begin`` keeps them spelled out: it is what the
+    instrumented components call, and keyword parameters cost the null recorder no dict.
+    """
+
+    save: str | None
+    step: int | None
+    parent: SpanHandle | None
+    bytes: int | None
+
+
 class Recorder(Protocol):
     """What instrumented components call. Every method may be called from any thread."""
 
@@ -138,16 +153,11 @@ class Recorder(Protocol):
         """Open a span; without ``parent``: this thread's current span, else the save's root."""
         ...
 
-    def span(
-        self,
-        phase: Phase,
-        *,
-        save: str | None = None,
-        step: int | None = None,
-        parent: SpanHandle | None = None,
-        bytes: int | None = None,
-    ) -> Any:
-        """A context manager: a span on this thread, a profiler range, ended with the outcome."""
+    def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Any:
+        """A context manager: a span on this thread, a profiler range, ended with the outcome.
+
+        ``options`` are :meth:`begin`'s keywords (see :class:`SpanOptions`).
+        """
         ...
 
     def mark(
@@ -187,6 +197,7 @@ class NullSpan:
 
 _NULL_SPAN = NullSpan()
 _NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
+_NULL_SPAN_CONTEXT: AbstractContextManager[SpanHandle] = nullcontext(_NULL_SPAN)
 
 
 class NullRecorder:
@@ -205,17 +216,10 @@ class NullRecorder:
     ) -> SpanHandle:
         return _NULL_SPAN
 
-    @contextmanager
     def span(
-        self,
-        phase: Phase,
-        *,
-        save: str | None = None,
-        step: int | None = None,
-        parent: SpanHandle | None = None,
-        bytes: int | None = None,
-    ) -> Iterator[SpanHandle]:
-        yield _NULL_SPAN
+        self, phase: Phase, **options: Unpack[SpanOptions]
+    ) -> AbstractContextManager[SpanHandle]:
+        return _NULL_SPAN_CONTEXT
 
     def mark(
         self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any

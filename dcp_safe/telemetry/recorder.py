@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
-from dcp_safe.telemetry.events import Event, EventKind, Phase, SpanHandle
+from dcp_safe.telemetry.events import Event, EventKind, Phase, SpanHandle, SpanOptions
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
 from dcp_safe.telemetry.sinks import MemorySink, Sink
 
@@ -178,17 +178,12 @@ class Telemetry:
             return self._roots.get(name)
 
     @contextmanager
-    def span(
-        self,
-        phase: Phase,
-        *,
-        save: str | None = None,
-        step: int | None = None,
-        parent: SpanHandle | None = None,
-        bytes: int | None = None,
-    ) -> Iterator[SpanHandle]:
-        """A span on this thread, with a profiler range; an exception fails it (re-raised)."""
-        span = self.begin(phase, save=save, step=step, parent=parent, bytes=bytes)
+    def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Iterator[SpanHandle]:
+        """A span on this thread, with a profiler range; an exception fails it (re-raised).
+
+        ``options`` are :meth:`begin`'s keywords (see :class:`~.events.SpanOptions`).
+        """
+        span = self.begin(phase, **options)
         try:
             with self.within(span), self.profile(Phase(phase)):
                 yield span

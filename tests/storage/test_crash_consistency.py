@@ -26,7 +26,8 @@ test at the end checks the fsync order that makes a power cut behave the same.
 
 Default run (>= 300 fork kill points, 10 fresh processes): every 4th of torch.save's small shard
 writes for one thread, every 8th for two threads, every operation for two threads with zstd, for
-overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd) and every 8th for the manager.
+overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd), and for the manager every
+8th bulk write, then every 3rd kill point.
 ``DCP_SAFE_LONG=1`` adds every operation for all five writer configurations in each sweep
 (SIGKILL, ``os._exit``, overwrite) and for the manager with three of them (and ``os._exit``
 with one), and 100 fresh processes: over ten times the default in each.
@@ -379,13 +380,14 @@ def test_killed_overwrite_leaves_the_old_or_the_new_checkpoint_whole(
 
 # --------------------------------------------------------------------------- the manager
 
-# (stride over bulk writes, then every thin-th kill point): ~40 kill points by default.
-MANAGER_DEFAULT = {"1thread": (8, 2)}
+# (stride over bulk writes, then every thin-th kill point): ~37 kill points by default.
+MANAGER_DEFAULT = {"1thread": (8, 3)}
 LONG_MANAGER_SWEEPS = (
     ("1thread", "sigkill"),
     ("2threads-zstd", "sigkill"),
     ("2threads-sha256", "sigkill"),
     ("1thread", "exit"),
+    ("2threads-zstd", "exit"),
 )
 
 

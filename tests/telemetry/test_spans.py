@@ -182,3 +182,22 @@ def test_fallback_save_is_marked_and_runs_synchronously_under_its_root(
     report = tel.report()
     assert report.fallbacks == 1 and report.saves[0].ok
     assert report.saves[0].stall_s == report.saves[0].completion_s  # sync: the loop waits it all
+
+
+def test_null_recorder_span_yields_the_null_span_nested_and_lets_errors_through() -> None:
+    with (
+        NULL_RECORDER.span(Phase.SAVE, save="step_1", step=1) as outer,
+        NULL_RECORDER.span(Phase.WRITE, parent=outer, bytes=8) as inner,
+    ):
+        assert (inner.id, inner.save, inner.step) == (None, None, None)
+    with pytest.raises(ValueError, match="boom"), NULL_RECORDER.span(Phase.COMMIT):
+        raise ValueError("boom")
+
+
+def test_span_passes_its_keywords_to_begin(tel: Telemetry) -> None:
+    root = tel.begin_save("step_000000007", step=7)
+    with tel.span(Phase.WRITE, parent=root, bytes=64) as write:
+        assert (write.save, write.step) == ("step_000000007", 7)  # inherited from the parent
+    root.end()
+    (start,) = [e for e in tel.memory.events() if e.kind == "span_start" and e.name == "write"]
+    assert (start.parent, start.save, start.step, start.bytes) == (root.id, "step_000000007", 7, 64)

@@ -1,0 +1,77 @@
+"""Apply retention to a root: drop what the policy lets go, then sweep abandoned partial saves.
+
+This owns the one pass ``dcp-safe gc`` makes, composed from the two halves the package keeps
+apart: :func:`~dcp_safe.retention.policy.decide` (pure: which committed checkpoints go) and
+:func:`~dcp_safe.retention.sweeper.sweep_partials` (the IO for leftovers of failed saves, with
+its grace period). Checkpoints without a step (not saved by a
+:class:`~dcp_safe.manager.CheckpointManager`) are neither kept nor dropped: they are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_safe.catalog import list_checkpoints
+from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, sweep_partials
+from dcp_safe.storage.roots import open_backend
+
+__all__ = ["RetentionReport", "apply_retention"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionReport:
+    """What :func:`apply_retention` did (or, in a dry run, would do).
+
+    Attributes:
+        kept: committed checkpoints kept, oldest first.
+        dropped: committed checkpoints removed (would be removed, in a dry run), oldest first.
+        sweep: what the sweep of abandoned partial saves removed and left for later.
+        dry_run: whether nothing was removed.
+    """
+
+    kept: tuple[str, ...]
+    dropped: tuple[str, ...]
+    sweep: SweepReport
+    dry_run: bool
+
+
+def apply_retention(
+    root: str | os.PathLike[str],
+    *,
+    keep_last: int,
+    dry_run: bool = False,
+    grace_s: float = DEFAULT_GRACE_S,
+    storage_options: dict[str, Any] | None = None,
+) -> RetentionReport:
+    """Keep the ``keep_last`` newest checkpoints under ``root`` and sweep old partial saves.
+
+    The safety rules of :func:`~dcp_safe.retention.policy.decide` apply on top of
+    ``keep_last``: whatever it says, the two newest checkpoints are kept.
+
+    Args:
+        root: the checkpoint root (a local path or an fsspec URL).
+        keep_last: how many of the newest checkpoints to keep.
+        dry_run: report what would be removed; remove nothing.
+        grace_s: leave partial saves idle for less than this many seconds.
+        storage_options: fsspec options for the root (endpoint, credentials).
+
+    Returns:
+        What was kept, dropped and swept.
+
+    Raises:
+        ConfigError: a negative ``keep_last`` or ``grace_s``.
+    """
+    policy = KeepLast(keep_last)
+    infos = list_checkpoints(root, storage_options=storage_options)
+    # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
+    records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
+    decision = decide(records, policy)
+    if not dry_run:
+        backend = open_backend(os.fspath(root), storage_options)
+        for name in decision.drop:
+            backend.remove_tree(name)
+    sweep = sweep_partials(root, grace_s=grace_s, dry_run=dry_run, storage_options=storage_options)
+    return RetentionReport(kept=decision.keep, dropped=decision.drop, sweep=sweep, dry_run=dry_run)

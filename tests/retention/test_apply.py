@@ -1,0 +1,109 @@
+"""``apply_retention`` drops what the policy lets go and sweeps old partial saves, on real roots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
+from support import make_state
+
+import dcp_safe
+from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe.retention.apply import apply_retention
+
+
+class _DiesInWriteData(SafeStorageWriter):
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        raise OSError(5, "Input/output error (injected)")
+
+
+def _save(root: str | Path, step: int | None, name: str, **options: Any) -> None:
+    writer = SafeStorageWriter(root, fsync=False, step=step, **options)
+    dcp_safe.save(make_state(step or 0), checkpoint_id=name, storage_writer=writer)
+
+
+def _abandon_a_save(root: Path, name: str) -> str:
+    with pytest.raises(dcp_safe.CommitError):
+        dcp_safe.save(make_state(0), checkpoint_id=name, storage_writer=_DiesInWriteData(root))
+    return next(e for e in os.listdir(root) if e.startswith(f".{name}"))
+
+
+def _names(root: str | Path, **options: Any) -> list[str]:
+    return [i.name for i in dcp_safe.list_checkpoints(root, storage_options=options or None)]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A local root holding step_0001..step_0004, committed."""
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, f"step_{step:04d}")
+    return tmp_path
+
+
+def test_keeps_the_newest_and_removes_the_rest(root: Path) -> None:
+    report = apply_retention(root, keep_last=2)
+    assert report.dropped == ("step_0001", "step_0002")
+    assert report.kept == ("step_0003", "step_0004")
+    assert not report.dry_run
+    assert _names(root) == ["step_0003", "step_0004"]
+    assert sorted(os.listdir(root)) == ["step_0003", "step_0004"]
+
+
+def test_dry_run_reports_the_same_and_removes_nothing(root: Path) -> None:
+    old = _abandon_a_save(root, "step_0005")
+    before = sorted(os.listdir(root))
+    report = apply_retention(root, keep_last=2, dry_run=True, grace_s=0)
+    assert report.dry_run and report.sweep.dry_run
+    assert report.dropped == ("step_0001", "step_0002")
+    assert report.sweep.removed == (old,)
+    assert sorted(os.listdir(root)) == before
+
+
+def test_the_two_newest_are_kept_whatever_keep_last_says(root: Path) -> None:
+    report = apply_retention(root, keep_last=0)
+    assert report.kept == ("step_0003", "step_0004")
+    assert _names(root) == ["step_0003", "step_0004"]
+
+
+def test_leaves_a_partial_save_idle_for_less_than_the_grace_period(root: Path) -> None:
+    partial = _abandon_a_save(root, "step_0005")
+    report = apply_retention(root, keep_last=4, grace_s=3600)
+    assert report.dropped == ()
+    assert (report.sweep.removed, report.sweep.too_recent) == ((), (partial,))
+    assert (root / partial).exists()
+
+
+def test_sweeps_a_partial_save_idle_for_longer_than_the_grace_period(root: Path) -> None:
+    partial = _abandon_a_save(root, "step_0005")
+    report = apply_retention(root, keep_last=4, grace_s=0)
+    assert (report.sweep.removed, report.sweep.too_recent) == ((partial,), ())
+    assert not (root / partial).exists()
+    assert _names(root) == ["step_0001", "step_0002", "step_0003", "step_0004"]
+
+
+def test_checkpoints_without_a_step_are_left_alone(root: Path) -> None:
+    _save(root, None, "adhoc")
+    report = apply_retention(root, keep_last=2)
+    assert "adhoc" not in report.kept + report.dropped
+    assert "adhoc" in _names(root)
+
+
+def test_a_negative_keep_last_is_a_config_error(root: Path) -> None:
+    with pytest.raises(ConfigError, match="KeepLast"):
+        apply_retention(root, keep_last=-1)
+    assert len(_names(root)) == 4
+
+
+@pytest.mark.s3
+def test_applies_retention_on_s3(
+    s3_root: str,  # noqa: F811 - fixture
+    s3_options: dict[str, Any],  # noqa: F811 - fixture
+) -> None:
+    for step in (1, 2, 3):
+        _save(s3_root, step, f"step_{step:04d}", storage_options=s3_options)
+    report = apply_retention(s3_root, keep_last=2, storage_options=s3_options)
+    assert report.dropped == ("step_0001",)
+    assert _names(s3_root, **s3_options) == ["step_0002", "step_0003"]

@@ -1,0 +1,79 @@
+"""``verify_checkpoint``'s quick mode (``deep=False``) against real checkpoints on a local root.
+
+The deep mode is covered by tests/test_corruption.py; here: what the quick check catches, what it
+deliberately does not read, and what its report says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support import make_state
+
+import dcp_safe
+from dcp_safe import CheckpointCorruptError, SafeStorageWriter, verify_checkpoint
+from dcp_safe.commit import protocol
+from dcp_safe.manifest.schema import FileRecord
+from dcp_safe.storage.committed import open_committed
+from dcp_safe.storage.roots import open_backend
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A local root holding the committed checkpoint step_0001."""
+    writer = SafeStorageWriter(tmp_path, fsync=False, step=1)
+    dcp_safe.save(make_state(1), checkpoint_id="step_0001", storage_writer=writer)
+    return tmp_path
+
+
+def _shard(root: Path) -> Path:
+    (shard,) = sorted((root / "step_0001").glob(f"*{protocol.SHARD_SUFFIX}"))
+    return shard
+
+
+def _files(root: Path) -> tuple[FileRecord, ...]:
+    return open_committed(open_backend(str(root), None), "step_0001").manifest.files
+
+
+def test_quick_verify_checks_every_file_and_reads_no_bytes(root: Path) -> None:
+    seen: list[FileRecord] = []
+    report = verify_checkpoint(root, "latest", deep=False, progress=seen.append)
+    assert report.name == "step_0001"
+    assert report.files_checked == len(_files(root)) > 0
+    assert (report.bytes_read, report.items_checked) == (0, 0)
+    assert seen == list(_files(root))
+
+
+def test_deep_verify_reports_every_byte_it_read(root: Path) -> None:
+    report = verify_checkpoint(root, "step_0001")
+    assert report.bytes_read == sum(record.size for record in _files(root)) > 0
+    assert report.items_checked > 0
+
+
+def test_quick_verify_names_a_truncated_file_with_both_sizes(root: Path) -> None:
+    shard = _shard(root)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    with pytest.raises(CheckpointCorruptError, match="size differs") as caught:
+        verify_checkpoint(root, "step_0001", deep=False)
+    assert shard.name in str(caught.value)
+    assert (caught.value.expected, caught.value.actual) == (len(data), len(data) - 10)
+
+
+def test_quick_verify_names_a_missing_file(root: Path) -> None:
+    shard = _shard(root)
+    shard.unlink()
+    with pytest.raises(CheckpointCorruptError, match="missing") as caught:
+        verify_checkpoint(root, "step_0001", deep=False)
+    assert shard.name in str(caught.value)
+
+
+def test_quick_verify_passes_a_flipped_byte_that_deep_verify_catches(root: Path) -> None:
+    shard = _shard(root)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert verify_checkpoint(root, "step_0001", deep=False).files_checked > 0
+    with pytest.raises(CheckpointCorruptError):
+        verify_checkpoint(root, "step_0001")
