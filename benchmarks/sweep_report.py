@@ -420,7 +420,11 @@ def _machine(parts: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"- `{name}`: {p['started_at']} .. {p['finished_at']}, load average "
                 f"{load_before} before, {load_after} after; rounds {p['args']['rounds']}"
-                + (f" ({p['args']['rounds_large']} at 4 GiB)" if name == "sizes" else "")
+                + (
+                    f" ({p['args']['rounds_large']} at 4 GiB and above)"
+                    if name == "sizes" and max(p["args"]["sizes"]) >= 4096
+                    else ""
+                )
                 + f".\n  Command: `{p['command']}`"
             )
     return "\n".join(lines)

@@ -448,7 +448,7 @@ def _demo(args: argparse.Namespace, options: dict[str, Any] | None, out: Console
 
 def _bench(argv: list[str]) -> int:
     try:
-        from dcp_safe.bench import quick  # type: ignore[attr-defined]
+        from dcp_safe.bench import quick
     except ImportError as exc:
         raise _Unavailable(
             f"the benchmark (dcp_safe.bench.quick) is not available in this installation: {exc}"

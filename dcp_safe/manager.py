@@ -90,6 +90,7 @@ from dcp_safe.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.history import HISTORY_FILE, History
 from dcp_safe.preemption import PreemptionHandler
 from dcp_safe.retention.policy import CheckpointRecord, KeepEvery, KeepLast, combine, decide
+from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.staging._tree import collect_tensors, rebuild
@@ -642,7 +643,7 @@ class CheckpointManager:
             with self._cond:
                 protected = {n for n, f in self._replications.items() if not f.done()}
             for name in decide(records, self.policy, protected=protected).drop:
-                remote.remove_tree(name)
+                retire_checkpoint(remote, name)
                 step = next(r.step for r in records if r.name == name)
                 self._record("pruned", (step, name), tier="remote", reason="retention")
 
@@ -660,7 +661,7 @@ class CheckpointManager:
                 }
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
-                self.writer.backend.remove_tree(name)
+                retire_checkpoint(self.writer.backend, name)
                 with self._cond:
                     self._validated.discard(name)
                     self._replications.pop(name, None)

@@ -45,12 +45,17 @@ def _draw(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.0, 4.2), dpi=110)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors: dict[str, str] = {}
     for label, values in series.items():
         if not values:
             continue
         xs, ys = zip(*values, strict=True)
-        dashed = "floor" in label or "target" in label
-        ax.plot(xs, ys, marker="o", linestyle="--" if dashed else "-", label=label)
+        # One colour per contender; its variants (stall, back-to-back, S3) are dotted.
+        base = label.split(" (")[0]
+        color = colors.setdefault(base, palette[len(colors) % len(palette)])
+        style = "--" if "floor" in label or "target" in label else ":" if "(" in label else "-"
+        ax.plot(xs, ys, marker="o", linestyle=style, color=color, label=label)
     ax.set_xscale("log", base=2 if "MiB" in xlabel else 10)
     if logy:
         ax.set_yscale("log")

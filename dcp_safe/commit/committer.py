@@ -22,6 +22,7 @@ A failure before the publish removes the partial directory and raises; nothing i
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import time
 from collections.abc import Iterable, Mapping
@@ -51,6 +52,8 @@ from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.options import WriterOptions
 
 __all__ = ["Committer"]
+
+log = logging.getLogger(__name__)
 
 
 class Committer:
@@ -97,7 +100,12 @@ class Committer:
                 self._discard_uncommitted(name, save_id)
             raise
         if not renames:
-            release_lease(self.backend, name)
+            try:
+                release_lease(self.backend, name)
+            except OSError as exc:
+                # Committed and whole: a lease left beside the marker is harmless (the sweeper
+                # ignores committed names), so the save must not be reported as failed.
+                log.warning("checkpoint %s committed; removing its lease failed: %s", name, exc)
         return manifest
 
     # ----------------------------------------------------------------- verification

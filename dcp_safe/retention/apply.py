@@ -15,6 +15,7 @@ from typing import Any
 
 from dcp_safe.catalog import list_checkpoints
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
+from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, sweep_partials
 from dcp_safe.storage.roots import open_backend
 
@@ -72,6 +73,6 @@ def apply_retention(
     if not dry_run:
         backend = open_backend(os.fspath(root), storage_options)
         for name in decision.drop:
-            backend.remove_tree(name)
+            retire_checkpoint(backend, name)
     sweep = sweep_partials(root, grace_s=grace_s, dry_run=dry_run, storage_options=storage_options)
     return RetentionReport(kept=decision.keep, dropped=decision.drop, sweep=sweep, dry_run=dry_run)

@@ -191,7 +191,15 @@ class SafeStorageWriter(StorageWriter):
         else:
             acquire_lease(self.backend, name, save_id)
             work_dir = name
-        self.backend.makedirs(f"{work_dir}/{protocol.RANKS_DIR}")
+        try:
+            self.backend.makedirs(f"{work_dir}/{protocol.RANKS_DIR}")
+        except BaseException:
+            if not self.backend.supports_atomic_rename:
+                # Ours, with nothing under it yet: holding it would block the name until the
+                # sweeper's grace period ends.
+                with contextlib.suppress(OSError):
+                    release_lease(self.backend, name)
+            raise
         return [
             dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
             for rank, plan in enumerate(plans)
