@@ -125,6 +125,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
+# Configuration problems surface from the S3 client stack as its own exception types
+# (botocore's NoCredentialsError, an unreachable endpoint...), outside the OSError tree that
+# s3fs maps HTTP answers into: they are mapped here, once, with what to check.
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")
+_CLIENT_HINT = "check the endpoint and credentials in storage_options or the AWS_* variables"
+
+
+def _is_client_library_error(exc: BaseException) -> bool:
+    return not isinstance(exc, (OSError, DcpSafeError)) and type(exc).__module__.startswith(
+        _CLIENT_MODULES
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when retrying the same request may succeed.
 
@@ -206,8 +219,9 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
         What ``fn`` returned.
 
     Raises:
-        StorageError: a transient failure outlasted the attempts or the deadline; the last
-            failure is its ``__cause__``.
+        StorageError: a transient failure outlasted the attempts or the deadline (the last
+            failure is its ``__cause__``), or the S3 client stack refused to send the request at
+            all (no credentials, a bad endpoint), with a hint of what to check.
         BaseException: any non-transient error from ``fn``, unchanged.
     """
     start = policy.clock()
@@ -219,6 +233,10 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
             return fn()
         except Exception as exc:
             if not is_transient(exc):
+                if _is_client_library_error(exc):
+                    raise StorageError(
+                        op_name, path, f"{type(exc).__name__}: {exc} ({_CLIENT_HINT})"
+                    ) from exc
                 raise
             delay = policy.backoff_s(attempt - 1)
             now = policy.clock()

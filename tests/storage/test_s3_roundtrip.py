@@ -17,6 +17,7 @@ from dcp_safe import (
     CommitError,
     SafeStorageReader,
     SafeStorageWriter,
+    StorageError,
 )
 from dcp_safe.commit import protocol
 from dcp_safe.manifest.schema import Manifest
@@ -181,3 +182,26 @@ def test_two_publishers_racing_for_a_name_give_one_checkpoint_and_a_clear_error(
     dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
     winner = states[winners[0]]
     assert_state_equal(_load(s3_root, s3_options, "step_1", winner), winner)
+
+
+def test_missing_credentials_are_a_storage_error_saying_what_to_check(
+    s3_root: str,  # noqa: F811
+    s3_options: Options,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    # Nowhere else to look: no files, and never the EC2 metadata address.
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_keys = {"endpoint_url": s3_options["endpoint_url"], "anon": False}
+    with pytest.raises(StorageError, match="credentials") as raised:
+        dcp_safe.save(
+            make_state(1),
+            checkpoint_id="step_1",
+            storage_writer=SafeStorageWriter(s3_root, storage_options=no_keys),
+        )
+    assert s3_root.removeprefix("s3://") in str(raised.value)
+    with pytest.raises(StorageError, match="credentials"):
+        dcp_safe.list_checkpoints(s3_root, storage_options=no_keys)
