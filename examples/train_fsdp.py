@@ -159,6 +159,9 @@ def train(args: argparse.Namespace) -> None:
     stager.close()
     final = digest(app_state(model, optimizer, args.steps))
     log(f"done at step {args.steps} (state digest {final})")
+    # Both ranks leave together: a rank tearing its connections down while its peer is still
+    # inside a collective makes the peer's gloo threads abort it.
+    dist.barrier()
     dist.destroy_process_group()
 
 

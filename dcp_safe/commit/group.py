@@ -26,6 +26,7 @@ its rank). The group is then discarded: a gloo group with a dead member cannot b
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import threading
@@ -54,6 +55,15 @@ _lock = threading.Lock()
 # (id of the default group, timeout) -> (that default group, our group). The default group is
 # held so its id cannot be reused by a later one while the entry exists.
 _groups: dict[tuple[int, float], tuple[object, dist.ProcessGroup]] = {}
+
+
+@atexit.register
+def _forget_groups() -> None:
+    # Process groups held here past the job's destroy_process_group() would otherwise be
+    # destroyed during interpreter finalization, where gloo's threads can abort the process;
+    # dropping them at exit, while the interpreter is whole, leaves c10d to release them.
+    with _lock:
+        _groups.clear()
 
 
 def validate_deadline(deadline_s: object) -> float:
