@@ -44,11 +44,6 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-# Errors of the object-store clients that dcp_safe's backends do not map yet (credentials,
-# endpoints): a user's configuration problem, reported in one line.
-_STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "aiohttp")
-
-
 class _UsageError(Exception):
     """A mistake in the command line the user can fix; exit status 2."""
 
@@ -96,11 +91,6 @@ def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
         return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
     except OSError as exc:
         return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
-    except Exception as exc:
-        if not type(exc).__module__.startswith(_STORAGE_CLIENTS):
-            raise  # a bug: keep the traceback
-        hint = "check the endpoint and credentials (--storage-options, or the AWS_* variables)"
-        return _fail(err, f"{type(exc).__name__}: {exc}; {hint}", EXIT_FAILED)
 
 
 def _fail(err: Console, message: str, status: int) -> int:

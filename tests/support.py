@@ -1,5 +1,5 @@
 """Helpers shared by the tests: a state dict with every dtype the foundation promises to
-round-trip, a load target for it, and an exact comparison."""
+round-trip, a load target for it, an exact comparison, and DTensor state gathered whole."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:
@@ -40,11 +41,29 @@ def blank_like(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert actual.keys() == expected.keys()
+def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], where: str = "") -> None:
+    """Exact equality of nested state: tensors by dtype and value, dicts key by key."""
+    assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
     for key, value in expected.items():
+        path = f"{where}.{key}" if where else str(key)
         if isinstance(value, torch.Tensor):
-            assert actual[key].dtype == value.dtype, key
-            assert torch.equal(actual[key], value), key
+            assert isinstance(actual[key], torch.Tensor), path
+            assert actual[key].dtype == value.dtype, path
+            assert torch.equal(actual[key], value), path
+        elif isinstance(value, dict):
+            assert_state_equal(actual[key], value, path)
         else:
-            assert actual[key] == value, key
+            assert actual[key] == value, path
+
+
+def gather_full(value: Any) -> Any:
+    """A copy of ``value`` with every DTensor gathered whole (a collective on every rank)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: gather_full(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [gather_full(item) for item in value]
+    return value

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import assert_state_equal, gather_full
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -52,33 +53,6 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -
     optimizer.zero_grad()
 
 
-def _full(value: Any) -> Any:
-    """A copy of ``value`` with every DTensor gathered whole (a collective on every rank)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {key: _full(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_full(item) for item in value]
-    return value
-
-
-def _assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    """Exact equality of nested state, tensors by dtype and value."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
-        for key, item in expected.items():
-            _assert_same(actual[key], item, f"{where}.{key}")
-    else:
-        assert actual == expected, where
-
-
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
@@ -110,12 +84,12 @@ def _fsdp_load_train_save(rank: int, world_size: int, root: str) -> dict[str, An
     loaded = _state(model, optimizer)
     seen["sharded"] = all(isinstance(v, DTensor) for v in loaded["model"].values())
     seen["local_rows"] = {k: v.to_local().shape[0] for k, v in loaded["model"].items()}
-    seen["loaded"] = _full(loaded)
+    seen["loaded"] = gather_full(loaded)
 
     _train_step(model, optimizer, step=3)  # sharded training goes on from the loaded state
     saved = _state(model, optimizer)
     dcp_safe.save(saved, checkpoint_id="two_ranks", storage_writer=SafeStorageWriter(root))
-    seen["saved"] = _full(saved)
+    seen["saved"] = gather_full(saved)
     seen["listed"] = [info.name for info in list_checkpoints(root)]
     return seen
 
@@ -129,7 +103,7 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(3):
         _train_step(model, optimizer, step)
-    one_rank = _full(_state(model, optimizer))
+    one_rank = gather_full(_state(model, optimizer))
     dcp_safe.save(
         _state(model, optimizer),
         checkpoint_id="one_rank",
@@ -143,8 +117,9 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
         # Dim 0 split over two ranks: 10 rows as 5 + 5, 3 rows as 2 + 1.
         assert seen["local_rows"]["0.weight"] == HIDDEN // 2
         assert seen["local_rows"]["2.weight"] == [2, 1][rank]
-        _assert_same(seen["loaded"], one_rank, "1->2")  # weights, Adam moments and step counts
-    _assert_same(per_rank[0]["saved"], per_rank[1]["saved"])  # gathered whole, ranks agree
+        # Weights, Adam moments and step counts.
+        assert_state_equal(seen["loaded"], one_rank, "1->2")
+    assert_state_equal(per_rank[0]["saved"], per_rank[1]["saved"])  # gathered whole, ranks agree
     saved = per_rank[0]["saved"]
     assert saved["optim"]["state"]["0.weight"]["step"] == 4  # 3 steps before, 1 after the load
     assert not torch.equal(saved["model"]["0.weight"], one_rank["model"]["0.weight"])
@@ -154,7 +129,7 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
     fresh = _model(seed=7)
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     _restore(fresh, fresh_optimizer, str(tmp_path), "two_ranks")
-    _assert_same(_full(_state(fresh, fresh_optimizer)), saved, "2->1")
+    assert_state_equal(gather_full(_state(fresh, fresh_optimizer)), saved, "2->1")
     raw = (tmp_path / "two_ranks" / protocol.MANIFEST).read_bytes()
     assert Manifest.from_json(raw, "two_ranks").world_size == 2
     assert verify_checkpoint(tmp_path, "two_ranks").items_checked > 0

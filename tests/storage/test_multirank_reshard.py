@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from support import assert_state_equal, gather_full
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, verify_checkpoint
@@ -77,31 +78,6 @@ def _state(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _full(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {key: _full(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_full(item) for item in value]
-    return value
-
-
-def _assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert actual.dtype == expected.dtype, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
-        for key, item in expected.items():
-            _assert_same(actual[key], item, f"{where}.{key}")
-    else:
-        assert actual == expected, where
-
-
 def _load_into(net: nn.Module, optimizer: torch.optim.Optimizer, root: str, name: str) -> None:
     target = _state(net, optimizer)
     dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root))
@@ -119,24 +95,24 @@ def _save_after_steps(rank: int, world_size: int, root: str, name: str) -> dict[
         _step(net, optimizer, seed)
     state = _state(net, optimizer)
     dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root))
-    return _full(state)
+    return gather_full(state)
 
 
 def _load_step_save(rank: int, world_size: int, root: str, src: str, dst: str) -> dict[str, Any]:
     net, optimizer = _sharded_net(world_size, seed=5)  # other values: the load must replace them
     _load_into(net, optimizer, root, src)
-    loaded = _full(_state(net, optimizer))
+    loaded = gather_full(_state(net, optimizer))
     local = {fqn: tuple(p.to_local().shape) for fqn, p in net.named_parameters()}
     _step(net, optimizer, seed=3)
     state = _state(net, optimizer)
     dcp_safe.save(state, checkpoint_id=dst, storage_writer=SafeStorageWriter(root))
-    return {"loaded": loaded, "local_shapes": local, "saved": _full(state)}
+    return {"loaded": loaded, "local_shapes": local, "saved": gather_full(state)}
 
 
 def _load_only(rank: int, world_size: int, root: str, name: str) -> dict[str, Any]:
     net, optimizer = _sharded_net(world_size, seed=6)
     _load_into(net, optimizer, root, name)
-    return _full(_state(net, optimizer))
+    return gather_full(_state(net, optimizer))
 
 
 # --------------------------------------------------------------- tests
@@ -147,20 +123,20 @@ def test_dtensor_model_and_adam_state_reshard_from_two_ranks_to_four_and_back(
 ) -> None:
     root = str(tmp_path)
     two = run_ranks(_save_after_steps, 2, args=(root, "saved_by_2"))
-    _assert_same(two[1], two[0])
+    assert_state_equal(two[1], two[0])
     expected_2 = two[0]
 
     four = run_ranks(_load_step_save, 4, args=(root, "saved_by_2", "saved_by_4"))
 
     for rank, seen in enumerate(four):
-        _assert_same(seen["loaded"], expected_2, f"2->4 rank {rank}")
+        assert_state_equal(seen["loaded"], expected_2, f"2->4 rank {rank}")
         assert seen["local_shapes"] == {
             "up.weight": (3, 8),
             "up.bias": (3,),
             "down.weight": (6, 3),
             "down.bias": (6,),
         }
-        _assert_same(seen["saved"], four[0]["saved"], f"rank {rank} disagrees")
+        assert_state_equal(seen["saved"], four[0]["saved"], f"rank {rank} disagrees")
     expected_4 = four[0]["saved"]
     assert expected_4["optim"]["state"]["up.weight"]["step"] == 3
     assert not torch.equal(expected_4["model"]["up.weight"], expected_2["model"]["up.weight"])
@@ -168,7 +144,7 @@ def test_dtensor_model_and_adam_state_reshard_from_two_ranks_to_four_and_back(
     back = run_ranks(_load_only, 2, args=(root, "saved_by_4"))
 
     for rank, seen in enumerate(back):
-        _assert_same(seen, expected_4, f"4->2 rank {rank}")
+        assert_state_equal(seen, expected_4, f"4->2 rank {rank}")
     raw = (tmp_path / "saved_by_4" / protocol.MANIFEST).read_bytes()
     manifest = Manifest.from_json(raw, "saved_by_4")
     assert manifest.world_size == 4
@@ -181,4 +157,4 @@ def test_dtensor_model_and_adam_state_reshard_from_two_ranks_to_four_and_back(
     net = _Net()
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
     _load_into(net, optimizer, root, "saved_by_4")
-    _assert_same(_full(_state(net, optimizer)), expected_4, "4->1")
+    assert_state_equal(gather_full(_state(net, optimizer)), expected_4, "4->1")
