@@ -24,11 +24,19 @@ from dcp_safe.errors import (
     InvalidCheckpointNameError,
     ReplicationSkippedError,
     ReplicationTimeoutError,
+    SnapshotMutatedError,
     StaleWriterError,
     StorageError,
 )
 from dcp_safe.fallback import FallbackOptions
-from dcp_safe.manager import BusyPolicy, CheckpointManager, ManagerStats, SaveHandle, Validation
+from dcp_safe.manager import (
+    BusyPolicy,
+    CheckpointManager,
+    ManagerStats,
+    SaveHandle,
+    StagingMode,
+    Validation,
+)
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import (
@@ -77,7 +85,9 @@ __all__ = [
     "SafeStorageWriter",
     "SaveHandle",
     "StagerStats",
+    "SnapshotMutatedError",
     "StaleWriterError",
+    "StagingMode",
     "StorageError",
     "SweepReport",
     "Telemetry",

@@ -44,6 +44,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
+
 class _UsageError(Exception):
     """A mistake in the command line the user can fix; exit status 2."""
 

@@ -13,6 +13,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     │   └── StaleWriterError                     a writer from an older attempt tried to publish
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
     ├── BudgetExceededError                      a state larger than the host-memory envelope
+    ├── SnapshotMutatedError                     the state changed in place while it was staged
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
@@ -39,6 +40,7 @@ __all__ = [
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "DcpSafeError",
+    "SnapshotMutatedError",
     "DrainTimeoutError",
     "InvalidCheckpointNameError",
     "StaleWriterError",
@@ -166,6 +168,35 @@ class StorageError(DcpSafeError, OSError):
 
 class BudgetExceededError(DcpSafeError):
     """A save needs more host memory than the whole envelope allows."""
+
+
+class SnapshotMutatedError(DcpSafeError):
+    """Source tensors changed in place (or were resized or freed) while a save staged them.
+
+    The staged copy could mix values from before and after the change, so the save failed and
+    nothing was published. The fix is on the caller's side: wait for staging to finish
+    (``handle.staged``, ``resp.staging_completion``) before the next in-place update, or use
+    the manager's default ``staging="snapshot"``, whose ``save()`` returns after the copy.
+
+    Attributes:
+        fqns: the changed tensors' paths in the state dict.
+        rank: the rank whose state changed (``None`` in a single process).
+    """
+
+    def __init__(self, fqns: list[str] | tuple[str, ...], *, rank: int | None = None) -> None:
+        self.fqns: tuple[str, ...] = tuple(fqns)
+        self.rank = rank
+        shown = ", ".join(self.fqns[:8]) + (
+            f", ... ({len(self.fqns)} in all)" if len(self.fqns) > 8 else ""
+        )
+        where = f" on rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"the state changed while it was being staged{where}: {shown} changed in place (or"
+            " were resized or freed) between the save request and the end of the copy, so the"
+            " copy could be torn; nothing was published. Wait for staging to finish"
+            " (handle.staged or resp.staging_completion) before updating the state in place, or"
+            " use CheckpointManager's default staging='snapshot'"
+        )
 
 
 class AdmissionTimeoutError(DcpSafeError, TimeoutError):

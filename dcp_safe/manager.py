@@ -8,7 +8,8 @@ fallback.
 Call order (one training thread calls ``save``/``maybe_save``/``restore``/``close``)::
 
     training thread   save(step): admission by ``when_busy`` (at most one save in flight and
-                      at most one pending: never an unbounded queue), then stage -> returns
+                      at most one pending: never an unbounded queue), then stage; with the
+                      default ``staging="snapshot"`` it returns once the copy is taken
     upload thread     DCP writes and commits locally
     manager thread    after each upload: verify the new checkpoint, record history, prune by
                       the retention policy, free the slot, start the pending (coalesced) save
@@ -28,6 +29,19 @@ Call order (one training thread calls ``save``/``maybe_save``/``restore``/``clos
 * ``"raise"``: raise :class:`~dcp_safe.errors.AdmissionTimeoutError` (a wait of zero).
 
 ``force=True`` waits whatever the policy: for a final save that must not be lost.
+
+``staging`` (when ``save`` returns, relative to the copy of the state):
+
+* ``"snapshot"`` (default): ``save`` returns once the state is copied into the stager's
+  buffers, so the caller may update it in place at once; the training pause is that bounded
+  copy. The handle's ``staged`` future is already done.
+* ``"overlap"``: ``save`` returns as soon as the copy has started, so the copy overlaps the
+  caller's next compute. The caller must then wait (``handle.staged.result()`` or
+  :meth:`CheckpointManager.wait_staged`) before the first in-place update of the state: the
+  optimizer step, but also in-place updates during the forward pass, such as BatchNorm's
+  running statistics. The stager's mutation guard fails a save whose state changed during the
+  copy (:class:`~dcp_safe.errors.SnapshotMutatedError`, recorded in the history) rather than
+  commit a torn checkpoint, but it cannot see every kind of update (docs/staging.md).
 
 After each local commit the new checkpoint is verified (``validate="manifest"``: marker and
 manifest digest; ``"deep"``: every byte), then retention prunes the local root by
@@ -85,6 +99,7 @@ from dcp_safe.errors import (
     DcpSafeError,
     DrainTimeoutError,
     ReplicationSkippedError,
+    SnapshotMutatedError,
 )
 from dcp_safe.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.history import HISTORY_FILE, History
@@ -94,6 +109,7 @@ from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.staging._tree import collect_tensors, rebuild
+from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
 from dcp_safe.storage.backend import Backend
 from dcp_safe.storage.committed import open_committed
 from dcp_safe.storage.reader import SafeStorageReader
@@ -107,6 +123,7 @@ __all__ = [
     "CheckpointManager",
     "ManagerStats",
     "SaveHandle",
+    "StagingMode",
     "Validation",
 ]
 
@@ -123,6 +140,13 @@ class BusyPolicy(str, enum.Enum):
     COALESCE = "coalesce"
     SYNC = "sync"
     RAISE = "raise"
+
+
+class StagingMode(str, enum.Enum):
+    """When :meth:`CheckpointManager.save` returns relative to the copy of the state."""
+
+    SNAPSHOT = "snapshot"  # after the copy: the caller may mutate the state at once
+    OVERLAP = "overlap"  # after the copy started: the caller waits on ``staged`` before mutating
 
 
 class Validation(str, enum.Enum):
@@ -147,7 +171,8 @@ class SaveHandle:
     Attributes:
         step: the training step.
         name: the checkpoint name.
-        staged: resolves once the state was copied (the caller may mutate it again).
+        staged: resolves once the state was copied (the caller may mutate it again); already
+            done when ``save`` returns with the default ``staging="snapshot"``.
         committed: resolves with ``name`` once committed locally, verified, and retention ran;
             fails with the upload's or verification's error; cancelled if a newer coalesced
             request replaced this one.
@@ -216,6 +241,8 @@ class CheckpointManager:
             fallbacks; ``None`` (the default) records nothing. Not closed by :meth:`close`.
         attempt: this job attempt's number, for fencing stale writers (default: from
             ``TORCHELASTIC_RESTART_COUNT``; see :mod:`dcp_safe.commit.fencing`).
+        staging: ``"snapshot"`` (``save`` returns after the copy) or ``"overlap"`` (it returns
+            while the copy runs; wait on ``handle.staged`` before mutating the state).
 
     Raises:
         ConfigError: a bad option.
@@ -243,11 +270,13 @@ class CheckpointManager:
         exit_timeout_s: float = 60.0,
         telemetry: Telemetry | None = None,
         attempt: int | None = None,
+        staging: StagingMode | str = "snapshot",
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
         self.when_busy: BusyPolicy = _coerce(BusyPolicy, when_busy, "when_busy")
         self.validate: Validation = _coerce(Validation, validate, "validate")
+        self.staging: StagingMode = _coerce(StagingMode, staging, "staging")
         self.save_every = save_every
         self.name_format = name_format
         self._name_for(0)  # fail early on a bad pattern
@@ -273,6 +302,7 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
         self._busy: SaveHandle | None = None
+        self._last_staged: Future[None] | None = None
         self._pending: _Pending | None = None
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
@@ -309,6 +339,11 @@ class CheckpointManager:
         self, step: int, state_dict: dict[str, Any], *, force: bool = False
     ) -> SaveHandle | None:
         """Save ``state_dict`` as checkpoint ``step``, by the ``when_busy`` policy.
+
+        With ``staging="snapshot"`` (the default) it returns once the state is copied, so the
+        caller may update it in place at once; with ``"overlap"`` wait on ``handle.staged`` (or
+        :meth:`wait_staged`) first. A copy whose sources changed meanwhile fails the handle's
+        futures with :class:`~dcp_safe.errors.SnapshotMutatedError` and publishes nothing.
 
         Returns:
             The save's handle, or ``None`` when it was skipped.
@@ -391,7 +426,14 @@ class CheckpointManager:
         if need > room:
             self._skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
             return None
+        guard = SnapshotGuard(sources)
         state = rebuild(state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources})
+        changed = guard.changed()  # another thread may update the state while it is copied
+        if changed:
+            self._fail(
+                handle, SnapshotMutatedError(tensor_paths(state_dict, changed)), tier="local"
+            )
+            return handle
         handle.staged.set_result(None)
         start_now = False
         with self._cond:
@@ -434,9 +476,29 @@ class CheckpointManager:
             self._finish_slot()
             raise
         _chain(response.staging_completion, handle.staged, lambda _: None)
+        with self._cond:
+            self._last_staged = handle.staged
         response.upload_completion.add_done_callback(
             lambda done: self._post.submit(self._after_upload, handle, done)
         )
+        if self.staging is StagingMode.SNAPSHOT:
+            # The copy is bounded and budgeted; its failure (a torn snapshot from another
+            # thread) reaches the handle's futures and the history, not this call.
+            wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
+
+    def wait_staged(self, timeout_s: float | None = None) -> None:
+        """Block until the latest started save has copied the state (``"overlap"`` staging).
+
+        After it returns the caller may update the state in place. A failed copy is not raised
+        here: it fails the save's handle and is raised by :meth:`wait`/:meth:`close`.
+
+        Raises:
+            DrainTimeoutError: the copy was not done after ``timeout_s``.
+        """
+        with self._cond:
+            staged = self._last_staged
+        if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
+            raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
 
     def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self._foreground_writer()

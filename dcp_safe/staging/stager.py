@@ -7,8 +7,8 @@ Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
     training thread   stage(state_dict): walk the state, size it, admit (wait or raise), lease
                       buffers, hand the copy to the staging thread, return a Future at once
     staging thread    allocate missing buffers, copy tensors (non-blocking on a side stream on
-                      CUDA, then synchronize), deep-copy everything else, resolve the Future
-                      -> DCP's ``staging_completion``
+                      CUDA, then synchronize), check the mutation guard, deep-copy everything
+                      else, resolve the Future -> DCP's ``staging_completion``
     upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
     any thread        release: buffers back to the pool, generation leaves the in-flight set
 
@@ -36,6 +36,12 @@ wait runs the garbage collector once, for reference cycles); a waiting ``stage()
 out says so. Admission happens in the caller's thread, so refusals surface from
 ``dcp.async_save`` itself: ``BudgetExceededError`` (the state can never fit) and
 ``AdmissionTimeoutError`` (busy, and ``when_busy="raise"`` or the wait timed out).
+
+The mutation guard (:mod:`dcp_safe.staging.guard`, on unless ``mutation_guard=False``): the
+sources' version counters are read when ``stage()`` is called and again after the copy. If any
+moved, the generation is torn: its buffers go back to the pool at once and the save fails with
+:class:`~dcp_safe.errors.SnapshotMutatedError` naming the tensors (in a single process through
+the staging Future; under several ranks through DCP's collective, so every rank fails alike).
 """
 
 from __future__ import annotations
@@ -55,9 +61,10 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError
+from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.staging.budget import MemoryBudget, format_bytes
+from dcp_safe.staging.guard import SnapshotGuard, current_rank, freed, poisoned, tensor_paths
 from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
 from dcp_safe.telemetry.events import NULL_RECORDER, Phase, Recorder, SpanHandle
 
@@ -100,6 +107,8 @@ class StagerOptions:
         when_busy: ``"wait"`` or ``"raise"``.
         timeout_s: the longest admission wait, and the longest ``close()`` waits for work in
             flight.
+        mutation_guard: fail a save whose sources change in place while they are copied
+            (:mod:`dcp_safe.staging.guard`); turn off only to measure the guard's cost.
 
     Raises:
         ConfigError: a value out of range or an unknown mode.
@@ -109,6 +118,7 @@ class StagerOptions:
     pin_memory: PinMemory = PinMemory.AUTO
     when_busy: WhenBusy = WhenBusy.WAIT
     timeout_s: float = 600.0
+    mutation_guard: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
@@ -118,6 +128,8 @@ class StagerOptions:
         object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s >= 0:
             raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
+        if not isinstance(self.mutation_guard, bool):
+            raise ConfigError(f"mutation_guard must be a bool, got {self.mutation_guard!r}")
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,7 @@ class StagerStats:
         refused: ``stage()`` calls refused (busy with ``when_busy="raise"``, or timed out).
         total_wait_s: time ``stage()`` calls spent waiting for admission.
         last_staging_s: duration of the latest completed staging (call to Future resolved).
+        torn: generations the mutation guard failed (sources changed during their copy).
     """
 
     envelope_bytes: int
@@ -161,6 +174,7 @@ class StagerStats:
     refused: int
     total_wait_s: float
     last_staging_s: float
+    torn: int = 0
 
 
 class _StagedStateDict(dict[str, Any]):
@@ -170,14 +184,18 @@ class _StagedStateDict(dict[str, Any]):
 
 
 class _Generation:
-    def __init__(self, number: int, lease: Lease, span: SpanHandle) -> None:
+    def __init__(
+        self, number: int, lease: Lease, span: SpanHandle, guard: SnapshotGuard | None
+    ) -> None:
         self.number = number
+        self.guard = guard
         self.lease = lease
         self.span = span  # the staging span: admission wait + copy
         self.release_claimed = False
         self.tracked = False
         self.staged = threading.Event()
         self.error: BaseException | None = None
+        self.staged_tensors: dict[int, torch.Tensor] = {}  # by source id, during the copy
 
 
 class BudgetedStager(AsyncStager):
@@ -190,6 +208,7 @@ class BudgetedStager(AsyncStager):
         pin_memory: see :class:`StagerOptions`.
         when_busy: see :class:`StagerOptions`.
         timeout_s: see :class:`StagerOptions`.
+        mutation_guard: see :class:`StagerOptions`.
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
 
@@ -206,6 +225,7 @@ class BudgetedStager(AsyncStager):
         pin_memory: PinMemory | str | bool = "auto",
         when_busy: WhenBusy | str = "wait",
         timeout_s: float = 600.0,
+        mutation_guard: bool = True,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.telemetry: Recorder = NULL_RECORDER
@@ -216,6 +236,7 @@ class BudgetedStager(AsyncStager):
             pin_memory=PinMemory.coerce(pin_memory),
             when_busy=WhenBusy.coerce(when_busy),
             timeout_s=timeout_s,
+            mutation_guard=mutation_guard,
         )
         self.budget = budget if budget is not None else MemoryBudget.from_host()
         self._pool = BufferPool(pin_memory=self.options.pin_memory)
@@ -232,6 +253,7 @@ class BudgetedStager(AsyncStager):
         self._latest: _Generation | None = None
         self._closed = False
         self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
+        self._torn_count = 0
         self._total_wait_s = self._last_staging_s = 0.0
 
     # -- DCP's AsyncStager protocol -------------------------------------------------------------
@@ -241,6 +263,10 @@ class BudgetedStager(AsyncStager):
 
         Runs on the caller's thread until admission; the copy runs on the staging thread.
 
+        The Future fails with :class:`~dcp_safe.errors.SnapshotMutatedError` when a source
+        changed in place before its copy finished (single process; see the module docstring
+        for several ranks).
+
         Raises:
             BudgetExceededError: the state is larger than the whole envelope.
             AdmissionTimeoutError: not admitted within ``timeout_s`` (at once with
@@ -248,10 +274,12 @@ class BudgetedStager(AsyncStager):
         """
         started = time.perf_counter()
         sources = collect_tensors(state_dict)
+        # The request is the snapshot's moment: read the counters before anything can wait.
+        guard = SnapshotGuard(sources) if self.options.mutation_guard else None
         sizes = [t.nbytes for t in sources if t.nbytes > 0]
         span = self.telemetry.begin(Phase.STAGING, bytes=sum(sizes))
         try:
-            gen = self._admit(sizes, span)
+            gen = self._admit(sizes, span, guard)
         except BaseException as exc:
             span.fail(exc)
             raise
@@ -260,7 +288,8 @@ class BudgetedStager(AsyncStager):
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the caller's stream: copy only what its queued kernels wrote
         future: Future[StateDict] = Future()
-        self._executor.submit(self._copy, gen, state_dict, sources, future, ready, started)
+        rank = current_rank()
+        self._executor.submit(self._copy, gen, state_dict, sources, future, ready, started, rank)
         return future
 
     def synchronize_staging(self) -> None:
@@ -394,6 +423,7 @@ class BudgetedStager(AsyncStager):
                 refused=self._refused,
                 total_wait_s=self._total_wait_s,
                 last_staging_s=self._last_staging_s,
+                torn=self._torn_count,
             )
 
     def __enter__(self) -> BudgetedStager:
@@ -404,7 +434,9 @@ class BudgetedStager(AsyncStager):
 
     # -- admission ------------------------------------------------------------------------------
 
-    def _admit(self, sizes: list[int], span: SpanHandle) -> _Generation:
+    def _admit(
+        self, sizes: list[int], span: SpanHandle, guard: SnapshotGuard | None
+    ) -> _Generation:
         request = sum(self._pool.cost(s) for s in sizes)
         self.budget.check_fits(request)
         started = time.monotonic()
@@ -439,7 +471,7 @@ class BudgetedStager(AsyncStager):
                         self._cond.acquire()
                     continue
                 self._cond.wait(0.005)
-            gen = _Generation(next(self._numbers), self._pool.lease(sizes), span)
+            gen = _Generation(next(self._numbers), self._pool.lease(sizes), span, guard)
             excess = self._pool.allocated_bytes - self.budget.envelope_bytes
             if excess > 0:  # free buffers this state cannot use make room for ones it can
                 self._pool.trim(max(0, self._pool.free_bytes - excess))
@@ -488,34 +520,28 @@ class BudgetedStager(AsyncStager):
         future: Future[StateDict],
         ready: torch.cuda.Event | None,
         started: float,
+        rank: int | None,
     ) -> None:
+        result: StateDict | None = None
         try:
             allocated = gen.lease.materialize()
-            stream_ctx: AbstractContextManager[Any] = (
-                torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-            )
-            staged: dict[int, torch.Tensor] = {}
-            buffers = iter(gen.lease.buffers)
-            with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
-                if ready is not None and self._stream is not None:
-                    self._stream.wait_event(ready)
-                for src in sources:
-                    if src.nbytes == 0:
-                        staged[id(src)] = torch.empty(src.shape, dtype=src.dtype)
-                        continue
-                    dst = next(buffers).view(src.dtype).view(src.shape)
-                    dst.copy_(src, non_blocking=src.is_cuda)
-                    staged[id(src)] = dst
-            if self._stream is not None:
-                self._stream.synchronize()
-            result = _StagedStateDict(rebuild(state_dict, staged))
+            self._copy_tensors(gen, sources, ready, state_dict, rank)
+            torn = self._torn(gen, state_dict, rank)
+            if torn is not None:
+                raise torn
+            result = _StagedStateDict(rebuild(state_dict, gen.staged_tensors))
         except BaseException as exc:
-            gen.error = exc
-            gen.span.fail(exc)
-            gen.staged.set()
-            self._release(gen, writer_done=True)
-            future.set_exception(exc)
+            error = exc
+            if not isinstance(exc, SnapshotMutatedError):
+                # A resize between the request and the copy surfaces as a shape error first.
+                torn = self._torn(gen, state_dict, rank)
+                if torn is not None:
+                    torn.__cause__ = exc
+                    error = torn
+            self._fail_generation(gen, future, error, rank)
             return
+        finally:
+            gen.staged_tensors = {}
         finalizer = weakref.finalize(result, self._dropped, gen)
         finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
         with self._cond:
@@ -523,8 +549,68 @@ class BudgetedStager(AsyncStager):
             self._last_staging_s = time.perf_counter() - started
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
-        del staged, sources
+        del sources
         future.set_result(result)
+
+    def _copy_tensors(
+        self,
+        gen: _Generation,
+        sources: list[torch.Tensor],
+        ready: torch.cuda.Event | None,
+        state_dict: StateDict,
+        rank: int | None,
+    ) -> None:
+        stream_ctx: AbstractContextManager[Any] = (
+            torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        )
+        staged = gen.staged_tensors
+        buffers = iter(gen.lease.buffers)
+        guarded = gen.guard is not None
+        with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
+            if ready is not None and self._stream is not None:
+                self._stream.wait_event(ready)
+            for src in sources:
+                if src.nbytes == 0:
+                    staged[id(src)] = torch.empty(src.shape, dtype=src.dtype)
+                    continue
+                if guarded and freed(src):  # copying it would read released memory
+                    raise SnapshotMutatedError(tensor_paths(state_dict, [src]), rank=rank)
+                dst = next(buffers).view(src.dtype).view(src.shape)
+                dst.copy_(src, non_blocking=src.is_cuda)
+                staged[id(src)] = dst
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _torn(
+        self, gen: _Generation, state_dict: StateDict, rank: int | None
+    ) -> SnapshotMutatedError | None:
+        """The guard's verdict once the copy is over: ``None`` when the snapshot is exact."""
+        changed = gen.guard.changed() if gen.guard is not None else []
+        if not changed:
+            return None
+        return SnapshotMutatedError(tensor_paths(state_dict, changed), rank=rank)
+
+    def _fail_generation(
+        self,
+        gen: _Generation,
+        future: Future[StateDict],
+        error: BaseException,
+        rank: int | None,
+    ) -> None:
+        gen.span.fail(error)
+        gen.staged.set()
+        self._release(gen, writer_done=True)  # nothing will read these buffers
+        if isinstance(error, SnapshotMutatedError):
+            with self._cond:
+                self._torn_count += 1
+            if rank is not None:
+                # Peers are about to plan this save in DCP's collective; a failed Future would
+                # keep this rank out of it and leave them waiting for their deadline. The
+                # poisoned dict fails the plan inside the collective, on every rank at once.
+                future.set_result(_StagedStateDict(poisoned(error)))
+                return
+        gen.error = error
+        future.set_exception(error)
 
     # -- release --------------------------------------------------------------------------------
 

@@ -1,0 +1,151 @@
+"""The mutation guard: a staged copy is the state at the request, or the save fails.
+
+This module owns the one question "did any source tensor change between the save request and
+the end of its copy?", and how a "yes" travels to every rank.
+
+How it is answered: every in-place update through autograd's view of a tensor (optimizer steps,
+``no_grad`` ``add_``, writes through views, ``resize_``/``set_``) bumps the tensor's version
+counter. :class:`SnapshotGuard` reads the counters of the sources when the save is requested (on
+the caller's thread, before the call returns) and again once the copy has finished; any
+difference means the copy may hold a mix of before and after, so the generation is *torn*.
+Reading a counter costs about 0.1 µs (a C getter mapped over the list), which is why the
+guard is on by default: docs/benchmarks.md measures it against the copy.
+
+What it cannot see (docs/staging.md repeats this for users): writes through ``.data`` (a new
+counter shares the storage), writes from another process or through raw pointers, CUDA kernels
+already enqueued before the request but running after it (they are ordered before the copy by
+the stager's event, so they are *in* the snapshot, as intended), BatchNorm's running-statistic
+update in the forward pass (torch 2.13 does not bump the counter), and an update that is still
+executing when the copy ends (its counter moves only when the kernel returns). The manager's
+default staging mode does not depend on the guard for its own thread: ``save()`` returns only
+after the copy.
+
+How a torn generation fails the save: in a single process the staging future fails with
+:class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts. Under a process group
+of several ranks that would leave the healthy ranks waiting in DCP's collectives until their
+deadline, so the torn rank instead hands DCP a *poisoned* state dict (:func:`poisoned`): its one
+entry raises the error from DCP's ``__create_write_items__`` hook while the local plan is made,
+inside DCP's collective, which carries it to every rank; nothing is written or published and
+every rank's future fails with the same error naming the torn rank. A planner that does not use
+DCP's write-item helper serializes the entry instead, and its ``__reduce_ex__`` raises the same
+error during ``write_data``, still inside the collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dcp_safe.errors import SnapshotMutatedError
+
+__all__ = [
+    "POISON_KEY",
+    "SnapshotGuard",
+    "TornSnapshot",
+    "current_rank",
+    "freed",
+    "poisoned",
+    "tensor_paths",
+]
+
+# The C getter behind ``Tensor._version``; mapping it over a list skips attribute lookup.
+_read_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
+
+# The key of the only entry of a poisoned state dict (a name no model uses).
+POISON_KEY = "__dcp_safe_snapshot_mutated__"
+
+
+class SnapshotGuard:
+    """The version counters of a save's source tensors, read at the request.
+
+    Args:
+        sources: the distinct tensors the stager will copy, in copy order. The guard keeps them
+            alive until it is dropped, so their identities stay valid.
+    """
+
+    __slots__ = ("_sources", "_versions")
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        self._sources = sources
+        self._versions = list(map(_read_version, sources))
+
+    def changed(self) -> list[torch.Tensor]:
+        """The sources whose counter moved since the request (empty when none did)."""
+        now = list(map(_read_version, self._sources))
+        if now == self._versions:  # the common case: one C-level list comparison
+            return []
+        pairs = zip(self._sources, self._versions, now, strict=True)
+        return [t for t, before, after in pairs if before != after]
+
+
+def freed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage was released (``untyped_storage().resize_(0)``, as FSDP does).
+
+    Copying from such a tensor reads freed memory (it can crash the process), and the release
+    does not bump the version counter, so the stager asks before each copy.
+    """
+    return tensor.nbytes > 0 and tensor.untyped_storage().nbytes() == 0
+
+
+def tensor_paths(state_dict: object, tensors: Iterable[torch.Tensor]) -> list[str]:
+    """The dotted paths in ``state_dict`` at which ``tensors`` appear (for error messages).
+
+    A tensor reached through a DTensor is named by the DTensor's path. Tensors not found by the
+    walk (hidden in other objects) are named by shape and dtype.
+    """
+    wanted = {id(t): t for t in tensors}
+    found: dict[int, str] = {}
+    _walk(state_dict, "", wanted, found)
+    names = [found[i] for i in wanted if i in found]
+    names += [f"<tensor {tuple(t.shape)} {t.dtype}>" for i, t in wanted.items() if i not in found]
+    return names
+
+
+def _walk(obj: object, path: str, wanted: dict[int, torch.Tensor], found: dict[int, str]) -> None:
+    if isinstance(obj, DTensor):
+        obj = obj._local_tensor
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in wanted:
+            found.setdefault(id(obj), path or "<root>")
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _walk(value, f"{path}.{key}" if path else str(key), wanted, found)
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            _walk(value, f"{path}.{index}" if path else str(index), wanted, found)
+
+
+def current_rank() -> int | None:
+    """This process's rank in the default group, or ``None`` without a group of several ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    return None
+
+
+class TornSnapshot:
+    """The entry of a poisoned state dict: any attempt to plan or serialize it raises ``error``."""
+
+    def __init__(self, error: SnapshotMutatedError) -> None:
+        self.error = error
+
+    def __create_write_items__(self, fqn: str, obj: object) -> NoReturn:
+        # DCP's planner calls this while making the local plan, inside its collective.
+        raise self.error
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise self.error
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TornSnapshot:
+        return self
+
+    def __repr__(self) -> str:
+        return f"TornSnapshot({self.error})"
+
+
+def poisoned(error: SnapshotMutatedError) -> dict[str, Any]:
+    """A state dict whose save fails with ``error`` on every rank (see the module docstring)."""
+    return {POISON_KEY: TornSnapshot(error)}
