@@ -51,6 +51,7 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -396,6 +397,15 @@ class BudgetedStager(AsyncStager):
                     f" {self.budget.explain()}"
                 )
         return self._pool.warm(sizes)
+
+    def run_on_staging_thread(self, fn: Callable[[], object]) -> Future[object]:
+        """Run ``fn`` on the staging thread, after every copy requested before this call.
+
+        Copies run one at a time, in request order, so a blocking ``fn`` holds every later
+        copy: :func:`dcp_safe.testing.staging.hold_staging` uses this to make "an update
+        during the copy" deterministic in tests and drills.
+        """
+        return self._executor.submit(fn)
 
     def trim(self) -> int:
         """Free every buffer not in use; return the bytes freed."""
