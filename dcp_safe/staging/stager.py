@@ -51,7 +51,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.staging.budget import MemoryBudget, format_bytes
-from dcp_safe.staging.guard import SnapshotGuard, current_rank, freed, poisoned, tensor_paths
+from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned, tensor_paths
 from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
 from dcp_safe.telemetry.events import NULL_RECORDER, Phase, Recorder, SpanHandle
 
@@ -575,15 +575,19 @@ class BudgetedStager(AsyncStager):
         )
         staged = gen.staged_tensors
         buffers = iter(gen.lease.buffers)
-        guarded = gen.guard is not None
+        where: Iterable[int | None] = (
+            gen.guard.data_ptrs if gen.guard is not None else itertools.repeat(None)
+        )
         with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
             if ready is not None and self._stream is not None:
                 self._stream.wait_event(ready)
-            for src in sources:
+            for src, data_ptr in zip(sources, where, strict=False):
                 if src.nbytes == 0:
                     staged[id(src)] = torch.empty(src.shape, dtype=src.dtype)
                     continue
-                if guarded and freed(src):  # copying it would read released memory
+                if data_ptr is not None and src.data_ptr() != data_ptr:
+                    # Freed or reallocated since the request (no version bump): copying a
+                    # freed storage would read released memory.
                     raise SnapshotMutatedError(tensor_paths(state_dict, [src]), rank=rank)
                 dst = next(buffers).view(src.dtype).view(src.shape)
                 dst.copy_(src, non_blocking=src.is_cuda)
