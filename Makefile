@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check dcp_safe tests examples benchmarks
+	$(BIN)/ruff format --check dcp_safe tests examples benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 

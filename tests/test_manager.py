@@ -391,7 +391,9 @@ def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
 
 @pytest.mark.s3
 def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
-    tmp_path: Path, s3_root: str, s3_options: dict[str, Any]  # noqa: F811
+    tmp_path: Path,
+    s3_root: str,  # noqa: F811
+    s3_options: dict[str, Any],  # noqa: F811
 ) -> None:
     # Only the replica needs endpoint and credentials; the local root takes none.
     local = tmp_path / "local"
