@@ -69,10 +69,9 @@ from _common import (
 )
 from bench_storage import NAME, make_state, measure, summarize, tensor_bytes
 
-from dcp_safe import SafeStorageWriter
-from dcp_safe.commit import protocol
-from dcp_safe.storage.replicate import replicate_checkpoint
-from dcp_safe.storage.roots import open_backend
+from dcp_safe import SafeStorageWriter, layout
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.replication.replicator import replicate_checkpoint
 from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, LocalS3
 
 BUCKET = "bench"
@@ -339,7 +338,7 @@ def save_local(state: State, root: Path) -> None:
 def check_stored(name: str, kind: str, stored: dict[str, Any], payload: int) -> None:
     keys = stored["keys"]
     if kind in ("dcp_safe", "replicate"):
-        ok = f"{NAME}/{protocol.COMMITTED_MARKER}" in keys
+        ok = f"{NAME}/{layout.COMMITTED_MARKER}" in keys
     elif kind == "fsspec":
         ok = ".metadata" in keys
     else:

@@ -53,8 +53,8 @@ from _common import (
     write_results,
 )
 
-from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.telemetry import JsonLinesSink, Phase, PrometheusSink, Telemetry
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -6,11 +6,18 @@ See DESIGN (docs/architecture.md) for how a save flows; the public names are lis
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from dcp_safe.api import async_save, load, save
-from dcp_safe.catalog import CheckpointInfo, VerifyReport, list_checkpoints, verify_checkpoint
-from dcp_safe.commit.group import checkpoint_group
+from dcp_safe.checkpoints.catalog import (
+    CheckpointInfo,
+    VerifyReport,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from dcp_safe.checkpoints.node_cache import NodeCache, list_node_caches
+from dcp_safe.dcp.api import async_save, load, save
+from dcp_safe.dcp.group import checkpoint_group
+from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     BudgetExceededError,
@@ -28,7 +35,6 @@ from dcp_safe.errors import (
     StaleWriterError,
     StorageError,
 )
-from dcp_safe.fallback import FallbackOptions
 from dcp_safe.manager import (
     BusyPolicy,
     CheckpointManager,
@@ -37,6 +43,7 @@ from dcp_safe.manager import (
     StagingMode,
     Validation,
 )
+from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import SweepReport, sweep_partials
 from dcp_safe.staging import (
@@ -48,11 +55,8 @@ from dcp_safe.staging import (
     WhenBusy,
     plan_capacity,
 )
-from dcp_safe.storage.node_cache import NodeCache, list_node_caches
-from dcp_safe.storage.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.storage.reader import SafeStorageReader
-from dcp_safe.storage.writer import SafeStorageWriter
 from dcp_safe.telemetry import MemorySampler, Telemetry
+from dcp_safe.version import __version__
 
 __all__ = [
     "AdmissionTimeoutError",

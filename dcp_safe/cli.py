@@ -1,7 +1,7 @@
 """``dcp-safe``: list, verify, inspect and collect checkpoints; run the demo and the benchmark.
 
 This module parses arguments, calls the library, and prints; the work is done by
-:mod:`dcp_safe.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.storage` and
+:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.storage` and
 :mod:`dcp_safe.demo`. Tables and progress bars are rich's.
 
 Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
@@ -24,8 +24,11 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 from rich.table import Table
 
-from dcp_safe.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
+from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -34,9 +37,6 @@ from dcp_safe.errors import (
 )
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
-from dcp_safe.storage.committed import open_committed, resolve_name
-from dcp_safe.storage.reader import SafeStorageReader
-from dcp_safe.storage.roots import open_backend
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -213,7 +213,7 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         "present with its recorded size. --deep: also read every byte against its checksum.",
     )
     p.add_argument("root", help="checkpoint root")
-    p.add_argument("name", nargs="?", default=protocol.LATEST, help="checkpoint name or 'latest'")
+    p.add_argument("name", nargs="?", default=layout.LATEST, help="checkpoint name or 'latest'")
     p.add_argument("--deep", action="store_true", help="read every byte against its checksum")
     p.set_defaults(run=_verify)
 

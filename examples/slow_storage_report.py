@@ -19,11 +19,11 @@ from typing import Any
 import psutil
 import torch
 
-from dcp_safe.fallback import FallbackOptions
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.staging import MemoryBudget
 from dcp_safe.staging.budget import format_bytes
-from dcp_safe.storage.writer import SafeStorageWriter
 
 STEPS = 40
 STEP_S = 0.05

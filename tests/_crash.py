@@ -25,8 +25,8 @@ import torch
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe.backends import local_backend
 from dcp_safe.staging import stager as stager_module
-from dcp_safe.storage import local_backend
 
 # A child that finished its work exits with this; one killed by the switch shows SIGKILL.
 CHILD_DONE = 0

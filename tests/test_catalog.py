@@ -12,11 +12,10 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageWriter, verify_checkpoint
-from dcp_safe.commit import protocol
+from dcp_safe import CheckpointCorruptError, SafeStorageWriter, layout, verify_checkpoint
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.manifest.schema import FileRecord
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.roots import open_backend
 
 
 @pytest.fixture
@@ -28,7 +27,7 @@ def root(tmp_path: Path) -> Path:
 
 
 def _shard(root: Path) -> Path:
-    (shard,) = sorted((root / "step_0001").glob(f"*{protocol.SHARD_SUFFIX}"))
+    (shard,) = sorted((root / "step_0001").glob(f"*{layout.SHARD_SUFFIX}"))
     return shard
 
 

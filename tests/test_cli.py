@@ -21,11 +21,10 @@ from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtu
 from support import make_state
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter
+from dcp_safe import SafeStorageWriter, layout
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from dcp_safe.commit import protocol
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.roots import open_backend
 from dcp_safe.testing.s3 import LocalS3
 
 # Generous: only a guard against a hung subprocess, never a measure of speed.
@@ -50,7 +49,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def _shard(root: Path, name: str) -> Path:
-    (shard,) = sorted((root / name).glob(f"*{protocol.SHARD_SUFFIX}"))
+    (shard,) = sorted((root / name).glob(f"*{layout.SHARD_SUFFIX}"))
     return shard
 
 
@@ -232,7 +231,7 @@ def test_verify_deep_on_s3_passes_then_fails_after_an_object_is_overwritten(
     assert status == EXIT_OK and "OK step_0005" in out
     prefix = remote.root.removeprefix(f"s3://{remote.bucket}/")
     keys = remote.server.keys(remote.bucket, prefix)
-    (key,) = [k for k in keys if k.endswith(protocol.SHARD_SUFFIX)]
+    (key,) = [k for k in keys if k.endswith(layout.SHARD_SUFFIX)]
     client = remote.server.client()
     body = bytearray(client.get_object(Bucket=remote.bucket, Key=key)["Body"].read())
     body[-1] ^= 0x01

@@ -22,15 +22,14 @@ import pytest
 from _crash import assert_bit_exact, blank_like, make_values, record_figures
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter
-from dcp_safe.commit import protocol
+from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, layout
 from dcp_safe.manifest.checksum import digest_bytes
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 NAME = "step_000100"
 FLIPS_PER_VARIANT = 200
 SCALE = 100  # make_values(seed, scale=100) is about 220 KB of tensors
-RANK_MANIFEST = protocol.rank_manifest_name(0)
+RANK_MANIFEST = layout.rank_manifest_name(0)
 
 
 @dataclass(frozen=True)
@@ -139,9 +138,9 @@ def test_every_single_byte_flip_is_detected(
     sizes = {f: (base / f).stat().st_size for f in template.files}
     assert set(sizes) >= {
         "__0_0.distcp",
-        protocol.DCP_METADATA,
-        protocol.MANIFEST,
-        protocol.COMMITTED_MARKER,
+        layout.DCP_METADATA,
+        layout.MANIFEST,
+        layout.COMMITTED_MARKER,
         RANK_MANIFEST,
     }
     plan = _flip_plan(sizes, flips, seed={"none": 1234, "zstd": 5678}.get(variant, 91) + flips)
@@ -156,7 +155,7 @@ def test_every_single_byte_flip_is_detected(
             missed.append(where)
         except CheckpointCorruptError as exc:
             # A damaged marker is reported as a manifest that no longer matches it.
-            named = protocol.MANIFEST if file == protocol.COMMITTED_MARKER else file
+            named = layout.MANIFEST if file == layout.COMMITTED_MARKER else file
             if not exc.path.endswith(f"{NAME}/{named}"):
                 unnamed.append(f"{where}: {exc.path}")
         try:
@@ -287,10 +286,10 @@ def test_damaged_manifest_is_named(
 ) -> None:
     template = pristine["none"]
     root = template.copy(tmp_path / "root")
-    manifest = root / NAME / protocol.MANIFEST
+    manifest = root / NAME / layout.MANIFEST
     manifest.write_bytes(damage(manifest.read_bytes()))
-    assert _verify_error(root).path.endswith(f"{NAME}/{protocol.MANIFEST}")
-    assert _load_error(root, template.values).path.endswith(f"{NAME}/{protocol.MANIFEST}")
+    assert _verify_error(root).path.endswith(f"{NAME}/{layout.MANIFEST}")
+    assert _load_error(root, template.values).path.endswith(f"{NAME}/{layout.MANIFEST}")
     # Not a checkpoint anyone should pick up.
     assert dcp_safe.list_checkpoints(root) == []
 
@@ -303,13 +302,13 @@ def test_manifest_rewritten_with_a_matching_marker_is_still_checked_against_the_
     template = pristine["none"]
     root = template.copy(tmp_path / "root")
     base = root / NAME
-    raw = (base / protocol.MANIFEST).read_bytes()
+    raw = (base / layout.MANIFEST).read_bytes()
     manifest = Manifest.from_json(raw, "manifest.json")
     victim = next(i for i in manifest.items if i.fqn == "bf16")
     forged = raw.replace(victim.checksum.encode(), b"xxh3_128:" + b"0" * 32)
     assert forged != raw
-    (base / protocol.MANIFEST).write_bytes(forged)
-    (base / protocol.COMMITTED_MARKER).write_bytes(manifest_digest(forged).encode())
+    (base / layout.MANIFEST).write_bytes(forged)
+    (base / layout.COMMITTED_MARKER).write_bytes(manifest_digest(forged).encode())
     error = _verify_error(root)
     assert error.path.endswith(f"{NAME}/{victim.file}")
     assert error.item == victim.describe()
@@ -326,23 +325,23 @@ def test_verify_rejects_a_committed_manifest_that_load_rejects(
     template = pristine["none"]
     root = template.copy(tmp_path / "root")
     base = root / NAME
-    manifest = json.loads((base / protocol.MANIFEST).read_bytes())
-    manifest["files"] = [f for f in manifest["files"] if f["path"] != protocol.DCP_METADATA]
+    manifest = json.loads((base / layout.MANIFEST).read_bytes())
+    manifest["files"] = [f for f in manifest["files"] if f["path"] != layout.DCP_METADATA]
     forged = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    (base / protocol.MANIFEST).write_bytes(forged)
-    (base / protocol.COMMITTED_MARKER).write_bytes(manifest_digest(forged).encode())
+    (base / layout.MANIFEST).write_bytes(forged)
+    (base / layout.COMMITTED_MARKER).write_bytes(manifest_digest(forged).encode())
     assert "not listed" in str(_load_error(root, template.values))
-    assert _verify_error(root).path.endswith(f"{NAME}/{protocol.MANIFEST}")
+    assert _verify_error(root).path.endswith(f"{NAME}/{layout.MANIFEST}")
 
 
 def test_missing_metadata_is_named(pristine: dict[str, Pristine], tmp_path: Path) -> None:
     template = pristine["none"]
     root = template.copy(tmp_path / "root")
-    (root / NAME / protocol.DCP_METADATA).unlink()
+    (root / NAME / layout.DCP_METADATA).unlink()
     error = _verify_error(root)
-    assert error.path.endswith(f"{NAME}/{protocol.DCP_METADATA}")
+    assert error.path.endswith(f"{NAME}/{layout.DCP_METADATA}")
     assert "missing" in str(error)
-    assert _load_error(root, template.values).path.endswith(f"{NAME}/{protocol.DCP_METADATA}")
+    assert _load_error(root, template.values).path.endswith(f"{NAME}/{layout.DCP_METADATA}")
 
 
 def test_missing_rank_manifest_fails_verify_but_not_load(
@@ -365,7 +364,7 @@ def test_error_names_file_item_and_both_checksums(
 ) -> None:
     template = pristine[variant]
     root = template.copy(tmp_path / "root")
-    raw = (root / NAME / protocol.MANIFEST).read_bytes()
+    raw = (root / NAME / layout.MANIFEST).read_bytes()
     item = next(i for i in Manifest.from_json(raw, "manifest.json").items if i.fqn == fqn)
     shard = root / NAME / item.file
     _flip(shard, item.start + item.length // 2, 0x40)

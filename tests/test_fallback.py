@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from support import make_state
 
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
-from dcp_safe.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerStats
-from dcp_safe.storage.writer import SafeStorageWriter
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 _RESERVE = 1000

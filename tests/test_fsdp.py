@@ -26,8 +26,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints, verify_checkpoint
-from dcp_safe.commit import protocol
+from dcp_safe import (
+    SafeStorageReader,
+    SafeStorageWriter,
+    layout,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -130,6 +135,6 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     _restore(fresh, fresh_optimizer, str(tmp_path), "two_ranks")
     assert_state_equal(gather_full(_state(fresh, fresh_optimizer)), saved, "2->1")
-    raw = (tmp_path / "two_ranks" / protocol.MANIFEST).read_bytes()
+    raw = (tmp_path / "two_ranks" / layout.MANIFEST).read_bytes()
     assert Manifest.from_json(raw, "two_ranks").world_size == 2
     assert verify_checkpoint(tmp_path, "two_ranks").items_checked > 0

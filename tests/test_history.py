@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dcp_safe.history import HISTORY_FILE, History
-from dcp_safe.storage.roots import open_backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.history import HISTORY_FILE, History
 
 
 def test_append_and_read_round_trip_on_a_local_root(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtu
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     CheckpointCorruptError,
@@ -28,7 +29,6 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manager import HISTORY_FILE, CheckpointManager
 from dcp_safe.staging import BudgetedStager, MemoryBudget
-from dcp_safe.storage.writer import SafeStorageWriter
 
 _GATE_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
@@ -61,7 +61,7 @@ class _SlowWriter(SafeStorageWriter):
         super().finish(metadata, results)
         name = self.checkpoint_id
         if name in self.corrupt:
-            shard = Path(self.root) / str(name) / protocol.shard_file_name(0, 0)
+            shard = Path(self.root) / str(name) / layout.shard_file_name(0, 0)
             data = bytearray(shard.read_bytes())
             data[len(data) // 2] ^= 0xFF
             shard.write_bytes(bytes(data))

@@ -17,8 +17,8 @@ import torch
 from support import assert_state_equal
 
 from dcp_safe import CheckpointManager, SnapshotMutatedError, list_checkpoints
-from dcp_safe.history import History
-from dcp_safe.storage.roots import open_backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.history import History
 from dcp_safe.testing.staging import hold_staging
 
 SAVES = 20

@@ -37,7 +37,7 @@ from s3_fixtures import s3, s3_bucket, s3_options  # noqa: F401
 
 import dcp_safe
 from dcp_safe import CheckpointExistsError, DcpSafeError, SafeStorageReader, SafeStorageWriter
-from dcp_safe.commit.protocol import WRITING_LEASE
+from dcp_safe.layout import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 
 pytestmark = pytest.mark.timeout(900)

@@ -19,10 +19,10 @@ import pytest
 from support import blank_like, make_state
 
 import dcp_safe
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import MemoryBudget
-from dcp_safe.storage.writer import SafeStorageWriter
 
 _EXIT_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent(
     manager.install_preemption_handler(signal.SIGTERM, budget_s=30)
     with manager:
         for step in range(1, 100_000):
-            # The signal lands between steps, never inside an update (see dcp_safe.preemption).
+            # The signal lands between steps, never inside an update (dcp_safe.manager.preemption).
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             loss = model(torch.randn(16, 8)).pow(2).mean()
             opt.zero_grad()

@@ -44,8 +44,8 @@ from dcp_safe.bench.measure import (
 )
 from dcp_safe.bench.savers import DcpSafeSaver, TorchSaver
 from dcp_safe.bench.session import remove_tree, run_session
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import ConfigError
-from dcp_safe.storage.reader import SafeStorageReader
 
 __all__ = ["SCHEMA", "main", "run_quick"]
 

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.staging import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
 from dcp_safe.bench.measure import State
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.staging import BudgetedStager
-from dcp_safe.storage.writer import SafeStorageWriter
 
 __all__ = ["DcpSafeSaver", "Saver", "Started", "TorchSaver", "TorchStaging"]
 

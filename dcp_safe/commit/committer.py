@@ -22,23 +22,23 @@ A failure before the publish removes the partial directory and raises; nothing i
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import pickle
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-import dcp_safe
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
 from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
-from dcp_safe.manifest.checksum import digest_bytes
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import (
     FileRecord,
     ItemKey,
@@ -48,18 +48,31 @@ from dcp_safe.manifest.schema import (
     item_key,
     manifest_digest,
 )
-from dcp_safe.storage.backend import Backend
-from dcp_safe.storage.options import WriterOptions
+from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
+from dcp_safe.version import __version__
 
 __all__ = ["Committer"]
 
 log = logging.getLogger(__name__)
 
 
+class CommitOptions(Protocol):
+    """What the committer reads of the writer's options (``WriterOptions`` is one)."""
+
+    @property
+    def checksum(self) -> ChecksumAlgorithm: ...
+
+    @property
+    def compression(self) -> enum.Enum: ...
+
+    @property
+    def overwrite(self) -> bool: ...
+
+
 class Committer:
     """Publishes one save. Stateless between calls; one instance per publish is fine."""
 
-    def __init__(self, backend: Backend, options: WriterOptions) -> None:
+    def __init__(self, backend: Backend, options: CommitOptions) -> None:
         self.backend = backend
         self.options = options
 
@@ -130,13 +143,13 @@ class Committer:
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
         metadata_bytes = _dcp_metadata(metadata, name, save_id, results)
-        self.backend.write_bytes(f"{work_dir}/{protocol.DCP_METADATA}", metadata_bytes)
+        self.backend.write_bytes(f"{work_dir}/{layout.DCP_METADATA}", metadata_bytes)
         algorithm = self.options.checksum
         files = [f for shard_files, _ in rank_files for f in shard_files]
         files += [manifest_file for _, manifest_file in rank_files]
         files.append(
             FileRecord(
-                path=protocol.DCP_METADATA,
+                path=layout.DCP_METADATA,
                 size=len(metadata_bytes),
                 checksum=digest_bytes(metadata_bytes, algorithm),
             )
@@ -150,15 +163,15 @@ class Committer:
             compression=self.options.compression.value,
             files=tuple(files),
             items=tuple(rec for r in sorted(per_rank) for rec in per_rank[r]),
-            dcp_safe_version=dcp_safe.__version__,
+            dcp_safe_version=__version__,
             torch_version=torch.__version__,
             step=step,
             attempt=None if attempt is None else attempt.number,
         )
         manifest_bytes = manifest.to_json()
-        self.backend.write_bytes(f"{work_dir}/{protocol.MANIFEST}", manifest_bytes)
-        self.backend.sync_dir(f"{work_dir}/{protocol.RANKS_DIR}")
-        marker = f"{work_dir}/{protocol.COMMITTED_MARKER}"
+        self.backend.write_bytes(f"{work_dir}/{layout.MANIFEST}", manifest_bytes)
+        self.backend.sync_dir(f"{work_dir}/{layout.RANKS_DIR}")
+        marker = f"{work_dir}/{layout.COMMITTED_MARKER}"
         if not self.backend.supports_atomic_rename:
             check_fence(self.backend, attempt)  # the commit point is the marker
             check_lease(self.backend, name, save_id)
@@ -175,7 +188,7 @@ class Committer:
         self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
     ) -> tuple[list[FileRecord], FileRecord]:
         """Read back one rank's manifest and check it against its results and the storage."""
-        rel = protocol.rank_manifest_name(rank)
+        rel = layout.rank_manifest_name(rank)
         try:
             raw = self.backend.read_bytes(f"{work_dir}/{rel}")
             manifest = RankManifest.from_json(raw, self.backend.full_path(f"{work_dir}/{rel}"))
@@ -217,7 +230,7 @@ class Committer:
         """Remove a failed object-store save, but only while its lease shows it is ours."""
         with contextlib.suppress(OSError, StaleWriterError):
             check_lease(self.backend, name, save_id)
-            if not self.backend.exists(f"{name}/{protocol.COMMITTED_MARKER}"):
+            if not self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
                 self.backend.remove_tree(name)
 
     def _discard(self, work_dir: str) -> None:
@@ -273,12 +286,12 @@ def _fingerprints(records: Iterable[ItemRecord]) -> list[tuple[Any, ...]]:
 def _dcp_metadata(
     metadata: Metadata, name: str, save_id: str, results: list[list[WriteResult]]
 ) -> bytes:
-    """DCP's own ``.metadata``: plain ``_StorageInfo`` entries, so torch's readers load it."""
-    storage: dict[Any, _StorageInfo] = {}
+    """DCP's own ``.metadata``: plain ``StorageInfo`` entries, so torch's readers load it."""
+    storage: dict[Any, StorageInfo] = {}
     for rank_results in results:
         for result in rank_results:
             record: ItemRecord = result.storage_data
-            storage[result.index] = _StorageInfo(
+            storage[result.index] = StorageInfo(
                 relative_path=record.file,
                 offset=record.start,
                 length=record.length,

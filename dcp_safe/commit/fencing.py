@@ -10,7 +10,7 @@ attempt that ever saved there: ``_ATTEMPTS/<run id>/attempt_<n>``, one small fil
 The record only grows, so no read-modify-write is needed: registering is an exclusive create
 (a second registration of the same attempt finds the file and is fine), and the newest attempt
 is the largest one listed. That works the same on a local disk and an object store, through the
-:class:`~dcp_safe.storage.backend.Backend` protocol alone. Rank 0 registers and checks at plan
+:class:`~dcp_safe.backends.backend.Backend` protocol alone. Rank 0 registers and checks at plan
 time (an old writer started after a newer attempt is refused before writing a byte) and checks
 again immediately before publishing (on POSIX right before the rename into place, on object
 stores right before the ``_COMMITTED`` marker): a newer attempt that started meanwhile wins and
@@ -31,9 +31,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import ConfigError, StaleWriterError
-from dcp_safe.storage.backend import Backend
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -75,7 +75,7 @@ class Attempt:
     def directory(self) -> str:
         """Where this run's attempts are recorded, relative to the root."""
         # Keep the run id one safe path component whatever torchelastic was given.
-        return f"{protocol.ATTEMPTS_DIR}/{_SAFE_RUN_ID.sub('_', self.run_id)[:100]}"
+        return f"{layout.ATTEMPTS_DIR}/{_SAFE_RUN_ID.sub('_', self.run_id)[:100]}"
 
     @property
     def marker(self) -> str:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 import time
 
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import CheckpointExistsError, StaleWriterError
-from dcp_safe.storage.backend import Backend
 
 __all__ = ["acquire_lease", "check_lease", "lease_acquired_at", "release_lease"]
 
 
 def _lease_path(name: str) -> str:
-    return f"{name}/{protocol.WRITING_LEASE}"
+    return f"{name}/{layout.WRITING_LEASE}"
 
 
 def acquire_lease(backend: Backend, name: str, save_id: str) -> None:
@@ -31,7 +31,7 @@ def acquire_lease(backend: Backend, name: str, save_id: str) -> None:
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it.
     """
-    if backend.exists(f"{name}/{protocol.COMMITTED_MARKER}"):
+    if backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
         raise CheckpointExistsError(backend.full_path(name))
     body = json.dumps({"save_id": save_id, "acquired_at": time.time()}).encode()
     try:

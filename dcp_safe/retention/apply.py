@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_safe.catalog import list_checkpoints
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, sweep_partials
-from dcp_safe.storage.roots import open_backend
 
 __all__ = ["RetentionReport", "apply_retention"]
 

@@ -12,8 +12,8 @@ one step, and only then deleted:
 
 from __future__ import annotations
 
-from dcp_safe.commit import protocol
-from dcp_safe.storage.backend import Backend
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
 
 __all__ = ["retire_checkpoint"]
 
@@ -21,10 +21,10 @@ __all__ = ["retire_checkpoint"]
 def retire_checkpoint(backend: Backend, name: str) -> None:
     """Unpublish checkpoint ``name``, then delete what it held."""
     if backend.supports_atomic_rename:
-        parked = protocol.partial_dir_name(name, protocol.new_save_id())
+        parked = layout.partial_dir_name(name, layout.new_save_id())
         backend.publish_dir(name, parked, replace=False)
         backend.sync_dir("")
         backend.remove_tree(parked)
     else:
-        backend.remove_file(f"{name}/{protocol.COMMITTED_MARKER}")
+        backend.remove_file(f"{name}/{layout.COMMITTED_MARKER}")
         backend.remove_tree(name)

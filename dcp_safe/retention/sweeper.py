@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_safe.commit import protocol
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.backends.multipart import abort_stale_uploads
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import lease_acquired_at
 from dcp_safe.errors import ConfigError
-from dcp_safe.storage.backend import Backend
-from dcp_safe.storage.local_backend import LocalBackend
-from dcp_safe.storage.multipart import abort_stale_uploads
-from dcp_safe.storage.roots import open_backend
 
 __all__ = ["SweepReport", "sweep_partials"]
 
@@ -64,7 +64,7 @@ def sweep_partials(
         return _sweep_object_store(backend, grace_s, dry_run, now)
     removed, recent = [], []
     for entry in backend.list_dir(""):
-        if not protocol.is_partial_entry(entry):
+        if not layout.is_partial_entry(entry):
             continue
         if now - _last_modified(os.path.join(backend.root, entry)) < grace_s:
             recent.append(entry)
@@ -89,7 +89,7 @@ def _last_modified(path: str) -> float:
 def _sweep_object_store(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
     removed, recent = [], []
     for entry in backend.list_dir(""):
-        if backend.exists(f"{entry}/{protocol.COMMITTED_MARKER}"):
+        if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
             continue
         acquired = lease_acquired_at(backend, entry)
         if acquired is None:

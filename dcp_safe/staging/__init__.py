@@ -15,8 +15,9 @@ from dcp_safe.staging.capacity import (
     node_budget,
     plan_capacity,
 )
+from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.pool import BufferPool, PinMemory, PoolStats
-from dcp_safe.staging.stager import BudgetedStager, StagerOptions, StagerStats, WhenBusy
+from dcp_safe.staging.stager import BudgetedStager
 
 __all__ = [
     "Admission",

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from dcp_safe.torch_compat import dtensor_local, rebuild_dtensor
+
 __all__ = ["collect_tensors", "rebuild", "stageable"]
 
 
@@ -45,7 +47,7 @@ def collect_tensors(obj: object) -> list[torch.Tensor]:
 
 def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
     if isinstance(obj, DTensor):
-        local = obj._local_tensor
+        local = dtensor_local(obj)
         if stageable(local):
             found.setdefault(id(local), local)
     elif stageable(obj):
@@ -61,11 +63,9 @@ def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
 
 def _seed_dtensors(obj: object, staged: dict[int, torch.Tensor], memo: dict[int, Any]) -> None:
     if isinstance(obj, DTensor):
-        local = staged.get(id(obj._local_tensor))
+        local = staged.get(id(dtensor_local(obj)))
         if local is not None and id(obj) not in memo:
-            # The constructor, not from_local: from_local moves a CPU shard back to the mesh's
-            # device. The spec (mesh, placements, global shape and stride) is kept as it is.
-            memo[id(obj)] = DTensor(local, obj._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+            memo[id(obj)] = rebuild_dtensor(local, obj)
     elif isinstance(obj, Mapping):
         for value in obj.values():
             _seed_dtensors(value, staged, memo)

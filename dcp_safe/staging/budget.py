@@ -27,19 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
+from dcp_safe.units import format_bytes
 
 __all__ = ["Admission", "MemoryBudget", "format_bytes"]
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _NO_LIMIT_BYTES = 1 << 60
-
-
-def format_bytes(n: int) -> str:
-    """Render a byte count for messages, with the exact figure (``"3.00 GiB (3221225472 B)"``)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit} ({n} B)"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.staging.budget import MemoryBudget, format_bytes
+from dcp_safe.staging.budget import MemoryBudget
+from dcp_safe.units import format_bytes
 
 __all__ = ["GIB", "CapacityPlan", "Generation", "max_generations", "node_budget", "plan_capacity"]
 

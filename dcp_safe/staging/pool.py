@@ -32,6 +32,7 @@ from enum import Enum
 import torch
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.torch_compat import empty_host_cache, storage_use_count
 
 __all__ = ["BufferPool", "Lease", "PinMemory", "PoolStats"]
 
@@ -101,7 +102,7 @@ class PoolStats:
 
 def _storage_shared(buffer: torch.Tensor) -> bool:
     # The pool's tensor plus the temporary storage object make 2; more means an outside view.
-    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)) > 2
+    return storage_use_count(buffer) > 2
 
 
 class Lease:
@@ -328,6 +329,4 @@ class BufferPool:
 
 def _empty_host_cache() -> None:
     # Freed pinned blocks stay in torch's host cache until emptied; trim means give back.
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
+    empty_host_cache()

@@ -54,23 +54,20 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
+from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
 from dcp_safe.staging._tree import collect_tensors, rebuild
-from dcp_safe.staging.budget import MemoryBudget, format_bytes
+from dcp_safe.staging.budget import MemoryBudget
 from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned, tensor_paths
+from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
-from dcp_safe.telemetry.events import NULL_RECORDER, Phase, Recorder, SpanHandle
-
-if TYPE_CHECKING:
-    from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
 
@@ -81,101 +78,6 @@ StateDict = dict[str, Any]
 _PENDING_GRACE_S = 0.05
 # A full garbage collection is slow; only a wait this long pays for one.
 _COLLECT_AFTER_S = 0.5
-
-
-class WhenBusy(str, Enum):
-    """What ``stage()`` does when a save cannot be admitted now."""
-
-    WAIT = "wait"  # wait up to ``timeout_s`` for a generation to be released
-    RAISE = "raise"  # raise AdmissionTimeoutError at once (a wait of zero)
-
-    @classmethod
-    def coerce(cls, value: WhenBusy | str) -> WhenBusy:
-        """Accept the enum or its value."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(f"when_busy must be 'wait' or 'raise', got {value!r}") from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class StagerOptions:
-    """Options of :class:`BudgetedStager`.
-
-    Args:
-        max_in_flight: generations (staged, not yet released) allowed at once.
-        pin_memory: ``"auto"`` pins when CUDA is available; ``"on"``, ``"off"`` or a bool.
-        when_busy: ``"wait"`` or ``"raise"``.
-        timeout_s: the longest admission wait, and the longest ``close()`` waits for work in
-            flight.
-        mutation_guard: fail a save whose sources change in place while they are copied
-            (:mod:`dcp_safe.staging.guard`); turn off only to measure the guard's cost.
-
-    Raises:
-        ConfigError: a value out of range or an unknown mode.
-    """
-
-    max_in_flight: int = 1
-    pin_memory: PinMemory = PinMemory.AUTO
-    when_busy: WhenBusy = WhenBusy.WAIT
-    timeout_s: float = 600.0
-    mutation_guard: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
-        # Callers may pass the modes' string values; store the enums.
-        object.__setattr__(self, "pin_memory", PinMemory.coerce(self.pin_memory))
-        object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s >= 0:
-            raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
-        if not isinstance(self.mutation_guard, bool):
-            raise ConfigError(f"mutation_guard must be a bool, got {self.mutation_guard!r}")
-
-
-@dataclass(frozen=True)
-class StagerStats:
-    """A snapshot of a stager's accounting (bytes are host bytes as the allocator takes them).
-
-    Attributes:
-        envelope_bytes: the budget's envelope.
-        pool_bytes: bytes the pool holds or has reserved.
-        pinned_bytes: the pinned part of ``pool_bytes``.
-        in_use_bytes: bytes leased to generations in flight.
-        free_bytes: bytes ready for reuse.
-        pending_bytes: released bytes still viewed from outside.
-        peak_pool_bytes: high-water mark of ``pool_bytes``.
-        in_flight: generations admitted and not yet released.
-        peak_in_flight: high-water mark of ``in_flight``.
-        allocations: buffers allocated, in all.
-        allocated_bytes_total: bytes allocated, in all.
-        last_allocated_bytes: bytes the latest completed staging allocated (0 on reuse).
-        reuses: buffers reused, in all.
-        admitted: generations admitted.
-        refused: ``stage()`` calls refused (busy with ``when_busy="raise"``, or timed out).
-        total_wait_s: time ``stage()`` calls spent waiting for admission.
-        last_staging_s: duration of the latest completed staging (call to Future resolved).
-        torn: generations the mutation guard failed (sources changed during their copy).
-    """
-
-    envelope_bytes: int
-    pool_bytes: int
-    pinned_bytes: int
-    in_use_bytes: int
-    free_bytes: int
-    pending_bytes: int
-    peak_pool_bytes: int
-    in_flight: int
-    peak_in_flight: int
-    allocations: int
-    allocated_bytes_total: int
-    last_allocated_bytes: int
-    reuses: int
-    admitted: int
-    refused: int
-    total_wait_s: float
-    last_staging_s: float
-    torn: int = 0
 
 
 class _StagedStateDict(dict[str, Any]):
@@ -227,7 +129,7 @@ class BudgetedStager(AsyncStager):
         when_busy: WhenBusy | str = "wait",
         timeout_s: float = 600.0,
         mutation_guard: bool = True,
-        telemetry: Telemetry | None = None,
+        telemetry: StagerObserver | None = None,
     ) -> None:
         self.telemetry: Recorder = NULL_RECORDER
         if telemetry is not None:

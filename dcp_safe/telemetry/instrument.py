@@ -19,7 +19,6 @@ save (``storage_writer=telemetry.wrap_writer(writer)``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from concurrent.futures import Future as Future_
@@ -33,10 +32,9 @@ from torch.futures import Future
 from dcp_safe.telemetry.events import Phase, SpanHandle
 
 if TYPE_CHECKING:
-    from dcp_safe.storage.retry import RetryPolicy
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["InstrumentedWriter", "counting_retry_policy"]
+__all__ = ["InstrumentedWriter"]
 
 
 class InstrumentedWriter(StorageWriter):
@@ -117,9 +115,9 @@ class InstrumentedWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        from dcp_safe.storage.writer import SafeStorageWriter
-
-        return SafeStorageWriter.validate_checkpoint_id(checkpoint_id)
+        # DCP asks this only of writer classes it might pick by itself, never of an instance
+        # passed as storage_writer=; a wrapper is never picked, so it claims nothing.
+        return False
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (checkpoint_id, root, replication, ...) is the inner writer's.
@@ -182,17 +180,3 @@ def _end_replication(span: SpanHandle, done: Future_[Any]) -> None:
         return
     manifest = done.result()
     span.end(bytes=getattr(manifest, "total_bytes", None))
-
-
-def counting_retry_policy(policy: RetryPolicy | None, telemetry: Telemetry) -> RetryPolicy:
-    """``policy`` whose every backoff sleep (one per retry) is marked ``retry`` first."""
-    from dcp_safe.storage.retry import RetryPolicy
-
-    base = policy or RetryPolicy()
-    sleep = base.sleep
-
-    def counted(delay_s: float) -> None:
-        telemetry.mark("retry", delay_s=delay_s)
-        sleep(delay_s)
-
-    return dataclasses.replace(base, sleep=counted)

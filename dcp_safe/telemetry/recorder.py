@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
+from dcp_safe.observe import Instrumentable
 from dcp_safe.telemetry.events import Event, EventKind, Phase, SpanHandle, SpanOptions
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
 from dcp_safe.telemetry.sinks import MemorySink, Sink
 
 if TYPE_CHECKING:
-    from dcp_safe.staging.stager import BudgetedStager
-    from dcp_safe.storage.retry import RetryPolicy
     from dcp_safe.telemetry.instrument import InstrumentedWriter
     from dcp_safe.telemetry.report import TelemetryReport
 
@@ -118,7 +117,7 @@ class Telemetry:
         self._ids = itertools.count(1)
         self._roots: dict[str, _Span] = {}
         self._local = threading.local()
-        self._stagers: list[BudgetedStager] = []
+        self._stagers: list[Instrumentable] = []
         self._last_step_t: float | None = None
         self.step_times_s: deque[float] = deque(maxlen=max_events)
         self._owns_sampler = sampler is None and sample_memory
@@ -251,7 +250,7 @@ class Telemetry:
 
     # -- wiring ---------------------------------------------------------------------------------
 
-    def attach_stager(self, stager: BudgetedStager) -> BudgetedStager:
+    def attach_stager(self, stager: Instrumentable) -> Instrumentable:
         """Record ``stager``'s staging and release spans; sample its pinned bytes."""
         stager.telemetry = self
         with self._lock:
@@ -264,7 +263,7 @@ class Telemetry:
         with self._lock:
             self.sinks = (*self.sinks, sink)
 
-    def stagers(self) -> list[BudgetedStager]:
+    def stagers(self) -> list[Instrumentable]:
         with self._lock:
             return list(self._stagers)
 
@@ -274,11 +273,9 @@ class Telemetry:
 
         return InstrumentedWriter(writer, self)
 
-    def retry_policy(self, policy: RetryPolicy | None = None) -> RetryPolicy:
-        """``policy`` (default: ``RetryPolicy()``) whose every retry is marked ``retry``."""
-        from dcp_safe.telemetry.instrument import counting_retry_policy
-
-        return counting_retry_policy(policy, self)
+    def on_retry(self, delay_s: float) -> None:
+        """Mark a ``retry`` (pass as ``RetryPolicy(on_retry=telemetry.on_retry)``)."""
+        self.mark("retry", delay_s=delay_s)
 
     def report(self) -> TelemetryReport:
         """The save report over what was recorded so far."""
@@ -371,7 +368,7 @@ class Telemetry:
         stagers = self.stagers()
         if not stagers:
             return None
-        return sum(s.stats().pinned_bytes for s in stagers)
+        return sum(int(s.stats().pinned_bytes) for s in stagers)
 
 
 def _current_rank() -> int:

@@ -1,4 +1,4 @@
-"""The backend contract: one pytest suite every :class:`~dcp_safe.storage.backend.Backend` passes.
+"""The backend contract: one pytest suite every :class:`~dcp_safe.backends.backend.Backend` passes.
 
 Subclass :class:`BackendContract` in a test module (a class named ``Test...``) and provide a
 fresh, empty root per test, either by overriding :meth:`BackendContract.make_backend` or, when
@@ -25,7 +25,7 @@ import threading
 
 import pytest
 
-from dcp_safe.storage.backend import Backend
+from dcp_safe.backends.backend import Backend
 
 __all__ = ["BackendContract"]
 

@@ -22,11 +22,11 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StaleWriterError,
+    layout,
 )
-from dcp_safe.commit import protocol
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, attempt_from_env
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.roots import open_backend
 
 Root = tuple[str, dict[str, Any] | None]
 
@@ -126,7 +126,7 @@ def test_an_old_attempt_still_writing_is_refused_at_commit_once_a_newer_attempt_
     assert "attempt 1 of run 'default' is stale: attempt 2 has started" in error.failures[0]
     assert _listed(root) == ["step_200"]
     # Nothing of attempt 1 is left either: no partial directory, no object under its name.
-    assert _entries(root) == [protocol.ATTEMPTS_DIR, "step_200"]
+    assert _entries(root) == [layout.ATTEMPTS_DIR, "step_200"]
     url, options = root
     assert open_committed(open_backend(url, options), "step_200").manifest.attempt == 2
     assert_state_equal(_load(root, "latest", make_state(2)), make_state(2))
@@ -198,4 +198,4 @@ def test_a_restart_count_that_is_not_an_integer_is_a_config_error() -> None:
 
 def test_the_fencing_directory_cannot_be_used_as_a_checkpoint_name() -> None:
     with pytest.raises(InvalidCheckpointNameError):
-        protocol.validate_name(protocol.ATTEMPTS_DIR)
+        layout.validate_name(layout.ATTEMPTS_DIR)

@@ -8,10 +8,15 @@ import pytest
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import CheckpointExistsError, SafeStorageReader, SafeStorageWriter, StaleWriterError
-from dcp_safe.commit import protocol
+from dcp_safe import (
+    CheckpointExistsError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    StaleWriterError,
+    layout,
+)
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease, check_lease
-from dcp_safe.storage.roots import open_backend
 
 
 @pytest.fixture
@@ -23,8 +28,8 @@ def test_a_save_without_rename_commits_and_releases_its_lease(root: str) -> None
     state = make_state(1)
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
     backend = open_backend(root)
-    assert backend.exists(f"step_1/{protocol.COMMITTED_MARKER}")
-    assert not backend.exists(f"step_1/{protocol.WRITING_LEASE}")
+    assert backend.exists(f"step_1/{layout.COMMITTED_MARKER}")
+    assert not backend.exists(f"step_1/{layout.WRITING_LEASE}")
     target = blank_like(state)
     dcp_safe.load(target, checkpoint_id="latest", storage_reader=SafeStorageReader(root))
     assert_state_equal(target, state)
@@ -36,19 +41,19 @@ def test_a_held_lease_refuses_a_second_save_before_it_writes(root: str) -> None:
     acquire_lease(backend, "step_1", "other-save")
     with pytest.raises(CheckpointExistsError, match="other-save"):
         dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
-    assert backend.list_dir("step_1") == [protocol.WRITING_LEASE]
+    assert backend.list_dir("step_1") == [layout.WRITING_LEASE]
 
 
 def test_a_writer_whose_lease_was_taken_over_cannot_publish(root: str) -> None:
     class _LosesItsLease(SafeStorageWriter):
         def finish(self, metadata: Any, results: Any) -> None:
-            self.backend.write_bytes(f"step_1/{protocol.WRITING_LEASE}", b'{"save_id": "newer"}')
+            self.backend.write_bytes(f"step_1/{layout.WRITING_LEASE}", b'{"save_id": "newer"}')
             super().finish(metadata, results)
 
     with pytest.raises(StaleWriterError):
         dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=_LosesItsLease(root))
     backend = open_backend(root)
-    assert not backend.exists(f"step_1/{protocol.COMMITTED_MARKER}")
+    assert not backend.exists(f"step_1/{layout.COMMITTED_MARKER}")
     with pytest.raises(StaleWriterError):
         check_lease(backend, "step_1", "mine")
 
@@ -59,7 +64,7 @@ def test_a_failed_publish_removes_its_own_objects(root: str) -> None:
             original = self.backend.write_bytes
 
             def fail(rel: str, data: bytes, *, exclusive: bool = False) -> None:
-                if rel.endswith(protocol.COMMITTED_MARKER):
+                if rel.endswith(layout.COMMITTED_MARKER):
                     raise dcp_safe.StorageError("put", rel, "injected")
                 original(rel, data, exclusive=exclusive)
 

@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dcp_safe.commit import protocol
+from dcp_safe import layout
 from dcp_safe.errors import InvalidCheckpointNameError
 
 
 @pytest.mark.parametrize("name", ["step_000100", "run7-epoch=3", "a.b", "A+B", "_x"])
 def test_plain_keys_are_accepted(name: str) -> None:
-    assert protocol.validate_name(name) == name
+    assert layout.validate_name(name) == name
 
 
 @pytest.mark.parametrize(
@@ -20,24 +20,24 @@ def test_plain_keys_are_accepted(name: str) -> None:
 )
 def test_unsafe_names_are_refused(name: object) -> None:
     with pytest.raises(InvalidCheckpointNameError):
-        protocol.validate_name(name)
+        layout.validate_name(name)
 
 
 @given(st.text(max_size=40))
 def test_an_accepted_name_is_one_plain_visible_path_component(name: str) -> None:
     try:
-        protocol.validate_name(name)
+        layout.validate_name(name)
     except InvalidCheckpointNameError:
         return
     assert "/" not in name and not name.startswith(".") and ".." not in name and name
 
 
 def test_partial_directories_are_hidden_and_recognisable() -> None:
-    partial = protocol.partial_dir_name("step_1", protocol.new_save_id())
-    assert partial.startswith(".") and protocol.is_partial_entry(partial)
-    assert not protocol.is_partial_entry("step_1")
+    partial = layout.partial_dir_name("step_1", layout.new_save_id())
+    assert partial.startswith(".") and layout.is_partial_entry(partial)
+    assert not layout.is_partial_entry("step_1")
 
 
 def test_shard_and_rank_manifest_names_follow_dcp_and_the_layout() -> None:
-    assert protocol.shard_file_name(3, 1) == "__3_1.distcp"
-    assert protocol.rank_manifest_name(12) == "_ranks/rank_00012.json"
+    assert layout.shard_file_name(3, 1) == "__3_1.distcp"
+    assert layout.rank_manifest_name(12) == "_ranks/rank_00012.json"

@@ -9,8 +9,8 @@ from support import make_state
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, list_checkpoints
+from dcp_safe.backends.backend import Backend
 from dcp_safe.retention.retire import retire_checkpoint
-from dcp_safe.storage.backend import Backend
 
 
 class _Interrupted(Exception):

@@ -13,9 +13,9 @@ from support import make_state
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.retention.sweeper import sweep_partials
-from dcp_safe.storage.roots import open_backend
 
 
 class _DiesInWriteData(SafeStorageWriter):

@@ -357,7 +357,7 @@ def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
 
 
 def test_works_with_safe_storage_writer(tmp_path: Path) -> None:
-    writer_module = pytest.importorskip("dcp_safe.storage.writer")
+    writer_module = pytest.importorskip("dcp_safe.dcp.writer")
     state = _state(5)
     with BudgetedStager(_budget()) as stager:
         response = stager.async_save(

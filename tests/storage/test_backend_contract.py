@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options  # noqa: F401 - fixtures
 
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import StorageError
-from dcp_safe.storage.backend import Backend
-from dcp_safe.storage.fsspec_backend import FsspecBackend
-from dcp_safe.storage.local_backend import LocalBackend
 from dcp_safe.testing.backend_contract import BackendContract
 from dcp_safe.testing.s3 import LocalS3
 

@@ -66,10 +66,9 @@ from _crash import (
 
 import dcp_safe
 import dcp_safe.manager
-from dcp_safe import CheckpointManager, FallbackOptions
-from dcp_safe.commit import protocol
-from dcp_safe.history import HISTORY_FILE
-from dcp_safe.storage import local_backend
+from dcp_safe import CheckpointManager, FallbackOptions, layout
+from dcp_safe.backends import local_backend
+from dcp_safe.checkpoints.history import HISTORY_FILE
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -231,7 +230,7 @@ def _kill_points(labels: list[str], stride: int) -> list[int]:
     a shorter shard in a hidden directory)."""
     points, bulk_seen = [], 0
     for n, label in enumerate(labels, start=1):
-        bulk = label.startswith(("write ", "write-rest ")) and label.endswith(protocol.SHARD_SUFFIX)
+        bulk = label.startswith(("write ", "write-rest ")) and label.endswith(layout.SHARD_SUFFIX)
         following = labels[n] if n < len(labels) else ""
         last_of_run = bulk and following.partition(" ")[0] not in ("write", "write-rest")
         if not bulk or bulk_seen % stride == 0 or last_of_run:
@@ -309,7 +308,7 @@ def _plain_sweep(
 
     def next_saves(root: Path) -> None:
         _next_save_succeeds(root, **writer_options)
-        committed = (root / retry[0] / protocol.COMMITTED_MARKER).exists()
+        committed = (root / retry[0] / layout.COMMITTED_MARKER).exists()
         if writer_options.get("overwrite") or not committed:
             _next_save_succeeds(root, *retry, **writer_options)
 
@@ -587,7 +586,7 @@ def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
             for root, child in zip(roots, children, strict=True):
                 delay_s = rng.uniform(0.0, 0.3)
                 _kill_save_loop(child, delay_s)
-                killed_mid_save += any(protocol.is_partial_entry(e) for e in os.listdir(root))
+                killed_mid_save += any(layout.is_partial_entry(e) for e in os.listdir(root))
                 names = [e for e in os.listdir(root) if not e.startswith(".")]
                 accept = {name: [make_values(int(name[5:]), scale=scale)] for name in names}
                 try:
@@ -640,7 +639,7 @@ def test_everything_published_was_fsynced_before_the_rename(tmp_path: Path) -> N
     assert [events[i][1] for i in renames] == [published]
     # The work directory is the one whose fsync'd paths sit where step_1's files are now.
     synced = [path for kind, path in events[: renames[0]] if kind == "fsync"]
-    work_dirs = {os.path.dirname(p) for p in synced if p.endswith(protocol.COMMITTED_MARKER)}
+    work_dirs = {os.path.dirname(p) for p in synced if p.endswith(layout.COMMITTED_MARKER)}
     assert len(work_dirs) == 1, "the commit marker was not fsynced before the rename"
     work = work_dirs.pop()
     last_sync = {path: i for i, path in enumerate(synced)}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import StorageError
-from dcp_safe.storage.local_backend import LocalBackend
 
 
 def test_a_failed_streamed_write_leaves_nothing(tmp_path: Path) -> None:

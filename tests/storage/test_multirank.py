@@ -31,10 +31,10 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    layout,
     list_checkpoints,
     verify_checkpoint,
 )
-from dcp_safe.commit import protocol
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -85,7 +85,7 @@ def _load(root: Path, name: str, like: dict[str, Any]) -> dict[str, Any]:
 
 
 def _manifest(root: Path, name: str) -> Manifest:
-    path = root / name / protocol.MANIFEST
+    path = root / name / layout.MANIFEST
     return Manifest.from_json(path.read_bytes(), str(path))
 
 
@@ -183,7 +183,7 @@ def _load_with_rank_1_shard_flipped(rank: int, world_size: int, root: str) -> di
     state = {"w": distribute_tensor(_values(1, *W_SHAPE), mesh, [Shard(0)])}
     dcp_safe.save(state, checkpoint_id="flipped", storage_writer=SafeStorageWriter(root))
     if rank == 1:
-        shard = Path(root, "flipped", protocol.shard_file_name(1, 0))
+        shard = Path(root, "flipped", layout.shard_file_name(1, 0))
         data = bytearray(shard.read_bytes())
         data[-1] ^= 0xFF
         shard.write_bytes(bytes(data))
@@ -251,7 +251,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
     assert by_fqn["rank0.weight"] == [0]
     assert by_fqn["rank1.weight"] == [1]
     assert len(by_fqn["shared.bias"]) == 1
-    assert sorted(os.listdir(tmp_path / "two_ranks" / protocol.RANKS_DIR)) == [
+    assert sorted(os.listdir(tmp_path / "two_ranks" / layout.RANKS_DIR)) == [
         "rank_00000.json",
         "rank_00001.json",
     ]
@@ -333,7 +333,7 @@ def test_corruption_found_by_one_rank_fails_the_load_on_every_rank(tmp_path: Pat
     # Only rank 1 reads the damaged shard (each rank loads its own rows), yet both learn of it.
     for seen in per_rank:
         assert seen["error"] == "CheckpointCorruptError"
-        assert seen["path"].endswith(protocol.shard_file_name(1, 0))
+        assert seen["path"].endswith(layout.shard_file_name(1, 0))
         assert seen["item"] == "w@[4, 0]"
 
 

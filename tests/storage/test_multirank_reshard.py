@@ -25,8 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, verify_checkpoint
-from dcp_safe.commit import protocol
+from dcp_safe import SafeStorageReader, SafeStorageWriter, layout, verify_checkpoint
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -145,12 +144,12 @@ def test_dtensor_model_and_adam_state_reshard_from_two_ranks_to_four_and_back(
 
     for rank, seen in enumerate(back):
         assert_state_equal(seen, expected_4, f"4->2 rank {rank}")
-    raw = (tmp_path / "saved_by_4" / protocol.MANIFEST).read_bytes()
+    raw = (tmp_path / "saved_by_4" / layout.MANIFEST).read_bytes()
     manifest = Manifest.from_json(raw, "saved_by_4")
     assert manifest.world_size == 4
     # Every rank of the 4-rank save wrote its own rows of up.weight (DCP's shard files).
     writers = {item.offset: item.file for item in manifest.items if item.fqn == "model.up.weight"}
-    assert writers == {(3 * r, 0): protocol.shard_file_name(r, 0) for r in range(4)}
+    assert writers == {(3 * r, 0): layout.shard_file_name(r, 0) for r in range(4)}
     verify_checkpoint(tmp_path, "saved_by_4")
     # 4 -> 1: an undistributed process with plain tensors gets the same full state.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")

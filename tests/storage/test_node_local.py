@@ -31,12 +31,12 @@ from dcp_safe import (
     ConfigError,
     ReplicationTimeoutError,
     SafeStorageReader,
+    layout,
     list_checkpoints,
     verify_checkpoint,
 )
-from dcp_safe.commit import protocol
-from dcp_safe.storage.node_cache import NODE_COMMITTED_MARKER, list_node_caches
-from dcp_safe.storage.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
+from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -176,10 +176,10 @@ def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ra
             ranks,
             per_rank[0]["committed_save_id"],
         )
-        shards = sorted(p.name for p in (root / "step_1").glob(f"*{protocol.SHARD_SUFFIX}"))
-        assert shards == [protocol.shard_file_name(r, 0) for r in ranks]
+        shards = sorted(p.name for p in (root / "step_1").glob(f"*{layout.SHARD_SUFFIX}"))
+        assert shards == [layout.shard_file_name(r, 0) for r in ranks]
         assert (root / "step_1" / NODE_COMMITTED_MARKER).exists()
-        assert not (root / "step_1" / protocol.COMMITTED_MARKER).exists()
+        assert not (root / "step_1" / layout.COMMITTED_MARKER).exists()
         with pytest.raises(CheckpointNotFoundError):
             SafeStorageReader(root).reset("latest")
         with pytest.raises(CheckpointNotFoundError):

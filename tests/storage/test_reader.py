@@ -17,10 +17,10 @@ from dcp_safe import (
     InvalidCheckpointNameError,
     SafeStorageReader,
     SafeStorageWriter,
+    layout,
 )
-from dcp_safe.commit import protocol
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.roots import open_backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 
 
 def _save(root: Path, name: str, state: dict[str, Any]) -> None:
@@ -50,7 +50,7 @@ def test_without_a_checkpoint_id_the_reader_opens_latest(tmp_path: Path) -> None
 def test_latest_skips_a_newer_checkpoint_that_does_not_open(tmp_path: Path) -> None:
     _save(tmp_path, "step_1", make_state(1))
     _save(tmp_path, "step_2", make_state(2))
-    (tmp_path / "step_2" / protocol.MANIFEST).write_text("{}")
+    (tmp_path / "step_2" / layout.MANIFEST).write_text("{}")
     assert_state_equal(_load(tmp_path, "latest", make_state(1)), make_state(1))
 
 
@@ -70,7 +70,7 @@ def test_empty_root_has_no_latest(tmp_path: Path) -> None:
 def test_a_directory_without_marker_is_not_a_checkpoint(tmp_path: Path) -> None:
     _save(tmp_path, "step_1", make_state(1))
     shutil.copytree(tmp_path / "step_1", tmp_path / "step_2")
-    os.remove(tmp_path / "step_2" / protocol.COMMITTED_MARKER)
+    os.remove(tmp_path / "step_2" / layout.COMMITTED_MARKER)
     with pytest.raises(CheckpointNotFoundError, match="_COMMITTED"):
         _load(tmp_path, "step_2", make_state(1))
     assert [c.name for c in dcp_safe.list_checkpoints(tmp_path)] == ["step_1"]
@@ -79,11 +79,11 @@ def test_a_directory_without_marker_is_not_a_checkpoint(tmp_path: Path) -> None:
 def test_a_marker_that_names_another_manifest_is_refused(tmp_path: Path) -> None:
     _save(tmp_path, "step_1", make_state(1))
     _save(tmp_path, "step_2", make_state(2))
-    shutil.copy(tmp_path / "step_1" / protocol.MANIFEST, tmp_path / "step_2" / protocol.MANIFEST)
+    shutil.copy(tmp_path / "step_1" / layout.MANIFEST, tmp_path / "step_2" / layout.MANIFEST)
     with pytest.raises(CheckpointCorruptError) as info:
         _load(tmp_path, "step_2", make_state(2))
     assert info.value.expected != info.value.actual
-    assert protocol.MANIFEST in info.value.path
+    assert layout.MANIFEST in info.value.path
 
 
 def test_invalid_name_is_refused_by_the_reader(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_corrupt_item_names_file_item_and_checksums(tmp_path: Path) -> None:
 
 def test_verify_off_still_checks_marker_and_metadata(tmp_path: Path) -> None:
     _save(tmp_path, "step_1", make_state(1))
-    (tmp_path / "step_1" / protocol.DCP_METADATA).write_bytes(b"garbage")
+    (tmp_path / "step_1" / layout.DCP_METADATA).write_bytes(b"garbage")
     reader = SafeStorageReader(tmp_path, verify=False)
     with pytest.raises(CheckpointCorruptError, match=r"\.metadata"):
         reader.reset("step_1")

@@ -13,8 +13,8 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.roots import open_backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 
 
 @pytest.fixture

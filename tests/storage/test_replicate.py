@@ -22,19 +22,19 @@ from dcp_safe import (
     CheckpointNotFoundError,
     SafeStorageReader,
     SafeStorageWriter,
+    layout,
 )
-from dcp_safe.commit import protocol
+from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.manifest.schema import Manifest
-from dcp_safe.storage.backend import Backend, WritableFile
-from dcp_safe.storage.committed import open_committed
-from dcp_safe.storage.fsspec_backend import FsspecBackend
-from dcp_safe.storage.replicate import (
+from dcp_safe.replication.replicator import (
     ReplicationSkippedError,
     ReplicationTimeoutError,
     Replicator,
     replicate_checkpoint,
 )
-from dcp_safe.storage.roots import open_backend
 from dcp_safe.testing.s3 import LocalS3
 
 # Generous: only a guard against a hung test, never a measure of speed.
@@ -217,7 +217,7 @@ class _Gated(_Wrapped):
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
         self._begin(rel)
         super().write_bytes(rel, data, exclusive=exclusive)
-        if rel.endswith(protocol.COMMITTED_MARKER):
+        if rel.endswith(layout.COMMITTED_MARKER):
             with self._lock:
                 self.active.discard(rel.split("/")[0])
 
@@ -228,7 +228,7 @@ class _LostReply(_Wrapped):
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
         super().write_bytes(rel, data, exclusive=exclusive)
-        if exclusive and rel.endswith(protocol.COMMITTED_MARKER):
+        if exclusive and rel.endswith(layout.COMMITTED_MARKER):
             raise FileExistsError(17, "exists", self.full_path(rel))
 
 
@@ -302,7 +302,7 @@ def test_a_second_run_is_a_no_op(local: Path, remote_root: str) -> None:
 
 def test_an_uncommitted_local_checkpoint_is_refused(local: Path, memory_root: str) -> None:
     _save(local, "step_1", 1)
-    (local / "step_1" / protocol.COMMITTED_MARKER).unlink()
+    (local / "step_1" / layout.COMMITTED_MARKER).unlink()
     remote = _remote(memory_root)
 
     with pytest.raises(CheckpointNotFoundError):
@@ -327,11 +327,11 @@ def test_a_damaged_small_file_or_a_truncated_shard_commits_nothing(
 ) -> None:
     _save(local, "step_1", 1)
     _save(local, "step_2", 2)
-    metadata = local / "step_1" / protocol.DCP_METADATA
+    metadata = local / "step_1" / layout.DCP_METADATA
     data = bytearray(metadata.read_bytes())
     data[-1] ^= 0x01
     metadata.write_bytes(bytes(data))
-    shard = next((local / "step_2").glob(f"*{protocol.SHARD_SUFFIX}"))
+    shard = next((local / "step_2").glob(f"*{layout.SHARD_SUFFIX}"))
     shard.write_bytes(shard.read_bytes()[:-3])
     source, remote = open_backend(str(local)), _remote(memory_root)
 
@@ -350,8 +350,8 @@ def test_a_damaged_small_file_or_a_truncated_shard_commits_nothing(
         (1, True, "__0_0.distcp"),
         (2, False, "__0_1.distcp"),
         (3, True, "rank_00000.json"),
-        (5, False, protocol.MANIFEST),
-        (6, False, protocol.COMMITTED_MARKER),
+        (5, False, layout.MANIFEST),
+        (6, False, layout.COMMITTED_MARKER),
     ],
 )
 def test_a_remote_failure_mid_copy_commits_nothing_and_a_retry_succeeds(
@@ -398,7 +398,7 @@ def test_losing_the_race_to_another_manifest_is_refused(
 
     class _Racing(_Wrapped):
         def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-            if rel.endswith(protocol.COMMITTED_MARKER):
+            if rel.endswith(layout.COMMITTED_MARKER):
                 replicate_checkpoint(open_backend(str(tmp_path / "elsewhere")), remote, "step_1")
             super().write_bytes(rel, data, exclusive=exclusive)
 
@@ -406,7 +406,7 @@ def test_losing_the_race_to_another_manifest_is_refused(
         replicate_checkpoint(open_backend(str(local)), _Racing(remote), "step_1")
     dcp_safe.verify_checkpoint(remote_root, "step_1")
     assert_state_equal(_load(remote_root, "step_1", other), other)
-    assert not [e for e in remote.list_dir("") if protocol.is_partial_entry(e)]
+    assert not [e for e in remote.list_dir("") if layout.is_partial_entry(e)]
 
 
 def test_a_lost_reply_to_our_own_marker_is_success(local: Path, memory_root: str) -> None:

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from s3fs.errors import translate_boto_error
 
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     CheckpointCorruptError,
@@ -29,7 +30,6 @@ from dcp_safe.errors import (
     ConfigError,
     StorageError,
 )
-from dcp_safe.storage.retry import RetryPolicy, call_with_retries, is_transient
 
 
 class FakeClock:

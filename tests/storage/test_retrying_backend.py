@@ -15,12 +15,12 @@ import pytest
 from botocore.exceptions import ConnectionClosedError
 from s3_fixtures import s3, s3_bucket  # noqa: F401 - fixtures
 
+from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.backends.retry import RetryPolicy, is_transient
+from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
 from dcp_safe.errors import StorageError
-from dcp_safe.storage.backend import Backend, WritableFile
-from dcp_safe.storage.fsspec_backend import FsspecBackend
-from dcp_safe.storage.local_backend import LocalBackend
-from dcp_safe.storage.retry import RetryPolicy, is_transient
-from dcp_safe.storage.retrying_backend import RetryingBackend, single_try_s3_options
 from dcp_safe.testing.backend_contract import BackendContract
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy

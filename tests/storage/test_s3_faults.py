@@ -17,9 +17,8 @@ from s3_fixtures import s3, s3_bucket  # noqa: F401
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, StorageError
-from dcp_safe.commit import protocol
-from dcp_safe.storage.retry import RetryPolicy
+from dcp_safe import SafeStorageReader, SafeStorageWriter, StorageError, layout
+from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
 
@@ -72,7 +71,7 @@ def test_one_off_server_errors_on_shards_and_marker_are_survived(
 ) -> None:
     state = make_state(1)
     shard = proxy.fail(status, code, method="PUT", key=".distcp", times=1)
-    marker = proxy.fail(status, code, method="PUT", key=protocol.COMMITTED_MARKER, times=1)
+    marker = proxy.fail(status, code, method="PUT", key=layout.COMMITTED_MARKER, times=1)
     _save(root, proxy, state)
     assert shard.hits == 1 and marker.hits == 1
     read = proxy.fail(status, code, method="GET", key=".distcp", times=1)
@@ -85,7 +84,7 @@ def test_a_lost_reply_on_the_marker_is_recognised_as_our_own_commit(
     root: str, proxy: FaultProxy
 ) -> None:
     state = make_state(2)
-    dropped = proxy.drop_reply(method="PUT", key=protocol.COMMITTED_MARKER, times=2)
+    dropped = proxy.drop_reply(method="PUT", key=layout.COMMITTED_MARKER, times=2)
     _save(root, proxy, state)
     assert dropped.hits >= 1
     assert [c.name for c in dcp_safe.list_checkpoints(root, storage_options=_options(proxy))] == [

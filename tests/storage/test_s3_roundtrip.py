@@ -18,8 +18,8 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    layout,
 )
-from dcp_safe.commit import protocol
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.s3 import LocalS3
 
@@ -73,7 +73,7 @@ def test_a_flipped_byte_in_a_shard_object_is_detected(
     prefix = f"{_key_prefix(s3_root)}step_1/"
     client = s3.client()
     manifest = Manifest.from_json(
-        client.get_object(Bucket=s3_bucket, Key=prefix + protocol.MANIFEST)["Body"].read(), "m"
+        client.get_object(Bucket=s3_bucket, Key=prefix + layout.MANIFEST)["Body"].read(), "m"
     )
     # An item load reads (DCP plans no read for a zero-element tensor).
     item = next(i for i in manifest.items if i.fqn == "f32")

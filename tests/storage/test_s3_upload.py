@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options  # noqa: F401 - fixtures
 
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.s3_upload import S3MultipartWriter, block_size_of
 from dcp_safe.errors import StorageError
-from dcp_safe.storage.fsspec_backend import FsspecBackend
-from dcp_safe.storage.s3_upload import S3MultipartWriter, block_size_of
 from dcp_safe.testing.s3 import LocalS3
 
 pytestmark = pytest.mark.s3

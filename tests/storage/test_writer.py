@@ -24,8 +24,8 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    layout,
 )
-from dcp_safe.commit import protocol
 
 
 def _save(root: Path, name: str, state: dict[str, Any], **options: Any) -> None:
@@ -50,7 +50,7 @@ def test_round_trip_is_exact_for_every_dtype_and_layout(
 def test_several_writer_threads_split_items_over_files(tmp_path: Path) -> None:
     state = make_state(3)
     _save(tmp_path, "step_1", state, thread_count=3)
-    shards = [p for p in os.listdir(tmp_path / "step_1") if p.endswith(protocol.SHARD_SUFFIX)]
+    shards = [p for p in os.listdir(tmp_path / "step_1") if p.endswith(layout.SHARD_SUFFIX)]
     assert len(shards) == 3
     assert_state_equal(_load(tmp_path, "step_1", state), state)
 
@@ -90,8 +90,8 @@ def test_layout_has_marker_manifest_metadata_and_rank_manifest(
 ) -> None:
     _save(tmp_path, "step_1", state)
     entries = set(os.listdir(tmp_path / "step_1"))
-    assert {protocol.COMMITTED_MARKER, protocol.MANIFEST, protocol.DCP_METADATA} <= entries
-    assert (tmp_path / "step_1" / protocol.rank_manifest_name(0)).is_file()
+    assert {layout.COMMITTED_MARKER, layout.MANIFEST, layout.DCP_METADATA} <= entries
+    assert (tmp_path / "step_1" / layout.rank_manifest_name(0)).is_file()
     assert os.listdir(tmp_path) == ["step_1"]  # no partial directory left behind
 
 
@@ -163,7 +163,7 @@ class _FailingWriter(SafeStorageWriter):
             original = self.backend.write_bytes
 
             def fail_on_marker(rel: str, data: bytes, *, exclusive: bool = False) -> None:
-                if rel.endswith(protocol.COMMITTED_MARKER):
+                if rel.endswith(layout.COMMITTED_MARKER):
                     raise StorageError("write", rel, "injected failure")
                 original(rel, data, exclusive=exclusive)
 
@@ -207,7 +207,7 @@ def test_manifest_records_versions_world_size_and_step(tmp_path: Path) -> None:
     _save(tmp_path, "step_7", make_state(1), step=7)
     info = dcp_safe.list_checkpoints(tmp_path)[0]
     assert (info.name, info.step, info.world_size) == ("step_7", 7, 1)
-    manifest = (tmp_path / "step_7" / protocol.MANIFEST).read_text()
+    manifest = (tmp_path / "step_7" / layout.MANIFEST).read_text()
     assert torch.__version__ in manifest and dcp_safe.__version__ in manifest
 
 

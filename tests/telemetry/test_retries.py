@@ -8,10 +8,10 @@ import pytest
 from s3_fixtures import s3, s3_bucket  # noqa: F401
 from support import make_state
 
-from dcp_safe import api
-from dcp_safe.commit import protocol
-from dcp_safe.storage.retry import RetryPolicy
-from dcp_safe.storage.writer import SafeStorageWriter
+from dcp_safe import layout
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.dcp import api
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.telemetry import EventKind, PrometheusSink, Telemetry
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
@@ -30,8 +30,10 @@ def test_each_transient_failure_is_marked_as_a_retry_and_counted(
             default_block_size=5 * 2**20,
         )
         shard = proxy.fail(503, "SlowDown", method="PUT", key=".distcp", times=1)
-        marker = proxy.fail(503, "SlowDown", method="PUT", key=protocol.COMMITTED_MARKER, times=1)
-        policy = tel.retry_policy(RetryPolicy(deadline_s=10.0, base_delay_s=0.01, max_delay_s=0.05))
+        marker = proxy.fail(503, "SlowDown", method="PUT", key=layout.COMMITTED_MARKER, times=1)
+        policy = RetryPolicy(
+            deadline_s=10.0, base_delay_s=0.01, max_delay_s=0.05, on_retry=tel.on_retry
+        )
         writer = tel.wrap_writer(
             SafeStorageWriter(f"s3://{s3_bucket}/retries", storage_options=options, retry=policy)
         )

@@ -13,10 +13,10 @@ from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from support import make_state
 from telemetry._spans import check_nesting, intervals, only, phases
 
-from dcp_safe import api
+from dcp_safe.dcp import api
+from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import BudgetedStager
-from dcp_safe.storage.writer import SafeStorageWriter
 from dcp_safe.telemetry import NULL_RECORDER, Phase, Telemetry
 
 DEADLINE_S = 120  # detects hangs only
@@ -164,7 +164,7 @@ def test_state_dict_span_on_the_training_thread_is_a_profiler_range(tel: Telemet
 def test_fallback_save_is_marked_and_runs_synchronously_under_its_root(
     tmp_path: Path, tel: Telemetry
 ) -> None:
-    from dcp_safe.fallback import FallbackOptions
+    from dcp_safe.manager.fallback import FallbackOptions
 
     manager = CheckpointManager(
         tmp_path,

@@ -15,10 +15,10 @@ from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, StorageError
-from dcp_safe.storage.fsspec_backend import FsspecBackend
-from dcp_safe.storage.retry import RetryPolicy
-from dcp_safe.storage.retrying_backend import RetryingBackend
-from dcp_safe.storage.roots import open_backend
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.backends.retrying_backend import RetryingBackend
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.testing.faulty_fs import (
     MAX_HANG_S,
     FaultInjector,

@@ -1,0 +1,383 @@
+"""Any fsspec file system (``memory://``, ``s3://``, ...) behind the backend protocol.
+
+Object stores cannot rename atomically, so this backend reports ``supports_atomic_rename=False``
+and the committer publishes by writing the ``_COMMITTED`` marker last, with an exclusive write.
+
+Exclusive create is reported only where it is a real conditional write on the server: s3fs's
+``pipe_file(mode="create")`` sends ``PutObject`` with ``If-None-Match: *`` (a ``412`` comes back as
+``FileExistsError``). fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the flag
+stays ``False`` and exclusive writes are best effort.
+
+Streamed writes, two ways:
+
+* S3 through s3fs streams a pipelined multipart upload (:mod:`dcp_safe.backends.s3_upload`): two
+  reused block buffers per file, one part in flight while the next block fills, a single
+  ``PutObject`` for a file under one block; the upload is completed only after a clean exit and
+  aborted on any failure;
+* other object stores (``gs``, ``az``...) stage in the file object: nothing is visible until
+  the final ``close`` completes the upload. A failed write is discarded, never closed: closing an
+  fsspec buffered file flushes and publishes whatever was written, so ``discard()`` aborts the
+  multipart upload and the file is marked closed so that neither ``close`` nor ``__del__`` can
+  flush it later;
+* other file systems (``memory://`` publishes a file as soon as it is opened) write a hidden
+  sibling and move it into place after a clean exit; small files too (``write_bytes``), so that
+  a torn write never sits under its final name. Writes create their parent directory, as on an
+  object store.
+
+A wrapper file system that names the storage it wraps as ``target_fs`` (the fault-injecting
+:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets the flags and the upload path of
+that storage: a faulty S3 root keeps its conditional puts and its multipart uploads (through the
+wrapper's ``call_s3``), a faulty local root claims no atomic rename.
+
+Directory listings are never cached on object stores (``use_listings_cache=False`` unless the
+caller says otherwise): a stale listing would make a shard another rank wrote look missing.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import posixpath
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from typing import Any, BinaryIO, NoReturn
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.utils import get_protocol
+
+from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.s3_upload import S3MultipartWriter, block_size_of
+from dcp_safe.errors import StorageError
+
+__all__ = ["FsspecBackend"]
+
+# File systems without real directories, whose open("wb") stages the whole object until close.
+_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_TEMP_INFIX = ".tmp-"
+
+
+class FsspecBackend(Backend):
+    """A root on any fsspec file system, addressed by URL.
+
+    Args:
+        url: the root, e.g. ``s3://bucket/run7`` or ``memory://scratch``.
+        storage_options: passed to fsspec (credentials, ``endpoint_url``, ...).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        client_retries: int | None = None,
+    ) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
+        options = dict(self.storage_options)
+        if self.object_store:
+            options.setdefault("use_listings_cache", False)
+        fs, root = url_to_fs(url, **options)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.root = root.rstrip("/")
+        # A wrapper (the fault-injecting file system) claims nothing of its own: the storage
+        # underneath decides what the backend can rely on.
+        target = _target_of(fs)
+        self.object_store = (
+            self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
+        )
+        self.supports_exclusive_create = _has_conditional_create(target)
+        self.client_retries = client_retries
+        self._limit_client_retries()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # fsspec rebuilds an unpickled file system from its options; s3fs's retry count is none.
+        self.__dict__.update(state)
+        self._limit_client_retries()
+
+    def _limit_client_retries(self) -> None:
+        """s3fs retries in its own loop (class attribute ``retries``), which no storage option
+        reaches; where RetryingBackend owns retries and the deadline, the client tries once."""
+        target = _target_of(self.fs)
+        if self.client_retries is not None and hasattr(target, "retries"):
+            target.retries = self.client_retries
+
+    def _abs(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
+        return StorageError(op, self.full_path(rel), exc)
+
+    # ----------------------------------------------------------------- writing
+
+    def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
+        if self.object_store and _is_s3fs(self.fs):
+            return self._open_multipart(rel)
+        if self.object_store:
+            return self._open_staged(rel)
+        return self._open_via_temp(rel)
+
+    @contextmanager
+    def _open_multipart(self, rel: str) -> Iterator[WritableFile]:
+        try:
+            f = S3MultipartWriter(self.fs, self._abs(rel), block_size_of(_target_of(self.fs)))
+        except (OSError, ValueError) as exc:
+            raise self._fail("create", rel, exc) from exc
+        try:
+            yield f
+        except BaseException as exc:
+            f.abort()  # nothing was published: the upload completes only in close()
+            self._raise_write_error(rel, exc)
+        try:
+            f.close()  # aborts the upload itself if it fails
+        except BaseException as exc:
+            self._remove_quietly(rel)  # the server may have completed it before failing
+            self._raise_write_error(rel, exc)
+
+    @contextmanager
+    def _open_staged(self, rel: str) -> Iterator[WritableFile]:
+        try:
+            f = self.fs.open(self._abs(rel), "wb")
+        except OSError as exc:
+            raise self._fail("create", rel, exc) from exc
+        try:
+            yield f
+        except BaseException as exc:
+            _discard(f)  # nothing was published: the upload completes only in close()
+            self._raise_write_error(rel, exc)
+        try:
+            f.close()
+        except BaseException as exc:
+            _discard(f)
+            self._remove_quietly(rel)  # the server may have completed it before failing
+            self._raise_write_error(rel, exc)
+
+    @contextmanager
+    def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
+        temp = _temp_name(rel)
+        try:
+            self._make_parent(rel)
+            f = self.fs.open(self._abs(temp), "wb")
+        except OSError as exc:
+            raise self._fail("create", rel, exc) from exc
+        try:
+            with f:
+                yield f
+            self.fs.mv(self._abs(temp), self._abs(rel))
+        except BaseException as exc:
+            self._remove_quietly(temp)
+            self._raise_write_error(rel, exc)
+
+    def _raise_write_error(self, rel: str, exc: BaseException) -> NoReturn:
+        """Re-raise ``exc``; a lower-layer ``OSError`` becomes a StorageError naming ``rel``."""
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise self._fail("write", rel, exc) from exc
+        raise exc
+
+    def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
+        if exclusive and self.supports_exclusive_create:
+            self._create_exclusive(rel, data)
+            return
+        if exclusive and self.exists(rel):
+            # Best effort only: such a backend says so through its capability flag.
+            raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
+        if not self.object_store:
+            # A PUT is atomic; a local write is not: a torn lease or marker must never sit
+            # under its final name (an unreadable lease would block the name for good).
+            with self._open_via_temp(rel) as f:
+                f.write(data)
+            return
+        try:
+            self.fs.pipe_file(self._abs(rel), data)
+        except OSError as exc:
+            raise self._fail("write", rel, exc) from exc
+
+    def _make_parent(self, rel: str) -> None:
+        """Writes create their directory, as on an object store (fsspec's local file system
+        would not: ``auto_mkdir`` is off by default)."""
+        parent = posixpath.dirname(rel)
+        if parent and not self.object_store:
+            self.fs.makedirs(self._abs(parent), exist_ok=True)
+
+    def _create_exclusive(self, rel: str, data: bytes) -> None:
+        """A conditional PUT: the server refuses it, atomically, when the key exists."""
+        try:
+            self.fs.pipe_file(self._abs(rel), data, mode="create")
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or _is_precondition_failed(exc):
+                raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel)) from exc
+            raise self._fail("write", rel, exc) from exc
+
+    # ----------------------------------------------------------------- reading
+
+    @contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        try:
+            f = self.fs.open(self._abs(rel), "rb")
+        except FileNotFoundError:
+            raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+        except OSError as exc:
+            raise self._fail("open", rel, exc) from exc
+        with f:
+            yield f
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            data: bytes = self.fs.cat_file(self._abs(rel))
+        except FileNotFoundError:
+            raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+        except OSError as exc:
+            raise self._fail("read", rel, exc) from exc
+        return data
+
+    def size(self, rel: str) -> int:
+        try:
+            return int(self.fs.size(self._abs(rel)))
+        except FileNotFoundError:
+            raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+
+    def exists(self, rel: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._abs(rel)))
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+
+    def is_dir(self, rel: str) -> bool:
+        try:
+            return bool(self.fs.isdir(self._abs(rel)))
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+
+    def list_dir(self, rel: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._abs(rel), detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        prefix = self._abs(rel).rstrip("/") + "/"
+        # ls of a file (or of a key that is also a prefix) can name the path itself: skip it.
+        names = {
+            str(e).rstrip("/").removeprefix(prefix).split("/")[0]
+            for e in entries
+            if str(e).startswith(prefix)
+        }
+        return sorted(n for n in names if n)
+
+    def walk_files(self, rel: str) -> Iterator[str]:
+        prefix = self._abs(rel).rstrip("/") + "/"
+        try:
+            found = self.fs.find(self._abs(rel))
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        yield from sorted(str(p).removeprefix(prefix) for p in found if str(p).startswith(prefix))
+
+    # ----------------------------------------------------------------- layout
+
+    def makedirs(self, rel: str) -> None:
+        if self.object_store:
+            # No directories: a prefix exists once a key is under it. s3fs's makedirs would
+            # create a missing bucket, with default settings, which a checkpoint must not do.
+            return
+        try:
+            self.fs.makedirs(self._abs(rel), exist_ok=True)
+        except OSError as exc:
+            raise self._fail("mkdir", rel, exc) from exc
+
+    def remove_tree(self, rel: str) -> None:
+        try:
+            if self.object_store:
+                self._remove_keys(rel)
+            elif self.fs.exists(self._abs(rel)):
+                self.fs.rm(self._abs(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._fail("remove", rel, exc) from exc
+
+    def _remove_keys(self, rel: str) -> None:
+        """Delete the key ``rel`` and every key under ``rel/``, never the bucket itself."""
+        path = self._abs(rel)
+        keys = [str(p) for p in self.fs.find(path)]
+        keys = [k for k in keys if k == path or k.startswith(path.rstrip("/") + "/")]
+        if keys:
+            self.fs.rm(keys)
+
+    def _remove_quietly(self, rel: str) -> None:
+        with suppress(OSError, ValueError):
+            self.fs.rm_file(self._abs(rel))
+
+
+def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
+    """True when ``pipe_file(mode="create")`` is a server-side conditional write."""
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:  # pragma: no cover - s3fs is a dependency
+        return False
+    if not isinstance(fs, S3FileSystem):
+        return False
+    # s3fs releases before exclusive writes would pass ``mode`` on to PutObject and fail.
+    return "mode" in inspect.signature(S3FileSystem._pipe_file).parameters
+
+
+def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """s3fs (or a wrapper of it that passes ``call_s3`` on), whose ``call_s3`` reaches the S3
+    API directly (for the pipelined multipart path)."""
+    return type(_target_of(fs)).__name__ == "S3FileSystem" and callable(
+        getattr(fs, "call_s3", None)
+    )
+
+
+def _target_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """The file system under a wrapper that names it as ``target_fs`` (FaultyFileSystem)."""
+    target = getattr(fs, "target_fs", None)
+    return target if isinstance(target, fsspec.AbstractFileSystem) else fs
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    protocol = fs.protocol
+    return {protocol} if isinstance(protocol, str) else set(protocol)
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    """A 412 that s3fs did not already map to FileExistsError (some S3-compatible servers
+    leave out the ``Condition`` field s3fs keys on)."""
+    response = getattr(exc.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "412") or status == 412
+
+
+def _temp_name(rel: str) -> str:
+    head, tail = posixpath.split(rel)
+    return posixpath.join(head, f".{tail}{_TEMP_INFIX}{uuid.uuid4().hex}")
+
+
+def _discard(f: Any) -> None:
+    """Drop a half-written fsspec file without publishing it.
+
+    ``discard()`` aborts s3fs's multipart upload (if one was started) and drops the buffer;
+    marking the file closed keeps ``close()`` and ``__del__`` from flushing what is left.
+    """
+    discard = getattr(f, "discard", None)
+    if callable(discard):
+        # If the abort itself fails, the upload stays open but invisible; a bucket lifecycle
+        # rule (AbortIncompleteMultipartUpload) reclaims it.
+        with suppress(Exception):
+            discard()
+    with suppress(AttributeError):
+        f.closed = True

@@ -1,0 +1,75 @@
+"""Find and abort incomplete S3 multipart uploads under a root.
+
+An upload that was never completed or aborted (a killed writer) is invisible as an object but
+is billed as storage. ``FsspecBackend`` aborts its own failed uploads at once; this collects what
+a killed process could not, for the sweeper. Other file systems have no such thing: no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Collection
+from typing import Any
+
+from dcp_safe.backends.backend import Backend
+
+__all__ = ["abort_stale_uploads", "incomplete_uploads"]
+
+
+def incomplete_uploads(backend: Backend) -> list[dict[str, Any]]:
+    """Incomplete multipart uploads whose key lies under the backend's root (S3 only)."""
+    backend = _unwrap(backend)
+    fs = getattr(backend, "fs", None)
+    if fs is None or not hasattr(fs, "list_multipart_uploads"):
+        return []
+    bucket, _, prefix = str(backend.root).partition("/")  # type: ignore[attr-defined]
+    uploads: list[dict[str, Any]] = fs.list_multipart_uploads(bucket)
+    prefix = f"{prefix}/" if prefix else ""
+    return [dict(u, Bucket=bucket) for u in uploads if str(u.get("Key", "")).startswith(prefix)]
+
+
+def abort_stale_uploads(
+    backend: Backend,
+    *,
+    older_than_s: float,
+    now: float,
+    dry_run: bool = False,
+    in_progress: Collection[str] = (),
+) -> tuple[str, ...]:
+    """Abort uploads under the root started more than ``older_than_s`` before ``now``.
+
+    Args:
+        in_progress: checkpoint names with a save known to be live; their uploads are kept
+            whatever their start time says (some S3-compatible servers report no real one).
+
+    Returns:
+        The ``s3://bucket/key`` of each upload aborted (or, in a dry run, that would be).
+    """
+    backend = _unwrap(backend)
+    aborted = []
+    root_prefix = str(backend.root).partition("/")[2]  # type: ignore[attr-defined]
+    for upload in incomplete_uploads(backend):
+        rel = str(upload["Key"]).removeprefix(root_prefix).lstrip("/")
+        if rel.split("/", 1)[0] in in_progress:
+            continue
+        initiated = upload.get("Initiated")
+        if isinstance(initiated, datetime.datetime):
+            age = now - initiated.timestamp()
+            if age < older_than_s:
+                continue
+        if not dry_run:
+            backend.fs.call_s3(  # type: ignore[attr-defined]
+                "abort_multipart_upload",
+                Bucket=upload["Bucket"],
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
+        aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
+    return tuple(aborted)
+
+
+def _unwrap(backend: Backend) -> Backend:
+    """The file-system backend under wrappers such as RetryingBackend."""
+    while isinstance(getattr(backend, "inner", None), Backend):
+        backend = backend.inner  # type: ignore[attr-defined]
+    return backend

@@ -1,0 +1,266 @@
+"""Retrying transient storage failures: the policy, the classifier and the loop.
+
+Object stores fail in two ways. Some failures say nothing about the request — a ``500
+InternalError``, a ``503 SlowDown``, a dropped connection, a timeout — and the same request a
+moment later usually succeeds. Others are answers — ``403``, ``404``, ``412`` — and asking again
+gets the same answer. :func:`is_transient` tells them apart; :func:`call_with_retries` retries
+the first kind with capped exponential backoff and full jitter, within a number of attempts and a
+wall-clock deadline, and then raises :class:`~dcp_safe.errors.StorageError` naming the operation
+and the object, with the last error chained.
+
+Why one loop here rather than the clients' own: s3fs retries some errors in its own loop (five
+tries, sleeping up to ~1.9 s, whatever the caller's deadline) and botocore has another; stacked,
+they multiply, and neither knows which dcp_safe operation or object it is working on. So the
+clients are set to try once (see :mod:`dcp_safe.backends.retrying_backend`) and this loop owns the
+retries and the deadline.
+
+What reaches us from s3fs 2026.9: HTTP error replies are botocore ``ClientError`` s, which s3fs
+turns into builtin errors with the ``ClientError`` as ``__cause__`` (``NoSuchKey`` ->
+``FileNotFoundError``, ``SlowDown`` -> ``OSError(EBUSY)``, ``InternalError`` ->
+``OSError(EREMOTEIO)``, ``RequestTimeout`` -> ``TimeoutError``); transport failures are botocore
+errors left as they are (``ReadTimeoutError``, ``ConnectionClosedError`` for a dropped reply,
+``EndpointConnectionError``), each raised while handling the aiohttp error (``__context__``).
+:class:`~dcp_safe.backends.fsspec_backend.FsspecBackend` then wraps the ``OSError`` s in
+``StorageError``. The classifier therefore walks the ``__cause__``/``__context__`` chain until an
+exception decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import random as _random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from dcp_safe.errors import ConfigError, DcpSafeError, StorageError
+
+__all__ = ["RetryPolicy", "call_with_retries", "is_transient"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+# S3 error codes (and the bare status codes botocore uses when a reply has no XML body) that
+# mean "try again later".
+_TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
+    | {str(status) for status in _TRANSIENT_STATUS}
+)
+# Answers, not accidents: asking again gets the same answer. Checked before anything else, so a
+# FileNotFoundError caused by a 404 ClientError is never mistaken for the transport error below.
+_FINAL_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+_MAX_CHAIN = 16  # how deep to follow __cause__/__context__ (chains are short; cycles are possible)
+
+
+def _unit_random() -> float:
+    # A module-level function, not ``random.random`` (a bound method of a hidden Random
+    # instance), so that a policy pickles by reference into DCP's process-based executor.
+    return _random.random()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How long and how often to retry a transient storage failure.
+
+    The n-th retry (n = 0, 1, ...) waits ``uniform(0, min(max_delay_s, base_delay_s * 2**n))``
+    ("full jitter", so that ranks hit by the same throttling spread out). No attempt starts and
+    no sleep ends after ``deadline_s`` from the first attempt; an attempt already in flight is
+    bounded by the client's own connect/read timeouts, not by this policy.
+
+    Args:
+        deadline_s: wall-clock budget for one operation, all attempts and sleeps together.
+        attempts: most attempts, the first one included (1 means never retry).
+        base_delay_s: the cap of the first backoff.
+        max_delay_s: the cap of every backoff.
+        sleep: called with seconds to wait (tests pass a fake).
+        clock: monotonic seconds (tests pass a fake).
+        random: a uniform float in ``[0, 1)`` (tests pass a fixed one).
+        on_retry: called with the backoff's seconds before each retry (telemetry counts them:
+            ``RetryPolicy(on_retry=telemetry.on_retry)``).
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+
+    deadline_s: float = 60.0
+    attempts: int = 8
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    random: Callable[[], float] = field(default=_unit_random, repr=False, compare=False)
+    on_retry: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.deadline_s) or not 0 < self.deadline_s < math.inf:
+            raise ConfigError(f"deadline_s must be a positive number, got {self.deadline_s!r}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
+            raise ConfigError(f"attempts must be an int, got {self.attempts!r}")
+        if self.attempts < 1:
+            raise ConfigError(f"attempts must be at least 1, got {self.attempts}")
+        if not _is_number(self.base_delay_s) or not 0 <= self.base_delay_s < math.inf:
+            raise ConfigError(f"base_delay_s must be >= 0, got {self.base_delay_s!r}")
+        if not _is_number(self.max_delay_s) or not self.base_delay_s <= self.max_delay_s < math.inf:
+            raise ConfigError(
+                f"max_delay_s must be >= base_delay_s ({self.base_delay_s}), "
+                f"got {self.max_delay_s!r}"
+            )
+
+    def backoff_s(self, retry: int) -> float:
+        """The wait before retry number ``retry`` (0-based), jitter included."""
+        cap = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(retry, 64))
+        return cap * self.random()
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
+# Configuration problems surface from the S3 client stack as its own exception types
+# (botocore's NoCredentialsError, an unreachable endpoint...), outside the OSError tree that
+# s3fs maps HTTP answers into: they are mapped here, once, with what to check.
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")
+_CLIENT_HINT = "check the endpoint and credentials in storage_options or the AWS_* variables"
+
+
+def _is_client_library_error(exc: BaseException) -> bool:
+    return not isinstance(exc, (OSError, DcpSafeError)) and type(exc).__module__.startswith(
+        _CLIENT_MODULES
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when retrying the same request may succeed.
+
+    Transient: HTTP 500/502/503/504 and S3's ``SlowDown``, ``ServiceUnavailable``,
+    ``InternalError``, ``RequestTimeout``; dropped or reset connections; connect and read
+    timeouts — as botocore, aiohttp or builtin exceptions, or as an ``OSError`` (s3fs's, or a
+    ``StorageError``) whose ``__cause__``/``__context__`` chain holds one. Not transient: every
+    other HTTP answer (403 ``PermissionError``, 404 ``FileNotFoundError``, 412
+    ``FileExistsError``), TLS errors, and dcp_safe's own errors other than ``StorageError``.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < _MAX_CHAIN:
+        seen.add(id(current))
+        verdict = _classify(current)
+        if verdict is not None:
+            return verdict
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _classify(exc: BaseException) -> bool | None:
+    """True or False when ``exc`` alone decides; None to look at what caused it."""
+    if isinstance(exc, _FINAL_TYPES):
+        return False
+    if isinstance(exc, DcpSafeError):
+        return None if isinstance(exc, StorageError) else False
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError: an HTTP answer from the server
+        return _is_transient_reply(response)
+    transient, final = _library_types()
+    if isinstance(exc, final):
+        return False
+    if isinstance(exc, transient):
+        return True
+    return None
+
+
+def _is_transient_reply(response: dict[object, object]) -> bool:
+    error = response.get("Error")
+    code = str(error.get("Code", "")) if isinstance(error, dict) else ""
+    metadata = response.get("ResponseMetadata")
+    status = metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None
+    return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+
+
+@functools.cache
+def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(transient, final) exception types from the builtins and the S3 client libraries."""
+    transient: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
+    final: list[type[BaseException]] = []
+    try:
+        from botocore import exceptions as boto
+    except ImportError:  # pragma: no cover - s3fs, a dependency, brings botocore
+        pass
+    else:
+        final.append(boto.SSLError)  # a botocore ConnectionError, but no retry will fix it
+        transient += [boto.HTTPClientError, boto.ConnectionError, boto.IncompleteReadError]
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiobotocore brings aiohttp
+        pass
+    else:
+        final.append(aiohttp.ClientSSLError)
+        transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    return tuple(transient), tuple(final)
+
+
+def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
+    """Run ``fn``, retrying transient failures under ``policy``.
+
+    Args:
+        op_name: the operation, for the error ("write", "read", "stat", ...).
+        path: the object or file, for the error (a full URL such as ``s3://bucket/key``).
+        fn: the operation; it must be safe to run again after a transient failure.
+        policy: attempts, deadline and backoff.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        StorageError: a transient failure outlasted the attempts or the deadline (the last
+            failure is its ``__cause__``), or the S3 client stack refused to send the request at
+            all (no credentials, a bad endpoint), with a hint of what to check.
+        BaseException: any non-transient error from ``fn``, unchanged.
+    """
+    start = policy.clock()
+    deadline = start + policy.deadline_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                if _is_client_library_error(exc):
+                    raise StorageError(
+                        op_name, path, f"{type(exc).__name__}: {exc} ({_CLIENT_HINT})"
+                    ) from exc
+                raise
+            delay = policy.backoff_s(attempt - 1)
+            now = policy.clock()
+            if attempt >= policy.attempts or now + delay >= deadline:
+                elapsed = now - start
+                raise StorageError(
+                    op_name,
+                    path,
+                    f"gave up after {attempt} attempt(s) in {elapsed:.1f} s "
+                    f"(deadline {policy.deadline_s:g} s); last error: "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
+            logger.info(
+                "%s %s: attempt %d failed (%s: %s); retrying in %.2f s",
+                op_name,
+                path,
+                attempt,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
+            if policy.on_retry is not None:
+                policy.on_retry(delay)
+            policy.sleep(delay)

@@ -1,0 +1,176 @@
+"""A backend wrapper that retries transient failures of every small operation.
+
+Retrying is a wrapper, as telemetry is (STYLE: "by wrapping, not by sprinkling"): any backend
+gains it, and the backends themselves stay one-try and simple. Every small operation — one
+request or a few, with no caller code in the middle — runs under
+:func:`~dcp_safe.backends.retry.call_with_retries`. A transient failure that outlasts the policy
+becomes a :class:`~dcp_safe.errors.StorageError` naming the operation and the full path.
+
+The clients underneath must not retry on their own, or their retries multiply with ours and
+overrun the deadline: :func:`single_try_s3_options` gives s3fs options for that.
+
+A lost reply on an exclusive create. ``write_bytes(rel, data, exclusive=True)`` is a conditional
+``PUT`` (``If-None-Match: *``). When its reply is lost, the write may have been applied, and the
+next try is then refused with ``FileExistsError`` — by our own object. The retry loop is not the
+only place this happens: aiohttp silently resends an idempotent request (``PUT`` is one) once
+when the connection drops, so a single lost reply surfaces as ``FileExistsError`` on what looks
+like the first attempt. So every ``FileExistsError`` from an exclusive create is checked by
+reading the object back: the same bytes mean the write was ours, and it succeeded; anything
+else (other bytes, or the object gone again) re-raises the ``FileExistsError``. This relies on
+the payloads of exclusive creates being unique to their writer, as dcp_safe's are (the writing
+lease names its save id; the marker holds the digest of a manifest that names it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, BinaryIO, TypeVar
+
+from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+
+__all__ = ["RetryingBackend", "single_try_s3_options"]
+
+T = TypeVar("T")
+
+
+class RetryingBackend(Backend):
+    """``inner`` with transient failures retried under ``policy``.
+
+    Args:
+        inner: the backend that does the I/O; its url and capability flags are copied.
+        policy: attempts, deadline and backoff for each operation.
+
+    Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``size``, ``exists``,
+    ``list_dir``, ``walk_files`` (the whole listing), ``is_dir``, ``makedirs``, ``remove_tree``,
+    ``remove_file``, ``sync_dir``, and the opening of ``open_read`` (reads from the open file
+    are not). Passed through: ``open_write``, whose body is the caller's code and cannot be
+    replayed from here — the writer retries a failed file as a whole, and the inner backend
+    guarantees a failed streamed write leaves nothing behind — and ``publish_dir``, a rename,
+    which is not safe to repeat.
+    """
+
+    def __init__(self, inner: Backend, policy: RetryPolicy) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.url = inner.url
+        self.supports_atomic_rename = inner.supports_atomic_rename
+        self.supports_exclusive_create = inner.supports_exclusive_create
+
+    def __repr__(self) -> str:
+        return f"RetryingBackend({self.inner!r}, {self.policy!r})"
+
+    def full_path(self, rel: str) -> str:
+        return self.inner.full_path(rel)
+
+    def _retry(self, op: str, rel: str, fn: Callable[[], T]) -> T:
+        return call_with_retries(op, self.full_path(rel), fn, self.policy)
+
+    # ----------------------------------------------------------------- writing
+
+    def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
+        return self.inner.open_write(rel)
+
+    def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
+        if not exclusive:
+            self._retry("write", rel, lambda: self.inner.write_bytes(rel, data))
+            return
+        self._retry("write", rel, lambda: self._create_exclusive(rel, data))
+
+    def _create_exclusive(self, rel: str, data: bytes) -> None:
+        """One try at an exclusive create; a refusal by our own earlier write is success."""
+        try:
+            self.inner.write_bytes(rel, data, exclusive=True)
+        except FileExistsError:
+            try:
+                stored = self.inner.read_bytes(rel)
+            except FileNotFoundError:
+                stored = None  # removed since: not ours to claim
+            if stored != data:
+                raise
+            # A transient failure of this read propagates and the whole step is retried.
+
+    # ----------------------------------------------------------------- reading
+
+    @contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        def enter() -> tuple[ExitStack, BinaryIO]:
+            with ExitStack() as stack:
+                f = stack.enter_context(self.inner.open_read(rel))
+                return stack.pop_all(), f
+
+        stack, f = self._retry("open", rel, enter)
+        with stack:
+            yield f
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._retry("read", rel, lambda: self.inner.read_bytes(rel))
+
+    def size(self, rel: str) -> int:
+        return self._retry("stat", rel, lambda: self.inner.size(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self._retry("stat", rel, lambda: self.inner.exists(rel))
+
+    def is_dir(self, rel: str) -> bool:
+        return self._retry("stat", rel, lambda: self.inner.is_dir(rel))
+
+    def list_dir(self, rel: str) -> list[str]:
+        return self._retry("list", rel, lambda: self.inner.list_dir(rel))
+
+    def walk_files(self, rel: str) -> Iterator[str]:
+        # A listing cannot resume halfway, so it is taken whole and retried whole.
+        yield from self._retry("list", rel, lambda: list(self.inner.walk_files(rel)))
+
+    # ----------------------------------------------------------------- layout
+
+    def makedirs(self, rel: str) -> None:
+        self._retry("mkdir", rel, lambda: self.inner.makedirs(rel))
+
+    def remove_tree(self, rel: str) -> None:
+        self._retry("remove", rel, lambda: self.inner.remove_tree(rel))
+
+    def remove_file(self, rel: str) -> None:
+        self._retry("remove", rel, lambda: self.inner.remove_file(rel))
+
+    def sync_dir(self, rel: str) -> None:
+        self._retry("fsync", rel, lambda: self.inner.sync_dir(rel))
+
+    def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
+        return self.inner.publish_dir(src, dst, replace=replace)
+
+
+def single_try_s3_options(
+    storage_options: dict[str, Any] | None = None,
+    *,
+    connect_timeout_s: float = 5.0,
+    read_timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """s3fs ``storage_options`` under which botocore tries each request once, with bounded
+    timeouts, so that :class:`RetryingBackend` owns retries and its deadline holds.
+
+    Settings the caller already made in ``config_kwargs`` win. s3fs's own retry loop (the class
+    attribute ``S3FileSystem.retries``, five tries) is not reachable through storage options;
+    set ``fs.retries = 1`` on the file system as well.
+
+    Args:
+        storage_options: the user's options (not modified).
+        connect_timeout_s: botocore's connect timeout for one try.
+        read_timeout_s: botocore's read timeout for one try (between bytes, not in total).
+            Long, because some servers (moto; AWS less so, it sends keep-alive whitespace)
+            answer CompleteMultipartUpload of a large object only when done: at 15 s a 1 GiB
+            upload to moto timed out. The deadline bounds when new attempts start; one attempt
+            that hangs is bounded by this timeout.
+
+    Returns:
+        A new options dict.
+    """
+    options = copy.deepcopy(dict(storage_options or {}))
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+    config.setdefault("connect_timeout", connect_timeout_s)
+    config.setdefault("read_timeout", read_timeout_s)
+    options["config_kwargs"] = config
+    return options

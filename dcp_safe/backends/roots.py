@@ -1,0 +1,79 @@
+"""Turn a user's root (a local path or an fsspec URL) into a backend.
+
+``faulty://`` roots (:mod:`dcp_safe.testing.faulty_fs`, a fault-injecting wrapper) get the
+backend the storage they wrap would get, minus what only a real POSIX path can do: a faulty
+local root goes through fsspec (no ``renameat2``, no fsync: the faults must reach every
+operation, and LocalBackend calls ``os`` directly), a faulty S3 root keeps the retry layer, the
+single-try client settings and its conditional puts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+from fsspec.utils import get_protocol
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import FsspecBackend
+from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
+
+__all__ = ["open_backend"]
+
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+_FAULTY_PROTOCOL = "faulty"
+# By name, so that opening a root never imports the testing package unless a faulty root asks.
+fsspec.register_implementation(
+    _FAULTY_PROTOCOL, "dcp_safe.testing.faulty_fs.FaultyFileSystem", clobber=False
+)
+
+
+def open_backend(
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    fsync: bool = True,
+    retry: RetryPolicy | None = None,
+) -> Backend:
+    """Pick the backend for a root.
+
+    Local paths and ``file://`` URLs get the POSIX backend. S3 gets fsspec behind
+    :class:`RetryingBackend`: the clients try each request once with bounded timeouts and the
+    policy owns retries and the deadline (s3fs and botocore stacked would take ~40 s to report
+    a persistent fault). Anything else goes to fsspec as it is.
+    """
+    root = str(root)
+    protocol = get_protocol(root)
+    if protocol in ("file", "local"):
+        return LocalBackend(root, fsync=fsync)
+    if protocol in _S3_PROTOCOLS:
+        inner = FsspecBackend(root, single_try_s3_options(storage_options), client_retries=1)
+        return RetryingBackend(inner, retry or RetryPolicy())
+    if protocol == _FAULTY_PROTOCOL:
+        return _open_faulty(root, dict(storage_options or {}), retry)
+    return FsspecBackend(root, storage_options)
+
+
+def _open_faulty(root: str, options: dict[str, Any], retry: RetryPolicy | None) -> Backend:
+    """A fault-injecting root: options ``fs`` (an instance) or ``target_protocol`` and
+    ``target_options`` name the storage underneath; ``faults`` or ``plan`` the faults."""
+    wrapped = options.get("fs")
+    target = (
+        _first(wrapped.protocol)
+        if isinstance(wrapped, fsspec.AbstractFileSystem)
+        else str(options.get("target_protocol") or "file")
+    )
+    if target not in _S3_PROTOCOLS:
+        return FsspecBackend(root, options)
+    if wrapped is None:
+        target_options = single_try_s3_options(options.get("target_options"))
+        target_options.setdefault("use_listings_cache", False)
+        options["target_options"] = target_options
+    inner = FsspecBackend(root, options, client_retries=1)
+    return RetryingBackend(inner, retry or RetryPolicy())
+
+
+def _first(protocol: str | tuple[str, ...]) -> str:
+    return protocol if isinstance(protocol, str) else protocol[0]

@@ -1,0 +1,205 @@
+"""List and verify committed checkpoints: the read-only view an operator needs.
+
+``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
+``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
+checksum, and each shard item's checksum, and that a shard's items tile it exactly. With
+``deep=False`` it is the quick check instead: the marker against the manifest and each file's
+presence and size, reading no data (what ``dcp-safe verify`` does by default).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import committed_names, open_committed, resolve_name
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.verify import check_stream, items_by_file
+
+__all__ = ["CheckpointInfo", "VerifyReport", "list_checkpoints", "verify_checkpoint"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint, as ``list_checkpoints`` reports it."""
+
+    name: str
+    path: str
+    size_bytes: int
+    created_at: float
+    world_size: int
+    step: int | None
+    save_id: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_checkpoint`` checked."""
+
+    name: str
+    path: str
+    files_checked: int
+    items_checked: int
+    bytes_read: int
+    seconds: float
+
+
+def list_checkpoints(
+    root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, oldest first.
+
+    A name whose marker does not match its manifest is not listed: it is not a checkpoint
+    anyone should load (``verify_checkpoint`` names what is wrong with it).
+    """
+    backend = open_backend(os.fspath(root), storage_options)
+    found = []
+    for name in committed_names(backend):
+        try:
+            manifest = open_committed(backend, name).manifest
+        except (CheckpointNotFoundError, CheckpointCorruptError):
+            continue
+        found.append(
+            CheckpointInfo(
+                name=name,
+                path=backend.full_path(name),
+                size_bytes=manifest.total_bytes,
+                created_at=manifest.created_at,
+                world_size=manifest.world_size,
+                step=manifest.step,
+                save_id=manifest.save_id,
+            )
+        )
+    return sorted(found, key=lambda info: (info.created_at, info.name))
+
+
+def verify_checkpoint(
+    root: str | os.PathLike[str],
+    name: str = layout.LATEST,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[FileRecord], None] | None = None,
+    deep: bool = True,
+) -> VerifyReport:
+    """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
+
+    Args:
+        root: the checkpoint root (a local path or an fsspec URL).
+        name: the checkpoint's name, or ``"latest"``.
+        storage_options: fsspec options for the root (endpoint, credentials).
+        progress: called with each file's record once that file is checked (progress bars).
+        deep: read every byte against its checksum (the default). ``False``: the quick check,
+            the marker against the manifest and each file's presence and size only; its report
+            reads no bytes and checks no items.
+
+    Returns:
+        A report of what was checked, when everything matches.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint by that name.
+        CheckpointCorruptError: the first mismatch found, naming the file and item.
+    """
+    started = time.perf_counter()
+    backend = open_backend(os.fspath(root), storage_options)
+    name = resolve_name(backend, name)
+    manifest = open_committed(backend, name).manifest
+    if deep:
+        bytes_read = _verify_every_byte(backend, name, manifest, progress)
+    else:
+        _verify_sizes(backend, name, manifest, progress)
+        bytes_read = 0
+    return VerifyReport(
+        name=name,
+        path=backend.full_path(name),
+        files_checked=len(manifest.files),
+        items_checked=len(manifest.items) if deep else 0,
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _verify_every_byte(
+    backend: Backend,
+    name: str,
+    manifest: Manifest,
+    progress: Callable[[FileRecord], None] | None,
+) -> int:
+    """The deep check; returns the bytes read."""
+    _require_complete_listing(backend, name, manifest)
+    bytes_read = 0
+    by_file = items_by_file(backend.full_path(f"{name}/{layout.MANIFEST}"), manifest)
+    for record in manifest.files:
+        bytes_read += _verify_file(backend, name, record, by_file.get(record.path, []))
+        if progress is not None:
+            progress(record)
+    _verify_rank_manifests(backend, name, manifest)
+    return bytes_read
+
+
+def _verify_sizes(
+    backend: Backend,
+    name: str,
+    manifest: Manifest,
+    progress: Callable[[FileRecord], None] | None,
+) -> None:
+    """The quick check: every file the manifest lists is there with its recorded size."""
+    for record in manifest.files:
+        _check_size(backend, f"{name}/{record.path}", record.size)
+        if progress is not None:
+            progress(record)
+
+
+def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
+    """The manifest must list every file a load needs: what it omits, nobody checks."""
+    needed = {layout.DCP_METADATA}
+    needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
+    needed |= {item.file for item in manifest.items}
+    missing = sorted(needed - {record.path for record in manifest.files})
+    if missing:
+        raise CheckpointCorruptError(
+            backend.full_path(f"{name}/{layout.MANIFEST}"),
+            f"manifest does not list {', '.join(missing)}",
+        )
+
+
+def _check_size(backend: Backend, rel: str, size: int) -> None:
+    """The file at ``rel`` exists and holds ``size`` bytes."""
+    try:
+        actual = backend.size(rel)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+    if actual != size:
+        raise CheckpointCorruptError(
+            backend.full_path(rel),
+            "file size differs from the manifest",
+            expected=size,
+            actual=actual,
+        )
+
+
+def _verify_file(backend: Backend, name: str, record: FileRecord, items: list[ItemRecord]) -> int:
+    rel = f"{name}/{record.path}"
+    _check_size(backend, rel, record.size)
+    with backend.open_read(rel) as stream:
+        return check_stream(stream, backend.full_path(rel), record, items)
+
+
+def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> None:
+    """Each rank manifest (already checksummed as a file) must agree with the global one."""
+    for rank in range(manifest.world_size):
+        rel = f"{name}/{layout.rank_manifest_name(rank)}"
+        rank_manifest = RankManifest.from_json(backend.read_bytes(rel), backend.full_path(rel))
+        for item in rank_manifest.items:
+            if manifest.item(item.key) != item:
+                raise CheckpointCorruptError(
+                    backend.full_path(rel),
+                    "rank manifest disagrees with manifest.json",
+                    item=item.describe(),
+                )

@@ -1,0 +1,99 @@
+"""Find and open committed checkpoints under a root.
+
+A checkpoint is committed when ``<name>/_COMMITTED`` exists and holds the digest of
+``<name>/manifest.json``. Opening one checks exactly that (a few small reads), so anything that
+passes is a complete, published checkpoint whose manifest can be trusted for further checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+
+__all__ = ["CommittedCheckpoint", "committed_names", "open_committed", "resolve_name"]
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint whose marker and manifest agree."""
+
+    name: str
+    manifest: Manifest
+
+
+def committed_names(backend: Backend) -> list[str]:
+    """Names under the root that carry a commit marker (not yet checked further)."""
+    return [
+        entry
+        for entry in backend.list_dir("")
+        if not entry.startswith(".") and backend.exists(f"{entry}/{layout.COMMITTED_MARKER}")
+    ]
+
+
+def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
+    """Open ``name``, checking its marker against its manifest.
+
+    Raises:
+        CheckpointNotFoundError: no marker (never committed, or not there at all).
+        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
+            names.
+    """
+    marker_path = f"{name}/{layout.COMMITTED_MARKER}"
+    try:
+        marker = backend.read_bytes(marker_path).decode("ascii", errors="replace").strip()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            backend.full_path(name), "it has no _COMMITTED marker"
+        ) from None
+    manifest_path = f"{name}/{layout.MANIFEST}"
+    try:
+        raw = backend.read_bytes(manifest_path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            backend.full_path(manifest_path), "committed checkpoint has no manifest"
+        ) from None
+    actual = manifest_digest(raw)
+    if actual != marker:
+        raise CheckpointCorruptError(
+            backend.full_path(manifest_path),
+            "manifest does not match the digest in _COMMITTED",
+            expected=marker,
+            actual=actual,
+        )
+    manifest = Manifest.from_json(raw, backend.full_path(manifest_path))
+    if manifest.name != name:
+        raise CheckpointCorruptError(
+            backend.full_path(manifest_path),
+            "manifest names another checkpoint",
+            expected=name,
+            actual=manifest.name,
+        )
+    return CommittedCheckpoint(name=name, manifest=manifest)
+
+
+def resolve_name(backend: Backend, checkpoint_id: str) -> str:
+    """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
+
+    "Newest" is by the commit time recorded in the manifest, then by name; a checkpoint whose
+    manifest does not open is skipped, so a damaged newest checkpoint never hides a good one.
+
+    Raises:
+        CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
+    """
+    if checkpoint_id != layout.LATEST:
+        return layout.validate_name(checkpoint_id)
+    newest: tuple[float, str] | None = None
+    for name in committed_names(backend):
+        try:
+            created = open_committed(backend, name).manifest.created_at
+        except (CheckpointNotFoundError, CheckpointCorruptError):
+            continue
+        if newest is None or (created, name) > newest:
+            newest = (created, name)
+    if newest is None:
+        raise CheckpointNotFoundError(backend.url, "no committed checkpoint under this root")
+    return newest[1]

@@ -1,0 +1,125 @@
+"""The node cache: a node's share of a checkpoint committed on the shared remote root.
+
+:class:`~dcp_safe.dcp.node_local.NodeLocalWriter` leaves, on each node-local root, the shard
+files and rank manifests that node's ranks wrote, renamed into ``<root>/<name>/`` once the
+remote ``_COMMITTED`` exists, with copies of the remote ``manifest.json`` and ``.metadata`` and
+a ``_NODE_COMMITTED`` marker holding the manifest's digest (written before the rename, so a
+cache under its name is always whole). It deliberately has no ``_COMMITTED``: it is part of a
+checkpoint, and everything that looks for checkpoints (``list_checkpoints``, the reader,
+``"latest"``, retention) passes it by. This module owns that layout: publishing a cache and
+listing them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+
+__all__ = [
+    "NODE_COMMITTED_MARKER",
+    "NodeCache",
+    "list_node_caches",
+    "prune_node_caches",
+    "publish_node_cache",
+    "ranks_in",
+]
+
+NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
+_RANK_MANIFEST = re.compile(r"^rank_(\d{5})\.json$")
+
+
+@dataclass(frozen=True)
+class NodeCache:
+    """One published node cache: a node's share of a checkpoint committed on the remote."""
+
+    name: str
+    path: str
+    ranks: tuple[int, ...]
+    manifest: Manifest
+
+
+def publish_node_cache(
+    local: Backend, remote: Backend, work: str, name: str, manifest: Manifest
+) -> None:
+    """Turn the node's hidden work directory ``work`` into the node cache ``<name>/``.
+
+    Call it once per node (the lowest rank), after ``name`` is committed on ``remote`` with
+    ``manifest``.
+
+    Raises:
+        CheckpointCorruptError: the remote manifest changed since it was opened.
+        CheckpointExistsError: ``<name>/`` already exists on this node's root.
+        StorageError: a local or remote I/O step failed.
+    """
+    raw = remote.read_bytes(f"{name}/{layout.MANIFEST}")
+    if Manifest.from_json(raw, remote.full_path(name)) != manifest:
+        raise CheckpointCorruptError(remote.full_path(name), "manifest changed while read")
+    local.write_bytes(f"{work}/{layout.MANIFEST}", raw)
+    metadata = remote.read_bytes(f"{name}/{layout.DCP_METADATA}")
+    local.write_bytes(f"{work}/{layout.DCP_METADATA}", metadata)
+    local.write_bytes(f"{work}/{NODE_COMMITTED_MARKER}", manifest_digest(raw).encode())
+    local.sync_dir(work)
+    try:
+        local.publish_dir(work, name, replace=False)
+    except FileExistsError as exc:
+        raise CheckpointExistsError(local.full_path(name), "a node cache holds it") from exc
+    local.sync_dir("")
+
+
+def list_node_caches(
+    root: str | os.PathLike[str] | Backend, *, storage_options: dict[str, Any] | None = None
+) -> list[NodeCache]:
+    """The node caches published under a node-local ``root``, oldest first.
+
+    A node cache is part of a checkpoint, not a checkpoint: load from the remote root.
+    Entries whose marker does not match their manifest are left out.
+    """
+    backend = root if isinstance(root, Backend) else open_backend(os.fspath(root), storage_options)
+    caches = []
+    for entry in backend.list_dir(""):
+        if entry.startswith(".") or not backend.exists(f"{entry}/{NODE_COMMITTED_MARKER}"):
+            continue
+        try:
+            marker = _read_text(backend, f"{entry}/{NODE_COMMITTED_MARKER}")
+            raw = backend.read_bytes(f"{entry}/{layout.MANIFEST}")
+        except FileNotFoundError:
+            continue
+        if manifest_digest(raw) != marker:
+            continue
+        manifest = Manifest.from_json(raw, backend.full_path(entry))
+        ranks = tuple(sorted(ranks_in(backend, entry)))
+        caches.append(NodeCache(entry, backend.full_path(entry), ranks, manifest))
+    return sorted(caches, key=lambda cache: (cache.manifest.created_at, cache.name))
+
+
+def prune_node_caches(backend: Backend, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` node caches under ``backend``'s root.
+
+    Retention of the remote tier is separate: this frees node-local disk only.
+
+    Returns:
+        The names removed.
+    """
+    caches = list_node_caches(backend)
+    doomed = [cache.name for cache in caches[: max(0, len(caches) - keep)]]
+    for name in doomed:
+        backend.remove_tree(name)
+    return doomed
+
+
+def ranks_in(backend: Backend, directory: str) -> list[int]:
+    """Ranks whose rank manifest is in ``directory``'s ``_ranks/``."""
+    entries = backend.list_dir(f"{directory}/{layout.RANKS_DIR}")
+    return [int(m.group(1)) for m in map(_RANK_MANIFEST.match, entries) if m]
+
+
+def _read_text(backend: Backend, rel: str) -> str:
+    return backend.read_bytes(rel).decode("utf-8", errors="replace").strip()

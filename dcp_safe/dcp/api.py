@@ -1,0 +1,217 @@
+"""``save`` / ``async_save`` / ``load``: DCP's calls, with deadlines and dcp_safe's errors.
+
+These call ``torch.distributed.checkpoint`` unchanged, with two additions:
+
+* In a distributed job they run DCP's collectives on dcp_safe's own gloo group
+  (:func:`dcp_safe.dcp.group.checkpoint_group`) whose timeout is the call's ``deadline_s``,
+  unless the caller passes ``process_group=`` or ``no_dist=``. A dead or hung peer then fails
+  the call (or the future) on every surviving rank within the deadline, and background saves
+  never share a communicator with training collectives. The first call creates that group,
+  which is a collective over the default group: every rank must make it at the same point.
+* Errors are translated once, on the calling thread and on every future handed back: DCP's
+  ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses) into the
+  :mod:`dcp_safe.errors` tree, and the transport's raw ``RuntimeError`` from a dead or hung peer
+  into a :class:`~dcp_safe.errors.CommitError` naming the failed ranks, with the cause chained.
+
+Calling ``dcp.save(..., storage_writer=SafeStorageWriter(...))`` directly works just as well;
+you then see DCP's exception types and wait as long as the group you pass allows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
+
+from dcp_safe.dcp.group import (
+    DEFAULT_DEADLINE_S,
+    checkpoint_group,
+    collective_failure,
+    discard_group,
+    is_collective_failure,
+    validate_deadline,
+)
+from dcp_safe.errors import from_checkpoint_exception
+
+__all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
+
+T = TypeVar("T")
+
+
+# DCP warns on every single-process call, even when no_dist=True says so explicitly.
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one call needs to explain a failed collective: its group, deadline and storage."""
+
+    group: Any = None
+    owned: bool = False
+    deadline_s: float | None = None
+    witnesses: tuple[object, ...] = ()
+    # Taken when the call starts: after a failure the group may already be torn down.
+    rank: int = 0
+    world_size: int = 1
+
+    def translate(self, exc: BaseException) -> BaseException:
+        """The dcp_safe error for ``exc``; ``exc`` itself when it is none of ours to map."""
+        if isinstance(exc, CheckpointException):
+            return from_checkpoint_exception(exc)
+        if self.group is not None and is_collective_failure(exc):
+            # DCP wraps every error raised by the storage layer or the planner in a
+            # CheckpointException; what comes out bare from a collective is the transport's
+            # (a peer closed its connection, or the group's deadline passed).
+            error = collective_failure(
+                exc,
+                rank=self.rank,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
+                witnesses=self.witnesses,
+            )
+            if self.owned:
+                discard_group(self.group)
+            return error
+        return exc
+
+
+@contextmanager
+def _quiet_single_process(kwargs: dict[str, Any]) -> Iterator[None]:
+    with warnings.catch_warnings():
+        if kwargs.get("no_dist"):
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` as the matching dcp_safe error."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise from_checkpoint_exception(exc) from exc
+
+
+@contextmanager
+def _translated_call(call: _Call) -> Iterator[None]:
+    try:
+        yield
+    except (CheckpointException, RuntimeError) as exc:
+        error = call.translate(exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
+    """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
+    deadline_s = validate_deadline(deadline_s)
+    witnesses = tuple(
+        w for w in (kwargs.get("storage_writer"), kwargs.get("storage_reader")) if w is not None
+    )
+    distributed = dist.is_available() and dist.is_initialized()
+    if kwargs.get("no_dist") or not distributed:
+        # Say it explicitly rather than let DCP warn that it guessed.
+        kwargs.setdefault("no_dist", not distributed)
+        return _Call()
+    group = kwargs.get("process_group")
+    owned = group is None
+    if owned:
+        group = kwargs["process_group"] = checkpoint_group(deadline_s)
+    return _Call(
+        group=group,
+        owned=owned,
+        deadline_s=deadline_s if owned else None,
+        witnesses=witnesses,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+    )
+
+
+def save(
+    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+) -> Metadata:
+    """``dcp.save`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+
+    Args:
+        state_dict: what to save.
+        deadline_s: how long any collective of this save may wait for a peer (the dedicated
+            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. The longest
+            healthy wait is for the slowest rank's writes, so it must exceed the spread of
+            per-rank write times.
+        **kwargs: passed to ``dcp.save``.
+
+    Raises:
+        CommitError: a rank failed, died or hung; ``failures`` names it. Nothing was published.
+        ConfigError: ``deadline_s`` is not a positive number.
+    """
+    call = _prepare(kwargs, deadline_s)
+    with _translated_call(call), _quiet_single_process(kwargs):
+        metadata: Metadata = _dcp_save(state_dict, **kwargs)
+        return metadata
+
+
+def load(
+    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+) -> None:
+    """``dcp.load`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+
+    Args:
+        state_dict: the target, loaded in place.
+        deadline_s: as for :func:`save`.
+        **kwargs: passed to ``dcp.load``.
+    """
+    call = _prepare(kwargs, deadline_s)
+    with _translated_call(call), _quiet_single_process(kwargs):
+        _dcp_load(state_dict, **kwargs)
+
+
+def async_save(
+    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+) -> Any:
+    """``dcp.async_save`` with a deadline, whose futures fail with dcp_safe errors.
+
+    Returns what DCP returns (an ``AsyncSaveResponse`` when the stager returns a future, else a
+    future), with every future replaced by one that carries the translated error. With
+    ``async_checkpointer_type=PROCESS`` the upload runs in DCP's checkpoint process, on the
+    group DCP creates there: ``deadline_s`` then bounds only the call itself.
+
+    Args:
+        state_dict: what to save.
+        deadline_s: as for :func:`save`.
+        **kwargs: passed to ``dcp.async_save``.
+    """
+    call = _prepare(kwargs, deadline_s)
+    with _translated_call(call), _quiet_single_process(kwargs):
+        response = _dcp_async_save(state_dict, **kwargs)
+    if isinstance(response, Future):
+        return _translated(response, call)
+    response.staging_completion = _translated(response.staging_completion, call)
+    response.upload_completion = _translated(response.upload_completion, call)
+    return response
+
+
+def _translated(source: Future[T], call: _Call) -> Future[T]:
+    target: Future[T] = Future()
+
+    def forward(done: Future[T]) -> None:
+        try:
+            target.set_result(done.result())
+        except BaseException as exc:
+            error = call.translate(exc)
+            if error is not exc and error.__cause__ is None:
+                error.__cause__ = exc
+            target.set_exception(error)
+
+    source.add_done_callback(forward)
+    return target

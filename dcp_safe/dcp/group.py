@@ -1,0 +1,191 @@
+"""The process group dcp_safe's collectives run on, and what a failure on it means.
+
+DCP's save and load exchange plans and results with collectives (``gather_object``,
+``broadcast_object``). On the training process group those collectives wait as long as that
+group's timeout (often 30 minutes), block behind or interleave with training collectives when a
+save runs in the background, and, when a peer is killed, surface as a raw ``RuntimeError`` from
+the transport. So :mod:`dcp_safe.dcp.api` runs them on a dedicated gloo group instead, created once
+per default group and deadline by :func:`checkpoint_group`:
+
+* the group's timeout *is* the save's deadline: a hung (stopped, swapping, partitioned) peer
+  fails every survivor's save within ``deadline_s`` instead of the training timeout;
+* a background save's collectives never share a communicator with training collectives, so the
+  two cannot deadlock on each other's ordering;
+* gloo works on CPU tensors whatever the training backend is (DCP's async save needs that).
+
+``dist.new_group`` is itself a collective over the default group: every rank must reach the
+first save (or load) with the same ``deadline_s`` at the same point in its program, as it must
+reach every DCP call anyway. Later calls reuse the cached group and communicate with nobody.
+
+When a collective on the group fails, :func:`collective_failure` turns the transport's error into
+a :class:`~dcp_safe.errors.CommitError` naming the failed ranks. Storage is the witness: a rank
+that finished its part of a save wrote ``_ranks/rank_NNNNN.json``, so the ranks whose manifest
+is missing are the ones that died or hung (the transport's message names a peer's address, not
+its rank). The group is then discarded: a gloo group with a dead member cannot be used again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_safe.errors import CommitError, ConfigError
+
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "checkpoint_group",
+    "collective_failure",
+    "discard_group",
+    "is_collective_failure",
+    "validate_deadline",
+]
+
+DEFAULT_DEADLINE_S = 120.0
+"""Well under the usual process-group timeout (30 min), well over a healthy save's collectives."""
+
+_lock = threading.Lock()
+# (id of the default group, timeout) -> (that default group, our group). The default group is
+# held so its id cannot be reused by a later one while the entry exists.
+_groups: dict[tuple[int, float], tuple[object, dist.ProcessGroup]] = {}
+
+
+@atexit.register
+def _forget_groups() -> None:
+    # Process groups held here past the job's destroy_process_group() would otherwise be
+    # destroyed during interpreter finalization, where gloo's threads can abort the process;
+    # dropping them at exit, while the interpreter is whole, leaves c10d to release them.
+    with _lock:
+        _groups.clear()
+
+
+def validate_deadline(deadline_s: object) -> float:
+    """Return ``deadline_s`` as a float, or raise ConfigError unless it is finite and > 0."""
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+        raise ConfigError(f"deadline_s must be a number of seconds, got {deadline_s!r}")
+    if not math.isfinite(deadline_s) or deadline_s <= 0:
+        raise ConfigError(f"deadline_s must be finite and positive, got {deadline_s!r}")
+    return float(deadline_s)
+
+
+def checkpoint_group(timeout_s: float = DEFAULT_DEADLINE_S) -> dist.ProcessGroup:
+    """The dedicated gloo group for checkpoint collectives, with ``timeout_s`` as its deadline.
+
+    Call order: on every rank of the default group at the same point (the first call for a
+    given ``timeout_s`` runs ``dist.new_group``, a collective); from the training thread, as
+    DCP's own calls are. Cached until :func:`discard_group` or a new default group.
+
+    Raises:
+        ConfigError: ``timeout_s`` is not a positive number, or no default group exists.
+    """
+    timeout_s = validate_deadline(timeout_s)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("checkpoint_group() needs an initialized default process group")
+    default = dist.distributed_c10d._get_default_group()
+    key = (id(default), timeout_s)
+    with _lock:
+        cached = _groups.get(key)
+        if cached is not None and cached[0] is default:
+            return cached[1]
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if not isinstance(group, dist.ProcessGroup):  # only for ranks outside the new group
+            raise ConfigError("dist.new_group returned no group for this rank")
+        _groups[key] = (default, group)
+        return group
+
+
+def discard_group(group: Any) -> None:
+    """Forget ``group`` and tear it down: a peer failed, so its connections are dead.
+
+    Destroying it closes this rank's connections, which also wakes peers still blocked on it.
+    The next :func:`checkpoint_group` call creates a fresh group (a collective again), which in
+    practice happens in the restarted job.
+    """
+    with _lock:
+        stale = [key for key, (_, cached) in _groups.items() if cached is group]
+        for key in stale:
+            del _groups[key]
+    if stale and dist.is_initialized():
+        # Already gone with its default group: then nothing is left to close.
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group(group)
+
+
+# What gloo's and the store's errors say. Gloo raises plain RuntimeError (with its source path,
+# ".../third_party/gloo/...", in the text), so the type alone cannot tell it from a local error
+# such as an out-of-memory during staging.
+_TRANSPORT_WORDS = ("gloo", "connection closed", "connection reset", "timed out", "broken pipe")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True when ``exc`` is the transport's report of a dead or unresponsive peer."""
+    if isinstance(exc, dist.DistError):
+        return True
+    if not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError):
+        return False
+    text = str(exc).lower()
+    return any(word in text for word in _TRANSPORT_WORDS)
+
+
+def collective_failure(
+    exc: BaseException,
+    *,
+    rank: int,
+    world_size: int,
+    deadline_s: float | None,
+    witnesses: Iterable[object] = (),
+) -> CommitError:
+    """A CommitError for a collective that failed because a peer died or hung.
+
+    Args:
+        exc: the transport's error (chained as ``__cause__``).
+        rank: this rank, in the group the collective ran on.
+        world_size: that group's size.
+        deadline_s: the group's deadline, for the message (None: not dcp_safe's group).
+        witnesses: the save's storage writer or reader; any with ``missing_ranks()`` names the
+            ranks that did not finish.
+    """
+    detail = _first_line(exc)
+    missing = _missing_ranks(witnesses)
+    if missing:
+        failures = {r: f"did not finish its part of the save ({detail})" for r in missing}
+    else:
+        failures = {
+            r: f"failed or unreachable; this rank cannot tell which peer ({detail})"
+            for r in range(world_size)
+            if r != rank
+        }
+    within = f" within the {deadline_s:g} s deadline" if deadline_s is not None else ""
+    error = CommitError(
+        f"save was not published: a peer died or did not respond{within}; restart the job "
+        "(the previous checkpoint is intact)",
+        failures,
+    )
+    error.__cause__ = exc
+    return error
+
+
+def _missing_ranks(witnesses: Iterable[object]) -> list[int]:
+    for witness in witnesses:
+        probe = getattr(witness, "missing_ranks", None)
+        if probe is None:
+            continue
+        try:
+            missing = probe()
+        except (OSError, ValueError):
+            continue  # storage failing too: fall back to naming every peer
+        if missing:
+            return sorted(missing)
+    return []
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

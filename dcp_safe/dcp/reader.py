@@ -1,0 +1,388 @@
+"""``SafeStorageReader``: DCP's ``StorageReader`` that loads only committed, verified bytes.
+
+DCP calls a reader in this order (every rank)::
+
+    reset(checkpoint_id)            a name or "latest"; the checkpoint is resolved and its
+                                    marker, manifest digest and .metadata checked here, so a
+                                    missing or damaged checkpoint fails with a typed error
+                                    before DCP starts planning
+    read_metadata()                 DCP's .metadata, already verified
+    set_up_storage_reader(metadata, is_coordinator, rank=...)
+    prepare_local_plan / prepare_global_plan
+    read_data(plan, planner)        every item's bytes are checked against the manifest before
+                                    they reach the caller's state dict
+
+Checks happen in ``reset`` rather than ``read_metadata`` because DCP turns an exception from
+``read_metadata`` into a warning and a plain ``AssertionError``; ``reset`` is called directly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpSafeError,
+)
+from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
+from dcp_safe.manifest.streams import VerifyingSlice, read_verified
+from dcp_safe.torch_compat import (
+    ExtensionRegistry,
+    StreamTransformExtension,
+    narrow_tensor_by_index,
+)
+
+__all__ = ["SafeStorageReader"]
+
+
+class SafeStorageReader(StorageReader):
+    """Load committed checkpoints from ``root``, verifying every byte it uses.
+
+    Args:
+        root: a local directory or an fsspec URL.
+        verify: check item checksums while reading (the marker, manifest and ``.metadata``
+            are always checked).
+        storage_options: passed to fsspec for URL roots.
+        checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_id: str = layout.LATEST,
+        fallback: str | os.PathLike[str] | None = None,
+        fallback_storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = os.fspath(root)
+        self.verify = verify
+        self.storage_options = storage_options
+        self.retry = retry or RetryPolicy()
+        self.backend: Backend = open_backend(self.root, storage_options, retry=retry)
+        self.fallback: Backend | None = (
+            None
+            if fallback is None
+            else open_backend(
+                os.fspath(fallback), fallback_storage_options or storage_options, retry=retry
+            )
+        )
+        self._requested = checkpoint_id
+        self._name: str | None = None
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+        self._source: Backend = self.backend
+        self._spare: Backend | None = None
+        self._spare_checked = False
+        self._extensions = ExtensionRegistry()
+        self.items_from_fallback = 0
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The resolved name of the checkpoint being read (after ``reset``)."""
+        return self._name
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Resolve and open the checkpoint.
+
+        Raises:
+            InvalidCheckpointNameError: a malformed name.
+            CheckpointNotFoundError: no committed checkpoint by that name (or none at all).
+            CheckpointCorruptError: the marker, manifest or ``.metadata`` do not agree.
+        """
+        if checkpoint_id is not None:
+            self._requested = os.fspath(checkpoint_id)
+        tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
+        opened: list[tuple[float, int, Backend, str, Manifest, Metadata]] = []
+        failures: list[DcpSafeError] = []
+        for order, backend in enumerate(tiers):
+            try:
+                name = resolve_name(backend, self._requested)
+                manifest = open_committed(backend, name).manifest
+                metadata = self._load_metadata(backend, name, manifest)
+            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                failures.append(exc)
+                continue
+            opened.append((manifest.created_at, -order, backend, name, manifest, metadata))
+            if self._requested != layout.LATEST:
+                break  # a named checkpoint: the first tier that has it, local first
+        if not opened:
+            raise failures[0]
+        # "latest" across tiers is the newest commit; on a tie the local tier wins.
+        _, _, self._source, self._name, self._manifest, self._metadata = max(
+            opened, key=lambda entry: entry[:2]
+        )
+        self._spare, self._spare_checked = None, False
+        self.items_from_fallback = 0
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self.reset()
+        assert self._metadata is not None
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._manifest is None:
+            raise ConfigError("SafeStorageReader used before reset()")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read, verify and hand over every item of ``plan``, one file at a time in file order.
+
+        Raises:
+            CheckpointCorruptError: a file is missing or short, or an item's checksum differs.
+        """
+        assert self._name is not None and self._metadata is not None
+        storage = self._metadata.storage_data
+        by_file: dict[str, list[ReadItem]] = {}
+        for request in plan.items:
+            by_file.setdefault(storage[request.storage_index].relative_path, []).append(request)
+        for file_name, requests in by_file.items():
+            requests.sort(key=lambda r: storage[r.storage_index].offset)
+            self._read_file(file_name, requests, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return SafeStorageReader._is_name(os.fspath(checkpoint_id))
+
+    # ----------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _is_name(checkpoint_id: str) -> bool:
+        if checkpoint_id == layout.LATEST:
+            return True
+        try:
+            layout.validate_name(checkpoint_id)
+        except ConfigError:
+            return False
+        return True
+
+    @staticmethod
+    def _load_metadata(backend: Backend, name: str, manifest: Manifest) -> Metadata:
+        rel = f"{name}/{layout.DCP_METADATA}"
+        record = manifest.file(layout.DCP_METADATA)
+        if record is None:
+            raise CheckpointCorruptError(backend.full_path(rel), "not listed in the manifest")
+        try:
+            with backend.open_read(rel) as stream:
+                raw = read_verified(
+                    stream,
+                    path=backend.full_path(rel),
+                    item=None,
+                    start=0,
+                    length=record.size,
+                    checksum=record.checksum,
+                )
+        except FileNotFoundError:
+            raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+        metadata: Metadata = pickle.loads(raw)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
+        assert self._name is not None
+        rel = f"{self._name}/{file_name}"
+        path = self._source.full_path(rel)
+        try:
+            with self._source.open_read(rel) as stream:
+                for request in requests:
+                    label, record = self._record_for(path, request)
+                    try:
+                        self._load_item(rel, stream, label, record, request, planner)
+                    except CheckpointCorruptError as exc:
+                        raw = self._read_from_spare(rel, label, record, cause=exc)
+                        self._deliver(raw, path, label, record, request, planner)
+        except FileNotFoundError:
+            spare = self._spare_tier()
+            if spare is None:
+                raise CheckpointCorruptError(path, "file is missing") from None
+            for request in requests:
+                label, record = self._record_for(path, request)
+                raw = self._read_from_spare(rel, label, record, cause=None)
+                self._deliver(raw, path, label, record, request, planner)
+
+    def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
+        assert self._manifest is not None and self._metadata is not None
+        index = request.storage_index
+        info = self._metadata.storage_data[index]
+        record = self._manifest.item(item_key(index.fqn, index.offset))
+        label = index.fqn if index.offset is None else f"{index.fqn}@{list(index.offset)}"
+        if record is None or (record.start, record.length) != (info.offset, info.length):
+            raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
+        return label, record
+
+    def _read_raw(self, stream: Any, path: str, label: str, record: ItemRecord) -> bytes:
+        return read_verified(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
+            checksum=record.checksum if self.verify else None,
+        )
+
+    def _load_item(
+        self,
+        rel: str,
+        stream: Any,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        path = self._source.full_path(rel)
+        streamable = request.type != LoadItemType.BYTE_IO and not record.transforms
+        if streamable:
+            try:
+                tensor = self._load_streamed(stream, path, label, record)
+            except CheckpointCorruptError:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+            else:
+                self._hand_over(tensor, path, label, request, planner)
+                return
+        raw = self._read_raw_retrying(self._source, rel, stream, label, record)
+        self._deliver(raw, path, label, record, request, planner)
+
+    def _load_streamed(
+        self, stream: Any, path: str, label: str, record: ItemRecord
+    ) -> torch.Tensor:
+        """``torch.load`` reads straight from the file while the same bytes are hashed; the
+        checksum is compared before the tensor goes anywhere near the caller's state dict."""
+        view = VerifyingSlice(stream, record.start, record.length, record.checksum)
+        try:
+            tensor: torch.Tensor = torch.load(
+                cast(IO[bytes], view), map_location="cpu", weights_only=True
+            )
+        except Exception as exc:
+            actual, whole = view.finish()
+            if self.verify and (not whole or actual != record.checksum):
+                raise CheckpointCorruptError(
+                    path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
+                ) from exc
+            raise
+        if not self.verify:
+            return tensor
+        actual, whole = view.finish()
+        if not whole:
+            raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=label)
+        if actual != record.checksum:
+            raise CheckpointCorruptError(
+                path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
+            )
+        return tensor
+
+    def _read_raw_retrying(
+        self, backend: Backend, rel: str, stream: Any, label: str, record: ItemRecord
+    ) -> bytes:
+        """Read an item; after a transient error, retry it on a fresh stream within the policy."""
+        path = backend.full_path(rel)
+        try:
+            return self._read_raw(stream, path, label, record)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+
+        def again() -> bytes:
+            with backend.open_read(rel) as fresh:
+                return self._read_raw(fresh, path, label, record)
+
+        return call_with_retries("read", path, again, self.retry)
+
+    def _spare_tier(self) -> Backend | None:
+        """The other tier, if it holds this very checkpoint (the same manifest)."""
+        if not self._spare_checked:
+            self._spare_checked = True
+            other = self.fallback if self._source is self.backend else self.backend
+            if other is not None and self._name is not None:
+                try:
+                    if open_committed(other, self._name).manifest == self._manifest:
+                        self._spare = other
+                except (CheckpointNotFoundError, CheckpointCorruptError):
+                    pass
+        return self._spare
+
+    def _read_from_spare(
+        self, rel: str, label: str, record: ItemRecord, cause: BaseException | None
+    ) -> bytes:
+        spare = self._spare_tier()
+        if spare is None:
+            if cause is not None:
+                raise cause
+            raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
+        with spare.open_read(rel) as stream:
+            raw = self._read_raw(stream, spare.full_path(rel), label, record)
+        self.items_from_fallback += 1
+        return raw
+
+    def _deliver(
+        self,
+        raw: bytes,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        payload: Any = io.BytesIO(raw)
+        for extension in self._extensions.from_descriptor_list(list(record.transforms)):
+            if isinstance(extension, StreamTransformExtension):
+                payload = io.BytesIO(extension.transform_from(payload).read())
+        if request.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(request, payload)
+            return
+        self._hand_over(
+            torch.load(payload, map_location="cpu", weights_only=True),
+            path,
+            label,
+            request,
+            planner,
+        )
+
+    def _hand_over(
+        self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
+    ) -> None:
+        tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+        target = planner.resolve_tensor(request).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                path,
+                "stored tensor has another shape",
+                item=label,
+                expected=tuple(target.size()),
+                actual=tuple(tensor.size()),
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(request, target)

@@ -1,0 +1,472 @@
+"""``SafeStorageWriter``: DCP's ``StorageWriter`` with checksums, manifests and an atomic commit.
+
+DCP calls a writer in this order (every rank unless noted; one save at a time per instance)::
+
+    reset(checkpoint_id)            the checkpoint's name; validated, checked against the root
+    set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)
+    prepare_local_plan(plan)
+    prepare_global_plan(plans)      coordinator only: picks the save id and the work directory
+    write_data(plan, planner)       streams this rank's items, then writes its rank manifest
+    finish(metadata, results)       coordinator only, and only if every rank's write_data
+                                    succeeded: verify, then publish (see dcp_safe.commit)
+
+Shard files use DCP's own format (one ``torch.save`` stream per tensor item, raw bytes for the
+rest, optional zstd through DCP's own transform descriptor) so torch's ``FileSystemReader`` loads
+an uncompressed or zstd checkpoint written here. Each item is checksummed while it streams to
+storage; no shard is ever buffered whole.
+
+Where the save works: on a backend that renames atomically, in a hidden ``.<name>.partial-<id>``
+directory that is renamed into place at publish; elsewhere, directly under ``<name>/``, where
+nothing counts until the ``_COMMITTED`` marker is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future as Future_
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any, cast
+
+import torch
+import zstandard
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.watch import watch_for_commit
+from dcp_safe.choices import parse_choice
+from dcp_safe.commit.committer import Committer
+from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
+from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
+from dcp_safe.dcp.options import Compression, WriterOptions
+from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
+from dcp_safe.manifest.streams import HashingSink
+from dcp_safe.replication.replicator import Replicator
+from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
+
+__all__ = ["SafeStorageWriter"]
+
+ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    """What the coordinator hands each rank in ``prepare_global_plan``."""
+
+    rank: int
+    world_size: int
+    save_id: str
+    work_dir: str
+
+
+class SafeStorageWriter(StorageWriter):
+    """Write DCP checkpoints under ``root`` with checksums and an atomic two-phase commit.
+
+    Args:
+        root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
+        compression: ``"none"`` or ``"zstd"``.
+        checksum: ``"xxh3_128"`` (default), ``"sha256"`` or ``"crc32"``.
+        storage_options: passed to fsspec (endpoint, credentials) for URL roots.
+        thread_count: files written in parallel per rank.
+        fsync: make files and directory entries durable before publishing.
+        overwrite: allow replacing a committed checkpoint of the same name; the old one stays
+            loadable until the new one is committed.
+        step: recorded in the manifest (the training step this checkpoint captures).
+        replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
+            ``root`` is copied there in the background and committed there too. See
+            :meth:`replication`.
+        replicate_storage_options: fsspec options for ``replicate_to`` (default:
+            ``storage_options``).
+        retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
+            dropped connections); a shard file that fails transiently is rewritten whole.
+        attempt: this job attempt's number, monotone across restarts (default:
+            ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
+            attempt than one that has saved under ``root`` fails with ``StaleWriterError``
+            instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest.
+
+    Raises:
+        ConfigError: an option has an unsupported value.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        compression: str = "none",
+        checksum: str = ChecksumAlgorithm.XXH3_128.value,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        fsync: bool = True,
+        overwrite: bool = False,
+        step: int | None = None,
+        replicate_to: str | os.PathLike[str] | None = None,
+        replicate_storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        attempt: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = WriterOptions(
+            compression=parse_choice(Compression, compression, "compression"),
+            checksum=parse_choice(ChecksumAlgorithm, checksum, "checksum"),
+            thread_count=thread_count,
+            fsync=fsync,
+            overwrite=overwrite,
+        )
+        self.root = os.fspath(root)
+        self.storage_options = storage_options
+        self.retry = retry or RetryPolicy()
+        self.attempt = attempt_from_env(attempt)
+        self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
+        if overwrite and not self.backend.supports_atomic_rename:
+            raise ConfigError(
+                f"overwrite=True needs a backend that renames atomically; {self.root} does not"
+            )
+        self.step = step
+        self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
+        self.replicate_storage_options = replicate_storage_options or storage_options
+        self.remote: Backend | None = (
+            None
+            if self.replicate_to is None
+            else open_backend(self.replicate_to, self.replicate_storage_options, retry=retry)
+        )
+        self._replicator: Replicator | None = None
+        self._name: str | None = None
+        self._rank = 0
+        self._is_coordinator = True
+        self._assignment: _Assignment | None = None
+
+    # ----------------------------------------------------------------- DCP call order
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save named ``checkpoint_id`` (a plain key under the root).
+
+        Raises:
+            InvalidCheckpointNameError: a name with ``/``, ``..``, a leading dot, or empty.
+            CheckpointExistsError: the name is committed and ``overwrite`` is off.
+            StorageError: the root cannot be created or written.
+        """
+        if checkpoint_id is not None:
+            self._name = layout.validate_name(os.fspath(checkpoint_id))
+        self._assignment = None
+        if self._name is not None:
+            self._refuse_committed(self._name)
+            self.backend.makedirs("")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "SafeStorageWriter needs use_collectives=True: rank 0 publishes only after "
+                "every rank reported success"
+            )
+        self._is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._require_name()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        name = self._require_name()
+        save_id = layout.new_save_id()
+        if self.attempt is not None:
+            # Fenced before a byte is written: a leftover of an older attempt stops here.
+            register_attempt(self.backend, self.attempt)
+            check_fence(self.backend, self.attempt)
+        if self.backend.supports_atomic_rename:
+            work_dir = layout.partial_dir_name(name, save_id)
+        else:
+            acquire_lease(self.backend, name, save_id)
+            work_dir = name
+        try:
+            self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
+        except BaseException:
+            if not self.backend.supports_atomic_rename:
+                # Ours, with nothing under it yet: holding it would block the name until the
+                # sweeper's grace period ends.
+                with contextlib.suppress(OSError):
+                    release_lease(self.backend, name)
+            raise
+        return [
+            dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment = plan.storage_data
+        if not isinstance(assignment, _Assignment):
+            raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
+        self._assignment = assignment
+        buckets = _split_evenly(plan.items, self.options.thread_count)
+        files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
+        try:
+            results = self._write_rank(assignment, files, buckets, planner)
+        except BaseException:
+            self._abandon(assignment, files)
+            raise
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_rank(
+        self,
+        assignment: _Assignment,
+        files: list[str],
+        buckets: list[list[WriteItem]],
+        planner: SavePlanner,
+    ) -> list[WriteResult]:
+        name = self._require_name()
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 1) as pool:
+            hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
+            writes = [
+                pool.submit(self._write_file_retrying, assignment, f, bucket, planner, hash_pool)
+                for f, bucket in zip(files, buckets, strict=True)
+            ]
+            per_file = [w.result() for w in writes]
+        records = [record for _, items in per_file for record in items]
+        manifest = RankManifest(
+            name=name,
+            save_id=assignment.save_id,
+            rank=assignment.rank,
+            checksum_algorithm=self.options.checksum.value,
+            files=tuple(file for file, _ in per_file),
+            items=tuple(record for record, _ in records),
+        )
+        rank_manifest = f"{assignment.work_dir}/{layout.rank_manifest_name(assignment.rank)}"
+        self.backend.write_bytes(rank_manifest, manifest.to_json())
+        return [
+            WriteResult(index=item.index, size_in_bytes=record.length, storage_data=record)
+            for record, item in records
+        ]
+
+    def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
+        """After this rank failed: on an object store, remove its own objects and free the name.
+
+        DCP will not call ``finish``, so nobody else would. Another rank may fail too and do the
+        same; a rank killed outright leaves its objects to the sweeper. (A partial directory on
+        POSIX is hidden and collected by the sweeper.)
+        """
+        if self.backend.supports_atomic_rename:
+            return
+        name = assignment.work_dir
+        own = [*files, layout.rank_manifest_name(assignment.rank)]
+        with contextlib.suppress(OSError, DcpSafeError):
+            for rel in own:
+                self.backend.remove_file(f"{name}/{rel}")
+            check_lease(self.backend, name, assignment.save_id)
+            release_lease(self.backend, name)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Verify every rank's results, then publish (coordinator only).
+
+        Raises:
+            CommitError: a planned item has no result, or a file does not match its manifest.
+            CheckpointExistsError: another save committed this name meanwhile.
+            StorageError: writing the metadata, manifest or marker failed.
+        """
+        assignment = self._assignment
+        if assignment is None:
+            raise ConfigError("finish() called before write_data()")
+        name = self._require_name()
+        Committer(self.backend, self.options).publish(
+            name=name,
+            save_id=assignment.save_id,
+            work_dir=assignment.work_dir,
+            world_size=assignment.world_size,
+            step=self.step,
+            metadata=metadata,
+            results=results,
+            attempt=self.attempt,
+        )
+        if self.remote is not None:
+            if self._replicator is None:
+                self._replicator = Replicator(self.backend, self.remote)
+            self._replicator.submit(name)
+
+    def missing_ranks(self) -> list[int] | None:
+        """Ranks of the current save whose rank manifest is not (yet) on storage.
+
+        A rank writes its manifest last, after its shard files, so after a failed collective
+        these are the ranks that died or hung before finishing their part (see
+        :func:`dcp_safe.dcp.group.collective_failure`). ``None`` before ``write_data``.
+        """
+        assignment = self._assignment
+        if assignment is None:
+            return None
+        present = set(self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}"))
+        return [
+            rank
+            for rank in range(assignment.world_size)
+            if layout.rank_manifest_name(rank).rpartition("/")[2] not in present
+        ]
+
+    def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
+        """A future that resolves once checkpoint ``name`` is committed on the remote tier.
+
+        On the coordinator it is the replicator's own future (it fails with the cause, or with
+        ``ReplicationSkippedError`` if a newer checkpoint superseded it). On the other ranks,
+        which upload nothing, it watches the remote ``_COMMITTED`` marker: coordination goes
+        through storage, never through the training process group.
+
+        Raises:
+            ConfigError: the writer has no ``replicate_to``.
+        """
+        name = layout.validate_name(name)
+        if self.remote is None:
+            raise ConfigError("this writer was created without replicate_to")
+        if self._replicator is not None:
+            with contextlib.suppress(KeyError):
+                return self._replicator.future(name)
+        return watch_for_commit(self.remote, name, poll_s=poll_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain background replication (bounded by ``timeout_s``) and stop its thread."""
+        if self._replicator is not None:
+            self._replicator.close(timeout_s)
+
+    def storage_meta(self) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        return StorageMeta(checkpoint_id=self._name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            layout.validate_name(os.fspath(checkpoint_id))
+        except ConfigError:
+            return False
+        return True
+
+    # ----------------------------------------------------------------- helpers
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._name
+
+    def _require_name(self) -> str:
+        if self._name is None:
+            raise ConfigError(
+                "no checkpoint name: pass checkpoint_id='step_000100' to dcp.save/async_save"
+            )
+        return self._name
+
+    def _refuse_committed(self, name: str) -> None:
+        if self.options.overwrite:
+            return
+        if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+            raise CheckpointExistsError(self.backend.full_path(name))
+
+    def _write_file_retrying(
+        self,
+        assignment: _Assignment,
+        file_name: str,
+        items: Sequence[WriteItem],
+        planner: SavePlanner,
+        hash_pool: ThreadPoolExecutor | None,
+    ) -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
+        # A streamed write cannot be resumed where it failed; its items are still in memory
+        # (staged or live), so a transient failure rewrites the whole file from the start.
+        return call_with_retries(
+            "write",
+            self.backend.full_path(f"{assignment.work_dir}/{file_name}"),
+            lambda: self._write_file(assignment, file_name, items, planner, hash_pool),
+            self.retry,
+        )
+
+    def _write_file(
+        self,
+        assignment: _Assignment,
+        file_name: str,
+        items: Sequence[WriteItem],
+        planner: SavePlanner,
+        hash_pool: ThreadPoolExecutor | None,
+    ) -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
+        records: list[tuple[ItemRecord, WriteItem]] = []
+        path = f"{assignment.work_dir}/{file_name}"
+        with self.backend.open_write(path) as target:
+            sink = HashingSink(target, self.options.checksum, hash_pool)
+            for item in items:
+                records.append((self._write_item(sink, file_name, item, planner), item))
+            size = sink.tell()
+        return FileRecord(path=file_name, size=size), records
+
+    def _write_item(
+        self, sink: HashingSink, file_name: str, item: WriteItem, planner: SavePlanner
+    ) -> ItemRecord:
+        start = sink.tell()
+        data = planner.resolve_data(item)
+        compressed = self.options.compression == "zstd"
+        out: Any = (
+            zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], sink), closefd=False)
+            if compressed
+            else sink
+        )
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
+            out.write(data.getbuffer())
+        else:
+            save_tensor_without_crc(_minimal_cpu_tensor(data), out)
+        if compressed:
+            out.close()
+        offset = item.index.offset
+        return ItemRecord(
+            fqn=item.index.fqn,
+            offset=None if offset is None else tuple(offset),
+            file=file_name,
+            start=start,
+            length=sink.tell() - start,
+            checksum=sink.take_checksum(),
+            transforms=(ZSTD_DESCRIPTOR,) if compressed else (),
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based executor pickles the writer; nothing here holds live handles,
+        # but make sure no per-save state leaks into the child.
+        state = self.__dict__.copy()
+        state["_assignment"] = None
+        state["_replicator"] = None  # a thread: the child process starts its own if needed
+        return state
+
+
+def _minimal_cpu_tensor(data: Any) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
+    if not isinstance(data, torch.Tensor):
+        raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over at most ``bins`` files, largest first, by bytes; byte items round-robin."""
+    if bins <= 1 or len(items) <= 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    by_size = sorted(items, key=_item_bytes, reverse=True)
+    for item in by_size:
+        target = sizes.index(min(sizes))
+        buckets[target].append(item)
+        sizes[target] += max(_item_bytes(item), 1)
+    return [b for b in buckets if b]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize

@@ -1,0 +1,149 @@
+"""The one check of a stored file against its manifest record, as its bytes stream past.
+
+Every reader of whole files uses it: deep verification (:mod:`dcp_safe.checkpoints.catalog`)
+and replication's verified copy (:mod:`dcp_safe.replication.replicator`), so they agree on what
+"intact" means. A file with a whole-file checksum is hashed whole; a shard file's items must
+tile it exactly, in order of ``start``, and each item is hashed from its own byte range, so a
+flipped byte anywhere lands in some checksum. Items are grouped by file once
+(:func:`items_by_file`), so checking a checkpoint is linear in its files and items.
+(Loads verify one item at a time instead: :mod:`dcp_safe.manifest.streams`.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
+
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+
+__all__ = ["FileCheck", "check_stream", "items_by_file", "tiles"]
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def check_stream(
+    stream: BinaryIO,
+    path: str,
+    record: FileRecord,
+    items: list[ItemRecord],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    read: Callable[[BinaryIO, int], bytes] | None = None,
+) -> int:
+    """Read ``stream`` to its recorded size through a :class:`FileCheck`; return bytes read.
+
+    Raises:
+        CheckpointCorruptError: short file, items that do not tile it, or a checksum mismatch.
+    """
+    check = FileCheck(path, record, items)
+    remaining = record.size
+    while remaining:
+        size = min(chunk_bytes, remaining)
+        data = read(stream, size) if read is not None else stream.read(size)
+        if not data:
+            break
+        check.update(data)
+        remaining -= len(data)
+    check.finish()
+    return record.size - remaining
+
+
+def items_by_file(
+    manifest_path: str, manifest: Manifest | RankManifest
+) -> dict[str, list[ItemRecord]]:
+    """Each file's items in order of ``start``; every file they name must be listed."""
+    by_file: dict[str, list[ItemRecord]] = {}
+    for item in manifest.items:
+        by_file.setdefault(item.file, []).append(item)
+    unlisted = sorted(set(by_file) - {f.path for f in manifest.files})
+    if unlisted:
+        raise CheckpointCorruptError(manifest_path, f"manifest does not list {', '.join(unlisted)}")
+    return {path: sorted(items, key=lambda i: i.start) for path, items in by_file.items()}
+
+
+def _hasher_for(checksum: str, path: str) -> tuple[ChecksumAlgorithm, Hasher]:
+    try:
+        algorithm = ChecksumAlgorithm(checksum.partition(":")[0])
+    except ValueError:
+        raise CheckpointCorruptError(path, f"unknown checksum algorithm in {checksum!r}") from None
+    return algorithm, new_hasher(algorithm)
+
+
+class FileCheck:
+    """Checks one file against its manifest record as its bytes stream past, chunk by chunk.
+
+    A file with a whole-file checksum is hashed whole; a shard file's items must tile it
+    exactly, in order of ``start``, and each item is hashed from its own byte range, so a
+    flipped byte anywhere lands in some checksum.
+    """
+
+    def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
+        self._path = path
+        self._record = record
+        self._whole = None if record.checksum is None else _hasher_for(record.checksum, path)
+        if (items or record.checksum is None) and not tiles(items, record.size):
+            raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
+        self._items = items
+        self._next = 0
+        self._position = 0
+        self._hasher = _hasher_for(items[0].checksum, path) if items else None
+        self._finish_items()
+
+    def update(self, data: bytes) -> None:
+        if self._whole is not None:
+            self._whole[1].update(data)
+        view = memoryview(data)
+        while view and self._hasher is not None:
+            item = self._items[self._next]
+            take = min(len(view), item.start + item.length - self._position)
+            self._hasher[1].update(view[:take])
+            self._position += take
+            view = view[take:]
+            self._finish_items()
+        self._position += len(view)
+
+    def finish(self) -> None:
+        """Raise unless every byte arrived and the whole-file checksum (if any) matches."""
+        if self._position != self._record.size or self._hasher is not None:
+            raise CheckpointCorruptError(
+                self._path,
+                "file is shorter than the manifest says",
+                expected=self._record.size,
+                actual=self._position,
+            )
+        if self._whole is not None:
+            _compare(self._path, None, self._record.checksum, self._whole)
+
+    def _finish_items(self) -> None:
+        """Close every item that ends at the current position (zero-length ones included)."""
+        while self._hasher is not None:
+            item = self._items[self._next]
+            if item.start + item.length != self._position:
+                return
+            _compare(self._path, item.describe(), item.checksum, self._hasher)
+            self._next += 1
+            following = self._items[self._next] if self._next < len(self._items) else None
+            self._hasher = (
+                None if following is None else _hasher_for(following.checksum, self._path)
+            )
+
+
+def _compare(
+    path: str, item: str | None, expected: str | None, hasher: tuple[ChecksumAlgorithm, Hasher]
+) -> None:
+    actual = format_checksum(*hasher)
+    if actual != expected:
+        raise CheckpointCorruptError(
+            path, "checksum mismatch", item=item, expected=expected, actual=actual
+        )
+
+
+def tiles(items: Sequence[ItemRecord], size: int) -> bool:
+    position = 0
+    for item in items:
+        if item.start != position or item.length < 0:
+            return False
+        position += item.length
+    return position == size

@@ -1,0 +1,190 @@
+"""What the core reports to telemetry: phases, spans, the recorder protocol, the null recorder.
+
+This module is the seam between the layers that do the work (staging, the writers, the manager)
+and :mod:`dcp_safe.telemetry`, which records it. Both sides import it; neither imports the
+other. Components hold a ``telemetry`` attribute that defaults to :data:`NULL_RECORDER`, whose
+calls return at once and allocate nothing, so telemetry off costs a method call per *phase*
+(never per tensor or per byte) and starts no thread. Spans are explicit ``begin``/``end``
+handles because a save's phases cross threads: staging starts on the training thread and ends
+on the staging thread; replication ends on the replicator's.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol, TypedDict, Unpack
+
+__all__ = [
+    "NULL_RECORDER",
+    "Instrumentable",
+    "StagerObserver",
+    "NullRecorder",
+    "NullSpan",
+    "Phase",
+    "Recorder",
+    "SpanHandle",
+    "SpanOptions",
+]
+
+
+class Phase(str, enum.Enum):
+    """The phases of one save, in the order they start.
+
+    ``SAVE`` is the root span (request to local commit); ``RELEASE`` and ``REPLICATION`` are its
+    siblings, because they may end after it.
+    """
+
+    SAVE = "save"
+    STATE_DICT = "state_dict"
+    STAGING = "staging"
+    PLAN = "plan"
+    WRITE = "write"
+    COMMIT = "commit"
+    RELEASE = "release"
+    REPLICATION = "replication"
+
+
+class SpanHandle(Protocol):
+    """An open span; ``end`` or ``fail`` closes it (later calls are ignored)."""
+
+    @property
+    def id(self) -> int | None: ...
+
+    @property
+    def save(self) -> str | None: ...
+
+    @property
+    def step(self) -> int | None: ...
+
+    def end(self, *, bytes: int | None = None, **attrs: Any) -> None: ...
+
+    def fail(self, error: BaseException | str) -> None: ...
+
+
+class SpanOptions(TypedDict, total=False):
+    """The keywords of :meth:`Recorder.begin`, which :meth:`Recorder.span` passes on unchanged.
+
+    Named once for every ``span`` (the protocol, :class:`NullRecorder`,
+    :class:`~dcp_safe.telemetry.Telemetry`). ``begin`` keeps them spelled out: it is what the
+    instrumented components call, and keyword parameters cost the null recorder no dict.
+    """
+
+    save: str | None
+    step: int | None
+    parent: SpanHandle | None
+    bytes: int | None
+
+
+class Recorder(Protocol):
+    """What instrumented components call. Every method may be called from any thread."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def begin(
+        self,
+        phase: Phase,
+        *,
+        save: str | None = None,
+        step: int | None = None,
+        parent: SpanHandle | None = None,
+        bytes: int | None = None,
+    ) -> SpanHandle:
+        """Open a span; without ``parent``: this thread's current span, else the save's root."""
+        ...
+
+    def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Any:
+        """A context manager: a span on this thread, a profiler range, ended with the outcome.
+
+        ``options`` are :meth:`begin`'s keywords (see :class:`SpanOptions`).
+        """
+        ...
+
+    def mark(
+        self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any
+    ) -> None:
+        """A point event (``skipped``, ``fallback``, ``retry``)."""
+        ...
+
+    def profile(self, phase: Phase) -> AbstractContextManager[Any]:
+        """A ``torch.profiler.record_function`` range on this thread (nothing when off)."""
+        ...
+
+
+class NullSpan:
+    """The span of :class:`NullRecorder`: does nothing."""
+
+    __slots__ = ()
+
+    @property
+    def id(self) -> int | None:
+        return None
+
+    @property
+    def save(self) -> str | None:
+        return None
+
+    @property
+    def step(self) -> int | None:
+        return None
+
+    def end(self, *, bytes: int | None = None, **attrs: Any) -> None:
+        return None
+
+    def fail(self, error: BaseException | str) -> None:
+        return None
+
+
+_NULL_SPAN = NullSpan()
+_NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
+_NULL_SPAN_CONTEXT: AbstractContextManager[SpanHandle] = nullcontext(_NULL_SPAN)
+
+
+class NullRecorder:
+    """Telemetry off: every call returns at once; no thread, no allocation per call."""
+
+    enabled = False
+
+    def begin(
+        self,
+        phase: Phase,
+        *,
+        save: str | None = None,
+        step: int | None = None,
+        parent: SpanHandle | None = None,
+        bytes: int | None = None,
+    ) -> SpanHandle:
+        return _NULL_SPAN
+
+    def span(
+        self, phase: Phase, **options: Unpack[SpanOptions]
+    ) -> AbstractContextManager[SpanHandle]:
+        return _NULL_SPAN_CONTEXT
+
+    def mark(
+        self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any
+    ) -> None:
+        return None
+
+    def profile(self, phase: Phase) -> AbstractContextManager[Any]:
+        return _NULL_CONTEXT
+
+
+NULL_RECORDER = NullRecorder()
+
+
+class Instrumentable(Protocol):
+    """A component telemetry can attach to (the stager): it reports through ``telemetry``, and
+    its ``stats()`` carries ``pinned_bytes`` for the memory sampler."""
+
+    telemetry: Recorder
+
+    def stats(self) -> Any: ...
+
+
+class StagerObserver(Protocol):
+    """What a stager's ``telemetry=`` argument must do: take the stager in (it then sets the
+    stager's ``telemetry`` recorder). :class:`dcp_safe.telemetry.Telemetry` is one."""
+
+    def attach_stager(self, stager: Instrumentable) -> object: ...

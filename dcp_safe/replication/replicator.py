@@ -1,0 +1,545 @@
+"""Replication: copy a committed local checkpoint to the remote tier and commit it there.
+
+The remote tier repeats the commit protocol (DESIGN, "Commit protocol") for a checkpoint that is
+already committed locally. Call order, for one checkpoint::
+
+    open_committed(local, name)      the local marker must match manifest.json, else nothing
+    remote marker check              same digest: done (idempotent); another digest: refused
+    copy every manifest file         streamed in chunks, each small file's checksum and each
+                                     shard item's checksum recomputed from the bytes in flight
+    copy manifest.json
+    remote.size of every object      each must exist with the size the manifest records
+    remote _COMMITTED, last          exclusive create, holding the local marker's digest
+
+Where the copy lands follows the remote backend's capability flags, like the committer: a
+backend that renames atomically (a second local disk, NFS) gets a hidden partial directory
+renamed into place without replacing anything; an object store gets the files under ``<name>/``
+directly, where nothing counts until the marker exists. A failure before the marker removes
+what was uploaded (best effort) and re-raises the original exception.
+
+Why it is built this way:
+
+* Uploads read the committed local files, never the staging buffers, so replication holds no
+  host memory beyond one chunk per file in flight (files are copied one at a time) and a slow
+  remote can never hold back the next save's staging.
+* The source is verified while it streams: a local byte flipped after the local commit is
+  caught before it is made durable a second time, and nothing is committed remotely.
+* :class:`Replicator` keeps at most one replication in flight, on one daemon thread. A newer
+  checkpoint makes an older pending one pointless, so pending work coalesces to the newest
+  name: the superseded futures fail with :class:`ReplicationSkippedError`. Nothing queues
+  without bound however slow the remote is.
+
+Errors raised here, beyond the ones backends raise::
+
+    DcpSafeError
+    ├── ReplicationSkippedError              a pending replication superseded by a newer one
+    └── ReplicationTimeoutError(TimeoutError)   wait()/close() could not drain in time
+
+A local file that does not match its manifest is :class:`~dcp_safe.errors.CheckpointCorruptError`;
+a remote object missing or of the wrong size after upload is
+:class:`~dcp_safe.errors.StorageError` (the remote tier misbehaved, the source is fine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import NoReturn
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigError,
+    ReplicationSkippedError,
+    ReplicationTimeoutError,
+    StorageError,
+)
+from dcp_safe.manifest.schema import (
+    FileRecord,
+    ItemRecord,
+    Manifest,
+    manifest_digest,
+)
+from dcp_safe.manifest.verify import FileCheck, items_by_file
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ReplicationSkippedError",
+    "ReplicationTimeoutError",
+    "Replicator",
+    "copy_file_verified",
+    "replicate_checkpoint",
+]
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+# Finished futures kept for ``Replicator.future``; pending and running ones are always kept.
+_DEFAULT_KEEP_DONE = 16
+
+
+# --------------------------------------------------------------------- one checkpoint
+
+
+def replicate_checkpoint(
+    local: Backend, remote: Backend, name: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Manifest:
+    """Copy committed checkpoint ``name`` from ``local`` to ``remote`` and commit it there.
+
+    Idempotent: when ``remote`` already holds ``name`` committed with the same manifest digest,
+    nothing is copied. The remote marker is trusted as every reader trusts it; run
+    ``verify_checkpoint`` on the remote root for a full byte check.
+
+    Args:
+        local: the root holding the committed checkpoint.
+        remote: the root to copy it to.
+        name: the checkpoint's name under both roots.
+        chunk_bytes: bytes read and uploaded at a time (one chunk per file in flight).
+
+    Returns:
+        The checkpoint's manifest.
+
+    Raises:
+        CheckpointNotFoundError: ``name`` is not committed locally.
+        CheckpointCorruptError: a local file does not match the manifest; nothing is committed.
+        CheckpointExistsError: ``remote`` holds ``name`` committed with another manifest.
+        StorageError: a remote (or local) I/O step failed, or an uploaded object is missing or
+            of the wrong size; nothing is committed.
+    """
+    name = layout.validate_name(name)
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    manifest, raw = _open_source(local, name)
+    digest = manifest_digest(raw)
+    if _remote_committed(remote, name, digest):
+        return manifest
+    copy = _Copy(local, remote, name, manifest, raw, chunk_bytes)
+    if remote.supports_atomic_rename:
+        _publish_by_rename(copy, digest)
+    else:
+        _publish_by_marker(copy, digest)
+    return manifest
+
+
+def _open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:
+    """The committed local manifest and its exact bytes (the remote copy must be identical)."""
+    manifest = open_committed(local, name).manifest
+    rel = f"{name}/{layout.MANIFEST}"
+    raw = local.read_bytes(rel)
+    if Manifest.from_json(raw, local.full_path(rel)) != manifest:
+        raise CheckpointCorruptError(local.full_path(rel), "manifest changed while being opened")
+    return manifest, raw
+
+
+def _remote_committed(remote: Backend, name: str, digest: str) -> bool:
+    """True when ``remote`` holds ``name`` committed with ``digest``.
+
+    Raises:
+        CheckpointExistsError: it is committed there with another digest.
+        CheckpointCorruptError: its marker is ours but its manifest does not match it.
+    """
+    try:
+        marker = remote.read_bytes(f"{name}/{layout.COMMITTED_MARKER}")
+    except FileNotFoundError:
+        return False
+    if marker.decode("ascii", errors="replace").strip() != digest:
+        raise CheckpointExistsError(remote.full_path(name))
+    open_committed(remote, name)
+    return True
+
+
+def _publish_by_rename(copy: _Copy, digest: str) -> None:
+    """Upload into a hidden partial directory, then rename it into place (never replacing)."""
+    remote, name = copy.remote, copy.name
+    work_dir = layout.partial_dir_name(name, layout.new_save_id())
+    try:
+        copy.upload_to(work_dir)
+        remote.write_bytes(f"{work_dir}/{layout.COMMITTED_MARKER}", digest.encode(), exclusive=True)
+        remote.sync_dir(work_dir)
+        try:
+            remote.publish_dir(work_dir, name, replace=False)
+        except FileExistsError as exc:
+            _require_ours(remote, name, digest, exc)  # published meanwhile, by us or another
+        else:
+            remote.sync_dir("")
+    finally:
+        # Best effort, never hiding the real error; absent once published (a no-op then). A
+        # partial left behind is collected by the sweeper after its grace period.
+        with contextlib.suppress(Exception):
+            remote.remove_tree(work_dir)
+
+
+def _publish_by_marker(copy: _Copy, digest: str) -> None:
+    """Upload under ``<name>/``, then create the marker exclusively, last."""
+    remote, name = copy.remote, copy.name
+    try:
+        copy.upload_to(name)
+        try:
+            remote.write_bytes(f"{name}/{layout.COMMITTED_MARKER}", digest.encode(), exclusive=True)
+        except FileExistsError as exc:
+            _require_ours(remote, name, digest, exc)  # e.g. our own earlier put, reply lost
+    except BaseException:
+        _remove_uploads(remote, name, copy.uploaded)
+        raise
+
+
+def _require_ours(remote: Backend, name: str, digest: str, exc: FileExistsError) -> None:
+    """After a refused publish: fine if ``name`` is committed with our digest, else raise."""
+    if not _remote_committed(remote, name, digest):
+        raise CheckpointExistsError(remote.full_path(name)) from exc
+
+
+def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
+    """Best effort: drop what this attempt uploaded, unless ``name`` got committed meanwhile
+    (then the objects may be a committed checkpoint's, ours or another writer's). Never
+    raises: the caller is already raising the error that matters."""
+    with contextlib.suppress(Exception):
+        if remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+            return
+        for rel in uploaded:
+            remote.remove_file(rel)
+        if not any(True for _ in remote.walk_files(name)):
+            remote.remove_tree(name)  # empty directories, where the backend has them
+
+
+# --------------------------------------------------------------------- copying
+
+
+class _Copy:
+    """The files of one checkpoint, copied and verified on their way to one destination."""
+
+    def __init__(
+        self,
+        local: Backend,
+        remote: Backend,
+        name: str,
+        manifest: Manifest,
+        raw_manifest: bytes,
+        chunk_bytes: int,
+    ) -> None:
+        self.local, self.remote, self.name = local, remote, name
+        self.manifest = manifest
+        self.raw_manifest = raw_manifest
+        self.chunk_bytes = chunk_bytes
+        self.uploaded: list[str] = []
+        self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
+
+    def upload_to(self, dest: str) -> None:
+        """Copy every file and the manifest under ``dest``, then check every remote size."""
+        folders = sorted({posixpath.dirname(f.path) for f in self.manifest.files} - {""})
+        self.remote.makedirs(dest)
+        for folder in folders:
+            self.remote.makedirs(f"{dest}/{folder}")
+        for record in self.manifest.files:
+            self.uploaded.append(f"{dest}/{record.path}")
+            self._copy_file(record, f"{dest}/{record.path}")
+        self.uploaded.append(f"{dest}/{layout.MANIFEST}")
+        self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
+        expected = [(f.path, f.size) for f in self.manifest.files]
+        for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
+            self._check_size(f"{dest}/{path}", size)
+        for folder in folders:
+            self.remote.sync_dir(f"{dest}/{folder}")
+
+    def _copy_file(self, record: FileRecord, dst: str) -> None:
+        copy_file_verified(
+            self.local,
+            f"{self.name}/{record.path}",
+            self.remote,
+            dst,
+            record,
+            self.items.get(record.path, []),
+            chunk_bytes=self.chunk_bytes,
+        )
+
+    def _check_size(self, rel: str, expected: int) -> None:
+        try:
+            actual = self.remote.size(rel)
+        except FileNotFoundError as exc:
+            raise StorageError(
+                "verify", self.remote.full_path(rel), "uploaded file is missing"
+            ) from exc
+        if actual != expected:
+            raise StorageError(
+                "verify",
+                self.remote.full_path(rel),
+                f"uploaded file has {actual} bytes, the manifest says {expected}",
+            )
+
+
+def copy_file_verified(
+    source: Backend,
+    src: str,
+    dest: Backend,
+    dst: str,
+    record: FileRecord,
+    items: Sequence[ItemRecord],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
+
+    The whole-file checksum (small files) or each item's checksum (shard files, whose
+    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
+    so a source byte flipped since it was written is never made durable a second time.
+
+    Raises:
+        CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
+            (``dst`` may then hold a partial copy; it is the caller's to remove).
+        StorageError: reading or writing failed.
+    """
+    path = source.full_path(src)
+    check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
+    try:
+        actual = source.size(src)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None
+    if actual != record.size:
+        raise CheckpointCorruptError(
+            path, "file size differs from the manifest", expected=record.size, actual=actual
+        )
+    with source.open_read(src) as reader, dest.open_write(dst) as writer:
+        remaining = record.size
+        while remaining:
+            data = _read(reader.read, min(chunk_bytes, remaining), path)
+            if not data:
+                raise CheckpointCorruptError(
+                    path,
+                    "file is shorter than the manifest says",
+                    expected=record.size,
+                    actual=record.size - remaining,
+                )
+            check.update(data)
+            writer.write(data)
+            remaining -= len(data)
+        check.finish()
+
+
+def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
+    # Map here: left raw, a local read error would surface as the remote write failing.
+    try:
+        return read(size)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError("read", path, exc) from exc
+
+
+# --------------------------------------------------------------------- background
+
+
+class _ReplicationFuture(Future[Manifest]):
+    """A future that remembers whether anyone looked at its outcome (see ``Replicator.close``)."""
+
+    retrieved = False
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        self.retrieved = True
+        return error
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        self.exception(timeout)
+        return super().result(0)
+
+
+class Replicator:
+    """Replicates newly committed checkpoints from ``local`` to ``remote``, in the background.
+
+    Call order: the owner (the writer, after a local commit) calls :meth:`submit` with each
+    committed name, from any thread; results arrive through the returned futures; the owner
+    calls :meth:`close` once at the end. One daemon worker thread runs replications one at a
+    time; it is started by ``submit`` and exits whenever nothing is pending, so an idle or
+    forgotten replicator holds no thread.
+
+    Coalescing: while one replication runs, at most one more is pending. Submitting a newer
+    name replaces the pending one, whose future fails with :class:`ReplicationSkippedError`
+    naming its successor; the skipped names are recorded in :attr:`skipped`.
+
+    Errors: a failed replication's original exception is in its future. :meth:`close`
+    re-raises the first failure whose future nobody retrieved (``result()`` or
+    ``exception()``, a done-callback's included), so a fire-and-forget owner cannot lose it,
+    while an owner that checked its futures is not told twice. Only one such failure is held
+    (a later one takes the slot once the held one is retrieved), so a long run of failures
+    keeps no tracebacks alive. Skips are policy, not failures: ``close`` does not raise them.
+
+    Not picklable (it owns a lock and a thread): an owner pickled into DCP's process executor
+    must drop it in ``__getstate__``.
+
+    Args:
+        local: the root checkpoints are committed to first.
+        remote: the root to replicate them to.
+        chunk_bytes: passed to :func:`replicate_checkpoint`.
+        keep_done: how many finished futures :meth:`future` can still return.
+
+    Attributes:
+        skipped: names whose replication was skipped for a newer one, oldest first.
+    """
+
+    def __init__(
+        self,
+        local: Backend,
+        remote: Backend,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_done: int = _DEFAULT_KEEP_DONE,
+    ) -> None:
+        if chunk_bytes < 1 or keep_done < 0:
+            raise ConfigError("chunk_bytes must be positive and keep_done not negative")
+        self.local = local
+        self.remote = remote
+        self.chunk_bytes = chunk_bytes
+        self.keep_done = keep_done
+        self.skipped: list[str] = []
+        self._cond = threading.Condition()
+        self._futures: dict[str, _ReplicationFuture] = {}
+        self._unseen: _ReplicationFuture | None = None  # the first failure nobody retrieved
+        self._pending: str | None = None
+        self._running: str | None = None
+        self._thread: threading.Thread | None = None
+        self._last_thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, name: str) -> Future[Manifest]:
+        """Schedule replication of committed checkpoint ``name``.
+
+        Returns:
+            Its future: the manifest once committed remotely, or the error. A name already
+            pending or running gets its existing future back.
+
+        Raises:
+            InvalidCheckpointNameError: ``name`` is not a valid checkpoint name.
+            ConfigError: the replicator is closed.
+        """
+        name = layout.validate_name(name)
+        with self._cond:
+            if self._closed:
+                raise ConfigError("this Replicator is closed; it takes no new checkpoints")
+            existing = self._futures.get(name)
+            if existing is not None and not existing.done():
+                return existing
+            future = _ReplicationFuture()
+            if self._pending is not None and self._pending != name:  # equal: it was cancelled
+                self._skip(self._pending, superseded_by=name)
+            self._pending = name
+            self._futures.pop(name, None)
+            self._futures[name] = future
+            self._forget_old()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name="dcp_safe-replicator", daemon=True
+                )
+                self._last_thread = self._thread
+                self._thread.start()
+            return future
+
+    def future(self, name: str) -> Future[Manifest]:
+        """The future of the latest submission of ``name``.
+
+        Raises:
+            KeyError: ``name`` was never submitted (or finished long enough ago to be
+                forgotten: only the newest ``keep_done`` finished futures are kept).
+        """
+        with self._cond:
+            return self._futures[name]
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until nothing is pending or running. Errors stay in their futures.
+
+        Raises:
+            ReplicationTimeoutError: still busy after ``timeout_s`` seconds.
+        """
+        with self._cond:
+            if not self._cond.wait_for(self._drained, timeout_s):
+                busy = ", ".join(n for n in (self._running, self._pending) if n)
+                raise ReplicationTimeoutError(
+                    f"replication to {self.remote.url} still busy after {timeout_s} s ({busy})"
+                )
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Refuse new work, drain what was submitted, and let the worker thread exit.
+
+        Calling it again (say, after a timeout) waits again; it is cheap once drained.
+
+        Raises:
+            ReplicationTimeoutError: not drained within ``timeout_s`` seconds; the work goes on
+                in the background.
+            BaseException: the first replication failure whose future was never retrieved,
+                as it was raised (it counts as retrieved afterwards).
+        """
+        with self._cond:
+            self._closed = True
+        self.wait(timeout_s)
+        with self._cond:
+            worker, unseen, self._unseen = self._last_thread, self._unseen, None
+        if worker is not None:
+            worker.join()  # it has left its loop: this returns at once
+        if unseen is not None and not unseen.retrieved:
+            unseen.result()  # raises the original exception and marks it retrieved
+
+    def __enter__(self) -> Replicator:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(
+            "a Replicator owns a thread and a lock and cannot be pickled; drop it in the "
+            "owner's __getstate__"
+        )
+
+    # ----------------------------------------------------------------- worker
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                name = self._pending
+                if name is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                self._pending, self._running = None, name
+                future = self._futures.get(name)  # absent only if cancelled and forgotten
+            if future is not None and future.set_running_or_notify_cancel():
+                self._run(name, future)
+            with self._cond:
+                self._running = None
+                self._forget_old()
+                self._cond.notify_all()
+
+    def _run(self, name: str, future: _ReplicationFuture) -> None:
+        try:
+            manifest = replicate_checkpoint(
+                self.local, self.remote, name, chunk_bytes=self.chunk_bytes
+            )
+        except BaseException as exc:  # the owner decides what is fatal; it reaches the future
+            with self._cond:
+                if self._unseen is None or self._unseen.retrieved:
+                    self._unseen = future
+            future.set_exception(exc)
+        else:
+            future.set_result(manifest)
+
+    def _skip(self, name: str, *, superseded_by: str) -> None:
+        """Fail pending ``name``'s future (unless the owner cancelled it). Holds the lock."""
+        self.skipped.append(name)
+        future = self._futures.get(name)
+        if future is not None and future.set_running_or_notify_cancel():
+            future.set_exception(ReplicationSkippedError(name, superseded_by))
+
+    def _forget_old(self) -> None:
+        """Drop the oldest finished futures beyond ``keep_done``. Holds the lock."""
+        done = [n for n, f in self._futures.items() if f.done()]
+        for name in done[: max(0, len(done) - self.keep_done)]:
+            del self._futures[name]
+
+    def _drained(self) -> bool:
+        return self._pending is None and self._running is None and self._thread is None

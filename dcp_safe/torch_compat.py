@@ -1,0 +1,114 @@
+"""Every private torch API dcp_safe uses, in one place, each with why and what happens without it.
+
+dcp_safe claims torch >= 2.9 and CI runs one torch; names that start with ``_`` can change in
+any release. Keeping them here means one module to read when torch moves, and a test
+(``tests/test_architecture.py``) keeps them from spreading. Where a fallback exists, it is here
+too, so callers see one stable function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import pickle
+from typing import Any
+
+import torch
+from torch import serialization
+
+# DCP's stream-transform extensions (zstd as a transform descriptor in .metadata) and its helper
+# for narrowing a stored tensor to a load request: public in behaviour, private in name since
+# torch 2.9. No fallback: without them a zstd checkpoint could not be read by torch's readers.
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._extension import (
+    ExtensionRegistry,
+    StreamTransformExtension,
+    ZStandard,
+)
+
+# The per-file entry of DCP's own ``.metadata`` storage map; writing it ourselves keeps the
+# checkpoint loadable by torch's FileSystemReader.
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CURRENT_DCP_VERSION",
+    "ExtensionRegistry",
+    "StorageInfo",
+    "StreamTransformExtension",
+    "ZStandard",
+    "dtensor_local",
+    "empty_host_cache",
+    "narrow_tensor_by_index",
+    "read_version",
+    "rebuild_dtensor",
+    "save_tensor_without_crc",
+    "storage_use_count",
+]
+
+# ``Tensor._version`` is the autograd version counter every in-place update bumps; its C getter
+# mapped over a list costs about 0.1 us a tensor (the mutation guard's whole cost).
+read_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
+
+
+def dtensor_local(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local shard, as it is (``to_local()`` would add an autograd node)."""
+    local: torch.Tensor = tensor._local_tensor
+    return local
+
+
+def rebuild_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor over ``local`` with ``like``'s spec (mesh, placements, global shape, stride).
+
+    The constructor, not ``from_local``: ``from_local`` moves a CPU shard back to the mesh's
+    device.
+    """
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``tensor``'s storage, this call's included."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+def empty_host_cache() -> None:
+    """Give freed pinned blocks in torch's caching host allocator back (no-op where absent)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def _has_private_save() -> bool:
+    params = list(inspect.signature(getattr(serialization, "_save", lambda: None)).parameters)
+    expected = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+    return params == expected and hasattr(serialization, "_get_storage_alignment")
+
+
+_PRIVATE_SAVE = _has_private_save()
+
+
+def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:
+    """``torch.save`` without torch's per-record crc32, which would hash every byte twice.
+
+    Our item checksum already covers every byte of the stream, and torch's reader never checks
+    the zip crc32. This uses torch's private ``_save`` where its signature is the known one (the
+    public ``set_crc32_options`` is process-global, so flipping it would race with other threads
+    saving); elsewhere it is plain ``torch.save``. Measured: 0.52 -> 0.12 CPU s per GiB saved.
+    """
+    if not _PRIVATE_SAVE:
+        torch.save(tensor, out)
+        return
+    writer = torch._C.PyTorchFileWriter(out, False, serialization._get_storage_alignment())
+    try:
+        serialization._save(  # type: ignore[no-untyped-call]
+            tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False
+        )
+    except BaseException:
+        # An unfinished writer finishes itself in its C++ destructor; with a stream that has
+        # just failed, that throws there and aborts the interpreter at the next collection.
+        # Finishing it here marks it finished even when this throws, as a catchable error.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()

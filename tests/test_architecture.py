@@ -1,0 +1,147 @@
+"""The package layout is the architecture (docs/architecture.md): layers only point down.
+
+Read from the source with ``ast`` (every import, including those inside functions and under
+``TYPE_CHECKING``), so a lazy import cannot hide an upward edge.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dcp_safe"
+
+# Bottom to top. A module may import its own layer and the layers below it, never above.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "layout", "observe", "units", "choices", "version", "torch_compat"),
+    ("manifest",),
+    ("backends",),
+    ("commit",),
+    ("checkpoints",),
+    ("retention",),
+    ("replication",),
+    ("dcp",),
+    ("staging", "telemetry"),
+    ("manager",),
+    ("cli", "demo", "bench", "testing"),
+]
+FOUNDATION = set(LAYERS[0])
+# Leaves: used by the layers above, they depend on nothing but the foundation (they report
+# through the small protocols in ``observe`` and take plain callbacks).
+LEAVES = {"staging", "telemetry"}
+FACES = set(LAYERS[-1])
+MAX_LINES = 600
+
+
+def _part(module: str) -> str:
+    """The top-level part of a dcp_safe module name: ``dcp_safe.dcp.writer`` -> ``dcp``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _rank(part: str) -> int:
+    for rank, layer in enumerate(LAYERS):
+        if part in layer:
+            return rank
+    raise AssertionError(f"dcp_safe.{part} is in no layer: add it to LAYERS and the docs")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The dcp_safe modules ``path`` imports (``from dcp_safe import x`` names module x)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "dcp_safe"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "dcp_safe":
+                continue
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return found
+
+
+def _edges() -> list[tuple[str, str]]:
+    return [(mod, imp) for mod, path in MODULES.items() for imp in sorted(_imports(path))]
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    for module in MODULES:
+        if module != "dcp_safe":
+            _rank(_part(module))
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = [
+        f"{mod} -> {imp}"
+        for mod, imp in _edges()
+        if mod != "dcp_safe" and _part(imp) and _rank(_part(imp)) > _rank(_part(mod))
+    ]
+    assert upward == []
+
+
+def test_staging_and_telemetry_import_only_the_foundation() -> None:
+    leaking = [
+        f"{mod} -> {imp}"
+        for mod, imp in _edges()
+        if _part(mod) in LEAVES and _part(imp) != _part(mod) and _part(imp) not in FOUNDATION
+    ]
+    assert leaking == []
+
+
+def test_no_core_module_imports_the_package_root() -> None:
+    rooted = [mod for mod, imp in _edges() if imp == "dcp_safe" and _part(mod) not in FACES | {""}]
+    assert rooted == []
+
+
+def test_the_package_root_does_not_import_the_faces() -> None:
+    faces = [imp for imp in _imports(MODULES["dcp_safe"]) if _part(imp) in FACES]
+    assert faces == []
+
+
+# A private torch name: a ``_``-prefixed module or attribute under ``torch.``, a private name
+# imported from torch, or the DTensor/version internals reached through an object.
+_PRIVATE_TORCH = re.compile(
+    r"torch\.(?:[A-Za-z]\w*\.)*_[A-Za-z]"
+    r"|from torch[\w.]* import (?:[\w, ]*, )?_[A-Za-z]"
+    r"|\._local_tensor\b|\._spec\b|serialization\._"
+)
+
+
+def test_private_torch_apis_are_used_in_one_module_only() -> None:
+    users = sorted(
+        mod
+        for mod, path in MODULES.items()
+        if _part(mod) not in FACES and _PRIVATE_TORCH.search(path.read_text(encoding="utf-8"))
+    )
+    assert users == ["dcp_safe.torch_compat"]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_over_the_size_limit(module: str) -> None:
+    lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{module}: {lines} lines; split it by job"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    """The rule is not vacuous: a lower layer importing a higher one is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from dcp_safe.manager import CheckpointManager\n", encoding="utf-8")
+    [imported] = _imports(bad)
+    assert _rank(_part(imported)) > _rank(_part("dcp_safe.backends.backend"))
