@@ -56,6 +56,24 @@ def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], where: 
             assert actual[key] == value, path
 
 
+def differing_tensors(actual: Any, expected: Any, where: str = "") -> list[str]:
+    """The paths of the tensors in ``expected`` that ``actual`` does not hold exactly."""
+    if isinstance(expected, torch.Tensor):
+        same = isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
+        return [] if same else [where or "<root>"]
+    if isinstance(expected, dict):
+        return [
+            path
+            for key, value in expected.items()
+            for path in differing_tensors(
+                actual.get(key) if isinstance(actual, dict) else None,
+                value,
+                f"{where}.{key}" if where else str(key),
+            )
+        ]
+    return []
+
+
 def gather_full(value: Any) -> Any:
     """A copy of ``value`` with every DTensor gathered whole (a collective on every rank)."""
     if isinstance(value, DTensor):
