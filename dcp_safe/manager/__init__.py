@@ -1,7 +1,8 @@
 """The policy layer: :class:`CheckpointManager` and the small parts it is made of.
 
-``manager`` is the facade a training loop calls; ``slot`` is the single-flight slot and its
-busy policies; ``tiers`` is retention, listing and restore on the local and remote roots;
+``manager`` is the facade a training loop calls; ``handles`` its modes, handle and counters;
+``slot`` is the single-flight slot the busy policies decide about; ``tiers`` is retention,
+listing and restore on the local and remote roots; ``spans`` its telemetry;
 ``fallback`` decides when to return to synchronous saves; ``preemption`` turns SIGTERM into a
 final save.
 """
@@ -9,14 +10,14 @@ final save.
 from __future__ import annotations
 
 from dcp_safe.checkpoints.history import HISTORY_FILE
-from dcp_safe.manager.manager import (
+from dcp_safe.manager.handles import (
     BusyPolicy,
-    CheckpointManager,
     ManagerStats,
     SaveHandle,
     StagingMode,
     Validation,
 )
+from dcp_safe.manager.manager import CheckpointManager
 
 __all__ = [
     "HISTORY_FILE",

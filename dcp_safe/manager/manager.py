@@ -15,58 +15,17 @@ Call order (one training thread calls ``save``/``maybe_save``/``restore``/``clos
                       the retention policy, free the slot, start the pending (coalesced) save
     any thread        replication to ``replicate_to`` finishes -> history, ``replicated``
 
-``when_busy`` (a save is still in flight):
+Where each part of the policy lives (this module composes them):
 
-* ``"wait"``: block until it is done; the seconds are counted in :meth:`stats`.
-* ``"skip"``: return ``None``; counted, logged, and recorded in the history.
-* ``"coalesce"``: keep only the newest request. The state is copied *now* (the caller goes on
-  mutating it), into one extra host copy, but only if the stager's budget has room for that copy
-  besides the pool; otherwise the request is skipped (counted, reason recorded). A newer request
-  replaces the pending one, whose handle's futures are cancelled. The pending copy is saved by
-  the manager thread as soon as the in-flight save is done.
-* ``"sync"``: save now, in the foreground, with a second writer (a writer runs one save at a
-  time) and no staging: ``dcp_safe.dcp.api.save`` on the live state.
-* ``"raise"``: raise :class:`~dcp_safe.errors.AdmissionTimeoutError` (a wait of zero).
-
-``force=True`` waits whatever the policy: for a final save that must not be lost.
-
-``staging`` (when ``save`` returns, relative to the copy of the state):
-
-* ``"snapshot"`` (default): ``save`` returns once the state is copied into the stager's
-  buffers, so the caller may update it in place at once; the training pause is that bounded
-  copy. The handle's ``staged`` future is already done.
-* ``"overlap"``: ``save`` returns as soon as the copy has started, so the copy overlaps the
-  caller's next compute. The caller must then wait (``handle.staged.result()`` or
-  :meth:`CheckpointManager.wait_staged`) before the first in-place update of the state: the
-  optimizer step, but also in-place updates during the forward pass, such as BatchNorm's
-  running statistics. The stager's mutation guard fails a save whose state changed during the
-  copy (:class:`~dcp_safe.errors.SnapshotMutatedError`, recorded in the history) rather than
-  commit a torn checkpoint, but it cannot see every kind of update (docs/staging.md).
-
-After each local commit the new checkpoint is verified (``validate="manifest"``: marker and
-manifest digest; ``"deep"``: every byte), then retention prunes the local root by
-:func:`dcp_safe.retention.policy.decide` (``keep_last``/``keep_every`` plus its safety rules);
-a checkpoint that fails verification stops pruning, and names being restored or replicated are
-kept until a later prune. The remote tier is not pruned. One manager owns a root: retention
-treats every committed checkpoint with a step as its own.
-
-History: ``<root>/_history.jsonl`` (:mod:`dcp_safe.checkpoints.history` owns the file and its
-schema).
-
-Fallback: :mod:`dcp_safe.manager.fallback` decides when async saving hurts more than it helps
-(host memory dipping under the reserve, completions slower than two save intervals, staging
-buffers that outlive their save); the manager then saves every request synchronously (as
-``"sync"`` does, whether or not a save is in flight), logs a WARNING and records a ``fallback``
-event, until :meth:`CheckpointManager.rearm`.
-
-Telemetry (``telemetry=``, off by default): each started save gets a root ``save`` span from
-admission to its verified local commit; the stager's and the (wrapped) writer's spans nest under
-it; skips and fallbacks are marks. See :mod:`dcp_safe.telemetry`.
-
-Preemption: :meth:`CheckpointManager.install_preemption_handler` (see
-:mod:`dcp_safe.manager.preemption`).
-The manager keeps a reference to the newest state passed to ``save``/``maybe_save``: the LIVE
-state, saved as it is at signal time.
+* ``when_busy``, ``staging`` and ``validate``: their enums in :mod:`~dcp_safe.manager.handles`;
+  the single-flight slot they decide about: :mod:`~dcp_safe.manager.slot`. ``force=True``
+  waits whatever the policy: for a final save that must not be lost.
+* verification after each local commit, retention on both roots, ``latest`` and the restore
+  reader: :mod:`~dcp_safe.manager.tiers`. One manager owns a root.
+* the history file: :mod:`dcp_safe.checkpoints.history`; the automatic return to synchronous
+  saves: :mod:`~dcp_safe.manager.fallback`; telemetry spans: :mod:`~dcp_safe.manager.spans`;
+  SIGTERM: :mod:`~dcp_safe.manager.preemption` (the manager keeps a reference to the newest
+  state passed to ``save``, the LIVE state, saved as it is at signal time).
 
 Errors: a background failure (upload, verification, replication) fails the handle's future and
 is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised, and
@@ -78,7 +37,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
-import enum
 import functools
 import logging
 import os
@@ -87,19 +45,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
-from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.history import HISTORY_FILE, History
 from dcp_safe.choices import parse_choice
 from dcp_safe.dcp import api
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
@@ -110,11 +63,22 @@ from dcp_safe.errors import (
     SnapshotMutatedError,
 )
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
+from dcp_safe.manager.handles import (
+    BusyPolicy,
+    ManagerStats,
+    Pending,
+    SaveHandle,
+    StagingMode,
+    Validation,
+    chain,
+)
+from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.preemption import PreemptionHandler
-from dcp_safe.observe import SpanHandle
-from dcp_safe.retention.policy import CheckpointRecord, KeepEvery, KeepLast, combine, decide
-from dcp_safe.retention.retire import retire_checkpoint
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, sweep_partials
+from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.manager.tiers import Tiers
+from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
@@ -133,80 +97,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class BusyPolicy(str, enum.Enum):
-    """What :meth:`CheckpointManager.save` does while a save is in flight."""
-
-    WAIT = "wait"
-    SKIP = "skip"
-    COALESCE = "coalesce"
-    SYNC = "sync"
-    RAISE = "raise"
-
-
-class StagingMode(str, enum.Enum):
-    """When :meth:`CheckpointManager.save` returns relative to the copy of the state."""
-
-    SNAPSHOT = "snapshot"  # after the copy: the caller may mutate the state at once
-    OVERLAP = "overlap"  # after the copy started: the caller waits on ``staged`` before mutating
-
-
-class Validation(str, enum.Enum):
-    """How a new local checkpoint is checked before retention may prune older ones."""
-
-    MANIFEST = "manifest"  # marker and manifest digest agree (a few small reads)
-    DEEP = "deep"  # every byte against its checksum (verify_checkpoint)
-
-
-@dataclass(frozen=True)
-class SaveHandle:
-    """One requested save.
-
-    Attributes:
-        step: the training step.
-        name: the checkpoint name.
-        staged: resolves once the state was copied (the caller may mutate it again); already
-            done when ``save`` returns with the default ``staging="snapshot"``.
-        committed: resolves with ``name`` once committed locally, verified, and retention ran;
-            fails with the upload's or verification's error; cancelled if a newer coalesced
-            request replaced this one.
-        replicated: resolves once committed on ``replicate_to`` (``None`` without one).
-    """
-
-    step: int
-    name: str
-    staged: Future[None] = field(default_factory=Future, repr=False)
-    committed: Future[str] = field(default_factory=Future, repr=False)
-    replicated: Future[Any] = field(default_factory=Future, repr=False)
-
-    def cancel(self) -> None:
-        for future in (self.staged, self.committed, self.replicated):
-            future.cancel()
-
-
-@dataclass(frozen=True)
-class ManagerStats:
-    """Counters since the manager was created."""
-
-    requested: int
-    started: int
-    skipped: int
-    coalesced: int
-    committed: int
-    failed: int
-    pruned: int
-    waited_s: float
-    waiting: int
-    sync_saves: int = 0
-    fallback_reason: str | None = None
-
-
-@dataclass
-class _Pending:
-    handle: SaveHandle
-    state: dict[str, Any]
-    nbytes: int
 
 
 class CheckpointManager:
@@ -288,36 +178,32 @@ class CheckpointManager:
         self._owns_stager = stager is None
         self.stager = stager or BudgetedStager(budget, when_busy="wait")
         self.telemetry = telemetry
-        self._spans: dict[str, SpanHandle] = {}
+        self._spans = SaveSpans(telemetry)
         if telemetry is not None:
             telemetry.attach_stager(self.stager)
         self._sync_writer: SafeStorageWriter | None = None
         self._cond = threading.Condition()
         self._history = History(self.writer.backend)
-        self._prune_lock = threading.Lock()
-        self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
-        self._busy: SaveHandle | None = None
-        self._last_staged: Future[None] | None = None
-        self._pending: _Pending | None = None
-        self._replications: dict[str, Future[Any]] = {}
-        self._reading: set[str] = set()
-        self._errors: list[BaseException] = []
-        self._raised = 0
-        self._closed = False
-        self._counts = dict.fromkeys(
-            ("requested", "started", "skipped", "coalesced", "committed", "failed", "pruned"), 0
+        self.partial_grace_s = partial_grace_s
+        self._preemption: PreemptionHandler | None = None
+        self._tiers = Tiers(
+            self.writer,
+            storage_options=storage_options,
+            policy=self.policy,
+            partial_grace_s=partial_grace_s,
+            history=self._history,
+            cond=self._cond,
+            deferred=self._preemption_deferred,
         )
-        self._counts["sync_saves"] = 0
-        self._waited_s = 0.0
-        self._waiting = 0
-        self._validated = self._history.validated_names()
+        self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
+        self._slot = SaveSlot(self._cond)
+        self._last_staged: Future[None] | None = None
+        self._closed = False
+        self._ledger = Ledger(self._history, self._spans, self._cond)
         self._fallback = FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.reserve)
         self._sample_memory = memory_sampler or _host_available_bytes
         self._clock = clock
-        self._requested_at: dict[str, float] = {}
         self._latest_state: tuple[int, dict[str, Any]] | None = None
-        self._preemption: PreemptionHandler | None = None
-        self.partial_grace_s = partial_grace_s
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = _close_at_exit(weakref.ref(self), exit_timeout_s)
         atexit.register(self._at_exit)
@@ -353,48 +239,32 @@ class CheckpointManager:
         with self._cond:
             if self._closed:
                 raise ConfigError("this CheckpointManager is closed")
-            self._counts["requested"] += 1
             self._latest_state = (step, state_dict)
+        self._ledger.count("requested")
         with self._preemption_deferred():
             return self._admit(handle, policy, state_dict)
 
     def _admit(
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any]
     ) -> SaveHandle | None:
-        self._record("requested", handle, tier="local")
+        self._ledger.record("requested", handle, tier="local")
         if self._check_fallback(handle):
             self._save_in_foreground(handle, state_dict)
             return handle
-        with self._cond:
-            if self._busy is not None and policy is BusyPolicy.WAIT:
-                self._wait_for_slot()
-            start = self._busy is None
-            if start:
-                self._busy = handle
-                self._counts["started"] += 1
-        if start:
+        if self._slot.take(handle, wait=policy is BusyPolicy.WAIT):
+            self._ledger.count("started")
             self._start(handle, state_dict)
             return handle
         return self._when_busy(policy, handle, state_dict)
-
-    def _wait_for_slot(self) -> None:
-        started = time.perf_counter()
-        self._waiting += 1
-        try:
-            while self._busy is not None:
-                self._cond.wait()
-        finally:
-            self._waiting -= 1
-            self._waited_s += time.perf_counter() - started
 
     def _when_busy(
         self, policy: BusyPolicy, handle: SaveHandle, state_dict: dict[str, Any]
     ) -> SaveHandle | None:
         if policy is BusyPolicy.SKIP:
-            self._skip(handle, "busy: a save is in flight (when_busy='skip')")
+            self._ledger.skip(handle, "busy: a save is in flight (when_busy='skip')")
             return None
         if policy is BusyPolicy.RAISE:
-            self._skip(handle, "busy: a save is in flight (when_busy='raise')")
+            self._ledger.skip(handle, "busy: a save is in flight (when_busy='raise')")
             raise AdmissionTimeoutError(
                 f"save of step {handle.step} refused: a save is in flight (when_busy='raise')"
             )
@@ -403,74 +273,53 @@ class CheckpointManager:
             return handle
         return self._coalesce(handle, state_dict)
 
-    def _skip(self, handle: SaveHandle, reason: str) -> None:
-        with self._cond:
-            self._counts["skipped"] += 1
-            self._requested_at.pop(handle.name, None)
-        log.info("checkpoint %s skipped: %s", handle.name, reason)
-        self._record("skipped", handle, tier="local", reason=reason)
-        if self.telemetry is not None:
-            self.telemetry.mark("skipped", save=handle.name, step=handle.step, reason=reason)
-
     def _coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
         sources = collect_tensors(state_dict)
         need = sum(t.nbytes for t in sources)
-        with self._cond:  # the copy it replaces is still alive while this one is taken
-            held = self._pending.nbytes if self._pending is not None else 0
+        pending = self._slot.pending  # the copy it replaces is alive while this one is taken
+        held = pending.nbytes if pending is not None else 0
         room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
         if need > room:
-            self._skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
+            self._ledger.skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
             return None
         guard = SnapshotGuard(sources)
         state = rebuild(state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources})
         changed = guard.changed()  # another thread may update the state while it is copied
         if changed:
-            self._fail(
+            self._ledger.fail(
                 handle, SnapshotMutatedError(tensor_paths(state_dict, changed)), tier="local"
             )
             return handle
         handle.staged.set_result(None)
-        start_now = False
-        with self._cond:
-            replaced, self._pending = self._pending, _Pending(handle, state, need)
-            self._counts["coalesced"] += 1
-            if self._busy is None:  # the in-flight save finished meanwhile
-                start_now = True
-                self._busy, self._pending = handle, None
-                self._counts["started"] += 1
+        replaced, start_now = self._slot.park(Pending(handle, state, need))
+        self._ledger.count("coalesced")
+        self._ledger.count("started", start_now)  # the in-flight save finished meanwhile
         if replaced is not None:
-            self._supersede(replaced.handle, handle)
+            replaced.handle.cancel()
+            reason = f"coalesced into step {handle.step}"
+            self._ledger.skip(replaced.handle, reason, mark="coalesced")
         if start_now:
             self._start(handle, state)
         return handle
-
-    def _supersede(self, old: SaveHandle, new: SaveHandle) -> None:
-        with self._cond:
-            self._counts["skipped"] += 1
-            self._requested_at.pop(old.name, None)
-        old.cancel()
-        self._record("skipped", old, tier="local", reason=f"coalesced into step {new.step}")
-        if self.telemetry is not None:
-            self.telemetry.mark("skipped", save=old.name, step=old.step, reason="coalesced")
 
     def _start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
         self.writer.step = handle.step
         try:
-            with self._save_span(handle):
+            with self._spans.opened(handle):
                 response = api.async_save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self._instrumented(self.writer),
+                    storage_writer=self._spans.wrap(self.writer),
                     async_stager=self.stager,
                     no_dist=True,
                 )
             self.stager.track(response)
         except BaseException as exc:
-            self._fail(handle, exc, tier="local", keep=False)
+            self._ledger.fail(handle, exc, tier="local", keep=False)
             self._finish_slot()
             raise
-        _chain(response.staging_completion, handle.staged, lambda _: None)
+        chain(response.staging_completion, handle.staged, lambda _: None)
         with self._cond:
             self._last_staged = handle.staged
         response.upload_completion.add_done_callback(
@@ -498,18 +347,17 @@ class CheckpointManager:
     def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self._foreground_writer()
         writer.step = handle.step
-        with self._cond:
-            self._counts["sync_saves"] += 1
+        self._ledger.count("sync_saves")
         try:
-            with self._save_span(handle):
+            with self._spans.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self._instrumented(writer),
+                    storage_writer=self._spans.wrap(writer),
                     no_dist=True,
                 )
         except BaseException as exc:
-            self._fail(handle, exc, tier="local", keep=False)
+            self._ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
         self._after_commit(handle, writer)
@@ -526,31 +374,30 @@ class CheckpointManager:
         try:
             error = upload.exception()
             if error is not None:
-                self._fail(handle, error, tier="local")
+                self._ledger.fail(handle, error, tier="local")
             else:
                 self._after_commit(handle, self.writer)
         except BaseException as exc:  # a bug here must not wedge the slot
-            self._fail(handle, exc, tier="local")
+            self._ledger.fail(handle, exc, tier="local")
         finally:
             self._finish_slot()
 
     def _after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
         try:
-            self._verify(handle.name)
+            self._tiers.verify(handle.name, deep=self.validate is Validation.DEEP)
         except (DcpSafeError, OSError) as exc:
             # Neither pruning nor a replication future: the newest checkpoint is not trusted.
-            self._fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
+            self._ledger.fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
             return
+        self._ledger.count("committed")
+        requested_at = self._ledger.completed(handle.name)
         with self._cond:
-            self._validated.add(handle.name)
-            self._counts["committed"] += 1
-            requested_at = self._requested_at.pop(handle.name, None)
             reason = (
                 None
                 if requested_at is None
                 else self._fallback.on_completed(self._clock() - requested_at)
             )
-        self._record("committed", handle, tier="local", validated=True)
+        self._ledger.record("committed", handle, tier="local", validated=True)
         if reason is not None:
             self._fell_back(handle, reason)
         self._replicate(handle, writer)
@@ -558,24 +405,17 @@ class CheckpointManager:
             self.prune()
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
             log.warning("retention after %s failed: %s", handle.name, exc)
-            with self._cond:
-                self._errors.append(exc)
-        self._end_span(handle, None)
+            self._ledger.keep(exc)
+        self._spans.end(handle, None)
         handle.committed.set_result(handle.name)
-
-    def _verify(self, name: str) -> None:
-        if self.validate is Validation.DEEP:
-            verify_checkpoint(self.root, name, storage_options=self.storage_options)
-        else:
-            open_committed(self.writer.backend, name)
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
         if writer.replicate_to is None:
             handle.replicated.set_result(None)
             return
         remote = writer.replication(handle.name)
-        with self._cond:  # the handle's future: it is set after the outcome is recorded
-            self._replications[handle.name] = handle.replicated
+        # The handle's future: it is set after the outcome is recorded.
+        self._tiers.track_replication(handle.name, handle.replicated)
         remote.add_done_callback(lambda done: self._replicated(handle, done))
 
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
@@ -583,163 +423,44 @@ class CheckpointManager:
             return
         error = done.exception()
         if error is None:
-            self._record("committed", handle, tier="remote")
+            self._ledger.record("committed", handle, tier="remote")
             handle.replicated.set_result(done.result())
         elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
-            self._record("skipped", handle, tier="remote", reason=str(error))
+            self._ledger.record("skipped", handle, tier="remote", reason=str(error))
             handle.replicated.set_exception(error)
         else:
-            self._fail(handle, error, tier="remote", future=handle.replicated)
-        with self._cond:  # finished: no longer protected from pruning, nothing to wait for
-            if self._replications.get(handle.name) is handle.replicated:
-                del self._replications[handle.name]
-            self._cond.notify_all()
-
-    def _fail(
-        self,
-        handle: SaveHandle,
-        error: BaseException,
-        *,
-        tier: str,
-        reason: str | None = None,
-        keep: bool = True,
-        future: Future[Any] | None = None,
-    ) -> None:
-        """Record a failure; ``keep`` holds it for ``wait``/``close`` (raised ones are not)."""
-        with self._cond:
-            self._counts["failed"] += 1
-            self._requested_at.pop(handle.name, None)
-            if keep:
-                self._errors.append(error)
-        log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
-        if tier == "local":
-            self._end_span(handle, error)
-        self._record(
-            "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
-        )
-        targets: list[Future[Any]] = (
-            [future] if future is not None else [handle.staged, handle.committed]
-        )
-        for target in targets:
-            if not target.done():
-                target.set_exception(error)
-        if future is None and not handle.replicated.done():
-            handle.replicated.set_exception(error)
-
-    # ------------------------------------------------------------------ telemetry
-
-    @contextlib.contextmanager
-    def _save_span(self, handle: SaveHandle) -> Any:
-        """Open the save's root span; its phases started on this thread nest under it."""
-        if self.telemetry is None:
-            yield
-            return
-        span = self.telemetry.begin_save(handle.name, handle.step)
-        with self._cond:
-            self._spans[handle.name] = span
-        with self.telemetry.within(span):
-            yield
-
-    def _end_span(self, handle: SaveHandle, error: BaseException | None) -> None:
-        with self._cond:
-            span = self._spans.pop(handle.name, None)
-        if span is None:
-            return
-        if error is None:
-            span.end()
-        else:
-            span.fail(error)
-
-    def _instrumented(self, writer: SafeStorageWriter) -> Any:
-        return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)
+            self._ledger.fail(handle, error, tier="remote", future=handle.replicated)
+        # Finished: no longer protected from pruning, nothing to wait for.
+        self._tiers.replication_done(handle.name, handle.replicated)
 
     def _finish_slot(self) -> None:
         """Free the slot, or hand it straight to the pending coalesced save."""
-        with self._cond:
-            pending, self._pending = self._pending, None
-            self._busy = pending.handle if pending is not None else None
-            if pending is not None:
-                self._counts["started"] += 1
-            self._cond.notify_all()
+        pending = self._slot.release()
         if pending is not None:
+            self._ledger.count("started")
             with contextlib.suppress(BaseException):  # _start recorded and kept the error
                 self._start_pending(pending)
 
-    def _start_pending(self, pending: _Pending) -> None:
+    def _start_pending(self, pending: Pending) -> None:
         try:
             self._start(pending.handle, pending.state)
         except BaseException as exc:
-            with self._cond:
-                self._errors.append(exc)
+            self._ledger.keep(exc)
             raise
 
-    # ------------------------------------------------------------------ retention
+    # ------------------------------------------------------------------ retention, reading
 
     def prune(self) -> tuple[str, ...]:
         """Apply retention to both tiers now; returns the local names removed.
 
         Checkpoints being read by :meth:`restore` or still being replicated are kept (until a
-        later prune). Names this manager did not save (no step in the manifest) are left alone.
-        On the remote tier a committed checkpoint counts as validated: the replicator checked
-        every item's checksum and every object's size before it wrote the remote marker.
-        Abandoned partials older than ``partial_grace_s`` are collected on both tiers.
+        later prune); see :meth:`dcp_safe.manager.tiers.Tiers.prune`.
         """
-        dropped = self._prune_local()
-        if self.writer.remote is not None and self.replicate_to is not None:
-            self._prune_remote(self.writer.remote, self.replicate_to)
-        sweep_partials(
-            self.root, grace_s=self.partial_grace_s, storage_options=self.storage_options
-        )
-        return dropped
-
-    def _prune_remote(self, remote: Backend, url: str) -> None:
-        options = self.writer.replicate_storage_options
-        with self._preemption_deferred(), self._prune_lock:
-            infos = list_checkpoints(url, storage_options=options)
-            records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
-            with self._cond:
-                protected = {n for n, f in self._replications.items() if not f.done()}
-            for name in decide(records, self.policy, protected=protected).drop:
-                retire_checkpoint(remote, name)
-                step = next(r.step for r in records if r.name == name)
-                self._record("pruned", (step, name), tier="remote", reason="retention")
-
-    def _prune_local(self) -> tuple[str, ...]:
-        with self._preemption_deferred(), self._prune_lock:
-            infos = [i for i in list_checkpoints(self.root, storage_options=self.storage_options)]
-            with self._cond:
-                records = [
-                    CheckpointRecord(i.name, i.step, i.name in self._validated)
-                    for i in infos
-                    if i.step is not None
-                ]
-                protected = set(self._reading) | {
-                    n for n, f in self._replications.items() if not f.done()
-                }
-            decision = decide(records, self.policy, protected=protected)
-            for name in decision.drop:
-                retire_checkpoint(self.writer.backend, name)
-                with self._cond:
-                    self._validated.discard(name)
-                    self._replications.pop(name, None)
-                    self._counts["pruned"] += 1
-                step = next(r.step for r in records if r.name == name)
-                self._record("pruned", (step, name), tier="local", reason="retention")
-            return decision.drop
-
-    # ------------------------------------------------------------------ reading
+        return self._tiers.prune()
 
     def latest(self, tier: str = "local") -> str | None:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
-        if tier not in ("local", "remote"):
-            raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
-        local = tier == "local"
-        root = self.root if local else self.replicate_to
-        if root is None:
-            raise ConfigError("this manager has no replicate_to")
-        options = self.storage_options if local else self.writer.replicate_storage_options
-        found = list_checkpoints(root, storage_options=options)
-        return found[-1].name if found else None
+        return self._tiers.latest(tier)
 
     def restore(self, state_dict: dict[str, Any], step: int | str = layout.LATEST) -> str:
         """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
@@ -756,26 +477,10 @@ class CheckpointManager:
         """
         wanted = step if step == layout.LATEST else self._name_for(int(step))
         reading = self.latest("local") if wanted == layout.LATEST else wanted
-        reader = SafeStorageReader(
-            self.root,
-            storage_options=self.storage_options,
-            fallback=self.replicate_to,
-            fallback_storage_options=self.writer.replicate_storage_options,
-        )
-        with self._preemption_deferred(), self._reading_guard(reading):
+        reader = self._tiers.reader()
+        with self._preemption_deferred(), self._tiers.reading(reading):
             api.load(state_dict, checkpoint_id=wanted, storage_reader=reader, no_dist=True)
         return reader.checkpoint_id or str(wanted)
-
-    @contextlib.contextmanager
-    def _reading_guard(self, name: str | None) -> Any:
-        with self._cond:
-            if name is not None:
-                self._reading.add(name)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._reading.discard(name or "")
 
     # ------------------------------------------------------------------ draining
 
@@ -791,18 +496,15 @@ class CheckpointManager:
 
     def _drain(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
-            idle = self._cond.wait_for(
-                lambda: self._busy is None and self._pending is None, timeout_s
-            )
-            remotes = list(self._replications.values())
+        idle = self._slot.wait_idle(timeout_s)
+        remotes = self._tiers.replications()
         if not idle:
             raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if wait_futures(remotes, timeout=left).not_done:
             raise DrainTimeoutError(f"replication still running after {timeout_s} s")
         self._post.submit(lambda: None).result()  # callbacks queued behind the last save
-        self._raise_first()
+        self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain, prune once more, stop, then raise the first background error. Idempotent.
@@ -828,27 +530,18 @@ class CheckpointManager:
                 steps.append(functools.partial(writer.close, timeout_s))
         for step in steps:
             _collect(step, errors)
-        with self._cond:
-            errors = self._errors[self._raised :] + errors
-            self._raised = len(self._errors)
+        errors = self._ledger.unraised() + errors
         if errors:
             raise errors[0]
-
-    def _raise_first(self) -> None:
-        with self._cond:
-            if self._raised >= len(self._errors):
-                return
-            error = self._errors[self._raised]
-            self._raised = len(self._errors)
-        raise error
 
     def stats(self) -> ManagerStats:
         """The counters now."""
         with self._cond:
             return ManagerStats(
-                **self._counts,
-                waited_s=self._waited_s,
-                waiting=self._waiting,
+                **self._ledger.counts(),
+                pruned=self._tiers.pruned,
+                waited_s=self._slot.waited_s,
+                waiting=self._slot.waiting,
                 fallback_reason=self._fallback.reason,
             )
 
@@ -869,15 +562,9 @@ class CheckpointManager:
             raise ConfigError(f"bad name_format {self.name_format!r}: {exc}") from None
         return layout.validate_name(name)
 
-    def _record(
-        self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
-    ) -> None:
-        step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
-        self._history.append(event, step, name, **extra)
-
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first."""
-        return self._history.read()
+        return self._ledger.history.read()
 
     # ------------------------------------------------------------------ fallback
 
@@ -885,10 +572,10 @@ class CheckpointManager:
         """Feed the monitor at a save request; True when this save must be synchronous."""
         now = self._clock()
         available = self._sample_memory()
+        self._ledger.requested(handle.name, now)
         with self._cond:
-            self._requested_at[handle.name] = now
             reason = self._fallback.on_request(now, available)
-            idle = self._busy is None and self._pending is None
+            idle = self._slot.busy is None and self._slot.pending is None
         # Idle first, stats second: only this thread starts saves, so once idle, what the stager
         # still has in use was leaked by a finished save, not leased by a new one.
         in_use = self.stager.stats().in_use_bytes if idle and reason is None else 0
@@ -901,7 +588,7 @@ class CheckpointManager:
 
     def _fell_back(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self._record("fallback", handle, reason=reason)
+        self._ledger.record("fallback", handle, reason=reason)
         if self.telemetry is not None:
             self.telemetry.mark("fallback", save=handle.name, step=handle.step, reason=reason)
 
@@ -912,7 +599,7 @@ class CheckpointManager:
             self._fallback.rearm()
         if was is not None:
             log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
-            self._record("rearmed", (None, None), reason=f"was: {was}")
+            self._ledger.record("rearmed", (None, None), reason=f"was: {was}")
 
     # ------------------------------------------------------------------ preemption
 
@@ -953,20 +640,20 @@ class CheckpointManager:
         Returns:
             What happened, one line (also in the ``preempted`` history event).
         """
+        pending = self._slot.drop_pending()
+        drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
+        busy = self._slot.wait_free(drain_s)
         with self._cond:
-            pending, self._pending = self._pending, None
-            drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
-            self._cond.wait_for(lambda: self._busy is None, drain_s)
-            busy, latest = self._busy, self._latest_state
+            latest = self._latest_state
         if pending is not None:
             pending.handle.cancel()
-            self._record("skipped", pending.handle, tier="local", reason="preempted")
+            self._ledger.record("skipped", pending.handle, tier="local", reason="preempted")
         if latest is None:
             outcome = "nothing was ever saved"
         else:
             outcome = self._final_save(latest, busy, deadline)
         step, name = (None, None) if latest is None else (latest[0], self._name_for(latest[0]))
-        self._record("preempted", (step, name), reason=f"{reason}: {outcome}")
+        self._ledger.record("preempted", (step, name), reason=f"{reason}: {outcome}")
         log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
         return outcome
 
@@ -976,15 +663,13 @@ class CheckpointManager:
         step, state = latest
         handle = SaveHandle(step=step, name=self._name_for(step))
         drained = "abandoned the save in flight" if busy is not None else "drained"
-        with self._cond:
-            committed = handle.name in self._validated
-        if committed:
+        if self._tiers.is_validated(handle.name):
             return f"{drained}; step {step} was committed already"
         if busy is not None and busy.name == handle.name:
             return f"{drained}; step {step} is that save, so no final save"
         if time.monotonic() >= deadline:
             return f"{drained}; no time left for a final save of step {step}"
-        self._record("requested", handle, tier="local")
+        self._ledger.record("requested", handle, tier="local")
         try:
             self._save_in_foreground(handle, state)
         except BaseException as exc:  # recorded as failed by _save_in_foreground
@@ -996,26 +681,13 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         with self._cond:
-            return self._busy is not None or self._pending is not None
+            return not self._slot.idle()
 
 
 def _host_available_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
-
-
-def _chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:
-    def forward(done: Future[Any]) -> None:
-        with contextlib.suppress(InvalidStateError):  # a failure recorded it first
-            try:
-                target.set_result(convert(done.result()))
-            except CancelledError:
-                target.cancel()
-            except BaseException as exc:
-                target.set_exception(exc)
-
-    source.add_done_callback(forward)
 
 
 def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:

@@ -1,0 +1,136 @@
+"""What happened to each save: counters, history events, request times, and kept errors.
+
+The manager decides; this part writes down the outcome, one way for every path: a skip, a
+coalesced request superseded, a failure (which also fails the handle's futures and is kept for
+:meth:`~dcp_safe.manager.CheckpointManager.wait`/``close``), a commit. The history file itself
+is :mod:`dcp_safe.checkpoints.history`'s.
+
+Thread safety: every method may be called from any thread; counters, errors and request times
+are guarded by the manager's condition.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from dcp_safe.checkpoints.history import History
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.spans import SaveSpans
+
+__all__ = ["COUNTERS", "Ledger"]
+
+log = logging.getLogger("dcp_safe.manager")
+
+COUNTERS = ("requested", "started", "skipped", "coalesced", "committed", "failed", "sync_saves")
+
+
+class Ledger:
+    """The manager's record of outcomes.
+
+    Args:
+        history: the root's history file.
+        spans: the saves' telemetry spans (a failure closes its root span).
+        cond: the manager's condition.
+    """
+
+    def __init__(self, history: History, spans: SaveSpans, cond: threading.Condition) -> None:
+        self.history = history
+        self._spans = spans
+        self._cond = cond
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._errors: list[BaseException] = []
+        self._raised = 0
+        self._requested_at: dict[str, float] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[key] += n
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._counts)
+
+    def record(
+        self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
+    ) -> None:
+        """Append a history event about ``handle`` (or a ``(step, name)`` pair)."""
+        step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
+        self.history.append(event, step, name, **extra)
+
+    # -- request times (the fallback's completion latency) ------------------------------------
+
+    def requested(self, name: str, at: float) -> None:
+        with self._cond:
+            self._requested_at[name] = at
+
+    def completed(self, name: str) -> float | None:
+        """When the committed save ``name`` was requested (``None`` if not recorded)."""
+        with self._cond:
+            return self._requested_at.pop(name, None)
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    def skip(self, handle: SaveHandle, reason: str, *, mark: str = "") -> None:
+        """A request that will not be saved: counted, logged, recorded, marked."""
+        with self._cond:
+            self._counts["skipped"] += 1
+            self._requested_at.pop(handle.name, None)
+        log.info("checkpoint %s skipped: %s", handle.name, reason)
+        self.record("skipped", handle, tier="local", reason=reason)
+        self._spans.mark("skipped", handle, reason=mark or reason)
+
+    def fail(
+        self,
+        handle: SaveHandle,
+        error: BaseException,
+        *,
+        tier: str,
+        reason: str | None = None,
+        keep: bool = True,
+        future: Future[Any] | None = None,
+    ) -> None:
+        """Record a failure and fail the handle's futures (or just ``future``).
+
+        ``keep`` holds the error for ``wait``/``close``; one raised to the caller is not kept.
+        """
+        with self._cond:
+            self._counts["failed"] += 1
+            self._requested_at.pop(handle.name, None)
+            if keep:
+                self._errors.append(error)
+        log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
+        if tier == "local":
+            self._spans.end(handle, error)
+        self.record(
+            "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
+        )
+        targets: list[Future[Any]] = (
+            [future] if future is not None else [handle.staged, handle.committed]
+        )
+        for target in targets:
+            if not target.done():
+                target.set_exception(error)
+        if future is None and not handle.replicated.done():
+            handle.replicated.set_exception(error)
+
+    # -- errors kept for the caller -------------------------------------------------------------
+
+    def keep(self, error: BaseException) -> None:
+        with self._cond:
+            self._errors.append(error)
+
+    def unraised(self) -> list[BaseException]:
+        """The errors not raised yet, oldest first; from now on they count as raised."""
+        with self._cond:
+            errors = self._errors[self._raised :]
+            self._raised = len(self._errors)
+            return errors
+
+    def raise_first(self) -> None:
+        """Raise the oldest error not raised yet (the others count as raised with it)."""
+        errors = self.unraised()
+        if errors:
+            raise errors[0]

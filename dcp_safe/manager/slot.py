@@ -1,0 +1,100 @@
+"""The single-flight slot: at most one save in flight and at most one pending, never a queue.
+
+The manager's busy policies are decisions about this slot: ``wait`` waits for it, ``skip`` and
+``raise`` give up when it is taken, ``coalesce`` parks one pending save behind it (a newer one
+replaces it). When the save in flight ends, the slot goes straight to the pending save, if any.
+
+Thread safety: every method may be called from any thread; the state is guarded by the
+manager's condition (``cond``), so the manager's own decisions under it see the slot as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dcp_safe.manager.handles import Pending, SaveHandle
+
+__all__ = ["SaveSlot"]
+
+
+class SaveSlot:
+    """Who holds the slot (``busy``), who waits behind it (``pending``), and the waits it cost.
+
+    Args:
+        cond: the manager's condition; the slot notifies it whenever it frees up.
+    """
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self.busy: SaveHandle | None = None
+        self.pending: Pending | None = None
+        self.waiting = 0
+        self.waited_s = 0.0
+
+    def take(self, handle: SaveHandle, *, wait: bool) -> bool:
+        """Hold the slot for ``handle``; with ``wait``, first wait until it is free.
+
+        Returns:
+            Whether ``handle`` holds it now (``False``: busy, and ``wait`` was off).
+        """
+        with self._cond:
+            if self.busy is not None and wait:
+                started = time.perf_counter()
+                self.waiting += 1
+                try:
+                    while self.busy is not None:
+                        self._cond.wait()
+                finally:
+                    self.waiting -= 1
+                    self.waited_s += time.perf_counter() - started
+            if self.busy is not None:
+                return False
+            self.busy = handle
+            return True
+
+    def park(self, pending: Pending) -> tuple[Pending | None, bool]:
+        """Make ``pending`` the pending save.
+
+        Returns:
+            The pending save it replaced (if any), and whether the slot was free meanwhile, in
+            which case ``pending`` holds it now and must be started by the caller.
+        """
+        with self._cond:
+            replaced, self.pending = self.pending, pending
+            if self.busy is None:
+                self.busy, self.pending = pending.handle, None
+                return replaced, True
+            return replaced, False
+
+    def release(self) -> Pending | None:
+        """Free the slot, or hand it to the pending save (returned; the caller starts it)."""
+        with self._cond:
+            pending, self.pending = self.pending, None
+            self.busy = pending.handle if pending is not None else None
+            self._cond.notify_all()
+            return pending
+
+    def drop_pending(self) -> Pending | None:
+        """Take the pending save out (it will not be started); return it."""
+        with self._cond:
+            pending, self.pending = self.pending, None
+            return pending
+
+    def idle(self) -> bool:
+        """No save in flight and none pending."""
+        with self._cond:
+            return self.busy is None and self.pending is None
+
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        """Wait until :meth:`idle`; ``False`` at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self.busy is None and self.pending is None, timeout_s
+            )
+
+    def wait_free(self, timeout_s: float) -> SaveHandle | None:
+        """Wait up to ``timeout_s`` for the save in flight; return it if it is still there."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.busy is None, timeout_s)
+            return self.busy

@@ -1,0 +1,198 @@
+"""The manager's two roots: retention, ``latest``, restore readers, and what must not be pruned.
+
+This part owns the manager's view of its checkpoints once they are committed: which ones it has
+validated, which are being read or replicated (so retention keeps them for now), and pruning
+the local and remote roots by the retention policy. It writes ``pruned`` history events; the
+manager writes the rest.
+
+After each local commit the manager asks :meth:`Tiers.verify` (``validate="manifest"``: marker
+and manifest digest; ``"deep"``: every byte); retention then prunes by
+:func:`dcp_safe.retention.policy.decide` (``keep_last``/``keep_every`` plus its safety rules).
+A checkpoint that failed verification is never trusted, so it stops pruning; names being
+restored or replicated are kept until a later prune. One manager owns a root: retention treats
+every committed checkpoint with a step as its own.
+
+Thread safety: every method may be called from any thread. The sets it guards share the
+manager's condition (``cond``), so a decision made under it sees one consistent state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.checkpoints.history import History
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.errors import ConfigError
+from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
+from dcp_safe.retention.retire import retire_checkpoint
+from dcp_safe.retention.sweeper import sweep_partials
+
+__all__ = ["Tiers"]
+
+
+class Tiers:
+    """Retention and reading on the local root and the replica.
+
+    Args:
+        writer: the manager's writer (its roots, backends and the replica's options).
+        storage_options: fsspec options of the local root.
+        policy: the retention policy.
+        partial_grace_s: age after which abandoned partials are collected.
+        history: the manager's history (validated names are read from it once).
+        cond: the manager's condition, guarding the sets here.
+        deferred: a context in which a preemption signal waits (pruning is not interrupted).
+    """
+
+    def __init__(
+        self,
+        writer: SafeStorageWriter,
+        *,
+        storage_options: dict[str, Any] | None,
+        policy: RetentionPolicy,
+        partial_grace_s: float,
+        history: History,
+        cond: threading.Condition,
+        deferred: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
+        self.writer = writer
+        self.root = writer.root
+        self.replicate_to = writer.replicate_to
+        self.storage_options = storage_options
+        self.policy = policy
+        self.partial_grace_s = partial_grace_s
+        self._history = history
+        self._cond = cond
+        self._deferred = deferred
+        self._prune_lock = threading.Lock()
+        self._validated = history.validated_names()
+        self._replications: dict[str, Future[Any]] = {}
+        self._reading: set[str] = set()
+        self.pruned = 0
+
+    # -- what is protected ----------------------------------------------------------------------
+
+    def verify(self, name: str, *, deep: bool) -> None:
+        """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
+        if deep:
+            verify_checkpoint(self.root, name, storage_options=self.storage_options)
+        else:
+            open_committed(self.writer.backend, name)
+        with self._cond:
+            self._validated.add(name)
+
+    def is_validated(self, name: str) -> bool:
+        with self._cond:
+            return name in self._validated
+
+    def track_replication(self, name: str, future: Future[Any]) -> None:
+        """Keep ``name`` from pruning until ``future`` is done (see :meth:`replication_done`)."""
+        with self._cond:
+            self._replications[name] = future
+
+    def replication_done(self, name: str, future: Future[Any]) -> None:
+        with self._cond:
+            if self._replications.get(name) is future:
+                del self._replications[name]
+            self._cond.notify_all()
+
+    def replications(self) -> list[Future[Any]]:
+        with self._cond:
+            return list(self._replications.values())
+
+    @contextlib.contextmanager
+    def reading(self, name: str | None) -> Iterator[None]:
+        """Keep ``name`` from pruning while it is read."""
+        with self._cond:
+            if name is not None:
+                self._reading.add(name)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reading.discard(name or "")
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def prune(self) -> tuple[str, ...]:
+        """Apply retention to both tiers now; returns the local names removed.
+
+        Checkpoints being read or still being replicated are kept (until a later prune). Names
+        the manager did not save (no step in the manifest) are left alone. On the remote tier a
+        committed checkpoint counts as validated: the replicator checked every item's checksum
+        and every object's size before it wrote the remote marker. Abandoned partials older
+        than ``partial_grace_s`` are collected on the local tier.
+        """
+        dropped = self._prune_local()
+        if self.writer.remote is not None and self.replicate_to is not None:
+            self._prune_remote(self.writer.remote, self.replicate_to)
+        sweep_partials(
+            self.root, grace_s=self.partial_grace_s, storage_options=self.storage_options
+        )
+        return dropped
+
+    def _prune_remote(self, remote: Backend, url: str) -> None:
+        options = self.writer.replicate_storage_options
+        with self._deferred(), self._prune_lock:
+            infos = list_checkpoints(url, storage_options=options)
+            records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
+            with self._cond:
+                protected = {n for n, f in self._replications.items() if not f.done()}
+            for name in decide(records, self.policy, protected=protected).drop:
+                retire_checkpoint(remote, name)
+                step = next(r.step for r in records if r.name == name)
+                self._history.append("pruned", step, name, tier="remote", reason="retention")
+
+    def _prune_local(self) -> tuple[str, ...]:
+        with self._deferred(), self._prune_lock:
+            infos = list_checkpoints(self.root, storage_options=self.storage_options)
+            with self._cond:
+                records = [
+                    CheckpointRecord(i.name, i.step, i.name in self._validated)
+                    for i in infos
+                    if i.step is not None
+                ]
+                protected = set(self._reading) | {
+                    n for n, f in self._replications.items() if not f.done()
+                }
+            decision = decide(records, self.policy, protected=protected)
+            for name in decision.drop:
+                retire_checkpoint(self.writer.backend, name)
+                with self._cond:
+                    self._validated.discard(name)
+                    self._replications.pop(name, None)
+                    self.pruned += 1
+                step = next(r.step for r in records if r.name == name)
+                self._history.append("pruned", step, name, tier="local", reason="retention")
+            return decision.drop
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def latest(self, tier: str = "local") -> str | None:
+        """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
+        if tier not in ("local", "remote"):
+            raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
+        local = tier == "local"
+        root = self.root if local else self.replicate_to
+        if root is None:
+            raise ConfigError("this manager has no replicate_to")
+        options = self.storage_options if local else self.writer.replicate_storage_options
+        found = list_checkpoints(root, storage_options=options)
+        return found[-1].name if found else None
+
+    def reader(self) -> SafeStorageReader:
+        """A reader of the local root with the replica as its fallback."""
+        return SafeStorageReader(
+            self.root,
+            storage_options=self.storage_options,
+            fallback=self.replicate_to,
+            fallback_storage_options=self.writer.replicate_storage_options,
+        )
