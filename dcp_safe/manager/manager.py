@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, TypeVar
+from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import HISTORY_FILE, History
@@ -57,12 +57,11 @@ from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     ConfigError,
-    DcpSafeError,
     DrainTimeoutError,
-    ReplicationSkippedError,
     SnapshotMutatedError,
 )
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
+from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import (
     BusyPolicy,
     ManagerStats,
@@ -73,15 +72,16 @@ from dcp_safe.manager.handles import (
     chain,
 )
 from dcp_safe.manager.ledger import Ledger
-from dcp_safe.manager.preemption import PreemptionHandler
+from dcp_safe.manager.preemption import PreemptionHandler, preempt
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.manager.switch import FallbackSwitch, host_available_bytes
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
-from dcp_safe.staging._tree import collect_tensors, rebuild
-from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
+from dcp_safe.staging._tree import collect_tensors
+from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = [
@@ -95,8 +95,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class CheckpointManager:
@@ -200,9 +198,21 @@ class CheckpointManager:
         self._last_staged: Future[None] | None = None
         self._closed = False
         self._ledger = Ledger(self._history, self._spans, self._cond)
-        self._fallback = FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.reserve)
-        self._sample_memory = memory_sampler or _host_available_bytes
-        self._clock = clock
+        self._switch = switch = FallbackSwitch(
+            FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.reserve),
+            sample_memory=memory_sampler or host_available_bytes,
+            clock=clock,
+            ledger=self._ledger,
+            spans=self._spans,
+            cond=self._cond,
+        )
+        self._follow_up = FollowUp(
+            tiers=self._tiers,
+            ledger=self._ledger,
+            switch=switch,
+            spans=self._spans,
+            deep=self.validate is Validation.DEEP,
+        )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = _close_at_exit(weakref.ref(self), exit_timeout_s)
@@ -248,7 +258,7 @@ class CheckpointManager:
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any]
     ) -> SaveHandle | None:
         self._ledger.record("requested", handle, tier="local")
-        if self._check_fallback(handle):
+        if self._switch.on_request(handle, self._leaked_bytes):
             self._save_in_foreground(handle, state_dict)
             return handle
         if self._slot.take(handle, wait=policy is BusyPolicy.WAIT):
@@ -274,21 +284,17 @@ class CheckpointManager:
         return self._coalesce(handle, state_dict)
 
     def _coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
-        sources = collect_tensors(state_dict)
-        need = sum(t.nbytes for t in sources)
+        need = sum(t.nbytes for t in collect_tensors(state_dict))
         pending = self._slot.pending  # the copy it replaces is alive while this one is taken
         held = pending.nbytes if pending is not None else 0
         room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
         if need > room:
             self._ledger.skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
             return None
-        guard = SnapshotGuard(sources)
-        state = rebuild(state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources})
-        changed = guard.changed()  # another thread may update the state while it is copied
-        if changed:
-            self._ledger.fail(
-                handle, SnapshotMutatedError(tensor_paths(state_dict, changed)), tier="local"
-            )
+        try:  # another thread may update the state while it is copied
+            state = snapshot_copy(state_dict)
+        except SnapshotMutatedError as exc:
+            self._ledger.fail(handle, exc, tier="local")
             return handle
         handle.staged.set_result(None)
         replaced, start_now = self._slot.park(Pending(handle, state, need))
@@ -345,7 +351,9 @@ class CheckpointManager:
             raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
 
     def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        writer = self._foreground_writer()
+        if self._sync_writer is None:  # a copy without the replicator: it starts its own
+            self._sync_writer = copy.copy(self.writer)
+        writer = self._sync_writer
         writer.step = handle.step
         self._ledger.count("sync_saves")
         try:
@@ -360,78 +368,16 @@ class CheckpointManager:
             self._ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
-        self._after_commit(handle, writer)
-
-    def _foreground_writer(self) -> SafeStorageWriter:
-        if self._sync_writer is None:
-            self._sync_writer = copy.copy(self.writer)  # no replicator: it starts its own
-        return self._sync_writer
+        self._follow_up.after_commit(handle, writer)
 
     # ------------------------------------------------------------------ after a save
 
     def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
-        """On the manager thread: verify, record, prune, then free the slot."""
+        """On the manager thread: follow the commit up, then free the slot."""
         try:
-            error = upload.exception()
-            if error is not None:
-                self._ledger.fail(handle, error, tier="local")
-            else:
-                self._after_commit(handle, self.writer)
-        except BaseException as exc:  # a bug here must not wedge the slot
-            self._ledger.fail(handle, exc, tier="local")
+            self._follow_up.after_upload(handle, upload, self.writer)
         finally:
             self._finish_slot()
-
-    def _after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
-        try:
-            self._tiers.verify(handle.name, deep=self.validate is Validation.DEEP)
-        except (DcpSafeError, OSError) as exc:
-            # Neither pruning nor a replication future: the newest checkpoint is not trusted.
-            self._ledger.fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
-            return
-        self._ledger.count("committed")
-        requested_at = self._ledger.completed(handle.name)
-        with self._cond:
-            reason = (
-                None
-                if requested_at is None
-                else self._fallback.on_completed(self._clock() - requested_at)
-            )
-        self._ledger.record("committed", handle, tier="local", validated=True)
-        if reason is not None:
-            self._fell_back(handle, reason)
-        self._replicate(handle, writer)
-        try:
-            self.prune()
-        except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
-            log.warning("retention after %s failed: %s", handle.name, exc)
-            self._ledger.keep(exc)
-        self._spans.end(handle, None)
-        handle.committed.set_result(handle.name)
-
-    def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
-        if writer.replicate_to is None:
-            handle.replicated.set_result(None)
-            return
-        remote = writer.replication(handle.name)
-        # The handle's future: it is set after the outcome is recorded.
-        self._tiers.track_replication(handle.name, handle.replicated)
-        remote.add_done_callback(lambda done: self._replicated(handle, done))
-
-    def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
-        if handle.replicated.done():
-            return
-        error = done.exception()
-        if error is None:
-            self._ledger.record("committed", handle, tier="remote")
-            handle.replicated.set_result(done.result())
-        elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
-            self._ledger.record("skipped", handle, tier="remote", reason=str(error))
-            handle.replicated.set_exception(error)
-        else:
-            self._ledger.fail(handle, error, tier="remote", future=handle.replicated)
-        # Finished: no longer protected from pruning, nothing to wait for.
-        self._tiers.replication_done(handle.name, handle.replicated)
 
     def _finish_slot(self) -> None:
         """Free the slot, or hand it straight to the pending coalesced save."""
@@ -451,11 +397,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention, reading
 
     def prune(self) -> tuple[str, ...]:
-        """Apply retention to both tiers now; returns the local names removed.
-
-        Checkpoints being read by :meth:`restore` or still being replicated are kept (until a
-        later prune); see :meth:`dcp_safe.manager.tiers.Tiers.prune`.
-        """
+        """Apply retention to both tiers now (:meth:`Tiers.prune`); the local names removed."""
         return self._tiers.prune()
 
     def latest(self, tier: str = "local") -> str | None:
@@ -542,7 +484,7 @@ class CheckpointManager:
                 pruned=self._tiers.pruned,
                 waited_s=self._slot.waited_s,
                 waiting=self._slot.waiting,
-                fallback_reason=self._fallback.reason,
+                fallback_reason=self._switch.reason,
             )
 
     def __enter__(self) -> CheckpointManager:
@@ -568,38 +510,15 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ fallback
 
-    def _check_fallback(self, handle: SaveHandle) -> bool:
-        """Feed the monitor at a save request; True when this save must be synchronous."""
-        now = self._clock()
-        available = self._sample_memory()
-        self._ledger.requested(handle.name, now)
-        with self._cond:
-            reason = self._fallback.on_request(now, available)
-            idle = self._slot.busy is None and self._slot.pending is None
+    def _leaked_bytes(self) -> int:
+        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
         # Idle first, stats second: only this thread starts saves, so once idle, what the stager
         # still has in use was leaked by a finished save, not leased by a new one.
-        in_use = self.stager.stats().in_use_bytes if idle and reason is None else 0
-        with self._cond:
-            reason = reason or self._fallback.on_idle(in_use)
-            tripped = self._fallback.tripped
-        if reason is not None:
-            self._fell_back(handle, reason)
-        return tripped
-
-    def _fell_back(self, handle: SaveHandle, reason: str) -> None:
-        log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self._ledger.record("fallback", handle, reason=reason)
-        if self.telemetry is not None:
-            self.telemetry.mark("fallback", save=handle.name, step=handle.step, reason=reason)
+        return self.stager.stats().in_use_bytes if self._slot.idle() else 0
 
     def rearm(self) -> None:
         """Switch back to asynchronous saves after a fallback (no-op when not fallen back)."""
-        with self._cond:
-            was = self._fallback.reason
-            self._fallback.rearm()
-        if was is not None:
-            log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
-            self._ledger.record("rearmed", (None, None), reason=f"was: {was}")
+        self._switch.rearm()
 
     # ------------------------------------------------------------------ preemption
 
@@ -633,61 +552,30 @@ class CheckpointManager:
             yield
 
     def preempt_save(self, reason: str, deadline: float) -> str:
-        """Drain the save in flight for half the time to ``deadline`` (``time.monotonic``), then
-        save the latest state synchronously if it is not committed and time remains. For the
-        preemption handler.
+        """Drain, then save the latest state synchronously; for the preemption handler.
+
+        See :func:`dcp_safe.manager.preemption.preempt`.
 
         Returns:
             What happened, one line (also in the ``preempted`` history event).
         """
-        pending = self._slot.drop_pending()
-        drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
-        busy = self._slot.wait_free(drain_s)
         with self._cond:
             latest = self._latest_state
-        if pending is not None:
-            pending.handle.cancel()
-            self._ledger.record("skipped", pending.handle, tier="local", reason="preempted")
-        if latest is None:
-            outcome = "nothing was ever saved"
-        else:
-            outcome = self._final_save(latest, busy, deadline)
-        step, name = (None, None) if latest is None else (latest[0], self._name_for(latest[0]))
-        self._ledger.record("preempted", (step, name), reason=f"{reason}: {outcome}")
-        log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
-        return outcome
-
-    def _final_save(
-        self, latest: tuple[int, dict[str, Any]], busy: SaveHandle | None, deadline: float
-    ) -> str:
-        step, state = latest
-        handle = SaveHandle(step=step, name=self._name_for(step))
-        drained = "abandoned the save in flight" if busy is not None else "drained"
-        if self._tiers.is_validated(handle.name):
-            return f"{drained}; step {step} was committed already"
-        if busy is not None and busy.name == handle.name:
-            return f"{drained}; step {step} is that save, so no final save"
-        if time.monotonic() >= deadline:
-            return f"{drained}; no time left for a final save of step {step}"
-        self._ledger.record("requested", handle, tier="local")
-        try:
-            self._save_in_foreground(handle, state)
-        except BaseException as exc:  # recorded as failed by _save_in_foreground
-            return f"{drained}; final save of step {step} failed: {exc}"
-        if not handle.committed.done() or handle.committed.exception() is not None:
-            return f"{drained}; final save of step {step} did not verify"
-        return f"{drained}; final synchronous save of step {step} committed"
+        return preempt(
+            reason,
+            deadline,
+            latest=latest,
+            slot=self._slot,
+            ledger=self._ledger,
+            name_for=self._name_for,
+            is_committed=self._tiers.is_validated,
+            save=self._save_in_foreground,
+        )
 
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         with self._cond:
             return not self._slot.idle()
-
-
-def _host_available_bytes() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:

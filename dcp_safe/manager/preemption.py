@@ -39,8 +39,11 @@ from types import FrameType
 from typing import Any, Protocol
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.slot import SaveSlot
 
-__all__ = ["PreemptionHandler"]
+__all__ = ["PreemptionHandler", "final_save", "preempt"]
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +159,92 @@ class PreemptionHandler:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(status)
+
+
+def final_save(
+    handle: SaveHandle,
+    busy: SaveHandle | None,
+    deadline: float,
+    *,
+    committed: bool,
+    save: Callable[[SaveHandle], None],
+) -> str:
+    """Save ``handle`` synchronously unless it is pointless or too late; say what happened.
+
+    Args:
+        handle: the newest state's save.
+        busy: the save still in flight after the drain (abandoned), if any.
+        deadline: ``time.monotonic()`` by which the job must be gone.
+        committed: ``handle``'s checkpoint is committed already.
+        save: saves ``handle`` in the foreground (recording a failure itself).
+
+    Returns:
+        One line for the ``preempted`` history event.
+    """
+    drained = "abandoned the save in flight" if busy is not None else "drained"
+    step = handle.step
+    if committed:
+        return f"{drained}; step {step} was committed already"
+    if busy is not None and busy.name == handle.name:
+        return f"{drained}; step {step} is that save, so no final save"
+    if time.monotonic() >= deadline:
+        return f"{drained}; no time left for a final save of step {step}"
+    try:
+        save(handle)
+    except BaseException as exc:  # recorded as failed by the save
+        return f"{drained}; final save of step {step} failed: {exc}"
+    if not handle.committed.done() or handle.committed.exception() is not None:
+        return f"{drained}; final save of step {step} did not verify"
+    return f"{drained}; final synchronous save of step {step} committed"
+
+
+def preempt(
+    reason: str,
+    deadline: float,
+    *,
+    latest: tuple[int, dict[str, Any]] | None,
+    slot: SaveSlot,
+    ledger: Ledger,
+    name_for: Callable[[int], str],
+    is_committed: Callable[[str], bool],
+    save: Callable[[SaveHandle, dict[str, Any]], None],
+) -> str:
+    """Drop the pending save, drain the one in flight for half the time left, then save
+    ``latest`` synchronously if it is not committed and time remains.
+
+    Args:
+        reason: why (the signal and budget), for the history.
+        deadline: ``time.monotonic()`` by which the job must be gone.
+        latest: the newest ``(step, state)`` passed to the manager (``None``: none yet).
+        slot: the manager's single-flight slot.
+        ledger: where the outcome is recorded.
+        name_for: a step's checkpoint name.
+        is_committed: whether a name is committed and verified already.
+        save: saves a handle's state in the foreground.
+
+    Returns:
+        What happened, one line (also in the ``preempted`` history event).
+    """
+    pending = slot.drop_pending()
+    drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
+    busy = slot.wait_free(drain_s)
+    if pending is not None:
+        pending.handle.cancel()
+        ledger.record("skipped", pending.handle, tier="local", reason="preempted")
+    if latest is None:
+        outcome = "nothing was ever saved"
+        step_name: tuple[int | None, str | None] = (None, None)
+    else:
+        step, state = latest
+        handle = SaveHandle(step=step, name=name_for(step))
+        step_name = (step, handle.name)
+
+        def save_now(handle: SaveHandle) -> None:
+            ledger.record("requested", handle, tier="local")
+            save(handle, state)
+
+        committed = is_committed(handle.name)
+        outcome = final_save(handle, busy, deadline, committed=committed, save=save_now)
+    ledger.record("preempted", step_name, reason=f"{reason}: {outcome}")
+    log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
+    return outcome

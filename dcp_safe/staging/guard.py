@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dcp_safe.errors import SnapshotMutatedError
+from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.torch_compat import dtensor_local, read_version
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "TornSnapshot",
     "current_rank",
     "poisoned",
+    "snapshot_copy",
     "tensor_paths",
 ]
 
@@ -144,3 +146,20 @@ class TornSnapshot:
 def poisoned(error: SnapshotMutatedError) -> dict[str, Any]:
     """A state dict whose save fails with ``error`` on every rank (see the module docstring)."""
     return {POISON_KEY: TornSnapshot(error)}
+
+
+def snapshot_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A private copy of ``state_dict`` (tensors copied to host memory, outside any pool).
+
+    Raises:
+        SnapshotMutatedError: a tensor changed in place while it was being copied.
+    """
+    sources = collect_tensors(state_dict)
+    guard = SnapshotGuard(sources)
+    state: dict[str, Any] = rebuild(
+        state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources}
+    )
+    changed = guard.changed()
+    if changed:
+        raise SnapshotMutatedError(tensor_paths(state_dict, changed))
+    return state

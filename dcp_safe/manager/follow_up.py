@@ -1,0 +1,104 @@
+"""What follows a local commit: verify it, record it, replicate it, then let retention prune.
+
+Runs on the manager thread for asynchronous saves and on the caller's for synchronous ones. A
+checkpoint that fails verification is not trusted: no replication, no pruning behind it, and
+the save fails. A retention failure does not fail the save (it committed); it is kept for
+``wait``/``close``. The handle's ``committed`` future resolves last, once all of this is done;
+its ``replicated`` future when the replica's outcome is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.manager.switch import FallbackSwitch
+from dcp_safe.manager.tiers import Tiers
+
+__all__ = ["FollowUp"]
+
+log = logging.getLogger("dcp_safe.manager")
+
+
+class FollowUp:
+    """The steps after a local commit, over the manager's parts.
+
+    Args:
+        tiers: verification, replication tracking and retention.
+        ledger: counters, history and kept errors.
+        switch: the fallback switch (fed each completion latency).
+        spans: the saves' root spans (ended here).
+        deep: verify every byte (``validate="deep"``) rather than marker and manifest.
+    """
+
+    def __init__(
+        self, *, tiers: Tiers, ledger: Ledger, switch: FallbackSwitch, spans: SaveSpans, deep: bool
+    ) -> None:
+        self._tiers = tiers
+        self._ledger = ledger
+        self._switch = switch
+        self._spans = spans
+        self._deep = deep
+
+    def after_upload(
+        self, handle: SaveHandle, upload: Future[Any], writer: SafeStorageWriter
+    ) -> None:
+        """An asynchronous save's upload ended: fail the handle, or follow its commit up."""
+        try:
+            error = upload.exception()
+            if error is not None:
+                self._ledger.fail(handle, error, tier="local")
+            else:
+                self.after_commit(handle, writer)
+        except BaseException as exc:  # a bug here must not leave the handle unresolved
+            self._ledger.fail(handle, exc, tier="local")
+
+    def after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
+        """``handle`` committed locally through ``writer``."""
+        try:
+            self._tiers.verify(handle.name, deep=self._deep)
+        except (DcpSafeError, OSError) as exc:
+            # Neither pruning nor a replication future: the newest checkpoint is not trusted.
+            self._ledger.fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
+            return
+        self._ledger.count("committed")
+        self._ledger.record("committed", handle, tier="local", validated=True)
+        self._switch.on_committed(handle)
+        self._replicate(handle, writer)
+        try:
+            self._tiers.prune()
+        except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
+            log.warning("retention after %s failed: %s", handle.name, exc)
+            self._ledger.keep(exc)
+        self._spans.end(handle, None)
+        handle.committed.set_result(handle.name)
+
+    def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
+        if writer.replicate_to is None:
+            handle.replicated.set_result(None)
+            return
+        remote = writer.replication(handle.name)
+        # The handle's future: it is set after the outcome is recorded.
+        self._tiers.track_replication(handle.name, handle.replicated)
+        remote.add_done_callback(lambda done: self._replicated(handle, done))
+
+    def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
+        if handle.replicated.done():
+            return
+        error = done.exception()
+        if error is None:
+            self._ledger.record("committed", handle, tier="remote")
+            handle.replicated.set_result(done.result())
+        elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
+            self._ledger.record("skipped", handle, tier="remote", reason=str(error))
+            handle.replicated.set_exception(error)
+        else:
+            self._ledger.fail(handle, error, tier="remote", future=handle.replicated)
+        # Finished: no longer protected from pruning, nothing to wait for.
+        self._tiers.replication_done(handle.name, handle.replicated)

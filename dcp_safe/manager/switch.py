@@ -1,0 +1,111 @@
+"""The switch between asynchronous and synchronous saving, fed by the manager.
+
+:mod:`dcp_safe.manager.fallback` decides, as plain arithmetic; this part feeds it what the
+manager sees (the clock, host memory at each request, completion latencies, buffers a finished
+save still holds), and when it trips, logs a WARNING, records a ``fallback`` history event and
+marks it in telemetry. The manager then saves every request synchronously until
+:meth:`FallbackSwitch.rearm`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from dcp_safe.manager.fallback import FallbackMonitor
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.spans import SaveSpans
+
+__all__ = ["FallbackSwitch", "host_available_bytes"]
+
+log = logging.getLogger("dcp_safe.manager")
+
+
+class FallbackSwitch:
+    """Feeds a :class:`FallbackMonitor` and acts on its verdicts.
+
+    Args:
+        monitor: the decision.
+        sample_memory: the host's available bytes now (``None`` when unknown).
+        clock: monotonic seconds.
+        ledger: where request times are kept and the switch is recorded.
+        spans: where the switch is marked.
+        cond: the manager's condition (the monitor is not thread-safe by itself).
+    """
+
+    def __init__(
+        self,
+        monitor: FallbackMonitor,
+        *,
+        sample_memory: Callable[[], int | None],
+        clock: Callable[[], float],
+        ledger: Ledger,
+        spans: SaveSpans,
+        cond: threading.Condition,
+    ) -> None:
+        self.monitor = monitor
+        self._sample_memory = sample_memory
+        self._clock = clock
+        self._ledger = ledger
+        self._spans = spans
+        self._cond = cond
+
+    @property
+    def reason(self) -> str | None:
+        """Why saves are synchronous now (``None``: they are not)."""
+        with self._cond:
+            return self.monitor.reason
+
+    def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> bool:
+        """Feed a save request; ``True`` when this save must be synchronous.
+
+        Args:
+            handle: the request.
+            leaked_bytes: staging bytes still in use although no save is in flight (called only
+                when no other trigger fired).
+        """
+        now = self._clock()
+        available = self._sample_memory()
+        self._ledger.requested(handle.name, now)
+        with self._cond:
+            reason = self.monitor.on_request(now, available)
+        in_use = leaked_bytes() if reason is None else 0
+        with self._cond:
+            reason = reason or self.monitor.on_idle(in_use)
+            tripped = self.monitor.tripped
+        if reason is not None:
+            self._switched(handle, reason)
+        return tripped
+
+    def on_committed(self, handle: SaveHandle) -> None:
+        """Feed the completion latency of a committed save."""
+        requested_at = self._ledger.completed(handle.name)
+        if requested_at is None:
+            return
+        with self._cond:
+            reason = self.monitor.on_completed(self._clock() - requested_at)
+        if reason is not None:
+            self._switched(handle, reason)
+
+    def rearm(self) -> None:
+        """Back to asynchronous saves (no-op when not switched)."""
+        with self._cond:
+            was = self.monitor.reason
+            self.monitor.rearm()
+        if was is not None:
+            log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
+            self._ledger.record("rearmed", (None, None), reason=f"was: {was}")
+
+    def _switched(self, handle: SaveHandle, reason: str) -> None:
+        log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
+        self._ledger.record("fallback", handle, reason=reason)
+        self._spans.mark("fallback", handle, reason=reason)
+
+
+def host_available_bytes() -> int:
+    """The host's available memory (psutil's ``virtual_memory().available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
