@@ -1,7 +1,8 @@
 """S3 fixtures: one moto server per test session, a fresh bucket per test.
 
-Import what a module needs (``from s3_fixtures import s3, s3_bucket, s3_root``); nothing here
-reaches beyond 127.0.0.1.
+Registered once as a plugin by ``tests/conftest.py`` (``pytest_plugins``): a test asks for
+``s3``, ``s3_bucket``, ``s3_options`` or ``s3_root`` by parameter name. Nothing here reaches
+beyond 127.0.0.1.
 """
 
 from __future__ import annotations

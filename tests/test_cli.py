@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 from support import make_state
 
 import dcp_safe
@@ -69,10 +68,10 @@ class _Remote:
 
 @pytest.fixture
 def remote(
-    s3: LocalS3,  # noqa: F811 - fixture
-    s3_bucket: str,  # noqa: F811 - fixture
-    s3_root: str,  # noqa: F811 - fixture
-    s3_options: dict[str, Any],  # noqa: F811 - fixture
+    s3: LocalS3,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> _Remote:
     return _Remote(server=s3, bucket=s3_bucket, root=s3_root, options=s3_options)
 

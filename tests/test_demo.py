@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 
 import dcp_safe
 from dcp_safe.cli import EXIT_OK, main
@@ -52,8 +51,8 @@ def test_demo_restores_from_s3_alone_and_reports_stall_memory_and_cuts(tmp_path:
 def test_demo_replicates_to_the_remote_it_is_given(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    s3_root: str,  # noqa: F811 - fixture
-    s3_options: dict[str, Any],  # noqa: F811 - fixture
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     root = tmp_path / "root"
     status = main(

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -392,8 +391,8 @@ def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
 @pytest.mark.s3
 def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
     tmp_path: Path,
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     # Only the replica needs endpoint and credentials; the local root takes none.
     local = tmp_path / "local"

@@ -33,7 +33,6 @@ from _crash import (
     make_values,
     record_figures,
 )
-from s3_fixtures import s3, s3_bucket, s3_options  # noqa: F401
 
 import dcp_safe
 from dcp_safe import CheckpointExistsError, DcpSafeError, SafeStorageReader, SafeStorageWriter
@@ -286,8 +285,8 @@ def test_failing_any_operation_of_a_local_save_fails_cleanly_or_commits(
 @pytest.mark.s3
 @pytest.mark.parametrize("persistent", [False, True], ids=["one-off", "persistent"])
 def test_failing_any_operation_of_an_s3_save_fails_cleanly_or_commits(
-    s3_bucket: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_bucket: str,
+    s3_options: dict[str, Any],
     persistent: bool,
 ) -> None:
     faults = FaultInjector()

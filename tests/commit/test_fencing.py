@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe

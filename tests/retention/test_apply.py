@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
 from support import make_state
 
 import dcp_safe
@@ -99,8 +98,8 @@ def test_a_negative_keep_last_is_a_config_error(root: Path) -> None:
 
 @pytest.mark.s3
 def test_applies_retention_on_s3(
-    s3_root: str,  # noqa: F811 - fixture
-    s3_options: dict[str, Any],  # noqa: F811 - fixture
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     for step in (1, 2, 3):
         _save(s3_root, step, f"step_{step:04d}", storage_options=s3_options)

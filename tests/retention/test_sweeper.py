@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from support import make_state
 
 import dcp_safe
@@ -60,10 +59,10 @@ def test_negative_grace_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.mark.s3
 def test_object_store_sweep_collects_stale_leases_and_uploads_only(
-    s3: Any,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3: Any,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     backend = open_backend(s3_root, s3_options)
     dcp_safe.save(

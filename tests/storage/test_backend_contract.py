@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options  # noqa: F401 - fixtures
+from s3_fixtures import BLOCK_BYTES
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import FsspecBackend
@@ -40,11 +40,11 @@ class TestS3Backend(BackendContract):
     large_write_bytes = 2 * BLOCK_BYTES + 2**20  # three multipart parts
 
     @pytest.fixture
-    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:  # noqa: F811
+    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:
         return FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
 
     @pytest.fixture(autouse=True)
-    def _server(self, s3: LocalS3, s3_bucket: str) -> None:  # noqa: F811
+    def _server(self, s3: LocalS3, s3_bucket: str) -> None:
         self._s3, self._bucket = s3, s3_bucket
 
     def assert_no_pending_uploads(self, backend: Backend) -> None:
@@ -60,15 +60,15 @@ class TestS3BucketRoot(BackendContract):
     """A root that is a whole bucket: removing a tree must never remove the bucket."""
 
     @pytest.fixture
-    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:  # noqa: F811
+    def backend(self, s3_bucket: str, s3_options: dict[str, Any]) -> Backend:
         return FsspecBackend(f"s3://{s3_bucket}", s3_options)
 
 
 @pytest.mark.s3
 def test_s3_failure_to_complete_aborts_the_upload_and_names_the_url(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
+    s3_options: dict[str, Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     backend = FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
@@ -89,7 +89,7 @@ def test_s3_failure_to_complete_aborts_the_upload_and_names_the_url(
 
 
 @pytest.mark.s3
-def test_s3_errors_name_the_operation_and_url(s3_options: dict[str, Any]) -> None:  # noqa: F811
+def test_s3_errors_name_the_operation_and_url(s3_options: dict[str, Any]) -> None:
     backend = FsspecBackend("s3://no-such-bucket-dcp-safe/root", s3_options)
     with pytest.raises(StorageError, match=r"write failed for s3://no-such-bucket-dcp-safe/root/m"):
         backend.write_bytes("m", b"x", exclusive=True)

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -152,8 +151,8 @@ def _restore_on_two_ranks(
 @pytest.mark.s3
 def test_two_nodes_upload_their_own_shards_and_restore_from_s3_alone_on_fewer_ranks(
     tmp_path: Path,
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     node_a, node_b = tmp_path / "node_a", tmp_path / "node_b"
     roots = [str(node_a), str(node_b)]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
-from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
+from s3_fixtures import BLOCK_BYTES
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -532,10 +532,10 @@ def test_a_replicator_refuses_to_be_pickled(local: Path, memory_root: str) -> No
 @pytest.mark.s3
 def test_replicates_to_s3_and_leaves_nothing_behind_on_failure(
     local: Path,
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     state = _save(local, "step_1", 1, thread_count=2)
     _save(local, "step_2", 2)

@@ -13,7 +13,6 @@ from typing import Any, BinaryIO
 
 import pytest
 from botocore.exceptions import ConnectionClosedError
-from s3_fixtures import s3, s3_bucket  # noqa: F401 - fixtures
 
 from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.fsspec_backend import FsspecBackend
@@ -311,13 +310,13 @@ def _s3_backend(
 
 
 @pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:  # noqa: F811
+def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
     with FaultProxy(s3.endpoint_url) as p:
         yield p
 
 
 @pytest.fixture
-def s3_backend(proxy: FaultProxy, s3_bucket: str) -> RetryingBackend:  # noqa: F811
+def s3_backend(proxy: FaultProxy, s3_bucket: str) -> RetryingBackend:
     policy = RetryPolicy(deadline_s=20, attempts=6, base_delay_s=0.05, max_delay_s=0.5)
     return _s3_backend(proxy, s3_bucket, policy)
 
@@ -326,7 +325,7 @@ def _key(backend: RetryingBackend, rel: str) -> str:
     return backend.full_path(rel).removeprefix("s3://").split("/", 1)[1]
 
 
-def _stored(s3: LocalS3, bucket: str, key: str) -> bytes:  # noqa: F811
+def _stored(s3: LocalS3, bucket: str, key: str) -> bytes:
     body: bytes = s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
     return body
 
@@ -339,8 +338,8 @@ class TestThroughFaultProxy:
     @pytest.mark.parametrize(("status", "code"), _ONE_OFF)
     def test_one_off_error_on_write_bytes(
         self,
-        s3: LocalS3,  # noqa: F811
-        s3_bucket: str,  # noqa: F811
+        s3: LocalS3,
+        s3_bucket: str,
         proxy: FaultProxy,
         s3_backend: RetryingBackend,
         status: int,
@@ -375,7 +374,7 @@ class TestThroughFaultProxy:
     def test_persistent_503_fails_within_the_deadline(
         self,
         proxy: FaultProxy,
-        s3_bucket: str,  # noqa: F811
+        s3_bucket: str,
     ) -> None:
         deadline_s = 3.0
         policy = RetryPolicy(deadline_s=deadline_s, attempts=1000, base_delay_s=0.05)
@@ -395,8 +394,8 @@ class TestThroughFaultProxy:
     @pytest.mark.parametrize("drops", [1, 2], ids=["resent-by-aiohttp", "retried-by-us"])
     def test_dropped_reply_on_exclusive_create_is_our_own_write(
         self,
-        s3: LocalS3,  # noqa: F811
-        s3_bucket: str,  # noqa: F811
+        s3: LocalS3,
+        s3_bucket: str,
         proxy: FaultProxy,
         s3_backend: RetryingBackend,
         drops: int,
@@ -412,8 +411,8 @@ class TestThroughFaultProxy:
 
     def test_exclusive_create_of_a_taken_key_raises(
         self,
-        s3: LocalS3,  # noqa: F811
-        s3_bucket: str,  # noqa: F811
+        s3: LocalS3,
+        s3_bucket: str,
         s3_backend: RetryingBackend,
     ) -> None:
         s3_backend.write_bytes("_COMMITTED", b"digest-theirs", exclusive=True)
@@ -429,6 +428,6 @@ class TestRetryingS3BackendContract(BackendContract):
     large_write_bytes = 2 * 5 * 2**20 + 2**20
 
     @pytest.fixture
-    def backend(self, proxy: FaultProxy, s3_bucket: str) -> Backend:  # noqa: F811
+    def backend(self, proxy: FaultProxy, s3_bucket: str) -> Backend:
         policy = RetryPolicy(deadline_s=20)
         return _s3_backend(proxy, s3_bucket, policy, default_block_size=5 * 2**20)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket  # noqa: F401
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -30,13 +29,13 @@ SLACK_S = 15.0
 
 
 @pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:  # noqa: F811
+def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
     with FaultProxy(s3.endpoint_url) as running:
         yield running
 
 
 @pytest.fixture
-def root(s3_bucket: str) -> str:  # noqa: F811
+def root(s3_bucket: str) -> str:
     return f"s3://{s3_bucket}/faults"
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options, s3_root  # noqa: F401 - fixtures
+from s3_fixtures import BLOCK_BYTES
 from support import assert_state_equal, blank_like, make_state
 from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -45,14 +45,14 @@ def _key_prefix(root: str) -> str:
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_round_trip_on_s3(s3_root: str, s3_options: Options, compression: str) -> None:  # noqa: F811
+def test_round_trip_on_s3(s3_root: str, s3_options: Options, compression: str) -> None:
     state = make_state(3)
     _save(s3_root, s3_options, "step_1", state, compression=compression, thread_count=2)
     assert_state_equal(_load(s3_root, s3_options, "step_1", state), state)
     assert_state_equal(_load(s3_root, s3_options, "latest", state), state)
 
 
-def test_list_and_verify_on_s3(s3_root: str, s3_options: Options) -> None:  # noqa: F811
+def test_list_and_verify_on_s3(s3_root: str, s3_options: Options) -> None:
     _save(s3_root, s3_options, "step_1", make_state(1), step=1)
     _save(s3_root, s3_options, "step_2", make_state(2), step=2, compression="zstd")
     listed = dcp_safe.list_checkpoints(s3_root, storage_options=s3_options)
@@ -63,10 +63,10 @@ def test_list_and_verify_on_s3(s3_root: str, s3_options: Options) -> None:  # no
 
 
 def test_a_flipped_byte_in_a_shard_object_is_detected(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
-    s3_root: str,  # noqa: F811
-    s3_options: Options,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: Options,
 ) -> None:
     state = make_state(4)
     _save(s3_root, s3_options, "step_1", state)
@@ -87,7 +87,7 @@ def test_a_flipped_byte_in_a_shard_object_is_detected(
         _load(s3_root, s3_options, "step_1", state)
 
 
-def test_saving_to_a_committed_name_is_refused(s3_root: str, s3_options: Options) -> None:  # noqa: F811
+def test_saving_to_a_committed_name_is_refused(s3_root: str, s3_options: Options) -> None:
     state = make_state(5)
     _save(s3_root, s3_options, "step_1", state)
     with pytest.raises(CheckpointExistsError):
@@ -111,10 +111,10 @@ class _FailAfter(DefaultSavePlanner):
 
 @pytest.mark.parametrize("big", [False, True], ids=["one-shot-put", "multipart"])
 def test_failure_mid_shard_leaves_no_trace(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
-    s3_root: str,  # noqa: F811
-    s3_options: Options,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: Options,
     big: bool,
 ) -> None:
     elements = (BLOCK_BYTES + 2**20) // 4 if big else 100
@@ -140,8 +140,8 @@ class _LateWriter(SafeStorageWriter):
 
 
 def test_a_losing_concurrent_save_never_damages_the_committed_one(
-    s3_root: str,  # noqa: F811
-    s3_options: Options,  # noqa: F811
+    s3_root: str,
+    s3_options: Options,
 ) -> None:
     winner, loser = make_state(7), make_state(8)
     _save(s3_root, s3_options, "step_1", winner)
@@ -153,8 +153,8 @@ def test_a_losing_concurrent_save_never_damages_the_committed_one(
 
 
 def test_two_publishers_racing_for_a_name_give_one_checkpoint_and_a_clear_error(
-    s3_root: str,  # noqa: F811
-    s3_options: Options,  # noqa: F811
+    s3_root: str,
+    s3_options: Options,
 ) -> None:
     import threading
 
@@ -185,8 +185,8 @@ def test_two_publishers_racing_for_a_name_give_one_checkpoint_and_a_clear_error(
 
 
 def test_missing_credentials_are_a_storage_error_saying_what_to_check(
-    s3_root: str,  # noqa: F811
-    s3_options: Options,  # noqa: F811
+    s3_root: str,
+    s3_options: Options,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):

@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 import pytest
-from s3_fixtures import BLOCK_BYTES, s3, s3_bucket, s3_options  # noqa: F401 - fixtures
+from s3_fixtures import BLOCK_BYTES
 
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.s3_upload import S3MultipartWriter, block_size_of
@@ -38,7 +38,7 @@ def _part_threads() -> list[threading.Thread]:
 
 
 @pytest.fixture
-def backend(s3_bucket: str, s3_options: dict[str, Any]) -> FsspecBackend:  # noqa: F811
+def backend(s3_bucket: str, s3_options: dict[str, Any]) -> FsspecBackend:
     return FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
 
 
@@ -49,8 +49,8 @@ def test_block_size_follows_the_file_system(backend: FsspecBackend) -> None:
 
 
 def test_multi_block_upload_round_trips(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -80,8 +80,8 @@ def test_exactly_one_block_is_one_part(backend: FsspecBackend) -> None:
 
 
 def test_a_small_file_is_one_put(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -95,8 +95,8 @@ def test_a_small_file_is_one_put(
 
 
 def test_a_failed_part_mid_stream_aborts_and_leaves_nothing(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -116,8 +116,8 @@ def test_a_failed_part_mid_stream_aborts_and_leaves_nothing(
 
 
 def test_a_failed_last_part_is_raised_at_close_and_aborted(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -132,8 +132,8 @@ def test_a_failed_last_part_is_raised_at_close_and_aborted(
 
 
 def test_a_failed_completion_aborts_the_upload(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -159,8 +159,8 @@ def test_the_callers_buffer_may_change_right_after_write(backend: FsspecBackend)
 
 
 def test_parts_carry_crc32_checksums(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
     backend: FsspecBackend,
 ) -> None:
     with backend.open_write("summed") as f:

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -66,8 +65,8 @@ def test_replication_needs_a_remote(tmp_path: Path) -> None:
 @pytest.mark.s3
 def test_replication_to_s3_and_restore_from_s3_alone(
     tmp_path: Path,
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     state = make_state(6)
     writer = SafeStorageWriter(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from s3_fixtures import s3, s3_bucket  # noqa: F401
 from support import make_state
 
 from dcp_safe import layout
@@ -20,8 +19,8 @@ pytestmark = pytest.mark.s3
 
 
 def test_each_transient_failure_is_marked_as_a_retry_and_counted(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
 ) -> None:
     with FaultProxy(s3.endpoint_url) as proxy, Telemetry(sample_memory=False) as tel:
         prometheus = PrometheusSink(tel)

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 from support import make_state
 from telemetry._spans import check_nesting, intervals, only, phases
 
@@ -121,8 +120,8 @@ def test_failed_async_save_fails_its_root_span_and_still_releases(
 def test_replicated_save_records_replication_after_the_local_commit(
     tmp_path: Path,
     tel: Telemetry,
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     writer = SafeStorageWriter(tmp_path, replicate_to=s3_root, replicate_storage_options=s3_options)
     with CheckpointManager(tmp_path, writer=writer, telemetry=tel) as manager:

@@ -11,7 +11,6 @@ import fsspec
 import pytest
 from _crash import is_bit_exact, load_values, make_values
 from fsspec.implementations.local import LocalFileSystem
-from s3_fixtures import s3, s3_bucket, s3_options, s3_root  # noqa: F401
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, StorageError
@@ -236,8 +235,8 @@ def test_instance_passed_through_storage_options_is_the_one_wrapped(tmp_path: Pa
 
 @pytest.mark.s3
 def test_faulty_s3_root_keeps_retries_conditional_puts_and_multipart_path(
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     faults = FaultInjector()
     options = {"target_protocol": "s3", "target_options": s3_options, "faults": faults}
@@ -257,8 +256,8 @@ def test_faulty_s3_root_keeps_retries_conditional_puts_and_multipart_path(
 
 @pytest.mark.s3
 def test_transient_fault_on_s3_is_retried_and_the_save_commits(
-    s3_root: str,  # noqa: F811
-    s3_options: dict[str, Any],  # noqa: F811
+    s3_root: str,
+    s3_options: dict[str, Any],
 ) -> None:
     faults = FaultInjector(FaultPlan(fail_at=2, error="timeout", ops=("info",)))
     options = {"target_protocol": "s3", "target_options": s3_options, "faults": faults}

@@ -14,7 +14,6 @@ import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, ReadTimeoutError
-from s3_fixtures import s3, s3_bucket  # noqa: F401 - fixtures
 
 from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
@@ -39,7 +38,7 @@ def _client(endpoint_url: str, read_timeout_s: float = 30) -> Any:
 
 
 @pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:  # noqa: F811
+def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
     with FaultProxy(s3.endpoint_url) as p:
         yield p
 
@@ -53,7 +52,7 @@ def via(proxy: FaultProxy) -> Iterator[Any]:
 
 
 @pytest.fixture
-def direct(s3: LocalS3) -> Iterator[Any]:  # noqa: F811
+def direct(s3: LocalS3) -> Iterator[Any]:
     """A client that goes straight to moto, to see what really is stored."""
     client = _client(s3.endpoint_url)
     yield client
@@ -77,7 +76,7 @@ def test_forwards_objects_metadata_ranges_and_listings(
     proxy: FaultProxy,
     via: Any,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     body = bytes(range(256)) * 4096  # 1 MiB, every byte value
     via.put_object(Bucket=s3_bucket, Key="dir/a b+c", Body=body, Metadata={"who": "proxy"})
@@ -102,7 +101,7 @@ def test_forwards_objects_metadata_ranges_and_listings(
 def test_forwards_multipart_uploads_and_conditional_writes(
     via: Any,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     part = b"p" * (5 * 2**20)
     upload = via.create_multipart_upload(Bucket=s3_bucket, Key="big")
@@ -129,7 +128,7 @@ def test_forwards_multipart_uploads_and_conditional_writes(
 def test_forwards_chunked_bodies_over_one_kept_alive_connection(
     proxy: FaultProxy,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     host, port = proxy.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -159,7 +158,7 @@ def test_fail_answers_with_an_s3_error_and_does_not_forward(
     proxy: FaultProxy,
     via: Any,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
     status: int,
     code: str,
 ) -> None:
@@ -178,7 +177,7 @@ def test_fail_answers_with_an_s3_error_and_does_not_forward(
 def test_fail_on_head_has_no_body(
     proxy: FaultProxy,
     via: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     via.put_object(Bucket=s3_bucket, Key="k", Body=b"x")
     proxy.fail(503, "SlowDown", method="HEAD")
@@ -191,7 +190,7 @@ def test_fail_on_head_has_no_body(
 def test_persistent_fault_and_matching_by_method_and_key(
     proxy: FaultProxy,
     via: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     fault = proxy.fail(500, "InternalError", method="GET", key="/bad", times=None)
     via.put_object(Bucket=s3_bucket, Key="bad", Body=b"x")  # PUT: not matched
@@ -208,7 +207,7 @@ def test_persistent_fault_and_matching_by_method_and_key(
 def test_delay_outlasts_a_short_read_timeout_but_the_write_is_applied(
     proxy: FaultProxy,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     impatient = _client(proxy.url, read_timeout_s=1)
     try:
@@ -225,7 +224,7 @@ def test_drop_reply_applies_the_request_and_closes_without_answering(
     proxy: FaultProxy,
     via: Any,
     direct: Any,
-    s3_bucket: str,  # noqa: F811
+    s3_bucket: str,
 ) -> None:
     fault = proxy.drop_reply(method="PUT", key="/lost")
     with pytest.raises(HTTPClientError):  # ConnectionClosedError: no reply at all
@@ -235,7 +234,7 @@ def test_drop_reply_applies_the_request_and_closes_without_answering(
     via.put_object(Bucket=s3_bucket, Key="lost", Body=b"again")  # next one is answered
 
 
-def test_rejects_bad_arguments(s3: LocalS3) -> None:  # noqa: F811
+def test_rejects_bad_arguments(s3: LocalS3) -> None:
     with pytest.raises(ValueError):
         FaultProxy("https://example.invalid")
     with FaultProxy(s3.endpoint_url) as proxy, pytest.raises(ValueError):
@@ -246,8 +245,8 @@ def test_rejects_bad_arguments(s3: LocalS3) -> None:  # noqa: F811
 
 
 def test_stop_closes_connections_and_leaves_no_thread(
-    s3: LocalS3,  # noqa: F811
-    s3_bucket: str,  # noqa: F811
+    s3: LocalS3,
+    s3_bucket: str,
 ) -> None:
     before = set(threading.enumerate())
     with FaultProxy(s3.endpoint_url) as proxy:
