@@ -41,10 +41,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 FIGURES_ENV = "DCP_SAFE_FIGURES"
 SUITES: dict[str, list[str]] = {
-    "crash": ["tests/storage/test_crash_consistency.py"],
-    "nth": ["tests/test_nth_op.py"],
-    "corruption": ["tests/test_corruption.py"],
-    "drills": ["tests/test_drills.py"],
+    "crash": ["tests/e2e/test_crash_consistency.py"],
+    "nth": ["tests/e2e/test_nth_op.py"],
+    "corruption": ["tests/e2e/test_corruption.py"],
+    "drills": ["tests/e2e/test_drills.py"],
 }
 
 

@@ -42,7 +42,7 @@ from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 pytestmark = pytest.mark.timeout(900)
 
 LONG = os.environ.get("DCP_SAFE_LONG") == "1"
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 # Of the S3 sweep's N, the default run tries this many, spread over the whole save.
 S3_SAMPLE = 4
 

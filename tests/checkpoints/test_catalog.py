@@ -1,7 +1,7 @@
 """``verify_checkpoint``'s quick mode (``deep=False``) against real checkpoints on a local root.
 
-The deep mode is covered by tests/test_corruption.py; here: what the quick check catches, what it
-deliberately does not read, and what its report says.
+The deep mode is covered by tests/e2e/test_corruption.py; here: what the quick check catches,
+what it deliberately does not read, and what its report says.
 """
 
 from __future__ import annotations
