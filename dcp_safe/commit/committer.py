@@ -37,6 +37,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import (
@@ -97,22 +98,36 @@ class Committer:
             CheckpointExistsError: ``name`` was committed by someone else meanwhile.
             StorageError: an I/O step failed; nothing is published.
         """
-        renames = self.backend.supports_atomic_rename
+        strategy = strategy_for(self.backend)
+
+        def before_commit() -> None:
+            check_fence(self.backend, attempt)
+            if strategy.in_place:
+                check_lease(self.backend, name, save_id)
+
         try:
-            manifest = self._seal(
+            manifest, marker = self._seal(
                 name, save_id, work_dir, world_size, step, metadata, results, attempt
             )
-            if renames:
-                check_fence(self.backend, attempt)  # the commit point is the rename
-                self._rename_into_place(work_dir, name)
+            try:
+                strategy.publish(
+                    self.backend,
+                    work_dir,
+                    name,
+                    marker,
+                    replace=self.options.overwrite,
+                    before_commit=before_commit,
+                )
+            except FileExistsError as exc:
+                raise CheckpointExistsError(self.backend.full_path(name)) from exc
         except BaseException as exc:
-            if renames:
+            if not strategy.in_place:
                 self._discard(work_dir)
             elif not isinstance(exc, CheckpointExistsError):
                 # Removes only what is still ours (it checks the lease first).
                 self._discard_uncommitted(name, save_id)
             raise
-        if not renames:
+        if strategy.in_place:
             try:
                 release_lease(self.backend, name)
             except OSError as exc:
@@ -133,7 +148,7 @@ class Committer:
         metadata: Metadata,
         results: list[list[WriteResult]],
         attempt: Attempt | None,
-    ) -> Manifest:
+    ) -> tuple[Manifest, bytes]:
         per_rank = _records_by_rank(results)
         _check_every_item_written(metadata, per_rank)
         rank_files = [self._check_rank(work_dir, name, save_id, r, per_rank[r]) for r in per_rank]
@@ -171,18 +186,7 @@ class Committer:
         manifest_bytes = manifest.to_json()
         self.backend.write_bytes(f"{work_dir}/{layout.MANIFEST}", manifest_bytes)
         self.backend.sync_dir(f"{work_dir}/{layout.RANKS_DIR}")
-        marker = f"{work_dir}/{layout.COMMITTED_MARKER}"
-        if not self.backend.supports_atomic_rename:
-            check_fence(self.backend, attempt)  # the commit point is the marker
-            check_lease(self.backend, name, save_id)
-        try:
-            self.backend.write_bytes(
-                marker, manifest_digest(manifest_bytes).encode(), exclusive=True
-            )
-        except FileExistsError as exc:
-            raise CheckpointExistsError(self.backend.full_path(name)) from exc
-        self.backend.sync_dir(work_dir)
-        return manifest
+        return manifest, manifest_digest(manifest_bytes).encode()
 
     def _check_rank(
         self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
@@ -215,16 +219,6 @@ class Committer:
         return list(manifest.files), manifest_file
 
     # ----------------------------------------------------------------- publish
-
-    def _rename_into_place(self, work_dir: str, name: str) -> None:
-        try:
-            parked = self.backend.publish_dir(work_dir, name, replace=self.options.overwrite)
-        except FileExistsError as exc:
-            raise CheckpointExistsError(self.backend.full_path(name)) from exc
-        self.backend.sync_dir("")
-        if parked is not None:
-            # The replaced checkpoint is no longer reachable by name; reclaim its space.
-            self.backend.remove_tree(parked)
 
     def _discard_uncommitted(self, name: str, save_id: str) -> None:
         """Remove a failed object-store save, but only while its lease shows it is ours."""

@@ -70,7 +70,7 @@ from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cach
 from dcp_safe.checkpoints.watch import poll_until, watch_for_commit
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import check_fence, register_attempt
-from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -154,7 +154,7 @@ class NodeLocalWriter(SafeStorageWriter):
         super().__init__(
             root, replicate_to=remote, replicate_storage_options=remote_storage_options, **kwargs
         )
-        if not self.backend.supports_atomic_rename:
+        if self.strategy.in_place:
             raise ConfigError(f"a node-local root must be a local directory, got {self.root}")
         self.node_options = node_options or NodeLocalOptions()
         self._uploads: dict[str, Future[Manifest]] = {}
@@ -179,11 +179,10 @@ class NodeLocalWriter(SafeStorageWriter):
                 # The fence that matters is on the shared root, the only one every node sees.
                 register_attempt(remote, self.attempt)
                 check_fence(remote, self.attempt)
-            if remote.supports_atomic_rename:
-                if remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-                    raise CheckpointExistsError(remote.full_path(name))
-            else:
-                acquire_lease(remote, name, assignment.save_id)
+            strategy = strategy_for(remote)
+            strategy.claim(remote, name, assignment.save_id)
+            if not strategy.in_place and remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+                raise CheckpointExistsError(remote.full_path(name))  # refused before uploading
             remote.makedirs(
                 f"{_remote_work_dir(remote, name, assignment.save_id)}/{layout.RANKS_DIR}"
             )
@@ -439,9 +438,7 @@ def _assignment_of(plan: SavePlan) -> _Assignment:
 
 def _remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
     """Where every rank uploads: decided by the remote's flags, the same on every rank."""
-    if remote.supports_atomic_rename:
-        return layout.partial_dir_name(name, save_id)
-    return name
+    return strategy_for(remote).work_dir(name, save_id)
 
 
 def _rank_failed_name(assignment: _Assignment) -> str:

@@ -47,7 +47,8 @@ from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
-from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
+from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
@@ -129,7 +130,8 @@ class SafeStorageWriter(StorageWriter):
         self.retry = retry or RetryPolicy()
         self.attempt = attempt_from_env(attempt)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
-        if overwrite and not self.backend.supports_atomic_rename:
+        self.strategy = strategy_for(self.backend)
+        if overwrite and not self.strategy.can_replace:
             raise ConfigError(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
@@ -184,15 +186,12 @@ class SafeStorageWriter(StorageWriter):
             # Fenced before a byte is written: a leftover of an older attempt stops here.
             register_attempt(self.backend, self.attempt)
             check_fence(self.backend, self.attempt)
-        if self.backend.supports_atomic_rename:
-            work_dir = layout.partial_dir_name(name, save_id)
-        else:
-            acquire_lease(self.backend, name, save_id)
-            work_dir = name
+        self.strategy.claim(self.backend, name, save_id)
+        work_dir = self.strategy.work_dir(name, save_id)
         try:
             self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
         except BaseException:
-            if not self.backend.supports_atomic_rename:
+            if self.strategy.in_place:
                 # Ours, with nothing under it yet: holding it would block the name until the
                 # sweeper's grace period ends.
                 with contextlib.suppress(OSError):
@@ -257,7 +256,7 @@ class SafeStorageWriter(StorageWriter):
         same; a rank killed outright leaves its objects to the sweeper. (A partial directory on
         POSIX is hidden and collected by the sweeper.)
         """
-        if self.backend.supports_atomic_rename:
+        if not self.strategy.in_place:
             return
         name = assignment.work_dir
         own = [*files, layout.rank_manifest_name(assignment.rank)]

@@ -53,6 +53,7 @@ from typing import NoReturn
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -119,10 +120,7 @@ def replicate_checkpoint(
     if _remote_committed(remote, name, digest):
         return manifest
     copy = _Copy(local, remote, name, manifest, raw, chunk_bytes)
-    if remote.supports_atomic_rename:
-        _publish_by_rename(copy, digest)
-    else:
-        _publish_by_marker(copy, digest)
+    _publish(copy, digest)
     return manifest
 
 
@@ -153,39 +151,27 @@ def _remote_committed(remote: Backend, name: str, digest: str) -> bool:
     return True
 
 
-def _publish_by_rename(copy: _Copy, digest: str) -> None:
-    """Upload into a hidden partial directory, then rename it into place (never replacing)."""
+def _publish(copy: _Copy, digest: str) -> None:
+    """Upload where the remote's strategy says, then publish (never replacing)."""
     remote, name = copy.remote, copy.name
-    work_dir = layout.partial_dir_name(name, layout.new_save_id())
+    strategy = strategy_for(remote)
+    work_dir = strategy.work_dir(name, layout.new_save_id())
     try:
         copy.upload_to(work_dir)
-        remote.write_bytes(f"{work_dir}/{layout.COMMITTED_MARKER}", digest.encode(), exclusive=True)
-        remote.sync_dir(work_dir)
         try:
-            remote.publish_dir(work_dir, name, replace=False)
+            strategy.publish(remote, work_dir, name, digest.encode())
         except FileExistsError as exc:
-            _require_ours(remote, name, digest, exc)  # published meanwhile, by us or another
-        else:
-            remote.sync_dir("")
-    finally:
-        # Best effort, never hiding the real error; absent once published (a no-op then). A
-        # partial left behind is collected by the sweeper after its grace period.
-        with contextlib.suppress(Exception):
-            remote.remove_tree(work_dir)
-
-
-def _publish_by_marker(copy: _Copy, digest: str) -> None:
-    """Upload under ``<name>/``, then create the marker exclusively, last."""
-    remote, name = copy.remote, copy.name
-    try:
-        copy.upload_to(name)
-        try:
-            remote.write_bytes(f"{name}/{layout.COMMITTED_MARKER}", digest.encode(), exclusive=True)
-        except FileExistsError as exc:
-            _require_ours(remote, name, digest, exc)  # e.g. our own earlier put, reply lost
+            _require_ours(remote, name, digest, exc)  # e.g. published meanwhile, reply lost
     except BaseException:
-        _remove_uploads(remote, name, copy.uploaded)
+        if strategy.in_place:
+            _remove_uploads(remote, name, copy.uploaded)
         raise
+    finally:
+        if not strategy.in_place:
+            # Best effort, never hiding the real error; absent once published (a no-op then).
+            # A partial left behind is collected by the sweeper after its grace period.
+            with contextlib.suppress(Exception):
+                remote.remove_tree(work_dir)
 
 
 def _require_ours(remote: Backend, name: str, digest: str, exc: FileExistsError) -> None:

@@ -12,19 +12,12 @@ one step, and only then deleted:
 
 from __future__ import annotations
 
-from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.strategy import strategy_for
 
 __all__ = ["retire_checkpoint"]
 
 
 def retire_checkpoint(backend: Backend, name: str) -> None:
     """Unpublish checkpoint ``name``, then delete what it held."""
-    if backend.supports_atomic_rename:
-        parked = layout.partial_dir_name(name, layout.new_save_id())
-        backend.publish_dir(name, parked, replace=False)
-        backend.sync_dir("")
-        backend.remove_tree(parked)
-    else:
-        backend.remove_file(f"{name}/{layout.COMMITTED_MARKER}")
-        backend.remove_tree(name)
+    strategy_for(backend).retire(backend, name)
