@@ -50,7 +50,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from dcp_safe import layout
-from dcp_safe.checkpoints.history import HISTORY_FILE, History
+from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
 from dcp_safe.dcp import api
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -84,15 +84,7 @@ from dcp_safe.staging._tree import collect_tensors
 from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = [
-    "HISTORY_FILE",
-    "BusyPolicy",
-    "CheckpointManager",
-    "ManagerStats",
-    "SaveHandle",
-    "StagingMode",
-    "Validation",
-]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
