@@ -34,6 +34,7 @@ from dcp_safe.errors import (
     SnapshotMutatedError,
     StaleWriterError,
     StorageError,
+    UnsafeCheckpointError,
 )
 from dcp_safe.manager import (
     BusyPolicy,
@@ -93,6 +94,7 @@ __all__ = [
     "StaleWriterError",
     "StagingMode",
     "StorageError",
+    "UnsafeCheckpointError",
     "SweepReport",
     "Telemetry",
     "Validation",

@@ -9,6 +9,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── CheckpointExistsError(FileExistsError)   saving to a committed name without overwrite
     ├── CheckpointNotFoundError(FileNotFoundError)
     ├── CheckpointCorruptError(ValueError)       checksum, size or manifest mismatch
+    │   └── UnsafeCheckpointError                a pickle that would run code on load
     ├── CommitError                              the save could not be published; per-rank failures
     │   └── StaleWriterError                     a writer from an older attempt tried to publish
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
@@ -45,6 +46,7 @@ __all__ = [
     "InvalidCheckpointNameError",
     "StaleWriterError",
     "StorageError",
+    "UnsafeCheckpointError",
     "from_checkpoint_exception",
 ]
 
@@ -131,6 +133,22 @@ class CheckpointCorruptError(DcpSafeError, ValueError):
         self.item = item
         self.expected = expected
         self.actual = actual
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """A checkpoint holds a pickle that refers to more than plain data and DCP's metadata types.
+
+    Loading it would run whatever its writer put there, so it is refused. Pass
+    ``allow_pickle=True`` (to ``SafeStorageReader``) only for a root you trust as much as code.
+    """
+
+    def __init__(self, path: str, reason: str, *, item: str | None = None) -> None:
+        super().__init__(
+            path,
+            f"{reason}; refused, because loading it could run code from storage. If you trust"
+            " this root as you trust code, pass allow_pickle=True",
+            item=item,
+        )
 
 
 class CommitError(DcpSafeError):

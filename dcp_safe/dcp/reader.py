@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from typing import IO, Any, cast
 
 import torch
@@ -34,11 +33,13 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.dcp.unpickle import load_metadata, sanitized_object_stream
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
+    UnsafeCheckpointError,
 )
 from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
 from dcp_safe.manifest.streams import VerifyingSlice, read_verified
@@ -60,6 +61,10 @@ class SafeStorageReader(StorageReader):
             are always checked).
         storage_options: passed to fsspec for URL roots.
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
+        allow_pickle: trust this root as you trust code: unpickle ``.metadata`` and non-tensor
+            items without restriction. By default (``False``) ``.metadata`` admits only DCP's
+            metadata types and non-tensor items only plain data, and anything else raises
+            :class:`~dcp_safe.errors.UnsafeCheckpointError` (see :mod:`dcp_safe.dcp.unpickle`).
     """
 
     def __init__(
@@ -72,8 +77,10 @@ class SafeStorageReader(StorageReader):
         fallback: str | os.PathLike[str] | None = None,
         fallback_storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
+        self.allow_pickle = allow_pickle
         self.root = os.fspath(root)
         self.verify = verify
         self.storage_options = storage_options
@@ -118,7 +125,7 @@ class SafeStorageReader(StorageReader):
             try:
                 name = resolve_name(backend, self._requested)
                 manifest = open_committed(backend, name).manifest
-                metadata = self._load_metadata(backend, name, manifest)
+                metadata = self._load_metadata(backend, name, manifest, self.allow_pickle)
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)
                 continue
@@ -187,7 +194,9 @@ class SafeStorageReader(StorageReader):
         return True
 
     @staticmethod
-    def _load_metadata(backend: Backend, name: str, manifest: Manifest) -> Metadata:
+    def _load_metadata(
+        backend: Backend, name: str, manifest: Manifest, allow_pickle: bool
+    ) -> Metadata:
         rel = f"{name}/{layout.DCP_METADATA}"
         record = manifest.file(layout.DCP_METADATA)
         if record is None:
@@ -204,7 +213,18 @@ class SafeStorageReader(StorageReader):
                 )
         except FileNotFoundError:
             raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
-        metadata: Metadata = pickle.loads(raw)
+        try:
+            metadata: Metadata = load_metadata(
+                raw, backend.full_path(rel), allow_pickle=allow_pickle
+            )
+        except UnsafeCheckpointError:
+            raise
+        except Exception as exc:  # not a pickle of DCP metadata at all
+            raise CheckpointCorruptError(
+                backend.full_path(rel), f"not DCP metadata ({type(exc).__name__}: {exc})"
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorruptError(backend.full_path(rel), "not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -361,7 +381,8 @@ class SafeStorageReader(StorageReader):
             if isinstance(extension, StreamTransformExtension):
                 payload = io.BytesIO(extension.transform_from(payload).read())
         if request.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(request, payload)
+            safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
+            planner.load_bytes(request, safe)
             return
         self._hand_over(
             torch.load(payload, map_location="cpu", weights_only=True),

@@ -1,0 +1,137 @@
+"""Loading never runs code from a checkpoint: hostile pickles are refused, plain data loads.
+
+The attacker here can write the root: they replace a file and rewrite the manifest's checksum
+and the marker's digest to match, so every integrity check passes. The payloads are live (with
+``allow_pickle=True`` they create a sentinel file), so a refusal is a refusal of real code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_safe
+from dcp_safe import (
+    CheckpointCorruptError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    UnsafeCheckpointError,
+    layout,
+)
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+
+
+class _Planted:
+    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def _replace_file(root: Path, name: str, rel: str, data: bytes) -> None:
+    """Write ``data`` at ``name/rel`` and re-sign manifest and marker, as a root writer can."""
+    (root / name / rel).write_bytes(data)
+    manifest_path = root / name / layout.MANIFEST
+    manifest = Manifest.from_json(manifest_path.read_bytes(), str(manifest_path))
+    files = tuple(
+        dataclasses.replace(
+            f,
+            size=len(data),
+            checksum=digest_bytes(data, ChecksumAlgorithm(f.checksum.partition(":")[0])),
+        )
+        if f.path == rel and f.checksum is not None
+        else f
+        for f in manifest.files
+    )
+    raw = dataclasses.replace(manifest, files=files).to_json()
+    manifest_path.write_bytes(raw)
+    (root / name / layout.COMMITTED_MARKER).write_bytes(manifest_digest(raw).encode())
+
+
+def _saved(root: Path, state: dict[str, Any], name: str = "step_1") -> None:
+    dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root))
+
+
+def test_a_planted_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    root, sentinel = tmp_path / "root", tmp_path / "ran"
+    _saved(root, {"w": torch.ones(4)})
+    _replace_file(root, "step_1", layout.DCP_METADATA, pickle.dumps(_Planted(sentinel)))
+    target = {"w": torch.zeros(4)}
+
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.mkdir") as caught:
+        dcp_safe.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    assert layout.DCP_METADATA in caught.value.path
+    with pytest.raises(UnsafeCheckpointError):
+        SafeStorageReader(root).reset("latest")
+    assert not sentinel.exists()
+
+    # The payload is live: a caller who trusts the root gets exactly what the writer planted.
+    with pytest.raises(Exception):  # noqa: B017 - the planted object is no Metadata
+        SafeStorageReader(root, allow_pickle=True).reset("step_1")
+    assert sentinel.exists()
+
+
+def test_garbage_metadata_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _saved(root, {"w": torch.ones(4)})
+    _replace_file(root, "step_1", layout.DCP_METADATA, b"\x80\x05not a pickle at all")
+    with pytest.raises(CheckpointCorruptError, match="not DCP metadata"):
+        SafeStorageReader(root).reset("step_1")
+
+
+def test_an_object_item_that_would_run_code_is_refused_by_name(tmp_path: Path) -> None:
+    root, sentinel = tmp_path / "root", tmp_path / "ran"
+    # Written by SafeStorageWriter itself: DCP pickles non-tensor values as they are.
+    _saved(root, {"w": torch.ones(4), "extra": {"hook": _Planted(sentinel)}})
+    target: dict[str, Any] = {"w": torch.zeros(4), "extra": {"hook": None}}
+
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        dcp_safe.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    assert "extra.hook" in str(caught.value.item)
+    # DCP's own load call is just as safe; DCP wraps the error in its CheckpointException.
+    with pytest.raises(BaseException) as wrapped:
+        dcp.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    [(cause, _)] = wrapped.value.failures.values()  # type: ignore[attr-defined]
+    assert isinstance(cause, UnsafeCheckpointError)
+    assert not sentinel.exists()
+
+    dcp.load(
+        target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root, allow_pickle=True)
+    )
+    assert sentinel.exists()
+
+
+def test_plain_data_and_tensors_still_load_exactly(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    state: dict[str, Any] = {
+        "w": torch.arange(6.0),
+        "config": {"lr": 0.1, "betas": (0.9, 0.99), "name": "adamw", "flags": [True, None]},
+        "order": collections.OrderedDict(a=1, b=2),
+        "step": 7,
+        "tensor_in_object": {"ema": torch.full((2,), 3.0)},
+    }
+    _saved(root, state)
+    target: dict[str, Any] = {
+        "w": torch.zeros(6),
+        "config": {"lr": 0.0, "betas": (0.0, 0.0), "name": "", "flags": [False, False]},
+        "order": collections.OrderedDict(a=0, b=0),
+        "step": 0,
+        "tensor_in_object": {"ema": torch.zeros(2)},
+    }
+    dcp.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    assert torch.equal(target["w"], state["w"])
+    assert target["config"] == state["config"]
+    assert target["order"] == state["order"] and target["step"] == 7
+    assert torch.equal(target["tensor_in_object"]["ema"], state["tensor_in_object"]["ema"])
