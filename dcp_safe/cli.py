@@ -209,12 +209,23 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         "verify",
         parents=[common],
         help="check a checkpoint: exit 0 sound, 1 corrupt, 2 usage error",
-        description="Quick (default): the commit marker against the manifest, every file "
-        "present with its recorded size. --deep: also read every byte against its checksum.",
+        description="Every byte against its checksum (default, as verify_checkpoint()). "
+        "--quick: only the commit marker against the manifest and every file present with "
+        "its recorded size.",
     )
     p.add_argument("root", help="checkpoint root")
     p.add_argument("name", nargs="?", default=layout.LATEST, help="checkpoint name or 'latest'")
-    p.add_argument("--deep", action="store_true", help="read every byte against its checksum")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument(
+        "--quick", dest="deep", action="store_false", help="marker, manifest and sizes only"
+    )
+    depth.add_argument(
+        "--deep",
+        dest="deep",
+        action="store_true",
+        help="every byte (the default; kept for scripts)",
+    )
+    p.set_defaults(deep=True)
     p.set_defaults(run=_verify)
 
 

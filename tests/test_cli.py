@@ -160,13 +160,15 @@ def test_missing_credentials_are_one_line_with_a_hint_not_a_traceback(
 # -------------------------------------------------------------------------------- verify
 
 
-@pytest.mark.parametrize("deep", [False, True])
+@pytest.mark.parametrize("flags", [[], ["--quick"], ["--deep"]])
 def test_verify_sound_checkpoint_exits_zero(
-    root: Path, capsys: pytest.CaptureFixture[str], deep: bool
+    root: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
 ) -> None:
-    status, out, _ = _run(capsys, "verify", str(root), "latest", *(["--deep"] if deep else []))
+    status, out, _ = _run(capsys, "verify", str(root), "latest", *flags)
     assert status == EXIT_OK
     assert "OK step_0003" in out
+    how = "marker, manifest and file sizes" if flags == ["--quick"] else "every byte matches"
+    assert how in out  # the default reads every byte, as verify_checkpoint() does
 
 
 def test_verify_deep_names_the_file_and_item_of_a_flipped_byte(
@@ -177,8 +179,8 @@ def test_verify_deep_names_the_file_and_item_of_a_flipped_byte(
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
     # Sizes still match: the quick check passes, reading every byte does not.
-    assert _run(capsys, "verify", str(root), "step_0002")[0] == EXIT_OK
-    status, _, err = _run(capsys, "verify", str(root), "step_0002", "--deep")
+    assert _run(capsys, "verify", str(root), "step_0002", "--quick")[0] == EXIT_OK
+    status, _, err = _run(capsys, "verify", str(root), "step_0002")
     assert status == EXIT_FAILED
     assert "CORRUPT" in err and shard.name in err and "item" in err
     assert "Traceback" not in err
@@ -189,7 +191,7 @@ def test_verify_quick_catches_a_truncated_shard(
 ) -> None:
     shard = _shard(root, "step_0001")
     shard.write_bytes(shard.read_bytes()[:-10])
-    status, _, err = _run(capsys, "verify", str(root), "step_0001")
+    status, _, err = _run(capsys, "verify", str(root), "step_0001", "--quick")
     assert status == EXIT_FAILED
     assert shard.name in err and "size" in err
 

@@ -25,6 +25,8 @@ line is one ``write`` call, so lines stay whole.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
 from typing import Any
@@ -33,6 +35,8 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.local_backend import LocalBackend
 
 __all__ = ["EVENTS", "HISTORY_FILE", "History"]
+
+log = logging.getLogger(__name__)
 
 HISTORY_FILE = "_history.jsonl"
 
@@ -76,16 +80,49 @@ class History:
         with self._lock:
             self.backend.makedirs("")
             if isinstance(self.backend, LocalBackend):
-                with open(self.backend.full_path(HISTORY_FILE), "ab") as f:
-                    f.write(data)
+                self._append_local(data)
             else:
-                self.backend.write_bytes(HISTORY_FILE, self._raw() + data)
+                raw = self._raw()
+                fresh_line = not raw or raw.endswith(b"\n")
+                self.backend.write_bytes(HISTORY_FILE, raw + (b"" if fresh_line else b"\n") + data)
+
+    def _append_local(self, data: bytes) -> None:
+        path = self.backend.full_path(HISTORY_FILE)
+        with open(path, "a+b") as f:
+            # A torn tail (power loss mid-append) has no newline: start a fresh line, so the
+            # new event is not glued to it and lost with it.
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    data = b"\n" + data
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # an acknowledged event survives power loss
 
     def read(self) -> list[dict[str, Any]]:
-        """Every event, oldest first."""
+        """Every readable event, oldest first.
+
+        A line that is not a JSON object (a torn or NUL-filled tail after power loss, or any
+        damaged line) is skipped with a warning: one bad line never hides the others or stops a
+        manager from starting.
+        """
         with self._lock:
             raw = self._raw()
-        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        events: list[dict[str, Any]] = []
+        for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                log.warning(
+                    "%s line %d is not an event (torn write?): skipped", HISTORY_FILE, number
+                )
+                continue
+            events.append(event)
+        return events
 
     def validated_names(self) -> set[str]:
         """Names recorded as committed locally and validated."""
