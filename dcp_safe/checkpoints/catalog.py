@@ -18,7 +18,12 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import committed_names, open_committed, resolve_name
+from dcp_safe.checkpoints.committed import (
+    committed_names,
+    open_committed,
+    recency,
+    resolve_name,
+)
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import check_stream, items_by_file
@@ -54,7 +59,7 @@ class VerifyReport:
 def list_checkpoints(
     root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``root``, oldest first.
+    """Committed checkpoints under ``root``, oldest first (by step, then commit time).
 
     A name whose marker does not match its manifest is not listed: it is not a checkpoint
     anyone should load (``verify_checkpoint`` names what is wrong with it).
@@ -77,7 +82,7 @@ def list_checkpoints(
                 save_id=manifest.save_id,
             )
         )
-    return sorted(found, key=lambda info: (info.created_at, info.name))
+    return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 
 
 def verify_checkpoint(

@@ -75,25 +75,36 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     return CommittedCheckpoint(name=name, manifest=manifest)
 
 
+def recency(step: int | None, created_at: float, name: str) -> tuple[int, float, str]:
+    """The order of "newest": by training step, then commit time, then name.
+
+    Step first, because commit times come from each writer's clock and one node with a fast
+    clock must not pin an old checkpoint as the newest. A checkpoint saved without a step
+    counts as older than any with one.
+    """
+    return (-1 if step is None else step, created_at, name)
+
+
 def resolve_name(backend: Backend, checkpoint_id: str) -> str:
     """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
 
-    "Newest" is by the commit time recorded in the manifest, then by name; a checkpoint whose
-    manifest does not open is skipped, so a damaged newest checkpoint never hides a good one.
+    "Newest" is :func:`recency`; a checkpoint whose manifest does not open is skipped, so a
+    damaged newest checkpoint never hides a good one.
 
     Raises:
         CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
     """
     if checkpoint_id != layout.LATEST:
         return layout.validate_name(checkpoint_id)
-    newest: tuple[float, str] | None = None
+    newest: tuple[int, float, str] | None = None
     for name in committed_names(backend):
         try:
-            created = open_committed(backend, name).manifest.created_at
+            manifest = open_committed(backend, name).manifest
         except (CheckpointNotFoundError, CheckpointCorruptError):
             continue
-        if newest is None or (created, name) > newest:
-            newest = (created, name)
+        key = recency(manifest.step, manifest.created_at, name)
+        if newest is None or key > newest:
+            newest = key
     if newest is None:
         raise CheckpointNotFoundError(backend.url, "no committed checkpoint under this root")
-    return newest[1]
+    return newest[2]

@@ -119,7 +119,7 @@ class SafeStorageReader(StorageReader):
         if checkpoint_id is not None:
             self._requested = os.fspath(checkpoint_id)
         tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
-        opened: list[tuple[float, int, Backend, str, Manifest, Metadata]] = []
+        opened: list[tuple[tuple[int, int, float], Backend, str, Manifest, Metadata]] = []
         failures: list[DcpSafeError] = []
         for order, backend in enumerate(tiers):
             try:
@@ -129,14 +129,16 @@ class SafeStorageReader(StorageReader):
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)
                 continue
-            opened.append((manifest.created_at, -order, backend, name, manifest, metadata))
+            # Newest by step; on the same step the local tier wins, whatever the clocks say, so a
+            # replica (or something planted there) is used only when it is ahead by step.
+            step = -1 if manifest.step is None else manifest.step
+            opened.append(((step, -order, manifest.created_at), backend, name, manifest, metadata))
             if self._requested != layout.LATEST:
                 break  # a named checkpoint: the first tier that has it, local first
         if not opened:
             raise failures[0]
-        # "latest" across tiers is the newest commit; on a tie the local tier wins.
-        _, _, self._source, self._name, self._manifest, self._metadata = max(
-            opened, key=lambda entry: entry[:2]
+        _, self._source, self._name, self._manifest, self._metadata = max(
+            opened, key=lambda entry: entry[0]
         )
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0

@@ -9,12 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from support import make_state
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageWriter, layout, verify_checkpoint
+from dcp_safe import (
+    CheckpointCorruptError,
+    SafeStorageWriter,
+    layout,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.manifest.schema import FileRecord
 
 
@@ -76,3 +83,14 @@ def test_quick_verify_passes_a_flipped_byte_that_deep_verify_catches(root: Path)
     assert verify_checkpoint(root, "step_0001", deep=False).files_checked > 0
     with pytest.raises(CheckpointCorruptError):
         verify_checkpoint(root, "step_0001")
+
+
+def test_latest_is_the_highest_step_whatever_the_commit_clock_says(tmp_path: Path) -> None:
+    """Commit times come from each writer's clock; a later commit of an earlier step (a node
+    with a fast clock, a late retry) must not become "latest"."""
+    for step in (2, 1):  # step 1 commits last
+        writer = SafeStorageWriter(tmp_path, step=step)
+        dcp_safe.save({"w": torch.ones(2)}, checkpoint_id=f"step_{step}", storage_writer=writer)
+
+    assert resolve_name(open_backend(str(tmp_path)), "latest") == "step_2"
+    assert [i.name for i in list_checkpoints(tmp_path)] == ["step_1", "step_2"]

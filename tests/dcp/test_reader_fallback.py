@@ -95,13 +95,28 @@ def test_without_a_matching_remote_copy_corruption_is_still_an_error(
         _load(SafeStorageReader(tmp_path, fallback=remote), "step_6", state)
 
 
-def test_latest_is_the_newest_commit_across_tiers(
+def test_latest_takes_the_replica_only_when_it_is_ahead_by_step(
     tmp_path: Path, remote: str, saved: dict[str, Any]
 ) -> None:
     newer = make_state(7)
     elsewhere = tmp_path / "elsewhere"
-    dcp_safe.save(newer, checkpoint_id="step_7", storage_writer=SafeStorageWriter(elsewhere))
+    writer = SafeStorageWriter(elsewhere, step=7)
+    dcp_safe.save(newer, checkpoint_id="step_7", storage_writer=writer)
     _mirror(elsewhere, remote, "step_7")
     reader = SafeStorageReader(tmp_path, fallback=remote)
     assert_state_equal(_load(reader, "latest", newer), newer)
     assert reader.checkpoint_id == "step_7"
+
+
+def test_a_replica_committed_later_but_not_ahead_by_step_does_not_win(
+    tmp_path: Path, remote: str, saved: dict[str, Any]
+) -> None:
+    """A checkpoint planted on the replica (or one from a node with a fast clock) carries a
+    later commit time; with no newer step, the healthy local tier stays "latest"."""
+    planted = make_state(9)
+    elsewhere = tmp_path / "elsewhere"
+    dcp_safe.save(planted, checkpoint_id="step_9", storage_writer=SafeStorageWriter(elsewhere))
+    _mirror(elsewhere, remote, "step_9")
+    reader = SafeStorageReader(tmp_path, fallback=remote)
+    assert_state_equal(_load(reader, "latest", saved), saved)
+    assert reader.checkpoint_id == "step_5"
