@@ -464,7 +464,12 @@ _PROFILE_BUCKETS = [
         "<method 'read' of '_io.BytesIO' objects>",
         False,
     ),
-    ("torch serialization (_save_tensor)", "storage/writer.py", "_save_tensor", True),
+    (
+        "torch serialization (save_tensor_without_crc)",
+        "torch_compat.py",
+        "save_tensor_without_crc",
+        True,
+    ),
     ("waiting for the hash thread", "concurrent/futures/_base.py", "result", True),
 ]
 

@@ -1,7 +1,7 @@
 """``dcp-safe``: list, verify, inspect and collect checkpoints; run the demo and the benchmark.
 
 This module parses arguments, calls the library, and prints; the work is done by
-:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.storage` and
+:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.dcp` and
 :mod:`dcp_safe.demo`. Tables and progress bars are rich's.
 
 Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
