@@ -97,3 +97,19 @@ def rank_manifest_name(rank: int) -> str:
 def shard_file_name(rank: int, index: int) -> str:
     """DCP's own shard naming (``__<rank>_<n>.distcp``), so torch's readers find nothing odd."""
     return f"__{rank}_{index}{SHARD_SUFFIX}"
+
+
+_MEMBER_SEGMENT = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.=+-]*$")
+
+
+def is_member_path(rel: object) -> bool:
+    """Whether ``rel`` can name a file inside a checkpoint: ``.metadata``, ``__0_0.distcp``,
+    ``_ranks/rank_00000.json``. At most one folder deep, no ``.``/``..`` segment, no absolute
+    path: a manifest that names anything else is refused, so nothing it lists can lead a
+    reader, the verifier or replication outside the checkpoint."""
+    if not isinstance(rel, str) or not 0 < len(rel) <= 255:
+        return False
+    parts = rel.split("/")
+    return len(parts) <= 2 and all(
+        p not in (".", "..") and _MEMBER_SEGMENT.match(p) is not None for p in parts
+    )

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
 
 __all__ = [
@@ -54,6 +55,12 @@ class ItemRecord:
     checksum: str
     transforms: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not layout.is_member_path(self.file):
+            raise ValueError(f"item file {self.file!r} is not a file of the checkpoint")
+        _require_size("start", self.start)
+        _require_size("length", self.length)
+
     @property
     def key(self) -> ItemKey:
         return (self.fqn, self.offset)
@@ -69,6 +76,16 @@ class FileRecord:
     path: str
     size: int
     checksum: str | None = None
+
+    def __post_init__(self) -> None:
+        if not layout.is_member_path(self.path):
+            raise ValueError(f"file path {self.path!r} is not a file of the checkpoint")
+        _require_size("size", self.size)
+
+
+def _require_size(field: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{field} must be a byte count, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,10 +7,11 @@ what it deliberately does not read, and what its report says.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from support import make_state
+from support import make_state, resign_manifest
 
 import dcp_safe
 from dcp_safe import (
@@ -94,3 +95,25 @@ def test_latest_is_the_highest_step_whatever_the_commit_clock_says(tmp_path: Pat
 
     assert resolve_name(open_backend(str(tmp_path)), "latest") == "step_2"
     assert [i.name for i in list_checkpoints(tmp_path)] == ["step_1", "step_2"]
+
+
+def test_a_manifest_pointing_outside_its_checkpoint_is_refused_and_hides_nothing(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not yours")
+    for step in (1, 2):
+        writer = SafeStorageWriter(root, step=step)
+        dcp_safe.save({"w": torch.ones(2)}, checkpoint_id=f"step_{step}", storage_writer=writer)
+
+    def point_outside(raw: dict[str, Any]) -> None:
+        raw["files"].append({"path": "../../secret.bin", "size": 9, "checksum": None})
+
+    resign_manifest(root, "step_2", point_outside)
+
+    with pytest.raises(CheckpointCorruptError, match="not a file of the checkpoint"):
+        verify_checkpoint(root, "step_2")
+    assert [i.name for i in list_checkpoints(root)] == ["step_1"]  # the good one still listed
+    assert verify_checkpoint(root, "latest").name == "step_1"
+    assert secret.read_bytes() == b"not yours"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -90,3 +92,31 @@ def test_damaged_manifests_are_corrupt(data: bytes) -> None:
 def test_a_manifest_with_missing_fields_is_corrupt() -> None:
     with pytest.raises(CheckpointCorruptError):
         Manifest.from_json(b'{"format":"dcp_safe/manifest","version":1,"files":[],"items":[]}', "m")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../../outside", "/etc/passwd", "a/b/c", "..", "_ranks/../x", "", "x\\..\\y", 7],
+)
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_corrupt(path: object) -> None:
+    """Every path is used under the checkpoint's folder (verify reads it, replication writes
+    and deletes it), so a manifest may only name the layout's own files."""
+    raw = _manifest(()).to_json().replace(b'"path":"__0_0.distcp"', b'"path":' + _json(path))
+    with pytest.raises(CheckpointCorruptError, match=r"not a file of the checkpoint|malformed"):
+        Manifest.from_json(raw, "manifest.json")
+
+
+@pytest.mark.parametrize("size", [-1, True, 1.5, "10"])
+def test_a_manifest_with_a_size_that_is_no_byte_count_is_corrupt(size: object) -> None:
+    raw = _manifest(()).to_json().replace(b'"size":10', b'"size":' + _json(size))
+    with pytest.raises(CheckpointCorruptError, match="byte count"):
+        Manifest.from_json(raw, "manifest.json")
+
+
+def test_the_layouts_own_files_are_accepted() -> None:
+    for path in (".metadata", "__0_0.distcp", "_ranks/rank_00000.json", "manifest.json"):
+        assert FileRecord(path=path, size=1).path == path
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value).encode()
