@@ -566,8 +566,7 @@ class CheckpointManager:
 
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
-        with self._cond:
-            return not self._slot.idle()
+        return not self._slot.idle()
 
 
 def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:

@@ -11,7 +11,7 @@ flipped byte anywhere lands in some checksum. Items are grouped by file once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import BinaryIO
 
 from dcp_safe.errors import CheckpointCorruptError
@@ -30,7 +30,6 @@ def check_stream(
     items: list[ItemRecord],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    read: Callable[[BinaryIO, int], bytes] | None = None,
 ) -> int:
     """Read ``stream`` to its recorded size through a :class:`FileCheck`; return bytes read.
 
@@ -41,7 +40,7 @@ def check_stream(
     remaining = record.size
     while remaining:
         size = min(chunk_bytes, remaining)
-        data = read(stream, size) if read is not None else stream.read(size)
+        data = stream.read(size)
         if not data:
             break
         check.update(data)

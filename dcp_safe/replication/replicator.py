@@ -68,7 +68,7 @@ from dcp_safe.manifest.schema import (
     Manifest,
     manifest_digest,
 )
-from dcp_safe.manifest.verify import FileCheck, items_by_file
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -79,7 +79,6 @@ __all__ = [
     "replicate_checkpoint",
 ]
 
-DEFAULT_CHUNK_BYTES = 8 << 20
 # Finished futures kept for ``Replicator.future``; pending and running ones are always kept.
 _DEFAULT_KEEP_DONE = 16
 

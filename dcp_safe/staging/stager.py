@@ -98,7 +98,6 @@ class _Generation:
         self.tracked = False
         self.staged = threading.Event()
         self.error: BaseException | None = None
-        self.staged_tensors: dict[int, torch.Tensor] = {}  # by source id, during the copy
 
 
 class BudgetedStager(AsyncStager):
@@ -437,11 +436,12 @@ class BudgetedStager(AsyncStager):
         result: StateDict | None = None
         try:
             allocated = gen.lease.materialize()
-            self._copy_tensors(gen, sources, ready, state_dict, rank)
+            staged = self._copy_tensors(gen, sources, ready, state_dict, rank)
             torn = self._torn(gen, state_dict, rank)
             if torn is not None:
                 raise torn
-            result = _StagedStateDict(rebuild(state_dict, gen.staged_tensors))
+            result = _StagedStateDict(rebuild(state_dict, staged))
+            del staged
         except BaseException as exc:
             error = exc
             if not isinstance(exc, SnapshotMutatedError):
@@ -452,8 +452,6 @@ class BudgetedStager(AsyncStager):
                     error = torn
             self._fail_generation(gen, future, error, rank)
             return
-        finally:
-            gen.staged_tensors = {}
         finalizer = weakref.finalize(result, self._dropped, gen)
         finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
         with self._cond:
@@ -471,11 +469,12 @@ class BudgetedStager(AsyncStager):
         ready: torch.cuda.Event | None,
         state_dict: StateDict,
         rank: int | None,
-    ) -> None:
+    ) -> dict[int, torch.Tensor]:
+        """Copy every source into its pool buffer; return the staged tensors by source id."""
         stream_ctx: AbstractContextManager[Any] = (
             torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         )
-        staged = gen.staged_tensors
+        staged: dict[int, torch.Tensor] = {}
         buffers = iter(gen.lease.buffers)
         where: Iterable[int | None] = (
             gen.guard.data_ptrs if gen.guard is not None else itertools.repeat(None)
@@ -496,6 +495,7 @@ class BudgetedStager(AsyncStager):
                 staged[id(src)] = dst
         if self._stream is not None:
             self._stream.synchronize()
+        return staged
 
     def _torn(
         self, gen: _Generation, state_dict: StateDict, rank: int | None
