@@ -6,8 +6,8 @@ remote ``_COMMITTED`` exists, with copies of the remote ``manifest.json`` and ``
 a ``_NODE_COMMITTED`` marker holding the manifest's digest (written before the rename, so a
 cache under its name is always whole). It deliberately has no ``_COMMITTED``: it is part of a
 checkpoint, and everything that looks for checkpoints (``list_checkpoints``, the reader,
-``"latest"``, retention) passes it by. This module owns that layout: publishing a cache and
-listing them.
+``"latest"``, retention) passes it by. This module owns that layout: publishing a cache,
+opening one and listing them.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError
+from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 __all__ = [
     "NODE_COMMITTED_MARKER",
     "NodeCache",
     "list_node_caches",
+    "open_node_cache",
     "prune_node_caches",
     "publish_node_cache",
     "ranks_in",
@@ -74,12 +75,46 @@ def publish_node_cache(
     local.sync_dir("")
 
 
+def open_node_cache(backend: Backend, name: str) -> NodeCache:
+    """Open the node cache ``name`` under ``backend``'s root, checking its marker.
+
+    Raises:
+        CheckpointNotFoundError: no ``<name>/`` with a ``_NODE_COMMITTED`` marker.
+        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
+            names.
+    """
+    try:
+        marker = _read_text(backend, f"{name}/{NODE_COMMITTED_MARKER}")
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            backend.full_path(name), f"no node cache (no {NODE_COMMITTED_MARKER})"
+        ) from None
+    try:
+        raw = backend.read_bytes(f"{name}/{layout.MANIFEST}")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            backend.full_path(name), "node cache has no manifest"
+        ) from None
+    actual = manifest_digest(raw)
+    if actual != marker:
+        raise CheckpointCorruptError(
+            backend.full_path(name),
+            f"manifest does not match the digest in {NODE_COMMITTED_MARKER}",
+            expected=marker,
+            actual=actual,
+        )
+    manifest = Manifest.from_json(raw, backend.full_path(name))
+    ranks = tuple(sorted(ranks_in(backend, name)))
+    return NodeCache(name, backend.full_path(name), ranks, manifest)
+
+
 def list_node_caches(
     root: str | os.PathLike[str] | Backend, *, storage_options: dict[str, Any] | None = None
 ) -> list[NodeCache]:
     """The node caches published under a node-local ``root``, oldest first.
 
-    A node cache is part of a checkpoint, not a checkpoint: load from the remote root.
+    A node cache is part of a checkpoint, not a checkpoint: load from the remote root (through
+    :class:`~dcp_safe.dcp.node_cache_reader.NodeCacheReader` to read what is local from here).
     Entries whose marker does not match their manifest are left out.
     """
     backend = root if isinstance(root, Backend) else open_backend(os.fspath(root), storage_options)
@@ -88,15 +123,9 @@ def list_node_caches(
         if entry.startswith(".") or not backend.exists(f"{entry}/{NODE_COMMITTED_MARKER}"):
             continue
         try:
-            marker = _read_text(backend, f"{entry}/{NODE_COMMITTED_MARKER}")
-            raw = backend.read_bytes(f"{entry}/{layout.MANIFEST}")
-        except FileNotFoundError:
+            caches.append(open_node_cache(backend, entry))
+        except (CheckpointNotFoundError, CheckpointCorruptError):
             continue
-        if manifest_digest(raw) != marker:
-            continue
-        manifest = Manifest.from_json(raw, backend.full_path(entry))
-        ranks = tuple(sorted(ranks_in(backend, entry)))
-        caches.append(NodeCache(entry, backend.full_path(entry), ranks, manifest))
     return sorted(caches, key=lambda cache: (cache.manifest.created_at, cache.name))
 
 

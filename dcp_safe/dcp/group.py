@@ -52,9 +52,9 @@ DEFAULT_DEADLINE_S = 120.0
 """Well under the usual process-group timeout (30 min), well over a healthy save's collectives."""
 
 _lock = threading.Lock()
-# (id of the default group, timeout) -> (that default group, our group). The default group is
-# held so its id cannot be reused by a later one while the entry exists.
-_groups: dict[tuple[int, float], tuple[object, dist.ProcessGroup]] = {}
+# (id of the default group, timeout, purpose) -> (that default group, our group). The default
+# group is held so its id cannot be reused by a later one while the entry exists.
+_groups: dict[tuple[int, float, str], tuple[object, dist.ProcessGroup]] = {}
 
 
 @atexit.register
@@ -75,12 +75,19 @@ def validate_deadline(deadline_s: object) -> float:
     return float(deadline_s)
 
 
-def checkpoint_group(timeout_s: float = DEFAULT_DEADLINE_S) -> dist.ProcessGroup:
+def checkpoint_group(
+    timeout_s: float = DEFAULT_DEADLINE_S, *, purpose: str = "save"
+) -> dist.ProcessGroup:
     """The dedicated gloo group for checkpoint collectives, with ``timeout_s`` as its deadline.
 
     Call order: on every rank of the default group at the same point (the first call for a
-    given ``timeout_s`` runs ``dist.new_group``, a collective); from the training thread, as
-    DCP's own calls are. Cached until :func:`discard_group` or a new default group.
+    given ``timeout_s`` and ``purpose`` runs ``dist.new_group``, a collective); from the
+    training thread, as DCP's own calls are. Cached until :func:`discard_group` or a new
+    default group.
+
+    ``purpose`` names a separate group for collectives that may run at the same time as
+    others: a communicator carries one ordered stream of collectives, so two threads (a
+    background save and a foreground one, or the manager's policy votes) need one each.
 
     Raises:
         ConfigError: ``timeout_s`` is not a positive number, or no default group exists.
@@ -89,7 +96,7 @@ def checkpoint_group(timeout_s: float = DEFAULT_DEADLINE_S) -> dist.ProcessGroup
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("checkpoint_group() needs an initialized default process group")
     default = dist.distributed_c10d._get_default_group()
-    key = (id(default), timeout_s)
+    key = (id(default), timeout_s, purpose)
     with _lock:
         cached = _groups.get(key)
         if cached is not None and cached[0] is default:

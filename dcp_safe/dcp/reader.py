@@ -299,10 +299,12 @@ class SafeStorageReader(StorageReader):
         self._deliver(raw, path, label, record, request, planner)
 
     def _load_streamed(
-        self, stream: Any, path: str, label: str, record: ItemRecord
+        self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
     ) -> torch.Tensor:
         """``torch.load`` reads straight from the file while the same bytes are hashed; the
-        checksum is compared before the tensor goes anywhere near the caller's state dict."""
+        checksum is compared before the tensor goes anywhere near the caller's state dict.
+        ``verify`` overrides the reader's own setting (a node cache is always verified)."""
+        verify = self.verify if verify is None else verify
         view = VerifyingSlice(stream, record.start, record.length, record.checksum)
         try:
             tensor: torch.Tensor = torch.load(
@@ -310,12 +312,12 @@ class SafeStorageReader(StorageReader):
             )
         except Exception as exc:
             actual, whole = view.finish()
-            if self.verify and (not whole or actual != record.checksum):
+            if verify and (not whole or actual != record.checksum):
                 raise CheckpointCorruptError(
                     path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
                 ) from exc
             raise
-        if not self.verify:
+        if not verify:
             return tensor
         actual, whole = view.finish()
         if not whole:

@@ -6,12 +6,15 @@ from the manager's clock, byte counts); it needs no torch, no threads and no hos
 
 Triggers (any one switches; the monitor then stays tripped until :meth:`FallbackMonitor.rearm`):
 
-a. *Host memory*: the host's available memory, sampled at each save request, crosses below the
-   budget's reserve ``memory_crossings`` times within ``memory_window_s``. A crossing is a move
+a. *Host memory*: the node's available memory, as the manager reports it at each save request
+   (the lowest reading since the previous request of a sampler that reads the budget's
+   cgroup-aware source every second: :mod:`~dcp_safe.manager.memory_watch`), crosses below the
+   node's reserve ``memory_crossings`` times within ``memory_window_s``. A crossing is a move
    from at-or-above the reserve to below it (the first sample below counts as one); staying
    below is one crossing, not one per sample. Why crossings and not "below once": a single dip
    (page cache churn, a data loader's burst) is normal; repeated dips mean the staged copies
-   are what pushes the host under.
+   are what pushes the host under. Under ``torchrun`` a trip on any rank switches every rank
+   (:mod:`~dcp_safe.manager.agreement`).
 b. *Latency*: the p99 (nearest rank) of the last ``latency_window`` completion times (request to
    local commit) exceeds ``interval_factor`` save intervals, once ``min_completed`` saves are in.
    The interval is ``save_interval_s`` when configured, else the median of the measured gaps
@@ -159,6 +162,10 @@ class FallbackMonitor:
         self._crossings.clear()
         self._below = False
         self._durations.clear()
+
+    def trip(self, reason: str) -> str | None:
+        """Trip for ``reason`` from outside (a peer rank tripped); as the triggers do."""
+        return self._trip(reason)
 
     def _trip(self, reason: str) -> str | None:
         if not self.options.enabled or self.tripped:

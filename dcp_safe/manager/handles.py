@@ -102,7 +102,10 @@ class SaveHandle:
 
 @dataclass(frozen=True)
 class ManagerStats:
-    """Counters since the manager was created."""
+    """Counters since the manager was created (this rank's; equal on every rank).
+
+    ``waits_expired`` counts ``when_busy="wait"`` requests skipped at ``wait_timeout_s``.
+    """
 
     requested: int
     started: int
@@ -115,6 +118,7 @@ class ManagerStats:
     waiting: int
     sync_saves: int = 0
     fallback_reason: str | None = None
+    waits_expired: int = 0
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,6 +25,8 @@ __all__ = ["COUNTERS", "Ledger"]
 
 log = logging.getLogger("dcp_safe.manager")
 
+_EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
+
 COUNTERS = ("requested", "started", "skipped", "coalesced", "committed", "failed", "sync_saves")
 
 
@@ -34,10 +37,21 @@ class Ledger:
         history: the root's history file.
         spans: the saves' telemetry spans (a failure closes its root span).
         cond: the manager's condition.
+        writes_history: append to the history file; in a multi-rank job only the coordinator
+            does, the other ranks keep their events in memory only (:meth:`events`).
     """
 
-    def __init__(self, history: History, spans: SaveSpans, cond: threading.Condition) -> None:
+    def __init__(
+        self,
+        history: History,
+        spans: SaveSpans,
+        cond: threading.Condition,
+        *,
+        writes_history: bool = True,
+    ) -> None:
         self.history = history
+        self.writes_history = writes_history
+        self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
         self._spans = spans
         self._cond = cond
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -58,7 +72,17 @@ class Ledger:
     ) -> None:
         """Append a history event about ``handle`` (or a ``(step, name)`` pair)."""
         step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
-        self.history.append(event, step, name, **extra)
+        line = {"event": event, "step": step, "name": name}
+        line |= {k: v for k, v in extra.items() if v is not None}
+        with self._cond:
+            self._events.append(line)
+        if self.writes_history:
+            self.history.append(event, step, name, **extra)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event this rank recorded, oldest first (as in the history, without times)."""
+        with self._cond:
+            return [dict(e) for e in self._events]
 
     # -- request times (the fallback's completion latency) ------------------------------------
 

@@ -18,14 +18,22 @@ Call order (one training thread calls ``save``/``maybe_save``/``restore``/``clos
 Where each part of the policy lives (this module composes them):
 
 * ``when_busy``, ``staging`` and ``validate``: their enums in :mod:`~dcp_safe.manager.handles`;
-  the single-flight slot they decide about: :mod:`~dcp_safe.manager.slot`. ``force=True``
-  waits whatever the policy: for a final save that must not be lost.
+  the single-flight slot they decide about: :mod:`~dcp_safe.manager.slot`; the decision for
+  each request (bounded waits, the latency objective): :mod:`~dcp_safe.manager.admit`; running
+  the admitted save: :mod:`~dcp_safe.manager.saving`. ``force=True`` waits whatever the
+  policy (bounded too): for a final save that must not be lost.
 * verification after each local commit, retention on both roots, ``latest`` and the restore
   reader: :mod:`~dcp_safe.manager.tiers`. One manager owns a root.
 * the history file: :mod:`dcp_safe.checkpoints.history`; the automatic return to synchronous
   saves: :mod:`~dcp_safe.manager.fallback`; telemetry spans: :mod:`~dcp_safe.manager.spans`;
   SIGTERM: :mod:`~dcp_safe.manager.preemption` (the manager keeps a reference to the newest
   state passed to ``save``, the LIVE state, saved as it is at signal time).
+
+Under ``torchrun`` (``torch.distributed`` initialized, more than one rank) every rank creates
+its manager with the same arguments at the same point, and calls it with the same steps: each
+save is then one multi-rank DCP checkpoint, every admission decision is agreed by all ranks
+(:mod:`~dcp_safe.manager.agreement`), and only rank 0 writes shared state (history, retention,
+sweeping) and resolves what ``restore`` loads. Without a process group it is a single process.
 
 Errors: a background failure (upload, verification, replication) fails the handle's future and
 is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised, and
@@ -36,16 +44,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import functools
 import logging
+import math
 import os
 import signal as _signal
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -53,35 +60,35 @@ from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
 from dcp_safe.dcp import api
+from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, checkpoint_group, validate_deadline
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     ConfigError,
     DrainTimeoutError,
-    SnapshotMutatedError,
 )
+from dcp_safe.manager.admit import Admitter
+from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import (
     BusyPolicy,
     ManagerStats,
-    Pending,
     SaveHandle,
     StagingMode,
     Validation,
-    chain,
 )
 from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
+from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
-from dcp_safe.manager.switch import FallbackSwitch, host_available_bytes
+from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
-from dcp_safe.staging._tree import collect_tensors
-from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["CheckpointManager"]
@@ -108,8 +115,10 @@ class CheckpointManager:
         writer: a writer to use instead of one built here (tests, custom options).
         fallback: thresholds of the automatic fallback to synchronous saves
             (``FallbackOptions(enabled=False)`` turns it off).
-        memory_sampler: returns the host's available bytes, called at each save request
-            (default: psutil's ``virtual_memory().available``; tests inject one).
+        memory_sampler: returns the node's available bytes, called at each save request
+            (default: the lowest reading since the previous request of a sampler thread that
+            reads the budget's cgroup-aware source every second; tests inject one). It is
+            compared with the budget's ``node_reserve``.
         clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
         telemetry: records each save's spans (root ``save`` from admission to verified local
             commit; staging, plan, write, commit, release, replication), and marks skips and
@@ -118,6 +127,13 @@ class CheckpointManager:
             ``TORCHELASTIC_RESTART_COUNT``; see :mod:`dcp_safe.commit.fencing`).
         staging: ``"snapshot"`` (``save`` returns after the copy) or ``"overlap"`` (it returns
             while the copy runs; wait on ``handle.staged`` before mutating the state).
+        deadline_s: how long any exchange with the other ranks may wait for a peer (the
+            timeout of the manager's gloo groups); a dead or hung peer fails the call within it
+            with :class:`~dcp_safe.errors.CommitError`. Ignored in a single process.
+        wait_timeout_s: the longest ``when_busy="wait"`` (and ``force=True``) waits for the
+            save in flight; then the request is skipped (``force``: AdmissionTimeoutError).
+        latency_objective_s: the oldest a save in flight may be; requests arriving later are
+            skipped, with the reason recorded (``None``: not checked).
 
     Raises:
         ConfigError: a bad option.
@@ -146,9 +162,16 @@ class CheckpointManager:
         telemetry: Telemetry | None = None,
         attempt: int | None = None,
         staging: StagingMode | str = "snapshot",
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        wait_timeout_s: float = 600.0,
+        latency_objective_s: float | None = None,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
+        self.deadline_s = validate_deadline(deadline_s)
+        wait_timeout_s = _seconds("wait_timeout_s", wait_timeout_s)
+        if latency_objective_s is not None:
+            latency_objective_s = _seconds("latency_objective_s", latency_objective_s)
         self.when_busy: BusyPolicy = parse_choice(BusyPolicy, when_busy, "when_busy")
         self.validate: Validation = parse_choice(Validation, validate, "validate")
         self.staging: StagingMode = parse_choice(StagingMode, staging, "staging")
@@ -171,11 +194,15 @@ class CheckpointManager:
         self._spans = SaveSpans(telemetry)
         if telemetry is not None:
             telemetry.attach_stager(self.stager)
-        self._sync_writer: SafeStorageWriter | None = None
         self._cond = threading.Condition()
+        self._watch: MemoryWatch | None = None
         self._history = History(self.writer.backend)
         self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
+        # Every rank constructs its manager at the same point: creating the groups is collective.
+        self._agreement = Agreement.for_job(self.deadline_s)
+        distributed = self._agreement.distributed
+        self._sync_collectives = self._collectives(distributed, "manager-sync")
         self._tiers = Tiers(
             self.writer,
             storage_options=storage_options,
@@ -184,15 +211,16 @@ class CheckpointManager:
             history=self._history,
             cond=self._cond,
             deferred=self._preemption_deferred,
+            coordinator=self._agreement.coordinator,
         )
-        self._post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
         self._slot = SaveSlot(self._cond)
-        self._last_staged: Future[None] | None = None
         self._closed = False
-        self._ledger = Ledger(self._history, self._spans, self._cond)
+        self._ledger = Ledger(
+            self._history, self._spans, self._cond, writes_history=self._agreement.coordinator
+        )
         self._switch = switch = FallbackSwitch(
-            FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.reserve),
-            sample_memory=memory_sampler or host_available_bytes,
+            FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.node_reserve),
+            sample_memory=memory_sampler or self._memory_watch().lowest,
             clock=clock,
             ledger=self._ledger,
             spans=self._spans,
@@ -204,6 +232,27 @@ class CheckpointManager:
             switch=switch,
             spans=self._spans,
             deep=self.validate is Validation.DEEP,
+        )
+        self._runner = SaveRunner(
+            writer=self.writer,
+            stager=self.stager,
+            staging=self.staging,
+            slot=self._slot,
+            ledger=self._ledger,
+            spans=self._spans,
+            follow_up=self._follow_up,
+            cond=self._cond,
+            async_collectives=self._collectives(distributed, "manager-async"),
+            sync_collectives=self._sync_collectives,
+        )
+        self._admitter = Admitter(
+            agreement=self._agreement,
+            slot=self._slot,
+            switch=switch,
+            stager=self.stager,
+            wait_timeout_s=wait_timeout_s,
+            latency_objective_s=latency_objective_s,
+            leaked_bytes=self._leaked_bytes,
         )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
@@ -244,89 +293,28 @@ class CheckpointManager:
             self._latest_state = (step, state_dict)
         self._ledger.count("requested")
         with self._preemption_deferred():
-            return self._admit(handle, policy, state_dict)
+            return self._admit(handle, policy, state_dict, force=force)
 
     def _admit(
-        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any]
+        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
     ) -> SaveHandle | None:
         self._ledger.record("requested", handle, tier="local")
-        if self._switch.on_request(handle, self._leaked_bytes):
-            self._save_in_foreground(handle, state_dict)
-            return handle
-        if self._slot.take(handle, wait=policy is BusyPolicy.WAIT):
+        decision = self._admitter.admit(handle, policy, state_dict, force=force)
+        verdict, reason = decision.verdict, decision.reason
+        if verdict is Verdict.START:
+            self._slot.take(handle)  # free: this rank voted idle, or waited until it was
             self._ledger.count("started")
-            self._start(handle, state_dict)
+            self._runner.start(handle, state_dict)
             return handle
-        return self._when_busy(policy, handle, state_dict)
-
-    def _when_busy(
-        self, policy: BusyPolicy, handle: SaveHandle, state_dict: dict[str, Any]
-    ) -> SaveHandle | None:
-        if policy is BusyPolicy.SKIP:
-            self._ledger.skip(handle, "busy: a save is in flight (when_busy='skip')")
-            return None
-        if policy is BusyPolicy.RAISE:
-            self._ledger.skip(handle, "busy: a save is in flight (when_busy='raise')")
-            raise AdmissionTimeoutError(
-                f"save of step {handle.step} refused: a save is in flight (when_busy='raise')"
-            )
-        if policy is BusyPolicy.SYNC:
-            self._save_in_foreground(handle, state_dict)
+        if verdict is Verdict.SYNC:
+            self._runner.foreground(handle, state_dict)
             return handle
-        return self._coalesce(handle, state_dict)
-
-    def _coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
-        need = sum(t.nbytes for t in collect_tensors(state_dict))
-        pending = self._slot.pending  # the copy it replaces is alive while this one is taken
-        held = pending.nbytes if pending is not None else 0
-        room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
-        if need > room:
-            self._ledger.skip(handle, f"coalesce: no memory for a pending copy ({need} > {room} B)")
-            return None
-        try:  # another thread may update the state while it is copied
-            state = snapshot_copy(state_dict)
-        except SnapshotMutatedError as exc:
-            self._ledger.fail(handle, exc, tier="local")
-            return handle
-        handle.staged.set_result(None)
-        replaced, start_now = self._slot.park(Pending(handle, state, need))
-        self._ledger.count("coalesced")
-        self._ledger.count("started", start_now)  # the in-flight save finished meanwhile
-        if replaced is not None:
-            replaced.handle.cancel()
-            reason = f"coalesced into step {handle.step}"
-            self._ledger.skip(replaced.handle, reason, mark="coalesced")
-        if start_now:
-            self._start(handle, state)
-        return handle
-
-    def _start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
-        self.writer.step = handle.step
-        try:
-            with self._spans.opened(handle):
-                response = api.async_save(
-                    state_dict,
-                    checkpoint_id=handle.name,
-                    storage_writer=self._spans.wrap(self.writer),
-                    async_stager=self.stager,
-                    no_dist=True,
-                )
-            self.stager.track(response)
-        except BaseException as exc:
-            self._ledger.fail(handle, exc, tier="local", keep=False)
-            self._finish_slot()
-            raise
-        chain(response.staging_completion, handle.staged, lambda _: None)
-        with self._cond:
-            self._last_staged = handle.staged
-        response.upload_completion.add_done_callback(
-            lambda done: self._post.submit(self._after_upload, handle, done)
-        )
-        if self.staging is StagingMode.SNAPSHOT:
-            # The copy is bounded and budgeted; its failure (a torn snapshot from another
-            # thread) reaches the handle's futures and the history, not this call.
-            wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
+        if verdict is Verdict.COALESCE:
+            return self._runner.coalesce(handle, state_dict)
+        self._ledger.skip(handle, reason)
+        if verdict is Verdict.RAISE:
+            raise AdmissionTimeoutError(f"save of step {handle.step} refused: {reason}")
+        return None
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
         """Block until the latest started save has copied the state (``"overlap"`` staging).
@@ -337,54 +325,7 @@ class CheckpointManager:
         Raises:
             DrainTimeoutError: the copy was not done after ``timeout_s``.
         """
-        with self._cond:
-            staged = self._last_staged
-        if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
-            raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
-
-    def _save_in_foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        if self._sync_writer is None:  # a copy without the replicator: it starts its own
-            self._sync_writer = copy.copy(self.writer)
-        writer = self._sync_writer
-        writer.step = handle.step
-        self._ledger.count("sync_saves")
-        try:
-            with self._spans.opened(handle):
-                api.save(
-                    state_dict,
-                    checkpoint_id=handle.name,
-                    storage_writer=self._spans.wrap(writer),
-                    no_dist=True,
-                )
-        except BaseException as exc:
-            self._ledger.fail(handle, exc, tier="local", keep=False)
-            raise
-        handle.staged.set_result(None)
-        self._follow_up.after_commit(handle, writer)
-
-    # ------------------------------------------------------------------ after a save
-
-    def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
-        """On the manager thread: follow the commit up, then free the slot."""
-        try:
-            self._follow_up.after_upload(handle, upload, self.writer)
-        finally:
-            self._finish_slot()
-
-    def _finish_slot(self) -> None:
-        """Free the slot, or hand it straight to the pending coalesced save."""
-        pending = self._slot.release()
-        if pending is not None:
-            self._ledger.count("started")
-            with contextlib.suppress(BaseException):  # _start recorded and kept the error
-                self._start_pending(pending)
-
-    def _start_pending(self, pending: Pending) -> None:
-        try:
-            self._start(pending.handle, pending.state)
-        except BaseException as exc:
-            self._ledger.keep(exc)
-            raise
+        self._runner.wait_staged(timeout_s)
 
     # ------------------------------------------------------------------ retention, reading
 
@@ -410,11 +351,24 @@ class CheckpointManager:
             CheckpointCorruptError: the bytes do not match their manifest on any tier.
         """
         wanted = step if step == layout.LATEST else self._name_for(int(step))
-        reading = self.latest("local") if wanted == layout.LATEST else wanted
         reader = self._tiers.reader()
-        with self._preemption_deferred(), self._tiers.reading(reading):
-            api.load(state_dict, checkpoint_id=wanted, storage_reader=reader, no_dist=True)
-        return reader.checkpoint_id or str(wanted)
+
+        def resolve() -> str:
+            reader.reset(wanted)
+            return str(reader.checkpoint_id)
+
+        number = -1 if step == layout.LATEST else int(step)
+        with self._preemption_deferred():
+            # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
+            name = self._agreement.settle("restore", number, resolve)
+            with self._tiers.reading(name):
+                api.load(
+                    state_dict,
+                    checkpoint_id=name,
+                    storage_reader=reader,
+                    **self._sync_collectives,
+                )
+        return name
 
     # ------------------------------------------------------------------ draining
 
@@ -437,7 +391,7 @@ class CheckpointManager:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if wait_futures(remotes, timeout=left).not_done:
             raise DrainTimeoutError(f"replication still running after {timeout_s} s")
-        self._post.submit(lambda: None).result()  # callbacks queued behind the last save
+        self._runner.post.submit(lambda: None).result()  # callbacks queued behind the last save
         self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -456,10 +410,12 @@ class CheckpointManager:
         atexit.unregister(self._at_exit)
         errors: list[BaseException] = []
         steps: list[Callable[[], object]] = [lambda: self.wait(timeout_s), self.prune]
-        steps.append(lambda: self._post.shutdown(wait=True))
+        steps.append(lambda: self._runner.post.shutdown(wait=True))
         if self._owns_stager:
             steps.append(self.stager.close)
-        for writer in (self.writer, self._sync_writer):
+        if self._watch is not None:
+            steps.append(self._watch.close)
+        for writer in (self.writer, self._runner.sync_writer):
             if writer is not None:
                 steps.append(functools.partial(writer.close, timeout_s))
         for step in steps:
@@ -475,6 +431,7 @@ class CheckpointManager:
                 **self._ledger.counts(),
                 pruned=self._tiers.pruned,
                 waited_s=self._slot.waited_s,
+                waits_expired=self._admitter.waits_expired,
                 waiting=self._slot.waiting,
                 fallback_reason=self._switch.reason,
             )
@@ -497,8 +454,27 @@ class CheckpointManager:
         return layout.validate_name(name)
 
     def history(self) -> list[dict[str, Any]]:
-        """The history file's events, oldest first."""
+        """The history file's events, oldest first (written by the coordinator only)."""
         return self._ledger.history.read()
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """This rank's own record of events, oldest first: the same on every rank.
+
+        Each is a history event without its time. Every rank records what it decided, even
+        where only the coordinator writes the history file, so the ranks can be compared.
+        """
+        return self._ledger.events()
+
+    def _memory_watch(self) -> MemoryWatch:
+        self._watch = MemoryWatch()
+        return self._watch
+
+    def _collectives(self, distributed: bool, purpose: str) -> dict[str, Any]:
+        """How a save or load of this manager talks to the other ranks (if any)."""
+        if not distributed:
+            return {"no_dist": True}
+        group = checkpoint_group(self.deadline_s, purpose=purpose)
+        return {"process_group": group, "deadline_s": self.deadline_s}
 
     # ------------------------------------------------------------------ fallback
 
@@ -561,12 +537,21 @@ class CheckpointManager:
             ledger=self._ledger,
             name_for=self._name_for,
             is_committed=self._tiers.is_validated,
-            save=self._save_in_foreground,
+            save=self._runner.foreground,
+            agreement=self._agreement,
         )
 
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         return not self._slot.idle()
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
+    return float(value)
 
 
 def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:

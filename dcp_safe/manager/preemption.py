@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Protocol
 
-from dcp_safe.errors import ConfigError
+from dcp_safe.errors import ConfigError, DcpSafeError
+from dcp_safe.manager.agreement import Agreement, Vote, require_same_call
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.slot import SaveSlot
@@ -161,41 +162,59 @@ class PreemptionHandler:
         os._exit(status)
 
 
-def final_save(
-    handle: SaveHandle,
-    busy: SaveHandle | None,
-    deadline: float,
-    *,
-    committed: bool,
-    save: Callable[[SaveHandle], None],
-) -> str:
-    """Save ``handle`` synchronously unless it is pointless or too late; say what happened.
+def _why_not(
+    handle: SaveHandle | None, busy: SaveHandle | None, deadline: float, *, committed: bool
+) -> str | None:
+    """Why this rank sees no point (or no time) in a final save of ``handle``; ``None``: save."""
+    if handle is None:
+        return "nothing was ever saved"
+    step = handle.step
+    if committed:
+        return f"step {step} was committed already"
+    if busy is not None and busy.name == handle.name:
+        return f"step {step} is that save, so no final save"
+    if time.monotonic() >= deadline:
+        return f"no time left for a final save of step {step}"
+    return None
+
+
+def final_save(handle: SaveHandle, save: Callable[[SaveHandle], None]) -> str:
+    """Save ``handle`` synchronously; say what happened.
 
     Args:
         handle: the newest state's save.
-        busy: the save still in flight after the drain (abandoned), if any.
-        deadline: ``time.monotonic()`` by which the job must be gone.
-        committed: ``handle``'s checkpoint is committed already.
         save: saves ``handle`` in the foreground (recording a failure itself).
 
     Returns:
         One line for the ``preempted`` history event.
     """
-    drained = "abandoned the save in flight" if busy is not None else "drained"
     step = handle.step
-    if committed:
-        return f"{drained}; step {step} was committed already"
-    if busy is not None and busy.name == handle.name:
-        return f"{drained}; step {step} is that save, so no final save"
-    if time.monotonic() >= deadline:
-        return f"{drained}; no time left for a final save of step {step}"
     try:
         save(handle)
     except BaseException as exc:  # recorded as failed by the save
-        return f"{drained}; final save of step {step} failed: {exc}"
+        return f"final save of step {step} failed: {exc}"
     if not handle.committed.done() or handle.committed.exception() is not None:
-        return f"{drained}; final save of step {step} did not verify"
-    return f"{drained}; final synchronous save of step {step} committed"
+        return f"final save of step {step} did not verify"
+    return f"final synchronous save of step {step} committed"
+
+
+def agreed_plan(agreement: Agreement, step: int, why_not: str | None) -> str | None:
+    """Every rank's reason against the final save, merged: ``None`` only if no rank has one.
+
+    Under ``torchrun`` the final save is a collective, so it happens on every rank or on none.
+    """
+    try:
+        votes = agreement.gather(Vote("preempt", step, detail=why_not))
+        require_same_call(votes)
+    except DcpSafeError as exc:
+        return f"final save abandoned on every rank: {exc}"
+    objections = [(r, v.detail) for r, v in enumerate(votes) if v.detail is not None]
+    if not objections:
+        return None
+    if len(objections) == len(votes) and len({why for _, why in objections}) == 1:
+        return str(objections[0][1])  # e.g. committed already, everywhere
+    listed = "; ".join(f"rank {r}: {why}" for r, why in objections)
+    return f"final save abandoned on every rank ({listed})"
 
 
 def preempt(
@@ -208,9 +227,10 @@ def preempt(
     name_for: Callable[[int], str],
     is_committed: Callable[[str], bool],
     save: Callable[[SaveHandle, dict[str, Any]], None],
+    agreement: Agreement,
 ) -> str:
     """Drop the pending save, drain the one in flight for half the time left, then save
-    ``latest`` synchronously if it is not committed and time remains.
+    ``latest`` synchronously if it is not committed and time remains, on every rank or none.
 
     Args:
         reason: why (the signal and budget), for the history.
@@ -221,30 +241,36 @@ def preempt(
         name_for: a step's checkpoint name.
         is_committed: whether a name is committed and verified already.
         save: saves a handle's state in the foreground.
+        agreement: the exchange with the other ranks (they must agree to the final save).
 
     Returns:
         What happened, one line (also in the ``preempted`` history event).
     """
     pending = slot.drop_pending()
     drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
-    busy = slot.wait_free(drain_s)
+    busy = slot.drain(drain_s)
     if pending is not None:
         pending.handle.cancel()
         ledger.record("skipped", pending.handle, tier="local", reason="preempted")
-    if latest is None:
-        outcome = "nothing was ever saved"
-        step_name: tuple[int | None, str | None] = (None, None)
+    drained = "abandoned the save in flight" if busy is not None else "drained"
+    handle = None if latest is None else SaveHandle(step=latest[0], name=name_for(latest[0]))
+    committed = handle is not None and is_committed(handle.name)
+    why_not = _why_not(handle, busy, deadline, committed=committed)
+    objection = agreed_plan(agreement, -1 if latest is None else latest[0], why_not)
+    if objection is not None or handle is None or latest is None:
+        outcome = f"{drained}; {objection or why_not}"
     else:
-        step, state = latest
-        handle = SaveHandle(step=step, name=name_for(step))
-        step_name = (step, handle.name)
-
-        def save_now(handle: SaveHandle) -> None:
-            ledger.record("requested", handle, tier="local")
-            save(handle, state)
-
-        committed = is_committed(handle.name)
-        outcome = final_save(handle, busy, deadline, committed=committed, save=save_now)
+        state = latest[1]
+        ledger.record("requested", handle, tier="local")
+        outcome = f"{drained}; " + final_save(handle, lambda h: save(h, state))
+    step_name: tuple[int | None, str | None] = (
+        (None, None)
+        if handle is None
+        else (
+            handle.step,
+            handle.name,
+        )
+    )
     ledger.record("preempted", step_name, reason=f"{reason}: {outcome}")
     log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
     return outcome

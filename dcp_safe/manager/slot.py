@@ -31,27 +31,44 @@ class SaveSlot:
         self.pending: Pending | None = None
         self.waiting = 0
         self.waited_s = 0.0
+        self._since = 0.0  # time.monotonic() when the save in flight took the slot
 
-    def take(self, handle: SaveHandle, *, wait: bool) -> bool:
-        """Hold the slot for ``handle``; with ``wait``, first wait until it is free.
+    def take(self, handle: SaveHandle) -> bool:
+        """Hold the slot for ``handle`` if it is free.
 
         Returns:
-            Whether ``handle`` holds it now (``False``: busy, and ``wait`` was off).
+            Whether ``handle`` holds it now (``False``: busy).
         """
         with self._cond:
-            if self.busy is not None and wait:
-                started = time.perf_counter()
-                self.waiting += 1
-                try:
-                    while self.busy is not None:
-                        self._cond.wait()
-                finally:
-                    self.waiting -= 1
-                    self.waited_s += time.perf_counter() - started
             if self.busy is not None:
                 return False
-            self.busy = handle
+            self._hold(handle)
             return True
+
+    def wait_free(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` until no save is in flight (counted in the wait stats).
+
+        Returns:
+            Whether the slot is free now.
+        """
+        with self._cond:
+            if self.busy is None:
+                return True
+            started = time.perf_counter()
+            self.waiting += 1
+            try:
+                return self._cond.wait_for(lambda: self.busy is None, timeout_s)
+            finally:
+                self.waiting -= 1
+                self.waited_s += time.perf_counter() - started
+
+    def age_s(self) -> float | None:
+        """Seconds since the save in flight took the slot (``None``: none in flight)."""
+        with self._cond:
+            return None if self.busy is None else time.monotonic() - self._since
+
+    def _hold(self, handle: SaveHandle) -> None:
+        self.busy, self._since = handle, time.monotonic()
 
     def park(self, pending: Pending) -> tuple[Pending | None, bool]:
         """Make ``pending`` the pending save.
@@ -63,7 +80,8 @@ class SaveSlot:
         with self._cond:
             replaced, self.pending = self.pending, pending
             if self.busy is None:
-                self.busy, self.pending = pending.handle, None
+                self.pending = None
+                self._hold(pending.handle)
                 return replaced, True
             return replaced, False
 
@@ -71,7 +89,10 @@ class SaveSlot:
         """Free the slot, or hand it to the pending save (returned; the caller starts it)."""
         with self._cond:
             pending, self.pending = self.pending, None
-            self.busy = pending.handle if pending is not None else None
+            if pending is not None:
+                self._hold(pending.handle)
+            else:
+                self.busy = None
             self._cond.notify_all()
             return pending
 
@@ -93,7 +114,7 @@ class SaveSlot:
                 lambda: self.busy is None and self.pending is None, timeout_s
             )
 
-    def wait_free(self, timeout_s: float) -> SaveHandle | None:
+    def drain(self, timeout_s: float) -> SaveHandle | None:
         """Wait up to ``timeout_s`` for the save in flight; return it if it is still there."""
         with self._cond:
             self._cond.wait_for(lambda: self.busy is None, timeout_s)

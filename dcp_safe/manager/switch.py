@@ -18,7 +18,7 @@ from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.spans import SaveSpans
 
-__all__ = ["FallbackSwitch", "host_available_bytes"]
+__all__ = ["FallbackSwitch"]
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -58,8 +58,8 @@ class FallbackSwitch:
         with self._cond:
             return self.monitor.reason
 
-    def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> bool:
-        """Feed a save request; ``True`` when this save must be synchronous.
+    def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
+        """Feed a save request; the reason this rank saves synchronously (``None``: it does not).
 
         Args:
             handle: the request.
@@ -74,10 +74,21 @@ class FallbackSwitch:
         in_use = leaked_bytes() if reason is None else 0
         with self._cond:
             reason = reason or self.monitor.on_idle(in_use)
-            tripped = self.monitor.tripped
+            current = self.monitor.reason
         if reason is not None:
             self._switched(handle, reason)
-        return tripped
+        return current
+
+    def follow(self, handle: SaveHandle, agreed: str | None) -> None:
+        """Switch too when the ranks agreed to fall back because of a peer (see agreement)."""
+        if agreed is None:
+            return
+        with self._cond:
+            reason = (
+                None if self.monitor.tripped else self.monitor.trip(f"peers fell back: {agreed}")
+            )
+        if reason is not None:
+            self._switched(handle, reason)
 
     def on_committed(self, handle: SaveHandle) -> None:
         """Feed the completion latency of a committed save."""
@@ -102,10 +113,3 @@ class FallbackSwitch:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
         self._ledger.record("fallback", handle, reason=reason)
         self._spans.mark("fallback", handle, reason=reason)
-
-
-def host_available_bytes() -> int:
-    """The host's available memory (psutil's ``virtual_memory().available``)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)

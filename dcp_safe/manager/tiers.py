@@ -50,6 +50,9 @@ class Tiers:
         history: the manager's history (validated names are read from it once).
         cond: the manager's condition, guarding the sets here.
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
+        coordinator: this rank writes the shared state. In a multi-rank job the other ranks
+            neither prune nor sweep, and check a new checkpoint's marker and manifest only
+            (``validate="deep"`` reads every byte once, on the coordinator).
     """
 
     def __init__(
@@ -62,7 +65,9 @@ class Tiers:
         history: History,
         cond: threading.Condition,
         deferred: Callable[[], AbstractContextManager[Any]],
+        coordinator: bool = True,
     ) -> None:
+        self.coordinator = coordinator
         self.writer = writer
         self.root = writer.root
         self.replicate_to = writer.replicate_to
@@ -82,7 +87,7 @@ class Tiers:
 
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
-        if deep:
+        if deep and self.coordinator:
             verify_checkpoint(self.root, name, storage_options=self.storage_options)
         else:
             open_committed(self.writer.backend, name)
@@ -129,8 +134,10 @@ class Tiers:
         the manager did not save (no step in the manifest) are left alone. On the remote tier a
         committed checkpoint counts as validated: the replicator checked every item's checksum
         and every object's size before it wrote the remote marker. Abandoned partials older
-        than ``partial_grace_s`` are collected on the local tier.
+        than ``partial_grace_s`` are collected on the local tier. Only the coordinator prunes.
         """
+        if not self.coordinator:
+            return ()
         dropped = self._prune_local()
         if self.writer.remote is not None and self.replicate_to is not None:
             self._prune_remote(self.writer.remote, self.replicate_to)

@@ -13,26 +13,43 @@ projected available memory stays above the reserve) and fewer than ``max_in_flig
 are in flight. A state larger than the whole envelope can never be admitted, so it raises
 :class:`~dcp_safe.errors.BudgetExceededError` instead of waiting forever.
 
+Ranks on one node share one envelope. Under ``torchrun`` each of a node's ``LOCAL_WORLD_SIZE``
+ranks runs its own stager, and each would otherwise claim the whole node's headroom, so the node
+would over-commit that many times. The budget therefore carries this rank's *share* of the node
+(``1 / LOCAL_WORLD_SIZE`` by default in :meth:`MemoryBudget.from_host`): its envelope, reserve
+and available memory are the node's figures times the share, so the ranks' parts sum to the
+node's (to within a byte per rank). ``LOCAL_WORLD_SIZE`` is read because torchrun sets it for
+exactly this purpose; it is not a dcp_safe setting, and ``explain()`` always shows the share.
+
+Pinned buffers: torch's caching host allocator rounds a pinned request up to a power of two, and
+the buffer pool counts that rounded size (``BufferPool.cost``); the stager compares those rounded
+bytes with this rank's ``envelope_bytes``, so the share is never understated by the rounding.
+
 Why a snapshot and not a live reading: the stager's own buffers lower ``MemAvailable``, so a live
 reading would count them twice and shrink the budget as the pool warms up. The budget is taken
 once (``from_host``), before the pool exists; the stager then accounts its own bytes exactly.
-Only :meth:`MemoryBudget.from_host` touches the host; everything else is pure and thread-free
-(the unit tests need neither torch nor threads).
+Only :meth:`MemoryBudget.from_host` and :func:`available_bytes_now` touch the host (and
+``from_host`` reads ``LOCAL_WORLD_SIZE``); everything else is pure and thread-free (the unit tests
+need neither torch nor threads).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
 from dcp_safe.units import format_bytes
 
-__all__ = ["Admission", "MemoryBudget", "format_bytes"]
+__all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes"]
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _NO_LIMIT_BYTES = 1 << 60
+# Shares are held as exact fractions for the arithmetic: 1/7 stays 1/7, not 0.142857...
+_SHARE_MAX_DENOMINATOR = 1 << 20
+_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 
 @dataclass(frozen=True)
@@ -53,12 +70,16 @@ class Admission:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBudget:
-    """The host-memory envelope for checkpoint staging.
+    """The host-memory envelope for checkpoint staging, for this rank.
+
+    Every size describes the whole node (or container); ``share`` then says which part of the
+    node's envelope is this rank's. With ``share=1`` (the default) the rank has the node to
+    itself and the per-rank figures equal the node's.
 
     Args:
         usable_bytes: usable RAM: the cgroup limit when set, else ``MemTotal``.
-        training_peak_bytes: the training process's measured steady peak (RSS). When given, the
-            envelope is ``usable - peak - other - reserve``.
+        training_peak_bytes: the measured steady training peak (RSS) of the node, all of its
+            ranks together. When given, the envelope is ``usable - peak - other - reserve``.
         available_bytes: measured ``MemAvailable`` (or cgroup headroom); used when no training
             peak is given. When neither is given, all of ``usable_bytes`` counts as available.
         other_consumers_bytes: memory other consumers will take that the measurement does not
@@ -67,9 +88,15 @@ class MemoryBudget:
             ``reserve_fraction`` when given.
         reserve_fraction: the reserve as a fraction of ``usable_bytes`` (default 0.15).
         source: how ``usable_bytes`` was found, quoted in error messages.
+        share: this rank's fraction of the node's envelope, in ``(0, 1]``: ``1/8`` for one of
+            8 ranks on the node. ``reserve``, ``base_available_bytes`` and ``envelope_bytes``
+            are the node's figures times ``share``, in whole bytes (the reserve rounded up, the
+            rest down, so the ranks' envelopes never sum to more than the node's).
+        share_source: how ``share`` was found, quoted by ``explain()``.
 
     Raises:
-        ConfigError: a negative size, a fraction outside ``[0, 1)``, or no usable RAM.
+        ConfigError: a negative size, a fraction outside ``[0, 1)``, a share outside
+            ``(0, 1]``, or no usable RAM.
     """
 
     usable_bytes: int
@@ -79,6 +106,8 @@ class MemoryBudget:
     reserve_bytes: int | None = None
     reserve_fraction: float = 0.15
     source: str = "given"
+    share: float = 1.0
+    share_source: str = "given"
 
     def __post_init__(self) -> None:
         if not isinstance(self.usable_bytes, int) or self.usable_bytes <= 0:
@@ -94,17 +123,39 @@ class MemoryBudget:
             )
         if not 0.0 <= float(self.reserve_fraction) < 1.0:
             raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
+        _check_share(self.share)
 
     @property
-    def reserve(self) -> int:
-        """The OS reserve in bytes."""
+    def node_reserve(self) -> int:
+        """The node's OS reserve in bytes (what a node-wide available reading is compared with)."""
         if self.reserve_bytes is not None:
             return self.reserve_bytes
         return int(self.usable_bytes * self.reserve_fraction)
 
     @property
+    def reserve(self) -> int:
+        """This rank's part of the OS reserve in bytes: ``node_reserve`` times ``share``,
+        rounded up (so the ranks' envelopes never sum to more than the node's)."""
+        return -self._part(-self.node_reserve)
+
+    @property
     def base_available_bytes(self) -> int:
-        """Memory available to staging and the reserve before the stager holds anything."""
+        """This rank's part of the memory available to staging and the reserve, before the
+        stager holds anything: the node's figure times ``share``."""
+        return self._part(self._node_base_available_bytes)
+
+    @property
+    def envelope_bytes(self) -> int:
+        """The most host bytes this rank's staging may hold at once (never negative)."""
+        return max(0, self.base_available_bytes - self.reserve)
+
+    @property
+    def node_envelope_bytes(self) -> int:
+        """The node's envelope, all ranks together (equals ``envelope_bytes`` when share is 1)."""
+        return max(0, self._node_base_available_bytes - self.node_reserve)
+
+    @property
+    def _node_base_available_bytes(self) -> int:
         if self.training_peak_bytes is not None:
             base = self.usable_bytes - self.training_peak_bytes
         elif self.available_bytes is not None:
@@ -113,17 +164,35 @@ class MemoryBudget:
             base = self.usable_bytes
         return base - self.other_consumers_bytes
 
-    @property
-    def envelope_bytes(self) -> int:
-        """The most host bytes staging may hold at once (never negative)."""
-        return max(0, self.base_available_bytes - self.reserve)
+    def _part(self, node_bytes: int) -> int:
+        # Exact integer arithmetic on the fraction, rounded down: 1/8 of a figure is exact, and
+        # N ranks' parts never sum to more than the node's figure.
+        if self.share == 1:
+            return node_bytes
+        fraction = _share_fraction(self.share)
+        return node_bytes * fraction.numerator // fraction.denominator
 
     def explain(self) -> str:
-        """Say how the envelope was computed, with every term."""
+        """Say how the envelope was computed, with every term (and this rank's share)."""
+        node = self._explain_node()
+        if self.share == 1:
+            return node
+        share = f"share {_format_share(self.share)}"
+        return (
+            f"envelope {format_bytes(self.envelope_bytes)} = node envelope"
+            f" {format_bytes(self.node_envelope_bytes)} x {share} ({self.share_source}):"
+            f" available {format_bytes(self._node_base_available_bytes)} x {share}"
+            f" = {format_bytes(self.base_available_bytes)} - reserve"
+            f" {format_bytes(self.node_reserve)} x {share} = {format_bytes(self.reserve)};"
+            f" node {node}"
+        )
+
+    def _explain_node(self) -> str:
         reserve = (
-            f"reserve {format_bytes(self.reserve)}"
+            f"reserve {format_bytes(self.node_reserve)}"
             if self.reserve_bytes is not None
-            else f"reserve {format_bytes(self.reserve)} ({self.reserve_fraction:.0%} of usable)"
+            else f"reserve {format_bytes(self.node_reserve)}"
+            f" ({self.reserve_fraction:.0%} of usable)"
         )
         if self.training_peak_bytes is not None:
             start = (
@@ -136,7 +205,7 @@ class MemoryBudget:
         else:
             start = f"usable RAM {format_bytes(self.usable_bytes)} ({self.source})"
         return (
-            f"envelope {format_bytes(self.envelope_bytes)} = {start}"
+            f"envelope {format_bytes(self.node_envelope_bytes)} = {start}"
             f" - other consumers {format_bytes(self.other_consumers_bytes)} - {reserve}"
         )
 
@@ -206,39 +275,131 @@ class MemoryBudget:
         other_consumers_bytes: int = 0,
         cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
         proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+        local_world_size: int | None = None,
+        share: float | None = None,
     ) -> MemoryBudget:
-        """Read usable RAM and available memory from this host, now.
+        """Read usable RAM and available memory from this host, now; take this rank's share.
 
         Args:
-            reserve_bytes: see the class.
+            reserve_bytes: the node's reserve; see the class.
             reserve_fraction: see the class.
-            training_peak_bytes: the measured steady training peak; when None, the envelope
-                starts from the measured available memory instead.
+            training_peak_bytes: the node's measured steady training peak (all local ranks);
+                when None, the envelope starts from the measured available memory instead.
             other_consumers_bytes: see the class.
             cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
             proc_self_cgroup: this process's cgroup membership file.
+            local_world_size: how many ranks share this node's envelope; when None, the
+                ``LOCAL_WORLD_SIZE`` variable torchrun sets, else 1. The share is its inverse.
+            share: this rank's fraction of the node's envelope, in ``(0, 1]``; overrides
+                ``local_world_size`` (for ranks that do not split the node evenly).
 
         Returns:
-            A budget whose ``source`` says where the figures came from.
-        """
-        import psutil
+            A budget whose ``source`` and ``share_source`` say where the figures came from.
 
-        vm = psutil.virtual_memory()
-        limit = _cgroup_limit(Path(cgroup_root), Path(proc_self_cgroup))
-        usable, source, available = int(vm.total), "MemTotal", int(vm.available)
-        if limit is not None and limit.limit_bytes < usable:
-            usable, source = limit.limit_bytes, limit.source
-            if limit.available_bytes is not None:
-                available = min(available, limit.available_bytes)
+        Raises:
+            ConfigError: ``local_world_size`` is not an int >= 1, ``share`` is outside
+                ``(0, 1]``, or ``LOCAL_WORLD_SIZE`` is set but not a positive integer.
+        """
+        rank_share, share_source = _resolve_share(local_world_size, share)
+        usable, source, available = _read_host(Path(cgroup_root), Path(proc_self_cgroup))
         return cls(
             usable_bytes=usable,
             training_peak_bytes=training_peak_bytes,
-            available_bytes=max(0, available),
+            available_bytes=available,
             other_consumers_bytes=other_consumers_bytes,
             reserve_bytes=reserve_bytes,
             reserve_fraction=reserve_fraction,
             source=source,
+            share=rank_share,
+            share_source=share_source,
         )
+
+
+def available_bytes_now(
+    *,
+    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+    proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+) -> int:
+    """Memory available to this node (or container) now, from the source ``from_host`` uses.
+
+    When a cgroup memory limit binds (below ``MemTotal``), this is the smaller of the cgroup's
+    headroom (``limit - usage + inactive_file``) and psutil's ``available``; otherwise psutil's
+    ``available``. It is a node-wide figure: compare it with a budget's ``node_reserve``, not
+    with the per-rank ``reserve``.
+
+    Args:
+        cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
+        proc_self_cgroup: this process's cgroup membership file.
+
+    Returns:
+        Available bytes, never negative.
+    """
+    return _read_host(Path(cgroup_root), Path(proc_self_cgroup))[2]
+
+
+def _read_host(cgroup_root: Path, proc_self_cgroup: Path) -> tuple[int, str, int]:
+    """``(usable_bytes, source, available_bytes)`` of this host or its binding cgroup, now."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    limit = _cgroup_limit(cgroup_root, proc_self_cgroup)
+    usable, source, available = int(vm.total), "MemTotal", int(vm.available)
+    if limit is not None and limit.limit_bytes < usable:
+        usable, source = limit.limit_bytes, limit.source
+        if limit.available_bytes is not None:
+            available = min(available, limit.available_bytes)
+    return usable, source, max(0, available)
+
+
+def _check_share(share: object) -> None:
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        raise ConfigError(
+            f"share must be a number in (0, 1], this rank's fraction of the node's envelope"
+            f" (1/8 for one of 8 ranks on the node), got {share!r}"
+        )
+
+
+def _share_fraction(share: float) -> Fraction:
+    return Fraction(share).limit_denominator(_SHARE_MAX_DENOMINATOR)
+
+
+def _format_share(share: float) -> str:
+    fraction = _share_fraction(share)
+    if fraction.denominator <= 1024:
+        return f"{fraction.numerator}/{fraction.denominator}"
+    return f"{share:.6g}"
+
+
+def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[float, str]:
+    """This rank's share of the node and where it came from (argument, torchrun, default)."""
+    if local_world_size is not None and (
+        isinstance(local_world_size, bool)
+        or not isinstance(local_world_size, int)
+        or local_world_size < 1
+    ):
+        raise ConfigError(
+            "local_world_size must be an int >= 1, the number of ranks on this node,"
+            f" got {local_world_size!r}"
+        )
+    if share is not None:
+        _check_share(share)
+        return share, "share="
+    if local_world_size is not None:
+        return 1 / local_world_size, f"local_world_size={local_world_size}"
+    raw = os.environ.get(_LOCAL_WORLD_SIZE, "").strip()
+    if not raw:
+        return 1.0, f"{_LOCAL_WORLD_SIZE} unset"
+    try:
+        ranks = int(raw)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ConfigError(
+            f"{_LOCAL_WORLD_SIZE}={raw!r} is not a positive integer (torchrun sets it to the"
+            " number of ranks on this node); fix the environment, or pass local_world_size="
+            " or share= to MemoryBudget.from_host()"
+        )
+    return 1 / ranks, f"{_LOCAL_WORLD_SIZE}={ranks}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,287 @@
+"""``NodeCacheReader``: restore from the remote checkpoint, reading what this node has locally.
+
+After a :class:`~dcp_safe.dcp.node_local.NodeLocalWriter` save each node keeps a node cache,
+``<local root>/<name>/``: its own ranks' shard files and a copy of the remote manifest
+(:mod:`dcp_safe.checkpoints.node_cache`). A restart on the same topology can read those files
+from local disk instead of the remote. What is trusted, and from where::
+
+    reset(checkpoint_id)     the checkpoint is resolved, and its marker, manifest and .metadata
+                             checked, on the REMOTE root only (the base class): the remote is
+                             the one complete, committed copy and the authority on "latest".
+                             Then the node cache of that name is opened and used only if its
+                             _NODE_COMMITTED marker matches its manifest and that manifest is
+                             the remote's (the same save); otherwise it is ignored entirely.
+    read_data(plan)          per file: from the cache when it is there with the manifest's
+                             size, every item's checksum verified (always, whatever ``verify``
+                             says); on any failure (missing, wrong size, checksum mismatch,
+                             unreadable) the rest of that file is read from the remote.
+
+Every file is counted as read from the cache or the remote, and every reason for not using the
+cache is recorded: :meth:`NodeCacheReader.stats`. Damage is logged as a warning. A bad cache
+never fails a load or reaches the caller's state dict while the remote copy is good: an item
+is handed over only after its checksum matched.
+
+Resharding needs nothing special: on another topology a rank's plan names files its node never
+wrote, and those come from the remote (recorded as ``missing``).
+
+Why a subclass rather than a keyword on :class:`~dcp_safe.dcp.reader.SafeStorageReader`: the
+base reader's ``fallback=`` picks the newest of two complete checkpoints; a node cache is never
+complete and never chosen, only consulted per file, so it reads better as its own small class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.node_cache import open_node_cache
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import ItemRecord
+from dcp_safe.manifest.streams import read_verified
+
+__all__ = ["CacheRejection", "NodeCacheReader", "NodeCacheStats", "RejectionReason"]
+
+log = logging.getLogger(__name__)
+
+
+class RejectionReason(str, Enum):
+    """Why the node cache, or one file of it, was not used."""
+
+    NO_CACHE = "no node cache"  # no committed node cache of that name on this node
+    BAD_MARKER = "marker does not match its manifest"
+    STALE = "manifest differs from the remote"  # another save of that name
+    MISSING = "missing"
+    SIZE = "size mismatch"
+    CHECKSUM = "checksum mismatch"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class CacheRejection:
+    """One reason the cache was not used: for ``file`` (``None``: the whole cache)."""
+
+    file: str | None
+    reason: RejectionReason
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCacheStats:
+    """Where the files of the last load came from (counted per rank, since ``reset``).
+
+    Attributes:
+        cache_path: the node cache used, or ``None`` when it was missing or ignored.
+        files_from_cache: files read entirely from the node cache.
+        files_from_remote: files read, wholly or partly, from the remote.
+        rejections: why each of those files (or the whole cache) was not read from the cache.
+    """
+
+    cache_path: str | None
+    files_from_cache: int
+    files_from_remote: int
+    rejections: tuple[CacheRejection, ...]
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: RejectionReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class NodeCacheReader(SafeStorageReader):
+    """A ``SafeStorageReader`` of the remote ``root`` that reads files from this node's cache.
+
+    Call order and checks are the base class's (every rank); what differs is where each file's
+    bytes come from (module docstring). Give every rank its own node's local root.
+
+    Args:
+        root: the shared remote root the checkpoint was committed to.
+        node_cache: this node's local root (``NodeLocalWriter``'s ``root``).
+        node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
+        verify, storage_options, checkpoint_id, retry, allow_pickle: as for
+            :class:`SafeStorageReader`; ``verify`` applies to the remote only.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        node_cache: str | os.PathLike[str],
+        node_cache_storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_id: str = layout.LATEST,
+        retry: RetryPolicy | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__(
+            root,
+            verify=verify,
+            storage_options=storage_options,
+            checkpoint_id=checkpoint_id,
+            retry=retry,
+            allow_pickle=allow_pickle,
+        )
+        self.node_cache: Backend = open_backend(
+            os.fspath(node_cache), node_cache_storage_options, retry=retry
+        )
+        self._cache: Backend | None = None
+        self._cache_path: str | None = None
+        self._from_cache = 0
+        self._from_remote = 0
+        self._rejections: list[CacheRejection] = []
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Open the checkpoint on the remote (base class), then check this node's cache of it.
+
+        Raises:
+            The base class's errors, from the remote; never one from the cache.
+        """
+        super().reset(checkpoint_id)
+        self._cache, self._cache_path = None, None
+        self._from_cache, self._from_remote = 0, 0
+        self._rejections = []
+        try:
+            self._check_cache()
+        except _Rejected as rejected:
+            self._reject(None, rejected.reason, rejected.detail)
+        else:
+            self._cache = self.node_cache
+            self._cache_path = self.node_cache.full_path(self._require_name())
+
+    def stats(self) -> NodeCacheStats:
+        """Where the files read since the last ``reset`` came from."""
+        return NodeCacheStats(
+            cache_path=self._cache_path,
+            files_from_cache=self._from_cache,
+            files_from_remote=self._from_remote,
+            rejections=tuple(self._rejections),
+        )
+
+    # ----------------------------------------------------------------- helpers
+
+    def _require_name(self) -> str:
+        assert self._name is not None
+        return self._name
+
+    def _check_cache(self) -> None:
+        """Raise ``_Rejected`` unless this node's cache holds the remote's very checkpoint."""
+        name = self._require_name()
+        try:
+            cached = open_node_cache(self.node_cache, name)
+        except CheckpointNotFoundError as exc:
+            raise _Rejected(RejectionReason.NO_CACHE, str(exc)) from None
+        except CheckpointCorruptError as exc:
+            raise _Rejected(RejectionReason.BAD_MARKER, str(exc)) from None
+        except OSError as exc:
+            raise _Rejected(RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}") from None
+        if cached.manifest != self._manifest:
+            assert self._manifest is not None
+            raise _Rejected(
+                RejectionReason.STALE,
+                f"node cache {cached.path} is save {cached.manifest.save_id}, "
+                f"the remote is save {self._manifest.save_id}",
+            )
+
+    def _reject(self, file_name: str | None, reason: RejectionReason, detail: str) -> None:
+        self._rejections.append(CacheRejection(file_name, reason, detail))
+        quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
+        where = "the node cache" if file_name is None else f"{file_name} from the node cache"
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "not reading %s (%s): %s; reading from the remote instead",
+            where,
+            reason.value,
+            detail,
+        )
+
+    def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read ``file_name`` from the cache; whatever it could not deliver, from the remote."""
+        remaining = (
+            requests if self._cache is None else self._read_cached(file_name, requests, planner)
+        )
+        if not remaining:
+            self._from_cache += 1
+            return
+        self._from_remote += 1
+        super()._read_file(file_name, remaining, planner)
+
+    def _read_cached(
+        self, file_name: str, requests: list[ReadItem], planner: LoadPlanner
+    ) -> list[ReadItem]:
+        """Deliver ``requests`` from the cache, verified; return those left for the remote.
+
+        Only reading the cache can reject it; an error while handing a verified item over
+        (a shape mismatch, an unsafe pickle) would be the remote's too, and is raised.
+        """
+        assert self._cache is not None
+        cache, rel = self._cache, f"{self._require_name()}/{file_name}"
+        path = cache.full_path(rel)
+        with contextlib.ExitStack() as stack:
+            try:
+                self._check_size(cache, rel, file_name)
+                stream = stack.enter_context(cache.open_read(rel))
+            except Exception as exc:
+                self._reject_file(file_name, path, exc)
+                return requests
+            for done, request in enumerate(requests):
+                label, record = self._record_for(path, request)
+                try:
+                    loaded = self._fetch_cached(stream, path, label, record, request)
+                except Exception as exc:  # whatever the cache does wrong: the remote decides
+                    self._reject_file(file_name, path, exc)
+                    return requests[done:]
+                if isinstance(loaded, bytes):
+                    self._deliver(loaded, path, label, record, request, planner)
+                else:
+                    self._hand_over(loaded, path, label, request, planner)
+        return []
+
+    def _reject_file(self, file_name: str, path: str, exc: Exception) -> None:
+        if isinstance(exc, _Rejected):
+            self._reject(file_name, exc.reason, exc.detail)
+        elif isinstance(exc, FileNotFoundError):
+            self._reject(file_name, RejectionReason.MISSING, path)
+        elif isinstance(exc, CheckpointCorruptError):
+            self._reject(file_name, RejectionReason.CHECKSUM, str(exc))
+        else:
+            self._reject(file_name, RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}")
+
+    def _check_size(self, cache: Backend, rel: str, file_name: str) -> None:
+        assert self._manifest is not None
+        record = self._manifest.file(file_name)
+        if record is None:  # the remote read reports it
+            raise _Rejected(RejectionReason.MISSING, f"{file_name} is not in the manifest")
+        size = cache.size(rel)
+        if size != record.size:
+            raise _Rejected(
+                RejectionReason.SIZE,
+                f"{cache.full_path(rel)}: expected {record.size} bytes, found {size}",
+            )
+
+    def _fetch_cached(
+        self, stream: Any, path: str, label: str, record: ItemRecord, request: ReadItem
+    ) -> torch.Tensor | bytes:
+        """One item from the cache, its checksum checked whatever ``verify`` says."""
+        if request.type != LoadItemType.BYTE_IO and not record.transforms:
+            return self._load_streamed(stream, path, label, record, verify=True)
+        return read_verified(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
+            checksum=record.checksum,
+        )

@@ -1,0 +1,118 @@
+"""Admission of one save request: what this rank sees, the ranks' agreed decision, bounded waits.
+
+The manager asks :meth:`Admitter.admit` what to do with a request and then does it. This part
+gathers this rank's view into a :class:`~dcp_safe.manager.agreement.Vote` (fallback monitor,
+single-flight slot, the age of the save in flight, room for a coalesced copy), exchanges it
+(:mod:`~dcp_safe.manager.agreement`), and resolves ``when_busy="wait"`` into a start or a skip:
+
+* the wait is bounded by ``wait_timeout_s``; if a save is still in flight on any rank by then,
+  every rank skips the request (``force=True``: raises
+  :class:`~dcp_safe.errors.AdmissionTimeoutError`), and the skip's reason says so;
+* a save in flight for longer than ``latency_objective_s`` means the storage is stuck: the
+  request is skipped at once rather than queued behind it (seed 000's second admission test).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dcp_safe.manager.agreement import Agreement, Decision, Verdict, Vote, decide
+from dcp_safe.manager.handles import BusyPolicy, SaveHandle
+from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.manager.switch import FallbackSwitch
+from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging._tree import collect_tensors
+
+__all__ = ["Admitter"]
+
+
+class Admitter:
+    """Turns a request into the decision every rank takes.
+
+    Args:
+        agreement: the exchange with the other ranks.
+        slot: this rank's single-flight slot.
+        switch: this rank's fallback switch.
+        stager: the stager (its budget bounds a coalesced copy).
+        wait_timeout_s: the longest ``when_busy="wait"`` waits.
+        latency_objective_s: the oldest a save in flight may be before requests skip
+            (``None``: not checked).
+        leaked_bytes: staging bytes in use with no save in flight (the fallback's trigger c).
+    """
+
+    def __init__(
+        self,
+        *,
+        agreement: Agreement,
+        slot: SaveSlot,
+        switch: FallbackSwitch,
+        stager: BudgetedStager,
+        wait_timeout_s: float,
+        latency_objective_s: float | None,
+        leaked_bytes: Callable[[], int],
+    ) -> None:
+        self.agreement = agreement
+        self._slot = slot
+        self._switch = switch
+        self._stager = stager
+        self.wait_timeout_s = wait_timeout_s
+        self.latency_objective_s = latency_objective_s
+        self._leaked_bytes = leaked_bytes
+        self.waits_expired = 0
+        self._lock = threading.Lock()
+
+    def admit(
+        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
+    ) -> Decision:
+        """The decision for ``handle``; ``START`` means the slot is free now on every rank.
+
+        Raises:
+            ConfigError: the ranks asked for different steps.
+            CommitError: a peer died or did not answer within the deadline.
+        """
+        fallback = self._switch.on_request(handle, self._leaked_bytes)
+        busy = not self._slot.idle()
+        vote = Vote(
+            "save",
+            handle.step,
+            busy=busy,
+            fallback=fallback,
+            no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
+            stalled=None if force else self._stalled(),
+        )
+        decision = decide(self.agreement.gather(vote), policy)
+        self._switch.follow(handle, decision.fallback)
+        if decision.verdict is Verdict.WAIT:
+            return self._wait(handle, force=force)
+        return decision
+
+    def _wait(self, handle: SaveHandle, *, force: bool) -> Decision:
+        free = self._slot.wait_free(self.wait_timeout_s)
+        votes = self.agreement.gather(Vote("wait", handle.step, busy=not free))
+        still = [r for r, v in enumerate(votes) if v.busy]
+        if not still:
+            return Decision(Verdict.START)
+        with self._lock:
+            self.waits_expired += 1
+        ranks = ", ".join(map(str, still))
+        reason = (
+            f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"
+            f" on rank(s) {ranks}"
+        )
+        return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
+
+    def _stalled(self) -> str | None:
+        age = self._slot.age_s()
+        objective = self.latency_objective_s
+        if age is None or objective is None or age <= objective:
+            return None
+        return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective:g}"
+
+    def _no_room(self, state_dict: dict[str, Any]) -> bool:
+        need = sum(t.nbytes for t in collect_tensors(state_dict))
+        pending = self._slot.pending  # the copy it replaces is alive while this one is taken
+        held = pending.nbytes if pending is not None else 0
+        room = self._stager.budget.envelope_bytes - self._stager.stats().pool_bytes - held
+        return need > room

@@ -1,0 +1,71 @@
+"""The fallback's memory signal: sampled all the time, reported as the lowest since last asked.
+
+The automatic fallback's memory trigger asks, at each save request, how much memory the node
+has available. Sampled only then, it sees the node between saves, when staging holds least,
+and misses the dips a save itself causes. So a daemon thread samples every ``interval_s`` from
+the same cgroup-aware source as the stager's budget
+(:func:`dcp_safe.staging.budget.available_bytes_now`) and :meth:`MemoryWatch.lowest` returns
+the lowest reading since the previous call (a fresh reading when none was taken meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from dcp_safe.staging.budget import available_bytes_now
+
+__all__ = ["MemoryWatch"]
+
+log = logging.getLogger(__name__)
+
+
+class MemoryWatch:
+    """A background sampler of available memory.
+
+    Args:
+        sample: reads the available bytes now.
+        interval_s: seconds between readings.
+    """
+
+    def __init__(
+        self, sample: Callable[[], int] = available_bytes_now, interval_s: float = 1.0
+    ) -> None:
+        self._sample = sample
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._lowest: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcp_safe-memory", daemon=True)
+        self._thread.start()
+
+    def lowest(self) -> int | None:
+        """The lowest reading since the last call (``None``: the host does not say)."""
+        with self._lock:
+            lowest, self._lowest = self._lowest, None
+        now = self._read()
+        if lowest is None:
+            return now
+        return lowest if now is None else min(lowest, now)
+
+    def close(self) -> None:
+        """Stop the thread (idempotent)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reading = self._read()
+            if reading is None:
+                continue
+            with self._lock:
+                self._lowest = reading if self._lowest is None else min(self._lowest, reading)
+
+    def _read(self) -> int | None:
+        try:
+            return int(self._sample())
+        except (OSError, ValueError) as exc:  # a host that stops saying is not an error
+            log.debug("dcp_safe: reading available memory failed: %s", exc)
+            return None

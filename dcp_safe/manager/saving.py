@@ -1,0 +1,186 @@
+"""How a save the manager admitted runs: in the background, in the foreground, or coalesced.
+
+The manager decides *whether* and *how* (:mod:`~dcp_safe.manager.admit`); this part does it:
+
+* :meth:`SaveRunner.start`: ``async_save`` through the stager; with ``staging="snapshot"`` it
+  returns once the copy is taken. The upload's end is followed up on the manager thread
+  (:mod:`~dcp_safe.manager.follow_up`), which then frees the slot or starts the pending save.
+* :meth:`SaveRunner.foreground`: a synchronous ``save`` with a second writer (a writer runs one
+  save at a time), for ``when_busy="sync"``, the automatic fallback and the preemption save.
+* :meth:`SaveRunner.coalesce`: copy the state now and park it as the pending save.
+
+In a multi-rank job the background and the foreground saves use two different dcp_safe groups
+(``collectives``): one communicator carries one ordered stream of collectives, and a
+foreground save may run while a background one is still in its collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+from dcp_safe.dcp import api
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
+from dcp_safe.manager.follow_up import FollowUp
+from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging._tree import collect_tensors
+from dcp_safe.staging.guard import snapshot_copy
+
+__all__ = ["SaveRunner"]
+
+
+class SaveRunner:
+    """Runs admitted saves over the manager's parts.
+
+    Args:
+        writer: the manager's writer (background saves).
+        stager: the stager.
+        staging: when :meth:`start` returns relative to the copy.
+        slot: the single-flight slot (held by the caller of :meth:`start`).
+        ledger, spans, follow_up: where outcomes go.
+        cond: the manager's condition.
+        async_collectives: ``async_save``'s keyword arguments for the other ranks.
+        sync_collectives: ``save``'s, on a different group.
+    """
+
+    def __init__(
+        self,
+        *,
+        writer: SafeStorageWriter,
+        stager: BudgetedStager,
+        staging: StagingMode,
+        slot: SaveSlot,
+        ledger: Ledger,
+        spans: SaveSpans,
+        follow_up: FollowUp,
+        cond: threading.Condition,
+        async_collectives: dict[str, Any],
+        sync_collectives: dict[str, Any],
+    ) -> None:
+        self.writer = writer
+        self.stager = stager
+        self.staging = staging
+        self._slot = slot
+        self._ledger = ledger
+        self._spans = spans
+        self._follow_up = follow_up
+        self._cond = cond
+        self._async = async_collectives
+        self._sync = sync_collectives
+        self.sync_writer: SafeStorageWriter | None = None
+        self._last_staged: Future[None] | None = None
+        self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
+
+    def start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
+        """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
+        self.writer.step = handle.step
+        try:
+            with self._spans.opened(handle):
+                response = api.async_save(
+                    state_dict,
+                    checkpoint_id=handle.name,
+                    storage_writer=self._spans.wrap(self.writer),
+                    async_stager=self.stager,
+                    **self._async,
+                )
+            self.stager.track(response)
+        except BaseException as exc:
+            self._ledger.fail(handle, exc, tier="local", keep=False)
+            self._finish_slot()
+            raise
+        chain(response.staging_completion, handle.staged, lambda _: None)
+        with self._cond:
+            self._last_staged = handle.staged
+        response.upload_completion.add_done_callback(
+            lambda done: self.post.submit(self._after_upload, handle, done)
+        )
+        if self.staging is StagingMode.SNAPSHOT:
+            # The copy is bounded and budgeted; its failure (a torn snapshot from another
+            # thread) reaches the handle's futures and the history, not this call.
+            wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
+
+    def wait_staged(self, timeout_s: float | None) -> None:
+        """Block until the latest started save has copied the state.
+
+        Raises:
+            DrainTimeoutError: the copy was not done after ``timeout_s``.
+        """
+        with self._cond:
+            staged = self._last_staged
+        if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
+            raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
+
+    def foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
+        """Save ``handle`` now, synchronously, then follow its commit up."""
+        if self.sync_writer is None:  # a copy without the replicator: it starts its own
+            self.sync_writer = copy.copy(self.writer)
+        writer = self.sync_writer
+        writer.step = handle.step
+        self._ledger.count("sync_saves")
+        try:
+            with self._spans.opened(handle):
+                api.save(
+                    state_dict,
+                    checkpoint_id=handle.name,
+                    storage_writer=self._spans.wrap(writer),
+                    **self._sync,
+                )
+        except BaseException as exc:
+            self._ledger.fail(handle, exc, tier="local", keep=False)
+            raise
+        handle.staged.set_result(None)
+        self._follow_up.after_commit(handle, writer)
+
+    def coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
+        """Copy the state now and make it the pending save (started at once if the slot is
+        free meanwhile). The admission checked the budget has room for the copy."""
+        need = sum(t.nbytes for t in collect_tensors(state_dict))
+        try:  # another thread may update the state while it is copied
+            state = snapshot_copy(state_dict)
+        except SnapshotMutatedError as exc:
+            self._ledger.fail(handle, exc, tier="local")
+            return handle
+        handle.staged.set_result(None)
+        replaced, start_now = self._slot.park(Pending(handle, state, need))
+        self._ledger.count("coalesced")
+        self._ledger.count("started", start_now)  # the in-flight save finished meanwhile
+        if replaced is not None:
+            replaced.handle.cancel()
+            reason = f"coalesced into step {handle.step}"
+            self._ledger.skip(replaced.handle, reason, mark="coalesced")
+        if start_now:
+            self.start(handle, state)
+        return handle
+
+    # -- after a save ---------------------------------------------------------------------------
+
+    def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
+        """On the manager thread: follow the commit up, then free the slot."""
+        try:
+            self._follow_up.after_upload(handle, upload, self.writer)
+        finally:
+            self._finish_slot()
+
+    def _finish_slot(self) -> None:
+        """Free the slot, or hand it straight to the pending coalesced save."""
+        pending = self._slot.release()
+        if pending is not None:
+            self._ledger.count("started")
+            with contextlib.suppress(BaseException):  # start recorded and kept the error
+                self._start_pending(pending)
+
+    def _start_pending(self, pending: Pending) -> None:
+        try:
+            self.start(pending.handle, pending.state)
+        except BaseException as exc:
+            self._ledger.keep(exc)
+            raise

@@ -1,0 +1,78 @@
+"""The decision every rank takes from every rank's vote: pure rules, no process group needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_safe.errors import ConfigError
+from dcp_safe.manager.agreement import Agreement, Verdict, Vote, decide
+from dcp_safe.manager.handles import BusyPolicy
+
+
+def _votes(*busy: bool, step: int = 4, **extra: object) -> list[Vote]:
+    return [Vote("save", step, busy=b, **extra) for b in busy]  # type: ignore[arg-type]
+
+
+def test_no_rank_busy_starts_on_every_policy() -> None:
+    for policy in BusyPolicy:
+        assert decide(_votes(False, False, False), policy).verdict is Verdict.START
+
+
+@pytest.mark.parametrize(
+    ("policy", "verdict"),
+    [
+        (BusyPolicy.SKIP, Verdict.SKIP),
+        (BusyPolicy.RAISE, Verdict.RAISE),
+        (BusyPolicy.SYNC, Verdict.SYNC),
+        (BusyPolicy.WAIT, Verdict.WAIT),
+        (BusyPolicy.COALESCE, Verdict.COALESCE),
+    ],
+)
+def test_one_busy_rank_applies_when_busy_on_every_rank(
+    policy: BusyPolicy, verdict: Verdict
+) -> None:
+    decision = decide(_votes(False, True, False), policy)
+    assert decision.verdict is verdict
+    assert "rank 1" in decision.reason
+
+
+def test_coalesce_skips_everywhere_when_one_rank_has_no_room_for_the_copy() -> None:
+    votes = [Vote("save", 4, busy=True), Vote("save", 4, busy=True, no_room=True)]
+    decision = decide(votes, BusyPolicy.COALESCE)
+    assert decision.verdict is Verdict.SKIP
+    assert "no memory for a pending copy on rank 1" in decision.reason
+
+
+def test_a_fallback_on_one_rank_makes_every_rank_save_synchronously() -> None:
+    votes = [Vote("save", 4), Vote("save", 4, fallback="memory below the reserve")]
+    decision = decide(votes, BusyPolicy.SKIP)
+    assert decision.verdict is Verdict.SYNC
+    assert decision.fallback == "rank 1: memory below the reserve"
+
+
+def test_a_stalled_save_in_flight_skips_rather_than_waits() -> None:
+    votes = [Vote("save", 4, busy=True, stalled="the save in flight is 90 s old"), Vote("save", 4)]
+    assert decide(votes, BusyPolicy.WAIT).verdict is Verdict.SKIP
+    assert decide(votes, BusyPolicy.RAISE).verdict is Verdict.RAISE
+
+
+def test_ranks_asking_for_different_steps_raise_a_config_error_naming_them() -> None:
+    votes = [Vote("save", 4), Vote("save", 4), Vote("save", 5)]
+    with pytest.raises(ConfigError, match=r"rank 2: save\(step 5\)"):
+        decide(votes, BusyPolicy.WAIT)
+    with pytest.raises(ConfigError, match=r"rank 1: restore"):
+        decide([Vote("save", 4), Vote("restore", 4)], BusyPolicy.WAIT)
+
+
+def test_a_single_process_exchanges_nothing_and_settles_locally() -> None:
+    solo = Agreement()
+    vote = Vote("save", 1, busy=True)
+    assert solo.gather(vote) == [vote]
+    assert solo.coordinator and not solo.distributed
+    assert solo.settle("restore", -1, lambda: "step_1") == "step_1"
+    with pytest.raises(ConfigError, match="boom"):
+        solo.settle("restore", -1, _raise_config_error)
+
+
+def _raise_config_error() -> str:
+    raise ConfigError("boom")
