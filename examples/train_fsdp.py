@@ -1,29 +1,45 @@
-"""Train a small FSDP2-sharded model under torchrun, checkpoint with dcp_safe, resume on restart.
+"""Train a small FSDP2-sharded model under torchrun, checkpoint with CheckpointManager, resume.
 
 Run (two ranks on CPU with gloo; with CUDA, NCCL for the model and gloo for the checkpoint's
 CPU collectives)::
 
     torchrun --nproc_per_node=2 examples/train_fsdp.py --root ckpts --steps 6 --save-every 2
 
-Run it again with a larger ``--steps`` and it resumes from the newest committed checkpoint
-(``--replicate-to s3://bucket/run`` also copies every checkpoint there and restores from there
-when the local root has nothing). Each save is asynchronous: the loop waits only for the staged
-copy (``BudgetedStager``) before the next optimizer step; the write and the two-phase commit
-run in the background, one save in flight at a time.
+Every rank creates one ``dcp_safe.CheckpointManager`` with the same arguments and makes the
+same calls with it: ``restore`` once at start (the newest committed checkpoint of the local
+root, else of ``--replicate-to``; resharded to this world size), ``maybe_save`` after every
+optimizer step, ``close`` at the end. Each save is one multi-rank DCP checkpoint, saved
+asynchronously: ``maybe_save`` returns once the state is copied into the budgeted staging
+buffers, while the write, the two-phase commit, verification and retention run in the
+background, one save in flight at a time. What happens to a request that finds a save still in
+flight is ``--when-busy`` (the ranks agree on it): wait for it, skip it, coalesce, or save
+synchronously. Run it again with a larger ``--steps`` and it resumes where it left off.
 
 The data are a pure function of (step, rank), so a resumed run computes exactly what an
 uninterrupted one would: the script prints a digest of the full model and optimizer state at
-each save, at resume and at the end, for comparison.
+each save, at resume and at the end, for comparison. At the end it prints the manager's
+counters (requested, committed, skipped, synchronous saves) and, for each rank, the staging
+pool's peak against that rank's share of the node's memory budget, and the peak RSS.
+
+To see storage slower than the save interval, ``--slow-write-ms`` makes every item written
+sleep (a demonstration knob, not a setting of dcp_safe) and ``--step-ms`` adds simulated
+compute per step; e.g. ``--steps 40 --save-every 2 --step-ms 50 --when-busy skip
+--slow-write-ms 5`` skips the requests that arrive while a save is still being written.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
+import resource
+import statistics
+import time
 import warnings
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,10 +48,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import dcp_safe
-from dcp_safe import BudgetedStager, SafeStorageReader, SafeStorageWriter
+from dcp_safe import CheckpointManager, CheckpointNotFoundError, SafeStorageWriter
 
 IN, HIDDEN, OUT, BATCH = 16, 32, 4, 8
+
+
+class SlowStorageWriter(SafeStorageWriter):
+    """Demonstration only: a writer that sleeps ``delay_s`` before each item it writes."""
+
+    def __init__(self, *args: Any, delay_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    def _write_item(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay_s)
+        return super()._write_item(*args, **kwargs)
 
 
 def build(device: torch.device, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -77,27 +104,14 @@ def digest(state: dict[str, Any]) -> str:
     return hasher.hexdigest()[:16]
 
 
-def newest_checkpoint(root: str, replicate_to: str | None) -> str | None:
-    """Rank 0 looks (local root, then the replica); every rank gets its answer."""
-    found: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        for tier in (root, replicate_to):
-            names = [] if tier is None else [c.name for c in dcp_safe.list_checkpoints(tier)]
-            if names:
-                found[0] = max(names)  # zero-padded step names sort by step
-                break
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
-
-
-def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> int:
+def resume(manager: CheckpointManager, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint into the sharded model and optimizer; return its step."""
-    name = newest_checkpoint(args.root, args.replicate_to)
-    if name is None:
-        return 0
     state = app_state(model, optimizer, step=-1)
-    reader = SafeStorageReader(args.root, fallback=args.replicate_to)
-    dcp_safe.load(state, checkpoint_id=name, storage_reader=reader)
+    try:
+        name = manager.restore(state)  # rank 0 resolves "latest"; every rank loads its shards
+    except CheckpointNotFoundError:
+        log("no checkpoint yet: starting at step 0")
+        return 0
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -106,9 +120,82 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Na
     return int(state["step"])
 
 
+def size(nbytes: int) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB, four significant digits."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.4g} {unit}"
+        value /= 1024
+    return f"{value:.4g} GiB"
+
+
 def log(message: str) -> None:
     if dist.get_rank() == 0:
         print(message, flush=True)
+
+
+def make_manager(args: argparse.Namespace) -> CheckpointManager:
+    """The same arguments on every rank, at the same point: construction is a collective."""
+    writer = None
+    if args.slow_write_ms > 0:
+        writer = SlowStorageWriter(
+            args.root, replicate_to=args.replicate_to, delay_s=args.slow_write_ms / 1000
+        )
+    return CheckpointManager(
+        args.root,
+        replicate_to=args.replicate_to,  # taken from ``writer`` when one is given
+        writer=writer,
+        keep_last=args.keep_last,
+        when_busy=args.when_busy,
+        save_every=args.save_every,
+    )
+
+
+def timing(history: list[dict[str, Any]], since: float) -> str:
+    """Median gap between save requests and median save time, from this run's history."""
+    events = [e for e in history if e.get("time", 0.0) >= since]
+    requested = {e["name"]: e["time"] for e in events if e["event"] == "requested"}
+    took = [
+        e["time"] - requested[e["name"]]
+        for e in events
+        if e["event"] == "committed" and e["name"] in requested
+    ]
+    times = sorted(requested.values())
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    if not gaps or not took:
+        return "too few saves to time"
+    return (
+        f"save interval {statistics.median(gaps):.3f} s, a save took "
+        f"{statistics.median(took):.3f} s (medians; request to verified local commit)"
+    )
+
+
+def report(manager: CheckpointManager, rss_at_start: int, since: float) -> None:
+    """Rank 0 prints the manager's counters, then one line per rank about its memory."""
+    if dist.get_rank() == 0:
+        print(timing(manager.history(), since), flush=True)  # rank 0 writes the history
+    stats = manager.stats()
+    log(
+        f"saves: requested {stats.requested}, committed {stats.committed}, "
+        f"skipped {stats.skipped}, coalesced {stats.coalesced}, sync saves {stats.sync_saves}, "
+        f"failed {stats.failed}, waits expired {stats.waits_expired}, "
+        f"fallback {stats.fallback_reason or 'none'}"
+    )
+    budget, staged = manager.stager.budget, manager.stager.stats()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    mine = (
+        f"rank {dist.get_rank()}: peak staging pool {size(staged.peak_pool_bytes)} "
+        f"of its envelope {size(budget.envelope_bytes)} (share {budget.share:.3g} of the "
+        f"node envelope {size(budget.node_envelope_bytes)}); "
+        f"within = {staged.peak_pool_bytes <= budget.envelope_bytes}; "
+        f"peak RSS {size(peak_rss)} "
+        f"(+{size(max(0, peak_rss - rss_at_start))} since training started)"
+    )
+    lines: list[str] | None = [""] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, lines, dst=0)
+    for line in lines or ():
+        print(line, flush=True)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -123,42 +210,49 @@ def train(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model, optimizer = build(device, mesh)
-    start = resume(model, optimizer, args)
+    manager = make_manager(args)
+    start = resume(manager, model, optimizer)
+    rss_at_start, since = psutil.Process().memory_info().rss, time.time()
 
-    writer = SafeStorageWriter(args.root, replicate_to=args.replicate_to)
-    stager = BudgetedStager()
-    in_flight: Any = None
-    last_saved: str | None = None
+    saved_last = False
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, rank, device)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step % args.save_every == 0:
-            if in_flight is not None:
-                in_flight.upload_completion.result()  # one save in flight per writer
-            state = app_state(model, optimizer, step)
-            last_saved = f"step_{step:06d}"
-            in_flight = dcp_safe.async_save(
-                state, checkpoint_id=last_saved, storage_writer=writer, async_stager=stager
-            )
-            stager.track(in_flight)
-            in_flight.staging_completion.result()  # from here the next step may change the state
+        time.sleep(args.step_ms / 1000)  # the rest of a real step's compute
+        state = app_state(model, optimizer, step)
+        # Returns once the state is copied (the next step may change it), or None: not due or
+        # skipped. Every rank gets the same answer.
+        handle = manager.maybe_save(step, state)
+        saved_last = handle is not None
+        if handle is not None:
             log(
-                f"step {step}: loss {loss.item():.5f}, saving {last_saved} "
+                f"step {step}: loss {loss.item():.5f}, saving {handle.name} "
                 f"(state digest {digest(state)})"
             )
-    if in_flight is not None and last_saved is not None:
-        in_flight.upload_completion.result()
-        log(f"committed {last_saved}")
-        if args.replicate_to is not None:
-            writer.replication(last_saved).result(timeout=600)
-            log(f"replicated {last_saved} to {args.replicate_to}")
-    writer.close(timeout_s=600)
-    stager.close()
+        elif step % args.save_every == 0:
+            reason = next(
+                e.get("reason", "")
+                for e in reversed(manager.decisions())
+                if e["event"] == "skipped" and e["step"] == step
+            )
+            log(f"step {step}: loss {loss.item():.5f}, save skipped ({reason})")
+    if start < args.steps and not saved_last:
+        # The final state (not due, or its request skipped) must not be lost: force waits for
+        # the save in flight, whatever --when-busy says.
+        state = app_state(model, optimizer, args.steps)
+        handle = manager.save(args.steps, state, force=True)
+        assert handle is not None
+        log(f"final save {handle.name} (state digest {digest(state)})")
+    manager.close(timeout_s=600)  # waits for the last commit (and replication), prunes
+    log(f"committed {manager.latest()}")
+    if args.replicate_to is not None:
+        log(f"replicated {manager.latest('remote')} to {args.replicate_to}")
     final = digest(app_state(model, optimizer, args.steps))
     log(f"done at step {args.steps} (state digest {final})")
+    report(manager, rss_at_start, since)
     # Both ranks leave together: a rank tearing its connections down while its peer is still
     # inside a collective makes the peer's gloo threads abort it.
     dist.barrier()
@@ -171,9 +265,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="train until this step")
     parser.add_argument("--save-every", type=int, default=2, help="checkpoint every K steps")
     parser.add_argument("--replicate-to", default=None, help="second root, e.g. s3://bucket/run")
+    parser.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (retention)")
+    parser.add_argument(
+        "--when-busy",
+        default="wait",
+        choices=["wait", "skip", "coalesce", "sync"],
+        help="what a save request does while the previous save is still being written",
+    )
+    parser.add_argument(
+        "--slow-write-ms",
+        type=float,
+        default=0.0,
+        help="DEMONSTRATION ONLY: sleep this long per item written, to make storage slower "
+        "than the save interval (0: the ordinary writer)",
+    )
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="simulated compute per step, in milliseconds"
+    )
     args = parser.parse_args()
-    if args.steps < 0 or args.save_every < 1:
-        parser.error("--steps must be >= 0 and --save-every >= 1")
+    if args.steps < 0 or args.save_every < 1 or args.keep_last < 1:
+        parser.error("--steps must be >= 0, --save-every and --keep-last >= 1")
+    if args.slow_write_ms < 0 or args.step_ms < 0:
+        parser.error("--slow-write-ms and --step-ms must be >= 0")
     # DCP warns about its own internals (e.g. the staging path); they are not this script's.
     warnings.filterwarnings("ignore", category=FutureWarning)
     train(args)

@@ -16,12 +16,14 @@ directory on storage that renames atomically)::
     every rank   (background)    waits, bounded, for the remote _COMMITTED; then the lowest
                                  rank on each node publishes the node cache (below)
 
-All coordination after ``write_data`` goes through storage markers, never through the training
-process group, so a slow remote never blocks a collective. A rank whose write or upload fails
-writes ``W/_ranks/rank_R.failed-<save id>``: every rank waiting in the background sees it and
-fails at once with :class:`~dcp_safe.errors.CommitError` naming that rank, and rank 0 publishes
-nothing (a failed remote commit on rank 0 writes ``W/_FAILED-<save id>``, which ends the others'
-waits the same way). The save id in these names keeps a stale marker from ever touching a later
+All coordination after ``write_data`` goes through storage markers (the protocol of
+:mod:`dcp_safe.replication.rank_upload`, shared with ``SafeStorageWriter(replicate_to=...)`` on
+several ranks), never through the training process group, so a slow remote never blocks a
+collective. A rank whose write or upload fails writes ``W/_ranks/rank_R.failed-<save id>``:
+every rank waiting in the background sees it and fails at once with
+:class:`~dcp_safe.errors.CommitError` naming that rank, and rank 0 publishes nothing (a failed
+remote commit on rank 0 writes ``W/_FAILED-<save id>``, which ends the others' waits the same
+way). The save id in these names keeps a stale marker from ever touching a later
 save of that name. A failed save's remote objects stay, under their writing lease, for the
 sweeper to collect after its grace period; a rank killed outright is noticed at the deadline.
 
@@ -31,8 +33,9 @@ renamed into ``<local root>/<name>/`` with the remote ``manifest.json`` and ``.m
 ``_NODE_COMMITTED`` marker. It holds only the shard files its node's ranks wrote, so it carries
 no ``_COMMITTED``: ``list_checkpoints``, ``SafeStorageReader`` and ``"latest"`` never see it as
 a checkpoint, and the remote root is the only complete copy (restore from it on any number of
-ranks or nodes). ``list_node_caches`` lists the caches, for an operator or for a same-topology
-restart that wants to know what is local; the publishing rank keeps the newest
+ranks or nodes). ``list_node_caches`` lists the caches, for an operator;
+:class:`~dcp_safe.dcp.node_cache_reader.NodeCacheReader` restores from the remote reading the
+files its node holds from the cache (a same-topology restart); the publishing rank keeps the newest
 ``keep_node_caches`` of them. A save that fails leaves only hidden partial directories locally,
 which the sweeper collects after its grace period.
 
@@ -40,9 +43,9 @@ Backpressure: at most one upload in flight per rank. ``write_data`` of the next 
 waits (bounded) for this rank's previous upload, so a slow remote slows saves down (in the
 background, for ``async_save``) instead of piling uploads up.
 
-Why this design: the alternative, rank 0 copying a committed local checkpoint (what
-:class:`~dcp_safe.replication.replicator.Replicator` does for one shared local root), cannot work
-when no node sees every file; and committing each node's subset locally as if it were a
+Why this design: the alternative, uploading from a committed local checkpoint (what
+``SafeStorageWriter(replicate_to=...)`` does from one shared local root), cannot work when no
+node sees every file; and committing each node's subset locally as if it were a
 checkpoint would let a reader restore half a model. Uploading per rank also spreads the upload
 bandwidth over every node.
 """
@@ -50,7 +53,6 @@ bandwidth over every node.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from concurrent.futures import Future, wait
@@ -64,33 +66,35 @@ from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.retry import call_with_retries
-from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
-from dcp_safe.checkpoints.watch import poll_until, watch_for_commit
+from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import check_fence, register_attempt
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
-    CheckpointCorruptError,
     CheckpointExistsError,
-    CheckpointNotFoundError,
-    CommitError,
     ConfigError,
     ReplicationTimeoutError,
 )
-from dcp_safe.manifest.schema import Manifest, RankManifest
-from dcp_safe.replication.replicator import DEFAULT_CHUNK_BYTES, copy_file_verified
+from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    await_arrivals,
+    await_remote_commit,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+    upload_rank_part,
+)
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
 
-_FAILED_PREFIX = "_FAILED-"
 _KEEP_DONE = 16  # finished futures kept for replication()
 
 
 @dataclass(frozen=True, kw_only=True)
-class NodeLocalOptions:
+class NodeLocalOptions(UploadOptions):
     """How long and how often the background steps of a node-local save wait.
 
     Args:
@@ -104,17 +108,10 @@ class NodeLocalOptions:
             older ones are removed; the remote tier is untouched). ``None`` keeps them all.
     """
 
-    remote_timeout_s: float = 1800.0
-    poll_s: float = 0.5
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     keep_node_caches: int | None = 2
 
     def __post_init__(self) -> None:
-        if self.remote_timeout_s <= 0 or self.poll_s <= 0 or self.chunk_bytes < 1:
-            raise ConfigError(
-                "remote_timeout_s, poll_s and chunk_bytes must be positive, got "
-                f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
-            )
+        super().__post_init__()
         if self.keep_node_caches is not None and self.keep_node_caches < 1:
             raise ConfigError(f"keep_node_caches must be >= 1, got {self.keep_node_caches}")
 
@@ -184,7 +181,7 @@ class NodeLocalWriter(SafeStorageWriter):
             if not strategy.in_place and remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
                 raise CheckpointExistsError(remote.full_path(name))  # refused before uploading
             remote.makedirs(
-                f"{_remote_work_dir(remote, name, assignment.save_id)}/{layout.RANKS_DIR}"
+                f"{remote_work_dir(remote, name, assignment.save_id)}/{layout.RANKS_DIR}"
             )
         except BaseException:
             with contextlib.suppress(OSError):
@@ -198,15 +195,14 @@ class NodeLocalWriter(SafeStorageWriter):
         # Only the coordinator's node got the work directory from prepare_global_plan.
         self.backend.makedirs(f"{assignment.work_dir}/{layout.RANKS_DIR}")
         self._wait_for_previous_upload()
-        try:
-            written = super().write_data(plan, planner)
-        except BaseException as exc:
-            # DCP fails the save everywhere, but the ranks that wrote fine already wait in the
-            # background for a remote commit that will never come: tell them through storage.
-            self._report_rank_failure(assignment, exc)
-            raise
+        # A failed write is reported by the base class: DCP fails the save everywhere, but the
+        # ranks that wrote fine already wait in the background for a remote commit that will
+        # never come, so they are told through storage.
+        return super().write_data(plan, planner)
+
+    def _replicate_rank_part(self, assignment: _Assignment) -> None:
+        """This rank's files are written on its node: upload them in the background."""
         self._start(self._uploads, self._upload_and_publish, self._require_name(), assignment)
-        return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Start the remote commit in the background (coordinator only); publishes nothing here."""
@@ -288,11 +284,11 @@ class NodeLocalWriter(SafeStorageWriter):
         threading.Thread(target=run, name=f"dcp_safe-node-{args[0]}", daemon=True).start()
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
-        work = _remote_work_dir(self.remote_backend, name, assignment.save_id)
+        work = remote_work_dir(self.remote_backend, name, assignment.save_id)
         try:
             self._upload_rank(assignment, work)
         except BaseException as exc:
-            self._report_rank_failure(assignment, exc)
+            report_rank_failure(self.remote_backend, work, assignment.rank, assignment.save_id, exc)
             raise
         manifest = self._await_remote_commit(name, assignment, work)
         if self._leads_node(assignment):
@@ -305,25 +301,16 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def _upload_rank(self, assignment: _Assignment, work: str) -> None:
         """Copy this rank's files to the remote, verified in flight; its rank manifest last."""
-        rel = layout.rank_manifest_name(assignment.rank)
-        local_rel = f"{assignment.work_dir}/{rel}"
-        raw = self.backend.read_bytes(local_rel)
-        manifest = RankManifest.from_json(raw, self.backend.full_path(local_rel))
-        remote = self.remote_backend
-        for record in manifest.files:
-            items = [item for item in manifest.items if item.file == record.path]
-            copy = functools.partial(
-                copy_file_verified,
-                self.backend,
-                f"{assignment.work_dir}/{record.path}",
-                remote,
-                f"{work}/{record.path}",
-                record,
-                items,
-                chunk_bytes=self.node_options.chunk_bytes,
-            )
-            call_with_retries("upload", remote.full_path(f"{work}/{record.path}"), copy, self.retry)
-        remote.write_bytes(f"{work}/{rel}", raw)
+        upload_rank_part(
+            self.backend,
+            assignment.work_dir,
+            self.remote_backend,
+            work,
+            assignment.rank,
+            chunk_bytes=self.node_options.chunk_bytes,
+            retry=self.retry,
+            uploaded=[],  # a failed save's objects stay, under its lease, for the sweeper
+        )
 
     def _commit_remote(
         self,
@@ -333,13 +320,10 @@ class NodeLocalWriter(SafeStorageWriter):
         results: list[list[WriteResult]],
     ) -> Manifest:
         remote = self.remote_backend
-        work = _remote_work_dir(remote, name, assignment.save_id)
+        work = remote_work_dir(remote, name, assignment.save_id)
         try:
-            poll_until(
-                lambda: self._every_rank_arrived(work, assignment),
-                timeout_s=self.node_options.remote_timeout_s,
-                poll_s=self.node_options.poll_s,
-                waiting_for=f"every rank's manifest under {remote.full_path(work)}",
+            await_arrivals(
+                remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
             return Committer(remote, self.options).publish(
                 name=name,
@@ -352,68 +336,22 @@ class NodeLocalWriter(SafeStorageWriter):
                 attempt=self.attempt,
             )
         except BaseException as exc:
-            _write_failure(remote, f"{work}/{_FAILED_PREFIX}{assignment.save_id}", exc)
+            report_commit_failure(remote, work, assignment.save_id, exc)
             raise
 
-    def _report_rank_failure(self, assignment: _Assignment, exc: BaseException) -> None:
-        work = _remote_work_dir(self.remote_backend, self._require_name(), assignment.save_id)
-        failed = f"{work}/{layout.RANKS_DIR}/{_rank_failed_name(assignment)}"
-        _write_failure(self.remote_backend, failed, exc)
-
-    def _raise_rank_failures(self, work: str, save_id: str, present: set[str]) -> None:
-        """Raise CommitError naming every rank that reported a failure of this save."""
-        suffix = f".failed-{save_id}"
-        failed = sorted(entry for entry in present if entry.endswith(suffix))
-        if failed:
-            ranks_dir = f"{work}/{layout.RANKS_DIR}"
-            raise CommitError(
-                "ranks failed to write or upload their part; nothing was published",
-                {
-                    int(entry[5:10]): _read_text(self.remote_backend, f"{ranks_dir}/{entry}")
-                    for entry in failed
-                },
-            )
-
-    def _every_rank_arrived(self, work: str, assignment: _Assignment) -> bool | None:
-        """True once every rank's remote rank manifest exists; raises on a rank's failure."""
-        present = set(self.remote_backend.list_dir(f"{work}/{layout.RANKS_DIR}"))
-        self._raise_rank_failures(work, assignment.save_id, present)
-        expected = {
-            layout.rank_manifest_name(r).split("/")[-1] for r in range(assignment.world_size)
-        }
-        return True if expected <= present else None
-
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
-        remote = self.remote_backend
-        failed_marker = f"{work}/{_FAILED_PREFIX}{assignment.save_id}"
-
-        def committed() -> Manifest | None:
+        def own_commit() -> None:
             commit = self._commits.get(name)
             if commit is not None and commit.done() and commit.exception() is not None:
                 commit.result()  # rank 0 in this very process: its original error
-            try:
-                manifest = open_committed(remote, name).manifest
-            except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
-                manifest = None  # not there yet, or half-visible on an eventually consistent store
-            if manifest is not None:
-                if manifest.save_id != assignment.save_id:
-                    raise CheckpointExistsError(remote.full_path(name), "another save committed it")
-                return manifest
-            if remote.exists(failed_marker):
-                raise CommitError(
-                    "the remote commit failed; nothing was published",
-                    {0: _read_text(remote, failed_marker)},
-                )
-            # A rank whose write_data failed: rank 0 never gets finish() and cannot say so.
-            present = set(remote.list_dir(f"{work}/{layout.RANKS_DIR}"))
-            self._raise_rank_failures(work, assignment.save_id, present)
-            return None
 
-        return poll_until(
-            committed,
-            timeout_s=2 * self.node_options.remote_timeout_s,
-            poll_s=self.node_options.poll_s,
-            waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
+        return await_remote_commit(
+            self.remote_backend,
+            name,
+            work,
+            assignment.save_id,
+            self.node_options,
+            before=own_commit,
         )
 
     def _leads_node(self, assignment: _Assignment) -> bool:
@@ -434,22 +372,3 @@ def _assignment_of(plan: SavePlan) -> _Assignment:
     if not isinstance(assignment, _Assignment):
         raise ConfigError("NodeLocalWriter got a plan it did not prepare")
     return assignment
-
-
-def _remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
-    """Where every rank uploads: decided by the remote's flags, the same on every rank."""
-    return strategy_for(remote).work_dir(name, save_id)
-
-
-def _rank_failed_name(assignment: _Assignment) -> str:
-    return f"rank_{assignment.rank:05d}.failed-{assignment.save_id}"
-
-
-def _write_failure(remote: Backend, rel: str, exc: BaseException) -> None:
-    """Best effort: tell the peers through storage; the caller re-raises ``exc`` regardless."""
-    with contextlib.suppress(Exception):
-        remote.write_bytes(rel, f"{type(exc).__name__}: {exc}".encode())
-
-
-def _read_text(backend: Backend, rel: str) -> str:
-    return backend.read_bytes(rel).decode("utf-8", errors="replace").strip()

@@ -54,6 +54,13 @@ from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.streams import HashingSink
+from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+)
 from dcp_safe.replication.replicator import Replicator
 from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
@@ -86,10 +93,15 @@ class SafeStorageWriter(StorageWriter):
             loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
         replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
-            ``root`` is copied there in the background and committed there too. See
+            ``root`` is copied there in the background and committed there too. On one
+            process, by a :class:`~dcp_safe.replication.replicator.Replicator`; in a save of
+            several ranks (which must share ``root``), each rank uploads the files it wrote
+            and rank 0 commits (:mod:`dcp_safe.replication.rank_replicator`). See
             :meth:`replication`.
         replicate_storage_options: fsspec options for ``replicate_to`` (default:
             ``storage_options``).
+        replication_options: deadlines, polling and chunk size of the per-rank uploads of a
+            multi-rank save (default: :class:`~dcp_safe.replication.rank_upload.UploadOptions`).
         retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
             dropped connections); a shard file that fails transiently is rewritten whole.
         attempt: this job attempt's number, monotone across restarts (default:
@@ -114,6 +126,7 @@ class SafeStorageWriter(StorageWriter):
         step: int | None = None,
         replicate_to: str | os.PathLike[str] | None = None,
         replicate_storage_options: dict[str, Any] | None = None,
+        replication_options: UploadOptions | None = None,
         retry: RetryPolicy | None = None,
         attempt: int | None = None,
     ) -> None:
@@ -143,7 +156,9 @@ class SafeStorageWriter(StorageWriter):
             if self.replicate_to is None
             else open_backend(self.replicate_to, self.replicate_storage_options, retry=retry)
         )
+        self.replication_options = replication_options or UploadOptions()
         self._replicator: Replicator | None = None
+        self._rank_replicator: RankReplicator | None = None
         self._name: str | None = None
         self._rank = 0
         self._is_coordinator = True
@@ -211,9 +226,11 @@ class SafeStorageWriter(StorageWriter):
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
             results = self._write_rank(assignment, files, buckets, planner)
-        except BaseException:
+        except BaseException as exc:
             self._abandon(assignment, files)
+            self._report_failure(assignment, exc, rank=assignment.rank)
             raise
+        self._replicate_rank_part(assignment)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -278,20 +295,52 @@ class SafeStorageWriter(StorageWriter):
         if assignment is None:
             raise ConfigError("finish() called before write_data()")
         name = self._require_name()
-        Committer(self.backend, self.options).publish(
-            name=name,
-            save_id=assignment.save_id,
-            work_dir=assignment.work_dir,
-            world_size=assignment.world_size,
-            step=self.step,
-            metadata=metadata,
-            results=results,
-            attempt=self.attempt,
-        )
-        if self.remote is not None:
+        try:
+            Committer(self.backend, self.options).publish(
+                name=name,
+                save_id=assignment.save_id,
+                work_dir=assignment.work_dir,
+                world_size=assignment.world_size,
+                step=self.step,
+                metadata=metadata,
+                results=results,
+                attempt=self.attempt,
+            )
+        except BaseException as exc:
+            self._report_failure(assignment, exc, rank=None)
+            raise
+        if self.remote is not None and assignment.world_size == 1:
             if self._replicator is None:
                 self._replicator = Replicator(self.backend, self.remote)
             self._replicator.submit(name)
+
+    def _replicate_rank_part(self, assignment: _Assignment) -> None:
+        """After this rank wrote its files: in a save of several ranks with ``replicate_to``,
+        upload them once the save is committed locally (in the background)."""
+        if self.remote is None or assignment.world_size == 1:
+            return
+        if self._rank_replicator is None:
+            self._rank_replicator = RankReplicator(
+                self.backend, self.remote, options=self.replication_options, retry=self.retry
+            )
+        save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
+        self._rank_replicator.begin(self._require_name(), save)
+
+    def _report_failure(
+        self, assignment: _Assignment, exc: BaseException, *, rank: int | None
+    ) -> None:
+        """Tell the ranks waiting in the background for this save's local commit (to upload
+        their part) that it will not come: ``rank``'s write failed, or (``None``) the publish.
+        Best effort, through markers on the remote root, never through the process group."""
+        if self.remote is None or assignment.world_size == 1:
+            return
+        work = remote_work_dir(self.remote, self._require_name(), assignment.save_id)
+        if rank is None:
+            report_commit_failure(self.remote, work, assignment.save_id, exc)
+        else:
+            report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
+        if self._rank_replicator is not None:
+            self._rank_replicator.end_saves()
 
     def missing_ranks(self) -> list[int] | None:
         """Ranks of the current save whose rank manifest is not (yet) on storage.
@@ -313,10 +362,13 @@ class SafeStorageWriter(StorageWriter):
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
         """A future that resolves once checkpoint ``name`` is committed on the remote tier.
 
-        On the coordinator it is the replicator's own future (it fails with the cause, or with
-        ``ReplicationSkippedError`` if a newer checkpoint superseded it). On the other ranks,
-        which upload nothing, it watches the remote ``_COMMITTED`` marker: coordination goes
-        through storage, never through the training process group.
+        In the process that ran the save it is that rank's replication future: on one process
+        the replicator's; in a save of several ranks, this rank's upload of its own part and
+        the wait for rank 0's remote commit. It fails with the cause (``CommitError`` naming
+        the ranks whose upload failed), or with ``ReplicationSkippedError`` if a newer
+        checkpoint superseded it (on any rank). Elsewhere (DCP's checkpoint process did the
+        work, or ``name`` is not this writer's) it watches the remote ``_COMMITTED`` marker.
+        Coordination goes through storage, never through the training process group.
 
         Raises:
             ConfigError: the writer has no ``replicate_to``.
@@ -324,15 +376,25 @@ class SafeStorageWriter(StorageWriter):
         name = layout.validate_name(name)
         if self.remote is None:
             raise ConfigError("this writer was created without replicate_to")
-        if self._replicator is not None:
-            with contextlib.suppress(KeyError):
-                return self._replicator.future(name)
+        for replicator in (self._rank_replicator, self._replicator):
+            if replicator is not None:
+                with contextlib.suppress(KeyError):
+                    return replicator.future(name)
         return watch_for_commit(self.remote, name, poll_s=poll_s)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Drain background replication (bounded by ``timeout_s``) and stop its thread."""
-        if self._replicator is not None:
-            self._replicator.close(timeout_s)
+        """Drain background replication (bounded by ``timeout_s`` each) and stop its threads.
+
+        Raises:
+            ReplicationTimeoutError: still busy after ``timeout_s``.
+            BaseException: the first replication failure whose future nobody retrieved.
+        """
+        try:
+            if self._rank_replicator is not None:
+                self._rank_replicator.close(timeout_s)
+        finally:
+            if self._replicator is not None:
+                self._replicator.close(timeout_s)
 
     def storage_meta(self) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -436,6 +498,7 @@ class SafeStorageWriter(StorageWriter):
         state = self.__dict__.copy()
         state["_assignment"] = None
         state["_replicator"] = None  # a thread: the child process starts its own if needed
+        state["_rank_replicator"] = None
         return state
 
 

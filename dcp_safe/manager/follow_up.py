@@ -62,6 +62,11 @@ class FollowUp:
     def after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
         """``handle`` committed locally through ``writer``."""
         try:
+            self._tiers.await_commit(handle.name, writer)
+        except (DcpSafeError, OSError) as exc:
+            self._ledger.fail(handle, exc, tier="local", reason=f"remote commit failed: {exc}")
+            return
+        try:
             self._tiers.verify(handle.name, deep=self._deep)
         except (DcpSafeError, OSError) as exc:
             # Neither pruning nor a replication future: the newest checkpoint is not trusted.
@@ -80,7 +85,7 @@ class FollowUp:
         handle.committed.set_result(handle.name)
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
-        if writer.replicate_to is None:
+        if writer.replicate_to is None or self._tiers.node_cache is not None:
             handle.replicated.set_result(None)
             return
         remote = writer.replication(handle.name)

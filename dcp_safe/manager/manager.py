@@ -61,6 +61,8 @@ from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
 from dcp_safe.dcp import api
 from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, checkpoint_group, validate_deadline
+from dcp_safe.dcp.node_local import NodeLocalWriter
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
@@ -85,7 +87,7 @@ from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
-from dcp_safe.manager.tiers import Tiers
+from dcp_safe.manager.tiers import Tiers, writer_for
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -134,6 +136,11 @@ class CheckpointManager:
             save in flight; then the request is skipped (``force``: AdmissionTimeoutError).
         latency_objective_s: the oldest a save in flight may be; requests arriving later are
             skipped, with the reason recorded (``None``: not checked).
+        node_local: this node's local directory (NVMe). Each rank then writes there first and
+            uploads its own files to ``root`` (S3 or a shared directory), which holds the only
+            committed copy, its history and retention; restores read each file from the node
+            cache when it matches ``root``'s manifest, else from ``root``. Not with
+            ``replicate_to``. See :mod:`dcp_safe.dcp.node_local`.
 
     Raises:
         ConfigError: a bad option.
@@ -165,6 +172,7 @@ class CheckpointManager:
         deadline_s: float = DEFAULT_DEADLINE_S,
         wait_timeout_s: float = 600.0,
         latency_objective_s: float | None = None,
+        node_local: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -183,9 +191,12 @@ class CheckpointManager:
             policies.append(KeepEvery(keep_every))
         self.policy = combine(*policies)
         self.storage_options = storage_options
-        self.writer = writer or SafeStorageWriter(
-            root, replicate_to=replicate_to, storage_options=storage_options, attempt=attempt
+        self.node_local = None if node_local is None else os.fspath(node_local)
+        self.writer = writer or writer_for(
+            root, replicate_to, self.node_local, storage_options, attempt
         )
+        if self.node_local is not None and not isinstance(self.writer, NodeLocalWriter):
+            raise ConfigError("node_local= needs a NodeLocalWriter (or no writer= at all)")
         self.root = self.writer.root
         self.replicate_to = self.writer.replicate_to
         self._owns_stager = stager is None
@@ -196,7 +207,8 @@ class CheckpointManager:
             telemetry.attach_stager(self.stager)
         self._cond = threading.Condition()
         self._watch: MemoryWatch | None = None
-        self._history = History(self.writer.backend)
+        primary = self.writer.remote if self.node_local is not None else None
+        self._history = History(primary or self.writer.backend)
         self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
         # Every rank constructs its manager at the same point: creating the groups is collective.
@@ -212,7 +224,9 @@ class CheckpointManager:
             cond=self._cond,
             deferred=self._preemption_deferred,
             coordinator=self._agreement.coordinator,
+            node_cache=self.node_local,
         )
+        self.root = self._tiers.root  # where committed checkpoints live
         self._slot = SaveSlot(self._cond)
         self._closed = False
         self._ledger = Ledger(
@@ -255,6 +269,9 @@ class CheckpointManager:
             leaked_bytes=self._leaked_bytes,
         )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
+        # The reader of the latest restore; with node_local, its stats() say which files came
+        # from this node's cache and which from root, and why.
+        self.last_reader: SafeStorageReader | None = None
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = _close_at_exit(weakref.ref(self), exit_timeout_s)
         atexit.register(self._at_exit)
@@ -357,6 +374,7 @@ class CheckpointManager:
             reader.reset(wanted)
             return str(reader.checkpoint_id)
 
+        self.last_reader = reader
         number = -1 if step == layout.LATEST else int(step)
         with self._preemption_deferred():
             # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.

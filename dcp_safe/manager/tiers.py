@@ -19,6 +19,7 @@ manager's condition (``cond``), so a decision made under it sees one consistent 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -29,6 +30,8 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.history import History
+from dcp_safe.dcp.node_cache_reader import NodeCacheReader
+from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
@@ -36,7 +39,7 @@ from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
 
-__all__ = ["Tiers"]
+__all__ = ["Tiers", "writer_for"]
 
 
 class Tiers:
@@ -53,6 +56,10 @@ class Tiers:
         coordinator: this rank writes the shared state. In a multi-rank job the other ranks
             neither prune nor sweep, and check a new checkpoint's marker and manifest only
             (``validate="deep"`` reads every byte once, on the coordinator).
+        node_cache: this node's local root when ``writer`` is a
+            :class:`~dcp_safe.dcp.node_local.NodeLocalWriter`: then the checkpoints, their
+            retention and ``latest`` live on its remote (the only complete copy), and restores
+            read each file from this node cache when it matches the remote manifest.
     """
 
     def __init__(
@@ -66,12 +73,20 @@ class Tiers:
         cond: threading.Condition,
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
+        node_cache: str | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.writer = writer
-        self.root = writer.root
+        self.node_cache = node_cache
+        self.root: str = writer.root
+        self.backend: Backend = writer.backend
         self.replicate_to = writer.replicate_to
         self.storage_options = storage_options
+        if node_cache is not None and writer.replicate_to is not None and writer.remote:
+            # The remote is the checkpoint root; the local root holds node caches only.
+            self.root, self.backend = writer.replicate_to, writer.remote
+            self.storage_options = writer.replicate_storage_options
+            self.replicate_to = None
         self.policy = policy
         self.partial_grace_s = partial_grace_s
         self._history = history
@@ -85,12 +100,22 @@ class Tiers:
 
     # -- what is protected ----------------------------------------------------------------------
 
+    def await_commit(self, name: str, writer: SafeStorageWriter) -> None:
+        """Node-local saves exist once their remote commit does: wait for it (bounded by the
+        writer's own deadlines). Other saves are committed when DCP returns.
+
+        Raises:
+            CommitError: a rank's upload failed (named), or the remote commit did.
+        """
+        if self.node_cache is not None:
+            writer.replication(name).result()
+
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
         if deep and self.coordinator:
             verify_checkpoint(self.root, name, storage_options=self.storage_options)
         else:
-            open_committed(self.writer.backend, name)
+            open_committed(self.backend, name)
         with self._cond:
             self._validated.add(name)
 
@@ -172,7 +197,7 @@ class Tiers:
                 }
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
-                retire_checkpoint(self.writer.backend, name)
+                retire_checkpoint(self.backend, name)
                 with self._cond:
                     self._validated.discard(name)
                     self._replications.pop(name, None)
@@ -196,10 +221,41 @@ class Tiers:
         return found[-1].name if found else None
 
     def reader(self) -> SafeStorageReader:
-        """A reader of the local root with the replica as its fallback."""
+        """A reader of the local root with the replica as its fallback (or, node-local: of the
+        remote root, reading from this node's cache what it can)."""
+        if self.node_cache is not None:
+            return NodeCacheReader(
+                self.root, node_cache=self.node_cache, storage_options=self.storage_options
+            )
         return SafeStorageReader(
             self.root,
             storage_options=self.storage_options,
             fallback=self.replicate_to,
             fallback_storage_options=self.writer.replicate_storage_options,
         )
+
+
+def writer_for(
+    root: str | os.PathLike[str],
+    replicate_to: str | os.PathLike[str] | None,
+    node_local: str | None,
+    storage_options: dict[str, Any] | None,
+    attempt: int | None,
+) -> SafeStorageWriter:
+    """The writer of a manager's roots: one root (and its replica), or node-local and remote.
+
+    Raises:
+        ConfigError: ``node_local`` together with ``replicate_to``.
+    """
+    if node_local is None:
+        return SafeStorageWriter(
+            root, replicate_to=replicate_to, storage_options=storage_options, attempt=attempt
+        )
+    if replicate_to is not None:
+        raise ConfigError(
+            "node_local= and replicate_to= do not go together: with node_local, root is the"
+            " shared remote every rank uploads to"
+        )
+    return NodeLocalWriter(
+        node_local, remote=root, remote_storage_options=storage_options, attempt=attempt
+    )

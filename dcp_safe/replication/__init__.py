@@ -1,5 +1,9 @@
 """Background replication of committed checkpoints to a second root (the S3 tier).
 
-:mod:`dcp_safe.replication.replicator` copies a committed local checkpoint's files, checking
-every item's checksum as the bytes stream, and repeats the commit protocol on the remote root.
+:mod:`~dcp_safe.replication.replicator` copies a committed local checkpoint's files on one
+process; :mod:`~dcp_safe.replication.rank_replicator` has each rank of a multi-rank save upload
+its own files (:mod:`~dcp_safe.replication.rank_upload`: the per-rank upload and its storage
+markers, also used by ``NodeLocalWriter``). Both check every item's checksum as the bytes stream
+(:mod:`~dcp_safe.replication.copying`) and repeat the commit protocol on the remote root
+(:mod:`~dcp_safe.replication.remote_commit`).
 """

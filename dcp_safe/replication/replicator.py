@@ -15,7 +15,9 @@ Where the copy lands follows the remote backend's capability flags, like the com
 backend that renames atomically (a second local disk, NFS) gets a hidden partial directory
 renamed into place without replacing anything; an object store gets the files under ``<name>/``
 directly, where nothing counts until the marker exists. A failure before the marker removes
-what was uploaded (best effort) and re-raises the original exception.
+what was uploaded (best effort) and re-raises the original exception. (The verified copy is
+:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.replication.remote_commit`'s;
+a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`.)
 
 Why it is built this way:
 
@@ -42,33 +44,22 @@ a remote object missing or of the wrong size after upload is
 
 from __future__ import annotations
 
-import contextlib
-import posixpath
 import threading
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import NoReturn
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
-    CheckpointCorruptError,
-    CheckpointExistsError,
     ConfigError,
     ReplicationSkippedError,
     ReplicationTimeoutError,
-    StorageError,
 )
-from dcp_safe.manifest.schema import (
-    FileRecord,
-    ItemRecord,
-    Manifest,
-    manifest_digest,
-)
-from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, CheckpointCopy, copy_file_verified
+from dcp_safe.replication.remote_commit import open_source, publish_remote, remote_committed
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -114,205 +105,14 @@ def replicate_checkpoint(
     name = layout.validate_name(name)
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    manifest, raw = _open_source(local, name)
+    manifest, raw = open_source(local, name)
     digest = manifest_digest(raw)
-    if _remote_committed(remote, name, digest):
+    if remote_committed(remote, name, digest):
         return manifest
-    copy = _Copy(local, remote, name, manifest, raw, chunk_bytes)
-    _publish(copy, digest)
+    copy = CheckpointCopy(local, remote, name, manifest, raw, chunk_bytes)
+    work_dir = strategy_for(remote).work_dir(name, layout.new_save_id())
+    publish_remote(remote, name, digest, work_dir, lambda: copy.upload_to(work_dir), copy.uploaded)
     return manifest
-
-
-def _open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:
-    """The committed local manifest and its exact bytes (the remote copy must be identical)."""
-    manifest = open_committed(local, name).manifest
-    rel = f"{name}/{layout.MANIFEST}"
-    raw = local.read_bytes(rel)
-    if Manifest.from_json(raw, local.full_path(rel)) != manifest:
-        raise CheckpointCorruptError(local.full_path(rel), "manifest changed while being opened")
-    return manifest, raw
-
-
-def _remote_committed(remote: Backend, name: str, digest: str) -> bool:
-    """True when ``remote`` holds ``name`` committed with ``digest``.
-
-    Raises:
-        CheckpointExistsError: it is committed there with another digest.
-        CheckpointCorruptError: its marker is ours but its manifest does not match it.
-    """
-    try:
-        marker = remote.read_bytes(f"{name}/{layout.COMMITTED_MARKER}")
-    except FileNotFoundError:
-        return False
-    if marker.decode("ascii", errors="replace").strip() != digest:
-        raise CheckpointExistsError(remote.full_path(name))
-    open_committed(remote, name)
-    return True
-
-
-def _publish(copy: _Copy, digest: str) -> None:
-    """Upload where the remote's strategy says, then publish (never replacing)."""
-    remote, name = copy.remote, copy.name
-    strategy = strategy_for(remote)
-    work_dir = strategy.work_dir(name, layout.new_save_id())
-    try:
-        copy.upload_to(work_dir)
-        try:
-            strategy.publish(remote, work_dir, name, digest.encode())
-        except FileExistsError as exc:
-            _require_ours(remote, name, digest, exc)  # e.g. published meanwhile, reply lost
-    except BaseException:
-        if strategy.in_place:
-            _remove_uploads(remote, name, copy.uploaded)
-        raise
-    finally:
-        if not strategy.in_place:
-            # Best effort, never hiding the real error; absent once published (a no-op then).
-            # A partial left behind is collected by the sweeper after its grace period.
-            with contextlib.suppress(Exception):
-                remote.remove_tree(work_dir)
-
-
-def _require_ours(remote: Backend, name: str, digest: str, exc: FileExistsError) -> None:
-    """After a refused publish: fine if ``name`` is committed with our digest, else raise."""
-    if not _remote_committed(remote, name, digest):
-        raise CheckpointExistsError(remote.full_path(name)) from exc
-
-
-def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
-    """Best effort: drop what this attempt uploaded, unless ``name`` got committed meanwhile
-    (then the objects may be a committed checkpoint's, ours or another writer's). Never
-    raises: the caller is already raising the error that matters."""
-    with contextlib.suppress(Exception):
-        if remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-            return
-        for rel in uploaded:
-            remote.remove_file(rel)
-        if not any(True for _ in remote.walk_files(name)):
-            remote.remove_tree(name)  # empty directories, where the backend has them
-
-
-# --------------------------------------------------------------------- copying
-
-
-class _Copy:
-    """The files of one checkpoint, copied and verified on their way to one destination."""
-
-    def __init__(
-        self,
-        local: Backend,
-        remote: Backend,
-        name: str,
-        manifest: Manifest,
-        raw_manifest: bytes,
-        chunk_bytes: int,
-    ) -> None:
-        self.local, self.remote, self.name = local, remote, name
-        self.manifest = manifest
-        self.raw_manifest = raw_manifest
-        self.chunk_bytes = chunk_bytes
-        self.uploaded: list[str] = []
-        self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
-
-    def upload_to(self, dest: str) -> None:
-        """Copy every file and the manifest under ``dest``, then check every remote size."""
-        folders = sorted({posixpath.dirname(f.path) for f in self.manifest.files} - {""})
-        self.remote.makedirs(dest)
-        for folder in folders:
-            self.remote.makedirs(f"{dest}/{folder}")
-        for record in self.manifest.files:
-            self.uploaded.append(f"{dest}/{record.path}")
-            self._copy_file(record, f"{dest}/{record.path}")
-        self.uploaded.append(f"{dest}/{layout.MANIFEST}")
-        self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
-        expected = [(f.path, f.size) for f in self.manifest.files]
-        for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
-            self._check_size(f"{dest}/{path}", size)
-        for folder in folders:
-            self.remote.sync_dir(f"{dest}/{folder}")
-
-    def _copy_file(self, record: FileRecord, dst: str) -> None:
-        copy_file_verified(
-            self.local,
-            f"{self.name}/{record.path}",
-            self.remote,
-            dst,
-            record,
-            self.items.get(record.path, []),
-            chunk_bytes=self.chunk_bytes,
-        )
-
-    def _check_size(self, rel: str, expected: int) -> None:
-        try:
-            actual = self.remote.size(rel)
-        except FileNotFoundError as exc:
-            raise StorageError(
-                "verify", self.remote.full_path(rel), "uploaded file is missing"
-            ) from exc
-        if actual != expected:
-            raise StorageError(
-                "verify",
-                self.remote.full_path(rel),
-                f"uploaded file has {actual} bytes, the manifest says {expected}",
-            )
-
-
-def copy_file_verified(
-    source: Backend,
-    src: str,
-    dest: Backend,
-    dst: str,
-    record: FileRecord,
-    items: Sequence[ItemRecord],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> None:
-    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
-
-    The whole-file checksum (small files) or each item's checksum (shard files, whose
-    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
-    so a source byte flipped since it was written is never made durable a second time.
-
-    Raises:
-        CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
-            (``dst`` may then hold a partial copy; it is the caller's to remove).
-        StorageError: reading or writing failed.
-    """
-    path = source.full_path(src)
-    check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
-    try:
-        actual = source.size(src)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
-    if actual != record.size:
-        raise CheckpointCorruptError(
-            path, "file size differs from the manifest", expected=record.size, actual=actual
-        )
-    with source.open_read(src) as reader, dest.open_write(dst) as writer:
-        remaining = record.size
-        while remaining:
-            data = _read(reader.read, min(chunk_bytes, remaining), path)
-            if not data:
-                raise CheckpointCorruptError(
-                    path,
-                    "file is shorter than the manifest says",
-                    expected=record.size,
-                    actual=record.size - remaining,
-                )
-            check.update(data)
-            writer.write(data)
-            remaining -= len(data)
-        check.finish()
-
-
-def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
-    # Map here: left raw, a local read error would surface as the remote write failing.
-    try:
-        return read(size)
-    except StorageError:
-        raise
-    except OSError as exc:
-        raise StorageError("read", path, exc) from exc
 
 
 # --------------------------------------------------------------------- background
@@ -402,6 +202,7 @@ class Replicator:
             ConfigError: the replicator is closed.
         """
         name = layout.validate_name(name)
+        superseded = None
         with self._cond:
             if self._closed:
                 raise ConfigError("this Replicator is closed; it takes no new checkpoints")
@@ -410,7 +211,8 @@ class Replicator:
                 return existing
             future = _ReplicationFuture()
             if self._pending is not None and self._pending != name:  # equal: it was cancelled
-                self._skip(self._pending, superseded_by=name)
+                superseded = self._pending
+                self._skip(superseded, superseded_by=name)
             self._pending = name
             self._futures.pop(name, None)
             self._futures[name] = future
@@ -421,7 +223,9 @@ class Replicator:
                 )
                 self._last_thread = self._thread
                 self._thread.start()
-            return future
+        if superseded is not None:
+            self._skipped(superseded, superseded_by=name)
+        return future
 
     def future(self, name: str) -> Future[Manifest]:
         """The future of the latest submission of ``name``.
@@ -500,11 +304,16 @@ class Replicator:
                 self._forget_old()
                 self._cond.notify_all()
 
+    def _replicate(self, name: str) -> Manifest:
+        """One replication, on the worker thread (a subclass may do it its own way)."""
+        return replicate_checkpoint(self.local, self.remote, name, chunk_bytes=self.chunk_bytes)
+
+    def _skipped(self, name: str, *, superseded_by: str) -> None:
+        """Called by :meth:`submit`, without the lock, after it skipped pending ``name``."""
+
     def _run(self, name: str, future: _ReplicationFuture) -> None:
         try:
-            manifest = replicate_checkpoint(
-                self.local, self.remote, name, chunk_bytes=self.chunk_bytes
-            )
+            manifest = self._replicate(name)
         except BaseException as exc:  # the owner decides what is fatal; it reaches the future
             with self._cond:
                 if self._unseen is None or self._unseen.retrieved:

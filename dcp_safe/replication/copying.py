@@ -1,0 +1,204 @@
+"""Verified copies of checkpoint files from one root to another, checked as the bytes stream.
+
+Shared by every path that moves checkpoint bytes to the remote tier: the single-process
+:class:`~dcp_safe.replication.replicator.Replicator` (one process copies a whole checkpoint) and
+the per-rank uploads of :mod:`dcp_safe.replication.rank_upload` (each rank copies the files it
+wrote). Nothing here decides where a copy lands or publishes anything; the callers do.
+
+The whole-file checksum (small files) or each item's checksum (shard files) is recomputed from
+the bytes in flight, so a source byte flipped since it was written is never made durable a
+second time; one chunk per file is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from collections.abc import Callable, Iterable, Sequence
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+from dcp_safe.errors import CheckpointCorruptError, StorageError
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "CheckpointCopy",
+    "check_remote_size",
+    "copy_file_retrying",
+    "copy_file_verified",
+    "make_folders",
+]
+
+
+def copy_file_verified(
+    source: Backend,
+    src: str,
+    dest: Backend,
+    dst: str,
+    record: FileRecord,
+    items: Sequence[ItemRecord],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
+
+    The whole-file checksum (small files) or each item's checksum (shard files, whose
+    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
+    so a source byte flipped since it was written is never made durable a second time.
+
+    Raises:
+        CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
+            (``dst`` may then hold a partial copy; it is the caller's to remove).
+        StorageError: reading or writing failed.
+    """
+    path = source.full_path(src)
+    check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
+    try:
+        actual = source.size(src)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None
+    if actual != record.size:
+        raise CheckpointCorruptError(
+            path, "file size differs from the manifest", expected=record.size, actual=actual
+        )
+    with source.open_read(src) as reader, dest.open_write(dst) as writer:
+        remaining = record.size
+        while remaining:
+            data = _read(reader.read, min(chunk_bytes, remaining), path)
+            if not data:
+                raise CheckpointCorruptError(
+                    path,
+                    "file is shorter than the manifest says",
+                    expected=record.size,
+                    actual=record.size - remaining,
+                )
+            check.update(data)
+            writer.write(data)
+            remaining -= len(data)
+        check.finish()
+
+
+def copy_file_retrying(
+    source: Backend,
+    src: str,
+    dest: Backend,
+    dst: str,
+    record: FileRecord,
+    items: Sequence[ItemRecord],
+    *,
+    chunk_bytes: int,
+    retry: RetryPolicy | None,
+) -> None:
+    """:func:`copy_file_verified`, started over whole after a transient failure (a streamed
+    upload cannot be resumed where it broke). ``retry=None`` tries once."""
+    copy = functools.partial(
+        copy_file_verified, source, src, dest, dst, record, items, chunk_bytes=chunk_bytes
+    )
+    if retry is None:
+        copy()
+    else:
+        call_with_retries("upload", dest.full_path(dst), copy, retry)
+
+
+def check_remote_size(remote: Backend, rel: str, expected: int) -> None:
+    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes.
+
+    Raises:
+        StorageError: it is missing or of another size (the remote tier misbehaved).
+    """
+    try:
+        actual = remote.size(rel)
+    except FileNotFoundError as exc:
+        raise StorageError("verify", remote.full_path(rel), "uploaded file is missing") from exc
+    if actual != expected:
+        raise StorageError(
+            "verify",
+            remote.full_path(rel),
+            f"uploaded file has {actual} bytes, the manifest says {expected}",
+        )
+
+
+class CheckpointCopy:
+    """The files of one committed checkpoint, copied and verified on their way to ``remote``.
+
+    Call order: :meth:`copy_files` (any subset, any number of times), then :meth:`finish_upload`
+    (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
+    file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up.
+    """
+
+    def __init__(
+        self,
+        local: Backend,
+        remote: Backend,
+        name: str,
+        manifest: Manifest,
+        raw_manifest: bytes,
+        chunk_bytes: int,
+        *,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.local, self.remote, self.name = local, remote, name
+        self.manifest = manifest
+        self.raw_manifest = raw_manifest
+        self.chunk_bytes = chunk_bytes
+        self.retry = retry
+        self.uploaded: list[str] = []
+        self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
+        self.records = {f.path: f for f in manifest.files}
+
+    def upload_to(self, dest: str) -> None:
+        """Copy every file and the manifest under ``dest``, then check every remote size."""
+        self.copy_files(dest, self.manifest.files)
+        self.finish_upload(dest)
+
+    def copy_files(self, dest: str, records: Iterable[FileRecord]) -> None:
+        """Copy ``records`` (files of this checkpoint) under ``dest``, verified, in order."""
+        records = list(records)
+        make_folders(self.remote, dest, (r.path for r in records))
+        for record in records:
+            dst = f"{dest}/{record.path}"
+            self.uploaded.append(dst)
+            copy_file_retrying(
+                self.local,
+                f"{self.name}/{record.path}",
+                self.remote,
+                dst,
+                record,
+                self.items.get(record.path, []),
+                chunk_bytes=self.chunk_bytes,
+                retry=self.retry,
+            )
+
+    def finish_upload(self, dest: str) -> None:
+        """Write the manifest, then check that every file of it is under ``dest`` whole."""
+        self.uploaded.append(f"{dest}/{layout.MANIFEST}")
+        self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
+        expected = [(f.path, f.size) for f in self.manifest.files]
+        for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
+            check_remote_size(self.remote, f"{dest}/{path}", size)
+        for folder in _folders(path for path, _ in expected):
+            self.remote.sync_dir(f"{dest}/{folder}")
+
+
+def make_folders(remote: Backend, dest: str, paths: Iterable[str]) -> None:
+    """Create ``dest`` and the folders ``paths`` (relative to it) sit in."""
+    remote.makedirs(dest)
+    for folder in _folders(paths):
+        remote.makedirs(f"{dest}/{folder}")
+
+
+def _folders(paths: Iterable[str]) -> list[str]:
+    return sorted({posixpath.dirname(p) for p in paths} - {""})
+
+
+def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
+    # Map here: left raw, a local read error would surface as the remote write failing.
+    try:
+        return read(size)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError("read", path, exc) from exc

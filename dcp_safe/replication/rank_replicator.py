@@ -1,0 +1,237 @@
+"""Replication of a multi-rank checkpoint from one shared local root: each rank uploads its part.
+
+``SafeStorageWriter(root, replicate_to=remote)`` in a job of several ranks that share ``root``
+runs one :class:`RankReplicator` per rank. For each save (``R`` a rank, ``W`` the remote work
+location, see :mod:`dcp_safe.replication.rank_upload`)::
+
+    every rank   write_data -> begin    after its own files are written locally
+    every rank   (background)           waits, bounded, for the local _COMMITTED of this save
+                                        (rank 0 publishes it in finish; it is on shared storage)
+    every rank   (background)           uploads exactly the files its own committed rank
+                                        manifest lists, verified in flight, then that rank
+                                        manifest to W/_ranks/rank_R.json, last: "arrived"
+    rank 0       (background)           waits, bounded, for every rank's arrival, uploads the
+                                        rest (.metadata), manifest.json (the local one, byte
+                                        for byte), checks every object's size, and writes the
+                                        remote _COMMITTED last, as the single-process
+                                        Replicator does
+    other ranks  (background)           wait, bounded, for the remote _COMMITTED
+
+So each rank's upload bandwidth carries only its own bytes, and coordination goes through
+storage markers, never through a process group. A rank whose upload fails writes its failure
+marker: every rank's future fails with :class:`~dcp_safe.errors.CommitError` naming it, and
+nothing is committed remotely. The local commit is awaited through storage because ranks other
+than 0 get no call from DCP after ``write_data``; a save that fails before its local commit
+ends the wait through a marker (a rank's failed write, rank 0's failed publish), or when this
+rank's next save begins or the writer closes (the failed save is then final).
+
+Coalescing, as in :class:`~dcp_safe.replication.replicator.Replicator` (this is one): at most
+one save is uploading and one pending per rank; a newer save replaces the pending one. Ranks
+decide that independently, so a rank that skips a save says so with a marker, and every rank's
+future of that save fails with :class:`~dcp_safe.errors.ReplicationSkippedError`: a save is
+replicated by all ranks or by none.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.checkpoints.watch import poll_until
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CommitError,
+    ReplicationSkippedError,
+)
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
+from dcp_safe.replication.copying import CheckpointCopy
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    await_arrivals,
+    await_remote_commit,
+    raise_reported_failures,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+    report_rank_skipped,
+    upload_rank_part,
+)
+from dcp_safe.replication.remote_commit import (
+    open_source,
+    publish_remote,
+    remote_committed,
+    remove_uploads,
+)
+from dcp_safe.replication.replicator import Replicator
+
+__all__ = ["RankReplicator", "RankSave"]
+
+
+@dataclass(frozen=True)
+class RankSave:
+    """This rank's share of one save: what ``SafeStorageWriter.prepare_global_plan`` assigned."""
+
+    save_id: str
+    rank: int
+    world_size: int
+
+
+class RankReplicator(Replicator):
+    """Uploads this rank's part of each multi-rank checkpoint committed under a shared root.
+
+    Call order: :meth:`begin` once per save, right after this rank wrote its files (it also
+    tells the replicator that every earlier save on this rank has ended); :meth:`future` for
+    the outcome (the remote manifest once ``_COMMITTED`` exists there, or the cause);
+    :meth:`close` once at the end. Errors, coalescing and thread handling are the base class's.
+
+    Args:
+        local: the shared root the checkpoints are committed to.
+        remote: the root they are replicated to.
+        options: deadlines, polling and chunk size of the background steps.
+        retry: how a file upload that fails transiently is started over.
+    """
+
+    def __init__(
+        self,
+        local: Backend,
+        remote: Backend,
+        *,
+        options: UploadOptions | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.options = options or UploadOptions()
+        super().__init__(local, remote, chunk_bytes=self.options.chunk_bytes)
+        self.retry = retry
+        self._saves: dict[str, RankSave] = {}
+        self._ended: set[str] = set()  # saves known to have ended on this rank
+
+    def begin(self, name: str, save: RankSave) -> Future[Manifest]:
+        """Start replicating this rank's part of save ``save`` of ``name`` in the background."""
+        name = layout.validate_name(name)
+        with self._cond:
+            self._ended.update(self._saves)
+            self._ended.discard(name)
+            self._saves[name] = save
+            for old in [n for n in self._saves if n != name and n not in self._futures]:
+                del self._saves[old]
+                self._ended.discard(old)
+        return self.submit(name)
+
+    def end_saves(self) -> None:
+        """Every save begun so far has ended on this rank (committed locally, or failed)."""
+        with self._cond:
+            self._ended.update(self._saves)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        self.end_saves()
+        super().close(timeout_s)
+
+    # ----------------------------------------------------------------- worker
+
+    def _skipped(self, name: str, *, superseded_by: str) -> None:
+        with self._cond:
+            save = self._saves.get(name)
+        if save is not None:
+            work = remote_work_dir(self.remote, name, save.save_id)
+            report_rank_skipped(self.remote, work, save.rank, save.save_id, superseded_by)
+
+    def _replicate(self, name: str) -> Manifest:
+        with self._cond:
+            save = self._saves[name]
+        work = remote_work_dir(self.remote, name, save.save_id)
+        manifest, raw = self._await_local_commit(name, save, work)
+        digest = manifest_digest(raw)
+        if remote_committed(self.remote, name, digest):
+            return manifest  # replicated before (every rank sees the same)
+        copy = CheckpointCopy(
+            self.local, self.remote, name, manifest, raw, self.chunk_bytes, retry=self.retry
+        )
+        try:
+            upload_rank_part(
+                self.local,
+                name,
+                self.remote,
+                work,
+                save.rank,
+                chunk_bytes=self.chunk_bytes,
+                retry=self.retry,
+                uploaded=copy.uploaded,
+                expected=_record(copy, layout.rank_manifest_name(save.rank)),
+            )
+        except Exception as exc:
+            report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
+            remove_uploads(self.remote, name, copy.uploaded)
+            raise CommitError(
+                f"rank {save.rank} could not upload its part of {name}; nothing was published",
+                {save.rank: f"{type(exc).__name__}: {exc}"},
+            ) from exc
+        if save.rank == 0:
+            return self._commit(copy, save, work, digest)
+        try:
+            return await_remote_commit(self.remote, name, work, save.save_id, self.options)
+        except BaseException:
+            remove_uploads(self.remote, name, copy.uploaded)
+            raise
+
+    def _await_local_commit(self, name: str, save: RankSave, work: str) -> tuple[Manifest, bytes]:
+        def committed() -> tuple[Manifest, bytes] | None:
+            with self._cond:
+                ended = name in self._ended
+            try:
+                manifest, raw = open_source(self.local, name)
+            except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+                manifest = None  # not published yet
+            if manifest is not None and manifest.save_id == save.save_id:
+                return manifest, raw
+            raise_reported_failures(self.remote, work, save.save_id, name)
+            if ended:
+                raise CommitError(f"save {save.save_id} of {name} was not committed locally")
+            return None
+
+        return poll_until(
+            committed,
+            timeout_s=self.options.remote_timeout_s,
+            poll_s=self.options.poll_s,
+            waiting_for=f"{self.local.full_path(name)}/{layout.COMMITTED_MARKER}",
+        )
+
+    def _commit(self, copy: CheckpointCopy, save: RankSave, work: str, digest: str) -> Manifest:
+        """Rank 0: once every rank arrived, upload the rest and publish as the Replicator does."""
+        name = copy.name
+
+        def upload() -> None:
+            await_arrivals(self.remote, work, save.save_id, name, save.world_size, self.options)
+            copy.copy_files(work, self._unowned_files(copy.manifest, name, save.world_size))
+            copy.finish_upload(work)
+
+        try:
+            publish_remote(self.remote, name, digest, work, upload, copy.uploaded)
+        except ReplicationSkippedError:
+            raise  # every rank sees the skip marker itself
+        except BaseException as exc:
+            report_commit_failure(self.remote, work, save.save_id, exc)
+            raise
+        return copy.manifest
+
+    def _unowned_files(self, manifest: Manifest, name: str, world_size: int) -> list[FileRecord]:
+        """The checkpoint's files no rank uploads as its own part (``.metadata``)."""
+        owned: set[str] = set()
+        for rank in range(world_size):
+            rel = f"{name}/{layout.rank_manifest_name(rank)}"
+            part = RankManifest.from_json(self.local.read_bytes(rel), self.local.full_path(rel))
+            owned.update(f.path for f in part.files)
+            owned.add(layout.rank_manifest_name(rank))
+        return [f for f in manifest.files if f.path not in owned]
+
+
+def _record(copy: CheckpointCopy, rel: str) -> FileRecord:
+    record = copy.records.get(rel)
+    if record is None:
+        raise CheckpointCorruptError(
+            copy.local.full_path(f"{copy.name}/{layout.MANIFEST}"), f"manifest does not list {rel}"
+        )
+    return record

@@ -1,0 +1,330 @@
+"""Per-rank uploads to a shared remote root, coordinated through storage markers only.
+
+When several ranks put one checkpoint on the remote tier, each rank uploads the files it wrote
+and rank 0 publishes. Two writers do this: ``NodeLocalWriter`` (each node's own disk, uploads
+from the uncommitted work directory) and ``SafeStorageWriter(replicate_to=...)`` on several
+ranks (one shared local root, uploads from the committed checkpoint; see
+:mod:`dcp_safe.replication.rank_replicator`). The protocol, with ``R`` a rank and ``W`` the
+remote work location (``<name>/`` on an object store, a hidden partial directory on storage
+that renames atomically; :func:`remote_work_dir`)::
+
+    every rank   upload_rank_part       its files, checksums recomputed in flight, then its
+                                        rank manifest W/_ranks/rank_R.json, last: "arrived"
+    rank 0       await_arrivals         bounded, until every rank's remote rank manifest exists
+    rank 0       (the caller)           publishes W: .metadata, manifest.json, _COMMITTED last
+    other ranks  await_remote_commit    bounded, until the remote _COMMITTED names this save
+
+Nothing here calls into a process group, so a slow remote never blocks a collective. Failures
+travel as markers beside the rank manifests, named with the save id so that a stale marker
+never touches a later save of the same name:
+
+* ``W/_ranks/rank_R.failed-<save id>``: rank R failed to write or upload its part;
+* ``W/_ranks/rank_R.skipped-<save id>``: rank R dropped this save for a newer one (it holds
+  the newer name);
+* ``W/_FAILED-<save id>``: rank 0's commit failed.
+
+Every wait raises :class:`~dcp_safe.errors.CommitError` naming the failed ranks (or
+:class:`~dcp_safe.errors.ReplicationSkippedError`) as soon as it sees one, and
+:class:`~dcp_safe.errors.ReplicationTimeoutError` at its deadline (a rank killed outright).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.checkpoints.watch import poll_until
+from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    ReplicationSkippedError,
+)
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
+from dcp_safe.manifest.verify import FileCheck, items_by_file
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_retrying, make_folders
+
+__all__ = [
+    "FAILED_PREFIX",
+    "UploadOptions",
+    "await_arrivals",
+    "await_remote_commit",
+    "raise_reported_failures",
+    "remote_work_dir",
+    "report_commit_failure",
+    "report_rank_failure",
+    "report_rank_skipped",
+    "upload_rank_part",
+]
+
+FAILED_PREFIX = "_FAILED-"
+_FAILED_INFIX = ".failed-"
+_SKIPPED_INFIX = ".skipped-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadOptions:
+    """How long and how often the background steps of a per-rank upload wait.
+
+    Args:
+        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest (and a
+            rank for the local commit it uploads from). A rank waits twice this for the remote
+            commit, so that rank 0's verdict, with its cause, reaches every rank before they
+            give up on their own.
+        poll_s: pause between polls of the markers.
+        chunk_bytes: bytes read and uploaded at a time, per file.
+    """
+
+    remote_timeout_s: float = 1800.0
+    poll_s: float = 0.5
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if self.remote_timeout_s <= 0 or self.poll_s <= 0 or self.chunk_bytes < 1:
+            raise ConfigError(
+                "remote_timeout_s, poll_s and chunk_bytes must be positive, got "
+                f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
+            )
+
+
+def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
+    """Where every rank uploads: decided by the remote's flags, the same on every rank."""
+    return strategy_for(remote).work_dir(name, save_id)
+
+
+# --------------------------------------------------------------------- uploading
+
+
+def upload_rank_part(
+    local: Backend,
+    local_dir: str,
+    remote: Backend,
+    work: str,
+    rank: int,
+    *,
+    chunk_bytes: int,
+    retry: RetryPolicy | None,
+    uploaded: list[str],
+    expected: FileRecord | None = None,
+) -> None:
+    """Copy rank ``rank``'s files from ``local_dir`` to ``work``, verified; its manifest last.
+
+    The files are exactly those the rank manifest ``local_dir/_ranks/rank_R.json`` lists, each
+    checked against its items' checksums as it streams (and copied again whole after a
+    transient failure). The remote rank manifest, written last, says "arrived".
+
+    Args:
+        uploaded: each remote path is appended before it is written, for the caller's clean-up.
+        expected: the rank manifest's record in the checkpoint's manifest, when the part is
+            uploaded from a committed checkpoint: its bytes must match it.
+
+    Raises:
+        CheckpointCorruptError: a local file (or the rank manifest) does not match its record.
+        StorageError: reading or writing failed.
+    """
+    rel = layout.rank_manifest_name(rank)
+    local_rel = f"{local_dir}/{rel}"
+    path = local.full_path(local_rel)
+    raw = local.read_bytes(local_rel)
+    if expected is not None:
+        _check_bytes(path, raw, expected)
+    manifest = RankManifest.from_json(raw, path)
+    if manifest.rank != rank:
+        raise CheckpointCorruptError(path, f"rank manifest of rank {manifest.rank}, not {rank}")
+    items = items_by_file(path, manifest)
+    make_folders(remote, work, [*(f.path for f in manifest.files), rel])
+    for record in manifest.files:
+        uploaded.append(f"{work}/{record.path}")
+        copy_file_retrying(
+            local,
+            f"{local_dir}/{record.path}",
+            remote,
+            f"{work}/{record.path}",
+            record,
+            items.get(record.path, []),
+            chunk_bytes=chunk_bytes,
+            retry=retry,
+        )
+    uploaded.append(f"{work}/{rel}")
+    remote.write_bytes(f"{work}/{rel}", raw)
+
+
+def _check_bytes(path: str, data: bytes, record: FileRecord) -> None:
+    if len(data) != record.size:
+        raise CheckpointCorruptError(
+            path, "file size differs from the manifest", expected=record.size, actual=len(data)
+        )
+    check = FileCheck(path, record, [])
+    check.update(data)
+    check.finish()
+
+
+# --------------------------------------------------------------------- markers
+
+
+def report_rank_failure(
+    remote: Backend, work: str, rank: int, save_id: str, exc: BaseException
+) -> None:
+    """Best effort: tell the peers that ``rank`` failed; the caller re-raises ``exc``."""
+    _write_marker(
+        remote,
+        f"{work}/{layout.RANKS_DIR}/{_rank_marker(rank, _FAILED_INFIX, save_id)}",
+        _describe(exc),
+    )
+
+
+def report_rank_skipped(
+    remote: Backend, work: str, rank: int, save_id: str, superseded_by: str
+) -> None:
+    """Best effort: tell the peers that ``rank`` dropped this save for ``superseded_by``."""
+    _write_marker(
+        remote,
+        f"{work}/{layout.RANKS_DIR}/{_rank_marker(rank, _SKIPPED_INFIX, save_id)}",
+        superseded_by,
+    )
+
+
+def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseException) -> None:
+    """Best effort: tell the peers that rank 0's commit failed; the caller re-raises ``exc``."""
+    _write_marker(remote, f"{work}/{FAILED_PREFIX}{save_id}", _describe(exc))
+
+
+def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str) -> set[str]:
+    """Raise if a peer reported that save ``save_id`` of ``name`` failed or was skipped.
+
+    Returns:
+        The entries of ``W/_ranks`` (names, not paths), for the caller's own checks.
+
+    Raises:
+        CommitError: ranks failed (naming each), or rank 0's commit failed.
+        ReplicationSkippedError: a rank dropped this save for a newer one.
+    """
+    ranks_dir = f"{work}/{layout.RANKS_DIR}"
+    present = set(remote.list_dir(ranks_dir))
+    failed = sorted(e for e in present if e.endswith(f"{_FAILED_INFIX}{save_id}"))
+    if failed:
+        raise CommitError(
+            "ranks failed to write or upload their part; nothing was published",
+            {_rank_of(e): _read_text(remote, f"{ranks_dir}/{e}") for e in failed},
+        )
+    skipped = sorted(e for e in present if e.endswith(f"{_SKIPPED_INFIX}{save_id}"))
+    if skipped:
+        raise ReplicationSkippedError(name, _read_text(remote, f"{ranks_dir}/{skipped[0]}"))
+    commit_failed = f"{work}/{FAILED_PREFIX}{save_id}"
+    if remote.exists(commit_failed):
+        raise CommitError(
+            "the remote commit failed; nothing was published",
+            {0: _read_text(remote, commit_failed)},
+        )
+    return present
+
+
+# --------------------------------------------------------------------- waiting
+
+
+def await_arrivals(
+    remote: Backend,
+    work: str,
+    save_id: str,
+    name: str,
+    world_size: int,
+    options: UploadOptions,
+) -> None:
+    """Wait (rank 0), bounded, until every rank's remote rank manifest exists.
+
+    Raises:
+        CommitError, ReplicationSkippedError: a rank reported its failure or a skip.
+        ReplicationTimeoutError: not every rank arrived within ``options.remote_timeout_s``.
+    """
+    expected = {layout.rank_manifest_name(r).rpartition("/")[2] for r in range(world_size)}
+
+    def arrived() -> bool | None:
+        present = raise_reported_failures(remote, work, save_id, name)
+        return True if expected <= present else None
+
+    poll_until(
+        arrived,
+        timeout_s=options.remote_timeout_s,
+        poll_s=options.poll_s,
+        waiting_for=f"every rank's manifest under {remote.full_path(work)}",
+    )
+
+
+def await_remote_commit(
+    remote: Backend,
+    name: str,
+    work: str,
+    save_id: str,
+    options: UploadOptions,
+    *,
+    before: Callable[[], None] = lambda: None,
+) -> Manifest:
+    """Wait, bounded by twice ``options.remote_timeout_s``, for ``name``'s remote commit.
+
+    Args:
+        before: called first on every poll; raises to end the wait (rank 0's own outcome,
+            when it runs in this very process).
+
+    Returns:
+        The remote manifest, once ``_COMMITTED`` names save ``save_id``.
+
+    Raises:
+        CheckpointExistsError: another save committed ``name`` on the remote.
+        CommitError, ReplicationSkippedError: a peer reported a failure or a skip.
+        ReplicationTimeoutError: nothing happened by the deadline.
+    """
+
+    def committed() -> Manifest | None:
+        before()
+        try:
+            manifest = open_committed(remote, name).manifest
+        except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+            manifest = None  # not there yet, or half-visible on an eventually consistent store
+        if manifest is not None:
+            if manifest.save_id != save_id:
+                raise CheckpointExistsError(remote.full_path(name), "another save committed it")
+            return manifest
+        raise_reported_failures(remote, work, save_id, name)
+        return None
+
+    return poll_until(
+        committed,
+        timeout_s=2 * options.remote_timeout_s,
+        poll_s=options.poll_s,
+        waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
+    )
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _rank_marker(rank: int, infix: str, save_id: str) -> str:
+    return f"rank_{rank:05d}{infix}{save_id}"
+
+
+def _rank_of(entry: str) -> int:
+    return int(entry[len("rank_") : len("rank_") + 5])
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _write_marker(remote: Backend, rel: str, text: str) -> None:
+    # Best effort: a peer that misses it still stops at its deadline.
+    with contextlib.suppress(Exception):
+        remote.makedirs(posixpath.dirname(rel))  # a renaming remote's partial may not exist yet
+        remote.write_bytes(rel, text.encode())
+
+
+def _read_text(backend: Backend, rel: str) -> str:
+    return backend.read_bytes(rel).decode("utf-8", errors="replace").strip()
