@@ -11,6 +11,9 @@ default). On the signal, within ``budget_s``:
    it is at signal time, labelled with the step it was last passed with. The handler runs no
    training code. A script that needs the state to match its step exactly blocks the signal
    around its update (``signal.pthread_sigmask``), so the signal lands between steps;
+   Under ``torchrun`` (SIGTERM reaches every rank) the final save is a collective, so the ranks
+   first exchange their plans (:func:`agreed_plan`): it runs on every rank, or, if any rank has
+   a reason against it (no time left, a different step, committed already), on none;
 3. a ``preempted`` history event records the signal and what happened;
 4. the previous handler is chained to: a Python callable is called; ``SIG_IGN`` returns (the job
    goes on); the default action exits with status ``128 + signum`` (143 for SIGTERM): by
@@ -44,7 +47,7 @@ from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.slot import SaveSlot
 
-__all__ = ["PreemptionHandler", "final_save", "preempt"]
+__all__ = ["PreemptionHandler", "agreed_plan", "final_save", "preempt"]
 
 log = logging.getLogger(__name__)
 
