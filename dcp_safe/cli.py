@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -27,7 +28,7 @@ from rich.table import Table
 from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
-from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.checkpoints.committed import open_committed, recency, resolve_name
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -144,7 +145,14 @@ def _require_root(root: str) -> None:
 
 
 def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("ls", parents=[common], help="list committed checkpoints")
+    p = sub.add_parser(
+        "ls",
+        parents=[common],
+        help="list committed checkpoints",
+        description="Committed checkpoints, oldest first (by step). A damaged entry (a marker,"
+        " manifest or control file that does not check out) is not listed; a warning on"
+        " stderr names it, and the exit status stays 0.",
+    )
     p.add_argument("root", help="checkpoint root: a directory or a URL such as s3://bucket/run")
     p.add_argument("--remote", metavar="URL", help="the replica root: show where each is committed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -153,9 +161,14 @@ def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
-    tiers = {"local": list_checkpoints(args.root, storage_options=options)}
+    err = Console(stderr=True, soft_wrap=True)
+
+    def damaged(name: str, exc: CheckpointCorruptError) -> None:
+        err.print(f"dcp-safe: warning: not listed: {name}: {exc}", markup=False, highlight=False)
+
+    tiers = {"local": list_checkpoints(args.root, storage_options=options, on_damaged=damaged)}
     if args.remote:
-        tiers["remote"] = list_checkpoints(args.remote, storage_options=options)
+        tiers["remote"] = list_checkpoints(args.remote, storage_options=options, on_damaged=damaged)
     rows = _merge_tiers(tiers)
     if args.json:
         out.print_json(json.dumps([_info_json(info, where) for info, where in rows]))
@@ -185,7 +198,9 @@ def _merge_tiers(
     for tier, infos in tiers.items():
         for info in infos:
             merged.setdefault(info.name, (info, []))[1].append(tier)
-    return sorted(merged.values(), key=lambda row: (row[0].created_at, row[0].name))
+    return sorted(
+        merged.values(), key=lambda row: recency(row[0].step, row[0].created_at, row[0].name)
+    )
 
 
 def _info_json(info: CheckpointInfo, where: list[str]) -> dict[str, Any]:
@@ -209,7 +224,8 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         "verify",
         parents=[common],
         help="check a checkpoint: exit 0 sound, 1 corrupt, 2 usage error",
-        description="Every byte against its checksum (default, as verify_checkpoint()). "
+        description="Every byte against its checksum (default, as verify_checkpoint()), and "
+        ".metadata through the restricted unpickler that loading uses. "
         "--quick: only the commit marker against the manifest and every file present with "
         "its recorded size.",
     )
@@ -226,6 +242,12 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         help="every byte (the default; kept for scripts)",
     )
     p.set_defaults(deep=True)
+    p.add_argument(
+        "--signing-key-file",
+        metavar="PATH",
+        help="also require a signature by the key in PATH (default: $DCP_SAFE_SIGNING_KEY,"
+        " if set); as text, 'hex:<digits>' is decoded",
+    )
     p.set_defaults(run=_verify)
 
 
@@ -235,6 +257,7 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
     name = resolve_name(backend, args.name)
     manifest = open_committed(backend, name).manifest
     total = sum(record.size for record in manifest.files)
+    key = _key_from_file(args.signing_key_file)
     with _progress(out) as progress:
         task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
         verify_checkpoint(
@@ -243,10 +266,30 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
             storage_options=options,
             progress=lambda record: progress.advance(task, record.size),
             deep=args.deep,
+            signing_key=key,
         )
-    how = "every byte matches its checksum" if args.deep else "marker, manifest and file sizes"
+    if args.deep:
+        # Intact is not enough: .metadata must also load through the restricted unpickler
+        # (a planted pickle re-signed by a root writer matches its checksum).
+        SafeStorageReader(args.root, storage_options=options, signing_key=key).reset(name)
+    how = (
+        "every byte matches its checksum and .metadata loads safely"
+        if args.deep
+        else "marker, manifest and file sizes"
+    )
     out.print(f"OK {name}: {len(manifest.files)} files, {len(manifest.items)} items; {how}")
     return EXIT_OK
+
+
+def _key_from_file(path: str | None) -> str | bytes | None:
+    """A key file holds the key as text (surrounding whitespace dropped), or raw bytes."""
+    if path is None:
+        return None
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return data
 
 
 def _progress(out: Console) -> Progress:
@@ -375,6 +418,11 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"leave partial saves idle for less than this (default {DEFAULT_GRACE_S:.0f})",
     )
+    p.add_argument(
+        "--allow-bucket-root",
+        action="store_true",
+        help="let ROOT be a whole bucket (s3://bucket); only if it holds nothing but checkpoints",
+    )
     p.set_defaults(run=_gc)
 
 
@@ -388,6 +436,7 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         dry_run=args.dry_run,
         grace_s=args.grace_s,
         storage_options=options,
+        allow_bucket_root=args.allow_bucket_root,
     )
     for line in _gc_lines(report, args.grace_s):
         out.print(line, highlight=False)

@@ -9,7 +9,9 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── CheckpointExistsError(FileExistsError)   saving to a committed name without overwrite
     ├── CheckpointNotFoundError(FileNotFoundError)
     ├── CheckpointCorruptError(ValueError)       checksum, size or manifest mismatch
-    │   └── UnsafeCheckpointError                a pickle that would run code on load
+    │   ├── UnsafeCheckpointError                a pickle that would run code on load
+    │   └── SignatureError                       not signed with the reader's key
+    │       └── UnsignedCheckpointError          not signed at all
     ├── CommitError                              the save could not be published; per-rank failures
     │   └── StaleWriterError                     a writer from an older attempt tried to publish
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
@@ -41,12 +43,14 @@ __all__ = [
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "DcpSafeError",
+    "SignatureError",
     "SnapshotMutatedError",
     "DrainTimeoutError",
     "InvalidCheckpointNameError",
     "StaleWriterError",
     "StorageError",
     "UnsafeCheckpointError",
+    "UnsignedCheckpointError",
     "from_checkpoint_exception",
 ]
 
@@ -148,6 +152,40 @@ class UnsafeCheckpointError(CheckpointCorruptError):
             f"{reason}; refused, because loading it could run code from storage. If you trust"
             " this root as you trust code, pass allow_pickle=True",
             item=item,
+        )
+
+
+class SignatureError(CheckpointCorruptError):
+    """A reader holding a signing key found a checkpoint its key did not sign.
+
+    The manifest, or its signature, was written by someone without the key (or with another
+    key): refused, because its checksums prove nothing then. Load it only if you trust whoever
+    can write the root; otherwise restore a checkpoint the key signed.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            path,
+            f"{reason}; refused, because it was not signed with this reader's key. Check that"
+            " writer and reader use the same key (signing_key= or DCP_SAFE_SIGNING_KEY), or"
+            " load a checkpoint the key signed",
+        )
+
+
+class UnsignedCheckpointError(SignatureError):
+    """A reader holding a signing key found a checkpoint with no signature at all.
+
+    Written without a key (or its signature was removed). Re-save it with ``signing_key=`` to
+    sign it, or read it without a key if you trust whoever can write the root.
+    """
+
+    def __init__(self, path: str, reason: str = "the checkpoint has no signature") -> None:
+        CheckpointCorruptError.__init__(
+            self,
+            path,
+            f"{reason}; refused, because this reader holds a signing key and accepts only"
+            " checkpoints it signed. Save with signing_key= (or DCP_SAFE_SIGNING_KEY) to sign,"
+            " or read without a key if you trust whoever can write the root",
         )
 
 

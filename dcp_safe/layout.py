@@ -22,8 +22,12 @@ __all__ = [
     "PARTIAL_INFIX",
     "RANKS_DIR",
     "SHARD_SUFFIX",
+    "SIGNATURE",
     "WRITING_LEASE",
+    "is_lease_file",
+    "is_own_object",
     "is_partial_entry",
+    "lease_file_name",
     "new_save_id",
     "partial_dir_name",
     "rank_manifest_name",
@@ -34,15 +38,24 @@ __all__ = [
 COMMITTED_MARKER = "_COMMITTED"
 WRITING_LEASE = "_WRITING"
 MANIFEST = "manifest.json"
+SIGNATURE = "_SIGNATURE"  # signed checkpoints only: dcp_safe.manifest.signing
 DCP_METADATA = ".metadata"
 RANKS_DIR = "_ranks"
 ATTEMPTS_DIR = "_ATTEMPTS"
 SHARD_SUFFIX = ".distcp"
 PARTIAL_INFIX = ".partial-"
 LATEST = "latest"
+#: the object a root's first exclusive create probes the server with (see FsspecBackend).
+PROBE_PREFIX = ".dcp-safe-probe-"
 
 _MAX_NAME_LEN = 200
 _ALLOWED = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
+_SAVE_ID = r"[0-9a-f]{32}"
+_PARTIAL = re.compile(rf"^\.(?P<name>.+){re.escape(PARTIAL_INFIX)}{_SAVE_ID}$")
+_LEASE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_OWN_FILE = re.compile(
+    rf"^(__[0-9]+_[0-9]+{re.escape(SHARD_SUFFIX)}|{RANKS_DIR}/rank_[0-9]{{5,}}\.json)$"
+)
 
 
 def validate_name(name: object) -> str:
@@ -85,8 +98,50 @@ def partial_dir_name(name: str, save_id: str) -> str:
 
 
 def is_partial_entry(entry: str) -> bool:
-    """True for a hidden partial directory left by a save in progress or an abandoned one."""
-    return entry.startswith(".") and PARTIAL_INFIX in entry
+    """True for a hidden partial directory left by a save in progress or an abandoned one.
+
+    Strictly ``.<valid name>.partial-<save id>`` with a save id as :func:`new_save_id` makes
+    them: a user's ``.notes.partial-draft`` is not one, and the sweeper leaves it alone.
+    """
+    match = _PARTIAL.match(entry)
+    return match is not None and _is_valid_name(match["name"])
+
+
+def lease_file_name(save_id: str | None = None) -> str:
+    """The writing lease under ``<name>/``: ``_WRITING`` where it is taken by an exclusive
+    create, ``_WRITING-<save id>`` (one per save) where storage has none (see commit.lease)."""
+    if save_id is None:
+        return WRITING_LEASE
+    if not _LEASE_ID.match(save_id):
+        raise ValueError(f"a save id must match {_LEASE_ID.pattern}, got {save_id!r}")
+    return f"{WRITING_LEASE}-{save_id}"
+
+
+def is_lease_file(entry: str) -> bool:
+    """True for either form of :func:`lease_file_name`."""
+    head, dash, save_id = entry.partition("-")
+    return head == WRITING_LEASE and (not dash or _LEASE_ID.match(save_id) is not None)
+
+
+def is_own_object(rel: str) -> bool:
+    """Whether ``rel`` (relative to a root) names a file dcp_safe writes for checkpoint
+    ``<name>``: ``<valid name>/`` then a shard, ``.metadata``, ``manifest.json``, a rank
+    manifest, the marker or a lease. The sweeper touches nothing else (another application's
+    multipart upload under the same prefix, say)."""
+    name, _, member = rel.partition("/")
+    return _is_valid_name(name) and (
+        member in (DCP_METADATA, MANIFEST, COMMITTED_MARKER, SIGNATURE)
+        or is_lease_file(member)
+        or _OWN_FILE.match(member) is not None
+    )
+
+
+def _is_valid_name(name: str) -> bool:
+    try:
+        validate_name(name)
+    except InvalidCheckpointNameError:
+        return False
+    return True
 
 
 def rank_manifest_name(rank: int) -> str:

@@ -19,11 +19,27 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import BinaryIO, Literal
 
+from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.streams import WritableFile
 
-__all__ = ["Backend", "WritableFile"]
+__all__ = ["Backend", "FileStat", "WritableFile", "not_a_file"]
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What a stat says about one path: its kind and, for a file, its size."""
+
+    kind: Literal["file", "directory", "other"]  # "other": a FIFO, a device, a socket...
+    size_bytes: int
+
+
+def not_a_file(path: str, kind: str) -> CheckpointCorruptError:
+    """The error for a path that should be a regular file and is not."""
+    what = "a directory" if kind == "directory" else "a FIFO, a device or a socket"
+    return CheckpointCorruptError(path, f"not a regular file ({what})")
 
 
 class Backend(abc.ABC):
@@ -34,7 +50,9 @@ class Backend(abc.ABC):
         supports_atomic_rename: a whole directory can be renamed into place atomically, and a
             rename never replaces an existing non-empty directory unless asked to.
         supports_exclusive_create: :meth:`write_bytes` with ``exclusive=True`` fails, atomically,
-            when the object already exists.
+            when the object already exists. Where only the server can tell (an S3-compatible
+            server may ignore ``If-None-Match``), the backend probes it the first time the flag
+            is read (which may then raise :class:`~dcp_safe.errors.StorageError`).
     """
 
     url: str
@@ -52,7 +70,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def open_read(self, rel: str) -> AbstractContextManager[BinaryIO]:
-        """A seekable binary reader. Raises FileNotFoundError when absent."""
+        """A seekable binary reader. Raises FileNotFoundError when absent, and
+        :class:`~dcp_safe.errors.CheckpointCorruptError` where the backend can tell that ``rel``
+        is not a regular file (it never blocks on a FIFO)."""
 
     @abc.abstractmethod
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
@@ -62,6 +82,41 @@ class Backend(abc.ABC):
         """A whole small file. Raises FileNotFoundError when absent."""
         with self.open_read(rel) as f:
             return f.read()
+
+    def stat(self, rel: str) -> FileStat:
+        """The kind and size of ``rel``. Raises FileNotFoundError when absent.
+
+        This default knows files and directories only; backends that can meet other kinds
+        (a FIFO or a device on a POSIX file system) say so.
+        """
+        if self.is_dir(rel):
+            return FileStat("directory", 0)
+        return FileStat("file", self.size(rel))
+
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        """A whole control file (a marker, a manifest, a lease), read only if it is a regular
+        file of at most ``max_bytes``: a stat comes first, so a directory, a FIFO, a device or
+        an oversized file under a control file's name is refused, never read or waited on.
+
+        Raises:
+            FileNotFoundError: absent.
+            CheckpointCorruptError: not a regular file, or larger than ``max_bytes``.
+        """
+        found = self.stat(rel)
+        if found.kind != "file":
+            raise not_a_file(self.full_path(rel), found.kind)
+        if found.size_bytes > max_bytes:
+            raise CheckpointCorruptError(
+                self.full_path(rel),
+                f"{found.size_bytes} bytes, over the {max_bytes}-byte limit for this file",
+            )
+        with self.open_read(rel) as f:
+            data = f.read(max_bytes + 1)  # it may have grown since the stat
+        if len(data) > max_bytes:
+            raise CheckpointCorruptError(
+                self.full_path(rel), f"over the {max_bytes}-byte limit for this file"
+            )
+        return bytes(data)
 
     @abc.abstractmethod
     def size(self, rel: str) -> int:
@@ -85,6 +140,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def is_dir(self, rel: str) -> bool: ...
+
+    def modified_at(self, rel: str) -> float | None:
+        """The newest modification time (storage's clock, seconds since the epoch) of the file
+        ``rel`` or of any file under it; None when nothing is there or the backend cannot tell.
+        """
+        return None
 
     @abc.abstractmethod
     def makedirs(self, rel: str) -> None: ...

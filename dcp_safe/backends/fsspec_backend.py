@@ -3,10 +3,15 @@
 Object stores cannot rename atomically, so this backend reports ``supports_atomic_rename=False``
 and the committer publishes by writing the ``_COMMITTED`` marker last, with an exclusive write.
 
-Exclusive create is reported only where it is a real conditional write on the server: s3fs's
-``pipe_file(mode="create")`` sends ``PutObject`` with ``If-None-Match: *`` (a ``412`` comes back as
-``FileExistsError``). fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the flag
-stays ``False`` and exclusive writes are best effort.
+Exclusive create is reported only where it is real. On S3, s3fs's ``pipe_file(mode="create")``
+sends ``PutObject`` with ``If-None-Match: *`` (a ``412`` comes back as ``FileExistsError``), but
+an S3-compatible server (an older MinIO, a gateway) may ignore the header and overwrite; so the
+first time the flag is read, the root is probed: a probe object (``.dcp-safe-probe-<id>``) is
+created twice, and only a refused second create counts (once per server and root per process).
+On ``memory://``, whose store lives in this process, a check and a write under one lock are
+exact. fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the flag stays
+``False``, exclusive writes are best effort, and the commit takes the protocol that needs none
+(:mod:`dcp_safe.commit.lease`).
 
 Streamed writes, two ways:
 
@@ -35,9 +40,12 @@ caller says otherwise): a stale listing would make a shard another rank wrote lo
 
 from __future__ import annotations
 
+import datetime
 import errno
 import inspect
+import logging
 import posixpath
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
@@ -47,7 +55,8 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
-from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend, FileStat, WritableFile
 from dcp_safe.backends.s3_upload import S3MultipartWriter, block_size_of
 from dcp_safe.errors import StorageError
 
@@ -56,6 +65,13 @@ __all__ = ["FsspecBackend"]
 # File systems without real directories, whose open("wb") stages the whole object until close.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _TEMP_INFIX = ".tmp-"
+# File systems whose store lives in this process: a lock makes their exclusive create exact.
+_IN_PROCESS_PROTOCOLS = frozenset({"memory"})
+_IN_PROCESS_CREATE = threading.Lock()
+# Whether a server honours If-None-Match, per (endpoint, root), as probed by this process.
+_PROBED: dict[tuple[str, str], bool] = {}
+
+log = logging.getLogger(__name__)
 
 
 class FsspecBackend(Backend):
@@ -88,7 +104,11 @@ class FsspecBackend(Backend):
         self.object_store = (
             self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
         )
-        self.supports_exclusive_create = _has_conditional_create(target)
+        self._in_process = _protocols(target) & _IN_PROCESS_PROTOCOLS != set()
+        # True, False, or None: to be probed on the server the first time it is asked.
+        self._exclusive: bool | None = (
+            True if self._in_process else None if _has_conditional_create(target) else False
+        )
         self.client_retries = client_retries
         self._limit_client_retries()
 
@@ -103,6 +123,56 @@ class FsspecBackend(Backend):
         target = _target_of(self.fs)
         if self.client_retries is not None and hasattr(target, "retries"):
             target.retries = self.client_retries
+
+    @property
+    def supports_exclusive_create(self) -> bool:
+        if self._exclusive is None:
+            self._exclusive = self._probe_exclusive_create()
+        return self._exclusive
+
+    @supports_exclusive_create.setter
+    def supports_exclusive_create(self, value: bool) -> None:
+        self._exclusive = value
+
+    def _probe_exclusive_create(self) -> bool:
+        """Whether the server refuses a second ``If-None-Match: *`` create of one object.
+
+        Sent to the storage under any fault-injecting wrapper: it asks about the server, and
+        must not shift a test's count of operations. A failed probe raises (and is not
+        remembered): a wrong answer either way would make two processes disagree on the lease.
+
+        Raises:
+            StorageError: the probe could not be made.
+        """
+        key = (str(getattr(_target_of(self.fs), "endpoint_url", None) or ""), self.root)
+        known = _PROBED.get(key)
+        if known is not None:
+            return known
+        target = _target_of(self.fs)
+        rel = f"{layout.PROBE_PREFIX}{uuid.uuid4().hex}"
+        try:
+            # A refusal of the first create can only be our own (the key is ours alone),
+            # applied before a lost reply and resent by the client.
+            _create_once(target, self._abs(rel), b"first")
+            honoured = not _create_once(target, self._abs(rel), b"second")
+        except OSError as exc:
+            raise self._fail("probe", rel, exc) from exc
+        finally:
+            with suppress(OSError, ValueError):
+                target.rm_file(self._abs(rel))
+        if not honoured:
+            log.warning(
+                "%s ignores If-None-Match: saves take the per-save lease protocol there", self.url
+            )
+        _PROBED[key] = honoured
+        return honoured
+
+    def _probed_for(self, rel: str) -> bool:
+        """The flag, for a write of ``rel``: a failed probe is reported as that write's failure."""
+        try:
+            return self.supports_exclusive_create
+        except StorageError as exc:
+            raise self._fail("write", rel, exc.__cause__ or exc) from exc
 
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -177,12 +247,23 @@ class FsspecBackend(Backend):
         raise exc
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-        if exclusive and self.supports_exclusive_create:
+        if exclusive and self._in_process:
+            with _IN_PROCESS_CREATE:  # exact: nothing outside this process sees the store
+                self._refuse_existing(rel)
+                self._write_small(rel, data)
+        elif exclusive and self._probed_for(rel):
             self._create_exclusive(rel, data)
-            return
-        if exclusive and self.exists(rel):
-            # Best effort only: such a backend says so through its capability flag.
+        else:
+            if exclusive:
+                # Best effort only: such a backend says so through its capability flag.
+                self._refuse_existing(rel)
+            self._write_small(rel, data)
+
+    def _refuse_existing(self, rel: str) -> None:
+        if self.exists(rel):
             raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
+
+    def _write_small(self, rel: str, data: bytes) -> None:
         if not self.object_store:
             # A PUT is atomic; a local write is not: a torn lease or marker must never sit
             # under its final name (an unreadable lease would block the name for good).
@@ -246,6 +327,20 @@ class FsspecBackend(Backend):
         except OSError as exc:
             raise self._fail("stat", rel, exc) from exc
 
+    def stat(self, rel: str) -> FileStat:
+        try:
+            info = self.fs.info(self._abs(rel))
+        except FileNotFoundError:
+            raise
+        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+        kind = info.get("type")
+        if kind == "file":
+            return FileStat("file", int(info.get("size") or 0))
+        return FileStat("directory" if kind == "directory" else "other", 0)
+
     def exists(self, rel: str) -> bool:
         try:
             return bool(self.fs.exists(self._abs(rel)))
@@ -273,6 +368,22 @@ class FsspecBackend(Backend):
             if str(e).startswith(prefix)
         }
         return sorted(n for n in names if n)
+
+    def modified_at(self, rel: str) -> float | None:
+        try:
+            found = self.fs.find(self._abs(rel), detail=True)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        path = self._abs(rel).rstrip("/")
+        times = [
+            _mtime(info)
+            for p, info in found.items()
+            if str(p).rstrip("/") == path or str(p).startswith(f"{path}/")
+        ]
+        known = [t for t in times if t is not None]
+        return max(known) if known else None
 
     def walk_files(self, rel: str) -> Iterator[str]:
         prefix = self._abs(rel).rstrip("/") + "/"
@@ -332,6 +443,17 @@ def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
     return "mode" in inspect.signature(S3FileSystem._pipe_file).parameters
 
 
+def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """One conditional create: True when made, False when refused (the object exists)."""
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or _is_precondition_failed(exc):
+            return False
+        raise
+    return True
+
+
 def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
     """s3fs (or a wrapper of it that passes ``call_s3`` on), whose ``call_s3`` reaches the S3
     API directly (for the pipelined multipart path)."""
@@ -360,6 +482,18 @@ def _is_precondition_failed(exc: BaseException) -> bool:
     code = str(response.get("Error", {}).get("Code", ""))
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return code in ("PreconditionFailed", "412") or status == 412
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """A file's modification time from fsspec's ``info``: ``LastModified`` (object stores),
+    ``mtime`` (local) or ``created`` (memory)."""
+    for field in ("LastModified", "mtime", "created"):
+        value = info.get(field)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def _temp_name(rel: str) -> str:

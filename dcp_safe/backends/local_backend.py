@@ -17,11 +17,12 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
-from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
 from dcp_safe.errors import StorageError
 
 __all__ = ["LocalBackend"]
@@ -87,8 +88,29 @@ class LocalBackend(Backend):
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
-        with open(self._abs(rel), "rb") as f:
+        # Non-blocking open: a FIFO under a checkpoint's name must not hang the reader; the
+        # fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
+        path = self._abs(rel)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise not_a_file(path, _kind(mode))
+            os.set_blocking(fd, True)
+            f = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
             yield f
+
+    def stat(self, rel: str) -> FileStat:
+        try:
+            found = os.stat(self._abs(rel))
+        except NotADirectoryError as exc:  # a path under a file: absent
+            raise FileNotFoundError(errno.ENOENT, "no such file", self._abs(rel)) from exc
+        kind = _kind(found.st_mode)
+        return FileStat(kind, found.st_size if kind == "file" else 0)
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
         path = self._abs(rel)
@@ -119,6 +141,22 @@ class LocalBackend(Backend):
 
     def is_dir(self, rel: str) -> bool:
         return os.path.isdir(self._abs(rel))
+
+    def modified_at(self, rel: str) -> float | None:
+        path = self._abs(rel)
+        try:
+            newest = os.stat(path).st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+        for folder, _, files in os.walk(path):
+            for name in files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+                except FileNotFoundError:
+                    continue  # removed while we looked
+        return newest
 
     def list_dir(self, rel: str) -> list[str]:
         try:
@@ -185,6 +223,12 @@ class LocalBackend(Backend):
             "this file system cannot swap directories atomically (renameat2 RENAME_EXCHANGE); "
             "the existing checkpoint is untouched - save under a new name instead",
         )
+
+
+def _kind(mode: int) -> Literal["file", "directory", "other"]:
+    if stat.S_ISREG(mode):
+        return "file"
+    return "directory" if stat.S_ISDIR(mode) else "other"
 
 
 def _unlink_quietly(path: str) -> None:

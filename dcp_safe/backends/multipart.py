@@ -1,8 +1,15 @@
-"""Find and abort incomplete S3 multipart uploads under a root.
+"""Find and abort dcp_safe's own incomplete S3 multipart uploads under a root.
 
 An upload that was never completed or aborted (a killed writer) is invisible as an object but
 is billed as storage. ``FsspecBackend`` aborts its own failed uploads at once; this collects what
 a killed process could not, for the sweeper. Other file systems have no such thing: no-op.
+
+Only uploads dcp_safe could have started are candidates: under the root, with a key of its own
+layout (``<name>/<shard, metadata, manifest...>``, :func:`dcp_safe.layout.is_own_object`). A
+bucket is shared ground: another application's upload under the same root or beside it is never
+touched. An upload whose start time the server does not report has no age; it is aborted only
+together with its save's prefix (the sweeper found that save abandoned), otherwise left to the
+bucket's lifecycle rule.
 """
 
 from __future__ import annotations
@@ -11,9 +18,17 @@ import datetime
 from collections.abc import Collection
 from typing import Any
 
+from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 
-__all__ = ["abort_stale_uploads", "incomplete_uploads"]
+__all__ = ["abort_stale_uploads", "incomplete_uploads", "is_bucket_root"]
+
+
+def is_bucket_root(backend: Backend) -> bool:
+    """True when the backend's root is a whole bucket (``s3://bucket``), not a prefix in one."""
+    backend = _unwrap(backend)
+    root = str(getattr(backend, "root", "")).strip("/")
+    return bool(getattr(backend, "object_store", False)) and bool(root) and "/" not in root
 
 
 def incomplete_uploads(backend: Backend) -> list[dict[str, Any]]:
@@ -35,12 +50,17 @@ def abort_stale_uploads(
     now: float,
     dry_run: bool = False,
     in_progress: Collection[str] = (),
+    collected: Collection[str] = (),
+    uploads: list[dict[str, Any]] | None = None,
 ) -> tuple[str, ...]:
-    """Abort uploads under the root started more than ``older_than_s`` before ``now``.
+    """Abort dcp_safe's uploads under the root started more than ``older_than_s`` before ``now``.
 
     Args:
         in_progress: checkpoint names with a save known to be live; their uploads are kept
-            whatever their start time says (some S3-compatible servers report no real one).
+            whatever their start time says.
+        collected: checkpoint names whose abandoned save the caller is removing; their uploads
+            are aborted even when the server reports no start time.
+        uploads: the candidates, as :func:`incomplete_uploads` listed them (listed now if None).
 
     Returns:
         The ``s3://bucket/key`` of each upload aborted (or, in a dry run, that would be).
@@ -48,15 +68,17 @@ def abort_stale_uploads(
     backend = _unwrap(backend)
     aborted = []
     root_prefix = str(backend.root).partition("/")[2]  # type: ignore[attr-defined]
-    for upload in incomplete_uploads(backend):
+    for upload in incomplete_uploads(backend) if uploads is None else uploads:
         rel = str(upload["Key"]).removeprefix(root_prefix).lstrip("/")
-        if rel.split("/", 1)[0] in in_progress:
+        name = rel.split("/", 1)[0]
+        if not layout.is_own_object(rel) or name in in_progress:
             continue
         initiated = upload.get("Initiated")
         if isinstance(initiated, datetime.datetime):
-            age = now - initiated.timestamp()
-            if age < older_than_s:
+            if now - initiated.timestamp() < older_than_s:
                 continue
+        elif name not in collected:
+            continue  # no age: only with its abandoned save's prefix
         if not dry_run:
             backend.fs.call_s3(  # type: ignore[attr-defined]
                 "abort_multipart_upload",

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, BinaryIO, TypeVar
 
-from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.backend import Backend, FileStat, WritableFile
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 
 __all__ = ["RetryingBackend", "single_try_s3_options"]
@@ -43,13 +43,13 @@ class RetryingBackend(Backend):
         inner: the backend that does the I/O; its url and capability flags are copied.
         policy: attempts, deadline and backoff for each operation.
 
-    Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``size``, ``exists``,
-    ``list_dir``, ``walk_files`` (the whole listing), ``is_dir``, ``makedirs``, ``remove_tree``,
-    ``remove_file``, ``sync_dir``, and the opening of ``open_read`` (reads from the open file
-    are not). Passed through: ``open_write``, whose body is the caller's code and cannot be
-    replayed from here — the writer retries a failed file as a whole, and the inner backend
-    guarantees a failed streamed write leaves nothing behind — and ``publish_dir``, a rename,
-    which is not safe to repeat.
+    Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``read_small``, ``size``,
+    ``stat``, ``exists``, ``list_dir``, ``walk_files`` (the whole listing), ``is_dir``,
+    ``makedirs``, ``remove_tree``, ``remove_file``, ``sync_dir``, and the opening of
+    ``open_read`` (reads from the open file are not). Passed through: ``open_write``, whose
+    body is the caller's code and cannot be replayed from here — the writer retries a failed
+    file as a whole, and the inner backend guarantees a failed streamed write leaves nothing
+    behind — and ``publish_dir``, a rename, which is not safe to repeat.
     """
 
     def __init__(self, inner: Backend, policy: RetryPolicy) -> None:
@@ -57,7 +57,15 @@ class RetryingBackend(Backend):
         self.policy = policy
         self.url = inner.url
         self.supports_atomic_rename = inner.supports_atomic_rename
-        self.supports_exclusive_create = inner.supports_exclusive_create
+
+    @property
+    def supports_exclusive_create(self) -> bool:
+        """The inner backend's flag; where it probes the server, the probe is retried."""
+        return self._retry("probe", "", lambda: self.inner.supports_exclusive_create)
+
+    @supports_exclusive_create.setter
+    def supports_exclusive_create(self, value: bool) -> None:
+        self.inner.supports_exclusive_create = value
 
     def __repr__(self) -> str:
         return f"RetryingBackend({self.inner!r}, {self.policy!r})"
@@ -111,6 +119,12 @@ class RetryingBackend(Backend):
     def size(self, rel: str) -> int:
         return self._retry("stat", rel, lambda: self.inner.size(rel))
 
+    def stat(self, rel: str) -> FileStat:
+        return self._retry("stat", rel, lambda: self.inner.stat(rel))
+
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        return self._retry("read", rel, lambda: self.inner.read_small(rel, max_bytes))
+
     def exists(self, rel: str) -> bool:
         return self._retry("stat", rel, lambda: self.inner.exists(rel))
 
@@ -119,6 +133,9 @@ class RetryingBackend(Backend):
 
     def list_dir(self, rel: str) -> list[str]:
         return self._retry("list", rel, lambda: self.inner.list_dir(rel))
+
+    def modified_at(self, rel: str) -> float | None:
+        return self._retry("list", rel, lambda: self.inner.modified_at(rel))
 
     def walk_files(self, rel: str) -> Iterator[str]:
         # A listing cannot resume halfway, so it is taken whole and retried whole.

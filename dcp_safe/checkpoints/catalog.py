@@ -9,6 +9,7 @@ presence and size, reading no data (what ``dcp-safe verify`` does by default).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -24,11 +25,16 @@ from dcp_safe.checkpoints.committed import (
     recency,
     resolve_name,
 )
+from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.verify import check_stream, items_by_file
 
 __all__ = ["CheckpointInfo", "VerifyReport", "list_checkpoints", "verify_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,19 +63,32 @@ class VerifyReport:
 
 
 def list_checkpoints(
-    root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    root: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    on_damaged: Callable[[str, CheckpointCorruptError], None] | None = None,
 ) -> list[CheckpointInfo]:
     """Committed checkpoints under ``root``, oldest first (by step, then commit time).
 
-    A name whose marker does not match its manifest is not listed: it is not a checkpoint
-    anyone should load (``verify_checkpoint`` names what is wrong with it).
+    A name whose marker does not match its manifest, or whose marker or manifest is not a
+    well-formed control file (:mod:`dcp_safe.manifest.limits`), is not listed: it is not a
+    checkpoint anyone should load (``verify_checkpoint`` names what is wrong with it). Each is
+    reported to ``on_damaged`` (default: a logged warning), and never hides the others.
+
+    Args:
+        root: the checkpoint root (a local path or an fsspec URL).
+        storage_options: fsspec options for the root (endpoint, credentials).
+        on_damaged: called with the name and the error of each damaged entry.
     """
     backend = open_backend(os.fspath(root), storage_options)
     found = []
     for name in committed_names(backend):
         try:
             manifest = open_committed(backend, name).manifest
-        except (CheckpointNotFoundError, CheckpointCorruptError):
+        except CheckpointNotFoundError:
+            continue  # removed since it was listed
+        except CheckpointCorruptError as exc:
+            (on_damaged or _log_damaged)(name, exc)
             continue
         found.append(
             CheckpointInfo(
@@ -85,6 +104,10 @@ def list_checkpoints(
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 
 
+def _log_damaged(name: str, exc: CheckpointCorruptError) -> None:
+    log.warning("not listed: %s is damaged (%s)", name, exc)
+
+
 def verify_checkpoint(
     root: str | os.PathLike[str],
     name: str = layout.LATEST,
@@ -92,6 +115,7 @@ def verify_checkpoint(
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[FileRecord], None] | None = None,
     deep: bool = True,
+    signing_key: bytes | str | None = None,
 ) -> VerifyReport:
     """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
 
@@ -103,6 +127,8 @@ def verify_checkpoint(
         deep: read every byte against its checksum (the default). ``False``: the quick check,
             the marker against the manifest and each file's presence and size only; its report
             reads no bytes and checks no items.
+        signing_key: also require the checkpoint to be signed with this key (default
+            ``$DCP_SAFE_SIGNING_KEY``; see :mod:`dcp_safe.manifest.signing`).
 
     Returns:
         A report of what was checked, when everything matches.
@@ -110,11 +136,17 @@ def verify_checkpoint(
     Raises:
         CheckpointNotFoundError: no committed checkpoint by that name.
         CheckpointCorruptError: the first mismatch found, naming the file and item.
+        SignatureError: with a key, the checkpoint is not signed with it
+            (``UnsignedCheckpointError``: not signed at all).
+        ConfigError: a bad signing key.
     """
     started = time.perf_counter()
     backend = open_backend(os.fspath(root), storage_options)
     name = resolve_name(backend, name)
     manifest = open_committed(backend, name).manifest
+    key = resolve_key(signing_key)
+    if key is not None:
+        check_signed(backend, name, manifest, key)
     if deep:
         bytes_read = _verify_every_byte(backend, name, manifest, progress)
     else:
@@ -163,6 +195,11 @@ def _verify_sizes(
 
 def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
     """The manifest must list every file a load needs: what it omits, nobody checks."""
+    if manifest.world_size > len(manifest.files):  # each rank wrote a rank manifest, at least
+        raise CheckpointCorruptError(
+            backend.full_path(f"{name}/{layout.MANIFEST}"),
+            f"world size {manifest.world_size} but only {len(manifest.files)} files listed",
+        )
     needed = {layout.DCP_METADATA}
     needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
     needed |= {item.file for item in manifest.items}
@@ -200,7 +237,8 @@ def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> N
     """Each rank manifest (already checksummed as a file) must agree with the global one."""
     for rank in range(manifest.world_size):
         rel = f"{name}/{layout.rank_manifest_name(rank)}"
-        rank_manifest = RankManifest.from_json(backend.read_bytes(rel), backend.full_path(rel))
+        raw = backend.read_small(rel, MANIFEST_MAX_BYTES)
+        rank_manifest = RankManifest.from_json(raw, backend.full_path(rel))
         for item in rank_manifest.items:
             if manifest.item(item.key) != item:
                 raise CheckpointCorruptError(

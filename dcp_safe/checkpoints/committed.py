@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 __all__ = ["CommittedCheckpoint", "committed_names", "open_committed", "resolve_name"]
@@ -40,18 +41,20 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     Raises:
         CheckpointNotFoundError: no marker (never committed, or not there at all).
         CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
-            names.
+            names; the marker or manifest is not a regular file or over its size cap
+            (:mod:`dcp_safe.manifest.limits`), or a manifest field is malformed.
     """
     marker_path = f"{name}/{layout.COMMITTED_MARKER}"
     try:
-        marker = backend.read_bytes(marker_path).decode("ascii", errors="replace").strip()
+        raw_marker = backend.read_small(marker_path, CONTROL_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             backend.full_path(name), "it has no _COMMITTED marker"
         ) from None
+    marker = raw_marker.decode("ascii", errors="replace").strip()
     manifest_path = f"{name}/{layout.MANIFEST}"
     try:
-        raw = backend.read_bytes(manifest_path)
+        raw = backend.read_small(manifest_path, MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointCorruptError(
             backend.full_path(manifest_path), "committed checkpoint has no manifest"
@@ -61,7 +64,7 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
         raise CheckpointCorruptError(
             backend.full_path(manifest_path),
             "manifest does not match the digest in _COMMITTED",
-            expected=marker,
+            expected=marker[:100],
             actual=actual,
         )
     manifest = Manifest.from_json(raw, backend.full_path(manifest_path))

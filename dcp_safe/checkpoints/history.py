@@ -20,6 +20,12 @@ manager owning the root) may record at a time; the lock here serialises one mana
 The lock is re-entrant because a preemption handler (see :mod:`dcp_safe.manager.preemption`)
 may record on the main thread while that thread is inside :meth:`History.append`; each local
 line is one ``write`` call, so lines stay whole.
+
+Reading is bounded and strict, since anyone who can write the root can write this file: only
+its newest :data:`~dcp_safe.manifest.limits.HISTORY_MAX_BYTES` are read (and kept by a
+rewrite); a history that is not a regular file is reported and read as empty (and appending to
+it fails); a line that is not an event of the schema above, field by field, is skipped with a
+warning.
 """
 
 from __future__ import annotations
@@ -27,12 +33,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Any
 
-from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.backend import Backend, not_a_file
 from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.limits import (
+    HISTORY_MAX_BYTES,
+    parse_json,
+    require_int,
+    require_str,
+    require_timestamp,
+)
 
 __all__ = ["EVENTS", "HISTORY_FILE", "History"]
 
@@ -88,7 +103,13 @@ class History:
 
     def _append_local(self, data: bytes) -> None:
         path = self.backend.full_path(HISTORY_FILE)
-        with open(path, "a+b") as f:
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # never wait on a FIFO, never write a device
+            os.close(fd)
+            raise not_a_file(path, "other")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "a+b") as f:
             # A torn tail (power loss mid-append) has no newline: start a fresh line, so the
             # new event is not glued to it and lost with it.
             if f.seek(0, os.SEEK_END) > 0:
@@ -107,21 +128,25 @@ class History:
         manager from starting.
         """
         with self._lock:
-            raw = self._raw()
+            try:
+                raw = self._raw()
+            except CheckpointCorruptError as exc:
+                log.warning("%s is unreadable, read as empty: %s", HISTORY_FILE, exc)
+                return []
         events: list[dict[str, Any]] = []
-        for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        path = self.backend.full_path(HISTORY_FILE)
+        for number, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            if not isinstance(event, dict):
+                events.append(_event(parse_json(line, path)))
+            except (CheckpointCorruptError, ValueError) as exc:
                 log.warning(
-                    "%s line %d is not an event (torn write?): skipped", HISTORY_FILE, number
+                    "%s line %d is not an event (torn write?): skipped (%s)",
+                    HISTORY_FILE,
+                    number,
+                    str(exc)[:200],
                 )
-                continue
-            events.append(event)
         return events
 
     def validated_names(self) -> set[str]:
@@ -133,7 +158,47 @@ class History:
         }
 
     def _raw(self) -> bytes:
+        """The file's newest :data:`HISTORY_MAX_BYTES`, from a line start on (b"": none yet).
+
+        Raises:
+            CheckpointCorruptError: it is not a regular file.
+        """
         try:
-            return self.backend.read_bytes(HISTORY_FILE)
+            found = self.backend.stat(HISTORY_FILE)
+            if found.kind != "file":
+                raise not_a_file(self.backend.full_path(HISTORY_FILE), found.kind)
+            if found.size_bytes <= HISTORY_MAX_BYTES:
+                return self.backend.read_small(HISTORY_FILE, HISTORY_MAX_BYTES)
+            with self.backend.open_read(HISTORY_FILE) as f:
+                f.seek(found.size_bytes - HISTORY_MAX_BYTES)
+                tail = f.read(HISTORY_MAX_BYTES)
         except FileNotFoundError:
             return b""
+        log.warning(
+            "%s is over %d bytes: only its newest events are read", HISTORY_FILE, HISTORY_MAX_BYTES
+        )
+        return tail[tail.find(b"\n") + 1 :]  # the first line is cut: drop it
+
+
+# Optional fields and their types (the module docstring's schema).
+_OPTIONAL: dict[str, type] = {"tier": str, "reason": str, "validated": bool}
+
+
+def _event(raw: object) -> dict[str, Any]:
+    """``raw`` if it is an event of the schema, field by field; else ValueError."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    if raw.get("event") not in EVENTS:
+        raise ValueError(f"unknown event {str(raw.get('event'))[:40]!r}")
+    for key in ("step", "name"):
+        if key not in raw:
+            raise ValueError(f"no {key!r}")
+    if raw["step"] is not None:
+        require_int("step", raw["step"])
+    if raw["name"] is not None:
+        require_str("name", raw["name"], max_length=255)
+    require_timestamp("time", raw.get("time"))
+    for key, kind in _OPTIONAL.items():
+        if key in raw and not isinstance(raw[key], kind):
+            raise ValueError(f"{key} must be a {kind.__name__}")
+    return raw

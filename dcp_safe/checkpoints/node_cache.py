@@ -21,6 +21,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 __all__ = [
@@ -60,11 +61,11 @@ def publish_node_cache(
         CheckpointExistsError: ``<name>/`` already exists on this node's root.
         StorageError: a local or remote I/O step failed.
     """
-    raw = remote.read_bytes(f"{name}/{layout.MANIFEST}")
+    raw = remote.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
     if Manifest.from_json(raw, remote.full_path(name)) != manifest:
         raise CheckpointCorruptError(remote.full_path(name), "manifest changed while read")
     local.write_bytes(f"{work}/{layout.MANIFEST}", raw)
-    metadata = remote.read_bytes(f"{name}/{layout.DCP_METADATA}")
+    metadata = remote.read_small(f"{name}/{layout.DCP_METADATA}", MANIFEST_MAX_BYTES)
     local.write_bytes(f"{work}/{layout.DCP_METADATA}", metadata)
     local.write_bytes(f"{work}/{NODE_COMMITTED_MARKER}", manifest_digest(raw).encode())
     local.sync_dir(work)
@@ -90,7 +91,7 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
             backend.full_path(name), f"no node cache (no {NODE_COMMITTED_MARKER})"
         ) from None
     try:
-        raw = backend.read_bytes(f"{name}/{layout.MANIFEST}")
+        raw = backend.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointCorruptError(
             backend.full_path(name), "node cache has no manifest"
@@ -100,7 +101,7 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
         raise CheckpointCorruptError(
             backend.full_path(name),
             f"manifest does not match the digest in {NODE_COMMITTED_MARKER}",
-            expected=marker,
+            expected=marker[:100],
             actual=actual,
         )
     manifest = Manifest.from_json(raw, backend.full_path(name))
@@ -151,4 +152,5 @@ def ranks_in(backend: Backend, directory: str) -> list[int]:
 
 
 def _read_text(backend: Backend, rel: str) -> str:
-    return backend.read_bytes(rel).decode("utf-8", errors="replace").strip()
+    raw = backend.read_small(rel, CONTROL_MAX_BYTES)
+    return raw.decode("utf-8", errors="replace").strip()

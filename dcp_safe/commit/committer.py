@@ -40,6 +40,7 @@ from dcp_safe.commit.lease import check_lease, release_lease
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import (
     FileRecord,
     ItemKey,
@@ -49,6 +50,7 @@ from dcp_safe.manifest.schema import (
     item_key,
     manifest_digest,
 )
+from dcp_safe.manifest.signing import sign_digest
 from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
 from dcp_safe.version import __version__
 
@@ -68,6 +70,9 @@ class CommitOptions(Protocol):
 
     @property
     def overwrite(self) -> bool: ...
+
+    @property
+    def signing_key(self) -> bytes | None: ...
 
 
 class Committer:
@@ -129,7 +134,7 @@ class Committer:
             raise
         if strategy.in_place:
             try:
-                release_lease(self.backend, name)
+                release_lease(self.backend, name, save_id)
             except OSError as exc:
                 # Committed and whole: a lease left beside the marker is harmless (the sweeper
                 # ignores committed names), so the save must not be reported as failed.
@@ -185,8 +190,14 @@ class Committer:
         )
         manifest_bytes = manifest.to_json()
         self.backend.write_bytes(f"{work_dir}/{layout.MANIFEST}", manifest_bytes)
+        digest = manifest_digest(manifest_bytes)
+        if self.options.signing_key is not None:
+            # Before the marker, like every file of the checkpoint: a committed signed
+            # checkpoint always has its signature.
+            signature = sign_digest(self.options.signing_key, digest)
+            self.backend.write_bytes(f"{work_dir}/{layout.SIGNATURE}", signature)
         self.backend.sync_dir(f"{work_dir}/{layout.RANKS_DIR}")
-        return manifest, manifest_digest(manifest_bytes).encode()
+        return manifest, digest.encode()
 
     def _check_rank(
         self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
@@ -194,7 +205,7 @@ class Committer:
         """Read back one rank's manifest and check it against its results and the storage."""
         rel = layout.rank_manifest_name(rank)
         try:
-            raw = self.backend.read_bytes(f"{work_dir}/{rel}")
+            raw = self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
             manifest = RankManifest.from_json(raw, self.backend.full_path(f"{work_dir}/{rel}"))
         except (FileNotFoundError, DcpSafeError) as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc

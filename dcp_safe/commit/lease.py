@@ -1,81 +1,176 @@
 """The writing lease: one save at a time under a name, on storage that cannot rename.
 
 On an object store a save writes straight under ``<name>/``, so two saves of the same name would
-overwrite each other's shards before either wrote its marker. Rank 0 therefore first creates
-``<name>/_WRITING`` exclusively (holding its save id); a second save finds it and fails at once
-with :class:`~dcp_safe.errors.CheckpointExistsError`, before writing a byte. The publisher checks
-that the lease is still its own right before writing the marker (a stale writer whose lease was
-collected and retaken can never publish), and removes it after. A lease left by a crash is
-collected with the rest of the uncommitted prefix by the sweeper, after its grace period.
+overwrite each other's shards — and the loser its manifest after the winner's marker — unless
+only one of them ever writes there. Rank 0 therefore takes the name before writing a byte, in
+one of two ways, chosen by the backend's ``supports_exclusive_create``:
+
+* **One lease, created exclusively** (S3 that honours ``If-None-Match``, ``memory://``):
+  ``<name>/_WRITING``, holding the save id; a second save's create is refused.
+* **One lease per save** (storage without a real exclusive create: an S3-compatible server that
+  ignores ``If-None-Match``, other fsspec file systems): the save writes
+  ``<name>/_WRITING-<save id>``, a key nobody else writes, then lists ``<name>/``. A save that
+  sees no other lease holds the name; one that sees another withdraws its own. Of two saves,
+  the one that lists second sees the other's lease (written before the first listing, which
+  came before the second), so at most one holds the name. Both may see each other and withdraw;
+  each tries again after a random pause, and gives up when a lease it saw is still there (a
+  holder, or an abandoned one). This needs listings that show every completed write, as S3 and
+  its compatibles give (read-after-write consistency for LIST); the alternative, keeping each
+  save under its own prefix with the marker naming it, would change what every reader reads.
+
+Either way a save that finds the name held or committed fails at once with
+:class:`~dcp_safe.errors.CheckpointExistsError`, before writing a byte; the marker is checked
+again once the lease is held (a save that committed wrote its marker before it removed its
+lease, so the check cannot miss it). The publisher checks that the lease is still its own right
+before writing the marker (a stale writer whose lease was collected and retaken can never
+publish), and removes it after. A lease left by a crash is collected with the rest of the
+uncommitted prefix by the sweeper, once nothing under the prefix changed for its grace period.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import time
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.errors import CheckpointExistsError, StaleWriterError
+from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 
-__all__ = ["acquire_lease", "check_lease", "lease_acquired_at", "release_lease"]
+__all__ = ["acquire_lease", "check_lease", "lease_acquired_at", "lease_files", "release_lease"]
+
+# Per-save leases: rounds before giving up on a name other saves keep contending for, and the
+# random pause between rounds (long against one request, so that two contenders part).
+_ROUNDS = 5
+_PAUSE_S = (0.05, 0.5)
 
 
-def _lease_path(name: str) -> str:
-    return f"{name}/{layout.WRITING_LEASE}"
+def _lease_path(name: str, save_id: str | None = None) -> str:
+    return f"{name}/{layout.lease_file_name(save_id)}"
 
 
 def acquire_lease(backend: Backend, name: str, save_id: str) -> None:
-    """Take the name for this save.
+    """Take the name for this save (rank 0, before any rank writes).
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it.
     """
-    if backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-        raise CheckpointExistsError(backend.full_path(name))
-    body = json.dumps({"save_id": save_id, "acquired_at": time.time()}).encode()
+    _refuse_if_committed(backend, name)
+    if backend.supports_exclusive_create:
+        _acquire_exclusive(backend, name, save_id)
+    else:
+        _acquire_per_save(backend, name, save_id)
+
+
+def _acquire_exclusive(backend: Backend, name: str, save_id: str) -> None:
     try:
-        backend.write_bytes(_lease_path(name), body, exclusive=True)
+        backend.write_bytes(_lease_path(name), _body(save_id), exclusive=True)
     except FileExistsError:
-        holder = _holder(backend, name)
-        raise CheckpointExistsError(
-            backend.full_path(name),
-            f"save {holder} is writing it (or abandoned it: the sweeper collects it after its "
-            "grace period)",
-        ) from None
+        raise _held(backend, name, [_holder(backend, name)]) from None
+    _refuse_if_committed(backend, name, withdraw=_lease_path(name))
+
+
+def _acquire_per_save(backend: Backend, name: str, save_id: str) -> None:
+    own = layout.lease_file_name(save_id)
+    seen: set[str] = set()
+    for _ in range(_ROUNDS):
+        backend.write_bytes(f"{name}/{own}", _body(save_id))
+        try:
+            others = set(lease_files(backend, name)) - {own}
+            if not others:
+                _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
+                return
+        except BaseException:
+            with contextlib.suppress(OSError):
+                backend.remove_file(f"{name}/{own}")
+            raise
+        backend.remove_file(f"{name}/{own}")
+        if others & seen:
+            break  # still there after a pause: a holder (or abandoned), not a contender
+        seen = others
+        _pause()
+    raise _held(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
 def check_lease(backend: Backend, name: str, save_id: str) -> None:
     """Raises StaleWriterError unless this save still holds the lease."""
-    holder = _holder(backend, name)
-    if holder != save_id:
-        raise StaleWriterError(
-            f"save {save_id} no longer holds {backend.full_path(name)} (held by {holder})",
-            {0: "lease lost"},
-        )
+    if backend.supports_exclusive_create:
+        holder = _holder(backend, name)
+        if holder == save_id:
+            return
+    elif backend.exists(_lease_path(name, save_id)):
+        return
+    else:
+        holder = None
+    raise StaleWriterError(
+        f"save {save_id} no longer holds {backend.full_path(name)} (held by {holder})",
+        {0: "lease lost"},
+    )
 
 
-def release_lease(backend: Backend, name: str) -> None:
-    backend.remove_file(_lease_path(name))
+def release_lease(backend: Backend, name: str, save_id: str) -> None:
+    """Remove this save's lease (after its marker, or once it failed and removed its files)."""
+    own = None if backend.supports_exclusive_create else save_id
+    backend.remove_file(_lease_path(name, own))
+
+
+def lease_files(backend: Backend, name: str) -> list[str]:
+    """The leases (of either kind) under ``<name>/``, as names."""
+    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
 def lease_acquired_at(backend: Backend, name: str) -> float | None:
-    """When the lease on ``name`` was taken (None: no lease, or an unreadable one)."""
-    value = _field(backend, name, "acquired_at")
-    return float(value) if isinstance(value, (int, float)) else None
+    """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
+    no lease, or none readable). The sweeper prefers the storage's own modification times."""
+    stamps = []
+    for entry in lease_files(backend, name):
+        value = _field(backend, f"{name}/{entry}", "acquired_at")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            stamps.append(float(value))
+    return max(stamps) if stamps else None
+
+
+def _refuse_if_committed(backend: Backend, name: str, *, withdraw: str | None = None) -> None:
+    if not backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+        return
+    if withdraw is not None:
+        backend.remove_file(withdraw)
+    raise CheckpointExistsError(backend.full_path(name))
+
+
+def _held(backend: Backend, name: str, holders: list[str | None]) -> CheckpointExistsError:
+    shown = ", ".join(str(h) for h in holders) or "another save"
+    return CheckpointExistsError(
+        backend.full_path(name),
+        f"save {shown} is writing it (or abandoned it: the sweeper collects it after its "
+        "grace period)",
+    )
+
+
+def _pause() -> None:
+    time.sleep(random.uniform(*_PAUSE_S))
+
+
+def _body(save_id: str) -> bytes:
+    return json.dumps({"save_id": save_id, "acquired_at": time.time()}).encode()
+
+
+def _save_id_of(entry: str) -> str:
+    return entry.partition("-")[2]
 
 
 def _holder(backend: Backend, name: str) -> str | None:
-    value = _field(backend, name, "save_id")
+    value = _field(backend, _lease_path(name), "save_id")
     return value if isinstance(value, str) else None
 
 
-def _field(backend: Backend, name: str, key: str) -> object:
+def _field(backend: Backend, rel: str, key: str) -> object:
+    """A field of a lease; None when absent or unreadable (not a small regular file of JSON:
+    :mod:`dcp_safe.manifest.limits`)."""
     try:
-        raw = backend.read_bytes(_lease_path(name))
-    except FileNotFoundError:
+        raw = parse_json(backend.read_small(rel, CONTROL_MAX_BYTES), backend.full_path(rel))
+    except (FileNotFoundError, CheckpointCorruptError):
         return None
-    try:
-        return json.loads(raw).get(key)
-    except (ValueError, AttributeError):
-        return None
+    return raw.get(key) if isinstance(raw, dict) else None

@@ -7,8 +7,9 @@ Two ways to make "all or nothing" true on storage (the same two orbax-checkpoint
   over a committed checkpoint unless replacing, and then by an atomic exchange). Retiring
   renames the checkpoint away first, so it stops existing in one step.
 * :class:`MarkerStrategy` (object stores): there is no atomic rename (fsspec's ``mv`` on S3 is
-  copy + delete), so a save works directly under ``<name>/``, guarded by a ``_WRITING`` lease,
-  and publishing is creating the marker exclusively, last. Retiring deletes the marker first.
+  copy + delete), so a save works directly under ``<name>/``, guarded by a writing lease
+  (:mod:`dcp_safe.commit.lease`, which also covers storage without a real exclusive create), and
+  publishing is creating the marker exclusively, last. Retiring deletes the marker first.
 
 The commit point differs (the rename, or the marker), so the check a caller must make just
 before it (the writer fence, the lease) is passed in as ``before_commit`` and called at that

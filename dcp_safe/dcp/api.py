@@ -37,6 +37,7 @@ from dcp_safe.dcp.group import (
     DEFAULT_DEADLINE_S,
     checkpoint_group,
     collective_failure,
+    deadline_of,
     discard_group,
     is_collective_failure,
     validate_deadline,
@@ -131,7 +132,7 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     return _Call(
         group=group,
         owned=owned,
-        deadline_s=deadline_s if owned else None,
+        deadline_s=deadline_s if owned else deadline_of(group),
         witnesses=witnesses,
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),

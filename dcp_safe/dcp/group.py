@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_DEADLINE_S",
     "checkpoint_group",
     "collective_failure",
+    "deadline_of",
     "discard_group",
     "is_collective_failure",
     "validate_deadline",
@@ -106,6 +107,15 @@ def checkpoint_group(
             raise ConfigError("dist.new_group returned no group for this rank")
         _groups[key] = (default, group)
         return group
+
+
+def deadline_of(group: Any) -> float | None:
+    """The deadline of ``group`` if it is one of dcp_safe's groups (``None`` otherwise)."""
+    with _lock:
+        for (_, timeout_s, _), (_, cached) in _groups.items():
+            if cached is group:
+                return timeout_s
+    return None
 
 
 def discard_group(group: Any) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS
 
 __all__ = ["Compression", "WriterOptions"]
 
@@ -29,6 +30,8 @@ class WriterOptions:
     thread_count: int = 1
     fsync: bool = True
     overwrite: bool = False
+    # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
+    signing_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -39,3 +42,7 @@ class WriterOptions:
         )
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
+        if self.signing_key is not None and self.checksum not in CRYPTOGRAPHIC_CHECKSUMS:
+            raise ConfigError(
+                f"a signed save needs a cryptographic checksum, not {self.checksum.value!r}"
+            )

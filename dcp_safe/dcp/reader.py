@@ -33,6 +33,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.dcp.unpickle import load_metadata, sanitized_object_stream
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -41,7 +42,9 @@ from dcp_safe.errors import (
     DcpSafeError,
     UnsafeCheckpointError,
 )
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
+from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.streams import VerifyingSlice, read_verified
 from dcp_safe.torch_compat import (
     ExtensionRegistry,
@@ -65,6 +68,15 @@ class SafeStorageReader(StorageReader):
             items without restriction. By default (``False``) ``.metadata`` admits only DCP's
             metadata types and non-tensor items only plain data, and anything else raises
             :class:`~dcp_safe.errors.UnsafeCheckpointError` (see :mod:`dcp_safe.dcp.unpickle`).
+        signing_key: accept only checkpoints signed with this key (as ``SafeStorageWriter``
+            takes it; default ``$DCP_SAFE_SIGNING_KEY``): an unsigned one raises
+            :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
+            :class:`~dcp_safe.errors.SignatureError`, in ``reset``. Without a key, signed
+            checkpoints load like any other.
+
+    Raises:
+        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), or
+            a bad key.
     """
 
     def __init__(
@@ -78,9 +90,16 @@ class SafeStorageReader(StorageReader):
         fallback_storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         allow_pickle: bool = False,
+        signing_key: bytes | str | None = None,
     ) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
+        self._signing_key = resolve_key(signing_key)
+        if self._signing_key is not None and not verify:
+            raise ConfigError(
+                "verify=False with a signing key: the signature vouches for the item checksums,"
+                " so unverified items would load unauthenticated; drop one of the two"
+            )
         self.root = os.fspath(root)
         self.verify = verify
         self.storage_options = storage_options
@@ -115,6 +134,8 @@ class SafeStorageReader(StorageReader):
             InvalidCheckpointNameError: a malformed name.
             CheckpointNotFoundError: no committed checkpoint by that name (or none at all).
             CheckpointCorruptError: the marker, manifest or ``.metadata`` do not agree.
+            SignatureError: with a signing key, the checkpoint is not signed with it
+                (``UnsignedCheckpointError``: not signed at all).
         """
         if checkpoint_id is not None:
             self._requested = os.fspath(checkpoint_id)
@@ -125,6 +146,8 @@ class SafeStorageReader(StorageReader):
             try:
                 name = resolve_name(backend, self._requested)
                 manifest = open_committed(backend, name).manifest
+                if self._signing_key is not None:
+                    check_signed(backend, name, manifest, self._signing_key)
                 metadata = self._load_metadata(backend, name, manifest, self.allow_pickle)
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)
@@ -203,6 +226,11 @@ class SafeStorageReader(StorageReader):
         record = manifest.file(layout.DCP_METADATA)
         if record is None:
             raise CheckpointCorruptError(backend.full_path(rel), "not listed in the manifest")
+        if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
+            raise CheckpointCorruptError(
+                backend.full_path(rel),
+                f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata",
+            )
         try:
             with backend.open_read(rel) as stream:
                 raw = read_verified(

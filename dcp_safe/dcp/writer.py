@@ -53,6 +53,7 @@ from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
+from dcp_safe.manifest.signing import checksum_for, resolve_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
@@ -85,7 +86,8 @@ class SafeStorageWriter(StorageWriter):
     Args:
         root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
         compression: ``"none"`` or ``"zstd"``.
-        checksum: ``"xxh3_128"`` (default), ``"sha256"`` or ``"crc32"``.
+        checksum: ``"xxh3_128"`` (the default unsigned), ``"sha256"`` (the default signed)
+            or ``"crc32"``.
         storage_options: passed to fsspec (endpoint, credentials) for URL roots.
         thread_count: files written in parallel per rank.
         fsync: make files and directory entries durable before publishing.
@@ -108,6 +110,10 @@ class SafeStorageWriter(StorageWriter):
             ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
             attempt than one that has saved under ``root`` fails with ``StaleWriterError``
             instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest.
+        signing_key: sign every checkpoint with this key (bytes; a str is its UTF-8 bytes, or
+            ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; a reader given the key then
+            refuses anything it did not sign. Item checksums become sha256. See
+            :mod:`dcp_safe.manifest.signing` and docs/integrity.md, "Signed checkpoints".
 
     Raises:
         ConfigError: an option has an unsupported value.
@@ -118,7 +124,7 @@ class SafeStorageWriter(StorageWriter):
         root: str | os.PathLike[str],
         *,
         compression: str = "none",
-        checksum: str = ChecksumAlgorithm.XXH3_128.value,
+        checksum: str | None = None,
         storage_options: dict[str, Any] | None = None,
         thread_count: int = 1,
         fsync: bool = True,
@@ -129,14 +135,17 @@ class SafeStorageWriter(StorageWriter):
         replication_options: UploadOptions | None = None,
         retry: RetryPolicy | None = None,
         attempt: int | None = None,
+        signing_key: bytes | str | None = None,
     ) -> None:
         super().__init__()
+        key = resolve_key(signing_key)
         self.options = WriterOptions(
             compression=parse_choice(Compression, compression, "compression"),
-            checksum=parse_choice(ChecksumAlgorithm, checksum, "checksum"),
+            checksum=checksum_for(checksum, signed=key is not None),
             thread_count=thread_count,
             fsync=fsync,
             overwrite=overwrite,
+            signing_key=key,
         )
         self.root = os.fspath(root)
         self.storage_options = storage_options
@@ -210,7 +219,7 @@ class SafeStorageWriter(StorageWriter):
                 # Ours, with nothing under it yet: holding it would block the name until the
                 # sweeper's grace period ends.
                 with contextlib.suppress(OSError):
-                    release_lease(self.backend, name)
+                    release_lease(self.backend, name, save_id)
             raise
         return [
             dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
@@ -281,7 +290,7 @@ class SafeStorageWriter(StorageWriter):
             for rel in own:
                 self.backend.remove_file(f"{name}/{rel}")
             check_lease(self.backend, name, assignment.save_id)
-            release_lease(self.backend, name)
+            release_lease(self.backend, name, assignment.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).

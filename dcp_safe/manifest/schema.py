@@ -7,6 +7,9 @@ flipped byte anywhere in a shard lands in some item's checksum. Small files (``.
 manifests) carry a whole-file checksum instead.
 
 JSON is canonical (sorted keys, no spaces) so the digest in ``_COMMITTED`` is reproducible.
+Reading is strict (:mod:`dcp_safe.manifest.limits`): every field is checked for its type and
+range, checksums must name a known algorithm, and paths must be the checkpoint's own members;
+anything else is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.checksum import parse_checksum
+from dcp_safe.manifest.limits import parse_json, require_int, require_str, require_timestamp
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -60,6 +65,13 @@ class ItemRecord:
             raise ValueError(f"item file {self.file!r} is not a file of the checkpoint")
         _require_size("start", self.start)
         _require_size("length", self.length)
+        require_str("fqn", self.fqn)
+        if self.offset is not None:
+            for index in self.offset:
+                require_int("offset", index)
+        _require_checksum(self.checksum)
+        for transform in self.transforms:
+            require_str("transform", transform, max_length=64)
 
     @property
     def key(self) -> ItemKey:
@@ -81,11 +93,28 @@ class FileRecord:
         if not layout.is_member_path(self.path):
             raise ValueError(f"file path {self.path!r} is not a file of the checkpoint")
         _require_size("size", self.size)
+        if self.checksum is not None:
+            _require_checksum(self.checksum)
 
 
 def _require_size(field: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{field} must be a byte count, got {value!r}")
+    require_int(field, value, what="a byte count")
+
+
+def _require_checksum(value: object) -> None:
+    """``"<known algorithm>:<digest>"``; an unknown algorithm (``md5:``) is corrupt."""
+    checksum = require_str("checksum", value, max_length=512)
+    _, digest = parse_checksum(checksum)  # ValueError on an unknown algorithm
+    if not digest:
+        raise ValueError(f"checksum {checksum!r} has no digest")
+
+
+def _require_common(manifest: RankManifest | Manifest) -> None:
+    """The fields both kinds of manifest share."""
+    require_str("name", manifest.name, max_length=255)
+    require_str("save_id", manifest.save_id, max_length=255)
+    parse_checksum(require_str("checksum_algorithm", manifest.checksum_algorithm) + ":")
+    require_int("version", manifest.version)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +128,10 @@ class RankManifest:
     files: tuple[FileRecord, ...]
     items: tuple[ItemRecord, ...]
     version: int = MANIFEST_VERSION
+
+    def __post_init__(self) -> None:
+        _require_common(self)
+        require_int("rank", self.rank)
 
     def to_json(self) -> bytes:
         return _dumps(_tagged(self, "dcp_safe/rank-manifest"))
@@ -130,6 +163,16 @@ class Manifest:
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        _require_common(self)
+        require_int("world_size", self.world_size, minimum=1)
+        require_timestamp("created_at", self.created_at)
+        require_str("compression", self.compression, max_length=64)
+        require_str("dcp_safe_version", self.dcp_safe_version, max_length=255)
+        require_str("torch_version", self.torch_version, max_length=255)
+        if self.step is not None:
+            require_int("step", self.step)
+        if self.attempt is not None:
+            require_int("attempt", self.attempt)
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
 
     @property
@@ -177,10 +220,7 @@ def _dumps(raw: Mapping[str, Any]) -> bytes:
 
 
 def _loads(data: bytes, path: str, kind: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(path, f"not valid JSON ({exc})") from exc
+    raw = parse_json(data, path)
     if not isinstance(raw, dict) or raw.get("format") != kind:
         raise CheckpointCorruptError(path, f"not a {kind} document")
     if raw.get("version") != MANIFEST_VERSION:
@@ -205,15 +245,29 @@ def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
 
 
 def _with_records(raw: dict[str, Any]) -> dict[str, Any]:
-    raw["files"] = tuple(FileRecord(**f) for f in raw["files"])
+    raw["files"] = tuple(FileRecord(**f) for f in _records("files", raw["files"]))
     raw["items"] = tuple(
         ItemRecord(
             **{
                 **i,
-                "offset": None if i["offset"] is None else tuple(i["offset"]),
-                "transforms": tuple(i["transforms"]),
+                "offset": None if i["offset"] is None else tuple(_list("offset", i["offset"])),
+                "transforms": tuple(_list("transforms", i["transforms"])),
             }
         )
-        for i in raw["items"]
+        for i in _records("items", raw["items"])
     )
     return raw
+
+
+def _records(field: str, value: object) -> list[dict[str, Any]]:
+    """A JSON list of objects (a string or a mapping would iterate as something else)."""
+    records = _list(field, value)
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{field} must be a list of objects")
+    return records
+
+
+def _list(field: str, value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{field} must be a list, got {type(value).__name__}")
+    return value

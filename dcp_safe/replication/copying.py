@@ -21,6 +21,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
+from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
 
 __all__ = [
@@ -173,7 +174,9 @@ class CheckpointCopy:
             )
 
     def finish_upload(self, dest: str) -> None:
-        """Write the manifest, then check that every file of it is under ``dest`` whole."""
+        """Write the manifest (and its signature, if signed), then check that every file of it
+        is under ``dest`` whole."""
+        self._copy_signature(dest)
         self.uploaded.append(f"{dest}/{layout.MANIFEST}")
         self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
         expected = [(f.path, f.size) for f in self.manifest.files]
@@ -181,6 +184,17 @@ class CheckpointCopy:
             check_remote_size(self.remote, f"{dest}/{path}", size)
         for folder in _folders(path for path, _ in expected):
             self.remote.sync_dir(f"{dest}/{folder}")
+
+    def _copy_signature(self, dest: str) -> None:
+        """A signed checkpoint's ``_SIGNATURE`` goes with it, so a keyed reader of the replica
+        accepts it. Not checked here (that needs the key): a reader with the key checks it."""
+        try:
+            with self.local.open_read(f"{self.name}/{layout.SIGNATURE}") as stream:
+                signature = stream.read(MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return
+        self.uploaded.append(f"{dest}/{layout.SIGNATURE}")
+        self.remote.write_bytes(f"{dest}/{layout.SIGNATURE}", signature)
 
 
 def make_folders(remote: Backend, dest: str, paths: Iterable[str]) -> None:

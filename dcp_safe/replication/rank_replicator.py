@@ -47,6 +47,7 @@ from dcp_safe.errors import (
     CommitError,
     ReplicationSkippedError,
 )
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
 from dcp_safe.replication.copying import CheckpointCopy
 from dcp_safe.replication.rank_upload import (
@@ -222,7 +223,8 @@ class RankReplicator(Replicator):
         owned: set[str] = set()
         for rank in range(world_size):
             rel = f"{name}/{layout.rank_manifest_name(rank)}"
-            part = RankManifest.from_json(self.local.read_bytes(rel), self.local.full_path(rel))
+            raw = self.local.read_small(rel, MANIFEST_MAX_BYTES)
+            part = RankManifest.from_json(raw, self.local.full_path(rel))
             owned.update(f.path for f in part.files)
             owned.add(layout.rank_manifest_name(rank))
         return [f for f in manifest.files if f.path not in owned]

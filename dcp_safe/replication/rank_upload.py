@@ -49,6 +49,7 @@ from dcp_safe.errors import (
     ConfigError,
     ReplicationSkippedError,
 )
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import FileCheck, items_by_file
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_retrying, make_folders
@@ -134,7 +135,7 @@ def upload_rank_part(
     rel = layout.rank_manifest_name(rank)
     local_rel = f"{local_dir}/{rel}"
     path = local.full_path(local_rel)
-    raw = local.read_bytes(local_rel)
+    raw = local.read_small(local_rel, MANIFEST_MAX_BYTES)
     if expected is not None:
         _check_bytes(path, raw, expected)
     manifest = RankManifest.from_json(raw, path)
@@ -327,4 +328,5 @@ def _write_marker(remote: Backend, rel: str, text: str) -> None:
 
 
 def _read_text(backend: Backend, rel: str) -> str:
-    return backend.read_bytes(rel).decode("utf-8", errors="replace").strip()
+    raw = backend.read_small(rel, CONTROL_MAX_BYTES)
+    return raw.decode("utf-8", errors="replace").strip()

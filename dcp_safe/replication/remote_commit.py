@@ -17,6 +17,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
 
 __all__ = ["open_source", "publish_remote", "remote_committed", "remove_uploads"]
@@ -31,7 +32,7 @@ def open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:
     """
     manifest = open_committed(local, name).manifest
     rel = f"{name}/{layout.MANIFEST}"
-    raw = local.read_bytes(rel)
+    raw = local.read_small(rel, MANIFEST_MAX_BYTES)
     if Manifest.from_json(raw, local.full_path(rel)) != manifest:
         raise CheckpointCorruptError(local.full_path(rel), "manifest changed while being opened")
     return manifest, raw
@@ -45,7 +46,7 @@ def remote_committed(remote: Backend, name: str, digest: str) -> bool:
         CheckpointCorruptError: its marker is ours but its manifest does not match it.
     """
     try:
-        marker = remote.read_bytes(f"{name}/{layout.COMMITTED_MARKER}")
+        marker = remote.read_small(f"{name}/{layout.COMMITTED_MARKER}", CONTROL_MAX_BYTES)
     except FileNotFoundError:
         return False
     if marker.decode("ascii", errors="replace").strip() != digest:

@@ -17,7 +17,12 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
 from dcp_safe.retention.retire import retire_checkpoint
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, sweep_partials
+from dcp_safe.retention.sweeper import (
+    DEFAULT_GRACE_S,
+    SweepReport,
+    check_sweepable,
+    sweep_partials,
+)
 
 __all__ = ["RetentionReport", "apply_retention"]
 
@@ -46,6 +51,7 @@ def apply_retention(
     dry_run: bool = False,
     grace_s: float = DEFAULT_GRACE_S,
     storage_options: dict[str, Any] | None = None,
+    allow_bucket_root: bool = False,
 ) -> RetentionReport:
     """Keep the ``keep_last`` newest checkpoints under ``root`` and sweep old partial saves.
 
@@ -58,21 +64,31 @@ def apply_retention(
         dry_run: report what would be removed; remove nothing.
         grace_s: leave partial saves idle for less than this many seconds.
         storage_options: fsspec options for the root (endpoint, credentials).
+        allow_bucket_root: work on a root that is a whole bucket (refused otherwise: the
+            sweep there could touch other applications' objects).
 
     Returns:
         What was kept, dropped and swept.
 
     Raises:
-        ConfigError: a negative ``keep_last`` or ``grace_s``.
+        ConfigError: a negative ``keep_last`` or ``grace_s``, or a bucket root without
+            ``allow_bucket_root``; nothing is removed.
     """
     policy = KeepLast(keep_last)
+    backend = open_backend(os.fspath(root), storage_options)
+    check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     infos = list_checkpoints(root, storage_options=storage_options)
     # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
     if not dry_run:
-        backend = open_backend(os.fspath(root), storage_options)
         for name in decision.drop:
             retire_checkpoint(backend, name)
-    sweep = sweep_partials(root, grace_s=grace_s, dry_run=dry_run, storage_options=storage_options)
+    sweep = sweep_partials(
+        root,
+        grace_s=grace_s,
+        dry_run=dry_run,
+        storage_options=storage_options,
+        allow_bucket_root=allow_bucket_root,
+    )
     return RetentionReport(kept=decision.keep, dropped=decision.drop, sweep=sweep, dry_run=dry_run)

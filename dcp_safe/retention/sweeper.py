@@ -3,11 +3,22 @@
 A save that fails on some rank (or is killed) leaves work behind: DCP does not call rank 0 back
 after another rank's failure. None of it is ever a checkpoint, but it holds space.
 
-* Local roots: hidden ``.<name>.partial-<id>/`` directories, removed once idle for ``grace_s``
-  (by the newest modification time of anything inside).
-* Object stores: uncommitted ``<name>/`` prefixes still holding a writing lease taken more than
-  ``grace_s`` ago, and incomplete multipart uploads under the root started more than ``grace_s``
-  ago (a bucket lifecycle rule is the backstop for those; see docs/s3.md).
+* Roots that publish by rename (local): hidden ``.<name>.partial-<save id>/`` directories (that
+  exact form, nothing else), removed once nothing inside changed for ``grace_s``.
+* Roots that publish by marker (object stores): uncommitted ``<name>/`` prefixes (``name`` a
+  valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
+  ``grace_s``; and incomplete multipart uploads of dcp_safe's own layout names under the root
+  (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for those.
+
+Ages come from the storage's modification times, not from what a lease says: a lease that
+cannot be read, or that claims a time far in the future, is collected like any other once the
+prefix has been idle for the grace period. (Only a backend that reports no modification times
+falls back to the lease's own timestamp, when it is not in the future.)
+
+Nothing else is touched: another application's objects and uploads, a user's folder that only
+looks like a partial (``.notes.partial-draft``), a committed checkpoint. A root that is a whole
+bucket is refused unless the caller says the bucket is dcp_safe's (``allow_bucket_root``): there,
+every other application's uploads would be one prefix check away.
 
 The grace period is what keeps a save still in progress — possibly from another process or
 node — from ever being touched.
@@ -22,13 +33,13 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.backends.multipart import abort_stale_uploads
+from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.lease import lease_acquired_at
-from dcp_safe.errors import ConfigError
+from dcp_safe.commit.lease import lease_acquired_at, lease_files
+from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
 
-__all__ = ["SweepReport", "sweep_partials"]
+__all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
 
 DEFAULT_GRACE_S = 6 * 3600.0
 
@@ -43,6 +54,20 @@ class SweepReport:
     aborted_uploads: tuple[str, ...] = ()
 
 
+def check_sweepable(backend: Backend, *, allow_bucket_root: bool = False) -> None:
+    """Refuse a root the sweeper must not work on.
+
+    Raises:
+        ConfigError: ``backend`` is a whole bucket and ``allow_bucket_root`` is not set.
+    """
+    if is_bucket_root(backend) and not allow_bucket_root:
+        raise ConfigError(
+            f"{backend.url} is a whole bucket: cleaning it could touch other applications' "
+            "objects; use a prefix (s3://bucket/run) or allow_bucket_root=True "
+            "(dcp-safe gc --allow-bucket-root) if the bucket holds only dcp_safe checkpoints"
+        )
+
+
 def sweep_partials(
     root: str | os.PathLike[str],
     *,
@@ -50,23 +75,31 @@ def sweep_partials(
     dry_run: bool = False,
     storage_options: dict[str, Any] | None = None,
     now: float | None = None,
+    allow_bucket_root: bool = False,
 ) -> SweepReport:
-    """Remove leftovers of failed saves under ``root`` that are older than ``grace_s``.
+    """Remove leftovers of failed saves under ``root`` idle for at least ``grace_s``.
+
+    Args:
+        allow_bucket_root: sweep a root that is a whole bucket (see the module docstring).
 
     Raises:
-        ConfigError: a negative grace period.
+        ConfigError: a negative grace period, or a bucket root without ``allow_bucket_root``.
     """
     if grace_s < 0:
         raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
     backend = open_backend(os.fspath(root), storage_options)
+    check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     now = time.time() if now is None else now
-    if not isinstance(backend, LocalBackend):
-        return _sweep_object_store(backend, grace_s, dry_run, now)
+    if strategy_for(backend).in_place:
+        return _sweep_leased(backend, grace_s, dry_run, now)
     removed, recent = [], []
     for entry in backend.list_dir(""):
         if not layout.is_partial_entry(entry):
             continue
-        if now - _last_modified(os.path.join(backend.root, entry)) < grace_s:
+        changed = backend.modified_at(entry)
+        if changed is None:
+            continue  # gone meanwhile
+        if now - changed < grace_s:
             recent.append(entry)
             continue
         if not dry_run:
@@ -75,34 +108,49 @@ def sweep_partials(
     return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
 
 
-def _last_modified(path: str) -> float:
-    newest = os.stat(path).st_mtime
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
-            except FileNotFoundError:
-                continue  # removed while we looked: still someone's live work
-    return newest
-
-
-def _sweep_object_store(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
+def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
+    # Uploads are listed first: one that starts after this look is never a candidate.
+    uploads = incomplete_uploads(backend)
     removed, recent = [], []
     for entry in backend.list_dir(""):
+        if not _is_checkpoint_name(entry) or not lease_files(backend, entry):
+            continue  # not a save of ours
         if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
             continue
-        acquired = lease_acquired_at(backend, entry)
-        if acquired is None:
-            continue  # no lease: not a save of ours
-        if now - acquired < grace_s:
+        changed = _last_change(backend, entry, now)
+        if changed is None or now - changed < grace_s:
             recent.append(entry)
             continue
         if not dry_run:
             backend.remove_tree(entry)
         removed.append(entry)
     aborted = abort_stale_uploads(
-        backend, older_than_s=grace_s, now=now, dry_run=dry_run, in_progress=recent
+        backend,
+        older_than_s=grace_s,
+        now=now,
+        dry_run=dry_run,
+        in_progress=recent,
+        collected=removed,
+        uploads=uploads,
     )
     return SweepReport(
         removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run, aborted_uploads=aborted
     )
+
+
+def _last_change(backend: Backend, name: str, now: float) -> float | None:
+    """When anything under ``<name>/`` last changed, by the storage's clock; else what the
+    lease says, if not in the future; None: unknown (the prefix is kept)."""
+    changed = backend.modified_at(name)
+    if changed is not None:
+        return changed
+    stamp = lease_acquired_at(backend, name)
+    return stamp if stamp is not None and stamp <= now else None
+
+
+def _is_checkpoint_name(entry: str) -> bool:
+    try:
+        layout.validate_name(entry)
+    except InvalidCheckpointNameError:
+        return False
+    return True

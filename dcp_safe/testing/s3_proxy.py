@@ -8,9 +8,10 @@ per request, matched by HTTP method and a substring of the (URL-decoded) path, f
     with local_s3() as s3, FaultProxy(s3.endpoint_url) as proxy:
         proxy.fail(503, "SlowDown", method="PUT", key="_COMMITTED")   # the next PUT only
         proxy.drop_reply(method="PUT", key="_COMMITTED")               # applied, never answered
+        proxy.strip_header("If-None-Match", method="PUT", times=None)  # a server that ignores it
         options = proxy.storage_options()                              # s3fs goes through it
 
-Three kinds of fault:
+Three kinds of fault, and one change of behaviour:
 
 * ``fail``: answer with an S3 XML error (``500 InternalError``, ``503 SlowDown``, ...); the
   request never reaches the server.
@@ -18,6 +19,9 @@ Three kinds of fault:
   gives up; the server has applied the request).
 * ``drop_reply``: forward, so the server applies the request, then close the client's
   connection without a byte of reply — a lost reply.
+* ``strip_header``: forward without the named request header, as a server that ignores it
+  would (``If-None-Match``: an S3-compatible server without conditional writes). Checked apart
+  from the faults above, so it combines with them.
 
 Why a proxy rather than mocking botocore: the client stack (s3fs, aiobotocore, aiohttp) runs
 for real, so what it raises on a 503 or a dropped connection is what production code sees.
@@ -70,22 +74,24 @@ class Fault:
     """One programmed fault and how often it fired.
 
     Attributes:
-        kind: ``"fail"``, ``"delay"`` or ``"drop"``.
+        kind: ``"fail"``, ``"delay"``, ``"drop"`` or ``"strip"``.
         method: the HTTP method it applies to (any when None).
         key: a substring of the request path it applies to (any when None).
         times: how many more matching requests it applies to (for good when None).
         status, code: the error reply of a ``"fail"``.
         seconds: the hold of a ``"delay"``.
+        header: the request header a ``"strip"`` removes.
         hits: matching requests it has acted on.
     """
 
-    kind: Literal["fail", "delay", "drop"]
+    kind: Literal["fail", "delay", "drop", "strip"]
     method: str | None = None
     key: str | None = None
     times: int | None = 1
     status: int = 503
     code: str = "SlowDown"
     seconds: float = 0.0
+    header: str = ""
     hits: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -206,6 +212,17 @@ class FaultProxy:
         connection without replying."""
         return self._add(Fault("drop", method=method, key=key, times=times))
 
+    def strip_header(
+        self,
+        header: str,
+        *,
+        method: str | None = None,
+        key: str | None = None,
+        times: int | None = None,
+    ) -> Fault:
+        """Forward matching requests without ``header`` (for good, by default)."""
+        return self._add(Fault("strip", method=method, key=key, times=times, header=header))
+
     def clear(self) -> None:
         """Remove every programmed fault (counters stay)."""
         with self._lock:
@@ -223,11 +240,19 @@ class FaultProxy:
         with self._lock:
             self._stats.log.append((method, path))
             for fault in self._faults:
-                if fault.matches(method, path):
+                if fault.kind != "strip" and fault.matches(method, path):
                     fault.hits += 1
                     self._stats.faulted += 1
                     return fault
         return None
+
+    def _take_strips(self, method: str, path: str) -> set[str]:
+        """The headers (lower case) to leave out of this request."""
+        with self._lock:
+            strips = [f for f in self._faults if f.kind == "strip" and f.matches(method, path)]
+            for fault in strips:
+                fault.hits += 1
+            return {fault.header.lower() for fault in strips}
 
     # ------------------------------------------------------------- counters
 
@@ -329,12 +354,14 @@ def _make_handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             body = self._read_body()
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
             fault = proxy._take_fault(self.command, path)
+            strip = proxy._take_strips(self.command, path)
             if fault is not None and fault.kind == "fail":
                 self._reply(fault.status, "", [("Content-Type", "application/xml")], path, fault)
                 return
             try:
+                headers = [h for h in self.headers.items() if h[0].lower() not in strip]
                 status, reason, headers, data = proxy._forward(
-                    self.command, self.path, list(self.headers.items()), body
+                    self.command, self.path, headers, body
                 )
             except OSError as exc:
                 logger.debug("fault proxy: upstream failed: %s", exc)

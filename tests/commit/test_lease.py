@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from dcp_safe import (
     StaleWriterError,
     layout,
 )
+from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.lease import acquire_lease, check_lease
+from dcp_safe.commit import lease
+from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
 
 
 @pytest.fixture
@@ -76,3 +79,66 @@ def test_a_failed_publish_removes_its_own_objects(root: str) -> None:
     assert not open_backend(root).exists("step_1")
     dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
     assert [c.name for c in dcp_safe.list_checkpoints(root)] == ["step_1"]
+
+
+# ------------------------------------------------------- storage without exclusive create
+
+
+@pytest.fixture
+def per_save(root: str) -> Backend:
+    """A root whose backend says it has no exclusive create: one lease per save."""
+    backend = open_backend(root)
+    backend.supports_exclusive_create = False
+    return backend
+
+
+def test_a_per_save_lease_is_taken_checked_and_released(per_save: Backend) -> None:
+    acquire_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == [layout.lease_file_name("mine")]
+    check_lease(per_save, "step_1", "mine")
+    with pytest.raises(StaleWriterError):
+        check_lease(per_save, "step_1", "other")
+    release_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == []
+
+
+def test_a_lease_that_stays_refuses_the_name_and_leaves_nothing_of_ours(per_save: Backend) -> None:
+    acquire_lease(per_save, "step_1", "other-save")
+    started = time.monotonic()
+    with pytest.raises(CheckpointExistsError, match="other-save"):
+        acquire_lease(per_save, "step_1", "mine")
+    assert time.monotonic() - started < 2  # two looks, not every round
+    assert per_save.list_dir("step_1") == [layout.lease_file_name("other-save")]
+
+
+def test_a_contender_that_withdraws_leaves_the_name_to_the_next_round(
+    per_save: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contender = f"step_1/{layout.lease_file_name('contender')}"
+    per_save.write_bytes(contender, b"{}")
+    monkeypatch.setattr(lease, "_pause", lambda: per_save.remove_file(contender))
+    acquire_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == [layout.lease_file_name("mine")]
+
+
+def test_a_committed_name_is_refused_with_no_lease_left(per_save: Backend) -> None:
+    per_save.write_bytes(f"step_1/{layout.COMMITTED_MARKER}", b"digest")
+    with pytest.raises(CheckpointExistsError):
+        acquire_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == [layout.COMMITTED_MARKER]
+
+
+def test_a_save_without_exclusive_create_commits_and_releases_its_lease(root: str) -> None:
+    class _PerSave(SafeStorageWriter):
+        def __init__(self, root: str) -> None:
+            super().__init__(root)
+            self.backend.supports_exclusive_create = False
+
+    state = make_state(2)
+    dcp_safe.save(state, checkpoint_id="step_1", storage_writer=_PerSave(root))
+    assert not [e for e in open_backend(root).list_dir("step_1") if layout.is_lease_file(e)]
+    with pytest.raises(CheckpointExistsError):
+        dcp_safe.save(state, checkpoint_id="step_1", storage_writer=_PerSave(root))
+    target = blank_like(state)
+    dcp_safe.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    assert_state_equal(target, state)

@@ -380,7 +380,7 @@ def test_retention_prunes_the_remote_tier_too_once_replicated(
 
 
 def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
-    partial = tmp_path / ".step_000000007.partial-dead"
+    partial = tmp_path / f".step_000000007.partial-{'dead' * 8}"
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(b"half")
     with CheckpointManager(tmp_path, partial_grace_s=0) as manager:

@@ -210,7 +210,7 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
         handle.committed.result(timeout=120)
         error: Any = None
     except CommitError as exc:
-        error = {"type": type(exc).__name__, "failures": exc.failures}
+        error = {"type": type(exc).__name__, "failures": exc.failures, "message": str(exc)}
     with pytest.raises(CommitError):  # the kept error reaches close() too
         manager.close(timeout_s=60)
     return {"error": error, "listed": [c.name for c in list_checkpoints(root)]}
@@ -256,6 +256,13 @@ def test_each_step_is_one_multirank_checkpoint_and_retention_is_exact(tmp_path: 
         assert result["committed"] == 6
     committed = [e["step"] for e in results[0]["history"] if e["event"] == "committed"]
     assert committed == [1, 2, 3, 4, 5, 6]  # written once, by the coordinator
+    # 2 -> 1: one process without a group loads the sharded checkpoint whole.
+    saved = results[0]["saved"][6]
+    whole = {k: torch.zeros_like(v) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    whole["meta"] = {"seed": -1}
+    with CheckpointManager(root, keep_last=2, keep_every=3) as manager:
+        assert manager.restore(whole) == "step_000000006"
+    assert_state_equal(whole, saved)
 
 
 def test_fsdp2_state_restores_resharded_four_to_two_to_one(tmp_path: Path) -> None:
@@ -303,6 +310,7 @@ def test_a_rank_killed_during_a_manager_save_is_named_to_the_survivor(tmp_path: 
     survivor = caught.value.results[0]
     assert survivor["error"]["type"] == "CommitError"
     assert 1 in survivor["error"]["failures"]
+    assert "within the 8 s deadline" in survivor["error"]["message"]
     assert survivor["listed"] == ["step_000000001"]  # the previous checkpoint, intact
 
 

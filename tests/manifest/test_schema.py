@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import (
     FileRecord,
     ItemRecord,
@@ -25,7 +26,11 @@ _items = st.builds(
     file=st.just("__0_0.distcp"),
     start=st.integers(0, 10**12),
     length=st.integers(0, 10**12),
-    checksum=st.text(max_size=40),
+    checksum=st.builds(
+        "{}:{}".format,
+        st.sampled_from([a.value for a in ChecksumAlgorithm]),
+        st.text("0123456789abcdef", min_size=1, max_size=32),
+    ),
     transforms=st.one_of(st.just(()), st.just(("stream.zstd/1",))),
 )
 
@@ -69,7 +74,7 @@ def test_rank_manifest_round_trips() -> None:
 
 
 def test_items_are_found_by_dcp_index() -> None:
-    item = ItemRecord(fqn="w", offset=(4, 0), file="f", start=0, length=1, checksum="c")
+    item = ItemRecord(fqn="w", offset=(4, 0), file="f", start=0, length=1, checksum="crc32:0")
     assert _manifest((item,)).item(item_key("w", [4, 0])) == item
     assert _manifest((item,)).item(item_key("w", None)) is None
 
@@ -120,3 +125,83 @@ def test_the_layouts_own_files_are_accepted() -> None:
 
 def _json(value: object) -> bytes:
     return json.dumps(value).encode()
+
+
+# ---------------------------------------------------------------- strict fields (issue #17)
+
+
+def _with(**fields: object) -> bytes:
+    """A valid manifest's JSON with ``fields`` replaced (raw JSON values, as a writer can)."""
+    raw = json.loads(_manifest(()).to_json())
+    raw.update(fields)
+    return json.dumps(raw).encode()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"created_at": "yesterday"}, "created_at must be a time"),
+        ({"created_at": -1}, "created_at must be a time"),
+        ({"created_at": 1e300}, "created_at must be a time"),
+        ({"created_at": True}, "created_at must be a time"),
+        ({"step": "2"}, "step must be an integer"),
+        ({"step": 2**64}, "step must be an integer"),
+        ({"world_size": 0}, "world_size must be an integer"),
+        ({"name": 7}, "name must be a string"),
+        ({"checksum_algorithm": "md5"}, "md5"),
+        ({"items": {"a": 1}}, "items must be a list"),
+        ({"files": "abc"}, "files must be a list"),
+        ({"files": [1, 2]}, "files must be a list of objects"),
+    ],
+)
+def test_a_field_of_the_wrong_type_or_range_is_corrupt(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(CheckpointCorruptError, match=message):
+        Manifest.from_json(_with(**fields), "manifest.json")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"1" + b"0" * 5000],
+)
+def test_non_finite_and_oversized_numbers_are_corrupt(text: bytes) -> None:
+    raw = _manifest(()).to_json().replace(b'"created_at":1.5', b'"created_at":' + text)
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        Manifest.from_json(raw, "manifest.json")
+
+
+def test_deeply_nested_json_is_corrupt_not_a_recursion_error() -> None:
+    with pytest.raises(CheckpointCorruptError, match="nested too deeply"):
+        Manifest.from_json(b"[" * 200_000 + b"]" * 200_000, "manifest.json")
+    with pytest.raises(CheckpointCorruptError, match="nested too deeply"):
+        RankManifest.from_json(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "rank.json")
+
+
+def _item(**fields: object) -> dict[str, object]:
+    item: dict[str, object] = {
+        "fqn": "w",
+        "offset": None,
+        "file": "__0_0.distcp",
+        "start": 0,
+        "length": 10,
+        "checksum": "crc32:0",
+        "transforms": [],
+    }
+    return item | fields
+
+
+@pytest.mark.parametrize("checksum", ["md5:" + "0" * 32, "xxh3_128:", "", 7, "sha256"])
+def test_an_item_checksum_of_an_unknown_algorithm_is_corrupt(checksum: object) -> None:
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
+        Manifest.from_json(_with(items=[_item(checksum=checksum)]), "manifest.json")
+
+
+@pytest.mark.parametrize("offset", ["ab", [1.5], [-1], {"a": 1}])
+def test_an_item_offset_that_is_not_a_list_of_indices_is_corrupt(offset: object) -> None:
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
+        Manifest.from_json(_with(items=[_item(offset=offset)]), "manifest.json")
+
+
+def test_a_well_formed_item_passes() -> None:
+    assert Manifest.from_json(_with(items=[_item()]), "manifest.json").items[0].fqn == "w"

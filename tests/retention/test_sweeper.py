@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe import ConfigError, SafeStorageWriter, cli, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.retention import sweeper
+from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_partials
 
 
@@ -84,3 +87,108 @@ def test_object_store_sweep_collects_stale_leases_and_uploads_only(
     assert s3.open_uploads(s3_bucket) == []
     assert backend.list_dir("") == ["step_1"]
     dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
+
+
+# ------------------------------------------------------------ only what dcp_safe made
+
+
+def test_only_dcp_safe_partials_are_swept(tmp_path: Path) -> None:
+    partial = _abandon_a_save(tmp_path)
+    notes = tmp_path / ".notes.partial-draft"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    (tmp_path / ".step_2.partial-1234").mkdir()  # not a save id dcp_safe makes
+    report = sweep_partials(tmp_path, grace_s=60, now=time.time() + 61)
+    assert report.removed == (partial,) and report.too_recent == ()
+    assert (notes / "todo.txt").read_text() == "mine"
+    assert (tmp_path / ".step_2.partial-1234").is_dir()
+
+
+def _leave_a_lease(backend: Any, name: str, body: bytes, lease: str = layout.WRITING_LEASE) -> None:
+    backend.write_bytes(f"{name}/{lease}", body)
+    backend.write_bytes(f"{name}/__0_0.distcp", b"half a shard")
+
+
+def test_unreadable_and_far_future_leases_are_collected_after_the_grace_period(
+    memory_root: str,
+) -> None:
+    backend = open_backend(memory_root)
+    future = json.dumps({"save_id": "x", "acquired_at": time.time() + 1e9}).encode()
+    _leave_a_lease(backend, "step_2", b"\x00not json")
+    _leave_a_lease(backend, "step_3", future)
+    _leave_a_lease(backend, "step_4", future, layout.lease_file_name("killed"))
+    _leave_a_lease(backend, ".hidden", future)  # not a checkpoint name: not ours
+    expected = ("step_2", "step_3", "step_4")
+    early = sweep_partials(memory_root, grace_s=3600)
+    assert early.too_recent == expected and early.removed == ()
+    late = sweep_partials(memory_root, grace_s=3600, now=time.time() + 3601)
+    assert late.removed == expected
+    assert backend.list_dir("") == [".hidden"]
+
+
+@pytest.mark.s3
+def test_the_sweep_aborts_only_dcp_safe_uploads_under_its_root(
+    s3: Any, s3_bucket: str, s3_root: str, s3_options: dict[str, Any]
+) -> None:
+    prefix = s3_root.removeprefix(f"s3://{s3_bucket}/")
+    ours = f"{prefix}/step_2/__0_0.distcp"
+    others = [
+        f"{prefix}/other-app/blob.bin",  # not a name dcp_safe writes
+        f"{prefix}/step_2/notes.bin",
+        f"{prefix}-sibling/step_2/__0_0.distcp",  # beside the root
+        "elsewhere/step_2/__0_0.distcp",  # outside it
+    ]
+    for key in [ours, *others]:
+        s3.client().create_multipart_upload(Bucket=s3_bucket, Key=key)
+    report = sweep_partials(s3_root, grace_s=60, now=time.time() + 61, storage_options=s3_options)
+    assert report.aborted_uploads == (f"s3://{s3_bucket}/{ours}",)
+    assert sorted(u["Key"] for u in s3.open_uploads(s3_bucket)) == sorted(others)
+
+
+@pytest.mark.s3
+def test_an_upload_without_a_start_time_is_aborted_only_with_its_abandoned_save(
+    s3: Any,
+    s3_bucket: str,
+    s3_root: str,
+    s3_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = open_backend(s3_root, s3_options)
+    save = SafeStorageWriter(s3_root, storage_options=s3_options)
+    dcp_safe.save(make_state(0), checkpoint_id="step_1", storage_writer=save)
+    acquire_lease(backend, "step_2", "killed-save")
+    prefix = s3_root.removeprefix(f"s3://{s3_bucket}/")
+    kept, aborted = f"{prefix}/step_1/__9_0.distcp", f"{prefix}/step_2/__0_0.distcp"
+    for key in (kept, aborted):
+        s3.client().create_multipart_upload(Bucket=s3_bucket, Key=key)
+
+    def without_times(backend: Any) -> list[dict[str, Any]]:
+        return [{k: v for k, v in u.items() if k != "Initiated"} for u in listed(backend)]
+
+    listed = sweeper.incomplete_uploads
+    monkeypatch.setattr(sweeper, "incomplete_uploads", without_times)
+    report = sweep_partials(s3_root, grace_s=60, now=time.time() + 61, storage_options=s3_options)
+    assert report.removed == ("step_2",)
+    assert report.aborted_uploads == (f"s3://{s3_bucket}/{aborted}",)
+    assert [u["Key"] for u in s3.open_uploads(s3_bucket)] == [kept]
+
+
+@pytest.mark.s3
+def test_a_bucket_root_is_refused_without_the_flag(
+    s3: Any, s3_bucket: str, s3_options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    s3.client().create_multipart_upload(Bucket=s3_bucket, Key="other-app/blob.bin")
+    bucket = f"s3://{s3_bucket}"
+    with pytest.raises(ConfigError, match="whole bucket"):
+        sweep_partials(bucket, grace_s=0, storage_options=s3_options)
+    with pytest.raises(ConfigError, match="whole bucket"):
+        apply_retention(bucket, keep_last=2, grace_s=0, storage_options=s3_options)
+    gc = ["gc", bucket, "--keep", "2", "--grace-s", "0"]
+    gc += ["--storage-options", json.dumps(s3_options)]
+    assert cli.main(gc) != 0
+    err = capsys.readouterr().err
+    assert "whole bucket" in err and len(err.strip().splitlines()) == 1, err
+    assert cli.main([*gc, "--allow-bucket-root"]) == 0
+    report = sweep_partials(bucket, grace_s=0, storage_options=s3_options, allow_bucket_root=True)
+    assert report.aborted_uploads == ()
+    assert [u["Key"] for u in s3.open_uploads(s3_bucket)] == ["other-app/blob.bin"]

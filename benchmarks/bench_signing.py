@@ -1,0 +1,155 @@
+"""What signing costs: a signed save and load against an unsigned one, in the same run.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_signing.py [--rounds 5] [--dir D] [--no-fsync]
+
+Two shapes of float32 state: 16 tensors of 16 MiB (256 MiB; hashing dominates) and 2,000
+tensors of 32 KiB (62.5 MiB; per-item work dominates). For each, one process measures,
+alternating the order from round to round, ``dcp_safe.save`` (durable, fsync on) and then
+``dcp_safe.load`` (every item verified, the default) of:
+
+* *unsigned*: the default, xxh3-128 item checksums;
+* *unsigned sha256*: ``checksum="sha256"``, no key (the hash alone, without the signature);
+* *signed*: ``signing_key=...`` (sha256 item checksums, an HMAC over the manifest digest in
+  ``_SIGNATURE``; the reader given the key checks it and reads the manifest once more).
+
+The target (issue 17) is signed / unsigned <= 1.05 for a save plus its load. The load reads
+from the page cache (each checkpoint was just written), so it is the worst case for a slower
+hash: nothing else to wait for. Results go to ``benchmarks/results/bench_signing-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    describe_machine,
+    markdown_table,
+    median,
+    rotate,
+    run_and_report,
+    write_results,
+)
+
+import dcp_safe
+from dcp_safe import SafeStorageReader, SafeStorageWriter
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"16 x 16 MiB": (16, 4 << 20), "2,000 x 32 KiB": (2_000, 8 << 10)}
+KEY = "hex:" + "42" * 32
+CONTENDERS: dict[str, dict[str, Any]] = {
+    "unsigned": {},
+    "unsigned sha256": {"checksum": "sha256"},
+    "signed": {"signing_key": KEY},
+}
+
+
+def make_state(count: int, numel: int) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.weight": torch.randn(numel) for i in range(count)}
+
+
+def save_and_load(
+    root: Path, name: str, state: dict[str, torch.Tensor], options: dict[str, Any], fsync: bool
+) -> tuple[float, float]:
+    """One durable save and one verified load; returns their wall seconds."""
+    writer = SafeStorageWriter(root, fsync=fsync, **options)
+    start = time.perf_counter()
+    dcp_safe.save(state, checkpoint_id=name, storage_writer=writer)
+    saved = time.perf_counter()
+    target = {key: torch.empty_like(value) for key, value in state.items()}
+    reader = SafeStorageReader(root, signing_key=options.get("signing_key"))
+    dcp_safe.load(target, checkpoint_id=name, storage_reader=reader)
+    loaded = time.perf_counter()
+    if not all(torch.equal(target[k], v) for k, v in state.items()):
+        raise AssertionError("the load differs from the save")
+    return saved - start, loaded - saved
+
+
+def measure(
+    work: Path, shape: str, count: int, numel: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    state = make_state(count, numel)
+    times: dict[str, dict[str, list[float]]] = {
+        key: {"save": [], "load": [], "both": []} for key in CONTENDERS
+    }
+    for options in CONTENDERS.values():  # warm up: allocator, page cache, imports
+        save_and_load(work, "warm", state, options, args.fsync)
+        shutil.rmtree(work / "warm")
+    for round_ in range(args.rounds):
+        for key in rotate(list(CONTENDERS), round_):
+            name = f"r{round_}"
+            save_s, load_s = save_and_load(work, name, state, CONTENDERS[key], args.fsync)
+            shutil.rmtree(work / name)
+            times[key]["save"].append(save_s)
+            times[key]["load"].append(load_s)
+            times[key]["both"].append(save_s + load_s)
+    med = {key: {part: median(v) for part, v in parts.items()} for key, parts in times.items()}
+    ratios = {
+        key: {part: med[key][part] / med["unsigned"][part] for part in ("save", "load", "both")}
+        for key in CONTENDERS
+    }
+    per_round = [
+        s / u for s, u in zip(times["signed"]["both"], times["unsigned"]["both"], strict=True)
+    ]
+    return {
+        "shape": shape,
+        "tensors": count,
+        "bytes": count * numel * 4,
+        "median_s": med,
+        "over_unsigned": ratios,
+        "signed_over_unsigned_per_round_median": median(per_round),
+        "rounds": args.rounds,
+        "fsync": args.fsync,
+    }
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    rows = [measure(work, name, c, n, args) for name, (c, n) in SHAPES.items()]
+    return {"machine": describe_machine(str(work)), "torch": torch.__version__, "shapes": rows}
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = []
+    for r in results["shapes"]:
+        for key in CONTENDERS:
+            m, x = r["median_s"][key], r["over_unsigned"][key]
+            rows.append(
+                [
+                    r["shape"],
+                    key,
+                    f"{m['save']:.3f} s ({x['save']:.3f}x)",
+                    f"{m['load']:.3f} s ({x['load']:.3f}x)",
+                    f"{m['both']:.3f} s ({x['both']:.3f}x)",
+                ]
+            )
+    headers = ["state", "checkpoint", "save", "load", "save + load"]
+    return markdown_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender")
+    parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
+    parser.add_argument("--no-fsync", dest="fsync", action="store_false", help="saves skip fsync")
+    args = parser.parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return run_and_report(
+        "bench_signing_",
+        args.dir,
+        lambda work: run(args, work),
+        report,
+        lambda r: write_results(RESULTS / f"bench_signing-{stamp}.json", r),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Strict parsing of control files: the size caps, the JSON reader and the field checks.
+
+Every file dcp_safe reads to decide what a checkpoint is (``_COMMITTED``, ``manifest.json``, rank
+manifests, ``_history.jsonl``, ``_WRITING`` leases, ``_NODE_COMMITTED``) may have been written by
+anyone who can write the root. Each is read whole only when it is a regular file no larger than
+its cap (stat before reading: :meth:`~dcp_safe.backends.backend.Backend.read_small`), parsed by
+:func:`parse_json` (no NaN or infinity, no integer past Python's digit limit, nesting that
+cannot exhaust the stack), and every field is checked for its type and range before use. Each
+failure is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file, so callers that
+list or choose among checkpoints skip one bad entry and keep the good ones.
+
+The caps are far above what dcp_safe writes (a marker is ~80 bytes, a manifest ~250 bytes per
+item) and far below what would hurt a process that reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from dcp_safe.errors import CheckpointCorruptError
+
+__all__ = [
+    "CONTROL_MAX_BYTES",
+    "HISTORY_MAX_BYTES",
+    "MANIFEST_MAX_BYTES",
+    "MAX_INT",
+    "MAX_TIMESTAMP",
+    "parse_json",
+    "require_int",
+    "require_str",
+    "require_timestamp",
+]
+
+#: Markers (``_COMMITTED``, ``_NODE_COMMITTED``) and writing leases.
+CONTROL_MAX_BYTES = 1 << 20
+#: ``manifest.json``, rank manifests and ``.metadata``: about a million items' worth.
+MANIFEST_MAX_BYTES = 256 << 20
+#: ``_history.jsonl``: only its newest part this size is read (the rest is dropped on rewrite).
+HISTORY_MAX_BYTES = 16 << 20
+#: Integers in control files (sizes, offsets, steps, ranks) fit a signed 64-bit integer.
+MAX_INT = (1 << 63) - 1
+#: Times are seconds since the epoch up to the end of year 9999 (what ``datetime`` can show).
+MAX_TIMESTAMP = 253_402_300_799.0
+# Strings in control files (names, ids, fqns, checksums, versions).
+_MAX_STR = 1 << 16
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a control file may hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def parse_json(data: bytes, path: str) -> Any:
+    """The JSON document in ``data``, strictly.
+
+    Raises:
+        CheckpointCorruptError: not UTF-8 JSON; NaN, an infinity or a float out of range; an
+            integer past Python's digit limit; nesting too deep to parse.
+    """
+    try:
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise CheckpointCorruptError(path, "not valid JSON (nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointCorruptError(path, f"not valid JSON ({str(exc)[:200]})") from None
+
+
+def require_int(
+    field: str,
+    value: object,
+    *,
+    minimum: int = 0,
+    maximum: int = MAX_INT,
+    what: str = "an integer",
+) -> int:
+    """``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{field} must be {what} in [{minimum}, {maximum}], got {_show(value)}")
+    return value
+
+
+def require_timestamp(field: str, value: object) -> float:
+    """``value`` if it is a finite number of seconds in ``[0, MAX_TIMESTAMP]``, else ValueError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value <= MAX_TIMESTAMP  # NaN fails this too
+    ):
+        raise ValueError(f"{field} must be a time in seconds since the epoch, got {_show(value)}")
+    return float(value)
+
+
+def require_str(field: str, value: object, *, max_length: int = _MAX_STR) -> str:
+    """``value`` if it is a str of at most ``max_length`` characters, else ValueError."""
+    if not isinstance(value, str) or len(value) > max_length:
+        raise ValueError(f"{field} must be a string of at most {max_length} characters")
+    return value
+
+
+def _show(value: object) -> str:
+    """A short description of a rejected value (never its whole text)."""
+    if isinstance(value, (bool, float)) or (isinstance(value, int) and abs(value) < 10**30):
+        return repr(value)
+    text = repr(value) if isinstance(value, str) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,143 @@
+"""Signed checkpoints: the key, the signature over a manifest digest, and its check.
+
+A signed checkpoint holds ``_SIGNATURE`` beside ``manifest.json``: ``hmac-sha256:<hex>``, an
+HMAC-SHA256 under the signing key of the manifest's digest (the one ``_COMMITTED`` holds). Every
+item, rank manifest and ``.metadata`` is listed in the manifest with a cryptographic checksum
+(sha256), so the signature covers every byte a load uses. Checking it is pure: no I/O here
+(the reads are :mod:`dcp_safe.checkpoints.signed`'s and the committer's).
+
+Why an HMAC and not a public-key signature: writer and reader are the same party (a training
+job and its restarts), a shared secret is all they need, and ``hmac`` and ``hashlib`` come with
+Python; a signature scheme would add a dependency and key-pair handling for no gain here.
+Why a file beside the marker rather than inside it: readers without a key, replication and
+every tool that reads the marker stay exactly as they were; the file is written before the
+marker, so a committed signed checkpoint always has it.
+
+The key: ``signing_key=`` (bytes as they are; a str as its UTF-8 bytes, or ``hex:<digits>``
+for a binary key), else the environment variable ``DCP_SAFE_SIGNING_KEY`` (same rules for its
+value). At least 16 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+
+from dcp_safe.choices import parse_choice
+from dcp_safe.errors import ConfigError, SignatureError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+
+__all__ = [
+    "CRYPTOGRAPHIC_CHECKSUMS",
+    "MAX_SIGNATURE_BYTES",
+    "MIN_KEY_BYTES",
+    "SIGNATURE_ALGORITHM",
+    "SIGNING_KEY_ENV",
+    "check_signature",
+    "checksum_for",
+    "is_cryptographic",
+    "resolve_key",
+    "sign_digest",
+]
+
+SIGNING_KEY_ENV = "DCP_SAFE_SIGNING_KEY"
+SIGNATURE_ALGORITHM = "hmac-sha256"
+MIN_KEY_BYTES = 16
+# A signature is one short line; nobody reads or copies more than this of a ``_SIGNATURE``.
+MAX_SIGNATURE_BYTES = 1024
+# Item checksums a signature can vouch for: finding other bytes with the same digest is
+# infeasible. xxh3 and crc32 catch accidents only: anyone can craft a colliding item.
+CRYPTOGRAPHIC_CHECKSUMS = frozenset({ChecksumAlgorithm.SHA256})
+# Domain separation: this HMAC signs a dcp_safe manifest digest and nothing else.
+_CONTEXT = b"dcp_safe signed manifest v1\n"
+_HEX_PREFIX = "hex:"
+
+
+def resolve_key(
+    key: bytes | bytearray | str | None, *, environ: Mapping[str, str] | None = None
+) -> bytes | None:
+    """The signing key to use: ``key``, else ``DCP_SAFE_SIGNING_KEY``, else ``None``.
+
+    Args:
+        key: bytes as they are; a str as its UTF-8 bytes, or ``"hex:<digits>"`` decoded.
+        environ: where to look for the variable (default: ``os.environ``).
+
+    Raises:
+        ConfigError: a key shorter than ``MIN_KEY_BYTES``, bad hex, or not bytes or str.
+    """
+    if key is None:
+        value = (os.environ if environ is None else environ).get(SIGNING_KEY_ENV)
+        if not value:
+            return None
+        return _decode(value, f"${SIGNING_KEY_ENV}")
+    if isinstance(key, bytes | bytearray):
+        return _check_length(bytes(key), "signing_key")
+    if isinstance(key, str):
+        return _decode(key, "signing_key")
+    raise ConfigError(f"signing_key must be bytes or str, got {type(key).__name__}")
+
+
+def _decode(value: str, source: str) -> bytes:
+    if value.startswith(_HEX_PREFIX):
+        try:
+            return _check_length(bytes.fromhex(value[len(_HEX_PREFIX) :]), source)
+        except ValueError:
+            raise ConfigError(f"{source} starts with 'hex:' but is not hex digits") from None
+    return _check_length(value.encode("utf-8"), source)
+
+
+def _check_length(key: bytes, source: str) -> bytes:
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"{source} is {len(key)} bytes; a signing key needs at least {MIN_KEY_BYTES}"
+            " (e.g. 'hex:' + 64 hex digits from `python -c 'import secrets;"
+            " print(secrets.token_hex(32))'`)"
+        )
+    return key
+
+
+def sign_digest(key: bytes, digest: str) -> bytes:
+    """The contents of ``_SIGNATURE`` for a manifest whose digest is ``digest``."""
+    mac = hmac.new(key, _CONTEXT + digest.encode("ascii"), hashlib.sha256).hexdigest()
+    return f"{SIGNATURE_ALGORITHM}:{mac}\n".encode("ascii")
+
+
+def check_signature(key: bytes, digest: str, signature: bytes, path: str) -> None:
+    """Raise unless ``signature`` (``_SIGNATURE``'s bytes) signs ``digest`` under ``key``.
+
+    Raises:
+        SignatureError: a malformed signature, another algorithm, or another key or manifest.
+    """
+    expected = sign_digest(key, digest).strip()
+    if not hmac.compare_digest(signature.strip(), expected):
+        algorithm = signature.partition(b":")[0][:32].decode("ascii", errors="replace")
+        reason = (
+            "the signature does not match the manifest"
+            if algorithm == SIGNATURE_ALGORITHM
+            else f"the signature is not {SIGNATURE_ALGORITHM} (found {algorithm!r})"
+        )
+        raise SignatureError(path, reason)
+
+
+def is_cryptographic(checksum: str) -> bool:
+    """Whether a manifest checksum (``"<algorithm>:<hex>"``) uses a cryptographic hash."""
+    return checksum.partition(":")[0] in {a.value for a in CRYPTOGRAPHIC_CHECKSUMS}
+
+
+def checksum_for(choice: ChecksumAlgorithm | str | None, *, signed: bool) -> ChecksumAlgorithm:
+    """The item checksum of a save: ``choice``, or by default sha256 signed, xxh3-128 unsigned.
+
+    Raises:
+        ConfigError: a signed save asked for a checksum that is not cryptographic.
+    """
+    if choice is None:
+        return ChecksumAlgorithm.SHA256 if signed else ChecksumAlgorithm.XXH3_128
+    algorithm = parse_choice(ChecksumAlgorithm, choice, "checksum")
+    if signed and algorithm not in CRYPTOGRAPHIC_CHECKSUMS:
+        raise ConfigError(
+            f"checksum={algorithm.value!r} is not cryptographic, so a signature over it would"
+            " prove nothing about the items; leave checksum unset (sha256) for a signed save"
+        )
+    return algorithm
