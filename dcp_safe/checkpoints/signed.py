@@ -13,6 +13,7 @@ from __future__ import annotations
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import CheckpointCorruptError, SignatureError, UnsignedCheckpointError
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES, check_signature, is_cryptographic
 
@@ -30,7 +31,7 @@ def check_signed(backend: Backend, name: str, manifest: Manifest, key: bytes) ->
     """
     manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
     signature = _read_signature(backend, name)
-    raw = backend.read_bytes(f"{name}/{layout.MANIFEST}")
+    raw = backend.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
     check_signature(key, manifest_digest(raw), signature, manifest_path)
     if Manifest.from_json(raw, manifest_path) != manifest:
         raise CheckpointCorruptError(manifest_path, "manifest changed while being opened")
@@ -47,17 +48,14 @@ def check_signed(backend: Backend, name: str, manifest: Manifest, key: bytes) ->
 def _read_signature(backend: Backend, name: str) -> bytes:
     rel = f"{name}/{layout.SIGNATURE}"
     try:
-        with backend.open_read(rel) as stream:
-            signature = stream.read(MAX_SIGNATURE_BYTES + 1)
+        # Stat first: a FIFO or an endless device under this name is refused, not waited on.
+        return backend.read_small(rel, MAX_SIGNATURE_BYTES)
     except FileNotFoundError:
         raise UnsignedCheckpointError(
             backend.full_path(name), f"the checkpoint has no {layout.SIGNATURE}"
         ) from None
-    except IsADirectoryError:
-        raise SignatureError(backend.full_path(rel), "the signature is not a file") from None
-    if len(signature) > MAX_SIGNATURE_BYTES:
-        raise SignatureError(backend.full_path(rel), "the signature file is too large")
-    return signature
+    except CheckpointCorruptError as exc:  # not a regular file, or too large
+        raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None
 
 
 def _checksums(manifest: Manifest) -> list[str | None]:
