@@ -235,8 +235,17 @@ class Committer:
         """Remove a failed object-store save, but only while its lease shows it is ours."""
         with contextlib.suppress(OSError, StaleWriterError):
             check_lease(self.backend, name, save_id)
-            if not self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-                self.backend.remove_tree(name)
+            if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+                return
+            if self.backend.supports_exclusive_create:
+                self.backend.remove_tree(name)  # the one lease there is ours
+                return
+            # Per-save leases: another save may be writing its lease right now, to take the name
+            # once ours is gone. Its lease must survive, so remove the files, then our lease.
+            for rel in list(self.backend.walk_files(name)):
+                if "/" in rel or not layout.is_lease_file(rel):
+                    self.backend.remove_file(f"{name}/{rel}")
+            release_lease(self.backend, name, save_id)
 
     def _discard(self, work_dir: str) -> None:
         # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.
