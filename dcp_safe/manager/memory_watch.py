@@ -37,7 +37,9 @@ class MemoryWatch:
         self._lock = threading.Lock()
         self._lowest: int | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dcp_safe-fallback-watch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="dcp_safe-fallback-watch", daemon=True
+        )
         self._thread.start()
 
     def lowest(self) -> int | None:
