@@ -294,48 +294,37 @@ class FsspecBackend(Backend):
     # ----------------------------------------------------------------- reading
 
     @contextmanager
-    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+    def _reading(self, operation: str, rel: str) -> Iterator[None]:
+        """Absent stays ``FileNotFoundError`` (a path under a file too, as on an object store);
+        any other failure becomes this backend's ``StorageError`` for ``operation``."""
         try:
-            f = self.fs.open(self._abs(rel), "rb")
+            yield
         except FileNotFoundError:
             raise
-        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
+        except NotADirectoryError as exc:
             raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
         except OSError as exc:
-            raise self._fail("open", rel, exc) from exc
+            raise self._fail(operation, rel, exc) from exc
+
+    @contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        with self._reading("open", rel):
+            f = self.fs.open(self._abs(rel), "rb")
         with f:
             yield f
 
     def read_bytes(self, rel: str) -> bytes:
-        try:
+        with self._reading("read", rel):
             data: bytes = self.fs.cat_file(self._abs(rel))
-        except FileNotFoundError:
-            raise
-        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
-            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
-        except OSError as exc:
-            raise self._fail("read", rel, exc) from exc
         return data
 
     def size(self, rel: str) -> int:
-        try:
+        with self._reading("stat", rel):
             return int(self.fs.size(self._abs(rel)))
-        except FileNotFoundError:
-            raise
-        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
-            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
 
     def stat(self, rel: str) -> FileStat:
-        try:
+        with self._reading("stat", rel):
             info = self.fs.info(self._abs(rel))
-        except FileNotFoundError:
-            raise
-        except NotADirectoryError as exc:  # a path under a file: absent, as on an object store
-            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
         kind = info.get("type")
         if kind == "file":
             return FileStat("file", int(info.get("size") or 0))
