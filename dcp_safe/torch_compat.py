@@ -40,9 +40,11 @@ __all__ = [
     "ZStandard",
     "dtensor_local",
     "empty_host_cache",
+    "legacy_storage_type",
     "narrow_tensor_by_index",
     "read_version",
     "rebuild_dtensor",
+    "rebuild_tensor",
     "save_tensor_without_crc",
     "storage_use_count",
 ]
@@ -86,6 +88,26 @@ def _has_private_save() -> bool:
 
 
 _PRIVATE_SAVE = _has_private_save()
+
+
+def legacy_storage_type(dtype: torch.dtype) -> type | None:
+    """The typed-storage class ``torch.save`` names in a tensor's pickle (``torch.FloatStorage``
+    for float32), or ``None`` for dtypes it pickles another way (float8, uint16, quantized).
+
+    :mod:`dcp_safe.dcp.tensor_records` writes and recognises ``torch.save``'s exact bytes for
+    these; any other dtype goes through ``torch.save``/``torch.load`` themselves.
+    """
+    from torch.storage import _dtype_to_storage_type_map
+
+    name = _dtype_to_storage_type_map().get(dtype)
+    if name is None or name.startswith("Q"):  # quantized tensors reduce another way
+        return None
+    storage_type = getattr(torch, name, None)
+    return storage_type if isinstance(storage_type, type) else None
+
+
+# What ``Tensor.__reduce_ex__`` names as the function that rebuilds a plain CPU tensor.
+rebuild_tensor = torch._utils._rebuild_tensor_v2
 
 
 def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:

@@ -196,7 +196,8 @@ class NodeCacheReader(SafeStorageReader):
             )
 
     def _reject(self, file_name: str | None, reason: RejectionReason, detail: str) -> None:
-        self._rejections.append(CacheRejection(file_name, reason, detail))
+        with self._lock:
+            self._rejections.append(CacheRejection(file_name, reason, detail))
         quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
         where = "the node cache" if file_name is None else f"{file_name} from the node cache"
         log.log(
@@ -212,10 +213,11 @@ class NodeCacheReader(SafeStorageReader):
         remaining = (
             requests if self._cache is None else self._read_cached(file_name, requests, planner)
         )
-        if not remaining:
-            self._from_cache += 1
-            return
-        self._from_remote += 1
+        with self._lock:  # files are read on several threads
+            if not remaining:
+                self._from_cache += 1
+                return
+            self._from_remote += 1
         super()._read_file(file_name, remaining, planner)
 
     def _read_cached(
@@ -239,13 +241,13 @@ class NodeCacheReader(SafeStorageReader):
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
                 try:
-                    loaded = self._fetch_cached(stream, path, label, record, request)
+                    loaded = self._fetch_cached(stream, path, label, record, request, planner)
                 except Exception as exc:  # whatever the cache does wrong: the remote decides
                     self._reject_file(file_name, path, exc)
                     return requests[done:]
                 if isinstance(loaded, bytes):
                     self._deliver(loaded, path, label, record, request, planner)
-                else:
+                elif loaded is not None:
                     self._hand_over(loaded, path, label, request, planner)
         return []
 
@@ -272,10 +274,19 @@ class NodeCacheReader(SafeStorageReader):
             )
 
     def _fetch_cached(
-        self, stream: Any, path: str, label: str, record: ItemRecord, request: ReadItem
-    ) -> torch.Tensor | bytes:
-        """One item from the cache, its checksum checked whatever ``verify`` says."""
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> torch.Tensor | bytes | None:
+        """One item from the cache, its checksum checked whatever ``verify`` says; ``None``
+        when it was read straight into its destination and handed over already."""
         if request.type != LoadItemType.BYTE_IO and not record.transforms:
+            if self._load_known(stream, path, label, record, request, planner, verify=True):
+                return None
             return self._load_streamed(stream, path, label, record, verify=True)
         return read_verified(
             stream,

@@ -10,7 +10,7 @@ DCP calls a reader in this order (every rank)::
     set_up_storage_reader(metadata, is_coordinator, rank=...)
     prepare_local_plan / prepare_global_plan
     read_data(plan, planner)        every item's bytes are checked against the manifest before
-                                    they reach the caller's state dict
+                                    the planner is handed them; files are read in parallel
 
 Checks happen in ``reset`` rather than ``read_metadata`` because DCP turns an exception from
 ``read_metadata`` into a warning and a plain ``AssertionError``; ``reset`` is called directly.
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import io
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -34,6 +36,8 @@ from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.dcp.tensor_reads import read_known_tensor
+from dcp_safe.dcp.tensor_records import layout_for
 from dcp_safe.dcp.unpickle import load_metadata, sanitized_object_stream
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -43,7 +47,7 @@ from dcp_safe.errors import (
     UnsafeCheckpointError,
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
+from dcp_safe.manifest.schema import ItemKey, ItemRecord, Manifest, item_key
 from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.streams import VerifyingSlice, read_verified
 from dcp_safe.torch_compat import (
@@ -73,10 +77,13 @@ class SafeStorageReader(StorageReader):
             :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
             :class:`~dcp_safe.errors.SignatureError`, in ``reset``. Without a key, signed
             checkpoints load like any other.
+        thread_count: files read at once (default: up to 4, at most the CPUs). Plain tensors
+            are read straight into their destination and hashed while they are read
+            (:mod:`dcp_safe.dcp.tensor_reads`); the planner is called from one thread at a time.
 
     Raises:
-        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), or
-            a bad key.
+        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
+            bad key, or ``thread_count`` below 1.
     """
 
     def __init__(
@@ -91,8 +98,14 @@ class SafeStorageReader(StorageReader):
         retry: RetryPolicy | None = None,
         allow_pickle: bool = False,
         signing_key: bytes | str | None = None,
+        thread_count: int | None = None,
     ) -> None:
         super().__init__()
+        if thread_count is not None and (
+            not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
+        ):
+            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
         self.allow_pickle = allow_pickle
         self._signing_key = resolve_key(signing_key)
         if self._signing_key is not None and not verify:
@@ -121,6 +134,11 @@ class SafeStorageReader(StorageReader):
         self._spare_checked = False
         self._extensions = ExtensionRegistry()
         self.items_from_fallback = 0
+        # Files are read on several threads; the planner, the spare tier and the counters are
+        # shared between them.
+        self._lock = threading.RLock()
+        self._stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._hash_pool: ThreadPoolExecutor | None = None
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -165,6 +183,7 @@ class SafeStorageReader(StorageReader):
         )
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
+        self._stored = _stored_tensors(self._metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -195,9 +214,28 @@ class SafeStorageReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
             by_file.setdefault(storage[request.storage_index].relative_path, []).append(request)
-        for file_name, requests in by_file.items():
+        for requests in by_file.values():
             requests.sort(key=lambda r: storage[r.storage_index].offset)
-            self._read_file(file_name, requests, planner)
+        workers = min(self.thread_count, len(by_file))
+        # One helper thread per reader thread hashes a large item's chunk while the next is read.
+        with ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="dcp_safe-hash"
+        ) as hashing:
+            self._hash_pool = hashing if self.verify else None
+            try:
+                if workers <= 1:
+                    for file_name, requests in by_file.items():
+                        self._read_file(file_name, requests, planner)
+                else:
+                    with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
+                        reads = [
+                            pool.submit(self._read_file, file_name, requests, planner)
+                            for file_name, requests in by_file.items()
+                        ]
+                        for read in reads:  # the first failure, in file order, is raised
+                            read.result()
+            finally:
+                self._hash_pool = None
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -314,6 +352,8 @@ class SafeStorageReader(StorageReader):
         streamable = request.type != LoadItemType.BYTE_IO and not record.transforms
         if streamable:
             try:
+                if self._load_known(stream, path, label, record, request, planner):
+                    return
                 tensor = self._load_streamed(stream, path, label, record)
             except CheckpointCorruptError:
                 raise
@@ -325,6 +365,59 @@ class SafeStorageReader(StorageReader):
                 return
         raw = self._read_raw_retrying(self._source, rel, stream, label, record)
         self._deliver(raw, path, label, record, request, planner)
+
+    def _load_known(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+        *,
+        verify: bool | None = None,
+    ) -> bool:
+        """Read a tensor item laid out as ``torch.save`` writes a plain tensor of the dtype and
+        shape DCP's metadata records, without ``torch.load``: straight into the destination
+        when the request wants the whole stored tensor and the destination is a contiguous
+        CPU tensor of that dtype and shape, else into a fresh tensor that is then narrowed and
+        copied. ``False``: not such an item (``torch.load`` reads it)."""
+        stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
+        if stored is None:
+            return False
+        dtype, shape = stored
+        layout = layout_for(dtype, shape)
+        if layout is None or layout.length != record.length:
+            return False
+        with self._lock:
+            target = planner.resolve_tensor(request).detach()
+        direct = (
+            target.device.type == "cpu"
+            and target.dtype == dtype
+            and tuple(target.shape) == shape
+            and target.is_contiguous()
+            and not any(request.storage_offsets)
+            and tuple(request.lengths) == shape
+        )
+        dest = target if direct else torch.empty(shape, dtype=dtype)
+        verify = self.verify if verify is None else verify
+        if not read_known_tensor(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            layout=layout,
+            checksum=record.checksum if verify else None,
+            dest=dest,
+            hash_pool=self._hash_pool,
+        ):
+            return False
+        if direct:
+            with self._lock:
+                planner.commit_tensor(request, target)
+        else:
+            self._hand_over(dest, path, label, request, planner)
+        return True
 
     def _load_streamed(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
@@ -375,6 +468,10 @@ class SafeStorageReader(StorageReader):
 
     def _spare_tier(self) -> Backend | None:
         """The other tier, if it holds this very checkpoint (the same manifest)."""
+        with self._lock:
+            return self._find_spare()
+
+    def _find_spare(self) -> Backend | None:
         if not self._spare_checked:
             self._spare_checked = True
             other = self.fallback if self._source is self.backend else self.backend
@@ -396,7 +493,8 @@ class SafeStorageReader(StorageReader):
             raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
         with spare.open_read(rel) as stream:
             raw = self._read_raw(stream, spare.full_path(rel), label, record)
-        self.items_from_fallback += 1
+        with self._lock:
+            self.items_from_fallback += 1
         return raw
 
     def _deliver(
@@ -414,7 +512,8 @@ class SafeStorageReader(StorageReader):
                 payload = io.BytesIO(extension.transform_from(payload).read())
         if request.type == LoadItemType.BYTE_IO:
             safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
-            planner.load_bytes(request, safe)
+            with self._lock:
+                planner.load_bytes(request, safe)
             return
         self._hand_over(
             torch.load(payload, map_location="cpu", weights_only=True),
@@ -428,7 +527,8 @@ class SafeStorageReader(StorageReader):
         self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
     ) -> None:
         tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
-        target = planner.resolve_tensor(request).detach()
+        with self._lock:
+            target = planner.resolve_tensor(request).detach()
         if target.size() != tensor.size():
             raise CheckpointCorruptError(
                 path,
@@ -438,4 +538,21 @@ class SafeStorageReader(StorageReader):
                 actual=tuple(tensor.size()),
             )
         target.copy_(tensor)
-        planner.commit_tensor(request, target)
+        with self._lock:
+            planner.commit_tensor(request, target)
+
+
+def _stored_tensors(
+    metadata: Metadata | None,
+) -> dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each stored tensor chunk's dtype and shape, by its manifest item key."""
+    found: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if metadata is None:
+        return found
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            for chunk in entry.chunks:
+                key = item_key(fqn, chunk.offsets)
+                found[key] = (dtype, tuple(int(size) for size in chunk.sizes))
+    return found
