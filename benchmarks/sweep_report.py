@@ -134,15 +134,22 @@ def targets_table(parts: dict[str, dict[str, Any]]) -> str:
             "raw write+fsync floor / time to local commit",
             label,
             _ratio(s.get("raw_floor"), _get(s, SAFE, "local_commit_s")),
-            0.8,
+            0.85,
             False,
         )
         add(
             "raw write+fsync floor / write phase (staging done to local commit)",
             label,
             _ratio(s.get("raw_floor"), _get(s, SAFE, "write_s")),
-            0.8,
+            0.85,
             False,
+        )
+        add(
+            "verified load / FileSystemReader load",
+            label,
+            _ratio(s.get(f"load:{SAFE}"), s.get(f"load:{TORCH}")),
+            0.8,
+            True,
         )
         payload = s["payload_bytes"]
         add(
@@ -174,10 +181,35 @@ def targets_table(parts: dict[str, dict[str, Any]]) -> str:
             "boto3 multipart / dcp_safe replication (local to remote commit)",
             label,
             _ratio(floor, _get(s, "dcp_safe_replicated", "upload_after_local_s")),
-            0.9,
+            0.95,
             False,
         )
     counts = _summaries(parts["counts"]) if "counts" in parts else {}
+    for key in sorted(counts, key=int):
+        if int(key) < 4096:
+            continue
+        s, label = counts[key], f"{key} tensors"
+        add(
+            "time to local commit / FileSystemWriter (both from the call)",
+            label,
+            _ratio(_get(s, SAFE, "local_commit_s"), _get(s, TORCH, "local_commit_s")),
+            0.5,
+            True,
+        )
+        add(
+            "verified load / FileSystemReader load",
+            label,
+            _ratio(s.get(f"load:{SAFE}"), s.get(f"load:{TORCH}")),
+            0.5,
+            True,
+        )
+        add(
+            "2nd-save stall / DefaultStager's",
+            label,
+            _ratio(_get(s, SAFE, "stall_s"), _get(s, "torch_default_stager", "stall_s")),
+            0.5,
+            True,
+        )
     if counts:
         hi = max(counts, key=int)
         for metric, what in (("local_commit_s", "time to commit"), ("stall_s", "stall")):

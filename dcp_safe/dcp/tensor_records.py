@@ -162,10 +162,13 @@ class _Encoder:
         self._id = f"{secrets.randbits(128):0{_ID_DIGITS}d}"[-_ID_DIGITS:].encode()
 
     def layout(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
-        key = (dtype, shape)
-        found = self._layouts.get(key, False)
+        # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion
+        # (the pickle must name a tuple, as Tensor.__reduce_ex__ does, not a torch.Size).
+        found = self._layouts.get((dtype, shape), False)
         if found is not False:
             return found  # type: ignore[return-value]
+        shape = tuple(int(size) for size in shape)
+        key = (dtype, shape)
         with self._lock:
             layout = self._build(dtype, shape) if self._usable(dtype) else None
             if len(self._layouts) > 65536:  # shapes come from models: few, but bound it anyway
@@ -278,7 +281,7 @@ def layout_for(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | Non
     """The stored form of a contiguous tensor of ``dtype`` and ``shape``, or ``None`` when
     only ``torch.save`` itself may write it (an unusual dtype, empty, over 4 GiB, another
     torch)."""
-    return _ENCODER.layout(dtype, tuple(int(size) for size in shape))
+    return _ENCODER.layout(dtype, shape)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -299,7 +302,7 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     """
     if (
         type(tensor) is not torch.Tensor
-        or tensor.device.type != "cpu"
+        or not tensor.is_cpu
         or tensor.layout is not torch.strided
         or tensor.requires_grad
         or tensor.storage_offset() != 0
@@ -309,7 +312,7 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
         or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
     ):
         return False
-    layout = layout_for(tensor.dtype, tuple(tensor.shape))
+    layout = layout_for(tensor.dtype, tensor.shape)
     if layout is None:
         return False
     out.write(layout.prefix)
