@@ -1,18 +1,35 @@
 """GPU check: device-to-host staging with BudgetedStager's pinned pool vs DCP and ``.cpu()``.
 
-Run unattended on a CUDA machine: ``python benchmarks/gpu_check.py [--size-gib 2]``. For one
-state on the GPU it times device-to-host staging three ways -- BudgetedStager (pinned pool,
+Run unattended on a CUDA machine, one command::
+
+    .venv/bin/python benchmarks/gpu_check.py [--size-gib 2] [--out benchmarks/results/gpu.json]
+
+For one state on the GPU it stages device-to-host three ways -- BudgetedStager (pinned pool,
 warmed, then two saves), DCP's ``DefaultStager`` (pinned, async, non-blocking; two saves) and a
-plain ``.cpu()`` per tensor -- prints the figures, and checks every staged byte against the
-source. Exit status: 0 when all bytes match (or when no GPU is at hand: it says so and skips),
-1 when any staged byte differs. Bounded well under five minutes on one GPU.
+plain ``.cpu()`` per tensor -- and checks every staged byte against the source. For each save
+it reports:
+
+* ``call s``: how long ``stage()`` blocks the caller before returning its future;
+* ``compute wait s``: after ``stage()`` returned, how long one tiny kernel on the caller's
+  (compute) stream takes to finish: near zero when the copy runs on a side stream, the rest of
+  the copy when it shares the compute stream;
+* ``stall s``: call to staged (what ``staging_completion.result()`` waits for before the next
+  optimizer step may run), and GB/s over it;
+
+plus the pinned pool (pinned bytes, allocations and reuses: a second save allocates nothing)
+and whether each stager has a side stream. Exit status: 0 when all bytes match (or when no GPU
+is at hand: it says so and skips), 1 when any staged byte differs. Bounded well under five
+minutes on one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -70,14 +87,34 @@ def _timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def _stage_once(stage: Callable[[], Any]) -> tuple[dict[str, float], Any]:
+    """One save: the call, a tiny kernel on the compute stream meanwhile, then the wait."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pending = stage()
+    t_call = time.perf_counter()
+    probe = torch.ones(1, device="cuda")
+    probe.add_(1)
+    torch.cuda.current_stream().synchronize()
+    t_compute = time.perf_counter()
+    staged = pending.result() if hasattr(pending, "result") else pending
+    torch.cuda.synchronize()
+    t_done = time.perf_counter()
+    times = {"call_s": t_call - t0, "compute_wait_s": t_compute - t_call, "stall_s": t_done - t0}
+    return times, staged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=2.0)
+    parser.add_argument("--out", default=None, help="also write the figures here, as JSON")
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; skipped")
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); skipped")
         return 0
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -89,47 +126,83 @@ def main() -> int:
         f"gpu_check: {torch.cuda.get_device_name()} torch {torch.__version__},"
         f" state {nbytes / (1 << 30):.2f} GiB in {len(_tensors(state))} tensors"
     )
-    rows: list[tuple[str, float, float]] = []
+    rows: list[dict[str, Any]] = []
     failures = 0
+
+    def save(method: str, i: int, stage: Callable[[], Any]) -> None:
+        nonlocal failures
+        times, staged = _stage_once(stage)
+        failures += _mismatches(staged, state)
+        rows.append({"method": f"{method}, save {i}", **times, "gbps": nbytes / times["stall_s"]})
 
     stager = BudgetedStager(pin_memory="auto", timeout_s=120)
     warm_s, _ = _timed(lambda: stager.warm_up(state))
+    first_allocated = stager.stats().allocated_bytes_total
     for i in (1, 2):
-        seconds, staged = _timed(lambda: stager.stage(state).result())
-        failures += _mismatches(staged, state)
-        rows.append((f"BudgetedStager pinned pool, save {i}", seconds, nbytes / seconds))
-        del staged
+        save("BudgetedStager pinned pool", i, lambda: stager.stage(state))
     stats = stager.stats()
+    pool = {
+        "warm_up_s": warm_s,
+        "pinned_bytes": stats.pinned_bytes,
+        "allocations": stats.allocations,
+        "reuses": stats.reuses,
+        "bytes_allocated_by_the_two_saves": stats.allocated_bytes_total - first_allocated,
+        "side_stream": getattr(stager, "_stream", None) is not None,
+    }
     stager.close()
     print(
         f"  BudgetedStager: warm_up {warm_s:.3f}s, pinned {stats.pinned_bytes / (1 << 30):.2f}"
-        f" GiB, allocations {stats.allocations}, reuses {stats.reuses}"
+        f" GiB, allocations {stats.allocations}, reuses {stats.reuses}, allocated by the two"
+        f" saves {pool['bytes_allocated_by_the_two_saves']} B, side stream {pool['side_stream']}"
     )
 
     # Pinned, async, non-blocking; no shared memory (/dev/shm is small in many containers).
     default = DefaultStager(StagingOptions(True, False, True, True))
+    default_side_stream = getattr(default, "_staging_stream", None) is not None
     for i in (1, 2):
-        seconds, staged = _timed(lambda: default.stage(state).result())  # type: ignore[union-attr]
-        failures += _mismatches(staged, state)
-        rows.append((f"DCP DefaultStager pinned, save {i}", seconds, nbytes / seconds))
-        del staged
+        save("DCP DefaultStager pinned", i, lambda: default.stage(state))
     default.close()
+    print(f"  DCP DefaultStager: side stream {default_side_stream}")
 
     for i in (1, 2):
-        seconds, staged = _timed(
+        save(
+            "plain .cpu()",
+            i,
             lambda: {
                 k: {n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v
                 for k, v in state.items()
-            }
+            },
         )
-        failures += _mismatches(staged, state)
-        rows.append((f"plain .cpu(), run {i}", seconds, nbytes / seconds))
-        del staged
 
-    print("| method | seconds | GB/s |\n|---|---:|---:|")
-    for name, seconds, rate in rows:
-        print(f"| {name} | {seconds:.3f} | {rate / 1e9:.2f} |")
+    print("| method | call s | compute wait s | stall s | GB/s |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['call_s']:.4f} | {r['compute_wait_s']:.4f} |"
+            f" {r['stall_s']:.3f} | {r['gbps'] / 1e9:.2f} |"
+        )
+    by_method = {r["method"]: r for r in rows}
+    ratio = (
+        by_method["BudgetedStager pinned pool, save 2"]["stall_s"]
+        / by_method["DCP DefaultStager pinned, save 2"]["stall_s"]
+    )
+    print(f"gpu_check: second-save stall BudgetedStager / DefaultStager = {ratio:.2f}")
     print(f"gpu_check: {failures} mismatching tensor(s)")
+    if args.out:
+        out = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "state_bytes": nbytes,
+            "tensors": len(_tensors(state)),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "pool": pool,
+            "default_stager_side_stream": default_side_stream,
+            "rows": rows,
+            "second_save_stall_ratio_vs_default_stager": ratio,
+            "mismatching_tensors": failures,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"gpu_check: wrote {args.out}")
     return 1 if failures else 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import make_state
+from support import make_state, resign_manifest
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
@@ -184,6 +184,47 @@ def test_verify_deep_names_the_file_and_item_of_a_flipped_byte(
     assert status == EXIT_FAILED
     assert "CORRUPT" in err and shard.name in err and "item" in err
     assert "Traceback" not in err
+
+
+class _Planted:
+    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def test_verify_refuses_an_object_item_a_load_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its checksum matches (the writer computed it), so only the restricted check tells."""
+    sentinel = tmp_path / "code-ran"
+    state = make_state(1)
+    state["extra"]["tag"] = _Planted(sentinel)
+    root = tmp_path / "ckpt"
+    dcp_safe.save(
+        state, checkpoint_id="step_0001", storage_writer=SafeStorageWriter(root, fsync=False)
+    )
+    status, _, err = _run(capsys, "verify", str(root), "step_0001")
+    assert status == EXIT_FAILED and "object is not plain data" in err and "extra" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(dcp_safe.UnsafeCheckpointError):
+        dcp_safe.verify_checkpoint(root, "step_0001")
+    assert _run(capsys, "verify", str(root), "step_0001", "--quick")[0] == EXIT_OK
+    status, out, _ = _run(capsys, "verify", str(root), "step_0001", "--allow-pickle")
+    assert status == EXIT_OK and "--allow-pickle" in out
+    assert not sentinel.exists()  # verification never runs it, whatever the flags
+
+
+def test_verify_counts_the_object_items_it_checked(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = dcp_safe.verify_checkpoint(root, "step_0001")
+    assert report.objects_checked >= 3  # extra.epoch, extra.history..., extra.tag
+    status, out, _ = _run(capsys, "verify", str(root), "step_0001")
+    assert status == EXIT_OK and f"{report.objects_checked} object item(s) load safely" in out
 
 
 def test_verify_quick_catches_a_truncated_shard(
@@ -353,6 +394,18 @@ def test_gc_on_s3_keeps_the_newest(remote: _Remote, capsys: pytest.CaptureFixtur
     assert status == EXIT_OK and "removed checkpoint step_0001" in out
     infos = dcp_safe.list_checkpoints(remote.root, storage_options=remote.options)
     assert [i.name for i in infos] == ["step_0002", "step_0003"]
+
+
+def test_gc_warns_about_a_damaged_entry_in_the_cli_form(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every line the CLI prints on stderr starts with ``dcp-safe:``, library warnings too."""
+    resign_manifest(root, "step_0002", lambda raw: raw.update(created_at="yesterday"))
+    status, out, err = _run(capsys, "gc", str(root), "--keep", "5", "--dry-run")
+    assert status == EXIT_OK and "kept 2 checkpoint(s)" in out
+    lines = err.strip().splitlines()
+    assert lines and all(line.startswith("dcp-safe: warning: ") for line in lines), lines
+    assert any("step_0002" in line for line in lines)
 
 
 def test_gc_keep_below_one_is_a_usage_error(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

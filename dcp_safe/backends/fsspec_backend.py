@@ -15,10 +15,11 @@ exact. fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the 
 
 Streamed writes, two ways:
 
-* S3 through s3fs streams a pipelined multipart upload (:mod:`dcp_safe.backends.s3_upload`): two
-  reused block buffers per file, one part in flight while the next block fills, a single
-  ``PutObject`` for a file under one block; the upload is completed only after a clean exit and
-  aborted on any failure;
+* S3 through s3fs streams a pipelined multipart upload (:mod:`dcp_safe.backends.s3_upload`): up
+  to ``max_concurrency`` parts in flight (a storage option; 4 unless set) while the next block
+  fills, in reused block buffers whose bytes are bounded (:attr:`FsspecBackend.write_buffer_bytes`,
+  for the caller's memory budget), a single ``PutObject`` for a file under one block; the upload
+  is completed only after a clean exit and aborted on any failure;
 * other object stores (``gs``, ``az``...) stage in the file object: nothing is visible until
   the final ``close`` completes the upload. A failed write is discarded, never closed: closing an
   fsspec buffered file flushes and publishes whatever was written, so ``discard()`` aborts the
@@ -56,11 +57,16 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend, FileStat, WritableFile
-from dcp_safe.backends.s3_upload import S3MultipartWriter, block_size_of
+from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
+from dcp_safe.backends.s3_upload import (
+    S3MultipartWriter,
+    block_size_of,
+    parts_in_flight_of,
+    upload_buffer_bytes,
+)
 from dcp_safe.errors import StorageError
 
-__all__ = ["FsspecBackend"]
+__all__ = ["FsspecBackend", "write_buffer_bytes"]
 
 # File systems without real directories, whose open("wb") stages the whole object until close.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -79,7 +85,13 @@ class FsspecBackend(Backend):
 
     Args:
         url: the root, e.g. ``s3://bucket/run7`` or ``memory://scratch``.
-        storage_options: passed to fsspec (credentials, ``endpoint_url``, ...).
+        storage_options: passed to fsspec (credentials, ``endpoint_url``, ...). On S3,
+            ``max_concurrency`` (s3fs's per-file transfer concurrency) is also the number of
+            parts each streamed upload keeps in flight (default 4) and ``default_block_size``
+            the part size.
+
+    Raises:
+        ConfigError: ``max_concurrency`` is not an int >= 1.
     """
 
     def __init__(
@@ -111,6 +123,9 @@ class FsspecBackend(Backend):
         )
         self.client_retries = client_retries
         self._limit_client_retries()
+        self._multipart = self.object_store and _is_s3fs(fs)
+        # Checked now, not at the first upload: a bad option is the caller's, not a storage fault.
+        self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # fsspec rebuilds an unpickled file system from its options; s3fs's retry count is none.
@@ -182,8 +197,18 @@ class FsspecBackend(Backend):
 
     # ----------------------------------------------------------------- writing
 
+    @property
+    def write_buffer_bytes(self) -> int | None:
+        """The most host bytes one :meth:`open_write` file holds in part buffers, for a memory
+        budget: ``(max_concurrency + 1) * default_block_size`` on S3 (through s3fs); 0 where
+        writes go straight to a file; None on other object stores, whose fsspec file buffers
+        on its own account."""
+        if self._multipart:
+            return upload_buffer_bytes(block_size_of(_target_of(self.fs)), self._parts_in_flight)
+        return None if self.object_store else 0
+
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
-        if self.object_store and _is_s3fs(self.fs):
+        if self._multipart:
             return self._open_multipart(rel)
         if self.object_store:
             return self._open_staged(rel)
@@ -192,7 +217,12 @@ class FsspecBackend(Backend):
     @contextmanager
     def _open_multipart(self, rel: str) -> Iterator[WritableFile]:
         try:
-            f = S3MultipartWriter(self.fs, self._abs(rel), block_size_of(_target_of(self.fs)))
+            f = S3MultipartWriter(
+                self.fs,
+                self._abs(rel),
+                block_size_of(_target_of(self.fs)),
+                parts_in_flight=self._parts_in_flight,
+            )
         except (OSError, ValueError) as exc:
             raise self._fail("create", rel, exc) from exc
         try:
@@ -308,6 +338,14 @@ class FsspecBackend(Backend):
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        if not self.object_store:
+            # A file system with special files (local files through fsspec, a faulty local
+            # root): opening a FIFO would wait for a writer and a device never ends, so stat
+            # first and refuse anything but a regular file, as read_small does. Object stores
+            # hold only objects; a stat there would cost a request per file.
+            found = self.stat(rel)
+            if found.kind != "file":
+                raise not_a_file(self.full_path(rel), found.kind)
         with self._reading("open", rel):
             f = self.fs.open(self._abs(rel), "rb")
         with f:
@@ -418,6 +456,17 @@ class FsspecBackend(Backend):
     def _remove_quietly(self, rel: str) -> None:
         with suppress(OSError, ValueError):
             self.fs.rm_file(self._abs(rel))
+
+
+def write_buffer_bytes(backend: Backend) -> int | None:
+    """:attr:`FsspecBackend.write_buffer_bytes` of the backend under any wrappers (such as
+    RetryingBackend, which names it ``inner``); 0 for a backend that writes straight to files,
+    None where it is not known."""
+    while isinstance(getattr(backend, "inner", None), Backend):
+        backend = backend.inner  # type: ignore[attr-defined]
+    if isinstance(backend, FsspecBackend):
+        return backend.write_buffer_bytes
+    return 0 if not getattr(backend, "object_store", False) else None
 
 
 def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:

@@ -1,14 +1,26 @@
-"""A write-behind multipart upload to S3 through s3fs: one part in flight while the next fills.
+"""A write-behind multipart upload to S3 through s3fs: a bounded number of parts in flight.
 
-Each open file owns at most two block buffers, reused: ``write()`` copies the caller's bytes
-into the current block (the caller may reuse its buffer as soon as ``write()`` returns), and a
-full block is handed, as is, to one background thread that sends it with ``UploadPart`` while
-the other block fills. A file smaller than one block is sent with a single ``PutObject``.
+Each open file owns at most ``parts_in_flight + 1`` block buffers, reused: ``write()`` copies
+the caller's bytes into the current block (the caller may reuse its buffer as soon as
+``write()`` returns), and a full block is handed, as is, to a pool of ``parts_in_flight``
+threads that send it with ``UploadPart`` while the next block fills. When every thread is busy,
+``write()`` waits for one part to finish and refills its block: the bytes an upload holds are
+bounded by :func:`upload_buffer_bytes` (:attr:`S3MultipartWriter.max_buffer_bytes`), which a
+caller counts against its memory budget. A file smaller than one block is sent with a single
+``PutObject`` and holds one block at most.
 
-Nothing is visible until :meth:`S3MultipartWriter.close` completes the upload. Any failure (a
-part's upload, surfaced on the next ``write()`` or at ``close()``) aborts the upload: a failed
-upload is never completed. Every request names ``ChecksumAlgorithm`` (CRC32 by default), so the
-server checks each part, and the completion lists each part's checksum.
+Why a few parts at once: one part in flight leaves the link idle while each part's request is
+signed, checksummed and answered; boto3's ``upload_fileobj`` keeps several in flight. More
+parts cost one block each, so the default stays small (:data:`DEFAULT_PARTS_IN_FLIGHT`); the
+caller sets it with s3fs's own per-file option, ``max_concurrency`` in ``storage_options``.
+
+Nothing is visible until :meth:`S3MultipartWriter.close` completes the upload, listing the
+parts in order of part number whatever order they finished in. Any failure (a part's upload,
+surfaced on the next ``write()`` or at ``close()``, as a :class:`~dcp_safe.errors.StorageError`
+naming the part) aborts the upload after every part still in flight has finished, so no part
+lands on an aborted upload and no upload is left open: a failed upload is never completed.
+Every request names ``ChecksumAlgorithm`` (CRC32 by default), so the server checks each part,
+and the completion lists each part's checksum.
 
 A part that fails is not retried here beyond what the s3fs client itself does: the error is
 raised and the caller (the writer's retry loop) rewrites the whole file.
@@ -18,20 +30,70 @@ from __future__ import annotations
 
 import contextlib
 import io
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-__all__ = ["MAX_PARTS", "MIN_PART_BYTES", "S3MultipartWriter", "block_size_of"]
+from dcp_safe.errors import ConfigError, StorageError
+
+__all__ = [
+    "DEFAULT_PARTS_IN_FLIGHT",
+    "MAX_PARTS",
+    "MIN_PART_BYTES",
+    "S3MultipartWriter",
+    "block_size_of",
+    "check_parts_in_flight",
+    "parts_in_flight_of",
+    "upload_buffer_bytes",
+]
 
 MIN_PART_BYTES = 5 * 2**20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's largest part number
+DEFAULT_PARTS_IN_FLIGHT = 4
 _DEFAULT_BLOCK = 50 * 2**20  # s3fs's default_block_size
+# s3fs's per-file transfer concurrency option, read as this writer's parts in flight.
+_CONCURRENCY_OPTION = "max_concurrency"
 
 
 def block_size_of(fs: Any) -> int:
     """The part size for ``fs``: its ``default_block_size`` (or ``blocksize``), at least 5 MiB."""
     size = getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", None)
     return max(int(size or _DEFAULT_BLOCK), MIN_PART_BYTES)
+
+
+def parts_in_flight_of(fs: Any) -> int:
+    """The parts one upload to ``fs`` keeps in flight: ``max_concurrency`` when the caller set
+    it in ``storage_options``, else :data:`DEFAULT_PARTS_IN_FLIGHT`.
+
+    s3fs's own default (10) is not taken: ten 50 MiB blocks per open file is more memory than a
+    checkpoint writer with several files open should hold unasked.
+
+    Raises:
+        ConfigError: the option is not an int >= 1.
+    """
+    options = getattr(fs, "storage_options", None) or {}
+    return check_parts_in_flight(options.get(_CONCURRENCY_OPTION, DEFAULT_PARTS_IN_FLIGHT))
+
+
+def check_parts_in_flight(value: object) -> int:
+    """``value`` as a count of parts in flight.
+
+    Raises:
+        ConfigError: ``value`` is not an int >= 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"parts in flight ({_CONCURRENCY_OPTION} in storage_options) must be an int >= 1,"
+            f" got {value!r}"
+        )
+    return value
+
+
+def upload_buffer_bytes(block_size: int, parts_in_flight: int) -> int:
+    """The most block bytes one upload holds: every part in flight plus the block filling.
+
+    (The first block grows as it fills, so CPython may reserve up to an eighth more for it.)
+    """
+    return (parts_in_flight + 1) * block_size
 
 
 class _BlockBody(io.BytesIO):
@@ -97,11 +159,22 @@ class _BlockBody(io.BytesIO):
 class S3MultipartWriter:
     """One object written as a pipelined multipart upload (or one PUT, if it stays small).
 
+    Call order: ``write()`` any number of times, then ``close()`` (complete) or ``abort()``
+    (drop), from one thread. The part threads are this object's own.
+
     Args:
         fs: an ``s3fs.S3FileSystem`` (anything with ``call_s3`` and ``split_path``).
         path: ``bucket/key``.
         block_size: bytes per part; every part but the last is exactly this size.
         checksum_algorithm: named on every request (``None``: none named).
+        parts_in_flight: the most parts being sent at once (:func:`parts_in_flight_of`).
+
+    Attributes:
+        peak_buffer_bytes: the most block bytes this upload has held at once.
+
+    Raises:
+        ValueError: ``block_size`` is below S3's smallest part.
+        ConfigError: ``parts_in_flight`` is not an int >= 1.
     """
 
     def __init__(
@@ -110,23 +183,39 @@ class S3MultipartWriter:
         path: str,
         block_size: int,
         checksum_algorithm: str | None = "CRC32",
+        *,
+        parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
     ) -> None:
         if block_size < MIN_PART_BYTES:
             raise ValueError(f"block_size {block_size} is below S3's {MIN_PART_BYTES}-byte part")
+        self.parts_in_flight = check_parts_in_flight(parts_in_flight)
         self._fs = fs
         self.bucket, self.key, _ = fs.split_path(path)
         self.block_size = block_size
         self.checksum_algorithm = checksum_algorithm
-        self._bufs: list[bytearray] = [bytearray()]  # the second one only once a part is sent
-        self._cur = 0
+        self._buf = bytearray()  # the block filling; grows until the first part is sent
+        self._free: list[bytearray] = []  # blocks whose part is sent, for reuse
         self._fill = 0  # bytes of the current block holding data
         self._pos = 0
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []  # completed parts, in order
-        self._pending: Future[dict[str, Any]] | None = None
+        self._next_part = 1
+        self._parts: dict[int, dict[str, Any]] = {}  # sent parts, by part number
+        self._in_flight: dict[Future[dict[str, Any]], bytearray] = {}
         self._pool: ThreadPoolExecutor | None = None  # started with the first part
         self._error: BaseException | None = None
+        self.peak_buffer_bytes = 0
         self.closed = False
+
+    @property
+    def max_buffer_bytes(self) -> int:
+        """The most block bytes this upload can hold: :func:`upload_buffer_bytes`."""
+        return upload_buffer_bytes(self.block_size, self.parts_in_flight)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Block bytes held now: the block filling, the parts in flight, the free blocks."""
+        held = [self._buf, *self._free, *self._in_flight.values()]
+        return sum(len(block) for block in held)
 
     # ------------------------------------------------------------------ the file API
 
@@ -144,13 +233,13 @@ class S3MultipartWriter:
             n = view.nbytes
             done = 0
             while done < n:
-                buf = self._bufs[self._cur]
+                buf = self._buf
                 take = min(n - done, self.block_size - self._fill)
                 chunk = view[done : done + take]
                 if len(buf) == self._fill:
                     buf += chunk  # a block not yet at full size grows
                 else:
-                    buf[self._fill : self._fill + take] = chunk  # a reused block: in place
+                    buf[self._fill : self._fill + take] = chunk  # a full-size block: in place
                 self._fill += take
                 done += take
                 self._pos += take
@@ -166,15 +255,17 @@ class S3MultipartWriter:
         try:
             if self._upload_id is None:
                 body = self._last_block()
+                self._note_peak()
                 self._call("put_object", Body=_BlockBody(body), **self._checksum_kw())
             else:
                 if self._fill:
                     self._send_block()
-                self._wait_pending()
+                self._collect(everything=True)
+                parts = [self._parts[number] for number in sorted(self._parts)]
                 self._call(
                     "complete_multipart_upload",
                     UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts},
+                    MultipartUpload={"Parts": parts},
                 )
         except BaseException:
             self.abort()
@@ -182,13 +273,14 @@ class S3MultipartWriter:
         self._release()
 
     def abort(self) -> None:
-        """Drop the upload: wait out the part in flight, then abort it server side. Quiet."""
+        """Drop the upload: cancel the parts not started, wait out the ones being sent, then
+        abort it server side. Quiet."""
         if self.closed:
             return
-        if self._pending is not None:
-            with contextlib.suppress(BaseException):
-                self._pending.result()
-            self._pending = None
+        for future in self._in_flight:
+            future.cancel()
+        wait(list(self._in_flight))  # a part still running would land on the aborted upload
+        self._in_flight.clear()
         if self._upload_id is not None:
             # If the abort itself fails the upload stays open but invisible; the sweeper
             # (storage.multipart) or a bucket lifecycle rule reclaims it.
@@ -205,8 +297,9 @@ class S3MultipartWriter:
 
     def _raise_background_error(self) -> None:
         """Re-raise a failed part's error (once it is known), after aborting the upload."""
-        if self._error is None and self._pending is not None and self._pending.done():
-            self._error = self._pending.exception()
+        if self._error is None and any(f.done() for f in self._in_flight):
+            with contextlib.suppress(BaseException):
+                self._collect(everything=False, block=False)
         if self._error is not None:
             error = self._error
             self.abort()
@@ -221,58 +314,87 @@ class S3MultipartWriter:
 
     def _last_block(self) -> bytearray:
         """The current block cut to its data (in place: it is never filled again)."""
-        buf = self._bufs[self._cur]
-        del buf[self._fill :]
-        return buf
+        del self._buf[self._fill :]
+        return self._buf
 
-    def _wait_pending(self) -> None:
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
-        try:
-            self._parts.append(pending.result())
-        except BaseException as exc:
-            self._error = exc
-            raise
+    def _note_peak(self) -> None:
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+
+    def _collect(self, *, everything: bool, block: bool = True) -> None:
+        """Take in finished parts (all of them when ``everything``, else at least one when
+        ``block``): record each, free its block, and raise the first failure."""
+        if block and self._in_flight:
+            done, _ = wait(
+                list(self._in_flight), return_when=ALL_COMPLETED if everything else FIRST_COMPLETED
+            )
+        else:
+            done = {f for f in self._in_flight if f.done()}
+        for future in done:
+            self._free.append(self._in_flight.pop(future))
+            try:
+                part = future.result()
+            except BaseException as exc:
+                self._error = self._error or exc
+                continue
+            self._parts[int(part["PartNumber"])] = part
+        if self._error is not None:
+            raise self._error
 
     def _send_block(self) -> None:
-        """Hand the current block to the background thread and switch to the other one."""
+        """Hand the current block to a part thread once one is free; fill a free block next."""
         if self._upload_id is None:
             out = self._call("create_multipart_upload", **self._checksum_kw())
             self._upload_id = str(out["UploadId"])
-        self._wait_pending()  # the other block is free again once its part is sent
-        number = len(self._parts) + 1
+        number = self._next_part
         if number > MAX_PARTS:
-            raise OSError(f"s3://{self.bucket}/{self.key}: more than {MAX_PARTS} parts")
-        body = self._bufs[self._cur] if self._fill == self.block_size else self._last_block()
+            raise StorageError(
+                "write", self._url(), f"more than {MAX_PARTS} parts: raise the block size"
+            )
+        while len(self._in_flight) >= self.parts_in_flight:
+            self._collect(everything=False)
+        body = self._buf if self._fill == self.block_size else self._last_block()
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-safe-s3-part")
-        self._pending = self._pool.submit(self._upload_part, self._upload_id, number, body)
-        self._cur ^= 1
-        if len(self._bufs) <= self._cur:
-            self._bufs.append(bytearray())
+            self._pool = ThreadPoolExecutor(
+                self.parts_in_flight, thread_name_prefix="dcp-safe-s3-part"
+            )
+        future = self._pool.submit(self._upload_part, self._upload_id, number, body)
+        self._in_flight[future] = body
+        self._next_part += 1
+        # A block is allocated only when none is free, so at most parts_in_flight + 1 exist;
+        # at full size at once (the file is multipart now), so it never grows by reallocation.
+        self._buf = self._free.pop() if self._free else bytearray(self.block_size)
         self._fill = 0
+        self._note_peak()
 
     def _upload_part(self, upload_id: str, number: int, body: bytearray) -> dict[str, Any]:
-        with _BlockBody(body) as view:
-            out = self._call(
-                "upload_part",
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=view,
-                **self._checksum_kw(),
-            )
+        try:
+            with _BlockBody(body) as view:
+                out = self._call(
+                    "upload_part",
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=view,
+                    **self._checksum_kw(),
+                )
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError("write", self._url(), f"part {number}: {exc}") from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
         field = f"Checksum{self.checksum_algorithm}" if self.checksum_algorithm else ""
         if field and field in out:
             part[field] = out[field]
         return part
 
+    def _url(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
     def _release(self) -> None:
-        """Stop the thread and free the blocks."""
+        """Stop the threads and free the blocks."""
         self.closed = True
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._bufs.clear()
-        self._pending = None
+        self._buf = bytearray()
+        self._free.clear()
+        self._in_flight.clear()

@@ -2,9 +2,11 @@
 
 ``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
 ``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
-checksum, and each shard item's checksum, and that a shard's items tile it exactly. With
+checksum, and each shard item's checksum, and that a shard's items tile it exactly; then that
+what a load would unpickle (``.metadata``, object items) passes the load's own restricted checks
+(:mod:`dcp_safe.checkpoints.loadable`), since a planted pickle can carry a matching checksum. With
 ``deep=False`` it is the quick check instead: the marker against the manifest and each file's
-presence and size, reading no data (what ``dcp-safe verify`` does by default).
+presence and size, reading no data (``dcp-safe verify --quick``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dcp_safe.checkpoints.committed import (
     recency,
     resolve_name,
 )
+from dcp_safe.checkpoints.loadable import check_loadable
 from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
@@ -60,6 +63,8 @@ class VerifyReport:
     items_checked: int
     bytes_read: int
     seconds: float
+    # Object items run through the weights-only check (0 for a quick check or allow_pickle).
+    objects_checked: int = 0
 
 
 def list_checkpoints(
@@ -116,6 +121,7 @@ def verify_checkpoint(
     progress: Callable[[FileRecord], None] | None = None,
     deep: bool = True,
     signing_key: bytes | str | None = None,
+    allow_pickle: bool = False,
 ) -> VerifyReport:
     """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
 
@@ -129,6 +135,9 @@ def verify_checkpoint(
             reads no bytes and checks no items.
         signing_key: also require the checkpoint to be signed with this key (default
             ``$DCP_SAFE_SIGNING_KEY``; see :mod:`dcp_safe.manifest.signing`).
+        allow_pickle: the deep check skips the restricted unpickling of ``.metadata`` and of
+            object items (as ``SafeStorageReader(allow_pickle=True)`` does): for a root you
+            trust as much as code.
 
     Returns:
         A report of what was checked, when everything matches.
@@ -136,6 +145,8 @@ def verify_checkpoint(
     Raises:
         CheckpointNotFoundError: no committed checkpoint by that name.
         CheckpointCorruptError: the first mismatch found, naming the file and item.
+        UnsafeCheckpointError: deep, ``.metadata`` or an object item holds a pickle that a load
+            refuses (without ``allow_pickle``).
         SignatureError: with a key, the checkpoint is not signed with it
             (``UnsignedCheckpointError``: not signed at all).
         ConfigError: a bad signing key.
@@ -147,8 +158,10 @@ def verify_checkpoint(
     key = resolve_key(signing_key)
     if key is not None:
         check_signed(backend, name, manifest, key)
+    objects = 0
     if deep:
         bytes_read = _verify_every_byte(backend, name, manifest, progress)
+        objects = check_loadable(backend, name, manifest, allow_pickle=allow_pickle)
     else:
         _verify_sizes(backend, name, manifest, progress)
         bytes_read = 0
@@ -159,6 +172,7 @@ def verify_checkpoint(
         items_checked=len(manifest.items) if deep else 0,
         bytes_read=bytes_read,
         seconds=time.perf_counter() - started,
+        objects_checked=objects,
     )
 
 

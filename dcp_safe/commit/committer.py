@@ -10,7 +10,16 @@ every shard file has exactly the size its items add up to. Then it writes ``.met
   the directory, one ``rename`` into place (never over a committed checkpoint unless
   ``overwrite``, and then by an atomic exchange), fsync of the parent;
 * marker (object stores): the files are already under ``<name>/``; the marker is created with
-  an exclusive write, so a committed name is never overwritten.
+  an exclusive write, so a committed name is never overwritten. The lease is checked before the
+  control files are written too, so a writer whose lease was taken writes nothing more.
+
+Its cost is linear in ranks, files and items, and its storage calls run in parallel: at
+thousands of ranks the rank manifests (one read each) and the shard files (one size each) are
+most of the work, and on an object store each is a round trip. They run on a bounded pool
+(``workers``, 16 by default: enough to hide an object store's latency, few enough not to flood
+it); each rank manifest's shard sizes are asked for as soon as it has been read. A worker's
+error is raised here, typed, the lowest failing rank first; the calls not yet started are
+cancelled. Items are grouped by file once per rank manifest, never scanned per file.
 
 Right before the publish (the rename, or the marker) it checks the fence
 (:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
@@ -23,11 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import logging
 import pickle
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -38,7 +51,14 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError, StaleWriterError
+from dcp_safe.errors import (
+    CheckpointExistsError,
+    CommitError,
+    ConfigError,
+    DcpSafeError,
+    StaleWriterError,
+    StorageError,
+)
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import (
@@ -54,9 +74,18 @@ from dcp_safe.manifest.signing import sign_digest
 from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
 from dcp_safe.version import __version__
 
-__all__ = ["Committer"]
+__all__ = ["DEFAULT_COMMIT_WORKERS", "MAX_COMMIT_WORKERS", "Committer"]
 
 log = logging.getLogger(__name__)
+
+#: Storage calls the coordinator keeps in flight while it checks the ranks' outputs.
+DEFAULT_COMMIT_WORKERS = 16
+MAX_COMMIT_WORKERS = 256
+# Runs of tasks per worker: more than one, so a slow run does not leave the others idle.
+_RUNS_PER_WORKER = 4
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class CommitOptions(Protocol):
@@ -75,12 +104,37 @@ class CommitOptions(Protocol):
     def signing_key(self) -> bytes | None: ...
 
 
-class Committer:
-    """Publishes one save. Stateless between calls; one instance per publish is fine."""
+@dataclass(frozen=True)
+class _Sealed:
+    """What verification produced: the manifest, the marker and the control files to write."""
 
-    def __init__(self, backend: Backend, options: CommitOptions) -> None:
+    manifest: Manifest
+    marker: bytes
+    control_files: dict[str, bytes]
+
+
+class Committer:
+    """Publishes one save. Stateless between calls; one instance per publish is fine.
+
+    Args:
+        backend: the root the save was written to.
+        options: the writer's options (checksum, compression, overwrite, signing key).
+        workers: storage calls in flight at once while the ranks' outputs are checked.
+
+    Raises:
+        ConfigError: ``workers`` is not an int in ``1..MAX_COMMIT_WORKERS``.
+    """
+
+    def __init__(
+        self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
+        if not 1 <= workers <= MAX_COMMIT_WORKERS:
+            raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
         self.backend = backend
         self.options = options
+        self.workers = workers
 
     def publish(
         self,
@@ -111,15 +165,21 @@ class Committer:
                 check_lease(self.backend, name, save_id)
 
         try:
-            manifest, marker = self._seal(
+            sealed = self._seal(
                 name, save_id, work_dir, world_size, step, metadata, results, attempt
             )
+            if strategy.in_place:
+                # The control files land under the name itself: a writer whose lease was taken
+                # must not overwrite the new holder's (#17), so it stops here, writing nothing.
+                check_lease(self.backend, name, save_id)
             try:
                 strategy.publish(
                     self.backend,
                     work_dir,
                     name,
-                    marker,
+                    sealed.marker,
+                    files=sealed.control_files,
+                    sync_dirs=(layout.RANKS_DIR,),
                     replace=self.options.overwrite,
                     before_commit=before_commit,
                 )
@@ -139,7 +199,7 @@ class Committer:
                 # Committed and whole: a lease left beside the marker is harmless (the sweeper
                 # ignores committed names), so the save must not be reported as failed.
                 log.warning("checkpoint %s committed; removing its lease failed: %s", name, exc)
-        return manifest
+        return sealed.manifest
 
     # ----------------------------------------------------------------- verification
 
@@ -153,17 +213,16 @@ class Committer:
         metadata: Metadata,
         results: list[list[WriteResult]],
         attempt: Attempt | None,
-    ) -> tuple[Manifest, bytes]:
+    ) -> _Sealed:
         per_rank = _records_by_rank(results)
-        _check_every_item_written(metadata, per_rank)
-        rank_files = [self._check_rank(work_dir, name, save_id, r, per_rank[r]) for r in per_rank]
         if len(per_rank) != world_size:
             raise CommitError(
                 f"expected results from {world_size} ranks, got {len(per_rank)}",
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
+        _check_every_item_written(metadata, per_rank)
+        rank_files = self._check_ranks(work_dir, name, save_id, per_rank)
         metadata_bytes = _dcp_metadata(metadata, name, save_id, results)
-        self.backend.write_bytes(f"{work_dir}/{layout.DCP_METADATA}", metadata_bytes)
         algorithm = self.options.checksum
         files = [f for shard_files, _ in rank_files for f in shard_files]
         files += [manifest_file for _, manifest_file in rank_files]
@@ -189,20 +248,58 @@ class Committer:
             attempt=None if attempt is None else attempt.number,
         )
         manifest_bytes = manifest.to_json()
-        self.backend.write_bytes(f"{work_dir}/{layout.MANIFEST}", manifest_bytes)
         digest = manifest_digest(manifest_bytes)
+        control = {layout.DCP_METADATA: metadata_bytes, layout.MANIFEST: manifest_bytes}
         if self.options.signing_key is not None:
             # Before the marker, like every file of the checkpoint: a committed signed
             # checkpoint always has its signature.
-            signature = sign_digest(self.options.signing_key, digest)
-            self.backend.write_bytes(f"{work_dir}/{layout.SIGNATURE}", signature)
-        self.backend.sync_dir(f"{work_dir}/{layout.RANKS_DIR}")
-        return manifest, digest.encode()
+            control[layout.SIGNATURE] = sign_digest(self.options.signing_key, digest)
+        return _Sealed(manifest, digest.encode(), control)
 
-    def _check_rank(
+    def _check_ranks(
+        self, work_dir: str, name: str, save_id: str, per_rank: Mapping[int, list[ItemRecord]]
+    ) -> list[tuple[list[FileRecord], FileRecord]]:
+        """Read back every rank's manifest, then size every shard file, ``workers`` at a time.
+
+        Returns, per rank in order, its shard files and the record of its rank manifest.
+        """
+        ranks = sorted(per_rank)
+        read = self._in_parallel(
+            ranks, lambda rank: self._read_rank(work_dir, name, save_id, rank, per_rank[rank])
+        )
+        shards: list[tuple[int, FileRecord, int]] = []
+        for rank, (manifest, _) in zip(ranks, read, strict=True):
+            covered = _bytes_by_file(manifest.items)
+            shards += [(rank, file, covered.get(file.path, 0)) for file in manifest.files]
+        sizes = self._in_parallel(shards, lambda shard: self._size(shard[0], work_dir, shard[1]))
+        for (rank, file, covered_bytes), actual in zip(shards, sizes, strict=True):
+            if not actual == file.size == covered_bytes:
+                detail = (
+                    f"{file.path}: on storage {actual}, manifest {file.size}, items {covered_bytes}"
+                )
+                raise CommitError(
+                    "a shard file is not the size its items add up to", {rank: detail}
+                )
+        return [(list(manifest.files), manifest_file) for manifest, manifest_file in read]
+
+    def _in_parallel(self, tasks: Sequence[T], call: Callable[[T], R]) -> list[R]:
+        """``[call(t) for t in tasks]`` on at most ``workers`` threads, in order.
+
+        Each thread takes a run of tasks, not one, so a thousand local stats do not pay a
+        thousand hand-offs between threads. The first error in task order is raised, once the
+        runs already started have stopped; runs not yet started are cancelled.
+        """
+        runs = _split(tasks, self.workers * _RUNS_PER_WORKER)
+        if len(runs) <= 1 or self.workers == 1:
+            return [call(task) for task in tasks]
+        with _bounded_pool(self.workers) as pool:
+            futures = [pool.submit(lambda run: [call(task) for task in run], run) for run in runs]
+            return [result for future in futures for result in future.result()]
+
+    def _read_rank(
         self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
-    ) -> tuple[list[FileRecord], FileRecord]:
-        """Read back one rank's manifest and check it against its results and the storage."""
+    ) -> tuple[RankManifest, FileRecord]:
+        """Read back one rank's manifest and check it against the rank's results (a worker)."""
         rel = layout.rank_manifest_name(rank)
         try:
             raw = self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
@@ -214,20 +311,24 @@ class Committer:
                 "a rank manifest belongs to another save",
                 {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
             )
-        if sorted(_fingerprints(manifest.items)) != sorted(_fingerprints(records)):
+        if Counter(_fingerprints(manifest.items)) != Counter(_fingerprints(records)):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
-        for file in manifest.files:
-            actual = self.backend.size(f"{work_dir}/{file.path}")
-            covered = sum(i.length for i in manifest.items if i.file == file.path)
-            if not actual == file.size == covered:
-                detail = f"{file.path}: on storage {actual}, manifest {file.size}, items {covered}"
-                raise CommitError(
-                    "a shard file is not the size its items add up to", {rank: detail}
-                )
         manifest_file = FileRecord(
             path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)
         )
-        return list(manifest.files), manifest_file
+        return manifest, manifest_file
+
+    def _size(self, rank: int, work_dir: str, file: FileRecord) -> int:
+        """One shard file's size on storage (a worker); a missing file fails the commit."""
+        path = f"{work_dir}/{file.path}"
+        try:
+            return self.backend.size(path)
+        except FileNotFoundError as exc:
+            raise CommitError("a shard file is missing", {rank: path}) from exc
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError("stat", self.backend.full_path(path), exc) from exc
 
     # ----------------------------------------------------------------- publish
 
@@ -293,8 +394,36 @@ def _planned_keys(metadata: Metadata) -> Iterable[ItemKey]:
             yield item_key(fqn, None)
 
 
-def _fingerprints(records: Iterable[ItemRecord]) -> list[tuple[Any, ...]]:
-    return [(r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records]
+def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
+    return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records)
+
+
+def _bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
+    """How many bytes each file's items add up to: one pass, not one scan per file."""
+    covered: dict[str, int] = {}
+    for item in items:
+        covered[item.file] = covered.get(item.file, 0) + item.length
+    return covered
+
+
+def _split(tasks: Sequence[T], parts: int) -> list[Sequence[T]]:
+    """``tasks`` in at most ``parts`` contiguous runs of nearly equal length."""
+    count = min(parts, len(tasks))
+    bounds = [len(tasks) * i // count for i in range(count + 1)] if count else [0]
+    return [tasks[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@contextlib.contextmanager
+def _bounded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of at most ``workers`` threads. On an error, the calls not yet started are
+    cancelled and the running ones waited for, so no call touches storage after we return."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp_safe-commit")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _dcp_metadata(

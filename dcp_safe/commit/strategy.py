@@ -15,18 +15,32 @@ The commit point differs (the rename, or the marker), so the check a caller must
 before it (the writer fence, the lease) is passed in as ``before_commit`` and called at that
 point by the strategy. Everything above this module asks the strategy, never the backend's
 ``supports_atomic_rename`` flag.
+
+The control files written at publish (``.metadata``, ``manifest.json``, ``_SIGNATURE``) are
+handed to :meth:`PublishStrategy.publish` with the marker, so each strategy writes them as its
+commit point allows. Their writes and fsyncs are independent, so they run at once, not one
+after another (on a journaling file system concurrent fsyncs share a journal commit): with
+rename, the marker and the directories' fsyncs run with them, since nothing inside the partial
+directory is visible before the rename; then the directory itself is fsynced (its entries are
+complete only now), renamed, and its parent fsynced. Every byte and entry is durable before the
+rename, and the rename before ``publish`` returns. With a marker, the marker is written only
+after all the control files are, since creating it is what publishes.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.lease import acquire_lease
 
 __all__ = ["MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
+
+_NO_FILES: Mapping[str, bytes] = MappingProxyType({})
 
 
 class PublishStrategy(abc.ABC):
@@ -53,10 +67,22 @@ class PublishStrategy(abc.ABC):
         name: str,
         marker: bytes,
         *,
+        files: Mapping[str, bytes] = _NO_FILES,
+        sync_dirs: Sequence[str] = (),
         replace: bool = False,
         before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        """Write the ``_COMMITTED`` marker (exclusively) and make ``work_dir`` checkpoint ``name``.
+        """Write ``files`` and the ``_COMMITTED`` marker (exclusively), durably, and make
+        ``work_dir`` checkpoint ``name``.
+
+        Args:
+            files: control files to write under ``work_dir`` (relative path to bytes); all are
+                durable before the commit point.
+            sync_dirs: folders under ``work_dir`` whose entries (files written there earlier,
+                such as the rank manifests) must be made durable before the commit point.
+            replace: replace a committed ``name`` atomically (where ``can_replace``).
+            before_commit: called right before the commit point; raising there publishes
+                nothing.
 
         Raises:
             FileExistsError: ``name`` is committed already (and not being replaced).
@@ -83,11 +109,18 @@ class RenameStrategy(PublishStrategy):
         name: str,
         marker: bytes,
         *,
+        files: Mapping[str, bytes] = _NO_FILES,
+        sync_dirs: Sequence[str] = (),
         replace: bool = False,
         before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        backend.write_bytes(f"{work_dir}/{layout.COMMITTED_MARKER}", marker, exclusive=True)
-        backend.sync_dir(work_dir)
+        marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
+        _all_at_once(
+            [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
+            + [lambda: backend.write_bytes(marker_path, marker, exclusive=True)]
+            + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs]
+        )
+        backend.sync_dir(work_dir)  # after every entry in it was created
         before_commit()  # the commit point is the rename
         parked = backend.publish_dir(work_dir, name, replace=replace)
         backend.sync_dir("")
@@ -118,11 +151,18 @@ class MarkerStrategy(PublishStrategy):
         name: str,
         marker: bytes,
         *,
+        files: Mapping[str, bytes] = _NO_FILES,
+        sync_dirs: Sequence[str] = (),
         replace: bool = False,
         before_commit: Callable[[], None] = lambda: None,
     ) -> None:
         if replace:
             raise ValueError("a marker-published root cannot replace a committed checkpoint")
+        _all_at_once(
+            [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
+            + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs]
+        )
+        backend.sync_dir(work_dir)
         before_commit()  # the commit point is the marker
         backend.write_bytes(f"{name}/{layout.COMMITTED_MARKER}", marker, exclusive=True)
         backend.sync_dir(name)
@@ -134,6 +174,34 @@ class MarkerStrategy(PublishStrategy):
 
 _RENAME = RenameStrategy()
 _MARKER = MarkerStrategy()
+
+
+def _writer(backend: Backend, rel: str, data: bytes) -> Callable[[], None]:
+    return lambda: backend.write_bytes(rel, data)
+
+
+def _dir_syncer(backend: Backend, rel: str) -> Callable[[], None]:
+    return lambda: backend.sync_dir(rel)
+
+
+def _all_at_once(calls: Sequence[Callable[[], None]]) -> None:
+    """Run ``calls`` concurrently and wait for all of them; re-raise the first one's error (in
+    the order given) once none is running any more. The first runs on the calling thread."""
+    if len(calls) <= 1:
+        for call in calls:
+            call()
+        return
+    first: BaseException | None = None
+    with ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="dcp_safe-sync") as pool:
+        futures = [pool.submit(call) for call in calls[1:]]
+        try:
+            calls[0]()
+        except BaseException as exc:  # raised below, once the others have finished
+            first = exc
+    if first is not None:
+        raise first
+    for future in futures:
+        future.result()
 
 
 def strategy_for(backend: Backend) -> PublishStrategy:

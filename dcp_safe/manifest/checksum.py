@@ -6,18 +6,28 @@ sha256 ~1.55 GB/s. Against a durable local write (~1.1 GB/s there) xxh3 adds ~7%
 serially, and the writer overlaps it with the write; sha256 would add ~70%, so it is offered for
 those who need a cryptographic digest, not chosen by default. crc32c would need another
 dependency and is no faster than xxh3, so it is not offered.
+
+Cryptographic: BLAKE3 (the official ``blake3`` package: Rust, SIMD) is what signed checkpoints
+use; sha256 is still read and selectable. Measured as CPU time on one core over 256 MiB in
+16 MiB updates (robust to this shared machine's load; command in docs/integrity.md): BLAKE3
+2.1-2.3 GB/s, sha256 1.4 GB/s (with SHA-NI), xxh3-128 7.4-9 GB/s; and BLAKE3, a tree hash,
+spreads one large update over every core (``BLAKE3_MAX_THREADS``). Like hashlib and xxhash,
+blake3 releases the GIL on large updates, which the hash-beside-read/write overlap depends on.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import zlib
 from typing import Protocol
 
+import blake3
 import xxhash
 
 __all__ = [
+    "BLAKE3_MAX_THREADS",
     "ChecksumAlgorithm",
     "Hasher",
     "digest_bytes",
@@ -32,13 +42,51 @@ class ChecksumAlgorithm(str, enum.Enum):
 
     XXH3_128 = "xxh3_128"
     SHA256 = "sha256"
+    BLAKE3 = "blake3"
     CRC32 = "crc32"
+
+
+# Threads one BLAKE3 update may use: every core (``AUTO``, the package's shared pool). A load
+# from the page cache is bound by the hash: 256 MiB signed loaded at 1.04x-2.11x unsigned with
+# it (median 1.52x), 1.87x-2.41x on one thread (benchmarks/bench_signing.py, docs/integrity.md).
+# The price: a small item pays a hand-off to the pool (32 KiB: ~27 us against ~12 us), and a
+# large save or load briefly takes every core.
+BLAKE3_MAX_THREADS: int = blake3.blake3.AUTO
+
+
+class _Blake3Pool:
+    """Whether this process may hand BLAKE3 work to the package's thread pool.
+
+    That pool (Rust's rayon) is started once per process and does not survive ``fork``: a
+    child of a process that used it waits forever for workers that were not copied (measured:
+    a forked child's first multi-threaded update hung). So once a process has used the pool,
+    its forked children hash on the calling thread.
+    """
+
+    used = False
+    forked_after_use = False
+
+    @classmethod
+    def threads(cls) -> int:
+        if cls.forked_after_use:
+            return 1
+        if BLAKE3_MAX_THREADS != 1:
+            cls.used = True
+        return BLAKE3_MAX_THREADS
+
+    @classmethod
+    def after_fork_in_child(cls) -> None:
+        cls.forked_after_use = cls.forked_after_use or cls.used
+
+
+os.register_at_fork(after_in_child=_Blake3Pool.after_fork_in_child)
 
 
 class Hasher(Protocol):
     """The part of hashlib's interface dcp_safe uses."""
 
-    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+    # ``object``: blake3's update returns the hasher itself, hashlib's and xxhash's None.
+    def update(self, data: bytes | bytearray | memoryview, /) -> object: ...
 
     def hexdigest(self) -> str: ...
 
@@ -64,6 +112,8 @@ def new_hasher(algorithm: ChecksumAlgorithm | str) -> Hasher:
         return hasher
     if algo is ChecksumAlgorithm.SHA256:
         return hashlib.sha256()
+    if algo is ChecksumAlgorithm.BLAKE3:
+        return blake3.blake3(max_threads=_Blake3Pool.threads())
     return _Crc32()
 
 

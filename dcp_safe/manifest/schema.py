@@ -10,11 +10,16 @@ JSON is canonical (sorted keys, no spaces) so the digest in ``_COMMITTED`` is re
 Reading is strict (:mod:`dcp_safe.manifest.limits`): every field is checked for its type and
 range, checksums must name a known algorithm, and paths must be the checkpoint's own members;
 anything else is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file.
+
+Records are turned into JSON objects by explicit ``to_dict`` code, not ``dataclasses.asdict``
+(which deep-copies every field through generic reflection: 0.66 s for 8,192 items, a third of a
+4,096-tensor commit). The per-item checks take a fast path for the common, valid case and fall
+back to the general checks (and their messages) for anything else.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -23,8 +28,14 @@ from typing import Any, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.checksum import parse_checksum
-from dcp_safe.manifest.limits import parse_json, require_int, require_str, require_timestamp
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, parse_checksum
+from dcp_safe.manifest.limits import (
+    MAX_INT,
+    parse_json,
+    require_int,
+    require_str,
+    require_timestamp,
+)
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -38,6 +49,8 @@ __all__ = [
 ]
 
 MANIFEST_VERSION = 1
+_RANK_FORMAT = "dcp_safe/rank-manifest"
+_MANIFEST_FORMAT = "dcp_safe/manifest"
 
 ItemKey = tuple[str, tuple[int, ...] | None]
 """How an item is looked up: DCP's ``MetadataIndex`` without its non-identifying hint."""
@@ -61,14 +74,15 @@ class ItemRecord:
     transforms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not layout.is_member_path(self.file):
+        if not _is_member(self.file):
             raise ValueError(f"item file {self.file!r} is not a file of the checkpoint")
         _require_size("start", self.start)
         _require_size("length", self.length)
         require_str("fqn", self.fqn)
         if self.offset is not None:
             for index in self.offset:
-                require_int("offset", index)
+                if not _is_count(index):
+                    require_int("offset", index)
         _require_checksum(self.checksum)
         for transform in self.transforms:
             require_str("transform", transform, max_length=64)
@@ -76,6 +90,36 @@ class ItemRecord:
     @property
     def key(self) -> ItemKey:
         return (self.fqn, self.offset)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "offset": None if self.offset is None else list(self.offset),
+            "file": self.file,
+            "start": self.start,
+            "length": self.length,
+            "checksum": self.checksum,
+            "transforms": list(self.transforms),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ItemRecord:
+        """The record a :meth:`to_dict` object describes; every key present, no other key.
+
+        Raises:
+            ValueError: a missing or unknown key, or a field of the wrong type or range.
+        """
+        _require_keys("item", raw, _ITEM_KEYS, _ITEM_KEYS)
+        offset = raw["offset"]
+        return cls(
+            fqn=raw["fqn"],
+            offset=None if offset is None else tuple(_list("offset", offset)),
+            file=raw["file"],
+            start=raw["start"],
+            length=raw["length"],
+            checksum=raw["checksum"],
+            transforms=tuple(_list("transforms", raw["transforms"])),
+        )
 
     def describe(self) -> str:
         return self.fqn if self.offset is None else f"{self.fqn}@{list(self.offset)}"
@@ -90,20 +134,70 @@ class FileRecord:
     checksum: str | None = None
 
     def __post_init__(self) -> None:
-        if not layout.is_member_path(self.path):
+        if not _is_member(self.path):
             raise ValueError(f"file path {self.path!r} is not a file of the checkpoint")
         _require_size("size", self.size)
         if self.checksum is not None:
             _require_checksum(self.checksum)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> FileRecord:
+        """The record a :meth:`to_dict` object describes (``checksum`` may be left out).
+
+        Raises:
+            ValueError: a missing or unknown key, or a field of the wrong type or range.
+        """
+        _require_keys("file", raw, _FILE_KEYS, _FILE_KEYS - {"checksum"})
+        return cls(path=raw["path"], size=raw["size"], checksum=raw.get("checksum"))
+
+
+_ITEM_KEYS = frozenset(("fqn", "offset", "file", "start", "length", "checksum", "transforms"))
+_FILE_KEYS = frozenset(("path", "size", "checksum"))
+_KNOWN_ALGORITHMS = frozenset(a.value for a in ChecksumAlgorithm)
+_MAX_CHECKSUM_CHARS = 512
+
+
+def _require_keys(
+    what: str, raw: Mapping[str, Any], allowed: frozenset[str], required: frozenset[str]
+) -> None:
+    keys = raw.keys()
+    if keys == allowed:
+        return
+    missing, unknown = sorted(required - keys), sorted(keys - allowed)
+    if missing or unknown:
+        raise ValueError(f"{what} record: missing {missing}, unknown {unknown}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_member_cached(path: str) -> bool:
+    return layout.is_member_path(path)
+
+
+def _is_member(path: object) -> bool:
+    # A save names few distinct files across thousands of items: check each name once.
+    return _is_member_cached(path) if type(path) is str else layout.is_member_path(path)
+
+
+def _is_count(value: object) -> bool:
+    """The common case of :func:`require_int`, without its call and message (bool excluded)."""
+    return type(value) is int and 0 <= value <= MAX_INT
+
 
 def _require_size(field: str, value: object) -> None:
-    require_int(field, value, what="a byte count")
+    if not _is_count(value):
+        require_int(field, value, what="a byte count")
 
 
 def _require_checksum(value: object) -> None:
     """``"<known algorithm>:<digest>"``; an unknown algorithm (``md5:``) is corrupt."""
-    checksum = require_str("checksum", value, max_length=512)
+    if type(value) is str and len(value) <= _MAX_CHECKSUM_CHARS:
+        algorithm, _, digest = value.partition(":")
+        if digest and algorithm in _KNOWN_ALGORITHMS:
+            return
+    checksum = require_str("checksum", value, max_length=_MAX_CHECKSUM_CHARS)
     _, digest = parse_checksum(checksum)  # ValueError on an unknown algorithm
     if not digest:
         raise ValueError(f"checksum {checksum!r} has no digest")
@@ -133,12 +227,24 @@ class RankManifest:
         _require_common(self)
         require_int("rank", self.rank)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _RANK_FORMAT,
+            "version": self.version,
+            "name": self.name,
+            "save_id": self.save_id,
+            "rank": self.rank,
+            "checksum_algorithm": self.checksum_algorithm,
+            "files": [f.to_dict() for f in self.files],
+            "items": [i.to_dict() for i in self.items],
+        }
+
     def to_json(self) -> bytes:
-        return _dumps(_tagged(self, "dcp_safe/rank-manifest"))
+        return _dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> RankManifest:
-        return _build(cls, _loads(data, path, "dcp_safe/rank-manifest"), path)
+        return _build(cls, _loads(data, path, _RANK_FORMAT), path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +267,7 @@ class Manifest:
     attempt: int | None = None
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
+    _by_path: Mapping[str, FileRecord] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _require_common(self)
@@ -174,6 +281,10 @@ class Manifest:
         if self.attempt is not None:
             require_int("attempt", self.attempt)
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
+        by_path: dict[str, FileRecord] = {}
+        for record in self.files:
+            by_path.setdefault(record.path, record)  # the first, as a scan would find
+        object.__setattr__(self, "_by_path", by_path)
 
     @property
     def total_bytes(self) -> int:
@@ -183,36 +294,37 @@ class Manifest:
         return self._by_key.get(key)
 
     def file(self, path: str) -> FileRecord | None:
-        return next((f for f in self.files if f.path == path), None)
+        return self._by_path.get(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _MANIFEST_FORMAT,
+            "version": self.version,
+            "name": self.name,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "checksum_algorithm": self.checksum_algorithm,
+            "compression": self.compression,
+            "files": [f.to_dict() for f in self.files],
+            "items": [i.to_dict() for i in self.items],
+            "dcp_safe_version": self.dcp_safe_version,
+            "torch_version": self.torch_version,
+            "step": self.step,
+            "attempt": self.attempt,
+        }
 
     def to_json(self) -> bytes:
-        return _dumps(_tagged(self, "dcp_safe/manifest"))
+        return _dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Manifest:
-        return _build(cls, _loads(data, path, "dcp_safe/manifest"), path)
+        return _build(cls, _loads(data, path, _MANIFEST_FORMAT), path)
 
 
 def manifest_digest(data: bytes) -> str:
     """The digest ``_COMMITTED`` holds: sha256 of the manifest's exact bytes."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def _tagged(obj: Any, kind: str) -> dict[str, Any]:
-    raw = {
-        f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.name.startswith("_")
-    }
-    raw["files"] = [dataclasses.asdict(f) for f in obj.files]
-    raw["items"] = [_item_to_dict(i) for i in obj.items]
-    raw["format"] = kind
-    return raw
-
-
-def _item_to_dict(item: ItemRecord) -> dict[str, Any]:
-    raw = dataclasses.asdict(item)
-    raw["offset"] = None if item.offset is None else list(item.offset)
-    raw["transforms"] = list(item.transforms)
-    return raw
 
 
 def _dumps(raw: Mapping[str, Any]) -> bytes:
@@ -238,6 +350,9 @@ T = TypeVar("T")
 
 
 def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
+    private = sorted(key for key in raw if key.startswith("_"))
+    if private:  # the lookup tables are derived, never read from storage
+        raise CheckpointCorruptError(path, f"malformed manifest (unknown fields {private})")
     try:
         return cls(**_with_records(raw))
     except (KeyError, TypeError, ValueError) as exc:
@@ -245,17 +360,8 @@ def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
 
 
 def _with_records(raw: dict[str, Any]) -> dict[str, Any]:
-    raw["files"] = tuple(FileRecord(**f) for f in _records("files", raw["files"]))
-    raw["items"] = tuple(
-        ItemRecord(
-            **{
-                **i,
-                "offset": None if i["offset"] is None else tuple(_list("offset", i["offset"])),
-                "transforms": tuple(_list("transforms", i["transforms"])),
-            }
-        )
-        for i in _records("items", raw["items"])
-    )
+    raw["files"] = tuple(FileRecord.from_dict(f) for f in _records("files", raw["files"]))
+    raw["items"] = tuple(ItemRecord.from_dict(i) for i in _records("items", raw["items"]))
     return raw
 
 

@@ -3,7 +3,11 @@
 A signed checkpoint holds ``_SIGNATURE`` beside ``manifest.json``: ``hmac-sha256:<hex>``, an
 HMAC-SHA256 under the signing key of the manifest's digest (the one ``_COMMITTED`` holds). Every
 item, rank manifest and ``.metadata`` is listed in the manifest with a cryptographic checksum
-(sha256), so the signature covers every byte a load uses. Checking it is pure: no I/O here
+(BLAKE3 by default; sha256 accepted and selectable), so the signature covers every byte a load
+uses. BLAKE3 rather than sha256 for the items: it takes ~0.6x the CPU time of sha256 here and
+spreads a large item over every core (:mod:`dcp_safe.manifest.checksum`), and item hashing is
+all a signed save or load pays beyond an unsigned one (the signature itself is one HMAC over a
+64-character digest). Checking it is pure: no I/O here
 (the reads are :mod:`dcp_safe.checkpoints.signed`'s and the committer's).
 
 Why an HMAC and not a public-key signature: writer and reader are the same party (a training
@@ -34,6 +38,7 @@ __all__ = [
     "MAX_SIGNATURE_BYTES",
     "MIN_KEY_BYTES",
     "SIGNATURE_ALGORITHM",
+    "SIGNED_DEFAULT_CHECKSUM",
     "SIGNING_KEY_ENV",
     "check_signature",
     "checksum_for",
@@ -49,7 +54,9 @@ MIN_KEY_BYTES = 16
 MAX_SIGNATURE_BYTES = 1024
 # Item checksums a signature can vouch for: finding other bytes with the same digest is
 # infeasible. xxh3 and crc32 catch accidents only: anyone can craft a colliding item.
-CRYPTOGRAPHIC_CHECKSUMS = frozenset({ChecksumAlgorithm.SHA256})
+CRYPTOGRAPHIC_CHECKSUMS = frozenset({ChecksumAlgorithm.BLAKE3, ChecksumAlgorithm.SHA256})
+# What a signed save hashes its items with unless told otherwise.
+SIGNED_DEFAULT_CHECKSUM = ChecksumAlgorithm.BLAKE3
 # Domain separation: this HMAC signs a dcp_safe manifest digest and nothing else.
 _CONTEXT = b"dcp_safe signed manifest v1\n"
 _HEX_PREFIX = "hex:"
@@ -127,17 +134,18 @@ def is_cryptographic(checksum: str) -> bool:
 
 
 def checksum_for(choice: ChecksumAlgorithm | str | None, *, signed: bool) -> ChecksumAlgorithm:
-    """The item checksum of a save: ``choice``, or by default sha256 signed, xxh3-128 unsigned.
+    """The item checksum of a save: ``choice``, or by default BLAKE3 signed, xxh3-128 unsigned.
 
     Raises:
         ConfigError: a signed save asked for a checksum that is not cryptographic.
     """
     if choice is None:
-        return ChecksumAlgorithm.SHA256 if signed else ChecksumAlgorithm.XXH3_128
+        return SIGNED_DEFAULT_CHECKSUM if signed else ChecksumAlgorithm.XXH3_128
     algorithm = parse_choice(ChecksumAlgorithm, choice, "checksum")
     if signed and algorithm not in CRYPTOGRAPHIC_CHECKSUMS:
         raise ConfigError(
             f"checksum={algorithm.value!r} is not cryptographic, so a signature over it would"
-            " prove nothing about the items; leave checksum unset (sha256) for a signed save"
+            " prove nothing about the items; leave checksum unset (blake3) or choose sha256"
+            " for a signed save"
         )
     return algorithm

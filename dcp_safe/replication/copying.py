@@ -7,7 +7,9 @@ wrote). Nothing here decides where a copy lands or publishes anything; the calle
 
 The whole-file checksum (small files) or each item's checksum (shard files) is recomputed from
 the bytes in flight, so a source byte flipped since it was written is never made durable a
-second time; one chunk per file is in memory at a time.
+second time. A copy holds one chunk read from the source plus what the destination's open file
+buffers (on S3, the multipart upload's part buffers: ``max_concurrency + 1`` blocks); files are
+copied one at a time, so :func:`copy_buffer_bytes` bounds the host memory of a whole copy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
@@ -28,6 +31,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "CheckpointCopy",
     "check_remote_size",
+    "copy_buffer_bytes",
     "copy_file_retrying",
     "copy_file_verified",
     "make_folders",
@@ -104,6 +108,21 @@ def copy_file_retrying(
         call_with_retries("upload", dest.full_path(dst), copy, retry)
 
 
+def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
+    """The most host bytes one verified copy to ``dest`` holds at once: the chunk read from the
+    source plus ``dest``'s open-file buffers (on S3, ``(max_concurrency + 1)`` part blocks).
+
+    For a memory budget: the owner of a replication counts this beside its staged bytes (see
+    :attr:`dcp_safe.replication.replicator.Replicator.max_buffer_bytes`).
+
+    Returns:
+        The bytes, or None where ``dest`` buffers on its own account by an amount not known
+        here (an fsspec object store other than S3 through s3fs).
+    """
+    buffers = write_buffer_bytes(dest)
+    return None if buffers is None else chunk_bytes + buffers
+
+
 def check_remote_size(remote: Backend, rel: str, expected: int) -> None:
     """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes.
 
@@ -127,7 +146,8 @@ class CheckpointCopy:
 
     Call order: :meth:`copy_files` (any subset, any number of times), then :meth:`finish_upload`
     (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
-    file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up.
+    file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up. Files are
+    copied one at a time: :attr:`max_buffer_bytes` bounds the host memory the copy holds.
     """
 
     def __init__(
@@ -149,6 +169,11 @@ class CheckpointCopy:
         self.uploaded: list[str] = []
         self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
         self.records = {f.path: f for f in manifest.files}
+
+    @property
+    def max_buffer_bytes(self) -> int | None:
+        """:func:`copy_buffer_bytes` for this copy (None: the remote's buffering is unknown)."""
+        return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""

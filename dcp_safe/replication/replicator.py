@@ -22,8 +22,11 @@ a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_repl
 Why it is built this way:
 
 * Uploads read the committed local files, never the staging buffers, so replication holds no
-  host memory beyond one chunk per file in flight (files are copied one at a time) and a slow
-  remote can never hold back the next save's staging.
+  host memory beyond one chunk read and the remote file's upload buffers (files are copied one
+  at a time; on S3 the upload keeps ``max_concurrency`` parts in flight, 4 unless the remote's
+  storage options say otherwise, plus the block filling), and a slow remote can never hold back
+  the next save's staging. :attr:`Replicator.max_buffer_bytes` is that bound, for the owner's
+  memory budget.
 * The source is verified while it streams: a local byte flipped after the local commit is
   caught before it is made durable a second time, and nothing is committed remotely.
 * :class:`Replicator` keeps at most one replication in flight, on one daemon thread. A newer
@@ -58,7 +61,12 @@ from dcp_safe.errors import (
     ReplicationTimeoutError,
 )
 from dcp_safe.manifest.schema import Manifest, manifest_digest
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, CheckpointCopy, copy_file_verified
+from dcp_safe.replication.copying import (
+    DEFAULT_CHUNK_BYTES,
+    CheckpointCopy,
+    copy_buffer_bytes,
+    copy_file_verified,
+)
 from dcp_safe.replication.remote_commit import open_source, publish_remote, remote_committed
 
 __all__ = [
@@ -90,7 +98,9 @@ def replicate_checkpoint(
         local: the root holding the committed checkpoint.
         remote: the root to copy it to.
         name: the checkpoint's name under both roots.
-        chunk_bytes: bytes read and uploaded at a time (one chunk per file in flight).
+        chunk_bytes: bytes read and handed to the remote file at a time (files are copied one
+            at a time; see :func:`~dcp_safe.replication.copying.copy_buffer_bytes` for the
+            memory a copy holds).
 
     Returns:
         The checkpoint's manifest.
@@ -226,6 +236,15 @@ class Replicator:
         if superseded is not None:
             self._skipped(superseded, superseded_by=name)
         return future
+
+    @property
+    def max_buffer_bytes(self) -> int | None:
+        """The most host bytes a replication holds at once (one file is copied at a time): the
+        chunk read plus the remote upload's part buffers. An owner with a memory budget counts
+        it as another consumer of the envelope, as it stays held while the next save stages.
+        None where the remote's buffering is not known (an fsspec object store other than S3).
+        """
+        return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def future(self, name: str) -> Future[Manifest]:
         """The future of the latest submission of ``name``.

@@ -9,6 +9,9 @@ after another rank's failure. None of it is ever a checkpoint, but it holds spac
   valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
   ``grace_s``; and incomplete multipart uploads of dcp_safe's own layout names under the root
   (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for those.
+* Any root: probe objects (``.dcp-safe-probe-<32 hex digits>``, the exact form the backend's
+  exclusive-create probe writes at the root) that a killed process left behind, once older than
+  ``grace_s``. A live probe exists for two requests, so the grace period covers it many times.
 
 Ages come from the storage's modification times, not from what a lease says: a lease that
 cannot be read, or that claims a time far in the future, is collected like any other once the
@@ -27,6 +30,7 @@ node — from ever being touched.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +46,9 @@ from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
 __all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
 
 DEFAULT_GRACE_S = 6 * 3600.0
+# The probe's own name (FsspecBackend: PROBE_PREFIX + uuid4().hex), and nothing that merely
+# starts like it.
+_PROBE = re.compile(rf"{re.escape(layout.PROBE_PREFIX)}[0-9a-f]{{32}}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ def sweep_partials(
     now = time.time() if now is None else now
     if strategy_for(backend).in_place:
         return _sweep_leased(backend, grace_s, dry_run, now)
-    removed, recent = [], []
+    removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
     for entry in backend.list_dir(""):
         if not layout.is_partial_entry(entry):
             continue
@@ -111,6 +118,7 @@ def sweep_partials(
 def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
     # Uploads are listed first: one that starts after this look is never a candidate.
     uploads = incomplete_uploads(backend)
+    probes = _sweep_probes(backend, grace_s, dry_run, now)
     removed, recent = [], []
     for entry in backend.list_dir(""):
         if not _is_checkpoint_name(entry) or not lease_files(backend, entry):
@@ -134,8 +142,30 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
         uploads=uploads,
     )
     return SweepReport(
-        removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run, aborted_uploads=aborted
+        removed=tuple(probes + removed),
+        too_recent=tuple(recent),
+        dry_run=dry_run,
+        aborted_uploads=aborted,
     )
+
+
+def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -> list[str]:
+    """Remove stray exclusive-create probe objects at the root older than ``grace_s``.
+
+    One without a modification time (gone meanwhile, or storage that reports none) is kept.
+    A recent one is not reported: a live probe lasts two requests, it is no partial save.
+    """
+    removed = []
+    for entry in backend.list_dir(""):
+        if not _PROBE.fullmatch(entry):
+            continue
+        changed = backend.modified_at(entry)
+        if changed is None or now - changed < grace_s:
+            continue
+        if not dry_run:
+            backend.remove_file(entry)
+        removed.append(entry)
+    return removed
 
 
 def _last_change(backend: Backend, name: str, now: float) -> float | None:

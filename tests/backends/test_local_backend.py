@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.errors import StorageError
+from dcp_safe.errors import CheckpointCorruptError, StorageError
 
 
 def test_a_failed_streamed_write_leaves_nothing(tmp_path: Path) -> None:
@@ -71,3 +74,26 @@ def test_listing_and_walking(tmp_path: Path) -> None:
     assert backend.list_dir("") == ["a"]
     assert backend.list_dir("missing") == []
     assert sorted(backend.walk_files("a")) == ["f", "sub/g"]
+
+
+def _special_files(root: Path) -> None:
+    os.mkfifo(root / "fifo.distcp")
+    (root / "zero.distcp").symlink_to("/dev/zero")
+    (root / "dir.distcp").mkdir()
+    (root / "ok.distcp").write_bytes(b"data")
+
+
+@pytest.mark.timeout(60)  # a guard: before the fix, opening the FIFO waited forever
+@pytest.mark.parametrize("make", [LocalBackend, lambda root: FsspecBackend(f"file://{root}")])
+def test_open_read_refuses_what_is_not_a_regular_file(tmp_path: Path, make: object) -> None:
+    """A data file (a shard) that is a FIFO, a device or a directory is refused at once as
+    corrupt, never waited on or read without end; through fsspec as well as directly."""
+    _special_files(tmp_path)
+    backend: Backend = make(str(tmp_path))  # type: ignore[operator]
+    for name, kind in [("fifo", "FIFO"), ("zero", "device"), ("dir", "directory")]:
+        with pytest.raises(CheckpointCorruptError, match=kind), backend.open_read(f"{name}.distcp"):
+            pass
+    with backend.open_read("ok.distcp") as f:
+        assert f.read() == b"data"
+    with pytest.raises(FileNotFoundError), backend.open_read("missing.distcp"):
+        pass

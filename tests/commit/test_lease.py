@@ -61,6 +61,31 @@ def test_a_writer_whose_lease_was_taken_over_cannot_publish(root: str) -> None:
         check_lease(backend, "step_1", "mine")
 
 
+def test_a_writer_whose_lease_was_taken_writes_no_control_file(root: str) -> None:
+    """The new holder's ``.metadata`` and ``manifest.json`` must never be overwritten by a
+    writer that lost the name: it stops at the lease check, before writing them (#17)."""
+    written: list[str] = []
+
+    class _LosesItsLease(SafeStorageWriter):
+        def finish(self, metadata: Any, results: Any) -> None:
+            self.backend.write_bytes(f"step_1/{layout.WRITING_LEASE}", b'{"save_id": "newer"}')
+            original = self.backend.write_bytes
+
+            def record(rel: str, data: bytes, *, exclusive: bool = False) -> None:
+                written.append(rel)
+                original(rel, data, exclusive=exclusive)
+
+            self.backend.write_bytes = record  # type: ignore[method-assign]
+            super().finish(metadata, results)
+
+    with pytest.raises(StaleWriterError):
+        dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=_LosesItsLease(root))
+    assert written == []
+    backend = open_backend(root)
+    for control in (layout.DCP_METADATA, layout.MANIFEST, layout.COMMITTED_MARKER):
+        assert not backend.exists(f"step_1/{control}")
+
+
 def test_a_failed_publish_removes_its_own_objects(root: str) -> None:
     class _FailsAtMarker(SafeStorageWriter):
         def finish(self, metadata: Any, results: Any) -> None:

@@ -74,13 +74,26 @@ def test_a_signed_checkpoint_loads_with_and_without_the_key(tmp_path: Path) -> N
     _save(tmp_path)
     assert (tmp_path / "step_1" / layout.SIGNATURE).read_bytes().startswith(b"hmac-sha256:")
     manifest = _manifest(tmp_path)
-    assert manifest["checksum_algorithm"] == "sha256"
-    assert all(item["checksum"].startswith("sha256:") for item in manifest["items"])
+    assert manifest["checksum_algorithm"] == "blake3"
+    checksums = [r["checksum"] for r in manifest["items"] + manifest["files"] if r["checksum"]]
+    assert checksums and all(c.startswith("blake3:") for c in checksums)
     for key in (KEY, None):
         loaded = _load(tmp_path, key=key)
         assert torch.equal(loaded["b"], _state()["b"]) and loaded["extra"] == {"epoch": 3}
     assert verify_checkpoint(tmp_path, "step_1", signing_key=KEY).items_checked == 3
     SafeStorageReader(tmp_path, signing_key=KEY).reset("latest")
+
+
+def test_a_signed_sha256_checkpoint_still_loads_and_verifies_with_the_key(tmp_path: Path) -> None:
+    """Signed checkpoints written before BLAKE3 became the default (sha256 items) stay valid,
+    and sha256 can still be chosen for a signed save."""
+    _save(tmp_path, checksum="sha256")
+    manifest = _manifest(tmp_path)
+    assert manifest["checksum_algorithm"] == "sha256"
+    assert all(item["checksum"].startswith("sha256:") for item in manifest["items"])
+    loaded = _load(tmp_path)
+    assert torch.equal(loaded["a"], _state()["a"]) and loaded["extra"] == {"epoch": 3}
+    assert verify_checkpoint(tmp_path, "step_1", signing_key=KEY).items_checked == 3
 
 
 def test_a_forged_manifest_with_matching_checksums_is_refused_with_the_key(
@@ -101,7 +114,7 @@ def test_a_forged_manifest_with_matching_checksums_is_refused_with_the_key(
         for item in raw["items"]:
             if item["fqn"] == "a":
                 chunk = data[item["start"] : item["start"] + item["length"]]
-                item["checksum"] = digest_bytes(chunk, "sha256")
+                item["checksum"] = digest_bytes(chunk, "blake3")
 
     resign_manifest(tmp_path, "step_1", rechecksum)
 

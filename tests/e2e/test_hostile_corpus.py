@@ -270,6 +270,11 @@ def metadata_oversized(case: Case) -> None:
     _resign_file(case.root, BAD, layout.DCP_METADATA, (1 << 30) + 1, "xxh3_128:" + "0" * 32)
 
 
+def shard_fifo(case: Case) -> None:
+    """The shard is a FIFO: opening it for reading blocks until a writer comes."""
+    _fifo(case.root / BAD / SHARD)
+
+
 def shard_dev_zero(case: Case) -> None:
     """The shard is a symlink to /dev/zero."""
     path = case.root / BAD / SHARD
@@ -353,6 +358,7 @@ MUTATIONS: dict[str, Callable[[Case], None]] = {
     "metadata_fifo": metadata_fifo,
     "metadata_oversized": metadata_oversized,
     "shard_dev_zero": shard_dev_zero,
+    "shard_fifo": shard_fifo,
     "rank_manifest_nested": rank_manifest_nested,
     "rank_manifest_is_dir": rank_manifest_is_dir,
     "history_torn": history_torn,
@@ -487,6 +493,27 @@ def test_a_hostile_case_breaks_nothing(outcomes: dict[str, Any], case: str) -> N
         if _failed(cell["cell"]) or not cell["good_ok"]
     }
     assert broken == {}, broken
+
+
+# Where one outcome is required, not merely any safe one: verification refuses what a load
+# refuses (a planted pickle carries a matching checksum, so only the restricted check tells).
+REQUIRED: dict[tuple[str, str], str] = {
+    ("metadata_pickle", "verify_checkpoint"): "refused: UnsafeCheckpointError",
+    ("metadata_pickle", "cli verify"): "exit 1: dcp-safe: error: ",
+    ("object_item_pickle", "verify_checkpoint"): "refused: UnsafeCheckpointError",
+    ("object_item_pickle", "cli verify"): "exit 1: dcp-safe: error: ",
+    ("shard_fifo", "verify_checkpoint"): "refused: CheckpointCorruptError",
+    ("shard_fifo", "cli verify"): "exit 1: dcp-safe: error: CORRUPT",
+}
+
+
+@pytest.mark.parametrize(("case", "entry"), sorted(REQUIRED))
+def test_a_hostile_case_gets_the_required_outcome(
+    outcomes: dict[str, Any], case: str, entry: str
+) -> None:
+    cells = outcomes[case]["cells"]
+    assert cells is not None, outcomes[case]["crash"]
+    assert cells[entry]["cell"].startswith(REQUIRED[case, entry]), cells[entry]
 
 
 def test_the_corpus_covers_every_item_of_the_issue() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -205,3 +206,69 @@ def test_an_item_offset_that_is_not_a_list_of_indices_is_corrupt(offset: object)
 
 def test_a_well_formed_item_passes() -> None:
     assert Manifest.from_json(_with(items=[_item()]), "manifest.json").items[0].fqn == "w"
+
+
+# ---------------------------------------------------------------- explicit to_dict (issue #18)
+
+
+def _reference_json(manifest: Manifest | RankManifest, kind: str) -> bytes:
+    """The JSON that ``dataclasses.asdict`` gave before records had their own ``to_dict``."""
+    raw = {
+        f.name: getattr(manifest, f.name)
+        for f in dataclasses.fields(manifest)
+        if not f.name.startswith("_")
+    }
+    raw["files"] = [dataclasses.asdict(f) for f in manifest.files]
+    raw["items"] = [
+        dataclasses.asdict(i)
+        | {"offset": None if i.offset is None else list(i.offset), "transforms": list(i.transforms)}
+        for i in manifest.items
+    ]
+    raw["format"] = kind
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
+@given(st.lists(_items, max_size=5).map(tuple))
+def test_to_json_is_byte_for_byte_what_asdict_gave(items: tuple[ItemRecord, ...]) -> None:
+    manifest = _manifest(items)
+    assert manifest.to_json() == _reference_json(manifest, "dcp_safe/manifest")
+    rank = RankManifest(
+        name="s",
+        save_id="x",
+        rank=1,
+        checksum_algorithm="crc32",
+        files=(FileRecord(path="__1_0.distcp", size=3, checksum=None),),
+        items=items,
+    )
+    assert rank.to_json() == _reference_json(rank, "dcp_safe/rank-manifest")
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {k: v for k, v in _item().items() if k != "transforms"},
+        {k: v for k, v in _item().items() if k != "offset"},
+        _item(extra=1),
+    ],
+)
+def test_an_item_with_a_missing_or_unknown_key_is_corrupt(item: dict[str, object]) -> None:
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
+        Manifest.from_json(_with(items=[item]), "manifest.json")
+
+
+def test_a_file_record_may_leave_out_its_checksum_but_not_add_keys() -> None:
+    files = [{"path": "__0_0.distcp", "size": 10}]
+    assert Manifest.from_json(_with(files=files), "m").files[0].checksum is None
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
+        Manifest.from_json(_with(files=[files[0] | {"mode": 1}]), "m")
+
+
+def test_the_derived_lookup_tables_are_never_read_from_storage() -> None:
+    with pytest.raises(CheckpointCorruptError, match="unknown fields"):
+        Manifest.from_json(_with(_by_path={}), "manifest.json")
+
+
+def test_files_are_found_by_path() -> None:
+    manifest = _manifest(())
+    assert manifest.file("__0_0.distcp") == FileRecord(path="__0_0.distcp", size=10)
+    assert manifest.file("missing") is None

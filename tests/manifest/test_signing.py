@@ -82,10 +82,12 @@ def test_the_signature_is_not_a_bare_hmac_of_the_digest() -> None:
         check_signature(KEY, DIGEST, f"hmac-sha256:{bare}".encode(), "p")
 
 
-def test_a_signed_save_defaults_to_sha256_and_refuses_weak_checksums() -> None:
+def test_a_signed_save_defaults_to_blake3_and_refuses_weak_checksums() -> None:
     assert checksum_for(None, signed=False) is ChecksumAlgorithm.XXH3_128
-    assert checksum_for(None, signed=True) is ChecksumAlgorithm.SHA256
+    assert checksum_for(None, signed=True) is ChecksumAlgorithm.BLAKE3
     assert checksum_for("sha256", signed=True) is ChecksumAlgorithm.SHA256
+    assert checksum_for("blake3", signed=True) is ChecksumAlgorithm.BLAKE3
+    assert checksum_for("blake3", signed=False) is ChecksumAlgorithm.BLAKE3
     assert checksum_for("crc32", signed=False) is ChecksumAlgorithm.CRC32
     for weak in ("xxh3_128", "crc32"):
         with pytest.raises(ConfigError, match="not cryptographic"):
@@ -99,9 +101,11 @@ def test_writer_options_refuse_a_key_with_a_weak_checksum() -> None:
         WriterOptions(checksum=ChecksumAlgorithm.XXH3_128, signing_key=KEY)
     options = WriterOptions(checksum=ChecksumAlgorithm.SHA256, signing_key=KEY)
     assert "k" * 32 not in repr(options)  # the key stays out of logs
+    WriterOptions(checksum=ChecksumAlgorithm.BLAKE3, signing_key=KEY)
 
 
-def test_only_sha256_counts_as_cryptographic() -> None:
+def test_only_blake3_and_sha256_count_as_cryptographic() -> None:
+    assert is_cryptographic("blake3:00")
     assert is_cryptographic("sha256:00")
     assert not is_cryptographic("xxh3_128:00")
     assert not is_cryptographic("crc32:00")

@@ -192,3 +192,37 @@ def test_a_bucket_root_is_refused_without_the_flag(
     report = sweep_partials(bucket, grace_s=0, storage_options=s3_options, allow_bucket_root=True)
     assert report.aborted_uploads == ()
     assert [u["Key"] for u in s3.open_uploads(s3_bucket)] == ["other-app/blob.bin"]
+
+
+def _stray_probes(backend: Any) -> tuple[str, str]:
+    """A probe a killed process left (its exact form), and a user's object that only starts
+    like one."""
+    probe, lookalike = f"{layout.PROBE_PREFIX}{'0f' * 16}", f"{layout.PROBE_PREFIX}notes"
+    backend.write_bytes(probe, b"first")
+    backend.write_bytes(lookalike, b"mine")
+    return probe, lookalike
+
+
+def test_a_stray_probe_object_is_collected_after_the_grace_period() -> None:
+    root = "memory://sweeper-probes"
+    backend = open_backend(root)
+    probe, lookalike = _stray_probes(backend)
+    assert sweep_partials(root, grace_s=60).removed == ()  # still within the grace period
+    report = sweep_partials(root, grace_s=60, now=time.time() + 61, dry_run=True)
+    assert report.removed == (probe,) and backend.exists(probe)
+    report = sweep_partials(root, grace_s=60, now=time.time() + 61)
+    assert report.removed == (probe,)
+    assert not backend.exists(probe) and backend.exists(lookalike)
+
+
+@pytest.mark.s3
+def test_a_stray_probe_object_is_collected_on_s3(s3_root: str, s3_options: dict[str, Any]) -> None:
+    backend = open_backend(s3_root, s3_options)
+    assert backend.supports_exclusive_create  # the probe ran, and removed its own object
+    assert [e for e in backend.list_dir("") if e.startswith(layout.PROBE_PREFIX)] == []
+    probe, lookalike = _stray_probes(backend)
+    options = {"storage_options": s3_options}
+    assert sweep_partials(s3_root, grace_s=60, **options).removed == ()
+    report = sweep_partials(s3_root, grace_s=60, now=time.time() + 61, **options)
+    assert report.removed == (probe,)
+    assert not backend.exists(probe) and backend.exists(lookalike)
