@@ -6,6 +6,15 @@ measures, in one run, the 1st and 2nd save's training stall (``async_save`` call
 ``staging_completion``), host bytes allocated per save and peak RSS (psutil, sampled every
 5 ms). Prints a markdown table and writes JSON to ``benchmarks/results/`` (git-ignored).
 
+Many small tensors: ``python benchmarks/bench_stager.py --count 4096,10000 --tensor-kib 32``
+runs, in one process, ``BudgetedStager`` against DCP's ``DefaultStager`` (CPU options: no pinning,
+no shared memory, async staging) and the copy floor, on ``{"model": {fqn: tensor}}`` states of
+``count`` float32 tensors (``--flat`` puts the fqns at the top level instead). Each contender's
+first save is untimed; then every round saves once per contender, order rotated, and times the
+*second-save stall*: from the ``dcp.async_save`` call until ``staging_completion`` resolves (the
+training loop may mutate the state again), with reusable buffers in place. Reports medians and
+the median of per-round ratios.
+
 Variants:
     floor            bare ``copy_`` into preallocated, first-touched buffers (no DCP)
     budgeted         BudgetedStager, cold pool
@@ -195,13 +204,133 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def many_state(count: int, tensor_kib: int, flat: bool) -> dict[str, Any]:
+    import torch
+
+    numel = tensor_kib * 1024 // 4
+    model = {f"layers.{i}.weight": torch.randn(numel) for i in range(count)}
+    return model if flat else {"model": model, "step": 0}
+
+
+def run_many(count: int, tensor_kib: int, rounds: int, flat: bool) -> dict[str, Any]:
+    """Second-save stall of each stager on ``count`` small tensors, rotated per round."""
+    import gc
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from dcp_safe.bench.measure import median, rotate
+    from dcp_safe.staging import BudgetedStager
+
+    state = many_state(count, tensor_kib, flat)
+    sources = _tensors(state)
+    floor_buffers = [torch.empty_like(t).zero_() for t in sources]
+    stagers: dict[str, Any] = {
+        "budgeted": BudgetedStager(pin_memory="off"),
+        "default_stager": DefaultStager(StagingOptions(False, False, True, False)),
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="bench_stager_many_"))
+    saves = 0
+
+    def save(name: str) -> float:
+        nonlocal saves
+        saves += 1
+        stager = stagers[name]
+        writer = FileSystemWriter(str(workdir / f"c{saves}"), sync_files=False)
+        gc.collect()
+        start = time.perf_counter()
+        response = dcp.async_save(state, storage_writer=writer, async_stager=stager, no_dist=True)
+        response.staging_completion.result()
+        stall = time.perf_counter() - start
+        if isinstance(stager, BudgetedStager):
+            stager.track(response)  # released when the upload ends, as stager.async_save does
+        response.upload_completion.result()
+        shutil.rmtree(workdir / f"c{saves}", ignore_errors=True)
+        return stall
+
+    def floor() -> float:
+        gc.collect()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in zip(floor_buffers, sources, strict=True):
+                dst.copy_(src)
+        return time.perf_counter() - start
+
+    contenders = {"floor": floor, **{name: (lambda n=name: save(n)) for name in stagers}}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    first = {name: fn() for name, fn in contenders.items()}  # cold: buffers allocated here
+    try:
+        for round_ in range(rounds):
+            for name in rotate(list(contenders), round_):
+                times[name].append(contenders[name]())
+    finally:
+        for stager in stagers.values():
+            stager.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    ratios = [b / d for b, d in zip(times["budgeted"], times["default_stager"], strict=True)]
+    return {
+        "count": count,
+        "tensor_kib": tensor_kib,
+        "flat": flat,
+        "bytes": sum(t.nbytes for t in sources),
+        "rounds": rounds,
+        "first_s": first,
+        "times_s": times,
+        "median_s": {name: median(v) for name, v in times.items()},
+        "budgeted_over_default_median": median(times["budgeted"]) / median(times["default_stager"]),
+        "budgeted_over_default_per_round_median": median(ratios),
+        "budgeted_over_floor": median(times["budgeted"]) / median(times["floor"]),
+    }
+
+
+def many_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| state | floor (ms) | BudgetedStager 2nd stall (ms) | DefaultStager 2nd stall (ms)"
+        " | Budgeted / Default (medians) | per-round median | Budgeted / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m = r["median_s"]
+        layout = "flat" if r["flat"] else "nested"
+        lines.append(
+            f"| {r['count']:,} x {r['tensor_kib']} KiB ({_fmt_b(r['bytes'])}, {layout})"
+            f" | {m['floor'] * 1e3:.1f} | {m['budgeted'] * 1e3:.1f}"
+            f" | {m['default_stager'] * 1e3:.1f} | {r['budgeted_over_default_median']:.2f}x"
+            f" | {r['budgeted_over_default_per_round_median']:.2f}x"
+            f" | {r['budgeted_over_floor']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main_many(args: argparse.Namespace) -> int:
+    rows = []
+    for count in (int(c) for c in args.count.split(",")):
+        rows.append(run_many(count, args.tensor_kib, args.rounds, args.flat))
+        print(f"done: {count} tensors", file=sys.stderr)
+    print(many_table(rows))
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    path = results / f"bench_stager_many-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=2))
+    print(f"\nJSON: {path}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--count", help="many-small-tensors mode: tensor counts, e.g. 4096,10000")
+    parser.add_argument("--tensor-kib", type=int, default=32, help="size of each tensor (--count)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (--count)")
+    parser.add_argument("--flat", action="store_true", help="fqns at the top level (--count)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--states", default=",".join(STATES))
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "STATE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.count:
+        return main_many(args)
     if args.one:
         print(json.dumps(run_variant(args.one[0], args.one[1], args.size_gib)))
         return 0

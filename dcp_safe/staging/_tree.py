@@ -8,11 +8,17 @@ keeps aliasing (a tensor or object reached twice is copied once), and gives ever
 value (nested dicts, lists, ints, user objects) its own copy, so later mutation cannot race
 serialization. Tensors hidden inside other objects are deep-copied with those objects, outside
 the pool; DCP's planner would pickle such objects whole anyway.
+
+``rebuild`` walks plain dicts, ``OrderedDict``s (``state_dict()``'s type, with its
+``_metadata``), lists and tuples itself, with the same memo and the same results as
+``copy.deepcopy`` but without its per-object dispatch (a tenth of the time per entry), and hands
+everything else to ``copy.deepcopy`` with that memo.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +27,11 @@ from torch.distributed.tensor import DTensor
 
 from dcp_safe.torch_compat import dtensor_local, rebuild_dtensor
 
-__all__ = ["collect_tensors", "rebuild", "stageable"]
+__all__ = ["ATOMIC", "collect_tensors", "rebuild", "stageable"]
+
+# Values deepcopy returns as they are; the walks skip them without a call.
+ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
+_MISSING = object()
 
 
 def stageable(value: object) -> bool:
@@ -61,19 +71,6 @@ def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
             _collect(value, found)
 
 
-def _seed_dtensors(obj: object, staged: dict[int, torch.Tensor], memo: dict[int, Any]) -> None:
-    if isinstance(obj, DTensor):
-        local = staged.get(id(dtensor_local(obj)))
-        if local is not None and id(obj) not in memo:
-            memo[id(obj)] = rebuild_dtensor(local, obj)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _seed_dtensors(value, staged, memo)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _seed_dtensors(value, staged, memo)
-
-
 def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
     """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy.
 
@@ -83,5 +80,41 @@ def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
         staged: staged copy per source tensor ``id``.
     """
     memo: dict[int, Any] = dict(staged)
-    _seed_dtensors(obj, staged, memo)
+    return _copy(obj, memo)
+
+
+def _copy(obj: Any, memo: dict[int, Any]) -> Any:
+    kind = type(obj)
+    if kind in ATOMIC:
+        return obj
+    found = memo.get(id(obj), _MISSING)
+    if found is not _MISSING:
+        return found
+    if kind is dict or kind is OrderedDict:
+        out: dict[Any, Any] = kind()
+        memo[id(obj)] = out
+        state = getattr(obj, "__dict__", None)
+        if state:  # OrderedDict's instance attributes (state_dict()'s ``_metadata``)
+            out.__dict__.update(_copy(state, memo))
+        for key, value in obj.items():
+            if type(value) not in ATOMIC:
+                value = _copy(value, memo)
+            out[key if type(key) in ATOMIC else _copy(key, memo)] = value
+        return out
+    if kind is list:
+        items: list[Any] = []
+        memo[id(obj)] = items
+        items.extend(v if type(v) in ATOMIC else _copy(v, memo) for v in obj)
+        return items
+    if kind is tuple:
+        copied = tuple(v if type(v) in ATOMIC else _copy(v, memo) for v in obj)
+        result = obj if all(a is b for a, b in zip(obj, copied, strict=True)) else copied
+        memo[id(obj)] = result
+        return result
+    if isinstance(obj, DTensor):
+        local = memo.get(id(dtensor_local(obj)), _MISSING)
+        if local is not _MISSING:
+            rebuilt = rebuild_dtensor(local, obj)
+            memo[id(obj)] = rebuilt
+            return rebuilt
     return copy.deepcopy(obj, memo)

@@ -82,6 +82,9 @@ class StagerStats:
         total_wait_s: time ``stage()`` calls spent waiting for admission.
         last_staging_s: duration of the latest completed staging (call to Future resolved).
         torn: generations the mutation guard failed (sources changed during their copy).
+        plans_built: staging plans made (one per new layout of the state; see
+            :mod:`dcp_safe.staging.plan`).
+        plan_reuses: saves (and warm-ups) that found the plan of their unchanged layout.
     """
 
     envelope_bytes: int
@@ -102,3 +105,5 @@ class StagerStats:
     total_wait_s: float
     last_staging_s: float
     torn: int = 0
+    plans_built: int = 0
+    plan_reuses: int = 0

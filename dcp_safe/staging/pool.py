@@ -17,6 +17,15 @@ the staging thread) and released exactly once. Release comes in two strengths:
   A buffer whose storage is still shared stays *pending* (allocated, not reusable) and is
   rechecked on every later lease, so a buffer is never rewritten while anyone can read it.
 
+A request may carry a *token* (a staging plan's, :mod:`dcp_safe.staging.plan`). A released
+lease with a token is kept whole, as a *bundle*, with the typed views the stager made of its
+buffers, so the next lease of that token takes the bundle back in one step and the stager reuses
+the views: no per-tensor allocation, lookup or view on the reuse path. Bundled bytes are free
+bytes; a request the free lists cannot cover breaks the other bundles into them first. Because
+the stager hands out the cached views themselves, a dropped generation's views are checked for
+outside holders three ways (Python references, owners of the tensor itself, and other views of
+its storage) before the bundle is kept.
+
 Pinned memory comes from torch's caching host allocator (``pin_memory=True``), which rounds
 requests up to a power of two; the accounting counts the rounded size so the budget is never
 understated. ``trim()`` and ``close()`` drop free buffers and empty the host cache.
@@ -24,17 +33,19 @@ understated. ``trim()`` and ``close()`` drop free buffers and empty the host cac
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.torch_compat import empty_host_cache, storage_use_count
+from dcp_safe.torch_compat import empty_host_cache, storage_use_count, tensor_use_count
 
-__all__ = ["BufferPool", "Lease", "PinMemory", "PoolStats"]
+__all__ = ["BufferPool", "BufferRequest", "Lease", "PinMemory", "PoolStats"]
 
 # Small buffers gain nothing from pinning and each pinned block costs a driver call.
 _PIN_MIN_BYTES = 64 << 10
@@ -105,6 +116,55 @@ def _storage_shared(buffer: torch.Tensor) -> bool:
     return storage_use_count(buffer) > 2
 
 
+def _python_refs(views: list[torch.Tensor]) -> list[int]:
+    return [sys.getrefcount(v) for v in views]
+
+
+# What _python_refs reads for a tensor held by one list and nothing else (interpreters differ).
+_OWN_REFS = _python_refs([torch.empty(0)])[0]
+
+
+def _storage_counts(views: list[torch.Tensor]) -> list[int]:
+    return list(map(storage_use_count, views))
+
+
+def _views_held(views: list[torch.Tensor], storage_counts: list[int]) -> bool:
+    """Whether anyone but the pool still holds a cached view or reads its buffer.
+
+    ``storage_counts`` are the views' storage use counts when they were made: how many
+    references a view chain takes internally is torch's business, so it is measured, not assumed.
+    """
+    if max(_python_refs(views), default=0) > _OWN_REFS:
+        return True  # the very tensor the staged dict held (a caller kept it)
+    if any(tensor_use_count(v) > 1 for v in views):
+        return True  # a C++ owner of the tensor itself (an async writer)
+    return any(now > then for now, then in zip(_storage_counts(views), storage_counts, strict=True))
+
+
+@dataclass(frozen=True)
+class BufferRequest:
+    """The buffers one save needs: their sizes in order, their host cost, and its plan's token.
+
+    Make one with :meth:`BufferPool.request` (the cost depends on the pool's pinning).
+    """
+
+    sizes: Sequence[int]
+    cost: int
+    nbytes: int
+    token: int | None = None
+
+
+class _Bundle:
+    __slots__ = ("buffers", "storage_counts", "views")
+
+    def __init__(
+        self, buffers: list[torch.Tensor], views: list[torch.Tensor], storage_counts: list[int]
+    ) -> None:
+        self.buffers = buffers
+        self.views = views
+        self.storage_counts = storage_counts
+
+
 class Lease:
     """One generation's buffers, one per requested size, in request order.
 
@@ -113,11 +173,22 @@ class Lease:
     only the first call counts.
     """
 
-    def __init__(self, pool: BufferPool, sizes: list[int], buffers: list[torch.Tensor | None]):
+    def __init__(
+        self,
+        pool: BufferPool,
+        request: BufferRequest,
+        buffers: list[torch.Tensor | None],
+        bundle: _Bundle | None = None,
+    ):
         self._pool = pool
-        self.sizes = sizes
+        self.request = request
+        self.sizes = request.sizes
         self._buffers = buffers
-        self.nbytes = sum(sizes)
+        self._complete = bundle is not None
+        # The typed views kept with a bundle, and their storage use counts when made.
+        self.views = bundle.views if bundle is not None else None
+        self.storage_counts = bundle.storage_counts if bundle is not None else []
+        self.nbytes = request.nbytes
         self.allocated_bytes = 0
         self.released = False
 
@@ -131,11 +202,23 @@ class Lease:
 
     def materialize(self) -> int:
         """Allocate the buffers that could not be reused; return the bytes allocated."""
+        if self._complete:  # a whole bundle: nothing to look for
+            return 0
         for i, size in enumerate(self.sizes):
             if self._buffers[i] is None:
                 self._buffers[i] = self._pool._allocate(size)
                 self.allocated_bytes += size
+        self._complete = True
         return self.allocated_bytes
+
+    def typed_views(
+        self, make: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """The buffers' typed views: the bundle's, or ``make(buffers)`` kept for the next lease."""
+        if self.views is None:
+            self.views = make(self.buffers)
+            self.storage_counts = _storage_counts(self.views)
+        return self.views
 
     def release(self, *, writer_done: bool) -> None:
         """Give the buffers back; see the module docstring for the two strengths."""
@@ -159,6 +242,7 @@ class BufferPool:
         self.condition = threading.Condition(threading.RLock())
         self._free: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
         self._pending: list[torch.Tensor] = []
+        self._bundles: dict[int, _Bundle] = {}
         self._allocated = self._in_use = self._free_bytes = self._pending_bytes = 0
         self._pinned = self._peak = self._allocations = self._allocated_total = self._reuses = 0
         self._closed = False
@@ -169,27 +253,40 @@ class BufferPool:
             return 1 << (size - 1).bit_length()
         return size
 
-    def plan(self, sizes: list[int]) -> tuple[int, int]:
+    def request(self, sizes: Sequence[int], *, token: int | None = None) -> BufferRequest:
+        """A request for buffers of ``sizes`` bytes, its host cost computed once."""
+        cost = sum(map(self.cost, sizes)) if self.pin else sum(sizes)
+        return BufferRequest(sizes=tuple(sizes), cost=cost, nbytes=sum(sizes), token=token)
+
+    def plan(self, request: BufferRequest | Sequence[int]) -> tuple[int, int]:
         """How many bytes of a request free buffers cover, and how many must be allocated.
 
         Call with :attr:`condition` held. Returns ``(reused_cost, new_cost)`` in host bytes.
         """
+        request = self._as_request(request)
         self._reclaim_pending()
-        available = {size: len(bufs) for size, bufs in self._free.items()}
-        reused = new = 0
-        for size in sizes:
-            if available.get(size, 0) > 0:
-                available[size] -= 1
-                reused += self.cost(size)
-            else:
-                new += self.cost(size)
+        if request.token in self._bundles:
+            return request.cost, 0
+        reused, new = self._plan_free(request.sizes)
+        if new and self._bundles:  # other layouts' bundles are free bytes too
+            self._break_bundles()
+            reused, new = self._plan_free(request.sizes)
         return reused, new
 
-    def lease(self, sizes: list[int]) -> Lease:
-        """Take free buffers for ``sizes`` and reserve the rest. Call with the condition held."""
+    def lease(self, request: BufferRequest | Sequence[int]) -> Lease:
+        """Take free buffers for a request and reserve the rest. Call with the condition held."""
+        request = self._as_request(request)
         self._reclaim_pending()
+        self._in_use += request.cost
+        bundle = self._bundles.pop(request.token, None) if request.token is not None else None
+        if bundle is not None:
+            self._free_bytes -= request.cost
+            self._reuses += len(bundle.buffers)
+            return Lease(self, request, list(bundle.buffers), bundle)
+        if self._bundles and self._plan_free(request.sizes)[1]:
+            self._break_bundles()
         buffers: list[torch.Tensor | None] = []
-        for size in sizes:
+        for size in request.sizes:
             free = self._free.get(size)
             if free:
                 buffers.append(free.pop())
@@ -198,24 +295,31 @@ class BufferPool:
             else:
                 buffers.append(None)
                 self._allocated += self.cost(size)
-        self._in_use += sum(self.cost(s) for s in sizes)
         self._peak = max(self._peak, self._allocated)
-        return Lease(self, sizes, buffers)
+        return Lease(self, request, buffers)
 
-    def warm(self, sizes: list[int]) -> int:
-        """Allocate and first-touch free buffers for ``sizes``; return the bytes allocated.
+    def warm(
+        self,
+        request: BufferRequest | Sequence[int],
+        views: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> int:
+        """Allocate and first-touch free buffers for a request; return the bytes allocated.
 
-        Sizes already covered by free buffers are skipped, so warming twice is free. Call
-        without the condition held (allocation is slow); the caller checks the budget first.
+        Sizes already covered by free buffers are skipped, so warming twice is free. With a
+        token, ``views`` makes the typed views kept with the bundle. Call without the condition
+        held (allocation is slow); the caller checks the budget first.
         """
+        request = self._as_request(request)
         with self.condition:
-            _, new = self.plan(sizes)
+            _, new = self.plan(request)
             if new == 0:
                 return 0
-            lease = self.lease(sizes)
+            lease = self.lease(request)
         allocated = lease.materialize()
         for buffer in lease.buffers:
             buffer.zero_()  # first touch now, so the first save does not fault pages in
+        if views is not None:
+            lease.typed_views(views)
         lease.release(writer_done=True)
         return allocated
 
@@ -228,6 +332,7 @@ class BufferPool:
         freed = 0
         with self.condition:
             self._reclaim_pending()
+            self._break_bundles()
             for size in sorted(self._free, reverse=True):
                 bufs = self._free[size]
                 while bufs and self._free_bytes > target_bytes:
@@ -294,7 +399,21 @@ class BufferPool:
             if lease.released:
                 return
             lease.released = True
-            self._in_use -= sum(self.cost(s) for s in lease.sizes)
+            self._in_use -= lease.request.cost
+            views, lease.views = lease.views, None
+            token = lease.request.token
+            if (
+                token is not None
+                and views is not None
+                and not self._closed
+                and (writer_done or not _views_held(views, lease.storage_counts))
+            ):
+                self._bundles[token] = _Bundle(lease.buffers, views, lease.storage_counts)
+                self._free_bytes += lease.request.cost
+                lease._buffers = []
+                self.condition.notify_all()
+                return
+            del views  # a view nobody else holds dies here, so its buffer counts as unshared
             for size, buffer in zip(lease.sizes, lease._buffers, strict=False):
                 if buffer is None:  # reserved, never allocated (staging failed early)
                     self._allocated -= self.cost(size)
@@ -305,6 +424,27 @@ class BufferPool:
                     self._put_free(buffer)
             lease._buffers = []
             self.condition.notify_all()
+
+    def _as_request(self, request: BufferRequest | Sequence[int]) -> BufferRequest:
+        return request if isinstance(request, BufferRequest) else self.request(request)
+
+    def _plan_free(self, sizes: Sequence[int]) -> tuple[int, int]:
+        available = {size: len(bufs) for size, bufs in self._free.items()}
+        reused = new = 0
+        for size in sizes:
+            if available.get(size, 0) > 0:
+                available[size] -= 1
+                reused += self.cost(size)
+            else:
+                new += self.cost(size)
+        return reused, new
+
+    def _break_bundles(self) -> None:
+        # Their views die with them; the buffers join the free lists (already free bytes).
+        for bundle in self._bundles.values():
+            for buffer in bundle.buffers:
+                self._free[buffer.numel()].append(buffer)
+        self._bundles.clear()
 
     def _put_free(self, buffer: torch.Tensor) -> None:
         size = buffer.numel()

@@ -4,11 +4,13 @@ This module owns the life of a *generation* (one save's staged copy) from admiss
 
 Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
 
-    training thread   stage(state_dict): walk the state, size it, admit (wait or raise), lease
-                      buffers, hand the copy to the staging thread, return a Future at once
-    staging thread    allocate missing buffers, copy tensors (non-blocking on a side stream on
-                      CUDA, then synchronize), check the mutation guard, deep-copy everything
-                      else, resolve the Future -> DCP's ``staging_completion``
+    training thread   stage(state_dict): walk the state, find its layout's plan, admit (wait or
+                      raise), lease buffers, hand the copy to the staging thread, return a
+                      Future at once
+    staging thread    allocate missing buffers, copy tensors (``_foreach_copy_`` per chunk;
+                      non-blocking on a side stream on CUDA, then synchronize), check the
+                      mutation guard, deep-copy everything else, resolve the Future -> DCP's
+                      ``staging_completion``
     upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
     any thread        release: buffers back to the pool, generation leaves the in-flight set
 
@@ -37,6 +39,10 @@ out says so. Admission happens in the caller's thread, so refusals surface from
 ``dcp.async_save`` itself: ``BudgetExceededError`` (the state can never fit) and
 ``AdmissionTimeoutError`` (busy, and ``when_busy="raise"`` or the wait timed out).
 
+Per-tensor work happens once per layout (:mod:`dcp_safe.staging.plan`): while the state's
+layout is unchanged, a save reuses its plan and the buffers' typed views, so the training thread
+pays one walk of the state and the staging thread a few ``_foreach_copy_`` calls.
+
 The mutation guard (:mod:`dcp_safe.staging.guard`, on unless ``mutation_guard=False``): the
 sources' version counters are read when ``stage()`` is called and again after the copy. If any
 moved, the generation is torn: its buffers go back to the pool at once and the save fails with
@@ -51,7 +57,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -62,11 +68,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
-from dcp_safe.staging._tree import collect_tensors, rebuild
+from dcp_safe.staging._tree import rebuild
 from dcp_safe.staging.budget import MemoryBudget
 from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned, tensor_paths
 from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.pool import BufferPool, Lease, PinMemory
+from dcp_safe.staging.plan import PlanCache, StagingPlan, scan
+from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease, PinMemory
+from dcp_safe.torch_compat import foreach_copy
 from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -86,12 +94,22 @@ class _StagedStateDict(dict[str, Any]):
     __slots__ = ("__weakref__",)
 
 
+# Mapped over a chunk's sources: the data-pointer check before its copy.
+_read_data_ptr = torch.Tensor.data_ptr
+
+
 class _Generation:
     def __init__(
-        self, number: int, lease: Lease, span: SpanHandle, guard: SnapshotGuard | None
+        self,
+        number: int,
+        lease: Lease,
+        span: SpanHandle,
+        guard: SnapshotGuard | None,
+        plan: StagingPlan,
     ) -> None:
         self.number = number
         self.guard = guard
+        self.plan = plan
         self.lease = lease
         self.span = span  # the staging span: admission wait + copy
         self.release_claimed = False
@@ -143,6 +161,7 @@ class BudgetedStager(AsyncStager):
         self.budget = budget if budget is not None else MemoryBudget.from_host()
         self._pool = BufferPool(pin_memory=self.options.pin_memory)
         self._cond = self._pool.condition
+        self._plans = PlanCache(self._pool)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-stager")
         # A side stream created here, on the caller's thread, so staging never shares the
         # compute stream (as DCP's DefaultStager does).
@@ -175,18 +194,20 @@ class BudgetedStager(AsyncStager):
                 ``when_busy="raise"``).
         """
         started = time.perf_counter()
-        sources = collect_tensors(state_dict)
+        layout = scan(state_dict)
+        with self._cond:
+            plan = self._plans.get(layout)
+        sources = plan.sources(layout)
         # The request is the snapshot's moment: read the counters before anything can wait.
         guard = SnapshotGuard(sources) if self.options.mutation_guard else None
-        sizes = [t.nbytes for t in sources if t.nbytes > 0]
-        span = self.telemetry.begin(Phase.STAGING, bytes=sum(sizes))
+        span = self.telemetry.begin(Phase.STAGING, bytes=plan.nbytes)
         try:
-            gen = self._admit(sizes, span, guard)
+            gen = self._admit(plan, span, guard)
         except BaseException as exc:
             span.fail(exc)
             raise
         ready = None
-        if self._stream is not None and any(t.is_cuda for t in sources):
+        if self._stream is not None and plan.any_cuda:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the caller's stream: copy only what its queued kernels wrote
         future: Future[StateDict] = Future()
@@ -287,17 +308,19 @@ class BudgetedStager(AsyncStager):
             BudgetExceededError: the state is larger than the whole envelope.
             AdmissionTimeoutError: the pool cannot grow that much while other work holds it.
         """
-        sizes = [t.nbytes for t in collect_tensors(state_dict) if t.nbytes > 0]
-        self.budget.check_fits(sum(self._pool.cost(s) for s in sizes))
+        layout = scan(state_dict)
         with self._cond:
-            _, new = self._pool.plan(sizes)
+            plan = self._plans.get(layout)
+        self.budget.check_fits(plan.request.cost)
+        with self._cond:
+            _, new = self._pool.plan(plan.request)
             if self._pool.allocated_bytes + new > self.budget.envelope_bytes:
                 raise AdmissionTimeoutError(
                     f"warm_up needs {format_bytes(new)} more, but the pool holds"
                     f" {format_bytes(self._pool.allocated_bytes)} of the"
                     f" {self.budget.explain()}"
                 )
-        return self._pool.warm(sizes)
+        return self._pool.warm(plan.request, plan.views)
 
     def run_on_staging_thread(self, fn: Callable[[], object]) -> Future[object]:
         """Run ``fn`` on the staging thread, after every copy requested before this call.
@@ -335,6 +358,8 @@ class BudgetedStager(AsyncStager):
                 total_wait_s=self._total_wait_s,
                 last_staging_s=self._last_staging_s,
                 torn=self._torn_count,
+                plans_built=self._plans.builds,
+                plan_reuses=self._plans.hits,
             )
 
     def __enter__(self) -> BudgetedStager:
@@ -346,10 +371,10 @@ class BudgetedStager(AsyncStager):
     # -- admission ------------------------------------------------------------------------------
 
     def _admit(
-        self, sizes: list[int], span: SpanHandle, guard: SnapshotGuard | None
+        self, plan: StagingPlan, span: SpanHandle, guard: SnapshotGuard | None
     ) -> _Generation:
-        request = sum(self._pool.cost(s) for s in sizes)
-        self.budget.check_fits(request)
+        request = plan.request
+        self.budget.check_fits(request.cost)
         started = time.monotonic()
         deadline = started + (
             0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
@@ -360,7 +385,7 @@ class BudgetedStager(AsyncStager):
             while True:
                 if self._closed:
                     raise DcpSafeError("stage() after close()")
-                admission, new = self._decide(sizes, request)
+                admission, new = self._decide(request)
                 now = time.monotonic()
                 if admission.admitted:
                     if new == 0 or self._pool.stats().pending_bytes == 0:
@@ -382,7 +407,8 @@ class BudgetedStager(AsyncStager):
                         self._cond.acquire()
                     continue
                 self._cond.wait(0.005)
-            gen = _Generation(next(self._numbers), self._pool.lease(sizes), span, guard)
+            lease = self._pool.lease(request)
+            gen = _Generation(next(self._numbers), lease, span, guard, plan)
             excess = self._pool.allocated_bytes - self.budget.envelope_bytes
             if excess > 0:  # free buffers this state cannot use make room for ones it can
                 self._pool.trim(max(0, self._pool.free_bytes - excess))
@@ -394,12 +420,12 @@ class BudgetedStager(AsyncStager):
             self._latest = gen
             return gen
 
-    def _decide(self, sizes: list[int], request: int) -> tuple[Any, int]:
-        reused, new = self._pool.plan(sizes)
+    def _decide(self, request: BufferRequest) -> tuple[Any, int]:
+        reused, new = self._pool.plan(request)
         spare = self._pool.free_bytes - reused
         projected = self._pool.allocated_bytes + new - spare
         admission = self.budget.admit(
-            request_bytes=request,
+            request_bytes=request.cost,
             projected_bytes=projected,
             in_flight=len(self._in_flight),
             max_in_flight=self.options.max_in_flight,
@@ -474,28 +500,25 @@ class BudgetedStager(AsyncStager):
         stream_ctx: AbstractContextManager[Any] = (
             torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         )
-        staged: dict[int, torch.Tensor] = {}
-        buffers = iter(gen.lease.buffers)
-        where: Iterable[int | None] = (
-            gen.guard.data_ptrs if gen.guard is not None else itertools.repeat(None)
-        )
+        plan = gen.plan
+        dsts = gen.lease.typed_views(plan.views)
+        srcs = plan.copied(list(sources))
+        where = plan.copied(gen.guard.data_ptrs) if gen.guard is not None else None
         with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
             if ready is not None and self._stream is not None:
                 self._stream.wait_event(ready)
-            for src, data_ptr in zip(sources, where, strict=False):
-                if src.nbytes == 0:
-                    staged[id(src)] = torch.empty(src.shape, dtype=src.dtype)
-                    continue
-                if data_ptr is not None and src.data_ptr() != data_ptr:
+            for start, stop in plan.chunks():
+                chunk = srcs[start:stop]
+                if where is not None and list(map(_read_data_ptr, chunk)) != where[start:stop]:
                     # Freed or reallocated since the request (no version bump): copying a
                     # freed storage would read released memory.
-                    raise SnapshotMutatedError(tensor_paths(state_dict, [src]), rank=rank)
-                dst = next(buffers).view(src.dtype).view(src.shape)
-                dst.copy_(src, non_blocking=src.is_cuda)
-                staged[id(src)] = dst
+                    pairs = zip(chunk, where[start:stop], strict=True)
+                    moved = [t for t, p in pairs if t.data_ptr() != p]
+                    raise SnapshotMutatedError(tensor_paths(state_dict, moved), rank=rank)
+                foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
         if self._stream is not None:
             self._stream.synchronize()
-        return staged
+        return plan.staged(sources, dsts)
 
     def _torn(
         self, gen: _Generation, state_dict: StateDict, rank: int | None

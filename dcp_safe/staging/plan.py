@@ -1,0 +1,214 @@
+"""Per-layout staging plans: what one state-dict layout needs, worked out once and reused.
+
+This module owns the per-tensor work of a save. A training loop saves the same layout again and
+again (the same fqns, shapes, dtypes and devices; only the values change), so everything that
+depends on the layout alone is computed on the first save of a layout and reused while it holds:
+which tensors are staged (distinct, stageable, non-empty), their buffer sizes and the budget
+cost, where the copies are cut into chunks, and whether any source is on CUDA. The pool keeps
+the typed views of a plan's buffers with them (:mod:`dcp_safe.staging.pool`), so a reused save
+allocates no buffer and makes no view; the copy is a few ``_foreach_copy_`` calls.
+
+The layout key is taken on every save, by one walk of the state (:func:`scan`): the containers'
+types and keys, and each tensor's shape, dtype, device and layout, plus which entries are the
+same tensor. Any change (a key added or removed, a shape or dtype changed, a tensor moved) gives
+a new key, so a new plan; nothing is assumed from the state dict's identity. Alternatives
+rejected: keying on ``id(state_dict)`` (the same dict is mutated between saves) or on the tensors'
+ids (a rebuilt optimizer keeps the layout but not the ids).
+
+Why chunks: the mutation guard compares each source's data pointer before its copy (a storage
+freed since the request would be read after release); a chunk keeps that check just before the
+bytes it covers while the copy stays one call per chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dcp_safe.staging._tree import ATOMIC, stageable
+from dcp_safe.staging.pool import BufferPool
+from dcp_safe.torch_compat import dtensor_local
+
+__all__ = ["Layout", "PlanCache", "StagingPlan", "scan"]
+
+# A chunk ends after this many tensors or bytes, whichever comes first (see the docstring).
+_CHUNK_TENSORS = 1024
+_CHUNK_BYTES = 64 << 20
+# Layouts remembered at once: a model and its optimizer saved apart, plus a spare.
+_MAX_PLANS = 4
+
+# C getters mapped over the candidates: a fraction of a microsecond per tensor each.
+_shape = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
+_dtype = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]
+_device = torch.Tensor.device.__get__  # type: ignore[attr-defined]
+_layout = torch.Tensor.layout.__get__  # type: ignore[attr-defined]
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+
+
+class Layout:
+    """One walk of a state dict: its candidate tensors, in walk order, and its layout key."""
+
+    __slots__ = ("candidates", "key")
+
+    def __init__(self, candidates: list[torch.Tensor], key: tuple[Any, ...]) -> None:
+        self.candidates = candidates
+        self.key = key
+
+
+def scan(state: object) -> Layout:
+    """Walk ``state`` once: the tensors DCP's planner would see, and the layout key."""
+    candidates: list[torch.Tensor] = []
+    structure: list[Any] = []
+    _visit(state, candidates, structure)
+    ids = list(map(id, candidates))
+    aliases = None
+    if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout too
+        first: dict[int, int] = {}
+        aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
+    key = (
+        tuple(structure),
+        tuple(map(_shape, candidates)),
+        tuple(map(_dtype, candidates)),
+        tuple(map(_device, candidates)),
+        tuple(map(_layout, candidates)),
+        aliases,
+    )
+    return Layout(candidates, key)
+
+
+def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) -> None:
+    kind = type(obj)
+    if kind is _TENSOR or kind is _PARAMETER:
+        candidates.append(obj)  # type: ignore[arg-type]
+        return
+    if isinstance(obj, DTensor):
+        local = dtensor_local(obj)
+        if type(local) is _TENSOR or type(local) is _PARAMETER:
+            candidates.append(local)
+        return
+    if isinstance(obj, Mapping):
+        structure.append((kind, tuple(obj)))
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        structure.append((kind, len(obj)))
+        values = obj
+    else:
+        return  # a leaf DCP pickles whole; it is deep-copied, not staged
+    append = candidates.append
+    for value in values:
+        kind = type(value)
+        if kind is _TENSOR or kind is _PARAMETER:
+            append(value)
+        elif kind not in ATOMIC:
+            _visit(value, candidates, structure)
+
+
+class StagingPlan:
+    """What staging one layout takes, computed from its first walk.
+
+    Attributes:
+        key: the layout key it was built for.
+        request: the buffers it leases (sizes, host cost, and the token its views are kept by).
+        nbytes: bytes staged per save.
+        any_cuda: whether any staged source is on a CUDA device.
+    """
+
+    def __init__(self, layout: Layout, pool: BufferPool, token: int) -> None:
+        candidates = layout.candidates
+        seen: set[int] = set()
+        picked: list[int] = []
+        for index, tensor in enumerate(candidates):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                if stageable(tensor):
+                    picked.append(index)
+        self.key = layout.key
+        # None: every candidate is staged, in order (the common case; no selection per save).
+        self._picked = None if len(picked) == len(candidates) else picked
+        sources = [candidates[i] for i in picked]
+        copied = [i for i, t in enumerate(sources) if t.nbytes > 0]
+        self._copied = None if len(copied) == len(sources) else copied
+        self._empty = [(i, t.shape, t.dtype) for i, t in enumerate(sources) if t.nbytes == 0]
+        self._shapes = [sources[i].shape for i in copied]
+        self._dtypes = [sources[i].dtype for i in copied]
+        sizes = [sources[i].nbytes for i in copied]
+        self.nbytes = sum(sizes)
+        self.any_cuda = any(t.is_cuda for t in sources)
+        self.request = pool.request(sizes, token=token)
+        self._chunks = _chunks(sizes)
+
+    def sources(self, layout: Layout) -> list[torch.Tensor]:
+        """The distinct stageable tensors of ``layout`` (which must have this plan's key)."""
+        if self._picked is None:
+            return layout.candidates
+        candidates = layout.candidates
+        return [candidates[i] for i in self._picked]
+
+    def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each buffer viewed as its tensor's dtype and shape, in request order."""
+        return [
+            b.view(dtype).view(shape)
+            for b, dtype, shape in zip(buffers, self._dtypes, self._shapes, strict=True)
+        ]
+
+    def copied(self, values: list[Any]) -> list[Any]:
+        """``values`` (one per source) narrowed to the sources that hold bytes."""
+        return values if self._copied is None else [values[i] for i in self._copied]
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` ranges of the copied sources, one ``_foreach_copy_`` each."""
+        return self._chunks
+
+    def staged(self, sources: list[torch.Tensor], dsts: list[torch.Tensor]) -> dict[int, Any]:
+        """The staged copy per source ``id``: the views, and a fresh tensor per empty source."""
+        staged: dict[int, Any] = dict(zip(map(id, self.copied(sources)), dsts, strict=True))
+        for index, shape, dtype in self._empty:
+            staged[id(sources[index])] = torch.empty(shape, dtype=dtype)
+        return staged
+
+
+def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
+    chunks: list[tuple[int, int]] = []
+    start = held = 0
+    for index, size in enumerate(sizes):
+        held += size
+        if index + 1 - start >= _CHUNK_TENSORS or held >= _CHUNK_BYTES:
+            chunks.append((start, index + 1))
+            start, held = index + 1, 0
+    if start < len(sizes):
+        chunks.append((start, len(sizes)))
+    return chunks
+
+
+class PlanCache:
+    """The plans of the last few layouts a stager saw, most recent first.
+
+    Not thread-safe: the stager calls it with its condition held.
+    """
+
+    def __init__(self, pool: BufferPool, max_plans: int = _MAX_PLANS) -> None:
+        self._pool = pool
+        self._max = max_plans
+        self._plans: OrderedDict[tuple[Any, ...], StagingPlan] = OrderedDict()
+        self._tokens = itertools.count(1)
+        self.builds = self.hits = 0
+
+    def get(self, layout: Layout) -> StagingPlan:
+        """The plan for ``layout``: the cached one while its key holds, else a new one."""
+        plan = self._plans.get(layout.key)
+        if plan is not None:
+            self._plans.move_to_end(layout.key)
+            self.hits += 1
+            return plan
+        plan = StagingPlan(layout, self._pool, next(self._tokens))
+        self._plans[layout.key] = plan
+        self.builds += 1
+        if len(self._plans) > self._max:
+            self._plans.popitem(last=False)  # its pooled views go when the pool needs them
+        return plan
