@@ -64,7 +64,8 @@ def read_known_tensor(
     """
     if dest.numel() * dest.element_size() != layout.payload or not dest.is_contiguous():
         raise ValueError("destination does not fit the stored tensor")  # a caller's bug
-    hasher = None if checksum is None else new_hasher(checksum.partition(":")[0])
+    algorithm = None if checksum is None else checksum.partition(":")[0]
+    hasher = None if algorithm is None else new_hasher(algorithm, size_hint=layout.length)
     stream.seek(start)
     if layout.length <= _WHOLE_MAX_BYTES:
         known = _read_whole(stream, path, item, layout, hasher, dest)

@@ -477,6 +477,7 @@ class SafeStorageWriter(StorageWriter):
         self, sink: HashingSink, file_name: str, item: WriteItem, planner: SavePlanner
     ) -> ItemRecord:
         start = sink.tell()
+        sink.expect(_item_bytes(item))
         data = planner.resolve_data(item)
         compressed = self.options.compression == "zstd"
         out: Any = (

@@ -49,9 +49,12 @@ class ChecksumAlgorithm(str, enum.Enum):
 # Threads one BLAKE3 update may use: every core (``AUTO``, the package's shared pool). A load
 # from the page cache is bound by the hash: 256 MiB signed loaded at 1.04x-2.11x unsigned with
 # it (median 1.52x), 1.87x-2.41x on one thread (benchmarks/bench_signing.py, docs/integrity.md).
-# The price: a small item pays a hand-off to the pool (32 KiB: ~27 us against ~12 us), and a
-# large save or load briefly takes every core.
+# The price: a large save or load briefly takes every core; and a hasher on the pool pays for
+# it on every update, however small (an item of 32 KiB between two ~700-byte records: ~220 us
+# against ~38 us on one thread here), so only hashes of items known to be large use it.
 BLAKE3_MAX_THREADS: int = blake3.blake3.AUTO
+# Items from this size up hash on the pool (when the caller says how large the item is).
+BLAKE3_PARALLEL_MIN_BYTES = 4 << 20
 
 
 class _Blake3Pool:
@@ -104,8 +107,12 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
-def new_hasher(algorithm: ChecksumAlgorithm | str) -> Hasher:
-    """A fresh streaming hasher for ``algorithm``."""
+def new_hasher(algorithm: ChecksumAlgorithm | str, *, size_hint: int | None = None) -> Hasher:
+    """A fresh streaming hasher for ``algorithm``.
+
+    ``size_hint``: how many bytes it will hash, if known; BLAKE3 spreads an item over every
+    core only from ``BLAKE3_PARALLEL_MIN_BYTES`` up (``None``: unknown, assumed large).
+    """
     algo = ChecksumAlgorithm(algorithm)
     if algo is ChecksumAlgorithm.XXH3_128:
         hasher: Hasher = xxhash.xxh3_128()
@@ -113,7 +120,8 @@ def new_hasher(algorithm: ChecksumAlgorithm | str) -> Hasher:
     if algo is ChecksumAlgorithm.SHA256:
         return hashlib.sha256()
     if algo is ChecksumAlgorithm.BLAKE3:
-        return blake3.blake3(max_threads=_Blake3Pool.threads())
+        small = size_hint is not None and size_hint < BLAKE3_PARALLEL_MIN_BYTES
+        return blake3.blake3(max_threads=1 if small else _Blake3Pool.threads())
     return _Crc32()
 
 
@@ -124,7 +132,7 @@ def format_checksum(algorithm: ChecksumAlgorithm | str, hasher: Hasher) -> str:
 
 def digest_bytes(data: bytes | bytearray | memoryview, algorithm: ChecksumAlgorithm | str) -> str:
     """Checksum of a whole buffer, in manifest form."""
-    hasher = new_hasher(algorithm)
+    hasher = new_hasher(algorithm, size_hint=len(data))
     hasher.update(data)
     return format_checksum(algorithm, hasher)
 

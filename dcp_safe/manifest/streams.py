@@ -61,8 +61,19 @@ class HashingSink(io.RawIOBase):
         self._target = target
         self._algorithm = algorithm
         self._pool = hash_pool
-        self._hasher: Hasher = new_hasher(algorithm)
+        self._size_hint: int | None = None
+        self._hasher: Hasher | None = None  # made at the item's first write, sized by expect()
         self._position = 0
+
+    def expect(self, size_hint: int) -> None:
+        """Say about how many bytes the next item holds (BLAKE3 spreads only large items over
+        every core; a small one would pay for the hand-off on each write)."""
+        self._size_hint = size_hint
+
+    def _current(self) -> Hasher:
+        if self._hasher is None:
+            self._hasher = new_hasher(self._algorithm, size_hint=self._size_hint)
+        return self._hasher
 
     def writable(self) -> bool:
         return True
@@ -72,13 +83,14 @@ class HashingSink(io.RawIOBase):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
+        hasher = self._current()
         if self._pool is None or view.nbytes < _OVERLAP_MIN_BYTES:
-            self._hasher.update(view)
+            hasher.update(view)
             self._target.write(view)
         else:
             for start in range(0, view.nbytes, _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
-                hashed = self._pool.submit(self._hasher.update, chunk)
+                hashed = self._pool.submit(hasher.update, chunk)
                 self._target.write(chunk)
                 hashed.result()
         self._position += view.nbytes
@@ -91,8 +103,8 @@ class HashingSink(io.RawIOBase):
 
     def take_checksum(self) -> str:
         """The checksum of everything written since the last call; starts the next item."""
-        checksum = format_checksum(self._algorithm, self._hasher)
-        self._hasher = new_hasher(self._algorithm)
+        checksum = format_checksum(self._algorithm, self._current())
+        self._hasher, self._size_hint = None, None
         return checksum
 
 
@@ -142,7 +154,7 @@ class VerifyingSlice(io.RawIOBase):
         super().__init__()
         self._stream, self._start, self._length = stream, start, length
         self._algorithm = ChecksumAlgorithm(checksum.partition(":")[0])
-        self._hasher = new_hasher(self._algorithm)
+        self._hasher = new_hasher(self._algorithm, size_hint=length)
         self._hashed = 0
         self._position = 0
 
