@@ -57,6 +57,19 @@ def test_large_updates_split_anywhere_give_one_digest(algorithm: ChecksumAlgorit
         assert format_checksum(algorithm, hasher) == whole
 
 
+@pytest.mark.parametrize("size_hint", [None, 0, 32 << 10, 64 << 20])
+def test_the_size_hint_changes_how_an_item_is_hashed_never_its_digest(
+    size_hint: int | None,
+) -> None:
+    """A hint picks one thread or every core for BLAKE3 (and is ignored by the others); a
+    wrong hint costs time, never a different checksum."""
+    data = os.urandom((5 << 20) + 3)
+    for algorithm in ChecksumAlgorithm:
+        hasher = new_hasher(algorithm, size_hint=size_hint)
+        hasher.update(data)
+        assert format_checksum(algorithm, hasher) == digest_bytes(data, algorithm)
+
+
 @pytest.mark.timeout(120)
 def test_a_forked_child_hashes_blake3_without_waiting_on_the_parents_pool() -> None:
     """BLAKE3 spreads large updates over a thread pool that does not survive fork: a child of
