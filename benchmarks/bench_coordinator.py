@@ -14,9 +14,9 @@ per-rank ``WriteResult`` lists that DCP hands to ``finish``. What is timed is on
 does in ``finish``: ``Committer.publish`` (read back and check every rank manifest, size every
 shard file, write ``.metadata``, ``manifest.json`` and ``_COMMITTED``, publish).
 
-Each simulated rank holds ``--items`` shards of FSDP-style row-sharded tensors (item ``k`` of
-rank ``r`` is rows ``[r*R, (r+1)*R)`` of tensor ``layers.k.weight``), so the global
-``.metadata`` and ``manifest.json`` grow with N as a real save's do.
+Each simulated rank holds FSDP-style row shards of a few tensors, so the global ``.metadata``
+and ``manifest.json`` grow with N as a real save's do (:mod:`dcp_safe.bench.world` lays them
+down).
 
 Two roots: a local folder (``LocalBackend``: rename publish, fsync) and a moto S3 server
 (``dcp_safe.testing.s3.start_local_s3`` in a child process, as ``bench_s3.py`` runs it: marker
@@ -33,161 +33,29 @@ Targets (#18): time growing linearly in N; 4,096 ranks published in at most 10 s
 from __future__ import annotations
 
 import argparse
-import io
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS, Committer
-from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.dcp.options import WriterOptions
-from dcp_safe.manifest.checksum import digest_bytes
-from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+from dcp_safe.bench.world import ITEMS_PER_RANK, publish, simulate
+from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "coordinator.json"
 DEFAULT_PLOT = REPO / "docs" / "benchmarks" / "coordinator_vs_world_size.png"
 BUCKET = "bench-coordinator"
 WORLD_SIZES = (8, 64, 512, 4096)
-ITEMS_PER_RANK = 4
-ROWS_PER_RANK = 8
-COLUMNS = 32  # float32: 1 KiB of tensor bytes per item
 TARGET_S = {"local": 2.0, "s3": 10.0}  # at 4,096 ranks
 LINEAR_SLACK = 2.0  # time per rank at the largest N over that at the smallest, at most
-SETUP_WORKERS = 32
-
-
-@dataclass
-class SimulatedSave:
-    """What DCP hands ``SafeStorageWriter.finish`` on rank 0, with the ranks' files in place."""
-
-    name: str
-    save_id: str
-    work_dir: str
-    world_size: int
-    metadata: Metadata
-    results: list[list[WriteResult]]
-
-
-def _tensor_bytes(rank: int, item: int) -> bytes:
-    """DCP's own item format for a tensor (what ``FileSystemWriter`` writes): ``torch.save``."""
-    tensor = torch.full((ROWS_PER_RANK, COLUMNS), float(rank * 1000 + item))
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    return buffer.getvalue()
-
-
-def _global_metadata(world_size: int, items: int) -> Metadata:
-    rows = world_size * ROWS_PER_RANK
-    return Metadata(
-        state_dict_metadata={
-            f"layers.{k}.weight": TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch.float32),
-                size=torch.Size([rows, COLUMNS]),
-                chunks=[
-                    ChunkStorageMetadata(
-                        offsets=torch.Size([r * ROWS_PER_RANK, 0]),
-                        sizes=torch.Size([ROWS_PER_RANK, COLUMNS]),
-                    )
-                    for r in range(world_size)
-                ],
-            )
-            for k in range(items)
-        }
-    )
-
-
-def _write_rank(
-    backend: Backend, name: str, save_id: str, work_dir: str, rank: int, items: int
-) -> list[WriteResult]:
-    """One rank's ``write_data``: its shard file, then its rank manifest."""
-    options = WriterOptions()
-    shard = layout.shard_file_name(rank, 0)
-    payload = bytearray()
-    records: list[ItemRecord] = []
-    results: list[WriteResult] = []
-    for k in range(items):
-        data = _tensor_bytes(rank, k)
-        offset = (rank * ROWS_PER_RANK, 0)
-        record = ItemRecord(
-            fqn=f"layers.{k}.weight",
-            offset=offset,
-            file=shard,
-            start=len(payload),
-            length=len(data),
-            checksum=digest_bytes(data, options.checksum),
-        )
-        payload += data
-        records.append(record)
-        index = MetadataIndex(f"layers.{k}.weight", torch.Size(offset), rank)
-        results.append(WriteResult(index=index, size_in_bytes=len(data), storage_data=record))
-    backend.write_bytes(f"{work_dir}/{shard}", bytes(payload))
-    manifest = RankManifest(
-        name=name,
-        save_id=save_id,
-        rank=rank,
-        checksum_algorithm=options.checksum.value,
-        files=(FileRecord(path=shard, size=len(payload)),),
-        items=tuple(records),
-    )
-    backend.write_bytes(f"{work_dir}/{layout.rank_manifest_name(rank)}", manifest.to_json())
-    return results
-
-
-def simulate(
-    backend: Backend, name: str, world_size: int, *, items: int = ITEMS_PER_RANK
-) -> SimulatedSave:
-    """Lay down ``world_size`` ranks' outputs of a save of ``name``, as the writer does."""
-    strategy = strategy_for(backend)
-    save_id = layout.new_save_id()
-    strategy.claim(backend, name, save_id)  # the writing lease, where the strategy needs one
-    work_dir = strategy.work_dir(name, save_id)
-    backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
-    with ThreadPoolExecutor(max_workers=SETUP_WORKERS) as pool:
-        futures = [
-            pool.submit(_write_rank, backend, name, save_id, work_dir, rank, items)
-            for rank in range(world_size)
-        ]
-        results = [f.result() for f in futures]
-    metadata = _global_metadata(world_size, items)
-    return SimulatedSave(name, save_id, work_dir, world_size, metadata, results)
-
-
-def publish(
-    backend: Backend, save: SimulatedSave, *, workers: int = DEFAULT_COMMIT_WORKERS
-) -> Manifest:
-    """Rank 0's ``finish``: verify every rank's output and publish the checkpoint."""
-    return Committer(backend, WriterOptions(), workers=workers).publish(
-        name=save.name,
-        save_id=save.save_id,
-        work_dir=save.work_dir,
-        world_size=save.world_size,
-        step=None,
-        metadata=save.metadata,
-        results=save.results,
-    )
 
 
 # ----------------------------------------------------------------------------- measuring

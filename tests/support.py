@@ -1,9 +1,14 @@
 """Helpers shared by the tests: a state dict with every dtype the foundation promises to
-round-trip, a load target for it, an exact comparison, and DTensor state gathered whole."""
+round-trip, a load target for it, an exact comparison, DTensor state gathered whole, and a
+script (a benchmark, a report) loaded as a module."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -102,3 +107,19 @@ def resign_manifest(root: Any, name: str, edit: Any) -> None:
     data = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
     (folder / layout.MANIFEST).write_bytes(data)
     (folder / layout.COMMITTED_MARKER).write_bytes(manifest_digest(data).encode())
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import a script that is not in a package (``benchmarks/``, ``scripts/``) by its path.
+
+    Its folder goes on ``sys.path`` first (benchmarks import their ``_common`` helpers), and the
+    module is registered before it runs, since dataclasses look their module up while built.
+    """
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -22,6 +22,7 @@ import torch
 from dcp_safe.dcp.tensor_records import TensorLayout, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.streams import read_fully, short_read
 
 __all__ = ["read_known_tensor"]
 
@@ -30,16 +31,6 @@ _WHOLE_MAX_BYTES = 1 << 20
 # Chunks of large items: big enough to amortise a call, small enough that hashing one overlaps
 # reading the next.
 _CHUNK_BYTES = 16 << 20
-
-
-def _read_full(stream: BinaryIO, view: memoryview) -> int:
-    total = 0
-    while total < view.nbytes:
-        got = stream.readinto(view[total:])  # type: ignore[attr-defined]
-        if not got:
-            break
-        total += got
-    return total
 
 
 def read_known_tensor(
@@ -85,12 +76,6 @@ def _update(hasher: Hasher, chunk: memoryview) -> None:
     hasher.update(chunk)
 
 
-def _short(path: str, item: str, expected: int, actual: int) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        path, "file is shorter than the manifest says", item=item, expected=expected, actual=actual
-    )
-
-
 def _read_whole(
     stream: BinaryIO,
     path: str,
@@ -101,9 +86,9 @@ def _read_whole(
 ) -> bool:
     buffer = bytearray(layout.length)
     view = memoryview(buffer)
-    got = _read_full(stream, view)
+    got = read_fully(stream, view)
     if got != layout.length:
-        raise _short(path, item, layout.length, got)
+        raise short_read(path, item, layout.length, got)
     if hasher is not None:
         hasher.update(view)
     head, end = len(layout.prefix), len(layout.prefix) + layout.payload
@@ -123,9 +108,9 @@ def _read_chunked(
     hash_pool: ThreadPoolExecutor | None,
 ) -> bool:
     prefix = bytearray(len(layout.prefix))
-    got = _read_full(stream, memoryview(prefix))
+    got = read_fully(stream, memoryview(prefix))
     if got != len(prefix):
-        raise _short(path, item, layout.length, got)
+        raise short_read(path, item, layout.length, got)
     if bytes(prefix) != layout.prefix:
         return False
     if hasher is not None:
@@ -135,9 +120,9 @@ def _read_chunked(
     try:
         for at in range(0, layout.payload, _CHUNK_BYTES):
             chunk = target[at : at + _CHUNK_BYTES]
-            got = _read_full(stream, chunk)
+            got = read_fully(stream, chunk)
             if got != chunk.nbytes:
-                raise _short(path, item, layout.length, len(prefix) + at + got)
+                raise short_read(path, item, layout.length, len(prefix) + at + got)
             if hasher is None:
                 continue
             if pending is not None:
@@ -150,9 +135,9 @@ def _read_chunked(
         if pending is not None:
             pending.result()
     suffix = bytearray(len(layout.suffix))
-    got = _read_full(stream, memoryview(suffix))
+    got = read_fully(stream, memoryview(suffix))
     if got != len(suffix):
-        raise _short(path, item, layout.length, len(prefix) + layout.payload + got)
+        raise short_read(path, item, layout.length, len(prefix) + layout.payload + got)
     if hasher is not None:
         hasher.update(suffix)
     return layout.matches(prefix, memoryview(suffix))

@@ -28,7 +28,14 @@ from dcp_safe.manifest.checksum import (
     new_hasher,
 )
 
-__all__ = ["HashingSink", "VerifyingSlice", "WritableFile", "read_verified"]
+__all__ = [
+    "HashingSink",
+    "VerifyingSlice",
+    "WritableFile",
+    "read_fully",
+    "read_verified",
+    "short_read",
+]
 
 
 class WritableFile(Protocol):
@@ -108,6 +115,25 @@ class HashingSink(io.RawIOBase):
         return checksum
 
 
+def read_fully(stream: BinaryIO, view: memoryview) -> int:
+    """Fill ``view`` from ``stream``'s position on (a read may return less than asked); the
+    bytes read, fewer only at the end of the file."""
+    total = 0
+    while total < view.nbytes:
+        got = stream.readinto(view[total:])  # type: ignore[attr-defined]
+        if not got:
+            break
+        total += got
+    return total
+
+
+def short_read(path: str, item: str | None, expected: int, actual: int) -> CheckpointCorruptError:
+    """The error for an item whose file ends before the manifest says it does."""
+    return CheckpointCorruptError(
+        path, "file is shorter than the manifest says", item=item, expected=expected, actual=actual
+    )
+
+
 def read_verified(
     stream: BinaryIO, *, path: str, item: str | None, start: int, length: int, checksum: str | None
 ) -> bytes:
@@ -119,13 +145,7 @@ def read_verified(
     stream.seek(start)
     data = stream.read(length)
     if len(data) != length:
-        raise CheckpointCorruptError(
-            path,
-            "file is shorter than the manifest says",
-            item=item,
-            expected=length,
-            actual=len(data),
-        )
+        raise short_read(path, item, length, len(data))
     if checksum is not None:
         algorithm = ChecksumAlgorithm(checksum.partition(":")[0])
         actual = digest_bytes(data, algorithm)
@@ -184,13 +204,7 @@ class VerifyingSlice(io.RawIOBase):
 
     def _read_at(self, position: int, view: memoryview) -> int:
         self._stream.seek(self._start + position)
-        total = 0
-        while total < view.nbytes:
-            n = self._stream.readinto(view[total:])  # type: ignore[attr-defined]
-            if not n:
-                break
-            total += n
-        return total
+        return read_fully(self._stream, view)
 
     def _absorb(self, position: int, data: memoryview) -> None:
         end = position + data.nbytes

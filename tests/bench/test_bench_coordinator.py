@@ -7,57 +7,47 @@ what it publishes is a real checkpoint — verified byte for byte and loadable b
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support import load_script
 from torch.distributed.checkpoint import FileSystemReader
 
 import dcp_safe
 from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.bench import world
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_coordinator.py"
 
 
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_coordinator", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script(SCRIPT)
 
 
 def test_four_simulated_ranks_publish_a_checkpoint_that_verifies_and_loads(tmp_path: Path) -> None:
     backend = open_backend(str(tmp_path))
-    save = bench.simulate(backend, "step_4", 4)
-    manifest = bench.publish(backend, save, workers=3)
+    save = world.simulate(backend, "step_4", 4)
+    manifest = world.publish(backend, save, workers=3)
 
     assert manifest.world_size == 4
-    assert len(manifest.items) == 4 * bench.ITEMS_PER_RANK
+    assert len(manifest.items) == 4 * world.ITEMS_PER_RANK
     assert backend.exists(f"step_4/{layout.COMMITTED_MARKER}")
     report = dcp_safe.verify_checkpoint(tmp_path, "step_4")
     assert report is not None
     # Torch's own reader loads every rank's rows: the simulated shards are DCP's format.
-    rows = 4 * bench.ROWS_PER_RANK
+    rows = 4 * world.ROWS_PER_RANK
     state = {
-        f"layers.{k}.weight": torch.zeros(rows, bench.COLUMNS) for k in range(bench.ITEMS_PER_RANK)
+        f"layers.{k}.weight": torch.zeros(rows, world.COLUMNS) for k in range(world.ITEMS_PER_RANK)
     }
     dcp.load(state, storage_reader=FileSystemReader(str(tmp_path / "step_4")), no_dist=True)
-    for k in range(bench.ITEMS_PER_RANK):
+    for k in range(world.ITEMS_PER_RANK):
         for rank in range(4):
             block = state[f"layers.{k}.weight"][
-                rank * bench.ROWS_PER_RANK : (rank + 1) * bench.ROWS_PER_RANK
+                rank * world.ROWS_PER_RANK : (rank + 1) * world.ROWS_PER_RANK
             ]
             assert torch.all(block == float(rank * 1000 + k))
 
@@ -65,8 +55,8 @@ def test_four_simulated_ranks_publish_a_checkpoint_that_verifies_and_loads(tmp_p
 @pytest.mark.s3
 def test_four_simulated_ranks_publish_on_s3(s3_root: str, s3_options: dict[str, Any]) -> None:
     backend = open_backend(s3_root, s3_options)
-    save = bench.simulate(backend, "step_4", 4)
-    bench.publish(backend, save, workers=2)
+    save = world.simulate(backend, "step_4", 4)
+    world.publish(backend, save, workers=2)
     assert backend.exists(f"step_4/{layout.COMMITTED_MARKER}")
     assert not backend.exists(f"step_4/{layout.WRITING_LEASE}")
     dcp_safe.verify_checkpoint(s3_root, "step_4", storage_options=s3_options)

@@ -8,27 +8,15 @@ and verdicts) runs, so the figures in docs/benchmarks.md come from a working mea
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from support import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
 
 
-def _load_bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_load", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script(SCRIPT)
 
 
 def test_a_tiny_run_measures_both_families_and_reports_each_target(tmp_path: Path) -> None:

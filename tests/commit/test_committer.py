@@ -1,19 +1,16 @@
 """The coordinator's verify-and-publish: parallel checks with typed errors, durable ordering.
 
-Saves of several ranks are laid down with the world-size simulation of
-``benchmarks/bench_coordinator.py`` (real files, the writer's own types), so a dozen ranks cost
-no process group.
+Saves of several ranks are laid down with the world-size simulation ``dcp_safe.bench.world``
+(what ``benchmarks/bench_coordinator.py`` times: real files, the writer's own types), so a dozen
+ranks cost no process group.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,23 +18,11 @@ import pytest
 import dcp_safe
 from dcp_safe import CommitError, ConfigError, StorageError, layout
 from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.bench import world
 from dcp_safe.commit.committer import MAX_COMMIT_WORKERS, Committer
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.manifest.schema import RankManifest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_coordinator.py"
-
-
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_coordinator", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 RANKS = 12
 
 
@@ -50,13 +35,13 @@ def test_a_worker_count_out_of_range_is_refused(tmp_path: Path, workers: Any) ->
 @pytest.mark.parametrize("workers", [1, 3, 16])
 def test_any_worker_count_publishes_the_same_checkpoint(tmp_path: Path, workers: int) -> None:
     backend = LocalBackend(str(tmp_path))
-    save = bench.simulate(backend, "step_1", RANKS)
-    manifest = bench.publish(backend, save, workers=workers)
+    save = world.simulate(backend, "step_1", RANKS)
+    manifest = world.publish(backend, save, workers=workers)
     assert [f.path for f in manifest.files[:RANKS]] == [
         layout.shard_file_name(r, 0) for r in range(RANKS)
     ]
-    assert [i.offset for i in manifest.items][:: bench.ITEMS_PER_RANK] == [
-        (r * bench.ROWS_PER_RANK, 0) for r in range(RANKS)
+    assert [i.offset for i in manifest.items][:: world.ITEMS_PER_RANK] == [
+        (r * world.ROWS_PER_RANK, 0) for r in range(RANKS)
     ]
     dcp_safe.verify_checkpoint(tmp_path, "step_1")
 
@@ -67,22 +52,22 @@ def _assert_nothing_published(root: Path) -> None:
 
 def test_missing_rank_manifests_fail_naming_the_lowest_rank(tmp_path: Path) -> None:
     backend = LocalBackend(str(tmp_path))
-    save = bench.simulate(backend, "step_1", RANKS)
+    save = world.simulate(backend, "step_1", RANKS)
     for rank in (9, 5):
         backend.remove_file(f"{save.work_dir}/{layout.rank_manifest_name(rank)}")
     with pytest.raises(CommitError, match="missing or unreadable") as caught:
-        bench.publish(backend, save, workers=4)
+        world.publish(backend, save, workers=4)
     assert list(caught.value.failures) == [5]
     _assert_nothing_published(tmp_path)
 
 
 def test_a_truncated_shard_fails_naming_its_rank_and_sizes(tmp_path: Path) -> None:
     backend = LocalBackend(str(tmp_path))
-    save = bench.simulate(backend, "step_1", RANKS)
+    save = world.simulate(backend, "step_1", RANKS)
     shard = tmp_path / save.work_dir / layout.shard_file_name(7, 0)
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CommitError, match="not the size its items add up to") as caught:
-        bench.publish(backend, save, workers=4)
+        world.publish(backend, save, workers=4)
     assert list(caught.value.failures) == [7]
     assert "on storage" in caught.value.failures[7]
     _assert_nothing_published(tmp_path)
@@ -90,24 +75,24 @@ def test_a_truncated_shard_fails_naming_its_rank_and_sizes(tmp_path: Path) -> No
 
 def test_a_missing_shard_is_a_commit_error_not_a_bare_os_error(tmp_path: Path) -> None:
     backend = LocalBackend(str(tmp_path))
-    save = bench.simulate(backend, "step_1", RANKS)
+    save = world.simulate(backend, "step_1", RANKS)
     backend.remove_file(f"{save.work_dir}/{layout.shard_file_name(3, 0)}")
     with pytest.raises(CommitError, match="a shard file is missing") as caught:
-        bench.publish(backend, save, workers=4)
+        world.publish(backend, save, workers=4)
     assert list(caught.value.failures) == [3]
     _assert_nothing_published(tmp_path)
 
 
 def test_a_rank_manifest_that_disagrees_with_the_results_fails(tmp_path: Path) -> None:
     backend = LocalBackend(str(tmp_path))
-    save = bench.simulate(backend, "step_1", RANKS)
+    save = world.simulate(backend, "step_1", RANKS)
     rel = f"{save.work_dir}/{layout.rank_manifest_name(4)}"
     manifest = RankManifest.from_json(backend.read_bytes(rel), rel)
     item = dataclasses.replace(manifest.items[0], checksum="crc32:00000000")
     changed = dataclasses.replace(manifest, items=(item, *manifest.items[1:]))
     backend.write_bytes(rel, changed.to_json())
     with pytest.raises(CommitError, match="disagrees with the rank's write results") as caught:
-        bench.publish(backend, save, workers=4)
+        world.publish(backend, save, workers=4)
     assert list(caught.value.failures) == [4]
     _assert_nothing_published(tmp_path)
 
@@ -127,9 +112,9 @@ class _FailingStat(LocalBackend):
 
 def test_a_storage_error_in_a_worker_reaches_the_caller_typed(tmp_path: Path) -> None:
     backend = _FailingStat(str(tmp_path), layout.shard_file_name(6, 0))
-    save = bench.simulate(backend, "step_1", RANKS)
+    save = world.simulate(backend, "step_1", RANKS)
     with pytest.raises(StorageError, match="injected"):
-        bench.publish(backend, save, workers=4)
+        world.publish(backend, save, workers=4)
     _assert_nothing_published(tmp_path)
 
 
@@ -164,9 +149,9 @@ def test_every_file_and_entry_is_durable_before_the_rename(tmp_path: Path) -> No
     and the fsync of the folders holding them, complete before the rename; the parent's fsync
     after it, before publish returns."""
     backend = _Recording(str(tmp_path))
-    save = bench.simulate(backend, "step_1", 3)
+    save = world.simulate(backend, "step_1", 3)
     backend.events.clear()
-    bench.publish(backend, save)
+    world.publish(backend, save)
     work = save.work_dir
     events = backend.events
     rename = events.index(("rename", "step_1"))
@@ -184,7 +169,7 @@ def test_on_a_marker_root_the_marker_comes_after_every_control_file(memory_root:
     from dcp_safe.backends.roots import open_backend
 
     backend = open_backend(memory_root)
-    save = bench.simulate(backend, "step_1", 3)
+    save = world.simulate(backend, "step_1", 3)
     written: list[str] = []
     original = backend.write_bytes
 
@@ -193,7 +178,7 @@ def test_on_a_marker_root_the_marker_comes_after_every_control_file(memory_root:
         written.append(rel.rsplit("/", 1)[-1])
 
     backend.write_bytes = record  # type: ignore[method-assign]
-    bench.publish(backend, save)
+    world.publish(backend, save)
     assert written[-1] == layout.COMMITTED_MARKER
     assert set(written[:-1]) == {layout.DCP_METADATA, layout.MANIFEST}
     dcp_safe.verify_checkpoint(memory_root, "step_1")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from support import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "reliability_report.py"
@@ -18,15 +17,6 @@ SCRIPT = REPO / "scripts" / "reliability_report.py"
 pytestmark = pytest.mark.timeout(600)
 # Running the script starts a second pytest (and torch): ~15 s on an idle machine, so the run
 # itself is in the long mode; the default run checks how the figures are added up.
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("reliability_report", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -60,7 +50,7 @@ def test_quick_run_reports_the_truncation_figures_and_exits_clean(tmp_path: Path
 
 
 def test_a_recorded_corrupt_publish_makes_the_report_not_clean() -> None:
-    script = _load_script()
+    script = load_script(SCRIPT)
     lines = [
         json.dumps(
             {
