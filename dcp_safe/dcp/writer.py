@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.watch import watch_for_commit
@@ -57,6 +58,7 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.signing import checksum_for, resolve_key
 from dcp_safe.manifest.streams import HashingSink
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
@@ -392,6 +394,31 @@ class SafeStorageWriter(StorageWriter):
                 with contextlib.suppress(KeyError):
                     return replicator.future(name)
         return watch_for_commit(self.remote, name, poll_s=poll_s)
+
+    @property
+    def upload_buffer_bytes(self) -> int | None:
+        """The most host bytes this writer's uploads hold at once, beside the state it writes.
+
+        Part buffers of each file written straight to an object store (``thread_count`` files
+        are open at once), plus one replication's read chunk and part buffers (replication
+        copies one file at a time, and runs while the next save stages). 0 for a local root
+        without ``replicate_to``. A memory budget counts it as another consumer of the envelope
+        (``CheckpointManager`` does so for the budget it builds). None where a root's fsspec
+        file buffers by an amount not known here (an object store other than S3).
+        """
+        direct = write_buffer_bytes(self.backend)
+        if direct is None:
+            return None
+        total = direct * self.options.thread_count
+        if self.remote is not None:
+            # The single-process replicator reads DEFAULT_CHUNK_BYTES at a time, the per-rank
+            # one the replication options' chunk; one of them runs.
+            chunk = max(DEFAULT_CHUNK_BYTES, self.replication_options.chunk_bytes)
+            replication = copy_buffer_bytes(self.remote, chunk)
+            if replication is None:
+                return None
+            total += replication
+        return total
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain background replication (bounded by ``timeout_s`` each) and stop its threads.

@@ -109,7 +109,9 @@ class CheckpointManager:
         keep_every: also keep every checkpoint whose step is a multiple of this.
         when_busy: ``"wait"``, ``"skip"``, ``"coalesce"``, ``"sync"`` or ``"raise"``.
         save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
-        budget: the stager's memory budget (default: measured on this host).
+        budget: the stager's memory budget (default: measured on this host, with the
+            writer's ``upload_buffer_bytes`` counted as another consumer; a budget passed
+            here should count them itself).
         stager: a stager to use instead of one built here (not closed by :meth:`close`).
         storage_options: fsspec options for both roots.
         validate: ``"manifest"`` or ``"deep"``.
@@ -200,6 +202,12 @@ class CheckpointManager:
         self.root = self.writer.root
         self.replicate_to = self.writer.replicate_to
         self._owns_stager = stager is None
+        if stager is None and budget is None:
+            # The uploads' part buffers stay held while the next save stages: part of the
+            # envelope the staged copies must leave free (a budget passed in is the caller's).
+            budget = MemoryBudget.from_host(
+                other_consumers_bytes=self.writer.upload_buffer_bytes or 0
+            )
         self.stager = stager or BudgetedStager(budget, when_busy="wait")
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)
