@@ -25,6 +25,16 @@ lease, so the check cannot miss it). The publisher checks that the lease is stil
 before writing the marker (a stale writer whose lease was collected and retaken can never
 publish), and removes it after. A lease left by a crash is collected with the rest of the
 uncommitted prefix by the sweeper, once nothing under the prefix changed for its grace period.
+
+Replication to such a root takes the same lease (:func:`join_or_acquire_lease`), with the
+checkpoint's own save id (its manifest's), so a replica and a direct save, or two replicas of
+different checkpoints, never write under one name at once. A save id there names one
+checkpoint's bytes, so a lease already holding it is shared, not refused: a retry after a crash
+or a second replicator of the same checkpoint writes identical objects over identical objects.
+Exclusive lease: ``_WRITING`` holding the same save id is joined. Per-save leases: an existing
+``_WRITING-<save id>`` is joined when no other save's lease is beside it (one beside it means a
+contention round is under way: refused, and ours is left alone, as it may be the co-holder's).
+A local save never shares (:func:`acquire_lease`): its save id is its own.
 """
 
 from __future__ import annotations
@@ -39,7 +49,16 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 
-__all__ = ["acquire_lease", "check_lease", "lease_acquired_at", "lease_files", "release_lease"]
+__all__ = [
+    "acquire_lease",
+    "check_lease",
+    "held_by_another",
+    "holds_lease",
+    "join_or_acquire_lease",
+    "lease_acquired_at",
+    "lease_files",
+    "release_lease",
+]
 
 # Per-save leases: rounds before giving up on a name other saves keep contending for, and the
 # random pause between rounds (long against one request, so that two contenders part).
@@ -94,16 +113,62 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str) -> None:
     raise _held(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
+def join_or_acquire_lease(backend: Backend, name: str, save_id: str) -> bool:
+    """Take the name for save ``save_id``, or share the lease that same save already holds.
+
+    For replication only, where ``save_id`` names the bytes being written (the checkpoint's
+    manifest's), so two writers of it write identical objects (module docstring).
+
+    Returns:
+        True when it joined a lease of ``save_id`` that was already there (the writer that took
+        it, or the sweeper, removes it); False when it took the name itself.
+
+    Raises:
+        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it.
+    """
+    _refuse_if_committed(backend, name)
+    if backend.supports_exclusive_create:
+        try:
+            backend.write_bytes(_lease_path(name), _body(save_id), exclusive=True)
+        except FileExistsError:
+            holder = _holder(backend, name)
+            if holder != save_id:
+                raise _held(backend, name, [holder]) from None
+            _refuse_if_committed(backend, name)  # never withdraws: the lease is the co-holder's
+            return True
+        _refuse_if_committed(backend, name, withdraw=_lease_path(name))
+        return False
+    own = layout.lease_file_name(save_id)
+    present = set(lease_files(backend, name))
+    if own not in present:
+        _acquire_per_save(backend, name, save_id)
+        return False
+    others = present - {own}
+    if others:
+        raise _held(backend, name, [_save_id_of(entry) for entry in sorted(others)])
+    _refuse_if_committed(backend, name)
+    return True
+
+
+def holds_lease(backend: Backend, name: str, save_id: str) -> bool:
+    """True while the lease on ``name`` is save ``save_id``'s."""
+    if backend.supports_exclusive_create:
+        return _holder(backend, name) == save_id
+    return backend.exists(_lease_path(name, save_id))
+
+
+def held_by_another(backend: Backend, name: str, save_id: str) -> bool:
+    """True when a lease of a save other than ``save_id`` (or one unreadable) is on ``name``."""
+    if backend.supports_exclusive_create:
+        return backend.exists(_lease_path(name)) and _holder(backend, name) != save_id
+    return bool(set(lease_files(backend, name)) - {layout.lease_file_name(save_id)})
+
+
 def check_lease(backend: Backend, name: str, save_id: str) -> None:
     """Raises StaleWriterError unless this save still holds the lease."""
-    if backend.supports_exclusive_create:
-        holder = _holder(backend, name)
-        if holder == save_id:
-            return
-    elif backend.exists(_lease_path(name, save_id)):
+    if holds_lease(backend, name, save_id):
         return
-    else:
-        holder = None
+    holder = _holder(backend, name) if backend.supports_exclusive_create else None
     raise StaleWriterError(
         f"save {save_id} no longer holds {backend.full_path(name)} (held by {holder})",
         {0: "lease lost"},

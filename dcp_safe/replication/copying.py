@@ -148,6 +148,10 @@ class CheckpointCopy:
     (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
     file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up. Files are
     copied one at a time: :attr:`max_buffer_bytes` bounds the host memory the copy holds.
+
+    Args:
+        before_each: called before each file is written; raising there stops the copy (the
+            writing lease's check, so a copy whose name changed hands stops writing there).
     """
 
     def __init__(
@@ -160,8 +164,10 @@ class CheckpointCopy:
         chunk_bytes: int,
         *,
         retry: RetryPolicy | None = None,
+        before_each: Callable[[], None] = lambda: None,
     ) -> None:
         self.local, self.remote, self.name = local, remote, name
+        self.before_each = before_each
         self.manifest = manifest
         self.raw_manifest = raw_manifest
         self.chunk_bytes = chunk_bytes
@@ -185,6 +191,7 @@ class CheckpointCopy:
         records = list(records)
         make_folders(self.remote, dest, (r.path for r in records))
         for record in records:
+            self.before_each()
             dst = f"{dest}/{record.path}"
             self.uploaded.append(dst)
             copy_file_retrying(
@@ -201,6 +208,7 @@ class CheckpointCopy:
     def finish_upload(self, dest: str) -> None:
         """Write the manifest (and its signature, if signed), then check that every file of it
         is under ``dest`` whole."""
+        self.before_each()
         self._copy_signature(dest)
         self.uploaded.append(f"{dest}/{layout.MANIFEST}")
         self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)

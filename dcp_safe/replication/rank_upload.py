@@ -116,6 +116,7 @@ def upload_rank_part(
     retry: RetryPolicy | None,
     uploaded: list[str],
     expected: FileRecord | None = None,
+    before_each: Callable[[], None] = lambda: None,
 ) -> None:
     """Copy rank ``rank``'s files from ``local_dir`` to ``work``, verified; its manifest last.
 
@@ -127,6 +128,7 @@ def upload_rank_part(
         uploaded: each remote path is appended before it is written, for the caller's clean-up.
         expected: the rank manifest's record in the checkpoint's manifest, when the part is
             uploaded from a committed checkpoint: its bytes must match it.
+        before_each: called before each file is written (the writing lease's check).
 
     Raises:
         CheckpointCorruptError: a local file (or the rank manifest) does not match its record.
@@ -144,6 +146,7 @@ def upload_rank_part(
     items = items_by_file(path, manifest)
     make_folders(remote, work, [*(f.path for f in manifest.files), rel])
     for record in manifest.files:
+        before_each()
         uploaded.append(f"{work}/{record.path}")
         copy_file_retrying(
             local,
@@ -155,6 +158,7 @@ def upload_rank_part(
             chunk_bytes=chunk_bytes,
             retry=retry,
         )
+    before_each()
     uploaded.append(f"{work}/{rel}")
     remote.write_bytes(f"{work}/{rel}", raw)
 

@@ -5,17 +5,26 @@ already committed locally. Call order, for one checkpoint::
 
     open_committed(local, name)      the local marker must match manifest.json, else nothing
     remote marker check              same digest: done (idempotent); another digest: refused
+    writing lease (object stores)    the name's lease, with the checkpoint's save id: held by
+                                     another save: refused, nothing uploaded; held by this
+                                     very save id (a retry, a second replicator): shared
     copy every manifest file         streamed in chunks, each small file's checksum and each
                                      shard item's checksum recomputed from the bytes in flight
+                                     (object stores: the lease checked before each file)
     copy manifest.json
     remote.size of every object      each must exist with the size the manifest records
+    lease check (object stores)      still this save's, else the name must be committed with
+                                     this digest (the other writer of this save published)
     remote _COMMITTED, last          exclusive create, holding the local marker's digest
+    lease released (object stores)   a failed release is only logged
 
 Where the copy lands follows the remote backend's capability flags, like the committer: a
 backend that renames atomically (a second local disk, NFS) gets a hidden partial directory
 renamed into place without replacing anything; an object store gets the files under ``<name>/``
-directly, where nothing counts until the marker exists. A failure before the marker removes
-what was uploaded (best effort) and re-raises the original exception. (The verified copy is
+directly, behind the name's writing lease as a local save's are (the rule, and why a lease
+of the same save id is shared: :mod:`dcp_safe.replication.remote_commit`), where nothing counts
+until the marker exists. A failure before the marker removes what was uploaded (best effort),
+then the lease, and re-raises the original exception. (The verified copy is
 :mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.replication.remote_commit`'s;
 a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`.)
 
@@ -67,7 +76,12 @@ from dcp_safe.replication.copying import (
     copy_buffer_bytes,
     copy_file_verified,
 )
-from dcp_safe.replication.remote_commit import open_source, publish_remote, remote_committed
+from dcp_safe.replication.remote_commit import (
+    RemoteLease,
+    open_source,
+    publish_remote,
+    remote_committed,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -108,7 +122,10 @@ def replicate_checkpoint(
     Raises:
         CheckpointNotFoundError: ``name`` is not committed locally.
         CheckpointCorruptError: a local file does not match the manifest; nothing is committed.
-        CheckpointExistsError: ``remote`` holds ``name`` committed with another manifest.
+        CheckpointExistsError: ``remote`` holds ``name`` committed with another manifest, or
+            (object stores) another save holds its writing lease; nothing is uploaded.
+        StaleWriterError: (object stores) the lease was lost while uploading, and ``name`` is
+            not committed with this manifest; nothing is committed.
         StorageError: a remote (or local) I/O step failed, or an uploaded object is missing or
             of the wrong size; nothing is committed.
     """
@@ -119,9 +136,31 @@ def replicate_checkpoint(
     digest = manifest_digest(raw)
     if remote_committed(remote, name, digest):
         return manifest
-    copy = CheckpointCopy(local, remote, name, manifest, raw, chunk_bytes)
-    work_dir = strategy_for(remote).work_dir(name, layout.new_save_id())
-    publish_remote(remote, name, digest, work_dir, lambda: copy.upload_to(work_dir), copy.uploaded)
+    strategy = strategy_for(remote)
+    lease = None
+    if strategy.in_place:
+        lease = RemoteLease(remote, name, manifest.save_id, digest)
+        if not lease.take():
+            return manifest  # the same checkpoint got committed meanwhile
+    copy = CheckpointCopy(
+        local,
+        remote,
+        name,
+        manifest,
+        raw,
+        chunk_bytes,
+        before_each=lease.check if lease is not None else lambda: None,
+    )
+    work_dir = strategy.work_dir(name, layout.new_save_id())
+    publish_remote(
+        remote,
+        name,
+        digest,
+        work_dir,
+        lambda: copy.upload_to(work_dir),
+        copy.uploaded,
+        lease=lease,
+    )
     return manifest
 
 

@@ -19,7 +19,14 @@ from dcp_safe import (
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit import lease
-from dcp_safe.commit.lease import acquire_lease, check_lease, release_lease
+from dcp_safe.commit.lease import (
+    acquire_lease,
+    check_lease,
+    held_by_another,
+    holds_lease,
+    join_or_acquire_lease,
+    release_lease,
+)
 
 
 @pytest.fixture
@@ -181,3 +188,65 @@ def test_a_failed_save_clears_its_files_but_not_a_contenders_new_lease(
     per_save.write_bytes(f"step_1/{layout.lease_file_name('next')}", b"{}")
     Committer(per_save, SafeStorageWriter(tmp_path).options)._discard_uncommitted("step_1", "mine")
     assert sorted(per_save.walk_files("step_1")) == [layout.lease_file_name("next")]
+
+
+# ------------------------------------------------------- replication: the same save id shares
+
+
+@pytest.fixture(params=[True, False], ids=["exclusive", "per_save"])
+def either(root: str, request: pytest.FixtureRequest) -> Backend:
+    """A root with either lease kind."""
+    backend = open_backend(root)
+    backend.supports_exclusive_create = bool(request.param)
+    return backend
+
+
+def _lease_of(backend: Backend, save_id: str) -> str:
+    return layout.lease_file_name(None if backend.supports_exclusive_create else save_id)
+
+
+def test_a_lease_of_the_same_save_is_joined_and_one_of_another_is_refused(
+    either: Backend,
+) -> None:
+    assert join_or_acquire_lease(either, "step_1", "mine") is False  # taken
+    assert join_or_acquire_lease(either, "step_1", "mine") is True  # joined
+    assert holds_lease(either, "step_1", "mine")
+    assert not held_by_another(either, "step_1", "mine")
+    with pytest.raises(CheckpointExistsError, match="mine"):
+        join_or_acquire_lease(either, "step_1", "other")
+    assert held_by_another(either, "step_1", "other")
+    assert either.list_dir("step_1") == [_lease_of(either, "mine")]
+
+
+def test_a_local_save_never_joins_an_exclusive_lease_even_of_its_own_save_id(root: str) -> None:
+    """(A local save's id is fresh for each save, so with per-save leases the same key cannot
+    already be there; only the exclusive lease could be mistaken for its own.)"""
+    backend = open_backend(root)
+    join_or_acquire_lease(backend, "step_1", "mine")
+    with pytest.raises(CheckpointExistsError):
+        acquire_lease(backend, "step_1", "mine")
+    assert backend.list_dir("step_1") == [layout.WRITING_LEASE]
+
+
+def test_a_committed_name_is_refused_to_a_joiner_too(either: Backend) -> None:
+    join_or_acquire_lease(either, "step_1", "mine")
+    either.write_bytes(f"step_1/{layout.COMMITTED_MARKER}", b"digest")
+    with pytest.raises(CheckpointExistsError):
+        join_or_acquire_lease(either, "step_1", "mine")
+    assert sorted(either.list_dir("step_1")) == sorted(
+        [layout.COMMITTED_MARKER, _lease_of(either, "mine")]  # the co-holder's, left alone
+    )
+
+
+def test_a_per_save_lease_beside_another_saves_is_not_joined_nor_removed(
+    per_save: Backend,
+) -> None:
+    """Two leases side by side: a contention round is under way, and ours may be the
+    co-holder's, which must not be withdrawn by a joiner."""
+    for save_id in ("mine", "other"):
+        per_save.write_bytes(f"step_1/{layout.lease_file_name(save_id)}", b"{}")
+    with pytest.raises(CheckpointExistsError, match="other"):
+        join_or_acquire_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == sorted(
+        layout.lease_file_name(save_id) for save_id in ("mine", "other")
+    )

@@ -4,9 +4,10 @@ Real gloo ranks share one local root; the remote is moto S3 (seen by each rank t
 ``faulty://`` wrapper whose injector records which objects that rank's process wrote, and fails
 one rank's upload on purpose) or a second local directory (which publishes by rename). Checked:
 each rank wrote exactly the objects of its own rank manifest (rank 0 also ``.metadata``,
-``manifest.json`` and ``_COMMITTED``), the remote checkpoint is the local one byte for byte and
-loads exactly; a failed upload on one rank fails every rank's replication future with a
-``CommitError`` naming that rank, through storage markers, and nothing is committed remotely.
+``manifest.json``, ``_COMMITTED`` and the writing lease), the remote checkpoint is the local one
+byte for byte and loads exactly; a failed upload on one rank fails every rank's replication
+future with a ``CommitError`` naming that rank, through storage markers, and nothing is
+committed remotely.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def test_each_rank_uploads_its_own_files_and_a_failed_upload_fails_every_rank(
         if rank == 0:
             own |= {f"step_1/{n}" for n in (layout.DCP_METADATA, layout.MANIFEST)}
             own.add(f"step_1/{layout.COMMITTED_MARKER}")
+            own.add(f"step_1/{layout.WRITING_LEASE}")  # taken before any rank uploads
         assert sorted(own) == seen["written"], rank
     dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
     expected = _union(2, 1)
