@@ -26,6 +26,12 @@ the ratio of each N's time per rank to the smallest N's (1.0 = perfectly linear)
 a markdown table, saved to ``benchmarks/results/coordinator.json``, and drawn to
 ``docs/benchmarks/coordinator_vs_world_size.png`` (matplotlib, the ``bench`` extra).
 
+On S3 each round also measures a request floor on the same server, right after laying the
+save down: the same number of GETs as there are ranks, of the rank manifests just written, by
+plain boto3 on ``--workers`` threads (one connection each). moto on a small machine serves only
+tens to hundreds of requests a second, so the coordinator's time is best read as a ratio to
+that floor (``publish / floor``; the coordinator also lists the shards and writes three files).
+
 Targets (#18): time growing linearly in N; 4,096 ranks published in at most 10 s on moto and
 2 s locally.
 """
@@ -38,15 +44,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.bench.world import ITEMS_PER_RANK, publish, simulate
+from dcp_safe.bench.world import ITEMS_PER_RANK, SimulatedSave, publish, simulate
 from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,14 +76,17 @@ def measure_root(
     rounds: int,
     workers: Sequence[int],
     cleanup: Callable[[str], None],
+    floor: Callable[[SimulatedSave], float] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Median publish time per worker count and world size on one root.
 
     Every (world size, workers) pair is one contender; their order rotates every round.
+    ``floor``, if given, times the request floor for each laid-down save, before its publish.
     Returns ``{workers: {world size: summary}}``.
     """
     pairs = [(n, w) for n in world_sizes for w in workers]
     times: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
+    floors: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
     for r in range(rounds):
         shift = r % len(pairs)
         for n, w in [*pairs[shift:], *pairs[:shift]]:
@@ -83,29 +94,82 @@ def measure_root(
             setup_start = time.perf_counter()
             save = simulate(backend, name, n)
             setup_s = time.perf_counter() - setup_start
+            shown = ""
+            if floor is not None:
+                floors[(n, w)].append(floor(save))
+                shown = f"  floor {floors[(n, w)][-1]:7.3f} s"
             start = time.perf_counter()
             publish(backend, save, workers=w)
             elapsed = time.perf_counter() - start
             times[(n, w)].append(elapsed)
             print(
-                f"  {label} round {r} N={n:5d} workers={w:3d}  publish {elapsed:7.3f} s"
+                f"  {label} round {r} N={n:5d} workers={w:3d}  publish {elapsed:7.3f} s{shown}"
                 f"  (setup {setup_s:.1f} s)",
                 flush=True,
             )
             cleanup(name)
-    return {str(w): {str(n): _summary(n, times[(n, w)]) for n in world_sizes} for w in workers}
-
-
-def _summary(world_size: int, samples: list[float]) -> dict[str, Any]:
-    ordered = sorted(samples)
-    median = ordered[len(ordered) // 2]
     return {
+        str(w): {str(n): _summary(n, times[(n, w)], floors[(n, w)]) for n in world_sizes}
+        for w in workers
+    }
+
+
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+def _summary(
+    world_size: int, samples: list[float], floors: list[float] | None = None
+) -> dict[str, Any]:
+    median = _median(samples)
+    summary: dict[str, Any] = {
         "world_size": world_size,
         "samples_s": samples,
         "median_s": median,
-        "min_s": ordered[0],
+        "min_s": min(samples),
         "per_rank_ms": 1000 * median / world_size,
     }
+    if floors:
+        summary["floor_samples_s"] = floors
+        summary["floor_median_s"] = _median(floors)
+        # Per round, so a burst of load on the machine moves both sides of the ratio.
+        summary["over_floor"] = _median([t / f for t, f in zip(samples, floors, strict=True)])
+    return summary
+
+
+def get_floor(s3: Any, bucket: str, prefix: str, threads: int) -> Callable[[SimulatedSave], float]:
+    """The request floor for a save under ``s3://bucket/prefix``: one plain boto3 GET of each
+    rank manifest on ``threads`` threads, each with its own connection in the pool."""
+    import boto3
+    from botocore.config import Config
+
+    from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name=REGION,
+        config=Config(max_pool_connections=threads),
+    )
+
+    def get(key: str) -> int:
+        return len(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    def measure(save: SimulatedSave) -> float:
+        keys = [
+            f"{prefix}/{save.work_dir}/{layout.rank_manifest_name(r)}"
+            for r in range(save.world_size)
+        ]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            start = time.perf_counter()
+            got = sum(pool.map(get, keys))
+            elapsed = time.perf_counter() - start
+        assert got > 0
+        return elapsed
+
+    return measure
 
 
 def _linearity(points: dict[str, Any]) -> dict[str, float]:
@@ -135,6 +199,11 @@ def report(results: dict[str, Any]) -> str:
                 f"{p['per_rank_ms']:.2f}",
                 f"{linear[key]:.2f}",
             ]
+            row += (
+                [f"{p['floor_median_s']:.3f}", f"{p['over_floor']:.2f}x"]
+                if "floor_median_s" in p
+                else ["-", "-"]
+            )
             if serial is not None:
                 base = by_workers.get(str(serial), {}).get(key)
                 row += (
@@ -150,6 +219,8 @@ def report(results: dict[str, Any]) -> str:
         "min s",
         "ms per rank",
         "per rank / smallest N's",
+        f"floor s ({workers}-thread boto3 GETs, one per rank)",
+        "publish / floor",
     ]
     if serial is not None:
         headers += [f"{serial} worker s (serial)", "parallel speedup"]
@@ -303,8 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s3.create_bucket(BUCKET)
                 remote = open_backend(f"s3://{BUCKET}/coord", s3.storage_options())
                 sizes = sorted(args.s3_world_sizes or args.world_sizes)
+                floor = get_floor(s3, BUCKET, "coord", args.workers)
                 results["roots"]["s3"] = measure_root(
-                    "s3", remote, sizes, args.rounds, workers, remote.remove_tree
+                    "s3", remote, sizes, args.rounds, workers, remote.remove_tree, floor
                 )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -17,6 +17,7 @@ paths. Backends are pickled into DCP's process-based async executor, so they hol
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -97,6 +98,8 @@ class Backend(abc.ABC):
         """A whole control file (a marker, a manifest, a lease), read only if it is a regular
         file of at most ``max_bytes``: a stat comes first, so a directory, a FIFO, a device or
         an oversized file under a control file's name is refused, never read or waited on.
+        (An object store, which holds only objects, reads the first ``max_bytes + 1`` bytes in
+        one request instead; a POSIX root checks the file it opened, with ``fstat``.)
 
         Raises:
             FileNotFoundError: absent.
@@ -121,6 +124,23 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def size(self, rel: str) -> int:
         """Size in bytes. Raises FileNotFoundError when absent."""
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """The size of every regular file directly under the folder ``rel``, by name, from one
+        listing where the storage lists sizes (an object store: a request per 1,000 keys, not
+        one per file). Folders and special files are left out; empty when ``rel`` is absent.
+
+        A listing is a snapshot: a caller that finds a name missing and must be sure asks
+        :meth:`size` for it. This default asks :meth:`size` for every entry.
+        """
+        found: dict[str, int] = {}
+        for name in self.list_dir(rel):
+            child = f"{rel}/{name}" if rel else name
+            with contextlib.suppress(FileNotFoundError):  # removed while we looked
+                entry = self.stat(child)
+                if entry.kind == "file":
+                    found[name] = entry.size_bytes
+        return found
 
     @abc.abstractmethod
     def exists(self, rel: str) -> bool: ...

@@ -58,13 +58,14 @@ from fsspec.utils import get_protocol
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
+from dcp_safe.backends.s3_errors import is_precondition_failed, s3_error
 from dcp_safe.backends.s3_upload import (
     S3MultipartWriter,
     block_size_of,
     parts_in_flight_of,
     upload_buffer_bytes,
 )
-from dcp_safe.errors import StorageError
+from dcp_safe.errors import CheckpointCorruptError, StorageError
 
 __all__ = ["FsspecBackend", "write_buffer_bytes"]
 
@@ -317,7 +318,7 @@ class FsspecBackend(Backend):
         try:
             self.fs.pipe_file(self._abs(rel), data, mode="create")
         except OSError as exc:
-            if isinstance(exc, FileExistsError) or _is_precondition_failed(exc):
+            if isinstance(exc, FileExistsError) or is_precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel)) from exc
             raise self._fail("write", rel, exc) from exc
 
@@ -355,6 +356,45 @@ class FsspecBackend(Backend):
         with self._reading("read", rel):
             data: bytes = self.fs.cat_file(self._abs(rel))
         return data
+
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        if not self.object_store:
+            return super().read_small(rel, max_bytes)  # stat first: it may be a FIFO
+        # One ranged GET, not a HEAD, then the open's HEAD, then a GET: an object store holds
+        # only objects, and the range bounds the read (a server that ignores it is refused).
+        try:
+            data: bytes = self.fs.cat_file(self._abs(rel), start=0, end=max_bytes + 1)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            if self.is_dir(rel):  # only when absent: a present file costs one request
+                raise not_a_file(self.full_path(rel), "directory") from exc
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+        except OSError as exc:
+            if s3_error(exc) == ("InvalidRange", 416):  # an empty object has no byte 0
+                return super().read_small(rel, max_bytes)
+            raise self._fail("read", rel, exc) from exc
+        if len(data) > max_bytes:
+            raise CheckpointCorruptError(
+                self.full_path(rel), f"over the {max_bytes}-byte limit for this file"
+            )
+        return bytes(data)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        path = self._abs(rel).rstrip("/")
+        # refresh: a listing cache (a caller's use_listings_cache) would miss new shards.
+        refresh = {"refresh": True} if self.object_store else {}
+        try:
+            entries = self.fs.ls(path, detail=True, **refresh)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        found: dict[str, int] = {}
+        for entry in entries:
+            name = str(entry.get("name", "")).rstrip("/").removeprefix(f"{path}/")
+            # ls of a file names the file itself; special files and folders are left out.
+            if entry.get("type") == "file" and name and "/" not in name:
+                found[name] = int(entry.get("size") or 0)
+        return found
 
     def size(self, rel: str) -> int:
         with self._reading("stat", rel):
@@ -486,7 +526,7 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     try:
         fs.pipe_file(path, data, mode="create")
     except OSError as exc:
-        if isinstance(exc, FileExistsError) or _is_precondition_failed(exc):
+        if isinstance(exc, FileExistsError) or is_precondition_failed(exc):
             return False
         raise
     return True
@@ -509,17 +549,6 @@ def _target_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
     protocol = fs.protocol
     return {protocol} if isinstance(protocol, str) else set(protocol)
-
-
-def _is_precondition_failed(exc: BaseException) -> bool:
-    """A 412 that s3fs did not already map to FileExistsError (some S3-compatible servers
-    leave out the ``Condition`` field s3fs keys on)."""
-    response = getattr(exc.__cause__, "response", None)
-    if not isinstance(response, dict):
-        return False
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code in ("PreconditionFailed", "412") or status == 412
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from typing import BinaryIO, Literal
 
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
-from dcp_safe.errors import StorageError
+from dcp_safe.errors import CheckpointCorruptError, StorageError
 
 __all__ = ["LocalBackend"]
 
@@ -103,6 +103,43 @@ class LocalBackend(Backend):
             raise
         with f:
             yield f
+
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        # One open, one fstat, one read: the open is non-blocking (a FIFO never waits) and the
+        # checks look at what was opened, so nothing can be swapped in between. The buffer is
+        # the file's size, not max_bytes: a buffered read(max_bytes + 1) would allocate the
+        # whole cap (256 MiB for a manifest) once per file.
+        path = self._abs(rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except NotADirectoryError as exc:  # a path under a file: absent
+            raise FileNotFoundError(errno.ENOENT, "no such file", path) from exc
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise not_a_file(path, _kind(found.st_mode))
+            if found.st_size > max_bytes:
+                raise CheckpointCorruptError(
+                    path, f"{found.st_size} bytes, over the {max_bytes}-byte limit for this file"
+                )
+            return _read_at_most(fd, found.st_size, max_bytes, path)
+        finally:
+            os.close(fd)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        found: dict[str, int] = {}
+        try:
+            with os.scandir(self._abs(rel)) as entries:
+                for entry in entries:
+                    with suppress(FileNotFoundError):  # removed while we looked
+                        # Follows links, as size() does; special files are left out.
+                        if entry.is_file():
+                            found[entry.name] = entry.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        return found
 
     def stat(self, rel: str) -> FileStat:
         try:
@@ -229,6 +266,21 @@ def _kind(mode: int) -> Literal["file", "directory", "other"]:
     if stat.S_ISREG(mode):
         return "file"
     return "directory" if stat.S_ISDIR(mode) else "other"
+
+
+def _read_at_most(fd: int, size_hint: int, max_bytes: int, path: str) -> bytes:
+    """The rest of ``fd``, refused once it passes ``max_bytes`` (the file may have grown since
+    its fstat said ``size_hint``)."""
+    chunks: list[bytes] = []
+    total = 0
+    want = size_hint + 1  # usually one read of the whole file, then one that finds its end
+    while chunk := os.read(fd, min(want, max_bytes + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            raise CheckpointCorruptError(path, f"over the {max_bytes}-byte limit for this file")
+        want = max(want, 1 << 16)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # no copy of one chunk
 
 
 def _unlink_quietly(path: str) -> None:

@@ -44,8 +44,8 @@ class RetryingBackend(Backend):
         policy: attempts, deadline and backoff for each operation.
 
     Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``read_small``, ``size``,
-    ``stat``, ``exists``, ``list_dir``, ``walk_files`` (the whole listing), ``is_dir``,
-    ``makedirs``, ``remove_tree``, ``remove_file``, ``sync_dir``, and the opening of
+    ``stat``, ``exists``, ``list_dir``, ``sizes`` and ``walk_files`` (each listing whole),
+    ``is_dir``, ``makedirs``, ``remove_tree``, ``remove_file``, ``sync_dir``, and the opening of
     ``open_read`` (reads from the open file are not). Passed through: ``open_write``, whose
     body is the caller's code and cannot be replayed from here — the writer retries a failed
     file as a whole, and the inner backend guarantees a failed streamed write leaves nothing
@@ -124,6 +124,9 @@ class RetryingBackend(Backend):
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         return self._retry("read", rel, lambda: self.inner.read_small(rel, max_bytes))
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        return self._retry("list", rel, lambda: self.inner.sizes(rel))
 
     def exists(self, rel: str) -> bool:
         return self._retry("stat", rel, lambda: self.inner.exists(rel))

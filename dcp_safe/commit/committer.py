@@ -14,12 +14,15 @@ every shard file has exactly the size its items add up to. Then it writes ``.met
   control files are written too, so a writer whose lease was taken writes nothing more.
 
 Its cost is linear in ranks, files and items, and its storage calls run in parallel: at
-thousands of ranks the rank manifests (one read each) and the shard files (one size each) are
-most of the work, and on an object store each is a round trip. They run on a bounded pool
-(``workers``, 16 by default: enough to hide an object store's latency, few enough not to flood
-it); each rank manifest's shard sizes are asked for as soon as it has been read. A worker's
-error is raised here, typed, the lowest failing rank first; the calls not yet started are
-cancelled. Items are grouped by file once per rank manifest, never scanned per file.
+thousands of ranks the rank manifests (one read each: a single ranged GET on an object store)
+are most of the work. They run on a bounded pool (``workers``, 16 by default: enough to hide an
+object store's latency, few enough not to flood it). The shard files are sized from one listing
+of the work folder (:meth:`~dcp_safe.backends.backend.Backend.sizes`: a request per 1,000 files
+on an object store, not a HEAD per file), taken on the same pool beside the reads; a file the
+listing lacks is asked for on its own before the commit fails. A worker's error is raised here,
+typed, the lowest failing rank first; the calls not yet started are cancelled. Items are grouped
+by file once per rank manifest, never scanned per file, and then dropped: the global manifest is
+built from the ranks' results, which they equal.
 
 Right before the publish (the rename, or the marker) it checks the fence
 (:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
@@ -40,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -258,48 +261,70 @@ class Committer:
 
     def _check_ranks(
         self, work_dir: str, name: str, save_id: str, per_rank: Mapping[int, list[ItemRecord]]
-    ) -> list[tuple[list[FileRecord], FileRecord]]:
-        """Read back every rank's manifest, then size every shard file, ``workers`` at a time.
+    ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
+        """Read back every rank's manifest, ``workers`` at a time, and size every shard file
+        from a listing of the work folder taken beside them.
 
         Returns, per rank in order, its shard files and the record of its rank manifest.
         """
         ranks = sorted(per_rank)
-        read = self._in_parallel(
-            ranks, lambda rank: self._read_rank(work_dir, name, save_id, rank, per_rank[rank])
-        )
-        shards: list[tuple[int, FileRecord, int]] = []
-        for rank, (manifest, _) in zip(ranks, read, strict=True):
-            covered = _bytes_by_file(manifest.items)
-            shards += [(rank, file, covered.get(file.path, 0)) for file in manifest.files]
-        sizes = self._in_parallel(shards, lambda shard: self._size(shard[0], work_dir, shard[1]))
-        for (rank, file, covered_bytes), actual in zip(shards, sizes, strict=True):
-            if not actual == file.size == covered_bytes:
-                detail = (
-                    f"{file.path}: on storage {actual}, manifest {file.size}, items {covered_bytes}"
-                )
-                raise CommitError(
-                    "a shard file is not the size its items add up to", {rank: detail}
-                )
-        return [(list(manifest.files), manifest_file) for manifest, manifest_file in read]
+        with self._pool() as pool:
+            # Shard files lie in the work folder itself (DCP's layout): one listing sizes them
+            # all, a request per 1,000 files on an object store instead of one per file.
+            listing = _Deferred(pool, lambda: self._list(work_dir))
+            read = self._in_parallel(
+                pool,
+                ranks,
+                lambda rank: self._read_rank(work_dir, name, save_id, rank, per_rank[rank]),
+            )
+            listed = {"": listing.result()}
+        for rank, (files, covered, _) in zip(ranks, read, strict=True):
+            for file in files:
+                actual = self._listed_size(listed, rank, work_dir, file)
+                covered_bytes = covered.get(file.path, 0)
+                if not actual == file.size == covered_bytes:
+                    detail = (
+                        f"{file.path}: on storage {actual}, manifest {file.size}, "
+                        f"items {covered_bytes}"
+                    )
+                    raise CommitError(
+                        "a shard file is not the size its items add up to", {rank: detail}
+                    )
+        return [(files, manifest_file) for files, _, manifest_file in read]
 
-    def _in_parallel(self, tasks: Sequence[T], call: Callable[[T], R]) -> list[R]:
-        """``[call(t) for t in tasks]`` on at most ``workers`` threads, in order.
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[ThreadPoolExecutor | None]:
+        """The bounded pool for one publish; None with one worker (everything runs inline)."""
+        if self.workers == 1:
+            yield None
+            return
+        with _bounded_pool(self.workers) as pool:
+            yield pool
 
-        Each thread takes a run of tasks, not one, so a thousand local stats do not pay a
-        thousand hand-offs between threads. The first error in task order is raised, once the
-        runs already started have stopped; runs not yet started are cancelled.
+    def _in_parallel(
+        self, pool: ThreadPoolExecutor | None, tasks: Sequence[T], call: Callable[[T], R]
+    ) -> list[R]:
+        """``[call(t) for t in tasks]`` on ``pool``'s threads, in order.
+
+        Each thread takes a run of tasks, not one, so a thousand local reads do not pay a
+        thousand hand-offs between threads. The first error in task order is raised; the pool
+        then cancels the runs not yet started and waits for the ones running.
         """
         runs = _split(tasks, self.workers * _RUNS_PER_WORKER)
-        if len(runs) <= 1 or self.workers == 1:
+        if pool is None or len(runs) <= 1:
             return [call(task) for task in tasks]
-        with _bounded_pool(self.workers) as pool:
-            futures = [pool.submit(lambda run: [call(task) for task in run], run) for run in runs]
-            return [result for future in futures for result in future.result()]
+        futures = [pool.submit(lambda run: [call(task) for task in run], run) for run in runs]
+        return [result for future in futures for result in future.result()]
 
     def _read_rank(
         self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
-    ) -> tuple[RankManifest, FileRecord]:
-        """Read back one rank's manifest and check it against the rank's results (a worker)."""
+    ) -> tuple[tuple[FileRecord, ...], dict[str, int], FileRecord]:
+        """Read back one rank's manifest and check it against the rank's results (a worker).
+
+        Returns its files, the bytes its items cover per file, and its own record. The items
+        themselves are dropped here: they equal the rank's results, which the global manifest
+        is built from, and thousands of ranks' copies kept to the end would only feed the GC.
+        """
         rel = layout.rank_manifest_name(rank)
         try:
             raw = self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
@@ -311,15 +336,36 @@ class Committer:
                 "a rank manifest belongs to another save",
                 {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
             )
-        if Counter(_fingerprints(manifest.items)) != Counter(_fingerprints(records)):
+        if not _same_records(manifest.items, records):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
         manifest_file = FileRecord(
             path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)
         )
-        return manifest, manifest_file
+        return manifest.files, _bytes_by_file(manifest.items), manifest_file
+
+    def _list(self, rel: str) -> dict[str, int]:
+        """The sizes of the files directly under ``rel``, from one listing (a worker)."""
+        try:
+            return self.backend.sizes(rel)
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError("list", self.backend.full_path(rel), exc) from exc
+
+    def _listed_size(
+        self, listed: dict[str, dict[str, int]], rank: int, work_dir: str, file: FileRecord
+    ) -> int:
+        """One shard file's size from the listing of its folder (listed here if it is not the
+        work folder). A name the listing lacks is asked for on its own before the commit fails:
+        a listing is a snapshot, and this keeps a missing file's error what it always was."""
+        folder, _, base = file.path.rpartition("/")
+        if folder not in listed:
+            listed[folder] = self._list(f"{work_dir}/{folder}")
+        size = listed[folder].get(base)
+        return self._size(rank, work_dir, file) if size is None else size
 
     def _size(self, rank: int, work_dir: str, file: FileRecord) -> int:
-        """One shard file's size on storage (a worker); a missing file fails the commit."""
+        """One shard file's size on storage; a missing file fails the commit."""
         path = f"{work_dir}/{file.path}"
         try:
             return self.backend.size(path)
@@ -398,12 +444,31 @@ def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
     return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records)
 
 
+def _same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) -> bool:
+    """The same records, in any order (a rank writes them in its results' order: compared
+    pairwise first, counted only if that fails)."""
+    if list(_fingerprints(written)) == list(_fingerprints(reported)):
+        return True
+    return Counter(_fingerprints(written)) == Counter(_fingerprints(reported))
+
+
 def _bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
     """How many bytes each file's items add up to: one pass, not one scan per file."""
     covered: dict[str, int] = {}
     for item in items:
         covered[item.file] = covered.get(item.file, 0) + item.length
     return covered
+
+
+class _Deferred(Generic[R]):
+    """A call started on ``pool`` now (inline at :meth:`result` when there is no pool)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, call: Callable[[], R]) -> None:
+        self._call = call
+        self._future = None if pool is None else pool.submit(call)
+
+    def result(self) -> R:
+        return self._call() if self._future is None else self._future.result()
 
 
 def _split(tasks: Sequence[T], parts: int) -> list[Sequence[T]]:

@@ -26,6 +26,7 @@ __all__ = [
     "HISTORY_MAX_BYTES",
     "MANIFEST_MAX_BYTES",
     "MAX_INT",
+    "MAX_STR",
     "MAX_TIMESTAMP",
     "parse_json",
     "require_int",
@@ -43,8 +44,8 @@ HISTORY_MAX_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1
 #: Times are seconds since the epoch up to the end of year 9999 (what ``datetime`` can show).
 MAX_TIMESTAMP = 253_402_300_799.0
-# Strings in control files (names, ids, fqns, checksums, versions).
-_MAX_STR = 1 << 16
+#: Strings in control files (names, ids, fqns, checksums, versions), in characters.
+MAX_STR = 1 << 16
 
 
 def _no_constant(name: str) -> Any:
@@ -98,7 +99,7 @@ def require_timestamp(field: str, value: object) -> float:
     return float(value)
 
 
-def require_str(field: str, value: object, *, max_length: int = _MAX_STR) -> str:
+def require_str(field: str, value: object, *, max_length: int = MAX_STR) -> str:
     """``value`` if it is a str of at most ``max_length`` characters, else ValueError."""
     if not isinstance(value, str) or len(value) > max_length:
         raise ValueError(f"{field} must be a string of at most {max_length} characters")

@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar
 
 from dcp_safe import layout
@@ -31,6 +32,7 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, parse_checksum
 from dcp_safe.manifest.limits import (
     MAX_INT,
+    MAX_STR,
     parse_json,
     require_int,
     require_str,
@@ -85,7 +87,7 @@ class ItemRecord:
                     require_int("offset", index)
         _require_checksum(self.checksum)
         for transform in self.transforms:
-            require_str("transform", transform, max_length=64)
+            require_str("transform", transform, max_length=_MAX_TRANSFORM_CHARS)
 
     @property
     def key(self) -> ItemKey:
@@ -102,6 +104,16 @@ class ItemRecord:
             "transforms": list(self.transforms),
         }
 
+    def to_json_text(self) -> str:
+        """``to_dict`` as canonical JSON text (sorted keys, no spaces), with no dict between:
+        at thousands of ranks the per-item dicts and lists were most of what the GC walked."""
+        offset = "null" if self.offset is None else f"[{','.join(map(_int, self.offset))}]"
+        return (
+            f'{{"checksum":{_str(self.checksum)},"file":{_str(self.file)},'
+            f'"fqn":{_str(self.fqn)},"length":{_int(self.length)},"offset":{offset},'
+            f'"start":{_int(self.start)},"transforms":[{",".join(map(_str, self.transforms))}]}}'
+        )
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ItemRecord:
         """The record a :meth:`to_dict` object describes; every key present, no other key.
@@ -109,6 +121,9 @@ class ItemRecord:
         Raises:
             ValueError: a missing or unknown key, or a field of the wrong type or range.
         """
+        fast = _item_if_plainly_valid(raw)
+        if fast is not None:
+            return fast
         _require_keys("item", raw, _ITEM_KEYS, _ITEM_KEYS)
         offset = raw["offset"]
         return cls(
@@ -143,6 +158,11 @@ class FileRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "checksum": self.checksum}
 
+    def to_json_text(self) -> str:
+        """``to_dict`` as canonical JSON text (see :meth:`ItemRecord.to_json_text`)."""
+        checksum = "null" if self.checksum is None else _str(self.checksum)
+        return f'{{"checksum":{checksum},"path":{_str(self.path)},"size":{_int(self.size)}}}'
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> FileRecord:
         """The record a :meth:`to_dict` object describes (``checksum`` may be left out).
@@ -158,6 +178,7 @@ _ITEM_KEYS = frozenset(("fqn", "offset", "file", "start", "length", "checksum", 
 _FILE_KEYS = frozenset(("path", "size", "checksum"))
 _KNOWN_ALGORITHMS = frozenset(a.value for a in ChecksumAlgorithm)
 _MAX_CHECKSUM_CHARS = 512
+_MAX_TRANSFORM_CHARS = 64
 
 
 def _require_keys(
@@ -191,12 +212,46 @@ def _require_size(field: str, value: object) -> None:
         require_int(field, value, what="a byte count")
 
 
-def _require_checksum(value: object) -> None:
-    """``"<known algorithm>:<digest>"``; an unknown algorithm (``md5:``) is corrupt."""
+def _is_checksum(value: object) -> bool:
+    """The common case of :func:`_require_checksum`, without its messages."""
     if type(value) is str and len(value) <= _MAX_CHECKSUM_CHARS:
         algorithm, _, digest = value.partition(":")
-        if digest and algorithm in _KNOWN_ALGORITHMS:
-            return
+        return bool(digest) and algorithm in _KNOWN_ALGORITHMS
+    return False
+
+
+def _item_if_plainly_valid(raw: Mapping[str, Any]) -> ItemRecord | None:
+    """The record ``raw`` describes when every field passes the checks of
+    :meth:`ItemRecord.__post_init__` in their common form (exact types, plain lists), built
+    without the dataclass's field-by-field init; None for anything else, which then takes the
+    general path and its messages. A rank manifest holds thousands of these."""
+    if raw.keys() != _ITEM_KEYS:
+        return None
+    offset, transforms, fqn = raw["offset"], raw["transforms"], raw["fqn"]
+    plain = (
+        type(fqn) is str
+        and len(fqn) <= MAX_STR
+        and _is_count(raw["start"])
+        and _is_count(raw["length"])
+        and _is_checksum(raw["checksum"])
+        and _is_member(raw["file"])
+        and (offset is None or (type(offset) is list and all(map(_is_count, offset))))
+        and type(transforms) is list
+        and all(type(t) is str and len(t) <= _MAX_TRANSFORM_CHARS for t in transforms)
+    )
+    if not plain:
+        return None
+    record = object.__new__(ItemRecord)
+    record.__dict__.update(raw)  # exactly the fields: the keys were checked above
+    record.__dict__["offset"] = None if offset is None else tuple(offset)
+    record.__dict__["transforms"] = tuple(transforms)
+    return record
+
+
+def _require_checksum(value: object) -> None:
+    """``"<known algorithm>:<digest>"``; an unknown algorithm (``md5:``) is corrupt."""
+    if _is_checksum(value):
+        return
     checksum = require_str("checksum", value, max_length=_MAX_CHECKSUM_CHARS)
     _, digest = parse_checksum(checksum)  # ValueError on an unknown algorithm
     if not digest:
@@ -227,7 +282,7 @@ class RankManifest:
         _require_common(self)
         require_int("rank", self.rank)
 
-    def to_dict(self) -> dict[str, Any]:
+    def _head(self) -> dict[str, Any]:
         return {
             "format": _RANK_FORMAT,
             "version": self.version,
@@ -235,12 +290,13 @@ class RankManifest:
             "save_id": self.save_id,
             "rank": self.rank,
             "checksum_algorithm": self.checksum_algorithm,
-            "files": [f.to_dict() for f in self.files],
-            "items": [i.to_dict() for i in self.items],
         }
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._head(), **_record_dicts(self.files, self.items)}
+
     def to_json(self) -> bytes:
-        return _dumps(self.to_dict())
+        return _dumps_with_records(self._head(), self.files, self.items)
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> RankManifest:
@@ -296,7 +352,7 @@ class Manifest:
     def file(self, path: str) -> FileRecord | None:
         return self._by_path.get(path)
 
-    def to_dict(self) -> dict[str, Any]:
+    def _head(self) -> dict[str, Any]:
         return {
             "format": _MANIFEST_FORMAT,
             "version": self.version,
@@ -306,16 +362,17 @@ class Manifest:
             "created_at": self.created_at,
             "checksum_algorithm": self.checksum_algorithm,
             "compression": self.compression,
-            "files": [f.to_dict() for f in self.files],
-            "items": [i.to_dict() for i in self.items],
             "dcp_safe_version": self.dcp_safe_version,
             "torch_version": self.torch_version,
             "step": self.step,
             "attempt": self.attempt,
         }
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._head(), **_record_dicts(self.files, self.items)}
+
     def to_json(self) -> bytes:
-        return _dumps(self.to_dict())
+        return _dumps_with_records(self._head(), self.files, self.items)
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Manifest:
@@ -327,8 +384,34 @@ def manifest_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _dumps(raw: Mapping[str, Any]) -> bytes:
-    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+def _dumps(raw: object) -> str:
+    return json.dumps(raw, sort_keys=True, separators=(",", ":"))
+
+
+# The pieces json.dumps itself writes a str and an int with (ASCII only, as it does by default).
+_str = encode_basestring_ascii
+_int = int.__repr__
+
+
+def _record_dicts(
+    files: Iterable[FileRecord], items: Iterable[ItemRecord]
+) -> dict[str, list[dict[str, Any]]]:
+    return {"files": [f.to_dict() for f in files], "items": [i.to_dict() for i in items]}
+
+
+def _dumps_with_records(
+    head: Mapping[str, Any], files: Iterable[FileRecord], items: Iterable[ItemRecord]
+) -> bytes:
+    """``_dumps`` of ``head`` with the records added, byte for byte, written as text."""
+    records = {
+        "files": f"[{','.join(f.to_json_text() for f in files)}]",
+        "items": f"[{','.join(i.to_json_text() for i in items)}]",
+    }
+    fields = [
+        f"{_str(key)}:{records[key] if key in records else _dumps(head[key])}"
+        for key in sorted([*head, *records])
+    ]
+    return f"{{{','.join(fields)}}}".encode()
 
 
 def _loads(data: bytes, path: str, kind: str) -> dict[str, Any]:

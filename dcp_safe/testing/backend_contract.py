@@ -26,6 +26,7 @@ import threading
 import pytest
 
 from dcp_safe.backends.backend import Backend
+from dcp_safe.errors import CheckpointCorruptError
 
 __all__ = ["BackendContract"]
 
@@ -213,6 +214,49 @@ class BackendContract:
             "ckptx",
         ]
         assert list(backend.walk_files("nope")) == []
+
+    def test_sizes_lists_the_files_directly_under_a_folder(self, backend: Backend) -> None:
+        self._tree(backend)
+        assert backend.sizes("ckpt") == {"a.distcp": len(b"ckpt/a.distcp")}
+        assert backend.sizes("ckpt/_ranks") == {
+            "r0.json": len(b"ckpt/_ranks/r0.json"),
+            "r1.json": len(b"ckpt/_ranks/r1.json"),
+        }
+        assert backend.sizes("") == {"ckptx": len(b"ckptx")}
+        assert backend.sizes("nope") == {}
+        assert backend.sizes("ckptx") == {}  # a file is no folder
+
+    def test_sizes_sees_a_file_written_after_an_earlier_listing(self, backend: Backend) -> None:
+        backend.makedirs("ckpt")
+        backend.write_bytes("ckpt/a", b"1")
+        assert backend.sizes("ckpt") == {"a": 1}
+        backend.write_bytes("ckpt/b", b"22")
+        with backend.open_write("ckpt/c") as f:
+            f.write(b"333")
+        backend.write_bytes("ckpt/a", b"")
+        assert backend.sizes("ckpt") == {"a": 0, "b": 2, "c": 3}
+
+    def test_read_small_reads_a_file_within_its_cap_and_refuses_more(
+        self, backend: Backend
+    ) -> None:
+        backend.makedirs("d")
+        backend.write_bytes("d/f", b"x" * 100)
+        backend.write_bytes("d/empty", b"")
+        assert backend.read_small("d/f", 100) == b"x" * 100
+        assert backend.read_small("d/f", 1 << 20) == b"x" * 100
+        assert backend.read_small("d/empty", 10) == b""
+        with pytest.raises(CheckpointCorruptError, match="over the 99-byte limit"):
+            backend.read_small("d/f", 99)
+        with pytest.raises(FileNotFoundError):
+            backend.read_small("d/missing", 100)
+        with pytest.raises(FileNotFoundError):
+            backend.read_small("d/f/under", 100)
+
+    def test_read_small_refuses_a_folder(self, backend: Backend) -> None:
+        backend.makedirs("d/sub")
+        backend.write_bytes("d/sub/f", b"x")
+        with pytest.raises(CheckpointCorruptError, match="a directory"):
+            backend.read_small("d/sub", 100)
 
     def test_makedirs_is_idempotent(self, backend: Backend) -> None:
         backend.makedirs("a/b")

@@ -12,7 +12,7 @@ from s3_fixtures import BLOCK_BYTES
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.errors import StorageError
+from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.testing.backend_contract import BackendContract
 from dcp_safe.testing.s3 import LocalS3
 
@@ -96,3 +96,43 @@ def test_s3_errors_name_the_operation_and_url(s3_options: dict[str, Any]) -> Non
     shard = r"s3://no-such-bucket-dcp-safe/root/shard"
     with pytest.raises(StorageError, match=shard), backend.open_write("shard") as f:
         f.write(b"x")
+
+
+def _count_s3_requests(backend: FsspecBackend) -> list[str]:
+    """The S3 operations the backend's client sends from now on, by name, in order."""
+    sent: list[str] = []
+    client = backend.fs.s3  # s3fs's aiobotocore client, made on first use (the bucket exists)
+
+    def record(model: Any, **_: Any) -> None:
+        sent.append(model.name)
+
+    client.meta.events.register("before-call.s3", record)
+    return sent
+
+
+@pytest.mark.s3
+def test_s3_read_small_is_one_ranged_get(s3_bucket: str, s3_options: dict[str, Any]) -> None:
+    backend = FsspecBackend(f"s3://{s3_bucket}/root", s3_options)
+    backend.write_bytes("d/f", b"x" * 100)
+    sent = _count_s3_requests(backend)
+    assert backend.read_small("d/f", 100) == b"x" * 100
+    assert sent == ["GetObject"]
+    with pytest.raises(CheckpointCorruptError, match="over the 99-byte limit"):
+        backend.read_small("d/f", 99)
+    assert sent == ["GetObject", "GetObject"]
+
+
+@pytest.mark.s3
+def test_s3_sizes_is_one_listing_per_thousand_keys_and_sees_new_keys_through_a_cache(
+    s3_bucket: str, s3_options: dict[str, Any]
+) -> None:
+    # A caller's listing cache must not hide a shard another rank wrote after a listing.
+    backend = FsspecBackend(f"s3://{s3_bucket}/root", {**s3_options, "use_listings_cache": True})
+    for i in range(3):
+        backend.write_bytes(f"w/__{i}_0.distcp", b"x" * i)
+    backend.write_bytes("w/_ranks/rank_00000.json", b"{}")
+    sent = _count_s3_requests(backend)
+    assert backend.sizes("w") == {f"__{i}_0.distcp": i for i in range(3)}
+    assert sent == ["ListObjectsV2"]
+    backend.write_bytes("w/__3_0.distcp", b"xyz")
+    assert backend.sizes("w")["__3_0.distcp"] == 3

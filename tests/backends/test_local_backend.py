@@ -97,3 +97,21 @@ def test_open_read_refuses_what_is_not_a_regular_file(tmp_path: Path, make: obje
         assert f.read() == b"data"
     with pytest.raises(FileNotFoundError), backend.open_read("missing.distcp"):
         pass
+
+
+def test_sizes_follows_links_and_leaves_out_folders_and_special_files(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path), fsync=False)
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    assert backend.sizes("") == {"f": 3, "link": 3}
+
+
+def test_read_small_refuses_a_file_over_its_cap_before_reading_it(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path), fsync=False)
+    (tmp_path / "big").write_bytes(b"x" * 5000)
+    with pytest.raises(CheckpointCorruptError, match="5000 bytes, over the 4999-byte limit"):
+        backend.read_small("big", 4999)
+    assert backend.read_small("big", 5000) == b"x" * 5000

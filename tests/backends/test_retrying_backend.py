@@ -151,6 +151,7 @@ _SMALL_OPS: dict[str, tuple[str, Callable[[Backend], object], object]] = {
     "size": ("read_bytes", lambda b: b.size("d/f"), 4),
     "exists": ("exists", lambda b: b.exists("d/f"), True),
     "list_dir": ("list_dir", lambda b: b.list_dir("d"), ["f"]),
+    "sizes": ("list_dir", lambda b: b.sizes("d"), {"f": 4}),
     "walk_files": ("list_dir", lambda b: list(b.walk_files("d")), ["f"]),
     "is_dir": ("is_dir", lambda b: b.is_dir("d"), True),
     "makedirs": ("makedirs", lambda b: b.makedirs("d"), None),

@@ -78,3 +78,18 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_results(tmp_path: Path) ->
     assert any("linear" in target for target in results["targets"])
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-coordinator-")] == []
+
+
+@pytest.mark.s3
+def test_the_s3_request_floor_gets_each_rank_manifest_and_is_reported(
+    s3: Any, s3_bucket: str, s3_options: dict[str, Any]
+) -> None:
+    backend = open_backend(f"s3://{s3_bucket}/coord", s3_options)
+    floor = bench.get_floor(s3, s3_bucket, "coord", 2)  # a missing key would raise NoSuchKey
+    by_workers = bench.measure_root("s3", backend, [3], 1, [2], backend.remove_tree, floor)
+    point = by_workers["2"]["3"]
+    assert len(point["floor_samples_s"]) == 1
+    assert point["floor_median_s"] > 0 and point["over_floor"] > 0
+    results = {"workers": 2, "serial_workers": None, "roots": {"s3": by_workers}}
+    results["targets"] = bench.targets(results)
+    assert "publish / floor" in bench.report(results)

@@ -98,7 +98,8 @@ def test_a_rank_manifest_that_disagrees_with_the_results_fails(tmp_path: Path) -
 
 
 class _FailingStat(LocalBackend):
-    """A storage fault on one shard's size, from a worker thread."""
+    """A storage fault on one shard's size, from a worker thread: on its own, and on the
+    listing of the folder that holds it (where the committer sizes shards from)."""
 
     def __init__(self, root: str, failing: str) -> None:
         super().__init__(root)
@@ -108,6 +109,12 @@ class _FailingStat(LocalBackend):
         if rel.endswith(self.failing):
             raise StorageError("stat", rel, "injected")
         return super().size(rel)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        found = super().sizes(rel)
+        if self.failing in found:
+            raise StorageError("list", rel, "injected")
+        return found
 
 
 def test_a_storage_error_in_a_worker_reaches_the_caller_typed(tmp_path: Path) -> None:
@@ -182,3 +189,43 @@ def test_on_a_marker_root_the_marker_comes_after_every_control_file(memory_root:
     assert written[-1] == layout.COMMITTED_MARKER
     assert set(written[:-1]) == {layout.DCP_METADATA, layout.MANIFEST}
     dcp_safe.verify_checkpoint(memory_root, "step_1")
+
+
+class _Counting(LocalBackend):
+    """Counts size and listing calls; ``hide`` drops names from listings (a stale listing)."""
+
+    def __init__(self, root: str, hide: frozenset[str] = frozenset()) -> None:
+        super().__init__(root)
+        self.hide = hide
+        self.sized: list[str] = []
+        self.listed: list[str] = []
+        self._lock = threading.Lock()
+
+    def size(self, rel: str) -> int:
+        with self._lock:
+            self.sized.append(rel)
+        return super().size(rel)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        with self._lock:
+            self.listed.append(rel)
+        return {k: v for k, v in super().sizes(rel).items() if k not in self.hide}
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_shards_are_sized_from_one_listing_of_the_work_folder(tmp_path: Path, workers: int) -> None:
+    backend = _Counting(str(tmp_path))
+    save = world.simulate(backend, "step_1", RANKS)
+    world.publish(backend, save, workers=workers)
+    assert backend.listed == [save.work_dir]
+    assert backend.sized == []
+    dcp_safe.verify_checkpoint(tmp_path, "step_1")
+
+
+def test_a_shard_a_listing_missed_is_asked_for_on_its_own(tmp_path: Path) -> None:
+    shard = layout.shard_file_name(5, 0)
+    backend = _Counting(str(tmp_path), hide=frozenset({shard}))
+    save = world.simulate(backend, "step_1", RANKS)
+    world.publish(backend, save, workers=4)
+    assert backend.sized == [f"{save.work_dir}/{shard}"]
+    dcp_safe.verify_checkpoint(tmp_path, "step_1")

@@ -272,3 +272,14 @@ def test_files_are_found_by_path() -> None:
     manifest = _manifest(())
     assert manifest.file("__0_0.distcp") == FileRecord(path="__0_0.distcp", size=10)
     assert manifest.file("missing") is None
+
+
+@given(_items)
+def test_an_item_read_back_equals_the_item_written(item: ItemRecord) -> None:
+    # Plain JSON takes the fast path, which must build exactly what the dataclass init does.
+    raw = json.loads(item.to_json_text())
+    again = ItemRecord.from_dict(raw)
+    assert again == item and hash(again) == hash(item)
+    assert again.offset is None or type(again.offset) is tuple
+    assert type(again.transforms) is tuple
+    assert dataclasses.asdict(again) == dataclasses.asdict(item)
