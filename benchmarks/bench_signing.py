@@ -13,7 +13,7 @@ alternating the order from round to round, ``dcp_safe.save`` (durable, fsync on)
 * *signed sha256*: ``signing_key=..., checksum="sha256"`` (the signed default before BLAKE3,
   still selectable);
 * *signed*: ``signing_key=...``, the default: BLAKE3 item checksums, an HMAC over the manifest
-  digest in ``_SIGNATURE``; the reader given the key checks it and reads the manifest once more;
+  digest in ``_SIGNATURE``; the reader given the key checks it against the manifest it opened;
 * *signed, blake3 on one thread*: the same with ``BLAKE3_MAX_THREADS`` set to 1 instead of the
   default ``AUTO`` (one large update spread over every core).
 

@@ -154,10 +154,11 @@ def verify_checkpoint(
     started = time.perf_counter()
     backend = open_backend(os.fspath(root), storage_options)
     name = resolve_name(backend, name)
-    manifest = open_committed(backend, name).manifest
+    opened = open_committed(backend, name)
+    manifest = opened.manifest
     key = resolve_key(signing_key)
     if key is not None:
-        check_signed(backend, name, manifest, key)
+        check_signed(backend, opened, key)
     objects = 0
     if deep:
         bytes_read = _verify_every_byte(backend, name, manifest, progress)

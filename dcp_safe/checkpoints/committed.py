@@ -24,6 +24,9 @@ class CommittedCheckpoint:
 
     name: str
     manifest: Manifest
+    #: ``manifest_digest`` of the exact bytes ``manifest`` was parsed from (what the marker
+    #: holds, and what a signature covers).
+    digest: str
 
 
 def committed_names(backend: Backend) -> list[str]:
@@ -75,7 +78,7 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
             expected=name,
             actual=manifest.name,
         )
-    return CommittedCheckpoint(name=name, manifest=manifest)
+    return CommittedCheckpoint(name=name, manifest=manifest, digest=actual)
 
 
 def recency(step: int | None, created_at: float, name: str) -> tuple[int, float, str]:

@@ -163,9 +163,10 @@ class SafeStorageReader(StorageReader):
         for order, backend in enumerate(tiers):
             try:
                 name = resolve_name(backend, self._requested)
-                manifest = open_committed(backend, name).manifest
+                committed = open_committed(backend, name)
+                manifest = committed.manifest
                 if self._signing_key is not None:
-                    check_signed(backend, name, manifest, self._signing_key)
+                    check_signed(backend, committed, self._signing_key)
                 metadata = self._load_metadata(backend, name, manifest, self.allow_pickle)
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)

@@ -246,3 +246,30 @@ def test_cli_verify_takes_a_key_file(tmp_path: Path) -> None:
     assert main(["verify", str(root), "unsigned"]) == EXIT_OK
     status = main(["verify", str(root), "unsigned", "--signing-key-file", str(key_file)])
     assert status == EXIT_FAILED
+
+
+def test_the_signature_is_checked_over_the_bytes_the_reader_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is read once: the HMAC is checked against the digest of the bytes that were
+    parsed, so a manifest swapped in after the open is never the one used, and a signed load
+    pays no second read and parse of a manifest of thousands of items."""
+    from dcp_safe.backends.local_backend import LocalBackend
+
+    _save(tmp_path)
+    forged = _manifest(tmp_path)
+    forged["items"][0]["checksum"] = "blake3:" + "0" * 64
+    reads: list[str] = []
+    read_small = LocalBackend.read_small
+
+    def read_then_swap(self: LocalBackend, rel: str, max_bytes: int) -> bytes:
+        data = read_small(self, rel, max_bytes)
+        if rel.endswith(layout.MANIFEST):
+            reads.append(rel)
+            (tmp_path / rel).write_text(json.dumps(forged))  # the attacker, just after the open
+        return data
+
+    monkeypatch.setattr(LocalBackend, "read_small", read_then_swap)
+    loaded = _load(tmp_path)
+    assert torch.equal(loaded["a"], _state()["a"]) and loaded["extra"] == {"epoch": 3}
+    assert reads == ["step_1/" + layout.MANIFEST]
