@@ -224,26 +224,17 @@ def install_kill_switch(kill_at: int, *, record: bool = False, how: str = "sigki
     return switch
 
 
-class _CountedSources(list):  # type: ignore[type-arg]
-    """The stager's list of tensors to copy; iterating it ticks before each one."""
-
-    switch: KillSwitch
-
-    def __iter__(self) -> Iterator[Any]:
-        for tensor in super().__iter__():
-            self.switch.tick("stage", "tensor")
-            yield tensor
-
-
 def _count_staging(switch: KillSwitch) -> None:
     real_copy = stager_module.BudgetedStager._copy
 
-    def copy(self: Any, gen: Any, state_dict: Any, sources: list[Any], *args: Any) -> None:
-        counted = _CountedSources(sources)
-        counted.switch = switch
-        real_copy(self, gen, state_dict, counted, *args)
+    def copy(self: Any, gen: Any, state_dict: Any, layout: Any, *args: Any) -> None:
+        # One tick per tensor the walk found, before the staging thread copies them (the copy
+        # itself is a few _foreach_copy_ calls): a kill lands between the request and the copy.
+        for _ in layout.candidates:
+            switch.tick("stage", "tensor")  # kills or returns, never raises
+        real_copy(self, gen, state_dict, layout, *args)
 
-    stager_module.BudgetedStager._copy = copy  # type: ignore[method-assign]
+    stager_module.BudgetedStager._copy = copy  # type: ignore[assignment,method-assign]
 
 
 # --------------------------------------------------------------------------- fork

@@ -65,19 +65,26 @@ class SnapshotGuard:
     """The version counters of a save's source tensors, read at the request.
 
     Args:
-        sources: the distinct tensors the stager will copy, in copy order. The guard keeps them
-            alive until it is dropped, so their identities stay valid.
+        sources: the tensors the stager may copy, in walk order (the stager passes every
+            candidate of the walk, a superset of the sources its plan picks, so the snapshot
+            stays right when the plan is confirmed only later, on the staging thread). The
+            guard keeps them alive until it is dropped, so their identities stay valid.
     """
 
     __slots__ = ("_sources", "_versions", "data_ptrs")
 
     def __init__(self, sources: list[torch.Tensor]) -> None:
         self._sources = sources
+        # Where each source's bytes were (``data_ptrs``): a storage freed or reallocated since
+        # moves it, and copying from a freed storage reads released memory (it can crash the
+        # process), while neither bumps the version counter. The stager compares before each
+        # copy. Both reads run on the training thread; each is one C-level pass (a fused Python
+        # loop is slower), and on a large state they cost mostly cache misses.
         self._versions = list(map(read_version, sources))
-        # Where each source's bytes were: a storage freed or reallocated since moves it, and
-        # copying from a freed storage reads released memory (it can crash the process), while
-        # neither bumps the version counter. The stager compares before each copy.
-        self.data_ptrs: list[int] = list(map(_read_data_ptr, sources))
+        try:
+            self.data_ptrs: list[int] = list(map(_read_data_ptr, sources))
+        except RuntimeError:  # a sparse candidate has no storage; the stager never copies it
+            self.data_ptrs = [t.data_ptr() if t.layout == torch.strided else 0 for t in sources]
 
     def changed(self) -> list[torch.Tensor]:
         """The sources whose counter moved since the request (empty when none did)."""

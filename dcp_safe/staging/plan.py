@@ -8,12 +8,15 @@ cost, where the copies are cut into chunks, and whether any source is on CUDA. T
 the typed views of a plan's buffers with them (:mod:`dcp_safe.staging.pool`), so a reused save
 allocates no buffer and makes no view; the copy is a few ``_foreach_copy_`` calls.
 
-The layout key is taken on every save, by one walk of the state (:func:`scan`): the containers'
-types and keys, and each tensor's shape, dtype, device and layout, plus which entries are the
-same tensor. Any change (a key added or removed, a shape or dtype changed, a tensor moved) gives
-a new key, so a new plan; nothing is assumed from the state dict's identity. Alternatives
-rejected: keying on ``id(state_dict)`` (the same dict is mutated between saves) or on the tensors'
-ids (a rebuilt optimizer keeps the layout but not the ids).
+The layout key comes from one walk of the state (:func:`scan`): the containers' types and keys,
+and each tensor's shape, dtype, device and layout, plus which entries are the same tensor. Any
+change (a key added or removed, a shape or dtype changed, a tensor moved) gives a new key, so a
+new plan; nothing is assumed from the state dict's identity. Alternatives rejected: keying on
+``id(state_dict)`` (the same dict is mutated between saves) or on the tensors' ids (a rebuilt
+optimizer keeps the layout but not the ids). The walk is cheap; the per-tensor part of the key
+is not (about 2 µs a tensor), so it is computed lazily: :meth:`PlanCache.speculate` offers the
+last plan on the walk's containers alone, and the stager confirms the full key on its staging
+thread before anything staged with the guess is used.
 
 Why chunks: the mutation guard compares each source's data pointer before its copy (a storage
 freed since the request would be read after release); a chunk keeps that check just before the
@@ -52,34 +55,49 @@ _PARAMETER = torch.nn.Parameter
 
 
 class Layout:
-    """One walk of a state dict: its candidate tensors, in walk order, and its layout key."""
+    """One walk of a state dict: its candidate tensors, in walk order, and its layout key.
 
-    __slots__ = ("candidates", "key")
+    The key is computed on first use: the walk alone is what ``stage()`` pays on the training
+    thread while the state's structure is unchanged (see :meth:`PlanCache.speculate`).
+    """
 
-    def __init__(self, candidates: list[torch.Tensor], key: tuple[Any, ...]) -> None:
+    __slots__ = ("_key", "candidates", "structure")
+
+    def __init__(self, candidates: list[torch.Tensor], structure: tuple[Any, ...]) -> None:
         self.candidates = candidates
-        self.key = key
+        self.structure = structure
+        self._key: tuple[Any, ...] | None = None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """The full layout key (see the module docstring); about 2 µs a tensor."""
+        if self._key is None:
+            self._key = _key(self.structure, self.candidates)
+        return self._key
 
 
 def scan(state: object) -> Layout:
-    """Walk ``state`` once: the tensors DCP's planner would see, and the layout key."""
+    """Walk ``state`` once: the tensors DCP's planner would see, and its containers."""
     candidates: list[torch.Tensor] = []
     structure: list[Any] = []
     _visit(state, candidates, structure)
+    return Layout(candidates, tuple(structure))
+
+
+def _key(structure: tuple[Any, ...], candidates: list[torch.Tensor]) -> tuple[Any, ...]:
     ids = list(map(id, candidates))
     aliases = None
     if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout too
         first: dict[int, int] = {}
         aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
-    key = (
-        tuple(structure),
+    return (
+        structure,
         tuple(map(_shape, candidates)),
         tuple(map(_dtype, candidates)),
         tuple(map(_device, candidates)),
         tuple(map(_layout, candidates)),
         aliases,
     )
-    return Layout(candidates, key)
 
 
 def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) -> None:
@@ -129,6 +147,8 @@ class StagingPlan:
                 if stageable(tensor):
                     picked.append(index)
         self.key = layout.key
+        self.structure = layout.structure
+        self.count = len(candidates)
         # None: every candidate is staged, in order (the common case; no selection per save).
         self._picked = None if len(picked) == len(candidates) else picked
         sources = [candidates[i] for i in picked]
@@ -145,10 +165,15 @@ class StagingPlan:
 
     def sources(self, layout: Layout) -> list[torch.Tensor]:
         """The distinct stageable tensors of ``layout`` (which must have this plan's key)."""
-        if self._picked is None:
-            return layout.candidates
-        candidates = layout.candidates
-        return [candidates[i] for i in self._picked]
+        return self.pick(layout.candidates)
+
+    def pick(self, values: list[Any]) -> list[Any]:
+        """``values`` (one per candidate of a layout with this key) narrowed to the sources."""
+        return values if self._picked is None else [values[i] for i in self._picked]
+
+    def matches(self, layout: Layout) -> bool:
+        """Whether ``layout`` has this plan's key (computes the key when not yet done)."""
+        return layout.key == self.key
 
     def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each buffer viewed as its tensor's dtype and shape, in request order."""
@@ -198,6 +223,28 @@ class PlanCache:
         self._plans: OrderedDict[tuple[Any, ...], StagingPlan] = OrderedDict()
         self._tokens = itertools.count(1)
         self.builds = self.hits = 0
+        # Not ``next(reversed(self._plans.values()))``: that looks the key up again, and a
+        # layout key (tuples per tensor) is not hash-cached: milliseconds at 10,000 tensors.
+        self._latest: StagingPlan | None = None
+
+    def speculate(self, layout: Layout) -> StagingPlan | None:
+        """The latest plan, if ``layout`` has its structure and its number of tensors.
+
+        A guess, not a match: the shapes, dtypes, devices and aliasing are not compared (that
+        is the key's cost), so the caller must confirm it with :meth:`StagingPlan.matches`
+        before anything staged with it is used. ``None``: no plan, or the structure changed.
+        """
+        plan = self._latest
+        if plan is None:
+            return None
+        if plan.count != len(layout.candidates) or plan.structure != layout.structure:
+            return None
+        self.hits += 1
+        return plan
+
+    def retract(self) -> None:
+        """Un-count the last :meth:`speculate` hit: its plan did not match after all."""
+        self.hits -= 1
 
     def get(self, layout: Layout) -> StagingPlan:
         """The plan for ``layout``: the cached one while its key holds, else a new one."""
@@ -205,9 +252,11 @@ class PlanCache:
         if plan is not None:
             self._plans.move_to_end(layout.key)
             self.hits += 1
+            self._latest = plan
             return plan
         plan = StagingPlan(layout, self._pool, next(self._tokens))
         self._plans[layout.key] = plan
+        self._latest = plan
         self.builds += 1
         if len(self._plans) > self._max:
             self._plans.popitem(last=False)  # its pooled views go when the pool needs them

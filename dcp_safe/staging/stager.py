@@ -4,13 +4,13 @@ This module owns the life of a *generation* (one save's staged copy) from admiss
 
 Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
 
-    training thread   stage(state_dict): walk the state, find its layout's plan, admit (wait or
-                      raise), lease buffers, hand the copy to the staging thread, return a
-                      Future at once
+    training thread   stage(state_dict): walk the state, read the guard's counters, take the
+                      last plan if the structure is unchanged (else the layout's plan), admit
+                      (wait or raise), lease buffers, hand over the copy, return a Future
     staging thread    allocate missing buffers, copy tensors (``_foreach_copy_`` per chunk;
-                      non-blocking on a side stream on CUDA, then synchronize), check the
-                      mutation guard, deep-copy everything else, resolve the Future -> DCP's
-                      ``staging_completion``
+                      non-blocking on a side stream on CUDA, then synchronize), confirm a taken
+                      plan's key (on a miss: re-plan, re-admit, copy again), check the guard,
+                      deep-copy everything else, resolve the Future -> ``staging_completion``
     upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
     any thread        release: buffers back to the pool, generation leaves the in-flight set
 
@@ -39,9 +39,10 @@ out says so. Admission happens in the caller's thread, so refusals surface from
 ``dcp.async_save`` itself: ``BudgetExceededError`` (the state can never fit) and
 ``AdmissionTimeoutError`` (busy, and ``when_busy="raise"`` or the wait timed out).
 
-Per-tensor work happens once per layout (:mod:`dcp_safe.staging.plan`): while the state's
-layout is unchanged, a save reuses its plan and the buffers' typed views, so the training thread
-pays one walk of the state and the staging thread a few ``_foreach_copy_`` calls.
+Per-tensor work happens once per layout (:mod:`dcp_safe.staging.plan`): an unchanged layout
+reuses its plan and the buffers' typed views. The training thread pays one walk and the counters;
+the layout key is checked on the staging thread after the copy, overlapping the caller's compute
+(a changed layout is re-planned and admitted anew there; a refusal fails the staging Future).
 
 The mutation guard (:mod:`dcp_safe.staging.guard`, on unless ``mutation_guard=False``): the
 sources' version counters are read when ``stage()`` is called and again after the copy. If any
@@ -59,7 +60,6 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -70,11 +70,17 @@ from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, Sn
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
 from dcp_safe.staging._tree import rebuild
 from dcp_safe.staging.budget import MemoryBudget
-from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned, tensor_paths
+from dcp_safe.staging.generation import (
+    Generation,
+    StagedStateDict,
+    copy_guessed,
+    copy_sources,
+    torn_verdict,
+)
+from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned
 from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.plan import PlanCache, StagingPlan, scan
-from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease, PinMemory
-from dcp_safe.torch_compat import foreach_copy
+from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
+from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
 from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -86,36 +92,6 @@ StateDict = dict[str, Any]
 _PENDING_GRACE_S = 0.05
 # A full garbage collection is slow; only a wait this long pays for one.
 _COLLECT_AFTER_S = 0.5
-
-
-class _StagedStateDict(dict[str, Any]):
-    """The staged state: a plain dict that can carry the weak reference that releases it."""
-
-    __slots__ = ("__weakref__",)
-
-
-# Mapped over a chunk's sources: the data-pointer check before its copy.
-_read_data_ptr = torch.Tensor.data_ptr
-
-
-class _Generation:
-    def __init__(
-        self,
-        number: int,
-        lease: Lease,
-        span: SpanHandle,
-        guard: SnapshotGuard | None,
-        plan: StagingPlan,
-    ) -> None:
-        self.number = number
-        self.guard = guard
-        self.plan = plan
-        self.lease = lease
-        self.span = span  # the staging span: admission wait + copy
-        self.release_claimed = False
-        self.tracked = False
-        self.staged = threading.Event()
-        self.error: BaseException | None = None
 
 
 class BudgetedStager(AsyncStager):
@@ -169,9 +145,9 @@ class BudgetedStager(AsyncStager):
             torch.cuda.Stream() if torch.cuda.is_available() else None  # type: ignore[no-untyped-call]
         )
         self._numbers = itertools.count(1)
-        self._in_flight: dict[int, _Generation] = {}
+        self._in_flight: dict[int, Generation] = {}
         self._last = threading.local()
-        self._latest: _Generation | None = None
+        self._latest: Generation | None = None
         self._closed = False
         self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
         self._torn_count = 0
@@ -196,23 +172,34 @@ class BudgetedStager(AsyncStager):
         started = time.perf_counter()
         layout = scan(state_dict)
         with self._cond:
-            plan = self._plans.get(layout)
-        sources = plan.sources(layout)
+            # Same structure as the last save: admit on its plan and let the staging thread
+            # confirm the full key (shapes, dtypes, devices, aliasing), which costs several
+            # times the walk. Otherwise the key is needed now, to size the admission.
+            plan = self._plans.speculate(layout)
+            if plan is not None and not self._admits_now(plan):
+                # A wrong guess must not make a save wait or fail: settle the plan first.
+                self._plans.retract()
+                plan = None
+            confirmed = plan is None
+            if plan is None:
+                plan = self._plans.get(layout)
         # The request is the snapshot's moment: read the counters before anything can wait.
-        guard = SnapshotGuard(sources) if self.options.mutation_guard else None
+        # Every candidate, not the plan's pick: a guessed plan may still be replaced.
+        guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
         span = self.telemetry.begin(Phase.STAGING, bytes=plan.nbytes)
         try:
             gen = self._admit(plan, span, guard)
         except BaseException as exc:
             span.fail(exc)
             raise
+        gen.confirmed = confirmed
         ready = None
-        if self._stream is not None and plan.any_cuda:
+        if self._stream is not None:  # whatever the plan: a confirmed one may add CUDA sources
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the caller's stream: copy only what its queued kernels wrote
         future: Future[StateDict] = Future()
         rank = current_rank()
-        self._executor.submit(self._copy, gen, state_dict, sources, future, ready, started, rank)
+        self._executor.submit(self._copy, gen, state_dict, layout, future, ready, started, rank)
         return future
 
     def synchronize_staging(self) -> None:
@@ -270,7 +257,7 @@ class BudgetedStager(AsyncStager):
             ConfigError: this thread has no staged generation left to track.
         """
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        gen: _Generation | None = getattr(self._last, "generation", None)
+        gen: Generation | None = getattr(self._last, "generation", None)
         if gen is None:
             raise ConfigError("track(): no untracked save was staged on this thread")
         self._last.generation = None
@@ -372,7 +359,7 @@ class BudgetedStager(AsyncStager):
 
     def _admit(
         self, plan: StagingPlan, span: SpanHandle, guard: SnapshotGuard | None
-    ) -> _Generation:
+    ) -> Generation:
         request = plan.request
         self.budget.check_fits(request.cost)
         started = time.monotonic()
@@ -408,10 +395,8 @@ class BudgetedStager(AsyncStager):
                     continue
                 self._cond.wait(0.005)
             lease = self._pool.lease(request)
-            gen = _Generation(next(self._numbers), lease, span, guard, plan)
-            excess = self._pool.allocated_bytes - self.budget.envelope_bytes
-            if excess > 0:  # free buffers this state cannot use make room for ones it can
-                self._pool.trim(max(0, self._pool.free_bytes - excess))
+            gen = Generation(next(self._numbers), lease, span, guard, plan)
+            self._trim_excess()
             self._in_flight[gen.number] = gen
             self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
             self._admitted += 1
@@ -420,17 +405,55 @@ class BudgetedStager(AsyncStager):
             self._latest = gen
             return gen
 
-    def _decide(self, request: BufferRequest) -> tuple[Any, int]:
+    def _decide(self, request: BufferRequest, others: int | None = None) -> tuple[Any, int]:
         reused, new = self._pool.plan(request)
         spare = self._pool.free_bytes - reused
         projected = self._pool.allocated_bytes + new - spare
         admission = self.budget.admit(
             request_bytes=request.cost,
             projected_bytes=projected,
-            in_flight=len(self._in_flight),
+            in_flight=len(self._in_flight) if others is None else others,
             max_in_flight=self.options.max_in_flight,
         )
         return admission, new
+
+    def _admits_now(self, plan: StagingPlan) -> bool:
+        cost = plan.request.cost
+        return cost <= self.budget.envelope_bytes and self._decide(plan.request)[0].admitted
+
+    def _trim_excess(self) -> None:
+        excess = self._pool.allocated_bytes - self.budget.envelope_bytes
+        if excess > 0:  # free buffers this state cannot use make room for ones it can
+            self._pool.trim(max(0, self._pool.free_bytes - excess))
+
+    def _readmit(self, gen: Generation, layout: Layout) -> None:
+        """Swap a wrongly guessed plan's lease for the real plan's, admitted like any save.
+
+        Raises:
+            BudgetExceededError: the new layout is larger than the whole envelope.
+            AdmissionTimeoutError: the new layout does not fit while other saves hold memory.
+        """
+        with self._cond:
+            self._plans.retract()
+            plan = self._plans.get(layout)
+        self.budget.check_fits(plan.request.cost)
+        deadline = time.monotonic() + (
+            0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
+        )
+        with self._cond:
+            gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
+            while True:  # this generation is in flight already: count only the others
+                admission, _ = self._decide(plan.request, len(self._in_flight) - 1)
+                if admission.admitted:
+                    break
+                if time.monotonic() >= deadline:
+                    self._refused += 1
+                    why = f"{admission.reason} (the tensors' shapes or dtypes changed)"
+                    raise AdmissionTimeoutError(self._refusal(why))
+                self._cond.wait(0.005)
+            gen.lease = self._pool.lease(plan.request)
+            gen.plan = plan
+            self._trim_excess()
 
     def _refusal(self, reason: str) -> str:
         held = ", ".join(
@@ -451,9 +474,9 @@ class BudgetedStager(AsyncStager):
 
     def _copy(
         self,
-        gen: _Generation,
+        gen: Generation,
         state_dict: StateDict,
-        sources: list[torch.Tensor],
+        layout: Layout,
         future: Future[StateDict],
         ready: torch.cuda.Event | None,
         started: float,
@@ -462,17 +485,22 @@ class BudgetedStager(AsyncStager):
         result: StateDict | None = None
         try:
             allocated = gen.lease.materialize()
-            staged = self._copy_tensors(gen, sources, ready, state_dict, rank)
-            torn = self._torn(gen, state_dict, rank)
+            if gen.confirmed:
+                staged = self._copy_sources(gen, layout, ready, state_dict, rank)
+            else:
+                copy = lambda: self._copy_sources(gen, layout, ready, state_dict, rank)  # noqa: E731
+                staged, more = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
+                allocated += more
+            torn = torn_verdict(gen, state_dict, rank)
             if torn is not None:
                 raise torn
-            result = _StagedStateDict(rebuild(state_dict, staged))
+            result = StagedStateDict(rebuild(state_dict, staged))
             del staged
         except BaseException as exc:
             error = exc
             if not isinstance(exc, SnapshotMutatedError):
                 # A resize between the request and the copy surfaces as a shape error first.
-                torn = self._torn(gen, state_dict, rank)
+                torn = torn_verdict(gen, state_dict, rank)
                 if torn is not None:
                     torn.__cause__ = exc
                     error = torn
@@ -485,53 +513,22 @@ class BudgetedStager(AsyncStager):
             self._last_staging_s = time.perf_counter() - started
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
-        del sources
         future.set_result(result)
 
-    def _copy_tensors(
+    def _copy_sources(
         self,
-        gen: _Generation,
-        sources: list[torch.Tensor],
+        gen: Generation,
+        layout: Layout,
         ready: torch.cuda.Event | None,
         state_dict: StateDict,
         rank: int | None,
     ) -> dict[int, torch.Tensor]:
-        """Copy every source into its pool buffer; return the staged tensors by source id."""
-        stream_ctx: AbstractContextManager[Any] = (
-            torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        )
-        plan = gen.plan
-        dsts = gen.lease.typed_views(plan.views)
-        srcs = plan.copied(list(sources))
-        where = plan.copied(gen.guard.data_ptrs) if gen.guard is not None else None
-        with torch.no_grad(), stream_ctx, self.telemetry.profile(Phase.STAGING):
-            if ready is not None and self._stream is not None:
-                self._stream.wait_event(ready)
-            for start, stop in plan.chunks():
-                chunk = srcs[start:stop]
-                if where is not None and list(map(_read_data_ptr, chunk)) != where[start:stop]:
-                    # Freed or reallocated since the request (no version bump): copying a
-                    # freed storage would read released memory.
-                    pairs = zip(chunk, where[start:stop], strict=True)
-                    moved = [t for t, p in pairs if t.data_ptr() != p]
-                    raise SnapshotMutatedError(tensor_paths(state_dict, moved), rank=rank)
-                foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
-        if self._stream is not None:
-            self._stream.synchronize()
-        return plan.staged(sources, dsts)
-
-    def _torn(
-        self, gen: _Generation, state_dict: StateDict, rank: int | None
-    ) -> SnapshotMutatedError | None:
-        """The guard's verdict once the copy is over: ``None`` when the snapshot is exact."""
-        changed = gen.guard.changed() if gen.guard is not None else []
-        if not changed:
-            return None
-        return SnapshotMutatedError(tensor_paths(state_dict, changed), rank=rank)
+        profiling = self.telemetry.profile(Phase.STAGING)
+        return copy_sources(gen, layout, self._stream, ready, profiling, state_dict, rank)
 
     def _fail_generation(
         self,
-        gen: _Generation,
+        gen: Generation,
         future: Future[StateDict],
         error: BaseException,
         rank: int | None,
@@ -546,27 +543,27 @@ class BudgetedStager(AsyncStager):
                 # Peers are about to plan this save in DCP's collective; a failed Future would
                 # keep this rank out of it and leave them waiting for their deadline. The
                 # poisoned dict fails the plan inside the collective, on every rank at once.
-                future.set_result(_StagedStateDict(poisoned(error)))
+                future.set_result(StagedStateDict(poisoned(error)))
                 return
         gen.error = error
         future.set_exception(error)
 
     # -- release --------------------------------------------------------------------------------
 
-    def _dropped(self, gen: _Generation) -> None:
+    def _dropped(self, gen: Generation) -> None:
         # Runs inside the dict's deallocation; its tensors are freed only after we return.
         try:
             self._executor.submit(self._release, gen, writer_done=False)
         except RuntimeError:  # executor shut down: release now, the pending check still holds
             self._release(gen, writer_done=False)
 
-    def _upload_done(self, gen: _Generation, upload: Future[Any]) -> None:
+    def _upload_done(self, gen: Generation, upload: Future[Any]) -> None:
         exc = upload.exception()
         if exc is not None and gen.error is None:
             gen.error = exc
         self._release(gen, writer_done=True)
 
-    def _release(self, gen: _Generation, *, writer_done: bool) -> None:
+    def _release(self, gen: Generation, *, writer_done: bool) -> None:
         # Only the first release ends the generation, so only it is a phase.
         with self._cond:
             first, gen.release_claimed = not gen.release_claimed, True

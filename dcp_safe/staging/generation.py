@@ -1,0 +1,146 @@
+"""One save's staged copy (a *generation*) and the copy itself, as the staging thread runs it.
+
+This module owns what the staging thread does to a generation's bytes: copy every source into
+its pool buffer, chunk by chunk, each chunk after the data-pointer check of its sources, and
+judge the snapshot with the mutation guard once the copy is over. Admission and release, which
+need the stager's lock and its in-flight set, stay in :mod:`dcp_safe.staging.stager`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from dcp_safe.errors import SnapshotMutatedError
+from dcp_safe.observe import SpanHandle
+from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
+from dcp_safe.staging.plan import Layout, StagingPlan
+from dcp_safe.staging.pool import Lease
+from dcp_safe.torch_compat import foreach_copy
+
+__all__ = ["Generation", "StagedStateDict", "copy_guessed", "copy_sources", "torn_verdict"]
+
+# Mapped over a chunk's sources: the data-pointer check before its copy.
+_read_data_ptr = torch.Tensor.data_ptr
+
+
+class StagedStateDict(dict[str, Any]):
+    """The staged state: a plain dict that can carry the weak reference that releases it."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Generation:
+    """One admitted save: its plan, lease, guard and staging span, until it is released."""
+
+    def __init__(
+        self,
+        number: int,
+        lease: Lease,
+        span: SpanHandle,
+        guard: SnapshotGuard | None,
+        plan: StagingPlan,
+    ) -> None:
+        self.number = number
+        self.guard = guard
+        self.plan = plan
+        self.lease = lease
+        self.span = span  # the staging span: admission wait + copy
+        self.release_claimed = False
+        self.tracked = False
+        self.staged = threading.Event()
+        self.error: BaseException | None = None
+        # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
+        self.confirmed = True
+
+
+def copy_sources(
+    gen: Generation,
+    layout: Layout,
+    stream: torch.cuda.Stream | None,
+    ready: torch.cuda.Event | None,
+    profile: AbstractContextManager[Any],
+    state_dict: dict[str, Any],
+    rank: int | None,
+) -> dict[int, torch.Tensor]:
+    """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id.
+
+    Raises:
+        SnapshotMutatedError: a source's storage moved or was freed since the request.
+    """
+    stream_ctx: AbstractContextManager[Any] = (
+        torch.cuda.stream(stream) if stream is not None else nullcontext()
+    )
+    plan = gen.plan
+    sources = plan.sources(layout)
+    dsts = gen.lease.typed_views(plan.views)
+    srcs = plan.copied(list(sources))
+    where = plan.copied(plan.pick(gen.guard.data_ptrs)) if gen.guard is not None else None
+    with torch.no_grad(), stream_ctx, profile:
+        if ready is not None and stream is not None:
+            stream.wait_event(ready)
+        for start, stop in plan.chunks():
+            chunk = srcs[start:stop]
+            if where is not None and list(map(_read_data_ptr, chunk)) != where[start:stop]:
+                # Freed or reallocated since the request (no version bump): copying a
+                # freed storage would read released memory.
+                pairs = zip(chunk, where[start:stop], strict=True)
+                moved = [t for t, p in pairs if t.data_ptr() != p]
+                raise SnapshotMutatedError(tensor_paths(state_dict, moved), rank=rank)
+            foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
+    if stream is not None:
+        stream.synchronize()
+    return plan.staged(sources, dsts)
+
+
+def torn_verdict(
+    gen: Generation, state_dict: dict[str, Any], rank: int | None
+) -> SnapshotMutatedError | None:
+    """The guard's verdict once the copy is over: ``None`` when the snapshot is exact."""
+    changed = gen.guard.changed() if gen.guard is not None else []
+    if not changed:
+        return None
+    return SnapshotMutatedError(tensor_paths(state_dict, changed), rank=rank)
+
+
+def copy_guessed(
+    gen: Generation,
+    layout: Layout,
+    copy: Callable[[], dict[int, torch.Tensor]],
+    readmit: Callable[[], None],
+) -> tuple[dict[int, torch.Tensor], int]:
+    """Copy with stage()'s guessed plan, then confirm it; re-plan and copy again on a miss.
+
+    The key is checked after the copy: the copy releases the GIL, so the caller's
+    ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
+    A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
+
+    Args:
+        gen: the generation, its plan the guess.
+        layout: the state's walk at the request.
+        copy: copies ``gen``'s sources with its current plan and lease.
+        readmit: swaps ``gen``'s plan and lease for the layout's own, admitted anew.
+
+    Returns:
+        The staged tensors and the bytes a re-plan allocated.
+    """
+    try:
+        staged = copy()
+    except SnapshotMutatedError:
+        raise
+    except Exception:  # a shape or dtype mismatch: the guess was wrong, or a real error
+        if gen.plan.matches(layout):
+            raise
+    else:
+        if gen.plan.matches(layout):
+            gen.confirmed = True
+            return staged, 0
+        del staged
+    readmit()
+    gen.confirmed = True
+    allocated = gen.lease.materialize()
+    return copy(), allocated
