@@ -39,9 +39,9 @@ import itertools
 import logging
 import pickle
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -86,6 +86,8 @@ DEFAULT_COMMIT_WORKERS = 16
 MAX_COMMIT_WORKERS = 256
 # Runs of tasks per worker: more than one, so a slow run does not leave the others idle.
 _RUNS_PER_WORKER = 4
+# Reads per run at most: how many rank manifests one hand-off to a worker carries.
+_MAX_RUN = 8
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -272,10 +274,11 @@ class Committer:
             # Shard files lie in the work folder itself (DCP's layout): one listing sizes them
             # all, a request per 1,000 files on an object store instead of one per file.
             listing = _Deferred(pool, lambda: self._list(work_dir))
-            read = self._in_parallel(
+            read = self._read_then_check(
                 pool,
                 ranks,
-                lambda rank: self._read_rank(work_dir, name, save_id, rank, per_rank[rank]),
+                lambda rank: self._read_rank(work_dir, rank),
+                lambda rank, raw: self._check_rank(work_dir, name, save_id, rank, raw, per_rank),
             )
             listed = {"": listing.result()}
         for rank, (files, covered, _) in zip(ranks, read, strict=True):
@@ -301,25 +304,63 @@ class Committer:
         with _bounded_pool(self.workers) as pool:
             yield pool
 
-    def _in_parallel(
-        self, pool: ThreadPoolExecutor | None, tasks: Sequence[T], call: Callable[[T], R]
+    def _read_then_check(
+        self,
+        pool: ThreadPoolExecutor | None,
+        tasks: Sequence[T],
+        read: Callable[[T], bytes],
+        check: Callable[[T, bytes], R],
     ) -> list[R]:
-        """``[call(t) for t in tasks]`` on ``pool``'s threads, in order.
+        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads, the checks
+        on this one, in order, as the reads arrive.
 
-        Each thread takes a run of tasks, not one, so a thousand local reads do not pay a
-        thousand hand-offs between threads. The first error in task order is raised; the pool
-        then cancels the runs not yet started and waits for the ones running.
+        The reads wait on storage and release the interpreter lock; the checks (parsing) hold
+        it. Parsing on the workers too made 16 threads contend for the lock: on a local root
+        that was slower than one thread. Each worker takes a short run of reads, not one, so a
+        thousand local reads do not pay a thousand hand-offs; at most ``2 x workers`` runs are
+        read ahead of the checks, which bounds the manifests held at once. The first error in
+        task order is raised; the pool then cancels the runs not yet started and waits for
+        the ones running.
         """
-        runs = _split(tasks, self.workers * _RUNS_PER_WORKER)
+        runs = _split(tasks, max(self.workers * _RUNS_PER_WORKER, -(-len(tasks) // _MAX_RUN)))
         if pool is None or len(runs) <= 1:
-            return [call(task) for task in tasks]
-        futures = [pool.submit(lambda run: [call(task) for task in run], run) for run in runs]
-        return [result for future in futures for result in future.result()]
+            return [check(task, read(task)) for task in tasks]
+        pending = iter(runs)
+        ahead: deque[tuple[Sequence[T], Future[list[bytes]]]] = deque()
 
-    def _read_rank(
-        self, work_dir: str, name: str, save_id: str, rank: int, records: list[ItemRecord]
+        def read_ahead() -> None:
+            run = next(pending, None)
+            if run is not None:
+                ahead.append((run, pool.submit(lambda tasks: [read(t) for t in tasks], run)))
+
+        for _ in range(2 * self.workers):
+            read_ahead()
+        results: list[R] = []
+        while ahead:
+            run, future = ahead.popleft()
+            raws = future.result()
+            read_ahead()
+            results += [check(task, raw) for task, raw in zip(run, raws, strict=True)]
+        return results
+
+    def _read_rank(self, work_dir: str, rank: int) -> bytes:
+        """One rank's manifest, as stored (a worker)."""
+        rel = layout.rank_manifest_name(rank)
+        try:
+            return self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
+        except (FileNotFoundError, DcpSafeError) as exc:
+            raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
+
+    def _check_rank(
+        self,
+        work_dir: str,
+        name: str,
+        save_id: str,
+        rank: int,
+        raw: bytes,
+        per_rank: Mapping[int, list[ItemRecord]],
     ) -> tuple[tuple[FileRecord, ...], dict[str, int], FileRecord]:
-        """Read back one rank's manifest and check it against the rank's results (a worker).
+        """Check one rank's manifest against the rank's results.
 
         Returns its files, the bytes its items cover per file, and its own record. The items
         themselves are dropped here: they equal the rank's results, which the global manifest
@@ -327,16 +368,15 @@ class Committer:
         """
         rel = layout.rank_manifest_name(rank)
         try:
-            raw = self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
             manifest = RankManifest.from_json(raw, self.backend.full_path(f"{work_dir}/{rel}"))
-        except (FileNotFoundError, DcpSafeError) as exc:
+        except DcpSafeError as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
         if manifest.name != name or manifest.save_id != save_id or manifest.rank != rank:
             raise CommitError(
                 "a rank manifest belongs to another save",
                 {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
             )
-        if not _same_records(manifest.items, records):
+        if not _same_records(manifest.items, per_rank[rank]):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
         manifest_file = FileRecord(
             path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)

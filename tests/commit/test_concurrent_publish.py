@@ -80,8 +80,8 @@ def _race(root: str, options: Options, *, exclusive: bool | None = None) -> None
     outcomes: dict[int, BaseException | None] = {}
 
     def publish(who: int) -> None:
-        writer = _Racer(root, options, who, tried, exclusive=exclusive)
-        try:
+        try:  # the writer too: its backend probes the server, and a failure there is an outcome
+            writer = _Racer(root, options, who, tried, exclusive=exclusive)
             dcp_safe.save(states[who], checkpoint_id="step_1", storage_writer=writer)
             outcomes[who] = None
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
