@@ -13,8 +13,9 @@ one of two ways, chosen by the backend's ``supports_exclusive_create``:
   sees no other lease holds the name; one that sees another withdraws its own. Of two saves,
   the one that lists second sees the other's lease (written before the first listing, which
   came before the second), so at most one holds the name. Both may see each other and withdraw;
-  each tries again after a random pause, and gives up when a lease it saw is still there (a
-  holder, or an abandoned one). This needs listings that show every completed write, as S3 and
+  each tries again after a random pause, and gives up when a lease it saw is still there
+  unchanged (a holder, or an abandoned one; a contender rewrites its lease each round).
+  This needs listings that show every completed write, as S3 and
   its compatibles give (read-after-write consistency for LIST); the alternative, keeping each
   save under its own prefix with the marker naming it, would change what every reader reads.
 
@@ -93,7 +94,7 @@ def _acquire_exclusive(backend: Backend, name: str, save_id: str) -> None:
 
 def _acquire_per_save(backend: Backend, name: str, save_id: str) -> None:
     own = layout.lease_file_name(save_id)
-    seen: set[str] = set()
+    seen: dict[str, object] = {}
     for _ in range(_ROUNDS):
         backend.write_bytes(f"{name}/{own}", _body(save_id))
         try:
@@ -101,14 +102,18 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str) -> None:
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
                 return
+            # A contender writes its lease anew each round (a new ``acquired_at``); a holder,
+            # or an abandoned lease, does not. Both racers seeing each other twice in a row
+            # must not make both give up: only a lease unchanged since the last round counts.
+            stamps = {e: _field(backend, f"{name}/{e}", "acquired_at") for e in sorted(others)}
         except BaseException:
             with contextlib.suppress(OSError):
                 backend.remove_file(f"{name}/{own}")
             raise
         backend.remove_file(f"{name}/{own}")
-        if others & seen:
-            break  # still there after a pause: a holder (or abandoned), not a contender
-        seen = others
+        if any(entry in seen and seen[entry] == stamp for entry, stamp in stamps.items()):
+            break  # unchanged after a pause: a holder (or abandoned), not a contender
+        seen = stamps
         _pause()
     raise _held(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -149,6 +150,28 @@ def test_a_contender_that_withdraws_leaves_the_name_to_the_next_round(
     contender = f"step_1/{layout.lease_file_name('contender')}"
     per_save.write_bytes(contender, b"{}")
     monkeypatch.setattr(lease, "_pause", lambda: per_save.remove_file(contender))
+    acquire_lease(per_save, "step_1", "mine")
+    assert per_save.list_dir("step_1") == [layout.lease_file_name("mine")]
+
+
+def test_a_contender_seen_again_but_retrying_is_not_taken_for_a_holder(
+    per_save: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two racers that keep retrying at the same moments see each other round after round;
+    neither may give up on that, or the name ends with no winner. Only a lease unchanged since
+    the last round is a holder's."""
+    contender = f"step_1/{layout.lease_file_name('contender')}"
+    retries = [True, True, False]  # in our pauses: it writes its lease anew twice, then gives up
+
+    def contender_retries() -> None:
+        if retries.pop(0):
+            time.sleep(0.01)  # a new acquired_at
+            per_save.write_bytes(contender, json.dumps({"acquired_at": time.time()}).encode())
+        else:
+            per_save.remove_file(contender)
+
+    per_save.write_bytes(contender, json.dumps({"acquired_at": time.time()}).encode())
+    monkeypatch.setattr(lease, "_pause", contender_retries)
     acquire_lease(per_save, "step_1", "mine")
     assert per_save.list_dir("step_1") == [layout.lease_file_name("mine")]
 
