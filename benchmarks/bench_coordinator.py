@@ -140,19 +140,9 @@ def _summary(
 def get_floor(s3: Any, bucket: str, prefix: str, threads: int) -> Callable[[SimulatedSave], float]:
     """The request floor for a save under ``s3://bucket/prefix``: one plain boto3 GET of each
     rank manifest on ``threads`` threads, each with its own connection in the pool."""
-    import boto3
     from botocore.config import Config
 
-    from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3.endpoint_url,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name=REGION,
-        config=Config(max_pool_connections=threads),
-    )
+    client = s3.client(Config(max_pool_connections=threads))
 
     def get(key: str) -> int:
         return len(client.get_object(Bucket=bucket, Key=key)["Body"].read())

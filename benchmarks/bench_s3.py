@@ -276,16 +276,7 @@ def make_contenders(
         # at CompleteMultipartUpload) instead of a CRC32 of the part checksums.
         uploader = client
         if not sdk_checksums:
-            import boto3
-
-            uploader = boto3.client(
-                "s3",
-                endpoint_url=s3.endpoint_url,
-                aws_access_key_id=ACCESS_KEY,
-                aws_secret_access_key=SECRET_KEY,
-                region_name=REGION,
-                config=Config(request_checksum_calculation="when_required"),
-            )
+            uploader = s3.client(Config(request_checksum_calculation="when_required"))
 
         config = TransferConfig(
             multipart_threshold=PART_BYTES,

@@ -58,6 +58,7 @@ __all__ = [
     "join_or_acquire_lease",
     "lease_acquired_at",
     "lease_files",
+    "own_lease_file",
     "release_lease",
 ]
 
@@ -182,8 +183,13 @@ def check_lease(backend: Backend, name: str, save_id: str) -> None:
 
 def release_lease(backend: Backend, name: str, save_id: str) -> None:
     """Remove this save's lease (after its marker, or once it failed and removed its files)."""
-    own = None if backend.supports_exclusive_create else save_id
-    backend.remove_file(_lease_path(name, own))
+    backend.remove_file(f"{name}/{own_lease_file(backend, save_id)}")
+
+
+def own_lease_file(backend: Backend, save_id: str) -> str:
+    """The name of the lease save ``save_id`` writes under a checkpoint's folder on
+    ``backend``: the one ``_WRITING``, or its own per-save lease."""
+    return layout.lease_file_name(None if backend.supports_exclusive_create else save_id)
 
 
 def lease_files(backend: Backend, name: str) -> list[str]:

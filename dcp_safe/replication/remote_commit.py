@@ -33,6 +33,7 @@ from dcp_safe.commit.lease import (
     held_by_another,
     holds_lease,
     join_or_acquire_lease,
+    own_lease_file,
     release_lease,
 )
 from dcp_safe.commit.strategy import PublishStrategy, strategy_for
@@ -139,9 +140,7 @@ class RemoteLease:
             if self.joined or not holds_lease(self.remote, self.name, self.save_id):
                 return
             remove_uploads(self.remote, self.name, uploaded)
-            own = layout.lease_file_name(
-                None if self.remote.supports_exclusive_create else self.save_id
-            )
+            own = own_lease_file(self.remote, self.save_id)
             if list(self.remote.walk_files(self.name)) == [own]:
                 self.remote.remove_tree(self.name)  # the lease and any empty folders at once
             else:

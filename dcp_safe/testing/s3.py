@@ -56,8 +56,9 @@ class LocalS3:
         ``default_block_size``)."""
         return local_storage_options(self.endpoint_url, **extra)
 
-    def client(self) -> Any:
-        """A boto3 S3 client for this server (for setup and for inspecting what is stored)."""
+    def client(self, config: Any = None) -> Any:
+        """A boto3 S3 client for this server (for setup and for inspecting what is stored);
+        ``config``: a ``botocore.config.Config`` (connection pool, checksum policy)."""
         import boto3
 
         return boto3.client(
@@ -66,6 +67,7 @@ class LocalS3:
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
             region_name=REGION,
+            config=config,
         )
 
     def create_bucket(self, name: str | None = None) -> str:
