@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS, Committer
+from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.manifest.checksum import digest_bytes
@@ -122,8 +123,9 @@ def _write_rank(
         files=(FileRecord(path=shard, size=len(payload)),),
         items=tuple(records),
     )
-    backend.write_bytes(f"{work_dir}/{layout.rank_manifest_name(rank)}", manifest.to_json())
-    return results
+    written = manifest.to_json()
+    backend.write_bytes(f"{work_dir}/{layout.rank_manifest_name(rank)}", written)
+    return attach_report(results, report_for(manifest, written, options.checksum))
 
 
 def simulate(

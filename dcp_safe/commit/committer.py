@@ -13,16 +13,15 @@ every shard file has exactly the size its items add up to. Then it writes ``.met
   an exclusive write, so a committed name is never overwritten. The lease is checked before the
   control files are written too, so a writer whose lease was taken writes nothing more.
 
-Its cost is linear in ranks, files and items, and its storage calls run in parallel: at
-thousands of ranks the rank manifests (one read each: a single ranged GET on an object store)
-are most of the work. They run on a bounded pool (``workers``, 16 by default: enough to hide an
-object store's latency, few enough not to flood it). The shard files are sized from one listing
-of the work folder (:meth:`~dcp_safe.backends.backend.Backend.sizes`: a request per 1,000 files
-on an object store, not a HEAD per file), taken on the same pool beside the reads; a file the
-listing lacks is asked for on its own before the commit fails. A worker's error is raised here,
-typed, the lowest failing rank first; the calls not yet started are cancelled. Items are grouped
-by file once per rank manifest, never scanned per file, and then dropped: the global manifest is
-built from the ranks' results, which they equal.
+Its cost is linear in ranks, files and items, and it makes a few storage calls, not one per rank
+or per file. Each rank reports its manifest's files, size and checksum with its write results
+(:mod:`dcp_safe.commit.report`); the manifests are sized from one listing of ``_ranks/`` and the
+shard files from one of the work folder (:meth:`~dcp_safe.backends.backend.Backend.sizes`: a
+request per 1,000 files on an object store), taken in parallel on a bounded pool (``workers``, 16
+by default). A rank that sent no report has its manifest read back and parsed, on the same pool,
+a short run of reads per hand-off. A file a listing lacks is asked for on its own before the commit
+fails. A worker's error is raised here, typed, the lowest failing rank first; the calls not yet
+started are cancelled. Items are grouped by file once per rank, never scanned per file.
 
 Right before the publish (the rename, or the marker) it checks the fence
 (:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
@@ -37,22 +36,29 @@ import contextlib
 import enum
 import itertools
 import logging
-import pickle
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.report import RankReport
+from dcp_safe.commit.results import (
+    bytes_by_file,
+    check_every_item_written,
+    dcp_metadata,
+    records_by_rank,
+    same_records,
+)
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointExistsError,
@@ -66,15 +72,12 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import (
     FileRecord,
-    ItemKey,
     ItemRecord,
     Manifest,
     RankManifest,
-    item_key,
     manifest_digest,
 )
 from dcp_safe.manifest.signing import sign_digest
-from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
 from dcp_safe.version import __version__
 
 __all__ = ["DEFAULT_COMMIT_WORKERS", "MAX_COMMIT_WORKERS", "Committer"]
@@ -219,15 +222,15 @@ class Committer:
         results: list[list[WriteResult]],
         attempt: Attempt | None,
     ) -> _Sealed:
-        per_rank = _records_by_rank(results)
+        per_rank, reports = records_by_rank(results)
         if len(per_rank) != world_size:
             raise CommitError(
                 f"expected results from {world_size} ranks, got {len(per_rank)}",
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
-        _check_every_item_written(metadata, per_rank)
-        rank_files = self._check_ranks(work_dir, name, save_id, per_rank)
-        metadata_bytes = _dcp_metadata(metadata, name, save_id, results)
+        check_every_item_written(metadata, per_rank)
+        rank_files = self._check_ranks(work_dir, name, save_id, per_rank, reports)
+        metadata_bytes = dcp_metadata(metadata, name, save_id, results)
         algorithm = self.options.checksum
         files = [f for shard_files, _ in rank_files for f in shard_files]
         files += [manifest_file for _, manifest_file in rank_files]
@@ -262,26 +265,57 @@ class Committer:
         return _Sealed(manifest, digest.encode(), control)
 
     def _check_ranks(
-        self, work_dir: str, name: str, save_id: str, per_rank: Mapping[int, list[ItemRecord]]
+        self,
+        work_dir: str,
+        name: str,
+        save_id: str,
+        per_rank: Mapping[int, list[ItemRecord]],
+        reports: Mapping[int, RankReport],
     ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
-        """Read back every rank's manifest, ``workers`` at a time, and size every shard file
-        from a listing of the work folder taken beside them.
+        """Check every rank's manifest and size every shard file, ``workers`` calls at a time.
+
+        A rank's manifest is checked from its report (:mod:`dcp_safe.commit.report`) and sized
+        from one listing of ``_ranks/``; a rank without a report has its manifest read back and
+        parsed. The shard files are sized from one listing of the work folder, taken beside.
 
         Returns, per rank in order, its shard files and the record of its rank manifest.
         """
         ranks = sorted(per_rank)
+        unreported = [rank for rank in ranks if rank not in reports]
         with self._pool() as pool:
             # Shard files lie in the work folder itself (DCP's layout): one listing sizes them
             # all, a request per 1,000 files on an object store instead of one per file.
             listing = _Deferred(pool, lambda: self._list(work_dir))
+            manifests = _Deferred(
+                pool, lambda: self._list(f"{work_dir}/{layout.RANKS_DIR}") if reports else {}
+            )
             read = self._read_then_check(
                 pool,
-                ranks,
+                unreported,
                 lambda rank: self._read_rank(work_dir, rank),
                 lambda rank, raw: self._check_rank(work_dir, name, save_id, rank, raw, per_rank),
             )
-            listed = {"": listing.result()}
-        for rank, (files, covered, _) in zip(ranks, read, strict=True):
+            listed = {"": listing.result(), layout.RANKS_DIR: manifests.result()}
+        read_back = dict(zip(unreported, read, strict=True))
+        checked = []
+        for rank in ranks:
+            report = reports.get(rank)
+            if report is None:
+                files, covered, manifest_file = read_back[rank]
+            else:
+                self._check_report(name, save_id, rank, report)
+                self._check_manifest_stored(listed, rank, work_dir, report.manifest)
+                files, covered, manifest_file = (
+                    report.files,
+                    bytes_by_file(per_rank[rank]),
+                    report.manifest,
+                )
+            unlisted = covered.keys() - {file.path for file in files}
+            if unlisted:
+                raise CommitError(
+                    "a rank's items lie in a file its manifest does not list",
+                    {rank: ", ".join(sorted(unlisted)[:5])},
+                )
             for file in files:
                 actual = self._listed_size(listed, rank, work_dir, file)
                 covered_bytes = covered.get(file.path, 0)
@@ -293,7 +327,8 @@ class Committer:
                     raise CommitError(
                         "a shard file is not the size its items add up to", {rank: detail}
                     )
-        return [(files, manifest_file) for files, _, manifest_file in read]
+            checked.append((files, manifest_file))
+        return checked
 
     @contextlib.contextmanager
     def _pool(self) -> Iterator[ThreadPoolExecutor | None]:
@@ -376,12 +411,51 @@ class Committer:
                 "a rank manifest belongs to another save",
                 {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
             )
-        if not _same_records(manifest.items, per_rank[rank]):
+        if not same_records(manifest.items, per_rank[rank]):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
         manifest_file = FileRecord(
             path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)
         )
-        return manifest.files, _bytes_by_file(manifest.items), manifest_file
+        return manifest.files, bytes_by_file(manifest.items), manifest_file
+
+    def _check_report(self, name: str, save_id: str, rank: int, report: RankReport) -> None:
+        """A rank's report is of this save and this rank, checksummed as the coordinator does."""
+        if (report.name, report.save_id, report.rank) != (name, save_id, rank):
+            raise CommitError(
+                "a rank manifest belongs to another save",
+                {rank: f"{report.name}/{report.save_id} rank {report.rank}"},
+            )
+        expected = self.options.checksum.value
+        checksum = report.manifest.checksum or ""
+        if checksum.partition(":")[0] != expected:
+            # The global manifest names one algorithm for every file it lists.
+            raise CommitError(
+                f"a rank checksummed its manifest with another algorithm than {expected!r}: "
+                "every rank must be configured alike",
+                {rank: checksum.partition(":")[0] or "no checksum"},
+            )
+
+    def _check_manifest_stored(
+        self, listed: dict[str, dict[str, int]], rank: int, work_dir: str, manifest: FileRecord
+    ) -> None:
+        """A reported rank manifest is on storage, the size the rank wrote."""
+        folder, _, base = manifest.path.rpartition("/")
+        size = listed.get(folder, {}).get(base)
+        path = f"{work_dir}/{manifest.path}"
+        if size is None:  # not in the listing: asked for on its own, as a shard is
+            try:
+                size = self.backend.size(path)
+            except FileNotFoundError as exc:
+                raise CommitError("a rank manifest is missing or unreadable", {rank: path}) from exc
+            except StorageError:
+                raise
+            except OSError as exc:
+                raise StorageError("stat", self.backend.full_path(path), exc) from exc
+        if size != manifest.size:
+            raise CommitError(
+                "a rank manifest on storage is not the one its rank wrote",
+                {rank: f"{path}: on storage {size} bytes, written {manifest.size}"},
+            )
 
     def _list(self, rel: str) -> dict[str, int]:
         """The sizes of the files directly under ``rel``, from one listing (a worker)."""
@@ -440,66 +514,6 @@ class Committer:
             self.backend.remove_tree(work_dir)
 
 
-def _records_by_rank(results: list[list[WriteResult]]) -> dict[int, list[ItemRecord]]:
-    per_rank: dict[int, list[ItemRecord]] = {}
-    for rank, rank_results in enumerate(results):
-        records = []
-        for result in rank_results:
-            if not isinstance(result.storage_data, ItemRecord):
-                raise CommitError(
-                    "a rank returned results SafeStorageWriter did not produce",
-                    {rank: type(result.storage_data).__name__},
-                )
-            records.append(result.storage_data)
-        per_rank[rank] = records
-    return per_rank
-
-
-def _check_every_item_written(metadata: Metadata, per_rank: Mapping[int, list[ItemRecord]]) -> None:
-    written: dict[ItemKey, int] = {}
-    for rank, records in per_rank.items():
-        for record in records:
-            if record.key in written:
-                raise CommitError(
-                    f"item {record.describe()} was written twice",
-                    {rank: "duplicate", written[record.key]: "duplicate"},
-                )
-            written[record.key] = rank
-    missing = [key for key in _planned_keys(metadata) if key not in written]
-    if missing:
-        shown = ", ".join(f"{fqn}@{offset}" for fqn, offset in missing[:5])
-        raise CommitError(f"{len(missing)} planned items have no write result: {shown}")
-
-
-def _planned_keys(metadata: Metadata) -> Iterable[ItemKey]:
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            for chunk in entry.chunks:
-                yield item_key(fqn, chunk.offsets)
-        else:
-            yield item_key(fqn, None)
-
-
-def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
-    return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records)
-
-
-def _same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) -> bool:
-    """The same records, in any order (a rank writes them in its results' order: compared
-    pairwise first, counted only if that fails)."""
-    if list(_fingerprints(written)) == list(_fingerprints(reported)):
-        return True
-    return Counter(_fingerprints(written)) == Counter(_fingerprints(reported))
-
-
-def _bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
-    """How many bytes each file's items add up to: one pass, not one scan per file."""
-    covered: dict[str, int] = {}
-    for item in items:
-        covered[item.file] = covered.get(item.file, 0) + item.length
-    return covered
-
-
 class _Deferred(Generic[R]):
     """A call started on ``pool`` now (inline at :meth:`result` when there is no pool)."""
 
@@ -529,23 +543,3 @@ def _bounded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
-
-
-def _dcp_metadata(
-    metadata: Metadata, name: str, save_id: str, results: list[list[WriteResult]]
-) -> bytes:
-    """DCP's own ``.metadata``: plain ``StorageInfo`` entries, so torch's readers load it."""
-    storage: dict[Any, StorageInfo] = {}
-    for rank_results in results:
-        for result in rank_results:
-            record: ItemRecord = result.storage_data
-            storage[result.index] = StorageInfo(
-                relative_path=record.file,
-                offset=record.start,
-                length=record.length,
-                transform_descriptors=list(record.transforms) or None,
-            )
-    metadata.version = CURRENT_DCP_VERSION
-    metadata.storage_data = storage
-    metadata.storage_meta = StorageMeta(checkpoint_id=name, save_id=save_id)
-    return pickle.dumps(metadata)

@@ -50,6 +50,7 @@ from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
 from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.dcp.tensor_records import write_tensor
@@ -273,11 +274,14 @@ class SafeStorageWriter(StorageWriter):
             items=tuple(record for record, _ in records),
         )
         rank_manifest = f"{assignment.work_dir}/{layout.rank_manifest_name(assignment.rank)}"
-        self.backend.write_bytes(rank_manifest, manifest.to_json())
-        return [
+        written = manifest.to_json()
+        self.backend.write_bytes(rank_manifest, written)
+        results = [
             WriteResult(index=item.index, size_in_bytes=record.length, storage_data=record)
             for record, item in records
         ]
+        # The coordinator checks the manifest from this report, not by reading it back.
+        return attach_report(results, report_for(manifest, written, self.options.checksum))
 
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
         """After this rank failed: on an object store, remove its own objects and free the name.

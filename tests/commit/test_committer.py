@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.storage import WriteResult
 
 import dcp_safe
 from dcp_safe import CommitError, ConfigError, StorageError, layout
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.bench import world
 from dcp_safe.commit.committer import MAX_COMMIT_WORKERS, Committer
+from dcp_safe.commit.report import ReportedItem
 from dcp_safe.dcp.options import WriterOptions
-from dcp_safe.manifest.schema import RankManifest
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.manifest.schema import FileRecord, RankManifest
 
 RANKS = 12
 
@@ -83,17 +88,108 @@ def test_a_missing_shard_is_a_commit_error_not_a_bare_os_error(tmp_path: Path) -
     _assert_nothing_published(tmp_path)
 
 
-def test_a_rank_manifest_that_disagrees_with_the_results_fails(tmp_path: Path) -> None:
-    backend = LocalBackend(str(tmp_path))
-    save = world.simulate(backend, "step_1", RANKS)
-    rel = f"{save.work_dir}/{layout.rank_manifest_name(4)}"
+def _without_reports(save: world.SimulatedSave, ranks: Iterable[int]) -> world.SimulatedSave:
+    """``save`` as if ``ranks`` had sent no report (as a rank that wrote no items cannot)."""
+    stripped = set(ranks)
+
+    def plain(result: WriteResult) -> WriteResult:
+        data = result.storage_data
+        record = data.record if isinstance(data, ReportedItem) else data
+        return dataclasses.replace(result, storage_data=record)
+
+    results = [
+        [plain(r) for r in rank_results] if rank in stripped else rank_results
+        for rank, rank_results in enumerate(save.results)
+    ]
+    return dataclasses.replace(save, results=results)
+
+
+def _change_first_checksum(backend: LocalBackend, rel: str) -> None:
     manifest = RankManifest.from_json(backend.read_bytes(rel), rel)
     item = dataclasses.replace(manifest.items[0], checksum="crc32:00000000")
     changed = dataclasses.replace(manifest, items=(item, *manifest.items[1:]))
     backend.write_bytes(rel, changed.to_json())
+
+
+def test_a_rank_manifest_changed_on_storage_after_its_rank_wrote_it_fails(
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(str(tmp_path))
+    save = world.simulate(backend, "step_1", RANKS)
+    _change_first_checksum(backend, f"{save.work_dir}/{layout.rank_manifest_name(4)}")
+    with pytest.raises(CommitError, match="not the one its rank wrote") as caught:
+        world.publish(backend, save, workers=4)
+    assert list(caught.value.failures) == [4]
+    assert "on storage" in caught.value.failures[4]
+    _assert_nothing_published(tmp_path)
+
+
+def test_a_rank_without_a_report_has_its_manifest_read_back_and_compared(
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(str(tmp_path))
+    save = _without_reports(world.simulate(backend, "step_1", RANKS), [4, 8])
+    _change_first_checksum(backend, f"{save.work_dir}/{layout.rank_manifest_name(4)}")
     with pytest.raises(CommitError, match="disagrees with the rank's write results") as caught:
         world.publish(backend, save, workers=4)
     assert list(caught.value.failures) == [4]
+    _assert_nothing_published(tmp_path)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_reported_and_read_back_ranks_publish_the_same_checkpoint(
+    tmp_path: Path, workers: int
+) -> None:
+    reported, read_back = LocalBackend(str(tmp_path / "a")), LocalBackend(str(tmp_path / "b"))
+    save = world.simulate(reported, "step_1", RANKS)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    first = world.publish(reported, save, workers=workers)
+    second = world.publish(read_back, _without_reports(save, range(0, RANKS, 2)), workers=workers)
+    assert first.files == second.files
+    assert first.items == second.items
+    dcp_safe.verify_checkpoint(tmp_path / "b", "step_1")
+
+
+def _with_report(save: world.SimulatedSave, of_rank: int, **changes: Any) -> world.SimulatedSave:
+    """``save`` with fields of rank ``of_rank``'s report replaced."""
+    first, *rest = save.results[of_rank]
+    data = first.storage_data
+    assert isinstance(data, ReportedItem)
+    report = dataclasses.replace(data.report, **changes)
+    carried = dataclasses.replace(first, storage_data=ReportedItem(data.record, report))
+    results = list(save.results)
+    results[of_rank] = [carried, *rest]
+    return dataclasses.replace(save, results=results)
+
+
+@pytest.mark.parametrize("changes", [{"save_id": "another"}, {"rank": 2}, {"name": "step_2"}])
+def test_a_report_of_another_save_or_rank_fails(tmp_path: Path, changes: dict[str, Any]) -> None:
+    backend = LocalBackend(str(tmp_path))
+    save = world.simulate(backend, "step_1", RANKS)
+    with pytest.raises(CommitError, match="belongs to another save") as caught:
+        world.publish(backend, _with_report(save, 6, **changes), workers=4)
+    assert list(caught.value.failures) == [6]
+    _assert_nothing_published(tmp_path)
+
+
+def test_a_rank_checksumming_with_another_algorithm_fails(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    save = world.simulate(backend, "step_1", RANKS)
+    rel = layout.rank_manifest_name(3)
+    raw = backend.read_bytes(f"{save.work_dir}/{rel}")
+    crc = FileRecord(path=rel, size=len(raw), checksum=digest_bytes(raw, ChecksumAlgorithm.CRC32))
+    with pytest.raises(CommitError, match="another algorithm") as caught:
+        world.publish(backend, _with_report(save, 3, manifest=crc), workers=4)
+    assert caught.value.failures == {3: "crc32"}
+    _assert_nothing_published(tmp_path)
+
+
+def test_items_in_a_file_the_report_does_not_list_fail(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    save = world.simulate(backend, "step_1", RANKS)
+    with pytest.raises(CommitError, match="does not list") as caught:
+        world.publish(backend, _with_report(save, 9, files=()), workers=4)
+    assert caught.value.failures == {9: layout.shard_file_name(9, 0)}
     _assert_nothing_published(tmp_path)
 
 
@@ -199,6 +295,7 @@ class _Counting(LocalBackend):
         self.hide = hide
         self.sized: list[str] = []
         self.listed: list[str] = []
+        self.read: list[str] = []
         self._lock = threading.Lock()
 
     def size(self, rel: str) -> int:
@@ -211,21 +308,31 @@ class _Counting(LocalBackend):
             self.listed.append(rel)
         return {k: v for k, v in super().sizes(rel).items() if k not in self.hide}
 
+    def read_small(self, rel: str, limit: int) -> bytes:
+        with self._lock:
+            self.read.append(rel)
+        return super().read_small(rel, limit)
+
 
 @pytest.mark.parametrize("workers", [1, 4])
-def test_shards_are_sized_from_one_listing_of_the_work_folder(tmp_path: Path, workers: int) -> None:
+def test_two_listings_check_every_file_and_no_rank_manifest_is_read_back(
+    tmp_path: Path, workers: int
+) -> None:
+    """One listing of the work folder sizes the shards, one of ``_ranks/`` the rank manifests
+    (whose contents the ranks reported): a request per 1,000 ranks on an object store."""
     backend = _Counting(str(tmp_path))
     save = world.simulate(backend, "step_1", RANKS)
     world.publish(backend, save, workers=workers)
-    assert backend.listed == [save.work_dir]
+    assert sorted(backend.listed) == [save.work_dir, f"{save.work_dir}/{layout.RANKS_DIR}"]
     assert backend.sized == []
+    assert not [rel for rel in backend.read if "/" + layout.RANKS_DIR + "/" in rel]
     dcp_safe.verify_checkpoint(tmp_path, "step_1")
 
 
-def test_a_shard_a_listing_missed_is_asked_for_on_its_own(tmp_path: Path) -> None:
-    shard = layout.shard_file_name(5, 0)
-    backend = _Counting(str(tmp_path), hide=frozenset({shard}))
+@pytest.mark.parametrize("rel", [layout.shard_file_name(5, 0), layout.rank_manifest_name(5)])
+def test_a_file_a_listing_missed_is_asked_for_on_its_own(tmp_path: Path, rel: str) -> None:
+    backend = _Counting(str(tmp_path), hide=frozenset({rel.rpartition("/")[2]}))
     save = world.simulate(backend, "step_1", RANKS)
     world.publish(backend, save, workers=4)
-    assert backend.sized == [f"{save.work_dir}/{shard}"]
+    assert backend.sized == [f"{save.work_dir}/{rel}"]
     dcp_safe.verify_checkpoint(tmp_path, "step_1")

@@ -1,0 +1,123 @@
+"""The ranks' write results as the coordinator checks them, and DCP's ``.metadata`` from them.
+
+DCP gathers every rank's ``write_data`` results to rank 0 and hands them to ``finish``. These are
+the checks that need nothing but those results and DCP's global plan (every planned item written
+once; a rank's records the same as its manifest's), and the ``.metadata`` file torch's own readers
+load, built from them. Storage is not touched here: :mod:`dcp_safe.commit.committer` does that.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_safe.commit.report import RankReport, ReportedItem
+from dcp_safe.errors import CommitError
+from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
+from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
+
+__all__ = [
+    "bytes_by_file",
+    "check_every_item_written",
+    "dcp_metadata",
+    "records_by_rank",
+    "same_records",
+]
+
+
+def records_by_rank(
+    results: list[list[WriteResult]],
+) -> tuple[dict[int, list[ItemRecord]], dict[int, RankReport]]:
+    """Each rank's item records, and the reports of the ranks that sent one."""
+    per_rank: dict[int, list[ItemRecord]] = {}
+    reports: dict[int, RankReport] = {}
+    for rank, rank_results in enumerate(results):
+        records = []
+        for result in rank_results:
+            data = result.storage_data
+            if isinstance(data, ReportedItem):
+                reports[rank] = data.report
+                data = data.record
+            if not isinstance(data, ItemRecord):
+                raise CommitError(
+                    "a rank returned results SafeStorageWriter did not produce",
+                    {rank: type(data).__name__},
+                )
+            records.append(data)
+        per_rank[rank] = records
+    return per_rank, reports
+
+
+def _record_of(result: WriteResult) -> ItemRecord:
+    data = result.storage_data
+    return data.record if isinstance(data, ReportedItem) else cast(ItemRecord, data)
+
+
+def check_every_item_written(metadata: Metadata, per_rank: Mapping[int, list[ItemRecord]]) -> None:
+    written: dict[ItemKey, int] = {}
+    for rank, records in per_rank.items():
+        for record in records:
+            if record.key in written:
+                raise CommitError(
+                    f"item {record.describe()} was written twice",
+                    {rank: "duplicate", written[record.key]: "duplicate"},
+                )
+            written[record.key] = rank
+    missing = [key for key in _planned_keys(metadata) if key not in written]
+    if missing:
+        shown = ", ".join(f"{fqn}@{offset}" for fqn, offset in missing[:5])
+        raise CommitError(f"{len(missing)} planned items have no write result: {shown}")
+
+
+def _planned_keys(metadata: Metadata) -> Iterable[ItemKey]:
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                yield item_key(fqn, chunk.offsets)
+        else:
+            yield item_key(fqn, None)
+
+
+def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
+    return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records)
+
+
+def same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) -> bool:
+    """The same records, in any order (a rank writes them in its results' order: compared
+    pairwise first, counted only if that fails)."""
+    if list(_fingerprints(written)) == list(_fingerprints(reported)):
+        return True
+    return Counter(_fingerprints(written)) == Counter(_fingerprints(reported))
+
+
+def bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
+    """How many bytes each file's items add up to: one pass, not one scan per file."""
+    covered: dict[str, int] = {}
+    for item in items:
+        covered[item.file] = covered.get(item.file, 0) + item.length
+    return covered
+
+
+def dcp_metadata(
+    metadata: Metadata, name: str, save_id: str, results: list[list[WriteResult]]
+) -> bytes:
+    """DCP's own ``.metadata``: plain ``StorageInfo`` entries, so torch's readers load it."""
+    storage: dict[Any, StorageInfo] = {}
+    for rank_results in results:
+        for result in rank_results:
+            record = _record_of(result)
+            storage[result.index] = StorageInfo(
+                relative_path=record.file,
+                offset=record.start,
+                length=record.length,
+                transform_descriptors=list(record.transforms) or None,
+            )
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = storage
+    metadata.storage_meta = StorageMeta(checkpoint_id=name, save_id=save_id)
+    return pickle.dumps(metadata)
