@@ -23,6 +23,7 @@ from contextlib import contextmanager, suppress
 from typing import BinaryIO, Literal
 
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
+from dcp_safe.backends.writeback import WritebackFile
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 
 __all__ = ["LocalBackend"]
@@ -74,7 +75,9 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
         try:
-            yield f
+            # Durable files start their writeback as they are written, so the fsync below
+            # waits for the tail only (dcp_safe.backends.writeback).
+            yield WritebackFile(f) if self.fsync else f
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
