@@ -21,7 +21,9 @@ from dcp_safe import (
     list_checkpoints,
     verify_checkpoint,
 )
+from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.bench import world
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.manifest.schema import FileRecord
 
@@ -117,3 +119,60 @@ def test_a_manifest_pointing_outside_its_checkpoint_is_refused_and_hides_nothing
     assert [i.name for i in list_checkpoints(root)] == ["step_1"]  # the good one still listed
     assert verify_checkpoint(root, "latest").name == "step_1"
     assert secret.read_bytes() == b"not yours"
+
+
+class _CountingCalls:
+    """Counts the size and listing calls of every ``LocalBackend`` while installed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hide: str | None = None) -> None:
+        self.sized: list[str] = []
+        self.listed: list[str] = []
+        size, sizes = LocalBackend.size, LocalBackend.sizes
+
+        def counted_size(backend: LocalBackend, rel: str) -> int:
+            self.sized.append(rel)
+            return size(backend, rel)
+
+        def counted_sizes(backend: LocalBackend, rel: str) -> dict[str, int]:
+            self.listed.append(rel)
+            return {k: v for k, v in sizes(backend, rel).items() if k != hide}
+
+        monkeypatch.setattr(LocalBackend, "size", counted_size)
+        monkeypatch.setattr(LocalBackend, "sizes", counted_sizes)
+
+
+def _many_ranks(tmp_path: Path, ranks: int) -> None:
+    backend = LocalBackend(str(tmp_path))
+    world.publish(backend, world.simulate(backend, "step_1", ranks))
+
+
+def test_quick_verify_sizes_every_file_from_one_listing_per_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _many_ranks(tmp_path, 12)
+    calls = _CountingCalls(monkeypatch)
+    report = verify_checkpoint(tmp_path, "step_1", deep=False)
+    assert report.files_checked == 12 * 2 + 1  # a shard and a rank manifest each, .metadata
+    assert sorted(calls.listed) == ["step_1", f"step_1/{layout.RANKS_DIR}"]
+    assert calls.sized == []
+
+
+def test_quick_verify_asks_for_a_file_its_listing_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _many_ranks(tmp_path, 12)
+    shard = layout.shard_file_name(7, 0)
+    calls = _CountingCalls(monkeypatch, hide=shard)
+    verify_checkpoint(tmp_path, "step_1", deep=False)
+    assert calls.sized == [f"step_1/{shard}"]
+
+
+def test_quick_verify_names_a_changed_rank_manifest_with_both_sizes(tmp_path: Path) -> None:
+    _many_ranks(tmp_path, 12)
+    rank_manifest = tmp_path / "step_1" / layout.rank_manifest_name(5)
+    data = rank_manifest.read_bytes()
+    rank_manifest.write_bytes(data + b" ")
+    with pytest.raises(CheckpointCorruptError, match="size differs") as caught:
+        verify_checkpoint(tmp_path, "step_1", deep=False)
+    assert rank_manifest.name in str(caught.value)
+    assert (caught.value.expected, caught.value.actual) == (len(data), len(data) + 1)
