@@ -439,19 +439,11 @@ class Committer:
         self, listed: dict[str, dict[str, int]], rank: int, work_dir: str, manifest: FileRecord
     ) -> None:
         """A reported rank manifest is on storage, the size the rank wrote."""
-        folder, _, base = manifest.path.rpartition("/")
-        size = listed.get(folder, {}).get(base)
-        path = f"{work_dir}/{manifest.path}"
-        if size is None:  # not in the listing: asked for on its own, as a shard is
-            try:
-                size = self.backend.size(path)
-            except FileNotFoundError as exc:
-                raise CommitError("a rank manifest is missing or unreadable", {rank: path}) from exc
-            except StorageError:
-                raise
-            except OSError as exc:
-                raise StorageError("stat", self.backend.full_path(path), exc) from exc
+        size = self._listed_size(
+            listed, rank, work_dir, manifest, missing="a rank manifest is missing or unreadable"
+        )
         if size != manifest.size:
+            path = f"{work_dir}/{manifest.path}"
             raise CommitError(
                 "a rank manifest on storage is not the one its rank wrote",
                 {rank: f"{path}: on storage {size} bytes, written {manifest.size}"},
@@ -467,24 +459,31 @@ class Committer:
             raise StorageError("list", self.backend.full_path(rel), exc) from exc
 
     def _listed_size(
-        self, listed: dict[str, dict[str, int]], rank: int, work_dir: str, file: FileRecord
+        self,
+        listed: dict[str, dict[str, int]],
+        rank: int,
+        work_dir: str,
+        file: FileRecord,
+        *,
+        missing: str = "a shard file is missing",
     ) -> int:
-        """One shard file's size from the listing of its folder (listed here if it is not the
-        work folder). A name the listing lacks is asked for on its own before the commit fails:
-        a listing is a snapshot, and this keeps a missing file's error what it always was."""
+        """One file's size from the listing of its folder (listed here if it was not yet).
+        A name the listing lacks is asked for on its own before the commit fails with
+        ``missing``: a listing is a snapshot, and this keeps a missing file's error what it
+        always was."""
         folder, _, base = file.path.rpartition("/")
         if folder not in listed:
             listed[folder] = self._list(f"{work_dir}/{folder}")
         size = listed[folder].get(base)
-        return self._size(rank, work_dir, file) if size is None else size
+        return self._size(rank, work_dir, file, missing) if size is None else size
 
-    def _size(self, rank: int, work_dir: str, file: FileRecord) -> int:
-        """One shard file's size on storage; a missing file fails the commit."""
+    def _size(self, rank: int, work_dir: str, file: FileRecord, missing: str) -> int:
+        """One file's size on storage; a missing file fails the commit with ``missing``."""
         path = f"{work_dir}/{file.path}"
         try:
             return self.backend.size(path)
         except FileNotFoundError as exc:
-            raise CommitError("a shard file is missing", {rank: path}) from exc
+            raise CommitError(missing, {rank: path}) from exc
         except StorageError:
             raise
         except OSError as exc:
