@@ -13,8 +13,9 @@ work dominates). For each, one process measures, alternating the order from roun
 * *staging, guard on / off*: ``BudgetedStager.stage(state).result()`` with a warmed pool, with
   ``mutation_guard=True`` (the default) and ``False``;
 * *guard*: the guard's own work on the same tensors, timed alone: reading every version counter
-  and data pointer at the request, comparing each pointer before its copy, and comparing the
-  counters after (``SnapshotGuard`` and ``changed``), with no copy in between.
+  at the request and comparing the counters after (``SnapshotGuard`` and ``changed``), with no
+  copy in between. (The check that each source's storage still holds its bytes belongs to the
+  copy, guard or no guard, so it is inside both *staging* figures.)
 
 With ``--loop``, the overlapped training loop instead (issue #18's last target: blocked
 <= 0.1x the copy floor per save, guard on)::
@@ -86,9 +87,6 @@ def copy_floor(sources: list[torch.Tensor], buffers: list[torch.Tensor]) -> floa
 def guard_alone(sources: list[torch.Tensor]) -> float:
     start = time.perf_counter()
     guard = SnapshotGuard(sources)
-    for src, data_ptr in zip(sources, guard.data_ptrs, strict=True):  # as before each copy
-        if src.data_ptr() != data_ptr:
-            raise AssertionError("a storage moved")
     if guard.changed():
         raise AssertionError("nothing updated the state, yet the guard saw a change")
     return time.perf_counter() - start

@@ -1,8 +1,17 @@
 """One save's staged copy (a *generation*) and the copy itself, as the staging thread runs it.
 
 This module owns what the staging thread does to a generation's bytes: copy every source into
-its pool buffer, chunk by chunk, each chunk after the data-pointer check of its sources, and
-judge the snapshot with the mutation guard once the copy is over. Admission and release, which
+its pool buffer, chunk by chunk, each chunk after checking that its sources' storages still hold
+their bytes, and judge the snapshot with the mutation guard once the copy is over.
+
+Why the storage check: a storage can lose its bytes without any tensor's version counter moving
+(``untyped_storage().resize_(0)``, as FSDP frees an unsharded parameter), and copying it would
+read released memory, which can crash the process. So the copy, guard or no guard, compares each
+chunk's data pointers with the ones its plan last found holding their bytes (one C getter mapped
+over the chunk) and checks the storage of any source whose pointer moved, before the chunk's
+``_foreach_copy_``. A storage only moves by being reallocated or freed, so in a training loop the
+pointers stay put and the check is the mapped read alone. It runs on the staging thread: the
+training thread pays only the guard's counter read at the request. Admission and release, which
 need the stager's lock and its in-flight set, stay in :mod:`dcp_safe.staging.stager`.
 """
 
@@ -22,9 +31,16 @@ from dcp_safe.staging.plan import Layout, StagingPlan
 from dcp_safe.staging.pool import Lease
 from dcp_safe.torch_compat import foreach_copy
 
-__all__ = ["Generation", "StagedStateDict", "copy_guessed", "copy_sources", "torn_verdict"]
+__all__ = [
+    "Generation",
+    "StagedStateDict",
+    "copy_guessed",
+    "copy_sources",
+    "holds_its_bytes",
+    "torn_verdict",
+]
 
-# Mapped over a chunk's sources: the data-pointer check before its copy.
+# Mapped over a chunk's sources: the storage check before its copy.
 _read_data_ptr = torch.Tensor.data_ptr
 
 
@@ -70,7 +86,7 @@ def copy_sources(
     """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id.
 
     Raises:
-        SnapshotMutatedError: a source's storage moved or was freed since the request.
+        SnapshotMutatedError: a source's storage was freed or shrunk (see the module docstring).
     """
     stream_ctx: AbstractContextManager[Any] = (
         torch.cuda.stream(stream) if stream is not None else nullcontext()
@@ -79,22 +95,58 @@ def copy_sources(
     sources = plan.sources(layout)
     dsts = gen.lease.typed_views(plan.views)
     srcs = plan.copied(list(sources))
-    where = plan.copied(plan.pick(gen.guard.data_ptrs)) if gen.guard is not None else None
+    held = plan.held_pointers
     with torch.no_grad(), stream_ctx, profile:
         if ready is not None and stream is not None:
             stream.wait_event(ready)
         for start, stop in plan.chunks():
             chunk = srcs[start:stop]
-            if where is not None and list(map(_read_data_ptr, chunk)) != where[start:stop]:
-                # Freed or reallocated since the request (no version bump): copying a
-                # freed storage would read released memory.
-                pairs = zip(chunk, where[start:stop], strict=True)
-                moved = [t for t, p in pairs if t.data_ptr() != p]
-                raise SnapshotMutatedError(tensor_paths(state_dict, moved), rank=rank)
+            now = list(map(_read_data_ptr, chunk))
+            if now != held[start:stop]:
+                _check_storages(chunk, now, held, start, state_dict, rank)
             foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
     if stream is not None:
         stream.synchronize()
     return plan.staged(sources, dsts)
+
+
+def _check_storages(
+    chunk: list[torch.Tensor],
+    pointers: list[int],
+    held: list[int],
+    start: int,
+    state_dict: dict[str, Any],
+    rank: int | None,
+) -> None:
+    """Check the sources of a chunk whose pointer moved; remember the ones that hold their bytes.
+
+    ``held`` (the plan's, indexed from ``start``) is updated in place. A pointer once found
+    holding its bytes is trusted while it stays put: coming back to the same address with
+    fewer bytes takes a storage shrunk twice between two saves.
+    """
+    lost = []
+    for offset, (tensor, pointer) in enumerate(zip(chunk, pointers, strict=True)):
+        if held[start + offset] == pointer:
+            continue
+        if holds_its_bytes(tensor):
+            held[start + offset] = pointer
+        else:
+            lost.append(tensor)
+    if lost:
+        raise SnapshotMutatedError(tensor_paths(state_dict, lost), rank=rank)
+
+
+def holds_its_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage is allocated and reaches its last element (dense, strided)."""
+    if tensor.numel() == 0:
+        return True
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() == 0:
+        return False
+    last = tensor.storage_offset() + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return storage.nbytes() >= (last + 1) * tensor.element_size()
 
 
 def torn_verdict(

@@ -12,13 +12,15 @@ Reading a counter costs about 0.1 µs (a C getter mapped over the list), which i
 guard is on by default: docs/benchmarks.md measures it against the copy.
 
 What it cannot see (docs/staging.md repeats this for users): writes through ``.data`` (a new
-counter shares the storage), writes from another process or through raw pointers, CUDA kernels
-already enqueued before the request but running after it (they are ordered before the copy by
-the stager's event, so they are *in* the snapshot, as intended), BatchNorm's running-statistic
-update in the forward pass (torch 2.13 does not bump the counter), and an update that is still
-executing when the copy ends (its counter moves only when the kernel returns). The manager's
-default staging mode does not depend on the guard for its own thread: ``save()`` returns only
-after the copy.
+counter shares the storage) and assignments to ``.data`` (a new storage under the same
+counter), writes from another process or through raw pointers, CUDA kernels already enqueued
+before the request but running after it (they are ordered before the copy by the stager's
+event, so they are *in* the snapshot, as intended), BatchNorm's running-statistic update in the
+forward pass (torch 2.13 does not bump the counter), and an update that is still executing when
+the copy ends (its counter moves only when the kernel returns). A storage freed or shrunk is not
+the guard's to see either: the copy refuses it (:mod:`dcp_safe.staging.generation`), guard or
+no guard. The manager's default staging mode does not depend on the guard for its own thread:
+``save()`` returns only after the copy.
 
 How a torn generation fails the save: in a single process the staging future fails with
 :class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts. Under a process group
@@ -54,9 +56,6 @@ __all__ = [
     "tensor_paths",
 ]
 
-# Mapped over the sources, these skip the attribute lookups (about 0.1 and 0.25 µs a tensor).
-_read_data_ptr = torch.Tensor.data_ptr
-
 # The key of the only entry of a poisoned state dict (a name no model uses).
 POISON_KEY = "__dcp_safe_snapshot_mutated__"
 
@@ -71,20 +70,15 @@ class SnapshotGuard:
             guard keeps them alive until it is dropped, so their identities stay valid.
     """
 
-    __slots__ = ("_sources", "_versions", "data_ptrs")
+    __slots__ = ("_sources", "_versions")
 
     def __init__(self, sources: list[torch.Tensor]) -> None:
         self._sources = sources
-        # Where each source's bytes were (``data_ptrs``): a storage freed or reallocated since
-        # moves it, and copying from a freed storage reads released memory (it can crash the
-        # process), while neither bumps the version counter. The stager compares before each
-        # copy. Both reads run on the training thread; each is one C-level pass (a fused Python
-        # loop is slower), and on a large state they cost mostly cache misses.
+        # The only read on the training thread: one C getter mapped over the list, mostly
+        # cache misses on a large state (about 0.3 us a tensor cold). Whether a source's
+        # storage still holds its bytes is the copy's check, on the staging thread
+        # (:func:`dcp_safe.staging.generation.copy_sources`), not a snapshot taken here.
         self._versions = list(map(read_version, sources))
-        try:
-            self.data_ptrs: list[int] = list(map(_read_data_ptr, sources))
-        except RuntimeError:  # a sparse candidate has no storage; the stager never copies it
-            self.data_ptrs = [t.data_ptr() if t.layout == torch.strided else 0 for t in sources]
 
     def changed(self) -> list[torch.Tensor]:
         """The sources whose counter moved since the request (empty when none did)."""

@@ -18,9 +18,12 @@ is not (about 2 µs a tensor), so it is computed lazily: :meth:`PlanCache.specul
 last plan on the walk's containers alone, and the stager confirms the full key on its staging
 thread before anything staged with the guess is used.
 
-Why chunks: the mutation guard compares each source's data pointer before its copy (a storage
-freed since the request would be read after release); a chunk keeps that check just before the
-bytes it covers while the copy stays one call per chunk.
+Why chunks: the copy checks that each source's storage still holds its bytes just before
+copying it (a storage freed since the last save would be read after release; see
+:mod:`dcp_safe.staging.generation`); a chunk keeps that check just before the bytes it covers
+while the copy stays one call per chunk. The plan remembers the data pointers last found
+holding their bytes (``held_pointers``), so the check is a pointer comparison while they stay
+put.
 """
 
 from __future__ import annotations
@@ -135,6 +138,8 @@ class StagingPlan:
         request: the buffers it leases (sizes, host cost, and the token its views are kept by).
         nbytes: bytes staged per save.
         any_cuda: whether any staged source is on a CUDA device.
+        held_pointers: per copied source, the data pointer last found holding its bytes; read
+            and updated by the stager's one staging thread (:mod:`dcp_safe.staging.generation`).
     """
 
     def __init__(self, layout: Layout, pool: BufferPool, token: int) -> None:
@@ -162,6 +167,8 @@ class StagingPlan:
         self.any_cuda = any(t.is_cuda for t in sources)
         self.request = pool.request(sizes, token=token)
         self._chunks = _chunks(sizes)
+        # -1: not checked yet (no data pointer is negative; a freed storage's is 0).
+        self.held_pointers: list[int] = [-1] * len(copied)
 
     def sources(self, layout: Layout) -> list[torch.Tensor]:
         """The distinct stageable tensors of ``layout`` (which must have this plan's key)."""

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging.generation import holds_its_bytes
 from dcp_safe.staging.plan import scan
 from dcp_safe.staging.pool import BufferPool
 from dcp_safe.testing.staging import hold_staging
@@ -237,18 +238,47 @@ def test_the_guard_still_refuses_an_update_during_a_reused_plans_copy(tmp_path: 
     assert _same(loaded, state)
 
 
-def test_a_freed_source_storage_is_refused_before_its_chunk_is_copied() -> None:
+@pytest.mark.parametrize("guard", [True, False], ids=["guard on", "guard off"])
+def test_a_freed_source_storage_is_refused_before_its_chunk_is_copied(guard: bool) -> None:
+    # Freeing a storage (as FSDP frees an unsharded parameter) moves no version counter: the
+    # copy itself must refuse it, whether or not the guard is on, or it reads released memory.
     state = {"w": torch.ones(64), "v": torch.ones(64)}
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), pin_memory="off", mutation_guard=guard) as stager:
         staged = _stage(stager, state)
         del staged
         _settle(stager)
         with hold_staging(stager):
             future = stager.stage(state)
-            state["v"].set_(torch.zeros(64).untyped_storage())  # a new storage, same layout
+            state["v"].untyped_storage().resize_(0)
         with pytest.raises(SnapshotMutatedError) as raised:
             future.result()
         assert raised.value.fqns == ("v",)
+
+
+def test_a_storage_swapped_between_saves_is_checked_and_staged_with_its_new_bytes() -> None:
+    state = {"w": torch.ones(64), "v": torch.ones(64)}
+    with BudgetedStager(_budget(), pin_memory="off") as stager:
+        staged = _stage(stager, state)
+        del staged
+        state["v"].data = torch.full((64,), 7.0)  # a new storage, no version bump
+        staged = _stage(stager, state)
+        assert torch.equal(staged["v"], torch.full((64,), 7.0))
+        assert torch.equal(staged["w"], state["w"])
+        assert stager.stats().plan_reuses >= 1
+        del staged
+
+
+def test_a_storage_shrunk_under_its_tensor_does_not_hold_its_bytes() -> None:
+    base = torch.arange(64.0)
+    tail = base[32:]  # offset 32: needs the whole 256-byte storage
+    assert holds_its_bytes(base) and holds_its_bytes(tail)
+    assert holds_its_bytes(base.view(8, 8).t())  # strided: its last element is still element 63
+    base.untyped_storage().resize_(200)  # 50 floats: the view's last 14 elements are gone
+    assert not holds_its_bytes(tail)
+    assert holds_its_bytes(torch.empty(0))
+    freed = torch.ones(4)
+    freed.untyped_storage().resize_(0)
+    assert not holds_its_bytes(freed)
 
 
 def test_the_layout_key_sees_shape_dtype_device_keys_and_aliases() -> None:
