@@ -11,6 +11,7 @@ presence and size, reading no data (``dcp-safe verify --quick``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import (
     committed_names,
@@ -208,17 +210,10 @@ def _verify_sizes(
     requests after every save the manager validates). A file a listing lacks is asked for on
     its own before it is called missing: a listing is a snapshot.
     """
-    listed: dict[str, dict[str, int]] = {}
+    sizes = ListedSizes(backend, name)
     for record in manifest.files:
-        folder, _, base = record.path.rpartition("/")
-        if folder not in listed:
-            listed[folder] = backend.sizes(f"{name}/{folder}" if folder else name)
         rel = f"{name}/{record.path}"
-        actual = listed[folder].get(base)
-        if actual is None:
-            _check_size(backend, rel, record.size)
-        elif actual != record.size:
-            raise _size_differs(backend, rel, record.size, actual)
+        _check_size(backend, rel, record.size, functools.partial(sizes.size, record.path))
         if progress is not None:
             progress(record)
 
@@ -241,20 +236,22 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
         )
 
 
-def _check_size(backend: Backend, rel: str, size: int) -> None:
-    """The file at ``rel`` exists and holds ``size`` bytes."""
+def _check_size(
+    backend: Backend, rel: str, size: int, measure: Callable[[], int] | None = None
+) -> None:
+    """The file at ``rel`` exists and holds ``size`` bytes (``measure`` sizes it: one
+    ``size`` call by default)."""
     try:
-        actual = backend.size(rel)
+        actual = backend.size(rel) if measure is None else measure()
     except FileNotFoundError:
         raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
     if actual != size:
-        raise _size_differs(backend, rel, size, actual)
-
-
-def _size_differs(backend: Backend, rel: str, size: int, actual: int) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        backend.full_path(rel), "file size differs from the manifest", expected=size, actual=actual
-    )
+        raise CheckpointCorruptError(
+            backend.full_path(rel),
+            "file size differs from the manifest",
+            expected=size,
+            actual=actual,
+        )
 
 
 def _verify_file(backend: Backend, name: str, record: FileRecord, items: list[ItemRecord]) -> int:

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.commit.fencing import Attempt, check_fence
 from dcp_safe.commit.lease import check_lease, release_lease
 from dcp_safe.commit.report import RankReport
@@ -295,7 +296,12 @@ class Committer:
                 lambda rank: self._read_rank(work_dir, rank),
                 lambda rank, raw: self._check_rank(work_dir, name, save_id, rank, raw, per_rank),
             )
-            listed = {"": listing.result(), layout.RANKS_DIR: manifests.result()}
+            sizes = ListedSizes(
+                self.backend,
+                work_dir,
+                lister=self._list,
+                listed={"": listing.result(), layout.RANKS_DIR: manifests.result()},
+            )
         read_back = dict(zip(unreported, read, strict=True))
         checked = []
         for rank in ranks:
@@ -304,7 +310,7 @@ class Committer:
                 files, covered, manifest_file = read_back[rank]
             else:
                 self._check_report(name, save_id, rank, report)
-                self._check_manifest_stored(listed, rank, work_dir, report.manifest)
+                self._check_manifest_stored(sizes, rank, report.manifest)
                 files, covered, manifest_file = (
                     report.files,
                     bytes_by_file(per_rank[rank]),
@@ -317,7 +323,7 @@ class Committer:
                     {rank: ", ".join(sorted(unlisted)[:5])},
                 )
             for file in files:
-                actual = self._listed_size(listed, rank, work_dir, file)
+                actual = self._listed_size(sizes, rank, file)
                 covered_bytes = covered.get(file.path, 0)
                 if not actual == file.size == covered_bytes:
                     detail = (
@@ -435,15 +441,13 @@ class Committer:
                 {rank: checksum.partition(":")[0] or "no checksum"},
             )
 
-    def _check_manifest_stored(
-        self, listed: dict[str, dict[str, int]], rank: int, work_dir: str, manifest: FileRecord
-    ) -> None:
+    def _check_manifest_stored(self, sizes: ListedSizes, rank: int, manifest: FileRecord) -> None:
         """A reported rank manifest is on storage, the size the rank wrote."""
         size = self._listed_size(
-            listed, rank, work_dir, manifest, missing="a rank manifest is missing or unreadable"
+            sizes, rank, manifest, missing="a rank manifest is missing or unreadable"
         )
         if size != manifest.size:
-            path = f"{work_dir}/{manifest.path}"
+            path = sizes.path(manifest.path)
             raise CommitError(
                 "a rank manifest on storage is not the one its rank wrote",
                 {rank: f"{path}: on storage {size} bytes, written {manifest.size}"},
@@ -460,28 +464,17 @@ class Committer:
 
     def _listed_size(
         self,
-        listed: dict[str, dict[str, int]],
+        sizes: ListedSizes,
         rank: int,
-        work_dir: str,
         file: FileRecord,
         *,
         missing: str = "a shard file is missing",
     ) -> int:
-        """One file's size from the listing of its folder (listed here if it was not yet).
-        A name the listing lacks is asked for on its own before the commit fails with
-        ``missing``: a listing is a snapshot, and this keeps a missing file's error what it
-        always was."""
-        folder, _, base = file.path.rpartition("/")
-        if folder not in listed:
-            listed[folder] = self._list(f"{work_dir}/{folder}")
-        size = listed[folder].get(base)
-        return self._size(rank, work_dir, file, missing) if size is None else size
-
-    def _size(self, rank: int, work_dir: str, file: FileRecord, missing: str) -> int:
-        """One file's size on storage; a missing file fails the commit with ``missing``."""
-        path = f"{work_dir}/{file.path}"
+        """One file's size, listed or else asked (:class:`ListedSizes`); a file neither finds
+        fails the commit with ``missing``, naming ``rank``."""
+        path = sizes.path(file.path)
         try:
-            return self.backend.size(path)
+            return sizes.size(file.path)
         except FileNotFoundError as exc:
             raise CommitError(missing, {rank: path}) from exc
         except StorageError:

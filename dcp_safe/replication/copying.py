@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
+from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
@@ -123,14 +124,17 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     return None if buffers is None else chunk_bytes + buffers
 
 
-def check_remote_size(remote: Backend, rel: str, expected: int) -> None:
-    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes.
+def check_remote_size(
+    remote: Backend, rel: str, expected: int, measure: Callable[[], int] | None = None
+) -> None:
+    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes (``measure`` sizes it:
+    one ``size`` call by default).
 
     Raises:
         StorageError: it is missing or of another size (the remote tier misbehaved).
     """
     try:
-        actual = remote.size(rel)
+        actual = remote.size(rel) if measure is None else measure()
     except FileNotFoundError as exc:
         raise StorageError("verify", remote.full_path(rel), "uploaded file is missing") from exc
     if actual != expected:
@@ -213,8 +217,11 @@ class CheckpointCopy:
         self.uploaded.append(f"{dest}/{layout.MANIFEST}")
         self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
         expected = [(f.path, f.size) for f in self.manifest.files]
+        # One listing per folder, not a HEAD per object (thousands at thousands of ranks).
+        sizes = ListedSizes(self.remote, dest)
         for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
-            check_remote_size(self.remote, f"{dest}/{path}", size)
+            measure = functools.partial(sizes.size, path)
+            check_remote_size(self.remote, sizes.path(path), size, measure)
         for folder in _folders(path for path, _ in expected):
             self.remote.sync_dir(f"{dest}/{folder}")
 

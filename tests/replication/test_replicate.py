@@ -293,6 +293,35 @@ def test_replica_is_committed_verified_and_loads(
     assert remote.list_dir("") == ["step_1"]  # no partial directory, no temporary file
 
 
+class _Sizing(_Wrapped):
+    """Records the remote's listings and lone size calls."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.listed: list[str] = []
+        self.sized: list[str] = []
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        self.listed.append(rel)
+        return self.inner.sizes(rel)
+
+    def size(self, rel: str) -> int:
+        self.sized.append(rel)
+        return self.inner.size(rel)
+
+
+def test_the_upload_is_checked_from_one_listing_per_folder(local: Path, memory_root: str) -> None:
+    # A size call per object is a HEAD each on an object store: thousands at thousands of ranks.
+    _save(local, "step_1", 1, thread_count=2)
+    remote = _Sizing(_remote(memory_root))
+    manifest = replicate_checkpoint(open_backend(str(local)), remote, "step_1")
+    folders = {f.path.rpartition("/")[0] for f in manifest.files}
+    assert len(manifest.files) > len(folders)
+    assert sorted(remote.listed) == sorted(f"step_1/{f}" if f else "step_1" for f in folders)
+    uploaded = {f"step_1/{f.path}" for f in manifest.files}
+    assert [p for p in remote.sized if p in uploaded] == []
+
+
 def test_a_second_run_is_a_no_op(local: Path, remote_root: str) -> None:
     _save(local, "step_1", 1)
     source = open_backend(str(local))
