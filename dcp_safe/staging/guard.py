@@ -12,15 +12,15 @@ Reading a counter costs about 0.1 µs (a C getter mapped over the list), which i
 guard is on by default: docs/benchmarks.md measures it against the copy.
 
 What it cannot see (docs/staging.md repeats this for users): writes through ``.data`` (a new
-counter shares the storage) and assignments to ``.data`` (a new storage under the same
-counter), writes from another process or through raw pointers, CUDA kernels already enqueued
-before the request but running after it (they are ordered before the copy by the stager's
-event, so they are *in* the snapshot, as intended), BatchNorm's running-statistic update in the
-forward pass (torch 2.13 does not bump the counter), and an update that is still executing when
-the copy ends (its counter moves only when the kernel returns). A storage freed or shrunk is not
-the guard's to see either: the copy refuses it (:mod:`dcp_safe.staging.generation`), guard or
-no guard. The manager's default staging mode does not depend on the guard for its own thread:
-``save()`` returns only after the copy.
+counter shares the storage), assignments to ``.data`` and storages freed and allocated again (a
+new storage under the same counter), writes from another process or through raw pointers, CUDA
+kernels already enqueued before the request but running after it (they are ordered before the
+copy by the stager's event, so they are *in* the snapshot, as intended), BatchNorm's
+running-statistic update in the forward pass (torch 2.13 does not bump the counter), and an
+update that is still executing when the copy ends (its counter moves only when the kernel
+returns). A storage freed and not allocated again is the copy's to refuse
+(:mod:`dcp_safe.staging.generation`), guard or no guard. The manager's default staging mode
+does not depend on the guard for its own thread: ``save()`` returns only after the copy.
 
 How a torn generation fails the save: in a single process the staging future fails with
 :class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts. Under a process group
