@@ -141,10 +141,12 @@ def test_what_the_guard_cannot_see_is_what_the_docs_say() -> None:
     guard = SnapshotGuard([weight, bn.running_mean, bn.running_var])
 
     weight.data.add_(1)  # a write through .data: a new counter over the same storage
+    weight.data = torch.zeros(64)  # an assignment to .data: a new storage, the same counter
     bn(torch.randn(8, 4))  # BatchNorm's running statistics, updated in the forward pass
 
     assert guard.changed() == []
     assert float(bn.running_mean.abs().sum()) > 0  # they did change
+    assert float(weight.detach().abs().sum()) == 0
     with torch.no_grad():
         weight.add_(1)
     assert guard.changed() == [weight]
