@@ -23,20 +23,15 @@ returns). A storage freed and not allocated again is the copy's to refuse
 does not depend on the guard for its own thread: ``save()`` returns only after the copy.
 
 How a torn generation fails the save: in a single process the staging future fails with
-:class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts. Under a process group
-of several ranks that would leave the healthy ranks waiting in DCP's collectives until their
-deadline, so the torn rank instead hands DCP a *poisoned* state dict (:func:`poisoned`): its one
-entry raises the error from DCP's ``__create_write_items__`` hook while the local plan is made,
-inside DCP's collective, which carries it to every rank; nothing is written or published and
-every rank's future fails with the same error naming the torn rank. A planner that does not use
-DCP's write-item helper serializes the entry instead, and its ``__reduce_ex__`` raises the same
-error during ``write_data``, still inside the collective.
+:class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts; under several ranks
+the torn rank hands DCP a poisoned state dict instead (:mod:`dcp_safe.staging.poison`), so every
+rank fails alike, inside DCP's collective, with the error naming the torn rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,17 +42,11 @@ from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.torch_compat import dtensor_local, read_version
 
 __all__ = [
-    "POISON_KEY",
     "SnapshotGuard",
-    "TornSnapshot",
     "current_rank",
-    "poisoned",
     "snapshot_copy",
     "tensor_paths",
 ]
-
-# The key of the only entry of a poisoned state dict (a name no model uses).
-POISON_KEY = "__dcp_safe_snapshot_mutated__"
 
 
 class SnapshotGuard:
@@ -122,31 +111,6 @@ def current_rank() -> int | None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank()
     return None
-
-
-class TornSnapshot:
-    """The entry of a poisoned state dict: any attempt to plan or serialize it raises ``error``."""
-
-    def __init__(self, error: SnapshotMutatedError) -> None:
-        self.error = error
-
-    def __create_write_items__(self, fqn: str, obj: object) -> NoReturn:
-        # DCP's planner calls this while making the local plan, inside its collective.
-        raise self.error
-
-    def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        raise self.error
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TornSnapshot:
-        return self
-
-    def __repr__(self) -> str:
-        return f"TornSnapshot({self.error})"
-
-
-def poisoned(error: SnapshotMutatedError) -> dict[str, Any]:
-    """A state dict whose save fails with ``error`` on every rank (see the module docstring)."""
-    return {POISON_KEY: TornSnapshot(error)}
 
 
 def snapshot_copy(state_dict: dict[str, Any]) -> dict[str, Any]:

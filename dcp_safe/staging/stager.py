@@ -42,7 +42,9 @@ out says so. Admission happens in the caller's thread, so refusals surface from
 Per-tensor work happens once per layout (:mod:`dcp_safe.staging.plan`): an unchanged layout
 reuses its plan and the buffers' typed views. The training thread pays one walk and the counters;
 the layout key is checked on the staging thread after the copy, overlapping the caller's compute
-(a changed layout is re-planned and admitted anew there; a refusal fails the staging Future).
+(a changed layout is re-planned and admitted anew there; a refusal fails the save: through the
+staging Future in a single process, on every rank at once under several, see
+:mod:`dcp_safe.staging.poison`).
 
 The mutation guard (:mod:`dcp_safe.staging.guard`, on unless ``mutation_guard=False``): the
 sources' version counters are read when ``stage()`` is called and again after the copy. If any
@@ -77,9 +79,10 @@ from dcp_safe.staging.generation import (
     copy_sources,
     torn_verdict,
 )
-from dcp_safe.staging.guard import SnapshotGuard, current_rank, poisoned
+from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
+from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
 from dcp_safe.units import format_bytes
 
@@ -539,12 +542,13 @@ class BudgetedStager(AsyncStager):
         if isinstance(error, SnapshotMutatedError):
             with self._cond:
                 self._torn_count += 1
-            if rank is not None:
-                # Peers are about to plan this save in DCP's collective; a failed Future would
-                # keep this rank out of it and leave them waiting for their deadline. The
-                # poisoned dict fails the plan inside the collective, on every rank at once.
-                future.set_result(StagedStateDict(poisoned(error)))
-                return
+        if rank is not None and isinstance(error, Exception):
+            # Peers are about to plan this save in DCP's collective; a failed Future would
+            # keep this rank out of it and leave them waiting for their deadline. The poisoned
+            # dict fails the plan inside the collective, on every rank at once
+            # (:mod:`dcp_safe.staging.poison`).
+            future.set_result(StagedStateDict(poisoned(error)))
+            return
         gen.error = error
         future.set_exception(error)
 
