@@ -7,8 +7,13 @@ after another rank's failure. None of it is ever a checkpoint, but it holds spac
   exact form, nothing else), removed once nothing inside changed for ``grace_s``.
 * Roots that publish by marker (object stores): uncommitted ``<name>/`` prefixes (``name`` a
   valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
-  ``grace_s``; and incomplete multipart uploads of dcp_safe's own layout names under the root
-  (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for those.
+  ``grace_s``; uncommitted prefixes without a lease whose every object is one dcp_safe writes
+  (:func:`dcp_safe.layout.is_own_object`: shards, rank manifests, ``.metadata``, the manifest),
+  on the same terms: a failed save's lease is released while a slow rank may still finish one
+  in-flight file, and a prune killed half-way leaves an unpublished prefix, and neither is
+  anyone's save any more; and incomplete multipart uploads of dcp_safe's own layout names under
+  the root (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for
+  those.
 * Any root: probe objects (``.dcp-safe-probe-<32 hex digits>``, the exact form the backend's
   exclusive-create probe writes at the root) that a killed process left behind, once older than
   ``grace_s``. A live probe exists for two requests, so the grace period covers it many times.
@@ -121,10 +126,13 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     probes = _sweep_probes(backend, grace_s, dry_run, now)
     removed, recent = [], []
     for entry in backend.list_dir(""):
-        if not _is_checkpoint_name(entry) or not lease_files(backend, entry):
-            continue  # not a save of ours
+        if not _is_checkpoint_name(entry):
+            continue
+        leased = bool(lease_files(backend, entry))
         if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
             continue
+        if not leased and not _only_own_objects(backend, entry):
+            continue  # not a save of ours
         changed = _last_change(backend, entry, now)
         if changed is None or now - changed < grace_s:
             recent.append(entry)
@@ -176,6 +184,12 @@ def _last_change(backend: Backend, name: str, now: float) -> float | None:
         return changed
     stamp = lease_acquired_at(backend, name)
     return stamp if stamp is not None and stamp <= now else None
+
+
+def _only_own_objects(backend: Backend, name: str) -> bool:
+    """Whether ``<name>/`` holds at least one object and only objects dcp_safe writes."""
+    files = list(backend.walk_files(name))
+    return bool(files) and all(layout.is_own_object(f"{name}/{rel}") for rel in files)
 
 
 def _is_checkpoint_name(entry: str) -> bool:

@@ -226,3 +226,27 @@ def test_a_stray_probe_object_is_collected_on_s3(s3_root: str, s3_options: dict[
     report = sweep_partials(s3_root, grace_s=60, now=time.time() + 61, **options)
     assert report.removed == (probe,)
     assert not backend.exists(probe) and backend.exists(lookalike)
+
+
+def test_an_unleased_prefix_of_only_dcp_safe_objects_is_collected_after_the_grace_period(
+    memory_root: str,
+) -> None:
+    # A failed save's lease is released while a slow rank may still finish one file, and a
+    # prune killed half-way leaves an unpublished prefix: nobody's save, nobody else's objects.
+    backend = open_backend(memory_root)
+    dcp_safe.save(
+        make_state(0), checkpoint_id="step_1", storage_writer=SafeStorageWriter(memory_root)
+    )
+    backend.write_bytes("step_2/__1_0.distcp", b"a slow rank's last shard")
+    backend.write_bytes(f"step_2/{layout.RANKS_DIR}/rank_00001.json", b"{}")
+    backend.write_bytes("step_3/__0_0.distcp", b"looks like a shard")
+    backend.write_bytes("step_3/notes.txt", b"but this is someone's folder")
+    backend.write_bytes("step_4/readme.md", b"someone's folder")
+
+    early = sweep_partials(memory_root, grace_s=3600)
+    assert early.removed == () and early.too_recent == ("step_2",)
+    late = sweep_partials(memory_root, grace_s=3600, now=time.time() + 3601)
+    assert late.removed == ("step_2",)
+    assert sorted(backend.list_dir("")) == ["step_1", "step_3", "step_4"]
+    assert backend.read_bytes("step_3/notes.txt") == b"but this is someone's folder"
+    dcp_safe.verify_checkpoint(memory_root, "step_1")
