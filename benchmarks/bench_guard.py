@@ -21,6 +21,7 @@ With ``--loop``, the overlapped training loop instead (issue #18's last target: 
 <= 0.1x the copy floor per save, guard on)::
 
     .venv/bin/python benchmarks/bench_guard.py --loop [--saves 8] [--compute-factor 2]
+        [--python-caller]
 
 Each step of the loop is ``dcp.async_save`` through a warmed ``BudgetedStager`` (guard on, or
 off as the rotated reference), then *forward+backward* lasting ``compute-factor`` times the copy
@@ -32,7 +33,12 @@ the copy needs, which no GPU job does). *Blocked* per save = time in the ``async
 time in the wait; each is divided by a copy floor measured just before that save. The upload
 (DCP's ``FileSystemWriter``, no fsync) finishes outside the timed part, before the next save.
 A third contender, *DCP alone*, passes the same state to ``dcp.async_save`` with a stager that
-copies nothing: DCP's own cost per call, a floor under ours. Each response is dropped after its
+copies nothing: DCP's own cost per call, a floor under ours. With ``--python-caller`` the
+forward+backward is pure-Python work on the caller's thread instead of a sleep (a training loop
+bound by its Python thread, e.g. launching many small kernels): the staging thread's Python
+work (the layout key, the rebuild of the state dict) then competes for the interpreter lock,
+and the table adds the caller's Python time lost per save (wall time minus the work done,
+against the rate of the same work measured alone). Each response is dropped after its
 upload, outside the timed part: freeing DCP's metadata of 10,000 items takes tens of
 milliseconds wherever a loop drops it (the table shows it as *drop response*).
 
@@ -163,6 +169,16 @@ class NullStager(AsyncStager):
         return None
 
 
+def spin(seconds: float) -> int:
+    """Pure-Python work for ``seconds`` of wall time; returns the rounds done."""
+    rounds, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(100):
+            pass
+        rounds += 1
+    return rounds
+
+
 def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The overlapped training loop (see the module docstring); blocked time per save."""
     import gc
@@ -184,6 +200,8 @@ def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path
     ratios: dict[str, list[float]] = {k: [] for k in stagers}
     drops: list[float] = []
     floors: list[float] = []
+    lost: dict[str, list[float]] = {k: [] for k in stagers}
+    rate = median([spin(0.2) / 0.2 for _ in range(3)]) if args.python_caller else 0.0
     saves = 0
     try:
         for key in ("on", "off"):
@@ -201,7 +219,12 @@ def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path
                 called = time.perf_counter()
                 if key != "dcp":
                     stagers[key].track(response)
-                time.sleep(args.compute_factor * floor)  # forward + backward on the device
+                compute = args.compute_factor * floor
+                if args.python_caller:  # forward + backward bound by the Python thread
+                    lost_s = compute - spin(compute) / rate
+                else:  # forward + backward on the device
+                    time.sleep(compute)
+                    lost_s = 0.0
                 waited_from = time.perf_counter()
                 response.staging_completion.result()
                 waited = time.perf_counter() - waited_from
@@ -222,6 +245,7 @@ def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path
                     blocked[key].append(called - start + waited)
                     calls[key].append(called - start)
                     ratios[key].append((called - start + waited) / floor)
+                    lost[key].append(lost_s)
     finally:
         for stager in stagers.values():
             stager.close()
@@ -238,6 +262,8 @@ def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path
         "call_median_s": {k: median(v) for k, v in calls.items()},
         "blocked_over_floor_median": {k: median(v) for k, v in ratios.items()},
         "blocked_over_floor_max": {k: max(v) for k, v in ratios.items()},
+        "python_caller": args.python_caller,
+        "python_lost_median_s": {k: median(v) for k, v in lost.items()},
     }
 
 
@@ -263,6 +289,11 @@ def loop_report(results: dict[str, Any]) -> str:
                 str(r["saves"]),
             ]
         )
+        if r.get("python_caller"):
+            lost = r["python_lost_median_s"]
+            rows[-1][2] = f"{r['compute_factor']:g}x floor, Python"
+            shown = " / ".join(f"{lost[k] * 1e3:.1f}" for k in ("on", "off", "dcp"))
+            rows[-1].append(f"{shown} ms")
     headers = [
         "state",
         "copy floor",
@@ -275,6 +306,8 @@ def loop_report(results: dict[str, Any]) -> str:
         "drop response (untimed)",
         "saves each",
     ]
+    if any(r.get("python_caller") for r in results["loops"]):
+        headers.append("caller Python lost / save (on / off / DCP)")
     return markdown_table(headers, rows)
 
 
@@ -314,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=8, help="timed saves per contender (--loop)")
     parser.add_argument(
         "--compute-factor", type=float, default=2.0, help="fwd+bwd / copy floor (--loop)"
+    )
+    parser.add_argument(
+        "--python-caller",
+        action="store_true",
+        help="fwd+bwd as Python work on the caller's thread, not a sleep (--loop)",
     )
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
