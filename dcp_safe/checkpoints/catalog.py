@@ -11,7 +11,6 @@ presence and size, reading no data (``dcp-safe verify --quick``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -210,10 +209,9 @@ def _verify_sizes(
     requests after every save the manager validates). A file a listing lacks is asked for on
     its own before it is called missing: a listing is a snapshot.
     """
-    sizes = ListedSizes(backend, name)
+    sizes = ListedSizes(backend, "")
     for record in manifest.files:
-        rel = f"{name}/{record.path}"
-        _check_size(backend, rel, record.size, functools.partial(sizes.size, record.path))
+        _check_size(backend, f"{name}/{record.path}", record.size, sizes.size)
         if progress is not None:
             progress(record)
 
@@ -236,13 +234,10 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
         )
 
 
-def _check_size(
-    backend: Backend, rel: str, size: int, measure: Callable[[], int] | None = None
-) -> None:
-    """The file at ``rel`` exists and holds ``size`` bytes (``measure`` sizes it: one
-    ``size`` call by default)."""
+def _check_size(backend: Backend, rel: str, size: int, size_of: Callable[[str], int]) -> None:
+    """The file at ``rel`` exists and holds ``size`` bytes, as ``size_of(rel)`` finds it."""
     try:
-        actual = backend.size(rel) if measure is None else measure()
+        actual = size_of(rel)
     except FileNotFoundError:
         raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
     if actual != size:
@@ -256,7 +251,7 @@ def _check_size(
 
 def _verify_file(backend: Backend, name: str, record: FileRecord, items: list[ItemRecord]) -> int:
     rel = f"{name}/{record.path}"
-    _check_size(backend, rel, record.size)
+    _check_size(backend, rel, record.size, backend.size)
     with backend.open_read(rel) as stream:
         return check_stream(stream, backend.full_path(rel), record, items)
 

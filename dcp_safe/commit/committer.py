@@ -472,15 +472,15 @@ class Committer:
     ) -> int:
         """One file's size, listed or else asked (:class:`ListedSizes`); a file neither finds
         fails the commit with ``missing``, naming ``rank``."""
-        path = sizes.path(file.path)
         try:
             return sizes.size(file.path)
         except FileNotFoundError as exc:
-            raise CommitError(missing, {rank: path}) from exc
+            raise CommitError(missing, {rank: sizes.path(file.path)}) from exc
         except StorageError:
             raise
         except OSError as exc:
-            raise StorageError("stat", self.backend.full_path(path), exc) from exc
+            path = self.backend.full_path(sizes.path(file.path))
+            raise StorageError("stat", path, exc) from exc
 
     # ----------------------------------------------------------------- publish
 

@@ -125,16 +125,16 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
 
 
 def check_remote_size(
-    remote: Backend, rel: str, expected: int, measure: Callable[[], int] | None = None
+    remote: Backend, rel: str, expected: int, size_of: Callable[[str], int] | None = None
 ) -> None:
-    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes (``measure`` sizes it:
-    one ``size`` call by default).
+    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
+    finds it (``remote.size`` by default).
 
     Raises:
         StorageError: it is missing or of another size (the remote tier misbehaved).
     """
     try:
-        actual = remote.size(rel) if measure is None else measure()
+        actual = (remote.size if size_of is None else size_of)(rel)
     except FileNotFoundError as exc:
         raise StorageError("verify", remote.full_path(rel), "uploaded file is missing") from exc
     if actual != expected:
@@ -218,10 +218,9 @@ class CheckpointCopy:
         self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
         expected = [(f.path, f.size) for f in self.manifest.files]
         # One listing per folder, not a HEAD per object (thousands at thousands of ranks).
-        sizes = ListedSizes(self.remote, dest)
+        sizes = ListedSizes(self.remote, "")
         for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
-            measure = functools.partial(sizes.size, path)
-            check_remote_size(self.remote, sizes.path(path), size, measure)
+            check_remote_size(self.remote, f"{dest}/{path}", size, sizes.size)
         for folder in _folders(path for path, _ in expected):
             self.remote.sync_dir(f"{dest}/{folder}")
 

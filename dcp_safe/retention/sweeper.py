@@ -44,7 +44,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.lease import lease_acquired_at, lease_files
+from dcp_safe.commit.lease import lease_acquired_at
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
 
@@ -128,11 +128,14 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     for entry in backend.list_dir(""):
         if not _is_checkpoint_name(entry):
             continue
-        leased = bool(lease_files(backend, entry))
-        if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
+        members = backend.list_dir(entry)  # one listing shows both the lease and the marker
+        if layout.COMMITTED_MARKER in members:
             continue
+        leased = any(map(layout.is_lease_file, members))
         if not leased and not _only_own_objects(backend, entry):
             continue  # not a save of ours
+        if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
+            continue  # committed since the listing
         changed = _last_change(backend, entry, now)
         if changed is None or now - changed < grace_s:
             recent.append(entry)
