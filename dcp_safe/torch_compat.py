@@ -38,6 +38,7 @@ __all__ = [
     "StorageInfo",
     "StreamTransformExtension",
     "ZStandard",
+    "default_store",
     "dtensor_local",
     "empty_host_cache",
     "foreach_copy",
@@ -54,6 +55,19 @@ __all__ = [
 # ``Tensor._version`` is the autograd version counter every in-place update bumps; its C getter
 # mapped over a list costs about 0.1 us a tensor (the mutation guard's whole cost).
 read_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (a ``dist.Store``).
+
+    The manager meets its peers there when the wait may outlast a collective's deadline (a
+    coalesced save starts once every rank finished its previous one): a store ``wait`` that
+    times out breaks nothing, where a gloo collective that times out breaks its group. No
+    fallback: without it the manager cannot coalesce across ranks.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
 
 
 def dtensor_local(tensor: DTensor) -> torch.Tensor:

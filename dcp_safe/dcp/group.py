@@ -46,6 +46,7 @@ __all__ = [
     "deadline_of",
     "discard_group",
     "is_collective_failure",
+    "is_group_failure",
     "validate_deadline",
 ]
 
@@ -118,18 +119,19 @@ def deadline_of(group: Any) -> float | None:
     return None
 
 
-def discard_group(group: Any) -> None:
+def discard_group(group: Any, *, destroy: bool = True) -> None:
     """Forget ``group`` and tear it down: a peer failed, so its connections are dead.
 
     Destroying it closes this rank's connections, which also wakes peers still blocked on it.
-    The next :func:`checkpoint_group` call creates a fresh group (a collective again), which in
-    practice happens in the restarted job.
+    The next :func:`checkpoint_group` call creates a fresh group (a collective again).
+    ``destroy=False`` only forgets it: for a group another thread of this rank may still be
+    using (destroying a gloo group under a running collective is not safe).
     """
     with _lock:
         stale = [key for key, (_, cached) in _groups.items() if cached is group]
         for key in stale:
             del _groups[key]
-    if stale and dist.is_initialized():
+    if stale and destroy and dist.is_initialized():
         # Already gone with its default group: then nothing is left to close.
         with contextlib.suppress(RuntimeError, ValueError):
             dist.destroy_process_group(group)
@@ -138,7 +140,17 @@ def discard_group(group: Any) -> None:
 # What gloo's and the store's errors say. Gloo raises plain RuntimeError (with its source path,
 # ".../third_party/gloo/...", in the text), so the type alone cannot tell it from a local error
 # such as an out-of-memory during staging.
-_TRANSPORT_WORDS = ("gloo", "connection closed", "connection reset", "timed out", "broken pipe")
+# Once a collective timed out, gloo closes the pair and later calls on the group fail with
+# "Application timeout caused pair closure", which names neither gloo nor a peer.
+_TRANSPORT_WORDS = (
+    "gloo",
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "broken pipe",
+    "pair closure",
+    "application timeout",
+)
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -149,6 +161,22 @@ def is_collective_failure(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return any(word in text for word in _TRANSPORT_WORDS)
+
+
+def is_group_failure(exc: BaseException | None) -> bool:
+    """True when ``exc`` or an error it was raised from is a failed collective.
+
+    A save that failed because a peer's storage failed is not a group failure (DCP reports
+    it through the collectives, which worked); one whose collective timed out or lost its
+    connection is, and the group it ran on cannot be used again.
+    """
+    seen = 0
+    while exc is not None and seen < 16:  # a bounded walk: chains can be cyclic
+        if is_collective_failure(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 def collective_failure(

@@ -5,9 +5,12 @@ gathers this rank's view into a :class:`~dcp_safe.manager.agreement.Vote` (fallb
 single-flight slot, the age of the save in flight, room for a coalesced copy), exchanges it
 (:mod:`~dcp_safe.manager.agreement`), and resolves ``when_busy="wait"`` into a start or a skip:
 
-* the wait is bounded by ``wait_timeout_s``; if a save is still in flight on any rank by then,
-  every rank skips the request (``force=True``: raises
-  :class:`~dcp_safe.errors.AdmissionTimeoutError`), and the skip's reason says so;
+* the wait is collective and bounded by ``wait_timeout_s``: every rank waits, in rounds, for the
+  slowest rank's save in flight (:meth:`~dcp_safe.manager.agreement.Agreement.until_all`), so
+  a coordinator that is busy for longer than the deadline (pruning, verifying) is waited for,
+  not taken for dead; if a save is still in flight on any rank at the bound, every rank skips
+  the request (``force=True``: raises :class:`~dcp_safe.errors.AdmissionTimeoutError`), and
+  the skip's reason says so;
 * a save in flight for longer than ``latency_objective_s`` means the storage is stuck: the
   request is skipped at once rather than queued behind it (seed 000's second admission test).
 """
@@ -68,12 +71,17 @@ class Admitter:
     ) -> Decision:
         """The decision for ``handle``; ``START`` means the slot is free now on every rank.
 
+        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait` (outside the
+        slot's freeze, as the wait is for the slot to free up). The save groups a rank saw
+        fail are replaced here, on every rank, before the decision is acted on.
+
         Raises:
             ConfigError: the ranks asked for different steps.
             CommitError: a peer died or did not answer within the deadline.
         """
         fallback = self._switch.on_request(handle, self._leaked_bytes)
         busy = not self._slot.idle()
+        groups = self.agreement.groups
         vote = Vote(
             "save",
             handle.step,
@@ -81,17 +89,19 @@ class Admitter:
             fallback=fallback,
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
+            pending=self._slot.pending_step(),
+            broken=() if groups is None else groups.broken(),
         )
         decision = decide(self.agreement.gather(vote), policy)
+        if decision.replace and groups is not None:
+            groups.replace(decision.replace)
         self._switch.follow(handle, decision.fallback)
-        if decision.verdict is Verdict.WAIT:
-            return self._wait(handle, force=force)
         return decision
 
-    def _wait(self, handle: SaveHandle, *, force: bool) -> Decision:
-        free = self._slot.wait_free(self.wait_timeout_s)
-        votes = self.agreement.gather(Vote("wait", handle.step, busy=not free))
-        still = [r for r, v in enumerate(votes) if v.busy]
+    def wait(self, handle: SaveHandle, *, force: bool) -> Decision:
+        """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``."""
+        step = handle.step
+        still = self.agreement.until_all("wait", step, self._slot.wait_free, self.wait_timeout_s)
         if not still:
             return Decision(Verdict.START)
         with self._lock:

@@ -15,28 +15,49 @@ votes into the same :class:`Decision` everywhere. The rules, in order:
 3. any rank's save in flight is older than the latency objective -> every rank skips (or
    raises, under ``when_busy="raise"``): the storage is stuck, queueing more cannot help;
 4. no rank busy -> every rank starts the save;
-5. some rank busy -> every rank applies ``when_busy`` (``coalesce`` skips if any rank has no
-   memory for the pending copy; ``wait`` waits locally, bounded, then votes again: any rank
-   still busy -> every rank skips).
+5. some rank busy -> every rank applies ``when_busy``: ``coalesce`` parks the request on every
+   rank, replacing a pending one only where every rank still holds that same pending save (a
+   rank may already be starting it: then the request is skipped everywhere), and skips if any
+   rank has no memory for the copy; ``wait`` waits (:meth:`Agreement.until_all`).
+
+A rank is busy from the moment its save starts until its follow-up (verification, history,
+retention) is done, so a coordinator still pruning counts as busy.
+
+Every vote also carries the save groups the rank saw fail (:mod:`~dcp_safe.manager.groups`);
+the decision names their union, and every rank replaces those groups right after the vote.
+
+**No exchange waits on a peer's local work for longer than a round.** A collective gives up
+after the deadline and breaks its group, so waiting for a peer (its save in flight, the
+coordinator resolving ``latest``) is done in rounds: each rank waits locally for at most
+:attr:`Agreement.round_s` (a quarter of the deadline), then every rank votes whether it is
+ready, until all are, or any rank's wait passed its own bound; every rank reads the same votes,
+so every rank leaves the rounds at the same one with the same outcome.
 
 The exchange runs on the training thread, in ``save``; a peer that died or hung fails it after
-the deadline with a :class:`~dcp_safe.errors.CommitError`, and the manager stays failed (a gloo
-group with a dead member cannot be used again). In a single process there is no exchange: the
+the deadline with a :class:`~dcp_safe.errors.CommitError`. The policy group is then replaced at
+the next call (:mod:`~dcp_safe.manager.groups`); if a peer is really gone, that replacement
+fails too and every later call raises at once. In a single process there is no exchange: the
 list of votes is this process's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import pickle
+import threading
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from dcp_safe.dcp.group import checkpoint_group, collective_failure, is_collective_failure
+from dcp_safe.dcp.group import collective_failure, is_collective_failure
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
+from dcp_safe.manager.groups import POLICY, ManagerGroups
 from dcp_safe.manager.handles import BusyPolicy
 
 __all__ = ["Agreement", "Decision", "Verdict", "Vote", "decide", "require_same_call"]
@@ -56,6 +77,9 @@ class Vote:
         no_room: no memory for a coalesced pending copy on this rank.
         stalled: why the save in flight is over its latency objective (``None``: it is not).
         detail: anything else the call exchanges (a preemption's plan, a restore's name).
+        pending: the step of the coalesced save parked on this rank and not started yet.
+        broken: the save groups this rank saw fail since its last vote.
+        expired: in a round of waiting, this rank's wait passed its bound.
     """
 
     call: str
@@ -65,6 +89,9 @@ class Vote:
     no_room: bool = False
     stalled: str | None = None
     detail: Any = None
+    pending: int | None = None
+    broken: tuple[str, ...] = ()
+    expired: bool = False
 
 
 class Verdict(str, enum.Enum):
@@ -80,11 +107,13 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """The verdict, why, and the agreed fallback reason (naming the ranks that tripped)."""
+    """The verdict, why, the agreed fallback reason (naming the ranks that tripped), and the
+    save groups every rank replaces before acting on it."""
 
     verdict: Verdict
     reason: str = ""
     fallback: str | None = None
+    replace: tuple[str, ...] = ()
 
 
 def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
@@ -94,6 +123,11 @@ def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
         ConfigError: the ranks are in different calls or ask for different steps.
     """
     require_same_call(votes)
+    replace = tuple(sorted({p for v in votes for p in v.broken}))
+    return dataclasses.replace(_verdict(votes, policy), replace=replace)
+
+
+def _verdict(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
     tripped = [(r, v.fallback) for r, v in enumerate(votes) if v.fallback is not None]
     if tripped:
         reason = "; ".join(f"rank {r}: {why}" for r, why in tripped)
@@ -107,6 +141,11 @@ def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
         return Decision(Verdict.START)
     who = _ranks(busy)
     if policy is BusyPolicy.COALESCE:
+        if len({v.pending for v in votes}) > 1:
+            starting = _ranks([r for r, v in enumerate(votes) if v.pending is None])
+            return Decision(
+                Verdict.SKIP, f"coalesce: the pending save is already starting on {starting}"
+            )
         short = [r for r, v in enumerate(votes) if v.no_room]
         if short:
             return Decision(
@@ -144,34 +183,38 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 class Agreement:
-    """The exchange of votes: over a gloo group, or within one process.
+    """The exchange of votes: over the manager's policy group, or within one process.
 
     Args:
-        group: the policy group (``None``: a single process, nothing is exchanged).
-        deadline_s: the group's timeout, for error messages.
+        groups: the manager's groups (``None``: a single process, nothing is exchanged).
     """
 
-    def __init__(self, group: Any = None, deadline_s: float | None = None) -> None:
-        self.group = group
-        self.deadline_s = deadline_s
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        self._failed: CommitError | None = None
+    def __init__(self, groups: ManagerGroups | None = None) -> None:
+        self.groups = groups
+        self.rank = 0 if groups is None else groups.rank
+        self.world_size = 1 if groups is None else groups.world_size
+        self.deadline_s = None if groups is None else groups.deadline_s
+        # A round is well inside the deadline: a rank that waits a whole round locally is
+        # still in time for the vote its peers are already waiting in.
+        self.round_s = math.inf if groups is None else groups.deadline_s / 4
+        self.token = uuid.uuid4().hex
+        if groups is not None:
+            self.token = str(self.broadcast(self.token))
 
     @classmethod
     def for_job(cls, deadline_s: float) -> Agreement:
-        """Over its own group when ``torch.distributed`` is initialized, else within one process.
+        """Over its own groups when ``torch.distributed`` is initialized, else within one process.
 
-        Creating the group is a collective: every rank must construct its manager at the same
+        Creating the groups is a collective: every rank must construct its manager at the same
         point in its program.
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
-        return cls(checkpoint_group(deadline_s, purpose="manager-policy"), deadline_s)
+        return cls(ManagerGroups(deadline_s))
 
     @property
     def distributed(self) -> bool:
-        return self.group is not None
+        return self.groups is not None
 
     @property
     def coordinator(self) -> bool:
@@ -182,12 +225,12 @@ class Agreement:
         """Every rank's vote, in rank order (only this one's in a single process).
 
         Raises:
-            CommitError: a peer died or did not answer within the deadline (and every later
-                exchange raises it again at once: the group is unusable).
+            CommitError: a peer died or did not answer within the deadline (the policy group is
+                replaced at the next call; if that fails too, every later call raises).
         """
-        if self.group is None:
+        if self.groups is None:
             return [vote]
-        return list(self._exchange(lambda out: dist.all_gather_object(out, vote, self.group)))
+        return list(self._exchange(lambda out, g: dist.all_gather_object(out, vote, g)))
 
     def broadcast(self, value: object) -> Any:
         """The coordinator's ``value`` on every rank (``value`` is ignored elsewhere).
@@ -195,56 +238,107 @@ class Agreement:
         Raises:
             CommitError: as for :meth:`gather`.
         """
-        if self.group is None:
+        if self.groups is None:
             return value
         box = [value if self.coordinator else None]
-        src = dist.get_global_rank(self.group, 0)
-        self._exchange(lambda _: dist.broadcast_object_list(box, src=src, group=self.group))
+
+        def run(_: list[Any], group: Any) -> None:
+            src = dist.get_global_rank(group, 0)
+            dist.broadcast_object_list(box, src=src, group=group)
+
+        self._exchange(run)
         return box[0]
 
-    def settle(self, call: str, step: int, work: Callable[[], T]) -> T:
+    def until_all(
+        self, call: str, step: int, ready: Callable[[float], bool], timeout_s: float
+    ) -> list[int]:
+        """Wait, in rounds, until every rank is ready or one rank's wait passed ``timeout_s``.
+
+        Each round every rank calls ``ready(wait_s)`` (wait at most ``wait_s`` for its own
+        work; ``True`` once it is done), then votes; every rank leaves at the same round.
+
+        Returns:
+            The ranks still not ready (empty: every rank is ready).
+
+        Raises:
+            ConfigError: the ranks are in different calls.
+            CommitError: as for :meth:`gather`.
+        """
+        started = time.monotonic()
+        while True:
+            left = timeout_s - (time.monotonic() - started)
+            last = left <= self.round_s  # this round may use up what is left of the bound
+            done = ready(max(0.0, min(self.round_s, left)))
+            expired = not done and last
+            votes = self.gather(Vote(call, step, busy=not done, expired=expired))
+            require_same_call(votes)
+            still = [r for r, v in enumerate(votes) if v.busy]
+            if not still or any(v.expired for v in votes):
+                return still
+
+    def settle(self, call: str, step: int, work: Callable[[], T], timeout_s: float) -> T:
         """Run ``work`` on the coordinator only; its result, or its error, on every rank.
 
         For what must be decided once from shared storage (which checkpoint ``latest`` is), so
-        that a concurrent commit or prune cannot make two ranks see different answers.
+        that a concurrent commit or prune cannot make two ranks see different answers. The
+        peers wait for it in rounds (:meth:`until_all`), so a slow listing is not taken for a
+        dead coordinator.
 
         Raises:
             BaseException: what ``work`` raised on the coordinator (unpicklable errors travel
                 as :class:`DcpSafeError` with their text).
+            CommitError: ``work`` took longer than ``timeout_s``, or as for :meth:`gather`.
             ConfigError: the ranks are in different calls.
-            CommitError: as for :meth:`gather`.
         """
-        if self.group is None:
+        if self.groups is None:
             return work()
-        outcome: tuple[str, Any] | None = None
-        failed: Exception | None = None
-        if self.coordinator:
+        outcome: list[tuple[str, Any]] = []
+        failed: list[Exception] = []
+
+        def run() -> None:
             try:
-                outcome = ("ok", work())
+                outcome.append(("ok", work()))
             except Exception as exc:
-                failed, outcome = exc, ("error", _portable(exc))
-        votes = self.gather(Vote(call, step, detail=outcome))
+                failed.append(exc)
+                outcome.append(("error", _portable(exc)))
+
+        worker = threading.Thread(target=run, name=f"dcp_safe-{call}", daemon=True)
+        if self.coordinator:
+            worker.start()
+
+        def ready(wait_s: float) -> bool:
+            if not self.coordinator:
+                return True
+            worker.join(wait_s)
+            return not worker.is_alive()
+
+        if self.until_all(call, step, ready, timeout_s):
+            raise CommitError(
+                f"{call}: the coordinator took longer than {timeout_s:g} s",
+                {0: f"{call} was still running"},
+            )
+        votes = self.gather(Vote(call, step, detail=outcome[0] if outcome else None))
         require_same_call(votes)
         kind, value = votes[0].detail
-        if failed is not None:
-            raise failed
+        if failed:
+            raise failed[0]
         if kind == "error":
             raise _restored(value, 0)
         return cast(T, value)
 
-    def _exchange(self, run: Any) -> list[Any]:
-        if self._failed is not None:
-            raise self._failed
+    def _exchange(self, run: Callable[[list[Any], Any], None]) -> list[Any]:
+        assert self.groups is not None
+        group = self.groups.group(POLICY)
         out: list[Any] = [None] * self.world_size
         try:
-            run(out)
+            run(out, group)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self._failed = collective_failure(
+            self.groups.saw_failure(POLICY, exc)
+            raise collective_failure(
                 exc, rank=self.rank, world_size=self.world_size, deadline_s=self.deadline_s
-            )
-            raise self._failed from exc
+            ) from exc
         return out
 
 

@@ -35,11 +35,20 @@ class FollowUp:
         switch: the fallback switch (fed each completion latency).
         spans: the saves' root spans (ended here).
         deep: verify every byte (``validate="deep"``) rather than marker and manifest.
+        flush_s: the longest a commit waits for its history event to be written.
     """
 
     def __init__(
-        self, *, tiers: Tiers, ledger: Ledger, switch: FallbackSwitch, spans: SaveSpans, deep: bool
+        self,
+        *,
+        tiers: Tiers,
+        ledger: Ledger,
+        switch: FallbackSwitch,
+        spans: SaveSpans,
+        deep: bool,
+        flush_s: float,
     ) -> None:
+        self._flush_s = flush_s
         self._tiers = tiers
         self._ledger = ledger
         self._switch = switch
@@ -81,8 +90,11 @@ class FollowUp:
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
             log.warning("retention after %s failed: %s", handle.name, exc)
             self._ledger.keep(exc)
-        self._spans.end(handle, None)
+        # A caller that reads the history once ``committed`` resolves finds the event there
+        # (or its append failed, and was counted): bounded, the history is bookkeeping.
+        self._ledger.books.flush(self._flush_s)
         handle.committed.set_result(handle.name)
+        self._ledger.quietly("telemetry", lambda: self._spans.end(handle, None))
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
         if writer.replicate_to is None or self._tiers.node_cache is not None:

@@ -104,7 +104,10 @@ class SaveHandle:
 class ManagerStats:
     """Counters since the manager was created (this rank's; equal on every rank).
 
-    ``waits_expired`` counts ``when_busy="wait"`` requests skipped at ``wait_timeout_s``.
+    ``waits_expired`` counts ``when_busy="wait"`` requests skipped at ``wait_timeout_s``;
+    ``groups_broken`` the failures that broke one of the manager's gloo groups (replaced at the
+    next request); ``bookkeeping_failures`` the history appends and telemetry calls that failed
+    (logged; the saves they were about are unaffected).
     """
 
     requested: int
@@ -119,13 +122,19 @@ class ManagerStats:
     sync_saves: int = 0
     fallback_reason: str | None = None
     waits_expired: int = 0
+    groups_broken: int = 0
+    bookkeeping_failures: int = 0
 
 
 @dataclass
 class Pending:
+    """A coalesced save, parked: its private copy of the state, and its place in the ranks'
+    agreed sequence of coalesce decisions (``seq``: the same on every rank)."""
+
     handle: SaveHandle
     state: dict[str, Any]
     nbytes: int
+    seq: int = 0
 
 
 def chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:

@@ -3,7 +3,12 @@
 The manager decides; this part writes down the outcome, one way for every path: a skip, a
 coalesced request superseded, a failure (which also fails the handle's futures and is kept for
 :meth:`~dcp_safe.manager.CheckpointManager.wait`/``close``), a commit. The history file itself
-is :mod:`dcp_safe.checkpoints.history`'s.
+is :mod:`dcp_safe.checkpoints.history`'s; appends to it go through the
+:mod:`~dcp_safe.manager.bookkeeper`, off the caller's thread.
+
+Recording never fails the outcome it records: a failure's futures are set first, and whatever
+fails while writing it down (the history append, a telemetry sink) is logged and counted as a
+``bookkeeping_failures``, never raised to the save's caller.
 
 Thread safety: every method may be called from any thread; counters, errors and request times
 are guarded by the manager's condition.
@@ -11,13 +16,15 @@ are guarded by the manager's condition.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from dcp_safe.checkpoints.history import History
+from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.spans import SaveSpans
 
@@ -27,30 +34,31 @@ log = logging.getLogger("dcp_safe.manager")
 
 _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
 
-COUNTERS = ("requested", "started", "skipped", "coalesced", "committed", "failed", "sync_saves")
+COUNTERS = (
+    "requested",
+    "started",
+    "skipped",
+    "coalesced",
+    "committed",
+    "failed",
+    "sync_saves",
+    "groups_broken",
+    "bookkeeping_failures",
+)
 
 
 class Ledger:
     """The manager's record of outcomes.
 
     Args:
-        history: the root's history file.
+        books: the history file's appender (in a multi-rank job only the coordinator's
+            appends; the other ranks keep their events in memory only, :meth:`events`).
         spans: the saves' telemetry spans (a failure closes its root span).
         cond: the manager's condition.
-        writes_history: append to the history file; in a multi-rank job only the coordinator
-            does, the other ranks keep their events in memory only (:meth:`events`).
     """
 
-    def __init__(
-        self,
-        history: History,
-        spans: SaveSpans,
-        cond: threading.Condition,
-        *,
-        writes_history: bool = True,
-    ) -> None:
-        self.history = history
-        self.writes_history = writes_history
+    def __init__(self, books: Bookkeeper, spans: SaveSpans, cond: threading.Condition) -> None:
+        self.books = books
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
         self._spans = spans
         self._cond = cond
@@ -76,8 +84,20 @@ class Ledger:
         line |= {k: v for k, v in extra.items() if v is not None}
         with self._cond:
             self._events.append(line)
-        if self.writes_history:
-            self.history.append(event, step, name, **extra)
+        self.books.append(event, step, name, **extra)
+
+    def bookkeeping_failed(self, error: BaseException) -> None:
+        """Count a failure to write something down (it was logged where it happened)."""
+        with self._cond:
+            self._counts["bookkeeping_failures"] += 1
+
+    def quietly(self, what: str, action: Callable[[], object]) -> None:
+        """Run a secondary action (telemetry); a failure is logged and counted, not raised."""
+        try:
+            action()
+        except Exception as exc:
+            log.warning("dcp_safe: %s failed: %r", what, f"{type(exc).__name__}: {exc}"[:300])
+            self.bookkeeping_failed(exc)
 
     def events(self) -> list[dict[str, Any]]:
         """Every event this rank recorded, oldest first (as in the history, without times)."""
@@ -104,7 +124,9 @@ class Ledger:
             self._requested_at.pop(handle.name, None)
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self.record("skipped", handle, tier="local", reason=reason)
-        self._spans.mark("skipped", handle, reason=mark or reason)
+        self.quietly(
+            "telemetry", lambda: self._spans.mark("skipped", handle, reason=mark or reason)
+        )
 
     def fail(
         self,
@@ -116,29 +138,31 @@ class Ledger:
         keep: bool = True,
         future: Future[Any] | None = None,
     ) -> None:
-        """Record a failure and fail the handle's futures (or just ``future``).
+        """Fail the handle's futures (or just ``future``), then record the failure.
 
         ``keep`` holds the error for ``wait``/``close``; one raised to the caller is not kept.
+        The futures come first: nothing that fails while recording can leave them pending.
         """
         with self._cond:
             self._counts["failed"] += 1
             self._requested_at.pop(handle.name, None)
             if keep:
                 self._errors.append(error)
-        log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
-        if tier == "local":
-            self._spans.end(handle, error)
-        self.record(
-            "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
-        )
         targets: list[Future[Any]] = (
             [future] if future is not None else [handle.staged, handle.committed]
         )
+        if future is None:
+            targets.append(handle.replicated)
         for target in targets:
-            if not target.done():
-                target.set_exception(error)
-        if future is None and not handle.replicated.done():
-            handle.replicated.set_exception(error)
+            with contextlib.suppress(InvalidStateError):  # done already (or cancelled)
+                if not target.done():
+                    target.set_exception(error)
+        log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
+        if tier == "local":
+            self.quietly("telemetry", lambda: self._spans.end(handle, error))
+        self.record(
+            "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
+        )
 
     # -- errors kept for the caller -------------------------------------------------------------
 

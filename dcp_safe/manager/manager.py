@@ -46,13 +46,13 @@ import atexit
 import contextlib
 import functools
 import logging
-import math
 import os
 import signal as _signal
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -60,7 +60,7 @@ from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
 from dcp_safe.dcp import api
-from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, checkpoint_group, validate_deadline
+from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
 from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -71,8 +71,10 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
+from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.manager.follow_up import FollowUp
+from dcp_safe.manager.groups import FOREGROUND
 from dcp_safe.manager.handles import (
     BusyPolicy,
     ManagerStats,
@@ -83,7 +85,9 @@ from dcp_safe.manager.handles import (
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
+from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.saving import SaveRunner
+from dcp_safe.manager.shutdown import close_at_exit, run_bounded, seconds
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
@@ -179,9 +183,9 @@ class CheckpointManager:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
         self.deadline_s = validate_deadline(deadline_s)
-        wait_timeout_s = _seconds("wait_timeout_s", wait_timeout_s)
+        wait_timeout_s = seconds("wait_timeout_s", wait_timeout_s)
         if latency_objective_s is not None:
-            latency_objective_s = _seconds("latency_objective_s", latency_objective_s)
+            latency_objective_s = seconds("latency_objective_s", latency_objective_s)
         self.when_busy: BusyPolicy = parse_choice(BusyPolicy, when_busy, "when_busy")
         self.validate: Validation = parse_choice(Validation, validate, "validate")
         self.staging: StagingMode = parse_choice(StagingMode, staging, "staging")
@@ -195,7 +199,12 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.node_local = None if node_local is None else os.fspath(node_local)
         self.writer = writer or writer_for(
-            root, replicate_to, self.node_local, storage_options, attempt
+            root,
+            replicate_to,
+            self.node_local,
+            storage_options,
+            attempt,
+            remote_timeout_s=wait_timeout_s,
         )
         if self.node_local is not None and not isinstance(self.writer, NodeLocalWriter):
             raise ConfigError("node_local= needs a NodeLocalWriter (or no writer= at all)")
@@ -215,20 +224,22 @@ class CheckpointManager:
             telemetry.attach_stager(self.stager)
         self._cond = threading.Condition()
         self._watch: MemoryWatch | None = None
-        primary = self.writer.remote if self.node_local is not None else None
-        self._history = History(primary or self.writer.backend)
         self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
         # Every rank constructs its manager at the same point: creating the groups is collective.
         self._agreement = Agreement.for_job(self.deadline_s)
-        distributed = self._agreement.distributed
-        self._sync_collectives = self._collectives(distributed, "manager-sync")
+        primary = self.writer.remote if self.node_local is not None else None
+        self._books = Bookkeeper(
+            History(primary or self.writer.backend),
+            enabled=self._agreement.coordinator,
+            failed=lambda exc: self._ledger.bookkeeping_failed(exc),
+        )
         self._tiers = Tiers(
             self.writer,
             storage_options=storage_options,
             policy=self.policy,
             partial_grace_s=partial_grace_s,
-            history=self._history,
+            history=self._books,
             cond=self._cond,
             deferred=self._preemption_deferred,
             coordinator=self._agreement.coordinator,
@@ -237,9 +248,7 @@ class CheckpointManager:
         self.root = self._tiers.root  # where committed checkpoints live
         self._slot = SaveSlot(self._cond)
         self._closed = False
-        self._ledger = Ledger(
-            self._history, self._spans, self._cond, writes_history=self._agreement.coordinator
-        )
+        self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
             FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.node_reserve),
             sample_memory=memory_sampler or self._memory_watch().lowest,
@@ -254,6 +263,7 @@ class CheckpointManager:
             switch=switch,
             spans=self._spans,
             deep=self.validate is Validation.DEEP,
+            flush_s=self.deadline_s,
         )
         self._runner = SaveRunner(
             writer=self.writer,
@@ -264,8 +274,8 @@ class CheckpointManager:
             spans=self._spans,
             follow_up=self._follow_up,
             cond=self._cond,
-            async_collectives=self._collectives(distributed, "manager-async"),
-            sync_collectives=self._sync_collectives,
+            groups=self._agreement.groups,
+            barrier=PromotionBarrier.for_job(self._agreement, wait_timeout_s),
         )
         self._admitter = Admitter(
             agreement=self._agreement,
@@ -281,7 +291,7 @@ class CheckpointManager:
         # from this node's cache and which from root, and why.
         self.last_reader: SafeStorageReader | None = None
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
-        self._at_exit = _close_at_exit(weakref.ref(self), exit_timeout_s)
+        self._at_exit = close_at_exit(weakref.ref(self), exit_timeout_s)
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ saving
@@ -324,7 +334,14 @@ class CheckpointManager:
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
     ) -> SaveHandle | None:
         self._ledger.record("requested", handle, tier="local")
-        decision = self._admitter.admit(handle, policy, state_dict, force=force)
+        # Frozen while the ranks vote and park: a save ending meanwhile does not start the
+        # pending one on this rank alone (see SaveSlot.frozen).
+        with self._slot.frozen():
+            decision = self._admitter.admit(handle, policy, state_dict, force=force)
+            if decision.verdict is Verdict.COALESCE:
+                return self._runner.coalesce(handle, state_dict)
+        if decision.verdict is Verdict.WAIT:
+            decision = self._admitter.wait(handle, force=force)
         verdict, reason = decision.verdict, decision.reason
         if verdict is Verdict.START:
             self._slot.take(handle)  # free: this rank voted idle, or waited until it was
@@ -334,8 +351,6 @@ class CheckpointManager:
         if verdict is Verdict.SYNC:
             self._runner.foreground(handle, state_dict)
             return handle
-        if verdict is Verdict.COALESCE:
-            return self._runner.coalesce(handle, state_dict)
         self._ledger.skip(handle, reason)
         if verdict is Verdict.RAISE:
             raise AdmissionTimeoutError(f"save of step {handle.step} refused: {reason}")
@@ -386,14 +401,19 @@ class CheckpointManager:
         number = -1 if step == layout.LATEST else int(step)
         with self._preemption_deferred():
             # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
-            name = self._agreement.settle("restore", number, resolve)
+            wait_s = self._admitter.wait_timeout_s
+            name = self._agreement.settle("restore", number, resolve, wait_s)
             with self._tiers.reading(name):
-                api.load(
-                    state_dict,
-                    checkpoint_id=name,
-                    storage_reader=reader,
-                    **self._sync_collectives,
-                )
+                try:
+                    api.load(
+                        state_dict,
+                        checkpoint_id=name,
+                        storage_reader=reader,
+                        **self._runner.collectives(FOREGROUND),
+                    )
+                except BaseException as exc:
+                    self._runner.saw_failure(FOREGROUND, exc)
+                    raise
         return name
 
     # ------------------------------------------------------------------ draining
@@ -417,7 +437,14 @@ class CheckpointManager:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if wait_futures(remotes, timeout=left).not_done:
             raise DrainTimeoutError(f"replication still running after {timeout_s} s")
-        self._runner.post.submit(lambda: None).result()  # callbacks queued behind the last save
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
+            self._runner.post.submit(lambda: None).result(timeout=left)
+        except FutureTimeout:
+            raise DrainTimeoutError(
+                f"the manager thread was still busy after {timeout_s} s"
+            ) from None
+        self._books.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -434,8 +461,12 @@ class CheckpointManager:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        errors: list[BaseException] = []
-        steps: list[Callable[[], object]] = [lambda: self.wait(timeout_s), self.prune]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
         if self._owns_stager:
             steps.append(self.stager.close)
@@ -443,9 +474,9 @@ class CheckpointManager:
             steps.append(self._watch.close)
         for writer in (self.writer, self._runner.sync_writer):
             if writer is not None:
-                steps.append(functools.partial(writer.close, timeout_s))
-        for step in steps:
-            _collect(step, errors)
+                steps.append(functools.partial(lambda w: w.close(left()), writer))
+        steps.append(lambda: self._books.close(left()))
+        errors = run_bounded(steps, timeout_s)
         errors = self._ledger.unraised() + errors
         if errors:
             raise errors[0]
@@ -481,7 +512,7 @@ class CheckpointManager:
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first (written by the coordinator only)."""
-        return self._ledger.history.read()
+        return self._books.read()
 
     def decisions(self) -> list[dict[str, Any]]:
         """This rank's own record of events, oldest first: the same on every rank.
@@ -494,13 +525,6 @@ class CheckpointManager:
     def _memory_watch(self) -> MemoryWatch:
         self._watch = MemoryWatch()
         return self._watch
-
-    def _collectives(self, distributed: bool, purpose: str) -> dict[str, Any]:
-        """How a save or load of this manager talks to the other ranks (if any)."""
-        if not distributed:
-            return {"no_dist": True}
-        group = checkpoint_group(self.deadline_s, purpose=purpose)
-        return {"process_group": group, "deadline_s": self.deadline_s}
 
     # ------------------------------------------------------------------ fallback
 
@@ -560,6 +584,7 @@ class CheckpointManager:
             deadline,
             latest=latest,
             slot=self._slot,
+            drop_pending=self._runner.drop_pending,
             ledger=self._ledger,
             name_for=self._name_for,
             is_committed=self._tiers.is_validated,
@@ -570,30 +595,3 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         return not self._slot.idle()
-
-
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
-    return float(value)
-
-
-def _collect(step: Callable[[], object], errors: list[BaseException]) -> None:
-    try:
-        step()
-    except BaseException as exc:
-        errors.append(exc)
-
-
-def _close_at_exit(manager: weakref.ref[CheckpointManager], timeout_s: float) -> Callable[[], None]:
-    def close() -> None:
-        live = manager()
-        if live is not None:
-            try:
-                live.close(timeout_s)
-            except BaseException:
-                log.exception("dcp_safe: draining the CheckpointManager at exit failed")
-
-    return close

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from dcp_safe.errors import ConfigError, DcpSafeError
 from dcp_safe.manager.agreement import Agreement, Vote, require_same_call
-from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.handles import Pending, SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.slot import SaveSlot
 
@@ -226,6 +226,7 @@ def preempt(
     *,
     latest: tuple[int, dict[str, Any]] | None,
     slot: SaveSlot,
+    drop_pending: Callable[[], Pending | None],
     ledger: Ledger,
     name_for: Callable[[int], str],
     is_committed: Callable[[str], bool],
@@ -240,6 +241,7 @@ def preempt(
         deadline: ``time.monotonic()`` by which the job must be gone.
         latest: the newest ``(step, state)`` passed to the manager (``None``: none yet).
         slot: the manager's single-flight slot.
+        drop_pending: takes the pending save out for good (the runner's: its peers learn it).
         ledger: where the outcome is recorded.
         name_for: a step's checkpoint name.
         is_committed: whether a name is committed and verified already.
@@ -249,7 +251,7 @@ def preempt(
     Returns:
         What happened, one line (also in the ``preempted`` history event).
     """
-    pending = slot.drop_pending()
+    pending = drop_pending()
     drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
     busy = slot.drain(drain_s)
     if pending is not None:
@@ -275,5 +277,7 @@ def preempt(
         )
     )
     ledger.record("preempted", step_name, reason=f"{reason}: {outcome}")
+    # The process is about to go: its history appends with it, within what time is left.
+    ledger.books.flush(max(0.0, deadline - time.monotonic()))
     log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
     return outcome

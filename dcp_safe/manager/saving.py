@@ -7,16 +7,18 @@ The manager decides *whether* and *how* (:mod:`~dcp_safe.manager.admit`); this p
   (:mod:`~dcp_safe.manager.follow_up`), which then frees the slot or starts the pending save.
 * :meth:`SaveRunner.foreground`: a synchronous ``save`` with a second writer (a writer runs one
   save at a time), for ``when_busy="sync"``, the automatic fallback and the preemption save.
-* :meth:`SaveRunner.coalesce`: copy the state now and park it as the pending save.
+* :meth:`SaveRunner.coalesce`: copy the state now and park it as the pending save. It starts
+  once the save in flight ended; in a multi-rank job only once every rank's has, which the
+  ranks learn at the pending save's barrier (:mod:`~dcp_safe.manager.promotion`).
 
 In a multi-rank job the background and the foreground saves use two different dcp_safe groups
-(``collectives``): one communicator carries one ordered stream of collectives, and a
-foreground save may run while a background one is still in its collectives.
+(:mod:`~dcp_safe.manager.groups`): one communicator carries one ordered stream of collectives,
+and a foreground save may run while a background one is still in its collectives. A save that
+failed because its group broke marks that group broken; the next vote replaces it everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,8 +29,10 @@ from dcp_safe.dcp import api
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
 from dcp_safe.manager.follow_up import FollowUp
+from dcp_safe.manager.groups import BACKGROUND, FOREGROUND, ManagerGroups
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
 from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.staging import BudgetedStager
@@ -48,8 +52,8 @@ class SaveRunner:
         slot: the single-flight slot (held by the caller of :meth:`start`).
         ledger, spans, follow_up: where outcomes go.
         cond: the manager's condition.
-        async_collectives: ``async_save``'s keyword arguments for the other ranks.
-        sync_collectives: ``save``'s, on a different group.
+        groups: the manager's groups (``None``: a single process).
+        barrier: where the ranks meet before a coalesced save starts (``None``: one process).
     """
 
     def __init__(
@@ -63,8 +67,8 @@ class SaveRunner:
         spans: SaveSpans,
         follow_up: FollowUp,
         cond: threading.Condition,
-        async_collectives: dict[str, Any],
-        sync_collectives: dict[str, Any],
+        groups: ManagerGroups | None = None,
+        barrier: PromotionBarrier | None = None,
     ) -> None:
         self.writer = writer
         self.stager = stager
@@ -74,14 +78,29 @@ class SaveRunner:
         self._spans = spans
         self._follow_up = follow_up
         self._cond = cond
-        self._async = async_collectives
-        self._sync = sync_collectives
+        self.groups = groups
+        self._barrier = barrier
+        self._coalesced = 0  # the agreed coalesce decisions so far: a pending save's ``seq``
         self.sync_writer: SafeStorageWriter | None = None
         self._last_staged: Future[None] | None = None
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
 
+    def collectives(self, purpose: str) -> dict[str, Any]:
+        """DCP's keyword arguments for a save or load on ``purpose``'s group."""
+        if self.groups is None:
+            return {"no_dist": True}
+        return self.groups.collectives(purpose)
+
     def start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
+        try:
+            self._launch(handle, state_dict)
+        except BaseException as exc:
+            self._ledger.fail(handle, exc, tier="local", keep=False)
+            self._finish_slot()
+            raise
+
+    def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         self.writer.step = handle.step
         try:
             with self._spans.opened(handle):
@@ -90,13 +109,12 @@ class SaveRunner:
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(self.writer),
                     async_stager=self.stager,
-                    **self._async,
+                    **self.collectives(BACKGROUND),
                 )
-            self.stager.track(response)
         except BaseException as exc:
-            self._ledger.fail(handle, exc, tier="local", keep=False)
-            self._finish_slot()
+            self.saw_failure(BACKGROUND, exc)
             raise
+        self.stager.track(response)
         chain(response.staging_completion, handle.staged, lambda _: None)
         with self._cond:
             self._last_staged = handle.staged
@@ -132,9 +150,10 @@ class SaveRunner:
                     state_dict,
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(writer),
-                    **self._sync,
+                    **self.collectives(FOREGROUND),
                 )
         except BaseException as exc:
+            self.saw_failure(FOREGROUND, exc)
             self._ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
@@ -142,30 +161,47 @@ class SaveRunner:
 
     def coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
         """Copy the state now and make it the pending save (started at once if the slot is
-        free meanwhile). The admission checked the budget has room for the copy."""
+        free meanwhile). The admission checked the budget has room for the copy.
+
+        Called for an agreed ``COALESCE`` decision, on every rank, with the slot frozen."""
         need = sum(t.nbytes for t in collect_tensors(state_dict))
+        self._coalesced += 1  # counted before the copy can fail: the same on every rank
         try:  # another thread may update the state while it is copied
             state = snapshot_copy(state_dict)
         except SnapshotMutatedError as exc:
             self._ledger.fail(handle, exc, tier="local")
+            if self._barrier is not None:  # the peers' copy of this pending save starts nowhere
+                self._barrier.abandon(self._coalesced)
             return handle
         handle.staged.set_result(None)
-        replaced, start_now = self._slot.park(Pending(handle, state, need))
+        pending = Pending(handle, state, need, seq=self._coalesced)
+        replaced, start_now = self._slot.park(pending)
         self._ledger.count("coalesced")
-        self._ledger.count("started", start_now)  # the in-flight save finished meanwhile
         if replaced is not None:
             replaced.handle.cancel()
             reason = f"coalesced into step {handle.step}"
             self._ledger.skip(replaced.handle, reason, mark="coalesced")
-        if start_now:
-            self.start(handle, state)
+        if start_now:  # the save in flight finished meanwhile (or none was, on this rank)
+            self._ledger.count("started")
+            if self._barrier is None:
+                self.start(handle, state)
+            else:  # the peers may still be busy: meet them at the barrier, off this thread
+                self.post.submit(self._run_pending, pending)
         return handle
+
+    def drop_pending(self) -> Pending | None:
+        """Take the pending save out, never to start it (its barrier is abandoned)."""
+        pending = self._slot.drop_pending()
+        if pending is not None and self._barrier is not None:
+            self._barrier.abandon(pending.seq)
+        return pending
 
     # -- after a save ---------------------------------------------------------------------------
 
     def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
+            self.saw_failure(BACKGROUND, upload.exception())
             self._follow_up.after_upload(handle, upload, self.writer)
         finally:
             self._finish_slot()
@@ -175,12 +211,25 @@ class SaveRunner:
         pending = self._slot.release()
         if pending is not None:
             self._ledger.count("started")
-            with contextlib.suppress(BaseException):  # start recorded and kept the error
-                self._start_pending(pending)
+            self._run_pending(pending)
 
-    def _start_pending(self, pending: Pending) -> None:
-        try:
-            self.start(pending.handle, pending.state)
-        except BaseException as exc:
-            self._ledger.keep(exc)
-            raise
+    def _run_pending(self, pending: Pending | None) -> None:
+        """Start the pending save that holds the slot; on failure free the slot (or hand it on).
+
+        A start that fails (here, or the ranks' barrier abandoned) fails the pending save's
+        handle and is kept for ``wait``/``close``."""
+        while pending is not None:
+            try:
+                if self._barrier is not None:
+                    self._barrier.cross(pending.seq, pending.handle.step)
+                self._launch(pending.handle, pending.state)
+                return
+            except BaseException as exc:
+                self._ledger.fail(pending.handle, exc, tier="local")
+            pending = self._slot.release()
+            if pending is not None:
+                self._ledger.count("started")
+
+    def saw_failure(self, purpose: str, error: BaseException | None) -> None:
+        if self.groups is not None and self.groups.saw_failure(purpose, error):
+            self._ledger.count("groups_broken")

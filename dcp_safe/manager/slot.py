@@ -4,14 +4,21 @@ The manager's busy policies are decisions about this slot: ``wait`` waits for it
 ``raise`` give up when it is taken, ``coalesce`` parks one pending save behind it (a newer one
 replaces it). When the save in flight ends, the slot goes straight to the pending save, if any.
 
+In a multi-rank job the pending save is part of what the ranks vote on, so the training thread
+*freezes* the slot while it votes and acts on a request (:meth:`frozen`): a save ending
+meanwhile frees the slot as usual, but does not take the pending save out until the vote is
+done, so every rank replaces the same pending save or none (:mod:`~dcp_safe.manager.agreement`).
+
 Thread safety: every method may be called from any thread; the state is guarded by the
 manager's condition (``cond``), so the manager's own decisions under it see the slot as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 from dcp_safe.manager.handles import Pending, SaveHandle
 
@@ -32,6 +39,24 @@ class SaveSlot:
         self.waiting = 0
         self.waited_s = 0.0
         self._since = 0.0  # time.monotonic() when the save in flight took the slot
+        self._frozen = False
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """While the caller votes on a request: the pending save is not taken out meanwhile."""
+        with self._cond:
+            self._frozen = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._frozen = False
+                self._cond.notify_all()
+
+    def pending_step(self) -> int | None:
+        """The step of the pending save (``None``: none parked)."""
+        with self._cond:
+            return None if self.pending is None else self.pending.handle.step
 
     def take(self, handle: SaveHandle) -> bool:
         """Hold the slot for ``handle`` if it is free.
@@ -86,8 +111,11 @@ class SaveSlot:
             return replaced, False
 
     def release(self) -> Pending | None:
-        """Free the slot, or hand it to the pending save (returned; the caller starts it)."""
+        """Free the slot, or hand it to the pending save (returned; the caller starts it).
+
+        With a pending save, waits until the slot is not :meth:`frozen`."""
         with self._cond:
+            self._cond.wait_for(lambda: self.pending is None or not self._frozen)
             pending, self.pending = self.pending, None
             if pending is not None:
                 self._hold(pending.handle)

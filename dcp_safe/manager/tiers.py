@@ -26,15 +26,17 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
+from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.checkpoints.history import History
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
-from dcp_safe.dcp.node_local import NodeLocalWriter
+from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
+from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.replication.rank_upload import UploadOptions
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
@@ -50,7 +52,8 @@ class Tiers:
         storage_options: fsspec options of the local root.
         policy: the retention policy.
         partial_grace_s: age after which abandoned partials are collected.
-        history: the manager's history (validated names are read from it once).
+        history: the manager's history (validated names are read from it once; ``pruned``
+            events are appended through it).
         cond: the manager's condition, guarding the sets here.
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
         coordinator: this rank writes the shared state. In a multi-rank job the other ranks
@@ -69,7 +72,7 @@ class Tiers:
         storage_options: dict[str, Any] | None,
         policy: RetentionPolicy,
         partial_grace_s: float,
-        history: History,
+        history: Bookkeeper,
         cond: threading.Condition,
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
@@ -108,7 +111,13 @@ class Tiers:
             CommitError: a rank's upload failed (named), or the remote commit did.
         """
         if self.node_cache is not None:
-            writer.replication(name).result()
+            writer.replication(name).result(timeout=self._commit_wait_s(writer))
+
+    @staticmethod
+    def _commit_wait_s(writer: SafeStorageWriter) -> float:
+        # The writer's own waits end first (twice remote_timeout_s); this only backs them up.
+        options = getattr(writer, "node_options", writer.replication_options)
+        return 2 * float(options.remote_timeout_s) + 60.0
 
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
@@ -179,9 +188,8 @@ class Tiers:
             with self._cond:
                 protected = {n for n, f in self._replications.items() if not f.done()}
             for name in decide(records, self.policy, protected=protected).drop:
-                retire_checkpoint(remote, name)
                 step = next(r.step for r in records if r.name == name)
-                self._history.append("pruned", step, name, tier="remote", reason="retention")
+                self._retire(remote, name, step, "remote")
 
     def _prune_local(self) -> tuple[str, ...]:
         with self._deferred(), self._prune_lock:
@@ -197,14 +205,41 @@ class Tiers:
                 }
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
-                retire_checkpoint(self.backend, name)
-                with self._cond:
-                    self._validated.discard(name)
-                    self._replications.pop(name, None)
-                    self.pruned += 1
                 step = next(r.step for r in records if r.name == name)
-                self._history.append("pruned", step, name, tier="local", reason="retention")
+                try:
+                    self._retire(self.backend, name, step, "local")
+                except Exception:
+                    if not self._still_committed(self.backend, name):
+                        self._forget(name)
+                    raise
+                self._forget(name)
             return decision.drop
+
+    def _forget(self, name: str) -> None:
+        with self._cond:
+            self._validated.discard(name)
+            self._replications.pop(name, None)
+            self.pruned += 1
+
+    def _retire(self, backend: Backend, name: str, step: int | None, tier: str) -> None:
+        """Retire ``name`` and record it; one unpublished whose files could not all be removed
+        is recorded as pruned too (it is gone from the listing), with why, and the error raised.
+        """
+        try:
+            retire_checkpoint(backend, name)
+        except Exception as exc:
+            if not self._still_committed(backend, name):
+                reason = f"retention; unpublished, but removing its files failed: {exc}"[:500]
+                self._history.append("pruned", step, name, tier=tier, reason=reason)
+            raise
+        self._history.append("pruned", step, name, tier=tier, reason="retention")
+
+    @staticmethod
+    def _still_committed(backend: Backend, name: str) -> bool:
+        try:
+            return backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
+        except OSError:
+            return True  # cannot tell: do not claim it was pruned
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -241,15 +276,25 @@ def writer_for(
     node_local: str | None,
     storage_options: dict[str, Any] | None,
     attempt: int | None,
+    *,
+    remote_timeout_s: float,
 ) -> SafeStorageWriter:
     """The writer of a manager's roots: one root (and its replica), or node-local and remote.
+
+    ``remote_timeout_s`` bounds the per-rank uploads' waits (rank 0 for every rank's upload, a
+    rank for the remote commit: twice it): the manager passes its ``wait_timeout_s``, the
+    longest it waits for any save in flight, rather than the writers' own 30-minute default.
 
     Raises:
         ConfigError: ``node_local`` together with ``replicate_to``.
     """
     if node_local is None:
         return SafeStorageWriter(
-            root, replicate_to=replicate_to, storage_options=storage_options, attempt=attempt
+            root,
+            replicate_to=replicate_to,
+            storage_options=storage_options,
+            attempt=attempt,
+            replication_options=UploadOptions(remote_timeout_s=remote_timeout_s),
         )
     if replicate_to is not None:
         raise ConfigError(
@@ -257,5 +302,9 @@ def writer_for(
             " shared remote every rank uploads to"
         )
     return NodeLocalWriter(
-        node_local, remote=root, remote_storage_options=storage_options, attempt=attempt
+        node_local,
+        remote=root,
+        remote_storage_options=storage_options,
+        attempt=attempt,
+        node_options=NodeLocalOptions(remote_timeout_s=remote_timeout_s),
     )

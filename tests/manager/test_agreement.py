@@ -43,6 +43,37 @@ def test_coalesce_skips_everywhere_when_one_rank_has_no_room_for_the_copy() -> N
     assert "no memory for a pending copy on rank 1" in decision.reason
 
 
+def test_coalesce_replaces_a_pending_save_only_where_every_rank_still_holds_it() -> None:
+    same = [Vote("save", 9, busy=True, pending=5), Vote("save", 9, busy=True, pending=5)]
+    assert decide(same, BusyPolicy.COALESCE).verdict is Verdict.COALESCE
+    # Rank 1 already took step 5 out to start it: replacing it on rank 0 alone would run
+    # different saves on the two ranks, so the new request is skipped everywhere.
+    split = [Vote("save", 9, busy=True, pending=5), Vote("save", 9, busy=True)]
+    decision = decide(split, BusyPolicy.COALESCE)
+    assert decision.verdict is Verdict.SKIP
+    assert "already starting on rank 1" in decision.reason
+
+
+def test_every_rank_replaces_the_groups_any_rank_saw_break() -> None:
+    votes = [Vote("save", 4, broken=("manager-async",)), Vote("save", 4, busy=True)]
+    for policy in BusyPolicy:
+        assert decide(votes, policy).replace == ("manager-async",)
+    assert decide(_votes(False, False), BusyPolicy.WAIT).replace == ()
+
+
+def test_a_single_process_waits_in_one_round_and_reports_who_is_still_busy() -> None:
+    solo = Agreement()
+    waited: list[float] = []
+
+    def never_ready(wait_s: float) -> bool:
+        waited.append(wait_s)
+        return False
+
+    assert solo.until_all("wait", 3, never_ready, 0.01) == [0]
+    assert waited == [pytest.approx(0.01, abs=0.01)]
+    assert solo.until_all("wait", 3, lambda _: True, 0.01) == []
+
+
 def test_a_fallback_on_one_rank_makes_every_rank_save_synchronously() -> None:
     votes = [Vote("save", 4), Vote("save", 4, fallback="memory below the reserve")]
     decision = decide(votes, BusyPolicy.SKIP)
@@ -69,9 +100,9 @@ def test_a_single_process_exchanges_nothing_and_settles_locally() -> None:
     vote = Vote("save", 1, busy=True)
     assert solo.gather(vote) == [vote]
     assert solo.coordinator and not solo.distributed
-    assert solo.settle("restore", -1, lambda: "step_1") == "step_1"
+    assert solo.settle("restore", -1, lambda: "step_1", 30.0) == "step_1"
     with pytest.raises(ConfigError, match="boom"):
-        solo.settle("restore", -1, _raise_config_error)
+        solo.settle("restore", -1, _raise_config_error, 30.0)
 
 
 def _raise_config_error() -> str:

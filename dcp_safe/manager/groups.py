@@ -1,0 +1,135 @@
+"""The manager's gloo groups, and replacing one that broke at a point every rank reaches.
+
+A manager talks to its peers on three dcp_safe groups, one per stream of collectives that may
+run at the same time (a communicator carries one ordered stream): the policy votes and the
+foreground saves and restores run on the training thread, the background saves on the upload
+thread. A gloo group whose collective failed (timed out, lost a connection) cannot be used
+again: every later collective on it fails at once, and gloo's message ("Application timeout
+caused pair closure") names no rank. So a failed group is marked broken and replaced, never
+reused:
+
+* **the policy group**, at the next vote: a collective fails on every member that reaches it,
+  so every rank saw the same vote fail and replaces the group at the same next call;
+* **the save groups**, right after the next vote, when any rank's vote says it saw one fail
+  (:attr:`Vote.broken <dcp_safe.manager.agreement.Vote>`): every rank then replaces the same
+  groups in the same order.
+
+Creating a group is a collective over the default group (``dist.new_group``), so the rules
+above are what keeps every rank creating the same groups in the same order. A replacement that
+cannot be made within the deadline (a peer really died) leaves the manager dead: that
+:class:`~dcp_safe.errors.CommitError` is raised again, at once, by every later call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_safe.dcp.group import checkpoint_group, discard_group, is_group_failure
+from dcp_safe.errors import CommitError
+
+__all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "ManagerGroups"]
+
+POLICY = "manager-policy"
+FOREGROUND = "manager-sync"
+BACKGROUND = "manager-async"
+_ORDER = (POLICY, FOREGROUND, BACKGROUND)  # creation order, the same on every rank
+
+
+class ManagerGroups:
+    """The three groups of one manager in a multi-rank job, with their health.
+
+    Args:
+        deadline_s: every group's timeout: no collective waits longer for a peer.
+
+    Call order: construct on every rank at the same point (creating the groups is collective);
+    :meth:`group` from any thread; :meth:`replace` only where every rank calls it with the same
+    purposes (after a vote).
+    """
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self._lock = threading.Lock()
+        self._broken: dict[str, Any] = {}  # purpose -> the group seen failing
+        self._own_failure: set[str] = set()  # broken by a failure this rank saw itself
+        self.dead: CommitError | None = None
+        self.replaced = 0
+        for purpose in _ORDER:
+            checkpoint_group(deadline_s, purpose=purpose)
+        self.rank = dist.get_rank(self.group(POLICY))
+        self.world_size = dist.get_world_size(self.group(POLICY))
+
+    def group(self, purpose: str) -> Any:
+        """The current group for ``purpose`` (replacing a broken policy group first).
+
+        Raises:
+            CommitError: a replacement failed earlier (a peer is gone), or fails now.
+        """
+        if self.dead is not None:
+            raise self.dead
+        if purpose == POLICY and self.is_broken(POLICY):
+            self.replace((POLICY,))
+        return checkpoint_group(self.deadline_s, purpose=purpose)
+
+    def collectives(self, purpose: str) -> dict[str, Any]:
+        """DCP's keyword arguments for a save or load on ``purpose``'s group."""
+        return {"process_group": self.group(purpose), "deadline_s": self.deadline_s}
+
+    def saw_failure(self, purpose: str, error: BaseException | None) -> bool:
+        """Mark ``purpose``'s group broken if ``error`` is a failed collective on it.
+
+        Returns:
+            Whether it was marked.
+        """
+        if not is_group_failure(error):
+            return False
+        with self._lock:
+            self._broken.setdefault(purpose, checkpoint_group(self.deadline_s, purpose=purpose))
+            self._own_failure.add(purpose)
+        return True
+
+    def is_broken(self, purpose: str) -> bool:
+        with self._lock:
+            return purpose in self._broken
+
+    def broken(self) -> tuple[str, ...]:
+        """The save groups this rank saw fail (what its next vote reports)."""
+        with self._lock:
+            return tuple(p for p in _ORDER if p in self._broken and p != POLICY)
+
+    def replace(self, purposes: tuple[str, ...]) -> None:
+        """Create fresh groups for ``purposes`` (every rank calls this with the same ones).
+
+        A group this rank saw fail is torn down; one only a peer saw fail is forgotten without
+        being destroyed, as this rank's upload thread may still be inside a collective on it
+        (that collective then fails, its peer being gone).
+
+        Raises:
+            CommitError: a group could not be created within the deadline; the manager is dead.
+        """
+        for purpose in (p for p in _ORDER if p in purposes):
+            with self._lock:
+                old = self._broken.pop(purpose, None)
+                destroy = purpose in self._own_failure
+                self._own_failure.discard(purpose)
+            stale = old if old is not None else checkpoint_group(self.deadline_s, purpose=purpose)
+            discard_group(stale, destroy=destroy)
+            try:
+                checkpoint_group(self.deadline_s, purpose=purpose)
+            except (RuntimeError, ValueError) as exc:
+                detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+                self.dead = CommitError(
+                    f"the manager's {purpose} group broke and a new one could not be made: a"
+                    f" peer died or did not respond within the {self.deadline_s:g} s deadline;"
+                    " restart the job (the previous checkpoint is intact)",
+                    {
+                        r: f"did not join the new {purpose} group ({detail})"
+                        for r in range(self.world_size)
+                        if r != self.rank
+                    },
+                )
+                raise self.dead from exc
+            with self._lock:
+                self.replaced += 1

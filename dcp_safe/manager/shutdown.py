@@ -1,0 +1,82 @@
+"""How a manager stops: a close bounded by one deadline, and the drain at interpreter exit.
+
+``close(timeout_s)`` runs several steps (drain, a last prune, stopping threads, closing the
+writers), some with no bound of their own (a prune on a slow file system). They run on a thread
+of their own, each given what is left of the one deadline, so the caller is back by
+``timeout_s`` whatever a step does; what is left goes on in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+from dcp_safe.errors import ConfigError, DrainTimeoutError
+
+__all__ = ["close_at_exit", "run_bounded", "seconds"]
+
+log = logging.getLogger("dcp_safe.manager")
+
+
+class _Closable(Protocol):
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+
+def seconds(name: str, value: object) -> float:
+    """``value`` as a float, or ConfigError unless it is a finite number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
+    return float(value)
+
+
+def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> list[BaseException]:
+    """Run ``steps`` in order, each whatever the previous raised; their errors.
+
+    With a timeout they run on a thread of their own, and the caller gets a
+    :class:`DrainTimeoutError` at ``timeout_s`` if they are not all done: a step that has no
+    bound of its own (a prune on a slow file system) cannot hold the caller past it.
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                errors.append(exc)
+
+    if timeout_s is None:
+        run()
+        return errors
+    closer = threading.Thread(target=run, name="dcp_safe-close", daemon=True)
+    closer.start()
+    closer.join(timeout_s)
+    if closer.is_alive():
+        return [
+            DrainTimeoutError(
+                f"close did not finish within {timeout_s:g} s; what is left goes on in the"
+                " background"
+            ),
+            *errors,
+        ]
+    return errors
+
+
+def close_at_exit(manager: weakref.ref[_Closable], timeout_s: float) -> Callable[[], None]:
+    """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so)."""
+
+    def close() -> None:
+        live = manager()
+        if live is not None:
+            try:
+                live.close(timeout_s)
+            except BaseException:
+                log.exception("dcp_safe: draining the CheckpointManager at exit failed")
+
+    return close
