@@ -75,7 +75,10 @@ class KeepLast:
             raise ConfigError(f"KeepLast needs an int n >= 0, got {self.n!r}")
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
-        return {r.name for r in _ordered(records)[len(records) - self.n :]} if self.n else set()
+        # max(0, ...): with fewer records than n, a negative start would count from the end
+        # and keep only the newest few.
+        newest = _ordered(records)[max(0, len(records) - self.n) :]
+        return {r.name for r in newest} if self.n else set()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,14 @@ def test_keep_last_and_every_combined_keep_their_union() -> None:
     assert _steps(decision.drop) == [1, 2, 3, 4, 6, 7, 8]
 
 
+def test_keep_last_keeps_everything_while_there_are_fewer_checkpoints_than_it_keeps() -> None:
+    # Found by the chaos run: KeepLast(5) over 4 checkpoints kept only the newest one (a
+    # negative slice start), and the safety rules alone kept a second.
+    for count in range(6):
+        steps = list(range(1, count + 1))
+        assert _steps(decide(_records(steps), KeepLast(5)).keep) == steps
+
+
 def test_nothing_is_dropped_at_or_after_the_newest_validated_checkpoint() -> None:
     decision = decide(_records([1, 2, 3, 4], validated={1, 2}), KeepLast(1))
     assert _steps(decision.keep) == [1, 2, 3, 4]
