@@ -73,7 +73,7 @@ class Admitter:
 
         ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait` (outside the
         slot's freeze, as the wait is for the slot to free up). The save groups a rank saw
-        fail are replaced here, on every rank, before the decision is acted on.
+        fail are replaced by the exchange itself, on every rank, before the decision is acted on.
 
         Raises:
             ConfigError: the ranks asked for different steps.
@@ -81,7 +81,6 @@ class Admitter:
         """
         fallback = self._switch.on_request(handle, self._leaked_bytes)
         busy = not self._slot.idle()
-        groups = self.agreement.groups
         vote = Vote(
             "save",
             handle.step,
@@ -90,11 +89,8 @@ class Admitter:
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
             pending=self._slot.pending_step(),
-            broken=() if groups is None else groups.broken(),
         )
         decision = decide(self.agreement.gather(vote), policy)
-        if decision.replace and groups is not None:
-            groups.replace(decision.replace)
         self._switch.follow(handle, decision.fallback)
         return decision
 

@@ -23,8 +23,9 @@ votes into the same :class:`Decision` everywhere. The rules, in order:
 A rank is busy from the moment its save starts until its follow-up (verification, history,
 retention) is done, so a coordinator still pruning counts as busy.
 
-Every vote also carries the save groups the rank saw fail (:mod:`~dcp_safe.manager.groups`);
-the decision names their union, and every rank replaces those groups right after the vote.
+Every vote also carries the save groups the rank saw fail (:mod:`~dcp_safe.manager.groups`),
+and right after every exchange each rank replaces the union of them (:func:`groups_to_replace`):
+every rank makes the same exchanges, so every rank replaces the same groups at the same point.
 
 **No exchange waits on a peer's local work for longer than a round.** A collective gives up
 after the deadline and breaks its group, so waiting for a peer (its save in flight, the
@@ -60,7 +61,15 @@ from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
 from dcp_safe.manager.groups import POLICY, ManagerGroups
 from dcp_safe.manager.handles import BusyPolicy
 
-__all__ = ["Agreement", "Decision", "Verdict", "Vote", "decide", "require_same_call"]
+__all__ = [
+    "Agreement",
+    "Decision",
+    "Verdict",
+    "Vote",
+    "decide",
+    "groups_to_replace",
+    "require_same_call",
+]
 
 T = TypeVar("T")
 
@@ -107,13 +116,11 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """The verdict, why, the agreed fallback reason (naming the ranks that tripped), and the
-    save groups every rank replaces before acting on it."""
+    """The verdict, why, and the agreed fallback reason (naming the ranks that tripped)."""
 
     verdict: Verdict
     reason: str = ""
     fallback: str | None = None
-    replace: tuple[str, ...] = ()
 
 
 def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
@@ -123,11 +130,6 @@ def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
         ConfigError: the ranks are in different calls or ask for different steps.
     """
     require_same_call(votes)
-    replace = tuple(sorted({p for v in votes for p in v.broken}))
-    return dataclasses.replace(_verdict(votes, policy), replace=replace)
-
-
-def _verdict(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
     tripped = [(r, v.fallback) for r, v in enumerate(votes) if v.fallback is not None]
     if tripped:
         reason = "; ".join(f"rank {r}: {why}" for r, why in tripped)
@@ -159,6 +161,11 @@ def _verdict(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
         BusyPolicy.SYNC: Verdict.SYNC,
     }[policy]
     return Decision(verdict, f"busy: a save is in flight on {who} (when_busy={policy.value!r})")
+
+
+def groups_to_replace(votes: Sequence[Vote]) -> tuple[str, ...]:
+    """The save groups any rank saw fail: every rank replaces these after the exchange."""
+    return tuple(sorted({purpose for v in votes for purpose in v.broken}))
 
 
 def require_same_call(votes: Sequence[Vote]) -> None:
@@ -226,11 +233,17 @@ class Agreement:
 
         Raises:
             CommitError: a peer died or did not answer within the deadline (the policy group is
-                replaced at the next call; if that fails too, every later call raises).
+                replaced at the next call; if that fails too, every later call raises), or a
+                broken save group could not be replaced.
         """
         if self.groups is None:
             return [vote]
-        return list(self._exchange(lambda out, g: dist.all_gather_object(out, vote, g)))
+        mine = dataclasses.replace(vote, broken=self.groups.broken())
+        votes = list(self._exchange(lambda out, g: dist.all_gather_object(out, mine, g)))
+        replace = groups_to_replace(votes)
+        if replace:
+            self.groups.replace(replace)
+        return votes
 
     def broadcast(self, value: object) -> Any:
         """The coordinator's ``value`` on every rank (``value`` is ignored elsewhere).
@@ -335,7 +348,7 @@ class Agreement:
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            self.groups.saw_failure(POLICY, exc)
+            self.groups.saw_failure(POLICY, exc, group)
             raise collective_failure(
                 exc, rank=self.rank, world_size=self.world_size, deadline_s=self.deadline_s
             ) from exc

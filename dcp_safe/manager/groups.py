@@ -10,9 +10,9 @@ reused:
 
 * **the policy group**, at the next vote: a collective fails on every member that reaches it,
   so every rank saw the same vote fail and replaces the group at the same next call;
-* **the save groups**, right after the next vote, when any rank's vote says it saw one fail
-  (:attr:`Vote.broken <dcp_safe.manager.agreement.Vote>`): every rank then replaces the same
-  groups in the same order.
+* **the save groups**, right after the next exchange of votes, when any rank's vote says it saw
+  one fail (:attr:`Vote.broken <dcp_safe.manager.agreement.Vote>`): every rank then replaces
+  the same groups in the same order.
 
 Creating a group is a collective over the default group (``dist.new_group``), so the rules
 above are what keeps every rank creating the same groups in the same order. A replacement that
@@ -77,8 +77,10 @@ class ManagerGroups:
         """DCP's keyword arguments for a save or load on ``purpose``'s group."""
         return {"process_group": self.group(purpose), "deadline_s": self.deadline_s}
 
-    def saw_failure(self, purpose: str, error: BaseException | None) -> bool:
-        """Mark ``purpose``'s group broken if ``error`` is a failed collective on it.
+    def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> bool:
+        """Mark ``purpose``'s group broken if ``error`` is a failed collective on ``group``.
+
+        A failure on a group replaced since (the peers saw it first) changes nothing.
 
         Returns:
             Whether it was marked.
@@ -86,7 +88,9 @@ class ManagerGroups:
         if not is_group_failure(error):
             return False
         with self._lock:
-            self._broken.setdefault(purpose, checkpoint_group(self.deadline_s, purpose=purpose))
+            if group is not checkpoint_group(self.deadline_s, purpose=purpose):
+                return False
+            self._broken.setdefault(purpose, group)
             self._own_failure.add(purpose)
         return True
 

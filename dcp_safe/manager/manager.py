@@ -137,9 +137,14 @@ class CheckpointManager:
             while the copy runs; wait on ``handle.staged`` before mutating the state).
         deadline_s: how long any exchange with the other ranks may wait for a peer (the
             timeout of the manager's gloo groups); a dead or hung peer fails the call within it
-            with :class:`~dcp_safe.errors.CommitError`. Ignored in a single process.
-        wait_timeout_s: the longest ``when_busy="wait"`` (and ``force=True``) waits for the
-            save in flight; then the request is skipped (``force``: AdmissionTimeoutError).
+            with :class:`~dcp_safe.errors.CommitError`. Waits for a peer's own work (its save
+            in flight) are made in rounds of a quarter of it, never one long exchange. Ignored
+            in a single process.
+        wait_timeout_s: the longest ``when_busy="wait"`` (and ``force=True``) waits, with every
+            rank, for the saves in flight; then the request is skipped (``force``:
+            AdmissionTimeoutError). Also bounds a coalesced save's wait for every rank, a
+            restore's wait for ``latest``, and the uploads of a node-local or multi-rank
+            replicated save (docs/multirank.md, "Every bound, in one place").
         latency_objective_s: the oldest a save in flight may be; requests arriving later are
             skipped, with the reason recorded (``None``: not checked).
         node_local: this node's local directory (NVMe). Each rank then writes there first and
@@ -403,16 +408,12 @@ class CheckpointManager:
             # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
             wait_s = self._admitter.wait_timeout_s
             name = self._agreement.settle("restore", number, resolve, wait_s)
+            collectives = self._runner.collectives(FOREGROUND)
             with self._tiers.reading(name):
                 try:
-                    api.load(
-                        state_dict,
-                        checkpoint_id=name,
-                        storage_reader=reader,
-                        **self._runner.collectives(FOREGROUND),
-                    )
+                    api.load(state_dict, checkpoint_id=name, storage_reader=reader, **collectives)
                 except BaseException as exc:
-                    self._runner.saw_failure(FOREGROUND, exc)
+                    self._runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
                     raise
         return name
 

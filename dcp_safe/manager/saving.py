@@ -102,6 +102,8 @@ class SaveRunner:
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         self.writer.step = handle.step
+        collectives = self.collectives(BACKGROUND)
+        group = collectives.get("process_group")
         try:
             with self._spans.opened(handle):
                 response = api.async_save(
@@ -109,17 +111,17 @@ class SaveRunner:
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(self.writer),
                     async_stager=self.stager,
-                    **self.collectives(BACKGROUND),
+                    **collectives,
                 )
         except BaseException as exc:
-            self.saw_failure(BACKGROUND, exc)
+            self.saw_failure(BACKGROUND, exc, group)
             raise
         self.stager.track(response)
         chain(response.staging_completion, handle.staged, lambda _: None)
         with self._cond:
             self._last_staged = handle.staged
         response.upload_completion.add_done_callback(
-            lambda done: self.post.submit(self._after_upload, handle, done)
+            lambda done: self.post.submit(self._after_upload, handle, done, group)
         )
         if self.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
@@ -144,16 +146,17 @@ class SaveRunner:
         writer = self.sync_writer
         writer.step = handle.step
         self._ledger.count("sync_saves")
+        collectives = self.collectives(FOREGROUND)
         try:
             with self._spans.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(writer),
-                    **self.collectives(FOREGROUND),
+                    **collectives,
                 )
         except BaseException as exc:
-            self.saw_failure(FOREGROUND, exc)
+            self.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
             self._ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
@@ -198,10 +201,10 @@ class SaveRunner:
 
     # -- after a save ---------------------------------------------------------------------------
 
-    def _after_upload(self, handle: SaveHandle, upload: Future[Any]) -> None:
+    def _after_upload(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
-            self.saw_failure(BACKGROUND, upload.exception())
+            self.saw_failure(BACKGROUND, upload.exception(), group)
             self._follow_up.after_upload(handle, upload, self.writer)
         finally:
             self._finish_slot()
@@ -230,6 +233,7 @@ class SaveRunner:
             if pending is not None:
                 self._ledger.count("started")
 
-    def saw_failure(self, purpose: str, error: BaseException | None) -> None:
-        if self.groups is not None and self.groups.saw_failure(purpose, error):
+    def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> None:
+        """A save or load on ``group`` ended with ``error``: mark the group if that broke it."""
+        if self.groups is not None and self.groups.saw_failure(purpose, error, group):
             self._ledger.count("groups_broken")

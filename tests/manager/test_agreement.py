@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.agreement import Agreement, Verdict, Vote, decide
+from dcp_safe.manager.agreement import Agreement, Verdict, Vote, decide, groups_to_replace
 from dcp_safe.manager.handles import BusyPolicy
 
 
@@ -56,9 +56,10 @@ def test_coalesce_replaces_a_pending_save_only_where_every_rank_still_holds_it()
 
 def test_every_rank_replaces_the_groups_any_rank_saw_break() -> None:
     votes = [Vote("save", 4, broken=("manager-async",)), Vote("save", 4, busy=True)]
-    for policy in BusyPolicy:
-        assert decide(votes, policy).replace == ("manager-async",)
-    assert decide(_votes(False, False), BusyPolicy.WAIT).replace == ()
+    assert groups_to_replace(votes) == ("manager-async",)
+    both = [Vote("wait", 4, broken=("manager-sync",)), Vote("wait", 4, broken=("manager-async",))]
+    assert groups_to_replace(both) == ("manager-async", "manager-sync")
+    assert groups_to_replace(_votes(False, False)) == ()
 
 
 def test_a_single_process_waits_in_one_round_and_reports_who_is_still_busy() -> None:
