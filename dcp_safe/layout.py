@@ -4,6 +4,12 @@ A checkpoint exists when, and only when, its ``_COMMITTED`` marker exists and ho
 its ``manifest.json``. Everything else under a root (hidden partial directories, files without a
 marker) is work in progress or debris, never a checkpoint. One root-level name is reserved:
 ``_ATTEMPTS/``, where :mod:`dcp_safe.commit.fencing` records which job attempts saved there.
+
+Beside a checkpoint's own files, dcp_safe writes a few small objects under ``<name>/`` that are
+never part of one (:func:`is_debris`): the writing lease (:mod:`dcp_safe.commit.lease`), a
+takeover record (:mod:`dcp_safe.commit.takeover`), and the failure and skip markers of per-rank
+uploads (:mod:`dcp_safe.replication.rank_upload`). Each is named after the save it belongs to, so
+that one save's marker never speaks for another; the sweeper collects them after its grace period.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dcp_safe.errors import InvalidCheckpointNameError
 __all__ = [
     "ATTEMPTS_DIR",
     "COMMITTED_MARKER",
+    "COMMIT_FAILED_PREFIX",
     "DCP_METADATA",
     "LATEST",
     "MANIFEST",
@@ -23,15 +30,22 @@ __all__ = [
     "RANKS_DIR",
     "SHARD_SUFFIX",
     "SIGNATURE",
+    "TAKEOVER_PREFIX",
     "WRITING_LEASE",
+    "commit_failure_marker_name",
+    "is_debris",
     "is_lease_file",
     "is_own_object",
     "is_partial_entry",
     "lease_file_name",
     "new_save_id",
     "partial_dir_name",
+    "rank_failure_marker_name",
     "rank_manifest_name",
+    "rank_of_marker",
+    "rank_skip_marker_name",
     "shard_file_name",
+    "takeover_record_name",
     "validate_name",
 ]
 
@@ -44,6 +58,14 @@ RANKS_DIR = "_ranks"
 ATTEMPTS_DIR = "_ATTEMPTS"
 SHARD_SUFFIX = ".distcp"
 PARTIAL_INFIX = ".partial-"
+#: ``<name>/_TAKEOVER-<save id>``: who is taking over the lease of save ``<save id>``.
+TAKEOVER_PREFIX = "_TAKEOVER-"
+#: ``<work>/_FAILED-<save id>``: rank 0's commit of a per-rank upload failed.
+COMMIT_FAILED_PREFIX = "_FAILED-"
+# ``<work>/_ranks/rank_R.failed-<save id>`` and ``.skipped-<save id>``: rank R's part of a
+# per-rank upload failed, or was dropped for a newer save.
+_RANK_FAILED_INFIX = ".failed-"
+_RANK_SKIPPED_INFIX = ".skipped-"
 LATEST = "latest"
 #: the object a root's first exclusive create probes the server with (see FsspecBackend).
 PROBE_PREFIX = ".dcp-safe-probe-"
@@ -52,9 +74,17 @@ _MAX_NAME_LEN = 200
 _ALLOWED = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 _SAVE_ID = r"[0-9a-f]{32}"
 _PARTIAL = re.compile(rf"^\.(?P<name>.+){re.escape(PARTIAL_INFIX)}{_SAVE_ID}$")
-_LEASE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID = r"[A-Za-z0-9_-]{1,64}"  # a save id as a file name may carry it
+_LEASE_ID = re.compile(rf"^{_ID}$")
 _OWN_FILE = re.compile(
     rf"^(__[0-9]+_[0-9]+{re.escape(SHARD_SUFFIX)}|{RANKS_DIR}/rank_[0-9]{{5,}}\.json)$"
+)
+_RANK_MARKER = re.compile(
+    rf"{RANKS_DIR}/rank_(?P<rank>[0-9]{{5,}})"
+    rf"(?:{re.escape(_RANK_FAILED_INFIX)}|{re.escape(_RANK_SKIPPED_INFIX)}){_ID}"
+)
+_SAVE_MARKER = re.compile(
+    rf"(?:{re.escape(TAKEOVER_PREFIX)}|{re.escape(COMMIT_FAILED_PREFIX)}){_ID}"
 )
 
 
@@ -112,9 +142,7 @@ def lease_file_name(save_id: str | None = None) -> str:
     create, ``_WRITING-<save id>`` (one per save) where storage has none (see commit.lease)."""
     if save_id is None:
         return WRITING_LEASE
-    if not _LEASE_ID.match(save_id):
-        raise ValueError(f"a save id must match {_LEASE_ID.pattern}, got {save_id!r}")
-    return f"{WRITING_LEASE}-{save_id}"
+    return f"{WRITING_LEASE}-{_checked_id(save_id)}"
 
 
 def is_lease_file(entry: str) -> bool:
@@ -123,17 +151,65 @@ def is_lease_file(entry: str) -> bool:
     return head == WRITING_LEASE and (not dash or _LEASE_ID.match(save_id) is not None)
 
 
+def takeover_record_name(save_id: str) -> str:
+    """The record under ``<name>/`` that arbitrates who takes over save ``save_id``'s lease."""
+    return f"{TAKEOVER_PREFIX}{_checked_id(save_id)}"
+
+
+def commit_failure_marker_name(save_id: str) -> str:
+    """The marker, relative to a per-rank upload's work location, saying rank 0's commit of
+    save ``save_id`` failed."""
+    return f"{COMMIT_FAILED_PREFIX}{_checked_id(save_id)}"
+
+
+def rank_failure_marker_name(rank: int, save_id: str) -> str:
+    """The marker, relative to a per-rank upload's work location, saying rank ``rank``'s part
+    of save ``save_id`` failed."""
+    return f"{RANKS_DIR}/rank_{rank:05d}{_RANK_FAILED_INFIX}{_checked_id(save_id)}"
+
+
+def rank_skip_marker_name(rank: int, save_id: str) -> str:
+    """The marker, relative to a per-rank upload's work location, saying rank ``rank`` dropped
+    save ``save_id`` for a newer one."""
+    return f"{RANKS_DIR}/rank_{rank:05d}{_RANK_SKIPPED_INFIX}{_checked_id(save_id)}"
+
+
+def rank_of_marker(member: str) -> int | None:
+    """The rank a failure or skip marker (as :func:`rank_failure_marker_name` spells it, or its
+    last path segment) names; None for anything else."""
+    if "/" not in member:
+        member = f"{RANKS_DIR}/{member}"
+    match = _RANK_MARKER.fullmatch(member)
+    return None if match is None else int(match["rank"])
+
+
+def is_debris(member: str) -> bool:
+    """Whether ``member`` (relative to ``<name>/``) is an object dcp_safe writes there that is
+    never part of a checkpoint: a lease, a takeover record, or a failure or skip marker."""
+    return (
+        ("/" not in member and is_lease_file(member))
+        or _SAVE_MARKER.fullmatch(member) is not None
+        or _RANK_MARKER.fullmatch(member) is not None
+    )
+
+
 def is_own_object(rel: str) -> bool:
     """Whether ``rel`` (relative to a root) names a file dcp_safe writes for checkpoint
     ``<name>``: ``<valid name>/`` then a shard, ``.metadata``, ``manifest.json``, a rank
-    manifest, the marker or a lease. The sweeper touches nothing else (another application's
-    multipart upload under the same prefix, say)."""
+    manifest, the marker, or debris (:func:`is_debris`). The sweeper touches nothing else
+    (another application's multipart upload under the same prefix, say)."""
     name, _, member = rel.partition("/")
     return _is_valid_name(name) and (
         member in (DCP_METADATA, MANIFEST, COMMITTED_MARKER, SIGNATURE)
-        or is_lease_file(member)
+        or is_debris(member)
         or _OWN_FILE.match(member) is not None
     )
+
+
+def _checked_id(save_id: str) -> str:
+    if not isinstance(save_id, str) or not re.fullmatch(_ID, save_id):
+        raise ValueError(f"a save id must match {_LEASE_ID.pattern}, got {save_id!r}")
+    return save_id
 
 
 def _is_valid_name(name: str) -> bool:

@@ -41,3 +41,32 @@ def test_partial_directories_are_hidden_and_recognisable() -> None:
 def test_shard_and_rank_manifest_names_follow_dcp_and_the_layout() -> None:
     assert layout.shard_file_name(3, 1) == "__3_1.distcp"
     assert layout.rank_manifest_name(12) == "_ranks/rank_00012.json"
+
+
+def test_markers_and_takeover_records_are_debris_of_the_layout_and_nothing_else_is() -> None:
+    save_id = layout.new_save_id()
+    debris = [
+        layout.lease_file_name(),
+        layout.lease_file_name(save_id),
+        layout.takeover_record_name(save_id),
+        layout.commit_failure_marker_name(save_id),
+        layout.rank_failure_marker_name(3, save_id),
+        layout.rank_skip_marker_name(12, save_id),
+    ]
+    for member in debris:
+        assert layout.is_debris(member) and layout.is_own_object(f"step_1/{member}"), member
+    assert layout.rank_of_marker(layout.rank_skip_marker_name(12, save_id)) == 12
+    assert layout.rank_of_marker(layout.rank_failure_marker_name(3, save_id).split("/")[1]) == 3
+    for member in (
+        "__0_0.distcp",
+        "_ranks/rank_00000.json",
+        "_FAILED-",
+        "_TAKEOVER-a/b",
+        "_ranks/rank_1.failed-x",
+        "notes/_FAILED-x",
+        "_ranks/rank_00001.skipped-x\n",
+    ):
+        assert not layout.is_debris(member), member
+    assert layout.rank_of_marker("rank_00001.json") is None
+    with pytest.raises(ValueError):
+        layout.rank_skip_marker_name(1, "../x")

@@ -15,13 +15,14 @@ bucket's lifecycle rule.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Collection
 from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 
-__all__ = ["abort_stale_uploads", "incomplete_uploads", "is_bucket_root"]
+__all__ = ["abort_stale_uploads", "abort_uploads_under", "incomplete_uploads", "is_bucket_root"]
 
 
 def is_bucket_root(backend: Backend) -> bool:
@@ -88,6 +89,29 @@ def abort_stale_uploads(
             )
         aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
     return tuple(aborted)
+
+
+def abort_uploads_under(backend: Backend, name: str) -> tuple[str, ...]:
+    """Abort every dcp_safe upload under ``<name>/``, whatever its age: for a save that took
+    the name over from a dead or fenced one, before any of its own ranks started an upload.
+
+    Returns:
+        The ``s3://bucket/key`` of each upload aborted.
+    """
+    inner = _unwrap(backend)
+    uploads = incomplete_uploads(inner)
+    if not uploads:
+        return ()
+    root_prefix = str(inner.root).partition("/")[2]  # type: ignore[attr-defined]
+    under = [
+        u
+        for u in uploads
+        if str(u["Key"]).removeprefix(root_prefix).lstrip("/").startswith(f"{name}/")
+    ]
+    # An infinite "now" makes every upload old enough, one without a start time included.
+    return abort_stale_uploads(
+        inner, older_than_s=0.0, now=math.inf, collected=(name,), uploads=under
+    )
 
 
 def _unwrap(backend: Backend) -> Backend:

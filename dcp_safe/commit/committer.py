@@ -25,7 +25,9 @@ started are cancelled. Items are grouped by file once per rank, never scanned pe
 
 Right before the publish (the rename, or the marker) it checks the fence
 (:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
-under the root raises ``StaleWriterError`` instead of publishing.
+under the root raises ``StaleWriterError`` instead of publishing. On an object store it checks
+the lease first of all, too: a writer whose name a newer attempt took over
+(:mod:`dcp_safe.commit.takeover`) raises ``StaleWriterError`` before it reads anything.
 
 A failure before the publish removes the partial directory and raises; nothing is visible.
 """
@@ -174,6 +176,10 @@ class Committer:
                 check_lease(self.backend, name, save_id)
 
         try:
+            if strategy.in_place:
+                # A writer whose name was taken over (a restarted job's newer attempt) stops
+                # here, before it reads the new holder's files as if they were its own.
+                check_lease(self.backend, name, save_id)
             sealed = self._seal(
                 name, save_id, work_dir, world_size, step, metadata, results, attempt
             )

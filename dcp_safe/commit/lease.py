@@ -20,12 +20,16 @@ one of two ways, chosen by the backend's ``supports_exclusive_create``:
   save under its own prefix with the marker naming it, would change what every reader reads.
 
 Either way a save that finds the name held or committed fails at once with
-:class:`~dcp_safe.errors.CheckpointExistsError`, before writing a byte; the marker is checked
+:class:`~dcp_safe.errors.CheckpointExistsError`, before writing a byte, unless the lease is one
+it may take over (:mod:`dcp_safe.commit.takeover`: a fenced save finding the lease of an older
+attempt of its run, or an idle one that names no attempt of its run); the marker is checked
 again once the lease is held (a save that committed wrote its marker before it removed its
 lease, so the check cannot miss it). The publisher checks that the lease is still its own right
 before writing the marker (a stale writer whose lease was collected and retaken can never
-publish), and removes it after. A lease left by a crash is collected with the rest of the
-uncommitted prefix by the sweeper, once nothing under the prefix changed for its grace period.
+publish), and removes it after. A lease left by a crash is taken over by the restarted job
+(a newer attempt), or collected with the rest of the uncommitted prefix by the sweeper, once
+nothing under the prefix changed for its grace period. A lease records its holder's attempt and
+run (:meth:`~dcp_safe.commit.takeover.Claimant.body`) so that a later save can tell.
 
 Replication to such a root takes the same lease (:func:`join_or_acquire_lease`), with the
 checkpoint's own save id (its manifest's), so a replica and a direct save, or two replicas of
@@ -35,20 +39,28 @@ or a second replicator of the same checkpoint writes identical objects over iden
 Exclusive lease: ``_WRITING`` holding the same save id is joined. Per-save leases: an existing
 ``_WRITING-<save id>`` is joined when no other save's lease is beside it (one beside it means a
 contention round is under way: refused, and ours is left alone, as it may be the co-holder's).
-A local save never shares (:func:`acquire_lease`): its save id is its own.
+A local save never shares (:func:`acquire_lease`): its save id is its own. A replication whose
+lease is of another save id takes it over on the same terms as a save.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import time
+from collections.abc import Callable
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
-from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
+from dcp_safe.commit.takeover import (
+    Claimant,
+    clear_leftovers,
+    held_error,
+    read_holder,
+    take_over_exclusive,
+    takeover_candidates,
+)
+from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 
 __all__ = [
     "acquire_lease",
@@ -66,92 +78,153 @@ __all__ = [
 # random pause between rounds (long against one request, so that two contenders part).
 _ROUNDS = 5
 _PAUSE_S = (0.05, 0.5)
+# An exclusive lease that vanished as we looked at it is created again this often.
+_CREATE_TRIES = 2
+_UNFENCED = Claimant()
 
 
 def _lease_path(name: str, save_id: str | None = None) -> str:
     return f"{name}/{layout.lease_file_name(save_id)}"
 
 
-def acquire_lease(backend: Backend, name: str, save_id: str) -> None:
+def acquire_lease(
+    backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+) -> None:
     """Take the name for this save (rank 0, before any rank writes).
 
+    Args:
+        claimant: the save's attempt and stale-lease bound: what its lease records, and which
+            lease in the way it may take over (:mod:`dcp_safe.commit.takeover`). Default: an
+            unfenced save, which takes nothing over.
+
     Raises:
-        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it.
+        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
+            and its lease may not be taken over.
     """
     _refuse_if_committed(backend, name)
     if backend.supports_exclusive_create:
-        _acquire_exclusive(backend, name, save_id)
+        _acquire_exclusive(backend, name, save_id, claimant)
     else:
-        _acquire_per_save(backend, name, save_id)
+        _acquire_per_save(backend, name, save_id, claimant)
 
 
-def _acquire_exclusive(backend: Backend, name: str, save_id: str) -> None:
-    try:
-        backend.write_bytes(_lease_path(name), _body(save_id), exclusive=True)
-    except FileExistsError:
-        raise _held(backend, name, [_holder(backend, name)]) from None
-    _refuse_if_committed(backend, name, withdraw=_lease_path(name))
-
-
-def _acquire_per_save(backend: Backend, name: str, save_id: str) -> None:
-    own = layout.lease_file_name(save_id)
-    seen: dict[str, object] = {}
-    for _ in range(_ROUNDS):
-        backend.write_bytes(f"{name}/{own}", _body(save_id))
+def _acquire_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
+    lease = _lease_path(name)
+    for _ in range(_CREATE_TRIES):
         try:
-            others = set(lease_files(backend, name)) - {own}
+            backend.write_bytes(lease, claimant.body(save_id), exclusive=True)
+        except FileExistsError:
+            if take_over_exclusive(backend, name, save_id, claimant):
+                _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
+                return
+            continue  # the holder let go as we looked: create it again
+        _refuse_if_committed(backend, name, withdraw=lease)
+        return
+    raise held_error(backend, name, [_holder(backend, name)])
+
+
+def _clear_after_takeover(
+    backend: Backend, name: str, lease: str, keep: Callable[[str], bool]
+) -> None:
+    """Holding ``lease`` after a takeover: refuse a committed name, else clear the leftovers.
+
+    Only a committed name withdraws the lease. Any other failure leaves it: it keeps a save
+    that would not clear them from claiming the name over the leftovers, and the next attempt
+    takes it over again (or the sweeper collects the prefix).
+    """
+    try:
+        _refuse_if_committed(backend, name)
+        clear_leftovers(backend, name, keep)
+    except CheckpointExistsError:
+        with contextlib.suppress(OSError):
+            backend.remove_file(lease)
+        raise
+
+
+def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
+    own = layout.lease_file_name(save_id)
+    # Judged once, before our own lease is there (it would make the prefix look busy). A lease
+    # written later is a contender's or a new holder's, never one to take over.
+    taken = takeover_candidates(backend, name, claimant)
+    seen: dict[str, float | None] = {}
+    for _ in range(_ROUNDS):
+        backend.write_bytes(f"{name}/{own}", claimant.body(save_id))
+        try:
+            others = set(lease_files(backend, name)) - {own} - taken
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
-                return
             # A contender writes its lease anew each round (a new ``acquired_at``); a holder,
             # or an abandoned lease, does not. Both racers seeing each other twice in a row
             # must not make both give up: only a lease unchanged since the last round counts.
-            stamps = {e: _field(backend, f"{name}/{e}", "acquired_at") for e in sorted(others)}
+            stamps = {e: _acquired_at(backend, f"{name}/{e}") for e in sorted(others)}
         except BaseException:
             with contextlib.suppress(OSError):
                 backend.remove_file(f"{name}/{own}")
             raise
+        if not others:
+            if taken:
+                _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, taken))
+            return
         backend.remove_file(f"{name}/{own}")
         if any(entry in seen and seen[entry] == stamp for entry, stamp in stamps.items()):
             break  # unchanged after a pause: a holder (or abandoned), not a contender
         seen = stamps
         _pause()
-    raise _held(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
+    raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
-def join_or_acquire_lease(backend: Backend, name: str, save_id: str) -> bool:
+def _kept(own: str, taken: frozenset[str]) -> Callable[[str], bool]:
+    """What a per-save takeover keeps under the name: its own lease, and any lease it did not
+    take over (a contender's, which withdraws itself)."""
+
+    def kept(rel: str) -> bool:
+        return rel == own or ("/" not in rel and layout.is_lease_file(rel) and rel not in taken)
+
+    return kept
+
+
+def join_or_acquire_lease(
+    backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+) -> bool:
     """Take the name for save ``save_id``, or share the lease that same save already holds.
 
     For replication only, where ``save_id`` names the bytes being written (the checkpoint's
-    manifest's), so two writers of it write identical objects (module docstring).
+    manifest's), so two writers of it write identical objects (module docstring). A lease of
+    another save id is taken over on the terms of :func:`acquire_lease`.
 
     Returns:
         True when it joined a lease of ``save_id`` that was already there (the writer that took
         it, or the sweeper, removes it); False when it took the name itself.
 
     Raises:
-        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it.
+        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
+            and its lease may not be taken over.
     """
     _refuse_if_committed(backend, name)
     if backend.supports_exclusive_create:
-        try:
-            backend.write_bytes(_lease_path(name), _body(save_id), exclusive=True)
-        except FileExistsError:
-            holder = _holder(backend, name)
-            if holder != save_id:
-                raise _held(backend, name, [holder]) from None
-            _refuse_if_committed(backend, name)  # never withdraws: the lease is the co-holder's
-            return True
-        _refuse_if_committed(backend, name, withdraw=_lease_path(name))
-        return False
+        lease = _lease_path(name)
+        for _ in range(_CREATE_TRIES):
+            try:
+                backend.write_bytes(lease, claimant.body(save_id), exclusive=True)
+            except FileExistsError:
+                if _holder(backend, name) == save_id:
+                    _refuse_if_committed(backend, name)  # never withdraws: the co-holder's
+                    return True
+                if not take_over_exclusive(backend, name, save_id, claimant):
+                    continue
+                _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
+                return False
+            _refuse_if_committed(backend, name, withdraw=lease)
+            return False
+        raise held_error(backend, name, [_holder(backend, name)])
     own = layout.lease_file_name(save_id)
     present = set(lease_files(backend, name))
     if own not in present:
-        _acquire_per_save(backend, name, save_id)
+        _acquire_per_save(backend, name, save_id, claimant)
         return False
     others = present - {own}
     if others:
-        raise _held(backend, name, [_save_id_of(entry) for entry in sorted(others)])
+        raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(others)])
     _refuse_if_committed(backend, name)
     return True
 
@@ -200,11 +273,11 @@ def lease_files(backend: Backend, name: str) -> list[str]:
 def lease_acquired_at(backend: Backend, name: str) -> float | None:
     """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
     no lease, or none readable). The sweeper prefers the storage's own modification times."""
-    stamps = []
-    for entry in lease_files(backend, name):
-        value = _field(backend, f"{name}/{entry}", "acquired_at")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            stamps.append(float(value))
+    stamps = [
+        stamp
+        for entry in lease_files(backend, name)
+        if (stamp := _acquired_at(backend, f"{name}/{entry}")) is not None
+    ]
     return max(stamps) if stamps else None
 
 
@@ -216,21 +289,8 @@ def _refuse_if_committed(backend: Backend, name: str, *, withdraw: str | None = 
     raise CheckpointExistsError(backend.full_path(name))
 
 
-def _held(backend: Backend, name: str, holders: list[str | None]) -> CheckpointExistsError:
-    shown = ", ".join(str(h) for h in holders) or "another save"
-    return CheckpointExistsError(
-        backend.full_path(name),
-        f"save {shown} is writing it (or abandoned it: the sweeper collects it after its "
-        "grace period)",
-    )
-
-
 def _pause() -> None:
     time.sleep(random.uniform(*_PAUSE_S))
-
-
-def _body(save_id: str) -> bytes:
-    return json.dumps({"save_id": save_id, "acquired_at": time.time()}).encode()
 
 
 def _save_id_of(entry: str) -> str:
@@ -238,15 +298,12 @@ def _save_id_of(entry: str) -> str:
 
 
 def _holder(backend: Backend, name: str) -> str | None:
-    value = _field(backend, _lease_path(name), "save_id")
-    return value if isinstance(value, str) else None
+    """The save id the one ``_WRITING`` names; None when absent or unreadable (not a small
+    regular file of JSON: :mod:`dcp_safe.manifest.limits`)."""
+    holder = read_holder(backend, _lease_path(name))
+    return None if holder is None else holder.save_id
 
 
-def _field(backend: Backend, rel: str, key: str) -> object:
-    """A field of a lease; None when absent or unreadable (not a small regular file of JSON:
-    :mod:`dcp_safe.manifest.limits`)."""
-    try:
-        raw = parse_json(backend.read_small(rel, CONTROL_MAX_BYTES), backend.full_path(rel))
-    except (FileNotFoundError, CheckpointCorruptError):
-        return None
-    return raw.get(key) if isinstance(raw, dict) else None
+def _acquired_at(backend: Backend, rel: str) -> float | None:
+    holder = read_holder(backend, rel)
+    return None if holder is None else holder.acquired_at

@@ -37,10 +37,12 @@ from types import MappingProxyType
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.commit.takeover import Claimant
 
 __all__ = ["MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
 
 _NO_FILES: Mapping[str, bytes] = MappingProxyType({})
+_UNFENCED = Claimant()
 
 
 class PublishStrategy(abc.ABC):
@@ -56,8 +58,19 @@ class PublishStrategy(abc.ABC):
         return name if self.in_place else layout.partial_dir_name(name, save_id)
 
     @abc.abstractmethod
-    def claim(self, backend: Backend, name: str, save_id: str) -> None:
-        """Take ``name`` for this save before a byte is written (the lease, or nothing)."""
+    def claim(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> None:
+        """Take ``name`` for this save before a byte is written (the lease, or nothing).
+
+        Args:
+            claimant: the save's attempt and stale-lease bound, which say what its lease
+                records and which lease in the way it takes over
+                (:mod:`dcp_safe.commit.takeover`).
+
+        Raises:
+            CheckpointExistsError: ``name`` is committed or held (lease strategies).
+        """
 
     @abc.abstractmethod
     def publish(
@@ -99,7 +112,9 @@ class RenameStrategy(PublishStrategy):
     in_place = False
     can_replace = True
 
-    def claim(self, backend: Backend, name: str, save_id: str) -> None:
+    def claim(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> None:
         return None  # the partial directory is this save's own; the rename arbitrates
 
     def publish(
@@ -141,8 +156,10 @@ class MarkerStrategy(PublishStrategy):
     in_place = True
     can_replace = False
 
-    def claim(self, backend: Backend, name: str, save_id: str) -> None:
-        acquire_lease(backend, name, save_id)
+    def claim(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> None:
+        acquire_lease(backend, name, save_id, claimant)
 
     def publish(
         self,

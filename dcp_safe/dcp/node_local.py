@@ -177,7 +177,7 @@ class NodeLocalWriter(SafeStorageWriter):
                 register_attempt(remote, self.attempt)
                 check_fence(remote, self.attempt)
             strategy = strategy_for(remote)
-            strategy.claim(remote, name, assignment.save_id)
+            strategy.claim(remote, name, assignment.save_id, self.claimant)
             if not strategy.in_place and remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
                 raise CheckpointExistsError(remote.full_path(name))  # refused before uploading
             remote.makedirs(

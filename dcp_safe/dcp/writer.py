@@ -49,9 +49,10 @@ from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
-from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.lease import check_lease, held_by_another, release_lease
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
 from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.dcp.tensor_records import write_tensor
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
@@ -114,7 +115,10 @@ class SafeStorageWriter(StorageWriter):
         attempt: this job attempt's number, monotone across restarts (default:
             ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
             attempt than one that has saved under ``root`` fails with ``StaleWriterError``
-            instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest.
+            instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest
+            and the lease: a newer attempt takes over an older one's (``commit.takeover``).
+        stale_lease_s: with ``attempt``, a lease naming no attempt of this run is taken over
+            once its name was idle this long (None: never).
         signing_key: sign every checkpoint with this key (bytes; a str is its UTF-8 bytes, or
             ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; a reader given the key then
             refuses anything it did not sign. Item checksums become sha256. See
@@ -140,6 +144,7 @@ class SafeStorageWriter(StorageWriter):
         replication_options: UploadOptions | None = None,
         retry: RetryPolicy | None = None,
         attempt: int | None = None,
+        stale_lease_s: float | None = DEFAULT_STALE_LEASE_S,
         signing_key: bytes | str | None = None,
     ) -> None:
         super().__init__()
@@ -156,6 +161,7 @@ class SafeStorageWriter(StorageWriter):
         self.storage_options = storage_options
         self.retry = retry or RetryPolicy()
         self.attempt = attempt_from_env(attempt)
+        self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
         self.strategy = strategy_for(self.backend)
         if overwrite and not self.strategy.can_replace:
@@ -215,7 +221,7 @@ class SafeStorageWriter(StorageWriter):
             # Fenced before a byte is written: a leftover of an older attempt stops here.
             register_attempt(self.backend, self.attempt)
             check_fence(self.backend, self.attempt)
-        self.strategy.claim(self.backend, name, save_id)
+        self.strategy.claim(self.backend, name, save_id, self.claimant)
         work_dir = self.strategy.work_dir(name, save_id)
         try:
             self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
@@ -239,6 +245,8 @@ class SafeStorageWriter(StorageWriter):
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
+            if self.strategy.in_place:  # a rank of a writer whose name was taken over stops
+                check_lease(self.backend, assignment.work_dir, assignment.save_id)
             results = self._write_rank(assignment, files, buckets, planner)
         except BaseException as exc:
             self._abandon(assignment, files)
@@ -288,17 +296,20 @@ class SafeStorageWriter(StorageWriter):
 
         DCP will not call ``finish``, so nobody else would. Another rank may fail too and do the
         same; a rank killed outright leaves its objects to the sweeper. (A partial directory on
-        POSIX is hidden and collected by the sweeper.)
+        POSIX is hidden and collected by the sweeper.) Once the name is committed or another
+        save's, nothing is removed: the paths may be a newer attempt's by now.
         """
         if not self.strategy.in_place:
             return
-        name = assignment.work_dir
+        name, save_id = assignment.work_dir, assignment.save_id
         own = [*files, layout.rank_manifest_name(assignment.rank)]
         with contextlib.suppress(OSError, DcpSafeError):
+            if self._committed(name) or held_by_another(self.backend, name, save_id):
+                return
             for rel in own:
                 self.backend.remove_file(f"{name}/{rel}")
-            check_lease(self.backend, name, assignment.save_id)
-            release_lease(self.backend, name, assignment.save_id)
+            check_lease(self.backend, name, save_id)
+            release_lease(self.backend, name, save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).
@@ -328,7 +339,7 @@ class SafeStorageWriter(StorageWriter):
             raise
         if self.remote is not None and assignment.world_size == 1:
             if self._replicator is None:
-                self._replicator = Replicator(self.backend, self.remote)
+                self._replicator = Replicator(self.backend, self.remote, claimant=self.claimant)
             self._replicator.submit(name)
 
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
@@ -338,7 +349,11 @@ class SafeStorageWriter(StorageWriter):
             return
         if self._rank_replicator is None:
             self._rank_replicator = RankReplicator(
-                self.backend, self.remote, options=self.replication_options, retry=self.retry
+                self.backend,
+                self.remote,
+                options=self.replication_options,
+                retry=self.retry,
+                claimant=self.claimant,
             )
         save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
         self._rank_replicator.begin(self._require_name(), save)
@@ -465,10 +480,11 @@ class SafeStorageWriter(StorageWriter):
         return self._name
 
     def _refuse_committed(self, name: str) -> None:
-        if self.options.overwrite:
-            return
-        if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+        if not self.options.overwrite and self._committed(name):
             raise CheckpointExistsError(self.backend.full_path(name))
+
+    def _committed(self, name: str) -> bool:
+        return self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
 
     def _write_file_retrying(
         self,

@@ -53,6 +53,7 @@ from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.watch import poll_until
 from dcp_safe.commit.lease import holds_lease
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -107,6 +108,8 @@ class RankReplicator(Replicator):
         remote: the root they are replicated to.
         options: deadlines, polling and chunk size of the background steps.
         retry: how a file upload that fails transiently is started over.
+        claimant: this process's job attempt, as rank 0's remote lease records it; a lease of
+            another save id that it may take over is taken over (:mod:`dcp_safe.commit.takeover`).
     """
 
     def __init__(
@@ -116,9 +119,10 @@ class RankReplicator(Replicator):
         *,
         options: UploadOptions | None = None,
         retry: RetryPolicy | None = None,
+        claimant: Claimant | None = None,
     ) -> None:
         self.options = options or UploadOptions()
-        super().__init__(local, remote, chunk_bytes=self.options.chunk_bytes)
+        super().__init__(local, remote, chunk_bytes=self.options.chunk_bytes, claimant=claimant)
         self.retry = retry
         self._saves: dict[str, RankSave] = {}
         self._ended: set[str] = set()  # saves known to have ended on this rank
@@ -163,7 +167,7 @@ class RankReplicator(Replicator):
             return manifest  # replicated before (every rank sees the same)
         lease = None
         if strategy_for(self.remote).in_place:
-            lease = RemoteLease(self.remote, name, manifest.save_id, digest)
+            lease = RemoteLease(self.remote, name, manifest.save_id, digest, self.claimant)
             if not self._await_lease(lease, save, work):
                 return manifest  # the same checkpoint got committed meanwhile
         copy = CheckpointCopy(

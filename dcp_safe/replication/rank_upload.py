@@ -16,7 +16,7 @@ that renames atomically; :func:`remote_work_dir`)::
 
 Nothing here calls into a process group, so a slow remote never blocks a collective. Failures
 travel as markers beside the rank manifests, named with the save id so that a stale marker
-never touches a later save of the same name:
+never touches a later save of the same name (the names are :mod:`dcp_safe.layout`'s):
 
 * ``W/_ranks/rank_R.failed-<save id>``: rank R failed to write or upload its part;
 * ``W/_ranks/rank_R.skipped-<save id>``: rank R dropped this save for a newer one (it holds
@@ -26,6 +26,9 @@ never touches a later save of the same name:
 Every wait raises :class:`~dcp_safe.errors.CommitError` naming the failed ranks (or
 :class:`~dcp_safe.errors.ReplicationSkippedError`) as soon as it sees one, and
 :class:`~dcp_safe.errors.ReplicationTimeoutError` at its deadline (a rank killed outright).
+Nothing removes a marker when its save ends (a peer may still be about to read it): they are
+debris (:func:`dcp_safe.layout.is_debris`) that the sweeper collects after its grace period,
+whether the prefix stays uncommitted or a later save of the name commits there.
 """
 
 from __future__ import annotations
@@ -67,9 +70,8 @@ __all__ = [
     "upload_rank_part",
 ]
 
-FAILED_PREFIX = "_FAILED-"
-_FAILED_INFIX = ".failed-"
-_SKIPPED_INFIX = ".skipped-"
+#: kept for callers that spell the commit-failure marker from its prefix (layout's constant).
+FAILED_PREFIX = layout.COMMIT_FAILED_PREFIX
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,9 +183,7 @@ def report_rank_failure(
 ) -> None:
     """Best effort: tell the peers that ``rank`` failed; the caller re-raises ``exc``."""
     _write_marker(
-        remote,
-        f"{work}/{layout.RANKS_DIR}/{_rank_marker(rank, _FAILED_INFIX, save_id)}",
-        _describe(exc),
+        remote, work, lambda: layout.rank_failure_marker_name(rank, save_id), _describe(exc)
     )
 
 
@@ -191,16 +191,12 @@ def report_rank_skipped(
     remote: Backend, work: str, rank: int, save_id: str, superseded_by: str
 ) -> None:
     """Best effort: tell the peers that ``rank`` dropped this save for ``superseded_by``."""
-    _write_marker(
-        remote,
-        f"{work}/{layout.RANKS_DIR}/{_rank_marker(rank, _SKIPPED_INFIX, save_id)}",
-        superseded_by,
-    )
+    _write_marker(remote, work, lambda: layout.rank_skip_marker_name(rank, save_id), superseded_by)
 
 
 def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseException) -> None:
     """Best effort: tell the peers that rank 0's commit failed; the caller re-raises ``exc``."""
-    _write_marker(remote, f"{work}/{FAILED_PREFIX}{save_id}", _describe(exc))
+    _write_marker(remote, work, lambda: layout.commit_failure_marker_name(save_id), _describe(exc))
 
 
 def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str) -> set[str]:
@@ -215,16 +211,16 @@ def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str)
     """
     ranks_dir = f"{work}/{layout.RANKS_DIR}"
     present = set(remote.list_dir(ranks_dir))
-    failed = sorted(e for e in present if e.endswith(f"{_FAILED_INFIX}{save_id}"))
+    failed = _markers(present, lambda rank: layout.rank_failure_marker_name(rank, save_id))
     if failed:
         raise CommitError(
             "ranks failed to write or upload their part; nothing was published",
-            {_rank_of(e): _read_text(remote, f"{ranks_dir}/{e}") for e in failed},
+            {rank: _read_text(remote, f"{work}/{rel}") for rank, rel in failed},
         )
-    skipped = sorted(e for e in present if e.endswith(f"{_SKIPPED_INFIX}{save_id}"))
+    skipped = _markers(present, lambda rank: layout.rank_skip_marker_name(rank, save_id))
     if skipped:
-        raise ReplicationSkippedError(name, _read_text(remote, f"{ranks_dir}/{skipped[0]}"))
-    commit_failed = f"{work}/{FAILED_PREFIX}{save_id}"
+        raise ReplicationSkippedError(name, _read_text(remote, f"{work}/{skipped[0][1]}"))
+    commit_failed = f"{work}/{layout.commit_failure_marker_name(save_id)}"
     if remote.exists(commit_failed):
         raise CommitError(
             "the remote commit failed; nothing was published",
@@ -312,21 +308,32 @@ def await_remote_commit(
 # --------------------------------------------------------------------- helpers
 
 
-def _rank_marker(rank: int, infix: str, save_id: str) -> str:
-    return f"rank_{rank:05d}{infix}{save_id}"
-
-
-def _rank_of(entry: str) -> int:
-    return int(entry[len("rank_") : len("rank_") + 5])
+def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[int, str]]:
+    """The ``(rank, path under the work location)`` of each entry of ``_ranks/`` that is the
+    marker ``name_for(rank)`` spells for its own rank, lowest rank first."""
+    found = []
+    for entry in present:
+        rank = layout.rank_of_marker(entry)
+        if rank is None:
+            continue
+        try:
+            rel = name_for(rank)
+        except ValueError:
+            return []  # a save id no file name can carry: no marker was ever written for it
+        if rel.rpartition("/")[2] == entry:
+            found.append((rank, rel))
+    return sorted(found)
 
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _write_marker(remote: Backend, rel: str, text: str) -> None:
-    # Best effort: a peer that misses it still stops at its deadline.
+def _write_marker(remote: Backend, work: str, name: Callable[[], str], text: str) -> None:
+    # Best effort, the name included (a save id no file name can carry): the caller is raising
+    # the error that matters, and a peer that misses the marker still stops at its deadline.
     with contextlib.suppress(Exception):
+        rel = f"{work}/{name()}"
         remote.makedirs(posixpath.dirname(rel))  # a renaming remote's partial may not exist yet
         remote.write_bytes(rel, text.encode())
 

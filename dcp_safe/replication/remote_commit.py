@@ -12,7 +12,9 @@ through :class:`RemoteLease`: taken before the first upload with the checkpoint'
 (the manifest's), checked before each file and right before the marker, released after it. A
 name held by another save is refused before a byte is written; a lease of this very save id is
 shared (a retry after a crash, a second replicator of the same checkpoint), since both write
-identical bytes. Of two such writers, the one that publishes second finds the lease gone or
+identical bytes. A lease of another save id left by a crashed or fenced writer is taken over
+on the terms a save's is (:mod:`dcp_safe.commit.takeover`), by a replication that knows its
+job attempt. Of two such writers, the one that publishes second finds the lease gone or
 the marker there: the name committed with its own digest is success, not an error. On failure
 a replication that took the lease itself removes its uploads, then the lease, while the lease
 is still its own; one that joined (or lost) the lease leaves both to their holder or to the
@@ -37,6 +39,7 @@ from dcp_safe.commit.lease import (
     release_lease,
 )
 from dcp_safe.commit.strategy import PublishStrategy, strategy_for
+from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
@@ -90,9 +93,19 @@ class RemoteLease:
         save_id: the checkpoint's save id (its manifest's), never a fresh one: it is what makes
             a second writer of the same checkpoint recognisable.
         digest: the manifest's digest, which the remote marker will hold.
+        claimant: the replicating process's attempt (and stale-lease bound): what the lease
+            records, and which lease of another save id it takes over
+            (:mod:`dcp_safe.commit.takeover`); default: unfenced, taking nothing over.
     """
 
-    def __init__(self, remote: Backend, name: str, save_id: str, digest: str) -> None:
+    def __init__(
+        self,
+        remote: Backend,
+        name: str,
+        save_id: str,
+        digest: str,
+        claimant: Claimant | None = None,
+    ) -> None:
         try:
             layout.lease_file_name(save_id)
         except ValueError as exc:
@@ -101,6 +114,7 @@ class RemoteLease:
                 f"its manifest's save id {save_id!r} cannot name a writing lease: {exc}",
             ) from None
         self.remote, self.name, self.save_id, self.digest = remote, name, save_id, digest
+        self.claimant = claimant or Claimant()
         self.joined = False
 
     def take(self) -> bool:
@@ -110,10 +124,11 @@ class RemoteLease:
             False when ``name`` got committed with this digest meanwhile (nothing to do).
 
         Raises:
-            CheckpointExistsError: another save holds the name, or committed it.
+            CheckpointExistsError: another save holds the name (and its lease may not be taken
+                over), or committed it.
         """
         try:
-            self.joined = join_or_acquire_lease(self.remote, self.name, self.save_id)
+            self.joined = join_or_acquire_lease(self.remote, self.name, self.save_id, self.claimant)
         except CheckpointExistsError:
             if remote_committed(self.remote, self.name, self.digest):
                 return False

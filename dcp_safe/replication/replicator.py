@@ -64,6 +64,7 @@ from typing import NoReturn
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
     ConfigError,
     ReplicationSkippedError,
@@ -100,7 +101,12 @@ _DEFAULT_KEEP_DONE = 16
 
 
 def replicate_checkpoint(
-    local: Backend, remote: Backend, name: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    local: Backend,
+    remote: Backend,
+    name: str,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    claimant: Claimant | None = None,
 ) -> Manifest:
     """Copy committed checkpoint ``name`` from ``local`` to ``remote`` and commit it there.
 
@@ -115,6 +121,8 @@ def replicate_checkpoint(
         chunk_bytes: bytes read and handed to the remote file at a time (files are copied one
             at a time; see :func:`~dcp_safe.replication.copying.copy_buffer_bytes` for the
             memory a copy holds).
+        claimant: this process's job attempt, as the remote lease records it; a lease of
+            another save id that it may take over is taken over (:mod:`dcp_safe.commit.takeover`).
 
     Returns:
         The checkpoint's manifest.
@@ -139,7 +147,7 @@ def replicate_checkpoint(
     strategy = strategy_for(remote)
     lease = None
     if strategy.in_place:
-        lease = RemoteLease(remote, name, manifest.save_id, digest)
+        lease = RemoteLease(remote, name, manifest.save_id, digest, claimant)
         if not lease.take():
             return manifest  # the same checkpoint got committed meanwhile
     copy = CheckpointCopy(
@@ -210,6 +218,8 @@ class Replicator:
         remote: the root to replicate them to.
         chunk_bytes: passed to :func:`replicate_checkpoint`.
         keep_done: how many finished futures :meth:`future` can still return.
+        claimant: the owner's job attempt, as remote leases record it (see
+            :func:`replicate_checkpoint`).
 
     Attributes:
         skipped: names whose replication was skipped for a newer one, oldest first.
@@ -222,6 +232,7 @@ class Replicator:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         keep_done: int = _DEFAULT_KEEP_DONE,
+        claimant: Claimant | None = None,
     ) -> None:
         if chunk_bytes < 1 or keep_done < 0:
             raise ConfigError("chunk_bytes must be positive and keep_done not negative")
@@ -229,6 +240,7 @@ class Replicator:
         self.remote = remote
         self.chunk_bytes = chunk_bytes
         self.keep_done = keep_done
+        self.claimant = claimant
         self.skipped: list[str] = []
         self._cond = threading.Condition()
         self._futures: dict[str, _ReplicationFuture] = {}
@@ -364,7 +376,9 @@ class Replicator:
 
     def _replicate(self, name: str) -> Manifest:
         """One replication, on the worker thread (a subclass may do it its own way)."""
-        return replicate_checkpoint(self.local, self.remote, name, chunk_bytes=self.chunk_bytes)
+        return replicate_checkpoint(
+            self.local, self.remote, name, chunk_bytes=self.chunk_bytes, claimant=self.claimant
+        )
 
     def _skipped(self, name: str, *, superseded_by: str) -> None:
         """Called by :meth:`submit`, without the lock, after it skipped pending ``name``."""

@@ -8,12 +8,18 @@ after another rank's failure. None of it is ever a checkpoint, but it holds spac
 * Roots that publish by marker (object stores): uncommitted ``<name>/`` prefixes (``name`` a
   valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
   ``grace_s``; uncommitted prefixes without a lease whose every object is one dcp_safe writes
-  (:func:`dcp_safe.layout.is_own_object`: shards, rank manifests, ``.metadata``, the manifest),
-  on the same terms: a failed save's lease is released while a slow rank may still finish one
-  in-flight file, and a prune killed half-way leaves an unpublished prefix, and neither is
-  anyone's save any more; and incomplete multipart uploads of dcp_safe's own layout names under
-  the root (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for
-  those.
+  (:func:`dcp_safe.layout.is_own_object`: shards, rank manifests, ``.metadata``, the manifest,
+  and the debris of :func:`dcp_safe.layout.is_debris`), on the same terms: a failed save's
+  lease is released while a slow rank may still finish one in-flight file, a prune killed
+  half-way leaves an unpublished prefix, and a superseded or failed per-rank upload leaves only
+  its skip and failure markers (no rank removes them: a peer may still be about to read one),
+  and none of these is anyone's save any more; under a committed ``<name>/``, the debris that
+  is not one of the checkpoint's own files (a failed earlier save's markers, a lease whose
+  removal failed after the marker, a takeover record), each once it is older than ``grace_s``;
+  and incomplete multipart uploads of dcp_safe's own layout names under the root
+  (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for those.
+  Each name costs one recursive listing (it shows the lease, the marker and the rank markers at
+  once); a committed one's manifest is read only when debris lies there.
 * Any root: probe objects (``.dcp-safe-probe-<32 hex digits>``, the exact form the backend's
   exclusive-create probe writes at the root) that a killed process left behind, once older than
   ``grace_s``. A live probe exists for two requests, so the grace period covers it many times.
@@ -44,9 +50,11 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.lease import lease_acquired_at
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
+from dcp_safe.commit.takeover import last_change
+from dcp_safe.errors import ConfigError, DcpSafeError, InvalidCheckpointNameError
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.manifest.schema import Manifest
 
 __all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
 
@@ -124,19 +132,23 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     # Uploads are listed first: one that starts after this look is never a candidate.
     uploads = incomplete_uploads(backend)
     probes = _sweep_probes(backend, grace_s, dry_run, now)
-    removed, recent = [], []
+    removed: list[str] = []
+    recent: list[str] = []
+    debris: list[str] = []  # paths under committed names, not names
     for entry in backend.list_dir(""):
         if not _is_checkpoint_name(entry):
             continue
-        members = backend.list_dir(entry)  # one listing shows both the lease and the marker
-        if layout.COMMITTED_MARKER in members:
+        # One listing shows the lease, the marker and the markers under _ranks/ at once.
+        files = list(backend.walk_files(entry))
+        if layout.COMMITTED_MARKER in files:
+            debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
             continue
-        leased = any(map(layout.is_lease_file, members))
-        if not leased and not _only_own_objects(backend, entry):
+        leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
+        if not leased and not _only_own_objects(entry, files):
             continue  # not a save of ours
         if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
             continue  # committed since the listing
-        changed = _last_change(backend, entry, now)
+        changed = last_change(backend, entry, now)
         if changed is None or now - changed < grace_s:
             recent.append(entry)
             continue
@@ -153,7 +165,7 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
         uploads=uploads,
     )
     return SweepReport(
-        removed=tuple(probes + removed),
+        removed=tuple(probes + removed + debris),
         too_recent=tuple(recent),
         dry_run=dry_run,
         aborted_uploads=aborted,
@@ -179,19 +191,51 @@ def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     return removed
 
 
-def _last_change(backend: Backend, name: str, now: float) -> float | None:
-    """When anything under ``<name>/`` last changed, by the storage's clock; else what the
-    lease says, if not in the future; None: unknown (the prefix is kept)."""
-    changed = backend.modified_at(name)
-    if changed is not None:
-        return changed
-    stamp = lease_acquired_at(backend, name)
-    return stamp if stamp is not None and stamp <= now else None
+def _sweep_committed_debris(
+    backend: Backend, name: str, files: list[str], grace_s: float, dry_run: bool, now: float
+) -> list[str]:
+    """Remove the debris under committed ``<name>/`` (``files``, relative to it) older than
+    ``grace_s``; return the paths removed, relative to the root.
+
+    Debris is never one of a checkpoint's files as dcp_safe writes them; the manifest is read
+    all the same, and a path it lists is kept whatever its name, so a committed checkpoint's
+    own files are never touched. An unreadable manifest keeps everything (a reader will report
+    the checkpoint; the sweeper is not the place to judge it). Each candidate is aged on its
+    own: a lease beside the marker may be a save's that is about to withdraw it.
+    """
+    candidates = [rel for rel in files if layout.is_debris(rel)]
+    if not candidates:
+        return []
+    members = _members(backend, name)
+    if members is None:
+        return []
+    removed = []
+    for rel in candidates:
+        if rel in members:
+            continue
+        changed = backend.modified_at(f"{name}/{rel}")
+        if changed is None or now - changed < grace_s:
+            continue
+        if not dry_run:
+            backend.remove_file(f"{name}/{rel}")
+        removed.append(f"{name}/{rel}")
+    return removed
 
 
-def _only_own_objects(backend: Backend, name: str) -> bool:
-    """Whether ``<name>/`` holds at least one object and only objects dcp_safe writes."""
-    files = list(backend.walk_files(name))
+def _members(backend: Backend, name: str) -> set[str] | None:
+    """The paths committed checkpoint ``name``'s manifest lists (None: unreadable)."""
+    rel = f"{name}/{layout.MANIFEST}"
+    try:
+        raw = backend.read_small(rel, MANIFEST_MAX_BYTES)
+        manifest = Manifest.from_json(raw, backend.full_path(rel))
+    except (OSError, DcpSafeError):
+        return None
+    return {record.path for record in manifest.files}
+
+
+def _only_own_objects(name: str, files: list[str]) -> bool:
+    """Whether ``<name>/`` holds at least one object (``files``, relative to it) and only
+    objects dcp_safe writes."""
     return bool(files) and all(layout.is_own_object(f"{name}/{rel}") for rel in files)
 
 

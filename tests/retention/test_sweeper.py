@@ -15,6 +15,14 @@ import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, cli, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.errors import ReplicationSkippedError
+from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+)
 from dcp_safe.retention import sweeper
 from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_partials
@@ -250,3 +258,83 @@ def test_an_unleased_prefix_of_only_dcp_safe_objects_is_collected_after_the_grac
     assert sorted(backend.list_dir("")) == ["step_1", "step_3", "step_4"]
     assert backend.read_bytes("step_3/notes.txt") == b"but this is someone's folder"
     dcp_safe.verify_checkpoint(memory_root, "step_1")
+
+
+# ------------------------------------------------------------ markers of per-rank uploads
+
+
+@pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])
+def remote(request: pytest.FixtureRequest, memory_root: str) -> tuple[str, dict[str, Any] | None]:
+    """A marker-published root that per-rank uploads report to."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_root"), request.getfixturevalue("s3_options")
+    return memory_root, None
+
+
+def _skip_a_replication(local: Path, remote: Any) -> str:
+    """A rank's replicator drops ``step_2`` for ``step_3`` (the real coalescing path), leaving
+    its skip marker as the only object under ``step_2/``; returns step_2's save id."""
+    # A slow poll: the first save is still waiting for its local commit when the next two begin.
+    options = UploadOptions(remote_timeout_s=60.0, poll_s=1.0)
+    replicator = RankReplicator(open_backend(str(local)), remote, options=options)
+    first = replicator.begin("step_1", RankSave("a" * 32, 1, 2))
+    deadline = time.monotonic() + 60.0
+    while not first.running() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker took it: the next save is pending, not replacing it
+    second = replicator.begin("step_2", RankSave("b" * 32, 1, 2))
+    replicator.begin("step_3", RankSave("c" * 32, 1, 2))
+    with pytest.raises(ReplicationSkippedError):
+        second.result(timeout=60.0)
+    with pytest.raises(dcp_safe.CommitError):  # nothing here ever commits locally
+        replicator.close(timeout_s=60.0)
+    return "b" * 32
+
+
+def test_the_skip_marker_of_a_superseded_replication_is_collected_after_the_grace_period(
+    remote: tuple[str, dict[str, Any] | None], tmp_path: Path
+) -> None:
+    url, options = remote
+    backend = open_backend(url, options)
+    save_id = _skip_a_replication(tmp_path, backend)
+    [marker] = backend.walk_files("step_2")  # no lease, no commit: only the marker
+    assert backend.list_dir("") == ["step_2"]
+
+    early = sweep_partials(url, grace_s=3600, storage_options=options)
+    assert early.removed == () and early.too_recent == ("step_2",)
+    assert backend.exists(f"step_2/{marker}")
+    late = sweep_partials(url, grace_s=3600, now=time.time() + 3601, storage_options=options)
+    assert late.removed == ("step_2",)
+    assert backend.list_dir("") == []
+    assert marker == layout.rank_skip_marker_name(1, save_id)  # the name layout spells
+
+
+def test_failure_markers_under_a_committed_checkpoint_are_collected_and_its_files_kept(
+    remote: tuple[str, dict[str, Any] | None],
+) -> None:
+    """A failed per-rank upload of step_1 left its markers (no rank removes them); a later
+    save of step_1 committed beside them. After the grace period only the markers go."""
+    url, options = remote
+    backend = open_backend(url, options)
+    work = remote_work_dir(backend, "step_1", "a" * 32)
+    report_rank_failure(backend, work, 1, "a" * 32, OSError("disk on fire"))
+    report_commit_failure(backend, work, "a" * 32, TimeoutError("no quorum"))
+    markers = sorted(backend.walk_files("step_1"))
+    writer = SafeStorageWriter(url, storage_options=options)
+    dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=writer)
+    # A lease whose removal failed after the marker: debris too.
+    backend.write_bytes(f"step_1/{layout.lease_file_name('released-late')}", b"{}")
+    own = set(backend.walk_files("step_1")) - set(markers) - {"_WRITING-released-late"}
+
+    early = sweep_partials(url, grace_s=3600, storage_options=options)
+    assert early.removed == () and early.too_recent == ()
+    late = sweep_partials(url, grace_s=3600, now=time.time() + 3601, storage_options=options)
+    gone = [*markers, "_WRITING-released-late"]
+    assert sorted(late.removed) == sorted(f"step_1/{rel}" for rel in gone)
+    assert set(backend.walk_files("step_1")) == own
+    dcp_safe.verify_checkpoint(url, "step_1", storage_options=options)
+    assert sorted(markers) == sorted(
+        [
+            layout.commit_failure_marker_name("a" * 32),
+            layout.rank_failure_marker_name(1, "a" * 32),
+        ]
+    )

@@ -1,0 +1,328 @@
+"""Taking over a writing lease that a crashed or fenced writer left behind.
+
+On an object store a rank killed inside ``write_data`` leaves ``<name>/_WRITING`` (or its
+``_WRITING-<save id>``). The restarted job, a newer attempt (:mod:`dcp_safe.commit.fencing`),
+restores the previous step, runs to the same step again and saves the same name: without a
+takeover that save is refused with ``CheckpointExistsError`` until the sweeper's grace period
+(6 h by default) has passed. So a lease records who holds it (:meth:`Claimant.body`): the save
+id and when, and for a fenced writer its attempt and run id. Leases without those fields (an
+older dcp_safe, an unfenced writer) are still read.
+
+**When** (:meth:`Claimant.may_take_over`): only a fenced save (one with an attempt) takes a name
+over, and never a committed one.
+
+* The lease names an older attempt of the same run: at once. That writer is fenced: the new
+  attempt registers under ``_ATTEMPTS/`` before it claims the name (the writer registers, checks
+  the fence, then claims), so the old writer's fence check right before its marker refuses it,
+  and so does its lease check before its control files and before the marker (the lease is no
+  longer its own). Its ranks check the lease before they write (``SafeStorageWriter``).
+* The lease names no attempt of this run (an unfenced writer, an older dcp_safe, another run's
+  job), or cannot be read: once nothing under ``<name>/`` has changed for ``stale_after_s``
+  (default 1 h, well under the sweeper's 6 h; None: never). This is the rule for a writer with
+  no heartbeat: one that wrote nothing for that long is taken for dead. It is not fenced, so if
+  it lives after all only the lease checks stop it; the bound must exceed the longest single
+  upload of a shard, since an object appears only once its upload completes. A heartbeat (a
+  thread rewriting the lease through every save) was the alternative: more requests and one
+  more failure mode on every save, for a case a listing taken only when a lease is in the way
+  answers as well. Ages are the storage's modification times against this host's clock, as the
+  sweeper reads them.
+* A lease of the same or a newer attempt of this run: never. One of our own attempt may be a
+  slow save that is alive; a newer attempt means this writer is the leftover (fencing refuses
+  it anyway).
+
+**Exclusively** (:func:`take_over_exclusive`, storage with an exclusive create): two writers of
+the new attempt that find the same stale ``_WRITING`` must not both win. Each creates, with an
+exclusive create, ``<name>/_TAKEOVER-<the old save id>``; the one that created it re-reads
+``_WRITING``, and only if it is still the lease it judged does it overwrite it with its own.
+The loser reads the record and is refused like any save finding the name held. A record left by
+a writer that died half-way through a takeover is itself judged like a lease: one of an older
+attempt is followed to the record named after its own save id, so a crash mid-takeover never
+blocks the next attempt. On storage with one lease per save (:mod:`dcp_safe.commit.lease`) the
+leases that may be taken over are left out of the contention round, and the listing protocol
+arbitrates as before: a save can leave out another's lease only if that one is of an older
+attempt, so two racers never both leave each other out.
+
+**Leftovers** (:func:`clear_leftovers`): once it holds the name, the new save removes every
+object under ``<name>/`` but its own lease (and, with one lease per save, the leases of other
+contenders), and aborts the incomplete multipart uploads there, before any rank writes a byte.
+Neither the committer nor ``verify_checkpoint`` look at a file the manifest does not list, and
+the sweeper never enters a committed name's shards, so a stale extra file would otherwise stay
+inside the new checkpoint for good.
+
+**Limits.** The old writer's last check and its marker are two requests, as fencing says: a
+takeover in between can still see its marker appear, and then finds the name committed. A rank
+of the old attempt that is mid-upload at the takeover can complete that one object under
+``<name>/``; a checkpoint holding it fails its checksums at load and ``verify_checkpoint``, never
+silently. Closing both would need conditional writes across objects, which object stores lack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.multipart import abort_uploads_under
+from dcp_safe.commit.fencing import Attempt
+from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
+
+__all__ = [
+    "DEFAULT_STALE_LEASE_S",
+    "Claimant",
+    "LeaseHolder",
+    "clear_leftovers",
+    "held_error",
+    "last_change",
+    "read_holder",
+    "take_over_exclusive",
+    "takeover_candidates",
+]
+
+#: How long nothing under a name must have changed before a lease that names no attempt of this
+#: run may be taken over (by a fenced save): well under the sweeper's 6 h grace period.
+DEFAULT_STALE_LEASE_S = 3600.0
+# Rounds of a takeover (the lease changed hands while we judged it), and takeover records
+# followed (one per takeover that died half-way): far more than a real root ever needs.
+_MAX_ROUNDS = 4
+_MAX_RECORDS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claimant:
+    """Who claims a name, as its lease records it, and when it takes a lease over.
+
+    Args:
+        attempt: the save's job attempt; None: an unfenced save, which never takes over.
+        stale_after_s: how long a prefix whose lease names no attempt of this run must have
+            been idle before it is taken over; None: never.
+
+    Raises:
+        ConfigError: ``stale_after_s`` is negative or not a number.
+    """
+
+    attempt: Attempt | None = None
+    stale_after_s: float | None = DEFAULT_STALE_LEASE_S
+
+    def __post_init__(self) -> None:
+        stale = self.stale_after_s
+        if stale is not None and (
+            isinstance(stale, bool) or not isinstance(stale, (int, float)) or not stale >= 0
+        ):
+            raise ConfigError(f"stale_after_s must be a number >= 0 or None, got {stale!r}")
+
+    def body(self, save_id: str) -> bytes:
+        """The lease (or takeover record) this claimant writes for save ``save_id``."""
+        fields: dict[str, object] = {"save_id": save_id, "acquired_at": time.time()}
+        if self.attempt is not None:
+            fields.update(attempt=self.attempt.number, run_id=self.attempt.run_id)
+        return json.dumps(fields).encode()
+
+    def may_take_over(self, holder: LeaseHolder, idle_s: Callable[[], float | None]) -> bool:
+        """Whether this claimant may take the lease ``holder`` over (the module docstring).
+
+        Args:
+            idle_s: how long nothing under the name has changed (None: unknown); called only
+                when the answer depends on it, since it costs a listing.
+        """
+        if self.attempt is None:
+            return False
+        if holder.attempt is not None and holder.run_id == self.attempt.run_id:
+            return holder.attempt < self.attempt.number
+        if self.stale_after_s is None:
+            return False
+        idle = idle_s()
+        return idle is not None and idle >= self.stale_after_s
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """What a lease (or a takeover record) says of its holder; a field it lacks is None."""
+
+    raw: bytes
+    save_id: str | None = None
+    attempt: int | None = None
+    run_id: str | None = None
+    acquired_at: float | None = None
+
+    @property
+    def record_name(self) -> str:
+        """The takeover record for this holder's lease: named after its save id, or (a lease
+        that names none a file name can carry) a digest of its bytes, the same for every
+        reader of the same lease."""
+        if self.save_id is not None:
+            with contextlib.suppress(ValueError):
+                return layout.takeover_record_name(self.save_id)
+        return layout.takeover_record_name(hashlib.sha256(self.raw).hexdigest()[:32])
+
+
+def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
+    """The holder the lease (or record) at ``rel`` names; None when it is absent.
+
+    A lease that is not a small regular file of JSON is an unreadable one: a holder with no
+    fields, which only the idle rule can take over.
+    """
+    try:
+        raw = backend.read_small(rel, CONTROL_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except CheckpointCorruptError:
+        return LeaseHolder(raw=b"")
+    try:
+        fields = parse_json(raw, backend.full_path(rel))
+    except CheckpointCorruptError:
+        fields = None
+    if not isinstance(fields, dict):
+        return LeaseHolder(raw=raw)
+    attempt, stamp = fields.get("attempt"), fields.get("acquired_at")
+    return LeaseHolder(
+        raw=raw,
+        save_id=_str_or_none(fields.get("save_id")),
+        attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
+        run_id=_str_or_none(fields.get("run_id")),
+        acquired_at=(
+            float(stamp)
+            if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
+            else None
+        ),
+    )
+
+
+def last_change(backend: Backend, name: str, now: float) -> float | None:
+    """When anything under ``<name>/`` last changed, by the storage's clock; else what its
+    newest lease says, if not in the future; None: unknown."""
+    changed = backend.modified_at(name)
+    if changed is not None:
+        return changed
+    stamps = [
+        holder.acquired_at
+        for entry in _lease_entries(backend, name)
+        if (holder := read_holder(backend, f"{name}/{entry}")) is not None
+        and holder.acquired_at is not None
+    ]
+    newest = max(stamps, default=None)
+    return newest if newest is not None and newest <= now else None
+
+
+def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> bool:
+    """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
+    exclusively failed), if ``claimant`` may (the module docstring). The caller then clears
+    the leftovers (:func:`clear_leftovers`).
+
+    Returns:
+        True when the lease is now this save's; False when no lease is there any more (the
+        caller creates it again).
+
+    Raises:
+        CheckpointExistsError: the lease may not be taken over, or another save took it first.
+    """
+    lease = f"{name}/{layout.WRITING_LEASE}"
+    for _ in range(_MAX_ROUNDS):
+        holder = read_holder(backend, lease)
+        if holder is None:
+            return False
+        if not claimant.may_take_over(holder, _idle(backend, name)):
+            raise held_error(backend, name, [holder.save_id])
+        record = _win_record(backend, name, holder, save_id, claimant)
+        current = read_holder(backend, lease)
+        if current is not None and current.raw == holder.raw:
+            backend.write_bytes(lease, claimant.body(save_id))
+            return True
+        # It changed hands while we won the record (released, or taken by a newer attempt):
+        # judge the lease there now. Our record goes, so the name is not left looking taken.
+        backend.remove_file(record)
+    raise held_error(backend, name, [None])
+
+
+def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> frozenset[str]:
+    """The leases under ``<name>/`` now (names) that ``claimant`` may take over: with one
+    lease per save, those left out of the contention round."""
+    if claimant.attempt is None:
+        return frozenset()
+    entries = _lease_entries(backend, name)
+    idle = _idle(backend, name)
+    return frozenset(
+        entry
+        for entry in entries
+        if (holder := read_holder(backend, f"{name}/{entry}")) is not None
+        and claimant.may_take_over(holder, idle)
+    )
+
+
+def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
+    """Remove what a taken-over save left under ``<name>/``: every object for which ``keep``
+    (given its path relative to ``<name>/``) is false, and every incomplete multipart upload
+    there (none is this save's: it clears before any of its ranks writes).
+
+    Returns:
+        The paths removed, relative to ``<name>/``.
+
+    Raises:
+        CheckpointExistsError: the name is committed (the taken-over writer published in the
+            round trip after its last check); nothing is removed.
+    """
+    files = list(backend.walk_files(name))
+    if layout.COMMITTED_MARKER in files:
+        raise CheckpointExistsError(backend.full_path(name), "it got committed during a takeover")
+    removed = [rel for rel in files if not keep(rel)]
+    for rel in removed:
+        backend.remove_file(f"{name}/{rel}")
+    abort_uploads_under(backend, name)
+    return tuple(removed)
+
+
+def held_error(backend: Backend, name: str, holders: Sequence[str | None]) -> CheckpointExistsError:
+    """The error for a save that finds ``name`` held by ``holders`` (save ids)."""
+    shown = ", ".join(str(h) for h in holders) or "another save"
+    return CheckpointExistsError(
+        backend.full_path(name),
+        f"save {shown} is writing it (or abandoned it: a newer job attempt takes it over, "
+        "otherwise the sweeper collects it after its grace period)",
+    )
+
+
+def _win_record(
+    backend: Backend, name: str, holder: LeaseHolder, save_id: str, claimant: Claimant
+) -> str:
+    """Create the takeover record for ``holder``'s lease exclusively; returns its path.
+
+    A record already there is another save's takeover: refused unless ``claimant`` may take
+    that one over too (a takeover that died half-way), then the record named after it is next.
+    """
+    target = holder
+    for _ in range(_MAX_RECORDS):
+        rel = f"{name}/{target.record_name}"
+        try:
+            backend.write_bytes(rel, claimant.body(save_id), exclusive=True)
+        except FileExistsError:
+            other = read_holder(backend, rel)
+            if other is None:
+                continue  # removed meanwhile by the save that won it: try again
+            if not claimant.may_take_over(other, _idle(backend, name)):
+                raise held_error(backend, name, [other.save_id]) from None
+            target = other
+            continue
+        return rel
+    raise held_error(backend, name, [None])
+
+
+def _idle(backend: Backend, name: str) -> Callable[[], float | None]:
+    def idle_s() -> float | None:
+        now = time.time()
+        changed = last_change(backend, name, now)
+        return None if changed is None else now - changed
+
+    return idle_s
+
+
+def _lease_entries(backend: Backend, name: str) -> list[str]:
+    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
