@@ -37,6 +37,7 @@ from dcp_safe.errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsignedCheckpointError,
+    UploadTimeoutError,
 )
 from dcp_safe.manager import (
     BusyPolicy,
@@ -87,6 +88,7 @@ __all__ = [
     "NodeLocalWriter",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
+    "UploadTimeoutError",
     "RetentionReport",
     "SafeStorageReader",
     "SafeStorageWriter",

@@ -13,7 +13,8 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     │   └── SignatureError                       not signed with the reader's key
     │       └── UnsignedCheckpointError          not signed at all
     ├── CommitError                              the save could not be published; per-rank failures
-    │   └── StaleWriterError                     a writer from an older attempt tried to publish
+    │   ├── StaleWriterError                     a writer from an older attempt tried to publish
+    │   └── UploadTimeoutError(ReplicationTimeoutError)  ranks whose upload never arrived
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
     ├── BudgetExceededError                      a state larger than the host-memory envelope
     ├── SnapshotMutatedError                     the state changed in place while it was staged
@@ -51,6 +52,7 @@ __all__ = [
     "StorageError",
     "UnsafeCheckpointError",
     "UnsignedCheckpointError",
+    "UploadTimeoutError",
     "from_checkpoint_exception",
 ]
 
@@ -278,6 +280,14 @@ class ReplicationSkippedError(DcpSafeError):
 
 class ReplicationTimeoutError(DcpSafeError, TimeoutError):
     """``wait`` or ``close`` gave up before the replications in flight finished."""
+
+
+class UploadTimeoutError(CommitError, ReplicationTimeoutError):
+    """Rank 0 gave up waiting for some ranks' uploads; ``failures`` names those ranks.
+
+    A :class:`CommitError` (nothing was published, and the stalled ranks are named, not rank 0
+    that reports it) and a :class:`ReplicationTimeoutError` (a bound ran out).
+    """
 
 
 class DrainTimeoutError(DcpSafeError, TimeoutError):

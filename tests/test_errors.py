@@ -96,6 +96,7 @@ def _every_error() -> list[Exception]:
         errors.BudgetExceededError("too big"),
         AdmissionTimeoutError("waited 5 s"),
         errors.DrainTimeoutError("still busy after 5 s"),
+        errors.UploadTimeoutError("gave up after 5 s", {1: "did not upload its part"}),
     ]
 
 

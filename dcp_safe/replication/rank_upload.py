@@ -34,6 +34,7 @@ whether the prefix stays uncommitted or a later save of the name commits there.
 from __future__ import annotations
 
 import contextlib
+import json
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     ReplicationSkippedError,
+    ReplicationTimeoutError,
+    UploadTimeoutError,
 )
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
@@ -195,8 +198,14 @@ def report_rank_skipped(
 
 
 def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseException) -> None:
-    """Best effort: tell the peers that rank 0's commit failed; the caller re-raises ``exc``."""
-    _write_marker(remote, work, lambda: layout.commit_failure_marker_name(save_id), _describe(exc))
+    """Best effort: tell the peers that rank 0's commit failed; the caller re-raises ``exc``.
+
+    A failure that names ranks (:class:`CommitError`) is written with them, so that the peers
+    name the same ranks rather than rank 0, which only reports it."""
+    text = _describe(exc)
+    if isinstance(exc, CommitError) and exc.failures:
+        text = json.dumps({"error": text, "failures": exc.failures})
+    _write_marker(remote, work, lambda: layout.commit_failure_marker_name(save_id), text)
 
 
 def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str) -> set[str]:
@@ -224,9 +233,20 @@ def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str)
     if remote.exists(commit_failed):
         raise CommitError(
             "the remote commit failed; nothing was published",
-            {0: _read_text(remote, commit_failed)},
+            _reported_failures(_read_text(remote, commit_failed)),
         )
     return present
+
+
+def _reported_failures(text: str) -> dict[int, str]:
+    """The ranks a commit failure marker names (``{0: text}`` when it names none)."""
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(text)
+        failures = parsed.get("failures") if isinstance(parsed, dict) else None
+        if isinstance(failures, dict) and failures and len(failures) <= 10_000:
+            # Read from storage: keys must be ranks, values short text, nothing else.
+            return {int(r): str(why)[:500] for r, why in failures.items() if str(r).isdigit()}
+    return {0: text}
 
 
 # --------------------------------------------------------------------- waiting
@@ -246,18 +266,31 @@ def await_arrivals(
         CommitError, ReplicationSkippedError: a rank reported its failure or a skip.
         ReplicationTimeoutError: not every rank arrived within ``options.remote_timeout_s``.
     """
-    expected = {layout.rank_manifest_name(r).rpartition("/")[2] for r in range(world_size)}
+    manifests = {layout.rank_manifest_name(r).rpartition("/")[2]: r for r in range(world_size)}
+    present: set[str] = set()
 
     def arrived() -> bool | None:
-        present = raise_reported_failures(remote, work, save_id, name)
-        return True if expected <= present else None
+        present.clear()
+        present.update(raise_reported_failures(remote, work, save_id, name))
+        return True if manifests.keys() <= present else None
 
-    poll_until(
-        arrived,
-        timeout_s=options.remote_timeout_s,
-        poll_s=options.poll_s,
-        waiting_for=f"every rank's manifest under {remote.full_path(work)}",
-    )
+    try:
+        poll_until(
+            arrived,
+            timeout_s=options.remote_timeout_s,
+            poll_s=options.poll_s,
+            waiting_for=f"every rank's manifest under {remote.full_path(work)}",
+        )
+    except ReplicationTimeoutError as exc:
+        # Name the stalled ranks: rank 0 only reports them (its peers read this in the failure
+        # marker), and blaming rank 0 would send whoever reads it to the wrong machine.
+        missing = sorted(r for m, r in manifests.items() if m not in present)
+        raise UploadTimeoutError(
+            str(exc),
+            dict.fromkeys(
+                missing, f"did not upload its part within {options.remote_timeout_s:g} s"
+            ),
+        ) from exc
 
 
 def await_remote_commit(

@@ -36,6 +36,7 @@ from dcp_safe import (
 )
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.errors import UploadTimeoutError
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -125,6 +126,17 @@ def _save_on_two_nodes(
         seen["upload_after_write_failure"] = (type(error).__name__, str(error))
     seen["listed_locally"] = [info.name for info in list_checkpoints(root)]
     return seen
+
+
+def _rank1_never_uploads(rank: int, world_size: int, root: str, remote: str) -> Any:
+    options = NodeLocalOptions(remote_timeout_s=1.0, poll_s=0.05)
+    kind = _NeverUploads if rank == 1 else NodeLocalWriter
+    writer = kind(f"{root}/node{rank}", remote=remote, node_options=options)
+    dcp_safe.save(
+        _sharded(world_size, _full_state(1)), checkpoint_id="step_1", storage_writer=writer
+    )
+    error = writer.replication("step_1").exception(timeout=60)
+    return type(error).__name__, getattr(error, "failures", None)
 
 
 def _restore_on_two_ranks(
@@ -242,6 +254,19 @@ def test_one_process_keeps_the_newest_node_caches_and_every_remote_checkpoint(
     assert torch.equal(target["w"], _full_state(2)["w"]) and target["meta"] == {"seed": 2}
 
 
+@pytest.mark.multiproc
+def test_a_rank_stalled_in_its_upload_is_named_as_itself_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 never uploads its part: rank 0 gives up after remote_timeout_s naming rank 1
+    (UploadTimeoutError, a CommitError), and rank 1, which waits for the remote commit, reads
+    the same ranks from rank 0's failure marker: not "rank 0 failed"."""
+    remote = str(tmp_path / "remote")
+    outcomes = run_ranks(_rank1_never_uploads, 2, args=(str(tmp_path), remote))
+    assert outcomes[0][0] == "UploadTimeoutError" and sorted(outcomes[0][1]) == [1]
+    assert outcomes[1][0] == "CommitError" and sorted(outcomes[1][1]) == [1]
+    assert "did not upload its part" in outcomes[1][1][1]
+    assert list_checkpoints(remote) == []
+
+
 def test_node_local_writer_refuses_options_that_would_break_the_tier(
     tmp_path: Path, memory_root: str
 ) -> None:
@@ -266,6 +291,7 @@ def test_a_rank_that_never_uploads_times_the_remote_commit_out_and_nothing_is_pu
     error = writer.replication("step_1").exception(timeout=60)
     assert isinstance(error, ReplicationTimeoutError)
     assert "every rank's manifest" in str(error)
+    assert isinstance(error, UploadTimeoutError) and list(error.failures) == [0]
     with pytest.raises(ReplicationTimeoutError):
         writer.close(timeout_s=60)
     assert list_checkpoints(memory_root) == []
