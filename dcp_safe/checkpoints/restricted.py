@@ -13,6 +13,12 @@ checkpoint are pickles:
   hands the planner a stream *re-serialized from that safe object*, so whatever the planner
   does with it, it can only rebuild what was already admitted.
 
+  One entry type DCP documents for opaque bytes, ``io.BytesIO``, is pickled by DCP as the
+  object itself (``torch.save(BytesIO)``), which the weights-only unpickler refuses. Such an
+  item is decoded by :class:`_BytesIOUnpickler`, which admits exactly what ``torch.save`` writes
+  for one (the class, its bytes as latin-1 text, its position) and rebuilds a new ``BytesIO``
+  from the bytes: no general unpickler, no attribute of any class set from storage.
+
 Anything else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` naming the file, the item
 and the global that was refused, unless the caller trusts the root (``allow_pickle=True``).
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zipfile
 from typing import Any
 
 import torch
@@ -93,12 +100,67 @@ def sanitized_object_stream(
     try:
         value = torch.load(payload, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            path,
-            f"the object is not plain data ({str(exc).splitlines()[0]})",
-            item=item,
-        ) from None
+        value = _bytes_io(payload.getvalue())
+        if value is None:
+            raise UnsafeCheckpointError(
+                path,
+                f"the object is not plain data ({str(exc).splitlines()[0]})",
+                item=item,
+            ) from None
     clean = io.BytesIO()
     torch.save(value, clean)
     clean.seek(0)
     return clean
+
+
+class _BytesIOState:
+    """What NEWOBJ makes of ``_io.BytesIO`` here: a holder whose BUILD takes only
+    ``(bytes, position, None or {})`` (a BytesIO's own state), never attributes."""
+
+    value: bytes = b""
+    position: int = 0
+
+    def __setstate__(self, state: object) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3):
+            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, dict)")
+        value, position, extra = state
+        if not isinstance(value, bytes) or not isinstance(position, int) or extra:
+            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, no attributes)")
+        self.value, self.position = value, max(0, min(position, len(value)))
+
+
+def _latin1(text: object, encoding: object) -> bytes:
+    """``_codecs.encode`` as protocol 2 pickles bytes: ``encode(str, "latin1")``, nothing else."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError("only latin-1 text may be encoded to bytes here")
+    return text.encode("latin1")
+
+
+class _BytesIOUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_io", "BytesIO"):
+            return _BytesIOState
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a pickled BytesIO")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a pickled BytesIO holds no storage")
+
+
+def _bytes_io(raw: bytes) -> io.BytesIO | None:
+    """The ``io.BytesIO`` that ``torch.save(BytesIO)`` wrote into ``raw``; ``None`` if it is not
+    exactly that (a torch zip whose pickle is one BytesIO)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if len(pickles) != 1 or archive.getinfo(pickles[0]).compress_type != 0:
+                return None  # torch writes its records STORED: nothing here inflates
+            found = _BytesIOUnpickler(io.BytesIO(archive.read(pickles[0]))).load()
+    except (pickle.UnpicklingError, zipfile.BadZipFile, ValueError, EOFError, TypeError):
+        return None
+    if not isinstance(found, _BytesIOState):
+        return None
+    stream = io.BytesIO(found.value)
+    stream.seek(found.position)
+    return stream

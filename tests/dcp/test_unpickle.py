@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import os
 import pickle
 from pathlib import Path
@@ -135,3 +136,77 @@ def test_plain_data_and_tensors_still_load_exactly(tmp_path: Path) -> None:
     assert target["config"] == state["config"]
     assert target["order"] == state["order"] and target["step"] == 7
     assert torch.equal(target["tensor_in_object"]["ema"], state["tensor_in_object"]["ema"])
+
+
+def _train_state(rank: int) -> dict[str, Any]:
+    """A train state as PyTorch's own DCP e2e test saves it: losses torch.saved into a BytesIO,
+    next to plain Python data and a tensor."""
+    losses = io.BytesIO()
+    torch.save([0.5 + rank, 0.25, 0.125], losses)
+    return {"w": torch.arange(4.0), "losses": losses, "meta": {"epoch": 3, "tag": "run7"}}
+
+
+def _blank() -> dict[str, Any]:
+    return {"w": torch.zeros(4), "losses": io.BytesIO(), "meta": {"epoch": 0, "tag": ""}}
+
+
+def _check_train_state(loaded: dict[str, Any], saved: dict[str, Any]) -> None:
+    assert torch.equal(loaded["w"], saved["w"]) and loaded["meta"] == saved["meta"]
+    assert isinstance(loaded["losses"], io.BytesIO)
+    assert loaded["losses"].getvalue() == saved["losses"].getvalue()
+    assert torch.load(io.BytesIO(loaded["losses"].getvalue())) == [0.5, 0.25, 0.125]
+
+
+def test_dcps_own_bytesio_entries_load_by_default(tmp_path: Path) -> None:
+    """DCP documents io.BytesIO for opaque bytes and pickles the object itself; it loads with
+    no allow_pickle, rebuilt from its bytes (it was refused as "not plain data")."""
+    root = tmp_path / "root"
+    saved = _train_state(0)
+    _saved(root, saved)
+    loaded = _blank()
+    dcp_safe.load(loaded, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    _check_train_state(loaded, saved)
+    assert dcp_safe.verify_checkpoint(root, "step_1").name == "step_1"
+
+
+def test_a_pickled_bytesio_that_sets_attributes_or_calls_anything_else_is_refused(
+    tmp_path: Path,
+) -> None:
+    from dcp_safe.checkpoints.restricted import sanitized_object_stream
+
+    def torch_zip(payload: bytes) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save(None, buffer)  # a real torch zip; its pickle is then swapped
+        import zipfile
+
+        out = io.BytesIO()
+        with zipfile.ZipFile(buffer) as src, zipfile.ZipFile(out, "w") as dst:
+            for info in src.infolist():
+                data = payload if info.filename.endswith("/data.pkl") else src.read(info)
+                dst.writestr(info, data)
+        out.seek(0)
+        return out
+
+    with_attrs = io.BytesIO(b"x")
+    with_attrs.planted = "yes"  # type: ignore[attr-defined]
+    for hostile in (pickle.dumps(with_attrs, protocol=2), pickle.dumps(_Planted(tmp_path / "r"))):
+        with pytest.raises(UnsafeCheckpointError):
+            sanitized_object_stream(torch_zip(hostile), "p", "losses")
+    assert not (tmp_path / "r").exists()
+
+
+def _bytesio_on_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    state = _train_state(0)  # the same on every rank: replicated, saved once
+    dcp_safe.save(state, checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
+    loaded = _blank()
+    dcp_safe.load(loaded, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
+    _check_train_state(loaded, state)
+    return {"losses": loaded["losses"].getvalue()}
+
+
+@pytest.mark.multiproc
+def test_bytesio_entries_load_by_default_on_two_ranks(tmp_path: Path) -> None:
+    from dcp_safe.testing.multiproc import run_ranks
+
+    results = run_ranks(_bytesio_on_ranks, 2, args=(str(tmp_path),))
+    assert results[0] == results[1]
