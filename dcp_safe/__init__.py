@@ -16,6 +16,7 @@ from dcp_safe.checkpoints.node_cache import NodeCache, list_node_caches
 from dcp_safe.dcp.api import async_save, load, save
 from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
@@ -27,8 +28,11 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     DcpSafeError,
+    DivergentStateError,
     DrainTimeoutError,
     InvalidCheckpointNameError,
+    MissingKeysError,
+    PerRankStateError,
     ReplicationSkippedError,
     ReplicationTimeoutError,
     SignatureError,
@@ -76,20 +80,26 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "DcpSafeError",
+    "DivergentStateError",
     "DrainTimeoutError",
     "FallbackOptions",
     "Generation",
     "InvalidCheckpointNameError",
     "ManagerStats",
+    "MissingKeysError",
     "MemoryBudget",
     "MemorySampler",
     "NodeCache",
     "NodeLocalOptions",
     "NodeLocalWriter",
+    "PerRankStateError",
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "UploadTimeoutError",
+    "RestoreReport",
     "RetentionReport",
+    "SafeLoadPlanner",
+    "SafeSavePlanner",
     "SafeStorageReader",
     "SafeStorageWriter",
     "SaveHandle",

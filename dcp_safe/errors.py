@@ -18,6 +18,9 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
     ├── BudgetExceededError                      a state larger than the host-memory envelope
     ├── SnapshotMutatedError                     the state changed in place while it was staged
+    ├── DivergentStateError(ValueError)          ranks saved different values under one key
+    ├── PerRankStateError(ValueError)            per-rank state saved by another world size
+    ├── MissingKeysError(LookupError)            keys asked for are not in the checkpoint
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
@@ -46,8 +49,11 @@ __all__ = [
     "DcpSafeError",
     "SignatureError",
     "SnapshotMutatedError",
+    "DivergentStateError",
     "DrainTimeoutError",
     "InvalidCheckpointNameError",
+    "MissingKeysError",
+    "PerRankStateError",
     "StaleWriterError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -255,6 +261,73 @@ class SnapshotMutatedError(DcpSafeError):
             " (handle.staged or resp.staging_completion) before updating the state in place, or"
             " use CheckpointManager's default staging='snapshot'"
         )
+
+
+class DivergentStateError(DcpSafeError, ValueError):
+    """Ranks saved different values under one key, which DCP would keep only one copy of.
+
+    Raised on every rank, at planning, before anything is written.
+
+    Attributes:
+        keys: each differing key (as DCP flattens it) -> the ranks grouped by equal value.
+    """
+
+    def __init__(self, keys: Mapping[str, list[list[int]]]) -> None:
+        self.keys = {k: [list(g) for g in groups] for k, groups in keys.items()}
+        listed = "; ".join(
+            f"{k!r} ({' | '.join(_ranks(g) for g in groups)})"
+            for k, groups in list(self.keys.items())[:20]
+        )
+        more = f" and {len(self.keys) - 20} more" if len(self.keys) > 20 else ""
+        prefixes = sorted({k.split(".")[0] for k in self.keys})
+        super().__init__(
+            f"ranks hold different values under the same key: {listed}{more}. DCP would save"
+            " one rank's value and restore it on every rank, so nothing was saved. Declare"
+            f" per-rank state: CheckpointManager(..., per_rank={tuple(prefixes)!r}) (or"
+            " dcp_safe.save(..., per_rank=...)), or make the values equal on every rank"
+        )
+
+
+class PerRankStateError(DcpSafeError, ValueError):
+    """Per-rank entries restore only onto the world size that saved them.
+
+    Attributes:
+        key: the entry.
+        saved_ranks: the ranks that saved their own value of it.
+        world_size: this job's world size.
+    """
+
+    def __init__(self, key: str, *, saved_ranks: list[int], world_size: int) -> None:
+        self.key = key
+        self.saved_ranks = list(saved_ranks)
+        self.world_size = world_size
+        super().__init__(
+            f"{key!r} was saved per rank by {len(saved_ranks)} ranks and this job has"
+            f" {world_size}: each rank restores its own value only on the world size that"
+            " saved it, and no rank is handed another's. Restore without it"
+            f" (exclude=[{key!r}]) and initialize it afresh"
+        )
+
+
+class MissingKeysError(DcpSafeError, LookupError):
+    """Keys asked for are not in the checkpoint (pass ``allow_partial=True`` to leave them).
+
+    Attributes:
+        keys: the missing keys, as DCP flattens them.
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(repr(k) for k in self.keys[:20])
+        more = f" and {len(self.keys) - 20} more" if len(self.keys) > 20 else ""
+        super().__init__(
+            f"the checkpoint holds no {shown}{more}; restore with allow_partial=True to leave"
+            " them as they are, or exclude them"
+        )
+
+
+def _ranks(group: list[int]) -> str:
+    return ("rank " if len(group) == 1 else "ranks ") + ", ".join(map(str, group))
 
 
 class AdmissionTimeoutError(DcpSafeError, TimeoutError):

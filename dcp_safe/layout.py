@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterable
 
 from dcp_safe.errors import InvalidCheckpointNameError
 
@@ -67,6 +68,9 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
 LATEST = "latest"
+#: ``<key>@rank00003``: a per-rank entry's key in DCP's metadata (dcp_safe.dcp.planners).
+PER_RANK_INFIX = "@rank"
+_PER_RANK_KEY = re.compile(rf"^(?P<base>.+){re.escape(PER_RANK_INFIX)}(?P<rank>[0-9]{{5,}})$")
 #: the object a root's first exclusive create probes the server with (see FsspecBackend).
 PROBE_PREFIX = ".dcp-safe-probe-"
 
@@ -223,6 +227,27 @@ def _is_valid_name(name: str) -> bool:
 def rank_manifest_name(rank: int) -> str:
     """Path of a rank's manifest, relative to the checkpoint directory."""
     return f"{RANKS_DIR}/rank_{rank:05d}.json"
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    """The key under which ``rank``'s own value of state dict entry ``key`` is saved."""
+    return f"{key}{PER_RANK_INFIX}{rank:05d}"
+
+
+def per_rank_base(stored: str) -> str | None:
+    """The state dict key a per-rank entry's stored key belongs to (``None``: not one)."""
+    found = _PER_RANK_KEY.match(stored)
+    return None if found is None else found["base"]
+
+
+def per_rank_ranks(key: str, stored: Iterable[str]) -> set[int]:
+    """The ranks that saved their own value of ``key`` among the ``stored`` keys."""
+    ranks = set()
+    for entry in stored:
+        found = _PER_RANK_KEY.match(entry)
+        if found is not None and found["base"] == key:
+            ranks.add(int(found["rank"]))
+    return ranks
 
 
 def shard_file_name(rank: int, index: int) -> str:

@@ -6,11 +6,11 @@ record. It is a top-level file under the root, so listing never mistakes it for 
 Event schema (every line; keys sorted; absent optional fields are left out)::
 
     event      str    requested | skipped | committed | failed | pruned
-                      | fallback | rearmed | preempted
+                      | fallback | rearmed | preempted | restored
     step       int    the training step (null for events about no particular save)
     name       str    the checkpoint name (null likewise)
     time       float  ``time.time()`` when recorded
-    tier       str    optional: "local" or "remote"
+    tier       str    optional: "local" or "remote" ("initial" for a warm start's restore)
     reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption)
     validated  bool   optional: on "committed": verification passed
 
@@ -65,6 +65,7 @@ EVENTS = frozenset(
         "fallback",
         "rearmed",
         "preempted",
+        "restored",
     }
 )
 

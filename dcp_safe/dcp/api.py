@@ -20,7 +20,7 @@ you then see DCP's exception types and wait as long as the group you pass allows
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +42,8 @@ from dcp_safe.dcp.group import (
     is_collective_failure,
     validate_deadline,
 )
-from dcp_safe.errors import from_checkpoint_exception
+from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
+from dcp_safe.errors import ConfigError, from_checkpoint_exception
 
 __all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
 
@@ -140,7 +141,11 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
 
 
 def save(
-    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    **kwargs: Any,
 ) -> Metadata:
     """``dcp.save`` with a deadline and translated errors. Takes DCP's keyword arguments too.
 
@@ -150,12 +155,16 @@ def save(
             group's timeout); ignored with ``process_group=`` or ``no_dist=True``. The longest
             healthy wait is for the slowest rank's writes, so it must exceed the spread of
             per-rank write times.
-        **kwargs: passed to ``dcp.save``.
+        per_rank: key prefixes saved once per rank (:mod:`dcp_safe.dcp.planners`).
+        **kwargs: passed to ``dcp.save``. Without ``planner=``, a
+            :class:`~dcp_safe.dcp.planners.SafeSavePlanner` plans the save.
 
     Raises:
         CommitError: a rank failed, died or hung; ``failures`` names it. Nothing was published.
+        DivergentStateError: ranks hold different values under one key not declared per rank.
         ConfigError: ``deadline_s`` is not a positive number.
     """
+    _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
     with _translated_call(call), _quiet_single_process(kwargs):
         metadata: Metadata = _dcp_save(state_dict, **kwargs)
@@ -163,22 +172,40 @@ def save(
 
 
 def load(
-    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    **kwargs: Any,
 ) -> None:
     """``dcp.load`` with a deadline and translated errors. Takes DCP's keyword arguments too.
 
     Args:
         state_dict: the target, loaded in place.
         deadline_s: as for :func:`save`.
-        **kwargs: passed to ``dcp.load``.
+        per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
+        **kwargs: passed to ``dcp.load``. Without ``planner=``, a
+            :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load.
+
+    Raises:
+        MissingKeysError: the checkpoint lacks keys of ``state_dict``.
+        PerRankStateError: per-rank entries were saved by another world size.
     """
+    if "planner" not in kwargs:
+        kwargs["planner"] = SafeLoadPlanner(per_rank=per_rank)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeLoadPlanner(per_rank=)")
     call = _prepare(kwargs, deadline_s)
     with _translated_call(call), _quiet_single_process(kwargs):
         _dcp_load(state_dict, **kwargs)
 
 
 def async_save(
-    state_dict: dict[str, Any], *, deadline_s: float = DEFAULT_DEADLINE_S, **kwargs: Any
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    **kwargs: Any,
 ) -> Any:
     """``dcp.async_save`` with a deadline, whose futures fail with dcp_safe errors.
 
@@ -190,8 +217,10 @@ def async_save(
     Args:
         state_dict: what to save.
         deadline_s: as for :func:`save`.
-        **kwargs: passed to ``dcp.async_save``.
+        per_rank: as for :func:`save`.
+        **kwargs: passed to ``dcp.async_save`` (a ``SafeSavePlanner`` without ``planner=``).
     """
+    _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
     with _translated_call(call), _quiet_single_process(kwargs):
         response = _dcp_async_save(state_dict, **kwargs)
@@ -200,6 +229,13 @@ def async_save(
     response.staging_completion = _translated(response.staging_completion, call)
     response.upload_completion = _translated(response.upload_completion, call)
     return response
+
+
+def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
+    if "planner" not in kwargs:
+        kwargs["planner"] = SafeSavePlanner(per_rank=per_rank)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
 
 
 def _translated(source: Future[T], call: _Call) -> Future[T]:

@@ -18,7 +18,6 @@ single-flight slot, the age of the save in flight, room for a coalesced copy), e
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from dcp_safe.manager.agreement import Agreement, Decision, Verdict, Vote, decide
@@ -42,7 +41,6 @@ class Admitter:
         wait_timeout_s: the longest ``when_busy="wait"`` waits.
         latency_objective_s: the oldest a save in flight may be before requests skip
             (``None``: not checked).
-        leaked_bytes: staging bytes in use with no save in flight (the fallback's trigger c).
     """
 
     def __init__(
@@ -54,7 +52,6 @@ class Admitter:
         stager: BudgetedStager,
         wait_timeout_s: float,
         latency_objective_s: float | None,
-        leaked_bytes: Callable[[], int],
     ) -> None:
         self.agreement = agreement
         self._slot = slot
@@ -62,7 +59,6 @@ class Admitter:
         self._stager = stager
         self.wait_timeout_s = wait_timeout_s
         self.latency_objective_s = latency_objective_s
-        self._leaked_bytes = leaked_bytes
         self.waits_expired = 0
         self._lock = threading.Lock()
 
@@ -108,6 +104,12 @@ class Admitter:
             f" on rank(s) {ranks}"
         )
         return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
+
+    def _leaked_bytes(self) -> int:
+        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
+        # Idle first, stats second: only the training thread starts saves, so once idle, what
+        # the stager still has in use was leaked by a finished save, not leased by a new one.
+        return self._stager.stats().in_use_bytes if self._slot.idle() else 0
 
     def _stalled(self) -> str | None:
         age = self._slot.age_s()

@@ -15,19 +15,18 @@ Call order (one training thread calls ``save``/``maybe_save``/``restore``/``clos
                       the retention policy, free the slot, start the pending (coalesced) save
     any thread        replication to ``replicate_to`` finishes -> history, ``replicated``
 
-Where each part of the policy lives (this module composes them):
-
-* ``when_busy``, ``staging`` and ``validate``: their enums in :mod:`~dcp_safe.manager.handles`;
-  the single-flight slot they decide about: :mod:`~dcp_safe.manager.slot`; the decision for
-  each request (bounded waits, the latency objective): :mod:`~dcp_safe.manager.admit`; running
-  the admitted save: :mod:`~dcp_safe.manager.saving`. ``force=True`` waits whatever the
-  policy (bounded too): for a final save that must not be lost.
-* verification after each local commit, retention on both roots, ``latest`` and the restore
-  reader: :mod:`~dcp_safe.manager.tiers`. One manager owns a root.
-* the history file: :mod:`dcp_safe.checkpoints.history`; the automatic return to synchronous
-  saves: :mod:`~dcp_safe.manager.fallback`; telemetry spans: :mod:`~dcp_safe.manager.spans`;
-  SIGTERM: :mod:`~dcp_safe.manager.preemption` (the manager keeps a reference to the newest
-  state passed to ``save``, the LIVE state, saved as it is at signal time).
+Where each part lives (this module composes them): modes and handles
+(:mod:`~dcp_safe.manager.handles`); the single-flight slot (:mod:`~dcp_safe.manager.slot`); each
+request's decision and its bounded waits (:mod:`~dcp_safe.manager.admit`,
+:mod:`~dcp_safe.manager.agreement`); running admitted saves (:mod:`~dcp_safe.manager.saving`,
+coalesced ones across ranks: :mod:`~dcp_safe.manager.promotion`); what follows a commit
+(:mod:`~dcp_safe.manager.follow_up`); verification, retention and readers
+(:mod:`~dcp_safe.manager.tiers`, one manager owns a root); restores
+(:mod:`~dcp_safe.manager.restoring`); the history (:mod:`~dcp_safe.manager.bookkeeper`); the
+gloo groups (:mod:`~dcp_safe.manager.groups`); the fallback to synchronous saves
+(:mod:`~dcp_safe.manager.fallback`); SIGTERM (:mod:`~dcp_safe.manager.preemption`: the newest
+state passed to ``save``, the LIVE state, is saved as it is at signal time); stopping
+(:mod:`~dcp_safe.manager.shutdown`). ``force=True`` waits whatever the policy (bounded too).
 
 Under ``torchrun`` (``torch.distributed`` initialized, more than one rank) every rank creates
 its manager with the same arguments at the same point, and calls it with the same steps: each
@@ -51,30 +50,26 @@ import signal as _signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
-from dcp_safe.dcp import api
 from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
 from dcp_safe.dcp.node_local import NodeLocalWriter
+from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     ConfigError,
-    DrainTimeoutError,
 )
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
 from dcp_safe.manager.follow_up import FollowUp
-from dcp_safe.manager.groups import FOREGROUND
 from dcp_safe.manager.handles import (
     BusyPolicy,
     ManagerStats,
@@ -86,8 +81,9 @@ from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
 from dcp_safe.manager.promotion import PromotionBarrier
+from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
-from dcp_safe.manager.shutdown import close_at_exit, run_bounded, seconds
+from dcp_safe.manager.shutdown import close_at_exit, drain, run_bounded, seconds
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
@@ -123,35 +119,33 @@ class CheckpointManager:
         writer: a writer to use instead of one built here (tests, custom options).
         fallback: thresholds of the automatic fallback to synchronous saves
             (``FallbackOptions(enabled=False)`` turns it off).
-        memory_sampler: returns the node's available bytes, called at each save request
-            (default: the lowest reading since the previous request of a sampler thread that
-            reads the budget's cgroup-aware source every second; tests inject one). It is
-            compared with the budget's ``node_reserve``.
+        memory_sampler: the node's available bytes at each request, against the budget's
+            ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
         clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
-        telemetry: records each save's spans (root ``save`` from admission to verified local
-            commit; staging, plan, write, commit, release, replication), and marks skips and
-            fallbacks; ``None`` (the default) records nothing. Not closed by :meth:`close`.
+        telemetry: records each save's spans and marks skips and fallbacks (docs/telemetry.md);
+            ``None`` (the default) records nothing. Not closed by :meth:`close`.
         attempt: this job attempt's number, for fencing stale writers (default: from
             ``TORCHELASTIC_RESTART_COUNT``; see :mod:`dcp_safe.commit.fencing`).
         staging: ``"snapshot"`` (``save`` returns after the copy) or ``"overlap"`` (it returns
             while the copy runs; wait on ``handle.staged`` before mutating the state).
-        deadline_s: how long any exchange with the other ranks may wait for a peer (the
-            timeout of the manager's gloo groups); a dead or hung peer fails the call within it
-            with :class:`~dcp_safe.errors.CommitError`. Waits for a peer's own work (its save
-            in flight) are made in rounds of a quarter of it, never one long exchange. Ignored
-            in a single process.
-        wait_timeout_s: the longest ``when_busy="wait"`` (and ``force=True``) waits, with every
-            rank, for the saves in flight; then the request is skipped (``force``:
-            AdmissionTimeoutError). Also bounds a coalesced save's wait for every rank, a
-            restore's wait for ``latest``, and the uploads of a node-local or multi-rank
-            replicated save (docs/multirank.md, "Every bound, in one place").
+        deadline_s: how long any exchange may wait for a peer (the manager's gloo groups'
+            timeout): a dead or hung peer fails the call with a CommitError. Waits for a peer's
+            own work are made in rounds of a quarter of it. Ignored in a single process.
+        wait_timeout_s: the longest any wait for the saves in flight lasts (``when_busy="wait"``,
+            ``force=True``: then skipped, or AdmissionTimeoutError), and the bound of coalesced
+            saves, restores and uploads (docs/multirank.md, "Every bound, in one place").
         latency_objective_s: the oldest a save in flight may be; requests arriving later are
             skipped, with the reason recorded (``None``: not checked).
-        node_local: this node's local directory (NVMe). Each rank then writes there first and
-            uploads its own files to ``root`` (S3 or a shared directory), which holds the only
-            committed copy, its history and retention; restores read each file from the node
-            cache when it matches ``root``'s manifest, else from ``root``. Not with
-            ``replicate_to``. See :mod:`dcp_safe.dcp.node_local`.
+        node_local: this node's local directory (NVMe): each rank writes there, then uploads
+            its files to ``root``, the only committed copy; restores read the node cache where
+            it matches (:mod:`dcp_safe.dcp.node_local`). Not with ``replicate_to``.
+        per_rank: key prefixes (``"rng"``, ``"loader"``) of state that differs per rank: saved
+            once per rank and restored to its own rank. Any other key that differs between
+            ranks fails the save with :class:`~dcp_safe.errors.DivergentStateError`
+            (:mod:`dcp_safe.dcp.planners`).
+        initial_load_from: another run's root (its newest committed checkpoint) or
+            ``ROOT/NAME``: what :meth:`restore` loads while this manager's roots hold no
+            committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
 
     Raises:
         ConfigError: a bad option.
@@ -184,6 +178,9 @@ class CheckpointManager:
         wait_timeout_s: float = 600.0,
         latency_objective_s: float | None = None,
         node_local: str | os.PathLike[str] | None = None,
+        per_rank: Sequence[str] = (),
+        initial_load_from: str | os.PathLike[str] | None = None,
+        initial_load_keys: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -195,6 +192,11 @@ class CheckpointManager:
         self.validate: Validation = parse_choice(Validation, validate, "validate")
         self.staging: StagingMode = parse_choice(StagingMode, staging, "staging")
         self.save_every = save_every
+        self.per_rank = tuple(per_rank)
+        warm_start = None
+        if initial_load_from is not None:
+            keys = None if initial_load_keys is None else tuple(initial_load_keys)
+            warm_start = WarmStart(os.fspath(initial_load_from), keys, storage_options)
         self.name_format = name_format
         self._name_for(0)  # fail early on a bad pattern
         policies: list[Any] = [KeepLast(keep_last)]
@@ -256,7 +258,7 @@ class CheckpointManager:
         self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
             FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.node_reserve),
-            sample_memory=memory_sampler or self._memory_watch().lowest,
+            sample_memory=memory_sampler or self._memory_watch(),
             clock=clock,
             ledger=self._ledger,
             spans=self._spans,
@@ -281,6 +283,7 @@ class CheckpointManager:
             cond=self._cond,
             groups=self._agreement.groups,
             barrier=PromotionBarrier.for_job(self._agreement, wait_timeout_s),
+            per_rank=self.per_rank,
         )
         self._admitter = Admitter(
             agreement=self._agreement,
@@ -289,12 +292,18 @@ class CheckpointManager:
             stager=self.stager,
             wait_timeout_s=wait_timeout_s,
             latency_objective_s=latency_objective_s,
-            leaked_bytes=self._leaked_bytes,
         )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
-        # The reader of the latest restore; with node_local, its stats() say which files came
-        # from this node's cache and which from root, and why.
-        self.last_reader: SafeStorageReader | None = None
+        self._restorer = Restorer(
+            tiers=self._tiers,
+            agreement=self._agreement,
+            runner=self._runner,
+            ledger=self._ledger,
+            per_rank=self.per_rank,
+            warm_start=warm_start,
+            wait_s=wait_timeout_s,
+            deferred=self._preemption_deferred,
+        )
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = close_at_exit(weakref.ref(self), exit_timeout_s)
         atexit.register(self._at_exit)
@@ -382,40 +391,49 @@ class CheckpointManager:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
         return self._tiers.latest(tier)
 
-    def restore(self, state_dict: dict[str, Any], step: int | str = layout.LATEST) -> str:
+    def restore(
+        self,
+        state_dict: dict[str, Any],
+        step: int | str = layout.LATEST,
+        *,
+        keys: Collection[str] | None = None,
+        exclude: Sequence[str] = (),
+        allow_partial: bool = False,
+    ) -> RestoreReport:
         """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
 
-        The local root is read first, ``replicate_to`` is the fallback. The checkpoint is kept
-        from pruning while it is read.
+        The local root is read first, ``replicate_to`` is the fallback (node-local: the node
+        cache, then ``root``); with none committed there and ``initial_load_from`` set, the
+        newest (or named) checkpoint of that other root (:mod:`~dcp_safe.manager.restoring`).
+        The checkpoint is kept from pruning while it is read. Per-rank entries go to their own
+        rank.
+
+        Args:
+            keys: restore only these keys (or key prefixes, as DCP flattens the state dict).
+            exclude: leave these keys (or prefixes) as they are.
+            allow_partial: keys the checkpoint lacks are left as they are, not an error.
 
         Returns:
-            The name loaded.
+            The name loaded (a ``str``), with what was restored, skipped on request, missing
+            and not asked for.
 
         Raises:
             CheckpointNotFoundError: nothing committed by that name on either tier.
             CheckpointCorruptError: the bytes do not match their manifest on any tier.
+            MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
+            PerRankStateError: per-rank entries were saved by another world size.
         """
         wanted = step if step == layout.LATEST else self._name_for(int(step))
-        reader = self._tiers.reader()
-
-        def resolve() -> str:
-            reader.reset(wanted)
-            return str(reader.checkpoint_id)
-
-        self.last_reader = reader
         number = -1 if step == layout.LATEST else int(step)
-        with self._preemption_deferred():
-            # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
-            wait_s = self._admitter.wait_timeout_s
-            name = self._agreement.settle("restore", number, resolve, wait_s)
-            collectives = self._runner.collectives(FOREGROUND)
-            with self._tiers.reading(name):
-                try:
-                    api.load(state_dict, checkpoint_id=name, storage_reader=reader, **collectives)
-                except BaseException as exc:
-                    self._runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
-                    raise
-        return name
+        return self._restorer.restore(
+            state_dict, wanted, number, keys=keys, exclude=exclude, allow_partial=allow_partial
+        )
+
+    @property
+    def last_reader(self) -> SafeStorageReader | None:
+        """The reader of the latest restore; with node_local, its stats() say which files came
+        from this node's cache and which from root, and why."""
+        return self._restorer.last_reader
 
     # ------------------------------------------------------------------ draining
 
@@ -430,22 +448,13 @@ class CheckpointManager:
             self._drain(timeout_s)
 
     def _drain(self, timeout_s: float | None) -> None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        idle = self._slot.wait_idle(timeout_s)
-        remotes = self._tiers.replications()
-        if not idle:
-            raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if wait_futures(remotes, timeout=left).not_done:
-            raise DrainTimeoutError(f"replication still running after {timeout_s} s")
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
-            self._runner.post.submit(lambda: None).result(timeout=left)
-        except FutureTimeout:
-            raise DrainTimeoutError(
-                f"the manager thread was still busy after {timeout_s} s"
-            ) from None
-        self._books.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        drain(
+            timeout_s,
+            slot=self._slot,
+            replications=self._tiers.replications,
+            post=self._runner.post,
+            books=self._books,
+        )
         self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -523,19 +532,7 @@ class CheckpointManager:
         """
         return self._ledger.events()
 
-    def _memory_watch(self) -> MemoryWatch:
-        self._watch = MemoryWatch()
-        return self._watch
-
-    # ------------------------------------------------------------------ fallback
-
-    def _leaked_bytes(self) -> int:
-        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
-        # Idle first, stats second: only this thread starts saves, so once idle, what the stager
-        # still has in use was leaked by a finished save, not leased by a new one.
-        return self.stager.stats().in_use_bytes if self._slot.idle() else 0
-
-    def rearm(self) -> None:
+    def rearm(self) -> None:  # the fallback
         """Switch back to asynchronous saves after a fallback (no-op when not fallen back)."""
         self._switch.rearm()
 
@@ -592,6 +589,10 @@ class CheckpointManager:
             save=self._runner.foreground,
             agreement=self._agreement,
         )
+
+    def _memory_watch(self) -> Callable[[], int | None]:
+        self._watch = MemoryWatch()
+        return self._watch.lowest
 
     def in_flight(self) -> bool:
         """A save is in flight or pending."""

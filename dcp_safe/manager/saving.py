@@ -54,6 +54,7 @@ class SaveRunner:
         cond: the manager's condition.
         groups: the manager's groups (``None``: a single process).
         barrier: where the ranks meet before a coalesced save starts (``None``: one process).
+        per_rank: key prefixes saved once per rank (:mod:`dcp_safe.dcp.planners`).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class SaveRunner:
         cond: threading.Condition,
         groups: ManagerGroups | None = None,
         barrier: PromotionBarrier | None = None,
+        per_rank: tuple[str, ...] = (),
     ) -> None:
         self.writer = writer
         self.stager = stager
@@ -80,6 +82,7 @@ class SaveRunner:
         self._cond = cond
         self.groups = groups
         self._barrier = barrier
+        self.per_rank = per_rank
         self._coalesced = 0  # the agreed coalesce decisions so far: a pending save's ``seq``
         self.sync_writer: SafeStorageWriter | None = None
         self._last_staged: Future[None] | None = None
@@ -111,6 +114,7 @@ class SaveRunner:
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(self.writer),
                     async_stager=self.stager,
+                    per_rank=self.per_rank,
                     **collectives,
                 )
         except BaseException as exc:
@@ -153,6 +157,7 @@ class SaveRunner:
                     state_dict,
                     checkpoint_id=handle.name,
                     storage_writer=self._spans.wrap(writer),
+                    per_rank=self.per_rank,
                     **collectives,
                 )
         except BaseException as exc:

@@ -11,15 +11,53 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from typing import Any, Protocol
 
 from dcp_safe.errors import ConfigError, DrainTimeoutError
+from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.slot import SaveSlot
 
-__all__ = ["close_at_exit", "run_bounded", "seconds"]
+__all__ = ["close_at_exit", "drain", "run_bounded", "seconds"]
 
 log = logging.getLogger("dcp_safe.manager")
+
+
+def drain(
+    timeout_s: float | None,
+    *,
+    slot: SaveSlot,
+    replications: Callable[[], list[Future[Any]]],
+    post: ThreadPoolExecutor,
+    books: Bookkeeper,
+) -> None:
+    """Wait until no save is in flight or pending, replications are done, the manager thread
+    has run what was queued behind the last save, and the history is written; one deadline.
+
+    Raises:
+        DrainTimeoutError: something was still busy at ``timeout_s``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    idle = slot.wait_idle(timeout_s)
+    remotes = replications()
+    if not idle:
+        raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
+    if wait_futures(remotes, timeout=left()).not_done:
+        raise DrainTimeoutError(f"replication still running after {timeout_s} s")
+    try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
+        post.submit(lambda: None).result(timeout=left())
+    except FutureTimeout:
+        raise DrainTimeoutError(f"the manager thread was still busy after {timeout_s} s") from None
+    books.flush(left())
 
 
 class _Closable(Protocol):

@@ -1,0 +1,361 @@
+"""DCP planners that keep each rank's state its own: divergence refused, per-rank state declared.
+
+DCP deduplicates every entry that several ranks save under the same key, unless it is a shard
+of a DTensor or ShardedTensor: one rank's copy is written, and a restore hands that copy to
+every rank. For replicated state (DDP parameters, a shared step counter) that is right; for
+state that differs per rank (an RNG state, a data loader's position, per-rank counters) it
+silently gives every rank but one another rank's value. So:
+
+* :class:`SafeSavePlanner` fingerprints, on each rank, every entry DCP would deduplicate (plain
+  tensors and objects, not DTensor shards) while it plans, which in an asynchronous save is on
+  the upload thread, not the training thread. The fingerprints travel to the coordinator with
+  the local plans (:class:`FingerprintedPlan`), and before DCP deduplicates, the coordinator
+  compares them: values that differ fail the save on every rank with
+  :class:`~dcp_safe.errors.DivergentStateError`, before anything is written.
+* ``per_rank=("rng", "loader")`` (key prefixes of the state dict, as DCP flattens it: ``loader``
+  covers ``loader.pos``) stores those entries once per rank, under a key naming the rank
+  (:func:`dcp_safe.layout.per_rank_key`), so DCP never deduplicates them. The caller's state
+  dict keeps its plain keys: :class:`SafeLoadPlanner` maps each back on load, and on the same
+  world size every rank gets its own value. On another world size the rule is simple and
+  never silent: per-rank entries restore only onto the world size that saved them
+  (:class:`~dcp_safe.errors.PerRankStateError` otherwise; restore the rest with ``exclude=``).
+* :class:`SafeLoadPlanner` also restores only some keys (``keys=``, ``exclude=``) and reports
+  what it did (:class:`RestoreReport`); a key asked for and missing from the checkpoint fails
+  the load unless ``allow_partial=True``. Nothing is ever skipped silently.
+
+Why a planner: DCP's planner is where every rank's plan meets the others' before the
+deduplication, and where the state dict's keys are chosen; the storage layer only sees plans
+already deduplicated. ``dcp_safe.save``/``async_save``/``load`` and ``CheckpointManager`` use
+these planners by default; a caller of ``dcp.save(..., storage_writer=SafeStorageWriter(...))``
+passes ``planner=SafeSavePlanner(...)`` to get the same.
+
+Fingerprints are xxh3-64 digests: of a tensor's bytes (with its dtype and shape), of an object's
+canonical encoding (containers walked, tensors by their bytes, anything else by ``pickle``).
+They catch accidents, as checksums do; they are not a defence against a rank that lies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from dcp_safe import layout
+from dcp_safe.errors import ConfigError, DivergentStateError, MissingKeysError, PerRankStateError
+
+__all__ = [
+    "FingerprintedPlan",
+    "RestoreReport",
+    "SafeLoadPlanner",
+    "SafeSavePlanner",
+    "divergent_keys",
+    "fingerprint",
+]
+
+
+@dataclass(frozen=True)
+class FingerprintedPlan(SavePlan):
+    """A local save plan with the fingerprints of the entries DCP would deduplicate.
+
+    Attributes:
+        fingerprints: flattened key -> fingerprint, for plain tensors and objects.
+        rank: the rank that made the plan.
+    """
+
+    fingerprints: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+
+
+class RestoreReport(str):
+    """What a restore did: the checkpoint's name (a ``str``, as ``restore`` returned before),
+    with what was restored, skipped and missing, as flattened keys, sorted.
+
+    Attributes:
+        name: the checkpoint loaded.
+        restored: keys loaded into the state dict.
+        skipped: keys of the state dict left alone on request (``keys=``/``exclude=``).
+        missing: keys of the state dict the checkpoint does not hold (left alone; an error
+            unless ``allow_partial=True``).
+        unexpected: keys of the checkpoint the state dict did not ask for.
+    """
+
+    name: str
+    restored: tuple[str, ...]
+    skipped: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+    def __new__(
+        cls,
+        name: str,
+        *,
+        restored: Iterable[str] = (),
+        skipped: Iterable[str] = (),
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+    ) -> RestoreReport:
+        report = super().__new__(cls, name)
+        report.name = name
+        report.restored = tuple(sorted(restored))
+        report.skipped = tuple(sorted(skipped))
+        report.missing = tuple(sorted(missing))
+        report.unexpected = tuple(sorted(unexpected))
+        return report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {k: getattr(self, k) for k in ("restored", "skipped", "missing", "unexpected")}
+        return (_rebuild_report, (self.name, fields))
+
+
+def _rebuild_report(name: str, fields: dict[str, tuple[str, ...]]) -> RestoreReport:
+    return RestoreReport(name, **fields)
+
+
+class SafeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, refusing divergent state and storing per-rank state per rank.
+
+    Args:
+        per_rank: key prefixes (of the flattened state dict) saved once per rank.
+        check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
+        **kwargs: :class:`DefaultSavePlanner`'s.
+
+    Raises:
+        ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard).
+    """
+
+    def __init__(
+        self, *, per_rank: Sequence[str] = (), check_divergence: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.per_rank = _prefixes(per_rank)
+        self.check_divergence = check_divergence
+        self.rank = 0
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.rank = _rank()
+        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
+            value = self.state_dict[key]
+            if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
+                raise ConfigError(
+                    f"per_rank entry {key!r} is a {type(value).__name__}: it is saved per shard"
+                    " already; declare only plain tensors and objects per rank"
+                )
+            self._rename(key, layout.per_rank_key(key, self.rank))
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        fingerprints: dict[str, int] = {}
+        if self.check_divergence:
+            for item in plan.items:
+                if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO):
+                    fqn = item.index.fqn
+                    fingerprints[fqn] = fingerprint(self.state_dict[fqn])
+        self.plan = FingerprintedPlan(**_fields(plan), fingerprints=fingerprints, rank=self.rank)
+        return self.plan
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        # On the coordinator, with every rank's plan, before DCP keeps one copy of each key.
+        differing = divergent_keys(all_plans)
+        if differing:
+            raise DivergentStateError(differing)
+        return super()._dedup_save_plans(all_plans)
+
+    def _rename(self, key: str, stored: str) -> None:
+        self.state_dict[stored] = self.state_dict.pop(key)
+        if key in self.mappings:
+            self.mappings[stored] = self.mappings.pop(key)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, giving each rank its own per-rank state, restoring only the
+    keys asked for, and reporting what it did (:attr:`report`).
+
+    Args:
+        per_rank: the key prefixes saved per rank (as given to :class:`SafeSavePlanner`).
+        keys: restore only these keys (or prefixes); ``None``: every key of the state dict.
+        exclude: leave these keys (or prefixes) alone.
+        allow_partial: a key asked for that the checkpoint lacks is left alone, not an error.
+        name: the checkpoint's name, for the report.
+
+    Raises (from :meth:`set_up_planner`, on every rank):
+        MissingKeysError: keys asked for are not in the checkpoint (without ``allow_partial``).
+        PerRankStateError: per-rank entries were saved by another world size.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_rank: Sequence[str] = (),
+        keys: Collection[str] | None = None,
+        exclude: Collection[str] = (),
+        allow_partial: bool = False,
+        name: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(allow_partial_load=True, **kwargs)
+        self.per_rank = _prefixes(per_rank)
+        self.keys = None if keys is None else _prefixes(keys)
+        self.exclude = _prefixes(exclude)
+        self.allow_partial = allow_partial
+        self.report = RestoreReport(name)
+        self._per_rank_keys: dict[str, str] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        stored = set(metadata.state_dict_metadata) if metadata is not None else set()
+        wanted = {
+            k for k in self.state_dict if _matches(k, self.keys) and not _matches(k, self.exclude)
+        }
+        skipped = set(self.state_dict) - wanted
+        for key in skipped:
+            self._forget(key)
+        self._map_per_rank(stored)
+        missing = {k for k in wanted if self._stored_key(k) not in stored}
+        if missing and not self.allow_partial:
+            raise MissingKeysError(sorted(missing))
+        for key in missing:
+            self._forget(key)
+        asked = {self._stored_key(k) for k in wanted}
+        unexpected = (
+            {layout.per_rank_base(k) or k for k in stored if k not in asked} - set(wanted) - skipped
+        )
+        self.report = RestoreReport(
+            self.report.name,
+            restored=wanted - missing,
+            skipped=skipped,
+            missing=missing,
+            unexpected=unexpected,
+        )
+
+    def _map_per_rank(self, stored: set[str]) -> None:
+        """Point this rank's per-rank keys at its own stored entries."""
+        world = _world_size()
+        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
+            saved = sorted(layout.per_rank_ranks(key, stored))
+            if not saved:
+                continue  # saved as one entry (equal on every rank, or before per_rank)
+            if saved != list(range(world)):
+                raise PerRankStateError(key, saved_ranks=saved, world_size=world)
+            own = layout.per_rank_key(key, _rank())
+            self.state_dict[own] = self.state_dict.pop(key)
+            if key in self.mappings:
+                self.mappings[own] = self.mappings.pop(key)
+            self._per_rank_keys[key] = own
+
+    def create_local_plan(self) -> LoadPlan:
+        # DefaultLoadPlanner's own falls back to torch 2.3's key format when the checkpoint
+        # holds keys the state dict lacks, re-flattening the whole state dict: that would load
+        # keys excluded here. dcp_safe checkpoints are written by torch >= 2.4 only.
+        assert self.metadata is not None
+        return create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+
+    def _stored_key(self, key: str) -> str:
+        return self._per_rank_keys.get(key, key)
+
+    def _forget(self, key: str) -> None:
+        self.state_dict.pop(key, None)
+        self.mappings.pop(key, None)
+
+
+def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
+    """Keys whose fingerprints differ between ranks: key -> the ranks grouped by value.
+
+    Plans without fingerprints (another planner) are left out of the comparison.
+    """
+    seen: dict[str, dict[int, list[int]]] = {}
+    for plan in plans:
+        if not isinstance(plan, FingerprintedPlan):
+            continue
+        for key, digest in plan.fingerprints.items():
+            seen.setdefault(key, {}).setdefault(digest, []).append(plan.rank)
+    return {
+        key: sorted(sorted(ranks) for ranks in groups.values())
+        for key, groups in sorted(seen.items())
+        if len(groups) > 1
+    }
+
+
+def fingerprint(value: object) -> int:
+    """An xxh3-64 digest of ``value``: a tensor's dtype, shape and bytes; an object's canonical
+    encoding (``pickle`` alone is not canonical across processes: a tensor in it pickles with
+    a random serialization id)."""
+    hasher = xxhash.xxh3_64()
+    _feed(hasher, value, depth=0)
+    return int(hasher.intdigest())
+
+
+def _feed(hasher: Any, value: object, depth: int) -> None:
+    if depth > 64:
+        raise ConfigError("state nested more than 64 levels deep cannot be fingerprinted")
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        flat = value.detach().reshape(-1).contiguous().cpu()
+        hasher.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
+        hasher.update(flat.view(torch.uint8).numpy().data)
+    elif isinstance(value, io.BytesIO):
+        hasher.update(b"B")
+        hasher.update(value.getbuffer())
+    elif isinstance(value, dict):
+        hasher.update(f"D{len(value)}".encode())
+        for key, item in value.items():  # insertion order is part of the value DCP saves
+            _feed(hasher, key, depth + 1)
+            _feed(hasher, item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"{type(value).__name__[0]}{len(value)}".encode())
+        for item in value:
+            _feed(hasher, item, depth + 1)
+    elif value is None or isinstance(value, (bool, int, float, str, bytes)):
+        hasher.update(f"{type(value).__name__}:{value!r}".encode())
+    else:
+        hasher.update(pickle.dumps(value, protocol=4))
+
+
+def _fields(plan: SavePlan) -> dict[str, Any]:
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
+
+
+def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise ConfigError(f"keys are a sequence of key prefixes, not one string: {keys!r}")
+    found = tuple(keys)
+    for key in found:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a key prefix must be a non-empty string, got {key!r}")
+    return found
+
+
+def _matches(key: str, prefixes: tuple[str, ...] | None) -> bool:
+    """``key`` is one of ``prefixes`` or below one (``None``: every key matches)."""
+    if prefixes is None:
+        return True
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,194 @@
+"""What ``CheckpointManager.restore`` loads, from where, and what it reports.
+
+* **Which checkpoint**: the coordinator resolves it once (``latest``, or a step's name) while
+  every rank waits in rounds (:meth:`~dcp_safe.manager.agreement.Agreement.settle`), so a commit
+  or prune meanwhile cannot split the ranks.
+* **From where**: the manager's own tiers (local root, then the replica; or the node cache,
+  then the remote). Only when they hold no committed checkpoint at all, and
+  ``initial_load_from`` is set, from another run's root (its newest committed checkpoint) or
+  one named checkpoint of it (``ROOT/NAME``): a warm start, verified like any load, restoring
+  ``initial_load_keys`` only if given. The history records every restore and where it came
+  from (``restored`` events).
+* **Which keys**: :class:`~dcp_safe.dcp.planners.SafeLoadPlanner`: ``keys``/``exclude``,
+  ``allow_partial``, per-rank entries to their own rank; the result is its
+  :class:`~dcp_safe.dcp.planners.RestoreReport`.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_safe import layout
+from dcp_safe.checkpoints.catalog import list_checkpoints
+from dcp_safe.dcp import api
+from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.errors import CheckpointNotFoundError
+from dcp_safe.manager.agreement import Agreement
+from dcp_safe.manager.groups import FOREGROUND
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.saving import SaveRunner
+from dcp_safe.manager.tiers import Tiers
+
+__all__ = ["Restorer", "WarmStart"]
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Another run's checkpoints to start from when the manager's own roots hold none.
+
+    Attributes:
+        source: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint).
+        keys: restore only these key prefixes (``None``: every key the state dict asks for).
+        storage_options: fsspec options for ``source``.
+    """
+
+    source: str
+    keys: tuple[str, ...] | None = None
+    storage_options: dict[str, Any] | None = None
+
+    def resolve(self) -> tuple[str, str]:
+        """``(root, name)`` of the checkpoint to start from.
+
+        Raises:
+            CheckpointNotFoundError: ``source`` holds no committed checkpoint.
+        """
+        found = list_checkpoints(self.source, storage_options=self.storage_options)
+        if found:
+            return self.source, found[-1].name
+        root, name = posixpath.split(self.source.rstrip("/"))
+        if root and any(
+            c.name == name for c in list_checkpoints(root, storage_options=self.storage_options)
+        ):
+            return root, name
+        raise CheckpointNotFoundError(self.source, "no committed checkpoint to warm-start from")
+
+
+class Restorer:
+    """Restores for one manager.
+
+    Args:
+        tiers: the manager's tiers (its own checkpoints and their reader).
+        agreement: the exchange with the other ranks.
+        runner: the manager's save runner (its foreground group carries loads too).
+        ledger: where restores are recorded.
+        per_rank: the key prefixes saved per rank.
+        warm_start: where to start from when the manager's roots hold nothing.
+        wait_s: how long the ranks wait for the coordinator to resolve the checkpoint.
+        deferred: a context in which a preemption signal waits.
+    """
+
+    def __init__(
+        self,
+        *,
+        tiers: Tiers,
+        agreement: Agreement,
+        runner: SaveRunner,
+        ledger: Ledger,
+        per_rank: tuple[str, ...],
+        warm_start: WarmStart | None,
+        wait_s: float,
+        deferred: Callable[[], Any],
+    ) -> None:
+        self._tiers = tiers
+        self._agreement = agreement
+        self._runner = runner
+        self._ledger = ledger
+        self.per_rank = per_rank
+        self.warm_start = warm_start
+        self._wait_s = wait_s
+        self._deferred = deferred
+        self.last_reader: SafeStorageReader | None = None
+
+    def restore(
+        self,
+        state_dict: dict[str, Any],
+        wanted: str,
+        number: int,
+        *,
+        keys: Collection[str] | None,
+        exclude: Sequence[str],
+        allow_partial: bool,
+    ) -> RestoreReport:
+        """Load ``wanted`` (a name, or ``latest``: ``number`` -1) into ``state_dict``.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed by that name (nor to warm-start from).
+            CheckpointCorruptError: the bytes do not match their manifest on any tier.
+            MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
+            PerRankStateError: per-rank entries were saved by another world size.
+        """
+        own = self._tiers.reader()
+
+        def resolve() -> tuple[str | None, str]:
+            try:
+                own.reset(wanted)
+                return None, str(own.checkpoint_id)
+            except CheckpointNotFoundError:
+                if self.warm_start is None or wanted != layout.LATEST or self._has_own():
+                    raise
+                return self.warm_start.resolve()
+
+        with self._deferred():
+            # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
+            source, name = self._agreement.settle("restore", number, resolve, self._wait_s)
+            if source is None:
+                reader, where, tier = own, "this run", "local"
+            else:
+                assert self.warm_start is not None
+                options = self.warm_start.storage_options
+                reader = SafeStorageReader(source, storage_options=options)
+                where, tier = f"warm start from {_shown(source)}", "initial"
+                keys = keys if keys is not None else self.warm_start.keys
+            self.last_reader = reader
+            planner = SafeLoadPlanner(
+                per_rank=self.per_rank,
+                keys=keys,
+                exclude=exclude,
+                allow_partial=allow_partial,
+                name=name,
+            )
+            with self._tiers.reading(name if source is None else None):
+                self._load(state_dict, name, reader, planner)
+        report = planner.report
+        self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
+        return report
+
+    def _load(
+        self, state_dict: dict[str, Any], name: str, reader: Any, planner: SafeLoadPlanner
+    ) -> None:
+        collectives = self._runner.collectives(FOREGROUND)
+        try:
+            api.load(
+                state_dict,
+                checkpoint_id=name,
+                storage_reader=reader,
+                planner=planner,
+                **collectives,
+            )
+        except BaseException as exc:
+            self._runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
+            raise
+
+    def _has_own(self) -> bool:
+        """Whether the manager's own tiers hold any committed checkpoint."""
+        return self._tiers.latest("local") is not None
+
+
+def _reason(where: str, report: RestoreReport) -> str:
+    parts = [where, f"{len(report.restored)} keys restored"]
+    if report.skipped:
+        parts.append(f"{len(report.skipped)} skipped on request")
+    if report.missing:
+        parts.append(f"{len(report.missing)} missing, left as they were")
+    return "; ".join(parts)
+
+
+def _shown(source: str) -> str:
+    """A source for the history: the path as given (never credentials: fsspec URLs carry none
+    here, options do), shortened."""
+    return os.fspath(source)[:300]
