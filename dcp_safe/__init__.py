@@ -43,6 +43,7 @@ from dcp_safe.errors import (
     UnsignedCheckpointError,
     UploadTimeoutError,
 )
+from dcp_safe.exporting import ExportResult, export
 from dcp_safe.manager import (
     BusyPolicy,
     CheckpointManager,
@@ -82,6 +83,7 @@ __all__ = [
     "DcpSafeError",
     "DivergentStateError",
     "DrainTimeoutError",
+    "ExportResult",
     "FallbackOptions",
     "Generation",
     "InvalidCheckpointNameError",
@@ -120,6 +122,7 @@ __all__ = [
     "apply_retention",
     "async_save",
     "checkpoint_group",
+    "export",
     "list_checkpoints",
     "list_node_caches",
     "load",

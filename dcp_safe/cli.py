@@ -1,8 +1,8 @@
-"""``dcp-safe``: list, verify, inspect and collect checkpoints; run the demo and the benchmark.
+"""``dcp-safe``: list, verify, inspect, export and collect checkpoints; run the demo and bench.
 
 This module parses arguments, calls the library, and prints; the work is done by
-:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.dcp` and
-:mod:`dcp_safe.demo`. Tables and progress bars are rich's.
+:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.dcp`,
+:mod:`dcp_safe.exporting` and :mod:`dcp_safe.demo`. Tables and progress bars are rich's.
 
 Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
 error (bad arguments, no such root or checkpoint), always with one line saying what to do.
@@ -38,6 +38,7 @@ from dcp_safe.errors import (
     ConfigError,
     DcpSafeError,
 )
+from dcp_safe.exporting import command as export_command
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 
@@ -145,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_ls(sub, common)
     _add_verify(sub, common)
     _add_inspect(sub, common)
+    _add_export(sub, common)
     _add_gc(sub, common)
     _add_demo(sub, common)
     sub.add_parser("bench", help="the quick benchmark (dcp-safe bench --help for its options)")
@@ -428,6 +430,27 @@ def _entry(fqn: str, meta: Any, stored: int) -> dict[str, Any]:
         "stored_bytes": stored,
         "shards": len(chunks),
     }
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a checkpoint as safetensors or one torch file",
+        description=export_command.DESCRIPTION,
+    )
+    export_command.add_arguments(p)
+    p.set_defaults(run=_export)
+
+
+def _export(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    _require_root(args.root)
+    for line in export_command.run(args, options).summary():
+        out.print(line, markup=False, highlight=False)
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------- gc

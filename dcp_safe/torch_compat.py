@@ -39,6 +39,7 @@ __all__ = [
     "StreamTransformExtension",
     "ZStandard",
     "default_store",
+    "dtensor_chunks",
     "dtensor_local",
     "empty_host_cache",
     "foreach_copy",
@@ -74,6 +75,15 @@ def dtensor_local(tensor: DTensor) -> torch.Tensor:
     """A DTensor's local shard, as it is (``to_local()`` would add an autograd node)."""
     local: torch.Tensor = tensor._local_tensor
     return local
+
+
+def dtensor_chunks(tensor: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Where this rank's shard (or replica) sits in the global tensor: ``(offsets, sizes)``.
+
+    ``__create_chunk_list__`` is the dunder DCP itself plans with; untyped in torch.
+    """
+    chunks = tensor.__create_chunk_list__()  # type: ignore[no-untyped-call]
+    return [(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in chunks]
 
 
 def rebuild_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replication",),
     ("dcp",),
     ("staging", "telemetry"),
-    ("manager",),
+    ("manager", "exporting"),
     ("cli", "demo", "bench", "testing"),
 ]
 FOUNDATION = set(LAYERS[0])

@@ -1,0 +1,71 @@
+"""``dcp-safe export``'s options and its call, kept here so ``cli.py`` only wires the verb in.
+
+The CLI module owns parsing, printing and exit statuses for every verb; this module adds the
+export verb's arguments to the parser it is given and turns parsed arguments into one
+:func:`~dcp_safe.exporting.api.export` call. Bad values surface as
+:class:`~dcp_safe.errors.ConfigError` from the library, which the CLI prints as one line and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dcp_safe.exporting.api import ExportFormat, ExportResult, export
+from dcp_safe.exporting.safetensors_format import DEFAULT_MAX_SHARD_BYTES
+
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
+
+DESCRIPTION = (
+    "Write a committed checkpoint as consolidated safetensors (model.safetensors, or shards"
+    " plus model.safetensors.index.json past --max-shard-bytes) or one torch.save file"
+    " (model.pt), into the new directory DEST with a SHA256SUMS. Every byte is read through"
+    " the verifying reader; tensors saved by several ranks are assembled whole; DEST appears"
+    " complete or not at all. Non-tensor entries are skipped for safetensors."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the export verb's arguments to ``parser`` (its subcommand parser)."""
+    parser.add_argument("root", help="checkpoint root")
+    parser.add_argument("name", help="checkpoint name or 'latest'")
+    parser.add_argument("dest", help="directory to create (refused if it exists)")
+    parser.add_argument(
+        "--format",
+        choices=[f.value for f in ExportFormat],
+        default=ExportFormat.SAFETENSORS.value,
+        help="output format (default safetensors)",
+    )
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        metavar="K",
+        help="export only these entries: full dotted keys or prefixes (default: all)",
+    )
+    parser.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    parser.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="N",
+        help=f"most bytes per safetensors file (default {DEFAULT_MAX_SHARD_BYTES})",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export at DEST atomically"
+    )
+
+
+def run(args: argparse.Namespace, storage_options: dict[str, Any] | None) -> ExportResult:
+    """The export ``args`` ask for."""
+    return export(
+        args.root,
+        args.name,
+        args.dest,
+        format=args.format,
+        keys=args.keys,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        overwrite=args.overwrite,
+        storage_options=storage_options,
+    )

@@ -1,0 +1,155 @@
+"""An export's destination: written beside it in a hidden folder, renamed into place whole.
+
+``dest`` is a directory holding the exported files and ``SHA256SUMS`` (one
+``<sha256>  <file>`` line per file, as ``sha256sum`` writes them, so ``sha256sum -c SHA256SUMS``
+checks an export). It appears complete or not at all:
+
+* every file is written into ``.<dest name>.export-<random>/`` beside ``dest`` (the same file
+  system, so the rename is atomic), each fsynced as it is closed, then the folder itself;
+* the folder is renamed to ``dest`` with ``renameat2(RENAME_NOREPLACE)``, or with
+  ``overwrite=True`` swapped with the old export by ``RENAME_EXCHANGE`` (``dest`` holds the
+  old export or the new one at every instant), and the parent is fsynced;
+* on any failure, the hidden folder is removed, so nothing is left behind; a killed process
+  leaves only the hidden folder, never a partial ``dest``.
+
+The renames and fsyncs are :class:`~dcp_safe.backends.local_backend.LocalBackend`'s, the ones a
+checkpoint commit uses. ``overwrite=True`` replaces only an earlier export (a directory with a
+``SHA256SUMS``): a mistyped ``dest`` must not delete a directory that is not ours.
+Destinations are local paths.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+
+from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.errors import ConfigError
+from dcp_safe.exporting.sink import Sha256Sink
+
+__all__ = ["CHECKSUMS", "StagedExport", "check_destination"]
+
+CHECKSUMS = "SHA256SUMS"
+
+
+class StagedExport:
+    """The hidden folder an export is written into, and its publication as ``dest``.
+
+    Use as a context manager: leaving it without :meth:`publish` (or by an exception) removes
+    everything written.
+
+    Args:
+        dest: the directory to create.
+        overwrite: replace an existing earlier export at ``dest``.
+
+    Raises:
+        ConfigError: ``dest`` is a URL, exists (without ``overwrite``), or is not an earlier
+            export (with it).
+    """
+
+    def __init__(self, dest: str | os.PathLike[str], *, overwrite: bool) -> None:
+        text = os.fspath(dest)
+        if "://" in text and not text.startswith("file://"):
+            raise ConfigError(f"dest must be a local path, got {text!r}")
+        self.dest = os.path.abspath(text.removeprefix("file://"))
+        parent, self._leaf = os.path.split(self.dest)
+        if not self._leaf:
+            raise ConfigError(f"dest must name a directory to create, got {text!r}")
+        self._overwrite = overwrite
+        _check_dest(self.dest, overwrite)
+        os.makedirs(parent, exist_ok=True)
+        self._backend = LocalBackend(parent)
+        self._work = f".{self._leaf}.export-{secrets.token_hex(6)}"
+        os.mkdir(os.path.join(parent, self._work))
+        self._digests: dict[str, str] = {}
+        self._published = False
+
+    def __enter__(self) -> StagedExport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._published:
+            self._backend.remove_tree(self._work)
+
+    def path(self, file_name: str) -> str:
+        """Where ``file_name`` is being written (inside the hidden folder)."""
+        return os.path.join(self._backend.root, self._work, file_name)
+
+    @contextmanager
+    def open(self, file_name: str) -> Iterator[Sha256Sink]:
+        """A new file in the export, hashed as it is written and fsynced when closed."""
+        if file_name in self._digests or file_name == CHECKSUMS:
+            raise ValueError(f"{file_name} is written twice")  # a caller's bug
+        with self._backend.open_write(f"{self._work}/{file_name}") as target:
+            sink = Sha256Sink(target)
+            yield sink
+        self._digests[file_name] = sink.hexdigest()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files written so far, sorted."""
+        return tuple(sorted(self._digests))
+
+    def publish(self) -> None:
+        """Write ``SHA256SUMS``, make the folder durable, and rename it to ``dest``.
+
+        Raises:
+            ConfigError: ``dest`` appeared meanwhile (without ``overwrite``).
+            StorageError: a write, fsync or rename failed.
+        """
+        lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(self._digests.items()))
+        with self._backend.open_write(f"{self._work}/{CHECKSUMS}") as target:
+            target.write(lines.encode())
+        self._backend.sync_dir(self._work)
+        replace = self._overwrite and os.path.lexists(self.dest)
+        if replace:
+            _check_dest(self.dest, overwrite=True)
+        try:
+            old = self._backend.publish_dir(self._work, self._leaf, replace=replace)
+        except FileExistsError:
+            raise ConfigError(_exists_message(self.dest)) from None
+        self._published = True
+        if old is not None:
+            self._backend.remove_tree(old)
+        self._backend.sync_dir("")
+
+
+def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> None:
+    """Refuse ``dest`` now, before any work, as :class:`StagedExport` would.
+
+    Raises:
+        ConfigError: see :class:`StagedExport`.
+    """
+    text = os.fspath(dest)
+    if "://" in text and not text.startswith("file://"):
+        raise ConfigError(f"dest must be a local path, got {text!r}")
+    _check_dest(os.path.abspath(text.removeprefix("file://")), overwrite)
+
+
+def _exists_message(dest: str) -> str:
+    return f"{dest} exists; pass overwrite=True (dcp-safe export --overwrite) to replace an export"
+
+
+def _check_dest(dest: str, overwrite: bool) -> None:
+    if not os.path.lexists(dest):
+        return
+    if not overwrite:
+        raise ConfigError(_exists_message(dest))
+    is_export = (
+        os.path.isdir(dest)
+        and not os.path.islink(dest)
+        and os.path.isfile(os.path.join(dest, CHECKSUMS))
+    )
+    if not is_export:
+        raise ConfigError(
+            f"refusing to replace {dest}: it is not an earlier export (no {CHECKSUMS} in it);"
+            " remove it yourself or choose another dest"
+        )

@@ -1,0 +1,157 @@
+"""The safetensors layout, written as a stream: headers, shard plan, index, and a reader check.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and ``[begin, end)`` byte range in the data section, then the raw
+little-endian bytes of every tensor back to back. The ``safetensors`` package's ``save_file``
+wants every tensor in memory at once; an export must not, so the header is computed here from
+the shapes and dtypes DCP's metadata records (known before any data is read) and the tensors
+are then appended one by one, in the header's order.
+
+Large exports are split as Hugging Face splits them (``huggingface_hub``'s
+``split_torch_state_dict_into_shards``): tensors in key order, a new shard whenever the next
+tensor would take the current one past ``max_shard_bytes``, a tensor larger than that alone
+in its own shard; ``model-00001-of-00003.safetensors`` ... plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": ...}``).
+One shard is written as a plain ``model.safetensors`` with no index, as Hugging Face does.
+
+Each finished file is opened with the reference reader (``safetensors.safe_open``, which
+validates the header against the file's size) before it is published.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+
+import torch
+from safetensors import safe_open
+
+from dcp_safe.errors import ConfigError, StorageError
+from dcp_safe.exporting.selection import TensorEntry
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "check_file",
+    "check_max_shard_bytes",
+    "data_bytes",
+    "encode_header",
+    "encode_index",
+    "plan_shards",
+    "shard_names",
+    "unsupported",
+]
+
+#: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
+
+# The dtype codes of the safetensors format (as safetensors.torch names them).
+_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    _dtype = getattr(torch, _name, None)
+    if isinstance(_dtype, torch.dtype):
+        _CODES[_dtype] = _code
+
+
+def unsupported(entries: Sequence[TensorEntry]) -> list[str]:
+    """Keys whose output dtype the safetensors format cannot name."""
+    return [entry.key for entry in entries if entry.out_dtype not in _CODES]
+
+
+def check_max_shard_bytes(max_shard_bytes: object) -> None:
+    """Raise :class:`~dcp_safe.errors.ConfigError` unless it is a positive ``int``."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
+        raise ConfigError(f"max_shard_bytes must be an int, got {max_shard_bytes!r}")
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}")
+
+
+def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
+    """``entries`` (in order) split into shards of at most ``max_shard_bytes`` of tensor data,
+    except a tensor larger than that, which gets a shard of its own.
+
+    Raises:
+        ConfigError: ``max_shard_bytes`` is not a positive integer.
+    """
+    check_max_shard_bytes(max_shard_bytes)
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.out_nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.out_nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """File names for ``count`` shards, as Hugging Face names them."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:
+    """The length prefix and JSON header of a file holding ``entries`` in this order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for entry in entries:
+        end = offset + entry.out_nbytes
+        header[entry.key] = {
+            "dtype": _CODES[entry.out_dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def data_bytes(entries: Sequence[TensorEntry]) -> int:
+    """The size of the data section of a file holding ``entries``."""
+    return sum(entry.out_nbytes for entry in entries)
+
+
+def encode_index(files: dict[str, list[TensorEntry]]) -> bytes:
+    """``model.safetensors.index.json`` for the shards ``files`` (file name -> its entries)."""
+    weight_map = {entry.key: name for name, entries in files.items() for entry in entries}
+    total = sum(data_bytes(entries) for entries in files.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode("utf-8")
+
+
+def check_file(path: str, entries: Sequence[TensorEntry]) -> None:
+    """Open a written file with the reference reader and compare its table of contents.
+
+    Raises:
+        StorageError: the reader refuses the file or lists other tensors (a bug here, or the
+            file changed under us; either way it must not be published).
+    """
+    try:
+        with safe_open(path, framework="pt") as opened:  # type: ignore[no-untyped-call]
+            keys = sorted(opened.keys())
+    except Exception as exc:
+        raise StorageError("check", path, f"safetensors refuses the file: {exc}") from exc
+    if keys != sorted(entry.key for entry in entries):
+        raise StorageError("check", path, "safetensors lists other tensors than were written")

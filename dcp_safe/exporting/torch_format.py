@@ -1,0 +1,233 @@
+"""One ``torch.save`` file, written as a stream: the pickle first, then each tensor's bytes.
+
+``torch.save`` needs every tensor in memory while it writes. Its format does not: it is a zip
+archive of a pickle (``data.pkl``) that rebuilds each tensor from a storage named by key, one
+record per storage (``data/0``, ``data/1``, ...) holding the raw bytes, and a few constant
+records. Shapes and dtypes are known from DCP's metadata before any data is read, so the
+pickle is written first and each tensor's record is appended as the tensor is read, through
+:mod:`zipfile` in its sequential mode (sizes and CRC-32 in a data descriptor after each
+record; every record stored, not compressed, and its data 64-byte aligned as torch aligns it).
+
+What is pickled is exactly what ``Tensor.__reduce_ex__`` pickles for a contiguous CPU tensor
+(the rebuild function and the typed-storage class come from :mod:`dcp_safe.torch_compat`),
+plus plain Python data for non-tensor entries, so ``torch.load(weights_only=True)`` (and
+``mmap=True``) loads the file. The constant records (``version``, ``byteorder``, ...) are
+learnt from the running torch's own ``torch.save``, not hard-coded. Dtypes with no legacy
+typed-storage class (float8, uint16/32/64) are pickled another way by torch and are refused
+here; export them as safetensors, or cast floating ones with ``dtype=``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import io
+import pickle
+import secrets
+import struct
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from dcp_safe.errors import ConfigError, StorageError
+from dcp_safe.exporting.selection import TensorEntry
+from dcp_safe.exporting.sink import Sha256Sink, write_tensor
+from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor
+
+__all__ = ["FILE_NAME", "TorchFileWriter", "check_file", "is_plain", "unsupported"]
+
+FILE_NAME = "model.pt"
+_PROTOCOL = 2  # torch.save's default pickle protocol
+_ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def unsupported(entries: Sequence[TensorEntry]) -> list[str]:
+    """Keys whose output dtype has no typed-storage class for the pickle."""
+    return [entry.key for entry in entries if legacy_storage_type(entry.out_dtype) is None]
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` rebuilds:
+    ``None``, numbers, strings, bytes, and lists, tuples and dicts of them."""
+    if isinstance(value, _PLAIN):
+        return True
+    if type(value) in (list, tuple):
+        return all(is_plain(item) for item in value)
+    if type(value) in (dict, collections.OrderedDict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
+class _Format:
+    """The records torch writes around a tensor's, learnt from ``torch.save``."""
+
+    archive: str
+    before: tuple[tuple[str, bytes], ...]  # constant records between data.pkl and the data
+    after: tuple[tuple[str, bytes], ...]  # constant records after the data
+    alignment: int
+
+
+@functools.cache
+def _learn() -> _Format:
+    out = io.BytesIO()
+    torch.save(torch.zeros(3), out)
+    with zipfile.ZipFile(io.BytesIO(out.getvalue())) as archive:
+        names = archive.namelist()
+        root = names[0].partition("/")[0]
+        before: list[tuple[str, bytes]] = []
+        after: list[tuple[str, bytes]] = []
+        seen_data = False
+        for name in names:
+            kind = name.partition("/")[2]
+            if kind.startswith("data/"):
+                seen_data = True
+            elif kind not in ("data.pkl", ".data/serialization_id"):
+                (after if seen_data else before).append((kind, archive.read(name)))
+    if f"{root}/data.pkl" not in names or not seen_data:
+        raise ConfigError("format='torch' does not know this torch's file layout; use safetensors")
+    alignment = int(dict(before + after).get(".storage_alignment", b"64"))
+    return _Format(root, tuple(before), tuple(after), alignment)
+
+
+class _Storage:
+    """Stands for one tensor's storage in the pickle (a persistent id, as torch writes it)."""
+
+    def __init__(self, key: str, storage_type: type, numel: int) -> None:
+        self.persistent = ("storage", storage_type, key, "cpu", numel)
+
+
+class _TensorStub:
+    """Pickles as ``Tensor.__reduce_ex__`` does for a contiguous, offset-0, no-grad tensor."""
+
+    def __init__(self, key: str, entry: TensorEntry) -> None:
+        storage_type = legacy_storage_type(entry.out_dtype)
+        assert storage_type is not None  # refused up front (unsupported)
+        self.shape = entry.shape
+        self.storage = _Storage(key, storage_type, entry.numel)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= max(size, 1)
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        stride.reverse()
+        return (rebuild_tensor, (self.storage, 0, self.shape, tuple(stride), False, hooks))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.persistent if isinstance(obj, _Storage) else None
+
+
+class TorchFileWriter:
+    """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
+
+    Call order: construct (writes the pickle), :meth:`add` once per tensor in the order given,
+    :meth:`close`. As a context manager it closes on success and, on an exception, winds the
+    archive down into a discarded sink (the caller throws the file away). The loaded file is
+    a flat dict from key to tensor or object, in key order.
+
+    Args:
+        sink: the output, at offset 0.
+        tensors: the tensors that :meth:`add` will be given, in that order.
+        objects: plain-data entries (see :func:`is_plain`) by key.
+    """
+
+    def __init__(
+        self, sink: Sha256Sink, tensors: Sequence[TensorEntry], objects: dict[str, Any]
+    ) -> None:
+        self._format = _learn()
+        self._sink = sink
+        self._tensors = list(tensors)
+        self._next = 0
+        # No seek on the sink: zipfile writes each record front to back.
+        self._zip = zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True)
+        state: dict[str, Any] = dict(objects)
+        for index, entry in enumerate(self._tensors):
+            state[entry.key] = _TensorStub(str(index), entry)
+        out = io.BytesIO()
+        _Pickler(out, protocol=_PROTOCOL).dump(dict(sorted(state.items())))
+        self._record("data.pkl", out.getvalue())
+        for name, content in self._format.before:
+            self._record(name, content)
+
+    def __enter__(self) -> TorchFileWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        self._sink.discard()
+        with contextlib.suppress(Exception):
+            self._zip.close()  # else its finalizer would try, into a closed file
+
+    def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        """Append the next tensor's record (cast to the entry's output dtype)."""
+        if self._next >= len(self._tensors) or self._tensors[self._next].key != entry.key:
+            raise ValueError(f"tensor {entry.key!r} out of order")  # a caller's bug
+        name = f"{self._format.archive}/data/{self._next}"
+        info = self._aligned(name, entry.out_nbytes)
+        with self._zip.open(info, "w", force_zip64=True) as record:
+            write_tensor(record, tensor, entry.out_dtype)
+        self._next += 1
+
+    def close(self) -> None:
+        """Write the trailing records and the zip directory."""
+        if self._next != len(self._tensors):
+            raise ValueError("not every tensor was added")  # a caller's bug
+        for name, content in self._format.after:
+            self._record(name, content)
+        serial = f"{secrets.randbits(128):040d}"[-40:]
+        self._record(".data/serialization_id", serial.encode())
+        self._zip.close()
+
+    def _record(self, kind: str, content: bytes) -> None:
+        name = f"{self._format.archive}/{kind}"
+        with self._zip.open(self._aligned(name, len(content)), "w", force_zip64=True) as record:
+            record.write(content)
+
+    def _aligned(self, name: str, size: int) -> zipfile.ZipInfo:
+        """A record whose data will start on the alignment torch uses (padding in an extra
+        field of the local header, as torch pads)."""
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.file_size = size
+        fixed = self._sink.tell() + 30 + len(name.encode()) + 4 + _ZIP64_EXTRA
+        pad = -fixed % self._format.alignment
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        return info
+
+
+def check_file(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
+    """Load a written file as a user will (``torch.load(weights_only=True)``, with ``mmap=True``
+    so the tensor data is mapped, not read) and compare its keys, dtypes and shapes.
+
+    Raises:
+        StorageError: torch refuses the file or finds other contents (a bug here, or the file
+            changed under us; either way it must not be published).
+    """
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise StorageError("check", path, f"torch.load refuses the file: {exc}") from exc
+    expected = {entry.key: (entry.out_dtype, entry.shape) for entry in tensors}
+    found = {
+        key: (value.dtype, tuple(value.shape))
+        for key, value in loaded.items()
+        if isinstance(value, torch.Tensor)
+    }
+    if found != expected or set(loaded) != set(expected) | set(objects):
+        raise StorageError("check", path, "torch.load finds other contents than were written")
