@@ -21,6 +21,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── DivergentStateError(ValueError)          ranks saved different values under one key
     ├── PerRankStateError(ValueError)            per-rank state saved by another world size
     ├── MissingKeysError(LookupError)            keys asked for are not in the checkpoint
+    ├── RestoreMismatchError(ValueError)         an audited restore differs from what was saved
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
@@ -54,6 +55,7 @@ __all__ = [
     "InvalidCheckpointNameError",
     "MissingKeysError",
     "PerRankStateError",
+    "RestoreMismatchError",
     "StaleWriterError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -323,6 +325,24 @@ class MissingKeysError(DcpSafeError, LookupError):
         super().__init__(
             f"the checkpoint holds no {shown}{more}; restore with allow_partial=True to leave"
             " them as they are, or exclude them"
+        )
+
+
+class RestoreMismatchError(DcpSafeError, ValueError):
+    """After a load, the live state differs from the fingerprints recorded when it was saved.
+
+    Attributes:
+        mismatches: (key, block, ranks holding that block) for each differing block.
+    """
+
+    def __init__(self, checkpoint: str, mismatches: list[tuple[str, int, list[int]]]) -> None:
+        self.checkpoint = checkpoint
+        self.mismatches = [(k, int(b), list(r)) for k, b, r in mismatches]
+        shown = "; ".join(f"{k!r} block {b} on {_ranks(r)}" for k, b, r in self.mismatches[:10])
+        more = f" and {len(self.mismatches) - 10} more" if len(self.mismatches) > 10 else ""
+        super().__init__(
+            f"the state restored from {checkpoint!r} is not what was saved: {shown}{more}."
+            " The load planner or the reader placed data wrongly; do not train on this state"
         )
 
 

@@ -68,6 +68,9 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
 LATEST = "latest"
+#: the key of DCP's ``Metadata.planner_data`` under which a save records its tensors'
+#: fingerprints for audited restores (dcp_safe.dcp.audit).
+AUDIT_KEY = "__dcp_safe_audit__"
 #: ``<key>@rank00003``: a per-rank entry's key in DCP's metadata (dcp_safe.dcp.planners).
 PER_RANK_INFIX = "@rank"
 _PER_RANK_KEY = re.compile(rf"^(?P<base>.+){re.escape(PER_RANK_INFIX)}(?P<rank>[0-9]{{5,}})$")

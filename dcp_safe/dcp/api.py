@@ -43,6 +43,7 @@ from dcp_safe.dcp.group import (
     validate_deadline,
 )
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
+from dcp_safe.dcp.restore_audit import audit_load
 from dcp_safe.errors import ConfigError, from_checkpoint_exception
 
 __all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
@@ -176,6 +177,7 @@ def load(
     *,
     deadline_s: float = DEFAULT_DEADLINE_S,
     per_rank: Sequence[str] = (),
+    audit: bool = False,
     **kwargs: Any,
 ) -> None:
     """``dcp.load`` with a deadline and translated errors. Takes DCP's keyword arguments too.
@@ -184,20 +186,28 @@ def load(
         state_dict: the target, loaded in place.
         deadline_s: as for :func:`save`.
         per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
+        audit: after the load, check on every rank that the live tensors equal what was saved
+            (:func:`dcp_safe.dcp.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
         **kwargs: passed to ``dcp.load``. Without ``planner=``, a
             :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load.
 
     Raises:
         MissingKeysError: the checkpoint lacks keys of ``state_dict``.
         PerRankStateError: per-rank entries were saved by another world size.
+        RestoreMismatchError: ``audit`` found the live state differs from the saved one.
     """
     if "planner" not in kwargs:
         kwargs["planner"] = SafeLoadPlanner(per_rank=per_rank)
     elif per_rank:
         raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeLoadPlanner(per_rank=)")
+    planner = kwargs["planner"]
+    if audit and not isinstance(planner, SafeLoadPlanner):
+        raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
     call = _prepare(kwargs, deadline_s)
     with _translated_call(call), _quiet_single_process(kwargs):
         _dcp_load(state_dict, **kwargs)
+        if audit:
+            audit_load(planner, call.group)
 
 
 def async_save(

@@ -56,6 +56,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
+from dcp_safe.dcp import audit
+from dcp_safe.dcp.audit import Piece
 from dcp_safe.errors import ConfigError, DivergentStateError, MissingKeysError, PerRankStateError
 
 __all__ = [
@@ -75,10 +77,13 @@ class FingerprintedPlan(SavePlan):
     Attributes:
         fingerprints: flattened key -> fingerprint, for plain tensors and objects.
         rank: the rank that made the plan.
+        audit: every tensor's pieces on this rank, with their block fingerprints
+            (:mod:`dcp_safe.dcp.audit`), for audited restores.
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
     rank: int = 0
+    audit: dict[str, list[Piece]] = field(default_factory=dict)
 
 
 class RestoreReport(str):
@@ -92,6 +97,8 @@ class RestoreReport(str):
         missing: keys of the state dict the checkpoint does not hold (left alone; an error
             unless ``allow_partial=True``).
         unexpected: keys of the checkpoint the state dict did not ask for.
+        audited: tensors checked against their saved fingerprints (``audit=True``), as stored
+            (a per-rank entry under its rank's key).
     """
 
     name: str
@@ -99,6 +106,7 @@ class RestoreReport(str):
     skipped: tuple[str, ...]
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
+    audited: tuple[str, ...]
 
     def __new__(
         cls,
@@ -115,6 +123,7 @@ class RestoreReport(str):
         report.skipped = tuple(sorted(skipped))
         report.missing = tuple(sorted(missing))
         report.unexpected = tuple(sorted(unexpected))
+        report.audited = ()
         return report
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -132,6 +141,8 @@ class SafeSavePlanner(DefaultSavePlanner):
     Args:
         per_rank: key prefixes (of the flattened state dict) saved once per rank.
         check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
+        record_audit: record every tensor's block fingerprints in the checkpoint's metadata,
+            for ``load(..., audit=True)``.
         **kwargs: :class:`DefaultSavePlanner`'s.
 
     Raises:
@@ -139,11 +150,17 @@ class SafeSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(
-        self, *, per_rank: Sequence[str] = (), check_divergence: bool = True, **kwargs: Any
+        self,
+        *,
+        per_rank: Sequence[str] = (),
+        check_divergence: bool = True,
+        record_audit: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.per_rank = _prefixes(per_rank)
         self.check_divergence = check_divergence
+        self.record_audit = record_audit
         self.rank = 0
 
     def set_up_planner(
@@ -168,8 +185,27 @@ class SafeSavePlanner(DefaultSavePlanner):
                 if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO):
                     fqn = item.index.fqn
                     fingerprints[fqn] = fingerprint(self.state_dict[fqn])
-        self.plan = FingerprintedPlan(**_fields(plan), fingerprints=fingerprints, rank=self.rank)
+        pieces = audit.report(self.state_dict, self.rank) if self.record_audit else {}
+        self.plan = FingerprintedPlan(
+            **_fields(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
+        )
         return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        if self.record_audit:
+            sums = audit.combine(p.audit for p in all_plans if isinstance(p, FingerprintedPlan))
+            recorded = dict(metadata.planner_data or {})
+            recorded[layout.AUDIT_KEY] = sums
+            self.metadata = metadata = dataclasses.replace(metadata, planner_data=recorded)
+        # Used up here: the plans scattered back to the ranks need not carry them.
+        plans = [
+            dataclasses.replace(p, fingerprints={}, audit={})
+            if isinstance(p, FingerprintedPlan)
+            else p
+            for p in plans
+        ]
+        return plans, metadata
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         # On the coordinator, with every rank's plan, before DCP keeps one copy of each key.

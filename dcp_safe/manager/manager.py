@@ -303,6 +303,7 @@ class CheckpointManager:
             warm_start=warm_start,
             wait_s=wait_timeout_s,
             deferred=self._preemption_deferred,
+            name_for=self._name_for,
         )
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = close_at_exit(weakref.ref(self), exit_timeout_s)
@@ -399,34 +400,29 @@ class CheckpointManager:
         keys: Collection[str] | None = None,
         exclude: Sequence[str] = (),
         allow_partial: bool = False,
+        audit: bool = False,
     ) -> RestoreReport:
         """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
 
-        The local root is read first, ``replicate_to`` is the fallback (node-local: the node
-        cache, then ``root``); with none committed there and ``initial_load_from`` set, the
-        newest (or named) checkpoint of that other root (:mod:`~dcp_safe.manager.restoring`).
-        The checkpoint is kept from pruning while it is read. Per-rank entries go to their own
-        rank.
+        From the local root, then ``replicate_to`` (or the node cache, then ``root``); with
+        nothing committed there, ``initial_load_from`` (:mod:`~dcp_safe.manager.restoring`).
 
         Args:
             keys: restore only these keys (or key prefixes, as DCP flattens the state dict).
             exclude: leave these keys (or prefixes) as they are.
             allow_partial: keys the checkpoint lacks are left as they are, not an error.
+            audit: check after the load that the live tensors equal what was saved (block
+                fingerprints recorded at save; RestoreMismatchError names key, block, rank).
 
         Returns:
-            The name loaded (a ``str``), with what was restored, skipped on request, missing
-            and not asked for.
+            The name loaded (a ``str``) with what was restored, skipped, missing, not asked for.
 
         Raises:
-            CheckpointNotFoundError: nothing committed by that name on either tier.
-            CheckpointCorruptError: the bytes do not match their manifest on any tier.
-            MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
-            PerRankStateError: per-rank entries were saved by another world size.
+            CheckpointNotFoundError, CheckpointCorruptError, MissingKeysError,
+            PerRankStateError, RestoreMismatchError: see :meth:`Restorer.restore`.
         """
-        wanted = step if step == layout.LATEST else self._name_for(int(step))
-        number = -1 if step == layout.LATEST else int(step)
         return self._restorer.restore(
-            state_dict, wanted, number, keys=keys, exclude=exclude, allow_partial=allow_partial
+            state_dict, step, keys=keys, exclude=exclude, allow_partial=allow_partial, audit=audit
         )
 
     @property

@@ -12,6 +12,8 @@
 * **Which keys**: :class:`~dcp_safe.dcp.planners.SafeLoadPlanner`: ``keys``/``exclude``,
   ``allow_partial``, per-rank entries to their own rank; the result is its
   :class:`~dcp_safe.dcp.planners.RestoreReport`.
+* **Proof**: with ``audit=True`` the live state is checked against the fingerprints recorded
+  at save (:mod:`dcp_safe.dcp.restore_audit`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Restorer:
         warm_start: where to start from when the manager's roots hold nothing.
         wait_s: how long the ranks wait for the coordinator to resolve the checkpoint.
         deferred: a context in which a preemption signal waits.
+        name_for: a step's checkpoint name.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class Restorer:
         warm_start: WarmStart | None,
         wait_s: float,
         deferred: Callable[[], Any],
+        name_for: Callable[[int], str],
     ) -> None:
         self._tiers = tiers
         self._agreement = agreement
@@ -102,26 +106,30 @@ class Restorer:
         self.warm_start = warm_start
         self._wait_s = wait_s
         self._deferred = deferred
+        self._name_for = name_for
         self.last_reader: SafeStorageReader | None = None
 
     def restore(
         self,
         state_dict: dict[str, Any],
-        wanted: str,
-        number: int,
+        step: int | str,
         *,
         keys: Collection[str] | None,
         exclude: Sequence[str],
         allow_partial: bool,
+        audit: bool = False,
     ) -> RestoreReport:
-        """Load ``wanted`` (a name, or ``latest``: ``number`` -1) into ``state_dict``.
+        """Load step ``step``'s checkpoint (or ``"latest"``) into ``state_dict``.
 
         Raises:
             CheckpointNotFoundError: nothing committed by that name (nor to warm-start from).
             CheckpointCorruptError: the bytes do not match their manifest on any tier.
             MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
             PerRankStateError: per-rank entries were saved by another world size.
+            RestoreMismatchError: ``audit`` found the live state differs from the saved one.
         """
+        wanted = step if step == layout.LATEST else self._name_for(int(step))
+        number = -1 if step == layout.LATEST else int(step)
         own = self._tiers.reader()
 
         def resolve() -> tuple[str | None, str]:
@@ -153,13 +161,18 @@ class Restorer:
                 name=name,
             )
             with self._tiers.reading(name if source is None else None):
-                self._load(state_dict, name, reader, planner)
+                self._load(state_dict, name, reader, planner, audit)
         report = planner.report
         self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
         return report
 
     def _load(
-        self, state_dict: dict[str, Any], name: str, reader: Any, planner: SafeLoadPlanner
+        self,
+        state_dict: dict[str, Any],
+        name: str,
+        reader: Any,
+        planner: SafeLoadPlanner,
+        audit: bool,
     ) -> None:
         collectives = self._runner.collectives(FOREGROUND)
         try:
@@ -168,6 +181,7 @@ class Restorer:
                 checkpoint_id=name,
                 storage_reader=reader,
                 planner=planner,
+                audit=audit,
                 **collectives,
             )
         except BaseException as exc:
