@@ -61,10 +61,8 @@ from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
-from dcp_safe.errors import (
-    AdmissionTimeoutError,
-    ConfigError,
-)
+from dcp_safe.errors import AdmissionTimeoutError, ConfigError
+from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
@@ -483,7 +481,7 @@ class CheckpointManager:
                 steps.append(functools.partial(lambda w: w.close(left()), writer))
         steps.append(lambda: self._books.close(left()))
         errors = run_bounded(steps, timeout_s)
-        errors = self._ledger.unraised() + errors
+        errors = shutdown.in_flight_first(self._ledger.unraised() + errors)
         if errors:
             raise errors[0]
 

@@ -15,8 +15,9 @@ may wait for a peer's save in flight). Whoever decides the barrier's outcome doe
 
 * the last rank to arrive sets ``go``: every rank starts the save;
 * a rank whose wait ran out (or that dropped the pending save: a preemption) sets
-  ``abandoned`` first: every rank fails the pending save with a
-  :class:`~dcp_safe.errors.CommitError` naming the ranks that never arrived, and starts nothing.
+  ``abandoned`` first: every rank skips the pending save, as ``when_busy="wait"`` skips a
+  request still blocked at ``wait_timeout_s`` (its handle is cancelled and the skip recorded
+  with the ranks that never arrived), and starts nothing.
 
 Keys are ``dcp_safe/manager/<token>/coalesced/<seq>/...``: the token is agreed when the manager
 is built, ``seq`` counts the ranks' agreed coalesce decisions, so it is the same everywhere. A
@@ -28,7 +29,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from dcp_safe.errors import CommitError
 from dcp_safe.manager.agreement import Agreement
 from dcp_safe.torch_compat import default_store
 
@@ -70,12 +70,12 @@ class PromotionBarrier:
             timeout_s=timeout_s,
         )
 
-    def cross(self, seq: int, step: int) -> None:
+    def cross(self, seq: int, step: int) -> str | None:
         """Arrive at barrier ``seq`` and wait until every rank has, or the barrier is abandoned.
 
-        Raises:
-            CommitError: a rank did not arrive within ``timeout_s`` or dropped the save; it is
-                named (the outcome is the same on every rank).
+        Returns:
+            ``None``: every rank starts the save; else why it was abandoned (the same outcome
+            on every rank), naming the ranks that did not arrive.
         """
         key = f"{self._prefix}/{seq}"
         self._store.append(f"{key}/arrived", f"{self.rank},")
@@ -86,24 +86,23 @@ class PromotionBarrier:
         except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
             self._store.compare_set(f"{key}/state", "", _ABANDONED.decode())
         if self._store.get(f"{key}/state") == _GO:
-            return
-        raise self._abandoned(key, step)
+            return None
+        return self._abandoned(key, step)
 
     def abandon(self, seq: int) -> None:
         """Give up barrier ``seq`` without arriving (this rank dropped the pending save)."""
         self._store.compare_set(f"{self._prefix}/{seq}/state", "", _ABANDONED.decode())
 
-    def _abandoned(self, key: str, step: int) -> CommitError:
+    def _abandoned(self, key: str, step: int) -> str:
         raw = self._store.get(f"{key}/arrived") if self._store.check([f"{key}/arrived"]) else b""
         arrived = {int(r) for r in raw.decode().split(",") if r.strip().isdigit()}
         missing = [r for r in range(self.world_size) if r not in arrived]
-        why = (
-            f"had not finished its previous save after {self.timeout_s:g} s (wait_timeout_s),"
-            " or dropped the coalesced save"
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} had not finished their previous save"
+            if missing
+            else "the last rank finished its previous save"
         )
-        late = "" if missing else f": the last rank came after {self.timeout_s:g} s"
-        return CommitError(
-            f"the coalesced save of step {step} was started on no rank: not every rank was"
-            f" free to start it{late}; it is dropped (the next request saves the newer state)",
-            dict.fromkeys(missing, why),
+        return (
+            f"coalesced save of step {step} dropped on every rank: {who} after"
+            f" {self.timeout_s:g} s (wait_timeout_s), or dropped it"
         )

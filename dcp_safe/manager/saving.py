@@ -224,14 +224,18 @@ class SaveRunner:
     def _run_pending(self, pending: Pending | None) -> None:
         """Start the pending save that holds the slot; on failure free the slot (or hand it on).
 
-        A start that fails (here, or the ranks' barrier abandoned) fails the pending save's
-        handle and is kept for ``wait``/``close``."""
+        A start that fails fails the pending save's handle and is kept for ``wait``/``close``;
+        one the ranks' barrier abandoned is skipped, on every rank alike."""
         while pending is not None:
             try:
+                dropped = None
                 if self._barrier is not None:
-                    self._barrier.cross(pending.seq, pending.handle.step)
-                self._launch(pending.handle, pending.state)
-                return
+                    dropped = self._barrier.cross(pending.seq, pending.handle.step)
+                if dropped is None:
+                    self._launch(pending.handle, pending.state)
+                    return
+                pending.handle.cancel()  # as a replaced pending save is
+                self._ledger.skip(pending.handle, dropped, mark="coalesced")
             except BaseException as exc:
                 self._ledger.fail(pending.handle, exc, tier="local")
             pending = self._slot.release()

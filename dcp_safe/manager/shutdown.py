@@ -23,7 +23,7 @@ from dcp_safe.errors import ConfigError, DrainTimeoutError
 from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.slot import SaveSlot
 
-__all__ = ["close_at_exit", "drain", "run_bounded", "seconds"]
+__all__ = ["close_at_exit", "drain", "in_flight_first", "run_bounded", "seconds"]
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -58,6 +58,12 @@ def drain(
     except FutureTimeout:
         raise DrainTimeoutError(f"the manager thread was still busy after {timeout_s} s") from None
     books.flush(left())
+
+
+def in_flight_first(errors: list[BaseException]) -> list[BaseException]:
+    """``errors`` with those saying work is still in flight first: what ``close`` raises then
+    says so, rather than a kept error of a past save hiding it."""
+    return sorted(errors, key=lambda e: not isinstance(e, DrainTimeoutError))
 
 
 class _Closable(Protocol):
