@@ -5,7 +5,7 @@ sharded differently (saved by 4 ranks, restored by 2; FSDP2 row shards, a column
 a replicated bias), so a fingerprint must not depend on how the tensor is cut. This one is a sum
 over *sampled* elements of the global tensor in row-major order:
 
-    sample j is the element at global flat index  j * s,  s = ceil(numel / MAX_SAMPLES)
+    sample j is the element at global flat index  j * s,  s >= numel / MAX_SAMPLES
     F(block b) = sum over samples j in b of  bits(sample j) * W[j - b * L]
 
 modulo 2**64, where ``bits`` is the element's raw bits as an integer, a block is ``L``
@@ -17,11 +17,11 @@ fingerprint whatever the cut. Equal bits give equal fingerprints (NaNs too).
 
 What it catches: a tensor loaded into the wrong key, two tensors swapped, a shard placed at the
 wrong offset, dropped or left as it was, a rank given another rank's values: every one of
-these changes many sampled elements (a tensor has at most :data:`MAX_SAMPLES` samples, so a
-shard of any tensor over up to that many ranks holds at least one). What it does not: a single
-flipped element between samples; that is what the items' checksums are for, verified on every
-read. Sampling is what keeps the audit's cost a fixed few microseconds a tensor plus 64 Ki
-samples, instead of integer arithmetic over every byte restored.
+these changes many sampled elements (a tensor has up to :data:`MAX_SAMPLES` samples, its stride
+coprime with every dimension but the first, so a piece cut along any dimension holds its
+share). What it does not: a single flipped element between samples; that is what the items'
+checksums are for, verified on every read. Sampling is what keeps the audit's cost a few vector
+operations a tensor on at most 4 Ki samples, instead of integer arithmetic over every byte.
 
 Why not a hash of each block's bytes: a block cut across two ranks' shards has no single rank
 that can hash it, and the save and the restore cut differently.
@@ -30,8 +30,9 @@ that can hash it, and the save and the restore cut differently.
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,13 +55,14 @@ __all__ = [
     "stride",
 ]
 
-MAX_SAMPLES = 1 << 16
+MAX_SAMPLES = 1 << 12
 """Samples of one tensor at most (every element of a tensor up to this size)."""
 BLOCKS = 16
 """Blocks a tensor's samples are split into (fewer when it has fewer elements)."""
 _MAX_BLOCK_SAMPLES = MAX_SAMPLES // BLOCKS
 
 _ROWS_PER_CHUNK = 1 << 14  # runs of a many-run piece handled at a time
+_BATCH_ELEMENTS = 1 << 22  # elements of small tensors summed at once (32 MiB as int64)
 _MASK = (1 << 64) - 1
 _FOLD = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd constant, as a signed 64-bit integer
 
@@ -90,21 +92,30 @@ def boxes(value: torch.Tensor) -> list[Box]:
     return [Box((0,) * value.dim(), tuple(value.shape), value)]
 
 
-def stride(numel: int) -> int:
-    """Every how many elements of a tensor of ``numel`` elements one is sampled."""
-    return max(1, -(-numel // MAX_SAMPLES))
+def stride(shape: tuple[int, ...]) -> int:
+    """Every how many elements of a tensor of ``shape`` one is sampled.
+
+    At least ``numel / MAX_SAMPLES``, and coprime with every dimension but the first: then the
+    samples fall on every column (of every trailing dimension) in turn, so a piece cut along
+    any dimension, not only the first, holds its share of them. (A stride equal to a row's
+    length would sample column 0 alone, and miss a dropped column shard entirely.)"""
+    numel = math.prod(shape)
+    every = max(1, -(-numel // MAX_SAMPLES))
+    while any(math.gcd(every, size) != 1 for size in shape[1:]):
+        every += 1
+    return every
 
 
-def block_samples(numel: int) -> int:
-    """Samples in each block of a tensor of ``numel`` elements."""
-    samples = -(-numel // stride(numel))
+def block_samples(shape: tuple[int, ...]) -> int:
+    """Samples in each block of a tensor of ``shape``."""
+    samples = -(-math.prod(shape) // stride(shape))
     return max(1, -(-samples // BLOCKS))
 
 
-def block_span(numel: int, block: int) -> tuple[int, int]:
+def block_span(shape: tuple[int, ...], block: int) -> tuple[int, int]:
     """The global flat indices ``[start, stop)`` block ``block`` of such a tensor covers."""
-    step = stride(numel) * block_samples(numel)
-    return block * step, min(numel, (block + 1) * step)
+    step = stride(shape) * block_samples(shape)
+    return block * step, min(math.prod(shape), (block + 1) * step)
 
 
 def partials(box: Box) -> dict[int, int]:
@@ -115,10 +126,7 @@ def partials(box: Box) -> dict[int, int]:
     sums: dict[int, int] = {}
     if local.numel() == 0:
         return sums
-    numel = 1
-    for size in box.global_shape:
-        numel *= size
-    every, length = stride(numel), block_samples(numel)
+    every, length = stride(box.global_shape), block_samples(box.global_shape)
     if tuple(local.shape) == box.global_shape:  # the whole tensor: one run from 0
         _add_run(sums, 0, _bits(local).reshape(-1), every, length)
         return {b: v & _MASK for b, v in sums.items()}
@@ -242,15 +250,56 @@ Piece = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], dict[int, 
 
 
 def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
-    """Every tensor of a flattened state dict, as the pieces this rank holds."""
+    """Every tensor of a flattened state dict, as the pieces this rank holds.
+
+    Small plain tensors (every element a sample) are summed in batches of equal size, so a
+    model of 10,000 small tensors costs a few vector operations per batch, not per tensor."""
     found: dict[str, list[Piece]] = {}
+    small: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            found[key] = [
-                (rank, box.offsets, tuple(box.local.shape), box.global_shape, partials(box))
-                for box in boxes(value)
-            ]
+        if not isinstance(value, torch.Tensor):
+            continue
+        if _batchable(value):
+            small.setdefault((value.numel(), value.dtype), []).append((key, value))
+            continue
+        found[key] = [
+            (rank, box.offsets, tuple(box.local.shape), box.global_shape, partials(box))
+            for box in boxes(value)
+        ]
+    for group in small.values():
+        for key, tensor, sums in _batched(group):
+            shape = tuple(tensor.shape)
+            found[key] = [(rank, (0,) * len(shape), shape, shape, sums)]
     return found
+
+
+def _batchable(value: torch.Tensor) -> bool:
+    return (
+        not isinstance(value, DTensor)
+        and value.device.type == "cpu"
+        and 0 < value.numel() <= MAX_SAMPLES
+    )
+
+
+def _batched(
+    group: list[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor, dict[int, int]]]:
+    """Block sums of whole tensors of one dtype and size, a batch at a time: the same values
+    :func:`partials` gives each (every element is a sample; zero padding adds 0)."""
+    numel = group[0][1].numel()
+    length = block_samples((numel,))  # every element a sample: the same for any shape
+    blocks = -(-numel // length)
+    weights = _weights()[:length]
+    per_batch = max(1, _BATCH_ELEMENTS // (blocks * length))
+    for at in range(0, len(group), per_batch):
+        batch = group[at : at + per_batch]
+        stacked = torch.stack([tensor.detach().reshape(-1) for _, tensor in batch])
+        bits = _bits(stacked).to(torch.int64)
+        if blocks * length > numel:
+            bits = torch.nn.functional.pad(bits, (0, blocks * length - numel))
+        sums = (bits.view(len(batch), blocks, length) * weights).sum(dim=2).tolist()
+        for (key, tensor), row_sums in zip(batch, sums, strict=True):
+            yield key, tensor, {b: v & _MASK for b, v in enumerate(row_sums)}
 
 
 def combine(reports: Iterable[dict[str, list[Piece]]]) -> dict[str, dict[int, int]]:

@@ -236,3 +236,13 @@ def test_an_audited_restore_in_one_process_and_a_checkpoint_without_fingerprints
         dcp_safe.load(
             target, checkpoint_id="t", storage_reader=SafeStorageReader(tmp_path), audit=True
         )
+
+
+def test_a_dropped_column_shard_is_seen_whatever_the_row_length() -> None:
+    # 4096 columns: a stride equal to the row's length would sample column 0 only.
+    tensor = torch.randn(64, 4096)
+    shape = tuple(tensor.shape)
+    whole = partials(Box((0, 0), shape, tensor))
+    left = partials(Box((0, 0), shape, tensor[:, :2048]))
+    right_zeroed = partials(Box((0, 2048), shape, torch.zeros(64, 2048)))
+    assert _summed(left, right_zeroed) != whole
