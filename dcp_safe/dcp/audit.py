@@ -21,7 +21,7 @@ these changes many sampled elements (a tensor has up to :data:`MAX_SAMPLES` samp
 coprime with every dimension but the first, so a piece cut along any dimension holds its
 share). What it does not: a single flipped element between samples; that is what the items'
 checksums are for, verified on every read. Sampling is what keeps the audit's cost a few vector
-operations a tensor on at most 4 Ki samples, instead of integer arithmetic over every byte.
+operations a tensor on at most 1,024 samples, instead of integer arithmetic over every byte.
 
 Why not a hash of each block's bytes: a block cut across two ranks' shards has no single rank
 that can hash it, and the save and the restore cut differently.
@@ -55,7 +55,7 @@ __all__ = [
     "stride",
 ]
 
-MAX_SAMPLES = 1 << 12
+MAX_SAMPLES = 1 << 10
 """Samples of one tensor at most (every element of a tensor up to this size)."""
 BLOCKS = 16
 """Blocks a tensor's samples are split into (fewer when it has fewer elements)."""
@@ -252,23 +252,22 @@ Piece = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], dict[int, 
 def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
     """Every tensor of a flattened state dict, as the pieces this rank holds.
 
-    Small plain tensors (every element a sample) are summed in batches of equal size, so a
-    model of 10,000 small tensors costs a few vector operations per batch, not per tensor."""
+    Plain tensors of one shape and dtype are sampled and summed in batches, so a model of
+    10,000 small tensors costs a few vector operations per batch, not per tensor."""
     found: dict[str, list[Piece]] = {}
-    small: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    plain: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             continue
         if _batchable(value):
-            small.setdefault((value.numel(), value.dtype), []).append((key, value))
+            plain.setdefault((tuple(value.shape), value.dtype), []).append((key, value))
             continue
         found[key] = [
             (rank, box.offsets, tuple(box.local.shape), box.global_shape, partials(box))
             for box in boxes(value)
         ]
-    for group in small.values():
-        for key, tensor, sums in _batched(group):
-            shape = tuple(tensor.shape)
+    for (shape, _), group in plain.items():
+        for key, sums in _batched(shape, group):
             found[key] = [(rank, (0,) * len(shape), shape, shape, sums)]
     return found
 
@@ -277,29 +276,30 @@ def _batchable(value: torch.Tensor) -> bool:
     return (
         not isinstance(value, DTensor)
         and value.device.type == "cpu"
-        and 0 < value.numel() <= MAX_SAMPLES
+        and 0 < value.numel() <= _BATCH_ELEMENTS
     )
 
 
 def _batched(
-    group: list[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor, dict[int, int]]]:
-    """Block sums of whole tensors of one dtype and size, a batch at a time: the same values
-    :func:`partials` gives each (every element is a sample; zero padding adds 0)."""
-    numel = group[0][1].numel()
-    length = block_samples((numel,))  # every element a sample: the same for any shape
-    blocks = -(-numel // length)
+    shape: tuple[int, ...], group: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, dict[int, int]]]:
+    """Block sums of whole tensors of one shape and dtype, a batch at a time: the samples of
+    each (a strided view, gathered by one stack), weighted and summed per block as a matrix.
+    The same values :func:`partials` gives each (zero padding adds 0)."""
+    every, length = stride(shape), block_samples(shape)
+    samples = -(-math.prod(shape) // every)
+    blocks = -(-samples // length)
     weights = _weights()[:length]
     per_batch = max(1, _BATCH_ELEMENTS // (blocks * length))
     for at in range(0, len(group), per_batch):
         batch = group[at : at + per_batch]
-        stacked = torch.stack([tensor.detach().reshape(-1) for _, tensor in batch])
-        bits = _bits(stacked).to(torch.int64)
-        if blocks * length > numel:
-            bits = torch.nn.functional.pad(bits, (0, blocks * length - numel))
+        picked = torch.stack([tensor.detach().reshape(-1)[::every] for _, tensor in batch])
+        bits = _bits(picked).to(torch.int64)
+        if blocks * length > samples:
+            bits = torch.nn.functional.pad(bits, (0, blocks * length - samples))
         sums = (bits.view(len(batch), blocks, length) * weights).sum(dim=2).tolist()
-        for (key, tensor), row_sums in zip(batch, sums, strict=True):
-            yield key, tensor, {b: v & _MASK for b, v in enumerate(row_sums)}
+        for (key, _), row_sums in zip(batch, sums, strict=True):
+            yield key, {b: v & _MASK for b, v in enumerate(row_sums)}
 
 
 def combine(reports: Iterable[dict[str, list[Piece]]]) -> dict[str, dict[int, int]]:

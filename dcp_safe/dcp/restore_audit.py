@@ -8,7 +8,7 @@ pieces, and each compares their sums with the saved fingerprints: the same verdi
 A mismatch raises :class:`~dcp_safe.errors.RestoreMismatchError` naming the key, the block and
 the rank; a copy held by several ranks that differs on one names that rank.
 
-The cost is one pass of sampled integer arithmetic per tensor (at most 4 Ki samples each) and
+The cost is one pass of sampled integer arithmetic per tensor (at most 1,024 samples each) and
 one exchange of the per-block sums.
 """
 
