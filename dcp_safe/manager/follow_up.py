@@ -9,8 +9,9 @@ its ``replicated`` future when the replica's outcome is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -93,7 +94,8 @@ class FollowUp:
         # A caller that reads the history once ``committed`` resolves finds the event there
         # (or its append failed, and was counted): bounded, the history is bookkeeping.
         self._ledger.books.flush(self._flush_s)
-        handle.committed.set_result(handle.name)
+        with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
+            handle.committed.set_result(handle.name)
         self._ledger.quietly("telemetry", lambda: self._spans.end(handle, None))
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
@@ -111,7 +113,8 @@ class FollowUp:
         error = done.exception()
         if error is None:
             self._ledger.record("committed", handle, tier="remote")
-            handle.replicated.set_result(done.result())
+            with contextlib.suppress(InvalidStateError):
+                handle.replicated.set_result(done.result())
         elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
             self._ledger.record("skipped", handle, tier="remote", reason=str(error))
             handle.replicated.set_exception(error)

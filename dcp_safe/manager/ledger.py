@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -66,6 +67,7 @@ class Ledger:
         self._errors: list[BaseException] = []
         self._raised = 0
         self._requested_at: dict[str, float] = {}
+        self._handles: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
     def count(self, key: str, n: int = 1) -> None:
         with self._cond:
@@ -74,6 +76,29 @@ class Ledger:
     def counts(self) -> dict[str, int]:
         with self._cond:
             return dict(self._counts)
+
+    def track(self, handle: SaveHandle) -> None:
+        """Remember ``handle`` (weakly) until its futures are done: :meth:`abandon` ends it."""
+        with self._cond:
+            self._handles.add(handle)
+
+    def abandon(self, error: BaseException) -> int:
+        """Fail every future still pending of every tracked handle with ``error``.
+
+        For a ``close`` that gave up on work in flight: the work goes on in the background,
+        but no caller waits on it for ever. Returns how many handles it resolved."""
+        with self._cond:
+            handles = list(self._handles)
+        resolved = 0
+        for handle in handles:
+            pending = [
+                f for f in (handle.staged, handle.committed, handle.replicated) if not f.done()
+            ]
+            for future in pending:
+                with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+                    future.set_exception(error)
+            resolved += bool(pending)
+        return resolved
 
     def record(
         self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any

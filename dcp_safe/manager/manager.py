@@ -61,7 +61,7 @@ from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
-from dcp_safe.errors import AdmissionTimeoutError, ConfigError
+from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
 from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
@@ -347,6 +347,7 @@ class CheckpointManager:
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
     ) -> SaveHandle | None:
         self._ledger.record("requested", handle, tier="local")
+        self._ledger.track(handle)
         # Frozen while the ranks vote and park: a save ending meanwhile does not start the
         # pending one on this rank alone (see SaveSlot.frozen).
         with self._slot.frozen():
@@ -482,6 +483,8 @@ class CheckpointManager:
         steps.append(lambda: self._books.close(left()))
         errors = run_bounded(steps, timeout_s)
         errors = shutdown.in_flight_first(self._ledger.unraised() + errors)
+        if errors and isinstance(errors[0], DrainTimeoutError):
+            self._ledger.abandon(errors[0])  # no caller waits for ever on what is left
         if errors:
             raise errors[0]
 

@@ -280,3 +280,19 @@ def test_a_managers_upload_waits_come_from_its_own_bounds(tmp_path: Path) -> Non
     ) as node_local:
         options = node_local.writer.node_options  # type: ignore[attr-defined]
         assert options.remote_timeout_s == 43
+
+
+def test_a_close_that_gives_up_resolves_every_handle_it_leaves_behind(tmp_path: Path) -> None:
+    """Finding 8 (and the chaos run's handles_resolve): storage stuck for 20 s a write; close(0.5)
+    raises DrainTimeoutError by its deadline and the handle's futures end with it, so no
+    caller waits for ever on work that goes on in the background."""
+    faults = FaultInjector(FaultPlan(ops=("write",), delay_s=20.0))
+    options = {"target_protocol": "file", "faults": faults}
+    manager = CheckpointManager(f"faulty://{tmp_path}", storage_options=options)
+    handle = manager.save(1, {"w": torch.ones(8)})
+    assert handle is not None and not handle.committed.done()
+    with pytest.raises(DrainTimeoutError):
+        manager.close(0.5)
+    assert handle.committed.done() and handle.replicated.done()
+    with pytest.raises(DrainTimeoutError):
+        handle.committed.result(timeout=0)
