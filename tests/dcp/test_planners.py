@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints
@@ -47,11 +49,24 @@ def test_fingerprints_see_values_not_identity() -> None:
 # -- the probe, on real ranks -----------------------------------------------------------------
 
 
+def _sharded(value: torch.Tensor) -> Any:
+    """A DTensor sharded by rows over every rank (FSDP2's layout), or the plain tensor alone."""
+    if not torch.distributed.is_initialized():
+        return value
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    return distribute_tensor(value, mesh, [Shard(0)])
+
+
 def _probe_state(rank: int) -> dict[str, Any]:
-    """A model replicated on every rank (equal), and per-rank RNG and data position."""
+    """A model sharded over the ranks and one replicated on every rank (equal), and per-rank
+    RNG and data position."""
     torch.manual_seed(1000 + rank)  # every real job's RNG differs per rank
     return {
-        "model": {"w": torch.arange(12.0).reshape(3, 4), "step": 5},
+        "model": {
+            "w": torch.arange(12.0).reshape(3, 4),
+            "emb": _sharded(torch.arange(32.0).reshape(8, 4)),
+            "step": 5,
+        },
         "rng": torch.get_rng_state(),
         "loader": {"pos": 100 * rank, "epoch": 2},
     }
@@ -59,7 +74,7 @@ def _probe_state(rank: int) -> dict[str, Any]:
 
 def _blank() -> dict[str, Any]:
     return {
-        "model": {"w": torch.zeros(3, 4), "step": 0},
+        "model": {"w": torch.zeros(3, 4), "emb": _sharded(torch.zeros(8, 4)), "step": 0},
         "rng": torch.zeros_like(torch.get_rng_state()),
         "loader": {"pos": -1, "epoch": -1},
     }
@@ -80,10 +95,12 @@ def _probe(rank: int, world_size: int, root: str, per_rank: tuple[str, ...]) -> 
     dcp_safe.load(
         loaded, checkpoint_id="step_1", storage_reader=SafeStorageReader(root), per_rank=per_rank
     )
+    emb = loaded["model"]["emb"]
     return {
         "own_rng": torch.equal(loaded["rng"], saved["rng"]),
         "pos": loaded["loader"]["pos"],
-        "model_equal": torch.equal(loaded["model"]["w"], saved["model"]["w"]),
+        "model_equal": torch.equal(loaded["model"]["w"], saved["model"]["w"])
+        and torch.equal(emb.full_tensor(), torch.arange(32.0).reshape(8, 4)),
     }
 
 
@@ -135,11 +152,10 @@ def test_per_rank_state_restores_only_onto_the_world_size_that_saved_it(tmp_path
     refused = run_ranks(_restore_on, 4, args=(str(tmp_path), ()))
     assert {r[0] for r in refused} == {"refused"}
     assert refused[0][2:] == ([0, 1], 4)
-    # The documented way on: restore the rest, and initialize per-rank state afresh.
+    # The documented way on: restore the rest (resharded 2 -> 4), per-rank state afresh.
     loaded = run_ranks(_restore_on, 4, args=(str(tmp_path), ("rng", "loader")))
     assert loaded == [("loaded", 5, -1)] * 4
-    alone = _restore_on(0, 1, str(tmp_path), ())
-    assert alone[0] == "refused"  # one process is another world size too
+    assert _restore_on(0, 1, str(tmp_path), ())[0] == "refused"  # one process: another size
 
 
 # -- selective restore ------------------------------------------------------------------------
