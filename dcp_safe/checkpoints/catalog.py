@@ -29,7 +29,7 @@ from dcp_safe.checkpoints.committed import (
     resolve_name,
 )
 from dcp_safe.checkpoints.loadable import check_loadable
-from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
@@ -73,6 +73,7 @@ def list_checkpoints(
     *,
     storage_options: dict[str, Any] | None = None,
     on_damaged: Callable[[str, CheckpointCorruptError], None] | None = None,
+    signing_key: bytes | str | None = None,
 ) -> list[CheckpointInfo]:
     """Committed checkpoints under ``root``, oldest first (by step, then commit time).
 
@@ -85,17 +86,24 @@ def list_checkpoints(
         root: the checkpoint root (a local path or an fsspec URL).
         storage_options: fsspec options for the root (endpoint, credentials).
         on_damaged: called with the name and the error of each damaged entry.
+        signing_key: list only checkpoints signed with this key (default
+            ``DCP_SAFE_SIGNING_KEY`` if set): with a key, nothing else counts.
     """
     backend = open_backend(os.fspath(root), storage_options)
+    key = resolve_key(signing_key)
+    accept = None if key is None else signed_by(key)
     found = []
     for name in committed_names(backend):
         try:
-            manifest = open_committed(backend, name).manifest
+            opened = open_committed(backend, name)
         except CheckpointNotFoundError:
             continue  # removed since it was listed
         except CheckpointCorruptError as exc:
             (on_damaged or _log_damaged)(name, exc)
             continue
+        if accept is not None and not accept(backend, opened):
+            continue
+        manifest = opened.manifest
         found.append(
             CheckpointInfo(
                 name=name,

@@ -7,6 +7,7 @@ passes is a complete, published checkpoint whose manifest can be trusted for fur
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dcp_safe import layout
@@ -91,11 +92,17 @@ def recency(step: int | None, created_at: float, name: str) -> tuple[int, float,
     return (-1 if step is None else step, created_at, name)
 
 
-def resolve_name(backend: Backend, checkpoint_id: str) -> str:
+def resolve_name(
+    backend: Backend,
+    checkpoint_id: str,
+    *,
+    accept: Callable[[Backend, CommittedCheckpoint], bool] | None = None,
+) -> str:
     """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
 
-    "Newest" is :func:`recency`; a checkpoint whose manifest does not open is skipped, so a
-    damaged newest checkpoint never hides a good one.
+    "Newest" is :func:`recency`; a checkpoint whose manifest does not open, or that ``accept``
+    refuses (a reader with a signing key accepts only what its key signed), is skipped, so a
+    damaged or planted newest checkpoint never hides a good one.
 
     Raises:
         CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
@@ -105,9 +112,12 @@ def resolve_name(backend: Backend, checkpoint_id: str) -> str:
     newest: tuple[int, float, str] | None = None
     for name in committed_names(backend):
         try:
-            manifest = open_committed(backend, name).manifest
+            opened = open_committed(backend, name)
         except (CheckpointNotFoundError, CheckpointCorruptError):
             continue
+        if accept is not None and not accept(backend, opened):
+            continue
+        manifest = opened.manifest
         key = recency(manifest.step, manifest.created_at, name)
         if newest is None or key > newest:
             newest = key

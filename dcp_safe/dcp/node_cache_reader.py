@@ -110,8 +110,9 @@ class NodeCacheReader(SafeStorageReader):
         root: the shared remote root the checkpoint was committed to.
         node_cache: this node's local root (``NodeLocalWriter``'s ``root``).
         node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
-        verify, storage_options, checkpoint_id, retry, allow_pickle: as for
-            :class:`SafeStorageReader`; ``verify`` applies to the remote only.
+        verify, storage_options, checkpoint_id, retry, allow_pickle, signing_key: as for
+            :class:`SafeStorageReader`; ``verify`` applies to the remote only (the cache is
+            used only where it matches the remote's manifest, which the key authenticates).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class NodeCacheReader(SafeStorageReader):
         checkpoint_id: str = layout.LATEST,
         retry: RetryPolicy | None = None,
         allow_pickle: bool = False,
+        signing_key: bytes | str | None = None,
     ) -> None:
         super().__init__(
             root,
@@ -133,6 +135,7 @@ class NodeCacheReader(SafeStorageReader):
             checkpoint_id=checkpoint_id,
             retry=retry,
             allow_pickle=allow_pickle,
+            signing_key=signing_key,
         )
         self.node_cache: Backend = open_backend(
             os.fspath(node_cache), node_cache_storage_options, retry=retry

@@ -35,7 +35,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
-from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.dcp.tensor_reads import read_known_tensor
 from dcp_safe.dcp.tensor_records import layout_for
 from dcp_safe.dcp.unpickle import load_metadata, sanitized_object_stream
@@ -162,7 +162,9 @@ class SafeStorageReader(StorageReader):
         failures: list[DcpSafeError] = []
         for order, backend in enumerate(tiers):
             try:
-                name = resolve_name(backend, self._requested)
+                key = self._signing_key
+                accept = None if key is None else signed_by(key)
+                name = resolve_name(backend, self._requested, accept=accept)
                 committed = open_committed(backend, name)
                 manifest = committed.manifest
                 if self._signing_key is not None:

@@ -30,6 +30,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
@@ -96,6 +97,11 @@ class Tiers:
         self._cond = cond
         self._deferred = deferred
         self._prune_lock = threading.Lock()
+        # With a signing writer only what its key signed counts, on every tier and in every
+        # reader this builds (node caches too): a planted unsigned checkpoint neither stands in
+        # for ``latest`` nor pushes a signed one out of retention.
+        self.signing_key: bytes | None = writer.options.signing_key
+        self._newest_own: str | None = None  # never pruned, whatever a listing says
         self._validated = history.validated_names()
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
@@ -122,11 +128,16 @@ class Tiers:
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
         if deep and self.coordinator:
-            verify_checkpoint(self.root, name, storage_options=self.storage_options)
+            verify_checkpoint(
+                self.root, name, storage_options=self.storage_options, signing_key=self.signing_key
+            )
         else:
-            open_committed(self.backend, name)
+            opened = open_committed(self.backend, name)
+            if self.signing_key is not None:
+                check_signed(self.backend, opened, self.signing_key)
         with self._cond:
             self._validated.add(name)
+            self._newest_own = name
 
     def is_validated(self, name: str) -> bool:
         with self._cond:
@@ -183,17 +194,20 @@ class Tiers:
     def _prune_remote(self, remote: Backend, url: str) -> None:
         options = self.writer.replicate_storage_options
         with self._deferred(), self._prune_lock:
-            infos = list_checkpoints(url, storage_options=options)
+            infos = list_checkpoints(url, storage_options=options, signing_key=self.signing_key)
             records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
             with self._cond:
                 protected = {n for n, f in self._replications.items() if not f.done()}
+                protected |= self._own_newest()
             for name in decide(records, self.policy, protected=protected).drop:
                 step = next(r.step for r in records if r.name == name)
                 self._retire(remote, name, step, "remote")
 
     def _prune_local(self) -> tuple[str, ...]:
         with self._deferred(), self._prune_lock:
-            infos = list_checkpoints(self.root, storage_options=self.storage_options)
+            infos = list_checkpoints(
+                self.root, storage_options=self.storage_options, signing_key=self.signing_key
+            )
             with self._cond:
                 records = [
                     CheckpointRecord(i.name, i.step, i.name in self._validated)
@@ -203,6 +217,7 @@ class Tiers:
                 protected = set(self._reading) | {
                     n for n, f in self._replications.items() if not f.done()
                 }
+                protected |= self._own_newest()
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
@@ -214,6 +229,10 @@ class Tiers:
                     raise
                 self._forget(name)
             return decision.drop
+
+    def _own_newest(self) -> set[str]:
+        """The newest checkpoint this manager committed itself: kept whatever a listing says."""
+        return set() if self._newest_own is None else {self._newest_own}
 
     def _forget(self, name: str) -> None:
         with self._cond:
@@ -252,7 +271,7 @@ class Tiers:
         if root is None:
             raise ConfigError("this manager has no replicate_to")
         options = self.storage_options if local else self.writer.replicate_storage_options
-        found = list_checkpoints(root, storage_options=options)
+        found = list_checkpoints(root, storage_options=options, signing_key=self.signing_key)
         return found[-1].name if found else None
 
     def reader(self) -> SafeStorageReader:
@@ -260,13 +279,17 @@ class Tiers:
         remote root, reading from this node's cache what it can)."""
         if self.node_cache is not None:
             return NodeCacheReader(
-                self.root, node_cache=self.node_cache, storage_options=self.storage_options
+                self.root,
+                node_cache=self.node_cache,
+                storage_options=self.storage_options,
+                signing_key=self.signing_key,
             )
         return SafeStorageReader(
             self.root,
             storage_options=self.storage_options,
             fallback=self.replicate_to,
             fallback_storage_options=self.writer.replicate_storage_options,
+            signing_key=self.signing_key,
         )
 
 
