@@ -101,8 +101,12 @@ def list_checkpoints(
         except CheckpointCorruptError as exc:
             (on_damaged or _log_damaged)(name, exc)
             continue
-        if accept is not None and not accept(backend, opened):
-            continue
+        if accept is not None:
+            try:
+                accept(backend, opened)
+            except CheckpointCorruptError as exc:  # not signed with the key: not counted
+                (on_damaged or _log_damaged)(name, exc)
+                continue
         manifest = opened.manifest
         found.append(
             CheckpointInfo(

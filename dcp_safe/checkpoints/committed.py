@@ -96,31 +96,40 @@ def resolve_name(
     backend: Backend,
     checkpoint_id: str,
     *,
-    accept: Callable[[Backend, CommittedCheckpoint], bool] | None = None,
+    accept: Callable[[Backend, CommittedCheckpoint], None] | None = None,
 ) -> str:
     """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
 
     "Newest" is :func:`recency`; a checkpoint whose manifest does not open, or that ``accept``
-    refuses (a reader with a signing key accepts only what its key signed), is skipped, so a
-    damaged or planted newest checkpoint never hides a good one.
+    refuses by raising (a reader with a signing key accepts only what its key signed), is
+    skipped, so a damaged or planted newest checkpoint never hides a good one.
 
     Raises:
         CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
+        CheckpointCorruptError: ``accept`` refused every committed checkpoint (its refusal of
+            the last one looked at: a ``SignatureError`` for a key that signed none).
     """
     if checkpoint_id != layout.LATEST:
         return layout.validate_name(checkpoint_id)
     newest: tuple[int, float, str] | None = None
+    refused: CheckpointCorruptError | None = None
     for name in committed_names(backend):
         try:
             opened = open_committed(backend, name)
         except (CheckpointNotFoundError, CheckpointCorruptError):
             continue
-        if accept is not None and not accept(backend, opened):
-            continue
+        if accept is not None:
+            try:
+                accept(backend, opened)
+            except CheckpointCorruptError as exc:
+                refused = exc
+                continue
         manifest = opened.manifest
         key = recency(manifest.step, manifest.created_at, name)
         if newest is None or key > newest:
             newest = key
     if newest is None:
+        if refused is not None:
+            raise refused
         raise CheckpointNotFoundError(backend.url, "no committed checkpoint under this root")
     return newest[2]

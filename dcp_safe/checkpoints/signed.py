@@ -11,7 +11,6 @@ that, checking items against the manifest as usual authenticates every byte a lo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from dcp_safe import layout
@@ -22,8 +21,6 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES, check_signature, is_cryptographic
 
 __all__ = ["check_signed", "signed_by"]
-
-log = logging.getLogger(__name__)
 
 
 def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> None:
@@ -66,20 +63,18 @@ def _checksums(manifest: Manifest) -> list[str | None]:
     return [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
 
 
-def signed_by(key: bytes) -> Callable[[Backend, CommittedCheckpoint], bool]:
-    """A filter for listings: whether a committed checkpoint is signed with ``key``.
+def signed_by(key: bytes) -> Callable[[Backend, CommittedCheckpoint], None]:
+    """A check for listings: raise unless a committed checkpoint is signed with ``key``.
 
-    With a key, only such checkpoints count (for ``latest``, listings and retention): an
-    unsigned or foreign one is skipped with a warning, as a damaged one is, so nobody who can
-    write the root can push a signed checkpoint out or stand in for it.
+    With a key, only such checkpoints count (for ``latest``, listings and retention): a caller
+    skips an unsigned or foreign one, as a damaged one, so nobody who can write the root can
+    push a signed checkpoint out or stand in for it.
+
+    Raises (from the check):
+        SignatureError, UnsignedCheckpointError: it is not signed with ``key``.
     """
 
-    def accept(backend: Backend, opened: CommittedCheckpoint) -> bool:
-        try:
-            check_signed(backend, opened, key)
-        except CheckpointCorruptError as exc:  # SignatureError and UnsignedCheckpointError too
-            log.warning("%r is not signed with this key: not counted (%s)", opened.name, exc)
-            return False
-        return True
+    def check(backend: Backend, opened: CommittedCheckpoint) -> None:
+        check_signed(backend, opened, key)
 
-    return accept
+    return check
