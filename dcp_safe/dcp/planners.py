@@ -365,7 +365,10 @@ def _feed(hasher: Any, value: object, depth: int) -> None:
     elif value is None or isinstance(value, (bool, int, float, str, bytes)):
         hasher.update(f"{type(value).__name__}:{value!r}".encode())
     else:
-        hasher.update(pickle.dumps(value, protocol=4))
+        try:
+            hasher.update(pickle.dumps(value, protocol=4))
+        except Exception:  # the save fails where DCP writes it, with DCP's own error
+            hasher.update(f"unpicklable {type(value).__qualname__}".encode())
 
 
 def _fields(plan: SavePlan) -> dict[str, Any]:

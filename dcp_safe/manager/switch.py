@@ -2,9 +2,13 @@
 
 :mod:`dcp_safe.manager.fallback` decides, as plain arithmetic; this part feeds it what the
 manager sees (the clock, host memory at each request, completion latencies, buffers a finished
-save still holds), and when it trips, logs a WARNING, records a ``fallback`` history event and
-marks it in telemetry. The manager then saves every request synchronously until
-:meth:`FallbackSwitch.rearm`.
+save still holds), and when it trips, logs a WARNING and marks it in telemetry. The manager then
+saves every request synchronously until :meth:`FallbackSwitch.rearm`.
+
+The ``fallback`` history event is recorded when the *agreed* decision first says so
+(:meth:`FallbackSwitch.follow`, at a request every rank votes on), not when this rank's monitor
+trips: a completion latency trips each rank at its own moment (rank 0 after step 5's commit,
+rank 1 after step 6's), and the record must be the same on every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class FallbackSwitch:
         self._ledger = ledger
         self._spans = spans
         self._cond = cond
+        self._announced = False  # the agreed fallback is in the record
 
     @property
     def reason(self) -> str | None:
@@ -80,15 +85,20 @@ class FallbackSwitch:
         return current
 
     def follow(self, handle: SaveHandle, agreed: str | None) -> None:
-        """Switch too when the ranks agreed to fall back because of a peer (see agreement)."""
-        if agreed is None:
-            return
+        """Act on the agreed decision of a request: switch too when the ranks fall back
+        because of a peer, and record the fallback once, at the same request on every rank."""
         with self._cond:
+            if agreed is None:
+                self._announced = False
+                return
             reason = (
                 None if self.monitor.tripped else self.monitor.trip(f"peers fell back: {agreed}")
             )
+            first, self._announced = not self._announced, True
         if reason is not None:
             self._switched(handle, reason)
+        if first:
+            self._ledger.record("fallback", handle, reason=agreed)
 
     def on_committed(self, handle: SaveHandle) -> None:
         """Feed the completion latency of a committed save."""
@@ -111,5 +121,4 @@ class FallbackSwitch:
 
     def _switched(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self._ledger.record("fallback", handle, reason=reason)
         self._spans.mark("fallback", handle, reason=reason)
