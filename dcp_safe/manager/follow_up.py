@@ -2,7 +2,9 @@
 
 Runs on the manager thread for asynchronous saves and on the caller's for synchronous ones. A
 checkpoint that fails verification is not trusted: no replication, no pruning behind it, and
-the save fails. A retention failure does not fail the save (it committed); it is kept for
+the save fails. In a multi-rank job the coordinator's check decides for every rank
+(:mod:`~dcp_safe.manager.verdicts`), so the ranks never hold different outcomes of one save.
+A retention failure does not fail the save (it committed); it is kept for
 ``wait``/``close``. The handle's ``committed`` future resolves last, once all of this is done;
 its ``replicated`` future when the replica's outcome is recorded.
 """
@@ -21,6 +23,7 @@ from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
+from dcp_safe.manager.verdicts import Verdicts
 
 __all__ = ["FollowUp"]
 
@@ -37,6 +40,7 @@ class FollowUp:
         spans: the saves' root spans (ended here).
         deep: verify every byte (``validate="deep"``) rather than marker and manifest.
         flush_s: the longest a commit waits for its history event to be written.
+        verdicts: the coordinator's verdicts (``None``: one process, its own check decides).
     """
 
     def __init__(
@@ -48,8 +52,10 @@ class FollowUp:
         spans: SaveSpans,
         deep: bool,
         flush_s: float,
+        verdicts: Verdicts | None = None,
     ) -> None:
         self._flush_s = flush_s
+        self._verdicts = verdicts
         self._tiers = tiers
         self._ledger = ledger
         self._switch = switch
@@ -62,25 +68,32 @@ class FollowUp:
         """An asynchronous save's upload ended: fail the handle, or follow its commit up."""
         try:
             error = upload.exception()
-            if error is not None:
+            if error is not None and self._verdicts is None:
                 self._ledger.fail(handle, error, tier="local")
             else:
-                self.after_commit(handle, writer)
+                self.after_commit(handle, writer, error)
         except BaseException as exc:  # a bug here must not leave the handle unresolved
             self._ledger.fail(handle, exc, tier="local")
 
-    def after_commit(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
-        """``handle`` committed locally through ``writer``."""
-        try:
-            self._tiers.await_commit(handle.name, writer)
-        except (DcpSafeError, OSError) as exc:
-            self._ledger.fail(handle, exc, tier="local", reason=f"remote commit failed: {exc}")
-            return
-        try:
-            self._tiers.verify(handle.name, deep=self._deep)
-        except (DcpSafeError, OSError) as exc:
+    def after_commit(
+        self, handle: SaveHandle, writer: SafeStorageWriter, error: BaseException | None = None
+    ) -> None:
+        """``handle`` committed locally through ``writer`` (or failed with ``error``, which in a
+        multi-rank job the coordinator's verdict may overrule: see :mod:`.verdicts`)."""
+        failure = (error, None) if error is not None else self._check(handle, writer)
+        if self._verdicts is not None:
+            key = self._verdicts.key_for(handle.name)
+            if self._verdicts.coordinator:
+                self._verdicts.post(key, failure and failure[0])
+            else:  # the coordinator's verdict decides; this rank's own error says it best
+                verdict = self._verdicts.await_verdict(key)
+                if verdict is None:
+                    failure = None
+                elif failure is None:
+                    failure = (verdict, str(verdict))
+        if failure is not None:
             # Neither pruning nor a replication future: the newest checkpoint is not trusted.
-            self._ledger.fail(handle, exc, tier="local", reason=f"verification failed: {exc}")
+            self._ledger.fail(handle, failure[0], tier="local", reason=failure[1])
             return
         self._ledger.count("committed")
         self._ledger.record("committed", handle, tier="local", validated=True)
@@ -97,6 +110,20 @@ class FollowUp:
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
         self._ledger.quietly("telemetry", lambda: self._spans.end(handle, None))
+
+    def _check(
+        self, handle: SaveHandle, writer: SafeStorageWriter
+    ) -> tuple[BaseException, str] | None:
+        """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
+        try:
+            self._tiers.await_commit(handle.name, writer)
+        except (DcpSafeError, OSError) as exc:
+            return exc, f"remote commit failed: {exc}"
+        try:
+            self._tiers.verify(handle.name, deep=self._deep)
+        except (DcpSafeError, OSError) as exc:
+            return exc, f"verification failed: {exc}"
+        return None
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
         if writer.replicate_to is None or self._tiers.node_cache is not None:

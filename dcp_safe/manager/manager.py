@@ -86,6 +86,7 @@ from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers, writer_for
+from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -269,6 +270,7 @@ class CheckpointManager:
             spans=self._spans,
             deep=self.validate is Validation.DEEP,
             flush_s=self.deadline_s,
+            verdicts=Verdicts.for_job(self._agreement, wait_timeout_s),
         )
         self._runner = SaveRunner(
             writer=self.writer,
