@@ -90,13 +90,19 @@ class Ledger:
         with self._cond:
             handles = list(self._handles)
         resolved = 0
+        reason = f"given up by close: {error}"
         for handle in handles:
-            pending = [
-                f for f in (handle.staged, handle.committed, handle.replicated) if not f.done()
-            ]
-            for future in pending:
-                with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+            tiers = {"local": handle.committed, "remote": handle.replicated}
+            pending = {tier: f for tier, f in tiers.items() if not f.done()}
+            with contextlib.suppress(InvalidStateError):  # it finished meanwhile
+                if not handle.staged.done():
+                    handle.staged.set_exception(error)
+            for tier, future in pending.items():
+                with contextlib.suppress(InvalidStateError):
                     future.set_exception(error)
+                # Recorded as every other outcome is: a rank that gave up on a replication has
+                # an outcome for it (failed), as the peer that saw it fail has.
+                self.record("failed", handle, tier=tier, reason=reason)
             resolved += bool(pending)
         return resolved
 

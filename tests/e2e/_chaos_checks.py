@@ -242,6 +242,11 @@ def _per_step(result: dict[str, Any]) -> dict[int, list[tuple[str, str | None]]]
     steps: dict[int, list[tuple[str, str | None]]] = defaultdict(list)
     for event, step, tier in result["decisions"]:
         if step is not None:
+            # On the replica, "failed" and "skipped" are one outcome (not replicated) whose
+            # cause each rank sees from its own side: rank 0's commit of a save its peers had
+            # already dropped for a newer one fails in an outage instead of reading their skip.
+            if tier == "remote" and event in ("failed", "skipped"):
+                event = "not replicated"
             steps[step].append((event, tier))
     return {step: sorted(events, key=str) for step, events in steps.items()}
 
