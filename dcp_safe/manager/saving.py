@@ -124,9 +124,7 @@ class SaveRunner:
         chain(response.staging_completion, handle.staged, lambda _: None)
         with self._cond:
             self._last_staged = handle.staged
-        response.upload_completion.add_done_callback(
-            lambda done: self.post.submit(self._after_upload, handle, done, group)
-        )
+        response.upload_completion.add_done_callback(lambda done: self._follow(handle, done, group))
         if self.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
             # thread) reaches the handle's futures and the history, not this call.
@@ -205,6 +203,14 @@ class SaveRunner:
         return pending
 
     # -- after a save ---------------------------------------------------------------------------
+
+    def _follow(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
+        """The upload ended: follow it up on the manager thread (here, if a close that gave up
+        on it has stopped that thread: its handle is resolved already, the slot is not)."""
+        try:
+            self.post.submit(self._after_upload, handle, upload, group)
+        except RuntimeError:
+            self._after_upload(handle, upload, group)
 
     def _after_upload(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
         """On the manager thread: follow the commit up, then free the slot."""
