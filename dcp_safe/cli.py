@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -31,6 +30,13 @@ from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed, recency, resolve_name
+from dcp_safe.cli_args import (
+    OneLineParser,
+    UsageError,
+    check_roots,
+    key_from_file,
+    parse_storage_options,
+)
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -41,16 +47,13 @@ from dcp_safe.errors import (
 from dcp_safe.exporting import command as export_command
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
+from dcp_safe.untrusted import shown
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-
-
-class _UsageError(Exception):
-    """A mistake in the command line the user can fix; exit status 2."""
 
 
 class _Unavailable(Exception):
@@ -71,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _library_warnings(err):
         return _guarded(
             err,
-            lambda: run(args, _storage_options(args.storage_options), out),
+            lambda: run(args, _options(args), out),
             getattr(args, "root", None) or "ROOT",
         )
 
@@ -84,7 +87,7 @@ class _WarningLines(logging.Handler):
         self._err = err
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = " ".join(record.getMessage().split())
+        message = shown(" ".join(record.getMessage().split()))
         self._err.print(f"dcp-safe: warning: {message}", markup=False, highlight=False)
 
 
@@ -112,7 +115,7 @@ def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
     """Run a command; map expected errors to one line and an exit status."""
     try:
         return run()
-    except _UsageError as exc:
+    except UsageError as exc:
         return _fail(err, str(exc), EXIT_USAGE)
     except _Unavailable as exc:
         return _fail(err, str(exc), EXIT_FAILED)
@@ -128,18 +131,18 @@ def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
 
 
 def _fail(err: Console, message: str, status: int) -> int:
-    err.print(f"dcp-safe: error: {message}", markup=False, highlight=False)
+    err.print(f"dcp-safe: error: {shown(message, 4000)}", markup=False, highlight=False)
     return status
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument(
         "--storage-options",
         metavar="JSON",
         help='fsspec/s3fs options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
     )
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dcp-safe", description="Inspect and maintain dcp_safe checkpoints."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -153,15 +156,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _storage_options(text: str | None) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _UsageError(f"--storage-options is not valid JSON ({exc}); pass an object") from None
-    if not isinstance(options, dict):
-        raise _UsageError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
+def _options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-options``, checked against the command's roots (:mod:`dcp_safe.cli_args`)."""
+    options = parse_storage_options(args.storage_options)
+    check_roots(args, options)
     return options
 
 
@@ -171,7 +169,7 @@ def _require_root(root: str) -> None:
         return
     path = root.removeprefix("file://")
     if not os.path.isdir(path):
-        raise _UsageError(f"no such directory: {path}; give the checkpoint root (a directory)")
+        raise UsageError(f"no such directory: {path}; give the checkpoint root (a directory)")
 
 
 # ---------------------------------------------------------------------------------------- ls
@@ -197,14 +195,17 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     err = Console(stderr=True, soft_wrap=True)
 
     def damaged(name: str, exc: CheckpointCorruptError) -> None:
-        err.print(f"dcp-safe: warning: not listed: {name}: {exc}", markup=False, highlight=False)
+        line = f"dcp-safe: warning: not listed: {shown(f'{name}: {exc}')}"
+        err.print(line, markup=False, highlight=False)
 
     tiers = {"local": list_checkpoints(args.root, storage_options=options, on_damaged=damaged)}
     if args.remote:
         tiers["remote"] = list_checkpoints(args.remote, storage_options=options, on_damaged=damaged)
     rows = _merge_tiers(tiers)
     if args.json:
-        out.print_json(json.dumps([_info_json(info, where) for info, where in rows]))
+        out.print_json(
+            json.dumps([_info_json(info, where) for info, where in rows]), ensure_ascii=True
+        )
         return EXIT_OK
     table = Table(title=f"committed checkpoints under {args.root}")
     for column in ("name", "step", "tiers", "size", "created (UTC)", "world size"):
@@ -258,8 +259,8 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="check a checkpoint: exit 0 sound, 1 corrupt, 2 usage error",
         description="Every byte against its checksum (default, as verify_checkpoint()), and "
-        ".metadata and every object (non-tensor) item through the restricted unpickling that "
-        "loading uses: a planted pickle is refused (exit 1) as a load would refuse it. "
+        "DCP's metadata and every item through the bounded decoders that loading uses: a "
+        "planted pickle or a decompression bomb is refused (exit 1) as a load would refuse it. "
         "--quick: only the commit marker against the manifest and every file present with "
         "its recorded size.",
     )
@@ -297,7 +298,7 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
     name = resolve_name(backend, args.name)
     manifest = open_committed(backend, name).manifest
     total = sum(record.size for record in manifest.files)
-    key = _key_from_file(args.signing_key_file)
+    key = key_from_file(args.signing_key_file)
     with _progress(out) as progress:
         task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
         report = verify_checkpoint(
@@ -315,22 +316,11 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
         how = "every byte matches its checksum (unpickling not checked: --allow-pickle)"
     else:
         how = (
-            "every byte matches its checksum; .metadata and"
+            "every byte matches its checksum; DCP's metadata, every tensor item and"
             f" {report.objects_checked} object item(s) load safely"
         )
     out.print(f"OK {name}: {len(manifest.files)} files, {len(manifest.items)} items; {how}")
     return EXIT_OK
-
-
-def _key_from_file(path: str | None) -> str | bytes | None:
-    """A key file holds the key as text (surrounding whitespace dropped), or raw bytes."""
-    if path is None:
-        return None
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return data
 
 
 def _progress(out: Console) -> Progress:
@@ -372,7 +362,9 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
         "stored_bytes": sum(e["stored_bytes"] for e in entries),
     }
     if args.json:
-        out.print_json(json.dumps({"name": name, "entries": entries, "totals": totals}))
+        out.print_json(
+            json.dumps({"name": name, "entries": entries, "totals": totals}), ensure_ascii=True
+        )
         return EXIT_OK
     table = Table(title=f"{name} under {args.root}")
     for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
@@ -381,7 +373,7 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
     for e in entries:
         shape = "-" if e["shape"] is None else "x".join(map(str, e["shape"])) or "()"
         table.add_row(
-            e["fqn"],
+            shown(e["fqn"]),  # .metadata's keys: storage's text
             shape,
             e["dtype"],
             _size(e["bytes"]),
@@ -491,7 +483,7 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
 def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
     if args.keep < 1:
-        raise _UsageError(f"--keep must be at least 1, got {args.keep}")
+        raise UsageError(f"--keep must be at least 1, got {args.keep}")
     report = apply_retention(
         args.root,
         keep_last=args.keep,
@@ -510,7 +502,7 @@ def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
     return [
         *(f"{verb} checkpoint {name}" for name in report.dropped),
         *(f"{verb} abandoned partial save {entry}" for entry in report.sweep.removed),
-        *(f"{verb} incomplete multipart upload {u}" for u in report.sweep.aborted_uploads),
+        *(f"{verb} incomplete multipart upload {shown(u)}" for u in report.sweep.aborted_uploads),
         *(
             f"kept partial save {entry}: idle for less than {grace_s:g} s"
             for entry in report.sweep.too_recent

@@ -9,7 +9,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── CheckpointExistsError(FileExistsError)   saving to a committed name without overwrite
     ├── CheckpointNotFoundError(FileNotFoundError)
     ├── CheckpointCorruptError(ValueError)       checksum, size or manifest mismatch
-    │   ├── UnsafeCheckpointError                a pickle that would run code on load
+    │   ├── UnsafeCheckpointError                a pickle that would run code, a decoding bomb
     │   └── SignatureError                       not signed with the reader's key
     │       └── UnsignedCheckpointError          not signed at all
     ├── CommitError                              the save could not be published; per-rank failures
@@ -27,6 +27,10 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
     └── DrainTimeoutError(TimeoutError)          a manager's wait/close gave up on work in flight
 
+Paths, names and what was found (``expected``/``actual``) can be storage's text: the errors that
+carry them escape them (:func:`~dcp_safe.untrusted.shown`), so a message is safe to log or
+print; the attributes keep the text as it was.
+
 DCP reports failures as ``CheckpointException``, which derives from ``BaseException`` (so
 ``except Exception`` misses it). :func:`from_checkpoint_exception` maps it to this tree once,
 where it crosses dcp_safe's API, keeping the original as ``__cause__``.
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from dcp_safe.untrusted import shown
 
 __all__ = [
     "AdmissionTimeoutError",
@@ -104,10 +110,11 @@ class CheckpointExistsError(DcpSafeError, FileExistsError):
 
     def __init__(self, path: str, detail: str | None = None) -> None:
         super().__init__(
-            f"the checkpoint name at {path} is taken: {detail}"
+            f"the checkpoint name at {shown(path)} is taken: {shown(detail)}"
             if detail
-            else f"a committed checkpoint already exists at {path}; pick a new name or pass "
-            "overwrite=True (the old checkpoint then stays loadable until the new one commits)"
+            else f"a committed checkpoint already exists at {shown(path)}; pick a new name or"
+            " pass overwrite=True (the old checkpoint then stays loadable until the new one"
+            " commits)"
         )
         self.path = path
 
@@ -116,8 +123,8 @@ class CheckpointNotFoundError(DcpSafeError, FileNotFoundError):
     """No committed checkpoint under that name (or none at all for ``"latest"``)."""
 
     def __init__(self, path: str, detail: str = "") -> None:
-        message = f"no committed checkpoint at {path}"
-        super().__init__(f"{message}: {detail}" if detail else message)
+        message = f"no committed checkpoint at {shown(path)}"
+        super().__init__(f"{message}: {shown(detail)}" if detail else message)
         self.path = path
 
 
@@ -140,9 +147,13 @@ class CheckpointCorruptError(DcpSafeError, ValueError):
         expected: object = None,
         actual: object = None,
     ) -> None:
-        where = f"{path} (item {item})" if item else path
-        detail = f"; expected {expected}, found {actual}" if expected is not None else ""
-        super().__init__(f"corrupt checkpoint data in {where}: {reason}{detail}")
+        where = f"{shown(path)} (item {shown(item)})" if item else shown(path)
+        detail = (
+            f"; expected {shown(expected, 200)}, found {shown(actual, 200)}"
+            if expected is not None
+            else ""
+        )
+        super().__init__(f"corrupt checkpoint data in {where}: {shown(reason)}{detail}")
         self.path = path
         self.item = item
         self.expected = expected
@@ -150,17 +161,26 @@ class CheckpointCorruptError(DcpSafeError, ValueError):
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):
-    """A checkpoint holds a pickle that refers to more than plain data and DCP's metadata types.
+    """A checkpoint holds what a load must not decode: a pickle that refers to more than plain
+    data (loading it would run whatever its writer put there), or an item that decodes to more
+    than the checkpoint declares (a decompression or allocation bomb).
 
-    Loading it would run whatever its writer put there, so it is refused. Pass
-    ``allow_pickle=True`` (to ``SafeStorageReader``) only for a root you trust as much as code.
+    It is refused. Pass ``allow_pickle=True`` (to ``SafeStorageReader``) only for a root you
+    trust as much as code.
     """
 
-    def __init__(self, path: str, reason: str, *, item: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        reason: str,
+        *,
+        item: str | None = None,
+        because: str = "loading it could run code from storage",
+    ) -> None:
         super().__init__(
             path,
-            f"{reason}; refused, because loading it could run code from storage. If you trust"
-            " this root as you trust code, pass allow_pickle=True",
+            f"{reason}; refused, because {because}. If you trust this root as you trust code,"
+            " pass allow_pickle=True",
             item=item,
         )
 
@@ -227,7 +247,7 @@ class StorageError(DcpSafeError, OSError):
     """
 
     def __init__(self, operation: str, path: str, cause: BaseException | str) -> None:
-        super().__init__(f"{operation} failed for {path}: {cause}")
+        super().__init__(f"{operation} failed for {shown(path)}: {shown(cause)}")
         self.operation = operation
         self.path = path
 

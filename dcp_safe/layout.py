@@ -38,6 +38,8 @@ __all__ = [
     "is_lease_file",
     "is_own_object",
     "is_partial_entry",
+    "is_save_id",
+    "is_valid_name",
     "lease_file_name",
     "new_save_id",
     "partial_dir_name",
@@ -141,7 +143,7 @@ def is_partial_entry(entry: str) -> bool:
     them: a user's ``.notes.partial-draft`` is not one, and the sweeper leaves it alone.
     """
     match = _PARTIAL.match(entry)
-    return match is not None and _is_valid_name(match["name"])
+    return match is not None and is_valid_name(match["name"])
 
 
 def lease_file_name(save_id: str | None = None) -> str:
@@ -155,7 +157,13 @@ def lease_file_name(save_id: str | None = None) -> str:
 def is_lease_file(entry: str) -> bool:
     """True for either form of :func:`lease_file_name`."""
     head, dash, save_id = entry.partition("-")
-    return head == WRITING_LEASE and (not dash or _LEASE_ID.match(save_id) is not None)
+    return head == WRITING_LEASE and (not dash or is_save_id(save_id))
+
+
+def is_save_id(value: object) -> bool:
+    """Whether ``value`` is a save id as a file name may carry it (``[A-Za-z0-9_-]``, 1 to 64
+    characters): what a lease read from storage must hold before its id is used or shown."""
+    return isinstance(value, str) and _LEASE_ID.fullmatch(value) is not None
 
 
 def takeover_record_name(save_id: str) -> str:
@@ -206,7 +214,7 @@ def is_own_object(rel: str) -> bool:
     manifest, the marker, or debris (:func:`is_debris`). The sweeper touches nothing else
     (another application's multipart upload under the same prefix, say)."""
     name, _, member = rel.partition("/")
-    return _is_valid_name(name) and (
+    return is_valid_name(name) and (
         member in (DCP_METADATA, MANIFEST, COMMITTED_MARKER, SIGNATURE)
         or is_debris(member)
         or _OWN_FILE.match(member) is not None
@@ -219,7 +227,8 @@ def _checked_id(save_id: str) -> str:
     return save_id
 
 
-def _is_valid_name(name: str) -> bool:
+def is_valid_name(name: object) -> bool:
+    """Whether :func:`validate_name` accepts ``name`` (a listed entry may be a checkpoint)."""
     try:
         validate_name(name)
     except InvalidCheckpointNameError:

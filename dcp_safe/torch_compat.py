@@ -49,6 +49,9 @@ __all__ = [
     "rebuild_dtensor",
     "rebuild_tensor",
     "save_tensor_without_crc",
+    "STORAGE_MODULES",
+    "TENSOR_REBUILDERS",
+    "storage_dtypes",
     "storage_use_count",
     "tensor_use_count",
 ]
@@ -134,6 +137,34 @@ def legacy_storage_type(dtype: torch.dtype) -> type | None:
 
 # What ``Tensor.__reduce_ex__`` names as the function that rebuilds a plain CPU tensor.
 rebuild_tensor = torch._utils._rebuild_tensor_v2
+
+#: The globals ``torch.save`` names in the pickle of a plain tensor (v2: a typed storage; v3:
+#: bytes and a dtype, for dtypes without a typed storage class) or a parameter, and what each
+#: does. dcp_safe's item decoder (:mod:`dcp_safe.checkpoints.item_pickles`) implements these
+#: itself, building tensors from the item's own records only; it never calls torch's.
+TENSOR_REBUILDERS: dict[tuple[str, str], str] = {
+    ("torch._utils", "_rebuild_tensor_v2"): "tensor_v2",
+    ("torch._utils", "_rebuild_tensor_v3"): "tensor_v3",
+    ("torch._utils", "_rebuild_parameter"): "parameter",
+}
+#: Where ``torch.save`` names storage classes in a persistent id (``torch.FloatStorage``,
+#: ``torch.storage.UntypedStorage``).
+STORAGE_MODULES = ("torch", "torch.storage")
+
+
+def storage_dtypes() -> dict[str, torch.dtype]:
+    """Storage class names as ``torch.save`` writes them, and the dtype each holds:
+    ``FloatStorage`` -> float32, ..., ``UntypedStorage`` -> bytes (uint8). Quantized storages
+    (which need a quantizer to mean anything) are left out."""
+    from torch.storage import _dtype_to_storage_type_map
+
+    found = {
+        name: dtype
+        for dtype, name in _dtype_to_storage_type_map().items()
+        if not name.startswith("Q")
+    }
+    found["UntypedStorage"] = torch.uint8
+    return found
 
 
 def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:

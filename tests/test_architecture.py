@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_safe"
 
 # Bottom to top. A module may import its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "layout", "observe", "units", "choices", "version", "torch_compat"),
+    ("errors", "layout", "observe", "units", "choices", "version", "torch_compat", "untrusted"),
     ("manifest",),
     ("backends",),
     ("commit",),
@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dcp",),
     ("staging", "telemetry"),
     ("manager", "exporting"),
-    ("cli", "demo", "bench", "testing"),
+    ("cli", "cli_args", "demo", "bench", "testing"),
 ]
 FOUNDATION = set(LAYERS[0])
 # Leaves: used by the layers above, they depend on nothing but the foundation (they report

@@ -256,6 +256,32 @@ def test_verify_usage_errors_exit_two_and_say_what_to_do(
     assert says in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # Each of these once ended in a traceback, or in several lines, or in exit status 1.
+        ["ls", "nosuchproto://bucket/run"],
+        ["ls", "{root}", "--remote", "nosuchproto://bucket/run"],
+        ["ls", "s3://bucket/run", "--storage-options", '{{"no_such_option": 1}}'],
+        ["verify", "{root}", "--signing-key-file", "{root}/no-such-key"],
+        ["verify", "{root}", "--signing-key-file", "{root}"],
+        ["export", "{root}", "step_0002"],
+        ["gc", "{root}", "--keep", "two"],
+        ["gc", "{root}", "--keep", "1", "--grace-s", "nan"],
+        ["inspect", "{root}", "step_0002", "--no-such-flag"],
+        ["no-such-command"],
+        ["bench", "--no-such-flag"],
+    ],
+)
+def test_every_option_error_is_one_line_and_exit_two(
+    root: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    status, _, err = _run(capsys, *(a.format(root=root) for a in argv))
+    assert status == EXIT_USAGE
+    assert len(err.strip().splitlines()) == 1 and err.startswith("dcp-safe: error: "), err
+    assert "Traceback" not in err
+
+
 def test_verify_of_an_empty_root_says_nothing_is_committed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -26,20 +26,36 @@ from typing import BinaryIO, Literal
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.streams import WritableFile
 
-__all__ = ["Backend", "FileStat", "WritableFile", "not_a_file"]
+__all__ = ["MAX_WALK_DEPTH", "Backend", "FileStat", "WritableFile", "not_a_file", "too_deep"]
+
+#: The most folders :meth:`Backend.walk_files` descends (dcp_safe writes two: ``<name>/_ranks/``).
+MAX_WALK_DEPTH = 16
 
 
 @dataclass(frozen=True)
 class FileStat:
     """What a stat says about one path: its kind and, for a file, its size."""
 
-    kind: Literal["file", "directory", "other"]  # "other": a FIFO, a device, a socket...
+    # "link": a symbolic link, never followed (local roots); "other": a FIFO, a device...
+    kind: Literal["file", "directory", "link", "other"]
     size_bytes: int
+
+
+def too_deep(path: str) -> CheckpointCorruptError:
+    """The error for a tree nested deeper than :data:`MAX_WALK_DEPTH` folders."""
+    return CheckpointCorruptError(
+        path,
+        f"folders nested more than {MAX_WALK_DEPTH} deep: dcp_safe never writes such a tree,"
+        " so it does not walk it; remove it by hand if it is not yours",
+    )
 
 
 def not_a_file(path: str, kind: str) -> CheckpointCorruptError:
     """The error for a path that should be a regular file and is not."""
-    what = "a directory" if kind == "directory" else "a FIFO, a device or a socket"
+    what = {
+        "directory": "a directory",
+        "link": "a symbolic link, which dcp_safe never follows beneath its root",
+    }.get(kind, "a FIFO, a device or a socket")
     return CheckpointCorruptError(path, f"not a regular file ({what})")
 
 
@@ -150,13 +166,33 @@ class Backend(abc.ABC):
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
 
     def walk_files(self, rel: str) -> Iterator[str]:
-        """Every file under ``rel``, as paths relative to ``rel``."""
-        for name in self.list_dir(rel):
-            child = f"{rel}/{name}" if rel else name
-            if self.is_dir(child):
-                yield from (f"{name}/{sub}" for sub in self.walk_files(child))
-            else:
-                yield name
+        """Every file under ``rel``, as paths relative to ``rel``.
+
+        Iterative, and at most :data:`MAX_WALK_DEPTH` folders deep: a deeper tree is not one
+        dcp_safe wrote, and raises :class:`~dcp_safe.errors.CheckpointCorruptError` naming it
+        (never a ``RecursionError``), so a caller walking many entries can pass it by.
+        """
+        pending = [("", 0)]
+        while pending:
+            sub, depth = pending.pop()
+            folder = f"{rel}/{sub}".strip("/") if rel else sub.strip("/")
+            for name in self.list_dir(folder):
+                child = f"{folder}/{name}" if folder else name
+                if not self.is_dir(child):
+                    yield f"{sub}{name}"
+                elif depth >= MAX_WALK_DEPTH:
+                    raise too_deep(self.full_path(child))
+                else:
+                    pending.append((f"{sub}{name}/", depth + 1))
+
+    def entries_holding(self, member: str) -> list[str]:
+        """The names directly under the root that hold the file ``<name>/<member>`` (the
+        commit marker: which entries may be checkpoints), sorted.
+
+        This default costs a listing and a request per entry; backends that can answer from
+        listings alone (an object store: a request per 1,000 keys) do.
+        """
+        return [e for e in self.list_dir("") if self.exists(f"{e}/{member}")]
 
     @abc.abstractmethod
     def is_dir(self, rel: str) -> bool: ...
@@ -177,6 +213,12 @@ class Backend(abc.ABC):
     def remove_file(self, rel: str) -> None:
         """Remove one file; no error when absent."""
         self.remove_tree(rel)
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        """Remove the folder ``rel`` if it is empty, atomically (nothing written into it
+        meanwhile is lost); True when removed. This default removes nothing: storage without
+        real folders has no empty one."""
+        return False
 
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op is right where there are no dirs
         """Make directory entries under ``rel`` durable (no-op where that has no meaning)."""

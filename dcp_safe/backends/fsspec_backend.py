@@ -462,6 +462,15 @@ class FsspecBackend(Backend):
             raise self._fail("list", rel, exc) from exc
         yield from sorted(str(p).removeprefix(prefix) for p in found if str(p).startswith(prefix))
 
+    def entries_holding(self, member: str) -> list[str]:
+        if not self.object_store:
+            return super().entries_holding(member)
+        # One recursive listing (a request per 1,000 keys), not a request per entry.
+        tail = f"/{member}"
+        return [
+            p[: -len(tail)] for p in self.walk_files("") if p.count("/") == 1 and p.endswith(tail)
+        ]
+
     # ----------------------------------------------------------------- layout
 
     def makedirs(self, rel: str) -> None:

@@ -1,8 +1,15 @@
-"""POSIX backend: plain ``os`` calls, fsync, and ``renameat2`` for atomic directory publish.
+"""POSIX backend: plain ``os`` calls beneath the root, fsync, and ``renameat2`` for publishing.
 
 fsspec's ``LocalFileSystem`` would work, but its ``mv`` is not a single ``rename(2)`` and it
 hides ``fileno()`` behind a wrapper; a checkpoint commit needs exactly rename, fsync of files and
 fsync of the parent directory, so this backend calls them directly.
+
+Every path is resolved by :class:`~dcp_safe.backends.beneath.Beneath`: folder by folder from a
+descriptor of the root, never through a symbolic link (a link met below the root is refused as
+damage, typed), so no read or write of this backend lands outside its root, whatever a writer
+of the root planted there (``dcp_safe.backends.beneath`` says why a walk and not a check).
+Files are replaced by a rename (``write_bytes``), never rewritten in place, so a file with
+other hard links is never written through; an append (the history) refuses such a file.
 
 ``renameat2(RENAME_NOREPLACE)`` publishes without ever replacing a committed checkpoint, and
 ``RENAME_EXCHANGE`` replaces one atomically (``overwrite=True``). Where the kernel or file system
@@ -15,31 +22,36 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
-import shutil
 import stat
+import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import BinaryIO, Literal
 
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
+from dcp_safe.backends.beneath import Beneath
 from dcp_safe.backends.writeback import WritebackFile
 from dcp_safe.errors import CheckpointCorruptError, StorageError
+from dcp_safe.untrusted import shown
 
 __all__ = ["LocalBackend"]
 
-_AT_FDCWD = -100
+log = logging.getLogger(__name__)
+
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
+_TEMP_INFIX = ".tmp-"
 
 
-def _renameat2(src: str, dst: str, flags: int) -> bool:
+def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> bool:
     """True when renameat2 did the job; False when it is unavailable here."""
     try:
         func = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):
         return False
-    rc = func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    rc = func(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), ctypes.c_uint(flags))
     if rc == 0:
         return True
     err = ctypes.get_errno()
@@ -59,6 +71,10 @@ class LocalBackend(Backend):
         self.root = os.path.abspath(root.removeprefix("file://"))
         self.fsync = fsync
 
+    @property
+    def _beneath(self) -> Beneath:
+        return Beneath(self.root)
+
     def _abs(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
 
@@ -67,38 +83,37 @@ class LocalBackend(Backend):
 
     @contextmanager
     def open_write(self, rel: str) -> Iterator[WritableFile]:
-        path = self._abs(rel)
-        try:
-            f = open(path, "xb")  # noqa: SIM115 - closed below on every path
-        except FileNotFoundError as exc:
-            raise self._fail("create", rel, exc) from exc
-        except OSError as exc:
-            raise self._fail("create", rel, exc) from exc
-        try:
-            # Durable files start their writeback as they are written, so the fsync below
-            # waits for the tail only (dcp_safe.backends.writeback).
-            yield WritebackFile(f) if self.fsync else f
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        except BaseException as exc:
+        with ExitStack() as stack:
+            try:
+                folder, name = stack.enter_context(self._beneath.parent(rel))
+                fd = self._beneath.open_in(
+                    folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+                )
+            except OSError as exc:  # a link on the way is refused as it is (corrupt)
+                raise self._fail("create", rel, exc) from exc
+            f = os.fdopen(fd, "wb")
+            try:
+                # Durable files start their writeback as they are written, so the fsync below
+                # waits for the tail only (dcp_safe.backends.writeback).
+                yield WritebackFile(f) if self.fsync else f
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            except BaseException as exc:
+                f.close()
+                with suppress(OSError):
+                    os.unlink(name, dir_fd=folder)
+                if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                    raise self._fail("write", rel, exc) from exc
+                raise
             f.close()
-            _unlink_quietly(path)
-            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
-                raise self._fail("write", rel, exc) from exc
-            raise
-        f.close()
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
         # Non-blocking open: a FIFO under a checkpoint's name must not hang the reader; the
         # fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
-        path = self._abs(rel)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = self._open_regular(rel)
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise not_a_file(path, _kind(mode))
             os.set_blocking(fd, True)
             f = os.fdopen(fd, "rb")
         except BaseException:
@@ -107,56 +122,88 @@ class LocalBackend(Backend):
         with f:
             yield f
 
+    def _open_regular(self, rel: str) -> int:
+        """A descriptor of ``rel`` opened for reading, refused unless it is a regular file."""
+        fd = self._beneath.open(rel, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise not_a_file(self._abs(rel), _kind(mode))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         # One open, one fstat, one read: the open is non-blocking (a FIFO never waits) and the
         # checks look at what was opened, so nothing can be swapped in between. The buffer is
         # the file's size, not max_bytes: a buffered read(max_bytes + 1) would allocate the
         # whole cap (256 MiB for a manifest) once per file.
         path = self._abs(rel)
+        fd = self._open_regular(rel)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except NotADirectoryError as exc:  # a path under a file: absent
-            raise FileNotFoundError(errno.ENOENT, "no such file", path) from exc
-        try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):
-                raise not_a_file(path, _kind(found.st_mode))
-            if found.st_size > max_bytes:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
                 raise CheckpointCorruptError(
-                    path, f"{found.st_size} bytes, over the {max_bytes}-byte limit for this file"
+                    path, f"{size} bytes, over the {max_bytes}-byte limit for this file"
                 )
-            return _read_at_most(fd, found.st_size, max_bytes, path)
+            return _read_at_most(fd, size, max_bytes, path)
         finally:
             os.close(fd)
 
     def sizes(self, rel: str) -> dict[str, int]:
         found: dict[str, int] = {}
         try:
-            with os.scandir(self._abs(rel)) as entries:
+            with self._beneath.folder(rel) as fd, os.scandir(fd) as entries:
                 for entry in entries:
                     with suppress(FileNotFoundError):  # removed while we looked
-                        # Follows links, as size() does; special files are left out.
-                        if entry.is_file():
-                            found[entry.name] = entry.stat().st_size
-        except (FileNotFoundError, NotADirectoryError):
+                        # Regular files only: no link is followed, no special file listed.
+                        if entry.is_file(follow_symlinks=False):
+                            found[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
             return {}
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
         return found
 
     def stat(self, rel: str) -> FileStat:
-        try:
-            found = os.stat(self._abs(rel))
-        except NotADirectoryError as exc:  # a path under a file: absent
-            raise FileNotFoundError(errno.ENOENT, "no such file", self._abs(rel)) from exc
+        found = self._beneath.lstat(rel)
         kind = _kind(found.st_mode)
         return FileStat(kind, found.st_size if kind == "file" else 0)
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-        path = self._abs(rel)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         try:
-            fd = os.open(path, flags, 0o644)
+            with self._beneath.parent(rel) as (folder, name):
+                try:
+                    self._write_new(folder, name, rel, data)
+                    return
+                except FileExistsError:
+                    if exclusive:
+                        raise
+                self._replace(folder, name, rel, data)
+        except (FileExistsError, StorageError):
+            raise
+        except OSError as exc:
+            raise self._fail("create", rel, exc) from exc
+
+    def _replace(self, folder: int, name: str, rel: str, data: bytes) -> None:
+        """Write ``data`` aside and rename it over ``name``: a reader never sees it torn, and
+        a link or a file with other hard links there is replaced, never written through."""
+        temp = f".{name}{_TEMP_INFIX}{uuid.uuid4().hex}"
+        self._write_new(folder, temp, rel, data)
+        try:
+            os.rename(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            if self.fsync:
+                os.fsync(folder)  # the new name is as durable as the old one was
+        except OSError as exc:
+            with suppress(OSError):
+                os.unlink(temp, dir_fd=folder)
+            raise self._fail("rename", rel, exc) from exc
+
+    def _write_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = self._beneath.open_in(folder, name, rel, flags, 0o644)
         except FileExistsError:
             raise
         except OSError as exc:
@@ -169,82 +216,149 @@ class LocalBackend(Backend):
                 os.fsync(fd)
         except OSError as exc:
             os.close(fd)
-            _unlink_quietly(path)
+            with suppress(OSError):
+                os.unlink(name, dir_fd=folder)
             raise self._fail("write", rel, exc) from exc
         os.close(fd)
 
+    @contextmanager
+    def open_append(self, rel: str) -> Iterator[BinaryIO]:
+        """``rel`` opened to append to (created if absent), beneath the root.
+
+        Raises:
+            CheckpointCorruptError: ``rel`` is not a regular file, or has other hard links (a
+                name for a file outside the root), or lies under a link.
+        """
+        self.makedirs("")
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+        fd = self._beneath.open(rel, flags, 0o644)
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):  # never wait on a FIFO, never write a device
+                raise not_a_file(self._abs(rel), _kind(found.st_mode))
+            if found.st_nlink > 1:
+                raise CheckpointCorruptError(
+                    self._abs(rel),
+                    f"has {found.st_nlink} hard links: it may be a file outside the root, and"
+                    " dcp_safe appends only to its own; remove it (the history restarts empty)",
+                )
+            os.set_blocking(fd, True)
+            f = os.fdopen(fd, "a+b")
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            yield f
+
     def size(self, rel: str) -> int:
-        return os.stat(self._abs(rel)).st_size
+        found = self._beneath.lstat(rel)
+        if stat.S_ISLNK(found.st_mode):
+            raise not_a_file(self._abs(rel), "link")
+        return found.st_size
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(self._abs(rel))
+        try:
+            self._beneath.lstat(rel)
+        except (FileNotFoundError, CheckpointCorruptError):  # absent, or behind a link
+            return False
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
+        return True
 
     def is_dir(self, rel: str) -> bool:
-        return os.path.isdir(self._abs(rel))
+        try:
+            return stat.S_ISDIR(self._beneath.lstat(rel).st_mode)
+        except (FileNotFoundError, CheckpointCorruptError):
+            return False
+        except OSError as exc:
+            raise self._fail("stat", rel, exc) from exc
 
     def modified_at(self, rel: str) -> float | None:
-        path = self._abs(rel)
         try:
-            newest = os.stat(path).st_mtime
+            found = self._beneath.lstat(rel)
+            newest = found.st_mtime_ns
+            if stat.S_ISDIR(found.st_mode):
+                for _, _, mtime_ns in self._beneath.walk(rel, with_stat=True):
+                    newest = max(newest, mtime_ns)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self._fail("stat", rel, exc) from exc
-        for folder, _, files in os.walk(path):
-            for name in files:
-                try:
-                    newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
-                except FileNotFoundError:
-                    continue  # removed while we looked
-        return newest
+        return newest / 1e9
 
     def list_dir(self, rel: str) -> list[str]:
+        # A folder behind a link lists as absent, as a file under a file does: nothing of it
+        # is beneath the root.
         try:
-            return sorted(os.listdir(self._abs(rel)))
-        except (FileNotFoundError, NotADirectoryError):
+            with self._beneath.folder(rel) as fd:
+                return sorted(os.listdir(fd))
+        except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
             return []
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
 
+    def walk_files(self, rel: str) -> Iterator[str]:
+        try:
+            with self._beneath.folder(rel):
+                pass  # absent, or behind a link: nothing to walk (a tree too deep still raises)
+        except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
+            return
+        try:
+            found = [path for path, _, _ in self._beneath.walk(rel)]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise self._fail("list", rel, exc) from exc
+        yield from sorted(found)
+
     def makedirs(self, rel: str) -> None:
         try:
-            os.makedirs(self._abs(rel), exist_ok=True)
+            os.makedirs(self.root, exist_ok=True)  # the root as given (links followed)
+            with self._beneath.folder(rel, create=True):
+                pass
         except OSError as exc:
             raise self._fail("mkdir", rel, exc) from exc
 
     def remove_tree(self, rel: str) -> None:
-        path = self._abs(rel)
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+            self._beneath.remove(rel)
         except OSError as exc:
             raise self._fail("remove", rel, exc) from exc
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        """Remove the folder ``rel`` if it is empty (one ``rmdir``: nothing written into it
+        meanwhile is lost). True when removed; False when absent, not empty or no folder."""
+        try:
+            with self._beneath.parent(rel) as (folder, name):
+                os.rmdir(name, dir_fd=folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise self._fail("remove", rel, exc) from exc
+        return True
 
     def sync_dir(self, rel: str) -> None:
         if not self.fsync:
             return
         try:
-            fd = os.open(self._abs(rel), os.O_RDONLY | os.O_DIRECTORY)
-            try:
+            with self._beneath.folder(rel) as fd:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
         except OSError as exc:
             raise self._fail("fsync", rel, exc) from exc
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
-        src_path, dst_path = self._abs(src), self._abs(dst)
+        dst_path = self._abs(dst)
+        src_parent, dst_parent = self._beneath.parent(src), self._beneath.parent(dst)
         try:
-            if replace and os.path.exists(dst_path):
-                return self._exchange(src, dst)
-            if not _renameat2(src_path, dst_path, _RENAME_NOREPLACE):
-                if os.path.exists(dst_path):
-                    raise FileExistsError(errno.EEXIST, "exists", dst_path)
-                os.rename(src_path, dst_path)
+            with src_parent as (src_dir, src_name), dst_parent as (dst_dir, dst_name):
+                if replace and _present(dst_dir, dst_name):
+                    return self._exchange(src_dir, src_name, dst_dir, dst_name, src, dst)
+                if not _renameat2(src_dir, src_name, dst_dir, dst_name, _RENAME_NOREPLACE):
+                    if _present(dst_dir, dst_name):
+                        raise FileExistsError(errno.EEXIST, "exists", dst_path)
+                    os.rename(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
         except FileExistsError:
             raise
         except OSError as exc:
@@ -253,8 +367,10 @@ class LocalBackend(Backend):
             raise self._fail("rename", src, exc) from exc
         return None
 
-    def _exchange(self, src: str, dst: str) -> str:
-        if _renameat2(self._abs(src), self._abs(dst), _RENAME_EXCHANGE):
+    def _exchange(
+        self, src_dir: int, src_name: str, dst_dir: int, dst_name: str, src: str, dst: str
+    ) -> str:
+        if _renameat2(src_dir, src_name, dst_dir, dst_name, _RENAME_EXCHANGE):
             return src  # the old checkpoint now lives where the partial was
         # Two plain renames would leave the name empty if we died between them; refuse instead.
         raise StorageError(
@@ -264,10 +380,35 @@ class LocalBackend(Backend):
             "the existing checkpoint is untouched - save under a new name instead",
         )
 
+    def entries_holding(self, member: str) -> list[str]:
+        # One listing of the root, then one lstat per entry: cheap on a local disk. An entry
+        # that is a link is passed by, with a warning: nothing beneath a link is read.
+        found = []
+        for entry in self.list_dir(""):
+            try:
+                kind = _kind(self._beneath.lstat(entry).st_mode)
+            except FileNotFoundError:
+                continue
+            if kind == "link":
+                log.warning("%s is a symbolic link: passed by", shown(self._abs(entry)))
+            elif kind == "directory" and self.exists(f"{entry}/{member}"):
+                found.append(entry)
+        return found
 
-def _kind(mode: int) -> Literal["file", "directory", "other"]:
+
+def _present(folder: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _kind(mode: int) -> Literal["file", "directory", "link", "other"]:
     if stat.S_ISREG(mode):
         return "file"
+    if stat.S_ISLNK(mode):
+        return "link"
     return "directory" if stat.S_ISDIR(mode) else "other"
 
 
@@ -284,8 +425,3 @@ def _read_at_most(fd: int, size_hint: int, max_bytes: int, path: str) -> bytes:
             raise CheckpointCorruptError(path, f"over the {max_bytes}-byte limit for this file")
         want = max(want, 1 << 16)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # no copy of one chunk
-
-
-def _unlink_quietly(path: str) -> None:
-    with suppress(OSError):
-        os.unlink(path)

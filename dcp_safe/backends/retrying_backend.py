@@ -44,8 +44,9 @@ class RetryingBackend(Backend):
         policy: attempts, deadline and backoff for each operation.
 
     Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``read_small``, ``size``,
-    ``stat``, ``exists``, ``list_dir``, ``sizes`` and ``walk_files`` (each listing whole),
-    ``is_dir``, ``makedirs``, ``remove_tree``, ``remove_file``, ``sync_dir``, and the opening of
+    ``stat``, ``exists``, ``list_dir``, ``sizes``, ``walk_files`` and ``entries_holding`` (each
+    listing whole), ``is_dir``, ``makedirs``, ``remove_tree``, ``remove_file``,
+    ``remove_empty_dir``, ``sync_dir``, and the opening of
     ``open_read`` (reads from the open file are not). Passed through: ``open_write``, whose
     body is the caller's code and cannot be replayed from here — the writer retries a failed
     file as a whole, and the inner backend guarantees a failed streamed write leaves nothing
@@ -144,6 +145,9 @@ class RetryingBackend(Backend):
         # A listing cannot resume halfway, so it is taken whole and retried whole.
         yield from self._retry("list", rel, lambda: list(self.inner.walk_files(rel)))
 
+    def entries_holding(self, member: str) -> list[str]:
+        return self._retry("list", "", lambda: self.inner.entries_holding(member))
+
     # ----------------------------------------------------------------- layout
 
     def makedirs(self, rel: str) -> None:
@@ -154,6 +158,9 @@ class RetryingBackend(Backend):
 
     def remove_file(self, rel: str) -> None:
         self._retry("remove", rel, lambda: self.inner.remove_file(rel))
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        return self._retry("remove", rel, lambda: self.inner.remove_empty_dir(rel))
 
     def sync_dir(self, rel: str) -> None:
         self._retry("fsync", rel, lambda: self.inner.sync_dir(rel))

@@ -19,6 +19,8 @@ from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
+from dcp_safe.errors import ConfigError
+from dcp_safe.untrusted import shown
 
 __all__ = ["open_backend"]
 
@@ -43,17 +45,32 @@ def open_backend(
     :class:`RetryingBackend`: the clients try each request once with bounded timeouts and the
     policy owns retries and the deadline (s3fs and botocore stacked would take ~40 s to report
     a persistent fault). Anything else goes to fsspec as it is.
+
+    Raises:
+        ConfigError: no fsspec file system is installed for the URL's protocol.
     """
     root = str(root)
     protocol = get_protocol(root)
     if protocol in ("file", "local"):
         return LocalBackend(root, fsync=fsync)
+    _require_known(root, protocol)
     if protocol in _S3_PROTOCOLS:
         inner = FsspecBackend(root, single_try_s3_options(storage_options), client_retries=1)
         return RetryingBackend(inner, retry or RetryPolicy())
     if protocol == _FAULTY_PROTOCOL:
         return _open_faulty(root, dict(storage_options or {}), retry)
     return FsspecBackend(root, storage_options)
+
+
+def _require_known(root: str, protocol: str) -> None:
+    """Raises ConfigError unless fsspec has a file system for ``protocol``, installed."""
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(
+            f"no storage for {shown(root, 200)}: {shown(exc, 200)}; give a local path or a"
+            " URL of an installed fsspec file system, e.g. s3://bucket/prefix"
+        ) from None
 
 
 def _open_faulty(root: str, options: dict[str, Any], retry: RetryPolicy | None) -> Backend:

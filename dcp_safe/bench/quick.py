@@ -44,6 +44,7 @@ from dcp_safe.bench.measure import (
 )
 from dcp_safe.bench.savers import DcpSafeSaver, TorchSaver
 from dcp_safe.bench.session import remove_tree, run_session
+from dcp_safe.cli_args import OneLineParser
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import ConfigError
 
@@ -55,9 +56,7 @@ TENSORS = 8
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dcp-safe bench", description=(__doc__ or "").split("\n\n")[0]
-    )
+    parser = OneLineParser(prog="dcp-safe bench", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--size-mib", type=float, default=256.0, help="state size (MiB)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (order rotates)")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp folder)")

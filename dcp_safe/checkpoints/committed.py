@@ -7,16 +7,24 @@ passes is a complete, published checkpoint whose manifest can be trusted for fur
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidCheckpointNameError,
+)
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.untrusted import shown
 
 __all__ = ["CommittedCheckpoint", "committed_names", "open_committed", "resolve_name"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,12 +39,22 @@ class CommittedCheckpoint:
 
 
 def committed_names(backend: Backend) -> list[str]:
-    """Names under the root that carry a commit marker (not yet checked further)."""
-    return [
-        entry
-        for entry in backend.list_dir("")
-        if not entry.startswith(".") and backend.exists(f"{entry}/{layout.COMMITTED_MARKER}")
-    ]
+    """Names under the root that carry a commit marker (not yet checked further).
+
+    Found from listings alone where storage allows it (an object store: a request per 1,000
+    keys, not one per entry; :meth:`~dcp_safe.backends.backend.Backend.entries_holding`). A
+    name that breaks the name rule (:func:`~dcp_safe.layout.validate_name`) is no checkpoint,
+    whatever it holds: it is passed by with a warning that shows it escaped.
+    """
+    names = []
+    for entry in backend.entries_holding(layout.COMMITTED_MARKER):
+        if entry.startswith("."):  # a partial about to be renamed into place
+            continue
+        try:
+            names.append(layout.validate_name(entry))
+        except InvalidCheckpointNameError:
+            log.warning("passed by: %s is not a checkpoint name", shown(backend.full_path(entry)))
+    return names
 
 
 def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
@@ -46,7 +64,8 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
         CheckpointNotFoundError: no marker (never committed, or not there at all).
         CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
             names; the marker or manifest is not a regular file or over its size cap
-            (:mod:`dcp_safe.manifest.limits`), or a manifest field is malformed.
+            (:mod:`dcp_safe.manifest.limits`), a manifest field is malformed, or an item lies
+            in a file the manifest does not list.
     """
     marker_path = f"{name}/{layout.COMMITTED_MARKER}"
     try:
@@ -78,6 +97,13 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
             "manifest names another checkpoint",
             expected=name,
             actual=manifest.name,
+        )
+    # Data is read only from the files the manifest lists (and sizes and checks).
+    unlisted = {item.file for item in manifest.items} - {record.path for record in manifest.files}
+    if unlisted:
+        raise CheckpointCorruptError(
+            backend.full_path(manifest_path),
+            f"items in files the manifest does not list: {', '.join(sorted(unlisted)[:5])}",
         )
     return CommittedCheckpoint(name=name, manifest=manifest, digest=actual)
 

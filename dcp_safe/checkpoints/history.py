@@ -23,9 +23,13 @@ line is one ``write`` call, so lines stay whole.
 
 Reading is bounded and strict, since anyone who can write the root can write this file: only
 its newest :data:`~dcp_safe.manifest.limits.HISTORY_MAX_BYTES` are read (and kept by a
-rewrite); a history that is not a regular file is reported and read as empty (and appending to
-it fails); a line that is not an event of the schema above, field by field, is skipped with a
-warning.
+rewrite); a history that is not a regular file (a FIFO, a device, a symbolic link) is reported
+and read as empty, and appending to it fails, as it does to one with other hard links: a local
+append opens the file beneath the root without following links
+(:meth:`~dcp_safe.backends.local_backend.LocalBackend.open_append`), so a planted
+``_history.jsonl`` never leads an append to a file outside the root; a line that is not an
+event of the schema above, field by field, is skipped with a warning. Text fields are escaped
+(:func:`~dcp_safe.untrusted.shown`) before they are written.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import threading
 import time
 from typing import Any
@@ -48,6 +51,7 @@ from dcp_safe.manifest.limits import (
     require_str,
     require_timestamp,
 )
+from dcp_safe.untrusted import shown
 
 __all__ = ["EVENTS", "HISTORY_FILE", "History"]
 
@@ -90,27 +94,26 @@ class History:
         if event not in EVENTS:
             raise ValueError(f"unknown history event {event!r}")
         line: dict[str, Any] = {"event": event, "step": step, "name": name}
-        line |= {k: v for k, v in fields.items() if v is not None}
+        # A reason may quote storage (a lease's text in an error): escaped, so the event never
+        # carries a control character to whoever reads the history.
+        line |= {
+            k: shown(v) if isinstance(v, str) else v for k, v in fields.items() if v is not None
+        }
         line["time"] = time.time()
         data = (json.dumps(line, sort_keys=True) + "\n").encode()
         with self._lock:
             self.backend.makedirs("")
             if isinstance(self.backend, LocalBackend):
-                self._append_local(data)
+                self._append_local(self.backend, data)
             else:
                 raw = self._raw()
                 fresh_line = not raw or raw.endswith(b"\n")
                 self.backend.write_bytes(HISTORY_FILE, raw + (b"" if fresh_line else b"\n") + data)
 
-    def _append_local(self, data: bytes) -> None:
-        path = self.backend.full_path(HISTORY_FILE)
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # never wait on a FIFO, never write a device
-            os.close(fd)
-            raise not_a_file(path, "other")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "a+b") as f:
+    def _append_local(self, backend: LocalBackend, data: bytes) -> None:
+        # Opened beneath the root without following links, a regular file with no other hard
+        # link (LocalBackend.open_append): never a FIFO, a device or a file outside the root.
+        with backend.open_append(HISTORY_FILE) as f:
             # A torn tail (power loss mid-append) has no newline: start a fresh line, so the
             # new event is not glued to it and lost with it.
             if f.seek(0, os.SEEK_END) > 0:
@@ -132,7 +135,7 @@ class History:
             try:
                 raw = self._raw()
             except CheckpointCorruptError as exc:
-                log.warning("%s is unreadable, read as empty: %s", HISTORY_FILE, exc)
+                log.warning("%s is unreadable, read as empty: %s", HISTORY_FILE, shown(exc))
                 return []
         events: list[dict[str, Any]] = []
         path = self.backend.full_path(HISTORY_FILE)
@@ -146,7 +149,7 @@ class History:
                     "%s line %d is not an event (torn write?): skipped (%s)",
                     HISTORY_FILE,
                     number,
-                    str(exc)[:200],
+                    shown(exc, 200),
                 )
         return events
 

@@ -1,34 +1,42 @@
-"""What a load would unpickle, checked the way a load checks it: deep verification's last step.
+"""What a load would decode, checked the way a load decodes it: deep verification's last step.
 
-Checksums prove that the bytes are the ones the manifest names, not that loading them is safe:
-whoever can write the root re-checksums a planted pickle. So deep verification also runs
-``.metadata`` through the restricted unpickler and every object item (a non-tensor, DCP's
-``BYTE_IO``) through the weights-only check, after decoding its transforms (zstd), exactly as
-:class:`~dcp_safe.dcp.reader.SafeStorageReader` does (:mod:`dcp_safe.checkpoints.restricted`).
+Checksums prove that the bytes are the ones the manifest names, not that decoding them is safe
+or bounded: whoever can write the root re-checksums a planted pickle or a decompression bomb. So
+deep verification also decodes DCP's metadata with the loads' own decoder
+(:mod:`dcp_safe.checkpoints.metadata`) and every item a load would decode with the loads' own
+bounded decoders (:mod:`dcp_safe.checkpoints.items`): object items fully (after their
+transforms, within their budgets), tensor items to the tensor they declare, checked against
+the metadata's dtype and shape. An uncompressed tensor item is checked in place: its archive's
+directory and pickle are read from the file, its tensor bytes are not (the checksum pass read
+them already), so this step costs little beside it.
 
 An item is an object item when its manifest record has no chunk offset: DCP indexes objects by
 name alone and tensors by name and chunk offset, and a load finds an item's record by that same
-key, so no item a load would unpickle escapes this check, whatever ``.metadata`` claims.
+key, so no item a load would unpickle escapes this check, whatever the metadata claims.
 Nothing here ever unpickles without restriction: with ``allow_pickle`` (the caller trusts the
-root) the check is skipped, not run unrestricted.
+root) object items are not decoded, and a checkpoint without plain metadata is not decoded at
+all, rather than unpickled to verify it.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
-from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.restricted import load_metadata, sanitized_object_stream
-from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
-from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.checkpoints.items import (
+    OBJECT_MAX_DECODED_BYTES,
+    decode_tensor_item,
+    decode_transforms,
+    stored_tensors,
+    tensor_item_bound,
+)
+from dcp_safe.checkpoints.metadata import read_dcp_metadata
+from dcp_safe.checkpoints.restricted import decode_object
+from dcp_safe.checkpoints.torch_zip import StreamSource
+from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.manifest.streams import read_verified
-from dcp_safe.torch_compat import ExtensionRegistry, StreamTransformExtension
 
 __all__ = ["check_loadable", "object_items"]
 
@@ -42,71 +50,69 @@ def object_items(manifest: Manifest) -> list[ItemRecord]:
 def check_loadable(
     backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
 ) -> int:
-    """Raise unless ``.metadata`` and every object item of ``name`` load without running code.
+    """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them.
 
     Args:
         backend: the root.
         name: a committed checkpoint whose manifest is ``manifest``.
-        allow_pickle: the caller trusts the root: nothing is checked (and nothing unpickled).
+        allow_pickle: the caller trusts the root: object items are not decoded, and a
+            checkpoint without plain metadata is not checked (nothing is unpickled).
 
     Returns:
         The number of object items checked.
 
     Raises:
-        UnsafeCheckpointError: ``.metadata`` or an object item refers to more than plain data.
-        CheckpointCorruptError: ``.metadata`` is not DCP metadata, an object item is not a
-            saved object, or their bytes do not match the manifest.
+        UnsafeCheckpointError: an object item refers to more than plain data, an item decodes
+            past what the checkpoint declares, or (without ``allow_pickle``) the checkpoint
+            has no plain metadata.
+        CheckpointCorruptError: the metadata is malformed, or an item is not what it declares.
     """
-    if allow_pickle:
+    if allow_pickle and manifest.dcp_metadata is None:
         return 0
-    _check_metadata(backend, name, manifest)
-    items = object_items(manifest)
-    for file_name, group in _by_file(items):
+    metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)
+    tensors = stored_tensors(metadata)
+    objects = [] if allow_pickle else object_items(manifest)
+    checked = [item for item in manifest.items if item.key in tensors] + objects
+    for file_name, group in _by_file(checked):
         rel = f"{name}/{file_name}"
         path = backend.full_path(rel)
         try:
             with backend.open_read(rel) as stream:
                 for item in group:
-                    _check_object(stream, path, item)
+                    if item.offset is None:
+                        _check_object(stream, path, item)
+                    else:
+                        dtype, shape = tensors[item.key]
+                        _check_tensor(stream, path, item, dtype, shape)
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
-    return len(items)
+    return len(objects)
 
 
 def _by_file(items: list[ItemRecord]) -> Iterable[tuple[str, list[ItemRecord]]]:
     grouped: dict[str, list[ItemRecord]] = {}
-    for item in items:
+    for item in sorted(items, key=lambda i: (i.file, i.start)):
         grouped.setdefault(item.file, []).append(item)
     return grouped.items()
 
 
-def _check_metadata(backend: Backend, name: str, manifest: Manifest) -> None:
-    rel = f"{name}/{layout.DCP_METADATA}"
-    path = backend.full_path(rel)
-    record = manifest.file(layout.DCP_METADATA)
-    if record is None:
-        raise CheckpointCorruptError(path, "not listed in the manifest")
-    if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
-        raise CheckpointCorruptError(
-            path, f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata"
+def _check_tensor(stream: Any, path: str, item: ItemRecord, dtype: Any, shape: Any) -> None:
+    label = item.describe()
+    if item.transforms:
+        raw = read_verified(
+            stream,
+            path=path,
+            item=label,
+            start=item.start,
+            length=item.length,
+            checksum=item.checksum,
         )
-    try:
-        with backend.open_read(rel) as stream:
-            raw = read_verified(
-                stream, path=path, item=None, start=0, length=record.size, checksum=record.checksum
-            )
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
-    try:
-        metadata = load_metadata(raw, path)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # not a pickle of DCP metadata at all
-        raise CheckpointCorruptError(
-            path, f"not DCP metadata ({type(exc).__name__}: {exc})"
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(path, "not DCP metadata")
+        data: Any = decode_transforms(
+            raw, item.transforms, max_bytes=tensor_item_bound(dtype, shape), path=path, item=label
+        )
+    else:
+        data = StreamSource(stream, item.start, item.length)
+    decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label, materialize=False)
 
 
 def _check_object(stream: Any, path: str, item: ItemRecord) -> None:
@@ -114,20 +120,7 @@ def _check_object(stream: Any, path: str, item: ItemRecord) -> None:
     raw = read_verified(
         stream, path=path, item=label, start=item.start, length=item.length, checksum=item.checksum
     )
-    try:
-        payload: Any = io.BytesIO(raw)
-        for extension in ExtensionRegistry().from_descriptor_list(list(item.transforms)):
-            if isinstance(extension, StreamTransformExtension):
-                payload = io.BytesIO(extension.transform_from(payload).read())
-    except Exception as exc:  # an unknown transform, or bytes it cannot decode
-        raise CheckpointCorruptError(
-            path, f"cannot decode the stored object ({type(exc).__name__}: {exc})", item=label
-        ) from None
-    try:
-        sanitized_object_stream(payload, path, label)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # not something torch.save wrote
-        raise CheckpointCorruptError(
-            path, f"not a saved object ({type(exc).__name__}: {exc})", item=label
-        ) from None
+    data = decode_transforms(
+        raw, item.transforms, max_bytes=OBJECT_MAX_DECODED_BYTES, path=path, item=label
+    )
+    decode_object(data, path, label, materialize=False)

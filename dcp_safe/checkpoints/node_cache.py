@@ -12,6 +12,7 @@ opening one and listing them.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.untrusted import shown
 
 __all__ = [
     "NODE_COMMITTED_MARKER",
@@ -33,6 +35,8 @@ __all__ = [
     "publish_node_cache",
     "ranks_in",
 ]
+
+log = logging.getLogger(__name__)
 
 NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
 _RANK_MANIFEST = re.compile(r"^rank_(\d{5})\.json$")
@@ -116,12 +120,16 @@ def list_node_caches(
 
     A node cache is part of a checkpoint, not a checkpoint: load from the remote root (through
     :class:`~dcp_safe.dcp.node_cache_reader.NodeCacheReader` to read what is local from here).
-    Entries whose marker does not match their manifest are left out.
+    Entries whose marker does not match their manifest are left out; so are names that break
+    the name rule (:func:`~dcp_safe.layout.validate_name`), with a warning.
     """
     backend = root if isinstance(root, Backend) else open_backend(os.fspath(root), storage_options)
     caches = []
-    for entry in backend.list_dir(""):
-        if entry.startswith(".") or not backend.exists(f"{entry}/{NODE_COMMITTED_MARKER}"):
+    for entry in backend.entries_holding(NODE_COMMITTED_MARKER):
+        if entry.startswith("."):
+            continue
+        if not layout.is_valid_name(entry):
+            log.warning("passed by: %s is not a checkpoint name", shown(backend.full_path(entry)))
             continue
         try:
             caches.append(open_node_cache(backend, entry))

@@ -59,6 +59,7 @@ from dcp_safe.commit.results import (
     bytes_by_file,
     check_every_item_written,
     dcp_metadata,
+    plain_dcp_metadata,
     records_by_rank,
     same_records,
 )
@@ -199,7 +200,7 @@ class Committer:
                     before_commit=before_commit,
                 )
             except FileExistsError as exc:
-                raise CheckpointExistsError(self.backend.full_path(name)) from exc
+                raise self._taken(name) from exc
         except BaseException as exc:
             if not strategy.in_place:
                 self._discard(work_dir)
@@ -238,6 +239,7 @@ class Committer:
         check_every_item_written(metadata, per_rank)
         rank_files = self._check_ranks(work_dir, name, save_id, per_rank, reports)
         metadata_bytes = dcp_metadata(metadata, name, save_id, results)
+        plain = plain_dcp_metadata(metadata, name)
         algorithm = self.options.checksum
         files = [f for shard_files, _ in rank_files for f in shard_files]
         files += [manifest_file for _, manifest_file in rank_files]
@@ -261,6 +263,7 @@ class Committer:
             torch_version=torch.__version__,
             step=step,
             attempt=None if attempt is None else attempt.number,
+            dcp_metadata=plain,
         )
         manifest_bytes = manifest.to_json()
         digest = manifest_digest(manifest_bytes)
@@ -489,6 +492,18 @@ class Committer:
             raise StorageError("stat", path, exc) from exc
 
     # ----------------------------------------------------------------- publish
+
+    def _taken(self, name: str) -> CheckpointExistsError:
+        """The error for a publish that found ``name`` taken: by a committed checkpoint, or by
+        something else in the way, named with what to do about it."""
+        if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+            return CheckpointExistsError(self.backend.full_path(name))
+        return CheckpointExistsError(
+            self.backend.full_path(name),
+            "it holds no checkpoint (no _COMMITTED marker) but something is in the way: an"
+            " empty or leftover folder, or a file. Remove it, or save under another name;"
+            " `dcp-safe gc` removes an empty folder once it has been idle for its grace period",
+        )
 
     def _discard_uncommitted(self, name: str, save_id: str) -> None:
         """Remove a failed object-store save, but only while its lease shows it is ours."""

@@ -21,6 +21,13 @@ objects, which object stores do not offer.
 Attempts are scoped by run id (``TORCHELASTIC_RUN_ID``, else ``"default"``) so that a new job
 reusing a root, whose restart count starts again at 0, is not fenced by an earlier job's
 attempts. A writer with no attempt (neither set) is not fenced and records no attempt.
+
+Anyone who can write the root can write a record too. A file named for a newer attempt fences
+every save of the run; the :class:`~dcp_safe.errors.StaleWriterError` then names that file and
+what to do (remove it, or take a new run id), since no check of its contents could tell a
+forged record from a real one. What is no file (a folder or a link under a record's name) is
+not a record; and ``_ATTEMPTS`` itself is opened beneath the root without following a link, so
+registering never creates a file outside it.
 """
 
 from __future__ import annotations
@@ -117,10 +124,14 @@ def register_attempt(backend: Backend, attempt: Attempt) -> None:
 
 
 def newest_attempt(backend: Backend, attempt: Attempt) -> int | None:
-    """The newest attempt recorded for ``attempt``'s run (None: none recorded)."""
+    """The newest attempt recorded for ``attempt``'s run (None: none recorded).
+
+    A record is a file named as :attr:`Attempt.marker` names one; anything else there (a
+    folder or a link under such a name) is no record, and is passed by.
+    """
     numbers = [
         int(match.group(1))
-        for entry in backend.list_dir(attempt.directory)
+        for entry in backend.sizes(attempt.directory)  # files only, from one listing
         if (match := _FILE.match(entry))
     ]
     return max(numbers, default=None)
@@ -136,13 +147,16 @@ def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> 
         return
     newest = newest_attempt(backend, attempt)
     if newest is not None and newest > attempt.number:
+        record = backend.full_path(Attempt(number=newest, run_id=attempt.run_id).marker)
         # The explanation goes into ``failures``: that is what survives DCP's trip to every
         # rank (dcp_safe.errors.from_checkpoint_exception rebuilds the message from it).
         raise StaleWriterError(
             "a writer of an older job attempt may not publish",
             {
                 rank: f"attempt {attempt.number} of run {attempt.run_id!r} is stale: attempt "
-                f"{newest} has started saving under {backend.url}; this process is a leftover "
-                "of a restart, stop it"
+                f"{newest} has started saving under {backend.url} (its record: {record}); "
+                "this process is a leftover of a restart, stop it. If no attempt "
+                f"{newest} of this run exists (a record another job with this run id left, or "
+                "one planted), remove that file, or set TORCHELASTIC_RUN_ID to a new run id"
             },
         )

@@ -61,6 +61,7 @@ from dcp_safe.commit.takeover import (
     takeover_candidates,
 )
 from dcp_safe.errors import CheckpointExistsError, StaleWriterError
+from dcp_safe.untrusted import shown
 
 __all__ = [
     "acquire_lease",
@@ -249,7 +250,7 @@ def check_lease(backend: Backend, name: str, save_id: str) -> None:
         return
     holder = _holder(backend, name) if backend.supports_exclusive_create else None
     raise StaleWriterError(
-        f"save {save_id} no longer holds {backend.full_path(name)} (held by {holder})",
+        f"save {save_id} no longer holds {backend.full_path(name)} (held by {shown(holder, 64)})",
         {0: "lease lost"},
     )
 

@@ -3,11 +3,14 @@
 DCP gathers every rank's ``write_data`` results to rank 0 and hands them to ``finish``. These are
 the checks that need nothing but those results and DCP's global plan (every planned item written
 once; a rank's records the same as its manifest's), and the ``.metadata`` file torch's own readers
-load, built from them. Storage is not touched here: :mod:`dcp_safe.commit.committer` does that.
+load, built from them, and its plain form that dcp_safe's own readers decode instead
+(:mod:`dcp_safe.manifest.dcp_metadata`). Storage is not touched here:
+:mod:`dcp_safe.commit.committer` does that.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,13 +21,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_safe.commit.report import RankReport, ReportedItem
 from dcp_safe.errors import CommitError
+from dcp_safe.manifest.dcp_metadata import encode_dcp_metadata
 from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
 from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "bytes_by_file",
     "check_every_item_written",
     "dcp_metadata",
+    "plain_dcp_metadata",
     "records_by_rank",
     "same_records",
 ]
@@ -121,3 +128,22 @@ def dcp_metadata(
     metadata.storage_data = storage
     metadata.storage_meta = StorageMeta(checkpoint_id=name, save_id=save_id)
     return pickle.dumps(metadata)
+
+
+def plain_dcp_metadata(metadata: Metadata, name: str) -> dict[str, Any] | None:
+    """The manifest's ``dcp_metadata``: what loads read instead of unpickling ``.metadata``.
+
+    ``None``, with a warning, when the metadata holds what the plain form does not carry (the
+    planner data of a custom planner): the checkpoint is still written, and dcp_safe's readers
+    then load it only with ``allow_pickle=True``.
+    """
+    try:
+        return encode_dcp_metadata(metadata)
+    except ValueError as exc:
+        log.warning(
+            "checkpoint %s: DCP metadata has no plain form (%s); it will load only with"
+            " allow_pickle=True",
+            name,
+            exc,
+        )
+        return None

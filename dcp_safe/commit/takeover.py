@@ -71,6 +71,7 @@ from dcp_safe.backends.multipart import abort_uploads_under
 from dcp_safe.commit.fencing import Attempt
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
+from dcp_safe.untrusted import shown
 
 __all__ = [
     "DEFAULT_STALE_LEASE_S",
@@ -165,7 +166,9 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
     """The holder the lease (or record) at ``rel`` names; None when it is absent.
 
     A lease that is not a small regular file of JSON is an unreadable one: a holder with no
-    fields, which only the idle rule can take over.
+    fields, which only the idle rule can take over. A save id that is not one as dcp_safe
+    makes them (:func:`~dcp_safe.layout.is_save_id`) is read as none: what a lease says
+    reaches error messages and history events, so nothing else of its text is kept.
     """
     try:
         raw = backend.read_small(rel, CONTROL_MAX_BYTES)
@@ -179,10 +182,15 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
         fields = None
     if not isinstance(fields, dict):
         return LeaseHolder(raw=raw)
-    attempt, stamp = fields.get("attempt"), fields.get("acquired_at")
+    attempt, stamp, save_id = (
+        fields.get("attempt"),
+        fields.get("acquired_at"),
+        fields.get("save_id"),
+    )
     return LeaseHolder(
         raw=raw,
-        save_id=_str_or_none(fields.get("save_id")),
+        # Only an id as dcp_safe makes them: a lease's text reaches messages and events.
+        save_id=save_id if layout.is_save_id(save_id) else None,
         attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
         run_id=_str_or_none(fields.get("run_id")),
         acquired_at=(
@@ -278,10 +286,10 @@ def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) ->
 
 def held_error(backend: Backend, name: str, holders: Sequence[str | None]) -> CheckpointExistsError:
     """The error for a save that finds ``name`` held by ``holders`` (save ids)."""
-    shown = ", ".join(str(h) for h in holders) or "another save"
+    ids = ", ".join(shown(h, 64) for h in holders) or "another save"
     return CheckpointExistsError(
         backend.full_path(name),
-        f"save {shown} is writing it (or abandoned it: a newer job attempt takes it over, "
+        f"save {ids} is writing it (or abandoned it: a newer job attempt takes it over, "
         "otherwise the sweeper collects it after its grace period)",
     )
 

@@ -3,10 +3,12 @@
 DCP calls a reader in this order (every rank)::
 
     reset(checkpoint_id)            a name or "latest"; the checkpoint is resolved and its
-                                    marker, manifest digest and .metadata checked here, so a
+                                    marker, manifest digest and DCP metadata checked here, so a
                                     missing or damaged checkpoint fails with a typed error
                                     before DCP starts planning
-    read_metadata()                 DCP's .metadata, already verified
+    read_metadata()                 DCP's metadata, decoded from the manifest's plain form
+                                    (dcp_safe.checkpoints.metadata), never from a pickle
+                                    unless allow_pickle
     set_up_storage_reader(metadata, is_coordinator, rank=...)
     prepare_local_plan / prepare_global_plan
     read_data(plan, planner)        every item's bytes are checked against the manifest before
@@ -18,14 +20,13 @@ Checks happen in ``reset`` rather than ``read_metadata`` because DCP turns an ex
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -35,26 +36,29 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.checkpoints.items import (
+    OBJECT_MAX_DECODED_BYTES,
+    decode_tensor_item,
+    decode_transforms,
+    read_item,
+    stored_tensors,
+    tensor_item_bound,
+)
+from dcp_safe.checkpoints.metadata import read_dcp_metadata
 from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.dcp.tensor_reads import read_known_tensor
 from dcp_safe.dcp.tensor_records import layout_for
-from dcp_safe.dcp.unpickle import load_metadata, sanitized_object_stream
+from dcp_safe.dcp.unpickle import sanitized_object_stream
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
-    UnsafeCheckpointError,
 )
-from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import ItemKey, ItemRecord, Manifest, item_key
 from dcp_safe.manifest.signing import resolve_key
-from dcp_safe.manifest.streams import VerifyingSlice, read_verified
-from dcp_safe.torch_compat import (
-    ExtensionRegistry,
-    StreamTransformExtension,
-    narrow_tensor_by_index,
-)
+from dcp_safe.manifest.streams import read_verified
+from dcp_safe.torch_compat import narrow_tensor_by_index
 
 __all__ = ["SafeStorageReader"]
 
@@ -68,10 +72,12 @@ class SafeStorageReader(StorageReader):
             are always checked).
         storage_options: passed to fsspec for URL roots.
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
-        allow_pickle: trust this root as you trust code: unpickle ``.metadata`` and non-tensor
-            items without restriction. By default (``False``) ``.metadata`` admits only DCP's
-            metadata types and non-tensor items only plain data, and anything else raises
-            :class:`~dcp_safe.errors.UnsafeCheckpointError` (see :mod:`dcp_safe.dcp.unpickle`).
+        allow_pickle: trust this root as you trust code: non-tensor items are unpickled without
+            restriction, and a checkpoint written before dcp_safe recorded DCP's metadata as
+            plain data is read from its ``.metadata`` pickle. By default (``False``) nothing is
+            unpickled but plain data and tensors made of their own items' bytes, and anything
+            else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` (see
+            :mod:`dcp_safe.dcp.unpickle`).
         signing_key: accept only checkpoints signed with this key (as ``SafeStorageWriter``
             takes it; default ``$DCP_SAFE_SIGNING_KEY``): an unsigned one raises
             :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
@@ -132,7 +138,6 @@ class SafeStorageReader(StorageReader):
         self._source: Backend = self.backend
         self._spare: Backend | None = None
         self._spare_checked = False
-        self._extensions = ExtensionRegistry()
         self.items_from_fallback = 0
         # Files are read on several threads; the planner, the spare tier and the counters are
         # shared between them.
@@ -186,7 +191,7 @@ class SafeStorageReader(StorageReader):
         )
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
-        self._stored = _stored_tensors(self._metadata)
+        self._stored = stored_tensors(self._metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -263,39 +268,7 @@ class SafeStorageReader(StorageReader):
     def _load_metadata(
         backend: Backend, name: str, manifest: Manifest, allow_pickle: bool
     ) -> Metadata:
-        rel = f"{name}/{layout.DCP_METADATA}"
-        record = manifest.file(layout.DCP_METADATA)
-        if record is None:
-            raise CheckpointCorruptError(backend.full_path(rel), "not listed in the manifest")
-        if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
-            raise CheckpointCorruptError(
-                backend.full_path(rel),
-                f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata",
-            )
-        try:
-            with backend.open_read(rel) as stream:
-                raw = read_verified(
-                    stream,
-                    path=backend.full_path(rel),
-                    item=None,
-                    start=0,
-                    length=record.size,
-                    checksum=record.checksum,
-                )
-        except FileNotFoundError:
-            raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
-        try:
-            metadata: Metadata = load_metadata(
-                raw, backend.full_path(rel), allow_pickle=allow_pickle
-            )
-        except UnsafeCheckpointError:
-            raise
-        except Exception as exc:  # not a pickle of DCP metadata at all
-            raise CheckpointCorruptError(
-                backend.full_path(rel), f"not DCP metadata ({type(exc).__name__}: {exc})"
-            ) from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptError(backend.full_path(rel), "not DCP metadata")
+        metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -425,32 +398,36 @@ class SafeStorageReader(StorageReader):
     def _load_streamed(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
     ) -> torch.Tensor:
-        """``torch.load`` reads straight from the file while the same bytes are hashed; the
-        checksum is compared before the tensor goes anywhere near the caller's state dict.
-        ``verify`` overrides the reader's own setting (a node cache is always verified)."""
+        """An uncompressed tensor item that is not laid out as a plain tensor: read whole into
+        memory (verified), then decoded by the bounded item decoder, which builds the tensor
+        over that memory (:mod:`dcp_safe.checkpoints.items`). ``verify`` overrides the reader's
+        own setting (a node cache is always verified)."""
         verify = self.verify if verify is None else verify
-        view = VerifyingSlice(stream, record.start, record.length, record.checksum)
-        try:
-            tensor: torch.Tensor = torch.load(
-                cast(IO[bytes], view), map_location="cpu", weights_only=True
-            )
-        except Exception as exc:
-            actual, whole = view.finish()
-            if verify and (not whole or actual != record.checksum):
-                raise CheckpointCorruptError(
-                    path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
-                ) from exc
-            raise
-        if not verify:
-            return tensor
-        actual, whole = view.finish()
-        if not whole:
-            raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=label)
-        if actual != record.checksum:
-            raise CheckpointCorruptError(
-                path, "checksum mismatch", item=label, expected=record.checksum, actual=actual
-            )
-        return tensor
+        raw = read_item(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
+            checksum=record.checksum if verify else None,
+        )
+        return self._decode_tensor(raw, path, label, record)
+
+    def _decode_tensor(
+        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord
+    ) -> torch.Tensor:
+        stored = self._stored.get(record.key)
+        if stored is None:
+            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
+        dtype, shape = stored
+        data = decode_transforms(
+            raw,
+            record.transforms,
+            max_bytes=tensor_item_bound(dtype, shape),
+            path=path,
+            item=label,
+        )
+        return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
 
     def _read_raw_retrying(
         self, backend: Backend, rel: str, stream: Any, label: str, record: ItemRecord
@@ -509,21 +486,18 @@ class SafeStorageReader(StorageReader):
         request: ReadItem,
         planner: LoadPlanner,
     ) -> None:
-        payload: Any = io.BytesIO(raw)
-        for extension in self._extensions.from_descriptor_list(list(record.transforms)):
-            if isinstance(extension, StreamTransformExtension):
-                payload = io.BytesIO(extension.transform_from(payload).read())
         if request.type == LoadItemType.BYTE_IO:
+            # Bounded unless the caller trusts the root (then as large as it decompresses).
+            bound = None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
+            payload = decode_transforms(
+                raw, record.transforms, max_bytes=bound, path=path, item=label
+            )
             safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
             with self._lock:
                 planner.load_bytes(request, safe)
             return
         self._hand_over(
-            torch.load(payload, map_location="cpu", weights_only=True),
-            path,
-            label,
-            request,
-            planner,
+            self._decode_tensor(raw, path, label, record), path, label, request, planner
         )
 
     def _hand_over(
@@ -543,19 +517,3 @@ class SafeStorageReader(StorageReader):
         target.copy_(tensor)
         with self._lock:
             planner.commit_tensor(request, target)
-
-
-def _stored_tensors(
-    metadata: Metadata | None,
-) -> dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]]:
-    """Each stored tensor chunk's dtype and shape, by its manifest item key."""
-    found: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
-    if metadata is None:
-        return found
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            dtype = entry.properties.dtype
-            for chunk in entry.chunks:
-                key = item_key(fqn, chunk.offsets)
-                found[key] = (dtype, tuple(int(size) for size in chunk.sizes))
-    return found

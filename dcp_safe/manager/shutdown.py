@@ -4,6 +4,9 @@
 writers), some with no bound of their own (a prune on a slow file system). They run on a thread
 of their own, each given what is left of the one deadline, so the caller is back by
 ``timeout_s`` whatever a step does; what is left goes on in the background.
+
+A manager never closed drains at exit (:func:`close_at_exit`): when the main thread ends,
+before the interpreter stops its thread pools, since a save in flight still needs them.
 """
 
 from __future__ import annotations
@@ -112,15 +115,59 @@ def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> l
     return errors
 
 
+# The at-exit closes still to run, run before the interpreter stops its thread pools.
+_BEFORE_POOLS_STOP: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
+_HOOKED = threading.Lock()
+_hooked = False
+
+
+def _close_all_before_pools_stop() -> None:
+    for close in list(_BEFORE_POOLS_STOP):
+        close()
+
+
+def _run_before_pools_stop(close: Callable[[], None]) -> None:
+    """Have ``close`` run when the main thread ends, before the interpreter stops the thread
+    pools (``concurrent.futures`` stops them from the same ``threading`` exit hooks, which run
+    last registered first, before ``atexit``): a drain that ran from ``atexit`` found every
+    pool refusing work, the save in flight failed, and the drain waited for it until its
+    timeout. Where that hook is missing, the ``atexit`` hook alone runs, and skips cleanly."""
+    global _hooked
+    register = getattr(threading, "_register_atexit", None)
+    with _HOOKED:
+        if not _hooked and callable(register):
+            try:
+                register(_close_all_before_pools_stop)
+            except RuntimeError:  # the interpreter is already stopping
+                return
+            _hooked = True
+    _BEFORE_POOLS_STOP.add(close)
+
+
 def close_at_exit(manager: weakref.ref[_Closable], timeout_s: float) -> Callable[[], None]:
-    """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so)."""
+    """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so).
+
+    The close runs once, at the first of: the main thread's end, before the interpreter stops
+    its thread pools (:func:`_run_before_pools_stop`), or the returned hook. A close that fails
+    is logged as one line, never a traceback; one that comes too late to drain (the pools
+    already stopped) says so and leaves the work, as the interpreter would.
+    """
+    done = threading.Lock()
 
     def close() -> None:
+        if not done.acquire(blocking=False):
+            return  # closed already
         live = manager()
-        if live is not None:
-            try:
-                live.close(timeout_s)
-            except BaseException:
-                log.exception("dcp_safe: draining the CheckpointManager at exit failed")
+        if live is None:
+            return
+        try:
+            live.close(timeout_s)
+        except BaseException as exc:  # at exit: say what happened, in one line
+            log.warning(
+                "dcp_safe: draining the CheckpointManager at exit failed: %s: %s",
+                type(exc).__name__,
+                " ".join(str(exc).split())[:500],
+            )
 
+    _run_before_pools_stop(close)
     return close

@@ -10,7 +10,14 @@ failure is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file, s
 list or choose among checkpoints skip one bad entry and keep the good ones.
 
 The caps are far above what dcp_safe writes (a marker is ~80 bytes, a manifest ~250 bytes per
-item) and far below what would hurt a process that reads them.
+item) and far below what would hurt a process that reads them. A size cap alone does not bound
+what parsing costs, though: ``[[],[],...]`` takes 25-30 times its size as Python objects, so a
+manifest just under its cap took 6-8 GiB. :func:`parse_json` therefore first estimates, from
+counts of the structural bytes (``bytes.count``, at memory speed), an upper bound on what the
+parse would allocate (:func:`parse_cost`), and refuses a document over
+:data:`PARSE_BUDGET_BYTES` before parsing it. dcp_safe's own documents cost about 11 bytes of
+estimate per byte (a manifest of ~400,000 items fits); hostile shapes are refused at a tenth of
+their size cap. Streaming the parse instead would need a second JSON parser to trust.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ __all__ = [
     "MAX_INT",
     "MAX_STR",
     "MAX_TIMESTAMP",
+    "PARSE_BUDGET_BYTES",
+    "parse_cost",
     "parse_json",
     "require_int",
     "require_str",
@@ -46,6 +55,20 @@ MAX_INT = (1 << 63) - 1
 MAX_TIMESTAMP = 253_402_300_799.0
 #: Strings in control files (names, ids, fqns, checksums, versions), in characters.
 MAX_STR = 1 << 16
+#: What parsing one JSON document may cost, as :func:`parse_cost` estimates it (an upper bound).
+PARSE_BUDGET_BYTES = 1 << 30
+
+# Bytes of Python objects a parse allocates at most per structural byte of the document
+# (CPython 3.11, 64-bit; ``tests/manifest/test_limits.py`` checks each is an upper bound): a list
+# with its first element, a dict with its first key table and value, a further dict entry, a
+# further element (a number, or a slot), a string's object header (per quote, two a string).
+_COST_LIST = 112
+_COST_DICT = 200
+_COST_ENTRY = 64
+_COST_ELEMENT = 40
+_COST_QUOTE = 32
+# The parser's own fixed allocations (its scanner, the memo of keys, object headers).
+_COST_BASE = 1 << 16
 
 
 def _no_constant(name: str) -> Any:
@@ -59,13 +82,45 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_json(data: bytes, path: str) -> Any:
+def parse_cost(data: bytes) -> int:
+    """An upper bound on the bytes ``json.loads(data)`` allocates, from counts of its bytes.
+
+    The text itself is decoded into one ``str`` (4 bytes a character unless it is ASCII without
+    ``\\u`` escapes) and strings hold at most that much; every other object is announced by a
+    structural byte (``[``, ``{``, ``:``, ``,``, ``"``), each counted at its largest cost.
+    """
+    plain = data.isascii() and b"\\u" not in data
+    text = len(data) * (2 if plain else 8)  # the decoded text, and the strings cut from it
+    return (
+        _COST_BASE
+        + text
+        + _COST_LIST * data.count(b"[")
+        + _COST_DICT * data.count(b"{")
+        + _COST_ENTRY * data.count(b":")
+        + _COST_ELEMENT * data.count(b",")
+        + _COST_QUOTE * data.count(b'"')
+    )
+
+
+def parse_json(data: bytes, path: str, *, budget_bytes: int = PARSE_BUDGET_BYTES) -> Any:
     """The JSON document in ``data``, strictly.
+
+    Args:
+        data: the document's bytes.
+        path: the file it came from, for errors.
+        budget_bytes: refuse a document whose :func:`parse_cost` is over this, unparsed.
 
     Raises:
         CheckpointCorruptError: not UTF-8 JSON; NaN, an infinity or a float out of range; an
-            integer past Python's digit limit; nesting too deep to parse.
+            integer past Python's digit limit; nesting too deep to parse; over the budget.
     """
+    cost = parse_cost(data)
+    if cost > budget_bytes:
+        raise CheckpointCorruptError(
+            path,
+            f"{len(data)} bytes of JSON whose parse could take {cost} bytes of memory,"
+            f" over the {budget_bytes}-byte budget",
+        )
     try:
         return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:

@@ -321,6 +321,10 @@ class Manifest:
     # The job attempt that wrote it (dcp_safe.commit.fencing); None when not fenced, and in
     # manifests written before fencing existed.
     attempt: int | None = None
+    # DCP's global metadata as plain JSON (dcp_safe.manifest.dcp_metadata): what loads read
+    # instead of unpickling .metadata. Checked only for being an object here; its decoder checks
+    # the rest. None in manifests written before it existed (and then left out of the JSON).
+    dcp_metadata: Mapping[str, Any] | None = field(default=None, hash=False, repr=False)
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
     _by_path: Mapping[str, FileRecord] = field(default_factory=dict, repr=False, compare=False)
@@ -336,6 +340,8 @@ class Manifest:
             require_int("step", self.step)
         if self.attempt is not None:
             require_int("attempt", self.attempt)
+        if self.dcp_metadata is not None and not isinstance(self.dcp_metadata, dict):
+            raise ValueError("dcp_metadata must be an object")
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
         by_path: dict[str, FileRecord] = {}
         for record in self.files:
@@ -366,6 +372,8 @@ class Manifest:
             "torch_version": self.torch_version,
             "step": self.step,
             "attempt": self.attempt,
+            # Left out when absent: such a manifest is byte for byte what older versions wrote.
+            **({} if self.dcp_metadata is None else {"dcp_metadata": self.dcp_metadata}),
         }
 
     def to_dict(self) -> dict[str, Any]:

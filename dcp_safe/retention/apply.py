@@ -5,16 +5,23 @@ apart: :func:`~dcp_safe.retention.policy.decide` (pure: which committed checkpoi
 :func:`~dcp_safe.retention.sweeper.sweep_partials` (the IO for leftovers of failed saves, with
 its grace period). Checkpoints without a step (not saved by a
 :class:`~dcp_safe.manager.CheckpointManager`) are neither kept nor dropped: they are left alone.
+A checkpoint that cannot be retired (a link or a tree too deep beneath it, an I/O error) is
+passed by with a warning, as the sweep passes by a damaged leftover: the rest of the pass goes
+on, and a later pass tries again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
+from dcp_safe.errors import ConfigError, DcpSafeError
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import (
@@ -23,8 +30,11 @@ from dcp_safe.retention.sweeper import (
     check_sweepable,
     sweep_partials,
 )
+from dcp_safe.untrusted import shown
 
 __all__ = ["RetentionReport", "apply_retention"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,15 +85,15 @@ def apply_retention(
             ``allow_bucket_root``; nothing is removed.
     """
     policy = KeepLast(keep_last)
+    if not grace_s >= 0:  # checked before anything is removed (NaN too)
+        raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
     backend = open_backend(os.fspath(root), storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     infos = list_checkpoints(root, storage_options=storage_options)
     # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
-    if not dry_run:
-        for name in decision.drop:
-            retire_checkpoint(backend, name)
+    dropped = decision.drop if dry_run else tuple(n for n in decision.drop if _retired(backend, n))
     sweep = sweep_partials(
         root,
         grace_s=grace_s,
@@ -91,4 +101,15 @@ def apply_retention(
         storage_options=storage_options,
         allow_bucket_root=allow_bucket_root,
     )
-    return RetentionReport(kept=decision.keep, dropped=decision.drop, sweep=sweep, dry_run=dry_run)
+    return RetentionReport(kept=decision.keep, dropped=dropped, sweep=sweep, dry_run=dry_run)
+
+
+def _retired(backend: Backend, name: str) -> bool:
+    """Retire ``name``; a failure is a warning, and one that left it published keeps it listed
+    (a damaged checkpoint never stops the rest of the pass: the next one tries again)."""
+    try:
+        retire_checkpoint(backend, name)
+    except (DcpSafeError, OSError) as exc:
+        log.warning("retiring %s failed: %s", shown(backend.full_path(name)), shown(exc, 300))
+        return not backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
+    return True

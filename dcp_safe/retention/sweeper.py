@@ -4,7 +4,10 @@ A save that fails on some rank (or is killed) leaves work behind: DCP does not c
 after another rank's failure. None of it is ever a checkpoint, but it holds space.
 
 * Roots that publish by rename (local): hidden ``.<name>.partial-<save id>/`` directories (that
-  exact form, nothing else), removed once nothing inside changed for ``grace_s``.
+  exact form, nothing else), removed once nothing inside changed for ``grace_s``; and empty
+  folders under a checkpoint's name (a local save never leaves one: it works in a partial
+  folder), which would refuse every save of that name, once idle for ``grace_s``, with one
+  ``rmdir`` that fails should anything have been put in them.
 * Roots that publish by marker (object stores): uncommitted ``<name>/`` prefixes (``name`` a
   valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
   ``grace_s``; uncommitted prefixes without a lease whose every object is one dcp_safe writes
@@ -36,13 +39,22 @@ every other application's uploads would be one prefix check away.
 
 The grace period is what keeps a save still in progress — possibly from another process or
 node — from ever being touched.
+
+Every entry is swept on its own: one that cannot be walked or removed (a tree nested deeper
+than dcp_safe ever writes, a link, an I/O error) is left alone with a warning naming it,
+escaped, and the sweep goes on. Walks are iterative and depth-bounded
+(:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH`), so no leftover can make a sweep, or a
+manager's prune that runs one, raise ``RecursionError``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +67,11 @@ from dcp_safe.commit.takeover import last_change
 from dcp_safe.errors import ConfigError, DcpSafeError, InvalidCheckpointNameError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.untrusted import shown
 
 __all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 6 * 3600.0
 # The probe's own name (FsspecBackend: PROBE_PREFIX + uuid4().hex), and nothing that merely
@@ -103,10 +118,11 @@ def sweep_partials(
         allow_bucket_root: sweep a root that is a whole bucket (see the module docstring).
 
     Raises:
-        ConfigError: a negative grace period, or a bucket root without ``allow_bucket_root``.
+        ConfigError: a negative or NaN grace period, or a bucket root without
+            ``allow_bucket_root``.
     """
-    if grace_s < 0:
-        raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
+    if not grace_s >= 0:  # NaN too: every age would pass it, and everything be collected
+        raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
     backend = open_backend(os.fspath(root), storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     now = time.time() if now is None else now
@@ -114,18 +130,42 @@ def sweep_partials(
         return _sweep_leased(backend, grace_s, dry_run, now)
     removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
     for entry in backend.list_dir(""):
-        if not layout.is_partial_entry(entry):
+        partial = layout.is_partial_entry(entry)
+        if not partial and not (_is_checkpoint_name(entry) and _is_empty_folder(backend, entry)):
             continue
-        changed = backend.modified_at(entry)
-        if changed is None:
-            continue  # gone meanwhile
-        if now - changed < grace_s:
-            recent.append(entry)
-            continue
-        if not dry_run:
-            backend.remove_tree(entry)
-        removed.append(entry)
+        with _passed_by_if_damaged(backend, entry):
+            changed = backend.modified_at(entry)
+            if changed is None:
+                continue  # gone meanwhile
+            if now - changed < grace_s:
+                recent.append(entry)
+                continue
+            # An empty folder under a checkpoint's name is removed only while it is empty.
+            if not dry_run and not partial and not backend.remove_empty_dir(entry):
+                continue
+            if not dry_run and partial:
+                backend.remove_tree(entry)
+            removed.append(entry)
     return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
+
+
+@contextlib.contextmanager
+def _passed_by_if_damaged(backend: Backend, entry: str) -> Iterator[None]:
+    """One entry's sweep: an entry that cannot be walked or removed (a tree nested deeper than
+    dcp_safe ever writes, a link, an I/O error) is passed by with a warning, so it never stops
+    the sweep of the others, nor the prunes that run one."""
+    try:
+        yield
+    except (DcpSafeError, OSError) as exc:
+        log.warning("left alone: %s (%s)", shown(backend.full_path(entry)), shown(exc, 300))
+
+
+def _is_empty_folder(backend: Backend, entry: str) -> bool:
+    """A folder holding nothing at all: no checkpoint and no save's work (a local save works in
+    a hidden partial folder), but in the way of a save under its name."""
+    with contextlib.suppress(DcpSafeError, OSError):
+        return backend.is_dir(entry) and not backend.list_dir(entry)
+    return False
 
 
 def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
@@ -138,23 +178,24 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     for entry in backend.list_dir(""):
         if not _is_checkpoint_name(entry):
             continue
-        # One listing shows the lease, the marker and the markers under _ranks/ at once.
-        files = list(backend.walk_files(entry))
-        if layout.COMMITTED_MARKER in files:
-            debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
-            continue
-        leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
-        if not leased and not _only_own_objects(entry, files):
-            continue  # not a save of ours
-        if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
-            continue  # committed since the listing
-        changed = last_change(backend, entry, now)
-        if changed is None or now - changed < grace_s:
-            recent.append(entry)
-            continue
-        if not dry_run:
-            backend.remove_tree(entry)
-        removed.append(entry)
+        with _passed_by_if_damaged(backend, entry):
+            # One listing shows the lease, the marker and the markers under _ranks/ at once.
+            files = list(backend.walk_files(entry))
+            if layout.COMMITTED_MARKER in files:
+                debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
+                continue
+            leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
+            if not leased and not _only_own_objects(entry, files):
+                continue  # not a save of ours
+            if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
+                continue  # committed since the listing
+            changed = last_change(backend, entry, now)
+            if changed is None or now - changed < grace_s:
+                recent.append(entry)
+                continue
+            if not dry_run:
+                backend.remove_tree(entry)
+            removed.append(entry)
     aborted = abort_stale_uploads(
         backend,
         older_than_s=grace_s,
@@ -182,12 +223,13 @@ def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -
     for entry in backend.list_dir(""):
         if not _PROBE.fullmatch(entry):
             continue
-        changed = backend.modified_at(entry)
-        if changed is None or now - changed < grace_s:
-            continue
-        if not dry_run:
-            backend.remove_file(entry)
-        removed.append(entry)
+        with _passed_by_if_damaged(backend, entry):
+            changed = backend.modified_at(entry)
+            if changed is None or now - changed < grace_s:
+                continue
+            if not dry_run:
+                backend.remove_file(entry)
+            removed.append(entry)
     return removed
 
 

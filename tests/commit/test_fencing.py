@@ -198,3 +198,32 @@ def test_a_restart_count_that_is_not_an_integer_is_a_config_error() -> None:
 def test_the_fencing_directory_cannot_be_used_as_a_checkpoint_name() -> None:
     with pytest.raises(InvalidCheckpointNameError):
         layout.validate_name(layout.ATTEMPTS_DIR)
+
+
+# ---------------------------------------------------------------------- planted records
+
+
+def test_a_planted_attempt_record_is_named_in_the_refusal_with_what_to_do(root: Root) -> None:
+    """A file named as a newer attempt's record fences every save of the run; the refusal
+    says which file it is and what to do, and a save under a new run id goes on."""
+    url, options = root
+    backend = open_backend(url, options)
+    record = f"{layout.ATTEMPTS_DIR}/default/attempt_000000099"
+    backend.makedirs(f"{layout.ATTEMPTS_DIR}/default")
+    backend.write_bytes(record, b"99")
+
+    with pytest.raises(StaleWriterError) as caught:
+        _save(root, "step_1", make_state(1), attempt=1)
+    message = str(caught.value)
+    assert backend.full_path(record) in message
+    assert "remove that file" in message and "TORCHELASTIC_RUN_ID" in message
+
+
+def test_a_folder_named_as_an_attempt_record_is_no_record(tmp_path: Any) -> None:
+    """An empty folder (or a link) under a record's name fences nothing: only files are
+    records, as registering writes them."""
+    root = tmp_path / "run"
+    (root / layout.ATTEMPTS_DIR / "default" / "attempt_000000099").mkdir(parents=True)
+    (root / layout.ATTEMPTS_DIR / "default" / "attempt_000000098").symlink_to(tmp_path)
+    _save((str(root), None), "step_1", make_state(1), attempt=1)
+    assert _listed((str(root), None)) == ["step_1"]

@@ -19,6 +19,7 @@ from dcp_safe import (
 )
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.history import History
 from dcp_safe.commit import lease
 from dcp_safe.commit.lease import (
     acquire_lease,
@@ -273,3 +274,28 @@ def test_a_per_save_lease_beside_another_saves_is_not_joined_nor_removed(
     assert per_save.list_dir("step_1") == sorted(
         layout.lease_file_name(save_id) for save_id in ("mine", "other")
     )
+
+
+# What a planted lease says reaches the refusal, and from there a log line and a history event:
+# terminal escapes, a line break, and a shell substitution for a history that became a script.
+_PLANTED_ID = "\x1b]0;pwned\x07\x1b[2J\n$(touch /tmp/dcp-safe-pwned)"
+
+
+def test_a_planted_lease_s_text_never_reaches_a_message_or_an_event(root: str) -> None:
+    backend = open_backend(root)
+    body = json.dumps({"save_id": _PLANTED_ID, "acquired_at": time.time()}).encode()
+    backend.write_bytes(f"step_1/{layout.WRITING_LEASE}", body)
+    with pytest.raises(CheckpointExistsError) as caught:
+        dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
+    message = str(caught.value)
+    assert "save None is writing it" in message
+    assert "pwned" not in message and "\x1b" not in message and "\n" not in message
+    with pytest.raises(StaleWriterError) as lost:
+        check_lease(backend, "step_1", "mine")
+    assert "pwned" not in str(lost.value)
+
+    history = History(backend)
+    history.append("failed", 1, "step_1", reason=f"CheckpointExistsError: {_PLANTED_ID}")
+    [event] = history.read()
+    assert not set(event["reason"]) & {"\x1b", "\x07", "\n"}
+    assert "\\x1b]0;pwned\\x07" in event["reason"]

@@ -65,31 +65,52 @@ def _saved(root: Path, state: dict[str, Any], name: str = "step_1") -> None:
     dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root))
 
 
-def test_a_planted_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+def test_a_planted_metadata_pickle_is_never_unpickled(tmp_path: Path) -> None:
+    # Loads read DCP's metadata from the manifest's plain form: a live payload planted in
+    # .metadata (re-signed) is never unpickled, not even with allow_pickle=True.
     root, sentinel = tmp_path / "root", tmp_path / "ran"
-    _saved(root, {"w": torch.ones(4)})
+    _saved(root, {"w": torch.arange(4.0)})
     _replace_file(root, "step_1", layout.DCP_METADATA, pickle.dumps(_Planted(sentinel)))
-    target = {"w": torch.zeros(4)}
-
-    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.mkdir") as caught:
-        dcp_safe.load(target, checkpoint_id="step_1", storage_reader=SafeStorageReader(root))
-    assert layout.DCP_METADATA in caught.value.path
-    with pytest.raises(UnsafeCheckpointError):
-        SafeStorageReader(root).reset("latest")
+    for allow_pickle in (False, True):
+        target = {"w": torch.zeros(4)}
+        reader = SafeStorageReader(root, allow_pickle=allow_pickle)
+        dcp_safe.load(target, checkpoint_id="step_1", storage_reader=reader)
+        assert torch.equal(target["w"], torch.arange(4.0))
+    assert dcp_safe.verify_checkpoint(root, "step_1").name == "step_1"
     assert not sentinel.exists()
 
-    # The payload is live: a caller who trusts the root gets exactly what the writer planted.
-    with pytest.raises(Exception):  # noqa: B017 - the planted object is no Metadata
-        SafeStorageReader(root, allow_pickle=True).reset("step_1")
-    assert sentinel.exists()
+
+def test_without_plain_metadata_a_load_needs_allow_pickle(tmp_path: Path) -> None:
+    # A checkpoint written before the plain form existed has only the pickle: refused (and not
+    # unpickled) unless the caller trusts the root, and then it loads.
+    root = tmp_path / "root"
+    _saved(root, {"w": torch.arange(4.0)})
+    _strip_plain_metadata(root, "step_1")
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True") as caught:
+        SafeStorageReader(root).reset("step_1")
+    assert caught.value.path.endswith(layout.DCP_METADATA)
+    target = {"w": torch.zeros(4)}
+    reader = SafeStorageReader(root, allow_pickle=True)
+    dcp_safe.load(target, checkpoint_id="step_1", storage_reader=reader)
+    assert torch.equal(target["w"], torch.arange(4.0))
 
 
 def test_garbage_metadata_is_corrupt_not_a_crash(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _saved(root, {"w": torch.ones(4)})
+    _strip_plain_metadata(root, "step_1")
     _replace_file(root, "step_1", layout.DCP_METADATA, b"\x80\x05not a pickle at all")
     with pytest.raises(CheckpointCorruptError, match="not DCP metadata"):
-        SafeStorageReader(root).reset("step_1")
+        SafeStorageReader(root, allow_pickle=True).reset("step_1")
+
+
+def _strip_plain_metadata(root: Path, name: str) -> None:
+    """Make ``name`` look as checkpoints written before the plain metadata did (re-signed)."""
+    manifest_path = root / name / layout.MANIFEST
+    manifest = Manifest.from_json(manifest_path.read_bytes(), str(manifest_path))
+    raw = dataclasses.replace(manifest, dcp_metadata=None).to_json()
+    manifest_path.write_bytes(raw)
+    (root / name / layout.COMMITTED_MARKER).write_bytes(manifest_digest(raw).encode())
 
 
 def test_an_object_item_that_would_run_code_is_refused_by_name(tmp_path: Path) -> None:

@@ -8,14 +8,26 @@ does not finish within ``case_timeout_s`` is killed. The CLI is called in-proces
 ``dcp_safe.cli.main`` with its output captured, so a traceback (any exception escaping
 ``main``) is seen as one.
 
+The child reports its peak RSS with its cells: what every entry point together cost, torch
+and dcp_safe themselves included (they are loaded before the fork).
+
+``python _hostile_driver.py --check-saves SPEC_JSON_FILE`` is the other mode: a fresh process
+that saves the "save" entry point's state itself, then checks that each case's own save (made
+after every hostile entry point had run in that case's process) is byte for byte the same (but
+for each item's per-save serialization id) and loads exactly: a refused hostile load left
+nothing behind in the process that refused it.
+
 Usage: ``python _hostile_driver.py SPECS_JSON_FILE``: a list of specs, each naming ``root``,
 ``remote`` (or null), ``good`` and ``bad`` (checkpoint names), ``good_seed``, ``latest`` (the
 name and seed a load of ``"latest"`` must give when it loads at all), ``timeout_s`` per entry
-point, ``case_timeout_s`` and ``report`` (where to write the case's JSON report).
+point, ``case_timeout_s``, ``report`` (where to write the case's JSON report) and ``writes``
+(also run the entry points that write, last: a fenced save, and a manager's save, prune and
+restore).
 
 Cells of the report: ``ok``, ``ok: <detail>``, ``refused: <ErrorType>`` (a dcp_safe error),
-``exit <n>: <first line>`` (CLI), or a failure: ``error: <Type>: <message>``, ``hang``,
-``wrong: <detail>``, ``traceback: ...``.
+``exit <n>: <last line on stderr>`` (CLI), or a failure: ``error: <Type>: <message>``,
+``hang``, ``wrong: <detail>`` (a control character in the CLI's output is one),
+``traceback: ...``.
 """
 
 from __future__ import annotations
@@ -24,6 +36,8 @@ import contextlib
 import io
 import json
 import os
+import re
+import resource
 import signal
 import sys
 import time
@@ -40,12 +54,19 @@ from support import blank_like, differing_tensors, make_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_safe
-from dcp_safe import CheckpointManager, SafeStorageReader
+from dcp_safe import CheckpointManager, SafeStorageReader, SafeStorageWriter
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.cli import main as cli_main
 from dcp_safe.errors import DcpSafeError, from_checkpoint_exception
 
 warnings.simplefilter("ignore")
+
+
+# What a terminal acts on (C0 controls but tab and newline, DEL, C1, separators, bidi): text
+# from storage must never reach the CLI's output with one of these in it.
+_ACTIVE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# The checkpoint the "save" entry point writes (the manager's is step_000000006).
+SAVED = "step_000000005"
 
 
 class _Hang(BaseException):
@@ -177,6 +198,8 @@ class Driver:
         status, errors = result["status"], err.getvalue().strip().splitlines()
         if "Traceback" in out.getvalue() + err.getvalue():
             return f"traceback in output (exit {status})", False
+        if _ACTIVE.search(out.getvalue() + err.getvalue()):
+            return f"wrong: a control character in the output (exit {status})", False
         if status != 0 and len(errors) != 1:
             return f"exit {status} with {len(errors)} lines on stderr", False
         summary = errors[-1][:160] if errors else "-"
@@ -199,7 +222,39 @@ class Driver:
         )
         gc = self.cli("gc", root, "--keep", "100")
         cells["cli gc"] = (gc[0], not gc[0].startswith(("hang", "traceback", "error")))
+        if self.spec.get("writes"):  # last: they add checkpoints the cells above do not expect
+            cells["save"] = (_cell(self.save, self.spec["timeout_s"]), True)
+            cells["manager"] = self.manager()
         return {name: {"cell": cell, "good_ok": ok} for name, (cell, ok) in cells.items()}
+
+    # ------------------------------------------------------------------ writers
+
+    def save(self) -> str:
+        """A new checkpoint, fenced (attempt 1 registers under ``_ATTEMPTS/``), loaded back."""
+        writer = SafeStorageWriter(self.root, attempt=1, step=5, fsync=False)
+        dcp_safe.save(make_state(5), checkpoint_id=SAVED, storage_writer=writer, no_dist=True)
+        target = blank_like(make_state(5))
+        dcp_safe.load(target, checkpoint_id=SAVED, storage_reader=self._reader(SAVED), no_dist=True)
+        return self._check_loaded(target, SAVED, seed=5)
+
+    def manager(self) -> tuple[str, bool]:
+        """A manager's save (history, fencing), prune (retention, sweep) and restore."""
+
+        def run() -> str:
+            manager = CheckpointManager(self.root, keep_last=100, attempt=1)
+            try:
+                manager.save(6, make_state(6))
+                manager.wait()
+                manager.prune()
+                target = blank_like(make_state(6))
+                name = manager.restore(target, 6)
+            finally:
+                manager.close()
+            return self._check_loaded(target, name, seed=6)
+
+        cell = _cell(run, self.spec["timeout_s"] * 2)
+        good = _cell(lambda: _ok(verify_checkpoint(self.root, self.spec["good"])), 60)
+        return cell, good == "ok"
 
 
 def _ok(_: object) -> str:
@@ -214,7 +269,8 @@ def _run_in_child(spec: dict[str, Any]) -> None:
         try:
             signal.signal(signal.SIGALRM, _on_alarm)
             report = Driver(spec).report()
-            Path(spec["report"]).write_text(json.dumps({"cells": report}))
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            Path(spec["report"]).write_text(json.dumps({"cells": report, "peak_rss_bytes": peak}))
             status = 0
         finally:
             os._exit(status)
@@ -233,6 +289,51 @@ def _run_in_child(spec: dict[str, Any]) -> None:
     Path(spec["report"]).write_text(json.dumps({"crash": crash}))
 
 
+# ---------------------------------------------------------------------------- --check-saves
+
+
+def _items(root: Path, name: str) -> dict[tuple[str, Any], bytes]:
+    """Every item's bytes of checkpoint ``name``, its serialization id (40 digits) zeroed."""
+    manifest = json.loads((root / name / "manifest.json").read_bytes())
+    found = {}
+    for item in manifest["items"]:
+        with open(root / name / item["file"], "rb") as f:
+            f.seek(item["start"])
+            data = f.read(item["length"])
+        offset = None if item["offset"] is None else tuple(item["offset"])
+        found[item["fqn"], offset] = re.sub(rb"[0-9]{40}", b"0" * 40, data)
+    return found
+
+
+def _plain_metadata(root: Path, name: str) -> Any:
+    return json.loads((root / name / "manifest.json").read_bytes()).get("dcp_metadata")
+
+
+def check_saves(spec: dict[str, Any]) -> dict[str, str]:
+    """Each case's own save against this fresh process's save of the same state."""
+    reference = Path(spec["reference"])
+    writer = SafeStorageWriter(reference, attempt=1, step=5, fsync=False)
+    dcp_safe.save(make_state(5), checkpoint_id=SAVED, storage_writer=writer, no_dist=True)
+    expected_items, expected_plain = _items(reference, SAVED), _plain_metadata(reference, SAVED)
+    results = {}
+    for case, root_text in spec["roots"].items():
+        root = Path(root_text)
+        if _items(root, SAVED) != expected_items:
+            results[case] = "wrong: its items differ from a fresh process's"
+        elif _plain_metadata(root, SAVED) != expected_plain:
+            results[case] = "wrong: its DCP metadata differs from a fresh process's"
+        else:
+            target = blank_like(make_state(5))
+            reader = SafeStorageReader(root, checkpoint_id=SAVED)
+            dcp_safe.load(target, checkpoint_id=SAVED, storage_reader=reader, no_dist=True)
+            results[case] = "ok" if _same(target, 5) else "wrong: it loads other values"
+    return results
+
+
 if __name__ == "__main__":
-    for case_spec in json.loads(Path(sys.argv[1]).read_text()):
-        _run_in_child(case_spec)
+    if sys.argv[1] == "--check-saves":
+        check = json.loads(Path(sys.argv[2]).read_text())
+        Path(check["report"]).write_text(json.dumps(check_saves(check)))
+    else:
+        for case_spec in json.loads(Path(sys.argv[1]).read_text()):
+            _run_in_child(case_spec)

@@ -621,9 +621,9 @@ def test_everything_published_was_fsynced_before_the_rename(tmp_path: Path) -> N
             real_fsync(fd)
             events.append(f"fsync\t{os.readlink(f'/proc/self/fd/{fd}')}")
 
-        def renameat2(src: str, dst: str, flags: int) -> bool:
-            done = real_renameat2(src, dst, flags)
-            events.append(f"rename\t{dst}")
+        def renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> bool:
+            done = real_renameat2(src_dir, src, dst_dir, dst, flags)
+            events.append(f"rename\t{os.path.join(os.readlink(f'/proc/self/fd/{dst_dir}'), dst)}")
             return done
 
         os.fsync = fsync  # type: ignore[assignment]

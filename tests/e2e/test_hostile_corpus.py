@@ -26,11 +26,14 @@ import pickle
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deep_trees import make_deep_tree, remove_deep_tree
+from hostile_decoding import DECODING_MUTATIONS, DECODING_REQUIRED, loads_the_target
+from inotify_watch import TreeWatch
 from support import make_state, resign_manifest
 
 import dcp_safe
@@ -44,6 +47,7 @@ DRIVER = Path(__file__).with_name("_hostile_driver.py")
 ENTRY_TIMEOUT_S = 30  # per entry point, inside the driver: a guard against hangs only
 CASE_TIMEOUT_S = 240  # per case subprocess
 RANK_MANIFEST = layout.rank_manifest_name(0)
+SAVED = "step_000000005"  # what the driver's "save" entry point writes
 SHARD = layout.shard_file_name(0, 0)
 
 
@@ -140,6 +144,7 @@ def _history(case: Case, tail: bytes) -> None:
 def metadata_pickle(case: Case) -> None:
     """``.metadata`` is a pickle that runs code, re-signed so every checksum passes."""
     _replace_file(case.root, layout.DCP_METADATA, pickle.dumps(_Planted(case.sentinel)))
+    case.latest = (BAD, 2)  # never unpickled: loads decode the manifest's plain metadata
 
 
 def object_item_pickle(case: Case) -> None:
@@ -254,6 +259,7 @@ def marker_dev_zero(case: Case) -> None:
 def metadata_garbage(case: Case) -> None:
     """``.metadata`` is not a pickle at all (re-signed)."""
     _replace_file(case.root, layout.DCP_METADATA, b"\x80\x04garbage" + bytes(range(256)) * 4)
+    case.latest = (BAD, 2)  # loads never read .metadata (verification does)
 
 
 def metadata_fifo(case: Case) -> None:
@@ -261,6 +267,7 @@ def metadata_fifo(case: Case) -> None:
     _fifo(case.root / BAD / layout.DCP_METADATA)
     checksum = digest_bytes(b"", ChecksumAlgorithm.XXH3_128)
     _resign_file(case.root, BAD, layout.DCP_METADATA, 0, checksum)
+    case.latest = (BAD, 2)  # loads never read .metadata (verification does)
 
 
 def metadata_oversized(case: Case) -> None:
@@ -268,6 +275,7 @@ def metadata_oversized(case: Case) -> None:
     with open(case.root / BAD / layout.DCP_METADATA, "r+b") as f:
         f.truncate((1 << 30) + 1)
     _resign_file(case.root, BAD, layout.DCP_METADATA, (1 << 30) + 1, "xxh3_128:" + "0" * 32)
+    case.latest = (BAD, 2)  # loads never read .metadata (verification does)
 
 
 def shard_fifo(case: Case) -> None:
@@ -333,6 +341,127 @@ def lease_fifo(case: Case) -> None:
     case.latest = (BAD, 2)
 
 
+# ------------------------------------------------ links out of the root, names, leftovers
+# The sentinel tree (``Case.outside``, watched by inotify while the entry points run) holds the
+# files these links point at: copies of the target's own files, so that a read through a link
+# would even pass every checksum, and a shell start-up file for the history to be appended to.
+
+
+def _link_out(case: Case, rel: str, *, name: str = BAD) -> None:
+    """Move ``name/rel`` into the sentinel tree and leave a link to it in its place."""
+    inside = case.root / name / rel
+    outside = case.outside / "copies" / name / rel
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(inside, outside)
+    inside.symlink_to(outside, target_is_directory=outside.is_dir())
+
+
+def _links(rel: str, doc: str) -> Callable[[Case], None]:
+    def mutate(case: Case) -> None:
+        _link_out(case, rel)
+        if rel in (RANK_MANIFEST, layout.RANKS_DIR, layout.DCP_METADATA):
+            # Loading never reads rank manifests, nor .metadata where the manifest carries
+            # DCP's metadata in plain form: latest may load the target, or refuse it.
+            case.latest = (BAD, 2)
+
+    mutate.__doc__ = doc
+    return mutate
+
+
+def link_history(case: Case) -> None:
+    """``_history.jsonl`` is a link to a shell start-up file outside the root."""
+    (case.root / HISTORY_FILE).symlink_to(case.outside / "bashrc")
+    case.latest = (BAD, 2)
+
+
+def link_attempts(case: Case) -> None:
+    """``_ATTEMPTS`` is a link to a folder outside the root (fencing records land there)."""
+    (case.root / layout.ATTEMPTS_DIR).symlink_to(case.outside / "dir", target_is_directory=True)
+    case.latest = (BAD, 2)
+
+
+def link_attempt_record(case: Case) -> None:
+    """A link named as a newer attempt's record: no record, so it fences nothing."""
+    (case.root / layout.ATTEMPTS_DIR / "default").mkdir(parents=True)
+    (case.root / layout.ATTEMPTS_DIR / "default" / "attempt_000000099").symlink_to(
+        case.outside / "victim"
+    )
+    case.latest = (BAD, 2)
+
+
+def link_lease(case: Case) -> None:
+    """An uncommitted name whose ``_WRITING`` lease is a link to a file outside the root."""
+    (case.root / "step_000000003").mkdir()
+    (case.root / "step_000000003" / layout.WRITING_LEASE).symlink_to(case.outside / "victim")
+    case.latest = (BAD, 2)
+
+
+def link_checkpoint(case: Case) -> None:
+    """A whole committed checkpoint at a later step, outside the root, linked in by name."""
+    outside = case.outside / "copies" / "step_000000003"
+    shutil.copytree(case.root / BAD, outside)
+    resign_manifest(case.outside / "copies", "step_000000003", _renamed("step_000000003", 3))
+    (case.root / "step_000000003").symlink_to(outside, target_is_directory=True)
+    case.latest = (BAD, 2)  # never step 3: nothing beneath a link is read
+
+
+def link_partial(case: Case) -> None:
+    """An old partial save's name is a link to a folder outside the root (gc removes it)."""
+    partial = case.root / f".step_000000009{layout.PARTIAL_INFIX}{'b' * 32}"
+    partial.symlink_to(case.outside / "dir", target_is_directory=True)
+    os.utime(partial, (1.0, 1.0), follow_symlinks=False)
+    case.latest = (BAD, 2)
+
+
+def _renamed(name: str, step: int) -> Callable[[dict[str, Any]], None]:
+    return lambda raw: raw.update(name=name, step=step)
+
+
+# Names the name rule refuses, each holding a whole checkpoint re-signed under that name at a
+# later step (old code listed them, took one for latest and printed the escapes raw).
+_ODD = ["evil\x1b]0;pwned\x07\x1b[2J", "two\nlines", "gpj.\u202eexe", "latest", "_ATTEMPTS"]
+
+
+def odd_names(case: Case) -> None:
+    """Checkpoints under names with terminal escapes, a line break, bidi, reserved words."""
+    for number, name in enumerate(_ODD, 3):
+        shutil.copytree(case.root / BAD, case.root / name)
+        resign_manifest(case.root, name, _renamed(name, number))
+    case.latest = (BAD, 2)
+
+
+def deep_leftover(case: Case) -> None:
+    """An old partial save nested 3,000 folders deep (a RecursionError for a recursive walk)."""
+    make_deep_tree(case.root / f".step_000000009{layout.PARTIAL_INFIX}{'c' * 32}", 3000, mtime=1.0)
+    case.latest = (BAD, 2)
+
+
+def item_in_unlisted_file(case: Case) -> None:
+    """Items name a file the manifest does not list (a copy of the shard, so they would verify)."""
+    shutil.copy(case.root / BAD / SHARD, case.root / BAD / "__9_9.distcp")
+
+    def edit(raw: dict[str, Any]) -> None:
+        for item in raw["items"]:
+            if item["file"] == SHARD:
+                item["file"] = "__9_9.distcp"
+
+    resign_manifest(case.root, BAD, edit)
+
+
+def planted_attempt_record(case: Case) -> None:
+    """A record of attempt 99, which never ran: every fenced save is refused, naming it."""
+    (case.root / layout.ATTEMPTS_DIR / "default").mkdir(parents=True)
+    (case.root / layout.ATTEMPTS_DIR / "default" / "attempt_000000099").write_bytes(b"99")
+    case.latest = (BAD, 2)
+
+
+def empty_folder(case: Case) -> None:
+    """A new empty folder under the name the next save takes: refused, clearly (``gc`` leaves
+    it for its grace period; test_sweeper.py shows it collected after)."""
+    (case.root / SAVED).mkdir()
+    case.latest = (BAD, 2)
+
+
 MUTATIONS: dict[str, Callable[[Case], None]] = {
     "metadata_pickle": metadata_pickle,
     "object_item_pickle": object_item_pickle,
@@ -366,7 +495,29 @@ MUTATIONS: dict[str, Callable[[Case], None]] = {
     "history_bad_fields": history_bad_fields,
     "history_fifo": history_fifo,
     "lease_fifo_and_strays": lease_fifo,
+    "link_history": link_history,
+    "link_attempts": link_attempts,
+    "link_attempt_record": link_attempt_record,
+    "link_lease": link_lease,
+    "link_shard": _links(SHARD, "The target's shard is a link to its copy outside the root."),
+    "link_metadata": _links(layout.DCP_METADATA, "``.metadata`` is a link to its copy outside."),
+    "link_manifest": _links(layout.MANIFEST, "``manifest.json`` is a link to its copy outside."),
+    "link_marker": _links(layout.COMMITTED_MARKER, "``_COMMITTED`` is a link to its copy."),
+    "link_rank_manifest": _links(RANK_MANIFEST, "The rank manifest is a link to its copy."),
+    "link_ranks_folder": _links(layout.RANKS_DIR, "``_ranks/`` is a link to its copy outside."),
+    "link_checkpoint": link_checkpoint,
+    "link_partial": link_partial,
+    "odd_names": odd_names,
+    "deep_leftover": deep_leftover,
+    "item_in_unlisted_file": item_in_unlisted_file,
+    "planted_attempt_record": planted_attempt_record,
+    "empty_folder": empty_folder,
 }
+# Issue #28, items 1 and 3: DCP's metadata never unpickled, every decode bounded.
+MUTATIONS.update(DECODING_MUTATIONS)
+MUTATIONS["link_metadata"] = loads_the_target(MUTATIONS["link_metadata"])
+# Cases whose trees a recursive clean-up (pytest's own) cannot remove: removed by the fixture.
+_DEEP = {"deep_leftover": f".step_000000009{layout.PARTIAL_INFIX}{'c' * 32}"}
 
 
 # ---------------------------------------------------------------------------- running
@@ -402,8 +553,10 @@ def _prepare(template: Path, folder: Path, name: str) -> _Prepared:
     """Copy the template, apply the mutation, and snapshot everything outside the roots."""
     case = Case(name, folder)
     shutil.copytree(template, case.root, symlinks=True)
-    case.outside.mkdir()
+    (case.outside / "dir").mkdir(parents=True)
     (case.outside / "victim").write_bytes(b"not a checkpoint's to touch\n")
+    (case.outside / "bashrc").write_bytes(b"# a shell start-up file\n")
+    (case.outside / "dir" / "notes").write_bytes(b"outside the root\n")
     MUTATIONS[name](case)
     spec = {
         "root": str(case.root),
@@ -415,6 +568,7 @@ def _prepare(template: Path, folder: Path, name: str) -> _Prepared:
         "timeout_s": ENTRY_TIMEOUT_S,
         "case_timeout_s": CASE_TIMEOUT_S,
         "report": str(folder.parent / f"{name}.report.json"),
+        "writes": True,
     }
     prepared = _Prepared(case, spec, {})
     prepared.before = _tree(case.folder, prepared.roots)
@@ -444,7 +598,7 @@ def _run_drivers(base: Path, prepared: list[_Prepared], processes: int = 2) -> N
             child.wait()
 
 
-def _outcome(prepared: _Prepared) -> dict[str, Any]:
+def _outcome(prepared: _Prepared, touched: list[tuple[Path, str]]) -> dict[str, Any]:
     case, report_path = prepared.case, Path(prepared.spec["report"])
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     return {
@@ -452,6 +606,11 @@ def _outcome(prepared: _Prepared) -> dict[str, Any]:
         "crash": report.get("crash", None if report else "the driver wrote no report"),
         "code_ran": case.sentinel.exists(),
         "outside_changed": _tree(case.folder, prepared.roots) != prepared.before,
+        "outside_touched": sorted(
+            {f"{path.relative_to(case.folder)} {what}" for path, what in touched}
+        ),
+        "peak_rss_bytes": report.get("peak_rss_bytes"),
+        "root": str(case.root),
     }
 
 
@@ -465,14 +624,33 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outcomes(template: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every case, through two driver processes."""
+def outcomes(template: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Every case, through two driver processes, with every sentinel tree watched meanwhile."""
     base = tmp_path_factory.mktemp("cases")
     # HOSTILE_ONLY=a,b runs only those cases (debugging); the tests of the others then fail.
     only = [n for n in os.environ.get("HOSTILE_ONLY", "").split(",") if n] or list(MUTATIONS)
     prepared = [_prepare(template, base / name, name) for name in only]
-    _run_drivers(base, prepared)
-    return {p.case.name: _outcome(p) for p in prepared}
+    watch = TreeWatch()
+    try:
+        for case in prepared:
+            watch.add_tree(case.case.outside)
+        _run_drivers(base, prepared)
+        touched = watch.events()  # before _outcome walks the trees itself
+    finally:
+        watch.close()
+    try:
+        yield {
+            p.case.name: _outcome(p, [t for t in touched if _under(t[0], p.case.outside)])
+            for p in prepared
+        }
+    finally:
+        for p in prepared:
+            if p.case.name in _DEEP:
+                remove_deep_tree(p.case.root / _DEEP[p.case.name])
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
 
 
 def _failed(cell: str) -> bool:
@@ -487,6 +665,7 @@ def test_a_hostile_case_breaks_nothing(outcomes: dict[str, Any], case: str) -> N
     assert result["crash"] is None, result["crash"]
     assert not result["code_ran"], "code from the root ran"
     assert not result["outside_changed"], "something outside the roots changed"
+    assert result["outside_touched"] == [], "something outside the roots was read or written"
     broken = {
         entry: cell
         for entry, cell in result["cells"].items()
@@ -497,13 +676,33 @@ def test_a_hostile_case_breaks_nothing(outcomes: dict[str, Any], case: str) -> N
 
 # Where one outcome is required, not merely any safe one: verification refuses what a load
 # refuses (a planted pickle carries a matching checksum, so only the restricted check tells).
+# A planted .metadata is never unpickled: it verifies (by checksum) and the target loads.
 REQUIRED: dict[tuple[str, str], str] = {
-    ("metadata_pickle", "verify_checkpoint"): "refused: UnsafeCheckpointError",
-    ("metadata_pickle", "cli verify"): "exit 1: dcp-safe: error: ",
+    ("metadata_pickle", "verify_checkpoint"): "ok",
+    ("metadata_pickle", "dcp_safe.load"): "ok: step_000000002",
     ("object_item_pickle", "verify_checkpoint"): "refused: UnsafeCheckpointError",
     ("object_item_pickle", "cli verify"): "exit 1: dcp-safe: error: ",
     ("shard_fifo", "verify_checkpoint"): "refused: CheckpointCorruptError",
     ("shard_fifo", "cli verify"): "exit 1: dcp-safe: error: CORRUPT",
+    # A link out of the root is refused as damage (the copies it points at would verify).
+    ("link_shard", "verify_checkpoint"): "refused: CheckpointCorruptError",
+    ("link_shard", "dcp_safe.load"): "refused: CheckpointCorruptError",
+    # Loads never read .metadata (they decode the manifest's plain form); verify does.
+    ("link_metadata", "verify_checkpoint"): "refused: CheckpointCorruptError",
+    ("link_rank_manifest", "verify_checkpoint"): "refused: CheckpointCorruptError",
+    ("link_ranks_folder", "verify_checkpoint"): "refused: CheckpointCorruptError",
+    ("link_marker", "list_checkpoints"): "ok: bad not listed",
+    ("link_manifest", "list_checkpoints"): "ok: bad not listed",
+    ("link_checkpoint", "cli ls"): "exit 0: dcp-safe: warning: ",
+    ("link_attempt_record", "save"): "ok: ",
+    ("odd_names", "cli ls"): "exit 0: dcp-safe: warning: passed by",
+    ("item_in_unlisted_file", "list_checkpoints"): "ok: bad not listed",
+    ("deep_leftover", "cli gc"): "exit 0: dcp-safe: warning: left alone",
+    ("deep_leftover", "manager"): "ok: ",
+    # A record of an attempt that never ran fences every save, naming itself (test_fencing.py).
+    ("planted_attempt_record", "save"): "refused: StaleWriterError",
+    ("empty_folder", "save"): "refused: CheckpointExistsError",
+    **DECODING_REQUIRED,
 }
 
 
@@ -514,6 +713,32 @@ def test_a_hostile_case_gets_the_required_outcome(
     cells = outcomes[case]["cells"]
     assert cells is not None, outcomes[case]["crash"]
     assert cells[entry]["cell"].startswith(REQUIRED[case, entry]), cells[entry]
+
+
+def test_the_corpus_covers_the_links_names_and_leftovers_of_issue_28() -> None:
+    """Issue #28's items 2 and 5: a link out of the root for every file read or written,
+    odd names, data in a file the manifest does not list, a deep leftover, a planted attempt
+    record, an empty folder in the way."""
+    expected = {
+        "link_history",
+        "link_attempts",
+        "link_attempt_record",
+        "link_lease",
+        "link_shard",
+        "link_metadata",
+        "link_manifest",
+        "link_marker",
+        "link_rank_manifest",
+        "link_ranks_folder",
+        "link_checkpoint",
+        "link_partial",
+        "odd_names",
+        "deep_leftover",
+        "item_in_unlisted_file",
+        "planted_attempt_record",
+        "empty_folder",
+    }
+    assert expected <= set(MUTATIONS)
 
 
 def test_the_corpus_covers_every_item_of_the_issue() -> None:
@@ -596,3 +821,72 @@ def test_summary_table(outcomes: dict[str, Any]) -> None:
     table = summary_table(outcomes)
     print("\n" + table)
     assert "FAIL" not in table.split("outcomes:")[-1]
+
+
+# ---------------------------------------------------------------------------- issue #28, 1 and 3
+
+#: Peak RSS of one case's process, every entry point together (torch and dcp_safe, imported
+#: before the fork, about 230 MiB, included): loads, verification and ``ls`` of bombs and dense
+#: files stay within their budgets. Measured: 230 MiB for most cases, 490 MiB for the two that
+#: fill a budget (a compressed object decodes to 256 MiB at most; a manifest of 255 MiB is
+#: read, then refused by its estimated parse cost). A document made to cost most within the
+#: 1 GiB parse estimate would reach about 1.2 GiB; none here does.
+RSS_BOUND_BYTES = 1 << 30
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_a_hostile_case_stays_within_its_memory_bound(outcomes: dict[str, Any], case: str) -> None:
+    peak = outcomes[case]["peak_rss_bytes"]
+    assert peak is not None, outcomes[case]["crash"]
+    assert peak <= RSS_BOUND_BYTES, f"{peak >> 20} MiB"
+
+
+@pytest.fixture(scope="module")
+def own_saves(outcomes: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Each case process's own save (the driver's "save" entry point, after every hostile
+    one), checked in one fresh process against that process's own save of the same state."""
+    base = tmp_path_factory.mktemp("own-saves")
+    roots = {
+        case: result["root"]
+        for case, result in outcomes.items()
+        if result["cells"] and result["cells"].get("save", {}).get("cell", "").startswith("ok")
+    }
+    spec = {"roots": roots, "reference": str(base / "fresh"), "report": str(base / "r.json")}
+    (base / "spec.json").write_text(json.dumps(spec))
+    subprocess.run(
+        [sys.executable, str(DRIVER), "--check-saves", str(base / "spec.json")],
+        cwd=base,
+        timeout=CASE_TIMEOUT_S * 2,
+        check=True,
+        capture_output=True,
+    )
+    return json.loads((base / "r.json").read_text())
+
+
+@pytest.mark.parametrize("case", [*sorted(DECODING_MUTATIONS), "metadata_pickle"])
+def test_after_a_hostile_case_the_process_saves_what_a_fresh_one_does(
+    own_saves: dict[str, str], case: str
+) -> None:
+    assert own_saves.get(case) == "ok", own_saves.get(case, "the case's process saved nothing")
+
+
+def test_the_corpus_covers_items_1_and_3_of_issue_28() -> None:
+    """Issue #28's items 1 and 3 and their findings, each as (at least) one generated case."""
+    expected = {
+        "metadata_build_onto_class",
+        "metadata_build_onto_class_written_before",
+        "metadata_wrong_types_written_before",
+        "plain_metadata_wrong_types",
+        "metadata_memo_shared",
+        "metadata_memo_shared_written_before",
+        "metadata_relative_path_outside",
+        "tensor_item_zstd_bomb",
+        "object_item_zstd_bomb",
+        "tensor_item_deflate_bomb",
+        "object_item_allocation_bomb",
+        "object_item_legacy_constructor",
+        "object_item_untyped_storage",
+        "tensor_item_legacy_constructor",
+        "manifest_dense_under_cap",
+    }
+    assert expected <= set(MUTATIONS)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deep_trees import make_deep_tree, remove_deep_tree
 from support import make_state
 
 import dcp_safe
@@ -338,3 +339,75 @@ def test_failure_markers_under_a_committed_checkpoint_are_collected_and_its_file
             layout.rank_failure_marker_name(1, "a" * 32),
         ]
     )
+
+
+# ---------------------------------------------------------------- damaged leftovers
+
+
+def test_a_leftover_nested_thousands_deep_is_passed_by_and_breaks_no_later_prune(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Once ``gc`` died of RecursionError on such a leftover, and so did every prune after."""
+    dcp_safe.save(make_state(0), checkpoint_id="step_1", storage_writer=SafeStorageWriter(tmp_path))
+    partial = _abandon_a_save(tmp_path)
+    deep = tmp_path / f".step_9{layout.PARTIAL_INFIX}{'a' * 32}"
+    make_deep_tree(deep, 3000, mtime=1.0)
+    try:
+        with caplog.at_level("WARNING", logger="dcp_safe"):
+            report = sweep_partials(tmp_path, grace_s=60, now=time.time() + 61)
+        assert report.removed == (partial,)
+        assert any(
+            "left alone" in r.getMessage() and deep.name in r.getMessage() for r in caplog.records
+        )
+
+        assert cli.main(["gc", str(tmp_path), "--keep", "1", "--grace-s", "0"]) == 0
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert [line for line in err.splitlines() if deep.name in line] == [
+            line for line in err.splitlines() if line.startswith("dcp-safe: warning: left alone")
+        ]
+
+        manager = dcp_safe.CheckpointManager(tmp_path, keep_last=1)
+        try:
+            manager.save(2, make_state(2))
+            manager.wait()
+            manager.prune()  # sweeps the root: the leftover is passed by again
+        finally:
+            manager.close()
+        assert "step_000000002" in os.listdir(tmp_path) and deep.is_dir()
+    finally:
+        remove_deep_tree(deep)
+
+
+def test_an_empty_folder_under_a_checkpoint_name_is_refused_clearly_then_collected(
+    tmp_path: Path,
+) -> None:
+    """It would refuse every save of its name; the refusal says what is in the way and what
+    to do, and the sweeper collects it, never a folder that holds anything."""
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "notes.txt").write_text("mine")
+    with pytest.raises(dcp_safe.CheckpointExistsError) as caught:
+        dcp_safe.save(
+            make_state(2), checkpoint_id="step_2", storage_writer=SafeStorageWriter(tmp_path)
+        )
+    message = str(caught.value)
+    assert str(tmp_path / "step_2") in message and "no _COMMITTED marker" in message
+    assert "dcp-safe gc" in message
+
+    assert sweep_partials(tmp_path, grace_s=3600).too_recent == ("step_2",)
+    report = sweep_partials(tmp_path, grace_s=60, now=time.time() + 61)
+    assert report.removed == ("step_2",)
+    assert (tmp_path / "step_3" / "notes.txt").read_text() == "mine"
+    dcp_safe.save(make_state(2), checkpoint_id="step_2", storage_writer=SafeStorageWriter(tmp_path))
+    dcp_safe.verify_checkpoint(tmp_path, "step_2")
+
+
+def test_a_nan_grace_period_is_refused_before_anything_is_removed(tmp_path: Path) -> None:
+    """NaN compares false with every age: it would have collected every partial at once."""
+    partial = _abandon_a_save(tmp_path)
+    with pytest.raises(ConfigError):
+        sweep_partials(tmp_path, grace_s=float("nan"))
+    with pytest.raises(ConfigError):
+        apply_retention(tmp_path, keep_last=1, grace_s=float("nan"))
+    assert (tmp_path / partial).is_dir()

@@ -1,0 +1,286 @@
+"""Local paths resolved beneath their root, one component at a time, never through a link.
+
+Whoever can write a checkpoint root can plant symbolic links in it: ``_history.jsonl`` pointing
+at a shell start-up file, ``_ATTEMPTS`` at another folder, a shard at a file only the job may
+read. Following them would let that writer choose which file outside the root a save appends
+to or a load reads. So :class:`~dcp_safe.backends.local_backend.LocalBackend` resolves every
+path here: from a descriptor of the root, each folder is opened with ``O_DIRECTORY |
+O_NOFOLLOW`` relative to the one above it, and the last component is opened, created,
+renamed or removed relative to its folder's descriptor (``O_NOFOLLOW`` where it is opened).
+A link met anywhere below the root is refused (:func:`link_refused` for a folder on the way,
+:func:`~dcp_safe.backends.backend.not_a_file` for the file itself), whatever it points to,
+and there is no window between a check and the open for one to be swapped in: what is
+checked is what was opened. The root itself is resolved as the user gave it (it may well be a
+link to a scratch disk): only what lies beneath it is storage's to choose.
+
+The alternatives: a containment check (``realpath``, then "is it under the root?") races with
+a writer who swaps a folder for a link between the check and the open; ``openat2`` with
+``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` does this walk in the kernel in one call, but needs
+Linux 5.6 and is not in Python's ``os``; ``O_NOFOLLOW`` on the last component alone leaves
+every folder above it open to a link. The walk costs an ``openat`` per folder of the path (two
+or three for a checkpoint's files), small beside the I/O that follows.
+
+Walks of whole trees (:meth:`Beneath.walk`, :meth:`Beneath.remove`) are iterative and hold one
+descriptor per level. They descend at most
+:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` folders below where they start (dcp_safe
+writes two: ``<name>/_ranks/``); a deeper tree is refused as damaged
+(:func:`~dcp_safe.backends.backend.too_deep`), typed, where a recursive walk would have raised
+``RecursionError`` or run out of descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+from dcp_safe.backends.backend import MAX_WALK_DEPTH, not_a_file, too_deep
+from dcp_safe.errors import CheckpointCorruptError
+
+__all__ = ["Beneath", "link_refused"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def link_refused(path: str) -> CheckpointCorruptError:
+    """The error for a symbolic link met beneath a root."""
+    return CheckpointCorruptError(
+        path,
+        "a symbolic link: dcp_safe reads and writes nothing outside its root and follows no"
+        " link beneath it; remove the link (or copy what it points to into the root)",
+    )
+
+
+class Beneath:
+    """Paths relative to one local root, resolved without following links below it.
+
+    Nothing is held open between calls: a descriptor of the root is opened per operation, so
+    the owner (a backend) stays picklable.
+
+    Args:
+        root: the root folder (absolute).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def path(self, rel: str) -> str:
+        """The full path of ``rel``, for messages."""
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def _parts(self, rel: str) -> list[str]:
+        parts = rel.rstrip("/").split("/") if rel.rstrip("/") else []
+        if any(part in ("", ".", "..") for part in parts):
+            raise CheckpointCorruptError(self.path(rel), "not a path beneath the root")
+        return parts
+
+    @contextmanager
+    def folder(self, rel: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the folder ``rel`` (``""``: the root), closed on exit.
+
+        Args:
+            create: make missing folders (never the root), as ``mkdir -p`` beneath the root.
+
+        Raises:
+            FileNotFoundError: a folder on the way is absent (and ``create`` is off).
+            NotADirectoryError: something on the way is not a folder.
+            CheckpointCorruptError: something on the way is a link.
+        """
+        parts = self._parts(rel)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for depth, part in enumerate(parts, 1):
+                child = self._open_folder(fd, part, "/".join(parts[:depth]), create)
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """``rel``'s folder (a descriptor, closed on exit) and its last component.
+
+        Raises:
+            as :meth:`folder`, for the folders above ``rel``.
+        """
+        parts = self._parts(rel)
+        if not parts:
+            raise CheckpointCorruptError(self.root, "the root has no name beneath itself")
+        with self.folder("/".join(parts[:-1]), create=create) as fd:
+            yield fd, parts[-1]
+
+    def _open_folder(self, parent: int, name: str, rel: str, create: bool) -> int:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as exc:
+            linked = isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP
+            if linked and _is_link(parent, name):
+                raise link_refused(self.path(rel)) from None
+            raise
+        with suppress(FileExistsError):  # made meanwhile by another writer: as good
+            os.mkdir(name, 0o777, dir_fd=parent)
+        return self._open_folder(parent, name, rel, create=False)
+
+    def open(self, rel: str, flags: int, mode: int = 0o644) -> int:
+        """``os.open`` of ``rel`` beneath the root with ``O_NOFOLLOW``: a descriptor.
+
+        Raises:
+            FileNotFoundError: absent (a path under a file too).
+            CheckpointCorruptError: ``rel`` or a folder above it is a link.
+        """
+        try:
+            with self.parent(rel) as (fd, name):
+                return self.open_in(fd, name, rel, flags, mode)
+        except NotADirectoryError as exc:  # a path under a file: absent
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.path(rel)) from exc
+
+    def open_in(self, folder: int, name: str, rel: str, flags: int, mode: int = 0o644) -> int:
+        """``os.open`` of ``name`` in the open ``folder`` with ``O_NOFOLLOW`` (``rel``: for
+        messages)."""
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or (
+                isinstance(exc, NotADirectoryError) and _is_link(folder, name)
+            ):
+                raise not_a_file(self.path(rel), "link") from None
+            raise
+
+    def lstat(self, rel: str) -> os.stat_result:
+        """What is at ``rel`` itself (a link is reported as one, never followed).
+
+        Raises:
+            FileNotFoundError: absent (a path under a file too).
+            CheckpointCorruptError: a folder above ``rel`` is a link.
+        """
+        if not self._parts(rel):
+            return os.stat(self.root)
+        try:
+            with self.parent(rel) as (fd, name):
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except NotADirectoryError as exc:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.path(rel)) from exc
+
+    def walk(self, rel: str, *, with_stat: bool = False) -> Iterator[tuple[str, str, int]]:
+        """Every entry under the folder ``rel`` that is no folder (links included, never
+        followed): ``(path relative to rel, name, mtime_ns or 0)``, folder by folder.
+
+        Raises:
+            FileNotFoundError: ``rel`` is absent.
+            NotADirectoryError: ``rel`` is not a folder.
+            CheckpointCorruptError: ``rel`` is (or lies under) a link, or the tree is deeper
+                than :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` folders.
+        """
+        with self.folder(rel) as top:
+            stack = [(os.dup(top), "", _listing(top))]
+            try:
+                while stack:
+                    fd, where, (folders, others) = stack[-1]
+                    for name in others:
+                        yield f"{where}{name}", name, _mtime(fd, name) if with_stat else 0
+                    others.clear()
+                    if not folders:
+                        os.close(stack.pop()[0])
+                        continue
+                    name = folders.pop(0)
+                    sub = f"{where}{name}/"
+                    below = f"{rel}/{sub}".strip("/")
+                    if len(stack) > MAX_WALK_DEPTH:
+                        raise too_deep(self.path(below))
+                    with suppress(FileNotFoundError):  # removed while we looked
+                        child = self._open_folder(fd, name, below, create=False)
+                        stack.append((child, sub, _listing(child)))
+            finally:
+                for fd, _, _ in stack:
+                    os.close(fd)
+
+    def remove(self, rel: str) -> None:
+        """Remove ``rel`` and, if it is a folder, everything under it; nothing when absent.
+
+        A link is removed, never followed. Files go as their folder is listed, folders once
+        empty; a tree deeper than :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` raises
+        :func:`~dcp_safe.backends.backend.too_deep`, with what was above that depth removed.
+
+        Raises:
+            CheckpointCorruptError: a folder above ``rel`` is a link, or the tree is too deep.
+        """
+        try:
+            with self.parent(rel) as (parent, name):
+                found = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISDIR(found.st_mode):
+                    os.unlink(name, dir_fd=parent)
+                    return
+                self._remove_folder(parent, name, rel)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+
+    def _remove_folder(self, parent: int, name: str, rel: str) -> None:
+        top = self._open_folder(parent, name, rel, create=False)
+        stack = [(top, parent, name, _unlink_files(top))]
+        try:
+            while stack:
+                fd, above, own, folders = stack[-1]
+                if not folders:
+                    stack.pop()
+                    os.close(fd)
+                    with suppress(FileNotFoundError):
+                        os.rmdir(own, dir_fd=above)
+                    continue
+                sub = folders.pop()
+                if len(stack) > MAX_WALK_DEPTH:
+                    raise too_deep(self.path(rel))
+                try:
+                    child = self._open_folder(fd, sub, rel, create=False)
+                except FileNotFoundError:
+                    continue
+                except (NotADirectoryError, CheckpointCorruptError):  # swapped meanwhile
+                    with suppress(FileNotFoundError):
+                        os.unlink(sub, dir_fd=fd)  # a link or a file: it goes, unfollowed
+                    continue
+                stack.append((child, fd, sub, _unlink_files(child)))
+        finally:
+            for fd, _, _, _ in stack:
+                os.close(fd)
+
+
+def _is_link(folder: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _listing(fd: int) -> tuple[list[str], list[str]]:
+    """The folders and the other entries (links included) of the open folder ``fd``."""
+    folders: list[str] = []
+    others: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            (folders if is_folder else others).append(entry.name)
+    return sorted(folders), sorted(others)
+
+
+def _mtime(folder: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=folder, follow_symlinks=False).st_mtime_ns
+    except FileNotFoundError:
+        return 0  # removed while we looked
+
+
+def _unlink_files(fd: int) -> list[str]:
+    """Unlink every entry of the open folder ``fd`` that is no folder; its folders."""
+    folders, others = _listing(fd)
+    for name in others:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+    return folders

@@ -1,0 +1,91 @@
+"""DCP's metadata of a committed checkpoint, as loads, deep verification and ``inspect`` read it.
+
+One function, so the three can never disagree about a checkpoint: the plain form in the
+manifest (:mod:`dcp_safe.manifest.dcp_metadata`) when there is one, which is every checkpoint
+this version writes. A checkpoint written before has only ``.metadata``, a pickle; it is
+unpickled only for a caller who trusts the root (``allow_pickle=True``), and what it yields is
+then put through the same plain encoding and decoder, and its ``storage_data`` must agree with
+the manifest item by item, so even a trusted pickle cannot point a load at other files or
+bytes. Without ``allow_pickle`` such a checkpoint is an
+:class:`~dcp_safe.errors.UnsafeCheckpointError` that says how to proceed.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.restricted import load_metadata
+from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
+from dcp_safe.manifest.dcp_metadata import (
+    check_storage_data,
+    decode_dcp_metadata,
+    encode_dcp_metadata,
+)
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.manifest.schema import Manifest
+from dcp_safe.manifest.streams import read_verified
+
+__all__ = ["read_dcp_metadata"]
+
+# Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.
+_PICKLED_ELEMENTS_PER_ITEM = 64
+
+
+def read_dcp_metadata(
+    backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
+) -> Metadata:
+    """DCP's ``Metadata`` of checkpoint ``name``, whose verified manifest is ``manifest``.
+
+    Raises:
+        CheckpointCorruptError: the metadata is malformed or disagrees with the manifest.
+        UnsafeCheckpointError: the checkpoint has no plain metadata and ``allow_pickle`` is
+            not given.
+    """
+    if manifest.dcp_metadata is not None:
+        path = backend.full_path(f"{name}/{layout.MANIFEST}")
+        return decode_dcp_metadata(manifest.dcp_metadata, manifest, path)
+    path = backend.full_path(f"{name}/{layout.DCP_METADATA}")
+    if not allow_pickle:
+        raise UnsafeCheckpointError(
+            path,
+            "written before dcp_safe recorded DCP's metadata as plain data in manifest.json;"
+            " its only copy is this pickle, which dcp_safe does not unpickle by default"
+            " (to read such a checkpoint, or re-save it, load it once with allow_pickle=True;"
+            " dcp-safe verify takes --allow-pickle)",
+        )
+    raw = _read_pickled(backend, name, manifest)
+    try:
+        pickled = load_metadata(raw, path, allow_pickle=True)
+        check_storage_data(getattr(pickled, "storage_data", None), manifest, path)
+        plain = encode_dcp_metadata(
+            pickled, budget=_PICKLED_ELEMENTS_PER_ITEM * (len(manifest.items) + 1)
+        )
+    except CheckpointCorruptError:
+        raise
+    except Exception as exc:  # whatever a trusted but odd pickle holds
+        raise CheckpointCorruptError(
+            path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+    return decode_dcp_metadata(plain, manifest, path)
+
+
+def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytes:
+    """``.metadata``'s bytes, checked against the manifest's record of it."""
+    rel = f"{name}/{layout.DCP_METADATA}"
+    path = backend.full_path(rel)
+    record = manifest.file(layout.DCP_METADATA)
+    if record is None:
+        raise CheckpointCorruptError(path, "not listed in the manifest")
+    if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
+        raise CheckpointCorruptError(
+            path, f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata"
+        )
+    try:
+        with backend.open_read(rel) as stream:
+            return read_verified(
+                stream, path=path, item=None, start=0, length=record.size, checksum=record.checksum
+            )
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None

@@ -1,0 +1,509 @@
+"""DCP's global metadata as plain JSON in ``manifest.json``: the encoding and its strict decoder.
+
+DCP describes a checkpoint in ``.metadata``, a pickle. Unpickling is running a program written by
+whoever wrote the file, and restricting which globals it may name still leaves its memo, its
+``BUILD`` opcode (``setattr`` on an admitted class, for the whole process) and shared containers
+that cost hours to walk. So the coordinator also records, at publish, exactly what a load needs
+of that metadata as plain values under the manifest's ``dcp_metadata`` field, and readers build
+DCP's ``Metadata`` from it with :func:`decode_dcp_metadata`: every field typed, every size and
+count bounded, every chunk matched to its manifest item. ``.metadata`` is still written for
+torch's own readers; dcp_safe unpickles it only when asked to (``allow_pickle=True``), and then
+through this same decoder (:func:`encode_dcp_metadata` of the unpickled object first).
+
+Why a field of the manifest and not a file beside it: the manifest's digest is what the marker
+holds and what a signature signs, so the field is covered by both with nothing added; it is
+read by the one read that opens a checkpoint; and it goes wherever the manifest is copied
+(replicas, node caches). A manifest without it is byte for byte what earlier versions wrote;
+one with it is refused as malformed by them (older readers know no such field).
+
+Format (``"format": "dcp_safe/dcp-metadata"``, ``"version": 1``)::
+
+    {"dcp_version": "1.0.0",
+     "entries": [[key, null],                                # an object (BytesStorageMetadata)
+                 [key, {"dtype": "float32", "layout": "strided", "memory_format":
+                        "contiguous_format", "requires_grad": false, "pin_memory": false,
+                        "size": [16, 8], "chunks": [[[0, 0], [16, 8]]]}]],   # offsets, sizes
+     "planner_data": null | {"paths": [[key, ["extra", "history", 0]], ...],
+                             "audit": null | [[key, "<16 hex digits per block>"], ...]}}
+
+Lists keep DCP's order and carry no duplicate keys to argue about. A tensor's fingerprints
+(blocks 0, 1, ... of :mod:`dcp_safe.dcp.audit`) are one string of 64-bit big-endian hex
+numbers: less text than a list of integers, and decoded at C speed. ``storage_data`` (where
+each item lies) is not recorded: it is rebuilt from the manifest's items, so a load reads only the
+files, offsets and lengths the manifest names and checksums. ``storage_meta`` comes from the
+manifest's name and save id.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dcp_safe import layout
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.limits import MAX_INT, MAX_STR
+from dcp_safe.manifest.schema import ItemRecord, Manifest
+from dcp_safe.torch_compat import StorageInfo
+
+__all__ = [
+    "FORMAT",
+    "MAX_DIMS",
+    "VERSION",
+    "ZSTD_MAX_RATIO",
+    "check_storage_data",
+    "decode_dcp_metadata",
+    "encode_dcp_metadata",
+]
+
+FORMAT = "dcp_safe/dcp-metadata"
+VERSION = 1
+#: Dimensions of a tensor at most (torch itself allows 64 on CPU).
+MAX_DIMS = 64
+#: Elements of one flatten path (the keys and indices from the state dict down to a value).
+_MAX_PATH = 256
+#: Fingerprint blocks per tensor at most (dcp_safe.dcp.audit records 16).
+_MAX_BLOCKS = 1 << 10
+_MAX_FINGERPRINT = (1 << 64) - 1
+#: How much a zstd frame can expand at most: a 3-byte block header and one byte stand for a
+#: 128 KiB block (RLE), 32,768 to 1; with margin. An item that is compressed cannot declare
+#: more elements than this many times its stored bytes.
+ZSTD_MAX_RATIO = 1 << 16
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(value).removeprefix("torch."): value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype)
+}
+_LAYOUTS: dict[str, torch.layout] = {
+    str(value).removeprefix("torch."): value
+    for value in vars(torch).values()
+    if isinstance(value, torch.layout)
+}
+# The memory formats DCP's TensorProperties can pickle at all.
+_MEMORY_FORMATS: dict[str, torch.memory_format] = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve_format": torch.preserve_format,
+}
+_TOP_KEYS = frozenset(("format", "version", "dcp_version", "entries", "planner_data"))
+_TENSOR_KEYS = frozenset(
+    ("dtype", "layout", "memory_format", "requires_grad", "pin_memory", "size", "chunks")
+)
+_PLANNER_KEYS = frozenset(("paths", "audit"))
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+class _Budget:
+    """Elements an encoding may visit (chunks, path elements, fingerprints): an unpickled
+    metadata can share one long list under every key, which walked naively never ends."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.left = limit
+
+    def take(self, count: int) -> None:
+        if self.left is None:
+            return
+        self.left -= count
+        if self.left < 0:
+            raise ValueError("more chunks, path elements or fingerprints than the manifest allows")
+
+
+def encode_dcp_metadata(metadata: object, *, budget: int | None = None) -> dict[str, Any]:
+    """The plain form of DCP's ``Metadata`` (the ``dcp_metadata`` field of a manifest).
+
+    Args:
+        metadata: DCP's metadata, as a save's coordinator holds it or as ``.metadata`` unpickles.
+        budget: chunks, path elements and fingerprints it may visit at most (``None``: a save's
+            own metadata, trusted).
+
+    Raises:
+        ValueError: something DCP's own planners never write (a custom planner's data, an
+            unknown entry type or field type), or over the budget.
+    """
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"not DCP metadata ({type(metadata).__name__})")
+    count = _Budget(budget)
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise ValueError("state_dict_metadata is not a dict")
+    count.take(len(entries))
+    version = metadata.version
+    if version is not None and not isinstance(version, str):
+        raise ValueError("version is not a string")
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dcp_version": version,
+        "entries": [[_str_key(key), _encode_entry(entry, count)] for key, entry in entries.items()],
+        "planner_data": _encode_planner(metadata.planner_data, count),
+    }
+
+
+def _str_key(key: object) -> str:
+    if not isinstance(key, str) or len(key) > MAX_STR:
+        raise ValueError("a key is not a string of at most 65,536 characters")
+    return key
+
+
+def _name_of(table: Mapping[str, T], value: object, what: str) -> str:
+    for name, known in table.items():
+        if known is value:
+            return name
+    raise ValueError(f"unknown {what} {type(value).__name__}")
+
+
+def _plain_bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} is not a bool")
+    return value
+
+
+def _encode_dims(value: object, what: str) -> list[int]:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
+        raise ValueError(f"{what} is not a sequence of at most {MAX_DIMS} sizes")
+    return [_count(v, what) for v in value]
+
+
+def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
+    if type(entry) is BytesStorageMetadata:
+        return None
+    if type(entry) is not TensorStorageMetadata:
+        raise ValueError(f"unknown entry type {type(entry).__name__}")
+    props, chunks = entry.properties, entry.chunks
+    if type(props) is not TensorProperties or not isinstance(chunks, list):
+        raise ValueError("a tensor entry without properties or chunks")
+    budget.take(len(chunks))
+    encoded = []
+    for chunk in chunks:
+        if type(chunk) is not ChunkStorageMetadata:
+            raise ValueError(f"unknown chunk type {type(chunk).__name__}")
+        encoded.append([_encode_dims(chunk.offsets, "offsets"), _encode_dims(chunk.sizes, "sizes")])
+    return {
+        "dtype": _name_of(_DTYPES, props.dtype, "dtype"),
+        "layout": _name_of(_LAYOUTS, props.layout, "layout"),
+        "memory_format": _name_of(_MEMORY_FORMATS, props.memory_format, "memory format"),
+        "requires_grad": _plain_bool(props.requires_grad, "requires_grad"),
+        "pin_memory": _plain_bool(props.pin_memory, "pin_memory"),
+        "size": _encode_dims(entry.size, "size"),
+        "chunks": encoded,
+    }
+
+
+def _encode_planner(data: object, budget: _Budget) -> dict[str, Any] | None:
+    """DCP's flatten mappings (key -> path) and dcp_safe's fingerprints (under AUDIT_KEY)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"planner data of type {type(data).__name__} (a custom planner's)")
+    budget.take(len(data))
+    paths: list[list[Any]] = []
+    audit: list[list[Any]] | None = None
+    for key, value in data.items():
+        if key == layout.AUDIT_KEY:
+            audit = _encode_audit(value, budget)
+        else:
+            paths.append([_str_key(key), _encode_path(value, budget)])
+    return {"paths": paths, "audit": audit}
+
+
+def _encode_path(value: object, budget: _Budget) -> list[str | int]:
+    if not isinstance(value, (tuple, list)) or not 0 < len(value) <= _MAX_PATH:
+        raise ValueError("planner data that is not a flatten path")
+    budget.take(len(value))
+    return [_str_key(v) if isinstance(v, str) else _count(v, "a path index") for v in value]
+
+
+def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
+    if not isinstance(value, dict):
+        raise ValueError("fingerprints that are not a dict")
+    found = []
+    for key, blocks in value.items():
+        if not isinstance(blocks, dict) or len(blocks) > _MAX_BLOCKS:
+            raise ValueError("fingerprints of a tensor that are not a dict of blocks")
+        budget.take(len(blocks))
+        # Ranks' partials are summed in the order their pieces arrive, so blocks come in any
+        # order; what must hold is that they are exactly 0 .. n-1.
+        if any(type(b) is not int for b in blocks) or sorted(blocks) != list(range(len(blocks))):
+            raise ValueError("fingerprints of a tensor that are not blocks 0, 1, ...")
+        values = [_fingerprint(blocks[b]) for b in range(len(blocks))]
+        found.append([_str_key(key), struct.pack(f">{len(values)}Q", *values).hex()])
+    return found
+
+
+def _count(value: object, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise ValueError(f"{what} is not an integer in [0, 2**63)")
+    return value
+
+
+def _fingerprint(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= _MAX_FINGERPRINT:
+        raise ValueError("a fingerprint is not an integer in [0, 2**64)")
+    return value
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def decode_dcp_metadata(raw: object, manifest: Manifest, path: str) -> Metadata:
+    """DCP's ``Metadata`` from its plain form, checked against ``manifest`` field by field.
+
+    Every chunk and object must be an item of the manifest, whose record then says where its
+    bytes are (``storage_data``); a chunk may not hold more elements than its item's stored
+    bytes can (or ``ZSTD_MAX_RATIO`` times that, compressed), nor lie outside its tensor.
+
+    Raises:
+        CheckpointCorruptError: ``raw`` is not such a form, names a version this dcp_safe does
+            not know, or disagrees with the manifest.
+    """
+    try:
+        return _Decoder(manifest).metadata(raw)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointCorruptError(path, f"malformed DCP metadata ({exc})") from None
+
+
+def _exact(what: str, raw: object, keys: frozenset[str]) -> Mapping[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} is not an object")
+    if raw.keys() != keys:
+        missing, unknown = sorted(keys - raw.keys()), sorted(raw.keys() - keys)[:5]
+        raise ValueError(f"{what}: missing {missing}, unknown {[k[:40] for k in unknown]}")
+    return raw
+
+
+def _list(what: str, raw: object, *, at_most: int) -> list[Any]:
+    if not isinstance(raw, list):
+        raise ValueError(f"{what} is not a list")
+    if len(raw) > at_most:
+        raise ValueError(f"{what} has {len(raw)} elements, more than {at_most}")
+    return raw
+
+
+def _pair(what: str, raw: object) -> tuple[Any, Any]:
+    if not isinstance(raw, list) or len(raw) != 2:
+        raise ValueError(f"{what} is not a pair")
+    return raw[0], raw[1]
+
+
+def _lookup(what: str, table: Mapping[str, T], name: object) -> T:
+    if not isinstance(name, str) or name not in table:
+        raise ValueError(f"unknown {what} {str(name)[:40]!r}")
+    return table[name]
+
+
+class _Decoder:
+    """One decode against one manifest: every chunk and object takes its item once."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.storage: dict[MetadataIndex, StorageInfo] = {}
+        self.keys: set[str] = set()
+
+    def metadata(self, raw: object) -> Metadata:
+        top = _exact("the metadata", raw, _TOP_KEYS)
+        if top["format"] != FORMAT:
+            raise ValueError(f"format is not {FORMAT!r}")
+        if top["version"] != VERSION:
+            raise ValueError(f"version {str(top['version'])[:20]}, this dcp_safe reads {VERSION}")
+        version = top["dcp_version"]
+        if version is not None and (not isinstance(version, str) or len(version) > 64):
+            raise ValueError("dcp_version is not a short string")
+        # Each entry takes at least one item of the manifest.
+        entries = _list("entries", top["entries"], at_most=len(self.manifest.items))
+        state = dict(self.entry(raw_entry) for raw_entry in entries)
+        return Metadata(
+            state_dict_metadata=state,
+            planner_data=self.planner(top["planner_data"]),
+            storage_data=self.storage,
+            storage_meta=StorageMeta(
+                checkpoint_id=self.manifest.name, save_id=self.manifest.save_id
+            ),
+            version=version,
+        )
+
+    def entry(self, raw: object) -> tuple[str, TensorStorageMetadata | BytesStorageMetadata]:
+        key, body = _pair("an entry", raw)
+        key = _str_key(key)
+        if key in self.keys:
+            raise ValueError(f"key {key[:80]!r} appears twice")
+        self.keys.add(key)
+        if body is None:
+            self.take(key, None, 0)
+            return key, BytesStorageMetadata()
+        return key, self.tensor(key, body)
+
+    def take(self, key: str, offsets: tuple[int, ...] | None, index: int) -> ItemRecord:
+        """The manifest's item for ``(key, offsets)``, recorded as where those bytes lie."""
+        item = self.manifest.item((key, offsets))
+        where = None if item is None else MetadataIndex(key, offsets, index)
+        if where is None or where in self.storage:
+            shown = key[:80] if offsets is None else f"{key[:80]}@{list(offsets)}"
+            problem = "is not an item of the manifest" if where is None else "appears twice"
+            raise ValueError(f"{shown} {problem}")
+        assert item is not None
+        self.storage[where] = StorageInfo(
+            relative_path=item.file,
+            offset=item.start,
+            length=item.length,
+            transform_descriptors=list(item.transforms) or None,
+        )
+        return item
+
+    def tensor(self, key: str, raw: object) -> TensorStorageMetadata:
+        body = _exact(f"entry {key[:80]!r}", raw, _TENSOR_KEYS)
+        dtype = _lookup("dtype", _DTYPES, body["dtype"])
+        size = self.dims("size", body["size"], None)
+        chunks_raw = _list("chunks", body["chunks"], at_most=len(self.manifest.items))
+        chunks = [
+            self.chunk(key, dtype, size, raw_chunk, n) for n, raw_chunk in enumerate(chunks_raw)
+        ]
+        properties = TensorProperties(
+            dtype=dtype,
+            layout=_lookup("layout", _LAYOUTS, body["layout"]),
+            requires_grad=_plain_bool(body["requires_grad"], "requires_grad"),
+            memory_format=_lookup("memory format", _MEMORY_FORMATS, body["memory_format"]),
+            pin_memory=_plain_bool(body["pin_memory"], "pin_memory"),
+        )
+        return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+
+    def dims(self, what: str, raw: object, rank: int | None) -> tuple[int, ...]:
+        values = _list(what, raw, at_most=MAX_DIMS)
+        if rank is not None and len(values) != rank:
+            raise ValueError(f"{what} has {len(values)} dimensions, its tensor {rank}")
+        for value in values:
+            if type(value) is not int or not 0 <= value <= MAX_INT:
+                _count(value, what)  # raises, with the message
+        return tuple(values)
+
+    def chunk(
+        self, key: str, dtype: torch.dtype, size: tuple[int, ...], raw: object, index: int
+    ) -> ChunkStorageMetadata:
+        raw_offsets, raw_sizes = _pair("a chunk", raw)
+        offsets = self.dims("offsets", raw_offsets, len(size))
+        sizes = self.dims("sizes", raw_sizes, len(size))
+        if any(o + s > whole for o, s, whole in zip(offsets, sizes, size, strict=True)):
+            raise ValueError(f"chunk {key[:80]}@{list(offsets)} lies outside its tensor")
+        item = self.take(key, offsets, index)
+        _check_elements(key, dtype, sizes, item)
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def planner(self, raw: object) -> dict[str, Any] | None:
+        if raw is None:
+            return None
+        body = _exact("planner_data", raw, _PLANNER_KEYS)
+        limit = len(self.manifest.items) + len(self.keys)
+        data: dict[str, Any] = {}
+        for pair in _list("paths", body["paths"], at_most=limit):
+            key, path = _pair("a path", pair)
+            key = _str_key(key)
+            if key in data or key == layout.AUDIT_KEY:
+                raise ValueError(f"path of {key[:80]!r} given twice")
+            data[key] = tuple(
+                self.path_element(e) for e in _list("a path", path, at_most=_MAX_PATH)
+            )
+        if body["audit"] is not None:
+            data[layout.AUDIT_KEY] = self.audit(body["audit"], limit)
+        return data
+
+    @staticmethod
+    def path_element(raw: object) -> str | int:
+        return _str_key(raw) if isinstance(raw, str) else _count(raw, "a path index")
+
+    @staticmethod
+    def audit(raw: object, limit: int) -> dict[str, dict[int, int]]:
+        found: dict[str, dict[int, int]] = {}
+        for pair in _list("audit", raw, at_most=limit):
+            key, text = _pair("fingerprints", pair)
+            key = _str_key(key)
+            if not isinstance(text, str) or len(text) % 16 or len(text) > 16 * _MAX_BLOCKS:
+                raise ValueError(f"fingerprints of {key[:80]!r} are not 16 hex digits a block")
+            data = bytes.fromhex(text)  # ValueError if not hex
+            if key in found:
+                raise ValueError(f"fingerprints of {key[:80]!r} given twice")
+            found[key] = dict(enumerate(struct.unpack(f">{len(data) // 8}Q", data)))
+        return found
+
+
+def _check_elements(key: str, dtype: torch.dtype, sizes: tuple[int, ...], item: ItemRecord) -> None:
+    """A chunk may hold no more elements than its item's bytes can: checked one dimension at a
+    time, so no product of hostile sizes is ever formed."""
+    if 0 in sizes:
+        return
+    stored = item.length * (ZSTD_MAX_RATIO if item.transforms else 1)
+    limit = stored // max(1, dtype.itemsize)
+    count = 1
+    for size in sizes:
+        count *= min(size, limit + 1)
+        if count > limit:
+            raise ValueError(
+                f"chunk {key[:80]} of {list(sizes)} {str(dtype)[6:]} elements is larger than"
+                f" its {item.length} stored bytes can hold"
+            )
+
+
+# ---------------------------------------------------------------------------- pickled metadata
+
+
+def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:
+    """Unpickled metadata must say of every item it names what the manifest says: the same
+    file, offset, length and transforms. Data is read only from the files the manifest names.
+
+    Raises:
+        CheckpointCorruptError: a ``storage_data`` entry names another file or byte range, or
+            an item the manifest does not have.
+    """
+    if not isinstance(storage, dict) or len(storage) > len(manifest.items):
+        raise CheckpointCorruptError(path, "storage_data is not a map of the manifest's items")
+    for index, info in storage.items():
+        item = _item_of(manifest, index)
+        stated = _stated(info)
+        if item is None or stated is None or stated != _recorded(item):
+            shown = getattr(index, "fqn", "?")
+            raise CheckpointCorruptError(
+                path,
+                "storage_data disagrees with the manifest (a file, offset or length the"
+                " manifest does not record for this item)",
+                item=shown[:200] if isinstance(shown, str) else "?",
+            )
+
+
+def _item_of(manifest: Manifest, index: object) -> ItemRecord | None:
+    if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
+        return None
+    offset = index.offset
+    if offset is not None and not (
+        isinstance(offset, tuple)
+        and len(offset) <= MAX_DIMS
+        and all(type(o) is int for o in offset)
+    ):
+        return None
+    return manifest.item((index.fqn, None if offset is None else tuple(offset)))
+
+
+def _stated(info: object) -> tuple[Any, ...] | None:
+    if type(info) is not StorageInfo:
+        return None
+    transforms = info.transform_descriptors
+    if transforms is not None and not isinstance(transforms, (list, tuple)):
+        return None
+    return (info.relative_path, info.offset, info.length, tuple(transforms or ()))
+
+
+def _recorded(item: ItemRecord) -> tuple[Any, ...]:
+    return (item.file, item.start, item.length, item.transforms)

@@ -1,0 +1,64 @@
+"""Text from storage, made safe to show: one helper for every message, log line and CLI line.
+
+Anyone who can write a checkpoint root chooses the names listed there and the bytes of every
+control file (a lease's save id, a marker's digest, a manifest's names). Such text reaches
+error messages, log records, history events and the terminal. Printed raw, a name holding
+``ESC ] 0 ; ... BEL`` retitles the operator's terminal, ``ESC [ 2 J`` clears it, a carriage
+return or a line separator forges a whole line of output, and a right-to-left override shows
+``gpj.exe`` as ``exe.jpg``. :func:`shown` is the one place that renders such text: every
+character a terminal or a log viewer could act on is written as its Python escape (``\\x1b``,
+``\\n``, ``\\u202e``), and the text is cut to a bound, so a 1 MiB "save id" never floods a log.
+
+Why escapes rather than dropping the characters or quoting the whole text with ``repr``: an
+escape keeps what was there visible (an operator sees that a name holds ``\\x1b``), and text
+that needs none comes out unchanged, so a message about an ordinary path reads as before.
+Backslashes are left as they are, which makes :func:`shown` idempotent: text escaped at the
+error that carries it and again where the CLI prints it is escaped once.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MAX_SHOWN_CHARS", "shown"]
+
+#: The default bound on the characters :func:`shown` returns (before its escapes).
+MAX_SHOWN_CHARS = 1000
+
+# C0 controls, DEL and C1 controls; the Unicode line and paragraph separators; the bidi
+# embeddings, overrides and isolates and the directional marks; zero-width characters and the
+# BOM; lone surrogates (undecodable bytes of a file name, which a UTF-8 terminal cannot print).
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]"
+)
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(text: object, max_chars: int = MAX_SHOWN_CHARS) -> str:
+    """``text`` (``str()`` of it; bytes decoded as UTF-8, undecodable bytes escaped) with
+    every control, bidi and separator character escaped, cut to ``max_chars`` characters.
+
+    Args:
+        text: what storage said: a name, a path, a lease's field, an error message.
+        max_chars: the most characters of ``text`` kept; the rest is replaced by a note of
+            how many were cut.
+
+    Returns:
+        Text that is safe to log, print or record: nothing in it moves a cursor, starts a
+        new line or reorders what follows.
+    """
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", errors="surrogateescape")
+    value = text if isinstance(text, str) else str(text)
+    if len(value) > max_chars:
+        value = f"{value[:max_chars]}...(+{len(value) - max_chars} chars)"
+    return _UNSAFE.sub(_escape, value)
