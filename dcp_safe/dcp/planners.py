@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,7 @@ __all__ = [
     "SafeSavePlanner",
     "divergent_keys",
     "fingerprint",
+    "fingerprints_of",
 ]
 
 
@@ -181,10 +184,13 @@ class SafeSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
         if self.check_divergence:
-            for item in plan.items:
-                if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO):
-                    fqn = item.index.fqn
-                    fingerprints[fqn] = fingerprint(self.state_dict[fqn])
+            fingerprints = fingerprints_of(
+                {
+                    item.index.fqn: self.state_dict[item.index.fqn]
+                    for item in plan.items
+                    if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
+                }
+            )
         pieces = audit.report(self.state_dict, self.rank) if self.record_audit else {}
         self.plan = FingerprintedPlan(
             **_fields(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
@@ -331,6 +337,34 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
         key: sorted(sorted(ranks) for ranks in groups.values())
         for key, groups in sorted(seen.items())
         if len(groups) > 1
+    }
+
+
+#: Tensors of at least this many bytes are hashed on a thread pool (xxhash releases the GIL
+#: while it hashes a buffer); smaller ones cost less than handing them to a thread.
+_PARALLEL_BYTES = 4 << 20
+
+
+def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
+    """:func:`fingerprint` of each value, the large tensors hashed in parallel.
+
+    Hashing is a full read of every replicated byte at memory speed: on one thread 1 GiB takes
+    about 0.14 s on this project's 2-core machine, a quarter of a page-cache save of that GiB.
+    """
+    large = [
+        key
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.numel() * value.element_size() >= _PARALLEL_BYTES
+    ]
+    found: dict[str, int] = {}
+    if len(large) > 1:
+        workers = min(len(large), os.cpu_count() or 1, 8)
+        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-fingerprint") as pool:
+            found = dict(zip(large, pool.map(fingerprint, (values[k] for k in large)), strict=True))
+    return {
+        key: found[key] if key in found else fingerprint(value) for key, value in values.items()
     }
 
 

@@ -19,7 +19,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints
-from dcp_safe.dcp.planners import FingerprintedPlan, divergent_keys, fingerprint
+from dcp_safe.dcp.planners import (
+    FingerprintedPlan,
+    divergent_keys,
+    fingerprint,
+    fingerprints_of,
+)
 from dcp_safe.errors import DivergentStateError, MissingKeysError, PerRankStateError
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -44,6 +49,20 @@ def test_fingerprints_see_values_not_identity() -> None:
     assert fingerprint(torch.zeros(2, 3)) != fingerprint(torch.zeros(3, 2))
     assert fingerprint({"pos": 100}) != fingerprint({"pos": 0})
     assert fingerprint(torch.arange(6.0)[::2]) == fingerprint(torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_large_tensors_hashed_in_parallel_get_the_same_fingerprints_in_key_order() -> None:
+    big = 2 << 20  # float32 elements: 8 MiB, past the parallel threshold
+    values: dict[str, object] = {
+        "small": torch.arange(10.0),
+        "w0": torch.randn(big),
+        "step": 7,
+        "w1": torch.randn(big)[::2],  # strided: made contiguous first
+        "w2": torch.randn(big, dtype=torch.float64),
+    }
+    found = fingerprints_of(values)
+    assert list(found) == list(values)
+    assert found == {key: fingerprint(value) for key, value in values.items()}
 
 
 # -- the probe, on real ranks -----------------------------------------------------------------
