@@ -455,11 +455,16 @@ def _walk(roots: Roots, url: str) -> Iterator[str]:
             yield key.removeprefix(prefix)
         return
     base = Path(url.removeprefix("faulty://"))
+    # A faulty:// root publishes in place, as an object store does: there a folder is no
+    # object, an empty one blocks no save (the lease is written into it), and a failed
+    # removal can leave one behind. On a plain local root (publish by rename) an empty folder
+    # under a checkpoint's name would refuse saves of that name, so it counts there.
+    folders_count = not url.startswith("faulty://")
     if base.exists():
         for path in sorted(base.rglob("*")):
             if path.is_file() or path.is_symlink():
                 yield path.relative_to(base).as_posix()
-            elif path.is_dir() and not any(path.iterdir()):
+            elif folders_count and path.is_dir() and not any(path.iterdir()):
                 yield path.relative_to(base).as_posix() + "/"
 
 
