@@ -120,7 +120,6 @@ def _acquire_exclusive(backend: Backend, name: str, save_id: str, claimant: Clai
                 return
             continue  # the holder let go as we looked: create it again
         _refuse_if_committed(backend, name, withdraw=lease)
-        _clear_abandoned(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
         return
     raise held_error(backend, name, [_holder(backend, name)])
 
@@ -141,20 +140,6 @@ def _clear_after_takeover(
         with contextlib.suppress(OSError):
             backend.remove_file(lease)
         raise
-
-
-def _clear_abandoned(backend: Backend, name: str, lease: str, keep: Callable[[str], bool]) -> None:
-    """Holding ``lease`` on a name no lease held: remove what an abandoned save left there.
-
-    A rank that fails in ``write_data`` removes its own objects and releases the lease, while
-    its peers' shards stay: they succeeded, and DCP calls nothing of ours on them after a peer
-    failed. Written into, those files would stay inside the new checkpoint for good (neither
-    the committer nor ``verify_checkpoint`` look at a file the manifest does not list, and the
-    sweeper never enters a committed name). A fresh name costs this one listing.
-    """
-    if all(keep(entry) for entry in backend.list_dir(name)):
-        return
-    _clear_after_takeover(backend, name, lease, keep)
 
 
 def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
@@ -180,8 +165,6 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
         if not others:
             if taken:
                 _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, taken))
-            else:
-                _clear_abandoned(backend, name, f"{name}/{own}", _kept(own, taken))
             return
         backend.remove_file(f"{name}/{own}")
         if any(entry in seen and seen[entry] == stamp for entry, stamp in stamps.items()):

@@ -93,7 +93,6 @@ def checkpoint_group(
 
     Raises:
         ConfigError: ``timeout_s`` is not a positive number, or no default group exists.
-        CommitError: not every rank joined the new group within ``timeout_s``.
     """
     timeout_s = validate_deadline(timeout_s)
     if not (dist.is_available() and dist.is_initialized()):
@@ -104,26 +103,11 @@ def checkpoint_group(
         cached = _groups.get(key)
         if cached is not None and cached[0] is default:
             return cached[1]
-        try:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # gloo's connect timeout, or the store's (DistError)
-            raise _setup_failure(exc, purpose, timeout_s) from exc
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         if not isinstance(group, dist.ProcessGroup):  # only for ranks outside the new group
             raise ConfigError("dist.new_group returned no group for this rank")
         _groups[key] = (default, group)
         return group
-
-
-def _setup_failure(exc: BaseException, purpose: str, timeout_s: float) -> CommitError:
-    """A typed error for a group that could not be created: a peer did not join in time."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    detail = _first_line(exc)
-    return CommitError(
-        f"could not create dcp_safe's {purpose!r} process group: not every rank joined within"
-        f" the {timeout_s:g} s deadline (every rank must make the same call at the same point;"
-        " a rank that is slow to start needs a longer deadline_s); restart the job",
-        {r: f"did not join, or could not be reached ({detail})" for r in range(world) if r != rank},
-    )
 
 
 def deadline_of(group: Any) -> float | None:

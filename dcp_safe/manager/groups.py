@@ -57,7 +57,10 @@ class ManagerGroups:
         self.dead: CommitError | None = None
         self.replaced = 0
         for purpose in _ORDER:
-            checkpoint_group(deadline_s, purpose=purpose)
+            try:
+                checkpoint_group(deadline_s, purpose=purpose)
+            except RuntimeError as exc:  # gloo's connect timeout, or the store's (DistError)
+                raise _not_joined(exc, purpose, deadline_s) from exc
         self.rank = dist.get_rank(self.group(POLICY))
         self.world_size = dist.get_world_size(self.group(POLICY))
 
@@ -137,3 +140,16 @@ class ManagerGroups:
                 raise self.dead from exc
             with self._lock:
                 self.replaced += 1
+
+
+def _not_joined(exc: BaseException, purpose: str, deadline_s: float) -> CommitError:
+    """The typed error for a group the manager could not create: a peer did not join in time
+    (every rank constructs the manager at the same point; one slow to start misses it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    return CommitError(
+        f"could not create the manager's {purpose} group: not every rank joined within the"
+        f" {deadline_s:g} s deadline (every rank constructs CheckpointManager at the same point;"
+        " a rank slow to start needs a longer deadline_s); restart the job",
+        {r: f"did not join the {purpose} group ({detail})" for r in range(world) if r != rank},
+    )

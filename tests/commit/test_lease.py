@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import pytest
-import torch
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
@@ -20,7 +19,6 @@ from dcp_safe import (
 )
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.history import History
 from dcp_safe.commit import lease
 from dcp_safe.commit.lease import (
@@ -31,7 +29,6 @@ from dcp_safe.commit.lease import (
     join_or_acquire_lease,
     release_lease,
 )
-from dcp_safe.testing.multiproc import run_ranks
 
 
 @pytest.fixture
@@ -302,62 +299,3 @@ def test_a_planted_lease_s_text_never_reaches_a_message_or_an_event(root: str) -
     [event] = history.read()
     assert not set(event["reason"]) & {"\x1b", "\x07", "\n"}
     assert "\\x1b]0;pwned\\x07" in event["reason"]
-
-
-def test_a_name_left_by_a_save_whose_rank_failed_is_claimed_clean(either: Backend) -> None:
-    """Rank 0 failed in ``write_data``, removed its own objects and released the lease; its
-    peers' shards (and a failure marker) stayed. The next save of the name removes them before
-    it writes, so the checkpoint it commits holds its own files only."""
-    left = ["__1_0.distcp", "__2_0.distcp", "_ranks/rank_00001.json", "_ranks/rank_0.failed-dead"]
-    for rel in left:
-        either.write_bytes(f"step_1/{rel}", b"of the dead save")
-    acquire_lease(either, "step_1", "mine")
-    assert sorted(either.walk_files("step_1")) == [_lease_of(either, "mine")]
-
-
-def test_a_fresh_name_is_claimed_with_one_listing_and_nothing_removed(
-    either: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    removed: list[str] = []
-    monkeypatch.setattr(either, "remove_file", removed.append)
-    acquire_lease(either, "step_1", "mine")
-    assert removed == []
-    assert either.list_dir("step_1") == [_lease_of(either, "mine")]
-
-
-def test_a_multirank_save_whose_rank_failed_leaves_nothing_in_the_next_commit(
-    s3_root: str, s3_options: dict[str, Any]
-) -> None:
-    """The same, end to end on two gloo ranks and S3: rank 0's write fails after rank 1 wrote
-    its shards, then the same name is saved again and holds only what its manifest names."""
-    run_ranks(_save_after_a_failed_rank, 2, args=(s3_root, s3_options), timeout_s=240)
-    backend = open_backend(s3_root, s3_options)
-    manifest = open_committed(backend, "step_1").manifest
-    control = {layout.COMMITTED_MARKER, layout.MANIFEST, layout.DCP_METADATA}
-    assert set(backend.walk_files("step_1")) <= {r.path for r in manifest.files} | control
-    dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
-
-
-def _save_after_a_failed_rank(
-    rank: int, world_size: int, root: str, options: dict[str, Any]
-) -> None:
-    import torch.distributed as dist
-
-    class _Rank0Fails(SafeStorageWriter):
-        def _write_rank(self, *args: Any) -> Any:
-            # Inside write_data, so the rank's own clean-up runs as after a real write error.
-            if rank == 0:
-                dist.barrier()  # rank 1 has written its shard by now
-                raise dcp_safe.StorageError("put", "__0_0.distcp", "injected")
-            results = super()._write_rank(*args)
-            dist.barrier()
-            return results
-
-    # Each rank writes its own shards: two files a rank in the failed save, one in the next
-    # (as when a job restarts on fewer ranks, what the dead save left is not overwritten).
-    state = {f"w{rank}_{i}": torch.full((64,), float(rank)) for i in range(2)}
-    failing = _Rank0Fails(root, storage_options=options, thread_count=2)
-    with pytest.raises(Exception, match="injected"):
-        dcp_safe.save(state, checkpoint_id="step_1", storage_writer=failing)
-    writer = SafeStorageWriter(root, storage_options=options)
-    dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)

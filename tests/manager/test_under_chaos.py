@@ -27,6 +27,7 @@ import torch
 
 from dcp_safe import CheckpointManager, CommitError, SafeStorageWriter, list_checkpoints
 from dcp_safe.errors import DcpSafeError, DrainTimeoutError
+from dcp_safe.manager.groups import ManagerGroups
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -296,3 +297,25 @@ def test_a_close_that_gives_up_resolves_every_handle_it_leaves_behind(tmp_path: 
     assert handle.committed.done() and handle.replicated.done()
     with pytest.raises(DrainTimeoutError):
         handle.committed.result(timeout=0)
+
+
+def _construct_with_a_late_peer(rank: int, world_size: int) -> dict[str, Any]:
+    if rank == 1:
+        time.sleep(8.0)  # past rank 0's deadline: its groups cannot be made
+        return {}
+    try:
+        ManagerGroups(2.0)  # what CheckpointManager builds first, on every rank
+    except CommitError as exc:
+        return {"error": str(exc), "failures": dict(exc.failures)}
+    return {"error": None}
+
+
+@pytest.mark.multiproc
+def test_a_peer_that_does_not_join_the_managers_groups_is_a_typed_error_naming_it() -> None:
+    """Chaos seed 4017: under load, a rank reached the manager's construction more than
+    ``deadline_s`` after the others, and ``CheckpointManager(...)`` raised gloo's raw
+    ``RuntimeError`` on some ranks and ``DistStoreError`` on the rest."""
+    first, _ = run_ranks(_construct_with_a_late_peer, 2, timeout_s=120)
+    assert first["error"] is not None, "the groups were created without rank 1"
+    assert "could not create the manager's" in first["error"]
+    assert list(first["failures"]) == [1]
