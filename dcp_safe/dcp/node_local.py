@@ -74,6 +74,7 @@ from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
     CheckpointExistsError,
+    CommitError,
     ConfigError,
     ReplicationTimeoutError,
 )
@@ -345,14 +346,25 @@ class NodeLocalWriter(SafeStorageWriter):
             if commit is not None and commit.done() and commit.exception() is not None:
                 commit.result()  # rank 0 in this very process: its original error
 
-        return await_remote_commit(
-            self.remote_backend,
-            name,
-            work,
-            assignment.save_id,
-            self.node_options,
-            before=own_commit,
-        )
+        try:
+            return await_remote_commit(
+                self.remote_backend,
+                name,
+                work,
+                assignment.save_id,
+                self.node_options,
+                before=own_commit,
+            )
+        except CommitError:
+            # Rank 0 writes its failure marker just before its own future fails, so this poll
+            # can read the marker first; rank 0's own error (an UploadTimeoutError naming the
+            # late rank, say) is the more exact one.
+            commit = self._commits.get(name)
+            if commit is not None:
+                wait([commit], timeout=self.node_options.remote_timeout_s)
+                if commit.done() and commit.exception() is not None:
+                    commit.result()
+            raise
 
     def _leads_node(self, assignment: _Assignment) -> bool:
         """True on the lowest rank that wrote into this node's work directory.
