@@ -64,6 +64,7 @@ from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 from dcp_safe.untrusted import shown
 
 __all__ = [
+    "abandon_lease",
     "acquire_lease",
     "check_lease",
     "held_by_another",
@@ -253,6 +254,14 @@ def check_lease(backend: Backend, name: str, save_id: str) -> None:
         f"save {save_id} no longer holds {backend.full_path(name)} (held by {shown(holder, 64)})",
         {0: "lease lost"},
     )
+
+
+def abandon_lease(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
+    """Mark this save's lease abandoned instead of removing it: a rank failed and its peers'
+    objects may still be under the name, so the next save of it, of any attempt, takes the
+    lease over and clears them (:mod:`dcp_safe.commit.takeover`)."""
+    lease = f"{name}/{own_lease_file(backend, save_id)}"
+    backend.write_bytes(lease, claimant.body(save_id, abandoned=True))
 
 
 def release_lease(backend: Backend, name: str, save_id: str) -> None:

@@ -8,8 +8,16 @@ takeover that save is refused with ``CheckpointExistsError`` until the sweeper's
 id and when, and for a fenced writer its attempt and run id. Leases without those fields (an
 older dcp_safe, an unfenced writer) are still read.
 
-**When** (:meth:`Claimant.may_take_over`): only a fenced save (one with an attempt) takes a name
-over, and never a committed one.
+**When** (:meth:`Claimant.may_take_over`): never a committed name, and
+
+* A lease its own save marked abandoned (:func:`~dcp_safe.commit.lease.abandon_lease`): by any
+  save, at once. A rank of a multi-rank save that fails in ``write_data`` removes its own
+  objects, but its peers' stay (DCP calls nothing of ours on them), so it leaves the lease
+  marked instead of releasing it: a save that claimed a free name would commit those objects
+  inside its checkpoint. The abandoned save's ranks fail their collective; a peer still
+  writing when the next save clears the name is the limit below.
+
+Otherwise only a fenced save (one with an attempt) takes a name over:
 
 * The lease names an older attempt of the same run: at once. That writer is fenced: the new
   attempt registers under ``_ATTEMPTS/`` before it claims the name (the writer registers, checks
@@ -117,11 +125,14 @@ class Claimant:
         ):
             raise ConfigError(f"stale_after_s must be a number >= 0 or None, got {stale!r}")
 
-    def body(self, save_id: str) -> bytes:
-        """The lease (or takeover record) this claimant writes for save ``save_id``."""
+    def body(self, save_id: str, *, abandoned: bool = False) -> bytes:
+        """The lease (or takeover record) this claimant writes for save ``save_id``; with
+        ``abandoned``, the lease of a save that failed with its peers' objects left behind."""
         fields: dict[str, object] = {"save_id": save_id, "acquired_at": time.time()}
         if self.attempt is not None:
             fields.update(attempt=self.attempt.number, run_id=self.attempt.run_id)
+        if abandoned:
+            fields["abandoned"] = True
         return json.dumps(fields).encode()
 
     def may_take_over(self, holder: LeaseHolder, idle_s: Callable[[], float | None]) -> bool:
@@ -131,6 +142,8 @@ class Claimant:
             idle_s: how long nothing under the name has changed (None: unknown); called only
                 when the answer depends on it, since it costs a listing.
         """
+        if holder.abandoned:
+            return True
         if self.attempt is None:
             return False
         if holder.attempt is not None and holder.run_id == self.attempt.run_id:
@@ -150,6 +163,7 @@ class LeaseHolder:
     attempt: int | None = None
     run_id: str | None = None
     acquired_at: float | None = None
+    abandoned: bool = False
 
     @property
     def record_name(self) -> str:
@@ -198,6 +212,7 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
             if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
             else None
         ),
+        abandoned=fields.get("abandoned") is True,
     )
 
 
@@ -250,9 +265,7 @@ def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Cla
 def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> frozenset[str]:
     """The leases under ``<name>/`` now (names) that ``claimant`` may take over: with one
     lease per save, those left out of the contention round."""
-    if claimant.attempt is None:
-        return frozenset()
-    entries = _lease_entries(backend, name)
+    entries = _lease_entries(backend, name)  # even unfenced: an abandoned lease is anyone's
     idle = _idle(backend, name)
     return frozenset(
         entry

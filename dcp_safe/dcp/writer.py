@@ -49,7 +49,7 @@ from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
-from dcp_safe.commit.lease import check_lease, held_by_another, release_lease
+from dcp_safe.commit.lease import abandon_lease, check_lease, held_by_another, release_lease
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
@@ -292,12 +292,12 @@ class SafeStorageWriter(StorageWriter):
         return attach_report(results, report_for(manifest, written, self.options.checksum))
 
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
-        """After this rank failed: on an object store, remove its own objects and free the name.
+        """After this rank failed: on an object store, remove its own objects and give up the
+        name: released when alone; with peers, whose objects stay, marked abandoned, so the
+        next save of it takes it over and clears them (:mod:`dcp_safe.commit.takeover`).
 
-        DCP will not call ``finish``, so nobody else would. Another rank may fail too and do the
-        same; a rank killed outright leaves its objects to the sweeper. (A partial directory on
-        POSIX is hidden and collected by the sweeper.) Once the name is committed or another
-        save's, nothing is removed: the paths may be a newer attempt's by now.
+        DCP will not call ``finish``, so nobody else would. Nothing is removed once the name is
+        committed or another save's: the paths may be a newer attempt's by now.
         """
         if not self.strategy.in_place:
             return
@@ -309,7 +309,10 @@ class SafeStorageWriter(StorageWriter):
             for rel in own:
                 self.backend.remove_file(f"{name}/{rel}")
             check_lease(self.backend, name, save_id)
-            release_lease(self.backend, name, save_id)
+            if assignment.world_size > 1:
+                abandon_lease(self.backend, name, save_id, self.claimant)
+            else:
+                release_lease(self.backend, name, save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).

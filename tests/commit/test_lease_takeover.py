@@ -8,6 +8,7 @@ process killed with SIGKILL inside ``write_data`` while a shard's multipart uplo
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -32,8 +33,9 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, Attempt
-from dcp_safe.commit.lease import acquire_lease, check_lease
+from dcp_safe.commit.lease import abandon_lease, acquire_lease, check_lease
 from dcp_safe.commit.takeover import Claimant, read_holder
+from dcp_safe.testing.multiproc import run_ranks
 
 # Only a guard against a hung test, never a measure of speed.
 _TIMEOUT_S = 60.0
@@ -192,6 +194,65 @@ class KilledMidUpload(SafeStorageWriter):
 writer = KilledMidUpload(root, storage_options=options, attempt=0, thread_count=2)
 dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
 """
+
+
+# --------------------------------------------------------------------- a rank failed, peers wrote
+
+
+class _FailsInWriteData(SafeStorageWriter):
+    """This rank's storage fails in ``write_data`` (its clean-up runs, as in a real failure)."""
+
+    def _write_rank(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EIO, "injected: this rank's storage failed")
+
+
+def _save_with_rank_0_failing(rank: int, world_size: int, url: str, options: dict[str, Any]) -> str:
+    kind = _FailsInWriteData if rank == 0 else SafeStorageWriter
+    writer = kind(url, storage_options=options, attempt=0)
+    state = {f"rank{rank}": torch.full((64,), float(rank))}
+    try:
+        dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
+    except dcp_safe.DcpSafeError as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+@pytest.mark.parametrize("attempt", [1, None], ids=["newer_attempt", "unfenced"])
+def test_a_save_after_one_rank_failed_commits_none_of_its_peers_objects(
+    s3_root: str, s3_options: dict[str, Any], attempt: int | None
+) -> None:
+    """Rank 0 fails in ``write_data``; rank 1's shard and rank manifest stay under the name.
+    The lease is left marked abandoned, so the restart on one rank takes it over and clears
+    them (a released lease let it commit them inside its checkpoint)."""
+    outcomes = run_ranks(_save_with_rank_0_failing, 2, args=(s3_root, s3_options))
+    assert outcomes == ["CommitError", "CommitError"]
+    backend = open_backend(s3_root, s3_options)
+    assert {"__1_0.distcp", "_ranks/rank_00001.json"} <= set(backend.walk_files("step_1"))
+    holder = read_holder(backend, f"step_1/{layout.WRITING_LEASE}")
+    assert holder is not None and holder.abandoned
+
+    state = make_state(2)
+    _save(Root(s3_root, s3_options), "step_1", state, attempt=attempt)
+
+    _assert_whole_and_only_its_own(Root(s3_root, s3_options), "step_1", state)
+
+
+def test_an_abandoned_lease_is_taken_over_by_any_save_and_its_leftovers_cleared(
+    leased: Root,
+) -> None:
+    backend = leased.backend()
+    acquire_lease(backend, "step_1", "failed", _claimant(4))
+    backend.write_bytes("step_1/__1_0.distcp", b"a peer's shard")
+    with pytest.raises(CheckpointExistsError):  # held, and not abandoned: refused
+        acquire_lease(backend, "step_1", "mine", Claimant())
+
+    abandon_lease(backend, "step_1", "failed", _claimant(4))
+    acquire_lease(backend, "step_1", "mine", Claimant())  # unfenced, and of no attempt
+
+    check_lease(backend, "step_1", "mine")
+    assert list(backend.walk_files("step_1")) == [layout.lease_file_name(_kind(leased, "mine"))]
 
 
 # --------------------------------------------------------------------- the old writer is fenced
