@@ -54,6 +54,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.takeover import (
     Claimant,
+    abandoned_among,
     clear_leftovers,
     held_error,
     read_holder,
@@ -149,10 +150,15 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
     # written later is a contender's or a new holder's, never one to take over.
     taken = takeover_candidates(backend, name, claimant)
     seen: dict[str, float | None] = {}
-    for _ in range(_ROUNDS):
+    for round_ in range(_ROUNDS):
         backend.write_bytes(f"{name}/{own}", claimant.body(save_id))
         try:
             others = set(lease_files(backend, name)) - {own} - taken
+            if others and round_ == 0:
+                # An abandoned lease is anyone's; an unfenced save only learns of one here,
+                # so that the common case (nothing in the way) costs no listing more.
+                taken |= abandoned_among(backend, name, others)
+                others -= taken
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
             # A contender writes its lease anew each round (a new ``acquired_at``); a holder,

@@ -70,7 +70,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from dcp_safe import layout
@@ -83,6 +83,7 @@ from dcp_safe.untrusted import shown
 
 __all__ = [
     "DEFAULT_STALE_LEASE_S",
+    "abandoned_among",
     "Claimant",
     "LeaseHolder",
     "clear_leftovers",
@@ -265,13 +266,25 @@ def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Cla
 def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> frozenset[str]:
     """The leases under ``<name>/`` now (names) that ``claimant`` may take over: with one
     lease per save, those left out of the contention round."""
-    entries = _lease_entries(backend, name)  # even unfenced: an abandoned lease is anyone's
+    if claimant.attempt is None:
+        return frozenset()  # it judges only a lease in its way (abandoned_among): no listing
+    entries = _lease_entries(backend, name)
     idle = _idle(backend, name)
     return frozenset(
         entry
         for entry in entries
         if (holder := read_holder(backend, f"{name}/{entry}")) is not None
         and claimant.may_take_over(holder, idle)
+    )
+
+
+def abandoned_among(backend: Backend, name: str, entries: Collection[str]) -> frozenset[str]:
+    """Those of the leases ``entries`` under ``<name>/`` that their save marked abandoned:
+    any save may take them over, an unfenced one too."""
+    return frozenset(
+        entry
+        for entry in entries
+        if (holder := read_holder(backend, f"{name}/{entry}")) is not None and holder.abandoned
     )
 
 

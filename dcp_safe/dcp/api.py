@@ -66,6 +66,7 @@ class _Call:
     # Taken when the call starts: after a failure the group may already be torn down.
     rank: int = 0
     world_size: int = 1
+    operation: str = "save"
 
     def translate(self, exc: BaseException) -> BaseException:
         """The dcp_safe error for ``exc``; ``exc`` itself when it is none of ours to map."""
@@ -81,6 +82,7 @@ class _Call:
                 world_size=self.world_size,
                 deadline_s=self.deadline_s,
                 witnesses=self.witnesses,
+                operation=self.operation,
             )
             if self.owned:
                 discard_group(self.group)
@@ -138,6 +140,7 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
         witnesses=witnesses,
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
+        operation="save" if kwargs.get("storage_writer") is not None else "load",
     )
 
 

@@ -186,6 +186,7 @@ def collective_failure(
     world_size: int,
     deadline_s: float | None,
     witnesses: Iterable[object] = (),
+    operation: str = "save",
 ) -> CommitError:
     """A CommitError for a collective that failed because a peer died or hung.
 
@@ -196,11 +197,13 @@ def collective_failure(
         deadline_s: the group's deadline, for the message (None: not dcp_safe's group).
         witnesses: the save's storage writer or reader; any with ``missing_ranks()`` names the
             ranks that did not finish.
+        operation: what the collective was part of: ``"save"``, ``"load"`` or ``"vote"`` (the
+            manager's), so that a failed load is not reported as an unpublished save.
     """
     detail = _first_line(exc)
     missing = _missing_ranks(witnesses)
     if missing:
-        failures = {r: f"did not finish its part of the save ({detail})" for r in missing}
+        failures = {r: f"did not finish its part of the {operation} ({detail})" for r in missing}
     else:
         failures = {
             r: f"failed or unreachable; this rank cannot tell which peer ({detail})"
@@ -208,13 +211,21 @@ def collective_failure(
             if r != rank
         }
     within = f" within the {deadline_s:g} s deadline" if deadline_s is not None else ""
+    outcome, intact = _OUTCOMES.get(operation, _OUTCOMES["save"])
     error = CommitError(
-        f"save was not published: a peer died or did not respond{within}; restart the job "
-        "(the previous checkpoint is intact)",
+        f"{outcome}: a peer died or did not respond{within}; restart the job ({intact})",
         failures,
     )
     error.__cause__ = exc
     return error
+
+
+# What failed, and what is still intact, per operation a failed collective was part of.
+_OUTCOMES = {
+    "save": ("save was not published", "the previous checkpoint is intact"),
+    "load": ("load did not complete", "the checkpoint is intact; the state may be partly loaded"),
+    "vote": ("the ranks could not agree", "the previous checkpoint is intact"),
+}
 
 
 def _missing_ranks(witnesses: Iterable[object]) -> list[int]:

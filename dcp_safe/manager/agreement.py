@@ -350,7 +350,11 @@ class Agreement:
                 raise
             self.groups.saw_failure(POLICY, exc, group)
             raise collective_failure(
-                exc, rank=self.rank, world_size=self.world_size, deadline_s=self.deadline_s
+                exc,
+                rank=self.rank,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
+                operation="vote",
             ) from exc
         return out
 

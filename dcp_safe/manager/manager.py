@@ -301,7 +301,8 @@ class CheckpointManager:
             ledger=self._ledger,
             per_rank=self.per_rank,
             warm_start=warm_start,
-            wait_s=wait_timeout_s,
+            # A listing on shared storage: never bounded tighter than a collective.
+            wait_s=max(wait_timeout_s, self.deadline_s),
             deferred=self._preemption_deferred,
             name_for=self._name_for,
         )

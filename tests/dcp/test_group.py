@@ -100,6 +100,18 @@ def test_a_failed_collective_names_the_ranks_storage_says_did_not_finish() -> No
 
     assert list(error.failures) == [1, 3]
     assert "did not finish its part of the save" in error.failures[1]
+    assert str(error).startswith("save was not published: a peer died")
+
+
+def test_a_failed_load_collective_says_the_load_failed_not_that_a_save_was_unpublished() -> None:
+    cause = RuntimeError("Connection closed by peer")
+    error = collective_failure(
+        cause, rank=1, world_size=2, deadline_s=5.0, witnesses=(), operation="load"
+    )
+
+    assert str(error).startswith("load did not complete: a peer died or did not respond")
+    assert "published" not in str(error)
+    assert list(error.failures) == [0] and error.__cause__ is cause
 
 
 # --------------------------------------------------------------- multi-rank
