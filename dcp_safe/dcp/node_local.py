@@ -341,10 +341,12 @@ class NodeLocalWriter(SafeStorageWriter):
             raise
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
-        def own_commit() -> None:
+        def own_commit(wait_s: float = 0.0) -> None:
             commit = self._commits.get(name)
-            if commit is not None and commit.done() and commit.exception() is not None:
-                commit.result()  # rank 0 in this very process: its original error
+            if commit is not None:
+                wait([commit], timeout=wait_s)
+                if commit.done() and commit.exception() is not None:
+                    commit.result()  # rank 0 in this very process: its original error
 
         try:
             return await_remote_commit(
@@ -359,11 +361,7 @@ class NodeLocalWriter(SafeStorageWriter):
             # Rank 0 writes its failure marker just before its own future fails, so this poll
             # can read the marker first; rank 0's own error (an UploadTimeoutError naming the
             # late rank, say) is the more exact one.
-            commit = self._commits.get(name)
-            if commit is not None:
-                wait([commit], timeout=self.node_options.remote_timeout_s)
-                if commit.done() and commit.exception() is not None:
-                    commit.result()
+            own_commit(self.node_options.remote_timeout_s)
             raise
 
     def _leads_node(self, assignment: _Assignment) -> bool:

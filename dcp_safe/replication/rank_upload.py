@@ -314,8 +314,11 @@ def await_remote_commit(
     Raises:
         CheckpointExistsError: another save committed ``name`` on the remote.
         CommitError, ReplicationSkippedError: a peer reported a failure or a skip.
-        ReplicationTimeoutError: nothing happened by the deadline.
+        ReplicationTimeoutError: nothing happened by the deadline (chained to the last storage
+            error when the store was unavailable: a failed poll ends no wait on its own).
     """
+
+    unavailable: list[OSError] = []
 
     def committed() -> Manifest | None:
         before()
@@ -327,15 +330,25 @@ def await_remote_commit(
             if manifest.save_id != save_id:
                 raise CheckpointExistsError(remote.full_path(name), "another save committed it")
             return manifest
-        raise_reported_failures(remote, work, save_id, name)
+        try:
+            raise_reported_failures(remote, work, save_id, name)
+        except OSError as exc:  # StorageError included: the store is down for a while
+            # A poll that saw nothing. Ending the wait here would fail this rank alone while
+            # rank 0's commit retries through the outage and succeeds (chaos seed 8017).
+            unavailable[:] = [exc]
         return None
 
-    return poll_until(
-        committed,
-        timeout_s=2 * options.remote_timeout_s,
-        poll_s=options.poll_s,
-        waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
-    )
+    try:
+        return poll_until(
+            committed,
+            timeout_s=2 * options.remote_timeout_s,
+            poll_s=options.poll_s,
+            waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
+        )
+    except ReplicationTimeoutError as exc:
+        if unavailable:
+            raise exc from unavailable[0]  # the last storage error says why nothing was seen
+        raise
 
 
 # --------------------------------------------------------------------- helpers

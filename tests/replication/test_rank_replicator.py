@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from dcp_safe import CommitError, ConfigError
+import dcp_safe
+from dcp_safe import CommitError, ConfigError, SafeStorageWriter, StorageError
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.errors import ReplicationSkippedError
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
+    await_remote_commit,
     raise_reported_failures,
     remote_work_dir,
     report_commit_failure,
@@ -93,3 +98,42 @@ def test_a_renaming_remote_gets_its_markers_in_the_partial_directory(tmp_path: P
     report_rank_failure(remote, work, 1, _save_id("a"), OSError("gone"))  # no directory yet
     with pytest.raises(CommitError, match="gone"):
         raise_reported_failures(remote, work, _save_id("a"), "step_1")
+
+
+def test_a_rank_waiting_for_the_remote_commit_rides_out_an_outage_of_its_listings(
+    memory_root: str,
+) -> None:
+    """Chaos seed 8017: the store is down for longer than one listing's retry budget while
+    rank 0 commits. A peer's wait must see the commit once the store is back, not fail alone
+    on the first listing that gave up (the ranks would then disagree on one save)."""
+    dcp_safe.save(
+        {"w": torch.arange(4.0)},
+        checkpoint_id="step_1",
+        storage_writer=SafeStorageWriter(memory_root),
+    )
+    remote = open_backend(memory_root)
+    save_id = open_committed(remote, "step_1").manifest.save_id
+    up_at = time.monotonic() + 0.5
+    failed: list[str] = []
+
+    def down_for_a_while(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() < up_at:
+                failed.append(method.__name__)
+                raise StorageError(
+                    method.__name__, str(args[:1]), "Service is unable to handle request"
+                )
+            return method(*args, **kwargs)
+
+        return call
+
+    for attr in ("list_dir", "exists", "read_small", "read_bytes", "open_read"):
+        if hasattr(remote, attr):
+            setattr(remote, attr, down_for_a_while(getattr(remote, attr)))
+    work = remote_work_dir(remote, "step_1", save_id)
+    options = UploadOptions(remote_timeout_s=_TIMEOUT_S, poll_s=0.05)
+
+    manifest = await_remote_commit(remote, "step_1", work, save_id, options)
+
+    assert manifest.save_id == save_id
+    assert "list_dir" in failed  # the failure-marker listing did fail during the outage
