@@ -97,11 +97,15 @@ class Ledger:
             with contextlib.suppress(InvalidStateError):  # it finished meanwhile
                 if not handle.staged.done():
                     handle.staged.set_exception(error)
-            for tier, future in pending.items():
+            for future in pending.values():
                 with contextlib.suppress(InvalidStateError):
                     future.set_exception(error)
-                # Recorded as every other outcome is: a rank that gave up on a replication has
-                # an outcome for it (failed), as the peer that saw it fail has.
+            # Recorded as every other outcome is, so that a rank that gave up has the events a
+            # peer that saw the outcome has: a save given up before its local commit failed as
+            # a whole (one event, as Ledger.fail records a failed save), a replication given up
+            # after it failed on the remote tier.
+            if pending:
+                tier = "local" if "local" in pending else "remote"
                 self.record("failed", handle, tier=tier, reason=reason)
             resolved += bool(pending)
         return resolved

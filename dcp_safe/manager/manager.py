@@ -1,9 +1,7 @@
 """``CheckpointManager``: the policy layer a training loop calls once per step.
 
-It owns *when* a save happens and what happens after it, not how bytes are written: saves go
-through :func:`dcp_safe.dcp.api.async_save` with a :class:`SafeStorageWriter` and a
-:class:`BudgetedStager`; restores through a :class:`SafeStorageReader` with the replica as
-fallback.
+It owns *when* a save happens and what follows it, not how bytes are written (that is
+:func:`dcp_safe.dcp.api.async_save`'s, :class:`SafeStorageWriter`'s and :class:`BudgetedStager`'s).
 
 Call order (one training thread calls ``save``/``maybe_save``/``restore``/``close``)::
 
@@ -28,15 +26,13 @@ gloo groups (:mod:`~dcp_safe.manager.groups`); the fallback to synchronous saves
 state passed to ``save``, the LIVE state, is saved as it is at signal time); stopping
 (:mod:`~dcp_safe.manager.shutdown`). ``force=True`` waits whatever the policy (bounded too).
 
-Under ``torchrun`` (``torch.distributed`` initialized, more than one rank) every rank creates
-its manager with the same arguments at the same point, and calls it with the same steps: each
-save is then one multi-rank DCP checkpoint, every admission decision is agreed by all ranks
-(:mod:`~dcp_safe.manager.agreement`), and only rank 0 writes shared state (history, retention,
-sweeping) and resolves what ``restore`` loads. Without a process group it is a single process.
+Under ``torchrun`` (more than one rank) every rank creates its manager with the same arguments
+at the same point and calls it with the same steps: each save is one multi-rank DCP checkpoint,
+every admission decision is agreed by all ranks (:mod:`~dcp_safe.manager.agreement`), and only
+rank 0 writes shared state (history, retention, sweeping) and resolves what ``restore`` loads.
 
-Errors: a background failure (upload, verification, replication) fails the handle's future and
-is kept; :meth:`wait` and :meth:`close` raise the first one not yet raised, and
-:class:`~dcp_safe.errors.DrainTimeoutError` when work is still in flight at their timeout.
+Errors: a background failure fails the handle's future and is kept; :meth:`wait` and
+:meth:`close` raise the first one not raised yet (``DrainTimeoutError``: work still in flight).
 """
 
 from __future__ import annotations
@@ -351,23 +347,28 @@ class CheckpointManager:
     ) -> SaveHandle | None:
         self._ledger.record("requested", handle, tier="local")
         self._ledger.track(handle)
-        # Frozen while the ranks vote and park: a save ending meanwhile does not start the
-        # pending one on this rank alone (see SaveSlot.frozen).
-        with self._slot.frozen():
-            decision = self._admitter.admit(handle, policy, state_dict, force=force)
-            if decision.verdict is Verdict.COALESCE:
-                return self._runner.coalesce(handle, state_dict)
-        if decision.verdict is Verdict.WAIT:
-            decision = self._admitter.wait(handle, force=force)
-        verdict, reason = decision.verdict, decision.reason
-        if verdict is Verdict.START:
-            self._slot.take(handle)  # free: this rank voted idle, or waited until it was
-            self._ledger.count("started")
-            self._runner.start(handle, state_dict)
-            return handle
-        if verdict is Verdict.SYNC:
-            self._runner.foreground(handle, state_dict)
-            return handle
+        try:
+            # Frozen while the ranks vote and park: a save ending meanwhile does not start the
+            # pending one on this rank alone (see SaveSlot.frozen).
+            with self._slot.frozen():
+                decision = self._admitter.admit(handle, policy, state_dict, force=force)
+                if decision.verdict is Verdict.COALESCE:
+                    return self._runner.coalesce(handle, state_dict)
+            if decision.verdict is Verdict.WAIT:
+                decision = self._admitter.wait(handle, force=force)
+            verdict, reason = decision.verdict, decision.reason
+            if verdict is Verdict.START:
+                self._slot.take(handle)  # free: this rank voted idle, or waited until it was
+                self._ledger.count("started")
+                self._runner.start(handle, state_dict)
+                return handle
+            if verdict is Verdict.SYNC:
+                self._runner.foreground(handle, state_dict)
+                return handle
+        except BaseException as exc:  # a request that raised ends in an outcome on every rank
+            if not handle.committed.done():  # (not left for only some ranks' closes: seed 10083)
+                self._ledger.fail(handle, exc, tier="local", keep=False)
+            raise
         self._ledger.skip(handle, reason)
         if verdict is Verdict.RAISE:
             raise AdmissionTimeoutError(f"save of step {handle.step} refused: {reason}")

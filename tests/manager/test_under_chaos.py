@@ -319,3 +319,46 @@ def test_a_peer_that_does_not_join_the_managers_groups_is_a_typed_error_naming_i
     assert first["error"] is not None, "the groups were created without rank 1"
     assert "could not create the manager's" in first["error"]
     assert list(first["failures"]) == [1]
+
+
+def _events_of(manager: CheckpointManager, step: int) -> list[tuple[str, str]]:
+    return [(e["event"], e["tier"]) for e in manager.decisions() if e["step"] == step]
+
+
+def test_a_request_that_raises_ends_in_a_recorded_failure_at_once(tmp_path: Path) -> None:
+    """Chaos seed 10083: after a group replacement failed, every rank's ``maybe_save`` raised,
+    but the request stayed open ("requested", no outcome, the handle's futures pending) until a
+    close gave up on it, which only the ranks whose close timed out did: the ranks' records of
+    the same steps differed. The request now ends in one "failed" event when it raises."""
+    manager = CheckpointManager(tmp_path, writer=SafeStorageWriter(tmp_path, fsync=False))
+
+    def broken_vote(*args: Any, **kwargs: Any) -> Any:
+        raise CommitError("the manager's group broke (injected)", failures={1: "gone"})
+
+    manager._admitter.admit = broken_vote  # type: ignore[method-assign]
+    with pytest.raises(CommitError):
+        manager.save(1, {"w": torch.ones(4)})
+    assert _events_of(manager, 1) == [("requested", "local"), ("failed", "local")]
+    manager.close(5.0)  # nothing left open: no DrainTimeoutError, no second record
+    assert _events_of(manager, 1) == [("requested", "local"), ("failed", "local")]
+
+
+def test_a_save_given_up_by_close_before_its_commit_is_recorded_as_a_failed_save(
+    tmp_path: Path,
+) -> None:
+    """The other half of seed 10083: a close that gives up on a save still in flight records
+    it as a failed save (one event, as a save that failed is recorded), not as a failed save
+    and a failed replication, so its ranks agree with a peer whose save failed outright."""
+    faults = FaultInjector(FaultPlan(ops=("write",), delay_s=20.0))
+    options = {"target_protocol": "file", "faults": faults}
+    manager = CheckpointManager(
+        f"faulty://{tmp_path / 'local'}",
+        storage_options=options,
+        replicate_to=str(tmp_path / "remote"),
+    )
+    handle = manager.save(1, {"w": torch.ones(8)})
+    assert handle is not None
+    with pytest.raises(DrainTimeoutError):
+        manager.close(0.5)
+    assert handle.committed.done() and handle.replicated.done()
+    assert _events_of(manager, 1) == [("requested", "local"), ("failed", "local")]
