@@ -16,7 +16,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_safe"
 
 # Bottom to top. A module may import its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "layout", "observe", "units", "choices", "version", "torch_compat", "untrusted"),
+    (
+        "errors",
+        "layout",
+        "observe",
+        "units",
+        "choices",
+        "version",
+        "torch_compat",
+        "untrusted",
+        "topology",
+    ),
     ("manifest",),
     ("backends",),
     ("commit",),

@@ -66,6 +66,7 @@ from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
@@ -88,6 +89,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     upload_rank_part,
 )
+from dcp_safe.topology import Root, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
 
@@ -149,20 +151,26 @@ class NodeLocalWriter(SafeStorageWriter):
     ) -> None:
         if kwargs.get("overwrite") or kwargs.get("replicate_to") is not None:
             raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
-        super().__init__(
-            root, replicate_to=remote, replicate_storage_options=remote_storage_options, **kwargs
-        )
+        super().__init__(root, **kwargs)
         if self.strategy.in_place:
             raise ConfigError(f"a node-local root must be a local directory, got {self.root}")
+        # The remote is this writer's commit root, and where every rank uploads its files.
+        commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
+        self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
+        self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
         self._uploads: dict[str, Future[Manifest]] = {}
         self._commits: dict[str, Future[Manifest]] = {}
 
     @property
     def remote_backend(self) -> Backend:
-        if self.remote is None:  # set by the base class from replicate_to
+        if self.remote is None:  # set in __init__; only a broken unpickling loses it
             raise ConfigError("NodeLocalWriter has no remote")
         return self.remote
+
+    @property
+    def commit_backend(self) -> Backend:
+        return self.remote_backend
 
     # ----------------------------------------------------------------- DCP call order
 

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
-import torch
 import zstandard
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -54,7 +53,7 @@ from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
 from dcp_safe.dcp.options import Compression, WriterOptions
-from dcp_safe.dcp.tensor_records import write_tensor
+from dcp_safe.dcp.tensor_records import minimal_cpu_tensor, write_tensor
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
@@ -69,6 +68,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
 )
 from dcp_safe.replication.replicator import Replicator
+from dcp_safe.topology import Topology
 from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
 __all__ = ["SafeStorageWriter"]
@@ -101,11 +101,8 @@ class SafeStorageWriter(StorageWriter):
             loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
         replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
-            ``root`` is copied there in the background and committed there too. On one
-            process, by a :class:`~dcp_safe.replication.replicator.Replicator`; in a save of
-            several ranks (which must share ``root``), each rank uploads the files it wrote
-            and rank 0 commits (:mod:`dcp_safe.replication.rank_replicator`). See
-            :meth:`replication`.
+            ``root`` is copied there in the background and committed there too (see
+            :meth:`replication`). The roots' roles are ``self.topology``.
         replicate_storage_options: fsspec options for ``replicate_to`` (default:
             ``storage_options``).
         replication_options: deadlines, polling and chunk size of the per-rank uploads of a
@@ -171,10 +168,18 @@ class SafeStorageWriter(StorageWriter):
         self.step = step
         self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
         self.replicate_storage_options = replicate_storage_options or storage_options
+        self.topology = Topology.of(
+            self.root,
+            replicate_to=self.replicate_to,
+            storage_options=storage_options,
+            replica_storage_options=self.replicate_storage_options,
+        )
+        uploads_to = self.topology.uploads_to
+        # The backend of the root this writer's files are uploaded to after they are written.
         self.remote: Backend | None = (
             None
-            if self.replicate_to is None
-            else open_backend(self.replicate_to, self.replicate_storage_options, retry=retry)
+            if uploads_to is None
+            else open_backend(uploads_to.url, uploads_to.storage_options, retry=retry)
         )
         self.replication_options = replication_options or UploadOptions()
         self._replicator: Replicator | None = None
@@ -183,6 +188,11 @@ class SafeStorageWriter(StorageWriter):
         self._rank = 0
         self._is_coordinator = True
         self._assignment: _Assignment | None = None
+
+    @property
+    def commit_backend(self) -> Backend:
+        """The backend of the root this writer publishes checkpoints on (``topology.commit``)."""
+        return self.backend
 
     # ----------------------------------------------------------------- DCP call order
 
@@ -397,13 +407,10 @@ class SafeStorageWriter(StorageWriter):
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
         """A future that resolves once checkpoint ``name`` is committed on the remote tier.
 
-        In the process that ran the save it is that rank's replication future: on one process
-        the replicator's; in a save of several ranks, this rank's upload of its own part and
-        the wait for rank 0's remote commit. It fails with the cause (``CommitError`` naming
-        the ranks whose upload failed), or with ``ReplicationSkippedError`` if a newer
-        checkpoint superseded it (on any rank). Elsewhere (DCP's checkpoint process did the
-        work, or ``name`` is not this writer's) it watches the remote ``_COMMITTED`` marker.
-        Coordination goes through storage, never through the training process group.
+        In the process that ran the save: this rank's replication (its upload and, on several
+        ranks, the wait for rank 0's remote commit), failing with the cause (``CommitError``
+        naming the ranks whose upload failed, ``ReplicationSkippedError`` if a newer checkpoint
+        superseded it). Elsewhere it watches the remote ``_COMMITTED`` marker.
 
         Raises:
             ConfigError: the writer has no ``replicate_to``.
@@ -540,7 +547,7 @@ class SafeStorageWriter(StorageWriter):
                 raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
             out.write(data.getbuffer())
         else:
-            tensor = _minimal_cpu_tensor(data)
+            tensor = minimal_cpu_tensor(data)
             # torch.save's exact bytes from a template where it can (36 us an item instead of
             # 370 here); torch.save itself for the rest.
             if not write_tensor(tensor, out):
@@ -566,18 +573,6 @@ class SafeStorageWriter(StorageWriter):
         state["_replicator"] = None  # a thread: the child process starts its own if needed
         state["_rank_replicator"] = None
         return state
-
-
-def _minimal_cpu_tensor(data: Any) -> torch.Tensor:
-    """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
-    if not isinstance(data, torch.Tensor):
-        raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
 
 
 def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
