@@ -33,13 +33,28 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
+from typing import Protocol, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.commit.publication import LeasedPublication, Publication, RenamedPublication
 from dcp_safe.commit.takeover import Claimant
+from dcp_safe.errors import ConfigError
 
-__all__ = ["MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
+__all__ = ["Leftovers", "MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Leftovers(Protocol[T_co]):
+    """What collects the leftovers of failed saves, for each way a root publishes."""
+
+    def partial_folders(self) -> T_co: ...
+
+    def leased_prefixes(self) -> T_co: ...
+
 
 _NO_FILES: Mapping[str, bytes] = MappingProxyType({})
 _UNFENCED = Claimant()
@@ -56,6 +71,26 @@ class PublishStrategy(abc.ABC):
     def work_dir(self, name: str, save_id: str) -> str:
         """Where save ``save_id`` of ``name`` writes before it is published."""
         return name if self.in_place else layout.partial_dir_name(name, save_id)
+
+    @abc.abstractmethod
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        """The publication of save ``save_id`` of ``name`` on ``backend`` (one per save)."""
+
+    def require_rename(self, why: str) -> None:
+        """Refuse a root that cannot rename atomically where a caller needs one.
+
+        Raises:
+            ConfigError: ``why``, on a root that publishes in place.
+        """
+        if not self.can_replace:
+            raise ConfigError(why)
+
+    @abc.abstractmethod
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        """Collect what this root's failed saves leave: hidden partial folders on a renaming
+        root, leased prefixes on an object store."""
 
     @abc.abstractmethod
     def claim(
@@ -117,6 +152,14 @@ class RenameStrategy(PublishStrategy):
     ) -> None:
         return None  # the partial directory is this save's own; the rename arbitrates
 
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        return RenamedPublication(self, backend, name, save_id, claimant)
+
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        return leftovers.partial_folders()
+
     def publish(
         self,
         backend: Backend,
@@ -160,6 +203,14 @@ class MarkerStrategy(PublishStrategy):
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
     ) -> None:
         acquire_lease(backend, name, save_id, claimant)
+
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        return LeasedPublication(self, backend, name, save_id, claimant)
+
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        return leftovers.leased_prefixes()
 
     def publish(
         self,

@@ -70,11 +70,10 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.fencing import check_fence, register_attempt
+from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
-    CheckpointExistsError,
     CommitError,
     ConfigError,
     ReplicationTimeoutError,
@@ -152,8 +151,9 @@ class NodeLocalWriter(SafeStorageWriter):
         if kwargs.get("overwrite") or kwargs.get("replicate_to") is not None:
             raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
         super().__init__(root, **kwargs)
-        if self.strategy.in_place:
-            raise ConfigError(f"a node-local root must be a local directory, got {self.root}")
+        self.strategy.require_rename(
+            f"a node-local root must be a local directory, got {self.root}"
+        )
         # The remote is this writer's commit root, and where every rank uploads its files.
         commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
         self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
@@ -181,17 +181,11 @@ class NodeLocalWriter(SafeStorageWriter):
         name = self._require_name()
         remote = self.remote_backend
         try:
-            if self.attempt is not None:
-                # The fence that matters is on the shared root, the only one every node sees.
-                register_attempt(remote, self.attempt)
-                check_fence(remote, self.attempt)
-            strategy = strategy_for(remote)
-            strategy.claim(remote, name, assignment.save_id, self.claimant)
-            if not strategy.in_place and remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-                raise CheckpointExistsError(remote.full_path(name))  # refused before uploading
-            remote.makedirs(
-                f"{remote_work_dir(remote, name, assignment.save_id)}/{layout.RANKS_DIR}"
-            )
+            # The fence and the claim that matter are on the shared root, the only one every
+            # node sees; a committed name is refused there before a byte is uploaded.
+            publication = self._remote_publication(name, assignment.save_id)
+            publication.claim()
+            remote.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
         except BaseException:
             with contextlib.suppress(OSError):
                 self.backend.remove_tree(assignment.work_dir)
@@ -335,14 +329,11 @@ class NodeLocalWriter(SafeStorageWriter):
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
             return Committer(remote, self.options).publish(
-                name=name,
-                save_id=assignment.save_id,
-                work_dir=work,
+                self._remote_publication(name, assignment.save_id),
                 world_size=assignment.world_size,
                 step=self.step,
                 metadata=metadata,
                 results=results,
-                attempt=self.attempt,
             )
         except BaseException as exc:
             report_commit_failure(remote, work, assignment.save_id, exc)
@@ -371,6 +362,10 @@ class NodeLocalWriter(SafeStorageWriter):
             # late rank, say) is the more exact one.
             own_commit(self.node_options.remote_timeout_s)
             raise
+
+    def _remote_publication(self, name: str, save_id: str) -> Publication:
+        remote = self.remote_backend
+        return strategy_for(remote).publication(remote, name, save_id, self.claimant)
 
     def _leads_node(self, assignment: _Assignment) -> bool:
         """True on the lowest rank that wrote into this node's work directory.

@@ -47,14 +47,14 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
-from dcp_safe.commit.lease import abandon_lease, check_lease, held_by_another, release_lease
+from dcp_safe.commit.fencing import attempt_from_env
+from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
 from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.dcp.tensor_records import minimal_cpu_tensor, write_tensor
-from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
+from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.signing import checksum_for, resolve_key
@@ -161,8 +161,8 @@ class SafeStorageWriter(StorageWriter):
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
         self.strategy = strategy_for(self.backend)
-        if overwrite and not self.strategy.can_replace:
-            raise ConfigError(
+        if overwrite:
+            self.strategy.require_rename(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
@@ -225,22 +225,16 @@ class SafeStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        name = self._require_name()
-        save_id = layout.new_save_id()
-        if self.attempt is not None:
-            # Fenced before a byte is written: a leftover of an older attempt stops here.
-            register_attempt(self.backend, self.attempt)
-            check_fence(self.backend, self.attempt)
-        self.strategy.claim(self.backend, name, save_id, self.claimant)
-        work_dir = self.strategy.work_dir(name, save_id)
+        publication = self._publication(layout.new_save_id())
+        publication.claim(replace=self.options.overwrite)
+        save_id, work_dir = publication.save_id, publication.work_dir
         try:
             self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
         except BaseException:
-            if self.strategy.in_place:
-                # Ours, with nothing under it yet: holding it would block the name until the
-                # sweeper's grace period ends.
-                with contextlib.suppress(OSError):
-                    release_lease(self.backend, name, save_id)
+            # Ours, with nothing under it yet: holding it would block the name until the
+            # sweeper's grace period ends.
+            with contextlib.suppress(OSError):
+                publication.release()
             raise
         return [
             dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
@@ -255,8 +249,8 @@ class SafeStorageWriter(StorageWriter):
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
-            if self.strategy.in_place:  # a rank of a writer whose name was taken over stops
-                check_lease(self.backend, assignment.work_dir, assignment.save_id)
+            # A rank of a writer whose name was taken over stops here.
+            self._publication(assignment.save_id).check()
             results = self._write_rank(assignment, files, buckets, planner)
         except BaseException as exc:
             self._abandon(assignment, files)
@@ -302,27 +296,14 @@ class SafeStorageWriter(StorageWriter):
         return attach_report(results, report_for(manifest, written, self.options.checksum))
 
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
-        """After this rank failed: on an object store, remove its own objects and give up the
-        name: released when alone; with peers, whose objects stay, marked abandoned, so the
-        next save of it takes it over and clears them (:mod:`dcp_safe.commit.takeover`).
-
-        DCP will not call ``finish``, so nobody else would. Nothing is removed once the name is
-        committed or another save's: the paths may be a newer attempt's by now.
-        """
-        if not self.strategy.in_place:
-            return
-        name, save_id = assignment.work_dir, assignment.save_id
+        """After this rank failed (DCP will not call ``finish``, so nobody else would): remove
+        its own files and give up the name, as :meth:`Publication.abandon` says."""
         own = [*files, layout.rank_manifest_name(assignment.rank)]
-        with contextlib.suppress(OSError, DcpSafeError):
-            if self._committed(name) or held_by_another(self.backend, name, save_id):
-                return
-            for rel in own:
-                self.backend.remove_file(f"{name}/{rel}")
-            check_lease(self.backend, name, save_id)
-            if assignment.world_size > 1:
-                abandon_lease(self.backend, name, save_id, self.claimant)
-            else:
-                release_lease(self.backend, name, save_id)
+        publication = self._publication(assignment.save_id)
+        publication.abandon(own, shared=assignment.world_size > 1)
+
+    def _publication(self, save_id: str) -> Publication:
+        return self.strategy.publication(self.backend, self._require_name(), save_id, self.claimant)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).
@@ -338,14 +319,11 @@ class SafeStorageWriter(StorageWriter):
         name = self._require_name()
         try:
             Committer(self.backend, self.options).publish(
-                name=name,
-                save_id=assignment.save_id,
-                work_dir=assignment.work_dir,
+                self._publication(assignment.save_id),
                 world_size=assignment.world_size,
                 step=self.step,
                 metadata=metadata,
                 results=results,
-                attempt=self.attempt,
             )
         except BaseException as exc:
             self._report_failure(assignment, exc, rank=None)

@@ -126,8 +126,29 @@ def sweep_partials(
     backend = open_backend(os.fspath(root), storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     now = time.time() if now is None else now
-    if strategy_for(backend).in_place:
-        return _sweep_leased(backend, grace_s, dry_run, now)
+    return strategy_for(backend).sweep(_Sweep(backend, grace_s, dry_run, now))
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """One sweep of a root, for each way a root's failed saves are left
+    (:meth:`~dcp_safe.commit.strategy.PublishStrategy.sweep` picks)."""
+
+    backend: Backend
+    grace_s: float
+    dry_run: bool
+    now: float
+
+    def leased_prefixes(self) -> SweepReport:
+        return _sweep_leased(self.backend, self.grace_s, self.dry_run, self.now)
+
+    def partial_folders(self) -> SweepReport:
+        return _sweep_partial_folders(self.backend, self.grace_s, self.dry_run, self.now)
+
+
+def _sweep_partial_folders(
+    backend: Backend, grace_s: float, dry_run: bool, now: float
+) -> SweepReport:
     removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
     for entry in backend.list_dir(""):
         partial = layout.is_partial_entry(entry)
