@@ -1,17 +1,8 @@
 """The coordinator's verify-and-publish: phase two of the commit protocol.
 
-Runs on rank 0 inside ``SafeStorageWriter.finish``, which DCP calls only after every rank's
-``write_data`` succeeded. Before anything becomes visible it proves that every planned item has a
-result, that each rank's manifest is on storage and agrees with what the rank reported, and that
-every shard file has exactly the size its items add up to. Then it writes ``.metadata``,
-``manifest.json`` and, last, ``_COMMITTED``, and publishes with the backend's strategy:
-
-* atomic rename (POSIX): all of it inside the hidden partial directory, fsync of the files and
-  the directory, one ``rename`` into place (never over a committed checkpoint unless
-  ``overwrite``, and then by an atomic exchange), fsync of the parent;
-* marker (object stores): the files are already under ``<name>/``; the marker is created with
-  an exclusive write, so a committed name is never overwritten. The lease is checked before the
-  control files are written too, so a writer whose lease was taken writes nothing more.
+Runs on rank 0 inside ``SafeStorageWriter.finish`` (and ``NodeLocalWriter``'s remote commit).
+What it proves before anything is visible, the lease and fence checks around the publish, and
+what a failure leaves: docs/architecture.md, "Phase two: rank 0 verifies and publishes".
 
 Its cost is linear in ranks, files and items, and it makes a few storage calls, not one per rank
 or per file. Each rank reports its manifest's files, size and checksum with its write results
@@ -22,14 +13,6 @@ by default). A rank that sent no report has its manifest read back and parsed, o
 a short run of reads per hand-off. A file a listing lacks is asked for on its own before the commit
 fails. A worker's error is raised here, typed, the lowest failing rank first; the calls not yet
 started are cancelled. Items are grouped by file once per rank, never scanned per file.
-
-Right before the publish (the rename, or the marker) it checks the fence
-(:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
-under the root raises ``StaleWriterError`` instead of publishing. On an object store it checks
-the lease first of all, too: a writer whose name a newer attempt took over
-(:mod:`dcp_safe.commit.takeover`) raises ``StaleWriterError`` before it reads anything.
-
-A failure before the publish removes the partial directory and raises; nothing is visible.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """How a root publishes a checkpoint: one strategy object, chosen once from the backend.
 
-Two ways to make "all or nothing" true on storage (the same two orbax-checkpoint uses):
+:class:`RenameStrategy` (POSIX: a hidden partial directory, one atomic rename) and
+:class:`MarkerStrategy` (object stores: files under ``<name>/`` behind the writing lease, the
+``_COMMITTED`` marker created exclusively, last), the two orbax-checkpoint uses too; see
+docs/architecture.md, "How a root publishes". Everything above this module asks the strategy,
+never the backend's ``supports_atomic_rename`` flag.
 
-* :class:`RenameStrategy` (POSIX): a save works in a hidden ``.<name>.partial-<id>/``
-  directory, writes the ``_COMMITTED`` marker there, and one atomic rename publishes it (never
-  over a committed checkpoint unless replacing, and then by an atomic exchange). Retiring
-  renames the checkpoint away first, so it stops existing in one step.
-* :class:`MarkerStrategy` (object stores): there is no atomic rename (fsspec's ``mv`` on S3 is
-  copy + delete), so a save works directly under ``<name>/``, guarded by a writing lease
-  (:mod:`dcp_safe.commit.lease`, which also covers storage without a real exclusive create), and
-  publishing is creating the marker exclusively, last. Retiring deletes the marker first.
-
-The commit point differs (the rename, or the marker), so the check a caller must make just
-before it (the writer fence, the lease) is passed in as ``before_commit`` and called at that
-point by the strategy. Everything above this module asks the strategy, never the backend's
-``supports_atomic_rename`` flag.
-
-The control files written at publish (``.metadata``, ``manifest.json``, ``_SIGNATURE``) are
-handed to :meth:`PublishStrategy.publish` with the marker, so each strategy writes them as its
-commit point allows. Their writes and fsyncs are independent, so they run at once, not one
-after another (on a journaling file system concurrent fsyncs share a journal commit): with
-rename, the marker and the directories' fsyncs run with them, since nothing inside the partial
-directory is visible before the rename; then the directory itself is fsynced (its entries are
-complete only now), renamed, and its parent fsynced. Every byte and entry is durable before the
-rename, and the rename before ``publish`` returns. With a marker, the marker is written only
-after all the control files are, since creating it is what publishes.
+The check a caller must make right before the commit point (the writer fence, the lease) is
+passed in as ``before_commit`` and called there. The control files' writes and fsyncs are
+independent, so they run at once, not one after another (on a journaling file system concurrent
+fsyncs share a journal commit); with a marker, the marker waits for all of them, since creating
+it is what publishes.
 """
 
 from __future__ import annotations

@@ -8,17 +8,15 @@ DCP calls a writer in this order (every rank unless noted; one save at a time pe
     prepare_global_plan(plans)      coordinator only: picks the save id and the work directory
     write_data(plan, planner)       streams this rank's items, then writes its rank manifest
     finish(metadata, results)       coordinator only, and only if every rank's write_data
-                                    succeeded: verify, then publish (see dcp_safe.commit)
+                                    succeeded: verify, then publish
+
+What each step does for the commit: docs/architecture.md, "The commit protocol".
 
 Shard files use DCP's own format (one ``torch.save`` stream per tensor item, raw bytes for the
 rest, optional zstd through DCP's own transform descriptor) so torch's ``FileSystemReader`` loads
 an uncompressed or zstd checkpoint written here. Plain tensors are laid down from a template of
 ``torch.save``'s bytes (:mod:`dcp_safe.dcp.tensor_records`), byte for byte what it would write.
 Each item is checksummed while it streams to storage; no shard is ever buffered whole.
-
-Where the save works: on a backend that renames atomically, in a hidden ``.<name>.partial-<id>``
-directory that is renamed into place at publish; elsewhere, directly under ``<name>/``, where
-nothing counts until the ``_COMMITTED`` marker is written last.
 """
 
 from __future__ import annotations

@@ -1,45 +1,12 @@
 """Replication of a multi-rank checkpoint from one shared local root: each rank uploads its part.
 
 ``SafeStorageWriter(root, replicate_to=remote)`` in a job of several ranks that share ``root``
-runs one :class:`RankReplicator` per rank. For each save (``R`` a rank, ``W`` the remote work
-location, see :mod:`dcp_safe.replication.rank_upload`)::
-
-    every rank   write_data -> begin    after its own files are written locally
-    every rank   (background)           waits, bounded, for the local _COMMITTED of this save
-                                        (rank 0 publishes it in finish; it is on shared storage)
-    rank 0       (background)           object stores: takes the name's writing lease with
-                                        the checkpoint's save id (shared with a writer of
-                                        this very save id, refused if another save holds it:
-                                        reported as a commit failure, so every rank stops)
-    other ranks  (background)           object stores: wait, bounded, until the lease shows
-                                        this save id (or a peer's failure marker appears)
-    every rank   (background)           uploads exactly the files its own committed rank
-                                        manifest lists, verified in flight, then that rank
-                                        manifest to W/_ranks/rank_R.json, last: "arrived"
-    rank 0       (background)           waits, bounded, for every rank's arrival, uploads the
-                                        rest (.metadata), manifest.json (the local one, byte
-                                        for byte), checks every object's size, and writes the
-                                        remote _COMMITTED last, as the single-process
-                                        Replicator does (checking the lease right before it,
-                                        releasing it after)
-    other ranks  (background)           wait, bounded, for the remote _COMMITTED
-
-So each rank's upload bandwidth carries only its own bytes, and coordination goes through
-storage markers, never through a process group. A rank whose upload fails writes its failure
-marker: every rank's future fails with :class:`~dcp_safe.errors.CommitError` naming it, and
-nothing is committed remotely; on an object store rank 0 then removes the save's objects and
-its lease (the lease rules: :mod:`dcp_safe.replication.remote_commit`), and every upload checks
-the lease first, so no rank writes on once the name is no longer this save's. The local commit
-is awaited through storage because ranks other than 0 get no call from DCP after
-``write_data``; a save that fails before its local commit ends the wait through a marker (a
-rank's failed write, rank 0's failed publish), or when this rank's next save begins or the
-writer closes (the failed save is then final).
-
-Coalescing, as in :class:`~dcp_safe.replication.replicator.Replicator` (this is one): at most
-one save is uploading and one pending per rank; a newer save replaces the pending one. Ranks
-decide that independently, so a rank that skips a save says so with a marker, and every rank's
-future of that save fails with :class:`~dcp_safe.errors.ReplicationSkippedError`: a save is
-replicated by all ranks or by none.
+runs one :class:`RankReplicator` per rank: it waits for the local commit, uploads the files its
+own rank manifest lists (:mod:`dcp_safe.replication.rank_upload`), and on rank 0 publishes on
+the remote once every rank's part arrived, as the single-process
+:class:`~dcp_safe.replication.replicator.Replicator` does. The steps, the failure and skip
+markers, and why a save is replicated by all ranks or by none: docs/architecture.md, "Per-rank
+uploads".
 """
 
 from __future__ import annotations

@@ -2,23 +2,10 @@
 
 Both ways to the remote tier end here: the single-process
 :class:`~dcp_safe.replication.replicator.Replicator` and the per-rank uploads of
-:mod:`dcp_safe.replication.rank_upload`. The remote copy's ``manifest.json`` is the local one,
-byte for byte, so both tiers' markers hold the same digest: a second replication of the same
-checkpoint is recognised (idempotent), and another checkpoint of that name is never replaced.
-
-On a marker-published remote (an object store) a replication writes straight under ``<name>/``,
-so it holds the name's writing lease (:mod:`dcp_safe.commit.lease`) as a local save does,
-through :class:`RemoteLease`: taken before the first upload with the checkpoint's own save id
-(the manifest's), checked before each file and right before the marker, released after it. A
-name held by another save is refused before a byte is written; a lease of this very save id is
-shared (a retry after a crash, a second replicator of the same checkpoint), since both write
-identical bytes. A lease of another save id left by a crashed or fenced writer is taken over
-on the terms a save's is (:mod:`dcp_safe.commit.takeover`), by a replication that knows its
-job attempt. Of two such writers, the one that publishes second finds the lease gone or
-the marker there: the name committed with its own digest is success, not an error. On failure
-a replication that took the lease itself removes its uploads, then the lease, while the lease
-is still its own; one that joined (or lost) the lease leaves both to their holder or to the
-sweeper (the holder may still be writing the same objects).
+:mod:`dcp_safe.replication.rank_upload`. The remote ``manifest.json`` is the local one, byte
+for byte, so both tiers' markers hold the same digest. The protocol, and why the remote writing
+lease (:class:`RemoteLease`) of the same save id is shared: docs/architecture.md, "Replication
+and the remote tier" and "The writing lease".
 """
 
 from __future__ import annotations
@@ -87,7 +74,7 @@ class RemoteLease:
     Call order: :meth:`take` before the first upload (rank 0 only, in a multi-rank save);
     :meth:`check` before each file uploaded and right before the marker; then :meth:`release`
     after the marker, or :meth:`abandon` on failure (:func:`publish_remote` calls these last
-    three). See the module docstring for the rule on sharing.
+    three). The rule on sharing: docs/architecture.md, "The writing lease".
 
     Args:
         save_id: the checkpoint's save id (its manifest's), never a fresh one: it is what makes

@@ -1,47 +1,11 @@
 """Replication: copy a committed local checkpoint to the remote tier and commit it there.
 
-The remote tier repeats the commit protocol (DESIGN, "Commit protocol") for a checkpoint that is
-already committed locally. Call order, for one checkpoint::
-
-    open_committed(local, name)      the local marker must match manifest.json, else nothing
-    remote marker check              same digest: done (idempotent); another digest: refused
-    writing lease (object stores)    the name's lease, with the checkpoint's save id: held by
-                                     another save: refused, nothing uploaded; held by this
-                                     very save id (a retry, a second replicator): shared
-    copy every manifest file         streamed in chunks, each small file's checksum and each
-                                     shard item's checksum recomputed from the bytes in flight
-                                     (object stores: the lease checked before each file)
-    copy manifest.json
-    remote.size of every object      each must exist with the size the manifest records
-    lease check (object stores)      still this save's, else the name must be committed with
-                                     this digest (the other writer of this save published)
-    remote _COMMITTED, last          exclusive create, holding the local marker's digest
-    lease released (object stores)   a failed release is only logged
-
-Where the copy lands follows the remote backend's capability flags, like the committer: a
-backend that renames atomically (a second local disk, NFS) gets a hidden partial directory
-renamed into place without replacing anything; an object store gets the files under ``<name>/``
-directly, behind the name's writing lease as a local save's are (the rule, and why a lease
-of the same save id is shared: :mod:`dcp_safe.replication.remote_commit`), where nothing counts
-until the marker exists. A failure before the marker removes what was uploaded (best effort),
-then the lease, and re-raises the original exception. (The verified copy is
+:func:`replicate_checkpoint` does one checkpoint (the verified copy is
 :mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.replication.remote_commit`'s;
-a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`.)
-
-Why it is built this way:
-
-* Uploads read the committed local files, never the staging buffers, so replication holds no
-  host memory beyond one chunk read and the remote file's upload buffers (files are copied one
-  at a time; on S3 the upload keeps ``max_concurrency`` parts in flight, 4 unless the remote's
-  storage options say otherwise, plus the block filling), and a slow remote can never hold back
-  the next save's staging. :attr:`Replicator.max_buffer_bytes` is that bound, for the owner's
-  memory budget.
-* The source is verified while it streams: a local byte flipped after the local commit is
-  caught before it is made durable a second time, and nothing is committed remotely.
-* :class:`Replicator` keeps at most one replication in flight, on one daemon thread. A newer
-  checkpoint makes an older pending one pointless, so pending work coalesces to the newest
-  name: the superseded futures fail with :class:`ReplicationSkippedError`. Nothing queues
-  without bound however slow the remote is.
+a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`).
+:class:`Replicator` runs them on one background thread, coalescing to the newest name. The
+protocol, and why it copies committed files rather than staging buffers: docs/architecture.md,
+"Replication and the remote tier".
 
 Errors raised here, beyond the ones backends raise::
 
