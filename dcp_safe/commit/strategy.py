@@ -25,8 +25,10 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.commit.publication import LeasedPublication, Publication, RenamedPublication
+from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
 from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import ConfigError
+from dcp_safe.manifest.schema import Manifest
 
 __all__ = ["Leftovers", "MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
 
@@ -63,6 +65,18 @@ class PublishStrategy(abc.ABC):
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
     ) -> Publication:
         """The publication of save ``save_id`` of ``name`` on ``backend`` (one per save)."""
+
+    @abc.abstractmethod
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        """The publication on ``backend`` of a replica of a checkpoint committed elsewhere
+        (``manifest``, whose digest is ``digest``), written under ``work_dir``."""
 
     def require_rename(self, why: str) -> None:
         """Refuse a root that cannot rename atomically where a caller needs one.
@@ -143,6 +157,16 @@ class RenameStrategy(PublishStrategy):
     ) -> Publication:
         return RenamedPublication(self, backend, name, save_id, claimant)
 
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        return RenamedReplica(self, backend, manifest, digest, work_dir, claimant)
+
     def sweep(self, leftovers: Leftovers[T]) -> T:
         return leftovers.partial_folders()
 
@@ -194,6 +218,16 @@ class MarkerStrategy(PublishStrategy):
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
     ) -> Publication:
         return LeasedPublication(self, backend, name, save_id, claimant)
+
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        return LeasedReplica(self, backend, manifest, digest, work_dir, claimant)
 
     def sweep(self, leftovers: Leftovers[T]) -> T:
         return leftovers.leased_prefixes()

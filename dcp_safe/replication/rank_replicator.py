@@ -18,7 +18,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.watch import poll_until
-from dcp_safe.commit.lease import holds_lease
+from dcp_safe.commit.replica import ReplicaPublication, committed_with
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
@@ -29,7 +29,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
-from dcp_safe.replication.copying import CheckpointCopy
+from dcp_safe.replication.copying import CheckpointCopy, open_source
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -40,13 +40,6 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     report_rank_skipped,
     upload_rank_part,
-)
-from dcp_safe.replication.remote_commit import (
-    RemoteLease,
-    open_source,
-    publish_remote,
-    remote_committed,
-    remove_uploads,
 )
 from dcp_safe.replication.replicator import Replicator
 
@@ -130,13 +123,13 @@ class RankReplicator(Replicator):
         work = remote_work_dir(self.remote, name, save.save_id)
         manifest, raw = self._await_local_commit(name, save, work)
         digest = manifest_digest(raw)
-        if remote_committed(self.remote, name, digest):
+        if committed_with(self.remote, name, digest):
             return manifest  # replicated before (every rank sees the same)
-        lease = None
-        if strategy_for(self.remote).in_place:
-            lease = RemoteLease(self.remote, name, manifest.save_id, digest, self.claimant)
-            if not self._await_lease(lease, save, work):
-                return manifest  # the same checkpoint got committed meanwhile
+        replica = strategy_for(self.remote).replica(
+            self.remote, manifest, digest, work, self.claimant or Claimant()
+        )
+        if not self._await_claim(replica, save, work):
+            return manifest  # the same checkpoint got committed meanwhile
         copy = CheckpointCopy(
             self.local,
             self.remote,
@@ -145,7 +138,7 @@ class RankReplicator(Replicator):
             raw,
             self.chunk_bytes,
             retry=self.retry,
-            before_each=lease.check if lease is not None else lambda: None,
+            before_each=replica.check,
         )
         try:
             upload_rank_part(
@@ -162,36 +155,36 @@ class RankReplicator(Replicator):
             )
         except Exception as exc:
             report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
-            self._remove_part(lease, save, copy)
+            self._remove_part(replica, save, copy)
             raise CommitError(
                 f"rank {save.rank} could not upload its part of {name}; nothing was published",
                 {save.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
         if save.rank == 0:
-            return self._commit(copy, save, work, digest, lease)
+            return self._commit(copy, save, work, replica)
         try:
             return await_remote_commit(self.remote, name, work, save.save_id, self.options)
         except BaseException:
-            self._remove_part(lease, save, copy)
+            self._remove_part(replica, save, copy)
             raise
 
-    def _await_lease(self, lease: RemoteLease, save: RankSave, work: str) -> bool:
-        """Rank 0 takes the writing lease before any rank uploads a byte; the other ranks wait,
-        bounded, until it shows this save (or a peer reports a failure, rank 0's to take it
+    def _await_claim(self, replica: ReplicaPublication, save: RankSave, work: str) -> bool:
+        """Rank 0 claims the name before any rank uploads a byte; the other ranks wait,
+        bounded, until the claim is held (or a peer reports a failure, rank 0's to claim it
         included). False: the name got committed with this checkpoint's digest meanwhile."""
         if save.rank == 0:
             try:
-                return lease.take()
+                return replica.claim()
             except BaseException as exc:
                 report_commit_failure(self.remote, work, save.save_id, exc)
                 raise
-        name = lease.name
+        name = replica.name
 
         def held() -> bool | None:
-            raise_reported_failures(self.remote, work, save.save_id, name)
-            if holds_lease(self.remote, name, lease.save_id):
-                return True
-            return False if remote_committed(self.remote, name, lease.digest) else None
+            state = replica.held()
+            if state is None:
+                raise_reported_failures(self.remote, work, save.save_id, name)
+            return state
 
         return poll_until(
             held,
@@ -200,15 +193,15 @@ class RankReplicator(Replicator):
             waiting_for=f"rank 0's writing lease on {self.remote.full_path(name)}",
         )
 
-    def _remove_part(self, lease: RemoteLease | None, save: RankSave, copy: CheckpointCopy) -> None:
-        """On failure: rank 0 removes the whole save's objects and then its lease (while it is
-        its own); another rank removes its own uploads unless the name changed hands."""
-        if lease is None:
-            remove_uploads(self.remote, copy.name, copy.uploaded)
-        elif save.rank == 0:
-            lease.abandon(_every_object(copy))
+    def _remove_part(
+        self, replica: ReplicaPublication, save: RankSave, copy: CheckpointCopy
+    ) -> None:
+        """On failure: rank 0 removes what it can of the whole save; another rank its own
+        uploads (see :class:`~dcp_safe.commit.replica.ReplicaPublication`)."""
+        if save.rank == 0:
+            replica.abandon(copy.uploaded)
         else:
-            lease.remove_part(copy.uploaded)
+            replica.remove_part(copy.uploaded)
 
     def _await_local_commit(self, name: str, save: RankSave, work: str) -> tuple[Manifest, bytes]:
         def committed() -> tuple[Manifest, bytes] | None:
@@ -237,8 +230,7 @@ class RankReplicator(Replicator):
         copy: CheckpointCopy,
         save: RankSave,
         work: str,
-        digest: str,
-        lease: RemoteLease | None,
+        replica: ReplicaPublication,
     ) -> Manifest:
         """Rank 0: once every rank arrived, upload the rest and publish as the Replicator does."""
         name = copy.name
@@ -249,8 +241,7 @@ class RankReplicator(Replicator):
             copy.finish_upload(work)
 
         try:
-            uploaded = copy.uploaded if lease is None else _every_object(copy)
-            publish_remote(self.remote, name, digest, work, upload, uploaded, lease=lease)
+            replica.publish(upload, copy.uploaded)
         except ReplicationSkippedError:
             raise  # every rank sees the skip marker itself
         except BaseException as exc:
@@ -268,13 +259,6 @@ class RankReplicator(Replicator):
             owned.update(f.path for f in part.files)
             owned.add(layout.rank_manifest_name(rank))
         return [f for f in manifest.files if f.path not in owned]
-
-
-def _every_object(copy: CheckpointCopy) -> list[str]:
-    """Every object this save writes under ``<name>/`` on an in-place remote, whichever rank
-    uploads it (markers aside): what rank 0, holding the lease, removes when the save fails."""
-    files = [record.path for record in copy.manifest.files]
-    return [f"{copy.name}/{rel}" for rel in [*files, layout.SIGNATURE, layout.MANIFEST]]
 
 
 def _record(copy: CheckpointCopy, rel: str) -> FileRecord:

@@ -1,7 +1,7 @@
 """Replication: copy a committed local checkpoint to the remote tier and commit it there.
 
 :func:`replicate_checkpoint` does one checkpoint (the verified copy is
-:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.replication.remote_commit`'s;
+:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.commit.replica`'s;
 a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`).
 :class:`Replicator` runs them on one background thread, coalescing to the newest name. The
 protocol, and why it copies committed files rather than staging buffers: docs/architecture.md,
@@ -27,6 +27,7 @@ from typing import NoReturn
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.replica import committed_with
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
@@ -40,12 +41,7 @@ from dcp_safe.replication.copying import (
     CheckpointCopy,
     copy_buffer_bytes,
     copy_file_verified,
-)
-from dcp_safe.replication.remote_commit import (
-    RemoteLease,
     open_source,
-    publish_remote,
-    remote_committed,
 )
 
 __all__ = [
@@ -106,33 +102,17 @@ def replicate_checkpoint(
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     manifest, raw = open_source(local, name)
     digest = manifest_digest(raw)
-    if remote_committed(remote, name, digest):
+    if committed_with(remote, name, digest):
         return manifest
     strategy = strategy_for(remote)
-    lease = None
-    if strategy.in_place:
-        lease = RemoteLease(remote, name, manifest.save_id, digest, claimant)
-        if not lease.take():
-            return manifest  # the same checkpoint got committed meanwhile
-    copy = CheckpointCopy(
-        local,
-        remote,
-        name,
-        manifest,
-        raw,
-        chunk_bytes,
-        before_each=lease.check if lease is not None else lambda: None,
-    )
     work_dir = strategy.work_dir(name, layout.new_save_id())
-    publish_remote(
-        remote,
-        name,
-        digest,
-        work_dir,
-        lambda: copy.upload_to(work_dir),
-        copy.uploaded,
-        lease=lease,
+    replica = strategy.replica(remote, manifest, digest, work_dir, claimant or Claimant())
+    if not replica.claim():
+        return manifest  # the same checkpoint got committed meanwhile
+    copy = CheckpointCopy(
+        local, remote, name, manifest, raw, chunk_bytes, before_each=replica.check
     )
+    replica.publish(lambda: copy.upload_to(work_dir), copy.uploaded)
     return manifest
 
 
