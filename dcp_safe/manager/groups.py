@@ -52,13 +52,18 @@ class ManagerGroups:
     def __init__(self, deadline_s: float) -> None:
         self.deadline_s = deadline_s
         self._lock = threading.Lock()
+        # Held for a whole replacement: a thread that wants a group meanwhile waits for the new
+        # one instead of making one itself (creating is a collective every rank must make at
+        # the same point; one made from another thread meets no peer: chaos seed 15077).
+        self._replacing = threading.RLock()
+        self._current: dict[str, Any] = {}  # purpose -> its group; only created here
         self._broken: dict[str, Any] = {}  # purpose -> the group seen failing
         self._own_failure: set[str] = set()  # broken by a failure this rank saw itself
         self.dead: CommitError | None = None
         self.replaced = 0
         for purpose in _ORDER:
             try:
-                checkpoint_group(deadline_s, purpose=purpose)
+                self._current[purpose] = checkpoint_group(deadline_s, purpose=purpose)
             except RuntimeError as exc:  # gloo's connect timeout, or the store's (DistError)
                 raise _not_joined(exc, purpose, deadline_s) from exc
         self.rank = dist.get_rank(self.group(POLICY))
@@ -70,11 +75,13 @@ class ManagerGroups:
         Raises:
             CommitError: a replacement failed earlier (a peer is gone), or fails now.
         """
-        if self.dead is not None:
-            raise self.dead
-        if purpose == POLICY and self.is_broken(POLICY):
-            self.replace((POLICY,))
-        return checkpoint_group(self.deadline_s, purpose=purpose)
+        with self._replacing:
+            if self.dead is not None:
+                raise self.dead
+            if purpose == POLICY and self.is_broken(POLICY):
+                self.replace((POLICY,))
+            with self._lock:
+                return self._current[purpose]
 
     def collectives(self, purpose: str) -> dict[str, Any]:
         """DCP's keyword arguments for a save or load on ``purpose``'s group."""
@@ -91,7 +98,7 @@ class ManagerGroups:
         if not is_group_failure(error):
             return False
         with self._lock:
-            if group is not checkpoint_group(self.deadline_s, purpose=purpose):
+            if group is not self._current.get(purpose):
                 return False
             self._broken.setdefault(purpose, group)
             self._own_failure.add(purpose)
@@ -116,30 +123,37 @@ class ManagerGroups:
         Raises:
             CommitError: a group could not be created within the deadline; the manager is dead.
         """
-        for purpose in (p for p in _ORDER if p in purposes):
-            with self._lock:
-                old = self._broken.pop(purpose, None)
-                destroy = purpose in self._own_failure
-                self._own_failure.discard(purpose)
-            stale = old if old is not None else checkpoint_group(self.deadline_s, purpose=purpose)
+        with self._replacing:
+            for purpose in (p for p in _ORDER if p in purposes):
+                self._replace(purpose)
+
+    def _replace(self, purpose: str) -> None:
+        with self._lock:
+            old = self._broken.pop(purpose, None)
+            current = self._current.pop(purpose, None)  # a failure seen now is on a stale one
+            destroy = purpose in self._own_failure
+            self._own_failure.discard(purpose)
+        stale = old if old is not None else current
+        if stale is not None:
             discard_group(stale, destroy=destroy)
-            try:
-                checkpoint_group(self.deadline_s, purpose=purpose)
-            except (RuntimeError, ValueError) as exc:
-                detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-                self.dead = CommitError(
-                    f"the manager's {purpose} group broke and a new one could not be made: a"
-                    f" peer died or did not respond within the {self.deadline_s:g} s deadline;"
-                    " restart the job (the previous checkpoint is intact)",
-                    {
-                        r: f"did not join the new {purpose} group ({detail})"
-                        for r in range(self.world_size)
-                        if r != self.rank
-                    },
-                )
-                raise self.dead from exc
-            with self._lock:
-                self.replaced += 1
+        try:
+            fresh = checkpoint_group(self.deadline_s, purpose=purpose)
+        except (RuntimeError, ValueError) as exc:
+            detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+            self.dead = CommitError(
+                f"the manager's {purpose} group broke and a new one could not be made: a"
+                f" peer died or did not respond within the {self.deadline_s:g} s deadline;"
+                " restart the job (the previous checkpoint is intact)",
+                {
+                    r: f"did not join the new {purpose} group ({detail})"
+                    for r in range(self.world_size)
+                    if r != self.rank
+                },
+            )
+            raise self.dead from exc
+        with self._lock:
+            self._current[purpose] = fresh
+            self.replaced += 1
 
 
 def _not_joined(exc: BaseException, purpose: str, deadline_s: float) -> CommitError:
