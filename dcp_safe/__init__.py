@@ -14,6 +14,7 @@ from dcp_safe.checkpoints.catalog import (
 )
 from dcp_safe.checkpoints.node_cache import NodeCache, list_node_caches
 from dcp_safe.dcp.api import async_save, load, save
+from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner, SafeSavePlanner
@@ -66,6 +67,7 @@ from dcp_safe.staging import (
     plan_capacity,
 )
 from dcp_safe.telemetry import MemorySampler, Telemetry
+from dcp_safe.topology import Root, Topology
 from dcp_safe.version import __version__
 
 __all__ = [
@@ -102,6 +104,7 @@ __all__ = [
     "RestoreMismatchError",
     "RestoreReport",
     "RetentionReport",
+    "Root",
     "SafeLoadPlanner",
     "SafeSavePlanner",
     "SafeStorageReader",
@@ -117,6 +120,7 @@ __all__ = [
     "UnsignedCheckpointError",
     "SweepReport",
     "Telemetry",
+    "Topology",
     "Validation",
     "VerifyReport",
     "WhenBusy",
@@ -132,4 +136,5 @@ __all__ = [
     "save",
     "sweep_partials",
     "verify_checkpoint",
+    "writer_for",
 ]

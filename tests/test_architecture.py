@@ -16,7 +16,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_safe"
 
 # Bottom to top. A module may import its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "layout", "observe", "units", "choices", "version", "torch_compat", "untrusted"),
+    (
+        "errors",
+        "layout",
+        "observe",
+        "units",
+        "choices",
+        "version",
+        "torch_compat",
+        "untrusted",
+        "topology",
+    ),
     ("manifest",),
     ("backends",),
     ("commit",),
@@ -145,6 +155,41 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     bad.write_text("from dcp_safe.manager import CheckpointManager\n", encoding="utf-8")
     [imported] = _imports(bad)
     assert _rank(_part(imported)) > _rank(_part("dcp_safe.backends.backend"))
+
+
+# Which way a root publishes is the commit strategy's business: everything else asks the
+# strategy (a Publication, a ReplicaPublication, require_rename, sweep), never a flag.
+FLAG_READERS = ("commit", "backends")
+# The backend contract kit checks the very claim a flag makes (a backend's exclusive create).
+FLAG_EXEMPT = {"dcp_safe.testing.backend_contract"}
+
+
+def _flag_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read a capability flag (``.in_place``, ``.can_replace``,
+    ``.supports_*``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
+            continue
+        if node.attr in ("in_place", "can_replace") or node.attr.startswith("supports_"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_commit_and_backends_read_a_capability_flag() -> None:
+    readers = {
+        f"{mod}:{line}"
+        for mod, path in MODULES.items()
+        if _part(mod) not in FLAG_READERS and mod not in FLAG_EXEMPT
+        for line in _flag_reads(path.read_text(encoding="utf-8"))
+    }
+    assert not readers, f"ask the commit strategy instead of reading a flag: {sorted(readers)}"
+
+
+def test_the_flag_checker_sees_a_branch_on_a_flag() -> None:
+    source = "if strategy_for(b).in_place:\n    pass\nok = b.supports_atomic_rename\n"
+    assert _flag_reads(source) == [1, 3]
+    assert _flag_reads("in_place = True\nstrategy.publication(b, n, s)\n") == []
 
 
 # ----------------------------------------------------------------- on-storage names

@@ -132,10 +132,9 @@ def simulate(
     backend: Backend, name: str, world_size: int, *, items: int = ITEMS_PER_RANK
 ) -> SimulatedSave:
     """Lay down ``world_size`` ranks' outputs of a save of ``name``, as the writer does."""
-    strategy = strategy_for(backend)
-    save_id = layout.new_save_id()
-    strategy.claim(backend, name, save_id)  # the writing lease, where the strategy needs one
-    work_dir = strategy.work_dir(name, save_id)
+    publication = strategy_for(backend).publication(backend, name, layout.new_save_id())
+    publication.claim()  # the writing lease, where the root needs one
+    save_id, work_dir = publication.save_id, publication.work_dir
     backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
     with ThreadPoolExecutor(max_workers=SETUP_WORKERS) as pool:
         futures = [
@@ -152,9 +151,7 @@ def publish(
 ) -> Manifest:
     """Rank 0's ``finish``: verify every rank's output and publish the checkpoint."""
     return Committer(backend, WriterOptions(), workers=workers).publish(
-        name=save.name,
-        save_id=save.save_id,
-        work_dir=save.work_dir,
+        strategy_for(backend).publication(backend, save.name, save.save_id),
         world_size=save.world_size,
         step=None,
         metadata=save.metadata,

@@ -1,4 +1,4 @@
-"""Publishing a checkpoint: the commit protocol (DESIGN, "Commit protocol").
+"""Publishing a checkpoint: the commit protocol (docs/architecture.md, "The commit protocol").
 
 ``strategy`` chooses how a backend publishes (an atomic rename of a work directory, or a marker
 written last with an exclusive create) once, from its capabilities; ``committer`` is the

@@ -1,17 +1,8 @@
 """The coordinator's verify-and-publish: phase two of the commit protocol.
 
-Runs on rank 0 inside ``SafeStorageWriter.finish``, which DCP calls only after every rank's
-``write_data`` succeeded. Before anything becomes visible it proves that every planned item has a
-result, that each rank's manifest is on storage and agrees with what the rank reported, and that
-every shard file has exactly the size its items add up to. Then it writes ``.metadata``,
-``manifest.json`` and, last, ``_COMMITTED``, and publishes with the backend's strategy:
-
-* atomic rename (POSIX): all of it inside the hidden partial directory, fsync of the files and
-  the directory, one ``rename`` into place (never over a committed checkpoint unless
-  ``overwrite``, and then by an atomic exchange), fsync of the parent;
-* marker (object stores): the files are already under ``<name>/``; the marker is created with
-  an exclusive write, so a committed name is never overwritten. The lease is checked before the
-  control files are written too, so a writer whose lease was taken writes nothing more.
+Runs on rank 0 inside ``SafeStorageWriter.finish`` (and ``NodeLocalWriter``'s remote commit).
+What it proves before anything is visible, the lease and fence checks around the publish, and
+what a failure leaves: docs/architecture.md, "Phase two: rank 0 verifies and publishes".
 
 Its cost is linear in ranks, files and items, and it makes a few storage calls, not one per rank
 or per file. Each rank reports its manifest's files, size and checksum with its write results
@@ -22,14 +13,6 @@ by default). A rank that sent no report has its manifest read back and parsed, o
 a short run of reads per hand-off. A file a listing lacks is asked for on its own before the commit
 fails. A worker's error is raised here, typed, the lowest failing rank first; the calls not yet
 started are cancelled. Items are grouped by file once per rank, never scanned per file.
-
-Right before the publish (the rename, or the marker) it checks the fence
-(:mod:`dcp_safe.commit.fencing`): a writer of an older job attempt than the newest one recorded
-under the root raises ``StaleWriterError`` instead of publishing. On an object store it checks
-the lease first of all, too: a writer whose name a newer attempt took over
-(:mod:`dcp_safe.commit.takeover`) raises ``StaleWriterError`` before it reads anything.
-
-A failure before the publish removes the partial directory and raises; nothing is visible.
 """
 
 from __future__ import annotations
@@ -52,8 +35,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
-from dcp_safe.commit.fencing import Attempt, check_fence
-from dcp_safe.commit.lease import check_lease, release_lease
+from dcp_safe.commit.fencing import Attempt
+from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import RankReport
 from dcp_safe.commit.results import (
     bytes_by_file,
@@ -63,13 +46,11 @@ from dcp_safe.commit.results import (
     records_by_rank,
     same_records,
 )
-from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointExistsError,
     CommitError,
     ConfigError,
     DcpSafeError,
-    StaleWriterError,
     StorageError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
@@ -150,71 +131,49 @@ class Committer:
 
     def publish(
         self,
+        publication: Publication,
         *,
-        name: str,
-        save_id: str,
-        work_dir: str,
         world_size: int,
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
-        attempt: Attempt | None = None,
     ) -> Manifest:
-        """Verify, then publish ``work_dir`` as checkpoint ``name``. Returns its manifest.
+        """Verify, then publish the save of ``publication`` (claimed). Returns its manifest.
 
         Raises:
             CommitError: results or rank manifests do not add up; nothing is published.
-            StaleWriterError: a newer job attempt than ``attempt`` saves under this root;
-                nothing is published and this save's files are removed.
+            StaleWriterError: a newer job attempt saves under this root, or another save took
+                the name over; nothing is published and this save's files are removed.
             CheckpointExistsError: ``name`` was committed by someone else meanwhile.
             StorageError: an I/O step failed; nothing is published.
         """
-        strategy = strategy_for(self.backend)
-
-        def before_commit() -> None:
-            check_fence(self.backend, attempt)
-            if strategy.in_place:
-                check_lease(self.backend, name, save_id)
-
+        name = publication.name
         try:
-            if strategy.in_place:
-                # A writer whose name was taken over (a restarted job's newer attempt) stops
-                # here, before it reads the new holder's files as if they were its own.
-                check_lease(self.backend, name, save_id)
+            # A writer whose name was taken over (a restarted job's newer attempt) stops
+            # here, before it reads the new holder's files as if they were its own.
+            publication.check()
             sealed = self._seal(
-                name, save_id, work_dir, world_size, step, metadata, results, attempt
+                name,
+                publication.save_id,
+                publication.work_dir,
+                world_size,
+                step,
+                metadata,
+                results,
+                publication.claimant.attempt,
             )
-            if strategy.in_place:
-                # The control files land under the name itself: a writer whose lease was taken
-                # must not overwrite the new holder's (#17), so it stops here, writing nothing.
-                check_lease(self.backend, name, save_id)
             try:
-                strategy.publish(
-                    self.backend,
-                    work_dir,
-                    name,
+                publication.publish(
                     sealed.marker,
                     files=sealed.control_files,
                     sync_dirs=(layout.RANKS_DIR,),
                     replace=self.options.overwrite,
-                    before_commit=before_commit,
                 )
             except FileExistsError as exc:
                 raise self._taken(name) from exc
         except BaseException as exc:
-            if not strategy.in_place:
-                self._discard(work_dir)
-            elif not isinstance(exc, CheckpointExistsError):
-                # Removes only what is still ours (it checks the lease first).
-                self._discard_uncommitted(name, save_id)
+            publication.discard(exc)
             raise
-        if strategy.in_place:
-            try:
-                release_lease(self.backend, name, save_id)
-            except OSError as exc:
-                # Committed and whole: a lease left beside the marker is harmless (the sweeper
-                # ignores committed names), so the save must not be reported as failed.
-                log.warning("checkpoint %s committed; removing its lease failed: %s", name, exc)
         return sealed.manifest
 
     # ----------------------------------------------------------------- verification
@@ -505,27 +464,6 @@ class Committer:
             " name; `dcp-safe gc` removes an empty folder once it has been idle for its grace"
             " period",
         )
-
-    def _discard_uncommitted(self, name: str, save_id: str) -> None:
-        """Remove a failed object-store save, but only while its lease shows it is ours."""
-        with contextlib.suppress(OSError, StaleWriterError):
-            check_lease(self.backend, name, save_id)
-            if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-                return
-            if self.backend.supports_exclusive_create:
-                self.backend.remove_tree(name)  # the one lease there is ours
-                return
-            # Per-save leases: another save may be writing its lease right now, to take the name
-            # once ours is gone. Its lease must survive, so remove the files, then our lease.
-            for rel in list(self.backend.walk_files(name)):
-                if "/" in rel or not layout.is_lease_file(rel):
-                    self.backend.remove_file(f"{name}/{rel}")
-            release_lease(self.backend, name, save_id)
-
-    def _discard(self, work_dir: str) -> None:
-        # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.
-        with contextlib.suppress(OSError):
-            self.backend.remove_tree(work_dir)
 
 
 class _Deferred(Generic[R]):

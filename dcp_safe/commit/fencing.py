@@ -1,26 +1,10 @@
 """Fencing: a writer from an older job attempt can never publish once a newer attempt started.
 
-When an elastic job restarts, the old attempt's processes are supposed to be gone, but a rank
-that was partitioned away, stuck in I/O, or simply slow to die can still be finishing a save.
-If it published, the restarted job could find a checkpoint it never wrote, newer than the one
-it resumed from, next to its own. Every save therefore carries its attempt number (torchelastic's
-``TORCHELASTIC_RESTART_COUNT``, or ``attempt=`` on the writer), and the root remembers every
-attempt that ever saved there: ``_ATTEMPTS/<run id>/attempt_<n>``, one small file per attempt.
-
-The record only grows, so no read-modify-write is needed: registering is an exclusive create
-(a second registration of the same attempt finds the file and is fine), and the newest attempt
-is the largest one listed. That works the same on a local disk and an object store, through the
-:class:`~dcp_safe.backends.backend.Backend` protocol alone. Rank 0 registers and checks at plan
-time (an old writer started after a newer attempt is refused before writing a byte) and checks
-again immediately before publishing (on POSIX right before the rename into place, on object
-stores right before the ``_COMMITTED`` marker): a newer attempt that started meanwhile wins and
-the old writer's work is discarded. The window left is the one storage round trip between that
-last check and the publish itself; closing it would need a conditional write across two
-objects, which object stores do not offer.
-
-Attempts are scoped by run id (``TORCHELASTIC_RUN_ID``, else ``"default"``) so that a new job
-reusing a root, whose restart count starts again at 0, is not fenced by an earlier job's
-attempts. A writer with no attempt (neither set) is not fenced and records no attempt.
+Every save carries its attempt (torchelastic's ``TORCHELASTIC_RESTART_COUNT``, or ``attempt=``
+on the writer), scoped by run id (``TORCHELASTIC_RUN_ID``, else ``"default"``); the root records
+every attempt that saved there as ``_ATTEMPTS/<run id>/attempt_<n>``, one file per attempt,
+created exclusively. Rank 0 registers and checks at plan time, and checks again right before the
+commit point. Why, and the window left: docs/architecture.md, "Fencing".
 
 Anyone who can write the root can write a record too. A file named for a newer attempt fences
 every save of the run; the :class:`~dcp_safe.errors.StaleWriterError` then names that file and

@@ -1,46 +1,10 @@
 """The writing lease: one save at a time under a name, on storage that cannot rename.
 
-On an object store a save writes straight under ``<name>/``, so two saves of the same name would
-overwrite each other's shards — and the loser its manifest after the winner's marker — unless
-only one of them ever writes there. Rank 0 therefore takes the name before writing a byte, in
-one of two ways, chosen by the backend's ``supports_exclusive_create``:
-
-* **One lease, created exclusively** (S3 that honours ``If-None-Match``, ``memory://``):
-  ``<name>/_WRITING``, holding the save id; a second save's create is refused.
-* **One lease per save** (storage without a real exclusive create: an S3-compatible server that
-  ignores ``If-None-Match``, other fsspec file systems): the save writes
-  ``<name>/_WRITING-<save id>``, a key nobody else writes, then lists ``<name>/``. A save that
-  sees no other lease holds the name; one that sees another withdraws its own. Of two saves,
-  the one that lists second sees the other's lease (written before the first listing, which
-  came before the second), so at most one holds the name. Both may see each other and withdraw;
-  each tries again after a random pause, and gives up when a lease it saw is still there
-  unchanged (a holder, or an abandoned one; a contender rewrites its lease each round).
-  This needs listings that show every completed write, as S3 and
-  its compatibles give (read-after-write consistency for LIST); the alternative, keeping each
-  save under its own prefix with the marker naming it, would change what every reader reads.
-
-Either way a save that finds the name held or committed fails at once with
-:class:`~dcp_safe.errors.CheckpointExistsError`, before writing a byte, unless the lease is one
-it may take over (:mod:`dcp_safe.commit.takeover`: a fenced save finding the lease of an older
-attempt of its run, or an idle one that names no attempt of its run); the marker is checked
-again once the lease is held (a save that committed wrote its marker before it removed its
-lease, so the check cannot miss it). The publisher checks that the lease is still its own right
-before writing the marker (a stale writer whose lease was collected and retaken can never
-publish), and removes it after. A lease left by a crash is taken over by the restarted job
-(a newer attempt), or collected with the rest of the uncommitted prefix by the sweeper, once
-nothing under the prefix changed for its grace period. A lease records its holder's attempt and
-run (:meth:`~dcp_safe.commit.takeover.Claimant.body`) so that a later save can tell.
-
-Replication to such a root takes the same lease (:func:`join_or_acquire_lease`), with the
-checkpoint's own save id (its manifest's), so a replica and a direct save, or two replicas of
-different checkpoints, never write under one name at once. A save id there names one
-checkpoint's bytes, so a lease already holding it is shared, not refused: a retry after a crash
-or a second replicator of the same checkpoint writes identical objects over identical objects.
-Exclusive lease: ``_WRITING`` holding the same save id is joined. Per-save leases: an existing
-``_WRITING-<save id>`` is joined when no other save's lease is beside it (one beside it means a
-contention round is under way: refused, and ours is left alone, as it may be the co-holder's).
-A local save never shares (:func:`acquire_lease`): its save id is its own. A replication whose
-lease is of another save id takes it over on the same terms as a save.
+Two kinds, chosen by the backend's ``supports_exclusive_create``: one ``<name>/_WRITING``
+created exclusively, or one ``<name>/_WRITING-<save id>`` per save, arbitrated by a listing.
+:func:`acquire_lease` is a save's (never shared); :func:`join_or_acquire_lease` is
+replication's, which shares a lease of the same save id. A lease in the way is taken over on the
+terms of :mod:`dcp_safe.commit.takeover`. The rules: docs/architecture.md, "The writing lease".
 """
 
 from __future__ import annotations
@@ -197,8 +161,9 @@ def join_or_acquire_lease(
     """Take the name for save ``save_id``, or share the lease that same save already holds.
 
     For replication only, where ``save_id`` names the bytes being written (the checkpoint's
-    manifest's), so two writers of it write identical objects (module docstring). A lease of
-    another save id is taken over on the terms of :func:`acquire_lease`.
+    manifest's), so two writers of it write identical objects (docs/architecture.md, "The
+    writing lease"). A lease of another save id is taken over on the terms of
+    :func:`acquire_lease`.
 
     Returns:
         True when it joined a lease of ``save_id`` that was already there (the writer that took

@@ -1,30 +1,16 @@
 """How a root publishes a checkpoint: one strategy object, chosen once from the backend.
 
-Two ways to make "all or nothing" true on storage (the same two orbax-checkpoint uses):
+:class:`RenameStrategy` (POSIX: a hidden partial directory, one atomic rename) and
+:class:`MarkerStrategy` (object stores: files under ``<name>/`` behind the writing lease, the
+``_COMMITTED`` marker created exclusively, last), the two orbax-checkpoint uses too; see
+docs/architecture.md, "How a root publishes". Everything above this module asks the strategy,
+never the backend's ``supports_atomic_rename`` flag.
 
-* :class:`RenameStrategy` (POSIX): a save works in a hidden ``.<name>.partial-<id>/``
-  directory, writes the ``_COMMITTED`` marker there, and one atomic rename publishes it (never
-  over a committed checkpoint unless replacing, and then by an atomic exchange). Retiring
-  renames the checkpoint away first, so it stops existing in one step.
-* :class:`MarkerStrategy` (object stores): there is no atomic rename (fsspec's ``mv`` on S3 is
-  copy + delete), so a save works directly under ``<name>/``, guarded by a writing lease
-  (:mod:`dcp_safe.commit.lease`, which also covers storage without a real exclusive create), and
-  publishing is creating the marker exclusively, last. Retiring deletes the marker first.
-
-The commit point differs (the rename, or the marker), so the check a caller must make just
-before it (the writer fence, the lease) is passed in as ``before_commit`` and called at that
-point by the strategy. Everything above this module asks the strategy, never the backend's
-``supports_atomic_rename`` flag.
-
-The control files written at publish (``.metadata``, ``manifest.json``, ``_SIGNATURE``) are
-handed to :meth:`PublishStrategy.publish` with the marker, so each strategy writes them as its
-commit point allows. Their writes and fsyncs are independent, so they run at once, not one
-after another (on a journaling file system concurrent fsyncs share a journal commit): with
-rename, the marker and the directories' fsyncs run with them, since nothing inside the partial
-directory is visible before the rename; then the directory itself is fsynced (its entries are
-complete only now), renamed, and its parent fsynced. Every byte and entry is durable before the
-rename, and the rename before ``publish`` returns. With a marker, the marker is written only
-after all the control files are, since creating it is what publishes.
+The check a caller must make right before the commit point (the writer fence, the lease) is
+passed in as ``before_commit`` and called there. The control files' writes and fsyncs are
+independent, so they run at once, not one after another (on a journaling file system concurrent
+fsyncs share a journal commit); with a marker, the marker waits for all of them, since creating
+it is what publishes.
 """
 
 from __future__ import annotations
@@ -33,13 +19,30 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
+from typing import Protocol, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.commit.publication import LeasedPublication, Publication, RenamedPublication
+from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
 from dcp_safe.commit.takeover import Claimant
+from dcp_safe.errors import ConfigError
+from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
+__all__ = ["Leftovers", "MarkerStrategy", "PublishStrategy", "RenameStrategy", "strategy_for"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Leftovers(Protocol[T_co]):
+    """What collects the leftovers of failed saves, for each way a root publishes."""
+
+    def partial_folders(self) -> T_co: ...
+
+    def leased_prefixes(self) -> T_co: ...
+
 
 _NO_FILES: Mapping[str, bytes] = MappingProxyType({})
 _UNFENCED = Claimant()
@@ -56,6 +59,38 @@ class PublishStrategy(abc.ABC):
     def work_dir(self, name: str, save_id: str) -> str:
         """Where save ``save_id`` of ``name`` writes before it is published."""
         return name if self.in_place else layout.partial_dir_name(name, save_id)
+
+    @abc.abstractmethod
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        """The publication of save ``save_id`` of ``name`` on ``backend`` (one per save)."""
+
+    @abc.abstractmethod
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        """The publication on ``backend`` of a replica of a checkpoint committed elsewhere
+        (``manifest``, whose digest is ``digest``), written under ``work_dir``."""
+
+    def require_rename(self, why: str) -> None:
+        """Refuse a root that cannot rename atomically where a caller needs one.
+
+        Raises:
+            ConfigError: ``why``, on a root that publishes in place.
+        """
+        if not self.can_replace:
+            raise ConfigError(why)
+
+    @abc.abstractmethod
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        """Collect what this root's failed saves leave: hidden partial folders on a renaming
+        root, leased prefixes on an object store."""
 
     @abc.abstractmethod
     def claim(
@@ -117,6 +152,24 @@ class RenameStrategy(PublishStrategy):
     ) -> None:
         return None  # the partial directory is this save's own; the rename arbitrates
 
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        return RenamedPublication(self, backend, name, save_id, claimant)
+
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        return RenamedReplica(self, backend, manifest, digest, work_dir, claimant)
+
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        return leftovers.partial_folders()
+
     def publish(
         self,
         backend: Backend,
@@ -160,6 +213,24 @@ class MarkerStrategy(PublishStrategy):
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
     ) -> None:
         acquire_lease(backend, name, save_id, claimant)
+
+    def publication(
+        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
+    ) -> Publication:
+        return LeasedPublication(self, backend, name, save_id, claimant)
+
+    def replica(
+        self,
+        backend: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant = _UNFENCED,
+    ) -> ReplicaPublication:
+        return LeasedReplica(self, backend, manifest, digest, work_dir, claimant)
+
+    def sweep(self, leftovers: Leftovers[T]) -> T:
+        return leftovers.leased_prefixes()
 
     def publish(
         self,

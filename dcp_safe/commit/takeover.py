@@ -1,67 +1,11 @@
 """Taking over a writing lease that a crashed or fenced writer left behind.
 
-On an object store a rank killed inside ``write_data`` leaves ``<name>/_WRITING`` (or its
-``_WRITING-<save id>``). The restarted job, a newer attempt (:mod:`dcp_safe.commit.fencing`),
-restores the previous step, runs to the same step again and saves the same name: without a
-takeover that save is refused with ``CheckpointExistsError`` until the sweeper's grace period
-(6 h by default) has passed. So a lease records who holds it (:meth:`Claimant.body`): the save
-id and when, and for a fenced writer its attempt and run id. Leases without those fields (an
-older dcp_safe, an unfenced writer) are still read.
-
-**When** (:meth:`Claimant.may_take_over`): never a committed name, and
-
-* A lease its own save marked abandoned (:func:`~dcp_safe.commit.lease.abandon_lease`): by any
-  save, at once. A rank of a multi-rank save that fails in ``write_data`` removes its own
-  objects, but its peers' stay (DCP calls nothing of ours on them), so it leaves the lease
-  marked instead of releasing it: a save that claimed a free name would commit those objects
-  inside its checkpoint. The abandoned save's ranks fail their collective; a peer still
-  writing when the next save clears the name is the limit below.
-
-Otherwise only a fenced save (one with an attempt) takes a name over:
-
-* The lease names an older attempt of the same run: at once. That writer is fenced: the new
-  attempt registers under ``_ATTEMPTS/`` before it claims the name (the writer registers, checks
-  the fence, then claims), so the old writer's fence check right before its marker refuses it,
-  and so does its lease check before its control files and before the marker (the lease is no
-  longer its own). Its ranks check the lease before they write (``SafeStorageWriter``).
-* The lease names no attempt of this run (an unfenced writer, an older dcp_safe, another run's
-  job), or cannot be read: once nothing under ``<name>/`` has changed for ``stale_after_s``
-  (default 1 h, well under the sweeper's 6 h; None: never). This is the rule for a writer with
-  no heartbeat: one that wrote nothing for that long is taken for dead. It is not fenced, so if
-  it lives after all only the lease checks stop it; the bound must exceed the longest single
-  upload of a shard, since an object appears only once its upload completes. A heartbeat (a
-  thread rewriting the lease through every save) was the alternative: more requests and one
-  more failure mode on every save, for a case a listing taken only when a lease is in the way
-  answers as well. Ages are the storage's modification times against this host's clock, as the
-  sweeper reads them.
-* A lease of the same or a newer attempt of this run: never. One of our own attempt may be a
-  slow save that is alive; a newer attempt means this writer is the leftover (fencing refuses
-  it anyway).
-
-**Exclusively** (:func:`take_over_exclusive`, storage with an exclusive create): two writers of
-the new attempt that find the same stale ``_WRITING`` must not both win. Each creates, with an
-exclusive create, ``<name>/_TAKEOVER-<the old save id>``; the one that created it re-reads
-``_WRITING``, and only if it is still the lease it judged does it overwrite it with its own.
-The loser reads the record and is refused like any save finding the name held. A record left by
-a writer that died half-way through a takeover is itself judged like a lease: one of an older
-attempt is followed to the record named after its own save id, so a crash mid-takeover never
-blocks the next attempt. On storage with one lease per save (:mod:`dcp_safe.commit.lease`) the
-leases that may be taken over are left out of the contention round, and the listing protocol
-arbitrates as before: a save can leave out another's lease only if that one is of an older
-attempt, so two racers never both leave each other out.
-
-**Leftovers** (:func:`clear_leftovers`): once it holds the name, the new save removes every
-object under ``<name>/`` but its own lease (and, with one lease per save, the leases of other
-contenders), and aborts the incomplete multipart uploads there, before any rank writes a byte.
-Neither the committer nor ``verify_checkpoint`` look at a file the manifest does not list, and
-the sweeper never enters a committed name's shards, so a stale extra file would otherwise stay
-inside the new checkpoint for good.
-
-**Limits.** The old writer's last check and its marker are two requests, as fencing says: a
-takeover in between can still see its marker appear, and then finds the name committed. A rank
-of the old attempt that is mid-upload at the takeover can complete that one object under
-``<name>/``; a checkpoint holding it fails its checksums at load and ``verify_checkpoint``, never
-silently. Closing both would need conditional writes across objects, which object stores lack.
+A lease records who holds it (:meth:`Claimant.body`): the save id and when, and for a fenced
+writer its attempt and run id (leases without those fields, from an older dcp_safe or an
+unfenced writer, are still read). :meth:`Claimant.may_take_over` decides whether a lease may be
+taken over; :func:`take_over_exclusive` takes the one ``_WRITING`` over through an exclusively
+created ``_TAKEOVER-<old save id>`` record; :func:`clear_leftovers` empties the name before any
+rank writes. When, how, and the limits: docs/architecture.md, "Taking over a lease".
 """
 
 from __future__ import annotations
@@ -137,7 +81,8 @@ class Claimant:
         return json.dumps(fields).encode()
 
     def may_take_over(self, holder: LeaseHolder, idle_s: Callable[[], float | None]) -> bool:
-        """Whether this claimant may take the lease ``holder`` over (the module docstring).
+        """Whether this claimant may take ``holder``'s lease over (docs/architecture.md,
+        "Taking over a lease").
 
         Args:
             idle_s: how long nothing under the name has changed (None: unknown); called only
@@ -235,8 +180,8 @@ def last_change(backend: Backend, name: str, now: float) -> float | None:
 
 def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> bool:
     """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
-    exclusively failed), if ``claimant`` may (the module docstring). The caller then clears
-    the leftovers (:func:`clear_leftovers`).
+    exclusively failed), if ``claimant`` may (:meth:`Claimant.may_take_over`). The caller
+    then clears the leftovers (:func:`clear_leftovers`).
 
     Returns:
         True when the lease is now this save's; False when no lease is there any more (the

@@ -1,53 +1,11 @@
 """Node-local tiers: every node saves to its own disk, the shared remote holds the checkpoint.
 
-On a multi-node job each node has fast local storage (NVMe) that the other nodes cannot see,
-and one shared remote root (S3). :class:`NodeLocalWriter` saves there like this (``R`` is a
-rank, ``W`` the remote work location: ``<name>/`` on an object store, a hidden partial
-directory on storage that renames atomically)::
-
-    every rank   write_data      its shard files and rank manifest into the hidden partial
-                                 directory ``.<name>.partial-<id>/`` on its node's local root
-    every rank   (background)    uploads its own files to W, checksums recomputed in flight,
-                                 then its rank manifest W/_ranks/rank_R.json, last: "arrived"
-    rank 0       finish          returns at once; (background) waits, bounded, until every
-                                 rank's remote rank manifest exists, then verifies and
-                                 publishes W exactly as a one-root save does (.metadata,
-                                 manifest.json, and _COMMITTED last, via the Committer)
-    every rank   (background)    waits, bounded, for the remote _COMMITTED; then the lowest
-                                 rank on each node publishes the node cache (below)
-
-All coordination after ``write_data`` goes through storage markers (the protocol of
-:mod:`dcp_safe.replication.rank_upload`, shared with ``SafeStorageWriter(replicate_to=...)`` on
-several ranks), never through the training process group, so a slow remote never blocks a
-collective. A rank whose write or upload fails writes ``W/_ranks/rank_R.failed-<save id>``:
-every rank waiting in the background sees it and fails at once with
-:class:`~dcp_safe.errors.CommitError` naming that rank, and rank 0 publishes nothing (a failed
-remote commit on rank 0 writes ``W/_FAILED-<save id>``, which ends the others' waits the same
-way). The save id in these names keeps a stale marker from ever touching a later
-save of that name. A failed save's remote objects stay, under their writing lease, for the
-sweeper to collect after its grace period; a rank killed outright is noticed at the deadline.
-
-What the node-local tier is: a **node cache**, never a checkpoint (the layout is
-:mod:`dcp_safe.checkpoints.node_cache`'s). Once the remote commit exists, each node's files are
-renamed into ``<local root>/<name>/`` with the remote ``manifest.json`` and ``.metadata`` and a
-``_NODE_COMMITTED`` marker. It holds only the shard files its node's ranks wrote, so it carries
-no ``_COMMITTED``: ``list_checkpoints``, ``SafeStorageReader`` and ``"latest"`` never see it as
-a checkpoint, and the remote root is the only complete copy (restore from it on any number of
-ranks or nodes). ``list_node_caches`` lists the caches, for an operator;
-:class:`~dcp_safe.dcp.node_cache_reader.NodeCacheReader` restores from the remote reading the
-files its node holds from the cache (a same-topology restart); the publishing rank keeps the newest
-``keep_node_caches`` of them. A save that fails leaves only hidden partial directories locally,
-which the sweeper collects after its grace period.
-
-Backpressure: at most one upload in flight per rank. ``write_data`` of the next save first
-waits (bounded) for this rank's previous upload, so a slow remote slows saves down (in the
-background, for ``async_save``) instead of piling uploads up.
-
-Why this design: the alternative, uploading from a committed local checkpoint (what
-``SafeStorageWriter(replicate_to=...)`` does from one shared local root), cannot work when no
-node sees every file; and committing each node's subset locally as if it were a
-checkpoint would let a reader restore half a model. Uploading per rank also spreads the upload
-bandwidth over every node.
+:class:`NodeLocalWriter` writes each rank's files on its node's local root, uploads them per
+rank (:mod:`dcp_safe.replication.rank_upload`) and commits only on the shared remote, with the
+:class:`~dcp_safe.commit.committer.Committer`; once the remote commit exists, each node
+publishes its files as a node cache, never a checkpoint (:mod:`dcp_safe.checkpoints.node_cache`).
+The steps, the node cache, the backpressure and why it is built this way: docs/architecture.md,
+"Node caches".
 """
 
 from __future__ import annotations
@@ -66,14 +24,14 @@ from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.fencing import check_fence, register_attempt
+from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
-    CheckpointExistsError,
     CommitError,
     ConfigError,
     ReplicationTimeoutError,
@@ -88,6 +46,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     upload_rank_part,
 )
+from dcp_safe.topology import Root, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
 
@@ -121,9 +80,10 @@ class NodeLocalWriter(SafeStorageWriter):
     """A ``SafeStorageWriter`` for node-local roots that commits only on the shared ``remote``.
 
     Every rank passes its own node's ``root`` (the same ``remote`` everywhere). The DCP call
-    order is the base class's; what differs is in the module docstring: ``finish`` publishes
-    nothing locally, and the checkpoint exists once the remote ``_COMMITTED`` does. Wait for
-    that with :meth:`replication` (on every rank) before relying on it.
+    order is the base class's; what differs (docs/architecture.md, "Node caches"):
+    ``finish`` publishes nothing locally, and the checkpoint exists once the remote
+    ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank) before relying
+    on it.
 
     Args:
         root: this node's local directory.
@@ -149,20 +109,27 @@ class NodeLocalWriter(SafeStorageWriter):
     ) -> None:
         if kwargs.get("overwrite") or kwargs.get("replicate_to") is not None:
             raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
-        super().__init__(
-            root, replicate_to=remote, replicate_storage_options=remote_storage_options, **kwargs
+        super().__init__(root, **kwargs)
+        self.strategy.require_rename(
+            f"a node-local root must be a local directory, got {self.root}"
         )
-        if self.strategy.in_place:
-            raise ConfigError(f"a node-local root must be a local directory, got {self.root}")
+        # The remote is this writer's commit root, and where every rank uploads its files.
+        commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
+        self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
+        self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
         self._uploads: dict[str, Future[Manifest]] = {}
         self._commits: dict[str, Future[Manifest]] = {}
 
     @property
     def remote_backend(self) -> Backend:
-        if self.remote is None:  # set by the base class from replicate_to
+        if self.remote is None:  # set in __init__; only a broken unpickling loses it
             raise ConfigError("NodeLocalWriter has no remote")
         return self.remote
+
+    @property
+    def commit_backend(self) -> Backend:
+        return self.remote_backend
 
     # ----------------------------------------------------------------- DCP call order
 
@@ -173,17 +140,11 @@ class NodeLocalWriter(SafeStorageWriter):
         name = self._require_name()
         remote = self.remote_backend
         try:
-            if self.attempt is not None:
-                # The fence that matters is on the shared root, the only one every node sees.
-                register_attempt(remote, self.attempt)
-                check_fence(remote, self.attempt)
-            strategy = strategy_for(remote)
-            strategy.claim(remote, name, assignment.save_id, self.claimant)
-            if not strategy.in_place and remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
-                raise CheckpointExistsError(remote.full_path(name))  # refused before uploading
-            remote.makedirs(
-                f"{remote_work_dir(remote, name, assignment.save_id)}/{layout.RANKS_DIR}"
-            )
+            # The fence and the claim that matter are on the shared root, the only one every
+            # node sees; a committed name is refused there before a byte is uploaded.
+            publication = self._remote_publication(name, assignment.save_id)
+            publication.claim()
+            remote.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
         except BaseException:
             with contextlib.suppress(OSError):
                 self.backend.remove_tree(assignment.work_dir)
@@ -327,14 +288,11 @@ class NodeLocalWriter(SafeStorageWriter):
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
             return Committer(remote, self.options).publish(
-                name=name,
-                save_id=assignment.save_id,
-                work_dir=work,
+                self._remote_publication(name, assignment.save_id),
                 world_size=assignment.world_size,
                 step=self.step,
                 metadata=metadata,
                 results=results,
-                attempt=self.attempt,
             )
         except BaseException as exc:
             report_commit_failure(remote, work, assignment.save_id, exc)
@@ -363,6 +321,10 @@ class NodeLocalWriter(SafeStorageWriter):
             # late rank, say) is the more exact one.
             own_commit(self.node_options.remote_timeout_s)
             raise
+
+    def _remote_publication(self, name: str, save_id: str) -> Publication:
+        remote = self.remote_backend
+        return strategy_for(remote).publication(remote, name, save_id, self.claimant)
 
     def _leads_node(self, assignment: _Assignment) -> bool:
         """True on the lowest rank that wrote into this node's work directory.

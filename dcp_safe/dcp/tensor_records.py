@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from dcp_safe.errors import ConfigError
 from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor, save_tensor_without_crc
 
-__all__ = ["TensorLayout", "layout_for", "tensor_bytes", "write_tensor"]
+__all__ = ["TensorLayout", "layout_for", "minimal_cpu_tensor", "tensor_bytes", "write_tensor"]
 
 # Past this, torch's writer switches records to zip64 forms that the template does not cover.
 _MAX_PAYLOAD = (1 << 32) - (1 << 20)
@@ -319,3 +320,15 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     out.write(tensor_bytes(tensor))
     out.write(layout.suffix)
     return True
+
+
+def minimal_cpu_tensor(data: Any) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
+    if not isinstance(data, torch.Tensor):
+        raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor

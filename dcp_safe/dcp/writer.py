@@ -8,17 +8,15 @@ DCP calls a writer in this order (every rank unless noted; one save at a time pe
     prepare_global_plan(plans)      coordinator only: picks the save id and the work directory
     write_data(plan, planner)       streams this rank's items, then writes its rank manifest
     finish(metadata, results)       coordinator only, and only if every rank's write_data
-                                    succeeded: verify, then publish (see dcp_safe.commit)
+                                    succeeded: verify, then publish
+
+What each step does for the commit: docs/architecture.md, "The commit protocol".
 
 Shard files use DCP's own format (one ``torch.save`` stream per tensor item, raw bytes for the
 rest, optional zstd through DCP's own transform descriptor) so torch's ``FileSystemReader`` loads
 an uncompressed or zstd checkpoint written here. Plain tensors are laid down from a template of
 ``torch.save``'s bytes (:mod:`dcp_safe.dcp.tensor_records`), byte for byte what it would write.
 Each item is checksummed while it streams to storage; no shard is ever buffered whole.
-
-Where the save works: on a backend that renames atomically, in a hidden ``.<name>.partial-<id>``
-directory that is renamed into place at publish; elsewhere, directly under ``<name>/``, where
-nothing counts until the ``_COMMITTED`` marker is written last.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
-import torch
 import zstandard
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -48,14 +45,14 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.fencing import attempt_from_env, check_fence, register_attempt
-from dcp_safe.commit.lease import abandon_lease, check_lease, held_by_another, release_lease
+from dcp_safe.commit.fencing import attempt_from_env
+from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
 from dcp_safe.dcp.options import Compression, WriterOptions
-from dcp_safe.dcp.tensor_records import write_tensor
-from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError
+from dcp_safe.dcp.tensor_records import minimal_cpu_tensor, write_tensor
+from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.signing import checksum_for, resolve_key
@@ -69,6 +66,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
 )
 from dcp_safe.replication.replicator import Replicator
+from dcp_safe.topology import Topology
 from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
 __all__ = ["SafeStorageWriter"]
@@ -101,11 +99,8 @@ class SafeStorageWriter(StorageWriter):
             loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
         replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
-            ``root`` is copied there in the background and committed there too. On one
-            process, by a :class:`~dcp_safe.replication.replicator.Replicator`; in a save of
-            several ranks (which must share ``root``), each rank uploads the files it wrote
-            and rank 0 commits (:mod:`dcp_safe.replication.rank_replicator`). See
-            :meth:`replication`.
+            ``root`` is copied there in the background and committed there too (see
+            :meth:`replication`). The roots' roles are ``self.topology``.
         replicate_storage_options: fsspec options for ``replicate_to`` (default:
             ``storage_options``).
         replication_options: deadlines, polling and chunk size of the per-rank uploads of a
@@ -164,17 +159,25 @@ class SafeStorageWriter(StorageWriter):
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
         self.strategy = strategy_for(self.backend)
-        if overwrite and not self.strategy.can_replace:
-            raise ConfigError(
+        if overwrite:
+            self.strategy.require_rename(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
         self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
         self.replicate_storage_options = replicate_storage_options or storage_options
+        self.topology = Topology.of(
+            self.root,
+            replicate_to=self.replicate_to,
+            storage_options=storage_options,
+            replica_storage_options=self.replicate_storage_options,
+        )
+        uploads_to = self.topology.uploads_to
+        # The backend of the root this writer's files are uploaded to after they are written.
         self.remote: Backend | None = (
             None
-            if self.replicate_to is None
-            else open_backend(self.replicate_to, self.replicate_storage_options, retry=retry)
+            if uploads_to is None
+            else open_backend(uploads_to.url, uploads_to.storage_options, retry=retry)
         )
         self.replication_options = replication_options or UploadOptions()
         self._replicator: Replicator | None = None
@@ -183,6 +186,11 @@ class SafeStorageWriter(StorageWriter):
         self._rank = 0
         self._is_coordinator = True
         self._assignment: _Assignment | None = None
+
+    @property
+    def commit_backend(self) -> Backend:
+        """The backend of the root this writer publishes checkpoints on (``topology.commit``)."""
+        return self.backend
 
     # ----------------------------------------------------------------- DCP call order
 
@@ -215,22 +223,16 @@ class SafeStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        name = self._require_name()
-        save_id = layout.new_save_id()
-        if self.attempt is not None:
-            # Fenced before a byte is written: a leftover of an older attempt stops here.
-            register_attempt(self.backend, self.attempt)
-            check_fence(self.backend, self.attempt)
-        self.strategy.claim(self.backend, name, save_id, self.claimant)
-        work_dir = self.strategy.work_dir(name, save_id)
+        publication = self._publication(layout.new_save_id())
+        publication.claim(replace=self.options.overwrite)
+        save_id, work_dir = publication.save_id, publication.work_dir
         try:
             self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
         except BaseException:
-            if self.strategy.in_place:
-                # Ours, with nothing under it yet: holding it would block the name until the
-                # sweeper's grace period ends.
-                with contextlib.suppress(OSError):
-                    release_lease(self.backend, name, save_id)
+            # Ours, with nothing under it yet: holding it would block the name until the
+            # sweeper's grace period ends.
+            with contextlib.suppress(OSError):
+                publication.release()
             raise
         return [
             dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
@@ -245,8 +247,8 @@ class SafeStorageWriter(StorageWriter):
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
-            if self.strategy.in_place:  # a rank of a writer whose name was taken over stops
-                check_lease(self.backend, assignment.work_dir, assignment.save_id)
+            # A rank of a writer whose name was taken over stops here.
+            self._publication(assignment.save_id).check()
             results = self._write_rank(assignment, files, buckets, planner)
         except BaseException as exc:
             self._abandon(assignment, files)
@@ -292,27 +294,14 @@ class SafeStorageWriter(StorageWriter):
         return attach_report(results, report_for(manifest, written, self.options.checksum))
 
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
-        """After this rank failed: on an object store, remove its own objects and give up the
-        name: released when alone; with peers, whose objects stay, marked abandoned, so the
-        next save of it takes it over and clears them (:mod:`dcp_safe.commit.takeover`).
-
-        DCP will not call ``finish``, so nobody else would. Nothing is removed once the name is
-        committed or another save's: the paths may be a newer attempt's by now.
-        """
-        if not self.strategy.in_place:
-            return
-        name, save_id = assignment.work_dir, assignment.save_id
+        """After this rank failed (DCP will not call ``finish``, so nobody else would): remove
+        its own files and give up the name, as :meth:`Publication.abandon` says."""
         own = [*files, layout.rank_manifest_name(assignment.rank)]
-        with contextlib.suppress(OSError, DcpSafeError):
-            if self._committed(name) or held_by_another(self.backend, name, save_id):
-                return
-            for rel in own:
-                self.backend.remove_file(f"{name}/{rel}")
-            check_lease(self.backend, name, save_id)
-            if assignment.world_size > 1:
-                abandon_lease(self.backend, name, save_id, self.claimant)
-            else:
-                release_lease(self.backend, name, save_id)
+        publication = self._publication(assignment.save_id)
+        publication.abandon(own, shared=assignment.world_size > 1)
+
+    def _publication(self, save_id: str) -> Publication:
+        return self.strategy.publication(self.backend, self._require_name(), save_id, self.claimant)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).
@@ -328,14 +317,11 @@ class SafeStorageWriter(StorageWriter):
         name = self._require_name()
         try:
             Committer(self.backend, self.options).publish(
-                name=name,
-                save_id=assignment.save_id,
-                work_dir=assignment.work_dir,
+                self._publication(assignment.save_id),
                 world_size=assignment.world_size,
                 step=self.step,
                 metadata=metadata,
                 results=results,
-                attempt=self.attempt,
             )
         except BaseException as exc:
             self._report_failure(assignment, exc, rank=None)
@@ -397,13 +383,10 @@ class SafeStorageWriter(StorageWriter):
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
         """A future that resolves once checkpoint ``name`` is committed on the remote tier.
 
-        In the process that ran the save it is that rank's replication future: on one process
-        the replicator's; in a save of several ranks, this rank's upload of its own part and
-        the wait for rank 0's remote commit. It fails with the cause (``CommitError`` naming
-        the ranks whose upload failed), or with ``ReplicationSkippedError`` if a newer
-        checkpoint superseded it (on any rank). Elsewhere (DCP's checkpoint process did the
-        work, or ``name`` is not this writer's) it watches the remote ``_COMMITTED`` marker.
-        Coordination goes through storage, never through the training process group.
+        In the process that ran the save: this rank's replication (its upload and, on several
+        ranks, the wait for rank 0's remote commit), failing with the cause (``CommitError``
+        naming the ranks whose upload failed, ``ReplicationSkippedError`` if a newer checkpoint
+        superseded it). Elsewhere it watches the remote ``_COMMITTED`` marker.
 
         Raises:
             ConfigError: the writer has no ``replicate_to``.
@@ -540,7 +523,7 @@ class SafeStorageWriter(StorageWriter):
                 raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
             out.write(data.getbuffer())
         else:
-            tensor = _minimal_cpu_tensor(data)
+            tensor = minimal_cpu_tensor(data)
             # torch.save's exact bytes from a template where it can (36 us an item instead of
             # 370 here); torch.save itself for the rest.
             if not write_tensor(tensor, out):
@@ -566,18 +549,6 @@ class SafeStorageWriter(StorageWriter):
         state["_replicator"] = None  # a thread: the child process starts its own if needed
         state["_rank_replicator"] = None
         return state
-
-
-def _minimal_cpu_tensor(data: Any) -> torch.Tensor:
-    """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
-    if not isinstance(data, torch.Tensor):
-        raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
 
 
 def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -126,7 +126,7 @@ class FollowUp:
         return None
 
     def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
-        if writer.replicate_to is None or self._tiers.node_cache is not None:
+        if writer.topology.replica is None:  # a node-local save is uploaded before it counts
             handle.replicated.set_result(None)
             return
         remote = writer.replication(handle.name)

@@ -52,8 +52,8 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
+from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
-from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -81,12 +81,13 @@ from dcp_safe.manager.shutdown import close_at_exit, drain, run_bounded, seconds
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
-from dcp_safe.manager.tiers import Tiers, writer_for
+from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.topology import Topology
 
 __all__ = ["CheckpointManager"]
 
@@ -200,18 +201,20 @@ class CheckpointManager:
         self.policy = combine(*policies)
         self.storage_options = storage_options
         self.node_local = None if node_local is None else os.fspath(node_local)
-        self.writer = writer or writer_for(
-            root,
-            replicate_to,
-            self.node_local,
-            storage_options,
-            attempt,
-            remote_timeout_s=wait_timeout_s,
-        )
-        if self.node_local is not None and not isinstance(self.writer, NodeLocalWriter):
+        if writer is None:
+            topology = Topology.of(
+                root,
+                replicate_to=replicate_to,
+                node_local=self.node_local,
+                storage_options=storage_options,
+            )
+            writer = writer_for(topology, attempt=attempt, remote_timeout_s=wait_timeout_s)
+        self.writer = writer
+        if self.node_local is not None and writer.topology.node_cache is None:
             raise ConfigError("node_local= needs a NodeLocalWriter (or no writer= at all)")
-        self.root = self.writer.root
-        self.replicate_to = self.writer.replicate_to
+        self.topology = writer.topology
+        self.root = self.topology.commit.url  # where committed checkpoints live
+        self.replicate_to = writer.replicate_to
         self._owns_stager = stager is None
         if stager is None and budget is None:
             # The uploads' part buffers stay held while the next save stages: part of the
@@ -230,24 +233,20 @@ class CheckpointManager:
         self._preemption: PreemptionHandler | None = None
         # Every rank constructs its manager at the same point: creating the groups is collective.
         self._agreement = Agreement.for_job(self.deadline_s)
-        primary = self.writer.remote if self.node_local is not None else None
         self._books = Bookkeeper(
-            History(primary or self.writer.backend),
+            History(self.writer.commit_backend),
             enabled=self._agreement.coordinator,
             failed=lambda exc: self._ledger.bookkeeping_failed(exc),
         )
         self._tiers = Tiers(
             self.writer,
-            storage_options=storage_options,
             policy=self.policy,
             partial_grace_s=partial_grace_s,
             history=self._books,
             cond=self._cond,
             deferred=self._preemption_deferred,
             coordinator=self._agreement.coordinator,
-            node_cache=self.node_local,
         )
-        self.root = self._tiers.root  # where committed checkpoints live
         self._slot = SaveSlot(self._cond)
         self._closed = False
         self._ledger = Ledger(self._books, self._spans, self._cond)

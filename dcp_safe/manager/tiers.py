@@ -19,7 +19,6 @@ manager's condition (``cond``), so a decision made under it sees one consistent 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -32,25 +31,23 @@ from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
-from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.bookkeeper import Bookkeeper
-from dcp_safe.replication.rank_upload import UploadOptions
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
 
-__all__ = ["Tiers", "writer_for"]
+__all__ = ["Tiers"]
 
 
 class Tiers:
     """Retention and reading on the local root and the replica.
 
     Args:
-        writer: the manager's writer (its roots, backends and the replica's options).
-        storage_options: fsspec options of the local root.
+        writer: the manager's writer; its ``topology`` says which root holds the checkpoints
+            (the commit root), which is a replica and which this node's cache.
         policy: the retention policy.
         partial_grace_s: age after which abandoned partials are collected.
         history: the manager's history (validated names are read from it once; ``pruned``
@@ -60,37 +57,33 @@ class Tiers:
         coordinator: this rank writes the shared state. In a multi-rank job the other ranks
             neither prune nor sweep, and check a new checkpoint's marker and manifest only
             (``validate="deep"`` reads every byte once, on the coordinator).
-        node_cache: this node's local root when ``writer`` is a
-            :class:`~dcp_safe.dcp.node_local.NodeLocalWriter`: then the checkpoints, their
-            retention and ``latest`` live on its remote (the only complete copy), and restores
-            read each file from this node cache when it matches the remote manifest.
+
+    With a node cache (a :class:`~dcp_safe.dcp.node_local.NodeLocalWriter`) the checkpoints,
+    their retention and ``latest`` live on the commit root (the only complete copy), and
+    restores read each file from this node's cache when it matches the committed manifest.
     """
 
     def __init__(
         self,
         writer: SafeStorageWriter,
         *,
-        storage_options: dict[str, Any] | None,
         policy: RetentionPolicy,
         partial_grace_s: float,
         history: Bookkeeper,
         cond: threading.Condition,
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
-        node_cache: str | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.writer = writer
-        self.node_cache = node_cache
-        self.root: str = writer.root
-        self.backend: Backend = writer.backend
-        self.replicate_to = writer.replicate_to
-        self.storage_options = storage_options
-        if node_cache is not None and writer.replicate_to is not None and writer.remote:
-            # The remote is the checkpoint root; the local root holds node caches only.
-            self.root, self.backend = writer.replicate_to, writer.remote
-            self.storage_options = writer.replicate_storage_options
-            self.replicate_to = None
+        topology = writer.topology
+        self.node_cache = None if topology.node_cache is None else topology.node_cache.url
+        self.root: str = topology.commit.url
+        self.backend: Backend = writer.commit_backend
+        self.storage_options = topology.commit.storage_options
+        replica = topology.replica
+        self.replicate_to = None if replica is None else replica.url
+        self.replica_options = None if replica is None else replica.storage_options
         self.policy = policy
         self.partial_grace_s = partial_grace_s
         self._history = history
@@ -192,7 +185,7 @@ class Tiers:
         return dropped
 
     def _prune_remote(self, remote: Backend, url: str) -> None:
-        options = self.writer.replicate_storage_options
+        options = self.replica_options
         with self._deferred(), self._prune_lock:
             infos = list_checkpoints(url, storage_options=options, signing_key=self.signing_key)
             records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
@@ -270,7 +263,7 @@ class Tiers:
         root = self.root if local else self.replicate_to
         if root is None:
             raise ConfigError("this manager has no replicate_to")
-        options = self.storage_options if local else self.writer.replicate_storage_options
+        options = self.storage_options if local else self.replica_options
         found = list_checkpoints(root, storage_options=options, signing_key=self.signing_key)
         return found[-1].name if found else None
 
@@ -288,46 +281,6 @@ class Tiers:
             self.root,
             storage_options=self.storage_options,
             fallback=self.replicate_to,
-            fallback_storage_options=self.writer.replicate_storage_options,
+            fallback_storage_options=self.replica_options,
             signing_key=self.signing_key,
         )
-
-
-def writer_for(
-    root: str | os.PathLike[str],
-    replicate_to: str | os.PathLike[str] | None,
-    node_local: str | None,
-    storage_options: dict[str, Any] | None,
-    attempt: int | None,
-    *,
-    remote_timeout_s: float,
-) -> SafeStorageWriter:
-    """The writer of a manager's roots: one root (and its replica), or node-local and remote.
-
-    ``remote_timeout_s`` bounds the per-rank uploads' waits (rank 0 for every rank's upload, a
-    rank for the remote commit: twice it): the manager passes its ``wait_timeout_s``, the
-    longest it waits for any save in flight, rather than the writers' own 30-minute default.
-
-    Raises:
-        ConfigError: ``node_local`` together with ``replicate_to``.
-    """
-    if node_local is None:
-        return SafeStorageWriter(
-            root,
-            replicate_to=replicate_to,
-            storage_options=storage_options,
-            attempt=attempt,
-            replication_options=UploadOptions(remote_timeout_s=remote_timeout_s),
-        )
-    if replicate_to is not None:
-        raise ConfigError(
-            "node_local= and replicate_to= do not go together: with node_local, root is the"
-            " shared remote every rank uploads to"
-        )
-    return NodeLocalWriter(
-        node_local,
-        remote=root,
-        remote_storage_options=storage_options,
-        attempt=attempt,
-        node_options=NodeLocalOptions(remote_timeout_s=remote_timeout_s),
-    )

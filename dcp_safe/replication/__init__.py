@@ -4,6 +4,6 @@
 process; :mod:`~dcp_safe.replication.rank_replicator` has each rank of a multi-rank save upload
 its own files (:mod:`~dcp_safe.replication.rank_upload`: the per-rank upload and its storage
 markers, also used by ``NodeLocalWriter``). Both check every item's checksum as the bytes stream
-(:mod:`~dcp_safe.replication.copying`) and repeat the commit protocol on the remote root
-(:mod:`~dcp_safe.replication.remote_commit`).
+(:mod:`~dcp_safe.replication.copying`) and publish on the remote root through the remote's
+:class:`~dcp_safe.commit.replica.ReplicaPublication`.
 """

@@ -23,12 +23,15 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.errors import CheckpointCorruptError, StorageError
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
 
 __all__ = [
+    "open_source",
     "DEFAULT_CHUNK_BYTES",
     "CheckpointCopy",
     "check_remote_size",
@@ -255,3 +258,18 @@ def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
         raise
     except OSError as exc:
         raise StorageError("read", path, exc) from exc
+
+
+def open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:
+    """The committed local manifest and its exact bytes (the remote copy must be identical).
+
+    Raises:
+        CheckpointNotFoundError: ``name`` is not committed locally.
+        CheckpointCorruptError: its marker and manifest disagree, or it changed while opened.
+    """
+    manifest = open_committed(local, name).manifest
+    rel = f"{name}/{layout.MANIFEST}"
+    raw = local.read_small(rel, MANIFEST_MAX_BYTES)
+    if Manifest.from_json(raw, local.full_path(rel)) != manifest:
+        raise CheckpointCorruptError(local.full_path(rel), "manifest changed while being opened")
+    return manifest, raw

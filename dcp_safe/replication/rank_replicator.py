@@ -1,45 +1,12 @@
 """Replication of a multi-rank checkpoint from one shared local root: each rank uploads its part.
 
 ``SafeStorageWriter(root, replicate_to=remote)`` in a job of several ranks that share ``root``
-runs one :class:`RankReplicator` per rank. For each save (``R`` a rank, ``W`` the remote work
-location, see :mod:`dcp_safe.replication.rank_upload`)::
-
-    every rank   write_data -> begin    after its own files are written locally
-    every rank   (background)           waits, bounded, for the local _COMMITTED of this save
-                                        (rank 0 publishes it in finish; it is on shared storage)
-    rank 0       (background)           object stores: takes the name's writing lease with
-                                        the checkpoint's save id (shared with a writer of
-                                        this very save id, refused if another save holds it:
-                                        reported as a commit failure, so every rank stops)
-    other ranks  (background)           object stores: wait, bounded, until the lease shows
-                                        this save id (or a peer's failure marker appears)
-    every rank   (background)           uploads exactly the files its own committed rank
-                                        manifest lists, verified in flight, then that rank
-                                        manifest to W/_ranks/rank_R.json, last: "arrived"
-    rank 0       (background)           waits, bounded, for every rank's arrival, uploads the
-                                        rest (.metadata), manifest.json (the local one, byte
-                                        for byte), checks every object's size, and writes the
-                                        remote _COMMITTED last, as the single-process
-                                        Replicator does (checking the lease right before it,
-                                        releasing it after)
-    other ranks  (background)           wait, bounded, for the remote _COMMITTED
-
-So each rank's upload bandwidth carries only its own bytes, and coordination goes through
-storage markers, never through a process group. A rank whose upload fails writes its failure
-marker: every rank's future fails with :class:`~dcp_safe.errors.CommitError` naming it, and
-nothing is committed remotely; on an object store rank 0 then removes the save's objects and
-its lease (the lease rules: :mod:`dcp_safe.replication.remote_commit`), and every upload checks
-the lease first, so no rank writes on once the name is no longer this save's. The local commit
-is awaited through storage because ranks other than 0 get no call from DCP after
-``write_data``; a save that fails before its local commit ends the wait through a marker (a
-rank's failed write, rank 0's failed publish), or when this rank's next save begins or the
-writer closes (the failed save is then final).
-
-Coalescing, as in :class:`~dcp_safe.replication.replicator.Replicator` (this is one): at most
-one save is uploading and one pending per rank; a newer save replaces the pending one. Ranks
-decide that independently, so a rank that skips a save says so with a marker, and every rank's
-future of that save fails with :class:`~dcp_safe.errors.ReplicationSkippedError`: a save is
-replicated by all ranks or by none.
+runs one :class:`RankReplicator` per rank: it waits for the local commit, uploads the files its
+own rank manifest lists (:mod:`dcp_safe.replication.rank_upload`), and on rank 0 publishes on
+the remote once every rank's part arrived, as the single-process
+:class:`~dcp_safe.replication.replicator.Replicator` does. The steps, the failure and skip
+markers, and why a save is replicated by all ranks or by none: docs/architecture.md, "Per-rank
+uploads".
 """
 
 from __future__ import annotations
@@ -51,7 +18,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.watch import poll_until
-from dcp_safe.commit.lease import holds_lease
+from dcp_safe.commit.replica import ReplicaPublication, committed_with
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
@@ -62,7 +29,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
-from dcp_safe.replication.copying import CheckpointCopy
+from dcp_safe.replication.copying import CheckpointCopy, open_source
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -73,13 +40,6 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     report_rank_skipped,
     upload_rank_part,
-)
-from dcp_safe.replication.remote_commit import (
-    RemoteLease,
-    open_source,
-    publish_remote,
-    remote_committed,
-    remove_uploads,
 )
 from dcp_safe.replication.replicator import Replicator
 
@@ -163,13 +123,13 @@ class RankReplicator(Replicator):
         work = remote_work_dir(self.remote, name, save.save_id)
         manifest, raw = self._await_local_commit(name, save, work)
         digest = manifest_digest(raw)
-        if remote_committed(self.remote, name, digest):
+        if committed_with(self.remote, name, digest):
             return manifest  # replicated before (every rank sees the same)
-        lease = None
-        if strategy_for(self.remote).in_place:
-            lease = RemoteLease(self.remote, name, manifest.save_id, digest, self.claimant)
-            if not self._await_lease(lease, save, work):
-                return manifest  # the same checkpoint got committed meanwhile
+        replica = strategy_for(self.remote).replica(
+            self.remote, manifest, digest, work, self.claimant or Claimant()
+        )
+        if not self._await_claim(replica, save, work):
+            return manifest  # the same checkpoint got committed meanwhile
         copy = CheckpointCopy(
             self.local,
             self.remote,
@@ -178,7 +138,7 @@ class RankReplicator(Replicator):
             raw,
             self.chunk_bytes,
             retry=self.retry,
-            before_each=lease.check if lease is not None else lambda: None,
+            before_each=replica.check,
         )
         try:
             upload_rank_part(
@@ -195,36 +155,36 @@ class RankReplicator(Replicator):
             )
         except Exception as exc:
             report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
-            self._remove_part(lease, save, copy)
+            self._remove_part(replica, save, copy)
             raise CommitError(
                 f"rank {save.rank} could not upload its part of {name}; nothing was published",
                 {save.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
         if save.rank == 0:
-            return self._commit(copy, save, work, digest, lease)
+            return self._commit(copy, save, work, replica)
         try:
             return await_remote_commit(self.remote, name, work, save.save_id, self.options)
         except BaseException:
-            self._remove_part(lease, save, copy)
+            self._remove_part(replica, save, copy)
             raise
 
-    def _await_lease(self, lease: RemoteLease, save: RankSave, work: str) -> bool:
-        """Rank 0 takes the writing lease before any rank uploads a byte; the other ranks wait,
-        bounded, until it shows this save (or a peer reports a failure, rank 0's to take it
+    def _await_claim(self, replica: ReplicaPublication, save: RankSave, work: str) -> bool:
+        """Rank 0 claims the name before any rank uploads a byte; the other ranks wait,
+        bounded, until the claim is held (or a peer reports a failure, rank 0's to claim it
         included). False: the name got committed with this checkpoint's digest meanwhile."""
         if save.rank == 0:
             try:
-                return lease.take()
+                return replica.claim()
             except BaseException as exc:
                 report_commit_failure(self.remote, work, save.save_id, exc)
                 raise
-        name = lease.name
+        name = replica.name
 
         def held() -> bool | None:
-            raise_reported_failures(self.remote, work, save.save_id, name)
-            if holds_lease(self.remote, name, lease.save_id):
-                return True
-            return False if remote_committed(self.remote, name, lease.digest) else None
+            state = replica.held()
+            if state is None:
+                raise_reported_failures(self.remote, work, save.save_id, name)
+            return state
 
         return poll_until(
             held,
@@ -233,15 +193,15 @@ class RankReplicator(Replicator):
             waiting_for=f"rank 0's writing lease on {self.remote.full_path(name)}",
         )
 
-    def _remove_part(self, lease: RemoteLease | None, save: RankSave, copy: CheckpointCopy) -> None:
-        """On failure: rank 0 removes the whole save's objects and then its lease (while it is
-        its own); another rank removes its own uploads unless the name changed hands."""
-        if lease is None:
-            remove_uploads(self.remote, copy.name, copy.uploaded)
-        elif save.rank == 0:
-            lease.abandon(_every_object(copy))
+    def _remove_part(
+        self, replica: ReplicaPublication, save: RankSave, copy: CheckpointCopy
+    ) -> None:
+        """On failure: rank 0 removes what it can of the whole save; another rank its own
+        uploads (see :class:`~dcp_safe.commit.replica.ReplicaPublication`)."""
+        if save.rank == 0:
+            replica.abandon(copy.uploaded)
         else:
-            lease.remove_part(copy.uploaded)
+            replica.remove_part(copy.uploaded)
 
     def _await_local_commit(self, name: str, save: RankSave, work: str) -> tuple[Manifest, bytes]:
         def committed() -> tuple[Manifest, bytes] | None:
@@ -270,8 +230,7 @@ class RankReplicator(Replicator):
         copy: CheckpointCopy,
         save: RankSave,
         work: str,
-        digest: str,
-        lease: RemoteLease | None,
+        replica: ReplicaPublication,
     ) -> Manifest:
         """Rank 0: once every rank arrived, upload the rest and publish as the Replicator does."""
         name = copy.name
@@ -282,8 +241,7 @@ class RankReplicator(Replicator):
             copy.finish_upload(work)
 
         try:
-            uploaded = copy.uploaded if lease is None else _every_object(copy)
-            publish_remote(self.remote, name, digest, work, upload, uploaded, lease=lease)
+            replica.publish(upload, copy.uploaded)
         except ReplicationSkippedError:
             raise  # every rank sees the skip marker itself
         except BaseException as exc:
@@ -301,13 +259,6 @@ class RankReplicator(Replicator):
             owned.update(f.path for f in part.files)
             owned.add(layout.rank_manifest_name(rank))
         return [f for f in manifest.files if f.path not in owned]
-
-
-def _every_object(copy: CheckpointCopy) -> list[str]:
-    """Every object this save writes under ``<name>/`` on an in-place remote, whichever rank
-    uploads it (markers aside): what rank 0, holding the lease, removes when the save fails."""
-    files = [record.path for record in copy.manifest.files]
-    return [f"{copy.name}/{rel}" for rel in [*files, layout.SIGNATURE, layout.MANIFEST]]
 
 
 def _record(copy: CheckpointCopy, rel: str) -> FileRecord:

@@ -1,34 +1,17 @@
 """Per-rank uploads to a shared remote root, coordinated through storage markers only.
 
-When several ranks put one checkpoint on the remote tier, each rank uploads the files it wrote
-and rank 0 publishes. Two writers do this: ``NodeLocalWriter`` (each node's own disk, uploads
-from the uncommitted work directory) and ``SafeStorageWriter(replicate_to=...)`` on several
-ranks (one shared local root, uploads from the committed checkpoint; see
-:mod:`dcp_safe.replication.rank_replicator`). The protocol, with ``R`` a rank and ``W`` the
-remote work location (``<name>/`` on an object store, a hidden partial directory on storage
-that renames atomically; :func:`remote_work_dir`)::
-
-    every rank   upload_rank_part       its files, checksums recomputed in flight, then its
-                                        rank manifest W/_ranks/rank_R.json, last: "arrived"
-    rank 0       await_arrivals         bounded, until every rank's remote rank manifest exists
-    rank 0       (the caller)           publishes W: .metadata, manifest.json, _COMMITTED last
-    other ranks  await_remote_commit    bounded, until the remote _COMMITTED names this save
-
-Nothing here calls into a process group, so a slow remote never blocks a collective. Failures
-travel as markers beside the rank manifests, named with the save id so that a stale marker
-never touches a later save of the same name (the names are :mod:`dcp_safe.layout`'s):
-
-* ``W/_ranks/rank_R.failed-<save id>``: rank R failed to write or upload its part;
-* ``W/_ranks/rank_R.skipped-<save id>``: rank R dropped this save for a newer one (it holds
-  the newer name);
-* ``W/_FAILED-<save id>``: rank 0's commit failed.
+Shared by ``NodeLocalWriter`` and ``SafeStorageWriter(replicate_to=...)`` on several ranks:
+every rank uploads its part (:func:`upload_rank_part`), rank 0 waits for every arrival
+(:func:`await_arrivals`) and publishes, the other ranks wait for the remote commit
+(:func:`await_remote_commit`); failures and skips travel as markers named with the save id
+(the ``report_*`` functions; the names are :mod:`dcp_safe.layout`'s). The steps, the markers
+and the deadlines: docs/architecture.md, "Per-rank uploads".
 
 Every wait raises :class:`~dcp_safe.errors.CommitError` naming the failed ranks (or
 :class:`~dcp_safe.errors.ReplicationSkippedError`) as soon as it sees one, and
 :class:`~dcp_safe.errors.ReplicationTimeoutError` at its deadline (a rank killed outright).
-Nothing removes a marker when its save ends (a peer may still be about to read it): they are
-debris (:func:`dcp_safe.layout.is_debris`) that the sweeper collects after its grace period,
-whether the prefix stays uncommitted or a later save of the name commits there.
+Nothing removes a marker when its save ends (a peer may still be about to read it): the
+sweeper collects them as debris (:func:`dcp_safe.layout.is_debris`).
 """
 
 from __future__ import annotations

@@ -1,47 +1,11 @@
 """Replication: copy a committed local checkpoint to the remote tier and commit it there.
 
-The remote tier repeats the commit protocol (DESIGN, "Commit protocol") for a checkpoint that is
-already committed locally. Call order, for one checkpoint::
-
-    open_committed(local, name)      the local marker must match manifest.json, else nothing
-    remote marker check              same digest: done (idempotent); another digest: refused
-    writing lease (object stores)    the name's lease, with the checkpoint's save id: held by
-                                     another save: refused, nothing uploaded; held by this
-                                     very save id (a retry, a second replicator): shared
-    copy every manifest file         streamed in chunks, each small file's checksum and each
-                                     shard item's checksum recomputed from the bytes in flight
-                                     (object stores: the lease checked before each file)
-    copy manifest.json
-    remote.size of every object      each must exist with the size the manifest records
-    lease check (object stores)      still this save's, else the name must be committed with
-                                     this digest (the other writer of this save published)
-    remote _COMMITTED, last          exclusive create, holding the local marker's digest
-    lease released (object stores)   a failed release is only logged
-
-Where the copy lands follows the remote backend's capability flags, like the committer: a
-backend that renames atomically (a second local disk, NFS) gets a hidden partial directory
-renamed into place without replacing anything; an object store gets the files under ``<name>/``
-directly, behind the name's writing lease as a local save's are (the rule, and why a lease
-of the same save id is shared: :mod:`dcp_safe.replication.remote_commit`), where nothing counts
-until the marker exists. A failure before the marker removes what was uploaded (best effort),
-then the lease, and re-raises the original exception. (The verified copy is
-:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.replication.remote_commit`'s;
-a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`.)
-
-Why it is built this way:
-
-* Uploads read the committed local files, never the staging buffers, so replication holds no
-  host memory beyond one chunk read and the remote file's upload buffers (files are copied one
-  at a time; on S3 the upload keeps ``max_concurrency`` parts in flight, 4 unless the remote's
-  storage options say otherwise, plus the block filling), and a slow remote can never hold back
-  the next save's staging. :attr:`Replicator.max_buffer_bytes` is that bound, for the owner's
-  memory budget.
-* The source is verified while it streams: a local byte flipped after the local commit is
-  caught before it is made durable a second time, and nothing is committed remotely.
-* :class:`Replicator` keeps at most one replication in flight, on one daemon thread. A newer
-  checkpoint makes an older pending one pointless, so pending work coalesces to the newest
-  name: the superseded futures fail with :class:`ReplicationSkippedError`. Nothing queues
-  without bound however slow the remote is.
+:func:`replicate_checkpoint` does one checkpoint (the verified copy is
+:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.commit.replica`'s;
+a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`).
+:class:`Replicator` runs them on one background thread, coalescing to the newest name. The
+protocol, and why it copies committed files rather than staging buffers: docs/architecture.md,
+"Replication and the remote tier".
 
 Errors raised here, beyond the ones backends raise::
 
@@ -63,6 +27,7 @@ from typing import NoReturn
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.replica import committed_with
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import (
@@ -76,12 +41,7 @@ from dcp_safe.replication.copying import (
     CheckpointCopy,
     copy_buffer_bytes,
     copy_file_verified,
-)
-from dcp_safe.replication.remote_commit import (
-    RemoteLease,
     open_source,
-    publish_remote,
-    remote_committed,
 )
 
 __all__ = [
@@ -142,33 +102,17 @@ def replicate_checkpoint(
         raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
     manifest, raw = open_source(local, name)
     digest = manifest_digest(raw)
-    if remote_committed(remote, name, digest):
+    if committed_with(remote, name, digest):
         return manifest
     strategy = strategy_for(remote)
-    lease = None
-    if strategy.in_place:
-        lease = RemoteLease(remote, name, manifest.save_id, digest, claimant)
-        if not lease.take():
-            return manifest  # the same checkpoint got committed meanwhile
-    copy = CheckpointCopy(
-        local,
-        remote,
-        name,
-        manifest,
-        raw,
-        chunk_bytes,
-        before_each=lease.check if lease is not None else lambda: None,
-    )
     work_dir = strategy.work_dir(name, layout.new_save_id())
-    publish_remote(
-        remote,
-        name,
-        digest,
-        work_dir,
-        lambda: copy.upload_to(work_dir),
-        copy.uploaded,
-        lease=lease,
+    replica = strategy.replica(remote, manifest, digest, work_dir, claimant or Claimant())
+    if not replica.claim():
+        return manifest  # the same checkpoint got committed meanwhile
+    copy = CheckpointCopy(
+        local, remote, name, manifest, raw, chunk_bytes, before_each=replica.check
     )
+    replica.publish(lambda: copy.upload_to(work_dir), copy.uploaded)
     return manifest
 
 

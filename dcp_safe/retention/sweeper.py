@@ -1,44 +1,19 @@
 """Collect what failed saves left behind, after a grace period.
 
-A save that fails on some rank (or is killed) leaves work behind: DCP does not call rank 0 back
-after another rank's failure. None of it is ever a checkpoint, but it holds space.
-
-* Roots that publish by rename (local): hidden ``.<name>.partial-<save id>/`` directories (that
-  exact form, nothing else), removed once nothing inside changed for ``grace_s``; and empty
-  folders under a checkpoint's name (a local save never leaves one: it works in a partial
-  folder), which would refuse every save of that name, once idle for ``grace_s``, with one
-  ``rmdir`` that fails should anything have been put in them.
-* Roots that publish by marker (object stores): uncommitted ``<name>/`` prefixes (``name`` a
-  valid checkpoint name) holding a writing lease, once nothing under the prefix changed for
-  ``grace_s``; uncommitted prefixes without a lease whose every object is one dcp_safe writes
-  (:func:`dcp_safe.layout.is_own_object`: shards, rank manifests, ``.metadata``, the manifest,
-  and the debris of :func:`dcp_safe.layout.is_debris`), on the same terms: a failed save's
-  lease is released while a slow rank may still finish one in-flight file, a prune killed
-  half-way leaves an unpublished prefix, and a superseded or failed per-rank upload leaves only
-  its skip and failure markers (no rank removes them: a peer may still be about to read one),
-  and none of these is anyone's save any more; under a committed ``<name>/``, the debris that
-  is not one of the checkpoint's own files (a failed earlier save's markers, a lease whose
-  removal failed after the marker, a takeover record), each once it is older than ``grace_s``;
-  and incomplete multipart uploads of dcp_safe's own layout names under the root
-  (:mod:`dcp_safe.backends.multipart`). A bucket lifecycle rule is the backstop for those.
-  Each name costs one recursive listing (it shows the lease, the marker and the rank markers at
-  once); a committed one's manifest is read only when debris lies there.
-* Any root: probe objects (``.dcp-safe-probe-<32 hex digits>``, the exact form the backend's
-  exclusive-create probe writes at the root) that a killed process left behind, once older than
-  ``grace_s``. A live probe exists for two requests, so the grace period covers it many times.
-
-Ages come from the storage's modification times, not from what a lease says: a lease that
-cannot be read, or that claims a time far in the future, is collected like any other once the
-prefix has been idle for the grace period. (Only a backend that reports no modification times
-falls back to the lease's own timestamp, when it is not in the future.)
-
-Nothing else is touched: another application's objects and uploads, a user's folder that only
-looks like a partial (``.notes.partial-draft``), a committed checkpoint. A root that is a whole
-bucket is refused unless the caller says the bucket is dcp_safe's (``allow_bucket_root``): there,
-every other application's uploads would be one prefix check away.
-
-The grace period is what keeps a save still in progress — possibly from another process or
-node — from ever being touched.
+What failed saves leave, and which of it is collected here: docs/architecture.md, "What failed
+saves leave". Once idle for ``grace_s`` (aged by the storage's modification times, never by what
+a lease says): hidden ``.<name>.partial-<save id>/`` directories (that exact form) and empty
+folders under a checkpoint's name on a renaming root; on an object store, uncommitted
+``<name>/`` prefixes holding a lease or only objects dcp_safe writes
+(:func:`dcp_safe.layout.is_own_object`), the debris under a committed name
+(:func:`dcp_safe.layout.is_debris`; never a file its manifest lists) and incomplete multipart
+uploads of dcp_safe's own names (:mod:`dcp_safe.backends.multipart`); on any root, stray
+exclusive-create probes (``.dcp-safe-probe-<32 hex digits>``). Nothing else is touched. A root
+that is a whole bucket is refused unless the caller says the bucket is dcp_safe's
+(``allow_bucket_root``): there, every other application's uploads would be one prefix check away.
+Each name costs one recursive listing; a committed one's manifest is read only when debris lies
+there. Only a backend that reports no modification times falls back to a lease's own timestamp,
+when it is not in the future.
 
 Every entry is swept on its own: one that cannot be walked or removed (a tree nested deeper
 than dcp_safe ever writes, a link, an I/O error) is left alone with a warning naming it,
@@ -126,8 +101,29 @@ def sweep_partials(
     backend = open_backend(os.fspath(root), storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     now = time.time() if now is None else now
-    if strategy_for(backend).in_place:
-        return _sweep_leased(backend, grace_s, dry_run, now)
+    return strategy_for(backend).sweep(_Sweep(backend, grace_s, dry_run, now))
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """One sweep of a root, for each way a root's failed saves are left
+    (:meth:`~dcp_safe.commit.strategy.PublishStrategy.sweep` picks)."""
+
+    backend: Backend
+    grace_s: float
+    dry_run: bool
+    now: float
+
+    def leased_prefixes(self) -> SweepReport:
+        return _sweep_leased(self.backend, self.grace_s, self.dry_run, self.now)
+
+    def partial_folders(self) -> SweepReport:
+        return _sweep_partial_folders(self.backend, self.grace_s, self.dry_run, self.now)
+
+
+def _sweep_partial_folders(
+    backend: Backend, grace_s: float, dry_run: bool, now: float
+) -> SweepReport:
     removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
     for entry in backend.list_dir(""):
         partial = layout.is_partial_entry(entry)

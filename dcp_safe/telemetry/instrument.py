@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_safe.telemetry.events import Phase, SpanHandle
+from dcp_safe.topology import Topology
 
 if TYPE_CHECKING:
     from dcp_safe.telemetry.recorder import Telemetry
@@ -162,7 +163,8 @@ class InstrumentedWriter(StorageWriter):
 
     def _watch_replication(self) -> None:
         name = self._name
-        if name is None or getattr(self.inner, "replicate_to", None) is None:
+        topology: Topology | None = getattr(self.inner, "topology", None)
+        if name is None or topology is None or topology.uploads_to is None:
             return
         replication: Callable[[str], Future_[Any]] = self.inner.replication
         future = replication(name)

@@ -29,6 +29,7 @@ from dcp_safe.commit.lease import (
     join_or_acquire_lease,
     release_lease,
 )
+from dcp_safe.commit.strategy import strategy_for
 
 
 @pytest.fixture
@@ -203,14 +204,13 @@ def test_a_save_without_exclusive_create_commits_and_releases_its_lease(root: st
 def test_a_failed_save_clears_its_files_but_not_a_contenders_new_lease(
     per_save: Backend, tmp_path: Any
 ) -> None:
-    from dcp_safe.commit.committer import Committer
-
     acquire_lease(per_save, "step_1", "mine")
     for member in ("__0_0.distcp", layout.DCP_METADATA, "_ranks/rank_00000.json"):
         per_save.write_bytes(f"step_1/{member}", b"x")
     # Another save writes its lease while this one is failing; it will take the name next.
     per_save.write_bytes(f"step_1/{layout.lease_file_name('next')}", b"{}")
-    Committer(per_save, SafeStorageWriter(tmp_path).options)._discard_uncommitted("step_1", "mine")
+    publication = strategy_for(per_save).publication(per_save, "step_1", "mine")
+    publication.discard(OSError("the marker write failed"))
     assert sorted(per_save.walk_files("step_1")) == [layout.lease_file_name("next")]
 
 

@@ -1,0 +1,263 @@
+"""``ReplicaPublication``: the commit of a replica of a checkpoint already committed elsewhere.
+
+One object per replica, made by the remote root's strategy whatever kind of root it is
+(:meth:`~dcp_safe.commit.strategy.PublishStrategy.replica`), so the single-process replicator
+and the per-rank uploads drive it alike and never ask how the remote publishes. The replica's
+``manifest.json`` is the source's, byte for byte, so both markers hold the same digest; the
+lease on a marker-published remote carries the checkpoint's own save id, which is what lets two
+writers of the same checkpoint share it. See docs/architecture.md, "Replication and the remote
+tier" and "The writing lease".
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.lease import (
+    check_lease,
+    held_by_another,
+    holds_lease,
+    join_or_acquire_lease,
+    own_lease_file,
+    release_lease,
+)
+from dcp_safe.commit.takeover import Claimant
+from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+
+if TYPE_CHECKING:
+    from dcp_safe.commit.strategy import PublishStrategy
+
+__all__ = [
+    "LeasedReplica",
+    "RenamedReplica",
+    "ReplicaPublication",
+    "committed_with",
+    "remove_uploads",
+]
+
+log = logging.getLogger(__name__)
+
+
+def committed_with(remote: Backend, name: str, digest: str) -> bool:
+    """True when ``remote`` holds ``name`` committed with ``digest``.
+
+    The remote manifest's digest is compared with the marker's: equal to the source's digest,
+    its bytes are the source's manifest, which was opened and checked on the source root.
+
+    Raises:
+        CheckpointExistsError: it is committed there with another digest.
+        CheckpointCorruptError: its marker is ours but its manifest does not match it.
+    """
+    try:
+        marker = remote.read_small(f"{name}/{layout.COMMITTED_MARKER}", CONTROL_MAX_BYTES)
+    except FileNotFoundError:
+        return False
+    if marker.decode("ascii", errors="replace").strip() != digest:
+        raise CheckpointExistsError(remote.full_path(name))
+    rel = f"{name}/{layout.MANIFEST}"
+    try:
+        raw = remote.read_small(rel, MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(remote.full_path(rel), "marker without manifest") from None
+    if manifest_digest(raw) != digest:
+        raise CheckpointCorruptError(remote.full_path(rel), "does not match its _COMMITTED marker")
+    return True
+
+
+def remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
+    """Best effort: drop what this attempt uploaded, unless ``name`` got committed meanwhile
+    (then the objects may be a committed checkpoint's, ours or another writer's). Never
+    raises: the caller is already raising the error that matters."""
+    with contextlib.suppress(Exception):
+        if remote.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+            return
+        for rel in uploaded:
+            remote.remove_file(rel)
+        if not any(True for _ in remote.walk_files(name)):
+            remote.remove_tree(name)  # empty directories, where the backend has them
+
+
+class ReplicaPublication(abc.ABC):
+    """The replica of checkpoint ``name`` (``manifest``, whose digest is ``digest``) on
+    ``remote``, written under ``work_dir``.
+
+    Call order: :meth:`claim` before the first upload (rank 0 only in a multi-rank save; the
+    others wait for :meth:`held`); :meth:`check` before each file uploaded; then
+    :meth:`publish`, or on a failure outside it :meth:`abandon` (the publisher) or
+    :meth:`remove_part` (another rank).
+    """
+
+    def __init__(
+        self,
+        strategy: PublishStrategy,
+        remote: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant,
+    ) -> None:
+        self.strategy, self.remote, self.manifest = strategy, remote, manifest
+        self.name, self.save_id, self.digest = manifest.name, manifest.save_id, digest
+        self.work_dir, self.claimant = work_dir, claimant
+
+    def claim(self) -> bool:
+        """Take the name for this replica. False: committed with this digest meanwhile.
+
+        Raises:
+            CheckpointExistsError: another save holds or committed the name.
+        """
+        return True
+
+    def check(self) -> None:
+        """Raise ``StaleWriterError`` if this replica lost its claim on the name."""
+        return None
+
+    def held(self) -> bool | None:
+        """For a rank waiting for the publisher's claim: True once it is held, False when the
+        name got committed with this digest meanwhile, None while neither."""
+        return True
+
+    def publish(self, upload: Callable[[], None], uploaded: Sequence[str]) -> None:
+        """Run ``upload`` (which fills the work folder and ``uploaded``), then publish it as
+        ``name``, never replacing; on failure remove what it can of this save.
+
+        Raises:
+            CheckpointExistsError: ``name`` is committed on the remote with another digest.
+            StaleWriterError: the claim was lost before the commit point, and ``name`` is not
+                committed with this digest.
+        """
+        try:
+            upload()
+            try:
+                self.strategy.publish(
+                    self.remote,
+                    self.work_dir,
+                    self.name,
+                    self.digest.encode(),
+                    before_commit=self.check,
+                )
+            except FileExistsError as exc:
+                # e.g. published meanwhile, reply lost: fine if it is ours
+                if not committed_with(self.remote, self.name, self.digest):
+                    raise CheckpointExistsError(self.remote.full_path(self.name)) from exc
+        except StaleWriterError:
+            # The same save's other writer may have published and released the shared lease.
+            if not committed_with(self.remote, self.name, self.digest):
+                self._failed(uploaded)
+                raise
+        except BaseException:
+            self._failed(uploaded)
+            raise
+        self.release()
+
+    def _failed(self, uploaded: Sequence[str]) -> None:
+        self.abandon(uploaded)
+
+    @abc.abstractmethod
+    def abandon(self, uploaded: Sequence[str]) -> None:
+        """The publisher's clean-up after a failure; best effort, never raising."""
+
+    def remove_part(self, uploaded: Sequence[str]) -> None:
+        """Another rank's clean-up after its failure: its own uploads, unless another save
+        holds the name now (the paths may be its). Best effort, never raising."""
+        remove_uploads(self.remote, self.name, uploaded)
+
+    def release(self) -> None:
+        """After the commit: give up the claim. Never raises (the replica is whole)."""
+        return None
+
+
+class RenamedReplica(ReplicaPublication):
+    """A hidden partial folder on a renaming remote; the rename arbitrates, so no claim."""
+
+    def publish(self, upload: Callable[[], None], uploaded: Sequence[str]) -> None:
+        try:
+            super().publish(upload, uploaded)
+        finally:
+            # Best effort, never hiding the real error; absent once published (a no-op then).
+            # A partial left behind is collected by the sweeper after its grace period.
+            with contextlib.suppress(Exception):
+                self.remote.remove_tree(self.work_dir)
+
+    def _failed(self, uploaded: Sequence[str]) -> None:
+        return None  # the whole work folder goes (above)
+
+    def abandon(self, uploaded: Sequence[str]) -> None:
+        remove_uploads(self.remote, self.name, uploaded)
+
+
+class LeasedReplica(ReplicaPublication):
+    """Objects written straight under ``<name>/`` behind a writing lease of the checkpoint's
+    own save id, taken or joined; the marker publishes."""
+
+    def __init__(
+        self,
+        strategy: PublishStrategy,
+        remote: Backend,
+        manifest: Manifest,
+        digest: str,
+        work_dir: str,
+        claimant: Claimant,
+    ) -> None:
+        super().__init__(strategy, remote, manifest, digest, work_dir, claimant)
+        try:
+            layout.lease_file_name(self.save_id)
+        except ValueError as exc:
+            raise CheckpointCorruptError(
+                remote.full_path(self.name),
+                f"its manifest's save id {self.save_id!r} cannot name a writing lease: {exc}",
+            ) from None
+        self.joined = False
+
+    def claim(self) -> bool:
+        try:
+            self.joined = join_or_acquire_lease(self.remote, self.name, self.save_id, self.claimant)
+        except CheckpointExistsError:
+            if committed_with(self.remote, self.name, self.digest):
+                return False
+            raise
+        return True
+
+    def check(self) -> None:
+        check_lease(self.remote, self.name, self.save_id)
+
+    def held(self) -> bool | None:
+        if holds_lease(self.remote, self.name, self.save_id):
+            return True
+        return False if committed_with(self.remote, self.name, self.digest) else None
+
+    def abandon(self, uploaded: Sequence[str]) -> None:
+        """Every object of the save (whichever rank uploaded it) and then the lease, if this
+        replica took the lease and still holds it (files first, so that no other save writes
+        there meanwhile); otherwise both are left to their holder or the sweeper."""
+        objects = [f"{self.name}/{r.path}" for r in self.manifest.files]
+        objects += [f"{self.name}/{layout.SIGNATURE}", f"{self.name}/{layout.MANIFEST}"]
+        objects += [rel for rel in uploaded if rel not in set(objects)]
+        with contextlib.suppress(Exception):
+            if self.joined or not holds_lease(self.remote, self.name, self.save_id):
+                return
+            remove_uploads(self.remote, self.name, objects)
+            own = own_lease_file(self.remote, self.save_id)
+            if list(self.remote.walk_files(self.name)) == [own]:
+                self.remote.remove_tree(self.name)  # the lease and any empty folders at once
+            else:
+                release_lease(self.remote, self.name, self.save_id)  # peers' markers stay
+
+    def remove_part(self, uploaded: Sequence[str]) -> None:
+        with contextlib.suppress(Exception):
+            if not held_by_another(self.remote, self.name, self.save_id):
+                remove_uploads(self.remote, self.name, uploaded)
+
+    def release(self) -> None:
+        try:
+            release_lease(self.remote, self.name, self.save_id)
+        except Exception as exc:
+            log.warning("replica %s committed; removing its lease failed: %s", self.name, exc)

@@ -1,0 +1,51 @@
+"""The writer of a :class:`~dcp_safe.topology.Topology`: the one place a topology's roles become
+writer arguments (the manager and a user of the writer both build their writer here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.replication.rank_upload import UploadOptions
+from dcp_safe.topology import Topology
+
+__all__ = ["writer_for"]
+
+
+def writer_for(
+    topology: Topology, *, remote_timeout_s: float | None = None, **options: Any
+) -> SafeStorageWriter:
+    """A :class:`SafeStorageWriter` of ``topology``'s commit root (and its replica), or, with a
+    node cache, a :class:`NodeLocalWriter` that writes there and uploads to the commit root.
+
+    Args:
+        topology: the roots and their roles.
+        remote_timeout_s: bounds the per-rank uploads' waits (rank 0 for every rank's upload,
+            a rank for the remote commit: twice it); default: the upload options' own.
+        **options: the other :class:`SafeStorageWriter` options (``attempt``, ``compression``,
+            ...); not the roots, which the topology gives.
+    """
+    commit, replica, cache = topology.commit, topology.replica, topology.node_cache
+    upload = UploadOptions()
+    node = NodeLocalOptions()
+    if remote_timeout_s is not None:
+        upload = dataclasses.replace(upload, remote_timeout_s=remote_timeout_s)
+        node = dataclasses.replace(node, remote_timeout_s=remote_timeout_s)
+    if cache is None:
+        return SafeStorageWriter(
+            commit.url,
+            replicate_to=None if replica is None else replica.url,
+            storage_options=commit.storage_options,
+            replicate_storage_options=None if replica is None else replica.storage_options,
+            replication_options=upload,
+            **options,
+        )
+    return NodeLocalWriter(
+        cache.url,
+        remote=commit.url,
+        remote_storage_options=commit.storage_options,
+        node_options=node,
+        **options,
+    )

@@ -1,0 +1,97 @@
+"""``Topology``: one value says which root commits, which is a replica, which a node cache.
+
+The manager builds it from its arguments and every part reads roles from it (``writer.topology``),
+so a node-local save and ``replicate_to=`` are two configurations of one value, not a subclass
+that redefines ``replicate_to``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_safe import (
+    CheckpointManager,
+    ConfigError,
+    NodeLocalWriter,
+    Root,
+    SafeStorageWriter,
+    Topology,
+    list_checkpoints,
+    list_node_caches,
+    writer_for,
+)
+
+
+def test_one_root_commits_and_uploads_nowhere(tmp_path: Path) -> None:
+    topology = Topology.of(tmp_path / "ckpt")
+    assert topology.commit == Root(str(tmp_path / "ckpt"))
+    assert topology.writes_to == topology.commit
+    assert topology.uploads_to is None
+
+
+def test_a_replica_is_uploaded_to_after_the_commit_root_is_written() -> None:
+    options = {"anon": True}
+    topology = Topology.of("/nvme/ckpt", replicate_to="s3://b/ckpt", storage_options=options)
+    assert topology.writes_to.url == "/nvme/ckpt"
+    assert topology.uploads_to == Root("s3://b/ckpt")
+    assert topology.uploads_to.storage_options == options  # the replica's default options
+    assert topology.node_cache is None
+
+
+def test_a_node_local_save_writes_to_its_node_and_uploads_to_the_commit_root() -> None:
+    topology = Topology.of("s3://b/ckpt", node_local="/nvme/cache")
+    assert topology.commit.url == "s3://b/ckpt"
+    assert topology.writes_to == Root("/nvme/cache")
+    assert topology.uploads_to == topology.commit
+    assert topology.replica is None
+
+
+def test_a_node_cache_and_a_replica_do_not_go_together() -> None:
+    with pytest.raises(ConfigError, match="node_local= and replicate_to="):
+        Topology.of("s3://b/ckpt", replicate_to="s3://c/ckpt", node_local="/nvme/cache")
+    with pytest.raises(ConfigError, match="non-empty"):
+        Root("")
+
+
+def test_each_writer_says_its_topology(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    replicating = SafeStorageWriter(local, replicate_to=remote)
+    assert replicating.topology == Topology.of(local, replicate_to=remote)
+    assert replicating.commit_backend is replicating.backend
+
+    node = NodeLocalWriter(local, remote=remote)
+    assert node.topology == Topology.of(remote, node_local=local)
+    assert node.replicate_to is None  # the remote is its commit root, not a replica
+    assert node.commit_backend is node.remote
+    assert node.commit_backend.url == str(remote)
+
+
+def test_writer_for_builds_the_writer_of_each_configuration(tmp_path: Path) -> None:
+    plain = writer_for(Topology.of(tmp_path / "a"), compression="zstd")
+    assert type(plain) is SafeStorageWriter
+    assert plain.options.compression.value == "zstd"
+    node = writer_for(Topology.of(tmp_path / "r", node_local=tmp_path / "n"), remote_timeout_s=7)
+    assert isinstance(node, NodeLocalWriter)
+    assert node.node_options.remote_timeout_s == 7
+
+
+def test_a_node_local_manager_commits_on_its_commit_root_and_caches_on_its_node(
+    tmp_path: Path,
+) -> None:
+    remote, node = tmp_path / "remote", tmp_path / "node"
+    topology = Topology.of(remote, node_local=node)
+    state = {"w": torch.arange(12.0)}
+    with CheckpointManager(remote, node_local=node, keep_last=2) as manager:
+        assert manager.topology == topology
+        assert manager.root == str(remote)
+        handle = manager.save(1, state)
+        assert handle is not None
+        handle.committed.result(timeout=60)
+    assert [c.name for c in list_checkpoints(remote)] == [handle.name]
+    assert list_checkpoints(node) == []  # a node cache is never a checkpoint
+    assert [c.name for c in list_node_caches(node)] == [handle.name]
+    # History lives with the checkpoints, on the commit root only.
+    assert [p.name for p in remote.glob("_history*")] and not list(node.glob("_history*"))
