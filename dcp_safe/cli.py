@@ -265,7 +265,9 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
         "its recorded size.",
     )
     p.add_argument("root", help="checkpoint root")
-    p.add_argument("name", nargs="?", default=layout.LATEST, help="checkpoint name or 'latest'")
+    p.add_argument(
+        "name", nargs="?", default=layout.LATEST, help=f"checkpoint name or {layout.LATEST!r}"
+    )
     depth = p.add_mutually_exclusive_group()
     depth.add_argument(
         "--quick", dest="deep", action="store_false", help="marker, manifest and sizes only"
@@ -339,7 +341,7 @@ def _progress(out: Console) -> Progress:
 def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("inspect", parents=[common], help="tensors and objects in a checkpoint")
     p.add_argument("root", help="checkpoint root")
-    p.add_argument("name", help="checkpoint name or 'latest'")
+    p.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_inspect)
 

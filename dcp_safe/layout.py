@@ -10,6 +10,10 @@ never part of one (:func:`is_debris`): the writing lease (:mod:`dcp_safe.commit.
 takeover record (:mod:`dcp_safe.commit.takeover`), and the failure and skip markers of per-rank
 uploads (:mod:`dcp_safe.replication.rank_upload`). Each is named after the save it belongs to, so
 that one save's marker never speaks for another; the sweeper collects them after its grace period.
+
+The other names dcp_safe gives things on storage are here too, so that no other module spells
+one: the manager's history, a node cache's marker, a backend's temporary files, the fencing
+records under ``_ATTEMPTS/``, and the files of an export (:mod:`dcp_safe.exporting`).
 """
 
 from __future__ import annotations
@@ -25,15 +29,26 @@ __all__ = [
     "COMMITTED_MARKER",
     "COMMIT_FAILED_PREFIX",
     "DCP_METADATA",
+    "EXPORT_CHECKSUMS",
+    "HISTORY_FILE",
     "LATEST",
     "MANIFEST",
+    "NODE_COMMITTED_MARKER",
     "PARTIAL_INFIX",
     "RANKS_DIR",
+    "SAFETENSORS_FILE",
+    "SAFETENSORS_INDEX",
     "SHARD_SUFFIX",
     "SIGNATURE",
     "TAKEOVER_PREFIX",
+    "TEMP_INFIX",
+    "TORCH_FILE",
     "WRITING_LEASE",
+    "attempt_of_record",
+    "attempt_record_name",
+    "attempts_dir",
     "commit_failure_marker_name",
+    "export_work_dir_name",
     "is_debris",
     "is_lease_file",
     "is_own_object",
@@ -45,9 +60,12 @@ __all__ = [
     "partial_dir_name",
     "rank_failure_marker_name",
     "rank_manifest_name",
+    "rank_of_manifest",
     "rank_of_marker",
     "rank_skip_marker_name",
+    "safetensors_shard_name",
     "shard_file_name",
+    "temp_file_name",
     "takeover_record_name",
     "validate_name",
 ]
@@ -78,6 +96,22 @@ PER_RANK_INFIX = "@rank"
 _PER_RANK_KEY = re.compile(rf"^(?P<base>.+){re.escape(PER_RANK_INFIX)}(?P<rank>[0-9]{{5,}})$")
 #: the object a root's first exclusive create probes the server with (see FsspecBackend).
 PROBE_PREFIX = ".dcp-safe-probe-"
+#: ``<root>/_history.jsonl``: the manager's event log (dcp_safe.checkpoints.history).
+HISTORY_FILE = "_history.jsonl"
+#: ``<node root>/<name>/_NODE_COMMITTED``: a node cache's marker (dcp_safe.checkpoints.node_cache).
+NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
+#: ``.<file>.tmp-<hex>`` beside ``<file>``: a backend's write before its rename into place.
+TEMP_INFIX = ".tmp-"
+# ``_ranks/rank_00003.json`` and the markers beside it; ``_ATTEMPTS/<run>/attempt_000000002``.
+_RANK_PREFIX = "rank_"
+_ATTEMPT_PREFIX = "attempt_"
+# An export's folder (dcp_safe.exporting): ``.<dest>.export-<hex>`` beside it until published,
+# then ``model.safetensors`` (or Hugging Face's shards and index) or ``model.pt``, and checksums.
+EXPORT_INFIX = ".export-"
+EXPORT_CHECKSUMS = "SHA256SUMS"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_FILE = "model.pt"
 
 _MAX_NAME_LEN = 200
 _ALLOWED = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
@@ -85,13 +119,15 @@ _SAVE_ID = r"[0-9a-f]{32}"
 _PARTIAL = re.compile(rf"^\.(?P<name>.+){re.escape(PARTIAL_INFIX)}{_SAVE_ID}$")
 _ID = r"[A-Za-z0-9_-]{1,64}"  # a save id as a file name may carry it
 _LEASE_ID = re.compile(rf"^{_ID}$")
-_OWN_FILE = re.compile(
-    rf"^(__[0-9]+_[0-9]+{re.escape(SHARD_SUFFIX)}|{RANKS_DIR}/rank_[0-9]{{5,}}\.json)$"
-)
+# What follows ``_ranks/`` in a rank's manifest and markers: its rank, in five digits or more.
+_RANK_MEMBER = rf"{RANKS_DIR}/{re.escape(_RANK_PREFIX)}(?P<rank>[0-9]{{5,}})"
+_RANK_MANIFEST = re.compile(rf"{_RANK_MEMBER}\.json")
+_OWN_FILE = re.compile(rf"^(__[0-9]+_[0-9]+{re.escape(SHARD_SUFFIX)}|{_RANK_MANIFEST.pattern})$")
 _RANK_MARKER = re.compile(
-    rf"{RANKS_DIR}/rank_(?P<rank>[0-9]{{5,}})"
-    rf"(?:{re.escape(_RANK_FAILED_INFIX)}|{re.escape(_RANK_SKIPPED_INFIX)}){_ID}"
+    rf"{_RANK_MEMBER}(?:{re.escape(_RANK_FAILED_INFIX)}|{re.escape(_RANK_SKIPPED_INFIX)}){_ID}"
 )
+_ATTEMPT_RECORD = re.compile(rf"{re.escape(_ATTEMPT_PREFIX)}(?P<number>[0-9]{{9}})")
+_UNSAFE_IN_RUN_ID = re.compile(r"[^A-Za-z0-9_.=+-]")
 _SAVE_MARKER = re.compile(
     rf"(?:{re.escape(TAKEOVER_PREFIX)}|{re.escape(COMMIT_FAILED_PREFIX)}){_ID}"
 )
@@ -180,13 +216,13 @@ def commit_failure_marker_name(save_id: str) -> str:
 def rank_failure_marker_name(rank: int, save_id: str) -> str:
     """The marker, relative to a per-rank upload's work location, saying rank ``rank``'s part
     of save ``save_id`` failed."""
-    return f"{RANKS_DIR}/rank_{rank:05d}{_RANK_FAILED_INFIX}{_checked_id(save_id)}"
+    return f"{_rank_stem(rank)}{_RANK_FAILED_INFIX}{_checked_id(save_id)}"
 
 
 def rank_skip_marker_name(rank: int, save_id: str) -> str:
     """The marker, relative to a per-rank upload's work location, saying rank ``rank`` dropped
     save ``save_id`` for a newer one."""
-    return f"{RANKS_DIR}/rank_{rank:05d}{_RANK_SKIPPED_INFIX}{_checked_id(save_id)}"
+    return f"{_rank_stem(rank)}{_RANK_SKIPPED_INFIX}{_checked_id(save_id)}"
 
 
 def rank_of_marker(member: str) -> int | None:
@@ -238,7 +274,52 @@ def is_valid_name(name: object) -> bool:
 
 def rank_manifest_name(rank: int) -> str:
     """Path of a rank's manifest, relative to the checkpoint directory."""
-    return f"{RANKS_DIR}/rank_{rank:05d}.json"
+    return f"{_rank_stem(rank)}.json"
+
+
+def rank_of_manifest(member: str) -> int | None:
+    """The rank whose manifest ``member`` is, as :func:`rank_manifest_name` spells it (or its
+    last path segment, as a listing of ``_ranks/`` gives it); None for anything else."""
+    if "/" not in member:
+        member = f"{RANKS_DIR}/{member}"
+    match = _RANK_MANIFEST.fullmatch(member)
+    return None if match is None else int(match["rank"])
+
+
+def _rank_stem(rank: int) -> str:
+    return f"{RANKS_DIR}/{_RANK_PREFIX}{rank:05d}"
+
+
+def attempts_dir(run_id: str) -> str:
+    """``_ATTEMPTS/<run id>``: where one run's attempts are recorded, relative to the root. The
+    run id is kept one safe path component (at most 100 characters) whatever it was given."""
+    return f"{ATTEMPTS_DIR}/{_UNSAFE_IN_RUN_ID.sub('_', run_id)[:100]}"
+
+
+def attempt_record_name(number: int) -> str:
+    """The record of attempt ``number`` under :func:`attempts_dir` (nine digits)."""
+    return f"{_ATTEMPT_PREFIX}{number:09d}"
+
+
+def attempt_of_record(entry: str) -> int | None:
+    """The attempt number :func:`attempt_record_name` gave ``entry``; None for anything else."""
+    match = _ATTEMPT_RECORD.fullmatch(entry)
+    return None if match is None else int(match["number"])
+
+
+def temp_file_name(leaf: str) -> str:
+    """A fresh hidden name, beside ``leaf``, for a write that is renamed to ``leaf`` when done."""
+    return f".{leaf}{TEMP_INFIX}{uuid.uuid4().hex}"
+
+
+def export_work_dir_name(leaf: str, token: str) -> str:
+    """The hidden folder, beside export ``leaf``, that the export is written into."""
+    return f".{leaf}{EXPORT_INFIX}{token}"
+
+
+def safetensors_shard_name(index: int, count: int) -> str:
+    """Hugging Face's name for shard ``index`` (from 1) of ``count``."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def per_rank_key(key: str, rank: int) -> str:

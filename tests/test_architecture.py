@@ -190,3 +190,91 @@ def test_the_flag_checker_sees_a_branch_on_a_flag() -> None:
     source = "if strategy_for(b).in_place:\n    pass\nok = b.supports_atomic_rename\n"
     assert _flag_reads(source) == [1, 3]
     assert _flag_reads("in_place = True\nstrategy.publication(b, n, s)\n") == []
+
+
+# ----------------------------------------------------------------- on-storage names
+
+LAYOUT = PACKAGE / "layout.py"
+# A regex fragment in layout.py (a save id's pattern, say) is no name.
+_REGEX_SYNTAX = re.compile(r"[\[\](){}\\^$|*?]")
+
+
+def _storage_names(source: str) -> set[str]:
+    """The names layout.py gives things on storage: every module-level constant it binds to a
+    plain string, so a name added there is checked here without a change to this test."""
+    names = set()
+    for node in ast.parse(source).body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            names.add(value.value)
+    return {name for name in names if not _REGEX_SYNTAX.search(name)}
+
+
+def _strings(source: str) -> list[tuple[int, str]]:
+    """Every string constant in ``source`` with its line, the constant parts of f-strings
+    included; docstrings (they describe) and ``__all__`` (it names Python objects) left out."""
+    tree = ast.parse(source)
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skipped.add(id(first.value))
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            skipped |= {id(n) for n in ast.walk(node.value)}
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if id(node) not in skipped
+    ]
+
+
+def _spelling(name: str) -> re.Pattern[str]:
+    """``name`` as a whole name: ``_COMMITTED`` is not spelled by ``_NODE_COMMITTED``, nor
+    ``_ranks`` by ``missing_ranks``; a prefix (``_FAILED-``) is spelled by ``_FAILED-x``."""
+    head = r"(?<![A-Za-z0-9_])" if re.match(r"\w", name) else ""
+    tail = r"(?![A-Za-z0-9])" if name[-1].isalnum() else ""
+    return re.compile(head + re.escape(name) + tail)
+
+
+def _spelled_names(source: str, names: set[str]) -> list[str]:
+    patterns = {name: _spelling(name) for name in sorted(names)}
+    return [
+        f"line {line}: {name!r} in {text!r}"
+        for line, text in _strings(source)
+        for name, pattern in patterns.items()
+        if pattern.search(text)
+    ]
+
+
+def test_only_layout_spells_an_on_storage_name() -> None:
+    """Every on-storage name is defined once, in dcp_safe.layout; everything else uses it."""
+    names = _storage_names(LAYOUT.read_text(encoding="utf-8"))
+    assert {"_COMMITTED", "_history.jsonl", "_NODE_COMMITTED", "_FAILED-", ".failed-"} <= names
+    spelled = [
+        f"{module}: {found}"
+        for module, path in MODULES.items()
+        if path != LAYOUT
+        for found in _spelled_names(path.read_text(encoding="utf-8"), names)
+    ]
+    assert spelled == []
+
+
+def test_the_checker_sees_a_spelled_storage_name() -> None:
+    """The rule is not vacuous: a marker name in a string or an f-string is caught, a mention
+    in a docstring and a longer word that contains a name are not."""
+    names = _storage_names(LAYOUT.read_text(encoding="utf-8"))
+    source = (
+        "def f(name, rank, save_id):\n"
+        '    """Reads <name>/_COMMITTED."""\n'
+        '    missing_ranks = "missing_ranks"\n'
+        '    yield f"{name}/_COMMITTED"\n'
+        '    yield f"_ranks/rank_{rank:05d}.failed-{save_id}"\n'
+    )
+    found = _spelled_names(source, names)
+    assert [entry.split(":")[0] for entry in found] == ["line 4", "line 5", "line 5", "line 5"]
+    assert any("'_COMMITTED'" in entry for entry in found)

@@ -70,3 +70,54 @@ def test_markers_and_takeover_records_are_debris_of_the_layout_and_nothing_else_
     assert layout.rank_of_marker("rank_00001.json") is None
     with pytest.raises(ValueError):
         layout.rank_skip_marker_name(1, "../x")
+
+
+@pytest.mark.parametrize("rank", [0, 3, 12, 99999, 100000, 123456])
+def test_a_rank_manifest_name_reads_back_as_its_rank(rank: int) -> None:
+    name = layout.rank_manifest_name(rank)
+    assert layout.rank_of_manifest(name) == rank
+    assert layout.rank_of_manifest(name.rpartition("/")[2]) == rank  # as _ranks/ lists it
+    assert layout.is_own_object(f"step_1/{name}")
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "rank_0001.json",
+        "rank_00001.json\n",
+        "rank_00001.jsonx",
+        "xrank_00001.json",
+        "rank_0000\u0661.json",  # a digit, but not an ASCII one
+        "_ranks/rank_00001.failed-x",
+        "notes/rank_00001.json",
+    ],
+)
+def test_anything_else_is_no_rank_manifest(entry: str) -> None:
+    assert layout.rank_of_manifest(entry) is None
+
+
+def test_attempt_records_are_named_and_read_back_in_one_place() -> None:
+    assert layout.attempts_dir("job 7/a") == "_ATTEMPTS/job_7_a"
+    assert len(layout.attempts_dir("x" * 300)) == len("_ATTEMPTS/") + 100
+    assert layout.attempt_record_name(2) == "attempt_000000002"
+    for number in (0, 2, 10**9 - 1):
+        assert layout.attempt_of_record(layout.attempt_record_name(number)) == number
+    for entry in ("attempt_2", "attempt_000000002\n", "attempt_000000002.tmp", "x_000000002"):
+        assert layout.attempt_of_record(entry) is None
+
+
+def test_the_other_names_dcp_safe_writes_are_the_layout_s() -> None:
+    """Pinned: a checkpoint, history or export written by an earlier version stays readable."""
+    assert layout.HISTORY_FILE == "_history.jsonl"
+    assert layout.NODE_COMMITTED_MARKER == "_NODE_COMMITTED"
+    temp = layout.temp_file_name("manifest.json")
+    assert temp.startswith(".manifest.json.tmp-") and len(temp) == len(".manifest.json.tmp-") + 32
+    assert temp != layout.temp_file_name("manifest.json")
+    assert layout.export_work_dir_name("out", "ab12") == ".out.export-ab12"
+    assert layout.safetensors_shard_name(1, 3) == "model-00001-of-00003.safetensors"
+    assert (layout.SAFETENSORS_FILE, layout.SAFETENSORS_INDEX, layout.TORCH_FILE) == (
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "model.pt",
+    )
+    assert layout.EXPORT_CHECKSUMS == "SHA256SUMS"

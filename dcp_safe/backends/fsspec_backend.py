@@ -71,7 +71,6 @@ __all__ = ["FsspecBackend", "write_buffer_bytes"]
 
 # File systems without real directories, whose open("wb") stages the whole object until close.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-_TEMP_INFIX = ".tmp-"
 # File systems whose store lives in this process: a lock makes their exclusive create exact.
 _IN_PROCESS_PROTOCOLS = frozenset({"memory"})
 _IN_PROCESS_CREATE = threading.Lock()
@@ -574,7 +573,7 @@ def _mtime(info: dict[str, Any]) -> float | None:
 
 def _temp_name(rel: str) -> str:
     head, tail = posixpath.split(rel)
-    return posixpath.join(head, f".{tail}{_TEMP_INFIX}{uuid.uuid4().hex}")
+    return posixpath.join(head, layout.temp_file_name(tail))
 
 
 def _discard(f: Any) -> None:

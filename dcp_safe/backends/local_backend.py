@@ -25,11 +25,11 @@ import errno
 import logging
 import os
 import stat
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from typing import BinaryIO, Literal
 
+from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
 from dcp_safe.backends.beneath import Beneath
 from dcp_safe.backends.writeback import WritebackFile
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
-_TEMP_INFIX = ".tmp-"
 
 
 def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> bool:
@@ -189,7 +188,7 @@ class LocalBackend(Backend):
     def _replace(self, folder: int, name: str, rel: str, data: bytes) -> None:
         """Write ``data`` aside and rename it over ``name``: a reader never sees it torn, and
         a link or a file with other hard links there is replaced, never written through."""
-        temp = f".{name}{_TEMP_INFIX}{uuid.uuid4().hex}"
+        temp = layout.temp_file_name(name)
         self._write_new(folder, temp, rel, data)
         try:
             os.rename(temp, name, src_dir_fd=folder, dst_dir_fd=folder)

@@ -278,6 +278,6 @@ def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> N
             if manifest.item(item.key) != item:
                 raise CheckpointCorruptError(
                     backend.full_path(rel),
-                    "rank manifest disagrees with manifest.json",
+                    f"rank manifest disagrees with {layout.MANIFEST}",
                     item=item.describe(),
                 )

@@ -72,7 +72,7 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
         raw_marker = backend.read_small(marker_path, CONTROL_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
-            backend.full_path(name), "it has no _COMMITTED marker"
+            backend.full_path(name), f"it has no {layout.COMMITTED_MARKER} marker"
         ) from None
     marker = raw_marker.decode("ascii", errors="replace").strip()
     manifest_path = f"{name}/{layout.MANIFEST}"
@@ -86,7 +86,7 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     if actual != marker:
         raise CheckpointCorruptError(
             backend.full_path(manifest_path),
-            "manifest does not match the digest in _COMMITTED",
+            f"manifest does not match the digest in {layout.COMMITTED_MARKER}",
             expected=marker[:100],
             actual=actual,
         )

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, not_a_file
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import CheckpointCorruptError
@@ -57,7 +58,7 @@ __all__ = ["EVENTS", "HISTORY_FILE", "History"]
 
 log = logging.getLogger(__name__)
 
-HISTORY_FILE = "_history.jsonl"
+HISTORY_FILE = layout.HISTORY_FILE
 
 EVENTS = frozenset(
     {

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +37,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
-_RANK_MANIFEST = re.compile(r"^rank_(\d{5})\.json$")
+NODE_COMMITTED_MARKER = layout.NODE_COMMITTED_MARKER
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ def prune_node_caches(backend: Backend, keep: int) -> list[str]:
 def ranks_in(backend: Backend, directory: str) -> list[int]:
     """Ranks whose rank manifest is in ``directory``'s ``_ranks/``."""
     entries = backend.list_dir(f"{directory}/{layout.RANKS_DIR}")
-    return [int(m.group(1)) for m in map(_RANK_MANIFEST.match, entries) if m]
+    return [rank for rank in map(layout.rank_of_manifest, entries) if rank is not None]
 
 
 def _read_text(backend: Backend, rel: str) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dcp_safe import layout
 from dcp_safe.checkpoints.item_pickles import OBJECT_MAX_OPS, ItemUnpickler, latin1, scan
 from dcp_safe.checkpoints.items import item_archive, load_plain
 from dcp_safe.checkpoints.torch_zip import MAX_RECORDS
@@ -56,7 +57,7 @@ def load_metadata(raw: bytes, path: str, *, allow_pickle: bool = False) -> Any:
         UnsafeCheckpointError: without ``allow_pickle``: nothing is unpickled.
     """
     if not allow_pickle:
-        raise UnsafeCheckpointError(path, "DCP's .metadata is a pickle")
+        raise UnsafeCheckpointError(path, f"DCP's {layout.DCP_METADATA} is a pickle")
     return pickle.loads(raw)  # the caller trusts this root
 
 

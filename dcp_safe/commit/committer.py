@@ -459,9 +459,10 @@ class Committer:
             return CheckpointExistsError(self.backend.full_path(name))
         return CheckpointExistsError(
             self.backend.full_path(name),
-            "it holds no checkpoint (no _COMMITTED marker) but something is in the way: an"
-            " empty or leftover folder, or a file. Remove it, or save under another name;"
-            " `dcp-safe gc` removes an empty folder once it has been idle for its grace period",
+            f"it holds no checkpoint (no {layout.COMMITTED_MARKER} marker) but something is in"
+            " the way: an empty or leftover folder, or a file. Remove it, or save under another"
+            " name; `dcp-safe gc` removes an empty folder once it has been idle for its grace"
+            " period",
         )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,8 +38,6 @@ __all__ = [
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 DEFAULT_RUN_ID = "default"
-_FILE = re.compile(r"^attempt_(\d{9})$")
-_SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.=+-]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +62,11 @@ class Attempt:
     @property
     def directory(self) -> str:
         """Where this run's attempts are recorded, relative to the root."""
-        # Keep the run id one safe path component whatever torchelastic was given.
-        return f"{layout.ATTEMPTS_DIR}/{_SAFE_RUN_ID.sub('_', self.run_id)[:100]}"
+        return layout.attempts_dir(self.run_id)
 
     @property
     def marker(self) -> str:
-        return f"{self.directory}/attempt_{self.number:09d}"
+        return f"{self.directory}/{layout.attempt_record_name(self.number)}"
 
 
 def attempt_from_env(
@@ -114,9 +110,9 @@ def newest_attempt(backend: Backend, attempt: Attempt) -> int | None:
     folder or a link under such a name) is no record, and is passed by.
     """
     numbers = [
-        int(match.group(1))
+        number
         for entry in backend.sizes(attempt.directory)  # files only, from one listing
-        if (match := _FILE.match(entry))
+        if (number := layout.attempt_of_record(entry)) is not None
     ]
     return max(numbers, default=None)
 

@@ -68,7 +68,9 @@ def committed_with(remote: Backend, name: str, digest: str) -> bool:
     except FileNotFoundError:
         raise CheckpointCorruptError(remote.full_path(rel), "marker without manifest") from None
     if manifest_digest(raw) != digest:
-        raise CheckpointCorruptError(remote.full_path(rel), "does not match its _COMMITTED marker")
+        raise CheckpointCorruptError(
+            remote.full_path(rel), f"does not match its {layout.COMMITTED_MARKER} marker"
+        )
     return True
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_safe import layout
 from dcp_safe.checkpoints.catalog import CheckpointInfo
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manager import ManagerStats
@@ -182,7 +183,7 @@ def _where_lines(report: DemoReport) -> list[str]:
     return [
         f"local root: {report.root} (kept; try: dcp-safe ls {report.root})",
         f"S3 replica: {report.remote} ({report.remote_note})",
-        f"history: {os.path.join(report.root, '_history.jsonl')}",
+        f"history: {os.path.join(report.root, layout.HISTORY_FILE)}",
         f"demo finished in {report.seconds:.1f} s",
     ]
 

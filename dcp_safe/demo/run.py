@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dcp_safe import layout
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.dcp import api
 from dcp_safe.dcp.reader import SafeStorageReader
@@ -308,9 +309,9 @@ def _restore_from_remote(
     live = trainer.state(step)
     target = _blank_like(live)
     reader = SafeStorageReader(report.remote, storage_options=remote_options)
-    say(f"restoring 'latest' from {report.remote} alone (the local root is not read)")
-    api.load(target, checkpoint_id="latest", storage_reader=reader, no_dist=True)
-    report.restored = reader.checkpoint_id or "latest"
+    say(f"restoring {layout.LATEST!r} from {report.remote} alone (the local root is not read)")
+    api.load(target, checkpoint_id=layout.LATEST, storage_reader=reader, no_dist=True)
+    report.restored = reader.checkpoint_id or layout.LATEST
     report.mismatches = _differences(target, live)
     report.restored_tensors = _count_tensors(live)
     report.restore_ok = not report.mismatches

@@ -12,24 +12,26 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dcp_safe import layout
 from dcp_safe.exporting.api import ExportFormat, ExportResult, export
 from dcp_safe.exporting.safetensors_format import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 DESCRIPTION = (
-    "Write a committed checkpoint as consolidated safetensors (model.safetensors, or shards"
-    " plus model.safetensors.index.json past --max-shard-bytes) or one torch.save file"
-    " (model.pt), into the new directory DEST with a SHA256SUMS. Every byte is read through"
-    " the verifying reader; tensors saved by several ranks are assembled whole; DEST appears"
-    " complete or not at all. Non-tensor entries are skipped for safetensors."
+    f"Write a committed checkpoint as consolidated safetensors ({layout.SAFETENSORS_FILE}, or"
+    f" shards plus {layout.SAFETENSORS_INDEX} past --max-shard-bytes) or one torch.save file"
+    f" ({layout.TORCH_FILE}), into the new directory DEST with a {layout.EXPORT_CHECKSUMS}."
+    " Every byte is read through the verifying reader; tensors saved by several ranks are"
+    " assembled whole; DEST appears complete or not at all. Non-tensor entries are skipped for"
+    " safetensors."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the export verb's arguments to ``parser`` (its subcommand parser)."""
     parser.add_argument("root", help="checkpoint root")
-    parser.add_argument("name", help="checkpoint name or 'latest'")
+    parser.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
     parser.add_argument("dest", help="directory to create (refused if it exists)")
     parser.add_argument(
         "--format",

@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
+from dcp_safe import layout
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import ConfigError
 from dcp_safe.exporting.sink import Sha256Sink
 
 __all__ = ["CHECKSUMS", "StagedExport", "check_destination"]
 
-CHECKSUMS = "SHA256SUMS"
+CHECKSUMS = layout.EXPORT_CHECKSUMS
 
 
 class StagedExport:
@@ -62,7 +63,7 @@ class StagedExport:
         _check_dest(self.dest, overwrite)
         os.makedirs(parent, exist_ok=True)
         self._backend = LocalBackend(parent)
-        self._work = f".{self._leaf}.export-{secrets.token_hex(6)}"
+        self._work = layout.export_work_dir_name(self._leaf, secrets.token_hex(6))
         os.mkdir(os.path.join(parent, self._work))
         self._digests: dict[str, str] = {}
         self._published = False

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from safetensors import safe_open
 
+from dcp_safe import layout
 from dcp_safe.errors import ConfigError, StorageError
 from dcp_safe.exporting.selection import TensorEntry
 
@@ -46,8 +47,8 @@ __all__ = [
 
 #: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = layout.SAFETENSORS_FILE
+INDEX_NAME = layout.SAFETENSORS_INDEX
 _ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
 
 # The dtype codes of the safetensors format (as safetensors.torch names them).
@@ -108,7 +109,7 @@ def shard_names(count: int) -> list[str]:
     """File names for ``count`` shards, as Hugging Face names them."""
     if count == 1:
         return [SINGLE_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    return [layout.safetensors_shard_name(i, count) for i in range(1, count + 1)]
 
 
 def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dcp_safe import layout
 from dcp_safe.errors import ConfigError, StorageError
 from dcp_safe.exporting.selection import TensorEntry
 from dcp_safe.exporting.sink import Sha256Sink, write_tensor
@@ -41,7 +42,7 @@ from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor
 
 __all__ = ["FILE_NAME", "TorchFileWriter", "check_file", "is_plain", "unsupported"]
 
-FILE_NAME = "model.pt"
+FILE_NAME = layout.TORCH_FILE
 _PROTOCOL = 2  # torch.save's default pickle protocol
 _ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)

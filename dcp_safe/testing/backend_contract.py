@@ -174,27 +174,29 @@ class BackendContract:
     # ----------------------------------------------------------------- the tree
 
     def _tree(self, backend: Backend) -> None:
-        for rel in ("ckpt", "ckpt/_ranks", "ckpt-other"):
+        # A checkpoint's shape under plain names: the contract is about files and folders, and
+        # only dcp_safe.layout spells the names dcp_safe gives them (test_architecture).
+        for rel in ("ckpt", "ckpt/ranks", "ckpt-other"):
             backend.makedirs(rel)
-        for rel in ("ckpt/a.distcp", "ckpt/_ranks/r0.json", "ckpt/_ranks/r1.json", "ckptx"):
+        for rel in ("ckpt/a.bin", "ckpt/ranks/r0.json", "ckpt/ranks/r1.json", "ckptx"):
             backend.write_bytes(rel, rel.encode())
         backend.write_bytes("ckpt-other/f", b"x")
 
     def test_exists_and_is_dir(self, backend: Backend) -> None:
         self._tree(backend)
         assert backend.exists("ckpt") and backend.is_dir("ckpt")
-        assert backend.exists("ckpt/_ranks") and backend.is_dir("ckpt/_ranks")
-        assert backend.exists("ckpt/a.distcp") and not backend.is_dir("ckpt/a.distcp")
+        assert backend.exists("ckpt/ranks") and backend.is_dir("ckpt/ranks")
+        assert backend.exists("ckpt/a.bin") and not backend.is_dir("ckpt/a.bin")
         assert not backend.exists("nope") and not backend.is_dir("nope")
         assert not backend.exists("ckpt/nope") and not backend.is_dir("ckpt/nope")
 
     def test_list_dir_names_direct_children(self, backend: Backend) -> None:
         self._tree(backend)
         assert sorted(backend.list_dir("")) == ["ckpt", "ckpt-other", "ckptx"]
-        assert sorted(backend.list_dir("ckpt")) == ["_ranks", "a.distcp"]
-        assert sorted(backend.list_dir("ckpt/_ranks")) == ["r0.json", "r1.json"]
+        assert sorted(backend.list_dir("ckpt")) == ["a.bin", "ranks"]
+        assert sorted(backend.list_dir("ckpt/ranks")) == ["r0.json", "r1.json"]
         assert backend.list_dir("nope") == []
-        assert backend.list_dir("ckpt/a.distcp") == []
+        assert backend.list_dir("ckpt/a.bin") == []
 
     def test_list_dir_of_an_empty_root(self, backend: Backend) -> None:
         assert backend.list_dir("") == []
@@ -202,25 +204,25 @@ class BackendContract:
     def test_walk_files(self, backend: Backend) -> None:
         self._tree(backend)
         assert sorted(backend.walk_files("ckpt")) == [
-            "_ranks/r0.json",
-            "_ranks/r1.json",
-            "a.distcp",
+            "a.bin",
+            "ranks/r0.json",
+            "ranks/r1.json",
         ]
         assert sorted(backend.walk_files("")) == [
             "ckpt-other/f",
-            "ckpt/_ranks/r0.json",
-            "ckpt/_ranks/r1.json",
-            "ckpt/a.distcp",
+            "ckpt/a.bin",
+            "ckpt/ranks/r0.json",
+            "ckpt/ranks/r1.json",
             "ckptx",
         ]
         assert list(backend.walk_files("nope")) == []
 
     def test_sizes_lists_the_files_directly_under_a_folder(self, backend: Backend) -> None:
         self._tree(backend)
-        assert backend.sizes("ckpt") == {"a.distcp": len(b"ckpt/a.distcp")}
-        assert backend.sizes("ckpt/_ranks") == {
-            "r0.json": len(b"ckpt/_ranks/r0.json"),
-            "r1.json": len(b"ckpt/_ranks/r1.json"),
+        assert backend.sizes("ckpt") == {"a.bin": len(b"ckpt/a.bin")}
+        assert backend.sizes("ckpt/ranks") == {
+            "r0.json": len(b"ckpt/ranks/r0.json"),
+            "r1.json": len(b"ckpt/ranks/r1.json"),
         }
         assert backend.sizes("") == {"ckptx": len(b"ckptx")}
         assert backend.sizes("nope") == {}
@@ -271,7 +273,7 @@ class BackendContract:
         self._tree(backend)
         backend.remove_tree("ckpt")
         assert not backend.exists("ckpt") and not backend.is_dir("ckpt")
-        assert not backend.exists("ckpt/_ranks/r0.json")
+        assert not backend.exists("ckpt/ranks/r0.json")
         assert sorted(backend.list_dir("")) == ["ckpt-other", "ckptx"]
         assert backend.read_bytes("ckptx") == b"ckptx"
         assert backend.read_bytes("ckpt-other/f") == b"x"
@@ -280,10 +282,10 @@ class BackendContract:
         self._tree(backend)
         backend.remove_tree("ckptx")
         backend.remove_tree("nope")
-        backend.remove_file("ckpt/a.distcp")
+        backend.remove_file("ckpt/a.bin")
         backend.remove_file("ckpt/nope")
         assert not backend.exists("ckptx")
-        assert sorted(backend.list_dir("ckpt")) == ["_ranks"]
+        assert sorted(backend.list_dir("ckpt")) == ["ranks"]
 
     # ----------------------------------------------------------------- the object itself
 
