@@ -10,7 +10,7 @@ import fsspec
 import pytest
 from support import make_state
 
-# The S3 fixtures (s3, s3_bucket, s3_options, s3_root) are registered once, here, for every
+# The S3 fixtures (s3, s3_bucket, s3_options, s3_root, proxy) are registered once, here, for every
 # module: a module asks for them by parameter name and imports nothing.
 pytest_plugins = ["s3_fixtures"]
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from support import make_state, resign_manifest
+from support.faults import DiesInWriteData, Planted, abandon_a_save
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
@@ -28,11 +29,6 @@ from dcp_safe.testing.s3 import LocalS3
 
 # Generous: only a guard against a hung subprocess, never a measure of speed.
 _SUBPROCESS_TIMEOUT_S = 300
-
-
-class _DiesInWriteData(SafeStorageWriter):
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        raise OSError(5, "Input/output error (injected)")
 
 
 def _save(root: str | Path, step: int, **options: Any) -> SafeStorageWriter:
@@ -106,7 +102,7 @@ def test_ls_table_leaves_out_an_abandoned_partial_save(
 ) -> None:
     with pytest.raises(dcp_safe.CommitError):
         dcp_safe.save(
-            make_state(9), checkpoint_id="step_0009", storage_writer=_DiesInWriteData(root)
+            make_state(9), checkpoint_id="step_0009", storage_writer=DiesInWriteData(root)
         )
     status, out, _ = _run(capsys, "ls", str(root))
     assert status == EXIT_OK
@@ -186,23 +182,13 @@ def test_verify_deep_names_the_file_and_item_of_a_flipped_byte(
     assert "Traceback" not in err
 
 
-class _Planted:
-    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.mkdir, (str(self.path),))
-
-
 def test_verify_refuses_an_object_item_a_load_would_refuse(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Its checksum matches (the writer computed it), so only the restricted check tells."""
     sentinel = tmp_path / "code-ran"
     state = make_state(1)
-    state["extra"]["tag"] = _Planted(sentinel)
+    state["extra"]["tag"] = Planted(sentinel)
     root = tmp_path / "ckpt"
     dcp_safe.save(
         state, checkpoint_id="step_0001", storage_writer=SafeStorageWriter(root, fsync=False)
@@ -364,16 +350,6 @@ def test_inspect_unknown_checkpoint_is_a_usage_error(
 # ------------------------------------------------------------------------------------ gc
 
 
-def _abandon_a_save(root: Path, step: int) -> str:
-    with pytest.raises(dcp_safe.CommitError):
-        dcp_safe.save(
-            make_state(step),
-            checkpoint_id=f"step_{step:04d}",
-            storage_writer=_DiesInWriteData(root),
-        )
-    return next(e for e in os.listdir(root) if e.startswith(f".step_{step:04d}"))
-
-
 def _age(path: Path, seconds: float) -> None:
     then = time.time() - seconds
     for folder, _, files in os.walk(path):
@@ -386,7 +362,7 @@ def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _save(root, 4)
-    old = _abandon_a_save(root, 8)
+    old = abandon_a_save(root, "step_0008", seed=8)
     _age(root / old, 3600)
     before = sorted(os.listdir(root))
     status, out, _ = _run(capsys, "gc", str(root), "--keep", "2", "--dry-run", "--grace-s", "60")
@@ -401,9 +377,9 @@ def test_gc_applies_retention_and_collects_only_old_partials(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _save(root, 4)
-    old = _abandon_a_save(root, 8)
+    old = abandon_a_save(root, "step_0008", seed=8)
     _age(root / old, 3600)
-    recent = _abandon_a_save(root, 9)
+    recent = abandon_a_save(root, "step_0009", seed=9)
     status, out, _ = _run(capsys, "gc", str(root), "--keep", "2", "--grace-s", "60")
     assert status == EXIT_OK
     assert [i.name for i in dcp_safe.list_checkpoints(root)] == ["step_0003", "step_0004"]

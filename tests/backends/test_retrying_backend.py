@@ -311,12 +311,6 @@ def _s3_backend(
 
 
 @pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as p:
-        yield p
-
-
-@pytest.fixture
 def s3_backend(proxy: FaultProxy, s3_bucket: str) -> RetryingBackend:
     policy = RetryPolicy(deadline_s=20, attempts=6, base_delay_s=0.05, max_delay_s=0.5)
     return _s3_backend(proxy, s3_bucket, policy)

@@ -17,7 +17,6 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import resolve_name
 from dcp_safe.cli import main as cli_main
 from dcp_safe.manifest.schema import manifest_digest
-from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
 
 GOOD = ("step_0001", "step_0002")
@@ -106,12 +104,6 @@ def test_odd_names_on_s3_are_passed_by_escaped(
         _plant(fs, root, GOOD[-1], name)
     _check_listing(s3_root, s3_options, caplog)
     _check_cli(s3_root, s3_options)
-
-
-@pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as running:
-        yield running
 
 
 @pytest.mark.s3

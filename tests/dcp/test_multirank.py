@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from support import assert_state_equal
+from support import assert_state_equal, blank_tree, rank_union
 from torch.distributed.checkpoint import FileSystemReader, _async_process_executor
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,27 +59,9 @@ def _rank_state(rank: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _union(world_size: int, seed: int = 0) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    for rank in range(world_size):
-        state.update(_rank_state(rank, seed))
-    return state
-
-
-def _blank(value: Any) -> Any:
-    """A load target shaped like ``value``: tensors zeroed, every number in objects -1."""
-    if isinstance(value, torch.Tensor):
-        return torch.zeros_like(value)
-    if isinstance(value, dict):
-        return {key: _blank(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_blank(item) for item in value]
-    return -1
-
-
 def _load(root: Path, name: str, like: dict[str, Any]) -> dict[str, Any]:
     """Load ``name`` in this (undistributed) process into a blank copy of ``like``."""
-    target = _blank(like)
+    target = blank_tree(like)
     dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root))
     return target
 
@@ -104,7 +86,7 @@ def _save_rank_state(rank: int, world_size: int, root: str) -> None:
 
 
 def _load_full_state(rank: int, world_size: int, root: str, like: dict[str, Any]) -> Any:
-    target = _blank(like)
+    target = blank_tree(like)
     dcp_safe.load(target, checkpoint_id="latest", storage_reader=SafeStorageReader(root))
     return target
 
@@ -156,7 +138,7 @@ def _fail_second_save_on_rank_1(rank: int, world_size: int, root: str) -> dict[s
     else:
         seen = {"error": None, "failures": {}}
     seen["listed_after_failure"] = [info.name for info in list_checkpoints(root)]
-    target = _blank(_union(world_size))
+    target = blank_tree(rank_union(_rank_state, world_size))
     dcp_safe.load(target, checkpoint_id="latest", storage_reader=SafeStorageReader(root))
     seen["latest_after_failure"] = target
     return seen
@@ -236,7 +218,7 @@ def _async_save_both_ways(rank: int, world_size: int, root: str) -> dict[str, An
 def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path: Path) -> None:
     run_ranks(_save_rank_state, 2, args=(str(tmp_path),))
 
-    expected = _union(2)
+    expected = rank_union(_rank_state, 2)
     assert_state_equal(_load(tmp_path, "two_ranks", expected), expected)
     [info] = list_checkpoints(tmp_path)
     assert (info.name, info.world_size) == ("two_ranks", 2)
@@ -256,7 +238,7 @@ def test_two_rank_save_with_own_and_replicated_state_loads_on_one_rank(tmp_path:
         "rank_00001.json",
     ]
     # torch's own reader sees the same checkpoint.
-    plain = _blank(expected)
+    plain = blank_tree(expected)
     dcp.load(plain, storage_reader=FileSystemReader(str(tmp_path / "two_ranks")), no_dist=True)
     assert_state_equal(plain, expected)
 
@@ -300,7 +282,7 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_publishes_no
 ) -> None:
     per_rank = run_ranks(_fail_second_save_on_rank_1, 2, args=(str(tmp_path),))
 
-    good = _union(2)
+    good = rank_union(_rank_state, 2)
     for seen in per_rank:
         assert seen["error"] == "CommitError"
         assert list(seen["failures"]) == [1]
@@ -340,7 +322,7 @@ def test_corruption_found_by_one_rank_fails_the_load_on_every_rank(tmp_path: Pat
 def test_async_save_in_a_thread_and_in_a_process_commits_on_two_ranks(tmp_path: Path) -> None:
     per_rank = run_ranks(_async_save_both_ways, 2, args=(str(tmp_path),))
 
-    expected = _union(2, seed=7)
+    expected = rank_union(_rank_state, 2, seed=7)
     for name in ("async_thread", "async_process"):
         assert [seen[name.removeprefix("async_")] for seen in per_rank] == [name, name]
         assert verify_checkpoint(tmp_path, name).name == name

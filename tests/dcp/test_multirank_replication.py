@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_state_equal
+from support import assert_state_equal, blank_tree, rank_union
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, layout, list_checkpoints
@@ -41,21 +41,6 @@ def _rank_state(rank: int, seed: int) -> dict[str, Any]:
         f"rank{rank}.steps": torch.arange(5, dtype=torch.int64) + seed + rank,
         f"rank{rank}.meta": {"owner": rank, "seed": seed},
     }
-
-
-def _union(world_size: int, seed: int) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    for rank in range(world_size):
-        state.update(_rank_state(rank, seed))
-    return state
-
-
-def _blank(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.zeros_like(value)
-    if isinstance(value, dict):
-        return {key: _blank(item) for key, item in value.items()}
-    return -1
 
 
 class _RecordingInjector(FaultInjector):
@@ -139,8 +124,8 @@ def test_each_rank_uploads_its_own_files_and_a_failed_upload_fails_every_rank(
             own.add(f"step_1/{layout.WRITING_LEASE}")  # taken before any rank uploads
         assert sorted(own) == seen["written"], rank
     dcp_safe.verify_checkpoint(s3_root, "step_1", storage_options=s3_options)
-    expected = _union(2, 1)
-    target = _blank(expected)
+    expected = rank_union(_rank_state, 2, 1)
+    target = blank_tree(expected)
     reader = SafeStorageReader(s3_root, storage_options=s3_options)
     dcp_safe.load(target, checkpoint_id="step_1", storage_reader=reader)
     assert_state_equal(target, expected)
@@ -170,7 +155,7 @@ def test_replication_to_a_second_local_root_publishes_by_rename(tmp_path: Path) 
         local / name / layout.MANIFEST
     ).read_bytes()
     dcp_safe.verify_checkpoint(str(remote), name)
-    expected = _union(2, 3)
-    target = _blank(expected)
+    expected = rank_union(_rank_state, 2, 3)
+    target = blank_tree(expected)
     dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(remote))
     assert_state_equal(target, expected)

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 from support import assert_state_equal, gather_full
+from support.training import app_state, restore
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, layout, verify_checkpoint
+from dcp_safe import SafeStorageWriter, layout, verify_checkpoint
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -72,19 +72,6 @@ def _step(net: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
     optimizer.zero_grad()
 
 
-def _state(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(net, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _load_into(net: nn.Module, optimizer: torch.optim.Optimizer, root: str, name: str) -> None:
-    target = _state(net, optimizer)
-    dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root))
-    set_state_dict(
-        net, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-    )
-
-
 # --------------------------------------------------------------- rank functions (module level)
 
 
@@ -92,26 +79,26 @@ def _save_after_steps(rank: int, world_size: int, root: str, name: str) -> dict[
     net, optimizer = _sharded_net(world_size, seed=0)
     for seed in (1, 2):
         _step(net, optimizer, seed)
-    state = _state(net, optimizer)
+    state = app_state(net, optimizer)
     dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root))
     return gather_full(state)
 
 
 def _load_step_save(rank: int, world_size: int, root: str, src: str, dst: str) -> dict[str, Any]:
     net, optimizer = _sharded_net(world_size, seed=5)  # other values: the load must replace them
-    _load_into(net, optimizer, root, src)
-    loaded = gather_full(_state(net, optimizer))
+    restore(net, optimizer, root, src)
+    loaded = gather_full(app_state(net, optimizer))
     local = {fqn: tuple(p.to_local().shape) for fqn, p in net.named_parameters()}
     _step(net, optimizer, seed=3)
-    state = _state(net, optimizer)
+    state = app_state(net, optimizer)
     dcp_safe.save(state, checkpoint_id=dst, storage_writer=SafeStorageWriter(root))
     return {"loaded": loaded, "local_shapes": local, "saved": gather_full(state)}
 
 
 def _load_only(rank: int, world_size: int, root: str, name: str) -> dict[str, Any]:
     net, optimizer = _sharded_net(world_size, seed=6)
-    _load_into(net, optimizer, root, name)
-    return gather_full(_state(net, optimizer))
+    restore(net, optimizer, root, name)
+    return gather_full(app_state(net, optimizer))
 
 
 # --------------------------------------------------------------- tests
@@ -155,5 +142,5 @@ def test_dtensor_model_and_adam_state_reshard_from_two_ranks_to_four_and_back(
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     net = _Net()
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
-    _load_into(net, optimizer, root, "saved_by_4")
-    assert_state_equal(gather_full(_state(net, optimizer)), expected_4, "4->1")
+    restore(net, optimizer, root, "saved_by_4")
+    assert_state_equal(gather_full(app_state(net, optimizer)), expected_4, "4->1")

@@ -18,7 +18,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from support import assert_state_equal
+from support import assert_state_equal, blank_tree, rank_union
+from support.faults import DiesMidWrite
 
 import dcp_safe
 from dcp_safe import CommitError, SafeStorageReader, SafeStorageWriter, list_checkpoints
@@ -43,38 +44,6 @@ def _rank_state(rank: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _union(world_size: int, seed: int = 0) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    for rank in range(world_size):
-        state.update(_rank_state(rank, seed))
-    return state
-
-
-def _blank(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"seed": -1}
-        for k, v in state.items()
-    }
-
-
-class _DiesMidWrite(SafeStorageWriter):
-    """On the victim rank, signals its own process right after the first item is streamed.
-
-    Module level, so that it pickles by reference.
-    """
-
-    def __init__(self, root: str, *, victim: int, signum: int) -> None:
-        super().__init__(root)
-        self.victim = victim
-        self.signum = signum
-
-    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
-        record = super()._write_item(sink, file_name, item, planner)
-        if self._rank == self.victim:
-            os.kill(os.getpid(), self.signum)  # SIGSTOP stops every thread of the rank
-        return record
-
-
 def _good_then_bad(
     rank: int, world_size: int, root: str, victim: int, signum: int, use_async: bool
 ) -> dict[str, Any]:
@@ -85,7 +54,7 @@ def _good_then_bad(
         storage_writer=SafeStorageWriter(root),
         deadline_s=DEADLINE_S,
     )
-    writer = _DiesMidWrite(root, victim=victim, signum=signum)
+    writer = DiesMidWrite(root, victim=victim, signum=signum)
     started = time.monotonic()
     seen: dict[str, Any] = {"error": None}
     try:
@@ -112,7 +81,7 @@ def _good_then_bad(
     seen["seconds_to_error"] = time.monotonic() - started
     seen["listed"] = [info.name for info in list_checkpoints(root)]
     # Undistributed: the victim is gone, so no collective (not even creating a group) can run.
-    target = _blank(_union(world_size))
+    target = blank_tree(rank_union(_rank_state, world_size))
     dcp_safe.load(
         target, checkpoint_id="latest", storage_reader=SafeStorageReader(root), no_dist=True
     )
@@ -153,7 +122,7 @@ def _assert_failed_cleanly(
     root: Path, survivors: dict[int, dict[str, Any]], world_size: int, victim: int
 ) -> None:
     assert sorted(survivors) == [r for r in range(world_size) if r != victim]
-    good = _union(world_size)
+    good = rank_union(_rank_state, world_size)
     for seen in survivors.values():
         assert seen["error"] == "CommitError"
         assert list(seen["failures"]) == [victim]
@@ -167,13 +136,13 @@ def _assert_failed_cleanly(
 def _assert_recovers(root: Path, world_size: int) -> None:
     run_ranks(_save_after_restart, world_size, args=(str(root),), timeout_s=240)
     assert [info.name for info in list_checkpoints(root)] == ["good", "after_restart"]
-    expected = _union(world_size, seed=2)
-    target = _blank(expected)
+    expected = rank_union(_rank_state, world_size, seed=2)
+    target = blank_tree(expected)
     dcp_safe.load(target, checkpoint_id="after_restart", storage_reader=SafeStorageReader(root))
     assert_state_equal(target, expected)
-    previous = _blank(_union(world_size))
+    previous = blank_tree(rank_union(_rank_state, world_size))
     dcp_safe.load(previous, checkpoint_id="good", storage_reader=SafeStorageReader(root))
-    assert_state_equal(previous, _union(world_size))
+    assert_state_equal(previous, rank_union(_rank_state, world_size))
 
 
 def test_a_rank_killed_mid_save_fails_the_survivor_with_a_commit_error_naming_it(

@@ -8,7 +8,6 @@ remotely, and leaves the local checkpoint intact.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from support import assert_state_equal, blank_like, make_state
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, StorageError, layout
 from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -26,12 +24,6 @@ pytestmark = pytest.mark.s3
 DEADLINE_S = 3.0
 # Generous: without our own deadline, s3fs and botocore together take ~40 s to give up.
 SLACK_S = 15.0
-
-
-@pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as running:
-        yield running
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support.faults import Planted
 
 import dcp_safe
 from dcp_safe import (
@@ -29,16 +29,6 @@ from dcp_safe import (
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import Manifest, manifest_digest
-
-
-class _Planted:
-    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.mkdir, (str(self.path),))
 
 
 def _replace_file(root: Path, name: str, rel: str, data: bytes) -> None:
@@ -70,7 +60,7 @@ def test_a_planted_metadata_pickle_is_never_unpickled(tmp_path: Path) -> None:
     # .metadata (re-signed) is never unpickled, not even with allow_pickle=True.
     root, sentinel = tmp_path / "root", tmp_path / "ran"
     _saved(root, {"w": torch.arange(4.0)})
-    _replace_file(root, "step_1", layout.DCP_METADATA, pickle.dumps(_Planted(sentinel)))
+    _replace_file(root, "step_1", layout.DCP_METADATA, pickle.dumps(Planted(sentinel)))
     for allow_pickle in (False, True):
         target = {"w": torch.zeros(4)}
         reader = SafeStorageReader(root, allow_pickle=allow_pickle)
@@ -116,7 +106,7 @@ def _strip_plain_metadata(root: Path, name: str) -> None:
 def test_an_object_item_that_would_run_code_is_refused_by_name(tmp_path: Path) -> None:
     root, sentinel = tmp_path / "root", tmp_path / "ran"
     # Written by SafeStorageWriter itself: DCP pickles non-tensor values as they are.
-    _saved(root, {"w": torch.ones(4), "extra": {"hook": _Planted(sentinel)}})
+    _saved(root, {"w": torch.ones(4), "extra": {"hook": Planted(sentinel)}})
     target: dict[str, Any] = {"w": torch.zeros(4), "extra": {"hook": None}}
 
     with pytest.raises(UnsafeCheckpointError) as caught:
@@ -210,7 +200,7 @@ def test_a_pickled_bytesio_that_sets_attributes_or_calls_anything_else_is_refuse
 
     with_attrs = io.BytesIO(b"x")
     with_attrs.planted = "yes"  # type: ignore[attr-defined]
-    for hostile in (pickle.dumps(with_attrs, protocol=2), pickle.dumps(_Planted(tmp_path / "r"))):
+    for hostile in (pickle.dumps(with_attrs, protocol=2), pickle.dumps(Planted(tmp_path / "r"))):
         with pytest.raises(UnsafeCheckpointError):
             sanitized_object_stream(torch_zip(hostile), "p", "losses")
     assert not (tmp_path / "r").exists()

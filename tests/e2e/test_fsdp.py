@@ -19,15 +19,14 @@ from typing import Any
 import pytest
 import torch
 from support import assert_state_equal, gather_full
+from support.training import app_state, restore
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dcp_safe
 from dcp_safe import (
-    SafeStorageReader,
     SafeStorageWriter,
     layout,
     list_checkpoints,
@@ -58,20 +57,6 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -
     optimizer.zero_grad()
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, root: str, name: str) -> None:
-    """Load ``name`` into ``model``/``optimizer``, resharding to however they are laid out."""
-    target = _state(model, optimizer)
-    dcp_safe.load(target, checkpoint_id=name, storage_reader=SafeStorageReader(root))
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-    )
-
-
 # --------------------------------------------------------------- rank function (module level)
 
 
@@ -85,14 +70,14 @@ def _fsdp_load_train_save(rank: int, world_size: int, root: str) -> dict[str, An
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen: dict[str, Any] = {}
 
-    _restore(model, optimizer, root, "one_rank")  # 1 -> 2
-    loaded = _state(model, optimizer)
+    restore(model, optimizer, root, "one_rank")  # 1 -> 2
+    loaded = app_state(model, optimizer)
     seen["sharded"] = all(isinstance(v, DTensor) for v in loaded["model"].values())
     seen["local_rows"] = {k: v.to_local().shape[0] for k, v in loaded["model"].items()}
     seen["loaded"] = gather_full(loaded)
 
     _train_step(model, optimizer, step=3)  # sharded training goes on from the loaded state
-    saved = _state(model, optimizer)
+    saved = app_state(model, optimizer)
     dcp_safe.save(saved, checkpoint_id="two_ranks", storage_writer=SafeStorageWriter(root))
     seen["saved"] = gather_full(saved)
     seen["listed"] = [info.name for info in list_checkpoints(root)]
@@ -108,9 +93,9 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(3):
         _train_step(model, optimizer, step)
-    one_rank = gather_full(_state(model, optimizer))
+    one_rank = gather_full(app_state(model, optimizer))
     dcp_safe.save(
-        _state(model, optimizer),
+        app_state(model, optimizer),
         checkpoint_id="one_rank",
         storage_writer=SafeStorageWriter(tmp_path),
     )
@@ -133,8 +118,8 @@ def test_fsdp2_model_and_adam_state_reshard_from_one_rank_to_two_and_back(tmp_pa
     # 2 -> 1: an unsharded model in this process gets exactly what the two ranks held.
     fresh = _model(seed=7)
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
-    _restore(fresh, fresh_optimizer, str(tmp_path), "two_ranks")
-    assert_state_equal(gather_full(_state(fresh, fresh_optimizer)), saved, "2->1")
+    restore(fresh, fresh_optimizer, str(tmp_path), "two_ranks")
+    assert_state_equal(gather_full(app_state(fresh, fresh_optimizer)), saved, "2->1")
     raw = (tmp_path / "two_ranks" / layout.MANIFEST).read_bytes()
     assert Manifest.from_json(raw, "two_ranks").world_size == 2
     assert verify_checkpoint(tmp_path, "two_ranks").items_checked > 0

@@ -35,6 +35,7 @@ from deep_trees import make_deep_tree, remove_deep_tree
 from hostile_decoding import DECODING_MUTATIONS, DECODING_REQUIRED, loads_the_target
 from inotify_watch import TreeWatch
 from support import make_state, resign_manifest
+from support.faults import Planted
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
@@ -71,16 +72,6 @@ class Case:
     @property
     def sentinel(self) -> Path:
         return self.folder / "code-ran"
-
-
-class _Planted:
-    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.mkdir, (str(self.path),))
 
 
 # ---------------------------------------------------------------------------- building blocks
@@ -143,7 +134,7 @@ def _history(case: Case, tail: bytes) -> None:
 
 def metadata_pickle(case: Case) -> None:
     """``.metadata`` is a pickle that runs code, re-signed so every checksum passes."""
-    _replace_file(case.root, layout.DCP_METADATA, pickle.dumps(_Planted(case.sentinel)))
+    _replace_file(case.root, layout.DCP_METADATA, pickle.dumps(Planted(case.sentinel)))
     case.latest = (BAD, 2)  # never unpickled: loads decode the manifest's plain metadata
 
 
@@ -151,7 +142,7 @@ def object_item_pickle(case: Case) -> None:
     """An object item written by SafeStorageWriter itself holds a pickle that runs code."""
     shutil.rmtree(case.root / BAD)
     state = make_state(2)
-    state["extra"]["tag"] = _Planted(case.sentinel)
+    state["extra"]["tag"] = Planted(case.sentinel)
     _save(case.root, 2, state)
 
 
@@ -168,7 +159,7 @@ def planted_remote_pickle(case: Case) -> None:
     case.remote = case.folder / "remote"
     shutil.copytree(case.root, case.remote)
     resign_manifest(case.remote, BAD, lambda raw: raw.update(created_at=raw["created_at"] + 1e6))
-    _replace_file(case.remote, layout.DCP_METADATA, pickle.dumps(_Planted(case.sentinel)))
+    _replace_file(case.remote, layout.DCP_METADATA, pickle.dumps(Planted(case.sentinel)))
     case.latest = (BAD, 2)
 
 

@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 import torch
 from support import assert_state_equal, gather_full
+from support.faults import DiesMidWrite, SlowOnRank
+from support.training import app_state
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dcp_safe import CheckpointManager, CommitError, SafeStorageWriter, list_checkpoints
+from dcp_safe import CheckpointManager, CommitError, list_checkpoints
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.testing.multiproc import RankFailedError, run_ranks
 
@@ -69,43 +71,9 @@ def _train_step(net: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> 
     optimizer.zero_grad()
 
 
-def _app_state(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model, optim = get_state_dict(net, optimizer)
-    return {"model": model, "optim": optim}
-
-
 def _comparable(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     """Events as (event, step, tier, reason) with the rank-specific words taken out."""
     return [(e["event"], e["step"], e.get("tier")) for e in events]
-
-
-class _SlowOnRank(SafeStorageWriter):
-    """Sleeps before each item on one rank: storage held slow on that rank only."""
-
-    def __init__(self, root: str, *, slow_rank: int, delay_s: float) -> None:
-        super().__init__(root)
-        self.slow_rank = slow_rank
-        self.delay_s = delay_s
-
-    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
-        if self._rank == self.slow_rank:
-            time.sleep(self.delay_s)
-        return super()._write_item(sink, file_name, item, planner)
-
-
-class _DiesMidWrite(SafeStorageWriter):
-    """Kills its own process on ``victim`` after the first item of the ``die_at`` step."""
-
-    def __init__(self, root: str, *, victim: int, die_at: int) -> None:
-        super().__init__(root)
-        self.victim = victim
-        self.die_at = die_at
-
-    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
-        record = super()._write_item(sink, file_name, item, planner)
-        if self._rank == self.victim and self.step == self.die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return record
 
 
 # -- rank bodies ----------------------------------------------------------------------------
@@ -142,21 +110,21 @@ def _fsdp_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     with CheckpointManager(root, keep_last=1, deadline_s=DEADLINE_S) as manager:
         for step in range(1, 4):
             _train_step(net, optimizer, step)
-            manager.save(step, _app_state(net, optimizer))
-    return gather_full(_app_state(net, optimizer))
+            manager.save(step, app_state(net, optimizer))
+    return gather_full(app_state(net, optimizer))
 
 
 def _fsdp_restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
     net, optimizer = _fsdp_net(world_size)
-    state = _app_state(net, optimizer)
+    state = app_state(net, optimizer)
     with CheckpointManager(root, keep_last=1, deadline_s=DEADLINE_S) as manager:
         name = manager.restore(state)
     set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return {"name": name, "state": gather_full(_app_state(net, optimizer))}
+    return {"name": name, "state": gather_full(app_state(net, optimizer))}
 
 
 def _skip_with_one_slow_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    writer = _SlowOnRank(root, slow_rank=1, delay_s=0.4)
+    writer = SlowOnRank(root, slow_rank=1, delay_s=0.4)
     manager = CheckpointManager(root, when_busy="skip", writer=writer, deadline_s=DEADLINE_S)
     returned = []
     for step in range(1, 13):
@@ -200,7 +168,7 @@ def _fallback_on_one_rank(rank: int, world_size: int, root: str) -> dict[str, An
 
 
 def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    writer = _DiesMidWrite(root, victim=1, die_at=2)
+    writer = DiesMidWrite(root, victim=1, at_step=2)
     manager = CheckpointManager(root, writer=writer, deadline_s=8.0)
     manager.save(1, {f"rank{rank}.w": torch.full((32,), 1.0)})  # not deduplicated: own keys
     manager.wait(timeout_s=60)
@@ -219,7 +187,7 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _sigterm_everywhere(rank: int, world_size: int, root: str) -> dict[str, Any]:
     seen: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    writer = _SlowOnRank(root, slow_rank=rank, delay_s=0.3)  # every rank slow: step 3 skips
+    writer = SlowOnRank(root, slow_rank=rank, delay_s=0.3)  # every rank slow: step 3 skips
     manager = CheckpointManager(root, when_busy="skip", writer=writer, deadline_s=DEADLINE_S)
     handler = manager.install_preemption_handler(budget_s=60)
     state = {"w": torch.full((64,), 1.0)}

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.faults import SlowOnRank
 
 from dcp_safe import CheckpointManager, CommitError, SafeStorageWriter, list_checkpoints
 from dcp_safe.errors import DcpSafeError, DrainTimeoutError
@@ -122,19 +123,12 @@ def test_coalesce_parks_and_starts_the_same_save_on_every_rank(tmp_path: Path) -
 # -- 3: one timeout does not break every later save -----------------------------------------
 
 
-class _SlowOnce(SafeStorageWriter):
-    """Storage slow on rank 1 for one save: its part outlasts the deadline, once."""
-
-    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
-        if self._rank == 1 and self.step == 2:
-            time.sleep(3 * DEADLINE_S)
-        return super()._write_item(sink, file_name, item, planner)
-
-
 def _one_timeout(rank: int, world_size: int, root: str) -> dict[str, Any]:
     handles = []
+    # Storage slow on rank 1 for one save: its part outlasts the deadline, once.
+    writer = SlowOnRank(root, slow_rank=1, delay_s=3 * DEADLINE_S, at_step=2)
     manager = CheckpointManager(
-        root, writer=_SlowOnce(root), deadline_s=DEADLINE_S, wait_timeout_s=120, keep_last=5
+        root, writer=writer, deadline_s=DEADLINE_S, wait_timeout_s=120, keep_last=5
     )
     for step in range(1, 6):
         handle = manager.save(step, _state(step, world_size))

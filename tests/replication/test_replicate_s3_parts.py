@@ -9,7 +9,6 @@ and leaves no object and no open upload, and a later replication commits.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +45,6 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     state = _big_state()
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=SafeStorageWriter(local))
     return local, state
-
-
-@pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as running:
-        yield running
 
 
 def test_the_buffer_bound_counts_the_chunk_and_every_part_in_flight(

@@ -8,26 +8,16 @@ from typing import Any
 
 import pytest
 from support import make_state
+from support.faults import abandon_a_save
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter
 from dcp_safe.retention.apply import apply_retention
 
 
-class _DiesInWriteData(SafeStorageWriter):
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        raise OSError(5, "Input/output error (injected)")
-
-
 def _save(root: str | Path, step: int | None, name: str, **options: Any) -> None:
     writer = SafeStorageWriter(root, fsync=False, step=step, **options)
     dcp_safe.save(make_state(step or 0), checkpoint_id=name, storage_writer=writer)
-
-
-def _abandon_a_save(root: Path, name: str) -> str:
-    with pytest.raises(dcp_safe.CommitError):
-        dcp_safe.save(make_state(0), checkpoint_id=name, storage_writer=_DiesInWriteData(root))
-    return next(e for e in os.listdir(root) if e.startswith(f".{name}"))
 
 
 def _names(root: str | Path, **options: Any) -> list[str]:
@@ -52,7 +42,7 @@ def test_keeps_the_newest_and_removes_the_rest(root: Path) -> None:
 
 
 def test_dry_run_reports_the_same_and_removes_nothing(root: Path) -> None:
-    old = _abandon_a_save(root, "step_0005")
+    old = abandon_a_save(root, "step_0005")
     before = sorted(os.listdir(root))
     report = apply_retention(root, keep_last=2, dry_run=True, grace_s=0)
     assert report.dry_run and report.sweep.dry_run
@@ -68,7 +58,7 @@ def test_the_two_newest_are_kept_whatever_keep_last_says(root: Path) -> None:
 
 
 def test_leaves_a_partial_save_idle_for_less_than_the_grace_period(root: Path) -> None:
-    partial = _abandon_a_save(root, "step_0005")
+    partial = abandon_a_save(root, "step_0005")
     report = apply_retention(root, keep_last=4, grace_s=3600)
     assert report.dropped == ()
     assert (report.sweep.removed, report.sweep.too_recent) == ((), (partial,))
@@ -76,7 +66,7 @@ def test_leaves_a_partial_save_idle_for_less_than_the_grace_period(root: Path) -
 
 
 def test_sweeps_a_partial_save_idle_for_longer_than_the_grace_period(root: Path) -> None:
-    partial = _abandon_a_save(root, "step_0005")
+    partial = abandon_a_save(root, "step_0005")
     report = apply_retention(root, keep_last=4, grace_s=0)
     assert (report.sweep.removed, report.sweep.too_recent) == ((partial,), ())
     assert not (root / partial).exists()

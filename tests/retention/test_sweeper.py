@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from deep_trees import make_deep_tree, remove_deep_tree
 from support import make_state
+from support.faults import DiesInWriteData
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, cli, layout
@@ -29,14 +30,9 @@ from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_partials
 
 
-class _DiesInWriteData(SafeStorageWriter):
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        raise OSError(5, "Input/output error (injected)")
-
-
 def _abandon_a_save(root: Path) -> str:
     with pytest.raises(dcp_safe.CommitError):
-        dcp_safe.save(make_state(1), checkpoint_id="step_2", storage_writer=_DiesInWriteData(root))
+        dcp_safe.save(make_state(1), checkpoint_id="step_2", storage_writer=DiesInWriteData(root))
     (partial,) = [e for e in os.listdir(root) if e.startswith(".")]
     return partial
 

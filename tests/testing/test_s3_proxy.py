@@ -38,12 +38,6 @@ def _client(endpoint_url: str, read_timeout_s: float = 30) -> Any:
 
 
 @pytest.fixture
-def proxy(s3: LocalS3) -> Iterator[FaultProxy]:
-    with FaultProxy(s3.endpoint_url) as p:
-        yield p
-
-
-@pytest.fixture
 def via(proxy: FaultProxy) -> Iterator[Any]:
     """A client that goes through the proxy."""
     client = _client(proxy.url)

@@ -1,14 +1,11 @@
-"""Helpers shared by the tests: a state dict with every dtype the foundation promises to
-round-trip, a load target for it, an exact comparison, DTensor state gathered whole, and a
-script (a benchmark, a report) loaded as a module."""
+"""State dicts for the tests: one with every dtype the foundation promises to round-trip, a
+load target for it, exact comparisons, DTensor state gathered whole, and the union of what
+several ranks hold."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,34 +89,22 @@ def gather_full(value: Any) -> Any:
     return value
 
 
-def resign_manifest(root: Any, name: str, edit: Any) -> None:
-    """Rewrite ``<root>/<name>/manifest.json`` with ``edit(raw_dict)`` applied, and the marker
-    to match: what anyone who can write the root can do (checksums are no defence)."""
-    import json
-    from pathlib import Path
-
-    from dcp_safe import layout
-    from dcp_safe.manifest.schema import manifest_digest
-
-    folder = Path(root) / name
-    raw = json.loads((folder / layout.MANIFEST).read_bytes())
-    edit(raw)
-    data = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-    (folder / layout.MANIFEST).write_bytes(data)
-    (folder / layout.COMMITTED_MARKER).write_bytes(manifest_digest(data).encode())
+def rank_union(
+    rank_state: Callable[[int, int], dict[str, Any]], world_size: int, seed: int = 0
+) -> dict[str, Any]:
+    """Everything ``world_size`` ranks hold together, each rank's part from ``rank_state``."""
+    state: dict[str, Any] = {}
+    for rank in range(world_size):
+        state.update(rank_state(rank, seed))
+    return state
 
 
-def load_script(path: Path) -> ModuleType:
-    """Import a script that is not in a package (``benchmarks/``, ``scripts/``) by its path.
-
-    Its folder goes on ``sys.path`` first (benchmarks import their ``_common`` helpers), and the
-    module is registered before it runs, since dataclasses look their module up while built.
-    """
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def blank_tree(value: Any) -> Any:
+    """A load target shaped like ``value``: tensors zeroed, every number in objects -1."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {key: blank_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [blank_tree(item) for item in value]
+    return -1

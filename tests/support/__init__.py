@@ -1,0 +1,32 @@
+"""Helpers shared by the tests, by job: ``states`` (state dicts, load targets, exact
+comparisons), ``faults`` (writers that fail, die or stall on purpose), ``tamper`` (editing a
+committed checkpoint as a root writer can) and ``scripts`` (a script loaded as a module).
+
+The names most tests use are re-exported here, so ``from support import make_state`` works.
+"""
+
+from __future__ import annotations
+
+from .scripts import load_script
+from .states import (
+    assert_state_equal,
+    blank_like,
+    blank_tree,
+    differing_tensors,
+    gather_full,
+    make_state,
+    rank_union,
+)
+from .tamper import resign_manifest
+
+__all__ = [
+    "assert_state_equal",
+    "blank_like",
+    "blank_tree",
+    "differing_tensors",
+    "gather_full",
+    "load_script",
+    "make_state",
+    "rank_union",
+    "resign_manifest",
+]

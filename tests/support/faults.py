@@ -1,0 +1,87 @@
+"""Writers that fail, die or stall where a test says, and a payload whose unpickling runs code.
+
+Module level, so that they pickle by reference into spawned ranks and DCP's checkpoint process
+(a child finds ``support`` as its parent did: ``sys.path`` travels with a spawn).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dcp_safe
+from dcp_safe import SafeStorageWriter
+
+from .states import make_state
+
+
+class DiesInWriteData(SafeStorageWriter):
+    """Storage that fails at once in ``write_data``: the save is abandoned, its partial kept."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        raise OSError(5, "Input/output error (injected)")
+
+
+def abandon_a_save(root: Path, name: str, seed: int = 0) -> str:
+    """Save ``make_state(seed)`` as ``name`` through ``DiesInWriteData``: the save fails and
+    leaves its partial behind. Returns the partial's name."""
+    with pytest.raises(dcp_safe.CommitError):
+        dcp_safe.save(make_state(seed), checkpoint_id=name, storage_writer=DiesInWriteData(root))
+    return next(e for e in os.listdir(root) if e.startswith(f".{name}"))
+
+
+class DiesMidWrite(SafeStorageWriter):
+    """On the ``victim`` rank, signals its own process right after the first item is streamed
+    (of every save, or only of the save of step ``at_step``)."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        victim: int,
+        signum: int = signal.SIGKILL,
+        at_step: int | None = None,
+    ) -> None:
+        super().__init__(root)
+        self.victim = victim
+        self.signum = signum
+        self.at_step = at_step
+
+    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
+        record = super()._write_item(sink, file_name, item, planner)
+        if self._rank == self.victim and (self.at_step is None or self.step == self.at_step):
+            os.kill(os.getpid(), self.signum)  # SIGSTOP stops every thread of the rank
+        return record
+
+
+class SlowOnRank(SafeStorageWriter):
+    """Sleeps before each item on one rank (of every save, or only of the save of step
+    ``at_step``): storage held slow on that rank only."""
+
+    def __init__(
+        self, root: str, *, slow_rank: int, delay_s: float, at_step: int | None = None
+    ) -> None:
+        super().__init__(root)
+        self.slow_rank = slow_rank
+        self.delay_s = delay_s
+        self.at_step = at_step
+
+    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
+        if self._rank == self.slow_rank and (self.at_step is None or self.step == self.at_step):
+            time.sleep(self.delay_s)
+        return super()._write_item(sink, file_name, item, planner)
+
+
+class Planted:
+    """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
