@@ -80,7 +80,7 @@ from dcp_safe.staging.generation import (
     torn_verdict,
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
-from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
+from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy, stager_options
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
@@ -108,6 +108,8 @@ class BudgetedStager(AsyncStager):
         when_busy: see :class:`StagerOptions`.
         timeout_s: see :class:`StagerOptions`.
         mutation_guard: see :class:`StagerOptions`.
+        options: the five settings above as one :class:`StagerOptions`, instead of the keywords
+            (a keyword also set away from its default must agree with it).
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
 
@@ -125,15 +127,17 @@ class BudgetedStager(AsyncStager):
         when_busy: WhenBusy | str = "wait",
         timeout_s: float = 600.0,
         mutation_guard: bool = True,
+        options: StagerOptions | None = None,
         telemetry: StagerObserver | None = None,
     ) -> None:
         self.telemetry: Recorder = NULL_RECORDER
         if telemetry is not None:
             telemetry.attach_stager(self)
-        self.options = StagerOptions(
+        self.options = stager_options(
+            options,
             max_in_flight=max_in_flight,
-            pin_memory=PinMemory.coerce(pin_memory),
-            when_busy=WhenBusy.coerce(when_busy),
+            pin_memory=pin_memory,
+            when_busy=when_busy,
             timeout_s=timeout_s,
             mutation_guard=mutation_guard,
         )
