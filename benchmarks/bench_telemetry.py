@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     telemetry = Telemetry(sinks=[JsonLinesSink(work / "events.jsonl")])
     prometheus = PrometheusSink(telemetry)
     # Without the automatic fallback: a slow shared disk must not turn either into sync saves.
-    options: dict[str, Any] = {"keep_last": 1, "fallback": FallbackOptions(enabled=False)}
+    options: dict[str, Any] = {"keep_last": 1, "sync_fallback": FallbackOptions(enabled=False)}
     managers = {
         "off": CheckpointManager(work / "off", **options),
         "on": CheckpointManager(work / "on", telemetry=telemetry, **options),

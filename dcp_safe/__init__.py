@@ -17,6 +17,7 @@ from dcp_safe.dcp.api import async_save, load, save
 from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -62,6 +63,7 @@ from dcp_safe.staging import (
     CapacityPlan,
     Generation,
     MemoryBudget,
+    StagerOptions,
     StagerStats,
     WhenBusy,
     plan_capacity,
@@ -110,6 +112,7 @@ __all__ = [
     "SafeStorageReader",
     "SafeStorageWriter",
     "SaveHandle",
+    "StagerOptions",
     "StagerStats",
     "SignatureError",
     "SnapshotMutatedError",
@@ -124,6 +127,7 @@ __all__ = [
     "Validation",
     "VerifyReport",
     "WhenBusy",
+    "WriterOptions",
     "__version__",
     "apply_retention",
     "async_save",

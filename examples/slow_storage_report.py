@@ -67,7 +67,7 @@ def main(root: str, fallback: bool) -> None:
         budget=budget,
         when_busy="skip",
         keep_last=3,
-        fallback=FallbackOptions(enabled=fallback),
+        sync_fallback=FallbackOptions(enabled=fallback),
     )
     started = time.monotonic()
     with manager:

@@ -107,7 +107,8 @@ class NodeLocalWriter(SafeStorageWriter):
         node_options: NodeLocalOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("overwrite") or kwargs.get("replicate_to") is not None:
+        overwrite = kwargs.get("overwrite") or getattr(kwargs.get("options"), "overwrite", False)
+        if overwrite or kwargs.get("replicate_to") is not None:
             raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
         super().__init__(root, **kwargs)
         self.strategy.require_rename(

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from dcp_safe.choices import parse_choice
+from dcp_safe.choices import check_agrees, parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
-from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS
+from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS, checksum_for, resolve_key
 
-__all__ = ["Compression", "WriterOptions"]
+__all__ = ["Compression", "WriterOptions", "writer_options"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -46,3 +47,60 @@ class WriterOptions:
             raise ConfigError(
                 f"a signed save needs a cryptographic checksum, not {self.checksum.value!r}"
             )
+
+
+def writer_options(
+    options: WriterOptions | None,
+    *,
+    compression: Compression | str,
+    checksum: ChecksumAlgorithm | str | None,
+    thread_count: int,
+    fsync: bool,
+    overwrite: bool,
+    signing_key: bytes | str | None,
+) -> WriterOptions:
+    """``options``, else ``SafeStorageWriter``'s keywords as one :class:`WriterOptions`.
+
+    Either way a missing signing key is ``$DCP_SAFE_SIGNING_KEY``'s, and a signed save's
+    checksum left at its default is the signed default (:func:`checksum_for`).
+
+    Raises:
+        ConfigError: a keyword set away from its default disagrees with ``options``, or a
+            value is unsupported.
+    """
+    if options is None:
+        key = resolve_key(signing_key)
+        return WriterOptions(
+            compression=parse_choice(Compression, compression, "compression"),
+            checksum=checksum_for(checksum, signed=key is not None),
+            thread_count=thread_count,
+            fsync=fsync,
+            overwrite=overwrite,
+            signing_key=key,
+        )
+    if not isinstance(options, WriterOptions):
+        raise ConfigError(f"options must be a WriterOptions, got {type(options).__name__}")
+    given: dict[str, object] = {
+        "compression": parse_choice(Compression, compression, "compression"),
+        "thread_count": thread_count,
+        "fsync": fsync,
+        "overwrite": overwrite,
+    }
+    defaults = WriterOptions()
+    given = {name: value for name, value in given.items() if value != getattr(defaults, name)}
+    if checksum is not None:
+        given["checksum"] = parse_choice(ChecksumAlgorithm, checksum, "checksum")
+    if signing_key is not None:
+        given["signing_key"] = resolve_key(signing_key)
+    check_agrees(options, given)
+    return _signed_by_environment(options)
+
+
+def _signed_by_environment(options: WriterOptions) -> WriterOptions:
+    """``options`` with ``$DCP_SAFE_SIGNING_KEY`` when it names no key, as the keywords do."""
+    key = None if options.signing_key is not None else resolve_key(None)
+    if key is None:
+        return options
+    # A checksum at its (unsigned) default was not chosen: a signed save takes the signed one.
+    chosen = None if options.checksum is WriterOptions().checksum else options.checksum
+    return dataclasses.replace(options, signing_key=key, checksum=checksum_for(chosen, signed=True))

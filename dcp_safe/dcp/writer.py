@@ -43,19 +43,17 @@ from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.watch import watch_for_commit
-from dcp_safe.choices import parse_choice
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
-from dcp_safe.dcp.options import Compression, WriterOptions
+from dcp_safe.dcp.options import WriterOptions, writer_options
 from dcp_safe.dcp.tensor_records import minimal_cpu_tensor, write_tensor
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
-from dcp_safe.manifest.signing import checksum_for, resolve_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
@@ -118,9 +116,12 @@ class SafeStorageWriter(StorageWriter):
             ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; a reader given the key then
             refuses anything it did not sign. Item checksums become sha256. See
             :mod:`dcp_safe.manifest.signing` and docs/integrity.md, "Signed checkpoints".
+        options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
+            ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
+            keywords (a keyword also set away from its default must agree with it).
 
     Raises:
-        ConfigError: an option has an unsupported value.
+        ConfigError: an option has an unsupported value, or a keyword disagrees with ``options``.
     """
 
     def __init__(
@@ -141,17 +142,19 @@ class SafeStorageWriter(StorageWriter):
         attempt: int | None = None,
         stale_lease_s: float | None = DEFAULT_STALE_LEASE_S,
         signing_key: bytes | str | None = None,
+        options: WriterOptions | None = None,
     ) -> None:
         super().__init__()
-        key = resolve_key(signing_key)
-        self.options = WriterOptions(
-            compression=parse_choice(Compression, compression, "compression"),
-            checksum=checksum_for(checksum, signed=key is not None),
+        self.options = writer_options(
+            options,
+            compression=compression,
+            checksum=checksum,
             thread_count=thread_count,
             fsync=fsync,
             overwrite=overwrite,
-            signing_key=key,
+            signing_key=signing_key,
         )
+        fsync = self.options.fsync
         self.root = os.fspath(root)
         self.storage_options = storage_options
         self.retry = retry or RetryPolicy()
@@ -159,7 +162,7 @@ class SafeStorageWriter(StorageWriter):
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
         self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
         self.strategy = strategy_for(self.backend)
-        if overwrite:
+        if self.options.overwrite:
             self.strategy.require_rename(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )

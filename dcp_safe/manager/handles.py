@@ -39,6 +39,9 @@ class BusyPolicy(str, enum.Enum):
     * ``"sync"``: save now, in the foreground, with a second writer (a writer runs one save at a
       time) and no staging: ``dcp_safe.dcp.api.save`` on the live state.
     * ``"raise"``: raise :class:`~dcp_safe.errors.AdmissionTimeoutError` (a wait of zero).
+
+    Not the stager's :class:`~dcp_safe.staging.options.WhenBusy`, which decides what its
+    ``stage()`` does when the memory budget or ``max_in_flight`` leaves no room yet.
     """
 
     WAIT = "wait"
@@ -68,7 +71,12 @@ class StagingMode(str, enum.Enum):
 
 
 class Validation(str, enum.Enum):
-    """How a new local checkpoint is checked before retention may prune older ones."""
+    """How a new local checkpoint is checked before retention may prune older ones.
+
+    The check is the one :func:`~dcp_safe.checkpoints.catalog.verify_checkpoint` runs (``DEEP`` is
+    its ``deep=True``; ``MANIFEST`` is the marker-against-manifest part of its quick check), chosen
+    once for every save; the reader's ``verify=`` checks the bytes a load reads, as it reads them.
+    """
 
     MANIFEST = "manifest"  # marker and manifest digest agree (a few small reads)
     DEEP = "deep"  # every byte against its checksum (verify_checkpoint)

@@ -62,15 +62,9 @@ from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
-from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions
+from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions, sync_fallback_options
 from dcp_safe.manager.follow_up import FollowUp
-from dcp_safe.manager.handles import (
-    BusyPolicy,
-    ManagerStats,
-    SaveHandle,
-    StagingMode,
-    Validation,
-)
+from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
@@ -113,8 +107,8 @@ class CheckpointManager:
         validate: ``"manifest"`` or ``"deep"``.
         name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
         writer: a writer to use instead of one built here (tests, custom options).
-        fallback: thresholds of the automatic fallback to synchronous saves
-            (``FallbackOptions(enabled=False)`` turns it off).
+        sync_fallback: thresholds of the automatic switch to synchronous saves
+            (``FallbackOptions(enabled=False)`` turns it off). ``fallback=``: its deprecated alias.
         memory_sampler: the node's available bytes at each request, against the budget's
             ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
         clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
@@ -162,7 +156,8 @@ class CheckpointManager:
         validate: Validation | str = "manifest",
         name_format: str = "step_{step:09d}",
         writer: SafeStorageWriter | None = None,
-        fallback: FallbackOptions | None = None,
+        sync_fallback: FallbackOptions | None = None,
+        fallback: FallbackOptions | None = None,  # deprecated alias of sync_fallback
         memory_sampler: Callable[[], int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         partial_grace_s: float = DEFAULT_GRACE_S,
@@ -184,6 +179,7 @@ class CheckpointManager:
         wait_timeout_s = seconds("wait_timeout_s", wait_timeout_s)
         if latency_objective_s is not None:
             latency_objective_s = seconds("latency_objective_s", latency_objective_s)
+        sync_fallback = sync_fallback_options(sync_fallback, fallback)
         self.when_busy: BusyPolicy = parse_choice(BusyPolicy, when_busy, "when_busy")
         self.validate: Validation = parse_choice(Validation, validate, "validate")
         self.staging: StagingMode = parse_choice(StagingMode, staging, "staging")
@@ -251,7 +247,7 @@ class CheckpointManager:
         self._closed = False
         self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
-            FallbackMonitor(fallback or FallbackOptions(), self.stager.budget.node_reserve),
+            FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
             sample_memory=memory_sampler or self._memory_watch(),
             clock=clock,
             ledger=self._ledger,

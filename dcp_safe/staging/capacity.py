@@ -30,7 +30,10 @@ GIB = 1 << 30
 
 @dataclass(frozen=True, kw_only=True)
 class Generation:
-    """The host memory one checkpoint generation holds at its peak.
+    """The host memory one checkpoint generation holds at its peak (planning arithmetic only).
+
+    The stager's own record of an admitted save is
+    :class:`~dcp_safe.staging.generation.InFlightGeneration`, a different thing.
 
     Args:
         staged_bytes: the staged copy of the state (this node's shards).

@@ -32,7 +32,7 @@ from dcp_safe.staging.pool import Lease
 from dcp_safe.torch_compat import foreach_copy
 
 __all__ = [
-    "Generation",
+    "InFlightGeneration",
     "StagedStateDict",
     "copy_guessed",
     "copy_sources",
@@ -50,8 +50,12 @@ class StagedStateDict(dict[str, Any]):
     __slots__ = ("__weakref__",)
 
 
-class Generation:
-    """One admitted save: its plan, lease, guard and staging span, until it is released."""
+class InFlightGeneration:
+    """One admitted save: its plan, lease, guard and staging span, until it is released.
+
+    Not :class:`dcp_safe.staging.capacity.Generation` (exported as ``dcp_safe.Generation``),
+    which is the planner's byte sizes of a generation; this is the stager's live record of one.
+    """
 
     def __init__(
         self,
@@ -75,7 +79,7 @@ class Generation:
 
 
 def copy_sources(
-    gen: Generation,
+    gen: InFlightGeneration,
     layout: Layout,
     stream: torch.cuda.Stream | None,
     ready: torch.cuda.Event | None,
@@ -150,7 +154,7 @@ def holds_its_bytes(tensor: torch.Tensor) -> bool:
 
 
 def torn_verdict(
-    gen: Generation, state_dict: dict[str, Any], rank: int | None
+    gen: InFlightGeneration, state_dict: dict[str, Any], rank: int | None
 ) -> SnapshotMutatedError | None:
     """The guard's verdict once the copy is over: ``None`` when the snapshot is exact."""
     changed = gen.guard.changed() if gen.guard is not None else []
@@ -160,7 +164,7 @@ def torn_verdict(
 
 
 def copy_guessed(
-    gen: Generation,
+    gen: InFlightGeneration,
     layout: Layout,
     copy: Callable[[], dict[int, torch.Tensor]],
     readmit: Callable[[], None],

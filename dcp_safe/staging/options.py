@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 
-from dcp_safe.choices import parse_choice
+from dcp_safe.choices import check_agrees, parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.staging.pool import PinMemory
 
-__all__ = ["StagerOptions", "StagerStats", "WhenBusy"]
+__all__ = ["StagerOptions", "StagerStats", "WhenBusy", "stager_options"]
 
 
 class WhenBusy(str, Enum):
-    """What ``stage()`` does when a save cannot be admitted now."""
+    """What ``stage()`` does when a save cannot be admitted now.
+
+    The stager's own admission, against its memory budget; not the manager's
+    :class:`~dcp_safe.manager.handles.BusyPolicy`, which decides what a save request does while
+    another save is in flight, before the stager is asked (a manager's own stager waits).
+    """
 
     WAIT = "wait"  # wait up to ``timeout_s`` for a generation to be released
     RAISE = "raise"  # raise AdmissionTimeoutError at once (a wait of zero)
@@ -57,6 +62,42 @@ class StagerOptions:
             raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
         if not isinstance(self.mutation_guard, bool):
             raise ConfigError(f"mutation_guard must be a bool, got {self.mutation_guard!r}")
+
+
+def stager_options(
+    options: StagerOptions | None,
+    *,
+    max_in_flight: int,
+    pin_memory: PinMemory | str | bool,
+    when_busy: WhenBusy | str,
+    timeout_s: float,
+    mutation_guard: bool,
+) -> StagerOptions:
+    """``options``, else the stager's keywords as one :class:`StagerOptions`.
+
+    Raises:
+        ConfigError: a keyword set away from its default disagrees with ``options``, or a
+            value is out of range.
+    """
+    keywords = StagerOptions(
+        max_in_flight=max_in_flight,
+        pin_memory=PinMemory.coerce(pin_memory),
+        when_busy=WhenBusy.coerce(when_busy),
+        timeout_s=timeout_s,
+        mutation_guard=mutation_guard,
+    )
+    if options is None:
+        return keywords
+    if not isinstance(options, StagerOptions):
+        raise ConfigError(f"options must be a StagerOptions, got {type(options).__name__}")
+    defaults = StagerOptions()
+    given = {
+        field.name: getattr(keywords, field.name)
+        for field in fields(StagerOptions)
+        if getattr(keywords, field.name) != getattr(defaults, field.name)
+    }
+    check_agrees(options, given)
+    return options
 
 
 @dataclass(frozen=True)

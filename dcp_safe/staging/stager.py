@@ -73,14 +73,14 @@ from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerO
 from dcp_safe.staging._tree import rebuild
 from dcp_safe.staging.budget import MemoryBudget
 from dcp_safe.staging.generation import (
-    Generation,
+    InFlightGeneration,
     StagedStateDict,
     copy_guessed,
     copy_sources,
     torn_verdict,
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
-from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy
+from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy, stager_options
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
@@ -108,6 +108,8 @@ class BudgetedStager(AsyncStager):
         when_busy: see :class:`StagerOptions`.
         timeout_s: see :class:`StagerOptions`.
         mutation_guard: see :class:`StagerOptions`.
+        options: the five settings above as one :class:`StagerOptions`, instead of the keywords
+            (a keyword also set away from its default must agree with it).
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
 
@@ -125,15 +127,17 @@ class BudgetedStager(AsyncStager):
         when_busy: WhenBusy | str = "wait",
         timeout_s: float = 600.0,
         mutation_guard: bool = True,
+        options: StagerOptions | None = None,
         telemetry: StagerObserver | None = None,
     ) -> None:
         self.telemetry: Recorder = NULL_RECORDER
         if telemetry is not None:
             telemetry.attach_stager(self)
-        self.options = StagerOptions(
+        self.options = stager_options(
+            options,
             max_in_flight=max_in_flight,
-            pin_memory=PinMemory.coerce(pin_memory),
-            when_busy=WhenBusy.coerce(when_busy),
+            pin_memory=pin_memory,
+            when_busy=when_busy,
             timeout_s=timeout_s,
             mutation_guard=mutation_guard,
         )
@@ -148,9 +152,9 @@ class BudgetedStager(AsyncStager):
             torch.cuda.Stream() if torch.cuda.is_available() else None  # type: ignore[no-untyped-call]
         )
         self._numbers = itertools.count(1)
-        self._in_flight: dict[int, Generation] = {}
+        self._in_flight: dict[int, InFlightGeneration] = {}
         self._last = threading.local()
-        self._latest: Generation | None = None
+        self._latest: InFlightGeneration | None = None
         self._closed = False
         self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
         self._torn_count = 0
@@ -260,7 +264,7 @@ class BudgetedStager(AsyncStager):
             ConfigError: this thread has no staged generation left to track.
         """
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        gen: Generation | None = getattr(self._last, "generation", None)
+        gen: InFlightGeneration | None = getattr(self._last, "generation", None)
         if gen is None:
             raise ConfigError("track(): no untracked save was staged on this thread")
         self._last.generation = None
@@ -362,7 +366,7 @@ class BudgetedStager(AsyncStager):
 
     def _admit(
         self, plan: StagingPlan, span: SpanHandle, guard: SnapshotGuard | None
-    ) -> Generation:
+    ) -> InFlightGeneration:
         request = plan.request
         self.budget.check_fits(request.cost)
         started = time.monotonic()
@@ -398,7 +402,7 @@ class BudgetedStager(AsyncStager):
                     continue
                 self._cond.wait(0.005)
             lease = self._pool.lease(request)
-            gen = Generation(next(self._numbers), lease, span, guard, plan)
+            gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan)
             self._trim_excess()
             self._in_flight[gen.number] = gen
             self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
@@ -429,7 +433,7 @@ class BudgetedStager(AsyncStager):
         if excess > 0:  # free buffers this state cannot use make room for ones it can
             self._pool.trim(max(0, self._pool.free_bytes - excess))
 
-    def _readmit(self, gen: Generation, layout: Layout) -> None:
+    def _readmit(self, gen: InFlightGeneration, layout: Layout) -> None:
         """Swap a wrongly guessed plan's lease for the real plan's, admitted like any save.
 
         Raises:
@@ -477,7 +481,7 @@ class BudgetedStager(AsyncStager):
 
     def _copy(
         self,
-        gen: Generation,
+        gen: InFlightGeneration,
         state_dict: StateDict,
         layout: Layout,
         future: Future[StateDict],
@@ -520,7 +524,7 @@ class BudgetedStager(AsyncStager):
 
     def _copy_sources(
         self,
-        gen: Generation,
+        gen: InFlightGeneration,
         layout: Layout,
         ready: torch.cuda.Event | None,
         state_dict: StateDict,
@@ -531,7 +535,7 @@ class BudgetedStager(AsyncStager):
 
     def _fail_generation(
         self,
-        gen: Generation,
+        gen: InFlightGeneration,
         future: Future[StateDict],
         error: BaseException,
         rank: int | None,
@@ -554,20 +558,20 @@ class BudgetedStager(AsyncStager):
 
     # -- release --------------------------------------------------------------------------------
 
-    def _dropped(self, gen: Generation) -> None:
+    def _dropped(self, gen: InFlightGeneration) -> None:
         # Runs inside the dict's deallocation; its tensors are freed only after we return.
         try:
             self._executor.submit(self._release, gen, writer_done=False)
         except RuntimeError:  # executor shut down: release now, the pending check still holds
             self._release(gen, writer_done=False)
 
-    def _upload_done(self, gen: Generation, upload: Future[Any]) -> None:
+    def _upload_done(self, gen: InFlightGeneration, upload: Future[Any]) -> None:
         exc = upload.exception()
         if exc is not None and gen.error is None:
             gen.error = exc
         self._release(gen, writer_done=True)
 
-    def _release(self, gen: Generation, *, writer_done: bool) -> None:
+    def _release(self, gen: InFlightGeneration, *, writer_done: bool) -> None:
         # Only the first release ends the generation, so only it is a phase.
         with self._cond:
             first, gen.release_claimed = not gen.release_claimed, True

@@ -30,6 +30,7 @@ from dcp_safe import (
     ConfigError,
     ReplicationTimeoutError,
     SafeStorageReader,
+    WriterOptions,
     layout,
     list_checkpoints,
     verify_checkpoint,
@@ -272,6 +273,8 @@ def test_node_local_writer_refuses_options_that_would_break_the_tier(
 ) -> None:
     with pytest.raises(ConfigError, match="overwrite"):
         NodeLocalWriter(tmp_path, remote=memory_root, overwrite=True)
+    with pytest.raises(ConfigError, match="overwrite"):
+        NodeLocalWriter(tmp_path, remote=memory_root, options=WriterOptions(overwrite=True))
     with pytest.raises(ConfigError, match="local directory"):
         NodeLocalWriter(memory_root, remote=str(tmp_path))
     with pytest.raises(ConfigError, match="keep_node_caches"):

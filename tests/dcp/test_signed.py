@@ -24,6 +24,7 @@ from dcp_safe import (
     SafeStorageWriter,
     SignatureError,
     UnsignedCheckpointError,
+    WriterOptions,
     layout,
     verify_checkpoint,
 )
@@ -202,6 +203,17 @@ def test_the_environment_variable_signs_and_checks(
     _load(tmp_path, "signed", key=None)
     with pytest.raises(UnsignedCheckpointError):
         _load(tmp_path, "unsigned", key=None)
+
+
+def test_writer_options_are_signed_by_the_environment_variable_as_the_keywords_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
+    by_keywords = SafeStorageWriter(tmp_path, thread_count=2).options
+    by_options = SafeStorageWriter(tmp_path, options=WriterOptions(thread_count=2)).options
+    assert by_options == by_keywords and by_options.signing_key is not None
+    with pytest.raises(ConfigError, match="not cryptographic"):  # chosen, not a default
+        SafeStorageWriter(tmp_path, options=WriterOptions(checksum="crc32"))
 
 
 def test_options_that_would_make_a_signature_meaningless_are_refused(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    WriterOptions,
     layout,
 )
 
@@ -144,6 +145,28 @@ def test_bad_options_raise_config_error(tmp_path: Path) -> None:
         SafeStorageWriter(tmp_path, checksum="md5")
     with pytest.raises(ConfigError, match="thread_count"):
         SafeStorageWriter(tmp_path, thread_count=0)
+
+
+def test_writer_options_are_an_alternative_to_the_keywords(
+    tmp_path: Path, state: dict[str, Any]
+) -> None:
+    options = WriterOptions(compression="zstd", thread_count=2, fsync=False)
+    writer = SafeStorageWriter(tmp_path, options=options)
+    keywords = SafeStorageWriter(tmp_path, compression="zstd", thread_count=2, fsync=False)
+    assert writer.options == keywords.options == options
+    dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
+    assert_state_equal(_load(tmp_path, "step_1", state), state)
+
+
+def test_a_writer_keyword_must_agree_with_the_options(tmp_path: Path) -> None:
+    options = WriterOptions(compression="zstd")
+    assert SafeStorageWriter(tmp_path, compression="zstd", options=options).options == options
+    with pytest.raises(ConfigError, match="thread_count"):
+        SafeStorageWriter(tmp_path, thread_count=4, options=options)
+    with pytest.raises(ConfigError, match="checksum"):
+        SafeStorageWriter(tmp_path, checksum="sha256", options=options)
+    with pytest.raises(ConfigError, match="WriterOptions"):
+        SafeStorageWriter(tmp_path, options={"compression": "zstd"})  # type: ignore[arg-type]
 
 
 class _FailingWriter(SafeStorageWriter):

@@ -408,7 +408,7 @@ def _manager(root: Path, remote: Path, **writer_options: Any) -> CheckpointManag
         writer=writer,
         keep_last=1,
         name_format="step_{step}",
-        fallback=FallbackOptions(enabled=False),
+        sync_fallback=FallbackOptions(enabled=False),
         partial_grace_s=0.0,
         exit_timeout_s=5.0,
     )

@@ -70,7 +70,7 @@ def _manager(
         when_busy=when_busy,
         keep_last=10,
         name_format="step_{step}",
-        fallback=FallbackOptions(enabled=False),
+        sync_fallback=FallbackOptions(enabled=False),
         exit_timeout_s=DEADLINE_S,
     )
 

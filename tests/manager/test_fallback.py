@@ -143,7 +143,7 @@ def _manager(
         budget=None if stager else budget,
         stager=stager,
         keep_last=10,
-        fallback=FallbackOptions(**options),
+        sync_fallback=FallbackOptions(**options),
         memory_sampler=(lambda: next(samples)) if samples else (lambda: 1 << 30),
         clock=clock,
     )
@@ -224,3 +224,30 @@ def test_disabled_fallback_keeps_saving_async(tmp_path: Path) -> None:
         _save_all(manager, range(1, 6))
         assert (manager.stats().started, manager.stats().sync_saves) == (5, 0)
         assert _fallbacks(manager) == []
+
+
+# ---------------------------------------------------------------- the argument's name
+
+
+def test_fallback_is_a_deprecated_alias_of_sync_fallback_and_still_works(tmp_path: Path) -> None:
+    samples = iter([500, 5000] * 5)  # would trip the default thresholds at the 2nd dip
+    budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=_RESERVE)
+    with pytest.warns(DeprecationWarning, match="sync_fallback=") as warned:
+        manager = CheckpointManager(
+            tmp_path,
+            budget=budget,
+            fallback=FallbackOptions(enabled=False),
+            memory_sampler=lambda: next(samples),
+            clock=_Clock(),
+        )
+    assert [w.filename for w in warned] == [__file__]  # points at the caller's line
+    with manager:
+        _save_all(manager, range(1, 6))
+        assert (manager.stats().started, manager.stats().sync_saves) == (5, 0)
+
+
+def test_sync_fallback_and_its_alias_together_are_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sync_fallback="):
+        CheckpointManager(
+            tmp_path, sync_fallback=FallbackOptions(), fallback=FallbackOptions(enabled=False)
+        )

@@ -152,7 +152,7 @@ def _fallback_on_one_rank(rank: int, world_size: int, root: str) -> dict[str, An
     manager = CheckpointManager(
         root,
         memory_sampler=memory,
-        fallback=FallbackOptions(memory_crossings=2),
+        sync_fallback=FallbackOptions(memory_crossings=2),
         deadline_s=DEADLINE_S,
     )
     for step in range(1, 7):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from dcp_safe.errors import AdmissionTimeoutError, BudgetExceededError, ConfigError, DcpSafeError
-from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
 
 MiB = 1 << 20
 
@@ -354,6 +354,26 @@ def test_track_without_a_staged_save_is_a_config_error() -> None:
 def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         BudgetedStager(_budget(), **kwargs)
+
+
+def test_options_dataclass_is_an_alternative_to_the_keywords() -> None:
+    options = StagerOptions(max_in_flight=2, when_busy="raise", timeout_s=5.0)
+    with BudgetedStager(_budget(), options=options) as stager:
+        assert stager.options is options
+    with BudgetedStager(_budget(), max_in_flight=2, when_busy="raise", timeout_s=5.0) as stager:
+        assert stager.options == options
+    with BudgetedStager(_budget(), max_in_flight=2, options=options) as stager:  # agrees
+        assert stager.options is options
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_in_flight": 3}, {"pin_memory": "off"}, {"mutation_guard": False}]
+)
+def test_a_keyword_that_disagrees_with_the_options_is_a_config_error(
+    kwargs: dict[str, Any],
+) -> None:
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        BudgetedStager(_budget(), options=StagerOptions(max_in_flight=2), **kwargs)
 
 
 def test_works_with_safe_storage_writer(tmp_path: Path) -> None:

@@ -168,7 +168,7 @@ def test_fallback_save_is_marked_and_runs_synchronously_under_its_root(
     manager = CheckpointManager(
         tmp_path,
         telemetry=tel,
-        fallback=FallbackOptions(memory_crossings=1),
+        sync_fallback=FallbackOptions(memory_crossings=1),
         memory_sampler=lambda: 0,  # the host reports no memory left: below any reserve
     )
     with manager:
