@@ -88,8 +88,8 @@ class SafeStorageWriter(StorageWriter):
     Args:
         root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
         compression: ``"none"`` or ``"zstd"``.
-        checksum: ``"xxh3_128"`` (the default unsigned), ``"sha256"`` (the default signed)
-            or ``"crc32"``.
+        checksum: ``"xxh3_128"`` (the default unsigned), ``"blake3"`` (the default signed),
+            ``"sha256"`` or ``"crc32"``.
         storage_options: passed to fsspec (endpoint, credentials) for URL roots.
         thread_count: files written in parallel per rank.
         fsync: make files and directory entries durable before publishing.
@@ -114,7 +114,7 @@ class SafeStorageWriter(StorageWriter):
             once its name was idle this long (None: never).
         signing_key: sign every checkpoint with this key (bytes; a str is its UTF-8 bytes, or
             ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; a reader given the key then
-            refuses anything it did not sign. Item checksums become sha256. See
+            refuses anything it did not sign. Item checksums become blake3. See
             :mod:`dcp_safe.manifest.signing` and docs/integrity.md, "Signed checkpoints".
         options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
             ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
