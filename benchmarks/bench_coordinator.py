@@ -17,7 +17,7 @@ shard file from two listings, write ``.metadata``, ``manifest.json`` and ``_COMM
 publish).
 
 Each simulated rank holds FSDP-style row shards of a few tensors, so the global ``.metadata``
-and ``manifest.json`` grow with N as a real save's do (:mod:`dcp_safe.bench.world` lays them
+and ``manifest.json`` grow with N as a real save's do (:mod:`dcp_safe.testing.world` lays them
 down).
 
 Two roots: a local folder (``LocalBackend``: rename publish, fsync) and a moto S3 server
@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.bench.world import ITEMS_PER_RANK, SimulatedSave, publish, simulate
 from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS
+from dcp_safe.testing.world import ITEMS_PER_RANK, SimulatedSave, publish, simulate
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "coordinator.json"

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dcp_safe.bench.plots import render_figures
+from plots import render_figures
 
 BEGIN, END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
 MIB = 1 << 20

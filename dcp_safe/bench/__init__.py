@@ -8,7 +8,6 @@ lives here so that ``dcp-safe bench`` works from an installed wheel:
 * :mod:`dcp_safe.bench.session`: one contender's cold, warm and back-to-back saves;
 * :mod:`dcp_safe.bench.floors`: copy, raw-write, checksum and zstd floors, and load timing;
 * :mod:`dcp_safe.bench.compare`: ratios and the regression guard (pure functions);
-* :mod:`dcp_safe.bench.plots`: the sweep's figures (matplotlib, the ``bench`` extra);
 * :mod:`dcp_safe.bench.quick`: ``main(argv)``, the quick pass behind ``dcp-safe bench``.
 
 Nothing is imported here, so ``import dcp_safe.bench`` stays cheap.

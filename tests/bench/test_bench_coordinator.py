@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import dcp_safe
 from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.bench import world
+from dcp_safe.testing import world
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_coordinator.py"
 

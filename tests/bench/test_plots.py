@@ -1,4 +1,4 @@
-"""The sweep's figures render from saved (here: synthetic) results, headless."""
+"""benchmarks/plots.py: the sweep's figures render from saved (synthetic) results, headless."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dcp_safe.bench.plots import FIGURES, render_figures
+from support import load_script
 
 pytest.importorskip("matplotlib")
+
+plots = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "plots.py")
+FIGURES, render_figures = plots.FIGURES, plots.render_figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -23,9 +23,9 @@ from dcp_safe import (
 )
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.bench import world
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.manifest.schema import FileRecord
+from dcp_safe.testing import world
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The coordinator's verify-and-publish: parallel checks with typed errors, durable ordering.
 
-Saves of several ranks are laid down with the world-size simulation ``dcp_safe.bench.world``
+Saves of several ranks are laid down with the world-size simulation ``dcp_safe.testing.world``
 (what ``benchmarks/bench_coordinator.py`` times: real files, the writer's own types), so a dozen
 ranks cost no process group.
 """
@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 import dcp_safe
 from dcp_safe import CommitError, ConfigError, StorageError, layout
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.bench import world
 from dcp_safe.commit.committer import MAX_COMMIT_WORKERS, Committer
 from dcp_safe.commit.report import ReportedItem
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import FileRecord, RankManifest
+from dcp_safe.testing import world
 
 RANKS = 12
 

@@ -30,13 +30,13 @@ from dcp_safe import (
 )
 from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.bench import world
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.lease import acquire_lease, lease_files
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import FAILED_PREFIX, UploadOptions
 from dcp_safe.replication.replicator import replicate_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
+from dcp_safe.testing import world
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
 
