@@ -5,12 +5,12 @@ round and reports medians, because the machines we measure on are shared: a sing
 mean, says more about the neighbours than about the code. What lives here:
 
 * :func:`median`, :func:`timed`, :func:`process_cpu_seconds` and :func:`rotate` for the
-  measuring loop (``median`` and ``rotate`` are :mod:`dcp_safe.bench.measure`'s, which the
+  measuring loop, and :class:`RssSampler`, a background thread that samples this process's RSS
+  (or another process's, by pid) and reports the peak above the level it started from
+  (``median``, ``rotate`` and ``RssSampler`` are :mod:`dcp_safe.bench.measure`'s, which the
   sweep and ``dcp-safe bench`` use too);
-* :class:`RssPeakSampler`, a background thread that samples this process's RSS (or another
-  process's, by pid) with psutil (every 5 ms by default) and reports the peak above the level
-  it started from;
-* :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_rate`, :func:`fmt_bytes` for reports;
+* :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_rate` and
+  :func:`~dcp_safe.units.format_size` (the package's spelling of a size) for reports;
 * :func:`describe_machine` and :func:`write_results` so a JSON result says where it was measured.
 """
 
@@ -20,25 +20,24 @@ import json
 import os
 import platform
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dcp_safe.bench.measure import median, rotate
+from dcp_safe.bench.measure import RssSampler, median, rotate
+from dcp_safe.units import format_size
 
 __all__ = [
-    "RssPeakSampler",
+    "RssSampler",
     "describe_machine",
     "describe_machine_line",
-    "fmt_bytes",
     "fmt_rate",
     "fmt_seconds",
+    "format_size",
     "markdown_table",
     "median",
     "process_cpu_seconds",
@@ -66,58 +65,6 @@ def process_cpu_seconds() -> float:
     return times.user + times.system
 
 
-class RssPeakSampler:
-    """Samples this process's RSS on a background thread; use as a context manager.
-
-    Attributes (valid after exit):
-        baseline_bytes: RSS when sampling started.
-        peak_bytes: the highest RSS seen, including one last sample at exit.
-        peak_delta_bytes: ``peak_bytes - baseline_bytes`` (never negative).
-        samples: how many samples were taken.
-    """
-
-    def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
-        self.interval_s = interval_s
-        self._process = psutil.Process(pid)  # this process unless told (e.g. a server child)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.baseline_bytes = 0
-        self.peak_bytes = 0
-        self.samples = 0
-
-    @property
-    def peak_delta_bytes(self) -> int:
-        return max(0, self.peak_bytes - self.baseline_bytes)
-
-    def _sample(self) -> None:
-        rss = int(self._process.memory_info().rss)
-        self.samples += 1
-        self.peak_bytes = max(self.peak_bytes, rss)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> RssPeakSampler:
-        self.baseline_bytes = int(self._process.memory_info().rss)
-        self.peak_bytes = self.baseline_bytes
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._sample()
-
-
 def fmt_seconds(seconds: float) -> str:
     return f"{seconds:.3f} s"
 
@@ -127,12 +74,6 @@ def fmt_rate(nbytes: float, seconds: float) -> str:
     if seconds <= 0:
         return "n/a"
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
-
-
-def fmt_bytes(nbytes: float) -> str:
-    if abs(nbytes) >= GIB:
-        return f"{nbytes / GIB:.2f} GiB"
-    return f"{nbytes / MIB:.1f} MiB"
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -198,7 +139,7 @@ def describe_machine_line(info: dict[str, Any]) -> str:
     where = f", data on {fs.get('fstype', '?')} ({fs.get('device', '?')})" if fs else ""
     return (
         f"{info['cpu_model']}, {info['usable_cpus'] or info['logical_cpus']} CPUs, "
-        f"{fmt_bytes(info['memory_total_bytes'])} RAM, Python {info['python']}, "
+        f"{format_size(info['memory_total_bytes'])} RAM, Python {info['python']}, "
         f"torch {info['torch']}{where}"
     )
 

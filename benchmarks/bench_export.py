@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     describe_machine,
-    fmt_bytes,
+    format_size,
     markdown_table,
     median,
     rotate,
@@ -164,7 +164,7 @@ def report(results: dict[str, Any]) -> str:
                     contender,
                     f"{m['seconds']:.2f}",
                     f"{row['time_over_torch_save'][contender]:.2f}",
-                    fmt_bytes(m["growth_bytes"]),
+                    format_size(m["growth_bytes"]),
                     f"{row['growth_over_largest_tensor'][contender]:.2f}",
                     f"{m['growth_bytes'] / row['checkpoint_bytes']:.2f}",
                 ]

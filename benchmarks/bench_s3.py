@@ -68,10 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (
     MIB,
-    RssPeakSampler,
+    RssSampler,
     describe_machine,
     describe_machine_line,
-    fmt_bytes,
+    format_size,
     markdown_table,
     rotate,
     run_and_report,
@@ -428,7 +428,7 @@ def measure_upload(
 ) -> dict[str, Any]:
     """One upload, timed; then what was stored is checked and deleted."""
     server_cpu = cpu_of(server)
-    with RssPeakSampler(interval_s=0.02, pid=server.pid) as server_rss:
+    with RssSampler(interval_s=0.02, pid=server.pid) as server_rss:
         run: dict[str, Any] = measure(lambda: contender.run(prefix))
     run["server_cpu_s"] = cpu_of(server) - server_cpu
     run["server_rss_peak_bytes"] = server_rss.peak_bytes
@@ -477,9 +477,9 @@ def bench_uploads(
                 f"  round {r} {name:13s} {run['seconds']:7.2f} s "
                 f"{payload / run['seconds'] / 1e6:6.1f} MB/s"
                 f"  parts {run['stored']['largest_parts']}"
-                f"  RSS +{fmt_bytes(run['rss_peak_delta_bytes'])}"
-                f"  moto RSS {fmt_bytes(run['server_rss_peak_bytes'])}"
-                f" -> {fmt_bytes(run['server_rss_after_delete_bytes'])}",
+                f"  RSS +{format_size(run['rss_peak_delta_bytes'])}"
+                f"  moto RSS {format_size(run['server_rss_peak_bytes'])}"
+                f" -> {format_size(run['server_rss_after_delete_bytes'])}",
                 flush=True,
             )
     out: dict[str, Any] = {}
@@ -618,13 +618,13 @@ def report(results: dict[str, Any]) -> str:
                 f"{up[r['peer']]['median_s'] / r['median_s']:.2f}" if r["peer"] else "",
                 f"{r['median_cpu_s']:.1f}",
                 f"{r['median_server_cpu_s']:.1f}",
-                fmt_bytes(r["rss_peak_delta_bytes_max"]),
+                format_size(r["rss_peak_delta_bytes_max"]),
                 r["stored"]["largest_parts"],
-                fmt_bytes(r["server_rss_peak_bytes_max"]),
+                format_size(r["server_rss_peak_bytes_max"]),
             ]
         )
     lines = [
-        f"## S3 upload benchmark: {fmt_bytes(payload)} of tensors to moto on 127.0.0.1, "
+        f"## S3 upload benchmark: {format_size(payload)} of tensors to moto on 127.0.0.1, "
         f"{results['args']['rounds']} rounds (medians)",
         "",
         describe_machine_line(results["machine"]),
@@ -784,7 +784,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         results["payload_bytes"] = tensor_bytes(state)
         local_root = work / "local"
         save_local(state, local_root)
-        print(f"uploading {fmt_bytes(results['payload_bytes'])}, {args.rounds} rounds", flush=True)
+        print(
+            f"uploading {format_size(results['payload_bytes'])}, {args.rounds} rounds", flush=True
+        )
         results["uploads"] = bench_uploads(
             state, local_root, s3, server, args.rounds, args.read_timeout, args.contenders
         )

@@ -33,10 +33,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dcp_safe.bench.measure import RssSampler
+from dcp_safe.units import format_size
 
 VARIANTS = [
     "floor",
@@ -47,33 +51,6 @@ VARIANTS = [
     "blocking_cached",
 ]
 STATES = ["large", "small"]
-MiB = 1 << 20
-
-
-class PeakRss:
-    """Samples this process's RSS in a background thread."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(interval_s)
-
-    def rss(self) -> int:
-        return int(self._proc.memory_info().rss)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 def make_state(kind: str, size_gib: float) -> dict[str, Any]:
@@ -112,7 +89,7 @@ def run_variant(variant: str, kind: str, size_gib: float) -> dict[str, Any]:
 
     state = make_state(kind, size_gib)
     staged_bytes = sum(t.nbytes for t in _tensors(state))
-    sampler = PeakRss()
+    sampler = RssSampler().start()
     rss_state = sampler.rss()
     out: dict[str, Any] = {
         "variant": variant,
@@ -177,7 +154,7 @@ def run_variant(variant: str, kind: str, size_gib: float) -> dict[str, Any]:
 
 
 def _fmt_b(n: Any) -> str:
-    return "-" if n is None else f"{n / MiB:,.0f} MiB"
+    return "-" if n is None else format_size(n)
 
 
 def _fmt_s(x: Any) -> str:

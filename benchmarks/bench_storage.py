@@ -50,11 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (
     MIB,
-    RssPeakSampler,
+    RssSampler,
     describe_machine,
     describe_machine_line,
-    fmt_bytes,
     fmt_rate,
+    format_size,
     markdown_table,
     median,
     process_cpu_seconds,
@@ -208,7 +208,7 @@ def measure(fn: Callable[[], Any]) -> dict[str, float]:
     machine wall time also measures the neighbours, CPU time mostly measures the code.
     """
     gc.collect()
-    with RssPeakSampler() as rss:
+    with RssSampler() as rss:
         cpu_before = process_cpu_seconds()
         seconds, _ = timed(fn)
         cpu_s = process_cpu_seconds() - cpu_before
@@ -328,7 +328,7 @@ def bench_zstd(size_bytes: int, work: Path, threads: int) -> dict[str, Any]:
             "shard_bytes": shards,
             "compression_ratio": payload / shards,
         }
-        print(f"  zstd {name:14s} {run['seconds']:.3f} s, shards {fmt_bytes(shards)}", flush=True)
+        print(f"  zstd {name:14s} {run['seconds']:.3f} s, shards {format_size(shards)}", flush=True)
         if name == "dcp_safe_zstd":
             target = empty_like_state(state)
             load = measure(lambda path=path, target=target: load_safe(target, path))
@@ -397,7 +397,7 @@ def report(results: dict[str, Any]) -> str:
     saves, loads = results["save"], results["load"]
     threads = results["args"]["threads"]
     lines = [
-        f"## Storage benchmark: {fmt_bytes(payload)} of tensors, thread_count={threads}, "
+        f"## Storage benchmark: {format_size(payload)} of tensors, thread_count={threads}, "
         f"{results['args']['rounds']} rounds (medians)",
         "",
         describe_machine_line(results["machine"]),
@@ -501,7 +501,7 @@ def _timing_table(title: str, table: dict[str, Any], ref: str, payload: int) -> 
                 f"{r['median_s'] / table[ref]['median_s']:.2f}",
                 f"{r['median_cpu_s']:.2f}",
                 f"{r['median_cpu_s'] / table[ref]['median_cpu_s']:.2f}",
-                fmt_bytes(r["rss_peak_delta_bytes_max"]),
+                format_size(r["rss_peak_delta_bytes_max"]),
             ]
         )
     return f"### {title}\n\n" + markdown_table(
@@ -541,7 +541,7 @@ def _zstd_table(z: dict[str, Any]) -> str:
                 name,
                 f"{r['median_s']:.3f}",
                 fmt_rate(payload, r["median_s"]),
-                fmt_bytes(r["shard_bytes"]),
+                format_size(r["shard_bytes"]),
                 f"{r['compression_ratio']:.2f}x",
             ]
         )
@@ -560,7 +560,7 @@ def _checksum_table(table: dict[str, Any], durable_gbps: float) -> str:
         gbps = r["median_gbps"]
         rows.append([name, f"{gbps:.2f}", f"{100 * durable_gbps / gbps:.0f}%"])
     return (
-        f"### Checksum throughput ({fmt_bytes(HASH_BUFFER_BYTES)} in memory, one thread)\n\n"
+        f"### Checksum throughput ({format_size(HASH_BUFFER_BYTES)} in memory, one thread)\n\n"
         + markdown_table(["algorithm", "GB/s", "cost if run serially with a durable write"], rows)
         + f"\n\n(durable write rate: the raw floor's median, {durable_gbps:.2f} GB/s)"
     )
@@ -590,7 +590,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     warm_up(work, args.threads)
     state = make_state(size_bytes)
     results["payload_bytes"] = tensor_bytes(state)
-    print(f"saving {fmt_bytes(results['payload_bytes'])}, {args.rounds} rounds", flush=True)
+    print(f"saving {format_size(results['payload_bytes'])}, {args.rounds} rounds", flush=True)
     results["save"] = bench_saves(state, work, args.threads, args.rounds)
     results["checksum_variants"] = bench_checksum_variants(state, work, args.threads)
     print("loading", flush=True)

@@ -44,7 +44,7 @@ from _common import (
     MIB,
     describe_machine,
     describe_machine_line,
-    fmt_bytes,
+    format_size,
     markdown_table,
     median,
     process_cpu_seconds,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         for variant in VARIANTS:  # untimed: allocates each pool
             timed_save(managers[variant], 0, state)
-        print(f"saving {fmt_bytes(payload)}, {args.rounds} rounds", flush=True)
+        print(f"saving {format_size(payload)}, {args.rounds} rounds", flush=True)
         for round_index in range(args.rounds):
             for variant in rotate(VARIANTS, round_index):
                 stall, save, cpu = timed_save(managers[variant], round_index + 1, state)
@@ -179,7 +179,7 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(
         [
             describe_machine_line(results["machine"]),
-            f"payload {fmt_bytes(results['payload_bytes'])}, medians over rounds "
+            f"payload {format_size(results['payload_bytes'])}, medians over rounds "
             f"(order alternating); {results['samples_taken']} memory samples taken",
             "",
             markdown_table(["telemetry", "save", "stall", "cpu", "rounds"], rows),

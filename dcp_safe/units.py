@@ -1,8 +1,13 @@
-"""Rendering quantities for messages: one spelling of a byte count everywhere."""
+"""Rendering quantities: one spelling of a byte count for messages, one for tables.
+
+Messages (errors, ``explain()``) carry the exact figure, so a user can compare it with a limit
+they set; tables and progress lines (benchmarks, the demo) carry only the rounded size, so their
+columns stay narrow.
+"""
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "format_size"]
 
 
 def format_bytes(n: int) -> str:
@@ -11,3 +16,10 @@ def format_bytes(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit} ({n} B)"
     return f"{n} B"
+
+
+def format_size(n: float) -> str:
+    """Render a byte count for tables: ``"3.00 GiB"`` from 1 GiB up, else ``"12.5 MiB"``."""
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-import psutil
 import torch
 
+from dcp_safe.bench.measure import RssSampler
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.manager.fallback import FallbackOptions
@@ -38,29 +37,13 @@ class SlowWriter(SafeStorageWriter):
         return super().write_data(plan, planner)
 
 
-class RssSampler(threading.Thread):
-    """Samples this process's RSS every 10 ms; ``peak_bytes`` is the highest seen."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak_bytes = 0
-        self.stop = threading.Event()
-        self._process = psutil.Process()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.01):
-            self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
-
-
 def main(root: str, fallback: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"model": model.state_dict()}
     budget = MemoryBudget.from_host()
-    sampler = RssSampler()
-    baseline = psutil.Process().memory_info().rss
-    sampler.start()
+    sampler = RssSampler(interval_s=0.01).start()
     manager = CheckpointManager(
         root,
         writer=SlowWriter(root),
@@ -80,8 +63,7 @@ def main(root: str, fallback: bool) -> None:
             manager.maybe_save(step, state)
             time.sleep(max(0.0, STEP_S - (time.monotonic() - step_started)))
     elapsed = time.monotonic() - started
-    sampler.stop.set()
-    sampler.join()
+    sampler.stop()
     history = manager.history()
     committed = [e["step"] for e in history if e["event"] == "committed" and e["tier"] == "local"]
     skipped = [e["step"] for e in history if e["event"] == "skipped"]
@@ -93,10 +75,11 @@ def main(root: str, fallback: bool) -> None:
     print(f"skipped: {len(skipped)} (async started {stats.started}, sync {stats.sync_saves})")
     for event in fallbacks:
         print(f"fallback at step {event['step']}: {event['reason']}")
-    print(f"peak host RSS {format_bytes(sampler.peak_bytes)} (baseline {format_bytes(baseline)})")
+    peak, baseline = format_bytes(sampler.peak_bytes), format_bytes(sampler.baseline_bytes)
+    print(f"peak host RSS {peak} (baseline {baseline})")
     print(f"budget: {budget.explain()}")
     print(f"peak stager pool {format_bytes(manager.stager.stats().peak_pool_bytes)}")
-    within = sampler.peak_bytes - baseline <= budget.envelope_bytes
+    within = sampler.peak_delta_bytes <= budget.envelope_bytes
     print(f"RSS growth within envelope = {within}")
 
 

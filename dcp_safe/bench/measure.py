@@ -5,7 +5,7 @@ figures taken in the same process run, with the contenders' order rotated from r
 (:func:`rotate`), as medians (:func:`median`). What lives here:
 
 * :func:`make_state`: a state dict of a given total size split into a given number of tensors;
-* :class:`RssSampler`: a background thread sampling this process's RSS, whose peak can be
+* :class:`RssSampler`: a background thread sampling a process's RSS, whose peak can be
   taken and reset per save;
 * :func:`describe_machine`: where a result was measured.
 """
@@ -93,44 +93,73 @@ def tensor_bytes(state: State) -> int:
 
 
 class RssSampler:
-    """Samples this process's RSS every ``interval_s`` on a thread; use as a context manager.
+    """Samples a process's RSS every ``interval_s`` on a thread; use as a context manager.
 
-    :meth:`take_peak` returns the highest RSS since the previous call (or since start) and
-    starts a new window, so one sampler serves a whole sequence of saves.
+    The one RSS sampler of ``dcp-safe bench`` and ``benchmarks/``. :meth:`take_peak` returns
+    the highest RSS since the previous call (or since start) and starts a new window, so one
+    sampler serves a whole sequence of saves; the attributes below cover the whole run.
+
+    Attributes (final after exit, which takes one last sample):
+        baseline_bytes: RSS when sampling started.
+        peak_bytes: the highest RSS seen.
+        peak_delta_bytes: ``peak_bytes - baseline_bytes`` (never negative).
+
+    Args:
+        interval_s: seconds between samples.
+        pid: the process to sample (e.g. a server child); this process when ``None``.
     """
 
-    def __init__(self, interval_s: float = 0.005) -> None:
+    def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
         self.interval_s = interval_s
-        self._process = psutil.Process()
+        self._process = psutil.Process(pid)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._peak = 0
+        self._window_peak = 0
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.baseline_bytes)
 
     def rss(self) -> int:
-        """RSS now, also counted towards the current window's peak."""
+        """RSS now, also counted towards the peaks."""
         now = int(self._process.memory_info().rss)
         with self._lock:
-            self._peak = max(self._peak, now)
+            self._window_peak = max(self._window_peak, now)
+            self.peak_bytes = max(self.peak_bytes, now)
         return now
 
     def take_peak(self) -> int:
         """The highest RSS seen in the current window; a new window starts at RSS now."""
         last = self.rss()
         with self._lock:
-            peak, self._peak = self._peak, last
+            peak, self._window_peak = self._window_peak, last
         return peak
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.rss()
 
-    def __enter__(self) -> RssSampler:
-        self._peak = self.rss()
+    def start(self) -> RssSampler:
+        """Take the baseline and start sampling."""
+        self.baseline_bytes = self._window_peak = self.peak_bytes = self.rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
         self._thread.start()
         return self
+
+    def stop(self) -> int:
+        """Stop sampling after one last sample; return :attr:`peak_bytes`."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.rss()
+        return self.peak_bytes
+
+    def __enter__(self) -> RssSampler:
+        return self.start()
 
     def __exit__(
         self,
@@ -138,9 +167,7 @@ class RssSampler:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.stop()
 
 
 def _cpu_model() -> str:

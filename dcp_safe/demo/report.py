@@ -18,6 +18,7 @@ from dcp_safe.checkpoints.catalog import CheckpointInfo
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manager import ManagerStats
 from dcp_safe.staging import MemoryBudget
+from dcp_safe.units import format_size
 
 __all__ = ["DemoReport", "SaveRecord", "raise_if_failed", "render", "summary_lines"]
 
@@ -126,7 +127,7 @@ def _stall_lines(report: DemoReport) -> list[str]:
     sync = _upper_median([r.sync_s for r in done])
     stall = _upper_median([r.async_stall_s for r in done])
     return [
-        f"state per save: {_mib(report.bytes_per_save)} (model + AdamW state)",
+        f"state per save: {format_size(report.bytes_per_save)} (model + AdamW state)",
         f"training stall, median of {len(done)} saves: {_ms(stall)} async"
         f" vs {_ms(sync)} for a synchronous save ({sync / stall:.1f}x less)",
     ]
@@ -134,21 +135,22 @@ def _stall_lines(report: DemoReport) -> list[str]:
 
 def _memory_lines(report: DemoReport) -> list[str]:
     lines = [
-        f"host memory ({report.memory_source}): RSS {_mib(report.rss_before_bytes)} before"
-        f" training, peak {_mib(report.rss_peak_bytes)}"
-        f" (+{_mib(report.rss_peak_bytes - report.rss_before_bytes)}; includes the synchronous"
-        " baseline saves, upload buffers and, without --remote, the S3 server's stored objects)",
+        f"host memory ({report.memory_source}): RSS {format_size(report.rss_before_bytes)} before"
+        f" training, peak {format_size(report.rss_peak_bytes)}"
+        f" (+{format_size(report.rss_peak_bytes - report.rss_before_bytes)}; includes the"
+        " synchronous baseline saves, upload buffers and, without --remote, the S3 server's"
+        " stored objects)",
     ]
     if report.budget is not None:
         envelope = report.budget.envelope_bytes
         share = report.pool_peak_bytes / envelope if envelope else float("inf")
         lines.append(
-            f"staging pool peak {_mib(report.pool_peak_bytes)} (reused across saves) ="
+            f"staging pool peak {format_size(report.pool_peak_bytes)} (reused across saves) ="
             f" {share:.2%} of the staging budget: {report.budget.explain()}"
         )
         lines.append(
-            f"host MemAvailable never fell below {_mib(report.host_available_min_bytes)}"
-            f" (the budget's reserve: {_mib(report.budget.reserve)})"
+            f"host MemAvailable never fell below {format_size(report.host_available_min_bytes)}"
+            f" (the budget's reserve: {format_size(report.budget.reserve)})"
         )
     return lines
 
@@ -195,9 +197,3 @@ def _upper_median(values: list[float]) -> float:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
-
-
-def _mib(n: int) -> str:
-    if abs(n) >= 1 << 30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB"
