@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
         "torch_compat",
         "untrusted",
         "topology",
+        "host_memory",
+        "periodic",
     ),
     ("manifest",),
     ("backends",),

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import psutil
 import torch
 
+from dcp_safe.periodic import Periodic
+
 __all__ = [
     "MIB",
     "RssSampler",
@@ -112,9 +114,8 @@ class RssSampler:
     def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
         self.interval_s = interval_s
         self._process = psutil.Process(pid)
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._periodic: Periodic | None = None
         self._window_peak = 0
         self.baseline_bytes = 0
         self.peak_bytes = 0
@@ -138,23 +139,16 @@ class RssSampler:
             peak, self._window_peak = self._window_peak, last
         return peak
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.rss()
-
     def start(self) -> RssSampler:
         """Take the baseline and start sampling."""
         self.baseline_bytes = self._window_peak = self.peak_bytes = self.rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
-        self._thread.start()
+        self._periodic = Periodic(self.rss, self.interval_s, name="bench-rss").start()
         return self
 
     def stop(self) -> int:
         """Stop sampling after one last sample; return :attr:`peak_bytes`."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._periodic is not None:
+            self._periodic.stop()
         self.rss()
         return self.peak_bytes
 

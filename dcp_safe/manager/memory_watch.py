@@ -4,7 +4,7 @@ The automatic fallback's memory trigger asks, at each save request, how much mem
 has available. Sampled only then, it sees the node between saves, when staging holds least,
 and misses the dips a save itself causes. So a daemon thread samples every ``interval_s`` from
 the same cgroup-aware source as the stager's budget
-(:func:`dcp_safe.staging.budget.available_bytes_now`) and :meth:`MemoryWatch.lowest` returns
+(:func:`dcp_safe.host_memory.available_bytes_now`) and :meth:`MemoryWatch.lowest` returns
 the lowest reading since the previous call (a fresh reading when none was taken meanwhile).
 """
 
@@ -14,7 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from dcp_safe.staging.budget import available_bytes_now
+from dcp_safe.host_memory import available_bytes_now
+from dcp_safe.periodic import Periodic
 
 __all__ = ["MemoryWatch"]
 
@@ -36,11 +37,7 @@ class MemoryWatch:
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._lowest: int | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="dcp_safe-fallback-watch", daemon=True
-        )
-        self._thread.start()
+        self._periodic = Periodic(self._tick, interval_s, name="dcp_safe-fallback-watch").start()
 
     def lowest(self) -> int | None:
         """The lowest reading since the last call (``None``: the host does not say)."""
@@ -53,17 +50,14 @@ class MemoryWatch:
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self._periodic.stop(timeout_s=5)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            reading = self._read()
-            if reading is None:
-                continue
-            with self._lock:
-                self._lowest = reading if self._lowest is None else min(self._lowest, reading)
+    def _tick(self) -> None:
+        reading = self._read()
+        if reading is None:
+            return
+        with self._lock:
+            self._lowest = reading if self._lowest is None else min(self._lowest, reading)
 
     def _read(self) -> int | None:
         try:

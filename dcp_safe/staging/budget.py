@@ -28,9 +28,9 @@ bytes with this rank's ``envelope_bytes``, so the share is never understated by 
 Why a snapshot and not a live reading: the stager's own buffers lower ``MemAvailable``, so a live
 reading would count them twice and shrink the budget as the pool warms up. The budget is taken
 once (``from_host``), before the pool exists; the stager then accounts its own bytes exactly.
-Only :meth:`MemoryBudget.from_host` and :func:`available_bytes_now` touch the host (and
-``from_host`` reads ``LOCAL_WORLD_SIZE``); everything else is pure and thread-free (the unit tests
-need neither torch nor threads).
+Only :meth:`MemoryBudget.from_host` touches the host, through :mod:`dcp_safe.host_memory` (which
+also provides :func:`available_bytes_now`, re-exported here), and reads ``LOCAL_WORLD_SIZE``;
+everything else is pure and thread-free (the unit tests need neither torch nor threads).
 """
 
 from __future__ import annotations
@@ -38,15 +38,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
+from dcp_safe.host_memory import available_bytes_now, read_host
 from dcp_safe.units import format_bytes
 
 __all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes"]
 
-# cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
-_NO_LIMIT_BYTES = 1 << 60
 # Shares are held as exact fractions for the arithmetic: 1/7 stays 1/7, not 0.142857...
 _SHARE_MAX_DENOMINATOR = 1 << 20
 _LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
@@ -301,7 +299,7 @@ class MemoryBudget:
                 ``(0, 1]``, or ``LOCAL_WORLD_SIZE`` is set but not a positive integer.
         """
         rank_share, share_source = _resolve_share(local_world_size, share)
-        usable, source, available = _read_host(Path(cgroup_root), Path(proc_self_cgroup))
+        usable, source, available = read_host(cgroup_root, proc_self_cgroup)
         return cls(
             usable_bytes=usable,
             training_peak_bytes=training_peak_bytes,
@@ -313,42 +311,6 @@ class MemoryBudget:
             share=rank_share,
             share_source=share_source,
         )
-
-
-def available_bytes_now(
-    *,
-    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
-    proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
-) -> int:
-    """Memory available to this node (or container) now, from the source ``from_host`` uses.
-
-    When a cgroup memory limit binds (below ``MemTotal``), this is the smaller of the cgroup's
-    headroom (``limit - usage + inactive_file``) and psutil's ``available``; otherwise psutil's
-    ``available``. It is a node-wide figure: compare it with a budget's ``node_reserve``, not
-    with the per-rank ``reserve``.
-
-    Args:
-        cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
-        proc_self_cgroup: this process's cgroup membership file.
-
-    Returns:
-        Available bytes, never negative.
-    """
-    return _read_host(Path(cgroup_root), Path(proc_self_cgroup))[2]
-
-
-def _read_host(cgroup_root: Path, proc_self_cgroup: Path) -> tuple[int, str, int]:
-    """``(usable_bytes, source, available_bytes)`` of this host or its binding cgroup, now."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    limit = _cgroup_limit(cgroup_root, proc_self_cgroup)
-    usable, source, available = int(vm.total), "MemTotal", int(vm.available)
-    if limit is not None and limit.limit_bytes < usable:
-        usable, source = limit.limit_bytes, limit.source
-        if limit.available_bytes is not None:
-            available = min(available, limit.available_bytes)
-    return usable, source, max(0, available)
 
 
 def _check_share(share: object) -> None:
@@ -400,74 +362,3 @@ def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[f
             " or share= to MemoryBudget.from_host()"
         )
     return 1 / ranks, f"{_LOCAL_WORLD_SIZE}={ranks}"
-
-
-@dataclass(frozen=True)
-class _CgroupLimit:
-    limit_bytes: int
-    source: str
-    available_bytes: int | None
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _inactive_file(stat_path: Path) -> int:
-    # Inactive page cache is reclaimable, so it counts as available, as MemAvailable does.
-    try:
-        for line in stat_path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("inactive_file", "total_inactive_file"):
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _cgroup_limit(root: Path, proc_self_cgroup: Path) -> _CgroupLimit | None:
-    """The tightest memory limit on this process's cgroup (v2, else v1), or None if unlimited."""
-    try:
-        lines = proc_self_cgroup.read_text().splitlines()
-    except OSError:
-        lines = []
-    v2_rel: str | None = None
-    v1_rel: str | None = None
-    for line in lines:
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        if fields[0] == "0" and fields[1] == "":
-            v2_rel = fields[2]
-        elif "memory" in fields[1].split(","):
-            v1_rel = fields[2]
-    candidates: list[tuple[Path, str, str, str, str]] = []
-    if v2_rel is not None:
-        for d in _self_and_ancestors(root, v2_rel):
-            candidates.append((d, "memory.max", "memory.current", "memory.stat", "v2"))
-    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
-        for d in _self_and_ancestors(root / "memory", rel):
-            candidates.append(
-                (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "v1")
-            )
-    best: _CgroupLimit | None = None
-    for directory, limit_name, usage_name, stat_name, version in candidates:
-        limit = _read_int(directory / limit_name)
-        if limit is None or limit >= _NO_LIMIT_BYTES:
-            continue
-        if best is not None and best.limit_bytes <= limit:
-            continue
-        usage = _read_int(directory / usage_name)
-        available = None if usage is None else limit - usage + _inactive_file(directory / stat_name)
-        source = f"cgroup {version} {limit_name} at {directory}"
-        best = _CgroupLimit(limit, source, available)
-    return best
-
-
-def _self_and_ancestors(root: Path, rel: str) -> list[Path]:
-    parts = [p for p in rel.strip("/").split("/") if p]
-    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from types import TracebackType
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.periodic import Periodic
 from dcp_safe.telemetry.sources import ProcReader
 
 __all__ = ["MemorySample", "MemorySampler", "anchored_clock"]
@@ -135,32 +136,29 @@ class MemorySampler:
         self._clock = clock or anchored_clock()
         self._samples: deque[MemorySample] = deque(maxlen=max_samples)
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._busy = 0
-        self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._periodic: Periodic | None = None
 
     # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> MemorySampler:
         """Take a first sample now and start the thread (no-op when running)."""
         with self._lock:
-            if self._thread is not None:
+            if self._periodic is not None:
                 return self
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="dcp_safe-memory", daemon=True)
+            self._periodic = periodic = Periodic(
+                self.sample_now, self._interval_s, name="dcp_safe-memory"
+            )
         self.sample_now()
-        self._thread.start()
+        periodic.start()
         return self
 
     def stop(self) -> None:
         """Stop the thread after one last sample (no-op when stopped)."""
-        with self._wake:
-            thread, self._thread = self._thread, None
-            self._stopping = True
-            self._wake.notify_all()
-        if thread is not None:
-            thread.join()
+        with self._lock:
+            periodic, self._periodic = self._periodic, None
+        if periodic is not None:
+            periodic.stop()
             self.sample_now()
 
     def __enter__(self) -> MemorySampler:
@@ -178,13 +176,15 @@ class MemorySampler:
 
     def mark_busy(self) -> None:
         """Sample at ``busy_interval_s`` until the matching :meth:`mark_idle`."""
-        with self._wake:
+        with self._lock:
             self._busy += 1
-            self._wake.notify_all()
+            periodic = self._periodic
+        if periodic is not None:  # woken early when a save starts, so its first ms are sampled
+            periodic.wake()
 
     def mark_idle(self) -> None:
         """Undo one :meth:`mark_busy`."""
-        with self._wake:
+        with self._lock:
             self._busy = max(0, self._busy - 1)
 
     @contextmanager
@@ -252,15 +252,6 @@ class MemorySampler:
         with self._lock:
             return len(self._samples)
 
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                interval = self.busy_interval_s if self._busy else self.idle_interval_s
-                self._wait(interval, self._busy)
-                if self._stopping:
-                    return
-            self.sample_now()
-
-    def _wait(self, interval: float, busy_before: int) -> None:
-        # Woken early when a save starts, so its first milliseconds are sampled.
-        self._wake.wait_for(lambda: self._stopping or self._busy > busy_before, timeout=interval)
+    def _interval_s(self) -> float:
+        # Read without the lock: Periodic calls this under its own, and mark_busy wakes it.
+        return self.busy_interval_s if self._busy else self.idle_interval_s

@@ -1,5 +1,7 @@
 """Reading memory figures from ``/proc`` and the cgroup file system, each one optional.
 
+Where the cgroup's files are is :mod:`dcp_safe.host_memory`'s to say; this module reads them.
+
 This module owns the parsing: one function per file, each returning ``None`` for what the file
 does not have (or when the file is missing or unreadable), never raising. Roots are parameters so
 tests point them at a fake tree, and so a container's own mount points can be named.
@@ -16,22 +18,15 @@ import os
 import re
 import threading
 import weakref
-from dataclasses import dataclass
 
-__all__ = ["CgroupFiles", "ProcReader", "find_cgroup_files"]
+from dcp_safe.host_memory import find_cgroup_files
+
+__all__ = ["ProcReader"]
 
 _KIB = 1024
 
 
 _READ_BYTES = 1 << 16  # every file read here is a few KiB
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 class _Files:
@@ -90,55 +85,6 @@ def _fields(text: str | None, pattern: re.Pattern[str], unit: int = 1) -> dict[s
     if not text:
         return {}
     return {key: int(value) * unit for key, value in pattern.findall(text)}
-
-
-@dataclass(frozen=True)
-class CgroupFiles:
-    """The memory files of this process's cgroup (``None`` where there is none)."""
-
-    current: str | None
-    peak: str | None
-
-
-def find_cgroup_files(proc_root: str, cgroup_root: str) -> CgroupFiles:
-    """Locate this process's cgroup memory files: v2 first, then v1.
-
-    ``/proc/self/cgroup`` names the cgroup relative to the hierarchy's root; inside a container
-    with its own cgroup namespace that is ``/``, so the root's files are this cgroup's.
-    """
-    lines = (_read(os.path.join(proc_root, "self", "cgroup")) or "").splitlines()
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            base = _existing_dir(cgroup_root, path)
-            if base is not None and os.path.exists(os.path.join(base, "memory.current")):
-                return CgroupFiles(
-                    os.path.join(base, "memory.current"), _if_exists(base, "memory.peak")
-                )
-    for line in lines:
-        _, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if "memory" in controllers.split(","):
-            base = _existing_dir(os.path.join(cgroup_root, "memory"), path)
-            if base is not None:
-                return CgroupFiles(
-                    _if_exists(base, "memory.usage_in_bytes"),
-                    _if_exists(base, "memory.max_usage_in_bytes"),
-                )
-    return CgroupFiles(None, None)
-
-
-def _existing_dir(root: str, rel: str) -> str | None:
-    nested = os.path.join(root, rel.lstrip("/"))
-    if os.path.isdir(nested):
-        return nested
-    return root if os.path.isdir(root) else None
-
-
-def _if_exists(base: str, name: str) -> str | None:
-    path = os.path.join(base, name)
-    return path if os.path.exists(path) else None
 
 
 class ProcReader:

@@ -1,0 +1,216 @@
+"""Reading this host's memory, or its binding cgroup's, from ``/proc`` and the cgroup files.
+
+This module owns where memory figures come from: the cgroup this process is charged to (v2
+first, then v1, named by ``/proc/self/cgroup``), the tightest limit on it or its ancestors, and
+the available memory that limit leaves. The staging budget sizes its envelope from it
+(:func:`read_host`), the manager's fallback watches it (:func:`available_bytes_now`), and
+telemetry samples the cgroup's usage files (:func:`find_cgroup_files`). Roots are parameters so
+tests point them at a fake tree, and so a container's own mount points can be named.
+
+Why the cgroup and not only ``MemAvailable``: inside a container with a memory limit the
+kernel's OOM killer acts on the cgroup's charge, which ``/proc/meminfo`` (the host's) does not
+show.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CgroupFiles",
+    "CgroupLimit",
+    "available_bytes_now",
+    "cgroup_limit",
+    "find_cgroup_files",
+    "read_host",
+]
+
+# cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
+_NO_LIMIT_BYTES = 1 << 60
+
+
+def _memberships(text: str) -> tuple[str | None, str | None]:
+    """``(v2 path, v1 memory path)`` of this process's cgroups, from ``/proc/self/cgroup``.
+
+    Each path is relative to its hierarchy's root; inside a container with its own cgroup
+    namespace it is ``/``, so the root's files are this cgroup's.
+    """
+    v2: str | None = None
+    v1: str | None = None
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if fields[0] == "0" and fields[1] == "" and v2 is None:
+            v2 = fields[2]
+        elif "memory" in fields[1].split(",") and v1 is None:
+            v1 = fields[2]
+    return v2, v1
+
+
+def _read_text(path: str | os.PathLike[str]) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+# -- the limit and what it leaves (the staging budget, the fallback) ----------------------------
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """The tightest memory limit on this process's cgroup.
+
+    Attributes:
+        limit_bytes: the limit.
+        source: which file set it, for ``explain()``.
+        available_bytes: ``limit - usage + inactive_file`` (``None`` when usage is unreadable).
+    """
+
+    limit_bytes: int
+    source: str
+    available_bytes: int | None
+
+
+def read_host(
+    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+    proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+) -> tuple[int, str, int]:
+    """``(usable_bytes, source, available_bytes)`` of this host or its binding cgroup, now.
+
+    Usable RAM is the cgroup limit when one is set and below ``MemTotal``, else ``MemTotal``;
+    available is then the smaller of the cgroup's headroom and psutil's ``available``, never
+    negative.
+    """
+    import psutil
+
+    vm = psutil.virtual_memory()
+    limit = cgroup_limit(cgroup_root, proc_self_cgroup)
+    usable, source, available = int(vm.total), "MemTotal", int(vm.available)
+    if limit is not None and limit.limit_bytes < usable:
+        usable, source = limit.limit_bytes, limit.source
+        if limit.available_bytes is not None:
+            available = min(available, limit.available_bytes)
+    return usable, source, max(0, available)
+
+
+def available_bytes_now(
+    *,
+    cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
+    proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+) -> int:
+    """Memory available to this node (or container) now, from the source the budget uses.
+
+    When a cgroup memory limit binds (below ``MemTotal``), this is the smaller of the cgroup's
+    headroom (``limit - usage + inactive_file``) and psutil's ``available``; otherwise psutil's
+    ``available``. It is a node-wide figure: compare it with a budget's ``node_reserve``, not
+    with the per-rank ``reserve``.
+
+    Args:
+        cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
+        proc_self_cgroup: this process's cgroup membership file.
+
+    Returns:
+        Available bytes, never negative.
+    """
+    return read_host(cgroup_root, proc_self_cgroup)[2]
+
+
+def cgroup_limit(
+    cgroup_root: str | os.PathLike[str], proc_self_cgroup: str | os.PathLike[str]
+) -> CgroupLimit | None:
+    """The tightest memory limit on this process's cgroup (v2, else v1), or None if unlimited."""
+    root = Path(cgroup_root)
+    v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
+    candidates: list[tuple[Path, str, str, str, str]] = []
+    if v2_rel is not None:
+        for d in _self_and_ancestors(root, v2_rel):
+            candidates.append((d, "memory.max", "memory.current", "memory.stat", "v2"))
+    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
+        for d in _self_and_ancestors(root / "memory", rel):
+            candidates.append(
+                (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "v1")
+            )
+    best: CgroupLimit | None = None
+    for directory, limit_name, usage_name, stat_name, version in candidates:
+        limit = _read_int(directory / limit_name)
+        if limit is None or limit >= _NO_LIMIT_BYTES:
+            continue
+        if best is not None and best.limit_bytes <= limit:
+            continue
+        usage = _read_int(directory / usage_name)
+        available = None if usage is None else limit - usage + _inactive_file(directory / stat_name)
+        source = f"cgroup {version} {limit_name} at {directory}"
+        best = CgroupLimit(limit, source, available)
+    return best
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _inactive_file(stat_path: Path) -> int:
+    # Inactive page cache is reclaimable, so it counts as available, as MemAvailable does.
+    try:
+        for line in stat_path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _self_and_ancestors(root: Path, rel: str) -> list[Path]:
+    parts = [p for p in rel.strip("/").split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+# -- the usage files (telemetry) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CgroupFiles:
+    """The memory files of this process's cgroup (``None`` where there is none)."""
+
+    current: str | None
+    peak: str | None
+
+
+def find_cgroup_files(proc_root: str, cgroup_root: str) -> CgroupFiles:
+    """Locate this process's cgroup usage files: v2 first, then v1."""
+    v2_rel, v1_rel = _memberships(_read_text(os.path.join(proc_root, "self", "cgroup")))
+    if v2_rel is not None:
+        base = _existing_dir(cgroup_root, v2_rel)
+        if base is not None and os.path.exists(os.path.join(base, "memory.current")):
+            return CgroupFiles(
+                os.path.join(base, "memory.current"), _if_exists(base, "memory.peak")
+            )
+    if v1_rel is not None:
+        base = _existing_dir(os.path.join(cgroup_root, "memory"), v1_rel)
+        if base is not None:
+            return CgroupFiles(
+                _if_exists(base, "memory.usage_in_bytes"),
+                _if_exists(base, "memory.max_usage_in_bytes"),
+            )
+    return CgroupFiles(None, None)
+
+
+def _existing_dir(root: str, rel: str) -> str | None:
+    nested = os.path.join(root, rel.lstrip("/"))
+    if os.path.isdir(nested):
+        return nested
+    return root if os.path.isdir(root) else None
+
+
+def _if_exists(base: str, name: str) -> str | None:
+    path = os.path.join(base, name)
+    return path if os.path.exists(path) else None

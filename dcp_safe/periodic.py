@@ -1,0 +1,70 @@
+"""``Periodic``: one daemon thread that calls a function every interval until stopped.
+
+Every background sampler of the package (telemetry's memory sampler, the fallback's memory
+watch, the benchmarks' RSS sampler) is this loop around its own reading, so the loop, its
+early wake-up and its shutdown are written once. The interval is read again before every wait,
+so a sampler can change pace (fast during a save, slow otherwise), and :meth:`Periodic.wake`
+cuts the current wait short, so a change of pace takes effect at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["Periodic"]
+
+
+class Periodic:
+    """Calls ``tick`` on a daemon thread every ``interval_s`` seconds until :meth:`stop`.
+
+    The first call comes one interval after :meth:`start`; an exception from ``tick`` ends the
+    thread (callers that must keep sampling catch their own).
+
+    Args:
+        tick: what to do each time (what it returns is ignored).
+        interval_s: seconds between calls, or a function read before every wait.
+        name: the thread's name.
+    """
+
+    def __init__(
+        self, tick: Callable[[], object], interval_s: float | Callable[[], float], *, name: str
+    ) -> None:
+        self._tick = tick
+        self._interval = interval_s if callable(interval_s) else (lambda: interval_s)
+        self._wake = threading.Condition()
+        self._woken = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Periodic:
+        """Start the thread (once)."""
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        """End the current wait now: the next call comes at once."""
+        with self._wake:
+            self._woken = True
+            self._wake.notify_all()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop the thread and wait for it (not when called from ``tick``); idempotent.
+
+        Args:
+            timeout_s: how long to wait for a ``tick`` in progress; ``None``: as long as it takes.
+        """
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopping or self._woken, self._interval())
+                if self._stopping:
+                    return
+                self._woken = False
+            self._tick()
