@@ -26,8 +26,8 @@ Anything else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` naming the 
 and what was refused, unless the caller trusts the root (``allow_pickle=True``).
 
 It lives in this layer, below the DCP adapters, so that deep verification
-(:mod:`dcp_safe.checkpoints.loadable`) applies the very checks a load applies;
-:mod:`dcp_safe.dcp.unpickle` is the name the readers import it by.
+(:mod:`dcp_safe.checkpoints.loadable`) applies the very checks a load applies; the readers
+import it from here.
 """
 
 from __future__ import annotations

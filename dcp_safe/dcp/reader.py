@@ -45,10 +45,10 @@ from dcp_safe.checkpoints.items import (
     tensor_item_bound,
 )
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
+from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.dcp.tensor_reads import read_known_tensor
 from dcp_safe.dcp.tensor_records import layout_for
-from dcp_safe.dcp.unpickle import sanitized_object_stream
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -77,7 +77,7 @@ class SafeStorageReader(StorageReader):
             plain data is read from its ``.metadata`` pickle. By default (``False``) nothing is
             unpickled but plain data and tensors made of their own items' bytes, and anything
             else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` (see
-            :mod:`dcp_safe.dcp.unpickle`).
+            :mod:`dcp_safe.checkpoints.restricted`).
         signing_key: accept only checkpoints signed with this key (as ``SafeStorageWriter``
             takes it; default ``$DCP_SAFE_SIGNING_KEY``): an unsigned one raises
             :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
