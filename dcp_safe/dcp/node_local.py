@@ -11,8 +11,9 @@ The steps, the node cache, the backpressure and why it is built this way: docs/a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import threading
+import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,6 @@ from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
 from dcp_safe.errors import (
     CommitError,
     ConfigError,
-    ReplicationTimeoutError,
 )
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.rank_upload import (
@@ -46,11 +46,10 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     upload_rank_part,
 )
+from dcp_safe.replication.single_flight import SingleFlight
 from dcp_safe.topology import Root, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
-
-_KEEP_DONE = 16  # finished futures kept for replication()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +118,7 @@ class NodeLocalWriter(SafeStorageWriter):
         self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
         self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
-        self._uploads: dict[str, Future[Manifest]] = {}
-        self._commits: dict[str, Future[Manifest]] = {}
+        self._workers: tuple[SingleFlight, SingleFlight] | None = None
 
     @property
     def remote_backend(self) -> Backend:
@@ -165,7 +163,8 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
         """This rank's files are written on its node: upload them in the background."""
-        self._start(self._uploads, self._upload_and_publish, self._require_name(), assignment)
+        name = self._require_name()
+        self._uploads.submit(name, functools.partial(self._upload_and_publish, name, assignment))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Start the remote commit in the background (coordinator only); publishes nothing here."""
@@ -173,7 +172,8 @@ class NodeLocalWriter(SafeStorageWriter):
         if assignment is None:
             raise ConfigError("finish() called before write_data()")
         name = self._require_name()
-        self._start(self._commits, self._commit_remote, name, assignment, metadata, results)
+        commit = functools.partial(self._commit_remote, name, assignment, metadata, results)
+        self._commits.submit(name, commit)
 
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
         """A future that resolves once ``name`` is committed on the remote (and, on the rank that
@@ -183,8 +183,8 @@ class NodeLocalWriter(SafeStorageWriter):
         (DCP's checkpoint process did the work) it watches the remote marker.
         """
         name = layout.validate_name(name)
-        if name in self._uploads:
-            return self._uploads[name]
+        with contextlib.suppress(KeyError):
+            return self._uploads.future(name)
         return watch_for_commit(
             self.remote_backend,
             name,
@@ -197,23 +197,51 @@ class NodeLocalWriter(SafeStorageWriter):
 
         Raises:
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
-            BaseException: the first failed upload or remote commit, as it was raised.
+            BaseException: the first failed remote commit or upload, as it was raised.
         """
-        futures = [*self._commits.values(), *self._uploads.values()]
-        _, running = wait(futures, timeout=timeout_s)
-        if running:
-            raise ReplicationTimeoutError(
-                f"{len(running)} node-local uploads or commits still running after {timeout_s} s"
-            )
-        for future in futures:
-            future.result()
+        if self._workers is None:
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for worker in self._workers:  # a timeout here leaves the work going on, and the workers
+            worker.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        failures: list[BaseException] = []
+        for worker in self._workers:
+            try:
+                worker.close(0)  # drained: it raises only a failure nobody retrieved
+            except BaseException as exc:  # raised below, once both are closed
+                failures.append(exc)
+        commits, uploads = self._workers
+        self._workers = None  # drained: a later save starts fresh workers
+        if failures:
+            raise failures[0]
+        commits.raise_first_failure()
+        uploads.raise_first_failure()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_uploads"], state["_commits"] = {}, {}  # futures of this process's threads
+        state["_workers"] = None  # this process's threads
         return state
 
     # ----------------------------------------------------------------- background work
+
+    @property
+    def _commits(self) -> SingleFlight:
+        return self._started()[0]
+
+    @property
+    def _uploads(self) -> SingleFlight:
+        return self._started()[1]
+
+    def _started(self) -> tuple[SingleFlight, SingleFlight]:
+        """Rank 0's remote commits and this rank's uploads: one worker each, since an upload
+        waits for the remote commit, which waits for every rank's upload."""
+        if self._workers is None:
+            url = self.remote_backend.url
+            self._workers = (
+                SingleFlight(f"remote commit on {url}", thread_name="dcp_safe-node-commit"),
+                SingleFlight(f"upload to {url}", thread_name="dcp_safe-node-upload"),
+            )
+        return self._workers
 
     def _wait_for_previous_upload(self) -> None:
         """At most one upload in flight per rank: a slow remote slows saves down (DCP's
@@ -222,29 +250,7 @@ class NodeLocalWriter(SafeStorageWriter):
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
-        running = [f for f in self._uploads.values() if not f.done()]
-        _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
-        if still:
-            raise ReplicationTimeoutError(
-                f"the previous upload to {self.remote_backend.url} is still running after "
-                f"{2 * self.node_options.remote_timeout_s} s"
-            )
-
-    def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
-        future: Future[Manifest] = Future()
-        registry.pop(args[0], None)
-        registry[args[0]] = future
-        finished = [name for name, f in registry.items() if f.done()]
-        for name in finished[: max(0, len(finished) - _KEEP_DONE)]:
-            del registry[name]  # a long run keeps only the newest outcomes
-
-        def run() -> None:
-            try:
-                future.set_result(target(*args))
-            except BaseException as exc:  # the owner decides what is fatal; it reaches the future
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name=f"dcp_safe-node-{args[0]}", daemon=True).start()
+        self._uploads.wait(2 * self.node_options.remote_timeout_s)
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
         work = remote_work_dir(self.remote_backend, name, assignment.save_id)
@@ -301,11 +307,13 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
         def own_commit(wait_s: float = 0.0) -> None:
-            commit = self._commits.get(name)
-            if commit is not None:
-                wait([commit], timeout=wait_s)
-                if commit.done() and commit.exception() is not None:
-                    commit.result()  # rank 0 in this very process: its original error
+            try:
+                commit = self._commits.future(name)
+            except KeyError:
+                return  # not rank 0, or not this process's save
+            wait([commit], timeout=wait_s)
+            if commit.done() and commit.exception() is not None:
+                commit.result()  # rank 0 in this very process: its original error
 
         try:
             return await_remote_commit(
