@@ -21,13 +21,8 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def parse_choice(kind: type[E], value: object, field: str) -> E:
-    """``kind(value)``, or a :class:`~dcp_safe.errors.ConfigError` that lists the allowed values.
-
-    Args:
-        kind: the enum.
-        value: the member or its value.
-        field: the option's name, for the message.
-    """
+    """``kind(value)``, or a :class:`~dcp_safe.errors.ConfigError` that names ``field`` and
+    lists the allowed values."""
     try:
         return kind(value)
     except ValueError:
@@ -39,7 +34,6 @@ def check_agrees(options: object, given: Mapping[str, object]) -> None:
     """Raise unless every keyword in ``given`` equals the same field of ``options``.
 
     Args:
-        options: the options dataclass the caller passed.
         given: the keywords the caller set away from their defaults, normalized (enums, not
             strings) and by field name. A keyword left at its default defers to ``options``.
 

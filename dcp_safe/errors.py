@@ -161,13 +161,8 @@ class CheckpointCorruptError(DcpSafeError, ValueError):
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):
-    """A checkpoint holds what a load must not decode: a pickle that refers to more than plain
-    data (loading it would run whatever its writer put there), or an item that decodes to more
-    than the checkpoint declares (a decompression or allocation bomb).
-
-    It is refused. Pass ``allow_pickle=True`` (to ``SafeStorageReader``) only for a root you
-    trust as much as code.
-    """
+    """A pickle that refers to more than plain data, or an item that decodes to more than the
+    checkpoint declares (a decompression or allocation bomb); see docs/integrity.md."""
 
     def __init__(
         self,
@@ -186,12 +181,7 @@ class UnsafeCheckpointError(CheckpointCorruptError):
 
 
 class SignatureError(CheckpointCorruptError):
-    """A reader holding a signing key found a checkpoint its key did not sign.
-
-    The manifest, or its signature, was written by someone without the key (or with another
-    key): refused, because its checksums prove nothing then. Load it only if you trust whoever
-    can write the root; otherwise restore a checkpoint the key signed.
-    """
+    """A reader holding a signing key found a checkpoint its key did not sign."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(
@@ -203,11 +193,7 @@ class SignatureError(CheckpointCorruptError):
 
 
 class UnsignedCheckpointError(SignatureError):
-    """A reader holding a signing key found a checkpoint with no signature at all.
-
-    Written without a key (or its signature was removed). Re-save it with ``signing_key=`` to
-    sign it, or read it without a key if you trust whoever can write the root.
-    """
+    """A reader holding a signing key found a checkpoint with no signature at all."""
 
     def __init__(self, path: str, reason: str = "the checkpoint has no signature") -> None:
         CheckpointCorruptError.__init__(
@@ -257,12 +243,8 @@ class BudgetExceededError(DcpSafeError):
 
 
 class SnapshotMutatedError(DcpSafeError):
-    """Source tensors changed in place (or were resized or freed) while a save staged them.
-
-    The staged copy could mix values from before and after the change, so the save failed and
-    nothing was published. The fix is on the caller's side: wait for staging to finish
-    (``handle.staged``, ``resp.staging_completion``) before the next in-place update, or use
-    the manager's default ``staging="snapshot"``, whose ``save()`` returns after the copy.
+    """Source tensors changed in place (or were resized or freed) while a save staged them;
+    nothing was published. See docs/staging.md, "A snapshot of one moment".
 
     Attributes:
         fqns: the changed tensors' paths in the state dict.
@@ -396,11 +378,7 @@ class ReplicationTimeoutError(DcpSafeError, TimeoutError):
 
 
 class UploadTimeoutError(CommitError, ReplicationTimeoutError):
-    """Rank 0 gave up waiting for some ranks' uploads; ``failures`` names those ranks.
-
-    A :class:`CommitError` (nothing was published, and the stalled ranks are named, not rank 0
-    that reports it) and a :class:`ReplicationTimeoutError` (a bound ran out).
-    """
+    """Rank 0 gave up waiting for some ranks' uploads; ``failures`` names the stalled ranks."""
 
 
 class DrainTimeoutError(DcpSafeError, TimeoutError):

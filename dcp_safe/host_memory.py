@@ -1,15 +1,9 @@
 """Reading this host's memory, or its binding cgroup's, from ``/proc`` and the cgroup files.
 
-This module owns where memory figures come from: the cgroup this process is charged to (v2
-first, then v1, named by ``/proc/self/cgroup``), the tightest limit on it or its ancestors, and
-the available memory that limit leaves. The staging budget sizes its envelope from it
-(:func:`read_host`), the manager's fallback watches it (:func:`available_bytes_now`), and
-telemetry samples the cgroup's usage files (:func:`find_cgroup_files`). Roots are parameters so
-tests point them at a fake tree, and so a container's own mount points can be named.
-
-Why the cgroup and not only ``MemAvailable``: inside a container with a memory limit the
-kernel's OOM killer acts on the cgroup's charge, which ``/proc/meminfo`` (the host's) does not
-show.
+The cgroup this process is charged to (v2 first, then v1), the tightest limit on it or its
+ancestors, and the memory that limit leaves: inside a container the OOM killer acts on the
+cgroup's charge, which ``/proc/meminfo`` does not show. Roots are parameters, so tests and
+containers can name their own mount points.
 """
 
 from __future__ import annotations
@@ -63,13 +57,8 @@ def _read_text(path: str | os.PathLike[str]) -> str:
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    """The tightest memory limit on this process's cgroup.
-
-    Attributes:
-        limit_bytes: the limit.
-        source: which file set it, for ``explain()``.
-        available_bytes: ``limit - usage + inactive_file`` (``None`` when usage is unreadable).
-    """
+    """The tightest memory limit on this process's cgroup; ``source`` names the file that set
+    it, and ``available_bytes`` is ``limit - usage + inactive_file`` (``None``: no usage)."""
 
     limit_bytes: int
     source: str
@@ -108,14 +97,7 @@ def available_bytes_now(
     When a cgroup memory limit binds (below ``MemTotal``), this is the smaller of the cgroup's
     headroom (``limit - usage + inactive_file``) and psutil's ``available``; otherwise psutil's
     ``available``. It is a node-wide figure: compare it with a budget's ``node_reserve``, not
-    with the per-rank ``reserve``.
-
-    Args:
-        cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
-        proc_self_cgroup: this process's cgroup membership file.
-
-    Returns:
-        Available bytes, never negative.
+    with the per-rank ``reserve``. Never negative.
     """
     return read_host(cgroup_root, proc_self_cgroup)[2]
 

@@ -65,9 +65,7 @@ class SpanHandle(Protocol):
 class SpanOptions(TypedDict, total=False):
     """The keywords of :meth:`Recorder.begin`, which :meth:`Recorder.span` passes on unchanged.
 
-    Named once for every ``span`` (the protocol, :class:`NullRecorder`,
-    :class:`~dcp_safe.telemetry.Telemetry`). ``begin`` keeps them spelled out: it is what the
-    instrumented components call, and keyword parameters cost the null recorder no dict.
+    ``begin`` keeps them spelled out: keyword parameters cost the null recorder no dict.
     """
 
     save: str | None
@@ -95,10 +93,7 @@ class Recorder(Protocol):
         ...
 
     def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Any:
-        """A context manager: a span on this thread, a profiler range, ended with the outcome.
-
-        ``options`` are :meth:`begin`'s keywords (see :class:`SpanOptions`).
-        """
+        """A context manager: a span on this thread, a profiler range, ended with the outcome."""
         ...
 
     def mark(

@@ -1,10 +1,8 @@
 """``Periodic``: one daemon thread that calls a function every interval until stopped.
 
-Every background sampler of the package (telemetry's memory sampler, the fallback's memory
-watch, the benchmarks' RSS sampler) is this loop around its own reading, so the loop, its
-early wake-up and its shutdown are written once. The interval is read again before every wait,
-so a sampler can change pace (fast during a save, slow otherwise), and :meth:`Periodic.wake`
-cuts the current wait short, so a change of pace takes effect at once.
+Every background sampler of the package is this loop around its own reading. The interval is
+read again before every wait, so a sampler can change pace, and :meth:`Periodic.wake` cuts the
+current wait short, so a change of pace takes effect at once.
 """
 
 from __future__ import annotations
@@ -21,10 +19,7 @@ class Periodic:
     The first call comes one interval after :meth:`start`; an exception from ``tick`` ends the
     thread (callers that must keep sampling catch their own).
 
-    Args:
-        tick: what to do each time (what it returns is ignored).
-        interval_s: seconds between calls, or a function read before every wait.
-        name: the thread's name.
+    ``interval_s`` may be a function, read before every wait.
     """
 
     def __init__(
@@ -49,11 +44,8 @@ class Periodic:
             self._wake.notify_all()
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Stop the thread and wait for it (not when called from ``tick``); idempotent.
-
-        Args:
-            timeout_s: how long to wait for a ``tick`` in progress; ``None``: as long as it takes.
-        """
+        """Stop the thread and wait up to ``timeout_s`` (``None``: as long as it takes) for a
+        ``tick`` in progress, unless called from ``tick``; idempotent."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()

@@ -1,13 +1,10 @@
 """Text from storage, made safe to show: one helper for every message, log line and CLI line.
 
-Anyone who can write a checkpoint root chooses the names listed there and the bytes of every
-control file (a lease's save id, a marker's digest, a manifest's names). Such text reaches
-error messages, log records, history events and the terminal. Printed raw, a name holding
-``ESC ] 0 ; ... BEL`` retitles the operator's terminal, ``ESC [ 2 J`` clears it, a carriage
-return or a line separator forges a whole line of output, and a right-to-left override shows
-``gpj.exe`` as ``exe.jpg``. :func:`shown` is the one place that renders such text: every
-character a terminal or a log viewer could act on is written as its Python escape (``\\x1b``,
-``\\n``, ``\\u202e``), and the text is cut to a bound, so a 1 MiB "save id" never floods a log.
+Anyone who can write a root chooses names and control-file bytes that reach messages, logs and
+the terminal (docs/integrity.md, "Hostile storage"). Printed raw, an escape sequence retitles or
+clears the terminal, a line separator forges a line of output, a right-to-left override shows
+``gpj.exe`` as ``exe.jpg``. :func:`shown` writes every such character as its Python escape and
+cuts the text to a bound, so a 1 MiB "save id" never floods a log.
 
 Why escapes rather than dropping the characters or quoting the whole text with ``repr``: an
 escape keeps what was there visible (an operator sees that a name holds ``\\x1b``), and text
@@ -47,14 +44,8 @@ def shown(text: object, max_chars: int = MAX_SHOWN_CHARS) -> str:
     """``text`` (``str()`` of it; bytes decoded as UTF-8, undecodable bytes escaped) with
     every control, bidi and separator character escaped, cut to ``max_chars`` characters.
 
-    Args:
-        text: what storage said: a name, a path, a lease's field, an error message.
-        max_chars: the most characters of ``text`` kept; the rest is replaced by a note of
-            how many were cut.
-
-    Returns:
-        Text that is safe to log, print or record: nothing in it moves a cursor, starts a
-        new line or reorders what follows.
+    The rest past ``max_chars`` is replaced by a note of how many were cut. Nothing in the
+    result moves a cursor, starts a new line or reorders what follows.
     """
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode("utf-8", errors="surrogateescape")

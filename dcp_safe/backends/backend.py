@@ -112,10 +112,8 @@ class Backend(abc.ABC):
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         """A whole control file (a marker, a manifest, a lease), read only if it is a regular
-        file of at most ``max_bytes``: a stat comes first, so a directory, a FIFO, a device or
-        an oversized file under a control file's name is refused, never read or waited on.
-        (An object store, which holds only objects, reads the first ``max_bytes + 1`` bytes in
-        one request instead; a POSIX root checks the file it opened, with ``fstat``.)
+        file of at most ``max_bytes``: a directory, a FIFO, a device or an oversized file under
+        a control file's name is refused, never read or waited on.
 
         Raises:
             FileNotFoundError: absent.
@@ -143,8 +141,8 @@ class Backend(abc.ABC):
 
     def sizes(self, rel: str) -> dict[str, int]:
         """The size of every regular file directly under the folder ``rel``, by name, from one
-        listing where the storage lists sizes (an object store: a request per 1,000 keys, not
-        one per file). Folders and special files are left out; empty when ``rel`` is absent.
+        listing where the storage lists sizes. Folders and special files are left out; empty
+        when ``rel`` is absent.
 
         A listing is a snapshot: a caller that finds a name missing and must be sure asks
         :meth:`size` for it. This default asks :meth:`size` for every entry.

@@ -1,17 +1,11 @@
 """Local paths resolved beneath their root, one component at a time, never through a link.
 
-Whoever can write a checkpoint root can plant symbolic links in it: ``_history.jsonl`` pointing
-at a shell start-up file, ``_ATTEMPTS`` at another folder, a shard at a file only the job may
-read. Following them would let that writer choose which file outside the root a save appends
-to or a load reads. So :class:`~dcp_safe.backends.local_backend.LocalBackend` resolves every
-path here: from a descriptor of the root, each folder is opened with ``O_DIRECTORY |
-O_NOFOLLOW`` relative to the one above it, and the last component is opened, created,
-renamed or removed relative to its folder's descriptor (``O_NOFOLLOW`` where it is opened).
-A link met anywhere below the root is refused (:func:`link_refused` for a folder on the way,
-:func:`~dcp_safe.backends.backend.not_a_file` for the file itself), whatever it points to,
-and there is no window between a check and the open for one to be swapped in: what is
-checked is what was opened. The root itself is resolved as the user gave it (it may well be a
-link to a scratch disk): only what lies beneath it is storage's to choose.
+Whoever can write a root can plant links in it, to choose which file outside the root a save
+appends to or a load reads (docs/integrity.md, "Hostile storage"). So
+:class:`~dcp_safe.backends.local_backend.LocalBackend` resolves every path here: each folder is
+opened ``O_DIRECTORY | O_NOFOLLOW`` relative to the one above it, the last component relative to
+its folder's descriptor, so what is checked is what was opened. The root itself is resolved as
+the user gave it (it may well be a link to a scratch disk).
 
 The alternatives: a containment check (``realpath``, then "is it under the root?") races with
 a writer who swaps a folder for a link between the check and the open; ``openat2`` with
@@ -20,12 +14,8 @@ Linux 5.6 and is not in Python's ``os``; ``O_NOFOLLOW`` on the last component al
 every folder above it open to a link. The walk costs an ``openat`` per folder of the path (two
 or three for a checkpoint's files), small beside the I/O that follows.
 
-Walks of whole trees (:meth:`Beneath.walk`, :meth:`Beneath.remove`) are iterative and hold one
-descriptor per level. They descend at most
-:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` folders below where they start (dcp_safe
-writes two: ``<name>/_ranks/``); a deeper tree is refused as damaged
-(:func:`~dcp_safe.backends.backend.too_deep`), typed, where a recursive walk would have raised
-``RecursionError`` or run out of descriptors.
+Tree walks are iterative, one descriptor per level, and refuse a tree deeper than
+:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` as damaged instead of recursing.
 """
 
 from __future__ import annotations
@@ -57,10 +47,7 @@ class Beneath:
     """Paths relative to one local root, resolved without following links below it.
 
     Nothing is held open between calls: a descriptor of the root is opened per operation, so
-    the owner (a backend) stays picklable.
-
-    Args:
-        root: the root folder (absolute).
+    the owner (a backend) stays picklable. ``root`` is absolute.
     """
 
     def __init__(self, root: str) -> None:

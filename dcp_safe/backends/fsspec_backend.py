@@ -3,37 +3,19 @@
 Object stores cannot rename atomically, so this backend reports ``supports_atomic_rename=False``
 and the committer publishes by writing the ``_COMMITTED`` marker last, with an exclusive write.
 
-Exclusive create is reported only where it is real. On S3, s3fs's ``pipe_file(mode="create")``
-sends ``PutObject`` with ``If-None-Match: *`` (a ``412`` comes back as ``FileExistsError``), but
-an S3-compatible server (an older MinIO, a gateway) may ignore the header and overwrite; so the
-first time the flag is read, the root is probed: a probe object (``.dcp-safe-probe-<id>``) is
-created twice, and only a refused second create counts (once per server and root per process).
-On ``memory://``, whose store lives in this process, a check and a write under one lock are
-exact. fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the flag stays
-``False``, exclusive writes are best effort, and the commit takes the protocol that needs none
-(:mod:`dcp_safe.commit.lease`).
+Exclusive create is reported only where it is real: on S3 once a probe shows the server honours
+``If-None-Match`` (docs/s3.md, "How a checkpoint is committed on S3"); on ``memory://`` by a
+check and a write under one lock. fsspec's generic ``mode="create"`` is check-then-write, so
+elsewhere the flag stays ``False`` and the commit takes the protocol that needs none.
 
-Streamed writes, two ways:
+Streamed writes: S3 through s3fs as a pipelined multipart upload
+(:mod:`dcp_safe.backends.s3_upload`); other object stores stage in the file object, and a failed
+write is discarded, never closed (closing an fsspec buffered file publishes what was written);
+other file systems (``memory://`` publishes a file as soon as it is opened) write a hidden
+sibling and move it into place, so a torn write never sits under its final name.
 
-* S3 through s3fs streams a pipelined multipart upload (:mod:`dcp_safe.backends.s3_upload`): up
-  to ``max_concurrency`` parts in flight (a storage option; 4 unless set) while the next block
-  fills, in reused block buffers whose bytes are bounded (:attr:`FsspecBackend.write_buffer_bytes`,
-  for the caller's memory budget), a single ``PutObject`` for a file under one block; the upload
-  is completed only after a clean exit and aborted on any failure;
-* other object stores (``gs``, ``az``...) stage in the file object: nothing is visible until
-  the final ``close`` completes the upload. A failed write is discarded, never closed: closing an
-  fsspec buffered file flushes and publishes whatever was written, so ``discard()`` aborts the
-  multipart upload and the file is marked closed so that neither ``close`` nor ``__del__`` can
-  flush it later;
-* other file systems (``memory://`` publishes a file as soon as it is opened) write a hidden
-  sibling and move it into place after a clean exit; small files too (``write_bytes``), so that
-  a torn write never sits under its final name. Writes create their parent directory, as on an
-  object store.
-
-A wrapper file system that names the storage it wraps as ``target_fs`` (the fault-injecting
-:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets the flags and the upload path of
-that storage: a faulty S3 root keeps its conditional puts and its multipart uploads (through the
-wrapper's ``call_s3``), a faulty local root claims no atomic rename.
+A wrapper that names the storage it wraps as ``target_fs`` (the fault-injecting
+:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets that storage's flags and upload path.
 
 Directory listings are never cached on object stores (``use_listings_cache=False`` unless the
 caller says otherwise): a stale listing would make a shard another rank wrote look missing.
@@ -84,7 +66,6 @@ class FsspecBackend(Backend):
     """A root on any fsspec file system, addressed by URL.
 
     Args:
-        url: the root, e.g. ``s3://bucket/run7`` or ``memory://scratch``.
         storage_options: passed to fsspec (credentials, ``endpoint_url``, ...). On S3,
             ``max_concurrency`` (s3fs's per-file transfer concurrency) is also the number of
             parts each streamed upload keeps in flight (default 4) and ``default_block_size``
@@ -105,13 +86,12 @@ class FsspecBackend(Backend):
         self.storage_options = dict(storage_options or {})
         self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
         options = dict(self.storage_options)
-        if self.object_store:
+        if self.object_store:  # a stale listing would hide a shard another rank wrote
             options.setdefault("use_listings_cache", False)
         fs, root = url_to_fs(url, **options)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root = root.rstrip("/")
-        # A wrapper (the fault-injecting file system) claims nothing of its own: the storage
-        # underneath decides what the backend can rely on.
+        # A wrapper claims nothing of its own: the storage underneath decides.
         target = _target_of(fs)
         self.object_store = (
             self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
@@ -199,10 +179,8 @@ class FsspecBackend(Backend):
 
     @property
     def write_buffer_bytes(self) -> int | None:
-        """The most host bytes one :meth:`open_write` file holds in part buffers, for a memory
-        budget: ``(max_concurrency + 1) * default_block_size`` on S3 (through s3fs); 0 where
-        writes go straight to a file; None on other object stores, whose fsspec file buffers
-        on its own account."""
+        """The most host bytes one :meth:`open_write` file holds in part buffers (docs/s3.md,
+        "Memory"); 0 where writes go straight to a file; None where fsspec buffers unseen."""
         if self._multipart:
             return upload_buffer_bytes(block_size_of(_target_of(self.fs)), self._parts_in_flight)
         return None if self.object_store else 0
@@ -339,10 +317,8 @@ class FsspecBackend(Backend):
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
         if not self.object_store:
-            # A file system with special files (local files through fsspec, a faulty local
-            # root): opening a FIFO would wait for a writer and a device never ends, so stat
-            # first and refuse anything but a regular file, as read_small does. Object stores
-            # hold only objects; a stat there would cost a request per file.
+            # Opening a FIFO would wait for a writer and a device never ends; object stores
+            # hold only objects, so only file systems with special files pay this stat.
             found = self.stat(rel)
             if found.kind != "file":
                 raise not_a_file(self.full_path(rel), found.kind)

@@ -1,12 +1,9 @@
 """File sizes from folder listings: one request per folder, a lone ``size`` only for a gap.
 
-This module owns the "listed, or else asked" rule every check of a checkpoint's sizes follows
-(the coordinator before it publishes, quick verification after a save, replication after an
-upload). Sizing N files one ``size`` call each is N requests on an object store (a HEAD per
-file: thousands at thousands of ranks), while :meth:`Backend.sizes` sizes a whole folder from
-one listing (a request per 1,000 keys). A listing is a snapshot, though, and on some stores an
-eventually consistent one: a name it lacks is asked for on its own before anyone calls the file
-missing, so a missing file's error stays what a lone ``size`` call would have raised.
+The "listed, or else asked" rule every size check of a checkpoint follows: a listing costs a
+request per 1,000 keys where a ``size`` per file costs a HEAD each. A listing is a snapshot,
+possibly eventually consistent, so a name it lacks is asked for on its own before the file is
+called missing (the error stays what a lone ``size`` would raise).
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ class ListedSizes:
     """Sizes of files under ``base``, each folder listed once, on first use.
 
     Args:
-        backend: where the files are.
         base: the folder that the relative paths given to :meth:`size` start from.
         lister: lists one folder (a path relative to the backend's root) as ``{name: size}``;
             :meth:`Backend.sizes` by default. A caller that lists folders ahead (in parallel)

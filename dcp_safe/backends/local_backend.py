@@ -4,18 +4,10 @@ fsspec's ``LocalFileSystem`` would work, but its ``mv`` is not a single ``rename
 hides ``fileno()`` behind a wrapper; a checkpoint commit needs exactly rename, fsync of files and
 fsync of the parent directory, so this backend calls them directly.
 
-Every path is resolved by :class:`~dcp_safe.backends.beneath.Beneath`: folder by folder from a
-descriptor of the root, never through a symbolic link (a link met below the root is refused as
-damage, typed), so no read or write of this backend lands outside its root, whatever a writer
-of the root planted there (``dcp_safe.backends.beneath`` says why a walk and not a check).
-Files are replaced by a rename (``write_bytes``), never rewritten in place, so a file with
-other hard links is never written through; an append (the history) refuses such a file.
-
-``renameat2(RENAME_NOREPLACE)`` publishes without ever replacing a committed checkpoint, and
-``RENAME_EXCHANGE`` replaces one atomically (``overwrite=True``). Where the kernel or file system
-lacks them, plain ``rename(2)`` publishes (it refuses a non-empty target, and a committed
-checkpoint is never empty), but replacing is refused: two renames would leave a window in which
-the name holds no checkpoint at all.
+Every path is resolved by :class:`~dcp_safe.backends.beneath.Beneath`, never through a link.
+Files are replaced by a rename, never rewritten in place, so a file with other hard links is
+never written through; an append (the history) refuses such a file. How ``renameat2`` publishes
+and why plain ``rename(2)`` may not replace: docs/architecture.md, "How a root publishes".
 """
 
 from __future__ import annotations
@@ -134,10 +126,8 @@ class LocalBackend(Backend):
         return fd
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
-        # One open, one fstat, one read: the open is non-blocking (a FIFO never waits) and the
-        # checks look at what was opened, so nothing can be swapped in between. The buffer is
-        # the file's size, not max_bytes: a buffered read(max_bytes + 1) would allocate the
-        # whole cap (256 MiB for a manifest) once per file.
+        # The checks look at what was opened, so nothing can be swapped in between. The buffer
+        # is the file's size: a read(max_bytes + 1) would allocate the whole cap per file.
         path = self._abs(rel)
         fd = self._open_regular(rel)
         try:

@@ -1,18 +1,10 @@
 """Retrying transient storage failures: the policy, the classifier and the loop.
 
-Object stores fail in two ways. Some failures say nothing about the request — a ``500
-InternalError``, a ``503 SlowDown``, a dropped connection, a timeout — and the same request a
-moment later usually succeeds. Others are answers — ``403``, ``404``, ``412`` — and asking again
-gets the same answer. :func:`is_transient` tells them apart; :func:`call_with_retries` retries
-the first kind with capped exponential backoff and full jitter, within a number of attempts and a
-wall-clock deadline, and then raises :class:`~dcp_safe.errors.StorageError` naming the operation
-and the object, with the last error chained.
-
-Why one loop here rather than the clients' own: s3fs retries some errors in its own loop (five
-tries, sleeping up to ~1.9 s, whatever the caller's deadline) and botocore has another; stacked,
-they multiply, and neither knows which dcp_safe operation or object it is working on. So the
-clients are set to try once (see :mod:`dcp_safe.backends.retrying_backend`) and this loop owns the
-retries and the deadline.
+:func:`is_transient` tells accidents (``500``, ``503 SlowDown``, a dropped connection, a
+timeout) from answers (``403``, ``404``, ``412``); :func:`call_with_retries` retries accidents
+under a :class:`RetryPolicy`. The clients are set to try once, because s3fs's and botocore's own
+loops multiply when stacked and ignore our deadline (docs/architecture.md, "Transient faults and
+deadlines").
 
 What reaches us from s3fs 2026.9: HTTP error replies are botocore ``ClientError`` s, which s3fs
 turns into builtin errors with the ``ClientError`` as ``__cause__`` (``NoSuchKey`` ->
@@ -84,9 +76,8 @@ class RetryPolicy:
         attempts: most attempts, the first one included (1 means never retry).
         base_delay_s: the cap of the first backoff.
         max_delay_s: the cap of every backoff.
-        sleep: called with seconds to wait (tests pass a fake).
-        clock: monotonic seconds (tests pass a fake).
-        random: a uniform float in ``[0, 1)`` (tests pass a fixed one).
+        sleep, clock, random: ``time.sleep``, monotonic seconds, a uniform float in ``[0, 1)``
+            (tests pass fakes).
         on_retry: called with the backoff's seconds before each retry (telemetry counts them:
             ``RetryPolicy(on_retry=telemetry.on_retry)``).
 
@@ -212,14 +203,8 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
 def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     """Run ``fn``, retrying transient failures under ``policy``.
 
-    Args:
-        op_name: the operation, for the error ("write", "read", "stat", ...).
-        path: the object or file, for the error (a full URL such as ``s3://bucket/key``).
-        fn: the operation; it must be safe to run again after a transient failure.
-        policy: attempts, deadline and backoff.
-
-    Returns:
-        What ``fn`` returned.
+    ``fn`` must be safe to run again after a transient failure; ``op_name`` ("write", ...) and
+    ``path`` (a full URL) name it in the error.
 
     Raises:
         StorageError: a transient failure outlasted the attempts or the deadline (the last

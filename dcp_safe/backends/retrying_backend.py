@@ -1,24 +1,15 @@
 """A backend wrapper that retries transient failures of every small operation.
 
-Retrying is a wrapper, as telemetry is (STYLE: "by wrapping, not by sprinkling"): any backend
-gains it, and the backends themselves stay one-try and simple. Every small operation — one
-request or a few, with no caller code in the middle — runs under
-:func:`~dcp_safe.backends.retry.call_with_retries`. A transient failure that outlasts the policy
-becomes a :class:`~dcp_safe.errors.StorageError` naming the operation and the full path.
+A wrapper, so any backend gains retries and the backends stay one-try; the clients underneath
+must try once too (:func:`single_try_s3_options`). See docs/architecture.md, "Transient faults
+and deadlines".
 
-The clients underneath must not retry on their own, or their retries multiply with ours and
-overrun the deadline: :func:`single_try_s3_options` gives s3fs options for that.
-
-A lost reply on an exclusive create. ``write_bytes(rel, data, exclusive=True)`` is a conditional
-``PUT`` (``If-None-Match: *``). When its reply is lost, the write may have been applied, and the
-next try is then refused with ``FileExistsError`` — by our own object. The retry loop is not the
-only place this happens: aiohttp silently resends an idempotent request (``PUT`` is one) once
-when the connection drops, so a single lost reply surfaces as ``FileExistsError`` on what looks
-like the first attempt. So every ``FileExistsError`` from an exclusive create is checked by
-reading the object back: the same bytes mean the write was ours, and it succeeded; anything
-else (other bytes, or the object gone again) re-raises the ``FileExistsError``. This relies on
-the payloads of exclusive creates being unique to their writer, as dcp_safe's are (the writing
-lease names its save id; the marker holds the digest of a manifest that names it).
+An exclusive create whose reply was lost comes back as ``FileExistsError``, refused by our own
+object; aiohttp resends an idempotent ``PUT`` once on a dropped connection, so this happens even
+on what looks like the first attempt. So every such refusal is checked by reading the object
+back: the same bytes mean our write succeeded. This relies on the payloads of exclusive creates
+being unique to their writer, as dcp_safe's are (a lease names its save id; a marker holds the
+digest of a manifest that names it).
 """
 
 from __future__ import annotations
@@ -39,18 +30,11 @@ T = TypeVar("T")
 class RetryingBackend(Backend):
     """``inner`` with transient failures retried under ``policy``.
 
-    Args:
-        inner: the backend that does the I/O; its url and capability flags are copied.
-        policy: attempts, deadline and backoff for each operation.
-
-    Retried, each as a whole: ``write_bytes``, ``read_bytes``, ``read_small``, ``size``,
-    ``stat``, ``exists``, ``list_dir``, ``sizes``, ``walk_files`` and ``entries_holding`` (each
-    listing whole), ``is_dir``, ``makedirs``, ``remove_tree``, ``remove_file``,
-    ``remove_empty_dir``, ``sync_dir``, and the opening of
-    ``open_read`` (reads from the open file are not). Passed through: ``open_write``, whose
-    body is the caller's code and cannot be replayed from here — the writer retries a failed
-    file as a whole, and the inner backend guarantees a failed streamed write leaves nothing
-    behind — and ``publish_dir``, a rename, which is not safe to repeat.
+    ``inner``'s url and capability flags are copied. Every operation is retried as a whole
+    (a listing too), and ``open_read`` only in its opening, except two passed through:
+    ``open_write``, whose body is the caller's code (the writer retries a failed file whole,
+    and a failed streamed write leaves nothing behind), and ``publish_dir``, a rename, which is
+    not safe to repeat.
     """
 
     def __init__(self, inner: Backend, policy: RetryPolicy) -> None:

@@ -41,10 +41,9 @@ def open_backend(
 ) -> Backend:
     """Pick the backend for a root.
 
-    Local paths and ``file://`` URLs get the POSIX backend. S3 gets fsspec behind
-    :class:`RetryingBackend`: the clients try each request once with bounded timeouts and the
-    policy owns retries and the deadline (s3fs and botocore stacked would take ~40 s to report
-    a persistent fault). Anything else goes to fsspec as it is.
+    Local paths and ``file://`` URLs get the POSIX backend; S3 gets fsspec behind
+    :class:`RetryingBackend` with single-try clients (stacked, s3fs and botocore would take
+    ~40 s to report a persistent fault); anything else, fsspec as it is.
 
     Raises:
         ConfigError: no fsspec file system is installed for the URL's protocol.

@@ -1,29 +1,15 @@
 """A write-behind multipart upload to S3 through s3fs: a bounded number of parts in flight.
 
-Each open file owns at most ``parts_in_flight + 1`` block buffers, reused: ``write()`` copies
-the caller's bytes into the current block (the caller may reuse its buffer as soon as
-``write()`` returns), and a full block is handed, as is, to a pool of ``parts_in_flight``
-threads that send it with ``UploadPart`` while the next block fills. When every thread is busy,
-``write()`` waits for one part to finish and refills its block: the bytes an upload holds are
-bounded by :func:`upload_buffer_bytes` (:attr:`S3MultipartWriter.max_buffer_bytes`), which a
-caller counts against its memory budget. A file smaller than one block is sent with a single
-``PutObject`` and holds one block at most.
+Each open file owns at most ``parts_in_flight + 1`` reused block buffers
+(:func:`upload_buffer_bytes`, which a caller counts against its memory budget; docs/s3.md,
+"Memory"): a full block goes to a part thread while the next one fills, and ``write()`` waits
+when every thread is busy. A file under one block is a single ``PutObject``. Several parts at
+once, because one leaves the link idle while each request is signed and answered.
 
-Why a few parts at once: one part in flight leaves the link idle while each part's request is
-signed, checksummed and answered; boto3's ``upload_fileobj`` keeps several in flight. More
-parts cost one block each, so the default stays small (:data:`DEFAULT_PARTS_IN_FLIGHT`); the
-caller sets it with s3fs's own per-file option, ``max_concurrency`` in ``storage_options``.
-
-Nothing is visible until :meth:`S3MultipartWriter.close` completes the upload, listing the
-parts in order of part number whatever order they finished in. Any failure (a part's upload,
-surfaced on the next ``write()`` or at ``close()``, as a :class:`~dcp_safe.errors.StorageError`
-naming the part) aborts the upload after every part still in flight has finished, so no part
-lands on an aborted upload and no upload is left open: a failed upload is never completed.
-Every request names ``ChecksumAlgorithm`` (CRC32 by default), so the server checks each part,
-and the completion lists each part's checksum.
-
-A part that fails is not retried here beyond what the s3fs client itself does: the error is
-raised and the caller (the writer's retry loop) rewrites the whole file.
+Nothing is visible until :meth:`S3MultipartWriter.close` completes the upload. Any failure aborts
+it after every part in flight has finished, so no part lands on an aborted upload. Every request
+names ``ChecksumAlgorithm``, so the server checks each part. A failed part is not retried here:
+the writer's retry loop rewrites the whole file.
 """
 
 from __future__ import annotations
@@ -62,10 +48,8 @@ def block_size_of(fs: Any) -> int:
 
 def parts_in_flight_of(fs: Any) -> int:
     """The parts one upload to ``fs`` keeps in flight: ``max_concurrency`` when the caller set
-    it in ``storage_options``, else :data:`DEFAULT_PARTS_IN_FLIGHT`.
-
-    s3fs's own default (10) is not taken: ten 50 MiB blocks per open file is more memory than a
-    checkpoint writer with several files open should hold unasked.
+    it in ``storage_options``, else :data:`DEFAULT_PARTS_IN_FLIGHT` (not s3fs's 10: ten 50 MiB
+    blocks per open file is more than a writer with several files open should hold unasked).
 
     Raises:
         ConfigError: the option is not an int >= 1.

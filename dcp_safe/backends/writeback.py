@@ -1,19 +1,10 @@
 """Writeback started early: a streamed file's pages go to the disk while it is still written.
 
-A durable write ends in ``fsync``, which waits for every dirty page of the file to reach the
-disk. Left alone, the kernel starts writing a file back only when its dirty-page thresholds are
-crossed, so the fsync of a freshly written 256 MiB shard waited about 0.4 s for I/O that could
-have run while the shard was being written. ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the
-writeback of a range and returns without waiting for it (what RocksDB's ``bytes_per_sync``
-does); issued every few MiB, it leaves the closing fsync little to wait for. It promises nothing
-about durability: the fsync still does that, and still runs.
-
-Measured on this project's 2-core host (ext4 on a virtual disk; plain ``os.write`` of float32
-tensors then ``fsync``, 6 rounds, order rotated): 256 MiB took 0.587 s with no early writeback,
-0.467 s starting it every 8 MiB and 0.61 s every 32 MiB; 1 GiB took 2.168, 1.850 and 1.847 s.
-
-Linux only (glibc's ``sync_file_range``). Elsewhere, or where a file system refuses it (the first
-failure turns it off for that file), files are written exactly as before.
+``sync_file_range(SYNC_FILE_RANGE_WRITE)`` every few MiB starts the writeback without waiting
+(as RocksDB's ``bytes_per_sync``), so the closing ``fsync`` waits for the tail only; that fsync
+still makes the file durable. Measurements: docs/benchmarks.md, "Durable commit against the raw
+write floor". Linux only; elsewhere, or once a file system refuses it for a file, files are
+written exactly as before.
 """
 
 from __future__ import annotations

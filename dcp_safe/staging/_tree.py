@@ -1,18 +1,10 @@
 """Finding the tensors of a state dict and rebuilding it around their staged copies.
 
-This module owns the state-dict walk. The tensors are found in the containers DCP's planner
-flattens (mappings, lists, tuples), so the stager can size and admit a save before copying a
-byte. The copy of everything else is ``copy.deepcopy`` with a memo pre-seeded with the staged
-tensors: deepcopy then substitutes each staged tensor for its source wherever the source appears,
-keeps aliasing (a tensor or object reached twice is copied once), and gives every non-tensor
-value (nested dicts, lists, ints, user objects) its own copy, so later mutation cannot race
-serialization. Tensors hidden inside other objects are deep-copied with those objects, outside
-the pool; DCP's planner would pickle such objects whole anyway.
-
-``rebuild`` walks plain dicts, ``OrderedDict``s (``state_dict()``'s type, with its
-``_metadata``), lists and tuples itself, with the same memo and the same results as
-``copy.deepcopy`` but without its per-object dispatch (a tenth of the time per entry), and hands
-everything else to ``copy.deepcopy`` with that memo.
+Tensors are found in the containers DCP's planner flattens (mappings, lists, tuples). The rest
+is ``copy.deepcopy``'d with a memo pre-seeded with the staged tensors, which substitutes each
+staged copy for its source and keeps aliasing, so later mutation cannot race serialization.
+``rebuild`` walks plain containers itself, with deepcopy's memo and results but without its
+per-object dispatch (a tenth of the time per entry).
 """
 
 from __future__ import annotations
@@ -74,10 +66,8 @@ def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
 def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
     """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy.
 
-    Args:
-        obj: the live state dict; every key of ``staged`` must be the ``id`` of a live tensor
-            in it (the caller keeps the sources alive, so the ids stay valid).
-        staged: staged copy per source tensor ``id``.
+    Every key of ``staged`` must be the ``id`` of a tensor in ``obj`` that the caller keeps
+    alive, so the ids stay valid.
     """
     memo: dict[int, Any] = dict(staged)
     return _copy(obj, memo)

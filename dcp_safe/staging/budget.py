@@ -1,36 +1,11 @@
 """The host-memory envelope of a save and the admission test, as plain integer arithmetic.
 
-This module owns one number, the *envelope*: how many bytes of host memory checkpoint staging may
-hold at once without pushing the machine into the kernel's OOM killer. It is computed as::
-
-    envelope = usable RAM - steady training peak - other consumers - OS reserve
-    envelope = measured MemAvailable - other consumers - OS reserve     (when no peak is given)
-
-where usable RAM is the cgroup limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) when one
-is set and binding, else ``MemTotal``. The admission test says yes or no, with the reason: a new
-generation is admitted only when the bytes the stager would then hold fit the envelope (so the
-projected available memory stays above the reserve) and fewer than ``max_in_flight`` generations
-are in flight. A state larger than the whole envelope can never be admitted, so it raises
-:class:`~dcp_safe.errors.BudgetExceededError` instead of waiting forever.
-
-Ranks on one node share one envelope. Under ``torchrun`` each of a node's ``LOCAL_WORLD_SIZE``
-ranks runs its own stager, and each would otherwise claim the whole node's headroom, so the node
-would over-commit that many times. The budget therefore carries this rank's *share* of the node
-(``1 / LOCAL_WORLD_SIZE`` by default in :meth:`MemoryBudget.from_host`): its envelope, reserve
-and available memory are the node's figures times the share, so the ranks' parts sum to the
-node's (to within a byte per rank). ``LOCAL_WORLD_SIZE`` is read because torchrun sets it for
-exactly this purpose; it is not a dcp_safe setting, and ``explain()`` always shows the share.
-
-Pinned buffers: torch's caching host allocator rounds a pinned request up to a power of two, and
-the buffer pool counts that rounded size (``BufferPool.cost``); the stager compares those rounded
-bytes with this rank's ``envelope_bytes``, so the share is never understated by the rounding.
-
-Why a snapshot and not a live reading: the stager's own buffers lower ``MemAvailable``, so a live
-reading would count them twice and shrink the budget as the pool warms up. The budget is taken
-once (``from_host``), before the pool exists; the stager then accounts its own bytes exactly.
-Only :meth:`MemoryBudget.from_host` touches the host, through :mod:`dcp_safe.host_memory` (which
-also provides :func:`available_bytes_now`, re-exported here), and reads ``LOCAL_WORLD_SIZE``;
-everything else is pure and thread-free (the unit tests need neither torch nor threads).
+The *envelope* is how many bytes of host memory staging may hold at once; the formula, the
+admission rule and why the host is read once (the pool would otherwise be counted twice) are in
+docs/staging.md, "The envelope". A budget carries this rank's *share* of its node
+(``1 / LOCAL_WORLD_SIZE`` by default), so a node's ranks never over-commit it: docs/capacity.md,
+"Many ranks on one node". Only :meth:`MemoryBudget.from_host` touches the host; everything else
+is pure (the unit tests need neither torch nor threads).
 """
 
 from __future__ import annotations
@@ -52,14 +27,8 @@ _LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 @dataclass(frozen=True)
 class Admission:
-    """The answer of the admission test.
-
-    Attributes:
-        admitted: whether the generation may start now.
-        reason: one line saying why (or why not), with the figures.
-        projected_available_bytes: host memory left for everything else after staging, by the
-            budget's arithmetic.
-    """
+    """The answer of the admission test: yes or no, a one-line reason with the figures, and the
+    host memory left for everything else after staging, by the budget's arithmetic."""
 
     admitted: bool
     reason: str
@@ -84,13 +53,10 @@ class MemoryBudget:
             show yet (a data loader that grows, a sidecar).
         reserve_bytes: memory kept free for the OS and page cache. Overrides
             ``reserve_fraction`` when given.
-        reserve_fraction: the reserve as a fraction of ``usable_bytes`` (default 0.15).
-        source: how ``usable_bytes`` was found, quoted in error messages.
-        share: this rank's fraction of the node's envelope, in ``(0, 1]``: ``1/8`` for one of
-            8 ranks on the node. ``reserve``, ``base_available_bytes`` and ``envelope_bytes``
-            are the node's figures times ``share``, in whole bytes (the reserve rounded up, the
-            rest down, so the ranks' envelopes never sum to more than the node's).
-        share_source: how ``share`` was found, quoted by ``explain()``.
+        reserve_fraction: the reserve as a fraction of ``usable_bytes``.
+        source, share_source: how ``usable_bytes`` and ``share`` were found, for messages.
+        share: this rank's fraction of the node's envelope, in ``(0, 1]`` (``1/8`` for one of
+            8 ranks on the node); the per-rank properties are the node's figures times it.
 
     Raises:
         ConfigError: a negative size, a fraction outside ``[0, 1)``, a share outside
@@ -230,10 +196,6 @@ class MemoryBudget:
             projected_bytes: bytes the stager would hold in all, this generation included, after
                 reusing what it can.
             in_flight: generations admitted whose buffers are not yet released.
-            max_in_flight: how many generations may be in flight at once.
-
-        Returns:
-            The decision and its reason.
 
         Raises:
             BudgetExceededError: ``request_bytes`` is larger than the whole envelope.
@@ -279,20 +241,14 @@ class MemoryBudget:
         """Read usable RAM and available memory from this host, now; take this rank's share.
 
         Args:
-            reserve_bytes: the node's reserve; see the class.
-            reserve_fraction: see the class.
-            training_peak_bytes: the node's measured steady training peak (all local ranks);
-                when None, the envelope starts from the measured available memory instead.
-            other_consumers_bytes: see the class.
-            cgroup_root: where the cgroup file systems are mounted (tests point it elsewhere).
-            proc_self_cgroup: this process's cgroup membership file.
+            reserve_bytes, reserve_fraction, training_peak_bytes, other_consumers_bytes: the
+                node's figures, as in the class; with no training peak the envelope starts from
+                the measured available memory.
+            cgroup_root, proc_self_cgroup: where to read the cgroup (tests point elsewhere).
             local_world_size: how many ranks share this node's envelope; when None, the
                 ``LOCAL_WORLD_SIZE`` variable torchrun sets, else 1. The share is its inverse.
             share: this rank's fraction of the node's envelope, in ``(0, 1]``; overrides
                 ``local_world_size`` (for ranks that do not split the node evenly).
-
-        Returns:
-            A budget whose ``source`` and ``share_source`` say where the figures came from.
 
         Raises:
             ConfigError: ``local_world_size`` is not an int >= 1, ``share`` is outside

@@ -1,18 +1,9 @@
 """Capacity planning: does a checkpoint generation fit a node's host-memory envelope, and how many.
 
-This module owns the *planning* question an operator asks before a run, with their own numbers:
-given a node (usable RAM, the training peak, loaders and services, an OS reserve) and one
-checkpoint generation (staged bytes plus writer/transform buffers), does one generation fit the
-envelope, and do ``N`` overlapping generations? The envelope is the same one the stager enforces
-at run time, so it is computed by :class:`~dcp_safe.staging.budget.MemoryBudget` itself (same
-field names, same arithmetic) rather than a second formula that could drift from it::
-
-    envelope   = usable RAM - training peak - other consumers - reserve
-    generation = staged bytes + buffer bytes
-    N overlapping generations fit  <=>  N * generation <= envelope
-
-Pure integer arithmetic: no torch, no threads, no reading of the host (``MemoryBudget.from_host``
-is the one place that measures; pass its result here to plan against the live host).
+The operator's question before a run, with their own numbers: ``N`` overlapping generations fit
+when ``N * (staged + buffer bytes) <= envelope``. The envelope is
+:class:`~dcp_safe.staging.budget.MemoryBudget`'s own, so planning and the stager cannot drift.
+Pure integer arithmetic; docs/capacity.md works an example.
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ class Generation:
     The stager's own record of an admitted save is
     :class:`~dcp_safe.staging.generation.InFlightGeneration`, a different thing.
 
-    Args:
-        staged_bytes: the staged copy of the state (this node's shards).
-        buffer_bytes: serialization, compression and writer buffers held while it is written.
+    ``buffer_bytes`` are the serialization, compression and writer buffers held while it is
+    written.
 
     Raises:
         ConfigError: a negative or non-integer size.
@@ -60,17 +50,7 @@ class Generation:
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """The answer of :func:`plan_capacity`.
-
-    Attributes:
-        envelope_bytes: what checkpoint staging may hold at once on this node.
-        generation_bytes: one generation's working set.
-        generations: how many overlapping generations were asked about.
-        needed_bytes: ``generations * generation_bytes``.
-        fits: ``needed_bytes <= envelope_bytes``.
-        headroom_bytes: ``envelope_bytes - needed_bytes``; negative is the shortfall.
-        max_generations: the most overlapping generations that fit (0: not even one).
-    """
+    """The answer of :func:`plan_capacity`; a negative ``headroom_bytes`` is the shortfall."""
 
     envelope_bytes: int
     generation_bytes: int
@@ -98,11 +78,8 @@ def node_budget(
     other_consumers_bytes: int,
     reserve_bytes: int,
 ) -> MemoryBudget:
-    """A :class:`MemoryBudget` for a node described by the operator's own measurements.
-
-    Every argument is in bytes (``512 * GIB``). The same object can be handed to
-    :class:`~dcp_safe.staging.stager.BudgetedStager` on that node.
-    """
+    """A :class:`MemoryBudget` for a node described by the operator's own measurements, which a
+    :class:`~dcp_safe.staging.stager.BudgetedStager` on that node can take as it is."""
     return MemoryBudget(
         usable_bytes=usable_bytes,
         training_peak_bytes=training_peak_bytes,
@@ -124,10 +101,7 @@ def plan_capacity(
 ) -> CapacityPlan:
     """Whether ``generations`` overlapping generations fit ``budget``'s envelope.
 
-    Args:
-        budget: the node's envelope (:func:`node_budget`, or ``MemoryBudget.from_host()``).
-        generation: one generation's staged bytes and buffers.
-        generations: how many may overlap (``max_in_flight``; 1 is single-flight).
+    ``generations`` is how many may overlap (the stager's ``max_in_flight``).
 
     Raises:
         ConfigError: ``generations`` is not a positive int.

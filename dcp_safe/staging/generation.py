@@ -1,18 +1,9 @@
 """One save's staged copy (a *generation*) and the copy itself, as the staging thread runs it.
 
-This module owns what the staging thread does to a generation's bytes: copy every source into
-its pool buffer, chunk by chunk, each chunk after checking that its sources' storages still hold
-their bytes, and judge the snapshot with the mutation guard once the copy is over.
-
-Why the storage check: a storage can lose its bytes without any tensor's version counter moving
-(``untyped_storage().resize_(0)``, as FSDP frees an unsharded parameter), and copying it would
-read released memory, which can crash the process. So the copy, guard or no guard, compares each
-chunk's data pointers with the ones its plan last found holding their bytes (one C getter mapped
-over the chunk) and checks the storage of any source whose pointer moved, before the chunk's
-``_foreach_copy_``. A storage only moves by being reallocated or freed, so in a training loop the
-pointers stay put and the check is the mapped read alone. It runs on the staging thread: the
-training thread pays only the guard's counter read at the request. Admission and release, which
-need the stager's lock and its in-flight set, stay in :mod:`dcp_safe.staging.stager`.
+Each chunk is copied only after its sources' storages are found to still hold their bytes: a
+storage freed under its tensor (as FSDP frees an unsharded parameter) moves no version counter,
+and copying it would read released memory (docs/staging.md, "A snapshot of one moment").
+Admission and release stay in :mod:`dcp_safe.staging.stager`.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ class StagedStateDict(dict[str, Any]):
 class InFlightGeneration:
     """One admitted save: its plan, lease, guard and staging span, until it is released.
 
-    Not :class:`dcp_safe.staging.capacity.Generation` (exported as ``dcp_safe.Generation``),
-    which is the planner's byte sizes of a generation; this is the stager's live record of one.
+    Not :class:`dcp_safe.staging.capacity.Generation`, the planner's byte sizes of one.
     """
 
     def __init__(
@@ -174,12 +164,7 @@ def copy_guessed(
     The key is checked after the copy: the copy releases the GIL, so the caller's
     ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
     A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
-
-    Args:
-        gen: the generation, its plan the guess.
-        layout: the state's walk at the request.
-        copy: copies ``gen``'s sources with its current plan and lease.
-        readmit: swaps ``gen``'s plan and lease for the layout's own, admitted anew.
+    ``readmit`` swaps ``gen``'s plan and lease for the layout's own, admitted anew.
 
     Returns:
         The staged tensors and the bytes a re-plan allocated.

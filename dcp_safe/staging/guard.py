@@ -1,31 +1,10 @@
 """The mutation guard: a staged copy is the state at the request, or the save fails.
 
-This module owns the one question "did any source tensor change between the save request and
-the end of its copy?", and how a "yes" travels to every rank.
-
-How it is answered: every in-place update through autograd's view of a tensor (optimizer steps,
-``no_grad`` ``add_``, writes through views, ``resize_``/``set_``) bumps the tensor's version
-counter. :class:`SnapshotGuard` reads the counters of the sources when the save is requested (on
-the caller's thread, before the call returns) and again once the copy has finished; any
-difference means the copy may hold a mix of before and after, so the generation is *torn*.
-Reading a counter costs about 0.1 µs (a C getter mapped over the list), which is why the
-guard is on by default: docs/benchmarks.md measures it against the copy.
-
-What it cannot see (docs/staging.md repeats this for users): writes through ``.data`` (a new
-counter shares the storage), assignments to ``.data`` and storages freed and allocated again (a
-new storage under the same counter), writes from another process or through raw pointers, CUDA
-kernels already enqueued before the request but running after it (they are ordered before the
-copy by the stager's event, so they are *in* the snapshot, as intended), BatchNorm's
-running-statistic update in the forward pass (torch 2.13 does not bump the counter), and an
-update that is still executing when the copy ends (its counter moves only when the kernel
-returns). A storage freed and not allocated again is the copy's to refuse
-(:mod:`dcp_safe.staging.generation`), guard or no guard. The manager's default staging mode
-does not depend on the guard for its own thread: ``save()`` returns only after the copy.
-
-How a torn generation fails the save: in a single process the staging future fails with
-:class:`~dcp_safe.errors.SnapshotMutatedError`, so the upload never starts; under several ranks
-the torn rank hands DCP a poisoned state dict instead (:mod:`dcp_safe.staging.poison`), so every
-rank fails alike, inside DCP's collective, with the error naming the torn rank.
+:class:`SnapshotGuard` reads the sources' version counters at the request and again after the
+copy; a difference means the copy may mix before and after (the generation is *torn*). What the
+counters cannot see, what the guard costs and how a torn save fails on every rank:
+docs/staging.md, "A snapshot of one moment". CUDA kernels enqueued before the request are
+ordered before the copy by the stager's event, so they are in the snapshot, as intended.
 """
 
 from __future__ import annotations
@@ -52,21 +31,16 @@ __all__ = [
 class SnapshotGuard:
     """The version counters of a save's source tensors, read at the request.
 
-    Args:
-        sources: the tensors the stager may copy, in walk order (the stager passes every
-            candidate of the walk, a superset of the sources its plan picks, so the snapshot
-            stays right when the plan is confirmed only later, on the staging thread). The
-            guard keeps them alive until it is dropped, so their identities stay valid.
+    ``sources`` are every candidate of the walk, a superset of what the plan picks, so the
+    snapshot stays right when the plan is confirmed only later. The guard keeps them alive, so
+    their identities stay valid.
     """
 
     __slots__ = ("_sources", "_versions")
 
     def __init__(self, sources: list[torch.Tensor]) -> None:
         self._sources = sources
-        # The only read on the training thread: one C getter mapped over the list, mostly
-        # cache misses on a large state (about 0.3 us a tensor cold). Whether a source's
-        # storage still holds its bytes is the copy's check, on the staging thread
-        # (:func:`dcp_safe.staging.generation.copy_sources`), not a snapshot taken here.
+        # The only read on the training thread; the storage check is the copy's, later.
         self._versions = list(map(read_version, sources))
 
     def changed(self) -> list[torch.Tensor]:

@@ -105,26 +105,14 @@ class StagerStats:
     """A snapshot of a stager's accounting (bytes are host bytes as the allocator takes them).
 
     Attributes:
-        envelope_bytes: the budget's envelope.
-        pool_bytes: bytes the pool holds or has reserved.
-        pinned_bytes: the pinned part of ``pool_bytes``.
-        in_use_bytes: bytes leased to generations in flight.
-        free_bytes: bytes ready for reuse.
+        pool_bytes: bytes the pool holds or has reserved (free + in use + pending).
         pending_bytes: released bytes still viewed from outside.
-        peak_pool_bytes: high-water mark of ``pool_bytes``.
         in_flight: generations admitted and not yet released.
-        peak_in_flight: high-water mark of ``in_flight``.
-        allocations: buffers allocated, in all.
-        allocated_bytes_total: bytes allocated, in all.
         last_allocated_bytes: bytes the latest completed staging allocated (0 on reuse).
-        reuses: buffers reused, in all.
-        admitted: generations admitted.
         refused: ``stage()`` calls refused (busy with ``when_busy="raise"``, or timed out).
-        total_wait_s: time ``stage()`` calls spent waiting for admission.
         last_staging_s: duration of the latest completed staging (call to Future resolved).
-        torn: generations the mutation guard failed (sources changed during their copy).
-        plans_built: staging plans made (one per new layout of the state; see
-            :mod:`dcp_safe.staging.plan`).
+        torn: generations the mutation guard failed.
+        plans_built: staging plans made (one per new layout of the state).
         plan_reuses: saves (and warm-ups) that found the plan of their unchanged layout.
     """
 

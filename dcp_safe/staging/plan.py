@@ -1,29 +1,12 @@
 """Per-layout staging plans: what one state-dict layout needs, worked out once and reused.
 
-This module owns the per-tensor work of a save. A training loop saves the same layout again and
-again (the same fqns, shapes, dtypes and devices; only the values change), so everything that
-depends on the layout alone is computed on the first save of a layout and reused while it holds:
-which tensors are staged (distinct, stageable, non-empty), their buffer sizes and the budget
-cost, where the copies are cut into chunks, and whether any source is on CUDA. The pool keeps
-the typed views of a plan's buffers with them (:mod:`dcp_safe.staging.pool`), so a reused save
-allocates no buffer and makes no view; the copy is a few ``_foreach_copy_`` calls.
-
-The layout key comes from one walk of the state (:func:`scan`): the containers' types and keys,
-and each tensor's shape, dtype, device and layout, plus which entries are the same tensor. Any
-change (a key added or removed, a shape or dtype changed, a tensor moved) gives a new key, so a
-new plan; nothing is assumed from the state dict's identity. Alternatives rejected: keying on
-``id(state_dict)`` (the same dict is mutated between saves) or on the tensors' ids (a rebuilt
-optimizer keeps the layout but not the ids). The walk is cheap; the per-tensor part of the key
-is not (about 2 µs a tensor), so it is computed lazily: :meth:`PlanCache.speculate` offers the
-last plan on the walk's containers alone, and the stager confirms the full key on its staging
-thread before anything staged with the guess is used.
-
-Why chunks: the copy checks that each source's storage still holds its bytes just before
-copying it (a storage freed since the last save would be read after release; see
-:mod:`dcp_safe.staging.generation`); a chunk keeps that check just before the bytes it covers
-while the copy stays one call per chunk. The plan remembers the data pointers last found
-holding their bytes (``held_pointers``), so the check is a pointer comparison while they stay
-put.
+What a layout key covers and what a plan holds: docs/staging.md, "Thousands of tensors". The key
+is compared, never keyed on identity: the same dict is mutated between saves, and a rebuilt
+optimizer keeps the layout but not the tensors' ids. Its per-tensor part costs about 2 µs a
+tensor, so :meth:`PlanCache.speculate` offers the last plan on the walk's containers alone and
+the stager confirms the full key on its staging thread. Chunks keep the storage check
+(:mod:`dcp_safe.staging.generation`) just before the bytes it covers while the copy stays one
+call per chunk.
 """
 
 from __future__ import annotations
@@ -42,7 +25,7 @@ from dcp_safe.torch_compat import dtensor_local
 
 __all__ = ["Layout", "PlanCache", "StagingPlan", "scan"]
 
-# A chunk ends after this many tensors or bytes, whichever comes first (see the docstring).
+# A chunk ends after this many tensors or bytes, whichever comes first.
 _CHUNK_TENSORS = 1024
 _CHUNK_BYTES = 64 << 20
 # Layouts remembered at once: a model and its optimizer saved apart, plus a spare.

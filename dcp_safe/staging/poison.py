@@ -1,20 +1,11 @@
 """How one rank's staging failure fails the save on every rank, at once.
 
-A staging failure on the staging thread (a torn snapshot, a re-planned layout the budget
-refuses, a failed copy) fails that rank's staging future. In a single process that is the whole
-story: the upload never starts and the error reaches the caller. Under a process group of
-several ranks it is not: a rank whose staging future failed never enters DCP's collectives for
-that save, so its healthy peers wait in them until their deadline, and then learn only that a
-peer did not answer.
-
-So under several ranks the failing rank hands DCP a *poisoned* state dict (:func:`poisoned`)
-instead of failing its future: its one entry raises the rank's error from DCP's
-``__create_write_items__`` hook while the local plan is made, inside DCP's collective, which
-carries it to every rank. Nothing is written or published, and every rank's future fails with
-the same error (mapped by :func:`dcp_safe.errors.from_checkpoint_exception`; a
-:class:`~dcp_safe.errors.SnapshotMutatedError` names the torn rank). A planner that does not use
-DCP's write-item helper serializes the entry instead, and its ``__reduce_ex__`` raises the same
-error during ``write_data``, still inside the collective.
+Under several ranks, a rank whose staging future failed would never enter DCP's collectives,
+and its peers would wait there until their deadline. So the failing rank hands DCP a *poisoned*
+state dict instead: its one entry raises the rank's error from ``__create_write_items__`` while
+the local plan is made, inside DCP's collective, which carries it to every rank (a planner that
+does not use that hook serializes the entry, and ``__reduce_ex__`` raises the same error). In
+one process the staging future simply fails.
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """Reusable host buffers for staged tensors, with exact byte accounting and safe release.
 
-This module owns host memory that holds staged copies. Each staged tensor gets one buffer of
-exactly its byte size (a ``uint8`` tensor viewed as the tensor's dtype and shape), so a staged
-tensor owns its whole storage: DCP's writers serialize whole storages and would clone a view of a
-larger slab. Free buffers are kept in per-size free lists; a second save of the same state finds
-a free buffer of every size it needs and allocates nothing.
+Each staged tensor gets one buffer of exactly its byte size, so it owns its whole storage
+(DCP's writers serialize whole storages and would clone a view of a larger slab). Free buffers
+sit in per-size free lists, so a second save of the same state allocates nothing.
 
-A *lease* is one generation's buffers. It is created under the pool's lock when the stager
-admits a generation (buffers it cannot reuse are reserved and counted at once, then allocated by
-the staging thread) and released exactly once. Release comes in two strengths:
-
-* ``release(writer_done=True)``: the caller knows the writer has returned (the upload future is
-  done), so the buffers go straight back to the free lists.
-* ``release(writer_done=False)``: the staged state dict was dropped, but someone may still hold
-  a tensor viewing a buffer (a writer that keeps references, a user who kept a staged tensor).
-  A buffer whose storage is still shared stays *pending* (allocated, not reusable) and is
-  rechecked on every later lease, so a buffer is never rewritten while anyone can read it.
-
-A request may carry a *token* (a staging plan's, :mod:`dcp_safe.staging.plan`). A released
-lease with a token is kept whole, as a *bundle*, with the typed views the stager made of its
-buffers, so the next lease of that token takes the bundle back in one step and the stager reuses
-the views: no per-tensor allocation, lookup or view on the reuse path. Bundled bytes are free
-bytes; a request the free lists cannot cover breaks the other bundles into them first. Because
-the stager hands out the cached views themselves, a dropped generation's views are checked for
-outside holders three ways (Python references, owners of the tensor itself, and other views of
-its storage) before the bundle is kept.
-
-Pinned memory comes from torch's caching host allocator (``pin_memory=True``), which rounds
-requests up to a power of two; the accounting counts the rounded size so the budget is never
-understated. ``trim()`` and ``close()`` drop free buffers and empty the host cache.
+A *lease* is one generation's buffers, created under the pool's lock and released exactly once:
+``release(writer_done=True)`` when the writer has returned (straight back to the free lists),
+``writer_done=False`` when only the staged dict was dropped (a buffer still viewed from outside
+stays *pending*, rechecked on every later lease). A request with a plan's *token* is kept whole
+as a *bundle* with its typed views, so the next save of that layout reuses them in one step;
+bundled bytes count as free (docs/staging.md, "Thousands of tensors"). Pinned sizes are counted
+as torch's caching host allocator rounds them, so the budget is never understated.
 """
 
 from __future__ import annotations
@@ -86,18 +68,12 @@ class PinMemory(str, Enum):
 
 @dataclass(frozen=True)
 class PoolStats:
-    """Byte accounting of a pool at one moment.
+    """Byte accounting of a pool at one moment (the meanings of :class:`StagerStats`).
 
     Attributes:
         allocated_bytes: host bytes the pool holds or has reserved (free + in use + pending).
-        in_use_bytes: bytes leased to generations not yet released.
-        free_bytes: bytes ready for reuse.
         pending_bytes: released bytes still viewed from outside, not yet reusable.
         pinned_bytes: the pinned part of ``allocated_bytes`` (rounded as the allocator rounds).
-        peak_allocated_bytes: the high-water mark of ``allocated_bytes``.
-        allocations: buffers allocated since the pool was created.
-        allocated_bytes_total: bytes allocated since the pool was created.
-        reuses: buffers handed out again from the free lists.
     """
 
     allocated_bytes: int
@@ -228,9 +204,6 @@ class Lease:
 class BufferPool:
     """Host buffers reused across saves.
 
-    Args:
-        pin_memory: ``"auto"`` (pinned when CUDA is available), ``"on"``, ``"off"``, or a bool.
-
     Thread safety: every method may be called from any thread. :attr:`condition` is notified
     whenever bytes are released or freed, so an admission loop can wait on it.
     """
@@ -324,11 +297,8 @@ class BufferPool:
         return allocated
 
     def trim(self, target_bytes: int = 0) -> int:
-        """Free unused buffers until at most ``target_bytes`` of free buffers remain.
-
-        Returns:
-            The host bytes freed.
-        """
+        """Free unused buffers until at most ``target_bytes`` of free buffers remain; return the
+        host bytes freed."""
         freed = 0
         with self.condition:
             self._reclaim_pending()

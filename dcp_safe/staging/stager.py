@@ -14,43 +14,12 @@ Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
     upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
     any thread        release: buffers back to the pool, generation leaves the in-flight set
 
-Release, the design decision. The stager is never told when DCP's upload ends, so a generation
-is released by whichever of two signals comes first:
-
-1. *The staged dict is dropped* (automatic). The staged dict is a weak-referenceable ``dict``
-   subclass with a ``weakref.finalize``. DCP's upload thread holds it in ``save_wrapper``'s frame
-   until ``save()`` returns, and nothing else keeps it (the stager keeps no reference to the
-   staging Future), so on success it dies the moment the upload returns. The finalizer only
-   schedules the release on the staging thread, because it runs inside the dict's deallocation,
-   while the dict still references its tensors; the release then returns a buffer to the free
-   list only if no tensor outside the pool still views it (a writer or a user who kept a staged
-   tensor), otherwise the buffer waits, *pending*, until it is unshared. So a buffer is never
-   rewritten while anyone can still read it.
-2. *The upload future is done* (explicit: :meth:`BudgetedStager.track` /
-   :meth:`BudgetedStager.release_after`, or :meth:`BudgetedStager.async_save`, which does both
-   calls). Needed for failures: a failed upload's exception keeps its traceback, whose frames keep
-   the staged dict alive for as long as the caller keeps the response, so signal 1 would come
-   late or never. When the upload future is done, ``save()`` has returned and the writer can
-   no longer read the buffers, so they go back to the pool at once, success or failure.
-
-Without ``track``, a failed generation is released when its response is dropped (an admission
-wait runs the garbage collector once, for reference cycles); a waiting ``stage()`` that times
-out says so. Admission happens in the caller's thread, so refusals surface from
-``dcp.async_save`` itself: ``BudgetExceededError`` (the state can never fit) and
-``AdmissionTimeoutError`` (busy, and ``when_busy="raise"`` or the wait timed out).
-
-Per-tensor work happens once per layout (:mod:`dcp_safe.staging.plan`): an unchanged layout
-reuses its plan and the buffers' typed views. The training thread pays one walk and the counters;
-the layout key is checked on the staging thread after the copy, overlapping the caller's compute
-(a changed layout is re-planned and admitted anew there; a refusal fails the save: through the
-staging Future in a single process, on every rank at once under several, see
-:mod:`dcp_safe.staging.poison`).
-
-The mutation guard (:mod:`dcp_safe.staging.guard`, on unless ``mutation_guard=False``): the
-sources' version counters are read when ``stage()`` is called and again after the copy. If any
-moved, the generation is torn: its buffers go back to the pool at once and the save fails with
-:class:`~dcp_safe.errors.SnapshotMutatedError` naming the tensors (in a single process through
-the staging Future; under several ranks through DCP's collective, so every rank fails alike).
+A generation is released by whichever comes first: its staged dict is dropped (a
+``weakref.finalize``; DCP's upload thread drops it when ``save()`` returns) or its tracked upload
+future is done (:meth:`BudgetedStager.track`), which failures need because a traceback keeps the
+staged dict alive. A buffer still viewed outside the pool waits as *pending*. Admission runs on
+the caller's thread, so refusals come out of ``dcp.async_save`` itself. See docs/staging.md
+("The envelope", "A snapshot of one moment", "Buffers and release", "Thousands of tensors").
 """
 
 from __future__ import annotations
@@ -103,12 +72,9 @@ class BudgetedStager(AsyncStager):
     Args:
         budget: the host-memory envelope; ``None`` reads this host now
             (:meth:`MemoryBudget.from_host`).
-        max_in_flight: see :class:`StagerOptions`.
-        pin_memory: see :class:`StagerOptions`.
-        when_busy: see :class:`StagerOptions`.
-        timeout_s: see :class:`StagerOptions`.
-        mutation_guard: see :class:`StagerOptions`.
-        options: the five settings above as one :class:`StagerOptions`, instead of the keywords
+        max_in_flight, pin_memory, when_busy, timeout_s, mutation_guard: see
+            :class:`StagerOptions`.
+        options: those five settings as one :class:`StagerOptions`, instead of the keywords
             (a keyword also set away from its default must agree with it).
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
@@ -165,11 +131,9 @@ class BudgetedStager(AsyncStager):
     def stage(self, state_dict: StateDict) -> Future[StateDict]:
         """Admit a save and start copying it; return a Future of the staged state dict.
 
-        Runs on the caller's thread until admission; the copy runs on the staging thread.
-
-        The Future fails with :class:`~dcp_safe.errors.SnapshotMutatedError` when a source
-        changed in place before its copy finished (single process; see the module docstring
-        for several ranks).
+        Runs on the caller's thread until admission; the copy runs on the staging thread. The
+        Future fails with :class:`~dcp_safe.errors.SnapshotMutatedError` when a source changed
+        in place before its copy finished (in one process; several ranks: docs/staging.md).
 
         Raises:
             BudgetExceededError: the state is larger than the whole envelope.
@@ -180,8 +144,7 @@ class BudgetedStager(AsyncStager):
         layout = scan(state_dict)
         with self._cond:
             # Same structure as the last save: admit on its plan and let the staging thread
-            # confirm the full key (shapes, dtypes, devices, aliasing), which costs several
-            # times the walk. Otherwise the key is needed now, to size the admission.
+            # confirm the full key, which costs several times the walk.
             plan = self._plans.speculate(layout)
             if plan is not None and not self._admits_now(plan):
                 # A wrong guess must not make a save wait or fail: settle the plan first.
@@ -252,13 +215,7 @@ class BudgetedStager(AsyncStager):
 
         Call right after ``dcp.async_save`` on the same thread. Success or failure, the buffers
         go back to the pool as soon as the upload future is done, and its error is kept for
-        :meth:`close`.
-
-        Args:
-            response: what ``dcp.async_save`` returned, or its upload future.
-
-        Returns:
-            ``response``, for chaining.
+        :meth:`close`. Returns ``response``, for chaining.
 
         Raises:
             ConfigError: this thread has no staged generation left to track.
@@ -278,12 +235,7 @@ class BudgetedStager(AsyncStager):
         return future
 
     def async_save(self, state_dict: StateDict, **kwargs: Any) -> AsyncSaveResponse:
-        """``dcp.async_save`` with this stager, its response tracked (see :meth:`track`).
-
-        Args:
-            state_dict: the live state.
-            **kwargs: passed to ``torch.distributed.checkpoint.async_save``.
-        """
+        """``dcp.async_save(state_dict, async_stager=self, **kwargs)``, its response tracked."""
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
         response = async_save(state_dict, async_stager=self, **kwargs)
@@ -320,8 +272,7 @@ class BudgetedStager(AsyncStager):
         """Run ``fn`` on the staging thread, after every copy requested before this call.
 
         Copies run one at a time, in request order, so a blocking ``fn`` holds every later
-        copy: :func:`dcp_safe.testing.staging.hold_staging` uses this to make "an update
-        during the copy" deterministic in tests and drills.
+        copy (:func:`dcp_safe.testing.staging.hold_staging` relies on it).
         """
         return self._executor.submit(fn)
 
@@ -547,10 +498,8 @@ class BudgetedStager(AsyncStager):
             with self._cond:
                 self._torn_count += 1
         if rank is not None and isinstance(error, Exception):
-            # Peers are about to plan this save in DCP's collective; a failed Future would
-            # keep this rank out of it and leave them waiting for their deadline. The poisoned
-            # dict fails the plan inside the collective, on every rank at once
-            # (:mod:`dcp_safe.staging.poison`).
+            # A failed Future would keep this rank out of DCP's planning collective and leave
+            # peers waiting for their deadline (:mod:`dcp_safe.staging.poison`).
             future.set_result(StagedStateDict(poisoned(error)))
             return
         gen.error = error

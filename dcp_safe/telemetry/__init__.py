@@ -2,11 +2,6 @@
 
 Off by default: components hold :data:`~dcp_safe.telemetry.events.NULL_RECORDER` until given a
 :class:`Telemetry`. See ``docs/telemetry.md``.
-
-Modules: :mod:`.events` (phases, the event record, the recorder protocol), :mod:`.recorder`
-(``Telemetry``), :mod:`.memory` and :mod:`.sources` (the sampler and what it reads),
-:mod:`.sinks` (memory, JSON lines), :mod:`.prometheus` (optional extra), :mod:`.report`,
-:mod:`.instrument` (the writer wrapper, the counting retry policy).
 """
 
 from dcp_safe.telemetry.events import NULL_RECORDER, SCHEMA_VERSION, Event, EventKind, Phase

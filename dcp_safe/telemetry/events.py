@@ -52,15 +52,9 @@ class Event:
     """One telemetry event; :meth:`to_dict` is exactly one JSON line of schema version 1.
 
     Attributes:
-        kind: see :class:`EventKind`.
         name: the phase (spans), the mark's name, or ``"step"``.
         t: seconds since the epoch (a monotonic clock anchored to wall time once).
-        rank: the process's rank (0 without a process group).
         span: the span's id, unique within one :class:`~dcp_safe.telemetry.Telemetry`.
-        parent: the enclosing span's id.
-        save: the checkpoint name.
-        step: the training step.
-        bytes: bytes the phase moved.
         duration_s: ``span_end`` and ``step`` only.
         ok: ``span_end`` only: the phase succeeded.
         error: ``span_end`` only: ``"Type: message"`` of the failure.

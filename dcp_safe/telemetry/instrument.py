@@ -1,7 +1,6 @@
 """Instrumentation by wrapping: a delegating ``StorageWriter`` and a counting retry policy.
 
-This module owns the spans of the writer's side of a save, recorded from outside the writer:
-:class:`InstrumentedWriter` forwards every DCP call to the wrapped writer and times them::
+:class:`InstrumentedWriter` forwards every DCP call to the wrapped writer and times it::
 
     reset(name)            opens the save's root span if none is open (plain ``dcp.save``),
                            then the ``plan`` span (DCP's planning, until write_data)
@@ -12,9 +11,7 @@ This module owns the spans of the writer's side of a save, recorded from outside
     after finish           the ``replication`` span, from the writer's replication future to its
                            outcome (a sibling of the root: it outlives the save)
 
-Why a wrapper and not hooks inside the writer: the writer stays free of telemetry, and telemetry
-off means the writer is not wrapped at all. The wrapper is cheap to build, so callers wrap per
-save (``storage_writer=telemetry.wrap_writer(writer)``).
+A wrapper, not hooks, so the writer stays free of telemetry and telemetry off wraps nothing.
 """
 
 from __future__ import annotations
@@ -39,12 +36,7 @@ __all__ = ["InstrumentedWriter"]
 
 
 class InstrumentedWriter(StorageWriter):
-    """``writer`` with plan/write/commit/replication spans recorded to ``telemetry``.
-
-    Args:
-        writer: the writer to forward to (typically a ``SafeStorageWriter``).
-        telemetry: the recorder.
-    """
+    """``writer`` with plan/write/commit/replication spans recorded to ``telemetry``."""
 
     def __init__(self, writer: Any, telemetry: Telemetry) -> None:
         super().__init__()

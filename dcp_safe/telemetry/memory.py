@@ -1,19 +1,8 @@
 """``MemorySampler``: a background thread that samples memory fast during saves, slowly otherwise.
 
-A save's memory cost is a spike lasting as long as staging and writing, so a slow sampler misses
-it and a fast one running all the time costs CPU for nothing. The sampler therefore runs at
-``busy_interval_s`` (default 20 ms) while marked busy (:meth:`MemorySampler.busy`, or
-:meth:`mark_busy`/:meth:`mark_idle`, counted so nested saves work) and at ``idle_interval_s``
-(default 1 s) otherwise. Switching to busy wakes the thread at once, so a spike right at the
-start of a save is seen.
-
-PSS and USS are the exception to "every sample": the kernel computes them by walking every page
-table under the process's mmap lock (tens of milliseconds, and it stalls the page faults of a
-save in progress), so they are read only while idle, at most every ``pss_interval_s``; the other
-samples carry ``None`` for them.
-
-Samples are kept in a bounded deque (``max_samples``); each figure the host does not expose is
-``None`` (see :mod:`dcp_safe.telemetry.sources`), never an error.
+A save's memory cost is a short spike: a slow sampler misses it, and a fast one running all the
+time costs CPU for nothing. Busy marks are counted, so nested saves work. The fields, the rates
+and why PSS/USS are read only while idle: docs/telemetry.md, "The memory sampler".
 """
 
 from __future__ import annotations
@@ -44,23 +33,8 @@ def anchored_clock() -> Callable[[], float]:
 
 @dataclass(frozen=True, kw_only=True)
 class MemorySample:
-    """One sample; every figure is ``None`` where this host does not expose it.
-
-    Attributes:
-        t: epoch seconds (the sampler's clock).
-        rss_bytes: resident set size of this process.
-        pss_bytes: proportional set size (shared pages divided among their users).
-        uss_bytes: unique set size (private pages).
-        cgroup_current_bytes: the cgroup's ``memory.current`` (v1: ``usage_in_bytes``).
-        cgroup_peak_bytes: the cgroup's ``memory.peak`` (v1: ``max_usage_in_bytes``).
-        host_available_bytes: ``MemAvailable``.
-        swap_in_pages: pages swapped in, host-wide, since boot.
-        swap_out_pages: pages swapped out, host-wide, since boot.
-        major_faults: this process's major page faults since it started.
-        locked_bytes: ``VmLck`` (mlocked memory).
-        pinned_bytes: the staging pool's pinned bytes.
-        saves_in_flight: saves started and not finished.
-    """
+    """One sample: ``t`` in epoch seconds (the sampler's clock); every other figure is ``None``
+    where this host does not expose it (docs/telemetry.md, "The memory sampler", lists them)."""
 
     t: float
     rss_bytes: int | None = None
@@ -87,16 +61,12 @@ class MemorySampler:
     """Samples memory on a background thread; a context manager, or :meth:`start`/:meth:`stop`.
 
     Args:
-        busy_interval_s: the interval while busy (a save in flight).
-        idle_interval_s: the interval otherwise.
-        proc_root: where ``/proc`` is mounted (tests point it at a fake tree).
-        cgroup_root: where the cgroup file system is mounted.
+        proc_root, cgroup_root: mount points (tests point them at a fake tree).
         pss_interval_s: the shortest interval between PSS/USS reads, which happen only while
             idle; ``None`` never reads them.
         pinned_bytes: returns the staging pool's pinned bytes (e.g. from ``stager.stats()``).
         saves_in_flight: returns the number of saves in flight.
         on_sample: called with each sample, on the sampler's thread.
-        max_samples: the newest this many samples are kept.
         clock: epoch seconds (default: :func:`anchored_clock`).
 
     Raises:

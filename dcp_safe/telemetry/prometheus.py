@@ -1,14 +1,8 @@
 """Prometheus text exposition of checkpoint telemetry, in a registry of its own.
 
-This module owns the metric names (listed in ``docs/telemetry.md``) and their update from
-events and samples. Every metric lives in the sink's own ``CollectorRegistry``, never the
-process-wide default one, so two sinks (or a test and an application) never collide and nothing
-is exported that the user did not ask for. Serve it with ``prometheus_client``'s own helpers
-(``start_http_server(port, registry=sink.registry)``) or write :meth:`PrometheusSink.exposition`
-to a textfile collector.
-
-``prometheus_client`` is an optional extra (``pip install dcp-safe[telemetry]``), imported only
-when a sink is created.
+The metric names are listed in docs/telemetry.md. Every metric lives in the sink's own
+``CollectorRegistry``, never the process-wide default, so two sinks never collide and nothing is
+exported unasked. ``prometheus_client`` is an optional extra, imported only when a sink is made.
 """
 
 from __future__ import annotations
@@ -61,7 +55,6 @@ class PrometheusSink(Sink):
     Args:
         telemetry: when given, the sink adds itself to it, and the budget gauges read its
             attached stagers at scrape time.
-        namespace: the metric name prefix.
 
     Raises:
         ConfigError: ``prometheus_client`` is not installed.

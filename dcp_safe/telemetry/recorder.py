@@ -86,8 +86,7 @@ class Telemetry:
     Args:
         sinks: where events go besides the built-in in-memory sink the report reads.
         sample_memory: run a :class:`MemorySampler` (started now, stopped by :meth:`close`).
-        busy_interval_s: the sampler's interval while a save is in flight.
-        idle_interval_s: the sampler's interval otherwise.
+        busy_interval_s, idle_interval_s: the sampler's rates (busy: a save is in flight).
         sampler: a sampler to use instead (its ``on_sample``/``saves_in_flight`` are not wired;
             it is not started or stopped here).
         rank: recorded in every event (default: this process's rank, 0 without a group).
@@ -178,10 +177,7 @@ class Telemetry:
 
     @contextmanager
     def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Iterator[SpanHandle]:
-        """A span on this thread, with a profiler range; an exception fails it (re-raised).
-
-        ``options`` are :meth:`begin`'s keywords (see :class:`~.events.SpanOptions`).
-        """
+        """A span on this thread, with a profiler range; an exception fails it (re-raised)."""
         span = self.begin(phase, **options)
         try:
             with self.within(span), self.profile(Phase(phase)):

@@ -1,14 +1,8 @@
 """The save report: per-save phases, bytes, stall and memory; run-wide percentiles.
 
 Built from recorded events and memory samples only (no live state), so it can also be rebuilt
-from a JSON-lines file. Definitions:
-
-* *completion*: the root ``save`` span (request to local commit verified).
-* *stall*: what the training thread waited: request to the end of ``staging`` for an async
-  save (the caller waits for staging before mutating the state), the whole save otherwise.
-* *throughput*: bytes written / ``write`` seconds.
-* *peak over band*: the highest RSS sampled during the save minus the highest RSS sampled in
-  the pre-save band (:data:`BAND_S` seconds before it started).
+from a JSON-lines file. Completion, stall, throughput and the peak over the pre-save band
+(:data:`BAND_S` seconds) are defined in docs/telemetry.md, "The save report".
 """
 
 from __future__ import annotations

@@ -37,11 +37,7 @@ class Sink:
 
 
 class MemorySink(Sink):
-    """Keeps the newest ``max_events`` events in memory (tests, the report).
-
-    Args:
-        max_events: older events are dropped beyond this (bounded memory on long runs).
-    """
+    """Keeps the newest ``max_events`` events in memory (tests, the report)."""
 
     def __init__(self, max_events: int = 100_000) -> None:
         self._events: deque[Event] = deque(maxlen=max_events)
@@ -61,7 +57,6 @@ class JsonLinesSink(Sink):
     """Appends one JSON object per line to ``path`` (schema in ``docs/telemetry.md``).
 
     Args:
-        path: the file; opened for appending, created if missing.
         include_samples: also write memory samples (``kind: "sample"``); off by default
             because the sampler runs every few tens of milliseconds during saves.
     """

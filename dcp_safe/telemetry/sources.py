@@ -1,14 +1,9 @@
 """Reading memory figures from ``/proc`` and the cgroup file system, each one optional.
 
-Where the cgroup's files are is :mod:`dcp_safe.host_memory`'s to say; this module reads them.
-
-This module owns the parsing: one function per file, each returning ``None`` for what the file
-does not have (or when the file is missing or unreadable), never raising. Roots are parameters so
-tests point them at a fake tree, and so a container's own mount points can be named.
-
-Why ``/proc`` rather than psutil for everything: ``memory_full_info`` walks ``smaps`` (every
-mapping), which costs milliseconds on a large process; ``smaps_rollup`` is the kernel's own
-summary. psutil is the fallback for RSS where there is no ``/proc`` (macOS).
+Where the cgroup's files are is :mod:`dcp_safe.host_memory`'s to say. One parser per file, each
+returning ``None`` for what it cannot read, never raising. ``/proc`` rather than psutil, because
+``memory_full_info`` walks every mapping in ``smaps`` where ``smaps_rollup`` is the kernel's own
+summary; psutil is the fallback for RSS where there is no ``/proc`` (macOS).
 """
 
 from __future__ import annotations
@@ -88,12 +83,7 @@ def _fields(text: str | None, pattern: re.Pattern[str], unit: int = 1) -> dict[s
 
 
 class ProcReader:
-    """Reads this process's and the host's memory figures under ``proc_root``.
-
-    Args:
-        proc_root: where ``/proc`` is mounted.
-        cgroup_root: where the cgroup file system is mounted.
-    """
+    """Reads this process's and the host's memory figures under ``proc_root``."""
 
     def __init__(self, proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> None:
         self.proc_root = proc_root
@@ -106,10 +96,8 @@ class ProcReader:
         """Every figure now; ``None`` for those this host does not expose.
 
         Args:
-            rollup: also read PSS and USS from ``smaps_rollup``. The kernel walks every page
-                table of the process for it, holding its mmap lock: measured 36 ms for a
-                ~300 MiB torch process, and it grows with the mappings. So callers read it
-                rarely, and never while a save runs.
+            rollup: also read PSS and USS from ``smaps_rollup``; costly and it stalls a save's
+                page faults, so read it rarely (docs/telemetry.md, "The memory sampler").
         """
         status = _fields(self._files.read(os.path.join(self._self, "status")), _STATUS, _KIB)
         rollup_text = self._files.read(os.path.join(self._self, "smaps_rollup")) if rollup else None
