@@ -1,27 +1,14 @@
 """The process group dcp_safe's collectives run on, and what a failure on it means.
 
-DCP's save and load exchange plans and results with collectives (``gather_object``,
-``broadcast_object``). On the training process group those collectives wait as long as that
-group's timeout (often 30 minutes), block behind or interleave with training collectives when a
-save runs in the background, and, when a peer is killed, surface as a raw ``RuntimeError`` from
-the transport. So :mod:`dcp_safe.dcp.api` runs them on a dedicated gloo group instead, created once
-per default group and deadline by :func:`checkpoint_group`:
+:func:`checkpoint_group` makes one dedicated gloo group per default group and deadline: its
+timeout is the save's deadline, it never shares a communicator with training, and gloo works on
+CPU tensors whatever the training backend. Why, and the rule that every rank makes the first call
+at the same point: docs/multirank.md, "Deadlines, and why saves get their own process group".
 
-* the group's timeout *is* the save's deadline: a hung (stopped, swapping, partitioned) peer
-  fails every survivor's save within ``deadline_s`` instead of the training timeout;
-* a background save's collectives never share a communicator with training collectives, so the
-  two cannot deadlock on each other's ordering;
-* gloo works on CPU tensors whatever the training backend is (DCP's async save needs that).
-
-``dist.new_group`` is itself a collective over the default group: every rank must reach the
-first save (or load) with the same ``deadline_s`` at the same point in its program, as it must
-reach every DCP call anyway. Later calls reuse the cached group and communicate with nobody.
-
-When a collective on the group fails, :func:`collective_failure` turns the transport's error into
-a :class:`~dcp_safe.errors.CommitError` naming the failed ranks. Storage is the witness: a rank
-that finished its part of a save wrote ``_ranks/rank_NNNNN.json``, so the ranks whose manifest
-is missing are the ones that died or hung (the transport's message names a peer's address, not
-its rank). The group is then discarded: a gloo group with a dead member cannot be used again.
+:func:`collective_failure` turns a transport error into a :class:`~dcp_safe.errors.CommitError`
+naming the failed ranks, with storage as the witness: the ranks whose ``_ranks/`` manifest is
+missing are the ones that died or hung (gloo names a peer's address, not its rank). The group is
+then discarded: a gloo group with a dead member cannot be used again.
 """
 
 from __future__ import annotations
@@ -193,7 +180,6 @@ def collective_failure(
     Args:
         exc: the transport's error (chained as ``__cause__``).
         rank: this rank, in the group the collective ran on.
-        world_size: that group's size.
         deadline_s: the group's deadline, for the message (None: not dcp_safe's group).
         witnesses: the save's storage writer or reader; any with ``missing_ranks()`` names the
             ranks that did not finish.

@@ -1,37 +1,10 @@
 """DCP planners that keep each rank's state its own: divergence refused, per-rank state declared.
 
-DCP deduplicates every entry that several ranks save under the same key, unless it is a shard
-of a DTensor or ShardedTensor: one rank's copy is written, and a restore hands that copy to
-every rank. For replicated state (DDP parameters, a shared step counter) that is right; for
-state that differs per rank (an RNG state, a data loader's position, per-rank counters) it
-silently gives every rank but one another rank's value. So:
-
-* :class:`SafeSavePlanner` fingerprints, on each rank, every entry DCP would deduplicate (plain
-  tensors and objects, not DTensor shards) while it plans, which in an asynchronous save is on
-  the upload thread, not the training thread. The fingerprints travel to the coordinator with
-  the local plans (:class:`FingerprintedPlan`), and before DCP deduplicates, the coordinator
-  compares them: values that differ fail the save on every rank with
-  :class:`~dcp_safe.errors.DivergentStateError`, before anything is written.
-* ``per_rank=("rng", "loader")`` (key prefixes of the state dict, as DCP flattens it: ``loader``
-  covers ``loader.pos``) stores those entries once per rank, under a key naming the rank
-  (:func:`dcp_safe.layout.per_rank_key`), so DCP never deduplicates them. The caller's state
-  dict keeps its plain keys: :class:`SafeLoadPlanner` maps each back on load, and on the same
-  world size every rank gets its own value. On another world size the rule is simple and
-  never silent: per-rank entries restore only onto the world size that saved them
-  (:class:`~dcp_safe.errors.PerRankStateError` otherwise; restore the rest with ``exclude=``).
-* :class:`SafeLoadPlanner` also restores only some keys (``keys=``, ``exclude=``) and reports
-  what it did (:class:`RestoreReport`); a key asked for and missing from the checkpoint fails
-  the load unless ``allow_partial=True``. Nothing is ever skipped silently.
-
-Why a planner: DCP's planner is where every rank's plan meets the others' before the
-deduplication, and where the state dict's keys are chosen; the storage layer only sees plans
-already deduplicated. ``dcp_safe.save``/``async_save``/``load`` and ``CheckpointManager`` use
-these planners by default; a caller of ``dcp.save(..., storage_writer=SafeStorageWriter(...))``
-passes ``planner=SafeSavePlanner(...)`` to get the same.
-
-Fingerprints are xxh3-64 digests: of a tensor's bytes (with its dtype and shape), of an object's
-canonical encoding (containers walked, tensors by their bytes, anything else by ``pickle``).
-They catch accidents, as checksums do; they are not a defence against a rank that lies.
+:class:`SafeSavePlanner` fingerprints every entry DCP would deduplicate and fails the save with
+:class:`~dcp_safe.errors.DivergentStateError` where ranks differ; ``per_rank=`` prefixes are
+stored once per rank. :class:`SafeLoadPlanner` maps them back, restores only the keys asked for
+and reports what it did (:class:`RestoreReport`). A planner, because only there do all ranks'
+plans meet before DCP deduplicates. Behaviour and the world-size rule: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -346,11 +319,8 @@ _PARALLEL_BYTES = 4 << 20
 
 
 def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
-    """:func:`fingerprint` of each value, the large tensors hashed in parallel.
-
-    Hashing is a full read of every replicated byte at memory speed: on one thread 1 GiB takes
-    about 0.14 s on this project's 2-core machine, a quarter of a page-cache save of that GiB.
-    """
+    """:func:`fingerprint` of each value, the large tensors hashed in parallel (1 GiB on one
+    thread: about 0.14 s, a quarter of a page-cache save)."""
     large = [
         key
         for key, value in values.items()
