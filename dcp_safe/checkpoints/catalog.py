@@ -1,12 +1,9 @@
 """List and verify committed checkpoints: the read-only view an operator needs.
 
-``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
-``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
-checksum, and each shard item's checksum, and that a shard's items tile it exactly; then that
-what a load would unpickle (``.metadata``, object items) passes the load's own restricted checks
-(:mod:`dcp_safe.checkpoints.loadable`), since a planted pickle can carry a matching checksum. With
-``deep=False`` it is the quick check instead: the marker against the manifest and each file's
-presence and size, reading no data (``dcp-safe verify --quick``).
+``list_checkpoints`` reads a marker and a manifest per checkpoint. ``verify_checkpoint`` reads
+every byte against its checksum, then decodes what a load would unpickle with the load's own
+checks (:mod:`dcp_safe.checkpoints.loadable`); ``deep=False`` is the quick check: the marker
+against the manifest and each file's presence and size, reading no data.
 """
 
 from __future__ import annotations
@@ -143,9 +140,8 @@ def verify_checkpoint(
             (module docstring); its report checks no items.
         signing_key: also require the checkpoint to be signed with this key (default
             ``$DCP_SAFE_SIGNING_KEY``; see :mod:`dcp_safe.manifest.signing`).
-        allow_pickle: the deep check skips the restricted unpickling of ``.metadata`` and of
-            object items (as ``SafeStorageReader(allow_pickle=True)`` does): for a root you
-            trust as much as code.
+        allow_pickle: skip the restricted decoding of ``.metadata`` and object items, as
+            ``SafeStorageReader(allow_pickle=True)`` does (a root trusted as code).
 
     Returns:
         A report of what was checked, when everything matches.

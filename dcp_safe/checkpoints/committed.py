@@ -58,10 +58,9 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
 
     Raises:
         CheckpointNotFoundError: no marker (never committed, or not there at all).
-        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
-            names; the marker or manifest is not a regular file or over its size cap
-            (:mod:`dcp_safe.manifest.limits`), a manifest field is malformed, or an item lies
-            in a file the manifest does not list.
+        CheckpointCorruptError: the manifest is missing, malformed or not the one the marker
+            names; a control file is not a regular file or over its cap; or an item lies in a
+            file the manifest does not list.
     """
     marker_path = f"{name}/{layout.COMMITTED_MARKER}"
     try:

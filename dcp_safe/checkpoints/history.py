@@ -117,9 +117,8 @@ class History:
     def read(self) -> list[dict[str, Any]]:
         """Every readable event, oldest first.
 
-        A line that is not a JSON object (a torn or NUL-filled tail after power loss, or any
-        damaged line) is skipped with a warning: one bad line never hides the others or stops a
-        manager from starting.
+        A damaged line (a torn or NUL-filled tail after power loss) is skipped with a warning:
+        it never hides the others or stops a manager from starting.
         """
         with self._lock:
             try:

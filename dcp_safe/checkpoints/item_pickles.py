@@ -110,9 +110,7 @@ class _Storage:
 
 class Refused(pickle.UnpicklingError):
     """An admitted name was asked to make something from more than the item's bytes
-    (``bytearray(n)``: a gigabyte from a few bytes of pickle; a storage class called as a
-    constructor: memory nobody wrote); the caller makes it an
-    :class:`~dcp_safe.errors.UnsafeCheckpointError`."""
+    (``bytearray(n)``, a storage constructor); the caller raises ``UnsafeCheckpointError``."""
 
     def __init__(self, reason: str, because: str) -> None:
         super().__init__(reason)
@@ -166,9 +164,8 @@ class ItemUnpickler(pickle.Unpickler):
         path, item: for errors.
         plain_data: an object item (plain containers, numbers, strings, tensors); else a
             tensor item (the tensor rebuilders only).
-        materialize: build tensors (a load). ``False`` (deep verification) checks every
-            tensor's view against its record and returns a meta tensor of its dtype and shape
-            instead, reading no tensor bytes.
+        materialize: build tensors (a load). ``False`` (deep verification): check each view
+            against its record and return meta tensors, reading no tensor bytes.
     """
 
     def __init__(

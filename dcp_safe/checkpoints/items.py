@@ -42,9 +42,8 @@ __all__ = [
 
 #: The transform descriptor of DCP's zstd extension (what ``SafeStorageWriter`` records).
 ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
-#: A compressed object item decodes to at most this many bytes (an uncompressed one is its
-#: stored bytes). Objects are small in practice; a larger one needs a root trusted with
-#: ``allow_pickle=True`` or no compression.
+#: A compressed object item decodes to at most this many bytes (a larger one needs
+#: ``allow_pickle=True`` or no compression).
 OBJECT_MAX_DECODED_BYTES = 256 << 20
 #: What a ``torch.save`` archive adds to one tensor's bytes, at most: its records' headers and
 #: 64-byte alignment, the pickle, the directory (about 1.3 KiB as torch writes it).

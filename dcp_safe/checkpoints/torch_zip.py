@@ -35,8 +35,7 @@ _ENCRYPTED = 0x1
 _FULL16, _FULL32 = 0xFFFF, 0xFFFFFFFF
 _MAX_COMMENT = 0xFFFF
 # One directory entry at most: its fixed part, and a name, extra field and comment of 1 KiB each
-# (torch writes names of a few dozen bytes and extra fields of 64 at most), so the directory is
-# never read past what its entry count allows.
+# (torch writes far less), so the directory is never read past what its entry count allows.
 _MAX_ENTRY_BYTES = _CENTRAL.size + 3 * 1024
 
 

@@ -6,7 +6,8 @@ gloo group (:func:`dcp_safe.dcp.group.checkpoint_group`, timeout ``deadline_s``)
 future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
 ``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
 naming the ranks). The first call creates the group, a collective over the default group:
-every rank must make it at the same point. See docs/multirank.md, "Deadlines".
+every rank must make it at the same point. See docs/multirank.md, "Deadlines, and why saves
+get their own process group".
 """
 
 from __future__ import annotations
@@ -65,9 +66,8 @@ class _Call:
         if isinstance(exc, CheckpointException):
             return from_checkpoint_exception(exc)
         if self.group is not None and is_collective_failure(exc):
-            # DCP wraps every error raised by the storage layer or the planner in a
-            # CheckpointException; what comes out bare from a collective is the transport's
-            # (a peer closed its connection, or the group's deadline passed).
+            # DCP wraps storage and planner errors in CheckpointException; what comes out bare
+            # from a collective is the transport's (a peer gone, or the deadline passed).
             error = collective_failure(
                 exc,
                 rank=self.rank,

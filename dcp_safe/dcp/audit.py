@@ -1,9 +1,8 @@
 """Fingerprints of tensors over fixed blocks of their *global* shape, from any sharding.
 
-A restore that proves itself compares what it loaded with what was saved. The two sides are
-sharded differently (saved by 4 ranks, restored by 2; FSDP2 row shards, a column-sharded DTensor,
-a replicated bias), so a fingerprint must not depend on how the tensor is cut. This one is a sum
-over *sampled* elements of the global tensor in row-major order:
+Save and restore are sharded differently (4 ranks then 2; row, column or replicated shards), so
+the fingerprint must not depend on the cut. It is a sum over *sampled* elements of the global
+tensor in row-major order:
 
     sample j is the element at global flat index  j * s,  s >= numel / MAX_SAMPLES
     F(block b) = sum over samples j in b of  bits(sample j) * W[j - b * L]
@@ -69,7 +68,6 @@ class Box:
 
     Attributes:
         offsets: its first element's index along each dimension of the global tensor.
-        global_shape: the global tensor's shape.
         local: its values (shape = its sizes).
     """
 

@@ -74,9 +74,8 @@ def checkpoint_group(
     training thread, as DCP's own calls are. Cached until :func:`discard_group` or a new
     default group.
 
-    ``purpose`` names a separate group for collectives that may run at the same time as
-    others: a communicator carries one ordered stream of collectives, so two threads (a
-    background save and a foreground one, or the manager's policy votes) need one each.
+    ``purpose`` names a separate group for collectives that may run concurrently (a background
+    save, the manager's votes): a communicator carries one ordered stream of collectives.
 
     Raises:
         ConfigError: ``timeout_s`` is not a positive number, or no default group exists.
@@ -109,10 +108,9 @@ def deadline_of(group: Any) -> float | None:
 def discard_group(group: Any, *, destroy: bool = True) -> None:
     """Forget ``group`` and tear it down: a peer failed, so its connections are dead.
 
-    Destroying it closes this rank's connections, which also wakes peers still blocked on it.
-    The next :func:`checkpoint_group` call creates a fresh group (a collective again).
-    ``destroy=False`` only forgets it: for a group another thread of this rank may still be
-    using (destroying a gloo group under a running collective is not safe).
+    Destroying it also wakes peers still blocked on it; the next :func:`checkpoint_group` call
+    creates a fresh group (a collective again). ``destroy=False`` only forgets it, for a group
+    another thread may still be using (destroying one under a running collective is unsafe).
     """
     with _lock:
         stale = [key for key, (_, cached) in _groups.items() if cached is group]
@@ -124,11 +122,9 @@ def discard_group(group: Any, *, destroy: bool = True) -> None:
             dist.destroy_process_group(group)
 
 
-# What gloo's and the store's errors say. Gloo raises plain RuntimeError (with its source path,
-# ".../third_party/gloo/...", in the text), so the type alone cannot tell it from a local error
-# such as an out-of-memory during staging.
-# Once a collective timed out, gloo closes the pair and later calls on the group fail with
-# "Application timeout caused pair closure", which names neither gloo nor a peer.
+# What gloo's and the store's errors say: gloo raises plain RuntimeError, so only the text tells
+# it from a local error; after a timeout, later calls fail with "Application timeout caused pair
+# closure", which names neither gloo nor a peer.
 _TRANSPORT_WORDS = (
     "gloo",
     "connection closed",
@@ -153,9 +149,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 def is_group_failure(exc: BaseException | None) -> bool:
     """True when ``exc`` or an error it was raised from is a failed collective.
 
-    A save that failed because a peer's storage failed is not a group failure (DCP reports
-    it through the collectives, which worked); one whose collective timed out or lost its
-    connection is, and the group it ran on cannot be used again.
+    A peer's storage failure is not one (DCP reports it through working collectives); a
+    timed-out or lost connection is, and the group cannot be used again.
     """
     seen = 0
     while exc is not None and seen < 16:  # a bounded walk: chains can be cyclic

@@ -52,7 +52,6 @@ class FingerprintedPlan(SavePlan):
 
     Attributes:
         fingerprints: flattened key -> fingerprint, for plain tensors and objects.
-        rank: the rank that made the plan.
         audit: every tensor's pieces on this rank, with their block fingerprints
             (:mod:`dcp_safe.dcp.audit`), for audited restores.
     """
@@ -119,7 +118,6 @@ class SafeSavePlanner(DefaultSavePlanner):
         check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
         record_audit: record every tensor's block fingerprints in the checkpoint's metadata,
             for ``load(..., audit=True)``.
-        **kwargs: :class:`DefaultSavePlanner`'s.
 
     Raises:
         ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard).
@@ -281,9 +279,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self._per_rank_keys[key] = own
 
     def create_local_plan(self) -> LoadPlan:
-        # DefaultLoadPlanner's own falls back to torch 2.3's key format when the checkpoint
-        # holds keys the state dict lacks, re-flattening the whole state dict: that would load
-        # keys excluded here. dcp_safe checkpoints are written by torch >= 2.4 only.
+        # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
+        # loading keys excluded here (dcp_safe checkpoints are written by torch >= 2.4 only).
         assert self.metadata is not None
         return create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
 

@@ -63,20 +63,16 @@ class SafeStorageReader(StorageReader):
     """Load committed checkpoints from ``root``, verifying every byte it uses.
 
     Args:
-        root: a local directory or an fsspec URL.
         verify: check item checksums while reading (the marker, manifest and ``.metadata``
             are always checked).
-        storage_options: passed to fsspec for URL roots.
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
         allow_pickle: trust this root as you trust code: items are unpickled without
             restriction and an old checkpoint's ``.metadata`` pickle is read. By default only
             plain data and the items' own tensors are decoded; anything else raises
             :class:`~dcp_safe.errors.UnsafeCheckpointError` (docs/integrity.md).
-        signing_key: accept only checkpoints signed with this key (as ``SafeStorageWriter``
-            takes it; default ``$DCP_SAFE_SIGNING_KEY``): an unsigned one raises
-            :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
-            :class:`~dcp_safe.errors.SignatureError`, in ``reset``. Without a key, signed
-            checkpoints load like any other.
+        signing_key: accept only checkpoints signed with this key (default
+            ``$DCP_SAFE_SIGNING_KEY``); ``reset`` raises otherwise (see its Raises). Without a
+            key, signed checkpoints load like any other.
         thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
             called from one thread at a time.
 

@@ -289,9 +289,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can.
 
-    Returns ``False`` (nothing written) for tensors it leaves to ``torch.save``: not a plain
-    contiguous CPU tensor with no autograd history, or a dtype or size the template does not
-    cover.
+    Returns ``False`` (nothing written) for anything but a plain contiguous CPU tensor with no
+    autograd history, of a dtype and size the template covers.
     """
     if (
         type(tensor) is not torch.Tensor

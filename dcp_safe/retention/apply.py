@@ -41,7 +41,6 @@ class RetentionReport:
         kept: committed checkpoints kept, oldest first.
         dropped: committed checkpoints removed (would be removed, in a dry run), oldest first.
         sweep: what the sweep of abandoned partial saves removed and left for later.
-        dry_run: whether nothing was removed.
     """
 
     kept: tuple[str, ...]

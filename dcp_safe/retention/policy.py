@@ -39,7 +39,6 @@ class CheckpointRecord:
     """A committed checkpoint as retention sees it.
 
     Attributes:
-        name: the checkpoint's name under its root.
         step: the training step it captures; orders checkpoints (then ``name``).
         validated: it passed verification after its commit.
     """

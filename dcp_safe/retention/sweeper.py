@@ -200,8 +200,8 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
 def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -> list[str]:
     """Remove stray exclusive-create probe objects at the root older than ``grace_s``.
 
-    One without a modification time (gone meanwhile, or storage that reports none) is kept.
-    A recent one is not reported: a live probe lasts two requests, it is no partial save.
+    One without a modification time is kept; a recent one is not reported (a live probe
+    lasts two requests).
     """
     removed = []
     for entry in backend.list_dir(""):
