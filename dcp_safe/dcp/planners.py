@@ -338,7 +338,7 @@ def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
 def fingerprint(value: object) -> int:
     """An xxh3-64 digest of ``value``: a tensor's dtype, shape and bytes; an object's canonical
     encoding (``pickle`` alone is not canonical across processes: a tensor in it pickles with
-    a random serialization id)."""
+    a random serialization id). It catches accidents, not a rank that lies."""
     hasher = xxhash.xxh3_64()
     _feed(hasher, value, depth=0)
     return int(hasher.intdigest())
