@@ -1,12 +1,9 @@
 """List and verify committed checkpoints: the read-only view an operator needs.
 
-``list_checkpoints`` is cheap (a marker, a manifest and its digest per checkpoint).
-``verify_checkpoint`` reads every byte: each file's presence and size, each small file's
-checksum, and each shard item's checksum, and that a shard's items tile it exactly; then that
-what a load would unpickle (``.metadata``, object items) passes the load's own restricted checks
-(:mod:`dcp_safe.checkpoints.loadable`), since a planted pickle can carry a matching checksum. With
-``deep=False`` it is the quick check instead: the marker against the manifest and each file's
-presence and size, reading no data (``dcp-safe verify --quick``).
+``list_checkpoints`` reads a marker and a manifest per checkpoint. ``verify_checkpoint`` reads
+every byte against its checksum, then decodes what a load would unpickle with the load's own
+checks (:mod:`dcp_safe.checkpoints.loadable`); ``deep=False`` is the quick check: the marker
+against the manifest and each file's presence and size, reading no data.
 """
 
 from __future__ import annotations
@@ -83,8 +80,6 @@ def list_checkpoints(
     reported to ``on_damaged`` (default: a logged warning), and never hides the others.
 
     Args:
-        root: the checkpoint root (a local path or an fsspec URL).
-        storage_options: fsspec options for the root (endpoint, credentials).
         on_damaged: called with the name and the error of each damaged entry.
         signing_key: list only checkpoints signed with this key (default
             ``DCP_SAFE_SIGNING_KEY`` if set): with a key, nothing else counts.
@@ -139,18 +134,14 @@ def verify_checkpoint(
     """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
 
     Args:
-        root: the checkpoint root (a local path or an fsspec URL).
         name: the checkpoint's name, or ``"latest"``.
-        storage_options: fsspec options for the root (endpoint, credentials).
         progress: called with each file's record once that file is checked (progress bars).
-        deep: read every byte against its checksum (the default). ``False``: the quick check,
-            the marker against the manifest and each file's presence and size only; its report
-            reads no bytes and checks no items.
+        deep: read every byte against its checksum (the default). ``False``: the quick check
+            (module docstring); its report checks no items.
         signing_key: also require the checkpoint to be signed with this key (default
             ``$DCP_SAFE_SIGNING_KEY``; see :mod:`dcp_safe.manifest.signing`).
-        allow_pickle: the deep check skips the restricted unpickling of ``.metadata`` and of
-            object items (as ``SafeStorageReader(allow_pickle=True)`` does): for a root you
-            trust as much as code.
+        allow_pickle: skip the restricted decoding of ``.metadata`` and object items, as
+            ``SafeStorageReader(allow_pickle=True)`` does (a root trusted as code).
 
     Returns:
         A report of what was checked, when everything matches.
@@ -216,10 +207,8 @@ def _verify_sizes(
 ) -> None:
     """The quick check: every file the manifest lists is there with its recorded size.
 
-    Sized from one listing per folder (the checkpoint's and ``_ranks/``: on an object store a
-    request per 1,000 files, not a HEAD each, which at thousands of ranks was thousands of
-    requests after every save the manager validates). A file a listing lacks is asked for on
-    its own before it is called missing: a listing is a snapshot.
+    Sized from one listing per folder, not a request per file; a file a listing lacks is asked
+    for on its own before it is called missing (a listing is a snapshot).
     """
     sizes = ListedSizes(backend, "")
     for record in manifest.files:

@@ -1,8 +1,5 @@
-"""Find and open committed checkpoints under a root.
-
-A checkpoint is committed when ``<name>/_COMMITTED`` exists and holds the digest of
-``<name>/manifest.json``. Opening one checks exactly that (a few small reads), so anything that
-passes is a complete, published checkpoint whose manifest can be trusted for further checks.
+"""Find and open committed checkpoints under a root: the marker checked against the manifest
+(docs/architecture.md, "The rule"), so whatever opens has a manifest fit for further checks.
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ class CommittedCheckpoint:
 def committed_names(backend: Backend) -> list[str]:
     """Names under the root that carry a commit marker (not yet checked further).
 
-    Found from listings alone where storage allows it (an object store: a request per 1,000
-    keys, not one per entry; :meth:`~dcp_safe.backends.backend.Backend.entries_holding`). A
-    name that breaks the name rule (:func:`~dcp_safe.layout.validate_name`) is no checkpoint,
-    whatever it holds: it is passed by with a warning that shows it escaped.
+    Found from listings alone where storage allows it. A name that breaks the name rule
+    (:func:`~dcp_safe.layout.validate_name`) is no checkpoint, whatever it holds: it is passed
+    by with a warning that shows it escaped.
     """
     names = []
     for entry in backend.entries_holding(layout.COMMITTED_MARKER):
@@ -62,10 +58,9 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
 
     Raises:
         CheckpointNotFoundError: no marker (never committed, or not there at all).
-        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
-            names; the marker or manifest is not a regular file or over its size cap
-            (:mod:`dcp_safe.manifest.limits`), a manifest field is malformed, or an item lies
-            in a file the manifest does not list.
+        CheckpointCorruptError: the manifest is missing, malformed or not the one the marker
+            names; a control file is not a regular file or over its cap; or an item lies in a
+            file the manifest does not list.
     """
     marker_path = f"{name}/{layout.COMMITTED_MARKER}"
     try:
@@ -111,9 +106,8 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
 def recency(step: int | None, created_at: float, name: str) -> tuple[int, float, str]:
     """The order of "newest": by training step, then commit time, then name.
 
-    Step first, because commit times come from each writer's clock and one node with a fast
-    clock must not pin an old checkpoint as the newest. A checkpoint saved without a step
-    counts as older than any with one.
+    Step first: commit times come from each writer's clock, and a fast clock must not pin an
+    old checkpoint as the newest. A checkpoint without a step is older than any with one.
     """
     return (-1 if step is None else step, created_at, name)
 

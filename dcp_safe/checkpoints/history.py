@@ -14,22 +14,15 @@ Event schema (every line; keys sorted; absent optional fields are left out)::
     reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption)
     validated  bool   optional: on "committed": verification passed
 
-Why append on local roots and rewrite elsewhere: object stores have no append, and the history
-stays small (a few events per save). A rewrite is read-modify-write, so only one writer (the
-manager owning the root) may record at a time; the lock here serialises one manager's threads.
-The lock is re-entrant because a preemption handler (see :mod:`dcp_safe.manager.preemption`)
-may record on the main thread while that thread is inside :meth:`History.append`; each local
-line is one ``write`` call, so lines stay whole.
+Local roots append; other roots rewrite, since object stores have no append (the history stays
+small). A rewrite is read-modify-write, so only the manager owning the root may record; the
+lock serialises its threads, and is re-entrant because a preemption handler may record while
+its thread is inside :meth:`History.append`.
 
 Reading is bounded and strict, since anyone who can write the root can write this file: only
-its newest :data:`~dcp_safe.manifest.limits.HISTORY_MAX_BYTES` are read (and kept by a
-rewrite); a history that is not a regular file (a FIFO, a device, a symbolic link) is reported
-and read as empty, and appending to it fails, as it does to one with other hard links: a local
-append opens the file beneath the root without following links
-(:meth:`~dcp_safe.backends.local_backend.LocalBackend.open_append`), so a planted
-``_history.jsonl`` never leads an append to a file outside the root; a line that is not an
-event of the schema above, field by field, is skipped with a warning. Text fields are escaped
-(:func:`~dcp_safe.untrusted.shown`) before they are written.
+the newest :data:`~dcp_safe.manifest.limits.HISTORY_MAX_BYTES` are read, anything but a regular
+file is refused, and a line that is not an event of the schema is skipped with a warning
+(docs/integrity.md, "Hostile storage").
 """
 
 from __future__ import annotations
@@ -76,11 +69,7 @@ EVENTS = frozenset(
 
 
 class History:
-    """Append to and read a root's history file.
-
-    Args:
-        backend: the root's backend.
-    """
+    """Append to and read a root's history file."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -128,9 +117,8 @@ class History:
     def read(self) -> list[dict[str, Any]]:
         """Every readable event, oldest first.
 
-        A line that is not a JSON object (a torn or NUL-filled tail after power loss, or any
-        damaged line) is skipped with a warning: one bad line never hides the others or stops a
-        manager from starting.
+        A damaged line (a torn or NUL-filled tail after power loss) is skipped with a warning:
+        it never hides the others or stops a manager from starting.
         """
         with self._lock:
             try:

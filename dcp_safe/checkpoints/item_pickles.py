@@ -1,27 +1,13 @@
 """What the pickle of a tensor or object item may build: plain data, and tensors made of the
 item's own records. The one unpickler the load path and deep verification share.
 
-torch's weights-only unpickler was the check before, and it admits more than plain data: the
-legacy constructors (``torch.FloatTensor(n)``, ``torch.UntypedStorage(n)``: uninitialized heap
-memory into the restored state, or a gigabyte from a few bytes), ``bytearray(n)``, and tensors
-over whatever storage the pickle names. Here:
-
-* :func:`scan` reads the opcodes first (:mod:`pickletools`, nothing built or called): at most
-  a budget of them, and none of the ones that set attributes or build arbitrary objects
-  (``BUILD``, ``INST``, ``OBJ``, ``NEWOBJ``, the extension registry, text persistent ids,
-  out-of-band buffers). So no global, however it is reached, can be modified by the pickle.
-* :class:`ItemUnpickler` then loads it with the C unpickler, where ``find_class`` maps each
-  admitted global to dcp_safe's own implementation: the tensor rebuilders take only storages
-  this very load made from the archive's own records (checked: record present, size equal to
-  the persistent id's element count, the view inside it), ``bytearray`` and ``bytes`` only
-  from text, ``torch.device`` only from a name. A tensor item admits the tensor rebuilders and
-  their arguments only; an object item also plain containers, numbers and strings.
-
-Anything else is an :class:`~dcp_safe.errors.UnsafeCheckpointError` naming the item and what was
-refused; malformed bytes are a :class:`~dcp_safe.errors.CheckpointCorruptError`.
-
-Tensors share the item's memory when it is writable (a read or a decompression into a
-``bytearray``), so a decoded tensor item costs its bytes once, as ``torch.load`` does.
+Not torch's weights-only unpickler: it admits legacy constructors (``torch.FloatTensor(n)``:
+uninitialized memory, or a gigabyte from a few bytes), ``bytearray(n)`` and tensors over any
+storage the pickle names. :func:`scan` reads the opcodes first, refusing those that set
+attributes or build arbitrary objects; :class:`ItemUnpickler` then maps each admitted global to
+dcp_safe's own implementation (details: docs/integrity.md, "Loading never runs code from the
+checkpoint"). Tensors share the item's memory when it is writable, so a decoded item costs its
+bytes once, as ``torch.load`` does.
 """
 
 from __future__ import annotations
@@ -124,9 +110,7 @@ class _Storage:
 
 class Refused(pickle.UnpicklingError):
     """An admitted name was asked to make something from more than the item's bytes
-    (``bytearray(n)``: a gigabyte from a few bytes of pickle; a storage class called as a
-    constructor: memory nobody wrote); the caller makes it an
-    :class:`~dcp_safe.errors.UnsafeCheckpointError`."""
+    (``bytearray(n)``, a storage constructor); the caller raises ``UnsafeCheckpointError``."""
 
     def __init__(self, reason: str, because: str) -> None:
         super().__init__(reason)
@@ -177,14 +161,11 @@ class ItemUnpickler(pickle.Unpickler):
     """Loads an item's ``data.pkl`` (already :func:`scan`-ned) from its own archive.
 
     Args:
-        archive: the item's checked archive.
-        pickled: its ``data.pkl``.
         path, item: for errors.
         plain_data: an object item (plain containers, numbers, strings, tensors); else a
             tensor item (the tensor rebuilders only).
-        materialize: build tensors (a load). ``False`` (deep verification) checks every
-            tensor's view against its record and returns a meta tensor of its dtype and shape
-            instead, reading no tensor bytes.
+        materialize: build tensors (a load). ``False`` (deep verification): check each view
+            against its record and return meta tensors, reading no tensor bytes.
     """
 
     def __init__(

@@ -1,21 +1,12 @@
 """One item's bytes to what it holds, bounded by what the checkpoint declares for it.
 
-An item is decoded in three steps, each bounded before it allocates:
-
-1. its transforms: zstd is decompressed in chunks, and no further than the item may hold (a
-   tensor chunk: its dtype and shape from the metadata, plus the archive around them; an
-   object: its stored bytes, or :data:`OBJECT_MAX_DECODED_BYTES` compressed). One more byte
-   is an :class:`~dcp_safe.errors.UnsafeCheckpointError`, so a 32 KiB item that inflates to
-   a gigabyte stops at what it declared;
-2. its ``torch.save`` archive: every record stored, inside the item
-   (:mod:`dcp_safe.checkpoints.torch_zip`);
-3. its pickle: tensors made of the archive's own records, plain data, within an opcode budget
-   (:mod:`dcp_safe.checkpoints.item_pickles`).
-
-The reader (:class:`~dcp_safe.dcp.reader.SafeStorageReader`) and deep verification
-(:mod:`dcp_safe.checkpoints.loadable`) both decode through here, so what verifies is what
-loads. Plain tensors laid out exactly as ``torch.save`` writes them never come here: the
-reader recognises their bytes and copies them straight into place.
+Three steps, each bounded before it allocates: its transforms (zstd inflated in chunks, no
+further than the item may hold: one byte more is an
+:class:`~dcp_safe.errors.UnsafeCheckpointError`), its ``torch.save`` archive
+(:mod:`dcp_safe.checkpoints.torch_zip`), its pickle (:mod:`dcp_safe.checkpoints.item_pickles`).
+The reader and deep verification both decode through here, so what verifies is what loads.
+Plain tensors laid out exactly as ``torch.save`` writes them never come here
+(:mod:`dcp_safe.dcp.tensor_reads`).
 """
 
 from __future__ import annotations
@@ -51,9 +42,8 @@ __all__ = [
 
 #: The transform descriptor of DCP's zstd extension (what ``SafeStorageWriter`` records).
 ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
-#: A compressed object item decodes to at most this many bytes (an uncompressed one is its
-#: stored bytes). Objects are small in practice; a larger one needs a root trusted with
-#: ``allow_pickle=True`` or no compression.
+#: A compressed object item decodes to at most this many bytes (a larger one needs
+#: ``allow_pickle=True`` or no compression).
 OBJECT_MAX_DECODED_BYTES = 256 << 20
 #: What a ``torch.save`` archive adds to one tensor's bytes, at most: its records' headers and
 #: 64-byte alignment, the pickle, the directory (about 1.3 KiB as torch writes it).

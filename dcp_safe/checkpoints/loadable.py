@@ -1,21 +1,11 @@
 """What a load would decode, checked the way a load decodes it: deep verification's last step.
 
-Checksums prove that the bytes are the ones the manifest names, not that decoding them is safe
-or bounded: whoever can write the root re-checksums a planted pickle or a decompression bomb. So
-deep verification also decodes DCP's metadata with the loads' own decoder
-(:mod:`dcp_safe.checkpoints.metadata`) and every item a load would decode with the loads' own
-bounded decoders (:mod:`dcp_safe.checkpoints.items`): object items fully (after their
-transforms, within their budgets), tensor items to the tensor they declare, checked against
-the metadata's dtype and shape. An uncompressed tensor item is checked in place: its archive's
-directory and pickle are read from the file, its tensor bytes are not (the checksum pass read
-them already), so this step costs little beside it.
-
-An item is an object item when its manifest record has no chunk offset: DCP indexes objects by
-name alone and tensors by name and chunk offset, and a load finds an item's record by that same
-key, so no item a load would unpickle escapes this check, whatever the metadata claims.
-Nothing here ever unpickles without restriction: with ``allow_pickle`` (the caller trusts the
-root) object items are not decoded, and a checkpoint without plain metadata is not decoded at
-all, rather than unpickled to verify it.
+Checksums do not prove decoding is safe (whoever writes the root re-checksums a planted pickle),
+so DCP's metadata and every item go through the loads' own bounded decoders; an uncompressed
+tensor item is checked in place, its tensor bytes not read again. An item is an object item
+when its manifest record has no chunk offset, the same key a load uses, so no item a load would
+unpickle escapes, whatever the metadata claims. With ``allow_pickle`` object items are not
+decoded, and a checkpoint without plain metadata is skipped rather than unpickled.
 """
 
 from __future__ import annotations
@@ -52,14 +42,7 @@ def check_loadable(
 ) -> int:
     """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them.
 
-    Args:
-        backend: the root.
-        name: a committed checkpoint whose manifest is ``manifest``.
-        allow_pickle: the caller trusts the root: object items are not decoded, and a
-            checkpoint without plain metadata is not checked (nothing is unpickled).
-
-    Returns:
-        The number of object items checked.
+    Returns the number of object items checked. ``allow_pickle``: as in the module docstring.
 
     Raises:
         UnsafeCheckpointError: an object item refers to more than plain data, an item decodes

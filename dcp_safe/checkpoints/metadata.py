@@ -1,13 +1,9 @@
 """DCP's metadata of a committed checkpoint, as loads, deep verification and ``inspect`` read it.
 
-One function, so the three can never disagree about a checkpoint: the plain form in the
-manifest (:mod:`dcp_safe.manifest.dcp_metadata`) when there is one, which is every checkpoint
-this version writes. A checkpoint written before has only ``.metadata``, a pickle; it is
-unpickled only for a caller who trusts the root (``allow_pickle=True``), and what it yields is
-then put through the same plain encoding and decoder, and its ``storage_data`` must agree with
-the manifest item by item, so even a trusted pickle cannot point a load at other files or
-bytes. Without ``allow_pickle`` such a checkpoint is an
-:class:`~dcp_safe.errors.UnsafeCheckpointError` that says how to proceed.
+One function, so the three never disagree: the manifest's plain form
+(:mod:`dcp_safe.manifest.dcp_metadata`). An older checkpoint's ``.metadata`` pickle is read only
+with ``allow_pickle=True``, then put through the same decoder, its ``storage_data`` matched to
+the manifest item by item, so even a trusted pickle cannot point a load at other bytes.
 """
 
 from __future__ import annotations

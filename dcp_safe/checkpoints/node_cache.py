@@ -1,13 +1,10 @@
 """The node cache: a node's share of a checkpoint committed on the shared remote root.
 
-:class:`~dcp_safe.dcp.node_local.NodeLocalWriter` leaves, on each node-local root, the shard
-files and rank manifests that node's ranks wrote, renamed into ``<root>/<name>/`` once the
-remote ``_COMMITTED`` exists, with copies of the remote ``manifest.json`` and ``.metadata`` and
-a ``_NODE_COMMITTED`` marker holding the manifest's digest (written before the rename, so a
-cache under its name is always whole). It deliberately has no ``_COMMITTED``: it is part of a
-checkpoint, and everything that looks for checkpoints (``list_checkpoints``, the reader,
-``"latest"``, retention) passes it by. This module owns that layout: publishing a cache,
-opening one and listing them.
+``<root>/<name>/`` holds that node's shard files and rank manifests, copies of the remote
+``manifest.json`` and ``.metadata``, and a ``_NODE_COMMITTED`` marker (written before the
+rename, so a cache under its name is always whole), never ``_COMMITTED``: everything that looks
+for checkpoints passes it by. This module owns that layout: publishing a cache, opening one and
+listing them (docs/architecture.md, "Node caches").
 """
 
 from __future__ import annotations
@@ -116,8 +113,6 @@ def list_node_caches(
 ) -> list[NodeCache]:
     """The node caches published under a node-local ``root``, oldest first.
 
-    A node cache is part of a checkpoint, not a checkpoint: load from the remote root (through
-    :class:`~dcp_safe.dcp.node_cache_reader.NodeCacheReader` to read what is local from here).
     Entries whose marker does not match their manifest are left out; so are names that break
     the name rule (:func:`~dcp_safe.layout.validate_name`), with a warning.
     """
@@ -139,10 +134,7 @@ def list_node_caches(
 def prune_node_caches(backend: Backend, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` node caches under ``backend``'s root.
 
-    Retention of the remote tier is separate: this frees node-local disk only.
-
-    Returns:
-        The names removed.
+    Returns the names removed. Frees node-local disk only: the remote's retention is separate.
     """
     caches = list_node_caches(backend)
     doomed = [cache.name for cache in caches[: max(0, len(caches) - keep)]]

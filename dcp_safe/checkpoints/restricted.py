@@ -1,33 +1,16 @@
 """Loading what a checkpoint pickled, without running code from storage.
 
-Whoever can write to a checkpoint root must not get code execution in every process that loads
-from it, and checksums do not help (the same writer computes them). Two things in a DCP
-checkpoint are pickles:
+``.metadata`` is unpickled only for a root the caller trusts (``allow_pickle=True``); loads
+read the manifest's plain form instead. A non-tensor item is decoded by dcp_safe's bounded
+unpickler (:mod:`dcp_safe.checkpoints.item_pickles`) and DCP's planner is handed a stream
+re-serialized from that safe value, so it can only rebuild what was admitted; an ``io.BytesIO``
+entry is rebuilt from its bytes by :class:`_BytesIOUnpickler`, an exact decoder of what
+``torch.save(BytesIO)`` writes. Anything else raises
+:class:`~dcp_safe.errors.UnsafeCheckpointError`. The threat model: docs/integrity.md, "Loading
+never runs code from the checkpoint".
 
-* ``.metadata``, DCP's global metadata: never unpickled unless the caller trusts the root
-  (``allow_pickle=True``, :func:`load_metadata`). Loads read the plain form dcp_safe records
-  in the manifest instead (:mod:`dcp_safe.checkpoints.metadata`).
-* non-tensor items (``BYTE_IO``): DCP's ``DefaultLoadPlanner.load_bytes`` calls
-  ``torch.load(weights_only=False)`` on them. :func:`sanitized_object_stream` first decodes
-  the bytes with dcp_safe's own bounded unpickler (:mod:`dcp_safe.checkpoints.item_pickles`:
-  plain containers, numbers, strings, and tensors made of the item's own records, within an
-  opcode and record budget), then hands the planner a stream *re-serialized from that safe
-  object*, so whatever the planner does with it, it can only rebuild what was already
-  admitted.
-
-  One entry type DCP documents for opaque bytes, ``io.BytesIO``, is pickled by DCP as the
-  object itself (``torch.save(BytesIO)``, which needs ``NEWOBJ`` and ``BUILD``, refused
-  everywhere else). Such an item is decoded by :class:`_BytesIOUnpickler`, which admits exactly
-  what ``torch.save`` writes for one (the class, its bytes as latin-1 text, its position) and
-  rebuilds a new ``BytesIO`` from the bytes: no general unpickler, no attribute of any class
-  set from storage.
-
-Anything else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` naming the file, the item
-and what was refused, unless the caller trusts the root (``allow_pickle=True``).
-
-It lives in this layer, below the DCP adapters, so that deep verification
-(:mod:`dcp_safe.checkpoints.loadable`) applies the very checks a load applies; the readers
-import it from here.
+It lives below the DCP adapters so that deep verification (:mod:`dcp_safe.checkpoints.loadable`)
+applies the very checks a load applies.
 """
 
 from __future__ import annotations

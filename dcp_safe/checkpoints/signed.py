@@ -1,12 +1,9 @@
 """The signature check of a committed checkpoint, for readers that hold a signing key.
 
-:func:`open_committed` proves that the marker and the manifest agree, which anyone who can write
-the root can arrange. With a key, :func:`check_signed` also proves that the manifest is one the
-key signed (:mod:`dcp_safe.manifest.signing`): it checks the HMAC in ``_SIGNATURE`` against the
-digest of the very bytes the opened manifest was parsed from (so nothing swapped in after the
-open counts, and nothing is read or parsed twice: at thousands of items a second parse was most
-of what signing added to a load), and requires every checksum in it to be cryptographic. After
-that, checking items against the manifest as usual authenticates every byte a load uses.
+:func:`check_signed` checks the HMAC in ``_SIGNATURE`` against the digest of the very bytes the
+opened manifest was parsed from (nothing swapped in after the open counts, nothing parsed twice)
+and requires every checksum in it to be cryptographic; item checks then authenticate every byte
+a load uses. Threat model: docs/integrity.md, "Signed checkpoints".
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ def _checksums(manifest: Manifest) -> list[str | None]:
 def signed_by(key: bytes) -> Callable[[Backend, CommittedCheckpoint], None]:
     """A check for listings: raise unless a committed checkpoint is signed with ``key``.
 
-    With a key, only such checkpoints count (for ``latest``, listings and retention): a caller
-    skips an unsigned or foreign one, as a damaged one, so nobody who can write the root can
-    push a signed checkpoint out or stand in for it.
+    With a key, only such checkpoints count (``latest``, listings, retention): an unsigned one
+    is skipped like a damaged one, so nobody who can write the root can push a signed one out.
 
     Raises (from the check):
         SignatureError, UnsignedCheckpointError: it is not signed with ``key``.

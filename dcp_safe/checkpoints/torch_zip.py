@@ -1,22 +1,13 @@
 """The records of a ``torch.save`` archive, located without trusting it and never inflated.
 
-Every DCP item that is not raw bytes is one ``torch.save`` stream: a zip whose records are a
-pickle (``data.pkl``), one record per storage (``data/<key>``) and a few constants. torch's own
-reader inflates DEFLATE records (a 1 MiB record became 1 GiB) and takes each record's size
-from the archive. ``torch.save`` writes every record STORED, so here a record is its bytes as
-they lie in the item, and any other method is refused before a byte of it is read.
-
-This is a small parser of its own rather than :mod:`zipfile`: ``zipfile`` builds an object per
-directory entry before anything can count them, reads the whole directory at once, and would
-leave a second parser (torch's) to disagree with. Here the end record is found first, the entry
-count and directory size are checked against :data:`limits <MAX_RECORDS>` and the item's length,
-then each entry and its local header, and only then are record bytes handed out, by the same
-code that checked where they lie. Zip64 end records and extra fields (which torch writes for
-large archives) are understood.
-
-Sources are random-access windows: an item held in memory, or an item's byte range of an open
-file, which lets deep verification check an archive by reading its directory and its pickle but
-not its tensor bytes.
+``torch.save`` writes every record STORED, so a record here is its bytes as they lie in the item
+and any other method is refused before a byte of it is read (torch's reader inflates DEFLATE: a
+1 MiB record became 1 GiB). Its own parser rather than :mod:`zipfile`, which builds an object per
+directory entry before anything can count them and reads the whole directory at once: here the
+end record comes first, the entry count and directory size are checked against
+:data:`MAX_RECORDS` and the item's length, then each entry, and only then are bytes handed out.
+Zip64 forms are understood. Sources are random-access windows (memory, or a byte range of an
+open file), so deep verification reads an archive's directory and pickle, not its tensor bytes.
 """
 
 from __future__ import annotations
@@ -44,8 +35,7 @@ _ENCRYPTED = 0x1
 _FULL16, _FULL32 = 0xFFFF, 0xFFFFFFFF
 _MAX_COMMENT = 0xFFFF
 # One directory entry at most: its fixed part, and a name, extra field and comment of 1 KiB each
-# (torch writes names of a few dozen bytes and extra fields of 64 at most), so the directory is
-# never read past what its entry count allows.
+# (torch writes far less), so the directory is never read past what its entry count allows.
 _MAX_ENTRY_BYTES = _CENTRAL.size + 3 * 1024
 
 

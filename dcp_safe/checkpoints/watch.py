@@ -68,9 +68,7 @@ def poll_until(
     propagate unchanged. It is called at least once, and once more at the deadline.
 
     Args:
-        check: returns the awaited value, or None while it is not there yet.
         timeout_s: the deadline, from now.
-        poll_s: the pause between calls.
         waiting_for: what is awaited, for the timeout's message.
 
     Raises:

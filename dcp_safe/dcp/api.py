@@ -1,20 +1,13 @@
 """``save`` / ``async_save`` / ``load``: DCP's calls, with deadlines and dcp_safe's errors.
 
-These call ``torch.distributed.checkpoint`` unchanged, with two additions:
-
-* In a distributed job they run DCP's collectives on dcp_safe's own gloo group
-  (:func:`dcp_safe.dcp.group.checkpoint_group`) whose timeout is the call's ``deadline_s``,
-  unless the caller passes ``process_group=`` or ``no_dist=``. A dead or hung peer then fails
-  the call (or the future) on every surviving rank within the deadline, and background saves
-  never share a communicator with training collectives. The first call creates that group,
-  which is a collective over the default group: every rank must make it at the same point.
-* Errors are translated once, on the calling thread and on every future handed back: DCP's
-  ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses) into the
-  :mod:`dcp_safe.errors` tree, and the transport's raw ``RuntimeError`` from a dead or hung peer
-  into a :class:`~dcp_safe.errors.CommitError` naming the failed ranks, with the cause chained.
-
-Calling ``dcp.save(..., storage_writer=SafeStorageWriter(...))`` directly works just as well;
-you then see DCP's exception types and wait as long as the group you pass allows.
+They call ``torch.distributed.checkpoint`` unchanged, but run its collectives on dcp_safe's own
+gloo group (:func:`dcp_safe.dcp.group.checkpoint_group`, timeout ``deadline_s``) unless given
+``process_group=`` or ``no_dist=``, and translate errors once, on the calling thread and every
+future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
+``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
+naming the ranks). The first call creates the group, a collective over the default group:
+every rank must make it at the same point. See docs/multirank.md, "Deadlines, and why saves
+get their own process group".
 """
 
 from __future__ import annotations
@@ -73,9 +66,8 @@ class _Call:
         if isinstance(exc, CheckpointException):
             return from_checkpoint_exception(exc)
         if self.group is not None and is_collective_failure(exc):
-            # DCP wraps every error raised by the storage layer or the planner in a
-            # CheckpointException; what comes out bare from a collective is the transport's
-            # (a peer closed its connection, or the group's deadline passed).
+            # DCP wraps storage and planner errors in CheckpointException; what comes out bare
+            # from a collective is the transport's (a peer gone, or the deadline passed).
             error = collective_failure(
                 exc,
                 rank=self.rank,
@@ -154,11 +146,9 @@ def save(
     """``dcp.save`` with a deadline and translated errors. Takes DCP's keyword arguments too.
 
     Args:
-        state_dict: what to save.
         deadline_s: how long any collective of this save may wait for a peer (the dedicated
-            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. The longest
-            healthy wait is for the slowest rank's writes, so it must exceed the spread of
-            per-rank write times.
+            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. Must exceed
+            the spread of per-rank write times.
         per_rank: key prefixes saved once per rank (:mod:`dcp_safe.dcp.planners`).
         **kwargs: passed to ``dcp.save``. Without ``planner=``, a
             :class:`~dcp_safe.dcp.planners.SafeSavePlanner` plans the save.
@@ -187,7 +177,6 @@ def load(
 
     Args:
         state_dict: the target, loaded in place.
-        deadline_s: as for :func:`save`.
         per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
         audit: after the load, check on every rank that the live tensors equal what was saved
             (:func:`dcp_safe.dcp.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
@@ -227,11 +216,7 @@ def async_save(
     ``async_checkpointer_type=PROCESS`` the upload runs in DCP's checkpoint process, on the
     group DCP creates there: ``deadline_s`` then bounds only the call itself.
 
-    Args:
-        state_dict: what to save.
-        deadline_s: as for :func:`save`.
-        per_rank: as for :func:`save`.
-        **kwargs: passed to ``dcp.async_save`` (a ``SafeSavePlanner`` without ``planner=``).
+    ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save`.
     """
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)

@@ -1,9 +1,8 @@
 """Fingerprints of tensors over fixed blocks of their *global* shape, from any sharding.
 
-A restore that proves itself compares what it loaded with what was saved. The two sides are
-sharded differently (saved by 4 ranks, restored by 2; FSDP2 row shards, a column-sharded DTensor,
-a replicated bias), so a fingerprint must not depend on how the tensor is cut. This one is a sum
-over *sampled* elements of the global tensor in row-major order:
+Save and restore are sharded differently (4 ranks then 2; row, column or replicated shards), so
+the fingerprint must not depend on the cut. It is a sum over *sampled* elements of the global
+tensor in row-major order:
 
     sample j is the element at global flat index  j * s,  s >= numel / MAX_SAMPLES
     F(block b) = sum over samples j in b of  bits(sample j) * W[j - b * L]
@@ -15,13 +14,8 @@ Addition modulo 2**64 is exact, associative and commutative, so every rank sums 
 its own shard into per-block partials, and partials of disjoint shards add up to the block's
 fingerprint whatever the cut. Equal bits give equal fingerprints (NaNs too).
 
-What it catches: a tensor loaded into the wrong key, two tensors swapped, a shard placed at the
-wrong offset, dropped or left as it was, a rank given another rank's values: every one of
-these changes many sampled elements (a tensor has up to :data:`MAX_SAMPLES` samples, its stride
-coprime with every dimension but the first, so a piece cut along any dimension holds its
-share). What it does not: a single flipped element between samples; that is what the items'
-checksums are for, verified on every read. Sampling is what keeps the audit's cost a few vector
-operations a tensor on at most 1,024 samples, instead of integer arithmetic over every byte.
+What it catches and misses (placement, not a flipped byte between samples): docs/resume.md,
+"A restore that proves itself".
 
 Why not a hash of each block's bytes: a block cut across two ranks' shards has no single rank
 that can hash it, and the save and the restore cut differently.
@@ -74,7 +68,6 @@ class Box:
 
     Attributes:
         offsets: its first element's index along each dimension of the global tensor.
-        global_shape: the global tensor's shape.
         local: its values (shape = its sizes).
     """
 
@@ -94,12 +87,10 @@ def boxes(value: torch.Tensor) -> list[Box]:
 
 
 def stride(shape: tuple[int, ...]) -> int:
-    """Every how many elements of a tensor of ``shape`` one is sampled.
-
-    At least ``numel / MAX_SAMPLES``, and coprime with every dimension but the first: then the
-    samples fall on every column (of every trailing dimension) in turn, so a piece cut along
-    any dimension, not only the first, holds its share of them. (A stride equal to a row's
-    length would sample column 0 alone, and miss a dropped column shard entirely.)"""
+    """Every how many elements of a tensor of ``shape`` one is sampled: at least
+    ``numel / MAX_SAMPLES``, and coprime with every dimension but the first, so a piece cut
+    along any dimension holds its share (a stride equal to a row's length samples column 0
+    alone)."""
     numel = math.prod(shape)
     every = max(1, -(-numel // MAX_SAMPLES))
     while any(math.gcd(every, size) != 1 for size in shape[1:]):
@@ -179,10 +170,8 @@ def _runs(box: Box, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _add_run(sums: dict[int, int], start: int, run: torch.Tensor, every: int, length: int) -> None:
-    """Add one run starting at global index ``start``: its samples, into their blocks.
-
-    Its samples are consecutive, so the blocks are slices: a partial head, whole blocks as one
-    matrix (one multiply and one row sum for all of them), a partial tail."""
+    """Add one run starting at global index ``start``: its samples, into their blocks (a
+    partial head, whole blocks as one matrix, a partial tail)."""
     first = -start % every
     picked = run[first::every]
     if picked.numel() == 0:
@@ -251,10 +240,8 @@ Piece = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], dict[int, 
 
 
 def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
-    """Every tensor of a flattened state dict, as the pieces this rank holds.
-
-    Plain tensors of one shape and dtype are sampled and summed in batches, so a model of
-    10,000 small tensors costs a few vector operations per batch, not per tensor."""
+    """Every tensor of a flattened state dict, as the pieces this rank holds (plain tensors of
+    one shape and dtype summed in batches: 10,000 small tensors cost a few vector operations)."""
     found: dict[str, list[Piece]] = {}
     plain: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for key, value in state.items():

@@ -21,7 +21,6 @@ def writer_for(
     node cache, a :class:`NodeLocalWriter` that writes there and uploads to the commit root.
 
     Args:
-        topology: the roots and their roles.
         remote_timeout_s: bounds the per-rank uploads' waits (rank 0 for every rank's upload,
             a rank for the remote commit: twice it); default: the upload options' own.
         **options: the other :class:`SafeStorageWriter` options (``attempt``, ``compression``,

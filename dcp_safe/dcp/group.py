@@ -1,27 +1,14 @@
 """The process group dcp_safe's collectives run on, and what a failure on it means.
 
-DCP's save and load exchange plans and results with collectives (``gather_object``,
-``broadcast_object``). On the training process group those collectives wait as long as that
-group's timeout (often 30 minutes), block behind or interleave with training collectives when a
-save runs in the background, and, when a peer is killed, surface as a raw ``RuntimeError`` from
-the transport. So :mod:`dcp_safe.dcp.api` runs them on a dedicated gloo group instead, created once
-per default group and deadline by :func:`checkpoint_group`:
+:func:`checkpoint_group` makes one dedicated gloo group per default group and deadline: its
+timeout is the save's deadline, it never shares a communicator with training, and gloo works on
+CPU tensors whatever the training backend. Why, and the rule that every rank makes the first call
+at the same point: docs/multirank.md, "Deadlines, and why saves get their own process group".
 
-* the group's timeout *is* the save's deadline: a hung (stopped, swapping, partitioned) peer
-  fails every survivor's save within ``deadline_s`` instead of the training timeout;
-* a background save's collectives never share a communicator with training collectives, so the
-  two cannot deadlock on each other's ordering;
-* gloo works on CPU tensors whatever the training backend is (DCP's async save needs that).
-
-``dist.new_group`` is itself a collective over the default group: every rank must reach the
-first save (or load) with the same ``deadline_s`` at the same point in its program, as it must
-reach every DCP call anyway. Later calls reuse the cached group and communicate with nobody.
-
-When a collective on the group fails, :func:`collective_failure` turns the transport's error into
-a :class:`~dcp_safe.errors.CommitError` naming the failed ranks. Storage is the witness: a rank
-that finished its part of a save wrote ``_ranks/rank_NNNNN.json``, so the ranks whose manifest
-is missing are the ones that died or hung (the transport's message names a peer's address, not
-its rank). The group is then discarded: a gloo group with a dead member cannot be used again.
+:func:`collective_failure` turns a transport error into a :class:`~dcp_safe.errors.CommitError`
+naming the failed ranks, with storage as the witness: the ranks whose ``_ranks/`` manifest is
+missing are the ones that died or hung (gloo names a peer's address, not its rank). The group is
+then discarded: a gloo group with a dead member cannot be used again.
 """
 
 from __future__ import annotations
@@ -87,9 +74,8 @@ def checkpoint_group(
     training thread, as DCP's own calls are. Cached until :func:`discard_group` or a new
     default group.
 
-    ``purpose`` names a separate group for collectives that may run at the same time as
-    others: a communicator carries one ordered stream of collectives, so two threads (a
-    background save and a foreground one, or the manager's policy votes) need one each.
+    ``purpose`` names a separate group for collectives that may run concurrently (a background
+    save, the manager's votes): a communicator carries one ordered stream of collectives.
 
     Raises:
         ConfigError: ``timeout_s`` is not a positive number, or no default group exists.
@@ -122,10 +108,9 @@ def deadline_of(group: Any) -> float | None:
 def discard_group(group: Any, *, destroy: bool = True) -> None:
     """Forget ``group`` and tear it down: a peer failed, so its connections are dead.
 
-    Destroying it closes this rank's connections, which also wakes peers still blocked on it.
-    The next :func:`checkpoint_group` call creates a fresh group (a collective again).
-    ``destroy=False`` only forgets it: for a group another thread of this rank may still be
-    using (destroying a gloo group under a running collective is not safe).
+    Destroying it also wakes peers still blocked on it; the next :func:`checkpoint_group` call
+    creates a fresh group (a collective again). ``destroy=False`` only forgets it, for a group
+    another thread may still be using (destroying one under a running collective is unsafe).
     """
     with _lock:
         stale = [key for key, (_, cached) in _groups.items() if cached is group]
@@ -137,11 +122,9 @@ def discard_group(group: Any, *, destroy: bool = True) -> None:
             dist.destroy_process_group(group)
 
 
-# What gloo's and the store's errors say. Gloo raises plain RuntimeError (with its source path,
-# ".../third_party/gloo/...", in the text), so the type alone cannot tell it from a local error
-# such as an out-of-memory during staging.
-# Once a collective timed out, gloo closes the pair and later calls on the group fail with
-# "Application timeout caused pair closure", which names neither gloo nor a peer.
+# What gloo's and the store's errors say: gloo raises plain RuntimeError, so only the text tells
+# it from a local error; after a timeout, later calls fail with "Application timeout caused pair
+# closure", which names neither gloo nor a peer.
 _TRANSPORT_WORDS = (
     "gloo",
     "connection closed",
@@ -166,9 +149,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 def is_group_failure(exc: BaseException | None) -> bool:
     """True when ``exc`` or an error it was raised from is a failed collective.
 
-    A save that failed because a peer's storage failed is not a group failure (DCP reports
-    it through the collectives, which worked); one whose collective timed out or lost its
-    connection is, and the group it ran on cannot be used again.
+    A peer's storage failure is not one (DCP reports it through working collectives); a
+    timed-out or lost connection is, and the group cannot be used again.
     """
     seen = 0
     while exc is not None and seen < 16:  # a bounded walk: chains can be cyclic
@@ -193,7 +175,6 @@ def collective_failure(
     Args:
         exc: the transport's error (chained as ``__cause__``).
         rank: this rank, in the group the collective ran on.
-        world_size: that group's size.
         deadline_s: the group's deadline, for the message (None: not dcp_safe's group).
         witnesses: the save's storage writer or reader; any with ``missing_ranks()`` names the
             ranks that did not finish.

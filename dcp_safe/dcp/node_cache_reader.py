@@ -1,32 +1,13 @@
 """``NodeCacheReader``: restore from the remote checkpoint, reading what this node has locally.
 
-After a :class:`~dcp_safe.dcp.node_local.NodeLocalWriter` save each node keeps a node cache,
-``<local root>/<name>/``: its own ranks' shard files and a copy of the remote manifest
-(:mod:`dcp_safe.checkpoints.node_cache`). A restart on the same topology can read those files
-from local disk instead of the remote. What is trusted, and from where::
+The remote is resolved and checked as by the base reader (the one complete copy, the authority
+on "latest"); this node's cache of that save (:mod:`dcp_safe.checkpoints.node_cache`) is
+consulted per file, every item verified, and the remote read instead on any failure: a bad
+cache never fails a load the remote can serve. What is trusted and when: docs/fsdp.md,
+"Restoring from the node caches".
 
-    reset(checkpoint_id)     the checkpoint is resolved, and its marker, manifest and .metadata
-                             checked, on the REMOTE root only (the base class): the remote is
-                             the one complete, committed copy and the authority on "latest".
-                             Then the node cache of that name is opened and used only if its
-                             _NODE_COMMITTED marker matches its manifest and that manifest is
-                             the remote's (the same save); otherwise it is ignored entirely.
-    read_data(plan)          per file: from the cache when it is there with the manifest's
-                             size, every item's checksum verified (always, whatever ``verify``
-                             says); on any failure (missing, wrong size, checksum mismatch,
-                             unreadable) the rest of that file is read from the remote.
-
-Every file is counted as read from the cache or the remote, and every reason for not using the
-cache is recorded: :meth:`NodeCacheReader.stats`. Damage is logged as a warning. A bad cache
-never fails a load or reaches the caller's state dict while the remote copy is good: an item
-is handed over only after its checksum matched.
-
-Resharding needs nothing special: on another topology a rank's plan names files its node never
-wrote, and those come from the remote (recorded as ``missing``).
-
-Why a subclass rather than a keyword on :class:`~dcp_safe.dcp.reader.SafeStorageReader`: the
-base reader's ``fallback=`` picks the newest of two complete checkpoints; a node cache is never
-complete and never chosen, only consulted per file, so it reads better as its own small class.
+A subclass, not ``SafeStorageReader(fallback=)``: that picks the newest of two complete
+checkpoints; a node cache is never complete and never chosen.
 """
 
 from __future__ import annotations
@@ -103,8 +84,8 @@ class _Rejected(Exception):
 class NodeCacheReader(SafeStorageReader):
     """A ``SafeStorageReader`` of the remote ``root`` that reads files from this node's cache.
 
-    Call order and checks are the base class's (every rank); what differs is where each file's
-    bytes come from (module docstring). Give every rank its own node's local root.
+    Call order and checks are the base class's (every rank). Give every rank its own node's
+    local root.
 
     Args:
         root: the shared remote root the checkpoint was committed to.

@@ -1,37 +1,10 @@
 """DCP planners that keep each rank's state its own: divergence refused, per-rank state declared.
 
-DCP deduplicates every entry that several ranks save under the same key, unless it is a shard
-of a DTensor or ShardedTensor: one rank's copy is written, and a restore hands that copy to
-every rank. For replicated state (DDP parameters, a shared step counter) that is right; for
-state that differs per rank (an RNG state, a data loader's position, per-rank counters) it
-silently gives every rank but one another rank's value. So:
-
-* :class:`SafeSavePlanner` fingerprints, on each rank, every entry DCP would deduplicate (plain
-  tensors and objects, not DTensor shards) while it plans, which in an asynchronous save is on
-  the upload thread, not the training thread. The fingerprints travel to the coordinator with
-  the local plans (:class:`FingerprintedPlan`), and before DCP deduplicates, the coordinator
-  compares them: values that differ fail the save on every rank with
-  :class:`~dcp_safe.errors.DivergentStateError`, before anything is written.
-* ``per_rank=("rng", "loader")`` (key prefixes of the state dict, as DCP flattens it: ``loader``
-  covers ``loader.pos``) stores those entries once per rank, under a key naming the rank
-  (:func:`dcp_safe.layout.per_rank_key`), so DCP never deduplicates them. The caller's state
-  dict keeps its plain keys: :class:`SafeLoadPlanner` maps each back on load, and on the same
-  world size every rank gets its own value. On another world size the rule is simple and
-  never silent: per-rank entries restore only onto the world size that saved them
-  (:class:`~dcp_safe.errors.PerRankStateError` otherwise; restore the rest with ``exclude=``).
-* :class:`SafeLoadPlanner` also restores only some keys (``keys=``, ``exclude=``) and reports
-  what it did (:class:`RestoreReport`); a key asked for and missing from the checkpoint fails
-  the load unless ``allow_partial=True``. Nothing is ever skipped silently.
-
-Why a planner: DCP's planner is where every rank's plan meets the others' before the
-deduplication, and where the state dict's keys are chosen; the storage layer only sees plans
-already deduplicated. ``dcp_safe.save``/``async_save``/``load`` and ``CheckpointManager`` use
-these planners by default; a caller of ``dcp.save(..., storage_writer=SafeStorageWriter(...))``
-passes ``planner=SafeSavePlanner(...)`` to get the same.
-
-Fingerprints are xxh3-64 digests: of a tensor's bytes (with its dtype and shape), of an object's
-canonical encoding (containers walked, tensors by their bytes, anything else by ``pickle``).
-They catch accidents, as checksums do; they are not a defence against a rank that lies.
+:class:`SafeSavePlanner` fingerprints every entry DCP would deduplicate and fails the save with
+:class:`~dcp_safe.errors.DivergentStateError` where ranks differ; ``per_rank=`` prefixes are
+stored once per rank. :class:`SafeLoadPlanner` maps them back, restores only the keys asked for
+and reports what it did (:class:`RestoreReport`). A planner, because only there do all ranks'
+plans meet before DCP deduplicates. Behaviour and the world-size rule: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -79,7 +52,6 @@ class FingerprintedPlan(SavePlan):
 
     Attributes:
         fingerprints: flattened key -> fingerprint, for plain tensors and objects.
-        rank: the rank that made the plan.
         audit: every tensor's pieces on this rank, with their block fingerprints
             (:mod:`dcp_safe.dcp.audit`), for audited restores.
     """
@@ -146,7 +118,6 @@ class SafeSavePlanner(DefaultSavePlanner):
         check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
         record_audit: record every tensor's block fingerprints in the checkpoint's metadata,
             for ``load(..., audit=True)``.
-        **kwargs: :class:`DefaultSavePlanner`'s.
 
     Raises:
         ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard).
@@ -308,9 +279,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self._per_rank_keys[key] = own
 
     def create_local_plan(self) -> LoadPlan:
-        # DefaultLoadPlanner's own falls back to torch 2.3's key format when the checkpoint
-        # holds keys the state dict lacks, re-flattening the whole state dict: that would load
-        # keys excluded here. dcp_safe checkpoints are written by torch >= 2.4 only.
+        # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
+        # loading keys excluded here (dcp_safe checkpoints are written by torch >= 2.4 only).
         assert self.metadata is not None
         return create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
 
@@ -346,11 +316,8 @@ _PARALLEL_BYTES = 4 << 20
 
 
 def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
-    """:func:`fingerprint` of each value, the large tensors hashed in parallel.
-
-    Hashing is a full read of every replicated byte at memory speed: on one thread 1 GiB takes
-    about 0.14 s on this project's 2-core machine, a quarter of a page-cache save of that GiB.
-    """
+    """:func:`fingerprint` of each value, the large tensors hashed in parallel (1 GiB on one
+    thread: about 0.14 s, a quarter of a page-cache save)."""
     large = [
         key
         for key, value in values.items()
@@ -371,7 +338,7 @@ def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
 def fingerprint(value: object) -> int:
     """An xxh3-64 digest of ``value``: a tensor's dtype, shape and bytes; an object's canonical
     encoding (``pickle`` alone is not canonical across processes: a tensor in it pickles with
-    a random serialization id)."""
+    a random serialization id). It catches accidents, not a rank that lies."""
     hasher = xxhash.xxh3_64()
     _feed(hasher, value, depth=0)
     return int(hasher.intdigest())

@@ -2,20 +2,16 @@
 
 DCP calls a reader in this order (every rank)::
 
-    reset(checkpoint_id)            a name or "latest"; the checkpoint is resolved and its
-                                    marker, manifest digest and DCP metadata checked here, so a
-                                    missing or damaged checkpoint fails with a typed error
-                                    before DCP starts planning
-    read_metadata()                 DCP's metadata, decoded from the manifest's plain form
-                                    (dcp_safe.checkpoints.metadata), never from a pickle
-                                    unless allow_pickle
+    reset(checkpoint_id)            resolve the name or "latest"; check marker, manifest and
+                                    DCP metadata here (typed errors before DCP plans)
+    read_metadata()                 DCP's metadata from the manifest's plain form
     set_up_storage_reader(metadata, is_coordinator, rank=...)
     prepare_local_plan / prepare_global_plan
-    read_data(plan, planner)        every item's bytes are checked against the manifest before
-                                    the planner is handed them; files are read in parallel
+    read_data(plan, planner)        every item checked against the manifest before the planner
+                                    gets it
 
-Checks happen in ``reset`` rather than ``read_metadata`` because DCP turns an exception from
-``read_metadata`` into a warning and a plain ``AssertionError``; ``reset`` is called directly.
+Checks run in ``reset`` because DCP turns an exception from ``read_metadata`` into a warning
+and an ``AssertionError`` (docs/architecture.md, "Reads").
 """
 
 from __future__ import annotations
@@ -67,25 +63,18 @@ class SafeStorageReader(StorageReader):
     """Load committed checkpoints from ``root``, verifying every byte it uses.
 
     Args:
-        root: a local directory or an fsspec URL.
         verify: check item checksums while reading (the marker, manifest and ``.metadata``
             are always checked).
-        storage_options: passed to fsspec for URL roots.
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
-        allow_pickle: trust this root as you trust code: non-tensor items are unpickled without
-            restriction, and a checkpoint written before dcp_safe recorded DCP's metadata as
-            plain data is read from its ``.metadata`` pickle. By default (``False``) nothing is
-            unpickled but plain data and tensors made of their own items' bytes, and anything
-            else raises :class:`~dcp_safe.errors.UnsafeCheckpointError` (see
-            :mod:`dcp_safe.checkpoints.restricted`).
-        signing_key: accept only checkpoints signed with this key (as ``SafeStorageWriter``
-            takes it; default ``$DCP_SAFE_SIGNING_KEY``): an unsigned one raises
-            :class:`~dcp_safe.errors.UnsignedCheckpointError`, a forged or otherwise signed one
-            :class:`~dcp_safe.errors.SignatureError`, in ``reset``. Without a key, signed
-            checkpoints load like any other.
-        thread_count: files read at once (default: up to 4, at most the CPUs). Plain tensors
-            are read straight into their destination and hashed while they are read
-            (:mod:`dcp_safe.dcp.tensor_reads`); the planner is called from one thread at a time.
+        allow_pickle: trust this root as you trust code: items are unpickled without
+            restriction and an old checkpoint's ``.metadata`` pickle is read. By default only
+            plain data and the items' own tensors are decoded; anything else raises
+            :class:`~dcp_safe.errors.UnsafeCheckpointError` (docs/integrity.md).
+        signing_key: accept only checkpoints signed with this key (default
+            ``$DCP_SAFE_SIGNING_KEY``); ``reset`` raises otherwise (see its Raises). Without a
+            key, signed checkpoints load like any other.
+        thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
+            called from one thread at a time.
 
     Raises:
         ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
@@ -353,11 +342,9 @@ class SafeStorageReader(StorageReader):
         *,
         verify: bool | None = None,
     ) -> bool:
-        """Read a tensor item laid out as ``torch.save`` writes a plain tensor of the dtype and
-        shape DCP's metadata records, without ``torch.load``: straight into the destination
-        when the request wants the whole stored tensor and the destination is a contiguous
-        CPU tensor of that dtype and shape, else into a fresh tensor that is then narrowed and
-        copied. ``False``: not such an item (``torch.load`` reads it)."""
+        """Read a plain-tensor item without ``torch.load``: straight into the destination when
+        it is the whole stored tensor, contiguous and on CPU, else via a fresh tensor.
+        ``False``: not such an item."""
         stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
@@ -398,10 +385,9 @@ class SafeStorageReader(StorageReader):
     def _load_streamed(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
     ) -> torch.Tensor:
-        """An uncompressed tensor item that is not laid out as a plain tensor: read whole into
-        memory (verified), then decoded by the bounded item decoder, which builds the tensor
-        over that memory (:mod:`dcp_safe.checkpoints.items`). ``verify`` overrides the reader's
-        own setting (a node cache is always verified)."""
+        """Any other uncompressed tensor item: read whole, verified, then decoded over that
+        memory by :mod:`dcp_safe.checkpoints.items`. ``verify`` overrides the reader's setting
+        (a node cache is always verified)."""
         verify = self.verify if verify is None else verify
         raw = read_item(
             stream,

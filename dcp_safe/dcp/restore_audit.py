@@ -1,15 +1,8 @@
 """A restore that proves itself: the live tensors, after a load, against what was saved.
 
-At save, :class:`~dcp_safe.dcp.planners.SafeSavePlanner` records every tensor's block
-fingerprints (:mod:`dcp_safe.dcp.audit`) in the checkpoint's metadata. After a load with
-``audit=True``, every rank fingerprints the pieces it now holds (its shards, replicas and plain
-tensors, per-rank entries under their own rank's key), every rank receives every rank's
-pieces, and each compares their sums with the saved fingerprints: the same verdict everywhere.
-A mismatch raises :class:`~dcp_safe.errors.RestoreMismatchError` naming the key, the block and
-the rank; a copy held by several ranks that differs on one names that rank.
-
-The cost is one pass of sampled integer arithmetic per tensor (at most 1,024 samples each) and
-one exchange of the per-block sums.
+Every rank fingerprints the pieces it holds (:mod:`dcp_safe.dcp.audit`), all ranks exchange
+them, and each compares the sums with those recorded at save: the same verdict everywhere.
+See docs/resume.md, "A restore that proves itself".
 """
 
 from __future__ import annotations

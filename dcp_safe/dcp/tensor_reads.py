@@ -1,15 +1,10 @@
 """Read a stored tensor item of a known layout straight into its destination, verified.
 
-The reader's fast path (:mod:`dcp_safe.dcp.tensor_records` says when an item qualifies): the
-tensor's bytes go from the file into the destination tensor's memory with one copy, while the
-checksum is computed over the whole item in file order. Small items are read whole in one call
-and hashed from memory; large ones in chunks, each hashed on a helper thread while the next is
-read (xxhash and hashlib release the GIL), so verification costs about max(read, hash) rather
-than their sum.
-
-The destination is written before the checksum is compared (that is the copy saved); a mismatch
-raises, and a load that raised has left its state dict partly written, as any failed DCP load
-does. Nothing is handed to the planner before the check.
+The bytes go from the file into the destination with one copy while the whole item is hashed in
+file order; large items in chunks, each hashed on a helper thread while the next is read, so
+verification costs about max(read, hash). The destination is written before the checksum is
+compared: a mismatch raises and leaves the state dict partly written, as any failed DCP load
+does, but nothing reaches the planner unchecked.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The bytes ``torch.save`` writes for one plain tensor, laid down and recognised without it.
 
-DCP stores each tensor item as one ``torch.save`` stream: a small zip (a pickle that rebuilds the
-tensor, a few constant records, the tensor's bytes, a directory). Its cost is per item, not per
-byte: about 0.5 ms to write and 0.8 ms to read (``torch.load``'s weights-only unpickler and zip
-reader) on this project's machine, which is what dominates a checkpoint of thousands of small
-tensors. For a contiguous CPU tensor of a common dtype the stream is fully determined by
-(dtype, shape), so this module builds it from a template:
+A ``torch.save`` stream costs about 0.5 ms to write and 0.8 ms to read per item, which dominates
+a checkpoint of thousands of small tensors. For a contiguous CPU tensor of a common dtype the
+stream is fully determined by (dtype, shape), so it is built from a template: ``prefix`` + the
+tensor's own bytes + ``suffix``; a stored item whose bytes around the payload match is read
+straight into the destination, anything else is left to ``torch.load`` (docs/benchmarks.md).
 
-* writing: ``prefix`` + the tensor's own bytes (no copy) + ``suffix``;
-* reading: a stored item whose bytes around the payload equal the template for the dtype and
-  shape DCP's metadata records is known to hold exactly those tensor bytes at a known offset,
-  so they are read straight into the destination; anything else (another torch, another
-  layout, a hostile file) is left to ``torch.load`` as before.
-
-The template is learnt from the running torch, not hard-coded: the first use of a dtype saves
-a 3-element tensor with ``torch.save`` and compares it with what this module would write. Only
-if they are byte-identical (the per-save serialization id aside) is the dtype handled here, so a
-torch release that changes its format turns this path off instead of writing files torch cannot
-read. ``tests/dcp/test_tensor_records.py`` compares the two writers over dtypes and shapes.
+The template is learnt from the running torch, not hard-coded: a dtype is handled here only if
+a 3-element ``torch.save`` is byte-identical to what this module writes (the serialization id
+aside), so a torch that changes its format turns this path off instead of writing files torch
+cannot read.
 """
 
 from __future__ import annotations
@@ -297,9 +289,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can.
 
-    Returns ``False`` (nothing written) for tensors it leaves to ``torch.save``: not a plain
-    contiguous CPU tensor with no autograd history, or a dtype or size the template does not
-    cover.
+    Returns ``False`` (nothing written) for anything but a plain contiguous CPU tensor with no
+    autograd history, of a dtype and size the template covers.
     """
     if (
         type(tensor) is not torch.Tensor

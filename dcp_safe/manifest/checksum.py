@@ -1,18 +1,9 @@
 """Streaming checksums, named ``"<algorithm>:<hex digest>"`` so a manifest says how to check it.
 
-Default: xxh3-128. Measured over 256 MiB in memory on this project's 2-core machine (table and
-command in docs/integrity.md): xxh3-128 ~15-17 GB/s, crc32c ~13 GB/s, zlib crc32 ~2.4 GB/s,
-sha256 ~1.55 GB/s. Against a durable local write (~1.1 GB/s there) xxh3 adds ~7% when run
-serially, and the writer overlaps it with the write; sha256 would add ~70%, so it is offered for
-those who need a cryptographic digest, not chosen by default. crc32c would need another
-dependency and is no faster than xxh3, so it is not offered.
-
-Cryptographic: BLAKE3 (the official ``blake3`` package: Rust, SIMD) is what signed checkpoints
-use; sha256 is still read and selectable. Measured as CPU time on one core over 256 MiB in
-16 MiB updates (robust to this shared machine's load; command in docs/integrity.md): BLAKE3
-2.1-2.3 GB/s, sha256 1.4 GB/s (with SHA-NI), xxh3-128 7.4-9 GB/s; and BLAKE3, a tree hash,
-spreads one large update over every core (``BLAKE3_MAX_THREADS``). Like hashlib and xxhash,
-blake3 releases the GIL on large updates, which the hash-beside-read/write overlap depends on.
+Default xxh3-128 (~15 GB/s: about 7% beside a durable write, and overlapped with it); sha256 and
+crc32 selectable; BLAKE3 for signed checkpoints (0.6x sha256's CPU time, and it spreads a large
+update over every core). Measurements and the alternatives: docs/integrity.md, "Why xxh3-128".
+Every algorithm here releases the GIL on large updates, which the hash-beside-I/O overlap needs.
 """
 
 from __future__ import annotations
@@ -46,12 +37,9 @@ class ChecksumAlgorithm(str, enum.Enum):
     CRC32 = "crc32"
 
 
-# Threads one BLAKE3 update may use: every core (``AUTO``, the package's shared pool). A load
-# from the page cache is bound by the hash: 256 MiB signed loaded at 1.04x-2.11x unsigned with
-# it (median 1.52x), 1.87x-2.41x on one thread (benchmarks/bench_signing.py, docs/integrity.md).
-# The price: a large save or load briefly takes every core; and a hasher on the pool pays for
-# it on every update, however small (an item of 32 KiB between two ~700-byte records: ~220 us
-# against ~38 us on one thread here), so only hashes of items known to be large use it.
+# Threads one BLAKE3 update may use: every core (the package's pool; a signed page-cache load
+# took 1.52x unsigned with it, 2x on one thread). A pooled hasher pays on every update, however
+# small (~220 us against ~38 us for a 32 KiB item), so only items known to be large use it.
 BLAKE3_MAX_THREADS: int = blake3.blake3.AUTO
 # Items from this size up hash on the pool (when the caller says how large the item is).
 BLAKE3_PARALLEL_MIN_BYTES = 4 << 20
@@ -60,10 +48,8 @@ BLAKE3_PARALLEL_MIN_BYTES = 4 << 20
 class _Blake3Pool:
     """Whether this process may hand BLAKE3 work to the package's thread pool.
 
-    That pool (Rust's rayon) is started once per process and does not survive ``fork``: a
-    child of a process that used it waits forever for workers that were not copied (measured:
-    a forked child's first multi-threaded update hung). So once a process has used the pool,
-    its forked children hash on the calling thread.
+    That pool (Rust's rayon) does not survive ``fork``: a child of a process that used it waits
+    forever for workers that were not copied, so such children hash on the calling thread.
     """
 
     used = False

@@ -1,20 +1,15 @@
 """DCP's global metadata as plain JSON in ``manifest.json``: the encoding and its strict decoder.
 
-DCP describes a checkpoint in ``.metadata``, a pickle. Unpickling is running a program written by
-whoever wrote the file, and restricting which globals it may name still leaves its memo, its
-``BUILD`` opcode (``setattr`` on an admitted class, for the whole process) and shared containers
-that cost hours to walk. So the coordinator also records, at publish, exactly what a load needs
-of that metadata as plain values under the manifest's ``dcp_metadata`` field, and readers build
-DCP's ``Metadata`` from it with :func:`decode_dcp_metadata`: every field typed, every size and
-count bounded, every chunk matched to its manifest item. ``.metadata`` is still written for
-torch's own readers; dcp_safe unpickles it only when asked to (``allow_pickle=True``), and then
-through this same decoder (:func:`encode_dcp_metadata` of the unpickled object first).
+DCP's ``.metadata`` is a pickle, and a restricted unpickler still leaves its memo, ``BUILD``
+(``setattr`` on an admitted class, process-wide) and shared containers that cost hours to walk.
+So the coordinator records what a load needs of it as plain values under the manifest's
+``dcp_metadata`` field, and :func:`decode_dcp_metadata` rebuilds ``Metadata`` from them, every
+field typed, bounded and matched to its manifest item. A trusted ``.metadata``
+(``allow_pickle=True``) goes through the same decoder, after :func:`encode_dcp_metadata`.
 
-Why a field of the manifest and not a file beside it: the manifest's digest is what the marker
-holds and what a signature signs, so the field is covered by both with nothing added; it is
-read by the one read that opens a checkpoint; and it goes wherever the manifest is copied
-(replicas, node caches). A manifest without it is byte for byte what earlier versions wrote;
-one with it is refused as malformed by them (older readers know no such field).
+A manifest field, not a file: the marker's digest and a signature cover it with nothing added,
+the one read that opens a checkpoint reads it, and it travels wherever the manifest is copied.
+Older versions refuse a manifest with it as malformed; one without it is what they wrote.
 
 Format (``"format": "dcp_safe/dcp-metadata"``, ``"version": 1``)::
 
@@ -27,11 +22,10 @@ Format (``"format": "dcp_safe/dcp-metadata"``, ``"version": 1``)::
                              "audit": null | [[key, "<16 hex digits per block>"], ...]}}
 
 Lists keep DCP's order and carry no duplicate keys to argue about. A tensor's fingerprints
-(blocks 0, 1, ... of :mod:`dcp_safe.dcp.audit`) are one string of 64-bit big-endian hex
-numbers: less text than a list of integers, and decoded at C speed. ``storage_data`` (where
-each item lies) is not recorded: it is rebuilt from the manifest's items, so a load reads only the
-files, offsets and lengths the manifest names and checksums. ``storage_meta`` comes from the
-manifest's name and save id.
+(blocks 0, 1, ... of :mod:`dcp_safe.dcp.audit`) are one string of 64-bit big-endian hex numbers
+(less text, decoded at C speed). ``storage_data`` is rebuilt from the manifest's items, so a
+load reads only bytes the manifest names and checksums; ``storage_meta`` from its name and
+save id.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Strict parsing of control files: the size caps, the JSON reader and the field checks.
 
-Every file dcp_safe reads to decide what a checkpoint is (``_COMMITTED``, ``manifest.json``, rank
-manifests, ``_history.jsonl``, ``_WRITING`` leases, ``_NODE_COMMITTED``) may have been written by
-anyone who can write the root. Each is read whole only when it is a regular file no larger than
-its cap (stat before reading: :meth:`~dcp_safe.backends.backend.Backend.read_small`), parsed by
-:func:`parse_json` (no NaN or infinity, no integer past Python's digit limit, nesting that
-cannot exhaust the stack), and every field is checked for its type and range before use. Each
-failure is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file, so callers that
-list or choose among checkpoints skip one bad entry and keep the good ones.
-
-The caps are far above what dcp_safe writes (a marker is ~80 bytes, a manifest ~250 bytes per
-item) and far below what would hurt a process that reads them. A size cap alone does not bound
-what parsing costs, though: ``[[],[],...]`` takes 25-30 times its size as Python objects, so a
-manifest just under its cap took 6-8 GiB. :func:`parse_json` therefore first estimates, from
-counts of the structural bytes (``bytes.count``, at memory speed), an upper bound on what the
-parse would allocate (:func:`parse_cost`), and refuses a document over
-:data:`PARSE_BUDGET_BYTES` before parsing it. dcp_safe's own documents cost about 11 bytes of
-estimate per byte (a manifest of ~400,000 items fits); hostile shapes are refused at a tenth of
-their size cap. Streaming the parse instead would need a second JSON parser to trust.
+Every control file may have been written by anyone who can write the root, so each is read whole
+only as a regular file under its cap, parsed by :func:`parse_json`, and checked field by field;
+each failure is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file, so a caller
+choosing among checkpoints skips one bad entry and keeps the rest (docs/integrity.md, "Hostile
+storage"). A size cap does not bound a parse (``[[],[],...]`` costs 25-30 times its size), so
+:func:`parse_json` first bounds what the parse would allocate from counts of the structural
+bytes (:func:`parse_cost`) and refuses a document over :data:`PARSE_BUDGET_BYTES` unparsed;
+dcp_safe's own documents cost about 11 bytes of estimate per byte. Streaming the parse instead
+would need a second JSON parser to trust.
 """
 
 from __future__ import annotations
@@ -106,7 +97,6 @@ def parse_json(data: bytes, path: str, *, budget_bytes: int = PARSE_BUDGET_BYTES
     """The JSON document in ``data``, strictly.
 
     Args:
-        data: the document's bytes.
         path: the file it came from, for errors.
         budget_bytes: refuse a document whose :func:`parse_cost` is over this, unparsed.
 

@@ -1,20 +1,12 @@
 """Versioned manifests: per-rank and global, as frozen dataclasses <-> canonical JSON.
 
-The global ``manifest.json`` lists every file of a checkpoint with its size, and every item
-(a tensor chunk or a serialized object) with its byte range and checksum. Shard files are
-covered by their items, byte for byte: a file whose items do not tile it exactly is corrupt, so a
-flipped byte anywhere in a shard lands in some item's checksum. Small files (``.metadata``, rank
-manifests) carry a whole-file checksum instead.
+What a manifest covers: docs/architecture.md, "The rule". JSON is canonical (sorted keys, no
+spaces) so the digest in ``_COMMITTED`` is reproducible. Reading is strict: every field typed and
+ranged, known checksum algorithms, the checkpoint's own paths; anything else is a
+:class:`~dcp_safe.errors.CheckpointCorruptError` naming the file.
 
-JSON is canonical (sorted keys, no spaces) so the digest in ``_COMMITTED`` is reproducible.
-Reading is strict (:mod:`dcp_safe.manifest.limits`): every field is checked for its type and
-range, checksums must name a known algorithm, and paths must be the checkpoint's own members;
-anything else is a :class:`~dcp_safe.errors.CheckpointCorruptError` naming the file.
-
-Records are turned into JSON objects by explicit ``to_dict`` code, not ``dataclasses.asdict``
-(which deep-copies every field through generic reflection: 0.66 s for 8,192 items, a third of a
-4,096-tensor commit). The per-item checks take a fast path for the common, valid case and fall
-back to the general checks (and their messages) for anything else.
+Explicit ``to_dict`` code, not ``dataclasses.asdict`` (0.66 s for 8,192 items, a third of a
+4,096-tensor commit); per-item checks take a fast path for the common valid case.
 """
 
 from __future__ import annotations
@@ -221,10 +213,8 @@ def _is_checksum(value: object) -> bool:
 
 
 def _item_if_plainly_valid(raw: Mapping[str, Any]) -> ItemRecord | None:
-    """The record ``raw`` describes when every field passes the checks of
-    :meth:`ItemRecord.__post_init__` in their common form (exact types, plain lists), built
-    without the dataclass's field-by-field init; None for anything else, which then takes the
-    general path and its messages. A rank manifest holds thousands of these."""
+    """The record ``raw`` describes when every field is valid in its common form (exact types,
+    plain lists), built without the dataclass init; None sends it down the general path."""
     if raw.keys() != _ITEM_KEYS:
         return None
     offset, transforms, fqn = raw["offset"], raw["transforms"], raw["fqn"]
@@ -318,12 +308,10 @@ class Manifest:
     dcp_safe_version: str
     torch_version: str
     step: int | None = None
-    # The job attempt that wrote it (dcp_safe.commit.fencing); None when not fenced, and in
-    # manifests written before fencing existed.
+    # The job attempt that wrote it (dcp_safe.commit.fencing); None when not fenced.
     attempt: int | None = None
-    # DCP's global metadata as plain JSON (dcp_safe.manifest.dcp_metadata): what loads read
-    # instead of unpickling .metadata. Checked only for being an object here; its decoder checks
-    # the rest. None in manifests written before it existed (and then left out of the JSON).
+    # DCP's metadata as plain JSON (dcp_safe.manifest.dcp_metadata), checked by its decoder;
+    # None in older manifests (and then left out of the JSON).
     dcp_metadata: Mapping[str, Any] | None = field(default=None, hash=False, repr=False)
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)

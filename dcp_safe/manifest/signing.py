@@ -1,25 +1,14 @@
 """Signed checkpoints: the key, the signature over a manifest digest, and its check.
 
-A signed checkpoint holds ``_SIGNATURE`` beside ``manifest.json``: ``hmac-sha256:<hex>``, an
-HMAC-SHA256 under the signing key of the manifest's digest (the one ``_COMMITTED`` holds). Every
-item, rank manifest and ``.metadata`` is listed in the manifest with a cryptographic checksum
-(BLAKE3 by default; sha256 accepted and selectable), so the signature covers every byte a load
-uses. BLAKE3 rather than sha256 for the items: it takes ~0.6x the CPU time of sha256 here and
-spreads a large item over every core (:mod:`dcp_safe.manifest.checksum`), and item hashing is
-all a signed save or load pays beyond an unsigned one (the signature itself is one HMAC over a
-64-character digest). Checking it is pure: no I/O here
-(the reads are :mod:`dcp_safe.checkpoints.signed`'s and the committer's).
+``_SIGNATURE`` beside ``manifest.json`` holds ``hmac-sha256:<hex>``, an HMAC under the signing
+key of the digest ``_COMMITTED`` holds; with every item's checksum cryptographic (BLAKE3 by
+default), it covers every byte a load uses. Pure: the reads are
+:mod:`dcp_safe.checkpoints.signed`'s and the committer's. Key rules, threat model and costs:
+docs/integrity.md, "Signed checkpoints".
 
-Why an HMAC and not a public-key signature: writer and reader are the same party (a training
-job and its restarts), a shared secret is all they need, and ``hmac`` and ``hashlib`` come with
-Python; a signature scheme would add a dependency and key-pair handling for no gain here.
-Why a file beside the marker rather than inside it: readers without a key, replication and
-every tool that reads the marker stay exactly as they were; the file is written before the
-marker, so a committed signed checkpoint always has it.
-
-The key: ``signing_key=`` (bytes as they are; a str as its UTF-8 bytes, or ``hex:<digits>``
-for a binary key), else the environment variable ``DCP_SAFE_SIGNING_KEY`` (same rules for its
-value). At least 16 bytes.
+An HMAC, not a public-key signature: writer and reader are one party (a job and its restarts),
+and ``hmac`` needs no dependency. A file beside the marker, not inside it, so readers without a
+key, replication and marker tools stay as they were; it is written before the marker.
 """
 
 from __future__ import annotations
@@ -68,7 +57,8 @@ def resolve_key(
     """The signing key to use: ``key``, else ``DCP_SAFE_SIGNING_KEY``, else ``None``.
 
     Args:
-        key: bytes as they are; a str as its UTF-8 bytes, or ``"hex:<digits>"`` decoded.
+        key: bytes as they are; a str as its UTF-8 bytes, or ``"hex:<digits>"`` decoded (the
+            variable's value likewise).
         environ: where to look for the variable (default: ``os.environ``).
 
     Raises:

@@ -1,16 +1,11 @@
 """Streams that checksum bytes on their way to and from storage.
 
-Writes: :class:`HashingSink` sits between DCP's serialization (``torch.save``, zstd) and the
-backend's file; every byte that reaches the file is counted and hashed into the current item's
-checksum, so an item is never buffered whole. Large writes are hashed on a helper thread while
-the same bytes are written (both xxhash and hashlib release the GIL), so a slow hash such as
-sha256 costs max(hash, write) rather than their sum.
-
-Reads: :func:`read_verified` reads one item's byte range and checks it before anything is
-deserialized (byte items, compressed items). :class:`VerifyingSlice` lets ``torch.load`` read an
-uncompressed tensor straight from the file while the same reads feed the checksum, which is
-compared before the tensor reaches the caller: one copy fewer per item (measured: load time
-1.86x torch's reader without it, 1.10x with it).
+Writes: :class:`HashingSink` hashes every byte that reaches the file into the current item's
+checksum, so an item is never buffered whole; large writes are hashed on a helper thread while
+the same bytes are written, so a slow hash costs max(hash, write). Reads: :func:`read_verified`
+checks an item's byte range before anything is deserialized; :class:`VerifyingSlice` lets
+``torch.load`` read straight from the file while the same reads feed the checksum (one copy
+fewer: load time 1.86x torch's reader without it, 1.10x with it).
 """
 
 from __future__ import annotations
@@ -162,12 +157,9 @@ _GAP_MAX_BYTES = 1 << 16
 
 
 class VerifyingSlice(io.RawIOBase):
-    """A seekable read-only view of ``[start, start + length)`` that checksums what is read.
-
-    Made for ``torch.load``, which reads the bytes it deserializes straight into the new
-    tensor's storage: the checksum is fed from the same reads, in file order, so the item is
-    not copied once more just to be checked. Reads behind the hashed prefix are not hashed
-    again; small gaps ahead of it are read and hashed; :meth:`finish` hashes the rest.
+    """A seekable read-only view of ``[start, start + length)`` that checksums what is read,
+    in file order: reads behind the hashed prefix are not hashed again, small gaps ahead of it
+    are read and hashed, and :meth:`finish` hashes the rest.
     """
 
     def __init__(self, stream: BinaryIO, start: int, length: int, checksum: str) -> None:

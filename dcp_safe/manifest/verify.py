@@ -1,12 +1,8 @@
 """The one check of a stored file against its manifest record, as its bytes stream past.
 
-Every reader of whole files uses it: deep verification (:mod:`dcp_safe.checkpoints.catalog`)
-and replication's verified copy (:mod:`dcp_safe.replication.replicator`), so they agree on what
-"intact" means. A file with a whole-file checksum is hashed whole; a shard file's items must
-tile it exactly, in order of ``start``, and each item is hashed from its own byte range, so a
-flipped byte anywhere lands in some checksum. Items are grouped by file once
-(:func:`items_by_file`), so checking a checkpoint is linear in its files and items.
-(Loads verify one item at a time instead: :mod:`dcp_safe.manifest.streams`.)
+Deep verification and replication's verified copy both use it, so they agree on what "intact"
+means. Items are grouped by file once (:func:`items_by_file`), so checking a checkpoint is
+linear in its files and items. (Loads verify one item at a time: :mod:`dcp_safe.manifest.streams`.)
 """
 
 from __future__ import annotations

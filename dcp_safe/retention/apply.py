@@ -1,13 +1,9 @@
 """Apply retention to a root: drop what the policy lets go, then sweep abandoned partial saves.
 
-This owns the one pass ``dcp-safe gc`` makes, composed from the two halves the package keeps
-apart: :func:`~dcp_safe.retention.policy.decide` (pure: which committed checkpoints go) and
-:func:`~dcp_safe.retention.sweeper.sweep_partials` (the IO for leftovers of failed saves, with
-its grace period). Checkpoints without a step (not saved by a
-:class:`~dcp_safe.manager.CheckpointManager`) are neither kept nor dropped: they are left alone.
-A checkpoint that cannot be retired (a link or a tree too deep beneath it, an I/O error) is
-passed by with a warning, as the sweep passes by a damaged leftover: the rest of the pass goes
-on, and a later pass tries again.
+The one pass ``dcp-safe gc`` makes, from :func:`~dcp_safe.retention.policy.decide` (pure) and
+:func:`~dcp_safe.retention.sweeper.sweep_partials` (the IO, with its grace period). Checkpoints
+without a step (not saved by a manager) are left alone. One that cannot be retired is passed by
+with a warning; a later pass tries again.
 """
 
 from __future__ import annotations
@@ -45,7 +41,6 @@ class RetentionReport:
         kept: committed checkpoints kept, oldest first.
         dropped: committed checkpoints removed (would be removed, in a dry run), oldest first.
         sweep: what the sweep of abandoned partial saves removed and left for later.
-        dry_run: whether nothing was removed.
     """
 
     kept: tuple[str, ...]
@@ -69,16 +64,10 @@ def apply_retention(
     ``keep_last``: whatever it says, the two newest checkpoints are kept.
 
     Args:
-        root: the checkpoint root (a local path or an fsspec URL).
-        keep_last: how many of the newest checkpoints to keep.
         dry_run: report what would be removed; remove nothing.
         grace_s: leave partial saves idle for less than this many seconds.
-        storage_options: fsspec options for the root (endpoint, credentials).
         allow_bucket_root: work on a root that is a whole bucket (refused otherwise: the
             sweep there could touch other applications' objects).
-
-    Returns:
-        What was kept, dropped and swept.
 
     Raises:
         ConfigError: a negative ``keep_last`` or ``grace_s``, or a bucket root without

@@ -1,9 +1,8 @@
 """Retention as pure functions: which committed checkpoints to keep and which to drop.
 
-This module owns the *decision* only; it touches no storage (``dcp_safe.manager`` does the IO,
-like the sweeper does for partials). A policy names the checkpoints it wants kept
-(:class:`KeepLast`, :class:`KeepEvery`, or their union through :func:`combine`), and
-:func:`decide` adds the safety rules that no policy can override:
+It touches no storage (``dcp_safe.manager`` and ``apply`` do the IO). A policy names the
+checkpoints it wants kept (:class:`KeepLast`, :class:`KeepEvery`, or their union through
+:func:`combine`), and :func:`decide` adds the safety rules that no policy can override:
 
 1. the newest committed checkpoint is never dropped;
 2. only checkpoints older than the newest *validated* one are ever dropped (nothing is dropped
@@ -40,7 +39,6 @@ class CheckpointRecord:
     """A committed checkpoint as retention sees it.
 
     Attributes:
-        name: the checkpoint's name under its root.
         step: the training step it captures; orders checkpoints (then ``name``).
         validated: it passed verification after its commit.
     """
@@ -121,7 +119,6 @@ def decide(
 
     Args:
         records: committed checkpoints, in any order; names must be distinct.
-        policy: what to keep by choice.
         protected: names never dropped now (being read or replicated).
 
     Raises:

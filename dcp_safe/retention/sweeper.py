@@ -1,25 +1,14 @@
 """Collect what failed saves left behind, after a grace period.
 
-What failed saves leave, and which of it is collected here: docs/architecture.md, "What failed
-saves leave". Once idle for ``grace_s`` (aged by the storage's modification times, never by what
-a lease says): hidden ``.<name>.partial-<save id>/`` directories (that exact form) and empty
-folders under a checkpoint's name on a renaming root; on an object store, uncommitted
-``<name>/`` prefixes holding a lease or only objects dcp_safe writes
-(:func:`dcp_safe.layout.is_own_object`), the debris under a committed name
-(:func:`dcp_safe.layout.is_debris`; never a file its manifest lists) and incomplete multipart
-uploads of dcp_safe's own names (:mod:`dcp_safe.backends.multipart`); on any root, stray
-exclusive-create probes (``.dcp-safe-probe-<32 hex digits>``). Nothing else is touched. A root
-that is a whole bucket is refused unless the caller says the bucket is dcp_safe's
-(``allow_bucket_root``): there, every other application's uploads would be one prefix check away.
-Each name costs one recursive listing; a committed one's manifest is read only when debris lies
-there. Only a backend that reports no modification times falls back to a lease's own timestamp,
-when it is not in the future.
+What is collected, and nothing else: docs/architecture.md, "What failed saves leave", and
+docs/s3.md, "Cleanup". Ages are the storage's modification times, never what a lease says
+(only a backend that reports none falls back to a lease's own timestamp, when not in the
+future). A root that is a whole bucket is refused unless ``allow_bucket_root``: there, other
+applications' uploads would be one prefix check away.
 
-Every entry is swept on its own: one that cannot be walked or removed (a tree nested deeper
-than dcp_safe ever writes, a link, an I/O error) is left alone with a warning naming it,
-escaped, and the sweep goes on. Walks are iterative and depth-bounded
-(:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH`), so no leftover can make a sweep, or a
-manager's prune that runs one, raise ``RecursionError``.
+Every entry is swept on its own: one that cannot be walked or removed is left with an escaped
+warning and the sweep goes on. Walks are iterative and depth-bounded, so no leftover can make a
+sweep, or a prune that runs one, raise ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -147,9 +136,8 @@ def _sweep_partial_folders(
 
 @contextlib.contextmanager
 def _passed_by_if_damaged(backend: Backend, entry: str) -> Iterator[None]:
-    """One entry's sweep: an entry that cannot be walked or removed (a tree nested deeper than
-    dcp_safe ever writes, a link, an I/O error) is passed by with a warning, so it never stops
-    the sweep of the others, nor the prunes that run one."""
+    """One entry's sweep: an entry that cannot be walked or removed is passed by with a
+    warning, so it never stops the sweep of the others."""
     try:
         yield
     except (DcpSafeError, OSError) as exc:
@@ -212,8 +200,8 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
 def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -> list[str]:
     """Remove stray exclusive-create probe objects at the root older than ``grace_s``.
 
-    One without a modification time (gone meanwhile, or storage that reports none) is kept.
-    A recent one is not reported: a live probe lasts two requests, it is no partial save.
+    One without a modification time is kept; a recent one is not reported (a live probe
+    lasts two requests).
     """
     removed = []
     for entry in backend.list_dir(""):
@@ -235,11 +223,9 @@ def _sweep_committed_debris(
     """Remove the debris under committed ``<name>/`` (``files``, relative to it) older than
     ``grace_s``; return the paths removed, relative to the root.
 
-    Debris is never one of a checkpoint's files as dcp_safe writes them; the manifest is read
-    all the same, and a path it lists is kept whatever its name, so a committed checkpoint's
-    own files are never touched. An unreadable manifest keeps everything (a reader will report
-    the checkpoint; the sweeper is not the place to judge it). Each candidate is aged on its
-    own: a lease beside the marker may be a save's that is about to withdraw it.
+    A path the manifest lists is kept whatever its name, and an unreadable manifest keeps
+    everything (readers report it; the sweeper does not judge it). Each candidate is aged on
+    its own: a lease beside the marker may be a save's that is about to withdraw it.
     """
     candidates = [rel for rel in files if layout.is_debris(rel)]
     if not candidates:
