@@ -3,8 +3,9 @@
 Usage::
 
     .venv/bin/python benchmarks/bench_training_feel.py [--states 16x16MiB,10000x32KiB]
-        [--rounds 3] [--step-ms 10] [--steady-steps 60] [--pre-steps 10] [--tail-steps 40]
-        [--contenders dcp_thread,dcp_process,dcp_safe,manager] [--dir D] [--quick]
+        [--rounds 3] [--step-ms 10] [--steady-steps 60] [--pre-steps 20] [--tail-steps 40]
+        [--contenders dcp_thread,dcp_process,dcp_safe,manager] [--process-sharing S] [--dir D]
+        [--quick]
 
 An async save's *stall* (how long ``save()`` blocks the training thread) is only half of what
 training pays: the background phase (planning, serialising, writing, hashing, committing) runs
@@ -27,7 +28,10 @@ Contenders:
 * ``dcp_thread``: ``torch.distributed.checkpoint.async_save`` with its default (thread)
   executor and a ``FileSystemWriter``; background phase = until its future resolves.
 * ``dcp_process``: the same with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``
-  (uploads run in a checkpoint daemon process; the staged copy is sent to it over a pipe).
+  (uploads run in a checkpoint daemon process; the staged copy is sent to it over a pipe, each
+  tensor as shared memory: with torch's default ``file_descriptor`` strategy one descriptor per
+  tensor, so a state with more tensors than ``ulimit -n`` allows fails; ``--process-sharing
+  file_system`` passes shared-memory names instead).
 * ``dcp_safe``: ``dcp_safe.async_save`` with a ``SafeStorageWriter`` and a ``BudgetedStager``;
   stall = the call plus ``staging_completion``; background phase = ``upload_completion``.
 * ``manager``: ``dcp_safe.CheckpointManager(root).save(step, state)``; background phase =
@@ -42,6 +46,8 @@ Figures per row (medians over rounds; ratios against the same round's steady sta
 * ``steady_ms``: the steady-state mean step time.
 * ``bg_ratio``: mean duration of the steps that started after ``save()`` returned and before the
   background phase ended, over the steady mean (1.0 = the save cost the loop nothing).
+  ``bg_ratio_vs_pre`` divides the same mean by that of the ``--pre-steps`` steps just before
+  this save instead: on a shared host whose load moves within a round it is the steadier one.
 * ``window_s``: how long the loop stays slow, from the ``save()`` call. Each step after the
   call gets a smoothed duration: the median of the ``2*SMOOTH_HALF + 1`` steps centred on it
   (clipped at the ends of the run). The window ends at the end of the last step whose smoothed
@@ -333,7 +339,10 @@ def measure_save(
             raise TimeoutError(f"the background phase ran past --max-wait-s {args.max_wait_s}")
     background.result()  # a failed save is a row with its error, not figures
     row = feel(steady, called, returned, ended[0], after)
-    row["pre_median_s"] = median([end - start for start, end in pre])
+    pre_mean = sum(end - start for start, end in pre) / len(pre)
+    during = row["background_mean_step_s"]
+    row["pre_mean_s"] = pre_mean
+    row["bg_ratio_vs_pre"] = None if during is None else during / pre_mean
     return row
 
 
@@ -393,7 +402,14 @@ def _one_state(
     }
 
 
-_SUMMARY_KEYS = ("stall_s", "steady_mean_s", "bg_ratio", "window_s", "window_steps")
+_SUMMARY_KEYS = (
+    "stall_s",
+    "steady_mean_s",
+    "bg_ratio",
+    "bg_ratio_vs_pre",
+    "window_s",
+    "window_steps",
+)
 
 
 def _summarise(row: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +417,7 @@ def _summarise(row: dict[str, Any]) -> dict[str, Any]:
         return {"reason": row.get("reason", "no round ran"), "rounds": row["rounds"]}
     summary: dict[str, Any] = {"rounds": row["rounds"]}
     for key in (*_SUMMARY_KEYS, "background_s"):
-        values = [r[key] for r in row["rounds"] if r[key] is not None]
+        values = [r[key] for r in row["rounds"] if r.get(key) is not None]
         summary[key] = median(values) if values else None
     if summary["bg_ratio"] is None:
         summary["reason"] = "the background phase ended before the first step after save()"
@@ -451,9 +467,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "smooth_half": SMOOTH_HALF,
         "states": [],
     }
-    with _ProcessGroup():
-        for i, spec in enumerate(args.states):
-            results["states"].append(_one_state(spec, names, step, args, work / f"state{i}"))
+    sharing = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(args.process_sharing)
+    try:
+        with _ProcessGroup():
+            for i, spec in enumerate(args.states):
+                results["states"].append(_one_state(spec, names, step, args, work / f"state{i}"))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(sharing)
     results["load_average_end"] = os.getloadavg()
     return results
 
@@ -472,6 +493,7 @@ def report(results: dict[str, Any]) -> str:
         "stall (ms)",
         "steady step (ms)",
         "background-phase step / steady",
+        "/ pre-save steps",
         "window (s)",
         "steps in window",
         "background (s)",
@@ -487,6 +509,7 @@ def report(results: dict[str, Any]) -> str:
                     _cell(row.get("stall_s") and row["stall_s"] * 1e3, ".1f"),
                     _cell(row.get("steady_mean_s") and row["steady_mean_s"] * 1e3, ".2f"),
                     _cell(row.get("bg_ratio"), ".2f"),
+                    _cell(row.get("bg_ratio_vs_pre"), ".2f"),
                     _cell(row.get("window_s"), ".2f"),
                     _cell(row.get("window_steps"), ".0f"),
                     _cell(row.get("background_s"), ".2f"),
@@ -509,9 +532,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=10.0, help="target step time")
     parser.add_argument("--steady-steps", type=int, default=60)
-    parser.add_argument("--pre-steps", type=int, default=10, help="steps before each save")
+    parser.add_argument("--pre-steps", type=int, default=20, help="steps before each save")
     parser.add_argument("--tail-steps", type=int, default=40, help="steps after it ended")
     parser.add_argument("--max-wait-s", type=float, default=600.0, help="per background phase")
+    parser.add_argument(
+        "--process-sharing",
+        choices=["file_descriptor", "file_system"],
+        default="file_descriptor",
+        help="torch.multiprocessing sharing strategy for dcp_process (torch's default first)",
+    )
     parser.add_argument("--dir", help="scratch parent folder (default: the system's temp)")
     parser.add_argument("--quick", action="store_true", help="tiny states, one round (< 1 min)")
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_training_fe
 
 bench = load_script(SCRIPT)
 
-FIGURES = ("stall_s", "steady_mean_s", "bg_ratio", "window_s", "background_s")
+FIGURES = ("stall_s", "steady_mean_s", "bg_ratio", "bg_ratio_vs_pre", "window_s", "background_s")
 
 
 @pytest.fixture(scope="module")
