@@ -48,6 +48,9 @@ Figures per row (medians over rounds; ratios against the same round's steady sta
   background phase ended, over the steady mean (1.0 = the save cost the loop nothing).
   ``bg_ratio_vs_pre`` divides the same mean by that of the ``--pre-steps`` steps just before
   this save instead: on a shared host whose load moves within a round it is the steadier one.
+* ``lost_s``: what the save cost the loop in time: the stall plus, over the steps counted in
+  ``bg_ratio``, each one's excess over the steady mean (a long mild slowdown can cost more than
+  a short sharp one; ``bg_ratio`` alone would favour the former).
 * ``window_s``: how long the loop stays slow, from the ``save()`` call. Each step after the
   call gets a smoothed duration: the median of the ``2*SMOOTH_HALF + 1`` steps centred on it
   (clipped at the ends of the run). The window ends at the end of the last step whose smoothed
@@ -306,6 +309,7 @@ def feel(
         "steps_during_background": len(during),
         "background_mean_step_s": sum(during) / len(during) if during else None,
         "bg_ratio": sum(during) / len(during) / steady_mean if during else None,
+        "lost_s": returned - called + sum(d - steady_mean for d in during),
         "window_s": window_end - called,
         "window_steps": slow[-1] + 1 if slow else 0,
         "steps_after": len(after),
@@ -407,6 +411,7 @@ _SUMMARY_KEYS = (
     "steady_mean_s",
     "bg_ratio",
     "bg_ratio_vs_pre",
+    "lost_s",
     "window_s",
     "window_steps",
 )
@@ -494,6 +499,7 @@ def report(results: dict[str, Any]) -> str:
         "steady step (ms)",
         "background-phase step / steady",
         "/ pre-save steps",
+        "lost (s)",
         "window (s)",
         "steps in window",
         "background (s)",
@@ -510,6 +516,7 @@ def report(results: dict[str, Any]) -> str:
                     _cell(row.get("steady_mean_s") and row["steady_mean_s"] * 1e3, ".2f"),
                     _cell(row.get("bg_ratio"), ".2f"),
                     _cell(row.get("bg_ratio_vs_pre"), ".2f"),
+                    _cell(row.get("lost_s"), ".2f"),
                     _cell(row.get("window_s"), ".2f"),
                     _cell(row.get("window_steps"), ".0f"),
                     _cell(row.get("background_s"), ".2f"),

@@ -43,6 +43,7 @@ def test_every_contender_has_a_row_with_positive_figures_or_a_reason(
                 continue  # cannot run on this host, and says why
             for key in FIGURES:
                 assert math.isfinite(row[key]) and row[key] > 0, (entry["state"], name, key)
+            assert math.isfinite(row["lost_s"])  # negative when the loop sped up
             assert row["window_steps"] >= 0 and row["window_s"] >= row["stall_s"]
             assert len(row["rounds"]) == 1
 
@@ -77,6 +78,7 @@ def test_the_window_ends_with_the_last_run_of_slow_steps_and_ignores_a_lone_one(
     assert row["background_s"] == pytest.approx(0.110)
     assert row["steps_during_background"] == 3
     assert row["bg_ratio"] == pytest.approx(2.0)
+    assert row["lost_s"] == pytest.approx(0.050 + 3 * 0.010)  # the stall, then 10 ms a step
     # Smoothed (5-step medians): steps 0..2 stay slow (20 ms), step 3 onwards is 10 ms.
     assert row["window_steps"] == 3
     assert row["window_s"] == pytest.approx(0.110)
@@ -87,6 +89,7 @@ def test_a_save_that_slows_nothing_has_a_window_of_its_stall() -> None:
     after = _steps(1.050, [0.010] * 10)
     row = bench.feel(steady, called=1.000, returned=1.050, ended=1.060, after=after)
     assert row["bg_ratio"] == pytest.approx(1.0)
+    assert row["lost_s"] == pytest.approx(0.050)
     assert row["window_steps"] == 0 and row["window_s"] == pytest.approx(0.050)
 
 
