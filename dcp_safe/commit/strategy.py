@@ -23,7 +23,6 @@ from typing import Protocol, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.commit.publication import LeasedPublication, Publication, RenamedPublication
 from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
 from dcp_safe.commit.takeover import Claimant
@@ -93,21 +92,6 @@ class PublishStrategy(abc.ABC):
         root, leased prefixes on an object store."""
 
     @abc.abstractmethod
-    def claim(
-        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-    ) -> None:
-        """Take ``name`` for this save before a byte is written (the lease, or nothing).
-
-        Args:
-            claimant: the save's attempt and stale-lease bound, which say what its lease
-                records and which lease in the way it takes over
-                (:mod:`dcp_safe.commit.takeover`).
-
-        Raises:
-            CheckpointExistsError: ``name`` is committed or held (lease strategies).
-        """
-
-    @abc.abstractmethod
     def publish(
         self,
         backend: Backend,
@@ -146,11 +130,6 @@ class RenameStrategy(PublishStrategy):
 
     in_place = False
     can_replace = True
-
-    def claim(
-        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-    ) -> None:
-        return None  # the partial directory is this save's own; the rename arbitrates
 
     def publication(
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
@@ -208,11 +187,6 @@ class MarkerStrategy(PublishStrategy):
 
     in_place = True
     can_replace = False
-
-    def claim(
-        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-    ) -> None:
-        acquire_lease(backend, name, save_id, claimant)
 
     def publication(
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
