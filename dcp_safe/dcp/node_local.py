@@ -118,7 +118,6 @@ class NodeLocalWriter(SafeStorageWriter):
         self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
         self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
-        self._workers: tuple[SingleFlight, SingleFlight] | None = None
 
     @property
     def remote_backend(self) -> Backend:
@@ -199,28 +198,24 @@ class NodeLocalWriter(SafeStorageWriter):
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
             BaseException: the first failed remote commit or upload, as it was raised.
         """
-        if self._workers is None:
+        workers = self._background.node_workers
+        if workers is None:
             return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for worker in self._workers:  # a timeout here leaves the work going on, and the workers
+        for worker in workers:  # a timeout here leaves the work going on, and the workers
             worker.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         failures: list[BaseException] = []
-        for worker in self._workers:
+        for worker in workers:
             try:
                 worker.close(0)  # drained: it raises only a failure nobody retrieved
             except BaseException as exc:  # raised below, once both are closed
                 failures.append(exc)
-        commits, uploads = self._workers
-        self._workers = None  # drained: a later save starts fresh workers
+        self._background.node_workers = None  # drained: a later save starts fresh workers
         if failures:
             raise failures[0]
+        commits, uploads = workers
         commits.raise_first_failure()
         uploads.raise_first_failure()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_workers"] = None  # this process's threads
-        return state
 
     # ----------------------------------------------------------------- background work
 
@@ -235,13 +230,13 @@ class NodeLocalWriter(SafeStorageWriter):
     def _started(self) -> tuple[SingleFlight, SingleFlight]:
         """Rank 0's remote commits and this rank's uploads: one worker each, since an upload
         waits for the remote commit, which waits for every rank's upload."""
-        if self._workers is None:
+        if self._background.node_workers is None:
             url = self.remote_backend.url
-            self._workers = (
+            self._background.node_workers = (
                 SingleFlight(f"remote commit on {url}", thread_name="dcp_safe-node-commit"),
                 SingleFlight(f"upload to {url}", thread_name="dcp_safe-node-upload"),
             )
-        return self._workers
+        return self._background.node_workers
 
     def _wait_for_previous_upload(self) -> None:
         """At most one upload in flight per rank: a slow remote slows saves down (DCP's

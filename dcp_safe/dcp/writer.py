@@ -22,6 +22,7 @@ Each item is checksummed while it streams to storage; no shard is ever buffered 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import io
 import os
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, Any, Self, cast
 
 import zstandard
 from torch.distributed.checkpoint.metadata import Metadata
@@ -64,12 +65,22 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
 )
 from dcp_safe.replication.replicator import Replicator
+from dcp_safe.replication.single_flight import SingleFlight
 from dcp_safe.topology import Topology
 from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
 __all__ = ["SafeStorageWriter"]
 
 ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
+
+
+@dataclass
+class _Background:
+    """A writer's background uploads, shared by its per-save views (:meth:`for_step`)."""
+
+    replicator: Replicator | None = None
+    rank_replicator: RankReplicator | None = None
+    node_workers: tuple[SingleFlight, SingleFlight] | None = None  # NodeLocalWriter's
 
 
 @dataclass(frozen=True)
@@ -183,12 +194,25 @@ class SafeStorageWriter(StorageWriter):
             else open_backend(uploads_to.url, uploads_to.storage_options, retry=retry)
         )
         self.replication_options = replication_options or UploadOptions()
-        self._replicator: Replicator | None = None
-        self._rank_replicator: RankReplicator | None = None
+        self._background = _Background()
         self._name: str | None = None
         self._rank = 0
         self._is_coordinator = True
         self._assignment: _Assignment | None = None
+
+    def for_step(self, step: int | None) -> Self:
+        """This writer for one save of training step ``step`` (its manifest records it): the
+        same roots, options and background uploads, and per-save state of its own, so that a
+        save never changes a writer that another save may still be using."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the uploads
+        view.step, view._name, view._assignment = step, None, None
+        return view
+
+    def detached(self) -> Self:
+        """A copy with background uploads of its own: the manager's synchronous saves run
+        beside an asynchronous one, whose per-rank upload must not be ended by theirs."""
+        return copy.copy(self)  # through __getstate__: fresh, empty uploads
 
     @property
     def commit_backend(self) -> Backend:
@@ -330,17 +354,19 @@ class SafeStorageWriter(StorageWriter):
             self._report_failure(assignment, exc, rank=None)
             raise
         if self.remote is not None and assignment.world_size == 1:
-            if self._replicator is None:
-                self._replicator = Replicator(self.backend, self.remote, claimant=self.claimant)
-            self._replicator.submit(name)
+            if self._background.replicator is None:
+                self._background.replicator = Replicator(
+                    self.backend, self.remote, claimant=self.claimant
+                )
+            self._background.replicator.submit(name)
 
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
         """After this rank wrote its files: in a save of several ranks with ``replicate_to``,
         upload them once the save is committed locally (in the background)."""
         if self.remote is None or assignment.world_size == 1:
             return
-        if self._rank_replicator is None:
-            self._rank_replicator = RankReplicator(
+        if self._background.rank_replicator is None:
+            self._background.rank_replicator = RankReplicator(
                 self.backend,
                 self.remote,
                 options=self.replication_options,
@@ -348,7 +374,7 @@ class SafeStorageWriter(StorageWriter):
                 claimant=self.claimant,
             )
         save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
-        self._rank_replicator.begin(self._require_name(), save)
+        self._background.rank_replicator.begin(self._require_name(), save)
 
     def _report_failure(
         self, assignment: _Assignment, exc: BaseException, *, rank: int | None
@@ -363,8 +389,8 @@ class SafeStorageWriter(StorageWriter):
             report_commit_failure(self.remote, work, assignment.save_id, exc)
         else:
             report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
-        if self._rank_replicator is not None:
-            self._rank_replicator.end_saves()
+        if self._background.rank_replicator is not None:
+            self._background.rank_replicator.end_saves()
 
     def missing_ranks(self) -> list[int] | None:
         """Ranks of the current save whose rank manifest is not (yet) on storage.
@@ -397,7 +423,7 @@ class SafeStorageWriter(StorageWriter):
         name = layout.validate_name(name)
         if self.remote is None:
             raise ConfigError("this writer was created without replicate_to")
-        for replicator in (self._rank_replicator, self._replicator):
+        for replicator in (self._background.rank_replicator, self._background.replicator):
             if replicator is not None:
                 with contextlib.suppress(KeyError):
                     return replicator.future(name)
@@ -436,11 +462,11 @@ class SafeStorageWriter(StorageWriter):
             BaseException: the first replication failure whose future nobody retrieved.
         """
         try:
-            if self._rank_replicator is not None:
-                self._rank_replicator.close(timeout_s)
+            if self._background.rank_replicator is not None:
+                self._background.rank_replicator.close(timeout_s)
         finally:
-            if self._replicator is not None:
-                self._replicator.close(timeout_s)
+            if self._background.replicator is not None:
+                self._background.replicator.close(timeout_s)
 
     def storage_meta(self) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -549,8 +575,7 @@ class SafeStorageWriter(StorageWriter):
         # but make sure no per-save state leaks into the child.
         state = self.__dict__.copy()
         state["_assignment"] = None
-        state["_replicator"] = None  # a thread: the child process starts its own if needed
-        state["_rank_replicator"] = None
+        state["_background"] = _Background()  # threads: the child starts its own if needed
         return state
 
 

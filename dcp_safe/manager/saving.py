@@ -19,7 +19,6 @@ failed because its group broke marks that group broken; the next vote replaces i
 
 from __future__ import annotations
 
-import copy
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -104,7 +103,7 @@ class SaveRunner:
             raise
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        self.writer.step = handle.step
+        writer = self.writer.for_step(handle.step)
         collectives = self.collectives(BACKGROUND)
         group = collectives.get("process_group")
         try:
@@ -112,7 +111,7 @@ class SaveRunner:
                 response = api.async_save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self._spans.wrap(self.writer),
+                    storage_writer=self._spans.wrap(writer),
                     async_stager=self.stager,
                     per_rank=self.per_rank,
                     **collectives,
@@ -143,10 +142,9 @@ class SaveRunner:
 
     def foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Save ``handle`` now, synchronously, then follow its commit up."""
-        if self.sync_writer is None:  # a copy without the replicator: it starts its own
-            self.sync_writer = copy.copy(self.writer)
-        writer = self.sync_writer
-        writer.step = handle.step
+        if self.sync_writer is None:
+            self.sync_writer = self.writer.detached()
+        writer = self.sync_writer.for_step(handle.step)
         self._ledger.count("sync_saves")
         collectives = self.collectives(FOREGROUND)
         try:

@@ -77,3 +77,16 @@ def test_replication_to_s3_and_restore_from_s3_alone(
     dcp_safe.verify_checkpoint(s3_root, "step_6", storage_options=s3_options)
     assert_state_equal(_restore(s3_root, state, storage_options=s3_options), state)
     writer.close(timeout_s=60)
+
+
+def test_a_save_through_a_per_step_view_records_its_step_and_leaves_the_writer_alone(
+    tmp_path: Path, remote: str
+) -> None:
+    """``for_step`` is how the manager saves: the step reaches the manifest, the shared writer
+    is never changed, and the view's replication is the writer's (one background upload)."""
+    writer = SafeStorageWriter(tmp_path, replicate_to=remote)
+    dcp_safe.save(make_state(7), checkpoint_id="step_7", storage_writer=writer.for_step(7))
+    assert writer.step is None
+    writer.replication("step_7").result(timeout=60)  # the view's upload, found by the writer
+    assert [(c.name, c.step) for c in dcp_safe.list_checkpoints(remote)] == [("step_7", 7)]
+    writer.close(timeout_s=60)

@@ -407,3 +407,19 @@ def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
         restored = blank_like(state)
         assert manager.restore(restored, step=4) == _name(4)
         assert_state_equal(restored, state)
+
+
+def test_a_managers_saves_never_change_the_writer_it_was_given(tmp_path: Path) -> None:
+    """Each save runs on a per-step view of the writer (``writer.for_step``): the writer a user
+    passed in keeps its own step, and every checkpoint records its own."""
+    writer = SafeStorageWriter(tmp_path, fsync=False, step=None)
+    with CheckpointManager(tmp_path, writer=writer, keep_last=5) as manager:
+        for step in (3, 4):
+            handle = manager.save(step, {"w": torch.full((4,), float(step))})
+            assert handle is not None
+            handle.committed.result(timeout=60)
+    assert writer.step is None
+    assert [(c.name, c.step) for c in dcp_safe.list_checkpoints(tmp_path)] == [
+        ("step_000000003", 3),
+        ("step_000000004", 4),
+    ]
