@@ -41,10 +41,8 @@ class ExportResult:
 
     Attributes:
         dest: the directory now holding the export (absolute).
-        format: the format written.
         checkpoint: the exported checkpoint's name (``"latest"`` resolved).
         files: the files in ``dest``, sorted (``SHA256SUMS`` included).
-        tensors: tensors written.
         tensor_bytes: bytes of tensor data written (after any cast).
         objects: non-tensor entries written (``format="torch"`` only).
         skipped: selected entries that were not written, each with the reason.

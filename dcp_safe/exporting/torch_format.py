@@ -1,11 +1,9 @@
 """One ``torch.save`` file, written as a stream: the pickle first, then each tensor's bytes.
 
-``torch.save`` needs every tensor in memory; its format does not: a zip archive of a pickle
-(``data.pkl``) that rebuilds each tensor from a storage record (``data/<i>``). Shapes and dtypes
-are known from DCP's metadata, so the pickle comes first and each record is appended as its
-tensor is read (stored, 64-byte aligned as torch aligns it). What is pickled is what
-``Tensor.__reduce_ex__`` pickles, so ``torch.load(weights_only=True)`` loads the file; the
-constant records are learnt from the running torch's own ``torch.save``, not hard-coded.
+``torch.save`` needs every tensor in memory; its format (a zip of a pickle that rebuilds each
+tensor from a storage record) does not. The pickle is exactly what ``Tensor.__reduce_ex__``
+pickles, so ``torch.load(weights_only=True)`` loads the file; the constant records are learnt
+from the running torch's own ``torch.save``, not hard-coded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Every rank decides the same: one small exchange of :class:`Vote` per request, then the pure
-:func:`decide`.
+"""Every rank decides the same: one small exchange of votes per request, then a pure decision.
 
 The rules of the decision, the rounds of a wait and the replacement of broken groups are
 described in docs/multirank.md ("The manager under torchrun", "When one rank is slow", "A

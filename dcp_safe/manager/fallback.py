@@ -31,7 +31,6 @@ class FallbackOptions:
     """Options of :class:`FallbackMonitor`.
 
     Args:
-        enabled: check the triggers at all.
         memory_window_s: trigger (a)'s window.
         memory_crossings: crossings within the window that trip trigger (a).
         latency_window: completed saves trigger (b) looks at (the newest ones).

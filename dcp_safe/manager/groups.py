@@ -95,9 +95,8 @@ class ManagerGroups:
     def replace(self, purposes: tuple[str, ...]) -> None:
         """Create fresh groups for ``purposes`` (every rank calls this with the same ones).
 
-        A group this rank saw fail is torn down; one only a peer saw fail is forgotten without
-        being destroyed, as this rank's upload thread may still be inside a collective on it
-        (that collective then fails, its peer being gone).
+        A group only a peer saw fail is forgotten, not destroyed: this rank's upload thread may
+        still be inside a collective on it.
 
         Raises:
             CommitError: a group could not be created within the deadline; the manager is dead.

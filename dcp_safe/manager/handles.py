@@ -78,8 +78,6 @@ class SaveHandle:
     """One requested save.
 
     Attributes:
-        step: the training step.
-        name: the checkpoint name.
         staged: resolves once the state was copied (the caller may mutate it again); already
             done when ``save`` returns with the default ``staging="snapshot"``.
         committed: resolves with ``name`` once committed locally, verified, and retention ran;

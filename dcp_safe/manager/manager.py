@@ -199,7 +199,6 @@ class CheckpointManager:
         self._watch: MemoryWatch | None = None
         self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
-        # Every rank constructs its manager at the same point: creating the groups is collective.
         self._agreement = Agreement.for_job(self.deadline_s)
         self._books = Bookkeeper(
             History(self.writer.commit_backend),
