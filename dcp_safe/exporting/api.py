@@ -1,16 +1,8 @@
-"""``export``: a committed checkpoint as consolidated safetensors or one ``torch.save`` file.
+"""``export``: the one entry point, and the order of its steps.
 
-The one entry point, and the order of its steps: every check that can refuse an export runs
-before a byte of tensor data is read (the destination, the checkpoint's marker, manifest and
-``.metadata``, the keys, the dtypes), then the tensors are streamed, one batch at a time, from
-the verified reader (:mod:`dcp_safe.exporting.consolidate`) into the output files
-(:mod:`dcp_safe.exporting.safetensors_format`, :mod:`dcp_safe.exporting.torch_format`) inside a
-hidden folder that is renamed into place only when everything is written and checked
-(:mod:`dcp_safe.exporting.publish`). A corrupt item fails the export with
-:class:`~dcp_safe.errors.CheckpointCorruptError` and leaves nothing at ``dest``.
-
-Memory: about the largest selected tensor plus
-:data:`~dcp_safe.exporting.consolidate.BATCH_BYTES` (see docs/export.md for what was measured).
+Every check that can refuse an export runs before a byte of tensor data is read (destination,
+marker, manifest, ``.metadata``, keys, dtypes); then tensors stream, a batch at a time, from the
+verified reader into a hidden folder published whole (docs/export.md).
 """
 
 from __future__ import annotations
@@ -49,10 +41,8 @@ class ExportResult:
 
     Attributes:
         dest: the directory now holding the export (absolute).
-        format: the format written.
         checkpoint: the exported checkpoint's name (``"latest"`` resolved).
         files: the files in ``dest``, sorted (``SHA256SUMS`` included).
-        tensors: tensors written.
         tensor_bytes: bytes of tensor data written (after any cast).
         objects: non-tensor entries written (``format="torch"`` only).
         skipped: selected entries that were not written, each with the reason.
@@ -94,29 +84,22 @@ def export(
 ) -> ExportResult:
     """Export committed checkpoint ``name`` under ``root`` to the new directory ``dest``.
 
-    Tensors are written whole (chunks saved by several ranks are assembled into the global
-    tensor), flat by DCP's dotted key, in key order, every byte read through the verifying
-    reader.
+    Tensors are written whole, flat by DCP's dotted key, in key order (docs/export.md says
+    what each format holds).
 
     Args:
         root: the checkpoint root (a directory or an fsspec URL).
         name: the checkpoint's name, or ``"latest"``.
-        dest: the directory to create (a local path), holding the outputs and ``SHA256SUMS``.
-        format: ``"safetensors"``: ``model.safetensors``, or past ``max_shard_bytes``
-            ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``;
-            non-tensor entries are skipped. ``"torch"``: one ``model.pt`` that
-            ``torch.load(weights_only=True)`` loads, with plain-data entries included.
+        dest: the directory to create (a local path).
+        format: ``"safetensors"`` (non-tensor entries skipped) or ``"torch"`` (plain-data
+            entries included).
         keys: entries to export, by full key or prefix (``"model"`` selects
             ``"model.layer.weight"``); ``None`` for all.
         dtype: cast floating tensors to this dtype (``torch.bfloat16`` or ``"bfloat16"``).
         max_shard_bytes: most tensor bytes per safetensors file (Hugging Face's 5 GB default);
             a larger tensor gets a file of its own.
         overwrite: replace an earlier export at ``dest`` (atomically).
-        storage_options: fsspec options for a URL root.
         signing_key: accept only a checkpoint signed with this key.
-
-    Returns:
-        What was written, and what was skipped and why.
 
     Raises:
         ConfigError: a bad option, a key the checkpoint lacks, a dtype the format cannot hold,

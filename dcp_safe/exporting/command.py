@@ -1,10 +1,6 @@
-"""``dcp-safe export``'s options and its call, kept here so ``cli.py`` only wires the verb in.
+"""``dcp-safe export``'s arguments and its call, so that ``cli.py`` only wires the verb in.
 
-The CLI module owns parsing, printing and exit statuses for every verb; this module adds the
-export verb's arguments to the parser it is given and turns parsed arguments into one
-:func:`~dcp_safe.exporting.api.export` call. Bad values surface as
-:class:`~dcp_safe.errors.ConfigError` from the library, which the CLI prints as one line and
-exit status 2.
+Bad values surface as :class:`~dcp_safe.errors.ConfigError` from the library (exit status 2).
 """
 
 from __future__ import annotations

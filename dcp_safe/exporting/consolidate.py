@@ -1,22 +1,10 @@
 """Whole tensors out of a committed checkpoint, verified, a bounded batch at a time.
 
-A tensor saved by several ranks (DTensor, FSDP2) is stored as chunks in several files; DCP's
-``.metadata`` says where each chunk lies in the global shape. Assembling the global tensor is
-exactly what a DCP load onto a single process does, so this module asks for that and nothing
-else: it drives :class:`~dcp_safe.dcp.reader.SafeStorageReader` in DCP's own call order
-(``reset``, ``read_metadata``, ``set_up_storage_reader``, the planners' local, global and
-final plans, ``read_data``) with a state dict that holds only the next few global tensors,
-freshly allocated. The reader checks every item against its checksum before the planner sees
-it (:mod:`dcp_safe.dcp.tensor_reads`), so verification is the reader's, not a second one.
-
-Why not ``dcp.load`` once per tensor: it would re-open and re-check the checkpoint (marker,
-manifest, ``.metadata``) every time; the reader is opened once here and reused.
-
-Memory: the tensors of one batch are held while their consumer writes them, then dropped
-before the next batch is allocated. A batch is the next tensors in key order up to
-``batch_bytes`` together, or one tensor alone when it is larger than that, so at most
-``max(largest tensor, batch_bytes)`` of tensor data is held at once, plus the reader's
-temporaries (a chunk that does not land contiguously in its destination, a compressed item).
+Assembling a global tensor from the chunks several ranks saved is what a DCP load onto one
+process does, so this drives :class:`~dcp_safe.dcp.reader.SafeStorageReader` in DCP's own call
+order with a state dict holding only the next few freshly allocated tensors; the reader checks
+every item before the planner sees it. Not ``dcp.load`` per tensor: that would re-open and
+re-check the checkpoint every time. The memory bound: docs/export.md, "Memory".
 """
 
 from __future__ import annotations
@@ -49,12 +37,8 @@ class NotPlainData:
 
 
 class _ExportPlanner(DefaultLoadPlanner):
-    """DCP's load planner over a flat state dict of exactly the keys being read.
-
-    Objects are loaded with torch's weights-only unpickler from the stream the reader has
-    already sanitized (:mod:`dcp_safe.checkpoints.restricted`); one that still does not load
-    as plain data is replaced by a :class:`NotPlainData` and skipped by the caller.
-    """
+    """DCP's load planner over a flat state dict of exactly the keys being read; an object
+    that does not load with torch's weights-only unpickler becomes a :class:`NotPlainData`."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -87,11 +71,8 @@ class Consolidator:
     """Reads whole global tensors and plain objects from one committed checkpoint.
 
     Args:
-        root: the checkpoint root (a directory or an fsspec URL).
         name: the checkpoint's name, or ``"latest"``.
-        storage_options: fsspec options for a URL root.
-        signing_key: accept only a checkpoint signed with this key (as the reader takes it).
-        batch_bytes: tensor bytes read together (see the module docstring).
+        batch_bytes: tensor bytes read together; a larger tensor is read alone.
 
     Raises:
         CheckpointNotFoundError: no such committed checkpoint.

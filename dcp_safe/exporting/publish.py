@@ -1,21 +1,10 @@
 """An export's destination: written beside it in a hidden folder, renamed into place whole.
 
-``dest`` is a directory holding the exported files and ``SHA256SUMS`` (one
-``<sha256>  <file>`` line per file, as ``sha256sum`` writes them, so ``sha256sum -c SHA256SUMS``
-checks an export). It appears complete or not at all:
-
-* every file is written into ``.<dest name>.export-<random>/`` beside ``dest`` (the same file
-  system, so the rename is atomic), each fsynced as it is closed, then the folder itself;
-* the folder is renamed to ``dest`` with ``renameat2(RENAME_NOREPLACE)``, or with
-  ``overwrite=True`` swapped with the old export by ``RENAME_EXCHANGE`` (``dest`` holds the
-  old export or the new one at every instant), and the parent is fsynced;
-* on any failure, the hidden folder is removed, so nothing is left behind; a killed process
-  leaves only the hidden folder, never a partial ``dest``.
-
-The renames and fsyncs are :class:`~dcp_safe.backends.local_backend.LocalBackend`'s, the ones a
-checkpoint commit uses. ``overwrite=True`` replaces only an earlier export (a directory with a
-``SHA256SUMS``): a mistyped ``dest`` must not delete a directory that is not ours.
-Destinations are local paths.
+The protocol (fsyncs, ``RENAME_NOREPLACE``, ``RENAME_EXCHANGE`` for ``overwrite``) is in
+docs/export.md, "Publication and failures"; the renames and fsyncs are
+:class:`~dcp_safe.backends.local_backend.LocalBackend`'s. ``overwrite=True`` replaces only an
+earlier export (with a ``SHA256SUMS``): a mistyped ``dest`` must not delete a directory that is
+not ours.
 """
 
 from __future__ import annotations
@@ -41,10 +30,6 @@ class StagedExport:
 
     Use as a context manager: leaving it without :meth:`publish` (or by an exception) removes
     everything written.
-
-    Args:
-        dest: the directory to create.
-        overwrite: replace an existing earlier export at ``dest``.
 
     Raises:
         ConfigError: ``dest`` is a URL, exists (without ``overwrite``), or is not an earlier

@@ -1,21 +1,8 @@
 """The safetensors layout, written as a stream: headers, shard plan, index, and a reader check.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header naming each
-tensor's dtype, shape and ``[begin, end)`` byte range in the data section, then the raw
-little-endian bytes of every tensor back to back. The ``safetensors`` package's ``save_file``
-wants every tensor in memory at once; an export must not, so the header is computed here from
-the shapes and dtypes DCP's metadata records (known before any data is read) and the tensors
-are then appended one by one, in the header's order.
-
-Large exports are split as Hugging Face splits them (``huggingface_hub``'s
-``split_torch_state_dict_into_shards``): tensors in key order, a new shard whenever the next
-tensor would take the current one past ``max_shard_bytes``, a tensor larger than that alone
-in its own shard; ``model-00001-of-00003.safetensors`` ... plus
-``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": ...}``).
-One shard is written as a plain ``model.safetensors`` with no index, as Hugging Face does.
-
-Each finished file is opened with the reference reader (``safetensors.safe_open``, which
-validates the header against the file's size) before it is published.
+``safetensors.save_file`` wants every tensor in memory at once; here the header is computed from
+DCP's metadata before any data is read, and the tensors are appended in the header's order.
+Shards are split as ``huggingface_hub``'s ``split_torch_state_dict_into_shards`` splits them.
 """
 
 from __future__ import annotations
@@ -146,8 +133,7 @@ def check_file(path: str, entries: Sequence[TensorEntry]) -> None:
     """Open a written file with the reference reader and compare its table of contents.
 
     Raises:
-        StorageError: the reader refuses the file or lists other tensors (a bug here, or the
-            file changed under us; either way it must not be published).
+        StorageError: the reader refuses the file or lists other tensors.
     """
     try:
         with safe_open(path, framework="pt") as opened:  # type: ignore[no-untyped-call]

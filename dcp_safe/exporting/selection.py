@@ -1,14 +1,7 @@
 """What an export writes: the entries picked from DCP's metadata, their shapes and output dtypes.
 
-Everything an export needs to lay out its files is known before a byte of tensor data is read:
-DCP's ``.metadata`` records each tensor's global shape, dtype and chunks, so the selection is
-a pure function of the (verified) metadata, the requested keys and the requested dtype. The
-writers compute headers and shard boundaries from it up front, which is what lets them stream.
-
-Keys are DCP's flattened names (``model.layer.weight``); a requested key selects the entry of
-that exact name and every entry below it (``model`` selects ``model.layer.weight``). A
-requested key that selects nothing is a :class:`~dcp_safe.errors.ConfigError`, raised before
-anything is written.
+A pure function of the verified metadata, the keys and the dtype, known before any data is
+read: that is what lets the writers stream.
 """
 
 from __future__ import annotations
@@ -86,8 +79,7 @@ def select(
     """The entries of ``metadata`` that ``keys`` select (all when ``None``), with output dtypes.
 
     Args:
-        metadata: the checkpoint's DCP metadata (already verified against its checksum).
-        keys: fully qualified keys or prefixes; ``None`` for everything.
+        keys: full keys or prefixes on a dot boundary (``model`` selects ``model.w``).
         dtype: cast floating tensors to this dtype; other tensors keep theirs.
         where: the metadata's path, for errors.
 

@@ -1,13 +1,7 @@
 """Output bytes: an append-only sink that hashes what it writes, and tensors written through it.
 
-Every output file is written front to back exactly once, so its SHA-256 is computed as it is
-written instead of by reading the file back. The sink offers ``write`` and ``tell`` and no
-``seek``, which also makes :mod:`zipfile` write the torch format sequentially (sizes and CRCs
-in a descriptor after each record rather than patched into its header later).
-
-A tensor is written from its own memory, in slices of :data:`SLICE_BYTES`, never copied whole;
-a dtype cast is applied slice by slice into one reused buffer, so casting costs one slice of
-memory, not a second tensor.
+No ``seek``: each file's SHA-256 is computed as it is written, and :mod:`zipfile` writes the
+torch format sequentially (sizes and CRCs in a descriptor after each record).
 """
 
 from __future__ import annotations
@@ -34,11 +28,7 @@ class Writes(Protocol):
 
 
 class Sha256Sink:
-    """Forwards writes to ``target`` and hashes them; not seekable, by design.
-
-    Args:
-        target: the file being written, at offset 0.
-    """
+    """Forwards writes to ``target`` (at offset 0) and hashes them; not seekable, by design."""
 
     def __init__(self, target: WritableFile) -> None:
         self._target: WritableFile | None = target
@@ -72,16 +62,12 @@ class Sha256Sink:
 
 
 def write_tensor(sink: Writes, tensor: torch.Tensor, out_dtype: torch.dtype) -> int:
-    """Write a contiguous CPU tensor's bytes as ``out_dtype`` (cast slice by slice if needed).
-
-    Returns:
-        The bytes written.
-    """
+    """Write a CPU tensor's bytes as ``out_dtype`` from its own memory, in slices of
+    :data:`SLICE_BYTES` (a cast goes through one reused slice-sized buffer); the bytes written."""
     flat = tensor.reshape(-1)
     if not flat.is_contiguous():  # never for the reader's fresh tensors; cheap to guard
         flat = flat.contiguous()
     step = max(1, SLICE_BYTES // max(tensor.element_size(), out_dtype.itemsize))
-    # One reused buffer for the cast: a fresh one per slice would churn the allocator.
     cast = (
         None if flat.dtype == out_dtype else torch.empty(min(step, flat.numel()), dtype=out_dtype)
     )

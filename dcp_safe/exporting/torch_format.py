@@ -1,20 +1,9 @@
 """One ``torch.save`` file, written as a stream: the pickle first, then each tensor's bytes.
 
-``torch.save`` needs every tensor in memory while it writes. Its format does not: it is a zip
-archive of a pickle (``data.pkl``) that rebuilds each tensor from a storage named by key, one
-record per storage (``data/0``, ``data/1``, ...) holding the raw bytes, and a few constant
-records. Shapes and dtypes are known from DCP's metadata before any data is read, so the
-pickle is written first and each tensor's record is appended as the tensor is read, through
-:mod:`zipfile` in its sequential mode (sizes and CRC-32 in a data descriptor after each
-record; every record stored, not compressed, and its data 64-byte aligned as torch aligns it).
-
-What is pickled is exactly what ``Tensor.__reduce_ex__`` pickles for a contiguous CPU tensor
-(the rebuild function and the typed-storage class come from :mod:`dcp_safe.torch_compat`),
-plus plain Python data for non-tensor entries, so ``torch.load(weights_only=True)`` (and
-``mmap=True``) loads the file. The constant records (``version``, ``byteorder``, ...) are
-learnt from the running torch's own ``torch.save``, not hard-coded. Dtypes with no legacy
-typed-storage class (float8, uint16/32/64) are pickled another way by torch and are refused
-here; export them as safetensors, or cast floating ones with ``dtype=``.
+``torch.save`` needs every tensor in memory; its format (a zip of a pickle that rebuilds each
+tensor from a storage record) does not. The pickle is exactly what ``Tensor.__reduce_ex__``
+pickles, so ``torch.load(weights_only=True)`` loads the file; the constant records are learnt
+from the running torch's own ``torch.save``, not hard-coded.
 """
 
 from __future__ import annotations
@@ -137,7 +126,6 @@ class TorchFileWriter:
     a flat dict from key to tensor or object, in key order.
 
     Args:
-        sink: the output, at offset 0.
         tensors: the tensors that :meth:`add` will be given, in that order.
         objects: plain-data entries (see :func:`is_plain`) by key.
     """
@@ -217,8 +205,7 @@ def check_file(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any
     so the tensor data is mapped, not read) and compare its keys, dtypes and shapes.
 
     Raises:
-        StorageError: torch refuses the file or finds other contents (a bug here, or the file
-            changed under us; either way it must not be published).
+        StorageError: torch refuses the file or finds other contents.
     """
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -1,18 +1,8 @@
-"""Admission of one save request: what this rank sees, the ranks' agreed decision, bounded waits.
+"""Admission of one save request: this rank's :class:`Vote`, the agreed decision, bounded waits.
 
-The manager asks :meth:`Admitter.admit` what to do with a request and then does it. This part
-gathers this rank's view into a :class:`~dcp_safe.manager.agreement.Vote` (fallback monitor,
-single-flight slot, the age of the save in flight, room for a coalesced copy), exchanges it
-(:mod:`~dcp_safe.manager.agreement`), and resolves ``when_busy="wait"`` into a start or a skip:
-
-* the wait is collective and bounded by ``wait_timeout_s``: every rank waits, in rounds, for the
-  slowest rank's save in flight (:meth:`~dcp_safe.manager.agreement.Agreement.until_all`), so
-  a coordinator that is busy for longer than the deadline (pruning, verifying) is waited for,
-  not taken for dead; if a save is still in flight on any rank at the bound, every rank skips
-  the request (``force=True``: raises :class:`~dcp_safe.errors.AdmissionTimeoutError`), and
-  the skip's reason says so;
-* a save in flight for longer than ``latency_objective_s`` means the storage is stuck: the
-  request is skipped at once rather than queued behind it (seed 000's second admission test).
+``when_busy="wait"`` waits with every rank, in rounds, up to ``wait_timeout_s``, then skips
+(``force=True``: raises); a save in flight past ``latency_objective_s`` means the storage is
+stuck, so the request is skipped at once rather than queued behind it.
 """
 
 from __future__ import annotations
@@ -31,17 +21,8 @@ __all__ = ["Admitter"]
 
 
 class Admitter:
-    """Turns a request into the decision every rank takes.
-
-    Args:
-        agreement: the exchange with the other ranks.
-        slot: this rank's single-flight slot.
-        switch: this rank's fallback switch.
-        stager: the stager (its budget bounds a coalesced copy).
-        wait_timeout_s: the longest ``when_busy="wait"`` waits.
-        latency_objective_s: the oldest a save in flight may be before requests skip
-            (``None``: not checked).
-    """
+    """Turns a request into the decision every rank takes (``latency_objective_s=None``: not
+    checked; the stager's budget bounds a coalesced copy)."""
 
     def __init__(
         self,
@@ -67,9 +48,8 @@ class Admitter:
     ) -> Decision:
         """The decision for ``handle``; ``START`` means the slot is free now on every rank.
 
-        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait` (outside the
-        slot's freeze, as the wait is for the slot to free up). The save groups a rank saw
-        fail are replaced by the exchange itself, on every rank, before the decision is acted on.
+        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait`, outside the
+        slot's freeze (the wait is for the slot to free up).
 
         Raises:
             ConfigError: the ranks asked for different steps.

@@ -1,44 +1,9 @@
-"""Every rank decides the same: one small exchange per save request, then a pure decision.
+"""Every rank decides the same: one small exchange of votes per request, then a pure decision.
 
-Under ``torchrun`` each rank has its own :class:`~dcp_safe.manager.CheckpointManager`, and each
-sees only its own state: whether its last save is still in flight, its own host memory, its own
-fallback monitor. Left to themselves they disagree (rank 0 still pruning after the commit while
-rank 1 is idle), and a rank that skips a save its peers take part in leaves them waiting in
-DCP's collectives. So before acting on a request each rank states what it sees as a
-:class:`Vote`, every rank receives every vote (one ``all_gather_object`` on a dcp_safe-owned
-gloo group, whose timeout is the manager's deadline), and :func:`decide` turns the same list of
-votes into the same :class:`Decision` everywhere. The rules, in order:
-
-1. ranks that ask for different steps (or are in different calls) -> every rank raises
-   :class:`~dcp_safe.errors.ConfigError`: the loops have diverged;
-2. any rank's automatic fallback tripped -> every rank saves synchronously;
-3. any rank's save in flight is older than the latency objective -> every rank skips (or
-   raises, under ``when_busy="raise"``): the storage is stuck, queueing more cannot help;
-4. no rank busy -> every rank starts the save;
-5. some rank busy -> every rank applies ``when_busy``: ``coalesce`` parks the request on every
-   rank, replacing a pending one only where every rank still holds that same pending save (a
-   rank may already be starting it: then the request is skipped everywhere), and skips if any
-   rank has no memory for the copy; ``wait`` waits (:meth:`Agreement.until_all`).
-
-A rank is busy from the moment its save starts until its follow-up (verification, history,
-retention) is done, so a coordinator still pruning counts as busy.
-
-Every vote also carries the save groups the rank saw fail (:mod:`~dcp_safe.manager.groups`),
-and right after every exchange each rank replaces the union of them (:func:`groups_to_replace`):
-every rank makes the same exchanges, so every rank replaces the same groups at the same point.
-
-**No exchange waits on a peer's local work for longer than a round.** A collective gives up
-after the deadline and breaks its group, so waiting for a peer (its save in flight, the
-coordinator resolving ``latest``) is done in rounds: each rank waits locally for at most
-:attr:`Agreement.round_s` (a quarter of the deadline), then every rank votes whether it is
-ready, until all are, or any rank's wait passed its own bound; every rank reads the same votes,
-so every rank leaves the rounds at the same one with the same outcome.
-
-The exchange runs on the training thread, in ``save``; a peer that died or hung fails it after
-the deadline with a :class:`~dcp_safe.errors.CommitError`. The policy group is then replaced at
-the next call (:mod:`~dcp_safe.manager.groups`); if a peer is really gone, that replacement
-fails too and every later call raises at once. In a single process there is no exchange: the
-list of votes is this process's own.
+The rules of the decision, the rounds of a wait and the replacement of broken groups are
+described in docs/multirank.md ("The manager under torchrun", "When one rank is slow", "A
+broken group is replaced, never reused"). The exchange runs on the training thread; in a single
+process there is none: the list of votes is this process's own.
 """
 
 from __future__ import annotations
@@ -201,8 +166,7 @@ class Agreement:
         self.rank = 0 if groups is None else groups.rank
         self.world_size = 1 if groups is None else groups.world_size
         self.deadline_s = None if groups is None else groups.deadline_s
-        # A round is well inside the deadline: a rank that waits a whole round locally is
-        # still in time for the vote its peers are already waiting in.
+        # Well inside the deadline: a rank that waited a whole round is still in time to vote.
         self.round_s = math.inf if groups is None else groups.deadline_s / 4
         self.token = uuid.uuid4().hex
         if groups is not None:
@@ -232,9 +196,8 @@ class Agreement:
         """Every rank's vote, in rank order (only this one's in a single process).
 
         Raises:
-            CommitError: a peer died or did not answer within the deadline (the policy group is
-                replaced at the next call; if that fails too, every later call raises), or a
-                broken save group could not be replaced.
+            CommitError: a peer died or did not answer within the deadline, or a broken save
+                group could not be replaced.
         """
         if self.groups is None:
             return [vote]
@@ -292,10 +255,8 @@ class Agreement:
     def settle(self, call: str, step: int, work: Callable[[], T], timeout_s: float) -> T:
         """Run ``work`` on the coordinator only; its result, or its error, on every rank.
 
-        For what must be decided once from shared storage (which checkpoint ``latest`` is), so
-        that a concurrent commit or prune cannot make two ranks see different answers. The
-        peers wait for it in rounds (:meth:`until_all`), so a slow listing is not taken for a
-        dead coordinator.
+        For what must be decided once from shared storage (which checkpoint ``latest`` is);
+        the peers wait in rounds, so a slow listing is not taken for a dead coordinator.
 
         Raises:
             BaseException: what ``work`` raised on the coordinator (unpicklable errors travel

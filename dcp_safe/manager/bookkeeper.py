@@ -1,19 +1,6 @@
 """The coordinator's history appends, off the decision path: in order, on their own thread.
 
-In a multi-rank job only the coordinator writes the history file, so anything that writes it on
-the training thread runs on one rank only. A write that is slow (a busy shared file system) or
-fails (a full disk) there would delay or fail a request on rank 0 alone, between the request
-and its vote, and its peers would then take it for dead. So every history append goes to one
-bookkeeping thread, in the order recorded, and:
-
-* a failed append is logged, counted (``bookkeeping_failures`` in the manager's stats) and
-  dropped: the event stays in every rank's in-memory record (``decisions()``), and the save it
-  is about has already resolved its handle;
-* whoever needs the file to be current waits for the appends before it with :meth:`flush`
-  (bounded): a save's ``committed`` future is set after its ``committed`` event is on storage
-  (or its append failed), and ``history()``, ``wait()`` and ``close()`` flush first.
-
-A disk that fills up and empties again needs nothing: the next append simply succeeds.
+Why, and what a failed append does: docs/multirank.md, "Bookkeeping never decides".
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ class Bookkeeper:
     """Queued appends to a root's history file.
 
     Args:
-        history: the root's history file.
         enabled: append at all (in a multi-rank job, only the coordinator does).
         failed: called with each append's error (the manager counts them).
     """
@@ -58,11 +44,8 @@ class Bookkeeper:
             self._write(event, step, name, fields)
 
     def flush(self, timeout_s: float | None) -> bool:
-        """Wait for every event queued so far to be written (or to fail).
-
-        Returns:
-            Whether they were, within ``timeout_s``.
-        """
+        """Wait for every event queued so far to be written (or to fail); whether they were
+        within ``timeout_s``. A commit, ``history()``, ``wait()`` and ``close()`` flush first."""
         if not self.enabled:
             return True
         try:

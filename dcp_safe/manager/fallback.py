@@ -1,29 +1,16 @@
-"""When a manager should stop saving asynchronously and save synchronously instead.
+"""When a manager should stop saving asynchronously: plain arithmetic, no torch, no threads.
 
-This module owns the *decision* only, as plain arithmetic over what the manager feeds it (times
-from the manager's clock, byte counts); it needs no torch, no threads and no host. The manager
-(:mod:`dcp_safe.manager`) feeds it and does the switching, the logging and the history.
+The triggers and what to do after one are in docs/runbook.md, "Automatic fallback to
+synchronous saves"; the precise rules (any one trips the monitor until
+:meth:`FallbackMonitor.rearm`):
 
-Triggers (any one switches; the monitor then stays tripped until :meth:`FallbackMonitor.rearm`):
-
-a. *Host memory*: the node's available memory, as the manager reports it at each save request
-   (the lowest reading since the previous request of a sampler that reads the budget's
-   cgroup-aware source every second: :mod:`~dcp_safe.manager.memory_watch`), crosses below the
-   node's reserve ``memory_crossings`` times within ``memory_window_s``. A crossing is a move
-   from at-or-above the reserve to below it (the first sample below counts as one); staying
-   below is one crossing, not one per sample. Why crossings and not "below once": a single dip
-   (page cache churn, a data loader's burst) is normal; repeated dips mean the staged copies
-   are what pushes the host under. Under ``torchrun`` a trip on any rank switches every rank
-   (:mod:`~dcp_safe.manager.agreement`).
-b. *Latency*: the p99 (nearest rank) of the last ``latency_window`` completion times (request to
-   local commit) exceeds ``interval_factor`` save intervals, once ``min_completed`` saves are in.
-   The interval is ``save_interval_s`` when configured, else the median of the measured gaps
-   between consecutive save requests (skipped requests included: they are the cadence asked for).
-   Async saves that take longer than two intervals mean every other request is skipped or waits.
-c. *Leaked buffers*: the stager still holds in-use bytes while the manager has no save in flight,
-   i.e. a generation's buffers outlived its completed upload future. Checked at save requests
-   that find the slot free (the stager releases on the upload future's callback, which runs
-   before the manager frees its slot, so nothing legitimate is in use then).
+a. *Host memory*: a crossing is a move from at-or-above the reserve to below it; staying below
+   is one crossing. The reading is the lowest since the previous request (``memory_watch``).
+b. *Latency*: nearest-rank p99 of request-to-local-commit times. The interval is
+   ``save_interval_s``, else the median gap between save requests (skipped ones included:
+   they are the cadence asked for).
+c. *Leaked buffers*: checked only at requests that find the slot free: the stager releases
+   before the slot frees, so nothing legitimate is in use then.
 """
 
 from __future__ import annotations
@@ -44,7 +31,6 @@ class FallbackOptions:
     """Options of :class:`FallbackMonitor`.
 
     Args:
-        enabled: check the triggers at all.
         memory_window_s: trigger (a)'s window.
         memory_crossings: crossings within the window that trip trigger (a).
         latency_window: completed saves trigger (b) looks at (the newest ones).
@@ -79,7 +65,6 @@ class FallbackMonitor:
     """Feed it observations; each ``on_*`` returns the reason when it trips, else ``None``.
 
     Args:
-        options: the thresholds.
         reserve_bytes: the memory budget's reserve (trigger a).
     """
 

@@ -1,12 +1,9 @@
 """What follows a local commit: verify it, record it, replicate it, then let retention prune.
 
-Runs on the manager thread for asynchronous saves and on the caller's for synchronous ones. A
-checkpoint that fails verification is not trusted: no replication, no pruning behind it, and
-the save fails. In a multi-rank job the coordinator's check decides for every rank
-(:mod:`~dcp_safe.manager.verdicts`), so the ranks never hold different outcomes of one save.
-A retention failure does not fail the save (it committed); it is kept for
-``wait``/``close``. The handle's ``committed`` future resolves last, once all of this is done;
-its ``replicated`` future when the replica's outcome is recorded.
+Runs on the manager thread (asynchronous saves) or the caller's (synchronous ones). A checkpoint
+that fails verification is not trusted: no replication, no pruning behind it, the save fails.
+A retention failure does not fail the save; it is kept for ``wait``/``close``. ``committed``
+resolves last, ``replicated`` once the replica's outcome is recorded.
 """
 
 from __future__ import annotations
@@ -34,10 +31,6 @@ class FollowUp:
     """The steps after a local commit, over the manager's parts.
 
     Args:
-        tiers: verification, replication tracking and retention.
-        ledger: counters, history and kept errors.
-        switch: the fallback switch (fed each completion latency).
-        spans: the saves' root spans (ended here).
         deep: verify every byte (``validate="deep"``) rather than marker and manifest.
         flush_s: the longest a commit waits for its history event to be written.
         verdicts: the coordinator's verdicts (``None``: one process, its own check decides).
@@ -104,8 +97,7 @@ class FollowUp:
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
             log.warning("retention after %s failed: %s", handle.name, exc)
             self._ledger.keep(exc)
-        # A caller that reads the history once ``committed`` resolves finds the event there
-        # (or its append failed, and was counted): bounded, the history is bookkeeping.
+        # A caller that reads the history once ``committed`` resolves finds the event there.
         self._ledger.books.flush(self._flush_s)
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
@@ -130,7 +122,6 @@ class FollowUp:
             handle.replicated.set_result(None)
             return
         remote = writer.replication(handle.name)
-        # The handle's future: it is set after the outcome is recorded.
         self._tiers.track_replication(handle.name, handle.replicated)
         remote.add_done_callback(lambda done: self._replicated(handle, done))
 
@@ -147,5 +138,4 @@ class FollowUp:
             handle.replicated.set_exception(error)
         else:
             self._ledger.fail(handle, error, tier="remote", future=handle.replicated)
-        # Finished: no longer protected from pruning, nothing to wait for.
         self._tiers.replication_done(handle.name, handle.replicated)

@@ -1,23 +1,8 @@
-"""The manager's gloo groups, and replacing one that broke at a point every rank reaches.
+"""The manager's three gloo groups (one per concurrent stream of collectives), replaced when broken.
 
-A manager talks to its peers on three dcp_safe groups, one per stream of collectives that may
-run at the same time (a communicator carries one ordered stream): the policy votes and the
-foreground saves and restores run on the training thread, the background saves on the upload
-thread. A gloo group whose collective failed (timed out, lost a connection) cannot be used
-again: every later collective on it fails at once, and gloo's message ("Application timeout
-caused pair closure") names no rank. So a failed group is marked broken and replaced, never
-reused:
-
-* **the policy group**, at the next vote: a collective fails on every member that reaches it,
-  so every rank saw the same vote fail and replaces the group at the same next call;
-* **the save groups**, right after the next exchange of votes, when any rank's vote says it saw
-  one fail (:attr:`Vote.broken <dcp_safe.manager.agreement.Vote>`): every rank then replaces
-  the same groups in the same order.
-
-Creating a group is a collective over the default group (``dist.new_group``), so the rules
-above are what keeps every rank creating the same groups in the same order. A replacement that
-cannot be made within the deadline (a peer really died) leaves the manager dead: that
-:class:`~dcp_safe.errors.CommitError` is raised again, at once, by every later call.
+A broken gloo group cannot be reused, so it is replaced at a point every rank reaches: the
+policy group at the next vote, a save group after the next exchange of votes. See
+docs/multirank.md, "A broken group is replaced, never reused".
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ class ManagerGroups:
     """The three groups of one manager in a multi-rank job, with their health.
 
     Args:
-        deadline_s: every group's timeout: no collective waits longer for a peer.
+        deadline_s: every group's timeout.
 
     Call order: construct on every rank at the same point (creating the groups is collective);
     :meth:`group` from any thread; :meth:`replace` only where every rank calls it with the same
@@ -52,9 +37,8 @@ class ManagerGroups:
     def __init__(self, deadline_s: float) -> None:
         self.deadline_s = deadline_s
         self._lock = threading.Lock()
-        # Held for a whole replacement: a thread that wants a group meanwhile waits for the new
-        # one instead of making one itself (creating is a collective every rank must make at
-        # the same point; one made from another thread meets no peer: chaos seed 15077).
+        # Held for a whole replacement: another thread waits for the new group rather than
+        # create one itself, which would be a collective no peer meets.
         self._replacing = threading.RLock()
         self._current: dict[str, Any] = {}  # purpose -> its group; only created here
         self._broken: dict[str, Any] = {}  # purpose -> the group seen failing
@@ -88,13 +72,8 @@ class ManagerGroups:
         return {"process_group": self.group(purpose), "deadline_s": self.deadline_s}
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> bool:
-        """Mark ``purpose``'s group broken if ``error`` is a failed collective on ``group``.
-
-        A failure on a group replaced since (the peers saw it first) changes nothing.
-
-        Returns:
-            Whether it was marked.
-        """
+        """Mark ``purpose``'s group broken if ``error`` is a failed collective on ``group``
+        (not on a group replaced since); whether it was marked."""
         if not is_group_failure(error):
             return False
         with self._lock:
@@ -116,9 +95,8 @@ class ManagerGroups:
     def replace(self, purposes: tuple[str, ...]) -> None:
         """Create fresh groups for ``purposes`` (every rank calls this with the same ones).
 
-        A group this rank saw fail is torn down; one only a peer saw fail is forgotten without
-        being destroyed, as this rank's upload thread may still be inside a collective on it
-        (that collective then fails, its peer being gone).
+        A group only a peer saw fail is forgotten, not destroyed: this rank's upload thread may
+        still be inside a collective on it.
 
         Raises:
             CommitError: a group could not be created within the deadline; the manager is dead.

@@ -1,8 +1,4 @@
-"""The manager's vocabulary: its modes, the handle of one save, and its counters.
-
-These are the types a caller of :class:`~dcp_safe.manager.CheckpointManager` sees; the modes'
-docstrings say what each one does.
-"""
+"""The types a caller of :class:`~dcp_safe.manager.CheckpointManager` sees: modes, handle, stats."""
 
 from __future__ import annotations
 
@@ -31,13 +27,11 @@ class BusyPolicy(str, enum.Enum):
 
     * ``"wait"``: block until it is done; the seconds are counted in :meth:`stats`.
     * ``"skip"``: return ``None``; counted, logged, and recorded in the history.
-    * ``"coalesce"``: keep only the newest request. The state is copied *now* (the caller goes on
-      mutating it), into one extra host copy, but only if the stager's budget has room for that copy
-      besides the pool; otherwise the request is skipped (counted, reason recorded). A newer request
-      replaces the pending one, whose handle's futures are cancelled. The pending copy is saved by
-      the manager thread as soon as the in-flight save is done.
-    * ``"sync"``: save now, in the foreground, with a second writer (a writer runs one save at a
-      time) and no staging: ``dcp_safe.dcp.api.save`` on the live state.
+    * ``"coalesce"``: keep only the newest request, copied *now* into one extra host copy if the
+      stager's budget has room for it besides the pool (else skipped). A newer request replaces
+      the pending one, whose handle's futures are cancelled; the manager thread saves it as soon
+      as the save in flight is done.
+    * ``"sync"``: save the live state now, in the foreground, without staging.
     * ``"raise"``: raise :class:`~dcp_safe.errors.AdmissionTimeoutError` (a wait of zero).
 
     Not the stager's :class:`~dcp_safe.staging.options.WhenBusy`, which decides what its
@@ -54,28 +48,25 @@ class BusyPolicy(str, enum.Enum):
 class StagingMode(str, enum.Enum):
     """When :meth:`CheckpointManager.save` returns relative to the copy of the state.
 
-    * ``"snapshot"`` (default): ``save`` returns once the state is copied into the stager's buffers,
-      so the caller may update it in place at once; the training pause is that bounded copy. The
-      handle's ``staged`` future is already done.
-    * ``"overlap"``: ``save`` returns as soon as the copy has started, so the copy overlaps the
-      caller's next compute. The caller must then wait (``handle.staged.result()`` or
-      :meth:`CheckpointManager.wait_staged`) before the first in-place update of the state: the
-      optimizer step, but also in-place updates during the forward pass, such as BatchNorm's running
-      statistics. The stager's mutation guard fails a save whose state changed during the copy
-      (:class:`~dcp_safe.errors.SnapshotMutatedError`, recorded in the history) rather than commit a
-      torn checkpoint, but it cannot see every kind of update (docs/staging.md).
+    * ``"snapshot"`` (default): ``save`` returns once the state is copied into the stager's
+      buffers (``handle.staged`` is done), so the caller may update it in place at once.
+    * ``"overlap"``: ``save`` returns as soon as the copy has started. The caller must wait
+      (``handle.staged.result()`` or :meth:`CheckpointManager.wait_staged`) before the first
+      in-place update of the state, BatchNorm's running statistics in the forward pass included.
+      The mutation guard fails a save whose state changed during the copy
+      (:class:`~dcp_safe.errors.SnapshotMutatedError`), but cannot see every kind of update
+      (docs/staging.md).
     """
 
-    SNAPSHOT = "snapshot"  # after the copy: the caller may mutate the state at once
-    OVERLAP = "overlap"  # after the copy started: the caller waits on ``staged`` before mutating
+    SNAPSHOT = "snapshot"
+    OVERLAP = "overlap"
 
 
 class Validation(str, enum.Enum):
     """How a new local checkpoint is checked before retention may prune older ones.
 
-    The check is the one :func:`~dcp_safe.checkpoints.catalog.verify_checkpoint` runs (``DEEP`` is
-    its ``deep=True``; ``MANIFEST`` is the marker-against-manifest part of its quick check), chosen
-    once for every save; the reader's ``verify=`` checks the bytes a load reads, as it reads them.
+    ``DEEP`` is :func:`~dcp_safe.checkpoints.catalog.verify_checkpoint`; ``MANIFEST`` the
+    marker-against-manifest part of its quick check. Loads check what they read regardless.
     """
 
     MANIFEST = "manifest"  # marker and manifest digest agree (a few small reads)
@@ -87,8 +78,6 @@ class SaveHandle:
     """One requested save.
 
     Attributes:
-        step: the training step.
-        name: the checkpoint name.
         staged: resolves once the state was copied (the caller may mutate it again); already
             done when ``save`` returns with the default ``staging="snapshot"``.
         committed: resolves with ``name`` once committed locally, verified, and retention ran;

@@ -1,17 +1,10 @@
 """What happened to each save: counters, history events, request times, and kept errors.
 
-The manager decides; this part writes down the outcome, one way for every path: a skip, a
-coalesced request superseded, a failure (which also fails the handle's futures and is kept for
-:meth:`~dcp_safe.manager.CheckpointManager.wait`/``close``), a commit. The history file itself
-is :mod:`dcp_safe.checkpoints.history`'s; appends to it go through the
-:mod:`~dcp_safe.manager.bookkeeper`, off the caller's thread.
+One way of writing down every outcome (skip, superseded, failure, commit). Recording never
+fails the outcome it records: a failure's futures are set first, and a failed history append or
+telemetry call is logged and counted (``bookkeeping_failures``), never raised.
 
-Recording never fails the outcome it records: a failure's futures are set first, and whatever
-fails while writing it down (the history append, a telemetry sink) is logged and counted as a
-``bookkeeping_failures``, never raised to the save's caller.
-
-Thread safety: every method may be called from any thread; counters, errors and request times
-are guarded by the manager's condition.
+Thread safety: any thread; the state is guarded by the manager's condition.
 """
 
 from __future__ import annotations
@@ -52,10 +45,8 @@ class Ledger:
     """The manager's record of outcomes.
 
     Args:
-        books: the history file's appender (in a multi-rank job only the coordinator's
-            appends; the other ranks keep their events in memory only, :meth:`events`).
-        spans: the saves' telemetry spans (a failure closes its root span).
-        cond: the manager's condition.
+        books: the history's appender (only the coordinator's appends; every rank keeps its
+            events in memory, :meth:`events`).
     """
 
     def __init__(self, books: Bookkeeper, spans: SaveSpans, cond: threading.Condition) -> None:
@@ -100,10 +91,7 @@ class Ledger:
             for future in pending.values():
                 with contextlib.suppress(InvalidStateError):
                     future.set_exception(error)
-            # Recorded as every other outcome is, so that a rank that gave up has the events a
-            # peer that saw the outcome has: a save given up before its local commit failed as
-            # a whole (one event, as Ledger.fail records a failed save), a replication given up
-            # after it failed on the remote tier.
+            # Recorded so that a rank that gave up has the events a peer that saw the outcome has.
             if pending:
                 tier = "local" if "local" in pending else "remote"
                 self.record("failed", handle, tier=tier, reason=reason)
@@ -139,9 +127,8 @@ class Ledger:
         with self._cond:
             return [dict(e) for e in self._events]
 
-    # -- request times (the fallback's completion latency) ------------------------------------
-
     def requested(self, name: str, at: float) -> None:
+        """Note when ``name`` was requested (the fallback's completion latency)."""
         with self._cond:
             self._requested_at[name] = at
 
@@ -149,8 +136,6 @@ class Ledger:
         """When the committed save ``name`` was requested (``None`` if not recorded)."""
         with self._cond:
             return self._requested_at.pop(name, None)
-
-    # -- outcomes -------------------------------------------------------------------------------
 
     def skip(self, handle: SaveHandle, reason: str, *, mark: str = "") -> None:
         """A request that will not be saved: counted, logged, recorded, marked."""
@@ -198,8 +183,6 @@ class Ledger:
         self.record(
             "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
         )
-
-    # -- errors kept for the caller -------------------------------------------------------------
 
     def keep(self, error: BaseException) -> None:
         with self._cond:

@@ -1,35 +1,11 @@
 """``CheckpointManager``: the policy layer a training loop calls once per step.
 
-It owns *when* a save happens and what follows it, not how bytes are written (that is
-:func:`dcp_safe.dcp.api.async_save`'s, :class:`SafeStorageWriter`'s and :class:`BudgetedStager`'s).
-
-Call order (one training thread calls ``save``/``maybe_save``/``restore``/``close``)::
-
-    training thread   save(step): admission by ``when_busy`` (at most one save in flight and
-                      at most one pending: never an unbounded queue), then stage; with the
-                      default ``staging="snapshot"`` it returns once the copy is taken
-    upload thread     DCP writes and commits locally
-    manager thread    after each upload: verify the new checkpoint, record history, prune by
-                      the retention policy, free the slot, start the pending (coalesced) save
-    any thread        replication to ``replicate_to`` finishes -> history, ``replicated``
-
-Where each part lives (this module composes them): modes and handles
-(:mod:`~dcp_safe.manager.handles`); the single-flight slot (:mod:`~dcp_safe.manager.slot`); each
-request's decision and its bounded waits (:mod:`~dcp_safe.manager.admit`,
-:mod:`~dcp_safe.manager.agreement`); running admitted saves (:mod:`~dcp_safe.manager.saving`,
-coalesced ones across ranks: :mod:`~dcp_safe.manager.promotion`); what follows a commit
-(:mod:`~dcp_safe.manager.follow_up`); verification, retention and readers
-(:mod:`~dcp_safe.manager.tiers`, one manager owns a root); restores
-(:mod:`~dcp_safe.manager.restoring`); the history (:mod:`~dcp_safe.manager.bookkeeper`); the
-gloo groups (:mod:`~dcp_safe.manager.groups`); the fallback to synchronous saves
-(:mod:`~dcp_safe.manager.fallback`); SIGTERM (:mod:`~dcp_safe.manager.preemption`: the newest
-state passed to ``save``, the LIVE state, is saved as it is at signal time); stopping
-(:mod:`~dcp_safe.manager.shutdown`). ``force=True`` waits whatever the policy (bounded too).
-
-Under ``torchrun`` (more than one rank) every rank creates its manager with the same arguments
-at the same point and calls it with the same steps: each save is one multi-rank DCP checkpoint,
-every admission decision is agreed by all ranks (:mod:`~dcp_safe.manager.agreement`), and only
-rank 0 writes shared state (history, retention, sweeping) and resolves what ``restore`` loads.
+It owns *when* a save happens and what follows it, not how bytes are written; it composes the
+parts of :mod:`dcp_safe.manager`. Call order: one training thread calls
+``save``/``maybe_save``/``restore``/``close``; DCP uploads on its own thread; the follow-up of
+each commit (verify, history, retention, the pending save) runs on the manager thread. Under
+``torchrun`` every rank builds its manager with the same arguments at the same point and calls
+it with the same steps: see docs/multirank.md, "The manager under torchrun".
 
 Errors: a background failure fails the handle's future and is kept; :meth:`wait` and
 :meth:`close` raise the first one not raised yet (``DrainTimeoutError``: work still in flight).
@@ -92,47 +68,43 @@ class CheckpointManager:
     """Admission-controlled saves, retention and restore under one root.
 
     Args:
-        root: the local (fast) root.
+        root: the commit root.
         replicate_to: a second root every local commit is replicated to.
-        keep_last: keep this many newest checkpoints (retention; see
-            :mod:`dcp_safe.retention.policy` for the safety rules on top).
+        keep_last: keep this many newest checkpoints (plus the safety rules of
+            :mod:`dcp_safe.retention.policy`).
         keep_every: also keep every checkpoint whose step is a multiple of this.
-        when_busy: ``"wait"``, ``"skip"``, ``"coalesce"``, ``"sync"`` or ``"raise"``.
+        when_busy: see :class:`BusyPolicy`.
         save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
-        budget: the stager's memory budget (default: measured on this host, with the
-            writer's ``upload_buffer_bytes`` counted as another consumer; a budget passed
-            here should count them itself).
-        stager: a stager to use instead of one built here (not closed by :meth:`close`).
+        budget: the stager's memory budget (default: measured on this host, the writer's
+            ``upload_buffer_bytes`` counted as another consumer; a budget passed here should
+            count them itself).
+        stager: used instead of one built here (not closed by :meth:`close`).
         storage_options: fsspec options for both roots.
-        validate: ``"manifest"`` or ``"deep"``.
+        validate: see :class:`Validation`.
         name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
-        writer: a writer to use instead of one built here (tests, custom options).
-        sync_fallback: thresholds of the automatic switch to synchronous saves
-            (``FallbackOptions(enabled=False)`` turns it off). ``fallback=``: its deprecated alias.
+        writer: used instead of one built here.
+        sync_fallback: thresholds of the automatic switch to synchronous saves (docs/runbook.md).
+            ``fallback=``: its deprecated alias.
         memory_sampler: the node's available bytes at each request, against the budget's
             ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
-        clock: monotonic seconds for the fallback's windows and latencies (tests inject one).
-        telemetry: records each save's spans and marks skips and fallbacks (docs/telemetry.md);
-            ``None`` (the default) records nothing. Not closed by :meth:`close`.
+        clock: monotonic seconds for the fallback's windows and latencies.
+        telemetry: ``None`` (the default) records nothing. Not closed by :meth:`close`.
         attempt: this job attempt's number, for fencing stale writers (default: from
-            ``TORCHELASTIC_RESTART_COUNT``; see :mod:`dcp_safe.commit.fencing`).
-        staging: ``"snapshot"`` (``save`` returns after the copy) or ``"overlap"`` (it returns
-            while the copy runs; wait on ``handle.staged`` before mutating the state).
-        deadline_s: how long any exchange may wait for a peer (the manager's gloo groups'
-            timeout): a dead or hung peer fails the call with a CommitError. Waits for a peer's
-            own work are made in rounds of a quarter of it. Ignored in a single process.
-        wait_timeout_s: the longest any wait for the saves in flight lasts (``when_busy="wait"``,
-            ``force=True``: then skipped, or AdmissionTimeoutError), and the bound of coalesced
-            saves, restores and uploads (docs/multirank.md, "Every bound, in one place").
+            ``TORCHELASTIC_RESTART_COUNT``).
+        staging: see :class:`StagingMode`.
+        deadline_s: how long any exchange may wait for a peer: a dead or hung peer fails the
+            call with a CommitError. Ignored in a single process.
+        wait_timeout_s: the longest a wait for the saves in flight lasts, and the bound of
+            coalesced saves, restores and uploads (docs/multirank.md, "Every bound, in one
+            place").
         latency_objective_s: the oldest a save in flight may be; requests arriving later are
             skipped, with the reason recorded (``None``: not checked).
-        node_local: this node's local directory (NVMe): each rank writes there, then uploads
-            its files to ``root``, the only committed copy; restores read the node cache where
-            it matches (:mod:`dcp_safe.dcp.node_local`). Not with ``replicate_to``.
-        per_rank: key prefixes (``"rng"``, ``"loader"``) of state that differs per rank: saved
-            once per rank and restored to its own rank. Any other key that differs between
-            ranks fails the save with :class:`~dcp_safe.errors.DivergentStateError`
-            (:mod:`dcp_safe.dcp.planners`).
+        node_local: this node's local directory: each rank writes there, then uploads its files
+            to ``root``, the only committed copy (docs/architecture.md, "Node caches"). Not with
+            ``replicate_to``.
+        per_rank: key prefixes (``"rng"``, ``"loader"``) of state saved once per rank and
+            restored to its own rank; any other key that differs between ranks fails the save
+            with :class:`~dcp_safe.errors.DivergentStateError` (docs/resume.md).
         initial_load_from: another run's root (its newest committed checkpoint) or
             ``ROOT/NAME``: what :meth:`restore` loads while this manager's roots hold no
             committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
@@ -227,7 +199,6 @@ class CheckpointManager:
         self._watch: MemoryWatch | None = None
         self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
-        # Every rank constructs its manager at the same point: creating the groups is collective.
         self._agreement = Agreement.for_job(self.deadline_s)
         self._books = Bookkeeper(
             History(self.writer.commit_backend),
@@ -301,8 +272,6 @@ class CheckpointManager:
         self._at_exit = close_at_exit(weakref.ref(self), exit_timeout_s)
         atexit.register(self._at_exit)
 
-    # ------------------------------------------------------------------ saving
-
     def maybe_save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
         """:meth:`save` when ``step % save_every == 0``, else ``None``."""
         if step % self.save_every:
@@ -314,10 +283,11 @@ class CheckpointManager:
     ) -> SaveHandle | None:
         """Save ``state_dict`` as checkpoint ``step``, by the ``when_busy`` policy.
 
-        With ``staging="snapshot"`` (the default) it returns once the state is copied, so the
-        caller may update it in place at once; with ``"overlap"`` wait on ``handle.staged`` (or
-        :meth:`wait_staged`) first. A copy whose sources changed meanwhile fails the handle's
-        futures with :class:`~dcp_safe.errors.SnapshotMutatedError` and publishes nothing.
+        With ``staging="snapshot"`` (the default) it returns once the state is copied; with
+        ``"overlap"`` wait on ``handle.staged`` (or :meth:`wait_staged`) before mutating it. A
+        copy whose sources changed meanwhile fails the handle with
+        :class:`~dcp_safe.errors.SnapshotMutatedError` and publishes nothing. ``force=True``
+        waits whatever ``when_busy`` says (bounded by ``wait_timeout_s``).
 
         Returns:
             The save's handle, or ``None`` when it was skipped.
@@ -343,8 +313,8 @@ class CheckpointManager:
         self._ledger.record("requested", handle, tier="local")
         self._ledger.track(handle)
         try:
-            # Frozen while the ranks vote and park: a save ending meanwhile does not start the
-            # pending one on this rank alone (see SaveSlot.frozen).
+            # Frozen while the ranks vote: a save ending meanwhile must not start the pending
+            # one on this rank alone.
             with self._slot.frozen():
                 decision = self._admitter.admit(handle, policy, state_dict, force=force)
                 if decision.verdict is Verdict.COALESCE:
@@ -361,7 +331,7 @@ class CheckpointManager:
                 self._runner.foreground(handle, state_dict)
                 return handle
         except BaseException as exc:  # a request that raised ends in an outcome on every rank
-            if not handle.committed.done():  # (not left for only some ranks' closes: seed 10083)
+            if not handle.committed.done():
                 self._ledger.fail(handle, exc, tier="local", keep=False)
             raise
         self._ledger.skip(handle, reason)
@@ -372,15 +342,12 @@ class CheckpointManager:
     def wait_staged(self, timeout_s: float | None = None) -> None:
         """Block until the latest started save has copied the state (``"overlap"`` staging).
 
-        After it returns the caller may update the state in place. A failed copy is not raised
-        here: it fails the save's handle and is raised by :meth:`wait`/:meth:`close`.
+        A failed copy is not raised here: it fails the handle, and :meth:`wait`/:meth:`close`.
 
         Raises:
             DrainTimeoutError: the copy was not done after ``timeout_s``.
         """
         self._runner.wait_staged(timeout_s)
-
-    # ------------------------------------------------------------------ retention, reading
 
     def prune(self) -> tuple[str, ...]:
         """Apply retention to both tiers now (:meth:`Tiers.prune`); the local names removed."""
@@ -403,7 +370,7 @@ class CheckpointManager:
         """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
 
         From the local root, then ``replicate_to`` (or the node cache, then ``root``); with
-        nothing committed there, ``initial_load_from`` (:mod:`~dcp_safe.manager.restoring`).
+        nothing committed there, ``initial_load_from``.
 
         Args:
             keys: restore only these keys (or key prefixes, as DCP flattens the state dict).
@@ -428,8 +395,6 @@ class CheckpointManager:
         """The reader of the latest restore; with node_local, its stats() say which files came
         from this node's cache and which from root, and why."""
         return self._restorer.last_reader
-
-    # ------------------------------------------------------------------ draining
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until no save is in flight or pending and replications are done.
@@ -521,26 +486,21 @@ class CheckpointManager:
         return self._books.read()
 
     def decisions(self) -> list[dict[str, Any]]:
-        """This rank's own record of events, oldest first: the same on every rank.
-
-        Each is a history event without its time. Every rank records what it decided, even
-        where only the coordinator writes the history file, so the ranks can be compared.
-        """
+        """This rank's own record of events (history events without their times), oldest
+        first: the same on every rank, though only the coordinator writes the history file."""
         return self._ledger.events()
 
     def rearm(self) -> None:  # the fallback
         """Switch back to asynchronous saves after a fallback (no-op when not fallen back)."""
         self._switch.rearm()
 
-    # ------------------------------------------------------------------ preemption
-
     def install_preemption_handler(
         self, signal: int = _signal.SIGTERM, budget_s: float = 30.0
     ) -> PreemptionHandler:
         """On ``signal``, drain within ``budget_s`` and save the latest state synchronously.
 
-        See :mod:`dcp_safe.manager.preemption` for the sequence and its limits. Call on the main
-        thread; :meth:`close` uninstalls it.
+        The sequence and its limits: docs/runbook.md, "Preemption". Call on the main thread;
+        :meth:`close` uninstalls it.
 
         Returns:
             The installed handler (``uninstall()`` restores the previous one).
@@ -565,8 +525,6 @@ class CheckpointManager:
 
     def preempt_save(self, reason: str, deadline: float) -> str:
         """Drain, then save the latest state synchronously; for the preemption handler.
-
-        See :func:`dcp_safe.manager.preemption.preempt`.
 
         Returns:
             What happened, one line (also in the ``preempted`` history event).

@@ -1,11 +1,7 @@
-"""The fallback's memory signal: sampled all the time, reported as the lowest since last asked.
+"""The fallback's memory signal: sampled every second, reported as the lowest since last asked.
 
-The automatic fallback's memory trigger asks, at each save request, how much memory the node
-has available. Sampled only then, it sees the node between saves, when staging holds least,
-and misses the dips a save itself causes. So a daemon thread samples every ``interval_s`` from
-the same cgroup-aware source as the stager's budget
-(:func:`dcp_safe.host_memory.available_bytes_now`) and :meth:`MemoryWatch.lowest` returns
-the lowest reading since the previous call (a fresh reading when none was taken meanwhile).
+Sampled only at save requests it would see the node between saves, when staging holds least,
+and miss the dips a save itself causes.
 """
 
 from __future__ import annotations
@@ -23,12 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class MemoryWatch:
-    """A background sampler of available memory.
-
-    Args:
-        sample: reads the available bytes now.
-        interval_s: seconds between readings.
-    """
+    """A background sampler of available memory (a daemon thread)."""
 
     def __init__(
         self, sample: Callable[[], int] = available_bytes_now, interval_s: float = 1.0

@@ -1,31 +1,9 @@
 """Save once more when the job is told to stop: an opt-in signal handler for a manager.
 
-Installed by :meth:`CheckpointManager.install_preemption_handler` (``SIGTERM`` and 30 s by
-default). On the signal, within ``budget_s``:
-
-1. the pending coalesced request is abandoned, and the save in flight is waited for during half
-   the budget (if it is not done by then it is abandoned: left running; it may still commit
-   later, unless the process exits first); the other half is kept for step 2;
-2. if time remains and the newest state passed to ``save``/``maybe_save`` is not committed, it is
-   saved *synchronously*. That state is the LIVE dict the training loop mutates: it is saved as
-   it is at signal time, labelled with the step it was last passed with. The handler runs no
-   training code. A script that needs the state to match its step exactly blocks the signal
-   around its update (``signal.pthread_sigmask``), so the signal lands between steps;
-   Under ``torchrun`` (SIGTERM reaches every rank) the final save is a collective, so the ranks
-   first exchange their plans (:func:`agreed_plan`): it runs on every rank, or, if any rank has
-   a reason against it (no time left, a different step, committed already), on none;
-3. a ``preempted`` history event records the signal and what happened;
-4. the previous handler is chained to: a Python callable is called; ``SIG_IGN`` returns (the job
-   goes on); the default action exits with status ``128 + signum`` (143 for SIGTERM): by
-   ``SystemExit`` after closing the manager when nothing is left in flight, else by
-   ``os._exit`` (an abandoned upload thread would otherwise hold up interpreter exit).
-
-Why the work runs in the handler itself: Python runs signal handlers on the main thread between
-bytecodes, not in the C-level handler, so taking locks, starting threads and writing files there
-is allowed. The one hazard is re-entering the manager while the main thread is inside it (a lock
-it holds, a half-updated slot): the handler therefore only notes the signal while the main
-thread is inside a manager call, and the call runs it on its way out. The budget bounds the
-drain; the final synchronous save, once started, is not interruptible.
+The sequence (drain half the budget, an agreed final synchronous save of the live state, the
+``preempted`` event, then the previous handler) and its limits: docs/runbook.md, "Preemption".
+A signal that arrives while the main thread is inside a manager call is handled when the call
+returns, so the handler never re-enters the manager.
 """
 
 from __future__ import annotations
@@ -66,8 +44,6 @@ class PreemptionHandler:
     """The signal handler; see the module docstring.
 
     Args:
-        manager: the manager to drain and save with.
-        signum: the signal.
         budget_s: seconds from the signal to the end of the drain.
 
     Raises:
@@ -182,15 +158,8 @@ def _why_not(
 
 
 def final_save(handle: SaveHandle, save: Callable[[SaveHandle], None]) -> str:
-    """Save ``handle`` synchronously; say what happened.
-
-    Args:
-        handle: the newest state's save.
-        save: saves ``handle`` in the foreground (recording a failure itself).
-
-    Returns:
-        One line for the ``preempted`` history event.
-    """
+    """Save ``handle`` with ``save`` (which records a failure itself); what happened, one
+    line for the ``preempted`` history event."""
     step = handle.step
     try:
         save(handle)
@@ -240,13 +209,7 @@ def preempt(
         reason: why (the signal and budget), for the history.
         deadline: ``time.monotonic()`` by which the job must be gone.
         latest: the newest ``(step, state)`` passed to the manager (``None``: none yet).
-        slot: the manager's single-flight slot.
         drop_pending: takes the pending save out for good (the runner's: its peers learn it).
-        ledger: where the outcome is recorded.
-        name_for: a step's checkpoint name.
-        is_committed: whether a name is committed and verified already.
-        save: saves a handle's state in the foreground.
-        agreement: the exchange with the other ranks (they must agree to the final save).
 
     Returns:
         What happened, one line (also in the ``preempted`` history event).

@@ -1,27 +1,10 @@
-"""Starting a coalesced save on every rank together, however long each rank's last save takes.
+"""Starting a coalesced save on every rank together: a barrier in the default group's store.
 
-Under ``when_busy="coalesce"`` a request that finds a save in flight is parked as the pending
-save, on every rank alike (the ranks voted), and starts once the save in flight has ended. The
-ranks' saves end at different times: rank 0 may be minutes into its follow-up (retention on a
-busy file system, deep verification) while rank 1 is idle. Starting the pending save as soon as
-a rank is free would put that rank in DCP's first collective, which gives up after the deadline
-and breaks its group. So each rank, once free, *arrives* at the pending save's barrier, and the
-save starts only when every rank has arrived.
-
-The barrier lives in the default group's key-value store, not on a gloo group: a store ``wait``
-that times out breaks nothing. Its bound is the manager's ``wait_timeout_s`` (how long a rank
-may wait for a peer's save in flight). Whoever decides the barrier's outcome does so with one
-``compare_set`` on its state key, so every rank reads the same outcome:
-
-* the last rank to arrive sets ``go``: every rank starts the save;
-* a rank whose wait ran out (or that dropped the pending save: a preemption) sets
-  ``abandoned`` first: every rank skips the pending save, as ``when_busy="wait"`` skips a
-  request still blocked at ``wait_timeout_s`` (its handle is cancelled and the skip recorded
-  with the ranks that never arrived), and starts nothing.
-
-Keys are ``dcp_safe/manager/<token>/coalesced/<seq>/...``: the token is agreed when the manager
-is built, ``seq`` counts the ranks' agreed coalesce decisions, so it is the same everywhere. A
-few small keys stay in the store per coalesced save.
+Each rank, once its save in flight has ended, arrives; the last one sets ``go``, a rank whose
+wait ran out (or that dropped the pending save) sets ``abandoned``: one ``compare_set`` decides,
+so every rank reads the same outcome. A store wait that times out breaks nothing, where a gloo
+collective would break its group. See docs/multirank.md, "When one rank is slow" (coalesce).
+A few small keys stay in the store per coalesced save.
 """
 
 from __future__ import annotations
@@ -42,9 +25,8 @@ class PromotionBarrier:
     """Where the ranks meet before a coalesced save starts.
 
     Args:
-        store: the default group's store (``dcp_safe.torch_compat.default_store()``).
+        store: the default group's store.
         token: the manager's agreed key prefix.
-        rank, world_size: this rank and the number of ranks.
         timeout_s: the longest a rank waits for its peers (``wait_timeout_s``).
     """
 

@@ -1,19 +1,10 @@
 """What ``CheckpointManager.restore`` loads, from where, and what it reports.
 
-* **Which checkpoint**: the coordinator resolves it once (``latest``, or a step's name) while
-  every rank waits in rounds (:meth:`~dcp_safe.manager.agreement.Agreement.settle`), so a commit
-  or prune meanwhile cannot split the ranks.
-* **From where**: the manager's own tiers (local root, then the replica; or the node cache,
-  then the remote). Only when they hold no committed checkpoint at all, and
-  ``initial_load_from`` is set, from another run's root (its newest committed checkpoint) or
-  one named checkpoint of it (``ROOT/NAME``): a warm start, verified like any load, restoring
-  ``initial_load_keys`` only if given. The history records every restore and where it came
-  from (``restored`` events).
-* **Which keys**: :class:`~dcp_safe.dcp.planners.SafeLoadPlanner`: ``keys``/``exclude``,
-  ``allow_partial``, per-rank entries to their own rank; the result is its
-  :class:`~dcp_safe.dcp.planners.RestoreReport`.
-* **Proof**: with ``audit=True`` the live state is checked against the fingerprints recorded
-  at save (:mod:`dcp_safe.dcp.restore_audit`).
+The coordinator resolves the name once while every rank waits in rounds, so a commit or prune
+meanwhile cannot split the ranks. The manager's own tiers come first; another run's
+(``initial_load_from``) only when they hold no committed checkpoint at all. Every restore is
+recorded in the history (``restored``, with where it came from). Keys and the report:
+docs/resume.md.
 """
 
 from __future__ import annotations
@@ -74,15 +65,9 @@ class Restorer:
     """Restores for one manager.
 
     Args:
-        tiers: the manager's tiers (its own checkpoints and their reader).
-        agreement: the exchange with the other ranks.
         runner: the manager's save runner (its foreground group carries loads too).
-        ledger: where restores are recorded.
-        per_rank: the key prefixes saved per rank.
-        warm_start: where to start from when the manager's roots hold nothing.
         wait_s: how long the ranks wait for the coordinator to resolve the checkpoint.
         deferred: a context in which a preemption signal waits.
-        name_for: a step's checkpoint name.
     """
 
     def __init__(
@@ -142,7 +127,6 @@ class Restorer:
                 return self.warm_start.resolve()
 
         with self._deferred():
-            # Once, by the coordinator: a commit or prune meanwhile cannot split the ranks.
             source, name = self._agreement.settle("restore", number, resolve, self._wait_s)
             if source is None:
                 reader, where, tier = own, "this run", "local"

@@ -1,20 +1,9 @@
-"""How a save the manager admitted runs: in the background, in the foreground, or coalesced.
+"""How an admitted save runs: in the background, in the foreground, or coalesced.
 
-The manager decides *whether* and *how* (:mod:`~dcp_safe.manager.admit`); this part does it:
-
-* :meth:`SaveRunner.start`: ``async_save`` through the stager; with ``staging="snapshot"`` it
-  returns once the copy is taken. The upload's end is followed up on the manager thread
-  (:mod:`~dcp_safe.manager.follow_up`), which then frees the slot or starts the pending save.
-* :meth:`SaveRunner.foreground`: a synchronous ``save`` with a second writer (a writer runs one
-  save at a time), for ``when_busy="sync"``, the automatic fallback and the preemption save.
-* :meth:`SaveRunner.coalesce`: copy the state now and park it as the pending save. It starts
-  once the save in flight ended; in a multi-rank job only once every rank's has, which the
-  ranks learn at the pending save's barrier (:mod:`~dcp_safe.manager.promotion`).
-
-In a multi-rank job the background and the foreground saves use two different dcp_safe groups
-(:mod:`~dcp_safe.manager.groups`): one communicator carries one ordered stream of collectives,
-and a foreground save may run while a background one is still in its collectives. A save that
-failed because its group broke marks that group broken; the next vote replaces it everywhere.
+Background and foreground saves use two different groups (:mod:`~dcp_safe.manager.groups`): a
+communicator carries one ordered stream of collectives, and a foreground save may run while a
+background one is still in its collectives. A save whose group broke marks it broken; the next
+vote replaces it on every rank.
 """
 
 from __future__ import annotations
@@ -46,14 +35,8 @@ class SaveRunner:
 
     Args:
         writer: the manager's writer (background saves).
-        stager: the stager.
-        staging: when :meth:`start` returns relative to the copy.
         slot: the single-flight slot (held by the caller of :meth:`start`).
-        ledger, spans, follow_up: where outcomes go.
-        cond: the manager's condition.
-        groups: the manager's groups (``None``: a single process).
-        barrier: where the ranks meet before a coalesced save starts (``None``: one process).
-        per_rank: key prefixes saved once per rank (:mod:`dcp_safe.dcp.planners`).
+        groups, barrier: ``None`` in a single process.
     """
 
     def __init__(
@@ -141,7 +124,8 @@ class SaveRunner:
             raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
 
     def foreground(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        """Save ``handle`` now, synchronously, then follow its commit up."""
+        """Save ``handle`` now, synchronously, on the writer's twin (its uploads are its own,
+        since an asynchronous save may be running on the writer), then follow its commit up."""
         if self.sync_writer is None:
             self.sync_writer = self.writer.detached()
         writer = self.sync_writer.for_step(handle.step)
@@ -199,8 +183,6 @@ class SaveRunner:
         if pending is not None and self._barrier is not None:
             self._barrier.abandon(pending.seq)
         return pending
-
-    # -- after a save ---------------------------------------------------------------------------
 
     def _follow(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
         """The upload ended: follow it up on the manager thread (here, if a close that gave up

@@ -1,13 +1,4 @@
-"""How a manager stops: a close bounded by one deadline, and the drain at interpreter exit.
-
-``close(timeout_s)`` runs several steps (drain, a last prune, stopping threads, closing the
-writers), some with no bound of their own (a prune on a slow file system). They run on a thread
-of their own, each given what is left of the one deadline, so the caller is back by
-``timeout_s`` whatever a step does; what is left goes on in the background.
-
-A manager never closed drains at exit (:func:`close_at_exit`): when the main thread ends,
-before the interpreter stops its thread pools, since a save in flight still needs them.
-"""
+"""How a manager stops: a close bounded by one deadline, and the drain at interpreter exit."""
 
 from __future__ import annotations
 
@@ -85,9 +76,9 @@ def seconds(name: str, value: object) -> float:
 def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> list[BaseException]:
     """Run ``steps`` in order, each whatever the previous raised; their errors.
 
-    With a timeout they run on a thread of their own, and the caller gets a
-    :class:`DrainTimeoutError` at ``timeout_s`` if they are not all done: a step that has no
-    bound of its own (a prune on a slow file system) cannot hold the caller past it.
+    With a timeout they run on a thread of their own, so a step with no bound of its own (a
+    prune on a slow file system) cannot hold the caller: a :class:`DrainTimeoutError` comes
+    first at ``timeout_s`` and the rest goes on in the background.
     """
     errors: list[BaseException] = []
 
@@ -127,11 +118,9 @@ def _close_all_before_pools_stop() -> None:
 
 
 def _run_before_pools_stop(close: Callable[[], None]) -> None:
-    """Have ``close`` run when the main thread ends, before the interpreter stops the thread
-    pools (``concurrent.futures`` stops them from the same ``threading`` exit hooks, which run
-    last registered first, before ``atexit``): a drain that ran from ``atexit`` found every
-    pool refusing work, the save in flight failed, and the drain waited for it until its
-    timeout. Where that hook is missing, the ``atexit`` hook alone runs, and skips cleanly."""
+    """Have ``close`` run when the main thread ends, before ``concurrent.futures`` stops its
+    pools from the same ``threading`` exit hooks (by ``atexit`` they refuse work, and the save
+    in flight would fail). Where that hook is missing, the ``atexit`` hook alone runs."""
     global _hooked
     register = getattr(threading, "_register_atexit", None)
     with _HOOKED:
@@ -147,10 +136,8 @@ def _run_before_pools_stop(close: Callable[[], None]) -> None:
 def close_at_exit(manager: weakref.ref[_Closable], timeout_s: float) -> Callable[[], None]:
     """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so).
 
-    The close runs once, at the first of: the main thread's end, before the interpreter stops
-    its thread pools (:func:`_run_before_pools_stop`), or the returned hook. A close that fails
-    is logged as one line, never a traceback; one that comes too late to drain (the pools
-    already stopped) says so and leaves the work, as the interpreter would.
+    The close runs once, at the first of: the main thread's end (:func:`_run_before_pools_stop`)
+    or the returned hook. A close that fails is logged as one line, never a traceback.
     """
     done = threading.Lock()
 

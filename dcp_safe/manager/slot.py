@@ -1,16 +1,9 @@
 """The single-flight slot: at most one save in flight and at most one pending, never a queue.
 
-The manager's busy policies are decisions about this slot: ``wait`` waits for it, ``skip`` and
-``raise`` give up when it is taken, ``coalesce`` parks one pending save behind it (a newer one
-replaces it). When the save in flight ends, the slot goes straight to the pending save, if any.
+The training thread *freezes* the slot while the ranks vote on a request (:meth:`SaveSlot.frozen`),
+so every rank replaces the same pending save or none.
 
-In a multi-rank job the pending save is part of what the ranks vote on, so the training thread
-*freezes* the slot while it votes and acts on a request (:meth:`frozen`): a save ending
-meanwhile frees the slot as usual, but does not take the pending save out until the vote is
-done, so every rank replaces the same pending save or none (:mod:`~dcp_safe.manager.agreement`).
-
-Thread safety: every method may be called from any thread; the state is guarded by the
-manager's condition (``cond``), so the manager's own decisions under it see the slot as it is.
+Thread safety: any thread; the state is guarded by the manager's condition.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ class SaveSlot:
     """Who holds the slot (``busy``), who waits behind it (``pending``), and the waits it cost.
 
     Args:
-        cond: the manager's condition; the slot notifies it whenever it frees up.
+        cond: the manager's condition; notified whenever the slot frees up.
     """
 
     def __init__(self, cond: threading.Condition) -> None:
@@ -59,11 +52,7 @@ class SaveSlot:
             return None if self.pending is None else self.pending.handle.step
 
     def take(self, handle: SaveHandle) -> bool:
-        """Hold the slot for ``handle`` if it is free.
-
-        Returns:
-            Whether ``handle`` holds it now (``False``: busy).
-        """
+        """Hold the slot for ``handle`` if it is free; whether it does now."""
         with self._cond:
             if self.busy is not None:
                 return False
@@ -71,11 +60,8 @@ class SaveSlot:
             return True
 
     def wait_free(self, timeout_s: float | None) -> bool:
-        """Wait up to ``timeout_s`` until no save is in flight (counted in the wait stats).
-
-        Returns:
-            Whether the slot is free now.
-        """
+        """Wait up to ``timeout_s`` until no save is in flight (counted in the wait stats);
+        whether the slot is free now."""
         with self._cond:
             if self.busy is None:
                 return True
@@ -96,12 +82,8 @@ class SaveSlot:
         self.busy, self._since = handle, time.monotonic()
 
     def park(self, pending: Pending) -> tuple[Pending | None, bool]:
-        """Make ``pending`` the pending save.
-
-        Returns:
-            The pending save it replaced (if any), and whether the slot was free meanwhile, in
-            which case ``pending`` holds it now and must be started by the caller.
-        """
+        """Make ``pending`` the pending save; the one it replaced, and whether the slot was
+        free meanwhile (then ``pending`` holds it now, and the caller must start it)."""
         with self._cond:
             replaced, self.pending = self.pending, pending
             if self.busy is None:

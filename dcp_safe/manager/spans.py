@@ -1,8 +1,7 @@
-"""Telemetry spans of the manager's saves: one root ``save`` span per started save.
+"""Telemetry spans of the manager's saves: one root ``save`` span, admission to verified commit.
 
-The root span runs from admission to the verified local commit; the stager's and the (wrapped)
-writer's spans opened on the same thread nest under it. With no telemetry every call here is a
-no-op and writers are not wrapped.
+The stager's and the wrapped writer's spans opened on the same thread nest under it. With no
+telemetry every call here is a no-op and writers are not wrapped.
 """
 
 from __future__ import annotations
@@ -20,11 +19,7 @@ __all__ = ["SaveSpans"]
 
 
 class SaveSpans:
-    """The open root span of each save, by checkpoint name.
-
-    Args:
-        telemetry: where spans go; ``None`` records nothing.
-    """
+    """The open root span of each save, by checkpoint name (``telemetry=None``: none)."""
 
     def __init__(self, telemetry: Telemetry | None) -> None:
         self.telemetry = telemetry

@@ -1,14 +1,8 @@
-"""The switch between asynchronous and synchronous saving, fed by the manager.
+"""The switch between asynchronous and synchronous saving: feeds :mod:`~dcp_safe.manager.fallback`.
 
-:mod:`dcp_safe.manager.fallback` decides, as plain arithmetic; this part feeds it what the
-manager sees (the clock, host memory at each request, completion latencies, buffers a finished
-save still holds), and when it trips, logs a WARNING and marks it in telemetry. The manager then
-saves every request synchronously until :meth:`FallbackSwitch.rearm`.
-
-The ``fallback`` history event is recorded when the *agreed* decision first says so
-(:meth:`FallbackSwitch.follow`, at a request every rank votes on), not when this rank's monitor
-trips: a completion latency trips each rank at its own moment (rank 0 after step 5's commit,
-rank 1 after step 6's), and the record must be the same on every rank.
+The ``fallback`` history event is recorded when the *agreed* decision first says so, not when
+this rank's monitor trips: latencies trip each rank at its own moment, and the record must be
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -31,11 +25,7 @@ class FallbackSwitch:
     """Feeds a :class:`FallbackMonitor` and acts on its verdicts.
 
     Args:
-        monitor: the decision.
         sample_memory: the host's available bytes now (``None`` when unknown).
-        clock: monotonic seconds.
-        ledger: where request times are kept and the switch is recorded.
-        spans: where the switch is marked.
         cond: the manager's condition (the monitor is not thread-safe by itself).
     """
 
@@ -67,7 +57,6 @@ class FallbackSwitch:
         """Feed a save request; the reason this rank saves synchronously (``None``: it does not).
 
         Args:
-            handle: the request.
             leaked_bytes: staging bytes still in use although no save is in flight (called only
                 when no other trigger fired).
         """

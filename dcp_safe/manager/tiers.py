@@ -1,19 +1,10 @@
-"""The manager's two roots: retention, ``latest``, restore readers, and what must not be pruned.
+"""The manager's roots once a checkpoint is committed: verification, retention, ``latest``, readers.
 
-This part owns the manager's view of its checkpoints once they are committed: which ones it has
-validated, which are being read or replicated (so retention keeps them for now), and pruning
-the local and remote roots by the retention policy. It writes ``pruned`` history events; the
-manager writes the rest.
+It keeps what must not be pruned yet (names being read or replicated, the newest one this
+manager committed) and writes the ``pruned`` history events. One manager owns a root:
+retention treats every committed checkpoint with a step as its own.
 
-After each local commit the manager asks :meth:`Tiers.verify` (``validate="manifest"``: marker
-and manifest digest; ``"deep"``: every byte); retention then prunes by
-:func:`dcp_safe.retention.policy.decide` (``keep_last``/``keep_every`` plus its safety rules).
-A checkpoint that failed verification is never trusted, so it stops pruning; names being
-restored or replicated are kept until a later prune. One manager owns a root: retention treats
-every committed checkpoint with a step as its own.
-
-Thread safety: every method may be called from any thread. The sets it guards share the
-manager's condition (``cond``), so a decision made under it sees one consistent state.
+Thread safety: any thread; the sets share the manager's condition.
 """
 
 from __future__ import annotations
@@ -46,21 +37,12 @@ class Tiers:
     """Retention and reading on the local root and the replica.
 
     Args:
-        writer: the manager's writer; its ``topology`` says which root holds the checkpoints
-            (the commit root), which is a replica and which this node's cache.
-        policy: the retention policy.
+        writer: the manager's writer; its ``topology`` says which root is which.
         partial_grace_s: age after which abandoned partials are collected.
-        history: the manager's history (validated names are read from it once; ``pruned``
-            events are appended through it).
-        cond: the manager's condition, guarding the sets here.
+        history: validated names are read from it once; ``pruned`` events go through it.
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
-        coordinator: this rank writes the shared state. In a multi-rank job the other ranks
-            neither prune nor sweep, and check a new checkpoint's marker and manifest only
-            (``validate="deep"`` reads every byte once, on the coordinator).
-
-    With a node cache (a :class:`~dcp_safe.dcp.node_local.NodeLocalWriter`) the checkpoints,
-    their retention and ``latest`` live on the commit root (the only complete copy), and
-    restores read each file from this node's cache when it matches the committed manifest.
+        coordinator: this rank writes the shared state; the others neither prune nor sweep,
+            and check a new checkpoint's marker and manifest only (even with ``deep``).
     """
 
     def __init__(
@@ -90,9 +72,8 @@ class Tiers:
         self._cond = cond
         self._deferred = deferred
         self._prune_lock = threading.Lock()
-        # With a signing writer only what its key signed counts, on every tier and in every
-        # reader this builds (node caches too): a planted unsigned checkpoint neither stands in
-        # for ``latest`` nor pushes a signed one out of retention.
+        # With a signing writer only what its key signed counts, in every reader built here:
+        # a planted unsigned checkpoint neither stands in for ``latest`` nor evicts a signed one.
         self.signing_key: bytes | None = writer.options.signing_key
         self._newest_own: str | None = None  # never pruned, whatever a listing says
         self._validated = history.validated_names()
@@ -100,11 +81,9 @@ class Tiers:
         self._reading: set[str] = set()
         self.pruned = 0
 
-    # -- what is protected ----------------------------------------------------------------------
-
     def await_commit(self, name: str, writer: SafeStorageWriter) -> None:
-        """Node-local saves exist once their remote commit does: wait for it (bounded by the
-        writer's own deadlines). Other saves are committed when DCP returns.
+        """Wait for a node-local save's remote commit (bounded); other saves are committed
+        when DCP returns.
 
         Raises:
             CommitError: a rank's upload failed (named), or the remote commit did.
@@ -163,16 +142,13 @@ class Tiers:
             with self._cond:
                 self._reading.discard(name or "")
 
-    # -- retention ------------------------------------------------------------------------------
-
     def prune(self) -> tuple[str, ...]:
         """Apply retention to both tiers now; returns the local names removed.
 
-        Checkpoints being read or still being replicated are kept (until a later prune). Names
-        the manager did not save (no step in the manifest) are left alone. On the remote tier a
-        committed checkpoint counts as validated: the replicator checked every item's checksum
-        and every object's size before it wrote the remote marker. Abandoned partials older
-        than ``partial_grace_s`` are collected on the local tier. Only the coordinator prunes.
+        Checkpoints being read or replicated are kept until a later prune; names with no step
+        in the manifest are left alone. A committed remote checkpoint counts as validated (the
+        replicator checked every byte before its marker). Abandoned partials older than
+        ``partial_grace_s`` are collected locally. Only the coordinator prunes.
         """
         if not self.coordinator:
             return ()
@@ -252,8 +228,6 @@ class Tiers:
             return backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
         except OSError:
             return True  # cannot tell: do not claim it was pruned
-
-    # -- reading --------------------------------------------------------------------------------
 
     def latest(self, tier: str = "local") -> str | None:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""

@@ -1,22 +1,10 @@
 """One outcome per save on every rank: the coordinator's verdict, passed through the store.
 
-After a save's upload each rank follows its commit up on its own thread: waits for the remote
-commit (node-local saves), checks the new checkpoint, then records it committed or failed. Done
-independently, those checks can disagree: a storage outage that lasts a second fails rank 0's
-read of the manifest and not rank 1's, and the ranks then hold different outcomes for the same
-save (committed on one, failed on another) with the checkpoint itself committed on storage, or
-not. So the coordinator decides, as it decides everything about shared storage: it checks the
-checkpoint (marker and manifest, or every byte with ``validate="deep"``; the signature with a
-key) and posts its verdict; every other rank adopts it. A rank's own failure is not a verdict:
-the coordinator checked every rank's part before it published, so a committed checkpoint is
-committed for every rank.
-
-Verdicts live in the default group's key-value store, where a wait that times out breaks
-nothing (a gloo collective would break its group), keyed by the manager's agreed token, the
-checkpoint's name and how many times this manager saved that name (the same on every rank,
-whatever order the follow-ups of a background and a foreground save run in). A rank that gets no
-verdict within its bound (``wait_timeout_s``: the coordinator is gone, or stuck) fails the save,
-naming rank 0.
+Each rank's own check of a new checkpoint can disagree (a second-long outage fails rank 0's read
+and not rank 1's), so the coordinator checks and posts its verdict and the others adopt it; a
+rank's own failure is not a verdict, as the coordinator checked every rank's part before it
+published. The store, not a gloo group: a wait that times out there breaks nothing. Keys count
+saves per name, so they match whatever order a background and a foreground follow-up run in.
 """
 
 from __future__ import annotations
@@ -42,8 +30,6 @@ class Verdicts:
     Args:
         store: the default group's store.
         token: the manager's agreed key prefix.
-        coordinator: this rank decides.
-        timeout_s: the longest a rank waits for a verdict.
     """
 
     def __init__(self, store: Any, token: str, *, coordinator: bool, timeout_s: float) -> None:
@@ -75,7 +61,8 @@ class Verdicts:
         self._store.set(key, text[:_MAX_REASON])
 
     def await_verdict(self, key: str) -> CommitError | None:
-        """The coordinator's verdict on this rank: ``None`` if committed, else the error."""
+        """The coordinator's verdict on this rank: ``None`` if committed, else the error (also
+        a ``CommitError`` naming rank 0 when none came within ``timeout_s``)."""
         try:
             self._store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
