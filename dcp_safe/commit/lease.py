@@ -1,10 +1,7 @@
 """The writing lease: one save at a time under a name, on storage that cannot rename.
 
-Two kinds, chosen by the backend's ``supports_exclusive_create``: one ``<name>/_WRITING``
-created exclusively, or one ``<name>/_WRITING-<save id>`` per save, arbitrated by a listing.
-:func:`acquire_lease` is a save's (never shared); :func:`join_or_acquire_lease` is
-replication's, which shares a lease of the same save id. A lease in the way is taken over on the
-terms of :mod:`dcp_safe.commit.takeover`. The rules: docs/architecture.md, "The writing lease".
+The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
+is a save's (never shared); :func:`join_or_acquire_lease` is replication's.
 """
 
 from __future__ import annotations
@@ -41,8 +38,8 @@ __all__ = [
     "release_lease",
 ]
 
-# Per-save leases: rounds before giving up on a name other saves keep contending for, and the
-# random pause between rounds (long against one request, so that two contenders part).
+# Per-save leases: rounds before giving up on a contended name, and the random pause between
+# rounds (long against one request, so that two contenders part).
 _ROUNDS = 5
 _PAUSE_S = (0.05, 0.5)
 # An exclusive lease that vanished as we looked at it is created again this often.

@@ -44,11 +44,8 @@ def copy_file_verified(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
-    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
-
-    The whole-file checksum (small files) or each item's checksum (shard files, whose
-    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
-    so a source byte flipped since it was written is never made durable a second time.
+    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking the whole-file checksum (small
+    files) or each item's (shard files: ``items`` tile the file) from the bytes in flight.
 
     Raises:
         CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
@@ -116,7 +113,7 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
 def check_remote_size(
     remote: Backend, rel: str, expected: int, size_of: Callable[[str], int] | None = None
 ) -> None:
-    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
+    """Check that ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
     finds it (``remote.size`` by default).
 
     Raises:

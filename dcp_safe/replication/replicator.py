@@ -45,11 +45,8 @@ def replicate_checkpoint(
 ) -> Manifest:
     """Copy committed checkpoint ``name`` from ``local`` to ``remote`` and commit it there.
 
-    Idempotent: when ``remote`` already holds ``name`` committed with the same manifest digest,
-    nothing is copied. The remote marker is trusted as every reader trusts it; run
-    ``verify_checkpoint`` on the remote root for a full byte check.
-
-    Returns the checkpoint's manifest.
+    Returns its manifest. Idempotent: nothing is copied when ``remote`` already holds ``name``
+    committed with the same digest (its marker trusted, as every reader trusts it).
 
     Args:
         chunk_bytes: bytes read and handed to the remote file at a time (the memory a copy
