@@ -1,19 +1,8 @@
-"""On-storage names and the commit rule, each defined once.
+"""Every name dcp_safe gives things on storage, defined once, so that no other module spells one.
 
-A checkpoint exists when, and only when, its ``_COMMITTED`` marker exists and holds the digest of
-its ``manifest.json``. Everything else under a root (hidden partial directories, files without a
-marker) is work in progress or debris, never a checkpoint. One root-level name is reserved:
-``_ATTEMPTS/``, where :mod:`dcp_safe.commit.fencing` records which job attempts saved there.
-
-Beside a checkpoint's own files, dcp_safe writes a few small objects under ``<name>/`` that are
-never part of one (:func:`is_debris`): the writing lease (:mod:`dcp_safe.commit.lease`), a
-takeover record (:mod:`dcp_safe.commit.takeover`), and the failure and skip markers of per-rank
-uploads (:mod:`dcp_safe.replication.rank_upload`). Each is named after the save it belongs to, so
-that one save's marker never speaks for another; the sweeper collects them after its grace period.
-
-The other names dcp_safe gives things on storage are here too, so that no other module spells
-one: the manager's history, a node cache's marker, a backend's temporary files, the fencing
-records under ``_ATTEMPTS/``, and the files of an export (:mod:`dcp_safe.exporting`).
+The commit rule: docs/architecture.md, "The rule"; the layout: "On-storage layout". A debris
+object (:func:`is_debris`: lease, takeover record, failure and skip markers) is named after the
+save it belongs to, so that one save's marker never speaks for another.
 """
 
 from __future__ import annotations

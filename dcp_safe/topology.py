@@ -1,15 +1,6 @@
 """Where a checkpoint lives: the roles of a save's roots, decided once.
 
-A save has one **commit** root, where a checkpoint is published and where history, retention
-and ``latest`` live. Beside it there may be a **replica** (``replicate_to=``: every checkpoint
-committed on the commit root is copied there and committed there too) or a **node cache**
-(``node_local=``: every rank writes to its own node's disk, uploads its files to the commit
-root, and the node keeps them as a cache for the next restore; never a checkpoint). The two
-are the two ways to a second root, and they do not go together.
-
-The manager builds one :class:`Topology` from its arguments; a writer says its own
-(``writer.topology``). Everything that needs to know which root plays which role asks it,
-rather than re-deriving roles from the writer's options. See docs/architecture.md, "Topology".
+See docs/architecture.md, "Topology".
 """
 
 from __future__ import annotations
@@ -37,13 +28,7 @@ class Root:
 
 @dataclass(frozen=True)
 class Topology:
-    """The roots of a save and their roles.
-
-    Args:
-        commit: where checkpoints are published (and history, retention, ``latest`` live).
-        replica: a second root every committed checkpoint is copied to and committed on.
-        node_cache: this node's local root: ranks write there first and upload to ``commit``;
-            what stays there is a cache of this node's files, never a checkpoint.
+    """The roots of a save and their roles (docs/architecture.md, "Topology").
 
     Raises:
         ConfigError: both ``replica`` and ``node_cache`` (a node-local save already uploads to

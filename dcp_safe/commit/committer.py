@@ -1,18 +1,10 @@
-"""The coordinator's verify-and-publish: phase two of the commit protocol.
+"""The coordinator's verify-and-publish: docs/architecture.md, "Phase two: rank 0 verifies and
+publishes". Runs on rank 0 in ``SafeStorageWriter.finish`` and ``NodeLocalWriter``'s remote commit.
 
-Runs on rank 0 inside ``SafeStorageWriter.finish`` (and ``NodeLocalWriter``'s remote commit).
-What it proves before anything is visible, the lease and fence checks around the publish, and
-what a failure leaves: docs/architecture.md, "Phase two: rank 0 verifies and publishes".
-
-Its cost is linear in ranks, files and items, and it makes a few storage calls, not one per rank
-or per file. Each rank reports its manifest's files, size and checksum with its write results
-(:mod:`dcp_safe.commit.report`); the manifests are sized from one listing of ``_ranks/`` and the
-shard files from one of the work folder (:meth:`~dcp_safe.backends.backend.Backend.sizes`: a
-request per 1,000 files on an object store), taken in parallel on a bounded pool (``workers``, 16
-by default). A rank that sent no report has its manifest read back and parsed, on the same pool,
-a short run of reads per hand-off. A file a listing lacks is asked for on its own before the commit
-fails. A worker's error is raised here, typed, the lowest failing rank first; the calls not yet
-started are cancelled. Items are grouped by file once per rank, never scanned per file.
+Its storage calls are a few listings, not one per rank or file: manifests are checked from the
+ranks' reports (:mod:`dcp_safe.commit.report`) and one listing of ``_ranks/``, shards from one
+listing of the work folder, on a bounded pool (``workers``). A worker's error is raised here,
+typed, the lowest failing rank first.
 """
 
 from __future__ import annotations
@@ -110,8 +102,6 @@ class Committer:
     """Publishes one save. Stateless between calls; one instance per publish is fine.
 
     Args:
-        backend: the root the save was written to.
-        options: the writer's options (checksum, compression, overwrite, signing key).
         workers: storage calls in flight at once while the ranks' outputs are checked.
 
     Raises:
@@ -149,9 +139,7 @@ class Committer:
         """
         name = publication.name
         try:
-            # A writer whose name was taken over (a restarted job's newer attempt) stops
-            # here, before it reads the new holder's files as if they were its own.
-            publication.check()
+            publication.check()  # before reading anything: the name may have been taken over
             sealed = self._seal(
                 name,
                 publication.save_id,
@@ -243,17 +231,11 @@ class Committer:
     ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
         """Check every rank's manifest and size every shard file, ``workers`` calls at a time.
 
-        A rank's manifest is checked from its report (:mod:`dcp_safe.commit.report`) and sized
-        from one listing of ``_ranks/``; a rank without a report has its manifest read back and
-        parsed. The shard files are sized from one listing of the work folder, taken beside.
-
         Returns, per rank in order, its shard files and the record of its rank manifest.
         """
         ranks = sorted(per_rank)
         unreported = [rank for rank in ranks if rank not in reports]
         with self._pool() as pool:
-            # Shard files lie in the work folder itself (DCP's layout): one listing sizes them
-            # all, a request per 1,000 files on an object store instead of one per file.
             listing = _Deferred(pool, lambda: self._list(work_dir))
             manifests = _Deferred(
                 pool, lambda: self._list(f"{work_dir}/{layout.RANKS_DIR}") if reports else {}
@@ -320,16 +302,11 @@ class Committer:
         read: Callable[[T], bytes],
         check: Callable[[T, bytes], R],
     ) -> list[R]:
-        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads, the checks
-        on this one, in order, as the reads arrive.
+        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads in short runs,
+        at most ``2 x workers`` runs ahead; the checks on this thread, in order. The first error
+        in task order is raised.
 
-        The reads wait on storage and release the interpreter lock; the checks (parsing) hold
-        it. Parsing on the workers too made 16 threads contend for the lock: on a local root
-        that was slower than one thread. Each worker takes a short run of reads, not one, so a
-        thousand local reads do not pay a thousand hand-offs; at most ``2 x workers`` runs are
-        read ahead of the checks, which bounds the manifests held at once. The first error in
-        task order is raised; the pool then cancels the runs not yet started and waits for
-        the ones running.
+        Checks hold the interpreter lock (parsing): on the workers they contended for it.
         """
         runs = _split(tasks, max(self.workers * _RUNS_PER_WORKER, -(-len(tasks) // _MAX_RUN)))
         if pool is None or len(runs) <= 1:
@@ -371,9 +348,8 @@ class Committer:
     ) -> tuple[tuple[FileRecord, ...], dict[str, int], FileRecord]:
         """Check one rank's manifest against the rank's results.
 
-        Returns its files, the bytes its items cover per file, and its own record. The items
-        themselves are dropped here: they equal the rank's results, which the global manifest
-        is built from, and thousands of ranks' copies kept to the end would only feed the GC.
+        Returns its files, the bytes its items cover per file, and its own record; the items are
+        dropped, as they equal the rank's results (thousands of ranks' copies would pile up).
         """
         rel = layout.rank_manifest_name(rank)
         try:

@@ -1,17 +1,8 @@
 """Fencing: a writer from an older job attempt can never publish once a newer attempt started.
 
-Every save carries its attempt (torchelastic's ``TORCHELASTIC_RESTART_COUNT``, or ``attempt=``
-on the writer), scoped by run id (``TORCHELASTIC_RUN_ID``, else ``"default"``); the root records
-every attempt that saved there as ``_ATTEMPTS/<run id>/attempt_<n>``, one file per attempt,
-created exclusively. Rank 0 registers and checks at plan time, and checks again right before the
-commit point. Why, and the window left: docs/architecture.md, "Fencing".
-
-Anyone who can write the root can write a record too. A file named for a newer attempt fences
-every save of the run; the :class:`~dcp_safe.errors.StaleWriterError` then names that file and
-what to do (remove it, or take a new run id), since no check of its contents could tell a
-forged record from a real one. What is no file (a folder or a link under a record's name) is
-not a record; and ``_ATTEMPTS`` itself is opened beneath the root without following a link, so
-registering never creates a file outside it.
+The records, when they are checked, the window left and why a record is trusted by its name
+alone: docs/architecture.md, "Fencing". ``_ATTEMPTS`` is opened beneath the root without
+following a link, so registering never creates a file outside it.
 """
 
 from __future__ import annotations

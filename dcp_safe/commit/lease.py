@@ -1,10 +1,7 @@
 """The writing lease: one save at a time under a name, on storage that cannot rename.
 
-Two kinds, chosen by the backend's ``supports_exclusive_create``: one ``<name>/_WRITING``
-created exclusively, or one ``<name>/_WRITING-<save id>`` per save, arbitrated by a listing.
-:func:`acquire_lease` is a save's (never shared); :func:`join_or_acquire_lease` is
-replication's, which shares a lease of the same save id. A lease in the way is taken over on the
-terms of :mod:`dcp_safe.commit.takeover`. The rules: docs/architecture.md, "The writing lease".
+The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
+is a save's (never shared); :func:`join_or_acquire_lease` is replication's.
 """
 
 from __future__ import annotations
@@ -41,8 +38,8 @@ __all__ = [
     "release_lease",
 ]
 
-# Per-save leases: rounds before giving up on a name other saves keep contending for, and the
-# random pause between rounds (long against one request, so that two contenders part).
+# Per-save leases: rounds before giving up on a contended name, and the random pause between
+# rounds (long against one request, so that two contenders part).
 _ROUNDS = 5
 _PAUSE_S = (0.05, 0.5)
 # An exclusive lease that vanished as we looked at it is created again this often.
@@ -60,9 +57,8 @@ def acquire_lease(
     """Take the name for this save (rank 0, before any rank writes).
 
     Args:
-        claimant: the save's attempt and stale-lease bound: what its lease records, and which
-            lease in the way it may take over (:mod:`dcp_safe.commit.takeover`). Default: an
-            unfenced save, which takes nothing over.
+        claimant: what the lease records, and which lease in the way it may take over
+            (:mod:`dcp_safe.commit.takeover`). Default: an unfenced save, which takes none over.
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
@@ -95,9 +91,8 @@ def _clear_after_takeover(
 ) -> None:
     """Holding ``lease`` after a takeover: refuse a committed name, else clear the leftovers.
 
-    Only a committed name withdraws the lease. Any other failure leaves it: it keeps a save
-    that would not clear them from claiming the name over the leftovers, and the next attempt
-    takes it over again (or the sweeper collects the prefix).
+    Only a committed name withdraws the lease: any other failure keeps it, so that no save
+    claims the name over the leftovers before the next takeover (or the sweeper) clears them.
     """
     try:
         _refuse_if_committed(backend, name)
@@ -160,18 +155,15 @@ def join_or_acquire_lease(
 ) -> bool:
     """Take the name for save ``save_id``, or share the lease that same save already holds.
 
-    For replication only, where ``save_id`` names the bytes being written (the checkpoint's
-    manifest's), so two writers of it write identical objects (docs/architecture.md, "The
-    writing lease"). A lease of another save id is taken over on the terms of
-    :func:`acquire_lease`.
+    For replication only, where ``save_id`` is the checkpoint's own (docs/architecture.md, "The
+    writing lease"); otherwise as :func:`acquire_lease`.
 
     Returns:
-        True when it joined a lease of ``save_id`` that was already there (the writer that took
-        it, or the sweeper, removes it); False when it took the name itself.
+        True when it joined a lease already there (its taker, or the sweeper, removes it);
+        False when it took the name itself.
 
     Raises:
-        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
-            and its lease may not be taken over.
+        CheckpointExistsError: as :func:`acquire_lease`.
     """
     _refuse_if_committed(backend, name)
     if backend.supports_exclusive_create:
@@ -228,9 +220,8 @@ def check_lease(backend: Backend, name: str, save_id: str) -> None:
 
 
 def abandon_lease(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
-    """Mark this save's lease abandoned instead of removing it: a rank failed and its peers'
-    objects may still be under the name, so the next save of it, of any attempt, takes the
-    lease over and clears them (:mod:`dcp_safe.commit.takeover`)."""
+    """Mark this save's lease abandoned instead of removing it, for the next save of the name
+    to take over and clear the peers' objects (docs/architecture.md, "What failed saves leave")."""
     lease = f"{name}/{own_lease_file(backend, save_id)}"
     backend.write_bytes(lease, claimant.body(save_id, abandoned=True))
 

@@ -1,10 +1,6 @@
 """``Publication``: one save's commit of one name on one root, from claim to release.
 
-The root's strategy makes it (:meth:`~dcp_safe.commit.strategy.PublishStrategy.publication`),
-so no caller asks which kind of root it holds: the writer, the node-local path and the bench
-harness claim, check, publish and abandon through it alike. On a renaming root it owns a hidden
-partial folder; on an object store, the writing lease as well. See docs/architecture.md, "The
-commit protocol".
+See docs/architecture.md, "One object per save: the publication".
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ class Publication(abc.ABC):
         """
         attempt = self.claimant.attempt
         if attempt is not None:
-            # Fenced before a byte is written: a leftover of an older attempt stops here.
             register_attempt(self.backend, attempt)
             check_fence(self.backend, attempt)
         self._take(replace)
@@ -123,9 +118,8 @@ class Publication(abc.ABC):
     @abc.abstractmethod
     def abandon(self, own: Sequence[str], *, shared: bool) -> None:
         """After one rank failed: remove its files ``own`` (relative to the work folder) and give
-        up the claim, unless the name is committed or another save's by now. With ``shared``,
-        the peers' files stay and the claim is marked abandoned, so the next save of the name
-        takes it over and clears them (:mod:`dcp_safe.commit.takeover`). Best effort."""
+        up the claim, unless the name is committed or another save's by now. With ``shared``
+        (peers' files stay), mark the claim abandoned instead. Best effort."""
 
     @abc.abstractmethod
     def release(self) -> None:

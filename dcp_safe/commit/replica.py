@@ -1,12 +1,7 @@
 """``ReplicaPublication``: the commit of a replica of a checkpoint already committed elsewhere.
 
-One object per replica, made by the remote root's strategy whatever kind of root it is
-(:meth:`~dcp_safe.commit.strategy.PublishStrategy.replica`), so the single-process replicator
-and the per-rank uploads drive it alike and never ask how the remote publishes. The replica's
-``manifest.json`` is the source's, byte for byte, so both markers hold the same digest; the
-lease on a marker-published remote carries the checkpoint's own save id, which is what lets two
-writers of the same checkpoint share it. See docs/architecture.md, "Replication and the remote
-tier" and "The writing lease".
+See docs/architecture.md, "One object per save: the publication" and "Replication and the
+remote tier".
 """
 
 from __future__ import annotations
@@ -47,10 +42,8 @@ log = logging.getLogger(__name__)
 
 
 def committed_with(remote: Backend, name: str, digest: str) -> bool:
-    """True when ``remote`` holds ``name`` committed with ``digest``.
-
-    The remote manifest's digest is compared with the marker's: equal to the source's digest,
-    its bytes are the source's manifest, which was opened and checked on the source root.
+    """True when ``remote`` holds ``name`` committed with ``digest`` (its manifest is then the
+    source's, byte for byte).
 
     Raises:
         CheckpointExistsError: it is committed there with another digest.
@@ -237,9 +230,8 @@ class LeasedReplica(ReplicaPublication):
         return False if committed_with(self.remote, self.name, self.digest) else None
 
     def abandon(self, uploaded: Sequence[str]) -> None:
-        """Every object of the save (whichever rank uploaded it) and then the lease, if this
-        replica took the lease and still holds it (files first, so that no other save writes
-        there meanwhile); otherwise both are left to their holder or the sweeper."""
+        """Every object of the save, then the lease, if this replica took the lease and still
+        holds it; otherwise both are left to their holder or the sweeper."""
         objects = [f"{self.name}/{r.path}" for r in self.manifest.files]
         objects += [f"{self.name}/{layout.SIGNATURE}", f"{self.name}/{layout.MANIFEST}"]
         objects += [rel for rel in uploaded if rel not in set(objects)]

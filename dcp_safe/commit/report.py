@@ -1,19 +1,9 @@
 """What a rank tells the coordinator about its rank manifest, beside its write results.
 
-Each rank writes its rank manifest (``_ranks/rank_NNNNN.json``) to storage and returns its
-write results to DCP, which gathers them to rank 0 for ``finish``. Reading thousands of rank
-manifests back from storage made the commit cost one request per rank: at 4,096 ranks on an
-object store that was most of a minute (#18). So the rank also hands the coordinator what the
-commit needs of its manifest — its files, and the manifest's own size and checksum — through the
-same gather: the first write result's ``storage_data`` is a :class:`ReportedItem` holding the
-item's record and the rank's :class:`RankReport`. The coordinator then proves each manifest is on
-storage with the size the rank wrote from one listing of ``_ranks/`` (a request per 1,000 ranks on
-an object store), just as it sizes the shards; it reads a manifest back only for a rank that sent
-no report (a rank that wrote no items has no result to carry one).
-
-The report travels over the process group, from the rank that wrote the manifest: it is at least
-as trustworthy as the stored copy, and the global manifest records the checksum of the bytes the
-rank wrote, so a manifest changed on storage afterwards fails verification.
+The first write result's ``storage_data`` is a :class:`ReportedItem`: the item's record and the
+rank's :class:`RankReport`, so rank 0 need not read every rank manifest back
+(docs/architecture.md, "Phase one: every rank writes"). A rank with no items sends no report.
+The report comes from the rank that wrote the manifest: as trustworthy as the stored copy.
 """
 
 from __future__ import annotations

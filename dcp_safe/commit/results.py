@@ -1,11 +1,7 @@
 """The ranks' write results as the coordinator checks them, and DCP's ``.metadata`` from them.
 
-DCP gathers every rank's ``write_data`` results to rank 0 and hands them to ``finish``. These are
-the checks that need nothing but those results and DCP's global plan (every planned item written
-once; a rank's records the same as its manifest's), and the ``.metadata`` file torch's own readers
-load, built from them, and its plain form that dcp_safe's own readers decode instead
-(:mod:`dcp_safe.manifest.dcp_metadata`). Storage is not touched here:
-:mod:`dcp_safe.commit.committer` does that.
+Only the checks that need no storage (every planned item written once; a rank's records the
+same as its manifest's); :mod:`dcp_safe.commit.committer` does the rest.
 """
 
 from __future__ import annotations

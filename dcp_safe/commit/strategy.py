@@ -1,16 +1,9 @@
-"""How a root publishes a checkpoint: one strategy object, chosen once from the backend.
+"""How a root publishes a checkpoint: :class:`RenameStrategy` or :class:`MarkerStrategy` (the
+two orbax-checkpoint uses too), chosen once from the backend; see docs/architecture.md, "How a
+root publishes".
 
-:class:`RenameStrategy` (POSIX: a hidden partial directory, one atomic rename) and
-:class:`MarkerStrategy` (object stores: files under ``<name>/`` behind the writing lease, the
-``_COMMITTED`` marker created exclusively, last), the two orbax-checkpoint uses too; see
-docs/architecture.md, "How a root publishes". Everything above this module asks the strategy,
-never the backend's ``supports_atomic_rename`` flag.
-
-The check a caller must make right before the commit point (the writer fence, the lease) is
-passed in as ``before_commit`` and called there. The control files' writes and fsyncs are
-independent, so they run at once, not one after another (on a journaling file system concurrent
-fsyncs share a journal commit); with a marker, the marker waits for all of them, since creating
-it is what publishes.
+The control files' writes and fsyncs are independent, so they run at once (on a journaling file
+system concurrent fsyncs share a journal commit).
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ _UNFENCED = Claimant()
 
 
 class PublishStrategy(abc.ABC):
-    """The publish protocol of one kind of root (see the module docstring)."""
+    """The publish protocol of one kind of root."""
 
     #: a save writes straight under ``<name>/`` (and holds the lease while it does).
     in_place: bool
@@ -108,13 +101,12 @@ class PublishStrategy(abc.ABC):
         ``work_dir`` checkpoint ``name``.
 
         Args:
-            files: control files to write under ``work_dir`` (relative path to bytes); all are
-                durable before the commit point.
-            sync_dirs: folders under ``work_dir`` whose entries (files written there earlier,
-                such as the rank manifests) must be made durable before the commit point.
+            files: control files to write under ``work_dir`` (relative path to bytes).
+            sync_dirs: folders under ``work_dir`` whose entries (the rank manifests, say) must
+                be durable before the commit point.
             replace: replace a committed ``name`` atomically (where ``can_replace``).
-            before_commit: called right before the commit point; raising there publishes
-                nothing.
+            before_commit: the last check (fence, lease), called right before the commit
+                point; raising there publishes nothing.
 
         Raises:
             FileExistsError: ``name`` is committed already (and not being replaced).

@@ -1,11 +1,9 @@
 """Taking over a writing lease that a crashed or fenced writer left behind.
 
-A lease records who holds it (:meth:`Claimant.body`): the save id and when, and for a fenced
-writer its attempt and run id (leases without those fields, from an older dcp_safe or an
-unfenced writer, are still read). :meth:`Claimant.may_take_over` decides whether a lease may be
-taken over; :func:`take_over_exclusive` takes the one ``_WRITING`` over through an exclusively
-created ``_TAKEOVER-<old save id>`` record; :func:`clear_leftovers` empties the name before any
-rank writes. When, how, and the limits: docs/architecture.md, "Taking over a lease".
+:meth:`Claimant.may_take_over` decides, :func:`take_over_exclusive` takes the one ``_WRITING``
+over, :func:`clear_leftovers` empties the name before any rank writes. When, how, and the
+limits: docs/architecture.md, "Taking over a lease". A lease lacking a field (an older dcp_safe,
+an unfenced writer) is still read.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ class Claimant:
         return json.dumps(fields).encode()
 
     def may_take_over(self, holder: LeaseHolder, idle_s: Callable[[], float | None]) -> bool:
-        """Whether this claimant may take ``holder``'s lease over (docs/architecture.md,
-        "Taking over a lease").
+        """Whether this claimant may take ``holder``'s lease over.
 
         Args:
             idle_s: how long nothing under the name has changed (None: unknown); called only
@@ -125,10 +122,9 @@ class LeaseHolder:
 def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
     """The holder the lease (or record) at ``rel`` names; None when it is absent.
 
-    A lease that is not a small regular file of JSON is an unreadable one: a holder with no
-    fields, which only the idle rule can take over. A save id that is not one as dcp_safe
-    makes them (:func:`~dcp_safe.layout.is_save_id`) is read as none: what a lease says
-    reaches error messages and history events, so nothing else of its text is kept.
+    A lease that is not a small regular file of JSON is a holder with no fields, which only the
+    idle rule can take over. A save id not as :func:`~dcp_safe.layout.is_save_id` accepts is
+    read as none, since a lease's text reaches messages and history events.
     """
     try:
         raw = backend.read_small(rel, CONTROL_MAX_BYTES)
@@ -149,7 +145,6 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
     )
     return LeaseHolder(
         raw=raw,
-        # Only an id as dcp_safe makes them: a lease's text reaches messages and events.
         save_id=save_id if layout.is_save_id(save_id) else None,
         attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
         run_id=_str_or_none(fields.get("run_id")),

@@ -1,9 +1,5 @@
 """Node-local tiers: every node saves to its own disk, the shared remote holds the checkpoint.
 
-:class:`NodeLocalWriter` writes each rank's files on its node's local root, uploads them per
-rank (:mod:`dcp_safe.replication.rank_upload`) and commits only on the shared remote, with the
-:class:`~dcp_safe.commit.committer.Committer`; once the remote commit exists, each node
-publishes its files as a node cache, never a checkpoint (:mod:`dcp_safe.checkpoints.node_cache`).
 The steps, the node cache, the backpressure and why it is built this way: docs/architecture.md,
 "Node caches".
 """
@@ -57,11 +53,9 @@ class NodeLocalOptions(UploadOptions):
     """How long and how often the background steps of a node-local save wait.
 
     Args:
-        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest. The
-            other waits are bounded by twice this (a rank for the remote commit, a save for
-            the previous upload), so that rank 0's verdict, with its cause, reaches every rank
-            before they give up on their own.
-        poll_s: pause between polls of the remote markers.
+        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest; the
+            other waits (a rank for the remote commit, a save for the previous upload) are
+            bounded by twice this, so that rank 0's verdict reaches every rank first.
         chunk_bytes: bytes read and uploaded at a time, per file.
         keep_node_caches: node caches kept on each node after a new one is published (the
             older ones are removed; the remote tier is untouched). ``None`` keeps them all.
@@ -79,16 +73,12 @@ class NodeLocalWriter(SafeStorageWriter):
     """A ``SafeStorageWriter`` for node-local roots that commits only on the shared ``remote``.
 
     Every rank passes its own node's ``root`` (the same ``remote`` everywhere). The DCP call
-    order is the base class's; what differs (docs/architecture.md, "Node caches"):
-    ``finish`` publishes nothing locally, and the checkpoint exists once the remote
-    ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank) before relying
-    on it.
+    order is the base class's, but ``finish`` publishes nothing locally: the checkpoint exists
+    once the remote ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank).
 
     Args:
-        root: this node's local directory.
         remote: the shared root every rank uploads to (``s3://...`` or a shared directory).
         remote_storage_options: fsspec options for ``remote`` (default: ``storage_options``).
-        node_options: waits and chunk size of the background steps.
         **kwargs: the other :class:`SafeStorageWriter` options (``overwrite`` is refused: a
             remote name is never replaced).
 
@@ -113,7 +103,6 @@ class NodeLocalWriter(SafeStorageWriter):
         self.strategy.require_rename(
             f"a node-local root must be a local directory, got {self.root}"
         )
-        # The remote is this writer's commit root, and where every rank uploads its files.
         commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
         self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
         self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
@@ -138,8 +127,7 @@ class NodeLocalWriter(SafeStorageWriter):
         name = self._require_name()
         remote = self.remote_backend
         try:
-            # The fence and the claim that matter are on the shared root, the only one every
-            # node sees; a committed name is refused there before a byte is uploaded.
+            # The fence and the claim that matter are on the shared root, the only one all see.
             publication = self._remote_publication(name, assignment.save_id)
             publication.claim()
             remote.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
@@ -155,9 +143,7 @@ class NodeLocalWriter(SafeStorageWriter):
         # Only the coordinator's node got the work directory from prepare_global_plan.
         self.backend.makedirs(f"{assignment.work_dir}/{layout.RANKS_DIR}")
         self._wait_for_previous_upload()
-        # A failed write is reported by the base class: DCP fails the save everywhere, but the
-        # ranks that wrote fine already wait in the background for a remote commit that will
-        # never come, so they are told through storage.
+        # A failed write is reported to the ranks waiting on the remote by the base class.
         return super().write_data(plan, planner)
 
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
@@ -177,10 +163,7 @@ class NodeLocalWriter(SafeStorageWriter):
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
         """A future that resolves once ``name`` is committed on the remote (and, on the rank that
         publishes it, once this node's cache is published); it fails with the cause otherwise.
-
-        In the process that ran ``write_data`` it is that rank's own background work; elsewhere
-        (DCP's checkpoint process did the work) it watches the remote marker.
-        """
+        Outside the process that ran ``write_data`` it watches the remote marker."""
         name = layout.validate_name(name)
         with contextlib.suppress(KeyError):
             return self._uploads.future(name)
@@ -239,8 +222,7 @@ class NodeLocalWriter(SafeStorageWriter):
         return self._background.node_workers
 
     def _wait_for_previous_upload(self) -> None:
-        """At most one upload in flight per rank: a slow remote slows saves down (DCP's
-        ``write_data`` runs in the background for ``async_save``) instead of piling them up.
+        """At most one upload in flight per rank (docs/architecture.md, "Node caches").
 
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.

@@ -12,11 +12,9 @@ DCP calls a writer in this order (every rank unless noted; one save at a time pe
 
 What each step does for the commit: docs/architecture.md, "The commit protocol".
 
-Shard files use DCP's own format (one ``torch.save`` stream per tensor item, raw bytes for the
-rest, optional zstd through DCP's own transform descriptor) so torch's ``FileSystemReader`` loads
-an uncompressed or zstd checkpoint written here. Plain tensors are laid down from a template of
-``torch.save``'s bytes (:mod:`dcp_safe.dcp.tensor_records`), byte for byte what it would write.
-Each item is checksummed while it streams to storage; no shard is ever buffered whole.
+Shard files use DCP's own format (optional zstd as DCP's transform descriptor), so torch's
+``FileSystemReader`` loads them; plain tensors are laid down from a template of ``torch.save``'s
+bytes (:mod:`dcp_safe.dcp.tensor_records`). No shard is ever buffered whole.
 """
 
 from __future__ import annotations
@@ -107,9 +105,8 @@ class SafeStorageWriter(StorageWriter):
         overwrite: allow replacing a committed checkpoint of the same name; the old one stays
             loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
-        replicate_to: a second root (typically ``s3://...``); every checkpoint committed under
-            ``root`` is copied there in the background and committed there too (see
-            :meth:`replication`). The roots' roles are ``self.topology``.
+        replicate_to: a second root (typically ``s3://...``) every checkpoint is copied to and
+            committed on, in the background (see :meth:`replication`).
         replicate_storage_options: fsspec options for ``replicate_to`` (default:
             ``storage_options``).
         replication_options: deadlines, polling and chunk size of the per-rank uploads of a
@@ -119,14 +116,12 @@ class SafeStorageWriter(StorageWriter):
         attempt: this job attempt's number, monotone across restarts (default:
             ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
             attempt than one that has saved under ``root`` fails with ``StaleWriterError``
-            instead of publishing; see :mod:`dcp_safe.commit.fencing`. Recorded in the manifest
-            and the lease: a newer attempt takes over an older one's (``commit.takeover``).
+            (docs/architecture.md, "Fencing").
         stale_lease_s: with ``attempt``, a lease naming no attempt of this run is taken over
             once its name was idle this long (None: never).
         signing_key: sign every checkpoint with this key (bytes; a str is its UTF-8 bytes, or
-            ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; a reader given the key then
-            refuses anything it did not sign. Item checksums become blake3. See
-            :mod:`dcp_safe.manifest.signing` and docs/integrity.md, "Signed checkpoints".
+            ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; item checksums become
+            blake3. See docs/integrity.md, "Signed checkpoints".
         options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
             ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
             keywords (a keyword also set away from its default must agree with it).
@@ -187,7 +182,6 @@ class SafeStorageWriter(StorageWriter):
             replica_storage_options=self.replicate_storage_options,
         )
         uploads_to = self.topology.uploads_to
-        # The backend of the root this writer's files are uploaded to after they are written.
         self.remote: Backend | None = (
             None
             if uploads_to is None
@@ -256,8 +250,7 @@ class SafeStorageWriter(StorageWriter):
         try:
             self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
         except BaseException:
-            # Ours, with nothing under it yet: holding it would block the name until the
-            # sweeper's grace period ends.
+            # Held with nothing under it, the name would stay blocked until the sweeper's.
             with contextlib.suppress(OSError):
                 publication.release()
             raise
@@ -274,7 +267,6 @@ class SafeStorageWriter(StorageWriter):
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
-            # A rank of a writer whose name was taken over stops here.
             self._publication(assignment.save_id).check()
             results = self._write_rank(assignment, files, buckets, planner)
         except BaseException as exc:
@@ -321,8 +313,7 @@ class SafeStorageWriter(StorageWriter):
         return attach_report(results, report_for(manifest, written, self.options.checksum))
 
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
-        """After this rank failed (DCP will not call ``finish``, so nobody else would): remove
-        its own files and give up the name, as :meth:`Publication.abandon` says."""
+        """After this rank failed (DCP will not call ``finish``, so nobody else would)."""
         own = [*files, layout.rank_manifest_name(assignment.rank)]
         publication = self._publication(assignment.save_id)
         publication.abandon(own, shared=assignment.world_size > 1)
@@ -379,9 +370,8 @@ class SafeStorageWriter(StorageWriter):
     def _report_failure(
         self, assignment: _Assignment, exc: BaseException, *, rank: int | None
     ) -> None:
-        """Tell the ranks waiting in the background for this save's local commit (to upload
-        their part) that it will not come: ``rank``'s write failed, or (``None``) the publish.
-        Best effort, through markers on the remote root, never through the process group."""
+        """Tell the ranks waiting for this save's local commit that it will not come: ``rank``'s
+        write failed, or (``None``) the publish. Best effort, through remote markers."""
         if self.remote is None or assignment.world_size == 1:
             return
         work = remote_work_dir(self.remote, self._require_name(), assignment.save_id)
@@ -412,10 +402,9 @@ class SafeStorageWriter(StorageWriter):
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
         """A future that resolves once checkpoint ``name`` is committed on the remote tier.
 
-        In the process that ran the save: this rank's replication (its upload and, on several
-        ranks, the wait for rank 0's remote commit), failing with the cause (``CommitError``
-        naming the ranks whose upload failed, ``ReplicationSkippedError`` if a newer checkpoint
-        superseded it). Elsewhere it watches the remote ``_COMMITTED`` marker.
+        In the process that ran the save it is this rank's replication, failing with the cause
+        (``CommitError`` naming ranks, ``ReplicationSkippedError`` if a newer checkpoint
+        superseded it); elsewhere it watches the remote ``_COMMITTED`` marker.
 
         Raises:
             ConfigError: the writer has no ``replicate_to``.
@@ -431,15 +420,9 @@ class SafeStorageWriter(StorageWriter):
 
     @property
     def upload_buffer_bytes(self) -> int | None:
-        """The most host bytes this writer's uploads hold at once, beside the state it writes.
-
-        Part buffers of each file written straight to an object store (``thread_count`` files
-        are open at once), plus one replication's read chunk and part buffers (replication
-        copies one file at a time, and runs while the next save stages). 0 for a local root
-        without ``replicate_to``. A memory budget counts it as another consumer of the envelope
-        (``CheckpointManager`` does so for the budget it builds). None where a root's fsspec
-        file buffers by an amount not known here (an object store other than S3).
-        """
+        """The most host bytes this writer's uploads hold at once, beside the state it writes
+        (docs/s3.md): 0 for a local root without ``replicate_to``; None where a root buffers by
+        an amount not known here (an object store other than S3)."""
         direct = write_buffer_bytes(self.backend)
         if direct is None:
             return None
@@ -571,8 +554,7 @@ class SafeStorageWriter(StorageWriter):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        # DCP's process-based executor pickles the writer; nothing here holds live handles,
-        # but make sure no per-save state leaks into the child.
+        # DCP's process-based executor pickles the writer: no per-save state into the child.
         state = self.__dict__.copy()
         state["_assignment"] = None
         state["_background"] = _Background()  # threads: the child starts its own if needed

@@ -1,15 +1,7 @@
 """Verified copies of checkpoint files from one root to another, checked as the bytes stream.
 
-Shared by every path that moves checkpoint bytes to the remote tier: the single-process
-:class:`~dcp_safe.replication.replicator.Replicator` (one process copies a whole checkpoint) and
-the per-rank uploads of :mod:`dcp_safe.replication.rank_upload` (each rank copies the files it
-wrote). Nothing here decides where a copy lands or publishes anything; the callers do.
-
-The whole-file checksum (small files) or each item's checksum (shard files) is recomputed from
-the bytes in flight, so a source byte flipped since it was written is never made durable a
-second time. A copy holds one chunk read from the source plus what the destination's open file
-buffers (on S3, the multipart upload's part buffers: ``max_concurrency + 1`` blocks); files are
-copied one at a time, so :func:`copy_buffer_bytes` bounds the host memory of a whole copy.
+Shared by the :class:`~dcp_safe.replication.replicator.Replicator` and the per-rank uploads;
+where a copy lands and its publish are the callers'.
 """
 
 from __future__ import annotations
@@ -52,11 +44,8 @@ def copy_file_verified(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
-    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking it against its record.
-
-    The whole-file checksum (small files) or each item's checksum (shard files, whose
-    ``items`` must tile the file in order of ``start``) is recomputed from the bytes in flight,
-    so a source byte flipped since it was written is never made durable a second time.
+    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking the whole-file checksum (small
+    files) or each item's (shard files: ``items`` tile the file) from the bytes in flight.
 
     Raises:
         CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
@@ -101,8 +90,8 @@ def copy_file_retrying(
     chunk_bytes: int,
     retry: RetryPolicy | None,
 ) -> None:
-    """:func:`copy_file_verified`, started over whole after a transient failure (a streamed
-    upload cannot be resumed where it broke). ``retry=None`` tries once."""
+    """:func:`copy_file_verified`, started over whole after a transient failure.
+    ``retry=None`` tries once."""
     copy = functools.partial(
         copy_file_verified, source, src, dest, dst, record, items, chunk_bytes=chunk_bytes
     )
@@ -115,13 +104,7 @@ def copy_file_retrying(
 def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     """The most host bytes one verified copy to ``dest`` holds at once: the chunk read from the
     source plus ``dest``'s open-file buffers (on S3, ``(max_concurrency + 1)`` part blocks).
-
-    For a memory budget: the owner of a replication counts this beside its staged bytes (see
-    :attr:`dcp_safe.replication.replicator.Replicator.max_buffer_bytes`).
-
-    Returns:
-        The bytes, or None where ``dest`` buffers on its own account by an amount not known
-        here (an fsspec object store other than S3 through s3fs).
+    None where ``dest`` buffers by an amount not known here (an fsspec object store not S3).
     """
     buffers = write_buffer_bytes(dest)
     return None if buffers is None else chunk_bytes + buffers
@@ -130,7 +113,7 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
 def check_remote_size(
     remote: Backend, rel: str, expected: int, size_of: Callable[[str], int] | None = None
 ) -> None:
-    """Raise unless ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
+    """Check that ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
     finds it (``remote.size`` by default).
 
     Raises:
@@ -153,12 +136,11 @@ class CheckpointCopy:
 
     Call order: :meth:`copy_files` (any subset, any number of times), then :meth:`finish_upload`
     (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
-    file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up. Files are
-    copied one at a time: :attr:`max_buffer_bytes` bounds the host memory the copy holds.
+    file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up.
 
     Args:
-        before_each: called before each file is written; raising there stops the copy (the
-            writing lease's check, so a copy whose name changed hands stops writing there).
+        before_each: called before each file is written (the lease's check); raising there
+            stops the copy.
     """
 
     def __init__(
@@ -228,8 +210,7 @@ class CheckpointCopy:
             self.remote.sync_dir(f"{dest}/{folder}")
 
     def _copy_signature(self, dest: str) -> None:
-        """A signed checkpoint's ``_SIGNATURE`` goes with it, so a keyed reader of the replica
-        accepts it. Not checked here (that needs the key): a reader with the key checks it."""
+        """A signed checkpoint's ``_SIGNATURE`` goes with it, unchecked (that needs the key)."""
         try:
             with self.local.open_read(f"{self.name}/{layout.SIGNATURE}") as stream:
                 signature = stream.read(MAX_SIGNATURE_BYTES)

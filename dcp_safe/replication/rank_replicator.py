@@ -1,12 +1,7 @@
 """Replication of a multi-rank checkpoint from one shared local root: each rank uploads its part.
 
-``SafeStorageWriter(root, replicate_to=remote)`` in a job of several ranks that share ``root``
-runs one :class:`RankReplicator` per rank: it waits for the local commit, uploads the files its
-own rank manifest lists (:mod:`dcp_safe.replication.rank_upload`), and on rank 0 publishes on
-the remote once every rank's part arrived, as the single-process
-:class:`~dcp_safe.replication.replicator.Replicator` does. The steps, the failure and skip
-markers, and why a save is replicated by all ranks or by none: docs/architecture.md, "Per-rank
-uploads".
+The steps, the markers, and why a save is replicated by all ranks or by none:
+docs/architecture.md, "Per-rank uploads".
 """
 
 from __future__ import annotations
@@ -64,12 +59,8 @@ class RankReplicator(Replicator):
     :meth:`close` once at the end. Errors, coalescing and thread handling are the base class's.
 
     Args:
-        local: the shared root the checkpoints are committed to.
-        remote: the root they are replicated to.
-        options: deadlines, polling and chunk size of the background steps.
         retry: how a file upload that fails transiently is started over.
-        claimant: this process's job attempt, as rank 0's remote lease records it; a lease of
-            another save id that it may take over is taken over (:mod:`dcp_safe.commit.takeover`).
+        claimant: as :func:`~dcp_safe.replication.replicator.replicate_checkpoint` takes it.
     """
 
     def __init__(
@@ -169,9 +160,8 @@ class RankReplicator(Replicator):
             raise
 
     def _await_claim(self, replica: ReplicaPublication, save: RankSave, work: str) -> bool:
-        """Rank 0 claims the name before any rank uploads a byte; the other ranks wait,
-        bounded, until the claim is held (or a peer reports a failure, rank 0's to claim it
-        included). False: the name got committed with this checkpoint's digest meanwhile."""
+        """Rank 0 claims the name; the other ranks wait, bounded, until it is held or a peer
+        reports a failure. False: the name got committed with this digest meanwhile."""
         if save.rank == 0:
             try:
                 return replica.claim()
@@ -196,8 +186,7 @@ class RankReplicator(Replicator):
     def _remove_part(
         self, replica: ReplicaPublication, save: RankSave, copy: CheckpointCopy
     ) -> None:
-        """On failure: rank 0 removes what it can of the whole save; another rank its own
-        uploads (see :class:`~dcp_safe.commit.replica.ReplicaPublication`)."""
+        """On failure: rank 0 removes what it can of the whole save; another rank its own."""
         if save.rank == 0:
             replica.abandon(copy.uploaded)
         else:

@@ -1,17 +1,7 @@
 """Per-rank uploads to a shared remote root, coordinated through storage markers only.
 
-Shared by ``NodeLocalWriter`` and ``SafeStorageWriter(replicate_to=...)`` on several ranks:
-every rank uploads its part (:func:`upload_rank_part`), rank 0 waits for every arrival
-(:func:`await_arrivals`) and publishes, the other ranks wait for the remote commit
-(:func:`await_remote_commit`); failures and skips travel as markers named with the save id
-(the ``report_*`` functions; the names are :mod:`dcp_safe.layout`'s). The steps, the markers
-and the deadlines: docs/architecture.md, "Per-rank uploads".
-
-Every wait raises :class:`~dcp_safe.errors.CommitError` naming the failed ranks (or
-:class:`~dcp_safe.errors.ReplicationSkippedError`) as soon as it sees one, and
-:class:`~dcp_safe.errors.ReplicationTimeoutError` at its deadline (a rank killed outright).
-Nothing removes a marker when its save ends (a peer may still be about to read it): the
-sweeper collects them as debris (:func:`dcp_safe.layout.is_debris`).
+Shared by ``NodeLocalWriter`` and ``SafeStorageWriter(replicate_to=...)`` on several ranks. The
+steps, the markers and the deadlines: docs/architecture.md, "Per-rank uploads".
 """
 
 from __future__ import annotations
@@ -66,10 +56,8 @@ class UploadOptions:
 
     Args:
         remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest (and a
-            rank for the local commit it uploads from). A rank waits twice this for the remote
-            commit, so that rank 0's verdict, with its cause, reaches every rank before they
-            give up on their own.
-        poll_s: pause between polls of the markers.
+            rank for the local commit it uploads from); a rank waits twice this for the remote
+            commit, so that rank 0's verdict reaches it first.
         chunk_bytes: bytes read and uploaded at a time, per file.
     """
 
@@ -108,9 +96,8 @@ def upload_rank_part(
 ) -> None:
     """Copy rank ``rank``'s files from ``local_dir`` to ``work``, verified; its manifest last.
 
-    The files are exactly those the rank manifest ``local_dir/_ranks/rank_R.json`` lists, each
-    checked against its items' checksums as it streams (and copied again whole after a
-    transient failure). The remote rank manifest, written last, says "arrived".
+    The files are those its rank manifest lists; the remote rank manifest, written last, says
+    "arrived".
 
     Args:
         uploaded: each remote path is appended before it is written, for the caller's clean-up.
@@ -316,8 +303,7 @@ def await_remote_commit(
         try:
             raise_reported_failures(remote, work, save_id, name)
         except OSError as exc:  # StorageError included: the store is down for a while
-            # A poll that saw nothing. Ending the wait here would fail this rank alone while
-            # rank 0's commit retries through the outage and succeeds (chaos seed 8017).
+            # A poll that saw nothing: rank 0's commit may retry through the outage and succeed.
             unavailable[:] = [exc]
         return None
 

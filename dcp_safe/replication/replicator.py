@@ -1,21 +1,8 @@
 """Replication: copy a committed local checkpoint to the remote tier and commit it there.
 
-:func:`replicate_checkpoint` does one checkpoint (the verified copy is
-:mod:`dcp_safe.replication.copying`'s, the publish :mod:`dcp_safe.commit.replica`'s;
-a save of several ranks uses them per rank: :mod:`dcp_safe.replication.rank_replicator`).
-:class:`Replicator` runs them on one background thread, coalescing to the newest name. The
-protocol, and why it copies committed files rather than staging buffers: docs/architecture.md,
-"Replication and the remote tier".
-
-Errors raised here, beyond the ones backends raise::
-
-    DcpSafeError
-    ├── ReplicationSkippedError              a pending replication superseded by a newer one
-    └── ReplicationTimeoutError(TimeoutError)   wait()/close() could not drain in time
-
-A local file that does not match its manifest is :class:`~dcp_safe.errors.CheckpointCorruptError`;
-a remote object missing or of the wrong size after upload is
-:class:`~dcp_safe.errors.StorageError` (the remote tier misbehaved, the source is fine).
+:func:`replicate_checkpoint` does one checkpoint; :class:`Replicator` runs them on one
+background thread, coalescing to the newest name. See docs/architecture.md, "Replication and
+the remote tier" and "One process".
 """
 
 from __future__ import annotations
@@ -58,22 +45,14 @@ def replicate_checkpoint(
 ) -> Manifest:
     """Copy committed checkpoint ``name`` from ``local`` to ``remote`` and commit it there.
 
-    Idempotent: when ``remote`` already holds ``name`` committed with the same manifest digest,
-    nothing is copied. The remote marker is trusted as every reader trusts it; run
-    ``verify_checkpoint`` on the remote root for a full byte check.
+    Returns its manifest. Idempotent: nothing is copied when ``remote`` already holds ``name``
+    committed with the same digest (its marker trusted, as every reader trusts it).
 
     Args:
-        local: the root holding the committed checkpoint.
-        remote: the root to copy it to.
-        name: the checkpoint's name under both roots.
-        chunk_bytes: bytes read and handed to the remote file at a time (files are copied one
-            at a time; see :func:`~dcp_safe.replication.copying.copy_buffer_bytes` for the
-            memory a copy holds).
-        claimant: this process's job attempt, as the remote lease records it; a lease of
-            another save id that it may take over is taken over (:mod:`dcp_safe.commit.takeover`).
-
-    Returns:
-        The checkpoint's manifest.
+        chunk_bytes: bytes read and handed to the remote file at a time (the memory a copy
+            holds: :func:`~dcp_safe.replication.copying.copy_buffer_bytes`).
+        claimant: this process's job attempt, as the remote lease records it (and what it may
+            take over: :mod:`dcp_safe.commit.takeover`).
 
     Raises:
         CheckpointNotFoundError: ``name`` is not committed locally.
@@ -116,12 +95,8 @@ class Replicator(SingleFlight):
     :class:`~dcp_safe.replication.single_flight.SingleFlight`'s.
 
     Args:
-        local: the root checkpoints are committed to first.
-        remote: the root to replicate them to.
-        chunk_bytes: passed to :func:`replicate_checkpoint`.
         keep_done: how many finished futures :meth:`future` can still return.
-        claimant: the owner's job attempt, as remote leases record it (see
-            :func:`replicate_checkpoint`).
+        chunk_bytes, claimant: as :func:`replicate_checkpoint` takes them.
     """
 
     def __init__(
@@ -145,11 +120,9 @@ class Replicator(SingleFlight):
 
     @property
     def max_buffer_bytes(self) -> int | None:
-        """The most host bytes a replication holds at once (one file is copied at a time): the
-        chunk read plus the remote upload's part buffers. An owner with a memory budget counts
-        it as another consumer of the envelope, as it stays held while the next save stages.
-        None where the remote's buffering is not known (an fsspec object store other than S3).
-        """
+        """The most host bytes a replication holds at once (:func:`copy_buffer_bytes`): a
+        memory budget counts it beside staging, as it stays held while the next save stages.
+        None where the remote's buffering is not known."""
         return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def _run_job(self, name: str) -> Manifest:

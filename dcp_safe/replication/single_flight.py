@@ -1,25 +1,17 @@
 """``SingleFlight``: one background job at a time per owner, the newest pending one kept.
 
-The engine under every upload of a rank: the single-process :class:`~dcp_safe.replication.
-replicator.Replicator` and the per-rank :class:`~dcp_safe.replication.rank_replicator.
-RankReplicator` are its subclasses (their job is a replication of a named checkpoint), and
-:class:`~dcp_safe.dcp.node_local.NodeLocalWriter` runs its uploads and its remote commits on
-two of them. One daemon worker thread runs jobs one at a time; it is started by :meth:`submit`
-and exits whenever nothing is pending, so an idle or forgotten worker holds no thread.
+The engine under the replicators and ``NodeLocalWriter``'s uploads and remote commits. One
+daemon worker thread, started by :meth:`submit`, exits whenever nothing is pending.
 
-Coalescing: while one job runs, at most one more is pending. Submitting a newer name replaces
-the pending one, whose future fails with :class:`~dcp_safe.errors.ReplicationSkippedError`
-naming its successor (an owner that waits for the previous job before it submits the next, as
-the node-local uploads do, never skips one).
+Coalescing: while one job runs, at most one more is pending; a newer name replaces it, and its
+future fails with :class:`~dcp_safe.errors.ReplicationSkippedError`.
 
 Errors: a failed job's original exception is in its future. :meth:`close` re-raises the first
-failure whose future nobody retrieved (``result()`` or ``exception()``, a done-callback's
-included), so a fire-and-forget owner cannot lose it, while an owner that checked its futures
-is not told twice. Only one such failure is held, so a long run of failures keeps no tracebacks
-alive. Skips are policy, not failures: ``close`` does not raise them.
+failure whose future nobody retrieved (``result()`` or ``exception()``, in a done-callback too),
+so a fire-and-forget owner cannot lose it; only that one is held. Skips are policy: ``close``
+does not raise them.
 
-Not picklable (it owns a lock and a thread): an owner pickled into DCP's process executor
-drops it in ``__getstate__``.
+Not picklable (a lock and a thread): an owner drops it in ``__getstate__``.
 """
 
 from __future__ import annotations
@@ -62,7 +54,6 @@ class SingleFlight:
     Args:
         what: what the jobs do and where, for messages (``"replication to s3://b/ckpt"``).
         keep_done: how many finished futures :meth:`future` can still return.
-        thread_name: the worker thread's name.
 
     Attributes:
         skipped: names whose job was skipped for a newer one, oldest first.
