@@ -7,9 +7,8 @@ The steps, the node cache, the backpressure and why it is built this way: docs/a
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import time
+import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +27,7 @@ from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
-from dcp_safe.errors import (
-    CommitError,
-    ConfigError,
-)
+from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
@@ -42,10 +38,11 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     upload_rank_part,
 )
-from dcp_safe.replication.single_flight import SingleFlight
 from dcp_safe.topology import Root, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
+
+_KEEP_DONE = 16  # finished futures kept for replication()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +104,9 @@ class NodeLocalWriter(SafeStorageWriter):
         self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
         self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
+        # Shared by the writer's per-save views (for_step): the dicts, not copies of them.
+        self._uploads: dict[str, Future[Manifest]] = {}
+        self._commits: dict[str, Future[Manifest]] = {}
 
     @property
     def remote_backend(self) -> Backend:
@@ -149,7 +149,7 @@ class NodeLocalWriter(SafeStorageWriter):
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
         """This rank's files are written on its node: upload them in the background."""
         name = self._require_name()
-        self._uploads.submit(name, functools.partial(self._upload_and_publish, name, assignment))
+        self._start(self._uploads, self._upload_and_publish, name, assignment)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Start the remote commit in the background (coordinator only); publishes nothing here."""
@@ -157,16 +157,15 @@ class NodeLocalWriter(SafeStorageWriter):
         if assignment is None:
             raise ConfigError("finish() called before write_data()")
         name = self._require_name()
-        commit = functools.partial(self._commit_remote, name, assignment, metadata, results)
-        self._commits.submit(name, commit)
+        self._start(self._commits, self._commit_remote, name, assignment, metadata, results)
 
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
         """A future that resolves once ``name`` is committed on the remote (and, on the rank that
         publishes it, once this node's cache is published); it fails with the cause otherwise.
         Outside the process that ran ``write_data`` it watches the remote marker."""
         name = layout.validate_name(name)
-        with contextlib.suppress(KeyError):
-            return self._uploads.future(name)
+        if name in self._uploads:
+            return self._uploads[name]
         return watch_for_commit(
             self.remote_backend,
             name,
@@ -179,55 +178,58 @@ class NodeLocalWriter(SafeStorageWriter):
 
         Raises:
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
-            BaseException: the first failed remote commit or upload, as it was raised.
+            BaseException: the first failed upload or remote commit, as it was raised.
         """
-        workers = self._background.node_workers
-        if workers is None:
-            return
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for worker in workers:  # a timeout here leaves the work going on, and the workers
-            worker.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        failures: list[BaseException] = []
-        for worker in workers:
-            try:
-                worker.close(0)  # drained: it raises only a failure nobody retrieved
-            except BaseException as exc:  # raised below, once both are closed
-                failures.append(exc)
-        self._background.node_workers = None  # drained: a later save starts fresh workers
-        if failures:
-            raise failures[0]
-        commits, uploads = workers
-        commits.raise_first_failure()
-        uploads.raise_first_failure()
+        futures = [*self._commits.values(), *self._uploads.values()]
+        _, running = wait(futures, timeout=timeout_s)
+        if running:
+            raise ReplicationTimeoutError(
+                f"{len(running)} node-local uploads or commits still running after {timeout_s} s"
+            )
+        for future in futures:
+            future.result()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_uploads"], state["_commits"] = {}, {}  # futures of this process's threads
+        return state
 
     # ----------------------------------------------------------------- background work
 
-    @property
-    def _commits(self) -> SingleFlight:
-        return self._started()[0]
-
-    @property
-    def _uploads(self) -> SingleFlight:
-        return self._started()[1]
-
-    def _started(self) -> tuple[SingleFlight, SingleFlight]:
-        """Rank 0's remote commits and this rank's uploads: one worker each, since an upload
-        waits for the remote commit, which waits for every rank's upload."""
-        if self._background.node_workers is None:
-            url = self.remote_backend.url
-            self._background.node_workers = (
-                SingleFlight(f"remote commit on {url}", thread_name="dcp_safe-node-commit"),
-                SingleFlight(f"upload to {url}", thread_name="dcp_safe-node-upload"),
-            )
-        return self._background.node_workers
-
     def _wait_for_previous_upload(self) -> None:
-        """At most one upload in flight per rank (docs/architecture.md, "Node caches").
+        """At most one upload in flight per rank: a slow remote slows saves down (DCP's
+        ``write_data`` runs in the background for ``async_save``) instead of piling them up.
 
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
-        self._uploads.wait(2 * self.node_options.remote_timeout_s)
+        running = [f for f in self._uploads.values() if not f.done()]
+        _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
+        if still:
+            raise ReplicationTimeoutError(
+                f"the previous upload to {self.remote_backend.url} is still running after "
+                f"{2 * self.node_options.remote_timeout_s} s"
+            )
+
+    def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
+        """Run ``target(*args)`` on a thread of its own, its future in ``registry`` under the
+        save's name. Not a single-flight worker: rank 0's remote commits must not queue behind
+        one that is still waiting for a late rank (every rank's wait for the commit would time
+        out meanwhile), and uploads are single-flight already (``_wait_for_previous_upload``)."""
+        future: Future[Manifest] = Future()
+        registry.pop(args[0], None)
+        registry[args[0]] = future
+        finished = [name for name, f in registry.items() if f.done()]
+        for name in finished[: max(0, len(finished) - _KEEP_DONE)]:
+            del registry[name]  # a long run keeps only the newest outcomes
+
+        def run() -> None:
+            try:
+                future.set_result(target(*args))
+            except BaseException as exc:  # the owner decides what is fatal; it reaches the future
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"dcp_safe-node-{args[0]}", daemon=True).start()
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
         work = remote_work_dir(self.remote_backend, name, assignment.save_id)
@@ -284,13 +286,11 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
         def own_commit(wait_s: float = 0.0) -> None:
-            try:
-                commit = self._commits.future(name)
-            except KeyError:
-                return  # not rank 0, or not this process's save
-            wait([commit], timeout=wait_s)
-            if commit.done() and commit.exception() is not None:
-                commit.result()  # rank 0 in this very process: its original error
+            commit = self._commits.get(name)
+            if commit is not None:
+                wait([commit], timeout=wait_s)
+                if commit.done() and commit.exception() is not None:
+                    commit.result()  # rank 0 in this very process: its original error
 
         try:
             return await_remote_commit(

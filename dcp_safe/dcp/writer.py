@@ -63,7 +63,6 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
 )
 from dcp_safe.replication.replicator import Replicator
-from dcp_safe.replication.single_flight import SingleFlight
 from dcp_safe.topology import Topology
 from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
@@ -78,7 +77,6 @@ class _Background:
 
     replicator: Replicator | None = None
     rank_replicator: RankReplicator | None = None
-    node_workers: tuple[SingleFlight, SingleFlight] | None = None  # NodeLocalWriter's
 
 
 @dataclass(frozen=True)

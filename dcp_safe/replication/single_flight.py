@@ -1,7 +1,7 @@
 """``SingleFlight``: one background job at a time per owner, the newest pending one kept.
 
-The engine under the replicators and ``NodeLocalWriter``'s uploads and remote commits. One
-daemon worker thread, started by :meth:`submit`, exits whenever nothing is pending.
+The engine under the replicators (``Replicator``, ``RankReplicator``). One daemon worker
+thread, started by :meth:`submit`, exits whenever nothing is pending.
 
 Coalescing: while one job runs, at most one more is pending; a newer name replaces it, and its
 future fails with :class:`~dcp_safe.errors.ReplicationSkippedError`.
