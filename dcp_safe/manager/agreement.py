@@ -183,6 +183,11 @@ class Agreement:
             return cls()
         return cls(ManagerGroups(deadline_s))
 
+    def release(self) -> None:
+        """Drop the groups (the manager is closed)."""
+        if self.groups is not None:
+            self.groups.release()
+
     @property
     def distributed(self) -> bool:
         return self.groups is not None

@@ -67,6 +67,20 @@ class ManagerGroups:
             with self._lock:
                 return self._current[purpose]
 
+    def release(self) -> None:
+        """Drop this manager's references to its groups (at close); any later use raises.
+
+        A gloo group still referenced when the interpreter finalizes is destroyed there, where its
+        threads can abort the process (``terminate called without an active exception``) after
+        the job's own ``destroy_process_group()``. A thread still inside a collective keeps the
+        group it holds until it returns.
+        """
+        with self._lock:  # not _replacing: a replacement stuck past a drain timeout holds it
+            self._current.clear()
+            self._broken.clear()
+            if self.dead is None:
+                self.dead = CommitError("the CheckpointManager is closed: its groups are released")
+
     def collectives(self, purpose: str) -> dict[str, Any]:
         """DCP's keyword arguments for a save or load on ``purpose``'s group."""
         return {"process_group": self.group(purpose), "deadline_s": self.deadline_s}

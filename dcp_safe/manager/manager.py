@@ -446,6 +446,7 @@ class CheckpointManager:
                 steps.append(functools.partial(lambda w: w.close(left()), writer))
         steps.append(lambda: self._books.close(left()))
         errors = run_bounded(steps, timeout_s)
+        self._agreement.release()
         errors = shutdown.in_flight_first(self._ledger.unraised() + errors)
         if errors and isinstance(errors[0], DrainTimeoutError):
             self._ledger.abandon(errors[0])  # no caller waits for ever on what is left

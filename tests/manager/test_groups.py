@@ -10,13 +10,20 @@ groups; a lookup meanwhile waits for the new group.
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from dcp_safe import CheckpointManager
 from dcp_safe.dcp.group import discard_group
+from dcp_safe.errors import CommitError
 from dcp_safe.manager.groups import BACKGROUND, FOREGROUND, POLICY, ManagerGroups
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -63,3 +70,46 @@ def test_a_lookup_never_creates_a_group_only_the_constructor_and_replace_do() ->
     assert result["marked"]  # the failure was on the current group: the next vote replaces it
     assert result["made_by_replace"] == 1
     assert result["replaced"] and result["others_kept"]
+
+
+def _process_groups_reachable_from(root: object) -> int:
+    """How many ``ProcessGroup`` objects ``root`` still references (modules' globals excluded)."""
+    module_dicts = {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+    seen, stack, found = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in module_dicts or isinstance(obj, (type, ModuleType)):
+            continue
+        seen.add(id(obj))
+        found += isinstance(obj, dist.ProcessGroup)
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+def _groups_after_close(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    manager = CheckpointManager(root, keep_last=1)
+    held_while_open = _process_groups_reachable_from(manager)
+    handle = manager.save(1, {"w": torch.arange(4.0)})
+    assert handle is not None
+    manager.close(timeout_s=60)
+    try:
+        manager._agreement.groups.group(POLICY)  # type: ignore[union-attr]
+        later_use = "allowed"
+    except CommitError as exc:
+        later_use = str(exc)
+    return {
+        "held_while_open": held_while_open,
+        "held_after_close": _process_groups_reachable_from(manager),
+        "later_use": later_use,
+    }
+
+
+def test_a_closed_manager_holds_no_process_group(tmp_path: Path) -> None:
+    # A gloo group still referenced when the interpreter finalizes is destroyed there, after the
+    # job's destroy_process_group(), and its threads can abort the process: CI saw the FSDP
+    # example's rank 1 die with "terminate called without an active exception" after "done".
+    results = run_ranks(_groups_after_close, 2, args=(str(tmp_path),), timeout_s=120)
+    for result in results:
+        assert result["held_while_open"] >= 3  # policy, foreground and background groups
+        assert result["held_after_close"] == 0
+        assert "closed" in result["later_use"]
