@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_safe.telemetry.events import Phase, SpanHandle
+from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.topology import Topology
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from types import TracebackType
 
 from dcp_safe.errors import ConfigError
 from dcp_safe.periodic import Periodic
@@ -134,12 +133,7 @@ class MemorySampler:
     def __enter__(self) -> MemorySampler:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     # -- rate -----------------------------------------------------------------------------------

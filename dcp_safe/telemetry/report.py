@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_safe.telemetry.events import Event, EventKind, Phase
+from dcp_safe.observe import Phase
+from dcp_safe.telemetry.events import Event, EventKind
 from dcp_safe.telemetry.memory import MemorySample
 
 __all__ = ["BAND_S", "SaveSummary", "TelemetryReport", "build_report", "percentile"]
