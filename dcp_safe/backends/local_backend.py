@@ -101,29 +101,43 @@ class LocalBackend(Backend):
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
-        # Non-blocking open: a FIFO under a checkpoint's name must not hang the reader; the
-        # fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
-        fd = self._open_regular(rel)
-        try:
-            os.set_blocking(fd, True)
-            f = os.fdopen(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
-        with f:
+        with self._open_file(rel, os.O_RDONLY, "rb") as f:
             yield f
 
-    def _open_regular(self, rel: str) -> int:
-        """A descriptor of ``rel`` opened for reading, refused unless it is a regular file."""
-        fd = self._beneath.open(rel, os.O_RDONLY | os.O_NONBLOCK)
+    def _open_regular(self, rel: str, flags: int = os.O_RDONLY, *, sole_link: bool = False) -> int:
+        """A descriptor of ``rel``, refused unless it is a regular file (with ``sole_link``: one
+        with no other hard link, a name for a file outside the root).
+
+        Opened non-blocking: a FIFO under a checkpoint's name must not hang the caller; the
+        fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
+        """
+        fd = self._beneath.open(rel, flags | os.O_NONBLOCK, 0o644)
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise not_a_file(self._abs(rel), _kind(mode))
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise not_a_file(self._abs(rel), _kind(found.st_mode))
+            if sole_link and found.st_nlink > 1:
+                raise CheckpointCorruptError(
+                    self._abs(rel),
+                    f"has {found.st_nlink} hard links: it may be a file outside the root, and"
+                    " dcp_safe appends only to its own; remove it (the history restarts empty)",
+                )
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def _open_file(
+        self, rel: str, flags: int, mode: Literal["rb", "a+b"], *, sole_link: bool = False
+    ) -> BinaryIO:
+        """:meth:`_open_regular` as a blocking file object."""
+        fd = self._open_regular(rel, flags, sole_link=sole_link)
+        try:
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         # The checks look at what was opened, so nothing can be swapped in between. The buffer
@@ -219,24 +233,8 @@ class LocalBackend(Backend):
                 name for a file outside the root), or lies under a link.
         """
         self.makedirs("")
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
-        fd = self._beneath.open(rel, flags, 0o644)
-        try:
-            found = os.fstat(fd)
-            if not stat.S_ISREG(found.st_mode):  # never wait on a FIFO, never write a device
-                raise not_a_file(self._abs(rel), _kind(found.st_mode))
-            if found.st_nlink > 1:
-                raise CheckpointCorruptError(
-                    self._abs(rel),
-                    f"has {found.st_nlink} hard links: it may be a file outside the root, and"
-                    " dcp_safe appends only to its own; remove it (the history restarts empty)",
-                )
-            os.set_blocking(fd, True)
-            f = os.fdopen(fd, "a+b")
-        except BaseException:
-            os.close(fd)
-            raise
-        with f:
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
+        with self._open_file(rel, flags, "a+b", sole_link=True) as f:
             yield f
 
     def size(self, rel: str) -> int:

@@ -62,33 +62,19 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
             names; a control file is not a regular file or over its cap; or an item lies in a
             file the manifest does not list.
     """
-    marker_path = f"{name}/{layout.COMMITTED_MARKER}"
+    manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
     try:
-        raw_marker = backend.read_small(marker_path, CONTROL_MAX_BYTES)
+        raw, actual = read_marked_manifest(
+            backend, name, layout.COMMITTED_MARKER, "committed checkpoint", manifest_path
+        )
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             backend.full_path(name), f"it has no {layout.COMMITTED_MARKER} marker"
         ) from None
-    marker = raw_marker.decode("ascii", errors="replace").strip()
-    manifest_path = f"{name}/{layout.MANIFEST}"
-    try:
-        raw = backend.read_small(manifest_path, MANIFEST_MAX_BYTES)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(
-            backend.full_path(manifest_path), "committed checkpoint has no manifest"
-        ) from None
-    actual = manifest_digest(raw)
-    if actual != marker:
-        raise CheckpointCorruptError(
-            backend.full_path(manifest_path),
-            f"manifest does not match the digest in {layout.COMMITTED_MARKER}",
-            expected=marker[:100],
-            actual=actual,
-        )
-    manifest = Manifest.from_json(raw, backend.full_path(manifest_path))
+    manifest = Manifest.from_json(raw, manifest_path)
     if manifest.name != name:
         raise CheckpointCorruptError(
-            backend.full_path(manifest_path),
+            manifest_path,
             "manifest names another checkpoint",
             expected=name,
             actual=manifest.name,
@@ -97,10 +83,37 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
     unlisted = {item.file for item in manifest.items} - {record.path for record in manifest.files}
     if unlisted:
         raise CheckpointCorruptError(
-            backend.full_path(manifest_path),
+            manifest_path,
             f"items in files the manifest does not list: {', '.join(sorted(unlisted)[:5])}",
         )
     return CommittedCheckpoint(name=name, manifest=manifest, digest=actual)
+
+
+def read_marked_manifest(
+    backend: Backend, name: str, marker: str, what: str, where: str
+) -> tuple[bytes, str]:
+    """``name``'s manifest bytes and their digest, which its ``marker`` file must hold.
+
+    Raises:
+        FileNotFoundError: no marker.
+        CheckpointCorruptError: no manifest (``what`` has none), or not the one the marker
+            names; both errors name ``where``.
+    """
+    raw_marker = backend.read_small(f"{name}/{marker}", CONTROL_MAX_BYTES)
+    expected = raw_marker.decode("ascii", errors="replace").strip()
+    try:
+        raw = backend.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(where, f"{what} has no manifest") from None
+    actual = manifest_digest(raw)
+    if actual != expected:
+        raise CheckpointCorruptError(
+            where,
+            f"manifest does not match the digest in {marker}",
+            expected=expected[:100],
+            actual=actual,
+        )
+    return raw, actual
 
 
 def recency(step: int | None, created_at: float, name: str) -> tuple[int, float, str]:

@@ -17,8 +17,9 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import read_marked_manifest
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
-from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.untrusted import shown
 
@@ -83,29 +84,14 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
         CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
             names.
     """
+    path = backend.full_path(name)
     try:
-        marker = _read_text(backend, f"{name}/{NODE_COMMITTED_MARKER}")
+        raw, _ = read_marked_manifest(backend, name, NODE_COMMITTED_MARKER, "node cache", path)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            backend.full_path(name), f"no node cache (no {NODE_COMMITTED_MARKER})"
-        ) from None
-    try:
-        raw = backend.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(
-            backend.full_path(name), "node cache has no manifest"
-        ) from None
-    actual = manifest_digest(raw)
-    if actual != marker:
-        raise CheckpointCorruptError(
-            backend.full_path(name),
-            f"manifest does not match the digest in {NODE_COMMITTED_MARKER}",
-            expected=marker[:100],
-            actual=actual,
-        )
-    manifest = Manifest.from_json(raw, backend.full_path(name))
+        raise CheckpointNotFoundError(path, f"no node cache (no {NODE_COMMITTED_MARKER})") from None
+    manifest = Manifest.from_json(raw, path)
     ranks = tuple(sorted(ranks_in(backend, name)))
-    return NodeCache(name, backend.full_path(name), ranks, manifest)
+    return NodeCache(name, path, ranks, manifest)
 
 
 def list_node_caches(
@@ -147,8 +133,3 @@ def ranks_in(backend: Backend, directory: str) -> list[int]:
     """Ranks whose rank manifest is in ``directory``'s ``_ranks/``."""
     entries = backend.list_dir(f"{directory}/{layout.RANKS_DIR}")
     return [rank for rank in map(layout.rank_of_manifest, entries) if rank is not None]
-
-
-def _read_text(backend: Backend, rel: str) -> str:
-    raw = backend.read_small(rel, CONTROL_MAX_BYTES)
-    return raw.decode("utf-8", errors="replace").strip()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
-from types import TracebackType
+from contextlib import AbstractContextManager, contextmanager
 
 from dcp_safe import layout
 from dcp_safe.backends.local_backend import LocalBackend
@@ -25,7 +24,7 @@ __all__ = ["CHECKSUMS", "StagedExport", "check_destination"]
 CHECKSUMS = layout.EXPORT_CHECKSUMS
 
 
-class StagedExport:
+class StagedExport(AbstractContextManager["StagedExport"]):
     """The hidden folder an export is written into, and its publication as ``dest``.
 
     Use as a context manager: leaving it without :meth:`publish` (or by an exception) removes
@@ -53,15 +52,7 @@ class StagedExport:
         self._digests: dict[str, str] = {}
         self._published = False
 
-    def __enter__(self) -> StagedExport:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if not self._published:
             self._backend.remove_tree(self._work)
 

@@ -18,7 +18,6 @@ import struct
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -117,7 +116,7 @@ class _Pickler(pickle.Pickler):
         return obj.persistent if isinstance(obj, _Storage) else None
 
 
-class TorchFileWriter:
+class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
 
     Call order: construct (writes the pickle), :meth:`add` once per tensor in the order given,
@@ -148,15 +147,7 @@ class TorchFileWriter:
         for name, content in self._format.before:
             self._record(name, content)
 
-    def __enter__(self) -> TorchFileWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc is None:
             self.close()
             return

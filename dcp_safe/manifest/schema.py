@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
@@ -43,8 +43,6 @@ __all__ = [
 ]
 
 MANIFEST_VERSION = 1
-_RANK_FORMAT = "dcp_safe/rank-manifest"
-_MANIFEST_FORMAT = "dcp_safe/manifest"
 
 ItemKey = tuple[str, tuple[int, ...] | None]
 """How an item is looked up: DCP's ``MetadataIndex`` without its non-identifying hint."""
@@ -256,8 +254,30 @@ def _require_common(manifest: RankManifest | Manifest) -> None:
     require_int("version", manifest.version)
 
 
+class _Document:
+    """What both kinds of manifest share: canonical JSON out, strict JSON in."""
+
+    _FORMAT: ClassVar[str]
+    files: tuple[FileRecord, ...]
+    items: tuple[ItemRecord, ...]
+
+    def _head(self) -> dict[str, Any]:
+        """The top-level fields but the records."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._head(), **_record_dicts(self.files, self.items)}
+
+    def to_json(self) -> bytes:
+        return _dumps_with_records(self._head(), self.files, self.items)
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> Self:
+        return _build(cls, _loads(data, path, cls._FORMAT), path)
+
+
 @dataclass(frozen=True, kw_only=True)
-class RankManifest:
+class RankManifest(_Document):
     """What one rank wrote, written by that rank after its files are durable."""
 
     name: str
@@ -267,6 +287,7 @@ class RankManifest:
     files: tuple[FileRecord, ...]
     items: tuple[ItemRecord, ...]
     version: int = MANIFEST_VERSION
+    _FORMAT = "dcp_safe/rank-manifest"
 
     def __post_init__(self) -> None:
         _require_common(self)
@@ -274,7 +295,7 @@ class RankManifest:
 
     def _head(self) -> dict[str, Any]:
         return {
-            "format": _RANK_FORMAT,
+            "format": self._FORMAT,
             "version": self.version,
             "name": self.name,
             "save_id": self.save_id,
@@ -282,19 +303,9 @@ class RankManifest:
             "checksum_algorithm": self.checksum_algorithm,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**self._head(), **_record_dicts(self.files, self.items)}
-
-    def to_json(self) -> bytes:
-        return _dumps_with_records(self._head(), self.files, self.items)
-
-    @classmethod
-    def from_json(cls, data: bytes, path: str) -> RankManifest:
-        return _build(cls, _loads(data, path, _RANK_FORMAT), path)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Manifest:
+class Manifest(_Document):
     """The global manifest, written by the coordinator at publish."""
 
     name: str
@@ -316,6 +327,7 @@ class Manifest:
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
     _by_path: Mapping[str, FileRecord] = field(default_factory=dict, repr=False, compare=False)
+    _FORMAT = "dcp_safe/manifest"
 
     def __post_init__(self) -> None:
         _require_common(self)
@@ -348,7 +360,7 @@ class Manifest:
 
     def _head(self) -> dict[str, Any]:
         return {
-            "format": _MANIFEST_FORMAT,
+            "format": self._FORMAT,
             "version": self.version,
             "name": self.name,
             "save_id": self.save_id,
@@ -363,16 +375,6 @@ class Manifest:
             # Left out when absent: such a manifest is byte for byte what older versions wrote.
             **({} if self.dcp_metadata is None else {"dcp_metadata": self.dcp_metadata}),
         }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self._head(), **_record_dicts(self.files, self.items)}
-
-    def to_json(self) -> bytes:
-        return _dumps_with_records(self._head(), self.files, self.items)
-
-    @classmethod
-    def from_json(cls, data: bytes, path: str) -> Manifest:
-        return _build(cls, _loads(data, path, _MANIFEST_FORMAT), path)
 
 
 def manifest_digest(data: bytes) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,31 +42,24 @@ class StagedStateDict(dict[str, Any]):
     __slots__ = ("__weakref__",)
 
 
+@dataclass(eq=False)
 class InFlightGeneration:
     """One admitted save: its plan, lease, guard and staging span, until it is released.
 
     Not :class:`dcp_safe.staging.capacity.Generation`, the planner's byte sizes of one.
     """
 
-    def __init__(
-        self,
-        number: int,
-        lease: Lease,
-        span: SpanHandle,
-        guard: SnapshotGuard | None,
-        plan: StagingPlan,
-    ) -> None:
-        self.number = number
-        self.guard = guard
-        self.plan = plan
-        self.lease = lease
-        self.span = span  # the staging span: admission wait + copy
-        self.release_claimed = False
-        self.tracked = False
-        self.staged = threading.Event()
-        self.error: BaseException | None = None
-        # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
-        self.confirmed = True
+    number: int
+    lease: Lease
+    span: SpanHandle  # the staging span: admission wait + copy
+    guard: SnapshotGuard | None
+    plan: StagingPlan
+    release_claimed: bool = False
+    tracked: bool = False
+    staged: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
+    confirmed: bool = True
 
 
 def copy_sources(

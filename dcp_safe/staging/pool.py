@@ -130,15 +130,11 @@ class BufferRequest:
     token: int | None = None
 
 
+@dataclass(slots=True, eq=False)
 class _Bundle:
-    __slots__ = ("buffers", "storage_counts", "views")
-
-    def __init__(
-        self, buffers: list[torch.Tensor], views: list[torch.Tensor], storage_counts: list[int]
-    ) -> None:
-        self.buffers = buffers
-        self.views = views
-        self.storage_counts = storage_counts
+    buffers: list[torch.Tensor]
+    views: list[torch.Tensor]
+    storage_counts: list[int]
 
 
 class Lease:

@@ -1,10 +1,11 @@
 """Checkpoint telemetry: memory sampling, phase spans, JSON lines, Prometheus, a save report.
 
-Off by default: components hold :data:`~dcp_safe.telemetry.events.NULL_RECORDER` until given a
+Off by default: components hold :data:`~dcp_safe.observe.NULL_RECORDER` until given a
 :class:`Telemetry`. See ``docs/telemetry.md``.
 """
 
-from dcp_safe.telemetry.events import NULL_RECORDER, SCHEMA_VERSION, Event, EventKind, Phase
+from dcp_safe.observe import NULL_RECORDER, Phase
+from dcp_safe.telemetry.events import SCHEMA_VERSION, Event, EventKind
 from dcp_safe.telemetry.instrument import InstrumentedWriter
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler
 from dcp_safe.telemetry.prometheus import PrometheusSink

@@ -1,8 +1,8 @@
 """Telemetry events: the :class:`Event` record, one JSON line each (schema :data:`SCHEMA_VERSION`).
 
-The vocabulary the instrumented components use (phases, spans, the :class:`Recorder` protocol
+The vocabulary the instrumented components use (phases, spans, the recorder protocol
 and the null recorder) lives one layer down, in :mod:`dcp_safe.observe`, so those components
-never import telemetry; it is re-exported here for telemetry's own modules.
+never import telemetry.
 """
 
 from __future__ import annotations
@@ -12,28 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_safe.observe import (
-    NULL_RECORDER,
-    NullRecorder,
-    NullSpan,
-    Phase,
-    Recorder,
-    SpanHandle,
-    SpanOptions,
-)
-
-__all__ = [
-    "NULL_RECORDER",
-    "SCHEMA_VERSION",
-    "Event",
-    "EventKind",
-    "NullRecorder",
-    "NullSpan",
-    "Phase",
-    "Recorder",
-    "SpanHandle",
-    "SpanOptions",
-]
+__all__ = ["SCHEMA_VERSION", "Event", "EventKind"]
 
 SCHEMA_VERSION = 1
 

@@ -17,8 +17,9 @@ A wrapper, not hooks, so the writer stays free of telemetry and telemetry off wr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as Future_
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_safe.telemetry.events import Phase, SpanHandle
+from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.topology import Topology
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ class InstrumentedWriter(StorageWriter):
         self._coordinator = True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._end_stale("a new save started before this one finished")
+        # Still open: another rank failed, so DCP never called finish() here; close them.
+        self._fail_open("a new save started before this one finished")
         self._name = None if checkpoint_id is None else os.fspath(checkpoint_id)
         self._guard(lambda: self.inner.reset(checkpoint_id))
         if self._name is None:
@@ -74,15 +76,9 @@ class InstrumentedWriter(StorageWriter):
         if self._plan is not None:
             self._plan.end()
             self._plan = None
-        span = self.telemetry.begin(Phase.WRITE, save=self._name, parent=self._parent())
-        try:
-            with self.telemetry.profile(Phase.WRITE):
-                future: Future[list[WriteResult]] = self.inner.write_data(plan, planner)
-                results = future.wait()
-        except BaseException as exc:
-            span.fail(exc)
-            self._fail_root(exc)
-            raise
+        with self._phase(Phase.WRITE) as span:
+            future: Future[list[WriteResult]] = self.inner.write_data(plan, planner)
+            results = future.wait()
         span.end(bytes=sum(r.size_in_bytes for r in results), items=len(results))
         if not self._coordinator:
             self._end_root()  # finish() runs on the coordinator only
@@ -90,14 +86,8 @@ class InstrumentedWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         nbytes = sum(r.size_in_bytes for rank in results for r in rank)
-        span = self.telemetry.begin(Phase.COMMIT, save=self._name, parent=self._parent())
-        try:
-            with self.telemetry.profile(Phase.COMMIT):
-                self.inner.finish(metadata, results)
-        except BaseException as exc:
-            span.fail(exc)
-            self._fail_root(exc)
-            raise
+        with self._phase(Phase.COMMIT) as span:
+            self.inner.finish(metadata, results)
         span.end(bytes=nbytes)
         self._end_root()
         self._watch_replication()
@@ -124,19 +114,28 @@ class InstrumentedWriter(StorageWriter):
         # None: the recorder finds the root by name (or this thread's current span).
         return self._root
 
+    @contextmanager
+    def _phase(self, phase: Phase) -> Iterator[SpanHandle]:
+        """A span of ``phase`` over the block; an exception fails it and the root (re-raised)."""
+        span = self.telemetry.begin(phase, save=self._name, parent=self._parent())
+        try:
+            with self.telemetry.profile(phase):
+                yield span
+        except BaseException as exc:
+            span.fail(exc)
+            self._fail_root(exc)
+            raise
+
     def _guard(self, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except BaseException as exc:
-            if self._plan is not None:
-                self._plan.fail(exc)
-                self._plan = None
-            self._fail_root(exc)
+            self._fail_open(exc)
             raise
 
-    def _fail_root(self, exc: BaseException) -> None:
+    def _fail_root(self, error: BaseException | str) -> None:
         if self._root is not None:
-            self._root.fail(exc)
+            self._root.fail(error)
             self._root = None
 
     def _end_root(self) -> None:
@@ -144,14 +143,11 @@ class InstrumentedWriter(StorageWriter):
             self._root.end()
             self._root = None
 
-    def _end_stale(self, why: str) -> None:
-        # Another rank failed, so DCP never called finish() here: close what this wrapper opened.
+    def _fail_open(self, error: BaseException | str) -> None:
         if self._plan is not None:
-            self._plan.fail(why)
+            self._plan.fail(error)
             self._plan = None
-        if self._root is not None:
-            self._root.fail(why)
-            self._root = None
+        self._fail_root(error)
 
     def _watch_replication(self) -> None:
         name = self._name

@@ -11,16 +11,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from types import TracebackType
 
 from dcp_safe.errors import ConfigError
 from dcp_safe.periodic import Periodic
 from dcp_safe.telemetry.sources import ProcReader
 
-__all__ = ["MemorySample", "MemorySampler", "anchored_clock"]
+__all__ = ["MemorySample", "MemorySampler", "anchored_clock", "peak_of"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,11 @@ class MemorySample:
 
 
 FIELDS = tuple(f.name for f in fields(MemorySample) if f.name != "t")
+
+
+def peak_of(samples: Iterable[MemorySample], field: str) -> int | None:
+    """The largest ``field`` over ``samples`` (``None`` if never present)."""
+    return max((v for s in samples if (v := getattr(s, field)) is not None), default=None)
 
 
 class MemorySampler:
@@ -134,12 +138,7 @@ class MemorySampler:
     def __enter__(self) -> MemorySampler:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     # -- rate -----------------------------------------------------------------------------------
@@ -213,8 +212,7 @@ class MemorySampler:
         """
         if field not in FIELDS:
             raise ConfigError(f"unknown sample field {field!r}; one of {', '.join(FIELDS)}")
-        values = [v for s in self.samples() if (v := getattr(s, field)) is not None]
-        return max(values) if values else None
+        return peak_of(self.samples(), field)
 
     @property
     def count(self) -> int:

@@ -19,13 +19,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from types import TracebackType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
-from dcp_safe.observe import Instrumentable
-from dcp_safe.telemetry.events import Event, EventKind, Phase, SpanHandle, SpanOptions
+from dcp_safe.observe import Instrumentable, Phase, SpanHandle, SpanOptions
+from dcp_safe.telemetry.events import Event, EventKind
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
 from dcp_safe.telemetry.sinks import MemorySink, Sink
 
@@ -44,25 +44,19 @@ def _error_text(error: BaseException | str) -> str:
     return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
+@dataclass(slots=True, eq=False)
 class _Span:
     """An open span of :class:`Telemetry`; the first ``end``/``fail`` counts."""
 
-    __slots__ = ("_done", "_owner", "bytes", "id", "parent", "phase", "save", "step", "t0")
-
-    def __init__(
-        self,
-        owner: Telemetry,
-        span_id: int,
-        phase: Phase,
-        parent: _Span | None,
-        save: str | None,
-        step: int | None,
-        nbytes: int | None,
-        t0: float,
-    ) -> None:
-        self._owner, self.id, self.phase, self.parent = owner, span_id, phase, parent
-        self.save, self.step, self.bytes, self.t0 = save, step, nbytes, t0
-        self._done = False
+    _owner: Telemetry
+    id: int
+    phase: Phase
+    parent: _Span | None
+    save: str | None
+    step: int | None
+    bytes: int | None
+    t0: float
+    _done: bool = False
 
     def end(self, *, bytes: int | None = None, **attrs: Any) -> None:
         self._close(True, None, bytes, attrs)
@@ -80,7 +74,7 @@ class _Span:
         self._owner._closed(self, ok, error, self.bytes if nbytes is None else nbytes, attrs)
 
 
-class Telemetry:
+class Telemetry(AbstractContextManager["Telemetry"]):
     """Spans, marks, steps and memory samples of checkpointing, sent to ``sinks``.
 
     Args:
@@ -151,18 +145,15 @@ class Telemetry:
         span = _Span(self, next(self._ids), phase, up, save, step, bytes, self.clock())
         if phase is Phase.SAVE and save is not None:
             self._open_root(span)
-        self._emit(
-            Event(
-                kind=EventKind.SPAN_START,
-                name=phase.value,
-                t=span.t0,
-                rank=self.rank,
-                span=span.id,
-                parent=None if up is None else up.id,
-                save=save,
-                step=step,
-                bytes=bytes,
-            )
+        self._record(
+            EventKind.SPAN_START,
+            phase.value,
+            span.t0,
+            span=span.id,
+            parent=None if up is None else up.id,
+            save=save,
+            step=step,
+            bytes=bytes,
         )
         return span
 
@@ -205,18 +196,7 @@ class Telemetry:
         self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any
     ) -> None:
         """A point event: ``skipped``, ``fallback``, ``retry`` (counted by the Prometheus sink)."""
-        t = self.clock()
-        self._emit(
-            Event(
-                kind=EventKind.MARK,
-                name=name,
-                t=t,
-                rank=self.rank,
-                save=save,
-                step=step,
-                attrs=attrs,
-            )
-        )
+        self._record(EventKind.MARK, name, self.clock(), save=save, step=step, attrs=attrs)
 
     def step(self, step: int | None = None) -> float | None:
         """Report that a training step ended; returns the seconds since the previous call."""
@@ -227,16 +207,7 @@ class Telemetry:
             return None
         duration = now - last
         self.step_times_s.append(duration)
-        self._emit(
-            Event(
-                kind=EventKind.STEP,
-                name="step",
-                t=now,
-                rank=self.rank,
-                step=step,
-                duration_s=duration,
-            )
-        )
+        self._record(EventKind.STEP, "step", now, step=step, duration_s=duration)
         return duration
 
     def saves_in_flight(self) -> int:
@@ -287,15 +258,7 @@ class Telemetry:
         for sink in self.sinks:
             sink.close()
 
-    def __enter__(self) -> Telemetry:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
@@ -331,25 +294,23 @@ class Telemetry:
                     del self._roots[span.save or ""]
             if self.sampler is not None and self._owns_sampler:
                 self.sampler.mark_idle()
-        self._emit(
-            Event(
-                kind=EventKind.SPAN_END,
-                name=span.phase.value,
-                t=t,
-                rank=self.rank,
-                span=span.id,
-                parent=None if span.parent is None else span.parent.id,
-                save=span.save,
-                step=span.step,
-                bytes=nbytes,
-                duration_s=t - span.t0,
-                ok=ok,
-                error=error,
-                attrs=attrs,
-            )
+        self._record(
+            EventKind.SPAN_END,
+            span.phase.value,
+            t,
+            span=span.id,
+            parent=None if span.parent is None else span.parent.id,
+            save=span.save,
+            step=span.step,
+            bytes=nbytes,
+            duration_s=t - span.t0,
+            ok=ok,
+            error=error,
+            attrs=attrs,
         )
 
-    def _emit(self, event: Event) -> None:
+    def _record(self, kind: EventKind, name: str, t: float, **fields: Any) -> None:
+        event = Event(kind=kind, name=name, t=t, rank=self.rank, **fields)
         for sink in self.sinks:
             try:
                 sink.emit(event)

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_safe.telemetry.events import Event, EventKind, Phase
-from dcp_safe.telemetry.memory import MemorySample
+from dcp_safe.observe import Phase
+from dcp_safe.telemetry.events import Event, EventKind
+from dcp_safe.telemetry.memory import MemorySample, peak_of
 
 __all__ = ["BAND_S", "SaveSummary", "TelemetryReport", "build_report", "percentile"]
 
@@ -137,8 +138,8 @@ def build_report(events: Sequence[Event], samples: Sequence[MemorySample]) -> Te
         step_p99_s=percentile(steps, 99),
         completion_p50_s=percentile(completions, 50),
         completion_p99_s=percentile(completions, 99),
-        peak_rss_bytes=_peak(samples, "rss_bytes"),
-        peak_cgroup_bytes=_peak(samples, "cgroup_current_bytes"),
+        peak_rss_bytes=peak_of(samples, "rss_bytes"),
+        peak_cgroup_bytes=peak_of(samples, "cgroup_current_bytes"),
         skipped=marks.count("skipped"),
         fallbacks=marks.count("fallback"),
         retries=marks.count("retry"),
@@ -172,16 +173,11 @@ def _summarize(root: Event, ends: Sequence[Event], samples: Sequence[MemorySampl
     )
 
 
-def _peak(samples: Sequence[MemorySample], name: str) -> int | None:
-    values = [v for s in samples if (v := getattr(s, name)) is not None]
-    return max(values) if values else None
-
-
 def _over_band(samples: Sequence[MemorySample], start: float, end: float) -> int | None:
     before = [s for s in samples if s.t < start]
     band = [s for s in before if s.t >= start - BAND_S] or before[-1:]
     during = [s for s in samples if start <= s.t <= end]
-    base, peak = _peak(band, "rss_bytes"), _peak(during, "rss_bytes")
+    base, peak = peak_of(band, "rss_bytes"), peak_of(during, "rss_bytes")
     if base is None or peak is None:
         return None
     return max(0, peak - base)
