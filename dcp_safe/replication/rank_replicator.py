@@ -108,7 +108,7 @@ class RankReplicator(Replicator):
             work = remote_work_dir(self.remote, name, save.save_id)
             report_rank_skipped(self.remote, work, save.rank, save.save_id, superseded_by)
 
-    def _replicate(self, name: str) -> Manifest:
+    def _run_job(self, name: str) -> Manifest:
         with self._cond:
             save = self._saves[name]
         work = remote_work_dir(self.remote, name, save.save_id)

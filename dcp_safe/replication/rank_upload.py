@@ -31,7 +31,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import FileCheck, items_by_file
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_retrying, make_folders
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_verified, make_folders
 
 __all__ = [
     "FAILED_PREFIX",
@@ -123,7 +123,7 @@ def upload_rank_part(
     for record in manifest.files:
         before_each()
         uploaded.append(f"{work}/{record.path}")
-        copy_file_retrying(
+        copy_file_verified(
             local,
             f"{local_dir}/{record.path}",
             remote,
