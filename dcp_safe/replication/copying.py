@@ -152,11 +152,6 @@ class CheckpointCopy:
         self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
         self.records = {f.path: f for f in manifest.files}
 
-    @property
-    def max_buffer_bytes(self) -> int | None:
-        """:func:`copy_buffer_bytes` for this copy (None: the remote's buffering is unknown)."""
-        return copy_buffer_bytes(self.remote, self.chunk_bytes)
-
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""
         self.copy_files(dest, self.manifest.files)

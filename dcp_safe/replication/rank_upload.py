@@ -11,6 +11,7 @@ import json
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -46,6 +47,8 @@ __all__ = [
     "upload_rank_part",
 ]
 
+T = TypeVar("T")
+
 #: kept for callers that spell the commit-failure marker from its prefix (layout's constant).
 FAILED_PREFIX = layout.COMMIT_FAILED_PREFIX
 
@@ -71,6 +74,12 @@ class UploadOptions:
                 "remote_timeout_s, poll_s and chunk_bytes must be positive, got "
                 f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
             )
+
+    def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
+        """:func:`~dcp_safe.checkpoints.watch.poll_until` every ``poll_s``, for ``deadlines``
+        times ``remote_timeout_s``."""
+        timeout_s = deadlines * self.remote_timeout_s
+        return poll_until(check, timeout_s=timeout_s, poll_s=self.poll_s, waiting_for=waiting_for)
 
 
 def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
@@ -245,12 +254,7 @@ def await_arrivals(
         return True if manifests.keys() <= present else None
 
     try:
-        poll_until(
-            arrived,
-            timeout_s=options.remote_timeout_s,
-            poll_s=options.poll_s,
-            waiting_for=f"every rank's manifest under {remote.full_path(work)}",
-        )
+        options.poll(arrived, f"every rank's manifest under {remote.full_path(work)}")
     except ReplicationTimeoutError as exc:
         # Name the stalled ranks: rank 0 only reports them (its peers read this in the failure
         # marker), and blaming rank 0 would send whoever reads it to the wrong machine.
@@ -308,12 +312,8 @@ def await_remote_commit(
         return None
 
     try:
-        return poll_until(
-            committed,
-            timeout_s=2 * options.remote_timeout_s,
-            poll_s=options.poll_s,
-            waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
-        )
+        waiting_for = f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}"
+        return options.poll(committed, waiting_for, deadlines=2)
     except ReplicationTimeoutError as exc:
         if unavailable:
             raise exc from unavailable[0]  # the last storage error says why nothing was seen
