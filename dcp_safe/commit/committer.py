@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -27,7 +26,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
-from dcp_safe.commit.fencing import Attempt
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import RankReport
 from dcp_safe.commit.results import (
@@ -89,15 +87,6 @@ class CommitOptions(Protocol):
     def signing_key(self) -> bytes | None: ...
 
 
-@dataclass(frozen=True)
-class _Sealed:
-    """What verification produced: the manifest, the marker and the control files to write."""
-
-    manifest: Manifest
-    marker: bytes
-    control_files: dict[str, bytes]
-
-
 class Committer:
     """Publishes one save. Stateless between calls; one instance per publish is fine.
 
@@ -111,9 +100,11 @@ class Committer:
     def __init__(
         self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
     ) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int):
-            raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
-        if not 1 <= workers <= MAX_COMMIT_WORKERS:
+        if (
+            isinstance(workers, bool)
+            or not isinstance(workers, int)
+            or not 1 <= workers <= MAX_COMMIT_WORKERS
+        ):
             raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
         self.backend = backend
         self.options = options
@@ -137,46 +128,35 @@ class Committer:
             CheckpointExistsError: ``name`` was committed by someone else meanwhile.
             StorageError: an I/O step failed; nothing is published.
         """
-        name = publication.name
         try:
             publication.check()  # before reading anything: the name may have been taken over
-            sealed = self._seal(
-                name,
-                publication.save_id,
-                publication.work_dir,
-                world_size,
-                step,
-                metadata,
-                results,
-                publication.claimant.attempt,
-            )
+            manifest, marker, control = self._seal(publication, world_size, step, metadata, results)
             try:
                 publication.publish(
-                    sealed.marker,
-                    files=sealed.control_files,
+                    marker,
+                    files=control,
                     sync_dirs=(layout.RANKS_DIR,),
                     replace=self.options.overwrite,
                 )
             except FileExistsError as exc:
-                raise self._taken(name) from exc
+                raise self._taken(publication.name) from exc
         except BaseException as exc:
             publication.discard(exc)
             raise
-        return sealed.manifest
+        return manifest
 
     # ----------------------------------------------------------------- verification
 
     def _seal(
         self,
-        name: str,
-        save_id: str,
-        work_dir: str,
+        publication: Publication,
         world_size: int,
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
-        attempt: Attempt | None,
-    ) -> _Sealed:
+    ) -> tuple[Manifest, bytes, dict[str, bytes]]:
+        """The manifest, the marker and the control files to write, once verified."""
+        name, save_id, attempt = publication.name, publication.save_id, publication.claimant.attempt
         per_rank, reports = records_by_rank(results)
         if len(per_rank) != world_size:
             raise CommitError(
@@ -184,7 +164,7 @@ class Committer:
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
         check_every_item_written(metadata, per_rank)
-        rank_files = self._check_ranks(work_dir, name, save_id, per_rank, reports)
+        rank_files = self._check_ranks(publication.work_dir, name, save_id, per_rank, reports)
         metadata_bytes = dcp_metadata(metadata, name, save_id, results)
         plain = plain_dcp_metadata(metadata, name)
         algorithm = self.options.checksum
@@ -219,7 +199,7 @@ class Committer:
             # Before the marker, like every file of the checkpoint: a committed signed
             # checkpoint always has its signature.
             control[layout.SIGNATURE] = sign_digest(self.options.signing_key, digest)
-        return _Sealed(manifest, digest.encode(), control)
+        return manifest, digest.encode(), control
 
     def _check_ranks(
         self,
@@ -292,8 +272,15 @@ class Committer:
         if self.workers == 1:
             yield None
             return
-        with _bounded_pool(self.workers) as pool:
+        # On an error, the calls not yet started are cancelled and the running ones waited for,
+        # so that no call touches storage after we return.
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="dcp_safe-commit")
+        try:
             yield pool
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
 
     def _read_then_check(
         self,
@@ -458,16 +445,3 @@ def _split(tasks: Sequence[T], parts: int) -> list[Sequence[T]]:
     count = min(parts, len(tasks))
     bounds = [len(tasks) * i // count for i in range(count + 1)] if count else [0]
     return [tasks[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-@contextlib.contextmanager
-def _bounded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
-    """A pool of at most ``workers`` threads. On an error, the calls not yet started are
-    cancelled and the running ones waited for, so no call touches storage after we return."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp_safe-commit")
-    try:
-        yield pool
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)

@@ -18,6 +18,8 @@ from dcp_safe.commit.takeover import (
     abandoned_among,
     clear_leftovers,
     held_error,
+    lease_acquired_at,
+    lease_files,
     read_holder,
     take_over_exclusive,
     takeover_candidates,
@@ -71,18 +73,24 @@ def acquire_lease(
         _acquire_per_save(backend, name, save_id, claimant)
 
 
-def _acquire_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> None:
+def _acquire_exclusive(
+    backend: Backend, name: str, save_id: str, claimant: Claimant, *, join: bool = False
+) -> bool:
+    """True: joined (with ``join``) the lease save ``save_id`` already holds."""
     lease = _lease_path(name)
     for _ in range(_CREATE_TRIES):
         try:
             backend.write_bytes(lease, claimant.body(save_id), exclusive=True)
         except FileExistsError:
+            if join and _holder(backend, name) == save_id:
+                _refuse_if_committed(backend, name)  # never withdraws: the co-holder's
+                return True
             if take_over_exclusive(backend, name, save_id, claimant):
                 _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
-                return
+                return False
             continue  # the holder let go as we looked: create it again
         _refuse_if_committed(backend, name, withdraw=lease)
-        return
+        return False
     raise held_error(backend, name, [_holder(backend, name)])
 
 
@@ -167,21 +175,7 @@ def join_or_acquire_lease(
     """
     _refuse_if_committed(backend, name)
     if backend.supports_exclusive_create:
-        lease = _lease_path(name)
-        for _ in range(_CREATE_TRIES):
-            try:
-                backend.write_bytes(lease, claimant.body(save_id), exclusive=True)
-            except FileExistsError:
-                if _holder(backend, name) == save_id:
-                    _refuse_if_committed(backend, name)  # never withdraws: the co-holder's
-                    return True
-                if not take_over_exclusive(backend, name, save_id, claimant):
-                    continue
-                _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
-                return False
-            _refuse_if_committed(backend, name, withdraw=lease)
-            return False
-        raise held_error(backend, name, [_holder(backend, name)])
+        return _acquire_exclusive(backend, name, save_id, claimant, join=True)
     own = layout.lease_file_name(save_id)
     present = set(lease_files(backend, name))
     if own not in present:
@@ -235,22 +229,6 @@ def own_lease_file(backend: Backend, save_id: str) -> str:
     """The name of the lease save ``save_id`` writes under a checkpoint's folder on
     ``backend``: the one ``_WRITING``, or its own per-save lease."""
     return layout.lease_file_name(None if backend.supports_exclusive_create else save_id)
-
-
-def lease_files(backend: Backend, name: str) -> list[str]:
-    """The leases (of either kind) under ``<name>/``, as names."""
-    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
-
-
-def lease_acquired_at(backend: Backend, name: str) -> float | None:
-    """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
-    no lease, or none readable). The sweeper prefers the storage's own modification times."""
-    stamps = [
-        stamp
-        for entry in lease_files(backend, name)
-        if (stamp := _acquired_at(backend, f"{name}/{entry}")) is not None
-    ]
-    return max(stamps) if stamps else None
 
 
 def _refuse_if_committed(backend: Backend, name: str, *, withdraw: str | None = None) -> None:

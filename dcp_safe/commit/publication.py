@@ -9,6 +9,7 @@ import abc
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dcp_safe import layout
@@ -32,6 +33,7 @@ __all__ = ["LeasedPublication", "Publication", "RenamedPublication"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Publication(abc.ABC):
     """Save ``save_id`` of checkpoint ``name`` on ``backend``, made by the root's strategy.
 
@@ -39,18 +41,16 @@ class Publication(abc.ABC):
     publishes; every rank checks before it writes and abandons what it wrote when it fails.
     """
 
-    def __init__(
-        self,
-        strategy: PublishStrategy,
-        backend: Backend,
-        name: str,
-        save_id: str,
-        claimant: Claimant,
-    ) -> None:
-        self.strategy, self.backend, self.claimant = strategy, backend, claimant
-        self.name, self.save_id = name, save_id
-        #: where the save's files are written before it is published
-        self.work_dir = strategy.work_dir(name, save_id)
+    strategy: PublishStrategy
+    backend: Backend
+    name: str
+    save_id: str
+    claimant: Claimant
+
+    @property
+    def work_dir(self) -> str:
+        """Where the save's files are written before it is published."""
+        return self.strategy.work_dir(self.name, self.save_id)
 
     def claim(self, *, replace: bool = False) -> None:
         """Fence the save's attempt, then take the name for it before a byte is written.

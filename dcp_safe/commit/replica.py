@@ -10,6 +10,7 @@ import abc
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dcp_safe import layout
@@ -80,6 +81,7 @@ def remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
             remote.remove_tree(name)  # empty directories, where the backend has them
 
 
+@dataclass(eq=False)
 class ReplicaPublication(abc.ABC):
     """The replica of checkpoint ``name`` (``manifest``, whose digest is ``digest``) on
     ``remote``, written under ``work_dir``.
@@ -90,18 +92,20 @@ class ReplicaPublication(abc.ABC):
     :meth:`remove_part` (another rank).
     """
 
-    def __init__(
-        self,
-        strategy: PublishStrategy,
-        remote: Backend,
-        manifest: Manifest,
-        digest: str,
-        work_dir: str,
-        claimant: Claimant,
-    ) -> None:
-        self.strategy, self.remote, self.manifest = strategy, remote, manifest
-        self.name, self.save_id, self.digest = manifest.name, manifest.save_id, digest
-        self.work_dir, self.claimant = work_dir, claimant
+    strategy: PublishStrategy
+    remote: Backend
+    manifest: Manifest
+    digest: str
+    work_dir: str
+    claimant: Claimant
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def save_id(self) -> str:
+        return self.manifest.save_id
 
     def claim(self) -> bool:
         """Take the name for this replica. False: committed with this digest meanwhile.
@@ -193,24 +197,17 @@ class LeasedReplica(ReplicaPublication):
     """Objects written straight under ``<name>/`` behind a writing lease of the checkpoint's
     own save id, taken or joined; the marker publishes."""
 
-    def __init__(
-        self,
-        strategy: PublishStrategy,
-        remote: Backend,
-        manifest: Manifest,
-        digest: str,
-        work_dir: str,
-        claimant: Claimant,
-    ) -> None:
-        super().__init__(strategy, remote, manifest, digest, work_dir, claimant)
+    #: whether :meth:`claim` joined a lease already there (then it is not this replica's)
+    joined = False
+
+    def __post_init__(self) -> None:
         try:
             layout.lease_file_name(self.save_id)
         except ValueError as exc:
             raise CheckpointCorruptError(
-                remote.full_path(self.name),
+                self.remote.full_path(self.name),
                 f"its manifest's save id {self.save_id!r} cannot name a writing lease: {exc}",
             ) from None
-        self.joined = False
 
     def claim(self) -> bool:
         try:

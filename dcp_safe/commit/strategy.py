@@ -47,18 +47,20 @@ class PublishStrategy(abc.ABC):
     in_place: bool
     #: a committed checkpoint can be replaced atomically (``overwrite=True``).
     can_replace: bool
+    #: what :meth:`publication` and :meth:`replica` make on this kind of root.
+    _publication: type[Publication]
+    _replica: type[ReplicaPublication]
 
     def work_dir(self, name: str, save_id: str) -> str:
         """Where save ``save_id`` of ``name`` writes before it is published."""
         return name if self.in_place else layout.partial_dir_name(name, save_id)
 
-    @abc.abstractmethod
     def publication(
         self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
     ) -> Publication:
         """The publication of save ``save_id`` of ``name`` on ``backend`` (one per save)."""
+        return self._publication(self, backend, name, save_id, claimant)
 
-    @abc.abstractmethod
     def replica(
         self,
         backend: Backend,
@@ -69,6 +71,7 @@ class PublishStrategy(abc.ABC):
     ) -> ReplicaPublication:
         """The publication on ``backend`` of a replica of a checkpoint committed elsewhere
         (``manifest``, whose digest is ``digest``), written under ``work_dir``."""
+        return self._replica(self, backend, manifest, digest, work_dir, claimant)
 
     def require_rename(self, why: str) -> None:
         """Refuse a root that cannot rename atomically where a caller needs one.
@@ -84,7 +87,6 @@ class PublishStrategy(abc.ABC):
         """Collect what this root's failed saves leave: hidden partial folders on a renaming
         root, leased prefixes on an object store."""
 
-    @abc.abstractmethod
     def publish(
         self,
         backend: Backend,
@@ -111,6 +113,23 @@ class PublishStrategy(abc.ABC):
         Raises:
             FileExistsError: ``name`` is committed already (and not being replaced).
         """
+        if replace and not self.can_replace:
+            raise ValueError("a marker-published root cannot replace a committed checkpoint")
+        calls = [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
+        if not self.in_place:  # the marker goes in the partial folder; the rename publishes it
+            marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
+            calls.append(lambda: backend.write_bytes(marker_path, marker, exclusive=True))
+        _all_at_once(calls + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs])
+        backend.sync_dir(work_dir)  # after every entry in it was created
+        before_commit()
+        self._commit(backend, work_dir, name, marker, replace)
+
+    @abc.abstractmethod
+    def _commit(
+        self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
+    ) -> None:
+        """The commit point (the rename, or the marker): make the durable ``work_dir``
+        checkpoint ``name``."""
 
     @abc.abstractmethod
     def retire(self, backend: Backend, name: str) -> None:
@@ -123,44 +142,15 @@ class RenameStrategy(PublishStrategy):
     in_place = False
     can_replace = True
 
-    def publication(
-        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-    ) -> Publication:
-        return RenamedPublication(self, backend, name, save_id, claimant)
-
-    def replica(
-        self,
-        backend: Backend,
-        manifest: Manifest,
-        digest: str,
-        work_dir: str,
-        claimant: Claimant = _UNFENCED,
-    ) -> ReplicaPublication:
-        return RenamedReplica(self, backend, manifest, digest, work_dir, claimant)
+    _publication = RenamedPublication
+    _replica = RenamedReplica
 
     def sweep(self, leftovers: Leftovers[T]) -> T:
         return leftovers.partial_folders()
 
-    def publish(
-        self,
-        backend: Backend,
-        work_dir: str,
-        name: str,
-        marker: bytes,
-        *,
-        files: Mapping[str, bytes] = _NO_FILES,
-        sync_dirs: Sequence[str] = (),
-        replace: bool = False,
-        before_commit: Callable[[], None] = lambda: None,
+    def _commit(
+        self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
     ) -> None:
-        marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
-        _all_at_once(
-            [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
-            + [lambda: backend.write_bytes(marker_path, marker, exclusive=True)]
-            + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs]
-        )
-        backend.sync_dir(work_dir)  # after every entry in it was created
-        before_commit()  # the commit point is the rename
         parked = backend.publish_dir(work_dir, name, replace=replace)
         backend.sync_dir("")
         if parked is not None:
@@ -180,44 +170,15 @@ class MarkerStrategy(PublishStrategy):
     in_place = True
     can_replace = False
 
-    def publication(
-        self, backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-    ) -> Publication:
-        return LeasedPublication(self, backend, name, save_id, claimant)
-
-    def replica(
-        self,
-        backend: Backend,
-        manifest: Manifest,
-        digest: str,
-        work_dir: str,
-        claimant: Claimant = _UNFENCED,
-    ) -> ReplicaPublication:
-        return LeasedReplica(self, backend, manifest, digest, work_dir, claimant)
+    _publication = LeasedPublication
+    _replica = LeasedReplica
 
     def sweep(self, leftovers: Leftovers[T]) -> T:
         return leftovers.leased_prefixes()
 
-    def publish(
-        self,
-        backend: Backend,
-        work_dir: str,
-        name: str,
-        marker: bytes,
-        *,
-        files: Mapping[str, bytes] = _NO_FILES,
-        sync_dirs: Sequence[str] = (),
-        replace: bool = False,
-        before_commit: Callable[[], None] = lambda: None,
+    def _commit(
+        self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
     ) -> None:
-        if replace:
-            raise ValueError("a marker-published root cannot replace a committed checkpoint")
-        _all_at_once(
-            [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
-            + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs]
-        )
-        backend.sync_dir(work_dir)
-        before_commit()  # the commit point is the marker
         backend.write_bytes(f"{name}/{layout.COMMITTED_MARKER}", marker, exclusive=True)
         backend.sync_dir(name)
 

@@ -31,6 +31,8 @@ __all__ = [
     "clear_leftovers",
     "held_error",
     "last_change",
+    "lease_acquired_at",
+    "lease_files",
     "read_holder",
     "take_over_exclusive",
     "takeover_candidates",
@@ -163,14 +165,25 @@ def last_change(backend: Backend, name: str, now: float) -> float | None:
     changed = backend.modified_at(name)
     if changed is not None:
         return changed
+    newest = lease_acquired_at(backend, name)
+    return newest if newest is not None and newest <= now else None
+
+
+def lease_acquired_at(backend: Backend, name: str) -> float | None:
+    """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
+    no lease, or none readable). The sweeper prefers the storage's own modification times."""
     stamps = [
         holder.acquired_at
-        for entry in _lease_entries(backend, name)
+        for entry in lease_files(backend, name)
         if (holder := read_holder(backend, f"{name}/{entry}")) is not None
         and holder.acquired_at is not None
     ]
-    newest = max(stamps, default=None)
-    return newest if newest is not None and newest <= now else None
+    return max(stamps, default=None)
+
+
+def lease_files(backend: Backend, name: str) -> list[str]:
+    """The leases (of either kind) under ``<name>/``, as names."""
+    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
 def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> bool:
@@ -208,7 +221,7 @@ def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> froz
     lease per save, those left out of the contention round."""
     if claimant.attempt is None:
         return frozenset()  # it judges only a lease in its way (abandoned_among): no listing
-    entries = _lease_entries(backend, name)
+    entries = lease_files(backend, name)
     idle = _idle(backend, name)
     return frozenset(
         entry
@@ -292,10 +305,6 @@ def _idle(backend: Backend, name: str) -> Callable[[], float | None]:
         return None if changed is None else now - changed
 
     return idle_s
-
-
-def _lease_entries(backend: Backend, name: str) -> list[str]:
-    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
 def _str_or_none(value: object) -> str | None:

@@ -28,7 +28,6 @@ __all__ = [
     "CheckpointCopy",
     "check_remote_size",
     "copy_buffer_bytes",
-    "copy_file_retrying",
     "copy_file_verified",
     "make_folders",
 ]
@@ -43,15 +42,25 @@ def copy_file_verified(
     items: Sequence[ItemRecord],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    retry: RetryPolicy | None = None,
 ) -> None:
     """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking the whole-file checksum (small
     files) or each item's (shard files: ``items`` tile the file) from the bytes in flight.
+
+    Args:
+        retry: how the copy is started over whole after a transient failure (None: once).
 
     Raises:
         CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
             (``dst`` may then hold a partial copy; it is the caller's to remove).
         StorageError: reading or writing failed.
     """
+    if retry is not None:
+        copy = functools.partial(
+            copy_file_verified, source, src, dest, dst, record, items, chunk_bytes=chunk_bytes
+        )
+        call_with_retries("upload", dest.full_path(dst), copy, retry)
+        return
     path = source.full_path(src)
     check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
     try:
@@ -77,28 +86,6 @@ def copy_file_verified(
             writer.write(data)
             remaining -= len(data)
         check.finish()
-
-
-def copy_file_retrying(
-    source: Backend,
-    src: str,
-    dest: Backend,
-    dst: str,
-    record: FileRecord,
-    items: Sequence[ItemRecord],
-    *,
-    chunk_bytes: int,
-    retry: RetryPolicy | None,
-) -> None:
-    """:func:`copy_file_verified`, started over whole after a transient failure.
-    ``retry=None`` tries once."""
-    copy = functools.partial(
-        copy_file_verified, source, src, dest, dst, record, items, chunk_bytes=chunk_bytes
-    )
-    if retry is None:
-        copy()
-    else:
-        call_with_retries("upload", dest.full_path(dst), copy, retry)
 
 
 def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
@@ -165,11 +152,6 @@ class CheckpointCopy:
         self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
         self.records = {f.path: f for f in manifest.files}
 
-    @property
-    def max_buffer_bytes(self) -> int | None:
-        """:func:`copy_buffer_bytes` for this copy (None: the remote's buffering is unknown)."""
-        return copy_buffer_bytes(self.remote, self.chunk_bytes)
-
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""
         self.copy_files(dest, self.manifest.files)
@@ -183,7 +165,7 @@ class CheckpointCopy:
             self.before_each()
             dst = f"{dest}/{record.path}"
             self.uploaded.append(dst)
-            copy_file_retrying(
+            copy_file_verified(
                 self.local,
                 f"{self.name}/{record.path}",
                 self.remote,

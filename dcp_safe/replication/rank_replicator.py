@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.checkpoints.watch import poll_until
 from dcp_safe.commit.replica import ReplicaPublication, committed_with
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import Claimant
@@ -108,7 +107,7 @@ class RankReplicator(Replicator):
             work = remote_work_dir(self.remote, name, save.save_id)
             report_rank_skipped(self.remote, work, save.rank, save.save_id, superseded_by)
 
-    def _replicate(self, name: str) -> Manifest:
+    def _run_job(self, name: str) -> Manifest:
         with self._cond:
             save = self._saves[name]
         work = remote_work_dir(self.remote, name, save.save_id)
@@ -176,12 +175,7 @@ class RankReplicator(Replicator):
                 raise_reported_failures(self.remote, work, save.save_id, name)
             return state
 
-        return poll_until(
-            held,
-            timeout_s=self.options.remote_timeout_s,
-            poll_s=self.options.poll_s,
-            waiting_for=f"rank 0's writing lease on {self.remote.full_path(name)}",
-        )
+        return self.options.poll(held, f"rank 0's writing lease on {self.remote.full_path(name)}")
 
     def _remove_part(
         self, replica: ReplicaPublication, save: RankSave, copy: CheckpointCopy
@@ -207,11 +201,8 @@ class RankReplicator(Replicator):
                 raise CommitError(f"save {save.save_id} of {name} was not committed locally")
             return None
 
-        return poll_until(
-            committed,
-            timeout_s=self.options.remote_timeout_s,
-            poll_s=self.options.poll_s,
-            waiting_for=f"{self.local.full_path(name)}/{layout.COMMITTED_MARKER}",
+        return self.options.poll(
+            committed, f"{self.local.full_path(name)}/{layout.COMMITTED_MARKER}"
         )
 
     def _commit(

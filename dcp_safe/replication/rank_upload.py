@@ -11,6 +11,7 @@ import json
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -31,7 +32,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import FileCheck, items_by_file
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_retrying, make_folders
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_verified, make_folders
 
 __all__ = [
     "FAILED_PREFIX",
@@ -45,6 +46,8 @@ __all__ = [
     "report_rank_skipped",
     "upload_rank_part",
 ]
+
+T = TypeVar("T")
 
 #: kept for callers that spell the commit-failure marker from its prefix (layout's constant).
 FAILED_PREFIX = layout.COMMIT_FAILED_PREFIX
@@ -71,6 +74,12 @@ class UploadOptions:
                 "remote_timeout_s, poll_s and chunk_bytes must be positive, got "
                 f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
             )
+
+    def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
+        """:func:`~dcp_safe.checkpoints.watch.poll_until` every ``poll_s``, for ``deadlines``
+        times ``remote_timeout_s``."""
+        timeout_s = deadlines * self.remote_timeout_s
+        return poll_until(check, timeout_s=timeout_s, poll_s=self.poll_s, waiting_for=waiting_for)
 
 
 def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
@@ -123,7 +132,7 @@ def upload_rank_part(
     for record in manifest.files:
         before_each()
         uploaded.append(f"{work}/{record.path}")
-        copy_file_retrying(
+        copy_file_verified(
             local,
             f"{local_dir}/{record.path}",
             remote,
@@ -245,12 +254,7 @@ def await_arrivals(
         return True if manifests.keys() <= present else None
 
     try:
-        poll_until(
-            arrived,
-            timeout_s=options.remote_timeout_s,
-            poll_s=options.poll_s,
-            waiting_for=f"every rank's manifest under {remote.full_path(work)}",
-        )
+        options.poll(arrived, f"every rank's manifest under {remote.full_path(work)}")
     except ReplicationTimeoutError as exc:
         # Name the stalled ranks: rank 0 only reports them (its peers read this in the failure
         # marker), and blaming rank 0 would send whoever reads it to the wrong machine.
@@ -308,12 +312,8 @@ def await_remote_commit(
         return None
 
     try:
-        return poll_until(
-            committed,
-            timeout_s=2 * options.remote_timeout_s,
-            poll_s=options.poll_s,
-            waiting_for=f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}",
-        )
+        waiting_for = f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}"
+        return options.poll(committed, waiting_for, deadlines=2)
     except ReplicationTimeoutError as exc:
         if unavailable:
             raise exc from unavailable[0]  # the last storage error says why nothing was seen

@@ -126,9 +126,6 @@ class Replicator(SingleFlight):
         return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def _run_job(self, name: str) -> Manifest:
-        return self._replicate(name)
-
-    def _replicate(self, name: str) -> Manifest:
         """One replication, on the worker thread (a subclass may do it its own way)."""
         return replicate_checkpoint(
             self.local, self.remote, name, chunk_bytes=self.chunk_bytes, claimant=self.claimant

@@ -16,9 +16,7 @@ Not picklable (a lock and a thread): an owner drops it in ``__getstate__``.
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import NoReturn
@@ -69,7 +67,6 @@ class SingleFlight:
         self.skipped: list[str] = []
         self._cond = threading.Condition()
         self._futures: dict[str, _TrackedFuture] = {}
-        self._jobs: dict[str, Callable[[], Manifest]] = {}
         self._unseen: _TrackedFuture | None = None  # the first failure nobody retrieved
         self._pending: str | None = None
         self._running: str | None = None
@@ -77,8 +74,8 @@ class SingleFlight:
         self._last_thread: threading.Thread | None = None
         self._closed = False
 
-    def submit(self, name: str, job: Callable[[], Manifest] | None = None) -> Future[Manifest]:
-        """Schedule ``job`` (default: this worker's own job for ``name``, :meth:`_run_job`).
+    def submit(self, name: str) -> Future[Manifest]:
+        """Schedule this worker's job for ``name`` (:meth:`_run_job`).
 
         Returns:
             Its future: the job's manifest, or its error. A name already pending or running
@@ -103,8 +100,6 @@ class SingleFlight:
             self._pending = name
             self._futures.pop(name, None)
             self._futures[name] = future
-            if job is not None:
-                self._jobs[name] = job
             self._forget_old()
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -160,15 +155,6 @@ class SingleFlight:
         if unseen is not None and not unseen.retrieved:
             unseen.result()  # raises the original exception and marks it retrieved
 
-    def raise_first_failure(self) -> None:
-        """Raise the error of the oldest kept job that failed, retrieved or not (for an owner
-        whose ``close`` reports every failure, not only the unseen ones)."""
-        with self._cond:
-            futures = list(self._futures.values())
-        for future in futures:
-            if future.done() and not future.cancelled():
-                future.result()
-
     def __enter__(self) -> SingleFlight:
         return self
 
@@ -186,8 +172,8 @@ class SingleFlight:
     # ----------------------------------------------------------------- worker
 
     def _run_job(self, name: str) -> Manifest:
-        """The job of a submission without one (a subclass's replication of ``name``)."""
-        raise ConfigError(f"nothing to run for {name}: submit it with a job")
+        """The job for ``name`` (a subclass's replication of it)."""
+        raise NotImplementedError
 
     def _skipped(self, name: str, *, superseded_by: str) -> None:
         """Called by :meth:`submit`, without the lock, after it skipped pending ``name``."""
@@ -202,17 +188,16 @@ class SingleFlight:
                     return
                 self._pending, self._running = None, name
                 future = self._futures.get(name)  # absent only if cancelled and forgotten
-                job = self._jobs.pop(name, None)
             if future is not None and future.set_running_or_notify_cancel():
-                self._run(future, job or functools.partial(self._run_job, name))
+                self._run(future, name)
             with self._cond:
                 self._running = None
                 self._forget_old()
                 self._cond.notify_all()
 
-    def _run(self, future: _TrackedFuture, job: Callable[[], Manifest]) -> None:
+    def _run(self, future: _TrackedFuture, name: str) -> None:
         try:
-            manifest = job()
+            manifest = self._run_job(name)
         except BaseException as exc:  # the owner decides what is fatal; it reaches the future
             with self._cond:
                 if self._unseen is None or self._unseen.retrieved:
@@ -224,7 +209,6 @@ class SingleFlight:
     def _skip(self, name: str, *, superseded_by: str) -> None:
         """Fail pending ``name``'s future (unless the owner cancelled it). Holds the lock."""
         self.skipped.append(name)
-        self._jobs.pop(name, None)
         future = self._futures.get(name)
         if future is not None and future.set_running_or_notify_cancel():
             future.set_exception(ReplicationSkippedError(name, superseded_by))
