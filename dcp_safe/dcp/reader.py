@@ -319,7 +319,7 @@ class SafeStorageReader(StorageReader):
             else:
                 self._hand_over(tensor, path, label, request, planner)
                 return
-        raw = self._read_raw_retrying(self._source, rel, stream, label, record)
+        raw = self._read_raw_retrying(rel, stream, label, record)
         self._deliver(raw, path, label, record, request, planner)
 
     def _load_known(
@@ -405,10 +405,9 @@ class SafeStorageReader(StorageReader):
         )
         return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
 
-    def _read_raw_retrying(
-        self, backend: Backend, rel: str, stream: Any, label: str, record: ItemRecord
-    ) -> bytes:
+    def _read_raw_retrying(self, rel: str, stream: Any, label: str, record: ItemRecord) -> bytes:
         """Read an item; after a transient error, retry it on a fresh stream within the policy."""
+        backend = self._source
         path = backend.full_path(rel)
         try:
             return self._read_raw(stream, path, label, record)
