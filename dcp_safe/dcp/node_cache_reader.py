@@ -30,7 +30,6 @@ from dcp_safe.checkpoints.node_cache import open_node_cache
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import ItemRecord
-from dcp_safe.manifest.streams import read_verified
 
 __all__ = ["CacheRejection", "NodeCacheReader", "NodeCacheStats", "RejectionReason"]
 
@@ -272,11 +271,4 @@ class NodeCacheReader(SafeStorageReader):
             if self._load_known(stream, path, label, record, request, planner, verify=True):
                 return None
             return self._load_streamed(stream, path, label, record, verify=True)
-        return read_verified(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            length=record.length,
-            checksum=record.checksum,
-        )
+        return self._read_raw(stream, path, label, record, verify=True)

@@ -26,7 +26,7 @@ from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment
+from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment, _assignment_of
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.rank_upload import (
@@ -153,10 +153,7 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Start the remote commit in the background (coordinator only); publishes nothing here."""
-        assignment = self._assignment
-        if assignment is None:
-            raise ConfigError("finish() called before write_data()")
-        name = self._require_name()
+        assignment, name = self._require_assignment(), self._require_name()
         self._start(self._commits, self._commit_remote, name, assignment, metadata, results)
 
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
@@ -320,13 +317,3 @@ class NodeLocalWriter(SafeStorageWriter):
         """
         ranks = ranks_in(self.backend, assignment.work_dir)
         return bool(ranks) and assignment.rank == min(ranks)
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _assignment_of(plan: SavePlan) -> _Assignment:
-    assignment = plan.storage_data
-    if not isinstance(assignment, _Assignment):
-        raise ConfigError("NodeLocalWriter got a plan it did not prepare")
-    return assignment

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from dcp_safe.choices import check_agrees, parse_choice
 from dcp_safe.errors import ConfigError
@@ -13,8 +12,6 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS, checksum_for, resolve_key
 
 __all__ = ["Compression", "WriterOptions", "writer_options"]
-
-E = TypeVar("E", bound=enum.Enum)
 
 
 class Compression(str, enum.Enum):

@@ -149,7 +149,7 @@ class SafeSavePlanner(DefaultSavePlanner):
                     f"per_rank entry {key!r} is a {type(value).__name__}: it is saved per shard"
                     " already; declare only plain tensors and objects per rank"
                 )
-            self._rename(key, layout.per_rank_key(key, self.rank))
+            _rename(self, key, layout.per_rank_key(key, self.rank))
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -190,11 +190,6 @@ class SafeSavePlanner(DefaultSavePlanner):
         if differing:
             raise DivergentStateError(differing)
         return super()._dedup_save_plans(all_plans)
-
-    def _rename(self, key: str, stored: str) -> None:
-        self.state_dict[stored] = self.state_dict.pop(key)
-        if key in self.mappings:
-            self.mappings[stored] = self.mappings.pop(key)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -273,9 +268,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             if saved != list(range(world)):
                 raise PerRankStateError(key, saved_ranks=saved, world_size=world)
             own = layout.per_rank_key(key, _rank())
-            self.state_dict[own] = self.state_dict.pop(key)
-            if key in self.mappings:
-                self.mappings[own] = self.mappings.pop(key)
+            _rename(self, key, own)
             self._per_rank_keys[key] = own
 
     def create_local_plan(self) -> LoadPlan:
@@ -374,6 +367,13 @@ def _feed(hasher: Any, value: object, depth: int) -> None:
 
 def _fields(plan: SavePlan) -> dict[str, Any]:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
+
+
+def _rename(planner: DefaultSavePlanner | DefaultLoadPlanner, key: str, stored: str) -> None:
+    """Store the state dict's entry ``key`` (and its mapping) under ``stored``."""
+    planner.state_dict[stored] = planner.state_dict.pop(key)
+    if key in planner.mappings:
+        planner.mappings[stored] = planner.mappings.pop(key)
 
 
 def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ and an ``AssertionError`` (docs/architecture.md, "Reads").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -154,16 +155,19 @@ class SafeStorageReader(StorageReader):
         tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
         opened: list[tuple[tuple[int, int, float], Backend, str, Manifest, Metadata]] = []
         failures: list[DcpSafeError] = []
+        accept = None if self._signing_key is None else signed_by(self._signing_key)
         for order, backend in enumerate(tiers):
             try:
-                key = self._signing_key
-                accept = None if key is None else signed_by(key)
                 name = resolve_name(backend, self._requested, accept=accept)
                 committed = open_committed(backend, name)
                 manifest = committed.manifest
                 if self._signing_key is not None:
                     check_signed(backend, committed, self._signing_key)
-                metadata = self._load_metadata(backend, name, manifest, self.allow_pickle)
+                metadata = read_dcp_metadata(
+                    backend, name, manifest, allow_pickle=self.allow_pickle
+                )
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)
                 continue
@@ -239,28 +243,10 @@ class SafeStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return SafeStorageReader._is_name(os.fspath(checkpoint_id))
+        checkpoint_id = os.fspath(checkpoint_id)
+        return checkpoint_id == layout.LATEST or layout.is_valid_name(checkpoint_id)
 
     # ----------------------------------------------------------------- helpers
-
-    @staticmethod
-    def _is_name(checkpoint_id: str) -> bool:
-        if checkpoint_id == layout.LATEST:
-            return True
-        try:
-            layout.validate_name(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
-
-    @staticmethod
-    def _load_metadata(
-        backend: Backend, name: str, manifest: Manifest, allow_pickle: bool
-    ) -> Metadata:
-        metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
 
     def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
         assert self._name is not None
@@ -294,14 +280,19 @@ class SafeStorageReader(StorageReader):
             raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
         return label, record
 
-    def _read_raw(self, stream: Any, path: str, label: str, record: ItemRecord) -> bytes:
+    def _read_raw(
+        self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
+    ) -> bytes:
+        """One item's bytes; ``verify`` overrides the reader's setting (a node cache is always
+        verified)."""
+        verify = self.verify if verify is None else verify
         return read_verified(
             stream,
             path=path,
             item=label,
             start=record.start,
             length=record.length,
-            checksum=record.checksum if self.verify else None,
+            checksum=record.checksum if verify else None,
         )
 
     def _load_item(
@@ -328,7 +319,7 @@ class SafeStorageReader(StorageReader):
             else:
                 self._hand_over(tensor, path, label, request, planner)
                 return
-        raw = self._read_raw_retrying(self._source, rel, stream, label, record)
+        raw = self._read_raw_retrying(rel, stream, label, record)
         self._deliver(raw, path, label, record, request, planner)
 
     def _load_known(
@@ -385,9 +376,8 @@ class SafeStorageReader(StorageReader):
     def _load_streamed(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
     ) -> torch.Tensor:
-        """Any other uncompressed tensor item: read whole, verified, then decoded over that
-        memory by :mod:`dcp_safe.checkpoints.items`. ``verify`` overrides the reader's setting
-        (a node cache is always verified)."""
+        """Any other uncompressed tensor item: read whole, verified (``verify``: as for
+        :meth:`_read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`."""
         verify = self.verify if verify is None else verify
         raw = read_item(
             stream,
@@ -415,10 +405,9 @@ class SafeStorageReader(StorageReader):
         )
         return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
 
-    def _read_raw_retrying(
-        self, backend: Backend, rel: str, stream: Any, label: str, record: ItemRecord
-    ) -> bytes:
+    def _read_raw_retrying(self, rel: str, stream: Any, label: str, record: ItemRecord) -> bytes:
         """Read an item; after a transient error, retry it on a fresh stream within the policy."""
+        backend = self._source
         path = backend.full_path(rel)
         try:
             return self._read_raw(stream, path, label, record)
@@ -435,19 +424,14 @@ class SafeStorageReader(StorageReader):
     def _spare_tier(self) -> Backend | None:
         """The other tier, if it holds this very checkpoint (the same manifest)."""
         with self._lock:
-            return self._find_spare()
-
-    def _find_spare(self) -> Backend | None:
-        if not self._spare_checked:
-            self._spare_checked = True
-            other = self.fallback if self._source is self.backend else self.backend
-            if other is not None and self._name is not None:
-                try:
-                    if open_committed(other, self._name).manifest == self._manifest:
-                        self._spare = other
-                except (CheckpointNotFoundError, CheckpointCorruptError):
-                    pass
-        return self._spare
+            if not self._spare_checked:
+                self._spare_checked = True
+                other = self.fallback if self._source is self.backend else self.backend
+                if other is not None and self._name is not None:
+                    with contextlib.suppress(CheckpointNotFoundError, CheckpointCorruptError):
+                        if open_committed(other, self._name).manifest == self._manifest:
+                            self._spare = other
+            return self._spare
 
     def _read_from_spare(
         self, rel: str, label: str, record: ItemRecord, cause: BaseException | None

@@ -16,7 +16,7 @@ import torch
 
 from dcp_safe.dcp.tensor_records import TensorLayout, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.streams import read_fully, short_read
 
 __all__ = ["read_known_tensor"]
@@ -57,18 +57,14 @@ def read_known_tensor(
         known = _read_whole(stream, path, item, layout, hasher, dest)
     else:
         known = _read_chunked(stream, path, item, layout, hasher, dest, hash_pool)
-    if not known or hasher is None or checksum is None:
+    if not known or algorithm is None or hasher is None:
         return known
-    actual = format_checksum(ChecksumAlgorithm(checksum.partition(":")[0]), hasher)
+    actual = format_checksum(algorithm, hasher)
     if actual != checksum:
         raise CheckpointCorruptError(
             path, "checksum mismatch", item=item, expected=checksum, actual=actual
         )
     return True
-
-
-def _update(hasher: Hasher, chunk: memoryview) -> None:
-    hasher.update(chunk)
 
 
 def _read_whole(
@@ -111,7 +107,7 @@ def _read_chunked(
     if hasher is not None:
         hasher.update(prefix)
     target = tensor_bytes(dest)
-    pending: Future[None] | None = None
+    pending: Future[object] | None = None
     try:
         for at in range(0, layout.payload, _CHUNK_BYTES):
             chunk = target[at : at + _CHUNK_BYTES]
@@ -125,7 +121,7 @@ def _read_chunked(
             if hash_pool is None:
                 hasher.update(chunk)
             else:
-                pending = hash_pool.submit(_update, hasher, chunk)
+                pending = hash_pool.submit(hasher.update, chunk)
     finally:
         if pending is not None:
             pending.result()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
+import math
 import pickle
 import secrets
 import struct
@@ -105,10 +106,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _tensor_pickle(storage_type: type, shape: tuple[int, ...]) -> bytes:
     out = io.BytesIO()
-    numel = 1
-    for size in shape:
-        numel *= size
-    _Pickler(out, storage_type, numel).dump(_TensorStub(shape))
+    _Pickler(out, storage_type, math.prod(shape)).dump(_TensorStub(shape))
     return out.getvalue()
 
 
@@ -215,10 +213,7 @@ class _Encoder:
         fmt, storage_type = self._learn(), legacy_storage_type(dtype)
         if fmt is None or storage_type is None:
             return None
-        numel = 1
-        for size in shape:
-            numel *= size
-        payload = numel * dtype.itemsize
+        payload = math.prod(shape) * dtype.itemsize
         if not 0 < payload <= _MAX_PAYLOAD:  # torch lays an empty storage out another way
             return None
         content = {

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Self, cast
 
 import zstandard
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -258,10 +258,7 @@ class SafeStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assignment = plan.storage_data
-        if not isinstance(assignment, _Assignment):
-            raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
-        self._assignment = assignment
+        self._assignment = assignment = _assignment_of(plan)
         buckets = _split_evenly(plan.items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
@@ -287,7 +284,7 @@ class SafeStorageWriter(StorageWriter):
         with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 1) as pool:
             hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
             writes = [
-                pool.submit(self._write_file_retrying, assignment, f, bucket, planner, hash_pool)
+                pool.submit(self._write_file, assignment, f, bucket, planner, hash_pool)
                 for f, bucket in zip(files, buckets, strict=True)
             ]
             per_file = [w.result() for w in writes]
@@ -327,9 +324,7 @@ class SafeStorageWriter(StorageWriter):
             CheckpointExistsError: another save committed this name meanwhile.
             StorageError: writing the metadata, manifest or marker failed.
         """
-        assignment = self._assignment
-        if assignment is None:
-            raise ConfigError("finish() called before write_data()")
+        assignment = self._require_assignment()
         name = self._require_name()
         try:
             Committer(self.backend, self.options).publish(
@@ -450,17 +445,11 @@ class SafeStorageWriter(StorageWriter):
                 self._background.replicator.close(timeout_s)
 
     def storage_meta(self) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         return StorageMeta(checkpoint_id=self._name)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            layout.validate_name(os.fspath(checkpoint_id))
-        except ConfigError:
-            return False
-        return True
+        return layout.is_valid_name(os.fspath(checkpoint_id))
 
     # ----------------------------------------------------------------- helpers
 
@@ -475,29 +464,14 @@ class SafeStorageWriter(StorageWriter):
             )
         return self._name
 
+    def _require_assignment(self) -> _Assignment:
+        if self._assignment is None:
+            raise ConfigError("finish() called before write_data()")
+        return self._assignment
+
     def _refuse_committed(self, name: str) -> None:
-        if not self.options.overwrite and self._committed(name):
+        if not self.options.overwrite and self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
             raise CheckpointExistsError(self.backend.full_path(name))
-
-    def _committed(self, name: str) -> bool:
-        return self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
-
-    def _write_file_retrying(
-        self,
-        assignment: _Assignment,
-        file_name: str,
-        items: Sequence[WriteItem],
-        planner: SavePlanner,
-        hash_pool: ThreadPoolExecutor | None,
-    ) -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
-        # A streamed write cannot be resumed where it failed; its items are still in memory
-        # (staged or live), so a transient failure rewrites the whole file from the start.
-        return call_with_retries(
-            "write",
-            self.backend.full_path(f"{assignment.work_dir}/{file_name}"),
-            lambda: self._write_file(assignment, file_name, items, planner, hash_pool),
-            self.retry,
-        )
 
     def _write_file(
         self,
@@ -507,14 +481,20 @@ class SafeStorageWriter(StorageWriter):
         planner: SavePlanner,
         hash_pool: ThreadPoolExecutor | None,
     ) -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
-        records: list[tuple[ItemRecord, WriteItem]] = []
         path = f"{assignment.work_dir}/{file_name}"
-        with self.backend.open_write(path) as target:
-            sink = HashingSink(target, self.options.checksum, hash_pool)
-            for item in items:
-                records.append((self._write_item(sink, file_name, item, planner), item))
-            size = sink.tell()
-        return FileRecord(path=file_name, size=size), records
+
+        def write() -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
+            with self.backend.open_write(path) as target:
+                sink = HashingSink(target, self.options.checksum, hash_pool)
+                records = [
+                    (self._write_item(sink, file_name, item, planner), item) for item in items
+                ]
+                size = sink.tell()
+            return FileRecord(path=file_name, size=size), records
+
+        # A streamed write cannot be resumed where it failed; its items are still in memory
+        # (staged or live), so a transient failure rewrites the whole file from the start.
+        return call_with_retries("write", self.backend.full_path(path), write, self.retry)
 
     def _write_item(
         self, sink: HashingSink, file_name: str, item: WriteItem, planner: SavePlanner
@@ -557,6 +537,12 @@ class SafeStorageWriter(StorageWriter):
         state["_assignment"] = None
         state["_background"] = _Background()  # threads: the child starts its own if needed
         return state
+
+
+def _assignment_of(plan: SavePlan) -> _Assignment:
+    if not isinstance(plan.storage_data, _Assignment):
+        raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
+    return plan.storage_data
 
 
 def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
