@@ -541,7 +541,10 @@ class SafeStorageWriter(StorageWriter):
 
 def _assignment_of(plan: SavePlan) -> _Assignment:
     if not isinstance(plan.storage_data, _Assignment):
-        raise ConfigError("SafeStorageWriter.write_data got a plan it did not prepare")
+        raise ConfigError(
+            "write_data got a plan this writer did not prepare: pass the writer to dcp.save, "
+            "which plans with it"
+        )
     return plan.storage_data
 
 
