@@ -218,7 +218,7 @@ class CheckpointManager:
         self._closed = False
         self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
-            FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
+            monitor=FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
             sample_memory=memory_sampler or self._memory_watch(),
             clock=clock,
             ledger=self._ledger,

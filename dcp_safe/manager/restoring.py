@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_safe import layout
@@ -61,6 +61,7 @@ class WarmStart:
         raise CheckpointNotFoundError(self.source, "no committed checkpoint to warm-start from")
 
 
+@dataclass(kw_only=True, eq=False)
 class Restorer:
     """Restores for one manager.
 
@@ -70,29 +71,16 @@ class Restorer:
         deferred: a context in which a preemption signal waits.
     """
 
-    def __init__(
-        self,
-        *,
-        tiers: Tiers,
-        agreement: Agreement,
-        runner: SaveRunner,
-        ledger: Ledger,
-        per_rank: tuple[str, ...],
-        warm_start: WarmStart | None,
-        wait_s: float,
-        deferred: Callable[[], Any],
-        name_for: Callable[[int], str],
-    ) -> None:
-        self._tiers = tiers
-        self._agreement = agreement
-        self._runner = runner
-        self._ledger = ledger
-        self.per_rank = per_rank
-        self.warm_start = warm_start
-        self._wait_s = wait_s
-        self._deferred = deferred
-        self._name_for = name_for
-        self.last_reader: SafeStorageReader | None = None
+    tiers: Tiers
+    agreement: Agreement
+    runner: SaveRunner
+    ledger: Ledger
+    per_rank: tuple[str, ...]
+    warm_start: WarmStart | None
+    wait_s: float
+    deferred: Callable[[], Any]
+    name_for: Callable[[int], str]
+    last_reader: SafeStorageReader | None = field(default=None, init=False)
 
     def restore(
         self,
@@ -113,9 +101,9 @@ class Restorer:
             PerRankStateError: per-rank entries were saved by another world size.
             RestoreMismatchError: ``audit`` found the live state differs from the saved one.
         """
-        wanted = step if step == layout.LATEST else self._name_for(int(step))
+        wanted = step if step == layout.LATEST else self.name_for(int(step))
         number = -1 if step == layout.LATEST else int(step)
-        own = self._tiers.reader()
+        own = self.tiers.reader()
 
         def resolve() -> tuple[str | None, str]:
             try:
@@ -126,8 +114,8 @@ class Restorer:
                     raise
                 return self.warm_start.resolve()
 
-        with self._deferred():
-            source, name = self._agreement.settle("restore", number, resolve, self._wait_s)
+        with self.deferred():
+            source, name = self.agreement.settle("restore", number, resolve, self.wait_s)
             if source is None:
                 reader, where, tier = own, "this run", "local"
             else:
@@ -144,10 +132,10 @@ class Restorer:
                 allow_partial=allow_partial,
                 name=name,
             )
-            with self._tiers.reading(name if source is None else None):
+            with self.tiers.reading(name if source is None else None):
                 self._load(state_dict, name, reader, planner, audit)
         report = planner.report
-        self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
+        self.ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
         return report
 
     def _load(
@@ -158,7 +146,7 @@ class Restorer:
         planner: SafeLoadPlanner,
         audit: bool,
     ) -> None:
-        collectives = self._runner.collectives(FOREGROUND)
+        collectives = self.runner.collectives(FOREGROUND)
         try:
             api.load(
                 state_dict,
@@ -169,12 +157,12 @@ class Restorer:
                 **collectives,
             )
         except BaseException as exc:
-            self._runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
+            self.runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
             raise
 
     def _has_own(self) -> bool:
         """Whether the manager's own tiers hold any committed checkpoint."""
-        return self._tiers.latest("local") is not None
+        return self.tiers.latest("local") is not None
 
 
 def _reason(where: str, report: RestoreReport) -> str:
