@@ -9,7 +9,6 @@ docs/resume.md.
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -122,7 +121,8 @@ class Restorer:
                 assert self.warm_start is not None
                 options = self.warm_start.storage_options
                 reader = SafeStorageReader(source, storage_options=options)
-                where, tier = f"warm start from {_shown(source)}", "initial"
+                # The URL as given (credentials travel in options, never in it), shortened.
+                where, tier = f"warm start from {source[:300]}", "initial"
                 keys = keys if keys is not None else self.warm_start.keys
             self.last_reader = reader
             planner = SafeLoadPlanner(
@@ -132,33 +132,21 @@ class Restorer:
                 allow_partial=allow_partial,
                 name=name,
             )
-            with self.tiers.reading(name if source is None else None):
-                self._load(state_dict, name, reader, planner, audit)
+            with (
+                self.tiers.reading(name if source is None else None),
+                self.runner.collectives(FOREGROUND) as collectives,
+            ):
+                api.load(
+                    state_dict,
+                    checkpoint_id=name,
+                    storage_reader=reader,
+                    planner=planner,
+                    audit=audit,
+                    **collectives,
+                )
         report = planner.report
         self.ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
         return report
-
-    def _load(
-        self,
-        state_dict: dict[str, Any],
-        name: str,
-        reader: Any,
-        planner: SafeLoadPlanner,
-        audit: bool,
-    ) -> None:
-        collectives = self.runner.collectives(FOREGROUND)
-        try:
-            api.load(
-                state_dict,
-                checkpoint_id=name,
-                storage_reader=reader,
-                planner=planner,
-                audit=audit,
-                **collectives,
-            )
-        except BaseException as exc:
-            self.runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
-            raise
 
     def _has_own(self) -> bool:
         """Whether the manager's own tiers hold any committed checkpoint."""
@@ -172,9 +160,3 @@ def _reason(where: str, report: RestoreReport) -> str:
     if report.missing:
         parts.append(f"{len(report.missing)} missing, left as they were")
     return "; ".join(parts)
-
-
-def _shown(source: str) -> str:
-    """A source for the history: the path as given (never credentials: fsspec URLs carry none
-    here, options do), shortened."""
-    return os.fspath(source)[:300]

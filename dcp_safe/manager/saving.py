@@ -8,7 +8,9 @@ vote replaces it on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -61,11 +63,16 @@ class SaveRunner:
     def __post_init__(self) -> None:
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
 
-    def collectives(self, purpose: str) -> dict[str, Any]:
-        """DCP's keyword arguments for a save or load on ``purpose``'s group."""
-        if self.groups is None:
-            return {"no_dist": True}
-        return self.groups.collectives(purpose)
+    @contextlib.contextmanager
+    def collectives(self, purpose: str) -> Iterator[dict[str, Any]]:
+        """DCP's keyword arguments for a save or load on ``purpose``'s group; a failure inside
+        that broke the group marks it (:meth:`saw_failure`)."""
+        kwargs = {"no_dist": True} if self.groups is None else self.groups.collectives(purpose)
+        try:
+            yield kwargs
+        except BaseException as exc:
+            self.saw_failure(purpose, exc, kwargs.get("process_group"))
+            raise
 
     def start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
@@ -78,21 +85,16 @@ class SaveRunner:
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self.writer.for_step(handle.step)
-        collectives = self.collectives(BACKGROUND)
+        with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
+            response = api.async_save(
+                state_dict,
+                checkpoint_id=handle.name,
+                storage_writer=self.spans.wrap(writer),
+                async_stager=self.stager,
+                per_rank=self.per_rank,
+                **collectives,
+            )
         group = collectives.get("process_group")
-        try:
-            with self.spans.opened(handle):
-                response = api.async_save(
-                    state_dict,
-                    checkpoint_id=handle.name,
-                    storage_writer=self.spans.wrap(writer),
-                    async_stager=self.stager,
-                    per_rank=self.per_rank,
-                    **collectives,
-                )
-        except BaseException as exc:
-            self.saw_failure(BACKGROUND, exc, group)
-            raise
         self.stager.track(response)
         chain(response.staging_completion, handle.staged, lambda _: None)
         with self.cond:
@@ -121,9 +123,8 @@ class SaveRunner:
             self.sync_writer = self.writer.detached()
         writer = self.sync_writer.for_step(handle.step)
         self.ledger.count("sync_saves")
-        collectives = self.collectives(FOREGROUND)
         try:
-            with self.spans.opened(handle):
+            with self.collectives(FOREGROUND) as collectives, self.spans.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
@@ -132,7 +133,6 @@ class SaveRunner:
                     **collectives,
                 )
         except BaseException as exc:
-            self.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
             self.ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
