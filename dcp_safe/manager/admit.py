@@ -8,6 +8,7 @@ stuck, so the request is skipped at once rather than queued behind it.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_safe.manager.agreement import Agreement, Decision, Verdict, Vote, decide
@@ -20,28 +21,19 @@ from dcp_safe.staging._tree import collect_tensors
 __all__ = ["Admitter"]
 
 
+@dataclass(kw_only=True, eq=False)
 class Admitter:
     """Turns a request into the decision every rank takes (``latency_objective_s=None``: not
     checked; the stager's budget bounds a coalesced copy)."""
 
-    def __init__(
-        self,
-        *,
-        agreement: Agreement,
-        slot: SaveSlot,
-        switch: FallbackSwitch,
-        stager: BudgetedStager,
-        wait_timeout_s: float,
-        latency_objective_s: float | None,
-    ) -> None:
-        self.agreement = agreement
-        self._slot = slot
-        self._switch = switch
-        self._stager = stager
-        self.wait_timeout_s = wait_timeout_s
-        self.latency_objective_s = latency_objective_s
-        self.waits_expired = 0
-        self._lock = threading.Lock()
+    agreement: Agreement
+    slot: SaveSlot
+    switch: FallbackSwitch
+    stager: BudgetedStager
+    wait_timeout_s: float
+    latency_objective_s: float | None
+    waits_expired: int = field(default=0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def admit(
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
@@ -55,8 +47,8 @@ class Admitter:
             ConfigError: the ranks asked for different steps.
             CommitError: a peer died or did not answer within the deadline.
         """
-        fallback = self._switch.on_request(handle, self._leaked_bytes)
-        busy = not self._slot.idle()
+        fallback = self.switch.on_request(handle, self._leaked_bytes)
+        busy = not self.slot.idle()
         vote = Vote(
             "save",
             handle.step,
@@ -64,16 +56,16 @@ class Admitter:
             fallback=fallback,
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
-            pending=self._slot.pending_step(),
+            pending=self.slot.pending_step(),
         )
         decision = decide(self.agreement.gather(vote), policy)
-        self._switch.follow(handle, decision.fallback)
+        self.switch.follow(handle, decision.fallback)
         return decision
 
     def wait(self, handle: SaveHandle, *, force: bool) -> Decision:
         """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``."""
         step = handle.step
-        still = self.agreement.until_all("wait", step, self._slot.wait_free, self.wait_timeout_s)
+        still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
         if not still:
             return Decision(Verdict.START)
         with self._lock:
@@ -89,10 +81,10 @@ class Admitter:
         """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
         # Idle first, stats second: only the training thread starts saves, so once idle, what
         # the stager still has in use was leaked by a finished save, not leased by a new one.
-        return self._stager.stats().in_use_bytes if self._slot.idle() else 0
+        return self.stager.stats().in_use_bytes if self.slot.idle() else 0
 
     def _stalled(self) -> str | None:
-        age = self._slot.age_s()
+        age = self.slot.age_s()
         objective = self.latency_objective_s
         if age is None or objective is None or age <= objective:
             return None
@@ -100,7 +92,7 @@ class Admitter:
 
     def _no_room(self, state_dict: dict[str, Any]) -> bool:
         need = sum(t.nbytes for t in collect_tensors(state_dict))
-        pending = self._slot.pending  # the copy it replaces is alive while this one is taken
+        pending = self.slot.pending  # the copy it replaces is alive while this one is taken
         held = pending.nbytes if pending is not None else 0
-        room = self._stager.budget.envelope_bytes - self._stager.stats().pool_bytes - held
+        room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
         return need > room

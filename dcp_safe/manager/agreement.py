@@ -119,12 +119,7 @@ def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
                 Verdict.SKIP, f"coalesce: no memory for a pending copy on {_ranks(short)}"
             )
         return Decision(Verdict.COALESCE, f"a save is in flight on {who}")
-    verdict = {
-        BusyPolicy.WAIT: Verdict.WAIT,
-        BusyPolicy.SKIP: Verdict.SKIP,
-        BusyPolicy.RAISE: Verdict.RAISE,
-        BusyPolicy.SYNC: Verdict.SYNC,
-    }[policy]
+    verdict = Verdict(policy.value)  # wait, skip, raise, sync: each names its verdict
     return Decision(verdict, f"busy: a save is in flight on {who} (when_busy={policy.value!r})")
 
 

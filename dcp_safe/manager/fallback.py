@@ -97,7 +97,7 @@ class FallbackMonitor:
         while self._crossings and now - self._crossings[0] > self.options.memory_window_s:
             self._crossings.popleft()
         if len(self._crossings) >= self.options.memory_crossings:
-            return self._trip(
+            return self.trip(
                 f"host available memory fell below the reserve ({self.reserve_bytes} B)"
                 f" {len(self._crossings)} times within {self.options.memory_window_s:g} s"
                 f" (now {available_bytes} B)"
@@ -113,7 +113,7 @@ class FallbackMonitor:
         p99 = self.p99_s()
         limit = self.options.interval_factor * interval
         if p99 > limit:
-            return self._trip(
+            return self.trip(
                 f"checkpoint completion p99 {p99:.3f} s over the last {len(self._durations)}"
                 f" saves exceeds {self.options.interval_factor:g} save intervals"
                 f" ({interval:.3f} s each)"
@@ -123,7 +123,7 @@ class FallbackMonitor:
     def on_idle(self, in_use_bytes: int) -> str | None:
         """No save is in flight, and the stager reports ``in_use_bytes`` leased."""
         if in_use_bytes > 0:
-            return self._trip(
+            return self.trip(
                 f"staging buffers outlived their save: {in_use_bytes} B still in use with no"
                 " save in flight"
             )
@@ -150,10 +150,8 @@ class FallbackMonitor:
         self._durations.clear()
 
     def trip(self, reason: str) -> str | None:
-        """Trip for ``reason`` from outside (a peer rank tripped); as the triggers do."""
-        return self._trip(reason)
-
-    def _trip(self, reason: str) -> str | None:
+        """Trip for ``reason`` (a trigger, or a peer rank that tripped); ``None`` if disabled or
+        tripped already."""
         if not self.options.enabled or self.tripped:
             return None
         self.reason = reason

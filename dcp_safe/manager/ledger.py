@@ -109,18 +109,13 @@ class Ledger:
             self._events.append(line)
         self.books.append(event, step, name, **extra)
 
-    def bookkeeping_failed(self, error: BaseException) -> None:
-        """Count a failure to write something down (it was logged where it happened)."""
-        with self._cond:
-            self._counts["bookkeeping_failures"] += 1
-
     def quietly(self, what: str, action: Callable[[], object]) -> None:
         """Run a secondary action (telemetry); a failure is logged and counted, not raised."""
         try:
             action()
         except Exception as exc:
             log.warning("dcp_safe: %s failed: %r", what, f"{type(exc).__name__}: {exc}"[:300])
-            self.bookkeeping_failed(exc)
+            self.count("bookkeeping_failures")
 
     def events(self) -> list[dict[str, Any]]:
         """Every event this rank recorded, oldest first (as in the history, without times)."""
@@ -168,12 +163,8 @@ class Ledger:
             self._requested_at.pop(handle.name, None)
             if keep:
                 self._errors.append(error)
-        targets: list[Future[Any]] = (
-            [future] if future is not None else [handle.staged, handle.committed]
-        )
-        if future is None:
-            targets.append(handle.replicated)
-        for target in targets:
+        everything: list[Future[Any]] = [handle.staged, handle.committed, handle.replicated]
+        for target in everything if future is None else [future]:
             with contextlib.suppress(InvalidStateError):  # done already (or cancelled)
                 if not target.done():
                     target.set_exception(error)

@@ -47,7 +47,7 @@ from dcp_safe.manager.preemption import PreemptionHandler, preempt
 from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
-from dcp_safe.manager.shutdown import close_at_exit, drain, run_bounded, seconds
+from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded, seconds
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
@@ -203,7 +203,7 @@ class CheckpointManager:
         self._books = Bookkeeper(
             History(self.writer.commit_backend),
             enabled=self._agreement.coordinator,
-            failed=lambda exc: self._ledger.bookkeeping_failed(exc),
+            failed=lambda _: self._ledger.count("bookkeeping_failures"),  # logged by the books
         )
         self._tiers = Tiers(
             self.writer,
@@ -218,7 +218,7 @@ class CheckpointManager:
         self._closed = False
         self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
-            FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
+            monitor=FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
             sample_memory=memory_sampler or self._memory_watch(),
             clock=clock,
             ledger=self._ledger,
@@ -404,17 +404,14 @@ class CheckpointManager:
             BaseException: the first background error not raised before.
         """
         with self._preemption_deferred():
-            self._drain(timeout_s)
-
-    def _drain(self, timeout_s: float | None) -> None:
-        drain(
-            timeout_s,
-            slot=self._slot,
-            replications=self._tiers.replications,
-            post=self._runner.post,
-            books=self._books,
-        )
-        self._ledger.raise_first()
+            drain(
+                timeout_s,
+                slot=self._slot,
+                replications=self._tiers.replications,
+                post=self._runner.post,
+                books=self._books,
+            )
+            self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain, prune once more, stop, then raise the first background error. Idempotent.
@@ -430,11 +427,7 @@ class CheckpointManager:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+        left = countdown(timeout_s)
         steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
         if self._owns_stager:
@@ -515,14 +508,9 @@ class CheckpointManager:
         self._preemption.install()
         return self._preemption
 
-    @contextlib.contextmanager
-    def _preemption_deferred(self) -> Any:
+    def _preemption_deferred(self) -> contextlib.AbstractContextManager[None]:
         handler = self._preemption
-        if handler is None:
-            yield
-            return
-        with handler.deferred():
-            yield
+        return contextlib.nullcontext() if handler is None else handler.deferred()
 
     def preempt_save(self, reason: str, deadline: float) -> str:
         """Drain, then save the latest state synchronously; for the preemption handler.

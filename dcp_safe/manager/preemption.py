@@ -231,14 +231,7 @@ def preempt(
         state = latest[1]
         ledger.record("requested", handle, tier="local")
         outcome = f"{drained}; " + final_save(handle, lambda h: save(h, state))
-    step_name: tuple[int | None, str | None] = (
-        (None, None)
-        if handle is None
-        else (
-            handle.step,
-            handle.name,
-        )
-    )
+    step_name = (None, None) if handle is None else (handle.step, handle.name)
     ledger.record("preempted", step_name, reason=f"{reason}: {outcome}")
     # The process is about to go: its history appends with it, within what time is left.
     ledger.books.flush(max(0.0, deadline - time.monotonic()))

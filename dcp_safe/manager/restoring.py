@@ -9,10 +9,9 @@ docs/resume.md.
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_safe import layout
@@ -61,6 +60,7 @@ class WarmStart:
         raise CheckpointNotFoundError(self.source, "no committed checkpoint to warm-start from")
 
 
+@dataclass(kw_only=True, eq=False)
 class Restorer:
     """Restores for one manager.
 
@@ -70,29 +70,16 @@ class Restorer:
         deferred: a context in which a preemption signal waits.
     """
 
-    def __init__(
-        self,
-        *,
-        tiers: Tiers,
-        agreement: Agreement,
-        runner: SaveRunner,
-        ledger: Ledger,
-        per_rank: tuple[str, ...],
-        warm_start: WarmStart | None,
-        wait_s: float,
-        deferred: Callable[[], Any],
-        name_for: Callable[[int], str],
-    ) -> None:
-        self._tiers = tiers
-        self._agreement = agreement
-        self._runner = runner
-        self._ledger = ledger
-        self.per_rank = per_rank
-        self.warm_start = warm_start
-        self._wait_s = wait_s
-        self._deferred = deferred
-        self._name_for = name_for
-        self.last_reader: SafeStorageReader | None = None
+    tiers: Tiers
+    agreement: Agreement
+    runner: SaveRunner
+    ledger: Ledger
+    per_rank: tuple[str, ...]
+    warm_start: WarmStart | None
+    wait_s: float
+    deferred: Callable[[], Any]
+    name_for: Callable[[int], str]
+    last_reader: SafeStorageReader | None = field(default=None, init=False)
 
     def restore(
         self,
@@ -113,9 +100,9 @@ class Restorer:
             PerRankStateError: per-rank entries were saved by another world size.
             RestoreMismatchError: ``audit`` found the live state differs from the saved one.
         """
-        wanted = step if step == layout.LATEST else self._name_for(int(step))
+        wanted = step if step == layout.LATEST else self.name_for(int(step))
         number = -1 if step == layout.LATEST else int(step)
-        own = self._tiers.reader()
+        own = self.tiers.reader()
 
         def resolve() -> tuple[str | None, str]:
             try:
@@ -126,15 +113,16 @@ class Restorer:
                     raise
                 return self.warm_start.resolve()
 
-        with self._deferred():
-            source, name = self._agreement.settle("restore", number, resolve, self._wait_s)
+        with self.deferred():
+            source, name = self.agreement.settle("restore", number, resolve, self.wait_s)
             if source is None:
                 reader, where, tier = own, "this run", "local"
             else:
                 assert self.warm_start is not None
                 options = self.warm_start.storage_options
                 reader = SafeStorageReader(source, storage_options=options)
-                where, tier = f"warm start from {_shown(source)}", "initial"
+                # The URL as given (credentials travel in options, never in it), shortened.
+                where, tier = f"warm start from {source[:300]}", "initial"
                 keys = keys if keys is not None else self.warm_start.keys
             self.last_reader = reader
             planner = SafeLoadPlanner(
@@ -144,37 +132,25 @@ class Restorer:
                 allow_partial=allow_partial,
                 name=name,
             )
-            with self._tiers.reading(name if source is None else None):
-                self._load(state_dict, name, reader, planner, audit)
+            with (
+                self.tiers.reading(name if source is None else None),
+                self.runner.collectives(FOREGROUND) as collectives,
+            ):
+                api.load(
+                    state_dict,
+                    checkpoint_id=name,
+                    storage_reader=reader,
+                    planner=planner,
+                    audit=audit,
+                    **collectives,
+                )
         report = planner.report
-        self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
+        self.ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
         return report
-
-    def _load(
-        self,
-        state_dict: dict[str, Any],
-        name: str,
-        reader: Any,
-        planner: SafeLoadPlanner,
-        audit: bool,
-    ) -> None:
-        collectives = self._runner.collectives(FOREGROUND)
-        try:
-            api.load(
-                state_dict,
-                checkpoint_id=name,
-                storage_reader=reader,
-                planner=planner,
-                audit=audit,
-                **collectives,
-            )
-        except BaseException as exc:
-            self._runner.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
-            raise
 
     def _has_own(self) -> bool:
         """Whether the manager's own tiers hold any committed checkpoint."""
-        return self._tiers.latest("local") is not None
+        return self.tiers.latest("local") is not None
 
 
 def _reason(where: str, report: RestoreReport) -> str:
@@ -184,9 +160,3 @@ def _reason(where: str, report: RestoreReport) -> str:
     if report.missing:
         parts.append(f"{len(report.missing)} missing, left as they were")
     return "; ".join(parts)
-
-
-def _shown(source: str) -> str:
-    """A source for the history: the path as given (never credentials: fsspec URLs carry none
-    here, options do), shortened."""
-    return os.fspath(source)[:300]

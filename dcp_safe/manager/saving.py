@@ -8,9 +8,12 @@ vote replaces it on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_safe.dcp import api
@@ -30,6 +33,7 @@ from dcp_safe.staging.guard import snapshot_copy
 __all__ = ["SaveRunner"]
 
 
+@dataclass(kw_only=True, eq=False)
 class SaveRunner:
     """Runs admitted saves over the manager's parts.
 
@@ -39,72 +43,61 @@ class SaveRunner:
         groups, barrier: ``None`` in a single process.
     """
 
-    def __init__(
-        self,
-        *,
-        writer: SafeStorageWriter,
-        stager: BudgetedStager,
-        staging: StagingMode,
-        slot: SaveSlot,
-        ledger: Ledger,
-        spans: SaveSpans,
-        follow_up: FollowUp,
-        cond: threading.Condition,
-        groups: ManagerGroups | None = None,
-        barrier: PromotionBarrier | None = None,
-        per_rank: tuple[str, ...] = (),
-    ) -> None:
-        self.writer = writer
-        self.stager = stager
-        self.staging = staging
-        self._slot = slot
-        self._ledger = ledger
-        self._spans = spans
-        self._follow_up = follow_up
-        self._cond = cond
-        self.groups = groups
-        self._barrier = barrier
-        self.per_rank = per_rank
-        self._coalesced = 0  # the agreed coalesce decisions so far: a pending save's ``seq``
-        self.sync_writer: SafeStorageWriter | None = None
-        self._last_staged: Future[None] | None = None
+    writer: SafeStorageWriter
+    stager: BudgetedStager
+    staging: StagingMode
+    slot: SaveSlot
+    ledger: Ledger
+    spans: SaveSpans
+    follow_up: FollowUp
+    cond: threading.Condition
+    groups: ManagerGroups | None = None
+    barrier: PromotionBarrier | None = None
+    per_rank: tuple[str, ...] = ()
+    # The agreed coalesce decisions so far: a pending save's ``seq``.
+    _coalesced: int = field(default=0, init=False)
+    sync_writer: SafeStorageWriter | None = field(default=None, init=False)
+    _last_staged: Future[None] | None = field(default=None, init=False)
+    post: ThreadPoolExecutor = field(init=False)  # the manager thread
+
+    def __post_init__(self) -> None:
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
 
-    def collectives(self, purpose: str) -> dict[str, Any]:
-        """DCP's keyword arguments for a save or load on ``purpose``'s group."""
-        if self.groups is None:
-            return {"no_dist": True}
-        return self.groups.collectives(purpose)
+    @contextlib.contextmanager
+    def collectives(self, purpose: str) -> Iterator[dict[str, Any]]:
+        """DCP's keyword arguments for a save or load on ``purpose``'s group; a failure inside
+        that broke the group marks it (:meth:`saw_failure`)."""
+        kwargs = {"no_dist": True} if self.groups is None else self.groups.collectives(purpose)
+        try:
+            yield kwargs
+        except BaseException as exc:
+            self.saw_failure(purpose, exc, kwargs.get("process_group"))
+            raise
 
     def start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
         try:
             self._launch(handle, state_dict)
         except BaseException as exc:
-            self._ledger.fail(handle, exc, tier="local", keep=False)
+            self.ledger.fail(handle, exc, tier="local", keep=False)
             self._finish_slot()
             raise
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self.writer.for_step(handle.step)
-        collectives = self.collectives(BACKGROUND)
+        with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
+            response = api.async_save(
+                state_dict,
+                checkpoint_id=handle.name,
+                storage_writer=self.spans.wrap(writer),
+                async_stager=self.stager,
+                per_rank=self.per_rank,
+                **collectives,
+            )
         group = collectives.get("process_group")
-        try:
-            with self._spans.opened(handle):
-                response = api.async_save(
-                    state_dict,
-                    checkpoint_id=handle.name,
-                    storage_writer=self._spans.wrap(writer),
-                    async_stager=self.stager,
-                    per_rank=self.per_rank,
-                    **collectives,
-                )
-        except BaseException as exc:
-            self.saw_failure(BACKGROUND, exc, group)
-            raise
         self.stager.track(response)
         chain(response.staging_completion, handle.staged, lambda _: None)
-        with self._cond:
+        with self.cond:
             self._last_staged = handle.staged
         response.upload_completion.add_done_callback(lambda done: self._follow(handle, done, group))
         if self.staging is StagingMode.SNAPSHOT:
@@ -118,7 +111,7 @@ class SaveRunner:
         Raises:
             DrainTimeoutError: the copy was not done after ``timeout_s``.
         """
-        with self._cond:
+        with self.cond:
             staged = self._last_staged
         if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
             raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
@@ -129,23 +122,21 @@ class SaveRunner:
         if self.sync_writer is None:
             self.sync_writer = self.writer.detached()
         writer = self.sync_writer.for_step(handle.step)
-        self._ledger.count("sync_saves")
-        collectives = self.collectives(FOREGROUND)
+        self.ledger.count("sync_saves")
         try:
-            with self._spans.opened(handle):
+            with self.collectives(FOREGROUND) as collectives, self.spans.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self._spans.wrap(writer),
+                    storage_writer=self.spans.wrap(writer),
                     per_rank=self.per_rank,
                     **collectives,
                 )
         except BaseException as exc:
-            self.saw_failure(FOREGROUND, exc, collectives.get("process_group"))
-            self._ledger.fail(handle, exc, tier="local", keep=False)
+            self.ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
-        self._follow_up.after_commit(handle, writer)
+        self.follow_up.after_commit(handle, writer)
 
     def coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
         """Copy the state now and make it the pending save (started at once if the slot is
@@ -157,21 +148,21 @@ class SaveRunner:
         try:  # another thread may update the state while it is copied
             state = snapshot_copy(state_dict)
         except SnapshotMutatedError as exc:
-            self._ledger.fail(handle, exc, tier="local")
-            if self._barrier is not None:  # the peers' copy of this pending save starts nowhere
-                self._barrier.abandon(self._coalesced)
+            self.ledger.fail(handle, exc, tier="local")
+            if self.barrier is not None:  # the peers' copy of this pending save starts nowhere
+                self.barrier.abandon(self._coalesced)
             return handle
         handle.staged.set_result(None)
         pending = Pending(handle, state, need, seq=self._coalesced)
-        replaced, start_now = self._slot.park(pending)
-        self._ledger.count("coalesced")
+        replaced, start_now = self.slot.park(pending)
+        self.ledger.count("coalesced")
         if replaced is not None:
             replaced.handle.cancel()
             reason = f"coalesced into step {handle.step}"
-            self._ledger.skip(replaced.handle, reason, mark="coalesced")
+            self.ledger.skip(replaced.handle, reason, mark="coalesced")
         if start_now:  # the save in flight finished meanwhile (or none was, on this rank)
-            self._ledger.count("started")
-            if self._barrier is None:
+            self.ledger.count("started")
+            if self.barrier is None:
                 self.start(handle, state)
             else:  # the peers may still be busy: meet them at the barrier, off this thread
                 self.post.submit(self._run_pending, pending)
@@ -179,9 +170,9 @@ class SaveRunner:
 
     def drop_pending(self) -> Pending | None:
         """Take the pending save out, never to start it (its barrier is abandoned)."""
-        pending = self._slot.drop_pending()
-        if pending is not None and self._barrier is not None:
-            self._barrier.abandon(pending.seq)
+        pending = self.slot.drop_pending()
+        if pending is not None and self.barrier is not None:
+            self.barrier.abandon(pending.seq)
         return pending
 
     def _follow(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
@@ -196,15 +187,15 @@ class SaveRunner:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
             self.saw_failure(BACKGROUND, upload.exception(), group)
-            self._follow_up.after_upload(handle, upload, self.writer)
+            self.follow_up.after_upload(handle, upload, self.writer)
         finally:
             self._finish_slot()
 
     def _finish_slot(self) -> None:
         """Free the slot, or hand it straight to the pending coalesced save."""
-        pending = self._slot.release()
+        pending = self.slot.release()
         if pending is not None:
-            self._ledger.count("started")
+            self.ledger.count("started")
             self._run_pending(pending)
 
     def _run_pending(self, pending: Pending | None) -> None:
@@ -215,20 +206,20 @@ class SaveRunner:
         while pending is not None:
             try:
                 dropped = None
-                if self._barrier is not None:
-                    dropped = self._barrier.cross(pending.seq, pending.handle.step)
+                if self.barrier is not None:
+                    dropped = self.barrier.cross(pending.seq, pending.handle.step)
                 if dropped is None:
                     self._launch(pending.handle, pending.state)
                     return
                 pending.handle.cancel()  # as a replaced pending save is
-                self._ledger.skip(pending.handle, dropped, mark="coalesced")
+                self.ledger.skip(pending.handle, dropped, mark="coalesced")
             except BaseException as exc:
-                self._ledger.fail(pending.handle, exc, tier="local")
-            pending = self._slot.release()
+                self.ledger.fail(pending.handle, exc, tier="local")
+            pending = self.slot.release()
             if pending is not None:
-                self._ledger.count("started")
+                self.ledger.count("started")
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> None:
         """A save or load on ``group`` ended with ``error``: mark the group if that broke it."""
         if self.groups is not None and self.groups.saw_failure(purpose, error, group):
-            self._ledger.count("groups_broken")
+            self.ledger.count("groups_broken")

@@ -17,7 +17,7 @@ from dcp_safe.errors import ConfigError, DrainTimeoutError
 from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.slot import SaveSlot
 
-__all__ = ["close_at_exit", "drain", "in_flight_first", "run_bounded", "seconds"]
+__all__ = ["close_at_exit", "countdown", "drain", "in_flight_first", "run_bounded", "seconds"]
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -36,11 +36,7 @@ def drain(
     Raises:
         DrainTimeoutError: something was still busy at ``timeout_s``.
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+    left = countdown(timeout_s)
     idle = slot.wait_idle(timeout_s)
     remotes = replications()
     if not idle:
@@ -52,6 +48,12 @@ def drain(
     except FutureTimeout:
         raise DrainTimeoutError(f"the manager thread was still busy after {timeout_s} s") from None
     books.flush(left())
+
+
+def countdown(timeout_s: float | None) -> Callable[[], float | None]:
+    """The seconds left of ``timeout_s`` from now, at each call (``None``: no bound)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return lambda: None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def in_flight_first(errors: list[BaseException]) -> list[BaseException]:

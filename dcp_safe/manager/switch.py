@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from dcp_safe.manager.fallback import FallbackMonitor
 from dcp_safe.manager.handles import SaveHandle
@@ -21,6 +22,7 @@ __all__ = ["FallbackSwitch"]
 log = logging.getLogger("dcp_safe.manager")
 
 
+@dataclass(kw_only=True, eq=False)
 class FallbackSwitch:
     """Feeds a :class:`FallbackMonitor` and acts on its verdicts.
 
@@ -29,28 +31,18 @@ class FallbackSwitch:
         cond: the manager's condition (the monitor is not thread-safe by itself).
     """
 
-    def __init__(
-        self,
-        monitor: FallbackMonitor,
-        *,
-        sample_memory: Callable[[], int | None],
-        clock: Callable[[], float],
-        ledger: Ledger,
-        spans: SaveSpans,
-        cond: threading.Condition,
-    ) -> None:
-        self.monitor = monitor
-        self._sample_memory = sample_memory
-        self._clock = clock
-        self._ledger = ledger
-        self._spans = spans
-        self._cond = cond
-        self._announced = False  # the agreed fallback is in the record
+    monitor: FallbackMonitor
+    sample_memory: Callable[[], int | None]
+    clock: Callable[[], float]
+    ledger: Ledger
+    spans: SaveSpans
+    cond: threading.Condition
+    _announced: bool = field(default=False, init=False)  # the agreed fallback is in the record
 
     @property
     def reason(self) -> str | None:
         """Why saves are synchronous now (``None``: they are not)."""
-        with self._cond:
+        with self.cond:
             return self.monitor.reason
 
     def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
@@ -60,13 +52,13 @@ class FallbackSwitch:
             leaked_bytes: staging bytes still in use although no save is in flight (called only
                 when no other trigger fired).
         """
-        now = self._clock()
-        available = self._sample_memory()
-        self._ledger.requested(handle.name, now)
-        with self._cond:
+        now = self.clock()
+        available = self.sample_memory()
+        self.ledger.requested(handle.name, now)
+        with self.cond:
             reason = self.monitor.on_request(now, available)
         in_use = leaked_bytes() if reason is None else 0
-        with self._cond:
+        with self.cond:
             reason = reason or self.monitor.on_idle(in_use)
             current = self.monitor.reason
         if reason is not None:
@@ -76,7 +68,7 @@ class FallbackSwitch:
     def follow(self, handle: SaveHandle, agreed: str | None) -> None:
         """Act on the agreed decision of a request: switch too when the ranks fall back
         because of a peer, and record the fallback once, at the same request on every rank."""
-        with self._cond:
+        with self.cond:
             if agreed is None:
                 self._announced = False
                 return
@@ -87,27 +79,27 @@ class FallbackSwitch:
         if reason is not None:
             self._switched(handle, reason)
         if first:
-            self._ledger.record("fallback", handle, reason=agreed)
+            self.ledger.record("fallback", handle, reason=agreed)
 
     def on_committed(self, handle: SaveHandle) -> None:
         """Feed the completion latency of a committed save."""
-        requested_at = self._ledger.completed(handle.name)
+        requested_at = self.ledger.completed(handle.name)
         if requested_at is None:
             return
-        with self._cond:
-            reason = self.monitor.on_completed(self._clock() - requested_at)
+        with self.cond:
+            reason = self.monitor.on_completed(self.clock() - requested_at)
         if reason is not None:
             self._switched(handle, reason)
 
     def rearm(self) -> None:
         """Back to asynchronous saves (no-op when not switched)."""
-        with self._cond:
+        with self.cond:
             was = self.monitor.reason
             self.monitor.rearm()
         if was is not None:
             log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
-            self._ledger.record("rearmed", (None, None), reason=f"was: {was}")
+            self.ledger.record("rearmed", (None, None), reason=f"was: {was}")
 
     def _switched(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self._spans.mark("fallback", handle, reason=reason)
+        self.spans.mark("fallback", handle, reason=reason)

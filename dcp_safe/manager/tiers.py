@@ -152,51 +152,39 @@ class Tiers:
         """
         if not self.coordinator:
             return ()
-        dropped = self._prune_local()
+        dropped = self._prune(self.backend, self.root, self.storage_options, "local")
         if self.writer.remote is not None and self.replicate_to is not None:
-            self._prune_remote(self.writer.remote, self.replicate_to)
+            self._prune(self.writer.remote, self.replicate_to, self.replica_options, "remote")
         sweep_partials(
             self.root, grace_s=self.partial_grace_s, storage_options=self.storage_options
         )
         return dropped
 
-    def _prune_remote(self, remote: Backend, url: str) -> None:
-        options = self.replica_options
+    def _prune(
+        self, backend: Backend, url: str, options: dict[str, Any] | None, tier: str
+    ) -> tuple[str, ...]:
+        local = tier == "local"  # the names validated, read and counted here are local ones
         with self._deferred(), self._prune_lock:
             infos = list_checkpoints(url, storage_options=options, signing_key=self.signing_key)
-            records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
-            with self._cond:
-                protected = {n for n, f in self._replications.items() if not f.done()}
-                protected |= self._own_newest()
-            for name in decide(records, self.policy, protected=protected).drop:
-                step = next(r.step for r in records if r.name == name)
-                self._retire(remote, name, step, "remote")
-
-    def _prune_local(self) -> tuple[str, ...]:
-        with self._deferred(), self._prune_lock:
-            infos = list_checkpoints(
-                self.root, storage_options=self.storage_options, signing_key=self.signing_key
-            )
             with self._cond:
                 records = [
-                    CheckpointRecord(i.name, i.step, i.name in self._validated)
+                    CheckpointRecord(i.name, i.step, not local or i.name in self._validated)
                     for i in infos
                     if i.step is not None
                 ]
-                protected = set(self._reading) | {
-                    n for n, f in self._replications.items() if not f.done()
-                }
-                protected |= self._own_newest()
+                protected = {n for n, f in self._replications.items() if not f.done()}
+                protected |= self._own_newest() | (self._reading if local else set())
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
                 try:
-                    self._retire(self.backend, name, step, "local")
+                    self._retire(backend, name, step, tier)
                 except Exception:
-                    if not self._still_committed(self.backend, name):
+                    if local and not self._still_committed(backend, name):
                         self._forget(name)
                     raise
-                self._forget(name)
+                if local:
+                    self._forget(name)
             return decision.drop
 
     def _own_newest(self) -> set[str]:
