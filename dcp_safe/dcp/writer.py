@@ -189,7 +189,6 @@ class SafeStorageWriter(StorageWriter):
         self._background = _Background()
         self._name: str | None = None
         self._rank = 0
-        self._is_coordinator = True
         self._assignment: _Assignment | None = None
 
     def for_step(self, step: int | None) -> Self:
@@ -234,7 +233,6 @@ class SafeStorageWriter(StorageWriter):
                 "SafeStorageWriter needs use_collectives=True: rank 0 publishes only after "
                 "every rank reported success"
             )
-        self._is_coordinator = is_coordinator
         self._rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
