@@ -137,6 +137,7 @@ class FaultInjector:
         if not isinstance(self.plan, FaultPlan):
             raise ConfigError(f"plan must be a FaultPlan, got {type(self.plan).__name__}")
         self._lock = threading.Lock()
+        self._released = threading.Event()
         self._rng = random.Random(self.plan.seed)
 
     def __repr__(self) -> str:  # fsspec tokenizes options by repr: keep each injector distinct
@@ -145,11 +146,13 @@ class FaultInjector:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_lock")
+        state.pop("_released")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._released = threading.Event()
 
     @property
     def calls(self) -> int:
@@ -175,6 +178,12 @@ class FaultInjector:
     def resume(self) -> None:
         """Inject again after :meth:`pause`."""
         self.enabled = True
+
+    def release(self) -> None:
+        """End every delay now, in progress or to come, and stop injecting: a test that left
+        work stuck in a delay lets it finish before the test ends, not at interpreter exit."""
+        self.enabled = False
+        self._released.set()
 
     def _decide(self, kind: str, path: str) -> _Decision:
         plan = self.plan
@@ -208,7 +217,7 @@ class FaultInjector:
         the data operations (torn writes, flips)."""
         decision = self._decide(kind, path)
         if decision.delay_s:
-            time.sleep(decision.delay_s)
+            self._released.wait(decision.delay_s)
         return decision
 
     def raise_for(self, kind: str, path: str) -> None:

@@ -261,6 +261,7 @@ def test_close_returns_by_its_timeout_whatever_a_step_does(tmp_path: Path) -> No
     with pytest.raises(DrainTimeoutError, match=r"close did not finish within 0\.5 s"):
         manager.close(0.5)
     assert time.monotonic() - started < 20.0
+    faults.release()
 
 
 def test_a_managers_upload_waits_come_from_its_own_bounds(tmp_path: Path) -> None:
@@ -291,6 +292,7 @@ def test_a_close_that_gives_up_resolves_every_handle_it_leaves_behind(tmp_path: 
     assert handle.committed.done() and handle.replicated.done()
     with pytest.raises(DrainTimeoutError):
         handle.committed.result(timeout=0)
+    faults.release()  # the write left behind ends now, not at interpreter exit
 
 
 def _construct_with_a_late_peer(rank: int, world_size: int) -> dict[str, Any]:
@@ -356,3 +358,4 @@ def test_a_save_given_up_by_close_before_its_commit_is_recorded_as_a_failed_save
         manager.close(0.5)
     assert handle.committed.done() and handle.replicated.done()
     assert _events_of(manager, 1) == [("requested", "local"), ("failed", "local")]
+    faults.release()

@@ -4,6 +4,8 @@ dcp_safe's backends run on top of it with the capability flags of the storage un
 from __future__ import annotations
 
 import errno
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,19 @@ def test_delay_is_applied_to_selected_operations_only(tmp_path: Path) -> None:
     fs.exists(str(tmp_path / "d"))
     assert fs.faults.injected["delay"] == 1
     assert fs.faults.selected == 1 and fs.faults.calls == 2
+
+
+def test_release_ends_a_delay_in_progress_and_stops_injecting(tmp_path: Path) -> None:
+    fs = _faulty(FaultPlan(delay_s=600.0, ops=("mkdir",)))
+    stuck = threading.Thread(target=fs.makedirs, args=(str(tmp_path / "d"),), daemon=True)
+    stuck.start()
+    while fs.faults.injected["delay"] == 0:  # the thread is inside its delay
+        time.sleep(0.01)
+    fs.faults.release()
+    stuck.join(timeout=60)
+    assert not stuck.is_alive()
+    fs.makedirs(str(tmp_path / "e"), exist_ok=True)  # no delay any more
+    assert fs.faults.injected["delay"] == 1 and fs.faults.calls == 2
 
 
 def test_pause_stops_injecting_but_keeps_counting(tmp_path: Path) -> None:
