@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -75,16 +76,15 @@ _MAX_FINGERPRINT = (1 << 64) - 1
 #: more elements than this many times its stored bytes.
 ZSTD_MAX_RATIO = 1 << 16
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(value).removeprefix("torch."): value
-    for value in vars(torch).values()
-    if isinstance(value, torch.dtype)
-}
-_LAYOUTS: dict[str, torch.layout] = {
-    str(value).removeprefix("torch."): value
-    for value in vars(torch).values()
-    if isinstance(value, torch.layout)
-}
+T = TypeVar("T")
+
+
+def _torch_names(kind: type[T]) -> dict[str, T]:
+    return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, kind)}
+
+
+_DTYPES = _torch_names(torch.dtype)
+_LAYOUTS = _torch_names(torch.layout)
 # The memory formats DCP's TensorProperties can pickle at all.
 _MEMORY_FORMATS: dict[str, torch.memory_format] = {
     "contiguous_format": torch.contiguous_format,
@@ -97,18 +97,16 @@ _TENSOR_KEYS = frozenset(
 )
 _PLANNER_KEYS = frozenset(("paths", "audit"))
 
-T = TypeVar("T")
-
 
 # ---------------------------------------------------------------------------- encoding
 
 
+@dataclass
 class _Budget:
     """Elements an encoding may visit (chunks, path elements, fingerprints): an unpickled
     metadata can share one long list under every key, which walked naively never ends."""
 
-    def __init__(self, limit: int | None) -> None:
-        self.left = limit
+    left: int | None
 
     def take(self, count: int) -> None:
         if self.left is None:
