@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
-from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.streams import WritableFile
 
 __all__ = ["MAX_WALK_DEPTH", "Backend", "FileStat", "WritableFile", "not_a_file", "too_deep"]
@@ -79,6 +79,17 @@ class Backend(abc.ABC):
     def full_path(self, rel: str) -> str:
         """The path or URL of ``rel``, for messages and for users."""
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
+        return StorageError(op, self.full_path(rel), exc)
+
+    @contextlib.contextmanager
+    def _failing(self, op: str, rel: str) -> Iterator[None]:
+        """Any ``OSError`` in the block (``FileNotFoundError`` too) becomes :meth:`_fail`'s."""
+        try:
+            yield
+        except OSError as exc:
+            raise self._fail(op, rel, exc) from exc
 
     @abc.abstractmethod
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:

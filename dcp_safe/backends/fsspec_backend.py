@@ -30,7 +30,7 @@ import logging
 import posixpath
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any, BinaryIO, NoReturn
 
@@ -172,9 +172,6 @@ class FsspecBackend(Backend):
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
-        return StorageError(op, self.full_path(rel), exc)
-
     # ----------------------------------------------------------------- writing
 
     @property
@@ -203,43 +200,37 @@ class FsspecBackend(Backend):
             )
         except (OSError, ValueError) as exc:
             raise self._fail("create", rel, exc) from exc
-        try:
-            yield f
-        except BaseException as exc:
-            f.abort()  # nothing was published: the upload completes only in close()
-            self._raise_write_error(rel, exc)
-        try:
-            f.close()  # aborts the upload itself if it fails
-        except BaseException as exc:
-            self._remove_quietly(rel)  # the server may have completed it before failing
-            self._raise_write_error(rel, exc)
+        yield from self._published_by_close(rel, f, f.abort)
 
     @contextmanager
     def _open_staged(self, rel: str) -> Iterator[WritableFile]:
-        try:
+        with self._failing("create", rel):
             f = self.fs.open(self._abs(rel), "wb")
-        except OSError as exc:
-            raise self._fail("create", rel, exc) from exc
+        yield from self._published_by_close(rel, f, lambda: _discard(f))
+
+    def _published_by_close(
+        self, rel: str, f: Any, drop: Callable[[], None]
+    ) -> Iterator[WritableFile]:
+        """Yield ``f``, an upload that only its ``close()`` completes; on any failure ``drop``
+        it (safe to repeat after a failed close) and raise as a write of ``rel``."""
         try:
             yield f
         except BaseException as exc:
-            _discard(f)  # nothing was published: the upload completes only in close()
+            drop()  # nothing was published
             self._raise_write_error(rel, exc)
         try:
             f.close()
         except BaseException as exc:
-            _discard(f)
+            drop()
             self._remove_quietly(rel)  # the server may have completed it before failing
             self._raise_write_error(rel, exc)
 
     @contextmanager
     def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
         temp = _temp_name(rel)
-        try:
+        with self._failing("create", rel):
             self._make_parent(rel)
             f = self.fs.open(self._abs(temp), "wb")
-        except OSError as exc:
-            raise self._fail("create", rel, exc) from exc
         try:
             with f:
                 yield f
@@ -278,10 +269,8 @@ class FsspecBackend(Backend):
             with self._open_via_temp(rel) as f:
                 f.write(data)
             return
-        try:
+        with self._failing("write", rel):
             self.fs.pipe_file(self._abs(rel), data)
-        except OSError as exc:
-            raise self._fail("write", rel, exc) from exc
 
     def _make_parent(self, rel: str) -> None:
         """Writes create their directory, as on an object store (fsspec's local file system
@@ -292,12 +281,10 @@ class FsspecBackend(Backend):
 
     def _create_exclusive(self, rel: str, data: bytes) -> None:
         """A conditional PUT: the server refuses it, atomically, when the key exists."""
-        try:
-            self.fs.pipe_file(self._abs(rel), data, mode="create")
-        except OSError as exc:
-            if isinstance(exc, FileExistsError) or is_precondition_failed(exc):
-                raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel)) from exc
-            raise self._fail("write", rel, exc) from exc
+        with self._failing("write", rel):
+            made = _create_once(self.fs, self._abs(rel), data)
+        if not made:
+            raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
 
     # ----------------------------------------------------------------- reading
 
@@ -384,16 +371,12 @@ class FsspecBackend(Backend):
         return FileStat("directory" if kind == "directory" else "other", 0)
 
     def exists(self, rel: str) -> bool:
-        try:
+        with self._failing("stat", rel):
             return bool(self.fs.exists(self._abs(rel)))
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
 
     def is_dir(self, rel: str) -> bool:
-        try:
+        with self._failing("stat", rel):
             return bool(self.fs.isdir(self._abs(rel)))
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
 
     def list_dir(self, rel: str) -> list[str]:
         try:
@@ -453,21 +436,15 @@ class FsspecBackend(Backend):
             # No directories: a prefix exists once a key is under it. s3fs's makedirs would
             # create a missing bucket, with default settings, which a checkpoint must not do.
             return
-        try:
+        with self._failing("mkdir", rel):
             self.fs.makedirs(self._abs(rel), exist_ok=True)
-        except OSError as exc:
-            raise self._fail("mkdir", rel, exc) from exc
 
     def remove_tree(self, rel: str) -> None:
-        try:
+        with self._failing("remove", rel), suppress(FileNotFoundError):
             if self.object_store:
                 self._remove_keys(rel)
             elif self.fs.exists(self._abs(rel)):
                 self.fs.rm(self._abs(rel), recursive=True)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise self._fail("remove", rel, exc) from exc
 
     def _remove_keys(self, rel: str) -> None:
         """Delete the key ``rel`` and every key under ``rel/``, never the bucket itself."""

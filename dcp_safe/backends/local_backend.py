@@ -69,19 +69,18 @@ class LocalBackend(Backend):
     def _abs(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
 
-    def _fail(self, op: str, rel: str, exc: OSError) -> StorageError:
+    def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
         return StorageError(op, self._abs(rel), exc)
 
     @contextmanager
     def open_write(self, rel: str) -> Iterator[WritableFile]:
         with ExitStack() as stack:
-            try:
+            # A link on the way is refused as it is (corrupt, not an OSError).
+            with self._failing("create", rel):
                 folder, name = stack.enter_context(self._beneath.parent(rel))
                 fd = self._beneath.open_in(
                     folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
                 )
-            except OSError as exc:  # a link on the way is refused as it is (corrupt)
-                raise self._fail("create", rel, exc) from exc
             f = os.fdopen(fd, "wb")
             try:
                 # Durable files start their writeback as they are written, so the fsync below
@@ -299,18 +298,14 @@ class LocalBackend(Backend):
         yield from sorted(found)
 
     def makedirs(self, rel: str) -> None:
-        try:
+        with self._failing("mkdir", rel):
             os.makedirs(self.root, exist_ok=True)  # the root as given (links followed)
             with self._beneath.folder(rel, create=True):
                 pass
-        except OSError as exc:
-            raise self._fail("mkdir", rel, exc) from exc
 
     def remove_tree(self, rel: str) -> None:
-        try:
+        with self._failing("remove", rel):
             self._beneath.remove(rel)
-        except OSError as exc:
-            raise self._fail("remove", rel, exc) from exc
 
     def remove_empty_dir(self, rel: str) -> bool:
         """Remove the folder ``rel`` if it is empty (one ``rmdir``: nothing written into it
@@ -329,11 +324,8 @@ class LocalBackend(Backend):
     def sync_dir(self, rel: str) -> None:
         if not self.fsync:
             return
-        try:
-            with self._beneath.folder(rel) as fd:
-                os.fsync(fd)
-        except OSError as exc:
-            raise self._fail("fsync", rel, exc) from exc
+        with self._failing("fsync", rel), self._beneath.folder(rel) as fd:
+            os.fsync(fd)
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
         dst_path = self._abs(dst)
