@@ -159,9 +159,7 @@ def _runs(box: Box, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = len(shape) - 1
     while k > 0 and sizes[k] == shape[k] and offsets[k] == 0:
         k -= 1
-    length = 1
-    for d in range(k, len(shape)):
-        length *= sizes[d]
+    length = math.prod(sizes[k:])
     starts = torch.tensor([offsets[k] * strides[k]], dtype=torch.int64)
     for d in range(k - 1, -1, -1):  # outer dimensions vary slowest: broadcast them in
         along = (torch.arange(sizes[d], dtype=torch.int64) + offsets[d]) * strides[d]
