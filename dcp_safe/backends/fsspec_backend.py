@@ -103,7 +103,12 @@ class FsspecBackend(Backend):
         )
         self.client_retries = client_retries
         self._limit_client_retries()
-        self._multipart = self.object_store and _is_s3fs(fs)
+        # s3fs (or a wrapper passing its call_s3 on) reaches the S3 API for pipelined uploads.
+        self._multipart = (
+            self.object_store
+            and type(target).__name__ == "S3FileSystem"
+            and callable(getattr(fs, "call_s3", None))
+        )
         # Checked now, not at the first upload: a bad option is the caller's, not a storage fault.
         self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
 
@@ -229,7 +234,9 @@ class FsspecBackend(Backend):
     def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
         temp = _temp_name(rel)
         with self._failing("create", rel):
-            self._make_parent(rel)
+            # Writes make their folder, as on an object store (fsspec's auto_mkdir is off).
+            if parent := posixpath.dirname(rel):
+                self.fs.makedirs(self._abs(parent), exist_ok=True)
             f = self.fs.open(self._abs(temp), "wb")
         try:
             with f:
@@ -271,13 +278,6 @@ class FsspecBackend(Backend):
             return
         with self._failing("write", rel):
             self.fs.pipe_file(self._abs(rel), data)
-
-    def _make_parent(self, rel: str) -> None:
-        """Writes create their directory, as on an object store (fsspec's local file system
-        would not: ``auto_mkdir`` is off by default)."""
-        parent = posixpath.dirname(rel)
-        if parent and not self.object_store:
-            self.fs.makedirs(self._abs(parent), exist_ok=True)
 
     def _create_exclusive(self, rel: str, data: bytes) -> None:
         """A conditional PUT: the server refuses it, atomically, when the key exists."""
@@ -491,14 +491,6 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
             return False
         raise
     return True
-
-
-def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
-    """s3fs (or a wrapper of it that passes ``call_s3`` on), whose ``call_s3`` reaches the S3
-    API directly (for the pipelined multipart path)."""
-    return type(_target_of(fs)).__name__ == "S3FileSystem" and callable(
-        getattr(fs, "call_s3", None)
-    )
 
 
 def _target_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:

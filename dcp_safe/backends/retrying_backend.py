@@ -67,10 +67,8 @@ class RetryingBackend(Backend):
         return self.inner.open_write(rel)
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-        if not exclusive:
-            self._retry("write", rel, lambda: self.inner.write_bytes(rel, data))
-            return
-        self._retry("write", rel, lambda: self._create_exclusive(rel, data))
+        once = self._create_exclusive if exclusive else self.inner.write_bytes
+        self._retry("write", rel, lambda: once(rel, data))
 
     def _create_exclusive(self, rel: str, data: bytes) -> None:
         """One try at an exclusive create; a refusal by our own earlier write is success."""

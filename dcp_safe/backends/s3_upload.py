@@ -211,7 +211,8 @@ class S3MultipartWriter:
 
     def write(self, data: Any) -> int:
         """Copy ``data`` into the current block; send the block once it is full."""
-        self._check_open()
+        if self.closed:
+            raise ValueError("I/O operation on a closed S3 upload")
         self._raise_background_error()
         with memoryview(data) as raw, raw.cast("B") as view:
             n = view.nbytes
@@ -274,10 +275,6 @@ class S3MultipartWriter:
         self._release()
 
     # ------------------------------------------------------------------ internals
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ValueError("I/O operation on a closed S3 upload")
 
     def _raise_background_error(self) -> None:
         """Re-raise a failed part's error (once it is known), after aborting the upload."""
