@@ -218,7 +218,7 @@ def _encode_path(value: object, budget: _Budget) -> list[str | int]:
     if not isinstance(value, (tuple, list)) or not 0 < len(value) <= _MAX_PATH:
         raise ValueError("planner data that is not a flatten path")
     budget.take(len(value))
-    return [_str_key(v) if isinstance(v, str) else _count(v, "a path index") for v in value]
+    return [_path_element(v) for v in value]
 
 
 def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
@@ -233,7 +233,9 @@ def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
         # order; what must hold is that they are exactly 0 .. n-1.
         if any(type(b) is not int for b in blocks) or sorted(blocks) != list(range(len(blocks))):
             raise ValueError("fingerprints of a tensor that are not blocks 0, 1, ...")
-        values = [_fingerprint(blocks[b]) for b in range(len(blocks))]
+        values = [blocks[b] for b in range(len(blocks))]
+        if any(type(v) is not int or not 0 <= v <= _MAX_FINGERPRINT for v in values):
+            raise ValueError("a fingerprint is not an integer in [0, 2**64)")
         found.append([_str_key(key), struct.pack(f">{len(values)}Q", *values).hex()])
     return found
 
@@ -244,10 +246,8 @@ def _count(value: object, what: str) -> int:
     return value
 
 
-def _fingerprint(value: object) -> int:
-    if type(value) is not int or not 0 <= value <= _MAX_FINGERPRINT:
-        raise ValueError("a fingerprint is not an integer in [0, 2**64)")
-    return value
+def _path_element(value: object) -> str | int:
+    return _str_key(value) if isinstance(value, str) else _count(value, "a path index")
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -406,16 +406,10 @@ class _Decoder:
             key = _str_key(key)
             if key in data or key == layout.AUDIT_KEY:
                 raise ValueError(f"path of {key[:80]!r} given twice")
-            data[key] = tuple(
-                self.path_element(e) for e in _list("a path", path, at_most=_MAX_PATH)
-            )
+            data[key] = tuple(map(_path_element, _list("a path", path, at_most=_MAX_PATH)))
         if body["audit"] is not None:
             data[layout.AUDIT_KEY] = self.audit(body["audit"], limit)
         return data
-
-    @staticmethod
-    def path_element(raw: object) -> str | int:
-        return _str_key(raw) if isinstance(raw, str) else _count(raw, "a path index")
 
     @staticmethod
     def audit(raw: object, limit: int) -> dict[str, dict[int, int]]:
