@@ -28,24 +28,23 @@ log = logging.getLogger(__name__)
 # Parsed manifests by the sha256 of their bytes: the same bytes parse to the same Manifest, so a
 # manifest read again (each prune lists every checkpoint; a commit's check opens it once more)
 # is hashed and compared with its marker as always, but parsed once. At 10,000 items a parse
-# costs ~0.2 s of Python on the manager's thread (the training thread's GIL); raw bytes bound it.
-_PARSED_MAX_BYTES = 64 << 20
-_parsed: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()
+# costs ~0.2 s of Python on the manager's thread and the result ~24 MiB: the last few are kept.
+_PARSED_KEPT = 4
+_parsed: OrderedDict[str, Manifest] = OrderedDict()
 _parsed_lock = threading.Lock()
 
 
 def _parse(raw: bytes, digest: str, path: str) -> Manifest:
     with _parsed_lock:
-        hit = _parsed.get(digest)
-        if hit is not None:
+        manifest = _parsed.get(digest)
+        if manifest is not None:
             _parsed.move_to_end(digest)
-            return hit[0]
+            return manifest
     manifest = Manifest.from_json(raw, path)
     with _parsed_lock:
-        _parsed[digest] = (manifest, len(raw))
-        total = sum(size for _, size in _parsed.values())
-        while total > _PARSED_MAX_BYTES and len(_parsed) > 1:
-            total -= _parsed.popitem(last=False)[1][1]
+        _parsed[digest] = manifest
+        while len(_parsed) > _PARSED_KEPT:
+            _parsed.popitem(last=False)
     return manifest
 
 

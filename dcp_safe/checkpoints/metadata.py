@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections import OrderedDict
+import weakref
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -33,11 +33,10 @@ __all__ = ["read_dcp_metadata"]
 # Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.
 _PICKLED_ELEMENTS_PER_ITEM = 64
 
-# Decoded plain metadata of the last few manifests, by the manifest object: open_committed
-# hands out one object per manifest's bytes, so a restore of the same checkpoint meets it
-# again. Decoding is ~0.3 s of Python at 10,000 tensors, about a third of a warm restore.
-_DECODED_MAX = 4
-_decoded: OrderedDict[int, tuple[Manifest, Metadata]] = OrderedDict()
+# Decoded plain metadata by manifest object, for as long as that object lives: open_committed
+# keeps the last few manifests it parsed, so a restore of the same checkpoint meets it again.
+# Decoding is ~0.3 s of Python at 10,000 tensors, about a third of a warm restore.
+_decoded: dict[int, Metadata] = {}
 _decoded_lock = threading.Lock()
 
 
@@ -103,15 +102,13 @@ def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytes:
 def _decoded_plain(manifest: Manifest, path: str) -> Metadata:
     assert manifest.dcp_metadata is not None
     with _decoded_lock:
-        hit = _decoded.get(id(manifest))
-        if hit is not None and hit[0] is manifest:
-            _decoded.move_to_end(id(manifest))
-            return hit[1]
-    metadata = decode_dcp_metadata(manifest.dcp_metadata, manifest, path)
-    with _decoded_lock:
-        _decoded[id(manifest)] = (manifest, metadata)  # the manifest held: its id stays unique
-        while len(_decoded) > _DECODED_MAX:
-            _decoded.popitem(last=False)
+        metadata = _decoded.get(id(manifest))
+    if metadata is None:
+        metadata = decode_dcp_metadata(manifest.dcp_metadata, manifest, path)
+        with _decoded_lock:
+            if id(manifest) not in _decoded:
+                _decoded[id(manifest)] = metadata
+                weakref.finalize(manifest, _decoded.pop, id(manifest), None)
     return metadata
 
 
