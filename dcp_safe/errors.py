@@ -22,6 +22,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── PerRankStateError(ValueError)            per-rank state saved by another world size
     ├── MissingKeysError(LookupError)            keys asked for are not in the checkpoint
     ├── RestoreMismatchError(ValueError)         an audited restore differs from what was saved
+    ├── RollbackUnavailableError(LookupError)    no kept in-memory copy of the last commit
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
@@ -62,6 +63,7 @@ __all__ = [
     "MissingKeysError",
     "PerRankStateError",
     "RestoreMismatchError",
+    "RollbackUnavailableError",
     "StaleWriterError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -328,6 +330,11 @@ class MissingKeysError(DcpSafeError, LookupError):
             f"the checkpoint holds no {shown}{more}; restore with allow_partial=True to leave"
             " them as they are, or exclude them"
         )
+
+
+class RollbackUnavailableError(DcpSafeError, LookupError):
+    """``CheckpointManager.rollback`` has no kept copy of the last committed step on every rank
+    (``keep_in_memory=True`` keeps one per verified asynchronous commit); restore from storage."""
 
 
 class RestoreMismatchError(DcpSafeError, ValueError):

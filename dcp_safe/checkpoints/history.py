@@ -64,6 +64,7 @@ EVENTS = frozenset(
         "rearmed",
         "preempted",
         "restored",
+        "rolled_back",
     }
 )
 

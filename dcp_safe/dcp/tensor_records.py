@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import hashlib
 import io
 import math
 import pickle
-import secrets
 import struct
 import threading
 from dataclasses import dataclass
@@ -38,6 +38,11 @@ _LOCAL, _DESCRIPTOR, _CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
 _ZIP64_END, _ZIP64_LOCATOR, _END = 0x06064B50, 0x07064B50, 0x06054B50
 _FLAGS = 0x0808  # sizes in a data descriptor after each record; UTF-8 names
 _ID_DIGITS = 40
+_SERIALIZATION_ID = (
+    f"{int.from_bytes(hashlib.sha256(b'dcp_safe').digest()[:16], 'big'):0{_ID_DIGITS}d}"[
+        -_ID_DIGITS:
+    ].encode()
+)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,10 @@ class _Encoder:
         self._format: _Format | bool | None = False  # False: not learnt yet; None: unusable
         self._dtypes: dict[torch.dtype, bool] = {}
         self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], TensorLayout | None] = {}
-        self._id = f"{secrets.randbits(128):0{_ID_DIGITS}d}"[-_ID_DIGITS:].encode()
+        # torch.save writes a random id per call; torch only logs it. One fixed id, the same in
+        # every process, lets any rank reproduce the bytes another wrote (the manager's in-memory
+        # tier checks a kept copy against the manifest that way).
+        self._id = _SERIALIZATION_ID
 
     def layout(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
         # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion

@@ -22,17 +22,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import io
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Self, cast
+from typing import Any, Self
 
-import zstandard
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -48,8 +46,8 @@ from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
+from dcp_safe.dcp.item_bytes import write_item
 from dcp_safe.dcp.options import WriterOptions, writer_options
-from dcp_safe.dcp.tensor_records import minimal_cpu_tensor, write_tensor
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
@@ -64,11 +62,8 @@ from dcp_safe.replication.rank_upload import (
 )
 from dcp_safe.replication.replicator import Replicator
 from dcp_safe.topology import Topology
-from dcp_safe.torch_compat import ZStandard, save_tensor_without_crc
 
 __all__ = ["SafeStorageWriter"]
-
-ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
 
 
 @dataclass
@@ -499,25 +494,8 @@ class SafeStorageWriter(StorageWriter):
     ) -> ItemRecord:
         start = sink.tell()
         sink.expect(_item_bytes(item))
-        data = planner.resolve_data(item)
         compressed = self.options.compression == "zstd"
-        out: Any = (
-            zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], sink), closefd=False)
-            if compressed
-            else sink
-        )
-        if item.type == WriteItemType.BYTE_IO:
-            if not isinstance(data, io.BytesIO):
-                raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
-            out.write(data.getbuffer())
-        else:
-            tensor = minimal_cpu_tensor(data)
-            # torch.save's exact bytes from a template where it can (36 us an item instead of
-            # 370 here); torch.save itself for the rest.
-            if not write_tensor(tensor, out):
-                save_tensor_without_crc(tensor, out)
-        if compressed:
-            out.close()
+        transforms = write_item(sink, item, planner.resolve_data(item), compressed=compressed)
         offset = item.index.offset
         return ItemRecord(
             fqn=item.index.fqn,
@@ -526,7 +504,7 @@ class SafeStorageWriter(StorageWriter):
             start=start,
             length=sink.tell() - start,
             checksum=sink.take_checksum(),
-            transforms=(ZSTD_DESCRIPTOR,) if compressed else (),
+            transforms=transforms,
         )
 
     def __getstate__(self) -> dict[str, Any]:

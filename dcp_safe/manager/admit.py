@@ -81,7 +81,10 @@ class Admitter:
         """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
         # Idle first, stats second: only the training thread starts saves, so once idle, what
         # the stager still has in use was leaked by a finished save, not leased by a new one.
-        return self.stager.stats().in_use_bytes if self.slot.idle() else 0
+        if not self.slot.idle():
+            return 0
+        stats = self.stager.stats()
+        return stats.in_use_bytes - stats.kept_bytes  # keep_in_memory's copy is no leak
 
     def _stalled(self) -> str | None:
         age = self.slot.age_s()

@@ -17,6 +17,7 @@ from typing import Any
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
 from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
@@ -45,6 +46,7 @@ class FollowUp:
     deep: bool
     flush_s: float
     verdicts: Verdicts | None = None
+    in_memory: InMemoryTier | None = None  # keep_in_memory=True
 
     def after_upload(
         self, handle: SaveHandle, upload: Future[Any], writer: SafeStorageWriter
@@ -81,6 +83,8 @@ class FollowUp:
             return
         self.ledger.count("committed")
         self.ledger.record("committed", handle, tier="local", validated=True)
+        if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
+            self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
         self.switch.on_committed(handle)
         self._replicate(handle, writer)
         try:
@@ -130,3 +134,11 @@ class FollowUp:
         else:
             self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
         self.tiers.replication_done(handle.name, handle.replicated)
+
+
+def _keep(tier: InMemoryTier, handle: SaveHandle) -> None:
+    try:
+        tier.committed(handle)
+    except BaseException:
+        tier.forget()  # an older copy must not pass for the last committed step
+        raise

@@ -41,6 +41,7 @@ from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions, sync_fallback_options
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
+from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
@@ -108,6 +109,8 @@ class CheckpointManager:
         initial_load_from: another run's root (its newest committed checkpoint) or
             ``ROOT/NAME``: what :meth:`restore` loads while this manager's roots hold no
             committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
+        keep_in_memory: keep the last committed step's staged copy in host memory, inside the
+            stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
 
     Raises:
         ConfigError: a bad option.
@@ -144,6 +147,7 @@ class CheckpointManager:
         per_rank: Sequence[str] = (),
         initial_load_from: str | os.PathLike[str] | None = None,
         initial_load_keys: Sequence[str] | None = None,
+        keep_in_memory: bool = False,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -225,6 +229,11 @@ class CheckpointManager:
             spans=self._spans,
             cond=self._cond,
         )
+        self._in_memory = (
+            InMemoryTier(self.stager, self._tiers.backend, self.per_rank)
+            if keep_in_memory
+            else None
+        )
         self._follow_up = FollowUp(
             tiers=self._tiers,
             ledger=self._ledger,
@@ -233,6 +242,7 @@ class CheckpointManager:
             deep=self.validate is Validation.DEEP,
             flush_s=self.deadline_s,
             verdicts=Verdicts.for_job(self._agreement, wait_timeout_s),
+            in_memory=self._in_memory,
         )
         self._runner = SaveRunner(
             writer=self.writer,
@@ -246,6 +256,7 @@ class CheckpointManager:
             groups=self._agreement.groups,
             barrier=PromotionBarrier.for_job(self._agreement, wait_timeout_s),
             per_rank=self.per_rank,
+            in_memory=self._in_memory,
         )
         self._admitter = Admitter(
             agreement=self._agreement,
@@ -389,6 +400,27 @@ class CheckpointManager:
         return self._restorer.restore(
             state_dict, step, keys=keys, exclude=exclude, allow_partial=allow_partial, audit=audit
         )
+
+    def rollback(self, state_dict: dict[str, Any]) -> int:
+        """Restore the last committed step into ``state_dict`` from host memory, in place.
+
+        Needs ``keep_in_memory=True``. Reads no storage: the kept copy is checked against the
+        committed manifest's checksums first (docs/resume.md, "Rolling back in memory"). Every
+        rank checks before any copies, so either every rank rolls back or none does. Returns
+        the step restored.
+
+        Raises:
+            ConfigError: the manager was built without ``keep_in_memory=True``.
+            RollbackUnavailableError: no kept copy of the last committed step (or the ranks'
+                differ: call :meth:`wait` on every rank first); nothing changed.
+            CheckpointCorruptError: the kept copy changed since it was committed; nothing changed.
+            MissingKeysError: ``state_dict`` has keys the kept copy lacks; nothing changed.
+        """
+        if self._in_memory is None:
+            raise ConfigError("rollback() needs CheckpointManager(..., keep_in_memory=True)")
+        step = self._in_memory.rollback(state_dict, self._agreement)
+        self._ledger.record("rolled_back", (step, self._name_for(step)), tier="memory")
+        return step
 
     @property
     def last_reader(self) -> SafeStorageReader | None:

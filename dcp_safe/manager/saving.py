@@ -22,6 +22,7 @@ from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.groups import BACKGROUND, FOREGROUND, ManagerGroups
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
+from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.slot import SaveSlot
@@ -54,6 +55,7 @@ class SaveRunner:
     groups: ManagerGroups | None = None
     barrier: PromotionBarrier | None = None
     per_rank: tuple[str, ...] = ()
+    in_memory: InMemoryTier | None = None  # keep_in_memory=True
     # The agreed coalesce decisions so far: a pending save's ``seq``.
     _coalesced: int = field(default=0, init=False)
     sync_writer: SafeStorageWriter | None = field(default=None, init=False)
@@ -85,6 +87,8 @@ class SaveRunner:
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
         writer = self.writer.for_step(handle.step)
+        if self.in_memory is not None:
+            self.in_memory.check_room(state_dict)
         with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
             response = api.async_save(
                 state_dict,
@@ -95,7 +99,7 @@ class SaveRunner:
                 **collectives,
             )
         group = collectives.get("process_group")
-        self.stager.track(response)
+        self.stager.track(response, keep=None if self.in_memory is None else handle)
         chain(response.staging_completion, handle.staged, lambda _: None)
         with self.cond:
             self._last_staged = handle.staged

@@ -9,6 +9,7 @@ Admission and release stay in :mod:`dcp_safe.staging.stager`.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -60,6 +61,11 @@ class InFlightGeneration:
     error: BaseException | None = None
     # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
     confirmed: bool = True
+    # ``track(keep=tag)``: kept after a successful upload, under this tag, with its staged
+    # dict held strongly (else DCP dropping it would release the buffers).
+    keep: object | None = None
+    result: weakref.ref[StagedStateDict] | None = None
+    held: StagedStateDict | None = None
 
 
 def copy_sources(

@@ -114,6 +114,7 @@ class StagerStats:
         torn: generations the mutation guard failed.
         plans_built: staging plans made (one per new layout of the state).
         plan_reuses: saves (and warm-ups) that found the plan of their unchanged layout.
+        kept_bytes: in-use bytes of the kept generation (``track(keep=...)``), not in flight.
     """
 
     envelope_bytes: int
@@ -136,3 +137,4 @@ class StagerStats:
     torn: int = 0
     plans_built: int = 0
     plan_reuses: int = 0
+    kept_bytes: int = 0

@@ -121,6 +121,7 @@ class BudgetedStager(AsyncStager):
         self._in_flight: dict[int, InFlightGeneration] = {}
         self._last = threading.local()
         self._latest: InFlightGeneration | None = None
+        self._kept: InFlightGeneration | None = None
         self._closed = False
         self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
         self._torn_count = 0
@@ -190,6 +191,7 @@ class BudgetedStager(AsyncStager):
                 return
             self._closed = True
             waiting = list(self._in_flight.values())
+        self.drop_kept()
         gc.collect()  # a dropped response caught in a reference cycle still holds its state
         deadline = time.monotonic() + self.options.timeout_s
         with self._cond:
@@ -210,12 +212,19 @@ class BudgetedStager(AsyncStager):
 
     # -- dcp_safe's additions -------------------------------------------------------------------
 
-    def track(self, response: AsyncSaveResponse | Future[Any]) -> AsyncSaveResponse | Future[Any]:
+    def track(
+        self, response: AsyncSaveResponse | Future[Any], *, keep: object | None = None
+    ) -> AsyncSaveResponse | Future[Any]:
         """Release the generation this thread staged last when its upload finishes.
 
         Call right after ``dcp.async_save`` on the same thread. Success or failure, the buffers
         go back to the pool as soon as the upload future is done, and its error is kept for
         :meth:`close`. Returns ``response``, for chaining.
+
+        With ``keep`` (any tag), a *successful* upload keeps the generation instead, staged
+        dict and buffers, as :meth:`kept` under that tag, and releases the one kept before:
+        one kept generation at most, outside ``max_in_flight`` but inside the envelope (its
+        buffers stay leased). A failed upload releases as usual and leaves the kept one.
 
         Raises:
             ConfigError: this thread has no staged generation left to track.
@@ -226,8 +235,31 @@ class BudgetedStager(AsyncStager):
             raise ConfigError("track(): no untracked save was staged on this thread")
         self._last.generation = None
         gen.tracked = True
+        if keep is not None:
+            with self._cond:  # against _copy: whichever comes second takes the dict
+                gen.keep = keep
+                gen.held = None if gen.result is None else gen.result()
         upload.add_done_callback(lambda f: self._upload_done(gen, f))
         return response
+
+    def kept(self) -> tuple[object, StagedStateDict] | None:
+        """The kept generation's tag and staged dict (see :meth:`track`), if one is kept.
+
+        The dict's tensors are the pool's buffers: read them, never keep references to them
+        beyond :meth:`drop_kept` or the next kept generation."""
+        with self._cond:
+            gen = self._kept
+            if gen is None or gen.held is None:
+                return None
+            return gen.keep, gen.held
+
+    def drop_kept(self) -> None:
+        """Release the kept generation, if any (its buffers go back to the pool)."""
+        with self._cond:
+            gen, self._kept = self._kept, None
+        if gen is not None:
+            gen.held = None
+            self._release(gen, writer_done=True)
 
     def release_after(self, future: Future[Any]) -> Future[Any]:
         """:meth:`track` for a bare upload future."""
@@ -305,6 +337,7 @@ class BudgetedStager(AsyncStager):
                 torn=self._torn_count,
                 plans_built=self._plans.builds,
                 plan_reuses=self._plans.hits,
+                kept_bytes=0 if self._kept is None else self._kept.lease.request.cost,
             )
 
     def __enter__(self) -> BudgetedStager:
@@ -467,6 +500,9 @@ class BudgetedStager(AsyncStager):
         finalizer = weakref.finalize(result, self._dropped, gen)
         finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
         with self._cond:
+            gen.result = weakref.ref(result)
+            if gen.keep is not None:
+                gen.held = result
             self._last_allocated = allocated
             self._last_staging_s = time.perf_counter() - started
         gen.staged.set()
@@ -518,7 +554,16 @@ class BudgetedStager(AsyncStager):
         exc = upload.exception()
         if exc is not None and gen.error is None:
             gen.error = exc
-        self._release(gen, writer_done=True)
+        release: InFlightGeneration | None = gen
+        if exc is None and gen.held is not None:
+            with self._cond:
+                if not self._closed:  # kept: out of the in-flight set, its buffers still leased
+                    release, self._kept = self._kept, gen
+                    self._in_flight.pop(gen.number, None)
+                    self._cond.notify_all()
+        if release is not None:
+            release.held = None
+            self._release(release, writer_done=True)
 
     def _release(self, gen: InFlightGeneration, *, writer_done: bool) -> None:
         # Only the first release ends the generation, so only it is a phase.

@@ -1,0 +1,354 @@
+"""The in-memory tier: the last committed step's staged copy, kept for :meth:`rollback`.
+
+With ``CheckpointManager(keep_in_memory=True)`` every asynchronous save asks the stager to keep
+its generation once the upload succeeded (``BudgetedStager.track(keep=handle)``): the staged dict
+and its buffers stay leased, inside the stager's envelope, until the next one replaces them. When
+the manager has verified that save's commit, this tier takes the committed manifest (read then,
+while the commit is checked, never at rollback) and the copy becomes the rollback source.
+
+A rollback reads no storage. It first checks the whole kept copy, then copies it into the live
+state, so a copy that fails the check changes nothing:
+
+* a plain tensor item is written again, in memory, exactly as the writer wrote it (the same
+  template of ``torch.save``'s bytes, compressed the same way) into a sink that only hashes,
+  and must match the manifest's checksum;
+* anything the writer did not lay down from a template (objects, a tensor ``torch.save`` wrote
+  itself) embeds ``torch.save``'s random per-call id, so it cannot be written again to the same
+  bytes: it is checked against a digest of its pickle taken when the commit was verified.
+
+A synchronous save (sync fallback, ``force``) stages nothing: after its commit the kept copy is
+older than the last committed step, so it is dropped, and rollback raises until the next
+asynchronous save commits.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import threading
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.dcp.item_bytes import write_item
+from dcp_safe.dcp.planners import SafeSavePlanner
+from dcp_safe.dcp.tensor_records import layout_for, minimal_cpu_tensor, tensor_bytes
+from dcp_safe.errors import (
+    BudgetExceededError,
+    CheckpointCorruptError,
+    ConfigError,
+    DcpSafeError,
+    MissingKeysError,
+    RollbackUnavailableError,
+)
+from dcp_safe.manager.agreement import Agreement, Vote
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.schema import ItemKey, Manifest, item_key
+from dcp_safe.manifest.streams import HashingSink
+from dcp_safe.staging import BudgetedStager
+from dcp_safe.units import format_bytes
+
+__all__ = ["InMemoryTier"]
+
+
+class _Discard:
+    """A file that stores nothing: the hashing sink needs somewhere to write."""
+
+    def __init__(self) -> None:
+        self._position = 0
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        size = memoryview(data).nbytes
+        self._position += size
+        return size
+
+    def tell(self) -> int:
+        return self._position
+
+
+@dataclass(eq=False)
+class _Kept:
+    """The kept copy of one committed step, with what checks it."""
+
+    handle: SaveHandle
+    manifest: Manifest
+    # Items not written from a template: their pickle's digest when the commit was verified.
+    digests: dict[ItemKey, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class InMemoryTier:
+    """Keeps the last committed step in host memory and rolls the live state back to it.
+
+    Args:
+        stager: the manager's stager, which holds the kept generation.
+        backend: the commit root (its committed manifest is read when a commit is verified).
+        per_rank: the manager's per-rank prefixes (the stored names of those keys).
+    """
+
+    stager: BudgetedStager
+    backend: Backend
+    per_rank: tuple[str, ...] = ()
+    _kept: _Kept | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def check_room(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a state whose kept copy and next staged copy cannot both fit the envelope.
+
+        Raises:
+            BudgetExceededError: twice the state's tensor bytes exceed the stager's envelope.
+        """
+        need = _tensor_bytes(state_dict)
+        envelope = self.stager.budget.envelope_bytes
+        if 2 * need > envelope:
+            raise BudgetExceededError(
+                f"keep_in_memory=True holds the last committed copy while the next save stages"
+                f" its own: 2 x {format_bytes(need)} does not fit the staging envelope of"
+                f" {format_bytes(envelope)}. Raise the budget (MemoryBudget) or pass"
+                " keep_in_memory=False"
+            )
+
+    def committed(self, handle: SaveHandle) -> None:
+        """``handle``'s commit was verified: its kept copy, if the stager holds it, becomes the
+        rollback source (on the manager thread; reads the committed manifest)."""
+        kept = self.stager.kept()
+        if kept is None or kept[0] is not handle:
+            self.forget()  # a synchronous save, or one whose copy was not kept
+            return
+        manifest = open_committed(self.backend, handle.name).manifest
+        record = _Kept(handle, manifest)
+        for item, data, value in self._items(kept[1]):
+            if _template_of(item, data) is None:
+                record.digests[_key(item)] = _digest(value)
+        with self._lock:
+            self._kept = record
+
+    def forget(self) -> None:
+        """Drop the kept copy (a newer step committed without one)."""
+        with self._lock:
+            self._kept = None
+        self.stager.drop_kept()
+
+    def rollback(self, state_dict: dict[str, Any], agreement: Agreement) -> int:
+        """:meth:`prepare` on every rank, then, only if every rank can, copy; return the step.
+
+        Raises:
+            RollbackUnavailableError: this rank or another cannot roll back, or the ranks' kept
+                steps differ (a rank has not verified the last commit yet); nothing changed.
+            CheckpointCorruptError, MissingKeysError: as :meth:`prepare`; nothing changed.
+        """
+        try:
+            step, apply = self.prepare(state_dict)
+            failed: DcpSafeError | None = None
+        except DcpSafeError as exc:
+            step, failed = -1, exc
+        votes = agreement.gather(Vote("rollback", step, detail=failed and repr(failed)))
+        if failed is not None:
+            raise failed
+        if any((v.call, v.step, v.detail) != ("rollback", step, None) for v in votes):
+            seen = "; ".join(
+                f"rank {r}: {v.detail or f'step {v.step}'}" for r, v in enumerate(votes)
+            )
+            raise RollbackUnavailableError(
+                f"the ranks cannot all roll back to one step ({seen}); nothing changed. Call"
+                " wait() on every rank so each has verified the last commit, then rollback()"
+            )
+        apply()
+        return step
+
+    @property
+    def step(self) -> int | None:
+        """The step a rollback restores now, if any."""
+        with self._lock:
+            return None if self._kept is None else self._kept.handle.step
+
+    def prepare(self, state_dict: dict[str, Any]) -> tuple[int, Callable[[], None]]:
+        """Check the kept copy against ``state_dict``; return its step and the copy to run.
+
+        Nothing changes until the returned callable runs (it copies the kept values into
+        ``state_dict`` in place), so several ranks can all check before any of them copies.
+
+        Raises:
+            RollbackUnavailableError: no kept copy of the last committed step.
+            CheckpointCorruptError: the kept copy no longer matches the manifest (nothing changed).
+            MissingKeysError: ``state_dict`` has keys the kept copy lacks (nothing changed).
+            ConfigError: a tensor's shape or a container's length differs (nothing changed).
+        """
+        with self._lock:
+            record = self._kept
+        kept = self.stager.kept()
+        if record is None or kept is None or kept[0] is not record.handle:
+            raise RollbackUnavailableError(
+                "no in-memory copy of the last committed step: keep_in_memory=True keeps the"
+                " copy of each asynchronous save once its commit is verified, and a synchronous"
+                " save drops it. Restore from storage with restore()"
+            )
+        staged = kept[1]
+        algorithm = ChecksumAlgorithm(record.manifest.checksum_algorithm)
+        compressed = record.manifest.compression == "zstd"
+        where = f"memory:{record.handle.name}"
+        for item, data, value in self._items(staged):
+            key = _key(item)
+            stored = record.manifest.item(key)
+            if stored is None:
+                raise CheckpointCorruptError(where, "the manifest has no such item", item=key[0])
+            if key in record.digests:
+                expected, actual = record.digests[key], _digest(value)
+            else:
+                expected, actual = stored.checksum, _checksum(item, data, algorithm, compressed)
+            if actual != expected:
+                raise CheckpointCorruptError(
+                    where,
+                    "the kept copy changed since it was committed",
+                    item=key[0],
+                    expected=expected,
+                    actual=actual,
+                )
+        pairing = _Pairing()
+        _pair(state_dict, staged, "", pairing)
+        if pairing.missing:
+            raise MissingKeysError(pairing.missing)
+        if pairing.mismatched:
+            raise ConfigError(
+                "the live state is not laid out as the kept copy: "
+                + "; ".join(pairing.mismatched[:10])
+                + ". rollback() restores into the state that was saved; use restore() otherwise"
+            )
+
+        def apply() -> None:
+            with torch.no_grad():
+                for copy_into, value in pairing.copies:
+                    copy_into(value)
+
+        return record.handle.step, apply
+
+    def _items(self, staged: dict[str, Any]) -> list[tuple[WriteItem, Any, Any]]:
+        """The write items of ``staged`` as this rank's writer saw them: each with the data the
+        writer serialized and the kept value it came from."""
+        planner = SafeSavePlanner(
+            per_rank=self.per_rank, check_divergence=False, record_audit=False
+        )
+        planner.set_up_planner(staged, None, False)
+        plan = planner.create_local_plan()
+        return [
+            (item, planner.resolve_data(item), planner.lookup_object(item.index))
+            for item in plan.items
+        ]
+
+
+def _key(item: WriteItem) -> ItemKey:
+    offset = item.index.offset
+    return item_key(item.index.fqn, None if offset is None else tuple(offset))
+
+
+def _template_of(item: WriteItem, data: Any) -> Any:
+    """The template the writer laid this tensor item down from, or ``None`` (it did not)."""
+    if item.type == WriteItemType.BYTE_IO or not isinstance(data, torch.Tensor):
+        return None
+    tensor = minimal_cpu_tensor(data)
+    return layout_for(tensor.dtype, tuple(tensor.shape))
+
+
+def _checksum(item: WriteItem, data: Any, algorithm: ChecksumAlgorithm, compressed: bool) -> str:
+    sink = HashingSink(_Discard(), algorithm)
+    write_item(sink, item, data, compressed=compressed)
+    return sink.take_checksum()
+
+
+def _digest(value: Any) -> str:
+    """A digest of a kept value's content (``torch.save``'s bytes would differ call to call)."""
+    if isinstance(value, torch.Tensor):
+        tensor = minimal_cpu_tensor(value)
+        meta = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+        return hashlib.sha256(meta + bytes(tensor_bytes(tensor))).hexdigest()
+    return hashlib.sha256(pickle.dumps(value, protocol=5)).hexdigest()
+
+
+@dataclass
+class _Pairing:
+    """What a rollback copies where, or why it cannot."""
+
+    copies: list[tuple[Callable[[Any], object], Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The tensor bytes DCP will stage for ``value`` (a Stateful by its state dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, Stateful) and not isinstance(value, Mapping):
+        return _tensor_bytes(value.state_dict())
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
+    """Match the live ``target`` with the kept ``source``, collecting the copies to make.
+
+    Tensors are copied into in place; a container is walked; any other value (and a sequence
+    holding no tensor) is replaced whole by a copy of the kept one."""
+    if isinstance(target, Stateful) and not isinstance(target, Mapping):
+        inner = target.state_dict()  # as DCP loads a Stateful: into its state dict, then back
+        _pair(inner, source, prefix, out)
+        out.copies.append((lambda _: target.load_state_dict(inner), None))
+    elif isinstance(target, MutableMapping):
+        if not isinstance(source, Mapping):
+            out.mismatched.append(f"{prefix or '<root>'}: a mapping, kept as {type(source)}")
+            return
+        for key, value in target.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in source:
+                out.missing.append(name)
+            elif isinstance(value, MutableMapping | Stateful) or _holds_tensors(value):
+                _pair(value, source[key], name, out)
+            else:
+                out.copies.append((_setter(target, key), source[key]))
+    elif isinstance(target, MutableSequence):
+        if not isinstance(source, list | tuple) or len(source) != len(target):
+            out.mismatched.append(f"{prefix}: {len(target)} elements, kept {source!r:.60}")
+            return
+        for index, value in enumerate(target):
+            if _holds_tensors(value):
+                _pair(value, source[index], f"{prefix}.{index}", out)
+            else:
+                out.copies.append((_setter(target, index), source[index]))
+    elif isinstance(target, torch.Tensor):
+        if not isinstance(source, torch.Tensor) or source.shape != target.shape:
+            kept = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source)
+            out.mismatched.append(f"{prefix}: shape {tuple(target.shape)}, kept {kept}")
+            return
+        live = target.to_local() if isinstance(target, DTensor) else target
+        held = source.to_local() if isinstance(source, DTensor) else source
+        out.copies.append((live.copy_, held))
+    else:
+        out.mismatched.append(f"{prefix}: a {type(target).__name__} holding tensors")
+
+
+def _setter(container: Any, key: Any) -> Any:
+    def set_value(value: Any) -> None:
+        container[key] = copy.deepcopy(value)  # never hand out what the pool will reuse
+
+    return set_value
