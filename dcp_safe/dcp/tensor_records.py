@@ -30,7 +30,14 @@ import torch
 from dcp_safe.errors import ConfigError
 from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor, save_tensor_without_crc
 
-__all__ = ["TensorLayout", "layout_for", "minimal_cpu_tensor", "tensor_bytes", "write_tensor"]
+__all__ = [
+    "TensorLayout",
+    "layout_for",
+    "minimal_cpu_tensor",
+    "template_parts",
+    "tensor_bytes",
+    "write_tensor",
+]
 
 # Past this, torch's writer switches records to zip64 forms that the template does not cover.
 _MAX_PAYLOAD = (1 << 32) - (1 << 20)
@@ -289,12 +296,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
-    """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can.
-
-    Returns ``False`` (nothing written) for anything but a plain contiguous CPU tensor with no
-    autograd history, of a dtype and size the template covers.
-    """
+def template_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
+    """``tensor``'s stored form as (prefix, its own bytes, suffix), written or hashed in that
+    order, or ``None`` for anything but a plain contiguous CPU tensor with no autograd history,
+    of a dtype and size the template covers."""
     if (
         type(tensor) is not torch.Tensor
         or not tensor.is_cpu
@@ -306,13 +311,21 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
         or tensor.is_neg()
         or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
     ):
-        return False
+        return None
     layout = layout_for(tensor.dtype, tensor.shape)
     if layout is None:
+        return None
+    return layout.prefix, tensor_bytes(tensor), layout.suffix
+
+
+def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
+    """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can
+    (:func:`template_parts`); ``False``, nothing written, if it cannot."""
+    parts = template_parts(tensor)
+    if parts is None:
         return False
-    out.write(layout.prefix)
-    out.write(tensor_bytes(tensor))
-    out.write(layout.suffix)
+    for part in parts:
+        out.write(part)
     return True
 
 

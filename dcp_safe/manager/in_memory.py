@@ -27,20 +27,25 @@ import copy
 import hashlib
 import pickle
 import threading
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.dcp.item_bytes import write_item
 from dcp_safe.dcp.planners import SafeSavePlanner
-from dcp_safe.dcp.tensor_records import layout_for, minimal_cpu_tensor, tensor_bytes
+from dcp_safe.dcp.tensor_records import (
+    layout_for,
+    minimal_cpu_tensor,
+    template_parts,
+    tensor_bytes,
+)
 from dcp_safe.errors import (
     BudgetExceededError,
     CheckpointCorruptError,
@@ -51,7 +56,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manager.agreement import Agreement, Vote
 from dcp_safe.manager.handles import SaveHandle
-from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemKey, Manifest, item_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.staging import BudgetedStager
@@ -126,9 +131,9 @@ class InMemoryTier:
             return
         manifest = open_committed(self.backend, handle.name).manifest
         record = _Kept(handle, manifest)
-        for item, data, value in self._items(kept[1]):
-            if _template_of(item, data) is None:
-                record.digests[_key(item)] = _digest(value)
+        for entry in self._entries(kept[1]):
+            if not entry.reproducible:
+                record.digests[entry.key] = _digest(entry.value)
         with self._lock:
             self._kept = record
 
@@ -196,20 +201,19 @@ class InMemoryTier:
         algorithm = ChecksumAlgorithm(record.manifest.checksum_algorithm)
         compressed = record.manifest.compression == "zstd"
         where = f"memory:{record.handle.name}"
-        for item, data, value in self._items(staged):
-            key = _key(item)
-            stored = record.manifest.item(key)
+        for entry in self._entries(staged):
+            stored = record.manifest.item(entry.key)
             if stored is None:
-                raise CheckpointCorruptError(where, "the manifest has no such item", item=key[0])
-            if key in record.digests:
-                expected, actual = record.digests[key], _digest(value)
+                raise CheckpointCorruptError(where, "the manifest has no such item", item=entry.fqn)
+            if entry.key in record.digests:
+                expected, actual = record.digests[entry.key], _digest(entry.value)
             else:
-                expected, actual = stored.checksum, _checksum(item, data, algorithm, compressed)
+                expected, actual = stored.checksum, entry.checksum(algorithm, compressed)
             if actual != expected:
                 raise CheckpointCorruptError(
                     where,
                     "the kept copy changed since it was committed",
-                    item=key[0],
+                    item=entry.fqn,
                     expected=expected,
                     actual=actual,
                 )
@@ -231,37 +235,56 @@ class InMemoryTier:
 
         return record.handle.step, apply
 
-    def _items(self, staged: dict[str, Any]) -> list[tuple[WriteItem, Any, Any]]:
-        """The write items of ``staged`` as this rank's writer saw them: each with the data the
-        writer serialized and the kept value it came from."""
+    def _entries(self, staged: dict[str, Any]) -> Iterator[_Entry]:
+        """The items of ``staged`` as this rank's writer stored them (per-rank keys renamed)."""
         planner = SafeSavePlanner(
             per_rank=self.per_rank, check_divergence=False, record_audit=False
         )
         planner.set_up_planner(staged, None, False)
-        plan = planner.create_local_plan()
-        return [
-            (item, planner.resolve_data(item), planner.lookup_object(item.index))
-            for item in plan.items
-        ]
+        for fqn, value in planner.state_dict.items():
+            if type(value) is torch.Tensor:  # its own single item, at offset 0 (most of them)
+                yield _Entry(item_key(fqn, (0,) * value.dim()), fqn, value, value)
+                continue
+            for item in _create_write_items(fqn, value):  # as DCP's planner makes them
+                data = planner.resolve_data(item)
+                yield _Entry(_key(item), fqn, data, planner.lookup_object(item.index), item)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One stored item of the kept copy."""
+
+    key: ItemKey
+    fqn: str
+    data: Any  # what the writer serialized: a tensor, or torch.save's bytes of an object
+    value: Any  # the kept value it came from
+    item: WriteItem | None = None  # None: a plain tensor, its own item
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether writing it again gives the stored bytes (a tensor from the template)."""
+        if self.item is not None and self.item.type == WriteItemType.BYTE_IO:
+            return False
+        tensor = minimal_cpu_tensor(self.data)
+        return layout_for(tensor.dtype, tuple(tensor.shape)) is not None
+
+    def checksum(self, algorithm: ChecksumAlgorithm, compressed: bool) -> str:
+        """The checksum of its stored bytes, written again into a sink that only hashes."""
+        parts = None if compressed else template_parts(self.data)
+        if parts is not None:  # the common case, without a sink
+            hasher = new_hasher(algorithm, size_hint=parts[1].nbytes)
+            for part in parts:
+                hasher.update(part)
+            return format_checksum(algorithm, hasher)
+        item = self.item or _create_write_items(self.fqn, self.value)[0]
+        sink = HashingSink(_Discard(), algorithm)
+        write_item(sink, item, self.data, compressed=compressed)
+        return sink.take_checksum()
 
 
 def _key(item: WriteItem) -> ItemKey:
     offset = item.index.offset
     return item_key(item.index.fqn, None if offset is None else tuple(offset))
-
-
-def _template_of(item: WriteItem, data: Any) -> Any:
-    """The template the writer laid this tensor item down from, or ``None`` (it did not)."""
-    if item.type == WriteItemType.BYTE_IO or not isinstance(data, torch.Tensor):
-        return None
-    tensor = minimal_cpu_tensor(data)
-    return layout_for(tensor.dtype, tuple(tensor.shape))
-
-
-def _checksum(item: WriteItem, data: Any, algorithm: ChecksumAlgorithm, compressed: bool) -> str:
-    sink = HashingSink(_Discard(), algorithm)
-    write_item(sink, item, data, compressed=compressed)
-    return sink.take_checksum()
 
 
 def _digest(value: Any) -> str:
@@ -286,13 +309,31 @@ def _tensor_bytes(value: Any) -> int:
     """The tensor bytes DCP will stage for ``value`` (a Stateful by its state dict)."""
     if isinstance(value, torch.Tensor):
         return value.nbytes
-    if isinstance(value, Stateful) and not isinstance(value, Mapping):
+    if _is_stateful(value):
         return _tensor_bytes(value.state_dict())
     if isinstance(value, Mapping):
         return sum(_tensor_bytes(v) for v in value.values())
     if isinstance(value, list | tuple):
         return sum(_tensor_bytes(v) for v in value)
     return 0
+
+
+def _is_stateful(value: Any) -> bool:
+    # Stateful is a runtime protocol: isinstance() on it costs ~25 us, on every value.
+    return (
+        not isinstance(value, torch.Tensor | Mapping)
+        and hasattr(value, "state_dict")
+        and hasattr(value, "load_state_dict")
+    )
+
+
+def _descend(value: Any) -> bool:
+    """Whether a value is copied into (tensors, mappings, state) rather than replaced."""
+    return (
+        isinstance(value, torch.Tensor | MutableMapping)
+        or _is_stateful(value)
+        or (_holds_tensors(value))
+    )
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -310,7 +351,15 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
 
     Tensors are copied into in place; a container is walked; any other value (and a sequence
     holding no tensor) is replaced whole by a copy of the kept one."""
-    if isinstance(target, Stateful) and not isinstance(target, Mapping):
+    if isinstance(target, torch.Tensor):
+        if not isinstance(source, torch.Tensor) or source.shape != target.shape:
+            kept = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source)
+            out.mismatched.append(f"{prefix}: shape {tuple(target.shape)}, kept {kept}")
+            return
+        live = target.to_local() if isinstance(target, DTensor) else target
+        held = source.to_local() if isinstance(source, DTensor) else source
+        out.copies.append((live.copy_, held))
+    elif _is_stateful(target):
         inner = target.state_dict()  # as DCP loads a Stateful: into its state dict, then back
         _pair(inner, source, prefix, out)
         out.copies.append((lambda _: target.load_state_dict(inner), None))
@@ -322,7 +371,7 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
             name = f"{prefix}.{key}" if prefix else str(key)
             if key not in source:
                 out.missing.append(name)
-            elif isinstance(value, MutableMapping | Stateful) or _holds_tensors(value):
+            elif _descend(value):
                 _pair(value, source[key], name, out)
             else:
                 out.copies.append((_setter(target, key), source[key]))
@@ -335,14 +384,6 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
                 _pair(value, source[index], f"{prefix}.{index}", out)
             else:
                 out.copies.append((_setter(target, index), source[index]))
-    elif isinstance(target, torch.Tensor):
-        if not isinstance(source, torch.Tensor) or source.shape != target.shape:
-            kept = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source)
-            out.mismatched.append(f"{prefix}: shape {tuple(target.shape)}, kept {kept}")
-            return
-        live = target.to_local() if isinstance(target, DTensor) else target
-        held = source.to_local() if isinstance(source, DTensor) else source
-        out.copies.append((live.copy_, held))
     else:
         out.mismatched.append(f"{prefix}: a {type(target).__name__} holding tensors")
 
