@@ -38,6 +38,7 @@ __all__ = [
     "StorageInfo",
     "StreamTransformExtension",
     "ZStandard",
+    "create_write_items",
     "default_store",
     "dtensor_chunks",
     "dtensor_local",
@@ -59,6 +60,17 @@ __all__ = [
 # ``Tensor._version`` is the autograd version counter every in-place update bumps; its C getter
 # mapped over a list costs about 0.1 us a tensor (the mutation guard's whole cost).
 read_version = torch.Tensor._version.__get__  # type: ignore[attr-defined]
+
+
+def create_write_items(fqn: str, value: Any) -> list[Any]:
+    """The ``WriteItem``s DCP's default save planner makes for one flattened entry (a tensor,
+    a DTensor's local chunks, or an object's byte item). Private in torch; what the manager's
+    in-memory tier needs to name each stored item of a kept copy as the writer did, without
+    planning the whole state again. No fallback: it has had this name and signature since 2.2.
+    """
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    return list(_create_write_items(fqn, value))
 
 
 def default_store() -> Any:

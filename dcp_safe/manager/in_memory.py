@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcp_safe.backends.backend import Backend
@@ -60,6 +59,7 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_h
 from dcp_safe.manifest.schema import ItemKey, Manifest, item_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.staging import BudgetedStager
+from dcp_safe.torch_compat import create_write_items
 from dcp_safe.units import format_bytes
 
 __all__ = ["InMemoryTier"]
@@ -245,7 +245,7 @@ class InMemoryTier:
             if type(value) is torch.Tensor:  # its own single item, at offset 0 (most of them)
                 yield _Entry(item_key(fqn, (0,) * value.dim()), fqn, value, value)
                 continue
-            for item in _create_write_items(fqn, value):  # as DCP's planner makes them
+            for item in create_write_items(fqn, value):  # as DCP's planner makes them
                 data = planner.resolve_data(item)
                 yield _Entry(_key(item), fqn, data, planner.lookup_object(item.index), item)
 
@@ -276,7 +276,7 @@ class _Entry:
             for part in parts:
                 hasher.update(part)
             return format_checksum(algorithm, hasher)
-        item = self.item or _create_write_items(self.fqn, self.value)[0]
+        item = self.item or create_write_items(self.fqn, self.value)[0]
         sink = HashingSink(_Discard(), algorithm)
         write_item(sink, item, self.data, compressed=compressed)
         return sink.take_checksum()
