@@ -13,6 +13,7 @@ collective save. Reports are removed before the publish: they are no part of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -51,15 +52,20 @@ def write_report(backend: Backend, assignment: Assignment, metadata: Metadata) -
     Raises:
         ConfigError: the metadata has no plain form (a custom planner's data).
     """
+    # A rank's audit sums cover only its own blocks of a sharded tensor: sent apart, as plain
+    # block -> sum pairs, and summed on rank 0 (the plain form wants every block of a tensor).
+    planner = dict(metadata.planner_data or {})
+    audit = planner.pop(layout.AUDIT_KEY, None)
     try:
-        plain = encode_dcp_metadata(metadata)
+        plain = encode_dcp_metadata(dataclasses.replace(metadata, planner_data=planner or None))
+        sums = _encode_audit(audit)
     except ValueError as exc:
         raise ConfigError(
             f"a save without collectives sends each rank's DCP metadata through storage as plain"
             f" data, and this one has none ({exc}): use DCP's or dcp_safe's planner, or"
             " use_collectives=True"
         ) from exc
-    body = {"format": _FORMAT, "rank": assignment.rank, "dcp_metadata": plain}
+    body = {"format": _FORMAT, "rank": assignment.rank, "dcp_metadata": plain, "audit": sums}
     rel = layout.rank_report_name(assignment.rank, assignment.save_id)
     backend.write_bytes(f"{assignment.work_dir}/{rel}", json.dumps(body).encode())
 
@@ -107,7 +113,10 @@ def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -
         body = _read_json(backend, f"{assignment.work_dir}/{rel}", rank)
         if body.get("rank") != rank or "dcp_metadata" not in body:
             raise CommitError("a rank's report is malformed", {rank: rel})
-        found[rank] = body["dcp_metadata"]
+        try:
+            found[rank] = (body["dcp_metadata"], _decode_audit(body.get("audit")))
+        except ValueError as exc:
+            raise CommitError("a rank's report is malformed", {rank: str(exc)}) from exc
     return found
 
 
@@ -130,14 +139,18 @@ def gathered(
     union = _union_manifest(name, assignment, checksum, results)
     metadatas = [own[0]]
     for rank in sorted(reports):
+        plain, audit = reports[rank]
         try:
-            metadatas.append(decode_dcp_metadata(reports[rank], union, f"rank {rank}'s report"))
+            decoded = decode_dcp_metadata(plain, union, f"rank {rank}'s report")
         except DcpSafeError as exc:
             raise CommitError(
                 "a rank holds entries no rank wrote: a plain entry several ranks hold must be"
                 " on rank 0 too, or be declared per rank (per_rank=)",
                 {rank: str(exc)},
             ) from exc
+        if audit is not None:
+            decoded.planner_data = {**(decoded.planner_data or {}), layout.AUDIT_KEY: audit}
+        metadatas.append(decoded)
     for rank in reports:
         rel = layout.rank_report_name(rank, assignment.save_id)
         with contextlib.suppress(OSError, DcpSafeError):
@@ -223,6 +236,39 @@ def _merged(metadatas: Sequence[Metadata]) -> Metadata:
         planner_data=paths or metadatas[0].planner_data,
         storage_meta=StorageMeta(),
         version=metadatas[0].version,
+    )
+
+
+def _encode_audit(audit: object) -> list[list[Any]] | None:
+    if audit is None:
+        return None
+    if not isinstance(audit, dict):
+        raise ValueError("fingerprints that are not a dict")
+    return [[str(k), [[int(b), int(v)] for b, v in blocks.items()]] for k, blocks in audit.items()]
+
+
+def _decode_audit(raw: object) -> dict[str, dict[int, int]] | None:
+    """A report's audit sums, strictly: ``[[key, [[block, sum], ...]], ...]``."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ValueError("audit sums that are not a list")
+    found: dict[str, dict[int, int]] = {}
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError("an audit entry that is not [key, blocks]")
+        blocks = entry[1]
+        if not isinstance(blocks, list) or not all(_block(b) for b in blocks):
+            raise ValueError(f"audit sums of {entry[0][:80]!r} that are not [block, sum] pairs")
+        found[entry[0]] = {b: v for b, v in blocks}
+    return found
+
+
+def _block(pair: object) -> bool:
+    return (
+        isinstance(pair, list)
+        and len(pair) == 2
+        and all(type(n) is int and 0 <= n <= _MASK for n in pair)
     )
 
 

@@ -80,8 +80,13 @@ class StorageAgreement:
         return dataclasses.replace(plan, storage_data=assignment)
 
     def report(self, assignment: Assignment, metadata: Metadata) -> None:
-        """A rank other than 0: its part is on storage (:func:`rank_reports.write_report`)."""
-        rank_reports.write_report(self.backend, assignment, metadata)
+        """A rank other than 0: its part is on storage (:func:`rank_reports.write_report`); if
+        the report cannot be written, a failure marker says so (rank 0 fails at once)."""
+        try:
+            rank_reports.write_report(self.backend, assignment, metadata)
+        except BaseException as exc:
+            rank_reports.report_failure(self.backend, assignment, exc)
+            raise
 
     def failed(self, assignment: Assignment, exc: BaseException, *, coordinator: bool) -> None:
         """This rank's write failed: tell rank 0 (best effort); rank 0 withdraws the save id."""

@@ -227,7 +227,7 @@ class SafeStorageWriter(StorageWriter):
         """
         if checkpoint_id is not None:
             self._name = layout.validate_name(os.fspath(checkpoint_id))
-        self._assignment, self._saves = None, self._saves + 1
+        self._assignment = None
         if self._name is not None:
             self._refuse_committed(self._name)
             self.backend.makedirs("")
@@ -235,7 +235,7 @@ class SafeStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._rank = int(kwargs.get("rank") or 0)
         self._collective = kwargs.get("use_collectives", True) is not False
-        self._coordinator = bool(is_coordinator)
+        self._coordinator, self._saves = bool(is_coordinator), self._saves + 1
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_name()

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from support import assert_state_equal, blank_tree
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import (
@@ -75,7 +77,11 @@ def _load_on_rank(root: str, name: str, rank: int) -> list[str]:
     expected = _rank_state(rank)
     target = blank_tree(expected)
     dcp_safe.load(
-        target, checkpoint_id=name, storage_reader=SafeStorageReader(root), per_rank=PER_RANK
+        target,
+        checkpoint_id=name,
+        storage_reader=SafeStorageReader(root),
+        per_rank=PER_RANK,
+        audit=True,
     )
     return [k for k in expected if not _equal(target[k], expected[k])]
 
@@ -113,6 +119,36 @@ def _save_both_ways(rank: int, world_size: int, root: str) -> dict[str, list[str
     ).result()
     dist.barrier()  # every save published before any rank loads
     return {name: _load_on_rank(root, name, rank) for name in ("via_torch", "via_dcp_safe")}
+
+
+def _dtensor_state(mesh: DeviceMesh, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "dt.sharded": distribute_tensor(torch.randn(5, 4, generator=gen), mesh, [Shard(0)]),
+        "dt.replicated": distribute_tensor(torch.randn(3, generator=gen), mesh, [Replicate()]),
+    }
+
+
+def _save_dtensors(rank: int, world_size: int, root: str) -> list[str]:
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    state = _dtensor_state(mesh, seed=1)
+    dcp_safe.save(
+        state,
+        storage_writer=SafeStorageWriter(root, options=_options()),
+        checkpoint_id="dtensors",
+        use_collectives=False,
+    )
+    dist.barrier()
+    target = {
+        key: distribute_tensor(torch.zeros(value.shape), mesh, value.placements)
+        for key, value in state.items()
+    }
+    # audit=True: the fingerprints rank 0 merged from the ranks' reports match the live state.
+    dcp_safe.load(
+        target, checkpoint_id="dtensors", storage_reader=SafeStorageReader(root), audit=True
+    )
+    loaded = {key: target[key] for key in state if isinstance(target[key], DTensor)}
+    return [k for k, v in state.items() if not torch.equal(loaded[k].to_local(), v.to_local())]
 
 
 class _DiesBeforeReporting(SafeStorageWriter):
@@ -264,6 +300,14 @@ def test_two_ranks_save_without_collectives_and_load_back_exactly(tmp_path: Path
     target = blank_tree(plain)
     dcp.load(target, storage_reader=FileSystemReader(tmp_path / "via_torch"), no_dist=True)
     assert_state_equal(target, plain)
+
+
+def test_dtensor_shards_are_written_by_their_rank_and_replicas_once(tmp_path: Path) -> None:
+    assert run_ranks(_save_dtensors, 2, args=(str(tmp_path),)) == [[], []]
+    manifest = _manifest(tmp_path, "dtensors")
+    files = sorted((item.fqn, item.file[:4]) for item in manifest.items)
+    assert files == [("dt.replicated", "__0_"), ("dt.sharded", "__0_"), ("dt.sharded", "__1_")]
+    verify_checkpoint(tmp_path, "dtensors", deep=True)
 
 
 def test_three_ranks_save_without_collectives(tmp_path: Path) -> None:
