@@ -151,6 +151,24 @@ def _save_dtensors(rank: int, world_size: int, root: str) -> list[str]:
     return [k for k, v in state.items() if not torch.equal(loaded[k].to_local(), v.to_local())]
 
 
+def _save_entry_rank0_lacks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    state = _rank_state(rank)
+    if rank > 0:
+        state["late.entry"] = torch.ones(2)  # on ranks 1 and 2 only, not declared per rank
+    try:
+        dcp_safe.save(
+            state,
+            storage_writer=SafeStorageWriter(root, options=_options()),
+            checkpoint_id="lacking",
+            per_rank=PER_RANK,
+            use_collectives=False,
+            deadline_s=REPORT_TIMEOUT_S,
+        )
+    except CommitError as exc:
+        return {"error": str(exc), "failures": sorted(exc.failures)}
+    return {"error": None}
+
+
 class _DiesBeforeReporting(SafeStorageWriter):
     """Rank ``victim`` is SIGKILLed after its first item: its write_data never finishes."""
 
@@ -314,6 +332,14 @@ def test_three_ranks_save_without_collectives(tmp_path: Path) -> None:
     mismatches = run_ranks(_save_both_ways, 3, args=(str(tmp_path),))
     assert mismatches == [{"via_torch": [], "via_dcp_safe": []}] * 3
     assert _manifest(tmp_path, "via_dcp_safe").world_size == 3
+
+
+def test_a_plain_entry_several_ranks_hold_but_rank_0_lacks_is_refused(tmp_path: Path) -> None:
+    seen = run_ranks(_save_entry_rank0_lacks, 3, args=(str(tmp_path),))
+    # Rank 0 names both writers; the others learn of it from DCP's final barrier.
+    assert "late.entry" in seen[0]["error"] and seen[0]["failures"] == [1, 2]
+    assert all(s["error"] for s in seen[1:])
+    assert not list(tmp_path.rglob(layout.COMMITTED_MARKER))
 
 
 def test_a_rank_that_dies_fails_the_coordinator_naming_it(tmp_path: Path) -> None:
