@@ -2,8 +2,9 @@
 
 DCP calls ``finish`` on every rank with that rank's own metadata and results. A rank other than
 0 writes a report (:func:`~dcp_safe.layout.rank_report_name`) after its rank manifest: its
-metadata in the plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`); its results
-are its rank manifest's items. A rank whose write fails leaves a failure marker instead. Rank 0
+metadata in the plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`) and its audit
+sums apart (they cover only its blocks of a sharded tensor); its results are its rank
+manifest's items. A rank whose write fails leaves a failure marker instead. Rank 0
 polls the work folder's ``_ranks/`` until every rank reported, one failed, or the deadline
 passed, then builds the global metadata and every rank's results for the
 :class:`~dcp_safe.commit.committer.Committer`, which verifies and publishes as after a
@@ -40,9 +41,12 @@ from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, RankManifest
 from dcp_safe.version import __version__
 
-__all__ = ["await_reports", "gathered", "report_failure", "write_report"]
+__all__ = ["Report", "await_reports", "gathered", "report_failure", "write_report"]
 
 _FORMAT = "dcp_safe/rank-report"
+#: A report as rank 0 uses it: the rank's plain DCP metadata, and its audit sums (key ->
+#: block -> sum, of the blocks it holds) where its planner recorded them.
+Report = tuple[Any, dict[str, dict[int, int]] | None]
 _MASK = (1 << 64) - 1
 
 
@@ -80,7 +84,7 @@ def report_failure(backend: Backend, assignment: Assignment, exc: BaseException)
         backend.write_bytes(f"{assignment.work_dir}/{rel}", json.dumps(body).encode())
 
 
-def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -> dict[int, Any]:
+def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -> dict[int, Report]:
     """Every other rank's report, once all are on storage.
 
     Raises:
@@ -108,7 +112,7 @@ def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -
             f"ranks did not report within {deadline_s} s (a save without collectives)",
             {r: "no report: it died, hung or is still writing" for r in missing},
         )
-    found = {}
+    found: dict[int, Report] = {}
     for rank, rel in reports.items():
         body = _read_json(backend, f"{assignment.work_dir}/{rel}", rank)
         if body.get("rank") != rank or "dcp_metadata" not in body:
@@ -126,7 +130,7 @@ def gathered(
     assignment: Assignment,
     checksum: ChecksumAlgorithm,
     own: tuple[Metadata, list[WriteResult]],
-    reports: Mapping[int, Any],
+    reports: Mapping[int, Report],
 ) -> tuple[Metadata, list[list[WriteResult]]]:
     """The global metadata and every rank's results, from rank 0's own and the reports; the
     reports are removed from storage (they are no part of the checkpoint).
