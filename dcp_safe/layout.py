@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dcp_safe.errors import InvalidCheckpointNameError
 
 __all__ = [
+    "ASSIGNMENT_INFIX",
     "ATTEMPTS_DIR",
     "COMMITTED_MARKER",
     "COMMIT_FAILED_PREFIX",
@@ -38,6 +39,7 @@ __all__ = [
     "attempts_dir",
     "commit_failure_marker_name",
     "export_work_dir_name",
+    "assignment_file_name",
     "is_debris",
     "is_lease_file",
     "is_own_object",
@@ -51,6 +53,7 @@ __all__ = [
     "rank_manifest_name",
     "rank_of_manifest",
     "rank_of_marker",
+    "rank_report_name",
     "rank_skip_marker_name",
     "safetensors_shard_name",
     "shard_file_name",
@@ -76,6 +79,12 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 # per-rank upload failed, or was dropped for a newer save.
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
+# ``<work>/_ranks/rank_R.report-<save id>``: rank R's part of a save without collectives is on
+# storage; what rank 0 needs of it to publish (dcp_safe.dcp.rank_reports). Removed before publish.
+_RANK_REPORT_INFIX = ".report-"
+#: ``.<name>.assigned-<key>`` beside the checkpoints: rank 0's save id for a save without
+#: collectives, where the other ranks find it (dcp_safe.dcp.assignment_board).
+ASSIGNMENT_INFIX = ".assigned-"
 LATEST = "latest"
 #: the key of DCP's ``Metadata.planner_data`` under which a save records its tensors'
 #: fingerprints for audited restores (dcp_safe.dcp.audit).
@@ -113,7 +122,8 @@ _RANK_MEMBER = rf"{RANKS_DIR}/{re.escape(_RANK_PREFIX)}(?P<rank>[0-9]{{5,}})"
 _RANK_MANIFEST = re.compile(rf"{_RANK_MEMBER}\.json")
 _OWN_FILE = re.compile(rf"^(__[0-9]+_[0-9]+{re.escape(SHARD_SUFFIX)}|{_RANK_MANIFEST.pattern})$")
 _RANK_MARKER = re.compile(
-    rf"{_RANK_MEMBER}(?:{re.escape(_RANK_FAILED_INFIX)}|{re.escape(_RANK_SKIPPED_INFIX)}){_ID}"
+    rf"{_RANK_MEMBER}(?:{re.escape(_RANK_FAILED_INFIX)}|{re.escape(_RANK_SKIPPED_INFIX)}"
+    rf"|{re.escape(_RANK_REPORT_INFIX)}){_ID}"
 )
 _ATTEMPT_RECORD = re.compile(rf"{re.escape(_ATTEMPT_PREFIX)}(?P<number>[0-9]{{9}})")
 _UNSAFE_IN_RUN_ID = re.compile(r"[^A-Za-z0-9_.=+-]")
@@ -212,6 +222,18 @@ def rank_skip_marker_name(rank: int, save_id: str) -> str:
     """The marker, relative to a per-rank upload's work location, saying rank ``rank`` dropped
     save ``save_id`` for a newer one."""
     return f"{_rank_stem(rank)}{_RANK_SKIPPED_INFIX}{_checked_id(save_id)}"
+
+
+def rank_report_name(rank: int, save_id: str) -> str:
+    """The report, relative to the work folder, saying rank ``rank``'s part of save ``save_id``
+    (one without collectives) is written, with what rank 0 needs of it to publish."""
+    return f"{_rank_stem(rank)}{_RANK_REPORT_INFIX}{_checked_id(save_id)}"
+
+
+def assignment_file_name(name: str, key: str) -> str:
+    """Where rank 0 of a save of ``name`` without collectives tells the other ranks its save
+    id, relative to the root; ``key`` (made safe here) is what every rank of that save knows."""
+    return f".{validate_name(name)}{ASSIGNMENT_INFIX}{_UNSAFE_IN_RUN_ID.sub('_', key)[:100]}"
 
 
 def rank_of_marker(member: str) -> int | None:

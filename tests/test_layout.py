@@ -52,6 +52,7 @@ def test_markers_and_takeover_records_are_debris_of_the_layout_and_nothing_else_
         layout.commit_failure_marker_name(save_id),
         layout.rank_failure_marker_name(3, save_id),
         layout.rank_skip_marker_name(12, save_id),
+        layout.rank_report_name(5, save_id),
     ]
     for member in debris:
         assert layout.is_debris(member) and layout.is_own_object(f"step_1/{member}"), member
@@ -70,6 +71,14 @@ def test_markers_and_takeover_records_are_debris_of_the_layout_and_nothing_else_
     assert layout.rank_of_marker("rank_00001.json") is None
     with pytest.raises(ValueError):
         layout.rank_skip_marker_name(1, "../x")
+
+
+def test_an_assignment_file_is_hidden_beside_the_checkpoints_and_one_path_component() -> None:
+    path = layout.assignment_file_name("step_1", "run/../x-3-1")
+    assert path == ".step_1.assigned-run_.._x-3-1" and "/" not in path
+    assert not layout.is_valid_name(path) and not layout.is_partial_entry(path)
+    with pytest.raises(InvalidCheckpointNameError):
+        layout.assignment_file_name("../x", "k")
 
 
 @pytest.mark.parametrize("rank", [0, 3, 12, 99999, 100000, 123456])

@@ -151,12 +151,19 @@ def save(
             the spread of per-rank write times.
         per_rank: key prefixes saved once per rank (:mod:`dcp_safe.dcp.planners`).
         **kwargs: passed to ``dcp.save``. Without ``planner=``, a
-            :class:`~dcp_safe.dcp.planners.SafeSavePlanner` plans the save.
+            :class:`~dcp_safe.dcp.planners.SafeSavePlanner` plans the save. With
+            ``use_collectives=False`` the ranks plan alone and agree through storage
+            (docs/multirank.md, "Saves without collectives"); what stays collective is
+            DCP's barrier after the save (bounded by ``deadline_s``) and, on the first call,
+            the creation of the dedicated group.
 
     Raises:
         CommitError: a rank failed, died or hung; ``failures`` names it. Nothing was published.
         DivergentStateError: ranks hold different values under one key not declared per rank.
         ConfigError: ``deadline_s`` is not a positive number.
+
+    Without collectives a rank that died is named by rank 0's ``CommitError`` within the
+    writer's ``report_timeout_s``; the other ranks learn of rank 0's failure from the barrier.
     """
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
@@ -216,7 +223,8 @@ def async_save(
     ``async_checkpointer_type=PROCESS`` the upload runs in DCP's checkpoint process, on the
     group DCP creates there: ``deadline_s`` then bounds only the call itself.
 
-    ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save`.
+    ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save` (``use_collectives=False``
+    included: the background part then waits on storage, not on the group, until DCP's barrier).
     """
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)

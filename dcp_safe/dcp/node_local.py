@@ -26,7 +26,8 @@ from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.dcp.writer import SafeStorageWriter, _Assignment, _assignment_of
+from dcp_safe.dcp.assignment_board import Assignment as _Assignment
+from dcp_safe.dcp.writer import SafeStorageWriter, _assignment_of
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.rank_upload import (
@@ -82,6 +83,7 @@ class NodeLocalWriter(SafeStorageWriter):
     Raises:
         ConfigError: ``root`` cannot rename atomically (it must be a local directory), or
             ``overwrite``/``replicate_to`` was given.
+            (At save time: ``use_collectives=False``, which node-local roots cannot serve.)
     """
 
     def __init__(
@@ -119,6 +121,17 @@ class NodeLocalWriter(SafeStorageWriter):
         return self.remote_backend
 
     # ----------------------------------------------------------------- DCP call order
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # Each rank saves to its own node's root: there is no storage where rank 0 could
+            # post the save id and read every rank's report, as a save without collectives needs.
+            raise ConfigError(
+                "NodeLocalWriter needs use_collectives=True: its ranks write to node-local roots,"
+                " which share no storage to agree through; use SafeStorageWriter on a shared root"
+                " for saves without collectives"
+            )
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Assign the save (base class), then take the remote name for it."""

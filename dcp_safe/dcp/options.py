@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 
 from dcp_safe.choices import check_agrees, parse_choice
@@ -11,7 +12,10 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS, checksum_for, resolve_key
 
-__all__ = ["Compression", "WriterOptions", "writer_options"]
+__all__ = ["DEFAULT_REPORT_TIMEOUT_S", "Compression", "WriterOptions", "writer_options"]
+
+#: How long a save without collectives waits on storage for a peer (docs/multirank.md).
+DEFAULT_REPORT_TIMEOUT_S = 600.0
 
 
 class Compression(str, enum.Enum):
@@ -21,7 +25,11 @@ class Compression(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class WriterOptions:
-    """How ``SafeStorageWriter`` writes. Strings are accepted and normalized to enums."""
+    """How ``SafeStorageWriter`` writes. Strings are accepted and normalized to enums.
+
+    ``report_timeout_s`` bounds a save without collectives (``use_collectives=False``): how
+    long rank 0 waits for every rank's report, and every rank for rank 0's save id.
+    """
 
     compression: Compression = Compression.NONE
     checksum: ChecksumAlgorithm = ChecksumAlgorithm.XXH3_128
@@ -30,6 +38,7 @@ class WriterOptions:
     overwrite: bool = False
     # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
     signing_key: bytes | None = field(default=None, repr=False)
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -40,6 +49,11 @@ class WriterOptions:
         )
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
+        timeout = self.report_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ConfigError(f"report_timeout_s must be a number, got {timeout!r}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(f"report_timeout_s must be positive and finite, got {timeout!r}")
         if self.signing_key is not None and self.checksum not in CRYPTOGRAPHIC_CHECKSUMS:
             raise ConfigError(
                 f"a signed save needs a cryptographic checksum, not {self.checksum.value!r}"

@@ -10,6 +10,11 @@ DCP calls a writer in this order (every rank unless noted; one save at a time pe
     finish(metadata, results)       coordinator only, and only if every rank's write_data
                                     succeeded: verify, then publish
 
+With ``use_collectives=False`` DCP calls every step on every rank, each with its own plan only:
+rank 0 then hands out the save id through storage, each rank reports its part through storage,
+and rank 0 publishes once every rank reported (:mod:`dcp_safe.dcp.assignment_board`,
+:mod:`dcp_safe.dcp.rank_reports`; docs/multirank.md, "Saves without collectives").
+
 What each step does for the commit: docs/architecture.md, "The commit protocol".
 
 Shard files use DCP's own format (optional zstd as DCP's transform descriptor), so torch's
@@ -46,8 +51,11 @@ from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
+from dcp_safe.dcp.assignment_board import Assignment as _Assignment
+from dcp_safe.dcp.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
 from dcp_safe.dcp.item_bytes import write_item
 from dcp_safe.dcp.options import WriterOptions, writer_options
+from dcp_safe.dcp.without_collectives import StorageAgreement
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
@@ -72,16 +80,6 @@ class _Background:
 
     replicator: Replicator | None = None
     rank_replicator: RankReplicator | None = None
-
-
-@dataclass(frozen=True)
-class _Assignment:
-    """What the coordinator hands each rank in ``prepare_global_plan``."""
-
-    rank: int
-    world_size: int
-    save_id: str
-    work_dir: str
 
 
 class SafeStorageWriter(StorageWriter):
@@ -117,7 +115,12 @@ class SafeStorageWriter(StorageWriter):
             blake3. See docs/integrity.md, "Signed checkpoints".
         options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
             ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
-            keywords (a keyword also set away from its default must agree with it).
+            keywords (a keyword also set away from its default must agree with it); its
+            ``report_timeout_s`` bounds the storage waits of a save without collectives.
+
+    With ``use_collectives=False`` the ranks find the save id on storage under a key each
+    computes alike (run id, attempt, saves begun through this writer): it assumes every rank's
+    writer is made alike and sees the same saves (:mod:`dcp_safe.dcp.assignment_board`).
 
     Raises:
         ConfigError: an option has an unsupported value, or a keyword disagrees with ``options``.
@@ -185,6 +188,8 @@ class SafeStorageWriter(StorageWriter):
         self._name: str | None = None
         self._rank = 0
         self._assignment: _Assignment | None = None
+        self._collective, self._coordinator, self._saves = True, True, 0
+        self._plain: dict[str, int | None] = {}  # this rank's plain entries, without collectives
 
     def for_step(self, step: int | None) -> Self:
         """This writer for one save of training step ``step`` (its manifest records it): the
@@ -223,18 +228,27 @@ class SafeStorageWriter(StorageWriter):
             self.backend.makedirs("")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
-            raise ConfigError(
-                "SafeStorageWriter needs use_collectives=True: rank 0 publishes only after "
-                "every rank reported success"
-            )
         self._rank = int(kwargs.get("rank") or 0)
+        self._collective = kwargs.get("use_collectives", True) is not False
+        self._coordinator, self._saves = bool(is_coordinator), self._saves + 1
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_name()
+        self._plain = {} if self._collective else plain_keys(plan)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._collective:
+            return self._claim(plans)
+        agreement = self._storage_agreement()
+        claim, plain = self._claim, self._plain
+        return [
+            agreement.agree(
+                plans[0], rank=self._rank, coordinator=self._coordinator, plain=plain, claim=claim
+            )
+        ]
+
+    def _claim(self, plans: list[SavePlan]) -> list[SavePlan]:
         publication = self._publication(layout.new_save_id())
         publication.claim(replace=self.options.overwrite)
         save_id, work_dir = publication.save_id, publication.work_dir
@@ -250,14 +264,22 @@ class SafeStorageWriter(StorageWriter):
             for rank, plan in enumerate(plans)
         ]
 
+    def _storage_agreement(self) -> StorageAgreement:
+        name, key = self._require_name(), save_key(self.attempt, self._saves)
+        board = AssignmentBoard(self.backend, name, key, deadline_s=self.options.report_timeout_s)
+        return StorageAgreement(self.backend, name, board, self.options.checksum, self._publication)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._assignment = assignment = _assignment_of(plan)
-        buckets = _split_evenly(plan.items, self.options.thread_count)
+        items = plan.items if self._collective else items_to_write(plan.items, assignment, planner)
+        buckets = _split_evenly(items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
         try:
             self._publication(assignment.save_id).check()
             results = self._write_rank(assignment, files, buckets, planner)
         except BaseException as exc:
+            if not self._collective:
+                self._storage_agreement().failed(assignment, exc, coordinator=self._coordinator)
             self._abandon(assignment, files)
             self._report_failure(assignment, exc, rank=assignment.rank)
             raise
@@ -319,6 +341,16 @@ class SafeStorageWriter(StorageWriter):
         """
         assignment = self._require_assignment()
         name = self._require_name()
+        if not self._collective:
+            if not self._coordinator:
+                self._storage_agreement().report(assignment, metadata)
+                return
+            metadata, results = self._storage_agreement().gather(
+                assignment,
+                metadata,
+                results,
+                on_failure=lambda exc: self._report_failure(assignment, exc, rank=None),
+            )
         try:
             Committer(self.backend, self.options).publish(
                 self._publication(assignment.save_id),
