@@ -9,15 +9,17 @@ this, and the figures: docs/architecture.md, "Cached save plans".
 
 Why our own cache and not DCP's ``enable_plan_caching``: DCP's compares items without their
 dtype (a dtype change would reuse stale metadata), keys its class-level cache by class name (two
-managers in one process would share it), merges a changed rank's plan with other ranks' *old*
-values, and returns the old storage assignment on a cached save. It also does not exist in every
-torch dcp_safe supports.
+managers in one process would share it), would merge a changed rank's plan with the other
+ranks' cached plans (whose fingerprints and audit sums are an earlier save's), and returns the
+old storage assignment on a cached save.
 
 Consistency rule: a rank's entry and the coordinator's are taken out when planning starts and
 put back only when the plan is finished (:meth:`PlanCache.take`, :meth:`PlanCache.put`). A save
 that fails before then leaves that rank with nothing remembered, so its next save sends its
 whole plan: a rank never claims a layout the coordinator no longer holds. Each scope (a process
-group, or one planner) has its own cache: two saves never share one concurrently.
+group, saves without collectives, or one planner) has its own cache. Saves over one group do not
+overlap; two concurrent saves in one process without collectives each take the entry or find
+none, and the coordinator's part travels with its own rank's, so neither can be mismatched.
 """
 
 from __future__ import annotations

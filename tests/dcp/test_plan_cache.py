@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import dcp_safe
 from dcp_safe import SafeLoadPlanner, SafeSavePlanner, SafeStorageReader, SafeStorageWriter
 from dcp_safe.dcp import plan_cache
+from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.errors import ConfigError, DivergentStateError, RestoreMismatchError
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -381,3 +382,36 @@ def test_a_sharding_change_or_one_ranks_layout_change_plans_afresh(tmp_path: Pat
     # rows, cols (resharded), one rank's per-rank shape, back to the cols layout: all planned;
     # the same again: reused.
     assert rank0["counts"] == [1, 2, 3, 4, 4]
+
+
+def _two_groups(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    planned = _Counted()
+    groups = {
+        name: checkpoint_group(20.0, purpose=f"plan-cache-{name}") for name in ("big", "small")
+    }
+    states = {
+        "big": lambda step: _ranked_state(rank, world_size, step),
+        "small": lambda step: {"rng": torch.full((2,), float(step + 10 * rank)), "x": step},
+    }
+    for step in range(1, 4):
+        for name, group in groups.items():
+            dcp_safe.save(
+                states[name](step),
+                checkpoint_id=f"{name}_{step}",
+                storage_writer=SafeStorageWriter(root),
+                per_rank=["rng"],
+                process_group=group,
+            )
+    _check_loads(rank, world_size, root, "big_3", _ranked_state(rank, world_size, 3))
+    small = {"rng": torch.zeros(2), "x": 0}
+    dcp_safe.load(
+        small, checkpoint_id="small_3", storage_reader=SafeStorageReader(root), per_rank=["rng"]
+    )
+    return {"planned": planned.calls, "small": (small["rng"].tolist(), small["x"])}
+
+
+@pytest.mark.multiproc
+def test_saves_over_two_groups_in_one_process_each_reuse_their_own_plan(tmp_path: Path) -> None:
+    rank0, rank1 = run_ranks(_two_groups, 2, args=(str(tmp_path),))
+    assert rank0["planned"] == 2  # one plan per group, each reused by its two later saves
+    assert rank0["small"] == ([3.0, 3.0], 3) and rank1["small"] == ([13.0, 13.0], 3)
