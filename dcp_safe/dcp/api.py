@@ -167,6 +167,7 @@ def save(
     """
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
+    _share_plans(kwargs, call)
     with _translated_call(call), _quiet_single_process(kwargs):
         metadata: Metadata = _dcp_save(state_dict, **kwargs)
         return metadata
@@ -228,6 +229,7 @@ def async_save(
     """
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
+    _share_plans(kwargs, call)
     with _translated_call(call), _quiet_single_process(kwargs):
         response = _dcp_async_save(state_dict, **kwargs)
     if isinstance(response, Future):
@@ -242,6 +244,13 @@ def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
         kwargs["planner"] = SafeSavePlanner(per_rank=per_rank)
     elif per_rank:
         raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
+
+
+def _share_plans(kwargs: dict[str, Any], call: _Call) -> None:
+    """Saves over one group reuse each other's cached plans (docs/architecture.md)."""
+    planner = kwargs["planner"]
+    if isinstance(planner, SafeSavePlanner):
+        planner.share_plans_over(call.group)
 
 
 def _translated(source: Future[T], call: _Call) -> Future[T]:

@@ -33,7 +33,21 @@ from torch.distributed.tensor import DTensor
 from dcp_safe import layout
 from dcp_safe.dcp import audit
 from dcp_safe.dcp.audit import Piece
-from dcp_safe.errors import ConfigError, DivergentStateError, MissingKeysError, PerRankStateError
+from dcp_safe.dcp.plan_cache import (
+    GlobalEntry,
+    PlanCache,
+    RankEntry,
+    cache_for,
+    layout_of,
+    new_token,
+)
+from dcp_safe.errors import (
+    CommitError,
+    ConfigError,
+    DivergentStateError,
+    MissingKeysError,
+    PerRankStateError,
+)
 
 __all__ = [
     "FingerprintedPlan",
@@ -54,11 +68,15 @@ class FingerprintedPlan(SavePlan):
         fingerprints: flattened key -> fingerprint, for plain tensors and objects.
         audit: every tensor's pieces on this rank, with their block fingerprints
             (:mod:`dcp_safe.dcp.audit`), for audited restores.
+        plan_token: a local plan with no items (``usable=False``): the rank's layout is the one
+            of the cached global plan with this token; a global plan: its token, for the rank
+            to name it by next time (:mod:`dcp_safe.dcp.plan_cache`).
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
     rank: int = 0
     audit: dict[str, list[Piece]] = field(default_factory=dict)
+    plan_token: int | None = None
 
 
 class RestoreReport(str):
@@ -113,15 +131,29 @@ def _rebuild_report(name: str, fields: dict[str, tuple[str, ...]]) -> RestoreRep
 class SafeSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, refusing divergent state and storing per-rank state per rank.
 
+    Repeated saves of one layout reuse the last global plan and metadata (``cache_plans``):
+    each rank sends only its values, and gets back an empty plan. The cache is this planner's
+    own, or, after :meth:`share_plans_over`, every such planner's saving over that group
+    (``dcp_safe.save``, ``async_save`` and the manager share it). docs/architecture.md,
+    "Cached save plans".
+
     Args:
         per_rank: key prefixes (of the flattened state dict) saved once per rank.
         check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
         record_audit: record every tensor's block fingerprints in the checkpoint's metadata,
             for ``load(..., audit=True)``.
+        cache_plans: reuse the last global plan while every rank's layout is unchanged.
 
     Raises:
-        ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard).
+        ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard);
+            ``cache_plans`` is not a bool, or DCP's ``enable_plan_caching`` was asked for.
     """
+
+    # This save's plan cache state: the local layout, what this rank and (on the coordinator)
+    # the global plan were, taken out of the cache until finish_plan puts them back.
+    _layout: Any
+    _remembered: RankEntry | None
+    _global: GlobalEntry | None
 
     def __init__(
         self,
@@ -129,13 +161,29 @@ class SafeSavePlanner(DefaultSavePlanner):
         per_rank: Sequence[str] = (),
         check_divergence: bool = True,
         record_audit: bool = True,
+        cache_plans: bool = True,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(cache_plans, bool):
+            raise ConfigError(f"cache_plans is True or False, got {cache_plans!r}")
+        if kwargs.get("enable_plan_caching"):
+            raise ConfigError(
+                "SafeSavePlanner caches plans itself (cache_plans=True, the default); DCP's"
+                " enable_plan_caching would reuse another save's storage assignment: drop it"
+            )
         super().__init__(**kwargs)
         self.per_rank = _prefixes(per_rank)
         self.check_divergence = check_divergence
         self.record_audit = record_audit
+        self.cache_plans = cache_plans
         self.rank = 0
+        self._cache = PlanCache()
+        self._forget_plans()
+
+    def share_plans_over(self, group: Any) -> None:
+        """Share cached plans with every planner of this configuration saving over ``group``
+        (``None``: saves without collectives) in this process."""
+        self._cache = cache_for(group)
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
@@ -166,30 +214,134 @@ class SafeSavePlanner(DefaultSavePlanner):
         self.plan = FingerprintedPlan(
             **_fields(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
         )
+        if not self.cache_plans:
+            return self.plan
+        self._forget_plans()
+        self._layout = layout_of(plan)
+        self._remembered, self._global = self._cache.take(self._cache_key())
+        if self._remembered is not None and self._remembered.layout == self._layout:
+            # The layout the coordinator already planned: send the values alone.
+            return FingerprintedPlan(
+                items=[],
+                usable=False,
+                fingerprints=fingerprints,
+                rank=self.rank,
+                audit=pieces,
+                plan_token=self._remembered.token,
+            )
+        self._remembered = None
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        plans, metadata = super().create_global_plan(all_plans)
+        # On the coordinator, with every rank's values, cached layout or not.
+        differing = divergent_keys(all_plans)
+        if differing:
+            raise DivergentStateError(differing)
+        reused = self._reusable(all_plans)
+        if reused is not None:
+            plans: list[SavePlan] = [SavePlan([], usable=False) for _ in all_plans]
+            self.global_plan = list(reused.global_plan)
+            metadata = dataclasses.replace(reused.metadata)
+        else:
+            layouts = self._layouts(all_plans)
+            plans, metadata = super().create_global_plan(layouts)
+            if self.cache_plans:
+                plans, metadata = self._remember_global(layouts, plans, metadata)
         if self.record_audit:
             sums = audit.combine(p.audit for p in all_plans if isinstance(p, FingerprintedPlan))
             recorded = dict(metadata.planner_data or {})
             recorded[layout.AUDIT_KEY] = sums
-            self.metadata = metadata = dataclasses.replace(metadata, planner_data=recorded)
-        # Used up here: the plans scattered back to the ranks need not carry them.
-        plans = [
-            dataclasses.replace(p, fingerprints={}, audit={})
-            if isinstance(p, FingerprintedPlan)
-            else p
-            for p in plans
-        ]
+            metadata = dataclasses.replace(metadata, planner_data=recorded)
+        self.metadata = metadata
         return plans, metadata
 
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        # On the coordinator, with every rank's plan, before DCP keeps one copy of each key.
-        differing = divergent_keys(all_plans)
-        if differing:
-            raise DivergentStateError(differing)
-        return super()._dedup_save_plans(all_plans)
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not self.cache_plans:
+            return super().finish_plan(new_plan)
+        if new_plan.usable:
+            token = new_plan.plan_token if isinstance(new_plan, FingerprintedPlan) else None
+            final = new_plan
+        elif self._remembered is not None:
+            # The cached plan, with this save's storage assignment (the writer's, made after
+            # the planner's global plan).
+            token = self._remembered.token
+            final = dataclasses.replace(self._remembered.final, storage_data=new_plan.storage_data)
+        else:
+            raise CommitError(f"rank {self.rank} got a cached save plan it does not hold")
+        if token is not None:
+            entry = RankEntry(self._layout, final, token)
+            self._cache.put(self._cache_key(), entry, self._global)
+        self._forget_plans()
+        self.plan = final
+        return final
+
+    def _reusable(self, all_plans: list[SavePlan]) -> GlobalEntry | None:
+        """The cached global plan, when every rank sent only its values for it."""
+        cached = self._global
+        if not self.cache_plans or cached is None or len(all_plans) != len(cached.local_plans):
+            return None
+        if all(_token_of(p) == cached.token for p in all_plans):
+            return cached
+        return None
+
+    def _layouts(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """Every rank's local plan without values: sent, or named by a cached token."""
+        cached, stale = self._global, []
+        layouts: list[SavePlan] = []
+        for rank, plan in enumerate(all_plans):
+            if plan.usable:
+                layouts.append(_without_values(plan))
+            elif cached is not None and _token_of(plan) == cached.token:
+                layouts.append(cached.local_plans[rank])
+            else:
+                stale.append(rank)
+        if stale:
+            # Cannot happen while ranks save in step (take/put in plan_cache); if it does, no
+            # rank holds a cached plan after this failure, so the next save plans afresh.
+            raise CommitError(
+                "ranks sent a cached save plan the coordinator does not hold; save again",
+                {r: "its cached save plan is not the coordinator's" for r in stale},
+            )
+        return layouts
+
+    def _remember_global(
+        self, layouts: list[SavePlan], plans: list[SavePlan], metadata: Metadata
+    ) -> tuple[list[SavePlan], Metadata]:
+        token = new_token()
+        plans = [
+            dataclasses.replace(p, plan_token=token) if isinstance(p, FingerprintedPlan) else p
+            for p in plans
+        ]
+        stored = dataclasses.replace(metadata, storage_data=None)
+        self._global = GlobalEntry(token, tuple(layouts), tuple(plans), stored)
+        return plans, dataclasses.replace(stored)
+
+    def _cache_key(self) -> tuple[Any, ...]:
+        """What, besides the layout, decides the global plan."""
+        return (
+            type(self).__qualname__,
+            self.per_rank,
+            self.check_divergence,
+            self.record_audit,
+            self.flatten_state_dict,
+            self.flatten_sharded_tensors,
+            self.dedup_save_to_lowest_rank,
+        )
+
+    def _forget_plans(self) -> None:
+        self._layout = None
+        self._remembered = None
+        self._global = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A planner sent to another process (DCP's checkpoint process) caches there alone.
+        state = dict(self.__dict__)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache = PlanCache()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -367,6 +519,18 @@ def _feed(hasher: Any, value: object, depth: int) -> None:
 
 def _fields(plan: SavePlan) -> dict[str, Any]:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
+
+
+def _without_values(plan: SavePlan) -> SavePlan:
+    if isinstance(plan, FingerprintedPlan):
+        return dataclasses.replace(plan, fingerprints={}, audit={})
+    return plan
+
+
+def _token_of(plan: SavePlan) -> int | None:
+    if plan.usable or not isinstance(plan, FingerprintedPlan):
+        return None
+    return plan.plan_token
 
 
 def _rename(planner: DefaultSavePlanner | DefaultLoadPlanner, key: str, stored: str) -> None:
