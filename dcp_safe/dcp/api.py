@@ -241,7 +241,10 @@ def async_save(
 
 def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
     if "planner" not in kwargs:
-        kwargs["planner"] = SafeSavePlanner(per_rank=per_rank)
+        # Without collectives every rank plans alone and reports its entries through storage:
+        # a cached (itemless) local plan would hide them from that report.
+        collective = kwargs.get("use_collectives", True) is not False
+        kwargs["planner"] = SafeSavePlanner(per_rank=per_rank, cache_plans=collective)
     elif per_rank:
         raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
 
@@ -249,7 +252,7 @@ def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
 def _share_plans(kwargs: dict[str, Any], call: _Call) -> None:
     """Saves over one group reuse each other's cached plans (docs/architecture.md)."""
     planner = kwargs["planner"]
-    if isinstance(planner, SafeSavePlanner):
+    if isinstance(planner, SafeSavePlanner) and kwargs.get("use_collectives", True) is not False:
         planner.share_plans_over(call.group)
 
 

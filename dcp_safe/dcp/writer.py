@@ -234,6 +234,11 @@ class SafeStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._require_name()
+        if not self._collective and not plan.items and getattr(plan, "plan_token", None):
+            raise ConfigError(
+                "use_collectives=False needs every rank's whole local plan: pass"
+                " SafeSavePlanner(cache_plans=False) (dcp_safe.save does)"
+            )
         self._plain = {} if self._collective else plain_keys(plan)
         return plan
 

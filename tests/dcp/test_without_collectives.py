@@ -399,6 +399,30 @@ def test_one_process_without_collectives_leaves_nothing_behind(tmp_path: Path) -
     assert sorted(os.listdir(tmp_path)) == ["solo"]
 
 
+def test_repeated_saves_without_collectives_plan_whole_and_a_caching_planner_is_refused(
+    tmp_path: Path,
+) -> None:
+    state, writer = _rank_state(0), SafeStorageWriter(tmp_path)
+    for name in ("first", "second"):  # dcp_safe.save's planner does not cache without collectives
+        dcp_safe.save(
+            state, storage_writer=writer, checkpoint_id=name, no_dist=True, use_collectives=False
+        )
+    planner = SafeSavePlanner()  # caches: its second plan of this layout comes without items
+    dcp_safe.save(
+        state, storage_writer=writer, checkpoint_id="third", no_dist=True, planner=planner
+    )
+    with pytest.raises(ConfigError, match="cache_plans=False"):
+        dcp.save(
+            state,
+            storage_writer=writer,
+            checkpoint_id="fourth",
+            no_dist=True,
+            planner=planner,
+            use_collectives=False,
+        )
+    assert [c.name for c in dcp_safe.list_checkpoints(tmp_path)] == ["first", "second", "third"]
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
 def test_the_report_timeout_is_a_finite_positive_number(timeout: Any) -> None:
     with pytest.raises(ConfigError, match="report_timeout_s"):
