@@ -38,6 +38,7 @@ from dcp_safe.dcp.group import (
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.restore_audit import audit_load
 from dcp_safe.errors import ConfigError, from_checkpoint_exception
+from dcp_safe.torch_compat import dcp_debug_logs_unheard
 
 __all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
 
@@ -84,7 +85,8 @@ class _Call:
 
 @contextmanager
 def _quiet_single_process(kwargs: dict[str, Any]) -> Iterator[None]:
-    with warnings.catch_warnings():
+    # And DCP's per-key DEBUG records nobody hears (torch_compat.dcp_debug_logs_unheard).
+    with warnings.catch_warnings(), dcp_debug_logs_unheard():
         if kwargs.get("no_dist"):
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         yield
