@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import parse_choice
@@ -53,6 +55,7 @@ from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
+from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -108,6 +111,10 @@ class CheckpointManager:
         initial_load_from: another run's root (its newest committed checkpoint) or
             ``ROOT/NAME``: what :meth:`restore` loads while this manager's roots hold no
             committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
+        executor: where a background save's write, commit and replication run: ``"thread"``
+            (the default: a thread of this process) or ``"process"`` (one persistent worker
+            process, the staged state shared with it; one rank only, not with ``node_local``
+            or a ``stager`` of your own). See docs/staging.md, "The process executor".
 
     Raises:
         ConfigError: a bad option.
@@ -144,6 +151,7 @@ class CheckpointManager:
         per_rank: Sequence[str] = (),
         initial_load_from: str | os.PathLike[str] | None = None,
         initial_load_keys: Sequence[str] | None = None,
+        executor: str = "thread",
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -190,7 +198,8 @@ class CheckpointManager:
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        self.stager = stager or BudgetedStager(budget, when_busy="wait")
+        in_process = _executor(executor, stager, self.node_local)
+        self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)
         if telemetry is not None:
@@ -247,6 +256,8 @@ class CheckpointManager:
             barrier=PromotionBarrier.for_job(self._agreement, wait_timeout_s),
             per_rank=self.per_rank,
         )
+        if in_process and self.stager.shared is not None:
+            self._runner.worker = SaveWorker(self.writer, self.stager.shared, self.per_rank)
         self._admitter = Admitter(
             agreement=self._agreement,
             slot=self._slot,
@@ -430,6 +441,9 @@ class CheckpointManager:
         left = countdown(timeout_s)
         steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
+        worker = self._runner.worker
+        if worker is not None:  # before the stager: its slabs outlive the worker's maps
+            steps.append(lambda: worker.close(left()))
         if self._owns_stager:
             steps.append(self.stager.close)
         if self._watch is not None:
@@ -540,3 +554,25 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         return not self._slot.idle()
+
+
+def _executor(executor: str, stager: BudgetedStager | None, node_local: str | None) -> bool:
+    """Whether saves run in a worker process.
+
+    Raises:
+        ConfigError: an unknown executor, or ``"process"`` with what it cannot take yet.
+    """
+    if executor not in ("thread", "process"):
+        raise ConfigError(f"executor must be 'thread' or 'process', got {executor!r}")
+    if executor == "thread":
+        return False
+    if stager is not None and stager.shared is None:
+        raise ConfigError("executor='process' needs a stager built with shared_memory=True")
+    if node_local is not None:
+        raise ConfigError("executor='process' does not take node_local= yet: use 'thread'")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "executor='process' runs a single rank only for now (the workers have no process"
+            f" group of their own yet); this job has {dist.get_world_size()}: use 'thread'"
+        )
+    return True
