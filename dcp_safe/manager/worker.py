@@ -193,24 +193,34 @@ class SaveWorker:
         try:
             state = staged.result()
             data = dump_state(state, self.slabs)
-            with self._lock:
-                process = self._started()
-                self._seq += 1
-                seq = self._seq
-                process.saves[seq] = (done, name, state)
-                if self.writer.remote is not None:
-                    for finished in [n for n, f in self._replications.items() if f.done()]:
-                        del self._replications[finished]
-                    self._replications[name] = Future()
-                    process.replicating.add(name)
-            del state
-            # Outside the lock: a worker dying meanwhile fails this save through the reader.
-            with contextlib.suppress(OSError), process.send_lock:
-                self._share_slabs(process)
-                process.conn.send(("save", seq, name, step, data))
+            for retry in (False, True):
+                process, seq = self._register(name, done, state)
+                try:  # outside the lock: a worker dying meanwhile fails it through its reader
+                    with process.send_lock:
+                        self._share_slabs(process)
+                        process.conn.send(("save", seq, name, step, data))
+                    return
+                except OSError:
+                    with self._lock:  # it died idle, before this save: one new worker more
+                        process.dead = True
+                        if retry or process.saves.pop(seq, None) is None:
+                            return  # its reader fails the save
         except BaseException as exc:
             with contextlib.suppress(Exception):  # InvalidStateError: failed by a death
                 done.set_exception(exc)
+
+    def _register(self, name: str, done: Future[None], state: Any) -> tuple[_Process, int]:
+        """The save in the live worker's book (the state kept alive there); its sequence."""
+        with self._lock:
+            process = self._started()
+            self._seq += 1
+            process.saves[self._seq] = (done, name, state)
+            if self.writer.remote is not None:
+                for finished in [n for n, f in self._replications.items() if f.done()]:
+                    del self._replications[finished]
+                self._replications[name] = Future()
+                process.replicating.add(name)
+            return process, self._seq
 
     def _started(self) -> _Process:
         """The live worker, started anew if there is none (call with the lock held)."""
