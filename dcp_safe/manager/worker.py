@@ -24,7 +24,7 @@ from typing import Any
 
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import WorkerDiedError
-from dcp_safe.manager.transport import decode_error, dump_state
+from dcp_safe.manager.transport import StateEncoder, decode_error
 from dcp_safe.staging.shared import SharedSlabs
 
 __all__ = ["SaveWorker"]
@@ -135,6 +135,7 @@ class SaveWorker:
     ) -> None:
         self.writer = writer
         self.slabs = slabs
+        self._encoder = StateEncoder(slabs)
         self.per_rank = per_rank
         self._lock = threading.Lock()
         self._process: _Process | None = None
@@ -192,7 +193,7 @@ class SaveWorker:
     ) -> None:
         try:
             state = staged.result()
-            data = dump_state(state, self.slabs)
+            data = self._encoder.dump(state)
             for retry in (False, True):
                 process, seq = self._register(name, done, state)
                 try:  # outside the lock: a worker dying meanwhile fails it through its reader

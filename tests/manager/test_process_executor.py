@@ -33,7 +33,7 @@ from dcp_safe import (
     WorkerError,
     list_checkpoints,
 )
-from dcp_safe.manager.transport import decode_error, dump_state, encode_error, map_slab
+from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.testing.staging import hold_staging
 
@@ -203,7 +203,9 @@ def test_the_state_crosses_by_place_and_errors_by_value() -> None:
     square = base.view(torch.float32).view(6, 6)
     square.copy_(torch.randn(6, 6))
     state = {"t": square.t(), "rows": square[2:5], "private": torch.ones(3), "n": 1}
-    data = dump_state(state, slabs)
+    encoder = StateEncoder(slabs)
+    data = encoder.dump(state)
+    assert encoder.dump(state) == data  # the second time from what it remembers
     assert len(data) < 1000  # places, not bytes (the private tensor is small)
     for slab, (fd, size) in slabs.slabs().items():
         map_slab(slab, fd, size)  # as the worker does
