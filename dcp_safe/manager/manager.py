@@ -257,7 +257,9 @@ class CheckpointManager:
             per_rank=self.per_rank,
         )
         if in_process and self.stager.shared is not None:
-            self._runner.worker = SaveWorker(self.writer, self.stager.shared, self.per_rank)
+            self._runner.worker = SaveWorker(
+                self.writer, self.stager.shared, self.per_rank, timeout_s=wait_timeout_s
+            )
         self._admitter = Admitter(
             agreement=self._agreement,
             slot=self._slot,

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -70,29 +71,34 @@ class _Process:
         )
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "done":
-                with self.lock:
-                    future, _, _ = self.saves.pop(message[1])
-                if message[2] is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(decode_error(message[2]))
-            elif kind == "replicated":
-                with self.lock:
-                    replicated = self.replications.setdefault(message[1], Future())
-                if message[2] is None:
-                    replicated.set_result(None)
-                else:
-                    replicated.set_exception(decode_error(message[2]))
-            elif kind == "closed":
-                self.closed.set_result(None if message[1] is None else decode_error(message[1]))
-        self.died()
+        try:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    return
+                self._handle(message)
+        finally:  # a worker that is gone, or a reply this side cannot read: fail what is held
+            self.died()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "done":
+            with self.lock:
+                future = self.saves.pop(message[1])[0]  # the staged state is let go here
+            if message[2] is None:
+                future.set_result(None)
+            else:
+                future.set_exception(decode_error(message[2]))
+        elif kind == "replicated":
+            with self.lock:
+                replicated = self.replications.setdefault(message[1], Future())
+            if message[2] is None:
+                replicated.set_result(None)
+            else:
+                replicated.set_exception(decode_error(message[2]))
+        elif kind == "closed":
+            self.closed.set_result(None if message[1] is None else decode_error(message[1]))
 
     def died(self) -> None:
         """The worker is gone (or being given up on): fail what it held."""
@@ -128,12 +134,18 @@ class SaveWorker:
         writer: the manager's writer, pickled to the worker once per worker.
         slabs: the stager's shared slabs (:attr:`BudgetedStager.shared`).
         per_rank: key prefixes saved once per rank.
+        timeout_s: the longest :meth:`close` waits when given no timeout of its own.
     """
 
     def __init__(
-        self, writer: SafeStorageWriter, slabs: SharedSlabs, per_rank: tuple[str, ...] = ()
+        self,
+        writer: SafeStorageWriter,
+        slabs: SharedSlabs,
+        per_rank: tuple[str, ...] = (),
+        timeout_s: float = 600.0,
     ) -> None:
         self.writer = writer
+        self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
         self.per_rank = per_rank
@@ -164,7 +176,8 @@ class SaveWorker:
         return self.writer.replication(name) if replicated is None else replicated
 
     def close(self, timeout_s: float | None) -> None:
-        """Stop the worker within ``timeout_s`` (killed past it).
+        """Stop the worker within ``timeout_s`` (default: the one given at construction; it is
+        killed past it).
 
         Raises:
             BaseException: the worker's writer failed to drain its replication.
@@ -174,13 +187,16 @@ class SaveWorker:
             process, self._process = self._process, None
         if process is None:
             return
+        if timeout_s is None:
+            timeout_s = self.timeout_s
+        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(OSError), process.send_lock:
             process.conn.send(("close", timeout_s))
         error = None
         with contextlib.suppress(TimeoutError):
             error = process.closed.result(timeout_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.popen.wait(timeout_s)
+            process.popen.wait(max(0.0, deadline - time.monotonic()))
         if process.popen.poll() is None:
             process.popen.kill()
         process.reader.join()

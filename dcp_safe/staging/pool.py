@@ -208,8 +208,11 @@ class BufferPool:
     def __init__(
         self, *, pin_memory: PinMemory | str | bool = "auto", shared: SharedSlabs | None = None
     ) -> None:
-        # Shared buffers are not pinned: see docs/staging.md, "The process executor".
-        self.pin = PinMemory.coerce(pin_memory).resolve() and shared is None
+        pin = PinMemory.coerce(pin_memory)
+        if shared is not None and pin is PinMemory.ON:
+            # docs/staging.md, "The process executor": pinning the slabs is not done yet.
+            raise ConfigError("pin_memory='on' with shared memory: shared slabs are not pinned")
+        self.pin = pin.resolve() and shared is None
         self.shared = shared
         # Re-entrant: the stager holds it around pool calls, and a release may run inside a
         # finalizer on a thread that already holds it.

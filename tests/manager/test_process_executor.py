@@ -148,6 +148,16 @@ def test_a_worker_killed_between_saves_is_replaced(tmp_path: Path) -> None:
         assert _worker_pid(manager) != first
 
 
+def test_close_stops_a_hung_worker_within_its_timeout(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, executor="process")
+    manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
+    worker = _worker_pid(manager)
+    os.kill(worker, signal.SIGSTOP)  # it will never answer "close"
+    manager.close(timeout_s=2)
+    assert not psutil.pid_exists(worker)
+    assert psutil.Process().children(recursive=True) == []
+
+
 def test_replication_runs_in_the_worker(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     with CheckpointManager(local, replicate_to=remote, executor="process") as manager:

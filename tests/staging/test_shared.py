@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
 import torch
 
+from dcp_safe.errors import ConfigError
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging.shared import SharedSlabs
 
@@ -68,3 +70,8 @@ def test_a_shared_stager_stages_into_its_slabs_unpinned() -> None:
             assert torch.equal(staged[key], state[key])
         assert staged["step"] == 3
         del staged
+
+
+def test_shared_buffers_are_never_pinned() -> None:
+    with pytest.raises(ConfigError, match="not pinned"):
+        BudgetedStager(shared_memory=True, pin_memory="on")
