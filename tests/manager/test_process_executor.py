@@ -26,10 +26,12 @@ from support.faults import DiesInWriteData, DiesMidWrite
 
 from dcp_safe import (
     BudgetedStager,
+    BudgetExceededError,
     CheckpointManager,
     CommitError,
     ConfigError,
     DrainTimeoutError,
+    MemoryBudget,
     SnapshotMutatedError,
     WorkerDiedError,
     WorkerError,
@@ -124,6 +126,17 @@ def test_a_failed_write_reaches_the_handle_as_the_same_error(tmp_path: Path, exe
             manager.wait()
         assert manager.stager.stats().in_flight == 0  # the generation was released
     assert _committed(tmp_path) == []
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_the_budget_holds_as_with_threads(tmp_path: Path, executor: str) -> None:
+    budget = MemoryBudget(usable_bytes=256 << 10, reserve_bytes=0)
+    with CheckpointManager(tmp_path, budget=budget, executor=executor) as manager:
+        with pytest.raises(BudgetExceededError):
+            manager.save(1, {"w": torch.zeros(1 << 18)})  # 1 MiB
+        handle = manager.save(2, {"w": torch.zeros(1 << 14)})  # 64 KiB
+        assert handle is not None and handle.committed.result(_TIMEOUT_S) == "step_000000002"
+        assert manager.stager.stats().peak_pool_bytes <= budget.envelope_bytes
 
 
 def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
