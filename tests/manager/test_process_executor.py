@@ -39,6 +39,7 @@ from dcp_safe import (
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
@@ -267,3 +268,17 @@ def test_the_state_crosses_by_place_and_errors_by_value() -> None:
     assert isinstance(typed, SnapshotMutatedError) and typed.fqns == ("w",)
     assert "in the checkpoint worker" in typed.__notes__[0]
     slabs.close()
+
+
+def _refused_on_two_ranks(rank: int, world_size: int, root: str) -> str:
+    try:
+        CheckpointManager(root, executor="process")
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.multiproc
+def test_several_ranks_are_refused_for_now(tmp_path: Path) -> None:
+    refusals = run_ranks(_refused_on_two_ranks, 2, args=(str(tmp_path),))
+    assert all("single rank only" in text and "this job has 2" in text for text in refusals)
