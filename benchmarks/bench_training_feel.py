@@ -4,7 +4,8 @@ Usage::
 
     .venv/bin/python benchmarks/bench_training_feel.py [--states 16x16MiB,10000x32KiB]
         [--rounds 3] [--step-ms 10] [--steady-steps 60] [--pre-steps 20] [--tail-steps 40]
-        [--contenders dcp_thread,dcp_process,dcp_safe,manager] [--process-sharing S] [--dir D]
+        [--contenders dcp_thread,dcp_process,dcp_safe,manager,manager_process]
+        [--process-sharing S] [--dir D]
         [--quick]
 
 An async save's *stall* (how long ``save()`` blocks the training thread) is only half of what
@@ -36,6 +37,9 @@ Contenders:
   stall = the call plus ``staging_completion``; background phase = ``upload_completion``.
 * ``manager``: ``dcp_safe.CheckpointManager(root).save(step, state)``; background phase =
   until ``handle.committed`` resolves (committed, verified, retention ran).
+* ``manager_process``: the same with ``executor="process"``: the stager copies into shared
+  slabs, and the write, commit and checksums run in the manager's worker process (started by
+  the untimed warm-up save); verification and retention still run here.
 
 All contenders run under one 1-rank gloo process group (``127.0.0.1``), which DCP's process
 executor needs and a real job has; it is created here unless one exists, and destroyed after.
@@ -94,7 +98,7 @@ from _common import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONTENDERS = ["dcp_thread", "dcp_process", "dcp_safe", "manager"]
+CONTENDERS = ["dcp_thread", "dcp_process", "dcp_safe", "manager", "manager_process"]
 SLOW_FACTOR = 1.05
 SMOOTH_HALF = 2
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -241,10 +245,10 @@ class DcpSafeAsync(Contender):
 
 
 class ManagerSave(Contender):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, executor: str = "thread") -> None:
         from dcp_safe import CheckpointManager
 
-        self.manager = CheckpointManager(root)
+        self.manager = CheckpointManager(root, executor=executor)
 
     def start(self, state: State, folder: Path, step: int) -> Future[Any]:
         handle = self.manager.save(step, state)
@@ -262,8 +266,8 @@ def make_contender(name: str, root: Path) -> Contender:
         return DcpAsync(process=name == "dcp_process")
     if name == "dcp_safe":
         return DcpSafeAsync(root)
-    if name == "manager":
-        return ManagerSave(root)
+    if name in ("manager", "manager_process"):
+        return ManagerSave(root, executor="process" if name == "manager_process" else "thread")
     raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
 
 

@@ -46,6 +46,8 @@ from dcp_safe.errors import (
     UnsafeCheckpointError,
     UnsignedCheckpointError,
     UploadTimeoutError,
+    WorkerDiedError,
+    WorkerError,
 )
 from dcp_safe.exporting import ExportResult, export
 from dcp_safe.manager import (
@@ -104,6 +106,8 @@ __all__ = [
     "ReplicationSkippedError",
     "ReplicationTimeoutError",
     "UploadTimeoutError",
+    "WorkerDiedError",
+    "WorkerError",
     "RestoreMismatchError",
     "RollbackUnavailableError",
     "RestoreReport",

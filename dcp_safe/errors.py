@@ -14,6 +14,8 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     │       └── UnsignedCheckpointError          not signed at all
     ├── CommitError                              the save could not be published; per-rank failures
     │   ├── StaleWriterError                     a writer from an older attempt tried to publish
+    │   ├── WorkerDiedError                      the process executor's worker died mid-save
+    │   ├── WorkerError                          the worker failed with an error it could not send
     │   └── UploadTimeoutError(ReplicationTimeoutError)  ranks whose upload never arrived
     ├── StorageError(OSError)                    an I/O failure, naming the operation and path
     ├── BudgetExceededError                      a state larger than the host-memory envelope
@@ -69,6 +71,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsignedCheckpointError",
     "UploadTimeoutError",
+    "WorkerDiedError",
+    "WorkerError",
     "from_checkpoint_exception",
 ]
 
@@ -224,6 +228,29 @@ class CommitError(DcpSafeError):
 
 class StaleWriterError(CommitError):
     """A writer from an older job attempt tried to publish beside a newer attempt's work."""
+
+
+class WorkerDiedError(CommitError):
+    """The manager's checkpoint worker process (``executor="process"``) died during a save.
+
+    The save counts as failed. A death before the commit publishes nothing (the commit rule);
+    one between the commit and the worker's reply leaves a whole checkpoint the manager did not
+    count. The previous checkpoint is untouched, and the next save starts a new worker.
+    """
+
+
+class WorkerError(CommitError):
+    """The checkpoint worker failed with an error that could not be sent back as it was.
+
+    Attributes:
+        type_name: the original error's class name.
+        worker_traceback: its traceback in the worker, as text.
+    """
+
+    def __init__(self, type_name: str, message: str, worker_traceback: str = "") -> None:
+        super().__init__(f"the checkpoint worker failed with {type_name}: {message}")
+        self.type_name = type_name
+        self.worker_traceback = worker_traceback
 
 
 class StorageError(DcpSafeError, OSError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -49,20 +50,31 @@ class FollowUp:
     in_memory: InMemoryTier | None = None  # keep_in_memory=True
 
     def after_upload(
-        self, handle: SaveHandle, upload: Future[Any], writer: SafeStorageWriter
+        self,
+        handle: SaveHandle,
+        upload: Future[Any],
+        writer: SafeStorageWriter,
+        replication: Callable[[str], Future[Any]] | None = None,
     ) -> None:
-        """An asynchronous save's upload ended: fail the handle, or follow its commit up."""
+        """An asynchronous save's upload ended: fail the handle, or follow its commit up.
+
+        ``replication``: where the save's replication future comes from when not from
+        ``writer`` (the process executor's worker replicates)."""
         try:
             error = upload.exception()
             if error is not None and self.verdicts is None:
                 self.ledger.fail(handle, error, tier="local")
             else:
-                self.after_commit(handle, writer, error)
+                self.after_commit(handle, writer, error, replication)
         except BaseException as exc:  # a bug here must not leave the handle unresolved
             self.ledger.fail(handle, exc, tier="local")
 
     def after_commit(
-        self, handle: SaveHandle, writer: SafeStorageWriter, error: BaseException | None = None
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        error: BaseException | None = None,
+        replication: Callable[[str], Future[Any]] | None = None,
     ) -> None:
         """``handle`` committed locally through ``writer`` (or failed with ``error``, which in a
         multi-rank job the coordinator's verdict may overrule: see :mod:`.verdicts`)."""
@@ -86,7 +98,7 @@ class FollowUp:
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
         self.switch.on_committed(handle)
-        self._replicate(handle, writer)
+        self._replicate(handle, writer, replication or writer.replication)
         try:
             self.tiers.prune()
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
@@ -112,11 +124,16 @@ class FollowUp:
             return exc, f"verification failed: {exc}"
         return None
 
-    def _replicate(self, handle: SaveHandle, writer: SafeStorageWriter) -> None:
+    def _replicate(
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        replication: Callable[[str], Future[Any]],
+    ) -> None:
         if writer.topology.replica is None:  # a node-local save is uploaded before it counts
             handle.replicated.set_result(None)
             return
-        remote = writer.replication(handle.name)
+        remote = replication(handle.name)
         self.tiers.track_replication(handle.name, handle.replicated)
         remote.add_done_callback(lambda done: self._replicated(handle, done))
 

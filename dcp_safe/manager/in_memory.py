@@ -59,6 +59,7 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_h
 from dcp_safe.manifest.schema import ItemKey, Manifest, item_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging._tree import is_stateful
 from dcp_safe.torch_compat import create_write_items
 from dcp_safe.units import format_bytes
 
@@ -309,7 +310,7 @@ def _tensor_bytes(value: Any) -> int:
     """The tensor bytes DCP will stage for ``value`` (a Stateful by its state dict)."""
     if isinstance(value, torch.Tensor):
         return value.nbytes
-    if _is_stateful(value):
+    if is_stateful(value):
         return _tensor_bytes(value.state_dict())
     if isinstance(value, Mapping):
         return sum(_tensor_bytes(v) for v in value.values())
@@ -318,20 +319,11 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _is_stateful(value: Any) -> bool:
-    # Stateful is a runtime protocol: isinstance() on it costs ~25 us, on every value.
-    return (
-        not isinstance(value, torch.Tensor | Mapping)
-        and hasattr(value, "state_dict")
-        and hasattr(value, "load_state_dict")
-    )
-
-
 def _descend(value: Any) -> bool:
     """Whether a value is copied into (tensors, mappings, state) rather than replaced."""
     return (
         isinstance(value, torch.Tensor | MutableMapping)
-        or _is_stateful(value)
+        or is_stateful(value)
         or (_holds_tensors(value))
     )
 
@@ -359,7 +351,7 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
         live = target.to_local() if isinstance(target, DTensor) else target
         held = source.to_local() if isinstance(source, DTensor) else source
         out.copies.append((live.copy_, held))
-    elif _is_stateful(target):
+    elif is_stateful(target):
         inner = target.state_dict()  # as DCP loads a Stateful: into its state dict, then back
         _pair(inner, source, prefix, out)
         out.copies.append((lambda _: target.load_state_dict(inner), None))

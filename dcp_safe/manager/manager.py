@@ -54,6 +54,7 @@ from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
+from dcp_safe.manager.worker import SaveWorker, uses_worker
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -111,6 +112,10 @@ class CheckpointManager:
             committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
         keep_in_memory: keep the last committed step's staged copy in host memory, inside the
             stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
+        executor: where a background save's write, commit and replication run: ``"thread"``
+            (the default: a thread of this process) or ``"process"`` (one persistent worker
+            process, the staged state shared with it; one rank only, not with ``node_local``
+            or a ``stager`` of your own). See docs/staging.md, "The process executor".
 
     Raises:
         ConfigError: a bad option.
@@ -148,6 +153,7 @@ class CheckpointManager:
         initial_load_from: str | os.PathLike[str] | None = None,
         initial_load_keys: Sequence[str] | None = None,
         keep_in_memory: bool = False,
+        executor: str = "thread",
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -194,7 +200,8 @@ class CheckpointManager:
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        self.stager = stager or BudgetedStager(budget, when_busy="wait")
+        in_process = uses_worker(executor, stager, self.node_local)
+        self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)
         if telemetry is not None:
@@ -258,6 +265,10 @@ class CheckpointManager:
             per_rank=self.per_rank,
             in_memory=self._in_memory,
         )
+        if in_process and self.stager.shared is not None:
+            self._runner.worker = SaveWorker(
+                self.writer, self.stager.shared, self.per_rank, timeout_s=wait_timeout_s
+            )
         self._admitter = Admitter(
             agreement=self._agreement,
             slot=self._slot,
@@ -462,6 +473,9 @@ class CheckpointManager:
         left = countdown(timeout_s)
         steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
+        worker = self._runner.worker
+        if worker is not None:  # before the stager: its slabs outlive the worker's maps
+            steps.append(lambda: worker.close(left()))
         if self._owns_stager:
             steps.append(self.stager.close)
         if self._watch is not None:

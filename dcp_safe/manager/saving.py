@@ -27,8 +27,9 @@ from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.staging import BudgetedStager
-from dcp_safe.staging._tree import collect_tensors
+from dcp_safe.staging._tree import collect_tensors, state_dicts_of
 from dcp_safe.staging.guard import snapshot_copy
 
 __all__ = ["SaveRunner"]
@@ -42,6 +43,8 @@ class SaveRunner:
         writer: the manager's writer (background saves).
         slot: the single-flight slot (held by the caller of :meth:`start`).
         groups, barrier: ``None`` in a single process.
+        worker: runs background saves in a worker process (``executor="process"``); ``None``:
+            on DCP's upload thread here.
     """
 
     writer: SafeStorageWriter
@@ -56,6 +59,7 @@ class SaveRunner:
     barrier: PromotionBarrier | None = None
     per_rank: tuple[str, ...] = ()
     in_memory: InMemoryTier | None = None  # keep_in_memory=True
+    worker: SaveWorker | None = None
     # The agreed coalesce decisions so far: a pending save's ``seq``.
     _coalesced: int = field(default=0, init=False)
     sync_writer: SafeStorageWriter | None = field(default=None, init=False)
@@ -86,9 +90,18 @@ class SaveRunner:
             raise
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        writer = self.writer.for_step(handle.step)
+        keep = None
         if self.in_memory is not None:
             self.in_memory.check_room(state_dict)
+            keep = handle
+        if self.worker is not None:
+            with self.spans.opened(handle):  # as dcp.async_save: a model by its state dict
+                staged = self.stager.stage(state_dicts_of(state_dict))
+            upload = self.worker.submit(handle.name, handle.step, staged)
+            self.stager.track(upload, keep=keep)
+            self._started(handle, staged, upload, None)
+            return
+        writer = self.writer.for_step(handle.step)
         with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
             response = api.async_save(
                 state_dict,
@@ -98,12 +111,18 @@ class SaveRunner:
                 per_rank=self.per_rank,
                 **collectives,
             )
+        self.stager.track(response, keep=keep)
         group = collectives.get("process_group")
-        self.stager.track(response, keep=None if self.in_memory is None else handle)
-        chain(response.staging_completion, handle.staged, lambda _: None)
+        self._started(handle, response.staging_completion, response.upload_completion, group)
+
+    def _started(
+        self, handle: SaveHandle, staged: Future[Any], upload: Future[Any], group: Any
+    ) -> None:
+        """Follow a started save: its copy (the handle's ``staged``), then its upload."""
+        chain(staged, handle.staged, lambda _: None)
         with self.cond:
             self._last_staged = handle.staged
-        response.upload_completion.add_done_callback(lambda done: self._follow(handle, done, group))
+        upload.add_done_callback(lambda done: self._follow(handle, done, group))
         if self.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
             # thread) reaches the handle's futures and the history, not this call.
@@ -191,7 +210,8 @@ class SaveRunner:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
             self.saw_failure(BACKGROUND, upload.exception(), group)
-            self.follow_up.after_upload(handle, upload, self.writer)
+            replication = None if self.worker is None else self.worker.replication
+            self.follow_up.after_upload(handle, upload, self.writer, replication)
         finally:
             self._finish_slot()
 

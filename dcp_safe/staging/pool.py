@@ -25,6 +25,7 @@ from enum import Enum
 import torch
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.torch_compat import empty_host_cache, storage_use_count, tensor_use_count
 
 __all__ = ["BufferPool", "BufferRequest", "Lease", "PinMemory", "PoolStats"]
@@ -198,14 +199,21 @@ class Lease:
 
 
 class BufferPool:
-    """Host buffers reused across saves.
+    """Host buffers reused across saves (in ``shared`` slabs when given).
 
     Thread safety: every method may be called from any thread. :attr:`condition` is notified
     whenever bytes are released or freed, so an admission loop can wait on it.
     """
 
-    def __init__(self, *, pin_memory: PinMemory | str | bool = "auto") -> None:
-        self.pin = PinMemory.coerce(pin_memory).resolve()
+    def __init__(
+        self, *, pin_memory: PinMemory | str | bool = "auto", shared: SharedSlabs | None = None
+    ) -> None:
+        pin = PinMemory.coerce(pin_memory)
+        if shared is not None and pin is PinMemory.ON:
+            # docs/staging.md, "The process executor": pinning the slabs is not done yet.
+            raise ConfigError("pin_memory='on' with shared memory: shared slabs are not pinned")
+        self.pin = pin.resolve() and shared is None
+        self.shared = shared
         # Re-entrant: the stager holds it around pool calls, and a release may run inside a
         # finalizer on a thread that already holds it.
         self.condition = threading.Condition(threading.RLock())
@@ -347,7 +355,10 @@ class BufferPool:
 
     def _allocate(self, size: int) -> torch.Tensor:
         pin = self.pin and size >= _PIN_MIN_BYTES
-        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        if self.shared is not None:
+            buffer = self.shared.allocate(size)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         with self.condition:
             self._allocations += 1
             self._allocated_total += self.cost(size)

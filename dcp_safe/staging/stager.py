@@ -53,6 +53,7 @@ from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy, stage
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
+from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -78,6 +79,8 @@ class BudgetedStager(AsyncStager):
             (a keyword also set away from its default must agree with it).
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
+        shared_memory: stage into shared, unpinned slabs a worker process can map
+            (:attr:`shared`; the manager's ``executor="process"``).
 
     Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
     """
@@ -95,6 +98,7 @@ class BudgetedStager(AsyncStager):
         mutation_guard: bool = True,
         options: StagerOptions | None = None,
         telemetry: StagerObserver | None = None,
+        shared_memory: bool = False,
     ) -> None:
         self.telemetry: Recorder = NULL_RECORDER
         if telemetry is not None:
@@ -108,7 +112,9 @@ class BudgetedStager(AsyncStager):
             mutation_guard=mutation_guard,
         )
         self.budget = budget if budget is not None else MemoryBudget.from_host()
-        self._pool = BufferPool(pin_memory=self.options.pin_memory)
+        # Buffers a worker process can read (:mod:`dcp_safe.staging.shared`); ``None``: private.
+        self.shared = SharedSlabs() if shared_memory else None
+        self._pool = BufferPool(pin_memory=self.options.pin_memory, shared=self.shared)
         self._cond = self._pool.condition
         self._plans = PlanCache(self._pool)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-stager")
@@ -200,6 +206,8 @@ class BudgetedStager(AsyncStager):
             stuck = sorted(self._in_flight)
         self._executor.shutdown(wait=True)
         self._pool.close()
+        if self.shared is not None:
+            self.shared.close()
         if stuck:
             raise TimeoutError(
                 f"close() waited {self.options.timeout_s}s for generation(s) {stuck}; their"

@@ -252,3 +252,16 @@ def test_every_rank_rolls_back_to_the_same_step_with_its_own_per_rank_state(
             == result["expected_rng"]
             == {"rank": rank, "draws": [rank, 10 + rank, 20 + rank]}
         )
+
+
+def test_rollback_after_saves_written_by_the_worker_process(tmp_path: Path) -> None:
+    """The worker writes with the same template (one serialization id in every process), so
+    the parent checks its kept copy against what the worker committed."""
+    job = _Job()
+    with CheckpointManager(tmp_path, keep_in_memory=True, executor="process") as manager:
+        _train_and_commit(manager, job, range(1, 3))
+        committed = job.snapshot()
+        job.train(3)
+        assert manager.rollback(job.state) == 2
+        _assert_same(job.model.state_dict(), committed["model"])
+        _assert_same(job.extra, committed["extra"])

@@ -1,0 +1,124 @@
+"""The staged state on its way to the checkpoint worker, and errors on their way back.
+
+A staged tensor crosses as where its bytes are (:class:`~dcp_safe.staging.shared.Place`) plus its
+dtype, shape and strides: the worker maps the slabs once (:func:`map_slab`) and rebuilds each
+tensor over the same memory, so no byte is copied and no descriptor is sent per tensor. Anything
+else in the state (step counters, RNG states) is pickled as it is.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import traceback
+import weakref
+from typing import Any
+
+import torch
+
+from dcp_safe.errors import WorkerError
+from dcp_safe.staging.shared import SharedSlabs
+
+__all__ = ["StateEncoder", "decode_error", "encode_error", "forget_slab", "map_slab"]
+
+# The worker's maps of the parent's slabs, by slab id.
+_MAPS: dict[int, mmap.mmap] = {}
+
+
+_Reduction = tuple[Any, tuple[Any, ...]]
+
+
+class StateEncoder:
+    """Pickles staged states whose tensors live in ``slabs``, by place.
+
+    A tensor's reduction is remembered while the tensor lives: the pool hands the same typed
+    views to every save of one layout, so from the second save on a tensor costs one lookup on
+    the sending thread (10,000 tensors: ~20 ms instead of ~250 ms of the GIL).
+    """
+
+    def __init__(self, slabs: SharedSlabs) -> None:
+        self.slabs = slabs
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], _Reduction]] = {}
+
+    def dump(self, state_dict: dict[str, Any]) -> bytes:
+        """``state_dict`` pickled, its tensors in the slabs by place, not by value."""
+        out = io.BytesIO()
+        _StatePickler(out, self).dump(state_dict)
+        return out.getvalue()
+
+    def reduction(self, tensor: torch.Tensor) -> _Reduction | None:
+        key = id(tensor)
+        known = self._known.get(key)
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        place = self.slabs.place_of(tensor)
+        if place is None:
+            return None
+        where = (place.slab, place.offset, place.nbytes)
+        layout = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+        reduction: _Reduction = (_tensor_at, (where, layout))
+        # Forgotten as the tensor dies, before its id can be another's.
+        ref = weakref.ref(tensor, lambda _: self._known.pop(key, None))
+        self._known[key] = (ref, reduction)
+        return reduction
+
+
+class _StatePickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, encoder: StateEncoder) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._encoder = encoder
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and not obj.is_cuda:
+            reduction = self._encoder.reduction(obj)
+            if reduction is not None:
+                return reduction
+        return NotImplemented
+
+
+def map_slab(slab: int, fd: int, size: int) -> None:
+    """In the worker: map slab ``slab`` from ``fd`` (closed here)."""
+    try:
+        _MAPS[slab] = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def forget_slab(slab: int) -> None:
+    """In the worker: unmap a slab the parent closed (once no tensor views it)."""
+    _MAPS.pop(slab, None)
+
+
+def _tensor_at(
+    where: tuple[int, int, int], layout: tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
+) -> torch.Tensor:
+    slab, offset, nbytes = where
+    dtype, shape, stride, storage_offset = layout
+    buffer = torch.frombuffer(_MAPS[slab], dtype=torch.uint8, count=nbytes, offset=offset)
+    return torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), storage_offset, shape, stride)
+
+
+def encode_error(error: BaseException) -> bytes:
+    """``error`` pickled with its worker traceback as a note; a :class:`WorkerError` carrying
+    its text when it does not survive pickling."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        error.add_note(f"in the checkpoint worker (pid {os.getpid()}):\n{text}")
+        data = pickle.dumps(error)
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps(WorkerError(type(error).__name__, str(error), text))
+
+
+def decode_error(data: bytes) -> BaseException:
+    """The error the worker sent (a :class:`WorkerError` if it cannot be rebuilt here)."""
+    try:
+        error = pickle.loads(data)
+    except Exception as exc:
+        return WorkerError(type(exc).__name__, f"an error the parent could not unpickle: {exc}")
+    if not isinstance(error, BaseException):
+        return WorkerError(type(error).__name__, repr(error))
+    return error

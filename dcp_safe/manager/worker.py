@@ -1,0 +1,291 @@
+"""``SaveWorker``: the parent's side of the checkpoint worker (``executor="process"``).
+
+One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), started by the
+first save and reused. The parent stages as always, into shared slabs; a sender thread then
+hands the worker the staged state (tensors by place: :mod:`dcp_safe.manager.transport`) and any
+slab it has not mapped yet. A reader thread resolves each save's future from the worker's reply.
+The staged state stays referenced here until then, so its buffers are not reused under the
+worker's write. A worker that dies fails every save it held with
+:class:`~dcp_safe.errors.WorkerDiedError`; the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.errors import ConfigError, WorkerDiedError
+from dcp_safe.manager.transport import StateEncoder, decode_error
+from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging.shared import SharedSlabs
+
+__all__ = ["SaveWorker", "uses_worker"]
+
+_ENTRY = "dcp_safe.manager.worker_main"
+
+
+class _Process:
+    """One started worker: its process, its end of the socket, and the saves it holds."""
+
+    def __init__(
+        self,
+        writer: SafeStorageWriter,
+        per_rank: tuple[str, ...],
+        lock: threading.Lock,
+        replications: dict[str, Future[Any]],
+    ) -> None:
+        self.lock = lock  # the SaveWorker's: guards saves, replications and dead
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The worker imports what the parent can (a writer subclass of a test, say).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", _ENTRY, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(("writer", writer, per_rank))
+        self.mapped: set[int] = set()
+        # seq -> (the save's future, its name, the staged state it must keep alive)
+        self.saves: dict[int, tuple[Future[None], str, Any]] = {}
+        self.replications = replications  # by name, shared with the workers before and after
+        self.replicating: set[str] = set()  # the names this worker replicates
+        self.dead = False
+        self.closed: Future[BaseException | None] = Future()
+        self.send_lock = threading.Lock()  # one message (and its descriptor) at a time
+        self.reader = threading.Thread(
+            target=self._read, name="dcp_safe-worker-reader", daemon=True
+        )
+
+    def _read(self) -> None:
+        try:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    return
+                self._handle(message)
+        finally:  # a worker that is gone, or a reply this side cannot read: fail what is held
+            self.died()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "done":
+            with self.lock:
+                future = self.saves.pop(message[1])[0]  # the staged state is let go here
+            if message[2] is None:
+                future.set_result(None)
+            else:
+                future.set_exception(decode_error(message[2]))
+        elif kind == "replicated":
+            with self.lock:
+                replicated = self.replications.setdefault(message[1], Future())
+            if message[2] is None:
+                replicated.set_result(None)
+            else:
+                replicated.set_exception(decode_error(message[2]))
+        elif kind == "closed":
+            self.closed.set_result(None if message[1] is None else decode_error(message[1]))
+
+    def died(self) -> None:
+        """The worker is gone (or being given up on): fail what it held."""
+        code = self.popen.wait()
+        with self.lock:
+            self.dead = True
+            saves = [self.saves.pop(seq) for seq in sorted(self.saves)]
+            replications = [
+                (n, f) for n in sorted(self.replicating) if (f := self.replications.get(n))
+            ]
+        for future, name, _ in saves:
+            with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
+                future.set_exception(self.death(f"during the save of {name}", code))
+        for name, replicated in replications:
+            with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
+                replicated.set_exception(self.death(f"during the replication of {name}", code))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def death(self, when: str, code: int) -> WorkerDiedError:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return WorkerDiedError(
+            f"the checkpoint worker (pid {self.popen.pid}) {how} {when}; that save is failed and"
+            " was not counted (the previous checkpoint is untouched). The next save starts a new"
+            " worker; if it dies again look for the OOM killer, or use executor='thread'"
+        )
+
+
+class SaveWorker:
+    """Runs saves of staged state in a worker process.
+
+    Args:
+        writer: the manager's writer, pickled to the worker once per worker.
+        slabs: the stager's shared slabs (:attr:`BudgetedStager.shared`).
+        per_rank: key prefixes saved once per rank.
+        timeout_s: the longest :meth:`close` waits when given no timeout of its own.
+    """
+
+    def __init__(
+        self,
+        writer: SafeStorageWriter,
+        slabs: SharedSlabs,
+        per_rank: tuple[str, ...] = (),
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.writer = writer
+        self.timeout_s = timeout_s
+        self.slabs = slabs
+        self._encoder = StateEncoder(slabs)
+        self.per_rank = per_rank
+        self._lock = threading.Lock()
+        self._process: _Process | None = None
+        self._replications: dict[str, Future[Any]] = {}
+        self._seq = 0
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-worker")
+
+    @property
+    def pid(self) -> int | None:
+        """The running worker's process id (``None`` before the first save or after a death)."""
+        process = self._process
+        return None if process is None or process.popen.poll() is not None else process.popen.pid
+
+    def submit(self, name: str, step: int, staged: Future[dict[str, Any]]) -> Future[None]:
+        """Save the state ``staged`` resolves to as ``name``; a future of the save's end (failing
+        with the staging's error, the save's, or :class:`WorkerDiedError`)."""
+        done: Future[None] = Future()
+        self._sender.submit(self._send, name, step, staged, done)
+        return done
+
+    def replication(self, name: str) -> Future[Any]:
+        """The replication of ``name`` the worker reports (with ``replicate_to``)."""
+        with self._lock:
+            replicated = self._replications.get(name)
+        # No worker replicates it (it was saved before this manager): watch the remote marker.
+        return self.writer.replication(name) if replicated is None else replicated
+
+    def close(self, timeout_s: float | None) -> None:
+        """Stop the worker within ``timeout_s`` (default: the one given at construction; it is
+        killed past it).
+
+        Raises:
+            BaseException: the worker's writer failed to drain its replication.
+        """
+        self._sender.shutdown(wait=True)
+        with self._lock:
+            process, self._process = self._process, None
+        if process is None:
+            return
+        if timeout_s is None:
+            timeout_s = self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(OSError), process.send_lock:
+            process.conn.send(("close", timeout_s))
+        error = None
+        with contextlib.suppress(TimeoutError):
+            error = process.closed.result(timeout_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.popen.wait(max(0.0, deadline - time.monotonic()))
+        if process.popen.poll() is None:
+            process.popen.kill()
+        process.reader.join()
+        process.conn.close()
+        if error is not None:
+            raise error
+
+    def _send(
+        self, name: str, step: int, staged: Future[dict[str, Any]], done: Future[None]
+    ) -> None:
+        try:
+            state = staged.result()
+            data = self._encoder.dump(state)
+            for retry in (False, True):
+                process, seq = self._register(name, done, state)
+                try:  # outside the lock: a worker dying meanwhile fails it through its reader
+                    with process.send_lock:
+                        self._share_slabs(process)
+                        process.conn.send(("save", seq, name, step, data))
+                    return
+                except OSError:
+                    with self._lock:  # it died idle, before this save: one new worker more
+                        process.dead = True
+                        if retry or process.saves.pop(seq, None) is None:
+                            return  # its reader fails the save
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # InvalidStateError: failed by a death
+                done.set_exception(exc)
+
+    def _register(self, name: str, done: Future[None], state: Any) -> tuple[_Process, int]:
+        """The save in the live worker's book (the state kept alive there); its sequence."""
+        with self._lock:
+            process = self._started()
+            self._seq += 1
+            process.saves[self._seq] = (done, name, state)
+            if self.writer.remote is not None:
+                for finished in [n for n, f in self._replications.items() if f.done()]:
+                    del self._replications[finished]
+                self._replications[name] = Future()
+                process.replicating.add(name)
+            return process, self._seq
+
+    def _started(self) -> _Process:
+        """The live worker, started anew if there is none (call with the lock held)."""
+        process = self._process
+        if process is None or process.dead or process.popen.poll() is not None:
+            # A dead one's reader fails the saves it held, on its own thread.
+            process = self._process = _Process(
+                self.writer, self.per_rank, self._lock, self._replications
+            )
+            process.reader.start()
+        return process
+
+    def _share_slabs(self, process: _Process) -> None:
+        open_slabs = self.slabs.slabs()
+        try:
+            gone = process.mapped - set(open_slabs)
+            if gone:
+                process.conn.send(("forget", sorted(gone)))
+            for slab, (fd, size) in open_slabs.items():
+                if slab not in process.mapped:
+                    process.conn.send(("slab", slab, size))
+                    send_handle(process.conn, fd, process.popen.pid)
+            process.mapped = set(open_slabs)
+        finally:
+            for fd, _ in open_slabs.values():
+                os.close(fd)
+
+
+def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | None) -> bool:
+    """Whether saves run in a worker process.
+
+    Raises:
+        ConfigError: an unknown executor, or ``"process"`` with what it cannot take yet.
+    """
+    if executor not in ("thread", "process"):
+        raise ConfigError(f"executor must be 'thread' or 'process', got {executor!r}")
+    if executor == "thread":
+        return False
+    if stager is not None and stager.shared is None:
+        raise ConfigError("executor='process' needs a stager built with shared_memory=True")
+    if node_local is not None:
+        raise ConfigError("executor='process' does not take node_local= yet: use 'thread'")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "executor='process' runs a single rank only for now (the workers have no process"
+            f" group of their own yet); this job has {dist.get_world_size()}: use 'thread'"
+        )
+    return True

@@ -1,0 +1,145 @@
+"""The checkpoint worker: ``python -m dcp_safe.manager.worker_main FD``, one per rank.
+
+Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket pair as ``FD``.
+It lowers its own priority, then serves the parent's messages in order until told to close or
+the parent is gone::
+
+    ("writer", writer, per_rank)     the manager's writer (pickled once) and per-rank keys
+    ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
+    ("forget", ids)                  unmap slabs the parent closed
+    ("save", seq, name, step, data)  save the staged state ``data``: plan, write, checksums,
+                                     manifest, commit; reply ("done", seq, error or None), then,
+                                     with ``replicate_to``, ("replicated", name, error or None)
+    ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
+
+Nothing here reaches the parent's telemetry: see docs/staging.md, "The process executor".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+from dcp_safe.dcp import api
+from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
+
+__all__ = ["main"]
+
+_NICE = 10
+# How often the worker checks that its parent is alive, while it is busy.
+_ORPHAN_POLL_S = 0.5
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)
+    try:  # psutil knows ionice where the platform has it
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    # A parent killed mid-save cannot say so: a save it will never hear of is not worth ending.
+    while os.getppid() == parent:
+        time.sleep(_ORPHAN_POLL_S)
+    os._exit(3)
+
+
+class _Worker:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # replies come from the main thread and replication's
+        self.writer: SafeStorageWriter | None = None
+        self.per_rank: tuple[str, ...] = ()
+
+    def reply(self, *message: Any) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone
+            kind = message[0]
+            if kind == "writer":
+                self.writer, self.per_rank = message[1], tuple(message[2])
+            elif kind == "slab":
+                map_slab(message[1], recv_handle(self.conn), message[2])
+            elif kind == "forget":
+                for slab in message[1]:
+                    forget_slab(slab)
+            elif kind == "save":
+                self.save(*message[1:])
+            elif kind == "close":
+                self.close(message[1])
+                return
+
+    def save(self, seq: int, name: str, step: int, data: bytes) -> None:
+        try:
+            writer = self._writer().for_step(step)
+            state = pickle.loads(data)
+            api.save(
+                state,
+                checkpoint_id=name,
+                storage_writer=writer,
+                per_rank=self.per_rank,
+                no_dist=True,
+            )
+        except BaseException as exc:
+            self.reply("done", seq, encode_error(exc))
+            return
+        finally:
+            state = None  # no view of the parent's buffers outlives the save
+        self.reply("done", seq, None)
+        if writer.remote is not None:
+            writer.replication(name).add_done_callback(lambda f: self._replicated(name, f))
+
+    def _replicated(self, name: str, done: Future[Any]) -> None:
+        error = done.exception()
+        with contextlib.suppress(OSError):
+            self.reply("replicated", name, None if error is None else encode_error(error))
+
+    def close(self, timeout_s: float | None) -> None:
+        error = None
+        try:
+            if self.writer is not None:
+                self.writer.close(timeout_s)
+        except BaseException as exc:
+            error = encode_error(exc)
+        self.reply("closed", error)
+
+    def _writer(self) -> SafeStorageWriter:
+        if self.writer is None:
+            raise AssertionError("the parent sent a save before its writer")
+        return self.writer
+
+
+def main(argv: list[str]) -> None:
+    """Serve the parent on the socket whose descriptor is ``argv[0]``."""
+    _lower_priority()
+    threading.Thread(
+        target=_exit_when_orphaned, args=(os.getppid(),), name="dcp_safe-orphan", daemon=True
+    ).start()
+    conn = Connection(int(argv[0]))
+    try:
+        _Worker(conn).serve()
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,154 @@
+"""Staging buffers in shared memory, which a worker process reads without a copy.
+
+Buffers are carved from a few *slabs*: anonymous memory files (``memfd_create``) mapped here. A
+worker maps each slab once, from its file descriptor passed over a socket, then finds any
+buffer by slab, offset and size (:class:`Place`). A slab has no name anywhere (no ``/dev/shm``
+entry): its memory lives until the last process that maps it or holds its descriptor exits, so a
+SIGKILL of either side leaks nothing. One descriptor per slab stays open here, to hand the slab
+to a restarted worker; never one per tensor.
+
+Each buffer is a tensor with a storage of exactly its size (``torch.frombuffer`` over its range),
+as the pool requires. A buffer the pool lets go of gives its pages back (``MADV_REMOVE``); a slab
+left with no buffer is closed here (its memory goes once no worker maps it either).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Place", "SharedSlabs"]
+
+_SLAB_BYTES = 64 << 20
+# torch's own CPU allocator aligns to 64 bytes; typed views of a buffer need no more.
+_ALIGN = 64
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a buffer lives: its slab's id, its byte offset there, and its size."""
+
+    slab: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class _Slab:
+    id: int
+    fd: int
+    size: int
+    map: mmap.mmap
+    used: int = 0
+    live: int = 0
+    places: set[int] = field(default_factory=set)  # data pointers of its live buffers
+
+
+class SharedSlabs:
+    """Allocates buffers in shared slabs and says where each one is.
+
+    Thread safety: every method may be called from any thread.
+    """
+
+    def __init__(self, slab_bytes: int = _SLAB_BYTES) -> None:
+        self.slab_bytes = slab_bytes
+        self._lock = threading.RLock()
+        self._slabs: dict[int, _Slab] = {}
+        self._current: _Slab | None = None
+        self._ids = itertools.count(1)
+        self._places: dict[int, Place] = {}  # by the buffer's data pointer
+
+    def allocate(self, size: int) -> torch.Tensor:
+        """A uint8 tensor of ``size`` bytes in a slab (a private one for a large buffer)."""
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            current = self._current
+            offset = 0 if current is None else _round_up(current.used, _ALIGN)
+            if size * 4 > self.slab_bytes:
+                slab, offset = self._new_slab(_round_up(size, mmap.PAGESIZE)), 0
+            elif current is None or offset + size > current.size:
+                slab, offset = self._new_slab(self.slab_bytes), 0
+                self._current = slab
+            else:
+                slab = current
+            slab.used = offset + size
+            slab.live += 1
+            buffer = torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=offset)
+            pointer = buffer.data_ptr()
+            slab.places.add(pointer)
+            self._places[pointer] = Place(slab.id, offset, size)
+        weakref.finalize(buffer, self._freed, pointer).atexit = False
+        return buffer
+
+    def place_of(self, tensor: torch.Tensor) -> Place | None:
+        """Where ``tensor``'s whole storage lives, or ``None`` when it is no buffer of ours."""
+        storage = tensor.untyped_storage()
+        place = self._places.get(storage.data_ptr())
+        if place is None or place.nbytes != storage.nbytes():
+            return None
+        return place
+
+    def slabs(self) -> dict[int, tuple[int, int]]:
+        """Every open slab: its id -> (a duplicate of its descriptor, its size).
+
+        The caller owns (and closes) the duplicates, so a slab closed meanwhile is no hazard.
+        """
+        with self._lock:
+            return {s.id: (os.dup(s.fd), s.size) for s in self._slabs.values()}
+
+    def slab_ids(self) -> set[int]:
+        """The ids of the open slabs."""
+        with self._lock:
+            return set(self._slabs)
+
+    def close(self) -> None:
+        """Close every slab's descriptor here; buffers still alive keep their memory mapped."""
+        with self._lock:
+            for slab in self._slabs.values():
+                os.close(slab.fd)
+            self._slabs.clear()
+            self._current = None
+
+    def _new_slab(self, size: int) -> _Slab:
+        fd = os.memfd_create("dcp_safe-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        slab = _Slab(next(self._ids), fd, size, mapped)
+        self._slabs[slab.id] = slab
+        return slab
+
+    def _freed(self, pointer: int) -> None:
+        # Runs when the pool dropped the buffer: no one here reads those bytes again.
+        with self._lock:
+            place = self._places.pop(pointer, None)
+            slab = None if place is None else self._slabs.get(place.slab)
+            if place is None or slab is None:
+                return
+            slab.places.discard(pointer)
+            slab.live -= 1
+            start = _round_up(place.offset, mmap.PAGESIZE)
+            end = (place.offset + place.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                slab.map.madvise(mmap.MADV_REMOVE, start, end - start)
+            if slab.live > 0:
+                return
+            if slab is self._current:
+                slab.used = 0  # empty: bump from its start again
+                return
+            del self._slabs[slab.id]
+            os.close(slab.fd)  # the map goes when its last view does

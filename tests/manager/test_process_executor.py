@@ -1,0 +1,284 @@
+"""CheckpointManager(executor="process"): the write, commit and replication run in one
+persistent worker process, with every guarantee of the thread executor.
+
+Real saves, a real worker (``python -m dcp_safe.manager.worker_main``), real files; a worker is
+killed with a real SIGKILL, from inside its own write (``DiesMidWrite``) or from the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from support import assert_state_equal, blank_like, make_state
+from support.faults import DiesInWriteData, DiesMidWrite
+
+from dcp_safe import (
+    BudgetedStager,
+    BudgetExceededError,
+    CheckpointManager,
+    CommitError,
+    ConfigError,
+    DrainTimeoutError,
+    MemoryBudget,
+    SnapshotMutatedError,
+    WorkerDiedError,
+    WorkerError,
+    list_checkpoints,
+)
+from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
+from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.testing.staging import hold_staging
+
+_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _workers() -> list[psutil.Process]:
+    """This process's checkpoint workers (other tests of a session may leave other children,
+    DCP's own checkpoint daemon for one)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "dcp_safe.manager.worker_main" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
+
+
+def _committed(root: Path) -> list[str]:
+    return [info.name for info in list_checkpoints(root)]
+
+
+def _worker_pid(manager: CheckpointManager) -> int:
+    worker = manager._runner.worker
+    assert worker is not None and worker.pid is not None
+    return worker.pid
+
+
+def test_saves_in_one_worker_and_restores_each_step_exactly(tmp_path: Path) -> None:
+    shm = _shm()
+    with CheckpointManager(tmp_path, executor="process", keep_last=3) as manager:
+        pids = set()
+        for step in range(3):
+            handle = manager.save(step, make_state(step))
+            assert handle is not None
+            assert handle.committed.result(_TIMEOUT_S) == f"step_{step:09d}"
+            pids.add(_worker_pid(manager))
+        assert len(pids) == 1  # started once, reused
+        assert [worker.pid for worker in _workers()] == list(pids)
+        for step in range(3):
+            target = blank_like(make_state(step))
+            manager.restore(target, step)
+            assert_state_equal(target, make_state(step), f"step {step}")
+        assert [e["event"] for e in manager.history()].count("committed") == 3
+        assert manager.stats().committed == 3
+    assert _workers() == []
+    assert _shm() == shm
+
+
+def test_a_tensor_changed_during_the_copy_fails_the_save(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(1000), "step": 1}
+    returned: list[Any] = []
+    with CheckpointManager(tmp_path, executor="process") as manager:
+        with hold_staging(manager.stager):
+            saver = threading.Thread(target=lambda: returned.append(manager.save(1, state)))
+            saver.start()
+            deadline = time.monotonic() + _TIMEOUT_S
+            while manager.stager.stats().admitted < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)  # save(1) is blocked in its copy
+            state["w"].add_(1)
+        saver.join(_TIMEOUT_S)
+        [handle] = returned
+        with pytest.raises(SnapshotMutatedError) as caught:
+            handle.committed.result(_TIMEOUT_S)
+        assert caught.value.fqns == ("w",)
+        assert manager.save(2, state).committed.result(_TIMEOUT_S) == "step_000000002"
+        with pytest.raises(SnapshotMutatedError):
+            manager.wait()
+    assert _committed(tmp_path) == ["step_000000002"]
+    assert manager.stager.stats().torn == 1
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_failed_write_reaches_the_handle_as_the_same_error(tmp_path: Path, executor: str) -> None:
+    writer = DiesInWriteData(tmp_path)
+    with CheckpointManager(tmp_path, writer=writer, executor=executor) as manager:
+        handle = manager.save(1, make_state())
+        with pytest.raises(CommitError) as caught:
+            handle.committed.result(_TIMEOUT_S)
+        assert type(caught.value) is CommitError
+        assert "Input/output error (injected)" in str(caught.value)
+        with pytest.raises(CommitError):
+            manager.wait()
+        assert manager.stager.stats().in_flight == 0  # the generation was released
+    assert _committed(tmp_path) == []
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_the_budget_holds_as_with_threads(tmp_path: Path, executor: str) -> None:
+    budget = MemoryBudget(usable_bytes=256 << 10, reserve_bytes=0)
+    with CheckpointManager(tmp_path, budget=budget, executor=executor) as manager:
+        with pytest.raises(BudgetExceededError):
+            manager.save(1, {"w": torch.zeros(1 << 18)})  # 1 MiB
+        handle = manager.save(2, {"w": torch.zeros(1 << 14)})  # 64 KiB
+        assert handle is not None and handle.committed.result(_TIMEOUT_S) == "step_000000002"
+        assert manager.stager.stats().peak_pool_bytes <= budget.envelope_bytes
+
+
+def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
+    tmp_path: Path,
+) -> None:
+    shm = _shm()
+    writer = DiesMidWrite(str(tmp_path), victim=0, at_step=2)  # SIGKILLs the worker in step 2
+    with CheckpointManager(tmp_path, writer=writer, executor="process", keep_last=5) as manager:
+        assert manager.save(1, make_state(1)).committed.result(_TIMEOUT_S) == "step_000000001"
+        first = _worker_pid(manager)
+        handle = manager.save(2, make_state(2))
+        with pytest.raises(WorkerDiedError, match=r"killed by signal 9.*next save starts a new"):
+            handle.committed.result(_TIMEOUT_S)
+        assert not psutil.pid_exists(first)  # reaped before the save failed
+        assert manager.stager.stats().in_flight == 0  # the staged generation was released
+        assert _committed(tmp_path) == ["step_000000001"]  # nothing of step 2 published
+        target = blank_like(make_state(1))
+        manager.restore(target)
+        assert_state_equal(target, make_state(1))
+        assert manager.save(3, make_state(3)).committed.result(_TIMEOUT_S) == "step_000000003"
+        assert _worker_pid(manager) != first
+        with pytest.raises(WorkerDiedError):
+            manager.wait()  # the failure was kept for the caller, once
+    assert _committed(tmp_path) == ["step_000000001", "step_000000003"]
+    assert _workers() == []
+    assert _shm() == shm
+
+
+def test_a_worker_killed_between_saves_is_replaced(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, executor="process") as manager:
+        manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
+        first = _worker_pid(manager)
+        os.kill(first, signal.SIGKILL)
+        psutil.Process(first).wait(_TIMEOUT_S)
+        assert manager.save(2, make_state(2)).committed.result(_TIMEOUT_S) == "step_000000002"
+        assert _worker_pid(manager) != first
+
+
+def test_close_stops_a_hung_worker_within_its_timeout(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, executor="process")
+    manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
+    worker = _worker_pid(manager)
+    os.kill(worker, signal.SIGSTOP)  # it will never answer "close"
+    with contextlib.suppress(DrainTimeoutError):  # a loaded host: the rest goes on behind
+        manager.close(timeout_s=5)
+    deadline = time.monotonic() + _TIMEOUT_S
+    while psutil.pid_exists(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed once the close's bound has passed, then reaped
+    assert not psutil.pid_exists(worker)
+    assert _workers() == []
+
+
+def test_replication_runs_in_the_worker(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with CheckpointManager(local, replicate_to=remote, executor="process") as manager:
+        handle = manager.save(1, make_state(1))
+        handle.committed.result(_TIMEOUT_S)
+        handle.replicated.result(_TIMEOUT_S)
+        assert manager.latest("remote") == "step_000000001"
+    assert _committed(remote) == ["step_000000001"]
+
+
+_PARENT = """
+import os, signal, sys, torch
+from dcp_safe import CheckpointManager
+manager = CheckpointManager(sys.argv[1], executor="process")
+manager.save(1, {"w": torch.ones(4096)}).committed.result(120)
+print(manager._runner.worker.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_parent_leaves_no_worker_and_no_shared_memory(tmp_path: Path) -> None:
+    shm = _shm()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run(
+        [sys.executable, "-c", _PARENT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=_TIMEOUT_S,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    worker = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + _TIMEOUT_S
+    while psutil.pid_exists(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # it notices its parent is gone
+    assert not psutil.pid_exists(worker)
+    assert _shm() == shm
+    assert _committed(tmp_path) == ["step_000000001"]
+
+
+def test_what_the_process_executor_refuses(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'thread' or 'process'"):
+        CheckpointManager(tmp_path, executor="fork")
+    with pytest.raises(ConfigError, match="shared_memory=True"):
+        CheckpointManager(tmp_path, executor="process", stager=BudgetedStager())
+    with pytest.raises(ConfigError, match="node_local"):
+        CheckpointManager(tmp_path / "r", executor="process", node_local=tmp_path / "n")
+
+
+def test_the_state_crosses_by_place_and_errors_by_value() -> None:
+    slabs = SharedSlabs()
+    base = slabs.allocate(6 * 6 * 4)
+    square = base.view(torch.float32).view(6, 6)
+    square.copy_(torch.randn(6, 6))
+    state = {"t": square.t(), "rows": square[2:5], "private": torch.ones(3), "n": 1}
+    encoder = StateEncoder(slabs)
+    data = encoder.dump(state)
+    assert encoder.dump(state) == data  # the second time from what it remembers
+    assert len(data) < 1000  # places, not bytes (the private tensor is small)
+    for slab, (fd, size) in slabs.slabs().items():
+        map_slab(slab, fd, size)  # as the worker does
+    rebuilt = pickle.loads(data)
+    assert_state_equal(rebuilt, state)
+    assert rebuilt["t"].stride() == (1, 6)
+
+    class Local(Exception):  # not importable: cannot be unpickled
+        pass
+
+    try:
+        raise Local("boom")
+    except Local as exc:
+        error = decode_error(encode_error(exc))
+    assert isinstance(error, WorkerError) and error.type_name == "Local"
+    assert "boom" in str(error) and "Traceback" in error.worker_traceback
+    typed = decode_error(encode_error(SnapshotMutatedError(["w"])))
+    assert isinstance(typed, SnapshotMutatedError) and typed.fqns == ("w",)
+    assert "in the checkpoint worker" in typed.__notes__[0]
+    slabs.close()
+
+
+def _refused_on_two_ranks(rank: int, world_size: int, root: str) -> str:
+    try:
+        CheckpointManager(root, executor="process")
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.multiproc
+def test_several_ranks_are_refused_for_now(tmp_path: Path) -> None:
+    refusals = run_ranks(_refused_on_two_ranks, 2, args=(str(tmp_path),))
+    assert all("single rank only" in text and "this job has 2" in text for text in refusals)
