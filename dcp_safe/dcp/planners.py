@@ -200,6 +200,9 @@ class SafeSavePlanner(DefaultSavePlanner):
             _rename(self, key, layout.per_rank_key(key, self.rank))
 
     def create_local_plan(self) -> SavePlan:
+        if self.cache_plans:  # taken before anything here can fail (plan_cache's rule)
+            self._forget_plans()
+            self._remembered, self._global = self._cache.take(self._cache_key())
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
         if self.check_divergence:
@@ -216,9 +219,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         )
         if not self.cache_plans:
             return self.plan
-        self._forget_plans()
         self._layout = layout_of(plan)
-        self._remembered, self._global = self._cache.take(self._cache_key())
         if self._remembered is not None and self._remembered.layout == self._layout:
             # The layout the coordinator already planned: send the values alone.
             return FingerprintedPlan(
