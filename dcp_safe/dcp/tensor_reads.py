@@ -19,13 +19,22 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.streams import read_fully, short_read
 
-__all__ = ["read_known_tensor"]
+__all__ = ["read_known_tensor", "transient_bytes"]
 
 # Items up to this size are read whole into memory in one call (one syscall, one hash call).
 _WHOLE_MAX_BYTES = 1 << 20
 # Chunks of large items: big enough to amortise a call, small enough that hashing one overlaps
 # reading the next.
 _CHUNK_BYTES = 16 << 20
+
+
+def transient_bytes(layout: TensorLayout) -> int:
+    """The bytes :func:`read_known_tensor` allocates beyond ``dest`` for an item of ``layout``:
+    a small item is read whole, a large one straight into ``dest`` around its prefix and
+    suffix."""
+    if layout.length <= _WHOLE_MAX_BYTES:
+        return layout.length
+    return len(layout.prefix) + len(layout.suffix)
 
 
 def read_known_tensor(
