@@ -257,7 +257,7 @@ class NodeCacheReader(SafeStorageReader):
         """
         plain = request.type != LoadItemType.BYTE_IO and not record.transforms
         try:
-            if plain and self._load_known(
+            if request.type != LoadItemType.BYTE_IO and self._load_known(
                 stream, path, label, record, request, planner, verify=True
             ):
                 return

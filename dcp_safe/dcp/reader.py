@@ -45,8 +45,12 @@ from dcp_safe.checkpoints.metadata import read_dcp_metadata
 from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.dcp.load_budget import Admission, LoadBudget, LoadMemoryStats
-from dcp_safe.dcp.tensor_reads import read_known_tensor, transient_bytes
-from dcp_safe.dcp.tensor_records import layout_for
+from dcp_safe.dcp.tensor_reads import (
+    known_layout,
+    read_tensor_item,
+    transient_bytes,
+    transient_tensor,
+)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -325,8 +329,9 @@ class SafeStorageReader(StorageReader):
         planner: LoadPlanner,
     ) -> None:
         path = self._source.full_path(rel)
-        streamable = request.type != LoadItemType.BYTE_IO and not record.transforms
-        if streamable and self._try_streamed(stream, path, label, record, request, planner):
+        if request.type != LoadItemType.BYTE_IO and self._try_streamed(
+            stream, path, label, record, request, planner
+        ):
             return
         with self._budget.admit(self._raw_cost(record, request)) as held:
             raw = self._read_raw_retrying(rel, stream, label, record)
@@ -347,6 +352,8 @@ class SafeStorageReader(StorageReader):
         try:
             if self._load_known(stream, path, label, record, request, planner):
                 return True
+            if record.transforms:
+                return False  # read whole and decoded by the caller
             with self._budget.admit(record.length) as held:
                 tensor = self._load_streamed(stream, path, label, record, held=held)
                 self._hand_over(tensor, path, label, request, planner)
@@ -386,15 +393,15 @@ class SafeStorageReader(StorageReader):
         *,
         verify: bool | None = None,
     ) -> bool:
-        """Read a plain-tensor item without ``torch.load``: straight into the destination when
-        it is the whole stored tensor, contiguous and on CPU, else via a fresh tensor.
-        ``False``: not such an item."""
+        """Read a plain-tensor item (zstd too) without ``torch.load``: straight into the
+        destination when it is the whole stored tensor, contiguous and on CPU, else via a fresh
+        tensor. ``False``: not such an item."""
         stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
         dtype, shape = stored
-        layout = layout_for(dtype, shape)
-        if layout is None or layout.length != record.length:
+        layout = known_layout(dtype, shape, record)
+        if layout is None:
             return False
         with self._lock:
             target = planner.resolve_tensor(request).detach()
@@ -409,15 +416,15 @@ class SafeStorageReader(StorageReader):
         verify = self.verify if verify is None else verify
         # What is allocated below is known exactly: the read's own buffers and, unless the
         # target takes the bytes directly, a tensor of the stored shape.
-        cost = transient_bytes(layout) + (0 if direct else layout.payload)
+        cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
         with self._budget.admit(cost) as held:
             held.count(cost)
-            dest = target if direct else torch.empty(shape, dtype=dtype)
-            if not read_known_tensor(
+            dest = target if direct else transient_tensor(shape, dtype)
+            if not read_tensor_item(
                 stream,
                 path=path,
                 item=label,
-                start=record.start,
+                record=record,
                 layout=layout,
                 checksum=record.checksum if verify else None,
                 dest=dest,
