@@ -263,9 +263,7 @@ class NodeCacheReader(SafeStorageReader):
                 return
         except Exception as exc:
             raise _CacheFailed(exc) from exc
-        with self._budget.admit(
-            record.length if plain else self._raw_cost(record, request)
-        ) as held:
+        with self._budget.admit(self._raw_cost(record, request)) as held:
             try:
                 if plain:
                     tensor = self._load_streamed(
