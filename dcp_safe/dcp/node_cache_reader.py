@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcp_safe import layout
@@ -80,6 +79,15 @@ class _Rejected(Exception):
         self.reason, self.detail = reason, detail
 
 
+class _CacheFailed(Exception):
+    """Reading an item from the cache failed (not handing it over: that would fail from the
+    remote too, and is raised as it is)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class NodeCacheReader(SafeStorageReader):
     """A ``SafeStorageReader`` of the remote ``root`` that reads files from this node's cache.
 
@@ -90,9 +98,10 @@ class NodeCacheReader(SafeStorageReader):
         root: the shared remote root the checkpoint was committed to.
         node_cache: this node's local root (``NodeLocalWriter``'s ``root``).
         node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
-        verify, storage_options, checkpoint_id, retry, allow_pickle, signing_key: as for
-            :class:`SafeStorageReader`; ``verify`` applies to the remote only (the cache is
-            used only where it matches the remote's manifest, which the key authenticates).
+        verify, storage_options, checkpoint_id, retry, allow_pickle, signing_key,
+            load_budget_bytes: as for :class:`SafeStorageReader`; ``verify`` applies to the
+            remote only (the cache is used only where it matches the remote's manifest, which
+            the key authenticates); the budget bounds the reads of both.
     """
 
     def __init__(
@@ -107,6 +116,7 @@ class NodeCacheReader(SafeStorageReader):
         retry: RetryPolicy | None = None,
         allow_pickle: bool = False,
         signing_key: bytes | str | None = None,
+        load_budget_bytes: int | None = None,
     ) -> None:
         super().__init__(
             root,
@@ -116,6 +126,7 @@ class NodeCacheReader(SafeStorageReader):
             retry=retry,
             allow_pickle=allow_pickle,
             signing_key=signing_key,
+            load_budget_bytes=load_budget_bytes,
         )
         self.node_cache: Backend = open_backend(
             os.fspath(node_cache), node_cache_storage_options, retry=retry
@@ -224,15 +235,49 @@ class NodeCacheReader(SafeStorageReader):
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
                 try:
-                    loaded = self._fetch_cached(stream, path, label, record, request, planner)
-                except Exception as exc:  # whatever the cache does wrong: the remote decides
-                    self._reject_file(file_name, path, exc)
+                    self._load_cached(stream, path, label, record, request, planner)
+                except _CacheFailed as failed:  # whatever the cache does wrong: remote decides
+                    self._reject_file(file_name, path, failed.cause)
                     return requests[done:]
-                if isinstance(loaded, bytes):
-                    self._deliver(loaded, path, label, record, request, planner)
-                elif loaded is not None:
-                    self._hand_over(loaded, path, label, request, planner)
         return []
+
+    def _load_cached(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        """One item from the cache, its checksum checked whatever ``verify`` says.
+
+        Raises:
+            _CacheFailed: reading it from the cache failed.
+        """
+        plain = request.type != LoadItemType.BYTE_IO and not record.transforms
+        try:
+            if request.type != LoadItemType.BYTE_IO and self._load_known(
+                stream, path, label, record, request, planner, verify=True
+            ):
+                return
+        except Exception as exc:
+            raise _CacheFailed(exc) from exc
+        with self._budget.admit(self._raw_cost(record, request)) as held:
+            try:
+                if plain:
+                    tensor = self._load_streamed(
+                        stream, path, label, record, held=held, verify=True
+                    )
+                else:
+                    raw = self._read_raw(stream, path, label, record, verify=True)
+                    held.count(len(raw))
+            except Exception as exc:
+                raise _CacheFailed(exc) from exc
+            if plain:
+                self._hand_over(tensor, path, label, request, planner)
+            else:
+                self._deliver(raw, path, label, record, request, planner, held)
 
     def _reject_file(self, file_name: str, path: str, exc: Exception) -> None:
         if isinstance(exc, _Rejected):
@@ -255,20 +300,3 @@ class NodeCacheReader(SafeStorageReader):
                 RejectionReason.SIZE,
                 f"{cache.full_path(rel)}: expected {record.size} bytes, found {size}",
             )
-
-    def _fetch_cached(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-    ) -> torch.Tensor | bytes | None:
-        """One item from the cache, its checksum checked whatever ``verify`` says; ``None``
-        when it was read straight into its destination and handed over already."""
-        if request.type != LoadItemType.BYTE_IO and not record.transforms:
-            if self._load_known(stream, path, label, record, request, planner, verify=True):
-                return None
-            return self._load_streamed(stream, path, label, record, verify=True)
-        return self._read_raw(stream, path, label, record, verify=True)

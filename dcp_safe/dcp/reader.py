@@ -44,8 +44,13 @@ from dcp_safe.checkpoints.items import (
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
 from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.checkpoints.signed import check_signed, signed_by
-from dcp_safe.dcp.tensor_reads import read_known_tensor
-from dcp_safe.dcp.tensor_records import layout_for
+from dcp_safe.dcp.load_budget import Admission, LoadBudget, LoadMemoryStats
+from dcp_safe.dcp.tensor_reads import (
+    known_layout,
+    read_tensor_item,
+    transient_bytes,
+    transient_tensor,
+)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -58,6 +63,10 @@ from dcp_safe.manifest.streams import read_verified
 from dcp_safe.torch_compat import narrow_tensor_by_index
 
 __all__ = ["SafeStorageReader"]
+
+# The stated cost of an item whose decoded size nothing bounds (a compressed object from a
+# root trusted with pickles): more than any budget, so it is admitted alone.
+_UNBOUNDED_BYTES = 1 << 62
 
 
 class SafeStorageReader(StorageReader):
@@ -76,10 +85,19 @@ class SafeStorageReader(StorageReader):
             key, signed checkpoints load like any other.
         thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
             called from one thread at a time.
+        load_budget_bytes: the most transient host bytes the reads hold at once beyond the
+            target state: an item's stored bytes read before they are copied into its tensor,
+            its decompressed copy, a tensor built to be narrowed or copied to another device
+            (plain CPU tensors loaded whole are read straight into the target and hold almost
+            nothing). Each item is admitted, in arrival order, at a cost stated before it is
+            read; one that costs more than the whole budget is admitted alone, so a small
+            budget (even 1) slows a load down but never deadlocks it, and that item's bytes
+            are then the bound. ``None`` (the default): no bound. What was held:
+            :meth:`memory_stats`.
 
     Raises:
         ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
-            bad key, or ``thread_count`` below 1.
+            bad key, ``thread_count`` below 1, or ``load_budget_bytes`` not a positive int.
     """
 
     def __init__(
@@ -95,8 +113,11 @@ class SafeStorageReader(StorageReader):
         allow_pickle: bool = False,
         signing_key: bytes | str | None = None,
         thread_count: int | None = None,
+        load_budget_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        self._budget = LoadBudget(load_budget_bytes)
+        self.load_budget_bytes = self._budget.budget_bytes
         if thread_count is not None and (
             not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
         ):
@@ -185,6 +206,11 @@ class SafeStorageReader(StorageReader):
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
         self._stored = stored_tensors(self._metadata)
+        self._budget.reset_stats()
+
+    def memory_stats(self) -> LoadMemoryStats:
+        """Transient host memory the reads held since the last ``reset`` (this rank)."""
+        return self._budget.stats()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -259,16 +285,14 @@ class SafeStorageReader(StorageReader):
                     try:
                         self._load_item(rel, stream, label, record, request, planner)
                     except CheckpointCorruptError as exc:
-                        raw = self._read_from_spare(rel, label, record, cause=exc)
-                        self._deliver(raw, path, label, record, request, planner)
+                        self._load_from_spare(rel, label, record, request, planner, cause=exc)
         except FileNotFoundError:
             spare = self._spare_tier()
             if spare is None:
                 raise CheckpointCorruptError(path, "file is missing") from None
             for request in requests:
                 label, record = self._record_for(path, request)
-                raw = self._read_from_spare(rel, label, record, cause=None)
-                self._deliver(raw, path, label, record, request, planner)
+                self._load_from_spare(rel, label, record, request, planner, cause=None)
 
     def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
         assert self._manifest is not None and self._metadata is not None
@@ -305,22 +329,58 @@ class SafeStorageReader(StorageReader):
         planner: LoadPlanner,
     ) -> None:
         path = self._source.full_path(rel)
-        streamable = request.type != LoadItemType.BYTE_IO and not record.transforms
-        if streamable:
-            try:
-                if self._load_known(stream, path, label, record, request, planner):
-                    return
-                tensor = self._load_streamed(stream, path, label, record)
-            except CheckpointCorruptError:
-                raise
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-            else:
+        if request.type != LoadItemType.BYTE_IO and self._try_streamed(
+            stream, path, label, record, request, planner
+        ):
+            return
+        with self._budget.admit(self._raw_cost(record, request)) as held:
+            raw = self._read_raw_retrying(rel, stream, label, record)
+            held.count(len(raw))
+            self._deliver(raw, path, label, record, request, planner, held)
+
+    def _try_streamed(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> bool:
+        """Load a plain tensor item from ``stream``; ``False`` after a transient error (the
+        caller reads it again on a fresh stream)."""
+        try:
+            if self._load_known(stream, path, label, record, request, planner):
+                return True
+            if record.transforms:
+                return False  # read whole and decoded by the caller
+            with self._budget.admit(record.length) as held:
+                tensor = self._load_streamed(stream, path, label, record, held=held)
                 self._hand_over(tensor, path, label, request, planner)
-                return
-        raw = self._read_raw_retrying(rel, stream, label, record)
-        self._deliver(raw, path, label, record, request, planner)
+            return True
+        except CheckpointCorruptError:
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return False
+
+    def _raw_cost(self, record: ItemRecord, request: ReadItem) -> int:
+        """The most transient bytes reading ``record`` whole and delivering it holds: its
+        stored bytes, what they decompress to and, for an object, its re-serialized copy."""
+        if request.type == LoadItemType.BYTE_IO:
+            bound = self._object_bound(record)
+            decoded = record.length if not record.transforms else bound
+            return _UNBOUNDED_BYTES if decoded is None else record.length + 2 * decoded
+        stored = self._stored.get(record.key)
+        if not record.transforms or stored is None:
+            return record.length
+        return record.length + tensor_item_bound(*stored)
+
+    def _object_bound(self, record: ItemRecord) -> int | None:
+        """The most bytes an object item may decode to (``None``: as many as it holds, for a
+        root trusted with pickles)."""
+        return None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
 
     def _load_known(
         self,
@@ -333,15 +393,15 @@ class SafeStorageReader(StorageReader):
         *,
         verify: bool | None = None,
     ) -> bool:
-        """Read a plain-tensor item without ``torch.load``: straight into the destination when
-        it is the whole stored tensor, contiguous and on CPU, else via a fresh tensor.
-        ``False``: not such an item."""
+        """Read a plain-tensor item (zstd too) without ``torch.load``: straight into the
+        destination when it is the whole stored tensor, contiguous and on CPU, else via a fresh
+        tensor. ``False``: not such an item."""
         stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
         dtype, shape = stored
-        layout = layout_for(dtype, shape)
-        if layout is None or layout.length != record.length:
+        layout = known_layout(dtype, shape, record)
+        if layout is None:
             return False
         with self._lock:
             target = planner.resolve_tensor(request).detach()
@@ -353,32 +413,46 @@ class SafeStorageReader(StorageReader):
             and not any(request.storage_offsets)
             and tuple(request.lengths) == shape
         )
-        dest = target if direct else torch.empty(shape, dtype=dtype)
         verify = self.verify if verify is None else verify
-        if not read_known_tensor(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            layout=layout,
-            checksum=record.checksum if verify else None,
-            dest=dest,
-            hash_pool=self._hash_pool,
-        ):
-            return False
-        if direct:
-            with self._lock:
-                planner.commit_tensor(request, target)
-        else:
-            self._hand_over(dest, path, label, request, planner)
+        # What is allocated below is known exactly: the read's own buffers and, unless the
+        # target takes the bytes directly, a tensor of the stored shape.
+        cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
+        with self._budget.admit(cost) as held:
+            held.count(cost)
+            dest = target if direct else transient_tensor(shape, dtype)
+            if not read_tensor_item(
+                stream,
+                path=path,
+                item=label,
+                record=record,
+                layout=layout,
+                checksum=record.checksum if verify else None,
+                dest=dest,
+                hash_pool=self._hash_pool,
+            ):
+                return False
+            if direct:
+                with self._lock:
+                    planner.commit_tensor(request, target)
+            else:
+                self._hand_over(dest, path, label, request, planner)
         return True
 
     def _load_streamed(
-        self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        *,
+        held: Admission,
+        verify: bool | None = None,
     ) -> torch.Tensor:
         """Any other uncompressed tensor item: read whole, verified (``verify``: as for
-        :meth:`_read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`."""
+        :meth:`_read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`
+        (its bytes counted in ``held``, admitted at ``record.length``)."""
         verify = self.verify if verify is None else verify
+        held.count(record.length)
         raw = read_item(
             stream,
             path=path,
@@ -387,10 +461,10 @@ class SafeStorageReader(StorageReader):
             length=record.length,
             checksum=record.checksum if verify else None,
         )
-        return self._decode_tensor(raw, path, label, record)
+        return self._decode_tensor(raw, path, label, record, held)
 
     def _decode_tensor(
-        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord
+        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord, held: Admission
     ) -> torch.Tensor:
         stored = self._stored.get(record.key)
         if stored is None:
@@ -403,6 +477,8 @@ class SafeStorageReader(StorageReader):
             path=path,
             item=label,
         )
+        if data is not raw:
+            held.count(len(data))  # decompressed; the tensor is decoded over it
         return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
 
     def _read_raw_retrying(self, rel: str, stream: Any, label: str, record: ItemRecord) -> bytes:
@@ -433,6 +509,21 @@ class SafeStorageReader(StorageReader):
                             self._spare = other
             return self._spare
 
+    def _load_from_spare(
+        self,
+        rel: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+        cause: BaseException | None,
+    ) -> None:
+        with self._budget.admit(self._raw_cost(record, request)) as held:
+            raw = self._read_from_spare(rel, label, record, cause=cause)
+            held.count(len(raw))
+            path = self._source.full_path(rel)
+            self._deliver(raw, path, label, record, request, planner, held)
+
     def _read_from_spare(
         self, rel: str, label: str, record: ItemRecord, cause: BaseException | None
     ) -> bytes:
@@ -455,20 +546,25 @@ class SafeStorageReader(StorageReader):
         record: ItemRecord,
         request: ReadItem,
         planner: LoadPlanner,
+        held: Admission,
     ) -> None:
+        """Decode ``raw`` (counted in ``held`` already) and hand it to the planner."""
         if request.type == LoadItemType.BYTE_IO:
             # Bounded unless the caller trusts the root (then as large as it decompresses).
-            bound = None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
+            bound = self._object_bound(record)
             payload = decode_transforms(
                 raw, record.transforms, max_bytes=bound, path=path, item=label
             )
+            if payload is not raw:
+                held.count(len(payload))
             safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
+            with safe.getbuffer() as copy:
+                held.count(copy.nbytes)
             with self._lock:
                 planner.load_bytes(request, safe)
             return
-        self._hand_over(
-            self._decode_tensor(raw, path, label, record), path, label, request, planner
-        )
+        tensor = self._decode_tensor(raw, path, label, record, held)
+        self._hand_over(tensor, path, label, request, planner)
 
     def _hand_over(
         self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner

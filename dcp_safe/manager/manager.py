@@ -79,7 +79,8 @@ class CheckpointManager:
         save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
         budget: the stager's memory budget (default: measured on this host, the writer's
             ``upload_buffer_bytes`` counted as another consumer; a budget passed here should
-            count them itself).
+            count them itself). Its envelope also bounds a restore's transient reads
+            (``SafeStorageReader(load_budget_bytes=)``).
         stager: used instead of one built here (not closed by :meth:`close`).
         storage_options: fsspec options for both roots.
         validate: see :class:`Validation`.
@@ -224,6 +225,8 @@ class CheckpointManager:
             cond=self._cond,
             deferred=self._preemption_deferred,
             coordinator=self._agreement.coordinator,
+            # A restore's transient reads fit the envelope the staged copies of a save do.
+            load_budget_bytes=max(1, self.stager.budget.envelope_bytes),
         )
         self._slot = SaveSlot(self._cond)
         self._closed = False

@@ -120,7 +120,11 @@ class Restorer:
             else:
                 assert self.warm_start is not None
                 options = self.warm_start.storage_options
-                reader = SafeStorageReader(source, storage_options=options)
+                reader = SafeStorageReader(
+                    source,
+                    storage_options=options,
+                    load_budget_bytes=self.tiers.load_budget_bytes,
+                )
                 # The URL as given (credentials travel in options, never in it), shortened.
                 where, tier = f"warm start from {source[:300]}", "initial"
                 keys = keys if keys is not None else self.warm_start.keys

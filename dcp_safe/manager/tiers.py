@@ -43,6 +43,7 @@ class Tiers:
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
         coordinator: this rank writes the shared state; the others neither prune nor sweep,
             and check a new checkpoint's marker and manifest only (even with ``deep``).
+        load_budget_bytes: every reader's ``load_budget_bytes`` (``None``: unbounded).
     """
 
     def __init__(
@@ -55,8 +56,10 @@ class Tiers:
         cond: threading.Condition,
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
+        load_budget_bytes: int | None = None,
     ) -> None:
         self.coordinator = coordinator
+        self.load_budget_bytes = load_budget_bytes
         self.writer = writer
         topology = writer.topology
         self.node_cache = None if topology.node_cache is None else topology.node_cache.url
@@ -238,6 +241,7 @@ class Tiers:
                 node_cache=self.node_cache,
                 storage_options=self.storage_options,
                 signing_key=self.signing_key,
+                load_budget_bytes=self.load_budget_bytes,
             )
         return SafeStorageReader(
             self.root,
@@ -245,4 +249,5 @@ class Tiers:
             fallback=self.replicate_to,
             fallback_storage_options=self.replica_options,
             signing_key=self.signing_key,
+            load_budget_bytes=self.load_budget_bytes,
         )
