@@ -27,12 +27,20 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
 from dcp_safe.dcp import audit
 from dcp_safe.dcp.audit import Piece
+from dcp_safe.dcp.broadcast import SentObjects, object_key
+from dcp_safe.dcp.read_once import ReadOncePlan, Transfer, dtype_name, item_nbytes, share_reads
 from dcp_safe.errors import ConfigError, DivergentStateError, MissingKeysError, PerRankStateError
 
 __all__ = [
@@ -202,10 +210,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         exclude: leave these keys (or prefixes) alone.
         allow_partial: a key asked for that the checkpoint lacks is left alone, not an error.
         name: the checkpoint's name, for the report.
+        read_once: entries several ranks load identically are read from storage by one of
+            them and sent to the others (:mod:`dcp_safe.dcp.read_once`). ``None`` (the
+            default): on with several ranks when loaded by :func:`dcp_safe.load` (which sends
+            them) from a reader without a node cache; ``True``: on, also with a node cache;
+            ``False``: every rank reads everything it needs itself.
 
     Raises (from :meth:`set_up_planner`, on every rank):
         MissingKeysError: keys asked for are not in the checkpoint (without ``allow_partial``).
         PerRankStateError: per-rank entries were saved by another world size.
+        ConfigError: ``read_once=True`` with several ranks in a load that is not
+            :func:`dcp_safe.load`'s, or on a group without gloo.
     """
 
     def __init__(
@@ -216,9 +231,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         exclude: Collection[str] = (),
         allow_partial: bool = False,
         name: str = "",
+        read_once: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(allow_partial_load=True, **kwargs)
+        self.read_once = read_once
+        # Set by dcp_safe.load, which sends the shared entries once DCP's load returns.
+        self.sends_shared = False
+        self.transfers: list[Transfer] = []
+        self._sent = SentObjects()
+        #: Bytes the last load received from other ranks instead of reading them.
+        self.bytes_received = 0
         self.per_rank = _prefixes(per_rank)
         self.keys = None if keys is None else _prefixes(keys)
         self.exclude = _prefixes(exclude)
@@ -241,6 +264,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for key in skipped:
             self._forget(key)
         self._map_per_rank(stored)
+        if self.read_once and not self.sends_shared and _world_size() > 1:
+            raise ConfigError(
+                "read_once=True needs dcp_safe.load (on a group with gloo), which sends the"
+                " entries read once to the other ranks; otherwise pass read_once=False"
+            )
+        self.transfers, self._sent = [], SentObjects()
         missing = {k for k in wanted if self._stored_key(k) not in stored}
         if missing and not self.allow_partial:
             raise MissingKeysError(sorted(missing))
@@ -275,7 +304,47 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
         # loading keys excluded here (dcp_safe checkpoints are written by torch >= 2.4 only).
         assert self.metadata is not None
-        return create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+        if not self.sends_shared or self.read_once is False:
+            return plan
+        dtypes = [
+            None if i.type == LoadItemType.BYTE_IO else dtype_name(self.resolve_tensor(i).dtype)
+            for i in plan.items
+        ]
+        return ReadOncePlan(
+            items=plan.items,
+            storage_data=plan.storage_data,
+            planner_data=plan.planner_data,
+            dtypes=dtypes,
+        )
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return share_reads(super().create_global_plan(global_plan), self._read_cost)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        if isinstance(new_plan, ReadOncePlan):
+            self.transfers = new_plan.transfers
+            # The objects this rank reads that others receive: kept when loaded, until sent.
+            mine = {object_key(i) for i in new_plan.items}
+            self._sent = SentObjects(
+                {object_key(i) for t in self.transfers if t.objects for i in t.items} & mine
+            )
+        return super().finish_plan(new_plan)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._sent.keep(read_item, value)
+        super().load_bytes(read_item, value)
+
+    def sent_objects(self) -> SentObjects:
+        """The object streams this rank read for others (kept until they are sent)."""
+        return self._sent
+
+    def _read_cost(self, item: ReadItem) -> int:
+        """Bytes read from storage for ``item``: its stored length where the metadata says."""
+        storage = getattr(self.metadata, "storage_data", None)
+        info = storage.get(item.storage_index) if isinstance(storage, dict) else None
+        length = getattr(info, "length", None)
+        return int(length) if isinstance(length, int) else item_nbytes(item, None)
 
     def _stored_key(self, key: str) -> str:
         return self._per_rank_keys.get(key, key)
