@@ -40,7 +40,14 @@ from dcp_safe import layout
 from dcp_safe.dcp import audit
 from dcp_safe.dcp.audit import Piece
 from dcp_safe.dcp.broadcast import SentObjects, object_key
-from dcp_safe.dcp.read_once import ReadOncePlan, Transfer, dtype_name, item_nbytes, share_reads
+from dcp_safe.dcp.read_once import (
+    ReadOncePlan,
+    Transfer,
+    dtype_name,
+    item_nbytes,
+    items_digest,
+    share_reads,
+)
 from dcp_safe.errors import ConfigError, DivergentStateError, MissingKeysError, PerRankStateError
 
 __all__ = [
@@ -316,6 +323,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             storage_data=plan.storage_data,
             planner_data=plan.planner_data,
             dtypes=dtypes,
+            items_digest=items_digest(plan.items),
         )
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:

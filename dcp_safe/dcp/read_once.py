@@ -22,9 +22,17 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-__all__ = ["ReadOncePlan", "Transfer", "dtype_name", "item_nbytes", "share_reads"]
+__all__ = [
+    "ReadOncePlan",
+    "Transfer",
+    "dtype_name",
+    "item_nbytes",
+    "items_digest",
+    "share_reads",
+]
 
 #: Entries sent between two ranks travel packed in buffers of up to this many bytes (fewer
 #: messages for many small entries); a larger entry travels alone, straight from its tensor.
@@ -53,13 +61,24 @@ class ReadOncePlan(LoadPlan):
 
     Attributes:
         dtypes: the local plan's destination dtype per item (``None`` for an object).
+        items_digest: :func:`items_digest` of the items ``dtypes`` describe: a planner subclass
+            that edits the items of this plan leaves them undescribed, and nothing is shared.
         transfers: after the global plan, the transfers this rank sends or receives.
         share: whether the coordinator shared entries at all (the same on every rank).
     """
 
     dtypes: list[str | None] = field(default_factory=list)
+    items_digest: int = 0
     transfers: list[Transfer] = field(default_factory=list)
     share: bool = False
+
+
+def items_digest(items: Sequence[ReadItem]) -> int:
+    """A digest of ``items`` that every process computes alike (``hash`` is salted)."""
+    hasher = xxhash.xxh3_64()
+    for item in items:
+        hasher.update(repr(_identity(item, None)).encode())
+    return int(hasher.intdigest())
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -98,9 +117,9 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
             unchanged).
         read_bytes: what reading an item from storage costs, in bytes.
     """
-    if len(plans) < 2 or not all(isinstance(p, ReadOncePlan) for p in plans):
+    local = [p for p in plans if isinstance(p, ReadOncePlan) and _described(p)]
+    if len(plans) < 2 or len(local) != len(plans):
         return list(plans)
-    local = [p for p in plans if isinstance(p, ReadOncePlan)]
     holders: dict[Hashable, list[int]] = {}
     first: dict[Hashable, tuple[ReadItem, str | None]] = {}
     for rank, plan in enumerate(local):
@@ -128,6 +147,10 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
             )
         )
     return result
+
+
+def _described(plan: ReadOncePlan) -> bool:
+    return len(plan.dtypes) == len(plan.items) and plan.items_digest == items_digest(plan.items)
 
 
 def _owners(

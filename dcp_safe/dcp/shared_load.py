@@ -6,7 +6,8 @@ entries back. The entries other ranks read for this one (:mod:`dcp_safe.dcp.read
 have arrived before that, so this is ``dcp.load``'s own sequence (torch 2.13's
 ``state_dict_loader.load``, step for step) with :func:`~dcp_safe.dcp.broadcast.deliver_shared`
 between DCP's ``_load_state_dict`` and the hand-over. DCP's private ``_load_state_dict`` and
-``_storage_setup`` do the work, so the reads, plans and collectives are DCP's unchanged.
+``_storage_setup`` do the work (through :mod:`dcp_safe.torch_compat`), so the reads, plans and
+collectives are DCP's unchanged.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import os
 from typing import Any, cast
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._storage_utils import _storage_setup
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_safe.dcp.broadcast import deliver_shared
 from dcp_safe.dcp.planners import SafeLoadPlanner
+from dcp_safe.torch_compat import dcp_load_state_dict, storage_setup
 
 __all__ = ["load_and_share"]
 
@@ -41,14 +41,14 @@ def load_and_share(
     Sets ``planner.bytes_received``. Raises what DCP's load raises; a peer lost while entries
     travel raises the transport's error within ``timeout_s`` (``None``: the group's timeout).
     """
-    reader = cast(StorageReader, _storage_setup(storage_reader, checkpoint_id, reader=True))
+    reader = cast(StorageReader, storage_setup(storage_reader, checkpoint_id, reader=True))
     keys = sorted(state_dict)  # as dcp.load: the same order on every rank
     loaded = {
         key: value.state_dict() if isinstance(value, Stateful) else value
         for key in keys
         for value in (state_dict[key],)
     }
-    _load_state_dict(
+    dcp_load_state_dict(
         state_dict=loaded,
         storage_reader=reader,
         process_group=process_group,

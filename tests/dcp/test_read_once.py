@@ -27,7 +27,7 @@ from dcp_safe import (
     SafeStorageWriter,
     layout,
 )
-from dcp_safe.dcp.read_once import ReadOncePlan, share_reads
+from dcp_safe.dcp.read_once import ReadOncePlan, items_digest, share_reads
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
@@ -148,6 +148,32 @@ def _load_after_flip(rank: int, world_size: int, root: str) -> str:
     return "loaded"
 
 
+class _Holder:
+    """A ``Stateful`` entry: DCP loads into its ``state_dict()`` and hands the result back."""
+
+    def __init__(self, weight: torch.Tensor, note: object) -> None:
+        self.weight, self.note = weight, note
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight": self.weight, "note": self.note}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weight = state["weight"].clone()  # a copy: what arrives later would be lost
+        self.note = state["note"]
+
+
+def _stateful(rank: int, world_size: int, root: str) -> tuple[torch.Tensor, object, int]:
+    saved = {"holder": _Holder(_values(5, 300), {"lr": 0.1}), "tail": ["a", rank >= 0]}
+    dcp_safe.save(saved, checkpoint_id="stateful", storage_writer=SafeStorageWriter(root))
+    target = {"holder": _Holder(torch.zeros(300), {"lr": -1.0}), "tail": ["", False]}
+    planner = SafeLoadPlanner()
+    dcp_safe.load(
+        target, checkpoint_id="stateful", storage_reader=SafeStorageReader(root), planner=planner
+    )
+    assert target["tail"] == ["a", True]
+    return target["holder"].weight, target["holder"].note, planner.bytes_received
+
+
 def _plan_outside_dcp_safe_load(rank: int, world_size: int) -> str:
     try:
         SafeLoadPlanner(read_once=True).set_up_planner({"x": torch.zeros(1)}, None)
@@ -207,6 +233,14 @@ def test_an_owner_that_reads_a_corrupt_entry_fails_the_load_on_every_rank(tmp_pa
         assert "model.big" in outcome
 
 
+def test_stateful_entries_get_what_other_ranks_read_before_they_load_it(tmp_path: Path) -> None:
+    results = run_ranks(_stateful, 2, args=(str(tmp_path),))
+    for weight, note, _ in results:
+        assert torch.equal(weight, _values(5, 300))
+        assert note == {"lr": 0.1}
+    assert sum(received for _, _, received in results) > 0
+
+
 def test_read_once_true_outside_dcp_safe_load_is_refused() -> None:
     """Only ``dcp_safe.load`` sends the entries after DCP's load: with ``dcp.load`` the other
     ranks would be left without them."""
@@ -240,9 +274,11 @@ def test_each_shared_entry_is_read_by_one_holder_and_sent_to_the_others_only() -
     plans = []
     for rank in range(4):
         keys = [k for k, ranks in holders.items() if rank in ranks]
+        items = [_read(k, sizes[k]) for k in keys]
         plans.append(
             ReadOncePlan(
-                items=[_read(k, sizes[k]) for k in keys],
+                items=items,
+                items_digest=items_digest(items),
                 dtypes=[
                     "torch.float64" if k == "x" and rank == 1 else "torch.float32" for k in keys
                 ],
@@ -274,3 +310,22 @@ def test_each_shared_entry_is_read_by_one_holder_and_sent_to_the_others_only() -
 def test_one_rank_or_another_planner_plans_as_before() -> None:
     alone = [ReadOncePlan(items=[_read("w", 4)], dtypes=["torch.float32"])]
     assert share_reads(alone, lambda item: 16) == alone
+
+
+def test_plans_a_subclass_edited_after_they_were_described_are_left_alone() -> None:
+    """A planner subclass that drops an item from the plan dcp_safe described: nothing is
+    shared, every rank reads what its plan says."""
+    items = [_read("a", 4), _read("b", 4)]
+    described = ReadOncePlan(
+        items=items, dtypes=["torch.float32"] * 2, items_digest=items_digest(items)
+    )
+    edited = ReadOncePlan(
+        items=items[:1], dtypes=["torch.float32"] * 2, items_digest=described.items_digest
+    )
+    renamed = ReadOncePlan(
+        items=[items[1], items[0]], dtypes=described.dtypes, items_digest=described.items_digest
+    )
+    for other in (edited, renamed):
+        plans = [described, other]
+        assert share_reads(plans, lambda item: 16) == plans
+    assert len(share_reads([described, described], lambda item: 16)[1].items) == 1
