@@ -28,10 +28,17 @@ from torch.distributed.checkpoint._extension import (
     ZStandard,
 )
 
+# DCP's reader set-up and its load before the Stateful hand-over: ``dcp.load`` is these two
+# (``dcp_load_state_dict`` below) plus that hand-over, and dcp_safe.load sends the entries read
+# once between them (dcp/shared_load.py). No fallback: with several ranks dcp_safe.load needs
+# them.
+from torch.distributed.checkpoint._storage_utils import _storage_setup as storage_setup
+
 # The per-file entry of DCP's own ``.metadata`` storage map; writing it ourselves keeps the
 # checkpoint loadable by torch's FileSystemReader.
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.distributed.tensor import DTensor
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "ZStandard",
     "create_write_items",
     "dcp_debug_logs_unheard",
+    "dcp_load_state_dict",
     "default_store",
     "dtensor_chunks",
     "dtensor_local",
@@ -53,6 +61,7 @@ __all__ = [
     "rebuild_dtensor",
     "rebuild_tensor",
     "save_tensor_without_crc",
+    "storage_setup",
     "STORAGE_MODULES",
     "TENSOR_REBUILDERS",
     "storage_dtypes",

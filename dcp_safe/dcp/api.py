@@ -35,8 +35,10 @@ from dcp_safe.dcp.group import (
     is_collective_failure,
     validate_deadline,
 )
+from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.restore_audit import audit_load
+from dcp_safe.dcp.shared_load import load_and_share
 from dcp_safe.errors import ConfigError, from_checkpoint_exception
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 
@@ -191,7 +193,9 @@ def load(
         audit: after the load, check on every rank that the live tensors equal what was saved
             (:func:`dcp_safe.dcp.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
         **kwargs: passed to ``dcp.load``. Without ``planner=``, a
-            :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load.
+            :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load; with several ranks
+            it has each entry they load identically read once and sent to the others, after
+            DCP's load (its ``read_once``; docs/multirank.md, "Restores read each entry once").
 
     Raises:
         MissingKeysError: the checkpoint lacks keys of ``state_dict``.
@@ -206,10 +210,37 @@ def load(
     if audit and not isinstance(planner, SafeLoadPlanner):
         raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
     call = _prepare(kwargs, deadline_s)
-    with _translated_call(call), _quiet_single_process(kwargs):
-        _dcp_load(state_dict, **kwargs)
+    with _translated_call(call), _quiet_single_process(kwargs), _sending(planner, kwargs, call):
+        if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
+            load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
+        else:
+            _dcp_load(state_dict, **kwargs)
         if audit:
             audit_load(planner, call.group)
+
+
+@contextmanager
+def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[None]:
+    """Let a ``SafeLoadPlanner`` plan entries read once, with several ranks: this call sends
+    them (:func:`~dcp_safe.dcp.shared_load.load_and_share`).
+
+    Not by default from a node cache: each node holds the files its own ranks wrote, so the
+    owner of an entry could be a rank that must fetch it from the remote instead. Not on a
+    group without gloo (entries travel as CPU tensors): every rank then reads what it needs.
+    """
+    if not isinstance(planner, SafeLoadPlanner):
+        yield
+        return
+    cached = isinstance(kwargs.get("storage_reader"), NodeCacheReader)
+    wanted = planner.read_once is True or (planner.read_once is None and not cached)
+    # Entries travel as CPU buffers: a group without a CPU backend (NCCL alone) cannot send them.
+    cpu = call.group is not None and "gloo" in str(dist.get_backend(call.group))
+    planner.sends_shared = wanted and cpu and call.world_size > 1
+    planner.bytes_received = 0
+    try:
+        yield
+    finally:
+        planner.sends_shared = False
 
 
 def async_save(

@@ -11,28 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
-import pickle
 from collections.abc import Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import xxhash
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
 from dcp_safe.dcp import audit
 from dcp_safe.dcp.audit import Piece
+from dcp_safe.dcp.broadcast import SentObjects, object_key
+from dcp_safe.dcp.fingerprints import fingerprints_of
 from dcp_safe.dcp.plan_cache import (
     GlobalEntry,
     PlanCache,
@@ -40,6 +43,14 @@ from dcp_safe.dcp.plan_cache import (
     cache_for,
     layout_of,
     new_token,
+)
+from dcp_safe.dcp.read_once import (
+    ReadOncePlan,
+    Transfer,
+    dtype_name,
+    item_nbytes,
+    items_digest,
+    share_reads,
 )
 from dcp_safe.errors import (
     CommitError,
@@ -55,8 +66,6 @@ __all__ = [
     "SafeLoadPlanner",
     "SafeSavePlanner",
     "divergent_keys",
-    "fingerprint",
-    "fingerprints_of",
 ]
 
 
@@ -355,10 +364,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         exclude: leave these keys (or prefixes) alone.
         allow_partial: a key asked for that the checkpoint lacks is left alone, not an error.
         name: the checkpoint's name, for the report.
+        read_once: entries several ranks load identically are read from storage by one of
+            them and sent to the others (:mod:`dcp_safe.dcp.read_once`). ``None`` (the
+            default): on with several ranks when loaded by :func:`dcp_safe.load` (which sends
+            them) from a reader without a node cache; ``True``: on, also with a node cache;
+            ``False``: every rank reads everything it needs itself.
 
     Raises (from :meth:`set_up_planner`, on every rank):
         MissingKeysError: keys asked for are not in the checkpoint (without ``allow_partial``).
         PerRankStateError: per-rank entries were saved by another world size.
+        ConfigError: ``read_once=True`` with several ranks in a load that is not
+            :func:`dcp_safe.load`'s, or on a group without gloo.
     """
 
     def __init__(
@@ -369,9 +385,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         exclude: Collection[str] = (),
         allow_partial: bool = False,
         name: str = "",
+        read_once: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(allow_partial_load=True, **kwargs)
+        self.read_once = read_once
+        # Set by dcp_safe.load, which sends the shared entries once DCP's load returns.
+        self.sends_shared = False
+        self.transfers: list[Transfer] = []
+        self._sent = SentObjects()
+        #: Bytes the last load received from other ranks instead of reading them.
+        self.bytes_received = 0
         self.per_rank = _prefixes(per_rank)
         self.keys = None if keys is None else _prefixes(keys)
         self.exclude = _prefixes(exclude)
@@ -394,6 +418,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for key in skipped:
             self._forget(key)
         self._map_per_rank(stored)
+        if self.read_once and not self.sends_shared and _world_size() > 1:
+            raise ConfigError(
+                "read_once=True needs dcp_safe.load (on a group with gloo), which sends the"
+                " entries read once to the other ranks; otherwise pass read_once=False"
+            )
+        self.transfers, self._sent = [], SentObjects()
         missing = {k for k in wanted if self._stored_key(k) not in stored}
         if missing and not self.allow_partial:
             raise MissingKeysError(sorted(missing))
@@ -428,7 +458,48 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
         # loading keys excluded here (dcp_safe checkpoints are written by torch >= 2.4 only).
         assert self.metadata is not None
-        return create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+        if not self.sends_shared or self.read_once is False:
+            return plan
+        dtypes = [
+            None if i.type == LoadItemType.BYTE_IO else dtype_name(self.resolve_tensor(i).dtype)
+            for i in plan.items
+        ]
+        return ReadOncePlan(
+            items=plan.items,
+            storage_data=plan.storage_data,
+            planner_data=plan.planner_data,
+            dtypes=dtypes,
+            items_digest=items_digest(plan.items),
+        )
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return share_reads(super().create_global_plan(global_plan), self._read_cost)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        if isinstance(new_plan, ReadOncePlan):
+            self.transfers = new_plan.transfers
+            # The objects this rank reads that others receive: kept when loaded, until sent.
+            mine = {object_key(i) for i in new_plan.items}
+            self._sent = SentObjects(
+                {object_key(i) for t in self.transfers if t.objects for i in t.items} & mine
+            )
+        return super().finish_plan(new_plan)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._sent.keep(read_item, value)
+        super().load_bytes(read_item, value)
+
+    def sent_objects(self) -> SentObjects:
+        """The object streams this rank read for others (kept until they are sent)."""
+        return self._sent
+
+    def _read_cost(self, item: ReadItem) -> int:
+        """Bytes read from storage for ``item``: its stored length where the metadata says."""
+        storage = getattr(self.metadata, "storage_data", None)
+        info = storage.get(item.storage_index) if isinstance(storage, dict) else None
+        length = getattr(info, "length", None)
+        return int(length) if isinstance(length, int) else item_nbytes(item, None)
 
     def _stored_key(self, key: str) -> str:
         return self._per_rank_keys.get(key, key)
@@ -454,68 +525,6 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
         for key, groups in sorted(seen.items())
         if len(groups) > 1
     }
-
-
-#: Tensors of at least this many bytes are hashed on a thread pool (xxhash releases the GIL
-#: while it hashes a buffer); smaller ones cost less than handing them to a thread.
-_PARALLEL_BYTES = 4 << 20
-
-
-def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
-    """:func:`fingerprint` of each value, the large tensors hashed in parallel (1 GiB on one
-    thread: about 0.14 s, a quarter of a page-cache save)."""
-    large = [
-        key
-        for key, value in values.items()
-        if isinstance(value, torch.Tensor)
-        and not isinstance(value, DTensor)
-        and value.numel() * value.element_size() >= _PARALLEL_BYTES
-    ]
-    found: dict[str, int] = {}
-    if len(large) > 1:
-        workers = min(len(large), os.cpu_count() or 1, 8)
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-fingerprint") as pool:
-            found = dict(zip(large, pool.map(fingerprint, (values[k] for k in large)), strict=True))
-    return {
-        key: found[key] if key in found else fingerprint(value) for key, value in values.items()
-    }
-
-
-def fingerprint(value: object) -> int:
-    """An xxh3-64 digest of ``value``: a tensor's dtype, shape and bytes; an object's canonical
-    encoding (``pickle`` alone is not canonical across processes: a tensor in it pickles with
-    a random serialization id). It catches accidents, not a rank that lies."""
-    hasher = xxhash.xxh3_64()
-    _feed(hasher, value, depth=0)
-    return int(hasher.intdigest())
-
-
-def _feed(hasher: Any, value: object, depth: int) -> None:
-    if depth > 64:
-        raise ConfigError("state nested more than 64 levels deep cannot be fingerprinted")
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        flat = value.detach().reshape(-1).contiguous().cpu()
-        hasher.update(f"T{flat.dtype}{tuple(value.shape)}".encode())
-        hasher.update(flat.view(torch.uint8).numpy().data)
-    elif isinstance(value, io.BytesIO):
-        hasher.update(b"B")
-        hasher.update(value.getbuffer())
-    elif isinstance(value, dict):
-        hasher.update(f"D{len(value)}".encode())
-        for key, item in value.items():  # insertion order is part of the value DCP saves
-            _feed(hasher, key, depth + 1)
-            _feed(hasher, item, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        hasher.update(f"{type(value).__name__[0]}{len(value)}".encode())
-        for item in value:
-            _feed(hasher, item, depth + 1)
-    elif value is None or isinstance(value, (bool, int, float, str, bytes)):
-        hasher.update(f"{type(value).__name__}:{value!r}".encode())
-    else:
-        try:
-            hasher.update(pickle.dumps(value, protocol=4))
-        except Exception:  # the save fails where DCP writes it, with DCP's own error
-            hasher.update(f"unpicklable {type(value).__qualname__}".encode())
 
 
 def _fields(plan: SavePlan) -> dict[str, Any]:

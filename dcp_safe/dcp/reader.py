@@ -150,6 +150,10 @@ class SafeStorageReader(StorageReader):
         self._spare: Backend | None = None
         self._spare_checked = False
         self.items_from_fallback = 0
+        #: Stored bytes and items this reader was asked to read since ``reset`` (each item's
+        #: stored length once, whatever tier served it; a retry is not counted again).
+        self.bytes_read = 0
+        self.items_read = 0
         # Files are read on several threads; the planner, the spare tier and the counters are
         # shared between them.
         self._lock = threading.RLock()
@@ -205,6 +209,7 @@ class SafeStorageReader(StorageReader):
         )
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
+        self.bytes_read = self.items_read = 0
         self._stored = stored_tensors(self._metadata)
         self._budget.reset_stats()
 
@@ -241,6 +246,9 @@ class SafeStorageReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
             by_file.setdefault(storage[request.storage_index].relative_path, []).append(request)
+        with self._lock:
+            self.items_read += len(plan.items)
+            self.bytes_read += sum(storage[r.storage_index].length for r in plan.items)
         for requests in by_file.values():
             requests.sort(key=lambda r: storage[r.storage_index].offset)
         workers = min(self.thread_count, len(by_file))

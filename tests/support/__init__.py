@@ -17,13 +17,14 @@ from .states import (
     make_state,
     rank_union,
 )
-from .tamper import resign_manifest
+from .tamper import flip_item_byte, resign_manifest
 
 __all__ = [
     "assert_state_equal",
     "blank_like",
     "blank_tree",
     "differing_tensors",
+    "flip_item_byte",
     "gather_full",
     "load_script",
     "make_state",

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dcp_safe import layout
-from dcp_safe.manifest.schema import manifest_digest
+from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 
 def resign_manifest(root: Any, name: str, edit: Any) -> None:
@@ -19,3 +19,16 @@ def resign_manifest(root: Any, name: str, edit: Any) -> None:
     data = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
     (folder / layout.MANIFEST).write_bytes(data)
     (folder / layout.COMMITTED_MARKER).write_bytes(manifest_digest(data).encode())
+
+
+def flip_item_byte(root: Any, name: str, fqn: str) -> None:
+    """Flip one byte in the middle of the stored bytes of ``fqn`` (its first item), leaving
+    manifest and marker alone: what a bad disk or a partial overwrite does."""
+    folder = Path(root) / name
+    manifest_path = folder / layout.MANIFEST
+    manifest = Manifest.from_json(manifest_path.read_bytes(), str(manifest_path))
+    record = next(item for item in manifest.items if item.fqn == fqn)
+    path = folder / record.file
+    data = bytearray(path.read_bytes())
+    data[record.start + record.length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
