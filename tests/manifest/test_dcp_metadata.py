@@ -56,6 +56,20 @@ def test_the_plain_form_decodes_to_exactly_what_dcp_pickled(saved: Any) -> None:
     assert encode_dcp_metadata(pickled) == manifest.dcp_metadata
 
 
+def test_a_repeated_layout_reuses_its_entries_and_a_new_one_is_encoded_afresh(saved: Any) -> None:
+    _, _, pickled = saved
+    first = encode_dcp_metadata(pickled)
+    again = encode_dcp_metadata(dataclasses.replace(pickled))  # a cached plan's metadata
+    assert again == first
+    assert again["entries"][0] is first["entries"][0]  # not encoded twice
+    assert again["entries"] is not first["entries"]  # each caller's own list
+    other = copy.deepcopy(pickled)  # an equal layout in another dict: encoded again
+    fresh = encode_dcp_metadata(other)
+    assert fresh == first and fresh["entries"][0] is not first["entries"][0]
+    untrusted = encode_dcp_metadata(other, budget=10_000)  # storage's: never from the memo
+    assert untrusted == first and untrusted["entries"][0] is not fresh["entries"][0]
+
+
 def _broken(manifest: Manifest, edit: Any) -> dict[str, Any]:
     raw = copy.deepcopy(dict(manifest.dcp_metadata or {}))
     edit(raw)
