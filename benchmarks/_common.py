@@ -178,3 +178,15 @@ def run_and_report(
     print(report(results))
     print(f"\nresults: {save(results)}")
     return 0
+
+
+def evict(folder: Path) -> None:
+    """Drop ``folder``'s files from the page cache, as after a restart (clean pages only:
+    the benchmarks' saves fsync what they write)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

@@ -35,7 +35,6 @@ and 10,000 tensors, save <= 0.5x torch's writer and load <= 0.5x its reader.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -48,7 +47,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import describe_machine, markdown_table, median, rotate, run_and_report, write_results
+from _common import (
+    describe_machine,
+    evict,
+    markdown_table,
+    median,
+    rotate,
+    run_and_report,
+    write_results,
+)
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
@@ -84,17 +91,6 @@ def _save(contender: str, state: State, folder: Path) -> float:
         )
     writer = FileSystemWriter(folder, sync_files=True)
     return _timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True))
-
-
-def evict(folder: Path) -> None:
-    """Drop ``folder``'s files from the page cache (clean pages only: they were fsynced)."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _load(contender: str, state: State, target: State, folder: Path, cache: str = "warm") -> float:

@@ -37,8 +37,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import describe_machine, markdown_table, median, rotate, run_and_report, write_results
-from bench_load import evict
+from _common import (
+    describe_machine,
+    evict,
+    markdown_table,
+    median,
+    rotate,
+    run_and_report,
+    write_results,
+)
 
 import dcp_safe
 from dcp_safe import SafeLoadPlanner, SafeStorageReader, SafeStorageWriter

@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     describe_machine,
+    evict,
     markdown_table,
     median,
     rotate,
     run_and_report,
     write_results,
 )
-from bench_load import evict
 
 from dcp_safe import CheckpointManager
 

@@ -33,7 +33,6 @@ worst case for a slower hash: nothing else to wait for. Both are reported. Resul
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -45,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     describe_machine,
+    evict,
     markdown_table,
     median,
     rotate,
@@ -70,17 +70,6 @@ CONTENDERS: dict[str, dict[str, Any]] = {
 
 def make_state(count: int, numel: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(numel) for i in range(count)}
-
-
-def evict(folder: Path) -> None:
-    """Drop ``folder``'s files from the page cache (clean pages only: the save fsynced them)."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def load_into(

@@ -59,7 +59,7 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_h
 from dcp_safe.manifest.schema import ItemKey, Manifest, item_key
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.staging import BudgetedStager
-from dcp_safe.staging._tree import is_stateful
+from dcp_safe.staging._tree import collect_tensors, is_stateful, state_dicts_of
 from dcp_safe.torch_compat import create_write_items
 from dcp_safe.units import format_bytes
 
@@ -113,7 +113,7 @@ class InMemoryTier:
         Raises:
             BudgetExceededError: twice the state's tensor bytes exceed the stager's envelope.
         """
-        need = _tensor_bytes(state_dict)
+        need = sum(t.nbytes for t in collect_tensors(state_dicts_of(state_dict)))  # as staged
         envelope = self.stager.budget.envelope_bytes
         if 2 * need > envelope:
             raise BudgetExceededError(
@@ -304,19 +304,6 @@ class _Pairing:
     copies: list[tuple[Callable[[Any], object], Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
-
-
-def _tensor_bytes(value: Any) -> int:
-    """The tensor bytes DCP will stage for ``value`` (a Stateful by its state dict)."""
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if is_stateful(value):
-        return _tensor_bytes(value.state_dict())
-    if isinstance(value, Mapping):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 def _descend(value: Any) -> bool:
