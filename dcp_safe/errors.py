@@ -313,10 +313,13 @@ class DivergentStateError(DcpSafeError, ValueError):
         )
         more = f" and {len(self.keys) - 20} more" if len(self.keys) > 20 else ""
         prefixes = sorted({k.split(".")[0] for k in self.keys})
+        # Thousands of top-level keys would make the advice unreadable: name a few.
+        suggested = repr(tuple(prefixes)) if len(prefixes) <= 10 else "(...)"
+        named = "" if len(prefixes) <= 10 else f" naming the {len(prefixes)} prefixes"
         super().__init__(
             f"ranks hold different values under the same key: {listed}{more}. DCP would save"
             " one rank's value and restore it on every rank, so nothing was saved. Declare"
-            f" per-rank state: CheckpointManager(..., per_rank={tuple(prefixes)!r}) (or"
+            f" per-rank state: CheckpointManager(..., per_rank={suggested}){named} (or"
             " dcp_safe.save(..., per_rank=...)), or make the values equal on every rank"
         )
 

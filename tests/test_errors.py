@@ -108,3 +108,12 @@ def test_errors_survive_pickling_between_ranks(error: Exception) -> None:
     assert type(again) is type(error)
     assert str(again) == str(error)
     assert vars(again) == vars(error)
+
+
+def test_divergence_message_stays_short_with_thousands_of_differing_keys() -> None:
+    keys = {f"t{i}": [[0], [1]] for i in range(10_000)}
+    message = str(errors.DivergentStateError(keys))
+    assert len(message) < 2_000
+    assert "and 9980 more" in message
+    assert "naming the 10000 prefixes" in message
+    assert errors.DivergentStateError({"opt.step": [[0], [1]]}).args[0].count("('opt',)") == 1
