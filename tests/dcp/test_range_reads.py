@@ -1,0 +1,180 @@
+"""Resharded loads read only the blocks of each stored chunk they need, each block verified.
+
+A 32 MiB tensor is saved as a DTensor ``Shard(0)`` over 2 gloo ranks (two 16 MiB chunks of
+four 4 MiB blocks), then loaded over 4 ranks (each needs half of one chunk) and over 1. Checked:
+exact values; each of the 4 ranks reads 8 MiB of stored bytes, against 16 MiB from a checkpoint
+written without block digests (as before them) and from a signed one; a flipped byte in a block
+a rank needs fails that rank's load with ``CheckpointCorruptError``, while a rank that does not
+need that block loads exactly (its bytes are never used), and full verification still fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dcp_safe
+from dcp_safe import (
+    CheckpointCorruptError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    layout,
+    verify_checkpoint,
+)
+from dcp_safe.dcp.options import WriterOptions
+from dcp_safe.dcp.range_reads import plan_range
+from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests
+from dcp_safe.manifest.schema import Manifest
+from dcp_safe.testing.multiproc import run_ranks
+
+MIB = 1 << 20
+ROWS, COLS = 8192, 1024  # float32: 32 MiB; a row is 4 KiB
+KEY = b"k" * 32
+
+
+def _full() -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3))
+
+
+def _sharded(world_size: int, tensor: torch.Tensor) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {"w": distribute_tensor(tensor, mesh, [Shard(0)])}
+
+
+def _blocks(*, length: int = 64 * MIB, block_bytes: int = BLOCK_BYTES) -> BlockDigests:
+    count = -(-length // block_bytes)
+    return BlockDigests(at=0, length=length, block_bytes=block_bytes, digests=("ab",) * count)
+
+
+# --------------------------------------------------------------- which blocks a region needs
+
+
+def test_a_slice_along_dim_0_is_one_run_read_from_the_blocks_covering_it() -> None:
+    # [16384, 1024] float32 = 64 MiB = 16 blocks; rows 4096..6143 are bytes [16, 24) MiB.
+    plan = plan_range(_blocks(), (16384, 1024), 4, (4096, 0), (2048, 1024))
+    assert plan is not None
+    assert plan.runs == ((16 * MIB, 8 * MIB),)
+    assert plan.spans == ((4, 6),) and plan.read_bytes == 8 * MIB
+    # Not block-aligned: rounded out to whole blocks.
+    plan = plan_range(_blocks(), (16384, 1024), 4, (100, 0), (2048, 1024))
+    assert plan is not None and plan.spans == ((0, 3),) and plan.read_bytes == 12 * MIB
+
+
+def test_a_sub_block_of_rows_is_a_few_runs_and_only_their_blocks_are_read() -> None:
+    # [4, 4096, 1024] float32: each of the 4 outer slices is 16 MiB (4 blocks); rows 0..1023
+    # of the first two slices are 2 runs of 4 MiB, in blocks 0 and 4.
+    plan = plan_range(_blocks(), (4, 4096, 1024), 4, (0, 0, 0), (2, 1024, 1024))
+    assert plan is not None
+    assert plan.runs == ((0, 4 * MIB), (16 * MIB, 4 * MIB))
+    assert plan.spans == ((0, 1), (4, 5)) and plan.read_bytes == 8 * MIB
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths"),
+    [
+        ((0, 0), (16384, 1024)),  # the whole chunk: read whole, straight into its target
+        ((0, 0), (16384, 512)),  # half of every row: 16,384 runs
+        ((0, 0), (14000, 1024)),  # most of the blocks
+    ],
+)
+def test_regions_better_read_whole_are_left_to_the_whole_item_read(
+    offsets: tuple[int, int], lengths: tuple[int, int]
+) -> None:
+    assert plan_range(_blocks(), (16384, 1024), 4, offsets, lengths) is None
+
+
+# --------------------------------------------------------------- rank functions (module level)
+
+
+def _save(rank: int, world_size: int, root: str) -> None:
+    state = _sharded(world_size, _full())
+    dcp_safe.save(state, checkpoint_id="blocks", storage_writer=SafeStorageWriter(root))
+    plain = SafeStorageWriter(root, options=WriterOptions(block_digests=False))
+    dcp_safe.save(state, checkpoint_id="plain", storage_writer=plain)
+    signed = SafeStorageWriter(root, signing_key=KEY)
+    dcp_safe.save(state, checkpoint_id="signed", storage_writer=signed)
+
+
+def _load_each(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    expected = _sharded(world_size, _full())["w"].to_local()
+    seen: dict[str, Any] = {}
+    for name in ("blocks", "plain", "signed"):
+        target = _sharded(world_size, torch.zeros(ROWS, COLS))
+        key = KEY if name == "signed" else None
+        reader = SafeStorageReader(root, signing_key=key)
+        dcp_safe.load(target, checkpoint_id=name, storage_reader=reader)
+        seen[name] = (torch.equal(target["w"].to_local(), expected), reader.bytes_read)
+    return seen
+
+
+def _load_alone(rank: int, world_size: int, root: str) -> str:
+    """Each rank loads on its own (no collectives), so one rank's failure is its own."""
+    target = _sharded(world_size, torch.zeros(ROWS, COLS))
+    reader = SafeStorageReader(root)
+    try:
+        dcp.load(target, checkpoint_id="blocks", storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:  # DCP's wrapper of what read_data raised (BaseException)
+        failures = [failure for failure, _ in exc.failures.values()]
+        return "; ".join(f"{type(failure).__name__}: {failure}" for failure in failures)
+    expected = _full().chunk(world_size)[rank]  # no collective: rank 1 failed above
+    return "exact" if torch.equal(target["w"].to_local(), expected) else "wrong values"
+
+
+def _flip_data_byte(root: Path, name: str, offset: tuple[int, int], data_at: int) -> None:
+    """Flip the byte ``data_at`` bytes into the tensor data of the chunk at ``offset``."""
+    manifest = Manifest.from_json((root / name / layout.MANIFEST).read_bytes(), name)
+    record = next(i for i in manifest.items if i.fqn == "w" and i.offset == offset)
+    assert record.blocks is not None
+    with open(root / name / record.file, "r+b") as f:
+        f.seek(record.start + record.blocks.at + data_at)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_resharded_load_reads_only_the_blocks_each_rank_needs(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    run_ranks(_save, 2, args=(root,))
+    manifest = Manifest.from_json((tmp_path / "signed" / layout.MANIFEST).read_bytes(), "m")
+    chunk = ROWS * COLS * 4 // 2
+    assert all(
+        item.blocks is not None and item.blocks.length == chunk and len(item.blocks.digests) == 4
+        for item in manifest.items
+    )
+    assert all(len(item.blocks.digests[0]) == 64 for item in manifest.items if item.blocks)
+    plain = Manifest.from_json((tmp_path / "plain" / layout.MANIFEST).read_bytes(), "m")
+    assert all(item.blocks is None for item in plain.items)
+
+    four = run_ranks(_load_each, 4, args=(root,))
+
+    for rank, seen in enumerate(four):
+        assert seen["blocks"] == (True, chunk // 2), rank  # 8 MiB: 2 of the chunk's 4 blocks
+        assert seen["signed"] == (True, chunk // 2), rank  # blake3 block digests, signed
+        item_bytes = next(i.length for i in plain.items)
+        assert seen["plain"] == (True, item_bytes), rank  # without digests: the whole chunk
+    # One undistributed process loads the whole tensor: every block, whole items.
+    whole = {"w": torch.zeros(ROWS, COLS)}
+    reader = SafeStorageReader(root)
+    dcp_safe.load(whole, checkpoint_id="blocks", storage_reader=reader)
+    assert torch.equal(whole["w"], _full())
+    assert reader.bytes_read == sum(item.length for item in manifest.items)
+
+    # Rank 0 of 4 needs blocks 0-1 of the first chunk, rank 1 blocks 2-3: flip a byte in 3.
+    _flip_data_byte(tmp_path, "blocks", (0, 0), 3 * BLOCK_BYTES + 12345)
+
+    alone = run_ranks(_load_alone, 4, args=(root,))
+
+    assert alone[0] == alone[2] == alone[3] == "exact"
+    assert alone[1].startswith("CheckpointCorruptError")
+    assert "block 3 of the tensor data" in alone[1]
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        verify_checkpoint(tmp_path, "blocks")
