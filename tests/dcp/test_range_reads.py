@@ -30,6 +30,7 @@ from dcp_safe import (
 )
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.dcp.range_reads import plan_range
+from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
@@ -88,6 +89,31 @@ def test_regions_better_read_whole_are_left_to_the_whole_item_read(
     offsets: tuple[int, int], lengths: tuple[int, int]
 ) -> None:
     assert plan_range(_blocks(), (16384, 1024), 4, offsets, lengths) is None
+
+
+# --------------------------------------------------------------- which items get digests
+
+
+def _manifest(root: Path, name: str) -> Manifest:
+    return Manifest.from_json((root / name / layout.MANIFEST).read_bytes(), name)
+
+
+def test_only_large_uncompressed_tensors_get_block_digests(tmp_path: Path) -> None:
+    state = {
+        "large": torch.zeros(2 * BLOCK_BYTES // 4),  # 8 MiB: 2 blocks
+        "small": torch.zeros(2 * BLOCK_BYTES // 4 - 1),
+        "object": ["step", 3],
+    }
+    dcp_safe.save(state, checkpoint_id="plain", storage_writer=SafeStorageWriter(tmp_path))
+    blocks = {item.fqn: item.blocks for item in _manifest(tmp_path, "plain").items}
+    large = blocks.pop("large")
+    assert large is not None and large.length == 2 * BLOCK_BYTES and len(large.digests) == 2
+    assert blocks == {"small": None, "object": None}
+    zstd = SafeStorageWriter(tmp_path, compression="zstd")
+    dcp_safe.save(state, checkpoint_id="zstd", storage_writer=zstd)
+    assert all(item.blocks is None for item in _manifest(tmp_path, "zstd").items)
+    with pytest.raises(ConfigError, match="block_digests"):
+        WriterOptions(block_digests="no")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------- rank functions (module level)
