@@ -303,7 +303,8 @@ class SafeStorageWriter(StorageWriter):
         planner: SavePlanner,
     ) -> list[WriteResult]:
         name = self._require_name()
-        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 1) as pool:
+        # A worker per file, and two for hashing: an item's checksum and its block digests.
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 2) as pool:
             hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
             writes = [
                 pool.submit(self._write_file, assignment, f, bucket, planner, hash_pool)
