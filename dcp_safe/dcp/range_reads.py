@@ -11,9 +11,11 @@ checked: bytes outside the blocks read are never used, and a full verify
 
 Anything else is read whole, as before (:class:`~dcp_safe.dcp.reader.SafeStorageReader`):
 items without block digests (compressed, small, non-tensor, written before them or with
-``block_digests=False``), a region that is the whole chunk, and regions of many small runs or
-that cover most of the item's blocks (a whole read is then as cheap, and reads straight into
-its destination).
+``block_digests=False``), a region that is the whole chunk (read straight into its target),
+regions of more than :data:`MAX_RUNS` runs, and regions whose blocks cover all of the item's
+data anyway. A region that needs most but not all blocks is still read in blocks: fewer bytes,
+and one buffer of at most 16 MiB where a whole read that is narrowed holds a transient copy of
+the whole chunk.
 """
 
 from __future__ import annotations
@@ -42,8 +44,6 @@ __all__ = ["MAX_RUNS", "RangePlan", "RangeReads", "commit_into", "plan_range"]
 #: Regions of more separate runs than this are read whole (a slice along a later dim of a
 #: large tensor: every block is likely touched anyway, and planning would cost per run).
 MAX_RUNS = 1024
-# Partial reads are used when they read at most this fraction of the item's data.
-_MOST = 3 / 4
 # Blocks read with one call (into one buffer): bounds what a partial read holds.
 _PIECE_BLOCKS = 4
 
@@ -101,8 +101,8 @@ def plan_range(
         else:
             spans.append((first, end))
     covered = [blocks.span(end - 1)[1] - blocks.span(first)[0] for first, end in spans]
-    if sum(covered) > blocks.length * _MOST:
-        return None
+    if sum(covered) >= blocks.length:
+        return None  # every block: nothing saved
     piece = min(max(covered), _PIECE_BLOCKS * blocks.block_bytes)
     return RangePlan(runs, tuple(spans), sum(covered), piece)
 

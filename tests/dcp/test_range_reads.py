@@ -6,6 +6,8 @@ exact values; each of the 4 ranks reads 8 MiB of stored bytes, against 16 MiB fr
 written without block digests (as before them) and from a signed one; a flipped byte in a block
 a rank needs fails that rank's load with ``CheckpointCorruptError``, while a rank that does not
 need that block loads exactly (its bytes are never used), and full verification still fails.
+An FSDP2 model (a 32 MiB weight of 8190 rows, uneven over 4 ranks) and its Adam moments saved
+on 2 ranks load exactly on 4, each rank reading its rows plus block rounding.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from support import assert_state_equal, gather_full
+from support.training import app_state
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcp_safe
@@ -66,6 +73,9 @@ def test_a_slice_along_dim_0_is_one_run_read_from_the_blocks_covering_it() -> No
     # Not block-aligned: rounded out to whole blocks.
     plan = plan_range(_blocks(), (16384, 1024), 4, (100, 0), (2048, 1024))
     assert plan is not None and plan.spans == ((0, 3),) and plan.read_bytes == 12 * MIB
+    # Most blocks but not all: still fewer bytes, through one bounded buffer.
+    plan = plan_range(_blocks(), (16384, 1024), 4, (0, 0), (14000, 1024))
+    assert plan is not None and plan.spans == ((0, 14),) and plan.buffer_bytes == 16 * MIB
 
 
 def test_a_sub_block_of_rows_is_a_few_runs_and_only_their_blocks_are_read() -> None:
@@ -82,7 +92,7 @@ def test_a_sub_block_of_rows_is_a_few_runs_and_only_their_blocks_are_read() -> N
     [
         ((0, 0), (16384, 1024)),  # the whole chunk: read whole, straight into its target
         ((0, 0), (16384, 512)),  # half of every row: 16,384 runs
-        ((0, 0), (14000, 1024)),  # most of the blocks
+        ((1, 0), (16383, 1024)),  # all but one row: every block
     ],
 )
 def test_regions_better_read_whole_are_left_to_the_whole_item_read(
@@ -153,6 +163,42 @@ def _load_alone(rank: int, world_size: int, root: str) -> str:
     return "exact" if torch.equal(target["w"].to_local(), expected) else "wrong values"
 
 
+FSDP_OUT, FSDP_IN = 8190, 1024  # a 32 MiB weight; 8190 rows: uneven over 4 ranks (FSDP2 pads)
+
+
+def _fsdp_model(world_size: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Linear(FSDP_IN, FSDP_OUT, bias=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _fsdp_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, optimizer = _fsdp_model(world_size, seed=0)
+    x = torch.randn(4, FSDP_IN, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    optimizer.step()
+    state = app_state(model, optimizer)
+    dcp_safe.save(state, checkpoint_id="fsdp", storage_writer=SafeStorageWriter(root))
+    return gather_full(state)
+
+
+def _fsdp_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, optimizer = _fsdp_model(world_size, seed=5)  # other values: the load replaces them
+    target = app_state(model, optimizer)
+    reader = SafeStorageReader(root)
+    dcp_safe.load(target, checkpoint_id="fsdp", storage_reader=reader)
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
+    rows = model.weight.to_local().shape[0]
+    return {
+        "state": gather_full(app_state(model, optimizer)),
+        "read": reader.bytes_read,
+        "rows": rows,
+    }
+
+
 def _flip_data_byte(root: Path, name: str, offset: tuple[int, int], data_at: int) -> None:
     """Flip the byte ``data_at`` bytes into the tensor data of the chunk at ``offset``."""
     manifest = Manifest.from_json((root / name / layout.MANIFEST).read_bytes(), name)
@@ -204,3 +250,27 @@ def test_a_resharded_load_reads_only_the_blocks_each_rank_needs(tmp_path: Path) 
     assert "block 3 of the tensor data" in alone[1]
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
         verify_checkpoint(tmp_path, "blocks")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_fsdp2_model_and_adam_state_saved_on_two_ranks_load_on_four_from_their_blocks(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path)
+    saved = run_ranks(_fsdp_save, 2, args=(root,))[0]
+
+    four = run_ranks(_fsdp_load, 4, args=(root,))
+
+    for rank, seen in enumerate(four):
+        assert_state_equal(seen["state"], saved, f"2->4 rank {rank}")
+    assert [seen["rows"] for seen in four] == [2048, 2048, 2048, 2046]
+    # The weight and Adam's two moments: 2 stored chunks of 4095 rows (4 blocks) each. A rank
+    # reads its rows plus at most a block of rounding at each end of each chunk it overlaps
+    # (rank 1 overlaps both); read whole, ranks 0, 2 and 3 would read a chunk of each, rank 1
+    # both chunks: 3 x 80 MiB in all.
+    row = FSDP_IN * 4
+    for rank, seen in enumerate(four):
+        chunks = 2 if rank == 1 else 1
+        assert seen["read"] <= 3 * (seen["rows"] * row + chunks * 2 * BLOCK_BYTES) + 65536, rank
+    assert sum(seen["read"] for seen in four) <= 0.55 * 3 * 80 * MIB
