@@ -152,7 +152,8 @@ class SafeStorageReader(StorageReader):
         self._spare_checked = False
         self.items_from_fallback = 0
         #: Stored bytes and items this reader was asked to read since ``reset`` (each item's
-        #: stored length once, whatever tier served it; a retry is not counted again).
+        #: stored length once, or the blocks of it a partial read used; whatever tier served it;
+        #: a retry is not counted again).
         self.bytes_read = 0
         self.items_read = 0
         # Files are read on several threads; the planner, the spare tier and the counters are
