@@ -7,11 +7,13 @@ written without block digests (as before them) and from a signed one; a flipped 
 a rank needs fails that rank's load with ``CheckpointCorruptError``, while a rank that does not
 need that block loads exactly (its bytes are never used), and full verification still fails.
 An FSDP2 model (a 32 MiB weight of 8190 rows, uneven over 4 ranks) and its Adam moments saved
-on 2 ranks load exactly on 4, each rank reading its rows plus block rounding.
+on 2 ranks load exactly on 4, each rank reading its rows plus block rounding. In one process,
+with the read item DCP plans for such a rank: a damaged block is read again from the other tier.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,9 @@ from support import assert_state_equal, gather_full
 from support.training import app_state
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -124,6 +129,56 @@ def test_only_large_uncompressed_tensors_get_block_digests(tmp_path: Path) -> No
     assert all(item.blocks is None for item in _manifest(tmp_path, "zstd").items)
     with pytest.raises(ConfigError, match="block_digests"):
         WriterOptions(block_digests="no")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------- one process, DCP's read items
+
+
+def _read_rows(reader: SafeStorageReader, name: str, first: int, count: int) -> torch.Tensor:
+    """Rows ``first`` to ``first + count`` of the stored ``w``, through DCP's own planner and
+    the read item DCP plans for a rank that owns those rows (as in a resharded load)."""
+    reader.reset(name)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    target = torch.zeros(count, COLS)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"w": target}, metadata, True)
+    request = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("w", torch.Size([0, 0])),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=MetadataIndex("w", torch.Size([0, 0])),
+        storage_offsets=torch.Size([first, 0]),
+        lengths=torch.Size([count, COLS]),
+    )
+    reader.read_data(LoadPlan([request]), planner).wait()
+    return target
+
+
+def test_a_damaged_block_is_read_again_from_the_other_tier_and_old_checkpoints_read_whole(
+    tmp_path: Path,
+) -> None:
+    full = _full()  # one item of 32 MiB: 8 blocks
+    primary, replica = tmp_path / "primary", tmp_path / "replica"
+    dcp_safe.save({"w": full}, checkpoint_id="s", storage_writer=SafeStorageWriter(primary))
+    old = SafeStorageWriter(primary, options=WriterOptions(block_digests=False))
+    dcp_safe.save({"w": full}, checkpoint_id="old", storage_writer=old)
+    shutil.copytree(primary / "s", replica / "s")
+
+    reader = SafeStorageReader(primary)
+    assert torch.equal(_read_rows(reader, "s", 2048, 2048), full[2048:4096])
+    assert reader.bytes_read == 8 * MIB  # blocks 2 and 3
+    old_item = next(i for i in _manifest(primary, "old").items)
+    assert torch.equal(_read_rows(reader, "old", 2048, 2048), full[2048:4096])
+    assert reader.bytes_read == old_item.length  # no block digests: the whole item, as before
+
+    _flip_data_byte(primary, "s", (0, 0), 2 * BLOCK_BYTES + 7)
+    with pytest.raises(CheckpointCorruptError, match="block 2 of the tensor data"):
+        _read_rows(SafeStorageReader(primary), "s", 2048, 2048)
+    assert torch.equal(_read_rows(SafeStorageReader(primary), "s", 4096, 10), full[4096:4106])
+    with_replica = SafeStorageReader(primary, fallback=replica)
+    assert torch.equal(_read_rows(with_replica, "s", 2048, 2048), full[2048:4096])
+    assert with_replica.items_from_fallback == 1
 
 
 # --------------------------------------------------------------- rank functions (module level)
