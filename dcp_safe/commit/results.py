@@ -87,7 +87,7 @@ def _planned_keys(metadata: Metadata) -> Iterable[ItemKey]:
 
 
 def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
-    return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum) for r in records)
+    return ((r.fqn, r.offset, r.file, r.start, r.length, r.checksum, r.blocks) for r in records)
 
 
 def same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) -> bool:

@@ -29,6 +29,9 @@ class WriterOptions:
 
     ``report_timeout_s`` bounds a save without collectives (``use_collectives=False``): how
     long rank 0 waits for every rank's report, and every rank for rank 0's save id.
+    ``block_digests``: record per-block digests of large uncompressed tensors, so that a
+    resharded load reads only the blocks it needs (docs/integrity.md, "Block digests"); off,
+    the manifest is what versions before them wrote.
     """
 
     compression: Compression = Compression.NONE
@@ -39,6 +42,7 @@ class WriterOptions:
     # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
     signing_key: bytes | None = field(default=None, repr=False)
     report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    block_digests: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -54,6 +58,8 @@ class WriterOptions:
             raise ConfigError(f"report_timeout_s must be a number, got {timeout!r}")
         if not (math.isfinite(timeout) and timeout > 0):
             raise ConfigError(f"report_timeout_s must be positive and finite, got {timeout!r}")
+        if not isinstance(self.block_digests, bool):
+            raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
         if self.signing_key is not None and self.checksum not in CRYPTOGRAPHIC_CHECKSUMS:
             raise ConfigError(
                 f"a signed save needs a cryptographic checksum, not {self.checksum.value!r}"

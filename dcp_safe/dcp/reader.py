@@ -45,6 +45,7 @@ from dcp_safe.checkpoints.metadata import read_dcp_metadata
 from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.dcp.load_budget import Admission, LoadBudget, LoadMemoryStats
+from dcp_safe.dcp.range_reads import RangeReads, commit_into
 from dcp_safe.dcp.tensor_reads import (
     known_layout,
     read_tensor_item,
@@ -151,12 +152,14 @@ class SafeStorageReader(StorageReader):
         self._spare_checked = False
         self.items_from_fallback = 0
         #: Stored bytes and items this reader was asked to read since ``reset`` (each item's
-        #: stored length once, whatever tier served it; a retry is not counted again).
+        #: stored length once, or the blocks of it a partial read used; whatever tier served it;
+        #: a retry is not counted again).
         self.bytes_read = 0
         self.items_read = 0
         # Files are read on several threads; the planner, the spare tier and the counters are
         # shared between them.
         self._lock = threading.RLock()
+        self._ranges = RangeReads(self._lock, self._budget)
         self._stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._hash_pool: ThreadPoolExecutor | None = None
 
@@ -401,12 +404,19 @@ class SafeStorageReader(StorageReader):
         *,
         verify: bool | None = None,
     ) -> bool:
-        """Read a plain-tensor item (zstd too) without ``torch.load``: straight into the
-        destination when it is the whole stored tensor, contiguous and on CPU, else via a fresh
-        tensor. ``False``: not such an item."""
+        """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
+        request needs where the item has block digests (:mod:`dcp_safe.dcp.range_reads`), else
+        straight into the destination when it is the whole stored tensor, contiguous and on
+        CPU, else via a fresh tensor. ``False``: not such an item."""
         stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
+        verify = self.verify if verify is None else verify
+        got = self._ranges.load(stream, path, label, record, stored, request, planner, verify)
+        if got is not None:
+            with self._lock:  # counted whole by read_data
+                self.bytes_read -= record.length - got
+            return True
         dtype, shape = stored
         layout = known_layout(dtype, shape, record)
         if layout is None:
@@ -421,7 +431,6 @@ class SafeStorageReader(StorageReader):
             and not any(request.storage_offsets)
             and tuple(request.lengths) == shape
         )
-        verify = self.verify if verify is None else verify
         # What is allocated below is known exactly: the read's own buffers and, unless the
         # target takes the bytes directly, a tensor of the stored shape.
         cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
@@ -580,14 +589,4 @@ class SafeStorageReader(StorageReader):
         tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
         with self._lock:
             target = planner.resolve_tensor(request).detach()
-        if target.size() != tensor.size():
-            raise CheckpointCorruptError(
-                path,
-                "stored tensor has another shape",
-                item=label,
-                expected=tuple(target.size()),
-                actual=tuple(tensor.size()),
-            )
-        target.copy_(tensor)
-        with self._lock:
-            planner.commit_tensor(request, target)
+        commit_into(target, tensor, path, label, request, planner, self._lock)

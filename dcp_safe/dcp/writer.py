@@ -57,6 +57,7 @@ from dcp_safe.dcp.item_bytes import write_item
 from dcp_safe.dcp.options import WriterOptions, writer_options
 from dcp_safe.dcp.without_collectives import StorageAgreement
 from dcp_safe.errors import CheckpointExistsError, ConfigError
+from dcp_safe.manifest.blocks import BLOCK_BYTES
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.streams import HashingSink
@@ -116,7 +117,8 @@ class SafeStorageWriter(StorageWriter):
         options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
             ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
             keywords (a keyword also set away from its default must agree with it); its
-            ``report_timeout_s`` bounds the storage waits of a save without collectives.
+            ``report_timeout_s`` bounds the storage waits of a save without collectives, and
+            ``block_digests=False`` leaves out the per-block digests of large tensors.
 
     With ``use_collectives=False`` the ranks find the save id on storage under a key each
     computes alike (run id, attempt, saves begun through this writer): it assumes every rank's
@@ -301,7 +303,8 @@ class SafeStorageWriter(StorageWriter):
         planner: SavePlanner,
     ) -> list[WriteResult]:
         name = self._require_name()
-        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 1) as pool:
+        # A worker per file, and two for hashing: an item's checksum and its block digests.
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 2) as pool:
             hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
             writes = [
                 pool.submit(self._write_file, assignment, f, bucket, planner, hash_pool)
@@ -532,7 +535,9 @@ class SafeStorageWriter(StorageWriter):
         start = sink.tell()
         sink.expect(_item_bytes(item))
         compressed = self.options.compression == "zstd"
-        transforms = write_item(sink, item, planner.resolve_data(item), compressed=compressed)
+        blocks = BLOCK_BYTES if self.options.block_digests else None
+        data = planner.resolve_data(item)
+        transforms = write_item(sink, item, data, compressed=compressed, block_bytes=blocks)
         offset = item.index.offset
         return ItemRecord(
             fqn=item.index.fqn,
@@ -542,6 +547,7 @@ class SafeStorageWriter(StorageWriter):
             length=sink.tell() - start,
             checksum=sink.take_checksum(),
             transforms=transforms,
+            blocks=sink.take_blocks(),
         )
 
     def __getstate__(self) -> dict[str, Any]:

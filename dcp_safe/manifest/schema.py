@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, parse_checksum
 from dcp_safe.manifest.limits import (
     MAX_INT,
@@ -55,7 +56,12 @@ def item_key(fqn: str, offset: Iterable[int] | None) -> ItemKey:
 
 @dataclass(frozen=True, kw_only=True)
 class ItemRecord:
-    """One write item: where its bytes are and what they hash to."""
+    """One write item: where its bytes are and what they hash to.
+
+    ``blocks``: digests of the item's tensor data block by block, for reads of part of it
+    (:mod:`dcp_safe.manifest.blocks`); ``None`` for small, compressed and non-tensor items and
+    in manifests written before them (then left out of the JSON).
+    """
 
     fqn: str
     offset: tuple[int, ...] | None
@@ -64,8 +70,11 @@ class ItemRecord:
     length: int
     checksum: str
     transforms: tuple[str, ...] = ()
+    blocks: BlockDigests | None = None
 
     def __post_init__(self) -> None:
+        if self.blocks is not None and not isinstance(self.blocks, BlockDigests):
+            raise ValueError("item blocks must be BlockDigests")
         if not _is_member(self.file):
             raise ValueError(f"item file {self.file!r} is not a file of the checkpoint")
         _require_size("start", self.start)
@@ -84,7 +93,9 @@ class ItemRecord:
         return (self.fqn, self.offset)
 
     def to_dict(self) -> dict[str, Any]:
+        blocks = {} if self.blocks is None else {"blocks": self.blocks.to_dict()}
         return {
+            **blocks,
             "fqn": self.fqn,
             "offset": None if self.offset is None else list(self.offset),
             "file": self.file,
@@ -98,8 +109,9 @@ class ItemRecord:
         """``to_dict`` as canonical JSON text (sorted keys, no spaces), with no dict between:
         at thousands of ranks the per-item dicts and lists were most of what the GC walked."""
         offset = "null" if self.offset is None else f"[{','.join(map(_int, self.offset))}]"
+        blocks = "" if self.blocks is None else f'"blocks":{self.blocks.to_json_text()},'
         return (
-            f'{{"checksum":{_str(self.checksum)},"file":{_str(self.file)},'
+            f'{{{blocks}"checksum":{_str(self.checksum)},"file":{_str(self.file)},'
             f'"fqn":{_str(self.fqn)},"length":{_int(self.length)},"offset":{offset},'
             f'"start":{_int(self.start)},"transforms":[{",".join(map(_str, self.transforms))}]}}'
         )
@@ -114,8 +126,8 @@ class ItemRecord:
         fast = _item_if_plainly_valid(raw)
         if fast is not None:
             return fast
-        _require_keys("item", raw, _ITEM_KEYS, _ITEM_KEYS)
-        offset = raw["offset"]
+        _require_keys("item", raw, _ITEM_KEYS | {"blocks"}, _ITEM_KEYS)
+        offset, blocks = raw["offset"], raw.get("blocks")
         return cls(
             fqn=raw["fqn"],
             offset=None if offset is None else tuple(_list("offset", offset)),
@@ -124,6 +136,7 @@ class ItemRecord:
             length=raw["length"],
             checksum=raw["checksum"],
             transforms=tuple(_list("transforms", raw["transforms"])),
+            blocks=None if blocks is None else BlockDigests.from_dict(blocks),
         )
 
     def describe(self) -> str:

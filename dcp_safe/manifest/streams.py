@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Protocol
 
 from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.blocks import BlockDigests, BlockHasher
 from dcp_safe.manifest.checksum import (
     ChecksumAlgorithm,
     Hasher,
@@ -65,12 +66,25 @@ class HashingSink(io.RawIOBase):
         self._pool = hash_pool
         self._size_hint: int | None = None
         self._hasher: Hasher | None = None  # made at the item's first write, sized by expect()
+        self._blocks: BlockHasher | None = None
         self._position = 0
 
     def expect(self, size_hint: int) -> None:
         """Say about how many bytes the next item holds (BLAKE3 spreads only large items over
         every core; a small one would pay for the hand-off on each write)."""
         self._size_hint = size_hint
+
+    def hash_blocks(self, *, at: int, length: int, block_bytes: int) -> None:
+        """Also digest ``[at, at + length)`` of the next item (from its start) block by block,
+        in the same pass (:mod:`dcp_safe.manifest.blocks`); :meth:`take_blocks` returns them.
+        Called before the item's first byte is written."""
+        self._blocks = BlockHasher(
+            self._algorithm,
+            item_start=self._position,
+            at=at,
+            length=length,
+            block_bytes=block_bytes,
+        )
 
     def _current(self) -> Hasher:
         if self._hasher is None:
@@ -87,16 +101,26 @@ class HashingSink(io.RawIOBase):
         view = memoryview(data).cast("B")
         hasher = self._current()
         if self._pool is None or view.nbytes < _OVERLAP_MIN_BYTES:
-            hasher.update(view)
+            self._hash(hasher, self._position, view)
             self._target.write(view)
         else:
+            blocks = self._blocks
             for start in range(0, view.nbytes, _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
-                hashed = self._pool.submit(hasher.update, chunk)
+                # Two tasks: with a second free helper the block digests cost no extra time.
+                hashed = [self._pool.submit(hasher.update, chunk)]
+                if blocks is not None:
+                    hashed.append(self._pool.submit(blocks.update, self._position + start, chunk))
                 self._target.write(chunk)
-                hashed.result()
+                for done in hashed:
+                    done.result()
         self._position += view.nbytes
         return view.nbytes
+
+    def _hash(self, hasher: Hasher, position: int, view: memoryview) -> None:
+        hasher.update(view)
+        if self._blocks is not None:
+            self._blocks.update(position, view)
 
     def close(self) -> None:
         # Serializers (torch.save, zstd writers) close what they are given; the file belongs
@@ -108,6 +132,12 @@ class HashingSink(io.RawIOBase):
         checksum = format_checksum(self._algorithm, self._current())
         self._hasher, self._size_hint = None, None
         return checksum
+
+    def take_blocks(self) -> BlockDigests | None:
+        """The block digests :meth:`hash_blocks` asked for since the last call (``None``: not
+        asked); starts the next item."""
+        blocks, self._blocks = self._blocks, None
+        return None if blocks is None else blocks.result()
 
 
 def read_fully(stream: BinaryIO, view: memoryview) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.blocks import BlockHasher
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
@@ -71,7 +72,8 @@ class FileCheck:
 
     A file with a whole-file checksum is hashed whole; a shard file's items must tile it
     exactly, in order of ``start``, and each item is hashed from its own byte range, so a
-    flipped byte anywhere lands in some checksum.
+    flipped byte anywhere lands in some checksum. An item's block digests are checked too (in
+    the same pass), so a partial read never trusts a digest that full verification did not.
     """
 
     def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
@@ -84,6 +86,7 @@ class FileCheck:
         self._next = 0
         self._position = 0
         self._hasher = _hasher_for(items[0].checksum, path) if items else None
+        self._blocks = _blocks_for(items[0], path) if items else None
         self._finish_items()
 
     def update(self, data: bytes) -> None:
@@ -94,6 +97,8 @@ class FileCheck:
             item = self._items[self._next]
             take = min(len(view), item.start + item.length - self._position)
             self._hasher[1].update(view[:take])
+            if self._blocks is not None:
+                self._blocks.update(self._position, view[:take])
             self._position += take
             view = view[take:]
             self._finish_items()
@@ -118,11 +123,47 @@ class FileCheck:
             if item.start + item.length != self._position:
                 return
             _compare(self._path, item.describe(), item.checksum, self._hasher)
+            self._compare_blocks(item)
             self._next += 1
             following = self._items[self._next] if self._next < len(self._items) else None
             self._hasher = (
                 None if following is None else _hasher_for(following.checksum, self._path)
             )
+            self._blocks = None if following is None else _blocks_for(following, self._path)
+
+    def _compare_blocks(self, item: ItemRecord) -> None:
+        if self._blocks is None or item.blocks is None:
+            return
+        expected = item.blocks.digests
+        actual = self._blocks.result().digests if self._blocks.complete else ()
+        for block, digest in enumerate(expected):
+            found = actual[block] if block < len(actual) else None
+            if found != digest:
+                algorithm = item.checksum.partition(":")[0]
+                raise CheckpointCorruptError(
+                    self._path,
+                    f"checksum mismatch in block {block} of the tensor data",
+                    item=item.describe(),
+                    expected=f"{algorithm}:{digest}",
+                    actual=None if found is None else f"{algorithm}:{found}",
+                )
+
+
+def _blocks_for(item: ItemRecord, path: str) -> BlockHasher | None:
+    blocks = item.blocks
+    if blocks is None:
+        return None
+    if blocks.at + blocks.length > item.length:
+        raise CheckpointCorruptError(
+            path, "block digests reach past the item", item=item.describe()
+        )
+    return BlockHasher(
+        item.checksum.partition(":")[0],
+        item_start=item.start,
+        at=blocks.at,
+        length=blocks.length,
+        block_bytes=blocks.block_bytes,
+    )
 
 
 def _compare(

@@ -1,0 +1,269 @@
+"""Read only the blocks of a stored tensor that a load request needs, each block verified.
+
+A resharded load asks for a region of a stored chunk (``ReadItem.storage_offsets`` and
+``lengths``): a tensor saved over 2 ranks and loaded over 4 needs half of each stored chunk.
+Where the item records block digests (:mod:`dcp_safe.manifest.blocks`), the region's elements
+lie in a few runs of the item's raw tensor data (one run for a slice along dim 0), so only the
+blocks covering those runs are read, each checked against its digest before any of its bytes
+is used, and the runs are copied into the destination. The item's whole checksum is not
+checked: bytes outside the blocks read are never used, and a full verify
+(:func:`~dcp_safe.verify_checkpoint`) still checks every byte.
+
+Anything else is read whole, as before (:class:`~dcp_safe.dcp.reader.SafeStorageReader`):
+items without block digests (compressed, small, non-tensor, written before them or with
+``block_digests=False``), a region that is the whole chunk (read straight into its target),
+regions of more than :data:`MAX_RUNS` runs, and regions whose blocks cover all of the item's
+data anyway. A region that needs most but not all blocks is still read in blocks: fewer bytes,
+and one buffer of at most 16 MiB where a whole read that is narrowed holds a transient copy of
+the whole chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import mmap
+import threading
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from dcp_safe.dcp.load_budget import LoadBudget
+from dcp_safe.dcp.tensor_reads import transient_tensor
+from dcp_safe.dcp.tensor_records import tensor_bytes
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.blocks import BlockDigests
+from dcp_safe.manifest.checksum import new_hasher
+from dcp_safe.manifest.schema import ItemRecord
+from dcp_safe.manifest.streams import read_fully, short_read
+
+__all__ = ["MAX_RUNS", "RangePlan", "RangeReads", "commit_into", "plan_range"]
+
+#: Regions of more separate runs than this are read whole (a slice along a later dim of a
+#: large tensor: every block is likely touched anyway, and planning would cost per run).
+MAX_RUNS = 1024
+# Blocks read with one call (into one buffer): bounds what a partial read holds.
+_PIECE_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class RangePlan:
+    """What to read for one request.
+
+    Attributes:
+        runs: ``(start, nbytes)`` of each run of the region in the tensor's data, in the
+            region's C order (so the runs, concatenated, are the region's contiguous bytes).
+        spans: ``[first, end)`` block indices to read, ascending, coalesced.
+        read_bytes: the data bytes the spans cover (what is read).
+        buffer_bytes: the largest piece read at once (what the read holds beyond its target).
+    """
+
+    runs: tuple[tuple[int, int], ...]
+    spans: tuple[tuple[int, int], ...]
+    read_bytes: int
+    buffer_bytes: int
+
+
+def plan_range(
+    blocks: BlockDigests,
+    shape: tuple[int, ...],
+    itemsize: int,
+    offsets: tuple[int, ...] | list[int] | torch.Size,
+    lengths: tuple[int, ...] | list[int] | torch.Size,
+) -> RangePlan | None:
+    """The blocks of the region ``offsets``/``lengths`` of a stored C-contiguous tensor of
+    ``shape``, or ``None`` when it is better read whole (see the module docstring)."""
+    offsets, lengths = tuple(offsets), tuple(lengths)
+    if not shape or len(offsets) != len(shape) or len(lengths) != len(shape) or 0 in lengths:
+        return None
+    inner = len(shape) - 1  # the innermost dim the region does not cover whole
+    while inner >= 0 and offsets[inner] == 0 and lengths[inner] == shape[inner]:
+        inner -= 1
+    if inner < 0 or math.prod(lengths[:inner]) > MAX_RUNS:
+        return None
+    strides = [math.prod(shape[i + 1 :]) * itemsize for i in range(len(shape))]
+    run_bytes = lengths[inner] * strides[inner]
+    outer = itertools.product(
+        *(range(o, o + n) for o, n in zip(offsets[:inner], lengths[:inner], strict=True))
+    )
+    base = offsets[inner] * strides[inner]
+    runs = tuple(
+        (base + sum(i * s for i, s in zip(index, strides, strict=False)), run_bytes)
+        for index in outer
+    )
+    spans: list[tuple[int, int]] = []
+    for start, nbytes in runs:
+        first, end = start // blocks.block_bytes, (start + nbytes - 1) // blocks.block_bytes + 1
+        if spans and first <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+        else:
+            spans.append((first, end))
+    covered = [blocks.span(end - 1)[1] - blocks.span(first)[0] for first, end in spans]
+    if sum(covered) >= blocks.length:
+        return None  # every block: nothing saved
+    piece = min(max(covered), _PIECE_BLOCKS * blocks.block_bytes)
+    return RangePlan(runs, tuple(spans), sum(covered), piece)
+
+
+@dataclass(frozen=True)
+class RangeReads:
+    """A reader's partial reads: ``lock`` guards its planner, ``budget`` bounds its memory."""
+
+    lock: threading.RLock
+    budget: LoadBudget
+
+    def load(
+        self,
+        stream: BinaryIO,
+        path: str,
+        item: str,
+        record: ItemRecord,
+        stored: tuple[torch.dtype, tuple[int, ...]],
+        request: ReadItem,
+        planner: LoadPlanner,
+        verify: bool,
+    ) -> int | None:
+        """Load ``request``'s region of ``record`` (a tensor of ``stored`` dtype and shape)
+        from the blocks covering it, and commit it to ``planner``; the stored bytes read, or
+        ``None`` (nothing read) when it is better read whole or the item has no usable block
+        digests.
+
+        Raises:
+            CheckpointCorruptError: the file is short, or a block read differs from its
+                digest (the target may then be partly written, as in any failed DCP load).
+        """
+        return _load_range(
+            stream, path, item, record, stored, request, planner, self.lock, self.budget, verify
+        )
+
+
+def _load_range(
+    stream: BinaryIO,
+    path: str,
+    item: str,
+    record: ItemRecord,
+    stored: tuple[torch.dtype, tuple[int, ...]],
+    request: ReadItem,
+    planner: LoadPlanner,
+    lock: threading.RLock,
+    budget: LoadBudget,
+    verify: bool,
+) -> int | None:
+    dtype, shape = stored
+    blocks = record.blocks
+    if blocks is None or record.transforms:
+        return None
+    if not blocks.fits(math.prod(shape) * dtype.itemsize, record.length):
+        return None  # disagrees with the metadata: the whole read's checksum decides
+    plan = plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
+    if plan is None:
+        return None
+    with lock:
+        target = planner.resolve_tensor(request).detach()
+    region = tuple(request.lengths)
+    direct = (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and tuple(target.shape) == region
+        and target.is_contiguous()
+    )
+    cost = plan.buffer_bytes + (0 if direct else math.prod(region) * dtype.itemsize)
+    with budget.admit(cost) as held:
+        held.count(cost)
+        dest = target if direct else transient_tensor(region, dtype)
+        algorithm = record.checksum.partition(":")[0] if verify else None
+        got = _read_runs(stream, path, item, record.start, blocks, plan, algorithm, dest)
+        commit_into(target, dest, path, item, request, planner, lock)
+    return got
+
+
+def commit_into(
+    target: torch.Tensor,
+    tensor: torch.Tensor,
+    path: str,
+    item: str,
+    request: ReadItem,
+    planner: LoadPlanner,
+    lock: threading.RLock,
+) -> None:
+    """Copy ``tensor`` (the request's region) into ``target`` and hand it to the planner.
+
+    Raises:
+        CheckpointCorruptError: the region's shape is not the target's.
+    """
+    if target.size() != tensor.size():
+        raise CheckpointCorruptError(
+            path,
+            "stored tensor has another shape",
+            item=item,
+            expected=tuple(target.size()),
+            actual=tuple(tensor.size()),
+        )
+    if target.data_ptr() != tensor.data_ptr() or target.device != tensor.device:
+        target.copy_(tensor)
+    with lock:
+        planner.commit_tensor(request, target)
+
+
+def _read_runs(
+    stream: BinaryIO,
+    path: str,
+    item: str,
+    item_start: int,
+    blocks: BlockDigests,
+    plan: RangePlan,
+    algorithm: str | None,
+    dest: torch.Tensor,
+) -> int:
+    """Read the plan's blocks, piece by piece, verify each, copy the runs into ``dest``."""
+    out = tensor_bytes(dest)
+    buffer = memoryview(mmap.mmap(-1, plan.buffer_bytes))  # pages go back when it is dropped
+    read, run, written = 0, 0, 0
+    for first, end in plan.spans:
+        for piece in range(first, end, _PIECE_BLOCKS):
+            last = min(piece + _PIECE_BLOCKS, end) - 1
+            lo, hi = blocks.span(piece)[0], blocks.span(last)[1]
+            view = buffer[: hi - lo]
+            stream.seek(item_start + blocks.at + lo)
+            got = read_fully(stream, view)
+            if got != hi - lo:
+                raise short_read(path, item, hi - lo, got)
+            read += got
+            if algorithm is not None:
+                _check_blocks(path, item, blocks, algorithm, piece, last, view, lo)
+            for start, nbytes in plan.runs[run:]:
+                if start >= hi:
+                    break
+                begin, stop = max(start, lo), min(start + nbytes, hi)
+                at = written + begin - start
+                out[at : at + stop - begin] = view[begin - lo : stop - lo]
+                if stop == start + nbytes:
+                    written, run = written + nbytes, run + 1
+    return read
+
+
+def _check_blocks(
+    path: str,
+    item: str,
+    blocks: BlockDigests,
+    algorithm: str,
+    first: int,
+    last: int,
+    view: memoryview,
+    lo: int,
+) -> None:
+    for block in range(first, last + 1):
+        begin, end = blocks.span(block)
+        hasher = new_hasher(algorithm, size_hint=end - begin)
+        hasher.update(view[begin - lo : end - lo])
+        actual, expected = hasher.hexdigest(), blocks.digests[block]
+        if actual != expected:
+            raise CheckpointCorruptError(
+                path,
+                f"checksum mismatch in block {block} of the tensor data",
+                item=item,
+                expected=f"{algorithm}:{expected}",
+                actual=f"{algorithm}:{actual}",
+            )
