@@ -55,6 +55,7 @@ from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.manager.worker import SaveWorker, uses_worker
+from dcp_safe.manager.worker_group import WorkerGroups
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -269,8 +270,9 @@ class CheckpointManager:
             in_memory=self._in_memory,
         )
         if in_process and self.stager.shared is not None:
+            groups = WorkerGroups.for_job(self._agreement)  # several ranks: theirs to form
             self._runner.worker = SaveWorker(
-                self.writer, self.stager.shared, self.per_rank, timeout_s=wait_timeout_s
+                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups
             )
         self._admitter = Admitter(
             agreement=self._agreement,
