@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-# torch re-exports these from torch._C without listing them, which strict mypy rejects.
+# torch re-exports these from its C extension without listing them: strict mypy rejects that.
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from dcp_safe.errors import CommitError, ConfigError
