@@ -290,8 +290,11 @@ class SaveWorker:
         vote."""
         if self._groups is None or process.group is None:
             return
+        generation = process.group.generation
+        if generation != self._groups.current().generation:
+            return  # a group the ranks replaced already (a vote while its save was failing)
         with self._lock:
-            self._broken_at = process.group.generation
+            self._broken_at = generation
         self._groups.broke()
 
     def _retire(self, process: _Process) -> None:
