@@ -116,8 +116,8 @@ class CheckpointManager:
             stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
         executor: where a background save's write, commit and replication run: ``"thread"``
             (the default: a thread of this process) or ``"process"`` (one persistent worker
-            process, the staged state shared with it; one rank only, not with ``node_local``
-            or a ``stager`` of your own). See docs/staging.md, "The process executor".
+            process per rank, the staged state shared with it; not with a ``stager`` of your
+            own). See docs/staging.md, "The process executor".
 
     Raises:
         ConfigError: a bad option.

@@ -361,6 +361,4 @@ def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | 
         return False
     if stager is not None and stager.shared is None:
         raise ConfigError("executor='process' needs a stager built with shared_memory=True")
-    if node_local is not None:
-        raise ConfigError("executor='process' does not take node_local= yet: use 'thread'")
     return True

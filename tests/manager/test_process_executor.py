@@ -238,8 +238,6 @@ def test_what_the_process_executor_refuses(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, executor="fork")
     with pytest.raises(ConfigError, match="shared_memory=True"):
         CheckpointManager(tmp_path, executor="process", stager=BudgetedStager())
-    with pytest.raises(ConfigError, match="node_local"):
-        CheckpointManager(tmp_path / "r", executor="process", node_local=tmp_path / "n")
 
 
 def test_the_state_crosses_by_place_and_errors_by_value() -> None:

@@ -31,6 +31,7 @@ from dcp_safe import (
     SnapshotMutatedError,
     list_checkpoints,
 )
+from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
 
@@ -220,3 +221,37 @@ def test_one_ranks_torn_snapshot_fails_the_save_in_every_ranks_worker(tmp_path: 
         assert seen["listed"] == [], (rank, seen)
         assert seen["same_worker"], (rank, seen)  # no group broke: the workers are kept
         assert seen["listed_after"] == ["step_000000002"], (rank, seen)
+
+
+def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str) -> dict[str, Any]:
+    node = nodes[rank]  # one rank per simulated node
+    with CheckpointManager(
+        remote, node_local=node, executor="process", keep_last=2, deadline_s=DEADLINE_S
+    ) as manager:
+        for step in (1, 2, 3):
+            handle = manager.save(step, _state(rank, step))
+            assert handle is not None
+            handle.committed.result(_TIMEOUT_S)  # the remote commit exists
+        pid = _worker_pid(manager)
+    with CheckpointManager(remote, node_local=node, executor="process") as manager:
+        target = blank_like(_state(rank, 3))
+        name = manager.restore(target)
+        assert_state_equal(target, _state(rank, 3), f"rank {rank} from its node cache")
+        reader = manager.last_reader
+    return {
+        "pid": pid,
+        "name": name,
+        "from_cache": isinstance(reader, NodeCacheReader) and reader.stats().files_from_cache > 0,
+        "after_close": _workers(),
+    }
+
+
+def test_node_local_saves_run_in_the_workers_of_two_simulated_nodes(tmp_path: Path) -> None:
+    nodes = [str(tmp_path / "node_a"), str(tmp_path / "node_b")]
+    remote = str(tmp_path / "remote")
+    per_rank = run_ranks(_node_local_saves, 2, args=(nodes, remote), timeout_s=240)
+    for rank, seen in enumerate(per_rank):
+        assert seen["pid"] is not None and seen["name"] == "step_000000003", (rank, seen)
+        assert seen["from_cache"], (rank, seen)
+        assert seen["after_close"] == [], (rank, seen)
+    assert _committed(remote) == ["step_000000002", "step_000000003"]
