@@ -28,6 +28,7 @@ from support.faults import DiesMidWrite, RecordsPlans
 from dcp_safe import (
     CheckpointManager,
     CommitError,
+    DivergentStateError,
     SnapshotMutatedError,
     list_checkpoints,
 )
@@ -255,3 +256,30 @@ def test_node_local_saves_run_in_the_workers_of_two_simulated_nodes(tmp_path: Pa
         assert seen["from_cache"], (rank, seen)
         assert seen["after_close"] == [], (rank, seen)
     assert _committed(remote) == ["step_000000002", "step_000000003"]
+
+
+def _divergent_on_a_cached_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+        manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
+        odd = _state(rank, 2)
+        odd["f32"] = torch.full_like(odd["f32"], float(rank))  # replicated, differs by rank
+        try:
+            manager.save(2, odd).committed.result(_TIMEOUT_S)
+            seen["error"] = None
+        except DivergentStateError as exc:
+            seen.update(error="DivergentStateError", keys=sorted(exc.keys))
+        except BaseException as exc:
+            seen["error"] = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(DivergentStateError):
+            manager.wait()
+        manager.save(3, _state(rank, 3)).committed.result(_TIMEOUT_S)
+    seen["listed"] = _committed(root)
+    return seen
+
+
+def test_divergent_replicated_values_are_refused_in_every_ranks_worker(tmp_path: Path) -> None:
+    per_rank = run_ranks(_divergent_on_a_cached_save, 2, args=(str(tmp_path),), timeout_s=240)
+    for rank, seen in enumerate(per_rank):
+        assert seen["error"] == "DivergentStateError" and seen["keys"] == ["f32"], (rank, seen)
+        assert seen["listed"] == ["step_000000001", "step_000000003"], (rank, seen)
