@@ -118,15 +118,17 @@ class _Process:
 
     def died(self) -> None:
         """The worker is gone (or being given up on): fail what it held."""
+        with self.lock:
+            retired = self.retired
+        if not retired:  # before it is reaped and its saves fail: who sees either sees this
+            self.broke(self)
         code = self.popen.wait()
         with self.lock:
-            retired, self.dead = self.retired, True
+            self.dead = True
             saves = [self.saves.pop(seq) for seq in sorted(self.saves)]
             replications = [
                 (n, f) for n in sorted(self.replicating) if (f := self.replications.get(n))
             ]
-        if not retired:  # before the saves fail, as for a failed group
-            self.broke(self)
         for future, name, _ in saves:
             with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
                 future.set_exception(self.death(f"during the save of {name}", code))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -283,3 +284,25 @@ def test_divergent_replicated_values_are_refused_in_every_ranks_worker(tmp_path:
     for rank, seen in enumerate(per_rank):
         assert seen["error"] == "DivergentStateError" and seen["keys"] == ["f32"], (rank, seen)
         assert seen["listed"] == ["step_000000001", "step_000000003"], (rank, seen)
+
+
+def _killed_between_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+        manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
+        first = _worker_pid(manager)
+        assert first is not None
+        if rank == 1:
+            os.kill(first, signal.SIGKILL)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(first).wait(_TIMEOUT_S)  # reaped: its death is known here
+        committed = manager.save(2, _state(rank, 2)).committed.result(_TIMEOUT_S)
+        replaced = _worker_pid(manager) not in (None, first)
+    return {"committed": committed, "replaced": replaced, "after_close": _workers()}
+
+
+def test_a_worker_killed_between_saves_is_replaced_on_every_rank_before_the_next(
+    tmp_path: Path,
+) -> None:
+    per_rank = run_ranks(_killed_between_saves, 2, args=(str(tmp_path),), timeout_s=240)
+    for rank, seen in enumerate(per_rank):
+        assert seen == {"committed": "step_000000002", "replaced": True, "after_close": []}, rank
