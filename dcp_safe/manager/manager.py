@@ -202,7 +202,7 @@ class CheckpointManager:
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        in_process = uses_worker(executor, stager, self.node_local)
+        in_process = uses_worker(executor, stager)
         self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)

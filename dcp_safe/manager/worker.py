@@ -30,12 +30,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+import torch.distributed as dist
+
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, ConfigError, WorkerDiedError
 from dcp_safe.manager.transport import StateEncoder, decode_error
-from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups
+from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups, store_address
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.torch_compat import default_store
 
 __all__ = ["SaveWorker", "uses_worker"]
 
@@ -266,13 +269,13 @@ class SaveWorker:
             CommitError: with several ranks, the workers' group broke and the ranks have not
                 replaced it yet (:class:`WorkerDiedError` where this rank's worker died).
         """
-        process = self._process
-        group = None if self._groups is None else self._groups.current()
+        process, groups = self._process, self._groups
+        group = None if groups is None else groups.current()
         alive = process is not None and not process.dead and process.popen.poll() is None
-        if group is not None:
+        if groups is not None and group is not None:
             if process is not None and not alive and process.group == group:
                 self._broken_at = group.generation  # its reader says so too, any moment now
-                self._groups.broke()  # type: ignore[union-attr]
+                groups.broke()
             if self._broken_at == group.generation:
                 raise _not_replaced_yet(group, died=not alive)
             if alive and process is not None and process.group != group:
@@ -351,11 +354,12 @@ def _not_replaced_yet(group: WorkerGroup, *, died: bool) -> CommitError:
     return CommitError(message)
 
 
-def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | None) -> bool:
+def uses_worker(executor: str, stager: BudgetedStager | None) -> bool:
     """Whether saves run in a worker process.
 
     Raises:
-        ConfigError: an unknown executor, or ``"process"`` with what it cannot take yet.
+        ConfigError: an unknown executor, or ``"process"`` with a stager it cannot share or
+            (several ranks) a rendezvous store its workers cannot reach.
     """
     if executor not in ("thread", "process"):
         raise ConfigError(f"executor must be 'thread' or 'process', got {executor!r}")
@@ -363,4 +367,6 @@ def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | 
         return False
     if stager is not None and stager.shared is None:
         raise ConfigError("executor='process' needs a stager built with shared_memory=True")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        store_address(default_store())  # the workers meet there: refused before anything starts
     return True
