@@ -75,6 +75,13 @@ def _committed(root: str) -> list[str]:
     return [info.name for info in list_checkpoints(root)]
 
 
+def _seen_dead(manager: CheckpointManager) -> bool:
+    """The manager has seen its worker die (a save started earlier would find it dead first,
+    fail, and leave the replacement to the save after)."""
+    worker = manager._runner.worker
+    return worker is not None and worker._process is not None and worker._process.dead
+
+
 def _worker_pid(manager: CheckpointManager) -> int | None:
     worker = manager._runner.worker
     return None if worker is None else worker.pid
@@ -293,8 +300,9 @@ def _killed_between_saves(rank: int, world_size: int, root: str) -> dict[str, An
         assert first is not None
         if rank == 1:
             os.kill(first, signal.SIGKILL)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(first).wait(_TIMEOUT_S)  # reaped: its death is known here
+            deadline = time.monotonic() + _TIMEOUT_S
+            while not _seen_dead(manager) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until this rank's manager knows (its reader thread)
         committed = manager.save(2, _state(rank, 2)).committed.result(_TIMEOUT_S)
         replaced = _worker_pid(manager) not in (None, first)
     return {"committed": committed, "replaced": replaced, "after_close": _workers()}
