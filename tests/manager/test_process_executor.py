@@ -42,6 +42,7 @@ from dcp_safe import (
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join, store_address
+from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.testing.staging import hold_staging
 
@@ -268,6 +269,11 @@ def test_the_state_crosses_by_place_and_errors_by_value() -> None:
     typed = decode_error(encode_error(SnapshotMutatedError(["w"])))
     assert isinstance(typed, SnapshotMutatedError) and typed.fqns == ("w",)
     assert "in the checkpoint worker" in typed.__notes__[0]
+    # A rank's refused staging crosses as its error: the worker's planning raises it.
+    refused = pickle.loads(encoder.dump(poisoned(SnapshotMutatedError(["w"], rank=1))))
+    [failed] = refused.values()
+    assert isinstance(failed, FailedStaging) and isinstance(failed.error, SnapshotMutatedError)
+    assert failed.error.fqns == ("w",) and failed.error.rank == 1
     slabs.close()
 
 
