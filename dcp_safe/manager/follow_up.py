@@ -78,7 +78,7 @@ class FollowUp:
     ) -> None:
         """``handle`` committed locally through ``writer`` (or failed with ``error``, which in a
         multi-rank job the coordinator's verdict may overrule: see :mod:`.verdicts`)."""
-        failure = (error, None) if error is not None else self._check(handle, writer)
+        failure = (error, None) if error is not None else self._check(handle, writer, replication)
         if self.verdicts is not None:
             key = self.verdicts.key_for(handle.name)
             if self.verdicts.coordinator:
@@ -111,11 +111,14 @@ class FollowUp:
         self.ledger.quietly("telemetry", lambda: self.spans.end(handle, None))
 
     def _check(
-        self, handle: SaveHandle, writer: SafeStorageWriter
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        replication: Callable[[str], Future[Any]] | None = None,
     ) -> tuple[BaseException, str] | None:
         """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
         try:
-            self.tiers.await_commit(handle.name, writer)
+            self.tiers.await_commit(handle.name, writer, replication)
         except (DcpSafeError, OSError) as exc:
             return exc, f"remote commit failed: {exc}"
         try:

@@ -15,12 +15,15 @@ import torch.distributed as dist
 from dcp_safe.dcp.group import checkpoint_group, discard_group, is_group_failure
 from dcp_safe.errors import CommitError
 
-__all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "ManagerGroups"]
+__all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "WORKERS", "ManagerGroups"]
 
 POLICY = "manager-policy"
 FOREGROUND = "manager-sync"
 BACKGROUND = "manager-async"
 _ORDER = (POLICY, FOREGROUND, BACKGROUND)  # creation order, the same on every rank
+# The process executor's workers form their group themselves (manager/worker_group.py): this
+# manager holds no group for it, only its health and how many times it was replaced.
+WORKERS = "manager-workers"
 
 
 class ManagerGroups:
@@ -45,6 +48,7 @@ class ManagerGroups:
         self._own_failure: set[str] = set()  # broken by a failure this rank saw itself
         self.dead: CommitError | None = None
         self.replaced = 0
+        self._generations: dict[str, int] = {}  # purpose -> times replaced
         for purpose in _ORDER:
             try:
                 self._current[purpose] = checkpoint_group(deadline_s, purpose=purpose)
@@ -97,6 +101,18 @@ class ManagerGroups:
             self._own_failure.add(purpose)
         return True
 
+    def mark_broken(self, purpose: str) -> None:
+        """A group this manager does not hold broke (:data:`WORKERS`): the next vote replaces
+        it on every rank."""
+        with self._lock:
+            self._broken.setdefault(purpose, None)
+
+    def generation(self, purpose: str) -> int:
+        """How many times ``purpose``'s group was replaced: the same on every rank between
+        votes."""
+        with self._lock:
+            return self._generations.get(purpose, 0)
+
     def is_broken(self, purpose: str) -> bool:
         with self._lock:
             return purpose in self._broken
@@ -104,7 +120,7 @@ class ManagerGroups:
     def broken(self) -> tuple[str, ...]:
         """The save groups this rank saw fail (what its next vote reports)."""
         with self._lock:
-            return tuple(p for p in _ORDER if p in self._broken and p != POLICY)
+            return tuple(p for p in (*_ORDER, WORKERS) if p in self._broken and p != POLICY)
 
     def replace(self, purposes: tuple[str, ...]) -> None:
         """Create fresh groups for ``purposes`` (every rank calls this with the same ones).
@@ -116,10 +132,16 @@ class ManagerGroups:
             CommitError: a group could not be created within the deadline; the manager is dead.
         """
         with self._replacing:
-            for purpose in (p for p in _ORDER if p in purposes):
+            for purpose in (p for p in (*_ORDER, WORKERS) if p in purposes):
                 self._replace(purpose)
+                with self._lock:
+                    self._generations[purpose] = self._generations.get(purpose, 0) + 1
 
     def _replace(self, purpose: str) -> None:
+        if purpose == WORKERS:  # the workers form their next group themselves
+            with self._lock:
+                self._broken.pop(purpose, None)
+            return
         with self._lock:
             old = self._broken.pop(purpose, None)
             current = self._current.pop(purpose, None)  # a failure seen now is on a stale one

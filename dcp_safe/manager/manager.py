@@ -55,6 +55,7 @@ from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.manager.worker import SaveWorker, uses_worker
+from dcp_safe.manager.worker_group import WorkerGroups
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -115,8 +116,8 @@ class CheckpointManager:
             stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
         executor: where a background save's write, commit and replication run: ``"thread"``
             (the default: a thread of this process) or ``"process"`` (one persistent worker
-            process, the staged state shared with it; one rank only, not with ``node_local``
-            or a ``stager`` of your own). See docs/staging.md, "The process executor".
+            process per rank, the staged state shared with it; not with a ``stager`` of your
+            own). See docs/staging.md, "The process executor".
 
     Raises:
         ConfigError: a bad option.
@@ -201,7 +202,7 @@ class CheckpointManager:
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        in_process = uses_worker(executor, stager, self.node_local)
+        in_process = uses_worker(executor, stager)
         self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)
@@ -269,8 +270,9 @@ class CheckpointManager:
             in_memory=self._in_memory,
         )
         if in_process and self.stager.shared is not None:
+            groups = WorkerGroups.for_job(self._agreement)  # several ranks: theirs to form
             self._runner.worker = SaveWorker(
-                self.writer, self.stager.shared, self.per_rank, timeout_s=wait_timeout_s
+                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups
             )
         self._admitter = Admitter(
             agreement=self._agreement,

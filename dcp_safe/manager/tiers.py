@@ -84,15 +84,22 @@ class Tiers:
         self._reading: set[str] = set()
         self.pruned = 0
 
-    def await_commit(self, name: str, writer: SafeStorageWriter) -> None:
+    def await_commit(
+        self,
+        name: str,
+        writer: SafeStorageWriter,
+        replication: Callable[[str], Future[Any]] | None = None,
+    ) -> None:
         """Wait for a node-local save's remote commit (bounded); other saves are committed
-        when DCP returns.
+        when DCP returns. ``replication``: where the commit's future comes from when not from
+        ``writer`` (the process executor's worker uploads and commits).
 
         Raises:
             CommitError: a rank's upload failed (named), or the remote commit did.
         """
         if self.node_cache is not None:
-            writer.replication(name).result(timeout=self._commit_wait_s(writer))
+            committed = (replication or writer.replication)(name)
+            committed.result(timeout=self._commit_wait_s(writer))
 
     @staticmethod
     def _commit_wait_s(writer: SafeStorageWriter) -> float:

@@ -3,7 +3,9 @@
 A staged tensor crosses as where its bytes are (:class:`~dcp_safe.staging.shared.Place`) plus its
 dtype, shape and strides: the worker maps the slabs once (:func:`map_slab`) and rebuilds each
 tensor over the same memory, so no byte is copied and no descriptor is sent per tensor. Anything
-else in the state (step counters, RNG states) is pickled as it is.
+else in the state (step counters, RNG states) is pickled as it is. A poisoned state (a rank's
+refused staging, :mod:`dcp_safe.staging.poison`) crosses as its error, so that the worker's save
+raises it inside the planning collective and every rank's worker learns of it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from dcp_safe.errors import WorkerError
+from dcp_safe.staging.poison import FailedStaging
 from dcp_safe.staging.shared import SharedSlabs
 
 __all__ = ["StateEncoder", "decode_error", "encode_error", "forget_slab", "map_slab"]
@@ -75,7 +78,26 @@ class _StatePickler(pickle.Pickler):
             reduction = self._encoder.reduction(obj)
             if reduction is not None:
                 return reduction
+        elif type(obj) is FailedStaging:  # its own reduction raises, by design
+            return (_failed_staging, (_portable(obj.error),))
         return NotImplemented
+
+
+def _portable(error: Exception) -> bytes:
+    """``error`` pickled; a :class:`WorkerError` with its text when it does not pickle."""
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps(WorkerError(type(error).__name__, str(error)))
+
+
+def _failed_staging(data: bytes) -> FailedStaging:
+    error = decode_error(data)
+    if not isinstance(error, Exception):
+        error = WorkerError(type(error).__name__, str(error))
+    return FailedStaging(error)
 
 
 def map_slab(slab: int, fd: int, size: int) -> None:

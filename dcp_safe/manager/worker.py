@@ -7,6 +7,12 @@ slab it has not mapped yet. A reader thread resolves each save's future from the
 The staged state stays referenced here until then, so its buffers are not reused under the
 worker's write. A worker that dies fails every save it held with
 :class:`~dcp_safe.errors.WorkerDiedError`; the next save starts a new one.
+
+With several ranks the workers save over a group of their own
+(:mod:`dcp_safe.manager.worker_group`). A death, or a failure of that group, marks it broken;
+the ranks replace it at their next vote, and each rank's next save then retires its worker and
+starts one of the new generation. Until that vote a save here fails at once rather than wait for
+peers in a group that is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -26,10 +33,12 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_safe.dcp.writer import SafeStorageWriter
-from dcp_safe.errors import ConfigError, WorkerDiedError
+from dcp_safe.errors import CommitError, ConfigError, WorkerDiedError
 from dcp_safe.manager.transport import StateEncoder, decode_error
+from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups, store_address
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.torch_compat import default_store
 
 __all__ = ["SaveWorker", "uses_worker"]
 
@@ -45,8 +54,13 @@ class _Process:
         per_rank: tuple[str, ...],
         lock: threading.Lock,
         replications: dict[str, Future[Any]],
+        group: WorkerGroup | None = None,
+        broke: Callable[[_Process], None] = lambda _: None,
     ) -> None:
         self.lock = lock  # the SaveWorker's: guards saves, replications and dead
+        self.group = group
+        self.broke = broke  # told of a death or a failed group (not of a retirement)
+        self.retired = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The worker imports what the parent can (a writer subclass of a test, say).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -60,7 +74,7 @@ class _Process:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(("writer", writer, per_rank))
+        self.conn.send(("writer", writer, per_rank, group))
         self.mapped: set[int] = set()
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
@@ -89,6 +103,8 @@ class _Process:
         if kind == "done":
             with self.lock:
                 future = self.saves.pop(message[1])[0]  # the staged state is let go here
+            if message[3]:  # before the save fails: whoever sees it sees the group marked too
+                self.broke(self)
             if message[2] is None:
                 future.set_result(None)
             else:
@@ -105,6 +121,10 @@ class _Process:
 
     def died(self) -> None:
         """The worker is gone (or being given up on): fail what it held."""
+        with self.lock:
+            retired = self.retired
+        if not retired:  # before it is reaped and its saves fail: who sees either sees this
+            self.broke(self)
         code = self.popen.wait()
         with self.lock:
             self.dead = True
@@ -123,10 +143,12 @@ class _Process:
 
     def death(self, when: str, code: int) -> WorkerDiedError:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        rank = {} if self.group is None else {self.group.rank: f"its checkpoint worker {how}"}
         return WorkerDiedError(
             f"the checkpoint worker (pid {self.popen.pid}) {how} {when}; that save is failed and"
             " was not counted (the previous checkpoint is untouched). The next save starts a new"
-            " worker; if it dies again look for the OOM killer, or use executor='thread'"
+            " worker; if it dies again look for the OOM killer, or use executor='thread'",
+            rank,
         )
 
 
@@ -138,6 +160,7 @@ class SaveWorker:
         slabs: the stager's shared slabs (:attr:`BudgetedStager.shared`).
         per_rank: key prefixes saved once per rank.
         timeout_s: the longest :meth:`close` waits when given no timeout of its own.
+        groups: with several ranks, the workers' groups (``None``: this worker saves alone).
     """
 
     def __init__(
@@ -146,6 +169,7 @@ class SaveWorker:
         slabs: SharedSlabs,
         per_rank: tuple[str, ...] = (),
         timeout_s: float = 600.0,
+        groups: WorkerGroups | None = None,
     ) -> None:
         self.writer = writer
         self.timeout_s = timeout_s
@@ -154,6 +178,9 @@ class SaveWorker:
         self.per_rank = per_rank
         self._lock = threading.Lock()
         self._process: _Process | None = None
+        self._groups = groups
+        self._retired: list[_Process] = []  # of earlier generations, closing
+        self._broken_at: int | None = None  # the generation this rank saw break
         self._replications: dict[str, Future[Any]] = {}
         self._seq = 0
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-worker")
@@ -188,22 +215,15 @@ class SaveWorker:
         self._sender.shutdown(wait=True)
         with self._lock:
             process, self._process = self._process, None
-        if process is None:
-            return
+            processes = [*self._retired, *([] if process is None else [process])]
+            self._retired = []
+            for each in processes:
+                each.retired = True  # stopped on purpose: no group to mark broken
         if timeout_s is None:
             timeout_s = self.timeout_s
         deadline = time.monotonic() + timeout_s
-        with contextlib.suppress(OSError), process.send_lock:
-            process.conn.send(("close", timeout_s))
-        error = None
-        with contextlib.suppress(TimeoutError):
-            error = process.closed.result(timeout_s)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.popen.wait(max(0.0, deadline - time.monotonic()))
-        if process.popen.poll() is None:
-            process.popen.kill()
-        process.reader.join()
-        process.conn.close()
+        errors = [_stop(each, timeout_s, deadline) for each in processes]
+        error = next((e for e in reversed(errors) if e is not None), None)
         if error is not None:
             raise error
 
@@ -243,15 +263,52 @@ class SaveWorker:
             return process, self._seq
 
     def _started(self) -> _Process:
-        """The live worker, started anew if there is none (call with the lock held)."""
-        process = self._process
-        if process is None or process.dead or process.popen.poll() is not None:
+        """The live worker, started anew if there is none (call with the lock held).
+
+        Raises:
+            CommitError: with several ranks, the workers' group broke and the ranks have not
+                replaced it yet (:class:`WorkerDiedError` where this rank's worker died).
+        """
+        process, groups = self._process, self._groups
+        group = None if groups is None else groups.current()
+        alive = process is not None and not process.dead and process.popen.poll() is None
+        if groups is not None and group is not None:
+            if process is not None and not alive and process.group == group:
+                self._broken_at = group.generation  # its reader says so too, any moment now
+                groups.broke()
+            if self._broken_at == group.generation:
+                raise _not_replaced_yet(group, died=not alive)
+            if alive and process is not None and process.group != group:
+                self._retire(process)  # the ranks replaced the group: every one starts anew
+                alive = False
+        if not alive:
             # A dead one's reader fails the saves it held, on its own thread.
             process = self._process = _Process(
-                self.writer, self.per_rank, self._lock, self._replications
+                self.writer, self.per_rank, self._lock, self._replications, group, self._broke
             )
             process.reader.start()
+        assert process is not None
         return process
+
+    def _broke(self, process: _Process) -> None:
+        """``process`` died or its group failed: the ranks replace the group at their next
+        vote."""
+        if self._groups is None or process.group is None:
+            return
+        generation = process.group.generation
+        if generation != self._groups.current().generation:
+            return  # a group the ranks replaced already (a vote while its save was failing)
+        with self._lock:
+            self._broken_at = generation
+        self._groups.broke()
+
+    def _retire(self, process: _Process) -> None:
+        """Close a worker of an earlier generation, without waiting (call with the lock held):
+        it drains its replication; :meth:`close` waits for it."""
+        process.retired = True
+        self._retired.append(process)
+        with contextlib.suppress(OSError), process.send_lock:
+            process.conn.send(("close", self.timeout_s))
 
     def _share_slabs(self, process: _Process) -> None:
         open_slabs = self.slabs.slabs()
@@ -269,11 +326,40 @@ class SaveWorker:
                 os.close(fd)
 
 
-def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | None) -> bool:
+def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException | None:
+    """Close ``process`` by ``deadline`` (killed past it); its writer's error, if any."""
+    with contextlib.suppress(OSError), process.send_lock:
+        process.conn.send(("close", timeout_s))
+    error = None
+    with contextlib.suppress(TimeoutError):
+        error = process.closed.result(max(0.0, deadline - time.monotonic()))
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.popen.wait(max(0.0, deadline - time.monotonic()))
+    if process.popen.poll() is None:
+        process.popen.kill()
+    process.reader.join()
+    process.conn.close()
+    return error
+
+
+def _not_replaced_yet(group: WorkerGroup, *, died: bool) -> CommitError:
+    what = "this rank's checkpoint worker died" if died else "the checkpoint workers' group broke"
+    message = (
+        f"{what} in an earlier save, and the ranks have not replaced their workers yet: this"
+        " save was not started and nothing was published (the previous checkpoint is intact)."
+        " The ranks start new workers together at their next save"
+    )
+    if died:
+        return WorkerDiedError(message, {group.rank: "its checkpoint worker died"})
+    return CommitError(message)
+
+
+def uses_worker(executor: str, stager: BudgetedStager | None) -> bool:
     """Whether saves run in a worker process.
 
     Raises:
-        ConfigError: an unknown executor, or ``"process"`` with what it cannot take yet.
+        ConfigError: an unknown executor, or ``"process"`` with a stager it cannot share or
+            (several ranks) a rendezvous store its workers cannot reach.
     """
     if executor not in ("thread", "process"):
         raise ConfigError(f"executor must be 'thread' or 'process', got {executor!r}")
@@ -281,11 +367,6 @@ def uses_worker(executor: str, stager: BudgetedStager | None, node_local: str | 
         return False
     if stager is not None and stager.shared is None:
         raise ConfigError("executor='process' needs a stager built with shared_memory=True")
-    if node_local is not None:
-        raise ConfigError("executor='process' does not take node_local= yet: use 'thread'")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(
-            "executor='process' runs a single rank only for now (the workers have no process"
-            f" group of their own yet); this job has {dist.get_world_size()}: use 'thread'"
-        )
+        store_address(default_store())  # the workers meet there: refused before anything starts
     return True

@@ -4,12 +4,15 @@ Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket
 It lowers its own priority, then serves the parent's messages in order until told to close or
 the parent is gone::
 
-    ("writer", writer, per_rank)     the manager's writer (pickled once) and per-rank keys
+    ("writer", writer, per_rank, group)  the manager's writer (pickled once), per-rank keys, and
+                                     with several ranks the workers' group to join first
+                                     (:class:`~dcp_safe.manager.worker_group.WorkerGroup`)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
     ("save", seq, name, step, data)  save the staged state ``data``: plan, write, checksums,
-                                     manifest, commit; reply ("done", seq, error or None), then,
-                                     with ``replicate_to``, ("replicated", name, error or None)
+                                     manifest, commit; reply ("done", seq, error or None,
+                                     whether the workers' group broke), then, with
+                                     ``replicate_to``, ("replicated", name, error or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
 Nothing here reaches the parent's telemetry: see docs/staging.md, "The process executor".
@@ -28,9 +31,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
+import torch.distributed as dist
+
 from dcp_safe.dcp import api
+from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
+from dcp_safe.manager.worker_group import WorkerGroup, join
 
 __all__ = ["main"]
 
@@ -63,6 +70,8 @@ class _Worker:
         self.lock = threading.Lock()  # replies come from the main thread and replication's
         self.writer: SafeStorageWriter | None = None
         self.per_rank: tuple[str, ...] = ()
+        self.group: WorkerGroup | None = None
+        self.not_joined: bytes | None = None  # why it could not join: every save fails so
 
     def reply(self, *message: Any) -> None:
         with self.lock:
@@ -76,7 +85,8 @@ class _Worker:
                 return  # the parent is gone
             kind = message[0]
             if kind == "writer":
-                self.writer, self.per_rank = message[1], tuple(message[2])
+                self.writer, self.per_rank, self.group = message[1], tuple(message[2]), message[3]
+                self._join()
             elif kind == "slab":
                 map_slab(message[1], recv_handle(self.conn), message[2])
             elif kind == "forget":
@@ -88,23 +98,34 @@ class _Worker:
                 self.close(message[1])
                 return
 
+    def _join(self) -> None:
+        if self.group is not None:
+            try:
+                join(self.group)
+            except BaseException as exc:
+                self.not_joined = encode_error(exc)
+
     def save(self, seq: int, name: str, step: int, data: bytes) -> None:
+        # Several ranks: over the workers' group, on a dedicated group of the save's deadline,
+        # as the thread executor saves over the manager's.
+        where: dict[str, Any] = (
+            {"no_dist": True} if self.group is None else {"deadline_s": self.group.timeout_s}
+        )
+        if self.not_joined is not None:
+            self.reply("done", seq, self.not_joined, True)
+            return
         try:
             writer = self._writer().for_step(step)
             state = pickle.loads(data)
             api.save(
-                state,
-                checkpoint_id=name,
-                storage_writer=writer,
-                per_rank=self.per_rank,
-                no_dist=True,
+                state, checkpoint_id=name, storage_writer=writer, per_rank=self.per_rank, **where
             )
         except BaseException as exc:
-            self.reply("done", seq, encode_error(exc))
+            self.reply("done", seq, encode_error(exc), is_group_failure(exc))
             return
         finally:
             state = None  # no view of the parent's buffers outlives the save
-        self.reply("done", seq, None)
+        self.reply("done", seq, None, False)
         if writer.remote is not None:
             writer.replication(name).add_done_callback(lambda f: self._replicated(name, f))
 
@@ -120,6 +141,9 @@ class _Worker:
                 self.writer.close(timeout_s)
         except BaseException as exc:
             error = encode_error(exc)
+        if dist.is_initialized():  # here, not in the interpreter's finalization (groups.py)
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group()
         self.reply("closed", error)
 
     def _writer(self) -> SafeStorageWriter:

@@ -15,14 +15,17 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from support import assert_state_equal, blank_like, make_state
 from support.faults import DiesInWriteData, DiesMidWrite
+from torch.distributed import TCPStore
 
 from dcp_safe import (
     BudgetedStager,
@@ -38,8 +41,9 @@ from dcp_safe import (
     list_checkpoints,
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
+from dcp_safe.manager.worker_group import WorkerGroup, join, store_address
+from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
-from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
@@ -235,8 +239,6 @@ def test_what_the_process_executor_refuses(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, executor="fork")
     with pytest.raises(ConfigError, match="shared_memory=True"):
         CheckpointManager(tmp_path, executor="process", stager=BudgetedStager())
-    with pytest.raises(ConfigError, match="node_local"):
-        CheckpointManager(tmp_path / "r", executor="process", node_local=tmp_path / "n")
 
 
 def test_the_state_crosses_by_place_and_errors_by_value() -> None:
@@ -267,18 +269,33 @@ def test_the_state_crosses_by_place_and_errors_by_value() -> None:
     typed = decode_error(encode_error(SnapshotMutatedError(["w"])))
     assert isinstance(typed, SnapshotMutatedError) and typed.fqns == ("w",)
     assert "in the checkpoint worker" in typed.__notes__[0]
+    # A rank's refused staging crosses as its error: the worker's planning raises it.
+    refused = pickle.loads(encoder.dump(poisoned(SnapshotMutatedError(["w"], rank=1))))
+    [failed] = refused.values()
+    assert isinstance(failed, FailedStaging) and isinstance(failed.error, SnapshotMutatedError)
+    assert failed.error.fqns == ("w",) and failed.error.rank == 1
     slabs.close()
 
 
-def _refused_on_two_ranks(rank: int, world_size: int, root: str) -> str:
-    try:
-        CheckpointManager(root, executor="process")
-    except ConfigError as exc:
-        return str(exc)
-    return "accepted"
+def test_a_worker_whose_peers_never_join_fails_within_the_deadline_naming_them() -> None:
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30))
+    group = WorkerGroup(
+        host="127.0.0.1",
+        port=store.port,
+        prefix="t/0/",
+        rank=0,
+        world_size=3,
+        timeout_s=1.0,
+        generation=0,
+    )
+    with pytest.raises(CommitError, match="could not form their group") as caught:
+        join(group)  # ranks 1 and 2 never start a worker
+    assert sorted(caught.value.failures) == [1, 2]
+    assert not dist.is_initialized()
 
 
-@pytest.mark.multiproc
-def test_several_ranks_are_refused_for_now(tmp_path: Path) -> None:
-    refusals = run_ranks(_refused_on_two_ranks, 2, args=(str(tmp_path),))
-    assert all("single rank only" in text and "this job has 2" in text for text in refusals)
+def test_several_ranks_need_a_store_their_workers_can_reach(tmp_path: Path) -> None:
+    # Several ranks are tested in test_process_executor_multirank.py; a job whose default group
+    # rendezvoused through a file has no address to give its workers.
+    with pytest.raises(ConfigError, match="TCPStore"):
+        store_address(dist.FileStore(str(tmp_path / "store"), 1))

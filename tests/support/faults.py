@@ -1,4 +1,5 @@
-"""Writers that fail, die or stall where a test says, and a payload whose unpickling runs code.
+"""Writers that fail, die, stall or record where a test says, and a payload whose unpickling runs
+code.
 
 Module level, so that they pickle by reference into spawned ranks and DCP's checkpoint process
 (a child finds ``support`` as its parent did: ``sys.path`` travels with a spawn).
@@ -75,6 +76,21 @@ class SlowOnRank(SafeStorageWriter):
         if self._rank == self.slow_rank and (self.at_step is None or self.step == self.at_step):
             time.sleep(self.delay_s)
         return super()._write_item(sink, file_name, item, planner)
+
+
+class RecordsPlans(SafeStorageWriter):
+    """Appends, on the coordinator, how many items each save's global plan holds to the file
+    ``record``: a save that reused the cached plan records 0 (wherever the writer runs)."""
+
+    def __init__(self, root: str, *, record: str) -> None:
+        super().__init__(root)
+        self.record = record
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        with open(self.record, "a", encoding="utf-8") as out:
+            out.write(f"{sum(len(plan.items) for plan in plans)}\n")
+        result: list[Any] = super().prepare_global_plan(plans)
+        return result
 
 
 class Planted:
