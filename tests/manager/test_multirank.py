@@ -124,7 +124,8 @@ def _fsdp_restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 def _skip_with_one_slow_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    writer = SlowOnRank(root, slow_rank=1, delay_s=0.4)
+    # A delay well above a save() call on a loaded host, so saves do overlap the slow one.
+    writer = SlowOnRank(root, slow_rank=1, delay_s=1.0)
     manager = CheckpointManager(root, when_busy="skip", writer=writer, deadline_s=DEADLINE_S)
     returned = []
     for step in range(1, 13):
