@@ -7,11 +7,14 @@ dcp_safe-owned gloo group, before any item is read::
     every rank   needs: the files its plan reads that its own node cache lacks (by size)
                  offers: the files its node's disk holds that match the remote's manifest
                  (its node cache, and the peer copies under .peers/<name>/)
-    every rank   all_gather_object of (needs, offers); the same fetch_plan everywhere
+    every rank   all_gather_object of (needs, offers, copies tried, its disk); the same
+                 fetch_plan everywhere
     every rank   sends what it was asked for (a thread), receives what it asked for (this
                  thread) into .peers/.restore-<id>/, every byte checked against the
-                 manifest as it lands; a file that fails is named in the stats and read
-                 from the remote
+                 manifest as it lands; a file that fails is named in the stats and asked
+                 for again, from another node's copy, in the next round; the rounds end when
+                 no rank has an untried copy left, and what is still missing comes from the
+                 remote
     every rank   reads each file as the base class does: its own cache, then a peer copy
                  (fetched, or on its own disk), then the remote, each item verified again
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from typing import Any
 
@@ -166,14 +170,32 @@ class PeerCacheReader(NodeCacheReader):
         if group is None:
             return
         rank = dist.get_rank(group)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (needs, sorted(offers)), group=group)
-        fetches = fetch_plan([n for n, _ in gathered], [set(o) for _, o in gathered])
-        sends = [f for f in fetches if f.holder == rank]
-        receives = [f for f in fetches if f.requester == rank]
-        if receives:
-            self.node_cache.makedirs(scratch)
-        self._transfer(group, sends, receives, offers, scratch)
+        pending = {f: size for f, size in needs.items() if f not in self._peer_sources}
+        tried: dict[str, list[str]] = {}
+        disk = f"{socket.gethostname()}:{self.node_cache.full_path('')}"
+        made = False
+        while True:  # rounds: a rejected copy is fetched from another disk in the next one
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, (pending, sorted(offers), tried, disk), group=group)
+            fetches = fetch_plan(
+                [g[0] for g in gathered],
+                [set(g[1]) for g in gathered],
+                [g[2] for g in gathered],
+                [g[3] for g in gathered],
+            )
+            if not fetches:  # the same on every rank: every rank leaves the loop here
+                return
+            receives = [f for f in fetches if f.requester == rank]
+            if receives and not made:
+                self.node_cache.makedirs(scratch)
+                made = True
+            sends = [f for f in fetches if f.holder == rank]
+            self._transfer(group, sends, receives, offers, scratch)
+            disks = [g[3] for g in gathered]
+            for fetch in receives:
+                tried.setdefault(fetch.file, []).append(disks[fetch.holder])
+                if fetch.file in self._peer_sources:
+                    pending.pop(fetch.file, None)
 
     def _peer_group(self) -> Any:
         if self._group is not None:

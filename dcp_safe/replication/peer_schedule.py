@@ -71,22 +71,37 @@ def copy_plan(
 
 
 def fetch_plan(
-    needs: Sequence[Mapping[str, int]], offers: Sequence[frozenset[str] | set[str]]
+    needs: Sequence[Mapping[str, int]],
+    offers: Sequence[frozenset[str] | set[str]],
+    tried: Sequence[Mapping[str, Sequence[str]]] = (),
+    disks: Sequence[str] = (),
 ) -> list[Fetch]:
-    """The transfers of one restore: each file a rank needs (``needs[rank]``: file -> size)
-    from a rank that offers it, the one with the fewest bytes to send so far (then the lowest).
+    """The transfers of one restore round: each file a rank needs (``needs[rank]``: file ->
+    size) from a rank that offers it, the one with the fewest bytes to send so far (then the
+    lowest rank).
+
+    ``disks[rank]`` names the disk a rank's offers are on (ranks of one node share one; default:
+    one each), and ``tried[rank]`` (file -> disks) the copies a rank already rejected: a rank is
+    never asked again for a copy on a disk it tried, since it is the same copy.
 
     A file its own rank offers (a peer copy on its own node's disk) needs no transfer, and one
-    nobody offers none either: both are left out, and the requester reads them from its disk or
-    the remote.
+    no untried disk offers none either: both are left out, and the requester reads them from its
+    disk or the remote.
     """
+    disk_of = list(disks) or [str(rank) for rank in range(len(offers))]
     load = [0] * len(offers)
     fetches: list[Fetch] = []
     for requester, wanted in enumerate(needs):
+        done = tried[requester] if tried else {}
         for file in sorted(wanted):
             if file in offers[requester]:
                 continue
-            holders = [rank for rank, held in enumerate(offers) if file in held]
+            excluded = set(done.get(file, ()))
+            holders = [
+                rank
+                for rank, held in enumerate(offers)
+                if file in held and disk_of[rank] not in excluded
+            ]
             if not holders:
                 continue
             holder = min(holders, key=lambda rank: (load[rank], rank))

@@ -44,16 +44,27 @@ def _sharded(world_size: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _manager(rank: int, nodes: list[str], root: str, options: dict[str, Any]) -> CheckpointManager:
-    os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)  # node = rank // 2, as torchrun says
-    node = nodes[rank // RANKS_PER_NODE]
+    per_node = 4 // len(nodes)  # 2 nodes x 2 ranks, or 4 nodes x 1 rank
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # node = rank // per_node, as torchrun says
     return CheckpointManager(
-        root, node_local=node, peer_copies=2, storage_options=options, keep_last=2
+        root,
+        node_local=nodes[rank // per_node],
+        peer_copies=2 if len(nodes) == 2 else 3,
+        storage_options=options,
+        keep_last=2,
     )
 
 
-def _save(rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]) -> Any:
+def _save(
+    rank: int,
+    world_size: int,
+    nodes: list[str],
+    root: str,
+    options: dict[str, Any],
+    steps: tuple[int, ...] = STEPS,
+) -> Any:
     with _manager(rank, nodes, root, options) as manager:
-        for step in STEPS:
+        for step in steps:
             handle = manager.save(step, _sharded(world_size, _full(step)))
             assert handle is not None
             handle.committed.result(timeout=120)
@@ -90,9 +101,9 @@ def _flip_a_byte(copy: Path, file_name: str) -> None:
     (copy / file_name).write_bytes(bytes(data))
 
 
-def _assert_exact(seen: dict[str, Any]) -> None:
-    assert seen["name"] == "step_000000003"
-    for key, value in _full(3).items():
+def _assert_exact(seen: dict[str, Any], step: int = 3) -> None:
+    assert seen["name"] == f"step_{step:09d}"
+    for key, value in _full(step).items():
         assert torch.equal(seen["state"][key], value)
 
 
@@ -145,6 +156,34 @@ def test_a_replaced_node_restores_from_its_peer_copies_with_nothing_from_s3(
             assert (stats.files_from_peer, stats.files_from_remote) == (1, 0)
         else:
             assert (stats.files_from_cache, stats.files_from_remote) == (1, 0)
+
+
+def test_four_nodes_with_three_copies_read_a_corrupted_copy_from_the_other_one(
+    tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
+) -> None:
+    """4 nodes x 1 rank, peer_copies=3: node 1's files are on nodes 2 and 3. Node 1 is replaced
+    and node 2's copy is corrupted: the file comes from node 3's copy, never from S3."""
+    nodes = [str(tmp_path / f"node_{n}") for n in range(4)]
+    stats = run_ranks(_save, 4, args=(nodes, s3_root, s3_options, (1,)), timeout_s=400)
+    assert [(s.committed, s.peer_copies, s.peer_copy_failures) for s in stats] == [(1, 1, 0)] * 4
+    for holder in range(4):
+        copies = list_peer_copies(open_backend(nodes[holder]))
+        assert sorted(c.node for c in copies) == sorted({(holder - 1) % 4, (holder - 2) % 4})
+
+    _replace_node(nodes[1])
+    _flip_a_byte(Path(nodes[2]) / layout.peer_copy_dir("step_000000001", 1), "__1_0.distcp")
+    restored = run_ranks(_restore, 4, args=(nodes, s3_root, s3_options), timeout_s=400)
+    for rank, seen in enumerate(restored):
+        _assert_exact(seen, step=1)
+        stats = seen["stats"]
+        assert (stats.files_from_remote, stats.bytes_from_remote) == (0, 0)
+        if rank == 1:
+            assert stats.files_from_peer == 1
+            [rejected] = [r for r in stats.rejections if r.source is ReadSource.PEER]
+            assert (rejected.file, rejected.reason) == ("__1_0.distcp", RejectionReason.CHECKSUM)
+            assert rejected.detail.startswith("rank 2:")
+        else:
+            assert (stats.files_from_cache, stats.files_from_peer) == (1, 0)
 
 
 def _save_with_a_full_disk(
