@@ -134,7 +134,12 @@ class PeerCacheReader(NodeCacheReader):
         found: list[tuple[str, _Source]] = []
         if self._cache is not None:
             found += [(f, (self._cache, f"{name}/{f}")) for f in self._sizes(self._cache, name)]
-        for copy in list_peer_copies(self.node_cache, name):
+        try:
+            copies = list_peer_copies(self.node_cache, name)
+        except OSError as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
+            self._reject(None, RejectionReason.UNREADABLE, str(exc), ReadSource.PEER)
+            copies = []
+        for copy in copies:
             if copy.manifest != self._manifest:
                 self._reject(None, RejectionReason.STALE, f"peer copy {copy.path}", ReadSource.PEER)
                 continue
@@ -186,8 +191,9 @@ class PeerCacheReader(NodeCacheReader):
             if not fetches:  # the same on every rank: every rank leaves the loop here
                 return
             receives = [f for f in fetches if f.requester == rank]
-            if receives and not made:
-                self.node_cache.makedirs(scratch)
+            if receives and not made:  # where it fails, each landing fails and is named
+                with contextlib.suppress(OSError):
+                    self.node_cache.makedirs(scratch)
                 made = True
             sends = [f for f in fetches if f.holder == rank]
             self._transfer(group, sends, receives, offers, scratch)

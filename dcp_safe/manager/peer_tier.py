@@ -11,8 +11,8 @@ the future done also sees the error; it never touches the committed checkpoint.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -59,8 +59,8 @@ class PeerTier:
         self.peers, self.copies, self.keep = peers, copies, keep
         self.local, self.remote = local, remote
         self.restore_group = restore_group
-        self._jobs: queue.SimpleQueue[tuple[str, Future[list[str]], Report]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._jobs: deque[tuple[str, Future[list[str]], Report]] = deque()
+        self._thread: threading.Thread | None = None  # exists only while there is work
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
 
@@ -116,8 +116,8 @@ class PeerTier:
         the peer copies committed on this rank, or that error.
         """
         future: Future[list[str]] = Future()
-        self._jobs.put((name, future, report))
         with self._lock:
+            self._jobs.append((name, future, report))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dcp_safe-peer-copies", daemon=True
@@ -127,7 +127,11 @@ class PeerTier:
 
     def _run(self) -> None:
         while True:
-            name, future, report = self._jobs.get()
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                name, future, report = self._jobs.popleft()
             landed: list[str] = []
             error: BaseException | None = None
             try:

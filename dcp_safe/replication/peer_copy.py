@@ -107,7 +107,11 @@ def copy_to_peers(
     transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
     landed, failed_here = _exchange(name, transfers, peers, local, remote, chunk_bytes)
     if peers.leads_node() and keep is not None:
-        prune_peer_copies(local, keep)
+        try:
+            prune_peer_copies(local, keep)
+        except OSError as exc:  # reported with the outcomes: every rank must reach the gather
+            why = f"pruning peer copies: {type(exc).__name__}: {exc}"
+            failed_here = why if failed_here is None else f"{failed_here}; {why}"
     outcomes = peers.gather(failed_here)
     failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
     failures |= {rank: why for rank, why in enumerate(outcomes) if why}

@@ -72,7 +72,7 @@ def send_file(
     view = buffer.numpy()
     error: str | None = None
     sent = 0
-    with _reading(backend, rel) as (stream, opened):
+    with _Reading(backend, rel) as (stream, opened):
         if opened is not None:
             error = opened
         while sent < size:
@@ -110,38 +110,47 @@ def receive_file(
         RuntimeError: the transport's error (a peer died or the deadline passed).
     """
     path = backend.full_path(rel)
-    check = FileCheck(path, record, items)
     buffer = torch.empty(max(1, min(chunk_bytes, record.size)), dtype=torch.uint8)
     failure: Exception | None = None
-    with contextlib.ExitStack() as stack:
-        out: Any = None
-        try:
-            out = stack.enter_context(backend.open_write(rel))
-        except OSError as exc:  # still receive every chunk: the sender is sending them
-            failure = exc
-        received = 0
-        while received < record.size:
-            n = min(chunk_bytes, record.size - received)
-            dist.recv(buffer[:n], group=group, group_src=src, tag=tag)
+    try:
+        with contextlib.ExitStack() as stack:
+            check: Any = None
+            out: Any = None
+            try:  # whatever fails here, every chunk is still received: the sender sends them
+                check = FileCheck(path, record, items)
+                out = stack.enter_context(backend.open_write(rel))
+            except (CheckpointCorruptError, OSError) as exc:
+                failure = exc
+            received = 0
+            while received < record.size:
+                n = min(chunk_bytes, record.size - received)
+                dist.recv(buffer[:n], group=group, group_src=src, tag=tag)
+                if failure is None:
+                    data = buffer[:n].numpy().tobytes()
+                    try:
+                        check.update(data)
+                        out.write(data)
+                    except (CheckpointCorruptError, OSError) as exc:
+                        failure = exc
+                received += n
+            status = torch.zeros(1, dtype=torch.int64)
+            dist.recv(status, group=group, group_src=src, tag=tag)
+            if int(status.item()) != _SENT_WHOLE:
+                failure = SenderFailedError(f"rank {src} could not read its copy of {record.path}")
             if failure is None:
-                data = buffer[:n].numpy().tobytes()
-                try:
-                    check.update(data)
-                    out.write(data)
-                except (CheckpointCorruptError, OSError) as exc:
-                    failure = exc
-            received += n
-        status = torch.zeros(1, dtype=torch.int64)
-        dist.recv(status, group=group, group_src=src, tag=tag)
-        if int(status.item()) != _SENT_WHOLE:
-            failure = SenderFailedError(f"rank {src} could not read its copy of {record.path}")
-        if failure is None:
-            check.finish()
-        else:
-            raise failure  # open_write leaves nothing behind
+                check.finish()
+            else:
+                raise _Discard  # open_write leaves nothing behind (and would wrap an OSError)
+    except _Discard:
+        assert failure is not None
+        raise failure from None
 
 
-class _reading:
+class _Discard(Exception):
+    """Leaves ``open_write`` without a trace; the failure itself is raised after."""
+
+
+class _Reading:
     """``open_read`` that reports a failure to open instead of raising it."""
 
     def __init__(self, backend: Backend, rel: str) -> None:
