@@ -28,6 +28,7 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── AdmissionTimeoutError(TimeoutError)      no admission within the caller's timeout
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
+    ├── PeerCopyError                            a committed checkpoint's peer copies failed
     └── DrainTimeoutError(TimeoutError)          a manager's wait/close gave up on work in flight
 
 Paths, names and what was found (``expected``/``actual``) can be storage's text: the errors that
@@ -63,6 +64,7 @@ __all__ = [
     "DrainTimeoutError",
     "InvalidCheckpointNameError",
     "MissingKeysError",
+    "PeerCopyError",
     "PerRankStateError",
     "RestoreMismatchError",
     "RollbackUnavailableError",
@@ -416,6 +418,28 @@ class ReplicationTimeoutError(DcpSafeError, TimeoutError):
 
 class UploadTimeoutError(CommitError, ReplicationTimeoutError):
     """Rank 0 gave up waiting for some ranks' uploads; ``failures`` names the stalled ranks."""
+
+
+class PeerCopyError(DcpSafeError):
+    """Copying a committed checkpoint's node caches to other nodes (the peer tier) failed.
+
+    The checkpoint itself is committed on the remote and unaffected; a restore reads what a
+    missing peer copy would have held from the remote instead.
+
+    Attributes:
+        name: the checkpoint whose peer copies are incomplete.
+        failures: the ranks that failed, each with a one-line description of its error.
+    """
+
+    def __init__(self, name: str, failures: Mapping[int, str]) -> None:
+        self.name = name
+        self.failures: dict[int, str] = dict(failures)
+        ranks = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+        super().__init__(
+            f"peer copies of {shown(name)} are incomplete ({ranks}); the checkpoint is committed"
+            " on the remote, and a restore reads the missing copies' files from there. Check"
+            " the named ranks' node-local disks and network"
+        )
 
 
 class DrainTimeoutError(DcpSafeError, TimeoutError):

@@ -11,7 +11,7 @@ import re
 import uuid
 from collections.abc import Iterable
 
-from dcp_safe.errors import InvalidCheckpointNameError
+from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
 
 __all__ = [
     "ASSIGNMENT_INFIX",
@@ -25,6 +25,8 @@ __all__ = [
     "MANIFEST",
     "NODE_COMMITTED_MARKER",
     "PARTIAL_INFIX",
+    "PEERS_DIR",
+    "PEER_COMMITTED_MARKER",
     "RANKS_DIR",
     "SAFETENSORS_FILE",
     "SAFETENSORS_INDEX",
@@ -39,6 +41,7 @@ __all__ = [
     "attempts_dir",
     "commit_failure_marker_name",
     "export_work_dir_name",
+    "format_name",
     "assignment_file_name",
     "is_debris",
     "is_lease_file",
@@ -49,6 +52,10 @@ __all__ = [
     "lease_file_name",
     "new_save_id",
     "partial_dir_name",
+    "peer_copy_dir",
+    "peer_node_of",
+    "peer_partial_dir",
+    "peer_restore_dir",
     "rank_failure_marker_name",
     "rank_manifest_name",
     "rank_of_manifest",
@@ -98,6 +105,13 @@ PROBE_PREFIX = ".dcp-safe-probe-"
 HISTORY_FILE = "_history.jsonl"
 #: ``<node root>/<name>/_NODE_COMMITTED``: a node cache's marker (dcp_safe.checkpoints.node_cache).
 NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
+#: ``<node root>/.peers/<name>/from_node_00001/``: another node's files, copied here (the peer tier,
+#: dcp_safe.checkpoints.peer_copies); ``_PEER_COMMITTED`` in it, written last, holds the
+#: manifest's digest. Hidden, so nothing that lists a node root's caches sees it.
+PEERS_DIR = ".peers"
+PEER_COMMITTED_MARKER = "_PEER_COMMITTED"
+_PEER_NODE_PREFIX = "from_node_"
+_PEER_RESTORE_PREFIX = ".restore-"
 #: ``.<file>.tmp-<hex>`` beside ``<file>``: a backend's write before its rename into place.
 TEMP_INFIX = ".tmp-"
 # ``_ranks/rank_00003.json`` and the markers beside it; ``_ATTEMPTS/<run>/attempt_000000002``.
@@ -161,9 +175,45 @@ def validate_name(name: object) -> str:
     return name
 
 
+def format_name(name_format: str, step: int) -> str:
+    """The checkpoint name ``name_format`` gives ``step`` (``str.format`` with ``{step}``).
+
+    Raises:
+        ConfigError: a pattern ``str.format`` rejects, or a name :func:`validate_name` does.
+    """
+    try:
+        name = name_format.format(step=step)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"bad name_format {name_format!r}: {exc}") from None
+    return validate_name(name)
+
+
 def new_save_id() -> str:
     """A fresh identifier for one save attempt (32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def peer_copy_dir(name: str, node: int) -> str:
+    """``.peers/<name>/from_node_NNNNN``: node ``node``'s files of ``name``, held elsewhere."""
+    return f"{PEERS_DIR}/{name}/{_PEER_NODE_PREFIX}{node:05d}"
+
+
+def peer_partial_dir(name: str, node: int, save_id: str) -> str:
+    """Where a peer copy lands before it is committed (renamed to :func:`peer_copy_dir`)."""
+    return f"{PEERS_DIR}/{name}/.{_PEER_NODE_PREFIX}{node:05d}{PARTIAL_INFIX}{save_id}"
+
+
+def peer_node_of(entry: str) -> int | None:
+    """The node of a committed peer copy's folder name (``from_node_00001`` -> 1), else ``None``."""
+    digits = entry.removeprefix(_PEER_NODE_PREFIX)
+    if digits == entry or len(digits) < 5 or not digits.isdigit():
+        return None
+    return int(digits)
+
+
+def peer_restore_dir(token: str) -> str:
+    """``.peers/.restore-<token>``: files a restore fetched from peers, removed after it."""
+    return f"{PEERS_DIR}/{_PEER_RESTORE_PREFIX}{token}"
 
 
 def partial_dir_name(name: str, save_id: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["Root", "Topology"]
+__all__ = ["Root", "Topology", "this_node"]
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,34 @@ class Root:
 class Topology:
     """The roots of a save and their roles (docs/architecture.md, "Topology").
 
+    ``peer_copies``: how many nodes hold each node's files (its own included): 1, no peer
+    tier; K > 1, each node cache is also copied into the node caches of K - 1 other nodes
+    (``<node cache>/.peers/``), so a restore after losing a node reads them from a peer.
+
     Raises:
         ConfigError: both ``replica`` and ``node_cache`` (a node-local save already uploads to
-            its commit root; a replica of it is a second copy nothing would read).
+            its commit root; a replica of it is a second copy nothing would read);
+            ``peer_copies`` below 1, or above 1 without a node cache.
     """
 
     commit: Root
     replica: Root | None = None
     node_cache: Root | None = None
+    peer_copies: int = 1
 
     def __post_init__(self) -> None:
         if self.replica is not None and self.node_cache is not None:
             raise ConfigError(
                 "node_local= and replicate_to= do not go together: with node_local, root is the"
                 " shared remote every rank uploads to"
+            )
+        copies = self.peer_copies
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+            raise ConfigError(f"peer_copies must be an int >= 1, got {copies!r}")
+        if copies > 1 and self.node_cache is None:
+            raise ConfigError(
+                "peer_copies= needs node_local=: peer copies are node caches held on other"
+                " nodes; without node-local disks every rank already reads the one shared root"
             )
 
     @classmethod
@@ -55,16 +69,17 @@ class Topology:
         node_local: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         replica_storage_options: dict[str, Any] | None = None,
+        peer_copies: int = 1,
     ) -> Topology:
         """The topology of the manager's arguments: ``root`` commits; ``replicate_to`` is a
         replica (its options default to ``storage_options``); ``node_local`` a node cache
-        (always a local directory, so it takes no fsspec options)."""
+        (always a local directory, so it takes no fsspec options), with ``peer_copies``."""
         replica = None
         if replicate_to is not None:
             options = replica_storage_options or storage_options
             replica = Root(os.fspath(replicate_to), options)
         node_cache = None if node_local is None else Root(os.fspath(node_local))
-        return cls(Root(os.fspath(root), storage_options), replica, node_cache)
+        return cls(Root(os.fspath(root), storage_options), replica, node_cache, peer_copies)
 
     @property
     def writes_to(self) -> Root:
@@ -78,3 +93,21 @@ class Topology:
         if self.node_cache is not None:
             return self.commit
         return self.replica
+
+
+def this_node(rank: int) -> int:
+    """This process's node, as torchrun numbers them: ``GROUP_RANK`` if set, else ``rank //
+    LOCAL_WORLD_SIZE`` (1 when unset), so nodes can be simulated on one machine.
+
+    Raises:
+        ConfigError: either variable is set but is not a non-negative (positive) integer.
+    """
+    group = os.environ.get("GROUP_RANK")
+    if group is not None:
+        if not group.isdigit():
+            raise ConfigError(f"GROUP_RANK must be a non-negative integer, got {group!r}")
+        return int(group)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not local.isdigit() or int(local) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE must be a positive integer, got {local!r}")
+    return rank // int(local)

@@ -23,3 +23,8 @@ def test_every_public_class_and_function_is_listed() -> None:
 def test_the_design_entry_points_are_public() -> None:
     for name in ("SafeStorageWriter", "SafeStorageReader", "list_checkpoints", "verify_checkpoint"):
         assert name in dcp_safe.__all__
+
+
+def test_the_peer_tier_failure_is_public() -> None:
+    assert "PeerCopyError" in dcp_safe.__all__
+    assert issubclass(dcp_safe.PeerCopyError, dcp_safe.DcpSafeError)

@@ -23,6 +23,7 @@ from dcp_safe import (
     list_node_caches,
     writer_for,
 )
+from dcp_safe.topology import this_node
 
 
 def test_one_root_commits_and_uploads_nowhere(tmp_path: Path) -> None:
@@ -95,3 +96,36 @@ def test_a_node_local_manager_commits_on_its_commit_root_and_caches_on_its_node(
     assert [c.name for c in list_node_caches(node)] == [handle.name]
     # History lives with the checkpoints, on the commit root only.
     assert [p.name for p in remote.glob("_history*")] and not list(node.glob("_history*"))
+
+
+def test_the_peer_tier_is_part_of_the_topology_and_of_its_writer(tmp_path: Path) -> None:
+    topology = Topology.of("s3://b/run", node_local=tmp_path / "nvme", peer_copies=2)
+    assert topology.peer_copies == 2
+    writer = writer_for(topology)
+    assert isinstance(writer, NodeLocalWriter)
+    assert writer.topology == topology
+    # The peer transfers' chunk buffers are held beside the uploads' and counted with them.
+    plain = writer_for(Topology.of("s3://b/run", node_local=tmp_path / "nvme"))
+    assert writer.upload_buffer_bytes is not None and plain.upload_buffer_bytes is not None
+    assert writer.upload_buffer_bytes > plain.upload_buffer_bytes
+
+
+def test_peer_copies_are_refused_without_a_node_cache_or_below_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="peer_copies= needs node_local="):
+        Topology.of(tmp_path / "ckpt", peer_copies=2)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="peer_copies must be an int >= 1"):
+            Topology.of(tmp_path / "ckpt", node_local=tmp_path / "n", peer_copies=bad)  # type: ignore[arg-type]
+
+
+def test_a_rank_s_node_is_what_torchrun_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [this_node(rank) for rank in range(3)] == [0, 1, 2]  # one rank per node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [this_node(rank) for rank in range(4)] == [0, 0, 1, 1]
+    monkeypatch.setenv("GROUP_RANK", "7")  # torchrun's own number wins
+    assert this_node(0) == 7
+    monkeypatch.setenv("GROUP_RANK", "x")
+    with pytest.raises(ConfigError, match="GROUP_RANK"):
+        this_node(0)

@@ -46,5 +46,6 @@ def writer_for(
         remote=commit.url,
         remote_storage_options=commit.storage_options,
         node_options=node,
+        peer_copies=topology.peer_copies,
         **options,
     )

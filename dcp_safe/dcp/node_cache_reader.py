@@ -30,7 +30,7 @@ from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import ItemRecord
 
-__all__ = ["CacheRejection", "NodeCacheReader", "NodeCacheStats", "RejectionReason"]
+__all__ = ["CacheRejection", "NodeCacheReader", "NodeCacheStats", "ReadSource", "RejectionReason"]
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,23 @@ class RejectionReason(str, Enum):
     UNREADABLE = "unreadable"
 
 
+class ReadSource(str, Enum):
+    """Where a file's bytes came from, best first."""
+
+    NODE_CACHE = "node cache"  # this node's own cache
+    PEER = "peer"  # a peer copy: another node's files, held on some node (the peer tier)
+    REMOTE = "remote"  # the commit root
+
+
 @dataclass(frozen=True)
 class CacheRejection:
-    """One reason the cache was not used: for ``file`` (``None``: the whole cache)."""
+    """One reason a copy was not used: for ``file`` (``None``: the whole cache) from
+    ``source`` (the node cache, or a peer copy: ``detail`` names the rank that held it)."""
 
     file: str | None
     reason: RejectionReason
     detail: str = ""
+    source: ReadSource = ReadSource.NODE_CACHE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,13 +74,38 @@ class NodeCacheStats:
         cache_path: the node cache used, or ``None`` when it was missing or ignored.
         files_from_cache: files read entirely from the node cache.
         files_from_remote: files read, wholly or partly, from the remote.
-        rejections: why each of those files (or the whole cache) was not read from the cache.
+        rejections: why each of those files (or the whole cache) was not read from the cache
+            (or from a peer copy: ``source``).
+        files_from_peer: files finished from a peer copy (``PeerCacheReader``).
+        bytes_from_cache, bytes_from_peer, bytes_from_remote: the stored bytes of the items
+            each source delivered (the remote's manifest and ``.metadata``, read by ``reset``
+            on every restore, are not counted).
     """
 
     cache_path: str | None
     files_from_cache: int
     files_from_remote: int
     rejections: tuple[CacheRejection, ...]
+    files_from_peer: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_peer: int = 0
+    bytes_from_remote: int = 0
+
+    def files_from(self, source: ReadSource) -> int:
+        """Files finished from ``source``."""
+        return {
+            ReadSource.NODE_CACHE: self.files_from_cache,
+            ReadSource.PEER: self.files_from_peer,
+            ReadSource.REMOTE: self.files_from_remote,
+        }[source]
+
+    def bytes_from(self, source: ReadSource) -> int:
+        """Stored bytes ``source`` delivered."""
+        return {
+            ReadSource.NODE_CACHE: self.bytes_from_cache,
+            ReadSource.PEER: self.bytes_from_peer,
+            ReadSource.REMOTE: self.bytes_from_remote,
+        }[source]
 
 
 class _Rejected(Exception):
@@ -133,8 +168,8 @@ class NodeCacheReader(SafeStorageReader):
         )
         self._cache: Backend | None = None
         self._cache_path: str | None = None
-        self._from_cache = 0
-        self._from_remote = 0
+        self._files = dict.fromkeys(ReadSource, 0)
+        self._bytes = dict.fromkeys(ReadSource, 0)
         self._rejections: list[CacheRejection] = []
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -145,7 +180,8 @@ class NodeCacheReader(SafeStorageReader):
         """
         super().reset(checkpoint_id)
         self._cache, self._cache_path = None, None
-        self._from_cache, self._from_remote = 0, 0
+        self._files = dict.fromkeys(ReadSource, 0)
+        self._bytes = dict.fromkeys(ReadSource, 0)
         self._rejections = []
         try:
             self._check_cache()
@@ -157,11 +193,18 @@ class NodeCacheReader(SafeStorageReader):
 
     def stats(self) -> NodeCacheStats:
         """Where the files read since the last ``reset`` came from."""
+        with self._lock:
+            files, read = dict(self._files), dict(self._bytes)
+            rejections = tuple(self._rejections)
         return NodeCacheStats(
             cache_path=self._cache_path,
-            files_from_cache=self._from_cache,
-            files_from_remote=self._from_remote,
-            rejections=tuple(self._rejections),
+            files_from_cache=files[ReadSource.NODE_CACHE],
+            files_from_remote=files[ReadSource.REMOTE],
+            rejections=rejections,
+            files_from_peer=files[ReadSource.PEER],
+            bytes_from_cache=read[ReadSource.NODE_CACHE],
+            bytes_from_peer=read[ReadSource.PEER],
+            bytes_from_remote=read[ReadSource.REMOTE],
         )
 
     # ----------------------------------------------------------------- helpers
@@ -189,55 +232,80 @@ class NodeCacheReader(SafeStorageReader):
                 f"the remote is save {self._manifest.save_id}",
             )
 
-    def _reject(self, file_name: str | None, reason: RejectionReason, detail: str) -> None:
+    def _reject(
+        self,
+        file_name: str | None,
+        reason: RejectionReason,
+        detail: str,
+        source: ReadSource = ReadSource.NODE_CACHE,
+    ) -> None:
         with self._lock:
-            self._rejections.append(CacheRejection(file_name, reason, detail))
+            self._rejections.append(CacheRejection(file_name, reason, detail, source))
         quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
-        where = "the node cache" if file_name is None else f"{file_name} from the node cache"
+        where = f"the {source.value}" if file_name is None else f"{file_name} from {source.value}"
         log.log(
             logging.DEBUG if quiet else logging.WARNING,
-            "not reading %s (%s): %s; reading from the remote instead",
+            "not reading %s (%s): %s; reading it from the next source instead",
             where,
             reason.value,
             detail,
         )
 
+    def _local_sources(self, file_name: str) -> list[tuple[Backend, str, ReadSource]]:
+        """Where ``file_name`` may be read before the remote, best first: (backend, path
+        relative to it, source)."""
+        if self._cache is None:
+            return []
+        return [(self._cache, f"{self._require_name()}/{file_name}", ReadSource.NODE_CACHE)]
+
     def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
-        """Read ``file_name`` from the cache; whatever it could not deliver, from the remote."""
-        remaining = (
-            requests if self._cache is None else self._read_cached(file_name, requests, planner)
-        )
-        with self._lock:  # files are read on several threads
+        """Read ``file_name`` from each local source in turn; what none could deliver, from the
+        remote."""
+        remaining = requests
+        for backend, rel, source in self._local_sources(file_name):
+            left = self._read_cached(backend, rel, file_name, remaining, planner, source)
+            self._count(source, remaining[: len(remaining) - len(left)], finished=not left)
+            remaining = left
             if not remaining:
-                self._from_cache += 1
                 return
-            self._from_remote += 1
+        self._count(ReadSource.REMOTE, remaining, finished=True)
         super()._read_file(file_name, remaining, planner)
 
-    def _read_cached(
-        self, file_name: str, requests: list[ReadItem], planner: LoadPlanner
-    ) -> list[ReadItem]:
-        """Deliver ``requests`` from the cache, verified; return those left for the remote.
+    def _count(self, source: ReadSource, delivered: list[ReadItem], *, finished: bool) -> None:
+        assert self._metadata is not None
+        storage = self._metadata.storage_data
+        with self._lock:  # files are read on several threads
+            self._bytes[source] += sum(storage[r.storage_index].length for r in delivered)
+            self._files[source] += finished
 
-        Only reading the cache can reject it; an error while handing a verified item over
+    def _read_cached(
+        self,
+        cache: Backend,
+        rel: str,
+        file_name: str,
+        requests: list[ReadItem],
+        planner: LoadPlanner,
+        source: ReadSource = ReadSource.NODE_CACHE,
+    ) -> list[ReadItem]:
+        """Deliver ``requests`` from ``cache``'s ``rel``, verified; return those left over.
+
+        Only reading the copy can reject it; an error while handing a verified item over
         (a shape mismatch, an unsafe pickle) would be the remote's too, and is raised.
         """
-        assert self._cache is not None
-        cache, rel = self._cache, f"{self._require_name()}/{file_name}"
         path = cache.full_path(rel)
         with contextlib.ExitStack() as stack:
             try:
                 self._check_size(cache, rel, file_name)
                 stream = stack.enter_context(cache.open_read(rel))
             except Exception as exc:
-                self._reject_file(file_name, path, exc)
+                self._reject_file(file_name, path, exc, source)
                 return requests
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
                 try:
                     self._load_cached(stream, path, label, record, request, planner)
-                except _CacheFailed as failed:  # whatever the cache does wrong: remote decides
-                    self._reject_file(file_name, path, failed.cause)
+                except _CacheFailed as failed:  # whatever the copy does wrong: the next decides
+                    self._reject_file(file_name, path, failed.cause, source)
                     return requests[done:]
         return []
 
@@ -279,15 +347,22 @@ class NodeCacheReader(SafeStorageReader):
             else:
                 self._deliver(raw, path, label, record, request, planner, held)
 
-    def _reject_file(self, file_name: str, path: str, exc: Exception) -> None:
+    def _reject_file(
+        self,
+        file_name: str,
+        path: str,
+        exc: Exception,
+        source: ReadSource = ReadSource.NODE_CACHE,
+    ) -> None:
         if isinstance(exc, _Rejected):
-            self._reject(file_name, exc.reason, exc.detail)
+            self._reject(file_name, exc.reason, exc.detail, source)
         elif isinstance(exc, FileNotFoundError):
-            self._reject(file_name, RejectionReason.MISSING, path)
+            self._reject(file_name, RejectionReason.MISSING, path, source)
         elif isinstance(exc, CheckpointCorruptError):
-            self._reject(file_name, RejectionReason.CHECKSUM, str(exc))
+            self._reject(file_name, RejectionReason.CHECKSUM, str(exc), source)
         else:
-            self._reject(file_name, RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}")
+            reason = RejectionReason.UNREADABLE
+            self._reject(file_name, reason, f"{type(exc).__name__}: {exc}", source)
 
     def _check_size(self, cache: Backend, rel: str, file_name: str) -> None:
         assert self._manifest is not None

@@ -30,6 +30,7 @@ from dcp_safe.dcp.assignment_board import Assignment as _Assignment
 from dcp_safe.dcp.writer import SafeStorageWriter, _assignment_of
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.peer_transport import peer_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -77,6 +78,8 @@ class NodeLocalWriter(SafeStorageWriter):
     Args:
         remote: the shared root every rank uploads to (``s3://...`` or a shared directory).
         remote_storage_options: fsspec options for ``remote`` (default: ``storage_options``).
+        peer_copies: the topology's peer tier (``Topology.peer_copies``); the manager copies
+            node caches to other nodes, this writer only counts their buffers.
         **kwargs: the other :class:`SafeStorageWriter` options (``overwrite`` is refused: a
             remote name is never replaced).
 
@@ -93,6 +96,7 @@ class NodeLocalWriter(SafeStorageWriter):
         remote: str | os.PathLike[str],
         remote_storage_options: dict[str, Any] | None = None,
         node_options: NodeLocalOptions | None = None,
+        peer_copies: int = 1,
         **kwargs: Any,
     ) -> None:
         overwrite = kwargs.get("overwrite") or getattr(kwargs.get("options"), "overwrite", False)
@@ -103,7 +107,8 @@ class NodeLocalWriter(SafeStorageWriter):
             f"a node-local root must be a local directory, got {self.root}"
         )
         commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
-        self.topology = Topology(commit, node_cache=Root(self.root, self.storage_options))
+        cache = Root(self.root, self.storage_options)
+        self.topology = Topology(commit, node_cache=cache, peer_copies=peer_copies)
         self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
         # Shared by the writer's per-save views (for_step): the dicts, not copies of them.
@@ -119,6 +124,14 @@ class NodeLocalWriter(SafeStorageWriter):
     @property
     def commit_backend(self) -> Backend:
         return self.remote_backend
+
+    @property
+    def upload_buffer_bytes(self) -> int | None:
+        """The base class's, plus the peer tier's chunk buffers when it copies to peers."""
+        uploads = super().upload_buffer_bytes
+        if uploads is None or self.topology.peer_copies == 1:
+            return uploads
+        return uploads + peer_buffer_bytes()
 
     # ----------------------------------------------------------------- DCP call order
 

@@ -20,6 +20,7 @@ from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
@@ -94,6 +95,8 @@ class FollowUp:
             self.ledger.fail(handle, failure[0], tier="local", reason=failure[1])
             return
         self.ledger.count("committed")
+        if (peers := self.tiers.peers) is not None:  # every rank, in the same order of saves
+            self._copy_to_peers(handle, peers)
         self.ledger.record("committed", handle, tier="local", validated=True)
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
@@ -139,6 +142,22 @@ class FollowUp:
         remote = replication(handle.name)
         self.tiers.track_replication(handle.name, handle.replicated)
         remote.add_done_callback(lambda done: self._replicated(handle, done))
+
+    def _copy_to_peers(self, handle: SaveHandle, peers: PeerTier) -> None:
+        """Copy the node caches to peers in the background; ``wait``/``close`` wait for it and
+        raise its failure (counted, never failing the committed save)."""
+
+        def report(name: str, error: BaseException | None) -> None:
+            if error is None:
+                self.ledger.count("peer_copies")
+                return
+            log.warning("peer copies of %s failed: %s", name, error)
+            self.ledger.count("peer_copy_failures")
+            self.ledger.keep(error)
+
+        future = peers.copy(handle.name, report)
+        self.tiers.track_replication(handle.name, future)
+        future.add_done_callback(lambda done: self.tiers.replication_done(handle.name, done))
 
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
         if handle.replicated.done():

@@ -104,7 +104,9 @@ class ManagerStats:
     ``waits_expired`` counts ``when_busy="wait"`` requests skipped at ``wait_timeout_s``;
     ``groups_broken`` the failures that broke one of the manager's gloo groups (replaced at the
     next request); ``bookkeeping_failures`` the history appends and telemetry calls that failed
-    (logged; the saves they were about are unaffected).
+    (logged; the saves they were about are unaffected); ``peer_copies`` and
+    ``peer_copy_failures`` the committed saves whose peer copies (``peer_copies=``) completed or
+    failed (the failure is also raised by ``wait``/``close``; the save stays committed).
     """
 
     requested: int
@@ -121,6 +123,8 @@ class ManagerStats:
     waits_expired: int = 0
     groups_broken: int = 0
     bookkeeping_failures: int = 0
+    peer_copies: int = 0
+    peer_copy_failures: int = 0
 
 
 @dataclass

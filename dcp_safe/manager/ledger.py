@@ -38,6 +38,8 @@ COUNTERS = (
     "sync_saves",
     "groups_broken",
     "bookkeeping_failures",
+    "peer_copies",
+    "peer_copy_failures",
 )
 
 

@@ -118,6 +118,8 @@ class CheckpointManager:
             (the default: a thread of this process) or ``"process"`` (one persistent worker
             process per rank, the staged state shared with it; not with a ``stager`` of your
             own). See docs/staging.md, "The process executor".
+        peer_copies: with ``node_local``, the nodes holding each node's files: K > 1 copies each
+            node cache to K - 1 other nodes, and a restore reads from them (docs/resume.md).
 
     Raises:
         ConfigError: a bad option.
@@ -156,6 +158,7 @@ class CheckpointManager:
         initial_load_keys: Sequence[str] | None = None,
         keep_in_memory: bool = False,
         executor: str = "thread",
+        peer_copies: int = 1,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
@@ -187,11 +190,14 @@ class CheckpointManager:
                 replicate_to=replicate_to,
                 node_local=self.node_local,
                 storage_options=storage_options,
+                peer_copies=peer_copies,
             )
             writer = writer_for(topology, attempt=attempt, remote_timeout_s=wait_timeout_s)
         self.writer = writer
-        if self.node_local is not None and writer.topology.node_cache is None:
-            raise ConfigError("node_local= needs a NodeLocalWriter (or no writer= at all)")
+        if (self.node_local is not None and writer.topology.node_cache is None) or (
+            peer_copies != writer.topology.peer_copies
+        ):
+            raise ConfigError("node_local=/peer_copies= need a NodeLocalWriter built with them")
         self.topology = writer.topology
         self.root = self.topology.commit.url  # where committed checkpoints live
         self.replicate_to = writer.replicate_to
@@ -228,6 +234,7 @@ class CheckpointManager:
             coordinator=self._agreement.coordinator,
             # A restore's transient reads fit the envelope the staged copies of a save do.
             load_budget_bytes=max(1, self.stager.budget.envelope_bytes),
+            deadline_s=self.deadline_s,
         )
         self._slot = SaveSlot(self._cond)
         self._closed = False
@@ -520,11 +527,7 @@ class CheckpointManager:
             self.close()
 
     def _name_for(self, step: int) -> str:
-        try:
-            name = self.name_format.format(step=step)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(f"bad name_format {self.name_format!r}: {exc}") from None
-        return layout.validate_name(name)
+        return layout.format_name(self.name_format, step)
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first (written by the coordinator only)."""

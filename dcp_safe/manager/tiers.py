@@ -21,11 +21,14 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.dcp.group import DEFAULT_DEADLINE_S
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
+from dcp_safe.dcp.peer_reader import PeerCacheReader
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
@@ -44,6 +47,8 @@ class Tiers:
         coordinator: this rank writes the shared state; the others neither prune nor sweep,
             and check a new checkpoint's marker and manifest only (even with ``deep``).
         load_budget_bytes: every reader's ``load_budget_bytes`` (``None``: unbounded).
+        deadline_s: the peer tier's deadline (with ``peer_copies``; its groups are built here,
+            on every rank at the same point).
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class Tiers:
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
         load_budget_bytes: int | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         self.coordinator = coordinator
         self.load_budget_bytes = load_budget_bytes
@@ -83,6 +89,14 @@ class Tiers:
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
+        node_options = getattr(writer, "node_options", None)
+        self.peers = PeerTier.for_topology(
+            topology,
+            local=writer.backend,
+            remote=self.backend,
+            keep=None if node_options is None else node_options.keep_node_caches,
+            deadline_s=deadline_s,
+        )
 
     def await_commit(
         self,
@@ -241,7 +255,17 @@ class Tiers:
 
     def reader(self) -> SafeStorageReader:
         """A reader of the local root with the replica as its fallback (or, node-local: of the
-        remote root, reading from this node's cache what it can)."""
+        remote root, reading from this node's cache what it can, then from peers' copies)."""
+        if self.peers is not None:
+            assert self.node_cache is not None
+            return PeerCacheReader(
+                self.root,
+                node_cache=self.node_cache,
+                process_group=self.peers.restore_group,
+                storage_options=self.storage_options,
+                signing_key=self.signing_key,
+                load_budget_bytes=self.load_budget_bytes,
+            )
         if self.node_cache is not None:
             return NodeCacheReader(
                 self.root,

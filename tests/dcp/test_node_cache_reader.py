@@ -130,12 +130,15 @@ def test_a_same_topology_restart_reads_its_node_caches_and_falls_back_to_s3_per_
     _check_exact(restored)
     for rank, seen in enumerate(restored):
         node = roots[rank // RANKS_PER_NODE]
-        assert seen["stats"] == NodeCacheStats(
+        stats = seen["stats"]
+        assert stats == NodeCacheStats(
             cache_path=str(Path(node) / NAME),
             files_from_cache=1,
             files_from_remote=0,
             rejections=(),
+            bytes_from_cache=stats.bytes_from_cache,  # counted, and nothing from elsewhere:
         )
+        assert stats.bytes_from_cache > 0
 
     # Another topology (one process, resharded from four ranks) on node A: what A holds is read
     # locally, node B's files come from S3, each reported as missing from this cache.

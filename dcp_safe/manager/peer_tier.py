@@ -1,0 +1,170 @@
+"""The manager's peer tier: each committed checkpoint's node caches copied to other nodes.
+
+Built on every rank at the same point (it creates two gloo groups and gathers every rank's
+node, both collectives). Each committed save is copied in the background, one at a time and in
+commit order on every rank (the coordinator's verdicts make that order the same everywhere), on
+a thread of its own: training never waits for it, and the next save's commit does not either.
+A failure is reported (``report``) before the copy's future resolves, so a ``wait`` that saw
+the future done also sees the error; it never touches the committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.dcp.group import checkpoint_group, discard_group, is_group_failure
+from dcp_safe.dcp.peer_reader import PEER_RESTORE
+from dcp_safe.errors import ConfigError, PeerCopyError
+from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
+from dcp_safe.topology import Topology, this_node
+
+__all__ = ["PEER_COPIES", "PeerTier"]
+
+log = logging.getLogger("dcp_safe.manager")
+
+PEER_COPIES = "peer-copies"
+
+Report = Callable[[str, BaseException | None], None]
+
+
+class PeerTier:
+    """Background peer copies of committed checkpoints, on every rank.
+
+    Args:
+        peers: the ranks, their nodes and the copies' group.
+        copies: ``Topology.peer_copies``.
+        local: this node's root; ``remote``: the commit root.
+        keep: peer copies of this many checkpoints kept per node (``None``: all).
+        restore_group: the group a restore's peer fetches use (a separate stream of messages).
+    """
+
+    def __init__(
+        self,
+        peers: PeerGroup,
+        *,
+        copies: int,
+        local: Backend,
+        remote: Backend,
+        keep: int | None,
+        restore_group: Any,
+    ) -> None:
+        self.peers, self.copies, self.keep = peers, copies, keep
+        self.local, self.remote = local, remote
+        self.restore_group = restore_group
+        self._jobs: deque[tuple[str, Future[list[str]], Report]] = deque()
+        self._thread: threading.Thread | None = None  # exists only while there is work
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
+
+    @classmethod
+    def for_topology(
+        cls,
+        topology: Topology,
+        *,
+        local: Backend,
+        remote: Backend,
+        keep: int | None,
+        deadline_s: float,
+    ) -> PeerTier | None:
+        """The peer tier of ``topology`` (``None`` without one).
+
+        Raises:
+            ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
+        """
+        copies = topology.peer_copies
+        if copies == 1:
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"peer_copies={copies} needs a multi-node job: initialize the process group"
+                " (torchrun) before building the manager"
+            )
+        group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
+        restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
+        rank = dist.get_rank(group)
+        nodes: list[int] = [0] * dist.get_world_size(group)
+        dist.all_gather_object(nodes, this_node(rank), group=group)
+        peers = PeerGroup(group, rank, tuple(nodes))
+        if copies > peers.node_count:
+            raise ConfigError(
+                f"peer_copies={copies} needs at least {copies} nodes, this job has"
+                f" {peers.node_count} (a rank's node is GROUP_RANK, else rank //"
+                " LOCAL_WORLD_SIZE): lower peer_copies"
+            )
+        return cls(
+            peers,
+            copies=copies,
+            local=local,
+            remote=remote,
+            keep=keep,
+            restore_group=restore_group,
+        )
+
+    def copy(self, name: str, report: Report) -> Future[list[str]]:
+        """Copy ``name``'s node caches to peers in the background (after those queued before).
+
+        ``report(name, error)`` runs first when it is done (``error``: a
+        :class:`~dcp_safe.errors.PeerCopyError`, or ``None``); the future then resolves with
+        the peer copies committed on this rank, or that error.
+        """
+        future: Future[list[str]] = Future()
+        with self._lock:
+            self._jobs.append((name, future, report))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="dcp_safe-peer-copies", daemon=True
+                )
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                name, future, report = self._jobs.popleft()
+            landed: list[str] = []
+            error: BaseException | None = None
+            try:
+                landed = self._copy(name)
+            except BaseException as exc:  # reported and handed to the future, never lost
+                error = exc
+            try:
+                report(name, error)
+            except Exception:  # the report is bookkeeping: log it, resolve the future anyway
+                log.exception("dcp_safe: reporting the peer copy of %s failed", name)
+            if error is None:
+                future.set_result(landed)
+            else:
+                future.set_exception(error)
+
+    def _copy(self, name: str) -> list[str]:
+        if self._broken is not None:
+            raise PeerCopyError(
+                name, {self.peers.rank: f"the peer group failed earlier ({self._broken})"}
+            )
+        try:
+            return copy_to_peers(
+                name,
+                peers=self.peers,
+                copies=self.copies,
+                local=self.local,
+                remote=self.remote,
+                keep=self.keep,
+            )
+        except PeerCopyError:
+            raise
+        except Exception as exc:
+            if is_group_failure(exc):  # a gloo group with a dead member cannot be used again
+                self._broken = exc
+                discard_group(self.peers.group, destroy=False)
+            raise PeerCopyError(name, {self.peers.rank: f"{type(exc).__name__}: {exc}"}) from exc

@@ -1,0 +1,253 @@
+"""One committed checkpoint's node caches copied to other nodes: the peer tier's write side.
+
+Runs on every rank, in the same order of checkpoints everywhere, after the remote commit and
+each node's cache are published (docs/architecture.md, "The peer tier")::
+
+    node leaders    offer the files their node cache holds with their recorded sizes
+    every rank      all_gather_object of the offers; the same copy_plan everywhere
+    node leaders    send their node's files to each buddy node's leader (a thread), receive
+                    their buddies' files (this thread), each checked as it lands, into a
+                    hidden partial folder; commit each complete copy (marker last, rename)
+    every rank      all_gather_object of the outcomes: every rank raises the same
+                    PeerCopyError when any copy failed
+
+A failed copy leaves no peer copy (its partial folder is removed); a transport failure (a peer
+died, the deadline passed) raises the transport's error, and the group cannot be used again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.committed import read_marked_manifest
+from dcp_safe.checkpoints.node_cache import open_node_cache
+from dcp_safe.checkpoints.peer_copies import commit_peer_copy, prune_peer_copies
+from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError
+from dcp_safe.manifest.schema import FileRecord, Manifest
+from dcp_safe.manifest.verify import items_by_file
+from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
+from dcp_safe.replication.peer_transport import (
+    DEFAULT_PEER_CHUNK_BYTES,
+    receive_file,
+    send_file,
+)
+
+__all__ = ["PeerGroup", "copy_to_peers"]
+
+
+@dataclass(frozen=True)
+class PeerGroup:
+    """The ranks of a job and their nodes, on one dcp_safe-owned gloo group.
+
+    Attributes:
+        group: the gloo group the peer messages travel on (its timeout is their deadline).
+        rank: this rank in ``group``.
+        nodes: the node of every rank, by rank.
+    """
+
+    group: Any
+    rank: int
+    nodes: tuple[int, ...]
+
+    @property
+    def node(self) -> int:
+        return self.nodes[self.rank]
+
+    @property
+    def node_count(self) -> int:
+        return len(set(self.nodes))
+
+    def leads_node(self) -> bool:
+        return node_leaders(self.nodes)[self.node] == self.rank
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank (a collective on ``group``)."""
+        out: list[Any] = [None] * len(self.nodes)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+def copy_to_peers(
+    name: str,
+    *,
+    peers: PeerGroup,
+    copies: int,
+    local: Backend,
+    remote: Backend,
+    keep: int | None = None,
+    chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
+) -> list[str]:
+    """Copy each node's cache of ``name`` into the node caches of ``copies - 1`` other nodes.
+
+    Call on every rank with the same arguments but ``local`` (this node's root). ``keep``: peer
+    copies of this many checkpoints are kept on this node afterwards (``None``: all).
+
+    Returns:
+        The peer copies committed on this rank (folders relative to ``local``).
+
+    Raises:
+        PeerCopyError: on every rank, when any copy failed (with each failing rank's reason).
+        RuntimeError: the transport's error (a peer died or the deadline passed).
+    """
+    offer: list[tuple[str, int]] | None = None
+    failed: str | None = None
+    if peers.leads_node():
+        try:
+            offer = _offer(local, name)
+        except (DcpSafeError, OSError) as exc:
+            failed = f"node {peers.node} offered nothing: {type(exc).__name__}: {exc}"
+    offers = peers.gather((offer, failed))
+    transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
+    landed, failed_here = _exchange(name, transfers, peers, local, remote, chunk_bytes)
+    if peers.leads_node() and keep is not None:
+        try:
+            prune_peer_copies(local, keep)
+        except OSError as exc:  # reported with the outcomes: every rank must reach the gather
+            why = f"pruning peer copies: {type(exc).__name__}: {exc}"
+            failed_here = why if failed_here is None else f"{failed_here}; {why}"
+    outcomes = peers.gather(failed_here)
+    failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
+    failures |= {rank: why for rank, why in enumerate(outcomes) if why}
+    if failures:
+        raise PeerCopyError(name, failures)
+    return landed
+
+
+def _offer(local: Backend, name: str) -> list[tuple[str, int]]:
+    """The files this node's cache of ``name`` holds with their recorded sizes."""
+    cache = open_node_cache(local, name)
+    sizes = dict(local.sizes(name))
+    sizes |= {
+        f"{layout.RANKS_DIR}/{k}": v for k, v in local.sizes(f"{name}/{layout.RANKS_DIR}").items()
+    }
+    return [(f.path, f.size) for f in cache.manifest.files if sizes.get(f.path) == f.size]
+
+
+def _exchange(
+    name: str,
+    transfers: list[CopyTransfer],
+    peers: PeerGroup,
+    local: Backend,
+    remote: Backend,
+    chunk_bytes: int,
+) -> tuple[list[str], str | None]:
+    """Send and receive this rank's transfers; the copies committed here, and why not all."""
+    sends = [t for t in transfers if t.src == peers.rank]
+    receives = [t for t in transfers if t.dst == peers.rank]
+    send_errors: list[str] = []
+    crashed: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            for transfer in sends:
+                for path, size in transfer.files:
+                    error = send_file(
+                        peers.group,
+                        transfer.dst,
+                        local,
+                        f"{name}/{path}",
+                        size,
+                        tag=transfer.tag,
+                        chunk_bytes=chunk_bytes,
+                    )
+                    if error is not None:
+                        send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
+        except BaseException as exc:  # the transport's error: raised on the caller's thread
+            crashed.append(exc)
+
+    sender = threading.Thread(target=send_all, name=f"dcp_safe-peer-send-{name}", daemon=True)
+    sender.start()
+    landed: list[str] = []
+    errors: list[str] = []
+    try:
+        if receives:
+            raw = _committed_manifest(local, remote, name)
+            for transfer in receives:
+                folder, error = _receive_copy(name, transfer, peers, local, raw, chunk_bytes)
+                if error is None:
+                    landed.append(folder)
+                else:
+                    errors.append(error)
+    finally:
+        sender.join()
+    if crashed:
+        raise crashed[0]
+    errors += send_errors
+    return landed, "; ".join(errors) if errors else None
+
+
+def _receive_copy(
+    name: str,
+    transfer: CopyTransfer,
+    peers: PeerGroup,
+    local: Backend,
+    raw: bytes | str,
+    chunk_bytes: int,
+) -> tuple[str, str | None]:
+    """Receive one node's files and commit them as its peer copy: the copy's folder, and why
+    not. Every file is received, whatever fails (``raw``: why there is no manifest), so that
+    both ends stay in step."""
+    partial = layout.peer_partial_dir(name, transfer.node, layout.new_save_id())
+    failure: str | None = raw if isinstance(raw, str) else None
+    manifest, by_file = None, {}
+    try:
+        if isinstance(raw, bytes):
+            manifest = Manifest.from_json(raw, local.full_path(name))
+            by_file = items_by_file(local.full_path(name), manifest)
+        local.makedirs(f"{partial}/{layout.RANKS_DIR}")
+    except (CheckpointCorruptError, OSError) as exc:  # every file is still received, dropped
+        failure = failure or f"{type(exc).__name__}: {exc}"
+    for path, size in transfer.files:
+        record = None if manifest is None else manifest.file(path)
+        if record is None or record.size != size:  # another save's offer: land it nowhere
+            record, failure = (
+                FileRecord(path=path, size=size),
+                failure or f"{path} is not in the manifest",
+            )
+        try:
+            receive_file(
+                peers.group,
+                transfer.src,
+                local,
+                f"{partial}/{path}",
+                record,
+                by_file.get(path, []),
+                tag=transfer.tag,
+                chunk_bytes=chunk_bytes,
+            )
+        except (CheckpointCorruptError, OSError) as exc:
+            failure = failure or f"{path} from rank {transfer.src}: {exc}"
+    try:
+        if failure is None and isinstance(raw, bytes):
+            return commit_peer_copy(local, partial, name, transfer.node, raw), None
+    except (DcpSafeError, OSError) as exc:
+        failure = f"committing node {transfer.node}'s copy: {exc}"
+    with contextlib.suppress(OSError):
+        local.remove_tree(partial)
+    return partial, f"node {transfer.node}'s copy of {name}: {failure}"
+
+
+def _committed_manifest(local: Backend, remote: Backend, name: str) -> bytes | str:
+    """The committed manifest's bytes: from this node's cache of ``name`` (published from the
+    remote's), else from the remote; or why neither could be read."""
+    try:
+        raw, _ = read_marked_manifest(
+            local, name, layout.NODE_COMMITTED_MARKER, "node cache", local.full_path(name)
+        )
+        return raw
+    except (OSError, CheckpointCorruptError):
+        pass
+    try:
+        raw, _ = read_marked_manifest(
+            remote, name, layout.COMMITTED_MARKER, "checkpoint", remote.full_path(name)
+        )
+    except (OSError, CheckpointCorruptError) as exc:
+        return f"no committed manifest of {name}: {type(exc).__name__}: {exc}"
+    return raw

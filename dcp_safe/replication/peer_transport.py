@@ -1,0 +1,184 @@
+"""Files between ranks over a gloo group: the peer tier's transport (copies and restores).
+
+A file travels as point-to-point messages on a dcp_safe-owned gloo group (its timeout is the
+deadline of every message): its recorded size in chunks of at most ``chunk_bytes`` (both ends
+know the size from the manifest, so no header), then a one-element status, 1 when the sender
+read the whole file and 0 when it could not (the chunks it could not read were zeros, sent so
+that both ends stay in step). The receiver checks the bytes against the manifest as they land
+(:class:`~dcp_safe.manifest.verify.FileCheck`: every item's checksum) and writes them through
+``open_write``, so a file that fails any check is never visible.
+
+Why the ranks' own network and not a shared disk: a node's local disk is what a node loss takes
+away; the copy must be on another node's disk, and only the ranks reach another node. Why gloo
+point to point and not a TCP server of our own: the group already has the addresses, the
+rendezvous and a deadline, and a sender and its receiver are the only ranks involved.
+
+Holds two chunk buffers per transfer in flight (one each end): :func:`peer_buffer_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.schema import FileRecord, ItemRecord
+from dcp_safe.manifest.verify import FileCheck
+
+__all__ = [
+    "DEFAULT_PEER_CHUNK_BYTES",
+    "SenderFailedError",
+    "peer_buffer_bytes",
+    "receive_file",
+    "send_file",
+]
+
+DEFAULT_PEER_CHUNK_BYTES = 8 << 20
+_SENT_WHOLE, _SEND_FAILED = 1, 0
+
+
+class SenderFailedError(OSError):
+    """The sending rank could not read the file (the receiver got filler)."""
+
+
+def peer_buffer_bytes(chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES) -> int:
+    """Host bytes one rank's peer transfers hold at once: a send and a receive chunk."""
+    return 2 * chunk_bytes
+
+
+def send_file(
+    group: Any,
+    dst: int,
+    backend: Backend,
+    rel: str,
+    size: int,
+    *,
+    tag: int,
+    chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
+) -> str | None:
+    """Send ``rel`` (``size`` bytes, as the manifest records) to group rank ``dst``.
+
+    Returns ``None`` when the whole file was sent, else why it could not be read (the peer then
+    got zeros for the rest and a failed status, and rejects it).
+
+    Raises:
+        RuntimeError: the transport's error (a peer died or the deadline passed).
+    """
+    buffer = torch.zeros(max(1, min(chunk_bytes, size)), dtype=torch.uint8)
+    view = buffer.numpy()
+    error: str | None = None
+    sent = 0
+    with _Reading(backend, rel) as (stream, opened):
+        if opened is not None:
+            error = opened
+        while sent < size:
+            n = min(chunk_bytes, size - sent)
+            if error is None:
+                error = _read_into(stream, view[:n], rel)
+            if error is not None:
+                view[:n] = 0
+            dist.send(buffer[:n], group=group, group_dst=dst, tag=tag)
+            sent += n
+    status = _SENT_WHOLE if error is None else _SEND_FAILED
+    dist.send(torch.tensor([status], dtype=torch.int64), group=group, group_dst=dst, tag=tag)
+    return error
+
+
+def receive_file(
+    group: Any,
+    src: int,
+    backend: Backend,
+    rel: str,
+    record: FileRecord,
+    items: list[ItemRecord],
+    *,
+    tag: int,
+    chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
+) -> None:
+    """Receive ``record``'s file from group rank ``src`` into ``rel``, checked as it lands.
+
+    Every chunk is received whatever fails locally, so the two ends stay in step.
+
+    Raises:
+        CheckpointCorruptError: a checksum or the size differs; nothing is left under ``rel``.
+        SenderFailedError: the sender could not read its copy; nothing is left under ``rel``.
+        OSError: writing here failed; nothing is left under ``rel``.
+        RuntimeError: the transport's error (a peer died or the deadline passed).
+    """
+    path = backend.full_path(rel)
+    buffer = torch.empty(max(1, min(chunk_bytes, record.size)), dtype=torch.uint8)
+    failure: Exception | None = None
+    try:
+        with contextlib.ExitStack() as stack:
+            check: Any = None
+            out: Any = None
+            try:  # whatever fails here, every chunk is still received: the sender sends them
+                check = FileCheck(path, record, items)
+                out = stack.enter_context(backend.open_write(rel))
+            except (CheckpointCorruptError, OSError) as exc:
+                failure = exc
+            received = 0
+            while received < record.size:
+                n = min(chunk_bytes, record.size - received)
+                dist.recv(buffer[:n], group=group, group_src=src, tag=tag)
+                if failure is None:
+                    data = buffer[:n].numpy().tobytes()
+                    try:
+                        check.update(data)
+                        out.write(data)
+                    except (CheckpointCorruptError, OSError) as exc:
+                        failure = exc
+                received += n
+            status = torch.zeros(1, dtype=torch.int64)
+            dist.recv(status, group=group, group_src=src, tag=tag)
+            if int(status.item()) != _SENT_WHOLE:
+                failure = SenderFailedError(f"rank {src} could not read its copy of {record.path}")
+            if failure is None:
+                check.finish()
+            else:
+                raise _Discard  # open_write leaves nothing behind (and would wrap an OSError)
+    except _Discard:
+        assert failure is not None
+        raise failure from None
+
+
+class _Discard(Exception):
+    """Leaves ``open_write`` without a trace; the failure itself is raised after."""
+
+
+class _Reading:
+    """``open_read`` that reports a failure to open instead of raising it."""
+
+    def __init__(self, backend: Backend, rel: str) -> None:
+        self._backend, self._rel = backend, rel
+        self._context: Any = None
+
+    def __enter__(self) -> tuple[Any, str | None]:
+        try:
+            self._context = self._backend.open_read(self._rel)
+            return self._context.__enter__(), None
+        except (OSError, CheckpointCorruptError) as exc:
+            self._context = None
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def __exit__(self, *exc: object) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+
+def _read_into(stream: Any, view: Any, rel: str) -> str | None:
+    """Fill ``view`` from ``stream``; why not, if it could not."""
+    try:
+        filled = 0
+        while filled < len(view):
+            got = stream.readinto(memoryview(view[filled:]))
+            if not got:
+                return f"{rel} is shorter than the manifest says"
+            filled += got
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
