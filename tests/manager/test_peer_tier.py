@@ -240,3 +240,58 @@ def test_peer_copies_need_node_local_and_several_nodes(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=2)
     with pytest.raises(ConfigError, match="peer_copies must be an int >= 1"):
         CheckpointManager(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=0)
+
+
+def _own_state(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """One entry of this rank's own: every rank's file holds data (no DTensor crosses to a
+    worker process)."""
+    return {f"rank{rank}": torch.full((256,), float(100 * rank + step))}
+
+
+def _save_in_workers(
+    rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
+) -> Any:
+    os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)
+    with CheckpointManager(
+        root,
+        node_local=nodes[rank // RANKS_PER_NODE],
+        peer_copies=2,
+        storage_options=options,
+        executor="process",
+    ) as manager:
+        for step in (1, 2):
+            handle = manager.save(step, _own_state(rank, step))
+            assert handle is not None
+            handle.committed.result(timeout=120)
+        manager.wait(timeout_s=120)
+        return manager.stats()
+
+
+def _restore_own(
+    rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    target = {f"rank{rank}": torch.zeros(256)}
+    with _manager(rank, nodes, root, options) as manager:
+        name = manager.restore(target)
+        stats = manager.last_reader.stats()  # type: ignore[union-attr]
+    return {
+        "name": name,
+        "exact": torch.equal(target[f"rank{rank}"], _own_state(rank, 2)[f"rank{rank}"]),
+        "stats": stats,
+    }
+
+
+def test_saves_made_by_worker_processes_are_copied_to_peers_too(
+    tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
+) -> None:
+    """``executor="process"``: the workers commit and publish the node caches, the parents copy
+    them to peers; a replaced node then restores from its peer copies alone."""
+    nodes = [str(tmp_path / "node_a"), str(tmp_path / "node_b")]
+    stats = run_ranks(_save_in_workers, 4, args=(nodes, s3_root, s3_options), timeout_s=400)
+    assert [(s.committed, s.peer_copies, s.peer_copy_failures) for s in stats] == [(2, 2, 0)] * 4
+    _replace_node(nodes[1])
+    restored = run_ranks(_restore_own, 4, args=(nodes, s3_root, s3_options), timeout_s=400)
+    for rank, seen in enumerate(restored):
+        assert (seen["name"], seen["exact"]) == ("step_000000002", True)
+        assert (seen["stats"].files_from_remote, seen["stats"].bytes_from_remote) == (0, 0)
+        assert seen["stats"].files_from_peer == (1 if rank >= RANKS_PER_NODE else 0)
