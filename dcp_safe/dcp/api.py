@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
+from dcp_safe.dcp.gc_pause import gc_paused
 from dcp_safe.dcp.group import (
     DEFAULT_DEADLINE_S,
     checkpoint_group,
@@ -172,7 +173,7 @@ def save(
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
     _share_plans(kwargs, call)
-    with _translated_call(call), _quiet_single_process(kwargs):
+    with _translated_call(call), _quiet_single_process(kwargs), gc_paused():
         metadata: Metadata = _dcp_save(state_dict, **kwargs)
         return metadata
 
