@@ -253,15 +253,16 @@ def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
             for box in boxes(value)
         ]
     for (shape, _), group in plain.items():
+        origin = (0,) * len(shape)
         for key, sums in _batched(shape, group):
-            found[key] = [(rank, (0,) * len(shape), shape, shape, sums)]
+            found[key] = [(rank, origin, shape, shape, sums)]
     return found
 
 
 def _batchable(value: torch.Tensor) -> bool:
     return (
-        not isinstance(value, DTensor)
-        and value.device.type == "cpu"
+        value.is_cpu
+        and not isinstance(value, DTensor)  # a DTensor on CPU: its pieces, not batched
         and 0 < value.numel() <= _BATCH_ELEMENTS
     )
 
