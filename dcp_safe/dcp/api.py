@@ -211,7 +211,12 @@ def load(
     if audit and not isinstance(planner, SafeLoadPlanner):
         raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
     call = _prepare(kwargs, deadline_s)
-    with _translated_call(call), _quiet_single_process(kwargs), _sending(planner, kwargs, call):
+    with (
+        _translated_call(call),
+        _quiet_single_process(kwargs),
+        _sending(planner, kwargs, call),
+        gc_paused(),
+    ):
         if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
             load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
         else:

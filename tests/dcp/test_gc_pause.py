@@ -1,4 +1,4 @@
-"""A synchronous save pauses the cyclic collector and leaves it as it found it."""
+"""A synchronous save or load pauses the cyclic collector and leaves it as it found it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter
 from dcp_safe.dcp.gc_pause import gc_paused
 from dcp_safe.errors import DcpSafeError
 
@@ -82,3 +82,22 @@ def test_a_failed_save_restores_the_collector(tmp_path: Path) -> None:
     with pytest.raises(DcpSafeError):
         dcp_safe.save({"w": torch.ones(4)}, storage_writer=Failing(tmp_path), checkpoint_id="a")
     assert gc.isenabled()
+
+
+def test_a_load_runs_with_the_collector_paused_and_restores_it(tmp_path: Path) -> None:
+    seen: list[bool] = []
+
+    class Probe(SafeStorageReader):
+        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().read_data(plan, planner)
+
+    dcp_safe.save(
+        {"w": torch.ones(4)}, storage_writer=SafeStorageWriter(tmp_path), checkpoint_id="a"
+    )
+    gc.enable()
+    back = {"w": torch.zeros(4)}
+    dcp_safe.load(back, storage_reader=Probe(tmp_path), checkpoint_id="a")
+    assert seen == [False]
+    assert gc.isenabled()
+    assert torch.equal(back["w"], torch.ones(4))
