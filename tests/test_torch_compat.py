@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, state_dict_saver
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter
@@ -60,3 +62,69 @@ def test_a_handler_that_takes_debug_records_still_gets_every_one(tmp_path: Path)
     finally:
         DCP_LOGGER.removeHandler(handler)
     assert handler.records >= 100  # two a key, and the save's own
+
+
+class _Counter:
+    """A top-level ``Stateful`` value: DCP saves what its ``state_dict()`` returns."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        return {"count": torch.tensor([7])}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As outside pytest: nothing takes DCP's DEBUG records (pytest's capture would)."""
+    for log in (DCP_LOGGER, logging.getLogger()):
+        monkeypatch.setattr(
+            log, "handlers", [h for h in log.handlers if type(h) is logging.NullHandler]
+        )
+
+
+def test_dcp_save_hands_dcp_the_stateful_values_resolved_without_its_per_key_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _quiet(monkeypatch)
+    walked: list[int] = []
+    real_walk = state_dict_saver._stateful_to_state_dict
+    monkeypatch.setattr(
+        state_dict_saver, "_stateful_to_state_dict", lambda s: walked.append(1) or real_walk(s)
+    )
+    counter = _Counter()
+    param = torch.nn.Parameter(torch.arange(3.0))
+    state = {"w": torch.ones(2), "p": param, "counter": counter, "step": 3}
+    ours = dcp_safe.save(
+        state, storage_writer=SafeStorageWriter(tmp_path), checkpoint_id="c", no_dist=True
+    )
+    assert walked == []  # the fast path was taken
+    assert counter.calls == 1
+    theirs = dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "torch"), no_dist=True)
+    assert walked == [1]
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    back = {
+        "w": torch.zeros(2),
+        "p": torch.zeros(3),
+        "counter": {"count": torch.zeros(1, dtype=torch.int64)},
+        "step": 0,
+    }
+    dcp.load(back, storage_reader=FileSystemReader(tmp_path / "c"), no_dist=True)
+    assert torch.equal(back["p"], param.detach()) and back["counter"]["count"].item() == 7
+    assert back["step"] == 3
+
+
+def test_a_tensor_carrying_the_protocols_methods_is_still_stateful(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _quiet(monkeypatch)
+    odd = torch.ones(2)
+    odd.state_dict = lambda: {"inner": torch.full((2,), 5.0)}  # type: ignore[attr-defined]
+    odd.load_state_dict = lambda state: None  # type: ignore[attr-defined]
+    metadata = dcp_safe.save(
+        {"odd": odd}, storage_writer=SafeStorageWriter(tmp_path), checkpoint_id="c", no_dist=True
+    )
+    assert set(metadata.state_dict_metadata) == {"odd.inner"}

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
-from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
+from dcp_safe.dcp.gc_pause import gc_paused
 from dcp_safe.dcp.group import (
     DEFAULT_DEADLINE_S,
     checkpoint_group,
@@ -41,6 +41,7 @@ from dcp_safe.dcp.restore_audit import audit_load
 from dcp_safe.dcp.shared_load import load_and_share
 from dcp_safe.errors import ConfigError, from_checkpoint_exception
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
+from dcp_safe.torch_compat import dcp_save as _dcp_save
 
 __all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
 
@@ -172,7 +173,7 @@ def save(
     _plan_saves(kwargs, per_rank)
     call = _prepare(kwargs, deadline_s)
     _share_plans(kwargs, call)
-    with _translated_call(call), _quiet_single_process(kwargs):
+    with _translated_call(call), _quiet_single_process(kwargs), gc_paused():
         metadata: Metadata = _dcp_save(state_dict, **kwargs)
         return metadata
 
@@ -210,7 +211,12 @@ def load(
     if audit and not isinstance(planner, SafeLoadPlanner):
         raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
     call = _prepare(kwargs, deadline_s)
-    with _translated_call(call), _quiet_single_process(kwargs), _sending(planner, kwargs, call):
+    with (
+        _translated_call(call),
+        _quiet_single_process(kwargs),
+        _sending(planner, kwargs, call),
+        gc_paused(),
+    ):
         if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
             load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
         else:

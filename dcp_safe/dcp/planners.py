@@ -52,6 +52,7 @@ from dcp_safe.dcp.read_once import (
     items_digest,
     share_reads,
 )
+from dcp_safe.dcp.shared_entries import with_shared_entries
 from dcp_safe.errors import (
     CommitError,
     ConfigError,
@@ -214,7 +215,7 @@ class SafeSavePlanner(DefaultSavePlanner):
             self._remembered, self._global = self._cache.take(self._cache_key())
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
-        if self.check_divergence:
+        if self.check_divergence and _world_size() > 1:  # one rank has nothing to differ from
             fingerprints = fingerprints_of(
                 {
                     item.index.fqn: self.state_dict[item.index.fqn]
@@ -255,6 +256,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         else:
             layouts = self._layouts(all_plans)
             plans, metadata = super().create_global_plan(layouts)
+            metadata = with_shared_entries(metadata)
             if self.cache_plans:
                 plans, metadata = self._remember_global(layouts, plans, metadata)
         if self.record_audit:

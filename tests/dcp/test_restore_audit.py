@@ -246,3 +246,27 @@ def test_a_dropped_column_shard_is_seen_whatever_the_row_length() -> None:
     left = partials(Box((0, 0), shape, tensor[:, :2048]))
     right_zeroed = partials(Box((0, 2048), shape, torch.zeros(64, 2048)))
     assert _summed(left, right_zeroed) != whole
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(8192),
+        lambda: torch.randn(33, 7).to(torch.bfloat16),
+        lambda: torch.randint(-(1 << 62), 1 << 62, (1000,), dtype=torch.int64),
+        lambda: torch.randint(0, 255, (5, 3), dtype=torch.uint8),
+        lambda: torch.randint(-9, 9, (300,), dtype=torch.int16),
+        lambda: torch.rand(40, 33) > 0.5,
+        lambda: torch.randn(30, 17, dtype=torch.complex128),
+        lambda: torch.randn(3000, 5, dtype=torch.float64),
+    ],
+    ids=["float32", "bfloat16", "int64", "uint8", "int16", "bool", "complex128", "float64"],
+)
+def test_a_report_of_many_tensors_gives_each_the_sums_of_its_own_partials(make: Any) -> None:
+    state = {f"t{i}": make() for i in range(5)}
+    reported = report(state, 3)
+    for key, tensor in state.items():
+        shape = tuple(tensor.shape)
+        assert reported[key] == [
+            (3, (0,) * len(shape), shape, shape, partials(Box((0,) * len(shape), shape, tensor)))
+        ]
