@@ -278,8 +278,9 @@ class CheckpointManager:
         )
         if in_process and self.stager.shared is not None:
             groups = WorkerGroups.for_job(self._agreement)  # several ranks: theirs to form
+            adopt = None if telemetry is None else self._spans.adopt  # the worker's spans
             self._runner.worker = SaveWorker(
-                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups
+                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups, adopt
             )
         self._admitter = Admitter(
             agreement=self._agreement,

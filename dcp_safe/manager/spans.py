@@ -1,6 +1,7 @@
 """Telemetry spans of the manager's saves: one root ``save`` span, admission to verified commit.
 
-The stager's and the wrapped writer's spans opened on the same thread nest under it. With no
+The stager's and the wrapped writer's spans opened on the same thread nest under it; with
+``executor="process"`` the worker's are adopted under it (:meth:`SaveSpans.adopt`). With no
 telemetry every call here is a no-op and writers are not wrapped.
 """
 
@@ -9,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from dcp_safe.manager.handles import SaveHandle
-from dcp_safe.observe import SpanHandle
+from dcp_safe.observe import Phase, SpanHandle
+from dcp_safe.telemetry.instrument import end_replication
 from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["SaveSpans"]
@@ -48,6 +51,19 @@ class SaveSpans:
             span.end()
         else:
             span.fail(error)
+
+    def adopt(self, name: str, events: list[Any], replication: Future[Any] | None) -> None:
+        """Record the spans a worker process recorded for save ``name`` under its root, and
+        a ``replication`` span from now until the worker's ``replication`` resolves (as the
+        telemetry wrapper records it with threads)."""
+        if self.telemetry is None:
+            return
+        with self._lock:
+            span = self._open.get(name)
+        self.telemetry.adopt(events, span)
+        if replication is not None:
+            replicating = self.telemetry.begin(Phase.REPLICATION, save=name)
+            replication.add_done_callback(lambda done: end_replication(replicating, done))
 
     def wrap(self, writer: Any) -> Any:
         """``writer`` behind the telemetry wrapper, or as it is without telemetry."""

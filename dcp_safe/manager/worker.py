@@ -44,6 +44,10 @@ __all__ = ["SaveWorker", "uses_worker"]
 
 _ENTRY = "dcp_safe.manager.worker_main"
 
+# A save's name, the span events its worker recorded (dcp_safe.telemetry.Event) and, for a
+# save that succeeded with ``replicate_to``, the future of its replication by the worker.
+Adopt = Callable[[str, list[Any], "Future[Any] | None"], None]
+
 
 class _Process:
     """One started worker: its process, its end of the socket, and the saves it holds."""
@@ -56,10 +60,12 @@ class _Process:
         replications: dict[str, Future[Any]],
         group: WorkerGroup | None = None,
         broke: Callable[[_Process], None] = lambda _: None,
+        adopt: Adopt | None = None,
     ) -> None:
         self.lock = lock  # the SaveWorker's: guards saves, replications and dead
         self.group = group
         self.broke = broke  # told of a death or a failed group (not of a retirement)
+        self.adopt = adopt  # given each save's spans from the worker, before its future
         self.retired = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The worker imports what the parent can (a writer subclass of a test, say).
@@ -102,13 +108,19 @@ class _Process:
         kind = message[0]
         if kind == "done":
             with self.lock:
-                future = self.saves.pop(message[1])[0]  # the staged state is let go here
+                future, name, _ = self.saves.pop(message[1])  # the staged state is let go here
+                replicated = self.replications.get(name) if name in self.replicating else None
             if message[3]:  # before the save fails: whoever sees it sees the group marked too
                 self.broke(self)
+            if self.adopt is not None:  # before the follow-up ends the root span
+                self.adopt(name, message[4], replicated if message[2] is None else None)
             if message[2] is None:
                 future.set_result(None)
-            else:
-                future.set_exception(decode_error(message[2]))
+                return
+            error = decode_error(message[2])
+            if replicated is not None and not replicated.done():
+                replicated.set_exception(error)  # nothing to replicate: done, purged later
+            future.set_exception(error)
         elif kind == "replicated":
             with self.lock:
                 replicated = self.replications.setdefault(message[1], Future())
@@ -161,6 +173,9 @@ class SaveWorker:
         per_rank: key prefixes saved once per rank.
         timeout_s: the longest :meth:`close` waits when given no timeout of its own.
         groups: with several ranks, the workers' groups (``None``: this worker saves alone).
+        adopt: called with a save's name, the plan, write and commit span events its worker
+            recorded and its replication's future (``None`` unless it succeeded and
+            replicates), before the save's future resolves; ``None``: the worker records none.
     """
 
     def __init__(
@@ -170,8 +185,10 @@ class SaveWorker:
         per_rank: tuple[str, ...] = (),
         timeout_s: float = 600.0,
         groups: WorkerGroups | None = None,
+        adopt: Adopt | None = None,
     ) -> None:
         self.writer = writer
+        self.adopt = adopt
         self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
@@ -233,12 +250,13 @@ class SaveWorker:
         try:
             state = staged.result()
             data = self._encoder.dump(state)
+            record = self.adopt is not None
             for retry in (False, True):
                 process, seq = self._register(name, done, state)
                 try:  # outside the lock: a worker dying meanwhile fails it through its reader
                     with process.send_lock:
                         self._share_slabs(process)
-                        process.conn.send(("save", seq, name, step, data))
+                        process.conn.send(("save", seq, name, step, data, record))
                     return
                 except OSError:
                     with self._lock:  # it died idle, before this save: one new worker more
@@ -284,7 +302,13 @@ class SaveWorker:
         if not alive:
             # A dead one's reader fails the saves it held, on its own thread.
             process = self._process = _Process(
-                self.writer, self.per_rank, self._lock, self._replications, group, self._broke
+                self.writer,
+                self.per_rank,
+                self._lock,
+                self._replications,
+                group,
+                self._broke,
+                self.adopt,
             )
             process.reader.start()
         assert process is not None

@@ -9,13 +9,17 @@ the parent is gone::
                                      (:class:`~dcp_safe.manager.worker_group.WorkerGroup`)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
-    ("save", seq, name, step, data)  save the staged state ``data``: plan, write, checksums,
+    ("save", seq, name, step, data, record)
+                                     save the staged state ``data``: plan, write, checksums,
                                      manifest, commit; reply ("done", seq, error or None,
-                                     whether the workers' group broke), then, with
+                                     whether the workers' group broke, the save's plan, write
+                                     and commit spans when ``record``), then, with
                                      ``replicate_to``, ("replicated", name, error or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
-Nothing here reaches the parent's telemetry: see docs/staging.md, "The process executor".
+With ``record`` (the parent's manager has telemetry) the save's writer is wrapped as the thread
+executor wraps it, and its span events go back with the reply, for the parent to adopt under
+the save's root span (:meth:`~dcp_safe.telemetry.Telemetry.adopt`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join
+from dcp_safe.telemetry.events import Event
+from dcp_safe.telemetry.memory import anchored_clock
+from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["main"]
 
@@ -72,6 +79,7 @@ class _Worker:
         self.per_rank: tuple[str, ...] = ()
         self.group: WorkerGroup | None = None
         self.not_joined: bytes | None = None  # why it could not join: every save fails so
+        self.clock = anchored_clock()  # one anchor for every save's spans
 
     def reply(self, *message: Any) -> None:
         with self.lock:
@@ -105,27 +113,33 @@ class _Worker:
             except BaseException as exc:
                 self.not_joined = encode_error(exc)
 
-    def save(self, seq: int, name: str, step: int, data: bytes) -> None:
+    def save(self, seq: int, name: str, step: int, data: bytes, record: bool) -> None:
         # Several ranks: over the workers' group, on a dedicated group of the save's deadline,
         # as the thread executor saves over the manager's.
         where: dict[str, Any] = (
             {"no_dist": True} if self.group is None else {"deadline_s": self.group.timeout_s}
         )
         if self.not_joined is not None:
-            self.reply("done", seq, self.not_joined, True)
+            self.reply("done", seq, self.not_joined, True, [])
             return
+        # A recorder of this save alone (no sampler, no thread): its events go with the reply.
+        telemetry = Telemetry(sample_memory=False, rank=0, clock=self.clock) if record else None
         try:
             writer = self._writer().for_step(step)
             state = pickle.loads(data)
             api.save(
-                state, checkpoint_id=name, storage_writer=writer, per_rank=self.per_rank, **where
+                state,
+                checkpoint_id=name,
+                storage_writer=writer if telemetry is None else telemetry.wrap_writer(writer),
+                per_rank=self.per_rank,
+                **where,
             )
         except BaseException as exc:
-            self.reply("done", seq, encode_error(exc), is_group_failure(exc))
+            self.reply("done", seq, encode_error(exc), is_group_failure(exc), _events(telemetry))
             return
         finally:
             state = None  # no view of the parent's buffers outlives the save
-        self.reply("done", seq, None, False)
+        self.reply("done", seq, None, False, _events(telemetry))
         if writer.remote is not None:
             writer.replication(name).add_done_callback(lambda f: self._replicated(name, f))
 
@@ -150,6 +164,10 @@ class _Worker:
         if self.writer is None:
             raise AssertionError("the parent sent a save before its writer")
         return self.writer
+
+
+def _events(telemetry: Telemetry | None) -> list[Event]:
+    return [] if telemetry is None else telemetry.memory.events()
 
 
 def main(argv: list[str]) -> None:

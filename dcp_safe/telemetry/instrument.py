@@ -33,7 +33,7 @@ from dcp_safe.topology import Topology
 if TYPE_CHECKING:
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["InstrumentedWriter"]
+__all__ = ["InstrumentedWriter", "end_replication"]
 
 
 class InstrumentedWriter(StorageWriter):
@@ -157,10 +157,11 @@ class InstrumentedWriter(StorageWriter):
         replication: Callable[[str], Future_[Any]] = self.inner.replication
         future = replication(name)
         span = self.telemetry.begin(Phase.REPLICATION, save=name)
-        future.add_done_callback(lambda done: _end_replication(span, done))
+        future.add_done_callback(lambda done: end_replication(span, done))
 
 
-def _end_replication(span: SpanHandle, done: Future_[Any]) -> None:
+def end_replication(span: SpanHandle, done: Future_[Any]) -> None:
+    """End a ``replication`` span with the outcome of its future (bytes: its manifest's)."""
     if done.cancelled():
         span.fail("cancelled")
         return

@@ -210,6 +210,45 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         self._record(EventKind.STEP, "step", now, step=step, duration_s=duration)
         return duration
 
+    def adopt(self, events: Sequence[Event], parent: SpanHandle | None) -> int:
+        """Record the nested spans another process recorded for one save (the checkpoint
+        worker's plan, write and commit with ``executor="process"``); returns how many.
+
+        Each span gets an id of this recorder and this recorder's rank, and keeps its times
+        (both processes read wall time on the same host). A span the other process nested under
+        one of its root-level spans (its own ``save`` root) hangs under ``parent`` here. Its
+        root-level spans are not recorded (``parent`` stands for them; a replication span there
+        ends after the reply that carried these events), nor spans not both started and ended
+        among ``events``.
+        """
+        spans = [e for e in events if e.kind in (EventKind.SPAN_START, EventKind.SPAN_END)]
+        ended = {e.span for e in spans if e.kind is EventKind.SPAN_END}
+        up = None if parent is None else parent.id
+        ids: dict[int | None, int | None] = {}
+        for event in spans:
+            if event.kind is EventKind.SPAN_START:
+                ids[event.span] = up if event.parent is None else next(self._ids)
+        adopted = 0
+        for event in spans:
+            if event.parent is None or event.span not in ended or event.span not in ids:
+                continue
+            adopted += event.kind is EventKind.SPAN_END
+            self._record(
+                event.kind,
+                event.name,
+                event.t,
+                span=ids[event.span],
+                parent=ids.get(event.parent, up),
+                save=event.save,
+                step=event.step,
+                bytes=event.bytes,
+                duration_s=event.duration_s,
+                ok=event.ok,
+                error=event.error,
+                attrs=event.attrs,
+            )
+        return adopted
+
     def saves_in_flight(self) -> int:
         """Root spans open now."""
         with self._lock:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from support import assert_state_equal, blank_like, make_state
 from support.faults import DiesInWriteData, DiesMidWrite
+from telemetry._spans import check_nesting, intervals, only, phases
 from torch.distributed import TCPStore
 
 from dcp_safe import (
@@ -44,6 +45,7 @@ from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error,
 from dcp_safe.manager.worker_group import WorkerGroup, join, store_address
 from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.telemetry import Telemetry
 from dcp_safe.testing.staging import hold_staging
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
@@ -202,6 +204,51 @@ def test_replication_runs_in_the_worker(tmp_path: Path) -> None:
         handle.replicated.result(_TIMEOUT_S)
         assert manager.latest("remote") == "step_000000001"
     assert _committed(remote) == ["step_000000001"]
+
+
+def test_the_workers_phase_spans_reach_the_parents_telemetry(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with Telemetry(sample_memory=False) as tel:
+        with CheckpointManager(
+            local, replicate_to=remote, executor="process", telemetry=tel
+        ) as manager:
+            handle = manager.save(4, make_state(4))
+            handle.committed.result(_TIMEOUT_S)
+            handle.replicated.result(_TIMEOUT_S)
+        spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    name = handle.name
+    assert phases(spans, name)[:5] == ["save", "staging", "plan", "write", "commit"]
+    assert sorted(phases(spans, name)[5:]) == ["release", "replication"]
+    save, plan, write, commit = (only(spans, p) for p in ("save", "plan", "write", "commit"))
+    assert {plan.parent, write.parent, commit.parent} == {save.id}  # the worker's root is not
+    assert plan.end <= write.start and write.end <= commit.start
+    assert write.bytes is not None and write.bytes > 0 and commit.bytes == write.bytes
+    replication = only(spans, "replication")
+    assert replication.parent is None and replication.ok and replication.start >= commit.end
+    assert all(s.ok for s in spans)
+
+
+def test_a_failed_write_in_the_worker_fails_its_span_and_its_replication(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    writer = DiesInWriteData(local, replicate_to=remote)
+    with Telemetry(sample_memory=False) as tel:
+        manager = CheckpointManager(local, writer=writer, executor="process", telemetry=tel)
+        handle = manager.save(1, make_state())
+        with pytest.raises(CommitError, match="injected"):
+            handle.committed.result(_TIMEOUT_S)
+        worker = manager._runner.worker
+        assert worker is not None
+        replication = worker.replication(handle.name)  # resolved, not left pending
+        assert replication.done() and isinstance(replication.exception(), CommitError)
+        with pytest.raises(CommitError):
+            manager.close(_TIMEOUT_S)
+        spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, handle.name) == ["save", "staging", "plan", "write", "release"]
+    assert not only(spans, "write").ok and not only(spans, "save").ok
+    errors = [e.error for e in tel.memory.events() if e.name == "write" and e.error]
+    assert errors and "Input/output error (injected)" in errors[0]
 
 
 _PARENT = """

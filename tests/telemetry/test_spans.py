@@ -200,3 +200,45 @@ def test_span_passes_its_keywords_to_begin(tel: Telemetry) -> None:
     root.end()
     (start,) = [e for e in tel.memory.events() if e.kind == "span_start" and e.name == "write"]
     assert (start.parent, start.save, start.step, start.bytes) == (root.id, "step_000000007", 7, 64)
+
+
+def test_spans_of_another_process_are_adopted_under_this_roots_save(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    root = tel.begin_save("ckpt", step=7)
+    # What the checkpoint worker records (executor="process"): its own root, then the phases.
+    with Telemetry(sample_memory=False, rank=5) as worker:
+        writer = worker.wrap_writer(SafeStorageWriter(tmp_path, step=7))
+        api.save(make_state(0), checkpoint_id="ckpt", storage_writer=writer, no_dist=True)
+        recorded = worker.memory.events()
+    assert tel.adopt(recorded, root) == 3
+    root.end()
+
+    spans = intervals(tel.memory.events())
+    check_nesting(spans)
+    assert phases(spans, "ckpt") == ["save", "plan", "write", "commit"]
+    assert only(spans, "save").id == root.id  # the worker's own root is not recorded here
+    assert {s.parent for s in spans if s.phase != "save"} == {root.id}
+    theirs = {s.phase: s for s in intervals(recorded)}
+    for phase in ("plan", "write", "commit"):
+        ours = only(spans, phase)
+        assert (ours.start, ours.end, ours.bytes) == (
+            theirs[phase].start,
+            theirs[phase].end,
+            theirs[phase].bytes,
+        )
+    assert {e.rank for e in tel.memory.events()} == {tel.rank}
+
+
+def test_a_span_not_ended_in_the_other_process_is_not_adopted(
+    tmp_path: Path, tel: Telemetry
+) -> None:
+    root = tel.begin_save("ckpt")
+    with Telemetry(sample_memory=False) as worker:
+        writer = worker.wrap_writer(SafeStorageWriter(tmp_path))
+        api.save(make_state(0), checkpoint_id="ckpt", storage_writer=writer, no_dist=True)
+        recorded = worker.memory.events()
+    cut = [e for e in recorded if not (e.name == "commit" and e.kind == "span_end")]
+    assert tel.adopt(cut, root) == 2
+    root.end()
+    assert phases(intervals(tel.memory.events()), "ckpt") == ["save", "plan", "write"]
