@@ -19,6 +19,9 @@ Variants:
     floor            bare ``copy_`` into preallocated, first-touched buffers (no DCP)
     budgeted         BudgetedStager, cold pool
     budgeted_warm    BudgetedStager after ``warm_up(state)``
+    budgeted_shared  BudgetedStager(shared_memory=True) after ``warm_up``: buffers in memfd slabs,
+                     as the manager's ``executor="process"`` stages (issue #30's target: its
+                     stall within 1.1x of the copy floor)
     default_stager   DCP ``DefaultStager`` with CPU options (async, no pinning, reuse by cache)
     async_save       DCP ``async_save`` with no stager (allocates a new copy every save)
     blocking_cached  DCP ``BlockingAsyncStager(cache_staged_state_dict=True)``
@@ -46,6 +49,7 @@ VARIANTS = [
     "floor",
     "budgeted",
     "budgeted_warm",
+    "budgeted_shared",
     "default_stager",
     "async_save",
     "blocking_cached",
@@ -112,8 +116,9 @@ def run_variant(variant: str, kind: str, size_gib: float) -> dict[str, Any]:
                 out[f"alloc{save}_bytes"] = sampler.rss() - before
         else:
             if variant.startswith("budgeted"):
-                stager = BudgetedStager(pin_memory="off")
-                if variant == "budgeted_warm":
+                shared = variant == "budgeted_shared"
+                stager = BudgetedStager(pin_memory="off", shared_memory=shared)
+                if variant in ("budgeted_warm", "budgeted_shared"):
                     stager.warm_up(state)
             elif variant == "default_stager":
                 stager = DefaultStager(StagingOptions(False, False, True, False))
@@ -206,6 +211,7 @@ def run_many(count: int, tensor_kib: int, rounds: int, flat: bool) -> dict[str, 
     floor_buffers = [torch.empty_like(t).zero_() for t in sources]
     stagers: dict[str, Any] = {
         "budgeted": BudgetedStager(pin_memory="off"),
+        "budgeted_shared": BudgetedStager(pin_memory="off", shared_memory=True),
         "default_stager": DefaultStager(StagingOptions(False, False, True, False)),
     }
     workdir = Path(tempfile.mkdtemp(prefix="bench_stager_many_"))
@@ -259,14 +265,17 @@ def run_many(count: int, tensor_kib: int, rounds: int, flat: bool) -> dict[str, 
         "budgeted_over_default_median": median(times["budgeted"]) / median(times["default_stager"]),
         "budgeted_over_default_per_round_median": median(ratios),
         "budgeted_over_floor": median(times["budgeted"]) / median(times["floor"]),
+        "shared_over_floor": median(times["budgeted_shared"]) / median(times["floor"]),
+        "shared_over_budgeted": median(times["budgeted_shared"]) / median(times["budgeted"]),
     }
 
 
 def many_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| state | floor (ms) | BudgetedStager 2nd stall (ms) | DefaultStager 2nd stall (ms)"
-        " | Budgeted / Default (medians) | per-round median | Budgeted / floor |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        " | Budgeted / Default (medians) | per-round median | Budgeted / floor"
+        " | shared slabs 2nd stall (ms) | shared / floor | shared / Budgeted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         m = r["median_s"]
@@ -276,7 +285,8 @@ def many_table(rows: list[dict[str, Any]]) -> str:
             f" | {m['floor'] * 1e3:.1f} | {m['budgeted'] * 1e3:.1f}"
             f" | {m['default_stager'] * 1e3:.1f} | {r['budgeted_over_default_median']:.2f}x"
             f" | {r['budgeted_over_default_per_round_median']:.2f}x"
-            f" | {r['budgeted_over_floor']:.2f}x |"
+            f" | {r['budgeted_over_floor']:.2f}x | {m['budgeted_shared'] * 1e3:.1f}"
+            f" | {r['shared_over_floor']:.2f}x | {r['shared_over_budgeted']:.2f}x |"
         )
     return "\n".join(lines)
 
