@@ -4,10 +4,11 @@ Run unattended on a CUDA machine, one command::
 
     .venv/bin/python benchmarks/gpu_check.py [--size-gib 2] [--out benchmarks/results/gpu.json]
 
-For one state on the GPU it stages device-to-host three ways -- BudgetedStager (pinned pool,
-warmed, then two saves), DCP's ``DefaultStager`` (pinned, async, non-blocking; two saves) and a
-plain ``.cpu()`` per tensor -- and checks every staged byte against the source. For each save
-it reports:
+For one state on the GPU it stages device-to-host four ways -- BudgetedStager (pinned pool,
+warmed, then two saves), BudgetedStager with ``shared_memory=True`` (the process executor's
+memfd slabs, page-locked with ``cudaHostRegister``), DCP's ``DefaultStager`` (pinned, async,
+non-blocking; two saves) and a plain ``.cpu()`` per tensor -- and checks every staged byte
+against the source. For each save it reports:
 
 * ``call s``: how long ``stage()`` blocks the caller before returning its future;
 * ``compute wait s``: after ``stage()`` returned, how long one tiny kernel on the caller's
@@ -158,6 +159,16 @@ def main() -> int:
         f" saves {pool['bytes_allocated_by_the_two_saves']} B, side stream {pool['side_stream']}"
     )
 
+    # The process executor's stager: its buffers in memfd slabs, page-locked by the CUDA
+    # runtime (issue #30: its stall within 1.1x of the private pinned pool's).
+    shared = BudgetedStager(pin_memory="auto", shared_memory=True, timeout_s=120)
+    shared.warm_up(state)
+    for i in (1, 2):
+        save("BudgetedStager shared slabs", i, lambda: shared.stage(state))
+    shared_pinned = shared.stats().pinned_bytes
+    shared.close()
+    print(f"  BudgetedStager shared slabs: pinned {shared_pinned / (1 << 30):.2f} GiB")
+
     # Pinned, async, non-blocking; no shared memory (/dev/shm is small in many containers).
     default = DefaultStager(StagingOptions(True, False, True, True))
     default_side_stream = getattr(default, "_staging_stream", None) is not None
@@ -205,6 +216,8 @@ def main() -> int:
     }
     for baseline, ratio in ratios.items():
         print(f"gpu_check: second-save stall BudgetedStager / {baseline} = {ratio:.2f}")
+    shared_ratio = by_method["BudgetedStager shared slabs, save 2"]["stall_s"] / ours
+    print(f"gpu_check: second-save stall shared slabs / pinned pool = {shared_ratio:.2f}")
     print(f"gpu_check: {failures} mismatching tensor(s)")
     if args.out:
         out = {
@@ -217,6 +230,8 @@ def main() -> int:
             "default_stager_side_stream": default_side_stream,
             "rows": rows,
             "second_save_stall_ratios": ratios,
+            "shared_slabs_pinned_bytes": shared_pinned,
+            "shared_over_pinned_pool_second_save": shared_ratio,
             "contender_errors": contender_errors,
             "mismatching_tensors": failures,
         }

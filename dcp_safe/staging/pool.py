@@ -208,11 +208,8 @@ class BufferPool:
     def __init__(
         self, *, pin_memory: PinMemory | str | bool = "auto", shared: SharedSlabs | None = None
     ) -> None:
-        pin = PinMemory.coerce(pin_memory)
-        if shared is not None and pin is PinMemory.ON:
-            # docs/staging.md, "The process executor": pinning the slabs is not done yet.
-            raise ConfigError("pin_memory='on' with shared memory: shared slabs are not pinned")
-        self.pin = pin.resolve() and shared is None
+        # Shared slabs are pinned by their own pinning (``SharedSlabs(pinning=...)``), whole.
+        self.pin = PinMemory.coerce(pin_memory).resolve() and shared is None
         self.shared = shared
         # Re-entrant: the stager holds it around pool calls, and a release may run inside a
         # finalizer on a thread that already holds it.
@@ -336,7 +333,7 @@ class BufferPool:
                 in_use_bytes=self._in_use,
                 free_bytes=self._free_bytes,
                 pending_bytes=self._pending_bytes,
-                pinned_bytes=self._pinned,
+                pinned_bytes=self._pinned if self.shared is None else self.shared.pinned_bytes(),
                 peak_allocated_bytes=self._peak,
                 allocations=self._allocations,
                 allocated_bytes_total=self._allocated_total,

@@ -9,12 +9,15 @@ to a restarted worker; never one per tensor.
 
 Each buffer is a tensor with a storage of exactly its size (``torch.frombuffer`` over its range),
 as the pool requires. A buffer the pool lets go of gives its pages back (``MADV_REMOVE``); a slab
-left with no buffer is closed here (its memory goes once no worker maps it either).
+left with no buffer is closed here (its memory goes once no worker maps it either). With
+``pinning`` (a host with CUDA) each slab is page-locked when created and unlocked before it is
+let go (:mod:`dcp_safe.staging.slab_pinning`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -23,7 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dcp_safe.staging.slab_pinning import SlabPinning
+
 __all__ = ["Place", "SharedSlabs"]
+
+log = logging.getLogger(__name__)
 
 _SLAB_BYTES = 64 << 20
 # torch's own CPU allocator aligns to 64 bytes; typed views of a buffer need no more.
@@ -51,17 +58,23 @@ class _Slab:
     map: mmap.mmap
     used: int = 0
     live: int = 0
+    pinned: int | None = None  # the address page-locked, when it is
     places: set[int] = field(default_factory=set)  # data pointers of its live buffers
 
 
 class SharedSlabs:
     """Allocates buffers in shared slabs and says where each one is.
 
+    Args:
+        slab_bytes: the size of a slab shared by small buffers.
+        pinning: page-locks each slab (``None``: pageable slabs).
+
     Thread safety: every method may be called from any thread.
     """
 
-    def __init__(self, slab_bytes: int = _SLAB_BYTES) -> None:
+    def __init__(self, slab_bytes: int = _SLAB_BYTES, pinning: SlabPinning | None = None) -> None:
         self.slab_bytes = slab_bytes
+        self.pinning = pinning
         self._lock = threading.RLock()
         self._slabs: dict[int, _Slab] = {}
         self._current: _Slab | None = None
@@ -112,10 +125,17 @@ class SharedSlabs:
         with self._lock:
             return set(self._slabs)
 
+    def pinned_bytes(self) -> int:
+        """Bytes of the open slabs that are page-locked."""
+        with self._lock:
+            return sum(s.size for s in self._slabs.values() if s.pinned is not None)
+
     def close(self) -> None:
-        """Close every slab's descriptor here; buffers still alive keep their memory mapped."""
+        """Close every slab's descriptor here and unlock its pages; buffers still alive keep
+        their memory mapped (pageable from now on)."""
         with self._lock:
             for slab in self._slabs.values():
+                self._unpin(slab)
                 os.close(slab.fd)
             self._slabs.clear()
             self._current = None
@@ -129,8 +149,24 @@ class SharedSlabs:
             os.close(fd)
             raise
         slab = _Slab(next(self._ids), fd, size, mapped)
+        if self.pinning is not None:
+            pointer = torch.frombuffer(mapped, dtype=torch.uint8).data_ptr()
+            try:
+                self.pinning.pin(pointer, size)
+                slab.pinned = pointer
+            except OSError as exc:  # slower copies, never wrong ones: say so, go on
+                log.warning("dcp_safe: a %d-byte staging slab stays pageable: %s", size, exc)
         self._slabs[slab.id] = slab
         return slab
+
+    def _unpin(self, slab: _Slab) -> None:
+        if slab.pinned is None or self.pinning is None:
+            return
+        pointer, slab.pinned = slab.pinned, None
+        try:
+            self.pinning.unpin(pointer)
+        except OSError as exc:
+            log.warning("dcp_safe: unlocking a staging slab failed: %s", exc)
 
     def _freed(self, pointer: int) -> None:
         # Runs when the pool dropped the buffer: no one here reads those bytes again.
@@ -143,7 +179,9 @@ class SharedSlabs:
             slab.live -= 1
             start = _round_up(place.offset, mmap.PAGESIZE)
             end = (place.offset + place.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
+            # Not in a locked slab: the runtime keeps the old pages, so a copy into pages the
+            # kernel gave anew would land where no one reads. Its memory goes with the slab.
+            if end > start and slab.pinned is None:
                 slab.map.madvise(mmap.MADV_REMOVE, start, end - start)
             if slab.live > 0:
                 return
@@ -151,4 +189,5 @@ class SharedSlabs:
                 slab.used = 0  # empty: bump from its start again
                 return
             del self._slabs[slab.id]
+            self._unpin(slab)  # no buffer of it is left to copy into
             os.close(slab.fd)  # the map goes when its last view does

@@ -54,6 +54,7 @@ from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.staging.slab_pinning import CudaSlabPinning
 from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -79,8 +80,8 @@ class BudgetedStager(AsyncStager):
             (a keyword also set away from its default must agree with it).
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
-        shared_memory: stage into shared, unpinned slabs a worker process can map
-            (:attr:`shared`; the manager's ``executor="process"``).
+        shared_memory: stage into shared slabs a worker process can map (:attr:`shared`; the
+            manager's ``executor="process"``), page-locked as ``pin_memory`` says.
 
     Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
     """
@@ -113,7 +114,11 @@ class BudgetedStager(AsyncStager):
         )
         self.budget = budget if budget is not None else MemoryBudget.from_host()
         # Buffers a worker process can read (:mod:`dcp_safe.staging.shared`); ``None``: private.
-        self.shared = SharedSlabs() if shared_memory else None
+        self.shared = (
+            SharedSlabs(pinning=CudaSlabPinning() if self.options.pin_memory.resolve() else None)
+            if shared_memory
+            else None
+        )
         self._pool = BufferPool(pin_memory=self.options.pin_memory, shared=self.shared)
         self._cond = self._pool.condition
         self._plans = PlanCache(self._pool)
