@@ -13,6 +13,7 @@ import inspect
 import logging
 import pickle
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "StreamTransformExtension",
     "ZStandard",
     "create_write_items",
+    "dcp_async_save",
     "dcp_save",
     "dcp_debug_logs_unheard",
     "dcp_load_state_dict",
@@ -337,3 +339,67 @@ def _state_of(value: Any) -> Any:
 
 def _names_stateful(attributes: dict[str, Any]) -> bool:
     return bool(attributes) and ("state_dict" in attributes or "load_state_dict" in attributes)
+
+
+# ``dcp.async_save`` walks the state the same way on the caller's thread (the training loop's
+# stall: 0.15 s of a 0.2 s manager save of 10,000 top-level tensors), and its upload thread
+# runs ``dcp.save``, which walks the staged copy again. Same fallbacks as ``dcp_save``, and
+# DCP's own for its process executor or a call without a stager (DCP then makes and closes one).
+_ASYNC_KEYWORDS = _SAVE_KEYWORDS | {"async_stager", "async_checkpointer_type"}
+
+
+def dcp_async_save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
+    """``torch.distributed.checkpoint.async_save(state_dict, **kwargs)``, with the same result:
+    the ``Stateful`` top-level values resolved, the state staged by ``async_stager`` on this
+    thread, then saved (:func:`dcp_save`) on a thread of its own."""
+    stager = kwargs.get("async_stager")
+    kind = getattr(kwargs.get("async_checkpointer_type"), "value", "thread")
+    if (
+        stager is None
+        or kind != "thread"
+        or not kwargs.keys() <= _ASYNC_KEYWORDS
+        or getattr(state_dict_saver, "AsyncSaveResponse", None) is None
+        or _dcp_debug_heard()
+    ):
+        return state_dict_saver.async_save(state_dict, **kwargs)
+    save_kwargs = {key: kwargs[key] for key in _SAVE_KEYWORDS if key in kwargs}
+    _needs_cpu_backend(kwargs.get("process_group"))
+    torch._C._log_api_usage_once("torch.distributed.checkpoint.async_save")
+    staged = stager.stage({key: _state_of(value) for key, value in state_dict.items()})
+    # One thread per save, as DCP's thread executor: a save never queues behind another here.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="AsyncCheckpointExecutor")
+    upload: Future[Any] = executor.submit(_save_staged, staged, save_kwargs)
+    upload.add_done_callback(lambda _: executor.shutdown(wait=False))
+    if not isinstance(staged, Future):
+        if getattr(stager, "should_synchronize_after_execute", False):
+            stager.synchronize_staging()
+        return upload
+    staging: Future[None] = Future()
+    staged.add_done_callback(lambda done: _forward_staging(done, staging))
+    return state_dict_saver.AsyncSaveResponse(staging_completion=staging, upload_completion=upload)
+
+
+def _save_staged(staged: Any, save_kwargs: dict[str, Any]) -> Any:
+    return dcp_save(staged.result() if isinstance(staged, Future) else staged, **save_kwargs)
+
+
+def _forward_staging(done: Future[Any], staging: Future[None]) -> None:
+    error = done.exception()
+    if error is None:
+        staging.set_result(None)
+    else:
+        staging.set_exception(error)
+
+
+def _needs_cpu_backend(group: Any) -> None:
+    """DCP's check: an asynchronous save sends its plans over a CPU backend."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = group or dist.distributed_c10d._get_default_group()
+    if torch.device("cpu") not in getattr(group, "_device_types", (torch.device("cpu"),)):
+        raise AssertionError(
+            "A CPU backend must be enabled for async save; try initializing process group with"
+            " 'cpu:gloo,cuda:nccl'"
+        )

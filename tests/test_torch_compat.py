@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, state_dict_saver
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter
+from dcp_safe import BudgetedStager, SafeStorageWriter
+from dcp_safe import torch_compat as dcp_compat
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 
 DCP_LOGGER = logging.getLogger("c10d-NullHandler-dcp_logger")
@@ -128,3 +131,76 @@ def test_a_tensor_carrying_the_protocols_methods_is_still_stateful(
         {"odd": odd}, storage_writer=SafeStorageWriter(tmp_path), checkpoint_id="c", no_dist=True
     )
     assert set(metadata.state_dict_metadata) == {"odd.inner"}
+
+
+def test_async_save_resolves_stateful_values_once_and_skips_dcps_per_key_walks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _quiet(monkeypatch)
+    walked: list[int] = []
+    real_walk = state_dict_saver._stateful_to_state_dict
+    monkeypatch.setattr(
+        state_dict_saver, "_stateful_to_state_dict", lambda s: walked.append(1) or real_walk(s)
+    )
+    counter = _Counter()
+    state = {"w": torch.ones(2), "p": torch.nn.Parameter(torch.arange(3.0)), "counter": counter}
+    with BudgetedStager(when_busy="wait") as stager:
+        response = dcp_safe.async_save(
+            state,
+            storage_writer=SafeStorageWriter(tmp_path),
+            checkpoint_id="c",
+            async_stager=stager,
+            no_dist=True,
+        )
+        response.staging_completion.result(60)
+        ours = response.upload_completion.result(60)
+    assert walked == []  # neither on this thread nor on the upload thread
+    assert counter.calls == 1
+    with BudgetedStager(when_busy="wait") as stager:  # DCP's own, on the same kind of copy
+        response = state_dict_saver.async_save(
+            state,
+            storage_writer=FileSystemWriter(tmp_path / "torch"),
+            async_stager=stager,
+            no_dist=True,
+        )
+        theirs = response.upload_completion.result(60)
+    assert walked == [1, 1]  # DCP walks the state, then its staged copy
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    back = {"w": torch.zeros(2), "p": torch.zeros(3), "counter": {"count": torch.zeros(1)}}
+    dcp.load(back, storage_reader=FileSystemReader(tmp_path / "c"), no_dist=True)
+    assert torch.equal(back["p"], torch.arange(3.0)) and back["counter"]["count"].item() == 7
+
+
+def test_async_save_hands_a_failed_staging_to_its_staging_future(tmp_path: Path) -> None:
+    class Refuses(BudgetedStager):
+        def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
+            failed: Future[dict[str, Any]] = Future()
+            failed.set_exception(RuntimeError("staging refused (test)"))
+            return failed
+
+    with Refuses(when_busy="wait") as stager:
+        response = dcp_compat.dcp_async_save(
+            {"w": torch.ones(2)},
+            storage_writer=SafeStorageWriter(tmp_path),
+            checkpoint_id="c",
+            async_stager=stager,
+            no_dist=True,
+        )
+        with pytest.raises(RuntimeError, match="staging refused"):
+            response.staging_completion.result(60)
+        with pytest.raises(RuntimeError, match="staging refused"):
+            response.upload_completion.result(60)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_async_save_without_a_stager_or_with_dcps_process_executor_is_dcps_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(state_dict_saver, "async_save", lambda s, **kw: calls.append(kw) or "dcp")
+    assert dcp_compat.dcp_async_save({"w": torch.ones(1)}, checkpoint_id="a") == "dcp"
+    process = state_dict_saver.AsyncCheckpointerType.PROCESS
+    with BudgetedStager(when_busy="wait") as stager:
+        kwargs = {"async_stager": stager, "async_checkpointer_type": process}
+        assert dcp_compat.dcp_async_save({"w": torch.ones(1)}, **kwargs) == "dcp"
+    assert [sorted(kw) for kw in calls] == [["checkpoint_id"], sorted(kwargs)]

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save as _dcp_async_save
 
 from dcp_safe.dcp.gc_pause import gc_paused
 from dcp_safe.dcp.group import (
@@ -40,6 +39,7 @@ from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.restore_audit import audit_load
 from dcp_safe.dcp.shared_load import load_and_share
 from dcp_safe.errors import ConfigError, from_checkpoint_exception
+from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 from dcp_safe.torch_compat import dcp_save as _dcp_save
 
