@@ -18,6 +18,7 @@ peers in a group that is gone.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -43,6 +44,8 @@ from dcp_safe.torch_compat import default_store
 __all__ = ["SaveWorker", "uses_worker"]
 
 _ENTRY = "dcp_safe.manager.worker_main"
+
+log = logging.getLogger("dcp_safe.manager")
 
 # A save's name, the span events its worker recorded (dcp_safe.telemetry.Event) and, for a
 # save that succeeded with ``replicate_to``, the future of its replication by the worker.
@@ -113,7 +116,10 @@ class _Process:
             if message[3]:  # before the save fails: whoever sees it sees the group marked too
                 self.broke(self)
             if self.adopt is not None:  # before the follow-up ends the root span
-                self.adopt(name, message[4], replicated if message[2] is None else None)
+                try:
+                    self.adopt(name, message[4], replicated if message[2] is None else None)
+                except Exception:  # telemetry is bookkeeping: it never fails a save
+                    log.exception("dcp_safe: recording the worker's spans of %s failed", name)
             if message[2] is None:
                 future.set_result(None)
                 return

@@ -229,6 +229,23 @@ def test_the_workers_phase_spans_reach_the_parents_telemetry(tmp_path: Path) -> 
     assert all(s.ok for s in spans)
 
 
+def test_a_failure_to_record_the_workers_spans_never_fails_the_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(Telemetry):
+        def adopt(self, events: Any, parent: Any) -> int:
+            raise RuntimeError("a sink broke (test)")
+
+    with (
+        Broken(sample_memory=False) as tel,
+        CheckpointManager(tmp_path, executor="process", telemetry=tel) as manager,
+    ):
+        handle = manager.save(1, make_state(1))
+        assert handle.committed.result(_TIMEOUT_S) == "step_000000001"
+        assert manager.save(2, make_state(2)).committed.result(_TIMEOUT_S) == "step_000000002"
+    assert "recording the worker's spans of step_000000001 failed" in caplog.text
+
+
 def test_a_failed_write_in_the_worker_fails_its_span_and_its_replication(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     writer = DiesInWriteData(local, replicate_to=remote)
