@@ -171,7 +171,11 @@ def test_async_save_resolves_stateful_values_once_and_skips_dcps_per_key_walks(
     assert torch.equal(back["p"], torch.arange(3.0)) and back["counter"]["count"].item() == 7
 
 
-def test_async_save_hands_a_failed_staging_to_its_staging_future(tmp_path: Path) -> None:
+def test_async_save_hands_a_failed_staging_to_its_staging_future(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _quiet(monkeypatch)  # else DCP's own async_save runs, which resolves it with None
+
     class Refuses(BudgetedStager):
         def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
             failed: Future[dict[str, Any]] = Future()
