@@ -89,15 +89,21 @@ def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
         )
 
 
-def test_dcp_save_hands_dcp_the_stateful_values_resolved_without_its_per_key_walk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Quiet DCP's logger (:func:`_quiet`) and record each of DCP's per-key walks of a state."""
     _quiet(monkeypatch)
     walked: list[int] = []
     real_walk = state_dict_saver._stateful_to_state_dict
     monkeypatch.setattr(
         state_dict_saver, "_stateful_to_state_dict", lambda s: walked.append(1) or real_walk(s)
     )
+    return walked
+
+
+def test_dcp_save_hands_dcp_the_stateful_values_resolved_without_its_per_key_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    walked = _count_walks(monkeypatch)
     counter = _Counter()
     param = torch.nn.Parameter(torch.arange(3.0))
     state = {"w": torch.ones(2), "p": param, "counter": counter, "step": 3}
@@ -136,12 +142,7 @@ def test_a_tensor_carrying_the_protocols_methods_is_still_stateful(
 def test_async_save_resolves_stateful_values_once_and_skips_dcps_per_key_walks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _quiet(monkeypatch)
-    walked: list[int] = []
-    real_walk = state_dict_saver._stateful_to_state_dict
-    monkeypatch.setattr(
-        state_dict_saver, "_stateful_to_state_dict", lambda s: walked.append(1) or real_walk(s)
-    )
+    walked = _count_walks(monkeypatch)
     counter = _Counter()
     state = {"w": torch.ones(2), "p": torch.nn.Parameter(torch.arange(3.0)), "counter": counter}
     with BudgetedStager(when_busy="wait") as stager:

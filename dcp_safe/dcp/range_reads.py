@@ -134,49 +134,32 @@ class RangeReads:
             CheckpointCorruptError: the file is short, or a block read differs from its
                 digest (the target may then be partly written, as in any failed DCP load).
         """
-        return _load_range(
-            stream, path, item, record, stored, request, planner, self.lock, self.budget, verify
+        dtype, shape = stored
+        blocks = record.blocks
+        if blocks is None or record.transforms:
+            return None
+        if not blocks.fits(math.prod(shape) * dtype.itemsize, record.length):
+            return None  # disagrees with the metadata: the whole read's checksum decides
+        plan = plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
+        if plan is None:
+            return None
+        with self.lock:
+            target = planner.resolve_tensor(request).detach()
+        region = tuple(request.lengths)
+        direct = (
+            target.device.type == "cpu"
+            and target.dtype == dtype
+            and tuple(target.shape) == region
+            and target.is_contiguous()
         )
-
-
-def _load_range(
-    stream: BinaryIO,
-    path: str,
-    item: str,
-    record: ItemRecord,
-    stored: tuple[torch.dtype, tuple[int, ...]],
-    request: ReadItem,
-    planner: LoadPlanner,
-    lock: threading.RLock,
-    budget: LoadBudget,
-    verify: bool,
-) -> int | None:
-    dtype, shape = stored
-    blocks = record.blocks
-    if blocks is None or record.transforms:
-        return None
-    if not blocks.fits(math.prod(shape) * dtype.itemsize, record.length):
-        return None  # disagrees with the metadata: the whole read's checksum decides
-    plan = plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
-    if plan is None:
-        return None
-    with lock:
-        target = planner.resolve_tensor(request).detach()
-    region = tuple(request.lengths)
-    direct = (
-        target.device.type == "cpu"
-        and target.dtype == dtype
-        and tuple(target.shape) == region
-        and target.is_contiguous()
-    )
-    cost = plan.buffer_bytes + (0 if direct else math.prod(region) * dtype.itemsize)
-    with budget.admit(cost) as held:
-        held.count(cost)
-        dest = target if direct else transient_tensor(region, dtype)
-        algorithm = record.checksum.partition(":")[0] if verify else None
-        got = _read_runs(stream, path, item, record.start, blocks, plan, algorithm, dest)
-        commit_into(target, dest, path, item, request, planner, lock)
-    return got
+        cost = plan.buffer_bytes + (0 if direct else math.prod(region) * dtype.itemsize)
+        with self.budget.admit(cost) as held:
+            held.count(cost)
+            dest = target if direct else transient_tensor(region, dtype)
+            algorithm = record.checksum.partition(":")[0] if verify else None
+            got = _read_runs(stream, path, item, record.start, blocks, plan, algorithm, dest)
+            commit_into(target, dest, path, item, request, planner, self.lock)
+        return got
 
 
 def commit_into(

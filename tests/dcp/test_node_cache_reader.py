@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from support import shard_rows
+from torch.distributed.tensor import DTensor
 
 import dcp_safe
 from dcp_safe import CheckpointNotFoundError, layout
@@ -50,11 +50,6 @@ def _zeros() -> dict[str, Any]:
     return {"w": torch.zeros(W_SHAPE), "b": torch.zeros(B_LEN)}
 
 
-def _sharded(world_size: int, full: dict[str, Any]) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world_size,))
-    return {key: distribute_tensor(value, mesh, [Shard(0)]) for key, value in full.items()}
-
-
 def _flip_item_byte(cache: Path, file_name: str, fqn: str) -> None:
     """Flip one byte in the middle of ``fqn``'s bytes in a cached file (its size unchanged)."""
     manifest = Manifest.from_json((cache / layout.MANIFEST).read_bytes(), str(cache))
@@ -83,7 +78,7 @@ def _save_on_two_nodes(
 ) -> str:
     root = roots[rank // RANKS_PER_NODE]
     writer = NodeLocalWriter(root, remote=remote, remote_storage_options=options, node_options=FAST)
-    dcp_safe.save(_sharded(world_size, _full_state(1)), checkpoint_id=NAME, storage_writer=writer)
+    dcp_safe.save(shard_rows(world_size, _full_state(1)), checkpoint_id=NAME, storage_writer=writer)
     save_id = writer.replication(NAME).result(timeout=120).save_id
     writer.close(timeout_s=60)
     return save_id
@@ -92,7 +87,7 @@ def _save_on_two_nodes(
 def _restore_on_two_nodes(
     rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]
 ) -> dict[str, Any]:
-    target = _sharded(world_size, _zeros())
+    target = shard_rows(world_size, _zeros())
     reader = NodeCacheReader(
         remote, node_cache=roots[rank // RANKS_PER_NODE], storage_options=options
     )

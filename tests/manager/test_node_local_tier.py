@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from support import shard_rows
 
 from dcp_safe import CheckpointManager, ConfigError, layout, list_checkpoints
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader, RejectionReason
@@ -31,16 +30,11 @@ def _full(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(8, 4, generator=gen), "b": torch.randn(8, generator=gen)}
 
 
-def _sharded(world_size: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world_size,))
-    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-
-
 def _save(rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]) -> int:
     node = nodes[rank // RANKS_PER_NODE]
     with CheckpointManager(root, node_local=node, storage_options=options, keep_last=2) as manager:
         for step in (1, 2, 3):
-            handle = manager.save(step, _sharded(world_size, _full(step)))
+            handle = manager.save(step, shard_rows(world_size, _full(step)))
             assert handle is not None
             handle.committed.result(timeout=120)  # the S3 commit exists
         return manager.stats().committed
@@ -50,7 +44,7 @@ def _restore(
     rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
 ) -> dict[str, Any]:
     node = nodes[rank // RANKS_PER_NODE]
-    target = _sharded(world_size, {k: torch.zeros_like(v) for k, v in _full(0).items()})
+    target = shard_rows(world_size, {k: torch.zeros_like(v) for k, v in _full(0).items()})
     with CheckpointManager(root, node_local=node, storage_options=options, keep_last=2) as manager:
         name = manager.restore(target)
         reader = manager.last_reader

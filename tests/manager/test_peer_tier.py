@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from support import shard_rows
 
 from dcp_safe import CheckpointManager, ConfigError, PeerCopyError, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
@@ -36,11 +35,6 @@ STEPS = (1, 2, 3)
 def _full(step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
     return {"w": torch.randn(8, 4, generator=gen), "b": torch.randn(8, generator=gen)}
-
-
-def _sharded(world_size: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world_size,))
-    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
 
 
 def _manager(rank: int, nodes: list[str], root: str, options: dict[str, Any]) -> CheckpointManager:
@@ -65,7 +59,7 @@ def _save(
 ) -> Any:
     with _manager(rank, nodes, root, options) as manager:
         for step in steps:
-            handle = manager.save(step, _sharded(world_size, _full(step)))
+            handle = manager.save(step, shard_rows(world_size, _full(step)))
             assert handle is not None
             handle.committed.result(timeout=120)
         manager.wait(timeout_s=120)  # the peer copies too
@@ -75,7 +69,7 @@ def _save(
 def _restore(
     rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
 ) -> dict[str, Any]:
-    target = _sharded(world_size, {k: torch.zeros_like(v) for k, v in _full(0).items()})
+    target = shard_rows(world_size, {k: torch.zeros_like(v) for k, v in _full(0).items()})
     with _manager(rank, nodes, root, options) as manager:
         name = manager.restore(target)
         reader = manager.last_reader
@@ -190,7 +184,7 @@ def _save_with_a_full_disk(
     rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
 ) -> dict[str, Any]:
     with _manager(rank, nodes, root, options) as manager:
-        handle = manager.save(1, _sharded(world_size, _full(1)))
+        handle = manager.save(1, shard_rows(world_size, _full(1)))
         assert handle is not None
         handle.committed.result(timeout=120)
         try:

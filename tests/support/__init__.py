@@ -16,6 +16,7 @@ from .states import (
     gather_full,
     make_state,
     rank_union,
+    shard_rows,
 )
 from .tamper import flip_item_byte, resign_manifest
 
@@ -30,4 +31,5 @@ __all__ = [
     "make_state",
     "rank_union",
     "resign_manifest",
+    "shard_rows",
 ]

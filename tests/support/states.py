@@ -1,6 +1,6 @@
 """State dicts for the tests: one with every dtype the foundation promises to round-trip, a
-load target for it, exact comparisons, DTensor state gathered whole, and the union of what
-several ranks hold."""
+load target for it, exact comparisons, DTensor state sharded by rows and gathered whole, and the
+union of what several ranks hold."""
 
 from __future__ import annotations
 
@@ -108,3 +108,13 @@ def blank_tree(value: Any) -> Any:
     if isinstance(value, list):
         return [blank_tree(item) for item in value]
     return -1
+
+
+def shard_rows(world_size: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Each tensor of ``full`` as a DTensor sharded by rows (``Shard(0)``) over this process
+    group's ``world_size`` ranks (call it inside an initialized group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {key: distribute_tensor(value, mesh, [Shard(0)]) for key, value in full.items()}
