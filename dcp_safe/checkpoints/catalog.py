@@ -20,8 +20,10 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import (
+    CommittedHeader,
     committed_names,
     open_committed,
+    open_header,
     recency,
     resolve_name,
 )
@@ -90,7 +92,11 @@ def list_checkpoints(
     found = []
     for name in committed_names(backend):
         try:
-            opened = open_committed(backend, name)
+            if accept is None:
+                header = open_header(backend, name)[0]
+            else:
+                opened = open_committed(backend, name)
+                header = CommittedHeader.of(opened.manifest)
         except CheckpointNotFoundError:
             continue  # removed since it was listed
         except CheckpointCorruptError as exc:
@@ -102,16 +108,15 @@ def list_checkpoints(
             except CheckpointCorruptError as exc:  # not signed with the key: not counted
                 (on_damaged or _log_damaged)(name, exc)
                 continue
-        manifest = opened.manifest
         found.append(
             CheckpointInfo(
                 name=name,
                 path=backend.full_path(name),
-                size_bytes=manifest.total_bytes,
-                created_at=manifest.created_at,
-                world_size=manifest.world_size,
-                step=manifest.step,
-                save_id=manifest.save_id,
+                size_bytes=header.size_bytes,
+                created_at=header.created_at,
+                world_size=header.world_size,
+                step=header.step,
+                save_id=header.save_id,
             )
         )
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))

@@ -24,7 +24,9 @@ from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
+from dcp_safe.manager.transport import decode_error
 from dcp_safe.manager.verdicts import Verdicts
+from dcp_safe.manager.worker import SaveWorker
 
 __all__ = ["FollowUp"]
 
@@ -55,18 +57,18 @@ class FollowUp:
         handle: SaveHandle,
         upload: Future[Any],
         writer: SafeStorageWriter,
-        replication: Callable[[str], Future[Any]] | None = None,
+        worker: SaveWorker | None = None,
     ) -> None:
         """An asynchronous save's upload ended: fail the handle, or follow its commit up.
 
-        ``replication``: where the save's replication future comes from when not from
-        ``writer`` (the process executor's worker replicates)."""
+        ``worker``: the process executor's, which replicated and checked the save (its futures
+        and check are taken from it rather than from ``writer`` and :class:`Tiers`)."""
         try:
             error = upload.exception()
             if error is not None and self.verdicts is None:
                 self.ledger.fail(handle, error, tier="local")
             else:
-                self.after_commit(handle, writer, error, replication)
+                self.after_commit(handle, writer, error, worker)
         except BaseException as exc:  # a bug here must not leave the handle unresolved
             self.ledger.fail(handle, exc, tier="local")
 
@@ -75,11 +77,11 @@ class FollowUp:
         handle: SaveHandle,
         writer: SafeStorageWriter,
         error: BaseException | None = None,
-        replication: Callable[[str], Future[Any]] | None = None,
+        worker: SaveWorker | None = None,
     ) -> None:
         """``handle`` committed locally through ``writer`` (or failed with ``error``, which in a
         multi-rank job the coordinator's verdict may overrule: see :mod:`.verdicts`)."""
-        failure = (error, None) if error is not None else self._check(handle, writer, replication)
+        failure = (error, None) if error is not None else self._check(handle, writer, worker)
         if self.verdicts is not None:
             key = self.verdicts.key_for(handle.name)
             if self.verdicts.coordinator:
@@ -101,7 +103,7 @@ class FollowUp:
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
         self.switch.on_committed(handle)
-        self._replicate(handle, writer, replication or writer.replication)
+        self._replicate(handle, writer, (worker or writer).replication)
         try:
             self.tiers.prune()
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
@@ -117,15 +119,23 @@ class FollowUp:
         self,
         handle: SaveHandle,
         writer: SafeStorageWriter,
-        replication: Callable[[str], Future[Any]] | None = None,
+        worker: SaveWorker | None = None,
     ) -> tuple[BaseException, str] | None:
         """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
         try:
-            self.tiers.await_commit(handle.name, writer, replication)
+            self.tiers.await_commit(
+                handle.name, writer, None if worker is None else worker.replication
+            )
         except (DcpSafeError, OSError) as exc:
             return exc, f"remote commit failed: {exc}"
         try:
-            self.tiers.verify(handle.name, deep=self.deep)
+            checked = None if worker is None else worker.checked(handle.name)
+            if checked is None:
+                self.tiers.verify(handle.name, deep=self.deep)
+            elif checked.error is not None:
+                raise decode_error(checked.error)
+            else:
+                self.tiers.trust(handle.name)
         except (DcpSafeError, OSError) as exc:
             return exc, f"verification failed: {exc}"
         return None

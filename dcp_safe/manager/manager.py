@@ -279,8 +279,9 @@ class CheckpointManager:
         if in_process and self.stager.shared is not None:
             groups = WorkerGroups.for_job(self._agreement)  # several ranks: theirs to form
             adopt = None if telemetry is None else self._spans.adopt  # the worker's spans
+            deep = self._tiers.deep_here(self.validate is Validation.DEEP)
             self._runner.worker = SaveWorker(
-                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups, adopt
+                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups, adopt, deep
             )
         self._admitter = Admitter(
             agreement=self._agreement,

@@ -210,8 +210,7 @@ class SaveRunner:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
             self.saw_failure(BACKGROUND, upload.exception(), group)
-            replication = None if self.worker is None else self.worker.replication
-            self.follow_up.after_upload(handle, upload, self.writer, replication)
+            self.follow_up.after_upload(handle, upload, self.writer, self.worker)
         finally:
             self._finish_slot()
 

@@ -18,9 +18,7 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
-from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.dcp.group import DEFAULT_DEADLINE_S
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.peer_reader import PeerCacheReader
@@ -28,6 +26,7 @@ from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.commit_check import check_commit
 from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
@@ -123,14 +122,16 @@ class Tiers:
 
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
-        if deep and self.coordinator:
-            verify_checkpoint(
-                self.root, name, storage_options=self.storage_options, signing_key=self.signing_key
-            )
-        else:
-            opened = open_committed(self.backend, name)
-            if self.signing_key is not None:
-                check_signed(self.backend, opened, self.signing_key)
+        check_commit(self.writer, name, deep=self.deep_here(deep))
+        self.trust(name)
+
+    def deep_here(self, deep: bool) -> bool:
+        """Whether this rank checks every byte of a new checkpoint (the coordinator's job)."""
+        return deep and self.coordinator
+
+    def trust(self, name: str) -> None:
+        """``name`` passed its check (here, or in the checkpoint worker): retention may count
+        it, and prune behind it."""
         with self._cond:
             self._validated.add(name)
             self._newest_own = name

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, ConfigError, WorkerDiedError
+from dcp_safe.manager.commit_check import Checked
 from dcp_safe.manager.transport import StateEncoder, decode_error
 from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups, store_address
 from dcp_safe.staging import BudgetedStager
@@ -64,8 +65,10 @@ class _Process:
         group: WorkerGroup | None = None,
         broke: Callable[[_Process], None] = lambda _: None,
         adopt: Adopt | None = None,
+        checks: dict[str, Checked] | None = None,
+        deep: bool = False,
     ) -> None:
-        self.lock = lock  # the SaveWorker's: guards saves, replications and dead
+        self.lock = lock  # the SaveWorker's: guards saves, replications, checks and dead
         self.group = group
         self.broke = broke  # told of a death or a failed group (not of a retirement)
         self.adopt = adopt  # given each save's spans from the worker, before its future
@@ -83,7 +86,8 @@ class _Process:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(("writer", writer, per_rank, group))
+        self.conn.send(("writer", writer, per_rank, group, deep))
+        self.checks = {} if checks is None else checks  # by name, until the follow-up takes it
         self.mapped: set[int] = set()
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
@@ -115,6 +119,7 @@ class _Process:
                 replicated = self.replications.get(name) if name in self.replicating else None
             if message[3]:  # before the save fails: whoever sees it sees the group marked too
                 self.broke(self)
+            self._checked(name, message[5])
             if self.adopt is not None:  # before the follow-up ends the root span
                 try:
                     self.adopt(name, message[4], replicated if message[2] is None else None)
@@ -128,6 +133,7 @@ class _Process:
                 replicated.set_exception(error)  # nothing to replicate: done, purged later
             future.set_exception(error)
         elif kind == "replicated":
+            self._checked(message[1], message[3])
             with self.lock:
                 replicated = self.replications.setdefault(message[1], Future())
             if message[2] is None:
@@ -136,6 +142,15 @@ class _Process:
                 replicated.set_exception(decode_error(message[2]))
         elif kind == "closed":
             self.closed.set_result(None if message[1] is None else decode_error(message[1]))
+
+    def _checked(self, name: str, checked: Checked | None) -> None:
+        """Keep the worker's check of ``name`` for its follow-up (before the future it waits
+        for resolves)."""
+        if checked is None:
+            return
+        checked.remember()
+        with self.lock:
+            self.checks[name] = checked
 
     def died(self) -> None:
         """The worker is gone (or being given up on): fail what it held."""
@@ -182,6 +197,8 @@ class SaveWorker:
         adopt: called with a save's name, the plan, write and commit span events its worker
             recorded and its replication's future (``None`` unless it succeeded and
             replicates), before the save's future resolves; ``None``: the worker records none.
+        deep: the worker checks every byte of each new checkpoint, not only its marker and
+            manifest (:func:`~dcp_safe.manager.commit_check.check_commit`).
     """
 
     def __init__(
@@ -192,9 +209,12 @@ class SaveWorker:
         timeout_s: float = 600.0,
         groups: WorkerGroups | None = None,
         adopt: Adopt | None = None,
+        deep: bool = False,
     ) -> None:
         self.writer = writer
         self.adopt = adopt
+        self.deep = deep
+        self._checks: dict[str, Checked] = {}
         self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
@@ -227,6 +247,11 @@ class SaveWorker:
             replicated = self._replications.get(name)
         # No worker replicates it (it was saved before this manager): watch the remote marker.
         return self.writer.replication(name) if replicated is None else replicated
+
+    def checked(self, name: str) -> Checked | None:
+        """The worker's check of ``name``, once (``None``: it ran none, the caller checks)."""
+        with self._lock:
+            return self._checks.pop(name, None)
 
     def close(self, timeout_s: float | None) -> None:
         """Stop the worker within ``timeout_s`` (default: the one given at construction; it is
@@ -315,6 +340,8 @@ class SaveWorker:
                 group,
                 self._broke,
                 self.adopt,
+                self._checks,
+                self.deep,
             )
             process.reader.start()
         assert process is not None

@@ -4,22 +4,27 @@ Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket
 It lowers its own priority, then serves the parent's messages in order until told to close or
 the parent is gone::
 
-    ("writer", writer, per_rank, group)  the manager's writer (pickled once), per-rank keys, and
-                                     with several ranks the workers' group to join first
-                                     (:class:`~dcp_safe.manager.worker_group.WorkerGroup`)
+    ("writer", writer, per_rank, group, deep)
+                                     the manager's writer (pickled once), per-rank keys, with
+                                     several ranks the workers' group to join first
+                                     (:class:`~dcp_safe.manager.worker_group.WorkerGroup`),
+                                     and how each new checkpoint is checked (every byte or not)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
     ("save", seq, name, step, data, record)
                                      save the staged state ``data``: plan, write, checksums,
-                                     manifest, commit; reply ("done", seq, error or None,
+                                     manifest, commit, check; reply ("done", seq, error or None,
                                      whether the workers' group broke, the save's plan, write
-                                     and commit spans when ``record``), then, with
-                                     ``replicate_to``, ("replicated", name, error or None)
+                                     and commit spans when ``record``, its check or None),
+                                     then, with ``replicate_to`` or a node-local cache,
+                                     ("replicated", name, error or None, its check or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
-With ``record`` (the parent's manager has telemetry) the save's writer is wrapped as the thread
-executor wraps it, and its span events go back with the reply, for the parent to adopt under
-the save's root span (:meth:`~dcp_safe.telemetry.Telemetry.adopt`).
+A check (:mod:`~dcp_safe.manager.commit_check`) follows the commit here, so that the training
+process parses no manifest of its saves; a node-local save is checked once its remote commit is
+done, before that is reported. With ``record`` (the parent's manager has telemetry) the save's
+writer is wrapped as the thread executor wraps it, and its span events go back with the reply,
+for the parent to adopt under the save's root span (:meth:`~dcp_safe.telemetry.Telemetry.adopt`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch.distributed as dist
 from dcp_safe.dcp import api
 from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.manager.commit_check import Checked, check_commit
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join
 from dcp_safe.telemetry.events import Event
@@ -78,6 +84,7 @@ class _Worker:
         self.writer: SafeStorageWriter | None = None
         self.per_rank: tuple[str, ...] = ()
         self.group: WorkerGroup | None = None
+        self.deep = False  # check every byte of a new checkpoint
         self.not_joined: bytes | None = None  # why it could not join: every save fails so
         self.clock = anchored_clock()  # one anchor for every save's spans
 
@@ -94,6 +101,7 @@ class _Worker:
             kind = message[0]
             if kind == "writer":
                 self.writer, self.per_rank, self.group = message[1], tuple(message[2]), message[3]
+                self.deep = bool(message[4])
                 self._join()
             elif kind == "slab":
                 map_slab(message[1], recv_handle(self.conn), message[2])
@@ -120,7 +128,7 @@ class _Worker:
             {"no_dist": True} if self.group is None else {"deadline_s": self.group.timeout_s}
         )
         if self.not_joined is not None:
-            self.reply("done", seq, self.not_joined, True, [])
+            self.reply("done", seq, self.not_joined, True, [], None)
             return
         # A recorder of this save alone (no sampler, no thread): its events go with the reply.
         telemetry = Telemetry(sample_memory=False, rank=0, clock=self.clock) if record else None
@@ -135,18 +143,34 @@ class _Worker:
                 **where,
             )
         except BaseException as exc:
-            self.reply("done", seq, encode_error(exc), is_group_failure(exc), _events(telemetry))
+            error = encode_error(exc)
+            self.reply("done", seq, error, is_group_failure(exc), _events(telemetry), None)
             return
         finally:
             state = None  # no view of the parent's buffers outlives the save
-        self.reply("done", seq, None, False, _events(telemetry))
+        cached = writer.topology.node_cache is not None  # committed once uploaded
+        checked = None if cached else self._check(writer, name)
+        self.reply("done", seq, None, False, _events(telemetry), checked)
         if writer.remote is not None:
-            writer.replication(name).add_done_callback(lambda f: self._replicated(name, f))
+            writer.replication(name).add_done_callback(
+                lambda f: self._replicated(writer, name, f, check=cached)
+            )
 
-    def _replicated(self, name: str, done: Future[Any]) -> None:
+    def _check(self, writer: SafeStorageWriter, name: str) -> Checked:
+        try:
+            digest, header = check_commit(writer, name, deep=self.deep)
+        except BaseException as exc:  # the parent fails the save with it, as its own check would
+            return Checked(error=encode_error(exc))
+        return Checked(digest=digest, header=header)
+
+    def _replicated(
+        self, writer: SafeStorageWriter, name: str, done: Future[Any], *, check: bool
+    ) -> None:
         error = done.exception()
+        checked = self._check(writer, name) if check and error is None else None
         with contextlib.suppress(OSError):
-            self.reply("replicated", name, None if error is None else encode_error(error))
+            encoded = None if error is None else encode_error(error)
+            self.reply("replicated", name, encoded, checked)
 
     def close(self, timeout_s: float | None) -> None:
         error = None

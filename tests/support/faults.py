@@ -93,6 +93,30 @@ class RecordsPlans(SafeStorageWriter):
         return result
 
 
+class DamagesAfterCommit(SafeStorageWriter):
+    """Damages the save of step ``at_step`` once it is committed (wherever the writer runs):
+    ``"manifest"`` rewrites a byte of its manifest (the marker no longer matches), ``"shard"``
+    flips a byte of rank 0's shard (only a check of every byte sees it)."""
+
+    def __init__(self, root: str, *, at_step: int, part: str, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.at_step = at_step
+        self.part = part
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        if self.step != self.at_step:
+            return
+        folder = Path(self.root) / str(self.checkpoint_id)
+        part = self.part == "manifest"
+        target = folder / (
+            dcp_safe.layout.MANIFEST if part else dcp_safe.layout.shard_file_name(0, 0)
+        )
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+
+
 class Planted:
     """Unpickling it creates the directory ``path``: a stand-in for any code an attacker runs."""
 
