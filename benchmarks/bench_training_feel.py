@@ -39,7 +39,8 @@ Contenders:
   until ``handle.committed`` resolves (committed, verified, retention ran).
 * ``manager_process``: the same with ``executor="process"``: the stager copies into shared
   slabs, and the write, commit and checksums run in the manager's worker process (started by
-  the untimed warm-up save); verification and retention still run here.
+  the untimed warm-up save), and so does the check of each new checkpoint; retention still
+  runs here.
 
 All contenders run under one 1-rank gloo process group (``127.0.0.1``), which DCP's process
 executor needs and a real job has; it is created here unless one exists, and destroyed after.
