@@ -112,7 +112,7 @@ def list_checkpoints(
             CheckpointInfo(
                 name=name,
                 path=backend.full_path(name),
-                size_bytes=header.size_bytes,
+                size_bytes=header.total_bytes,
                 created_at=header.created_at,
                 world_size=header.world_size,
                 step=header.step,

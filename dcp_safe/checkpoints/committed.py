@@ -80,7 +80,7 @@ class CommittedHeader:
     step: int | None
     created_at: float
     world_size: int
-    size_bytes: int
+    total_bytes: int
     save_id: str
 
     @classmethod
@@ -90,7 +90,7 @@ class CommittedHeader:
             step=manifest.step,
             created_at=manifest.created_at,
             world_size=manifest.world_size,
-            size_bytes=manifest.total_bytes,
+            total_bytes=manifest.total_bytes,
             save_id=manifest.save_id,
         )
 

@@ -83,7 +83,8 @@ class SaveHandle:
         committed: resolves with ``name`` once committed locally, verified, and retention ran;
             fails with the upload's or verification's error; cancelled if a newer coalesced
             request replaced this one.
-        replicated: resolves once committed on ``replicate_to`` (``None`` without one).
+        replicated: resolves once committed on ``replicate_to`` (``None`` without one), with
+            the replica's manifest (``executor="process"``: its ``CommittedHeader``).
     """
 
     step: int

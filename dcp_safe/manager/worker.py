@@ -137,7 +137,7 @@ class _Process:
             with self.lock:
                 replicated = self.replications.setdefault(message[1], Future())
             if message[2] is None:
-                replicated.set_result(None)
+                replicated.set_result(message[4])  # the replica's header, as bytes for its span
             else:
                 replicated.set_exception(decode_error(message[2]))
         elif kind == "closed":

@@ -17,7 +17,8 @@ the parent is gone::
                                      whether the workers' group broke, the save's plan, write
                                      and commit spans when ``record``, its check or None),
                                      then, with ``replicate_to`` or a node-local cache,
-                                     ("replicated", name, error or None, its check or None)
+                                     ("replicated", name, error or None, its check or None,
+                                     the replica manifest's header or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
 A check (:mod:`~dcp_safe.manager.commit_check`) follows the commit here, so that the training
@@ -42,12 +43,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_safe.checkpoints.committed import CommittedHeader
 from dcp_safe.dcp import api
 from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager.commit_check import Checked, check_commit
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join
+from dcp_safe.manifest.schema import Manifest
 from dcp_safe.telemetry.events import Event
 from dcp_safe.telemetry.memory import anchored_clock
 from dcp_safe.telemetry.recorder import Telemetry
@@ -168,9 +171,13 @@ class _Worker:
     ) -> None:
         error = done.exception()
         checked = self._check(writer, name) if check and error is None else None
+        # Its header, not the whole manifest: what the span's bytes and the handle need, and
+        # no per-item unpickling in the training process.
+        replica = None if error is not None else done.result()
+        header = CommittedHeader.of(replica) if isinstance(replica, Manifest) else None
         with contextlib.suppress(OSError):
             encoded = None if error is None else encode_error(error)
-            self.reply("replicated", name, encoded, checked)
+            self.reply("replicated", name, encoded, checked, header)
 
     def close(self, timeout_s: float | None) -> None:
         error = None

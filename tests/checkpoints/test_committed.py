@@ -113,7 +113,7 @@ def test_listings_keep_headers_after_the_parsed_manifest_is_dropped(
     assert len(parses) == 1
     assert digest == opened.digest
     assert header == CommittedHeader.of(opened.manifest)
-    assert (header.step, header.size_bytes) == (1, opened.manifest.total_bytes)
+    assert (header.step, header.total_bytes) == (1, opened.manifest.total_bytes)
     [info] = dcp_safe.list_checkpoints(tmp_path)
     assert (info.name, info.step, info.save_id) == ("step_0001", 1, opened.manifest.save_id)
     assert committed.resolve_name(backend, "latest") == "step_0001"

@@ -228,6 +228,10 @@ def test_the_workers_phase_spans_reach_the_parents_telemetry(tmp_path: Path) -> 
     assert write.bytes is not None and write.bytes > 0 and commit.bytes == write.bytes
     replication = only(spans, "replication")
     assert replication.parent is None and replication.ok and replication.start >= commit.end
+    # The replica's manifest bytes (as with threads), from the header the worker sent back.
+    replica = handle.replicated.result(0)
+    assert (replica.name, replica.step) == (name, 4)
+    assert replication.bytes == replica.total_bytes > 0
     assert all(s.ok for s in spans)
 
 
