@@ -73,6 +73,7 @@ class _Process:
         self.broke = broke  # told of a death or a failed group (not of a retirement)
         self.adopt = adopt  # given each save's spans from the worker, before its future
         self.retired = False
+        self.served = False  # it was given a save (set under the lock)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The worker imports what the parent can (a writer subclass of a test, say).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -215,6 +216,7 @@ class SaveWorker:
         self.adopt = adopt
         self.deep = deep
         self._checks: dict[str, Checked] = {}
+        self._cold: set[str] = set()  # saves that started their worker
         self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
@@ -247,6 +249,14 @@ class SaveWorker:
             replicated = self._replications.get(name)
         # No worker replicates it (it was saved before this manager): watch the remote marker.
         return self.writer.replication(name) if replicated is None else replicated
+
+    def cold(self, name: str) -> bool:
+        """Whether save ``name`` started its worker (once; its latency includes the start)."""
+        with self._lock:
+            if name not in self._cold:
+                return False
+            self._cold.discard(name)
+            return True
 
     def checked(self, name: str) -> Checked | None:
         """The worker's check of ``name``, once (``None``: it ran none, the caller checks)."""
@@ -302,6 +312,9 @@ class SaveWorker:
         """The save in the live worker's book (the state kept alive there); its sequence."""
         with self._lock:
             process = self._started()
+            if not process.served:  # its first save: the worker starts for it
+                self._cold = {name}  # an earlier one's follow-up ran, or never will (failed)
+            process.served = True
             self._seq += 1
             process.saves[self._seq] = (done, name, state)
             if self.writer.remote is not None:

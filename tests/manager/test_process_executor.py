@@ -327,6 +327,27 @@ def test_the_worker_checks_each_commit_so_training_parses_no_manifest(
         assert len(parsed) == 4
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_save_that_starts_the_worker_is_no_evidence_of_slow_storage(
+    tmp_path: Path, executor: str
+) -> None:
+    # Its completion includes an interpreter and torch starting (1-4 s here): with saves a
+    # few seconds apart that alone tripped the latency fallback to synchronous saves.
+    with CheckpointManager(tmp_path, executor=executor) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, make_state(step)).committed.result(_TIMEOUT_S)
+        fed = list(manager._switch.monitor._durations)
+        if executor == "process":
+            first = _worker_pid(manager)
+            os.kill(first, signal.SIGKILL)
+            psutil.Process(first).wait(_TIMEOUT_S)
+            manager.save(4, make_state(4)).committed.result(_TIMEOUT_S)  # a new worker
+            assert _worker_pid(manager) != first
+            assert list(manager._switch.monitor._durations) == fed
+        assert manager.stats().fallback_reason is None
+    assert len(fed) == (2 if executor == "process" else 3)
+
+
 _PARENT = """
 import os, signal, sys, torch
 from dcp_safe import CheckpointManager
