@@ -26,6 +26,7 @@ __all__ = [
     "CommittedHeader",
     "committed_names",
     "open_committed",
+    "keep_parsed",
     "open_header",
     "remember_header",
     "resolve_name",
@@ -45,6 +46,15 @@ _parsed_lock = threading.Lock()
 # or in the checkpoint worker that verified a new checkpoint: ``remember_header``).
 _HEADERS_KEPT = 1024
 _headers: OrderedDict[str, CommittedHeader] = OrderedDict()
+
+
+def keep_parsed(count: int) -> None:
+    """Keep at most ``count`` parsed manifests in this process from now on (default 4)."""
+    global _PARSED_KEPT
+    with _parsed_lock:
+        _PARSED_KEPT = count
+        while len(_parsed) > count:
+            _parsed.popitem(last=False)
 
 
 def _parse(raw: bytes, digest: str, path: str) -> Manifest:
