@@ -11,10 +11,9 @@ fresh reads, no parse.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from support import make_state, resign_manifest
+from support import make_state, manifest_parses, resign_manifest
 
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageWriter, layout
@@ -32,15 +31,7 @@ from dcp_safe.manifest.schema import Manifest
 @pytest.fixture
 def parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths ``Manifest.from_json`` parses from now on."""
-    seen: list[str] = []
-    parse = Manifest.from_json.__func__  # type: ignore[attr-defined]
-
-    def counting(cls: Any, data: bytes, path: str) -> Any:
-        seen.append(path)
-        return parse(cls, data, path)
-
-    monkeypatch.setattr(Manifest, "from_json", classmethod(counting))
-    return seen
+    return manifest_parses(monkeypatch)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from support import assert_state_equal, blank_like, make_state
+from support import assert_state_equal, blank_like, make_state, manifest_parses
 from support.faults import DamagesAfterCommit, DiesInWriteData, DiesMidWrite
 from telemetry._spans import check_nesting, intervals, only, phases
 from torch.distributed import TCPStore
@@ -44,7 +44,6 @@ from dcp_safe import (
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join, store_address
-from dcp_safe.manifest.schema import Manifest
 from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.telemetry import Telemetry
@@ -307,14 +306,7 @@ def test_the_worker_checks_each_commit_so_training_parses_no_manifest(
     # A manifest parse is Python on a thread of the training process (~0.3 s at 10,000
     # items); with the process executor the worker checks each commit and hands back its
     # header, which retention lists by.
-    parsed: list[str] = []
-    parse = Manifest.from_json.__func__  # type: ignore[attr-defined]
-
-    def counting(cls: Any, data: bytes, path: str) -> Any:
-        parsed.append(path)
-        return parse(cls, data, path)
-
-    monkeypatch.setattr(Manifest, "from_json", classmethod(counting))
+    parsed = manifest_parses(monkeypatch)
     with CheckpointManager(tmp_path, executor=executor, keep_last=2) as manager:
         for step in range(1, 5):
             handle = manager.save(step, make_state(step))

@@ -1,12 +1,14 @@
 """Helpers shared by the tests, by job: ``states`` (state dicts, load targets, exact
 comparisons), ``faults`` (writers that fail, die or stall on purpose), ``tamper`` (editing a
-committed checkpoint as a root writer can) and ``scripts`` (a script loaded as a module).
+committed checkpoint as a root writer can), ``scripts`` (a script loaded as a module) and
+``counting`` (what a test says must not happen in this process).
 
 The names most tests use are re-exported here, so ``from support import make_state`` works.
 """
 
 from __future__ import annotations
 
+from .counting import manifest_parses
 from .scripts import load_script
 from .states import (
     assert_state_equal,
@@ -29,6 +31,7 @@ __all__ = [
     "gather_full",
     "load_script",
     "make_state",
+    "manifest_parses",
     "rank_union",
     "resign_manifest",
     "shard_rows",
