@@ -16,9 +16,11 @@ mean, says more about the neighbours than about the code. What lives here:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +34,7 @@ from dcp_safe.bench.measure import RssSampler, median, rotate
 from dcp_safe.units import format_size
 
 __all__ = [
+    "MIB",
     "RssSampler",
     "describe_machine",
     "describe_machine_line",
@@ -40,6 +43,7 @@ __all__ = [
     "format_size",
     "markdown_table",
     "median",
+    "parse_state",
     "process_cpu_seconds",
     "rotate",
     "timed",
@@ -50,6 +54,15 @@ T = TypeVar("T")
 
 GIB = 1 << 30
 MIB = 1 << 20
+UNITS = {"KiB": 1 << 10, "MiB": MIB, "GiB": GIB}
+
+
+def parse_state(text: str) -> tuple[int, int]:
+    """A ``--states`` entry, ``COUNTxSIZE`` float32 tensors: ``"16x16MiB"`` -> (16, 16 MiB)."""
+    found = re.fullmatch(r"(\d+)x(\d+)(KiB|MiB|GiB)", text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"a state is COUNTxSIZE, e.g. 16x16MiB, not {text!r}")
+    return int(found[1]), int(found[2]) * UNITS[found[3]]
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:

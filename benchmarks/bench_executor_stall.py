@@ -19,7 +19,6 @@ copy. Medians over rounds; ratios against the thread executor's. Results:
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,21 +27,20 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import describe_machine, markdown_table, median, rotate, run_and_report, write_results
+from _common import (
+    describe_machine,
+    markdown_table,
+    median,
+    parse_state,
+    rotate,
+    run_and_report,
+    write_results,
+)
 
 from dcp_safe import CheckpointManager
 
 RESULTS = Path(__file__).resolve().parent / "results"
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 EXECUTORS = ("thread", "process")
-
-
-def parse_state(text: str) -> tuple[int, int]:
-    """``"16x16MiB"`` -> (16, 16 MiB)."""
-    found = re.fullmatch(r"(\d+)x(\d+)(KiB|MiB|GiB)", text)
-    if found is None:
-        raise argparse.ArgumentTypeError(f"a state is COUNTxSIZE, e.g. 16x16MiB, not {text!r}")
-    return int(found[1]), int(found[2]) * UNITS[found[3]]
 
 
 def measure(work: Path, label: str, count: int, size: int, rounds: int) -> dict[str, Any]:

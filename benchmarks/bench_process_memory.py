@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -36,22 +35,20 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RssSampler, describe_machine, markdown_table, run_and_report, write_results
+from _common import (
+    MIB,
+    RssSampler,
+    describe_machine,
+    markdown_table,
+    parse_state,
+    run_and_report,
+    write_results,
+)
 
 from dcp_safe import CheckpointManager
 
 RESULTS = Path(__file__).resolve().parent / "results"
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 EXECUTORS = ("thread", "process")
-MiB = 1 << 20
-
-
-def parse_state(text: str) -> tuple[int, int]:
-    """``"16x16MiB"`` -> (16, 16 MiB)."""
-    found = re.fullmatch(r"(\d+)x(\d+)(KiB|MiB|GiB)", text)
-    if found is None:
-        raise argparse.ArgumentTypeError(f"a state is COUNTxSIZE, e.g. 16x16MiB, not {text!r}")
-    return int(found[1]), int(found[2]) * UNITS[found[3]]
 
 
 def child(executor: str, state_text: str, saves: int, root: str) -> dict[str, Any]:
@@ -111,10 +108,10 @@ def report(results: dict[str, Any]) -> str:
                 [
                     row["label"],
                     executor,
-                    f"{r['state_bytes'] / MiB:.0f}",
-                    f"{r['parent_peak_bytes'] / MiB:.0f}",
-                    f"{r['worker_uss_bytes'] / MiB:.0f}",
-                    f"{r['host_bytes'] / MiB:.0f} ({r['host_over_generation']:.2f})",
+                    f"{r['state_bytes'] / MIB:.0f}",
+                    f"{r['parent_peak_bytes'] / MIB:.0f}",
+                    f"{r['worker_uss_bytes'] / MIB:.0f}",
+                    f"{r['host_bytes'] / MIB:.0f} ({r['host_over_generation']:.2f})",
                 ]
             )
     headers = [

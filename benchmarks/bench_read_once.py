@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from _common import (
     evict,
     markdown_table,
     median,
+    parse_state,
     rotate,
     run_and_report,
     write_results,
@@ -53,17 +53,8 @@ from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.units import format_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 CONTENDERS = ("read_once", "every_rank")
 CACHES = ("warm", "evicted")
-
-
-def parse_state(text: str) -> tuple[int, int]:
-    """``"16x16MiB"`` -> (16, 16 MiB)."""
-    found = re.fullmatch(r"(\d+)x(\d+)(KiB|MiB|GiB)", text)
-    if found is None:
-        raise argparse.ArgumentTypeError(f"a state is COUNTxSIZE, e.g. 16x16MiB, not {text!r}")
-    return int(found[1]), int(found[2]) * UNITS[found[3]]
 
 
 def make_state(count: int, size: int) -> dict[str, torch.Tensor]:

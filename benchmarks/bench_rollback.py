@@ -23,7 +23,6 @@ checked nothing would cost). Medians over rounds; ratios against ``restore_warm`
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from _common import (
     evict,
     markdown_table,
     median,
+    parse_state,
     rotate,
     run_and_report,
     write_results,
@@ -46,16 +46,7 @@ from _common import (
 from dcp_safe import CheckpointManager
 
 RESULTS = Path(__file__).resolve().parent / "results"
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 CONTENDERS = ("rollback", "restore_warm", "restore_evicted", "copy_floor")
-
-
-def parse_state(text: str) -> tuple[int, int]:
-    """``"16x16MiB"`` -> (16, 16 MiB)."""
-    found = re.fullmatch(r"(\d+)x(\d+)(KiB|MiB|GiB)", text)
-    if found is None:
-        raise argparse.ArgumentTypeError(f"a state is COUNTxSIZE, e.g. 16x16MiB, not {text!r}")
-    return int(found[1]), int(found[2]) * UNITS[found[3]]
 
 
 def make_state(count: int, size: int) -> dict[str, torch.Tensor]:

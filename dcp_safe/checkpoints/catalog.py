@@ -20,6 +20,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import (
+    CommittedCheckpoint,
     CommittedHeader,
     committed_names,
     open_committed,
@@ -35,7 +36,13 @@ from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManif
 from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.verify import check_stream, items_by_file
 
-__all__ = ["CheckpointInfo", "VerifyReport", "list_checkpoints", "verify_checkpoint"]
+__all__ = [
+    "CheckpointInfo",
+    "VerifyReport",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "verify_opened",
+]
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +169,32 @@ def verify_checkpoint(
     """
     started = time.perf_counter()
     backend = open_backend(os.fspath(root), storage_options)
-    name = resolve_name(backend, name)
-    opened = open_committed(backend, name)
-    manifest = opened.manifest
+    opened = open_committed(backend, resolve_name(backend, name))
+    return verify_opened(
+        backend,
+        opened,
+        progress=progress,
+        deep=deep,
+        signing_key=signing_key,
+        allow_pickle=allow_pickle,
+        started=started,
+    )
+
+
+def verify_opened(
+    backend: Backend,
+    opened: CommittedCheckpoint,
+    *,
+    progress: Callable[[FileRecord], None] | None = None,
+    deep: bool = True,
+    signing_key: bytes | str | None = None,
+    allow_pickle: bool = False,
+    started: float | None = None,
+) -> VerifyReport:
+    """:func:`verify_checkpoint` of a checkpoint already opened on ``backend`` (its marker and
+    manifest are not read again); ``started``: when the check began (default: now)."""
+    started = time.perf_counter() if started is None else started
+    name, manifest = opened.name, opened.manifest
     key = resolve_key(signing_key)
     if key is not None:
         check_signed(backend, opened, key)

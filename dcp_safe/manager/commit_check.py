@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcp_safe.checkpoints.catalog import verify_checkpoint
+from dcp_safe.checkpoints.catalog import verify_opened
 from dcp_safe.checkpoints.committed import CommittedHeader, open_committed, remember_header
 from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.dcp.writer import SafeStorageWriter
@@ -53,16 +53,10 @@ def check_commit(
         CheckpointNotFoundError: no commit marker.
         OSError: storage failed.
     """
-    topology, key = writer.topology, writer.options.signing_key
+    backend, key = writer.commit_backend, writer.options.signing_key
+    opened = open_committed(backend, name)  # its marker and manifest, read once
     if deep:
-        verify_checkpoint(
-            topology.commit.url,
-            name,
-            storage_options=topology.commit.storage_options,
-            signing_key=key,
-        )
-    # After a deep check this is one more small read: the parse is cached by digest.
-    opened = open_committed(writer.commit_backend, name)
-    if key is not None and not deep:
-        check_signed(writer.commit_backend, opened, key)
+        verify_opened(backend, opened, signing_key=key)
+    elif key is not None:
+        check_signed(backend, opened, key)
     return opened.digest, CommittedHeader.of(opened.manifest)

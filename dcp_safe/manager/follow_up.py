@@ -123,9 +123,7 @@ class FollowUp:
     ) -> tuple[BaseException, str] | None:
         """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
         try:
-            self.tiers.await_commit(
-                handle.name, writer, None if worker is None else worker.replication
-            )
+            self.tiers.await_commit(handle.name, writer, (worker or writer).replication)
         except (DcpSafeError, OSError) as exc:
             return exc, f"remote commit failed: {exc}"
         try:

@@ -216,7 +216,7 @@ class SaveWorker:
         self.adopt = adopt
         self.deep = deep
         self._checks: dict[str, Checked] = {}
-        self._cold: set[str] = set()  # saves that started their worker
+        self._cold: str | None = None  # the save that started the live worker
         self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
@@ -253,9 +253,9 @@ class SaveWorker:
     def cold(self, name: str) -> bool:
         """Whether save ``name`` started its worker (once; its latency includes the start)."""
         with self._lock:
-            if name not in self._cold:
+            if self._cold != name:
                 return False
-            self._cold.discard(name)
+            self._cold = None
             return True
 
     def checked(self, name: str) -> Checked | None:
@@ -313,7 +313,7 @@ class SaveWorker:
         with self._lock:
             process = self._started()
             if not process.served:  # its first save: the worker starts for it
-                self._cold = {name}  # an earlier one's follow-up ran, or never will (failed)
+                self._cold = name  # an earlier one's follow-up ran, or never will (failed)
             process.served = True
             self._seq += 1
             process.saves[self._seq] = (done, name, state)
