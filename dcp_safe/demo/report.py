@@ -62,6 +62,7 @@ class DemoReport:
     rss_peak_bytes: int = 0
     host_available_min_bytes: int = 0
     memory_source: str = ""
+    executor: str = ""
     stats: ManagerStats | None = None
     local: list[CheckpointInfo] = field(default_factory=list)
     remote_checkpoints: list[CheckpointInfo] = field(default_factory=list)
@@ -141,6 +142,15 @@ def _memory_lines(report: DemoReport) -> list[str]:
         " synchronous baseline saves, upload buffers and, without --remote, the S3 server's"
         " stored objects)",
     ]
+    if report.executor == "process":
+        lines.append(
+            "the saves' writes, commits and uploads ran in one checkpoint worker process"
+            " (executor='process'): its own memory is not in the RSS above, and the first"
+            " save's commit includes its start (an interpreter importing torch), which a save"
+            " requested meanwhile waits for (when_busy='wait')"
+        )
+    elif report.executor:
+        lines.append("the saves' writes ran on a thread of this process (executor='thread')")
     if report.budget is not None:
         envelope = report.budget.envelope_bytes
         share = report.pool_peak_bytes / envelope if envelope else float("inf")

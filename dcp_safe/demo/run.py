@@ -192,7 +192,8 @@ def _train_and_save(
     say: Say,
 ) -> None:
     budget = MemoryBudget.from_host()
-    stager = BudgetedStager(budget, when_busy="wait")
+    # Shared memory, so the default executor can hand the staged copies to its worker process.
+    stager = BudgetedStager(budget, when_busy="wait", shared_memory=True)
     report.budget = budget
     # The sampler's own reader, so "before" and "peak" are the same figure (VmRSS).
     report.rss_before_bytes = ProcReader().read(rollup=False)["rss_bytes"] or 0
@@ -208,6 +209,7 @@ def _train_and_save(
         stager=stager,
         when_busy="wait",
     )
+    report.executor = manager.executor
     try:
         with sampler, sampler.busy():
             _loop(trainer, options, manager, scratch, report, say)

@@ -38,6 +38,7 @@ from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.executor import choose_executor
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions, sync_fallback_options
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
@@ -54,7 +55,7 @@ from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
-from dcp_safe.manager.worker import SaveWorker, uses_worker
+from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.manager.worker_group import WorkerGroups
 from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
@@ -86,7 +87,7 @@ class CheckpointManager:
         storage_options: fsspec options for both roots.
         validate: see :class:`Validation`.
         name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
-        writer: used instead of one built here.
+        writer: used instead of one built here (``executor="auto"`` keeps it on a thread).
         sync_fallback: thresholds of the automatic switch to synchronous saves (docs/runbook.md).
             ``fallback=``: its deprecated alias.
         memory_sampler: the node's available bytes at each request, against the budget's
@@ -114,10 +115,10 @@ class CheckpointManager:
             committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
         keep_in_memory: keep the last committed step's staged copy in host memory, inside the
             stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
-        executor: where a background save's write, commit and replication run: ``"thread"``
-            (the default: a thread of this process) or ``"process"`` (one persistent worker
-            process per rank, the staged state shared with it; not with a ``stager`` of your
-            own). See docs/staging.md, "The process executor".
+        executor: where a background save's write, commit and replication run: ``"process"``
+            (a persistent worker process per rank, sharing the staged state), ``"thread"`` (a
+            thread of this process) or ``"auto"`` (the default: the process where it applies,
+            else the thread, the reason logged; :attr:`executor` says which; docs/staging.md).
         peer_copies: with ``node_local``, the nodes holding each node's files: K > 1 copies each
             node cache to K - 1 other nodes, and a restore reads from them (docs/resume.md).
 
@@ -157,7 +158,7 @@ class CheckpointManager:
         initial_load_from: str | os.PathLike[str] | None = None,
         initial_load_keys: Sequence[str] | None = None,
         keep_in_memory: bool = False,
-        executor: str = "thread",
+        executor: str = "auto",
         peer_copies: int = 1,
     ) -> None:
         if not isinstance(save_every, int) or save_every < 1:
@@ -178,12 +179,11 @@ class CheckpointManager:
             warm_start = WarmStart(os.fspath(initial_load_from), keys, storage_options)
         self.name_format = name_format
         self._name_for(0)  # fail early on a bad pattern
-        policies: list[Any] = [KeepLast(keep_last)]
-        if keep_every is not None:
-            policies.append(KeepEvery(keep_every))
-        self.policy = combine(*policies)
+        every = [] if keep_every is None else [KeepEvery(keep_every)]
+        self.policy = combine(KeepLast(keep_last), *every)
         self.storage_options = storage_options
         self.node_local = None if node_local is None else os.fspath(node_local)
+        writer_given = writer is not None
         if writer is None:
             topology = Topology.of(
                 root,
@@ -208,7 +208,8 @@ class CheckpointManager:
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        in_process = uses_worker(executor, stager)
+        self.executor = choose_executor(executor, stager, writer, writer_given=writer_given)
+        in_process = self.executor == "process"
         self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)

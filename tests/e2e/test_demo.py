@@ -37,6 +37,7 @@ def test_demo_restores_from_s3_alone_and_reports_stall_memory_and_cuts(tmp_path:
     assert "training stall, median of 3 saves" in out
     assert "staging pool peak" in out and "envelope" in out
     assert "host memory (dcp_safe.telemetry.MemorySampler" in out
+    assert "ran in one checkpoint worker process (executor='process')" in out  # the default
     assert "committed cut local: step 12 (step_000012)" in out
     assert "committed cut S3   : step 12 (step_000012)" in out
     assert "saves: 3 requested, 3 committed, 0 skipped, 0 failed" in out

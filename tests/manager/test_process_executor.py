@@ -371,7 +371,7 @@ def test_a_killed_parent_leaves_no_worker_and_no_shared_memory(tmp_path: Path) -
 
 
 def test_what_the_process_executor_refuses(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="'thread' or 'process'"):
+    with pytest.raises(ConfigError, match="'auto', 'thread', 'process'"):
         CheckpointManager(tmp_path, executor="fork")
     with pytest.raises(ConfigError, match="shared_memory=True"):
         CheckpointManager(tmp_path, executor="process", stager=BudgetedStager())

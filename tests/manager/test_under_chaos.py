@@ -230,7 +230,10 @@ def test_a_prune_that_fails_after_unpublishing_is_recorded(tmp_path: Path) -> No
     the checkpoint is gone from the listing, and the history says it was pruned, and why."""
     faults = FaultInjector()
     options = {"target_protocol": "file", "faults": faults}
-    manager = CheckpointManager(f"faulty://{tmp_path}", storage_options=options, keep_last=1)
+    # The faults are planned in this process: the save's commit runs on its thread.
+    manager = CheckpointManager(
+        f"faulty://{tmp_path}", storage_options=options, keep_last=1, executor="thread"
+    )
     for step in (1, 2, 3):  # the two newest validated are always kept: step 3 prunes step 1
         if step == 3:
             # This root publishes by marker: step 3 removes its lease after its marker (remove
