@@ -35,12 +35,12 @@ Contenders:
   file_system`` passes shared-memory names instead).
 * ``dcp_safe``: ``dcp_safe.async_save`` with a ``SafeStorageWriter`` and a ``BudgetedStager``;
   stall = the call plus ``staging_completion``; background phase = ``upload_completion``.
-* ``manager``: ``dcp_safe.CheckpointManager(root).save(step, state)``; background phase =
-  until ``handle.committed`` resolves (committed, verified, retention ran).
-* ``manager_process``: the same with ``executor="process"``: the stager copies into shared
-  slabs, and the write, commit and checksums run in the manager's worker process (started by
-  the untimed warm-up save), and so does the check of each new checkpoint; retention still
-  runs here.
+* ``manager``: ``dcp_safe.CheckpointManager(root, executor="thread").save(step, state)``;
+  background phase = until ``handle.committed`` resolves (committed, verified, retention ran).
+* ``manager_process``: the same with ``executor="process"`` (what the default, ``"auto"``,
+  chooses here): the stager copies into shared slabs, and the write, commit and checksums run
+  in the manager's worker process (started with the manager, ready by the untimed warm-up
+  save), and so does the check of each new checkpoint; retention still runs here.
 
 All contenders run under one 1-rank gloo process group (``127.0.0.1``), which DCP's process
 executor needs and a real job has; it is created here unless one exists, and destroyed after.

@@ -1,13 +1,12 @@
 """``SaveWorker``: the parent's side of the checkpoint worker (``executor="process"``).
 
-One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), started when the
-manager is built (alone) or by the first save (several ranks), and reused. The parent stages as
-always, into shared slabs; a sender thread then hands the worker the staged state (tensors by
-place: :mod:`dcp_safe.manager.transport`) and any slab it has not mapped yet. A reader thread
-resolves each save's future from the worker's reply. The staged state stays referenced here
-until then, so its buffers are not reused under the worker's write. A worker that dies fails
-every save it held with :class:`~dcp_safe.errors.WorkerDiedError`; the next save starts a new
-one.
+One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), started by the
+first save and reused (a manager that only restores starts none). The parent stages as always,
+into shared slabs; a sender thread then hands the worker the staged state (tensors by place:
+:mod:`dcp_safe.manager.transport`) and any slab it has not mapped yet. A reader thread resolves
+each save's future from the worker's reply. The staged state stays referenced here until then,
+so its buffers are not reused under the worker's write. A worker that dies fails every save it
+held with :class:`~dcp_safe.errors.WorkerDiedError`; the next save starts a new one.
 
 With several ranks the workers save over a group of their own
 (:mod:`dcp_safe.manager.worker_group`). A death, or a failure of that group, marks it broken;
@@ -226,15 +225,10 @@ class SaveWorker:
         self._replications: dict[str, Future[Any]] = {}
         self._seq = 0
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-worker")
-        if groups is None:
-            # Alone, the worker starts now, so the first save need not wait for an interpreter
-            # to import torch. With several ranks it starts at the first save, which the ranks
-            # begin together: a worker joins its group as it starts, within one deadline.
-            self._sender.submit(self._start_early)
 
     @property
     def pid(self) -> int | None:
-        """The running worker's process id (``None`` before it started or after a death)."""
+        """The running worker's process id (``None`` before the first save or after a death)."""
         process = self._process
         return None if process is None or process.popen.poll() is not None else process.popen.pid
 
@@ -286,13 +280,6 @@ class SaveWorker:
         error = next((e for e in reversed(errors) if e is not None), None)
         if error is not None:
             raise error
-
-    def _start_early(self) -> None:
-        try:
-            with self._lock:
-                self._started()
-        except Exception:  # the first save starts one again, and fails with the error
-            log.warning("dcp_safe: the checkpoint worker did not start", exc_info=True)
 
     def _send(
         self, name: str, step: int, staged: Future[dict[str, Any]], done: Future[None]
