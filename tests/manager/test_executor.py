@@ -7,17 +7,15 @@ file.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch.distributed as dist
-from support import assert_state_equal, blank_like, make_state
+from support import assert_state_equal, blank_like, checkpoint_workers, make_state
 
 from dcp_safe import (
     BudgetedStager,
@@ -31,15 +29,6 @@ from dcp_safe.testing.multiproc import run_ranks
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
 
-def _workers() -> list[int]:
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "dcp_safe.manager.worker_main" in " ".join(child.cmdline()):
-                pids.append(child.pid)
-    return pids
-
-
 class _LockedWriter(SafeStorageWriter):
     """A writer holding a lock: it cannot be pickled to a worker."""
 
@@ -49,20 +38,20 @@ class _LockedWriter(SafeStorageWriter):
 
 
 def test_by_default_saves_run_in_a_worker_process_and_restore_exactly(tmp_path: Path) -> None:
-    before = _workers()
+    before = checkpoint_workers()
     with CheckpointManager(tmp_path) as manager:
         assert manager.executor == "process"
-        assert _workers() == before  # started by the first save, not by the manager
+        assert checkpoint_workers() == before  # started by the first save, not by the manager
         handle = manager.save(1, make_state(1))
         assert handle is not None
         assert handle.committed.result(_TIMEOUT_S) == "step_000000001"
-        assert len(_workers()) == len(before) + 1
-    assert _workers() == before  # closed with the manager
+        assert len(checkpoint_workers()) == len(before) + 1
+    assert checkpoint_workers() == before  # closed with the manager
     with CheckpointManager(tmp_path) as manager:
         target = blank_like(make_state(1))
         assert manager.restore(target).name == "step_000000001"
         assert_state_equal(target, make_state(1))
-        assert _workers() == before  # a manager that only restores starts no worker
+        assert checkpoint_workers() == before  # a manager that only restores starts no worker
 
 
 def test_a_writer_of_the_callers_stays_on_a_thread_and_the_log_says_why(

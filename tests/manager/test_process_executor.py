@@ -23,7 +23,13 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from support import assert_state_equal, blank_like, make_state, manifest_parses
+from support import (
+    assert_state_equal,
+    blank_like,
+    checkpoint_workers,
+    make_state,
+    manifest_parses,
+)
 from support.faults import DamagesAfterCommit, DiesInWriteData, DiesMidWrite
 from telemetry._spans import check_nesting, intervals, only, phases
 from torch.distributed import TCPStore
@@ -56,17 +62,6 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _workers() -> list[psutil.Process]:
-    """This process's checkpoint workers (other tests of a session may leave other children,
-    DCP's own checkpoint daemon for one)."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "dcp_safe.manager.worker_main" in " ".join(child.cmdline()):
-                found.append(child)
-    return found
-
-
 def _committed(root: Path) -> list[str]:
     return [info.name for info in list_checkpoints(root)]
 
@@ -87,14 +82,14 @@ def test_saves_in_one_worker_and_restores_each_step_exactly(tmp_path: Path) -> N
             assert handle.committed.result(_TIMEOUT_S) == f"step_{step:09d}"
             pids.add(_worker_pid(manager))
         assert len(pids) == 1  # started once, reused
-        assert [worker.pid for worker in _workers()] == list(pids)
+        assert checkpoint_workers() == list(pids)
         for step in range(3):
             target = blank_like(make_state(step))
             manager.restore(target, step)
             assert_state_equal(target, make_state(step), f"step {step}")
         assert [e["event"] for e in manager.history()].count("committed") == 3
         assert manager.stats().committed == 3
-    assert _workers() == []
+    assert checkpoint_workers() == []
     assert _shm() == shm
 
 
@@ -169,7 +164,7 @@ def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
         with pytest.raises(WorkerDiedError):
             manager.wait()  # the failure was kept for the caller, once
     assert _committed(tmp_path) == ["step_000000001", "step_000000003"]
-    assert _workers() == []
+    assert checkpoint_workers() == []
     assert _shm() == shm
 
 
@@ -194,7 +189,7 @@ def test_close_stops_a_hung_worker_within_its_timeout(tmp_path: Path) -> None:
     while psutil.pid_exists(worker) and time.monotonic() < deadline:
         time.sleep(0.05)  # killed once the close's bound has passed, then reaped
     assert not psutil.pid_exists(worker)
-    assert _workers() == []
+    assert checkpoint_workers() == []
 
 
 def test_replication_runs_in_the_worker(tmp_path: Path) -> None:

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
-from support import assert_state_equal, blank_like, make_state
+from support import assert_state_equal, blank_like, checkpoint_workers, make_state
 from support.faults import DiesMidWrite, RecordsPlans
 
 from dcp_safe import (
@@ -41,16 +40,6 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 DEADLINE_S = 20.0
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
-
-
-def _workers() -> list[int]:
-    """This rank's checkpoint workers, by pid."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "dcp_safe.manager.worker_main" in " ".join(child.cmdline()):
-                found.append(child.pid)
-    return found
 
 
 # What torch and Python name their POSIX shared memory (the staged copies themselves are memfds,
@@ -107,11 +96,11 @@ def _save_three_then_restore(rank: int, world_size: int, root: str, record: str)
             manager.restore(target, step)
             assert_state_equal(target, _state(rank, step), f"rank {rank} step {step}")
             exact[step] = True
-        running = _workers()
+        running = checkpoint_workers()
     return {
         "pids": sorted(p for p in pids if p is not None),
         "running": running,
-        "after_close": _workers(),
+        "after_close": checkpoint_workers(),
         "exact": exact,
         "committed": _committed(root),
     }
@@ -142,7 +131,7 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
         target = blank_like(_state(rank, 3))
         manager.restore(target, 3)
         assert_state_equal(target, _state(rank, 3), f"rank {rank} step 3")
-    seen["after_close"] = _workers()
+    seen["after_close"] = checkpoint_workers()
     seen["committed"] = _committed(root)
     return seen
 
@@ -251,7 +240,7 @@ def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str)
         "pid": pid,
         "name": name,
         "from_cache": isinstance(reader, NodeCacheReader) and reader.stats().files_from_cache > 0,
-        "after_close": _workers(),
+        "after_close": checkpoint_workers(),
     }
 
 
@@ -305,7 +294,7 @@ def _killed_between_saves(rank: int, world_size: int, root: str) -> dict[str, An
                 time.sleep(0.01)  # until this rank's manager knows (its reader thread)
         committed = manager.save(2, _state(rank, 2)).committed.result(_TIMEOUT_S)
         replaced = _worker_pid(manager) not in (None, first)
-    return {"committed": committed, "replaced": replaced, "after_close": _workers()}
+    return {"committed": committed, "replaced": replaced, "after_close": checkpoint_workers()}
 
 
 def test_a_worker_killed_between_saves_is_replaced_on_every_rank_before_the_next(

@@ -8,7 +8,7 @@ The names most tests use are re-exported here, so ``from support import make_sta
 
 from __future__ import annotations
 
-from .counting import manifest_parses
+from .counting import checkpoint_workers, manifest_parses
 from .scripts import load_script
 from .states import (
     assert_state_equal,
@@ -26,6 +26,7 @@ __all__ = [
     "assert_state_equal",
     "blank_like",
     "blank_tree",
+    "checkpoint_workers",
     "differing_tensors",
     "flip_item_byte",
     "gather_full",

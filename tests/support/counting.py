@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import psutil
 import pytest
 
 from dcp_safe.manifest.schema import Manifest
@@ -20,3 +22,14 @@ def manifest_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(Manifest, "from_json", classmethod(counting))
     return seen
+
+
+def checkpoint_workers() -> list[int]:
+    """The pids of this process's checkpoint workers (``executor="process"``), not of the
+    other children a test session may have (DCP's own checkpoint daemon, for one)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "dcp_safe.manager.worker_main" in " ".join(child.cmdline()):
+                found.append(child.pid)
+    return found
