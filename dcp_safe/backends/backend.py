@@ -70,11 +70,14 @@ class Backend(abc.ABC):
             when the object already exists. Where only the server can tell (an S3-compatible
             server may ignore ``If-None-Match``), the backend probes it the first time the flag
             is read (which may then raise :class:`~dcp_safe.errors.StorageError`).
+        process_local: the store lives in this process's memory (fsspec's ``memory://``): no
+            other process (a checkpoint worker) sees what is written there.
     """
 
     url: str
     supports_atomic_rename: bool = False
     supports_exclusive_create: bool = False
+    process_local: bool = False
 
     def full_path(self, rel: str) -> str:
         """The path or URL of ``rel``, for messages and for users."""

@@ -96,10 +96,10 @@ class FsspecBackend(Backend):
         self.object_store = (
             self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
         )
-        self._in_process = _protocols(target) & _IN_PROCESS_PROTOCOLS != set()
+        self.process_local = _protocols(target) & _IN_PROCESS_PROTOCOLS != set()
         # True, False, or None: to be probed on the server the first time it is asked.
         self._exclusive: bool | None = (
-            True if self._in_process else None if _has_conditional_create(target) else False
+            True if self.process_local else None if _has_conditional_create(target) else False
         )
         self.client_retries = client_retries
         self._limit_client_retries()
@@ -253,7 +253,7 @@ class FsspecBackend(Backend):
         raise exc
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-        if exclusive and self._in_process:
+        if exclusive and self.process_local:
             with _IN_PROCESS_CREATE:  # exact: nothing outside this process sees the store
                 self._refuse_existing(rel)
                 self._write_small(rel, data)

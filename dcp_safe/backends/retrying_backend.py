@@ -42,6 +42,7 @@ class RetryingBackend(Backend):
         self.policy = policy
         self.url = inner.url
         self.supports_atomic_rename = inner.supports_atomic_rename
+        self.process_local = inner.process_local
 
     @property
     def supports_exclusive_create(self) -> bool:

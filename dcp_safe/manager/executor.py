@@ -23,7 +23,6 @@ from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.worker_group import store_address
 from dcp_safe.staging import BudgetedStager
-from dcp_safe.topology import Topology
 from dcp_safe.torch_compat import default_store
 
 __all__ = ["EXECUTORS", "Executor", "choose_executor"]
@@ -32,9 +31,6 @@ Executor = Literal["thread", "process"]
 EXECUTORS = ("auto", "thread", "process")
 
 log = logging.getLogger("dcp_safe.manager")
-
-# fsspec filesystems whose files exist only in the process that wrote them.
-_PROCESS_LOCAL = frozenset({"memory"})
 
 
 def choose_executor(
@@ -85,12 +81,12 @@ def unmet_need(stager: BudgetedStager | None, writer: SafeStorageWriter) -> str 
             store_address(default_store())  # the workers meet there
         except ConfigError as exc:
             return str(exc)
-    local = _process_local_root(writer.topology)
-    if local is not None:
-        return (
-            f"executor='process' would write {local} in its worker: that filesystem lives in"
-            " one process's memory, so this process would never see what it saved"
-        )
+    for backend in (writer.backend, writer.remote):
+        if backend is not None and backend.process_local:
+            return (
+                f"executor='process' would write {backend.url} in its worker: that store lives"
+                " in one process's memory, so this process would never see what it saved"
+            )
     try:
         pickle.dumps(writer)  # what the worker is sent
     except Exception as exc:  # any reason it does not pickle is the answer
@@ -98,16 +94,4 @@ def unmet_need(stager: BudgetedStager | None, writer: SafeStorageWriter) -> str 
             f"executor='process' sends the writer to its worker pickled, and this"
             f" {type(writer).__name__} does not pickle ({exc!r}); use executor='thread'"
         )
-    return None
-
-
-def _process_local_root(topology: Topology) -> str | None:
-    """A root of ``topology`` on a filesystem private to each process (fsspec's ``memory``)."""
-    for root in (topology.commit, topology.replica, topology.node_cache):
-        if root is None:
-            continue
-        protocols = [part.split("://", 1)[0] for part in root.url.split("::") if "://" in part]
-        protocols.append(str((root.storage_options or {}).get("target_protocol", "")))
-        if _PROCESS_LOCAL.intersection(protocols):
-            return root.url
     return None
