@@ -91,6 +91,9 @@ class _Process:
         self.replications = replications  # by name, shared with the workers before and after
         self.replicating: set[str] = set()  # the names this worker replicates
         self.dead = False
+        # Set once the worker imported and joined its group (or died): it can save now.
+        self.ready = threading.Event()
+        self.ready_error: BaseException | None = None  # why it could not join its group
         self.closed: Future[BaseException | None] = Future()
         self.send_lock = threading.Lock()  # one message (and its descriptor) at a time
         self.reader = threading.Thread(
@@ -139,6 +142,9 @@ class _Process:
                 replicated.set_exception(decode_error(message[2]))
         elif kind == "closed":
             self.closed.set_result(None if message[1] is None else decode_error(message[1]))
+        elif kind == "ready":
+            self.ready_error = None if message[1] is None else decode_error(message[1])
+            self.ready.set()
 
     def _checked(self, name: str, checked: Checked | None) -> None:
         """Keep the worker's check of ``name`` for its follow-up (before the future it waits
@@ -170,6 +176,7 @@ class _Process:
                 replicated.set_exception(self.death(f"during the replication of {name}", code))
         if not self.closed.done():
             self.closed.set_result(None)
+        self.ready.set()  # nobody waits for a dead worker
 
     def death(self, when: str, code: int) -> WorkerDiedError:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"

@@ -8,7 +8,9 @@ the parent is gone::
                                      the manager's writer (pickled once), per-rank keys, with
                                      several ranks the workers' group to join first
                                      (:class:`~dcp_safe.manager.worker_group.WorkerGroup`),
-                                     and how each new checkpoint is checked (every byte or not)
+                                     and how each new checkpoint is checked (every byte or not);
+                                     reply ("ready", None), or ("ready", error) where joining
+                                     the group failed (every save then fails with it)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
     ("save", seq, name, step, data, record)
@@ -106,6 +108,7 @@ class _Worker:
                 self.writer, self.per_rank, self.group = message[1], tuple(message[2]), message[3]
                 self.deep = bool(message[4])
                 self._join()
+                self.reply("ready", self.not_joined)
             elif kind == "slab":
                 map_slab(message[1], recv_handle(self.conn), message[2])
             elif kind == "forget":
