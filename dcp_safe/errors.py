@@ -29,7 +29,8 @@ means the same thing the error inherits it too, so ``except FileNotFoundError`` 
     ├── ReplicationSkippedError                  a pending replication superseded by a newer one
     ├── ReplicationTimeoutError(TimeoutError)    replication did not finish within a timeout
     ├── PeerCopyError                            a committed checkpoint's peer copies failed
-    └── DrainTimeoutError(TimeoutError)          a manager's wait/close gave up on work in flight
+    ├── DrainTimeoutError(TimeoutError)          a manager's wait/close gave up on work in flight
+    └── LoadError                                a load failed on some ranks; per-rank failures
 
 Paths, names and what was found (``expected``/``actual``) can be storage's text: the errors that
 carry them escape them (:func:`~dcp_safe.untrusted.shown`), so a message is safe to log or
@@ -63,6 +64,7 @@ __all__ = [
     "DivergentStateError",
     "DrainTimeoutError",
     "InvalidCheckpointNameError",
+    "LoadError",
     "MissingKeysError",
     "PeerCopyError",
     "PerRankStateError",
@@ -444,6 +446,28 @@ class PeerCopyError(DcpSafeError):
 
 class DrainTimeoutError(DcpSafeError, TimeoutError):
     """A manager's ``wait`` or ``close`` gave up before its saves in flight were done."""
+
+
+class LoadError(DcpSafeError):
+    """A load failed on one or more ranks (DCP's planner or reader raised), the cause first.
+
+    The checkpoint itself is untouched; the target state may be partly loaded.
+
+    Attributes:
+        checkpoint: what was being loaded.
+        failures: the failing ranks, each with a one-line description of its error.
+    """
+
+    def __init__(self, checkpoint: str, failures: Mapping[int, str]) -> None:
+        self.checkpoint = checkpoint
+        self.failures: dict[int, str] = dict(failures)
+        first, *others = sorted(self.failures)
+        more = "".join(f"; rank {r}: {shown(self.failures[r])}" for r in others)
+        super().__init__(
+            f"load of {shown(checkpoint)} failed on rank {first}:"
+            f" {shown(self.failures[first])}{more}. The checkpoint is intact; the target state"
+            " may be partly loaded: fix the cause and load again"
+        )
 
 
 def _describe(exc: BaseException) -> str:

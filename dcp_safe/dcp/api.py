@@ -38,7 +38,7 @@ from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.restore_audit import audit_load
 from dcp_safe.dcp.shared_load import load_and_share
-from dcp_safe.errors import ConfigError, from_checkpoint_exception
+from dcp_safe.errors import CommitError, ConfigError, LoadError, from_checkpoint_exception
 from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 from dcp_safe.torch_compat import dcp_save as _dcp_save
@@ -64,11 +64,17 @@ class _Call:
     rank: int = 0
     world_size: int = 1
     operation: str = "save"
+    checkpoint: str = "the checkpoint"  # what a load reads, for its errors
 
     def translate(self, exc: BaseException) -> BaseException:
         """The dcp_safe error for ``exc``; ``exc`` itself when it is none of ours to map."""
         if isinstance(exc, CheckpointException):
-            return from_checkpoint_exception(exc)
+            error = from_checkpoint_exception(exc)
+            if self.operation == "load" and isinstance(error, CommitError):
+                # A rank's planner or reader raised: say the load failed, not that a save did.
+                error = LoadError(self.checkpoint, error.failures)
+                error.__cause__ = exc
+            return error
         if self.group is not None and is_collective_failure(exc):
             # DCP wraps storage and planner errors in CheckpointException; what comes out bare
             # from a collective is the transport's (a peer gone, or the deadline passed).
@@ -121,11 +127,13 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     witnesses = tuple(
         w for w in (kwargs.get("storage_writer"), kwargs.get("storage_reader")) if w is not None
     )
+    operation = "save" if kwargs.get("storage_writer") is not None else "load"
+    checkpoint = str(kwargs.get("checkpoint_id") or "the checkpoint")
     distributed = dist.is_available() and dist.is_initialized()
     if kwargs.get("no_dist") or not distributed:
         # Say it explicitly rather than let DCP warn that it guessed.
         kwargs.setdefault("no_dist", not distributed)
-        return _Call()
+        return _Call(operation=operation, checkpoint=checkpoint)
     group = kwargs.get("process_group")
     owned = group is None
     if owned:
@@ -137,7 +145,8 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
         witnesses=witnesses,
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
-        operation="save" if kwargs.get("storage_writer") is not None else "load",
+        operation=operation,
+        checkpoint=checkpoint,
     )
 
 
@@ -202,6 +211,8 @@ def load(
         MissingKeysError: the checkpoint lacks keys of ``state_dict``.
         PerRankStateError: per-rank entries were saved by another world size.
         RestoreMismatchError: ``audit`` found the live state differs from the saved one.
+        LoadError: a rank's planner or reader failed (a shape that does not match, say);
+            the message names the checkpoint, the rank and the cause.
     """
     if "planner" not in kwargs:
         kwargs["planner"] = SafeLoadPlanner(per_rank=per_rank)

@@ -99,6 +99,7 @@ class Restorer:
             MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
             PerRankStateError: per-rank entries were saved by another world size.
             RestoreMismatchError: ``audit`` found the live state differs from the saved one.
+            LoadError: a rank's load failed (a shape that does not match, say), cause named.
         """
         wanted = step if step == layout.LATEST else self.name_for(int(step))
         number = -1 if step == layout.LATEST else int(step)
