@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from dcp_safe.errors import CheckpointCorruptError, ConfigError
+from dcp_safe.manifest.verify import chunk_tiling_problem
 
 __all__ = ["Selection", "TensorEntry", "parse_dtype", "select"]
 
@@ -129,22 +130,11 @@ def _matching(available: list[str], keys: Sequence[str]) -> list[str]:
 def _check_chunks(
     key: str, meta: TensorStorageMetadata, shape: tuple[int, ...], where: str
 ) -> None:
-    """Refuse a tensor whose stored chunks do not tile its global shape: a gap would be
-    exported as uninitialised memory."""
-    covered = sum(math.prod(int(size) for size in chunk.sizes) for chunk in meta.chunks)
-    inside = all(
-        len(chunk.offsets) == len(shape)
-        and all(
-            int(at) >= 0 and int(at) + int(size) <= dim
-            for at, size, dim in zip(chunk.offsets, chunk.sizes, shape, strict=True)
-        )
-        for chunk in meta.chunks
-    )
-    if covered != math.prod(shape) or not inside:
+    """Refuse a tensor whose stored chunks do not tile its global shape exactly: a gap would
+    be exported as uninitialised memory (the whole tensor is allocated before it is read)."""
+    chunks = [(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in meta.chunks]
+    problem = chunk_tiling_problem(shape, chunks)
+    if problem is not None:
         raise CheckpointCorruptError(
-            where,
-            "the tensor's stored chunks do not tile its global shape",
-            item=key,
-            expected=math.prod(shape),
-            actual=covered,
+            where, f"the tensor's stored chunks do not tile its global shape: {problem}", item=key
         )

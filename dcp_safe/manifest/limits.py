@@ -27,6 +27,7 @@ __all__ = [
     "MAX_STR",
     "MAX_TIMESTAMP",
     "PARSE_BUDGET_BYTES",
+    "TILE_MAX_CELLS",
     "parse_cost",
     "parse_json",
     "require_int",
@@ -46,6 +47,9 @@ MAX_INT = (1 << 63) - 1
 MAX_TIMESTAMP = 253_402_300_799.0
 #: Strings in control files (names, ids, fqns, checksums, versions), in characters.
 MAX_STR = 1 << 16
+#: The most pieces a tensor's chunk boundaries may cut it into for an exact tiling check
+#: (8 bytes a piece; DCP's row and grid shardings make one piece per chunk).
+TILE_MAX_CELLS = 1 << 22
 #: What parsing one JSON document may cost, as :func:`parse_cost` estimates it (an upper bound).
 PARSE_BUDGET_BYTES = 1 << 30
 

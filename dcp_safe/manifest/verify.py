@@ -7,15 +7,19 @@ linear in its files and items. (Loads verify one item at a time: :mod:`dcp_safe.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from array import array
 from collections.abc import Sequence
 from typing import BinaryIO
 
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockHasher
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.limits import TILE_MAX_CELLS
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
-__all__ = ["FileCheck", "check_stream", "items_by_file", "tiles"]
+__all__ = ["FileCheck", "check_stream", "chunk_tiling_problem", "items_by_file", "tiles"]
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -183,3 +187,65 @@ def tiles(items: Sequence[ItemRecord], size: int) -> bool:
             return False
         position += item.length
     return position == size
+
+
+Box = tuple[Sequence[int], Sequence[int]]
+"""A chunk of a tensor: its ``offsets`` and ``sizes``, one of each per dimension."""
+
+
+def chunk_tiling_problem(shape: Sequence[int], chunks: Sequence[Box]) -> str | None:
+    """Why ``chunks`` do not tile a tensor of ``shape`` exactly (no overlap, no gap), or None.
+
+    Exact over the grid that the chunks' own boundaries cut the tensor into (each cell lies
+    in a chunk whole or not at all), so it costs cells, not elements: one cell per chunk for
+    DCP's row and grid shardings. Adding up element counts is not enough: two overlapping
+    chunks can hide a gap of the same size. A grid over :data:`TILE_MAX_CELLS` is refused.
+    """
+    rank = len(shape)
+    for offsets, sizes in chunks:
+        if (
+            len(offsets) != rank
+            or len(sizes) != rank
+            or not all(
+                at >= 0 and size >= 0 and at + size <= dim
+                for at, size, dim in zip(offsets, sizes, shape, strict=True)
+            )
+        ):
+            return f"the chunk at {list(offsets)} of {list(sizes)} lies outside the tensor"
+    # A trailing dimension of 1 gives a 0-d tensor a grid too.
+    boxes = [((*o, 0), (*s, 1)) for o, s in chunks]
+    cuts = [
+        sorted({0, dim, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
+        for d, dim in enumerate((*shape, 1))
+    ]
+    cells = 1
+    for cut in cuts:
+        cells *= len(cut) - 1
+        if cells > TILE_MAX_CELLS:
+            return f"its {len(chunks)} chunks cut it into over {TILE_MAX_CELLS} pieces to check"
+    strides = [1] * len(cuts)
+    for d in range(len(cuts) - 2, -1, -1):
+        strides[d] = strides[d + 1] * (len(cuts[d + 1]) - 1)
+    owner = array("q", [-1]) * cells
+    for index, (offsets, sizes) in enumerate(boxes):
+        spans = [
+            range(bisect.bisect_left(cut, at), bisect.bisect_left(cut, at + size))
+            for cut, at, size in zip(cuts, offsets, sizes, strict=True)
+        ]
+        for corner in itertools.product(*spans[:-1]):
+            base = sum(c * s for c, s in zip(corner, strides, strict=False))
+            lo, hi = base + spans[-1].start, base + spans[-1].stop
+            other = max(owner[lo:hi], default=-1)
+            if other >= 0:
+                return (
+                    f"the chunks at {list(chunks[other][0])} and {list(chunks[index][0])} overlap"
+                )
+            owner[lo:hi] = array("q", [index]) * (hi - lo)
+    if -1 in owner:
+        cell = owner.index(-1)
+        element = [
+            cut[(cell // stride) % (len(cut) - 1)]
+            for cut, stride in zip(cuts, strides, strict=True)
+        ]
+        return f"no chunk holds the element at {element[:-1]}"
+    return None
