@@ -28,6 +28,7 @@ from rich.table import Table
 
 from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints import catalog
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
 from dcp_safe.checkpoints.committed import open_committed, recency, resolve_name
 from dcp_safe.cli_args import (
@@ -297,7 +298,7 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
     backend = open_backend(args.root, options)
-    name = resolve_name(backend, args.name)
+    name = resolve_name(backend, catalog.latest_named(args.root, args.name, options, strict=True))
     manifest = open_committed(backend, name).manifest
     total = sum(record.size for record in manifest.files)
     key = key_from_file(args.signing_key_file)
@@ -349,7 +350,7 @@ def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
     reader = SafeStorageReader(args.root, storage_options=options)
-    reader.reset(args.name)
+    reader.reset(catalog.latest_named(args.root, args.name, options))
     metadata = reader.read_metadata()
     name = reader.checkpoint_id or args.name
     stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)

@@ -448,3 +448,38 @@ def test_installed_executable_reports_corruption_with_exit_one_and_no_traceback(
     assert done.returncode == EXIT_FAILED, done.stderr
     assert done.stderr.startswith("dcp-safe: error: CORRUPT")
     assert shard.name in done.stderr and "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------- the newest name present
+
+
+def test_verify_fails_and_inspect_and_export_warn_when_the_newest_manifest_is_truncated(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated newest manifest: verify no longer checks the older one and says OK; inspect
+    and export name the checkpoint they used and the damaged newer one they passed over."""
+    manifest = root / "step_0003" / layout.MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:100])
+
+    status, out, err = _run(capsys, "verify", str(root))
+    assert status == EXIT_FAILED and "OK" not in out
+    assert "step_0003, the newest checkpoint present, is damaged" in err
+    assert _run(capsys, "verify", str(root), "step_0002")[0] == EXIT_OK  # by name: as before
+
+    status, out, err = _run(capsys, "inspect", str(root), "latest", "--json")
+    assert status == EXIT_OK and json.loads(out)["name"] == "step_0002"
+    assert "using step_0002, not step_0003, which may be newer but is damaged" in err
+
+    status, out, err = _run(capsys, "export", str(root), "latest", str(tmp_path / "out"))
+    assert status == EXIT_OK and out.startswith("exported step_0002 ")
+    assert "using step_0002, not step_0003" in err
+
+
+def test_a_damaged_entry_older_than_the_newest_sound_one_does_not_fail_verify(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = root / "step_0001" / layout.MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:100])
+
+    status, out, _ = _run(capsys, "verify", str(root))
+    assert status == EXIT_OK and "OK step_0003" in out

@@ -133,6 +133,52 @@ def _log_damaged(name: str, exc: CheckpointCorruptError) -> None:
     log.warning("not listed: %s is damaged (%s)", name, exc)
 
 
+def latest_named(
+    root: str | os.PathLike[str],
+    checkpoint_id: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    strict: bool = False,
+) -> str:
+    """``checkpoint_id``, or for ``"latest"`` the newest sound checkpoint, saying so when a
+    damaged name present may be newer: a logged warning (``inspect``, ``export``), or with
+    ``strict`` an error (``verify``, which must check the newest name present).
+
+    ``"latest"`` alone passes a damaged entry by, so that it never hides a good one; a tool
+    that did so silently would leave a truncated newest manifest unseen. A damaged entry has no
+    step to trust, so it counts as newer unless the number its name ends in
+    (``step_000000042``) is below the newest sound one's.
+
+    Raises:
+        CheckpointNotFoundError: ``"latest"`` was asked for and nothing sound is committed.
+        CheckpointCorruptError: with ``strict``, a damaged name that may be the newest.
+    """
+    if checkpoint_id != layout.LATEST:
+        return checkpoint_id
+    damaged: list[tuple[str, CheckpointCorruptError]] = []
+    infos = list_checkpoints(
+        root, storage_options=storage_options, on_damaged=lambda n, e: damaged.append((n, e))
+    )
+    name = infos[-1].name if infos else ""
+    for other, exc in (pair for pair in damaged if not _older(pair[0], than=name)):
+        if strict:
+            raise CheckpointCorruptError(
+                exc.path,
+                f"{other}, the newest checkpoint present, is damaged ({exc}); the newest sound"
+                f" one is {name or 'none'}: 'dcp-safe verify ROOT NAME' checks one by name",
+            )
+        log.warning("using %s, not %s, which may be newer but is damaged: %s", name, other, exc)
+    if not name:
+        raise CheckpointNotFoundError(os.fspath(root), "no sound committed checkpoint")
+    return name
+
+
+def _older(name: str, *, than: str) -> bool:
+    """Whether both names end in a number and ``name``'s is the smaller."""
+    numbers = [n[len(n.rstrip("0123456789")) :] for n in (name, than)]
+    return all(numbers) and int(numbers[0]) < int(numbers[1])
+
+
 def verify_checkpoint(
     root: str | os.PathLike[str],
     name: str = layout.LATEST,

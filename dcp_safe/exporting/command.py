@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from dcp_safe import layout
+from dcp_safe.checkpoints.catalog import latest_named
 from dcp_safe.exporting.api import ExportFormat, ExportResult, export
 from dcp_safe.exporting.safetensors_format import DEFAULT_MAX_SHARD_BYTES
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, storage_options: dict[str, Any] | None) -> Exp
     """The export ``args`` ask for."""
     return export(
         args.root,
-        args.name,
+        latest_named(args.root, args.name, storage_options),  # warns of damage
         args.dest,
         format=args.format,
         keys=args.keys,
