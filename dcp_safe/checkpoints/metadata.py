@@ -8,12 +8,17 @@ the manifest item by item, so even a trusted pickle cannot point a load at other
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 import weakref
+from typing import TypeVar
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -29,6 +34,8 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.streams import read_verified
 
 __all__ = ["read_dcp_metadata"]
+
+_T = TypeVar("_T")
 
 # Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.
 _PICKLED_ELEMENTS_PER_ITEM = 64
@@ -113,11 +120,35 @@ def _decoded_plain(manifest: Manifest, path: str) -> Metadata:
 
 
 def _fresh(metadata: Metadata) -> Metadata:
-    """A copy a caller may change (a reader sets ``storage_meta``; a planner may add entries):
-    new containers over the same immutable-by-use entries, at dict-copy cost."""
+    """A copy a caller may change (a reader sets ``storage_meta``; a planner may add entries or
+    change one's chunks or properties): every mutable object the decoder built is new, the
+    immutable leaves (``torch.Size``, dtypes, strings, tuples) shared. ~30 ms at 10,000
+    tensors, a tenth of decoding them."""
+    planner = metadata.planner_data
+    if planner is not None:
+        planner = dict(planner)
+        if layout.AUDIT_KEY in planner:  # fingerprints: a dict of dicts
+            planner[layout.AUDIT_KEY] = {k: dict(v) for k, v in planner[layout.AUDIT_KEY].items()}
     return dataclasses.replace(
         metadata,
-        state_dict_metadata=dict(metadata.state_dict_metadata),
-        planner_data=copy.copy(metadata.planner_data),
-        storage_data=copy.copy(metadata.storage_data),
+        state_dict_metadata={k: _entry(v) for k, v in metadata.state_dict_metadata.items()},
+        planner_data=planner,
+        storage_data={k: _shallow(v) for k, v in metadata.storage_data.items()},
     )
+
+
+def _entry(
+    entry: TensorStorageMetadata | BytesStorageMetadata,
+) -> TensorStorageMetadata | BytesStorageMetadata:
+    if not isinstance(entry, TensorStorageMetadata):
+        return BytesStorageMetadata()
+    chunks = [ChunkStorageMetadata(offsets=c.offsets, sizes=c.sizes) for c in entry.chunks]
+    return TensorStorageMetadata(_shallow(entry.properties), entry.size, chunks)
+
+
+def _shallow(value: _T) -> _T:
+    """A new object of ``value``'s class with its attributes (``copy.copy`` goes through
+    ``TensorProperties``' pickling hooks, several times slower)."""
+    fresh = object.__new__(type(value))
+    fresh.__dict__.update(value.__dict__)
+    return fresh

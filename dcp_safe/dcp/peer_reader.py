@@ -63,6 +63,11 @@ PEER_RESTORE = "peer-restore"
 
 _Source = tuple[Backend, str]  # a backend and a file's path relative to its root
 
+# What this node's disk may raise where it is unusable: a link in the way (``.peers/`` planted
+# as a symlink) is refused as CheckpointCorruptError, never followed; either way the peer tier
+# is passed by and the files are read from the next source.
+_UNUSABLE = (OSError, CheckpointCorruptError)
+
 
 class PeerCacheReader(NodeCacheReader):
     """A :class:`NodeCacheReader` that also reads other nodes' files from peer copies.
@@ -100,8 +105,10 @@ class PeerCacheReader(NodeCacheReader):
             return super().read_data(plan, planner)
         finally:
             self._peer_sources = {}
-            with contextlib.suppress(OSError):
+            try:
                 self.node_cache.remove_tree(scratch)
+            except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
+                self._reject(None, RejectionReason.UNREADABLE, str(exc), ReadSource.PEER)
 
     # ----------------------------------------------------------------- sources
 
@@ -136,7 +143,7 @@ class PeerCacheReader(NodeCacheReader):
             found += [(f, (self._cache, f"{name}/{f}")) for f in self._sizes(self._cache, name)]
         try:
             copies = list_peer_copies(self.node_cache, name)
-        except OSError as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
+        except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
             self._reject(None, RejectionReason.UNREADABLE, str(exc), ReadSource.PEER)
             copies = []
         for copy in copies:
@@ -155,7 +162,7 @@ class PeerCacheReader(NodeCacheReader):
         assert self._manifest is not None
         try:
             sizes = backend.sizes(folder)
-        except OSError:
+        except _UNUSABLE:
             return {}
         return {
             f: size
@@ -192,7 +199,7 @@ class PeerCacheReader(NodeCacheReader):
                 return
             receives = [f for f in fetches if f.requester == rank]
             if receives and not made:  # where it fails, each landing fails and is named
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(*_UNUSABLE):
                     self.node_cache.makedirs(scratch)
                 made = True
             sends = [f for f in fetches if f.holder == rank]

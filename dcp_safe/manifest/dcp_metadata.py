@@ -388,7 +388,7 @@ class _Decoder:
             relative_path=item.file,
             offset=item.start,
             length=item.length,
-            transform_descriptors=list(item.transforms) or None,
+            transform_descriptors=item.transforms or None,  # a tuple: immutable, shared by copies
         )
         return item
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from support import make_state
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
@@ -75,3 +75,31 @@ def test_another_manifest_is_decoded_anew(root: Path, decodes: list[str]) -> Non
     for name in ("step_0001", "step_0002"):
         read_dcp_metadata(backend, name, open_committed(backend, name).manifest)
     assert len(decodes) == 2
+
+
+def test_a_callers_change_to_an_entry_never_reaches_a_later_load(
+    root: Path, decodes: list[str]
+) -> None:
+    """Every entry the decoder built is the caller's own: its size, properties, chunks, the
+    storage records and the audit's fingerprints (was: shared with the cache)."""
+    backend = LocalBackend(str(root))
+    manifest = open_committed(backend, "step_0001").manifest
+    first = read_dcp_metadata(backend, "step_0001", manifest)
+    before = repr(read_dcp_metadata(backend, "step_0001", manifest))
+    entry = first.state_dict_metadata["f32"]
+    assert isinstance(entry, TensorStorageMetadata)
+    entry.size = torch.Size([1])
+    entry.properties.dtype = torch.float64
+    entry.chunks[0].sizes = torch.Size([1])
+    entry.chunks.append(entry.chunks[0])
+    for info in first.storage_data.values():
+        info.offset += 1
+    assert first.planner_data is not None
+    for value in first.planner_data.values():
+        if isinstance(value, dict):
+            value.clear()
+    assert repr(read_dcp_metadata(backend, "step_0001", manifest)) == before
+    target = make_state(2)
+    dcp_safe.load(target, checkpoint_id="step_0001", storage_reader=SafeStorageReader(root))
+    assert torch.equal(target["f32"], make_state(1)["f32"])
+    assert len(decodes) == 1

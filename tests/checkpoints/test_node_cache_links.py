@@ -25,7 +25,8 @@ from dcp_safe.checkpoints.node_cache import (
     list_node_caches,
     prune_node_caches,
 )
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader
+from dcp_safe.dcp.node_cache_reader import NodeCacheReader, ReadSource, RejectionReason
+from dcp_safe.dcp.peer_reader import PeerCacheReader
 
 NAME = "step_0001"
 SHARD = layout.shard_file_name(0, 0)
@@ -77,3 +78,31 @@ def test_links_in_a_node_root_are_never_followed(tmp_path: Path, caplog: Any) ->
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("dcp_safe")]
     assert not [m for m in messages if _ACTIVE.search(m)]
     assert any("evil\\x1b]0;pwned\\x07" in m for m in messages)
+
+
+def test_a_linked_peers_folder_is_passed_by_and_the_load_reads_the_remote(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """A ``.peers`` planted as a link on the node disk: the restore neither follows it nor
+    fails on it (was: every peer-tier restore raised ``CheckpointCorruptError``)."""
+    remote, node, outside = tmp_path / "remote", tmp_path / "node", tmp_path / "outside"
+    writer = SafeStorageWriter(remote, fsync=False, step=1)
+    dcp_safe.save(make_state(1), checkpoint_id=NAME, storage_writer=writer)
+    node.mkdir()
+    outside.mkdir()
+    (node / layout.PEERS_DIR).symlink_to(outside, target_is_directory=True)
+    watch = TreeWatch()
+    watch.add_tree(outside)
+    try:
+        target = blank_like(make_state(1))
+        reader = PeerCacheReader(remote, node_cache=node)
+        with caplog.at_level(logging.WARNING, logger="dcp_safe"):
+            dcp_safe.load(target, checkpoint_id=NAME, storage_reader=reader)
+        touched = watch.events()
+    finally:
+        watch.close()
+    assert touched == [] and list(outside.iterdir()) == []
+    assert_state_equal(target, make_state(1))
+    [passed] = [r for r in reader.stats().rejections if r.source is ReadSource.PEER]
+    assert passed.reason is RejectionReason.UNREADABLE and "symbolic link" in passed.detail
+    assert any("symbolic link" in r.getMessage() for r in caplog.records)

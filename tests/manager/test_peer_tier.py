@@ -151,6 +151,21 @@ def test_a_replaced_node_restores_from_its_peer_copies_with_nothing_from_s3(
         else:
             assert (stats.files_from_cache, stats.files_from_remote) == (1, 0)
 
+    # A replaced node whose disk holds a link as `.peers`: never followed, the tier passed by
+    # with a warning and node B's files read from S3 (was: every rank's restore failed).
+    _replace_node(nodes[1])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (Path(nodes[1]) / layout.PEERS_DIR).symlink_to(outside, target_is_directory=True)
+    restored = run_ranks(_restore, 4, args=(nodes, s3_root, s3_options), timeout_s=400)
+    for rank, seen in enumerate(restored):
+        _assert_exact(seen)
+        if rank >= RANKS_PER_NODE:
+            stats = seen["stats"]
+            assert (stats.files_from_peer, stats.files_from_remote) == (0, 1)
+            assert any("symbolic link" in r.detail for r in stats.rejections)
+    assert list(outside.iterdir()) == []
+
 
 def test_four_nodes_with_three_copies_read_a_corrupted_copy_from_the_other_one(
     tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
