@@ -7,7 +7,10 @@ lie in a few runs of the item's raw tensor data (one run for a slice along dim 0
 blocks covering those runs are read, each checked against its digest before any of its bytes
 is used, and the runs are copied into the destination. The item's whole checksum is not
 checked: bytes outside the blocks read are never used, and a full verify
-(:func:`~dcp_safe.verify_checkpoint`) still checks every byte.
+(:func:`~dcp_safe.verify_checkpoint`) still checks every byte. Where the data lies in the item
+comes from the tensor's stored template (its dtype and shape), not from the manifest: digests
+recorded over any other bytes (``blocks.at`` moved, digests recomputed: a deep verify and a
+whole read still pass) are refused, by whole and partial loads alike.
 
 Anything else is read whole, as before (:class:`~dcp_safe.dcp.reader.SafeStorageReader`):
 items without block digests (compressed, small, non-tensor, written before them or with
@@ -32,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from dcp_safe.dcp.load_budget import LoadBudget
 from dcp_safe.dcp.tensor_reads import transient_tensor
-from dcp_safe.dcp.tensor_records import tensor_bytes
+from dcp_safe.dcp.tensor_records import layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import new_hasher
@@ -138,8 +141,21 @@ class RangeReads:
         blocks = record.blocks
         if blocks is None or record.transforms:
             return None
-        if not blocks.fits(math.prod(shape) * dtype.itemsize, record.length):
-            return None  # disagrees with the metadata: the whole read's checksum decides
+        layout = layout_for(dtype, shape)
+        if layout is None or layout.length != record.length:
+            return None  # not the writer's template: the whole read's checksum decides
+        placed = (len(layout.prefix), layout.payload)
+        if (blocks.at, blocks.length) != placed:
+            # Digests over any other bytes of the item would pass a deep verify and the whole
+            # read's checksum, and hand this read the wrong elements: where the data lies is
+            # the template's, never the manifest's word.
+            raise CheckpointCorruptError(
+                path,
+                "block digests do not lie over the tensor data",
+                item=item,
+                expected=f"at {placed[0]}, {placed[1]} bytes",
+                actual=f"at {blocks.at}, {blocks.length} bytes",
+            )
         plan = plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
         if plan is None:
             return None

@@ -60,11 +60,6 @@ class BlockDigests:
         if len(self.digests) != -(-self.length // self.block_bytes):
             raise ValueError("blocks.digests does not hold one digest per block")
 
-    def fits(self, length: int, item_length: int) -> bool:
-        """Whether these digests cover ``length`` data bytes that lie inside an item of
-        ``item_length`` stored bytes (what a reader checks against the metadata)."""
-        return self.length == length and self.at + length <= item_length
-
     def span(self, block: int) -> tuple[int, int]:
         """Where block ``block`` lies in the data: ``[begin, end)`` relative to ``at``."""
         begin = block * self.block_bytes

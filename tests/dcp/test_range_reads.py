@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from support import assert_state_equal, gather_full
+from support import assert_state_equal, gather_full, resign_manifest
 from support.training import app_state
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,7 +43,7 @@ from dcp_safe import (
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.dcp.range_reads import plan_range
 from dcp_safe.errors import ConfigError
-from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests
+from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests, BlockHasher
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 
@@ -179,6 +179,45 @@ def test_a_damaged_block_is_read_again_from_the_other_tier_and_old_checkpoints_r
     with_replica = SafeStorageReader(primary, fallback=replica)
     assert torch.equal(_read_rows(with_replica, "s", 2048, 2048), full[2048:4096])
     assert with_replica.items_from_fallback == 1
+
+
+def _move_blocks(root: Path, name: str, by: int) -> None:
+    """Move ``w``'s block digests ``by`` bytes into the item and hash the blocks there again,
+    as a root writer can: the item's bytes and checksum stay as they are (issue 43, 10)."""
+    folder = root / name
+    manifest = _manifest(root, name)
+    record = next(i for i in manifest.items if i.fqn == "w")
+    assert record.blocks is not None
+    data = (folder / record.file).read_bytes()[record.start : record.start + record.length]
+    hasher = BlockHasher(
+        record.checksum.partition(":")[0],
+        item_start=0,
+        at=record.blocks.at + by,
+        length=record.blocks.length,
+        block_bytes=record.blocks.block_bytes,
+    )
+    hasher.update(0, memoryview(data))
+    moved = hasher.result().to_dict()
+
+    def edit(raw: dict[str, Any]) -> None:
+        (item,) = (i for i in raw["items"] if i["fqn"] == "w")
+        item["blocks"] = moved
+
+    resign_manifest(root, name, edit)
+
+
+def test_block_digests_moved_off_the_tensor_data_are_refused_by_a_ranged_read(
+    tmp_path: Path,
+) -> None:
+    full = _full()
+    dcp_safe.save({"w": full}, checkpoint_id="s", storage_writer=SafeStorageWriter(tmp_path))
+    _move_blocks(tmp_path, "s", 64 * 4)  # 64 float32 elements into the data
+    with pytest.raises(CheckpointCorruptError, match="block digests do not lie over the tensor"):
+        _read_rows(SafeStorageReader(tmp_path), "s", 2048, 2048)
+    # A whole load refuses too: every load of this manifest agrees.
+    whole = {"w": torch.zeros_like(full)}
+    with pytest.raises(CheckpointCorruptError, match="block digests do not lie"):
+        dcp_safe.load(whole, checkpoint_id="s", storage_reader=SafeStorageReader(tmp_path))
 
 
 # --------------------------------------------------------------- rank functions (module level)
