@@ -31,6 +31,7 @@ save id.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -400,6 +401,7 @@ class _Decoder:
         chunks = [
             self.chunk(key, dtype, size, raw_chunk, n) for n, raw_chunk in enumerate(chunks_raw)
         ]
+        _check_whole(key, dtype, size, chunks)
         properties = TensorProperties(
             dtype=dtype,
             layout=_lookup("layout", _LAYOUTS, body["layout"]),
@@ -459,6 +461,21 @@ class _Decoder:
                 raise ValueError(f"fingerprints of {key[:80]!r} given twice")
             found[key] = dict(enumerate(struct.unpack(f">{len(data) // 8}Q", data)))
         return found
+
+
+def _check_whole(
+    key: str, dtype: torch.dtype, size: tuple[int, ...], chunks: list[ChunkStorageMetadata]
+) -> None:
+    """A tensor may declare no more elements than its chunks hold (DCP's planner saves chunks
+    that cover it), nor more bytes than ``MAX_INT``: a size it does not store is never shown
+    by ``inspect``, passed by ``verify`` or allocated by a load or an export."""
+    numel = math.prod(size)  # at most 64 factors below 2**63: a small integer to form
+    held = sum(math.prod(chunk.sizes) for chunk in chunks)  # each bounded by its item's bytes
+    if numel > held or numel * dtype.itemsize > MAX_INT:
+        raise ValueError(
+            f"tensor {key[:80]} declares {list(size)} {str(dtype)[6:]} elements ({numel}),"
+            f" more than its {len(chunks)} chunk(s) hold ({held})"
+        )
 
 
 def _check_elements(key: str, dtype: torch.dtype, sizes: tuple[int, ...], item: ItemRecord) -> None:

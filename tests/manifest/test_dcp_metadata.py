@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from support import make_state
+from support import make_state, resign_manifest
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.cli import main as cli_main
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.dcp_metadata import (
     check_storage_data,
@@ -153,6 +154,26 @@ def test_element_counts_are_checked_against_the_items_bytes_before_multiplying(
 
     with pytest.raises(CheckpointCorruptError, match=r"larger than its .* stored bytes"):
         decode_dcp_metadata(_broken(manifest, edit), manifest, "m")
+
+
+def test_a_tensor_declared_larger_than_its_chunks_is_refused_by_verify_and_inspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """f32 declared 2**62 rows over its one real chunk (re-signed as a root writer can): was
+    "OK" from deep verify and a 2**37 GiB tensor in ``inspect``."""
+    root = tmp_path / "root"
+    dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
+
+    def edit(raw: dict[str, Any]) -> None:
+        body = _tensor(raw["dcp_metadata"], "f32")
+        body["size"] = [1 << 62, body["size"][1]]
+
+    resign_manifest(root, "step_1", edit)
+    with pytest.raises(CheckpointCorruptError, match=r"tensor f32 declares .* chunk\(s\) hold"):
+        dcp_safe.verify_checkpoint(root, "step_1", deep=True)
+    capsys.readouterr()
+    assert cli_main(["inspect", str(root), "step_1"]) == 1
+    assert "tensor f32 declares" in capsys.readouterr().err
 
 
 def test_pickled_storage_data_must_name_the_manifests_own_files_and_bytes(saved: Any) -> None:
