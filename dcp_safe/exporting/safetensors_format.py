@@ -36,6 +36,7 @@ __all__ = [
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SINGLE_NAME = layout.SAFETENSORS_FILE
 INDEX_NAME = layout.SAFETENSORS_INDEX
+_RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key
 _ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
 
 # The dtype codes of the safetensors format (as safetensors.torch names them).
@@ -78,9 +79,15 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[li
     except a tensor larger than that, which gets a shard of its own.
 
     Raises:
-        ConfigError: ``max_shard_bytes`` is not a positive integer.
+        ConfigError: ``max_shard_bytes`` is not a positive integer, or a key is ``__metadata__``.
     """
     check_max_shard_bytes(max_shard_bytes)
+    if any(entry.key == _RESERVED for entry in entries):
+        raise ConfigError(
+            f"safetensors reserves the key {_RESERVED!r} for its header, and a tensor of the"
+            f" checkpoint has it: export with format='torch', or select the other entries"
+            " with keys= (dcp-safe export --keys)"
+        )
     shards: list[list[TensorEntry]] = [[]]
     size = 0
     for entry in entries:
@@ -101,7 +108,7 @@ def shard_names(count: int) -> list[str]:
 
 def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:
     """The length prefix and JSON header of a file holding ``entries`` in this order."""
-    header: dict[str, object] = {"__metadata__": metadata}
+    header: dict[str, object] = {_RESERVED: metadata}
     offset = 0
     for entry in entries:
         end = offset + entry.out_nbytes

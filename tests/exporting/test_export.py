@@ -388,3 +388,17 @@ def test_an_fsspec_root_exports_like_a_local_one(memory_root: str, tmp_path: Pat
     _assert_same(
         {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}, _tensors(_state())
     )
+
+
+def test_a_tensor_named_metadata_is_refused_up_front_for_safetensors(tmp_path: Path) -> None:
+    """safetensors keeps ``__metadata__`` for its header: was a ``StorageError`` from the
+    reader's check of the written file; now a ``ConfigError`` naming the key before any write,
+    and the torch format still takes it."""
+    state = {"__metadata__": torch.ones(3), "w": torch.zeros(2)}
+    writer = SafeStorageWriter(tmp_path / "root", fsync=False)
+    dcp_safe.save(state, checkpoint_id=NAME, storage_writer=writer)
+    with pytest.raises(ConfigError, match=r"reserves the key '__metadata__'.*format='torch'"):
+        dcp_safe.export(tmp_path / "root", NAME, tmp_path / "out", format="safetensors")
+    assert not (tmp_path / "out").exists()
+    dcp_safe.export(tmp_path / "root", NAME, tmp_path / "out", format="torch")
+    assert torch.equal(torch.load(tmp_path / "out" / "model.pt")["__metadata__"], torch.ones(3))
