@@ -9,6 +9,12 @@ polls the work folder's ``_ranks/`` until every rank reported, one failed, or th
 passed, then builds the global metadata and every rank's results for the
 :class:`~dcp_safe.commit.committer.Committer`, which verifies and publishes as after a
 collective save. Reports are removed before the publish: they are no part of the checkpoint.
+
+With a signing key, a report carries the checksum of the rank manifest its rank wrote and an
+HMAC (:func:`~dcp_safe.manifest.signing.part_mac`) over the report and the save id; rank 0
+refuses a report without one that matches, and a rank manifest of other bytes. The manifest's
+item checksums (cryptographic when signed) then cover the rank's shards. Without a key, rank 0
+trusts whoever can write the root (docs/multirank.md, "Saves without collectives").
 """
 
 from __future__ import annotations
@@ -35,23 +41,33 @@ from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.results import records_by_rank
 from dcp_safe.dcp.assignment_board import Assignment, poll
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, DivergentStateError
-from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata, encode_dcp_metadata
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, RankManifest
+from dcp_safe.manifest.signing import part_mac, part_mac_matches
 from dcp_safe.version import __version__
 
 __all__ = ["Report", "await_reports", "gathered", "report_failure", "write_report"]
 
 _FORMAT = "dcp_safe/rank-report"
-#: A report as rank 0 uses it: the rank's plain DCP metadata, and its audit sums (key ->
-#: block -> sum, of the blocks it holds) where its planner recorded them.
-Report = tuple[Any, dict[str, dict[int, int]] | None]
+#: A report as rank 0 uses it: the rank's plain DCP metadata, its audit sums (key -> block ->
+#: sum, of the blocks it holds) where its planner recorded them, and the checksum of its rank
+#: manifest (where it wrote one with items).
+Report = tuple[Any, dict[str, dict[int, int]] | None, str | None]
 _MASK = (1 << 64) - 1
 
 
-def write_report(backend: Backend, assignment: Assignment, metadata: Metadata) -> None:
-    """This rank's part is on storage: say so, with its metadata.
+def write_report(
+    backend: Backend,
+    assignment: Assignment,
+    metadata: Metadata,
+    *,
+    manifest_checksum: str | None,
+    key: bytes | None,
+) -> None:
+    """This rank's part is on storage: say so, with its metadata and the checksum of the rank
+    manifest it wrote; with ``key``, authenticated (the module's rule).
 
     Raises:
         ConfigError: the metadata has no plain form (a custom planner's data).
@@ -69,7 +85,15 @@ def write_report(backend: Backend, assignment: Assignment, metadata: Metadata) -
             f" data, and this one has none ({exc}): use DCP's or dcp_safe's planner, or"
             " use_collectives=True"
         ) from exc
-    body = {"format": _FORMAT, "rank": assignment.rank, "dcp_metadata": plain, "audit": sums}
+    body = {
+        "format": _FORMAT,
+        "rank": assignment.rank,
+        "dcp_metadata": plain,
+        "audit": sums,
+        "manifest": manifest_checksum,
+    }
+    if key is not None:
+        body["mac"] = part_mac(key, assignment.save_id, assignment.rank, _canonical(body))
     rel = layout.rank_report_name(assignment.rank, assignment.save_id)
     backend.write_bytes(f"{assignment.work_dir}/{rel}", json.dumps(body).encode())
 
@@ -84,13 +108,15 @@ def report_failure(backend: Backend, assignment: Assignment, exc: BaseException)
         backend.write_bytes(f"{assignment.work_dir}/{rel}", json.dumps(body).encode())
 
 
-def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -> dict[int, Report]:
-    """Every other rank's report, once all are on storage.
+def await_reports(
+    backend: Backend, assignment: Assignment, deadline_s: float, *, key: bytes | None
+) -> dict[int, Report]:
+    """Every other rank's report, once all are on storage; with ``key``, each authenticated.
 
     Raises:
         DivergentStateError: a rank found its copy of an entry differs from rank 0's.
-        CommitError: a rank reported a failure, or had not reported by the deadline (naming
-            the ranks).
+        CommitError: a rank reported a failure, had not reported by the deadline, or (with
+            ``key``) left a report its MAC does not authenticate (naming the ranks).
     """
     ranks_dir = f"{assignment.work_dir}/{layout.RANKS_DIR}"
     others = range(1, assignment.world_size)
@@ -115,10 +141,23 @@ def await_reports(backend: Backend, assignment: Assignment, deadline_s: float) -
     found: dict[int, Report] = {}
     for rank, rel in reports.items():
         body = _read_json(backend, f"{assignment.work_dir}/{rel}", rank)
+        mac = body.pop("mac", None)
+        if key is not None and not part_mac_matches(
+            key, assignment.save_id, rank, _canonical(body), mac
+        ):
+            raise CommitError(
+                "a rank's report is not authenticated by the job's signing key, so it may not"
+                " be that rank's: nothing is published. Give every rank's writer the same"
+                " signing key, and check who else can write the root",
+                {rank: f"{'no MAC' if mac is None else 'a MAC that does not match'} in {rel}"},
+            )
+        checksum = body.get("manifest")
         if body.get("rank") != rank or "dcp_metadata" not in body:
             raise CommitError("a rank's report is malformed", {rank: rel})
         try:
-            found[rank] = (body["dcp_metadata"], _decode_audit(body.get("audit")))
+            if checksum is not None and not isinstance(checksum, str):
+                raise ValueError("a rank manifest checksum that is not a string")
+            found[rank] = (body["dcp_metadata"], _decode_audit(body.get("audit")), checksum)
         except ValueError as exc:
             raise CommitError("a rank's report is malformed", {rank: str(exc)}) from exc
     return found
@@ -131,19 +170,28 @@ def gathered(
     checksum: ChecksumAlgorithm,
     own: tuple[Metadata, list[WriteResult]],
     reports: Mapping[int, Report],
+    *,
+    signed: bool,
 ) -> tuple[Metadata, list[list[WriteResult]]]:
     """The global metadata and every rank's results, from rank 0's own and the reports; the
     reports are removed from storage (they are no part of the checkpoint).
 
+    Args:
+        signed: the reports were authenticated: each rank manifest must be the one its report
+            names (one with no items may go unnamed: it holds nothing a load reads).
+
     Raises:
-        CommitError: a rank manifest is missing, of another save, or a rank's metadata names
-            items no rank wrote.
+        CommitError: a rank manifest is missing, of another save, not the one an
+            authenticated report names, or a rank's metadata names items no rank wrote.
     """
-    results = [own[1], *(_results_of(backend, assignment, r, checksum) for r in sorted(reports))]
+    results = [own[1]]
+    for rank in sorted(reports):
+        expected = reports[rank][2] if signed else None
+        results.append(_results_of(backend, assignment, rank, checksum, expected, signed=signed))
     union = _union_manifest(name, assignment, checksum, results)
     metadatas = [own[0]]
     for rank in sorted(reports):
-        plain, audit = reports[rank]
+        plain, audit, _ = reports[rank]
         try:
             decoded = decode_dcp_metadata(plain, union, f"rank {rank}'s report")
         except DcpSafeError as exc:
@@ -163,15 +211,29 @@ def gathered(
 
 
 def _results_of(
-    backend: Backend, assignment: Assignment, rank: int, checksum: ChecksumAlgorithm
+    backend: Backend,
+    assignment: Assignment,
+    rank: int,
+    checksum: ChecksumAlgorithm,
+    expected: str | None,
+    *,
+    signed: bool,
 ) -> list[WriteResult]:
-    """A rank's write results, from its rank manifest (with the report the committer checks)."""
+    """A rank's write results, from its rank manifest (with the report the committer checks):
+    signed, the manifest whose checksum is ``expected`` (the rank's authenticated word)."""
     rel = f"{assignment.work_dir}/{layout.rank_manifest_name(rank)}"
     try:
         raw = backend.read_small(rel, MANIFEST_MAX_BYTES)
         manifest = RankManifest.from_json(raw, backend.full_path(rel))
     except (FileNotFoundError, DcpSafeError) as exc:
         raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
+    # The bytes checked are the bytes used (read once): nothing swapped in later counts.
+    if signed and (expected or manifest.items) and digest_bytes(raw, checksum) != expected:
+        raise CommitError(
+            "a rank manifest is not the one its rank's authenticated report names: nothing is"
+            " published (someone else wrote it, or it was damaged)",
+            {rank: backend.full_path(rel)},
+        )
     if (manifest.save_id, manifest.rank) != (assignment.save_id, rank):
         raise CommitError(
             "a rank manifest belongs to another save",
@@ -325,6 +387,11 @@ def _read_json(backend: Backend, rel: str, rank: int) -> dict[str, Any]:
     if not isinstance(body, dict) or body.get("format") != _FORMAT:
         raise CommitError("a rank's report is malformed", {rank: rel})
     return body
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    """The bytes a report's MAC covers: its fields as parsed (what rank 0 uses), in one form."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _leaf(rel: str) -> str:

@@ -3,7 +3,8 @@
 The two steps that differ from a collective save (docs/multirank.md, "Saves without
 collectives"): in ``prepare_global_plan`` the ranks agree on the save id through storage
 (:mod:`dcp_safe.dcp.assignment_board`), and in ``finish`` rank 0 gathers every rank's report
-(:mod:`dcp_safe.dcp.rank_reports`) before the unchanged committer publishes.
+(:mod:`dcp_safe.dcp.rank_reports`) before the unchanged committer publishes. With a signing
+key, what a rank leaves on storage for rank 0 is authenticated under it (``rank_reports``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.publication import Publication
+from dcp_safe.commit.report import ReportedItem
 from dcp_safe.dcp import rank_reports
 from dcp_safe.dcp.assignment_board import Assignment, AssignmentBoard, leave_to_rank0
 from dcp_safe.errors import ConfigError, DivergentStateError
@@ -42,6 +44,8 @@ class StorageAgreement:
     checksum: ChecksumAlgorithm
     #: The publication of a save id (the writer's, made by the root's strategy).
     publication: Callable[[str], Publication]
+    #: The writer's signing key: every rank's report is authenticated under it.
+    signing_key: bytes | None = None
 
     def agree(
         self,
@@ -79,11 +83,22 @@ class StorageAgreement:
             raise error
         return dataclasses.replace(plan, storage_data=assignment)
 
-    def report(self, assignment: Assignment, metadata: Metadata) -> None:
+    def report(
+        self, assignment: Assignment, metadata: Metadata, results: list[list[WriteResult]]
+    ) -> None:
         """A rank other than 0: its part is on storage (:func:`rank_reports.write_report`); if
         the report cannot be written, a failure marker says so (rank 0 fails at once)."""
+        first = results[0][0].storage_data if results and results[0] else None
+        # The checksum of the rank manifest as this rank wrote it (not as storage now holds it).
+        checksum = first.report.manifest.checksum if isinstance(first, ReportedItem) else None
         try:
-            rank_reports.write_report(self.backend, assignment, metadata)
+            rank_reports.write_report(
+                self.backend,
+                assignment,
+                metadata,
+                manifest_checksum=checksum,
+                key=self.signing_key,
+            )
         except BaseException as exc:
             rank_reports.report_failure(self.backend, assignment, exc)
             raise
@@ -110,10 +125,17 @@ class StorageAgreement:
             CommitError: a rank failed or did not report within the deadline (naming it).
         """
         try:
-            reports = rank_reports.await_reports(self.backend, assignment, self.board.deadline_s)
+            key, deadline_s = self.signing_key, self.board.deadline_s
+            reports = rank_reports.await_reports(self.backend, assignment, deadline_s, key=key)
             own = (metadata, results[0])
             return rank_reports.gathered(
-                self.backend, self.name, assignment, self.checksum, own, reports
+                self.backend,
+                self.name,
+                assignment,
+                self.checksum,
+                own,
+                reports,
+                signed=key is not None,
             )
         except BaseException as exc:
             self.publication(assignment.save_id).discard(exc)

@@ -274,7 +274,14 @@ class SafeStorageWriter(StorageWriter):
     def _storage_agreement(self) -> StorageAgreement:
         name, key = self._require_name(), save_key(self.attempt, self._saves)
         board = AssignmentBoard(self.backend, name, key, deadline_s=self.options.report_timeout_s)
-        return StorageAgreement(self.backend, name, board, self.options.checksum, self._publication)
+        return StorageAgreement(
+            self.backend,
+            name,
+            board,
+            self.options.checksum,
+            self._publication,
+            self.options.signing_key,
+        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._assignment = assignment = _assignment_of(plan)
@@ -351,7 +358,7 @@ class SafeStorageWriter(StorageWriter):
         name = self._require_name()
         if not self._collective:
             if not self._coordinator:
-                self._storage_agreement().report(assignment, metadata)
+                self._storage_agreement().report(assignment, metadata, results)
                 return
             metadata, results = self._storage_agreement().gather(
                 assignment,

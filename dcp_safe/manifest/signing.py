@@ -32,6 +32,8 @@ __all__ = [
     "check_signature",
     "checksum_for",
     "is_cryptographic",
+    "part_mac",
+    "part_mac_matches",
     "resolve_key",
     "sign_digest",
 ]
@@ -49,6 +51,9 @@ SIGNED_DEFAULT_CHECKSUM = ChecksumAlgorithm.BLAKE3
 # Domain separation: this HMAC signs a dcp_safe manifest digest and nothing else.
 _CONTEXT = b"dcp_safe signed manifest v1\n"
 _HEX_PREFIX = "hex:"
+# What a rank's part of a save without collectives is authenticated under: a key derived from
+# the signing key, so that no such MAC ever passes for a manifest signature, or one for it.
+_PART_LABEL = b"dcp_safe rank part v1"
 
 
 def resolve_key(
@@ -116,6 +121,20 @@ def check_signature(key: bytes, digest: str, signature: bytes, path: str) -> Non
             else f"the signature is not {SIGNATURE_ALGORITHM} (found {algorithm!r})"
         )
         raise SignatureError(path, reason)
+
+
+def part_mac(key: bytes, save_id: str, rank: int, body: bytes) -> str:
+    """The HMAC (hex) that authenticates ``body``, rank ``rank``'s part of save ``save_id``
+    (a save without collectives: the report a rank leaves on storage for rank 0)."""
+    derived = hmac.new(key, _PART_LABEL, hashlib.sha256).digest()
+    message = f"{save_id}\n{rank}\n".encode("ascii") + body
+    return hmac.new(derived, message, hashlib.sha256).hexdigest()
+
+
+def part_mac_matches(key: bytes, save_id: str, rank: int, body: bytes, mac: object) -> bool:
+    """Whether ``mac`` (as found on storage: anything) is :func:`part_mac` of ``body``."""
+    expected = part_mac(key, save_id, rank, body).encode("ascii")
+    return isinstance(mac, str) and hmac.compare_digest(mac.encode("utf-8", "replace"), expected)
 
 
 def is_cryptographic(checksum: str) -> bool:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import dcp_safe
 from dcp_safe import (
+    CheckpointNotFoundError,
     CommitError,
     ConfigError,
     DivergentStateError,
@@ -294,6 +295,39 @@ def _count_collectives(rank: int, world_size: int, root: str) -> dict[str, dict[
     return seen
 
 
+# A signed job's key (every rank's writer holds it); a writer of the root does not.
+KEY = bytes.fromhex("5a" * 32)
+
+
+class _SwapsItsManifest(SafeStorageWriter):
+    """Rank 1's rank manifest replaced, after its rank wrote it, by other bytes of like items."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        if self._rank == 1:
+            assert self._assignment is not None
+            path = Path(self.root, self._assignment.work_dir, layout.rank_manifest_name(1))
+            path.write_text(json.dumps(json.loads(path.read_bytes()), indent=1))
+        return future
+
+
+def _save_signed_with_a_foreign_part(rank: int, world_size: int, root: str, how: str) -> Any:
+    """A signed job whose rank 1's part is not what rank 1 wrote: "planted" by a writer of the
+    root without the key (its value for rank 1's tensor), or rank 1's manifest "swapped"."""
+    state, key = _rank_state(rank), KEY
+    if how == "planted" and rank == 1:
+        key, state["rank1.weight"] = None, torch.full((4, 3), 666.0)
+    writer_type = _SwapsItsManifest if how == "swapped" else SafeStorageWriter
+    options = WriterOptions(report_timeout_s=REPORT_TIMEOUT_S, checksum="blake3", signing_key=key)
+    try:
+        dcp_safe.save(state, storage_writer=writer_type(root, options=options),
+                      checkpoint_id="signed", per_rank=PER_RANK, use_collectives=False,
+                      deadline_s=REPORT_TIMEOUT_S)  # fmt: skip
+    except CommitError as exc:
+        return {"error": str(exc), "failures": sorted(exc.failures)}
+    return {"error": None}
+
+
 # --------------------------------------------------------------- tests
 
 
@@ -433,3 +467,17 @@ def test_node_local_writer_refuses_saves_without_collectives(tmp_path: Path) -> 
     writer = NodeLocalWriter(tmp_path / "node", remote=str(tmp_path / "remote"))
     with pytest.raises(ConfigError, match="use_collectives=True"):
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
+
+
+@pytest.mark.parametrize(
+    ("how", "refusal"),
+    [("planted", "not authenticated by the job's signing key"), ("swapped", "not the one")],
+)
+def test_a_signed_save_refuses_a_rank_part_its_rank_did_not_write(
+    tmp_path: Path, how: str, refusal: str
+) -> None:
+    seen = run_ranks(_save_signed_with_a_foreign_part, 2, args=(str(tmp_path), how))
+    assert refusal in seen[0]["error"] and seen[0]["failures"] == [1]
+    assert not list(tmp_path.rglob(layout.COMMITTED_MARKER))
+    with pytest.raises(CheckpointNotFoundError):  # nothing that loads with the job's key
+        SafeStorageReader(tmp_path, signing_key=KEY).reset(layout.LATEST)
