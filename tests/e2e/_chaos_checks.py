@@ -26,7 +26,22 @@ The checks (:data:`CHECKS`):
 * ``history_consistent``: every checkpoint listed on a root has a ``committed`` event for that
   tier in the history;
 * ``no_leftovers``: after a sweep with grace 0, a root holds committed checkpoints (their own
-  files only), the history and the attempt records, and no open multipart upload.
+  files only), the history and the attempt records, and no open multipart upload;
+* ``default_path``: a manager built with no ``writer=`` (a default-path run) saves in its
+  checkpoint worker process (``manager.executor == "process"``);
+* ``no_process_outlives``: no checkpoint worker runs on a few seconds after its rank died, none
+  after ``close()`` returned or raised (a stopped one included), and no rank or worker process
+  of a phase after it ended;
+* ``no_startup_wait``: a save requested while its worker was not ready (not started, starting,
+  or a replacement starting) returned within :data:`STARTUP_FACTOR` times the synchronous save
+  of the same state measured in the same phase, unless a fault held a save in flight; and in a
+  phase with no fault holding or failing saves, the synchronous fallback did not engage;
+* ``worker_loss_recovers``: after a checkpoint worker was killed (mid-job or at its start-up)
+  with every rank alive, the job saves again: of two or more requests after the kill, one
+  commits on every rank;
+* ``full_disk_recovers``: once a rank lifts the RLIMIT_FSIZE it set (the disk has room
+  again), a save requested from then on commits on every rank (its worker too must write
+  under the rank's current limit).
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from typing import Any
 
 import torch
 from e2e._chaos_plan import (
+    BENIGN,
     RANK_LOSS,
     RESTART_SAVES,
     Scenario,
@@ -63,6 +79,7 @@ from dcp_safe.testing.s3 import LocalS3
 
 __all__ = [
     "CHECKS",
+    "STARTUP_FACTOR",
     "Phase",
     "Roots",
     "RunReport",
@@ -92,7 +109,20 @@ CHECKS = (
     "listed_verify_and_load",
     "history_consistent",
     "no_leftovers",
+    "default_path",
+    "no_process_outlives",
+    "no_startup_wait",
+    "worker_loss_recovers",
+    "full_disk_recovers",
 )
+
+# A request waiting for one save in flight on a thread waits about one synchronous save; a
+# worker's start-up is an interpreter importing torch, many times that on any host.
+STARTUP_FACTOR = 2.0
+# Faults that hold a save in flight (a request behind it waits, for reasons of its own).
+_HOLDING = frozenset(
+    {"s3_outage", "s3_delay", "stop_worker", "stop_timer", "stop_rank", "slow_rank"}
+) | {"slow_follow_up"}
 
 # -- the parent: one run ------------------------------------------------------------------------
 
@@ -138,12 +168,18 @@ class Phase:
         failures: the ranks that failed or died, each with run_ranks' description.
         timed_out: the ranks still running at the phase's bound (then killed).
         seconds: how long the phase took, spawning included.
+        outlived: the processes of the phase that outlived their rank or the phase, described
+            (the driver's ``ProcessWatch``).
+        struck: when (``time.monotonic()``, the same clock in every process of the host) the
+            parent struck each fault kind it strikes.
     """
 
     results: dict[int, dict[str, Any]]
     failures: dict[int, str] = field(default_factory=dict)
     timed_out: tuple[int, ...] = ()
     seconds: float = 0.0
+    outlived: list[str] = field(default_factory=list)
+    struck: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +240,19 @@ def check_phase(scenario: Scenario, phase: Phase, report: RunReport, *, restart:
     for rank, result in sorted(phase.results.items()):
         _check_rank(world_size, rank, result, report, where)
     _check_agreement(phase, report, where)
+    _check_processes(phase, report, where)
+    faults = () if restart else scenario.faults
+    if scenario.default_path:
+        for rank, result in sorted(phase.results.items()):
+            if result.get("executor") not in (None, "process"):
+                report.add(
+                    "default_path",
+                    f"{where}: rank {rank}'s manager, built with no writer=, chose executor "
+                    f"{result['executor']!r}",
+                )
+        _check_startup_waits(faults, phase, report, where)
+    if not restart:
+        check_recovery(scenario, phase, report)
     if not restart and scenario.benign:
         for rank, result in sorted(phase.results.items()):
             for error in result["errors"]:
@@ -236,6 +285,83 @@ def _check_rank(
             named = set(error["failures"])
             if not named or not named <= set(range(world_size)):
                 report.add("commit_errors_name_ranks", f"{said} names {sorted(named)}")
+
+
+def _check_processes(phase: Phase, report: RunReport, where: str) -> None:
+    """No process of the job outlives it: what the parent's watch saw, and each rank's own
+    look at its children after ``close()``."""
+    for line in phase.outlived:
+        report.add("no_process_outlives", f"{where}: {line}")
+    for rank, result in sorted(phase.results.items()):
+        if result.get("workers_after_close"):
+            report.add(
+                "no_process_outlives",
+                f"{where}: rank {rank}: checkpoint worker(s) {result['workers_after_close']} "
+                "still ran after close() (and a grace of seconds)",
+            )
+
+
+def _check_startup_waits(
+    faults: tuple[Any, ...], phase: Phase, report: RunReport, where: str
+) -> None:
+    """No request waits on a worker's start-up: a save requested while the worker was not
+    ready returns within :data:`STARTUP_FACTOR` synchronous saves of the same state (saves
+    that failed are not judged: a dead or stopped peer holds them, not a start-up)."""
+    if any(f.kind in _HOLDING for f in faults):
+        return
+    if all(f.kind in BENIGN for f in faults):
+        for rank, result in sorted(phase.results.items()):
+            if result.get("fallback"):
+                report.add(
+                    "no_startup_wait",
+                    f"{where}: rank {rank} fell back to synchronous saves with nothing failing "
+                    f"or held: {result['fallback']}",
+                )
+    references = [r["sync_s"] for r in phase.results.values() if r.get("sync_s")]
+    if not references:
+        return
+    bound = STARTUP_FACTOR * max(references)
+    for rank, result in sorted(phase.results.items()):
+        if result.get("executor") != "process":
+            continue
+        for request in result.get("requests", []):
+            outcome = result["outcomes"].get(request["step"])
+            if request["ready"] or outcome not in ("committed", "skipped"):
+                continue
+            if request["stall_s"] > bound:
+                report.add(
+                    "no_startup_wait",
+                    f"{where}: rank {rank}: the request of step {request['step']} ({outcome}) "
+                    f"took {request['stall_s']:.2f} s while its worker was not ready; the "
+                    f"synchronous save of the same state took {max(references):.2f} s",
+                )
+
+
+def check_recovery(scenario: Scenario, phase: Phase, report: RunReport) -> None:
+    """After a worker's death (every rank alive) or a lifted full disk, the job saves again."""
+    if scenario.loses_a_rank:
+        return
+    for fault in scenario.faults:
+        if any(f.kind not in BENIGN for f in scenario.faults if f is not fault):
+            return  # another fault may fail the saves after it, for reasons of its own
+        if fault.kind in ("kill_worker", "kill_worker_startup") and fault.kind in phase.struck:
+            check, since, lift = "worker_loss_recovers", phase.struck[fault.kind], 0
+        elif fault.kind == "fsize" and fault.count:
+            check, since, lift = "full_disk_recovers", 0.0, fault.count
+        else:
+            continue
+        for rank, result in sorted(phase.results.items()):
+            requests = result.get("requests", [])
+            steps = [r["step"] for r in requests if r["at"] > since and r["step"] >= lift]
+            outcomes = {step: result["outcomes"].get(step) for step in steps}
+            if len(steps) >= 2 and "committed" not in outcomes.values():
+                errors = [
+                    f"{e['step']}: {e['type']}: {e['message'][:120]}" for e in result["errors"]
+                ]
+                report.add(
+                    check,
+                    f"rank {rank}: after {fault.label} no save committed: {outcomes}; {errors}",
+                )
 
 
 def _per_step(result: dict[str, Any]) -> dict[int, list[tuple[str, str | None]]]:
@@ -492,8 +618,10 @@ def summarize(reports: list[RunReport]) -> tuple[dict[str, Any], str]:
         cells[("all variants", kind)] = [len(runs), sum(bool(r.violations) for r in runs)]
     rows = [*sorted({row for row, _ in cells} - {"all variants"}), "all variants"]
     minutes = sum(r.seconds for r in reports) / 60
+    default = sum(r.variant.startswith("default:") for r in reports)
     lines = [
-        f"{len(reports)} runs ({minutes:.0f} min), "
+        f"{len(reports)} runs ({minutes:.0f} min; {default} on the default path, rows"
+        " `default:`), "
         f"{sum(bool(r.violations) for r in reports)} with a violation. "
         "Each cell: runs / runs with a violation (a run with two faults counts under both).",
         "",

@@ -23,6 +23,18 @@ writes; parent-timed faults (``kill_timer``, every ``s3_*``) by a thread of the 
 every rank announced its loop. Every wait in the rank bodies is bounded, and each phase runs
 under a bound (:meth:`Scenario.bound_s`): a rank still running then is a hang.
 
+The default path (``Scenario.default_path``): each rank builds its manager as a user does,
+with no ``writer=`` or ``stager=``, so its saves run in its checkpoint worker process; the
+ranks are launched as ``torchrun`` launches them (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
+``WORLD_SIZE``, a ``TCPStore`` rendezvous). Its faults are struck from the parent
+(:func:`_strike`): signals to a rank, or to its worker found as the rank's child process
+(:func:`workers_of`), the start-up kills by a thread that polls for the
+worker's appearance. There, and on the writer's path alike, :class:`ProcessWatch` records
+every rank and worker process of the phase, so that the checks can tell whether one outlived
+its rank or the job; each rank records, per save request, how long the call took and whether
+its worker was ready, and the synchronous save of the same state it measured first
+(:func:`_sync_save_s`), for the check that no request waits on a worker's start-up.
+
 Then the checks of :mod:`e2e._chaos_checks` read what the ranks returned and what the roots
 hold. Rank bodies are module-level functions, so ``run_ranks`` pickles them by reference.
 """
@@ -30,8 +42,10 @@ hold. Rank bodies are module-level functions, so ``run_ranks`` pickles them by r
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import re
 import resource
 import signal
 import threading
@@ -41,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from e2e._chaos_checks import (
     Phase,
     Roots,
@@ -54,6 +69,7 @@ from e2e._chaos_checks import (
 )
 from e2e._chaos_plan import (
     RESTART_SAVES,
+    STARTUP_KINDS,
     Fault,
     Scenario,
     blank_sharded,
@@ -65,6 +81,7 @@ from e2e._chaos_plan import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+import dcp_safe
 from dcp_safe import (
     CheckpointManager,
     CommitError,
@@ -83,7 +100,9 @@ __all__ = [
     "ChaosNodeLocalWriter",
     "ChaosWriter",
     "Job",
+    "ProcessWatch",
     "build_manager",
+    "workers_of",
     "faulty_phase",
     "restart_phase",
     "run_chaos",
@@ -92,6 +111,11 @@ __all__ = [
 KEEP_LAST = 2
 RANKS_PER_NODE = 2  # node_local: ranks 0-1 share node 0's directory, 2-3 node 1's
 _FSIZE_LIMIT_BYTES = 512  # below one rank's shard file: its writes fail with EFBIG
+# How long a process of the job may outlive its rank (a worker) or the job (any), and a closed
+# manager keep its worker: the worker's own watch of its parent polls well within it.
+OUTLIVE_GRACE_S = 5.0
+_WATCH_POLL_S = 0.1
+_STARTUP_POLL_S = 0.01  # a worker imports torch for a second or more: caught long before
 
 
 @dataclass(frozen=True)
@@ -185,12 +209,20 @@ def _arm_writer(writer: _ChaosHooks, scenario: Scenario, rank: int) -> None:
             writer.slow_from, writer.slow_s = fault.step, fault.seconds
 
 
-def _fill_disk(limit_bytes: int) -> None:
+def _fill_disk(limit_bytes: int) -> int:
     """RLIMIT_FSIZE: from now on no write of this process may grow a file past the limit.
-    SIGXFSZ is ignored, so such a write fails with EFBIG instead of killing the process."""
+    SIGXFSZ is ignored, so such a write fails with EFBIG instead of killing the process.
+    Returns the soft limit it replaced (to lift it with :func:`_free_disk`)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    return soft
+
+
+def _free_disk(soft: int) -> None:
+    """Lift the limit :func:`_fill_disk` set: the disk has room again."""
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def _root_options(job: Job, rank: int) -> dict[str, Any] | None:
@@ -211,11 +243,27 @@ def _root_options(job: Job, rank: int) -> dict[str, Any] | None:
 
 
 def build_manager(job: Job, rank: int) -> CheckpointManager:
-    """This rank's manager for ``job``, with the writer carrying its faults."""
+    """This rank's manager for ``job``: with the writer carrying its faults, or on the default
+    path as a user builds it (no ``writer=``, no ``stager=``)."""
     scenario = job.scenario
     writer: SafeStorageWriter
     options = _root_options(job, rank)
     node = job.node_dirs[rank // RANKS_PER_NODE] if scenario.roots == "node_local" else None
+    if scenario.default_path:
+        return CheckpointManager(
+            job.root,
+            replicate_to=job.replica,
+            # Local paths take no options: the S3 root's or replica's are the only ones.
+            storage_options=job.s3_options if scenario.roots != "local" else options,
+            node_local=node,
+            keep_last=KEEP_LAST,
+            when_busy=scenario.when_busy,
+            staging=scenario.staging,
+            deadline_s=scenario.deadline_s,
+            wait_timeout_s=scenario.wait_timeout_s,
+            budget=MemoryBudget(usable_bytes=256 << 20, reserve_bytes=0),
+            attempt=job.attempt,
+        )
     if node is not None:
         writer = ChaosNodeLocalWriter(
             node, remote=job.root, remote_storage_options=job.s3_options, attempt=job.attempt
@@ -278,6 +326,9 @@ class _Record:
     handles: dict[int, Any] = field(default_factory=dict)
     seen: set[tuple[int, str]] = field(default_factory=set)
     replication_pending: list[int] = field(default_factory=list)
+    # Per save request: its step, how long the call took, whether the worker was ready, when.
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    sync_s: float | None = None  # the synchronous save of the same state, measured first
 
     def error(self, exc: BaseException, where: str, step: int | None) -> None:
         self.errors.append(describe_error(exc, where, step))
@@ -319,6 +370,7 @@ class _Record:
                 history = manager.history()
             except Exception as exc:
                 self.error(exc, "history", None)
+        stats = manager.stats() if manager is not None else None
         return {
             "rank": self.rank,
             "outcomes": dict(self.outcomes),
@@ -326,8 +378,52 @@ class _Record:
             "errors": list(self.errors),
             "decisions": [(e["event"], e["step"], e.get("tier")) for e in decisions],
             "history": [(e["event"], e.get("name"), e.get("tier")) for e in history],
+            "executor": None if manager is None else manager.executor,
+            "requests": list(self.requests),
+            "sync_s": self.sync_s,
+            "fallback": None if stats is None else stats.fallback_reason,
+            # A closed manager leaves no worker behind (a stopped one included).
+            "workers_after_close": _workers_left(OUTLIVE_GRACE_S),
             **extra,
         }
+
+
+def _workers_left(grace_s: float) -> list[int]:
+    """This process's checkpoint workers still alive after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while (left := workers_of(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _worker_ready(manager: CheckpointManager) -> bool | None:
+    """Whether the manager's checkpoint worker can save now (``None``: it has none, a thread
+    saves)."""
+    worker = manager._runner.worker
+    return None if worker is None else bool(getattr(worker, "ready", False))
+
+
+def _sync_save_s(job: Job, rank: int, state: dict[str, Any]) -> float | None:
+    """How long a synchronous save of ``state`` takes here, to a scratch root of the run's kind
+    (a node cache uploading to S3 for node-local runs): what a save request is compared with.
+    Every rank calls it (a collective save); ``None`` if it failed."""
+    probe = f"probe_{job.phase}"
+    writer: SafeStorageWriter
+    if job.scenario.roots == "node_local":
+        node = f"{job.node_dirs[rank // RANKS_PER_NODE]}_{probe}"
+        remote = f"{job.root.rsplit('/', 1)[0]}/{probe}"
+        writer = NodeLocalWriter(node, remote=remote, remote_storage_options=job.s3_options)
+    else:
+        writer = SafeStorageWriter(str(Path(job.run_dir) / probe))
+    started = time.monotonic()
+    try:
+        dcp_safe.save(state, checkpoint_id="probe", storage_writer=writer)
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+    return time.monotonic() - started
 
 
 def _close(manager: CheckpointManager, record: _Record, timeout_s: float) -> None:
@@ -353,10 +449,15 @@ def _manager_or_none(job: Job, rank: int, record: _Record) -> CheckpointManager 
         return None
 
 
-def _announce(job: Job, rank: int) -> None:
-    """Tell the parent this rank's pid and that its loop starts (for parent-timed faults)."""
+def _register(job: Job, rank: int) -> None:
+    """Tell the parent this rank's pid (before its manager may start a worker)."""
     path = Path(job.run_dir) / f"{job.phase}_rank{rank}.pid"
     path.write_text(str(os.getpid()))
+
+
+def _announce(job: Job, rank: int) -> None:
+    """Tell the parent that this rank's loop starts (parent-timed faults count from there)."""
+    (Path(job.run_dir) / f"{job.phase}_rank{rank}.loop").write_text("")
 
 
 # -- the rank bodies ----------------------------------------------------------------------------
@@ -369,18 +470,23 @@ def faulty_phase(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     scenario loses a rank: then, like a job whose peer died, it stops at the first error seen.
     """
     scenario = job.scenario
+    _register(job, rank)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(job.attempt)
     mesh = init_device_mesh("cpu", (world_size,))
     state = sharded_state(mesh, 0)
     record = _Record(rank)
+    record.sync_s = _sync_save_s(job, rank, state)
     manager = _manager_or_none(job, rank, record)
     if manager is None:
         return record.as_dict(None)
     fsize = scenario.fault("fsize")
     _announce(job, rank)
+    soft = None
     for step in range(1, scenario.steps + 1):
         if fsize is not None and fsize.rank == rank and step == fsize.step:
-            _fill_disk(_FSIZE_LIMIT_BYTES)
+            soft = _fill_disk(_FSIZE_LIMIT_BYTES)
+        if fsize is not None and soft is not None and step == fsize.count:
+            _free_disk(soft)
         if _save_one(manager, record, state, step, rank, world_size) and scenario.loses_a_rank:
             break
         time.sleep(scenario.step_s)
@@ -403,13 +509,19 @@ def _save_one(
     rank: int,
     world_size: int,
 ) -> bool:
-    """Update the state to ``step`` (after its previous copy, with overlap) and request a save.
-    True when a manager call raised."""
+    """Update the state to ``step`` (after its previous copy, with overlap) and request a save,
+    recording how long the request took and whether the worker was ready then. True when a
+    manager call raised."""
     try:
         if manager.staging.value == "overlap":
             manager.wait_staged(timeout_s=4 * manager.deadline_s)
         update_in_place(state, step, rank, world_size)
-        handle = manager.maybe_save(step, state)
+        ready, at = _worker_ready(manager), time.monotonic()
+        try:
+            handle = manager.maybe_save(step, state)
+        finally:
+            stall = time.monotonic() - at
+            record.requests.append({"step": step, "stall_s": stall, "ready": ready, "at": at})
     except BaseException as exc:
         _pass_interrupts(exc)
         record.error(exc, "maybe_save", step)
@@ -425,9 +537,11 @@ def _save_one(
 def restart_phase(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """The restarted job: restore the newest checkpoint, check it, save the next two steps."""
     scenario = job.scenario
+    _register(job, rank)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(job.attempt)
     mesh = init_device_mesh("cpu", (world_size,))
     record = _Record(rank)
+    record.sync_s = _sync_save_s(job, rank, sharded_state(mesh, 0))
     manager = _manager_or_none(job, rank, record)
     if manager is None:
         return record.as_dict(None, restored=None, wrong=[], committed=[])
@@ -456,7 +570,12 @@ def restart_phase(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 
 
 def run_chaos(
-    seed: int, base_dir: Path, s3: LocalS3 | None, *, long_mode: bool = False
+    seed: int,
+    base_dir: Path,
+    s3: LocalS3 | None,
+    *,
+    long_mode: bool = False,
+    default_path: bool | None = None,
 ) -> RunReport:
     """Play ``scenario_for(seed)`` and check every invariant; never raises for a violation.
 
@@ -465,8 +584,9 @@ def run_chaos(
         base_dir: an empty directory for the run's roots and scratch files.
         s3: the moto server (needed by runs with an S3 root or replica; others may pass None).
         long_mode: draw from the long mode's variants (world size 4 too).
+        default_path: force the path (``None``: drawn from the seed).
     """
-    scenario = scenario_for(seed, long_mode=long_mode)
+    scenario = scenario_for(seed, long_mode=long_mode, default_path=default_path)
     report = RunReport(
         seed=seed,
         variant=scenario.variant,
@@ -527,6 +647,148 @@ def _job(scenario: Scenario, roots: Roots, base_dir: Path, phase: str, **extra: 
     )
 
 
+@dataclass
+class _Seen:
+    """A process of the job the watch saw: a rank or one of its checkpoint workers."""
+
+    rank: int
+    kind: str  # "rank" or "worker"
+    process: psutil.Process
+    outlived: bool = False  # already reported
+
+    def alive(self) -> bool:
+        """Running (a stopped process too), neither gone nor a zombie; never another process
+        that got its pid since (psutil compares the creation time)."""
+        try:
+            return self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+class ProcessWatch:
+    """Every rank and checkpoint worker process of one phase, as the parent sees them.
+
+    A thread polls the ranks (their pid files) and their workers (their child processes) until
+    :meth:`finish`. ``outlived`` says what broke "no process of the job outlives it": a worker
+    alive :data:`OUTLIVE_GRACE_S` after its rank died, while the phase runs; after the phase,
+    any process of it still alive after that grace (``run_ranks`` kills each rank's process
+    group: a process that left it, or survived that, is one a job leaves behind).
+    """
+
+    def __init__(self, job: Job, world_size: int) -> None:
+        self.job = job
+        self.world_size = world_size
+        self.seen: dict[int, _Seen] = {}
+        self.rank_died: dict[int, float] = {}
+        self.outlived: list[str] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-watch", daemon=True)
+        self._thread.start()
+
+    def rank_pid(self, rank: int) -> int | None:
+        path = Path(self.job.run_dir) / f"{self.job.phase}_rank{rank}.pid"
+        with contextlib.suppress(OSError, ValueError):
+            return int(path.read_text())
+        return None
+
+    def workers(self, rank: int) -> list[int]:
+        """The live checkpoint workers of ``rank`` now (recorded as seen)."""
+        pid = self.rank_pid(rank)
+        if pid is None:
+            return []
+        try:
+            found = workers_of(pid)
+        except OSError:
+            return []
+        for worker in found:
+            self._track(rank, "worker", worker)
+        return found
+
+    def _track(self, rank: int, kind: str, pid: int) -> _Seen | None:
+        with self.lock:
+            if pid in self.seen and self.seen[pid].alive():
+                return self.seen[pid]
+            try:
+                self.seen[pid] = _Seen(rank, kind, psutil.Process(pid))
+            except psutil.Error:
+                return None
+            return self.seen[pid]
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            pid = self.rank_pid(rank)
+            if pid is None:
+                continue
+            seen = self._track(rank, "rank", pid)
+            if seen is not None and seen.alive():
+                self.workers(rank)
+            else:  # a zombie, or gone (reaped) already
+                self.rank_died.setdefault(rank, now)
+        with self.lock:
+            orphans = [
+                s
+                for s in self.seen.values()
+                if s.kind == "worker"
+                and not s.outlived
+                and now - self.rank_died.get(s.rank, now) > OUTLIVE_GRACE_S
+                and s.alive()
+            ]
+        for orphan in orphans:
+            orphan.outlived = True
+            self.outlived.append(
+                f"rank {orphan.rank}'s checkpoint worker (pid {orphan.process.pid},"
+                f" {_state(orphan.process)}) still ran {OUTLIVE_GRACE_S:g} s after its rank died"
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(_WATCH_POLL_S):
+            self.poll()
+
+    def finish(self) -> None:
+        """After the phase: every process seen must be gone within the grace."""
+        self._stop.set()
+        self._thread.join()
+        deadline = time.monotonic() + OUTLIVE_GRACE_S
+        while (left := [s for s in self.seen.values() if s.alive()]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        for seen in left:
+            if not seen.outlived:  # not reported while the phase ran
+                self.outlived.append(
+                    f"rank {seen.rank}'s {seen.kind} (pid {seen.process.pid},"
+                    f" {_state(seen.process)}) still ran {OUTLIVE_GRACE_S:g} s after the"
+                    f" {self.job.phase} phase ended"
+                )
+            with contextlib.suppress(psutil.Error):
+                seen.process.kill()  # the next run must not inherit it
+
+
+_WORKER_COMMAND = re.compile(rb"dcp_safe[./]manager[./]worker_")
+
+
+def workers_of(pid: int) -> list[int]:
+    """The checkpoint workers among the children of ``pid`` (of any of its threads), read from
+    ``/proc``: cheap enough to poll every few milliseconds on a loaded host."""
+    found = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError):
+            for child in Path(task).read_text().split():
+                with contextlib.suppress(OSError):
+                    if _WORKER_COMMAND.search(Path(f"/proc/{child}/cmdline").read_bytes()):
+                        found.append(int(child))
+    return found
+
+
+def _state(process: psutil.Process) -> str:
+    try:
+        return f"state {process.status()}, parent {process.ppid()}"
+    except psutil.Error:
+        return "gone"
+
+
 def _run_faulty_phase(
     scenario: Scenario,
     roots: Roots,
@@ -537,39 +799,70 @@ def _run_faulty_phase(
     options = proxy.storage_options() if proxy is not None else None
     job = _job(scenario, roots, base_dir, "faulty", s3_options=options)
     stop = threading.Event()
+    watch = ProcessWatch(job, scenario.world_size)
+    struck: dict[str, float] = {}
     timers = [
-        threading.Thread(target=_strike, args=(fault, job, proxy, stop, report), daemon=True)
+        threading.Thread(
+            target=_strike, args=(fault, job, proxy, stop, report, watch, struck), daemon=True
+        )
         for fault in scenario.faults
-        if fault.at_s
+        if fault.from_parent
     ]
     for timer in timers:
         timer.start()
     try:
-        return _run_phase(faulty_phase, job, scenario.world_size)
+        phase = _run_phase(faulty_phase, job, scenario.world_size)
     finally:
         stop.set()
         for timer in timers:
             timer.join(timeout=30)
         if proxy is not None:
             proxy.clear()
+        watch.finish()
+    phase.outlived, phase.struck = watch.outlived, struck
+    return phase
 
 
 def _strike(
-    fault: Fault, job: Job, proxy: FaultProxy | None, stop: threading.Event, report: RunReport
+    fault: Fault,
+    job: Job,
+    proxy: FaultProxy | None,
+    stop: threading.Event,
+    report: RunReport,
+    watch: ProcessWatch,
+    struck: dict[str, float],
 ) -> None:
-    """A parent-timed fault: wait for every rank's loop to start, then ``at_s``, then strike."""
+    """A parent's fault: the start-up kinds the moment the victim's worker appears; the others
+    once every rank's loop started and ``at_s`` passed. ``struck``: when, by kind."""
     ranks = range(job.scenario.world_size)
-    pids = [Path(job.run_dir) / f"{job.phase}_rank{r}.pid" for r in ranks]
+    loops = [Path(job.run_dir) / f"{job.phase}_rank{r}.loop" for r in ranks]
     deadline = time.monotonic() + job.scenario.bound_s(job.scenario.world_size)
-    while not all(p.exists() for p in pids):
+    if fault.kind in STARTUP_KINDS:
+        _strike_at_startup(fault, watch, stop, deadline, report, struck)
+        return
+    while not all(p.exists() for p in loops):
         if stop.wait(0.05) or time.monotonic() > deadline:
             return
     if stop.wait(fault.at_s):
         return
-    if fault.kind == "kill_timer":
+    pids = [watch.rank_pid(r) or 0 for r in ranks]
+    if fault.kind in ("kill_timer", "kill_all", "stop_timer"):
         victims = list(ranks) if fault.rank < 0 else [fault.rank]
-        killed = [v for v in victims if _kill_own_child(int(pids[v].read_text()))]
-        report.notes.append(f"SIGKILLed rank(s) {killed} of {victims}")
+        signum = signal.SIGSTOP if fault.kind == "stop_timer" else signal.SIGKILL
+        hit = [v for v in victims if _signal_child(pids[v], os.getpid(), signum)]
+        struck[fault.kind] = time.monotonic()
+        report.notes.append(f"{signal.Signals(signum).name} to rank(s) {hit} of {victims}")
+        return
+    if fault.kind in ("kill_worker", "stop_worker"):
+        signum = signal.SIGSTOP if fault.kind == "stop_worker" else signal.SIGKILL
+        while not stop.is_set() and time.monotonic() < deadline:
+            workers = watch.workers(fault.rank)
+            if workers and _signal_child(workers[0], pids[fault.rank], signum):
+                struck[fault.kind] = time.monotonic()
+                name = signal.Signals(signum).name
+                report.notes.append(f"{name} to rank {fault.rank}'s worker {workers[0]}")
+                return
+            stop.wait(0.05)  # no worker yet: the first save starts it
         return
     assert proxy is not None, fault
     if fault.kind == "s3_error":
@@ -584,19 +877,50 @@ def _strike(
         outage.times = 0  # disarmed: the service is back
 
 
-def _kill_own_child(pid: int) -> bool:
-    """SIGKILL ``pid`` if it is still a child of this process (a rank not yet reaped); never
-    another process that got its number since. The pidfd pins the process that was checked."""
+def _strike_at_startup(
+    fault: Fault,
+    watch: ProcessWatch,
+    stop: threading.Event,
+    deadline: float,
+    report: RunReport,
+    struck: dict[str, float],
+) -> None:
+    """Kill the victim's worker (``count`` start-ups in a row), or the victim rank itself, the
+    moment its worker process appears: long before that worker could import anything."""
+    killed: set[int] = set()
+    while not stop.is_set() and time.monotonic() < deadline:
+        rank_pid = watch.rank_pid(fault.rank)
+        new = [w for w in watch.workers(fault.rank) if w not in killed] if rank_pid else []
+        if not new:
+            time.sleep(_STARTUP_POLL_S)
+            continue
+        if fault.kind == "kill_rank_startup":
+            if _signal_child(rank_pid or 0, os.getpid(), signal.SIGKILL):
+                struck[fault.kind] = time.monotonic()
+                report.notes.append(f"SIGKILL to rank {fault.rank} as worker {new[0]} appeared")
+            return
+        killed.add(new[0])
+        if _signal_child(new[0], rank_pid or 0, signal.SIGKILL):
+            struck[fault.kind] = time.monotonic()
+            report.notes.append(f"SIGKILL to rank {fault.rank}'s worker {new[0]} as it appeared")
+            if len(killed) >= max(1, fault.count):
+                return
+
+
+def _signal_child(pid: int, parent: int, signum: int) -> bool:
+    """Send ``signum`` to ``pid`` if it is still a child of ``parent`` (a rank of this process
+    not yet reaped, a worker of a rank); never to another process that got its number since.
+    The pidfd pins the process that was checked."""
     try:
         pidfd = os.pidfd_open(pid)
     except (ProcessLookupError, OSError):
         return False
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        parent = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid"))
-        if int(parent) != os.getpid():
+        ppid = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid"))
+        if int(ppid) != parent:
             return False
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        signal.pidfd_send_signal(pidfd, signum)
         return True
     except (OSError, StopIteration, ValueError):
         return False
@@ -627,4 +951,10 @@ def _run_restart_phase(
 ) -> Phase:
     options = roots.s3.storage_options() if roots.s3 is not None else None
     job = _job(scenario, roots, base_dir, "restart", s3_options=options, expect_restore=newest)
-    return _run_phase(restart_phase, job, scenario.restart_world_size)
+    watch = ProcessWatch(job, scenario.restart_world_size)
+    try:
+        phase = _run_phase(restart_phase, job, scenario.restart_world_size)
+    finally:
+        watch.finish()
+    phase.outlived = watch.outlived
+    return phase

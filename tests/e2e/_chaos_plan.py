@@ -21,6 +21,17 @@ The fault kinds (:data:`FAULT_KINDS`), by what they do to the job:
 * storage failures: ``fsize`` (RLIMIT_FSIZE on one rank: EFBIG, a full disk),
   ``storage_error`` (``faulty_fs`` fails one rank's writes with EIO/ENOSPC), ``s3_outage``
   (every S3 request fails for a window), ``s3_history_error`` (the history's PUTs refused).
+
+About half the seeds (:data:`DEFAULT_PATH_SHARE`, drawn from a generator of their own, so the
+other seeds keep the scenarios they always drew) run **the default path**: managers built with
+no ``writer=`` or ``stager=``, so ``executor="auto"`` takes the checkpoint worker process of
+each rank, as a user's job does. A writer of ours cannot travel there, so every fault of those
+runs comes from outside the rank (:data:`DEFAULT_FAULTS_BY_ROOTS`): the parent SIGKILLs or
+SIGSTOPs a rank (``kill_timer``, ``kill_all``, ``stop_timer``) or its checkpoint worker
+(``kill_worker``, ``stop_worker``), kills the worker (``kill_worker_startup``, once or twice)
+or its rank (``kill_rank_startup``) the moment the worker process appears, before it could
+import anything; the rank sets RLIMIT_FSIZE on itself and lifts it two steps later (``fsize``:
+from step 1, before its worker starts, the limit is inherited); and the S3 faults as above.
 """
 
 from __future__ import annotations
@@ -36,12 +47,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 __all__ = [
     "BENIGN",
     "BUSY_POLICIES",
+    "DEFAULT_FAULTS_BY_ROOTS",
+    "DEFAULT_PATH_SHARE",
     "FAULT_KINDS",
     "RANK_LOSS",
     "ROOT_KINDS",
     "STAGING_MODES",
+    "STARTUP_KINDS",
     "RESTART_SAVES",
     "STEPS",
+    "WORKER_LOSS",
     "Fault",
     "Scenario",
     "blank_full",
@@ -59,7 +74,13 @@ __all__ = [
 ROOT_KINDS = ("local", "replica", "node_local")
 BUSY_POLICIES = ("skip", "wait", "coalesce")
 STAGING_MODES = ("snapshot", "overlap")
-RANK_LOSS = frozenset({"kill_rank", "kill_all", "kill_timer", "stop_rank"})
+RANK_LOSS = frozenset(
+    {"kill_rank", "kill_all", "kill_timer", "stop_rank", "stop_timer", "kill_rank_startup"}
+)
+# The rank lives on: its save fails, and the job must save again.
+WORKER_LOSS = frozenset({"kill_worker", "stop_worker", "kill_worker_startup"})
+# Struck by the parent the moment the victim's checkpoint worker process appears.
+STARTUP_KINDS = frozenset({"kill_worker_startup", "kill_rank_startup"})
 BENIGN = frozenset({"slow_rank", "slow_follow_up", "s3_error", "s3_delay"})
 _LOCAL_FAULTS = (
     "kill_rank",
@@ -76,7 +97,32 @@ FAULTS_BY_ROOTS: dict[str, tuple[str, ...]] = {
     "replica": (*_LOCAL_FAULTS, "storage_error", *_S3_FAULTS),
     "node_local": (*_LOCAL_FAULTS, *_S3_FAULTS, "s3_history_error"),
 }
-FAULT_KINDS = tuple(sorted({kind for kinds in FAULTS_BY_ROOTS.values() for kind in kinds}))
+_OUTSIDE = (
+    "kill_timer",
+    "kill_all",
+    "stop_timer",
+    "kill_worker",
+    "stop_worker",
+    "kill_worker_startup",
+    "kill_rank_startup",
+    "fsize",
+)
+DEFAULT_FAULTS_BY_ROOTS: dict[str, tuple[str, ...]] = {
+    "local": _OUTSIDE,
+    "replica": (*_OUTSIDE, *_S3_FAULTS),
+    "node_local": (*_OUTSIDE, *_S3_FAULTS, "s3_history_error"),
+}
+DEFAULT_PATH_SHARE = 0.6  # of the seeds; "at least half the runs" with room for chance
+FAULT_KINDS = tuple(
+    sorted(
+        {
+            kind
+            for table in (FAULTS_BY_ROOTS, DEFAULT_FAULTS_BY_ROOTS)
+            for kinds in table.values()
+            for kind in kinds
+        }
+    )
+)
 
 STEPS = 6  # save requests in the faulty phase
 RESTART_SAVES = 2  # saves of the restarted job
@@ -96,7 +142,9 @@ class Fault:
         at_s: parent-timed faults strike this long after the ranks' loops started.
         seconds: a slow fault's delay per item or per delete, an S3 delay, an outage window.
         count: how many S3 requests an ``s3_error``/``s3_delay`` hits; ``storage_error``: the
-            victim's write operation that fails first.
+            victim's write operation that fails first; ``kill_worker_startup``: how many
+            start-ups in a row are killed; ``fsize``: the step whose save the limit is lifted
+            before (0: never).
         error: ``storage_error``: ``"eio"`` or ``"enospc"``.
         persistent: ``storage_error``: every write from then on fails too.
     """
@@ -114,7 +162,16 @@ class Fault:
     def label(self) -> str:
         who = "all" if self.rank < 0 else f"r{self.rank}"
         when = f"@{self.at_s:.1f}s" if self.at_s else f"@s{self.step}" if self.step else ""
+        if self.kind == "fsize" and self.count:
+            when += f"-s{self.count}"  # lifted then
+        elif self.kind == "kill_worker_startup" and self.count > 1:
+            when += f"x{self.count}"
         return f"{self.kind}({who}{when})"
+
+    @property
+    def from_parent(self) -> bool:
+        """Struck by the parent (a timer, or the victim's worker appearing), not in the rank."""
+        return bool(self.at_s) or self.kind in STARTUP_KINDS
 
 
 @dataclass(frozen=True)
@@ -132,13 +189,15 @@ class Scenario:
     wait_timeout_s: float
     step_s: float
     steps: int = STEPS
+    default_path: bool = False  # managers built with no writer= (the checkpoint worker)
 
     @property
     def variant(self) -> str:
-        """The variant's name: roots, policy, staging, world sizes."""
+        """The variant's name: ``default:`` for the default path, roots, policy, staging,
+        world sizes."""
         return (
-            f"{self.roots}/{self.when_busy}/{self.staging}"
-            f"/ws{self.world_size}->{self.restart_world_size}"
+            f"{'default:' if self.default_path else ''}{self.roots}/{self.when_busy}"
+            f"/{self.staging}/ws{self.world_size}->{self.restart_world_size}"
         )
 
     @property
@@ -168,10 +227,14 @@ class Scenario:
         return 60.0 + 15.0 * world_size + self.steps * per_step + 6 * self.deadline_s
 
 
-def scenario_for(seed: int, *, long_mode: bool = False) -> Scenario:
+def scenario_for(
+    seed: int, *, long_mode: bool = False, default_path: bool | None = None
+) -> Scenario:
     """The scenario of ``seed``: the same seed always gives the same scenario.
 
     The short mode draws world size 2 and restarts on 1 or 2 ranks; the long mode also draws 4.
+    ``default_path`` forces the path (``None``: drawn); forced to False, a seed draws the
+    scenario it drew before the default path was added.
     """
     rng = random.Random(seed)
     world_size = rng.choice((2, 4)) if long_mode else 2
@@ -199,7 +262,38 @@ def scenario_for(seed: int, *, long_mode: bool = False) -> Scenario:
         if first.kind in ("storage_error", "fsize"):
             others = [k for k in others if k not in ("storage_error", "fsize")]
         faults.append(_draw_fault(rng, rng.choice(others), world_size, deadline_s))
+    # A generator of its own: a seed drawn for the writer's path keeps its old scenario.
+    outside = random.Random(f"default path {seed}")
+    drawn = outside.random() < DEFAULT_PATH_SHARE
+    if drawn if default_path is None else default_path:
+        allowed = DEFAULT_FAULTS_BY_ROOTS[roots]
+        first = _draw_outside(outside, outside.choice(allowed), world_size, deadline_s)
+        faults = [first]
+        if outside.random() < 0.35:
+            others = [k for k in allowed if k != first.kind and k not in RANK_LOSS]
+            if first.kind in WORKER_LOSS:  # one worker fault at a time: each names its cause
+                others = [k for k in others if k not in WORKER_LOSS]
+            kind = outside.choice(others)
+            faults.append(_draw_outside(outside, kind, world_size, deadline_s))
+        scenario["default_path"] = True
     return Scenario(faults=tuple(faults), **scenario)  # type: ignore[arg-type]
+
+
+def _draw_outside(rng: random.Random, kind: str, world_size: int, deadline_s: float) -> Fault:
+    """A fault of the default path: struck from outside the rank (the rank's own RLIMIT_FSIZE
+    aside, which it lifts two steps later)."""
+    victim = rng.randrange(world_size)
+    if kind in ("kill_timer", "stop_timer", "kill_worker", "stop_worker", "kill_all"):
+        at_s = round(rng.uniform(0.3, 3.0), 1)
+        return Fault(kind, rank=-1 if kind == "kill_all" else victim, at_s=at_s)
+    if kind == "kill_worker_startup":
+        return Fault(kind, rank=victim, count=rng.choice((1, 2)))
+    if kind == "kill_rank_startup":
+        return Fault(kind, rank=victim)
+    if kind == "fsize":
+        step = rng.randint(1, 3)
+        return Fault(kind, rank=victim, step=step, count=step + 2)
+    return _draw_fault(rng, kind, world_size, deadline_s)
 
 
 def _draw_fault(rng: random.Random, kind: str, world_size: int, deadline_s: float) -> Fault:

@@ -25,13 +25,27 @@ After each run the driver checks, by name, what a user must be able to rely on:
 * ``restore_exact``: it restores the newest listed checkpoint, exactly, on every rank;
 * ``listed_verify_and_load``: every listed checkpoint verifies deep and loads as its step;
 * ``history_consistent``: every listed checkpoint has a ``committed`` event in the history;
-* ``no_leftovers``: a sweep with grace 0 leaves nothing but committed checkpoints.
+* ``no_leftovers``: a sweep with grace 0 leaves nothing but committed checkpoints;
+* ``default_path``: a manager built with no ``writer=`` saves in its checkpoint worker;
+* ``no_process_outlives``: no worker outlives its rank, its closed manager or the job;
+* ``no_startup_wait``: no save request waits on a worker's start-up (compared with the
+  synchronous save of the same state, measured in the same run);
+* ``worker_loss_recovers`` / ``full_disk_recovers``: after a worker's death or a lifted full
+  disk, the job saves again.
+
+About 60% of the seeds run the default path: managers built with no ``writer=``/``stager=``
+(each rank's checkpoint worker process), the ranks launched as ``torchrun`` does, and faults
+from outside the rank: SIGKILL/SIGSTOP of a rank or of its worker, a kill the moment the worker
+process appears (of it, or of its rank), every rank killed, RLIMIT_FSIZE set on a rank and
+lifted later, S3 faults (``e2e._chaos_plan``).
 
 Default run: the seeds in :data:`CI_SEEDS` (each pinned to the scenario it draws, so a change
 to the driver cannot silently change what CI covers), picked to reach the worst failure modes
 known: a rank-0 follow-up slower than the deadline under ``wait`` and ``coalesce``, a crash on
 an S3 root followed by a restart, a full disk on rank 0 (the history write fails), a replica
-whose replications are superseded, a rank stopped past the deadline.
+whose replications are superseded, a rank stopped past the deadline; and on the default path
+(:data:`CI_DEFAULT_SEEDS`): a rank killed as its worker starts, a worker stopped under
+``wait``, a worker killed at its start-up while the other rank's disk is full from step 1.
 
 ``DCP_SAFE_LONG=1`` runs ``DCP_SAFE_CHAOS_RUNS`` seeds (default 300) from
 ``DCP_SAFE_CHAOS_SEED0`` (default 0) across every variant, world size 4 included, and prints a
@@ -45,10 +59,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+from e2e import _chaos_driver
 from e2e._chaos_checks import (
     Phase,
     Roots,
@@ -60,9 +79,10 @@ from e2e._chaos_checks import (
     summarize,
     write_summary,
 )
-from e2e._chaos_driver import run_chaos
+from e2e._chaos_driver import ProcessWatch, run_chaos
 from e2e._chaos_plan import (
     BUSY_POLICIES,
+    DEFAULT_FAULTS_BY_ROOTS,
     FAULT_KINDS,
     ROOT_KINDS,
     STAGING_MODES,
@@ -95,6 +115,16 @@ CI_SEEDS = {
     # rank 0 hangs (SIGSTOP) inside a save: the survivor is told within the deadline
     2: "seed 2: local/skip/overlap/ws2->1 stop_rank(r0@s3)",
 }
+# The same on the default path (the managers' own writer, each rank's checkpoint worker).
+CI_DEFAULT_SEEDS = {
+    # rank 1 dies while its worker imports: the worker must not outlive it (nor commit for it)
+    32: "seed 32: default:local/skip/overlap/ws2->1 kill_rank_startup(r1)",
+    # rank 0's worker stopped under `wait`: detected, killed, the job saves again; close() ends
+    240: "seed 240: default:local/wait/snapshot/ws2->1 stop_worker(r0@0.5s)",
+    # rank 1's first worker killed as it starts; rank 0's disk full from step 1 to 3 (its
+    # worker starts under the limit, and must write again once it is lifted)
+    35: "seed 35: default:local/coalesce/overlap/ws2->2 kill_worker_startup(r1) + fsize(r0@s1-s3)",
+}
 
 
 def _report(reports: list[RunReport]) -> str:
@@ -105,14 +135,16 @@ def _report(reports: list[RunReport]) -> str:
 
 def test_ci_seeds_draw_the_scenarios_they_were_picked_for() -> None:
     """A run is a pure function of its seed: the pinned seeds still draw what they cover."""
-    for seed, label in CI_SEEDS.items():
-        assert scenario_for(seed).label == label
-        assert scenario_for(seed) == scenario_for(seed)
+    for seeds, default_path in ((CI_SEEDS, False), (CI_DEFAULT_SEEDS, True)):
+        for seed, label in seeds.items():
+            assert scenario_for(seed, default_path=default_path).label == label
+            assert scenario_for(seed) == scenario_for(seed)
 
 
 def test_the_long_mode_draws_every_variant_and_every_fault() -> None:
     """Over the long mode's default number of seeds, every root kind, policy, staging mode,
-    world size and fault kind is drawn."""
+    world size and fault kind is drawn, and at least half the runs take the default path,
+    with every fault from outside the rank."""
     scenarios = [scenario_for(seed, long_mode=True) for seed in range(300)]
     assert {s.roots for s in scenarios} == set(ROOT_KINDS)
     assert {s.when_busy for s in scenarios} == set(BUSY_POLICIES)
@@ -121,12 +153,17 @@ def test_the_long_mode_draws_every_variant_and_every_fault() -> None:
     assert {s.restart_world_size for s in scenarios} == {1, 2, 4}
     assert {f.kind for s in scenarios for f in s.faults} == set(FAULT_KINDS)
     assert any(len(s.faults) == 2 for s in scenarios)
+    default = [s for s in scenarios if s.default_path]
+    assert len(default) >= len(scenarios) / 2
+    outside = {kind for kinds in DEFAULT_FAULTS_BY_ROOTS.values() for kind in kinds}
+    assert {f.kind for s in default for f in s.faults} == outside
+    assert {s.roots for s in default} == set(ROOT_KINDS)
 
 
 # -- the checks catch what they are named for (no processes: hand-made phases and roots) -----
 
 
-def _scenario(*faults: Fault) -> Scenario:
+def _scenario(*faults: Fault, default_path: bool = False) -> Scenario:
     return Scenario(
         seed=0,
         world_size=2,
@@ -138,6 +175,7 @@ def _scenario(*faults: Fault) -> Scenario:
         deadline_s=4.0,
         wait_timeout_s=8.0,
         step_s=0.1,
+        default_path=default_path,
     )
 
 
@@ -163,6 +201,16 @@ def _rank(rank: int, outcomes: dict[int, str], *errors: dict[str, Any]) -> dict[
         "decisions": [("requested", step, "local") for step in outcomes],
         "history": [],
     }
+
+
+def _request(step: int, stall_s: float, ready: bool | None, at: float = 0.0) -> dict[str, Any]:
+    return {"step": step, "stall_s": stall_s, "ready": ready, "at": at}
+
+
+def _worker_rank(rank: int, outcomes: dict[int, str], *requests: dict[str, Any]) -> dict[str, Any]:
+    """A rank of a default-path run: a synchronous save took 0.2 s."""
+    extra = {"executor": "process", "sync_s": 0.2, "requests": list(requests)}
+    return _rank(rank, outcomes) | extra
 
 
 def _broken(phase: Phase, scenario: Scenario | None = None) -> list[str]:
@@ -217,6 +265,149 @@ def test_each_check_catches_what_it_is_named_for(check: str, phase: Phase) -> No
     assert _broken(phase) == [check]
 
 
+_KILLED_WORKER = _scenario(Fault("kill_worker", rank=1, at_s=1.0), default_path=True)
+
+
+@pytest.mark.parametrize(
+    ("check", "scenario", "phase"),
+    [
+        (
+            "default_path",
+            _KILLED_WORKER,
+            Phase({r: _worker_rank(r, {1: "committed"}) | {"executor": "thread"} for r in (0, 1)}),
+        ),
+        # the parent saw a worker outlive its rank, or the phase
+        (
+            "no_process_outlives",
+            None,
+            Phase({r: _rank(r, {1: "committed"}) for r in (0, 1)}, outlived=["a worker ran"]),
+        ),
+        # a rank's worker still ran after close()
+        (
+            "no_process_outlives",
+            None,
+            Phase(
+                {r: _rank(r, {1: "committed"}) | {"workers_after_close": [r + 7]} for r in (0, 1)}
+            ),
+        ),
+        # step 2 was requested while the worker started, and waited 3 s (a sync save: 0.2 s)
+        (
+            "no_startup_wait",
+            _scenario(Fault("kill_timer", rank=1, at_s=9.0), default_path=True),
+            Phase(
+                {
+                    r: _worker_rank(
+                        r,
+                        {1: "committed", 2: "committed"},
+                        _request(1, 0.01, False),
+                        _request(2, 3.0, False),
+                    )
+                    for r in (0, 1)
+                }
+            ),
+        ),
+        # the worker was killed at t=5: both later requests failed
+        (
+            "worker_loss_recovers",
+            _KILLED_WORKER,
+            Phase(
+                {
+                    r: _worker_rank(
+                        r,
+                        {1: "committed", 2: "failed", 3: "failed"},
+                        _request(1, 0.01, True, at=1.0),
+                        _request(2, 0.01, True, at=6.0),
+                        _request(3, 0.01, False, at=7.0),
+                    )
+                    for r in (0, 1)
+                },
+                struck={"kill_worker": 5.0},
+            ),
+        ),
+        # the limit was lifted before step 4: steps 4 to 6 still failed
+        (
+            "full_disk_recovers",
+            _scenario(Fault("fsize", rank=0, step=2, count=4), default_path=True),
+            Phase(
+                {
+                    r: _worker_rank(
+                        r,
+                        {s: "failed" for s in range(2, 7)} | {1: "committed"},
+                        *(_request(s, 0.01, True, at=s) for s in range(1, 7)),
+                    )
+                    for r in (0, 1)
+                }
+            ),
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_each_check_of_the_default_path_catches_what_it_is_named_for(
+    check: str, scenario: Scenario | None, phase: Phase
+) -> None:
+    # The failures here are the faults' (CommitErrors named): only the check itself may break.
+    for result in phase.results.values():
+        for step, outcome in result["outcomes"].items():
+            if outcome == "failed":
+                result["errors"].append(_error(step=step))
+    assert _broken(phase, scenario) == [check]
+
+
+def test_a_request_waiting_for_a_ready_worker_or_a_failing_save_is_no_startup_wait() -> None:
+    """Only a request made while the worker was not ready, and not failed by a fault, is
+    judged against the synchronous save."""
+    requests = (_request(1, 0.01, False), _request(2, 3.0, True), _request(3, 3.0, False))
+    outcomes = {1: "committed", 2: "committed", 3: "failed"}
+    phase = Phase({r: _worker_rank(r, outcomes, *requests) for r in (0, 1)})
+    for result in phase.results.values():
+        result["errors"].append(_error(step=3))
+    killed = _scenario(Fault("kill_timer", rank=1, at_s=9.0), default_path=True)
+    assert _broken(phase, killed) == []
+
+
+@pytest.mark.timeout(120)
+def test_the_watch_sees_a_worker_outlive_its_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A "rank" whose "worker" (a child with the worker's command line) outlives it by more
+    than the grace is reported; one that dies with its rank is not."""
+    monkeypatch.setattr(_chaos_driver, "OUTLIVE_GRACE_S", 0.5)
+    scenario = _scenario(default_path=True)
+    job = _chaos_driver.Job(scenario, "faulty", 0, "", None, None, (), str(tmp_path))
+    # The rank starts its worker (a sleeper named like one), writes its pid file, then waits.
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, pathlib, subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)',"
+        " 'dcp_safe/manager/worker_boot.py'])\n"
+        f"pathlib.Path({str(tmp_path / 'faulty_rank0.pid')!r}).write_text(str(os.getpid()))\n"
+        "print(worker.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert rank.stdout is not None
+    with rank.stdout:
+        worker = int(rank.stdout.readline())
+    watch = ProcessWatch(job, world_size=1)
+    try:
+        deadline = time.monotonic() + 30
+        while worker not in watch.seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker in watch.seen
+        rank.kill()
+        rank.wait()
+        while not watch.outlived and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch.finish()
+    assert len(watch.outlived) == 1 and f"pid {worker}" in watch.outlived[0], watch.outlived
+    while psutil.pid_exists(worker) and time.monotonic() < deadline + 30:
+        if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.05)  # the watch killed it: the next run must not inherit it
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+
+
 def test_a_failure_under_benign_faults_is_a_violation() -> None:
     """Retention slower than the deadline kills nobody: a failed save is not excused by it."""
     slow = _scenario(Fault("slow_follow_up", rank=0, step=1, seconds=5.0))
@@ -258,16 +449,28 @@ def test_the_root_checks_catch_corruption_leftovers_and_a_lost_history(tmp_path:
 # -- seeded runs ------------------------------------------------------------------------------
 
 
+_CI_RUNS = [(seed, False) for seed in sorted(CI_SEEDS)]
+_CI_RUNS += [(seed, True) for seed in sorted(CI_DEFAULT_SEEDS)]
+
+
 @pytest.mark.multiproc
 @pytest.mark.s3
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", sorted(CI_SEEDS))
+@pytest.mark.parametrize(
+    ("seed", "default_path"),
+    _CI_RUNS,
+    ids=[f"{'default' if d else 'writer'}-{seed}" for seed, d in _CI_RUNS],
+)
 def test_a_seeded_chaos_run_keeps_every_invariant(
-    seed: int, tmp_path: Path, s3: LocalS3, caplog: pytest.LogCaptureFixture
+    seed: int,
+    default_path: bool,
+    tmp_path: Path,
+    s3: LocalS3,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """One seeded run, faulty phase and restart: no invariant of the driver is broken."""
     caplog.set_level(logging.WARNING)  # not every S3 request and DCP step of the checks
-    report = run_chaos(seed, tmp_path, s3)
+    report = run_chaos(seed, tmp_path, s3, default_path=default_path)
     assert not report.violations, report.text()
 
 
