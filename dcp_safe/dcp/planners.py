@@ -102,6 +102,8 @@ class RestoreReport(str):
         unexpected: keys of the checkpoint the state dict did not ask for.
         audited: tensors checked against their saved fingerprints (``audit=True``), as stored
             (a per-rank entry under its rank's key).
+        unaudited: tensors restored that the checkpoint holds no fingerprints for, so
+            ``audit=True`` could not check them (a warning says so too).
     """
 
     name: str
@@ -110,6 +112,7 @@ class RestoreReport(str):
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     audited: tuple[str, ...]
+    unaudited: tuple[str, ...]
 
     def __new__(
         cls,
@@ -126,7 +129,7 @@ class RestoreReport(str):
         report.skipped = tuple(sorted(skipped))
         report.missing = tuple(sorted(missing))
         report.unexpected = tuple(sorted(unexpected))
-        report.audited = ()
+        report.audited = report.unaudited = ()
         return report
 
     def __reduce__(self) -> tuple[Any, ...]:

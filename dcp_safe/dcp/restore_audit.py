@@ -7,6 +7,7 @@ See docs/resume.md, "A restore that proves itself".
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.distributed as dist
@@ -15,15 +16,19 @@ from dcp_safe import layout
 from dcp_safe.dcp import audit
 from dcp_safe.dcp.planners import SafeLoadPlanner
 from dcp_safe.errors import ConfigError, RestoreMismatchError
+from dcp_safe.untrusted import shown
 
 __all__ = ["audit_load"]
+
+log = logging.getLogger(__name__)
 
 
 def audit_load(planner: SafeLoadPlanner, group: Any) -> None:
     """Check the tensors ``planner`` just loaded against the checkpoint's fingerprints.
 
     Call order: on every rank, right after the load, on the group the load used (``None``: a
-    single process).
+    single process). Tensors the checkpoint has no fingerprints for are listed in
+    ``report.unaudited`` and logged as a warning (on rank 0).
 
     Raises:
         ConfigError: the checkpoint was saved without fingerprints.
@@ -47,4 +52,15 @@ def audit_load(planner: SafeLoadPlanner, group: Any) -> None:
     found = audit.mismatches(saved, reports)
     if found:
         raise RestoreMismatchError(name, found)
-    planner.report.audited = tuple(sorted({k for one in reports for k in one if k in saved}))
+    loaded = {k for one in reports for k in one}
+    planner.report.audited = tuple(sorted(loaded & saved.keys()))
+    planner.report.unaudited = tuple(sorted(loaded - saved.keys()))
+    if planner.report.unaudited and rank == 0:  # the same list on every rank: said once
+        log.warning(
+            "audit of %s: %d restored tensor(s) were not checked, the checkpoint has no"
+            " fingerprints for them (a save records them for every tensor: these were cut"
+            " from its metadata, or saved as something else): %s",
+            shown(name),
+            len(planner.report.unaudited),
+            shown(", ".join(planner.report.unaudited), 400),
+        )

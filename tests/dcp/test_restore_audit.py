@@ -10,11 +10,13 @@ rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import resign_manifest
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -270,3 +272,27 @@ def test_a_report_of_many_tensors_gives_each_the_sums_of_its_own_partials(make: 
         assert reported[key] == [
             (3, (0,) * len(shape), shape, shape, partials(Box((0,) * len(shape), shape, tensor)))
         ]
+
+
+def test_tensors_without_fingerprints_are_named_not_passed_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``v``'s fingerprints cut from the metadata (re-signed as a root writer can): the audit
+    lists it as unchecked and warns, where it used to pass it as if audited."""
+    state = {"w": torch.arange(10.0), "v": torch.ones(4)}
+    dcp_safe.save(state, checkpoint_id="s", storage_writer=SafeStorageWriter(tmp_path))
+
+    def edit(raw: dict[str, Any]) -> None:
+        planner = raw["dcp_metadata"]["planner_data"]
+        planner["audit"] = [pair for pair in planner["audit"] if pair[0] != "v"]
+
+    resign_manifest(tmp_path, "s", edit)
+    planner = SafeLoadPlanner()
+    target = {"w": torch.zeros(10), "v": torch.zeros(4)}
+    reader = SafeStorageReader(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="dcp_safe"):
+        dcp_safe.load(target, checkpoint_id="s", storage_reader=reader, planner=planner, audit=True)
+    assert (planner.report.audited, planner.report.unaudited) == (("w",), ("v",))
+    assert any(
+        "were not checked" in r.getMessage() and "v" in r.getMessage() for r in caplog.records
+    )
