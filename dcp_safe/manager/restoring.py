@@ -2,7 +2,8 @@
 
 The coordinator resolves the name once while every rank waits in rounds, so a commit or prune
 meanwhile cannot split the ranks. The manager's own tiers come first; another run's
-(``initial_load_from``) only when they hold no committed checkpoint at all. Every restore is
+(``initial_load_from``) only when they hold no committed checkpoint at all; with a signing
+key, every reader here holds it, the warm start's too. Every restore is
 recorded in the history (``restored``, with where it came from). Keys and the report:
 docs/resume.md.
 """
@@ -19,7 +20,7 @@ from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.dcp import api
 from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner
 from dcp_safe.dcp.reader import SafeStorageReader
-from dcp_safe.errors import CheckpointNotFoundError
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError, SignatureError
 from dcp_safe.manager.agreement import Agreement
 from dcp_safe.manager.groups import FOREGROUND
 from dcp_safe.manager.ledger import Ledger
@@ -43,20 +44,37 @@ class WarmStart:
     keys: tuple[str, ...] | None = None
     storage_options: dict[str, Any] | None = None
 
-    def resolve(self) -> tuple[str, str]:
-        """``(root, name)`` of the checkpoint to start from.
+    def resolve(self, signing_key: bytes | None) -> tuple[str, str]:
+        """``(root, name)`` of the checkpoint to start from: with ``signing_key`` (the
+        manager's), only one it signed counts, as for the manager's own checkpoints.
 
         Raises:
+            SignatureError: with a key, ``source`` holds committed checkpoints, none signed
+                with it (``UnsignedCheckpointError``: the one named is not signed at all).
             CheckpointNotFoundError: ``source`` holds no committed checkpoint.
         """
-        found = list_checkpoints(self.source, storage_options=self.storage_options)
+        refused: dict[str, CheckpointCorruptError] = {}
+
+        def listed(root: str) -> list[str]:
+            found = list_checkpoints(
+                root,
+                storage_options=self.storage_options,
+                signing_key=signing_key,
+                on_damaged=refused.__setitem__,
+            )
+            return [c.name for c in found]
+
+        found = listed(self.source)
         if found:
-            return self.source, found[-1].name
+            return self.source, found[-1]
         root, name = posixpath.split(self.source.rstrip("/"))
-        if root and any(
-            c.name == name for c in list_checkpoints(root, storage_options=self.storage_options)
-        ):
+        if root and name in listed(root):
             return root, name
+        # Say why, not "nothing there": a checkpoint the key did not sign is not a warm start.
+        refusals = (refused.get(name), *refused.values())
+        signature = next((e for e in refusals if isinstance(e, SignatureError)), None)
+        if signature is not None:
+            raise signature
         raise CheckpointNotFoundError(self.source, "no committed checkpoint to warm-start from")
 
 
@@ -112,7 +130,7 @@ class Restorer:
             except CheckpointNotFoundError:
                 if self.warm_start is None or wanted != layout.LATEST or self._has_own():
                     raise
-                return self.warm_start.resolve()
+                return self.warm_start.resolve(self.tiers.signing_key)
 
         with self.deferred():
             source, name = self.agreement.settle("restore", number, resolve, self.wait_s)
@@ -125,6 +143,7 @@ class Restorer:
                     source,
                     storage_options=options,
                     load_budget_bytes=self.tiers.load_budget_bytes,
+                    signing_key=self.tiers.signing_key,
                 )
                 # The URL as given (credentials travel in options, never in it), shortened.
                 where, tier = f"warm start from {source[:300]}", "initial"

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_safe import CheckpointManager, RestoreReport, list_checkpoints
-from dcp_safe.errors import DivergentStateError, MissingKeysError
+from dcp_safe import CheckpointManager, RestoreReport, SafeStorageWriter, list_checkpoints
+from dcp_safe.errors import DivergentStateError, MissingKeysError, UnsignedCheckpointError
+from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from dcp_safe.testing.multiproc import run_ranks
 
 
@@ -139,3 +140,28 @@ def test_a_new_run_warm_starts_from_another_runs_checkpoint_on_s3(
     s3_bucket: str, s3_options: dict[str, Any]
 ) -> None:
     _warm_start(f"s3://{s3_bucket}/run2", f"s3://{s3_bucket}/run1", s3_options)
+
+
+KEY = "hex:" + "5a" * 32
+
+
+@pytest.mark.parametrize("key_in", ["writer", "environment"])
+def test_a_signing_manager_does_not_warm_start_from_an_unsigned_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key_in: str
+) -> None:
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    planted = tmp_path / "planted"  # written by someone without the key
+    with CheckpointManager(planted) as donor:
+        handle = donor.save(5, {"model": {"w": torch.full((4,), 666.0)}})
+        assert handle is not None
+    root = tmp_path / "run"
+    if key_in == "environment":
+        monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
+        manager = CheckpointManager(root, initial_load_from=planted)
+    else:
+        writer = SafeStorageWriter(root, signing_key=KEY)
+        manager = CheckpointManager(root, writer=writer, initial_load_from=planted)
+    target = {"model": {"w": torch.zeros(4)}}
+    with manager, pytest.raises(UnsignedCheckpointError, match="no _SIGNATURE"):
+        manager.restore(target)
+    assert torch.equal(target["model"]["w"], torch.zeros(4))
