@@ -480,6 +480,12 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let ROOT be a whole bucket (s3://bucket); only if it holds nothing but checkpoints",
     )
+    p.add_argument(
+        "--signing-key-file",
+        metavar="PATH",
+        help="count only checkpoints signed by the key in PATH (default: $DCP_SAFE_SIGNING_KEY,"
+        " if set); others are left in place and reported. As text, 'hex:<digits>' is decoded",
+    )
     p.set_defaults(run=_gc)
 
 
@@ -494,9 +500,10 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         grace_s=args.grace_s,
         storage_options=options,
         allow_bucket_root=args.allow_bucket_root,
+        signing_key=key_from_file(args.signing_key_file),
     )
     for line in _gc_lines(report, args.grace_s):
-        out.print(line, highlight=False)
+        out.print(line, markup=False, highlight=False)  # names from storage: no markup
     return EXIT_OK
 
 
@@ -511,6 +518,10 @@ def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
             for entry in report.sweep.too_recent
         ),
         f"kept {len(report.kept)} checkpoint(s): {', '.join(report.kept) or '-'}",
+        *(
+            f"not counted, left in place: {shown(name)} (damaged, or not signed with the key)"
+            for name in report.not_counted
+        ),
     ]
 
 

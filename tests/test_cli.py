@@ -410,6 +410,25 @@ def test_gc_warns_about_a_damaged_entry_in_the_cli_form(
     assert any("step_0002" in line for line in lines)
 
 
+def test_gc_with_a_key_file_keeps_the_signed_checkpoints_past_planted_unsigned_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DCP_SAFE_SIGNING_KEY", raising=False)
+    key_file, root = tmp_path / "key", tmp_path / "ckpt"
+    key_file.write_text("hex:" + "5a" * 32 + "\n")
+    for step in (1, 2, 3):
+        _save(root, step, signing_key=key_file.read_text().strip())
+    for step in (8, 9):  # planted by a writer of the root without the key
+        _save(root, step)
+    status, out, _ = _run(
+        capsys, "gc", str(root), "--keep", "2", "--signing-key-file", str(key_file)
+    )
+    assert status == EXIT_OK and "removed checkpoint step_0001" in out
+    assert "not counted, left in place: step_0009" in out
+    names = [i.name for i in dcp_safe.list_checkpoints(root)]
+    assert names == ["step_0002", "step_0003", "step_0008", "step_0009"]
+
+
 def test_gc_keep_below_one_is_a_usage_error(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = _run(capsys, "gc", str(root), "--keep", "0")
     assert status == EXIT_USAGE and "--keep" in err

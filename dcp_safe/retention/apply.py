@@ -3,7 +3,9 @@
 The one pass ``dcp-safe gc`` makes, from :func:`~dcp_safe.retention.policy.decide` (pure) and
 :func:`~dcp_safe.retention.sweeper.sweep_partials` (the IO, with its grace period). Checkpoints
 without a step (not saved by a manager) are left alone. One that cannot be retired is passed by
-with a warning; a later pass tries again.
+with a warning; a later pass tries again. With a signing key only checkpoints it signed count:
+an unsigned or damaged one is neither kept nor dropped (it never pushes a signed one out), but
+left in place and reported (``not_counted``), for a person to look at.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
-from dcp_safe.errors import ConfigError, DcpSafeError
+from dcp_safe.errors import CheckpointCorruptError, ConfigError, DcpSafeError
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import (
@@ -41,12 +43,15 @@ class RetentionReport:
         kept: committed checkpoints kept, oldest first.
         dropped: committed checkpoints removed (would be removed, in a dry run), oldest first.
         sweep: what the sweep of abandoned partial saves removed and left for later.
+        not_counted: committed names left in place and out of the count: damaged, or not
+            signed with the key (planted by someone without it, or another job's).
     """
 
     kept: tuple[str, ...]
     dropped: tuple[str, ...]
     sweep: SweepReport
     dry_run: bool
+    not_counted: tuple[str, ...] = ()
 
 
 def apply_retention(
@@ -57,6 +62,7 @@ def apply_retention(
     grace_s: float = DEFAULT_GRACE_S,
     storage_options: dict[str, Any] | None = None,
     allow_bucket_root: bool = False,
+    signing_key: bytes | str | None = None,
 ) -> RetentionReport:
     """Keep the ``keep_last`` newest checkpoints under ``root`` and sweep old partial saves.
 
@@ -68,6 +74,8 @@ def apply_retention(
         grace_s: leave partial saves idle for less than this many seconds.
         allow_bucket_root: work on a root that is a whole bucket (refused otherwise: the
             sweep there could touch other applications' objects).
+        signing_key: count only checkpoints signed with this key (default
+            ``DCP_SAFE_SIGNING_KEY`` if set), as a signing manager's own retention does.
 
     Raises:
         ConfigError: a negative ``keep_last`` or ``grace_s``, or a bucket root without
@@ -78,7 +86,15 @@ def apply_retention(
         raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
     backend = open_backend(os.fspath(root), storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
-    infos = list_checkpoints(root, storage_options=storage_options)
+    not_counted: list[str] = []
+
+    def passed_by(name: str, exc: CheckpointCorruptError) -> None:
+        not_counted.append(name)
+        log.warning("not counted, left in place: %s (%s)", shown(name), shown(exc, 300))
+
+    infos = list_checkpoints(
+        root, storage_options=storage_options, on_damaged=passed_by, signing_key=signing_key
+    )
     # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
@@ -90,7 +106,13 @@ def apply_retention(
         storage_options=storage_options,
         allow_bucket_root=allow_bucket_root,
     )
-    return RetentionReport(kept=decision.keep, dropped=dropped, sweep=sweep, dry_run=dry_run)
+    return RetentionReport(
+        kept=decision.keep,
+        dropped=dropped,
+        sweep=sweep,
+        dry_run=dry_run,
+        not_counted=tuple(not_counted),
+    )
 
 
 def _retired(backend: Backend, name: str) -> bool:

@@ -12,7 +12,10 @@ from support.faults import abandon_a_save
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from dcp_safe.retention.apply import apply_retention
+
+KEY = "hex:" + "5a" * 32
 
 
 def _save(root: str | Path, step: int | None, name: str, **options: Any) -> None:
@@ -84,6 +87,20 @@ def test_a_negative_keep_last_is_a_config_error(root: Path) -> None:
     with pytest.raises(ConfigError, match="KeepLast"):
         apply_retention(root, keep_last=-1)
     assert len(_names(root)) == 4
+
+
+def test_with_a_key_planted_unsigned_steps_never_push_signed_ones_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, f"step_{step:04d}", signing_key=KEY)
+    for step in (8, 9):  # by a writer of the root without the key, steps ahead
+        _save(tmp_path, step, f"step_{step:04d}")
+    report = apply_retention(tmp_path, keep_last=2, signing_key=KEY)
+    assert (report.kept, report.dropped) == (("step_0002", "step_0003"), ("step_0001",))
+    assert sorted(report.not_counted) == ["step_0008", "step_0009"]
+    assert _names(tmp_path) == ["step_0002", "step_0003", "step_0008", "step_0009"]
 
 
 @pytest.mark.s3
