@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from dcp_safe import layout
 from dcp_safe.backends.roots import open_backend
@@ -208,12 +209,13 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
             json.dumps([_info_json(info, where) for info, where in rows]), ensure_ascii=True
         )
         return EXIT_OK
-    table = Table(title=f"committed checkpoints under {args.root}")
+    # Text, not markup: a root or a name ("step_1\n" passes the name rule's `$`) prints as is.
+    table = Table(title=Text(f"committed checkpoints under {shown(args.root)}"))
     for column in ("name", "step", "tiers", "size", "created (UTC)", "world size"):
         table.add_column(column, justify="left" if column in ("name", "tiers") else "right")
     for info, where in rows:
         table.add_row(
-            info.name,
+            Text(shown(info.name)),
             "-" if info.step is None else str(info.step),
             ", ".join(where),
             _size(info.size_bytes),

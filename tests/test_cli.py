@@ -502,3 +502,21 @@ def test_a_damaged_entry_older_than_the_newest_sound_one_does_not_fail_verify(
 
     status, out, _ = _run(capsys, "verify", str(root))
     assert status == EXIT_OK and "OK step_0003" in out
+
+
+def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A root spelled with rich markup (``[red]``, an unmatched ``[/y]``) and a committed name
+    with a control character (``step_0002\\n`` passes the name rule): was a root shown without
+    its ``[red]``, a ``MarkupError`` traceback, and a table row broken in two."""
+    root = tmp_path / "ru[red]n[/y]"
+    _save(root, 1)
+    _save(root, 2)
+    (root / "step_0002").rename(root / "step_0002\n")
+    resign_manifest(root, "step_0002\n", lambda raw: raw.update(name="step_0002\n"))
+    status, out, err = _run(capsys, "ls", str(root))
+    assert status == EXIT_OK and "Traceback" not in err, err
+    assert "ru[red]n[/y]" in out
+    assert "step_0002\\n" in out and "step_0002\n" not in out
+    assert len([line for line in out.splitlines() if "step_000" in line]) == 2  # a row each
