@@ -6,18 +6,23 @@ record. It is a top-level file under the root, so listing never mistakes it for 
 Event schema (every line; keys sorted; absent optional fields are left out)::
 
     event      str    requested | skipped | committed | failed | pruned
-                      | fallback | rearmed | preempted | restored
+                      | fallback | rearmed | preempted | restored | rolled_back
+                      | lease_taken_over
     step       int    the training step (null for events about no particular save)
     name       str    the checkpoint name (null likewise)
     time       float  ``time.time()`` when recorded
     tier       str    optional: "local" or "remote" ("initial" for a warm start's restore)
-    reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption)
+    reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption;
+                      on "lease_taken_over": whose lease it was, and why it could be taken)
     validated  bool   optional: on "committed": verification passed
 
 Local roots append; other roots rewrite, since object stores have no append (the history stays
-small). A rewrite is read-modify-write, so only the manager owning the root may record; the
-lock serialises its threads, and is re-entrant because a preemption handler may record while
-its thread is inside :meth:`History.append`.
+small). A rewrite is read-modify-write, so only the manager owning the root may record, and a
+takeover of a lease by its save (:mod:`dcp_safe.commit.takeover`, which calls
+:func:`record_takeover`); one lock per history file serialises a process's threads, and is
+re-entrant because a preemption handler may record while its thread is inside
+:meth:`History.append`. A save in the manager's worker process appends from that process: an
+event the manager rewrites at the same moment on an object store can lose that one line.
 
 Reading is bounded and strict, since anyone who can write the root can write this file: only
 the newest :data:`~dcp_safe.manifest.limits.HISTORY_MAX_BYTES` are read, anything but a regular
@@ -37,6 +42,7 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, not_a_file
 from dcp_safe.backends.local_backend import LocalBackend
+from dcp_safe.commit.takeover import TAKEOVER_HOOKS
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.limits import (
     HISTORY_MAX_BYTES,
@@ -47,7 +53,7 @@ from dcp_safe.manifest.limits import (
 )
 from dcp_safe.untrusted import shown
 
-__all__ = ["EVENTS", "HISTORY_FILE", "History"]
+__all__ = ["EVENTS", "HISTORY_FILE", "History", "record_takeover"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +71,13 @@ EVENTS = frozenset(
         "preempted",
         "restored",
         "rolled_back",
+        "lease_taken_over",
     }
 )
+# One lock per history file in this process: the manager's appends and a save's takeover
+# record rewrite the same object.
+_LOCKS: dict[str, threading.RLock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
 class History:
@@ -74,7 +85,8 @@ class History:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._lock = threading.RLock()
+        with _LOCKS_LOCK:
+            self._lock = _LOCKS.setdefault(backend.full_path(HISTORY_FILE), threading.RLock())
 
     def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
         """Record one event; ``None`` fields are left out.
@@ -196,3 +208,11 @@ def _event(raw: object) -> dict[str, Any]:
         if key in raw and not isinstance(raw[key], kind):
             raise ValueError(f"{key} must be a {kind.__name__}")
     return raw
+
+
+def record_takeover(backend: Backend, name: str, what: str) -> None:
+    """Record that a save took ``name``'s lease over: ``what`` says whose, and why."""
+    History(backend).append("lease_taken_over", None, name, reason=what)
+
+
+TAKEOVER_HOOKS.append(record_takeover)

@@ -21,6 +21,7 @@ from dcp_safe.commit.takeover import (
     lease_acquired_at,
     lease_files,
     read_holder,
+    report_takeover,
     take_over_exclusive,
     takeover_candidates,
 )
@@ -85,8 +86,10 @@ def _acquire_exclusive(
             if join and _holder(backend, name) == save_id:
                 _refuse_if_committed(backend, name)  # never withdraws: the co-holder's
                 return True
-            if take_over_exclusive(backend, name, save_id, claimant):
+            taken = take_over_exclusive(backend, name, save_id, claimant)
+            if taken is not None:
                 _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
+                report_takeover(backend, name, taken)
                 return False
             continue  # the holder let go as we looked: create it again
         _refuse_if_committed(backend, name, withdraw=lease)
@@ -120,12 +123,12 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
     for round_ in range(_ROUNDS):
         backend.write_bytes(f"{name}/{own}", claimant.body(save_id))
         try:
-            others = set(lease_files(backend, name)) - {own} - taken
+            others = set(lease_files(backend, name)) - {own} - taken.keys()
             if others and round_ == 0:
                 # An abandoned lease is anyone's; an unfenced save only learns of one here,
                 # so that the common case (nothing in the way) costs no listing more.
                 taken |= abandoned_among(backend, name, others)
-                others -= taken
+                others -= taken.keys()
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
             # A contender writes its lease anew each round (a new ``acquired_at``); a holder,
@@ -138,7 +141,9 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             raise
         if not others:
             if taken:
-                _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, taken))
+                _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, set(taken)))
+            for what in taken.values():
+                report_takeover(backend, name, what)
             return
         backend.remove_file(f"{name}/{own}")
         if any(entry in seen and seen[entry] == stamp for entry, stamp in stamps.items()):
@@ -148,7 +153,7 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
     raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
-def _kept(own: str, taken: frozenset[str]) -> Callable[[str], bool]:
+def _kept(own: str, taken: set[str]) -> Callable[[str], bool]:
     """What a per-save takeover keeps under the name: its own lease, and any lease it did not
     take over (a contender's, which withdraws itself)."""
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.fencing import register_attempt
 from dcp_safe.commit.lease import (
     check_lease,
     held_by_another,
@@ -210,6 +211,8 @@ class LeasedReplica(ReplicaPublication):
             ) from None
 
     def claim(self) -> bool:
+        if self.claimant.attempt is not None:  # its start, for a relaunch's takeover rule
+            register_attempt(self.remote, self.claimant.attempt)
         try:
             self.joined = join_or_acquire_lease(self.remote, self.name, self.save_id, self.claimant)
         except CheckpointExistsError:

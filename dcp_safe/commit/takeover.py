@@ -1,6 +1,6 @@
 """Taking over a writing lease that a crashed or fenced writer left behind.
 
-:meth:`Claimant.may_take_over` decides, :func:`take_over_exclusive` takes the one ``_WRITING``
+:meth:`Claimant.why_take_over` decides, :func:`take_over_exclusive` takes the one ``_WRITING``
 over, :func:`clear_leftovers` empties the name before any rank writes. When, how, and the
 limits: docs/architecture.md, "Taking over a lease". A lease lacking a field (an older dcp_safe,
 an unfenced writer) is still read.
@@ -9,8 +9,10 @@ an unfenced writer) is still read.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from dcp_safe.untrusted import shown
 
 __all__ = [
     "DEFAULT_STALE_LEASE_S",
+    "TAKEOVER_HOOKS",
     "abandoned_among",
     "Claimant",
     "LeaseHolder",
@@ -34,6 +37,7 @@ __all__ = [
     "lease_acquired_at",
     "lease_files",
     "read_holder",
+    "report_takeover",
     "take_over_exclusive",
     "takeover_candidates",
 ]
@@ -46,6 +50,13 @@ DEFAULT_STALE_LEASE_S = 3600.0
 _MAX_ROUNDS = 4
 _MAX_RECORDS = 8
 
+log = logging.getLogger(__name__)
+
+#: Called after each takeover with the root's backend, the name and what was taken over and why.
+#: :mod:`dcp_safe.checkpoints.history` adds the one that records it in the root's history: it
+#: is a layer above this one, so it registers itself, as a logging handler does.
+TAKEOVER_HOOKS: list[Callable[[Backend, str, str], None]] = []
+
 
 @dataclass(frozen=True, kw_only=True)
 class Claimant:
@@ -54,7 +65,8 @@ class Claimant:
     Args:
         attempt: the save's job attempt; None: an unfenced save, which never takes over.
         stale_after_s: how long a prefix whose lease names no attempt of this run must have
-            been idle before it is taken over; None: never.
+            been idle before it is taken over (sooner when idle since this job started: a
+            relaunch); None: never.
 
     Raises:
         ConfigError: ``stale_after_s`` is negative or not a number.
@@ -80,23 +92,30 @@ class Claimant:
             fields["abandoned"] = True
         return json.dumps(fields).encode()
 
-    def may_take_over(self, holder: LeaseHolder, idle_s: Callable[[], float | None]) -> bool:
-        """Whether this claimant may take ``holder``'s lease over.
+    def why_take_over(self, holder: LeaseHolder, quiet: Quiet) -> str | None:
+        """What ``holder``'s lease is, and why this claimant may take it over; None: it may not.
 
         Args:
-            idle_s: how long nothing under the name has changed (None: unknown); called only
-                when the answer depends on it, since it costs a listing.
+            quiet: when the name last changed, asked only when the answer depends on it.
         """
         if holder.abandoned:
-            return True
+            return f"{holder}: its save abandoned it"
         if self.attempt is None:
-            return False
+            return None
         if holder.attempt is not None and holder.run_id == self.attempt.run_id:
-            return holder.attempt < self.attempt.number
+            if holder.attempt < self.attempt.number:
+                return f"{holder}: an older attempt than this one ({self.attempt.number})"
+            return None
         if self.stale_after_s is None:
-            return False
-        idle = idle_s()
-        return idle is not None and idle >= self.stale_after_s
+            return None
+        idle = quiet.idle_s()
+        if idle is not None and idle >= self.stale_after_s:
+            return f"{holder}: nothing under the name changed for {idle:.0f} s"
+        if quiet.before(self.attempt):
+            # A relaunch (a new run id, so no attempt rule): a writer that changed nothing
+            # since this job started is its previous run's, and gone (docs/faults.md).
+            return f"{holder}: nothing under the name changed since this job started"
+        return None
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,11 @@ class LeaseHolder:
     run_id: str | None = None
     acquired_at: float | None = None
     abandoned: bool = False
+
+    def __str__(self) -> str:
+        run = "" if self.run_id is None else f" of run {shown(self.run_id, 64)}"
+        attempt = "" if self.attempt is None else f", attempt {self.attempt}"
+        return f"the lease of save {self.save_id or '(unnamed)'}{run}{attempt}"
 
     @property
     def record_name(self) -> str:
@@ -186,14 +210,16 @@ def lease_files(backend: Backend, name: str) -> list[str]:
     return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
-def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Claimant) -> bool:
+def take_over_exclusive(
+    backend: Backend, name: str, save_id: str, claimant: Claimant
+) -> str | None:
     """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
-    exclusively failed), if ``claimant`` may (:meth:`Claimant.may_take_over`). The caller
+    exclusively failed), if ``claimant`` may (:meth:`Claimant.why_take_over`). The caller
     then clears the leftovers (:func:`clear_leftovers`).
 
     Returns:
-        True when the lease is now this save's; False when no lease is there any more (the
-        caller creates it again).
+        What was taken over and why, when the lease is now this save's; None when no lease is
+        there any more (the caller creates it again).
 
     Raises:
         CheckpointExistsError: the lease may not be taken over, or another save took it first.
@@ -202,43 +228,54 @@ def take_over_exclusive(backend: Backend, name: str, save_id: str, claimant: Cla
     for _ in range(_MAX_ROUNDS):
         holder = read_holder(backend, lease)
         if holder is None:
-            return False
-        if not claimant.may_take_over(holder, _idle(backend, name)):
+            return None
+        why = claimant.why_take_over(holder, Quiet(backend, name))
+        if why is None:
             raise held_error(backend, name, [holder.save_id])
         record = _win_record(backend, name, holder, save_id, claimant)
         current = read_holder(backend, lease)
         if current is not None and current.raw == holder.raw:
             backend.write_bytes(lease, claimant.body(save_id))
-            return True
+            return why
         # It changed hands while we won the record (released, or taken by a newer attempt):
         # judge the lease there now. Our record goes, so the name is not left looking taken.
         backend.remove_file(record)
     raise held_error(backend, name, [None])
 
 
-def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> frozenset[str]:
-    """The leases under ``<name>/`` now (names) that ``claimant`` may take over: with one
-    lease per save, those left out of the contention round."""
+def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> dict[str, str]:
+    """The leases under ``<name>/`` now (names) that ``claimant`` may take over, each with
+    what it is and why: with one lease per save, those left out of the contention round."""
     if claimant.attempt is None:
-        return frozenset()  # it judges only a lease in its way (abandoned_among): no listing
-    entries = lease_files(backend, name)
-    idle = _idle(backend, name)
-    return frozenset(
-        entry
-        for entry in entries
+        return {}  # it judges only a lease in its way (abandoned_among): no listing
+    quiet = Quiet(backend, name)
+    return {
+        entry: why
+        for entry in lease_files(backend, name)
         if (holder := read_holder(backend, f"{name}/{entry}")) is not None
-        and claimant.may_take_over(holder, idle)
-    )
+        and (why := claimant.why_take_over(holder, quiet)) is not None
+    }
 
 
-def abandoned_among(backend: Backend, name: str, entries: Collection[str]) -> frozenset[str]:
-    """Those of the leases ``entries`` under ``<name>/`` that their save marked abandoned:
-    any save may take them over, an unfenced one too."""
-    return frozenset(
-        entry
+def abandoned_among(backend: Backend, name: str, entries: Collection[str]) -> dict[str, str]:
+    """Those of the leases ``entries`` under ``<name>/`` that their save marked abandoned
+    (any save may take them over, an unfenced one too), as :func:`takeover_candidates`."""
+    return {
+        entry: f"{holder}: its save abandoned it"
         for entry in entries
         if (holder := read_holder(backend, f"{name}/{entry}")) is not None and holder.abandoned
-    )
+    }
+
+
+def report_takeover(backend: Backend, name: str, what: str) -> None:
+    """Say that this save took ``name`` over (``what``: whose lease, and why): a warning, and
+    each of :data:`TAKEOVER_HOOKS` (the root's history). A hook's failure fails nothing."""
+    log.warning("took the name %s over from %s", backend.full_path(name), what)
+    for hook in TAKEOVER_HOOKS:
+        try:
+            hook(backend, name, what)
+        except Exception as exc:  # the takeover stands: its record is bookkeeping
+            log.warning("could not record the takeover of %s: %s", name, shown(exc, 300))
 
 
 def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
@@ -268,8 +305,9 @@ def held_error(backend: Backend, name: str, holders: Sequence[str | None]) -> Ch
     ids = ", ".join(shown(h, 64) for h in holders) or "another save"
     return CheckpointExistsError(
         backend.full_path(name),
-        f"save {ids} is writing it (or abandoned it: a newer job attempt takes it over, "
-        "otherwise the sweeper collects it after its grace period)",
+        f"save {ids} is writing it (or left it: a newer attempt of its run takes it over, a"
+        " relaunched job once nothing under the name has changed since the relaunch started,"
+        " otherwise the sweeper collects it after its grace period)",
     )
 
 
@@ -290,7 +328,7 @@ def _win_record(
             other = read_holder(backend, rel)
             if other is None:
                 continue  # removed meanwhile by the save that won it: try again
-            if not claimant.may_take_over(other, _idle(backend, name)):
+            if claimant.why_take_over(other, Quiet(backend, name)) is None:
                 raise held_error(backend, name, [other.save_id]) from None
             target = other
             continue
@@ -298,13 +336,32 @@ def _win_record(
     raise held_error(backend, name, [None])
 
 
-def _idle(backend: Backend, name: str) -> Callable[[], float | None]:
-    def idle_s() -> float | None:
-        now = time.time()
-        changed = last_change(backend, name, now)
-        return None if changed is None else now - changed
+class Quiet:
+    """When anything under ``<name>/`` last changed, read once, and only if a rule asks."""
 
-    return idle_s
+    def __init__(self, backend: Backend, name: str) -> None:
+        self.backend = backend
+        self.name = name
+
+    @functools.cached_property
+    def changed(self) -> float | None:
+        return last_change(self.backend, self.name, time.time())
+
+    def idle_s(self) -> float | None:
+        """How long nothing under the name has changed (None: unknown)."""
+        return None if self.changed is None else time.time() - self.changed
+
+    def before(self, attempt: Attempt) -> bool:
+        """Whether nothing under the name changed since ``attempt`` started under this root.
+
+        Its start is its attempt record's modification time (written once, by its rank 0's
+        first claim under the root: :func:`~dcp_safe.commit.fencing.register_attempt`),
+        against the name's: both by the storage's clock, never a writer's. Equal times (a
+        store counting whole seconds) are not before.
+        """
+        started = self.backend.modified_at(attempt.marker)
+        changed = self.backend.modified_at(self.name)
+        return started is not None and changed is not None and changed < started
 
 
 def _str_or_none(value: object) -> str | None:

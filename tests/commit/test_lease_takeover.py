@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ from support import assert_state_equal, blank_like, make_state
 import dcp_safe
 from dcp_safe import (
     CheckpointExistsError,
+    CheckpointManager,
     SafeStorageReader,
     SafeStorageWriter,
     StaleWriterError,
@@ -32,7 +35,8 @@ from dcp_safe import (
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, Attempt
+from dcp_safe.checkpoints.history import History
+from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, Attempt, register_attempt
 from dcp_safe.commit.lease import abandon_lease, acquire_lease, check_lease
 from dcp_safe.commit.takeover import Claimant, read_holder
 from dcp_safe.testing.multiproc import run_ranks
@@ -520,3 +524,123 @@ def test_a_stale_lease_bound_that_is_not_a_non_negative_number_is_a_config_error
 ) -> None:
     with pytest.raises(dcp_safe.ConfigError, match="stale_after_s"):
         SafeStorageWriter(memory_root, attempt=1, stale_lease_s=bad)
+
+
+# --------------------------------------------------------- a relaunch: a new run id, same root
+
+
+def _next_storage_second() -> None:
+    """Wait until the clock has moved to its next whole second: S3 keeps modification times in
+    whole seconds, and the relaunch rule compares two of them strictly."""
+    time.sleep(1.05 - time.time() % 1)
+
+
+def _history(backend: Backend) -> list[dict[str, Any]]:
+    return [e for e in History(backend).read() if e["event"] == "lease_taken_over"]
+
+
+def test_a_relaunch_takes_over_a_lease_left_before_it_started_and_says_so_in_history(
+    root: Root,
+) -> None:
+    """A new run id (torchrun --standalone run again): the dead run's lease names no attempt of
+    this run and is not idle for an hour, but nothing under the name changed since this job's
+    start (its attempt record), so the relaunch takes it over and records it."""
+    backend = root.backend()
+    acquire_lease(backend, "step_2", "dead-save", _claimant(0, run_id="job-a"))
+    backend.write_bytes("step_2/__0_0.distcp", b"what the dead run wrote")
+    _next_storage_second()
+
+    relaunch = _claimant(0, run_id="job-b")
+    assert relaunch.attempt is not None
+    register_attempt(backend, relaunch.attempt)  # this job's start, as its first claim records it
+    acquire_lease(backend, "step_2", "new-save", relaunch)
+
+    check_lease(backend, "step_2", "new-save")
+    assert backend.list_dir("step_2") == [layout.lease_file_name(_kind(root, "new-save"))]
+    (event,) = _history(backend)
+    assert event["name"] == "step_2"
+    assert "save dead-save of run job-a, attempt 0" in event["reason"]
+    assert "nothing under the name changed since this job started" in event["reason"]
+
+
+def test_a_relaunch_never_takes_the_lease_of_a_writer_still_writing(root: Root) -> None:
+    """The lease predates this job, but its writer uploaded after this job started: live."""
+    backend = root.backend()
+    acquire_lease(backend, "step_2", "live-save", _claimant(0, run_id="job-a"))
+    _next_storage_second()
+    relaunch = _claimant(0, run_id="job-b")
+    assert relaunch.attempt is not None
+    register_attempt(backend, relaunch.attempt)
+    _next_storage_second()
+    backend.write_bytes("step_2/__0_0.distcp", b"a shard of the live writer")  # its heartbeat
+
+    with pytest.raises(CheckpointExistsError, match="live-save"):
+        acquire_lease(backend, "step_2", "new-save", relaunch)
+
+    check_lease(backend, "step_2", "live-save")
+    assert backend.exists("step_2/__0_0.distcp") and _history(backend) == []
+
+
+# The first run of the job: a manager (run id job-a) commits step 1, then SIGKILLs itself while
+# writing step 2, its lease held on S3.
+_KILLED_MANAGER = """
+import json, os, signal, sys
+import torch
+from dcp_safe import CheckpointManager
+from dcp_safe.dcp.writer import SafeStorageWriter
+
+root, options = sys.argv[1], json.loads(sys.argv[2])
+write_item = SafeStorageWriter._write_item
+
+def dies_in_step_2(self, sink, file_name, item, planner):
+    if self.backend.exists("step_000000002/_WRITING") or self.backend.list_dir("step_000000002"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_item(self, sink, file_name, item, planner)
+
+SafeStorageWriter._write_item = dies_in_step_2
+manager = CheckpointManager(root, storage_options=options, executor="thread")
+manager.save(1, {"w": torch.ones(8)}).committed.result(120)
+manager.save(2, {"w": torch.full((8,), 2.0)}).committed.result(120)
+"""
+
+
+@pytest.mark.s3
+@pytest.mark.multiproc
+def test_a_relaunched_job_with_a_new_run_id_commits_the_step_its_killed_run_held(
+    s3_root: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43 #13: ``torchrun --standalone`` run again gets a new run id; the killed run's
+    lease on step 2 held up the relaunch's save of step 2 for an hour (CheckpointExistsError
+    at close). Now it is taken over, and the root's history says whose it was."""
+    env = dict(os.environ, **{RUN_ID_ENV: "job-a", ATTEMPT_ENV: "0"})
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MANAGER, s3_root, json.dumps(s3_options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert killed.returncode == -9, killed.stderr
+    backend = open_backend(s3_root, s3_options)
+    assert any(layout.is_lease_file(e) for e in backend.list_dir("step_000000002"))
+    _next_storage_second()
+
+    monkeypatch.setenv(RUN_ID_ENV, "job-b")
+    monkeypatch.setenv(ATTEMPT_ENV, "0")
+    with CheckpointManager(s3_root, storage_options=s3_options, executor="thread") as manager:
+        target = {"w": torch.zeros(8)}
+        manager.restore(target)
+        assert torch.equal(target["w"], torch.ones(8))
+        manager.save(2, {"w": torch.full((8,), 3.0)}).committed.result(_TIMEOUT_S)
+        events = [e for e in manager.history() if e["event"] == "lease_taken_over"]
+
+    (event,) = events
+    assert event["name"] == "step_000000002" and "of run job-a, attempt 0" in event["reason"]
+    assert open_committed(backend, "step_000000002").manifest.attempt == 0
+    target = {"w": torch.zeros(8)}
+    dcp_safe.load(
+        target,
+        checkpoint_id="step_000000002",
+        storage_reader=SafeStorageReader(s3_root, storage_options=s3_options),
+    )
+    assert torch.equal(target["w"], torch.full((8,), 3.0))
