@@ -49,6 +49,7 @@ from dcp_safe.dcp.range_reads import RangeReads, commit_into
 from dcp_safe.dcp.tensor_reads import (
     known_layout,
     read_tensor_item,
+    require_stored,
     transient_bytes,
     transient_tensor,
 )
@@ -321,6 +322,7 @@ class SafeStorageReader(StorageReader):
         """One item's bytes; ``verify`` overrides the reader's setting (a node cache is always
         verified)."""
         verify = self.verify if verify is None else verify
+        require_stored(stream, path, label, record)
         return read_verified(
             stream,
             path=path,
@@ -411,6 +413,7 @@ class SafeStorageReader(StorageReader):
         stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
+        require_stored(stream, path, label, record)
         verify = self.verify if verify is None else verify
         got = self._ranges.load(stream, path, label, record, stored, request, planner, verify)
         if got is not None:
@@ -469,6 +472,7 @@ class SafeStorageReader(StorageReader):
         :meth:`_read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`
         (its bytes counted in ``held``, admitted at ``record.length``)."""
         verify = self.verify if verify is None else verify
+        require_stored(stream, path, label, record)
         held.count(record.length)
         raw = read_item(
             stream,

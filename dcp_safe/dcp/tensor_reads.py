@@ -10,6 +10,7 @@ does, but nothing reaches the planner unchecked.
 from __future__ import annotations
 
 import mmap
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 
@@ -27,6 +28,7 @@ __all__ = [
     "known_layout",
     "read_known_tensor",
     "read_tensor_item",
+    "require_stored",
     "transient_bytes",
     "transient_tensor",
 ]
@@ -51,6 +53,32 @@ def transient_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.empty(shape, dtype=dtype)
     # Unmapped when the last view of the tensor goes (the tensor holds the map).
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def require_stored(stream: BinaryIO, path: str, item: str, record: ItemRecord) -> None:
+    """Refuse an item that reaches past the end of its file, before anything is allocated
+    for it: its length is the manifest's word, the file's size is not (a 1.8 KiB checkpoint
+    that declared a 4 GiB item cost 4 GiB on every restore before the short read). Every
+    allocation for an item is then bounded by the file: its stored bytes, or what a chunk of
+    its declared shape holds, which the metadata's decoder bounds by those bytes (or by
+    ``ZSTD_MAX_RATIO`` times them, compressed, filled only as far as they decompress).
+
+    Raises:
+        CheckpointCorruptError: the file ends before the item does.
+    """
+    fileno = getattr(stream, "fileno", None)
+    try:
+        size = os.fstat(fileno()).st_size if fileno is not None else None
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        size = None
+    if size is None:
+        size = getattr(stream, "size", None)  # an fsspec file knows it from its open
+    if not isinstance(size, int):
+        at = stream.tell()
+        size = stream.seek(0, os.SEEK_END)
+        stream.seek(at)
+    if record.start + record.length > size:
+        raise short_read(path, item, record.length, max(0, size - record.start))
 
 
 def known_layout(

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_safe import layout
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.exporting.selection import TensorEntry
+from dcp_safe.manifest.streams import short_read
 
 __all__ = ["BATCH_BYTES", "Consolidator", "NotPlainData", "batches"]
 
@@ -97,6 +98,7 @@ class Consolidator:
         self.name: str = self._reader.checkpoint_id or name
         self.metadata_path = self._reader.backend.full_path(f"{self.name}/{layout.DCP_METADATA}")
         self._batch_bytes = batch_bytes
+        self._sizes: dict[str, int] = {}  # each data file's real size, asked once
 
     def each_tensor(
         self,
@@ -113,10 +115,33 @@ class Consolidator:
                 missing or short.
         """
         for batch in batches(entries, self._batch_bytes):
+            self._require_stored(batch)
             state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in batch}
             self._read(state)
             for entry in batch:
                 consume(entry, state.pop(entry.key))
+
+    def _require_stored(self, entries: Sequence[TensorEntry]) -> None:
+        """Refuse, before the tensors are allocated, an item of ``entries`` that reaches past
+        the end of its file as the file really is. A tensor is no larger than its chunks (they
+        tile it) nor a chunk than its item's bytes allow (the metadata's decoder), so every
+        allocation is then backed by a real file (docs/integrity.md, "Hostile storage")."""
+        storage = self.metadata.storage_data
+        for entry in entries:
+            meta = self.metadata.state_dict_metadata[entry.key]
+            assert isinstance(meta, TensorStorageMetadata)  # select() took only tensors
+            for chunk in meta.chunks:
+                info = storage[MetadataIndex(entry.key, chunk.offsets)]
+                rel = f"{self.name}/{info.relative_path}"
+                if rel not in self._sizes:
+                    self._sizes[rel] = self._reader.backend.size(rel)
+                if info.offset + info.length > self._sizes[rel]:
+                    raise short_read(
+                        self._reader.backend.full_path(rel),
+                        f"{entry.key}@{list(chunk.offsets)}",
+                        info.length,
+                        max(0, self._sizes[rel] - info.offset),
+                    )
 
     def objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """The non-tensor entries ``keys``, each as loaded or as a :class:`NotPlainData`."""
