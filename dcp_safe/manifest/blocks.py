@@ -5,6 +5,9 @@ loaded over 4 needs half of each rank's chunk), but the item's one checksum can 
 over all its bytes. So the writer also hashes the item's tensor data, ``[at, at + length)`` of
 its stored bytes, in blocks of ``block_bytes``, in the same pass as the item checksum, with the
 same algorithm: a reader that needs a sub-range reads and checks only the blocks covering it.
+``at`` and ``length`` record where the writer put the data; a reader never takes them on trust
+(digests can be recomputed over any bytes of the item): it derives the data's place from the
+tensor's stored template and refuses a record that disagrees (:mod:`dcp_safe.dcp.range_reads`).
 The digests live in the item's manifest record, so ``_COMMITTED``'s digest (and a signature over
 it) covers them as it covers the item checksums (docs/integrity.md, "Block digests").
 
