@@ -611,7 +611,8 @@ def test_a_relaunched_job_with_a_new_run_id_commits_the_step_its_killed_run_held
 ) -> None:
     """Issue 43 #13: ``torchrun --standalone`` run again gets a new run id; the killed run's
     lease on step 2 held up the relaunch's save of step 2 for an hour (CheckpointExistsError
-    at close). Now it is taken over, and the root's history says whose it was."""
+    at close). Now it is taken over, and the root's history says whose it was. The relaunch is
+    built as a user builds it (its save and takeover run in the checkpoint worker)."""
     env = dict(os.environ, **{RUN_ID_ENV: "job-a", ATTEMPT_ENV: "0"})
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_MANAGER, s3_root, json.dumps(s3_options)],
@@ -627,7 +628,7 @@ def test_a_relaunched_job_with_a_new_run_id_commits_the_step_its_killed_run_held
 
     monkeypatch.setenv(RUN_ID_ENV, "job-b")
     monkeypatch.setenv(ATTEMPT_ENV, "0")
-    with CheckpointManager(s3_root, storage_options=s3_options, executor="thread") as manager:
+    with CheckpointManager(s3_root, storage_options=s3_options) as manager:
         target = {"w": torch.zeros(8)}
         manager.restore(target)
         assert torch.equal(target["w"], torch.ones(8))
