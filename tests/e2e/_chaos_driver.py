@@ -607,9 +607,25 @@ def run_chaos(
     check_phase(scenario, second, report, restart=True)
     check_restart(scenario, second, newest_listed, report)
     check_roots(roots, [first, second], report)
+    report.notes += [
+        _paths(name, phase) for name, phase in (("faulty", first), ("restart", second))
+    ]
     report.seconds = time.monotonic() - started
     _keep_record(base_dir, report, {"faulty": first, "restart": second})
     return report
+
+
+def _paths(name: str, phase: Phase) -> str:
+    """What a phase's ranks ran their saves on, and their longest request made while the
+    worker was not ready, against their synchronous save (for the campaign's notes)."""
+    results = phase.results.values()
+    executors = sorted({str(r.get("executor")) for r in results})
+    cold = [q["stall_s"] for r in results for q in r.get("requests", []) if q["ready"] is False]
+    sync = [r["sync_s"] for r in results if r.get("sync_s")]
+    return (
+        f"{name}: executor {'/'.join(executors)}, {len(cold)} requests before a worker was"
+        f" ready (longest {max(cold, default=0):.2f} s), sync save {max(sync, default=0):.2f} s"
+    )
 
 
 def _keep_record(base_dir: Path, report: RunReport, phases: dict[str, Phase]) -> None:

@@ -45,7 +45,7 @@ known: a rank-0 follow-up slower than the deadline under ``wait`` and ``coalesce
 an S3 root followed by a restart, a full disk on rank 0 (the history write fails), a replica
 whose replications are superseded, a rank stopped past the deadline; and on the default path
 (:data:`CI_DEFAULT_SEEDS`): a rank killed as its worker starts, a worker stopped under
-``wait``, a worker killed at its start-up while the other rank's disk is full from step 1.
+``wait``.
 
 ``DCP_SAFE_LONG=1`` runs ``DCP_SAFE_CHAOS_RUNS`` seeds (default 300) from
 ``DCP_SAFE_CHAOS_SEED0`` (default 0) across every variant, world size 4 included, and prints a
@@ -121,9 +121,12 @@ CI_DEFAULT_SEEDS = {
     32: "seed 32: default:local/skip/overlap/ws2->1 kill_rank_startup(r1)",
     # rank 0's worker stopped under `wait`: detected, killed, the job saves again; close() ends
     240: "seed 240: default:local/wait/snapshot/ws2->1 stop_worker(r0@0.5s)",
-    # rank 1's first worker killed as it starts; rank 0's disk full from step 1 to 3 (its
-    # worker starts under the limit, and must write again once it is lifted)
-    35: "seed 35: default:local/coalesce/overlap/ws2->2 kill_worker_startup(r1) + fsize(r0@s1-s3)",
+}
+# Pinned, run with DCP_SAFE_LONG=1 only (CI's time): rank 1's first worker killed as it starts;
+# rank 0's disk full from step 1 to 3, so its worker starts under the limit and must write
+# again once it is lifted.
+LONG_PINNED = {
+    35: "seed 35: default:local/coalesce/overlap/ws2->2 kill_worker_startup(r1) + fsize(r0@s1-s3)"
 }
 
 
@@ -135,7 +138,7 @@ def _report(reports: list[RunReport]) -> str:
 
 def test_ci_seeds_draw_the_scenarios_they_were_picked_for() -> None:
     """A run is a pure function of its seed: the pinned seeds still draw what they cover."""
-    for seeds, default_path in ((CI_SEEDS, False), (CI_DEFAULT_SEEDS, True)):
+    for seeds, default_path in ((CI_SEEDS, False), (CI_DEFAULT_SEEDS, True), (LONG_PINNED, True)):
         for seed, label in seeds.items():
             assert scenario_for(seed, default_path=default_path).label == label
             assert scenario_for(seed) == scenario_for(seed)
@@ -449,18 +452,18 @@ def test_the_root_checks_catch_corruption_leftovers_and_a_lost_history(tmp_path:
 # -- seeded runs ------------------------------------------------------------------------------
 
 
-_CI_RUNS = [(seed, False) for seed in sorted(CI_SEEDS)]
-_CI_RUNS += [(seed, True) for seed in sorted(CI_DEFAULT_SEEDS)]
+_LONG_ONLY = [pytest.mark.slow, pytest.mark.skipif(not LONG, reason="set DCP_SAFE_LONG=1")]
+_CI_RUNS = [pytest.param(seed, False, id=f"writer-{seed}") for seed in sorted(CI_SEEDS)]
+_CI_RUNS += [pytest.param(seed, True, id=f"default-{seed}") for seed in sorted(CI_DEFAULT_SEEDS)]
+_CI_RUNS += [
+    pytest.param(seed, True, id=f"default-{seed}", marks=_LONG_ONLY) for seed in LONG_PINNED
+]
 
 
 @pytest.mark.multiproc
 @pytest.mark.s3
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    ("seed", "default_path"),
-    _CI_RUNS,
-    ids=[f"{'default' if d else 'writer'}-{seed}" for seed, d in _CI_RUNS],
-)
+@pytest.mark.parametrize(("seed", "default_path"), _CI_RUNS)
 def test_a_seeded_chaos_run_keeps_every_invariant(
     seed: int,
     default_path: bool,
