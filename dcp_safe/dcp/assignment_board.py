@@ -16,6 +16,12 @@ next run's first save of that name: the ranks then disagree on the save id, the 
 (rank 0 sees a rank never report) and commits nothing. docs/multirank.md, "Saves without
 collectives".
 
+With a signing key, every post carries an HMAC under it
+(:func:`~dcp_safe.manifest.signing.part_mac`, bound to the key of the save); the other ranks
+take only a post it authenticates, so a writer of the root without the key cannot hand them
+another save id or other plain entries (nor skip their divergence check): at most it delays
+them, to the deadline.
+
 Who writes what, without DCP's plan exchange (which keeps one copy of each replicated entry):
 a plain entry (a tensor or object that is not sharded) is written by rank 0 when rank 0 holds
 it, else by each rank that holds it; the file carries rank 0's plain keys and fingerprints, so
@@ -43,6 +49,7 @@ from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
 from dcp_safe.dcp.planners import FingerprintedPlan
 from dcp_safe.errors import CommitError, DcpSafeError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.manifest.signing import part_mac, part_mac_matches
 
 __all__ = ["Assignment", "AssignmentBoard", "items_to_write", "leave_to_rank0", "plain_keys"]
 
@@ -94,10 +101,19 @@ def poll(check: Callable[[], T | None], deadline_s: float) -> T | None:
 class AssignmentBoard:
     """The assignment file of one save: rank 0 posts, the others take, rank 0 clears."""
 
-    def __init__(self, backend: Backend, name: str, key: str, *, deadline_s: float) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        name: str,
+        key: str,
+        *,
+        deadline_s: float,
+        signing_key: bytes | None = None,
+    ) -> None:
         self.backend = backend
         self.path = layout.assignment_file_name(name, key)
         self.deadline_s = deadline_s
+        self._key, self._signing_key = key, signing_key
 
     def post(self, save_id: str, world_size: int, plain: Mapping[str, int | None]) -> None:
         """Tell the other ranks the save id, and which plain entries rank 0 writes."""
@@ -119,7 +135,8 @@ class AssignmentBoard:
         if found is None:
             raise CommitError(
                 f"no save id from rank 0 within {self.deadline_s} s (a save without"
-                " collectives waits for it on storage)",
+                " collectives waits for it on storage; signed, only for one the key"
+                " authenticates)",
                 {0: f"nothing at {self.backend.full_path(self.path)}"},
             )
         if "error" in found:
@@ -139,7 +156,10 @@ class AssignmentBoard:
             self.backend.remove_file(self.path)
 
     def _write(self, body: dict[str, Any]) -> None:
-        self.backend.write_bytes(self.path, json.dumps({"format": _FORMAT, **body}).encode())
+        body = {"format": _FORMAT, **body}
+        if self._signing_key is not None:
+            body["mac"] = part_mac(self._signing_key, self._key, 0, body)
+        self.backend.write_bytes(self.path, json.dumps(body).encode())
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -149,6 +169,10 @@ class AssignmentBoard:
             return None  # not there yet (or half written where a write is not atomic)
         if not isinstance(found, dict) or found.get("format") != _FORMAT:
             return None
+        mac = found.pop("mac", None)
+        key = self._signing_key
+        if key is not None and not part_mac_matches(key, self._key, 0, found, mac):
+            return None  # not rank 0's: wait on for rank 0's post, which replaces it
         return found
 
 

@@ -93,7 +93,7 @@ def write_report(
         "manifest": manifest_checksum,
     }
     if key is not None:
-        body["mac"] = part_mac(key, assignment.save_id, assignment.rank, _canonical(body))
+        body["mac"] = part_mac(key, assignment.save_id, assignment.rank, body)
     rel = layout.rank_report_name(assignment.rank, assignment.save_id)
     backend.write_bytes(f"{assignment.work_dir}/{rel}", json.dumps(body).encode())
 
@@ -142,9 +142,7 @@ def await_reports(
     for rank, rel in reports.items():
         body = _read_json(backend, f"{assignment.work_dir}/{rel}", rank)
         mac = body.pop("mac", None)
-        if key is not None and not part_mac_matches(
-            key, assignment.save_id, rank, _canonical(body), mac
-        ):
+        if key is not None and not part_mac_matches(key, assignment.save_id, rank, body, mac):
             raise CommitError(
                 "a rank's report is not authenticated by the job's signing key, so it may not"
                 " be that rank's: nothing is published. Give every rank's writer the same"
@@ -387,11 +385,6 @@ def _read_json(backend: Backend, rel: str, rank: int) -> dict[str, Any]:
     if not isinstance(body, dict) or body.get("format") != _FORMAT:
         raise CommitError("a rank's report is malformed", {rank: rel})
     return body
-
-
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    """The bytes a report's MAC covers: its fields as parsed (what rank 0 uses), in one form."""
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _leaf(rel: str) -> str:

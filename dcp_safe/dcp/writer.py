@@ -273,7 +273,13 @@ class SafeStorageWriter(StorageWriter):
 
     def _storage_agreement(self) -> StorageAgreement:
         name, key = self._require_name(), save_key(self.attempt, self._saves)
-        board = AssignmentBoard(self.backend, name, key, deadline_s=self.options.report_timeout_s)
+        board = AssignmentBoard(
+            self.backend,
+            name,
+            key,
+            deadline_s=self.options.report_timeout_s,
+            signing_key=self.options.signing_key,
+        )
         return StorageAgreement(
             self.backend,
             name,

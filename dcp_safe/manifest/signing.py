@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError, SignatureError
@@ -123,17 +125,21 @@ def check_signature(key: bytes, digest: str, signature: bytes, path: str) -> Non
         raise SignatureError(path, reason)
 
 
-def part_mac(key: bytes, save_id: str, rank: int, body: bytes) -> str:
-    """The HMAC (hex) that authenticates ``body``, rank ``rank``'s part of save ``save_id``
-    (a save without collectives: the report a rank leaves on storage for rank 0)."""
+def part_mac(key: bytes, save: str, rank: int, body: Mapping[str, Any]) -> str:
+    """The HMAC (hex) that authenticates ``body`` (JSON fields), what rank ``rank`` leaves on
+    storage for its peers in save ``save`` (a save without collectives: a rank's report, rank
+    0's assignment). It covers the fields as parsed, so a reader checks what it uses."""
     derived = hmac.new(key, _PART_LABEL, hashlib.sha256).digest()
-    message = f"{save_id}\n{rank}\n".encode("ascii") + body
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    message = f"{save}\n{rank}\n{canonical}".encode()
     return hmac.new(derived, message, hashlib.sha256).hexdigest()
 
 
-def part_mac_matches(key: bytes, save_id: str, rank: int, body: bytes, mac: object) -> bool:
+def part_mac_matches(
+    key: bytes, save: str, rank: int, body: Mapping[str, Any], mac: object
+) -> bool:
     """Whether ``mac`` (as found on storage: anything) is :func:`part_mac` of ``body``."""
-    expected = part_mac(key, save_id, rank, body).encode("ascii")
+    expected = part_mac(key, save, rank, body).encode("ascii")
     return isinstance(mac, str) and hmac.compare_digest(mac.encode("utf-8", "replace"), expected)
 
 

@@ -37,8 +37,9 @@ from dcp_safe import (
     layout,
     verify_checkpoint,
 )
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.fencing import Attempt
-from dcp_safe.dcp.assignment_board import save_key
+from dcp_safe.dcp.assignment_board import AssignmentBoard, save_key
 from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.manifest.schema import Manifest
@@ -481,3 +482,17 @@ def test_a_signed_save_refuses_a_rank_part_its_rank_did_not_write(
     assert not list(tmp_path.rglob(layout.COMMITTED_MARKER))
     with pytest.raises(CheckpointNotFoundError):  # nothing that loads with the job's key
         SafeStorageReader(tmp_path, signing_key=KEY).reset(layout.LATEST)
+
+
+def test_a_signed_save_takes_only_an_assignment_the_key_authenticates(tmp_path: Path) -> None:
+    backend = open_backend(str(tmp_path))
+    board = AssignmentBoard(backend, "x", "run-1-1", deadline_s=0.2, signing_key=KEY)
+    # Planted by a writer of the root without the key: another save id, rank 0 "holding" w.
+    planted = {"format": "dcp_safe/assignment", "save_id": "f" * 32, "world_size": 2}
+    (tmp_path / board.path).write_text(json.dumps({**planted, "plain": [["w", None]]}))
+    with pytest.raises(CommitError, match="no save id from rank 0"):
+        board.take(2)
+    board.post("a" * 32, 2, {})  # rank 0's own post replaces it
+    assert board.take(2) == ("a" * 32, {})
+    unsigned = AssignmentBoard(backend, "x", "run-1-1", deadline_s=0.2)
+    assert unsigned.take(2) == ("a" * 32, {})  # a reader without the key still reads it
