@@ -500,6 +500,8 @@ class CheckpointManager:
                 steps.append(functools.partial(lambda w: w.close(left()), writer))
         steps.append(lambda: self._books.close(left()))
         errors = run_bounded(steps, timeout_s)
+        if worker is not None:  # whatever the steps did (a save stuck in a stopped worker)
+            worker.kill()
         self._agreement.release()
         errors = shutdown.in_flight_first(self._ledger.unraised() + errors)
         if errors and isinstance(errors[0], DrainTimeoutError):

@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
@@ -35,12 +36,16 @@ from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, WorkerDiedError
 from dcp_safe.manager.commit_check import Checked
 from dcp_safe.manager.transport import StateEncoder, decode_error
+from dcp_safe.manager.worker_boot import BEAT_S
 from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups
 from dcp_safe.staging.shared import SharedSlabs
 
 __all__ = ["SaveWorker"]
 
-_ENTRY = "dcp_safe.manager.worker_main"
+_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_boot.py")
+# The fewest beats a worker may miss before its parent kills it, whatever the deadlines.
+_MIN_SILENT_BEATS = 5
+_REAPED_S = 10.0  # the longest a kill waits for the killed worker to be reaped
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -63,6 +68,7 @@ class _Process:
         adopt: Adopt | None = None,
         checks: dict[str, Checked] | None = None,
         deep: bool = False,
+        silent_s: float = 600.0,
     ) -> None:
         self.lock = lock  # the SaveWorker's: guards saves, replications, checks and dead
         self.group = group
@@ -70,16 +76,18 @@ class _Process:
         self.adopt = adopt  # given each save's spans from the worker, before its future
         self.retired = False
         self.served = False  # it was given a save (set under the lock)
+        # Silent past the manager's deadline (with several ranks the workers' group's, that of
+        # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
+        bound = silent_s if group is None else min(silent_s, group.timeout_s)
+        self.silent_s = max(bound, _MIN_SILENT_BEATS * BEAT_S)
+        self.silenced = False  # killed for its silence
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # The worker imports what the parent can (a writer subclass of a test, say).
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # Isolated (-I: no current directory on sys.path), its parent's pid first; it imports
+        # what the parent can (a writer subclass of a test, say): sys.path's absolute entries.
+        paths = [p for p in sys.path if os.path.isabs(p)]
+        command = [sys.executable, "-I", _BOOT, str(os.getpid()), str(theirs.fileno()), *paths]
         try:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", _ENTRY, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
+            self.popen = _spawn(command, theirs.fileno())
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
@@ -104,6 +112,10 @@ class _Process:
         try:
             while True:
                 try:
+                    if not self.conn.poll(self.silent_s):
+                        self.silenced = True
+                        self.popen.kill()  # SIGKILL ends a stopped process too
+                        return
                     message = self.conn.recv()
                 except (EOFError, OSError):
                     return
@@ -180,6 +192,8 @@ class _Process:
 
     def death(self, when: str, code: int) -> WorkerDiedError:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        if self.silenced:
+            how = f"sent nothing for {self.silent_s:g} s (stopped, frozen or stuck) and was killed"
         rank = {} if self.group is None else {self.group.rank: f"its checkpoint worker {how}"}
         return WorkerDiedError(
             f"the checkpoint worker (pid {self.popen.pid}) {how} {when}; that save is failed and"
@@ -187,6 +201,25 @@ class _Process:
             " worker; if it dies again look for the OOM killer, or use executor='thread'",
             rank,
         )
+
+
+def _spawn(command: list[str], fd: int) -> subprocess.Popen[bytes]:
+    """Start the worker from a thread that lives until it exits: its PR_SET_PDEATHSIG
+    (:mod:`~dcp_safe.manager.worker_boot`) fires when the *thread* that started it ends, not
+    only its process, so no caller's short-lived thread may start it."""
+    started: Future[subprocess.Popen[bytes]] = Future()
+
+    def keep() -> None:
+        try:
+            popen = subprocess.Popen(command, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(popen)
+        popen.wait()
+
+    threading.Thread(target=keep, name="dcp_safe-worker-keeper", daemon=True).start()
+    return started.result()
 
 
 class SaveWorker:
@@ -267,26 +300,52 @@ class SaveWorker:
             return self._checks.pop(name, None)
 
     def close(self, timeout_s: float | None) -> None:
-        """Stop the worker within ``timeout_s`` (default: the one given at construction; it is
-        killed past it).
+        """Stop the worker within ``timeout_s`` (default: the one given at construction); past
+        it the worker is killed, whatever it is doing (stopped, stuck in a save, draining).
 
         Raises:
             BaseException: the worker's writer failed to drain its replication.
         """
-        self._sender.shutdown(wait=True)
-        with self._lock:
-            process, self._process = self._process, None
-            processes = [*self._retired, *([] if process is None else [process])]
-            self._retired = []
-            for each in processes:
-                each.retired = True  # stopped on purpose: no group to mark broken
         if timeout_s is None:
             timeout_s = self.timeout_s
         deadline = time.monotonic() + timeout_s
-        errors = [_stop(each, timeout_s, deadline) for each in processes]
+        # The saves queued are sent first, by the deadline: a send blocked on a stopped worker
+        # is freed by that worker's kill below, and one sent then to a new worker is stopped too.
+        with contextlib.suppress(RuntimeError):  # closed before
+            wait([self._sender.submit(lambda: None)], max(0.0, deadline - time.monotonic()))
+        self._sender.shutdown(wait=False)
+        errors = self._stop_all(timeout_s, deadline)
+        self._sender.shutdown(wait=True)
+        errors += self._stop_all(timeout_s, deadline)
         error = next((e for e in reversed(errors) if e is not None), None)
         if error is not None:
             raise error
+
+    def kill(self) -> None:
+        """Kill every worker now, without waiting (a close that ran out of time: no worker
+        outlives its manager); their saves fail with :class:`WorkerDiedError`."""
+        with self._lock:
+            processes = [*self._retired, *([] if self._process is None else [self._process])]
+            for each in processes:
+                each.retired = True  # stopped on purpose: no group to mark broken
+        for each in processes:
+            with contextlib.suppress(OSError):
+                each.popen.kill()
+        for each in processes:  # reaped: gone once this returns (unless stuck in the kernel)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                each.popen.wait(_REAPED_S)
+
+    def _stop_all(self, timeout_s: float, deadline: float) -> list[BaseException | None]:
+        with self._lock:  # retired until stopped: a kill meanwhile finds them there
+            process, self._process = self._process, None
+            self._retired += [] if process is None else [process]
+            processes = list(self._retired)
+            for each in processes:
+                each.retired = True  # stopped on purpose: no group to mark broken
+        errors = [_stop(each, timeout_s, deadline) for each in processes]
+        with self._lock:
+            self._retired = [each for each in self._retired if each not in processes]
+        return errors
 
     def _send(
         self, name: str, step: int, staged: Future[dict[str, Any]], done: Future[None]
@@ -300,7 +359,9 @@ class SaveWorker:
                 try:  # outside the lock: a worker dying meanwhile fails it through its reader
                     with process.send_lock:
                         self._share_slabs(process)
-                        process.conn.send(("save", seq, name, step, data, record))
+                        # The rank's file size limit now (set or lifted since the worker began).
+                        fsize = resource.getrlimit(resource.RLIMIT_FSIZE)
+                        process.conn.send(("save", seq, name, step, data, record, fsize))
                     return
                 except OSError:
                     with self._lock:  # it died idle, before this save: one new worker more
@@ -358,6 +419,7 @@ class SaveWorker:
                 self.adopt,
                 self._checks,
                 self.deep,
+                self.timeout_s,
             )
             process.reader.start()
         assert process is not None
@@ -401,8 +463,14 @@ class SaveWorker:
 
 def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException | None:
     """Close ``process`` by ``deadline`` (killed past it); its writer's error, if any."""
-    with contextlib.suppress(OSError), process.send_lock:
-        process.conn.send(("close", timeout_s))
+    # A send blocked on a stopped worker holds the lock: it is killed at the deadline instead.
+    if process.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        try:
+            process.conn.send(("close", timeout_s))
+        except OSError:
+            pass
+        finally:
+            process.send_lock.release()
     error = None
     with contextlib.suppress(TimeoutError):
         error = process.closed.result(max(0.0, deadline - time.monotonic()))

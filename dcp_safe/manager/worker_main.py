@@ -1,8 +1,10 @@
-"""The checkpoint worker: ``python -m dcp_safe.manager.worker_main FD``, one per rank.
+"""The checkpoint worker, one per rank: :func:`main`, after
+:mod:`~dcp_safe.manager.worker_boot` (which knew its parent, lowered its priority and started
+its beat before this module's imports).
 
-Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket pair as ``FD``.
-It lowers its own priority, then serves the parent's messages in order until told to close or
-the parent is gone::
+Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket pair. It serves
+the parent's messages in order until told to close or the parent is gone; from its start on it
+also sends ``("alive",)`` every second (the parent kills a worker silent past its bound)::
 
     ("writer", writer, per_rank, group, deep)
                                      the manager's writer (pickled once), per-rank keys, with
@@ -13,11 +15,14 @@ the parent is gone::
                                      the group failed (every save then fails with it)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
-    ("save", seq, name, step, data, record)
-                                     save the staged state ``data``: plan, write, checksums,
-                                     manifest, commit, check; reply ("done", seq, error or None,
-                                     whether the workers' group broke, the save's plan, write
-                                     and commit spans when ``record``, its check or None),
+    ("save", seq, name, step, data, record, fsize)
+                                     save the staged state ``data`` (not if the parent is gone:
+                                     the worker exits) under the rank's RLIMIT_FSIZE ``fsize``
+                                     (one it cannot take fails the save): plan, write,
+                                     checksums, manifest, commit, check; reply ("done", seq,
+                                     error or None, whether the workers' group broke, the
+                                     save's plan, write and commit spans when ``record``, its
+                                     check or None),
                                      then, with ``replicate_to`` or a node-local cache,
                                      ("replicated", name, error or None, its check or None,
                                      the replica manifest's header or None)
@@ -35,9 +40,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import sys
+import resource
 import threading
-import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -49,6 +53,7 @@ from dcp_safe.checkpoints.committed import CommittedHeader, keep_parsed
 from dcp_safe.dcp import api
 from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.errors import WorkerError
 from dcp_safe.manager.commit_check import Checked, check_commit
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join
@@ -59,33 +64,12 @@ from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["main"]
 
-_NICE = 10
-# How often the worker checks that its parent is alive, while it is busy.
-_ORPHAN_POLL_S = 0.5
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)
-    try:  # psutil knows ionice where the platform has it
-        import psutil
-
-        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
-    except (ImportError, AttributeError, OSError, ValueError):
-        pass
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    # A parent killed mid-save cannot say so: a save it will never hear of is not worth ending.
-    while os.getppid() == parent:
-        time.sleep(_ORPHAN_POLL_S)
-    os._exit(3)
-
 
 class _Worker:
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, lock: threading.Lock, parent: int) -> None:
         self.conn = conn
-        self.lock = threading.Lock()  # replies come from the main thread and replication's
+        self.lock = lock  # replies come from the main thread, replication's and the beat
+        self.parent = parent
         self.writer: SafeStorageWriter | None = None
         self.per_rank: tuple[str, ...] = ()
         self.group: WorkerGroup | None = None
@@ -115,6 +99,8 @@ class _Worker:
                 for slab in message[1]:
                     forget_slab(slab)
             elif kind == "save":
+                if os.getppid() != self.parent:  # sent by a rank that died since
+                    os._exit(3)
                 self.save(*message[1:])
             elif kind == "close":
                 self.close(message[1])
@@ -127,7 +113,9 @@ class _Worker:
             except BaseException as exc:
                 self.not_joined = encode_error(exc)
 
-    def save(self, seq: int, name: str, step: int, data: bytes, record: bool) -> None:
+    def save(
+        self, seq: int, name: str, step: int, data: bytes, record: bool, fsize: tuple[int, int]
+    ) -> None:
         # Several ranks: over the workers' group, on a dedicated group of the save's deadline,
         # as the thread executor saves over the manager's.
         where: dict[str, Any] = (
@@ -139,6 +127,7 @@ class _Worker:
         # A recorder of this save alone (no sampler, no thread): its events go with the reply.
         telemetry = Telemetry(sample_memory=False, rank=0, clock=self.clock) if record else None
         try:
+            _limit_files(fsize)
             writer = self._writer().for_step(step)
             state = pickle.loads(data)
             api.save(
@@ -200,26 +189,32 @@ class _Worker:
         return self.writer
 
 
+def _limit_files(fsize: tuple[int, int]) -> None:
+    """Take the rank's RLIMIT_FSIZE now: one it set (or lifted) after this worker started."""
+    if resource.getrlimit(resource.RLIMIT_FSIZE) == fsize:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, fsize)
+    except (ValueError, OSError) as exc:
+        raise WorkerError(
+            type(exc).__name__,
+            f"it cannot take its rank's RLIMIT_FSIZE {fsize} ({exc}): a hard limit raised after"
+            " it started. Close the manager and build a new one (its worker starts under the"
+            " new limit), or use executor='thread'",
+        ) from exc
+
+
 def _events(telemetry: Telemetry | None) -> list[Event]:
     return [] if telemetry is None else telemetry.memory.events()
 
 
-def main(argv: list[str]) -> None:
-    """Serve the parent on the socket whose descriptor is ``argv[0]``."""
-    _lower_priority()
+def main(conn: Connection, lock: threading.Lock, parent: int) -> None:
+    """Serve parent ``parent`` on ``conn`` (``lock`` guards its sends), until closed or orphaned."""
     # A save's check opens its manifest at most twice, back to back (deep: once in the full
     # check); what listings need goes back to the parent as a header. Keeping more parsed
     # manifests here only holds ~24 MiB each at 10,000 items.
     keep_parsed(1)
-    threading.Thread(
-        target=_exit_when_orphaned, args=(os.getppid(),), name="dcp_safe-orphan", daemon=True
-    ).start()
-    conn = Connection(int(argv[0]))
     try:
-        _Worker(conn).serve()
+        _Worker(conn, lock, parent).serve()
     finally:
         conn.close()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

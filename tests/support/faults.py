@@ -60,6 +60,20 @@ class DiesMidWrite(SafeStorageWriter):
         return record
 
 
+class StopsInWorker(DiesMidWrite):
+    """SIGSTOPs the checkpoint worker mid-write in the save of step ``at_step``; never the
+    process that built it (a save that ran on the thread path is left alone)."""
+
+    def __init__(self, root: str, *, at_step: int) -> None:
+        super().__init__(root, victim=0, signum=signal.SIGSTOP, at_step=at_step)
+        self.builder = os.getpid()
+
+    def _write_item(self, sink: Any, file_name: str, item: Any, planner: Any) -> Any:
+        if os.getpid() == self.builder:
+            return SafeStorageWriter._write_item(self, sink, file_name, item, planner)
+        return super()._write_item(sink, file_name, item, planner)
+
+
 class SlowOnRank(SafeStorageWriter):
     """Sleeps before each item on one rank (of every save, or only of the save of step
     ``at_step``): storage held slow on that rank only."""
