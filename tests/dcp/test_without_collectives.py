@@ -470,6 +470,16 @@ def test_node_local_writer_refuses_saves_without_collectives(tmp_path: Path) -> 
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
 
 
+def test_a_signed_save_without_collectives_commits_and_verifies_with_the_key(
+    tmp_path: Path,
+) -> None:
+    seen = run_ranks(_save_signed_with_a_foreign_part, 2, args=(str(tmp_path), "honest"))
+    assert seen == [{"error": None}] * 2
+    report = verify_checkpoint(tmp_path, "signed", deep=True, signing_key=KEY)
+    assert report.items_checked == len(_manifest(tmp_path, "signed").items)
+    assert not [e for e in os.listdir(tmp_path / "signed" / layout.RANKS_DIR) if "report" in e]
+
+
 @pytest.mark.parametrize(
     ("how", "refusal"),
     [("planted", "not authenticated by the job's signing key"), ("swapped", "not the one")],
