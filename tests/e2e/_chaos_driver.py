@@ -91,6 +91,7 @@ from dcp_safe import (
 )
 from dcp_safe.checkpoints.history import HISTORY_FILE
 from dcp_safe.dcp.node_local import NodeLocalWriter
+from dcp_safe.testing import multiproc
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import RankFailedError, RanksTimeoutError, run_ranks
 from dcp_safe.testing.s3 import LocalS3
@@ -762,6 +763,20 @@ class ProcessWatch:
         while not self._stop.wait(_WATCH_POLL_S):
             self.poll()
 
+    def settle(self) -> None:
+        """Wait until every worker of a dead rank is gone or reported (at most the grace)."""
+        while True:
+            self.poll()
+            with self.lock:
+                waiting = [
+                    s
+                    for s in self.seen.values()
+                    if s.kind == "worker" and s.rank in self.rank_died and not s.outlived
+                ]
+            if not any(s.alive() for s in waiting):
+                return
+            time.sleep(0.05)
+
     def finish(self) -> None:
         """After the phase: every process seen must be gone within the grace."""
         self._stop.set()
@@ -827,7 +842,7 @@ def _run_faulty_phase(
     for timer in timers:
         timer.start()
     try:
-        phase = _run_phase(faulty_phase, job, scenario.world_size)
+        phase = _run_phase(faulty_phase, job, scenario.world_size, watch)
     finally:
         stop.set()
         for timer in timers:
@@ -944,11 +959,16 @@ def _signal_child(pid: int, parent: int, signum: int) -> bool:
         os.close(pidfd)
 
 
-def _run_phase(body: Any, job: Job, world_size: int) -> Phase:
+def _run_phase(body: Any, job: Job, world_size: int, watch: ProcessWatch) -> Phase:
     """Run ``body`` on ``world_size`` ranks within the scenario's bound; whatever happens, the
     phase's outcome as the parent saw it."""
     bound = job.scenario.bound_s(world_size)
     started = time.monotonic()
+    # run_ranks ends by killing each rank's process group, its workers with it: first, each
+    # worker of a dead rank gets its grace to go by itself (or is reported), as under a
+    # launcher that kills no process group (torchrun's agent signals its ranks only).
+    kill_all = multiproc._kill_all
+    multiproc._kill_all = lambda procs: (watch.settle(), kill_all(procs))  # type: ignore[assignment]
     try:
         results = run_ranks(
             body, world_size, args=(job,), timeout_s=bound, failure_grace_s=bound / 2
@@ -958,6 +978,8 @@ def _run_phase(body: Any, job: Job, world_size: int) -> Phase:
         phase = Phase(dict(exc.results), failures=dict(exc.failures))
     except RanksTimeoutError as exc:
         phase = Phase(dict(exc.results), timed_out=exc.ranks)
+    finally:
+        multiproc._kill_all = kill_all  # type: ignore[assignment]
     phase.seconds = round(time.monotonic() - started, 1)
     return phase
 
@@ -969,7 +991,7 @@ def _run_restart_phase(
     job = _job(scenario, roots, base_dir, "restart", s3_options=options, expect_restore=newest)
     watch = ProcessWatch(job, scenario.restart_world_size)
     try:
-        phase = _run_phase(restart_phase, job, scenario.restart_world_size)
+        phase = _run_phase(restart_phase, job, scenario.restart_world_size, watch)
     finally:
         watch.finish()
     phase.outlived = watch.outlived

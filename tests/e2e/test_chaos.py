@@ -122,11 +122,12 @@ CI_DEFAULT_SEEDS = {
     # rank 0's worker stopped under `wait`: detected, killed, the job saves again; close() ends
     240: "seed 240: default:local/wait/snapshot/ws2->1 stop_worker(r0@0.5s)",
 }
-# Pinned, run with DCP_SAFE_LONG=1 only (CI's time): rank 1's first worker killed as it starts;
-# rank 0's disk full from step 1 to 3, so its worker starts under the limit and must write
-# again once it is lifted.
+# Pinned, run with DCP_SAFE_LONG=1 only (CI's time): a rank's disk full from step 1 to 3, so
+# its worker starts under the limit and must write again once it is lifted (alone, and with
+# the other rank's first worker killed as it starts).
 LONG_PINNED = {
-    35: "seed 35: default:local/coalesce/overlap/ws2->2 kill_worker_startup(r1) + fsize(r0@s1-s3)"
+    203: "seed 203: default:local/wait/snapshot/ws2->1 fsize(r1@s1-s3)",
+    35: "seed 35: default:local/coalesce/overlap/ws2->2 kill_worker_startup(r1) + fsize(r0@s1-s3)",
 }
 
 
