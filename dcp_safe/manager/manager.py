@@ -488,8 +488,7 @@ class CheckpointManager:
         left = countdown(timeout_s)
         steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
-        worker = self._runner.worker
-        if worker is not None:  # before the stager: its slabs outlive the worker's maps
+        if (worker := self._runner.worker) is not None:  # before the stager (slabs outlive maps)
             steps.append(lambda: worker.close(left()))
         if self._owns_stager:
             steps.append(self.stager.close)

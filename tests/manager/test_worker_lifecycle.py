@@ -16,15 +16,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from support import checkpoint_workers, make_state, ready_worker
-from support.faults import StopsInWorker
+from support.faults import DiesMidWrite, StopsInWorker
 
-from dcp_safe import CheckpointManager, DrainTimeoutError, WorkerDiedError, list_checkpoints
+from dcp_safe import (
+    CheckpointManager,
+    CommitError,
+    DrainTimeoutError,
+    WorkerDiedError,
+    list_checkpoints,
+)
+from dcp_safe.testing.multiproc import run_ranks
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
+_DEADLINE_S = 15.0  # with several ranks, the bound of a worker's silence
 
 
 def _gone(pid: int) -> bool:
@@ -166,3 +175,36 @@ def test_the_worker_takes_its_ranks_file_size_limit_with_each_save(tmp_path: Pat
     assert failed.startswith("failed ") and failed.endswith(" True"), outcomes
     assert failed == outcomes["thread"][0]  # the same error as the thread executor's
     assert then == ["step_000000002", "same worker True", f"close {failed.split()[1]}"]
+
+
+def _rank_1s_worker_stops_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    writer = DiesMidWrite(root, victim=1, signum=signal.SIGSTOP, at_step=2)
+    seen: dict[str, Any] = {"error": None}
+    with CheckpointManager(
+        root, writer=writer, executor="process", keep_last=5, deadline_s=_DEADLINE_S
+    ) as manager:
+        ready_worker(manager)  # on the thread path its SIGSTOP would stop the rank
+        manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
+        try:
+            manager.save(2, make_state(2)).committed.result(_TIMEOUT_S)
+        except CommitError as exc:
+            seen.update(error=type(exc).__name__, failures=sorted(exc.failures), text=str(exc))
+        manager.save(3, make_state(3)).committed.result(_TIMEOUT_S)  # the job saves again
+        with contextlib.suppress(CommitError):
+            manager.wait()  # the failure kept for the caller
+    seen["after_close"] = checkpoint_workers()
+    seen["committed"] = [c.name for c in list_checkpoints(root)]
+    return seen
+
+
+@pytest.mark.multiproc
+def test_one_ranks_stopped_worker_fails_the_save_on_every_rank_and_the_job_saves_again(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = run_ranks(_rank_1s_worker_stops_mid_save, 2, args=(str(tmp_path),))
+    assert rank1["error"] == "WorkerDiedError" and rank1["failures"] == [1], rank1
+    assert "sent nothing" in rank1["text"], rank1
+    assert rank0["error"] == "CommitError" and rank0["failures"] == [1], rank0  # names rank 1
+    for seen in (rank0, rank1):
+        assert seen["committed"] == ["step_000000001", "step_000000003"], seen
+        assert seen["after_close"] == [], seen
