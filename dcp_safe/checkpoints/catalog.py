@@ -167,9 +167,11 @@ def latest_named(
                 f"{other}, the newest checkpoint present, is damaged ({exc}); the newest sound"
                 f" one is {name or 'none'}: 'dcp-safe verify ROOT NAME' checks one by name",
             )
-        log.warning("using %s, not %s, which may be newer but is damaged: %s", name, other, exc)
+        if name:
+            log.warning("using %s, not %s, which may be newer but is damaged: %s", name, other, exc)
     if not name:
-        raise CheckpointNotFoundError(os.fspath(root), "no sound committed checkpoint")
+        also = f" ({len(damaged)} damaged: 'dcp-safe ls' names them)" if damaged else ""
+        raise CheckpointNotFoundError(os.fspath(root), f"no sound committed checkpoint{also}")
     return name
 
 
