@@ -38,7 +38,8 @@ The checks (:data:`CHECKS`):
   phase with no fault holding or failing saves, the synchronous fallback did not engage;
 * ``worker_loss_recovers``: after a checkpoint worker was killed (mid-job or at its start-up)
   with every rank alive, the job saves again: of two or more requests after the kill, one
-  commits on every rank;
+  commits on every rank (after a SIGSTOP: of those requested twice the longer of
+  ``deadline_s`` and ``wait_timeout_s`` after it, the bound to find a stopped worker out);
 * ``full_disk_recovers``: once a rank lifts the RLIMIT_FSIZE it set (the disk has room
   again), a save requested from then on commits on every rank (its worker too must write
   under the rank's current limit).
@@ -346,6 +347,10 @@ def check_recovery(scenario: Scenario, phase: Phase, report: RunReport) -> None:
             return  # another fault may fail the saves after it, for reasons of its own
         if fault.kind in ("kill_worker", "kill_worker_startup") and fault.kind in phase.struck:
             check, since, lift = "worker_loss_recovers", phase.struck[fault.kind], 0
+        elif fault.kind == "stop_worker" and fault.kind in phase.struck:
+            # A stopped worker is found out within a bound of the manager's deadlines.
+            bound = 2 * max(scenario.deadline_s, scenario.wait_timeout_s)
+            check, since, lift = "worker_loss_recovers", phase.struck[fault.kind] + bound, 0
         elif fault.kind == "fsize" and fault.count:
             check, since, lift = "full_disk_recovers", 0.0, fault.count
         else:
@@ -355,9 +360,7 @@ def check_recovery(scenario: Scenario, phase: Phase, report: RunReport) -> None:
             steps = [r["step"] for r in requests if r["at"] > since and r["step"] >= lift]
             outcomes = {step: result["outcomes"].get(step) for step in steps}
             if len(steps) >= 2 and "committed" not in outcomes.values():
-                errors = [
-                    f"{e['step']}: {e['type']}: {e['message'][:120]}" for e in result["errors"]
-                ]
+                errors = sorted({f"{e['type']}: {e['message'][:120]}" for e in result["errors"]})
                 report.add(
                     check,
                     f"rank {rank}: after {fault.label} no save committed: {outcomes}; {errors}",
