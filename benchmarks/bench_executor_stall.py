@@ -9,7 +9,7 @@ Issue #30's target: ``CheckpointManager(executor="process")``'s stall (``save()`
 training thread: the copy into shared slabs) within 1.1x of ``executor="thread"``'s (the copy
 into the stager's own pool, the copy floor). Per state (``COUNTxSIZE`` float32 tensors in one
 flat dict) two managers on two folders, each warmed up with two committed saves (pools
-allocated, the worker started); then per round one save on each, the order rotated, each
+allocated) and the worker ready; then per round one save on each, the order rotated, each
 waited until committed before the next, so that neither copy runs beside the other's
 background phase. A ``copy_floor`` row times one ``copy_`` of every tensor into a preallocated
 copy. Medians over rounds; ratios against the thread executor's. Results:
@@ -54,6 +54,9 @@ def measure(work: Path, label: str, count: int, size: int, rounds: int) -> dict[
         for manager in managers.values():
             for step in (1, 2):
                 manager.save(step, state).committed.result(timeout=600)
+            worker = manager._runner.worker  # until it is ready, saves run on a thread
+            while worker is not None and not worker.ready:
+                time.sleep(0.01)
         for round_ in range(rounds):
             for executor in rotate(list(EXECUTORS), round_):
                 start = time.perf_counter()

@@ -58,6 +58,11 @@ def child(executor: str, state_text: str, saves: int, root: str) -> dict[str, An
     state = {f"t{i:05d}": torch.randn(size // 4, generator=gen) for i in range(count)}
     worker_uss = 0
     with RssSampler() as sampler, CheckpointManager(root, executor=executor) as manager:
+        worker = manager._runner.worker
+        if worker is not None:  # until it is ready, saves run on a thread: measure the worker's
+            worker.start()
+            while not worker.ready:
+                time.sleep(0.01)
         for step in range(1, saves + 1):
             manager.save(step, state).committed.result(timeout=600)
         worker = manager._runner.worker

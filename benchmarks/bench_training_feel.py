@@ -39,8 +39,8 @@ Contenders:
   background phase = until ``handle.committed`` resolves (committed, verified, retention ran).
 * ``manager_process``: the same with ``executor="process"`` (what the default, ``"auto"``,
   chooses here): the stager copies into shared slabs, and the write, commit and checksums run
-  in the manager's worker process (started with the manager, ready by the untimed warm-up
-  save), and so does the check of each new checkpoint; retention still runs here.
+  in the manager's worker process (started with the manager, which waits until it is ready:
+  saves before that run on a thread), and so does the check of each new checkpoint; retention still runs here.
 
 All contenders run under one 1-rank gloo process group (``127.0.0.1``), which DCP's process
 executor needs and a real job has; it is created here unless one exists, and destroyed after.
@@ -250,6 +250,11 @@ class ManagerSave(Contender):
         from dcp_safe import CheckpointManager
 
         self.manager = CheckpointManager(root, executor=executor)
+        worker = self.manager._runner.worker
+        if worker is not None:  # until it is ready, saves run on a thread: measure the worker's
+            worker.start()
+            while not worker.ready:
+                time.sleep(0.01)
 
     def start(self, state: State, folder: Path, step: int) -> Future[Any]:
         handle = self.manager.save(step, state)

@@ -130,8 +130,17 @@ def _stall_lines(report: DemoReport) -> list[str]:
     return [
         f"state per save: {format_size(report.bytes_per_save)} (model + AdamW state)",
         f"training stall, median of {len(done)} saves: {_ms(stall)} async"
-        f" vs {_ms(sync)} for a synchronous save ({sync / stall:.1f}x less)",
+        f" vs {_ms(sync)} for a synchronous save ({_ratio(stall, sync)})",
     ]
+
+
+def _ratio(stall: float, sync: float) -> str:
+    """How the async stall compares with the synchronous save, in words that fit the ratio."""
+    if stall < sync:
+        return f"{sync / stall:.1f}x less"
+    if stall > sync:
+        return f"{stall / sync:.1f}x more"
+    return "the same"
 
 
 def _memory_lines(report: DemoReport) -> list[str]:
@@ -143,11 +152,13 @@ def _memory_lines(report: DemoReport) -> list[str]:
         " stored objects)",
     ]
     if report.executor == "process":
+        ran = 0 if report.stats is None else report.stats.worker_saves
         lines.append(
-            "the saves' writes, commits and uploads ran in one checkpoint worker process"
-            " (executor='process'): its own memory is not in the RSS above, and the first"
-            " save's commit includes its start (an interpreter importing torch), which a save"
-            " requested meanwhile waits for (when_busy='wait')"
+            f"{ran} of {len(report.saves)} saves' writes, commits and uploads ran in one"
+            " checkpoint worker process (executor='process'; its memory is not in the RSS"
+            " above): the first save started it without waiting for it, and until it was"
+            " ready (an interpreter importing torch, at a lower priority) saves ran on a"
+            " thread of this process"
         )
     elif report.executor:
         lines.append("the saves' writes ran on a thread of this process (executor='thread')")

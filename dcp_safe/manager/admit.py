@@ -2,7 +2,9 @@
 
 ``when_busy="wait"`` waits with every rank, in rounds, up to ``wait_timeout_s``, then skips
 (``force=True``: raises); a save in flight past ``latency_objective_s`` means the storage is
-stuck, so the request is skipped at once rather than queued behind it.
+stuck, so the request is skipped at once rather than queued behind it. With a checkpoint worker
+each rank votes whether its worker is ready; a request that finds none started starts it, after
+the vote (which replaces a broken workers' group), without waiting for it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dcp_safe.manager.agreement import Agreement, Decision, Verdict, Vote, decid
 from dcp_safe.manager.handles import BusyPolicy, SaveHandle
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.switch import FallbackSwitch
+from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors
 
@@ -24,7 +27,7 @@ __all__ = ["Admitter"]
 @dataclass(kw_only=True, eq=False)
 class Admitter:
     """Turns a request into the decision every rank takes (``latency_objective_s=None``: not
-    checked; the stager's budget bounds a coalesced copy)."""
+    checked; the stager's budget bounds a coalesced copy; ``worker``: the process executor's)."""
 
     agreement: Agreement
     slot: SaveSlot
@@ -32,6 +35,7 @@ class Admitter:
     stager: BudgetedStager
     wait_timeout_s: float
     latency_objective_s: float | None
+    worker: SaveWorker | None = None
     waits_expired: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -49,6 +53,7 @@ class Admitter:
         """
         fallback = self.switch.on_request(handle, self._leaked_bytes)
         busy = not self.slot.idle()
+        ready = self.worker is not None and self.worker.ready
         vote = Vote(
             "save",
             handle.step,
@@ -57,17 +62,21 @@ class Admitter:
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
             pending=self.slot.pending_step(),
+            worker_ready=ready,
         )
         decision = decide(self.agreement.gather(vote), policy)
+        if self.worker is not None and not decision.worker:
+            self.worker.start()
         self.switch.follow(handle, decision.fallback)
         return decision
 
-    def wait(self, handle: SaveHandle, *, force: bool) -> Decision:
-        """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``."""
+    def wait(self, handle: SaveHandle, *, force: bool, worker: bool = False) -> Decision:
+        """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``
+        (``worker``: the request's agreed path, kept for the start)."""
         step = handle.step
         still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
         if not still:
-            return Decision(Verdict.START)
+            return Decision(Verdict.START, worker=worker)
         with self._lock:
             self.waits_expired += 1
         ranks = ", ".join(map(str, still))

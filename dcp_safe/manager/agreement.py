@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dcp_safe.dcp.group import collective_failure, is_collective_failure
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
-from dcp_safe.manager.groups import POLICY, ManagerGroups
+from dcp_safe.manager.groups import POLICY, WORKERS, ManagerGroups
 from dcp_safe.manager.handles import BusyPolicy
 
 __all__ = [
@@ -54,6 +54,7 @@ class Vote:
         pending: the step of the coalesced save parked on this rank and not started yet.
         broken: the save groups this rank saw fail since its last vote.
         expired: in a round of waiting, this rank's wait passed its bound.
+        worker_ready: this rank's checkpoint worker is started and ready (``executor="process"``).
     """
 
     call: str
@@ -66,6 +67,7 @@ class Vote:
     pending: int | None = None
     broken: tuple[str, ...] = ()
     expired: bool = False
+    worker_ready: bool = False
 
 
 class Verdict(str, enum.Enum):
@@ -81,19 +83,32 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """The verdict, why, and the agreed fallback reason (naming the ranks that tripped)."""
+    """The verdict, why, the agreed fallback reason (naming the ranks that tripped), and
+    whether a save started for it runs in the checkpoint workers (``worker``) or on the
+    thread path: the two save over different groups, so every rank must take the same one."""
 
     verdict: Verdict
     reason: str = ""
     fallback: str | None = None
+    worker: bool = False
 
 
 def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
     """The decision every rank takes for one request, from every rank's vote (index = rank).
 
+    A save runs in the workers only when every rank's is ready and no rank saw their group
+    break (the vote replaces it: new workers, not ready yet); until then on the thread path,
+    so no save waits for a worker to start.
+
     Raises:
         ConfigError: the ranks are in different calls or ask for different steps.
     """
+    decision = _decide(votes, policy)
+    ready = all(v.worker_ready and WORKERS not in v.broken for v in votes)
+    return dataclasses.replace(decision, worker=ready)
+
+
+def _decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
     require_same_call(votes)
     tripped = [(r, v.fallback) for r, v in enumerate(votes) if v.fallback is not None]
     if tripped:

@@ -102,7 +102,7 @@ class FollowUp:
         self.ledger.record("committed", handle, tier="local", validated=True)
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
-        self.switch.on_committed(handle, cold=worker is not None and worker.cold(handle.name))
+        self.switch.on_committed(handle)
         self._replicate(handle, writer, (worker or writer).replication)
         try:
             self.tiers.prune()

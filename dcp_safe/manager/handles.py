@@ -107,7 +107,9 @@ class ManagerStats:
     next request); ``bookkeeping_failures`` the history appends and telemetry calls that failed
     (logged; the saves they were about are unaffected); ``peer_copies`` and
     ``peer_copy_failures`` the committed saves whose peer copies (``peer_copies=``) completed or
-    failed (the failure is also raised by ``wait``/``close``; the save stays committed).
+    failed (the failure is also raised by ``wait``/``close``; the save stays committed);
+    ``worker_saves`` the saves started in the checkpoint worker process (the others ran on a
+    thread: ``executor="thread"``, or while the worker was starting).
     """
 
     requested: int
@@ -126,17 +128,20 @@ class ManagerStats:
     bookkeeping_failures: int = 0
     peer_copies: int = 0
     peer_copy_failures: int = 0
+    worker_saves: int = 0
 
 
 @dataclass
 class Pending:
-    """A coalesced save, parked: its private copy of the state, and its place in the ranks'
-    agreed sequence of coalesce decisions (``seq``: the same on every rank)."""
+    """A coalesced save, parked: its private copy of the state, its place in the ranks'
+    agreed sequence of coalesce decisions (``seq``: the same on every rank), and whether the
+    ranks agreed to run it in their checkpoint workers (``worker``)."""
 
     handle: SaveHandle
     state: dict[str, Any]
     nbytes: int
     seq: int = 0
+    worker: bool = False
 
 
 def chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:

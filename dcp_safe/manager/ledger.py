@@ -37,6 +37,7 @@ COUNTERS = (
     "failed",
     "sync_saves",
     "groups_broken",
+    "worker_saves",
     "bookkeeping_failures",
     "peer_copies",
     "peer_copy_failures",

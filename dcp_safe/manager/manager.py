@@ -291,6 +291,7 @@ class CheckpointManager:
             stager=self.stager,
             wait_timeout_s=wait_timeout_s,
             latency_objective_s=latency_objective_s,
+            worker=self._runner.worker,
         )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
         self._restorer = Restorer(
@@ -355,14 +356,14 @@ class CheckpointManager:
             with self._slot.frozen():
                 decision = self._admitter.admit(handle, policy, state_dict, force=force)
                 if decision.verdict is Verdict.COALESCE:
-                    return self._runner.coalesce(handle, state_dict)
+                    return self._runner.coalesce(handle, state_dict, decision.worker)
             if decision.verdict is Verdict.WAIT:
-                decision = self._admitter.wait(handle, force=force)
+                decision = self._admitter.wait(handle, force=force, worker=decision.worker)
             verdict, reason = decision.verdict, decision.reason
             if verdict is Verdict.START:
                 self._slot.take(handle)  # free: this rank voted idle, or waited until it was
                 self._ledger.count("started")
-                self._runner.start(handle, state_dict)
+                self._runner.start(handle, state_dict, decision.worker)
                 return handle
             if verdict is Verdict.SYNC:
                 self._runner.foreground(handle, state_dict)

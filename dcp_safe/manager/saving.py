@@ -43,8 +43,9 @@ class SaveRunner:
         writer: the manager's writer (background saves).
         slot: the single-flight slot (held by the caller of :meth:`start`).
         groups, barrier: ``None`` in a single process.
-        worker: runs background saves in a worker process (``executor="process"``); ``None``:
-            on DCP's upload thread here.
+        worker: runs background saves in a worker process (``executor="process"``) once every
+            rank's is ready (a save's agreed ``worker`` flag); ``None``, and until then: on
+            DCP's upload thread here.
     """
 
     writer: SafeStorageWriter
@@ -80,26 +81,28 @@ class SaveRunner:
             self.saw_failure(purpose, exc, kwargs.get("process_group"))
             raise
 
-    def start(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
-        """Start the async save of ``handle`` (its slot is held); on refusal free the slot."""
+    def start(self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool = False) -> None:
+        """Start the async save of ``handle`` (its slot is held), in the worker if the ranks
+        agreed on it (``worker``); on refusal free the slot."""
         try:
-            self._launch(handle, state_dict)
+            self._launch(handle, state_dict, worker)
         except BaseException as exc:
             self.ledger.fail(handle, exc, tier="local", keep=False)
             self._finish_slot()
             raise
 
-    def _launch(self, handle: SaveHandle, state_dict: dict[str, Any]) -> None:
+    def _launch(self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool) -> None:
         keep = None
         if self.in_memory is not None:
             self.in_memory.check_room(state_dict)
             keep = handle
-        if self.worker is not None:
+        if worker and self.worker is not None:
             with self.spans.opened(handle):  # as dcp.async_save: a model by its state dict
                 staged = self.stager.stage(state_dicts_of(state_dict))
             upload = self.worker.submit(handle.name, handle.step, staged)
             self.stager.track(upload, keep=keep)
-            self._started(handle, staged, upload, None)
+            self.ledger.count("worker_saves")
+            self._started(handle, staged, upload, None, self.worker)
             return
         writer = self.writer.for_step(handle.step)
         with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
@@ -116,13 +119,19 @@ class SaveRunner:
         self._started(handle, response.staging_completion, response.upload_completion, group)
 
     def _started(
-        self, handle: SaveHandle, staged: Future[Any], upload: Future[Any], group: Any
+        self,
+        handle: SaveHandle,
+        staged: Future[Any],
+        upload: Future[Any],
+        group: Any,
+        worker: SaveWorker | None = None,
     ) -> None:
-        """Follow a started save: its copy (the handle's ``staged``), then its upload."""
+        """Follow a started save (``worker``: the one running it): its copy (the handle's
+        ``staged``), then its upload."""
         chain(staged, handle.staged, lambda _: None)
         with self.cond:
             self._last_staged = handle.staged
-        upload.add_done_callback(lambda done: self._follow(handle, done, group))
+        upload.add_done_callback(lambda done: self._follow(handle, done, group, worker))
         if self.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
             # thread) reaches the handle's futures and the history, not this call.
@@ -161,9 +170,12 @@ class SaveRunner:
         handle.staged.set_result(None)
         self.follow_up.after_commit(handle, writer)
 
-    def coalesce(self, handle: SaveHandle, state_dict: dict[str, Any]) -> SaveHandle | None:
+    def coalesce(
+        self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool = False
+    ) -> SaveHandle | None:
         """Copy the state now and make it the pending save (started at once if the slot is
-        free meanwhile). The admission checked the budget has room for the copy.
+        free meanwhile; in the worker if ``worker``, as agreed now). The admission checked the
+        budget has room for the copy.
 
         Called for an agreed ``COALESCE`` decision, on every rank, with the slot frozen."""
         need = sum(t.nbytes for t in collect_tensors(state_dict))
@@ -176,7 +188,7 @@ class SaveRunner:
                 self.barrier.abandon(self._coalesced)
             return handle
         handle.staged.set_result(None)
-        pending = Pending(handle, state, need, seq=self._coalesced)
+        pending = Pending(handle, state, need, seq=self._coalesced, worker=worker)
         replaced, start_now = self.slot.park(pending)
         self.ledger.count("coalesced")
         if replaced is not None:
@@ -186,7 +198,7 @@ class SaveRunner:
         if start_now:  # the save in flight finished meanwhile (or none was, on this rank)
             self.ledger.count("started")
             if self.barrier is None:
-                self.start(handle, state)
+                self.start(handle, state, worker)
             else:  # the peers may still be busy: meet them at the barrier, off this thread
                 self.post.submit(self._run_pending, pending)
         return handle
@@ -198,19 +210,23 @@ class SaveRunner:
             self.barrier.abandon(pending.seq)
         return pending
 
-    def _follow(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
+    def _follow(
+        self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
+    ) -> None:
         """The upload ended: follow it up on the manager thread (here, if a close that gave up
         on it has stopped that thread: its handle is resolved already, the slot is not)."""
         try:
-            self.post.submit(self._after_upload, handle, upload, group)
+            self.post.submit(self._after_upload, handle, upload, group, worker)
         except RuntimeError:
-            self._after_upload(handle, upload, group)
+            self._after_upload(handle, upload, group, worker)
 
-    def _after_upload(self, handle: SaveHandle, upload: Future[Any], group: Any) -> None:
+    def _after_upload(
+        self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
+    ) -> None:
         """On the manager thread: follow the commit up, then free the slot."""
         try:
             self.saw_failure(BACKGROUND, upload.exception(), group)
-            self.follow_up.after_upload(handle, upload, self.writer, self.worker)
+            self.follow_up.after_upload(handle, upload, self.writer, worker)
         finally:
             self._finish_slot()
 
@@ -232,7 +248,7 @@ class SaveRunner:
                 if self.barrier is not None:
                     dropped = self.barrier.cross(pending.seq, pending.handle.step)
                 if dropped is None:
-                    self._launch(pending.handle, pending.state)
+                    self._launch(pending.handle, pending.state, pending.worker)
                     return
                 pending.handle.cancel()  # as a replaced pending save is
                 self.ledger.skip(pending.handle, dropped, mark="coalesced")

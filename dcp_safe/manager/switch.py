@@ -81,12 +81,11 @@ class FallbackSwitch:
         if first:
             self.ledger.record("fallback", handle, reason=agreed)
 
-    def on_committed(self, handle: SaveHandle, *, cold: bool = False) -> None:
-        """Feed the completion latency of a committed save (not of a ``cold`` one, which
-        started the checkpoint worker: an interpreter and torch starting is no sign of slow
-        storage)."""
+    def on_committed(self, handle: SaveHandle) -> None:
+        """Feed the completion latency of a committed save (none waits for a checkpoint worker
+        to start: saves run on a thread until it is ready, so none is a start-up's)."""
         requested_at = self.ledger.completed(handle.name)
-        if requested_at is None or cold:
+        if requested_at is None:
             return
         with self.cond:
             reason = self.monitor.on_completed(self.clock() - requested_at)

@@ -1,12 +1,17 @@
 """``SaveWorker``: the parent's side of the checkpoint worker (``executor="process"``).
 
 One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), started by the
-first save and reused (a manager that only restores starts none). The parent stages as always,
-into shared slabs; a sender thread then hands the worker the staged state (tensors by place:
-:mod:`dcp_safe.manager.transport`) and any slab it has not mapped yet. A reader thread resolves
-each save's future from the worker's reply. The staged state stays referenced here until then,
-so its buffers are not reused under the worker's write. A worker that dies fails every save it
-held with :class:`~dcp_safe.errors.WorkerDiedError`; the next save starts a new one.
+first save request without waiting for it (:meth:`SaveWorker.start`; a manager that only
+restores starts none) and reused. No save waits for a worker to start: until every rank's worker
+is :attr:`~SaveWorker.ready` (the first one, and every replacement after a death), the ranks
+agree to save on the thread path instead (:func:`~dcp_safe.manager.agreement.decide`).
+
+The parent stages as always, into shared slabs; a sender thread then hands the worker the
+staged state (tensors by place: :mod:`dcp_safe.manager.transport`) and any slab it has not
+mapped yet. A reader thread resolves each save's future from the worker's reply. The staged
+state stays referenced here until then, so its buffers are not reused under the worker's write.
+A worker that dies fails every save it held with :class:`~dcp_safe.errors.WorkerDiedError`; the
+next save request starts a new one.
 
 With several ranks the workers save over a group of their own
 (:mod:`dcp_safe.manager.worker_group`). A death, or a failure of that group, marks it broken;
@@ -75,7 +80,6 @@ class _Process:
         self.broke = broke  # told of a death or a failed group (not of a retirement)
         self.adopt = adopt  # given each save's spans from the worker, before its future
         self.retired = False
-        self.served = False  # it was given a save (set under the lock)
         # Silent past the manager's deadline (with several ranks the workers' group's, that of
         # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
         bound = silent_s if group is None else min(silent_s, group.timeout_s)
@@ -252,7 +256,6 @@ class SaveWorker:
         self.adopt = adopt
         self.deep = deep
         self._checks: dict[str, Checked] = {}
-        self._cold: str | None = None  # the save that started the live worker
         self.timeout_s = timeout_s
         self.slabs = slabs
         self._encoder = StateEncoder(slabs)
@@ -272,6 +275,32 @@ class SaveWorker:
         process = self._process
         return None if process is None or process.popen.poll() is not None else process.popen.pid
 
+    @property
+    def ready(self) -> bool:
+        """A worker is running and can save now (it imported, and joined the ranks' current
+        group)."""
+        process, groups = self._process, self._groups
+        return (
+            process is not None
+            and (groups is None or process.group == groups.current())
+            and process.ready.is_set()
+            and process.ready_error is None
+            and not process.dead
+            and process.popen.poll() is None
+        )
+
+    def start(self) -> None:
+        """Start a worker if none is running (or its group was replaced), without waiting for
+        it; one that cannot start yet (its group broke and the ranks' next vote replaces it)
+        is started by a later call."""
+        with self._lock:
+            try:
+                process = self._started()
+            except CommitError:
+                return
+        if process.ready_error is not None:  # it will never save: the ranks replace it
+            self._broke(process)
+
     def submit(self, name: str, step: int, staged: Future[dict[str, Any]]) -> Future[None]:
         """Save the state ``staged`` resolves to as ``name``; a future of the save's end (failing
         with the staging's error, the save's, or :class:`WorkerDiedError`)."""
@@ -285,14 +314,6 @@ class SaveWorker:
             replicated = self._replications.get(name)
         # No worker replicates it (it was saved before this manager): watch the remote marker.
         return self.writer.replication(name) if replicated is None else replicated
-
-    def cold(self, name: str) -> bool:
-        """Whether save ``name`` started its worker (once; its latency includes the start)."""
-        with self._lock:
-            if self._cold != name:
-                return False
-            self._cold = None
-            return True
 
     def checked(self, name: str) -> Checked | None:
         """The worker's check of ``name``, once (``None``: it ran none, the caller checks)."""
@@ -376,9 +397,6 @@ class SaveWorker:
         """The save in the live worker's book (the state kept alive there); its sequence."""
         with self._lock:
             process = self._started()
-            if not process.served:  # its first save: the worker starts for it
-                self._cold = name  # an earlier one's follow-up ran, or never will (failed)
-            process.served = True
             self._seq += 1
             process.saves[self._seq] = (done, name, state)
             if self.writer.remote is not None:

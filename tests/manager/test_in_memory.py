@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import ready_worker
 from torch import nn
 
 from dcp_safe import (
@@ -259,6 +260,7 @@ def test_rollback_after_saves_written_by_the_worker_process(tmp_path: Path) -> N
     the parent checks its kept copy against what the worker committed."""
     job = _Job()
     with CheckpointManager(tmp_path, keep_in_memory=True, executor="process") as manager:
+        ready_worker(manager)
         _train_and_commit(manager, job, range(1, 3))
         committed = job.snapshot()
         job.train(3)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_state_equal, blank_like, checkpoint_workers, make_state
+from support import assert_state_equal, blank_like, checkpoint_workers, make_state, ready_worker
 from support.faults import DiesMidWrite, RecordsPlans
 
 from dcp_safe import (
@@ -81,10 +81,10 @@ def _worker_pid(manager: CheckpointManager) -> int | None:
 
 def _save_three_then_restore(rank: int, world_size: int, root: str, record: str) -> dict[str, Any]:
     writer = RecordsPlans(root, record=record)
-    pids = set()
     with CheckpointManager(
         root, writer=writer, executor="process", keep_last=3, deadline_s=DEADLINE_S
     ) as manager:
+        pids = {ready_worker(manager)}
         for step in range(1, 4):
             handle = manager.save(step, _state(rank, step))
             assert handle is not None
@@ -112,6 +112,7 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     with CheckpointManager(
         root, writer=writer, executor="process", keep_last=5, deadline_s=DEADLINE_S
     ) as manager:
+        ready_worker(manager)  # on the thread path its SIGKILL would hit the rank
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
         first = _worker_pid(manager)
         handle = manager.save(2, _state(rank, 2))
@@ -140,6 +141,7 @@ def _rank_1_tears_its_snapshot(rank: int, world_size: int, root: str) -> dict[st
     state = _state(rank, 1)
     seen: dict[str, Any] = {}
     with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+        ready_worker(manager)
         if rank == 1:
             returned: list[Any] = []
             with hold_staging(manager.stager):
@@ -226,6 +228,7 @@ def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str)
     with CheckpointManager(
         remote, node_local=node, executor="process", keep_last=2, deadline_s=DEADLINE_S
     ) as manager:
+        ready_worker(manager)
         for step in (1, 2, 3):
             handle = manager.save(step, _state(rank, step))
             assert handle is not None
@@ -258,6 +261,7 @@ def test_node_local_saves_run_in_the_workers_of_two_simulated_nodes(tmp_path: Pa
 def _divergent_on_a_cached_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+        ready_worker(manager)
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
         odd = _state(rank, 2)
         odd["f32"] = torch.full_like(odd["f32"], float(rank))  # replicated, differs by rank
@@ -284,6 +288,7 @@ def test_divergent_replicated_values_are_refused_in_every_ranks_worker(tmp_path:
 
 def _killed_between_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+        ready_worker(manager)
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
         first = _worker_pid(manager)
         assert first is not None

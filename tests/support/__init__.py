@@ -8,7 +8,7 @@ The names most tests use are re-exported here, so ``from support import make_sta
 
 from __future__ import annotations
 
-from .counting import checkpoint_workers, manifest_parses
+from .counting import checkpoint_workers, manifest_parses, ready_worker
 from .scripts import load_script
 from .states import (
     assert_state_equal,
@@ -34,6 +34,7 @@ __all__ = [
     "make_state",
     "manifest_parses",
     "rank_union",
+    "ready_worker",
     "resign_manifest",
     "shard_rows",
 ]

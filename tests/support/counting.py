@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import psutil
@@ -33,3 +34,18 @@ def checkpoint_workers() -> list[int]:
             if "dcp_safe/manager/worker_boot.py" in " ".join(child.cmdline()):
                 found.append(child.pid)
     return found
+
+
+def ready_worker(manager: Any, timeout_s: float = 120.0) -> int:
+    """Start ``manager``'s checkpoint worker and wait until it is ready (every rank's, with
+    several: call it on each); the saves requested after it run there, not on a thread. Its
+    pid."""
+    worker = manager._runner.worker
+    assert worker is not None, "the manager has no checkpoint worker (executor='thread')"
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while not worker.ready:
+        assert time.monotonic() < deadline, f"the checkpoint worker not ready in {timeout_s} s"
+        time.sleep(0.01)
+    assert worker.pid is not None
+    return int(worker.pid)

@@ -1,0 +1,150 @@
+"""No save waits for a checkpoint worker to start (issue 43, finding 2).
+
+The first save request starts the worker without waiting for it; until every rank's worker is
+ready (the first one, and every replacement after a death) the ranks agree to save on the
+thread path. Real managers, real workers; a worker held from birth with a real SIGSTOP (so it
+can never become ready until the test lets it: a save that waited for it would never commit),
+killed with a real SIGKILL; two real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from support import make_state, ready_worker
+
+from dcp_safe import CheckpointManager
+from dcp_safe.manager.agreement import Vote, decide
+from dcp_safe.manager.groups import WORKERS
+from dcp_safe.manager.handles import BusyPolicy
+from dcp_safe.manager.worker import SaveWorker
+from dcp_safe.testing.multiproc import run_ranks
+
+_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
+
+
+@pytest.fixture
+def held_workers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Every checkpoint worker started from now on is SIGSTOPped as it is started, long before
+    its imports end; the pids, in order. The test lets one go with ``SIGCONT``; all are let go
+    at the end."""
+    held: list[int] = []
+    started = SaveWorker._started
+
+    def holding(self: SaveWorker) -> Any:
+        process = started(self)
+        if process.popen.pid not in held:
+            os.kill(process.popen.pid, signal.SIGSTOP)
+            held.append(process.popen.pid)
+        return process
+
+    monkeypatch.setattr(SaveWorker, "_started", holding)
+    try:
+        yield held
+    finally:
+        for pid in held:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _save(manager: CheckpointManager, step: int) -> str:
+    handle = manager.save(step, make_state(step))
+    assert handle is not None
+    return handle.committed.result(_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("executor", ["auto", "process"])
+def test_saves_run_on_a_thread_until_the_worker_is_ready_then_in_it(
+    tmp_path: Path, executor: str, held_workers: list[int]
+) -> None:
+    with CheckpointManager(tmp_path, executor=executor, when_busy="wait") as manager:
+        assert manager.executor == "process"
+        worker = manager._runner.worker
+        assert worker is not None and worker.pid is None  # started by the first save request
+        first = manager.save(1, make_state(1))
+        second = manager.save(2, make_state(2))  # asked while the first is (or was) in flight
+        assert first is not None and second is not None
+        # Both committed on a thread while the worker they started is still held at birth.
+        assert first.committed.result(_TIMEOUT_S) == "step_000000001"
+        assert second.committed.result(_TIMEOUT_S) == "step_000000002"
+        assert held_workers == [worker.pid] and not worker.ready
+        assert manager.stats().worker_saves == 0
+        os.kill(held_workers[0], signal.SIGCONT)
+        ready_worker(manager)
+        assert _save(manager, 3) == "step_000000003"
+        assert held_workers == [worker.pid]  # no second worker: the first one saved
+        stats = manager.stats()
+        assert (stats.worker_saves, stats.committed) == (1, 3)
+        assert (stats.sync_saves, stats.fallback_reason) == (0, None)
+        # Every save's latency was fed to the fallback: none of them carried a start-up.
+        assert len(manager._switch.monitor._durations) == 3
+
+
+def test_after_a_worker_dies_saves_run_on_a_thread_until_its_replacement_is_ready(
+    tmp_path: Path, held_workers: list[int]
+) -> None:
+    with CheckpointManager(tmp_path, executor="process", keep_last=5) as manager:
+        manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)  # on a thread; starts one
+        os.kill(held_workers[0], signal.SIGCONT)
+        first = ready_worker(manager)
+        assert _save(manager, 2) == "step_000000002"
+        assert manager.stats().worker_saves == 1
+        os.kill(first, signal.SIGKILL)
+        psutil.Process(first).wait(_TIMEOUT_S)
+        # Its replacement, started by the next request, is held: these would wait on it.
+        assert [_save(manager, step) for step in (3, 4)] == ["step_000000003", "step_000000004"]
+        assert len(held_workers) == 2 and manager.stats().worker_saves == 1
+        os.kill(held_workers[1], signal.SIGCONT)
+        assert ready_worker(manager) == held_workers[1]
+        assert _save(manager, 5) == "step_000000005"
+        stats = manager.stats()
+        assert (stats.worker_saves, stats.committed, stats.failed) == (2, 5, 0)
+        assert (stats.sync_saves, stats.fallback_reason) == (0, None)
+
+
+def test_the_ranks_save_in_their_workers_only_when_every_ranks_is_ready() -> None:
+    ready, starting = Vote("save", 1, worker_ready=True), Vote("save", 1)
+    replacing = Vote("save", 1, worker_ready=True, broken=(WORKERS,))
+    assert decide([ready, ready], BusyPolicy.WAIT).worker
+    assert not decide([ready, starting], BusyPolicy.WAIT).worker
+    assert not decide([ready, replacing], BusyPolicy.WAIT).worker  # new workers, not ready
+    busy = Vote("save", 1, busy=True, worker_ready=True)
+    assert decide([busy, ready], BusyPolicy.WAIT).worker  # kept for the start after the wait
+    assert decide([busy, ready], BusyPolicy.COALESCE).worker
+
+
+def _one_rank_not_ready(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    with CheckpointManager(root, executor="process", deadline_s=20.0) as manager:
+        seen["committed"] = [_save(manager, 1)]  # no worker yet on either rank
+        seen["worker_saves"] = [manager.stats().worker_saves]
+        ready_worker(manager)
+        real = SaveWorker.ready
+        if rank == 1:  # its worker's "ready" not read yet (as a slow reader thread would be)
+            SaveWorker.ready = property(lambda _: False)  # type: ignore[method-assign,assignment]
+        try:
+            seen["committed"].append(_save(manager, 2))
+        finally:
+            SaveWorker.ready = real  # type: ignore[method-assign]
+        seen["worker_saves"].append(manager.stats().worker_saves)
+        seen["committed"].append(_save(manager, 3))
+        seen["worker_saves"].append(manager.stats().worker_saves)
+        stats = manager.stats()
+        seen["sync"] = (stats.sync_saves, stats.fallback_reason, stats.failed)
+    return seen
+
+
+def test_two_ranks_take_the_same_path_for_each_save(tmp_path: Path) -> None:
+    # Had rank 0 saved in its worker while rank 1 saved on its thread, each would wait in a
+    # different group for a peer that never comes.
+    per_rank = run_ranks(_one_rank_not_ready, 2, args=(str(tmp_path),), timeout_s=240)
+    for rank, seen in enumerate(per_rank):
+        assert seen["committed"] == [f"step_{s:09d}" for s in (1, 2, 3)], (rank, seen)
+        assert seen["worker_saves"] == [0, 0, 1], (rank, seen)
+        assert seen["sync"] == (0, None, 0), (rank, seen)
