@@ -212,6 +212,8 @@ def chunk_tiling_problem(shape: Sequence[int], chunks: Sequence[Box]) -> str | N
             )
         ):
             return f"the chunk at {list(offsets)} of {list(sizes)} lies outside the tensor"
+    if len(chunks) == 1 and tuple(chunks[0][1]) == tuple(shape):
+        return None  # one chunk, the whole tensor: what an unsharded tensor is saved as
     # A trailing dimension of 1 gives a 0-d tensor a grid too.
     boxes = [((*o, 0), (*s, 1)) for o, s in chunks]
     cuts = [
