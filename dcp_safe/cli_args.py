@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.errors import ConfigError
 from dcp_safe.untrusted import shown
 
 __all__ = [
@@ -65,18 +66,21 @@ def check_roots(args: argparse.Namespace, options: dict[str, Any] | None) -> Non
     are refused (s3fs builds it only at the first request).
 
     Raises:
-        UsageError: the storage's client refuses ``options``.
+        UsageError: a URL names no bucket, or the storage's client refuses ``options``.
     """
     for url in (getattr(args, "root", None), getattr(args, "remote", None)):
         if not isinstance(url, str) or "://" not in url or url.startswith("file://"):
             continue
-        fs = getattr(_innermost(open_backend(url, options)), "fs", None)
-        connect = getattr(fs, "connect", None)
-        if not callable(connect):
-            continue
+        if not url.split("://", 1)[1].strip("/"):  # s3fs: "Cannot traverse all of S3"
+            raise UsageError(f"{shown(url, 200)} names no bucket; give one, e.g. s3://bucket/run")
         try:
-            connect()
-        except (TypeError, ValueError) as exc:
+            fs = getattr(_innermost(open_backend(url, options)), "fs", None)
+            connect = getattr(fs, "connect", None)
+            if callable(connect):
+                connect()
+        except ConfigError:
+            raise  # an unknown protocol: its own message
+        except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
             raise UsageError(
                 f"--storage-options for {shown(url, 200)}: the storage client refuses them"
                 f" ({shown(exc, 300)}); pass only options it knows"
