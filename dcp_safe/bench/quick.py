@@ -47,6 +47,7 @@ from dcp_safe.bench.session import remove_tree, run_session
 from dcp_safe.cli_args import OneLineParser
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import ConfigError
+from dcp_safe.host_memory import available_bytes_now
 
 __all__ = ["SCHEMA", "main", "run_quick"]
 
@@ -233,6 +234,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if not (args.size_mib > 0 and args.rounds >= 1):
         print("dcp-safe bench: --size-mib must be > 0 and --rounds >= 1", file=sys.stderr)
+        return 2
+    if not args.size_mib * MIB < available_bytes_now():  # inf, or a state this host cannot hold
+        print("dcp-safe bench: --size-mib is more than this host's free memory", file=sys.stderr)
         return 2
     if args.compare is not None and not Path(args.compare).is_file():
         print(f"dcp-safe bench: --compare {args.compare}: no such file", file=sys.stderr)

@@ -151,3 +151,13 @@ def test_main_exits_1_and_names_the_ratio_when_compare_finds_a_regression(
 
 def test_main_refuses_a_missing_compare_file(tmp_path: Path) -> None:
     assert main(["--compare", str(tmp_path / "absent.json")]) == 2
+
+
+@pytest.mark.parametrize("size_mib", ["inf", "1e30"])
+def test_a_size_no_host_can_hold_is_a_usage_error(
+    size_mib: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was an ``OverflowError`` traceback (inf) or an allocation abort (1e30)."""
+    assert main(["--size-mib", size_mib, "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "dcp-safe bench: --size-mib is more than this host's free memory"
