@@ -29,6 +29,10 @@ from dcp_safe.errors import UnsafeCheckpointError
 
 __all__ = ["decode_object", "load_metadata", "sanitized_object_stream"]
 
+#: The deepest nesting of containers an object item may hold (honest states: a handful).
+MAX_NESTING = 100
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
 # What torch.save writes for a BytesIO and nothing else may use.
 _BYTES_IO_OPS = frozenset(("NEWOBJ", "BUILD"))
 
@@ -71,7 +75,48 @@ def decode_object(
     unpickler = ItemUnpickler(
         archive, pickled, path, item, plain_data=True, materialize=materialize
     )
-    return load_plain(unpickler, path, item)
+    value = load_plain(unpickler, path, item)
+    _check_depth(value, path, item)
+    return value
+
+
+def _check_depth(value: object, path: str, item: str) -> None:
+    """Refuse containers nested deeper than :data:`MAX_NESTING`, or in a cycle. Unpickling
+    builds any depth without recursion, but a load hands DCP a re-serialized copy and pickling
+    recurses: a 500-deep list passed deep verification and failed every load with
+    ``RecursionError``. A walk without recursion, each shared container once."""
+    heights: dict[int, int] = {}  # containers walked: their nesting depth
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        node, done = stack.pop()
+        if not isinstance(node, _CONTAINERS) or (not done and id(node) in heights):
+            continue
+        inner = _inner(node)
+        if done:
+            on_path.discard(id(node))
+            heights[id(node)] = 1 + max((heights[id(c)] for c in inner), default=0)
+            if heights[id(node)] > MAX_NESTING:
+                raise UnsafeCheckpointError(
+                    path,
+                    f"the object nests containers more than {MAX_NESTING} levels deep",
+                    item=item,
+                    because="copying it for the load would exhaust the stack",
+                )
+        elif any(id(c) in on_path for c in inner):
+            raise UnsafeCheckpointError(
+                path, "the object contains itself", item=item, because="it nests without end"
+            )
+        else:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack += [(c, False) for c in inner if id(c) not in heights]
+
+
+def _inner(node: Any) -> list[Any]:
+    """The containers directly in ``node`` (a dict's keys and values)."""
+    members = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+    return [c for c in members if isinstance(c, _CONTAINERS)]
 
 
 def sanitized_object_stream(

@@ -207,3 +207,39 @@ def test_every_entry_type_dcp_writes_decodes(tmp_path: Path) -> None:
             assert decoded["t"][1:] == value["t"][1:]
         else:
             assert decoded == value
+
+
+def _nested_list(depth: int) -> bytes:
+    """A list nested ``depth`` deep, as a pickle builds it without recursion (EMPTY_LIST
+    ``depth`` times, then APPEND): what ``torch.save`` could never write past ~900."""
+    return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+NESTED = {
+    "500 deep": _nested_list(500),
+    "100,000 deep": _nested_list(100_000),
+    "a list holding itself": b"\x80\x02]q\x00h\x00a.",
+}
+
+
+@pytest.mark.parametrize("pickled", NESTED.values(), ids=NESTED.keys())
+def test_an_object_nested_past_the_bound_is_refused_by_verify_and_load_alike(
+    tmp_path: Path, pickled: bytes
+) -> None:
+    """Was: deep verify "OK", and every load a ``RecursionError`` (re-serializing the value
+    for DCP recurses where unpickling did not)."""
+    state = _save(tmp_path)
+    replace_item(tmp_path, NAME, "extra.tag", None, torch_archive(pickled))
+    message = _refused_everywhere(tmp_path, state, UnsafeCheckpointError)
+    assert "item extra.tag" in message and ("levels deep" in message or "itself" in message)
+    _still_sound(tmp_path)
+
+
+def test_an_object_nested_to_the_bound_loads_and_verifies(tmp_path: Path) -> None:
+    state = _save(tmp_path)
+    replace_item(tmp_path, NAME, "extra.tag", None, torch_archive(_nested_list(100)))
+    dcp_safe.verify_checkpoint(tmp_path, NAME)
+    value = _load(tmp_path, state)["extra"]["tag"]
+    for _ in range(99):
+        (value,) = value
+    assert value == []
