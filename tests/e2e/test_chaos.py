@@ -56,6 +56,7 @@ each run, so an interrupted campaign still leaves its table).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -367,6 +368,19 @@ def test_a_request_waiting_for_a_ready_worker_or_a_failing_save_is_no_startup_wa
         result["errors"].append(_error(step=3))
     killed = _scenario(Fault("kill_timer", rank=1, at_s=9.0), default_path=True)
     assert _broken(phase, killed) == []
+
+
+def test_requests_skipped_under_skip_are_no_failure_to_save_again() -> None:
+    """Under ``when_busy="skip"`` the requests after a worker's death skipped while a save was
+    in flight are the policy; the same skips under ``wait`` (waits that expired) are not."""
+    requests = [_request(s, 0.01, False, at=s) for s in (1, 2, 3)]
+    outcomes = {1: "committed", 2: "skipped", 3: "skipped"}
+    phase = Phase(
+        {r: _worker_rank(r, outcomes, *requests) for r in (0, 1)}, struck={"kill_worker": 1.5}
+    )
+    skip = dataclasses.replace(_KILLED_WORKER, when_busy="skip")
+    assert _broken(phase, skip) == []
+    assert _broken(phase, _KILLED_WORKER) == ["worker_loss_recovers"]
 
 
 @pytest.mark.timeout(120)
