@@ -371,14 +371,14 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
             json.dumps({"name": name, "entries": entries, "totals": totals}), ensure_ascii=True
         )
         return EXIT_OK
-    table = Table(title=f"{name} under {args.root}")
+    table = Table(title=Text(f"{name} under {shown(args.root)}"))  # text, not markup
     for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
         right = column in ("bytes", "stored", "shards")
         table.add_column(column, justify="right" if right else "left", overflow="fold")
     for e in entries:
         shape = "-" if e["shape"] is None else "x".join(map(str, e["shape"])) or "()"
         table.add_row(
-            shown(e["fqn"]),  # .metadata's keys: storage's text
+            Text(shown(e["fqn"])),  # .metadata's keys: storage's text ("w[/b]" is no markup)
             shape,
             e["dtype"],
             _size(e["bytes"]),

@@ -533,3 +533,16 @@ def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
     assert "ru[red]n[/y]" in out
     assert "step_0002\\n" in out and "step_0002\n" not in out
     assert len([line for line in out.splitlines() if "step_000" in line]) == 2  # a row each
+
+
+def test_inspect_prints_keys_and_roots_with_markup_literally(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys are any strings (``w[/b]`` is a fine one): was a ``MarkupError`` traceback, and
+    ``[red]k`` shown as ``k``."""
+    root = tmp_path / "r[/y]"
+    state = {"w[/b]": torch.ones(2), "[red]k": torch.ones(1)}
+    dcp_safe.save(state, checkpoint_id="step_0001", storage_writer=SafeStorageWriter(root))
+    status, out, err = _run(capsys, "inspect", str(root), "step_0001")
+    assert status == EXIT_OK and "Traceback" not in err, err
+    assert "w[/b]" in out and "[red]k" in out and "r[/y]" in out
