@@ -108,6 +108,21 @@ def plain_metadata_chunk_past_its_bytes(case: Any) -> None:
     resign_manifest(case.root, BAD, edit)
 
 
+def plain_metadata_tensor_declared_huge(case: Any) -> None:
+    """The plain metadata declares f32 as 2**62 x 8 elements over its one real chunk."""
+
+    def edit(raw: dict[str, Any]) -> None:
+        body = next(b for key, b in raw["dcp_metadata"]["entries"] if key == "f32")
+        body["size"] = [1 << 62, 8]
+
+    resign_manifest(case.root, BAD, edit)
+
+
+def _nested_list(depth: int) -> bytes:
+    """A list nested ``depth`` deep, built by a pickle without recursion."""
+    return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
 def _item(item: tuple[str, list[int] | None], data: Callable[[], bytes]) -> Callable[[Any], None]:
     def mutate(case: Any) -> None:
         replace_item(case.root, BAD, item[0], item[1], data())
@@ -211,6 +226,11 @@ DECODING_MUTATIONS: dict[str, Callable[[Any], None]] = {
         "zstd checkpoint; an object item is 32 KiB that inflate to 1 GiB.",
     ),
     "manifest_dense_under_cap": manifest_dense_under_cap,
+    "plain_metadata_tensor_declared_huge": plain_metadata_tensor_declared_huge,
+    "object_item_nested_deep": _doc(
+        _item(_TAG, lambda: torch_archive(_nested_list(5000))),
+        "An object item that is a list nested 5,000 deep (a load re-serializes it).",
+    ),
 }
 
 _UNSAFE = "refused: UnsafeCheckpointError"
@@ -240,14 +260,20 @@ DECODING_REQUIRED: dict[tuple[str, str], str] = {
             "tensor_item_deflate_bomb",
             "tensor_item_zstd_bomb",
             "object_item_zstd_bomb",
+            "object_item_nested_deep",
         )
         for entry in ("dcp_safe.load", "verify_checkpoint")
     },
     **{
         (case, entry): _CORRUPT
-        for case in ("plain_metadata_wrong_types", "plain_metadata_chunk_past_its_bytes")
+        for case in (
+            "plain_metadata_wrong_types",
+            "plain_metadata_chunk_past_its_bytes",
+            "plain_metadata_tensor_declared_huge",
+        )
         for entry in ("dcp_safe.load", "verify_checkpoint")
     },
+    ("plain_metadata_tensor_declared_huge", "cli inspect"): "exit 1: dcp-safe: error: CORRUPT",
     ("metadata_wrong_types_written_before", "cli inspect"): "exit 1: dcp-safe: error: ",
     ("plain_metadata_wrong_types", "cli inspect"): "exit 1: dcp-safe: error: CORRUPT",
     ("manifest_dense_under_cap", "list_checkpoints"): "ok: bad not listed",
