@@ -25,6 +25,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.restricted import load_metadata
 from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dcp_safe.manifest.dcp_metadata import (
+    check_declared_sizes,
     check_storage_data,
     decode_dcp_metadata,
     encode_dcp_metadata,
@@ -83,7 +84,9 @@ def read_dcp_metadata(
         raise CheckpointCorruptError(
             path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
-    return decode_dcp_metadata(plain, manifest, path)
+    metadata = decode_dcp_metadata(plain, manifest, path)
+    check_declared_sizes(metadata, path)
+    return metadata
 
 
 def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytes:
@@ -112,6 +115,7 @@ def _decoded_plain(manifest: Manifest, path: str) -> Metadata:
         metadata = _decoded.get(id(manifest))
     if metadata is None:
         metadata = decode_dcp_metadata(manifest.dcp_metadata, manifest, path)
+        check_declared_sizes(metadata, path)
         with _decoded_lock:
             if id(manifest) not in _decoded:
                 _decoded[id(manifest)] = metadata

@@ -59,6 +59,7 @@ __all__ = [
     "MAX_DIMS",
     "VERSION",
     "ZSTD_MAX_RATIO",
+    "check_declared_sizes",
     "check_storage_data",
     "decode_dcp_metadata",
     "encode_dcp_metadata",
@@ -401,7 +402,6 @@ class _Decoder:
         chunks = [
             self.chunk(key, dtype, size, raw_chunk, n) for n, raw_chunk in enumerate(chunks_raw)
         ]
-        _check_whole(key, dtype, size, chunks)
         properties = TensorProperties(
             dtype=dtype,
             layout=_lookup("layout", _LAYOUTS, body["layout"]),
@@ -463,19 +463,28 @@ class _Decoder:
         return found
 
 
-def _check_whole(
-    key: str, dtype: torch.dtype, size: tuple[int, ...], chunks: list[ChunkStorageMetadata]
-) -> None:
-    """A tensor may declare no more elements than its chunks hold (DCP's planner saves chunks
-    that cover it), nor more bytes than ``MAX_INT``: a size it does not store is never shown
-    by ``inspect``, passed by ``verify`` or allocated by a load or an export."""
-    numel = math.prod(size)  # at most 64 factors below 2**63: a small integer to form
-    held = sum(math.prod(chunk.sizes) for chunk in chunks)  # each bounded by its item's bytes
-    if numel > held or numel * dtype.itemsize > MAX_INT:
-        raise ValueError(
-            f"tensor {key[:80]} declares {list(size)} {str(dtype)[6:]} elements ({numel}),"
-            f" more than its {len(chunks)} chunk(s) hold ({held})"
-        )
+def check_declared_sizes(metadata: Metadata, path: str) -> None:
+    """Every tensor of a whole checkpoint's metadata declares no more elements than its chunks
+    hold (DCP's planner saves chunks that cover it), nor more than ``MAX_INT`` bytes: a size
+    it does not store is never shown by ``inspect``, passed by ``verify`` or allocated by a
+    load or an export. (Not part of :func:`decode_dcp_metadata`: a rank's report holds only
+    its own chunks.)
+
+    Raises:
+        CheckpointCorruptError: a tensor declares more.
+    """
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        numel = math.prod(entry.size)  # at most 64 factors below 2**63: a small integer
+        held = sum(math.prod(chunk.sizes) for chunk in entry.chunks)  # each within its item
+        if numel > held or numel * entry.properties.dtype.itemsize > MAX_INT:
+            raise CheckpointCorruptError(
+                path,
+                f"malformed DCP metadata (tensor {key[:80]} declares {list(entry.size)}"
+                f" {str(entry.properties.dtype)[6:]} elements ({numel}), more than its"
+                f" {len(entry.chunks)} chunk(s) hold ({held}))",
+            )
 
 
 def _check_elements(key: str, dtype: torch.dtype, sizes: tuple[int, ...], item: ItemRecord) -> None:
