@@ -1,7 +1,7 @@
 """CheckpointManager(executor="process"): the write, commit and replication run in one
 persistent worker process, with every guarantee of the thread executor.
 
-Real saves, a real worker (``python -m dcp_safe.manager.worker_main``), real files; a worker is
+Real saves, a real worker (``python -I dcp_safe/manager/worker_boot.py``), real files; a worker is
 killed with a real SIGKILL, from inside its own write (``DiesMidWrite``) or from the test.
 """
 
