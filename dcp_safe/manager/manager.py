@@ -248,11 +248,9 @@ class CheckpointManager:
             spans=self._spans,
             cond=self._cond,
         )
-        self._in_memory = (
-            InMemoryTier(self.stager, self._tiers.backend, self.per_rank)
-            if keep_in_memory
-            else None
-        )
+        self._in_memory: InMemoryTier | None = None
+        if keep_in_memory:
+            self._in_memory = InMemoryTier(self.stager, self._tiers.backend, self.per_rank)
         self._follow_up = FollowUp(
             tiers=self._tiers,
             ledger=self._ledger,
