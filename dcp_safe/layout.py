@@ -170,7 +170,7 @@ def validate_name(name: object) -> str:
         raise InvalidCheckpointNameError(name, f"{ATTEMPTS_DIR!r} is reserved for fencing records")
     if len(name) > _MAX_NAME_LEN:
         raise InvalidCheckpointNameError(name, f"it is longer than {_MAX_NAME_LEN} characters")
-    if not _ALLOWED.match(name):
+    if not _ALLOWED.fullmatch(name):  # `$` alone would pass a trailing newline
         raise InvalidCheckpointNameError(name, "only letters, digits and _.=+- are allowed")
     return name
 

@@ -16,7 +16,7 @@ def test_plain_keys_are_accepted(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", "/abs", "a/b", "a\\b", "..", "a..b", ".hidden", "latest", "x" * 201, "tab\t", 7]
+    "name", ["", "/abs", "a/b", "a\\b", "..", "a..b", ".hidden", "latest", "x" * 201, "tab\t", "step_1\n", 7]
 )
 def test_unsafe_names_are_refused(name: object) -> None:
     with pytest.raises(InvalidCheckpointNameError):
@@ -30,6 +30,7 @@ def test_an_accepted_name_is_one_plain_visible_path_component(name: str) -> None
     except InvalidCheckpointNameError:
         return
     assert "/" not in name and not name.startswith(".") and ".." not in name and name
+    assert name.isprintable()  # no newline a listing would print as two rows
 
 
 def test_partial_directories_are_hidden_and_recognisable() -> None:

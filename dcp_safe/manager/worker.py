@@ -481,6 +481,10 @@ class SaveWorker:
 
 def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException | None:
     """Close ``process`` by ``deadline`` (killed past it); its writer's error, if any."""
+    with process.lock:
+        starting = not process.ready.is_set() and not process.saves
+    if starting:  # it holds nothing to drain: waiting for its imports would only delay close
+        process.popen.kill()
     # A send blocked on a stopped worker holds the lock: it is killed at the deadline instead.
     if process.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
         try:

@@ -148,3 +148,17 @@ def test_two_ranks_take_the_same_path_for_each_save(tmp_path: Path) -> None:
         assert seen["committed"] == [f"step_{s:09d}" for s in (1, 2, 3)], (rank, seen)
         assert seen["worker_saves"] == [0, 0, 1], (rank, seen)
         assert seen["sync"] == (0, None, 0), (rank, seen)
+
+
+def test_close_kills_a_worker_still_starting_without_waiting_for_it(
+    tmp_path: Path, held_workers: list[int]
+) -> None:
+    # Held at birth, it would answer close only once let go: close must not wait on it (its
+    # timeout is far beyond the test's own), and nothing of it may outlive the manager.
+    manager = CheckpointManager(tmp_path, executor="process")
+    assert _save(manager, 1) == "step_000000001"  # on a thread: the worker is still held
+    manager.close(timeout_s=3600)
+    assert len(held_workers) == 1
+    assert not psutil.pid_exists(held_workers[0]) or (
+        psutil.Process(held_workers[0]).status() == psutil.STATUS_ZOMBIE
+    )
