@@ -40,7 +40,8 @@ Contenders:
 * ``manager_process``: the same with ``executor="process"`` (what the default, ``"auto"``,
   chooses here): the stager copies into shared slabs, and the write, commit and checksums run
   in the manager's worker process (started with the manager, which waits until it is ready:
-  saves before that run on a thread), and so does the check of each new checkpoint; retention still runs here.
+  saves before that run on a thread), and so does the check of each new checkpoint; retention
+  still runs here.
 
 All contenders run under one 1-rank gloo process group (``127.0.0.1``), which DCP's process
 executor needs and a real job has; it is created here unless one exists, and destroyed after.

@@ -16,7 +16,21 @@ def test_plain_keys_are_accepted(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", "/abs", "a/b", "a\\b", "..", "a..b", ".hidden", "latest", "x" * 201, "tab\t", "step_1\n", 7]
+    "name",
+    [
+        "",
+        "/abs",
+        "a/b",
+        "a\\b",
+        "..",
+        "a..b",
+        ".hidden",
+        "latest",
+        "x" * 201,
+        "tab\t",
+        "step_1\n",
+        7,
+    ],
 )
 def test_unsafe_names_are_refused(name: object) -> None:
     with pytest.raises(InvalidCheckpointNameError):
