@@ -521,8 +521,9 @@ def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A root spelled with rich markup (``[red]``, an unmatched ``[/y]``) and a committed name
-    with a control character (``step_0002\\n`` passes the name rule): was a root shown without
-    its ``[red]``, a ``MarkupError`` traceback, and a table row broken in two."""
+    with a control character (``step_0002\\n``, which the name rule's ``$`` let through): was a
+    root shown without its ``[red]``, a ``MarkupError`` traceback, and a table row broken in
+    two. The name rule now refuses it: it is no checkpoint, and breaks no row."""
     root = tmp_path / "ru[red]n[/y]"
     _save(root, 1)
     _save(root, 2)
@@ -531,8 +532,9 @@ def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
     status, out, err = _run(capsys, "ls", str(root))
     assert status == EXIT_OK and "Traceback" not in err, err
     assert "ru[red]n[/y]" in out
-    assert "step_0002\\n" in out and "step_0002\n" not in out
-    assert len([line for line in out.splitlines() if "step_000" in line]) == 2  # a row each
+    assert "step_0002\n" not in out
+    rows = [line for line in out.splitlines() if "step_000" in line]
+    assert len(rows) == 1 and "step_0001" in rows[0]
 
 
 def test_inspect_prints_keys_and_roots_with_markup_literally(

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support import ready_worker
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
@@ -107,6 +108,8 @@ def _saves(rank: int, world_size: int, root: str, executor: str) -> dict[str, An
     DefaultSavePlanner.create_global_plan = counting  # type: ignore[method-assign]
     log = _GroupLog()
     with CheckpointManager(root, deadline_s=20.0, executor=executor) as manager:
+        if executor == "process":  # saves run on a thread until the worker is ready
+            ready_worker(manager)
         manager.save(1, _state(world_size, 1))  # states built before the marks: a mesh is
         manager.wait(timeout_s=120)  # made on the default group, by the training side
         states = [_state(world_size, step) for step in range(2, 6)]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import make_state
+from support import make_state, ready_worker
 from telemetry._spans import check_nesting, intervals, only, phases
 
 from dcp_safe.dcp import api
@@ -109,6 +109,8 @@ def test_failed_async_save_fails_its_root_span_and_still_releases(
     tmp_path: Path, tel: Telemetry, executor: str, phases_of_save: list[str]
 ) -> None:
     manager = CheckpointManager(tmp_path, telemetry=tel, executor=executor)
+    if executor == "process":  # saves run on a thread until the worker is ready
+        ready_worker(manager)
     handle = manager.save(1, {"w": torch.ones(4), "bad": Unpicklable()})
     assert handle is not None
     with pytest.raises(BaseException, match="refuses to be pickled"):
