@@ -14,14 +14,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from support import resign_manifest
-
-import dcp_safe
-from dcp_safe import SafeStorageWriter
+from support import claim_item_length
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -55,29 +50,12 @@ print(json.dumps({"growth_kib": kib("VmHWM") - before, "error": error}))
 """
 
 
-def _claim_a_huge_item(root: Path) -> None:
-    dcp_safe.save(
-        {"w": torch.randn(16, 8)},
-        checkpoint_id=NAME,
-        storage_writer=SafeStorageWriter(root, fsync=False, step=1),
-    )
-
-    def edit(raw: dict[str, Any]) -> None:
-        (item,) = raw["items"]
-        item["length"] = DECLARED
-        for record in raw["files"]:
-            if record["path"] == item["file"]:
-                record["size"] = DECLARED
-
-    resign_manifest(root, NAME, edit)
-
-
 @pytest.mark.parametrize("how", ["load", "restore"])
 def test_an_item_longer_than_its_file_is_refused_before_anything_is_allocated(
     tmp_path: Path, how: str
 ) -> None:
     root = tmp_path / "root"
-    _claim_a_huge_item(root)
+    claim_item_length(root, NAME, DECLARED)
     assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) < 16 << 10
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(root), how],

@@ -15,14 +15,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from support import resign_manifest
-
-import dcp_safe
-from dcp_safe import SafeStorageWriter
+from support import claim_item_length
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -46,29 +41,6 @@ print(json.dumps({"growth_kib": kib("VmHWM") - before, "status": status}))
 """
 
 
-def _claim(root: Path, rows: int | None, length: int) -> None:
-    """One float32 item of 16 x 8 saved, then said to be ``length`` bytes long (its file too)
-    and, with ``rows``, the one chunk of a tensor of ``rows`` x 8."""
-    dcp_safe.save(
-        {"w": torch.randn(16, 8)},
-        checkpoint_id=NAME,
-        storage_writer=SafeStorageWriter(root, fsync=False, step=1),
-    )
-
-    def edit(raw: dict[str, Any]) -> None:
-        (item,) = raw["items"]
-        item["length"] = length
-        for record in raw["files"]:
-            if record["path"] == item["file"]:
-                record["size"] = length
-        if rows is not None:
-            ((_, entry),) = raw["dcp_metadata"]["entries"]
-            entry["size"] = [rows, 8]
-            entry["chunks"] = [[[0, 0], [rows, 8]]]
-
-    resign_manifest(root, NAME, edit)
-
-
 @pytest.mark.parametrize(
     ("rows", "length"),
     [
@@ -81,7 +53,7 @@ def test_a_claimed_item_or_shape_is_refused_before_it_is_allocated(
     tmp_path: Path, rows: int | None, length: int
 ) -> None:
     root = tmp_path / "root"
-    _claim(root, rows, length)
+    claim_item_length(root, NAME, length, rows)
     assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) < 16 << 10
     dest = tmp_path / "out"
     done = subprocess.run(

@@ -20,13 +20,14 @@ from .states import (
     rank_union,
     shard_rows,
 )
-from .tamper import flip_item_byte, resign_manifest
+from .tamper import claim_item_length, flip_item_byte, resign_manifest
 
 __all__ = [
     "assert_state_equal",
     "blank_like",
     "blank_tree",
     "checkpoint_workers",
+    "claim_item_length",
     "differing_tensors",
     "flip_item_byte",
     "gather_full",

@@ -21,6 +21,34 @@ def resign_manifest(root: Any, name: str, edit: Any) -> None:
     (folder / layout.COMMITTED_MARKER).write_bytes(manifest_digest(data).encode())
 
 
+def claim_item_length(root: Any, name: str, length: int, rows: int | None = None) -> None:
+    """Save one float32 item of 16 x 8 as ``name``, then say it is ``length`` bytes long (its
+    file too) and, with ``rows``, the one chunk of a tensor of ``rows`` x 8: a checkpoint of
+    a few KiB that declares what it does not hold."""
+    import torch
+
+    import dcp_safe
+
+    dcp_safe.save(
+        {"w": torch.randn(16, 8)},
+        checkpoint_id=name,
+        storage_writer=dcp_safe.SafeStorageWriter(root, fsync=False, step=1),
+    )
+
+    def edit(raw: dict[str, Any]) -> None:
+        (item,) = raw["items"]
+        item["length"] = length
+        for record in raw["files"]:
+            if record["path"] == item["file"]:
+                record["size"] = length
+        if rows is not None:
+            ((_, entry),) = raw["dcp_metadata"]["entries"]
+            entry["size"] = [rows, 8]
+            entry["chunks"] = [[[0, 0], [rows, 8]]]
+
+    resign_manifest(root, name, edit)
+
+
 def flip_item_byte(root: Any, name: str, fqn: str) -> None:
     """Flip one byte in the middle of the stored bytes of ``fqn`` (its first item), leaving
     manifest and marker alone: what a bad disk or a partial overwrite does."""
