@@ -53,10 +53,15 @@ from dcp_safe.errors import (
 )
 from dcp_safe.exporting import ExportResult, export
 from dcp_safe.manager import (
+    Bounds,
     BusyPolicy,
     CheckpointManager,
     ManagerStats,
+    Resume,
+    Retention,
+    Runtime,
     SaveHandle,
+    SavePolicy,
     StagingMode,
     Validation,
 )
@@ -80,6 +85,7 @@ from dcp_safe.version import __version__
 __all__ = [
     "AdmissionTimeoutError",
     "BudgetExceededError",
+    "Bounds",
     "BudgetedStager",
     "BusyPolicy",
     "CapacityPlan",
@@ -115,6 +121,10 @@ __all__ = [
     "RestoreMismatchError",
     "RollbackUnavailableError",
     "RestoreReport",
+    "Resume",
+    "Retention",
+    "Runtime",
+    "SavePolicy",
     "RetentionReport",
     "Root",
     "SafeLoadPlanner",

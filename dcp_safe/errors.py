@@ -323,7 +323,8 @@ class DivergentStateError(DcpSafeError, ValueError):
         super().__init__(
             f"ranks hold different values under the same key: {listed}{more}. DCP would save"
             " one rank's value and restore it on every rank, so nothing was saved. Declare"
-            f" per-rank state: CheckpointManager(..., per_rank={suggested}){named} (or"
+            " per-rank state: CheckpointManager(...,"
+            f" resume=Resume(per_rank={suggested})){named} (or"
             " dcp_safe.save(..., per_rank=...)), or make the values equal on every rank"
         )
 

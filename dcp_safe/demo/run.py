@@ -41,9 +41,11 @@ from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.demo.report import DemoReport, SaveRecord, raise_if_failed, render, summary_lines
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager.options import Runtime, SavePolicy
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry import MemorySampler
 from dcp_safe.telemetry.sources import ProcReader
+from dcp_safe.topology import Topology
 
 __all__ = [
     "DemoOptions",
@@ -201,13 +203,11 @@ def _train_and_save(
     report.memory_source = "dcp_safe.telemetry.MemorySampler, every 10 ms"
     scratch = tempfile.mkdtemp(prefix=".dcp_safe_demo_sync_", dir=_scratch_parent(report.root))
     manager = CheckpointManager(
-        report.root,
-        replicate_to=report.remote,
-        storage_options=remote_options,
+        Topology.of(report.root, replicate_to=report.remote, storage_options=remote_options),
         keep_last=2,
-        name_format=NAME_FORMAT,
-        stager=stager,
         when_busy="wait",
+        policy=SavePolicy(name_format=NAME_FORMAT),
+        runtime=Runtime(stager=stager),
     )
     report.executor = manager.executor
     try:

@@ -11,13 +11,19 @@ from dcp_safe.manager.handles import (
     Validation,
 )
 from dcp_safe.manager.manager import CheckpointManager
+from dcp_safe.manager.options import Bounds, Resume, Retention, Runtime, SavePolicy
 
 __all__ = [
     "HISTORY_FILE",
+    "Bounds",
     "BusyPolicy",
     "CheckpointManager",
     "ManagerStats",
+    "Resume",
+    "Retention",
+    "Runtime",
     "SaveHandle",
+    "SavePolicy",
     "StagingMode",
     "Validation",
 ]

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import warnings
 from collections import deque
 from dataclasses import dataclass
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["FallbackMonitor", "FallbackOptions", "sync_fallback_options"]
+__all__ = ["FallbackMonitor", "FallbackOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,25 +156,3 @@ class FallbackMonitor:
         self.reason = reason
         return reason
 
-
-def sync_fallback_options(
-    sync_fallback: FallbackOptions | None, fallback: FallbackOptions | None
-) -> FallbackOptions:
-    """The manager's ``sync_fallback=``, or its deprecated alias ``fallback=``; else the defaults.
-
-    The alias is renamed because ``fallback=`` on :class:`~dcp_safe.dcp.reader.SafeStorageReader`
-    is a replica root to read from, a different thing.
-
-    Raises:
-        ConfigError: both were given.
-    """
-    if fallback is None:
-        return sync_fallback or FallbackOptions()
-    if sync_fallback is not None:
-        raise ConfigError("give sync_fallback= only: fallback= is its deprecated alias")
-    warnings.warn(
-        "CheckpointManager(fallback=...) is deprecated: pass sync_fallback=... instead",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return fallback

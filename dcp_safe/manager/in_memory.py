@@ -1,10 +1,10 @@
 """The in-memory tier: the last committed step's staged copy, kept for :meth:`rollback`.
 
-With ``CheckpointManager(keep_in_memory=True)`` every asynchronous save asks the stager to keep
-its generation once the upload succeeded (``BudgetedStager.track(keep=handle)``): the staged dict
-and its buffers stay leased, inside the stager's envelope, until the next one replaces them. When
-the manager has verified that save's commit, this tier takes the committed manifest (read then,
-while the commit is checked, never at rollback) and the copy becomes the rollback source.
+With ``CheckpointManager(resume=Resume(keep_in_memory=True))`` every asynchronous save asks the
+stager to keep its generation once the upload succeeded (``BudgetedStager.track(keep=handle)``): the
+staged dict and its buffers stay leased, inside the stager's envelope, until the next one replaces
+them. When the manager has verified that save's commit, this tier takes the committed manifest (read
+then, while the commit is checked, never at rollback) and the copy becomes the rollback source.
 
 A rollback reads no storage. It first checks the whole kept copy, then copies it into the live
 state, so a copy that fails the check changes nothing:

@@ -20,36 +20,41 @@ import logging
 import os
 import signal as _signal
 import threading
-import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
-from dcp_safe.choices import parse_choice
 from dcp_safe.dcp.for_topology import writer_for
-from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
 from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
 from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.executor import choose_executor
-from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions, sync_fallback_options
+from dcp_safe.manager.fallback import FallbackMonitor
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
+from dcp_safe.manager.options import (
+    Bounds,
+    Resume,
+    Retention,
+    Runtime,
+    SavePolicy,
+    moved_keyword,
+    with_shorthands,
+)
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
 from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
-from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded, seconds
+from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
@@ -57,10 +62,7 @@ from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.manager.worker_group import WorkerGroups
-from dcp_safe.retention.policy import KeepEvery, KeepLast, combine
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
-from dcp_safe.telemetry.recorder import Telemetry
 from dcp_safe.topology import Topology
 
 __all__ = ["CheckpointManager"]
@@ -72,143 +74,82 @@ class CheckpointManager:
     """Admission-controlled saves, retention and restore under one root.
 
     Args:
-        root: the commit root.
-        replicate_to: a second root every local commit is replicated to.
-        keep_last: keep this many newest checkpoints (plus the safety rules of
-            :mod:`dcp_safe.retention.policy`).
-        keep_every: also keep every checkpoint whose step is a multiple of this.
-        when_busy: see :class:`BusyPolicy`.
-        save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
-        budget: the stager's memory budget (default: measured on this host, the writer's
-            ``upload_buffer_bytes`` counted as another consumer; a budget passed here should
-            count them itself). Its envelope also bounds a restore's transient reads
-            (``SafeStorageReader(load_budget_bytes=)``).
-        stager: used instead of one built here (not closed by :meth:`close`).
-        storage_options: fsspec options for both roots.
-        validate: see :class:`Validation`.
-        name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
-        writer: used instead of one built here (``executor="auto"`` keeps it on a thread).
-        sync_fallback: thresholds of the automatic switch to synchronous saves (docs/runbook.md).
-            ``fallback=``: its deprecated alias.
-        memory_sampler: the node's available bytes at each request, against the budget's
-            ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
-        clock: monotonic seconds for the fallback's windows and latencies.
-        telemetry: ``None`` (the default) records nothing. Not closed by :meth:`close`.
-        attempt: this job attempt's number, for fencing stale writers (default: from
-            ``TORCHELASTIC_RESTART_COUNT``).
-        staging: see :class:`StagingMode`.
-        deadline_s: how long any exchange may wait for a peer: a dead or hung peer fails the
-            call with a CommitError. Ignored in a single process.
-        wait_timeout_s: the longest a wait for the saves in flight lasts, and the bound of
-            coalesced saves, restores and uploads (docs/multirank.md, "Every bound, in one
-            place").
-        latency_objective_s: the oldest a save in flight may be; requests arriving later are
-            skipped, with the reason recorded (``None``: not checked).
-        node_local: this node's local directory: each rank writes there, then uploads its files
-            to ``root``, the only committed copy (docs/architecture.md, "Node caches"). Not with
-            ``replicate_to``.
-        per_rank: key prefixes (``"rng"``, ``"loader"``) of state saved once per rank and
-            restored to its own rank; any other key that differs between ranks fails the save
-            with :class:`~dcp_safe.errors.DivergentStateError` (docs/resume.md).
-        initial_load_from: another run's root (its newest committed checkpoint) or
-            ``ROOT/NAME``: what :meth:`restore` loads while this manager's roots hold no
-            committed checkpoint (a warm start), restoring ``initial_load_keys`` only if given.
-        keep_in_memory: keep the last committed step's staged copy in host memory, inside the
-            stager's envelope (which must hold two copies of the state), for :meth:`rollback`.
-        executor: where a background save's write, commit and replication run: ``"process"``
-            (a persistent worker process per rank, sharing the staged state), ``"thread"`` (a
-            thread of this process) or ``"auto"`` (the default: the process where it applies,
-            else the thread, the reason logged; :attr:`executor` says which; docs/staging.md).
-        peer_copies: with ``node_local``, the nodes holding each node's files: K > 1 copies each
-            node cache to K - 1 other nodes, and a restore reads from them (docs/resume.md).
+        root: the commit root, or a :class:`~dcp_safe.Topology` (a replica, a node cache and
+            its peer copies, each root's fsspec options: ``Topology.of(root, ...)``).
+        save_every: shorthand for ``policy=SavePolicy(every=)``: :meth:`maybe_save` saves when
+            ``step % save_every == 0``.
+        keep_last: shorthand for ``retention=Retention(keep_last=)``.
+        when_busy: shorthand for ``policy=SavePolicy(when_busy=)``; see :class:`BusyPolicy`.
+        policy: when a save happens and how it is taken (:class:`SavePolicy`).
+        retention: which checkpoints stay (:class:`Retention`).
+        bounds: host memory and deadlines (:class:`Bounds`).
+        resume: per-rank state, warm start, the in-memory copy, the attempt (:class:`Resume`).
+        runtime: the executor and the parts saves run on (:class:`Runtime`).
+
+    A shorthand given with its object replaces that one field of it. Every other keyword of
+    the old layout raises a ``ConfigError`` naming where it moved
+    (:data:`dcp_safe.manager.options.MOVED`).
 
     Raises:
-        ConfigError: a bad option.
+        ConfigError: a bad option, or one passed the old way.
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Topology,
         *,
-        replicate_to: str | os.PathLike[str] | None = None,
-        keep_last: int = 2,
-        keep_every: int | None = None,
-        when_busy: BusyPolicy | str = "wait",
-        save_every: int = 1,
-        budget: MemoryBudget | None = None,
-        stager: BudgetedStager | None = None,
-        storage_options: dict[str, Any] | None = None,
-        validate: Validation | str = "manifest",
-        name_format: str = "step_{step:09d}",
-        writer: SafeStorageWriter | None = None,
-        sync_fallback: FallbackOptions | None = None,
-        fallback: FallbackOptions | None = None,  # deprecated alias of sync_fallback
-        memory_sampler: Callable[[], int | None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        partial_grace_s: float = DEFAULT_GRACE_S,
-        exit_timeout_s: float = 60.0,
-        telemetry: Telemetry | None = None,
-        attempt: int | None = None,
-        staging: StagingMode | str = "snapshot",
-        deadline_s: float = DEFAULT_DEADLINE_S,
-        wait_timeout_s: float = 600.0,
-        latency_objective_s: float | None = None,
-        node_local: str | os.PathLike[str] | None = None,
-        per_rank: Sequence[str] = (),
-        initial_load_from: str | os.PathLike[str] | None = None,
-        initial_load_keys: Sequence[str] | None = None,
-        keep_in_memory: bool = False,
-        executor: str = "auto",
-        peer_copies: int = 1,
+        save_every: int | None = None,
+        keep_last: int | None = None,
+        when_busy: BusyPolicy | str | None = None,
+        policy: SavePolicy | None = None,
+        retention: Retention | None = None,
+        bounds: Bounds | None = None,
+        resume: Resume | None = None,
+        runtime: Runtime | None = None,
+        **moved: Any,
     ) -> None:
-        if not isinstance(save_every, int) or save_every < 1:
-            raise ConfigError(f"save_every must be an int >= 1, got {save_every!r}")
-        self.deadline_s = validate_deadline(deadline_s)
-        wait_timeout_s = seconds("wait_timeout_s", wait_timeout_s)
-        if latency_objective_s is not None:
-            latency_objective_s = seconds("latency_objective_s", latency_objective_s)
-        sync_fallback = sync_fallback_options(sync_fallback, fallback)
-        self.when_busy: BusyPolicy = parse_choice(BusyPolicy, when_busy, "when_busy")
-        self.validate: Validation = parse_choice(Validation, validate, "validate")
-        self.staging: StagingMode = parse_choice(StagingMode, staging, "staging")
-        self.save_every = save_every
-        self.per_rank = tuple(per_rank)
-        warm_start = None
-        if initial_load_from is not None:
-            keys = None if initial_load_keys is None else tuple(initial_load_keys)
-            warm_start = WarmStart(os.fspath(initial_load_from), keys, storage_options)
-        self.name_format = name_format
-        self._name_for(0)  # fail early on a bad pattern
-        every = [] if keep_every is None else [KeepEvery(keep_every)]
-        self.policy = combine(KeepLast(keep_last), *every)
-        self.storage_options = storage_options
-        self.node_local = None if node_local is None else os.fspath(node_local)
-        writer_given = writer is not None
+        moved_keyword(moved)
+        policy, retention = with_shorthands(
+            policy, retention, save_every=save_every, keep_last=keep_last, when_busy=when_busy
+        )
+        bounds, resume, runtime = bounds or Bounds(), resume or Resume(), runtime or Runtime()
+        self.policy, self.retention = policy, retention
+        self.deadline_s = bounds.deadline_s
+        wait_timeout_s = bounds.wait_timeout_s
+        self.when_busy = BusyPolicy(policy.when_busy)
+        self.validate = Validation(policy.validate)
+        self.staging = StagingMode(policy.staging)
+        self.save_every = policy.every
+        self.per_rank = resume.per_rank
+        self.name_format = policy.name_format
+        writer, stager, telemetry = runtime.writer, runtime.stager, runtime.telemetry
         if writer is None:
-            topology = Topology.of(
-                root,
-                replicate_to=replicate_to,
-                node_local=self.node_local,
-                storage_options=storage_options,
-                peer_copies=peer_copies,
-            )
-            writer = writer_for(topology, attempt=attempt, remote_timeout_s=wait_timeout_s)
+            topology = root if isinstance(root, Topology) else Topology.of(root)
+            writer = writer_for(topology, attempt=resume.attempt, remote_timeout_s=wait_timeout_s)
+        elif isinstance(root, Topology) and root != writer.topology:
+            raise ConfigError("runtime=Runtime(writer=) brings its own topology: pass its root")
         self.writer = writer
-        if (self.node_local is not None and writer.topology.node_cache is None) or (
-            peer_copies != writer.topology.peer_copies
-        ):
-            raise ConfigError("node_local=/peer_copies= need a NodeLocalWriter built with them")
         self.topology = writer.topology
         self.root = self.topology.commit.url  # where committed checkpoints live
         self.replicate_to = writer.replicate_to
+        warm_start = None
+        if resume.initial_load_from is not None:
+            warm_start = WarmStart(
+                os.fspath(resume.initial_load_from),
+                resume.initial_load_keys,
+                self.topology.commit.storage_options,
+            )
         self._owns_stager = stager is None
+        budget = bounds.budget
         if stager is None and budget is None:
             # The uploads' part buffers stay held while the next save stages: part of the
             # envelope the staged copies must leave free (a budget passed in is the caller's).
             budget = MemoryBudget.from_host(
                 other_consumers_bytes=self.writer.upload_buffer_bytes or 0
             )
-        self.executor = choose_executor(executor, stager, writer, writer_given=writer_given)
+        self.executor = choose_executor(
+            runtime.executor, stager, writer, writer_given=runtime.writer is not None
+        )
         in_process = self.executor == "process"
         self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
         self.telemetry = telemetry
@@ -217,7 +158,6 @@ class CheckpointManager:
             telemetry.attach_stager(self.stager)
         self._cond = threading.Condition()
         self._watch: MemoryWatch | None = None
-        self.partial_grace_s = partial_grace_s
         self._preemption: PreemptionHandler | None = None
         self._agreement = Agreement.for_job(self.deadline_s)
         self._books = Bookkeeper(
@@ -227,8 +167,8 @@ class CheckpointManager:
         )
         self._tiers = Tiers(
             self.writer,
-            policy=self.policy,
-            partial_grace_s=partial_grace_s,
+            policy=retention.policy(),
+            partial_grace_s=retention.partial_grace_s,
             history=self._books,
             cond=self._cond,
             deferred=self._preemption_deferred,
@@ -241,15 +181,15 @@ class CheckpointManager:
         self._closed = False
         self._ledger = Ledger(self._books, self._spans, self._cond)
         self._switch = switch = FallbackSwitch(
-            monitor=FallbackMonitor(sync_fallback, self.stager.budget.node_reserve),
-            sample_memory=memory_sampler or self._memory_watch(),
-            clock=clock,
+            monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
+            sample_memory=runtime.memory_sampler or self._memory_watch(),
+            clock=runtime.clock,
             ledger=self._ledger,
             spans=self._spans,
             cond=self._cond,
         )
         self._in_memory: InMemoryTier | None = None
-        if keep_in_memory:
+        if resume.keep_in_memory:
             self._in_memory = InMemoryTier(self.stager, self._tiers.backend, self.per_rank)
         self._follow_up = FollowUp(
             tiers=self._tiers,
@@ -288,7 +228,7 @@ class CheckpointManager:
             switch=switch,
             stager=self.stager,
             wait_timeout_s=wait_timeout_s,
-            latency_objective_s=latency_objective_s,
+            latency_objective_s=policy.latency_objective_s,
             worker=self._runner.worker,
         )
         self._latest_state: tuple[int, dict[str, Any]] | None = None
@@ -305,7 +245,7 @@ class CheckpointManager:
             name_for=self._name_for,
         )
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
-        self._at_exit = close_at_exit(weakref.ref(self), exit_timeout_s)
+        self._at_exit = close_at_exit(weakref.ref(self), bounds.exit_timeout_s)
         atexit.register(self._at_exit)
 
     def maybe_save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
@@ -429,20 +369,20 @@ class CheckpointManager:
     def rollback(self, state_dict: dict[str, Any]) -> int:
         """Restore the last committed step into ``state_dict`` from host memory, in place.
 
-        Needs ``keep_in_memory=True``. Reads no storage: the kept copy is checked against the
-        committed manifest's checksums first (docs/resume.md, "Rolling back in memory"). Every
-        rank checks before any copies, so either every rank rolls back or none does. Returns
-        the step restored.
+        Needs ``resume=Resume(keep_in_memory=True)``. Reads no storage: the kept copy is checked
+        against the committed manifest's checksums first (docs/resume.md, "Rolling back in
+        memory"). Every rank checks before any copies, so either every rank rolls back or none
+        does. Returns the step restored.
 
         Raises:
-            ConfigError: the manager was built without ``keep_in_memory=True``.
+            ConfigError: the manager was built without ``Resume(keep_in_memory=True)``.
             RollbackUnavailableError: no kept copy of the last committed step (or the ranks'
                 differ: call :meth:`wait` on every rank first); nothing changed.
             CheckpointCorruptError: the kept copy changed since it was committed; nothing changed.
             MissingKeysError: ``state_dict`` has keys the kept copy lacks; nothing changed.
         """
         if self._in_memory is None:
-            raise ConfigError("rollback() needs CheckpointManager(..., keep_in_memory=True)")
+            raise ConfigError("rollback() needs resume=Resume(keep_in_memory=True)")
         step = self._in_memory.rollback(state_dict, self._agreement)
         self._ledger.record("rolled_back", (step, self._name_for(step)), tier="memory")
         return step

@@ -1,10 +1,10 @@
 """``Telemetry``: the recorder that turns spans, marks and steps into events for the sinks.
 
 It owns span ids, parent resolution, the saves in flight (which switch the memory sampler between
-its fast and slow rates), the step clock, and fan-out to the sinks. One instance serves one
-process; pass it to :class:`~dcp_safe.manager.CheckpointManager` (``telemetry=``), to a
-:class:`~dcp_safe.staging.BudgetedStager` (``telemetry=`` or :meth:`Telemetry.attach_stager`)
-or wrap a writer with :meth:`Telemetry.wrap_writer`.
+its fast and slow rates), the step clock, and fan-out to the sinks. One instance serves one process;
+pass it to :class:`~dcp_safe.manager.CheckpointManager` (``runtime=Runtime(telemetry=)``), to a
+:class:`~dcp_safe.staging.BudgetedStager` (``telemetry=`` or :meth:`Telemetry.attach_stager`) or
+wrap a writer with :meth:`Telemetry.wrap_writer`.
 
 Parent resolution, because phases cross threads: an explicit ``parent``; else the span opened
 by :meth:`Telemetry.span` / :meth:`Telemetry.within` on this thread; else the open root span of

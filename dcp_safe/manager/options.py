@@ -1,0 +1,276 @@
+"""The manager's configuration as values: a few frozen option objects, each validated once.
+
+``CheckpointManager(root, save_every=, keep_last=, when_busy=, policy=, retention=, bounds=,
+resume=, runtime=)``: the root (a path, a URL or a :class:`~dcp_safe.topology.Topology`, which
+carries the replica, the node cache, the peer copies and each root's fsspec options), three
+shorthands a loop sets every time, and one object per concern. Each keyword the manager took
+before this layout is a field of the same name in one of them (``save_every`` became
+``SavePolicy.every``); :data:`MOVED` says where, and passing one raises a
+:class:`~dcp_safe.errors.ConfigError` that says so (docs/manager.md, "Where each option went").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dcp_safe import layout
+from dcp_safe.choices import parse_choice
+from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
+from dcp_safe.errors import ConfigError
+from dcp_safe.manager.executor import EXECUTORS
+from dcp_safe.manager.fallback import FallbackOptions
+from dcp_safe.manager.handles import BusyPolicy, StagingMode, Validation
+from dcp_safe.manager.shutdown import seconds
+from dcp_safe.retention.policy import KeepEvery, KeepLast, RetentionPolicy, combine
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
+from dcp_safe.staging import BudgetedStager, MemoryBudget
+
+if TYPE_CHECKING:
+    from dcp_safe.dcp.writer import SafeStorageWriter
+    from dcp_safe.telemetry.recorder import Telemetry
+
+__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy", "moved_keyword"]
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # normalizing a frozen dataclass's own field
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When a save happens and how it is taken.
+
+    Args:
+        every: :meth:`~dcp_safe.CheckpointManager.maybe_save` saves when ``step % every == 0``.
+        when_busy: see :class:`~dcp_safe.BusyPolicy`.
+        staging: see :class:`~dcp_safe.StagingMode`.
+        validate: see :class:`~dcp_safe.Validation`.
+        name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
+        latency_objective_s: the oldest a save in flight may be; requests arriving later are
+            skipped, with the reason recorded (``None``: not checked).
+        sync_fallback: thresholds of the automatic switch to synchronous saves
+            (docs/runbook.md).
+
+    Raises:
+        ConfigError: a value out of range, or a name pattern without a usable ``{step}``.
+    """
+
+    every: int = 1
+    when_busy: BusyPolicy | str = BusyPolicy.WAIT
+    staging: StagingMode | str = StagingMode.SNAPSHOT
+    validate: Validation | str = Validation.MANIFEST
+    name_format: str = "step_{step:09d}"
+    latency_objective_s: float | None = None
+    sync_fallback: FallbackOptions = field(default_factory=FallbackOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"save_every must be an int >= 1, got {self.every!r}")
+        _set(self, "when_busy", parse_choice(BusyPolicy, self.when_busy, "when_busy"))
+        _set(self, "staging", parse_choice(StagingMode, self.staging, "staging"))
+        _set(self, "validate", parse_choice(Validation, self.validate, "validate"))
+        if self.latency_objective_s is not None:
+            _set(
+                self,
+                "latency_objective_s",
+                seconds("latency_objective_s", self.latency_objective_s),
+            )
+        if not isinstance(self.sync_fallback, FallbackOptions):
+            raise ConfigError(f"sync_fallback must be FallbackOptions, got {self.sync_fallback!r}")
+        layout.format_name(self.name_format, 0)  # a bad pattern fails here, not at a save
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints stay, and how long a partial one is left alone.
+
+    Args:
+        keep_last: keep this many newest checkpoints (plus the safety rules of
+            :mod:`dcp_safe.retention.policy`).
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        partial_grace_s: how old an unpublished save must be before a sweep removes it.
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+
+    keep_last: int = 2
+    keep_every: int | None = None
+    partial_grace_s: float = DEFAULT_GRACE_S
+
+    def __post_init__(self) -> None:
+        self.policy()  # KeepLast / KeepEvery validate their counts
+        if isinstance(self.partial_grace_s, bool) or not isinstance(
+            self.partial_grace_s, (int, float)
+        ):
+            raise ConfigError(f"partial_grace_s must be seconds, got {self.partial_grace_s!r}")
+
+    def policy(self) -> RetentionPolicy:
+        """The retention policy these options describe."""
+        every = [] if self.keep_every is None else [KeepEvery(self.keep_every)]
+        return combine(KeepLast(self.keep_last), *every)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How much host memory a save may hold and how long anything may wait.
+
+    Args:
+        budget: the stager's memory budget (default: measured on this host, the writer's
+            ``upload_buffer_bytes`` counted as another consumer; a budget given here should
+            count them itself). Its envelope also bounds a restore's transient reads.
+        deadline_s: how long any exchange may wait for a peer: a dead or hung peer fails the
+            call with a CommitError. Ignored in a single process.
+        wait_timeout_s: the longest a wait for the saves in flight lasts, and the bound of
+            coalesced saves, restores and uploads (docs/multirank.md, "Every bound, in one
+            place").
+        exit_timeout_s: how long the drain at interpreter exit may take.
+
+    Raises:
+        ConfigError: a bound that is not a finite positive number of seconds.
+    """
+
+    budget: MemoryBudget | None = None
+    deadline_s: float = DEFAULT_DEADLINE_S
+    wait_timeout_s: float = 600.0
+    exit_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _set(self, "deadline_s", validate_deadline(self.deadline_s))
+        _set(self, "wait_timeout_s", seconds("wait_timeout_s", self.wait_timeout_s))
+        _set(self, "exit_timeout_s", seconds("exit_timeout_s", self.exit_timeout_s))
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a restart brings back, and from where.
+
+    Args:
+        per_rank: key prefixes (``"rng"``, ``"loader"``) of state saved once per rank and
+            restored to its own rank; any other key that differs between ranks fails the save
+            with :class:`~dcp_safe.errors.DivergentStateError` (docs/resume.md).
+        initial_load_from: another run's root (its newest committed checkpoint) or
+            ``ROOT/NAME``: what :meth:`~dcp_safe.CheckpointManager.restore` loads while this
+            manager's roots hold no committed checkpoint (a warm start).
+        initial_load_keys: restore only these keys of the warm start.
+        keep_in_memory: keep the last committed step's staged copy in host memory, inside the
+            stager's envelope (which must hold two copies of the state), for ``rollback()``.
+        attempt: this job attempt's number, for fencing stale writers (default: from
+            ``TORCHELASTIC_RESTART_COUNT``).
+    """
+
+    per_rank: tuple[str, ...] = ()
+    initial_load_from: str | os.PathLike[str] | None = None
+    initial_load_keys: tuple[str, ...] | None = None
+    keep_in_memory: bool = False
+    attempt: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.per_rank, str):
+            raise ConfigError(f"per_rank must be a sequence of prefixes, got {self.per_rank!r}")
+        _set(self, "per_rank", tuple(self.per_rank))
+        if self.initial_load_keys is not None:
+            _set(self, "initial_load_keys", tuple(self.initial_load_keys))
+        if self.initial_load_from is not None:
+            _set(self, "initial_load_from", os.fspath(self.initial_load_from))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where saves run and the parts they run on (tests and embedders replace these).
+
+    Args:
+        executor: where a background save's write, commit and replication run: ``"process"``
+            (a persistent worker process per rank, sharing the staged state), ``"thread"`` or
+            ``"auto"`` (the default: the process where it applies, else the thread, the reason
+            logged; docs/staging.md).
+        writer: used instead of one built from the root (``"auto"`` keeps it on a thread).
+        stager: used instead of one built here (not closed by ``close()``).
+        telemetry: ``None`` records nothing. Not closed by ``close()``.
+        memory_sampler: the node's available bytes at each request, against the budget's
+            ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
+        clock: monotonic seconds for the fallback's windows and latencies.
+
+    Raises:
+        ConfigError: an unknown executor.
+    """
+
+    executor: str = "auto"
+    writer: SafeStorageWriter | None = None
+    stager: BudgetedStager | None = None
+    telemetry: Telemetry | None = None
+    memory_sampler: Callable[[], int | None] | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            choices = ", ".join(map(repr, EXECUTORS))
+            raise ConfigError(f"executor must be one of {choices}, got {self.executor!r}")
+
+
+_TOPOLOGY = "the root: CheckpointManager(Topology.of(root, {name}=...))"
+
+#: Every keyword ``CheckpointManager`` took before the option objects, and where it lives now.
+MOVED: Mapping[str, str] = {
+    **{n: _TOPOLOGY for n in ("replicate_to", "node_local", "storage_options", "peer_copies")},
+    "keep_every": "retention=Retention(keep_every=...)",
+    "partial_grace_s": "retention=Retention(partial_grace_s=...)",
+    **{
+        n: f"policy=SavePolicy({n}=...)"
+        for n in ("staging", "validate", "name_format", "latency_objective_s", "sync_fallback")
+    },
+    "fallback": "policy=SavePolicy(sync_fallback=...)",
+    **{
+        n: f"bounds=Bounds({n}=...)"
+        for n in ("budget", "deadline_s", "wait_timeout_s", "exit_timeout_s")
+    },
+    **{
+        n: f"resume=Resume({n}=...)"
+        for n in ("per_rank", "initial_load_from", "initial_load_keys", "keep_in_memory", "attempt")
+    },
+    **{
+        n: f"runtime=Runtime({n}=...)"
+        for n in ("executor", "writer", "stager", "telemetry", "memory_sampler", "clock")
+    },
+}
+
+
+def moved_keyword(keywords: Mapping[str, Any]) -> None:
+    """Raise for the first of ``keywords`` (what ``**`` caught): a :class:`ConfigError` naming
+    where a moved one went, a ``TypeError`` (as Python's own) for any other.
+
+    Raises:
+        ConfigError: a keyword of the old layout.
+        TypeError: an unknown keyword.
+    """
+    for name in keywords:
+        if name in MOVED:
+            where = MOVED[name].format(name=name)
+            raise ConfigError(f"CheckpointManager({name}=) moved to {where} (docs/manager.md)")
+        raise TypeError(f"CheckpointManager() got an unexpected keyword argument {name!r}")
+
+
+def with_shorthands(
+    policy: SavePolicy | None,
+    retention: Retention | None,
+    *,
+    save_every: int | None,
+    keep_last: int | None,
+    when_busy: BusyPolicy | str | None,
+) -> tuple[SavePolicy, Retention]:
+    """``policy`` and ``retention`` (their defaults if ``None``) with each shorthand given
+    replacing its field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both."""
+    policy = policy or SavePolicy()
+    changes: dict[str, Any] = {"every": save_every, "when_busy": when_busy}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        policy = dataclasses.replace(policy, **changes)
+    retention = retention or Retention()
+    if keep_last is not None:
+        retention = dataclasses.replace(retention, keep_last=keep_last)
+    return policy, retention
