@@ -84,7 +84,7 @@ class SaveHandle:
             fails with the upload's or verification's error; cancelled if a newer coalesced
             request replaced this one.
         replicated: resolves once committed on ``replicate_to`` (``None`` without one), with
-            the replica's manifest (``executor="process"``: its ``CommittedHeader``).
+            the replica's manifest (the process executor: its ``CommittedHeader``).
     """
 
     step: int
