@@ -1,4 +1,5 @@
-"""``CheckpointManager(keep_in_memory=True).rollback``: the last committed step, from host memory.
+"""``CheckpointManager.rollback`` with ``Resume(keep_in_memory=True)``: the last committed step,
+from host memory.
 
 A model, its AdamW state and plain values train for three more steps after a commit; a rollback
 brings back exactly the committed step, reading nothing from storage (every read of every backend
@@ -17,12 +18,16 @@ from support import ready_worker
 from torch import nn
 
 from dcp_safe import (
+    Bounds,
     BudgetExceededError,
     CheckpointCorruptError,
     CheckpointManager,
     ConfigError,
     MissingKeysError,
+    Resume,
     RollbackUnavailableError,
+    Runtime,
+    SavePolicy,
 )
 from dcp_safe.backends.backend import Backend
 from dcp_safe.manager.fallback import FallbackOptions
@@ -30,6 +35,7 @@ from dcp_safe.staging import MemoryBudget
 from dcp_safe.testing.multiproc import run_ranks
 
 MiB = 1 << 20
+KEEP = Resume(keep_in_memory=True)
 
 
 class _Job:
@@ -104,7 +110,7 @@ def test_rollback_restores_the_last_committed_step_without_reading_storage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP) as manager:
         _train_and_commit(manager, job, range(1, 4))
         committed = job.snapshot()
         for step in range(4, 7):  # three more steps, not saved
@@ -130,7 +136,7 @@ def test_rollback_restores_the_last_committed_step_without_reading_storage(
 
 def test_rolled_back_values_are_copies_not_the_kept_buffers(tmp_path: Path) -> None:
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP) as manager:
         _train_and_commit(manager, job, range(1, 2))
         manager.rollback(job.state)
         job.extra["seen"].append("live only")
@@ -142,7 +148,7 @@ def test_rolled_back_values_are_copies_not_the_kept_buffers(tmp_path: Path) -> N
 
 def test_a_kept_copy_that_changed_is_refused_and_nothing_is_copied(tmp_path: Path) -> None:
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP) as manager:
         _train_and_commit(manager, job, range(1, 2))
         job.train(2)
         live = job.snapshot()
@@ -157,7 +163,7 @@ def test_a_kept_copy_that_changed_is_refused_and_nothing_is_copied(tmp_path: Pat
 
 def test_a_changed_kept_object_is_refused_too(tmp_path: Path) -> None:
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP) as manager:
         _train_and_commit(manager, job, range(1, 2))
         kept = manager.stager.kept()
         assert kept is not None
@@ -173,7 +179,7 @@ def test_rollback_needs_keep_in_memory_and_a_kept_commit(tmp_path: Path) -> None
         with pytest.raises(ConfigError, match="keep_in_memory=True"):
             manager.rollback(job.state)
     with (
-        CheckpointManager(tmp_path / "kept", keep_in_memory=True) as manager,
+        CheckpointManager(tmp_path / "kept", resume=KEEP) as manager,
         pytest.raises(RollbackUnavailableError, match="restore"),
     ):
         manager.rollback(job.state)  # nothing committed yet
@@ -181,7 +187,7 @@ def test_rollback_needs_keep_in_memory_and_a_kept_commit(tmp_path: Path) -> None
 
 def test_a_state_with_keys_the_kept_copy_lacks_is_refused(tmp_path: Path) -> None:
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP) as manager:
         _train_and_commit(manager, job, range(1, 2))
         grown = {**job.state, "scheduler": {"last_epoch": 3}}
         with pytest.raises(MissingKeysError, match="scheduler"):
@@ -192,7 +198,7 @@ def test_a_budget_that_cannot_hold_two_copies_is_refused_clearly(tmp_path: Path)
     job = _Job()
     need = sum(t.nbytes for t in job.model.parameters())
     budget = MemoryBudget(usable_bytes=int(1.5 * need), reserve_bytes=0)
-    with CheckpointManager(tmp_path, keep_in_memory=True, budget=budget) as manager:
+    with CheckpointManager(tmp_path, resume=KEEP, bounds=Bounds(budget=budget)) as manager:
         job.train(1)
         with pytest.raises(BudgetExceededError, match="keep_in_memory=True"):
             manager.save(1, {"model": job.model})
@@ -203,9 +209,9 @@ def test_a_synchronous_save_drops_the_kept_copy(tmp_path: Path) -> None:
     free = iter([1 << 40])  # then none: the memory trigger trips, saves turn synchronous
     with CheckpointManager(
         tmp_path,
-        keep_in_memory=True,
-        sync_fallback=FallbackOptions(memory_crossings=1),
-        memory_sampler=lambda: next(free, 0),
+        policy=SavePolicy(sync_fallback=FallbackOptions(memory_crossings=1)),
+        resume=KEEP,
+        runtime=Runtime(memory_sampler=lambda: next(free, 0)),
     ) as manager:
         _train_and_commit(manager, job, range(1, 3))
         assert manager.stats().sync_saves == 1
@@ -221,7 +227,8 @@ def _ranks_roll_back(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     weight = torch.randn(8, 8)
     state: dict[str, Any] = {"w": weight.clone(), "rng": {"rank": rank, "draws": [rank]}}
-    with CheckpointManager(root, keep_in_memory=True, per_rank=("rng",)) as manager:
+    resume = Resume(per_rank=("rng",), keep_in_memory=True)
+    with CheckpointManager(root, resume=resume) as manager:
         for step in (1, 2):
             state["w"].add_(1.0)
             state["rng"]["draws"].append(step * 10 + rank)
@@ -259,7 +266,7 @@ def test_rollback_after_saves_written_by_the_worker_process(tmp_path: Path) -> N
     """The worker writes with the same template (one serialization id in every process), so
     the parent checks its kept copy against what the worker committed."""
     job = _Job()
-    with CheckpointManager(tmp_path, keep_in_memory=True, executor="process") as manager:
+    with CheckpointManager(tmp_path, resume=KEEP, runtime=Runtime(executor="process")) as manager:
         ready_worker(manager)
         _train_and_commit(manager, job, range(1, 3))
         committed = job.snapshot()

@@ -17,7 +17,7 @@ import torch
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import layout
+from dcp_safe import Bounds, Retention, Runtime, SavePolicy, Topology, layout
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
@@ -71,10 +71,31 @@ def _name(step: int) -> str:
 
 
 def _manager(
-    root: Path, writer: SafeStorageWriter | None = None, **kwargs: Any
+    root: Path | Topology,
+    writer: SafeStorageWriter | None = None,
+    *,
+    when_busy: str | None = None,
+    save_every: int | None = None,
+    keep_last: int | None = None,
+    policy: SavePolicy | None = None,
+    retention: Retention | None = None,
 ) -> CheckpointManager:
+    """A manager on ``writer`` (default: an ungated ``_SlowWriter``; a topology root comes
+    with the writer built for it) and a 1 GiB budget."""
+    if writer is None:
+        assert isinstance(root, Path)
+        writer = _SlowWriter(root)
     budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
-    return CheckpointManager(root, writer=writer or _SlowWriter(root), budget=budget, **kwargs)
+    return CheckpointManager(
+        root,
+        when_busy=when_busy,
+        save_every=save_every,
+        keep_last=keep_last,
+        policy=policy,
+        retention=retention,
+        bounds=Bounds(budget=budget),
+        runtime=Runtime(writer=writer),
+    )
 
 
 def _names(root: Path) -> list[str]:
@@ -202,7 +223,7 @@ def test_history_records_requested_committed_and_a_failed_save(tmp_path: Path) -
 
 
 def test_retention_keeps_last_two_and_every_fifth(tmp_path: Path) -> None:
-    with _manager(tmp_path, keep_last=2, keep_every=5) as manager:
+    with _manager(tmp_path, keep_last=2, retention=Retention(keep_every=5)) as manager:
         for step in range(1, 11):
             manager.maybe_save(step, make_state(step))
     assert _names(tmp_path) == [_name(5), _name(9), _name(10)]
@@ -218,7 +239,7 @@ def test_maybe_save_saves_only_every_nth_step(tmp_path: Path) -> None:
 
 def test_no_pruning_when_the_newest_checkpoint_fails_deep_verification(tmp_path: Path) -> None:
     writer = _SlowWriter(tmp_path, corrupt={_name(4)})
-    manager = _manager(tmp_path, writer, keep_last=1, validate="deep")
+    manager = _manager(tmp_path, writer, keep_last=1, policy=SavePolicy(validate="deep"))
     for step in (1, 2, 3):
         manager.save(step, make_state(step))
     manager.wait(_GATE_TIMEOUT_S)
@@ -260,7 +281,7 @@ def test_restore_falls_back_to_the_replica(tmp_path: Path, memory_root: str) -> 
     local = tmp_path / "local"
     state = make_state(7)
     writer = _SlowWriter(local, replicate_to=memory_root)
-    with _manager(local, writer, replicate_to=memory_root) as manager:
+    with _manager(Topology.of(local, replicate_to=memory_root), writer) as manager:
         handle = manager.save(7, state)
         assert handle is not None
         handle.replicated.result(_GATE_TIMEOUT_S)
@@ -275,7 +296,7 @@ def test_restore_falls_back_to_the_replica(tmp_path: Path, memory_root: str) -> 
 
 def test_a_user_stager_is_used_and_left_open(tmp_path: Path) -> None:
     stager = BudgetedStager(MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0))
-    with CheckpointManager(tmp_path, stager=stager) as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(stager=stager)) as manager:
         manager.save(1, make_state(1))
         manager.save(2, make_state(2))
     assert stager.stats().admitted == 2
@@ -287,11 +308,11 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         CheckpointManager(tmp_path, when_busy="queue")
     with pytest.raises(ConfigError):
-        CheckpointManager(tmp_path, validate="paranoid")
+        SavePolicy(validate="paranoid")
     with pytest.raises(ConfigError):
         CheckpointManager(tmp_path, save_every=0)
     with pytest.raises(ConfigError):
-        CheckpointManager(tmp_path, name_format="../{step}")
+        SavePolicy(name_format="../{step}")
 
 
 def test_coalesce_skips_a_request_when_the_budget_has_no_room_for_its_copy(
@@ -301,7 +322,9 @@ def test_coalesce_skips_a_request_when_the_budget_has_no_room_for_its_copy(
     state = {"w": torch.zeros(256, 1024)}  # 1 MiB
     stager = BudgetedStager(MemoryBudget(usable_bytes=3 << 19, reserve_bytes=0))  # 1.5 MiB
     writer = _SlowWriter(tmp_path, gate=gate)
-    manager = CheckpointManager(tmp_path, writer=writer, stager=stager, when_busy="coalesce")
+    manager = CheckpointManager(
+        tmp_path, when_busy="coalesce", runtime=Runtime(writer=writer, stager=stager)
+    )
     with manager:
         first = manager.save(1, state)
         assert first is not None
@@ -331,7 +354,7 @@ def test_a_checkpoint_is_not_pruned_while_its_replication_is_running(
         makedirs(rel)
 
     writer.remote.makedirs = gated_makedirs  # type: ignore[method-assign]
-    manager = _manager(tmp_path, writer, replicate_to=memory_root, keep_last=1)
+    manager = _manager(Topology.of(tmp_path, replicate_to=memory_root), writer, keep_last=1)
     handles = [manager.save(step, make_state(step)) for step in (1, 2, 3)]
     assert all(h is not None and h.committed.result(_GATE_TIMEOUT_S) for h in handles)
     # 1 is still replicating; without that, 1 would go (the two newest validated are 2 and 3).
@@ -368,7 +391,8 @@ def test_history_is_read_through_the_manager(tmp_path: Path) -> None:
 def test_retention_prunes_the_remote_tier_too_once_replicated(
     tmp_path: Path, memory_root: str
 ) -> None:
-    with CheckpointManager(tmp_path, replicate_to=memory_root, keep_last=2) as manager:
+    topology = Topology.of(tmp_path, replicate_to=memory_root)
+    with CheckpointManager(topology, keep_last=2) as manager:
         for step in range(1, 5):
             handle = manager.save(step, make_state(step))
             assert handle is not None
@@ -383,7 +407,7 @@ def test_abandoned_partials_are_swept_by_prune(tmp_path: Path) -> None:
     partial = tmp_path / f".step_000000007.partial-{'dead' * 8}"
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(b"half")
-    with CheckpointManager(tmp_path, partial_grace_s=0) as manager:
+    with CheckpointManager(tmp_path, retention=Retention(partial_grace_s=0)) as manager:
         manager.save(1, make_state(1))
     assert not partial.exists()
 
@@ -398,7 +422,7 @@ def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
     local = tmp_path / "local"
     state = make_state(4)
     writer = SafeStorageWriter(local, replicate_to=s3_root, replicate_storage_options=s3_options)
-    with CheckpointManager(local, writer=writer) as manager:
+    with CheckpointManager(local, runtime=Runtime(writer=writer)) as manager:
         handle = manager.save(4, state)
         assert handle is not None
         handle.replicated.result(_GATE_TIMEOUT_S)
@@ -413,7 +437,7 @@ def test_a_managers_saves_never_change_the_writer_it_was_given(tmp_path: Path) -
     """Each save runs on a per-step view of the writer (``writer.for_step``): the writer a user
     passed in keeps its own step, and every checkpoint records its own."""
     writer = SafeStorageWriter(tmp_path, fsync=False, step=None)
-    with CheckpointManager(tmp_path, writer=writer, keep_last=5) as manager:
+    with CheckpointManager(tmp_path, keep_last=5, runtime=Runtime(writer=writer)) as manager:
         for step in (3, 4):
             handle = manager.save(step, {"w": torch.full((4,), float(step))})
             assert handle is not None

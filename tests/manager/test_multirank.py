@@ -28,7 +28,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dcp_safe import CheckpointManager, CommitError, list_checkpoints
+from dcp_safe import (
+    Bounds,
+    CheckpointManager,
+    CommitError,
+    Retention,
+    Runtime,
+    SavePolicy,
+    list_checkpoints,
+)
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.testing.multiproc import RankFailedError, run_ranks
 
@@ -81,7 +89,12 @@ def _comparable(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 def _save_six_then_restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
     saved: dict[int, Any] = {}
-    with CheckpointManager(root, keep_last=2, keep_every=3, deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(
+        root,
+        keep_last=2,
+        retention=Retention(keep_every=3),
+        bounds=Bounds(deadline_s=DEADLINE_S),
+    ) as manager:
         for step in range(1, 7):
             state = _dtensor_state(world_size, seed=step)
             saved[step] = gather_full(state)
@@ -107,7 +120,7 @@ def _save_six_then_restore(rank: int, world_size: int, root: str) -> dict[str, A
 
 def _fsdp_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     net, optimizer = _fsdp_net(world_size)
-    with CheckpointManager(root, keep_last=1, deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(root, keep_last=1, bounds=Bounds(deadline_s=DEADLINE_S)) as manager:
         for step in range(1, 4):
             _train_step(net, optimizer, step)
             manager.save(step, app_state(net, optimizer))
@@ -117,7 +130,7 @@ def _fsdp_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _fsdp_restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
     net, optimizer = _fsdp_net(world_size)
     state = app_state(net, optimizer)
-    with CheckpointManager(root, keep_last=1, deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(root, keep_last=1, bounds=Bounds(deadline_s=DEADLINE_S)) as manager:
         name = manager.restore(state)
     set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"name": name, "state": gather_full(app_state(net, optimizer))}
@@ -126,7 +139,12 @@ def _fsdp_restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _skip_with_one_slow_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # A delay well above a save() call on a loaded host, so saves do overlap the slow one.
     writer = SlowOnRank(root, slow_rank=1, delay_s=1.0)
-    manager = CheckpointManager(root, when_busy="skip", writer=writer, deadline_s=DEADLINE_S)
+    manager = CheckpointManager(
+        root,
+        when_busy="skip",
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(writer=writer),
+    )
     returned = []
     for step in range(1, 13):
         state = {f"rank{rank}.w": torch.full((256, 256), float(step))}  # each rank writes its own
@@ -152,9 +170,9 @@ def _fallback_on_one_rank(rank: int, world_size: int, root: str) -> dict[str, An
 
     manager = CheckpointManager(
         root,
-        memory_sampler=memory,
-        sync_fallback=FallbackOptions(memory_crossings=2),
-        deadline_s=DEADLINE_S,
+        policy=SavePolicy(sync_fallback=FallbackOptions(memory_crossings=2)),
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(memory_sampler=memory),
     )
     for step in range(1, 7):
         manager.save(step, {"w": torch.full((64,), float(step))})
@@ -170,7 +188,7 @@ def _fallback_on_one_rank(rank: int, world_size: int, root: str) -> dict[str, An
 
 def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     writer = DiesMidWrite(root, victim=1, at_step=2)
-    manager = CheckpointManager(root, writer=writer, deadline_s=8.0)
+    manager = CheckpointManager(root, bounds=Bounds(deadline_s=8.0), runtime=Runtime(writer=writer))
     manager.save(1, {f"rank{rank}.w": torch.full((32,), 1.0)})  # not deduplicated: own keys
     manager.wait(timeout_s=60)
     handle = manager.save(2, {f"rank{rank}.w": torch.full((32,), 2.0)})
@@ -189,7 +207,12 @@ def _sigterm_everywhere(rank: int, world_size: int, root: str) -> dict[str, Any]
     seen: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     writer = SlowOnRank(root, slow_rank=rank, delay_s=0.3)  # every rank slow: step 3 skips
-    manager = CheckpointManager(root, when_busy="skip", writer=writer, deadline_s=DEADLINE_S)
+    manager = CheckpointManager(
+        root,
+        when_busy="skip",
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(writer=writer),
+    )
     handler = manager.install_preemption_handler(budget_s=60)
     state = {"w": torch.full((64,), 1.0)}
     manager.save(1, state)
@@ -229,7 +252,7 @@ def test_each_step_is_one_multirank_checkpoint_and_retention_is_exact(tmp_path: 
     saved = results[0]["saved"][6]
     whole = {k: torch.zeros_like(v) for k, v in saved.items() if isinstance(v, torch.Tensor)}
     whole["meta"] = {"seed": -1}
-    with CheckpointManager(root, keep_last=2, keep_every=3) as manager:
+    with CheckpointManager(root, keep_last=2, retention=Retention(keep_every=3)) as manager:
         assert manager.restore(whole) == "step_000000006"
     assert_state_equal(whole, saved)
 

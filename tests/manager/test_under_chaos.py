@@ -26,7 +26,15 @@ import pytest
 import torch
 from support.faults import SlowOnRank
 
-from dcp_safe import CheckpointManager, CommitError, SafeStorageWriter, list_checkpoints
+from dcp_safe import (
+    Bounds,
+    CheckpointManager,
+    CommitError,
+    Runtime,
+    SafeStorageWriter,
+    Topology,
+    list_checkpoints,
+)
 from dcp_safe.errors import DcpSafeError, DrainTimeoutError
 from dcp_safe.manager.groups import ManagerGroups
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
@@ -69,12 +77,10 @@ def _busy_coordinator(rank: int, world_size: int, root: str, policy: str) -> dic
     options = _slow_listing_on_rank0(rank, root, delay_s=1.5)
     handles = []
     with CheckpointManager(
-        f"faulty://{root}",
-        storage_options=options,
+        Topology.of(f"faulty://{root}", storage_options=options),
         when_busy=policy,
         keep_last=2,
-        deadline_s=DEADLINE_S,
-        wait_timeout_s=120,
+        bounds=Bounds(deadline_s=DEADLINE_S, wait_timeout_s=120),
     ) as manager:
         for step in range(1, 5):
             handle = manager.save(step, _state(step, world_size))
@@ -128,7 +134,10 @@ def _one_timeout(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # Storage slow on rank 1 for one save: its part outlasts the deadline, once.
     writer = SlowOnRank(root, slow_rank=1, delay_s=3 * DEADLINE_S, at_step=2)
     manager = CheckpointManager(
-        root, writer=writer, deadline_s=DEADLINE_S, wait_timeout_s=120, keep_last=5
+        root,
+        keep_last=5,
+        bounds=Bounds(deadline_s=DEADLINE_S, wait_timeout_s=120),
+        runtime=Runtime(writer=writer),
     )
     for step in range(1, 6):
         handle = manager.save(step, _state(step, world_size))
@@ -182,7 +191,9 @@ def test_a_failed_history_append_still_resolves_every_handle(tmp_path: Path) -> 
         assert committed is not None
         assert committed.committed.result(timeout=60) == "step_000000001"
         assert manager.stats().bookkeeping_failures >= 2  # "requested" and "committed"
-    failing = CheckpointManager(f"faulty://{tmp_path}", storage_options=options, keep_last=3)
+    failing = CheckpointManager(
+        Topology.of(f"faulty://{tmp_path}", storage_options=options), keep_last=3
+    )
     handle = failing.save(2, {"w": torch.ones(8)})
     assert handle is not None
     with pytest.raises(DcpSafeError):
@@ -193,7 +204,7 @@ def test_a_failed_history_append_still_resolves_every_handle(tmp_path: Path) -> 
 
 
 def _unwritable_history(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    with CheckpointManager(root, deadline_s=DEADLINE_S, keep_last=2) as manager:
+    with CheckpointManager(root, keep_last=2, bounds=Bounds(deadline_s=DEADLINE_S)) as manager:
         handles = []
         for step in range(1, 4):
             handle = manager.maybe_save(step, _state(step, world_size))  # never raises here
@@ -232,7 +243,9 @@ def test_a_prune_that_fails_after_unpublishing_is_recorded(tmp_path: Path) -> No
     options = {"target_protocol": "file", "faults": faults}
     # The faults are planned in this process: the save's commit runs on its thread.
     manager = CheckpointManager(
-        f"faulty://{tmp_path}", storage_options=options, keep_last=1, executor="thread"
+        Topology.of(f"faulty://{tmp_path}", storage_options=options),
+        keep_last=1,
+        runtime=Runtime(executor="thread"),
     )
     for step in (1, 2, 3):  # the two newest validated are always kept: step 3 prunes step 1
         if step == 3:
@@ -255,7 +268,9 @@ def test_close_returns_by_its_timeout_whatever_a_step_does(tmp_path: Path) -> No
     raises DrainTimeoutError long before one listing could end (the work goes on behind)."""
     faults = FaultInjector(FaultPlan(ops=("list",), delay_s=0.0))
     options = {"target_protocol": "file", "faults": faults}
-    manager = CheckpointManager(f"faulty://{tmp_path}", storage_options=options, keep_last=1)
+    manager = CheckpointManager(
+        Topology.of(f"faulty://{tmp_path}", storage_options=options), keep_last=1
+    )
     handle = manager.save(1, {"w": torch.ones(8)})
     assert handle is not None
     handle.committed.result(timeout=60)
@@ -271,11 +286,13 @@ def test_a_managers_upload_waits_come_from_its_own_bounds(tmp_path: Path) -> Non
     """Finding 8c: the per-rank upload waits of the writer a manager builds follow its
     ``wait_timeout_s`` (they were 1800 s whatever the manager said)."""
     with CheckpointManager(
-        tmp_path / "local", replicate_to=tmp_path / "replica", wait_timeout_s=42
+        Topology.of(tmp_path / "local", replicate_to=tmp_path / "replica"),
+        bounds=Bounds(wait_timeout_s=42),
     ) as replicated:
         assert replicated.writer.replication_options.remote_timeout_s == 42
     with CheckpointManager(
-        tmp_path / "remote", node_local=tmp_path / "node", wait_timeout_s=43
+        Topology.of(tmp_path / "remote", node_local=tmp_path / "node"),
+        bounds=Bounds(wait_timeout_s=43),
     ) as node_local:
         options = node_local.writer.node_options  # type: ignore[attr-defined]
         assert options.remote_timeout_s == 43
@@ -287,7 +304,7 @@ def test_a_close_that_gives_up_resolves_every_handle_it_leaves_behind(tmp_path: 
     caller waits for ever on work that goes on in the background."""
     faults = FaultInjector(FaultPlan(ops=("write",), delay_s=20.0))
     options = {"target_protocol": "file", "faults": faults}
-    manager = CheckpointManager(f"faulty://{tmp_path}", storage_options=options)
+    manager = CheckpointManager(Topology.of(f"faulty://{tmp_path}", storage_options=options))
     handle = manager.save(1, {"w": torch.ones(8)})
     assert handle is not None and not handle.committed.done()
     with pytest.raises(DrainTimeoutError):
@@ -329,7 +346,9 @@ def test_a_request_that_raises_ends_in_a_recorded_failure_at_once(tmp_path: Path
     but the request stayed open ("requested", no outcome, the handle's futures pending) until a
     close gave up on it, which only the ranks whose close timed out did: the ranks' records of
     the same steps differed. The request now ends in one "failed" event when it raises."""
-    manager = CheckpointManager(tmp_path, writer=SafeStorageWriter(tmp_path, fsync=False))
+    manager = CheckpointManager(
+        tmp_path, runtime=Runtime(writer=SafeStorageWriter(tmp_path, fsync=False))
+    )
 
     def broken_vote(*args: Any, **kwargs: Any) -> Any:
         raise CommitError("the manager's group broke (injected)", failures={1: "gone"})
@@ -351,9 +370,11 @@ def test_a_save_given_up_by_close_before_its_commit_is_recorded_as_a_failed_save
     faults = FaultInjector(FaultPlan(ops=("write",), delay_s=20.0))
     options = {"target_protocol": "file", "faults": faults}
     manager = CheckpointManager(
-        f"faulty://{tmp_path / 'local'}",
-        storage_options=options,
-        replicate_to=str(tmp_path / "remote"),
+        Topology.of(
+            f"faulty://{tmp_path / 'local'}",
+            storage_options=options,
+            replicate_to=str(tmp_path / "remote"),
+        )
     )
     handle = manager.save(1, {"w": torch.ones(8)})
     assert handle is not None
