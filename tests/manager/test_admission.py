@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_safe import AdmissionTimeoutError, CheckpointManager, SafeStorageWriter, list_checkpoints
+from dcp_safe import (
+    AdmissionTimeoutError,
+    Bounds,
+    CheckpointManager,
+    Runtime,
+    SafeStorageWriter,
+    SavePolicy,
+    list_checkpoints,
+)
 from dcp_safe.manager.memory_watch import MemoryWatch
 
 
@@ -36,7 +44,12 @@ def _state(step: int) -> dict[str, Any]:
 
 def test_a_wait_past_wait_timeout_skips_and_says_why(tmp_path: Path) -> None:
     writer = _HeldWriter(str(tmp_path / "ckpt"))
-    manager = CheckpointManager(writer.root, writer=writer, when_busy="wait", wait_timeout_s=0.3)
+    manager = CheckpointManager(
+        writer.root,
+        when_busy="wait",
+        bounds=Bounds(wait_timeout_s=0.3),
+        runtime=Runtime(writer=writer),
+    )
     try:
         assert manager.save(1, _state(1)) is not None  # in flight, held
         assert manager.save(2, _state(2)) is None  # waited 0.3 s, then skipped
@@ -60,7 +73,10 @@ def test_a_save_in_flight_past_its_latency_objective_skips_requests_at_once(
 ) -> None:
     writer = _HeldWriter(str(tmp_path / "ckpt"))
     manager = CheckpointManager(
-        writer.root, writer=writer, when_busy="wait", latency_objective_s=0.2
+        writer.root,
+        when_busy="wait",
+        policy=SavePolicy(latency_objective_s=0.2),
+        runtime=Runtime(writer=writer),
     )
     try:
         manager.save(1, _state(1))
@@ -81,9 +97,9 @@ def test_bounds_must_be_positive_finite_seconds(tmp_path: Path, value: Any) -> N
     from dcp_safe import ConfigError
 
     with pytest.raises(ConfigError):
-        CheckpointManager(tmp_path / "a", wait_timeout_s=value)
+        CheckpointManager(tmp_path / "a", bounds=Bounds(wait_timeout_s=value))
     with pytest.raises(ConfigError):
-        CheckpointManager(tmp_path / "b", latency_objective_s=value)
+        CheckpointManager(tmp_path / "b", policy=SavePolicy(latency_objective_s=value))
 
 
 def test_the_memory_watch_reports_the_lowest_reading_since_it_was_last_asked() -> None:

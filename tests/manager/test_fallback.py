@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from support import make_state
 
+from dcp_safe import Bounds, Runtime, SavePolicy
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
@@ -139,13 +140,15 @@ def _manager(
     budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=_RESERVE)
     return CheckpointManager(
         root,
-        writer=_ClockedWriter(root, clock, write_s),
-        budget=None if stager else budget,
-        stager=stager,
         keep_last=10,
-        sync_fallback=FallbackOptions(**options),
-        memory_sampler=(lambda: next(samples)) if samples else (lambda: 1 << 30),
-        clock=clock,
+        policy=SavePolicy(sync_fallback=FallbackOptions(**options)),
+        bounds=Bounds(budget=None if stager else budget),
+        runtime=Runtime(
+            writer=_ClockedWriter(root, clock, write_s),
+            stager=stager,
+            memory_sampler=(lambda: next(samples)) if samples else (lambda: 1 << 30),
+            clock=clock,
+        ),
     )
 
 
@@ -229,25 +232,32 @@ def test_disabled_fallback_keeps_saving_async(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the argument's name
 
 
-def test_fallback_is_a_deprecated_alias_of_sync_fallback_and_still_works(tmp_path: Path) -> None:
+def test_the_removed_fallback_alias_names_its_replacement_and_that_works(tmp_path: Path) -> None:
     samples = iter([500, 5000] * 5)  # would trip the default thresholds at the 2nd dip
     budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=_RESERVE)
-    with pytest.warns(DeprecationWarning, match="sync_fallback=") as warned:
-        manager = CheckpointManager(
+    moved = r"CheckpointManager\(fallback=\) moved to policy=SavePolicy\(sync_fallback=\.\.\.\)"
+    with pytest.raises(ConfigError, match=moved):
+        CheckpointManager(
             tmp_path,
-            budget=budget,
+            bounds=Bounds(budget=budget),
             fallback=FallbackOptions(enabled=False),
-            memory_sampler=lambda: next(samples),
-            clock=_Clock(),
+            runtime=Runtime(memory_sampler=lambda: next(samples), clock=_Clock()),
         )
-    assert [w.filename for w in warned] == [__file__]  # points at the caller's line
+    manager = CheckpointManager(
+        tmp_path,
+        policy=SavePolicy(sync_fallback=FallbackOptions(enabled=False)),
+        bounds=Bounds(budget=budget),
+        runtime=Runtime(memory_sampler=lambda: next(samples), clock=_Clock()),
+    )
     with manager:
         _save_all(manager, range(1, 6))
         assert (manager.stats().started, manager.stats().sync_saves) == (5, 0)
 
 
-def test_sync_fallback_and_its_alias_together_are_a_config_error(tmp_path: Path) -> None:
+def test_sync_fallback_and_the_removed_alias_together_are_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="sync_fallback="):
         CheckpointManager(
-            tmp_path, sync_fallback=FallbackOptions(), fallback=FallbackOptions(enabled=False)
+            tmp_path,
+            policy=SavePolicy(sync_fallback=FallbackOptions()),
+            fallback=FallbackOptions(enabled=False),
         )

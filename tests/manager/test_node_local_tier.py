@@ -1,4 +1,5 @@
-"""``CheckpointManager(root, node_local=...)``: node-local saves, restores from the node caches.
+"""``CheckpointManager(Topology.of(root, node_local=...))``: node-local saves, restores from the
+node caches.
 
 Two simulated nodes of two gloo ranks each (ranks 0-1 share "node A"'s local directory, 2-3
 "node B"'s) and one moto S3 root. The manager saves through each node's disk and commits on S3
@@ -15,7 +16,7 @@ import pytest
 import torch
 from support import shard_rows
 
-from dcp_safe import CheckpointManager, ConfigError, layout, list_checkpoints
+from dcp_safe import CheckpointManager, ConfigError, Topology, layout, list_checkpoints
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader, RejectionReason
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
@@ -32,7 +33,8 @@ def _full(step: int) -> dict[str, torch.Tensor]:
 
 def _save(rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]) -> int:
     node = nodes[rank // RANKS_PER_NODE]
-    with CheckpointManager(root, node_local=node, storage_options=options, keep_last=2) as manager:
+    topology = Topology.of(root, node_local=node, storage_options=options)
+    with CheckpointManager(topology, keep_last=2) as manager:
         for step in (1, 2, 3):
             handle = manager.save(step, shard_rows(world_size, _full(step)))
             assert handle is not None
@@ -45,7 +47,8 @@ def _restore(
 ) -> dict[str, Any]:
     node = nodes[rank // RANKS_PER_NODE]
     target = shard_rows(world_size, {k: torch.zeros_like(v) for k, v in _full(0).items()})
-    with CheckpointManager(root, node_local=node, storage_options=options, keep_last=2) as manager:
+    topology = Topology.of(root, node_local=node, storage_options=options)
+    with CheckpointManager(topology, keep_last=2) as manager:
         name = manager.restore(target)
         reader = manager.last_reader
     assert isinstance(reader, NodeCacheReader)
@@ -97,4 +100,6 @@ def test_node_local_saves_commit_on_s3_and_restarts_read_the_node_caches(
 
 def test_node_local_does_not_take_a_replica_too(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="node_local= and replicate_to="):
-        CheckpointManager(tmp_path / "remote", node_local=tmp_path / "n", replicate_to="x")
+        CheckpointManager(
+            Topology.of(tmp_path / "remote", node_local=tmp_path / "n", replicate_to="x")
+        )

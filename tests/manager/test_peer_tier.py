@@ -1,5 +1,5 @@
-"""``CheckpointManager(root, node_local=..., peer_copies=K)``: node caches copied to other nodes,
-and a restore after a node loss that reads nothing from the remote.
+"""``CheckpointManager(Topology.of(root, node_local=..., peer_copies=K))``: node caches copied
+to other nodes, and a restore after a node loss that reads nothing from the remote.
 
 Two simulated nodes of two gloo ranks each: every rank sets ``LOCAL_WORLD_SIZE=2`` (so its node
 is ``rank // 2``, as under torchrun) and uses its node's own folder, and one moto S3 root is the
@@ -18,7 +18,15 @@ import pytest
 import torch
 from support import shard_rows
 
-from dcp_safe import CheckpointManager, ConfigError, PeerCopyError, layout, list_checkpoints
+from dcp_safe import (
+    CheckpointManager,
+    ConfigError,
+    PeerCopyError,
+    Runtime,
+    Topology,
+    layout,
+    list_checkpoints,
+)
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
 from dcp_safe.dcp.node_cache_reader import ReadSource, RejectionReason
@@ -40,13 +48,13 @@ def _full(step: int) -> dict[str, torch.Tensor]:
 def _manager(rank: int, nodes: list[str], root: str, options: dict[str, Any]) -> CheckpointManager:
     per_node = 4 // len(nodes)  # 2 nodes x 2 ranks, or 4 nodes x 1 rank
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # node = rank // per_node, as torchrun says
-    return CheckpointManager(
+    topology = Topology.of(
         root,
         node_local=nodes[rank // per_node],
         peer_copies=2 if len(nodes) == 2 else 3,
         storage_options=options,
-        keep_last=2,
     )
+    return CheckpointManager(topology, keep_last=2)
 
 
 def _save(
@@ -232,7 +240,9 @@ def test_a_failed_peer_copy_is_raised_and_counted_and_the_checkpoint_stays(
 def _too_many_copies(rank: int, world_size: int, nodes: list[str]) -> str:
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     with pytest.raises(ConfigError, match="peer_copies=3 needs at least 3 nodes") as caught:
-        CheckpointManager(nodes[rank] + "/remote", node_local=nodes[rank], peer_copies=3)
+        CheckpointManager(
+            Topology.of(nodes[rank] + "/remote", node_local=nodes[rank], peer_copies=3)
+        )
     return str(caught.value)
 
 
@@ -244,11 +254,15 @@ def test_more_copies_than_nodes_is_refused_on_every_rank(tmp_path: Path) -> None
 
 def test_peer_copies_need_node_local_and_several_nodes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="peer_copies= needs node_local="):
-        CheckpointManager(tmp_path / "remote", peer_copies=2)
+        CheckpointManager(Topology.of(tmp_path / "remote", peer_copies=2))
     with pytest.raises(ConfigError, match="needs a multi-node job"):
-        CheckpointManager(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=2)
+        CheckpointManager(
+            Topology.of(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=2)
+        )
     with pytest.raises(ConfigError, match="peer_copies must be an int >= 1"):
-        CheckpointManager(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=0)
+        CheckpointManager(
+            Topology.of(tmp_path / "remote", node_local=tmp_path / "n", peer_copies=0)
+        )
 
 
 def _own_state(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -261,13 +275,10 @@ def _save_in_workers(
     rank: int, world_size: int, nodes: list[str], root: str, options: dict[str, Any]
 ) -> Any:
     os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)
-    with CheckpointManager(
-        root,
-        node_local=nodes[rank // RANKS_PER_NODE],
-        peer_copies=2,
-        storage_options=options,
-        executor="process",
-    ) as manager:
+    topology = Topology.of(
+        root, node_local=nodes[rank // RANKS_PER_NODE], peer_copies=2, storage_options=options
+    )
+    with CheckpointManager(topology, runtime=Runtime(executor="process")) as manager:
         for step in (1, 2):
             handle = manager.save(step, _own_state(rank, step))
             assert handle is not None

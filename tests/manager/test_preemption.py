@@ -19,6 +19,7 @@ import pytest
 from support import blank_like, make_state
 
 import dcp_safe
+from dcp_safe import Bounds, Runtime
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
@@ -30,7 +31,7 @@ _SCRIPT = textwrap.dedent(
     """
     import signal, sys, time
     import torch
-    from dcp_safe.manager import CheckpointManager
+    from dcp_safe.manager import Bounds, CheckpointManager
     from dcp_safe.staging import MemoryBudget
 
     torch.manual_seed(0)
@@ -38,7 +39,9 @@ _SCRIPT = textwrap.dedent(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model.state_dict(), "step": 0}  # live tensors: updated in place
     budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
-    manager = CheckpointManager(sys.argv[1], budget=budget, when_busy="skip", keep_last=3)
+    manager = CheckpointManager(
+        sys.argv[1], when_busy="skip", keep_last=3, bounds=Bounds(budget=budget)
+    )
     manager.install_preemption_handler(signal.SIGTERM, budget_s=30)
     with manager:
         for step in range(1, 100_000):
@@ -84,7 +87,8 @@ def test_sigterm_saves_the_last_step_and_exits_143(tmp_path: Path) -> None:
     name = f"step_{last:09d}"
     assert dcp_safe.list_checkpoints(root)[-1].name == name
     assert dcp_safe.verify_checkpoint(root, name) is not None
-    manager = CheckpointManager(root, budget=MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0))
+    budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
+    manager = CheckpointManager(root, bounds=Bounds(budget=budget))
     with manager:
         [preempted] = [e for e in manager.history() if e["event"] == "preempted"]
         assert preempted["step"] == last and "SIGTERM" in preempted["reason"]
@@ -113,7 +117,11 @@ def test_a_python_handler_is_chained_after_abandoning_and_saving_the_live_state(
         budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
         writer = _GatedWriter(tmp_path, gate)
         manager = CheckpointManager(
-            tmp_path, writer=writer, budget=budget, keep_last=5, when_busy="skip"
+            tmp_path,
+            keep_last=5,
+            when_busy="skip",
+            bounds=Bounds(budget=budget),
+            runtime=Runtime(writer=writer),
         )
         with manager:
             handler = manager.install_preemption_handler(signal.SIGUSR1, budget_s=0.2)
@@ -145,7 +153,7 @@ def test_a_python_handler_is_chained_after_abandoning_and_saving_the_live_state(
 def test_install_refuses_a_second_handler_and_a_bad_budget(tmp_path: Path) -> None:
     budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
     previous = signal.getsignal(signal.SIGUSR2)
-    with CheckpointManager(tmp_path, budget=budget) as manager:
+    with CheckpointManager(tmp_path, bounds=Bounds(budget=budget)) as manager:
         with pytest.raises(ConfigError, match="budget_s"):
             manager.install_preemption_handler(signal.SIGUSR2, budget_s=0)
         manager.install_preemption_handler(signal.SIGUSR2, budget_s=1)
@@ -166,7 +174,9 @@ def test_a_signal_inside_a_manager_call_is_handled_on_its_way_out(tmp_path: Path
 
     try:
         budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
-        with CheckpointManager(tmp_path, budget=budget, memory_sampler=sampler) as manager:
+        with CheckpointManager(
+            tmp_path, bounds=Bounds(budget=budget), runtime=Runtime(memory_sampler=sampler)
+        ) as manager:
             handler_ref.append(manager.install_preemption_handler(signal.SIGUSR1, budget_s=60))
             assert manager.save(1, make_state(1)) is not None
             assert calls == [signal.SIGUSR1]

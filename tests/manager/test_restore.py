@@ -19,7 +19,16 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_safe import CheckpointManager, RestoreReport, SafeStorageWriter, list_checkpoints
+from dcp_safe import (
+    Bounds,
+    CheckpointManager,
+    RestoreReport,
+    Resume,
+    Runtime,
+    SafeStorageWriter,
+    Topology,
+    list_checkpoints,
+)
 from dcp_safe.errors import DivergentStateError, MissingKeysError, UnsignedCheckpointError
 from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from dcp_safe.testing.multiproc import run_ranks
@@ -43,7 +52,9 @@ def _blank() -> dict[str, Any]:
 
 
 def _manager_probe(rank: int, world_size: int, root: str, per_rank: tuple[str, ...]) -> Any:
-    manager = CheckpointManager(root, per_rank=per_rank, deadline_s=20)
+    manager = CheckpointManager(
+        root, resume=Resume(per_rank=per_rank), bounds=Bounds(deadline_s=20)
+    )
     try:
         saved = _probe_state(rank, 1)
         handle = manager.save(1, saved)
@@ -106,12 +117,13 @@ def test_a_partial_restore_reports_what_it_did_and_a_missing_key_fails(tmp_path:
 
 
 def _warm_start(root: str, source: str, options: dict[str, Any] | None) -> None:
-    with CheckpointManager(source, storage_options=options) as donor:
+    with CheckpointManager(Topology.of(source, storage_options=options)) as donor:
         for step in (10, 20):
             handle = donor.save(step, {"model": {"w": torch.full((4,), float(step))}, "step": step})
             assert handle is not None
     with CheckpointManager(
-        root, storage_options=options, initial_load_from=source, initial_load_keys=["model"]
+        Topology.of(root, storage_options=options),
+        resume=Resume(initial_load_from=source, initial_load_keys=("model",)),
     ) as manager:
         target: dict[str, Any] = {"model": {"w": torch.zeros(4)}, "step": 0}
         report = manager.restore(target)
@@ -126,7 +138,9 @@ def _warm_start(root: str, source: str, options: dict[str, Any] | None) -> None:
         target["model"]["w"].zero_()
         assert manager.restore(target) == "step_000000021"  # its own, no longer the donor's
     named = f"{source.rstrip('/')}/step_000000010"
-    with CheckpointManager(f"{root}-b", storage_options=options, initial_load_from=named) as m:
+    with CheckpointManager(
+        Topology.of(f"{root}-b", storage_options=options), resume=Resume(initial_load_from=named)
+    ) as m:
         target = {"model": {"w": torch.zeros(4)}, "step": 0}
         assert m.restore(target) == "step_000000010" and target["step"] == 10
 
@@ -157,10 +171,12 @@ def test_a_signing_manager_does_not_warm_start_from_an_unsigned_checkpoint(
     root = tmp_path / "run"
     if key_in == "environment":
         monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
-        manager = CheckpointManager(root, initial_load_from=planted)
+        manager = CheckpointManager(root, resume=Resume(initial_load_from=planted))
     else:
         writer = SafeStorageWriter(root, signing_key=KEY)
-        manager = CheckpointManager(root, writer=writer, initial_load_from=planted)
+        manager = CheckpointManager(
+            root, runtime=Runtime(writer=writer), resume=Resume(initial_load_from=planted)
+        )
     target = {"model": {"w": torch.zeros(4)}}
     with manager, pytest.raises(UnsignedCheckpointError, match="no _SIGNATURE"):
         manager.restore(target)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support import assert_state_equal, differing_tensors
 
-from dcp_safe import CheckpointManager, SnapshotMutatedError, list_checkpoints
+from dcp_safe import CheckpointManager, SavePolicy, SnapshotMutatedError, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.history import History
 from dcp_safe.testing.staging import hold_staging
@@ -83,7 +83,7 @@ def _run_readme_loop(root: Path, staging: str, wait_staged: bool) -> dict[str, i
     # in_flight: exactly one tensor differs, the guard's documented limit (an update still
     # executing when the copy ended); torn: more than one, which must never commit.
     outcomes = {"exact": 0, "in_flight": 0, "torn": 0, "refused": 0}
-    ckpt = CheckpointManager(root, keep_last=2, staging=staging)
+    ckpt = CheckpointManager(root, keep_last=2, policy=SavePolicy(staging=staging))
     try:
         for step in range(1, SAVES + 1):
             _backward(model)
@@ -196,4 +196,4 @@ def test_staging_mode_is_validated(tmp_path: Path) -> None:
     from dcp_safe import ConfigError
 
     with pytest.raises(ConfigError, match="staging must be one of 'snapshot', 'overlap'"):
-        CheckpointManager(tmp_path, staging="lazy")
+        CheckpointManager(tmp_path, policy=SavePolicy(staging="lazy"))
