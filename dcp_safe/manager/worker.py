@@ -95,7 +95,10 @@ class _Process:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(("writer", writer, per_rank, group, deep))
+        # A worker killed as it appeared breaks the pipe: its reader sees the end and it counts
+        # as died (the next request starts another); never an OSError on the training thread.
+        with contextlib.suppress(OSError):
+            self.conn.send(("writer", writer, per_rank, group, deep))
         self.checks = {} if checks is None else checks  # by name, until the follow-up takes it
         self.mapped: set[int] = set()
         # seq -> (the save's future, its name, the staged state it must keep alive)
@@ -297,6 +300,9 @@ class SaveWorker:
             try:
                 process = self._started()
             except CommitError:
+                return
+            except OSError as exc:  # no process to start (fork, memory): saves stay on threads
+                log.warning("dcp_safe: the checkpoint worker could not start: %s", exc)
                 return
         if process.ready_error is not None:  # it will never save: the ranks replace it
             self._broke(process)
