@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python benchmarks/bench_executor_stall.py [--states 16x16MiB,10000x32KiB]
         [--rounds 10] [--dir D]
 
-Issue #30's target: ``CheckpointManager(executor="process")``'s stall (``save()`` on the
+Issue #30's target: ``Runtime(executor="process")``'s stall (``save()`` on the
 training thread: the copy into shared slabs) within 1.1x of ``executor="thread"``'s (the copy
 into the stager's own pool, the copy floor). Per state (``COUNTxSIZE`` float32 tensors in one
 flat dict) two managers on two folders, each warmed up with two committed saves (pools
@@ -37,7 +37,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import CheckpointManager
+from dcp_safe import CheckpointManager, Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXECUTORS = ("thread", "process")
@@ -49,7 +49,10 @@ def measure(work: Path, label: str, count: int, size: int, rounds: int) -> dict[
     stalls: dict[str, list[float]] = {e: [] for e in EXECUTORS}
     floor: list[float] = []
     copies = {k: torch.empty_like(v) for k, v in state.items()}
-    managers = {e: CheckpointManager(work / label / e, executor=e, keep_last=1) for e in EXECUTORS}
+    managers = {
+        e: CheckpointManager(work / label / e, keep_last=1, runtime=Runtime(executor=e))
+        for e in EXECUTORS
+    }
     try:
         for manager in managers.values():
             for step in (1, 2):

@@ -41,7 +41,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import CheckpointManager, DrainTimeoutError
+from dcp_safe import CheckpointManager, DrainTimeoutError, Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXECUTORS = ("auto", "thread")
@@ -61,7 +61,9 @@ def _train(seconds: float) -> None:
 
 
 def _trial(root: Path, executor: str, state: dict[str, Any], gap_s: float) -> dict[str, Any]:
-    manager = CheckpointManager(root, executor=executor, when_busy="wait", keep_last=2)
+    manager = CheckpointManager(
+        root, when_busy="wait", keep_last=2, runtime=Runtime(executor=executor)
+    )
     worker = manager._runner.worker  # the default executor's (None: a thread only)
     ready_at: list[float] = []
     stop = threading.Event()

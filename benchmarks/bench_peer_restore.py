@@ -8,9 +8,9 @@ Usage::
 Real gloo ranks on this host (``dcp_safe.testing.multiproc.run_ranks``) stand for
 ``--nodes`` x ``--ranks-per-node`` ranks (``LOCAL_WORLD_SIZE`` set, each node its own folder);
 the remote is a bucket of a local moto S3 server (``dcp_safe.testing.s3``, read over HTTP). One
-``CheckpointManager(remote, node_local=..., peer_copies=2)`` save of a state of ``COUNTxSIZE``
-float32 tensors, each sharded across the ranks (DTensor ``Shard(0)``), then, alternating from
-round to round, three restarts of the same checkpoint:
+``CheckpointManager(Topology.of(remote, node_local=..., peer_copies=2))`` save of a state of
+``COUNTxSIZE`` float32 tensors, each sharded across the ranks (DTensor ``Shard(0)``), then,
+alternating from round to round, three restarts of the same checkpoint:
 
 * ``intact``: every node's cache is there (peer tier on);
 * ``node lost, peers``: node 1's folder replaced by an empty one, ``peer_copies=2``;
@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe_machine, evict, markdown_table, median, rotate, write_results
 
-from dcp_safe import CheckpointManager
+from dcp_safe import CheckpointManager, Topology
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader, ReadSource
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.units import format_size
@@ -74,9 +74,8 @@ def _sharded(full: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _manager(remote: str, options: Any, node: str, copies: int) -> CheckpointManager:
-    return CheckpointManager(
-        remote, node_local=node, peer_copies=copies, storage_options=options, keep_last=2
-    )
+    topology = Topology.of(remote, node_local=node, peer_copies=copies, storage_options=options)
+    return CheckpointManager(topology, keep_last=2)
 
 
 def _save(remote: str, options: Any, node: str, full: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python benchmarks/bench_process_memory.py [--states 16x16MiB,10000x32KiB]
         [--saves 4] [--dir D]
 
-Issue #30's target: with ``CheckpointManager(executor="process")`` the host holds at most one
+Issue #30's target: with ``Runtime(executor="process")`` the host holds at most one
 staged generation plus the worker's fixed cost. Each contender runs in a fresh interpreter per
 state (so neither sees the other's allocations): it builds the state (``COUNTxSIZE`` float32
 tensors in one flat dict), notes its RSS, then saves ``--saves`` times, each waited until
@@ -45,7 +45,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import CheckpointManager
+from dcp_safe import CheckpointManager, Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXECUTORS = ("thread", "process")
@@ -57,7 +57,10 @@ def child(executor: str, state_text: str, saves: int, root: str) -> dict[str, An
     gen = torch.Generator().manual_seed(0)
     state = {f"t{i:05d}": torch.randn(size // 4, generator=gen) for i in range(count)}
     worker_uss = 0
-    with RssSampler() as sampler, CheckpointManager(root, executor=executor) as manager:
+    with (
+        RssSampler() as sampler,
+        CheckpointManager(root, runtime=Runtime(executor=executor)) as manager,
+    ):
         worker = manager._runner.worker
         if worker is not None:  # until it is ready, saves run on a thread: measure the worker's
             worker.start()

@@ -6,9 +6,9 @@ Usage::
         [--dir D]
 
 Per state (``COUNTxSIZE`` float32 tensors in one flat dict), in one process: a
-``CheckpointManager(root, keep_in_memory=True)`` saves and commits step 1; then, per round,
-the live tensors are overwritten (as three more training steps would) and brought back to step
-1 three ways, each checked exactly against the committed values:
+``CheckpointManager(root, resume=Resume(keep_in_memory=True))`` saves and commits step 1; then,
+per round, the live tensors are overwritten (as three more training steps would) and brought
+back to step 1 three ways, each checked exactly against the committed values:
 
 * ``rollback``: ``manager.rollback(state)``: the kept staged copy, checked against the
   committed manifest's checksums, copied into the live tensors; no storage read;
@@ -43,7 +43,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import CheckpointManager
+from dcp_safe import CheckpointManager, Resume
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTENDERS = ("rollback", "restore_warm", "restore_evicted", "copy_floor")
@@ -65,7 +65,7 @@ def measure(work: Path, label: str, count: int, size: int, rounds: int) -> dict[
     committed = {k: v.clone() for k, v in state.items()}
     root = work / label
     times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
-    with CheckpointManager(root, keep_in_memory=True) as manager:
+    with CheckpointManager(root, resume=Resume(keep_in_memory=True)) as manager:
         handle = manager.save(1, state)
         assert handle is not None
         handle.committed.result(timeout=600)

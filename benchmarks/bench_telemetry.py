@@ -53,7 +53,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager import CheckpointManager, Runtime, SavePolicy
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.telemetry import JsonLinesSink, Phase, PrometheusSink, Telemetry
 
@@ -110,10 +110,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     telemetry = Telemetry(sinks=[JsonLinesSink(work / "events.jsonl")])
     prometheus = PrometheusSink(telemetry)
     # Without the automatic fallback: a slow shared disk must not turn either into sync saves.
-    options: dict[str, Any] = {"keep_last": 1, "sync_fallback": FallbackOptions(enabled=False)}
+    policy = SavePolicy(sync_fallback=FallbackOptions(enabled=False))
     managers = {
-        "off": CheckpointManager(work / "off", **options),
-        "on": CheckpointManager(work / "on", telemetry=telemetry, **options),
+        "off": CheckpointManager(work / "off", keep_last=1, policy=policy),
+        "on": CheckpointManager(
+            work / "on", keep_last=1, policy=policy, runtime=Runtime(telemetry=telemetry)
+        ),
     }
     times: dict[str, dict[str, list[float]]] = {
         v: {"stall": [], "save": [], "cpu": []} for v in VARIANTS

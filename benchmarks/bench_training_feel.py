@@ -35,7 +35,7 @@ Contenders:
   file_system`` passes shared-memory names instead).
 * ``dcp_safe``: ``dcp_safe.async_save`` with a ``SafeStorageWriter`` and a ``BudgetedStager``;
   stall = the call plus ``staging_completion``; background phase = ``upload_completion``.
-* ``manager``: ``dcp_safe.CheckpointManager(root, executor="thread").save(step, state)``;
+* ``manager``: ``CheckpointManager(root, runtime=Runtime(executor="thread")).save(step, state)``;
   background phase = until ``handle.committed`` resolves (committed, verified, retention ran).
 * ``manager_process``: the same with ``executor="process"`` (what the default, ``"auto"``,
   chooses here): the stager copies into shared slabs, and the write, commit and checksums run
@@ -248,9 +248,9 @@ class DcpSafeAsync(Contender):
 
 class ManagerSave(Contender):
     def __init__(self, root: Path, executor: str = "thread") -> None:
-        from dcp_safe import CheckpointManager
+        from dcp_safe import CheckpointManager, Runtime
 
-        self.manager = CheckpointManager(root, executor=executor)
+        self.manager = CheckpointManager(root, runtime=Runtime(executor=executor))
         worker = self.manager._runner.worker
         if worker is not None:  # until it is ready, saves run on a thread: measure the worker's
             worker.start()

@@ -19,7 +19,7 @@ import torch
 
 from dcp_safe.bench.measure import RssSampler
 from dcp_safe.dcp.writer import SafeStorageWriter
-from dcp_safe.manager import CheckpointManager
+from dcp_safe.manager import Bounds, CheckpointManager, Runtime, SavePolicy
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.staging import MemoryBudget
 from dcp_safe.staging.budget import format_bytes
@@ -46,11 +46,11 @@ def main(root: str, fallback: bool) -> None:
     sampler = RssSampler(interval_s=0.01).start()
     manager = CheckpointManager(
         root,
-        writer=SlowWriter(root),
-        budget=budget,
         when_busy="skip",
         keep_last=3,
-        sync_fallback=FallbackOptions(enabled=fallback),
+        policy=SavePolicy(sync_fallback=FallbackOptions(enabled=fallback)),
+        bounds=Bounds(budget=budget),
+        runtime=Runtime(writer=SlowWriter(root)),
     )
     started = time.monotonic()
     with manager:

@@ -48,7 +48,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dcp_safe import CheckpointManager, CheckpointNotFoundError, SafeStorageWriter
+from dcp_safe import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    Runtime,
+    SafeStorageWriter,
+    Topology,
+)
 
 IN, HIDDEN, OUT, BATCH = 16, 32, 4, 8
 
@@ -143,12 +149,11 @@ def make_manager(args: argparse.Namespace) -> CheckpointManager:
             args.root, replicate_to=args.replicate_to, delay_s=args.slow_write_ms / 1000
         )
     return CheckpointManager(
-        args.root,
-        replicate_to=args.replicate_to,  # taken from ``writer`` when one is given
-        writer=writer,
+        Topology.of(args.root, replicate_to=args.replicate_to),  # the same as ``writer``'s
         keep_last=args.keep_last,
         when_busy=args.when_busy,
         save_every=args.save_every,
+        runtime=Runtime(writer=writer),
     )
 
 

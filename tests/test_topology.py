@@ -85,7 +85,7 @@ def test_a_node_local_manager_commits_on_its_commit_root_and_caches_on_its_node(
     remote, node = tmp_path / "remote", tmp_path / "node"
     topology = Topology.of(remote, node_local=node)
     state = {"w": torch.arange(12.0)}
-    with CheckpointManager(remote, node_local=node, keep_last=2) as manager:
+    with CheckpointManager(topology, keep_last=2) as manager:
         assert manager.topology == topology
         assert manager.root == str(remote)
         handle = manager.save(1, state)

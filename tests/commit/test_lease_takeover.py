@@ -30,6 +30,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StaleWriterError,
+    Topology,
     layout,
 )
 from dcp_safe.backends.backend import Backend
@@ -586,7 +587,7 @@ def test_a_relaunch_never_takes_the_lease_of_a_writer_still_writing(root: Root) 
 _KILLED_MANAGER = """
 import json, os, signal, sys
 import torch
-from dcp_safe import CheckpointManager
+from dcp_safe import CheckpointManager, Runtime, Topology
 from dcp_safe.dcp.writer import SafeStorageWriter
 
 root, options = sys.argv[1], json.loads(sys.argv[2])
@@ -598,7 +599,8 @@ def dies_in_step_2(self, sink, file_name, item, planner):
     return write_item(self, sink, file_name, item, planner)
 
 SafeStorageWriter._write_item = dies_in_step_2
-manager = CheckpointManager(root, storage_options=options, executor="thread")
+topology = Topology.of(root, storage_options=options)
+manager = CheckpointManager(topology, runtime=Runtime(executor="thread"))
 manager.save(1, {"w": torch.ones(8)}).committed.result(120)
 manager.save(2, {"w": torch.full((8,), 2.0)}).committed.result(120)
 """
@@ -628,7 +630,7 @@ def test_a_relaunched_job_with_a_new_run_id_commits_the_step_its_killed_run_held
 
     monkeypatch.setenv(RUN_ID_ENV, "job-b")
     monkeypatch.setenv(ATTEMPT_ENV, "0")
-    with CheckpointManager(s3_root, storage_options=s3_options) as manager:
+    with CheckpointManager(Topology.of(s3_root, storage_options=s3_options)) as manager:
         target = {"w": torch.zeros(8)}
         manager.restore(target)
         assert torch.equal(target["w"], torch.ones(8))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import CheckpointManager, SafeStorageReader, SafeStorageWriter
+from dcp_safe import CheckpointManager, Runtime, SafeStorageReader, SafeStorageWriter
 from dcp_safe.errors import LoadError
 
 
@@ -37,7 +37,7 @@ def test_a_load_into_the_wrong_shape_says_the_load_failed_with_its_cause(tmp_pat
 def test_a_restore_into_the_wrong_shape_says_the_load_failed_with_its_cause(
     tmp_path: Path,
 ) -> None:
-    with CheckpointManager(tmp_path, executor="thread") as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(executor="thread")) as manager:
         manager.save(1, {"w": torch.zeros(4)}).committed.result(60)
 
         with pytest.raises(LoadError) as caught:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dcp_safe import CheckpointManager, MemoryBudget, SafeStorageWriter
+from dcp_safe import Bounds, CheckpointManager, MemoryBudget, SafeStorageWriter, Topology
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES
 
@@ -56,7 +56,8 @@ def test_the_manager_counts_upload_buffers_in_the_budget_it_builds(
     tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
 ) -> None:
     options = _options(s3_options, 4, 16)
-    manager = CheckpointManager(tmp_path, replicate_to=s3_root, storage_options=options)
+    topology = Topology.of(tmp_path, replicate_to=s3_root, storage_options=options)
+    manager = CheckpointManager(topology)
     try:
         buffers = manager.writer.upload_buffer_bytes
         assert buffers is not None and buffers >= 5 * 16 * MIB
@@ -70,9 +71,8 @@ def test_a_budget_passed_in_is_the_callers(
     tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
 ) -> None:
     budget = MemoryBudget.from_host(other_consumers_bytes=7 * MIB)
-    manager = CheckpointManager(
-        tmp_path, replicate_to=s3_root, storage_options=s3_options, budget=budget
-    )
+    topology = Topology.of(tmp_path, replicate_to=s3_root, storage_options=s3_options)
+    manager = CheckpointManager(topology, bounds=Bounds(budget=budget))
     try:
         assert manager.stager.budget is budget
         assert manager.stager.budget.other_consumers_bytes == 7 * MIB

@@ -83,11 +83,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dcp_safe
 from dcp_safe import (
+    Bounds,
     CheckpointManager,
     CommitError,
     DcpSafeError,
     MemoryBudget,
+    Resume,
+    Runtime,
     SafeStorageWriter,
+    SavePolicy,
+    Topology,
 )
 from dcp_safe.checkpoints.history import HISTORY_FILE
 from dcp_safe.dcp.node_local import NodeLocalWriter
@@ -250,26 +255,28 @@ def build_manager(job: Job, rank: int) -> CheckpointManager:
     writer: SafeStorageWriter
     options = _root_options(job, rank)
     node = job.node_dirs[rank // RANKS_PER_NODE] if scenario.roots == "node_local" else None
+    policy = SavePolicy(when_busy=scenario.when_busy, staging=scenario.staging)
+    bounds = Bounds(
+        budget=MemoryBudget(usable_bytes=256 << 20, reserve_bytes=0),
+        deadline_s=scenario.deadline_s,
+        wait_timeout_s=scenario.wait_timeout_s,
+    )
+    resume = Resume(attempt=job.attempt)
     if scenario.default_path:
-        return CheckpointManager(
+        topology = Topology.of(
             job.root,
             replicate_to=job.replica,
             # Local paths take no options: the S3 root's or replica's are the only ones.
             storage_options=job.s3_options if scenario.roots != "local" else options,
             node_local=node,
-            keep_last=KEEP_LAST,
-            when_busy=scenario.when_busy,
-            staging=scenario.staging,
-            deadline_s=scenario.deadline_s,
-            wait_timeout_s=scenario.wait_timeout_s,
-            budget=MemoryBudget(usable_bytes=256 << 20, reserve_bytes=0),
-            attempt=job.attempt,
+        )
+        return CheckpointManager(
+            topology, keep_last=KEEP_LAST, policy=policy, bounds=bounds, resume=resume
         )
     if node is not None:
         writer = ChaosNodeLocalWriter(
             node, remote=job.root, remote_storage_options=job.s3_options, attempt=job.attempt
         )
-        options = job.s3_options
     else:
         writer = ChaosWriter(
             job.root,
@@ -284,18 +291,14 @@ def build_manager(job: Job, rank: int) -> CheckpointManager:
         if slow is not None and rank == 0:
             pruned = writer.remote if scenario.roots == "node_local" else writer.backend
             _slow_deletes(pruned, slow.seconds)
+    # The writer carries the topology (its roots, their options, the node cache).
     return CheckpointManager(
         job.root,
-        writer=writer,
-        storage_options=options,
-        node_local=node,
         keep_last=KEEP_LAST,
-        when_busy=scenario.when_busy,
-        staging=scenario.staging,
-        deadline_s=scenario.deadline_s,
-        wait_timeout_s=scenario.wait_timeout_s,
-        budget=MemoryBudget(usable_bytes=256 << 20, reserve_bytes=0),
-        attempt=job.attempt,
+        policy=policy,
+        bounds=bounds,
+        resume=resume,
+        runtime=Runtime(writer=writer),
     )
 
 

@@ -54,7 +54,7 @@ from support import blank_like, differing_tensors, make_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_safe
-from dcp_safe import CheckpointManager, SafeStorageReader, SafeStorageWriter
+from dcp_safe import CheckpointManager, Resume, SafeStorageReader, SafeStorageWriter, Topology
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.cli import main as cli_main
 from dcp_safe.errors import DcpSafeError, from_checkpoint_exception
@@ -153,7 +153,8 @@ class Driver:
         step: int | str = checkpoint_id
         if checkpoint_id != "latest":
             step = int(checkpoint_id.rsplit("_", 1)[1])
-        manager = CheckpointManager(self.root, replicate_to=self.remote, keep_last=100)
+        topology = Topology.of(self.root, replicate_to=self.remote)
+        manager = CheckpointManager(topology, keep_last=100)
         try:
             return manager.restore(target, step)
         finally:
@@ -241,7 +242,7 @@ class Driver:
         """A manager's save (history, fencing), prune (retention, sweep) and restore."""
 
         def run() -> str:
-            manager = CheckpointManager(self.root, keep_last=100, attempt=1)
+            manager = CheckpointManager(self.root, keep_last=100, resume=Resume(attempt=1))
             try:
                 manager.save(6, make_state(6))
                 manager.wait()

@@ -66,7 +66,15 @@ from _crash import (
 
 import dcp_safe
 import dcp_safe.manager
-from dcp_safe import CheckpointManager, FallbackOptions, layout
+from dcp_safe import (
+    Bounds,
+    CheckpointManager,
+    FallbackOptions,
+    Retention,
+    Runtime,
+    SavePolicy,
+    layout,
+)
 from dcp_safe.backends import local_backend
 from dcp_safe.checkpoints.history import HISTORY_FILE
 
@@ -405,12 +413,11 @@ def _manager(root: Path, remote: Path, **writer_options: Any) -> CheckpointManag
     writer = dcp_safe.SafeStorageWriter(root, replicate_to=remote, **writer_options)
     return CheckpointManager(
         root,
-        writer=writer,
         keep_last=1,
-        name_format="step_{step}",
-        sync_fallback=FallbackOptions(enabled=False),
-        partial_grace_s=0.0,
-        exit_timeout_s=5.0,
+        policy=SavePolicy(name_format="step_{step}", sync_fallback=FallbackOptions(enabled=False)),
+        retention=Retention(partial_grace_s=0.0),
+        bounds=Bounds(exit_timeout_s=5.0),
+        runtime=Runtime(writer=writer),
     )
 
 

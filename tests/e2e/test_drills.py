@@ -29,12 +29,15 @@ from _crash import (
 
 import dcp_safe
 from dcp_safe import (
+    Bounds,
     BudgetedStager,
     CheckpointManager,
     FallbackOptions,
     MemoryBudget,
+    Runtime,
     SafeStorageReader,
     SafeStorageWriter,
+    SavePolicy,
     StorageError,
 )
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
@@ -62,16 +65,14 @@ def _manager(
 ) -> CheckpointManager:
     url = f"faulty://{root}"
     options = {"target_protocol": "file", "faults": faults}
+    writer = SafeStorageWriter(url, storage_options=options, thread_count=1)
     return CheckpointManager(
         url,
-        writer=SafeStorageWriter(url, storage_options=options, thread_count=1),
-        storage_options=options,
-        stager=stager,
         when_busy=when_busy,
         keep_last=10,
-        name_format="step_{step}",
-        sync_fallback=FallbackOptions(enabled=False),
-        exit_timeout_s=DEADLINE_S,
+        policy=SavePolicy(name_format="step_{step}", sync_fallback=FallbackOptions(enabled=False)),
+        bounds=Bounds(exit_timeout_s=DEADLINE_S),
+        runtime=Runtime(writer=writer, stager=stager),
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from dcp_safe import Runtime
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.telemetry import MemorySampler, Telemetry
@@ -49,7 +50,7 @@ def test_sampler_sees_a_512_mib_spike_held_during_a_real_save(tmp_path: Path) ->
         assert sampler is not None
         before = sampler.sample_now().rss_bytes
         assert before is not None
-        with CheckpointManager(tmp_path, telemetry=tel) as manager:
+        with CheckpointManager(tmp_path, runtime=Runtime(telemetry=tel)) as manager:
             state = {"w": torch.ones(1024), "spike": _Spike(sampler, SPIKE_BYTES)}
             handle = manager.save(1, state)
             assert handle is not None

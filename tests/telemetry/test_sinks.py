@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from support import make_state
 
+from dcp_safe import Runtime
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.telemetry import JsonLinesSink, Phase, PrometheusSink, Telemetry
@@ -50,7 +51,7 @@ def test_every_event_of_a_real_save_has_the_golden_keys(tmp_path: Path) -> None:
     assert len(keys) == 1
     out = tmp_path / "events.jsonl"
     tel = Telemetry(sinks=[JsonLinesSink(out)], sample_memory=False)
-    with tel, CheckpointManager(tmp_path / "root", telemetry=tel) as manager:
+    with tel, CheckpointManager(tmp_path / "root", runtime=Runtime(telemetry=tel)) as manager:
         handle = manager.save(1, make_state(0))
         assert handle is not None
         handle.committed.result(DEADLINE_S)
@@ -65,7 +66,9 @@ def test_prometheus_exposition_parses_and_counts_the_save(tmp_path: Path) -> Non
 
     with Telemetry(busy_interval_s=0.02) as tel:
         prom = PrometheusSink(tel)
-        with CheckpointManager(tmp_path, telemetry=tel, when_busy="skip") as manager:
+        with CheckpointManager(
+            tmp_path, when_busy="skip", runtime=Runtime(telemetry=tel)
+        ) as manager:
             handle = manager.save(1, make_state(0))
             manager.save(2, make_state(0))  # skipped while the first is in flight, or saved
             assert handle is not None

@@ -12,6 +12,7 @@ import torch
 from support import make_state, ready_worker
 from telemetry._spans import check_nesting, intervals, only, phases
 
+from dcp_safe import Runtime, SavePolicy
 from dcp_safe.dcp import api
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
@@ -61,7 +62,7 @@ def test_sync_save_nests_plan_write_commit_under_the_save_in_order(
 def test_async_save_nests_staging_before_write_and_releases_after_commit(
     tmp_path: Path, tel: Telemetry
 ) -> None:
-    with CheckpointManager(tmp_path, telemetry=tel) as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(telemetry=tel)) as manager:
         handle = manager.save(3, make_state(1))
         assert handle is not None
         handle.committed.result(DEADLINE_S)
@@ -108,7 +109,7 @@ def test_failed_sync_save_fails_write_and_save_and_never_commits(
 def test_failed_async_save_fails_its_root_span_and_still_releases(
     tmp_path: Path, tel: Telemetry, executor: str, phases_of_save: list[str]
 ) -> None:
-    manager = CheckpointManager(tmp_path, telemetry=tel, executor=executor)
+    manager = CheckpointManager(tmp_path, runtime=Runtime(telemetry=tel, executor=executor))
     if executor == "process":  # saves run on a thread until the worker is ready
         ready_worker(manager)
     handle = manager.save(1, {"w": torch.ones(4), "bad": Unpicklable()})
@@ -137,7 +138,7 @@ def test_replicated_save_records_replication_after_the_local_commit(
     s3_options: dict[str, Any],
 ) -> None:
     writer = SafeStorageWriter(tmp_path, replicate_to=s3_root, replicate_storage_options=s3_options)
-    with CheckpointManager(tmp_path, writer=writer, telemetry=tel) as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(writer=writer, telemetry=tel)) as manager:
         handle = manager.save(5, make_state(2))
         assert handle is not None
         handle.replicated.result(DEADLINE_S)
@@ -180,9 +181,9 @@ def test_fallback_save_is_marked_and_runs_synchronously_under_its_root(
 
     manager = CheckpointManager(
         tmp_path,
-        telemetry=tel,
-        sync_fallback=FallbackOptions(memory_crossings=1),
-        memory_sampler=lambda: 0,  # the host reports no memory left: below any reserve
+        policy=SavePolicy(sync_fallback=FallbackOptions(memory_crossings=1)),
+        # The host reports no memory left: below any reserve.
+        runtime=Runtime(telemetry=tel, memory_sampler=lambda: 0),
     )
     with manager:
         handle = manager.save(2, make_state(0))
