@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["check_agrees", "parse_choice"]
+__all__ = ["check_agrees", "parse_choice", "refuse_moved"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -46,3 +46,19 @@ def check_agrees(options: object, given: Mapping[str, object]) -> None:
             f"{', '.join(clash)} given both as keyword and in options={type(options).__name__}"
             "(...) with different values: give each setting once"
         )
+
+
+def refuse_moved(owner: str, keywords: Mapping[str, Any], moved: Mapping[str, str]) -> None:
+    """Raise for the first of ``keywords`` (what ``owner``'s ``**`` caught): a ConfigError
+    naming where a keyword of an earlier layout went (``moved``: name -> its place now, where
+    ``{name}`` stands for it), else a ``TypeError`` as Python's own.
+
+    Raises:
+        ConfigError: a keyword in ``moved``.
+        TypeError: an unknown keyword.
+    """
+    for name in keywords:
+        if name in moved:
+            where = moved[name].format(name=name)
+            raise ConfigError(f"{owner}({name}=) moved to {where} (docs/manager.md)")
+        raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")

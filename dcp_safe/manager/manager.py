@@ -26,6 +26,7 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
+from dcp_safe.choices import refuse_moved
 from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
@@ -42,12 +43,12 @@ from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.memory_watch import MemoryWatch
 from dcp_safe.manager.options import (
+    MOVED,
     Bounds,
     Resume,
     Retention,
     Runtime,
     SavePolicy,
-    moved_keyword,
     with_shorthands,
 )
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
@@ -108,7 +109,7 @@ class CheckpointManager:
         runtime: Runtime | None = None,
         **moved: Any,
     ) -> None:
-        moved_keyword(moved)
+        refuse_moved("CheckpointManager", moved, MOVED)
         policy, retention = with_shorthands(
             policy, retention, save_every=save_every, keep_last=keep_last, when_busy=when_busy
         )

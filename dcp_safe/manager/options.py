@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dcp_safe.dcp.writer import SafeStorageWriter
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy", "moved_keyword"]
+__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy"]
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -238,21 +238,6 @@ MOVED: Mapping[str, str] = {
         for n in ("executor", "writer", "stager", "telemetry", "memory_sampler", "clock")
     },
 }
-
-
-def moved_keyword(keywords: Mapping[str, Any]) -> None:
-    """Raise for the first of ``keywords`` (what ``**`` caught): a :class:`ConfigError` naming
-    where a moved one went, a ``TypeError`` (as Python's own) for any other.
-
-    Raises:
-        ConfigError: a keyword of the old layout.
-        TypeError: an unknown keyword.
-    """
-    for name in keywords:
-        if name in MOVED:
-            where = MOVED[name].format(name=name)
-            raise ConfigError(f"CheckpointManager({name}=) moved to {where} (docs/manager.md)")
-        raise TypeError(f"CheckpointManager() got an unexpected keyword argument {name!r}")
 
 
 def with_shorthands(
