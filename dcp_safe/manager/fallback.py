@@ -155,4 +155,3 @@ class FallbackMonitor:
             return None
         self.reason = reason
         return reason
-
