@@ -1,4 +1,4 @@
-"""CheckpointManager(executor="process"): the write, commit and replication run in one
+"""``Runtime(executor="process")``: the write, commit and replication run in one
 persistent worker process, with every guarantee of the thread executor.
 
 Real saves, a real worker (``python -I dcp_safe/manager/worker_boot.py``), real files; a worker is
@@ -36,6 +36,7 @@ from telemetry._spans import check_nesting, intervals, only, phases
 from torch.distributed import TCPStore
 
 from dcp_safe import (
+    Bounds,
     BudgetedStager,
     BudgetExceededError,
     CheckpointCorruptError,
@@ -44,7 +45,10 @@ from dcp_safe import (
     ConfigError,
     DrainTimeoutError,
     MemoryBudget,
+    Runtime,
+    SavePolicy,
     SnapshotMutatedError,
+    Topology,
     WorkerDiedError,
     WorkerError,
     list_checkpoints,
@@ -75,7 +79,7 @@ def _worker_pid(manager: CheckpointManager) -> int:
 
 def test_saves_in_one_worker_and_restores_each_step_exactly(tmp_path: Path) -> None:
     shm = _shm()
-    with CheckpointManager(tmp_path, executor="process", keep_last=3) as manager:
+    with CheckpointManager(tmp_path, keep_last=3, runtime=Runtime(executor="process")) as manager:
         pids = {ready_worker(manager)}
         for step in range(3):
             handle = manager.save(step, make_state(step))
@@ -97,7 +101,7 @@ def test_saves_in_one_worker_and_restores_each_step_exactly(tmp_path: Path) -> N
 def test_a_tensor_changed_during_the_copy_fails_the_save(tmp_path: Path) -> None:
     state = {"w": torch.zeros(1000), "step": 1}
     returned: list[Any] = []
-    with CheckpointManager(tmp_path, executor="process") as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(executor="process")) as manager:
         with hold_staging(manager.stager):
             saver = threading.Thread(target=lambda: returned.append(manager.save(1, state)))
             saver.start()
@@ -120,7 +124,7 @@ def test_a_tensor_changed_during_the_copy_fails_the_save(tmp_path: Path) -> None
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_a_failed_write_reaches_the_handle_as_the_same_error(tmp_path: Path, executor: str) -> None:
     writer = DiesInWriteData(tmp_path)
-    with CheckpointManager(tmp_path, writer=writer, executor=executor) as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(writer=writer, executor=executor)) as manager:
         if executor == "process":
             ready_worker(manager)
         handle = manager.save(1, make_state())
@@ -137,7 +141,9 @@ def test_a_failed_write_reaches_the_handle_as_the_same_error(tmp_path: Path, exe
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_the_budget_holds_as_with_threads(tmp_path: Path, executor: str) -> None:
     budget = MemoryBudget(usable_bytes=256 << 10, reserve_bytes=0)
-    with CheckpointManager(tmp_path, budget=budget, executor=executor) as manager:
+    with CheckpointManager(
+        tmp_path, bounds=Bounds(budget=budget), runtime=Runtime(executor=executor)
+    ) as manager:
         with pytest.raises(BudgetExceededError):
             manager.save(1, {"w": torch.zeros(1 << 18)})  # 1 MiB
         handle = manager.save(2, {"w": torch.zeros(1 << 14)})  # 64 KiB
@@ -150,7 +156,9 @@ def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
 ) -> None:
     shm = _shm()
     writer = DiesMidWrite(str(tmp_path), victim=0, at_step=2)  # SIGKILLs the worker in step 2
-    with CheckpointManager(tmp_path, writer=writer, executor="process", keep_last=5) as manager:
+    with CheckpointManager(
+        tmp_path, keep_last=5, runtime=Runtime(writer=writer, executor="process")
+    ) as manager:
         ready_worker(manager)  # on the thread path its SIGKILL would hit this process
         assert manager.save(1, make_state(1)).committed.result(_TIMEOUT_S) == "step_000000001"
         first = _worker_pid(manager)
@@ -173,7 +181,7 @@ def test_a_worker_killed_mid_save_fails_that_save_and_the_next_starts_a_new_one(
 
 
 def test_a_worker_killed_between_saves_is_replaced(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path, executor="process") as manager:
+    with CheckpointManager(tmp_path, runtime=Runtime(executor="process")) as manager:
         manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
         first = _worker_pid(manager)
         os.kill(first, signal.SIGKILL)
@@ -183,7 +191,7 @@ def test_a_worker_killed_between_saves_is_replaced(tmp_path: Path) -> None:
 
 
 def test_close_stops_a_hung_worker_within_its_timeout(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path, executor="process")
+    manager = CheckpointManager(tmp_path, runtime=Runtime(executor="process"))
     manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)
     worker = _worker_pid(manager)
     os.kill(worker, signal.SIGSTOP)  # it will never answer "close"
@@ -198,7 +206,9 @@ def test_close_stops_a_hung_worker_within_its_timeout(tmp_path: Path) -> None:
 
 def test_replication_runs_in_the_worker(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with CheckpointManager(local, replicate_to=remote, executor="process") as manager:
+    with CheckpointManager(
+        Topology.of(local, replicate_to=remote), runtime=Runtime(executor="process")
+    ) as manager:
         ready_worker(manager)
         handle = manager.save(1, make_state(1))
         handle.committed.result(_TIMEOUT_S)
@@ -211,7 +221,8 @@ def test_the_workers_phase_spans_reach_the_parents_telemetry(tmp_path: Path) -> 
     local, remote = tmp_path / "local", tmp_path / "remote"
     with Telemetry(sample_memory=False) as tel:
         with CheckpointManager(
-            local, replicate_to=remote, executor="process", telemetry=tel
+            Topology.of(local, replicate_to=remote),
+            runtime=Runtime(executor="process", telemetry=tel),
         ) as manager:
             ready_worker(manager)
             handle = manager.save(4, make_state(4))
@@ -244,7 +255,7 @@ def test_a_failure_to_record_the_workers_spans_never_fails_the_save(
 
     with (
         Broken(sample_memory=False) as tel,
-        CheckpointManager(tmp_path, executor="process", telemetry=tel) as manager,
+        CheckpointManager(tmp_path, runtime=Runtime(executor="process", telemetry=tel)) as manager,
     ):
         ready_worker(manager)
         handle = manager.save(1, make_state(1))
@@ -257,7 +268,9 @@ def test_a_failed_write_in_the_worker_fails_its_span_and_its_replication(tmp_pat
     local, remote = tmp_path / "local", tmp_path / "remote"
     writer = DiesInWriteData(local, replicate_to=remote)
     with Telemetry(sample_memory=False) as tel:
-        manager = CheckpointManager(local, writer=writer, executor="process", telemetry=tel)
+        manager = CheckpointManager(
+            local, runtime=Runtime(writer=writer, executor="process", telemetry=tel)
+        )
         ready_worker(manager)
         handle = manager.save(1, make_state())
         with pytest.raises(CommitError, match="injected"):
@@ -283,7 +296,10 @@ def test_a_checkpoint_damaged_after_its_commit_fails_its_check_and_prunes_nothin
 ) -> None:
     writer = DamagesAfterCommit(str(tmp_path), at_step=3, part=part)
     with CheckpointManager(
-        tmp_path, writer=writer, executor=executor, keep_last=1, validate=validate
+        tmp_path,
+        keep_last=1,
+        policy=SavePolicy(validate=validate),
+        runtime=Runtime(writer=writer, executor=executor),
     ) as manager:
         if executor == "process":
             ready_worker(manager)
@@ -312,7 +328,7 @@ def test_the_worker_checks_each_commit_so_training_parses_no_manifest(
     # items); with the process executor the worker checks each commit and hands back its
     # header, which retention lists by.
     parsed = manifest_parses(monkeypatch)
-    with CheckpointManager(tmp_path, executor=executor, keep_last=2) as manager:
+    with CheckpointManager(tmp_path, keep_last=2, runtime=Runtime(executor=executor)) as manager:
         if executor == "process":
             ready_worker(manager)
         for step in range(1, 5):
@@ -328,8 +344,8 @@ def test_the_worker_checks_each_commit_so_training_parses_no_manifest(
 
 _PARENT = """
 import os, signal, sys, torch
-from dcp_safe import CheckpointManager
-manager = CheckpointManager(sys.argv[1], executor="process")
+from dcp_safe import CheckpointManager, Runtime
+manager = CheckpointManager(sys.argv[1], runtime=Runtime(executor="process"))
 manager.save(1, {"w": torch.ones(4096)}).committed.result(120)
 print(manager._runner.worker.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -358,9 +374,9 @@ def test_a_killed_parent_leaves_no_worker_and_no_shared_memory(tmp_path: Path) -
 
 def test_what_the_process_executor_refuses(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'auto', 'thread', 'process'"):
-        CheckpointManager(tmp_path, executor="fork")
+        CheckpointManager(tmp_path, runtime=Runtime(executor="fork"))
     with pytest.raises(ConfigError, match="shared_memory=True"):
-        CheckpointManager(tmp_path, executor="process", stager=BudgetedStager())
+        CheckpointManager(tmp_path, runtime=Runtime(executor="process", stager=BudgetedStager()))
 
 
 def test_the_state_crosses_by_place_and_errors_by_value() -> None:

@@ -1,4 +1,4 @@
-"""CheckpointManager(executor="process") on several ranks: the ranks' workers save over a gloo
+"""``Runtime(executor="process")`` on several ranks: the ranks' workers save over a gloo
 group of their own, with every guarantee of the thread executor.
 
 Real ranks (``run_ranks``, a real gloo default group), a real worker per rank, real files; a
@@ -26,10 +26,13 @@ from support import assert_state_equal, blank_like, checkpoint_workers, make_sta
 from support.faults import DiesMidWrite, RecordsPlans
 
 from dcp_safe import (
+    Bounds,
     CheckpointManager,
     CommitError,
     DivergentStateError,
+    Runtime,
     SnapshotMutatedError,
+    Topology,
     list_checkpoints,
 )
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
@@ -82,7 +85,10 @@ def _worker_pid(manager: CheckpointManager) -> int | None:
 def _save_three_then_restore(rank: int, world_size: int, root: str, record: str) -> dict[str, Any]:
     writer = RecordsPlans(root, record=record)
     with CheckpointManager(
-        root, writer=writer, executor="process", keep_last=3, deadline_s=DEADLINE_S
+        root,
+        keep_last=3,
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(writer=writer, executor="process"),
     ) as manager:
         pids = {ready_worker(manager)}
         for step in range(1, 4):
@@ -110,7 +116,10 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     writer = DiesMidWrite(root, victim=1, at_step=2)  # SIGKILLs rank 1's worker in step 2
     seen: dict[str, Any] = {}
     with CheckpointManager(
-        root, writer=writer, executor="process", keep_last=5, deadline_s=DEADLINE_S
+        root,
+        keep_last=5,
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(writer=writer, executor="process"),
     ) as manager:
         ready_worker(manager)  # on the thread path its SIGKILL would hit the rank
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
@@ -140,7 +149,9 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _rank_1_tears_its_snapshot(rank: int, world_size: int, root: str) -> dict[str, Any]:
     state = _state(rank, 1)
     seen: dict[str, Any] = {}
-    with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(
+        root, bounds=Bounds(deadline_s=DEADLINE_S), runtime=Runtime(executor="process")
+    ) as manager:
         ready_worker(manager)
         if rank == 1:
             returned: list[Any] = []
@@ -226,7 +237,10 @@ def test_one_ranks_torn_snapshot_fails_the_save_in_every_ranks_worker(tmp_path: 
 def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str) -> dict[str, Any]:
     node = nodes[rank]  # one rank per simulated node
     with CheckpointManager(
-        remote, node_local=node, executor="process", keep_last=2, deadline_s=DEADLINE_S
+        Topology.of(remote, node_local=node),
+        keep_last=2,
+        bounds=Bounds(deadline_s=DEADLINE_S),
+        runtime=Runtime(executor="process"),
     ) as manager:
         ready_worker(manager)
         for step in (1, 2, 3):
@@ -234,7 +248,9 @@ def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str)
             assert handle is not None
             handle.committed.result(_TIMEOUT_S)  # the remote commit exists
         pid = _worker_pid(manager)
-    with CheckpointManager(remote, node_local=node, executor="process") as manager:
+    with CheckpointManager(
+        Topology.of(remote, node_local=node), runtime=Runtime(executor="process")
+    ) as manager:
         target = blank_like(_state(rank, 3))
         name = manager.restore(target)
         assert_state_equal(target, _state(rank, 3), f"rank {rank} from its node cache")
@@ -260,7 +276,9 @@ def test_node_local_saves_run_in_the_workers_of_two_simulated_nodes(tmp_path: Pa
 
 def _divergent_on_a_cached_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(
+        root, bounds=Bounds(deadline_s=DEADLINE_S), runtime=Runtime(executor="process")
+    ) as manager:
         ready_worker(manager)
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
         odd = _state(rank, 2)
@@ -287,7 +305,9 @@ def test_divergent_replicated_values_are_refused_in_every_ranks_worker(tmp_path:
 
 
 def _killed_between_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    with CheckpointManager(root, executor="process", deadline_s=DEADLINE_S) as manager:
+    with CheckpointManager(
+        root, bounds=Bounds(deadline_s=DEADLINE_S), runtime=Runtime(executor="process")
+    ) as manager:
         ready_worker(manager)
         manager.save(1, _state(rank, 1)).committed.result(_TIMEOUT_S)
         first = _worker_pid(manager)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dcp_safe import CheckpointManager, list_checkpoints
+from dcp_safe import Bounds, CheckpointManager, Runtime, list_checkpoints
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -107,7 +107,9 @@ def _saves(rank: int, world_size: int, root: str, executor: str) -> dict[str, An
 
     DefaultSavePlanner.create_global_plan = counting  # type: ignore[method-assign]
     log = _GroupLog()
-    with CheckpointManager(root, deadline_s=20.0, executor=executor) as manager:
+    with CheckpointManager(
+        root, bounds=Bounds(deadline_s=20.0), runtime=Runtime(executor=executor)
+    ) as manager:
         if executor == "process":  # saves run on a thread until the worker is ready
             ready_worker(manager)
         manager.save(1, _state(world_size, 1))  # states built before the marks: a mesh is

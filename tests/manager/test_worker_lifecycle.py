@@ -24,9 +24,11 @@ from support import checkpoint_workers, make_state, ready_worker
 from support.faults import DiesMidWrite, StopsInWorker
 
 from dcp_safe import (
+    Bounds,
     CheckpointManager,
     CommitError,
     DrainTimeoutError,
+    Runtime,
     WorkerDiedError,
     list_checkpoints,
 )
@@ -64,7 +66,9 @@ def test_a_module_planted_in_the_working_directory_never_runs_in_the_worker(
     root.mkdir()
     (root / "psutil.py").write_text(planted, encoding="utf-8")  # the worker imports psutil
     monkeypatch.chdir(root)
-    with CheckpointManager(".", executor="process") as manager:  # the red team's call
+    with CheckpointManager(
+        ".", runtime=Runtime(executor="process")
+    ) as manager:  # the red team's call
         ready_worker(manager)
         handle = manager.save(1, make_state(1))
         assert handle is not None and handle.committed.result(_TIMEOUT_S) == "step_000000001"
@@ -75,8 +79,8 @@ _DIES_WHILE_ITS_WORKER_STARTS = """
 import os, signal, sys
 from concurrent.futures import Future
 import torch
-from dcp_safe import CheckpointManager
-manager = CheckpointManager(sys.argv[1], executor="process")
+from dcp_safe import CheckpointManager, Runtime
+manager = CheckpointManager(sys.argv[1], runtime=Runtime(executor="process"))
 worker = manager._runner.worker
 staged = Future()
 staged.set_result({"w": torch.ones(4096)})
@@ -106,7 +110,9 @@ def test_a_stopped_worker_fails_its_save_and_the_next_save_succeeds(tmp_path: Pa
     writer = StopsInWorker(str(tmp_path), at_step=2)
     # The worker's bound of silence follows the manager's deadlines: here 10 s.
     with CheckpointManager(
-        tmp_path, writer=writer, executor="process", wait_timeout_s=10
+        tmp_path,
+        bounds=Bounds(wait_timeout_s=10),
+        runtime=Runtime(writer=writer, executor="process"),
     ) as manager:
         first = ready_worker(manager)
         assert manager.save(1, make_state(1)).committed.result(_TIMEOUT_S) == "step_000000001"
@@ -123,7 +129,7 @@ def test_a_stopped_worker_fails_its_save_and_the_next_save_succeeds(tmp_path: Pa
 
 def test_close_kills_a_worker_stopped_mid_save(tmp_path: Path) -> None:
     writer = StopsInWorker(str(tmp_path), at_step=1)
-    manager = CheckpointManager(tmp_path, writer=writer, executor="process")
+    manager = CheckpointManager(tmp_path, runtime=Runtime(writer=writer, executor="process"))
     pid = ready_worker(manager)
     handle = manager.save(1, make_state(1))
     assert handle is not None
@@ -142,8 +148,8 @@ _FILE_SIZE_LIMIT = """
 import resource, sys
 import torch
 from support import ready_worker
-from dcp_safe import CheckpointManager
-manager = CheckpointManager(sys.argv[1], executor=sys.argv[2])
+from dcp_safe import CheckpointManager, Runtime
+manager = CheckpointManager(sys.argv[1], runtime=Runtime(executor=sys.argv[2]))
 pid = ready_worker(manager) if sys.argv[2] == "process" else None
 state = {"w": torch.ones(1 << 18)}  # 1 MiB, past the limit
 manager.save(0, state).committed.result(120)  # its staging slabs exist before the limit
@@ -181,7 +187,10 @@ def _rank_1s_worker_stops_mid_save(rank: int, world_size: int, root: str) -> dic
     writer = DiesMidWrite(root, victim=1, signum=signal.SIGSTOP, at_step=2)
     seen: dict[str, Any] = {"error": None}
     with CheckpointManager(
-        root, writer=writer, executor="process", keep_last=5, deadline_s=_DEADLINE_S
+        root,
+        keep_last=5,
+        bounds=Bounds(deadline_s=_DEADLINE_S),
+        runtime=Runtime(writer=writer, executor="process"),
     ) as manager:
         ready_worker(manager)  # on the thread path its SIGSTOP would stop the rank
         manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from support import make_state, ready_worker
 
-from dcp_safe import CheckpointManager
+from dcp_safe import Bounds, CheckpointManager, Runtime
 from dcp_safe.manager.agreement import Vote, decide
 from dcp_safe.manager.groups import WORKERS
 from dcp_safe.manager.handles import BusyPolicy
@@ -63,7 +63,9 @@ def _save(manager: CheckpointManager, step: int) -> str:
 def test_saves_run_on_a_thread_until_the_worker_is_ready_then_in_it(
     tmp_path: Path, executor: str, held_workers: list[int]
 ) -> None:
-    with CheckpointManager(tmp_path, executor=executor, when_busy="wait") as manager:
+    with CheckpointManager(
+        tmp_path, when_busy="wait", runtime=Runtime(executor=executor)
+    ) as manager:
         assert manager.executor == "process"
         worker = manager._runner.worker
         assert worker is not None and worker.pid is None  # started by the first save request
@@ -89,7 +91,7 @@ def test_saves_run_on_a_thread_until_the_worker_is_ready_then_in_it(
 def test_after_a_worker_dies_saves_run_on_a_thread_until_its_replacement_is_ready(
     tmp_path: Path, held_workers: list[int]
 ) -> None:
-    with CheckpointManager(tmp_path, executor="process", keep_last=5) as manager:
+    with CheckpointManager(tmp_path, keep_last=5, runtime=Runtime(executor="process")) as manager:
         manager.save(1, make_state(1)).committed.result(_TIMEOUT_S)  # on a thread; starts one
         os.kill(held_workers[0], signal.SIGCONT)
         first = ready_worker(manager)
@@ -121,7 +123,9 @@ def test_the_ranks_save_in_their_workers_only_when_every_ranks_is_ready() -> Non
 
 def _one_rank_not_ready(rank: int, world_size: int, root: str) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    with CheckpointManager(root, executor="process", deadline_s=20.0) as manager:
+    with CheckpointManager(
+        root, bounds=Bounds(deadline_s=20.0), runtime=Runtime(executor="process")
+    ) as manager:
         seen["committed"] = [_save(manager, 1)]  # no worker yet on either rank
         seen["worker_saves"] = [manager.stats().worker_saves]
         ready_worker(manager)
@@ -155,7 +159,7 @@ def test_close_kills_a_worker_still_starting_without_waiting_for_it(
 ) -> None:
     # Held at birth, it would answer close only once let go: close must not wait on it (its
     # timeout is far beyond the test's own), and nothing of it may outlive the manager.
-    manager = CheckpointManager(tmp_path, executor="process")
+    manager = CheckpointManager(tmp_path, runtime=Runtime(executor="process"))
     assert _save(manager, 1) == "step_000000001"  # on a thread: the worker is still held
     manager.close(timeout_s=3600)
     assert len(held_workers) == 1
