@@ -70,7 +70,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging import BudgetedStager, StagerOptions
 from dcp_safe.staging._tree import collect_tensors
 from dcp_safe.staging.guard import SnapshotGuard
 
@@ -111,7 +111,7 @@ def measure(name: str, count: int, numel: int, rounds: int) -> dict[str, Any]:
     state = make_state(count, numel)
     sources = collect_tensors(state)
     buffers = [torch.empty_like(t) for t in sources]
-    on, off = BudgetedStager(), BudgetedStager(mutation_guard=False)
+    on, off = BudgetedStager(), BudgetedStager(options=StagerOptions(mutation_guard=False))
     times: dict[str, list[float]] = {"floor": [], "guard": [], "on": [], "off": []}
     try:
         staging(on, state), staging(off, state), copy_floor(sources, buffers)  # warm up
@@ -191,8 +191,8 @@ def loop(name: str, count: int, numel: int, args: argparse.Namespace, work: Path
     sources = collect_tensors(state)
     buffers = [torch.empty_like(t) for t in sources]
     stagers: dict[str, Any] = {
-        "on": BudgetedStager(pin_memory="off"),
-        "off": BudgetedStager(pin_memory="off", mutation_guard=False),
+        "on": BudgetedStager(options=StagerOptions(pin_memory="off")),
+        "off": BudgetedStager(options=StagerOptions(pin_memory="off", mutation_guard=False)),
         "dcp": NullStager(),
     }
     blocked: dict[str, list[float]] = {k: [] for k in stagers}

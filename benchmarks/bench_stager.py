@@ -89,7 +89,7 @@ def run_variant(variant: str, kind: str, size_gib: float) -> dict[str, Any]:
         StagingOptions,
     )
 
-    from dcp_safe.staging import BudgetedStager
+    from dcp_safe.staging import BudgetedStager, StagerOptions
 
     state = make_state(kind, size_gib)
     staged_bytes = sum(t.nbytes for t in _tensors(state))
@@ -117,7 +117,9 @@ def run_variant(variant: str, kind: str, size_gib: float) -> dict[str, Any]:
         else:
             if variant.startswith("budgeted"):
                 shared = variant == "budgeted_shared"
-                stager = BudgetedStager(pin_memory="off", shared_memory=shared)
+                stager = BudgetedStager(
+                    options=StagerOptions(pin_memory="off"), shared_memory=shared
+                )
                 if variant in ("budgeted_warm", "budgeted_shared"):
                     stager.warm_up(state)
             elif variant == "default_stager":
@@ -204,14 +206,16 @@ def run_many(count: int, tensor_kib: int, rounds: int, flat: bool) -> dict[str, 
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     from dcp_safe.bench.measure import median, rotate
-    from dcp_safe.staging import BudgetedStager
+    from dcp_safe.staging import BudgetedStager, StagerOptions
 
     state = many_state(count, tensor_kib, flat)
     sources = _tensors(state)
     floor_buffers = [torch.empty_like(t).zero_() for t in sources]
     stagers: dict[str, Any] = {
-        "budgeted": BudgetedStager(pin_memory="off"),
-        "budgeted_shared": BudgetedStager(pin_memory="off", shared_memory=True),
+        "budgeted": BudgetedStager(options=StagerOptions(pin_memory="off")),
+        "budgeted_shared": BudgetedStager(
+            options=StagerOptions(pin_memory="off"), shared_memory=True
+        ),
         "default_stager": DefaultStager(StagingOptions(False, False, True, False)),
     }
     workdir = Path(tempfile.mkdtemp(prefix="bench_stager_many_"))

@@ -121,7 +121,7 @@ def main() -> int:
         return 0
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from dcp_safe.staging import BudgetedStager
+    from dcp_safe.staging import BudgetedStager, StagerOptions
 
     state = _state(args.size_gib)
     nbytes = sum(t.nbytes for t in _tensors(state))
@@ -138,7 +138,7 @@ def main() -> int:
         failures += _mismatches(staged, state)
         rows.append({"method": f"{method}, save {i}", **times, "gbps": nbytes / times["stall_s"]})
 
-    stager = BudgetedStager(pin_memory="auto", timeout_s=120)
+    stager = BudgetedStager(options=StagerOptions(pin_memory="auto", timeout_s=120))
     warm_s, _ = _timed(lambda: stager.warm_up(state))
     first_allocated = stager.stats().allocated_bytes_total
     for i in (1, 2):
@@ -161,7 +161,9 @@ def main() -> int:
 
     # The process executor's stager: its buffers in memfd slabs, page-locked by the CUDA
     # runtime (issue #30: its stall within 1.1x of the private pinned pool's).
-    shared = BudgetedStager(pin_memory="auto", shared_memory=True, timeout_s=120)
+    shared = BudgetedStager(
+        options=StagerOptions(pin_memory="auto", timeout_s=120), shared_memory=True
+    )
     shared.warm_up(state)
     for i in (1, 2):
         save("BudgetedStager shared slabs", i, lambda: shared.stage(state))

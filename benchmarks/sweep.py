@@ -18,7 +18,7 @@ and for S3 the moto server, the boto3 multipart floor and the object clean-up of
 
 Contenders (all through ``dcp.async_save``; fsync on for local writers):
 
-* ``dcp_safe``: ``BudgetedStager(pin_memory="off")`` + ``SafeStorageWriter``;
+* ``dcp_safe``: an unpinned ``BudgetedStager`` + ``SafeStorageWriter``;
 * ``torch_default_async``: ``FileSystemWriter(sync_files=True)``, no stager (DCP's default);
 * ``torch_default_stager``: ``DefaultStager`` with CPU options (async staging, no pinning);
 * ``torch_blocking_cached``: ``BlockingAsyncStager(cache_staged_state_dict=True)``;

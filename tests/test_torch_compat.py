@@ -145,7 +145,7 @@ def test_async_save_resolves_stateful_values_once_and_skips_dcps_per_key_walks(
     walked = _count_walks(monkeypatch)
     counter = _Counter()
     state = {"w": torch.ones(2), "p": torch.nn.Parameter(torch.arange(3.0)), "counter": counter}
-    with BudgetedStager(when_busy="wait") as stager:
+    with BudgetedStager() as stager:
         response = dcp_safe.async_save(
             state,
             storage_writer=SafeStorageWriter(tmp_path),
@@ -157,7 +157,7 @@ def test_async_save_resolves_stateful_values_once_and_skips_dcps_per_key_walks(
         ours = response.upload_completion.result(60)
     assert walked == []  # neither on this thread nor on the upload thread
     assert counter.calls == 1
-    with BudgetedStager(when_busy="wait") as stager:  # DCP's own, on the same kind of copy
+    with BudgetedStager() as stager:  # DCP's own, on the same kind of copy
         response = state_dict_saver.async_save(
             state,
             storage_writer=FileSystemWriter(tmp_path / "torch"),
@@ -183,7 +183,7 @@ def test_async_save_hands_a_failed_staging_to_its_staging_future(
             failed.set_exception(RuntimeError("staging refused (test)"))
             return failed
 
-    with Refuses(when_busy="wait") as stager:
+    with Refuses() as stager:
         response = dcp_compat.dcp_async_save(
             {"w": torch.ones(2)},
             storage_writer=SafeStorageWriter(tmp_path),
@@ -205,7 +205,7 @@ def test_async_save_without_a_stager_or_with_dcps_process_executor_is_dcps_own(
     monkeypatch.setattr(state_dict_saver, "async_save", lambda s, **kw: calls.append(kw) or "dcp")
     assert dcp_compat.dcp_async_save({"w": torch.ones(1)}, checkpoint_id="a") == "dcp"
     process = state_dict_saver.AsyncCheckpointerType.PROCESS
-    with BudgetedStager(when_busy="wait") as stager:
+    with BudgetedStager() as stager:
         kwargs = {"async_stager": stager, "async_checkpointer_type": process}
         assert dcp_compat.dcp_async_save({"w": torch.ones(1)}, **kwargs) == "dcp"
     assert [sorted(kw) for kw in calls] == [["checkpoint_id"], sorted(kwargs)]

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 
 from dcp_safe.bench.measure import State
 from dcp_safe.dcp.writer import SafeStorageWriter
-from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging import BudgetedStager, PinMemory, StagerOptions
 
 __all__ = ["DcpSafeSaver", "Saver", "Started", "TorchSaver", "TorchStaging"]
 
@@ -78,7 +78,7 @@ def _split(response: Any) -> tuple[Future[Any] | None, Future[Any]]:
 
 
 class DcpSafeSaver:
-    """``BudgetedStager(pin_memory="off")`` + a fresh ``SafeStorageWriter`` per save.
+    """An unpinned ``BudgetedStager`` + a fresh ``SafeStorageWriter`` per save.
 
     Args:
         root: local folder or URL the writer saves under.
@@ -109,7 +109,7 @@ class DcpSafeSaver:
             "replicate_storage_options": replicate_storage_options,
             "thread_count": thread_count,
         }
-        self.stager = BudgetedStager(pin_memory="off")
+        self.stager = BudgetedStager(options=StagerOptions(pin_memory=PinMemory.OFF))
         self._writers: list[SafeStorageWriter] = []
 
     def writer_for(self, name: str) -> SafeStorageWriter:

@@ -195,7 +195,7 @@ def _train_and_save(
 ) -> None:
     budget = MemoryBudget.from_host()
     # Shared memory, so the default executor can hand the staged copies to its worker process.
-    stager = BudgetedStager(budget, when_busy="wait", shared_memory=True)
+    stager = BudgetedStager(budget, shared_memory=True)
     report.budget = budget
     # The sampler's own reader, so "before" and "peak" are the same figure (VmRSS).
     report.rss_before_bytes = ProcReader().read(rollup=False)["rss_bytes"] or 0

@@ -152,7 +152,7 @@ class CheckpointManager:
             runtime.executor, stager, writer, writer_given=runtime.writer is not None
         )
         in_process = self.executor == "process"
-        self.stager = stager or BudgetedStager(budget, when_busy="wait", shared_memory=in_process)
+        self.stager = stager or BudgetedStager(budget, shared_memory=in_process)
         self.telemetry = telemetry
         self._spans = SaveSpans(telemetry)
         if telemetry is not None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 
-from dcp_safe.choices import check_agrees, parse_choice
+from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.staging.pool import PinMemory
 
-__all__ = ["StagerOptions", "StagerStats", "WhenBusy", "stager_options"]
+__all__ = ["STAGER_MOVED", "StagerOptions", "StagerStats", "WhenBusy"]
 
 
 class WhenBusy(str, Enum):
@@ -64,40 +65,11 @@ class StagerOptions:
             raise ConfigError(f"mutation_guard must be a bool, got {self.mutation_guard!r}")
 
 
-def stager_options(
-    options: StagerOptions | None,
-    *,
-    max_in_flight: int,
-    pin_memory: PinMemory | str | bool,
-    when_busy: WhenBusy | str,
-    timeout_s: float,
-    mutation_guard: bool,
-) -> StagerOptions:
-    """``options``, else the stager's keywords as one :class:`StagerOptions`.
-
-    Raises:
-        ConfigError: a keyword set away from its default disagrees with ``options``, or a
-            value is out of range.
-    """
-    keywords = StagerOptions(
-        max_in_flight=max_in_flight,
-        pin_memory=PinMemory.coerce(pin_memory),
-        when_busy=WhenBusy.coerce(when_busy),
-        timeout_s=timeout_s,
-        mutation_guard=mutation_guard,
-    )
-    if options is None:
-        return keywords
-    if not isinstance(options, StagerOptions):
-        raise ConfigError(f"options must be a StagerOptions, got {type(options).__name__}")
-    defaults = StagerOptions()
-    given = {
-        field.name: getattr(keywords, field.name)
-        for field in fields(StagerOptions)
-        if getattr(keywords, field.name) != getattr(defaults, field.name)
-    }
-    check_agrees(options, given)
-    return options
+#: Every keyword ``BudgetedStager`` took before ``options=``, and where it lives now.
+STAGER_MOVED: Mapping[str, str] = {
+    name: f"options=StagerOptions({name}=...)"
+    for name in ("max_in_flight", "pin_memory", "when_busy", "timeout_s", "mutation_guard")
+}
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
 from dcp_safe.staging._tree import rebuild
@@ -49,10 +50,10 @@ from dcp_safe.staging.generation import (
     torn_verdict,
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
-from dcp_safe.staging.options import StagerOptions, StagerStats, WhenBusy, stager_options
+from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
-from dcp_safe.staging.pool import BufferPool, BufferRequest, PinMemory
+from dcp_safe.staging.pool import BufferPool, BufferRequest
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.staging.slab_pinning import CudaSlabPinning
 from dcp_safe.units import format_bytes
@@ -74,14 +75,16 @@ class BudgetedStager(AsyncStager):
     Args:
         budget: the host-memory envelope; ``None`` reads this host now
             (:meth:`MemoryBudget.from_host`).
-        max_in_flight, pin_memory, when_busy, timeout_s, mutation_guard: see
-            :class:`StagerOptions`.
-        options: those five settings as one :class:`StagerOptions`, instead of the keywords
-            (a keyword also set away from its default must agree with it).
+        options: admission, pinning and the mutation guard (:class:`StagerOptions`); ``None``:
+            its defaults.
         telemetry: records a ``staging`` span per save (admission wait and copy) and a
             ``release`` span when its buffers go back to the pool; off by default.
         shared_memory: stage into shared slabs a worker process can map (:attr:`shared`; the
-            manager's ``executor="process"``), page-locked as ``pin_memory`` says.
+            manager's ``executor="process"``), page-locked as ``options.pin_memory`` says.
+
+    Raises:
+        ConfigError: ``options`` not a :class:`StagerOptions`, or a keyword of the earlier
+            layout (``pin_memory=``, ...; :data:`~dcp_safe.staging.options.STAGER_MOVED`).
 
     Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
     """
@@ -92,26 +95,18 @@ class BudgetedStager(AsyncStager):
         self,
         budget: MemoryBudget | None = None,
         *,
-        max_in_flight: int = 1,
-        pin_memory: PinMemory | str | bool = "auto",
-        when_busy: WhenBusy | str = "wait",
-        timeout_s: float = 600.0,
-        mutation_guard: bool = True,
         options: StagerOptions | None = None,
         telemetry: StagerObserver | None = None,
         shared_memory: bool = False,
+        **moved: Any,
     ) -> None:
+        refuse_moved("BudgetedStager", moved, STAGER_MOVED)
+        if options is not None and not isinstance(options, StagerOptions):
+            raise ConfigError(f"options must be a StagerOptions, got {type(options).__name__}")
+        self.options = options if options is not None else StagerOptions()
         self.telemetry: Recorder = NULL_RECORDER
         if telemetry is not None:
             telemetry.attach_stager(self)
-        self.options = stager_options(
-            options,
-            max_in_flight=max_in_flight,
-            pin_memory=pin_memory,
-            when_busy=when_busy,
-            timeout_s=timeout_s,
-            mutation_guard=mutation_guard,
-        )
         self.budget = budget if budget is not None else MemoryBudget.from_host()
         # Buffers a worker process can read (:mod:`dcp_safe.staging.shared`); ``None``: private.
         self.shared = (

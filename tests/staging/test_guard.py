@@ -22,6 +22,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     SnapshotMutatedError,
+    StagerOptions,
     list_checkpoints,
 )
 from dcp_safe.staging.guard import SnapshotGuard
@@ -156,7 +157,7 @@ def test_a_guard_off_stager_commits_the_torn_state_the_guard_refuses(tmp_path: P
     """Why the guard is on by default: without it the same update is committed, verified."""
     state = _state()
     weight = state["model"]["layer1.weight"]
-    with BudgetedStager(mutation_guard=False) as stager:
+    with BudgetedStager(options=StagerOptions(mutation_guard=False)) as stager:
         response = _save_held(tmp_path, stager, state, "torn", lambda: weight.add_(5))
         response.upload_completion.result(timeout=60)
     loaded = _load(tmp_path, "torn", state)

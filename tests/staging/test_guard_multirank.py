@@ -20,6 +20,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     SnapshotMutatedError,
+    StagerOptions,
     list_checkpoints,
 )
 from dcp_safe.staging import MemoryBudget
@@ -97,7 +98,7 @@ def _rank_1_outgrows_its_budget(rank: int, world_size: int, root: str) -> dict[s
     state = {f"rank{rank}.w": torch.ones(4096)}  # 16 KiB
     budget = MemoryBudget(usable_bytes=1 * MiB, reserve_bytes=0, available_bytes=1 * MiB)
     seen: dict[str, Any] = {}
-    with BudgetedStager(budget, pin_memory="off") as stager:
+    with BudgetedStager(budget, options=StagerOptions(pin_memory="off")) as stager:
         _save(state, root, "first", stager).upload_completion.result(timeout=120)
         if rank == 1:
             # Same keys, so stage() reuses the last plan on the caller's thread; the staging

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
 
 MiB = 1 << 20
 
@@ -33,7 +33,9 @@ def _save(stager: BudgetedStager, state: dict[str, Any], path: Path, keep: objec
 
 
 def _stager() -> BudgetedStager:
-    return BudgetedStager(MemoryBudget(usable_bytes=64 * MiB, reserve_bytes=0), timeout_s=30)
+    return BudgetedStager(
+        MemoryBudget(usable_bytes=64 * MiB, reserve_bytes=0), options=StagerOptions(timeout_s=30)
+    )
 
 
 def test_a_successful_upload_is_kept_under_its_tag_and_replaces_the_one_before(

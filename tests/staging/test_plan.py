@@ -15,13 +15,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_safe.errors import SnapshotMutatedError
-from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
 from dcp_safe.staging.generation import holds_its_bytes
 from dcp_safe.staging.plan import scan
 from dcp_safe.staging.pool import BufferPool
 from dcp_safe.testing.staging import hold_staging
 
 MiB = 1 << 20
+# Pageable buffers even where CUDA is available: pinning is not what these tests check.
+CPU = StagerOptions(pin_memory="off")
 
 
 def _budget() -> MemoryBudget:
@@ -62,7 +64,7 @@ def _same(staged: Any, live: Any) -> bool:
 
 def test_plan_and_views_are_reused_while_the_layout_is_unchanged() -> None:
     state = _state()
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         first = _stage(stager, state)
         pointers = [t.data_ptr() for t in first["model"].values()]
         del first
@@ -117,7 +119,7 @@ def test_a_layout_change_builds_a_new_plan_with_the_right_bytes(
     change: Callable[[dict[str, Any]], None],
 ) -> None:
     state = _state()
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         for _ in range(2):
             staged = _stage(stager, state)
             del staged
@@ -137,7 +139,7 @@ def test_a_layout_change_builds_a_new_plan_with_the_right_bytes(
 def test_a_non_contiguous_source_is_staged_contiguous_with_its_values() -> None:
     state = _state()
     _to_view(state)
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         for _ in range(2):
             staged = _stage(stager, state)
             assert _same(staged, state) and staged["model"]["layers.0.weight"].is_contiguous()
@@ -146,7 +148,7 @@ def test_a_non_contiguous_source_is_staged_contiguous_with_its_values() -> None:
 
 def test_alternating_layouts_each_keep_their_plan() -> None:
     model, optim = _state(4), {"optim": {"m": torch.ones(64), "v": torch.zeros(64)}}
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         for _ in range(3):
             for state in (model, optim):
                 staged = _stage(stager, state)
@@ -167,7 +169,7 @@ def test_everything_that_is_not_a_pooled_tensor_is_copied_as_before() -> None:
         "lists": [shared_list, shared_list, (torch.ones(2), "x")],
         "step": 1,
     }
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         for _ in range(2):
             staged = _stage(stager, state)
             assert type(staged["model"]) is OrderedDict
@@ -186,7 +188,7 @@ def test_everything_that_is_not_a_pooled_tensor_is_copied_as_before() -> None:
 
 def test_a_reused_view_kept_by_a_caller_is_never_overwritten() -> None:
     state = {"w": torch.ones(1024), "b": torch.ones(8)}
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         staged = _stage(stager, state)
         del staged
         staged = _stage(stager, state)  # the cached views themselves
@@ -201,7 +203,7 @@ def test_a_reused_view_kept_by_a_caller_is_never_overwritten() -> None:
 
 def test_a_reused_view_read_through_another_view_is_never_overwritten() -> None:
     state = {"w": torch.ones(1024)}
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         staged = _stage(stager, state)
         del staged
         staged = _stage(stager, state)
@@ -215,7 +217,7 @@ def test_a_reused_view_read_through_another_view_is_never_overwritten() -> None:
 
 def test_the_guard_still_refuses_an_update_during_a_reused_plans_copy(tmp_path: Path) -> None:
     state = _state()
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         for name in ("a", "b"):
             stager.async_save(
                 state, storage_writer=FileSystemWriter(tmp_path / name), no_dist=True
@@ -243,7 +245,9 @@ def test_a_freed_source_storage_is_refused_before_its_chunk_is_copied(guard: boo
     # Freeing a storage (as FSDP frees an unsharded parameter) moves no version counter: the
     # copy itself must refuse it, whether or not the guard is on, or it reads released memory.
     state = {"w": torch.ones(64), "v": torch.ones(64)}
-    with BudgetedStager(_budget(), pin_memory="off", mutation_guard=guard) as stager:
+    with BudgetedStager(
+        _budget(), options=StagerOptions(pin_memory="off", mutation_guard=guard)
+    ) as stager:
         staged = _stage(stager, state)
         del staged
         _settle(stager)
@@ -257,7 +261,7 @@ def test_a_freed_source_storage_is_refused_before_its_chunk_is_copied(guard: boo
 
 def test_a_storage_swapped_between_saves_is_checked_and_staged_with_its_new_bytes() -> None:
     state = {"w": torch.ones(64), "v": torch.ones(64)}
-    with BudgetedStager(_budget(), pin_memory="off") as stager:
+    with BudgetedStager(_budget(), options=CPU) as stager:
         staged = _stage(stager, state)
         del staged
         state["v"].data = torch.full((64,), 7.0)  # a new storage, no version bump

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.staging import BudgetedStager
+from dcp_safe.staging import BudgetedStager, StagerOptions
 from dcp_safe.staging.shared import SharedSlabs
 
 
@@ -76,7 +76,7 @@ def test_pinned_shared_slabs_need_cuda_as_pinned_buffers_do() -> None:
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA: benchmarks/gpu_check.py checks pinned slabs there")
     with pytest.raises(ConfigError, match="needs CUDA"):
-        BudgetedStager(shared_memory=True, pin_memory="on")
+        BudgetedStager(options=StagerOptions(pin_memory="on"), shared_memory=True)
     with BudgetedStager(shared_memory=True) as stager:  # auto: pageable without CUDA
         assert stager.shared is not None and stager.shared.pinning is None
 
@@ -155,7 +155,7 @@ def test_a_slab_the_runtime_refuses_to_lock_stays_usable_and_pageable(
 
 def test_a_pinned_shared_stager_reports_its_locked_slabs() -> None:
     state = {"w": torch.randn(64, 64), "b": torch.arange(10), "step": 3}
-    with BudgetedStager(shared_memory=True, pin_memory="off") as stager:
+    with BudgetedStager(options=StagerOptions(pin_memory="off"), shared_memory=True) as stager:
         assert stager.shared is not None
         stager.shared.pinning = pinning = RecordingPinning()  # a CUDA host, for the slabs
         staged = stager.stage(state).result(60)

@@ -15,12 +15,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_safe.errors import AdmissionTimeoutError, BudgetExceededError, SnapshotMutatedError
-from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
 from dcp_safe.staging.plan import PlanCache, scan
 from dcp_safe.staging.pool import BufferPool
 from dcp_safe.testing.staging import hold_staging
 
 KiB = 1 << 10
+# Pageable buffers even where CUDA is available: pinning is not what these tests check.
+CPU = StagerOptions(pin_memory="off")
 
 
 def _budget(nbytes: int) -> MemoryBudget:
@@ -56,7 +58,7 @@ def test_speculate_offers_the_last_plan_only_for_the_same_structure() -> None:
 
 def test_a_shape_change_under_the_same_keys_gets_a_fresh_plan_and_right_bytes() -> None:
     state = _state()
-    with BudgetedStager(_budget(1 << 20), pin_memory="off") as stager:
+    with BudgetedStager(_budget(1 << 20), options=CPU) as stager:
         for _ in range(2):
             del _stage(stager, state)["model"]
         state["model"]["w1"] = torch.arange(4096, dtype=torch.float32)  # larger than its buffer
@@ -73,7 +75,7 @@ def test_a_shape_change_under_the_same_keys_gets_a_fresh_plan_and_right_bytes() 
 
 def test_an_aliasing_change_under_the_same_keys_is_staged_as_one_tensor() -> None:
     state = _state()
-    with BudgetedStager(_budget(1 << 20), pin_memory="off") as stager:
+    with BudgetedStager(_budget(1 << 20), options=CPU) as stager:
         del _stage(stager, state)["model"]
         state["model"]["w3"] = state["model"]["w0"]
         staged = _stage(stager, state)
@@ -86,7 +88,7 @@ def test_readmission_of_a_changed_layout_never_exceeds_the_budget() -> None:
     # guessed lease must be given back before the new one is taken.
     state = _state(256)
     envelope = 8 * KiB
-    with BudgetedStager(_budget(envelope), pin_memory="off") as stager:
+    with BudgetedStager(_budget(envelope), options=CPU) as stager:
         for _ in range(2):
             del _stage(stager, state)["model"]
         state["model"]["w0"] = torch.ones(1024)  # 4 KiB instead of 1 KiB
@@ -99,7 +101,7 @@ def test_readmission_of_a_changed_layout_never_exceeds_the_budget() -> None:
 
 def test_a_changed_layout_larger_than_the_envelope_fails_the_staging_future() -> None:
     state = _state(256)
-    with BudgetedStager(_budget(8 * KiB), pin_memory="off") as stager:
+    with BudgetedStager(_budget(8 * KiB), options=CPU) as stager:
         del _stage(stager, state)["model"]
         state["model"]["w0"] = torch.ones(4096)  # 16 KiB: can never fit
         stager.run_on_staging_thread(lambda: None).result()
@@ -115,7 +117,8 @@ def test_a_changed_layout_larger_than_the_envelope_fails_the_staging_future() ->
 def test_a_changed_layout_that_does_not_fit_beside_another_save_is_refused() -> None:
     state = _state(256)  # 4 KiB
     with BudgetedStager(
-        _budget(10 * KiB), pin_memory="off", max_in_flight=2, when_busy="raise"
+        _budget(10 * KiB),
+        options=StagerOptions(pin_memory="off", max_in_flight=2, when_busy="raise"),
     ) as stager:
         held = _stage(stager, state)  # in flight, holding 4 KiB
         try:
@@ -131,7 +134,7 @@ def test_a_changed_layout_that_does_not_fit_beside_another_save_is_refused() -> 
 
 def test_an_update_during_a_changed_layouts_copy_is_still_refused(tmp_path: Path) -> None:
     state = _state()
-    with BudgetedStager(_budget(1 << 20), pin_memory="off") as stager:
+    with BudgetedStager(_budget(1 << 20), options=CPU) as stager:
         del _stage(stager, state)["model"]
         state["model"]["w1"] = torch.ones(512)  # the guess is wrong: re-planned on the thread
         with hold_staging(stager):
@@ -150,7 +153,7 @@ def test_an_update_of_a_tensor_the_guessed_plan_did_not_pick_is_still_refused() 
     # plan does not copy. Its counter is read at the request all the same.
     state = _state()
     state["model"]["w3"] = state["model"]["w0"]
-    with BudgetedStager(_budget(1 << 20), pin_memory="off") as stager:
+    with BudgetedStager(_budget(1 << 20), options=CPU) as stager:
         del _stage(stager, state)["model"]
         state["model"]["w3"] = torch.full((256,), 3.0)
         stager.run_on_staging_thread(lambda: None).result()

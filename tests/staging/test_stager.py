@@ -193,7 +193,9 @@ def test_burst_against_slow_storage_stays_bounded(
     envelope = int(1.5 * max_in_flight * MiB)
     seen = {"in_flight": 0, "pool": 0}
     stop = threading.Event()
-    with BudgetedStager(_budget(envelope), max_in_flight=max_in_flight, timeout_s=60) as stager:
+    with BudgetedStager(
+        _budget(envelope), options=StagerOptions(max_in_flight=max_in_flight, timeout_s=60)
+    ) as stager:
 
         def sample() -> None:
             while not stop.is_set():
@@ -229,7 +231,7 @@ def test_failed_upload_releases_buffers_and_next_save_works(
     state = _state()
     # Room for one generation only: the next save must reuse the failed one's buffers.
     envelope = int(1.5 * sum(t.nbytes for t in _tensors(state)))
-    with BudgetedStager(_budget(envelope), timeout_s=30) as stager:
+    with BudgetedStager(_budget(envelope), options=StagerOptions(timeout_s=30)) as stager:
         slow_fs.fail_writes = 1
         failed = stager.async_save(
             state, storage_writer=FsspecWriter(f"slowfile://{tmp_path}/bad"), no_dist=True
@@ -251,7 +253,7 @@ def test_untracked_failed_upload_is_released_when_its_response_is_dropped(
     tmp_path: Path, slow_fs: type[SlowFileSystem]
 ) -> None:
     state = _state()
-    with BudgetedStager(_budget(), timeout_s=30) as stager:
+    with BudgetedStager(_budget(), options=StagerOptions(timeout_s=30)) as stager:
         slow_fs.fail_writes = 1
         failed = dcp.async_save(
             state,
@@ -286,7 +288,9 @@ def test_busy_stager_refuses_or_times_out(tmp_path: Path, slow_fs: type[SlowFile
     slow_fs.delay_s = 1.0
     state = _state()
     for when_busy in ("raise", "wait"):
-        with BudgetedStager(_budget(), when_busy=when_busy, timeout_s=0.2) as stager:
+        with BudgetedStager(
+            _budget(), options=StagerOptions(when_busy=when_busy, timeout_s=0.2)
+        ) as stager:
             first = stager.async_save(
                 state,
                 storage_writer=FsspecWriter(f"slowfile://{tmp_path}/{when_busy}"),
@@ -304,7 +308,7 @@ def test_close_waits_for_work_in_flight_and_propagates_its_error(
 ) -> None:
     slow_fs.delay_s = 0.3
     slow_fs.fail_writes = 1
-    stager = BudgetedStager(_budget(), timeout_s=30)
+    stager = BudgetedStager(_budget(), options=StagerOptions(timeout_s=30))
     response = stager.async_save(
         _state(), storage_writer=FsspecWriter(f"slowfile://{tmp_path}/c"), no_dist=True
     )
@@ -318,7 +322,7 @@ def test_close_waits_for_work_in_flight_and_propagates_its_error(
 
 def test_close_waits_for_a_successful_upload(tmp_path: Path, slow_fs: type[SlowFileSystem]) -> None:
     slow_fs.delay_s = 0.2
-    stager = BudgetedStager(_budget(), timeout_s=30)
+    stager = BudgetedStager(_budget(), options=StagerOptions(timeout_s=30))
     response = dcp.async_save(
         _state(),
         storage_writer=FsspecWriter(f"slowfile://{tmp_path}/c"),
@@ -353,27 +357,39 @@ def test_track_without_a_staged_save_is_a_config_error() -> None:
 )
 def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
-        BudgetedStager(_budget(), **kwargs)
+        StagerOptions(**kwargs)
 
 
-def test_options_dataclass_is_an_alternative_to_the_keywords() -> None:
+def test_options_are_one_dataclass() -> None:
     options = StagerOptions(max_in_flight=2, when_busy="raise", timeout_s=5.0)
     with BudgetedStager(_budget(), options=options) as stager:
         assert stager.options is options
-    with BudgetedStager(_budget(), max_in_flight=2, when_busy="raise", timeout_s=5.0) as stager:
-        assert stager.options == options
-    with BudgetedStager(_budget(), max_in_flight=2, options=options) as stager:  # agrees
-        assert stager.options is options
+    with BudgetedStager(_budget()) as stager:
+        assert stager.options == StagerOptions()
+    with pytest.raises(ConfigError, match="options must be a StagerOptions, got dict"):
+        BudgetedStager(_budget(), options={"max_in_flight": 2})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_in_flight": 3}, {"pin_memory": "off"}, {"mutation_guard": False}]
+    ("name", "value"),
+    [
+        ("max_in_flight", 2),
+        ("pin_memory", "off"),
+        ("when_busy", "raise"),
+        ("timeout_s", 5.0),
+        ("mutation_guard", False),
+    ],
 )
-def test_a_keyword_that_disagrees_with_the_options_is_a_config_error(
-    kwargs: dict[str, Any],
+def test_a_keyword_of_the_earlier_layout_names_its_place_in_the_options(
+    name: str, value: object
 ) -> None:
-    with pytest.raises(ConfigError, match=next(iter(kwargs))):
-        BudgetedStager(_budget(), options=StagerOptions(max_in_flight=2), **kwargs)
+    with pytest.raises(ConfigError, match=rf"\({name}=\) moved to options=StagerOptions\({name}="):
+        BudgetedStager(_budget(), **{name: value})
+
+
+def test_an_unknown_keyword_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_inflight'"):
+        BudgetedStager(_budget(), max_inflight=2)
 
 
 def test_works_with_safe_storage_writer(tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ def test_telemetry_off_is_the_null_recorder_and_starts_no_thread(tmp_path: Path)
         handle.committed.result(DEADLINE_S)
         started = {t.name for t in threading.enumerate()} - before
     assert not any(name.startswith("dcp_safe-memory") for name in started)
-    assert BudgetedStager(when_busy="wait").telemetry is NULL_RECORDER
+    assert BudgetedStager().telemetry is NULL_RECORDER
 
 
 def test_state_dict_span_on_the_training_thread_is_a_profiler_range(tel: Telemetry) -> None:
