@@ -51,6 +51,7 @@ class FollowUp:
     flush_s: float
     verdicts: Verdicts | None = None
     in_memory: InMemoryTier | None = None  # keep_in_memory=True
+    has_worker: bool = False  # saves run in a worker process once it is ready
 
     def after_upload(
         self,
@@ -102,7 +103,8 @@ class FollowUp:
         self.ledger.record("committed", handle, tier="local", validated=True)
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: _keep(tier, handle))
-        self.switch.on_committed(handle)
+        # On a thread while the worker starts: not counted by the fallback (a start-up).
+        self.switch.on_committed(handle, counted=worker is not None or not self.has_worker)
         self._replicate(handle, writer, (worker or writer).replication)
         try:
             self.tiers.prune()

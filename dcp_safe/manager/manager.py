@@ -223,6 +223,7 @@ class CheckpointManager:
             self._runner.worker = SaveWorker(
                 self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups, adopt, deep
             )
+            self._follow_up.has_worker = True
         self._admitter = Admitter(
             agreement=self._agreement,
             slot=self._slot,

@@ -81,11 +81,12 @@ class FallbackSwitch:
         if first:
             self.ledger.record("fallback", handle, reason=agreed)
 
-    def on_committed(self, handle: SaveHandle) -> None:
-        """Feed the completion latency of a committed save (none waits for a checkpoint worker
-        to start: saves run on a thread until it is ready, so none is a start-up's)."""
+    def on_committed(self, handle: SaveHandle, *, counted: bool = True) -> None:
+        """Feed the completion latency of a committed save, unless not ``counted``: one that
+        ran on a thread while the checkpoint worker started shares the host with its imports
+        and carries the first save's one-time costs; the steady state is what is judged."""
         requested_at = self.ledger.completed(handle.name)
-        if requested_at is None:
+        if requested_at is None or not counted:
             return
         with self.cond:
             reason = self.monitor.on_completed(self.clock() - requested_at)

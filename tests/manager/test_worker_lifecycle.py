@@ -32,7 +32,10 @@ from dcp_safe import (
     WorkerDiedError,
     list_checkpoints,
 )
+from dcp_safe.manager import worker as worker_module
 from dcp_safe.testing.multiproc import run_ranks
+
+pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 _DEADLINE_S = 15.0  # with several ranks, the bound of a worker's silence
@@ -104,6 +107,36 @@ def test_a_worker_whose_rank_dies_while_it_starts_dies_and_commits_nothing(
     assert _gone(worker)
     assert list_checkpoints(tmp_path) == []
     assert not list(tmp_path.rglob("_COMMITTED"))  # nor a commit of that save anywhere
+
+
+def test_a_worker_killed_as_it_appears_is_a_death_not_an_error_of_the_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed before its parent could hand it the writer (chaos seed 162), the worker is one
+    that died: the request that started it saves on a thread, never a ``BrokenPipeError`` on
+    the training thread, and the next start brings up a worker that saves."""
+    real_spawn = worker_module._spawn
+    killed: list[int] = []
+
+    def spawn_then_kill(command: list[str], fd: int) -> Any:
+        popen = real_spawn(command, fd)
+        if not killed:
+            popen.kill()
+            popen.wait()
+            killed.append(popen.pid)
+        return popen
+
+    monkeypatch.setattr(worker_module, "_spawn", spawn_then_kill)
+    state = make_state(0)
+    with CheckpointManager(tmp_path, runtime=Runtime(executor="process")) as manager:
+        handle = manager.save(1, state)
+        assert handle is not None and killed
+        assert handle.committed.result(timeout=_TIMEOUT_S) == "step_000000001"
+        assert ready_worker(manager) not in killed
+        manager.save(2, state)
+        manager.wait()
+    assert manager.stats().worker_saves == 1
+    assert [c.name for c in list_checkpoints(tmp_path)][-1] == "step_000000002"
 
 
 def test_a_stopped_worker_fails_its_save_and_the_next_save_succeeds(tmp_path: Path) -> None:
@@ -210,6 +243,7 @@ def _rank_1s_worker_stops_mid_save(rank: int, world_size: int, root: str) -> dic
 def test_one_ranks_stopped_worker_fails_the_save_on_every_rank_and_the_job_saves_again(
     tmp_path: Path,
 ) -> None:
+
     rank0, rank1 = run_ranks(_rank_1s_worker_stops_mid_save, 2, args=(str(tmp_path),))
     assert rank1["error"] == "WorkerDiedError" and rank1["failures"] == [1], rank1
     assert "sent nothing" in rank1["text"], rank1

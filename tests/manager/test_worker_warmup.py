@@ -19,12 +19,14 @@ import psutil
 import pytest
 from support import make_state, ready_worker
 
-from dcp_safe import Bounds, CheckpointManager, Runtime
+from dcp_safe import Bounds, CheckpointManager, FallbackOptions, Runtime, SavePolicy
 from dcp_safe.manager.agreement import Vote, decide
 from dcp_safe.manager.groups import WORKERS
 from dcp_safe.manager.handles import BusyPolicy
 from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.testing.multiproc import run_ranks
+
+pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
@@ -157,6 +159,7 @@ def test_two_ranks_take_the_same_path_for_each_save(tmp_path: Path) -> None:
 def test_close_kills_a_worker_still_starting_without_waiting_for_it(
     tmp_path: Path, held_workers: list[int]
 ) -> None:
+
     # Held at birth, it would answer close only once let go: close must not wait on it (its
     # timeout is far beyond the test's own), and nothing of it may outlive the manager.
     manager = CheckpointManager(tmp_path, runtime=Runtime(executor="process"))
@@ -166,3 +169,34 @@ def test_close_kills_a_worker_still_starting_without_waiting_for_it(
     assert not psutil.pid_exists(held_workers[0]) or (
         psutil.Process(held_workers[0]).status() == psutil.STATUS_ZOMBIE
     )
+
+
+class _SlowClock:
+    """Ten seconds pass between any two readings: every save looks far slower than its
+    interval to the fallback's latency trigger."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 10.0
+        return self.now
+
+
+@pytest.mark.parametrize(("executor", "falls_back"), [("thread", True), ("process", False)])
+def test_the_fallback_never_counts_a_save_made_while_the_worker_starts(
+    tmp_path: Path, executor: str, falls_back: bool, held_workers: list[int]
+) -> None:
+    """Saves on a thread while the worker starts share the host with its imports and carry the
+    first save's one-time costs (chaos seed 164 fell back on them): the fallback judges the
+    steady state. The same slow completions trip it on the thread executor."""
+    fallback = FallbackOptions(latency_window=1, min_completed=1, save_interval_s=1.0)
+    with CheckpointManager(
+        tmp_path,
+        policy=SavePolicy(sync_fallback=fallback),
+        runtime=Runtime(executor=executor, clock=_SlowClock()),
+    ) as manager:
+        for step in (1, 2, 3):
+            _save(manager, step)
+        assert (manager.stats().fallback_reason is not None) is falls_back
+        assert len(held_workers) == (executor == "process")  # held at birth: never ready
