@@ -123,8 +123,8 @@ class CheckpointExistsError(DcpSafeError, FileExistsError):
             f"the checkpoint name at {shown(path)} is taken: {shown(detail)}"
             if detail
             else f"a committed checkpoint already exists at {shown(path)}; pick a new name or"
-            " pass overwrite=True (the old checkpoint then stays loadable until the new one"
-            " commits)"
+            " write with options=WriterOptions(overwrite=True) (the old checkpoint then stays"
+            " loadable until the new one commits)"
         )
         self.path = path
 
@@ -210,8 +210,9 @@ class UnsignedCheckpointError(SignatureError):
             self,
             path,
             f"{reason}; refused, because this reader holds a signing key and accepts only"
-            " checkpoints it signed. Save with signing_key= (or DCP_SAFE_SIGNING_KEY) to sign,"
-            " or read without a key if you trust whoever can write the root",
+            " checkpoints it signed. Save with WriterOptions(signing_key=) (or"
+            " DCP_SAFE_SIGNING_KEY) to sign, or read without a key if you trust whoever can write"
+            " the root",
         )
 
 

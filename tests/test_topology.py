@@ -19,6 +19,7 @@ from dcp_safe import (
     Root,
     SafeStorageWriter,
     Topology,
+    WriterOptions,
     list_checkpoints,
     list_node_caches,
     writer_for,
@@ -71,12 +72,36 @@ def test_each_writer_says_its_topology(tmp_path: Path) -> None:
 
 
 def test_writer_for_builds_the_writer_of_each_configuration(tmp_path: Path) -> None:
-    plain = writer_for(Topology.of(tmp_path / "a"), compression="zstd")
+    plain = writer_for(Topology.of(tmp_path / "a"), options=WriterOptions(compression="zstd"))
     assert type(plain) is SafeStorageWriter
     assert plain.options.compression.value == "zstd"
-    node = writer_for(Topology.of(tmp_path / "r", node_local=tmp_path / "n"), remote_timeout_s=7)
+    cached = Topology.of(tmp_path / "r", node_local=tmp_path / "n")
+    node = writer_for(cached, remote_timeout_s=7)
     assert isinstance(node, NodeLocalWriter)
     assert node.node_options.remote_timeout_s == 7
+    assert node.topology is cached  # the writer keeps the topology it was given
+
+
+@pytest.mark.parametrize("roots", ["a path", "a replica", "a node cache"])
+def test_a_manager_builds_its_topology_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roots: str
+) -> None:
+    built: list[Topology] = []
+    validate = Topology.__post_init__
+
+    def counted(topology: Topology) -> None:
+        built.append(topology)
+        validate(topology)
+
+    monkeypatch.setattr(Topology, "__post_init__", counted)
+    root: Path | Topology = tmp_path / "root"
+    if roots == "a replica":
+        root = Topology.of(root, replicate_to=tmp_path / "replica")
+    elif roots == "a node cache":
+        root = Topology.of(root, node_local=tmp_path / "node")
+    with CheckpointManager(root) as manager:
+        assert len(built) == 1  # the user's own Topology.of, or the manager's
+        assert manager.topology is built[0] and manager.writer.topology is built[0]
 
 
 def test_a_node_local_manager_commits_on_its_commit_root_and_caches_on_its_node(

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.staging import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
 from dcp_safe.bench.measure import State
+from dcp_safe.choices import parse_choice
+from dcp_safe.dcp.options import Compression, WriterOptions
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.staging import BudgetedStager, PinMemory, StagerOptions
 
@@ -103,11 +105,13 @@ class DcpSafeSaver:
         self.root = os.fspath(root)
         self.remote_root = "://" in self.root
         self._writer_args: dict[str, Any] = {
-            "compression": compression,
             "storage_options": storage_options,
             "replicate_to": replicate_to,
             "replicate_storage_options": replicate_storage_options,
-            "thread_count": thread_count,
+            "options": WriterOptions(
+                compression=parse_choice(Compression, compression, "compression"),
+                thread_count=thread_count,
+            ),
         }
         self.stager = BudgetedStager(options=StagerOptions(pin_memory=PinMemory.OFF))
         self._writers: list[SafeStorageWriter] = []

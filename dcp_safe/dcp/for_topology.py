@@ -15,37 +15,24 @@ __all__ = ["writer_for"]
 
 
 def writer_for(
-    topology: Topology, *, remote_timeout_s: float | None = None, **options: Any
+    topology: Topology, *, remote_timeout_s: float | None = None, **kwargs: Any
 ) -> SafeStorageWriter:
     """A :class:`SafeStorageWriter` of ``topology``'s commit root (and its replica), or, with a
     node cache, a :class:`NodeLocalWriter` that writes there and uploads to the commit root.
+    The writer keeps ``topology`` itself as its ``topology``.
 
     Args:
         remote_timeout_s: bounds the per-rank uploads' waits (rank 0 for every rank's upload,
             a rank for the remote commit: twice it); default: the upload options' own.
-        **options: the other :class:`SafeStorageWriter` options (``attempt``, ``compression``,
+        **kwargs: the other :class:`SafeStorageWriter` arguments (``attempt``, ``options``,
             ...); not the roots, which the topology gives.
     """
-    commit, replica, cache = topology.commit, topology.replica, topology.node_cache
-    upload = UploadOptions()
+    if topology.node_cache is None:
+        upload = UploadOptions()
+        if remote_timeout_s is not None:
+            upload = dataclasses.replace(upload, remote_timeout_s=remote_timeout_s)
+        return SafeStorageWriter(topology, replication_options=upload, **kwargs)
     node = NodeLocalOptions()
     if remote_timeout_s is not None:
-        upload = dataclasses.replace(upload, remote_timeout_s=remote_timeout_s)
         node = dataclasses.replace(node, remote_timeout_s=remote_timeout_s)
-    if cache is None:
-        return SafeStorageWriter(
-            commit.url,
-            replicate_to=None if replica is None else replica.url,
-            storage_options=commit.storage_options,
-            replicate_storage_options=None if replica is None else replica.storage_options,
-            replication_options=upload,
-            **options,
-        )
-    return NodeLocalWriter(
-        cache.url,
-        remote=commit.url,
-        remote_storage_options=commit.storage_options,
-        node_options=node,
-        peer_copies=topology.peer_copies,
-        **options,
-    )
+    return NodeLocalWriter(topology, node_options=node, **kwargs)

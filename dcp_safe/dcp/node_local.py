@@ -20,7 +20,6 @@ from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
@@ -71,45 +70,60 @@ class NodeLocalOptions(UploadOptions):
 class NodeLocalWriter(SafeStorageWriter):
     """A ``SafeStorageWriter`` for node-local roots that commits only on the shared ``remote``.
 
-    Every rank passes its own node's ``root`` (the same ``remote`` everywhere). The DCP call
+    Every rank passes its own node's ``root`` (the same ``remote`` everywhere), or a
+    :class:`~dcp_safe.topology.Topology` with a node cache (``Topology.of(remote,
+    node_local=root)``), which it keeps as its own, as ``writer_for`` builds it. The DCP call
     order is the base class's, but ``finish`` publishes nothing locally: the checkpoint exists
     once the remote ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank).
 
     Args:
-        remote: the shared root every rank uploads to (``s3://...`` or a shared directory).
+        remote: the shared root every rank uploads to (``s3://...`` or a shared directory);
+            not given with a ``Topology``, nor are the next two.
         remote_storage_options: fsspec options for ``remote`` (default: ``storage_options``).
         peer_copies: the topology's peer tier (``Topology.peer_copies``); the manager copies
             node caches to other nodes, this writer only counts their buffers.
-        **kwargs: the other :class:`SafeStorageWriter` options (``overwrite`` is refused: a
-            remote name is never replaced).
+        **kwargs: the other :class:`SafeStorageWriter` options (``options.overwrite`` is
+            refused: a remote name is never replaced).
 
     Raises:
-        ConfigError: ``root`` cannot rename atomically (it must be a local directory), or
-            ``overwrite``/``replicate_to`` was given.
+        ConfigError: ``root`` cannot rename atomically (it must be a local directory);
+            ``options.overwrite`` or ``replicate_to`` was given; a ``Topology`` with
+            ``remote``, or without a node cache.
             (At save time: ``use_collectives=False``, which node-local roots cannot serve.)
     """
 
+    _node_local = True
+
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Topology,
         *,
-        remote: str | os.PathLike[str],
+        remote: str | os.PathLike[str] | None = None,
         remote_storage_options: dict[str, Any] | None = None,
         node_options: NodeLocalOptions | None = None,
         peer_copies: int = 1,
         **kwargs: Any,
     ) -> None:
-        overwrite = kwargs.get("overwrite") or getattr(kwargs.get("options"), "overwrite", False)
+        overwrite = getattr(kwargs.get("options"), "overwrite", False)
         if overwrite or kwargs.get("replicate_to") is not None:
             raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
+        if not isinstance(root, Topology):
+            if remote is None:
+                raise ConfigError("NodeLocalWriter needs remote=, the shared root")
+            options = kwargs.pop("storage_options", None)
+            commit = Root(os.fspath(remote), remote_storage_options or options)
+            root = Topology(
+                commit, node_cache=Root(os.fspath(root), options), peer_copies=peer_copies
+            )
+        elif (remote, remote_storage_options, peer_copies) != (None, None, 1):
+            raise ConfigError(
+                "a Topology root names the remote, its options and peer_copies: give them to"
+                " Topology.of, not to the writer"
+            )
         super().__init__(root, **kwargs)
         self.strategy.require_rename(
             f"a node-local root must be a local directory, got {self.root}"
         )
-        commit = Root(os.fspath(remote), remote_storage_options or self.storage_options)
-        cache = Root(self.root, self.storage_options)
-        self.topology = Topology(commit, node_cache=cache, peer_copies=peer_copies)
-        self.remote = open_backend(commit.url, commit.storage_options, retry=kwargs.get("retry"))
         self.node_options = node_options or NodeLocalOptions()
         # Shared by the writer's per-save views (for_step): the dicts, not copies of them.
         self._uploads: dict[str, Future[Manifest]] = {}

@@ -7,12 +7,18 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from dcp_safe.choices import check_agrees, parse_choice
+from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
-from dcp_safe.manifest.signing import CRYPTOGRAPHIC_CHECKSUMS, checksum_for, resolve_key
+from dcp_safe.manifest.signing import checksum_for, resolve_key
 
-__all__ = ["DEFAULT_REPORT_TIMEOUT_S", "Compression", "WriterOptions", "writer_options"]
+__all__ = [
+    "DEFAULT_REPORT_TIMEOUT_S",
+    "WRITER_MOVED",
+    "Compression",
+    "WriterOptions",
+    "writer_options",
+]
 
 #: How long a save without collectives waits on storage for a peer (docs/multirank.md).
 DEFAULT_REPORT_TIMEOUT_S = 600.0
@@ -27,6 +33,13 @@ class Compression(str, enum.Enum):
 class WriterOptions:
     """How ``SafeStorageWriter`` writes. Strings are accepted and normalized to enums.
 
+    ``compression``: ``"none"`` or ``"zstd"``. ``checksum``: ``"xxh3_128"`` (the default
+    unsigned), ``"blake3"`` (the default signed), ``"sha256"`` or ``"crc32"``. ``thread_count``:
+    files written in parallel per rank. ``fsync``: make files and directory entries durable
+    before publishing. ``overwrite``: allow replacing a committed checkpoint of the same name;
+    the old one stays loadable until the new one is committed. ``signing_key``: sign every
+    checkpoint with this key (bytes; a str is its UTF-8 bytes, or ``"hex:<digits>"``); the
+    writer defaults it to ``$DCP_SAFE_SIGNING_KEY`` (docs/integrity.md, "Signed checkpoints").
     ``report_timeout_s`` bounds a save without collectives (``use_collectives=False``): how
     long rank 0 waits for every rank's report, and every rank for rank 0's save id.
     ``block_digests``: record per-block digests of large uncompressed tensors, so that a
@@ -35,7 +48,8 @@ class WriterOptions:
     """
 
     compression: Compression = Compression.NONE
-    checksum: ChecksumAlgorithm = ChecksumAlgorithm.XXH3_128
+    # None: the default of a save signed or not (checksum_for), decided in __post_init__.
+    checksum: ChecksumAlgorithm = None  # type: ignore[assignment]
     thread_count: int = 1
     fsync: bool = True
     overwrite: bool = False
@@ -48,9 +62,10 @@ class WriterOptions:
         object.__setattr__(
             self, "compression", parse_choice(Compression, self.compression, "compression")
         )
-        object.__setattr__(
-            self, "checksum", parse_choice(ChecksumAlgorithm, self.checksum, "checksum")
-        )
+        if self.signing_key is not None:
+            object.__setattr__(self, "signing_key", resolve_key(self.signing_key))
+        signed = self.signing_key is not None
+        object.__setattr__(self, "checksum", checksum_for(self.checksum, signed=signed))
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
         timeout = self.report_timeout_s
@@ -60,61 +75,26 @@ class WriterOptions:
             raise ConfigError(f"report_timeout_s must be positive and finite, got {timeout!r}")
         if not isinstance(self.block_digests, bool):
             raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
-        if self.signing_key is not None and self.checksum not in CRYPTOGRAPHIC_CHECKSUMS:
-            raise ConfigError(
-                f"a signed save needs a cryptographic checksum, not {self.checksum.value!r}"
-            )
 
 
-def writer_options(
-    options: WriterOptions | None,
-    *,
-    compression: Compression | str,
-    checksum: ChecksumAlgorithm | str | None,
-    thread_count: int,
-    fsync: bool,
-    overwrite: bool,
-    signing_key: bytes | str | None,
-) -> WriterOptions:
-    """``options``, else ``SafeStorageWriter``'s keywords as one :class:`WriterOptions`.
+#: ``SafeStorageWriter``'s keywords that repeated :class:`WriterOptions`, and where each went.
+WRITER_MOVED = {
+    name: f"options=WriterOptions({name}=...)"
+    for name in ("compression", "checksum", "thread_count", "fsync", "overwrite", "signing_key")
+}
 
-    Either way a missing signing key is ``$DCP_SAFE_SIGNING_KEY``'s, and a signed save's
-    checksum left at its default is the signed default (:func:`checksum_for`).
+
+def writer_options(options: WriterOptions | None) -> WriterOptions:
+    """``options`` (default: ``WriterOptions()``), with ``$DCP_SAFE_SIGNING_KEY`` when it names
+    no key; a signed save's checksum left at its default is then the signed default
+    (:func:`checksum_for`).
 
     Raises:
-        ConfigError: a keyword set away from its default disagrees with ``options``, or a
-            value is unsupported.
+        ConfigError: ``options`` is not a :class:`WriterOptions`.
     """
-    if options is None:
-        key = resolve_key(signing_key)
-        return WriterOptions(
-            compression=parse_choice(Compression, compression, "compression"),
-            checksum=checksum_for(checksum, signed=key is not None),
-            thread_count=thread_count,
-            fsync=fsync,
-            overwrite=overwrite,
-            signing_key=key,
-        )
+    options = WriterOptions() if options is None else options
     if not isinstance(options, WriterOptions):
         raise ConfigError(f"options must be a WriterOptions, got {type(options).__name__}")
-    given: dict[str, object] = {
-        "compression": parse_choice(Compression, compression, "compression"),
-        "thread_count": thread_count,
-        "fsync": fsync,
-        "overwrite": overwrite,
-    }
-    defaults = WriterOptions()
-    given = {name: value for name, value in given.items() if value != getattr(defaults, name)}
-    if checksum is not None:
-        given["checksum"] = parse_choice(ChecksumAlgorithm, checksum, "checksum")
-    if signing_key is not None:
-        given["signing_key"] = resolve_key(signing_key)
-    check_agrees(options, given)
-    return _signed_by_environment(options)
-
-
-def _signed_by_environment(options: WriterOptions) -> WriterOptions:
-    """``options`` with ``$DCP_SAFE_SIGNING_KEY`` when it names no key, as the keywords do."""
     key = None if options.signing_key is not None else resolve_key(None)
     if key is None:
         return options

@@ -45,6 +45,7 @@ from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.watch import watch_for_commit
+from dcp_safe.choices import refuse_moved
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env
 from dcp_safe.commit.publication import Publication
@@ -54,7 +55,7 @@ from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
 from dcp_safe.dcp.assignment_board import Assignment as _Assignment
 from dcp_safe.dcp.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
 from dcp_safe.dcp.item_bytes import write_item
-from dcp_safe.dcp.options import WriterOptions, writer_options
+from dcp_safe.dcp.options import WRITER_MOVED, WriterOptions, writer_options
 from dcp_safe.dcp.without_collectives import StorageAgreement
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES
@@ -88,14 +89,10 @@ class SafeStorageWriter(StorageWriter):
 
     Args:
         root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
-        compression: ``"none"`` or ``"zstd"``.
-        checksum: ``"xxh3_128"`` (the default unsigned), ``"blake3"`` (the default signed),
-            ``"sha256"`` or ``"crc32"``.
+            Or a :class:`~dcp_safe.topology.Topology`, which the writer keeps as its own
+            (``writer_for`` builds writers so); it names the roots, so ``replicate_to`` and the
+            storage options are not given then.
         storage_options: passed to fsspec (endpoint, credentials) for URL roots.
-        thread_count: files written in parallel per rank.
-        fsync: make files and directory entries durable before publishing.
-        overwrite: allow replacing a committed checkpoint of the same name; the old one stays
-            loadable until the new one is committed.
         step: recorded in the manifest (the training step this checkpoint captures).
         replicate_to: a second root (typically ``s3://...``) every checkpoint is copied to and
             committed on, in the background (see :meth:`replication`).
@@ -111,33 +108,29 @@ class SafeStorageWriter(StorageWriter):
             (docs/architecture.md, "Fencing").
         stale_lease_s: with ``attempt``, a lease naming no attempt of this run is taken over
             once its name was idle this long (None: never).
-        signing_key: sign every checkpoint with this key (bytes; a str is its UTF-8 bytes, or
-            ``"hex:<digits>"``), default ``$DCP_SAFE_SIGNING_KEY``; item checksums become
-            blake3. See docs/integrity.md, "Signed checkpoints".
-        options: ``compression``, ``checksum``, ``thread_count``, ``fsync``, ``overwrite`` and
-            ``signing_key`` as one :class:`~dcp_safe.dcp.options.WriterOptions`, instead of the
-            keywords (a keyword also set away from its default must agree with it); its
-            ``report_timeout_s`` bounds the storage waits of a save without collectives, and
-            ``block_digests=False`` leaves out the per-block digests of large tensors.
+        options: how it writes (:class:`~dcp_safe.dcp.options.WriterOptions`: compression,
+            checksum, threads, fsync, overwrite, signing key, ...). With no ``signing_key`` in
+            it, the key is ``$DCP_SAFE_SIGNING_KEY``'s, and a checksum left at its default
+            becomes the signed default (docs/integrity.md, "Signed checkpoints").
 
     With ``use_collectives=False`` the ranks find the save id on storage under a key each
     computes alike (run id, attempt, saves begun through this writer): it assumes every rank's
     writer is made alike and sees the same saves (:mod:`dcp_safe.dcp.assignment_board`).
 
     Raises:
-        ConfigError: an option has an unsupported value, or a keyword disagrees with ``options``.
+        ConfigError: an option has an unsupported value; a keyword that moved into
+            ``options`` (``fsync=``: ``options=WriterOptions(fsync=...)``); roots given beside a
+            ``Topology``, or a node-local one (that is :class:`NodeLocalWriter`'s).
     """
+
+    #: Whether the writer takes a topology with a node cache (``NodeLocalWriter`` does).
+    _node_local = False
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Topology,
         *,
-        compression: str = "none",
-        checksum: str | None = None,
         storage_options: dict[str, Any] | None = None,
-        thread_count: int = 1,
-        fsync: bool = True,
-        overwrite: bool = False,
         step: int | None = None,
         replicate_to: str | os.PathLike[str] | None = None,
         replicate_storage_options: dict[str, Any] | None = None,
@@ -145,41 +138,48 @@ class SafeStorageWriter(StorageWriter):
         retry: RetryPolicy | None = None,
         attempt: int | None = None,
         stale_lease_s: float | None = DEFAULT_STALE_LEASE_S,
-        signing_key: bytes | str | None = None,
         options: WriterOptions | None = None,
+        **moved: Any,
     ) -> None:
         super().__init__()
-        self.options = writer_options(
-            options,
-            compression=compression,
-            checksum=checksum,
-            thread_count=thread_count,
-            fsync=fsync,
-            overwrite=overwrite,
-            signing_key=signing_key,
-        )
-        fsync = self.options.fsync
-        self.root = os.fspath(root)
-        self.storage_options = storage_options
+        refuse_moved(type(self).__name__, moved, WRITER_MOVED)
+        self.options = writer_options(options)
+        if not isinstance(root, Topology):
+            root = Topology.of(
+                root,
+                replicate_to=replicate_to,
+                storage_options=storage_options,
+                replica_storage_options=replicate_storage_options,
+            )
+        elif (replicate_to, storage_options, replicate_storage_options) != (None, None, None):
+            raise ConfigError(
+                "a Topology root names the roots and their storage options: give replicate_to="
+                " and storage_options= to Topology.of, not to the writer"
+            )
+        if (root.node_cache is not None) != self._node_local:
+            raise ConfigError(
+                "a topology with a node cache needs NodeLocalWriter (writer_for picks it)"
+                if root.node_cache is not None
+                else "NodeLocalWriter needs a topology with a node cache"
+            )
+        self.topology = root
+        writes_to, replica = root.writes_to, root.replica
+        self.root, self.storage_options = writes_to.url, writes_to.storage_options
+        self.replicate_to = None if replica is None else replica.url
+        self.replicate_storage_options = None if replica is None else replica.storage_options
         self.retry = retry or RetryPolicy()
         self.attempt = attempt_from_env(attempt)
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
-        self.backend: Backend = open_backend(self.root, storage_options, fsync=fsync, retry=retry)
+        self.backend: Backend = open_backend(
+            self.root, self.storage_options, fsync=self.options.fsync, retry=retry
+        )
         self.strategy = strategy_for(self.backend)
         if self.options.overwrite:
             self.strategy.require_rename(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
-        self.replicate_to = None if replicate_to is None else os.fspath(replicate_to)
-        self.replicate_storage_options = replicate_storage_options or storage_options
-        self.topology = Topology.of(
-            self.root,
-            replicate_to=self.replicate_to,
-            storage_options=storage_options,
-            replica_storage_options=self.replicate_storage_options,
-        )
-        uploads_to = self.topology.uploads_to
+        uploads_to = root.uploads_to
         self.remote: Backend | None = (
             None
             if uploads_to is None

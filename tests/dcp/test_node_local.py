@@ -30,6 +30,8 @@ from dcp_safe import (
     ConfigError,
     ReplicationTimeoutError,
     SafeStorageReader,
+    SafeStorageWriter,
+    Topology,
     WriterOptions,
     layout,
     list_checkpoints,
@@ -275,6 +277,13 @@ def test_node_local_writer_refuses_options_that_would_break_the_tier(
         NodeLocalWriter(tmp_path, remote=memory_root, overwrite=True)
     with pytest.raises(ConfigError, match="overwrite"):
         NodeLocalWriter(tmp_path, remote=memory_root, options=WriterOptions(overwrite=True))
+    topology = Topology.of(memory_root, node_local=tmp_path)
+    with pytest.raises(ConfigError, match=r"Topology\.of"):
+        NodeLocalWriter(topology, remote=memory_root)
+    with pytest.raises(ConfigError, match="node cache"):
+        NodeLocalWriter(Topology.of(memory_root))
+    with pytest.raises(ConfigError, match="NodeLocalWriter"):
+        SafeStorageWriter(topology)
     with pytest.raises(ConfigError, match="local directory"):
         NodeLocalWriter(memory_root, remote=str(tmp_path))
     with pytest.raises(ConfigError, match="keep_node_caches"):

@@ -29,7 +29,7 @@ from dcp_safe import (
     verify_checkpoint,
 )
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, main
-from dcp_safe.manifest.checksum import digest_bytes
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from tests.support import resign_manifest
 
@@ -54,8 +54,16 @@ def _blank() -> dict[str, Any]:
     return {"a": torch.zeros(256), "b": torch.zeros(256), "extra": {"epoch": -1}}
 
 
-def _save(root: Path, name: str = "step_1", key: str | None = KEY, **kwargs: Any) -> None:
-    writer = SafeStorageWriter(root, signing_key=key, **kwargs)
+def _save(
+    root: Path,
+    name: str = "step_1",
+    key: str | None = KEY,
+    *,
+    checksum: str | None = None,
+    step: int | None = None,
+) -> None:
+    options = WriterOptions(signing_key=key, checksum=checksum)  # type: ignore[arg-type]
+    writer = SafeStorageWriter(root, step=step, options=options)
     dcp_safe.save(_state(), checkpoint_id=name, storage_writer=writer)
 
 
@@ -205,20 +213,23 @@ def test_the_environment_variable_signs_and_checks(
         _load(tmp_path, "unsigned", key=None)
 
 
-def test_writer_options_are_signed_by_the_environment_variable_as_the_keywords_are(
+def test_writer_options_without_a_key_are_signed_by_the_environment_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
-    by_keywords = SafeStorageWriter(tmp_path, thread_count=2).options
+    by_default = SafeStorageWriter(tmp_path).options
     by_options = SafeStorageWriter(tmp_path, options=WriterOptions(thread_count=2)).options
-    assert by_options == by_keywords and by_options.signing_key is not None
+    assert by_default == WriterOptions(signing_key=KEY)
+    assert by_options == WriterOptions(thread_count=2, signing_key=KEY)
+    assert by_options.signing_key is not None
+    assert by_options.checksum is ChecksumAlgorithm.BLAKE3  # the default, so the signed one
     with pytest.raises(ConfigError, match="not cryptographic"):  # chosen, not a default
         SafeStorageWriter(tmp_path, options=WriterOptions(checksum="crc32"))
 
 
 def test_options_that_would_make_a_signature_meaningless_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not cryptographic"):
-        SafeStorageWriter(tmp_path, signing_key=KEY, checksum="xxh3_128")
+        SafeStorageWriter(tmp_path, options=WriterOptions(signing_key=KEY, checksum="xxh3_128"))
     with pytest.raises(ConfigError, match="verify=False"):
         SafeStorageReader(tmp_path, signing_key=KEY, verify=False)
     with pytest.raises(ConfigError, match="at least 16"):
@@ -227,7 +238,7 @@ def test_options_that_would_make_a_signature_meaningless_are_refused(tmp_path: P
 
 def test_replication_keeps_the_signature(tmp_path: Path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    writer = SafeStorageWriter(local, replicate_to=remote, signing_key=KEY)
+    writer = SafeStorageWriter(local, replicate_to=remote, options=WriterOptions(signing_key=KEY))
     dcp_safe.save(_state(), checkpoint_id="step_1", storage_writer=writer)
     writer.replication("step_1").result(timeout=60)
     writer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -24,13 +25,17 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    Topology,
     WriterOptions,
     layout,
+    writer_for,
 )
+from dcp_safe.dcp.node_local import NodeLocalWriter
+from dcp_safe.dcp.options import WRITER_MOVED
 
 
-def _save(root: Path, name: str, state: dict[str, Any], **options: Any) -> None:
-    dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root, **options))
+def _save(root: Path, name: str, state: dict[str, Any], **kwargs: Any) -> None:
+    dcp_safe.save(state, checkpoint_id=name, storage_writer=SafeStorageWriter(root, **kwargs))
 
 
 def _load(root: Path, name: str, like: dict[str, Any]) -> dict[str, Any]:
@@ -44,13 +49,14 @@ def _load(root: Path, name: str, like: dict[str, Any]) -> dict[str, Any]:
 def test_round_trip_is_exact_for_every_dtype_and_layout(
     tmp_path: Path, state: dict[str, Any], compression: str, checksum: str
 ) -> None:
-    _save(tmp_path, "step_1", state, compression=compression, checksum=checksum)
+    options = WriterOptions(compression=compression, checksum=checksum)
+    _save(tmp_path, "step_1", state, options=options)
     assert_state_equal(_load(tmp_path, "step_1", state), state)
 
 
 def test_several_writer_threads_split_items_over_files(tmp_path: Path) -> None:
     state = make_state(3)
-    _save(tmp_path, "step_1", state, thread_count=3)
+    _save(tmp_path, "step_1", state, options=WriterOptions(thread_count=3))
     shards = [p for p in os.listdir(tmp_path / "step_1") if p.endswith(layout.SHARD_SUFFIX)]
     assert len(shards) == 3
     assert_state_equal(_load(tmp_path, "step_1", state), state)
@@ -60,7 +66,7 @@ def test_several_writer_threads_split_items_over_files(tmp_path: Path) -> None:
 def test_torch_own_reader_loads_our_checkpoint(
     tmp_path: Path, state: dict[str, Any], compression: str
 ) -> None:
-    _save(tmp_path, "step_1", state, compression=compression)
+    _save(tmp_path, "step_1", state, options=WriterOptions(compression=compression))
     target = blank_like(state)
     dcp.load(target, storage_reader=FileSystemReader(tmp_path / "step_1"), no_dist=True)
     assert_state_equal(target, state)
@@ -72,7 +78,7 @@ def test_torch_own_reader_loads_our_checkpoint(
 def test_zstd_shrinks_compressible_state(tmp_path: Path) -> None:
     state = {"zeros": torch.zeros(256, 1024)}
     _save(tmp_path, "plain", state)
-    _save(tmp_path, "packed", state, compression="zstd")
+    _save(tmp_path, "packed", state, options=WriterOptions(compression="zstd"))
     plain = dcp_safe.list_checkpoints(tmp_path)[0].size_bytes
     packed = dcp_safe.list_checkpoints(tmp_path)[1].size_bytes
     assert packed * 20 < plain
@@ -116,7 +122,7 @@ def test_saving_to_a_committed_name_is_refused(tmp_path: Path, state: dict[str, 
 def test_overwrite_replaces_a_committed_checkpoint_atomically(tmp_path: Path) -> None:
     old, new = make_state(1), make_state(2)
     _save(tmp_path, "step_1", old)
-    _save(tmp_path, "step_1", new, overwrite=True)
+    _save(tmp_path, "step_1", new, options=WriterOptions(overwrite=True))
     assert_state_equal(_load(tmp_path, "step_1", new), new)
     assert os.listdir(tmp_path) == ["step_1"]
     dcp_safe.verify_checkpoint(tmp_path, "step_1")
@@ -140,33 +146,48 @@ def test_unwritable_root_raises_storage_error_naming_the_path(
 
 def test_bad_options_raise_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="compression"):
-        SafeStorageWriter(tmp_path, compression="lz4")
+        SafeStorageWriter(tmp_path, options=WriterOptions(compression="lz4"))
     with pytest.raises(ConfigError, match="checksum"):
-        SafeStorageWriter(tmp_path, checksum="md5")
+        SafeStorageWriter(tmp_path, options=WriterOptions(checksum="md5"))
     with pytest.raises(ConfigError, match="thread_count"):
-        SafeStorageWriter(tmp_path, thread_count=0)
+        SafeStorageWriter(tmp_path, options=WriterOptions(thread_count=0))
 
 
-def test_writer_options_are_an_alternative_to_the_keywords(
-    tmp_path: Path, state: dict[str, Any]
-) -> None:
+def test_writer_options_set_how_the_writer_writes(tmp_path: Path, state: dict[str, Any]) -> None:
     options = WriterOptions(compression="zstd", thread_count=2, fsync=False)
     writer = SafeStorageWriter(tmp_path, options=options)
-    keywords = SafeStorageWriter(tmp_path, compression="zstd", thread_count=2, fsync=False)
-    assert writer.options == keywords.options == options
+    assert writer.options == options
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
     assert_state_equal(_load(tmp_path, "step_1", state), state)
-
-
-def test_a_writer_keyword_must_agree_with_the_options(tmp_path: Path) -> None:
-    options = WriterOptions(compression="zstd")
-    assert SafeStorageWriter(tmp_path, compression="zstd", options=options).options == options
-    with pytest.raises(ConfigError, match="thread_count"):
-        SafeStorageWriter(tmp_path, thread_count=4, options=options)
-    with pytest.raises(ConfigError, match="checksum"):
-        SafeStorageWriter(tmp_path, checksum="sha256", options=options)
     with pytest.raises(ConfigError, match="WriterOptions"):
         SafeStorageWriter(tmp_path, options={"compression": "zstd"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="compresion"):
+        SafeStorageWriter(tmp_path, compresion="zstd")
+
+
+@pytest.mark.parametrize("keyword", sorted(WRITER_MOVED))
+def test_a_keyword_that_moved_into_writer_options_names_its_place(
+    tmp_path: Path, keyword: str
+) -> None:
+    value = getattr(WriterOptions(), keyword)  # any value: the keyword itself is refused
+    moved = re.escape(f"moved to options=WriterOptions({keyword}=...)")
+    with pytest.raises(ConfigError, match=moved):
+        SafeStorageWriter(tmp_path, **{keyword: value})
+    with pytest.raises(ConfigError, match=moved):
+        NodeLocalWriter(tmp_path / "node", remote=tmp_path / "remote", **{keyword: value})
+    with pytest.raises(ConfigError, match=moved):
+        writer_for(Topology.of(tmp_path), **{keyword: value})
+
+
+def test_a_topology_root_is_the_writers_own(tmp_path: Path) -> None:
+    topology = Topology.of(tmp_path / "local", replicate_to=tmp_path / "remote")
+    writer = SafeStorageWriter(topology)
+    assert writer.topology is topology
+    assert (writer.root, writer.replicate_to) == (str(tmp_path / "local"), str(tmp_path / "remote"))
+    assert writer.remote is not None
+    for roots in ({"replicate_to": tmp_path / "r"}, {"storage_options": {}}):
+        with pytest.raises(ConfigError, match=r"Topology\.of"):
+            SafeStorageWriter(topology, **roots)
 
 
 class _FailingWriter(SafeStorageWriter):
@@ -220,7 +241,7 @@ def test_failure_in_finish_removes_the_partial_directory(tmp_path: Path) -> None
 def test_writer_survives_pickling_for_the_process_executor(tmp_path: Path) -> None:
     import pickle
 
-    writer = SafeStorageWriter(tmp_path, compression="zstd")
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(compression="zstd"))
     clone = pickle.loads(pickle.dumps(writer))
     dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=clone)
     assert [c.name for c in dcp_safe.list_checkpoints(tmp_path)] == ["step_1"]
