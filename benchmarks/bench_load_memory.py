@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import markdown_table, median, write_results
 
-from dcp_safe import SafeStorageWriter
+from dcp_safe import SafeStorageWriter, WriterOptions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
@@ -89,7 +89,8 @@ def _save_all(base: Path, tensors: int, rows: int, threads: int) -> dict[str, tu
     for name, compression in (("plain", "none"), ("zstd", "zstd")):
         for label, what in (("root", state), ("tiny", tiny)):
             writer = SafeStorageWriter(
-                base / f"{name}-{label}", compression=compression, thread_count=threads
+                base / f"{name}-{label}",
+                options=WriterOptions(compression=compression, thread_count=threads),
             )
             dcp.save(what, storage_writer=writer, checkpoint_id="step_1", no_dist=True)
         roots[name] = (base / f"{name}-root", base / f"{name}-tiny")

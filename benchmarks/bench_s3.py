@@ -79,7 +79,7 @@ from _common import (
 )
 from bench_storage import NAME, make_state, measure, summarize, tensor_bytes
 
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.replication.replicator import replicate_checkpoint
 from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, LocalS3
@@ -254,7 +254,9 @@ def make_contenders(
     def safe(threads: int, options: dict[str, Any]) -> Callable[[str], Any]:
         def run(prefix: str) -> None:
             writer = SafeStorageWriter(
-                f"s3://{BUCKET}/{prefix}", storage_options=options, thread_count=threads
+                f"s3://{BUCKET}/{prefix}",
+                storage_options=options,
+                options=WriterOptions(thread_count=threads),
             )
             dcp.save(state, checkpoint_id=NAME, storage_writer=writer, no_dist=True)
 
@@ -404,7 +406,7 @@ def select(contenders: dict[str, Contender], names: str | None) -> dict[str, Con
 
 
 def save_local(state: State, root: Path) -> None:
-    writer = SafeStorageWriter(root, thread_count=1)
+    writer = SafeStorageWriter(root, options=WriterOptions(thread_count=1))
     dcp.save(state, checkpoint_id=NAME, storage_writer=writer, no_dist=True)
 
 
@@ -556,7 +558,9 @@ def profile_one_upload(
     prefix = "profile"
     options = s3.storage_options(config_kwargs={"read_timeout": read_timeout_s})
     writer = _ProfiledWriter(
-        f"s3://{BUCKET}/{prefix}", storage_options=options, thread_count=threads
+        f"s3://{BUCKET}/{prefix}",
+        storage_options=options,
+        options=WriterOptions(thread_count=threads),
     )
     writer.profiles = []
     start = time.perf_counter()

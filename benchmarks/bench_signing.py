@@ -10,10 +10,11 @@ alternating the order from round to round, ``dcp_safe.save`` (durable, fsync on)
 ``dcp_safe.load`` (every item verified, the default) of:
 
 * *unsigned*: the default, xxh3-128 item checksums;
-* *signed sha256*: ``signing_key=..., checksum="sha256"`` (the signed default before BLAKE3,
-  still selectable);
-* *signed*: ``signing_key=...``, the default: BLAKE3 item checksums, an HMAC over the manifest
-  digest in ``_SIGNATURE``; the reader given the key checks it against the manifest it opened;
+* *signed sha256*: ``WriterOptions(signing_key=..., checksum="sha256")`` (the signed default
+  before BLAKE3, still selectable);
+* *signed*: ``WriterOptions(signing_key=...)``, the default: BLAKE3 item checksums, an HMAC
+  over the manifest digest in ``_SIGNATURE``; the reader given the key checks it against the
+  manifest it opened;
 * *signed, blake3 on one thread*: the same with ``BLAKE3_MAX_THREADS`` set to 1 instead of the
   default ``AUTO`` (one large update spread over every core).
 
@@ -53,7 +54,7 @@ from _common import (
 )
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.manifest import checksum
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,7 +98,7 @@ def save_and_load(
     if threads is not None:
         checksum.BLAKE3_MAX_THREADS = threads
     try:
-        writer = SafeStorageWriter(root, fsync=fsync, **options)
+        writer = SafeStorageWriter(root, options=WriterOptions(fsync=fsync, **options))
         start = time.perf_counter()
         dcp_safe.save(state, checkpoint_id=name, storage_writer=writer)
         saved = time.perf_counter() - start

@@ -64,7 +64,7 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions
 
 NAME = "step_000100"
 BIG_TENSOR_BYTES = 64 * MIB
@@ -150,7 +150,8 @@ def save_safe(
     state: State, root: Path, threads: int, *, checksum: str = "xxh3_128", compression: str = "none"
 ) -> Path:
     writer = SafeStorageWriter(
-        root, thread_count=threads, checksum=checksum, compression=compression
+        root,
+        options=WriterOptions(thread_count=threads, checksum=checksum, compression=compression),
     )
     dcp.save(state, checkpoint_id=NAME, storage_writer=writer, no_dist=True)
     return root / NAME

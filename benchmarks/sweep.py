@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import run_and_report, write_results
 
+from dcp_safe import WriterOptions
 from dcp_safe.bench.floors import (
     checksum_rate,
     copy_floor_s,
@@ -335,7 +336,7 @@ def _zstd_shard_bytes(state: State, work: Path) -> dict[str, int]:
     save(
         state,
         checkpoint_id="z",
-        storage_writer=SafeStorageWriter(work / "zs", compression="zstd"),
+        storage_writer=SafeStorageWriter(work / "zs", options=WriterOptions(compression="zstd")),
         no_dist=True,
     )
     out["dcp_safe_zstd"] = sum(p.stat().st_size for p in (work / "zs").rglob("*.distcp"))

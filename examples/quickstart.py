@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_safe
-from dcp_safe import BudgetedStager, SafeStorageReader, SafeStorageWriter
+from dcp_safe import BudgetedStager, SafeStorageReader, SafeStorageWriter, WriterOptions
 
 
 def main(root: str) -> None:
@@ -22,7 +22,7 @@ def main(root: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    writer = SafeStorageWriter(root, compression="zstd")
+    writer = SafeStorageWriter(root, options=WriterOptions(compression="zstd"))
     # Staged copies go into a reusable, budgeted pool: the 2nd save allocates no new memory.
     stager = BudgetedStager()
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.backends import local_backend
 from dcp_safe.staging import stager as stager_module
 
@@ -93,12 +93,13 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def save_values(
     root: str | os.PathLike[str], name: str, seed: int, *, scale: int = 1, **writer_options: Any
 ) -> dict[str, Any]:
-    """Commit ``make_values(seed, scale=scale)`` as ``name``; returns the values."""
+    """Commit ``make_values(seed, scale=scale)`` as ``name``, written with
+    ``WriterOptions(**writer_options)``; returns the values."""
     values = make_values(seed, scale=scale)
     dcp_safe.save(
         values,
         checkpoint_id=name,
-        storage_writer=SafeStorageWriter(root, **writer_options),
+        storage_writer=SafeStorageWriter(root, options=WriterOptions(**writer_options)),
         no_dist=True,
     )
     return values

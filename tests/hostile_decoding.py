@@ -32,7 +32,7 @@ from hostile_items import (
 from support import make_state, resign_manifest
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import manifest_digest
 
@@ -135,7 +135,9 @@ def _compressed(item: tuple[str, list[int] | None], data: Callable[[], bytes]) -
 
     def mutate(case: Any) -> None:
         shutil.rmtree(case.root / BAD)
-        writer = SafeStorageWriter(case.root, step=2, fsync=False, compression="zstd")
+        writer = SafeStorageWriter(
+            case.root, step=2, options=WriterOptions(fsync=False, compression="zstd")
+        )
         dcp_safe.save(make_state(2), checkpoint_id=BAD, storage_writer=writer, no_dist=True)
         replace_item(case.root, BAD, item[0], item[1], data())
 

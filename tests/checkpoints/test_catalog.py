@@ -17,6 +17,7 @@ import dcp_safe
 from dcp_safe import (
     CheckpointCorruptError,
     SafeStorageWriter,
+    WriterOptions,
     layout,
     list_checkpoints,
     verify_checkpoint,
@@ -31,7 +32,7 @@ from dcp_safe.testing import world
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """A local root holding the committed checkpoint step_0001."""
-    writer = SafeStorageWriter(tmp_path, fsync=False, step=1)
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(make_state(1), checkpoint_id="step_0001", storage_writer=writer)
     return tmp_path
 

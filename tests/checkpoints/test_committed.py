@@ -16,7 +16,7 @@ import pytest
 from support import make_state, manifest_parses, resign_manifest
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageWriter, layout
+from dcp_safe import CheckpointCorruptError, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.checkpoints import committed
 from dcp_safe.checkpoints.committed import (
@@ -42,7 +42,7 @@ def forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _saved(root: Path, name: str, step: int) -> None:
-    writer = SafeStorageWriter(root, fsync=False, step=step)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False), step=step)
     dcp_safe.save(make_state(step), checkpoint_id=name, storage_writer=writer)
 
 

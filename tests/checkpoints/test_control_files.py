@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
@@ -52,7 +52,7 @@ def _bounded(call: Callable[[], Any], timeout_s: float = 10.0) -> Any:
 
 def _save(root: Path, step: int) -> str:
     name = f"step_{step}"
-    writer = SafeStorageWriter(root, step=step, fsync=False)
+    writer = SafeStorageWriter(root, step=step, options=WriterOptions(fsync=False))
     dcp_safe.save({"w": torch.full((4,), float(step))}, checkpoint_id=name, storage_writer=writer)
     return name
 

@@ -34,6 +34,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     UnsafeCheckpointError,
+    WriterOptions,
 )
 
 NAME = "step_1"
@@ -41,7 +42,7 @@ NAME = "step_1"
 
 def _save(root: Path, *, compression: str = "none", seed: int = 1) -> dict[str, Any]:
     state = make_state(seed)
-    writer = SafeStorageWriter(root, compression=compression, fsync=False)
+    writer = SafeStorageWriter(root, options=WriterOptions(compression=compression, fsync=False))
     dcp_safe.save(state, checkpoint_id=NAME, storage_writer=writer, no_dist=True)
     return state
 

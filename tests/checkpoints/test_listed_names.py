@@ -25,7 +25,7 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout, list_checkpoints
+from dcp_safe import SafeStorageWriter, WriterOptions, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import resolve_name
 from dcp_safe.cli import main as cli_main
@@ -41,7 +41,9 @@ _ACTIVE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u206
 
 
 def _save(url: str, options: dict[str, Any] | None, step: int) -> None:
-    writer = SafeStorageWriter(url, storage_options=options, fsync=False, step=step)
+    writer = SafeStorageWriter(
+        url, storage_options=options, options=WriterOptions(fsync=False), step=step
+    )
     dcp_safe.save(make_state(step), checkpoint_id=f"step_{step:04d}", storage_writer=writer)
 
 

@@ -16,7 +16,7 @@ from support import make_state
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.checkpoints import metadata as metadata_module
 from dcp_safe.checkpoints.committed import open_committed
@@ -39,7 +39,7 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    writer = SafeStorageWriter(tmp_path, fsync=False, step=1)
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(make_state(1), checkpoint_id="step_0001", storage_writer=writer)
     return tmp_path
 
@@ -69,7 +69,7 @@ def test_repeated_restores_load_the_same_values(root: Path, decodes: list[str]) 
 
 
 def test_another_manifest_is_decoded_anew(root: Path, decodes: list[str]) -> None:
-    writer = SafeStorageWriter(root, fsync=False, step=2)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False), step=2)
     dcp_safe.save(make_state(2), checkpoint_id="step_0002", storage_writer=writer)
     backend = LocalBackend(str(root))
     for name in ("step_0001", "step_0002"):

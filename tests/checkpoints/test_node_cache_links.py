@@ -18,7 +18,7 @@ from inotify_watch import TreeWatch
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import (
     NODE_COMMITTED_MARKER,
@@ -45,7 +45,7 @@ def _cache(remote: Path, node: Path, name: str) -> Path:
 
 def test_links_in_a_node_root_are_never_followed(tmp_path: Path, caplog: Any) -> None:
     remote, node, outside = tmp_path / "remote", tmp_path / "node", tmp_path / "outside"
-    writer = SafeStorageWriter(remote, fsync=False, step=1)
+    writer = SafeStorageWriter(remote, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(make_state(1), checkpoint_id=NAME, storage_writer=writer)
     node.mkdir()
     cache = _cache(remote, node, NAME)
@@ -86,7 +86,7 @@ def test_a_linked_peers_folder_is_passed_by_and_the_load_reads_the_remote(
     """A ``.peers`` planted as a link on the node disk: the restore neither follows it nor
     fails on it (was: every peer-tier restore raised ``CheckpointCorruptError``)."""
     remote, node, outside = tmp_path / "remote", tmp_path / "node", tmp_path / "outside"
-    writer = SafeStorageWriter(remote, fsync=False, step=1)
+    writer = SafeStorageWriter(remote, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(make_state(1), checkpoint_id=NAME, storage_writer=writer)
     node.mkdir()
     outside.mkdir()

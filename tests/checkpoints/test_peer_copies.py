@@ -13,7 +13,13 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, CheckpointExistsError, SafeStorageWriter, layout
+from dcp_safe import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    SafeStorageWriter,
+    WriterOptions,
+    layout,
+)
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.checkpoints.node_cache import list_node_caches
 from dcp_safe.checkpoints.peer_copies import (
@@ -37,7 +43,7 @@ def _landed(source: Path, node_root: Path, name: str, node: int) -> tuple[str, b
 def remote(tmp_path: Path) -> Path:
     root = tmp_path / "remote"
     for step in (1, 2, 3):
-        writer = SafeStorageWriter(root, fsync=False, step=step)
+        writer = SafeStorageWriter(root, options=WriterOptions(fsync=False), step=step)
         dcp_safe.save(make_state(step), checkpoint_id=f"step_{step}", storage_writer=writer)
     return root
 

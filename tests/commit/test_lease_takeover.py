@@ -31,6 +31,7 @@ from dcp_safe import (
     SafeStorageWriter,
     StaleWriterError,
     Topology,
+    WriterOptions,
     layout,
 )
 from dcp_safe.backends.backend import Backend
@@ -44,6 +45,7 @@ from dcp_safe.testing.multiproc import run_ranks
 
 # Only a guard against a hung test, never a measure of speed.
 _TIMEOUT_S = 60.0
+THREE_FILES = WriterOptions(thread_count=3)  # a save that leaves three shard files behind
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +98,7 @@ class _KilledInWriteData(SafeStorageWriter):
 def _crash(root: Root, name: str, *, attempt: int | None, **kwargs: Any) -> None:
     """A save of ``name`` by ``attempt`` killed inside ``write_data``: the lease, three shard
     files and the rank manifest stay behind."""
-    writer = root.writer(_KilledInWriteData, attempt=attempt, thread_count=3, **kwargs)
+    writer = root.writer(_KilledInWriteData, attempt=attempt, options=THREE_FILES, **kwargs)
     with pytest.raises(dcp_safe.CommitError):
         dcp_safe.save(make_state(1), checkpoint_id=name, storage_writer=writer)
     left = set(root.backend().walk_files(name))
@@ -196,7 +198,8 @@ class KilledMidUpload(SafeStorageWriter):
             os.kill(os.getpid(), signal.SIGKILL)
         return record
 
-writer = KilledMidUpload(root, storage_options=options, attempt=0, thread_count=2)
+two = dcp_safe.WriterOptions(thread_count=2)
+writer = KilledMidUpload(root, storage_options=options, attempt=0, options=two)
 dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
 """
 
@@ -324,7 +327,7 @@ def running() -> Iterator[Callable[[_Paused, dict[str, Any]], _Running]]:
 def test_an_old_attempt_that_resumes_after_the_takeover_cannot_publish(
     root: Root, running: Callable[[_Paused, dict[str, Any]], _Running]
 ) -> None:
-    old = running(root.writer(_Paused, attempt=0, thread_count=3), make_state(1))
+    old = running(root.writer(_Paused, attempt=0, options=THREE_FILES), make_state(1))
 
     state = make_state(2)
     _save(root, "step_1", state, attempt=1)

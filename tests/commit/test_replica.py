@@ -13,7 +13,13 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, CheckpointExistsError, SafeStorageWriter, layout
+from dcp_safe import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    SafeStorageWriter,
+    WriterOptions,
+    layout,
+)
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import holds_lease, lease_files
@@ -29,7 +35,7 @@ NAME = "step_1"
 @pytest.fixture
 def source(tmp_path: Path) -> tuple[Backend, Manifest, bytes]:
     local = tmp_path / "local"
-    writer = SafeStorageWriter(local, thread_count=2)
+    writer = SafeStorageWriter(local, options=WriterOptions(thread_count=2))
     dcp_safe.save(make_state(1), checkpoint_id=NAME, storage_writer=writer)
     backend = open_backend(str(local))
     manifest, raw = open_source(backend, NAME)

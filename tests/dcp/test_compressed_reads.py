@@ -16,7 +16,7 @@ import zstandard
 from support import assert_state_equal
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter
+from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.dcp.compressed_reads import read_compressed_tensor
@@ -33,7 +33,7 @@ def _state() -> dict[str, Any]:
 
 
 def _save(root: Path, state: dict[str, Any]) -> None:
-    writer = SafeStorageWriter(root, compression="zstd", fsync=False)
+    writer = SafeStorageWriter(root, options=WriterOptions(compression="zstd", fsync=False))
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
 
 

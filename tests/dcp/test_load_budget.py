@@ -16,7 +16,13 @@ import torch
 from support import assert_state_equal
 
 import dcp_safe
-from dcp_safe import CheckpointManager, ConfigError, SafeStorageReader, SafeStorageWriter
+from dcp_safe import (
+    CheckpointManager,
+    ConfigError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    WriterOptions,
+)
 from dcp_safe.checkpoints.items import TENSOR_ARCHIVE_BYTES
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -56,7 +62,9 @@ def _largest_item_bound() -> int:
 @pytest.fixture(params=["none", "zstd"])
 def saved(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     state = _state()
-    writer = SafeStorageWriter(tmp_path, compression=request.param, thread_count=4, fsync=False)
+    writer = SafeStorageWriter(
+        tmp_path, options=WriterOptions(compression=request.param, thread_count=4, fsync=False)
+    )
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
     return tmp_path, state
 

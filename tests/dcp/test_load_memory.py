@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter
+from dcp_safe import SafeStorageWriter, WriterOptions
 from dcp_safe.dcp.compressed_reads import STREAM_BYTES
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
@@ -81,14 +81,18 @@ def roots(
     base = tmp_path_factory.mktemp(f"load-memory-{request.param}")
     gen = torch.Generator().manual_seed(0)
     state = {f"layers.{i:02d}": torch.randn(ROWS, COLS, generator=gen) for i in range(TENSORS)}
-    options = {"compression": request.param, "thread_count": THREADS, "fsync": False}
+    options = WriterOptions(compression=request.param, thread_count=THREADS, fsync=False)
     dcp_safe.save(
-        state, checkpoint_id="step_1", storage_writer=SafeStorageWriter(base / "root", **options)
+        state,
+        checkpoint_id="step_1",
+        storage_writer=SafeStorageWriter(base / "root", options=options),
     )
     del state
     tiny = {"w": torch.randn(1000, generator=gen)}
     dcp_safe.save(
-        tiny, checkpoint_id="step_1", storage_writer=SafeStorageWriter(base / "tiny", **options)
+        tiny,
+        checkpoint_id="step_1",
+        storage_writer=SafeStorageWriter(base / "tiny", options=options),
     )
     return base / "root", base / "tiny"
 

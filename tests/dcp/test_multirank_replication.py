@@ -20,7 +20,7 @@ import torch
 from support import assert_state_equal, blank_tree, rank_union
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, layout, list_checkpoints
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.manifest.schema import RankManifest
 from dcp_safe.replication.rank_upload import UploadOptions
@@ -69,7 +69,7 @@ def _save_to_s3(
         replicate_to=f"faulty://{bucket_prefix}",
         replicate_storage_options=options,
         replication_options=FAST,
-        fsync=False,
+        options=WriterOptions(fsync=False),
     )
     seen: dict[str, Any] = {}
 
@@ -89,7 +89,9 @@ def _save_to_s3(
 
 
 def _save_to_second_root(rank: int, world_size: int, local: str, remote: str) -> str:
-    writer = SafeStorageWriter(local, replicate_to=remote, replication_options=FAST, fsync=False)
+    writer = SafeStorageWriter(
+        local, replicate_to=remote, replication_options=FAST, options=WriterOptions(fsync=False)
+    )
     dcp_safe.save(_rank_state(rank, 3), checkpoint_id="step_3", storage_writer=writer)
     save_id = writer.replication("step_3").result(timeout=120).save_id
     writer.close(timeout_s=60)

@@ -124,7 +124,7 @@ def test_only_large_uncompressed_tensors_get_block_digests(tmp_path: Path) -> No
     large = blocks.pop("large")
     assert large is not None and large.length == 2 * BLOCK_BYTES and len(large.digests) == 2
     assert blocks == {"small": None, "object": None}
-    zstd = SafeStorageWriter(tmp_path, compression="zstd")
+    zstd = SafeStorageWriter(tmp_path, options=WriterOptions(compression="zstd"))
     dcp_safe.save(state, checkpoint_id="zstd", storage_writer=zstd)
     assert all(item.blocks is None for item in _manifest(tmp_path, "zstd").items)
     with pytest.raises(ConfigError, match="block_digests"):
@@ -228,7 +228,7 @@ def _save(rank: int, world_size: int, root: str) -> None:
     dcp_safe.save(state, checkpoint_id="blocks", storage_writer=SafeStorageWriter(root))
     plain = SafeStorageWriter(root, options=WriterOptions(block_digests=False))
     dcp_safe.save(state, checkpoint_id="plain", storage_writer=plain)
-    signed = SafeStorageWriter(root, signing_key=KEY)
+    signed = SafeStorageWriter(root, options=WriterOptions(signing_key=KEY))
     dcp_safe.save(state, checkpoint_id="signed", storage_writer=signed)
 
 

@@ -18,6 +18,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
+    WriterOptions,
     layout,
 )
 from dcp_safe.manifest.schema import Manifest
@@ -47,14 +48,16 @@ def _key_prefix(root: str) -> str:
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_round_trip_on_s3(s3_root: str, s3_options: Options, compression: str) -> None:
     state = make_state(3)
-    _save(s3_root, s3_options, "step_1", state, compression=compression, thread_count=2)
+    options = WriterOptions(compression=compression, thread_count=2)
+    _save(s3_root, s3_options, "step_1", state, options=options)
     assert_state_equal(_load(s3_root, s3_options, "step_1", state), state)
     assert_state_equal(_load(s3_root, s3_options, "latest", state), state)
 
 
 def test_list_and_verify_on_s3(s3_root: str, s3_options: Options) -> None:
     _save(s3_root, s3_options, "step_1", make_state(1), step=1)
-    _save(s3_root, s3_options, "step_2", make_state(2), step=2, compression="zstd")
+    zstd = WriterOptions(compression="zstd")
+    _save(s3_root, s3_options, "step_2", make_state(2), step=2, options=zstd)
     listed = dcp_safe.list_checkpoints(s3_root, storage_options=s3_options)
     assert [(c.name, c.step) for c in listed] == [("step_1", 1), ("step_2", 2)]
     assert listed[0].path == f"{s3_root}/step_1"

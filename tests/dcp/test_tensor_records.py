@@ -17,7 +17,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, ConfigError, SafeStorageReader, SafeStorageWriter
+from dcp_safe import (
+    CheckpointCorruptError,
+    ConfigError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    WriterOptions,
+)
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.dcp import tensor_reads
@@ -197,7 +203,7 @@ def test_files_are_read_in_parallel_and_a_failure_in_any_reaches_the_caller(
     tmp_path: Path,
 ) -> None:
     state = {f"p{i}": torch.randn(100, 10) for i in range(12)}
-    writer = SafeStorageWriter(tmp_path, thread_count=4)
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(thread_count=4))
     dcp_safe.save(state, checkpoint_id="step_1", storage_writer=writer)
     assert len(list((tmp_path / "step_1").glob("*.distcp"))) == 4
     target = {k: torch.zeros_like(v) for k, v in state.items()}

@@ -38,6 +38,7 @@ from dcp_safe import (
     SafeStorageReader,
     SafeStorageWriter,
     UnsafeCheckpointError,
+    WriterOptions,
 )
 from dcp_safe.cli import main as cli_main
 
@@ -46,7 +47,7 @@ NAME = "step_1"
 
 def _save(root: Path, seed: int = 1) -> dict[str, Any]:
     state = make_state(seed)
-    writer = SafeStorageWriter(root, fsync=False)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False))
     dcp_safe.save(state, checkpoint_id=NAME, storage_writer=writer, no_dist=True)
     return state
 

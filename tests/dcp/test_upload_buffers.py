@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from dcp_safe import Bounds, CheckpointManager, MemoryBudget, SafeStorageWriter, Topology
+from dcp_safe import (
+    Bounds,
+    CheckpointManager,
+    MemoryBudget,
+    SafeStorageWriter,
+    Topology,
+    WriterOptions,
+)
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES
 
@@ -34,7 +41,9 @@ def test_direct_s3_writes_hold_part_buffers_for_every_file_open_at_once(
 ) -> None:
     options = _options(s3_options, parts=3, block_mib=8)
     one = SafeStorageWriter(s3_root, storage_options=options)
-    three = SafeStorageWriter(s3_root, storage_options=options, thread_count=3)
+    three = SafeStorageWriter(
+        s3_root, storage_options=options, options=WriterOptions(thread_count=3)
+    )
     per_file = write_buffer_bytes(one.backend)
     # (parts in flight + the block being filled) blocks of 8 MiB per open file
     assert per_file == (3 + 1) * 8 * MIB

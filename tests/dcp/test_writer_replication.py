@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter
+from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter, WriterOptions
 
 
 @pytest.fixture
@@ -70,7 +70,10 @@ def test_replication_to_s3_and_restore_from_s3_alone(
 ) -> None:
     state = make_state(6)
     writer = SafeStorageWriter(
-        tmp_path, replicate_to=s3_root, replicate_storage_options=s3_options, compression="zstd"
+        tmp_path,
+        replicate_to=s3_root,
+        replicate_storage_options=s3_options,
+        options=WriterOptions(compression="zstd"),
     )
     dcp_safe.save(state, checkpoint_id="step_6", storage_writer=writer)
     writer.replication("step_6").result(timeout=120)

@@ -54,7 +54,14 @@ from support import blank_like, differing_tensors, make_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_safe
-from dcp_safe import CheckpointManager, Resume, SafeStorageReader, SafeStorageWriter, Topology
+from dcp_safe import (
+    CheckpointManager,
+    Resume,
+    SafeStorageReader,
+    SafeStorageWriter,
+    Topology,
+    WriterOptions,
+)
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.cli import main as cli_main
 from dcp_safe.errors import DcpSafeError, from_checkpoint_exception
@@ -232,7 +239,7 @@ class Driver:
 
     def save(self) -> str:
         """A new checkpoint, fenced (attempt 1 registers under ``_ATTEMPTS/``), loaded back."""
-        writer = SafeStorageWriter(self.root, attempt=1, step=5, fsync=False)
+        writer = SafeStorageWriter(self.root, attempt=1, step=5, options=WriterOptions(fsync=False))
         dcp_safe.save(make_state(5), checkpoint_id=SAVED, storage_writer=writer, no_dist=True)
         target = blank_like(make_state(5))
         dcp_safe.load(target, checkpoint_id=SAVED, storage_reader=self._reader(SAVED), no_dist=True)
@@ -313,7 +320,7 @@ def _plain_metadata(root: Path, name: str) -> Any:
 def check_saves(spec: dict[str, Any]) -> dict[str, str]:
     """Each case's own save against this fresh process's save of the same state."""
     reference = Path(spec["reference"])
-    writer = SafeStorageWriter(reference, attempt=1, step=5, fsync=False)
+    writer = SafeStorageWriter(reference, attempt=1, step=5, options=WriterOptions(fsync=False))
     dcp_safe.save(make_state(5), checkpoint_id=SAVED, storage_writer=writer, no_dist=True)
     expected_items, expected_plain = _items(reference, SAVED), _plain_metadata(reference, SAVED)
     results = {}

@@ -22,7 +22,13 @@ import pytest
 from _crash import assert_bit_exact, blank_like, make_values, record_figures
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, layout
+from dcp_safe import (
+    CheckpointCorruptError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    WriterOptions,
+    layout,
+)
 from dcp_safe.manifest.checksum import digest_bytes
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
@@ -50,12 +56,12 @@ class Pristine:
         return dest
 
 
-def _commit(root: Path, **writer_options: Any) -> Pristine:
+def _commit(root: Path, **kwargs: Any) -> Pristine:
     values = make_values(7, scale=SCALE)
     dcp_safe.save(
         values,
         checkpoint_id=NAME,
-        storage_writer=SafeStorageWriter(root, **writer_options),
+        storage_writer=SafeStorageWriter(root, **kwargs),
         no_dist=True,
     )
     return Pristine(root, values)
@@ -66,8 +72,10 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pristine]:
     """The templates: uncompressed, zstd, and uncompressed in two shard files."""
     return {
         "none": _commit(tmp_path_factory.mktemp("none")),
-        "zstd": _commit(tmp_path_factory.mktemp("zstd"), compression="zstd"),
-        "two_shards": _commit(tmp_path_factory.mktemp("two"), thread_count=2),
+        "zstd": _commit(tmp_path_factory.mktemp("zstd"), options=WriterOptions(compression="zstd")),
+        "two_shards": _commit(
+            tmp_path_factory.mktemp("two"), options=WriterOptions(thread_count=2)
+        ),
     }
 
 
@@ -267,7 +275,7 @@ def test_swapped_equal_size_shards_fail_their_checksums(tmp_path: Path) -> None:
     dcp_safe.save(
         values,
         checkpoint_id=NAME,
-        storage_writer=SafeStorageWriter(tmp_path, thread_count=2),
+        storage_writer=SafeStorageWriter(tmp_path, options=WriterOptions(thread_count=2)),
         no_dist=True,
     )
     first, second = tmp_path / NAME / "__0_0.distcp", tmp_path / NAME / "__0_1.distcp"

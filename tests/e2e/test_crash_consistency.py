@@ -410,7 +410,8 @@ LONG_MANAGER_SWEEPS = (
 
 
 def _manager(root: Path, remote: Path, **writer_options: Any) -> CheckpointManager:
-    writer = dcp_safe.SafeStorageWriter(root, replicate_to=remote, **writer_options)
+    options = dcp_safe.WriterOptions(**writer_options)
+    writer = dcp_safe.SafeStorageWriter(root, replicate_to=remote, options=options)
     return CheckpointManager(
         root,
         keep_last=1,

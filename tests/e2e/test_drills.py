@@ -39,6 +39,7 @@ from dcp_safe import (
     SafeStorageWriter,
     SavePolicy,
     StorageError,
+    WriterOptions,
 )
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 
@@ -65,7 +66,7 @@ def _manager(
 ) -> CheckpointManager:
     url = f"faulty://{root}"
     options = {"target_protocol": "file", "faults": faults}
-    writer = SafeStorageWriter(url, storage_options=options, thread_count=1)
+    writer = SafeStorageWriter(url, storage_options=options, options=WriterOptions(thread_count=1))
     return CheckpointManager(
         url,
         when_busy=when_busy,

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, ConfigError, SafeStorageWriter
+from dcp_safe import CheckpointCorruptError, ConfigError, SafeStorageWriter, WriterOptions
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.exporting import ExportFormat
@@ -64,7 +64,7 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _save(root: Path | str, state: dict[str, Any], name: str = NAME, step: int = 1) -> None:
-    writer = SafeStorageWriter(root, fsync=False, step=step)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False), step=step)
     dcp_safe.save(state, checkpoint_id=name, storage_writer=writer)
 
 
@@ -395,7 +395,7 @@ def test_a_tensor_named_metadata_is_refused_up_front_for_safetensors(tmp_path: P
     reader's check of the written file; now a ``ConfigError`` naming the key before any write,
     and the torch format still takes it."""
     state = {"__metadata__": torch.ones(3), "w": torch.zeros(2)}
-    writer = SafeStorageWriter(tmp_path / "root", fsync=False)
+    writer = SafeStorageWriter(tmp_path / "root", options=WriterOptions(fsync=False))
     dcp_safe.save(state, checkpoint_id=NAME, storage_writer=writer)
     with pytest.raises(ConfigError, match=r"reserves the key '__metadata__'.*format='torch'"):
         dcp_safe.export(tmp_path / "root", NAME, tmp_path / "out", format="safetensors")

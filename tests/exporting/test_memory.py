@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter
+from dcp_safe import SafeStorageWriter, WriterOptions
 from dcp_safe.exporting.consolidate import BATCH_BYTES
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
@@ -66,11 +66,11 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     }
     state["layers.norm"] = torch.randn(4096, generator=gen)
     state["meta"] = {"step": 1}
-    writer = SafeStorageWriter(base / "root", fsync=False, step=1)
+    writer = SafeStorageWriter(base / "root", options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(state, checkpoint_id="step_0001", storage_writer=writer)
     del state
     tiny = {"w": torch.randn(1000, generator=gen), "meta": {"step": 1}}
-    writer = SafeStorageWriter(base / "tiny", fsync=False, step=1)
+    writer = SafeStorageWriter(base / "tiny", options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(tiny, checkpoint_id="step_0001", storage_writer=writer)
     return base / "root", base / "tiny"
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -41,7 +41,7 @@ def _save_dtensors(rank: int, world_size: int, root: str) -> dict[str, Any]:
         },
         "meta": {"seed": 3},
     }
-    writer = SafeStorageWriter(root, fsync=False, step=1)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(state, checkpoint_id=NAME, storage_writer=writer)
     return {f"model.{key}": value for key, value in gather_full(state["model"]).items()}
 

@@ -16,14 +16,18 @@ import torch
 from support import resign_manifest
 
 import dcp_safe
-from dcp_safe import CheckpointCorruptError, SafeStorageWriter
+from dcp_safe import CheckpointCorruptError, SafeStorageWriter, WriterOptions
 
 NAME = "step_0001"
 
 
 def _overlapping(root: Path) -> None:
     state = {"w": torch.randn(8, 6), "v": torch.randn(8, 6)}
-    dcp_safe.save(state, checkpoint_id=NAME, storage_writer=SafeStorageWriter(root, fsync=False))
+    dcp_safe.save(
+        state,
+        checkpoint_id=NAME,
+        storage_writer=SafeStorageWriter(root, options=WriterOptions(fsync=False)),
+    )
 
     def edit(raw: dict[str, Any]) -> None:
         for item in raw["items"]:

@@ -17,7 +17,7 @@ import torch
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import Bounds, Retention, Runtime, SavePolicy, Topology, layout
+from dcp_safe import Bounds, Retention, Runtime, SavePolicy, Topology, WriterOptions, layout
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
@@ -436,7 +436,7 @@ def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
 def test_a_managers_saves_never_change_the_writer_it_was_given(tmp_path: Path) -> None:
     """Each save runs on a per-step view of the writer (``writer.for_step``): the writer a user
     passed in keeps its own step, and every checkpoint records its own."""
-    writer = SafeStorageWriter(tmp_path, fsync=False, step=None)
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(fsync=False), step=None)
     with CheckpointManager(tmp_path, keep_last=5, runtime=Runtime(writer=writer)) as manager:
         for step in (3, 4):
             handle = manager.save(step, {"w": torch.full((4,), float(step))})

@@ -27,6 +27,7 @@ from dcp_safe import (
     Runtime,
     SafeStorageWriter,
     Topology,
+    WriterOptions,
     list_checkpoints,
 )
 from dcp_safe.errors import DivergentStateError, MissingKeysError, UnsignedCheckpointError
@@ -173,7 +174,7 @@ def test_a_signing_manager_does_not_warm_start_from_an_unsigned_checkpoint(
         monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
         manager = CheckpointManager(root, resume=Resume(initial_load_from=planted))
     else:
-        writer = SafeStorageWriter(root, signing_key=KEY)
+        writer = SafeStorageWriter(root, options=WriterOptions(signing_key=KEY))
         manager = CheckpointManager(
             root, runtime=Runtime(writer=writer), resume=Resume(initial_load_from=planted)
         )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import dcp_safe
-from dcp_safe import CheckpointManager, Runtime, SafeStorageWriter, list_checkpoints
+from dcp_safe import CheckpointManager, Runtime, SafeStorageWriter, WriterOptions, list_checkpoints
 from dcp_safe.checkpoints.history import HISTORY_FILE
 
 KEY = b"k" * 32
@@ -37,7 +37,7 @@ def _plant(root: Path, step: int) -> None:
 
 def test_planted_unsigned_checkpoints_never_push_signed_ones_out(tmp_path: Path) -> None:
     root, replica = tmp_path / "local", tmp_path / "replica"
-    writer = SafeStorageWriter(root, replicate_to=replica, signing_key=KEY)
+    writer = SafeStorageWriter(root, replicate_to=replica, options=WriterOptions(signing_key=KEY))
     with CheckpointManager(root, keep_last=2, runtime=Runtime(writer=writer)) as manager:
         for step in (1, 2, 3):
             handle = manager.save(step, _state(step))
@@ -61,7 +61,7 @@ def test_planted_unsigned_checkpoints_never_push_signed_ones_out(tmp_path: Path)
 
 
 def test_a_signing_manager_never_restores_an_unsigned_forgery(tmp_path: Path) -> None:
-    writer = SafeStorageWriter(tmp_path, signing_key=KEY)
+    writer = SafeStorageWriter(tmp_path, options=WriterOptions(signing_key=KEY))
     with CheckpointManager(tmp_path, runtime=Runtime(writer=writer)) as manager:
         handle = manager.save(5, _state(5))
         assert handle is not None

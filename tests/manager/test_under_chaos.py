@@ -33,6 +33,7 @@ from dcp_safe import (
     Runtime,
     SafeStorageWriter,
     Topology,
+    WriterOptions,
     list_checkpoints,
 )
 from dcp_safe.errors import DcpSafeError, DrainTimeoutError
@@ -347,7 +348,8 @@ def test_a_request_that_raises_ends_in_a_recorded_failure_at_once(tmp_path: Path
     close gave up on it, which only the ranks whose close timed out did: the ranks' records of
     the same steps differed. The request now ends in one "failed" event when it raises."""
     manager = CheckpointManager(
-        tmp_path, runtime=Runtime(writer=SafeStorageWriter(tmp_path, fsync=False))
+        tmp_path,
+        runtime=Runtime(writer=SafeStorageWriter(tmp_path, options=WriterOptions(fsync=False))),
     )
 
     def broken_vote(*args: Any, **kwargs: Any) -> Any:

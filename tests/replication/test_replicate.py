@@ -22,6 +22,7 @@ from dcp_safe import (
     CheckpointNotFoundError,
     SafeStorageReader,
     SafeStorageWriter,
+    WriterOptions,
     layout,
 )
 from dcp_safe.backends.backend import Backend, WritableFile
@@ -46,7 +47,7 @@ _GATE_TIMEOUT_S = 120.0
 
 def _save(root: Path | str, name: str, seed: int, **options: Any) -> dict[str, Any]:
     state = make_state(seed)
-    writer = SafeStorageWriter(root, fsync=False, **options)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False, **options))
     dcp_safe.save(state, checkpoint_id=name, storage_writer=writer)
     return state
 

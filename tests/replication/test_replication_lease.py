@@ -26,6 +26,7 @@ from dcp_safe import (
     CommitError,
     SafeStorageReader,
     SafeStorageWriter,
+    WriterOptions,
     layout,
 )
 from dcp_safe.backends.backend import Backend, WritableFile
@@ -50,7 +51,7 @@ _RANKS = 3
 
 def _save(root: Path, name: str, seed: int, **options: Any) -> dict[str, Any]:
     state = make_state(seed)
-    writer = SafeStorageWriter(root, fsync=False, **options)
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False, **options))
     dcp_safe.save(state, checkpoint_id=name, storage_writer=writer)
     return state
 
@@ -272,7 +273,7 @@ def test_two_replicators_of_one_checkpoint_share_the_lease_and_both_succeed(
             assert gate.reached.wait(_TIMEOUT_S)
             if exclusive:  # a direct save of that name is refused meanwhile, as any save is
                 with pytest.raises(CheckpointExistsError, match=_save_id(local)):
-                    writer = SafeStorageWriter(memory_root, fsync=False)
+                    writer = SafeStorageWriter(memory_root, options=WriterOptions(fsync=False))
                     dcp_safe.save(make_state(3), checkpoint_id="step_1", storage_writer=writer)
             second = replicate_checkpoint(
                 source, _remote(memory_root, exclusive=exclusive), "step_1"

@@ -17,7 +17,7 @@ import pytest
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, layout
+from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV
@@ -46,10 +46,14 @@ class _Killed(Exception):
     """Where the kill lands: right before the remote manifest, every shard uploaded."""
 
 
-def _writer(local: Path, remote: Remote, **kwargs: Any) -> SafeStorageWriter:
+def _writer(local: Path, remote: Remote, attempt: int, thread_count: int = 1) -> SafeStorageWriter:
     url, options, exclusive = remote
     writer = SafeStorageWriter(
-        local, replicate_to=url, replicate_storage_options=options, fsync=False, **kwargs
+        local,
+        replicate_to=url,
+        replicate_storage_options=options,
+        attempt=attempt,
+        options=WriterOptions(fsync=False, thread_count=thread_count),
     )
     assert writer.remote is not None
     writer.remote.supports_exclusive_create = exclusive

@@ -11,15 +11,18 @@ from support import make_state
 from support.faults import abandon_a_save
 
 import dcp_safe
-from dcp_safe import ConfigError, SafeStorageWriter
+from dcp_safe import ConfigError, SafeStorageWriter, WriterOptions
 from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from dcp_safe.retention.apply import apply_retention
 
 KEY = "hex:" + "5a" * 32
 
 
-def _save(root: str | Path, step: int | None, name: str, **options: Any) -> None:
-    writer = SafeStorageWriter(root, fsync=False, step=step, **options)
+def _save(
+    root: str | Path, step: int | None, name: str, signing_key: str | None = None, **kwargs: Any
+) -> None:
+    options = WriterOptions(fsync=False, signing_key=signing_key)  # type: ignore[arg-type]
+    writer = SafeStorageWriter(root, step=step, options=options, **kwargs)
     dcp_safe.save(make_state(step or 0), checkpoint_id=name, storage_writer=writer)
 
 

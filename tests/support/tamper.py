@@ -32,7 +32,9 @@ def claim_item_length(root: Any, name: str, length: int, rows: int | None = None
     dcp_safe.save(
         {"w": torch.randn(16, 8)},
         checkpoint_id=name,
-        storage_writer=dcp_safe.SafeStorageWriter(root, fsync=False, step=1),
+        storage_writer=dcp_safe.SafeStorageWriter(
+            root, options=dcp_safe.WriterOptions(fsync=False), step=1
+        ),
     )
 
     def edit(raw: dict[str, Any]) -> None:
