@@ -21,7 +21,7 @@ from support import make_state, resign_manifest
 from support.faults import DiesInWriteData, Planted, abandon_a_save
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
@@ -31,8 +31,11 @@ from dcp_safe.testing.s3 import LocalS3
 _SUBPROCESS_TIMEOUT_S = 300
 
 
-def _save(root: str | Path, step: int, **options: Any) -> SafeStorageWriter:
-    writer = SafeStorageWriter(root, fsync=False, step=step, **options)
+def _save(
+    root: str | Path, step: int, signing_key: str | None = None, **kwargs: Any
+) -> SafeStorageWriter:
+    options = WriterOptions(fsync=False, signing_key=signing_key)  # type: ignore[arg-type]
+    writer = SafeStorageWriter(root, step=step, options=options, **kwargs)
     dcp_safe.save(make_state(step), checkpoint_id=f"step_{step:04d}", storage_writer=writer)
     return writer
 
@@ -191,7 +194,9 @@ def test_verify_refuses_an_object_item_a_load_would_refuse(
     state["extra"]["tag"] = Planted(sentinel)
     root = tmp_path / "ckpt"
     dcp_safe.save(
-        state, checkpoint_id="step_0001", storage_writer=SafeStorageWriter(root, fsync=False)
+        state,
+        checkpoint_id="step_0001",
+        storage_writer=SafeStorageWriter(root, options=WriterOptions(fsync=False)),
     )
     status, _, err = _run(capsys, "verify", str(root), "step_0001")
     assert status == EXIT_FAILED and "object is not plain data" in err and "extra" in err

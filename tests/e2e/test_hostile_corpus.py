@@ -38,7 +38,7 @@ from support import make_state, resign_manifest
 from support.faults import Planted
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.checkpoints.history import HISTORY_FILE
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import manifest_digest
@@ -79,7 +79,7 @@ class Case:
 
 def _save(root: Path, step: int, state: dict[str, Any]) -> None:
     name = f"step_{step:09d}"
-    writer = SafeStorageWriter(root, step=step, fsync=False)
+    writer = SafeStorageWriter(root, step=step, options=WriterOptions(fsync=False))
     dcp_safe.save(state, checkpoint_id=name, storage_writer=writer, no_dist=True)
 
 

@@ -35,7 +35,13 @@ from _crash import (
 )
 
 import dcp_safe
-from dcp_safe import CheckpointExistsError, DcpSafeError, SafeStorageReader, SafeStorageWriter
+from dcp_safe import (
+    CheckpointExistsError,
+    DcpSafeError,
+    SafeStorageReader,
+    SafeStorageWriter,
+    WriterOptions,
+)
 from dcp_safe.layout import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 
@@ -91,7 +97,9 @@ class FaultyRoot:
         self.save("step_1", values(1))
 
     def save(self, name: str, values: dict[str, Any]) -> None:
-        writer = SafeStorageWriter(self.url, storage_options=self.options, thread_count=1)
+        writer = SafeStorageWriter(
+            self.url, storage_options=self.options, options=WriterOptions(thread_count=1)
+        )
         dcp_safe.save(values, checkpoint_id=name, storage_writer=writer, no_dist=True)
 
     def load(self, name: str, like: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import dcp_safe
-from dcp_safe import SafeStorageWriter, layout
+from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 # Generous: only a guard against a hung subprocess, never a measure of speed.
@@ -44,7 +44,7 @@ def root(tmp_path: Path) -> Path:
         },
         "meta": {"epoch": 2},
     }
-    writer = SafeStorageWriter(path, fsync=False, step=1)
+    writer = SafeStorageWriter(path, options=WriterOptions(fsync=False), step=1)
     dcp_safe.save(state, checkpoint_id="step_0001", storage_writer=writer)
     return path
 
