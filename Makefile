@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck install clean
+.PHONY: demo test test-fast lint typecheck install clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(BIN)/ruff format --check dcp_safe tests examples benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# Every test that starts no process, worker or S3 server: the answer in minutes, not the suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not multiproc and not s3 and not slow and not subprocess and not worker_process"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

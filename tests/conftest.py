@@ -28,3 +28,31 @@ def memory_root() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
+
+
+@pytest.fixture(autouse=True)
+def _saves_on_threads_unless_the_worker_is_tested(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manager a test builds with ``executor="auto"`` saves on a thread: a worker process
+    costs seconds of imports per manager, and only the tests of the worker need one. Tests
+    marked ``worker_process`` (and every explicit ``Runtime(executor="process")``) keep it;
+    processes a test starts (ranks, scripts) are not touched."""
+    if request.node.get_closest_marker("worker_process") is not None:
+        return
+    from dcp_safe.manager import manager as manager_module
+
+    choose = manager_module.choose_executor
+
+    def thread_for_auto(executor: str, *args: Any, **kwargs: Any) -> Any:
+        return choose("thread" if executor == "auto" else executor, *args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "choose_executor", thread_for_auto)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for the S3 server is an ``s3`` test, mark or not: ``make test-fast``
+    leaves out every test that starts a server or a process."""
+    for item in items:
+        if "s3" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)

@@ -467,6 +467,7 @@ def test_bench_passes_its_arguments_to_the_benchmark(capsys: pytest.CaptureFixtu
 # ---------------------------------------------------------------------------- subprocess
 
 
+@pytest.mark.subprocess
 def test_installed_executable_reports_corruption_with_exit_one_and_no_traceback(
     root: Path,
 ) -> None:
@@ -490,6 +491,7 @@ def test_installed_executable_reports_corruption_with_exit_one_and_no_traceback(
 # ------------------------------------------------------------- the newest name present
 
 
+@pytest.mark.subprocess
 def test_verify_fails_and_inspect_and_export_warn_when_the_newest_manifest_is_truncated(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -512,6 +514,7 @@ def test_verify_fails_and_inspect_and_export_warn_when_the_newest_manifest_is_tr
     assert "using step_0002, not step_0003" in err
 
 
+@pytest.mark.subprocess
 def test_a_damaged_entry_older_than_the_newest_sound_one_does_not_fail_verify(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -522,6 +525,7 @@ def test_a_damaged_entry_older_than_the_newest_sound_one_does_not_fail_verify(
     assert status == EXIT_OK and "OK step_0003" in out
 
 
+@pytest.mark.subprocess
 def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -542,6 +546,7 @@ def test_ls_prints_markup_and_controls_in_roots_and_names_literally(
     assert len(rows) == 1 and "step_0001" in rows[0]
 
 
+@pytest.mark.subprocess
 def test_inspect_prints_keys_and_roots_with_markup_literally(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

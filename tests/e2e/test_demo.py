@@ -15,6 +15,8 @@ import pytest
 import dcp_safe
 from dcp_safe.cli import EXIT_OK, main
 
+pytestmark = pytest.mark.subprocess
+
 # Generous: only a guard against a hung demo, never a measure of speed.
 _DEMO_TIMEOUT_S = 300
 

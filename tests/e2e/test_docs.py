@@ -36,6 +36,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "bucket"
 # Generous: only a guard against a hung example, never a measure of speed.

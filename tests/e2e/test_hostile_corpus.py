@@ -43,6 +43,8 @@ from dcp_safe.checkpoints.history import HISTORY_FILE
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import manifest_digest
 
+pytestmark = pytest.mark.subprocess
+
 GOOD, BAD = "step_000000001", "step_000000002"
 DRIVER = Path(__file__).with_name("_hostile_driver.py")
 ENTRY_TIMEOUT_S = 30  # per entry point, inside the driver: a guard against hangs only

@@ -45,7 +45,7 @@ from dcp_safe import (
 from dcp_safe.layout import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(900)]
 
 LONG = os.environ.get("DCP_SAFE_LONG") == "1"
 TESTS_DIR = Path(__file__).resolve().parents[1]

@@ -20,6 +20,8 @@ import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
+pytestmark = pytest.mark.subprocess
+
 # Generous: only a guard against a hung subprocess, never a measure of speed.
 _SUBPROCESS_TIMEOUT_S = 300
 

@@ -29,6 +29,8 @@ from dcp_safe import (
 )
 from dcp_safe.testing.multiproc import run_ranks
 
+pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
+
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
 
@@ -114,6 +116,7 @@ def test_without_memfd_the_process_cannot_share_its_slabs(
 def test_a_writer_that_does_not_pickle_is_refused_by_the_process_before_any_save(
     tmp_path: Path,
 ) -> None:
+
     with pytest.raises(ConfigError, match="_LockedWriter does not pickle"):
         CheckpointManager(
             tmp_path, runtime=Runtime(writer=_LockedWriter(tmp_path), executor="process")

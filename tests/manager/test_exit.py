@@ -13,7 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import dcp_safe
+
+pytestmark = pytest.mark.subprocess
 
 # Generous: only a guard against a hung subprocess, never a measure of speed.
 _TIMEOUT_S = 600

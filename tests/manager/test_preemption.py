@@ -25,6 +25,8 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import MemoryBudget
 
+pytestmark = pytest.mark.subprocess
+
 _EXIT_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
 _SCRIPT = textwrap.dedent(

@@ -60,6 +60,8 @@ from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.telemetry import Telemetry
 from dcp_safe.testing.staging import hold_staging
 
+pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
+
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
 
@@ -345,6 +347,7 @@ def test_the_worker_checks_each_commit_so_training_parses_no_manifest(
 _PARENT = """
 import os, signal, sys, torch
 from dcp_safe import CheckpointManager, Runtime
+
 manager = CheckpointManager(sys.argv[1], runtime=Runtime(executor="process"))
 manager.save(1, {"w": torch.ones(4096)}).committed.result(120)
 print(manager._runner.worker.pid, flush=True)

@@ -39,7 +39,7 @@ from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.worker_process, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 DEADLINE_S = 20.0
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion

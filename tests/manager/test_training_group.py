@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from dcp_safe import Bounds, CheckpointManager, Runtime, list_checkpoints
 from dcp_safe.testing.multiproc import run_ranks
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.worker_process, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 _COLLECTIVES = (
     "all_gather",

@@ -12,6 +12,8 @@ import pytest
 from dcp_safe.manifest import limits
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
 
+pytestmark = pytest.mark.subprocess
+
 N = 50_000
 
 

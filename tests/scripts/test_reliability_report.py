@@ -14,7 +14,7 @@ from support import load_script
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "reliability_report.py"
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(600)]
 # Running the script starts a second pytest (and torch): ~15 s on an idle machine, so the run
 # itself is in the long mode; the default run checks how the figures are added up.
 
