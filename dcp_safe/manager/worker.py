@@ -276,7 +276,7 @@ class SaveWorker:
     def pid(self) -> int | None:
         """The running worker's process id (``None`` before the first save or after a death)."""
         process = self._process
-        return None if process is None or process.popen.poll() is not None else process.popen.pid
+        return None if process is None or _exited(process.popen) else process.popen.pid
 
     @property
     def ready(self) -> bool:
@@ -289,7 +289,7 @@ class SaveWorker:
             and process.ready.is_set()
             and process.ready_error is None
             and not process.dead
-            and process.popen.poll() is None
+            and not _exited(process.popen)
         )
 
     def start(self) -> None:
@@ -421,7 +421,7 @@ class SaveWorker:
         """
         process, groups = self._process, self._groups
         group = None if groups is None else groups.current()
-        alive = process is not None and not process.dead and process.popen.poll() is None
+        alive = process is not None and not process.dead and not _exited(process.popen)
         if groups is not None and group is not None:
             if process is not None and not alive and process.group == group:
                 self._broken_at = group.generation  # its reader says so too, any moment now
@@ -509,6 +509,21 @@ def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException
     process.reader.join()
     process.conn.close()
     return error
+
+
+def _exited(popen: subprocess.Popen[bytes]) -> bool:
+    """``popen``'s process has ended, whether or not a thread has reaped it yet.
+
+    Not :meth:`~subprocess.Popen.poll`: that answers "running" while another thread waits on
+    the process (the keeper does, all its life), until that thread is next scheduled; a save
+    admitted meanwhile would go to a dead worker. ``WNOWAIT`` leaves the reaping to the keeper.
+    """
+    if popen.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already (by the keeper, or by whoever waited on it)
+        return True
 
 
 def _not_replaced_yet(group: WorkerGroup, *, died: bool) -> CommitError:

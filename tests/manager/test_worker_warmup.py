@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,11 @@ import pytest
 from support import make_state, ready_worker
 
 from dcp_safe import Bounds, CheckpointManager, FallbackOptions, Runtime, SavePolicy
+from dcp_safe.manager import worker as worker_module
 from dcp_safe.manager.agreement import Vote, decide
 from dcp_safe.manager.groups import WORKERS
 from dcp_safe.manager.handles import BusyPolicy
-from dcp_safe.manager.worker import SaveWorker
+from dcp_safe.manager.worker import SaveWorker, _Process
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
@@ -111,6 +115,59 @@ def test_after_a_worker_dies_saves_run_on_a_thread_until_its_replacement_is_read
         stats = manager.stats()
         assert (stats.worker_saves, stats.committed, stats.failed) == (2, 5, 0)
         assert (stats.sync_saves, stats.fallback_reason) == (0, None)
+
+
+def test_a_worker_whose_process_exited_is_not_ready_before_any_thread_has_seen_it(
+    tmp_path: Path, held_workers: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its keeper thread reaps it and its reader learns of its end only when they are next
+    # scheduled; on a loaded host a save can be admitted before either runs. Both are held here
+    # (the keeper holding Popen's wait lock as it does while it waits), so "ready" must come
+    # from the process itself: a save routed to the dead worker would wait on its (held)
+    # replacement.
+    seen_end, keeping = threading.Event(), threading.Event()
+    died = _Process.died
+
+    def late_reader(self: _Process) -> None:
+        seen_end.wait(_TIMEOUT_S)
+        died(self)
+
+    def late_keeper(command: list[str], fd: int) -> subprocess.Popen[bytes]:
+        popen = subprocess.Popen(command, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+
+        def keep() -> None:
+            with popen._waitpid_lock:  # type: ignore[attr-defined]
+                keeping.set()
+                seen_end.wait(_TIMEOUT_S)
+            popen.wait()
+
+        threading.Thread(target=keep, daemon=True).start()
+        keeping.wait(_TIMEOUT_S)
+        return popen
+
+    monkeypatch.setattr(_Process, "died", late_reader)
+    monkeypatch.setattr(worker_module, "_spawn", late_keeper)
+    with CheckpointManager(tmp_path, runtime=Runtime(executor="process")) as manager:
+        try:
+            worker = manager._runner.worker
+            assert worker is not None
+            worker.start()
+            os.kill(held_workers[0], signal.SIGCONT)
+            first = ready_worker(manager)
+            os.kill(first, signal.SIGKILL)
+            _wait_exited(first)  # a zombie: nobody has reaped it
+            assert not worker.ready and worker.pid is None
+            assert _save(manager, 1) == "step_000000001"  # on a thread, not in the held one
+            assert manager.stats().worker_saves == 0
+        finally:
+            seen_end.set()  # before the close, which waits for the reader
+
+
+def _wait_exited(pid: int) -> None:
+    deadline = time.monotonic() + _TIMEOUT_S
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"pid {pid} did not exit in {_TIMEOUT_S} s"
+        time.sleep(0.01)
 
 
 def test_the_ranks_save_in_their_workers_only_when_every_ranks_is_ready() -> None:
