@@ -41,7 +41,8 @@ from _common import (
     write_results,
 )
 
-from dcp_safe import CheckpointManager, DrainTimeoutError, Runtime
+from dcp_safe import CheckpointManager, Runtime
+from dcp_safe.errors import DrainTimeoutError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXECUTORS = ("auto", "thread")

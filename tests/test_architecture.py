@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replication",),
     ("dcp",),
     ("staging", "telemetry"),
-    ("manager", "exporting"),
+    ("manager", "exporting", "api_types"),
     ("cli", "cli_args", "demo", "bench", "testing"),
 ]
 FOUNDATION = set(LAYERS[0])

@@ -201,7 +201,7 @@ def test_verify_refuses_an_object_item_a_load_would_refuse(
     status, _, err = _run(capsys, "verify", str(root), "step_0001")
     assert status == EXIT_FAILED and "object is not plain data" in err and "extra" in err
     assert len(err.strip().splitlines()) == 1
-    with pytest.raises(dcp_safe.UnsafeCheckpointError):
+    with pytest.raises(dcp_safe.errors.UnsafeCheckpointError):
         dcp_safe.verify_checkpoint(root, "step_0001")
     assert _run(capsys, "verify", str(root), "step_0001", "--quick")[0] == EXIT_OK
     status, out, _ = _run(capsys, "verify", str(root), "step_0001", "--allow-pickle")

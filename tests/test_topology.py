@@ -21,9 +21,9 @@ from dcp_safe import (
     Topology,
     WriterOptions,
     list_checkpoints,
-    list_node_caches,
-    writer_for,
 )
+from dcp_safe.checkpoints.node_cache import list_node_caches
+from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.topology import this_node
 
 

@@ -47,9 +47,9 @@ class SavePolicy:
 
     Args:
         every: :meth:`~dcp_safe.CheckpointManager.maybe_save` saves when ``step % every == 0``.
-        when_busy: see :class:`~dcp_safe.BusyPolicy`.
-        staging: see :class:`~dcp_safe.StagingMode`.
-        validate: see :class:`~dcp_safe.Validation`.
+        when_busy: see :class:`~dcp_safe.manager.BusyPolicy`.
+        staging: see :class:`~dcp_safe.manager.StagingMode`.
+        validate: see :class:`~dcp_safe.manager.Validation`.
         name_format: ``str.format`` pattern of checkpoint names, with ``{step}``.
         latency_objective_s: the oldest a save in flight may be; requests arriving later are
             skipped, with the reason recorded (``None``: not checked).

@@ -29,13 +29,8 @@ from hostile_items import (
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointCorruptError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    UnsafeCheckpointError,
-    WriterOptions,
-)
+from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
+from dcp_safe.errors import UnsafeCheckpointError
 
 NAME = "step_1"
 

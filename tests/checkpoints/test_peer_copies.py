@@ -13,13 +13,7 @@ import pytest
 from support import make_state
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointCorruptError,
-    CheckpointExistsError,
-    SafeStorageWriter,
-    WriterOptions,
-    layout,
-)
+from dcp_safe import CheckpointCorruptError, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.checkpoints.node_cache import list_node_caches
 from dcp_safe.checkpoints.peer_copies import (
@@ -28,6 +22,7 @@ from dcp_safe.checkpoints.peer_copies import (
     open_peer_copy,
     prune_peer_copies,
 )
+from dcp_safe.errors import CheckpointExistsError
 
 
 def _landed(source: Path, node_root: Path, name: str, node: int) -> tuple[str, bytes]:

@@ -19,14 +19,9 @@ import pytest
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointExistsError,
-    CommitError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    layout,
-)
+from dcp_safe import CommitError, SafeStorageReader, SafeStorageWriter, layout
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
 

@@ -15,17 +15,11 @@ import pytest
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import (
-    ConfigError,
-    InvalidCheckpointNameError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    StaleWriterError,
-    layout,
-)
+from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, attempt_from_env
+from dcp_safe.errors import InvalidCheckpointNameError, StaleWriterError
 
 Root = tuple[str, dict[str, Any] | None]
 

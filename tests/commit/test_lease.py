@@ -10,13 +10,7 @@ import pytest
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointExistsError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    StaleWriterError,
-    layout,
-)
+from dcp_safe import SafeStorageReader, SafeStorageWriter, layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.history import History
@@ -30,6 +24,7 @@ from dcp_safe.commit.lease import (
     release_lease,
 )
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 
 
 @pytest.fixture

@@ -25,11 +25,9 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import (
-    CheckpointExistsError,
     CheckpointManager,
     SafeStorageReader,
     SafeStorageWriter,
-    StaleWriterError,
     Topology,
     WriterOptions,
     layout,
@@ -41,6 +39,7 @@ from dcp_safe.checkpoints.history import History
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, Attempt, register_attempt
 from dcp_safe.commit.lease import abandon_lease, acquire_lease, check_lease
 from dcp_safe.commit.takeover import Claimant, read_holder
+from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 from dcp_safe.testing.multiproc import run_ranks
 
 # Only a guard against a hung test, never a measure of speed.

@@ -28,7 +28,6 @@ from dcp_safe import (
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
-    ReplicationTimeoutError,
     SafeStorageReader,
     SafeStorageWriter,
     Topology,
@@ -39,7 +38,7 @@ from dcp_safe import (
 )
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.errors import UploadTimeoutError
+from dcp_safe.errors import ReplicationTimeoutError, UploadTimeoutError
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -15,13 +15,13 @@ import dcp_safe
 from dcp_safe import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    InvalidCheckpointNameError,
     SafeStorageReader,
     SafeStorageWriter,
     layout,
 )
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.errors import InvalidCheckpointNameError
 
 
 def _save(root: Path, name: str, state: dict[str, Any]) -> None:

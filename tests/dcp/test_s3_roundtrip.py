@@ -13,7 +13,6 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 import dcp_safe
 from dcp_safe import (
     CheckpointCorruptError,
-    CheckpointExistsError,
     CommitError,
     SafeStorageReader,
     SafeStorageWriter,
@@ -21,6 +20,7 @@ from dcp_safe import (
     WriterOptions,
     layout,
 )
+from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.s3 import LocalS3
 

@@ -22,13 +22,12 @@ from dcp_safe import (
     ConfigError,
     SafeStorageReader,
     SafeStorageWriter,
-    SignatureError,
-    UnsignedCheckpointError,
     WriterOptions,
     layout,
     verify_checkpoint,
 )
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, main
+from dcp_safe.errors import SignatureError, UnsignedCheckpointError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from tests.support import resign_manifest

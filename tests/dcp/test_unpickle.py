@@ -20,13 +20,8 @@ import torch.distributed.checkpoint as dcp
 from support.faults import Planted
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointCorruptError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    UnsafeCheckpointError,
-    layout,
-)
+from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, layout
+from dcp_safe.errors import UnsafeCheckpointError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 

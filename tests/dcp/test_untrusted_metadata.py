@@ -33,14 +33,9 @@ from support import assert_state_equal, blank_like, make_state
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointCorruptError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    UnsafeCheckpointError,
-    WriterOptions,
-)
+from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.cli import main as cli_main
+from dcp_safe.errors import UnsafeCheckpointError
 
 NAME = "step_1"
 

@@ -30,7 +30,6 @@ from dcp_safe import (
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
-    DivergentStateError,
     SafeSavePlanner,
     SafeStorageReader,
     SafeStorageWriter,
@@ -42,6 +41,7 @@ from dcp_safe.commit.fencing import Attempt
 from dcp_safe.dcp.assignment_board import AssignmentBoard, save_key
 from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.options import WriterOptions
+from dcp_safe.errors import DivergentStateError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import RankFailedError, run_ranks
 

@@ -18,20 +18,19 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import dcp_safe
 from dcp_safe import (
-    CheckpointExistsError,
     CommitError,
     ConfigError,
-    InvalidCheckpointNameError,
     SafeStorageReader,
     SafeStorageWriter,
     StorageError,
     Topology,
     WriterOptions,
     layout,
-    writer_for,
 )
+from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.dcp.options import WRITER_MOVED
+from dcp_safe.errors import CheckpointExistsError, InvalidCheckpointNameError
 
 
 def _save(root: Path, name: str, state: dict[str, Any], **kwargs: Any) -> None:

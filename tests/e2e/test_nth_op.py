@@ -35,13 +35,8 @@ from _crash import (
 )
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointExistsError,
-    DcpSafeError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    WriterOptions,
-)
+from dcp_safe import DcpSafeError, SafeStorageReader, SafeStorageWriter, WriterOptions
+from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.layout import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from dcp_safe import (
-    AdmissionTimeoutError,
     Bounds,
     CheckpointManager,
     Runtime,
@@ -23,6 +22,7 @@ from dcp_safe import (
     SavePolicy,
     list_checkpoints,
 )
+from dcp_safe.errors import AdmissionTimeoutError
 from dcp_safe.manager.memory_watch import MemoryWatch
 
 

@@ -19,17 +19,15 @@ from torch import nn
 
 from dcp_safe import (
     Bounds,
-    BudgetExceededError,
     CheckpointCorruptError,
     CheckpointManager,
     ConfigError,
-    MissingKeysError,
     Resume,
-    RollbackUnavailableError,
     Runtime,
     SavePolicy,
 )
 from dcp_safe.backends.backend import Backend
+from dcp_safe.errors import BudgetExceededError, MissingKeysError, RollbackUnavailableError
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.staging import MemoryBudget
 from dcp_safe.testing.multiproc import run_ranks

@@ -13,16 +13,16 @@ import torch
 import dcp_safe
 from dcp_safe import (
     Bounds,
-    BusyPolicy,
     CheckpointManager,
     ConfigError,
     Resume,
     Retention,
     Runtime,
     SavePolicy,
-    StagingMode,
     Topology,
 )
+from dcp_safe.dcp.for_topology import writer_for
+from dcp_safe.manager import BusyPolicy, StagingMode
 from dcp_safe.manager.options import MOVED
 
 OLD_VALUES: dict[str, object] = {
@@ -126,6 +126,6 @@ def test_each_option_object_validates_its_fields(build: typing.Any, message: str
 
 
 def test_a_writer_with_another_topology_than_the_root_is_refused(tmp_path: Path) -> None:
-    writer = dcp_safe.writer_for(Topology.of(tmp_path / "a"))
+    writer = writer_for(Topology.of(tmp_path / "a"))
     with pytest.raises(ConfigError, match="its own topology"):
         CheckpointManager(Topology.of(tmp_path / "b"), runtime=Runtime(writer=writer))

@@ -18,19 +18,12 @@ import pytest
 import torch
 from support import shard_rows
 
-from dcp_safe import (
-    CheckpointManager,
-    ConfigError,
-    PeerCopyError,
-    Runtime,
-    Topology,
-    layout,
-    list_checkpoints,
-)
+from dcp_safe import CheckpointManager, ConfigError, Runtime, Topology, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
 from dcp_safe.dcp.node_cache_reader import ReadSource, RejectionReason
 from dcp_safe.dcp.peer_reader import PeerCacheReader
+from dcp_safe.errors import PeerCopyError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import run_ranks
 

@@ -38,20 +38,22 @@ from torch.distributed import TCPStore
 from dcp_safe import (
     Bounds,
     BudgetedStager,
-    BudgetExceededError,
     CheckpointCorruptError,
     CheckpointManager,
     CommitError,
     ConfigError,
-    DrainTimeoutError,
     MemoryBudget,
     Runtime,
     SavePolicy,
-    SnapshotMutatedError,
     Topology,
+    list_checkpoints,
+)
+from dcp_safe.errors import (
+    BudgetExceededError,
+    DrainTimeoutError,
+    SnapshotMutatedError,
     WorkerDiedError,
     WorkerError,
-    list_checkpoints,
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.manager.worker_group import WorkerGroup, join, store_address

@@ -25,17 +25,9 @@ import torch
 from support import assert_state_equal, blank_like, checkpoint_workers, make_state, ready_worker
 from support.faults import DiesMidWrite, RecordsPlans
 
-from dcp_safe import (
-    Bounds,
-    CheckpointManager,
-    CommitError,
-    DivergentStateError,
-    Runtime,
-    SnapshotMutatedError,
-    Topology,
-    list_checkpoints,
-)
+from dcp_safe import Bounds, CheckpointManager, CommitError, Runtime, Topology, list_checkpoints
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
+from dcp_safe.errors import DivergentStateError, SnapshotMutatedError
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
 

@@ -22,7 +22,6 @@ import torch
 from dcp_safe import (
     Bounds,
     CheckpointManager,
-    RestoreReport,
     Resume,
     Runtime,
     SafeStorageWriter,
@@ -30,6 +29,7 @@ from dcp_safe import (
     WriterOptions,
     list_checkpoints,
 )
+from dcp_safe.api_types import RestoreReport
 from dcp_safe.errors import DivergentStateError, MissingKeysError, UnsignedCheckpointError
 from dcp_safe.manifest.signing import SIGNING_KEY_ENV
 from dcp_safe.testing.multiproc import run_ranks

@@ -16,9 +16,10 @@ import pytest
 import torch
 from support import assert_state_equal, differing_tensors
 
-from dcp_safe import CheckpointManager, SavePolicy, SnapshotMutatedError, list_checkpoints
+from dcp_safe import CheckpointManager, SavePolicy, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.history import History
+from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.testing.staging import hold_staging
 
 SAVES = 20

@@ -23,15 +23,8 @@ import pytest
 from support import checkpoint_workers, make_state, ready_worker
 from support.faults import DiesMidWrite, StopsInWorker
 
-from dcp_safe import (
-    Bounds,
-    CheckpointManager,
-    CommitError,
-    DrainTimeoutError,
-    Runtime,
-    WorkerDiedError,
-    list_checkpoints,
-)
+from dcp_safe import Bounds, CheckpointManager, CommitError, Runtime, list_checkpoints
+from dcp_safe.errors import DrainTimeoutError, WorkerDiedError
 from dcp_safe.manager import worker as worker_module
 from dcp_safe.testing.multiproc import run_ranks
 

@@ -18,7 +18,6 @@ from support import assert_state_equal, blank_like, make_state
 import dcp_safe
 from dcp_safe import (
     CheckpointCorruptError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     SafeStorageReader,
     SafeStorageWriter,
@@ -29,6 +28,7 @@ from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.replicator import (
     ReplicationSkippedError,

@@ -21,18 +21,12 @@ from s3_fixtures import BLOCK_BYTES
 from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
-from dcp_safe import (
-    CheckpointExistsError,
-    CommitError,
-    SafeStorageReader,
-    SafeStorageWriter,
-    WriterOptions,
-    layout,
-)
+from dcp_safe import CommitError, SafeStorageReader, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.lease import acquire_lease, lease_files
+from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import FAILED_PREFIX, UploadOptions
 from dcp_safe.replication.replicator import replicate_checkpoint

@@ -383,7 +383,7 @@ def test_an_empty_folder_under_a_checkpoint_name_is_refused_clearly_then_collect
     (tmp_path / "step_2").mkdir()
     (tmp_path / "step_3").mkdir()
     (tmp_path / "step_3" / "notes.txt").write_text("mine")
-    with pytest.raises(dcp_safe.CheckpointExistsError) as caught:
+    with pytest.raises(dcp_safe.errors.CheckpointExistsError) as caught:
         dcp_safe.save(
             make_state(2), checkpoint_id="step_2", storage_writer=SafeStorageWriter(tmp_path)
         )

@@ -21,10 +21,10 @@ from dcp_safe import (
     BudgetedStager,
     SafeStorageReader,
     SafeStorageWriter,
-    SnapshotMutatedError,
     StagerOptions,
     list_checkpoints,
 )
+from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.staging.guard import SnapshotGuard
 from dcp_safe.testing.staging import hold_staging
 

@@ -19,10 +19,10 @@ from dcp_safe import (
     BudgetedStager,
     SafeStorageReader,
     SafeStorageWriter,
-    SnapshotMutatedError,
     StagerOptions,
     list_checkpoints,
 )
+from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.staging import MemoryBudget
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging

@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from dcp_safe import (
-    BudgetExceededError,
-    SafeStorageWriter,
-    SnapshotMutatedError,
-    list_checkpoints,
-)
+from dcp_safe import SafeStorageWriter, list_checkpoints
+from dcp_safe.errors import BudgetExceededError, SnapshotMutatedError
 from dcp_safe.staging.poison import POISON_KEY, poisoned
 
 
