@@ -13,14 +13,20 @@ once every other rank has reported, the stopped ones count as failed and are kil
 waited for until the deadline (detected through ``/proc``, so on Linux only; elsewhere the
 deadline catches them).
 
-Why spawn and not fork: a forked child inherits the parent's threads' locks in whatever state
-they were (torch's intra-op pool, gloo and store threads, pytest's capture and timeout
-machinery) and an already-initialized torch, which deadlocks intermittently and is exactly what
-a test harness must not do. A spawned rank starts from a fresh interpreter, as under
-``torchrun``, and it may itself spawn (DCP's ``AsyncCheckpointerType.PROCESS`` starts a
-checkpoint daemon per rank), which is why ranks are not ``daemon`` processes: a daemonic process
-may not have children. The price is a fresh ``import torch`` per rank (a few seconds) and an
-``fn`` that pickles by reference (a module-level function).
+Why a fork server and not a fork of the caller: a child forked from the caller inherits its
+threads' locks in whatever state they were (torch's intra-op pool, gloo and store threads,
+pytest's capture and timeout machinery) and an already-initialized torch, which deadlocks
+intermittently and is exactly what a test harness must not do. Ranks are forked from
+multiprocessing's fork server instead: a process started once from a fresh interpreter that has
+only imported torch (and this package) and runs nothing else, so a rank starts with torch
+imported, not after a few seconds of ``import torch`` as a spawned one would. What a spawn
+would inherit at the call, and a fork server started earlier would not, travels with the rank:
+the caller's environment and its stdout/stderr (pytest's capture of the current test), besides
+the ``sys.path`` and working directory multiprocessing sends itself. Where there is no fork
+server (Windows), ranks are spawned. A rank may itself spawn (DCP's
+``AsyncCheckpointerType.PROCESS`` starts a checkpoint daemon per rank), which is why ranks are
+not ``daemon`` processes: a daemonic process may not have children. ``fn`` must pickle by
+reference (a module-level function).
 
 Why each rank leads its own process group: a rank's descendants (that same checkpoint daemon)
 share it, so ``killpg`` on timeout or failure takes the whole tree down and leaves no orphans.
@@ -48,7 +54,14 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection, get_context, parent_process
+from multiprocessing import (
+    connection,
+    get_all_start_methods,
+    get_context,
+    parent_process,
+    reduction,
+)
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -70,6 +83,8 @@ _JOIN_AFTER_KILL_S = 10.0
 _POLL_S = 0.25
 _FINISHED_KEY = "dcp_safe/run_ranks/finished"
 _ALL_FINISHED_KEY = "dcp_safe/run_ranks/all_finished"
+# Imported once by the fork server, so that no rank pays for them (seconds each on a busy host).
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_safe")
 
 
 class RankFailedError(DcpSafeError):
@@ -144,11 +159,31 @@ class _RemoteTraceback(Exception):
 
 @dataclass(frozen=True)
 class _Payload:
-    """What a rank runs: ``(fn, args)`` pickled, and where ``fn``'s module lives."""
+    """What a rank runs: ``(fn, args)`` pickled, where ``fn``'s module lives, and the caller's
+    environment at the call (a fork server holds the one of when it started)."""
 
     fn_and_args: bytes
     module: str
     module_file: str | None
+    environ: dict[str, str]
+
+
+class _StdStreams:
+    """The caller's stdout and stderr descriptors, handed to a rank as a spawn would inherit them.
+
+    Pickled while multiprocessing starts the rank, when ``DupFd`` sends the descriptors along
+    (to the fork server, whose own were the caller's when it started: an earlier test's capture).
+    """
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_adopt_streams, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _adopt_streams(stdout: Any, stderr: Any) -> None:
+    for source, target in ((stdout, 1), (stderr, 2)):
+        fd = source.detach()
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -211,10 +246,12 @@ def run_ranks(
             "need world_size >= 1, timeout_s > 0 and failure_grace_s >= 0, got "
             f"{world_size}, {timeout_s}, {failure_grace_s}"
         )
-    payload = _Payload(pickle.dumps((fn, tuple(args))), fn.__module__, _module_file(fn))
+    payload = _Payload(
+        pickle.dumps((fn, tuple(args))), fn.__module__, _module_file(fn), dict(os.environ)
+    )
     deadline = time.monotonic() + timeout_s
     store = TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
-    ctx = get_context("spawn")
+    ctx = _context()
     procs: list[BaseProcess] = []
     readers: list[connection.Connection] = []
     try:
@@ -222,7 +259,16 @@ def run_ranks(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, payload, store.port, backend, timeout_s, writer),
+                args=(
+                    rank,
+                    world_size,
+                    payload,
+                    store.port,
+                    backend,
+                    timeout_s,
+                    writer,
+                    _StdStreams(),
+                ),
                 name=f"dcp_safe-rank-{rank}",
             )
             proc.start()
@@ -236,6 +282,16 @@ def run_ranks(
             reader.close()
         del store
     return _results(outcomes, running, procs, timeout_s)
+
+
+def _context() -> ForkServerContext | SpawnContext:
+    """The fork server, preloaded with what every rank imports; spawn where there is none."""
+    if "forkserver" not in get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    # Takes effect when the server starts (the first call); later calls reuse that server.
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
 
 
 def _collect(
@@ -396,10 +452,12 @@ def _failed(
 def _kill_all(procs: Sequence[BaseProcess]) -> None:
     """SIGKILL every rank's process group (its descendants too); return once they are gone.
 
-    A rank that exited is not reaped yet (only its sentinel fired), so its pid, and with it its
-    group id, cannot have been reused: killing the group is safe and takes down anything the
-    rank left behind. Descendants are not this process's children, so their end is observed by
-    polling their group (with signal 0) until the kernel has removed it, within a bound.
+    A rank's group outlives it while anything the rank left behind runs, so its id cannot have
+    been reused then; an empty group is gone (a fork server reaps its children at once, and a
+    pid comes back into use only after the kernel has gone round every other): killing the
+    group is safe and takes down anything the rank left behind. Descendants are not this
+    process's children, so their end is observed by polling their group (with signal 0) until
+    the kernel has removed it, within a bound.
     """
     pids = [proc.pid for proc in procs if proc.pid is not None]
     for proc in procs:
@@ -441,9 +499,13 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     out: connection.Connection,
+    streams: None,
 ) -> None:
+    # ``streams`` did its work while unpickling (``_StdStreams``): fds 1 and 2 are the caller's.
     os.setpgid(0, 0)
     _die_with_parent()
+    os.environ.clear()
+    os.environ.update(payload.environ)
     os.environ.update(
         MASTER_ADDR=HOST,
         MASTER_PORT=str(store_port),
