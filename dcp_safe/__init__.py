@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
+from dcp_safe.coordination.group import checkpoint_group
 from dcp_safe.dcp.api import async_save, load, save
-from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.options import WriterOptions
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner

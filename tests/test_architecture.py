@@ -33,9 +33,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),
     ("commit",),
     ("checkpoints",),
+    ("coordination",),
     ("retention",),
     ("replication",),
-    ("dcp",),
+    # The DCP adapters and reading back share a layer: reading decodes items with the writer's
+    # tensor templates (dcp.tensor_records), and the restore audit reads the load planner.
+    ("dcp", "reading"),
     ("staging", "telemetry"),
     ("manager", "exporting", "api_types"),
     ("cli", "cli_args", "demo", "bench", "testing"),
@@ -192,6 +195,70 @@ def test_the_flag_checker_sees_a_branch_on_a_flag() -> None:
     source = "if strategy_for(b).in_place:\n    pass\nok = b.supports_atomic_rename\n"
     assert _flag_reads(source) == [1, 3]
     assert _flag_reads("in_place = True\nstrategy.publication(b, n, s)\n") == []
+
+
+# ----------------------------------------------------------------- coordination
+
+# Ranks meet, and wait for each other within a deadline, through dcp_safe.coordination only: the
+# one place a missing or failed peer becomes a typed error naming the rank.
+COORDINATION = "coordination"
+_GROUP_MAKERS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "init_process_group"}
+_STORE_CLIENTS = {"TCPStore", "PrefixStore", "FileStore", "HashStore"}
+# Justified exceptions, each a wait with no peer in it: the stager waits for its own copy threads
+# and for host memory on a condition variable (a leaf, it cannot import coordination).
+COORDINATION_EXEMPT = {"dcp_safe.staging.stager"}
+
+
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls: ``dist.new_group(...)`` and ``new_group(...)`` -> ``new_group``."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _coordinates(source: str) -> list[str]:
+    """Where ``source`` makes a process group or a store client, or waits in a deadline loop:
+    a ``while`` loop that reads ``time.monotonic()`` (in its test or its body)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        name = _called(node)
+        if name in _GROUP_MAKERS or name in _STORE_CLIENTS:
+            found.append(f"line {node.lineno}: {name}()")  # type: ignore[attr-defined]
+        if isinstance(node, ast.While) and any(
+            _called(inner) == "monotonic" for inner in ast.walk(node)
+        ):
+            found.append(f"line {node.lineno}: a deadline loop")
+    return found
+
+
+def test_only_coordination_makes_groups_stores_and_deadline_loops() -> None:
+    outside = [
+        f"{module}: {where}"
+        for module, path in MODULES.items()
+        if _part(module) not in FACES | {COORDINATION} and module not in COORDINATION_EXEMPT
+        for where in _coordinates(path.read_text(encoding="utf-8"))
+    ]
+    assert outside == [], "go through dcp_safe.coordination instead"
+
+
+def test_the_coordination_checker_sees_groups_stores_and_deadline_loops() -> None:
+    source = (
+        "import time\n"
+        "g = dist.new_group(backend='gloo')\n"
+        "s = PrefixStore('p', TCPStore('h', 1))\n"
+        "deadline = time.monotonic() + 5\n"
+        "while time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)\n"
+        "while True:\n"
+        "    pass\n"
+    )
+    assert sorted(_coordinates(source)) == [
+        "line 2: new_group()",
+        "line 3: PrefixStore()",
+        "line 3: TCPStore()",
+        "line 5: a deadline loop",
+    ]
 
 
 # ----------------------------------------------------------------- on-storage names

@@ -1,7 +1,7 @@
 """``save`` / ``async_save`` / ``load``: DCP's calls, with deadlines and dcp_safe's errors.
 
 They call ``torch.distributed.checkpoint`` unchanged, but run its collectives on dcp_safe's own
-gloo group (:func:`dcp_safe.dcp.group.checkpoint_group`, timeout ``deadline_s``) unless given
+gloo group (:func:`dcp_safe.checkpoint_group`, timeout ``deadline_s``) unless given
 ``process_group=`` or ``no_dist=``, and translate errors once, on the calling thread and every
 future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
 ``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
@@ -24,8 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 
-from dcp_safe.dcp.gc_pause import gc_paused
-from dcp_safe.dcp.group import (
+from dcp_safe.coordination.group import (
     DEFAULT_DEADLINE_S,
     checkpoint_group,
     collective_failure,
@@ -34,6 +33,7 @@ from dcp_safe.dcp.group import (
     is_collective_failure,
     validate_deadline,
 )
+from dcp_safe.dcp.gc_pause import gc_paused
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.restore_audit import audit_load

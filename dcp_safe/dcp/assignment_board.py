@@ -35,10 +35,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
@@ -46,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
+from dcp_safe.coordination.markers import poll
 from dcp_safe.dcp.planners import FingerprintedPlan
 from dcp_safe.errors import CommitError, DcpSafeError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
@@ -53,12 +53,9 @@ from dcp_safe.manifest.signing import part_mac, part_mac_matches
 
 __all__ = ["Assignment", "AssignmentBoard", "items_to_write", "leave_to_rank0", "plain_keys"]
 
-T = TypeVar("T")
 
 _FORMAT = "dcp_safe/assignment"
 _PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
-# Storage polls start fast (a healthy peer is milliseconds behind) and back off to this.
-_MAX_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -81,21 +78,6 @@ def save_key(attempt: Attempt | None, count: int) -> str:
     if attempt is None:
         return f"{os.environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID}-none-{count}"
     return f"{attempt.run_id}-{attempt.number}-{count}"
-
-
-def poll(check: Callable[[], T | None], deadline_s: float) -> T | None:
-    """``check()`` until it returns something, at most ``deadline_s``; None at the deadline."""
-    deadline = time.monotonic() + deadline_s
-    pause = 0.005
-    while True:
-        found = check()
-        if found is not None:
-            return found
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        time.sleep(min(pause, remaining))
-        pause = min(pause * 2, _MAX_POLL_S)
 
 
 class AssignmentBoard:

@@ -21,10 +21,10 @@ from torch.futures import Future as TorchFuture
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
-from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.dcp.assignment_board import Assignment as _Assignment
 from dcp_safe.dcp.writer import SafeStorageWriter, _assignment_of
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError

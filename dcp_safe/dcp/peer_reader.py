@@ -39,7 +39,7 @@ from torch.futures import Future
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
-from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, checkpoint_group
+from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group
 from dcp_safe.dcp.node_cache_reader import (
     NodeCacheReader,
     ReadSource,

@@ -39,7 +39,8 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.results import records_by_rank
-from dcp_safe.dcp.assignment_board import Assignment, poll
+from dcp_safe.coordination.markers import poll
+from dcp_safe.dcp.assignment_board import Assignment
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, DivergentStateError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata, encode_dcp_metadata

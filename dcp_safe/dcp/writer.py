@@ -44,7 +44,6 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.watch import watch_for_commit
 from dcp_safe.choices import refuse_moved
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env
@@ -52,6 +51,7 @@ from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.report import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
+from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.dcp.assignment_board import Assignment as _Assignment
 from dcp_safe.dcp.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
 from dcp_safe.dcp.item_bytes import write_item
@@ -426,7 +426,7 @@ class SafeStorageWriter(StorageWriter):
 
         A rank writes its manifest last, after its shard files, so after a failed collective
         these are the ranks that died or hung before finishing their part (see
-        :func:`dcp_safe.dcp.group.collective_failure`). ``None`` before ``write_data``.
+        :func:`dcp_safe.coordination.group.collective_failure`). ``None`` before ``write_data``.
         """
         assignment = self._assignment
         if assignment is None:

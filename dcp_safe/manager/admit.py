@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_safe.manager.agreement import Agreement, Decision, Verdict, Vote, decide
+from dcp_safe.coordination.agreement import Agreement, Vote
+from dcp_safe.manager.decision import Decision, Verdict, decide
 from dcp_safe.manager.handles import BusyPolicy, SaveHandle
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.switch import FallbackSwitch

@@ -15,6 +15,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
+from dcp_safe.coordination.store import Verdicts
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
 from dcp_safe.manager.handles import SaveHandle
@@ -25,7 +26,6 @@ from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.manager.transport import decode_error
-from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.manager.worker import SaveWorker
 
 __all__ = ["FollowUp"]

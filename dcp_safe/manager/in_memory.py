@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.coordination.agreement import Agreement, Vote
 from dcp_safe.dcp.item_bytes import write_item
 from dcp_safe.dcp.planners import SafeSavePlanner
 from dcp_safe.dcp.tensor_records import (
@@ -53,7 +54,6 @@ from dcp_safe.errors import (
     MissingKeysError,
     RollbackUnavailableError,
 )
-from dcp_safe.manager.agreement import Agreement, Vote
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemKey, Manifest, item_key

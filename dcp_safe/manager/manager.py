@@ -27,14 +27,17 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import refuse_moved
+from dcp_safe.coordination.agreement import Agreement
+from dcp_safe.coordination.store import PromotionBarrier, Verdicts
+from dcp_safe.coordination.worker_group import WorkerGroups
 from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
 from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter
-from dcp_safe.manager.agreement import Agreement, Verdict
 from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.decision import Verdict
 from dcp_safe.manager.executor import choose_executor
 from dcp_safe.manager.fallback import FallbackMonitor
 from dcp_safe.manager.follow_up import FollowUp
@@ -52,7 +55,6 @@ from dcp_safe.manager.options import (
     with_shorthands,
 )
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
-from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded
@@ -60,9 +62,7 @@ from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
-from dcp_safe.manager.verdicts import Verdicts
 from dcp_safe.manager.worker import SaveWorker
-from dcp_safe.manager.worker_group import WorkerGroups
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
 

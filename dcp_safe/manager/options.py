@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from dcp_safe import layout
 from dcp_safe.choices import parse_choice
-from dcp_safe.dcp.group import DEFAULT_DEADLINE_S, validate_deadline
+from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, validate_deadline
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.executor import EXECUTORS
 from dcp_safe.manager.fallback import FallbackOptions

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_safe.backends.backend import Backend
-from dcp_safe.dcp.group import checkpoint_group, discard_group, is_group_failure
+from dcp_safe.coordination.group import checkpoint_group, discard_group, is_group_failure
 from dcp_safe.dcp.peer_reader import PEER_RESTORE
 from dcp_safe.errors import ConfigError, PeerCopyError
 from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers

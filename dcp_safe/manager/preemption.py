@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Protocol
 
+from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
 from dcp_safe.errors import ConfigError, DcpSafeError
-from dcp_safe.manager.agreement import Agreement, Vote, require_same_call
 from dcp_safe.manager.handles import Pending, SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.slot import SaveSlot

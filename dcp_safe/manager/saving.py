@@ -1,6 +1,6 @@
 """How an admitted save runs: in the background, in the foreground, or coalesced.
 
-Background and foreground saves use two different groups (:mod:`~dcp_safe.manager.groups`): a
+Background and foreground saves use two different groups (:mod:`~dcp_safe.coordination.groups`): a
 communicator carries one ordered stream of collectives, and a foreground save may run while a
 background one is still in its collectives. A save whose group broke marks it broken; the next
 vote replaces it on every rank.
@@ -16,15 +16,15 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, ManagerGroups
+from dcp_safe.coordination.store import PromotionBarrier
 from dcp_safe.dcp import api
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
 from dcp_safe.manager.follow_up import FollowUp
-from dcp_safe.manager.groups import BACKGROUND, FOREGROUND, ManagerGroups
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
-from dcp_safe.manager.promotion import PromotionBarrier
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.worker import SaveWorker

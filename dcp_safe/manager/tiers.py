@@ -19,7 +19,7 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
-from dcp_safe.dcp.group import DEFAULT_DEADLINE_S
+from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
 from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.peer_reader import PeerCacheReader
 from dcp_safe.dcp.reader import SafeStorageReader

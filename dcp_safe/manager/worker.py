@@ -4,7 +4,7 @@ One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), st
 first save request without waiting for it (:meth:`SaveWorker.start`; a manager that only
 restores starts none) and reused. No save waits for a worker to start: until every rank's worker
 is :attr:`~SaveWorker.ready` (the first one, and every replacement after a death), the ranks
-agree to save on the thread path instead (:func:`~dcp_safe.manager.agreement.decide`).
+agree to save on the thread path instead (:func:`~dcp_safe.manager.decision.decide`).
 
 The parent stages as always, into shared slabs; a sender thread then hands the worker the
 staged state (tensors by place: :mod:`dcp_safe.manager.transport`) and any slab it has not
@@ -14,7 +14,7 @@ A worker that dies fails every save it held with :class:`~dcp_safe.errors.Worker
 next save request starts a new one.
 
 With several ranks the workers save over a group of their own
-(:mod:`dcp_safe.manager.worker_group`). A death, or a failure of that group, marks it broken;
+(:mod:`dcp_safe.coordination.worker_group`). A death, or a failure of that group, marks it broken;
 the ranks replace it at their next vote, and each rank's next save then retires its worker and
 starts one of the new generation. Until that vote a save here fails at once rather than wait for
 peers in a group that is gone.
@@ -37,12 +37,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from dcp_safe.coordination.worker_group import WorkerGroup, WorkerGroups
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, WorkerDiedError
 from dcp_safe.manager.commit_check import Checked
 from dcp_safe.manager.transport import StateEncoder, decode_error
 from dcp_safe.manager.worker_boot import BEAT_S
-from dcp_safe.manager.worker_group import WorkerGroup, WorkerGroups
 from dcp_safe.staging.shared import SharedSlabs
 
 __all__ = ["SaveWorker"]

@@ -9,7 +9,7 @@ also sends ``("alive",)`` every second (the parent kills a worker silent past it
     ("writer", writer, per_rank, group, deep)
                                      the manager's writer (pickled once), per-rank keys, with
                                      several ranks the workers' group to join first
-                                     (:class:`~dcp_safe.manager.worker_group.WorkerGroup`),
+                                     (:class:`~dcp_safe.coordination.worker_group.WorkerGroup`),
                                      and how each new checkpoint is checked (every byte or not);
                                      reply ("ready", None), or ("ready", error) where joining
                                      the group failed (every save then fails with it)
@@ -50,13 +50,13 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_safe.checkpoints.committed import CommittedHeader, keep_parsed
+from dcp_safe.coordination.group import is_group_failure
+from dcp_safe.coordination.worker_group import WorkerGroup, join
 from dcp_safe.dcp import api
-from dcp_safe.dcp.group import is_group_failure
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import WorkerError
 from dcp_safe.manager.commit_check import Checked, check_commit
 from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
-from dcp_safe.manager.worker_group import WorkerGroup, join
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.telemetry.events import Event
 from dcp_safe.telemetry.memory import anchored_clock

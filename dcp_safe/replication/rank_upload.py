@@ -17,8 +17,8 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.checkpoints.watch import poll_until
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.coordination.markers import poll_until
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -76,7 +76,7 @@ class UploadOptions:
             )
 
     def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
-        """:func:`~dcp_safe.checkpoints.watch.poll_until` every ``poll_s``, for ``deadlines``
+        """:func:`~dcp_safe.coordination.markers.poll_until` every ``poll_s``, for ``deadlines``
         times ``remote_timeout_s``."""
         timeout_s = deadlines * self.remote_timeout_s
         return poll_until(check, timeout_s=timeout_s, poll_s=self.poll_s, waiting_for=waiting_for)

@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import SafeLoadPlanner, SafeSavePlanner, SafeStorageReader, SafeStorageWriter
+from dcp_safe.coordination.group import checkpoint_group
 from dcp_safe.dcp import plan_cache
-from dcp_safe.dcp.group import checkpoint_group
 from dcp_safe.errors import ConfigError, DivergentStateError, RestoreMismatchError
 from dcp_safe.testing.multiproc import run_ranks
 

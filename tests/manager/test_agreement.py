@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from dcp_safe.coordination.agreement import Agreement, Vote, groups_to_replace
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.agreement import Agreement, Verdict, Vote, decide, groups_to_replace
+from dcp_safe.manager.decision import Verdict, decide
 from dcp_safe.manager.handles import BusyPolicy
 
 

@@ -48,6 +48,7 @@ from dcp_safe import (
     Topology,
     list_checkpoints,
 )
+from dcp_safe.coordination.worker_group import WorkerGroup, join, store_address
 from dcp_safe.errors import (
     BudgetExceededError,
     DrainTimeoutError,
@@ -56,7 +57,6 @@ from dcp_safe.errors import (
     WorkerError,
 )
 from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
-from dcp_safe.manager.worker_group import WorkerGroup, join, store_address
 from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.telemetry import Telemetry

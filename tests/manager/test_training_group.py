@@ -2,7 +2,7 @@
 
 The training loop owns the default process group: a collective a save puts there waits on, and
 delays, the training's own. The manager's votes and saves run on its own gloo groups
-(:mod:`dcp_safe.manager.groups`), and a save of an unchanged layout reuses the cached plan
+(:mod:`dcp_safe.coordination.groups`), and a save of an unchanged layout reuses the cached plan
 (docs/architecture.md, "Cached save plans"). Checked on 2 real gloo ranks by wrapping every
 ``torch.distributed`` collective and recording the group each call used, over several saves of
 a sharded and replicated state.

@@ -36,8 +36,8 @@ from dcp_safe import (
     WriterOptions,
     list_checkpoints,
 )
+from dcp_safe.coordination.groups import ManagerGroups
 from dcp_safe.errors import DcpSafeError, DrainTimeoutError
-from dcp_safe.manager.groups import ManagerGroups
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import run_ranks
 

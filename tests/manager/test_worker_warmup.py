@@ -23,9 +23,10 @@ import pytest
 from support import make_state, ready_worker
 
 from dcp_safe import Bounds, CheckpointManager, FallbackOptions, Runtime, SavePolicy
+from dcp_safe.coordination.agreement import Vote
+from dcp_safe.coordination.groups import WORKERS
 from dcp_safe.manager import worker as worker_module
-from dcp_safe.manager.agreement import Vote, decide
-from dcp_safe.manager.groups import WORKERS
+from dcp_safe.manager.decision import decide
 from dcp_safe.manager.handles import BusyPolicy
 from dcp_safe.manager.worker import SaveWorker, _Process
 from dcp_safe.testing.multiproc import run_ranks

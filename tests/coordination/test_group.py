@@ -12,7 +12,7 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter
-from dcp_safe.dcp.group import (
+from dcp_safe.coordination.group import (
     checkpoint_group,
     collective_failure,
     is_collective_failure,

@@ -27,9 +27,9 @@ import torch.distributed as dist
 # torch re-exports these from its C extension without listing them: strict mypy rejects that.
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from dcp_safe.coordination.agreement import Agreement
+from dcp_safe.coordination.groups import WORKERS, ManagerGroups
 from dcp_safe.errors import CommitError, ConfigError
-from dcp_safe.manager.agreement import Agreement
-from dcp_safe.manager.groups import WORKERS, ManagerGroups
 from dcp_safe.torch_compat import default_store
 
 __all__ = ["WorkerGroup", "WorkerGroups", "join", "store_address"]

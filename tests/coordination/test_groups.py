@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from dcp_safe import CheckpointManager
-from dcp_safe.dcp.group import discard_group
+from dcp_safe.coordination.group import discard_group
+from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, POLICY, ManagerGroups
 from dcp_safe.errors import CommitError
-from dcp_safe.manager.groups import BACKGROUND, FOREGROUND, POLICY, ManagerGroups
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_safe.dcp.group import checkpoint_group, discard_group, is_group_failure
+from dcp_safe.coordination.group import checkpoint_group, discard_group, is_group_failure
 from dcp_safe.errors import CommitError
 
 __all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "WORKERS", "ManagerGroups"]
