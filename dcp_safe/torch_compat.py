@@ -332,13 +332,10 @@ def dcp_save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
 def _state_of(value: Any) -> Any:
     """What ``_stateful_to_state_dict`` makes of one value; a plain tensor (no instance
     attribute of the protocol's names) is no ``Stateful`` without the protocol check."""
-    if type(value) in _PLAIN_TENSOR_TYPES and not _names_stateful(value.__dict__):
+    attributes = value.__dict__ if type(value) in _PLAIN_TENSOR_TYPES else None
+    if attributes is not None and not {"state_dict", "load_state_dict"} & attributes.keys():
         return value
     return value.state_dict() if isinstance(value, Stateful) else value
-
-
-def _names_stateful(attributes: dict[str, Any]) -> bool:
-    return bool(attributes) and ("state_dict" in attributes or "load_state_dict" in attributes)
 
 
 # ``dcp.async_save`` walks the state the same way on the caller's thread (the training loop's

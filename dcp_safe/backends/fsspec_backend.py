@@ -232,7 +232,8 @@ class FsspecBackend(Backend):
 
     @contextmanager
     def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
-        temp = _temp_name(rel)
+        head, tail = posixpath.split(rel)
+        temp = posixpath.join(head, layout.temp_file_name(tail))
         with self._failing("create", rel):
             # Writes make their folder, as on an object store (fsspec's auto_mkdir is off).
             if parent := posixpath.dirname(rel):
@@ -514,11 +515,6 @@ def _mtime(info: dict[str, Any]) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     return None
-
-
-def _temp_name(rel: str) -> str:
-    head, tail = posixpath.split(rel)
-    return posixpath.join(head, layout.temp_file_name(tail))
 
 
 def _discard(f: Any) -> None:

@@ -77,7 +77,7 @@ def _open_faulty(root: str, options: dict[str, Any], retry: RetryPolicy | None) 
     ``target_options`` name the storage underneath; ``faults`` or ``plan`` the faults."""
     wrapped = options.get("fs")
     target = (
-        _first(wrapped.protocol)
+        (wrapped.protocol if isinstance(wrapped.protocol, str) else wrapped.protocol[0])
         if isinstance(wrapped, fsspec.AbstractFileSystem)
         else str(options.get("target_protocol") or "file")
     )
@@ -89,7 +89,3 @@ def _open_faulty(root: str, options: dict[str, Any], retry: RetryPolicy | None) 
         options["target_options"] = target_options
     inner = FsspecBackend(root, options, client_retries=1)
     return RetryingBackend(inner, retry or RetryPolicy())
-
-
-def _first(protocol: str | tuple[str, ...]) -> str:
-    return protocol if isinstance(protocol, str) else protocol[0]

@@ -14,7 +14,6 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import CommittedCheckpoint
 from dcp_safe.errors import CheckpointCorruptError, SignatureError, UnsignedCheckpointError
-from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES, check_signature, is_cryptographic
 
 __all__ = ["check_signed", "signed_by"]
@@ -35,7 +34,7 @@ def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> N
     check_signature(key, opened.digest, signature, manifest_path)
     weak = [
         checksum
-        for checksum in _checksums(manifest)
+        for checksum in [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
         if checksum is not None and not is_cryptographic(checksum)
     ]
     if weak or not is_cryptographic(manifest.checksum_algorithm + ":"):
@@ -54,10 +53,6 @@ def _read_signature(backend: Backend, name: str) -> bytes:
         ) from None
     except CheckpointCorruptError as exc:  # not a regular file, or too large
         raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None
-
-
-def _checksums(manifest: Manifest) -> list[str | None]:
-    return [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
 
 
 def signed_by(key: bytes) -> Callable[[Backend, CommittedCheckpoint], None]:

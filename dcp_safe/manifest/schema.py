@@ -279,7 +279,8 @@ class _Document:
         raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self._head(), **_record_dicts(self.files, self.items)}
+        files, items = [f.to_dict() for f in self.files], [i.to_dict() for i in self.items]
+        return {**self._head(), "files": files, "items": items}
 
     def to_json(self) -> bytes:
         return _dumps_with_records(self._head(), self.files, self.items)
@@ -404,12 +405,6 @@ _str = encode_basestring_ascii
 _int = int.__repr__
 
 
-def _record_dicts(
-    files: Iterable[FileRecord], items: Iterable[ItemRecord]
-) -> dict[str, list[dict[str, Any]]]:
-    return {"files": [f.to_dict() for f in files], "items": [i.to_dict() for i in items]}
-
-
 def _dumps_with_records(
     head: Mapping[str, Any], files: Iterable[FileRecord], items: Iterable[ItemRecord]
 ) -> bytes:
@@ -448,15 +443,11 @@ def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
     if private:  # the lookup tables are derived, never read from storage
         raise CheckpointCorruptError(path, f"malformed manifest (unknown fields {private})")
     try:
-        return cls(**_with_records(raw))
+        raw["files"] = tuple(FileRecord.from_dict(f) for f in _records("files", raw["files"]))
+        raw["items"] = tuple(ItemRecord.from_dict(i) for i in _records("items", raw["items"]))
+        return cls(**raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(path, f"malformed manifest ({exc})") from exc
-
-
-def _with_records(raw: dict[str, Any]) -> dict[str, Any]:
-    raw["files"] = tuple(FileRecord.from_dict(f) for f in _records("files", raw["files"]))
-    raw["items"] = tuple(ItemRecord.from_dict(i) for i in _records("items", raw["items"]))
-    return raw
 
 
 def _records(field: str, value: object) -> list[dict[str, Any]]:

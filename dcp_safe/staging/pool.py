@@ -315,7 +315,8 @@ class BufferPool:
             self._free = defaultdict(list, {s: b for s, b in self._free.items() if b})
             self.condition.notify_all()
         if freed and self.pin:
-            _empty_host_cache()
+            # Freed pinned blocks stay in torch's host cache until emptied; trim means give back.
+            empty_host_cache()
         return freed
 
     def close(self) -> None:
@@ -439,8 +440,3 @@ class BufferPool:
                 self._pending_bytes -= self.cost(buffer.numel())
                 self._put_free(buffer)
         self._pending = still
-
-
-def _empty_host_cache() -> None:
-    # Freed pinned blocks stay in torch's host cache until emptied; trim means give back.
-    empty_host_cache()
