@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe_machine, evict, markdown_table, median, rotate, write_results
 
 from dcp_safe import CheckpointManager, Topology
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader, ReadSource
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.reading.sources import ReadSource
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.units import format_size
 
@@ -110,7 +111,7 @@ def _restart(
     for key, value in full.items():
         if not torch.equal(target[key].full_tensor(), value):
             raise AssertionError(f"{key} was not restored exactly")
-    assert isinstance(reader, NodeCacheReader)
+    assert isinstance(reader, SafeStorageReader)
     stats = reader.stats()
     return {
         "s": elapsed,

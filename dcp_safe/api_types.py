@@ -11,13 +11,14 @@ from __future__ import annotations
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import CheckpointInfo, VerifyReport
 from dcp_safe.dcp.broadcast import SentObjects
-from dcp_safe.dcp.load_budget import LoadMemoryStats
 from dcp_safe.dcp.options import Compression
 from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.manager.preemption import PreemptionHandler
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord
 from dcp_safe.observe import StagerObserver
+from dcp_safe.reading.budget import LoadMemoryStats
+from dcp_safe.reading.sources import NodeCacheStats
 from dcp_safe.retention.apply import RetentionReport
 from dcp_safe.retention.policy import RetentionPolicy
 from dcp_safe.retention.sweeper import SweepReport
@@ -30,6 +31,7 @@ __all__ = [
     "Compression",
     "FileRecord",
     "LoadMemoryStats",
+    "NodeCacheStats",
     "PreemptionHandler",
     "RestoreReport",
     "RetentionPolicy",

@@ -94,7 +94,7 @@ _RANK_REPORT_INFIX = ".report-"
 ASSIGNMENT_INFIX = ".assigned-"
 LATEST = "latest"
 #: the key of DCP's ``Metadata.planner_data`` under which a save records its tensors'
-#: fingerprints for audited restores (dcp_safe.dcp.audit).
+#: fingerprints for audited restores (dcp_safe.reading.audit).
 AUDIT_KEY = "__dcp_safe_audit__"
 #: ``<key>@rank00003``: a per-rank entry's key in DCP's metadata (dcp_safe.dcp.planners).
 PER_RANK_INFIX = "@rank"

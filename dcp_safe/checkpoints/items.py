@@ -6,7 +6,7 @@ further than the item may hold: one byte more is an
 (:mod:`dcp_safe.checkpoints.torch_zip`), its pickle (:mod:`dcp_safe.checkpoints.item_pickles`).
 The reader and deep verification both decode through here, so what verifies is what loads.
 Plain tensors laid out exactly as ``torch.save`` writes them never come here
-(:mod:`dcp_safe.dcp.tensor_reads`).
+(:mod:`dcp_safe.reading.tensors`).
 """
 
 from __future__ import annotations

@@ -34,11 +34,11 @@ from dcp_safe.coordination.group import (
     validate_deadline,
 )
 from dcp_safe.dcp.gc_pause import gc_paused
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader
 from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
-from dcp_safe.dcp.restore_audit import audit_load
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.shared_load import load_and_share
 from dcp_safe.errors import CommitError, ConfigError, LoadError, from_checkpoint_exception
+from dcp_safe.reading.restore_audit import audit_load
 from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 from dcp_safe.torch_compat import dcp_save as _dcp_save
@@ -201,7 +201,7 @@ def load(
         state_dict: the target, loaded in place.
         per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
         audit: after the load, check on every rank that the live tensors equal what was saved
-            (:func:`dcp_safe.dcp.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
+            (:func:`dcp_safe.reading.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
         **kwargs: passed to ``dcp.load``. Without ``planner=``, a
             :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load; with several ranks
             it has each entry they load identically read once and sent to the others, after
@@ -248,7 +248,8 @@ def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[N
     if not isinstance(planner, SafeLoadPlanner):
         yield
         return
-    cached = isinstance(kwargs.get("storage_reader"), NodeCacheReader)
+    reader = kwargs.get("storage_reader")
+    cached = isinstance(reader, SafeStorageReader) and reader.node_cache is not None
     wanted = planner.read_once is True or (planner.read_once is None and not cached)
     # Entries travel as CPU buffers: a group without a CPU backend (NCCL alone) cannot send them.
     cpu = call.group is not None and "gloo" in str(dist.get_backend(call.group))

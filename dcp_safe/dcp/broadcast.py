@@ -1,6 +1,6 @@
 """Send each shared entry from the rank that read it to the ranks that need it, after the load.
 
-:mod:`dcp_safe.dcp.read_once` planned who reads what; this runs once DCP's load has returned on
+:mod:`dcp_safe.reading.read_once` planned who reads what; this runs once DCP's load has returned on
 every rank (so every owner's reads succeeded, verified by the reader). Point-to-point sends on
 the load's own group, not broadcasts: an entry reaches exactly the ranks that asked for it (with
 HSDP, a shard's replicas, not the whole group), and ranks not involved in a transfer do not wait
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from dcp_safe.dcp.read_once import Transfer
+from dcp_safe.reading.read_once import Transfer
 
 __all__ = ["ObjectKey", "SentObjects", "deliver_shared", "object_key"]
 

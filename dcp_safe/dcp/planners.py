@@ -32,8 +32,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
-from dcp_safe.dcp import audit
-from dcp_safe.dcp.audit import Piece
 from dcp_safe.dcp.broadcast import SentObjects, object_key
 from dcp_safe.dcp.fingerprints import fingerprints_of
 from dcp_safe.dcp.plan_cache import (
@@ -44,14 +42,6 @@ from dcp_safe.dcp.plan_cache import (
     layout_of,
     new_token,
 )
-from dcp_safe.dcp.read_once import (
-    ReadOncePlan,
-    Transfer,
-    dtype_name,
-    item_nbytes,
-    items_digest,
-    share_reads,
-)
 from dcp_safe.dcp.shared_entries import with_shared_entries
 from dcp_safe.errors import (
     CommitError,
@@ -59,6 +49,16 @@ from dcp_safe.errors import (
     DivergentStateError,
     MissingKeysError,
     PerRankStateError,
+)
+from dcp_safe.reading import audit
+from dcp_safe.reading.audit import Piece
+from dcp_safe.reading.read_once import (
+    ReadOncePlan,
+    Transfer,
+    dtype_name,
+    item_nbytes,
+    items_digest,
+    share_reads,
 )
 
 __all__ = [
@@ -77,7 +77,7 @@ class FingerprintedPlan(SavePlan):
     Attributes:
         fingerprints: flattened key -> fingerprint, for plain tensors and objects.
         audit: every tensor's pieces on this rank, with their block fingerprints
-            (:mod:`dcp_safe.dcp.audit`), for audited restores.
+            (:mod:`dcp_safe.reading.audit`), for audited restores.
         plan_token: a local plan with no items (``usable=False``): the rank's layout is the one
             of the cached global plan with this token; a global plan: its token, for the rank
             to name it by next time (:mod:`dcp_safe.dcp.plan_cache`).
@@ -370,7 +370,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         allow_partial: a key asked for that the checkpoint lacks is left alone, not an error.
         name: the checkpoint's name, for the report.
         read_once: entries several ranks load identically are read from storage by one of
-            them and sent to the others (:mod:`dcp_safe.dcp.read_once`). ``None`` (the
+            them and sent to the others (:mod:`dcp_safe.reading.read_once`). ``None`` (the
             default): on with several ranks when loaded by :func:`dcp_safe.load` (which sends
             them) from a reader without a node cache; ``True``: on, also with a node cache;
             ``False``: every rank reads everything it needs itself.

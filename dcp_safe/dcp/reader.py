@@ -22,53 +22,42 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
+from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
-from dcp_safe.checkpoints.items import (
-    OBJECT_MAX_DECODED_BYTES,
-    decode_tensor_item,
-    decode_transforms,
-    read_item,
-    stored_tensors,
-    tensor_item_bound,
-)
+from dcp_safe.checkpoints.items import stored_tensors
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
-from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.checkpoints.signed import check_signed, signed_by
-from dcp_safe.dcp.load_budget import Admission, LoadBudget, LoadMemoryStats
-from dcp_safe.dcp.range_reads import RangeReads, commit_into
-from dcp_safe.dcp.tensor_reads import (
-    known_layout,
-    read_tensor_item,
-    require_stored,
-    transient_bytes,
-    transient_tensor,
-)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
 )
-from dcp_safe.manifest.schema import ItemKey, ItemRecord, Manifest, item_key
+from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
 from dcp_safe.manifest.signing import resolve_key
-from dcp_safe.manifest.streams import read_verified
-from dcp_safe.torch_compat import narrow_tensor_by_index
+from dcp_safe.reading.budget import LoadBudget, LoadMemoryStats
+from dcp_safe.reading.items import CopyFailed, ItemReader
+from dcp_safe.reading.peers import PeerSource
+from dcp_safe.reading.sources import (
+    NodeCacheSource,
+    NodeCacheStats,
+    ReadSource,
+    Rejected,
+    RejectionReason,
+    Source,
+    SourceLog,
+)
+from dcp_safe.replication.peer_transport import DEFAULT_PEER_CHUNK_BYTES
 
 __all__ = ["SafeStorageReader"]
-
-# The stated cost of an item whose decoded size nothing bounds (a compressed object from a
-# root trusted with pickles): more than any budget, so it is admitted alone.
-_UNBOUNDED_BYTES = 1 << 62
 
 
 class SafeStorageReader(StorageReader):
@@ -96,10 +85,23 @@ class SafeStorageReader(StorageReader):
             budget (even 1) slows a load down but never deadlocks it, and that item's bytes
             are then the bound. ``None`` (the default): no bound. What was held:
             :meth:`memory_stats`.
+        node_cache: this node's local root (``NodeLocalWriter``'s ``root``): each file is read
+            from this node's cache of the checkpoint where it holds the remote's very save,
+            every item verified whatever ``verify`` says, and from the remote otherwise (a bad
+            cache never fails a load the remote can serve). Give every rank its own node's.
+            Where each file came from, and why a copy was passed by: :meth:`stats`.
+        node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
+        peers: also read other nodes' files from peer copies (after this node's cache, before
+            the remote); ``read_data`` is then a collective on ``process_group``
+            (:mod:`dcp_safe.reading.peers`). Needs ``node_cache``.
+        process_group: the group peer fetches travel on (its timeout is their deadline);
+            default: dcp_safe's own group for them.
+        peer_chunk_bytes: bytes per peer message.
 
     Raises:
         ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
-            bad key, ``thread_count`` below 1, or ``load_budget_bytes`` not a positive int.
+            bad key, ``thread_count`` below 1, ``load_budget_bytes`` not a positive int, or
+            ``peers`` without ``node_cache``.
     """
 
     def __init__(
@@ -116,10 +118,15 @@ class SafeStorageReader(StorageReader):
         signing_key: bytes | str | None = None,
         thread_count: int | None = None,
         load_budget_bytes: int | None = None,
+        node_cache: str | os.PathLike[str] | None = None,
+        node_cache_storage_options: dict[str, Any] | None = None,
+        peers: bool = False,
+        process_group: Any = None,
+        peer_chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
     ) -> None:
         super().__init__()
-        self._budget = LoadBudget(load_budget_bytes)
-        self.load_budget_bytes = self._budget.budget_bytes
+        budget = LoadBudget(load_budget_bytes)
+        self.load_budget_bytes = budget.budget_bytes
         if thread_count is not None and (
             not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
         ):
@@ -144,6 +151,19 @@ class SafeStorageReader(StorageReader):
                 os.fspath(fallback), fallback_storage_options or storage_options, retry=retry
             )
         )
+        if peers and node_cache is None:
+            raise ConfigError("peers=True reads peer copies on this node's disk: pass node_cache")
+        self._cache = (
+            None
+            if node_cache is None
+            else NodeCacheSource(
+                open_backend(os.fspath(node_cache), node_cache_storage_options, retry=retry)
+            )
+        )
+        #: The partial copies read before the remote, best first.
+        self.sources: list[Source] = [] if self._cache is None else [self._cache]
+        if peers and self._cache is not None:
+            self.sources.append(PeerSource(self._cache, process_group, peer_chunk_bytes))
         self._requested = checkpoint_id
         self._name: str | None = None
         self._manifest: Manifest | None = None
@@ -152,25 +172,39 @@ class SafeStorageReader(StorageReader):
         self._spare: Backend | None = None
         self._spare_checked = False
         self.items_from_fallback = 0
-        #: Stored bytes and items this reader was asked to read since ``reset`` (each item's
-        #: stored length once, or the blocks of it a partial read used; whatever tier served it;
-        #: a retry is not counted again).
-        self.bytes_read = 0
-        self.items_read = 0
         # Files are read on several threads; the planner, the spare tier and the counters are
         # shared between them.
         self._lock = threading.RLock()
-        self._ranges = RangeReads(self._lock, self._budget)
-        self._stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._hash_pool: ThreadPoolExecutor | None = None
+        self._items = ItemReader(
+            self._lock, budget, verify=verify, allow_pickle=allow_pickle, retry=self.retry
+        )
+        self._log = SourceLog()
 
     @property
     def checkpoint_id(self) -> str | None:
         """The resolved name of the checkpoint being read (after ``reset``)."""
         return self._name
 
+    @property
+    def node_cache(self) -> Backend | None:
+        """This node's cache root (``None``: the reader has none)."""
+        return None if self._cache is None else self._cache.backend
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes this reader was asked to read since ``reset`` (each item's stored length
+        once, or the blocks of it a partial read used; whatever source served it; a retry is
+        not counted again)."""
+        return self._items.bytes_read
+
+    @property
+    def items_read(self) -> int:
+        """Items this reader was asked to read since ``reset``."""
+        return self._items.items_read
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Resolve and open the checkpoint.
+        """Resolve and open the checkpoint on the remote, then check each partial source's copy
+        of it (a copy that does not match is passed by, never an error).
 
         Raises:
             InvalidCheckpointNameError: a malformed name.
@@ -213,13 +247,18 @@ class SafeStorageReader(StorageReader):
         )
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
-        self.bytes_read = self.items_read = 0
-        self._stored = stored_tensors(self._metadata)
-        self._budget.reset_stats()
+        self._items.reset(stored_tensors(self._metadata))
+        self._log = SourceLog()
+        for source in self.sources:
+            source.open(self._name, self._manifest, self._log)
 
     def memory_stats(self) -> LoadMemoryStats:
         """Transient host memory the reads held since the last ``reset`` (this rank)."""
-        return self._budget.stats()
+        return self._items.budget.stats()
+
+    def stats(self) -> NodeCacheStats:
+        """Where the files read since the last ``reset`` came from, and why a copy was not used."""
+        return self._log.stats(None if self._cache is None else self._cache.path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -240,10 +279,12 @@ class SafeStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read, verify and hand over every item of ``plan``, one file at a time in file order.
+        """Read, verify and hand over every item of ``plan``, one file at a time in file order,
+        each file from the first source that delivers it (a collective with ``peers``).
 
         Raises:
-            CheckpointCorruptError: a file is missing or short, or an item's checksum differs.
+            CheckpointCorruptError: a file is missing or short on the remote, or an item's
+                checksum differs there.
         """
         assert self._name is not None and self._metadata is not None
         storage = self._metadata.storage_data
@@ -251,30 +292,17 @@ class SafeStorageReader(StorageReader):
         for request in plan.items:
             by_file.setdefault(storage[request.storage_index].relative_path, []).append(request)
         with self._lock:
-            self.items_read += len(plan.items)
-            self.bytes_read += sum(storage[r.storage_index].length for r in plan.items)
+            self._items.items_read += len(plan.items)
+            self._items.bytes_read += self._stored_bytes(plan.items)
         for requests in by_file.values():
             requests.sort(key=lambda r: storage[r.storage_index].offset)
-        workers = min(self.thread_count, len(by_file))
-        # One helper thread per reader thread hashes a large item's chunk while the next is read.
-        with ThreadPoolExecutor(
-            max_workers=max(1, workers), thread_name_prefix="dcp_safe-hash"
-        ) as hashing:
-            self._hash_pool = hashing if self.verify else None
-            try:
-                if workers <= 1:
-                    for file_name, requests in by_file.items():
-                        self._read_file(file_name, requests, planner)
-                else:
-                    with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
-                        reads = [
-                            pool.submit(self._read_file, file_name, requests, planner)
-                            for file_name, requests in by_file.items()
-                        ]
-                        for read in reads:  # the first failure, in file order, is raised
-                            read.result()
-            finally:
-                self._hash_pool = None
+        try:
+            for source in self.sources:
+                source.prepare(set(by_file), self._log)
+            self._read_files(by_file, planner)
+        finally:
+            for source in self.sources:
+                source.finish(self._log)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -286,7 +314,94 @@ class SafeStorageReader(StorageReader):
 
     # ----------------------------------------------------------------- helpers
 
+    def _read_files(self, by_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        workers = min(self.thread_count, len(by_file))
+        # One helper thread per reader thread hashes a large item's chunk while the next is read.
+        with ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="dcp_safe-hash"
+        ) as hashing:
+            self._items.hash_pool = hashing if self.verify else None
+            try:
+                if workers <= 1:
+                    for file_name, requests in by_file.items():
+                        self._read_file(file_name, requests, planner)
+                    return
+                with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
+                    reads = [
+                        pool.submit(self._read_file, file_name, requests, planner)
+                        for file_name, requests in by_file.items()
+                    ]
+                    for read in reads:  # the first failure, in file order, is raised
+                        read.result()
+            finally:
+                self._items.hash_pool = None
+
+    def _stored_bytes(self, requests: list[ReadItem]) -> int:
+        assert self._metadata is not None
+        return sum(self._metadata.storage_data[r.storage_index].length for r in requests)
+
     def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read ``file_name`` from each partial source in turn; what none delivered, from the
+        remote."""
+        remaining = requests
+        for source in self.sources:
+            where = source.where(file_name)
+            if where is None:
+                continue
+            left = self._read_copy(source.kind, *where, file_name, remaining, planner)
+            done = remaining[: len(remaining) - len(left)]
+            self._log.count(source.kind, self._stored_bytes(done), finished=not left)
+            remaining = left
+            if not remaining:
+                return
+        self._log.count(ReadSource.REMOTE, self._stored_bytes(remaining), finished=True)
+        self._read_remote(file_name, remaining, planner)
+
+    def _read_copy(
+        self,
+        kind: ReadSource,
+        copy: Backend,
+        rel: str,
+        file_name: str,
+        requests: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> list[ReadItem]:
+        """Deliver ``requests`` from the partial copy ``copy``'s ``rel``, verified; return those
+        left over.
+
+        Only reading the copy can reject it; an error while handing a verified item over (a
+        shape mismatch, an unsafe pickle) would be the remote's too, and is raised.
+        """
+        path = copy.full_path(rel)
+        with contextlib.ExitStack() as stack:
+            try:
+                self._check_size(copy, rel, file_name)
+                stream = stack.enter_context(copy.open_read(rel))
+            except Exception as exc:
+                self._log.reject_file(file_name, path, exc, kind)
+                return requests
+            for done, request in enumerate(requests):
+                label, record = self._record_for(path, request)
+                try:
+                    self._items.load_checked(stream, path, label, record, request, planner)
+                except CopyFailed as failed:  # whatever the copy does wrong: the next decides
+                    self._log.reject_file(file_name, path, failed.cause, kind)
+                    return requests[done:]
+        return []
+
+    def _check_size(self, copy: Backend, rel: str, file_name: str) -> None:
+        assert self._manifest is not None
+        record = self._manifest.file(file_name)
+        if record is None:  # the remote read reports it
+            raise Rejected(RejectionReason.MISSING, f"{file_name} is not in the manifest")
+        size = copy.size(rel)
+        if size != record.size:
+            raise Rejected(
+                RejectionReason.SIZE,
+                f"{copy.full_path(rel)}: expected {record.size} bytes, found {size}",
+            )
+
+    def _read_remote(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
         assert self._name is not None
         rel = f"{self._name}/{file_name}"
         path = self._source.full_path(rel)
@@ -295,12 +410,11 @@ class SafeStorageReader(StorageReader):
                 for request in requests:
                     label, record = self._record_for(path, request)
                     try:
-                        self._load_item(rel, stream, label, record, request, planner)
+                        self._items.load(self._source, rel, stream, label, record, request, planner)
                     except CheckpointCorruptError as exc:
                         self._load_from_spare(rel, label, record, request, planner, cause=exc)
         except FileNotFoundError:
-            spare = self._spare_tier()
-            if spare is None:
+            if self._spare_tier() is None:
                 raise CheckpointCorruptError(path, "file is missing") from None
             for request in requests:
                 label, record = self._record_for(path, request)
@@ -315,208 +429,6 @@ class SafeStorageReader(StorageReader):
         if record is None or (record.start, record.length) != (info.offset, info.length):
             raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
         return label, record
-
-    def _read_raw(
-        self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
-    ) -> bytes:
-        """One item's bytes; ``verify`` overrides the reader's setting (a node cache is always
-        verified)."""
-        verify = self.verify if verify is None else verify
-        require_stored(stream, path, label, record)
-        return read_verified(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            length=record.length,
-            checksum=record.checksum if verify else None,
-        )
-
-    def _load_item(
-        self,
-        rel: str,
-        stream: Any,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-    ) -> None:
-        path = self._source.full_path(rel)
-        if request.type != LoadItemType.BYTE_IO and self._try_streamed(
-            stream, path, label, record, request, planner
-        ):
-            return
-        with self._budget.admit(self._raw_cost(record, request)) as held:
-            raw = self._read_raw_retrying(rel, stream, label, record)
-            held.count(len(raw))
-            self._deliver(raw, path, label, record, request, planner, held)
-
-    def _try_streamed(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-    ) -> bool:
-        """Load a plain tensor item from ``stream``; ``False`` after a transient error (the
-        caller reads it again on a fresh stream)."""
-        try:
-            if self._load_known(stream, path, label, record, request, planner):
-                return True
-            if record.transforms:
-                return False  # read whole and decoded by the caller
-            with self._budget.admit(record.length) as held:
-                tensor = self._load_streamed(stream, path, label, record, held=held)
-                self._hand_over(tensor, path, label, request, planner)
-            return True
-        except CheckpointCorruptError:
-            raise
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            return False
-
-    def _raw_cost(self, record: ItemRecord, request: ReadItem) -> int:
-        """The most transient bytes reading ``record`` whole and delivering it holds: its
-        stored bytes, what they decompress to and, for an object, its re-serialized copy."""
-        if request.type == LoadItemType.BYTE_IO:
-            bound = self._object_bound(record)
-            decoded = record.length if not record.transforms else bound
-            return _UNBOUNDED_BYTES if decoded is None else record.length + 2 * decoded
-        stored = self._stored.get(record.key)
-        if not record.transforms or stored is None:
-            return record.length
-        return record.length + tensor_item_bound(*stored)
-
-    def _object_bound(self, record: ItemRecord) -> int | None:
-        """The most bytes an object item may decode to (``None``: as many as it holds, for a
-        root trusted with pickles)."""
-        return None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
-
-    def _load_known(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-        *,
-        verify: bool | None = None,
-    ) -> bool:
-        """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
-        request needs where the item has block digests (:mod:`dcp_safe.dcp.range_reads`), else
-        straight into the destination when it is the whole stored tensor, contiguous and on
-        CPU, else via a fresh tensor. ``False``: not such an item."""
-        stored = self._stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
-        if stored is None:
-            return False
-        require_stored(stream, path, label, record)
-        verify = self.verify if verify is None else verify
-        got = self._ranges.load(stream, path, label, record, stored, request, planner, verify)
-        if got is not None:
-            with self._lock:  # counted whole by read_data
-                self.bytes_read -= record.length - got
-            return True
-        dtype, shape = stored
-        layout = known_layout(dtype, shape, record)
-        if layout is None:
-            return False
-        with self._lock:
-            target = planner.resolve_tensor(request).detach()
-        direct = (
-            target.device.type == "cpu"
-            and target.dtype == dtype
-            and tuple(target.shape) == shape
-            and target.is_contiguous()
-            and not any(request.storage_offsets)
-            and tuple(request.lengths) == shape
-        )
-        # What is allocated below is known exactly: the read's own buffers and, unless the
-        # target takes the bytes directly, a tensor of the stored shape.
-        cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
-        with self._budget.admit(cost) as held:
-            held.count(cost)
-            dest = target if direct else transient_tensor(shape, dtype)
-            if not read_tensor_item(
-                stream,
-                path=path,
-                item=label,
-                record=record,
-                layout=layout,
-                checksum=record.checksum if verify else None,
-                dest=dest,
-                hash_pool=self._hash_pool,
-            ):
-                return False
-            if direct:
-                with self._lock:
-                    planner.commit_tensor(request, target)
-            else:
-                self._hand_over(dest, path, label, request, planner)
-        return True
-
-    def _load_streamed(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        *,
-        held: Admission,
-        verify: bool | None = None,
-    ) -> torch.Tensor:
-        """Any other uncompressed tensor item: read whole, verified (``verify``: as for
-        :meth:`_read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`
-        (its bytes counted in ``held``, admitted at ``record.length``)."""
-        verify = self.verify if verify is None else verify
-        require_stored(stream, path, label, record)
-        held.count(record.length)
-        raw = read_item(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            length=record.length,
-            checksum=record.checksum if verify else None,
-        )
-        return self._decode_tensor(raw, path, label, record, held)
-
-    def _decode_tensor(
-        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord, held: Admission
-    ) -> torch.Tensor:
-        stored = self._stored.get(record.key)
-        if stored is None:
-            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
-        dtype, shape = stored
-        data = decode_transforms(
-            raw,
-            record.transforms,
-            max_bytes=tensor_item_bound(dtype, shape),
-            path=path,
-            item=label,
-        )
-        if data is not raw:
-            held.count(len(data))  # decompressed; the tensor is decoded over it
-        return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
-
-    def _read_raw_retrying(self, rel: str, stream: Any, label: str, record: ItemRecord) -> bytes:
-        """Read an item; after a transient error, retry it on a fresh stream within the policy."""
-        backend = self._source
-        path = backend.full_path(rel)
-        try:
-            return self._read_raw(stream, path, label, record)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-
-        def again() -> bytes:
-            with backend.open_read(rel) as fresh:
-                return self._read_raw(fresh, path, label, record)
-
-        return call_with_retries("read", path, again, self.retry)
 
     def _spare_tier(self) -> Backend | None:
         """The other tier, if it holds this very checkpoint (the same manifest)."""
@@ -539,58 +451,17 @@ class SafeStorageReader(StorageReader):
         planner: LoadPlanner,
         cause: BaseException | None,
     ) -> None:
-        with self._budget.admit(self._raw_cost(record, request)) as held:
-            raw = self._read_from_spare(rel, label, record, cause=cause)
-            held.count(len(raw))
-            path = self._source.full_path(rel)
-            self._deliver(raw, path, label, record, request, planner, held)
-
-    def _read_from_spare(
-        self, rel: str, label: str, record: ItemRecord, cause: BaseException | None
-    ) -> bytes:
-        spare = self._spare_tier()
-        if spare is None:
-            if cause is not None:
-                raise cause
-            raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
-        with spare.open_read(rel) as stream:
-            raw = self._read_raw(stream, spare.full_path(rel), label, record)
-        with self._lock:
-            self.items_from_fallback += 1
-        return raw
-
-    def _deliver(
-        self,
-        raw: bytes,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-        held: Admission,
-    ) -> None:
-        """Decode ``raw`` (counted in ``held`` already) and hand it to the planner."""
-        if request.type == LoadItemType.BYTE_IO:
-            # Bounded unless the caller trusts the root (then as large as it decompresses).
-            bound = self._object_bound(record)
-            payload = decode_transforms(
-                raw, record.transforms, max_bytes=bound, path=path, item=label
-            )
-            if payload is not raw:
-                held.count(len(payload))
-            safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
-            with safe.getbuffer() as copy:
-                held.count(copy.nbytes)
+        def read() -> bytes:
+            spare = self._spare_tier()
+            if spare is None:
+                if cause is not None:
+                    raise cause
+                raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
+            with spare.open_read(rel) as stream:
+                raw = self._items.read_raw(stream, spare.full_path(rel), label, record)
             with self._lock:
-                planner.load_bytes(request, safe)
-            return
-        tensor = self._decode_tensor(raw, path, label, record, held)
-        self._hand_over(tensor, path, label, request, planner)
+                self.items_from_fallback += 1
+            return raw
 
-    def _hand_over(
-        self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
-    ) -> None:
-        tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
-        with self._lock:
-            target = planner.resolve_tensor(request).detach()
-        commit_into(target, tensor, path, label, request, planner, self._lock)
+        path = self._source.full_path(rel)
+        self._items.load_bytes(read, path, label, record, request, planner)

@@ -2,7 +2,7 @@
 
 ``dcp.load`` loads into a copy of the top-level state dict (a ``Stateful`` entry's
 ``state_dict()``), then calls each ``Stateful``'s ``load_state_dict`` and puts the other
-entries back. The entries other ranks read for this one (:mod:`dcp_safe.dcp.read_once`) must
+entries back. The entries other ranks read for this one (:mod:`dcp_safe.reading.read_once`) must
 have arrived before that, so this is ``dcp.load``'s own sequence (torch 2.13's
 ``state_dict_loader.load``, step for step) with :func:`~dcp_safe.dcp.broadcast.deliver_shared`
 between DCP's ``_load_state_dict`` and the hand-over. DCP's private ``_load_state_dict`` and

@@ -20,9 +20,14 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_safe.backends.backend import Backend
-from dcp_safe.coordination.group import checkpoint_group, discard_group, is_group_failure
-from dcp_safe.dcp.peer_reader import PEER_RESTORE
+from dcp_safe.coordination.group import (
+    checkpoint_group,
+    discard_group,
+    gather_objects,
+    is_group_failure,
+)
 from dcp_safe.errors import ConfigError, PeerCopyError
+from dcp_safe.reading.peers import PEER_RESTORE
 from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
 from dcp_safe.topology import Topology, this_node
 
@@ -90,8 +95,7 @@ class PeerTier:
         group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
         restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
         rank = dist.get_rank(group)
-        nodes: list[int] = [0] * dist.get_world_size(group)
-        dist.all_gather_object(nodes, this_node(rank), group=group)
+        nodes: list[int] = gather_objects(this_node(rank), group)
         peers = PeerGroup(group, rank, tuple(nodes))
         if copies > peers.node_count:
             raise ConfigError(

@@ -20,8 +20,6 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader
-from dcp_safe.dcp.peer_reader import PeerCacheReader
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
@@ -257,20 +255,12 @@ class Tiers:
     def reader(self) -> SafeStorageReader:
         """A reader of the local root with the replica as its fallback (or, node-local: of the
         remote root, reading from this node's cache what it can, then from peers' copies)."""
-        if self.peers is not None:
-            assert self.node_cache is not None
-            return PeerCacheReader(
-                self.root,
-                node_cache=self.node_cache,
-                process_group=self.peers.restore_group,
-                storage_options=self.storage_options,
-                signing_key=self.signing_key,
-                load_budget_bytes=self.load_budget_bytes,
-            )
         if self.node_cache is not None:
-            return NodeCacheReader(
+            return SafeStorageReader(
                 self.root,
                 node_cache=self.node_cache,
+                peers=self.peers is not None,
+                process_group=None if self.peers is None else self.peers.restore_group,
                 storage_options=self.storage_options,
                 signing_key=self.signing_key,
                 load_budget_bytes=self.load_budget_bytes,

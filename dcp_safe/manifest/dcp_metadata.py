@@ -22,7 +22,7 @@ Format (``"format": "dcp_safe/dcp-metadata"``, ``"version": 1``)::
                              "audit": null | [[key, "<16 hex digits per block>"], ...]}}
 
 Lists keep DCP's order and carry no duplicate keys to argue about. A tensor's fingerprints
-(blocks 0, 1, ... of :mod:`dcp_safe.dcp.audit`) are one string of 64-bit big-endian hex numbers
+(blocks 0, 1, ... of :mod:`dcp_safe.reading.audit`) are one string of 64-bit big-endian hex numbers
 (less text, decoded at C speed). ``storage_data`` is rebuilt from the manifest's items, so a
 load reads only bytes the manifest names and checksums; ``storage_meta`` from its name and
 save id.
@@ -71,7 +71,7 @@ VERSION = 1
 MAX_DIMS = 64
 #: Elements of one flatten path (the keys and indices from the state dict down to a value).
 _MAX_PATH = 256
-#: Fingerprint blocks per tensor at most (dcp_safe.dcp.audit records 16).
+#: Fingerprint blocks per tensor at most (dcp_safe.reading.audit records 16).
 _MAX_BLOCKS = 1 << 10
 #: How much a zstd frame can expand at most: a 3-byte block header and one byte stand for a
 #: 128 KiB block (RLE), 32,768 to 1; with margin. An item that is compressed cannot declare

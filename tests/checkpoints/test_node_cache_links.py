@@ -25,8 +25,8 @@ from dcp_safe.checkpoints.node_cache import (
     list_node_caches,
     prune_node_caches,
 )
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader, ReadSource, RejectionReason
-from dcp_safe.dcp.peer_reader import PeerCacheReader
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.reading.sources import ReadSource, RejectionReason
 
 NAME = "step_0001"
 SHARD = layout.shard_file_name(0, 0)
@@ -62,7 +62,7 @@ def test_links_in_a_node_root_are_never_followed(tmp_path: Path, caplog: Any) ->
     watch.add_tree(outside)
     try:
         target = blank_like(make_state(1))
-        reader = NodeCacheReader(remote, node_cache=node)
+        reader = SafeStorageReader(remote, node_cache=node)
         dcp_safe.load(target, checkpoint_id=NAME, storage_reader=reader)
         with caplog.at_level(logging.WARNING, logger="dcp_safe"):
             listed = [c.name for c in list_node_caches(node)]
@@ -95,7 +95,7 @@ def test_a_linked_peers_folder_is_passed_by_and_the_load_reads_the_remote(
     watch.add_tree(outside)
     try:
         target = blank_like(make_state(1))
-        reader = PeerCacheReader(remote, node_cache=node)
+        reader = SafeStorageReader(remote, node_cache=node, peers=True)
         with caplog.at_level(logging.WARNING, logger="dcp_safe"):
             dcp_safe.load(target, checkpoint_id=NAME, storage_reader=reader)
         touched = watch.events()

@@ -17,8 +17,9 @@ import torch
 from support import shard_rows
 
 from dcp_safe import CheckpointManager, ConfigError, Topology, layout, list_checkpoints
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader, RejectionReason
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.reading.sources import RejectionReason
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.s3, pytest.mark.timeout(300)]
@@ -51,7 +52,7 @@ def _restore(
     with CheckpointManager(topology, keep_last=2) as manager:
         name = manager.restore(target)
         reader = manager.last_reader
-    assert isinstance(reader, NodeCacheReader)
+    assert isinstance(reader, SafeStorageReader) and reader.node_cache is not None
     return {
         "name": name,
         "state": {k: v.full_tensor() for k, v in target.items()},

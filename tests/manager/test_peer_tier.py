@@ -21,10 +21,10 @@ from support import shard_rows
 from dcp_safe import CheckpointManager, ConfigError, Runtime, Topology, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
-from dcp_safe.dcp.node_cache_reader import ReadSource, RejectionReason
-from dcp_safe.dcp.peer_reader import PeerCacheReader
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import PeerCopyError
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.reading.sources import ReadSource, RejectionReason
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.s3, pytest.mark.timeout(600)]
@@ -74,7 +74,8 @@ def _restore(
     with _manager(rank, nodes, root, options) as manager:
         name = manager.restore(target)
         reader = manager.last_reader
-    assert isinstance(reader, PeerCacheReader)
+    assert isinstance(reader, SafeStorageReader)
+    assert [s.kind for s in reader.sources] == [ReadSource.NODE_CACHE, ReadSource.PEER]
     return {
         "name": name,
         "state": {k: v.full_tensor() for k, v in target.items()},

@@ -26,7 +26,7 @@ from support import assert_state_equal, blank_like, checkpoint_workers, make_sta
 from support.faults import DiesMidWrite, RecordsPlans
 
 from dcp_safe import Bounds, CheckpointManager, CommitError, Runtime, Topology, list_checkpoints
-from dcp_safe.dcp.node_cache_reader import NodeCacheReader
+from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import DivergentStateError, SnapshotMutatedError
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging
@@ -250,7 +250,7 @@ def _node_local_saves(rank: int, world_size: int, nodes: list[str], remote: str)
     return {
         "pid": pid,
         "name": name,
-        "from_cache": isinstance(reader, NodeCacheReader) and reader.stats().files_from_cache > 0,
+        "from_cache": isinstance(reader, SafeStorageReader) and reader.stats().files_from_cache > 0,
         "after_close": checkpoint_workers(),
     }
 

@@ -19,8 +19,8 @@ import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.dcp.compressed_reads import read_compressed_tensor
 from dcp_safe.dcp.tensor_records import layout_for, write_tensor
+from dcp_safe.reading.compressed import read_compressed_tensor
 
 
 def _state() -> dict[str, Any]:

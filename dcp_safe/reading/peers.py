@@ -1,8 +1,8 @@
-"""``PeerCacheReader``: restore each file from the best verified source: this node's cache, a
-peer copy (held on any node, fetched over the network), then the remote.
+"""``PeerSource``: other nodes' files, from peer copies (held on any node, fetched over the
+network), read after this node's cache and before the remote.
 
-``read_data`` runs on every rank at the same point, so it begins with one exchange on a
-dcp_safe-owned gloo group, before any item is read::
+The reader's ``read_data`` runs on every rank at the same point, so the source's ``prepare``
+is one exchange on a dcp_safe-owned gloo group, before any item is read::
 
     every rank   needs: the files its plan reads that its own node cache lacks (by size)
                  offers: the files its node's disk holds that match the remote's manifest
@@ -15,39 +15,32 @@ dcp_safe-owned gloo group, before any item is read::
                  for again, from another node's copy, in the next round; the rounds end when
                  no rank has an untried copy left, and what is still missing comes from the
                  remote
-    every rank   reads each file as the base class does: its own cache, then a peer copy
+    every rank   reads each file from its sources in order: its own cache, then a peer copy
                  (fetched, or on its own disk), then the remote, each item verified again
 
 A peer copy counts only where its marker matches its manifest and that manifest is the
 remote's, as a node cache does (:mod:`dcp_safe.checkpoints.peer_copies`). The scratch folder
-is removed once the reads are done. What is trusted: docs/resume.md, "Restoring after a node
-is lost".
+is removed once the reads are done (``finish``). What is trusted: docs/resume.md, "Restoring
+after a node is lost".
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.futures import Future
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group
-from dcp_safe.dcp.node_cache_reader import (
-    NodeCacheReader,
-    ReadSource,
-    RejectionReason,
-)
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.schema import ItemRecord
+from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
+from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, SourceLog
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
     DEFAULT_PEER_CHUNK_BYTES,
@@ -56,7 +49,7 @@ from dcp_safe.replication.peer_transport import (
     send_file,
 )
 
-__all__ = ["PEER_RESTORE", "PeerCacheReader"]
+__all__ = ["PEER_RESTORE", "PeerSource"]
 
 #: The purpose of the gloo group a restore's peer fetches travel on.
 PEER_RESTORE = "peer-restore"
@@ -68,67 +61,74 @@ _Source = tuple[Backend, str]  # a backend and a file's path relative to its roo
 # is passed by and the files are read from the next source.
 _UNUSABLE = (OSError, CheckpointCorruptError)
 
+_PEER = ReadSource.PEER
 
-class PeerCacheReader(NodeCacheReader):
-    """A :class:`NodeCacheReader` that also reads other nodes' files from peer copies.
 
-    Call order: DCP's (every rank); ``read_data`` is a collective on ``process_group``.
+class PeerSource:
+    """Peer copies of other nodes' files, on this node's disk or fetched from the ranks holding
+    them.
 
     Args:
+        cache: this node's cache source (its disk holds the peer copies and the fetched files).
         process_group: the group peer fetches travel on (its timeout is their deadline);
-            default: dcp_safe's own group for them (created at the first ``read_data`` on
-            every rank; none in a single process, which reads peer copies on its disk only).
+            default: dcp_safe's own group for them (created at the first ``prepare`` on every
+            rank; none in a single process, which reads peer copies on its disk only).
         chunk_bytes: bytes per message.
-        **kwargs: as for :class:`NodeCacheReader`.
     """
+
+    kind = _PEER
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
-        *,
-        node_cache: str | os.PathLike[str],
+        cache: NodeCacheSource,
         process_group: Any = None,
         chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(root, node_cache=node_cache, **kwargs)
+        self.cache, self.disk = cache, cache.backend
         self._group = process_group
         self.chunk_bytes = chunk_bytes
+        self._name: str | None = None
+        self._manifest: Manifest | None = None
+        self._log = SourceLog()
+        self._scratch: str | None = None
         self._peer_sources: dict[str, tuple[_Source, str]] = {}  # file -> source, its holder
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch what this node lacks from peers (a collective), then read as the base does."""
+    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        self._name, self._manifest = name, manifest
+
+    def prepare(self, files: set[str], log: SourceLog) -> None:
+        """Fetch what this node lacks from peers: a collective on every rank."""
+        self._log, self._peer_sources = log, {}
+        self._scratch = layout.peer_restore_dir(layout.new_save_id())
+        self._fetch(self._needs(files), self._offers(), self._scratch)
+
+    def where(self, file_name: str) -> tuple[Backend, str] | None:
+        found = self._peer_sources.get(file_name)
+        return None if found is None else found[0]
+
+    def finish(self, log: SourceLog) -> None:
         self._peer_sources = {}
-        scratch = layout.peer_restore_dir(layout.new_save_id())
+        if self._scratch is None:
+            return
+        scratch, self._scratch = self._scratch, None
         try:
-            self._fetch(self._needs(plan), self._offers(), scratch)
-            return super().read_data(plan, planner)
-        finally:
-            self._peer_sources = {}
-            try:
-                self.node_cache.remove_tree(scratch)
-            except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
-                self._reject(None, RejectionReason.UNREADABLE, str(exc), ReadSource.PEER)
+            self.disk.remove_tree(scratch)
+        except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
+            log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
 
     # ----------------------------------------------------------------- sources
 
-    def _local_sources(self, file_name: str) -> list[tuple[Backend, str, ReadSource]]:
-        sources = super()._local_sources(file_name)
-        found = self._peer_sources.get(file_name)
-        if found is not None:
-            (backend, rel), _ = found
-            sources.append((backend, rel, ReadSource.PEER))
-        return sources
+    def _require(self) -> tuple[str, Manifest]:
+        assert self._name is not None and self._manifest is not None
+        return self._name, self._manifest
 
-    def _needs(self, plan: LoadPlan) -> dict[str, int]:
-        """The files ``plan`` reads that this node's cache lacks (or holds at another size)."""
-        assert self._metadata is not None and self._manifest is not None
-        storage = self._metadata.storage_data
-        wanted = {storage[item.storage_index].relative_path for item in plan.items}
+    def _needs(self, files: set[str]) -> dict[str, int]:
+        """The ``files`` this node's cache lacks (or holds at another size)."""
+        name, manifest = self._require()
         needs: dict[str, int] = {}
-        held = self._sizes(self._cache, self._require_name()) if self._cache is not None else {}
-        for file_name in sorted(wanted):
-            record = self._manifest.file(file_name)
+        held = self._sizes(self.disk, name) if self.cache.name is not None else {}
+        for file_name in sorted(files):
+            record = manifest.file(file_name)
             if record is not None and held.get(file_name) != record.size:
                 needs[file_name] = record.size
         return needs
@@ -136,22 +136,21 @@ class PeerCacheReader(NodeCacheReader):
     def _offers(self) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
         node cache's, then those of the peer copies whose manifest is the remote's."""
-        assert self._manifest is not None
-        name = self._require_name()
+        name, manifest = self._require()
         found: list[tuple[str, _Source]] = []
-        if self._cache is not None:
-            found += [(f, (self._cache, f"{name}/{f}")) for f in self._sizes(self._cache, name)]
+        if self.cache.name is not None:
+            found += [(f, (self.disk, f"{name}/{f}")) for f in self._sizes(self.disk, name)]
         try:
-            copies = list_peer_copies(self.node_cache, name)
+            copies = list_peer_copies(self.disk, name)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
-            self._reject(None, RejectionReason.UNREADABLE, str(exc), ReadSource.PEER)
+            self._log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
             copies = []
         for copy in copies:
-            if copy.manifest != self._manifest:
-                self._reject(None, RejectionReason.STALE, f"peer copy {copy.path}", ReadSource.PEER)
+            if copy.manifest != manifest:
+                self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", _PEER)
                 continue
-            sizes = self._sizes(self.node_cache, copy.rel)
-            found += [(f, (self.node_cache, f"{copy.rel}/{f}")) for f in sizes]
+            sizes = self._sizes(self.disk, copy.rel)
+            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in sizes]
         offers: dict[str, _Source] = {}
         for file_name, source in found:
             offers.setdefault(file_name, source)
@@ -159,7 +158,7 @@ class PeerCacheReader(NodeCacheReader):
 
     def _sizes(self, backend: Backend, folder: str) -> dict[str, int]:
         """The shard files directly in ``folder`` that have their recorded size."""
-        assert self._manifest is not None
+        _, manifest = self._require()
         try:
             sizes = backend.sizes(folder)
         except _UNUSABLE:
@@ -167,7 +166,7 @@ class PeerCacheReader(NodeCacheReader):
         return {
             f: size
             for f, size in sizes.items()
-            if (record := self._manifest.file(f)) is not None and record.size == size
+            if (record := manifest.file(f)) is not None and record.size == size
         }
 
     # ----------------------------------------------------------------- the exchange
@@ -184,7 +183,7 @@ class PeerCacheReader(NodeCacheReader):
         rank = dist.get_rank(group)
         pending = {f: size for f, size in needs.items() if f not in self._peer_sources}
         tried: dict[str, list[str]] = {}
-        disk = f"{socket.gethostname()}:{self.node_cache.full_path('')}"
+        disk = f"{socket.gethostname()}:{self.disk.full_path('')}"
         made = False
         while True:  # rounds: a rejected copy is fetched from another disk in the next one
             gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -200,7 +199,7 @@ class PeerCacheReader(NodeCacheReader):
             receives = [f for f in fetches if f.requester == rank]
             if receives and not made:  # where it fails, each landing fails and is named
                 with contextlib.suppress(*_UNUSABLE):
-                    self.node_cache.makedirs(scratch)
+                    self.disk.makedirs(scratch)
                 made = True
             sends = [f for f in fetches if f.holder == rank]
             self._transfer(group, sends, receives, offers, scratch)
@@ -248,8 +247,7 @@ class PeerCacheReader(NodeCacheReader):
         sender.start()
         try:
             if receives:
-                assert self._manifest is not None
-                by_file = items_by_file(self._require_name(), self._manifest)
+                by_file = items_by_file(*self._require())
             for fetch in receives:
                 self._receive(group, fetch, scratch, by_file.get(fetch.file, []))
         finally:
@@ -258,8 +256,7 @@ class PeerCacheReader(NodeCacheReader):
             raise crashed[0]
 
     def _receive(self, group: Any, fetch: Fetch, scratch: str, items: list[ItemRecord]) -> None:
-        assert self._manifest is not None
-        record = self._manifest.file(fetch.file)
+        record = self._require()[1].file(fetch.file)
         assert record is not None  # needs come from the manifest
         rel = f"{scratch}/{fetch.file}"
         holder = f"rank {fetch.holder}"
@@ -267,7 +264,7 @@ class PeerCacheReader(NodeCacheReader):
             receive_file(
                 group,
                 fetch.holder,
-                self.node_cache,
+                self.disk,
                 rel,
                 record,
                 items,
@@ -275,12 +272,12 @@ class PeerCacheReader(NodeCacheReader):
                 chunk_bytes=self.chunk_bytes,
             )
         except CheckpointCorruptError as exc:
-            self._reject(fetch.file, RejectionReason.CHECKSUM, f"{holder}: {exc}", ReadSource.PEER)
+            self._log.reject(fetch.file, RejectionReason.CHECKSUM, f"{holder}: {exc}", _PEER)
         except SenderFailedError as exc:
             reason = RejectionReason.UNREADABLE
-            self._reject(fetch.file, reason, f"{holder}: {exc}", ReadSource.PEER)
+            self._log.reject(fetch.file, reason, f"{holder}: {exc}", _PEER)
         except OSError as exc:
             detail = f"{holder}: landing here failed: {type(exc).__name__}: {exc}"
-            self._reject(fetch.file, RejectionReason.UNREADABLE, detail, ReadSource.PEER)
+            self._log.reject(fetch.file, RejectionReason.UNREADABLE, detail, _PEER)
         else:
-            self._peer_sources[fetch.file] = ((self.node_cache, rel), holder)
+            self._peer_sources[fetch.file] = ((self.disk, rel), holder)

@@ -17,12 +17,12 @@ from typing import BinaryIO
 import torch
 
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
-from dcp_safe.dcp.compressed_reads import STREAM_BYTES, read_compressed_tensor
 from dcp_safe.dcp.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.reading.compressed import STREAM_BYTES, read_compressed_tensor
 
 __all__ = [
     "known_layout",

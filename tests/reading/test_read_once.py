@@ -27,9 +27,9 @@ from dcp_safe import (
     SafeStorageWriter,
     layout,
 )
-from dcp_safe.dcp.read_once import ReadOncePlan, items_digest, share_reads
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.reading.read_once import ReadOncePlan, items_digest, share_reads
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]

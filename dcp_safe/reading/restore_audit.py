@@ -1,6 +1,6 @@
 """A restore that proves itself: the live tensors, after a load, against what was saved.
 
-Every rank fingerprints the pieces it holds (:mod:`dcp_safe.dcp.audit`), all ranks exchange
+Every rank fingerprints the pieces it holds (:mod:`dcp_safe.reading.audit`), all ranks exchange
 them, and each compares the sums with those recorded at save: the same verdict everywhere.
 See docs/resume.md, "A restore that proves itself".
 """
@@ -13,9 +13,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_safe import layout
-from dcp_safe.dcp import audit
 from dcp_safe.dcp.planners import SafeLoadPlanner
 from dcp_safe.errors import ConfigError, RestoreMismatchError
+from dcp_safe.reading import audit
 from dcp_safe.untrusted import shown
 
 __all__ = ["audit_load"]

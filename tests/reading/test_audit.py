@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import dcp_safe
 from dcp_safe import SafeLoadPlanner, SafeStorageReader, SafeStorageWriter
-from dcp_safe.dcp.audit import MAX_SAMPLES, Box, combine, mismatches, partials, report
 from dcp_safe.errors import ConfigError, RestoreMismatchError
+from dcp_safe.reading.audit import MAX_SAMPLES, Box, combine, mismatches, partials, report
 from dcp_safe.testing.multiproc import run_ranks
 
 _MASK = (1 << 64) - 1

@@ -33,14 +33,14 @@ from typing import BinaryIO
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from dcp_safe.dcp.load_budget import LoadBudget
-from dcp_safe.dcp.tensor_reads import transient_tensor
 from dcp_safe.dcp.tensor_records import layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.reading.budget import LoadBudget
+from dcp_safe.reading.tensors import transient_tensor
 
 __all__ = ["MAX_RUNS", "RangePlan", "RangeReads", "commit_into", "plan_range"]
 

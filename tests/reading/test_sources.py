@@ -1,4 +1,5 @@
-"""Restoring from node caches: ``NodeCacheReader`` reads local files, the remote decides.
+"""Restoring from node caches: ``SafeStorageReader(node_cache=)`` reads local files, the remote
+decides.
 
 The two-node case is simulated as in ``test_node_local.py``: four gloo ranks, ranks 0-1 on
 "node A"'s local root and 2-3 on "node B"'s, one moto S3 root. After a ``NodeLocalWriter`` save,
@@ -23,14 +24,14 @@ from torch.distributed.tensor import DTensor
 import dcp_safe
 from dcp_safe import CheckpointNotFoundError, layout
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
-from dcp_safe.dcp.node_cache_reader import (
+from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.reading.sources import (
     CacheRejection,
-    NodeCacheReader,
     NodeCacheStats,
     RejectionReason,
 )
-from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -88,7 +89,7 @@ def _restore_on_two_nodes(
     rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]
 ) -> dict[str, Any]:
     target = shard_rows(world_size, _zeros())
-    reader = NodeCacheReader(
+    reader = SafeStorageReader(
         remote, node_cache=roots[rank // RANKS_PER_NODE], storage_options=options
     )
     dcp_safe.load(target, checkpoint_id="latest", storage_reader=reader)
@@ -139,7 +140,7 @@ def test_a_same_topology_restart_reads_its_node_caches_and_falls_back_to_s3_per_
     # locally, node B's files come from S3, each reported as missing from this cache.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     whole = _zeros()
-    reader = NodeCacheReader(s3_root, node_cache=node_a, storage_options=s3_options)
+    reader = SafeStorageReader(s3_root, node_cache=node_a, storage_options=s3_options)
     dcp_safe.load(whole, storage_reader=reader)
     expected = _full_state(1)
     assert torch.equal(whole["w"], expected["w"]) and torch.equal(whole["b"], expected["b"])
@@ -191,7 +192,7 @@ def saved(tmp_path: Path, memory_root: str) -> tuple[Path, str]:
 
 def _load(node: Path, remote: str, **kwargs: Any) -> NodeCacheStats:
     target = {**_zeros(), "meta": {"epoch": -1}}
-    reader = NodeCacheReader(remote, node_cache=node, **kwargs)
+    reader = SafeStorageReader(remote, node_cache=node, **kwargs)
     dcp_safe.load(target, checkpoint_id=NAME, storage_reader=reader)
     expected = _full_state(1)
     assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
@@ -218,7 +219,7 @@ def test_a_corrupt_item_is_read_from_the_remote_even_with_verify_off(
 ) -> None:
     node, remote = saved
     _flip_item_byte(node / NAME, SHARD, fqn)
-    with caplog.at_level(logging.WARNING, logger="dcp_safe.dcp.node_cache_reader"):
+    with caplog.at_level(logging.WARNING, logger="dcp_safe.reading.sources"):
         stats = _load(node, remote, verify=False)
     assert (stats.files_from_cache, stats.files_from_remote) == (0, 1)
     assert _only_rejection(stats).reason is RejectionReason.CHECKSUM
@@ -255,7 +256,7 @@ def test_a_tampered_or_absent_cache_is_ignored_entirely(saved: tuple[Path, str])
 def test_the_checkpoint_is_resolved_on_the_remote_only(saved: tuple[Path, str]) -> None:
     node, remote = saved
     with pytest.raises(CheckpointNotFoundError):
-        NodeCacheReader(remote, node_cache=node).reset("step_2")
+        SafeStorageReader(remote, node_cache=node).reset("step_2")
     # A cache is never a checkpoint: the cache root as the remote finds nothing to load.
     with pytest.raises(CheckpointNotFoundError):
-        NodeCacheReader(node, node_cache=node).reset("latest")
+        SafeStorageReader(node, node_cache=node).reset("latest")

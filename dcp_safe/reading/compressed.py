@@ -6,7 +6,7 @@ leaves glibc holding freed blocks (a 256 MiB zstd load grew the process by 226 M
 under a 16 MiB budget). Here the compressed bytes are read in small pieces, each hashed in file
 order (the checksum is of the stored, compressed bytes), and the payload is decompressed into
 ``dest``: what is held beyond ``dest`` is zstd's window and one input piece, whatever the
-item's size. As in :mod:`dcp_safe.dcp.tensor_reads`, ``dest`` is written before the checksum is
+item's size. As in :mod:`dcp_safe.reading.tensors`, ``dest`` is written before the checksum is
 compared; nothing reaches the planner unchecked.
 """
 

@@ -41,10 +41,10 @@ from dcp_safe import (
     verify_checkpoint,
 )
 from dcp_safe.dcp.options import WriterOptions
-from dcp_safe.dcp.range_reads import plan_range
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests, BlockHasher
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.reading.ranges import plan_range
 from dcp_safe.testing.multiproc import run_ranks
 
 MIB = 1 << 20

@@ -1,0 +1,386 @@
+"""``ItemReader``: one stored item, read, verified, decoded and handed to DCP's planner.
+
+Whatever the source (the remote, this node's cache, a peer copy), an item is read the same way:
+only the blocks a request needs where the item has block digests (:mod:`.ranges`), a plain
+tensor straight into its destination (:mod:`.tensors`), anything else read whole, decoded and
+narrowed. Every read is admitted against the load budget at a cost stated before it is made
+(:mod:`.budget`). The sources differ only in what a failure means: the remote retries a
+transient error on a fresh stream and raises the rest; a partial copy's failure is
+:class:`CopyFailed`, and the next source decides (:class:`~dcp_safe.dcp.reader.SafeStorageReader`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
+from dcp_safe.checkpoints.items import (
+    OBJECT_MAX_DECODED_BYTES,
+    decode_tensor_item,
+    decode_transforms,
+    read_item,
+    tensor_item_bound,
+)
+from dcp_safe.checkpoints.restricted import sanitized_object_stream
+from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
+from dcp_safe.manifest.streams import read_verified
+from dcp_safe.reading.budget import Admission, LoadBudget
+from dcp_safe.reading.ranges import RangeReads, commit_into
+from dcp_safe.reading.tensors import (
+    known_layout,
+    read_tensor_item,
+    require_stored,
+    transient_bytes,
+    transient_tensor,
+)
+from dcp_safe.torch_compat import narrow_tensor_by_index
+
+__all__ = ["CopyFailed", "ItemReader"]
+
+# The stated cost of an item whose decoded size nothing bounds (a compressed object from a
+# root trusted with pickles): more than any budget, so it is admitted alone.
+_UNBOUNDED_BYTES = 1 << 62
+
+
+class CopyFailed(Exception):
+    """Reading an item from a partial copy failed (not handing it over: that would fail from
+    the remote too, and is raised as it is)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class ItemReader:
+    """Reads items for one reader: ``lock`` guards its planner and counters (files are read on
+    several threads), ``budget`` bounds its transient memory.
+
+    Attributes:
+        bytes_read, items_read: stored bytes and items asked for since :meth:`reset` (each
+            item's stored length once, or the blocks of it a partial read used; whatever
+            source served it; a retry is not counted again).
+        hash_pool: set by the reader while it reads: hashes a large item's chunk while the
+            next is read.
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        budget: LoadBudget,
+        *,
+        verify: bool,
+        allow_pickle: bool,
+        retry: RetryPolicy,
+    ) -> None:
+        self.lock, self.budget = lock, budget
+        self.verify, self.allow_pickle, self.retry = verify, allow_pickle, retry
+        self.ranges = RangeReads(lock, budget)
+        self.stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.hash_pool: ThreadPoolExecutor | None = None
+        self.bytes_read = self.items_read = 0
+
+    def reset(self, stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """A new checkpoint: its stored tensors' dtypes and shapes; the counters start over."""
+        self.stored = stored
+        self.bytes_read = self.items_read = 0
+        self.budget.reset_stats()
+
+    def load(
+        self,
+        backend: Backend,
+        rel: str,
+        stream: Any,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        """Load one item from the remote's ``rel``; a transient error is retried on a fresh
+        stream within the retry policy.
+
+        Raises:
+            CheckpointCorruptError: the item is short or its checksum differs.
+        """
+        path = backend.full_path(rel)
+        if request.type != LoadItemType.BYTE_IO and self._try_streamed(
+            stream, path, label, record, request, planner
+        ):
+            return
+
+        def read() -> bytes:
+            try:
+                return self.read_raw(stream, path, label, record)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+
+            def again() -> bytes:
+                with backend.open_read(rel) as fresh:
+                    return self.read_raw(fresh, path, label, record)
+
+            return call_with_retries("read", path, again, self.retry)
+
+        self.load_bytes(read, path, label, record, request, planner)
+
+    def load_checked(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        """One item from a partial copy, its checksum checked whatever ``verify`` says.
+
+        Raises:
+            CopyFailed: reading it from the copy failed.
+        """
+        plain = request.type != LoadItemType.BYTE_IO and not record.transforms
+        try:
+            if request.type != LoadItemType.BYTE_IO and self._load_known(
+                stream, path, label, record, request, planner, verify=True
+            ):
+                return
+        except Exception as exc:
+            raise CopyFailed(exc) from exc
+        with self.budget.admit(self._raw_cost(record, request)) as held:
+            try:
+                if plain:
+                    tensor = self._load_streamed(stream, path, label, record, held, verify=True)
+                else:
+                    raw = self.read_raw(stream, path, label, record, verify=True)
+                    held.count(len(raw))
+            except Exception as exc:
+                raise CopyFailed(exc) from exc
+            if plain:
+                self._hand_over(tensor, path, label, request, planner)
+            else:
+                self._deliver(raw, path, label, record, request, planner, held)
+
+    def load_bytes(
+        self,
+        read: Callable[[], bytes],
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> None:
+        """Admit the item whole, ``read`` its verified stored bytes, decode and hand them over."""
+        with self.budget.admit(self._raw_cost(record, request)) as held:
+            raw = read()
+            held.count(len(raw))
+            self._deliver(raw, path, label, record, request, planner, held)
+
+    def read_raw(
+        self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
+    ) -> bytes:
+        """One item's stored bytes, checked as ``verify`` says (default: the reader's)."""
+        verify = self.verify if verify is None else verify
+        require_stored(stream, path, label, record)
+        return read_verified(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
+            checksum=record.checksum if verify else None,
+        )
+
+    # ----------------------------------------------------------------- helpers
+
+    def _try_streamed(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+    ) -> bool:
+        """Load a plain tensor item from ``stream``; ``False`` after a transient error (the
+        caller reads it again on a fresh stream)."""
+        try:
+            if self._load_known(stream, path, label, record, request, planner):
+                return True
+            if record.transforms:
+                return False  # read whole and decoded by the caller
+            with self.budget.admit(record.length) as held:
+                tensor = self._load_streamed(stream, path, label, record, held)
+                self._hand_over(tensor, path, label, request, planner)
+            return True
+        except CheckpointCorruptError:
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return False
+
+    def _raw_cost(self, record: ItemRecord, request: ReadItem) -> int:
+        """The most transient bytes reading ``record`` whole and delivering it holds: its
+        stored bytes, what they decompress to and, for an object, its re-serialized copy."""
+        if request.type == LoadItemType.BYTE_IO:
+            bound = self._object_bound(record)
+            decoded = record.length if not record.transforms else bound
+            return _UNBOUNDED_BYTES if decoded is None else record.length + 2 * decoded
+        stored = self.stored.get(record.key)
+        if not record.transforms or stored is None:
+            return record.length
+        return record.length + tensor_item_bound(*stored)
+
+    def _object_bound(self, record: ItemRecord) -> int | None:
+        """The most bytes an object item may decode to (``None``: as many as it holds, for a
+        root trusted with pickles)."""
+        return None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
+
+    def _load_known(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+        *,
+        verify: bool | None = None,
+    ) -> bool:
+        """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
+        request needs where the item has block digests (:mod:`dcp_safe.reading.ranges`), else
+        straight into the destination when it is the whole stored tensor, contiguous and on
+        CPU, else via a fresh tensor. ``False``: not such an item."""
+        stored = self.stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
+        if stored is None:
+            return False
+        require_stored(stream, path, label, record)
+        verify = self.verify if verify is None else verify
+        got = self.ranges.load(stream, path, label, record, stored, request, planner, verify)
+        if got is not None:
+            with self.lock:  # counted whole by the reader
+                self.bytes_read -= record.length - got
+            return True
+        dtype, shape = stored
+        layout = known_layout(dtype, shape, record)
+        if layout is None:
+            return False
+        with self.lock:
+            target = planner.resolve_tensor(request).detach()
+        direct = (
+            target.device.type == "cpu"
+            and target.dtype == dtype
+            and tuple(target.shape) == shape
+            and target.is_contiguous()
+            and not any(request.storage_offsets)
+            and tuple(request.lengths) == shape
+        )
+        # What is allocated below is known exactly: the read's own buffers and, unless the
+        # target takes the bytes directly, a tensor of the stored shape.
+        cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
+        with self.budget.admit(cost) as held:
+            held.count(cost)
+            dest = target if direct else transient_tensor(shape, dtype)
+            if not read_tensor_item(
+                stream,
+                path=path,
+                item=label,
+                record=record,
+                layout=layout,
+                checksum=record.checksum if verify else None,
+                dest=dest,
+                hash_pool=self.hash_pool,
+            ):
+                return False
+            if direct:
+                with self.lock:
+                    planner.commit_tensor(request, target)
+            else:
+                self._hand_over(dest, path, label, request, planner)
+        return True
+
+    def _load_streamed(
+        self,
+        stream: Any,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        held: Admission,
+        *,
+        verify: bool | None = None,
+    ) -> torch.Tensor:
+        """Any other uncompressed tensor item: read whole, verified (``verify``: as for
+        :meth:`read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`
+        (its bytes counted in ``held``, admitted at ``record.length``)."""
+        verify = self.verify if verify is None else verify
+        require_stored(stream, path, label, record)
+        held.count(record.length)
+        raw = read_item(
+            stream,
+            path=path,
+            item=label,
+            start=record.start,
+            length=record.length,
+            checksum=record.checksum if verify else None,
+        )
+        return self._decode_tensor(raw, path, label, record, held)
+
+    def _decode_tensor(
+        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord, held: Admission
+    ) -> torch.Tensor:
+        stored = self.stored.get(record.key)
+        if stored is None:
+            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
+        dtype, shape = stored
+        data = decode_transforms(
+            raw,
+            record.transforms,
+            max_bytes=tensor_item_bound(dtype, shape),
+            path=path,
+            item=label,
+        )
+        if data is not raw:
+            held.count(len(data))  # decompressed; the tensor is decoded over it
+        return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
+
+    def _deliver(
+        self,
+        raw: bytes,
+        path: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+        held: Admission,
+    ) -> None:
+        """Decode ``raw`` (counted in ``held`` already) and hand it to the planner."""
+        if request.type == LoadItemType.BYTE_IO:
+            # Bounded unless the caller trusts the root (then as large as it decompresses).
+            bound = self._object_bound(record)
+            payload = decode_transforms(
+                raw, record.transforms, max_bytes=bound, path=path, item=label
+            )
+            if payload is not raw:
+                held.count(len(payload))
+            safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
+            with safe.getbuffer() as copy:
+                held.count(copy.nbytes)
+            with self.lock:
+                planner.load_bytes(request, safe)
+            return
+        tensor = self._decode_tensor(raw, path, label, record, held)
+        self._hand_over(tensor, path, label, request, planner)
+
+    def _hand_over(
+        self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
+    ) -> None:
+        tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+        with self.lock:
+            target = planner.resolve_tensor(request).detach()
+        commit_into(target, tensor, path, label, request, planner, self.lock)

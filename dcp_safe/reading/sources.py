@@ -1,0 +1,257 @@
+"""Where a restore reads each file from, best first: this node's cache, a peer copy, the remote.
+
+A *source* is a partial copy read before the remote (the one complete copy, the authority on
+"latest"): this node's cache (:class:`NodeCacheSource`, :mod:`dcp_safe.checkpoints.node_cache`)
+and peer copies (:class:`~dcp_safe.reading.peers.PeerSource`). At ``reset`` each checks that it
+holds the remote's very checkpoint; per file it names where it would read it, or nothing. The
+reader (:class:`~dcp_safe.dcp.reader.SafeStorageReader`) tries them in order, every item
+verified whatever ``verify`` says, and reads what none delivered from the remote: a bad copy
+never fails a load the remote can serve. Each copy not used is logged with its reason
+(:class:`SourceLog`). What is trusted and when: docs/fsdp.md, "Restoring from the node caches".
+
+Sources, not reader subclasses: the fall-through is one loop in the reader, and a source is
+only "where is this file, and is it this checkpoint". Not ``SafeStorageReader(fallback=)``
+either: that picks the newest of two complete checkpoints; a partial copy is never chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.node_cache import open_node_cache
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import Manifest
+
+__all__ = [
+    "CacheRejection",
+    "NodeCacheSource",
+    "NodeCacheStats",
+    "ReadSource",
+    "Rejected",
+    "RejectionReason",
+    "Source",
+    "SourceLog",
+]
+
+log = logging.getLogger(__name__)
+
+
+class RejectionReason(str, Enum):
+    """Why the node cache, or one file of it, was not used."""
+
+    NO_CACHE = "no node cache"  # no committed node cache of that name on this node
+    BAD_MARKER = "marker does not match its manifest"
+    STALE = "manifest differs from the remote"  # another save of that name
+    MISSING = "missing"
+    SIZE = "size mismatch"
+    CHECKSUM = "checksum mismatch"
+    UNREADABLE = "unreadable"
+
+
+class ReadSource(str, Enum):
+    """Where a file's bytes came from, best first."""
+
+    NODE_CACHE = "node cache"  # this node's own cache
+    PEER = "peer"  # a peer copy: another node's files, held on some node (the peer tier)
+    REMOTE = "remote"  # the commit root
+
+
+@dataclass(frozen=True)
+class CacheRejection:
+    """One reason a copy was not used: for ``file`` (``None``: the whole cache) from
+    ``source`` (the node cache, or a peer copy: ``detail`` names the rank that held it)."""
+
+    file: str | None
+    reason: RejectionReason
+    detail: str = ""
+    source: ReadSource = ReadSource.NODE_CACHE
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCacheStats:
+    """Where the files of the last load came from (counted per rank, since ``reset``).
+
+    Attributes:
+        cache_path: the node cache used, or ``None`` when it was missing or ignored.
+        files_from_cache: files read entirely from the node cache.
+        files_from_remote: files read, wholly or partly, from the remote.
+        rejections: why each of those files (or the whole cache) was not read from the cache
+            (or from a peer copy: ``source``).
+        files_from_peer: files finished from a peer copy (``peers=True``).
+        bytes_from_cache, bytes_from_peer, bytes_from_remote: the stored bytes of the items
+            each source delivered (the remote's manifest and ``.metadata``, read by ``reset``
+            on every restore, are not counted).
+    """
+
+    cache_path: str | None
+    files_from_cache: int
+    files_from_remote: int
+    rejections: tuple[CacheRejection, ...]
+    files_from_peer: int = 0
+    bytes_from_cache: int = 0
+    bytes_from_peer: int = 0
+    bytes_from_remote: int = 0
+
+    def files_from(self, source: ReadSource) -> int:
+        """Files finished from ``source``."""
+        return {
+            ReadSource.NODE_CACHE: self.files_from_cache,
+            ReadSource.PEER: self.files_from_peer,
+            ReadSource.REMOTE: self.files_from_remote,
+        }[source]
+
+    def bytes_from(self, source: ReadSource) -> int:
+        """Stored bytes ``source`` delivered."""
+        return {
+            ReadSource.NODE_CACHE: self.bytes_from_cache,
+            ReadSource.PEER: self.bytes_from_peer,
+            ReadSource.REMOTE: self.bytes_from_remote,
+        }[source]
+
+
+class Rejected(Exception):
+    """A copy, or one file of it, is not used: ``reason`` and ``detail`` say why."""
+
+    def __init__(self, reason: RejectionReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class SourceLog:
+    """What the sources did since ``reset``: files and bytes each delivered, every rejection.
+
+    Shared by the reader's threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files = dict.fromkeys(ReadSource, 0)
+        self._bytes = dict.fromkeys(ReadSource, 0)
+        self._rejections: list[CacheRejection] = []
+
+    def reject(
+        self, file_name: str | None, reason: RejectionReason, detail: str, source: ReadSource
+    ) -> None:
+        """Record and log that ``source`` (or its ``file_name``) was passed by."""
+        with self._lock:
+            self._rejections.append(CacheRejection(file_name, reason, detail, source))
+        quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
+        where = f"the {source.value}" if file_name is None else f"{file_name} from {source.value}"
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "not reading %s (%s): %s; reading it from the next source instead",
+            where,
+            reason.value,
+            detail,
+        )
+
+    def reject_file(self, file_name: str, path: str, exc: Exception, source: ReadSource) -> None:
+        """Record why reading ``file_name`` (at ``path``) from ``source`` failed with ``exc``."""
+        if isinstance(exc, Rejected):
+            self.reject(file_name, exc.reason, exc.detail, source)
+        elif isinstance(exc, FileNotFoundError):
+            self.reject(file_name, RejectionReason.MISSING, path, source)
+        elif isinstance(exc, CheckpointCorruptError):
+            self.reject(file_name, RejectionReason.CHECKSUM, str(exc), source)
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+            self.reject(file_name, RejectionReason.UNREADABLE, detail, source)
+
+    def count(self, source: ReadSource, stored_bytes: int, *, finished: bool) -> None:
+        """``source`` delivered ``stored_bytes`` of a file (all that was left: ``finished``)."""
+        with self._lock:
+            self._bytes[source] += stored_bytes
+            self._files[source] += finished
+
+    def stats(self, cache_path: str | None) -> NodeCacheStats:
+        with self._lock:
+            files, read = dict(self._files), dict(self._bytes)
+            rejections = tuple(self._rejections)
+        return NodeCacheStats(
+            cache_path=cache_path,
+            files_from_cache=files[ReadSource.NODE_CACHE],
+            files_from_remote=files[ReadSource.REMOTE],
+            rejections=rejections,
+            files_from_peer=files[ReadSource.PEER],
+            bytes_from_cache=read[ReadSource.NODE_CACHE],
+            bytes_from_peer=read[ReadSource.PEER],
+            bytes_from_remote=read[ReadSource.REMOTE],
+        )
+
+
+class Source(Protocol):
+    """A partial copy of the checkpoint, read before the remote.
+
+    Call order (by the reader, every rank): ``open`` in ``reset``; ``prepare`` at the start of
+    each ``read_data`` (a collective where the source says so), then ``where`` per file, on the
+    reader's threads; ``finish`` once the reads are done.
+    """
+
+    kind: ReadSource
+
+    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        """Check the copy of ``name`` is the remote's ``manifest``; log a rejection if not."""
+
+    def prepare(self, files: set[str], log: SourceLog) -> None:
+        """Get ready to serve ``files`` (those this rank's plan reads)."""
+
+    def where(self, file_name: str) -> tuple[Backend, str] | None:
+        """The backend and path (relative to it) to read ``file_name`` from, or ``None``."""
+
+    def finish(self, log: SourceLog) -> None:
+        """The reads are done: drop anything held for them."""
+
+
+class NodeCacheSource:
+    """This node's cache (``NodeLocalWriter``'s root), used where it holds the remote's save."""
+
+    kind = ReadSource.NODE_CACHE
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name: str | None = None  # the checkpoint, once its cache matched the remote's
+
+    @property
+    def path(self) -> str | None:
+        """The node cache in use, or ``None`` when it was missing or ignored."""
+        return None if self.name is None else self.backend.full_path(self.name)
+
+    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        self.name = None
+        try:
+            self._check(name, manifest)
+        except Rejected as rejected:
+            log.reject(None, rejected.reason, rejected.detail, self.kind)
+        else:
+            self.name = name
+
+    def prepare(self, files: set[str], log: SourceLog) -> None:
+        pass  # on this node's disk already
+
+    def where(self, file_name: str) -> tuple[Backend, str] | None:
+        return None if self.name is None else (self.backend, f"{self.name}/{file_name}")
+
+    def finish(self, log: SourceLog) -> None:
+        pass
+
+    def _check(self, name: str, manifest: Manifest) -> None:
+        """Raise :class:`Rejected` unless this node's cache holds the remote's very save."""
+        try:
+            cached = open_node_cache(self.backend, name)
+        except CheckpointNotFoundError as exc:
+            raise Rejected(RejectionReason.NO_CACHE, str(exc)) from None
+        except CheckpointCorruptError as exc:
+            raise Rejected(RejectionReason.BAD_MARKER, str(exc)) from None
+        except OSError as exc:
+            raise Rejected(RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}") from None
+        if cached.manifest != manifest:
+            raise Rejected(
+                RejectionReason.STALE,
+                f"node cache {cached.path} is save {cached.manifest.save_id}, "
+                f"the remote is save {manifest.save_id}",
+            )
