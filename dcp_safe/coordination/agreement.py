@@ -21,7 +21,12 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from dcp_safe.coordination.group import collective_failure, is_collective_failure
+from dcp_safe.coordination.group import (
+    broadcast_object,
+    collective_failure,
+    gather_objects,
+    is_collective_failure,
+)
 from dcp_safe.coordination.groups import POLICY, ManagerGroups
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
 
@@ -136,7 +141,7 @@ class Agreement:
         if self.groups is None:
             return [vote]
         mine = dataclasses.replace(vote, broken=self.groups.broken())
-        votes = list(self._exchange(lambda out, g: dist.all_gather_object(out, mine, g)))
+        votes: list[Vote] = self._exchange(lambda group: gather_objects(mine, group))
         replace = groups_to_replace(votes)
         if replace:
             self.groups.replace(replace)
@@ -150,14 +155,8 @@ class Agreement:
         """
         if self.groups is None:
             return value
-        box = [value if self.coordinator else None]
-
-        def run(_: list[Any], group: Any) -> None:
-            src = dist.get_global_rank(group, 0)
-            dist.broadcast_object_list(box, src=src, group=group)
-
-        self._exchange(run)
-        return box[0]
+        mine = value if self.coordinator else None
+        return self._exchange(lambda group: broadcast_object(mine, group))
 
     def until_all(
         self, call: str, step: int, ready: Callable[[float], bool], timeout_s: float
@@ -234,12 +233,11 @@ class Agreement:
             raise _restored(value, 0)
         return cast(T, value)
 
-    def _exchange(self, run: Callable[[list[Any], Any], None]) -> list[Any]:
+    def _exchange(self, run: Callable[[Any], T]) -> T:
         assert self.groups is not None
         group = self.groups.group(POLICY)
-        out: list[Any] = [None] * self.world_size
         try:
-            run(out, group)
+            return run(group)
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
@@ -251,7 +249,6 @@ class Agreement:
                 deadline_s=self.deadline_s,
                 operation="vote",
             ) from exc
-        return out
 
 
 def _portable(error: BaseException) -> str:

@@ -28,10 +28,12 @@ from dcp_safe.errors import CommitError, ConfigError
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
+    "broadcast_object",
     "checkpoint_group",
     "collective_failure",
     "deadline_of",
     "discard_group",
+    "gather_objects",
     "is_collective_failure",
     "is_group_failure",
     "validate_deadline",
@@ -120,6 +122,23 @@ def discard_group(group: Any, *, destroy: bool = True) -> None:
         # Already gone with its default group: then nothing is left to close.
         with contextlib.suppress(RuntimeError, ValueError):
             dist.destroy_process_group(group)
+
+
+def gather_objects(value: object, group: Any) -> list[Any]:
+    """Every rank's ``value``, by rank in ``group`` (a collective: every rank of it calls this).
+
+    A failed peer raises the transport's error; :func:`collective_failure` translates it.
+    """
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def broadcast_object(value: object, group: Any) -> Any:
+    """The ``value`` of ``group``'s first rank, on every rank of it (ignored on the others)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 # What gloo's and the store's errors say: gloo raises plain RuntimeError, so only the text tells

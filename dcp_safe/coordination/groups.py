@@ -21,7 +21,7 @@ POLICY = "manager-policy"
 FOREGROUND = "manager-sync"
 BACKGROUND = "manager-async"
 _ORDER = (POLICY, FOREGROUND, BACKGROUND)  # creation order, the same on every rank
-# The process executor's workers form their group themselves (manager/worker_group.py): this
+# The process executor's workers form their group themselves (worker_group.py): this
 # manager holds no group for it, only its health and how many times it was replaced.
 WORKERS = "manager-workers"
 

@@ -22,13 +22,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import read_marked_manifest
 from dcp_safe.checkpoints.node_cache import open_node_cache
 from dcp_safe.checkpoints.peer_copies import commit_peer_copy, prune_peer_copies
+from dcp_safe.coordination.group import gather_objects
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError
 from dcp_safe.manifest.schema import FileRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
@@ -69,9 +68,7 @@ class PeerGroup:
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank (a collective on ``group``)."""
-        out: list[Any] = [None] * len(self.nodes)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return gather_objects(value, self.group)
 
 
 def copy_to_peers(
