@@ -22,7 +22,7 @@ from dcp_safe.exporting import torch_format
 from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
 from dcp_safe.exporting.publish import CHECKSUMS, StagedExport, check_destination
 from dcp_safe.exporting.selection import Selection, TensorEntry, parse_dtype, select
-from dcp_safe.exporting.sink import Sha256Sink, write_tensor
+from dcp_safe.exporting.sink import write_tensor
 from dcp_safe.units import format_bytes
 
 __all__ = ["ExportFormat", "ExportResult", "export"]
@@ -150,7 +150,7 @@ def _safetensors(
             header = st.encode_header(entries, metadata)
             with staged.open(file_name) as sink:
                 sink.write(header)
-                source.each_tensor(entries, lambda e, t: _write(sink, e, t))
+                source.each_tensor(entries, lambda e, t: write_tensor(sink, t, e.out_dtype))
                 if sink.tell() != len(header) + st.data_bytes(entries):
                     raise StorageError("write", staged.path(file_name), "size is off")
             st.check_file(staged.path(file_name), entries)
@@ -160,10 +160,6 @@ def _safetensors(
         staged.publish()
     skipped = dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
     return _result(staged, fmt, source, selection, 0, skipped)
-
-
-def _write(sink: Sha256Sink, entry: TensorEntry, tensor: torch.Tensor) -> None:
-    write_tensor(sink, tensor, entry.out_dtype)
 
 
 def _torch(

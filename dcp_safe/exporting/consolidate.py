@@ -103,7 +103,7 @@ class Consolidator:
     def each_tensor(
         self,
         entries: Sequence[TensorEntry],
-        consume: Callable[[TensorEntry, torch.Tensor], None],
+        consume: Callable[[TensorEntry, torch.Tensor], object],
     ) -> None:
         """Call ``consume(entry, tensor)`` for every entry, in order, with its whole tensor.
 

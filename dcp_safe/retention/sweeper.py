@@ -169,8 +169,9 @@ def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -
                 debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
                 continue
             leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
-            if not leased and not _only_own_objects(entry, files):
-                continue  # not a save of ours
+            own = files and all(layout.is_own_object(f"{entry}/{rel}") for rel in files)
+            if not leased and not own:
+                continue  # not a save of ours: an empty folder, or objects we never write
             if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
                 continue  # committed since the listing
             changed = last_change(backend, entry, now)
@@ -255,12 +256,6 @@ def _members(backend: Backend, name: str) -> set[str] | None:
     except (OSError, DcpSafeError):
         return None
     return {record.path for record in manifest.files}
-
-
-def _only_own_objects(name: str, files: list[str]) -> bool:
-    """Whether ``<name>/`` holds at least one object (``files``, relative to it) and only
-    objects dcp_safe writes."""
-    return bool(files) and all(layout.is_own_object(f"{name}/{rel}") for rel in files)
 
 
 def _is_checkpoint_name(entry: str) -> bool:

@@ -153,7 +153,10 @@ class BudgetedStager(AsyncStager):
             # Same structure as the last save: admit on its plan and let the staging thread
             # confirm the full key, which costs several times the walk.
             plan = self._plans.speculate(layout)
-            if plan is not None and not self._admits_now(plan):
+            if plan is not None and not (
+                plan.request.cost <= self.budget.envelope_bytes
+                and self._decide(plan.request)[0].admitted
+            ):
                 # A wrong guess must not make a save wait or fail: settle the plan first.
                 self._plans.retract()
                 plan = None
@@ -362,9 +365,7 @@ class BudgetedStager(AsyncStager):
         request = plan.request
         self.budget.check_fits(request.cost)
         started = time.monotonic()
-        deadline = started + (
-            0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
-        )
+        deadline = started + self._wait_s()
         collected = False
         grace_until: float | None = None
         with self._cond:
@@ -416,9 +417,8 @@ class BudgetedStager(AsyncStager):
         )
         return admission, new
 
-    def _admits_now(self, plan: StagingPlan) -> bool:
-        cost = plan.request.cost
-        return cost <= self.budget.envelope_bytes and self._decide(plan.request)[0].admitted
+    def _wait_s(self) -> float:
+        return 0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
 
     def _trim_excess(self) -> None:
         excess = self._pool.allocated_bytes - self.budget.envelope_bytes
@@ -436,9 +436,7 @@ class BudgetedStager(AsyncStager):
             self._plans.retract()
             plan = self._plans.get(layout)
         self.budget.check_fits(plan.request.cost)
-        deadline = time.monotonic() + (
-            0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
-        )
+        deadline = time.monotonic() + self._wait_s()
         with self._cond:
             gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
             while True:  # this generation is in flight already: count only the others
@@ -458,11 +456,8 @@ class BudgetedStager(AsyncStager):
         held = ", ".join(
             f"#{g.number}{' (tracked)' if g.tracked else ''}" for g in self._in_flight.values()
         )
-        how = (
-            "when_busy='raise'"
-            if self.options.when_busy is WhenBusy.RAISE
-            else f"waited {self.options.timeout_s}s"
-        )
+        raising = self.options.when_busy is WhenBusy.RAISE
+        how = "when_busy='raise'" if raising else f"waited {self.options.timeout_s}s"
         return (
             f"save not admitted ({how}): {reason}; generations in flight: {held or 'none'}."
             " A generation is released when its upload finishes; an untracked failed upload"

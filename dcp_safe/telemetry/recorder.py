@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 _ROOT_LEVEL = frozenset({Phase.SAVE, Phase.RELEASE, Phase.REPLICATION})
 
 
-def _error_text(error: BaseException | str) -> str:
-    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-
-
 @dataclass(slots=True, eq=False)
 class _Span:
     """An open span of :class:`Telemetry`; the first ``end``/``fail`` counts."""
@@ -62,7 +58,8 @@ class _Span:
         self._close(True, None, bytes, attrs)
 
     def fail(self, error: BaseException | str) -> None:
-        self._close(False, _error_text(error), None, {})
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._close(False, text, None, {})
 
     def _close(
         self, ok: bool, error: str | None, nbytes: int | None, attrs: dict[str, Any]
