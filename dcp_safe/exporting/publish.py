@@ -36,15 +36,10 @@ class StagedExport(AbstractContextManager["StagedExport"]):
     """
 
     def __init__(self, dest: str | os.PathLike[str], *, overwrite: bool) -> None:
-        text = os.fspath(dest)
-        if "://" in text and not text.startswith("file://"):
-            raise ConfigError(f"dest must be a local path, got {text!r}")
-        self.dest = os.path.abspath(text.removeprefix("file://"))
+        # A file system root has no leaf to create, but it always exists: refused here.
+        self.dest = check_destination(dest, overwrite)
         parent, self._leaf = os.path.split(self.dest)
-        if not self._leaf:
-            raise ConfigError(f"dest must name a directory to create, got {text!r}")
         self._overwrite = overwrite
-        _check_dest(self.dest, overwrite)
         os.makedirs(parent, exist_ok=True)
         self._backend = LocalBackend(parent)
         self._work = layout.export_work_dir_name(self._leaf, secrets.token_hex(6))
@@ -99,8 +94,8 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         self._backend.sync_dir("")
 
 
-def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> None:
-    """Refuse ``dest`` now, before any work, as :class:`StagedExport` would.
+def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
+    """Refuse ``dest`` now, before any work, as :class:`StagedExport` does; its absolute path.
 
     Raises:
         ConfigError: see :class:`StagedExport`.
@@ -108,7 +103,9 @@ def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> None:
     text = os.fspath(dest)
     if "://" in text and not text.startswith("file://"):
         raise ConfigError(f"dest must be a local path, got {text!r}")
-    _check_dest(os.path.abspath(text.removeprefix("file://")), overwrite)
+    path = os.path.abspath(text.removeprefix("file://"))
+    _check_dest(path, overwrite)
+    return path
 
 
 def _exists_message(dest: str) -> str:

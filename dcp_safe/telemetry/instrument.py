@@ -44,7 +44,8 @@ class InstrumentedWriter(StorageWriter):
         self.inner = writer
         self.telemetry = telemetry
         self._name: str | None = None
-        self._root: SpanHandle | None = None  # only when this wrapper opened it
+        # Only when this wrapper opened it; None: the recorder finds the root by name.
+        self._root: SpanHandle | None = None
         self._plan: SpanHandle | None = None
         self._coordinator = True
 
@@ -58,7 +59,7 @@ class InstrumentedWriter(StorageWriter):
         tel = self.telemetry
         if tel.root(self._name) is None:
             self._root = tel.begin_save(self._name, getattr(self.inner, "step", None))
-        self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._parent())
+        self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._root)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._coordinator = is_coordinator
@@ -110,14 +111,10 @@ class InstrumentedWriter(StorageWriter):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _parent(self) -> SpanHandle | None:
-        # None: the recorder finds the root by name (or this thread's current span).
-        return self._root
-
     @contextmanager
     def _phase(self, phase: Phase) -> Iterator[SpanHandle]:
         """A span of ``phase`` over the block; an exception fails it and the root (re-raised)."""
-        span = self.telemetry.begin(phase, save=self._name, parent=self._parent())
+        span = self.telemetry.begin(phase, save=self._name, parent=self._root)
         try:
             with self.telemetry.profile(phase):
                 yield span
