@@ -32,7 +32,7 @@ from dcp_safe.checkpoints.loadable import check_loadable
 from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.verify import check_stream, items_by_file
 
@@ -246,13 +246,25 @@ def verify_opened(
     key = resolve_key(signing_key)
     if key is not None:
         check_signed(backend, opened, key)
-    objects = 0
+    objects = bytes_read = 0
     if deep:
-        bytes_read = _verify_every_byte(backend, name, manifest, progress)
+        _require_complete_listing(backend, name, manifest)
+        by_file = items_by_file(backend.full_path(f"{name}/{layout.MANIFEST}"), manifest)
+    # The quick check sizes files from one listing per folder, not a request per file; a file
+    # a listing lacks is asked for on its own before it is called missing (a snapshot).
+    size_of = backend.size if deep else ListedSizes(backend, "").size
+    for record in manifest.files:
+        rel = f"{name}/{record.path}"
+        _check_size(backend, rel, record.size, size_of)
+        if deep:
+            with backend.open_read(rel) as stream:
+                items = by_file.get(record.path, [])
+                bytes_read += check_stream(stream, backend.full_path(rel), record, items)
+        if progress is not None:
+            progress(record)
+    if deep:
+        _verify_rank_manifests(backend, name, manifest)
         objects = check_loadable(backend, name, manifest, allow_pickle=allow_pickle)
-    else:
-        _verify_sizes(backend, name, manifest, progress)
-        bytes_read = 0
     return VerifyReport(
         name=name,
         path=backend.full_path(name),
@@ -262,42 +274,6 @@ def verify_opened(
         seconds=time.perf_counter() - started,
         objects_checked=objects,
     )
-
-
-def _verify_every_byte(
-    backend: Backend,
-    name: str,
-    manifest: Manifest,
-    progress: Callable[[FileRecord], None] | None,
-) -> int:
-    """The deep check; returns the bytes read."""
-    _require_complete_listing(backend, name, manifest)
-    bytes_read = 0
-    by_file = items_by_file(backend.full_path(f"{name}/{layout.MANIFEST}"), manifest)
-    for record in manifest.files:
-        bytes_read += _verify_file(backend, name, record, by_file.get(record.path, []))
-        if progress is not None:
-            progress(record)
-    _verify_rank_manifests(backend, name, manifest)
-    return bytes_read
-
-
-def _verify_sizes(
-    backend: Backend,
-    name: str,
-    manifest: Manifest,
-    progress: Callable[[FileRecord], None] | None,
-) -> None:
-    """The quick check: every file the manifest lists is there with its recorded size.
-
-    Sized from one listing per folder, not a request per file; a file a listing lacks is asked
-    for on its own before it is called missing (a listing is a snapshot).
-    """
-    sizes = ListedSizes(backend, "")
-    for record in manifest.files:
-        _check_size(backend, f"{name}/{record.path}", record.size, sizes.size)
-        if progress is not None:
-            progress(record)
 
 
 def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
@@ -331,13 +307,6 @@ def _check_size(backend: Backend, rel: str, size: int, size_of: Callable[[str], 
             expected=size,
             actual=actual,
         )
-
-
-def _verify_file(backend: Backend, name: str, record: FileRecord, items: list[ItemRecord]) -> int:
-    rel = f"{name}/{record.path}"
-    _check_size(backend, rel, record.size, backend.size)
-    with backend.open_read(rel) as stream:
-        return check_stream(stream, backend.full_path(rel), record, items)
 
 
 def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> None:
