@@ -36,6 +36,7 @@ __all__ = [
     "gather_objects",
     "is_collective_failure",
     "is_group_failure",
+    "peers_failed",
     "validate_deadline",
 ]
 
@@ -218,6 +219,22 @@ def collective_failure(
     )
     error.__cause__ = exc
     return error
+
+
+def peers_failed(
+    message: str,
+    why: str,
+    exc: BaseException,
+    *,
+    rank: int,
+    world_size: int,
+    ranks: Iterable[int] = (),
+) -> CommitError:
+    """A CommitError for peers that did not take part: ``ranks`` (else every peer of ``rank``),
+    each with ``why`` and the transport's error (chain it: ``raise ... from exc``)."""
+    detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    named = list(ranks) or [r for r in range(world_size) if r != rank]
+    return CommitError(message, {r: f"{why} ({detail})" for r in named})
 
 
 # What failed, and what is still intact, per operation a failed collective was part of.

@@ -12,7 +12,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_safe.coordination.group import checkpoint_group, discard_group, is_group_failure
+from dcp_safe.coordination.group import (
+    checkpoint_group,
+    discard_group,
+    is_group_failure,
+    peers_failed,
+)
 from dcp_safe.errors import CommitError
 
 __all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "WORKERS", "ManagerGroups"]
@@ -153,16 +158,14 @@ class ManagerGroups:
         try:
             fresh = checkpoint_group(self.deadline_s, purpose=purpose)
         except (RuntimeError, ValueError) as exc:
-            detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-            self.dead = CommitError(
+            self.dead = peers_failed(
                 f"the manager's {purpose} group broke and a new one could not be made: a"
                 f" peer died or did not respond within the {self.deadline_s:g} s deadline;"
                 " restart the job (the previous checkpoint is intact)",
-                {
-                    r: f"did not join the new {purpose} group ({detail})"
-                    for r in range(self.world_size)
-                    if r != self.rank
-                },
+                f"did not join the new {purpose} group",
+                exc,
+                rank=self.rank,
+                world_size=self.world_size,
             )
             raise self.dead from exc
         with self._lock:
@@ -173,11 +176,12 @@ class ManagerGroups:
 def _not_joined(exc: BaseException, purpose: str, deadline_s: float) -> CommitError:
     """The typed error for a group the manager could not create: a peer did not join in time
     (every rank constructs the manager at the same point; one slow to start misses it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-    return CommitError(
+    return peers_failed(
         f"could not create the manager's {purpose} group: not every rank joined within the"
         f" {deadline_s:g} s deadline (every rank constructs CheckpointManager at the same point;"
         " a rank slow to start needs a longer deadline_s); restart the job",
-        {r: f"did not join the {purpose} group ({detail})" for r in range(world) if r != rank},
+        f"did not join the {purpose} group",
+        exc,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
     )

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from dcp_safe.coordination.agreement import Agreement
+from dcp_safe.coordination.group import peers_failed
 from dcp_safe.coordination.groups import WORKERS, ManagerGroups
 from dcp_safe.errors import CommitError, ConfigError
 from dcp_safe.torch_compat import default_store
@@ -140,15 +141,17 @@ def join(group: WorkerGroup) -> None:
 
 
 def _not_joined(group: WorkerGroup, exc: BaseException, store: Any) -> CommitError:
-    peers = [r for r in range(group.world_size) if r != group.rank]
-    missing = peers
+    missing: list[int] = []  # none known (the store is gone too): every peer in doubt
     if store is not None:
-        with contextlib.suppress(RuntimeError):  # the store is gone too: every peer in doubt
-            missing = [r for r in peers if not store.check([f"arrived/{r}"])]
-    detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-    return CommitError(
+        with contextlib.suppress(RuntimeError):
+            missing = [r for r in range(group.world_size) if not store.check([f"arrived/{r}"])]
+    return peers_failed(
         f"the checkpoint workers could not form their group within {group.timeout_s:g} s"
         " (deadline_s): a rank's worker did not start or died; nothing was published (the"
         " previous checkpoint is intact) and the ranks start new workers at their next save",
-        {r: f"its checkpoint worker did not join ({detail})" for r in missing or peers},
+        "its checkpoint worker did not join",
+        exc,
+        rank=group.rank,
+        world_size=group.world_size,
+        ranks=(r for r in missing if r != group.rank),
     )

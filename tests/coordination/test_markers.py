@@ -1,0 +1,66 @@
+"""Polling storage: the one deadline loop, on a fake clock (no wall-clock thresholds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_safe.coordination import markers
+from dcp_safe.errors import ReplicationTimeoutError
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pauses: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(markers, "time", fake)  # this module's clock only, not the process's
+    return fake
+
+
+def test_poll_returns_what_check_finds(clock: _Clock) -> None:
+    answers = iter([None, None, "found"])
+    assert markers.poll(lambda: next(answers), 10.0) == "found"
+    assert clock.pauses == [0.005, 0.01]
+
+
+def test_poll_backs_off_to_its_longest_pause_and_stops_at_the_deadline(clock: _Clock) -> None:
+    calls: list[float] = []
+
+    def never() -> None:
+        calls.append(clock.now)
+
+    assert markers.poll(never, 1.0) is None
+    assert max(clock.pauses) == 0.25
+    assert clock.now == pytest.approx(1.0)  # the last pause is cut to the deadline
+    assert calls[-1] == pytest.approx(1.0)  # and checked once more there
+
+
+def test_poll_checks_once_even_with_no_time_left(clock: _Clock) -> None:
+    calls: list[int] = []
+    assert markers.poll(lambda: calls.append(1), 0.0) is None
+    assert calls == [1] and clock.pauses == []
+
+
+def test_a_check_that_raises_ends_the_wait(clock: _Clock) -> None:
+    def failed() -> None:
+        raise OSError("a peer's failure marker")
+
+    with pytest.raises(OSError, match="failure marker"):
+        markers.poll(failed, 10.0)
+
+
+def test_poll_until_raises_a_timeout_naming_what_it_waited_for(clock: _Clock) -> None:
+    with pytest.raises(ReplicationTimeoutError, match=r"gave up after 2 s waiting for the lease"):
+        markers.poll_until(lambda: None, timeout_s=2, poll_s=0.5, waiting_for="the lease")
+    assert set(clock.pauses) == {0.5}
