@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import inspect
 import logging
 import posixpath
 import threading
@@ -97,9 +96,12 @@ class FsspecBackend(Backend):
             self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
         )
         self.process_local = _protocols(target) & _IN_PROCESS_PROTOCOLS != set()
-        # True, False, or None: to be probed on the server the first time it is asked.
+        from s3fs import S3FileSystem  # a dependency, slow to import: only when needed
+
+        # True, False, or None: to be probed on the server the first time it is asked. s3fs
+        # (>= 2024.12, as pinned) sends ``pipe_file(mode="create")`` as a conditional PUT.
         self._exclusive: bool | None = (
-            True if self.process_local else None if _has_conditional_create(target) else False
+            True if self.process_local else None if isinstance(target, S3FileSystem) else False
         )
         self.client_retries = client_retries
         self._limit_client_retries()
@@ -469,18 +471,6 @@ def write_buffer_bytes(backend: Backend) -> int | None:
     if isinstance(backend, FsspecBackend):
         return backend.write_buffer_bytes
     return 0 if not getattr(backend, "object_store", False) else None
-
-
-def _has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
-    """True when ``pipe_file(mode="create")`` is a server-side conditional write."""
-    try:
-        from s3fs import S3FileSystem
-    except ImportError:  # pragma: no cover - s3fs is a dependency
-        return False
-    if not isinstance(fs, S3FileSystem):
-        return False
-    # s3fs releases before exclusive writes would pass ``mode`` on to PutObject and fail.
-    return "mode" in inspect.signature(S3FileSystem._pipe_file).parameters
 
 
 def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:

@@ -181,23 +181,15 @@ def _is_transient_reply(response: dict[object, object]) -> bool:
 @functools.cache
 def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(transient, final) exception types from the builtins and the S3 client libraries."""
+    # s3fs, a dependency, brings both (imported here: they are slow to import).
+    import aiohttp
+    from botocore import exceptions as boto
+
     transient: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
-    final: list[type[BaseException]] = []
-    try:
-        from botocore import exceptions as boto
-    except ImportError:  # pragma: no cover - s3fs, a dependency, brings botocore
-        pass
-    else:
-        final.append(boto.SSLError)  # a botocore ConnectionError, but no retry will fix it
-        transient += [boto.HTTPClientError, boto.ConnectionError, boto.IncompleteReadError]
-    try:
-        import aiohttp
-    except ImportError:  # pragma: no cover - aiobotocore brings aiohttp
-        pass
-    else:
-        final.append(aiohttp.ClientSSLError)
-        transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
-    return tuple(transient), tuple(final)
+    transient += [boto.HTTPClientError, boto.ConnectionError, boto.IncompleteReadError]
+    transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    # boto's SSLError is a ConnectionError, but no retry will fix it.
+    return tuple(transient), (boto.SSLError, aiohttp.ClientSSLError)
 
 
 def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
