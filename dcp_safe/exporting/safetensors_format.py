@@ -54,11 +54,10 @@ _CODES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
     torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    _dtype = getattr(torch, _name, None)
-    if isinstance(_dtype, torch.dtype):
-        _CODES[_dtype] = _code
 
 
 def unsupported(entries: Sequence[TensorEntry]) -> list[str]:
