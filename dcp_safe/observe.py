@@ -111,18 +111,10 @@ class NullSpan:
     """The span of :class:`NullRecorder`: does nothing."""
 
     __slots__ = ()
-
-    @property
-    def id(self) -> int | None:
-        return None
-
-    @property
-    def save(self) -> str | None:
-        return None
-
-    @property
-    def step(self) -> int | None:
-        return None
+    # Class attributes: with no slots, an instance cannot set them.
+    id: int | None = None
+    save: str | None = None
+    step: int | None = None
 
     def end(self, *, bytes: int | None = None, **attrs: Any) -> None:
         return None
