@@ -10,7 +10,7 @@ decoded, and a checkpoint without plain metadata is skipped rather than unpickle
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
 from typing import Any
 
 from dcp_safe.backends.backend import Backend
@@ -56,7 +56,8 @@ def check_loadable(
     tensors = stored_tensors(metadata)
     objects = [] if allow_pickle else object_items(manifest)
     checked = [item for item in manifest.items if item.key in tensors] + objects
-    for file_name, group in _by_file(checked):
+    ordered = sorted(checked, key=lambda i: (i.file, i.start))
+    for file_name, group in itertools.groupby(ordered, key=lambda i: i.file):
         rel = f"{name}/{file_name}"
         path = backend.full_path(rel)
         try:
@@ -70,13 +71,6 @@ def check_loadable(
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
     return len(objects)
-
-
-def _by_file(items: list[ItemRecord]) -> Iterable[tuple[str, list[ItemRecord]]]:
-    grouped: dict[str, list[ItemRecord]] = {}
-    for item in sorted(items, key=lambda i: (i.file, i.start)):
-        grouped.setdefault(item.file, []).append(item)
-    return grouped.items()
 
 
 def _check_tensor(stream: Any, path: str, item: ItemRecord, dtype: Any, shape: Any) -> None:
