@@ -98,10 +98,7 @@ class _Union:
     policies: tuple[RetentionPolicy, ...]
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
-        kept: set[str] = set()
-        for policy in self.policies:
-            kept |= policy.keeps(records)
-        return kept
+        return set().union(*(policy.keeps(records) for policy in self.policies))
 
 
 def combine(*policies: RetentionPolicy) -> RetentionPolicy:
