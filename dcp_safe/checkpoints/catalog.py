@@ -21,10 +21,8 @@ from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import (
     CommittedCheckpoint,
-    CommittedHeader,
-    committed_names,
+    accepted_headers,
     open_committed,
-    open_header,
     recency,
     resolve_name,
 )
@@ -96,36 +94,18 @@ def list_checkpoints(
     backend = open_backend(os.fspath(root), storage_options)
     key = resolve_key(signing_key)
     accept = None if key is None else signed_by(key)
-    found = []
-    for name in committed_names(backend):
-        try:
-            if accept is None:
-                header = open_header(backend, name)[0]
-            else:
-                opened = open_committed(backend, name)
-                header = CommittedHeader.of(opened.manifest)
-        except CheckpointNotFoundError:
-            continue  # removed since it was listed
-        except CheckpointCorruptError as exc:
-            (on_damaged or _log_damaged)(name, exc)
-            continue
-        if accept is not None:
-            try:
-                accept(backend, opened)
-            except CheckpointCorruptError as exc:  # not signed with the key: not counted
-                (on_damaged or _log_damaged)(name, exc)
-                continue
-        found.append(
-            CheckpointInfo(
-                name=name,
-                path=backend.full_path(name),
-                size_bytes=header.total_bytes,
-                created_at=header.created_at,
-                world_size=header.world_size,
-                step=header.step,
-                save_id=header.save_id,
-            )
+    found = [
+        CheckpointInfo(
+            name=header.name,
+            path=backend.full_path(header.name),
+            size_bytes=header.total_bytes,
+            created_at=header.created_at,
+            world_size=header.world_size,
+            step=header.step,
+            save_id=header.save_id,
         )
+        for header in accepted_headers(backend, accept, damaged=on_damaged or _log_damaged)
+    ]
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dcp_safe import layout
@@ -23,6 +23,7 @@ from dcp_safe.untrusted import shown
 
 __all__ = [
     "CommittedCheckpoint",
+    "accepted_headers",
     "CommittedHeader",
     "committed_names",
     "open_committed",
@@ -258,8 +259,29 @@ def resolve_name(
     """
     if checkpoint_id != layout.LATEST:
         return layout.validate_name(checkpoint_id)
-    newest: tuple[int, float, str] | None = None
-    refused: CheckpointCorruptError | None = None
+    refused: list[CheckpointCorruptError] = []
+    headers = accepted_headers(backend, accept, refused=lambda _, exc: refused.append(exc))
+    newest = max((recency(h.step, h.created_at, h.name) for h in headers), default=None)
+    if newest is None:
+        if refused:
+            raise refused[-1]
+        raise CheckpointNotFoundError(backend.url, "no committed checkpoint under this root")
+    return newest[2]
+
+
+def accepted_headers(
+    backend: Backend,
+    accept: Callable[[Backend, CommittedCheckpoint], None] | None = None,
+    *,
+    damaged: Callable[[str, CheckpointCorruptError], None] = lambda name, exc: None,
+    refused: Callable[[str, CheckpointCorruptError], None] | None = None,
+) -> Iterator[CommittedHeader]:
+    """The header of each committed checkpoint that opens and that ``accept`` takes.
+
+    A name whose manifest does not open goes to ``damaged``; one that ``accept`` refuses (by
+    raising) to ``refused`` (default: ``damaged``); one removed since the listing is skipped.
+    Without ``accept``, only the header is read (:func:`open_header`).
+    """
     for name in committed_names(backend):
         try:
             if accept is None:
@@ -267,19 +289,15 @@ def resolve_name(
             else:
                 opened = open_committed(backend, name)
                 header = CommittedHeader.of(opened.manifest)
-        except (CheckpointNotFoundError, CheckpointCorruptError):
+        except CheckpointNotFoundError:
+            continue  # removed since it was listed
+        except CheckpointCorruptError as exc:
+            damaged(name, exc)
             continue
         if accept is not None:
             try:
                 accept(backend, opened)
             except CheckpointCorruptError as exc:
-                refused = exc
+                (refused or damaged)(name, exc)
                 continue
-        key = recency(header.step, header.created_at, name)
-        if newest is None or key > newest:
-            newest = key
-    if newest is None:
-        if refused is not None:
-            raise refused
-        raise CheckpointNotFoundError(backend.url, "no committed checkpoint under this root")
-    return newest[2]
+        yield header
