@@ -38,7 +38,7 @@ from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.shared_load import load_and_share
 from dcp_safe.errors import CommitError, ConfigError, LoadError, from_checkpoint_exception
-from dcp_safe.reading.restore_audit import audit_load
+from dcp_safe.reading.audit import audit_load
 from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard
 from dcp_safe.torch_compat import dcp_save as _dcp_save
@@ -201,7 +201,7 @@ def load(
         state_dict: the target, loaded in place.
         per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
         audit: after the load, check on every rank that the live tensors equal what was saved
-            (:func:`dcp_safe.reading.restore_audit.audit_load`); needs a ``SafeLoadPlanner``.
+            (:func:`dcp_safe.reading.audit.audit_load`); needs a ``SafeLoadPlanner``.
         **kwargs: passed to ``dcp.load``. Without ``planner=``, a
             :class:`~dcp_safe.dcp.planners.SafeLoadPlanner` plans the load; with several ranks
             it has each entry they load identically read once and sent to the others, after

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.futures import Future
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.retry import RetryPolicy
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.checkpoints.items import stored_tensors
@@ -52,6 +53,7 @@ from dcp_safe.reading.sources import (
     ReadSource,
     Rejected,
     RejectionReason,
+    RemoteSource,
     Source,
     SourceLog,
 )
@@ -160,15 +162,16 @@ class SafeStorageReader(StorageReader):
                 open_backend(os.fspath(node_cache), node_cache_storage_options, retry=retry)
             )
         )
-        #: The partial copies read before the remote, best first.
+        self._remote = RemoteSource(self.backend)
+        #: Where each file is read from, best first; the remote, last, holds every file.
         self.sources: list[Source] = [] if self._cache is None else [self._cache]
         if peers and self._cache is not None:
             self.sources.append(PeerSource(self._cache, process_group, peer_chunk_bytes))
+        self.sources.append(self._remote)
         self._requested = checkpoint_id
         self._name: str | None = None
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
-        self._source: Backend = self.backend
         self._spare: Backend | None = None
         self._spare_checked = False
         self.items_from_fallback = 0
@@ -242,7 +245,7 @@ class SafeStorageReader(StorageReader):
                 break  # a named checkpoint: the first tier that has it, local first
         if not opened:
             raise failures[0]
-        _, self._source, self._name, self._manifest, self._metadata = max(
+        _, self._remote.backend, self._name, self._manifest, self._metadata = max(
             opened, key=lambda entry: entry[0]
         )
         self._spare, self._spare_checked = None, False
@@ -341,52 +344,59 @@ class SafeStorageReader(StorageReader):
         return sum(self._metadata.storage_data[r.storage_index].length for r in requests)
 
     def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
-        """Read ``file_name`` from each partial source in turn; what none delivered, from the
-        remote."""
+        """Read ``file_name`` from each source in turn, each taking what the one before left."""
         remaining = requests
         for source in self.sources:
             where = source.where(file_name)
             if where is None:
                 continue
-            left = self._read_copy(source.kind, *where, file_name, remaining, planner)
+            left = self._read_from(source.kind, *where, file_name, remaining, planner)
             done = remaining[: len(remaining) - len(left)]
             self._log.count(source.kind, self._stored_bytes(done), finished=not left)
             remaining = left
             if not remaining:
                 return
-        self._log.count(ReadSource.REMOTE, self._stored_bytes(remaining), finished=True)
-        self._read_remote(file_name, remaining, planner)
 
-    def _read_copy(
+    def _read_from(
         self,
         kind: ReadSource,
-        copy: Backend,
+        backend: Backend,
         rel: str,
         file_name: str,
         requests: list[ReadItem],
         planner: LoadPlanner,
     ) -> list[ReadItem]:
-        """Deliver ``requests`` from the partial copy ``copy``'s ``rel``, verified; return those
-        left over.
+        """Deliver ``requests`` from ``backend``'s ``rel``; return those left for the next source.
 
-        Only reading the copy can reject it; an error while handing a verified item over (a
-        shape mismatch, an unsafe pickle) would be the remote's too, and is raised.
+        A partial copy must have the manifest's size and every item is verified; whatever
+        reading it does wrong is logged, and the rest of the file left over. The remote leaves
+        nothing: an item it cannot serve verified comes from the spare tier, or raises. An
+        error while handing a verified item over would be the remote's too, and is raised.
         """
-        path = copy.full_path(rel)
+        remote = kind is ReadSource.REMOTE
+        path = backend.full_path(rel)
         with contextlib.ExitStack() as stack:
             try:
-                self._check_size(copy, rel, file_name)
-                stream = stack.enter_context(copy.open_read(rel))
+                if not remote:
+                    self._check_size(backend, rel, file_name)
+                stream = stack.enter_context(backend.open_read(rel))
             except Exception as exc:
+                if remote:
+                    return self._file_from_spare(exc, rel, path, requests, planner)
                 self._log.reject_file(file_name, path, exc, kind)
                 return requests
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
+                again = self._again(rel, label, record) if remote else None
                 try:
-                    self._items.load_checked(stream, path, label, record, request, planner)
+                    self._items.load(stream, path, label, record, request, planner, again=again)
                 except CopyFailed as failed:  # whatever the copy does wrong: the next decides
                     self._log.reject_file(file_name, path, failed.cause, kind)
                     return requests[done:]
+                except CheckpointCorruptError as exc:
+                    if not remote:
+                        raise
+                    self._load_from_spare(rel, label, record, request, planner, cause=exc)
         return []
 
     def _check_size(self, copy: Backend, rel: str, file_name: str) -> None:
@@ -401,24 +411,34 @@ class SafeStorageReader(StorageReader):
                 f"{copy.full_path(rel)}: expected {record.size} bytes, found {size}",
             )
 
-    def _read_remote(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
-        assert self._name is not None
-        rel = f"{self._name}/{file_name}"
-        path = self._source.full_path(rel)
-        try:
-            with self._source.open_read(rel) as stream:
-                for request in requests:
-                    label, record = self._record_for(path, request)
-                    try:
-                        self._items.load(self._source, rel, stream, label, record, request, planner)
-                    except CheckpointCorruptError as exc:
-                        self._load_from_spare(rel, label, record, request, planner, cause=exc)
-        except FileNotFoundError:
-            if self._spare_tier() is None:
-                raise CheckpointCorruptError(path, "file is missing") from None
-            for request in requests:
-                label, record = self._record_for(path, request)
-                self._load_from_spare(rel, label, record, request, planner, cause=None)
+    def _file_from_spare(
+        self,
+        exc: Exception,
+        rel: str,
+        path: str,
+        requests: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> list[ReadItem]:
+        """The remote's file could not be opened: read it from the spare tier, if missing."""
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+        if self._spare_tier() is None:
+            raise CheckpointCorruptError(path, "file is missing") from None
+        for request in requests:
+            label, record = self._record_for(path, request)
+            self._load_from_spare(rel, label, record, request, planner, cause=None)
+        return []
+
+    def _again(self, rel: str, label: str, record: ItemRecord) -> Callable[[], bytearray]:
+        """Read an item again on a fresh stream of the remote, within the retry policy."""
+        backend = self._remote.backend
+        path = backend.full_path(rel)
+
+        def fresh() -> bytearray:
+            with backend.open_read(rel) as stream:
+                return self._items.read_raw(stream, path, label, record)
+
+        return lambda: call_with_retries("read", path, fresh, self.retry)
 
     def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
         assert self._manifest is not None and self._metadata is not None
@@ -435,7 +455,7 @@ class SafeStorageReader(StorageReader):
         with self._lock:
             if not self._spare_checked:
                 self._spare_checked = True
-                other = self.fallback if self._source is self.backend else self.backend
+                other = self.fallback if self._remote.backend is self.backend else self.backend
                 if other is not None and self._name is not None:
                     with contextlib.suppress(CheckpointNotFoundError, CheckpointCorruptError):
                         if open_committed(other, self._name).manifest == self._manifest:
@@ -449,19 +469,21 @@ class SafeStorageReader(StorageReader):
         record: ItemRecord,
         request: ReadItem,
         planner: LoadPlanner,
-        cause: BaseException | None,
+        cause: Exception | None,
     ) -> None:
-        def read() -> bytes:
-            spare = self._spare_tier()
-            if spare is None:
-                if cause is not None:
-                    raise cause
-                raise CheckpointCorruptError(self._source.full_path(rel), "file is missing")
+        """One item from the spare tier: its read on the remote failed with ``cause`` (``None``:
+        the file is missing there, and the spare was found)."""
+        spare = self._spare_tier()
+        if spare is None:
+            assert cause is not None
+            raise cause
+
+        def read() -> bytearray:
             with spare.open_read(rel) as stream:
                 raw = self._items.read_raw(stream, spare.full_path(rel), label, record)
             with self._lock:
                 self.items_from_fallback += 1
             return raw
 
-        path = self._source.full_path(rel)
+        path = self._remote.backend.full_path(rel)
         self._items.load_bytes(read, path, label, record, request, planner)

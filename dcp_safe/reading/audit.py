@@ -19,28 +19,41 @@ What it catches and misses (placement, not a flipped byte between samples): docs
 
 Why not a hash of each block's bytes: a block cut across two ranks' shards has no single rank
 that can hash it, and the save and the restore cut differently.
+
+A restore that proves itself (:func:`audit_load`): every rank fingerprints the pieces it holds,
+all ranks exchange them, and each compares the sums with those recorded at save: the same
+verdict everywhere.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dcp_safe import layout
+from dcp_safe.errors import ConfigError, RestoreMismatchError
 from dcp_safe.torch_compat import dtensor_chunks, dtensor_local
+from dcp_safe.untrusted import shown
+
+if TYPE_CHECKING:  # the planner imports this module
+    from dcp_safe.dcp.planners import SafeLoadPlanner
 
 __all__ = [
     "BLOCKS",
     "MAX_SAMPLES",
     "Box",
     "Piece",
+    "audit_load",
     "block_span",
     "boxes",
     "combine",
@@ -49,6 +62,8 @@ __all__ = [
     "report",
     "stride",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 1 << 10
 """Samples of one tensor at most (every element of a tensor up to this size)."""
@@ -376,3 +391,46 @@ def _sum(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:
         for block, value in part.items():
             total[block] = (total.get(block, 0) + value) & _MASK
     return total
+
+
+def audit_load(planner: SafeLoadPlanner, group: Any) -> None:
+    """Check the tensors ``planner`` just loaded against the checkpoint's fingerprints.
+
+    Call order: on every rank, right after the load, on the group the load used (``None``: a
+    single process). Tensors the checkpoint has no fingerprints for are listed in
+    ``report.unaudited`` and logged as a warning (on rank 0).
+
+    Raises:
+        ConfigError: the checkpoint was saved without fingerprints.
+        RestoreMismatchError: the live state differs (on every rank, with the same list).
+    """
+    metadata = planner.metadata
+    saved = (metadata.planner_data or {}).get(layout.AUDIT_KEY) if metadata else None
+    name = planner.report.name or "the checkpoint"
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"{name} has no fingerprints to audit against (saved without dcp_safe's planner,"
+            " or with record_audit=False); load it without audit=True"
+        )
+    rank = dist.get_rank(group) if group is not None else 0
+    mine = report(planner.state_dict, rank)
+    if group is None:
+        reports = [mine]
+    else:
+        reports = [{} for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(reports, mine, group=group)
+    found = mismatches(saved, reports)
+    if found:
+        raise RestoreMismatchError(name, found)
+    loaded = {k for one in reports for k in one}
+    planner.report.audited = tuple(sorted(loaded & saved.keys()))
+    planner.report.unaudited = tuple(sorted(loaded - saved.keys()))
+    if planner.report.unaudited and rank == 0:  # the same list on every rank: said once
+        log.warning(
+            "audit of %s: %d restored tensor(s) were not checked, the checkpoint has no"
+            " fingerprints for them (a save records them for every tensor: these were cut"
+            " from its metadata, or saved as something else): %s",
+            shown(name),
+            len(planner.report.unaudited),
+            shown(", ".join(planner.report.unaudited), 400),
+        )

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.retry import RetryPolicy, call_with_retries, is_transient
+from dcp_safe.backends.retry import RetryPolicy, is_transient
 from dcp_safe.checkpoints.items import (
     OBJECT_MAX_DECODED_BYTES,
     decode_tensor_item,
@@ -31,7 +30,6 @@ from dcp_safe.checkpoints.items import (
 from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
-from dcp_safe.manifest.streams import read_verified
 from dcp_safe.reading.budget import Admission, LoadBudget
 from dcp_safe.reading.ranges import RangeReads, commit_into
 from dcp_safe.reading.tensors import (
@@ -95,80 +93,49 @@ class ItemReader:
 
     def load(
         self,
-        backend: Backend,
-        rel: str,
-        stream: Any,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-    ) -> None:
-        """Load one item from the remote's ``rel``; a transient error is retried on a fresh
-        stream within the retry policy.
-
-        Raises:
-            CheckpointCorruptError: the item is short or its checksum differs.
-        """
-        path = backend.full_path(rel)
-        if request.type != LoadItemType.BYTE_IO and self._try_streamed(
-            stream, path, label, record, request, planner
-        ):
-            return
-
-        def read() -> bytes:
-            try:
-                return self.read_raw(stream, path, label, record)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-
-            def again() -> bytes:
-                with backend.open_read(rel) as fresh:
-                    return self.read_raw(fresh, path, label, record)
-
-            return call_with_retries("read", path, again, self.retry)
-
-        self.load_bytes(read, path, label, record, request, planner)
-
-    def load_checked(
-        self,
         stream: Any,
         path: str,
         label: str,
         record: ItemRecord,
         request: ReadItem,
         planner: LoadPlanner,
+        *,
+        again: Callable[[], bytearray] | None = None,
     ) -> None:
-        """One item from a partial copy, its checksum checked whatever ``verify`` says.
+        """Load one item from ``stream``: the remote's with ``again`` (the item's stored bytes
+        read on a fresh stream, within the retry policy, after a transient error), else a
+        partial copy's, its checksum checked whatever ``verify`` says.
 
         Raises:
-            CopyFailed: reading it from the copy failed.
+            CheckpointCorruptError: (the remote) the item is short or its checksum differs.
+            CopyFailed: (a copy) reading it failed; an error while handing a verified item
+                over would be the remote's too, and is raised as it is.
         """
-        plain = request.type != LoadItemType.BYTE_IO and not record.transforms
-        try:
-            if request.type != LoadItemType.BYTE_IO and self._load_known(
-                stream, path, label, record, request, planner, verify=True
-            ):
-                return
-        except Exception as exc:
-            raise CopyFailed(exc) from exc
-        with self.budget.admit(self._raw_cost(record, request)) as held:
+        verify = self.verify if again is not None else True
+        tensor = request.type != LoadItemType.BYTE_IO
+        fresh = False  # the remote reads the item again after a transient error
+        if tensor:
             try:
-                if plain:
-                    tensor = self._load_streamed(stream, path, label, record, held, verify=True)
-                else:
-                    raw = self.read_raw(stream, path, label, record, verify=True)
-                    held.count(len(raw))
+                if self._load_known(stream, path, label, record, request, planner, verify=verify):
+                    return
             except Exception as exc:
-                raise CopyFailed(exc) from exc
-            if plain:
-                self._hand_over(tensor, path, label, request, planner)
-            else:
-                self._deliver(raw, path, label, record, request, planner, held)
+                fresh = _read_again(exc, again)
+        with self.budget.admit(self._raw_cost(record, request)) as held:
+            raw = None
+            if not fresh:
+                try:
+                    raw = self.read_raw(stream, path, label, record, verify=verify)
+                except Exception as exc:
+                    _read_again(exc, again)
+            if raw is None:
+                assert again is not None
+                raw = again()
+            held.count(len(raw))
+            self._deliver(raw, path, label, record, request, planner, held)
 
     def load_bytes(
         self,
-        read: Callable[[], bytes],
+        read: Callable[[], bytearray],
         path: str,
         label: str,
         record: ItemRecord,
@@ -183,11 +150,12 @@ class ItemReader:
 
     def read_raw(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
-    ) -> bytes:
-        """One item's stored bytes, checked as ``verify`` says (default: the reader's)."""
+    ) -> bytearray:
+        """One item's stored bytes, checked as ``verify`` says (default: the reader's); a
+        tensor decoded from them shares their memory."""
         verify = self.verify if verify is None else verify
         require_stored(stream, path, label, record)
-        return read_verified(
+        return read_item(
             stream,
             path=path,
             item=label,
@@ -197,33 +165,6 @@ class ItemReader:
         )
 
     # ----------------------------------------------------------------- helpers
-
-    def _try_streamed(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-    ) -> bool:
-        """Load a plain tensor item from ``stream``; ``False`` after a transient error (the
-        caller reads it again on a fresh stream)."""
-        try:
-            if self._load_known(stream, path, label, record, request, planner):
-                return True
-            if record.transforms:
-                return False  # read whole and decoded by the caller
-            with self.budget.admit(record.length) as held:
-                tensor = self._load_streamed(stream, path, label, record, held)
-                self._hand_over(tensor, path, label, request, planner)
-            return True
-        except CheckpointCorruptError:
-            raise
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            return False
 
     def _raw_cost(self, record: ItemRecord, request: ReadItem) -> int:
         """The most transient bytes reading ``record`` whole and delivering it holds: its
@@ -305,32 +246,6 @@ class ItemReader:
                 self._hand_over(dest, path, label, request, planner)
         return True
 
-    def _load_streamed(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        held: Admission,
-        *,
-        verify: bool | None = None,
-    ) -> torch.Tensor:
-        """Any other uncompressed tensor item: read whole, verified (``verify``: as for
-        :meth:`read_raw`), then decoded over that memory by :mod:`dcp_safe.checkpoints.items`
-        (its bytes counted in ``held``, admitted at ``record.length``)."""
-        verify = self.verify if verify is None else verify
-        require_stored(stream, path, label, record)
-        held.count(record.length)
-        raw = read_item(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            length=record.length,
-            checksum=record.checksum if verify else None,
-        )
-        return self._decode_tensor(raw, path, label, record, held)
-
     def _decode_tensor(
         self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord, held: Admission
     ) -> torch.Tensor:
@@ -351,7 +266,7 @@ class ItemReader:
 
     def _deliver(
         self,
-        raw: bytes,
+        raw: bytearray,
         path: str,
         label: str,
         record: ItemRecord,
@@ -384,3 +299,12 @@ class ItemReader:
         with self.lock:
             target = planner.resolve_tensor(request).detach()
         commit_into(target, tensor, path, label, request, planner, self.lock)
+
+
+def _read_again(exc: Exception, again: Callable[[], bytearray] | None) -> bool:
+    """Raise what failing to read an item means; ``True``: the remote reads it ``again``."""
+    if again is None:
+        raise CopyFailed(exc) from exc
+    if isinstance(exc, CheckpointCorruptError) or not is_transient(exc):
+        raise exc
+    return True

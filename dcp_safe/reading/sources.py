@@ -32,6 +32,7 @@ __all__ = [
     "NodeCacheSource",
     "NodeCacheStats",
     "ReadSource",
+    "RemoteSource",
     "Rejected",
     "RejectionReason",
     "Source",
@@ -255,3 +256,26 @@ class NodeCacheSource:
                 f"node cache {cached.path} is save {cached.manifest.save_id}, "
                 f"the remote is save {manifest.save_id}",
             )
+
+
+class RemoteSource:
+    """The one complete copy, read last: the root (or the fallback) ``reset`` chose."""
+
+    kind = ReadSource.REMOTE
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name: str | None = None
+
+    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        self.name = name  # checked by the reader's ``reset``, which chose it
+
+    def prepare(self, files: set[str], log: SourceLog) -> None:
+        pass
+
+    def where(self, file_name: str) -> tuple[Backend, str] | None:
+        assert self.name is not None
+        return self.backend, f"{self.name}/{file_name}"
+
+    def finish(self, log: SourceLog) -> None:
+        pass

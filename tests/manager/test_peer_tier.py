@@ -75,7 +75,7 @@ def _restore(
         name = manager.restore(target)
         reader = manager.last_reader
     assert isinstance(reader, SafeStorageReader)
-    assert [s.kind for s in reader.sources] == [ReadSource.NODE_CACHE, ReadSource.PEER]
+    assert [s.kind for s in reader.sources] == list(ReadSource)  # node cache, peer, remote
     return {
         "name": name,
         "state": {k: v.full_tensor() for k, v in target.items()},
