@@ -103,35 +103,75 @@ class _Sweep:
     dry_run: bool
     now: float
 
-    def leased_prefixes(self) -> SweepReport:
-        return _sweep_leased(self.backend, self.grace_s, self.dry_run, self.now)
-
     def partial_folders(self) -> SweepReport:
-        return _sweep_partial_folders(self.backend, self.grace_s, self.dry_run, self.now)
-
-
-def _sweep_partial_folders(
-    backend: Backend, grace_s: float, dry_run: bool, now: float
-) -> SweepReport:
-    removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
-    for entry in backend.list_dir(""):
-        partial = layout.is_partial_entry(entry)
-        if not partial and not (_is_checkpoint_name(entry) and _is_empty_folder(backend, entry)):
-            continue
-        with _passed_by_if_damaged(backend, entry):
-            changed = backend.modified_at(entry)
-            if changed is None:
-                continue  # gone meanwhile
-            if now - changed < grace_s:
-                recent.append(entry)
+        backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
+        removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
+        for entry in backend.list_dir(""):
+            partial = layout.is_partial_entry(entry)
+            if not partial and not (
+                _is_checkpoint_name(entry) and _is_empty_folder(backend, entry)
+            ):
                 continue
-            # An empty folder under a checkpoint's name is removed only while it is empty.
-            if not dry_run and not partial and not backend.remove_empty_dir(entry):
+            with _passed_by_if_damaged(backend, entry):
+                changed = backend.modified_at(entry)
+                if changed is None:
+                    continue  # gone meanwhile
+                if now - changed < grace_s:
+                    recent.append(entry)
+                    continue
+                # An empty folder under a checkpoint's name is removed only while it is empty.
+                if not dry_run and not partial and not backend.remove_empty_dir(entry):
+                    continue
+                if not dry_run and partial:
+                    backend.remove_tree(entry)
+                removed.append(entry)
+        return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
+
+    def leased_prefixes(self) -> SweepReport:
+        backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
+        # Uploads are listed first: one that starts after this look is never a candidate.
+        uploads = incomplete_uploads(backend)
+        probes = _sweep_probes(backend, grace_s, dry_run, now)
+        removed: list[str] = []
+        recent: list[str] = []
+        debris: list[str] = []  # paths under committed names, not names
+        for entry in backend.list_dir(""):
+            if not _is_checkpoint_name(entry):
                 continue
-            if not dry_run and partial:
-                backend.remove_tree(entry)
-            removed.append(entry)
-    return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
+            with _passed_by_if_damaged(backend, entry):
+                # One listing shows the lease, the marker and the markers under _ranks/ at once.
+                files = list(backend.walk_files(entry))
+                if layout.COMMITTED_MARKER in files:
+                    debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
+                    continue
+                leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
+                own = files and all(layout.is_own_object(f"{entry}/{rel}") for rel in files)
+                if not leased and not own:
+                    continue  # not a save of ours: an empty folder, or objects we never write
+                if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
+                    continue  # committed since the listing
+                changed = last_change(backend, entry, now)
+                if changed is None or now - changed < grace_s:
+                    recent.append(entry)
+                    continue
+                if not dry_run:
+                    backend.remove_tree(entry)
+                removed.append(entry)
+        aborted = abort_stale_uploads(
+            backend,
+            older_than_s=grace_s,
+            now=now,
+            dry_run=dry_run,
+            in_progress=recent,
+            collected=removed,
+            uploads=uploads,
+        )
+        return SweepReport(
+            removed=tuple(probes + removed + debris),
+            too_recent=tuple(recent),
+            dry_run=dry_run,
+            aborted_uploads=aborted,
+        )
 
 
 @contextlib.contextmanager
@@ -150,52 +190,6 @@ def _is_empty_folder(backend: Backend, entry: str) -> bool:
     with contextlib.suppress(DcpSafeError, OSError):
         return backend.is_dir(entry) and not backend.list_dir(entry)
     return False
-
-
-def _sweep_leased(backend: Backend, grace_s: float, dry_run: bool, now: float) -> SweepReport:
-    # Uploads are listed first: one that starts after this look is never a candidate.
-    uploads = incomplete_uploads(backend)
-    probes = _sweep_probes(backend, grace_s, dry_run, now)
-    removed: list[str] = []
-    recent: list[str] = []
-    debris: list[str] = []  # paths under committed names, not names
-    for entry in backend.list_dir(""):
-        if not _is_checkpoint_name(entry):
-            continue
-        with _passed_by_if_damaged(backend, entry):
-            # One listing shows the lease, the marker and the markers under _ranks/ at once.
-            files = list(backend.walk_files(entry))
-            if layout.COMMITTED_MARKER in files:
-                debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
-                continue
-            leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
-            own = files and all(layout.is_own_object(f"{entry}/{rel}") for rel in files)
-            if not leased and not own:
-                continue  # not a save of ours: an empty folder, or objects we never write
-            if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
-                continue  # committed since the listing
-            changed = last_change(backend, entry, now)
-            if changed is None or now - changed < grace_s:
-                recent.append(entry)
-                continue
-            if not dry_run:
-                backend.remove_tree(entry)
-            removed.append(entry)
-    aborted = abort_stale_uploads(
-        backend,
-        older_than_s=grace_s,
-        now=now,
-        dry_run=dry_run,
-        in_progress=recent,
-        collected=removed,
-        uploads=uploads,
-    )
-    return SweepReport(
-        removed=tuple(probes + removed + debris),
-        too_recent=tuple(recent),
-        dry_run=dry_run,
-        aborted_uploads=aborted,
-    )
 
 
 def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -> list[str]:
