@@ -381,10 +381,17 @@ class SafeStorageReader(StorageReader):
                     self._check_size(backend, rel, file_name)
                 stream = stack.enter_context(backend.open_read(rel))
             except Exception as exc:
-                if remote:
-                    return self._file_from_spare(exc, rel, path, requests, planner)
-                self._log.reject_file(file_name, path, exc, kind)
-                return requests
+                if not remote:
+                    self._log.reject_file(file_name, path, exc, kind)
+                    return requests
+                if not isinstance(exc, FileNotFoundError):
+                    raise
+                if self._spare_tier() is None:
+                    raise CheckpointCorruptError(path, "file is missing") from None
+                for request in requests:  # the remote's file is missing: all from the spare
+                    label, record = self._record_for(path, request)
+                    self._load_from_spare(rel, label, record, request, planner, cause=None)
+                return []
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
                 again = self._again(rel, label, record) if remote else None
@@ -410,24 +417,6 @@ class SafeStorageReader(StorageReader):
                 RejectionReason.SIZE,
                 f"{copy.full_path(rel)}: expected {record.size} bytes, found {size}",
             )
-
-    def _file_from_spare(
-        self,
-        exc: Exception,
-        rel: str,
-        path: str,
-        requests: list[ReadItem],
-        planner: LoadPlanner,
-    ) -> list[ReadItem]:
-        """The remote's file could not be opened: read it from the spare tier, if missing."""
-        if not isinstance(exc, FileNotFoundError):
-            raise exc
-        if self._spare_tier() is None:
-            raise CheckpointCorruptError(path, "file is missing") from None
-        for request in requests:
-            label, record = self._record_for(path, request)
-            self._load_from_spare(rel, label, record, request, planner, cause=None)
-        return []
 
     def _again(self, rel: str, label: str, record: ItemRecord) -> Callable[[], bytearray]:
         """Read an item again on a fresh stream of the remote, within the retry policy."""

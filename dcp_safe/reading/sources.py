@@ -208,14 +208,40 @@ class Source(Protocol):
         """The reads are done: drop anything held for them."""
 
 
-class NodeCacheSource:
-    """This node's cache (``NodeLocalWriter``'s root), used where it holds the remote's save."""
+class _Files:
+    """A copy of the checkpoint's files under its name on one backend: once ``open``, it names
+    every file (read as is: the reader checks sizes and items)."""
 
-    kind = ReadSource.NODE_CACHE
+    kind: ReadSource
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.name: str | None = None  # the checkpoint, once its cache matched the remote's
+        self.name: str | None = None  # the checkpoint, once the copy is known to be its own
+
+    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        self.name = name
+
+    def prepare(self, files: set[str], log: SourceLog) -> None:
+        pass  # on its backend already
+
+    def where(self, file_name: str) -> tuple[Backend, str] | None:
+        return None if self.name is None else (self.backend, f"{self.name}/{file_name}")
+
+    def finish(self, log: SourceLog) -> None:
+        pass
+
+
+class RemoteSource(_Files):
+    """The one complete copy, read last: the root (or the fallback) ``reset`` chose and
+    checked."""
+
+    kind = ReadSource.REMOTE
+
+
+class NodeCacheSource(_Files):
+    """This node's cache (``NodeLocalWriter``'s root), used where it holds the remote's save."""
+
+    kind = ReadSource.NODE_CACHE
 
     @property
     def path(self) -> str | None:
@@ -230,15 +256,6 @@ class NodeCacheSource:
             log.reject(None, rejected.reason, rejected.detail, self.kind)
         else:
             self.name = name
-
-    def prepare(self, files: set[str], log: SourceLog) -> None:
-        pass  # on this node's disk already
-
-    def where(self, file_name: str) -> tuple[Backend, str] | None:
-        return None if self.name is None else (self.backend, f"{self.name}/{file_name}")
-
-    def finish(self, log: SourceLog) -> None:
-        pass
 
     def _check(self, name: str, manifest: Manifest) -> None:
         """Raise :class:`Rejected` unless this node's cache holds the remote's very save."""
@@ -256,26 +273,3 @@ class NodeCacheSource:
                 f"node cache {cached.path} is save {cached.manifest.save_id}, "
                 f"the remote is save {manifest.save_id}",
             )
-
-
-class RemoteSource:
-    """The one complete copy, read last: the root (or the fallback) ``reset`` chose."""
-
-    kind = ReadSource.REMOTE
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        self.name: str | None = None
-
-    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        self.name = name  # checked by the reader's ``reset``, which chose it
-
-    def prepare(self, files: set[str], log: SourceLog) -> None:
-        pass
-
-    def where(self, file_name: str) -> tuple[Backend, str] | None:
-        assert self.name is not None
-        return self.backend, f"{self.name}/{file_name}"
-
-    def finish(self, log: SourceLog) -> None:
-        pass

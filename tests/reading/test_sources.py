@@ -26,10 +26,12 @@ from dcp_safe import CheckpointNotFoundError, layout
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
 from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.reading.sources import (
     CacheRejection,
     NodeCacheStats,
+    ReadSource,
     RejectionReason,
 )
 from dcp_safe.testing.multiproc import run_ranks
@@ -260,3 +262,11 @@ def test_the_checkpoint_is_resolved_on_the_remote_only(saved: tuple[Path, str]) 
     # A cache is never a checkpoint: the cache root as the remote finds nothing to load.
     with pytest.raises(CheckpointNotFoundError):
         SafeStorageReader(node, node_cache=node).reset("latest")
+
+
+def test_the_sources_are_read_in_order_and_peers_need_a_node_cache(tmp_path: Path) -> None:
+    assert [s.kind for s in SafeStorageReader(tmp_path).sources] == [ReadSource.REMOTE]
+    cached = SafeStorageReader(tmp_path, node_cache=tmp_path / "node", peers=True)
+    assert [s.kind for s in cached.sources] == list(ReadSource)  # node cache, peer, remote
+    with pytest.raises(ConfigError, match="node_cache"):
+        SafeStorageReader(tmp_path, peers=True)
