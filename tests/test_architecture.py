@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # tensor templates (dcp.tensor_records), and the restore audit reads the load planner.
     ("dcp", "reading"),
     ("staging", "telemetry"),
+    ("worker",),
     ("manager", "exporting", "api_types"),
     ("cli", "cli_args", "demo", "bench", "testing"),
 ]

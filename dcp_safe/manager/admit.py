@@ -18,9 +18,9 @@ from dcp_safe.manager.decision import Decision, Verdict, decide
 from dcp_safe.manager.handles import BusyPolicy, SaveHandle
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.switch import FallbackSwitch
-from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors
+from dcp_safe.worker.parent import SaveWorker
 
 __all__ = ["Admitter"]
 

@@ -25,8 +25,8 @@ from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
-from dcp_safe.manager.transport import decode_error
-from dcp_safe.manager.worker import SaveWorker
+from dcp_safe.worker.parent import SaveWorker
+from dcp_safe.worker.transport import decode_error
 
 __all__ = ["FollowUp"]
 

@@ -62,9 +62,9 @@ from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
-from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
+from dcp_safe.worker.parent import SaveWorker
 
 __all__ = ["CheckpointManager"]
 

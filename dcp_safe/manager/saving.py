@@ -27,10 +27,10 @@ from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.spans import SaveSpans
-from dcp_safe.manager.worker import SaveWorker
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors, state_dicts_of
 from dcp_safe.staging.guard import snapshot_copy
+from dcp_safe.worker.parent import SaveWorker
 
 __all__ = ["SaveRunner"]
 

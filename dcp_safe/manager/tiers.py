@@ -24,11 +24,11 @@ from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.bookkeeper import Bookkeeper
-from dcp_safe.manager.commit_check import check_commit
 from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
+from dcp_safe.worker.commit_check import check_commit
 
 __all__ = ["Tiers"]
 

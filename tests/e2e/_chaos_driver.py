@@ -800,7 +800,7 @@ class ProcessWatch:
                 seen.process.kill()  # the next run must not inherit it
 
 
-_WORKER_COMMAND = re.compile(rb"dcp_safe[./]manager[./]worker_")
+_WORKER_COMMAND = re.compile(rb"dcp_safe[./]worker[./](boot|main)")
 
 
 def workers_of(pid: int) -> list[int]:

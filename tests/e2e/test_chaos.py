@@ -399,7 +399,7 @@ def test_the_watch_sees_a_worker_outlive_its_rank(
     script.write_text(
         "import os, pathlib, subprocess, sys, time\n"
         "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)',"
-        " 'dcp_safe/manager/worker_boot.py'])\n"
+        " 'dcp_safe/worker/boot.py'])\n"
         f"pathlib.Path({str(tmp_path / 'faulty_rank0.pid')!r}).write_text(str(os.getpid()))\n"
         "print(worker.pid, flush=True)\n"
         "time.sleep(60)\n"

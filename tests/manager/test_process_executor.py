@@ -1,7 +1,7 @@
 """``Runtime(executor="process")``: the write, commit and replication run in one
 persistent worker process, with every guarantee of the thread executor.
 
-Real saves, a real worker (``python -I dcp_safe/manager/worker_boot.py``), real files; a worker is
+Real saves, a real worker (``python -I dcp_safe/worker/boot.py``), real files; a worker is
 killed with a real SIGKILL, from inside its own write (``DiesMidWrite``) or from the test.
 """
 
@@ -56,11 +56,11 @@ from dcp_safe.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from dcp_safe.manager.transport import StateEncoder, decode_error, encode_error, map_slab
 from dcp_safe.staging.poison import FailedStaging, poisoned
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.telemetry import Telemetry
 from dcp_safe.testing.staging import hold_staging
+from dcp_safe.worker.transport import StateEncoder, decode_error, encode_error, map_slab
 
 pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 

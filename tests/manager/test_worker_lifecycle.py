@@ -25,8 +25,8 @@ from support.faults import DiesMidWrite, StopsInWorker
 
 from dcp_safe import Bounds, CheckpointManager, CommitError, Runtime, list_checkpoints
 from dcp_safe.errors import DrainTimeoutError, WorkerDiedError
-from dcp_safe.manager import worker as worker_module
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.worker import parent as worker_module
 
 pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 
@@ -93,7 +93,9 @@ def test_a_worker_whose_rank_dies_while_it_starts_dies_and_commits_nothing(
 ) -> None:
     done = _run(_DIES_WHILE_ITS_WORKER_STARTS, str(tmp_path))
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert "worker_main" not in done.stderr  # killed with its rank: it ran nothing after
+    assert (
+        "dcp_safe/worker/main.py" not in done.stderr
+    )  # killed with its rank: it ran nothing after
     worker = int(done.stdout.split()[-1])
     with contextlib.suppress(psutil.NoSuchProcess):
         psutil.Process(worker).wait(_TIMEOUT_S)  # not its parent's: its reaper's

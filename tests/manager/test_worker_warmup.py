@@ -25,11 +25,11 @@ from support import make_state, ready_worker
 from dcp_safe import Bounds, CheckpointManager, FallbackOptions, Runtime, SavePolicy
 from dcp_safe.coordination.agreement import Vote
 from dcp_safe.coordination.groups import WORKERS
-from dcp_safe.manager import worker as worker_module
 from dcp_safe.manager.decision import decide
 from dcp_safe.manager.handles import BusyPolicy
-from dcp_safe.manager.worker import SaveWorker, _Process
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.worker import parent as worker_module
+from dcp_safe.worker.parent import SaveWorker, _Process
 
 pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 
@@ -157,7 +157,12 @@ def test_a_worker_whose_process_exited_is_not_ready_before_any_thread_has_seen_i
             first = ready_worker(manager)
             os.kill(first, signal.SIGKILL)
             _wait_exited(first)  # a zombie: nobody has reaped it
-            assert not worker.ready and worker.pid is None
+            # Its last threads end after the zombie shows: it is not ready once they have.
+            deadline = time.monotonic() + _TIMEOUT_S
+            while worker.ready:
+                assert time.monotonic() < deadline, "a dead worker stayed ready"
+                time.sleep(0.01)
+            assert worker.pid is None and psutil.pid_exists(first)  # still not reaped
             assert _save(manager, 1) == "step_000000001"  # on a thread, not in the held one
             assert manager.stats().worker_saves == 0
         finally:

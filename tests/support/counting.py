@@ -31,7 +31,7 @@ def checkpoint_workers() -> list[int]:
     found = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if "dcp_safe/manager/worker_boot.py" in " ".join(child.cmdline()):
+            if "dcp_safe/worker/boot.py" in " ".join(child.cmdline()):
                 found.append(child.pid)
     return found
 

@@ -1,13 +1,13 @@
 """``SaveWorker``: the parent's side of the checkpoint worker (``executor="process"``).
 
-One persistent worker process per rank (:mod:`dcp_safe.manager.worker_main`), started by the
+One persistent worker process per rank (:mod:`dcp_safe.worker.main`), started by the
 first save request without waiting for it (:meth:`SaveWorker.start`; a manager that only
 restores starts none) and reused. No save waits for a worker to start: until every rank's worker
 is :attr:`~SaveWorker.ready` (the first one, and every replacement after a death), the ranks
 agree to save on the thread path instead (:func:`~dcp_safe.manager.decision.decide`).
 
 The parent stages as always, into shared slabs; a sender thread then hands the worker the
-staged state (tensors by place: :mod:`dcp_safe.manager.transport`) and any slab it has not
+staged state (tensors by place: :mod:`dcp_safe.worker.transport`) and any slab it has not
 mapped yet. A reader thread resolves each save's future from the worker's reply. The staged
 state stays referenced here until then, so its buffers are not reused under the worker's write.
 A worker that dies fails every save it held with :class:`~dcp_safe.errors.WorkerDiedError`; the
@@ -40,14 +40,14 @@ from typing import Any
 from dcp_safe.coordination.worker_group import WorkerGroup, WorkerGroups
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, WorkerDiedError
-from dcp_safe.manager.commit_check import Checked
-from dcp_safe.manager.transport import StateEncoder, decode_error
-from dcp_safe.manager.worker_boot import BEAT_S
 from dcp_safe.staging.shared import SharedSlabs
+from dcp_safe.worker.boot import BEAT_S
+from dcp_safe.worker.commit_check import Checked
+from dcp_safe.worker.transport import StateEncoder, decode_error
 
 __all__ = ["SaveWorker"]
 
-_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_boot.py")
+_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
 # The fewest beats a worker may miss before its parent kills it, whatever the deadlines.
 _MIN_SILENT_BEATS = 5
 _REAPED_S = 10.0  # the longest a kill waits for the killed worker to be reaped
@@ -212,7 +212,7 @@ class _Process:
 
 def _spawn(command: list[str], fd: int) -> subprocess.Popen[bytes]:
     """Start the worker from a thread that lives until it exits: its PR_SET_PDEATHSIG
-    (:mod:`~dcp_safe.manager.worker_boot`) fires when the *thread* that started it ends, not
+    (:mod:`~dcp_safe.worker.boot`) fires when the *thread* that started it ends, not
     only its process, so no caller's short-lived thread may start it."""
     started: Future[subprocess.Popen[bytes]] = Future()
 
@@ -242,7 +242,7 @@ class SaveWorker:
             recorded and its replication's future (``None`` unless it succeeded and
             replicates), before the save's future resolves; ``None``: the worker records none.
         deep: the worker checks every byte of each new checkpoint, not only its marker and
-            manifest (:func:`~dcp_safe.manager.commit_check.check_commit`).
+            manifest (:func:`~dcp_safe.worker.commit_check.check_commit`).
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """The checkpoint worker, one per rank: :func:`main`, after
-:mod:`~dcp_safe.manager.worker_boot` (which knew its parent, lowered its priority and started
+:mod:`~dcp_safe.worker.boot` (which knew its parent, lowered its priority and started
 its beat before this module's imports).
 
-Started by :class:`~dcp_safe.manager.worker.SaveWorker` with one end of a socket pair. It serves
+Started by :class:`~dcp_safe.worker.parent.SaveWorker` with one end of a socket pair. It serves
 the parent's messages in order until told to close or the parent is gone; from its start on it
 also sends ``("alive",)`` every second (the parent kills a worker silent past its bound)::
 
@@ -28,7 +28,7 @@ also sends ``("alive",)`` every second (the parent kills a worker silent past it
                                      the replica manifest's header or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
-A check (:mod:`~dcp_safe.manager.commit_check`) follows the commit here, so that the training
+A check (:mod:`~dcp_safe.worker.commit_check`) follows the commit here, so that the training
 process parses no manifest of its saves; a node-local save is checked once its remote commit is
 done, before that is reported. With ``record`` (the parent's manager has telemetry) the save's
 writer is wrapped as the thread executor wraps it, and its span events go back with the reply,
@@ -55,12 +55,12 @@ from dcp_safe.coordination.worker_group import WorkerGroup, join
 from dcp_safe.dcp import api
 from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import WorkerError
-from dcp_safe.manager.commit_check import Checked, check_commit
-from dcp_safe.manager.transport import encode_error, forget_slab, map_slab
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.telemetry.events import Event
 from dcp_safe.telemetry.memory import anchored_clock
 from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.worker.commit_check import Checked, check_commit
+from dcp_safe.worker.transport import encode_error, forget_slab, map_slab
 
 __all__ = ["main"]
 

@@ -1,4 +1,4 @@
-"""The checkpoint worker's first lines: ``python -I worker_boot.py PARENT FD [PATH ...]``.
+"""The checkpoint worker's first lines: ``python -I boot.py PARENT FD [PATH ...]``.
 
 Run by path with isolated imports (``-I``: no current directory, no ``PYTHON*`` variables, no
 user site on ``sys.path``; a ``psutil.py`` planted where the job runs is never imported), before
@@ -6,7 +6,7 @@ user site on ``sys.path``; a ``psutil.py`` planted where the job runs is never i
 saved for it). Standard library only, in this order:
 
 1. ``PR_SET_PDEATHSIG`` (Linux): the kernel SIGKILLs the worker when the thread that started it
-   ends (:class:`~dcp_safe.manager.worker._Process` starts it from a thread that lives as long as
+   ends (:class:`~dcp_safe.worker.parent._Process` starts it from a thread that lives as long as
    the worker), also while it is stopped; then the parent pid from the command line is compared
    with ``os.getppid()``, after the signal is armed so that no death falls between: an orphan
    exits at once;
@@ -16,7 +16,7 @@ saved for it). Standard library only, in this order:
    kills a worker silent past its bound (a stopped or frozen worker, or one stuck without the
    GIL), whether it is starting or saving;
 4. the parent's ``sys.path`` (its absolute entries, from the command line: a writer class of the
-   caller's module unpickles here), then :func:`dcp_safe.manager.worker_main.main`.
+   caller's module unpickles here), then :func:`dcp_safe.worker.main.main`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def boot(argv: list[str]) -> None:
     threading.Thread(
         target=_beat, args=(conn, lock, parent), name="dcp_safe-beat", daemon=True
     ).start()
-    from dcp_safe.manager.worker_main import main
+    from dcp_safe.worker.main import main
 
     main(conn, lock, parent)
 

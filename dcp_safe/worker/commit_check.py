@@ -26,7 +26,7 @@ class Checked:
 
     Attributes:
         error: the check's error, pickled with its worker traceback
-            (:func:`~dcp_safe.manager.transport.encode_error`); ``None``: it passed.
+            (:func:`~dcp_safe.worker.transport.encode_error`); ``None``: it passed.
         digest: the manifest digest the check read (empty when it failed).
         header: that manifest's header (``None`` when it failed).
     """
