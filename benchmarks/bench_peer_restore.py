@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe_machine, evict, markdown_table, median, rotate, write_results
 
 from dcp_safe import CheckpointManager, Topology
-from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.reading.sources import ReadSource
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.units import format_size

@@ -44,7 +44,7 @@ from _common import (
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
-from dcp_safe.dcp.options import WriterOptions
+from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.units import format_size
 

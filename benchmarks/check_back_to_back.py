@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict_loader import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.bench.savers import DcpSafeSaver, Saver, TorchSaver, TorchStaging
-from dcp_safe.dcp.reader import SafeStorageReader
 
 Reader = Callable[[Path, str], tuple[Any, str | None]]
 

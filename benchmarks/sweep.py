@@ -210,7 +210,7 @@ def summarize(per_round: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _safe_reader(folder: Path, name: str) -> tuple[Any, str | None]:
-    from dcp_safe.dcp.reader import SafeStorageReader
+    from dcp_safe.adapters.reader import SafeStorageReader
 
     return SafeStorageReader(folder), name
 
@@ -330,7 +330,7 @@ def _zstd_shard_bytes(state: State, work: Path) -> dict[str, int]:
 
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from dcp_safe.dcp.writer import SafeStorageWriter
+    from dcp_safe.adapters.writer import SafeStorageWriter
 
     out = {}
     save(

@@ -9,15 +9,15 @@ in those packages); docs/manager.md lists where each name that left the root liv
 
 from __future__ import annotations
 
+from dcp_safe.adapters.api import async_save, load, save
+from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.adapters.options import WriterOptions
+from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
+from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
 from dcp_safe.coordination.group import checkpoint_group
-from dcp_safe.dcp.api import async_save, load, save
-from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.dcp.options import WriterOptions
-from dcp_safe.dcp.planners import SafeLoadPlanner, SafeSavePlanner
-from dcp_safe.dcp.reader import SafeStorageReader
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,

@@ -8,11 +8,11 @@ user's import working while the package's insides move.
 
 from __future__ import annotations
 
+from dcp_safe.adapters.broadcast import SentObjects
+from dcp_safe.adapters.options import Compression
+from dcp_safe.adapters.planners import RestoreReport
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import CheckpointInfo, VerifyReport
-from dcp_safe.dcp.broadcast import SentObjects
-from dcp_safe.dcp.options import Compression
-from dcp_safe.dcp.planners import RestoreReport
 from dcp_safe.manager.preemption import PreemptionHandler
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord

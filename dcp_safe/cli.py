@@ -1,7 +1,7 @@
 """``dcp-safe``: list, verify, inspect, export and collect checkpoints; run the demo and bench.
 
 This module parses arguments, calls the library, and prints; the work is done by
-:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.dcp`,
+:mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.adapters`,
 :mod:`dcp_safe.exporting` and :mod:`dcp_safe.demo`. Tables and progress bars are rich's.
 
 Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dcp_safe import layout
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints import catalog
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
@@ -39,7 +40,6 @@ from dcp_safe.cli_args import (
     key_from_file,
     parse_storage_options,
 )
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,

@@ -87,16 +87,16 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
 # ``<work>/_ranks/rank_R.report-<save id>``: rank R's part of a save without collectives is on
-# storage; what rank 0 needs of it to publish (dcp_safe.dcp.rank_reports). Removed before publish.
+# storage; what rank 0 needs of it to publish (adapters.rank_reports). Removed before publish.
 _RANK_REPORT_INFIX = ".report-"
 #: ``.<name>.assigned-<key>`` beside the checkpoints: rank 0's save id for a save without
-#: collectives, where the other ranks find it (dcp_safe.dcp.assignment_board).
+#: collectives, where the other ranks find it (dcp_safe.adapters.assignment_board).
 ASSIGNMENT_INFIX = ".assigned-"
 LATEST = "latest"
 #: the key of DCP's ``Metadata.planner_data`` under which a save records its tensors'
 #: fingerprints for audited restores (dcp_safe.reading.audit).
 AUDIT_KEY = "__dcp_safe_audit__"
-#: ``<key>@rank00003``: a per-rank entry's key in DCP's metadata (dcp_safe.dcp.planners).
+#: ``<key>@rank00003``: a per-rank entry's key in DCP's metadata (dcp_safe.adapters.planners).
 PER_RANK_INFIX = "@rank"
 _PER_RANK_KEY = re.compile(rf"^(?P<base>.+){re.escape(PER_RANK_INFIX)}(?P<rank>[0-9]{{5,}})$")
 #: the object a root's first exclusive create probes the server with (see FsspecBackend).

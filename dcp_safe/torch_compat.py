@@ -35,7 +35,7 @@ from torch.distributed.checkpoint._extension import (
 
 # DCP's reader set-up and its load before the Stateful hand-over: ``dcp.load`` is these two
 # (``dcp_load_state_dict`` below) plus that hand-over, and dcp_safe.load sends the entries read
-# once between them (dcp/shared_load.py). No fallback: with several ranks dcp_safe.load needs
+# once between them (adapters/shared_load.py). No fallback: with several ranks dcp_safe.load needs
 # them.
 from torch.distributed.checkpoint._storage_utils import _storage_setup as storage_setup
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -197,7 +197,7 @@ def legacy_storage_type(dtype: torch.dtype) -> type | None:
     """The typed-storage class ``torch.save`` names in a tensor's pickle (``torch.FloatStorage``
     for float32), or ``None`` for dtypes it pickles another way (float8, uint16, quantized).
 
-    :mod:`dcp_safe.dcp.tensor_records` writes and recognises ``torch.save``'s exact bytes for
+    :mod:`dcp_safe.adapters.tensor_records` writes and recognises ``torch.save``'s exact bytes for
     these; any other dtype goes through ``torch.save``/``torch.load`` themselves.
     """
     from torch.storage import _dtype_to_storage_type_map

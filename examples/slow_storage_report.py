@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.bench.measure import RssSampler
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.manager import Bounds, CheckpointManager, Runtime, SavePolicy
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.staging import MemoryBudget

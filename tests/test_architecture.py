@@ -37,8 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("retention",),
     ("replication",),
     # The DCP adapters and reading back share a layer: reading decodes items with the writer's
-    # tensor templates (dcp.tensor_records), and the restore audit reads the load planner.
-    ("dcp", "reading"),
+    # tensor templates (adapters.tensor_records), and the restore audit reads the load planner.
+    ("adapters", "reading"),
     ("staging", "telemetry"),
     ("worker",),
     ("manager", "exporting", "api_types"),
@@ -53,7 +53,7 @@ MAX_LINES = 600
 
 
 def _part(module: str) -> str:
-    """The top-level part of a dcp_safe module name: ``dcp_safe.dcp.writer`` -> ``dcp``."""
+    """The top-level part of a dcp_safe module name: ``dcp_safe.adapters.api`` -> ``adapters``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

@@ -22,8 +22,8 @@ from dcp_safe import (
     WriterOptions,
     list_checkpoints,
 )
+from dcp_safe.adapters.for_topology import writer_for
 from dcp_safe.checkpoints.node_cache import list_node_caches
-from dcp_safe.dcp.for_topology import writer_for
 from dcp_safe.topology import this_node
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.bench.compare import compare_ratios, make_ratio, unmatched
 from dcp_safe.bench.floors import copy_floor_s, load_s, raw_write_floor_s
 from dcp_safe.bench.measure import (
@@ -45,7 +46,6 @@ from dcp_safe.bench.measure import (
 from dcp_safe.bench.savers import DcpSafeSaver, TorchSaver
 from dcp_safe.bench.session import remove_tree, run_session
 from dcp_safe.cli_args import OneLineParser
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import ConfigError
 from dcp_safe.host_memory import available_bytes_now
 

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.staging import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
+from dcp_safe.adapters.options import Compression, WriterOptions
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.bench.measure import State
 from dcp_safe.choices import parse_choice
-from dcp_safe.dcp.options import Compression, WriterOptions
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.staging import BudgetedStager, PinMemory, StagerOptions
 
 __all__ = ["DcpSafeSaver", "Saver", "Started", "TorchSaver", "TorchStaging"]

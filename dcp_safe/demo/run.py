@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from dcp_safe import layout
+from dcp_safe.adapters import api
+from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.catalog import list_checkpoints
-from dcp_safe.dcp import api
-from dcp_safe.dcp.reader import SafeStorageReader
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.demo.report import DemoReport, SaveRecord, raise_if_failed, render, summary_lines
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager

@@ -1,7 +1,7 @@
 """Whole tensors out of a committed checkpoint, verified, a bounded batch at a time.
 
 Assembling a global tensor from the chunks several ranks saved is what a DCP load onto one
-process does, so this drives :class:`~dcp_safe.dcp.reader.SafeStorageReader` in DCP's own call
+process does, so this drives :class:`~dcp_safe.adapters.reader.SafeStorageReader` in DCP's own call
 order with a state dict holding only the next few freshly allocated tensors; the reader checks
 every item before the planner sees it. Not ``dcp.load`` per tensor: that would re-open and
 re-check the checkpoint every time. The memory bound: docs/export.md, "Memory".
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_safe import layout
-from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.exporting.selection import TensorEntry
 from dcp_safe.manifest.streams import short_read
 

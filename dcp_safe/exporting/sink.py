@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from dcp_safe.dcp.tensor_records import tensor_bytes
+from dcp_safe.adapters.tensor_records import tensor_bytes
 from dcp_safe.manifest.streams import WritableFile
 
 __all__ = ["SLICE_BYTES", "Sha256Sink", "Writes", "write_tensor"]

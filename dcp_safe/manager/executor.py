@@ -19,8 +19,8 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.worker_group import store_address
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.torch_compat import default_store

@@ -15,8 +15,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.store import Verdicts
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.in_memory import InMemoryTier

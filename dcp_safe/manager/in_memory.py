@@ -35,17 +35,17 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.coordination.agreement import Agreement, Vote
-from dcp_safe.dcp.item_bytes import write_item
-from dcp_safe.dcp.planners import SafeSavePlanner
-from dcp_safe.dcp.tensor_records import (
+from dcp_safe.adapters.item_bytes import write_item
+from dcp_safe.adapters.planners import SafeSavePlanner
+from dcp_safe.adapters.tensor_records import (
     layout_for,
     minimal_cpu_tensor,
     template_parts,
     tensor_bytes,
 )
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.coordination.agreement import Agreement, Vote
 from dcp_safe.errors import (
     BudgetExceededError,
     CheckpointCorruptError,

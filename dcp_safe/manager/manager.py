@@ -25,14 +25,14 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from dcp_safe import layout
+from dcp_safe.adapters.for_topology import writer_for
+from dcp_safe.adapters.planners import RestoreReport
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import refuse_moved
 from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.coordination.worker_group import WorkerGroups
-from dcp_safe.dcp.for_topology import writer_for
-from dcp_safe.dcp.planners import RestoreReport
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
 from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter

@@ -31,7 +31,7 @@ from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 
 if TYPE_CHECKING:
-    from dcp_safe.dcp.writer import SafeStorageWriter
+    from dcp_safe.adapters.writer import SafeStorageWriter
     from dcp_safe.telemetry.recorder import Telemetry
 
 __all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy"]

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_safe import layout
+from dcp_safe.adapters import api
+from dcp_safe.adapters.planners import RestoreReport, SafeLoadPlanner
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.groups import FOREGROUND
-from dcp_safe.dcp import api
-from dcp_safe.dcp.planners import RestoreReport, SafeLoadPlanner
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError, SignatureError
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.saving import SaveRunner

@@ -16,10 +16,10 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_safe.adapters import api
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, ManagerGroups
 from dcp_safe.coordination.store import PromotionBarrier
-from dcp_safe.dcp import api
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain

@@ -17,11 +17,11 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from dcp_safe import layout
+from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
-from dcp_safe.dcp.reader import SafeStorageReader
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.bookkeeper import Bookkeeper
 from dcp_safe.manager.peer_tier import PeerTier

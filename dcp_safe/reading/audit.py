@@ -46,7 +46,7 @@ from dcp_safe.torch_compat import dtensor_chunks, dtensor_local
 from dcp_safe.untrusted import shown
 
 if TYPE_CHECKING:  # the planner imports this module
-    from dcp_safe.dcp.planners import SafeLoadPlanner
+    from dcp_safe.adapters.planners import SafeLoadPlanner
 
 __all__ = [
     "BLOCKS",

@@ -18,7 +18,7 @@ from typing import IO, BinaryIO, cast
 import torch
 import zstandard
 
-from dcp_safe.dcp.tensor_records import TensorLayout, tensor_bytes
+from dcp_safe.adapters.tensor_records import TensorLayout, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.streams import VerifyingSlice, read_fully
 

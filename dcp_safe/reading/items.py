@@ -6,7 +6,8 @@ tensor straight into its destination (:mod:`.tensors`), anything else read whole
 narrowed. Every read is admitted against the load budget at a cost stated before it is made
 (:mod:`.budget`). The sources differ only in what a failure means: the remote retries a
 transient error on a fresh stream and raises the rest; a partial copy's failure is
-:class:`CopyFailed`, and the next source decides (:class:`~dcp_safe.dcp.reader.SafeStorageReader`).
+:class:`CopyFailed`, and the next source decides
+(:class:`~dcp_safe.adapters.reader.SafeStorageReader`).
 """
 
 from __future__ import annotations

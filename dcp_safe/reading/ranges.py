@@ -12,7 +12,7 @@ comes from the tensor's stored template (its dtype and shape), not from the mani
 recorded over any other bytes (``blocks.at`` moved, digests recomputed: a deep verify and a
 whole read still pass) are refused, by whole and partial loads alike.
 
-Anything else is read whole, as before (:class:`~dcp_safe.dcp.reader.SafeStorageReader`):
+Anything else is read whole, as before (:class:`~dcp_safe.adapters.reader.SafeStorageReader`):
 items without block digests (compressed, small, non-tensor, written before them or with
 ``block_digests=False``), a region that is the whole chunk (read straight into its target),
 regions of more than :data:`MAX_RUNS` runs, and regions whose blocks cover all of the item's
@@ -33,7 +33,7 @@ from typing import BinaryIO
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from dcp_safe.dcp.tensor_records import layout_for, tensor_bytes
+from dcp_safe.adapters.tensor_records import layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import new_hasher

@@ -5,7 +5,7 @@ with the same source, the same destination region and the same destination dtype
 It stays in the plan of one of those ranks, its owner, and leaves the others'; owners are
 chosen greedily, largest entry first, for the rank with the fewest bytes to read so far, so the
 bytes read spread evenly. Every rank's plan then lists the transfers it takes part in, the same
-on both ends; after DCP's load has succeeded on every rank, :mod:`dcp_safe.dcp.broadcast` sends
+on both ends; after DCP's load has succeeded on every rank, :mod:`dcp_safe.adapters.broadcast` sends
 each owner's entries to the ranks that need them.
 
 Why the coordinator's global plan: it is the one place all ranks' reads meet before any is

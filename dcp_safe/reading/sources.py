@@ -4,7 +4,7 @@ A *source* is a partial copy read before the remote (the one complete copy, the 
 "latest"): this node's cache (:class:`NodeCacheSource`, :mod:`dcp_safe.checkpoints.node_cache`)
 and peer copies (:class:`~dcp_safe.reading.peers.PeerSource`). At ``reset`` each checks that it
 holds the remote's very checkpoint; per file it names where it would read it, or nothing. The
-reader (:class:`~dcp_safe.dcp.reader.SafeStorageReader`) tries them in order, every item
+reader (:class:`~dcp_safe.adapters.reader.SafeStorageReader`) tries them in order, every item
 verified whatever ``verify`` says, and reads what none delivered from the remote: a bad copy
 never fails a load the remote can serve. Each copy not used is logged with its reason
 (:class:`SourceLog`). What is trusted and when: docs/fsdp.md, "Restoring from the node caches".

@@ -16,8 +16,8 @@ from typing import BinaryIO
 
 import torch
 
+from dcp_safe.adapters.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
-from dcp_safe.dcp.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.catalog import verify_opened
 from dcp_safe.checkpoints.committed import CommittedHeader, open_committed, remember_header
 from dcp_safe.checkpoints.signed import check_signed
-from dcp_safe.dcp.writer import SafeStorageWriter
 
 __all__ = ["Checked", "check_commit"]
 

@@ -49,11 +49,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_safe.adapters import api
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.committed import CommittedHeader, keep_parsed
 from dcp_safe.coordination.group import is_group_failure
 from dcp_safe.coordination.worker_group import WorkerGroup, join
-from dcp_safe.dcp import api
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import WorkerError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.telemetry.events import Event

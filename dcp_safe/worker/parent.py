@@ -37,8 +37,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.worker_group import WorkerGroup, WorkerGroups
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.errors import CommitError, WorkerDiedError
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.worker.boot import BEAT_S

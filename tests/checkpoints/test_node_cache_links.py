@@ -19,13 +19,13 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions, layout
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.node_cache import (
     NODE_COMMITTED_MARKER,
     list_node_caches,
     prune_node_caches,
 )
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.reading.sources import ReadSource, RejectionReason
 
 NAME = "step_0001"

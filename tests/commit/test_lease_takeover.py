@@ -590,7 +590,7 @@ _KILLED_MANAGER = """
 import json, os, signal, sys
 import torch
 from dcp_safe import CheckpointManager, Runtime, Topology
-from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.adapters.writer import SafeStorageWriter
 
 root, options = sys.argv[1], json.loads(sys.argv[2])
 write_item = SafeStorageWriter._write_item

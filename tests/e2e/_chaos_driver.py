@@ -94,8 +94,8 @@ from dcp_safe import (
     SavePolicy,
     Topology,
 )
+from dcp_safe.adapters.node_local import NodeLocalWriter
 from dcp_safe.checkpoints.history import HISTORY_FILE
-from dcp_safe.dcp.node_local import NodeLocalWriter
 from dcp_safe.testing import multiproc
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import RankFailedError, RanksTimeoutError, run_ranks

@@ -14,7 +14,7 @@ import pytest
 from support import make_state
 
 from dcp_safe import Bounds, Runtime, SavePolicy
-from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackOptions

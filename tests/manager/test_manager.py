@@ -18,7 +18,7 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import Bounds, Retention, Runtime, SavePolicy, Topology, WriterOptions, layout
-from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.errors import (
     AdmissionTimeoutError,
     CheckpointCorruptError,

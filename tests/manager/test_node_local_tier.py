@@ -17,7 +17,7 @@ import torch
 from support import shard_rows
 
 from dcp_safe import CheckpointManager, ConfigError, Topology, layout, list_checkpoints
-from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.reading.sources import RejectionReason
 from dcp_safe.testing.multiproc import run_ranks

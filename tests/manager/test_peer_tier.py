@@ -19,9 +19,9 @@ import torch
 from support import shard_rows
 
 from dcp_safe import CheckpointManager, ConfigError, Runtime, Topology, layout, list_checkpoints
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import PeerCopyError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.reading.sources import ReadSource, RejectionReason

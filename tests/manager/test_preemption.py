@@ -20,7 +20,7 @@ from support import blank_like, make_state
 
 import dcp_safe
 from dcp_safe import Bounds, Runtime
-from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import MemoryBudget

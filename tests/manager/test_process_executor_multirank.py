@@ -26,7 +26,7 @@ from support import assert_state_equal, blank_like, checkpoint_workers, make_sta
 from support.faults import DiesMidWrite, RecordsPlans
 
 from dcp_safe import Bounds, CheckpointManager, CommitError, Runtime, Topology, list_checkpoints
-from dcp_safe.dcp.reader import SafeStorageReader
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.errors import DivergentStateError, SnapshotMutatedError
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.testing.staging import hold_staging

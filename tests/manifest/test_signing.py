@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_safe.dcp.options import WriterOptions
+from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.errors import ConfigError, SignatureError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import (

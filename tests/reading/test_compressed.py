@@ -17,9 +17,9 @@ from support import assert_state_equal
 
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
+from dcp_safe.adapters.tensor_records import layout_for, write_tensor
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.dcp.tensor_records import layout_for, write_tensor
 from dcp_safe.reading.compressed import read_compressed_tensor
 
 

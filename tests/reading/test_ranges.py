@@ -40,7 +40,7 @@ from dcp_safe import (
     layout,
     verify_checkpoint,
 )
-from dcp_safe.dcp.options import WriterOptions
+from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests, BlockHasher
 from dcp_safe.manifest.schema import Manifest

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 import dcp_safe
 from dcp_safe import CheckpointNotFoundError, layout
+from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
+from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
-from dcp_safe.dcp.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.dcp.reader import SafeStorageReader
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.reading.sources import (

@@ -1,7 +1,7 @@
 """RankReplicator's storage protocol on one process: skips and failed saves reach every rank.
 
 The multi-rank uploads themselves run on real gloo ranks in
-``tests/dcp/test_multirank_replication.py``; here one rank's replicator runs alone against a
+``tests/adapters/test_multirank_replication.py``; here one rank's replicator runs alone against a
 local root where nothing gets committed, which is enough to see what its peers would see.
 """
 

@@ -393,7 +393,7 @@ def test_an_unknown_keyword_is_a_type_error() -> None:
 
 
 def test_works_with_safe_storage_writer(tmp_path: Path) -> None:
-    writer_module = pytest.importorskip("dcp_safe.dcp.writer")
+    writer_module = pytest.importorskip("dcp_safe.adapters.writer")
     state = _state(5)
     with BudgetedStager(_budget()) as stager:
         response = stager.async_save(

@@ -23,8 +23,8 @@ pytestmark = [
 
 
 def _save_with_telemetry(rank: int, world_size: int, root: str) -> list[tuple[Any, ...]]:
-    from dcp_safe.dcp import api
-    from dcp_safe.dcp.writer import SafeStorageWriter
+    from dcp_safe.adapters import api
+    from dcp_safe.adapters.writer import SafeStorageWriter
     from dcp_safe.telemetry import Telemetry
 
     with Telemetry(sample_memory=False) as tel:

@@ -8,9 +8,9 @@ import pytest
 from support import make_state
 
 from dcp_safe import layout
+from dcp_safe.adapters import api
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.dcp import api
-from dcp_safe.dcp.writer import SafeStorageWriter
 from dcp_safe.telemetry import EventKind, PrometheusSink, Telemetry
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy

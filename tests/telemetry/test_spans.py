@@ -13,8 +13,8 @@ from support import make_state, ready_worker
 from telemetry._spans import check_nesting, intervals, only, phases
 
 from dcp_safe import Runtime, SavePolicy
-from dcp_safe.dcp import api
-from dcp_safe.dcp.writer import SafeStorageWriter
+from dcp_safe.adapters import api
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.telemetry import NULL_RECORDER, Phase, Telemetry

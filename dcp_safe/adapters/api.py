@@ -1,0 +1,323 @@
+"""``save`` / ``async_save`` / ``load``: DCP's calls, with deadlines and dcp_safe's errors.
+
+They call ``torch.distributed.checkpoint`` unchanged, but run its collectives on dcp_safe's own
+gloo group (:func:`dcp_safe.checkpoint_group`, timeout ``deadline_s``) unless given
+``process_group=`` or ``no_dist=``, and translate errors once, on the calling thread and every
+future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
+``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
+naming the ranks). The first call creates the group, a collective over the default group:
+every rank must make it at the same point. See docs/multirank.md, "Deadlines, and why saves
+get their own process group".
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+
+from dcp_safe.adapters.gc_pause import gc_paused
+from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
+from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe.adapters.shared_load import load_and_share
+from dcp_safe.coordination.group import (
+    DEFAULT_DEADLINE_S,
+    checkpoint_group,
+    collective_failure,
+    deadline_of,
+    discard_group,
+    is_collective_failure,
+    validate_deadline,
+)
+from dcp_safe.errors import CommitError, ConfigError, LoadError, from_checkpoint_exception
+from dcp_safe.reading.audit import audit_load
+from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
+from dcp_safe.torch_compat import dcp_debug_logs_unheard
+from dcp_safe.torch_compat import dcp_save as _dcp_save
+
+__all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
+
+T = TypeVar("T")
+
+
+# DCP warns on every single-process call, even when no_dist=True says so explicitly.
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one call needs to explain a failed collective: its group, deadline and storage."""
+
+    group: Any = None
+    owned: bool = False
+    deadline_s: float | None = None
+    witnesses: tuple[object, ...] = ()
+    # Taken when the call starts: after a failure the group may already be torn down.
+    rank: int = 0
+    world_size: int = 1
+    operation: str = "save"
+    checkpoint: str = "the checkpoint"  # what a load reads, for its errors
+
+    def translate(self, exc: BaseException) -> BaseException:
+        """The dcp_safe error for ``exc``; ``exc`` itself when it is none of ours to map."""
+        if isinstance(exc, CheckpointException):
+            error = from_checkpoint_exception(exc)
+            if self.operation == "load" and isinstance(error, CommitError):
+                # A rank's planner or reader raised: say the load failed, not that a save did.
+                error = LoadError(self.checkpoint, error.failures)
+                error.__cause__ = exc
+            return error
+        if self.group is not None and is_collective_failure(exc):
+            # DCP wraps storage and planner errors in CheckpointException; what comes out bare
+            # from a collective is the transport's (a peer gone, or the deadline passed).
+            error = collective_failure(
+                exc,
+                rank=self.rank,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
+                witnesses=self.witnesses,
+                operation=self.operation,
+            )
+            if self.owned:
+                discard_group(self.group)
+            return error
+        return exc
+
+
+@contextmanager
+def _quiet_single_process(kwargs: dict[str, Any]) -> Iterator[None]:
+    # And DCP's per-key DEBUG records nobody hears (torch_compat.dcp_debug_logs_unheard).
+    with warnings.catch_warnings(), dcp_debug_logs_unheard():
+        if kwargs.get("no_dist"):
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` as the matching dcp_safe error."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise from_checkpoint_exception(exc) from exc
+
+
+@contextmanager
+def _translated_call(call: _Call) -> Iterator[None]:
+    try:
+        yield
+    except (CheckpointException, RuntimeError) as exc:
+        error = call.translate(exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
+    """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
+    deadline_s = validate_deadline(deadline_s)
+    witnesses = tuple(
+        w for w in (kwargs.get("storage_writer"), kwargs.get("storage_reader")) if w is not None
+    )
+    operation = "save" if kwargs.get("storage_writer") is not None else "load"
+    checkpoint = str(kwargs.get("checkpoint_id") or "the checkpoint")
+    distributed = dist.is_available() and dist.is_initialized()
+    if kwargs.get("no_dist") or not distributed:
+        # Say it explicitly rather than let DCP warn that it guessed.
+        kwargs.setdefault("no_dist", not distributed)
+        return _Call(operation=operation, checkpoint=checkpoint)
+    group = kwargs.get("process_group")
+    owned = group is None
+    if owned:
+        group = kwargs["process_group"] = checkpoint_group(deadline_s)
+    return _Call(
+        group=group,
+        owned=owned,
+        deadline_s=deadline_s if owned else deadline_of(group),
+        witnesses=witnesses,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        operation=operation,
+        checkpoint=checkpoint,
+    )
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    **kwargs: Any,
+) -> Metadata:
+    """``dcp.save`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+
+    Args:
+        deadline_s: how long any collective of this save may wait for a peer (the dedicated
+            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. Must exceed
+            the spread of per-rank write times.
+        per_rank: key prefixes saved once per rank (:mod:`dcp_safe.adapters.planners`).
+        **kwargs: passed to ``dcp.save``. Without ``planner=``, a
+            :class:`~dcp_safe.adapters.planners.SafeSavePlanner` plans the save. With
+            ``use_collectives=False`` the ranks plan alone and agree through storage
+            (docs/multirank.md, "Saves without collectives"); what stays collective is
+            DCP's barrier after the save (bounded by ``deadline_s``) and, on the first call,
+            the creation of the dedicated group.
+
+    Raises:
+        CommitError: a rank failed, died or hung; ``failures`` names it. Nothing was published.
+        DivergentStateError: ranks hold different values under one key not declared per rank.
+        ConfigError: ``deadline_s`` is not a positive number.
+
+    Without collectives a rank that died is named by rank 0's ``CommitError`` within the
+    writer's ``report_timeout_s``; the other ranks learn of rank 0's failure from the barrier.
+    """
+    _plan_saves(kwargs, per_rank)
+    call = _prepare(kwargs, deadline_s)
+    _share_plans(kwargs, call)
+    with _translated_call(call), _quiet_single_process(kwargs), gc_paused():
+        metadata: Metadata = _dcp_save(state_dict, **kwargs)
+        return metadata
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    audit: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``dcp.load`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+
+    Args:
+        state_dict: the target, loaded in place.
+        per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
+        audit: after the load, check on every rank that the live tensors equal what was saved
+            (:func:`dcp_safe.reading.audit.audit_load`); needs a ``SafeLoadPlanner``.
+        **kwargs: passed to ``dcp.load``. Without ``planner=``, a
+            :class:`~dcp_safe.adapters.planners.SafeLoadPlanner` plans the load; with several ranks
+            it has each entry they load identically read once and sent to the others, after
+            DCP's load (its ``read_once``; docs/multirank.md, "Restores read each entry once").
+
+    Raises:
+        MissingKeysError: the checkpoint lacks keys of ``state_dict``.
+        PerRankStateError: per-rank entries were saved by another world size.
+        RestoreMismatchError: ``audit`` found the live state differs from the saved one.
+        LoadError: a rank's planner or reader failed (a shape that does not match, say);
+            the message names the checkpoint, the rank and the cause.
+    """
+    if "planner" not in kwargs:
+        kwargs["planner"] = SafeLoadPlanner(per_rank=per_rank)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeLoadPlanner(per_rank=)")
+    planner = kwargs["planner"]
+    if audit and not isinstance(planner, SafeLoadPlanner):
+        raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
+    call = _prepare(kwargs, deadline_s)
+    with (
+        _translated_call(call),
+        _quiet_single_process(kwargs),
+        _sending(planner, kwargs, call),
+        gc_paused(),
+    ):
+        if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
+            load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
+        else:
+            _dcp_load(state_dict, **kwargs)
+        if audit:
+            audit_load(planner, call.group)
+
+
+@contextmanager
+def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[None]:
+    """Let a ``SafeLoadPlanner`` plan entries read once, with several ranks: this call sends
+    them (:func:`~dcp_safe.adapters.shared_load.load_and_share`).
+
+    Not by default from a node cache: each node holds the files its own ranks wrote, so the
+    owner of an entry could be a rank that must fetch it from the remote instead. Not on a
+    group without gloo (entries travel as CPU tensors): every rank then reads what it needs.
+    """
+    if not isinstance(planner, SafeLoadPlanner):
+        yield
+        return
+    reader = kwargs.get("storage_reader")
+    cached = isinstance(reader, SafeStorageReader) and reader.node_cache is not None
+    wanted = planner.read_once is True or (planner.read_once is None and not cached)
+    # Entries travel as CPU buffers: a group without a CPU backend (NCCL alone) cannot send them.
+    cpu = call.group is not None and "gloo" in str(dist.get_backend(call.group))
+    planner.sends_shared = wanted and cpu and call.world_size > 1
+    planner.bytes_received = 0
+    try:
+        yield
+    finally:
+        planner.sends_shared = False
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    per_rank: Sequence[str] = (),
+    **kwargs: Any,
+) -> Any:
+    """``dcp.async_save`` with a deadline, whose futures fail with dcp_safe errors.
+
+    Returns what DCP returns (an ``AsyncSaveResponse`` when the stager returns a future, else a
+    future), with every future replaced by one that carries the translated error. With
+    ``async_checkpointer_type=PROCESS`` the upload runs in DCP's checkpoint process, on the
+    group DCP creates there: ``deadline_s`` then bounds only the call itself.
+
+    ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save` (``use_collectives=False``
+    included: the background part then waits on storage, not on the group, until DCP's barrier).
+    """
+    _plan_saves(kwargs, per_rank)
+    call = _prepare(kwargs, deadline_s)
+    _share_plans(kwargs, call)
+    with _translated_call(call), _quiet_single_process(kwargs):
+        response = _dcp_async_save(state_dict, **kwargs)
+    if isinstance(response, Future):
+        return _translated(response, call)
+    response.staging_completion = _translated(response.staging_completion, call)
+    response.upload_completion = _translated(response.upload_completion, call)
+    return response
+
+
+def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
+    if "planner" not in kwargs:
+        # Without collectives every rank plans alone and reports its entries through storage:
+        # a cached (itemless) local plan would hide them from that report.
+        collective = kwargs.get("use_collectives", True) is not False
+        kwargs["planner"] = SafeSavePlanner(per_rank=per_rank, cache_plans=collective)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
+
+
+def _share_plans(kwargs: dict[str, Any], call: _Call) -> None:
+    """Saves over one group reuse each other's cached plans (docs/architecture.md)."""
+    planner = kwargs["planner"]
+    if isinstance(planner, SafeSavePlanner) and kwargs.get("use_collectives", True) is not False:
+        planner.share_plans_over(call.group)
+
+
+def _translated(source: Future[T], call: _Call) -> Future[T]:
+    target: Future[T] = Future()
+
+    def forward(done: Future[T]) -> None:
+        try:
+            target.set_result(done.result())
+        except BaseException as exc:
+            error = call.translate(exc)
+            if error is not exc and error.__cause__ is None:
+                error.__cause__ = exc
+            target.set_exception(error)
+
+    source.add_done_callback(forward)
+    return target

@@ -1,0 +1,359 @@
+"""Node-local tiers: every node saves to its own disk, the shared remote holds the checkpoint.
+
+The steps, the node cache, the backpressure and why it is built this way: docs/architecture.md,
+"Node caches".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
+
+from dcp_safe import layout
+from dcp_safe.adapters.assignment_board import Assignment as _Assignment
+from dcp_safe.adapters.writer import SafeStorageWriter, _assignment_of
+from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
+from dcp_safe.commit.committer import Committer
+from dcp_safe.commit.publication import Publication
+from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.coordination.markers import watch_for_commit
+from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
+from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.peer_transport import peer_buffer_bytes
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    await_arrivals,
+    await_remote_commit,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+    upload_rank_part,
+)
+from dcp_safe.topology import Root, Topology
+
+__all__ = ["NodeLocalOptions", "NodeLocalWriter"]
+
+_KEEP_DONE = 16  # finished futures kept for replication()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLocalOptions(UploadOptions):
+    """How long and how often the background steps of a node-local save wait.
+
+    Args:
+        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest; the
+            other waits (a rank for the remote commit, a save for the previous upload) are
+            bounded by twice this, so that rank 0's verdict reaches every rank first.
+        chunk_bytes: bytes read and uploaded at a time, per file.
+        keep_node_caches: node caches kept on each node after a new one is published (the
+            older ones are removed; the remote tier is untouched). ``None`` keeps them all.
+    """
+
+    keep_node_caches: int | None = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.keep_node_caches is not None and self.keep_node_caches < 1:
+            raise ConfigError(f"keep_node_caches must be >= 1, got {self.keep_node_caches}")
+
+
+class NodeLocalWriter(SafeStorageWriter):
+    """A ``SafeStorageWriter`` for node-local roots that commits only on the shared ``remote``.
+
+    Every rank passes its own node's ``root`` (the same ``remote`` everywhere), or a
+    :class:`~dcp_safe.topology.Topology` with a node cache (``Topology.of(remote,
+    node_local=root)``), which it keeps as its own, as ``writer_for`` builds it. The DCP call
+    order is the base class's, but ``finish`` publishes nothing locally: the checkpoint exists
+    once the remote ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank).
+
+    Args:
+        remote: the shared root every rank uploads to (``s3://...`` or a shared directory);
+            not given with a ``Topology``, nor are the next two.
+        remote_storage_options: fsspec options for ``remote`` (default: ``storage_options``).
+        peer_copies: the topology's peer tier (``Topology.peer_copies``); the manager copies
+            node caches to other nodes, this writer only counts their buffers.
+        **kwargs: the other :class:`SafeStorageWriter` options (``options.overwrite`` is
+            refused: a remote name is never replaced).
+
+    Raises:
+        ConfigError: ``root`` cannot rename atomically (it must be a local directory);
+            ``options.overwrite`` or ``replicate_to`` was given; a ``Topology`` with
+            ``remote``, or without a node cache.
+            (At save time: ``use_collectives=False``, which node-local roots cannot serve.)
+    """
+
+    _node_local = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | Topology,
+        *,
+        remote: str | os.PathLike[str] | None = None,
+        remote_storage_options: dict[str, Any] | None = None,
+        node_options: NodeLocalOptions | None = None,
+        peer_copies: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        overwrite = getattr(kwargs.get("options"), "overwrite", False)
+        if overwrite or kwargs.get("replicate_to") is not None:
+            raise ConfigError("NodeLocalWriter takes neither overwrite nor replicate_to")
+        if not isinstance(root, Topology):
+            if remote is None:
+                raise ConfigError("NodeLocalWriter needs remote=, the shared root")
+            options = kwargs.pop("storage_options", None)
+            commit = Root(os.fspath(remote), remote_storage_options or options)
+            root = Topology(
+                commit, node_cache=Root(os.fspath(root), options), peer_copies=peer_copies
+            )
+        elif (remote, remote_storage_options, peer_copies) != (None, None, 1):
+            raise ConfigError(
+                "a Topology root names the remote, its options and peer_copies: give them to"
+                " Topology.of, not to the writer"
+            )
+        super().__init__(root, **kwargs)
+        self.strategy.require_rename(
+            f"a node-local root must be a local directory, got {self.root}"
+        )
+        self.node_options = node_options or NodeLocalOptions()
+        # Shared by the writer's per-save views (for_step): the dicts, not copies of them.
+        self._uploads: dict[str, Future[Manifest]] = {}
+        self._commits: dict[str, Future[Manifest]] = {}
+
+    @property
+    def remote_backend(self) -> Backend:
+        if self.remote is None:  # set in __init__; only a broken unpickling loses it
+            raise ConfigError("NodeLocalWriter has no remote")
+        return self.remote
+
+    @property
+    def commit_backend(self) -> Backend:
+        return self.remote_backend
+
+    @property
+    def upload_buffer_bytes(self) -> int | None:
+        """The base class's, plus the peer tier's chunk buffers when it copies to peers."""
+        uploads = super().upload_buffer_bytes
+        if uploads is None or self.topology.peer_copies == 1:
+            return uploads
+        return uploads + peer_buffer_bytes()
+
+    # ----------------------------------------------------------------- DCP call order
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # Each rank saves to its own node's root: there is no storage where rank 0 could
+            # post the save id and read every rank's report, as a save without collectives needs.
+            raise ConfigError(
+                "NodeLocalWriter needs use_collectives=True: its ranks write to node-local roots,"
+                " which share no storage to agree through; use SafeStorageWriter on a shared root"
+                " for saves without collectives"
+            )
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Assign the save (base class), then take the remote name for it."""
+        plans = super().prepare_global_plan(plans)
+        assignment = _assignment_of(plans[0])
+        name = self._require_name()
+        remote = self.remote_backend
+        try:
+            # The fence and the claim that matter are on the shared root, the only one all see.
+            publication = self._remote_publication(name, assignment.save_id)
+            publication.claim()
+            remote.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.backend.remove_tree(assignment.work_dir)
+            raise
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        """Write this rank's files on its node (base class), then upload them in the background."""
+        assignment = _assignment_of(plan)
+        # Only the coordinator's node got the work directory from prepare_global_plan.
+        self.backend.makedirs(f"{assignment.work_dir}/{layout.RANKS_DIR}")
+        self._wait_for_previous_upload()
+        # A failed write is reported to the ranks waiting on the remote by the base class.
+        return super().write_data(plan, planner)
+
+    def _replicate_rank_part(self, assignment: _Assignment) -> None:
+        """This rank's files are written on its node: upload them in the background."""
+        name = self._require_name()
+        self._start(self._uploads, self._upload_and_publish, name, assignment)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Start the remote commit in the background (coordinator only); publishes nothing here."""
+        assignment, name = self._require_assignment(), self._require_name()
+        self._start(self._commits, self._commit_remote, name, assignment, metadata, results)
+
+    def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
+        """A future that resolves once ``name`` is committed on the remote (and, on the rank that
+        publishes it, once this node's cache is published); it fails with the cause otherwise.
+        Outside the process that ran ``write_data`` it watches the remote marker."""
+        name = layout.validate_name(name)
+        if name in self._uploads:
+            return self._uploads[name]
+        return watch_for_commit(
+            self.remote_backend,
+            name,
+            poll_s=poll_s,
+            timeout_s=2 * self.node_options.remote_timeout_s,
+        )
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait (bounded) for this writer's background work; raise its first failure.
+
+        Raises:
+            ReplicationTimeoutError: still running after ``timeout_s`` seconds.
+            BaseException: the first failed upload or remote commit, as it was raised.
+        """
+        futures = [*self._commits.values(), *self._uploads.values()]
+        _, running = wait(futures, timeout=timeout_s)
+        if running:
+            raise ReplicationTimeoutError(
+                f"{len(running)} node-local uploads or commits still running after {timeout_s} s"
+            )
+        for future in futures:
+            future.result()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_uploads"], state["_commits"] = {}, {}  # futures of this process's threads
+        return state
+
+    # ----------------------------------------------------------------- background work
+
+    def _wait_for_previous_upload(self) -> None:
+        """At most one upload in flight per rank: a slow remote slows saves down (DCP's
+        ``write_data`` runs in the background for ``async_save``) instead of piling them up.
+
+        Raises:
+            ReplicationTimeoutError: the previous upload is still running at the deadline.
+        """
+        running = [f for f in self._uploads.values() if not f.done()]
+        _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
+        if still:
+            raise ReplicationTimeoutError(
+                f"the previous upload to {self.remote_backend.url} is still running after "
+                f"{2 * self.node_options.remote_timeout_s} s"
+            )
+
+    def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
+        """Run ``target(*args)`` on a thread of its own, its future in ``registry`` under the
+        save's name. Not a single-flight worker: rank 0's remote commits must not queue behind
+        one that is still waiting for a late rank (every rank's wait for the commit would time
+        out meanwhile), and uploads are single-flight already (``_wait_for_previous_upload``)."""
+        future: Future[Manifest] = Future()
+        registry.pop(args[0], None)
+        registry[args[0]] = future
+        finished = [name for name, f in registry.items() if f.done()]
+        for name in finished[: max(0, len(finished) - _KEEP_DONE)]:
+            del registry[name]  # a long run keeps only the newest outcomes
+
+        def run() -> None:
+            try:
+                future.set_result(target(*args))
+            except BaseException as exc:  # the owner decides what is fatal; it reaches the future
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"dcp_safe-node-{args[0]}", daemon=True).start()
+
+    def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
+        work = remote_work_dir(self.remote_backend, name, assignment.save_id)
+        try:
+            self._upload_rank(assignment, work)
+        except BaseException as exc:
+            report_rank_failure(self.remote_backend, work, assignment.rank, assignment.save_id, exc)
+            raise
+        manifest = self._await_remote_commit(name, assignment, work)
+        if self._leads_node(assignment):
+            publish_node_cache(
+                self.backend, self.remote_backend, assignment.work_dir, name, manifest
+            )
+            if self.node_options.keep_node_caches is not None:
+                prune_node_caches(self.backend, self.node_options.keep_node_caches)
+        return manifest
+
+    def _upload_rank(self, assignment: _Assignment, work: str) -> None:
+        """Copy this rank's files to the remote, verified in flight; its rank manifest last."""
+        upload_rank_part(
+            self.backend,
+            assignment.work_dir,
+            self.remote_backend,
+            work,
+            assignment.rank,
+            chunk_bytes=self.node_options.chunk_bytes,
+            retry=self.retry,
+            uploaded=[],  # a failed save's objects stay, under its lease, for the sweeper
+        )
+
+    def _commit_remote(
+        self,
+        name: str,
+        assignment: _Assignment,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+    ) -> Manifest:
+        remote = self.remote_backend
+        work = remote_work_dir(remote, name, assignment.save_id)
+        try:
+            await_arrivals(
+                remote, work, assignment.save_id, name, assignment.world_size, self.node_options
+            )
+            return Committer(remote, self.options).publish(
+                self._remote_publication(name, assignment.save_id),
+                world_size=assignment.world_size,
+                step=self.step,
+                metadata=metadata,
+                results=results,
+            )
+        except BaseException as exc:
+            report_commit_failure(remote, work, assignment.save_id, exc)
+            raise
+
+    def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
+        def own_commit(wait_s: float = 0.0) -> None:
+            commit = self._commits.get(name)
+            if commit is not None:
+                wait([commit], timeout=wait_s)
+                if commit.done() and commit.exception() is not None:
+                    commit.result()  # rank 0 in this very process: its original error
+
+        try:
+            return await_remote_commit(
+                self.remote_backend,
+                name,
+                work,
+                assignment.save_id,
+                self.node_options,
+                before=own_commit,
+            )
+        except CommitError:
+            # Rank 0 writes its failure marker just before its own future fails, so this poll
+            # can read the marker first; rank 0's own error (an UploadTimeoutError naming the
+            # late rank, say) is the more exact one.
+            own_commit(self.node_options.remote_timeout_s)
+            raise
+
+    def _remote_publication(self, name: str, save_id: str) -> Publication:
+        remote = self.remote_backend
+        return strategy_for(remote).publication(remote, name, save_id, self.claimant)
+
+    def _leads_node(self, assignment: _Assignment) -> bool:
+        """True on the lowest rank that wrote into this node's work directory.
+
+        Called after the remote commit, when every rank of the node has written its local rank
+        manifest; an empty listing means the leader already renamed the directory into place.
+        """
+        ranks = ranks_in(self.backend, assignment.work_dir)
+        return bool(ranks) and assignment.rank == min(ranks)

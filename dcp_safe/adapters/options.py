@@ -1,0 +1,103 @@
+"""Validated options for the storage writer and reader (small, frozen, keyword-only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+
+from dcp_safe.choices import parse_choice
+from dcp_safe.errors import ConfigError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.signing import checksum_for, resolve_key
+
+__all__ = [
+    "DEFAULT_REPORT_TIMEOUT_S",
+    "WRITER_MOVED",
+    "Compression",
+    "WriterOptions",
+    "writer_options",
+]
+
+#: How long a save without collectives waits on storage for a peer (docs/multirank.md).
+DEFAULT_REPORT_TIMEOUT_S = 600.0
+
+
+class Compression(str, enum.Enum):
+    NONE = "none"
+    ZSTD = "zstd"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterOptions:
+    """How ``SafeStorageWriter`` writes. Strings are accepted and normalized to enums.
+
+    ``compression``: ``"none"`` or ``"zstd"``. ``checksum``: ``"xxh3_128"`` (the default
+    unsigned), ``"blake3"`` (the default signed), ``"sha256"`` or ``"crc32"``. ``thread_count``:
+    files written in parallel per rank. ``fsync``: make files and directory entries durable
+    before publishing. ``overwrite``: allow replacing a committed checkpoint of the same name;
+    the old one stays loadable until the new one is committed. ``signing_key``: sign every
+    checkpoint with this key (bytes; a str is its UTF-8 bytes, or ``"hex:<digits>"``); the
+    writer defaults it to ``$DCP_SAFE_SIGNING_KEY`` (docs/integrity.md, "Signed checkpoints").
+    ``report_timeout_s`` bounds a save without collectives (``use_collectives=False``): how
+    long rank 0 waits for every rank's report, and every rank for rank 0's save id.
+    ``block_digests``: record per-block digests of large uncompressed tensors, so that a
+    resharded load reads only the blocks it needs (docs/integrity.md, "Block digests"); off,
+    the manifest is what versions before them wrote.
+    """
+
+    compression: Compression = Compression.NONE
+    # None: the default of a save signed or not (checksum_for), decided in __post_init__.
+    checksum: ChecksumAlgorithm = None  # type: ignore[assignment]
+    thread_count: int = 1
+    fsync: bool = True
+    overwrite: bool = False
+    # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
+    signing_key: bytes | None = field(default=None, repr=False)
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    block_digests: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "compression", parse_choice(Compression, self.compression, "compression")
+        )
+        if self.signing_key is not None:
+            object.__setattr__(self, "signing_key", resolve_key(self.signing_key))
+        signed = self.signing_key is not None
+        object.__setattr__(self, "checksum", checksum_for(self.checksum, signed=signed))
+        if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
+            raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
+        timeout = self.report_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ConfigError(f"report_timeout_s must be a number, got {timeout!r}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(f"report_timeout_s must be positive and finite, got {timeout!r}")
+        if not isinstance(self.block_digests, bool):
+            raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
+
+
+#: ``SafeStorageWriter``'s keywords that repeated :class:`WriterOptions`, and where each went.
+WRITER_MOVED = {
+    name: f"options=WriterOptions({name}=...)"
+    for name in ("compression", "checksum", "thread_count", "fsync", "overwrite", "signing_key")
+}
+
+
+def writer_options(options: WriterOptions | None) -> WriterOptions:
+    """``options`` (default: ``WriterOptions()``), with ``$DCP_SAFE_SIGNING_KEY`` when it names
+    no key; a signed save's checksum left at its default is then the signed default
+    (:func:`checksum_for`).
+
+    Raises:
+        ConfigError: ``options`` is not a :class:`WriterOptions`.
+    """
+    options = WriterOptions() if options is None else options
+    if not isinstance(options, WriterOptions):
+        raise ConfigError(f"options must be a WriterOptions, got {type(options).__name__}")
+    key = None if options.signing_key is not None else resolve_key(None)
+    if key is None:
+        return options
+    # A checksum at its (unsigned) default was not chosen: a signed save takes the signed one.
+    chosen = None if options.checksum is WriterOptions().checksum else options.checksum
+    return dataclasses.replace(options, signing_key=key, checksum=checksum_for(chosen, signed=True))

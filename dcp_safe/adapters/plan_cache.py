@@ -1,0 +1,151 @@
+"""What ranks and the coordinator remember of the last save plan, to reuse for the same layout.
+
+A save plan depends on the state's *layout* (keys, shapes, dtypes, sharding) only, so a repeated
+save of the same structure can skip what planning costs: sending every rank's items to the
+coordinator, deduplicating and validating them, building DCP's metadata, and sending each rank
+its items back. The values (:class:`~dcp_safe.adapters.planners.FingerprintedPlan`'s fingerprints
+and audit) still travel every save. How :class:`~dcp_safe.adapters.planners.SafeSavePlanner` uses
+this, and the figures: docs/architecture.md, "Cached save plans".
+
+Why our own cache and not DCP's ``enable_plan_caching``: DCP's compares items without their
+dtype (a dtype change would reuse stale metadata), keys its class-level cache by class name (two
+managers in one process would share it), would merge a changed rank's plan with the other
+ranks' cached plans (whose fingerprints and audit sums are an earlier save's), and returns the
+old storage assignment on a cached save.
+
+Consistency rule: a rank's entry and the coordinator's are taken out when planning starts and
+put back only when the plan is finished (:meth:`PlanCache.take`, :meth:`PlanCache.put`). A save
+that fails before then leaves that rank with nothing remembered, so its next save sends its
+whole plan: a rank never claims a layout the coordinator no longer holds. Each scope (a process
+group, saves without collectives, or one planner) has its own cache. Saves over one group do not
+overlap; two concurrent saves in one process without collectives each take the entry or find
+none, and the coordinator's part travels with its own rank's, so neither can be mismatched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+__all__ = ["GlobalEntry", "PlanCache", "RankEntry", "cache_for", "layout_of", "new_token"]
+
+Layout = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """One rank's last finished plan.
+
+    Attributes:
+        layout: :func:`layout_of` its local plan.
+        final: the plan it wrote with (its storage assignment is replaced every save).
+        token: the coordinator's token for the global plan ``final`` came from.
+    """
+
+    layout: Layout
+    final: SavePlan
+    token: int
+
+
+@dataclass(frozen=True)
+class GlobalEntry:
+    """The coordinator's last global plan.
+
+    Attributes:
+        token: what each rank names it by.
+        local_plans: every rank's local plan, without values.
+        global_plan: the plans scattered to the ranks, without values.
+        metadata: DCP's metadata, without the audit sums or any storage data.
+    """
+
+    token: int
+    local_plans: tuple[SavePlan, ...]
+    global_plan: tuple[SavePlan, ...]
+    metadata: Metadata
+
+
+class PlanCache:
+    """One scope's entries, by planner configuration; safe to use from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, tuple[RankEntry, GlobalEntry | None]] = {}
+
+    def take(self, key: Hashable) -> tuple[RankEntry | None, GlobalEntry | None]:
+        """Remove and return what is remembered for ``key`` (nothing: ``(None, None)``)."""
+        with self._lock:
+            return self._entries.pop(key, (None, None))
+
+    def put(self, key: Hashable, rank: RankEntry, coordinator: GlobalEntry | None) -> None:
+        """Remember a finished plan (and, on the coordinator, the global plan it came from)."""
+        with self._lock:
+            self._entries[key] = (rank, coordinator)
+
+
+_lock = threading.Lock()
+_per_group: weakref.WeakKeyDictionary[Any, PlanCache] = weakref.WeakKeyDictionary()
+_single_process = PlanCache()
+_tokens = itertools.count(1)
+
+
+def cache_for(group: Any) -> PlanCache:
+    """The cache shared by every save over ``group`` in this process (``None``: saves without
+    collectives); it goes with the group."""
+    if group is None:
+        return _single_process
+    with _lock:
+        found = _per_group.get(group)
+        if found is None:
+            found = _per_group[group] = PlanCache()
+        return found
+
+
+def new_token() -> int:
+    """A token no earlier global plan of this process had."""
+    with _lock:
+        return next(_tokens)
+
+
+def layout_of(plan: SavePlan) -> Layout:
+    """Everything of a local plan the global plan depends on, as plain comparable values.
+
+    Field by field rather than the plan's dataclasses compared (about 40x slower at 10,000
+    items); it includes the tensor properties (dtype, layout, ...) that DCP's own plan
+    comparison leaves out, and the flattening mappings.
+    """
+    # torch.Size is a tuple, enums compare by identity: nothing needs converting.
+    items = tuple(
+        (
+            item.index.fqn,
+            item.index.offset,
+            item.index.index,
+            item.type,
+            _tensor_layout(item.tensor_data),
+        )
+        for item in plan.items
+    )
+    mappings = plan.planner_data
+    return (items, tuple(mappings.items()) if isinstance(mappings, dict) else mappings)
+
+
+def _tensor_layout(data: Any) -> tuple[Any, ...] | None:
+    if data is None:
+        return None
+    props, chunk = data.properties, data.chunk
+    return (
+        data.size,
+        props.dtype,
+        props.layout,
+        props.requires_grad,
+        props.memory_format,
+        props.pin_memory,
+        chunk.offsets,
+        chunk.sizes,
+    )

@@ -1,0 +1,580 @@
+"""DCP planners that keep each rank's state its own: divergence refused, per-rank state declared.
+
+:class:`SafeSavePlanner` fingerprints every entry DCP would deduplicate and fails the save with
+:class:`~dcp_safe.errors.DivergentStateError` where ranks differ; ``per_rank=`` prefixes are
+stored once per rank. :class:`SafeLoadPlanner` maps them back, restores only the keys asked for
+and reports what it did (:class:`RestoreReport`). A planner, because only there do all ranks'
+plans meet before DCP deduplicates. Behaviour and the world-size rule: docs/resume.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItemType,
+)
+from torch.distributed.tensor import DTensor
+
+from dcp_safe import layout
+from dcp_safe.adapters.broadcast import SentObjects, object_key
+from dcp_safe.adapters.fingerprints import fingerprints_of
+from dcp_safe.adapters.plan_cache import (
+    GlobalEntry,
+    PlanCache,
+    RankEntry,
+    cache_for,
+    layout_of,
+    new_token,
+)
+from dcp_safe.adapters.shared_entries import with_shared_entries
+from dcp_safe.errors import (
+    CommitError,
+    ConfigError,
+    DivergentStateError,
+    MissingKeysError,
+    PerRankStateError,
+)
+from dcp_safe.reading import audit
+from dcp_safe.reading.audit import Piece
+from dcp_safe.reading.read_once import (
+    ReadOncePlan,
+    Transfer,
+    dtype_name,
+    item_nbytes,
+    items_digest,
+    share_reads,
+)
+
+__all__ = [
+    "FingerprintedPlan",
+    "RestoreReport",
+    "SafeLoadPlanner",
+    "SafeSavePlanner",
+    "divergent_keys",
+]
+
+
+@dataclass(frozen=True)
+class FingerprintedPlan(SavePlan):
+    """A local save plan with the fingerprints of the entries DCP would deduplicate.
+
+    Attributes:
+        fingerprints: flattened key -> fingerprint, for plain tensors and objects.
+        audit: every tensor's pieces on this rank, with their block fingerprints
+            (:mod:`dcp_safe.reading.audit`), for audited restores.
+        plan_token: a local plan with no items (``usable=False``): the rank's layout is the one
+            of the cached global plan with this token; a global plan: its token, for the rank
+            to name it by next time (:mod:`dcp_safe.adapters.plan_cache`).
+    """
+
+    fingerprints: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    audit: dict[str, list[Piece]] = field(default_factory=dict)
+    plan_token: int | None = None
+
+
+class RestoreReport(str):
+    """What a restore did: the checkpoint's name (a ``str``, as ``restore`` returned before),
+    with what was restored, skipped and missing, as flattened keys, sorted.
+
+    Attributes:
+        name: the checkpoint loaded.
+        restored: keys loaded into the state dict.
+        skipped: keys of the state dict left alone on request (``keys=``/``exclude=``).
+        missing: keys of the state dict the checkpoint does not hold (left alone; an error
+            unless ``allow_partial=True``).
+        unexpected: keys of the checkpoint the state dict did not ask for.
+        audited: tensors checked against their saved fingerprints (``audit=True``), as stored
+            (a per-rank entry under its rank's key).
+        unaudited: tensors restored that the checkpoint holds no fingerprints for, so
+            ``audit=True`` could not check them (a warning says so too).
+    """
+
+    name: str
+    restored: tuple[str, ...]
+    skipped: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    audited: tuple[str, ...]
+    unaudited: tuple[str, ...]
+
+    def __new__(
+        cls,
+        name: str,
+        *,
+        restored: Iterable[str] = (),
+        skipped: Iterable[str] = (),
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+    ) -> RestoreReport:
+        report = super().__new__(cls, name)
+        report.name = name
+        report.restored = tuple(sorted(restored))
+        report.skipped = tuple(sorted(skipped))
+        report.missing = tuple(sorted(missing))
+        report.unexpected = tuple(sorted(unexpected))
+        report.audited = report.unaudited = ()
+        return report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {k: getattr(self, k) for k in ("restored", "skipped", "missing", "unexpected")}
+        return (_rebuild_report, (self.name, fields))
+
+
+def _rebuild_report(name: str, fields: dict[str, tuple[str, ...]]) -> RestoreReport:
+    return RestoreReport(name, **fields)
+
+
+class SafeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, refusing divergent state and storing per-rank state per rank.
+
+    Repeated saves of one layout reuse the last global plan and metadata (``cache_plans``):
+    each rank sends only its values, and gets back an empty plan. The cache is this planner's
+    own, or, after :meth:`share_plans_over`, every such planner's saving over that group
+    (``dcp_safe.save``, ``async_save`` and the manager share it). docs/architecture.md,
+    "Cached save plans".
+
+    Args:
+        per_rank: key prefixes (of the flattened state dict) saved once per rank.
+        check_divergence: compare the ranks' fingerprints (off: DCP's behaviour, one copy kept).
+        record_audit: record every tensor's block fingerprints in the checkpoint's metadata,
+            for ``load(..., audit=True)``.
+        cache_plans: reuse the last global plan while every rank's layout is unchanged.
+
+    Raises:
+        ConfigError: a per-rank entry is a DTensor or ShardedTensor (already per rank by shard);
+            ``cache_plans`` is not a bool, or DCP's ``enable_plan_caching`` was asked for.
+    """
+
+    # This save's plan cache state: the local layout, what this rank and (on the coordinator)
+    # the global plan were, taken out of the cache until finish_plan puts them back.
+    _layout: Any
+    _remembered: RankEntry | None
+    _global: GlobalEntry | None
+
+    def __init__(
+        self,
+        *,
+        per_rank: Sequence[str] = (),
+        check_divergence: bool = True,
+        record_audit: bool = True,
+        cache_plans: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(cache_plans, bool):
+            raise ConfigError(f"cache_plans is True or False, got {cache_plans!r}")
+        if kwargs.get("enable_plan_caching"):
+            raise ConfigError(
+                "SafeSavePlanner caches plans itself (cache_plans=True, the default); DCP's"
+                " enable_plan_caching would reuse another save's storage assignment: drop it"
+            )
+        super().__init__(**kwargs)
+        self.per_rank = _prefixes(per_rank)
+        self.check_divergence = check_divergence
+        self.record_audit = record_audit
+        self.cache_plans = cache_plans
+        self.rank = 0
+        self._cache = PlanCache()
+        self._forget_plans()
+
+    def share_plans_over(self, group: Any) -> None:
+        """Share cached plans with every planner of this configuration saving over ``group``
+        (``None``: saves without collectives) in this process."""
+        self._cache = cache_for(group)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.rank = _rank()
+        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
+            value = self.state_dict[key]
+            if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
+                raise ConfigError(
+                    f"per_rank entry {key!r} is a {type(value).__name__}: it is saved per shard"
+                    " already; declare only plain tensors and objects per rank"
+                )
+            _rename(self, key, layout.per_rank_key(key, self.rank))
+
+    def create_local_plan(self) -> SavePlan:
+        if self.cache_plans:  # taken before anything here can fail (plan_cache's rule)
+            self._forget_plans()
+            self._remembered, self._global = self._cache.take(self._cache_key())
+        plan = super().create_local_plan()
+        fingerprints: dict[str, int] = {}
+        if self.check_divergence and _world_size() > 1:  # one rank has nothing to differ from
+            fingerprints = fingerprints_of(
+                {
+                    item.index.fqn: self.state_dict[item.index.fqn]
+                    for item in plan.items
+                    if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
+                }
+            )
+        pieces = audit.report(self.state_dict, self.rank) if self.record_audit else {}
+        self.plan = FingerprintedPlan(
+            **_fields(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
+        )
+        if not self.cache_plans:
+            return self.plan
+        self._layout = layout_of(plan)
+        if self._remembered is not None and self._remembered.layout == self._layout:
+            # The layout the coordinator already planned: send the values alone.
+            return FingerprintedPlan(
+                items=[],
+                usable=False,
+                fingerprints=fingerprints,
+                rank=self.rank,
+                audit=pieces,
+                plan_token=self._remembered.token,
+            )
+        self._remembered = None
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # On the coordinator, with every rank's values, cached layout or not.
+        differing = divergent_keys(all_plans)
+        if differing:
+            raise DivergentStateError(differing)
+        reused = self._reusable(all_plans)
+        if reused is not None:
+            plans: list[SavePlan] = [SavePlan([], usable=False) for _ in all_plans]
+            self.global_plan = list(reused.global_plan)
+            metadata = dataclasses.replace(reused.metadata)
+        else:
+            layouts = self._layouts(all_plans)
+            plans, metadata = super().create_global_plan(layouts)
+            metadata = with_shared_entries(metadata)
+            if self.cache_plans:
+                plans, metadata = self._remember_global(layouts, plans, metadata)
+        if self.record_audit:
+            sums = audit.combine(p.audit for p in all_plans if isinstance(p, FingerprintedPlan))
+            recorded = dict(metadata.planner_data or {})
+            recorded[layout.AUDIT_KEY] = sums
+            metadata = dataclasses.replace(metadata, planner_data=recorded)
+        self.metadata = metadata
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not self.cache_plans:
+            return super().finish_plan(new_plan)
+        if new_plan.usable:
+            token = new_plan.plan_token if isinstance(new_plan, FingerprintedPlan) else None
+            final = new_plan
+        elif self._remembered is not None:
+            # The cached plan, with this save's storage assignment (the writer's, made after
+            # the planner's global plan).
+            token = self._remembered.token
+            final = dataclasses.replace(self._remembered.final, storage_data=new_plan.storage_data)
+        else:
+            raise CommitError(f"rank {self.rank} got a cached save plan it does not hold")
+        if token is not None:
+            entry = RankEntry(self._layout, final, token)
+            self._cache.put(self._cache_key(), entry, self._global)
+        self._forget_plans()
+        self.plan = final
+        return final
+
+    def _reusable(self, all_plans: list[SavePlan]) -> GlobalEntry | None:
+        """The cached global plan, when every rank sent only its values for it."""
+        cached = self._global
+        if not self.cache_plans or cached is None or len(all_plans) != len(cached.local_plans):
+            return None
+        if all(_token_of(p) == cached.token for p in all_plans):
+            return cached
+        return None
+
+    def _layouts(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """Every rank's local plan without values: sent, or named by a cached token."""
+        cached, stale = self._global, []
+        layouts: list[SavePlan] = []
+        for rank, plan in enumerate(all_plans):
+            if plan.usable:
+                layouts.append(_without_values(plan))
+            elif cached is not None and _token_of(plan) == cached.token:
+                layouts.append(cached.local_plans[rank])
+            else:
+                stale.append(rank)
+        if stale:
+            # Cannot happen while ranks save in step (take/put in plan_cache); if it does, no
+            # rank holds a cached plan after this failure, so the next save plans afresh.
+            raise CommitError(
+                "ranks sent a cached save plan the coordinator does not hold; save again",
+                {r: "its cached save plan is not the coordinator's" for r in stale},
+            )
+        return layouts
+
+    def _remember_global(
+        self, layouts: list[SavePlan], plans: list[SavePlan], metadata: Metadata
+    ) -> tuple[list[SavePlan], Metadata]:
+        token = new_token()
+        plans = [
+            dataclasses.replace(p, plan_token=token) if isinstance(p, FingerprintedPlan) else p
+            for p in plans
+        ]
+        stored = dataclasses.replace(metadata, storage_data=None)
+        self._global = GlobalEntry(token, tuple(layouts), tuple(plans), stored)
+        return plans, dataclasses.replace(stored)
+
+    def _cache_key(self) -> tuple[Any, ...]:
+        """What, besides the layout, decides the global plan."""
+        return (
+            type(self).__qualname__,
+            self.per_rank,
+            self.check_divergence,
+            self.record_audit,
+            self.flatten_state_dict,
+            self.flatten_sharded_tensors,
+            self.dedup_save_to_lowest_rank,
+        )
+
+    def _forget_plans(self) -> None:
+        self._layout = None
+        self._remembered = None
+        self._global = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A planner sent to another process (DCP's checkpoint process) caches there alone.
+        state = dict(self.__dict__)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache = PlanCache()
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, giving each rank its own per-rank state, restoring only the
+    keys asked for, and reporting what it did (:attr:`report`).
+
+    Args:
+        per_rank: the key prefixes saved per rank (as given to :class:`SafeSavePlanner`).
+        keys: restore only these keys (or prefixes); ``None``: every key of the state dict.
+        exclude: leave these keys (or prefixes) alone.
+        allow_partial: a key asked for that the checkpoint lacks is left alone, not an error.
+        name: the checkpoint's name, for the report.
+        read_once: entries several ranks load identically are read from storage by one of
+            them and sent to the others (:mod:`dcp_safe.reading.read_once`). ``None`` (the
+            default): on with several ranks when loaded by :func:`dcp_safe.load` (which sends
+            them) from a reader without a node cache; ``True``: on, also with a node cache;
+            ``False``: every rank reads everything it needs itself.
+
+    Raises (from :meth:`set_up_planner`, on every rank):
+        MissingKeysError: keys asked for are not in the checkpoint (without ``allow_partial``).
+        PerRankStateError: per-rank entries were saved by another world size.
+        ConfigError: ``read_once=True`` with several ranks in a load that is not
+            :func:`dcp_safe.load`'s, or on a group without gloo.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_rank: Sequence[str] = (),
+        keys: Collection[str] | None = None,
+        exclude: Collection[str] = (),
+        allow_partial: bool = False,
+        name: str = "",
+        read_once: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(allow_partial_load=True, **kwargs)
+        self.read_once = read_once
+        # Set by dcp_safe.load, which sends the shared entries once DCP's load returns.
+        self.sends_shared = False
+        self.transfers: list[Transfer] = []
+        self._sent = SentObjects()
+        #: Bytes the last load received from other ranks instead of reading them.
+        self.bytes_received = 0
+        self.per_rank = _prefixes(per_rank)
+        self.keys = None if keys is None else _prefixes(keys)
+        self.exclude = _prefixes(exclude)
+        self.allow_partial = allow_partial
+        self.report = RestoreReport(name)
+        self._per_rank_keys: dict[str, str] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        stored = set(metadata.state_dict_metadata) if metadata is not None else set()
+        wanted = {
+            k for k in self.state_dict if _matches(k, self.keys) and not _matches(k, self.exclude)
+        }
+        skipped = set(self.state_dict) - wanted
+        for key in skipped:
+            self._forget(key)
+        self._map_per_rank(stored)
+        if self.read_once and not self.sends_shared and _world_size() > 1:
+            raise ConfigError(
+                "read_once=True needs dcp_safe.load (on a group with gloo), which sends the"
+                " entries read once to the other ranks; otherwise pass read_once=False"
+            )
+        self.transfers, self._sent = [], SentObjects()
+        missing = {k for k in wanted if self._stored_key(k) not in stored}
+        if missing and not self.allow_partial:
+            raise MissingKeysError(sorted(missing))
+        for key in missing:
+            self._forget(key)
+        asked = {self._stored_key(k) for k in wanted}
+        unexpected = (
+            {layout.per_rank_base(k) or k for k in stored if k not in asked} - set(wanted) - skipped
+        )
+        self.report = RestoreReport(
+            self.report.name,
+            restored=wanted - missing,
+            skipped=skipped,
+            missing=missing,
+            unexpected=unexpected,
+        )
+
+    def _map_per_rank(self, stored: set[str]) -> None:
+        """Point this rank's per-rank keys at its own stored entries."""
+        world = _world_size()
+        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
+            saved = sorted(layout.per_rank_ranks(key, stored))
+            if not saved:
+                continue  # saved as one entry (equal on every rank, or before per_rank)
+            if saved != list(range(world)):
+                raise PerRankStateError(key, saved_ranks=saved, world_size=world)
+            own = layout.per_rank_key(key, _rank())
+            _rename(self, key, own)
+            self._per_rank_keys[key] = own
+
+    def create_local_plan(self) -> LoadPlan:
+        # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
+        # loading keys excluded here (dcp_safe checkpoints are written by torch >= 2.4 only).
+        assert self.metadata is not None
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, strict=False)
+        if not self.sends_shared or self.read_once is False:
+            return plan
+        dtypes = [
+            None if i.type == LoadItemType.BYTE_IO else dtype_name(self.resolve_tensor(i).dtype)
+            for i in plan.items
+        ]
+        return ReadOncePlan(
+            items=plan.items,
+            storage_data=plan.storage_data,
+            planner_data=plan.planner_data,
+            dtypes=dtypes,
+            items_digest=items_digest(plan.items),
+        )
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return share_reads(super().create_global_plan(global_plan), self._read_cost)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        if isinstance(new_plan, ReadOncePlan):
+            self.transfers = new_plan.transfers
+            # The objects this rank reads that others receive: kept when loaded, until sent.
+            mine = {object_key(i) for i in new_plan.items}
+            self._sent = SentObjects(
+                {object_key(i) for t in self.transfers if t.objects for i in t.items} & mine
+            )
+        return super().finish_plan(new_plan)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._sent.keep(read_item, value)
+        super().load_bytes(read_item, value)
+
+    def sent_objects(self) -> SentObjects:
+        """The object streams this rank read for others (kept until they are sent)."""
+        return self._sent
+
+    def _read_cost(self, item: ReadItem) -> int:
+        """Bytes read from storage for ``item``: its stored length where the metadata says."""
+        storage = getattr(self.metadata, "storage_data", None)
+        info = storage.get(item.storage_index) if isinstance(storage, dict) else None
+        length = getattr(info, "length", None)
+        return int(length) if isinstance(length, int) else item_nbytes(item, None)
+
+    def _stored_key(self, key: str) -> str:
+        return self._per_rank_keys.get(key, key)
+
+    def _forget(self, key: str) -> None:
+        self.state_dict.pop(key, None)
+        self.mappings.pop(key, None)
+
+
+def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
+    """Keys whose fingerprints differ between ranks: key -> the ranks grouped by value.
+
+    Plans without fingerprints (another planner) are left out of the comparison.
+    """
+    seen: dict[str, dict[int, list[int]]] = {}
+    for plan in plans:
+        if not isinstance(plan, FingerprintedPlan):
+            continue
+        for key, digest in plan.fingerprints.items():
+            seen.setdefault(key, {}).setdefault(digest, []).append(plan.rank)
+    return {
+        key: sorted(sorted(ranks) for ranks in groups.values())
+        for key, groups in sorted(seen.items())
+        if len(groups) > 1
+    }
+
+
+def _fields(plan: SavePlan) -> dict[str, Any]:
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
+
+
+def _without_values(plan: SavePlan) -> SavePlan:
+    if isinstance(plan, FingerprintedPlan):
+        return dataclasses.replace(plan, fingerprints={}, audit={})
+    return plan
+
+
+def _token_of(plan: SavePlan) -> int | None:
+    if plan.usable or not isinstance(plan, FingerprintedPlan):
+        return None
+    return plan.plan_token
+
+
+def _rename(planner: DefaultSavePlanner | DefaultLoadPlanner, key: str, stored: str) -> None:
+    """Store the state dict's entry ``key`` (and its mapping) under ``stored``."""
+    planner.state_dict[stored] = planner.state_dict.pop(key)
+    if key in planner.mappings:
+        planner.mappings[stored] = planner.mappings.pop(key)
+
+
+def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise ConfigError(f"keys are a sequence of key prefixes, not one string: {keys!r}")
+    found = tuple(keys)
+    for key in found:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a key prefix must be a non-empty string, got {key!r}")
+    return found
+
+
+def _matches(key: str, prefixes: tuple[str, ...] | None) -> bool:
+    """``key`` is one of ``prefixes`` or below one (``None``: every key matches)."""
+    if prefixes is None:
+        return True
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

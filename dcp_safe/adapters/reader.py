@@ -1,0 +1,478 @@
+"""``SafeStorageReader``: DCP's ``StorageReader`` that loads only committed, verified bytes.
+
+DCP calls a reader in this order (every rank)::
+
+    reset(checkpoint_id)            resolve the name or "latest"; check marker, manifest and
+                                    DCP metadata here (typed errors before DCP plans)
+    read_metadata()                 DCP's metadata from the manifest's plain form
+    set_up_storage_reader(metadata, is_coordinator, rank=...)
+    prepare_local_plan / prepare_global_plan
+    read_data(plan, planner)        every item checked against the manifest before the planner
+                                    gets it
+
+Checks run in ``reset`` because DCP turns an exception from ``read_metadata`` into a warning
+and an ``AssertionError`` (docs/architecture.md, "Reads").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.checkpoints.items import stored_tensors
+from dcp_safe.checkpoints.metadata import read_dcp_metadata
+from dcp_safe.checkpoints.signed import check_signed, signed_by
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpSafeError,
+)
+from dcp_safe.manifest.schema import ItemRecord, Manifest, item_key
+from dcp_safe.manifest.signing import resolve_key
+from dcp_safe.reading.budget import LoadBudget, LoadMemoryStats
+from dcp_safe.reading.items import CopyFailed, ItemReader
+from dcp_safe.reading.peers import PeerSource
+from dcp_safe.reading.sources import (
+    NodeCacheSource,
+    NodeCacheStats,
+    ReadSource,
+    Rejected,
+    RejectionReason,
+    RemoteSource,
+    Source,
+    SourceLog,
+)
+from dcp_safe.replication.peer_transport import DEFAULT_PEER_CHUNK_BYTES
+
+__all__ = ["SafeStorageReader"]
+
+
+class SafeStorageReader(StorageReader):
+    """Load committed checkpoints from ``root``, verifying every byte it uses.
+
+    Args:
+        verify: check item checksums while reading (the marker, manifest and ``.metadata``
+            are always checked).
+        checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
+        allow_pickle: trust this root as you trust code: items are unpickled without
+            restriction and an old checkpoint's ``.metadata`` pickle is read. By default only
+            plain data and the items' own tensors are decoded; anything else raises
+            :class:`~dcp_safe.errors.UnsafeCheckpointError` (docs/integrity.md).
+        signing_key: accept only checkpoints signed with this key (default
+            ``$DCP_SAFE_SIGNING_KEY``); ``reset`` raises otherwise (see its Raises). Without a
+            key, signed checkpoints load like any other.
+        thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
+            called from one thread at a time.
+        load_budget_bytes: the most transient host bytes the reads hold at once beyond the
+            target state: an item's stored bytes read before they are copied into its tensor,
+            its decompressed copy, a tensor built to be narrowed or copied to another device
+            (plain CPU tensors loaded whole are read straight into the target and hold almost
+            nothing). Each item is admitted, in arrival order, at a cost stated before it is
+            read; one that costs more than the whole budget is admitted alone, so a small
+            budget (even 1) slows a load down but never deadlocks it, and that item's bytes
+            are then the bound. ``None`` (the default): no bound. What was held:
+            :meth:`memory_stats`.
+        node_cache: this node's local root (``NodeLocalWriter``'s ``root``): each file is read
+            from this node's cache of the checkpoint where it holds the remote's very save,
+            every item verified whatever ``verify`` says, and from the remote otherwise (a bad
+            cache never fails a load the remote can serve). Give every rank its own node's.
+            Where each file came from, and why a copy was passed by: :meth:`stats`.
+        node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
+        peers: also read other nodes' files from peer copies (after this node's cache, before
+            the remote); ``read_data`` is then a collective on ``process_group``
+            (:mod:`dcp_safe.reading.peers`). Needs ``node_cache``.
+        process_group: the group peer fetches travel on (its timeout is their deadline);
+            default: dcp_safe's own group for them.
+        peer_chunk_bytes: bytes per peer message.
+
+    Raises:
+        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
+            bad key, ``thread_count`` below 1, ``load_budget_bytes`` not a positive int, or
+            ``peers`` without ``node_cache``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_id: str = layout.LATEST,
+        fallback: str | os.PathLike[str] | None = None,
+        fallback_storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        allow_pickle: bool = False,
+        signing_key: bytes | str | None = None,
+        thread_count: int | None = None,
+        load_budget_bytes: int | None = None,
+        node_cache: str | os.PathLike[str] | None = None,
+        node_cache_storage_options: dict[str, Any] | None = None,
+        peers: bool = False,
+        process_group: Any = None,
+        peer_chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
+    ) -> None:
+        super().__init__()
+        budget = LoadBudget(load_budget_bytes)
+        self.load_budget_bytes = budget.budget_bytes
+        if thread_count is not None and (
+            not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
+        ):
+            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
+        self.allow_pickle = allow_pickle
+        self._signing_key = resolve_key(signing_key)
+        if self._signing_key is not None and not verify:
+            raise ConfigError(
+                "verify=False with a signing key: the signature vouches for the item checksums,"
+                " so unverified items would load unauthenticated; drop one of the two"
+            )
+        self.root = os.fspath(root)
+        self.verify = verify
+        self.storage_options = storage_options
+        self.retry = retry or RetryPolicy()
+        self.backend: Backend = open_backend(self.root, storage_options, retry=retry)
+        self.fallback: Backend | None = (
+            None
+            if fallback is None
+            else open_backend(
+                os.fspath(fallback), fallback_storage_options or storage_options, retry=retry
+            )
+        )
+        if peers and node_cache is None:
+            raise ConfigError("peers=True reads peer copies on this node's disk: pass node_cache")
+        self._cache = (
+            None
+            if node_cache is None
+            else NodeCacheSource(
+                open_backend(os.fspath(node_cache), node_cache_storage_options, retry=retry)
+            )
+        )
+        self._remote = RemoteSource(self.backend)
+        #: Where each file is read from, best first; the remote, last, holds every file.
+        self.sources: list[Source] = [] if self._cache is None else [self._cache]
+        if peers and self._cache is not None:
+            self.sources.append(PeerSource(self._cache, process_group, peer_chunk_bytes))
+        self.sources.append(self._remote)
+        self._requested = checkpoint_id
+        self._name: str | None = None
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+        self._spare: Backend | None = None
+        self._spare_checked = False
+        self.items_from_fallback = 0
+        # Files are read on several threads; the planner, the spare tier and the counters are
+        # shared between them.
+        self._lock = threading.RLock()
+        self._items = ItemReader(
+            self._lock, budget, verify=verify, allow_pickle=allow_pickle, retry=self.retry
+        )
+        self._log = SourceLog()
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The resolved name of the checkpoint being read (after ``reset``)."""
+        return self._name
+
+    @property
+    def node_cache(self) -> Backend | None:
+        """This node's cache root (``None``: the reader has none)."""
+        return None if self._cache is None else self._cache.backend
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes this reader was asked to read since ``reset`` (each item's stored length
+        once, or the blocks of it a partial read used; whatever source served it; a retry is
+        not counted again)."""
+        return self._items.bytes_read
+
+    @property
+    def items_read(self) -> int:
+        """Items this reader was asked to read since ``reset``."""
+        return self._items.items_read
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Resolve and open the checkpoint on the remote, then check each partial source's copy
+        of it (a copy that does not match is passed by, never an error).
+
+        Raises:
+            InvalidCheckpointNameError: a malformed name.
+            CheckpointNotFoundError: no committed checkpoint by that name (or none at all).
+            CheckpointCorruptError: the marker, manifest or ``.metadata`` do not agree.
+            SignatureError: with a signing key, the checkpoint is not signed with it
+                (``UnsignedCheckpointError``: not signed at all).
+        """
+        if checkpoint_id is not None:
+            self._requested = os.fspath(checkpoint_id)
+        tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
+        opened: list[tuple[tuple[int, int, float], Backend, str, Manifest, Metadata]] = []
+        failures: list[DcpSafeError] = []
+        accept = None if self._signing_key is None else signed_by(self._signing_key)
+        for order, backend in enumerate(tiers):
+            try:
+                name = resolve_name(backend, self._requested, accept=accept)
+                committed = open_committed(backend, name)
+                manifest = committed.manifest
+                if self._signing_key is not None:
+                    check_signed(backend, committed, self._signing_key)
+                metadata = read_dcp_metadata(
+                    backend, name, manifest, allow_pickle=self.allow_pickle
+                )
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                failures.append(exc)
+                continue
+            # Newest by step; on the same step the local tier wins, whatever the clocks say, so a
+            # replica (or something planted there) is used only when it is ahead by step.
+            step = -1 if manifest.step is None else manifest.step
+            opened.append(((step, -order, manifest.created_at), backend, name, manifest, metadata))
+            if self._requested != layout.LATEST:
+                break  # a named checkpoint: the first tier that has it, local first
+        if not opened:
+            raise failures[0]
+        _, self._remote.backend, self._name, self._manifest, self._metadata = max(
+            opened, key=lambda entry: entry[0]
+        )
+        self._spare, self._spare_checked = None, False
+        self.items_from_fallback = 0
+        self._items.reset(stored_tensors(self._metadata))
+        self._log = SourceLog()
+        for source in self.sources:
+            source.open(self._name, self._manifest, self._log)
+
+    def memory_stats(self) -> LoadMemoryStats:
+        """Transient host memory the reads held since the last ``reset`` (this rank)."""
+        return self._items.budget.stats()
+
+    def stats(self) -> NodeCacheStats:
+        """Where the files read since the last ``reset`` came from, and why a copy was not used."""
+        return self._log.stats(None if self._cache is None else self._cache.path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self.reset()
+        assert self._metadata is not None
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._manifest is None:
+            raise ConfigError("SafeStorageReader used before reset()")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read, verify and hand over every item of ``plan``, one file at a time in file order,
+        each file from the first source that delivers it (a collective with ``peers``).
+
+        Raises:
+            CheckpointCorruptError: a file is missing or short on the remote, or an item's
+                checksum differs there.
+        """
+        assert self._name is not None and self._metadata is not None
+        storage = self._metadata.storage_data
+        by_file: dict[str, list[ReadItem]] = {}
+        for request in plan.items:
+            by_file.setdefault(storage[request.storage_index].relative_path, []).append(request)
+        with self._lock:
+            self._items.items_read += len(plan.items)
+            self._items.bytes_read += self._stored_bytes(plan.items)
+        for requests in by_file.values():
+            requests.sort(key=lambda r: storage[r.storage_index].offset)
+        try:
+            for source in self.sources:
+                source.prepare(set(by_file), self._log)
+            self._read_files(by_file, planner)
+        finally:
+            for source in self.sources:
+                source.finish(self._log)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        checkpoint_id = os.fspath(checkpoint_id)
+        return checkpoint_id == layout.LATEST or layout.is_valid_name(checkpoint_id)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _read_files(self, by_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        workers = min(self.thread_count, len(by_file))
+        # One helper thread per reader thread hashes a large item's chunk while the next is read.
+        with ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="dcp_safe-hash"
+        ) as hashing:
+            self._items.hash_pool = hashing if self.verify else None
+            try:
+                if workers <= 1:
+                    for file_name, requests in by_file.items():
+                        self._read_file(file_name, requests, planner)
+                    return
+                with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
+                    reads = [
+                        pool.submit(self._read_file, file_name, requests, planner)
+                        for file_name, requests in by_file.items()
+                    ]
+                    for read in reads:  # the first failure, in file order, is raised
+                        read.result()
+            finally:
+                self._items.hash_pool = None
+
+    def _stored_bytes(self, requests: list[ReadItem]) -> int:
+        assert self._metadata is not None
+        return sum(self._metadata.storage_data[r.storage_index].length for r in requests)
+
+    def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read ``file_name`` from each source in turn, each taking what the one before left."""
+        remaining = requests
+        for source in self.sources:
+            where = source.where(file_name)
+            if where is None:
+                continue
+            left = self._read_from(source.kind, *where, file_name, remaining, planner)
+            done = remaining[: len(remaining) - len(left)]
+            self._log.count(source.kind, self._stored_bytes(done), finished=not left)
+            remaining = left
+            if not remaining:
+                return
+
+    def _read_from(
+        self,
+        kind: ReadSource,
+        backend: Backend,
+        rel: str,
+        file_name: str,
+        requests: list[ReadItem],
+        planner: LoadPlanner,
+    ) -> list[ReadItem]:
+        """Deliver ``requests`` from ``backend``'s ``rel``; return those left for the next source.
+
+        A partial copy must have the manifest's size and every item is verified; whatever
+        reading it does wrong is logged, and the rest of the file left over. The remote leaves
+        nothing: an item it cannot serve verified comes from the spare tier, or raises. An
+        error while handing a verified item over would be the remote's too, and is raised.
+        """
+        remote = kind is ReadSource.REMOTE
+        path = backend.full_path(rel)
+        with contextlib.ExitStack() as stack:
+            try:
+                if not remote:
+                    self._check_size(backend, rel, file_name)
+                stream = stack.enter_context(backend.open_read(rel))
+            except Exception as exc:
+                if not remote:
+                    self._log.reject_file(file_name, path, exc, kind)
+                    return requests
+                if not isinstance(exc, FileNotFoundError):
+                    raise
+                if self._spare_tier() is None:
+                    raise CheckpointCorruptError(path, "file is missing") from None
+                for request in requests:  # the remote's file is missing: all from the spare
+                    label, record = self._record_for(path, request)
+                    self._load_from_spare(rel, label, record, request, planner, cause=None)
+                return []
+            for done, request in enumerate(requests):
+                label, record = self._record_for(path, request)
+                again = self._again(rel, label, record) if remote else None
+                try:
+                    self._items.load(stream, path, label, record, request, planner, again=again)
+                except CopyFailed as failed:  # whatever the copy does wrong: the next decides
+                    self._log.reject_file(file_name, path, failed.cause, kind)
+                    return requests[done:]
+                except CheckpointCorruptError as exc:
+                    if not remote:
+                        raise
+                    self._load_from_spare(rel, label, record, request, planner, cause=exc)
+        return []
+
+    def _check_size(self, copy: Backend, rel: str, file_name: str) -> None:
+        assert self._manifest is not None
+        record = self._manifest.file(file_name)
+        if record is None:  # the remote read reports it
+            raise Rejected(RejectionReason.MISSING, f"{file_name} is not in the manifest")
+        size = copy.size(rel)
+        if size != record.size:
+            raise Rejected(
+                RejectionReason.SIZE,
+                f"{copy.full_path(rel)}: expected {record.size} bytes, found {size}",
+            )
+
+    def _again(self, rel: str, label: str, record: ItemRecord) -> Callable[[], bytearray]:
+        """Read an item again on a fresh stream of the remote, within the retry policy."""
+        backend = self._remote.backend
+        path = backend.full_path(rel)
+
+        def fresh() -> bytearray:
+            with backend.open_read(rel) as stream:
+                return self._items.read_raw(stream, path, label, record)
+
+        return lambda: call_with_retries("read", path, fresh, self.retry)
+
+    def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
+        assert self._manifest is not None and self._metadata is not None
+        index = request.storage_index
+        info = self._metadata.storage_data[index]
+        record = self._manifest.item(item_key(index.fqn, index.offset))
+        label = index.fqn if index.offset is None else f"{index.fqn}@{list(index.offset)}"
+        if record is None or (record.start, record.length) != (info.offset, info.length):
+            raise CheckpointCorruptError(path, "item is not in the manifest", item=label)
+        return label, record
+
+    def _spare_tier(self) -> Backend | None:
+        """The other tier, if it holds this very checkpoint (the same manifest)."""
+        with self._lock:
+            if not self._spare_checked:
+                self._spare_checked = True
+                other = self.fallback if self._remote.backend is self.backend else self.backend
+                if other is not None and self._name is not None:
+                    with contextlib.suppress(CheckpointNotFoundError, CheckpointCorruptError):
+                        if open_committed(other, self._name).manifest == self._manifest:
+                            self._spare = other
+            return self._spare
+
+    def _load_from_spare(
+        self,
+        rel: str,
+        label: str,
+        record: ItemRecord,
+        request: ReadItem,
+        planner: LoadPlanner,
+        cause: Exception | None,
+    ) -> None:
+        """One item from the spare tier: its read on the remote failed with ``cause`` (``None``:
+        the file is missing there, and the spare was found)."""
+        spare = self._spare_tier()
+        if spare is None:
+            assert cause is not None
+            raise cause
+
+        def read() -> bytearray:
+            with spare.open_read(rel) as stream:
+                raw = self._items.read_raw(stream, spare.full_path(rel), label, record)
+            with self._lock:
+                self.items_from_fallback += 1
+            return raw
+
+        path = self._remote.backend.full_path(rel)
+        self._items.load_bytes(read, path, label, record, request, planner)

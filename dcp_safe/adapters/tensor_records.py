@@ -1,0 +1,341 @@
+"""The bytes ``torch.save`` writes for one plain tensor, laid down and recognised without it.
+
+A ``torch.save`` stream costs about 0.5 ms to write and 0.8 ms to read per item, which dominates
+a checkpoint of thousands of small tensors. For a contiguous CPU tensor of a common dtype the
+stream is fully determined by (dtype, shape), so it is built from a template: ``prefix`` + the
+tensor's own bytes + ``suffix``; a stored item whose bytes around the payload match is read
+straight into the destination, anything else is left to ``torch.load`` (docs/benchmarks.md).
+
+The template is learnt from the running torch, not hard-coded: a dtype is handled here only if
+a 3-element ``torch.save`` is byte-identical to what this module writes (the serialization id
+aside), so a torch that changes its format turns this path off instead of writing files torch
+cannot read.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import io
+import math
+import pickle
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcp_safe.errors import ConfigError
+from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor, save_tensor_without_crc
+
+__all__ = [
+    "TensorLayout",
+    "layout_for",
+    "minimal_cpu_tensor",
+    "template_parts",
+    "tensor_bytes",
+    "write_tensor",
+]
+
+# Past this, torch's writer switches records to zip64 forms that the template does not cover.
+_MAX_PAYLOAD = (1 << 32) - (1 << 20)
+_LOCAL, _DESCRIPTOR, _CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
+_ZIP64_END, _ZIP64_LOCATOR, _END = 0x06064B50, 0x07064B50, 0x06054B50
+_FLAGS = 0x0808  # sizes in a data descriptor after each record; UTF-8 names
+_ID_DIGITS = 40
+_SERIALIZATION_ID = (
+    f"{int.from_bytes(hashlib.sha256(b'dcp_safe').digest()[:16], 'big'):0{_ID_DIGITS}d}"[
+        -_ID_DIGITS:
+    ].encode()
+)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One stored tensor item: ``prefix``, ``payload`` tensor bytes, ``suffix``.
+
+    ``id_at`` is where, in ``suffix``, the per-save serialization id lies: the only bytes a
+    recognised item may differ in.
+    """
+
+    prefix: bytes
+    payload: int
+    suffix: bytes
+    id_at: int
+
+    @property
+    def length(self) -> int:
+        return len(self.prefix) + self.payload + len(self.suffix)
+
+    def matches(self, prefix: bytes | bytearray | memoryview, suffix: bytes | memoryview) -> bool:
+        """Whether the bytes around a stored payload are exactly this layout's."""
+        if bytes(prefix) != self.prefix or len(suffix) != len(self.suffix):
+            return False
+        end = self.id_at + _ID_DIGITS
+        tail = bytes(suffix)
+        return (
+            tail[: self.id_at] == self.suffix[: self.id_at]
+            and tail[end:] == self.suffix[end:]
+            and tail[self.id_at : end].isdigit()
+        )
+
+
+class _Storage:
+    """Stands for the tensor's storage in the pickle (a persistent id, as torch writes it)."""
+
+
+class _TensorStub:
+    """Pickles as ``Tensor.__reduce_ex__`` does for a contiguous, offset-0, no-grad tensor."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self.storage = _Storage()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride = _contiguous_stride(self.shape)
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        return (rebuild_tensor, (self.storage, 0, self.shape, stride, False, hooks))
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, out: io.BytesIO, storage_type: type, numel: int) -> None:
+        super().__init__(out, protocol=2)
+        self._storage_id = ("storage", storage_type, "0", "cpu", numel)
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._storage_id if isinstance(obj, _Storage) else None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _tensor_pickle(storage_type: type, shape: tuple[int, ...]) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, storage_type, math.prod(shape)).dump(_TensorStub(shape))
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class _Format:
+    """What torch's writer puts in every tensor stream, learnt from the running torch."""
+
+    archive: str  # the records' folder name
+    records: tuple[tuple[str, bytes | None], ...]  # name and constant content, in order
+    alignment: int
+
+
+def _parse_records(raw: bytes) -> list[tuple[str, bytes]]:
+    """The (name, content) of each record of a torch-written stream, in file order.
+
+    Raises:
+        ValueError: not laid out as this module writes it.
+    """
+    records, at = [], 0
+    while raw[at : at + 4] == struct.pack("<I", _LOCAL):
+        fields = struct.unpack_from("<IHHHHHIIIHH", raw, at)
+        if fields[2] != _FLAGS or fields[3] != 0:
+            raise ValueError("unexpected record flags or compression")
+        name_len, extra_len = fields[9], fields[10]
+        name = raw[at + 30 : at + 30 + name_len].decode()
+        start = at + 30 + name_len + extra_len
+        end = raw.index(struct.pack("<I", _DESCRIPTOR), start)
+        _, _, size, _ = struct.unpack_from("<IIII", raw, end)
+        if size != end - start:
+            raise ValueError("record size does not match its descriptor")
+        records.append((name, raw[start:end]))
+        at = end + 16
+    return records
+
+
+class _Encoder:
+    """Builds layouts; checks each dtype against ``torch.save`` before it is used."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._format: _Format | bool | None = False  # False: not learnt yet; None: unusable
+        self._dtypes: dict[torch.dtype, bool] = {}
+        self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], TensorLayout | None] = {}
+        # torch.save writes a random id per call; torch only logs it. One fixed id, the same in
+        # every process, lets any rank reproduce the bytes another wrote (the manager's in-memory
+        # tier checks a kept copy against the manifest that way).
+        self._id = _SERIALIZATION_ID
+
+    def layout(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
+        # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion
+        # (the pickle must name a tuple, as Tensor.__reduce_ex__ does, not a torch.Size).
+        found = self._layouts.get((dtype, shape), False)
+        if found is not False:
+            return found  # type: ignore[return-value]
+        shape = tuple(int(size) for size in shape)
+        key = (dtype, shape)
+        with self._lock:
+            layout = self._build(dtype, shape) if self._usable(dtype) else None
+            if len(self._layouts) > 65536:  # shapes come from models: few, but bound it anyway
+                self._layouts.clear()
+            self._layouts[key] = layout
+        return layout
+
+    def _learn(self) -> _Format | None:
+        if self._format is False:
+            try:
+                out = io.BytesIO()
+                save_tensor_without_crc(torch.zeros(3), out)
+                records = _parse_records(out.getvalue())
+                archive = records[0][0].partition("/")[0]
+                constant = {"data.pkl", "data/0", ".data/serialization_id"}
+                named = tuple(
+                    (name, None if name.partition("/")[2] in constant else content)
+                    for name, content in records
+                )
+                alignment = int(dict(records).get(f"{archive}/.storage_alignment", b"64"))
+                self._format = _Format(archive, named, alignment)
+            except (ValueError, KeyError, struct.error, UnicodeDecodeError):
+                self._format = None
+        return self._format  # type: ignore[return-value]
+
+    def _usable(self, dtype: torch.dtype) -> bool:
+        known = self._dtypes.get(dtype)
+        if known is None:
+            known = self._agrees_with_torch(dtype)
+            self._dtypes[dtype] = known
+        return known
+
+    def _agrees_with_torch(self, dtype: torch.dtype) -> bool:
+        if self._learn() is None or legacy_storage_type(dtype) is None:
+            return False
+        sample = torch.zeros(3, dtype=dtype)
+        expected = io.BytesIO()
+        save_tensor_without_crc(sample, expected)
+        layout = self._build(dtype, (3,))
+        if layout is None:
+            return False
+        raw = expected.getvalue()
+        payload = raw[len(layout.prefix) : len(layout.prefix) + layout.payload]
+        return (
+            len(raw) == layout.length
+            and payload == tensor_bytes(sample)
+            and layout.matches(raw[: len(layout.prefix)], raw[len(raw) - len(layout.suffix) :])
+        )
+
+    def _build(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
+        fmt, storage_type = self._learn(), legacy_storage_type(dtype)
+        if fmt is None or storage_type is None:
+            return None
+        payload = math.prod(shape) * dtype.itemsize
+        if not 0 < payload <= _MAX_PAYLOAD:  # torch lays an empty storage out another way
+            return None
+        content = {
+            "data.pkl": _tensor_pickle(storage_type, shape),
+            ".data/serialization_id": self._id,
+        }
+        head, tail = bytearray(), bytearray()
+        out, position, central, id_at = head, 0, bytearray(), -1
+        for name, constant in fmt.records:
+            kind = name.partition("/")[2]
+            data = constant if constant is not None else content.get(kind, b"")
+            size = payload if kind == "data/0" else len(data)
+            encoded = name.encode()
+            start = position + 30 + len(encoded) + 4
+            pad = -start % fmt.alignment
+            extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            out += struct.pack(
+                "<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)
+            )
+            out += encoded + extra
+            central += struct.pack(
+                "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
+                len(encoded), 0, 0, 0, 0, 0, position,
+            ) + encoded  # fmt: skip
+            position = start + pad
+            if kind == "data/0":
+                out = tail  # the tensor's bytes go between the two
+            else:
+                if kind == ".data/serialization_id":
+                    id_at = len(tail)
+                out += data
+            position += size
+            out += struct.pack("<IIII", _DESCRIPTOR, 0, size, size)
+            position += 16
+        if out is not tail or id_at < 0:
+            return None
+        count, directory_at = len(fmt.records), position
+        tail += central
+        zip64_at = directory_at + len(central)
+        tail += struct.pack(
+            "<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 0x2D, 0, 0, count, count, len(central),
+            directory_at,
+        )  # fmt: skip
+        tail += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, zip64_at, 1)
+        tail += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(central), directory_at, 0)
+        return TensorLayout(bytes(head), payload, bytes(tail), id_at)
+
+
+_ENCODER = _Encoder()
+
+
+def layout_for(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
+    """The stored form of a contiguous tensor of ``dtype`` and ``shape``, or ``None`` when
+    only ``torch.save`` itself may write it (an unusual dtype, empty, over 4 GiB, another
+    torch)."""
+    return _ENCODER.layout(dtype, shape)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    # ctypes rather than numpy (not a dependency); the caller keeps ``tensor`` alive meanwhile.
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def template_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes] | None:
+    """``tensor``'s stored form as (prefix, its own bytes, suffix), written or hashed in that
+    order, or ``None`` for anything but a plain contiguous CPU tensor with no autograd history,
+    of a dtype and size the template covers."""
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout is not torch.strided
+        or tensor.requires_grad
+        or tensor.storage_offset() != 0
+        or not tensor.is_contiguous()
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+    ):
+        return None
+    layout = layout_for(tensor.dtype, tensor.shape)
+    if layout is None:
+        return None
+    return layout.prefix, tensor_bytes(tensor), layout.suffix
+
+
+def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
+    """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can
+    (:func:`template_parts`); ``False``, nothing written, if it cannot."""
+    parts = template_parts(tensor)
+    if parts is None:
+        return False
+    for part in parts:
+        out.write(part)
+    return True
+
+
+def minimal_cpu_tensor(data: Any) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
+    if not isinstance(data, torch.Tensor):
+        raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor

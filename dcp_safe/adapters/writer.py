@@ -1,0 +1,600 @@
+"""``SafeStorageWriter``: DCP's ``StorageWriter`` with checksums, manifests and an atomic commit.
+
+DCP calls a writer in this order (every rank unless noted; one save at a time per instance)::
+
+    reset(checkpoint_id)            the checkpoint's name; validated, checked against the root
+    set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)
+    prepare_local_plan(plan)
+    prepare_global_plan(plans)      coordinator only: picks the save id and the work directory
+    write_data(plan, planner)       streams this rank's items, then writes its rank manifest
+    finish(metadata, results)       coordinator only, and only if every rank's write_data
+                                    succeeded: verify, then publish
+
+With ``use_collectives=False`` DCP calls every step on every rank, each with its own plan only:
+rank 0 then hands out the save id through storage, each rank reports its part through storage,
+and rank 0 publishes once every rank reported (:mod:`dcp_safe.adapters.assignment_board`,
+:mod:`dcp_safe.adapters.rank_reports`; docs/multirank.md, "Saves without collectives").
+
+What each step does for the commit: docs/architecture.md, "The commit protocol".
+
+Shard files use DCP's own format (optional zstd as DCP's transform descriptor), so torch's
+``FileSystemReader`` loads them; plain tensors are laid down from a template of ``torch.save``'s
+bytes (:mod:`dcp_safe.adapters.tensor_records`). No shard is ever buffered whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future as Future_
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Self
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_safe import layout
+from dcp_safe.adapters.assignment_board import Assignment as _Assignment
+from dcp_safe.adapters.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
+from dcp_safe.adapters.item_bytes import write_item
+from dcp_safe.adapters.options import WRITER_MOVED, WriterOptions, writer_options
+from dcp_safe.adapters.without_collectives import StorageAgreement
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.fsspec_backend import write_buffer_bytes
+from dcp_safe.backends.retry import RetryPolicy, call_with_retries
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.choices import refuse_moved
+from dcp_safe.commit.committer import Committer
+from dcp_safe.commit.fencing import attempt_from_env
+from dcp_safe.commit.publication import Publication
+from dcp_safe.commit.report import attach_report, report_for
+from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.takeover import DEFAULT_STALE_LEASE_S, Claimant
+from dcp_safe.coordination.markers import watch_for_commit
+from dcp_safe.errors import CheckpointExistsError, ConfigError
+from dcp_safe.manifest.blocks import BLOCK_BYTES
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
+from dcp_safe.manifest.streams import HashingSink
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
+from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
+from dcp_safe.replication.rank_upload import (
+    UploadOptions,
+    remote_work_dir,
+    report_commit_failure,
+    report_rank_failure,
+)
+from dcp_safe.replication.replicator import Replicator
+from dcp_safe.topology import Topology
+
+__all__ = ["SafeStorageWriter"]
+
+
+@dataclass
+class _Background:
+    """A writer's background uploads, shared by its per-save views (:meth:`for_step`)."""
+
+    replicator: Replicator | None = None
+    rank_replicator: RankReplicator | None = None
+
+
+class SafeStorageWriter(StorageWriter):
+    """Write DCP checkpoints under ``root`` with checksums and an atomic two-phase commit.
+
+    Args:
+        root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
+            Or a :class:`~dcp_safe.topology.Topology`, which the writer keeps as its own
+            (``writer_for`` builds writers so); it names the roots, so ``replicate_to`` and the
+            storage options are not given then.
+        storage_options: passed to fsspec (endpoint, credentials) for URL roots.
+        step: recorded in the manifest (the training step this checkpoint captures).
+        replicate_to: a second root (typically ``s3://...``) every checkpoint is copied to and
+            committed on, in the background (see :meth:`replication`).
+        replicate_storage_options: fsspec options for ``replicate_to`` (default:
+            ``storage_options``).
+        replication_options: deadlines, polling and chunk size of the per-rank uploads of a
+            multi-rank save (default: :class:`~dcp_safe.replication.rank_upload.UploadOptions`).
+        retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
+            dropped connections); a shard file that fails transiently is rewritten whole.
+        attempt: this job attempt's number, monotone across restarts (default:
+            ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
+            attempt than one that has saved under ``root`` fails with ``StaleWriterError``
+            (docs/architecture.md, "Fencing").
+        stale_lease_s: with ``attempt``, a lease naming no attempt of this run is taken over
+            once its name was idle this long (None: never).
+        options: how it writes (:class:`~dcp_safe.adapters.options.WriterOptions`: compression,
+            checksum, threads, fsync, overwrite, signing key, ...). With no ``signing_key`` in
+            it, the key is ``$DCP_SAFE_SIGNING_KEY``'s, and a checksum left at its default
+            becomes the signed default (docs/integrity.md, "Signed checkpoints").
+
+    With ``use_collectives=False`` the ranks find the save id on storage under a key each
+    computes alike (run id, attempt, saves begun through this writer): it assumes every rank's
+    writer is made alike and sees the same saves (:mod:`dcp_safe.adapters.assignment_board`).
+
+    Raises:
+        ConfigError: an option has an unsupported value; a keyword that moved into
+            ``options`` (``fsync=``: ``options=WriterOptions(fsync=...)``); roots given beside a
+            ``Topology``, or a node-local one (that is :class:`NodeLocalWriter`'s).
+    """
+
+    #: Whether the writer takes a topology with a node cache (``NodeLocalWriter`` does).
+    _node_local = False
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | Topology,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        step: int | None = None,
+        replicate_to: str | os.PathLike[str] | None = None,
+        replicate_storage_options: dict[str, Any] | None = None,
+        replication_options: UploadOptions | None = None,
+        retry: RetryPolicy | None = None,
+        attempt: int | None = None,
+        stale_lease_s: float | None = DEFAULT_STALE_LEASE_S,
+        options: WriterOptions | None = None,
+        **moved: Any,
+    ) -> None:
+        super().__init__()
+        refuse_moved(type(self).__name__, moved, WRITER_MOVED)
+        self.options = writer_options(options)
+        if not isinstance(root, Topology):
+            root = Topology.of(
+                root,
+                replicate_to=replicate_to,
+                storage_options=storage_options,
+                replica_storage_options=replicate_storage_options,
+            )
+        elif (replicate_to, storage_options, replicate_storage_options) != (None, None, None):
+            raise ConfigError(
+                "a Topology root names the roots and their storage options: give replicate_to="
+                " and storage_options= to Topology.of, not to the writer"
+            )
+        if (root.node_cache is not None) != self._node_local:
+            raise ConfigError(
+                "a topology with a node cache needs NodeLocalWriter (writer_for picks it)"
+                if root.node_cache is not None
+                else "NodeLocalWriter needs a topology with a node cache"
+            )
+        self.topology = root
+        writes_to, replica = root.writes_to, root.replica
+        self.root, self.storage_options = writes_to.url, writes_to.storage_options
+        self.replicate_to = None if replica is None else replica.url
+        self.replicate_storage_options = None if replica is None else replica.storage_options
+        self.retry = retry or RetryPolicy()
+        self.attempt = attempt_from_env(attempt)
+        self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
+        self.backend: Backend = open_backend(
+            self.root, self.storage_options, fsync=self.options.fsync, retry=retry
+        )
+        self.strategy = strategy_for(self.backend)
+        if self.options.overwrite:
+            self.strategy.require_rename(
+                f"overwrite=True needs a backend that renames atomically; {self.root} does not"
+            )
+        self.step = step
+        uploads_to = root.uploads_to
+        self.remote: Backend | None = (
+            None
+            if uploads_to is None
+            else open_backend(uploads_to.url, uploads_to.storage_options, retry=retry)
+        )
+        self.replication_options = replication_options or UploadOptions()
+        self._background = _Background()
+        self._name: str | None = None
+        self._rank = 0
+        self._assignment: _Assignment | None = None
+        self._collective, self._coordinator, self._saves = True, True, 0
+        self._plain: dict[str, int | None] = {}  # this rank's plain entries, without collectives
+
+    def for_step(self, step: int | None) -> Self:
+        """This writer for one save of training step ``step`` (its manifest records it): the
+        same roots, options and background uploads, and per-save state of its own, so that a
+        save never changes a writer that another save may still be using."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the uploads
+        view.step, view._name, view._assignment = step, None, None
+        return view
+
+    def detached(self) -> Self:
+        """A copy with background uploads of its own: the manager's synchronous saves run
+        beside an asynchronous one, whose per-rank upload must not be ended by theirs."""
+        return copy.copy(self)  # through __getstate__: fresh, empty uploads
+
+    @property
+    def commit_backend(self) -> Backend:
+        """The backend of the root this writer publishes checkpoints on (``topology.commit``)."""
+        return self.backend
+
+    # ----------------------------------------------------------------- DCP call order
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save named ``checkpoint_id`` (a plain key under the root).
+
+        Raises:
+            InvalidCheckpointNameError: a name with ``/``, ``..``, a leading dot, or empty.
+            CheckpointExistsError: the name is committed and ``overwrite`` is off.
+            StorageError: the root cannot be created or written.
+        """
+        if checkpoint_id is not None:
+            self._name = layout.validate_name(os.fspath(checkpoint_id))
+        self._assignment = None
+        if self._name is not None:
+            self._refuse_committed(self._name)
+            self.backend.makedirs("")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._rank = int(kwargs.get("rank") or 0)
+        self._collective = kwargs.get("use_collectives", True) is not False
+        self._coordinator, self._saves = bool(is_coordinator), self._saves + 1
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._require_name()
+        if not self._collective and not plan.items and getattr(plan, "plan_token", None):
+            raise ConfigError(
+                "use_collectives=False needs every rank's whole local plan: pass"
+                " SafeSavePlanner(cache_plans=False) (dcp_safe.save does)"
+            )
+        self._plain = {} if self._collective else plain_keys(plan)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._collective:
+            return self._claim(plans)
+        agreement = self._storage_agreement()
+        claim, plain = self._claim, self._plain
+        return [
+            agreement.agree(
+                plans[0], rank=self._rank, coordinator=self._coordinator, plain=plain, claim=claim
+            )
+        ]
+
+    def _claim(self, plans: list[SavePlan]) -> list[SavePlan]:
+        publication = self._publication(layout.new_save_id())
+        publication.claim(replace=self.options.overwrite)
+        save_id, work_dir = publication.save_id, publication.work_dir
+        try:
+            self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
+        except BaseException:
+            # Held with nothing under it, the name would stay blocked until the sweeper's.
+            with contextlib.suppress(OSError):
+                publication.release()
+            raise
+        return [
+            dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def _storage_agreement(self) -> StorageAgreement:
+        name, key = self._require_name(), save_key(self.attempt, self._saves)
+        board = AssignmentBoard(
+            self.backend,
+            name,
+            key,
+            deadline_s=self.options.report_timeout_s,
+            signing_key=self.options.signing_key,
+        )
+        return StorageAgreement(
+            self.backend,
+            name,
+            board,
+            self.options.checksum,
+            self._publication,
+            self.options.signing_key,
+        )
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._assignment = assignment = _assignment_of(plan)
+        items = plan.items if self._collective else items_to_write(plan.items, assignment, planner)
+        buckets = _split_evenly(items, self.options.thread_count)
+        files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
+        try:
+            self._publication(assignment.save_id).check()
+            results = self._write_rank(assignment, files, buckets, planner)
+        except BaseException as exc:
+            if not self._collective:
+                self._storage_agreement().failed(assignment, exc, coordinator=self._coordinator)
+            self._abandon(assignment, files)
+            self._report_failure(assignment, exc, rank=assignment.rank)
+            raise
+        self._replicate_rank_part(assignment)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_rank(
+        self,
+        assignment: _Assignment,
+        files: list[str],
+        buckets: list[list[WriteItem]],
+        planner: SavePlanner,
+    ) -> list[WriteResult]:
+        name = self._require_name()
+        # A worker per file, and two for hashing: an item's checksum and its block digests.
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets)) + 2) as pool:
+            hash_pool = pool if self.options.checksum is not ChecksumAlgorithm.CRC32 else None
+            writes = [
+                pool.submit(self._write_file, assignment, f, bucket, planner, hash_pool)
+                for f, bucket in zip(files, buckets, strict=True)
+            ]
+            per_file = [w.result() for w in writes]
+        records = [record for _, items in per_file for record in items]
+        manifest = RankManifest(
+            name=name,
+            save_id=assignment.save_id,
+            rank=assignment.rank,
+            checksum_algorithm=self.options.checksum.value,
+            files=tuple(file for file, _ in per_file),
+            items=tuple(record for record, _ in records),
+        )
+        rank_manifest = f"{assignment.work_dir}/{layout.rank_manifest_name(assignment.rank)}"
+        written = manifest.to_json()
+        self.backend.write_bytes(rank_manifest, written)
+        results = [
+            WriteResult(index=item.index, size_in_bytes=record.length, storage_data=record)
+            for record, item in records
+        ]
+        # The coordinator checks the manifest from this report, not by reading it back.
+        return attach_report(results, report_for(manifest, written, self.options.checksum))
+
+    def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
+        """After this rank failed (DCP will not call ``finish``, so nobody else would)."""
+        own = [*files, layout.rank_manifest_name(assignment.rank)]
+        publication = self._publication(assignment.save_id)
+        publication.abandon(own, shared=assignment.world_size > 1)
+
+    def _publication(self, save_id: str) -> Publication:
+        return self.strategy.publication(self.backend, self._require_name(), save_id, self.claimant)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Verify every rank's results, then publish (coordinator only).
+
+        Raises:
+            CommitError: a planned item has no result, or a file does not match its manifest.
+            CheckpointExistsError: another save committed this name meanwhile.
+            StorageError: writing the metadata, manifest or marker failed.
+        """
+        assignment = self._require_assignment()
+        name = self._require_name()
+        if not self._collective:
+            if not self._coordinator:
+                self._storage_agreement().report(assignment, metadata, results)
+                return
+            metadata, results = self._storage_agreement().gather(
+                assignment,
+                metadata,
+                results,
+                on_failure=lambda exc: self._report_failure(assignment, exc, rank=None),
+            )
+        try:
+            Committer(self.backend, self.options).publish(
+                self._publication(assignment.save_id),
+                world_size=assignment.world_size,
+                step=self.step,
+                metadata=metadata,
+                results=results,
+            )
+        except BaseException as exc:
+            self._report_failure(assignment, exc, rank=None)
+            raise
+        if self.remote is not None and assignment.world_size == 1:
+            if self._background.replicator is None:
+                self._background.replicator = Replicator(
+                    self.backend, self.remote, claimant=self.claimant
+                )
+            self._background.replicator.submit(name)
+
+    def _replicate_rank_part(self, assignment: _Assignment) -> None:
+        """After this rank wrote its files: in a save of several ranks with ``replicate_to``,
+        upload them once the save is committed locally (in the background)."""
+        if self.remote is None or assignment.world_size == 1:
+            return
+        if self._background.rank_replicator is None:
+            self._background.rank_replicator = RankReplicator(
+                self.backend,
+                self.remote,
+                options=self.replication_options,
+                retry=self.retry,
+                claimant=self.claimant,
+            )
+        save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
+        self._background.rank_replicator.begin(self._require_name(), save)
+
+    def _report_failure(
+        self, assignment: _Assignment, exc: BaseException, *, rank: int | None
+    ) -> None:
+        """Tell the ranks waiting for this save's local commit that it will not come: ``rank``'s
+        write failed, or (``None``) the publish. Best effort, through remote markers."""
+        if self.remote is None or assignment.world_size == 1:
+            return
+        work = remote_work_dir(self.remote, self._require_name(), assignment.save_id)
+        if rank is None:
+            report_commit_failure(self.remote, work, assignment.save_id, exc)
+        else:
+            report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
+        if self._background.rank_replicator is not None:
+            self._background.rank_replicator.end_saves()
+
+    def missing_ranks(self) -> list[int] | None:
+        """Ranks of the current save whose rank manifest is not (yet) on storage.
+
+        A rank writes its manifest last, after its shard files, so after a failed collective
+        these are the ranks that died or hung before finishing their part (see
+        :func:`dcp_safe.coordination.group.collective_failure`). ``None`` before ``write_data``.
+        """
+        assignment = self._assignment
+        if assignment is None:
+            return None
+        present = set(self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}"))
+        return [
+            rank
+            for rank in range(assignment.world_size)
+            if layout.rank_manifest_name(rank).rpartition("/")[2] not in present
+        ]
+
+    def replication(self, name: str, *, poll_s: float = 0.5) -> Future_[Any]:
+        """A future that resolves once checkpoint ``name`` is committed on the remote tier.
+
+        In the process that ran the save it is this rank's replication, failing with the cause
+        (``CommitError`` naming ranks, ``ReplicationSkippedError`` if a newer checkpoint
+        superseded it); elsewhere it watches the remote ``_COMMITTED`` marker.
+
+        Raises:
+            ConfigError: the writer has no ``replicate_to``.
+        """
+        name = layout.validate_name(name)
+        if self.remote is None:
+            raise ConfigError("this writer was created without replicate_to")
+        for replicator in (self._background.rank_replicator, self._background.replicator):
+            if replicator is not None:
+                with contextlib.suppress(KeyError):
+                    return replicator.future(name)
+        return watch_for_commit(self.remote, name, poll_s=poll_s)
+
+    @property
+    def upload_buffer_bytes(self) -> int | None:
+        """The most host bytes this writer's uploads hold at once, beside the state it writes
+        (docs/s3.md): 0 for a local root without ``replicate_to``; None where a root buffers by
+        an amount not known here (an object store other than S3)."""
+        direct = write_buffer_bytes(self.backend)
+        if direct is None:
+            return None
+        total = direct * self.options.thread_count
+        if self.remote is not None:
+            # The single-process replicator reads DEFAULT_CHUNK_BYTES at a time, the per-rank
+            # one the replication options' chunk; one of them runs.
+            chunk = max(DEFAULT_CHUNK_BYTES, self.replication_options.chunk_bytes)
+            replication = copy_buffer_bytes(self.remote, chunk)
+            if replication is None:
+                return None
+            total += replication
+        return total
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain background replication (bounded by ``timeout_s`` each) and stop its threads.
+
+        Raises:
+            ReplicationTimeoutError: still busy after ``timeout_s``.
+            BaseException: the first replication failure whose future nobody retrieved.
+        """
+        try:
+            if self._background.rank_replicator is not None:
+                self._background.rank_replicator.close(timeout_s)
+        finally:
+            if self._background.replicator is not None:
+                self._background.replicator.close(timeout_s)
+
+    def storage_meta(self) -> Any:
+        return StorageMeta(checkpoint_id=self._name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return layout.is_valid_name(os.fspath(checkpoint_id))
+
+    # ----------------------------------------------------------------- helpers
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._name
+
+    def _require_name(self) -> str:
+        if self._name is None:
+            raise ConfigError(
+                "no checkpoint name: pass checkpoint_id='step_000100' to dcp.save/async_save"
+            )
+        return self._name
+
+    def _require_assignment(self) -> _Assignment:
+        if self._assignment is None:
+            raise ConfigError("finish() called before write_data()")
+        return self._assignment
+
+    def _refuse_committed(self, name: str) -> None:
+        if not self.options.overwrite and self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
+            raise CheckpointExistsError(self.backend.full_path(name))
+
+    def _write_file(
+        self,
+        assignment: _Assignment,
+        file_name: str,
+        items: Sequence[WriteItem],
+        planner: SavePlanner,
+        hash_pool: ThreadPoolExecutor | None,
+    ) -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
+        path = f"{assignment.work_dir}/{file_name}"
+
+        def write() -> tuple[FileRecord, list[tuple[ItemRecord, WriteItem]]]:
+            with self.backend.open_write(path) as target:
+                sink = HashingSink(target, self.options.checksum, hash_pool)
+                records = [
+                    (self._write_item(sink, file_name, item, planner), item) for item in items
+                ]
+                size = sink.tell()
+            return FileRecord(path=file_name, size=size), records
+
+        # A streamed write cannot be resumed where it failed; its items are still in memory
+        # (staged or live), so a transient failure rewrites the whole file from the start.
+        return call_with_retries("write", self.backend.full_path(path), write, self.retry)
+
+    def _write_item(
+        self, sink: HashingSink, file_name: str, item: WriteItem, planner: SavePlanner
+    ) -> ItemRecord:
+        start = sink.tell()
+        sink.expect(_item_bytes(item))
+        compressed = self.options.compression == "zstd"
+        blocks = BLOCK_BYTES if self.options.block_digests else None
+        data = planner.resolve_data(item)
+        transforms = write_item(sink, item, data, compressed=compressed, block_bytes=blocks)
+        offset = item.index.offset
+        return ItemRecord(
+            fqn=item.index.fqn,
+            offset=None if offset is None else tuple(offset),
+            file=file_name,
+            start=start,
+            length=sink.tell() - start,
+            checksum=sink.take_checksum(),
+            transforms=transforms,
+            blocks=sink.take_blocks(),
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based executor pickles the writer: no per-save state into the child.
+        state = self.__dict__.copy()
+        state["_assignment"] = None
+        state["_background"] = _Background()  # threads: the child starts its own if needed
+        return state
+
+
+def _assignment_of(plan: SavePlan) -> _Assignment:
+    if not isinstance(plan.storage_data, _Assignment):
+        raise ConfigError(
+            "write_data got a plan this writer did not prepare: pass the writer to dcp.save, "
+            "which plans with it"
+        )
+    return plan.storage_data
+
+
+def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over at most ``bins`` files, largest first, by bytes; byte items round-robin."""
+    if bins <= 1 or len(items) <= 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    by_size = sorted(items, key=_item_bytes, reverse=True)
+    for item in by_size:
+        target = sizes.index(min(sizes))
+        buckets[target].append(item)
+        sizes[target] += max(_item_bytes(item), 1)
+    return [b for b in buckets if b]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
