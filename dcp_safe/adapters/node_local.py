@@ -7,8 +7,8 @@ The steps, the node cache, the backpressure and why it is built this way: docs/a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.engine import UploadEngine
 from dcp_safe.replication.peer_transport import peer_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
@@ -42,8 +43,6 @@ from dcp_safe.replication.rank_upload import (
 from dcp_safe.topology import Root, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
-
-_KEEP_DONE = 16  # finished futures kept for replication()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,9 +124,7 @@ class NodeLocalWriter(SafeStorageWriter):
             f"a node-local root must be a local directory, got {self.root}"
         )
         self.node_options = node_options or NodeLocalOptions()
-        # Shared by the writer's per-save views (for_step): the dicts, not copies of them.
-        self._uploads: dict[str, Future[Manifest]] = {}
-        self._commits: dict[str, Future[Manifest]] = {}
+        self._start_engines()
 
     @property
     def remote_backend(self) -> Backend:
@@ -189,20 +186,21 @@ class NodeLocalWriter(SafeStorageWriter):
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
         """This rank's files are written on its node: upload them in the background."""
         name = self._require_name()
-        self._start(self._uploads, self._upload_and_publish, name, assignment)
+        self._uploads.start(name, functools.partial(self._upload_and_publish, name, assignment))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Start the remote commit in the background (coordinator only); publishes nothing here."""
         assignment, name = self._require_assignment(), self._require_name()
-        self._start(self._commits, self._commit_remote, name, assignment, metadata, results)
+        commit = functools.partial(self._commit_remote, name, assignment, metadata, results)
+        self._commits.start(name, commit)
 
     def replication(self, name: str, *, poll_s: float = 0.5) -> Future[Any]:
         """A future that resolves once ``name`` is committed on the remote (and, on the rank that
         publishes it, once this node's cache is published); it fails with the cause otherwise.
         Outside the process that ran ``write_data`` it watches the remote marker."""
         name = layout.validate_name(name)
-        if name in self._uploads:
-            return self._uploads[name]
+        with contextlib.suppress(KeyError):
+            return self._uploads.future(name)
         return watch_for_commit(
             self.remote_backend,
             name,
@@ -217,7 +215,7 @@ class NodeLocalWriter(SafeStorageWriter):
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
             BaseException: the first failed upload or remote commit, as it was raised.
         """
-        futures = [*self._commits.values(), *self._uploads.values()]
+        futures = [*self._commits.futures(), *self._uploads.futures()]
         _, running = wait(futures, timeout=timeout_s)
         if running:
             raise ReplicationTimeoutError(
@@ -228,8 +226,19 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_uploads"], state["_commits"] = {}, {}  # futures of this process's threads
+        del state["_uploads"], state["_commits"]  # this process's threads
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_engines()
+
+    def _start_engines(self) -> None:
+        """Its uploads and remote commits, a thread per job (docs/architecture.md, "The upload
+        engine"), shared by the per-save views (``for_step``)."""
+        url = self.remote_backend.url
+        self._uploads = UploadEngine(f"node-local uploads to {url}", thread_name="dcp_safe-node")
+        self._commits = UploadEngine(f"remote commits on {url}", thread_name="dcp_safe-commit")
 
     # ----------------------------------------------------------------- background work
 
@@ -240,33 +249,13 @@ class NodeLocalWriter(SafeStorageWriter):
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
-        running = [f for f in self._uploads.values() if not f.done()]
+        running = [f for f in self._uploads.futures() if not f.done()]
         _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
         if still:
             raise ReplicationTimeoutError(
                 f"the previous upload to {self.remote_backend.url} is still running after "
                 f"{2 * self.node_options.remote_timeout_s} s"
             )
-
-    def _start(self, registry: dict[str, Future[Manifest]], target: Any, *args: Any) -> None:
-        """Run ``target(*args)`` on a thread of its own, its future in ``registry`` under the
-        save's name. Not a single-flight worker: rank 0's remote commits must not queue behind
-        one that is still waiting for a late rank (every rank's wait for the commit would time
-        out meanwhile), and uploads are single-flight already (``_wait_for_previous_upload``)."""
-        future: Future[Manifest] = Future()
-        registry.pop(args[0], None)
-        registry[args[0]] = future
-        finished = [name for name, f in registry.items() if f.done()]
-        for name in finished[: max(0, len(finished) - _KEEP_DONE)]:
-            del registry[name]  # a long run keeps only the newest outcomes
-
-        def run() -> None:
-            try:
-                future.set_result(target(*args))
-            except BaseException as exc:  # the owner decides what is fatal; it reaches the future
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name=f"dcp_safe-node-{args[0]}", daemon=True).start()
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
         work = remote_work_dir(self.remote_backend, name, assignment.save_id)
@@ -323,11 +312,13 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
         def own_commit(wait_s: float = 0.0) -> None:
-            commit = self._commits.get(name)
-            if commit is not None:
-                wait([commit], timeout=wait_s)
-                if commit.done() and commit.exception() is not None:
-                    commit.result()  # rank 0 in this very process: its original error
+            try:
+                commit = self._commits.future(name)
+            except KeyError:
+                return  # not rank 0
+            wait([commit], timeout=wait_s)
+            if commit.done() and commit.exception() is not None:
+                commit.result()  # rank 0 in this very process: its original error
 
         try:
             return await_remote_commit(

@@ -6,6 +6,8 @@ docs/architecture.md, "Per-rank uploads".
 
 from __future__ import annotations
 
+import functools
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
 from dcp_safe.replication.copying import CheckpointCopy, open_source
+from dcp_safe.replication.engine import Job
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -55,7 +58,9 @@ class RankReplicator(Replicator):
     Call order: :meth:`begin` once per save, right after this rank wrote its files (it also
     tells the replicator that every earlier save on this rank has ended); :meth:`future` for
     the outcome (the remote manifest once ``_COMMITTED`` exists there, or the cause);
-    :meth:`close` once at the end. Errors, coalescing and thread handling are the base class's.
+    :meth:`close` once at the end. Errors, coalescing and threads are the engine's: the upload
+    runs on its lane, the wait for the remote commit (rank 0: for every rank's part, then the
+    publish) on a thread of its own, so the next save's upload never waits behind it.
 
     Args:
         retry: how a file upload that fails transiently is started over.
@@ -76,6 +81,7 @@ class RankReplicator(Replicator):
         self.retry = retry
         self._saves: dict[str, RankSave] = {}
         self._ended: set[str] = set()  # saves known to have ended on this rank
+        self._copying = threading.Lock()  # one copy at a time: max_buffer_bytes holds
 
     def begin(self, name: str, save: RankSave) -> Future[Manifest]:
         """Start replicating this rank's part of save ``save`` of ``name`` in the background."""
@@ -107,7 +113,7 @@ class RankReplicator(Replicator):
             work = remote_work_dir(self.remote, name, save.save_id)
             report_rank_skipped(self.remote, work, save.rank, save.save_id, superseded_by)
 
-    def _run_job(self, name: str) -> Manifest:
+    def _run_job(self, name: str) -> Manifest | Job:
         with self._cond:
             save = self._saves[name]
         work = remote_work_dir(self.remote, name, save.save_id)
@@ -131,18 +137,19 @@ class RankReplicator(Replicator):
             before_each=replica.check,
         )
         try:
-            upload_rank_part(
-                self.local,
-                name,
-                self.remote,
-                work,
-                save.rank,
-                chunk_bytes=self.chunk_bytes,
-                retry=self.retry,
-                uploaded=copy.uploaded,
-                expected=_record(copy, layout.rank_manifest_name(save.rank)),
-                before_each=copy.before_each,
-            )
+            with self._copying:
+                upload_rank_part(
+                    self.local,
+                    name,
+                    self.remote,
+                    work,
+                    save.rank,
+                    chunk_bytes=self.chunk_bytes,
+                    retry=self.retry,
+                    uploaded=copy.uploaded,
+                    expected=_record(copy, layout.rank_manifest_name(save.rank)),
+                    before_each=copy.before_each,
+                )
         except Exception as exc:
             report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
             self._remove_part(replica, save, copy)
@@ -150,10 +157,15 @@ class RankReplicator(Replicator):
                 f"rank {save.rank} could not upload its part of {name}; nothing was published",
                 {save.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
-        if save.rank == 0:
-            return self._commit(copy, save, work, replica)
+        waits = self._commit if save.rank == 0 else self._await_commit
+        return functools.partial(waits, copy, save, work, replica)
+
+    def _await_commit(
+        self, copy: CheckpointCopy, save: RankSave, work: str, replica: ReplicaPublication
+    ) -> Manifest:
+        """A rank other than 0: wait (bounded) until rank 0 committed the save remotely."""
         try:
-            return await_remote_commit(self.remote, name, work, save.save_id, self.options)
+            return await_remote_commit(self.remote, copy.name, work, save.save_id, self.options)
         except BaseException:
             self._remove_part(replica, save, copy)
             raise
@@ -217,8 +229,9 @@ class RankReplicator(Replicator):
 
         def upload() -> None:
             await_arrivals(self.remote, work, save.save_id, name, save.world_size, self.options)
-            copy.copy_files(work, self._unowned_files(copy.manifest, name, save.world_size))
-            copy.finish_upload(work)
+            with self._copying:
+                copy.copy_files(work, self._unowned_files(copy.manifest, name, save.world_size))
+                copy.finish_upload(work)
 
         try:
             replica.publish(upload, copy.uploaded)

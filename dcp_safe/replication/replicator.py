@@ -1,7 +1,7 @@
 """Replication: copy a committed local checkpoint to the remote tier and commit it there.
 
-:func:`replicate_checkpoint` does one checkpoint; :class:`Replicator` runs them on one
-background thread, coalescing to the newest name. See docs/architecture.md, "Replication and
+:func:`replicate_checkpoint` does one checkpoint; :class:`Replicator` runs them on the upload
+engine's lane, coalescing to the newest name. See docs/architecture.md, "Replication and
 the remote tier" and "One process".
 """
 
@@ -21,7 +21,7 @@ from dcp_safe.replication.copying import (
     copy_file_verified,
     open_source,
 )
-from dcp_safe.replication.single_flight import DEFAULT_KEEP_DONE, SingleFlight
+from dcp_safe.replication.engine import DEFAULT_KEEP_DONE, Job, UploadEngine
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -86,13 +86,13 @@ def replicate_checkpoint(
 # --------------------------------------------------------------------- background
 
 
-class Replicator(SingleFlight):
+class Replicator(UploadEngine):
     """Replicates newly committed checkpoints from ``local`` to ``remote``, in the background.
 
     Call order: the owner (the writer, after a local commit) calls :meth:`submit` with each
     committed name, from any thread; results arrive through the returned futures; the owner
     calls :meth:`close` once at the end. Threads, coalescing to the newest name and errors are
-    :class:`~dcp_safe.replication.single_flight.SingleFlight`'s.
+    :class:`~dcp_safe.replication.engine.UploadEngine`'s.
 
     Args:
         keep_done: how many finished futures :meth:`future` can still return.
@@ -125,7 +125,7 @@ class Replicator(SingleFlight):
         None where the remote's buffering is not known."""
         return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
-    def _run_job(self, name: str) -> Manifest:
+    def _run_job(self, name: str) -> Manifest | Job:
         """One replication, on the worker thread (a subclass may do it its own way)."""
         return replicate_checkpoint(
             self.local, self.remote, name, chunk_bytes=self.chunk_bytes, claimant=self.claimant

@@ -1,34 +1,32 @@
-"""``SingleFlight``: one background job at a time per owner, the newest pending one kept.
+"""``UploadEngine``: every upload's engine, and the one place upload threads start.
 
-The engine under the replicators (``Replicator``, ``RankReplicator``). One daemon worker
-thread, started by :meth:`submit`, exits whenever nothing is pending.
-
-Coalescing: while one job runs, at most one more is pending; a newer name replaces it, and its
-future fails with :class:`~dcp_safe.errors.ReplicationSkippedError`.
-
-Errors: a failed job's original exception is in its future. :meth:`close` re-raises the first
-failure whose future nobody retrieved (``result()`` or ``exception()``, in a done-callback too),
-so a fire-and-forget owner cannot lose it; only that one is held. Skips are policy: ``close``
-does not raise them.
-
-Not picklable (a lock and a thread): an owner drops it in ``__getstate__``.
+Named jobs, each with a future: :meth:`~UploadEngine.submit` runs them one at a time on a lane
+(a newer pending name replaces the pending one, whose future fails with
+:class:`~dcp_safe.errors.ReplicationSkippedError`); a lane job may return its commit wait instead
+of its manifest, and :meth:`~UploadEngine.start` runs a job, like such a wait, on a thread of its
+own, so a commit wait never queues (docs/architecture.md, "The upload engine"). A failed job's
+exception is in its future; ``close`` re-raises the first one nobody retrieved. Not picklable:
+an owner drops it in ``__getstate__``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from dcp_safe import layout
 from dcp_safe.errors import ConfigError, ReplicationSkippedError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["DEFAULT_KEEP_DONE", "SingleFlight"]
+__all__ = ["DEFAULT_KEEP_DONE", "Job", "UploadEngine"]
 
-# Finished futures kept for ``SingleFlight.future``; pending and running ones are always kept.
-DEFAULT_KEEP_DONE = 16
+DEFAULT_KEEP_DONE = 16  # finished futures kept for ``UploadEngine.future``
+#: A job: its manifest, or the commit wait still to run for it (on a thread of its own).
+Job: TypeAlias = Callable[[], "Manifest | Job"]
 
 
 class _TrackedFuture(Future[Manifest]):
@@ -46,8 +44,8 @@ class _TrackedFuture(Future[Manifest]):
         return super().result(0)
 
 
-class SingleFlight:
-    """Named background jobs, one at a time (see the module docstring).
+class UploadEngine:
+    """Named background jobs (the module docstring).
 
     Args:
         what: what the jobs do and where, for messages (``"replication to s3://b/ckpt"``).
@@ -62,57 +60,55 @@ class SingleFlight:
     ) -> None:
         if keep_done < 0:
             raise ConfigError(f"keep_done must not be negative, got {keep_done}")
-        self.what, self.thread_name = what, thread_name
-        self.keep_done = keep_done
+        self.what, self.thread_name, self.keep_done = what, thread_name, keep_done
         self.skipped: list[str] = []
         self._cond = threading.Condition()
         self._futures: dict[str, _TrackedFuture] = {}
         self._unseen: _TrackedFuture | None = None  # the first failure nobody retrieved
         self._pending: str | None = None
-        self._running: str | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the lane's worker
         self._last_thread: threading.Thread | None = None
+        self._threads: dict[threading.Thread, str] = {}  # every live thread, with its job's name
         self._closed = False
 
     def submit(self, name: str) -> Future[Manifest]:
-        """Schedule this worker's job for ``name`` (:meth:`_run_job`).
+        """Schedule the lane's job for ``name`` (:meth:`_run_job`).
 
         Returns:
-            Its future: the job's manifest, or its error. A name already pending or running
+            Its future: the job's manifest, or its error; a name already pending or running
             gets its existing future back.
 
         Raises:
             InvalidCheckpointNameError: ``name`` is not a valid checkpoint name.
-            ConfigError: the worker is closed.
+            ConfigError: the engine is closed.
         """
-        name = layout.validate_name(name)
-        superseded = None
+        name, superseded = layout.validate_name(name), None
         with self._cond:
-            if self._closed:
-                raise ConfigError(f"the {self.what} is closed; it takes no new work")
             existing = self._futures.get(name)
-            if existing is not None and not existing.done():
+            if existing is not None and not existing.done() and not self._closed:
                 return existing
-            future = _TrackedFuture()
+            future = self._new_future(name)
             if self._pending is not None and self._pending != name:  # equal: it was cancelled
                 superseded = self._pending
                 self._skip(superseded, superseded_by=name)
             self._pending = name
-            self._futures.pop(name, None)
-            self._futures[name] = future
-            self._forget_old()
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._work, name=self.thread_name, daemon=True
-                )
-                self._last_thread = self._thread
-                self._thread.start()
+                self._thread = self._last_thread = self._spawn(self._work, "")
         if superseded is not None:
             self._skipped(superseded, superseded_by=name)
         return future
 
+    def start(self, name: str, job: Job) -> Future[Manifest]:
+        """Run ``job`` now on a thread of its own; its future becomes ``name``'s (raises as
+        :meth:`submit` does)."""
+        with self._cond:
+            future = self._new_future(name)
+            future.set_running_or_notify_cancel()
+            self._spawn(functools.partial(self._settle, future, name, job), name)
+        return future
+
     def future(self, name: str) -> Future[Manifest]:
-        """The future of the latest submission of ``name``.
+        """The future of the latest job of ``name``.
 
         Raises:
             KeyError: ``name`` was never submitted (or finished long enough ago to be
@@ -121,21 +117,25 @@ class SingleFlight:
         with self._cond:
             return self._futures[name]
 
+    def futures(self) -> list[Future[Manifest]]:
+        """Every future still kept, oldest first."""
+        with self._cond:
+            return list(self._futures.values())
+
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until nothing is pending or running. Errors stay in their futures.
+        """Block until no job is pending or running. Errors stay in their futures.
 
         Raises:
             ReplicationTimeoutError: still busy after ``timeout_s`` seconds.
         """
         with self._cond:
-            if not self._cond.wait_for(self._drained, timeout_s):
-                busy = ", ".join(n for n in (self._running, self._pending) if n)
-                raise ReplicationTimeoutError(
-                    f"{self.what} still busy after {timeout_s} s ({busy})"
-                )
+            if not self._cond.wait_for(lambda: not self._threads, timeout_s):
+                names = {n for n in [self._pending, *self._threads.values()] if n}
+                busy = f"{self.what} still busy after {timeout_s} s"
+                raise ReplicationTimeoutError(f"{busy} ({', '.join(sorted(names))})")
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Refuse new work, drain what was submitted, and let the worker thread exit.
+        """Refuse new work, drain what was submitted, and let the threads exit.
 
         Calling it again (say, after a timeout) waits again; it is cheap once drained.
 
@@ -155,7 +155,7 @@ class SingleFlight:
         if unseen is not None and not unseen.retrieved:
             unseen.result()  # raises the original exception and marks it retrieved
 
-    def __enter__(self) -> SingleFlight:
+    def __enter__(self) -> UploadEngine:
         return self
 
     def __exit__(
@@ -165,18 +165,48 @@ class SingleFlight:
 
     def __reduce__(self) -> NoReturn:
         raise TypeError(
-            f"a {type(self).__name__} owns a thread and a lock and cannot be pickled; drop it"
+            f"a {type(self).__name__} owns threads and a lock and cannot be pickled; drop it"
             " in the owner's __getstate__"
         )
 
-    # ----------------------------------------------------------------- worker
+    # ----------------------------------------------------------------- threads
 
-    def _run_job(self, name: str) -> Manifest:
-        """The job for ``name`` (a subclass's replication of it)."""
+    def _run_job(self, name: str) -> Manifest | Job:
+        """The lane's job for ``name`` (a subclass's replication of it)."""
         raise NotImplementedError
 
     def _skipped(self, name: str, *, superseded_by: str) -> None:
         """Called by :meth:`submit`, without the lock, after it skipped pending ``name``."""
+
+    def _new_future(self, name: str) -> _TrackedFuture:
+        """A fresh future for ``name``, replacing its old one. Holds the lock."""
+        name = layout.validate_name(name)
+        if self._closed:
+            raise ConfigError(f"the {self.what} is closed; it takes no new work")
+        future = _TrackedFuture()
+        self._futures.pop(name, None)
+        self._futures[name] = future
+        self._forget_old()
+        return future
+
+    def _spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon thread that leaves :attr:`_threads` when ``target`` returns. Holds
+        the lock (the thread's exit takes it, so it never misses its own entry)."""
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                with self._cond:
+                    del self._threads[thread]
+                    self._forget_old()
+                    self._cond.notify_all()
+
+        suffix = f"-{name}" if name else ""
+        thread = threading.Thread(target=run, name=self.thread_name + suffix, daemon=True)
+        self._threads[thread] = name
+        thread.start()
+        return thread
 
     def _work(self) -> None:
         while True:
@@ -184,27 +214,31 @@ class SingleFlight:
                 name = self._pending
                 if name is None:
                     self._thread = None
-                    self._cond.notify_all()
                     return
-                self._pending, self._running = None, name
+                self._pending = None
+                self._threads[threading.current_thread()] = name
                 future = self._futures.get(name)  # absent only if cancelled and forgotten
             if future is not None and future.set_running_or_notify_cancel():
-                self._run(future, name)
+                self._settle(future, name, functools.partial(self._run_job, name))
             with self._cond:
-                self._running = None
+                self._threads[threading.current_thread()] = ""
                 self._forget_old()
-                self._cond.notify_all()
 
-    def _run(self, future: _TrackedFuture, name: str) -> None:
+    def _settle(self, future: _TrackedFuture, name: str, job: Job) -> None:
+        """Run ``job`` into ``future``; a commit wait it returns goes to a thread of its own."""
         try:
-            manifest = self._run_job(name)
+            outcome = job()
         except BaseException as exc:  # the owner decides what is fatal; it reaches the future
             with self._cond:
                 if self._unseen is None or self._unseen.retrieved:
                     self._unseen = future
             future.set_exception(exc)
+            return
+        if isinstance(outcome, Manifest):
+            future.set_result(outcome)
         else:
-            future.set_result(manifest)
+            with self._cond:
+                self._spawn(functools.partial(self._settle, future, name, outcome), name)
 
     def _skip(self, name: str, *, superseded_by: str) -> None:
         """Fail pending ``name``'s future (unless the owner cancelled it). Holds the lock."""
@@ -218,6 +252,3 @@ class SingleFlight:
         done = [n for n, f in self._futures.items() if f.done()]
         for name in done[: max(0, len(done) - self.keep_done)]:
             del self._futures[name]
-
-    def _drained(self) -> bool:
-        return self._pending is None and self._running is None and self._thread is None
