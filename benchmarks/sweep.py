@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import run_and_report, write_results
 
-from dcp_safe import WriterOptions
+from dcp_safe import Root, WriterOptions
 from dcp_safe.bench.floors import (
     checksum_rate,
     copy_floor_s,
@@ -394,15 +394,13 @@ def s3_specs(state: State, s3: Any, read_timeout_s: float) -> list[Spec]:
             "dcp_safe_replicated",
             pair=False,
             cleanup=s3_cleanup("rep"),
-            make=lambda f: DcpSafeSaver(
-                f, replicate_to=f"{url}/rep", replicate_storage_options=opts
-            ),
+            make=lambda f: DcpSafeSaver(f, replicate_to=Root(f"{url}/rep", storage_options=opts)),
         ),
         Spec(
             "dcp_safe_s3",
             pair=False,
             cleanup=s3_cleanup("direct"),
-            make=lambda f: DcpSafeSaver(f"{url}/direct", storage_options=opts),
+            make=lambda f: DcpSafeSaver(Root(f"{url}/direct", storage_options=opts)),
         ),
         Spec(
             "torch_fsspec",

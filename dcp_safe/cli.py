@@ -49,6 +49,7 @@ from dcp_safe.errors import (
 from dcp_safe.exporting import command as export_command
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
+from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
@@ -200,9 +201,9 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         line = f"dcp-safe: warning: not listed: {shown(f'{name}: {exc}')}"
         err.print(line, markup=False, highlight=False)
 
-    tiers = {"local": list_checkpoints(args.root, storage_options=options, on_damaged=damaged)}
+    tiers = {"local": list_checkpoints(Root(args.root, options), on_damaged=damaged)}
     if args.remote:
-        tiers["remote"] = list_checkpoints(args.remote, storage_options=options, on_damaged=damaged)
+        tiers["remote"] = list_checkpoints(Root(args.remote, options), on_damaged=damaged)
     rows = _merge_tiers(tiers)
     if args.json:
         out.print_json(
@@ -299,17 +300,17 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
-    backend = open_backend(args.root, options)
-    name = resolve_name(backend, catalog.latest_named(args.root, args.name, options, strict=True))
+    root = Root(args.root, options)
+    backend = open_backend(root)
+    name = resolve_name(backend, catalog.latest_named(root, args.name, strict=True))
     manifest = open_committed(backend, name).manifest
     total = sum(record.size for record in manifest.files)
     key = key_from_file(args.signing_key_file)
     with _progress(out) as progress:
         task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
         report = verify_checkpoint(
-            args.root,
+            root,
             name,
-            storage_options=options,
             progress=lambda record: progress.advance(task, record.size),
             deep=args.deep,
             signing_key=key,
@@ -351,8 +352,8 @@ def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
-    reader = SafeStorageReader(args.root, storage_options=options)
-    reader.reset(catalog.latest_named(args.root, args.name, options))
+    reader = SafeStorageReader(root := Root(args.root, options))
+    reader.reset(catalog.latest_named(root, args.name))
     metadata = reader.read_metadata()
     name = reader.checkpoint_id or args.name
     stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)
@@ -445,7 +446,7 @@ def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
     _require_root(args.root)
-    for line in export_command.run(args, options).summary():
+    for line in export_command.run(args, Root(args.root, options)).summary():
         out.print(line, markup=False, highlight=False)
     return EXIT_OK
 
@@ -496,11 +497,10 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1, got {args.keep}")
     report = apply_retention(
-        args.root,
+        Root(args.root, options),
         keep_last=args.keep,
         dry_run=args.dry_run,
         grace_s=args.grace_s,
-        storage_options=options,
         allow_bucket_root=args.allow_bucket_root,
         signing_key=key_from_file(args.signing_key_file),
     )

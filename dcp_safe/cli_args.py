@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import ConfigError
+from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
 __all__ = [
@@ -74,7 +75,7 @@ def check_roots(args: argparse.Namespace, options: dict[str, Any] | None) -> Non
         if not url.split("://", 1)[1].strip("/"):  # s3fs: "Cannot traverse all of S3"
             raise UsageError(f"{shown(url, 200)} names no bucket; give one, e.g. s3://bucket/run")
         try:
-            fs = getattr(_innermost(open_backend(url, options)), "fs", None)
+            fs = getattr(_innermost(open_backend(Root(url, options))), "fs", None)
             connect = getattr(fs, "connect", None)
             if callable(connect):
                 connect()

@@ -5,13 +5,15 @@ See docs/architecture.md, "Topology".
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import ConfigError
 
-__all__ = ["Root", "Topology", "this_node"]
+__all__ = ["TOPOLOGY_MOVED", "Root", "RootLike", "Topology", "as_root", "this_node"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,31 @@ class Root:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ConfigError(f"a root is a non-empty path or URL, got {self.url!r}")
+
+
+#: The options of a second root that were keywords beside it, and where each went: inside it.
+TOPOLOGY_MOVED = {
+    "replica_storage_options": "replicate_to=Root(url, storage_options=...)",
+}
+
+#: What a public entry point takes for a root: a path, a URL, or a Root with its options.
+RootLike = str | os.PathLike[str] | Root
+
+
+def as_root(root: RootLike, storage_options: dict[str, Any] | None = None) -> Root:
+    """``root`` as one value: a Root as given, else the path or URL with ``storage_options``
+    (the shorthand some entry points keep: docs/manager.md, "Where each option went").
+
+    Raises:
+        ConfigError: a Root and ``storage_options`` both (which options would it mean?).
+    """
+    if not isinstance(root, Root):
+        return Root(os.fspath(root), storage_options)
+    if storage_options is not None:
+        raise ConfigError(
+            "storage_options= beside a Root: give them inside it, Root(url, storage_options=...)"
+        )
+    return root
 
 
 @dataclass(frozen=True)
@@ -63,23 +90,32 @@ class Topology:
     @classmethod
     def of(
         cls,
-        root: str | os.PathLike[str],
+        root: RootLike,
         *,
-        replicate_to: str | os.PathLike[str] | None = None,
+        replicate_to: RootLike | None = None,
         node_local: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
-        replica_storage_options: dict[str, Any] | None = None,
         peer_copies: int = 1,
+        **moved: Any,
     ) -> Topology:
         """The topology of the manager's arguments: ``root`` commits; ``replicate_to`` is a
-        replica (its options default to ``storage_options``); ``node_local`` a node cache
-        (always a local directory, so it takes no fsspec options), with ``peer_copies``."""
+        replica (its options default to the commit root's); ``node_local`` a node cache
+        (always a local directory, so it takes no fsspec options), with ``peer_copies``. Each
+        root may be a Root, its options inside it.
+
+        Raises:
+            ConfigError: options given both inside a Root and beside it; a keyword that moved
+                into a root (:data:`TOPOLOGY_MOVED`).
+        """
+        refuse_moved("Topology.of", moved, TOPOLOGY_MOVED)
+        commit = as_root(root, storage_options)
         replica = None
-        if replicate_to is not None:
-            options = replica_storage_options or storage_options
-            replica = Root(os.fspath(replicate_to), options)
+        if isinstance(replicate_to, Root):
+            replica = replicate_to
+        elif replicate_to is not None:  # the commit root's options, by default
+            replica = dataclasses.replace(commit, url=os.fspath(replicate_to))
         node_cache = None if node_local is None else Root(os.fspath(node_local))
-        return cls(Root(os.fspath(root), storage_options), replica, node_cache, peer_copies)
+        return cls(commit, replica, node_cache, peer_copies)
 
     @property
     def writes_to(self) -> Root:

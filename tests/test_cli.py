@@ -26,6 +26,7 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from dcp_safe.testing.s3 import LocalS3
+from dcp_safe.topology import Root
 
 # Generous: only a guard against a hung subprocess, never a measure of speed.
 _SUBPROCESS_TIMEOUT_S = 300
@@ -125,7 +126,7 @@ def test_ls_of_a_missing_root_is_a_usage_error(
 def test_ls_with_remote_shows_the_tiers_each_checkpoint_is_committed_on(
     root: Path, remote: _Remote, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    writer = _save(root, 4, replicate_to=remote.root, replicate_storage_options=remote.options)
+    writer = _save(root, 4, replicate_to=Root(remote.root, storage_options=remote.options))
     writer.replication("step_0004").result(timeout=_SUBPROCESS_TIMEOUT_S)
     writer.close()
     status, out, _ = _run(

@@ -7,6 +7,7 @@ that redefines ``replicate_to``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dcp_safe import (
     ConfigError,
     NodeLocalWriter,
     Root,
+    SafeStorageReader,
     SafeStorageWriter,
     Topology,
     WriterOptions,
@@ -154,3 +156,56 @@ def test_a_rank_s_node_is_what_torchrun_says(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("GROUP_RANK", "x")
     with pytest.raises(ConfigError, match="GROUP_RANK"):
         this_node(0)
+
+
+def test_a_root_carries_its_options_to_every_entry_point(tmp_path: Path) -> None:
+    """A ``Root`` goes where a path goes; its options are those the backend is opened with."""
+    options = {"auto_mkdir": True}
+    remote = Root(f"file://{tmp_path / 'remote'}", storage_options=options)
+    topology = Topology.of(tmp_path / "local", replicate_to=remote)
+    assert topology.replica is remote
+    root = Root(str(tmp_path / "root"), storage_options={})
+    writer = SafeStorageWriter(root, options=WriterOptions(fsync=False))
+    assert writer.topology.commit is root
+    writer.close()
+    assert list_checkpoints(root) == [] == list_checkpoints(str(tmp_path / "root"))
+
+
+@pytest.mark.parametrize(
+    ("build", "where"),
+    [
+        (
+            lambda p: SafeStorageWriter(p, replicate_to="r", replicate_storage_options={}),
+            "SafeStorageWriter(replicate_storage_options=) moved to replicate_to=Root(url,",
+        ),
+        (
+            lambda p: Topology.of(p, replicate_to="r", replica_storage_options={}),
+            "Topology.of(replica_storage_options=) moved to replicate_to=Root(url,",
+        ),
+        (
+            lambda p: SafeStorageReader(p, fallback="r", fallback_storage_options={}),
+            "SafeStorageReader(fallback_storage_options=) moved to fallback=Root(url,",
+        ),
+        (
+            lambda p: SafeStorageReader(p, node_cache="c", node_cache_storage_options={}),
+            "SafeStorageReader(node_cache_storage_options=) moved to node_cache=Root(url,",
+        ),
+    ],
+)
+def test_a_second_roots_options_moved_into_its_root(
+    tmp_path: Path, build: Callable[[Path], object], where: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build(tmp_path)
+    assert where in str(caught.value)
+
+
+def test_options_beside_a_root_are_refused_not_merged(tmp_path: Path) -> None:
+    root = Root(str(tmp_path), storage_options={"auto_mkdir": True})
+    for call in (
+        lambda: list_checkpoints(root, storage_options={}),
+        lambda: SafeStorageReader(root, storage_options={}),
+        lambda: Topology.of(root, storage_options={}),
+    ):
+        with pytest.raises(ConfigError, match=r"inside it, Root\(url, storage_options"):
+            call()

@@ -14,6 +14,8 @@ from dcp_safe.manifest.signing import checksum_for, resolve_key
 
 __all__ = [
     "DEFAULT_REPORT_TIMEOUT_S",
+    "READER_MOVED",
+    "REPLICA_MOVED",
     "WRITER_MOVED",
     "Compression",
     "WriterOptions",
@@ -81,6 +83,15 @@ class WriterOptions:
 WRITER_MOVED = {
     name: f"options=WriterOptions({name}=...)"
     for name in ("compression", "checksum", "thread_count", "fsync", "overwrite", "signing_key")
+}
+
+#: ``SafeStorageWriter``'s keyword for its replica's fsspec options: they went into its root.
+REPLICA_MOVED = {"replicate_storage_options": "replicate_to=Root(url, storage_options=...)"}
+
+#: ``SafeStorageReader``'s keywords for the fsspec options of a second root: they went into it.
+READER_MOVED = {
+    f"{root}_storage_options": f"{root}=Root(url, storage_options=...)"
+    for root in ("fallback", "node_cache")
 }
 
 

@@ -17,6 +17,7 @@ and an ``AssertionError`` (docs/architecture.md, "Reads").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_safe import layout
+from dcp_safe.adapters.options import READER_MOVED
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
@@ -36,6 +38,7 @@ from dcp_safe.checkpoints.committed import open_committed, resolve_name
 from dcp_safe.checkpoints.items import stored_tensors
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
 from dcp_safe.checkpoints.signed import check_signed, signed_by
+from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -58,6 +61,7 @@ from dcp_safe.reading.sources import (
     SourceLog,
 )
 from dcp_safe.replication.peer_transport import DEFAULT_PEER_CHUNK_BYTES
+from dcp_safe.topology import Root, RootLike, as_root
 
 __all__ = ["SafeStorageReader"]
 
@@ -66,6 +70,10 @@ class SafeStorageReader(StorageReader):
     """Load committed checkpoints from ``root``, verifying every byte it uses.
 
     Args:
+        root: a directory, an fsspec URL, or a :class:`~dcp_safe.topology.Root` with its fsspec
+            options (as are ``fallback`` and ``node_cache``).
+        storage_options: the shorthand of ``Root(root, storage_options=...)``; a ``fallback``
+            given as a path or URL gets them too.
         verify: check item checksums while reading (the marker, manifest and ``.metadata``
             are always checked).
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
@@ -92,7 +100,6 @@ class SafeStorageReader(StorageReader):
             every item verified whatever ``verify`` says, and from the remote otherwise (a bad
             cache never fails a load the remote can serve). Give every rank its own node's.
             Where each file came from, and why a copy was passed by: :meth:`stats`.
-        node_cache_storage_options: fsspec options for ``node_cache``, if it is a URL.
         peers: also read other nodes' files from peer copies (after this node's cache, before
             the remote); ``read_data`` is then a collective on ``process_group``
             (:mod:`dcp_safe.reading.peers`). Needs ``node_cache``.
@@ -103,30 +110,31 @@ class SafeStorageReader(StorageReader):
     Raises:
         ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
             bad key, ``thread_count`` below 1, ``load_budget_bytes`` not a positive int, or
-            ``peers`` without ``node_cache``.
+            ``peers`` without ``node_cache``; a keyword that moved into a root
+            (``fallback_storage_options=``: ``fallback=Root(url, storage_options=...)``).
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: RootLike,
         *,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         checkpoint_id: str = layout.LATEST,
-        fallback: str | os.PathLike[str] | None = None,
-        fallback_storage_options: dict[str, Any] | None = None,
+        fallback: RootLike | None = None,
         retry: RetryPolicy | None = None,
         allow_pickle: bool = False,
         signing_key: bytes | str | None = None,
         thread_count: int | None = None,
         load_budget_bytes: int | None = None,
-        node_cache: str | os.PathLike[str] | None = None,
-        node_cache_storage_options: dict[str, Any] | None = None,
+        node_cache: RootLike | None = None,
         peers: bool = False,
         process_group: Any = None,
         peer_chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
+        **moved: Any,
     ) -> None:
         super().__init__()
+        refuse_moved(type(self).__name__, moved, READER_MOVED)
         budget = LoadBudget(load_budget_bytes)
         self.load_budget_bytes = budget.budget_bytes
         if thread_count is not None and (
@@ -141,26 +149,18 @@ class SafeStorageReader(StorageReader):
                 "verify=False with a signing key: the signature vouches for the item checksums,"
                 " so unverified items would load unauthenticated; drop one of the two"
             )
-        self.root = os.fspath(root)
+        main = as_root(root, storage_options)
+        self.root = main.url
         self.verify = verify
-        self.storage_options = storage_options
         self.retry = retry or RetryPolicy()
-        self.backend: Backend = open_backend(self.root, storage_options, retry=retry)
-        self.fallback: Backend | None = (
-            None
-            if fallback is None
-            else open_backend(
-                os.fspath(fallback), fallback_storage_options or storage_options, retry=retry
-            )
-        )
+        self.backend: Backend = open_backend(main, retry=retry)
+        if fallback is not None and not isinstance(fallback, Root):
+            fallback = dataclasses.replace(main, url=os.fspath(fallback))  # the root's options
+        self.fallback = None if fallback is None else open_backend(fallback, retry=retry)
         if peers and node_cache is None:
             raise ConfigError("peers=True reads peer copies on this node's disk: pass node_cache")
         self._cache = (
-            None
-            if node_cache is None
-            else NodeCacheSource(
-                open_backend(os.fspath(node_cache), node_cache_storage_options, retry=retry)
-            )
+            None if node_cache is None else NodeCacheSource(open_backend(node_cache, retry=retry))
         )
         self._remote = RemoteSource(self.backend)
         #: Where each file is read from, best first; the remote, last, holds every file.

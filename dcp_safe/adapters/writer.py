@@ -43,7 +43,7 @@ from dcp_safe import layout
 from dcp_safe.adapters.assignment_board import Assignment as _Assignment
 from dcp_safe.adapters.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
 from dcp_safe.adapters.item_bytes import write_item
-from dcp_safe.adapters.options import WRITER_MOVED, WriterOptions, writer_options
+from dcp_safe.adapters.options import REPLICA_MOVED, WRITER_MOVED, WriterOptions, writer_options
 from dcp_safe.adapters.without_collectives import StorageAgreement
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
@@ -71,7 +71,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
 )
 from dcp_safe.replication.replicator import Replicator
-from dcp_safe.topology import Topology
+from dcp_safe.topology import RootLike, Topology
 
 __all__ = ["SafeStorageWriter"]
 
@@ -88,16 +88,17 @@ class SafeStorageWriter(StorageWriter):
     """Write DCP checkpoints under ``root`` with checksums and an atomic two-phase commit.
 
     Args:
-        root: a local directory or an fsspec URL; each checkpoint is ``<root>/<checkpoint_id>``.
-            Or a :class:`~dcp_safe.topology.Topology`, which the writer keeps as its own
+        root: a local directory or an fsspec URL, or a :class:`~dcp_safe.topology.Root` with
+            its fsspec options; each checkpoint is ``<root>/<checkpoint_id>``. Or a
+            :class:`~dcp_safe.topology.Topology`, which the writer keeps as its own
             (``writer_for`` builds writers so); it names the roots, so ``replicate_to`` and the
             storage options are not given then.
-        storage_options: passed to fsspec (endpoint, credentials) for URL roots.
+        storage_options: the shorthand of ``Root(root, storage_options=...)``: passed to fsspec
+            (endpoint, credentials) for URL roots.
         step: recorded in the manifest (the training step this checkpoint captures).
         replicate_to: a second root (typically ``s3://...``) every checkpoint is copied to and
-            committed on, in the background (see :meth:`replication`).
-        replicate_storage_options: fsspec options for ``replicate_to`` (default:
-            ``storage_options``).
+            committed on, in the background (see :meth:`replication`); a path or URL gets
+            ``root``'s fsspec options, a ``Root`` its own.
         replication_options: deadlines, polling and chunk size of the per-rank uploads of a
             multi-rank save (default: :class:`~dcp_safe.replication.rank_upload.UploadOptions`).
         retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
@@ -119,7 +120,9 @@ class SafeStorageWriter(StorageWriter):
 
     Raises:
         ConfigError: an option has an unsupported value; a keyword that moved into
-            ``options`` (``fsync=``: ``options=WriterOptions(fsync=...)``); roots given beside a
+            ``options`` (``fsync=``: ``options=WriterOptions(fsync=...)``) or into a root
+            (``replicate_storage_options=``: ``replicate_to=Root(url, storage_options=...)``);
+            roots given beside a
             ``Topology``, or a node-local one (that is :class:`NodeLocalWriter`'s).
     """
 
@@ -128,12 +131,11 @@ class SafeStorageWriter(StorageWriter):
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Topology,
+        root: RootLike | Topology,
         *,
         storage_options: dict[str, Any] | None = None,
         step: int | None = None,
-        replicate_to: str | os.PathLike[str] | None = None,
-        replicate_storage_options: dict[str, Any] | None = None,
+        replicate_to: RootLike | None = None,
         replication_options: UploadOptions | None = None,
         retry: RetryPolicy | None = None,
         attempt: int | None = None,
@@ -142,16 +144,11 @@ class SafeStorageWriter(StorageWriter):
         **moved: Any,
     ) -> None:
         super().__init__()
-        refuse_moved(type(self).__name__, moved, WRITER_MOVED)
+        refuse_moved(type(self).__name__, moved, WRITER_MOVED | REPLICA_MOVED)
         self.options = writer_options(options)
         if not isinstance(root, Topology):
-            root = Topology.of(
-                root,
-                replicate_to=replicate_to,
-                storage_options=storage_options,
-                replica_storage_options=replicate_storage_options,
-            )
-        elif (replicate_to, storage_options, replicate_storage_options) != (None, None, None):
+            root = Topology.of(root, replicate_to=replicate_to, storage_options=storage_options)
+        elif (replicate_to, storage_options) != (None, None):
             raise ConfigError(
                 "a Topology root names the roots and their storage options: give replicate_to="
                 " and storage_options= to Topology.of, not to the writer"
@@ -163,16 +160,12 @@ class SafeStorageWriter(StorageWriter):
                 else "NodeLocalWriter needs a topology with a node cache"
             )
         self.topology = root
-        writes_to, replica = root.writes_to, root.replica
-        self.root, self.storage_options = writes_to.url, writes_to.storage_options
-        self.replicate_to = None if replica is None else replica.url
-        self.replicate_storage_options = None if replica is None else replica.storage_options
+        self.root = root.writes_to.url
+        self.replicate_to = None if root.replica is None else root.replica.url
         self.retry = retry or RetryPolicy()
         self.attempt = attempt_from_env(attempt)
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
-        self.backend: Backend = open_backend(
-            self.root, self.storage_options, fsync=self.options.fsync, retry=retry
-        )
+        self.backend: Backend = open_backend(root.writes_to, fsync=self.options.fsync, retry=retry)
         self.strategy = strategy_for(self.backend)
         if self.options.overwrite:
             self.strategy.require_rename(
@@ -181,9 +174,7 @@ class SafeStorageWriter(StorageWriter):
         self.step = step
         uploads_to = root.uploads_to
         self.remote: Backend | None = (
-            None
-            if uploads_to is None
-            else open_backend(uploads_to.url, uploads_to.storage_options, retry=retry)
+            None if uploads_to is None else open_backend(uploads_to, retry=retry)
         )
         self.replication_options = replication_options or UploadOptions()
         self._background = _Background()

@@ -20,6 +20,7 @@ from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
 from dcp_safe.errors import ConfigError
+from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
 __all__ = ["open_backend"]
@@ -33,32 +34,33 @@ fsspec.register_implementation(
 
 
 def open_backend(
-    root: str,
+    root: RootLike,
     storage_options: dict[str, Any] | None = None,
     *,
     fsync: bool = True,
     retry: RetryPolicy | None = None,
 ) -> Backend:
-    """Pick the backend for a root.
+    """Pick the backend for a root: a Root, or a path or URL and its ``storage_options``.
 
     Local paths and ``file://`` URLs get the POSIX backend; S3 gets fsspec behind
     :class:`RetryingBackend` with single-try clients (stacked, s3fs and botocore would take
     ~40 s to report a persistent fault); anything else, fsspec as it is.
 
     Raises:
-        ConfigError: no fsspec file system is installed for the URL's protocol.
+        ConfigError: no fsspec file system is installed for the URL's protocol; options both
+            inside a Root and beside it.
     """
-    root = str(root)
-    protocol = get_protocol(root)
+    root = as_root(root, storage_options)
+    url, options, protocol = root.url, root.storage_options, get_protocol(root.url)
     if protocol in ("file", "local"):
-        return LocalBackend(root, fsync=fsync)
-    _require_known(root, protocol)
+        return LocalBackend(url, fsync=fsync)
+    _require_known(url, protocol)
     if protocol in _S3_PROTOCOLS:
-        inner = FsspecBackend(root, single_try_s3_options(storage_options), client_retries=1)
+        inner = FsspecBackend(url, single_try_s3_options(options), client_retries=1)
         return RetryingBackend(inner, retry or RetryPolicy())
     if protocol == _FAULTY_PROTOCOL:
-        return _open_faulty(root, dict(storage_options or {}), retry)
-    return FsspecBackend(root, storage_options)
+        return _open_faulty(url, dict(options or {}), retry)
+    return FsspecBackend(url, options)
 
 
 def _require_known(root: str, protocol: str) -> None:

@@ -40,6 +40,7 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.bench.measure import State
 from dcp_safe.choices import parse_choice
 from dcp_safe.staging import BudgetedStager, PinMemory, StagerOptions
+from dcp_safe.topology import RootLike, as_root
 
 __all__ = ["DcpSafeSaver", "Saver", "Started", "TorchSaver", "TorchStaging"]
 
@@ -83,31 +84,25 @@ class DcpSafeSaver:
     """An unpinned ``BudgetedStager`` + a fresh ``SafeStorageWriter`` per save.
 
     Args:
-        root: local folder or URL the writer saves under.
+        root: local folder or URL the writer saves under (a ``Root``: with fsspec options).
         compression: the writer's ``compression``.
-        storage_options: fsspec options of ``root``.
-        replicate_to: a remote root every checkpoint is replicated to.
-        replicate_storage_options: fsspec options of ``replicate_to``.
+        replicate_to: a remote root every checkpoint is replicated to (a ``Root``, likewise).
         thread_count: the writer's ``thread_count``.
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: RootLike,
         *,
         compression: str = "none",
-        storage_options: dict[str, Any] | None = None,
-        replicate_to: str | None = None,
-        replicate_storage_options: dict[str, Any] | None = None,
+        replicate_to: RootLike | None = None,
         thread_count: int = 1,
     ) -> None:
         self.label = "dcp_safe"
-        self.root = os.fspath(root)
-        self.remote_root = "://" in self.root
+        self.root = as_root(root)
+        self.remote_root = "://" in self.root.url
         self._writer_args: dict[str, Any] = {
-            "storage_options": storage_options,
             "replicate_to": replicate_to,
-            "replicate_storage_options": replicate_storage_options,
             "options": WriterOptions(
                 compression=parse_choice(Compression, compression, "compression"),
                 thread_count=thread_count,

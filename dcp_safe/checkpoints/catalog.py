@@ -9,7 +9,6 @@ against the manifest and each file's presence and size, reading no data.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.verify import check_stream, items_by_file
+from dcp_safe.topology import RootLike, as_root
 
 __all__ = [
     "CheckpointInfo",
@@ -73,7 +73,7 @@ class VerifyReport:
 
 
 def list_checkpoints(
-    root: str | os.PathLike[str],
+    root: RootLike,
     *,
     storage_options: dict[str, Any] | None = None,
     on_damaged: Callable[[str, CheckpointCorruptError], None] | None = None,
@@ -91,7 +91,7 @@ def list_checkpoints(
         signing_key: list only checkpoints signed with this key (default
             ``DCP_SAFE_SIGNING_KEY`` if set): with a key, nothing else counts.
     """
-    backend = open_backend(os.fspath(root), storage_options)
+    backend = open_backend(root, storage_options)
     key = resolve_key(signing_key)
     accept = None if key is None else signed_by(key)
     found = [
@@ -114,9 +114,8 @@ def _log_damaged(name: str, exc: CheckpointCorruptError) -> None:
 
 
 def latest_named(
-    root: str | os.PathLike[str],
+    root: RootLike,
     checkpoint_id: str,
-    storage_options: dict[str, Any] | None = None,
     *,
     strict: bool = False,
 ) -> str:
@@ -136,9 +135,7 @@ def latest_named(
     if checkpoint_id != layout.LATEST:
         return checkpoint_id
     damaged: list[tuple[str, CheckpointCorruptError]] = []
-    infos = list_checkpoints(
-        root, storage_options=storage_options, on_damaged=lambda n, e: damaged.append((n, e))
-    )
+    infos = list_checkpoints(root, on_damaged=lambda n, e: damaged.append((n, e)))
     name = infos[-1].name if infos else ""
     for other, exc in (pair for pair in damaged if not _older(pair[0], than=name)):
         if strict:
@@ -151,7 +148,7 @@ def latest_named(
             log.warning("using %s, not %s, which may be newer but is damaged: %s", name, other, exc)
     if not name:
         also = f" ({len(damaged)} damaged: 'dcp-safe ls' names them)" if damaged else ""
-        raise CheckpointNotFoundError(os.fspath(root), f"no sound committed checkpoint{also}")
+        raise CheckpointNotFoundError(as_root(root).url, f"no sound committed checkpoint{also}")
     return name
 
 
@@ -162,7 +159,7 @@ def _older(name: str, *, than: str) -> bool:
 
 
 def verify_checkpoint(
-    root: str | os.PathLike[str],
+    root: RootLike,
     name: str = layout.LATEST,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -196,7 +193,7 @@ def verify_checkpoint(
         ConfigError: a bad signing key.
     """
     started = time.perf_counter()
-    backend = open_backend(os.fspath(root), storage_options)
+    backend = open_backend(root, storage_options)
     opened = open_committed(backend, resolve_name(backend, name))
     return verify_opened(
         backend,

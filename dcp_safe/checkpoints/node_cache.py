@@ -10,9 +10,7 @@ listing them (docs/architecture.md, "Node caches").
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -21,6 +19,7 @@ from dcp_safe.checkpoints.committed import read_marked_manifest
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.topology import RootLike
 from dcp_safe.untrusted import shown
 
 __all__ = [
@@ -95,14 +94,14 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
 
 
 def list_node_caches(
-    root: str | os.PathLike[str] | Backend, *, storage_options: dict[str, Any] | None = None
+    root: RootLike | Backend,
 ) -> list[NodeCache]:
     """The node caches published under a node-local ``root``, oldest first.
 
     Entries whose marker does not match their manifest are left out; so are names that break
     the name rule (:func:`~dcp_safe.layout.validate_name`), with a warning.
     """
-    backend = root if isinstance(root, Backend) else open_backend(os.fspath(root), storage_options)
+    backend = root if isinstance(root, Backend) else open_backend(root)
     caches = []
     for entry in backend.entries_holding(NODE_COMMITTED_MARKER):
         if entry.startswith("."):

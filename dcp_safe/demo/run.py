@@ -45,7 +45,7 @@ from dcp_safe.manager.options import Runtime, SavePolicy
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry import MemorySampler
 from dcp_safe.telemetry.sources import ProcReader
-from dcp_safe.topology import Topology
+from dcp_safe.topology import Root, Topology
 
 __all__ = [
     "DemoOptions",
@@ -149,24 +149,22 @@ def run_demo(options: DemoOptions, say: Say = print) -> DemoReport:
         ConfigError: no ``remote`` was given and moto (the test extra) is not installed.
     """
     started = time.perf_counter()
-    with _remote_tier(options, say) as (remote, remote_options, note):
+    with _remote_tier(options, say) as (remote, note):
         root = options.root or tempfile.mkdtemp(prefix="dcp_safe_demo_")
-        report = DemoReport(root=root, remote=remote, remote_note=note)
+        report = DemoReport(root=root, remote=remote.url, remote_note=note)
         trainer = _Trainer(options.width, options.seed)
-        _train_and_save(trainer, options, report, remote_options, say)
+        _train_and_save(trainer, options, report, remote, say)
         report.local = list_checkpoints(root)
-        report.remote_checkpoints = list_checkpoints(remote, storage_options=remote_options)
-        _restore_from_remote(trainer, options.steps, report, remote_options, say)
+        report.remote_checkpoints = list_checkpoints(remote)
+        _restore_from_remote(trainer, options.steps, report, remote, say)
     report.seconds = time.perf_counter() - started
     return report
 
 
 @contextlib.contextmanager
-def _remote_tier(
-    options: DemoOptions, say: Say
-) -> Iterator[tuple[str, dict[str, Any] | None, str]]:
+def _remote_tier(options: DemoOptions, say: Say) -> Iterator[tuple[Root, str]]:
     if options.remote is not None:
-        yield options.remote, options.storage_options, "as given"
+        yield Root(options.remote, options.storage_options), "as given"
         return
     try:
         from dcp_safe.testing.s3 import start_local_s3
@@ -181,7 +179,7 @@ def _remote_tier(
         remote = f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}"
         say(f"local S3 (moto) at {s3.endpoint_url}; replica root {remote}")
         note = f"in-process moto S3 at {s3.endpoint_url}: gone when the demo exits"
-        yield remote, s3.storage_options(), note
+        yield Root(remote, s3.storage_options()), note
     finally:
         s3.stop()
 
@@ -190,7 +188,7 @@ def _train_and_save(
     trainer: _Trainer,
     options: DemoOptions,
     report: DemoReport,
-    remote_options: dict[str, Any] | None,
+    remote: Root,
     say: Say,
 ) -> None:
     budget = MemoryBudget.from_host()
@@ -203,7 +201,7 @@ def _train_and_save(
     report.memory_source = "dcp_safe.telemetry.MemorySampler, every 10 ms"
     scratch = tempfile.mkdtemp(prefix=".dcp_safe_demo_sync_", dir=_scratch_parent(report.root))
     manager = CheckpointManager(
-        Topology.of(report.root, replicate_to=report.remote, storage_options=remote_options),
+        Topology.of(report.root, replicate_to=remote),
         keep_last=2,
         when_busy="wait",
         policy=SavePolicy(name_format=NAME_FORMAT),
@@ -305,12 +303,12 @@ def _restore_from_remote(
     trainer: _Trainer,
     step: int,
     report: DemoReport,
-    remote_options: dict[str, Any] | None,
+    remote: Root,
     say: Say,
 ) -> None:
     live = trainer.state(step)
     target = _blank_like(live)
-    reader = SafeStorageReader(report.remote, storage_options=remote_options)
+    reader = SafeStorageReader(remote)
     say(f"restoring {layout.LATEST!r} from {report.remote} alone (the local root is not read)")
     api.load(target, checkpoint_id=layout.LATEST, storage_reader=reader, no_dist=True)
     report.restored = reader.checkpoint_id or layout.LATEST

@@ -23,6 +23,7 @@ from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
 from dcp_safe.exporting.publish import CHECKSUMS, StagedExport, check_destination
 from dcp_safe.exporting.selection import Selection, TensorEntry, parse_dtype, select
 from dcp_safe.exporting.sink import write_tensor
+from dcp_safe.topology import RootLike, as_root
 from dcp_safe.units import format_bytes
 
 __all__ = ["ExportFormat", "ExportResult", "export"]
@@ -70,7 +71,7 @@ class ExportResult:
 
 
 def export(
-    root: str | os.PathLike[str],
+    root: RootLike,
     name: str,
     dest: str | os.PathLike[str],
     *,
@@ -88,7 +89,9 @@ def export(
     what each format holds).
 
     Args:
-        root: the checkpoint root (a directory or an fsspec URL).
+        root: the checkpoint root (a directory, an fsspec URL, or a
+            :class:`~dcp_safe.topology.Root` with its fsspec options).
+        storage_options: fsspec options of a URL ``root`` (a shorthand of ``Root``).
         name: the checkpoint's name, or ``"latest"``.
         dest: the directory to create (a local path).
         format: ``"safetensors"`` (non-tensor entries skipped) or ``"torch"`` (plain-data
@@ -112,7 +115,7 @@ def export(
     out_dtype = parse_dtype(dtype)
     st.check_max_shard_bytes(max_shard_bytes)
     check_destination(dest, overwrite)
-    source = Consolidator(root, name, storage_options=storage_options, signing_key=signing_key)
+    source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
     if fmt is ExportFormat.SAFETENSORS:
         return _safetensors(source, selection, dest, max_shard_bytes, overwrite)

@@ -6,12 +6,12 @@ Bad values surface as :class:`~dcp_safe.errors.ConfigError` from the library (ex
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.checkpoints.catalog import latest_named
 from dcp_safe.exporting.api import ExportFormat, ExportResult, export
 from dcp_safe.exporting.safetensors_format import DEFAULT_MAX_SHARD_BYTES
+from dcp_safe.topology import Root
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -55,16 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, storage_options: dict[str, Any] | None) -> ExportResult:
-    """The export ``args`` ask for."""
+def run(args: argparse.Namespace, root: Root) -> ExportResult:
+    """The export ``args`` ask for, from ``root`` (``args.root`` with its options)."""
     return export(
-        args.root,
-        latest_named(args.root, args.name, storage_options),  # warns of damage
+        root,
+        latest_named(root, args.name),  # warns of damage
         args.dest,
         format=args.format,
         keys=args.keys,
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_bytes,
         overwrite=args.overwrite,
-        storage_options=storage_options,
     )

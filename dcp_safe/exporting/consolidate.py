@@ -10,7 +10,6 @@ re-check the checkpoint every time. The memory bound: docs/export.md, "Memory".
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from dcp_safe import layout
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.exporting.selection import TensorEntry
 from dcp_safe.manifest.streams import short_read
+from dcp_safe.topology import RootLike
 
 __all__ = ["BATCH_BYTES", "Consolidator", "NotPlainData", "batches"]
 
@@ -82,16 +82,13 @@ class Consolidator:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: RootLike,
         name: str,
         *,
-        storage_options: dict[str, Any] | None = None,
         signing_key: bytes | str | None = None,
         batch_bytes: int = BATCH_BYTES,
     ) -> None:
-        self._reader = SafeStorageReader(
-            root, storage_options=storage_options, signing_key=signing_key
-        )
+        self._reader = SafeStorageReader(root, signing_key=signing_key)
         self._reader.reset(name)
         self.metadata: Metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, True)

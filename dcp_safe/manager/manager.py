@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -135,10 +136,9 @@ class CheckpointManager:
         self.replicate_to = writer.replicate_to
         warm_start = None
         if resume.initial_load_from is not None:
+            url = os.fspath(resume.initial_load_from)  # read with this run's root's options
             warm_start = WarmStart(
-                os.fspath(resume.initial_load_from),
-                resume.initial_load_keys,
-                self.topology.commit.storage_options,
+                dataclasses.replace(self.topology.commit, url=url), resume.initial_load_keys
             )
         self._owns_stager = stager is None
         budget = bounds.budget

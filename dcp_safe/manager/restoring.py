@@ -10,6 +10,7 @@ docs/resume.md.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError, Sig
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.tiers import Tiers
+from dcp_safe.topology import Root
 
 __all__ = ["Restorer", "WarmStart"]
 
@@ -35,14 +37,13 @@ class WarmStart:
     """Another run's checkpoints to start from when the manager's own roots hold none.
 
     Attributes:
-        source: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint).
+        source: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint),
+            with its fsspec options.
         keys: restore only these key prefixes (``None``: every key the state dict asks for).
-        storage_options: fsspec options for ``source``.
     """
 
-    source: str
+    source: Root
     keys: tuple[str, ...] | None = None
-    storage_options: dict[str, Any] | None = None
 
     def resolve(self, signing_key: bytes | None) -> tuple[str, str]:
         """``(root, name)`` of the checkpoint to start from: with ``signing_key`` (the
@@ -55,19 +56,18 @@ class WarmStart:
         """
         refused: dict[str, CheckpointCorruptError] = {}
 
-        def listed(root: str) -> list[str]:
+        def listed(url: str) -> list[str]:
             found = list_checkpoints(
-                root,
-                storage_options=self.storage_options,
+                dataclasses.replace(self.source, url=url),
                 signing_key=signing_key,
                 on_damaged=refused.__setitem__,
             )
             return [c.name for c in found]
 
-        found = listed(self.source)
+        found = listed(self.source.url)
         if found:
-            return self.source, found[-1]
-        root, name = posixpath.split(self.source.rstrip("/"))
+            return self.source.url, found[-1]
+        root, name = posixpath.split(self.source.url.rstrip("/"))
         if root and name in listed(root):
             return root, name
         # Say why, not "nothing there": a checkpoint the key did not sign is not a warm start.
@@ -75,7 +75,7 @@ class WarmStart:
         signature = next((e for e in refusals if isinstance(e, SignatureError)), None)
         if signature is not None:
             raise signature
-        raise CheckpointNotFoundError(self.source, "no committed checkpoint to warm-start from")
+        raise CheckpointNotFoundError(self.source.url, "no committed checkpoint to warm-start from")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -138,10 +138,8 @@ class Restorer:
                 reader, where, tier = own, "this run", "local"
             else:
                 assert self.warm_start is not None
-                options = self.warm_start.storage_options
                 reader = SafeStorageReader(
-                    source,
-                    storage_options=options,
+                    dataclasses.replace(self.warm_start.source, url=source),
                     load_budget_bytes=self.tiers.load_budget_bytes,
                     signing_key=self.tiers.signing_key,
                 )

@@ -28,6 +28,7 @@ from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
+from dcp_safe.topology import Root
 from dcp_safe.worker.commit_check import check_commit
 
 __all__ = ["Tiers"]
@@ -66,12 +67,10 @@ class Tiers:
         self.writer = writer
         topology = writer.topology
         self.node_cache = None if topology.node_cache is None else topology.node_cache.url
-        self.root: str = topology.commit.url
+        self.commit, self.replica = topology.commit, topology.replica
+        self.root: str = self.commit.url
         self.backend: Backend = writer.commit_backend
-        self.storage_options = topology.commit.storage_options
-        replica = topology.replica
-        self.replicate_to = None if replica is None else replica.url
-        self.replica_options = None if replica is None else replica.storage_options
+        self.replicate_to = None if self.replica is None else self.replica.url
         self.policy = policy
         self.partial_grace_s = partial_grace_s
         self._history = history
@@ -175,20 +174,16 @@ class Tiers:
         """
         if not self.coordinator:
             return ()
-        dropped = self._prune(self.backend, self.root, self.storage_options, "local")
-        if self.writer.remote is not None and self.replicate_to is not None:
-            self._prune(self.writer.remote, self.replicate_to, self.replica_options, "remote")
-        sweep_partials(
-            self.root, grace_s=self.partial_grace_s, storage_options=self.storage_options
-        )
+        dropped = self._prune(self.backend, self.commit, "local")
+        if self.writer.remote is not None and self.replica is not None:
+            self._prune(self.writer.remote, self.replica, "remote")
+        sweep_partials(self.commit, grace_s=self.partial_grace_s)
         return dropped
 
-    def _prune(
-        self, backend: Backend, url: str, options: dict[str, Any] | None, tier: str
-    ) -> tuple[str, ...]:
+    def _prune(self, backend: Backend, root: Root, tier: str) -> tuple[str, ...]:
         local = tier == "local"  # the names validated, read and counted here are local ones
         with self._deferred(), self._prune_lock:
-            infos = list_checkpoints(url, storage_options=options, signing_key=self.signing_key)
+            infos = list_checkpoints(root, signing_key=self.signing_key)
             with self._cond:
                 records = [
                     CheckpointRecord(i.name, i.step, not local or i.name in self._validated)
@@ -245,11 +240,10 @@ class Tiers:
         if tier not in ("local", "remote"):
             raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
         local = tier == "local"
-        root = self.root if local else self.replicate_to
+        root = self.commit if local else self.replica
         if root is None:
             raise ConfigError("this manager has no replicate_to")
-        options = self.storage_options if local else self.replica_options
-        found = list_checkpoints(root, storage_options=options, signing_key=self.signing_key)
+        found = list_checkpoints(root, signing_key=self.signing_key)
         return found[-1].name if found else None
 
     def reader(self) -> SafeStorageReader:
@@ -257,19 +251,16 @@ class Tiers:
         remote root, reading from this node's cache what it can, then from peers' copies)."""
         if self.node_cache is not None:
             return SafeStorageReader(
-                self.root,
+                self.commit,
                 node_cache=self.node_cache,
                 peers=self.peers is not None,
                 process_group=None if self.peers is None else self.peers.restore_group,
-                storage_options=self.storage_options,
                 signing_key=self.signing_key,
                 load_budget_bytes=self.load_budget_bytes,
             )
         return SafeStorageReader(
-            self.root,
-            storage_options=self.storage_options,
-            fallback=self.replicate_to,
-            fallback_storage_options=self.replica_options,
+            self.commit,
+            fallback=self.replica,
             signing_key=self.signing_key,
             load_budget_bytes=self.load_budget_bytes,
         )

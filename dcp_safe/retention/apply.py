@@ -11,7 +11,6 @@ left in place and reported (``not_counted``), for a person to look at.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from dcp_safe.retention.sweeper import (
     check_sweepable,
     sweep_partials,
 )
+from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
 __all__ = ["RetentionReport", "apply_retention"]
@@ -55,7 +55,7 @@ class RetentionReport:
 
 
 def apply_retention(
-    root: str | os.PathLike[str],
+    root: RootLike,
     *,
     keep_last: int,
     dry_run: bool = False,
@@ -84,7 +84,8 @@ def apply_retention(
     policy = KeepLast(keep_last)
     if not grace_s >= 0:  # checked before anything is removed (NaN too)
         raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
-    backend = open_backend(os.fspath(root), storage_options)
+    root = as_root(root, storage_options)
+    backend = open_backend(root)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     not_counted: list[str] = []
 
@@ -92,9 +93,7 @@ def apply_retention(
         not_counted.append(name)
         log.warning("not counted, left in place: %s (%s)", shown(name), shown(exc, 300))
 
-    infos = list_checkpoints(
-        root, storage_options=storage_options, on_damaged=passed_by, signing_key=signing_key
-    )
+    infos = list_checkpoints(root, on_damaged=passed_by, signing_key=signing_key)
     # Every listed checkpoint's marker matches its manifest: committed counts as validated here.
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
@@ -103,7 +102,6 @@ def apply_retention(
         root,
         grace_s=grace_s,
         dry_run=dry_run,
-        storage_options=storage_options,
         allow_bucket_root=allow_bucket_root,
     )
     return RetentionReport(

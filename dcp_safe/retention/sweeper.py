@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from dcp_safe.commit.takeover import last_change
 from dcp_safe.errors import ConfigError, DcpSafeError, InvalidCheckpointNameError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.topology import RootLike
 from dcp_safe.untrusted import shown
 
 __all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
@@ -68,7 +68,7 @@ def check_sweepable(backend: Backend, *, allow_bucket_root: bool = False) -> Non
 
 
 def sweep_partials(
-    root: str | os.PathLike[str],
+    root: RootLike,
     *,
     grace_s: float = DEFAULT_GRACE_S,
     dry_run: bool = False,
@@ -87,7 +87,7 @@ def sweep_partials(
     """
     if not grace_s >= 0:  # NaN too: every age would pass it, and everything be collected
         raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
-    backend = open_backend(os.fspath(root), storage_options)
+    backend = open_backend(root, storage_options)
     check_sweepable(backend, allow_bucket_root=allow_bucket_root)
     now = time.time() if now is None else now
     return strategy_for(backend).sweep(_Sweep(backend, grace_s, dry_run, now))

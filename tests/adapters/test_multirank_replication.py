@@ -26,6 +26,7 @@ from dcp_safe.manifest.schema import RankManifest
 from dcp_safe.replication.rank_upload import UploadOptions
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.topology import Root
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -66,8 +67,7 @@ def _save_to_s3(
     options = {"target_protocol": "s3", "target_options": s3_options, "faults": faults}
     writer = SafeStorageWriter(
         local,
-        replicate_to=f"faulty://{bucket_prefix}",
-        replicate_storage_options=options,
+        replicate_to=Root(f"faulty://{bucket_prefix}", storage_options=options),
         replication_options=FAST,
         options=WriterOptions(fsync=False),
     )

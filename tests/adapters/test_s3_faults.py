@@ -18,6 +18,7 @@ import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, StorageError, layout
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.testing.s3_proxy import FaultProxy
+from dcp_safe.topology import Root
 
 pytestmark = pytest.mark.s3
 
@@ -103,8 +104,7 @@ def test_a_persistent_remote_fault_fails_replication_in_time_and_keeps_the_local
     state = make_state(4)
     writer = SafeStorageWriter(
         tmp_path,
-        replicate_to=root,
-        replicate_storage_options=_options(proxy),
+        replicate_to=Root(root, storage_options=_options(proxy)),
         retry=_policy(),
     )
     proxy.fail(503, "SlowDown", method="PUT", times=None)

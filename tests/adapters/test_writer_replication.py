@@ -11,6 +11,7 @@ from support import assert_state_equal, blank_like, make_state
 
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageReader, SafeStorageWriter, WriterOptions
+from dcp_safe.topology import Root
 
 
 @pytest.fixture
@@ -71,8 +72,7 @@ def test_replication_to_s3_and_restore_from_s3_alone(
     state = make_state(6)
     writer = SafeStorageWriter(
         tmp_path,
-        replicate_to=s3_root,
-        replicate_storage_options=s3_options,
+        replicate_to=Root(s3_root, storage_options=s3_options),
         options=WriterOptions(compression="zstd"),
     )
     dcp_safe.save(state, checkpoint_id="step_6", storage_writer=writer)

@@ -101,6 +101,7 @@ from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import RankFailedError, RanksTimeoutError, run_ranks
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.testing.s3_proxy import FaultProxy
+from dcp_safe.topology import Root
 
 __all__ = [
     "ChaosNodeLocalWriter",
@@ -281,8 +282,7 @@ def build_manager(job: Job, rank: int) -> CheckpointManager:
         writer = ChaosWriter(
             job.root,
             storage_options=options,
-            replicate_to=job.replica,
-            replicate_storage_options=job.s3_options,
+            replicate_to=None if job.replica is None else Root(job.replica, job.s3_options),
             attempt=job.attempt,
         )
     if job.phase == "faulty":

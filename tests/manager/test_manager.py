@@ -28,6 +28,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manager import HISTORY_FILE, CheckpointManager
 from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.topology import Root
 
 _GATE_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
@@ -421,7 +422,7 @@ def test_the_remote_tier_is_listed_and_read_with_the_replica_storage_options(
     # Only the replica needs endpoint and credentials; the local root takes none.
     local = tmp_path / "local"
     state = make_state(4)
-    writer = SafeStorageWriter(local, replicate_to=s3_root, replicate_storage_options=s3_options)
+    writer = SafeStorageWriter(local, replicate_to=Root(s3_root, storage_options=s3_options))
     with CheckpointManager(local, runtime=Runtime(writer=writer)) as manager:
         handle = manager.save(4, state)
         assert handle is not None

@@ -22,6 +22,7 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV
 from dcp_safe.commit.replica import LeasedReplica
+from dcp_safe.topology import Root
 
 _TIMEOUT_S = 120.0  # only a guard against a hung test
 
@@ -50,8 +51,7 @@ def _writer(local: Path, remote: Remote, attempt: int, thread_count: int = 1) ->
     url, options, exclusive = remote
     writer = SafeStorageWriter(
         local,
-        replicate_to=url,
-        replicate_storage_options=options,
+        replicate_to=Root(url, storage_options=options),
         attempt=attempt,
         options=WriterOptions(fsync=False, thread_count=thread_count),
     )

@@ -18,6 +18,7 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.telemetry import NULL_RECORDER, Phase, Telemetry
+from dcp_safe.topology import Root
 
 DEADLINE_S = 120  # detects hangs only
 
@@ -137,7 +138,7 @@ def test_replicated_save_records_replication_after_the_local_commit(
     s3_root: str,
     s3_options: dict[str, Any],
 ) -> None:
-    writer = SafeStorageWriter(tmp_path, replicate_to=s3_root, replicate_storage_options=s3_options)
+    writer = SafeStorageWriter(tmp_path, replicate_to=Root(s3_root, storage_options=s3_options))
     with CheckpointManager(tmp_path, runtime=Runtime(writer=writer, telemetry=tel)) as manager:
         handle = manager.save(5, make_state(2))
         assert handle is not None
