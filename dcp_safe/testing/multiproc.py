@@ -1,4 +1,4 @@
-"""Run one function on several local CPU ranks, each a spawned process in a gloo process group.
+"""Run one function on several local CPU ranks, each its own process in a gloo process group.
 
 ``run_ranks(fn, world_size)`` is how dcp_safe's own tests (and a user's) exercise real
 multi-rank DCP saves and loads on one machine with no launcher: every rank runs
@@ -13,17 +13,8 @@ once every other rank has reported, the stopped ones count as failed and are kil
 waited for until the deadline (detected through ``/proc``, so on Linux only; elsewhere the
 deadline catches them).
 
-Why a fork server and not a fork of the caller: a child forked from the caller inherits its
-threads' locks in whatever state they were (torch's intra-op pool, gloo and store threads,
-pytest's capture and timeout machinery) and an already-initialized torch, which deadlocks
-intermittently and is exactly what a test harness must not do. Ranks are forked from
-multiprocessing's fork server instead: a process started once from a fresh interpreter that has
-only imported torch (and this package) and runs nothing else, so a rank starts with torch
-imported, not after a few seconds of ``import torch`` as a spawned one would. What a spawn
-would inherit at the call, and a fork server started earlier would not, travels with the rank:
-the caller's environment and its stdout/stderr (pytest's capture of the current test), besides
-the ``sys.path`` and working directory multiprocessing sends itself. Where there is no fork
-server (Windows), ranks are spawned. A rank may itself spawn (DCP's
+Why ranks are forked from a fork server that has imported torch: see
+:mod:`dcp_safe.testing.rank_start`. A rank may itself spawn (DCP's
 ``AsyncCheckpointerType.PROCESS`` starts a checkpoint daemon per rank), which is why ranks are
 not ``daemon`` processes: a daemonic process may not have children. ``fn`` must pickle by
 reference (a module-level function).
@@ -54,14 +45,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import (
-    connection,
-    get_all_start_methods,
-    get_context,
-    parent_process,
-    reduction,
-)
-from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing import connection, parent_process
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -71,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from dcp_safe.errors import DcpSafeError
+from dcp_safe.testing.rank_start import StdStreams, rank_context
 
 __all__ = ["RankFailedError", "RanksTimeoutError", "run_ranks"]
 
@@ -83,8 +68,6 @@ _JOIN_AFTER_KILL_S = 10.0
 _POLL_S = 0.25
 _FINISHED_KEY = "dcp_safe/run_ranks/finished"
 _ALL_FINISHED_KEY = "dcp_safe/run_ranks/all_finished"
-# Imported once by the fork server, so that no rank pays for them (seconds each on a busy host).
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_safe")
 
 
 class RankFailedError(DcpSafeError):
@@ -160,30 +143,13 @@ class _RemoteTraceback(Exception):
 @dataclass(frozen=True)
 class _Payload:
     """What a rank runs: ``(fn, args)`` pickled, where ``fn``'s module lives, and the caller's
-    environment at the call (a fork server holds the one of when it started)."""
+    environment and stdout/stderr at the call (``streams``: ``None`` once taken in the rank)."""
 
     fn_and_args: bytes
     module: str
     module_file: str | None
     environ: dict[str, str]
-
-
-class _StdStreams:
-    """The caller's stdout and stderr descriptors, handed to a rank as a spawn would inherit them.
-
-    Pickled while multiprocessing starts the rank, when ``DupFd`` sends the descriptors along
-    (to the fork server, whose own were the caller's when it started: an earlier test's capture).
-    """
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_adopt_streams, (reduction.DupFd(1), reduction.DupFd(2)))
-
-
-def _adopt_streams(stdout: Any, stderr: Any) -> None:
-    for source, target in ((stdout, 1), (stderr, 2)):
-        fd = source.detach()
-        os.dup2(fd, target)
-        os.close(fd)
+    streams: StdStreams | None
 
 
 @dataclass(frozen=True)
@@ -247,11 +213,15 @@ def run_ranks(
             f"{world_size}, {timeout_s}, {failure_grace_s}"
         )
     payload = _Payload(
-        pickle.dumps((fn, tuple(args))), fn.__module__, _module_file(fn), dict(os.environ)
+        pickle.dumps((fn, tuple(args))),
+        fn.__module__,
+        _module_file(fn),
+        dict(os.environ),
+        StdStreams(),
     )
     deadline = time.monotonic() + timeout_s
     store = TCPStore(HOST, 0, None, True, timeout=timedelta(seconds=timeout_s))
-    ctx = _context()
+    ctx = rank_context()
     procs: list[BaseProcess] = []
     readers: list[connection.Connection] = []
     try:
@@ -259,16 +229,7 @@ def run_ranks(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(
-                    rank,
-                    world_size,
-                    payload,
-                    store.port,
-                    backend,
-                    timeout_s,
-                    writer,
-                    _StdStreams(),
-                ),
+                args=(rank, world_size, payload, store.port, backend, timeout_s, writer),
                 name=f"dcp_safe-rank-{rank}",
             )
             proc.start()
@@ -282,16 +243,6 @@ def run_ranks(
             reader.close()
         del store
     return _results(outcomes, running, procs, timeout_s)
-
-
-def _context() -> ForkServerContext | SpawnContext:
-    """The fork server, preloaded with what every rank imports; spawn where there is none."""
-    if "forkserver" not in get_all_start_methods():
-        return get_context("spawn")
-    ctx = get_context("forkserver")
-    # Takes effect when the server starts (the first call); later calls reuse that server.
-    ctx.set_forkserver_preload(list(_PRELOAD))
-    return ctx
 
 
 def _collect(
@@ -499,9 +450,7 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     out: connection.Connection,
-    streams: None,
 ) -> None:
-    # ``streams`` did its work while unpickling (``_StdStreams``): fds 1 and 2 are the caller's.
     os.setpgid(0, 0)
     _die_with_parent()
     os.environ.clear()
