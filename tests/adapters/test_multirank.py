@@ -1,7 +1,7 @@
 """Real multi-rank DCP saves and loads through SafeStorageWriter/SafeStorageReader on gloo.
 
-Each test launches its ranks once with ``run_ranks`` (a spawn and a torch import per rank, the
-bulk of the runtime) and does its multi-rank work there; rank functions return what they saw
+Each test launches its ranks once with ``run_ranks`` (one process group per launch) and does
+its multi-rank work there; rank functions return what they saw
 and the assertions run here, in the parent, where pytest can explain a mismatch. One-rank
 saves and loads run in the parent itself (no process group, so ``no_dist``).
 """

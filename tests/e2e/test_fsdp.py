@@ -6,8 +6,7 @@ into an FSDP2-sharded model (1 -> 2), check the shards, train a step and save; t
 that back into a plain model (2 -> 1). Every comparison is exact, against full tensors gathered
 with ``full_tensor()`` on the ranks or taken from the unsharded reference.
 
-One ``run_ranks`` launch does all of the two-rank work (the spawn and torch import per rank are
-the bulk of the runtime).
+One ``run_ranks`` launch does all of the two-rank work (one process group for all of it).
 """
 
 from __future__ import annotations
