@@ -406,7 +406,7 @@ def s3_specs(state: State, s3: Any, read_timeout_s: float) -> list[Spec]:
             "torch_fsspec",
             pair=False,
             cleanup=s3_cleanup("fsspec"),
-            make=lambda f: TorchSaver(f"{url}/fsspec", storage_options=opts),
+            make=lambda f: TorchSaver(Root(f"{url}/fsspec", storage_options=opts)),
         ),
         Spec("boto3_floor", run=boto3_floor),
     ]

@@ -552,8 +552,7 @@ def _demo(args: argparse.Namespace, options: dict[str, Any] | None, out: Console
 
     demo_options = DemoOptions(
         root=args.root,
-        remote=args.remote,
-        storage_options=options,
+        remote=None if args.remote is None else Root(args.remote, options),
         steps=args.steps,
         save_every=args.save_every,
     )

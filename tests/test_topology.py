@@ -179,6 +179,10 @@ def test_a_root_carries_its_options_to_every_entry_point(tmp_path: Path) -> None
             "SafeStorageWriter(replicate_storage_options=) moved to replicate_to=Root(url,",
         ),
         (
+            lambda p: NodeLocalWriter(p, remote="r", remote_storage_options={}),
+            "NodeLocalWriter(remote_storage_options=) moved to remote=Root(url,",
+        ),
+        (
             lambda p: Topology.of(p, replicate_to="r", replica_storage_options={}),
             "Topology.of(replica_storage_options=) moved to replicate_to=Root(url,",
         ),

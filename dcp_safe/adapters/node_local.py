@@ -40,7 +40,7 @@ from dcp_safe.replication.rank_upload import (
     report_rank_failure,
     upload_rank_part,
 )
-from dcp_safe.topology import Root, Topology
+from dcp_safe.topology import Root, RootLike, Topology
 
 __all__ = ["NodeLocalOptions", "NodeLocalWriter"]
 
@@ -76,9 +76,9 @@ class NodeLocalWriter(SafeStorageWriter):
     once the remote ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank).
 
     Args:
-        remote: the shared root every rank uploads to (``s3://...`` or a shared directory);
-            not given with a ``Topology``, nor are the next two.
-        remote_storage_options: fsspec options for ``remote`` (default: ``storage_options``).
+        remote: the shared root every rank uploads to (``s3://...`` or a shared directory),
+            with ``storage_options``, or a ``Root`` with its own; not given with a ``Topology``,
+            nor is the next one.
         peer_copies: the topology's peer tier (``Topology.peer_copies``); the manager copies
             node caches to other nodes, this writer only counts their buffers.
         **kwargs: the other :class:`SafeStorageWriter` options (``options.overwrite`` is
@@ -97,8 +97,7 @@ class NodeLocalWriter(SafeStorageWriter):
         self,
         root: str | os.PathLike[str] | Topology,
         *,
-        remote: str | os.PathLike[str] | None = None,
-        remote_storage_options: dict[str, Any] | None = None,
+        remote: RootLike | None = None,
         node_options: NodeLocalOptions | None = None,
         peer_copies: int = 1,
         **kwargs: Any,
@@ -110,11 +109,11 @@ class NodeLocalWriter(SafeStorageWriter):
             if remote is None:
                 raise ConfigError("NodeLocalWriter needs remote=, the shared root")
             options = kwargs.pop("storage_options", None)
-            commit = Root(os.fspath(remote), remote_storage_options or options)
+            commit = remote if isinstance(remote, Root) else Root(os.fspath(remote), options)
             root = Topology(
                 commit, node_cache=Root(os.fspath(root), options), peer_copies=peer_copies
             )
-        elif (remote, remote_storage_options, peer_copies) != (None, None, 1):
+        elif (remote, peer_copies) != (None, 1):
             raise ConfigError(
                 "a Topology root names the remote, its options and peer_copies: give them to"
                 " Topology.of, not to the writer"

@@ -85,8 +85,12 @@ WRITER_MOVED = {
     for name in ("compression", "checksum", "thread_count", "fsync", "overwrite", "signing_key")
 }
 
-#: ``SafeStorageWriter``'s keyword for its replica's fsspec options: they went into its root.
-REPLICA_MOVED = {"replicate_storage_options": "replicate_to=Root(url, storage_options=...)"}
+#: The writers' keywords for the fsspec options of the root they upload to (the second is
+#: ``NodeLocalWriter``'s): they went into that root.
+REPLICA_MOVED = {
+    "replicate_storage_options": "replicate_to=Root(url, storage_options=...)",
+    "remote_storage_options": "remote=Root(url, storage_options=...)",
+}
 
 #: ``SafeStorageReader``'s keywords for the fsspec options of a second root: they went into it.
 READER_MOVED = {

@@ -18,7 +18,6 @@ starts (constructing a writer is not part of a save) and starts the save in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -154,28 +153,27 @@ class TorchSaver:
 
     Args:
         root: local folder, or an fsspec URL (then ``FsspecWriter``, ``sync_files=False``:
-            on a stream ``sync_files=True`` makes torch ``os.sync()`` the whole machine).
+            on a stream ``sync_files=True`` makes torch ``os.sync()`` the whole machine); a
+            ``Root``'s fsspec options are ``FsspecWriter`` keyword arguments.
         staging: see :class:`TorchStaging`.
         zstd: add DCP's ``ZStandard`` extension (local writer only).
-        storage_options: ``FsspecWriter`` keyword arguments for a URL root.
         thread_count: the writer's ``thread_count``.
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: RootLike,
         *,
         staging: TorchStaging = TorchStaging.DEFAULT_ASYNC,
         zstd: bool = False,
-        storage_options: dict[str, Any] | None = None,
         thread_count: int = 1,
     ) -> None:
-        self.root = os.fspath(root)
+        root = as_root(root)
+        self.root, self._fsspec_kwargs = root.url, root.storage_options or {}
         self.remote_root = "://" in self.root
         self.staging = staging
         self.label = f"torch_{staging.value}"
         self.zstd = zstd
-        self.storage_options = storage_options or {}
         self.thread_count = thread_count
         self.stager = _torch_stager(staging)
 
@@ -185,7 +183,7 @@ class TorchSaver:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(
-                path, sync_files=False, thread_count=self.thread_count, **self.storage_options
+                path, sync_files=False, thread_count=self.thread_count, **self._fsspec_kwargs
             )
         extensions = [ZStandard()] if self.zstd else None
         return FileSystemWriter(

@@ -45,7 +45,7 @@ from dcp_safe.manager.options import Runtime, SavePolicy
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry import MemorySampler
 from dcp_safe.telemetry.sources import ProcReader
-from dcp_safe.topology import Root, Topology
+from dcp_safe.topology import Root, RootLike, Topology, as_root
 
 __all__ = [
     "DemoOptions",
@@ -69,9 +69,9 @@ class DemoOptions:
 
     Args:
         root: the local root (default: a new temporary directory, kept afterwards).
-        remote: the replica root, e.g. ``s3://bucket/run`` (default: a bucket on an in-process
-            moto S3 server, gone when the demo ends).
-        storage_options: fsspec options for ``remote`` (endpoint, credentials).
+        remote: the replica root, e.g. ``s3://bucket/run``, or a ``Root`` with its fsspec
+            options (endpoint, credentials) (default: a bucket on an in-process moto S3 server,
+            gone when the demo ends).
         steps: training steps.
         save_every: a checkpoint every this many steps (and one at the last step).
         width: hidden width of the model (its state grows with the square of it).
@@ -82,8 +82,7 @@ class DemoOptions:
     """
 
     root: str | None = None
-    remote: str | None = None
-    storage_options: dict[str, Any] | None = None
+    remote: RootLike | None = None
     steps: int = 40
     save_every: int = 5
     width: int = 768
@@ -164,7 +163,7 @@ def run_demo(options: DemoOptions, say: Say = print) -> DemoReport:
 @contextlib.contextmanager
 def _remote_tier(options: DemoOptions, say: Say) -> Iterator[tuple[Root, str]]:
     if options.remote is not None:
-        yield Root(options.remote, options.storage_options), "as given"
+        yield as_root(options.remote), "as given"
         return
     try:
         from dcp_safe.testing.s3 import start_local_s3

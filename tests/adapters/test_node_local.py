@@ -40,6 +40,7 @@ from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
 from dcp_safe.checkpoints.node_cache import NODE_COMMITTED_MARKER, list_node_caches
 from dcp_safe.errors import ReplicationTimeoutError, UploadTimeoutError
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.topology import Root
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -98,25 +99,21 @@ def _save_on_two_nodes(
 ) -> dict[str, Any]:
     root = roots[rank // RANKS_PER_NODE]
     seen: dict[str, Any] = {}
-    writer = NodeLocalWriter(root, remote=remote, remote_storage_options=options, node_options=FAST)
+    writer = NodeLocalWriter(root, remote=Root(remote, options), node_options=FAST)
     dcp_safe.save(
         _sharded(world_size, _full_state(1)), checkpoint_id="step_1", storage_writer=writer
     )
     seen["committed_save_id"] = writer.replication("step_1").result(timeout=120).save_id
     writer.close(timeout_s=60)
 
-    failing = _UploadFailsOnRank3(
-        root, remote=remote, remote_storage_options=options, node_options=FAST
-    )
+    failing = _UploadFailsOnRank3(root, remote=Root(remote, options), node_options=FAST)
     dcp_safe.save(
         _sharded(world_size, _full_state(2)), checkpoint_id="step_2", storage_writer=failing
     )
     error = failing.replication("step_2").exception(timeout=120)
     seen["failure"] = (type(error).__name__, str(error))
 
-    broken = _WriteFailsOnRank2(
-        root, remote=remote, remote_storage_options=options, node_options=FAST
-    )
+    broken = _WriteFailsOnRank2(root, remote=Root(remote, options), node_options=FAST)
     try:
         dcp_safe.save(
             _sharded(world_size, _full_state(3)), checkpoint_id="step_3", storage_writer=broken

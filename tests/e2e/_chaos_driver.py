@@ -276,7 +276,7 @@ def build_manager(job: Job, rank: int) -> CheckpointManager:
         )
     if node is not None:
         writer = ChaosNodeLocalWriter(
-            node, remote=job.root, remote_storage_options=job.s3_options, attempt=job.attempt
+            node, remote=Root(job.root, job.s3_options), attempt=job.attempt
         )
     else:
         writer = ChaosWriter(
@@ -416,7 +416,7 @@ def _sync_save_s(job: Job, rank: int, state: dict[str, Any]) -> float | None:
     if job.scenario.roots == "node_local":
         node = f"{job.node_dirs[rank // RANKS_PER_NODE]}_{probe}"
         remote = f"{job.root.rsplit('/', 1)[0]}/{probe}"
-        writer = NodeLocalWriter(node, remote=remote, remote_storage_options=job.s3_options)
+        writer = NodeLocalWriter(node, remote=Root(remote, job.s3_options))
     else:
         writer = SafeStorageWriter(str(Path(job.run_dir) / probe))
     started = time.monotonic()

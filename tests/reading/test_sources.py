@@ -35,6 +35,7 @@ from dcp_safe.reading.sources import (
     RejectionReason,
 )
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.topology import Root
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -80,7 +81,7 @@ def _save_on_two_nodes(
     rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]
 ) -> str:
     root = roots[rank // RANKS_PER_NODE]
-    writer = NodeLocalWriter(root, remote=remote, remote_storage_options=options, node_options=FAST)
+    writer = NodeLocalWriter(root, remote=Root(remote, options), node_options=FAST)
     dcp_safe.save(shard_rows(world_size, _full_state(1)), checkpoint_id=NAME, storage_writer=writer)
     save_id = writer.replication(NAME).result(timeout=120).save_id
     writer.close(timeout_s=60)
