@@ -72,6 +72,7 @@ class DemoOptions:
         remote: the replica root, e.g. ``s3://bucket/run``, or a ``Root`` with its fsspec
             options (endpoint, credentials) (default: a bucket on an in-process moto S3 server,
             gone when the demo ends).
+        storage_options: the shorthand of ``Root(remote, storage_options=...)``.
         steps: training steps.
         save_every: a checkpoint every this many steps (and one at the last step).
         width: hidden width of the model (its state grows with the square of it).
@@ -83,6 +84,7 @@ class DemoOptions:
 
     root: str | None = None
     remote: RootLike | None = None
+    storage_options: dict[str, Any] | None = None
     steps: int = 40
     save_every: int = 5
     width: int = 768
@@ -163,7 +165,7 @@ def run_demo(options: DemoOptions, say: Say = print) -> DemoReport:
 @contextlib.contextmanager
 def _remote_tier(options: DemoOptions, say: Say) -> Iterator[tuple[Root, str]]:
     if options.remote is not None:
-        yield as_root(options.remote), "as given"
+        yield as_root(options.remote, options.storage_options), "as given"
         return
     try:
         from dcp_safe.testing.s3 import start_local_s3
