@@ -177,7 +177,7 @@ class LocalBackend(Backend):
         try:
             with self._beneath.parent(rel) as (folder, name):
                 try:
-                    self._write_new(folder, name, rel, data)
+                    self._link_new(folder, name, rel, data)
                     return
                 except FileExistsError:
                     if exclusive:
@@ -201,6 +201,26 @@ class LocalBackend(Backend):
             with suppress(OSError):
                 os.unlink(temp, dir_fd=folder)
             raise self._fail("rename", rel, exc) from exc
+
+    def _link_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
+        """Write ``data`` aside and link it in as ``name``, which must not exist: ranks poll a
+        folder and read a report or marker as soon as its name shows, so it shows whole. The
+        link, unlike a rename, refuses a name that exists (an exclusive create stays one).
+
+        Raises:
+            FileExistsError: ``name`` exists.
+        """
+        temp = layout.temp_file_name(name)
+        self._write_new(folder, temp, rel, data)
+        try:
+            os.link(temp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise self._fail("create", rel, exc) from exc
+        finally:
+            with suppress(OSError):
+                os.unlink(temp, dir_fd=folder)
 
     def _write_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL

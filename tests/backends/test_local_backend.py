@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,45 @@ def test_exclusive_small_write_is_exclusive(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         backend.write_bytes("marker", b"b", exclusive=True)
     assert backend.read_bytes("marker") == b"a"
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_a_small_file_appears_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exclusive: bool
+) -> None:
+    # Ranks poll a folder for each other's reports and markers and read one as soon as its name
+    # is listed: a name that showed before its bytes were written read as empty JSON.
+    backend = LocalBackend(str(tmp_path))
+    halfway, resume = threading.Event(), threading.Event()
+    write = os.write
+
+    def slow_write(fd: int, data: bytes | memoryview) -> int:
+        if threading.current_thread().name == "writer" and not halfway.is_set():
+            halfway.set()
+            written = write(fd, bytes(data[:1]))
+            resume.wait(30)
+            return written
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", slow_write)
+    writer = threading.Thread(
+        target=backend.write_bytes,
+        args=("report", b'{"rank": 1}'),
+        name="writer",
+        kwargs={"exclusive": exclusive},
+    )
+    writer.start()
+    try:
+        assert halfway.wait(30)
+        assert "report" not in backend.list_dir("")  # only a hidden temporary so far
+    finally:
+        resume.set()
+        writer.join(30)
+    assert backend.read_bytes("report") == b'{"rank": 1}'
+    assert backend.list_dir("") == ["report"]  # the temporary is gone
+    with pytest.raises(FileExistsError):
+        backend.write_bytes("report", b"other", exclusive=True)
+    assert backend.read_bytes("report") == b'{"rank": 1}' and backend.list_dir("") == ["report"]
 
 
 def _dir(root: Path, name: str, content: bytes) -> None:

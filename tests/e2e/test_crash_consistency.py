@@ -654,6 +654,14 @@ def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
 # --------------------------------------------------------------------------- durability order
 
 
+def _linked_as(path: str) -> str:
+    """The name a file written aside under ``path`` (a temporary name) is linked in as."""
+    folder, leaf = os.path.split(path)
+    if leaf.startswith(".") and layout.TEMP_INFIX in leaf:
+        return os.path.join(folder, leaf[1 : leaf.index(layout.TEMP_INFIX)])
+    return path
+
+
 def test_everything_published_was_fsynced_before_the_rename(tmp_path: Path) -> None:
     """A power cut loses unsynced data, which SIGKILL does not; so check the order directly:
     every file and directory of the checkpoint is fsynced before the publishing rename, each
@@ -679,7 +687,12 @@ def test_everything_published_was_fsynced_before_the_rename(tmp_path: Path) -> N
         log.write_text("\n".join(events))  # the parent does not share this process's memory
 
     assert fork_and_wait(child) == CHILD_DONE
-    events = [tuple(line.split("\t")) for line in log.read_text().splitlines()]
+    # A small file (a marker, a manifest) is written and fsynced aside, then linked in whole as
+    # its name (LocalBackend.write_bytes): its fsync is that name's.
+    events = [
+        (kind, _linked_as(path) if kind == "fsync" else path)
+        for kind, path in (tuple(line.split("\t")) for line in log.read_text().splitlines())
+    ]
     root = os.path.realpath(tmp_path)
     published = os.path.join(root, "step_1")
     renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
