@@ -35,7 +35,6 @@ with one), and 100 fresh processes: over ten times the default in each.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import select
@@ -285,56 +284,20 @@ def _sweep(
                 save(root)
 
             children.append((kill_at, root, start_fork(child)))
-        statuses = [wait_fork(pid) for _, _, pid in children]
-        for status in statuses:
+        for kill_at, root, pid in children:
+            status = wait_fork(pid)
             assert status in (CHILD_DONE, killed), f"child failed ({status}), see stderr"
-        # The batch's checks run at once too, each in its own forked child (one per core).
-        checks = [(kill_at, _start_check(check, next_saves, root)) for kill_at, root, _ in children]
-        for (kill_at, (pid, result)), status in zip(checks, statuses, strict=True):
             where = labels[kill_at - 1] if kill_at <= len(labels) else "none: ran to completion"
             report.kill_points += 1
             try:
-                held = _finish_check(pid, result)
+                held = check(root)
+                next_saves(root)
             except AssertionError as exc:
                 report.failed(f"killed before op {kill_at} ({where})", exc)
                 continue
             report.outcomes["completed" if status == CHILD_DONE else held] += 1
     assert status == CHILD_DONE, "a save given every operation did not complete"
     return report
-
-
-_CHECK_ERRORS: dict[str, type[AssertionError]] = {
-    error.__name__: error for error in (AssertionError, CorruptPublish, LastGoodLost)
-}
-
-
-def _start_check(
-    check: Callable[[Path], str], next_saves: Callable[[Path], None], root: Path
-) -> tuple[int, Path]:
-    """Run ``check`` then ``next_saves`` on ``root`` in a forked child; its pid and the file
-    where it writes what ``check`` returned or which assertion failed."""
-    result = root.with_name(f"{root.name}.check.json")
-
-    def child() -> None:
-        try:
-            outcome = {"held": check(root)}
-            next_saves(root)
-        except AssertionError as exc:
-            name = type(exc).__name__ if type(exc).__name__ in _CHECK_ERRORS else "AssertionError"
-            outcome = {"error": name, "message": str(exc)}
-        result.write_text(json.dumps(outcome))
-
-    return start_fork(child), result
-
-
-def _finish_check(pid: int, result: Path) -> str:
-    """What ``check`` returned in the child; its assertion raised again here."""
-    status = wait_fork(pid)
-    assert status == CHILD_DONE, f"the check failed with an error ({status}), see stderr"
-    outcome = json.loads(result.read_text())
-    if "error" in outcome:
-        raise _CHECK_ERRORS[outcome["error"]](outcome["message"])
-    return str(outcome["held"])
 
 
 _KEEP_ALWAYS = ("renameat2", "rename", "unlink", "rmdir")
