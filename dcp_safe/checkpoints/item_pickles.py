@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dcp_safe.checkpoints.torch_zip import MemorySource, TorchArchive
-from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
+from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, UnsafeCheckpointError
 from dcp_safe.manifest.dcp_metadata import MAX_DIMS
 from dcp_safe.manifest.limits import MAX_INT
 from dcp_safe.torch_compat import STORAGE_MODULES, TENSOR_REBUILDERS, storage_dtypes
@@ -184,6 +184,22 @@ class ItemUnpickler(pickle.Unpickler):
         self.storages: dict[str, _Storage] = {}
         self.built: list[torch.Tensor] = []
 
+    def load_checked(self, what: str) -> Any:
+        """:meth:`load`, its errors typed: a refusal unsafe, anything else malformed bytes make
+        the unpickler or torch raise corrupt (``what`` the item should have been)."""
+        try:
+            return self.load()
+        except DcpSafeError:
+            raise
+        except Refused as exc:
+            raise UnsafeCheckpointError(
+                self.path, str(exc), item=self.item, because=exc.because
+            ) from None
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                self.path, f"not {what} ({type(exc).__name__}: {str(exc)[:200]})", item=self.item
+            ) from None
+
     def refuse(self, what: str) -> UnsafeCheckpointError:
         kind = "object is not plain data" if self.plain_data else "item is not a plain tensor"
         return UnsafeCheckpointError(
@@ -198,7 +214,7 @@ class ItemUnpickler(pickle.Unpickler):
             module = "builtins"
         rebuilder = TENSOR_REBUILDERS.get((module, name))
         if rebuilder == "tensor_v2":
-            return self.rebuild_v2
+            return self.tensor
         if rebuilder == "tensor_v3":
             return self.rebuild_v3
         if rebuilder == "parameter" and self.plain_data:
@@ -250,32 +266,11 @@ class ItemUnpickler(pickle.Unpickler):
             tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
-    def rebuild_v2(
-        self,
-        storage: object,
-        offset: object,
-        size: object,
-        stride: object,
-        requires_grad: object,
-        hooks: object,
-        metadata: object = None,
-    ) -> torch.Tensor:
-        return self.tensor(storage, offset, size, stride, requires_grad, hooks, None, metadata)
-
-    def rebuild_v3(
-        self,
-        storage: object,
-        offset: object,
-        size: object,
-        stride: object,
-        requires_grad: object,
-        hooks: object,
-        dtype: object,
-        metadata: object = None,
-    ) -> torch.Tensor:
-        if not isinstance(dtype, torch.dtype):
+    def rebuild_v3(self, *args: object) -> torch.Tensor:
+        """``_rebuild_tensor_v3``: v2's arguments with a dtype before the metadata."""
+        if len(args) not in (7, 8) or not isinstance(args[6], torch.dtype):
             raise pickle.UnpicklingError("a tensor's dtype is not a dtype")
-        return self.tensor(storage, offset, size, stride, requires_grad, hooks, dtype, metadata)
+        return self.tensor(*args[:6], *args[7:], dtype=args[6])
 
     def tensor(
         self,
@@ -285,9 +280,11 @@ class ItemUnpickler(pickle.Unpickler):
         stride: object,
         requires_grad: object,
         hooks: object,
-        dtype: torch.dtype | None,
-        metadata: object,
+        metadata: object = None,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """``_rebuild_tensor_v2`` (the storage's dtype), or v3's with ``dtype``."""
         if not isinstance(storage, _Storage) or storage.owner is not self:
             raise self.refuse("a tensor over a storage that is not one of the item's records")
         if (dtype is None) == storage.kind.untyped:

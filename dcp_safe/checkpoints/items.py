@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any, BinaryIO
 
 import torch
 import zstandard
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_safe.checkpoints.item_pickles import TENSOR_MAX_OPS, ItemUnpickler, Refused, scan
+from dcp_safe.checkpoints.item_pickles import TENSOR_MAX_OPS, ItemUnpickler, scan
 from dcp_safe.checkpoints.torch_zip import MemorySource, Source, TorchArchive, open_archive
-from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, UnsafeCheckpointError
-from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dcp_safe.manifest.schema import ItemKey, item_key
-from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.manifest.streams import read_verified
 from dcp_safe.torch_compat import ZStandard
+
+# The reader's name for it: one item's bytes, read and checked before anything decodes them.
+read_item = read_verified
 
 __all__ = [
     "OBJECT_MAX_DECODED_BYTES",
@@ -34,7 +35,6 @@ __all__ = [
     "decode_tensor_item",
     "decode_transforms",
     "item_archive",
-    "load_plain",
     "read_item",
     "stored_tensors",
     "tensor_item_bound",
@@ -75,29 +75,6 @@ def tensor_item_bound(dtype: torch.dtype, shape: Iterable[int]) -> int:
     for size in shape:
         count *= size
     return count * max(1, dtype.itemsize) + TENSOR_ARCHIVE_BYTES
-
-
-def read_item(
-    stream: BinaryIO, *, path: str, item: str, start: int, length: int, checksum: str | None
-) -> bytearray:
-    """Read ``length`` bytes at ``start`` into a ``bytearray`` (decoded tensors share its
-    memory) and check them against ``checksum`` (if given).
-
-    Raises:
-        CheckpointCorruptError: a short read (a truncated file) or a checksum mismatch.
-    """
-    data = bytearray(length)
-    stream.seek(start)
-    got = read_fully(stream, memoryview(data))
-    if got != length:
-        raise short_read(path, item, length, got)
-    if checksum is not None:
-        actual = digest_bytes(data, ChecksumAlgorithm(checksum.partition(":")[0]))
-        if actual != checksum:
-            raise CheckpointCorruptError(
-                path, "checksum mismatch", item=item, expected=checksum, actual=actual
-            )
-    return data
 
 
 def decode_transforms(
@@ -207,7 +184,7 @@ def decode_tensor_item(
     unpickler = ItemUnpickler(
         archive, pickled, path, item, plain_data=False, materialize=materialize
     )
-    tensor = _load(unpickler, path, item, "a saved tensor")
+    tensor = unpickler.load_checked("a saved tensor")
     if not isinstance(tensor, torch.Tensor) or not any(tensor is t for t in unpickler.built):
         raise CheckpointCorruptError(path, "not a saved tensor", item=item)
     if tensor.dtype != dtype or tuple(tensor.shape) != shape:
@@ -219,21 +196,3 @@ def decode_tensor_item(
             actual=(str(tensor.dtype), list(tensor.shape)),
         )
     return tensor
-
-
-def _load(unpickler: ItemUnpickler, path: str, item: str, what: str) -> Any:
-    try:
-        return unpickler.load()
-    except DcpSafeError:
-        raise
-    except Refused as exc:
-        raise UnsafeCheckpointError(path, str(exc), item=item, because=exc.because) from None
-    except Exception as exc:  # whatever malformed bytes make the unpickler or torch raise
-        raise CheckpointCorruptError(
-            path, f"not {what} ({type(exc).__name__}: {str(exc)[:200]})", item=item
-        ) from None
-
-
-def load_plain(unpickler: ItemUnpickler, path: str, item: str) -> Any:
-    """``unpickler``'s object (an object item's), errors typed."""
-    return _load(unpickler, path, item, "a saved object")

@@ -11,7 +11,9 @@ decoded, and a checkpoint without plain metadata is skipped rather than unpickle
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, BinaryIO
+
+import torch
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.items import (
@@ -28,13 +30,7 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.manifest.streams import read_verified
 
-__all__ = ["check_loadable", "object_items"]
-
-
-def object_items(manifest: Manifest) -> list[ItemRecord]:
-    """The items a load hands to DCP's ``load_bytes`` (unpickled), in file order."""
-    found = [item for item in manifest.items if item.offset is None]
-    return sorted(found, key=lambda item: (item.file, item.start))
+__all__ = ["check_loadable"]
 
 
 def check_loadable(
@@ -54,7 +50,8 @@ def check_loadable(
         return 0
     metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)
     tensors = stored_tensors(metadata)
-    objects = [] if allow_pickle else object_items(manifest)
+    # An object item is what a load hands to DCP's load_bytes (unpickled).
+    objects = [] if allow_pickle else [item for item in manifest.items if item.offset is None]
     checked = [item for item in manifest.items if item.key in tensors] + objects
     ordered = sorted(checked, key=lambda i: (i.file, i.start))
     for file_name, group in itertools.groupby(ordered, key=lambda i: i.file):
@@ -63,19 +60,23 @@ def check_loadable(
         try:
             with backend.open_read(rel) as stream:
                 for item in group:
-                    if item.offset is None:
-                        _check_object(stream, path, item)
-                    else:
-                        dtype, shape = tensors[item.key]
-                        _check_tensor(stream, path, item, dtype, shape)
+                    _check_item(stream, path, item, tensors.get(item.key))
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
     return len(objects)
 
 
-def _check_tensor(stream: Any, path: str, item: ItemRecord, dtype: Any, shape: Any) -> None:
+def _check_item(
+    stream: BinaryIO, path: str, item: ItemRecord, tensor: tuple[torch.dtype, Any] | None
+) -> None:
+    """Decode one item as a load would, reading no tensor bytes: an object item when ``tensor``
+    (its stored dtype and shape) is None; an uncompressed tensor item checked in place."""
     label = item.describe()
-    if item.transforms:
+    data: Any
+    if tensor is not None and not item.transforms:
+        data = StreamSource(stream, item.start, item.length)
+    else:
+        bound = OBJECT_MAX_DECODED_BYTES if tensor is None else tensor_item_bound(*tensor)
         raw = read_verified(
             stream,
             path=path,
@@ -84,20 +85,10 @@ def _check_tensor(stream: Any, path: str, item: ItemRecord, dtype: Any, shape: A
             length=item.length,
             checksum=item.checksum,
         )
-        data: Any = decode_transforms(
-            raw, item.transforms, max_bytes=tensor_item_bound(dtype, shape), path=path, item=label
-        )
+        data = decode_transforms(raw, item.transforms, max_bytes=bound, path=path, item=label)
+    if tensor is None:
+        decode_object(data, path, label, materialize=False)
     else:
-        data = StreamSource(stream, item.start, item.length)
-    decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label, materialize=False)
-
-
-def _check_object(stream: Any, path: str, item: ItemRecord) -> None:
-    label = item.describe()
-    raw = read_verified(
-        stream, path=path, item=label, start=item.start, length=item.length, checksum=item.checksum
-    )
-    data = decode_transforms(
-        raw, item.transforms, max_bytes=OBJECT_MAX_DECODED_BYTES, path=path, item=label
-    )
-    decode_object(data, path, label, materialize=False)
+        decode_tensor_item(
+            data, dtype=tensor[0], shape=tensor[1], path=path, item=label, materialize=False
+        )

@@ -1,10 +1,11 @@
 """Loading what a checkpoint pickled, without running code from storage.
 
-``.metadata`` is unpickled only for a root the caller trusts (``allow_pickle=True``); loads
-read the manifest's plain form instead. A non-tensor item is decoded by dcp_safe's bounded
-unpickler (:mod:`dcp_safe.checkpoints.item_pickles`) and DCP's planner is handed a stream
-re-serialized from that safe value, so it can only rebuild what was admitted; an ``io.BytesIO``
-entry is rebuilt from its bytes by :class:`_BytesIOUnpickler`, an exact decoder of what
+``.metadata`` is unpickled only for a root the caller trusts (``allow_pickle=True``:
+:mod:`dcp_safe.checkpoints.metadata`); loads read the manifest's plain form instead. A
+non-tensor item is decoded by dcp_safe's bounded unpickler
+(:mod:`dcp_safe.checkpoints.item_pickles`) and DCP's planner is handed a stream re-serialized
+from that safe value, so it can only rebuild what was admitted; an ``io.BytesIO`` entry is
+rebuilt from its bytes by :class:`_BytesIOUnpickler`, an exact decoder of what
 ``torch.save(BytesIO)`` writes. Anything else raises
 :class:`~dcp_safe.errors.UnsafeCheckpointError`. The threat model: docs/integrity.md, "Loading
 never runs code from the checkpoint".
@@ -21,13 +22,12 @@ from typing import Any
 
 import torch
 
-from dcp_safe import layout
 from dcp_safe.checkpoints.item_pickles import OBJECT_MAX_OPS, ItemUnpickler, latin1, scan
-from dcp_safe.checkpoints.items import item_archive, load_plain
+from dcp_safe.checkpoints.items import item_archive
 from dcp_safe.checkpoints.torch_zip import MAX_RECORDS
 from dcp_safe.errors import UnsafeCheckpointError
 
-__all__ = ["decode_object", "load_metadata", "sanitized_object_stream"]
+__all__ = ["decode_object", "sanitized_object_stream"]
 
 #: The deepest nesting of containers an object item may hold (honest states: a handful).
 MAX_NESTING = 100
@@ -35,17 +35,6 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 # What torch.save writes for a BytesIO and nothing else may use.
 _BYTES_IO_OPS = frozenset(("NEWOBJ", "BUILD"))
-
-
-def load_metadata(raw: bytes, path: str, *, allow_pickle: bool = False) -> Any:
-    """Unpickle ``.metadata``: only for a root the caller trusts as code.
-
-    Raises:
-        UnsafeCheckpointError: without ``allow_pickle``: nothing is unpickled.
-    """
-    if not allow_pickle:
-        raise UnsafeCheckpointError(path, f"DCP's {layout.DCP_METADATA} is a pickle")
-    return pickle.loads(raw)  # the caller trusts this root
 
 
 def decode_object(
@@ -75,7 +64,7 @@ def decode_object(
     unpickler = ItemUnpickler(
         archive, pickled, path, item, plain_data=True, materialize=materialize
     )
-    value = load_plain(unpickler, path, item)
+    value = unpickler.load_checked("a saved object")
     _check_depth(value, path, item)
     return value
 

@@ -17,9 +17,10 @@ and a large checkpoint lists one digest per 4 MiB.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, new_hasher
 from dcp_safe.manifest.limits import require_int
@@ -69,12 +70,7 @@ class BlockDigests:
         return begin, min(begin + self.block_bytes, self.length)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "at": self.at,
-            "bytes": self.block_bytes,
-            "digests": list(self.digests),
-            "length": self.length,
-        }
+        return cast(dict[str, Any], json.loads(self.to_json_text()))
 
     def to_json_text(self) -> str:
         """Canonical JSON (sorted keys, no spaces), as the manifest writes its records."""

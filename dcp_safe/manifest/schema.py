@@ -15,9 +15,9 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring_ascii
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
@@ -93,17 +93,7 @@ class ItemRecord:
         return (self.fqn, self.offset)
 
     def to_dict(self) -> dict[str, Any]:
-        blocks = {} if self.blocks is None else {"blocks": self.blocks.to_dict()}
-        return {
-            **blocks,
-            "fqn": self.fqn,
-            "offset": None if self.offset is None else list(self.offset),
-            "file": self.file,
-            "start": self.start,
-            "length": self.length,
-            "checksum": self.checksum,
-            "transforms": list(self.transforms),
-        }
+        return cast(dict[str, Any], json.loads(self.to_json_text()))
 
     def to_json_text(self) -> str:
         """``to_dict`` as canonical JSON text (sorted keys, no spaces), with no dict between:
@@ -159,7 +149,7 @@ class FileRecord:
             _require_checksum(self.checksum)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "checksum": self.checksum}
+        return cast(dict[str, Any], json.loads(self.to_json_text()))
 
     def to_json_text(self) -> str:
         """``to_dict`` as canonical JSON text (see :meth:`ItemRecord.to_json_text`)."""
@@ -179,6 +169,7 @@ class FileRecord:
 
 _ITEM_KEYS = frozenset(("fqn", "offset", "file", "start", "length", "checksum", "transforms"))
 _FILE_KEYS = frozenset(("path", "size", "checksum"))
+_RECORDS = frozenset(("files", "items"))
 _KNOWN_ALGORITHMS = frozenset(a.value for a in ChecksumAlgorithm)
 _MAX_CHECKSUM_CHARS = 512
 _MAX_TRANSFORM_CHARS = 64
@@ -275,12 +266,19 @@ class _Document:
     items: tuple[ItemRecord, ...]
 
     def _head(self) -> dict[str, Any]:
-        """The top-level fields but the records."""
-        raise NotImplementedError
+        """The top-level fields but the records; ``dcp_metadata`` left out when absent, so such
+        a manifest is byte for byte what older versions wrote."""
+        head = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)  # type: ignore[arg-type]
+            if f.name[0] != "_" and f.name not in _RECORDS
+        }
+        if "dcp_metadata" in head and head["dcp_metadata"] is None:
+            del head["dcp_metadata"]
+        return {**head, "format": self._FORMAT}
 
     def to_dict(self) -> dict[str, Any]:
-        files, items = [f.to_dict() for f in self.files], [i.to_dict() for i in self.items]
-        return {**self._head(), "files": files, "items": items}
+        return cast(dict[str, Any], json.loads(self.to_json()))
 
     def to_json(self) -> bytes:
         return _dumps_with_records(self._head(), self.files, self.items)
@@ -306,16 +304,6 @@ class RankManifest(_Document):
     def __post_init__(self) -> None:
         _require_common(self)
         require_int("rank", self.rank)
-
-    def _head(self) -> dict[str, Any]:
-        return {
-            "format": self._FORMAT,
-            "version": self.version,
-            "name": self.name,
-            "save_id": self.save_id,
-            "rank": self.rank,
-            "checksum_algorithm": self.checksum_algorithm,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,24 +359,6 @@ class Manifest(_Document):
 
     def file(self, path: str) -> FileRecord | None:
         return self._by_path.get(path)
-
-    def _head(self) -> dict[str, Any]:
-        return {
-            "format": self._FORMAT,
-            "version": self.version,
-            "name": self.name,
-            "save_id": self.save_id,
-            "world_size": self.world_size,
-            "created_at": self.created_at,
-            "checksum_algorithm": self.checksum_algorithm,
-            "compression": self.compression,
-            "dcp_safe_version": self.dcp_safe_version,
-            "torch_version": self.torch_version,
-            "step": self.step,
-            "attempt": self.attempt,
-            # Left out when absent: such a manifest is byte for byte what older versions wrote.
-            **({} if self.dcp_metadata is None else {"dcp_metadata": self.dcp_metadata}),
-        }
 
 
 def manifest_digest(data: bytes) -> str:

@@ -161,19 +161,20 @@ def short_read(path: str, item: str | None, expected: int, actual: int) -> Check
 
 def read_verified(
     stream: BinaryIO, *, path: str, item: str | None, start: int, length: int, checksum: str | None
-) -> bytes:
-    """Read ``length`` bytes at ``start`` and check them against ``checksum`` (if given).
+) -> bytearray:
+    """Read ``length`` bytes at ``start`` into a ``bytearray`` (decoded tensors may share its
+    memory) and check them against ``checksum`` (if given).
 
     Raises:
         CheckpointCorruptError: short read (a truncated file) or checksum mismatch.
     """
+    data = bytearray(length)
     stream.seek(start)
-    data = stream.read(length)
-    if len(data) != length:
-        raise short_read(path, item, length, len(data))
+    got = read_fully(stream, memoryview(data))
+    if got != length:
+        raise short_read(path, item, length, got)
     if checksum is not None:
-        algorithm = ChecksumAlgorithm(checksum.partition(":")[0])
-        actual = digest_bytes(data, algorithm)
+        actual = digest_bytes(data, checksum.partition(":")[0])
         if actual != checksum:
             raise CheckpointCorruptError(
                 path, "checksum mismatch", item=item, expected=checksum, actual=actual
