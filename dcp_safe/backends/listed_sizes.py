@@ -8,8 +8,6 @@ called missing (the error stays what a lone ``size`` would raise).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dcp_safe.backends.backend import Backend
 
 __all__ = ["ListedSizes"]
@@ -20,10 +18,9 @@ class ListedSizes:
 
     Args:
         base: the folder that the relative paths given to :meth:`size` start from.
-        lister: lists one folder (a path relative to the backend's root) as ``{name: size}``;
-            :meth:`Backend.sizes` by default. A caller that lists folders ahead (in parallel)
-            passes them as ``listed``.
-        listed: folders already listed, by path relative to ``base`` (``""``: ``base`` itself).
+        listed: folders already listed, by path relative to ``base`` (``""``: ``base`` itself),
+            by a caller that lists them ahead (in parallel); the others with
+            :meth:`Backend.sizes`.
     """
 
     def __init__(
@@ -31,12 +28,10 @@ class ListedSizes:
         backend: Backend,
         base: str,
         *,
-        lister: Callable[[str], dict[str, int]] | None = None,
         listed: dict[str, dict[str, int]] | None = None,
     ) -> None:
         self.backend = backend
         self.base = base
-        self._lister = lister if lister is not None else backend.sizes
         self.listed: dict[str, dict[str, int]] = listed if listed is not None else {}
 
     def path(self, rel: str) -> str:
@@ -48,10 +43,10 @@ class ListedSizes:
 
         Raises:
             FileNotFoundError: neither its folder's listing nor a lone ``size`` call found it.
-            OSError: storage failed (whatever the lister or :meth:`Backend.size` raise).
+            OSError: storage failed (whatever :meth:`Backend.sizes` or :meth:`Backend.size` raise).
         """
         folder, _, name = rel.rpartition("/")
         if folder not in self.listed:
-            self.listed[folder] = self._lister(self.path(folder) if folder else self.base)
+            self.listed[folder] = self.backend.sizes(self.path(folder) if folder else self.base)
         found = self.listed[folder].get(name)
         return self.backend.size(self.path(rel)) if found is None else found

@@ -9,15 +9,13 @@ typed, the lowest failing rank first.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -27,7 +25,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.report import RankReport
+from dcp_safe.commit.report import RankReport, report_for
 from dcp_safe.commit.results import (
     bytes_by_file,
     check_every_item_written,
@@ -41,7 +39,6 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     DcpSafeError,
-    StorageError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
@@ -62,10 +59,8 @@ log = logging.getLogger(__name__)
 #: Storage calls the coordinator keeps in flight while it checks the ranks' outputs.
 DEFAULT_COMMIT_WORKERS = 16
 MAX_COMMIT_WORKERS = 256
-# Runs of tasks per worker: more than one, so a slow run does not leave the others idle.
-_RUNS_PER_WORKER = 4
-# Reads per run at most: how many rank manifests one hand-off to a worker carries.
-_MAX_RUN = 8
+# Rank manifests read ahead of the checks, per worker: a worker never waits for the checks.
+_READ_AHEAD = 8
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -211,48 +206,59 @@ class Committer:
     ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
         """Check every rank's manifest and size every shard file, ``workers`` calls at a time.
 
-        Returns, per rank in order, its shard files and the record of its rank manifest.
+        A rank that sent no report has its manifest read back and checked against its results,
+        then goes on as if it had reported it. Returns, per rank in order, its shard files and
+        the record of its rank manifest.
         """
         ranks = sorted(per_rank)
         unreported = [rank for rank in ranks if rank not in reports]
-        with self._pool() as pool:
-            listing = _Deferred(pool, lambda: self._list(work_dir))
-            manifests = _Deferred(
-                pool, lambda: self._list(f"{work_dir}/{layout.RANKS_DIR}") if reports else {}
-            )
-            read = self._read_then_check(
-                pool,
-                unreported,
-                lambda rank: self._read_rank(work_dir, rank),
-                lambda rank, raw: self._check_rank(work_dir, name, save_id, rank, raw, per_rank),
-            )
-            sizes = ListedSizes(
-                self.backend,
-                work_dir,
-                lister=self._list,
-                listed={"": listing.result(), layout.RANKS_DIR: manifests.result()},
-            )
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="dcp_safe-commit") as pool:
+            try:
+                listing = pool.submit(self.backend.sizes, work_dir)
+                ranks_dir = f"{work_dir}/{layout.RANKS_DIR}"
+                manifests = pool.submit(self.backend.sizes, ranks_dir) if reports else None
+                read = self._read_then_check(
+                    pool,
+                    unreported,
+                    lambda rank: self._read_rank(work_dir, rank),
+                    lambda rank, raw: self._report_of(work_dir, name, save_id, rank, raw, per_rank),
+                )
+                listed = {
+                    "": listing.result(),
+                    layout.RANKS_DIR: manifests.result() if manifests else {},
+                }
+            except BaseException:
+                # The calls not yet started are cancelled and the running ones waited for, so
+                # that no call touches storage after we return.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        sizes = ListedSizes(self.backend, work_dir, listed=listed)
         read_back = dict(zip(unreported, read, strict=True))
         checked = []
         for rank in ranks:
             report = reports.get(rank)
             if report is None:
-                files, covered, manifest_file = read_back[rank]
+                report = read_back[rank]
             else:
                 self._check_report(name, save_id, rank, report)
-                self._check_manifest_stored(sizes, rank, report.manifest)
-                files, covered, manifest_file = (
-                    report.files,
-                    bytes_by_file(per_rank[rank]),
-                    report.manifest,
-                )
-            unlisted = covered.keys() - {file.path for file in files}
+                missing = "a rank manifest is missing or unreadable"
+                stored = self._listed_size(sizes, rank, report.manifest, missing=missing)
+                if stored != report.manifest.size:
+                    raise CommitError(
+                        "a rank manifest on storage is not the one its rank wrote",
+                        {
+                            rank: f"{sizes.path(report.manifest.path)}: on storage {stored} bytes,"
+                            f" written {report.manifest.size}"
+                        },
+                    )
+            covered = bytes_by_file(per_rank[rank])
+            unlisted = covered.keys() - {file.path for file in report.files}
             if unlisted:
                 raise CommitError(
                     "a rank's items lie in a file its manifest does not list",
                     {rank: ", ".join(sorted(unlisted)[:5])},
                 )
-            for file in files:
+            for file in report.files:
                 actual = self._listed_size(sizes, rank, file)
                 covered_bytes = covered.get(file.path, 0)
                 if not actual == file.size == covered_bytes:
@@ -263,57 +269,30 @@ class Committer:
                     raise CommitError(
                         "a shard file is not the size its items add up to", {rank: detail}
                     )
-            checked.append((files, manifest_file))
+            checked.append((report.files, report.manifest))
         return checked
-
-    @contextlib.contextmanager
-    def _pool(self) -> Iterator[ThreadPoolExecutor | None]:
-        """The bounded pool for one publish; None with one worker (everything runs inline)."""
-        if self.workers == 1:
-            yield None
-            return
-        # On an error, the calls not yet started are cancelled and the running ones waited for,
-        # so that no call touches storage after we return.
-        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="dcp_safe-commit")
-        try:
-            yield pool
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
 
     def _read_then_check(
         self,
-        pool: ThreadPoolExecutor | None,
+        pool: ThreadPoolExecutor,
         tasks: Sequence[T],
         read: Callable[[T], bytes],
         check: Callable[[T, bytes], R],
     ) -> list[R]:
-        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads in short runs,
-        at most ``2 x workers`` runs ahead; the checks on this thread, in order. The first error
+        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads, at most
+        ``_READ_AHEAD x workers`` ahead; the checks on this thread, in order. The first error
         in task order is raised.
 
         Checks hold the interpreter lock (parsing): on the workers they contended for it.
         """
-        runs = _split(tasks, max(self.workers * _RUNS_PER_WORKER, -(-len(tasks) // _MAX_RUN)))
-        if pool is None or len(runs) <= 1:
-            return [check(task, read(task)) for task in tasks]
-        pending = iter(runs)
-        ahead: deque[tuple[Sequence[T], Future[list[bytes]]]] = deque()
-
-        def read_ahead() -> None:
-            run = next(pending, None)
-            if run is not None:
-                ahead.append((run, pool.submit(lambda tasks: [read(t) for t in tasks], run)))
-
-        for _ in range(2 * self.workers):
-            read_ahead()
+        ahead: deque[Future[bytes]] = deque()
         results: list[R] = []
+        for task in tasks:
+            ahead.append(pool.submit(read, task))
+            if len(ahead) > _READ_AHEAD * self.workers:
+                results.append(check(tasks[len(results)], ahead.popleft().result()))
         while ahead:
-            run, future = ahead.popleft()
-            raws = future.result()
-            read_ahead()
-            results += [check(task, raw) for task, raw in zip(run, raws, strict=True)]
+            results.append(check(tasks[len(results)], ahead.popleft().result()))
         return results
 
     def _read_rank(self, work_dir: str, rank: int) -> bytes:
@@ -324,7 +303,7 @@ class Committer:
         except (FileNotFoundError, DcpSafeError) as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
 
-    def _check_rank(
+    def _report_of(
         self,
         work_dir: str,
         name: str,
@@ -332,28 +311,20 @@ class Committer:
         rank: int,
         raw: bytes,
         per_rank: Mapping[int, list[ItemRecord]],
-    ) -> tuple[tuple[FileRecord, ...], dict[str, int], FileRecord]:
-        """Check one rank's manifest against the rank's results.
-
-        Returns its files, the bytes its items cover per file, and its own record; the items are
-        dropped, as they equal the rank's results (thousands of ranks' copies would pile up).
+    ) -> RankReport:
+        """The report of a rank manifest read back, once checked against the rank's results
+        (its items are dropped: they equal the results, and thousands of copies would pile up).
         """
         rel = layout.rank_manifest_name(rank)
         try:
             manifest = RankManifest.from_json(raw, self.backend.full_path(f"{work_dir}/{rel}"))
         except DcpSafeError as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
-        if manifest.name != name or manifest.save_id != save_id or manifest.rank != rank:
-            raise CommitError(
-                "a rank manifest belongs to another save",
-                {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
-            )
+        report = report_for(manifest, raw, self.options.checksum)
+        self._check_report(name, save_id, rank, report)
         if not same_records(manifest.items, per_rank[rank]):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
-        manifest_file = FileRecord(
-            path=rel, size=len(raw), checksum=digest_bytes(raw, self.options.checksum)
-        )
-        return manifest.files, bytes_by_file(manifest.items), manifest_file
+        return report
 
     def _check_report(self, name: str, save_id: str, rank: int, report: RankReport) -> None:
         """A rank's report is of this save and this rank, checksummed as the coordinator does."""
@@ -372,27 +343,6 @@ class Committer:
                 {rank: checksum.partition(":")[0] or "no checksum"},
             )
 
-    def _check_manifest_stored(self, sizes: ListedSizes, rank: int, manifest: FileRecord) -> None:
-        """A reported rank manifest is on storage, the size the rank wrote."""
-        size = self._listed_size(
-            sizes, rank, manifest, missing="a rank manifest is missing or unreadable"
-        )
-        if size != manifest.size:
-            path = sizes.path(manifest.path)
-            raise CommitError(
-                "a rank manifest on storage is not the one its rank wrote",
-                {rank: f"{path}: on storage {size} bytes, written {manifest.size}"},
-            )
-
-    def _list(self, rel: str) -> dict[str, int]:
-        """The sizes of the files directly under ``rel``, from one listing (a worker)."""
-        try:
-            return self.backend.sizes(rel)
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise StorageError("list", self.backend.full_path(rel), exc) from exc
-
     def _listed_size(
         self,
         sizes: ListedSizes,
@@ -407,11 +357,6 @@ class Committer:
             return sizes.size(file.path)
         except FileNotFoundError as exc:
             raise CommitError(missing, {rank: sizes.path(file.path)}) from exc
-        except StorageError:
-            raise
-        except OSError as exc:
-            path = self.backend.full_path(sizes.path(file.path))
-            raise StorageError("stat", path, exc) from exc
 
     # ----------------------------------------------------------------- publish
 
@@ -427,21 +372,3 @@ class Committer:
             " name; `dcp-safe gc` removes an empty folder once it has been idle for its grace"
             " period",
         )
-
-
-class _Deferred(Generic[R]):
-    """A call started on ``pool`` now (inline at :meth:`result` when there is no pool)."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None, call: Callable[[], R]) -> None:
-        self._call = call
-        self._future = None if pool is None else pool.submit(call)
-
-    def result(self) -> R:
-        return self._call() if self._future is None else self._future.result()
-
-
-def _split(tasks: Sequence[T], parts: int) -> list[Sequence[T]]:
-    """``tasks`` in at most ``parts`` contiguous runs of nearly equal length."""
-    count = min(parts, len(tasks))
-    bounds = [len(tasks) * i // count for i in range(count + 1)] if count else [0]
-    return [tasks[a:b] for a, b in itertools.pairwise(bounds)]
