@@ -87,10 +87,10 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
 # ``<work>/_ranks/rank_R.report-<save id>``: rank R's part of a save without collectives is on
-# storage; what rank 0 needs of it to publish (adapters.rank_reports). Removed before publish.
+# storage; what rank 0 needs of it to publish (adapters.without_collectives). Removed before publish.
 _RANK_REPORT_INFIX = ".report-"
 #: ``.<name>.assigned-<key>`` beside the checkpoints: rank 0's save id for a save without
-#: collectives, where the other ranks find it (dcp_safe.adapters.assignment_board).
+#: collectives, where the other ranks find it (dcp_safe.adapters.without_collectives).
 ASSIGNMENT_INFIX = ".assigned-"
 LATEST = "latest"
 #: the key of DCP's ``Metadata.planner_data`` under which a save records its tensors'

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
-from dcp_safe.adapters.assignment_board import Assignment as _Assignment
+from dcp_safe.adapters.without_collectives import Assignment as _Assignment
 from dcp_safe.adapters.writer import SafeStorageWriter, _assignment_of
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in

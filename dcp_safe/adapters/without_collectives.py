@@ -1,51 +1,132 @@
-"""One save without collectives, as ``SafeStorageWriter`` runs it: agree, then gather.
+"""A save without collectives (``use_collectives=False``): the ranks agree and report on storage.
 
-The two steps that differ from a collective save (docs/multirank.md, "Saves without
-collectives"): in ``prepare_global_plan`` the ranks agree on the save id through storage
-(:mod:`dcp_safe.adapters.assignment_board`), and in ``finish`` rank 0 gathers every rank's report
-(:mod:`dcp_safe.adapters.rank_reports`) before the unchanged committer publishes. With a signing
-key, what a rank leaves on storage for rank 0 is authenticated under it (``rank_reports``).
+DCP then plans on every rank alone and exchanges no plans and no results, so the two steps that
+need every rank (docs/multirank.md, "Saves without collectives") go through the shared root:
+
+- **Agree** (``prepare_global_plan``): rank 0 claims the name as always, then posts the save id
+  and its plain keys with their fingerprints in the assignment file beside the checkpoints
+  (:func:`~dcp_safe.layout.assignment_file_name`), named by a key every rank of one save
+  computes alike and no earlier save of the name shares (:func:`save_key`)::
+
+      key = <run id>-<attempt>-<saves of this name begun through this writer>
+
+  The assumption: every rank's writer is made the same way and sees the same saves. Rank 0
+  removes the file when its save ends, so only a process killed mid-save leaves one behind, and
+  its job restarts with a higher attempt (``TORCHELASTIC_RESTART_COUNT``). Without an attempt a
+  crashed run's leftover could be read by the next run's first save of that name: the ranks
+  then disagree on the save id, the save fails typed (a rank never reports) and commits nothing.
+- **Who writes what**, without DCP's plan exchange (which keeps one copy of each replicated
+  entry): a plain entry (a tensor or object that is not sharded) is written by rank 0 when rank
+  0 holds it, else by each rank that holds it; the others skip rank 0's plain keys and refuse a
+  copy whose fingerprint differs (:class:`DivergentStateError`, unless ``check_divergence`` is
+  off). A DTensor chunk is written by the ranks at coordinate 0 of each mesh dimension it is
+  replicated over.
+- **Gather** (``finish``): a rank other than 0 writes a report
+  (:func:`~dcp_safe.layout.rank_report_name`) after its rank manifest: its metadata in the
+  plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`), its audit sums apart (they
+  cover only its blocks of a sharded tensor) and the checksum of its rank manifest; its results
+  are that manifest's items. A rank whose write fails leaves a failure marker instead. Rank 0
+  polls ``_ranks/`` until every rank reported, one failed, or the deadline passed, merges, and
+  the unchanged :class:`~dcp_safe.commit.committer.Committer` verifies and publishes. Reports
+  are removed before the publish: they are no part of the checkpoint.
+
+With a signing key, the assignment and every report carry an HMAC under it
+(:func:`~dcp_safe.manifest.signing.part_mac`): a rank takes only an assignment it authenticates
+(a writer of the root without the key can at most delay it, to the deadline), and rank 0
+refuses a report without one that matches, or a rank manifest of other bytes than its report
+names. Without a key, rank 0 trusts whoever can write the root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
-from dcp_safe.adapters import rank_reports
-from dcp_safe.adapters.assignment_board import Assignment, AssignmentBoard, leave_to_rank0
+from dcp_safe import layout
+from dcp_safe.adapters.planners import FingerprintedPlan
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
 from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.report import ReportedItem
-from dcp_safe.errors import ConfigError, DivergentStateError
-from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.commit.report import ReportedItem, attach_report, report_for
+from dcp_safe.commit.results import records_by_rank
+from dcp_safe.coordination.markers import poll
+from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, DivergentStateError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata, encode_dcp_metadata
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.manifest.schema import Manifest, RankManifest
+from dcp_safe.manifest.signing import part_mac, part_mac_matches
+from dcp_safe.version import __version__
 
-__all__ = ["StorageAgreement", "world_size"]
+__all__ = ["Assignment", "StorageAgreement", "items_to_write", "plain_keys", "save_key"]
+
+_ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
+_PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
+_MASK = (1 << 64) - 1
+#: A report as rank 0 uses it: the rank's plain DCP metadata, its audit sums (key -> block ->
+#: sum) where its planner recorded them, and the checksum of its rank manifest.
+_Report = tuple[Any, dict[str, dict[int, int]] | None, str | None]
 
 
-def world_size() -> int:
-    """The ranks of a save without collectives: those of the default process group."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+@dataclass(frozen=True)
+class Assignment:
+    """What every rank of a save needs to know of it (the plan's ``storage_data``).
+
+    Attributes:
+        skip: plain keys this rank holds and leaves to rank 0 (a save without collectives).
+    """
+
+    rank: int
+    world_size: int
+    save_id: str
+    work_dir: str
+    skip: frozenset[str] = frozenset()
+
+
+def save_key(attempt: Attempt | None, count: int) -> str:
+    """The key of the ``count``-th save of a name through a writer of ``attempt``."""
+    if attempt is None:
+        return f"{os.environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID}-none-{count}"
+    return f"{attempt.run_id}-{attempt.number}-{count}"
 
 
 @dataclass(frozen=True)
 class StorageAgreement:
-    """One save of ``name`` without collectives, on ``backend``."""
+    """One save of ``name`` without collectives on ``backend``, under the save key ``key``."""
 
     backend: Backend
     name: str
-    board: AssignmentBoard
+    key: str
+    #: How long a rank waits on storage for rank 0's assignment, and rank 0 for the reports.
+    deadline_s: float
     checksum: ChecksumAlgorithm
     #: The publication of a save id (the writer's, made by the root's strategy).
     publication: Callable[[str], Publication]
-    #: The writer's signing key: every rank's report is authenticated under it.
+    #: The writer's signing key: the assignment and every report are authenticated under it.
     signing_key: bytes | None = None
+
+    @property
+    def path(self) -> str:
+        """The assignment file, relative to the root."""
+        return layout.assignment_file_name(self.name, self.key)
 
     def agree(
         self,
@@ -63,51 +144,114 @@ class StorageAgreement:
             DivergentStateError: this rank's copy of a plain entry differs from rank 0's.
             CommitError: rank 0 posted nothing in time, or failed (naming rank 0).
         """
-        world = world_size()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if coordinator:
             try:
                 plan = claim([plan])[0]
-                assignment = dataclasses.replace(_assignment_of(plan), world_size=world)
-                self.board.post(assignment.save_id, world, plain)
+                if not isinstance(plan.storage_data, Assignment):
+                    raise ConfigError("the writer's own claim did not assign the save")
+                assignment = dataclasses.replace(plan.storage_data, world_size=world)
+                self.post(assignment.save_id, world, plain)
             except BaseException as exc:
-                self.board.post_failure(exc)
+                with contextlib.suppress(OSError, DcpSafeError):  # the others fail at once
+                    self._write(self.path, {"error": _describe(exc)}, (self.key, 0))
                 raise
             return dataclasses.replace(plan, storage_data=assignment)
-        save_id, taken = self.board.take(world)
-        skip, divergent = leave_to_rank0(plain, taken, rank)
+        save_id, taken = self.take(world)
+        shared = plain.keys() & taken.keys()
         work_dir = self.publication(save_id).work_dir
-        assignment = Assignment(rank, world, save_id, work_dir, skip)
+        assignment = Assignment(rank, world, save_id, work_dir, frozenset(shared))
+        divergent = {
+            key: [[0], [rank]]
+            for key in sorted(shared)
+            if None not in (plain[key], taken[key]) and plain[key] != taken[key]
+        }
         if divergent:
             error = DivergentStateError(divergent)
-            rank_reports.report_failure(self.backend, assignment, error)
+            self.failed(assignment, error, coordinator=False)
             raise error
         return dataclasses.replace(plan, storage_data=assignment)
+
+    def post(self, save_id: str, world_size: int, plain: Mapping[str, int | None]) -> None:
+        """Tell the other ranks the save id, and which plain entries rank 0 writes."""
+        body = {"save_id": save_id, "world_size": world_size, "plain": sorted(plain.items())}
+        self._write(self.path, body, (self.key, 0))
+
+    def take(self, world_size: int) -> tuple[str, dict[str, int | None]]:
+        """Rank 0's save id and plain entries, once posted.
+
+        Raises:
+            CommitError: rank 0 failed, posted for another world size, or posted nothing
+                within the deadline (naming rank 0).
+        """
+        found = poll(self._posted, self.deadline_s)
+        if found is None:
+            raise CommitError(
+                f"no save id from rank 0 within {self.deadline_s} s (a save without"
+                " collectives waits for it on storage; signed, only for one the key"
+                " authenticates)",
+                {0: f"nothing at {self.backend.full_path(self.path)}"},
+            )
+        if "error" in found:
+            raise CommitError("rank 0 could not start the save", {0: str(found["error"])})
+        save_id, world, plain = found.get("save_id"), found.get("world_size"), found.get("plain")
+        if not layout.is_save_id(save_id) or world != world_size or not isinstance(plain, list):
+            raise CommitError(
+                "rank 0's assignment does not fit this save",
+                {0: f"save id {str(save_id)[:64]!r}, world size {world} (here {world_size})"},
+            )
+        assert isinstance(save_id, str)
+        return save_id, {str(key): fingerprint for key, fingerprint in plain}
+
+    def clear(self) -> None:
+        """Remove the assignment file (best effort): the save is over."""
+        with contextlib.suppress(OSError, DcpSafeError):
+            self.backend.remove_file(self.path)
 
     def report(
         self, assignment: Assignment, metadata: Metadata, results: list[list[WriteResult]]
     ) -> None:
-        """A rank other than 0: its part is on storage (:func:`rank_reports.write_report`); if
-        the report cannot be written, a failure marker says so (rank 0 fails at once)."""
+        """A rank other than 0: its part is on storage, with its metadata and the checksum of
+        the rank manifest it wrote; if the report cannot be written, a failure marker says so.
+
+        Raises:
+            ConfigError: the metadata has no plain form (a custom planner's data).
+        """
         first = results[0][0].storage_data if results and results[0] else None
         # The checksum of the rank manifest as this rank wrote it (not as storage now holds it).
         checksum = first.report.manifest.checksum if isinstance(first, ReportedItem) else None
         try:
-            rank_reports.write_report(
-                self.backend,
-                assignment,
-                metadata,
-                manifest_checksum=checksum,
-                key=self.signing_key,
-            )
+            planner = dict(metadata.planner_data or {})
+            audit = planner.pop(layout.AUDIT_KEY, None)
+            try:
+                plain = encode_dcp_metadata(
+                    dataclasses.replace(metadata, planner_data=planner or None)
+                )
+                sums = _encode_audit(audit)
+            except ValueError as exc:
+                raise ConfigError(
+                    "a save without collectives sends each rank's DCP metadata through storage"
+                    f" as plain data, and this one has none ({exc}): use DCP's or dcp_safe's"
+                    " planner, or use_collectives=True"
+                ) from exc
+            body = {"rank": assignment.rank, "dcp_metadata": plain, "audit": sums}
+            rel = layout.rank_report_name(assignment.rank, assignment.save_id)
+            path, signer = f"{assignment.work_dir}/{rel}", (assignment.save_id, assignment.rank)
+            self._write(path, {**body, "manifest": checksum}, signer)
         except BaseException as exc:
-            rank_reports.report_failure(self.backend, assignment, exc)
+            self.failed(assignment, exc, coordinator=False)
             raise
 
     def failed(self, assignment: Assignment, exc: BaseException, *, coordinator: bool) -> None:
-        """This rank's write failed: tell rank 0 (best effort); rank 0 withdraws the save id."""
-        rank_reports.report_failure(self.backend, assignment, exc)
+        """This rank's part failed: tell rank 0 (best effort); rank 0 withdraws the save id."""
+        body: dict[str, Any] = {"error": _describe(exc)}
+        if isinstance(exc, DivergentStateError):
+            body["divergent"] = exc.keys
+        rel = layout.rank_failure_marker_name(assignment.rank, assignment.save_id)
+        with contextlib.suppress(OSError, DcpSafeError):
+            self._write(f"{assignment.work_dir}/{rel}", body, None)
         if coordinator:
-            self.board.clear()
+            self.clear()
 
     def gather(
         self,
@@ -117,35 +261,322 @@ class StorageAgreement:
         *,
         on_failure: Callable[[BaseException], None],
     ) -> tuple[Metadata, list[list[WriteResult]]]:
-        """Rank 0: every rank's report, merged, once all are on storage. On a failure nothing
-        is published, the save's files are removed and ``on_failure`` is told.
+        """Rank 0: the global metadata and every rank's results, once every rank reported; the
+        reports are removed. On a failure nothing is published, the save's files are removed
+        and ``on_failure`` is told.
 
         Raises:
             DivergentStateError: a rank's copy of a plain entry differs from rank 0's.
-            CommitError: a rank failed or did not report within the deadline (naming it).
+            CommitError: a rank failed, did not report within the deadline, left a report the
+                key does not authenticate or a rank manifest other than the one its report
+                names, or its metadata names items no rank wrote (naming the ranks).
         """
         try:
-            key, deadline_s = self.signing_key, self.board.deadline_s
-            reports = rank_reports.await_reports(self.backend, assignment, deadline_s, key=key)
-            own = (metadata, results[0])
-            return rank_reports.gathered(
-                self.backend,
-                self.name,
-                assignment,
-                self.checksum,
-                own,
-                reports,
-                signed=key is not None,
-            )
+            reports = self._await_reports(assignment)
+            results = [results[0]]
+            for rank in sorted(reports):
+                results.append(self._results_of(assignment, rank, reports[rank][2]))
+            union = _union_manifest(self.name, assignment, self.checksum, results)
+            metadatas = [metadata]
+            for rank in sorted(reports):
+                plain, audit, _ = reports[rank]
+                try:
+                    decoded = decode_dcp_metadata(plain, union, f"rank {rank}'s report")
+                except DcpSafeError as exc:
+                    raise CommitError(
+                        "a rank holds entries no rank wrote: a plain entry several ranks hold"
+                        " must be on rank 0 too, or be declared per rank (per_rank=)",
+                        {rank: str(exc)},
+                    ) from exc
+                if audit is not None:
+                    planner = {**(decoded.planner_data or {}), layout.AUDIT_KEY: audit}
+                    decoded.planner_data = planner
+                metadatas.append(decoded)
+            for rank in reports:
+                rel = layout.rank_report_name(rank, assignment.save_id)
+                with contextlib.suppress(OSError, DcpSafeError):
+                    self.backend.remove_file(f"{assignment.work_dir}/{rel}")
+            return _merged(metadatas), results
         except BaseException as exc:
             self.publication(assignment.save_id).discard(exc)
             on_failure(exc)
             raise
         finally:
-            self.board.clear()
+            self.clear()
+
+    def _write(self, path: str, body: dict[str, Any], signer: tuple[str, int] | None) -> None:
+        """``body`` as JSON at ``path``; with a signing key and ``signer`` (the save and the
+        rank it speaks for), with its MAC."""
+        kind = _ASSIGNMENT if path == self.path else _REPORT
+        body = {"format": kind, **body}
+        if self.signing_key is not None and signer is not None:
+            body["mac"] = part_mac(self.signing_key, *signer, body)
+        self.backend.write_bytes(path, json.dumps(body).encode())
+
+    def _read(self, path: str, kind: str) -> tuple[dict[str, Any], object]:
+        """The JSON body at ``path`` and its MAC (``None`` without one).
+
+        Raises:
+            FileNotFoundError: nothing there. ValueError: not JSON of ``kind``.
+        """
+        body = json.loads(self.backend.read_small(path, MANIFEST_MAX_BYTES))
+        if not isinstance(body, dict) or body.get("format") != kind:
+            raise ValueError(f"not a {kind}")
+        return body, body.pop("mac", None)
+
+    def _posted(self) -> dict[str, Any] | None:
+        try:
+            found, mac = self._read(self.path, _ASSIGNMENT)
+        except (FileNotFoundError, ValueError):
+            return None  # not there yet (or half written where a write is not atomic)
+        key = self.signing_key
+        if key is not None and not part_mac_matches(key, self.key, 0, found, mac):
+            return None  # not rank 0's: wait on for rank 0's post, which replaces it
+        return found
+
+    def _rank_part(
+        self, assignment: Assignment, rel: str, rank: int
+    ) -> tuple[dict[str, Any], object]:
+        try:
+            return self._read(f"{assignment.work_dir}/{rel}", _REPORT)
+        except (FileNotFoundError, ValueError, DcpSafeError) as exc:
+            raise CommitError("a rank's report is missing or unreadable", {rank: str(exc)}) from exc
+
+    def _await_reports(self, assignment: Assignment) -> dict[int, _Report]:
+        """Every other rank's report, once all are on storage; with a key, authenticated."""
+        others = range(1, assignment.world_size)
+        reports = {r: layout.rank_report_name(r, assignment.save_id) for r in others}
+        failures = {r: layout.rank_failure_marker_name(r, assignment.save_id) for r in others}
+        present: set[str] = set()
+
+        def every_report() -> bool | None:
+            present.clear()
+            present.update(self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}"))
+            failed = [r for r, rel in failures.items() if _leaf(rel) in present]
+            if failed:
+                raise self._failure(assignment, failed, failures)
+            return True if all(_leaf(rel) in present for rel in reports.values()) else None
+
+        if poll(every_report, self.deadline_s) is None:
+            missing = [r for r, rel in reports.items() if _leaf(rel) not in present]
+            raise CommitError(
+                f"ranks did not report within {self.deadline_s} s (a save without collectives)",
+                {r: "no report: it died, hung or is still writing" for r in missing},
+            )
+        found: dict[int, _Report] = {}
+        for rank, rel in reports.items():
+            body, mac = self._rank_part(assignment, rel, rank)
+            key = self.signing_key
+            if key is not None and not part_mac_matches(key, assignment.save_id, rank, body, mac):
+                raise CommitError(
+                    "a rank's report is not authenticated by the job's signing key, so it may"
+                    " not be that rank's: nothing is published. Give every rank's writer the"
+                    " same signing key, and check who else can write the root",
+                    {rank: f"{'no MAC' if mac is None else 'a MAC that does not match'} in {rel}"},
+                )
+            checksum = body.get("manifest")
+            try:
+                if body.get("rank") != rank or "dcp_metadata" not in body:
+                    raise ValueError(rel)
+                if checksum is not None and not isinstance(checksum, str):
+                    raise ValueError("a rank manifest checksum that is not a string")
+                found[rank] = (body["dcp_metadata"], _decode_audit(body.get("audit")), checksum)
+            except ValueError as exc:
+                raise CommitError("a rank's report is malformed", {rank: str(exc)}) from exc
+        return found
+
+    def _failure(
+        self, assignment: Assignment, failed: list[int], markers: Mapping[int, str]
+    ) -> BaseException:
+        """The error for ranks that left failure markers: divergence as itself, else CommitError."""
+        divergent: dict[str, list[list[int]]] = {}
+        described = {}
+        for rank in failed:
+            try:
+                body, _ = self._rank_part(assignment, markers[rank], rank)
+            except CommitError:
+                body = {}
+            described[rank] = str(body.get("error", "failed (no detail)"))
+            found = body.get("divergent")
+            if isinstance(found, dict):
+                divergent.update({str(k): v for k, v in found.items() if isinstance(v, list)})
+        if divergent:
+            return DivergentStateError(divergent)
+        return CommitError("a rank failed to write its part of the save", described)
+
+    def _results_of(
+        self, assignment: Assignment, rank: int, expected: str | None
+    ) -> list[WriteResult]:
+        """A rank's write results, from its rank manifest (with the report the committer
+        checks); signed, the manifest must be the one whose checksum is ``expected`` (one with
+        no items may go unnamed: it holds nothing a load reads)."""
+        rel = f"{assignment.work_dir}/{layout.rank_manifest_name(rank)}"
+        try:
+            raw = self.backend.read_small(rel, MANIFEST_MAX_BYTES)
+            manifest = RankManifest.from_json(raw, self.backend.full_path(rel))
+        except (FileNotFoundError, DcpSafeError) as exc:
+            raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
+        # The bytes checked are the bytes used (read once): nothing swapped in later counts.
+        signed = self.signing_key is not None
+        if signed and (expected or manifest.items) and digest_bytes(raw, self.checksum) != expected:
+            raise CommitError(
+                "a rank manifest is not the one its rank's authenticated report names: nothing"
+                " is published (someone else wrote it, or it was damaged)",
+                {rank: self.backend.full_path(rel)},
+            )
+        if (manifest.save_id, manifest.rank) != (assignment.save_id, rank):
+            raise CommitError(
+                "a rank manifest belongs to another save",
+                {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
+            )
+        if manifest.checksum_algorithm != self.checksum.value:
+            raise CommitError(
+                f"a rank checksummed with another algorithm than {self.checksum.value!r}: every"
+                " rank must be configured alike",
+                {rank: manifest.checksum_algorithm},
+            )
+        results = [
+            WriteResult(
+                index=MetadataIndex(record.fqn, record.offset),
+                size_in_bytes=record.length,
+                storage_data=record,
+            )
+            for record in manifest.items
+        ]
+        return attach_report(results, report_for(manifest, raw, self.checksum))
 
 
-def _assignment_of(plan: SavePlan) -> Assignment:
-    if not isinstance(plan.storage_data, Assignment):
-        raise ConfigError("the writer's own claim did not assign the save")
-    return plan.storage_data
+def plain_keys(plan: SavePlan) -> dict[str, int | None]:
+    """A local plan's plain entries, each with its fingerprint (None where not taken)."""
+    fingerprints = plan.fingerprints if isinstance(plan, FingerprintedPlan) else {}
+    return {
+        item.index.fqn: fingerprints.get(item.index.fqn)
+        for item in plan.items
+        if item.type in _PLAIN
+    }
+
+
+def items_to_write(
+    items: Sequence[WriteItem], assignment: Assignment, planner: SavePlanner
+) -> list[WriteItem]:
+    """The items of a save without collectives that this rank writes (the module's rule)."""
+    state = getattr(planner, "state_dict", None)
+    state = state if isinstance(state, dict) else {}
+    return [
+        item
+        for item in items
+        if item.index.fqn not in assignment.skip
+        and (item.type in _PLAIN or _primary(state.get(item.index.fqn)))
+    ]
+
+
+def _primary(value: object) -> bool:
+    """Whether this rank writes its chunk of ``value``: a DTensor's replicas are written once,
+    by the rank at coordinate 0 of each replicated mesh dimension; anything else is this rank's."""
+    if not isinstance(value, DTensor):
+        return True
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False  # not in the mesh: holds no chunk of it
+    return all(
+        coordinate[dim] == 0
+        for dim, placement in enumerate(value.placements)
+        if placement.is_replicate()
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def _union_manifest(
+    name: str, assignment: Assignment, checksum: ChecksumAlgorithm, results: list[list[WriteResult]]
+) -> Manifest:
+    """Every item any rank wrote, as a manifest: what the ranks' metadata is decoded against."""
+    per_rank, reports = records_by_rank(results)
+    return Manifest(
+        name=name,
+        save_id=assignment.save_id,
+        world_size=assignment.world_size,
+        created_at=time.time(),
+        checksum_algorithm=checksum.value,
+        compression="none",
+        files=tuple(f for report in reports.values() for f in report.files),
+        items=tuple(record for r in sorted(per_rank) for record in per_rank[r]),
+        dcp_safe_version=__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _merged(metadatas: Sequence[Metadata]) -> Metadata:
+    """One metadata from the ranks': each entry once, each distinct chunk once (rank order)."""
+    state: dict[str, Any] = {}
+    paths: dict[str, Any] = {}
+    audits: dict[str, dict[frozenset[tuple[int, ...]], Mapping[int, int]]] = {}
+    for metadata in metadatas:
+        for key, entry in metadata.state_dict_metadata.items():
+            known = state.get(key)
+            if known is None:
+                if isinstance(entry, TensorStorageMetadata):
+                    entry = TensorStorageMetadata(entry.properties, entry.size, list(entry.chunks))
+                state[key] = entry
+            elif isinstance(known, TensorStorageMetadata) and isinstance(
+                entry, TensorStorageMetadata
+            ):
+                seen = {tuple(c.offsets) for c in known.chunks}
+                known.chunks.extend(c for c in entry.chunks if tuple(c.offsets) not in seen)
+        planner = dict(metadata.planner_data or {})
+        for key, sums in planner.pop(layout.AUDIT_KEY, {}).items():
+            # A rank's sums cover its chunks; ranks holding the same chunks count once.
+            held = metadata.state_dict_metadata.get(key)
+            chunks = held.chunks if isinstance(held, TensorStorageMetadata) else []
+            audits.setdefault(key, {}).setdefault(frozenset(tuple(c.offsets) for c in chunks), sums)
+        paths.update(planner)
+    if audits:
+        totals: dict[str, dict[int, int]] = {}
+        for key, parts in audits.items():
+            total = totals[key] = {}
+            for part in parts.values():
+                for block, value in part.items():
+                    total[block] = (total.get(block, 0) + value) & _MASK
+        paths[layout.AUDIT_KEY] = totals
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=paths or metadatas[0].planner_data,
+        storage_meta=StorageMeta(),
+        version=metadatas[0].version,
+    )
+
+
+def _encode_audit(audit: object) -> list[list[Any]] | None:
+    if audit is None:
+        return None
+    if not isinstance(audit, dict):
+        raise ValueError("fingerprints that are not a dict")
+    return [[str(k), [[int(b), int(v)] for b, v in blocks.items()]] for k, blocks in audit.items()]
+
+
+def _decode_audit(raw: object) -> dict[str, dict[int, int]] | None:
+    """A report's audit sums, strictly: ``[[key, [[block, sum], ...]], ...]``."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ValueError("audit sums that are not a list")
+    found: dict[str, dict[int, int]] = {}
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError("an audit entry that is not [key, blocks]")
+        blocks = entry[1]
+        if not isinstance(blocks, list) or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(n) is int and 0 <= n <= _MASK for n in pair)
+            for pair in blocks
+        ):
+            raise ValueError(f"audit sums of {entry[0][:80]!r} that are not [block, sum] pairs")
+        found[entry[0]] = {b: v for b, v in blocks}
+    return found
+
+
+def _leaf(rel: str) -> str:
+    return rel.rpartition("/")[2]

@@ -40,11 +40,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_safe import layout
-from dcp_safe.adapters.assignment_board import Assignment as _Assignment
-from dcp_safe.adapters.assignment_board import AssignmentBoard, items_to_write, plain_keys, save_key
 from dcp_safe.adapters.item_bytes import write_item
 from dcp_safe.adapters.options import REPLICA_MOVED, WRITER_MOVED, WriterOptions, writer_options
-from dcp_safe.adapters.without_collectives import StorageAgreement
+from dcp_safe.adapters.without_collectives import Assignment as _Assignment
+from dcp_safe.adapters.without_collectives import (
+    StorageAgreement,
+    items_to_write,
+    plain_keys,
+    save_key,
+)
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import write_buffer_bytes
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
@@ -263,18 +267,11 @@ class SafeStorageWriter(StorageWriter):
         ]
 
     def _storage_agreement(self) -> StorageAgreement:
-        name, key = self._require_name(), save_key(self.attempt, self._saves)
-        board = AssignmentBoard(
-            self.backend,
-            name,
-            key,
-            deadline_s=self.options.report_timeout_s,
-            signing_key=self.options.signing_key,
-        )
         return StorageAgreement(
             self.backend,
-            name,
-            board,
+            self._require_name(),
+            save_key(self.attempt, self._saves),
+            self.options.report_timeout_s,
             self.options.checksum,
             self._publication,
             self.options.signing_key,

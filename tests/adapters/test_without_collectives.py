@@ -36,12 +36,13 @@ from dcp_safe import (
     layout,
     verify_checkpoint,
 )
-from dcp_safe.adapters.assignment_board import AssignmentBoard, save_key
 from dcp_safe.adapters.node_local import NodeLocalWriter
 from dcp_safe.adapters.options import WriterOptions
+from dcp_safe.adapters.without_collectives import StorageAgreement, save_key
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.fencing import Attempt
 from dcp_safe.errors import DivergentStateError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import RankFailedError, run_ranks
 
@@ -496,13 +497,19 @@ def test_a_signed_save_refuses_a_rank_part_its_rank_did_not_write(
 
 def test_a_signed_save_takes_only_an_assignment_the_key_authenticates(tmp_path: Path) -> None:
     backend = open_backend(str(tmp_path))
-    board = AssignmentBoard(backend, "x", "run-1-1", deadline_s=0.2, signing_key=KEY)
+    publication = SafeStorageWriter(tmp_path)._publication
+
+    def board(key: bytes | None) -> StorageAgreement:
+        return StorageAgreement(
+            backend, "x", "run-1-1", 0.2, ChecksumAlgorithm.BLAKE3, publication, key
+        )
+
+    signed = board(KEY)
     # Planted by a writer of the root without the key: another save id, rank 0 "holding" w.
     planted = {"format": "dcp_safe/assignment", "save_id": "f" * 32, "world_size": 2}
-    (tmp_path / board.path).write_text(json.dumps({**planted, "plain": [["w", None]]}))
+    (tmp_path / signed.path).write_text(json.dumps({**planted, "plain": [["w", None]]}))
     with pytest.raises(CommitError, match="no save id from rank 0"):
-        board.take(2)
-    board.post("a" * 32, 2, {})  # rank 0's own post replaces it
-    assert board.take(2) == ("a" * 32, {})
-    unsigned = AssignmentBoard(backend, "x", "run-1-1", deadline_s=0.2)
-    assert unsigned.take(2) == ("a" * 32, {})  # a reader without the key still reads it
+        signed.take(2)
+    signed.post("a" * 32, 2, {})  # rank 0's own post replaces it
+    assert signed.take(2) == ("a" * 32, {})
+    assert board(None).take(2) == ("a" * 32, {})  # a reader without the key still reads it
