@@ -11,18 +11,34 @@ b. *Latency*: nearest-rank p99 of request-to-local-commit times. The interval is
    they are the cadence asked for).
 c. *Leaked buffers*: checked only at requests that find the slot free: the stager releases
    before the slot frees, so nothing legitimate is in use then.
+
+:class:`FallbackMonitor` is that arithmetic; :class:`FallbackSwitch` feeds it and acts on it.
+The memory signal is sampled every second (:class:`MemoryWatch`): sampled only at save requests
+it would see the node between saves, when staging holds least, and miss the dips a save causes.
+The ``fallback`` history event is recorded when the *agreed* decision first says so, not when
+this rank's monitor trips: latencies trip each rank at its own moment, and the record must be
+the same on every rank.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
+import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from dcp_safe.errors import ConfigError
+from dcp_safe.host_memory import available_bytes_now
+from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.ledger import Ledger, SaveSpans
+from dcp_safe.periodic import Periodic
 
-__all__ = ["FallbackMonitor", "FallbackOptions"]
+__all__ = ["FallbackMonitor", "FallbackOptions", "FallbackSwitch", "MemoryWatch"]
+
+log = logging.getLogger("dcp_safe.manager")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,3 +171,128 @@ class FallbackMonitor:
             return None
         self.reason = reason
         return reason
+
+
+class MemoryWatch:
+    """A background sampler of available memory (a daemon thread)."""
+
+    def __init__(
+        self, sample: Callable[[], int] = available_bytes_now, interval_s: float = 1.0
+    ) -> None:
+        self._sample = sample
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._lowest: int | None = None
+        self._periodic = Periodic(self._tick, interval_s, name="dcp_safe-fallback-watch").start()
+
+    def lowest(self) -> int | None:
+        """The lowest reading since the last call (``None``: the host does not say)."""
+        with self._lock:
+            lowest, self._lowest = self._lowest, None
+        now = self._read()
+        if lowest is None:
+            return now
+        return lowest if now is None else min(lowest, now)
+
+    def close(self) -> None:
+        """Stop the thread (idempotent)."""
+        self._periodic.stop(timeout_s=5)
+
+    def _tick(self) -> None:
+        reading = self._read()
+        if reading is None:
+            return
+        with self._lock:
+            self._lowest = reading if self._lowest is None else min(self._lowest, reading)
+
+    def _read(self) -> int | None:
+        try:
+            return int(self._sample())
+        except (OSError, ValueError) as exc:  # a host that stops saying is not an error
+            log.debug("dcp_safe: reading available memory failed: %s", exc)
+            return None
+
+
+@dataclass(kw_only=True, eq=False)
+class FallbackSwitch:
+    """Feeds a :class:`FallbackMonitor` and acts on its verdicts.
+
+    Args:
+        sample_memory: the host's available bytes now (``None`` when unknown).
+        cond: the manager's condition (the monitor is not thread-safe by itself).
+    """
+
+    monitor: FallbackMonitor
+    sample_memory: Callable[[], int | None]
+    clock: Callable[[], float]
+    ledger: Ledger
+    spans: SaveSpans
+    cond: threading.Condition
+    _announced: bool = field(default=False, init=False)  # the agreed fallback is in the record
+
+    @property
+    def reason(self) -> str | None:
+        """Why saves are synchronous now (``None``: they are not)."""
+        with self.cond:
+            return self.monitor.reason
+
+    def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
+        """Feed a save request; the reason this rank saves synchronously (``None``: it does not).
+
+        Args:
+            leaked_bytes: staging bytes still in use although no save is in flight (called only
+                when no other trigger fired).
+        """
+        now = self.clock()
+        available = self.sample_memory()
+        self.ledger.requested(handle.name, now)
+        with self.cond:
+            reason = self.monitor.on_request(now, available)
+        in_use = leaked_bytes() if reason is None else 0
+        with self.cond:
+            reason = reason or self.monitor.on_idle(in_use)
+            current = self.monitor.reason
+        if reason is not None:
+            self._switched(handle, reason)
+        return current
+
+    def follow(self, handle: SaveHandle, agreed: str | None) -> None:
+        """Act on the agreed decision of a request: switch too when the ranks fall back
+        because of a peer, and record the fallback once, at the same request on every rank."""
+        with self.cond:
+            if agreed is None:
+                self._announced = False
+                return
+            reason = (
+                None if self.monitor.tripped else self.monitor.trip(f"peers fell back: {agreed}")
+            )
+            first, self._announced = not self._announced, True
+        if reason is not None:
+            self._switched(handle, reason)
+        if first:
+            self.ledger.record("fallback", handle, reason=agreed)
+
+    def on_committed(self, handle: SaveHandle, *, counted: bool = True) -> None:
+        """Feed the completion latency of a committed save, unless not ``counted``: one that
+        ran on a thread while the checkpoint worker started shares the host with its imports
+        and carries the first save's one-time costs; the steady state is what is judged."""
+        requested_at = self.ledger.completed(handle.name)
+        if requested_at is None or not counted:
+            return
+        with self.cond:
+            reason = self.monitor.on_completed(self.clock() - requested_at)
+        if reason is not None:
+            self._switched(handle, reason)
+
+    def rearm(self) -> None:
+        """Back to asynchronous saves (no-op when not switched)."""
+        with self.cond:
+            was = self.monitor.reason
+            self.monitor.rearm()
+        if was is not None:
+            log.info("dcp_safe: asynchronous checkpoints re-armed (fell back: %s)", was)
+            self.ledger.record("rearmed", (None, None), reason=f"was: {was}")
+
+    def _switched(self, handle: SaveHandle, reason: str) -> None:
+        log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
+        self.spans.mark("fallback", handle, reason=reason)

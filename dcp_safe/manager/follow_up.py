@@ -18,12 +18,11 @@ from typing import Any
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.store import Verdicts
 from dcp_safe.errors import DcpSafeError, ReplicationSkippedError
+from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.ledger import Ledger, SaveSpans
 from dcp_safe.manager.peer_tier import PeerTier
-from dcp_safe.manager.spans import SaveSpans
-from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.worker.parent import SaveWorker
 from dcp_safe.worker.transport import decode_error

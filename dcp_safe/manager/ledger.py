@@ -5,6 +5,13 @@ fails the outcome it records: a failure's futures are set first, and a failed hi
 telemetry call is logged and counted (``bookkeeping_failures``), never raised.
 
 Thread safety: any thread; the state is guarded by the manager's condition.
+
+The coordinator's history appends run off the decision path, in order, on their own thread
+(:class:`Bookkeeper`; why, and what a failed append does: docs/multirank.md, "Bookkeeping never
+decides"). Each save has one telemetry span from admission to verified commit
+(:class:`SaveSpans`): the stager's and the wrapped writer's spans opened on the same thread nest
+under it; with ``executor="process"`` the worker's are adopted under it. With no telemetry every
+call there is a no-op and writers are not wrapped.
 """
 
 from __future__ import annotations
@@ -14,19 +21,23 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.checkpoints.history import History
 from dcp_safe.manager.handles import SaveHandle
-from dcp_safe.manager.spans import SaveSpans
+from dcp_safe.observe import Phase, SpanHandle
+from dcp_safe.telemetry.instrument import end_replication
+from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["COUNTERS", "Ledger"]
+__all__ = ["COUNTERS", "Bookkeeper", "Ledger", "SaveSpans"]
 
 log = logging.getLogger("dcp_safe.manager")
 
 _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
+_READ_FLUSH_S = 30.0  # how long a read waits for queued appends before it reads what is there
 
 COUNTERS = (
     "requested",
@@ -194,3 +205,123 @@ class Ledger:
         errors = self.unraised()
         if errors:
             raise errors[0]
+
+
+class Bookkeeper:
+    """Queued appends to a root's history file.
+
+    Args:
+        enabled: append at all (in a multi-rank job, only the coordinator does).
+        failed: called with each append's error (the manager counts them).
+    """
+
+    def __init__(
+        self, history: History, *, enabled: bool, failed: Callable[[BaseException], None]
+    ) -> None:
+        self.history = history
+        self.enabled = enabled
+        self._failed = failed
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-history")
+
+    def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
+        """Queue one event (as :meth:`History.append` takes it); never raises for storage."""
+        if not self.enabled:
+            return
+        try:
+            self._pool.submit(self._write, event, step, name, fields)
+        except RuntimeError:  # closed (interpreter exit): write it here, or give up quietly
+            self._write(event, step, name, fields)
+
+    def flush(self, timeout_s: float | None) -> bool:
+        """Wait for every event queued so far to be written (or to fail); whether they were
+        within ``timeout_s``. A commit, ``history()``, ``wait()`` and ``close()`` flush first."""
+        if not self.enabled:
+            return True
+        try:
+            self._pool.submit(lambda: None).result(timeout=timeout_s)
+        except FutureTimeout:
+            log.warning("history appends still pending after %s s", timeout_s)
+            return False
+        except RuntimeError:  # closed: nothing more is queued
+            return True
+        return True
+
+    def read(self) -> list[dict[str, Any]]:
+        """The history file's events (after the appends queued so far, bounded)."""
+        self.flush(_READ_FLUSH_S)
+        return self.history.read()
+
+    def validated_names(self) -> set[str]:
+        return self.history.validated_names()
+
+    def close(self, timeout_s: float | None) -> None:
+        """Write what is queued (within ``timeout_s``), then stop the thread."""
+        self.flush(timeout_s)
+        self._pool.shutdown(wait=False)
+
+    def _write(self, event: str, step: int | None, name: str | None, fields: Any) -> None:
+        try:
+            self.history.append(event, step, name, **fields)
+        except Exception as exc:
+            # repr: the error may quote a path or text read from storage
+            log.warning(
+                "could not record the %r event of %r in the history: %r",
+                event,
+                name,
+                f"{type(exc).__name__}: {exc}"[:300],
+            )
+            self._failed(exc)
+
+
+class SaveSpans:
+    """The open root span of each save, by checkpoint name (``telemetry=None``: none)."""
+
+    def __init__(self, telemetry: Telemetry | None) -> None:
+        self.telemetry = telemetry
+        self._lock = threading.Lock()
+        self._open: dict[str, SpanHandle] = {}
+
+    @contextlib.contextmanager
+    def opened(self, handle: SaveHandle) -> Iterator[None]:
+        """Open the save's root span; phases started on this thread inside nest under it."""
+        if self.telemetry is None:
+            yield
+            return
+        span = self.telemetry.begin_save(handle.name, handle.step)
+        with self._lock:
+            self._open[handle.name] = span
+        with self.telemetry.within(span):
+            yield
+
+    def end(self, handle: SaveHandle, error: BaseException | None) -> None:
+        """Close the save's root span (once; later calls do nothing)."""
+        with self._lock:
+            span = self._open.pop(handle.name, None)
+        if span is None:
+            return
+        if error is None:
+            span.end()
+        else:
+            span.fail(error)
+
+    def adopt(self, name: str, events: list[Any], replication: Future[Any] | None) -> None:
+        """Record the spans a worker process recorded for save ``name`` under its root, and
+        a ``replication`` span from now until the worker's ``replication`` resolves (as the
+        telemetry wrapper records it with threads)."""
+        if self.telemetry is None:
+            return
+        with self._lock:
+            span = self._open.get(name)
+        self.telemetry.adopt(events, span)
+        if replication is not None:
+            replicating = self.telemetry.begin(Phase.REPLICATION, save=name)
+            replication.add_done_callback(lambda done: end_replication(replicating, done))
+
+    def wrap(self, writer: Any) -> Any:
+        """``writer`` behind the telemetry wrapper, or as it is without telemetry."""
+        return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)
+
+    def mark(self, name: str, handle: SaveHandle, **attrs: Any) -> None:
+        """A point event about ``handle`` (``skipped``, ``fallback``)."""
+        if self.telemetry is not None:
+            self.telemetry.mark(name, save=handle.name, step=handle.step, **attrs)

@@ -36,16 +36,12 @@ from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.coordination.worker_group import WorkerGroups
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
 from dcp_safe.manager import shutdown
-from dcp_safe.manager.admit import Admitter
-from dcp_safe.manager.bookkeeper import Bookkeeper
-from dcp_safe.manager.decision import Verdict
-from dcp_safe.manager.executor import choose_executor
-from dcp_safe.manager.fallback import FallbackMonitor
+from dcp_safe.manager.admit import Admitter, Verdict
+from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Ledger
-from dcp_safe.manager.memory_watch import MemoryWatch
+from dcp_safe.manager.ledger import Bookkeeper, Ledger, SaveSpans
 from dcp_safe.manager.options import (
     MOVED,
     Bounds,
@@ -53,6 +49,7 @@ from dcp_safe.manager.options import (
     Retention,
     Runtime,
     SavePolicy,
+    choose_executor,
     with_shorthands,
 )
 from dcp_safe.manager.preemption import PreemptionHandler, preempt
@@ -60,8 +57,6 @@ from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded
 from dcp_safe.manager.slot import SaveSlot
-from dcp_safe.manager.spans import SaveSpans
-from dcp_safe.manager.switch import FallbackSwitch
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology

@@ -12,29 +12,39 @@ before this layout is a field of the same name in one of them (``save_every`` be
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.choices import parse_choice
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, validate_deadline
+from dcp_safe.coordination.worker_group import store_address
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.executor import EXECUTORS
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.manager.handles import BusyPolicy, StagingMode, Validation
 from dcp_safe.manager.shutdown import seconds
 from dcp_safe.retention.policy import KeepEvery, KeepLast, RetentionPolicy, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
+from dcp_safe.torch_compat import default_store
 
 if TYPE_CHECKING:
     from dcp_safe.adapters.writer import SafeStorageWriter
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy"]
+__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy", "choose_executor"]
+
+Executor = Literal["thread", "process"]
+EXECUTORS = ("auto", "thread", "process")
+
+log = logging.getLogger("dcp_safe.manager")
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -211,6 +221,68 @@ class Runtime:
         if self.executor not in EXECUTORS:
             choices = ", ".join(map(repr, EXECUTORS))
             raise ConfigError(f"executor must be one of {choices}, got {self.executor!r}")
+
+
+def choose_executor(
+    executor: str,
+    stager: BudgetedStager | None,
+    writer: SafeStorageWriter,
+    *,
+    writer_given: bool,
+) -> Executor:
+    """The executor ``executor`` names for a manager with ``stager`` (``None``: its own) and
+    ``writer`` (``writer_given``: the caller's, not one the manager built).
+
+    ``"auto"`` leaves a writer of the caller's on a thread: the worker would run a pickled copy
+    of it, and whatever it does to objects of this process (counters, callbacks, events) would
+    silently stop happening. ``"process"`` sends it all the same.
+
+    ``"process"`` needs the same on every rank of a job (one platform, one store, one writer
+    class), so the ranks choose alike; a job mixing executors would save over different groups.
+
+    Raises:
+        ConfigError: ``"process"`` where one of its needs does not hold (the message names it).
+    """
+    if executor == "thread":
+        return "thread"
+    if executor == "auto" and writer_given:
+        unmet: str | None = "the writer is the caller's (executor='process' runs a copy of it)"
+    else:
+        unmet = _unmet_need(stager, writer)
+    if unmet is None:
+        return "process"
+    if executor == "process":
+        raise ConfigError(unmet)
+    log.info("executor='auto' chose 'thread': %s", unmet)
+    return "thread"
+
+
+def _unmet_need(stager: BudgetedStager | None, writer: SafeStorageWriter) -> str | None:
+    """What ``executor="process"`` needs and does not have here, in a sentence (``None``:
+    nothing)."""
+    if not hasattr(os, "memfd_create"):
+        return "executor='process' needs os.memfd_create (Linux) for the slabs it shares"
+    if stager is not None and stager.shared is None:
+        return "executor='process' needs a stager built with shared_memory=True"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            store_address(default_store())  # the workers meet there
+        except ConfigError as exc:
+            return str(exc)
+    for backend in (writer.backend, writer.remote):
+        if backend is not None and backend.process_local:
+            return (
+                f"executor='process' would write {backend.url} in its worker: that store lives"
+                " in one process's memory, so this process would never see what it saved"
+            )
+    try:
+        pickle.dumps(writer)  # what the worker is sent
+    except Exception as exc:  # any reason it does not pickle is the answer
+        return (
+            f"executor='process' sends the writer to its worker pickled, and this"
+            f" {type(writer).__name__} does not pickle ({exc!r}); use executor='thread'"
+        )
+    return None
 
 
 _TOPOLOGY = "the root: CheckpointManager(Topology.of(root, {name}=...))"

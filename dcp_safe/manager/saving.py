@@ -24,9 +24,8 @@ from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
 from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.ledger import Ledger, SaveSpans
 from dcp_safe.manager.slot import SaveSlot
-from dcp_safe.manager.spans import SaveSpans
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors, state_dicts_of
 from dcp_safe.staging.guard import snapshot_copy

@@ -14,7 +14,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol
 
 from dcp_safe.errors import ConfigError, DrainTimeoutError
-from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.ledger import Bookkeeper
 from dcp_safe.manager.slot import SaveSlot
 
 __all__ = ["close_at_exit", "countdown", "drain", "in_flight_first", "run_bounded", "seconds"]

@@ -23,13 +23,13 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.bookkeeper import Bookkeeper
+from dcp_safe.manager.ledger import Bookkeeper
 from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
-from dcp_safe.worker.commit_check import check_commit
+from dcp_safe.worker.transport import check_commit
 
 __all__ = ["Tiers"]
 

@@ -4,7 +4,6 @@
   starts, feeds, watches and replaces the worker);
 - :mod:`.boot`: the worker's first lines, before any import (its parent, its priority);
 - :mod:`.main`: the worker's loop (save, commit, check, replicate);
-- :mod:`.transport`: the staged state and the errors that cross between the two;
-- :mod:`.commit_check`: the check a new checkpoint passes before it is trusted, run where the
-  save ran (here, or on the manager's thread with ``executor="thread"``).
+- :mod:`.transport`: the staged state, errors and checks that cross between the two (the check
+  a new checkpoint passes before it is trusted runs where the save ran).
 """

@@ -28,7 +28,7 @@ also sends ``("alive",)`` every second (the parent kills a worker silent past it
                                      the replica manifest's header or None)
     ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
 
-A check (:mod:`~dcp_safe.worker.commit_check`) follows the commit here, so that the training
+A check (:func:`~.transport.check_commit`) follows the commit here, so that the training
 process parses no manifest of its saves; a node-local save is checked once its remote commit is
 done, before that is reported. With ``record`` (the parent's manager has telemetry) the save's
 writer is wrapped as the thread executor wraps it, and its span events go back with the reply,
@@ -59,8 +59,7 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.telemetry.events import Event
 from dcp_safe.telemetry.memory import anchored_clock
 from dcp_safe.telemetry.recorder import Telemetry
-from dcp_safe.worker.commit_check import Checked, check_commit
-from dcp_safe.worker.transport import encode_error, forget_slab, map_slab
+from dcp_safe.worker.transport import Checked, check_commit, encode_error, forget_slab, map_slab
 
 __all__ = ["main"]
 

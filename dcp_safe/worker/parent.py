@@ -42,8 +42,7 @@ from dcp_safe.coordination.worker_group import WorkerGroup, WorkerGroups
 from dcp_safe.errors import CommitError, WorkerDiedError
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.worker.boot import BEAT_S
-from dcp_safe.worker.commit_check import Checked
-from dcp_safe.worker.transport import StateEncoder, decode_error
+from dcp_safe.worker.transport import Checked, StateEncoder, decode_error
 
 __all__ = ["SaveWorker"]
 
@@ -62,27 +61,15 @@ Adopt = Callable[[str, list[Any], "Future[Any] | None"], None]
 class _Process:
     """One started worker: its process, its end of the socket, and the saves it holds."""
 
-    def __init__(
-        self,
-        writer: SafeStorageWriter,
-        per_rank: tuple[str, ...],
-        lock: threading.Lock,
-        replications: dict[str, Future[Any]],
-        group: WorkerGroup | None = None,
-        broke: Callable[[_Process], None] = lambda _: None,
-        adopt: Adopt | None = None,
-        checks: dict[str, Checked] | None = None,
-        deep: bool = False,
-        silent_s: float = 600.0,
-    ) -> None:
-        self.lock = lock  # the SaveWorker's: guards saves, replications, checks and dead
+    def __init__(self, owner: SaveWorker, group: WorkerGroup | None) -> None:
+        self.lock = owner._lock  # guards saves, replications, checks and dead
         self.group = group
-        self.broke = broke  # told of a death or a failed group (not of a retirement)
-        self.adopt = adopt  # given each save's spans from the worker, before its future
+        self.broke = owner._broke  # told of a death or a failed group (not of a retirement)
+        self.adopt = owner.adopt  # given each save's spans from the worker, before its future
         self.retired = False
         # Silent past the manager's deadline (with several ranks the workers' group's, that of
         # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
-        bound = silent_s if group is None else min(silent_s, group.timeout_s)
+        bound = owner.timeout_s if group is None else min(owner.timeout_s, group.timeout_s)
         self.silent_s = max(bound, _MIN_SILENT_BEATS * BEAT_S)
         self.silenced = False  # killed for its silence
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,12 +85,12 @@ class _Process:
         # A worker killed as it appeared breaks the pipe: its reader sees the end and it counts
         # as died (the next request starts another); never an OSError on the training thread.
         with contextlib.suppress(OSError):
-            self.conn.send(("writer", writer, per_rank, group, deep))
-        self.checks = {} if checks is None else checks  # by name, until the follow-up takes it
+            self.conn.send(("writer", owner.writer, owner.per_rank, group, owner.deep))
+        self.checks = owner._checks  # by name, until the follow-up takes it
         self.mapped: set[int] = set()
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
-        self.replications = replications  # by name, shared with the workers before and after
+        self.replications = owner._replications  # by name, shared with every generation
         self.replicating: set[str] = set()  # the names this worker replicates
         self.dead = False
         # Set once the worker imported and joined its group (or died): it can save now.
@@ -242,7 +229,7 @@ class SaveWorker:
             recorded and its replication's future (``None`` unless it succeeded and
             replicates), before the save's future resolves; ``None``: the worker records none.
         deep: the worker checks every byte of each new checkpoint, not only its marker and
-            manifest (:func:`~dcp_safe.worker.commit_check.check_commit`).
+            manifest (:func:`~dcp_safe.worker.transport.check_commit`).
     """
 
     def __init__(
@@ -433,18 +420,7 @@ class SaveWorker:
                 alive = False
         if not alive:
             # A dead one's reader fails the saves it held, on its own thread.
-            process = self._process = _Process(
-                self.writer,
-                self.per_rank,
-                self._lock,
-                self._replications,
-                group,
-                self._broke,
-                self.adopt,
-                self._checks,
-                self.deep,
-                self.timeout_s,
-            )
+            process = self._process = _Process(self, group)
             process.reader.start()
         assert process is not None
         return process

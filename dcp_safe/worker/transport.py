@@ -1,4 +1,4 @@
-"""The staged state on its way to the checkpoint worker, and errors on their way back.
+"""The staged state on its way to the checkpoint worker, and errors and checks on their way back.
 
 A staged tensor crosses as where its bytes are (:class:`~dcp_safe.staging.shared.Place`) plus its
 dtype, shape and strides: the worker maps the slabs once (:func:`map_slab`) and rebuilds each
@@ -6,6 +6,13 @@ tensor over the same memory, so no byte is copied and no descriptor is sent per 
 else in the state (step counters, RNG states) is pickled as it is. A poisoned state (a rank's
 refused staging, :mod:`dcp_safe.staging.poison`) crosses as its error, so that the worker's save
 raises it inside the planning collective and every rank's worker learns of it.
+
+The check a new checkpoint passes before the manager trusts it (:func:`check_commit`) runs where
+the save ran: on the manager's thread with the thread executor; in the worker, right after the
+commit (a node-local save: after its remote commit), so that the training process parses no
+manifest of its own saves (at 10,000 items ~0.3 s of Python taken from the training thread). The
+worker sends back what it found as a :class:`Checked`; the parent keeps the header, so its
+retention lists the new checkpoint without parsing it either.
 """
 
 from __future__ import annotations
@@ -16,15 +23,28 @@ import os
 import pickle
 import traceback
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dcp_safe.adapters.writer import SafeStorageWriter
+from dcp_safe.checkpoints.catalog import verify_opened
+from dcp_safe.checkpoints.committed import CommittedHeader, open_committed, remember_header
+from dcp_safe.checkpoints.signed import check_signed
 from dcp_safe.errors import WorkerError
 from dcp_safe.staging.poison import FailedStaging
 from dcp_safe.staging.shared import SharedSlabs
 
-__all__ = ["StateEncoder", "decode_error", "encode_error", "forget_slab", "map_slab"]
+__all__ = [
+    "Checked",
+    "StateEncoder",
+    "check_commit",
+    "decode_error",
+    "encode_error",
+    "forget_slab",
+    "map_slab",
+]
 
 # The worker's maps of the parent's slabs, by slab id.
 _MAPS: dict[int, mmap.mmap] = {}
@@ -144,3 +164,45 @@ def decode_error(data: bytes) -> BaseException:
     if not isinstance(error, BaseException):
         return WorkerError(type(error).__name__, repr(error))
     return error
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A new checkpoint's check, as the worker reports it.
+
+    Attributes:
+        error: the check's error, pickled with its worker traceback
+            (:func:`~dcp_safe.worker.transport.encode_error`); ``None``: it passed.
+        digest: the manifest digest the check read (empty when it failed).
+        header: that manifest's header (``None`` when it failed).
+    """
+
+    error: bytes | None = None
+    digest: str = ""
+    header: CommittedHeader | None = None
+
+    def remember(self) -> None:
+        """Let this process list the checkpoint without parsing its manifest again."""
+        if self.header is not None:
+            remember_header(self.digest, self.header)
+
+
+def check_commit(
+    writer: SafeStorageWriter, name: str, *, deep: bool
+) -> tuple[str, CommittedHeader]:
+    """Check ``name``, committed through ``writer``: its marker and manifest (and signature,
+    with a signing writer), or with ``deep`` every byte; its manifest digest and header.
+
+    Raises:
+        CheckpointCorruptError: the checkpoint does not hold what its manifest says
+            (``SignatureError`` / ``UnsignedCheckpointError``: not signed with the key).
+        CheckpointNotFoundError: no commit marker.
+        OSError: storage failed.
+    """
+    backend, key = writer.commit_backend, writer.options.signing_key
+    opened = open_committed(backend, name)  # its marker and manifest, read once
+    if deep:
+        verify_opened(backend, opened, signing_key=key)
+    elif key is not None:
+        check_signed(backend, opened, key)
+    return opened.digest, CommittedHeader.of(opened.manifest)

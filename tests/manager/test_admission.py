@@ -23,7 +23,7 @@ from dcp_safe import (
     list_checkpoints,
 )
 from dcp_safe.errors import AdmissionTimeoutError
-from dcp_safe.manager.memory_watch import MemoryWatch
+from dcp_safe.manager.fallback import MemoryWatch
 
 
 class _HeldWriter(SafeStorageWriter):

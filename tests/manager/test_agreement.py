@@ -6,7 +6,7 @@ import pytest
 
 from dcp_safe.coordination.agreement import Agreement, Vote, groups_to_replace
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.decision import Verdict, decide
+from dcp_safe.manager.admit import Verdict, decide
 from dcp_safe.manager.handles import BusyPolicy
 
 
