@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from dcp_safe.choices import parse_choice
-from dcp_safe.errors import ConfigError, StorageError
+from dcp_safe.errors import ConfigError
 from dcp_safe.exporting import safetensors_format as st
 from dcp_safe.exporting import torch_format
-from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
+from dcp_safe.exporting.consolidate import Consolidator
 from dcp_safe.exporting.publish import CHECKSUMS, StagedExport, check_destination
-from dcp_safe.exporting.selection import Selection, TensorEntry, parse_dtype, select
-from dcp_safe.exporting.sink import write_tensor
+from dcp_safe.exporting.selection import parse_dtype, select
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.units import format_bytes
 
@@ -117,92 +116,21 @@ def export(
     check_destination(dest, overwrite)
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
-    if fmt is ExportFormat.SAFETENSORS:
-        return _safetensors(source, selection, dest, max_shard_bytes, overwrite)
-    return _torch(source, selection, dest, overwrite)
-
-
-def _refuse_dtypes(
-    unsupported: list[str], fmt: ExportFormat, tensors: Sequence[TensorEntry]
-) -> None:
-    if unsupported:
-        refused = set(unsupported)
-        dtypes = {str(e.out_dtype) for e in tensors if e.key in refused}
+    holds = st.holds if fmt is ExportFormat.SAFETENSORS else torch_format.holds
+    refused = [entry for entry in selection.tensors if not holds(entry.out_dtype)]
+    if refused:
+        dtypes = ", ".join(sorted({str(entry.out_dtype) for entry in refused}))
         raise ConfigError(
-            f"format={fmt.value!r} cannot hold {', '.join(sorted(dtypes))} tensors"
-            f" ({', '.join(unsupported[:8])}); choose the other format or cast with dtype="
+            f"format={fmt.value!r} cannot hold {dtypes} tensors"
+            f" ({', '.join(e.key for e in refused[:8])}); choose the other format or cast with"
+            " dtype="
         )
-
-
-def _safetensors(
-    source: Consolidator,
-    selection: Selection,
-    dest: str | os.PathLike[str],
-    max_shard_bytes: int,
-    overwrite: bool,
-) -> ExportResult:
-    fmt = ExportFormat.SAFETENSORS
-    _refuse_dtypes(st.unsupported(selection.tensors), fmt, selection.tensors)
-    if not selection.tensors:
-        raise ConfigError("nothing to export: the selected entries hold no tensors")
-    shards = st.plan_shards(selection.tensors, max_shard_bytes)
-    files = dict(zip(st.shard_names(len(shards)), shards, strict=True))
-    metadata = {"format": "pt", "source": f"dcp_safe checkpoint {source.name}"}
     with StagedExport(dest, overwrite=overwrite) as staged:
-        for file_name, entries in files.items():
-            header = st.encode_header(entries, metadata)
-            with staged.open(file_name) as sink:
-                sink.write(header)
-                source.each_tensor(entries, lambda e, t: write_tensor(sink, t, e.out_dtype))
-                if sink.tell() != len(header) + st.data_bytes(entries):
-                    raise StorageError("write", staged.path(file_name), "size is off")
-            st.check_file(staged.path(file_name), entries)
-        if len(files) > 1:
-            with staged.open(st.INDEX_NAME) as sink:
-                sink.write(st.encode_index(files))
-        staged.publish()
-    skipped = dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
-    return _result(staged, fmt, source, selection, 0, skipped)
-
-
-def _torch(
-    source: Consolidator,
-    selection: Selection,
-    dest: str | os.PathLike[str],
-    overwrite: bool,
-) -> ExportResult:
-    fmt = ExportFormat.TORCH
-    _refuse_dtypes(torch_format.unsupported(selection.tensors), fmt, selection.tensors)
-    plain: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for key, value in source.objects(selection.objects).items():
-        if isinstance(value, NotPlainData):
-            skipped[key] = value.reason
-        elif not torch_format.is_plain(value):
-            skipped[key] = f"not plain data ({type(value).__name__})"
+        if fmt is ExportFormat.SAFETENSORS:
+            skipped = st.write(staged, source, selection, max_shard_bytes)
         else:
-            plain[key] = value
-    if not selection.tensors and not plain:
-        raise ConfigError("nothing to export: the selection holds no tensors and no plain data")
-    with StagedExport(dest, overwrite=overwrite) as staged:
-        with (
-            staged.open(torch_format.FILE_NAME) as sink,
-            torch_format.TorchFileWriter(sink, selection.tensors, plain) as writer,
-        ):
-            source.each_tensor(selection.tensors, writer.add)
-        torch_format.check_file(staged.path(torch_format.FILE_NAME), selection.tensors, plain)
+            skipped = torch_format.write(staged, source, selection)
         staged.publish()
-    return _result(staged, fmt, source, selection, len(plain), skipped)
-
-
-def _result(
-    staged: StagedExport,
-    fmt: ExportFormat,
-    source: Consolidator,
-    selection: Selection,
-    objects: int,
-    skipped: dict[str, str],
-) -> ExportResult:
     return ExportResult(
         dest=staged.dest,
         format=fmt,
@@ -210,6 +138,6 @@ def _result(
         files=tuple(sorted((*staged.files, CHECKSUMS))),
         tensors=len(selection.tensors),
         tensor_bytes=sum(entry.out_nbytes for entry in selection.tensors),
-        objects=objects,
+        objects=len(selection.objects) - len(skipped),
         skipped=skipped,
     )

@@ -1,5 +1,9 @@
 """An export's destination: written beside it in a hidden folder, renamed into place whole.
 
+Each file is written through an append-only :class:`Sha256Sink` that hashes what it writes (no
+``seek``: :mod:`zipfile` writes the torch format sequentially, sizes and CRCs in a descriptor
+after each record), so ``SHA256SUMS`` costs no second read.
+
 The protocol (fsyncs, ``RENAME_NOREPLACE``, ``RENAME_EXCHANGE`` for ``overwrite``) is in
 docs/export.md, "Publication and failures"; the renames and fsyncs are
 :class:`~dcp_safe.backends.local_backend.LocalBackend`'s. ``overwrite=True`` replaces only an
@@ -9,19 +13,73 @@ not ours.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
+import torch
+
 from dcp_safe import layout
+from dcp_safe.adapters.tensor_records import tensor_bytes
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import ConfigError
-from dcp_safe.exporting.sink import Sha256Sink
+from dcp_safe.manifest.streams import WritableFile
 
-__all__ = ["CHECKSUMS", "StagedExport", "check_destination"]
+__all__ = ["CHECKSUMS", "Sha256Sink", "StagedExport", "check_destination", "write_tensor"]
 
 CHECKSUMS = layout.EXPORT_CHECKSUMS
+#: Bytes written (and cast) per call: small next to any tensor worth streaming, large enough
+#: that a call's overhead does not show.
+SLICE_BYTES = 16 << 20
+
+
+class Sha256Sink:
+    """Forwards writes to ``target`` (at offset 0) and hashes them; not seekable, by design."""
+
+    def __init__(self, target: WritableFile) -> None:
+        self._target: WritableFile | None = target
+        self._hash = hashlib.sha256()
+        self._written = 0
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        if self._target is not None:
+            self._target.write(view)
+        self._written += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._written
+
+    def flush(self) -> None:
+        """Nothing to do: the backend flushes and fsyncs the file when it is closed."""
+
+    def close(self) -> None:
+        """Nothing to do: the file belongs to whoever opened it."""
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def discard(self) -> None:
+        """Drop every later write: the file is being thrown away after a failure, and a
+        writer winding down (a zip archive closing) must not fail on it again."""
+        self._target = None
+
+
+def write_tensor(sink: WritableFile, tensor: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """Write a CPU tensor's bytes as ``out_dtype`` from its own memory, in slices of
+    :data:`SLICE_BYTES` (a cast goes through one reused slice-sized buffer)."""
+    flat = tensor.reshape(-1).contiguous()  # the reader's fresh tensors already are
+    step = max(1, SLICE_BYTES // max(tensor.element_size(), out_dtype.itemsize))
+    cast = (
+        None if flat.dtype == out_dtype else torch.empty(min(step, flat.numel()), dtype=out_dtype)
+    )
+    for start in range(0, flat.numel(), step):
+        piece = flat[start : start + step]
+        sink.write(tensor_bytes(piece if cast is None else cast[: piece.numel()].copy_(piece)))
 
 
 class StagedExport(AbstractContextManager["StagedExport"]):

@@ -16,26 +16,23 @@ from safetensors import safe_open
 
 from dcp_safe import layout
 from dcp_safe.errors import ConfigError, StorageError
-from dcp_safe.exporting.selection import TensorEntry
+from dcp_safe.exporting.consolidate import Consolidator
+from dcp_safe.exporting.publish import StagedExport, write_tensor
+from dcp_safe.exporting.selection import Selection, TensorEntry
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "INDEX_NAME",
-    "SINGLE_NAME",
-    "check_file",
     "check_max_shard_bytes",
-    "data_bytes",
     "encode_header",
     "encode_index",
+    "holds",
     "plan_shards",
     "shard_names",
-    "unsupported",
+    "write",
 ]
 
 #: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-SINGLE_NAME = layout.SAFETENSORS_FILE
-INDEX_NAME = layout.SAFETENSORS_INDEX
 _RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key
 _ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
 
@@ -60,9 +57,38 @@ _CODES: dict[torch.dtype, str] = {
 }
 
 
-def unsupported(entries: Sequence[TensorEntry]) -> list[str]:
-    """Keys whose output dtype the safetensors format cannot name."""
-    return [entry.key for entry in entries if entry.out_dtype not in _CODES]
+def holds(dtype: torch.dtype) -> bool:
+    """Whether the safetensors format can name ``dtype``."""
+    return dtype in _CODES
+
+
+def write(
+    staged: StagedExport, source: Consolidator, selection: Selection, max_shard_bytes: int
+) -> dict[str, str]:
+    """Write the selected tensors as one file or as shards and their index, each file checked
+    with the reference reader; the entries skipped (every non-tensor), each with the reason.
+
+    Raises:
+        ConfigError: the selection holds no tensors, or a tensor named ``__metadata__``.
+        StorageError: a write failed, or the reader refuses a file written.
+    """
+    if not selection.tensors:
+        raise ConfigError("nothing to export: the selected entries hold no tensors")
+    shards = plan_shards(selection.tensors, max_shard_bytes)
+    files = dict(zip(shard_names(len(shards)), shards, strict=True))
+    metadata = {"format": "pt", "source": f"dcp_safe checkpoint {source.name}"}
+    for file_name, entries in files.items():
+        header = encode_header(entries, metadata)
+        with staged.open(file_name) as sink:
+            sink.write(header)
+            source.each_tensor(entries, lambda e, t: write_tensor(sink, t, e.out_dtype))
+            if sink.tell() != len(header) + sum(e.out_nbytes for e in entries):
+                raise StorageError("write", staged.path(file_name), "size is off")
+        _check_file(staged.path(file_name), entries)
+    if len(files) > 1:
+        with staged.open(layout.SAFETENSORS_INDEX) as sink:
+            sink.write(encode_index(files))
+    return dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
 
 
 def check_max_shard_bytes(max_shard_bytes: object) -> None:
@@ -78,9 +104,8 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[li
     except a tensor larger than that, which gets a shard of its own.
 
     Raises:
-        ConfigError: ``max_shard_bytes`` is not a positive integer, or a key is ``__metadata__``.
+        ConfigError: a key is ``__metadata__``.
     """
-    check_max_shard_bytes(max_shard_bytes)
     if any(entry.key == _RESERVED for entry in entries):
         raise ConfigError(
             f"safetensors reserves the key {_RESERVED!r} for its header, and a tensor of the"
@@ -101,7 +126,7 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[li
 def shard_names(count: int) -> list[str]:
     """File names for ``count`` shards, as Hugging Face names them."""
     if count == 1:
-        return [SINGLE_NAME]
+        return [layout.SAFETENSORS_FILE]
     return [layout.safetensors_shard_name(i, count) for i in range(1, count + 1)]
 
 
@@ -122,20 +147,15 @@ def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> b
     return struct.pack("<Q", len(raw)) + raw
 
 
-def data_bytes(entries: Sequence[TensorEntry]) -> int:
-    """The size of the data section of a file holding ``entries``."""
-    return sum(entry.out_nbytes for entry in entries)
-
-
 def encode_index(files: dict[str, list[TensorEntry]]) -> bytes:
     """``model.safetensors.index.json`` for the shards ``files`` (file name -> its entries)."""
     weight_map = {entry.key: name for name, entries in files.items() for entry in entries}
-    total = sum(data_bytes(entries) for entries in files.values())
+    total = sum(entry.out_nbytes for entries in files.values() for entry in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(index, indent=2) + "\n").encode("utf-8")
 
 
-def check_file(path: str, entries: Sequence[TensorEntry]) -> None:
+def _check_file(path: str, entries: Sequence[TensorEntry]) -> None:
     """Open a written file with the reference reader and compare its table of contents.
 
     Raises:

@@ -50,10 +50,6 @@ class Selection:
     tensors: tuple[TensorEntry, ...]
     objects: tuple[str, ...]
 
-    @property
-    def largest_tensor_bytes(self) -> int:
-        return max((entry.nbytes for entry in self.tensors), default=0)
-
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """The floating dtype to cast to, from a ``torch.dtype`` or its name (``"bfloat16"``).

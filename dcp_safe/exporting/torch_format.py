@@ -24,21 +24,49 @@ import torch
 
 from dcp_safe import layout
 from dcp_safe.errors import ConfigError, StorageError
-from dcp_safe.exporting.selection import TensorEntry
-from dcp_safe.exporting.sink import Sha256Sink, write_tensor
+from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
+from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
+from dcp_safe.exporting.selection import Selection, TensorEntry
 from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor
 
-__all__ = ["FILE_NAME", "TorchFileWriter", "check_file", "is_plain", "unsupported"]
+__all__ = ["TorchFileWriter", "holds", "is_plain", "write"]
 
-FILE_NAME = layout.TORCH_FILE
 _PROTOCOL = 2  # torch.save's default pickle protocol
 _ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 
-def unsupported(entries: Sequence[TensorEntry]) -> list[str]:
-    """Keys whose output dtype has no typed-storage class for the pickle."""
-    return [entry.key for entry in entries if legacy_storage_type(entry.out_dtype) is None]
+def holds(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` has a typed-storage class for the pickle."""
+    return legacy_storage_type(dtype) is not None
+
+
+def write(staged: StagedExport, source: Consolidator, selection: Selection) -> dict[str, str]:
+    """Write ``model.pt`` of the selected tensors and the plain-data objects, checked by
+    loading it back; the objects skipped (not plain data), each with the reason.
+
+    Raises:
+        ConfigError: the selection holds no tensors and no plain data.
+        StorageError: a write failed, or ``torch.load`` finds other contents.
+    """
+    plain: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for key, value in source.objects(selection.objects).items():
+        if isinstance(value, NotPlainData):
+            skipped[key] = value.reason
+        elif not is_plain(value):
+            skipped[key] = f"not plain data ({type(value).__name__})"
+        else:
+            plain[key] = value
+    if not selection.tensors and not plain:
+        raise ConfigError("nothing to export: the selection holds no tensors and no plain data")
+    with (
+        staged.open(layout.TORCH_FILE) as sink,
+        TorchFileWriter(sink, selection.tensors, plain) as writer,
+    ):
+        source.each_tensor(selection.tensors, writer.add)
+    _check_file(staged.path(layout.TORCH_FILE), selection.tensors, plain)
+    return skipped
 
 
 def is_plain(value: Any) -> bool:
@@ -191,7 +219,7 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
         return info
 
 
-def check_file(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
+def _check_file(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
     """Load a written file as a user will (``torch.load(weights_only=True)``, with ``mmap=True``
     so the tensor data is mapped, not read) and compare its keys, dtypes and shapes.
 

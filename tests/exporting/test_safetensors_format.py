@@ -14,6 +14,7 @@ import torch
 
 from dcp_safe.errors import ConfigError
 from dcp_safe.exporting.safetensors_format import (
+    check_max_shard_bytes,
     encode_header,
     encode_index,
     plan_shards,
@@ -40,7 +41,7 @@ def test_one_shard_is_a_plain_model_safetensors() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "5GB"])
 def test_max_shard_bytes_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ConfigError):
-        plan_shards([], bad)  # type: ignore[arg-type]
+        check_max_shard_bytes(bad)  # export() checks it first (test_bad_options_are_config_errors)
 
 
 def test_header_offsets_are_contiguous_and_the_data_section_aligned() -> None:
