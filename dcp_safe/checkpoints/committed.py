@@ -9,11 +9,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     InvalidCheckpointNameError,
 )
@@ -35,40 +37,58 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Parsed manifests by the sha256 of their bytes: the same bytes parse to the same Manifest, so a
-# manifest read again (each prune lists every checkpoint; a commit's check opens it once more)
-# is hashed and compared with its marker as always, but parsed once. At 10,000 items a parse
-# costs ~0.2 s of Python on the manager's thread and the result ~24 MiB: the last few are kept.
-_PARSED_KEPT = 4
-_parsed: OrderedDict[str, Manifest] = OrderedDict()
-_parsed_lock = threading.Lock()
-# What listings need of a checkpoint opened before, by the same digest: a few hundred bytes
-# each, so far more are kept. Filled only once every check of ``open_committed`` passed (here,
-# or in the checkpoint worker that verified a new checkpoint: ``remember_header``).
-_HEADERS_KEPT = 1024
-_headers: OrderedDict[str, CommittedHeader] = OrderedDict()
+_V = TypeVar("_V")
+
+
+class _Kept(Generic[_V]):
+    """The last ``count`` values put, by the digest of the manifest bytes they came from; safe
+    across threads."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self._values, self._lock = count, OrderedDict[str, _V](), threading.Lock()
+
+    def get(self, digest: str) -> _V | None:
+        with self._lock:
+            value = self._values.get(digest)
+            if value is not None:
+                self._values.move_to_end(digest)
+            return value
+
+    def put(self, digest: str, value: _V) -> None:
+        self.keep(self.count, (digest, value))
+
+    def keep(self, count: int, new: tuple[str, _V] | None = None) -> None:
+        """Keep at most ``count`` from now on (with ``new`` the newest)."""
+        with self._lock:
+            self.count = count
+            if new is not None:
+                self._values[new[0]] = new[1]
+                self._values.move_to_end(new[0])
+            while len(self._values) > count:
+                self._values.popitem(last=False)
+
+
+# Parsed manifests: the same bytes parse to the same Manifest, so a manifest read again (each
+# prune lists every checkpoint; a commit's check opens it once more) is hashed and compared with
+# its marker as always, but parsed once. At 10,000 items a parse costs ~0.2 s of Python on the
+# manager's thread and the result ~24 MiB: the last few are kept.
+_parsed: _Kept[Manifest] = _Kept(4)
+# What listings need of a checkpoint opened before: a few hundred bytes each, so far more are
+# kept. Filled only once every check of ``open_committed`` passed (here, or in the checkpoint
+# worker that verified a new checkpoint: ``remember_header``).
+_headers: _Kept[CommittedHeader] = _Kept(1024)
 
 
 def keep_parsed(count: int) -> None:
     """Keep at most ``count`` parsed manifests in this process from now on (default 4)."""
-    global _PARSED_KEPT
-    with _parsed_lock:
-        _PARSED_KEPT = count
-        while len(_parsed) > count:
-            _parsed.popitem(last=False)
+    _parsed.keep(count)
 
 
 def _parse(raw: bytes, digest: str, path: str) -> Manifest:
-    with _parsed_lock:
-        manifest = _parsed.get(digest)
-        if manifest is not None:
-            _parsed.move_to_end(digest)
-            return manifest
-    manifest = Manifest.from_json(raw, path)
-    with _parsed_lock:
-        _parsed[digest] = manifest
-        while len(_parsed) > _PARSED_KEPT:
-            _parsed.popitem(last=False)
+    manifest = _parsed.get(digest)
+    if manifest is None:
+        manifest = Manifest.from_json(raw, path)
+        _parsed.put(digest, manifest)
     return manifest
 
 
@@ -109,17 +129,7 @@ class CommittedHeader:
 def remember_header(digest: str, header: CommittedHeader) -> None:
     """Keep ``header`` for the manifest whose bytes have ``digest``, which passed every check
     of :func:`open_committed` (in this process or in one that reports to it)."""
-    with _parsed_lock:
-        _headers[digest] = header
-        _headers.move_to_end(digest)
-        while len(_headers) > _HEADERS_KEPT:
-            _headers.popitem(last=False)
-
-
-def _known_header(digest: str, name: str) -> CommittedHeader | None:
-    with _parsed_lock:
-        header = _headers.get(digest)
-    return header if header is not None and header.name == name else None
+    _headers.put(digest, header)
 
 
 def committed_names(backend: Backend) -> list[str]:
@@ -167,8 +177,8 @@ def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
     """
     manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
     raw, actual = _read_committed(backend, name, manifest_path)
-    header = _known_header(actual, name)
-    if header is None:
+    header = _headers.get(actual)
+    if header is None or header.name != name:
         header = CommittedHeader.of(_opened(name, raw, actual, manifest_path).manifest)
     return header, actual
 
@@ -229,6 +239,26 @@ def read_marked_manifest(
             actual=actual,
         )
     return raw, actual
+
+
+def publish_marked(
+    local: Backend, work: str, final: str, raw_manifest: bytes, marker: str, what: str
+) -> None:
+    """Make ``work`` (its other files landed) the folder ``final``: the manifest goes in, then
+    ``marker`` with its digest, last, then the rename, so a folder under its name is whole.
+
+    Raises:
+        CheckpointExistsError: ``final`` exists (``what`` holds it).
+        StorageError: an I/O step failed.
+    """
+    local.write_bytes(f"{work}/{layout.MANIFEST}", raw_manifest)
+    local.write_bytes(f"{work}/{marker}", manifest_digest(raw_manifest).encode())
+    local.sync_dir(work)
+    try:
+        local.publish_dir(work, final, replace=False)
+    except FileExistsError as exc:
+        raise CheckpointExistsError(local.full_path(final), f"{what} holds it") from exc
+    local.sync_dir(final.rpartition("/")[0])
 
 
 def recency(step: int | None, created_at: float, name: str) -> tuple[int, float, str]:

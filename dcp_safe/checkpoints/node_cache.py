@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import read_marked_manifest
-from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
+from dcp_safe.checkpoints.committed import publish_marked, read_marked_manifest
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.manifest.schema import Manifest
 from dcp_safe.topology import RootLike
 from dcp_safe.untrusted import shown
 
@@ -63,16 +63,9 @@ def publish_node_cache(
     raw = remote.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
     if Manifest.from_json(raw, remote.full_path(name)) != manifest:
         raise CheckpointCorruptError(remote.full_path(name), "manifest changed while read")
-    local.write_bytes(f"{work}/{layout.MANIFEST}", raw)
     metadata = remote.read_small(f"{name}/{layout.DCP_METADATA}", MANIFEST_MAX_BYTES)
     local.write_bytes(f"{work}/{layout.DCP_METADATA}", metadata)
-    local.write_bytes(f"{work}/{NODE_COMMITTED_MARKER}", manifest_digest(raw).encode())
-    local.sync_dir(work)
-    try:
-        local.publish_dir(work, name, replace=False)
-    except FileExistsError as exc:
-        raise CheckpointExistsError(local.full_path(name), "a node cache holds it") from exc
-    local.sync_dir("")
+    publish_marked(local, work, name, raw, NODE_COMMITTED_MARKER, "a node cache")
 
 
 def open_node_cache(backend: Backend, name: str) -> NodeCache:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.committed import read_marked_manifest
-from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
-from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.checkpoints.committed import publish_marked, read_marked_manifest
+from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_safe.manifest.schema import Manifest
 from dcp_safe.untrusted import shown
 
 __all__ = [
@@ -59,16 +59,8 @@ def commit_peer_copy(
         CheckpointExistsError: a committed copy of that node's share is there already.
         StorageError: an I/O step failed.
     """
-    local.write_bytes(f"{partial}/{layout.MANIFEST}", raw_manifest)
-    marker = manifest_digest(raw_manifest).encode()
-    local.write_bytes(f"{partial}/{layout.PEER_COMMITTED_MARKER}", marker)
-    local.sync_dir(partial)
     final = layout.peer_copy_dir(name, node)
-    try:
-        local.publish_dir(partial, final, replace=False)
-    except FileExistsError as exc:
-        raise CheckpointExistsError(local.full_path(final), "a peer copy holds it") from exc
-    local.sync_dir(f"{layout.PEERS_DIR}/{name}")
+    publish_marked(local, partial, final, raw_manifest, layout.PEER_COMMITTED_MARKER, "a peer copy")
     return final
 
 

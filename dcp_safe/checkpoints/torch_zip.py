@@ -40,10 +40,9 @@ _MAX_ENTRY_BYTES = _CENTRAL.size + 3 * 1024
 
 
 class Source(Protocol):
-    """Random access to one item's bytes."""
+    """Random access to one item's bytes (``length`` of them)."""
 
-    @property
-    def length(self) -> int: ...
+    length: int
 
     def read_at(self, offset: int, size: int) -> bytes | memoryview:
         """``size`` bytes at ``offset`` (fewer only past the end)."""
@@ -55,14 +54,7 @@ class MemorySource:
 
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         self.view = memoryview(data).cast("B")
-
-    @property
-    def length(self) -> int:
-        return self.view.nbytes
-
-    @property
-    def writable(self) -> bool:
-        return not self.view.readonly
+        self.length, self.writable = self.view.nbytes, not self.view.readonly
 
     def read_at(self, offset: int, size: int) -> memoryview:
         return self.view[offset : offset + size]
@@ -72,22 +64,12 @@ class StreamSource:
     """``length`` bytes at ``start`` of an open, seekable file."""
 
     def __init__(self, stream: BinaryIO, start: int, length: int) -> None:
-        self.stream, self.start, self._length = stream, start, length
-
-    @property
-    def length(self) -> int:
-        return self._length
+        self.stream, self.start, self.length = stream, start, length
 
     def read_at(self, offset: int, size: int) -> bytes:
-        size = max(0, min(size, self._length - offset))
+        size = max(0, min(size, self.length - offset))
         self.stream.seek(self.start + offset)
         return self.stream.read(size)
-
-
-@dataclass(frozen=True)
-class _Record:
-    offset: int
-    size: int
 
 
 @dataclass(frozen=True)
@@ -96,19 +78,17 @@ class TorchArchive:
 
     source: Source
     prefix: str
-    records: dict[str, _Record]
+    records: dict[str, tuple[int, int]]  # name: (offset, size)
 
     def size(self, name: str) -> int | None:
         """The size of record ``name`` (below the top folder), ``None`` if there is none."""
         record = self.records.get(name)
-        return None if record is None else record.size
+        return None if record is None else record[1]
 
     def read(self, name: str) -> bytes | memoryview | None:
         """Record ``name``'s bytes (below the top folder), ``None`` if there is none."""
         record = self.records.get(name)
-        if record is None:
-            return None
-        return self.source.read_at(record.offset, record.size)
+        return None if record is None else self.source.read_at(*record)
 
 
 def open_archive(
@@ -148,7 +128,7 @@ class _Parser:
         if cd_size > entries * _MAX_ENTRY_BYTES:
             raise self.corrupt(f"a directory of {cd_size} bytes for {entries} records")
         directory = bytes(self.source.read_at(cd_offset, cd_size))
-        records: dict[str, _Record] = {}
+        records: dict[str, tuple[int, int]] = {}
         prefix: str | None = None
         at = 0
         for _ in range(entries):
@@ -198,7 +178,7 @@ class _Parser:
         entries, cd_size, cd_offset = fields[7], fields[8], fields[9]
         return entries, cd_offset, cd_size, offset
 
-    def entry(self, directory: bytes, at: int, cd_offset: int) -> tuple[str, _Record, int]:
+    def entry(self, directory: bytes, at: int, cd_offset: int) -> tuple[str, tuple[int, int], int]:
         if at + _CENTRAL.size > len(directory):
             raise self.corrupt("its directory ends early")
         fields = _CENTRAL.unpack_from(directory, at)
@@ -209,7 +189,10 @@ class _Parser:
         if signature != _SIG_CENTRAL or end > len(directory) or end - at > _MAX_ENTRY_BYTES:
             raise self.corrupt("a bad directory entry")
         raw_name = directory[at + _CENTRAL.size : at + _CENTRAL.size + name_len]
-        name = self.name(raw_name)
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.corrupt("a record name that is not UTF-8") from None
         extra = directory[at + _CENTRAL.size + name_len : at + _CENTRAL.size + name_len + extra_len]
         size, packed, header = _zip64(extra, size, packed, header)
         if flags & _ENCRYPTED or method != _STORED or packed != size:
@@ -223,13 +206,7 @@ class _Parser:
         data = self.local(header, raw_name, name)
         if data + size > cd_offset:
             raise self.corrupt(f"record {name[:80]!r} runs past its data")
-        return name, _Record(data, size), end
-
-    def name(self, raw: bytes) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.corrupt("a record name that is not UTF-8") from None
+        return name, (data, size), end
 
     def local(self, header: int, raw_name: bytes, name: str) -> int:
         """Where the record whose local header is at ``header`` begins."""

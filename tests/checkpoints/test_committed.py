@@ -37,8 +37,8 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.fixture
 def forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process has parsed and remembered nothing yet."""
-    monkeypatch.setattr(committed, "_parsed", type(committed._parsed)())
-    monkeypatch.setattr(committed, "_headers", type(committed._headers)())
+    monkeypatch.setattr(committed, "_parsed", committed._Kept[Manifest](4))
+    monkeypatch.setattr(committed, "_headers", committed._Kept[CommittedHeader](1024))
 
 
 def _saved(root: Path, name: str, step: int) -> None:
@@ -99,7 +99,7 @@ def test_listings_keep_headers_after_the_parsed_manifest_is_dropped(
     _saved(tmp_path, "step_0001", 1)
     backend = LocalBackend(str(tmp_path))
     opened = open_committed(backend, "step_0001")
-    monkeypatch.setattr(committed, "_parsed", type(committed._parsed)())  # crowded out
+    monkeypatch.setattr(committed, "_parsed", committed._Kept[Manifest](4))  # crowded out
     header, digest = open_header(backend, "step_0001")
     assert len(parses) == 1
     assert digest == opened.digest
