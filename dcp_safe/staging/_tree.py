@@ -1,4 +1,5 @@
-"""Finding the tensors of a state dict and rebuilding it around their staged copies.
+"""Finding the tensors of a state dict (one walk: :func:`scan`) and rebuilding it around their
+staged copies.
 
 Tensors are found in the containers DCP's planner flattens (mappings, lists, tuples). The rest
 is ``copy.deepcopy``'d with a memo pre-seeded with the staged tensors, which substitutes each
@@ -19,11 +20,27 @@ from torch.distributed.tensor import DTensor
 
 from dcp_safe.torch_compat import dtensor_local, rebuild_dtensor
 
-__all__ = ["ATOMIC", "collect_tensors", "is_stateful", "rebuild", "stageable", "state_dicts_of"]
+__all__ = [
+    "ATOMIC",
+    "Layout",
+    "collect_tensors",
+    "is_stateful",
+    "rebuild",
+    "scan",
+    "stageable",
+    "state_dicts_of",
+]
 
 # Values deepcopy returns as they are; the walks skip them without a call.
 ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
 _MISSING = object()
+# C getters mapped over the candidates: a fraction of a microsecond per tensor each.
+_shape = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
+_dtype = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]
+_device = torch.Tensor.device.__get__  # type: ignore[attr-defined]
+_layout = torch.Tensor.layout.__get__  # type: ignore[attr-defined]
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
 
 
 def is_stateful(value: object) -> bool:
@@ -58,25 +75,72 @@ def collect_tensors(obj: object) -> list[torch.Tensor]:
 
     Order is the walk order, so two walks of the same state give the same list.
     """
-    found: dict[int, torch.Tensor] = {}
-    _collect(obj, found)
-    return list(found.values())
+    return list({id(t): t for t in scan(obj).candidates if stageable(t)}.values())
 
 
-def _collect(obj: object, found: dict[int, torch.Tensor]) -> None:
+class Layout:
+    """One walk of a state dict: its candidate tensors, in walk order, and its layout key.
+
+    The key is computed on first use: the walk alone is what ``stage()`` pays on the training
+    thread while the state's structure is unchanged (see
+    :meth:`~dcp_safe.staging.plan.PlanCache.speculate`).
+    """
+
+    __slots__ = ("_key", "candidates", "structure")
+
+    def __init__(self, candidates: list[torch.Tensor], structure: tuple[Any, ...]) -> None:
+        self.candidates = candidates
+        self.structure = structure
+        self._key: tuple[Any, ...] | None = None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """The full layout key (docs/staging.md, "Thousands of tensors"); about 2 us a tensor."""
+        if self._key is None:
+            candidates = self.candidates
+            ids = list(map(id, candidates))
+            aliases = None
+            if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout
+                first: dict[int, int] = {}
+                aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
+            getters = (_shape, _dtype, _device, _layout)
+            self._key = (self.structure, *(tuple(map(g, candidates)) for g in getters), aliases)
+        return self._key
+
+
+def scan(state: object) -> Layout:
+    """Walk ``state`` once: the tensors DCP's planner would see, and its containers."""
+    candidates: list[torch.Tensor] = []
+    structure: list[Any] = []
+    _visit(state, candidates, structure)
+    return Layout(candidates, tuple(structure))
+
+
+def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) -> None:
+    kind = type(obj)
+    if kind is _TENSOR or kind is _PARAMETER:
+        candidates.append(obj)  # type: ignore[arg-type]
+        return
     if isinstance(obj, DTensor):
         local = dtensor_local(obj)
-        if stageable(local):
-            found.setdefault(id(local), local)
-    elif stageable(obj):
-        assert isinstance(obj, torch.Tensor)
-        found.setdefault(id(obj), obj)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _collect(value, found)
+        if type(local) is _TENSOR or type(local) is _PARAMETER:
+            candidates.append(local)
+        return
+    if isinstance(obj, Mapping):
+        structure.append((kind, tuple(obj)))
+        values: Any = obj.values()
     elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect(value, found)
+        structure.append((kind, len(obj)))
+        values = obj
+    else:
+        return  # a leaf DCP pickles whole; it is deep-copied, not staged
+    append = candidates.append
+    for value in values:
+        kind = type(value)
+        if kind is _TENSOR or kind is _PARAMETER:
+            append(value)
+        elif kind not in ATOMIC:
+            _visit(value, candidates, structure)
 
 
 def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:

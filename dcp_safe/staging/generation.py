@@ -86,14 +86,13 @@ def copy_sources(
         torch.cuda.stream(stream) if stream is not None else nullcontext()
     )
     plan = gen.plan
-    sources = plan.sources(layout)
     dsts = gen.lease.typed_views(plan.views)
-    srcs = plan.copied(list(sources))
+    srcs = plan.copied(layout)
     held = plan.held_pointers
     with torch.no_grad(), stream_ctx, profile:
         if ready is not None and stream is not None:
             stream.wait_event(ready)
-        for start, stop in plan.chunks():
+        for start, stop in plan.chunks:
             chunk = srcs[start:stop]
             now = list(map(_read_data_ptr, chunk))
             if now != held[start:stop]:
@@ -101,7 +100,7 @@ def copy_sources(
             foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
     if stream is not None:
         stream.synchronize()
-    return plan.staged(sources, dsts)
+    return plan.staged(layout, dsts)
 
 
 def _check_storages(
@@ -159,7 +158,8 @@ def copy_guessed(
     copy: Callable[[], dict[int, torch.Tensor]],
     readmit: Callable[[], None],
 ) -> tuple[dict[int, torch.Tensor], int]:
-    """Copy with stage()'s guessed plan, then confirm it; re-plan and copy again on a miss.
+    """Allocate ``gen``'s missing buffers and ``copy``; a plan stage() guessed is confirmed after
+    its copy, re-planned and copied again on a miss.
 
     The key is checked after the copy: the copy releases the GIL, so the caller's
     ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
@@ -167,21 +167,24 @@ def copy_guessed(
     ``readmit`` swaps ``gen``'s plan and lease for the layout's own, admitted anew.
 
     Returns:
-        The staged tensors and the bytes a re-plan allocated.
+        The staged tensors and the bytes allocated for them.
     """
+    allocated = gen.lease.materialize()
+    if gen.confirmed:
+        return copy(), allocated
     try:
         staged = copy()
     except SnapshotMutatedError:
         raise
     except Exception:  # a shape or dtype mismatch: the guess was wrong, or a real error
-        if gen.plan.matches(layout):
+        if gen.plan.key == layout.key:
             raise
     else:
-        if gen.plan.matches(layout):
+        if gen.plan.key == layout.key:
             gen.confirmed = True
-            return staged, 0
+            return staged, allocated
         del staged
     readmit()
     gen.confirmed = True
-    allocated = gen.lease.materialize()
+    allocated += gen.lease.materialize()
     return copy(), allocated

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from dcp_safe.staging._tree import ATOMIC, stageable
+from dcp_safe.staging._tree import Layout, scan, stageable
 from dcp_safe.staging.pool import BufferPool
-from dcp_safe.torch_compat import dtensor_local
 
 __all__ = ["Layout", "PlanCache", "StagingPlan", "scan"]
 
@@ -31,96 +28,19 @@ _CHUNK_BYTES = 64 << 20
 # Layouts remembered at once: a model and its optimizer saved apart, plus a spare.
 _MAX_PLANS = 4
 
-# C getters mapped over the candidates: a fraction of a microsecond per tensor each.
-_shape = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
-_dtype = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]
-_device = torch.Tensor.device.__get__  # type: ignore[attr-defined]
-_layout = torch.Tensor.layout.__get__  # type: ignore[attr-defined]
-_TENSOR = torch.Tensor
-_PARAMETER = torch.nn.Parameter
-
-
-class Layout:
-    """One walk of a state dict: its candidate tensors, in walk order, and its layout key.
-
-    The key is computed on first use: the walk alone is what ``stage()`` pays on the training
-    thread while the state's structure is unchanged (see :meth:`PlanCache.speculate`).
-    """
-
-    __slots__ = ("_key", "candidates", "structure")
-
-    def __init__(self, candidates: list[torch.Tensor], structure: tuple[Any, ...]) -> None:
-        self.candidates = candidates
-        self.structure = structure
-        self._key: tuple[Any, ...] | None = None
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """The full layout key (see the module docstring); about 2 µs a tensor."""
-        if self._key is None:
-            self._key = _key(self.structure, self.candidates)
-        return self._key
-
-
-def scan(state: object) -> Layout:
-    """Walk ``state`` once: the tensors DCP's planner would see, and its containers."""
-    candidates: list[torch.Tensor] = []
-    structure: list[Any] = []
-    _visit(state, candidates, structure)
-    return Layout(candidates, tuple(structure))
-
-
-def _key(structure: tuple[Any, ...], candidates: list[torch.Tensor]) -> tuple[Any, ...]:
-    ids = list(map(id, candidates))
-    aliases = None
-    if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout too
-        first: dict[int, int] = {}
-        aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
-    return (
-        structure,
-        tuple(map(_shape, candidates)),
-        tuple(map(_dtype, candidates)),
-        tuple(map(_device, candidates)),
-        tuple(map(_layout, candidates)),
-        aliases,
-    )
-
-
-def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) -> None:
-    kind = type(obj)
-    if kind is _TENSOR or kind is _PARAMETER:
-        candidates.append(obj)  # type: ignore[arg-type]
-        return
-    if isinstance(obj, DTensor):
-        local = dtensor_local(obj)
-        if type(local) is _TENSOR or type(local) is _PARAMETER:
-            candidates.append(local)
-        return
-    if isinstance(obj, Mapping):
-        structure.append((kind, tuple(obj)))
-        values: Any = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        structure.append((kind, len(obj)))
-        values = obj
-    else:
-        return  # a leaf DCP pickles whole; it is deep-copied, not staged
-    append = candidates.append
-    for value in values:
-        kind = type(value)
-        if kind is _TENSOR or kind is _PARAMETER:
-            append(value)
-        elif kind not in ATOMIC:
-            _visit(value, candidates, structure)
-
 
 class StagingPlan:
     """What staging one layout takes, computed from its first walk.
+
+    The *copied* sources are the distinct stageable candidates that hold bytes; an empty one is
+    staged as a fresh tensor.
 
     Attributes:
         key: the layout key it was built for.
         request: the buffers it leases (sizes, host cost, and the token its views are kept by).
         nbytes: bytes staged per save.
-        any_cuda: whether any staged source is on a CUDA device.
+        any_cuda: whether any copied source is on a CUDA device.
+        chunks: ``(start, stop)`` ranges of the copied sources, one ``_foreach_copy_`` each.
         held_pointers: per copied source, the data pointer last found holding its bytes; read
             and updated by the stager's one staging thread (:mod:`dcp_safe.staging.generation`).
     """
@@ -128,42 +48,34 @@ class StagingPlan:
     def __init__(self, layout: Layout, pool: BufferPool, token: int) -> None:
         candidates = layout.candidates
         seen: set[int] = set()
-        picked: list[int] = []
+        copied: list[int] = []
+        self._empty: list[tuple[int, torch.Size, torch.dtype]] = []
         for index, tensor in enumerate(candidates):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                if stageable(tensor):
-                    picked.append(index)
-        self.key = layout.key
-        self.structure = layout.structure
-        self.count = len(candidates)
-        # None: every candidate is staged, in order (the common case; no selection per save).
-        self._picked = None if len(picked) == len(candidates) else picked
-        sources = [candidates[i] for i in picked]
-        copied = [i for i, t in enumerate(sources) if t.nbytes > 0]
-        self._copied = None if len(copied) == len(sources) else copied
-        self._empty = [(i, t.shape, t.dtype) for i, t in enumerate(sources) if t.nbytes == 0]
-        self._shapes = [sources[i].shape for i in copied]
-        self._dtypes = [sources[i].dtype for i in copied]
-        sizes = [sources[i].nbytes for i in copied]
+            if id(tensor) in seen or not stageable(tensor):
+                continue
+            seen.add(id(tensor))
+            if tensor.nbytes > 0:
+                copied.append(index)
+            else:
+                self._empty.append((index, tensor.shape, tensor.dtype))
+        self.key, self.structure, self.count = layout.key, layout.structure, len(candidates)
+        # None: every candidate is copied, in order (the common case; no selection per save).
+        self._copied = None if len(copied) == len(candidates) else copied
+        sources = [candidates[i] for i in copied]
+        self._shapes = [t.shape for t in sources]
+        self._dtypes = [t.dtype for t in sources]
+        sizes = [t.nbytes for t in sources]
         self.nbytes = sum(sizes)
         self.any_cuda = any(t.is_cuda for t in sources)
         self.request = pool.request(sizes, token=token)
-        self._chunks = _chunks(sizes)
+        self.chunks = _chunks(sizes)
         # -1: not checked yet (no data pointer is negative; a freed storage's is 0).
         self.held_pointers: list[int] = [-1] * len(copied)
 
-    def sources(self, layout: Layout) -> list[torch.Tensor]:
-        """The distinct stageable tensors of ``layout`` (which must have this plan's key)."""
-        return self.pick(layout.candidates)
-
-    def pick(self, values: list[Any]) -> list[Any]:
-        """``values`` (one per candidate of a layout with this key) narrowed to the sources."""
-        return values if self._picked is None else [values[i] for i in self._picked]
-
-    def matches(self, layout: Layout) -> bool:
-        """Whether ``layout`` has this plan's key (computes the key when not yet done)."""
-        return layout.key == self.key
+    def copied(self, layout: Layout) -> list[torch.Tensor]:
+        """The copied sources of ``layout`` (which must have this plan's key), in request order."""
+        values = layout.candidates
+        return values if self._copied is None else [values[i] for i in self._copied]
 
     def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each buffer viewed as its tensor's dtype and shape, in request order."""
@@ -172,19 +84,11 @@ class StagingPlan:
             for b, dtype, shape in zip(buffers, self._dtypes, self._shapes, strict=True)
         ]
 
-    def copied(self, values: list[Any]) -> list[Any]:
-        """``values`` (one per source) narrowed to the sources that hold bytes."""
-        return values if self._copied is None else [values[i] for i in self._copied]
-
-    def chunks(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` ranges of the copied sources, one ``_foreach_copy_`` each."""
-        return self._chunks
-
-    def staged(self, sources: list[torch.Tensor], dsts: list[torch.Tensor]) -> dict[int, Any]:
+    def staged(self, layout: Layout, dsts: list[torch.Tensor]) -> dict[int, Any]:
         """The staged copy per source ``id``: the views, and a fresh tensor per empty source."""
-        staged: dict[int, Any] = dict(zip(map(id, self.copied(sources)), dsts, strict=True))
+        staged: dict[int, Any] = dict(zip(map(id, self.copied(layout)), dsts, strict=True))
         for index, shape, dtype in self._empty:
-            staged[id(sources[index])] = torch.empty(shape, dtype=dtype)
+            staged[id(layout.candidates[index])] = torch.empty(shape, dtype=dtype)
         return staged
 
 
@@ -221,8 +125,8 @@ class PlanCache:
         """The latest plan, if ``layout`` has its structure and its number of tensors.
 
         A guess, not a match: the shapes, dtypes, devices and aliasing are not compared (that
-        is the key's cost), so the caller must confirm it with :meth:`StagingPlan.matches`
-        before anything staged with it is used. ``None``: no plan, or the structure changed.
+        is the key's cost), so the caller must confirm it against the layout's key before
+        anything staged with it is used. ``None``: no plan, or the structure changed.
         """
         plan = self._latest
         if plan is None:

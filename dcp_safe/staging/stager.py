@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
 from dcp_safe.staging._tree import rebuild
-from dcp_safe.staging.budget import MemoryBudget
+from dcp_safe.staging.budget import Admission, MemoryBudget
 from dcp_safe.staging.generation import (
     InFlightGeneration,
     StagedStateDict,
@@ -53,7 +54,7 @@ from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
-from dcp_safe.staging.pool import BufferPool, BufferRequest
+from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.staging.slab_pinning import CudaSlabPinning
 from dcp_safe.units import format_bytes
@@ -325,22 +326,15 @@ class BudgetedStager(AsyncStager):
 
     def stats(self) -> StagerStats:
         """The stager's accounting now."""
-        pool = self._pool.stats()
+        pool = asdict(self._pool.stats())
         with self._cond:
             return StagerStats(
                 envelope_bytes=self.budget.envelope_bytes,
-                pool_bytes=pool.allocated_bytes,
-                pinned_bytes=pool.pinned_bytes,
-                in_use_bytes=pool.in_use_bytes,
-                free_bytes=pool.free_bytes,
-                pending_bytes=pool.pending_bytes,
-                peak_pool_bytes=pool.peak_allocated_bytes,
+                pool_bytes=pool.pop("allocated_bytes"),
+                peak_pool_bytes=pool.pop("peak_allocated_bytes"),
                 in_flight=len(self._in_flight),
                 peak_in_flight=self._peak_in_flight,
-                allocations=pool.allocations,
-                allocated_bytes_total=pool.allocated_bytes_total,
                 last_allocated_bytes=self._last_allocated,
-                reuses=pool.reuses,
                 admitted=self._admitted,
                 refused=self._refused,
                 total_wait_s=self._total_wait_s,
@@ -349,6 +343,7 @@ class BudgetedStager(AsyncStager):
                 plans_built=self._plans.builds,
                 plan_reuses=self._plans.hits,
                 kept_bytes=0 if self._kept is None else self._kept.lease.request.cost,
+                **pool,
             )
 
     def __enter__(self) -> BudgetedStager:
@@ -362,41 +357,10 @@ class BudgetedStager(AsyncStager):
     def _admit(
         self, plan: StagingPlan, span: SpanHandle, guard: SnapshotGuard | None
     ) -> InFlightGeneration:
-        request = plan.request
-        self.budget.check_fits(request.cost)
         started = time.monotonic()
-        deadline = started + self._wait_s()
-        collected = False
-        grace_until: float | None = None
         with self._cond:
-            while True:
-                if self._closed:
-                    raise DcpSafeError("stage() after close()")
-                admission, new = self._decide(request)
-                now = time.monotonic()
-                if admission.admitted:
-                    if new == 0 or self._pool.stats().pending_bytes == 0:
-                        break
-                    # Just-released buffers stay viewed until their dying dict lets go of
-                    # its tensors; reusing them beats allocating a second copy of the state.
-                    grace_until = grace_until or now + _PENDING_GRACE_S
-                    if now >= grace_until:
-                        break
-                elif now >= deadline:
-                    self._refused += 1
-                    raise AdmissionTimeoutError(self._refusal(admission.reason))
-                elif not collected and now - started >= _COLLECT_AFTER_S:
-                    collected = True
-                    self._cond.release()
-                    try:
-                        gc.collect()  # reference cycles holding a dropped failed response
-                    finally:
-                        self._cond.acquire()
-                    continue
-                self._cond.wait(0.005)
-            lease = self._pool.lease(request)
+            lease = self._lease(plan.request, None, "")
             gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan)
-            self._trim_excess()
             self._in_flight[gen.number] = gen
             self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
             self._admitted += 1
@@ -405,25 +369,60 @@ class BudgetedStager(AsyncStager):
             self._latest = gen
             return gen
 
-    def _decide(self, request: BufferRequest, others: int | None = None) -> tuple[Any, int]:
+    def _lease(self, request: BufferRequest, others: int | None, why: str) -> Lease:
+        """Wait (the condition held) until ``request`` is admitted, then lease its buffers.
+
+        ``others``: the generations in flight besides the caller's (``None``: all of them).
+
+        Raises:
+            BudgetExceededError: the request is larger than the whole envelope.
+            AdmissionTimeoutError: not admitted within ``timeout_s`` (at once when raising).
+        """
+        started = time.monotonic()
+        wait_s = 0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
+        collected = False
+        grace_until: float | None = None
+        while True:
+            if self._closed and others is None:
+                raise DcpSafeError("stage() after close()")
+            admission, new = self._decide(request, others)
+            now = time.monotonic()
+            if admission.admitted:
+                if new == 0 or self._pool.stats().pending_bytes == 0:
+                    break
+                # Just-released buffers stay viewed until their dying dict lets go of its
+                # tensors; reusing them beats allocating a second copy of the state.
+                grace_until = grace_until or now + _PENDING_GRACE_S
+                if now >= grace_until:
+                    break
+            elif now >= started + wait_s:
+                self._refused += 1
+                raise AdmissionTimeoutError(self._refusal(admission.reason + why))
+            elif not collected and now - started >= _COLLECT_AFTER_S:
+                collected = True
+                self._cond.release()
+                try:
+                    gc.collect()  # reference cycles holding a dropped failed response
+                finally:
+                    self._cond.acquire()
+                continue
+            self._cond.wait(0.005)
+        lease = self._pool.lease(request)
+        excess = self._pool.allocated_bytes - self.budget.envelope_bytes
+        if excess > 0:  # free buffers this state cannot use make room for ones it can
+            self._pool.trim(max(0, self._pool.free_bytes - excess))
+        return lease
+
+    def _decide(self, request: BufferRequest, others: int | None = None) -> tuple[Admission, int]:
         reused, new = self._pool.plan(request)
         spare = self._pool.free_bytes - reused
-        projected = self._pool.allocated_bytes + new - spare
         admission = self.budget.admit(
             request_bytes=request.cost,
-            projected_bytes=projected,
+            projected_bytes=self._pool.allocated_bytes + new - spare,
             in_flight=len(self._in_flight) if others is None else others,
             max_in_flight=self.options.max_in_flight,
         )
         return admission, new
-
-    def _wait_s(self) -> float:
-        return 0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
-
-    def _trim_excess(self) -> None:
-        excess = self._pool.allocated_bytes - self.budget.envelope_bytes
-        if excess > 0:  # free buffers this state cannot use make room for ones it can
-            self._pool.trim(max(0, self._pool.free_bytes - excess))
 
     def _readmit(self, gen: InFlightGeneration, layout: Layout) -> None:
         """Swap a wrongly guessed plan's lease for the real plan's, admitted like any save.
@@ -434,23 +433,11 @@ class BudgetedStager(AsyncStager):
         """
         with self._cond:
             self._plans.retract()
-            plan = self._plans.get(layout)
-        self.budget.check_fits(plan.request.cost)
-        deadline = time.monotonic() + self._wait_s()
-        with self._cond:
+            gen.plan = self._plans.get(layout)
             gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
-            while True:  # this generation is in flight already: count only the others
-                admission, _ = self._decide(plan.request, len(self._in_flight) - 1)
-                if admission.admitted:
-                    break
-                if time.monotonic() >= deadline:
-                    self._refused += 1
-                    why = f"{admission.reason} (the tensors' shapes or dtypes changed)"
-                    raise AdmissionTimeoutError(self._refusal(why))
-                self._cond.wait(0.005)
-            gen.lease = self._pool.lease(plan.request)
-            gen.plan = plan
-            self._trim_excess()
+            # This generation is in flight already: count only the others.
+            why = " (the tensors' shapes or dtypes changed)"
+            gen.lease = self._lease(gen.plan.request, len(self._in_flight) - 1, why)
 
     def _refusal(self, reason: str) -> str:
         held = ", ".join(
@@ -478,13 +465,11 @@ class BudgetedStager(AsyncStager):
     ) -> None:
         result: StateDict | None = None
         try:
-            allocated = gen.lease.materialize()
-            if gen.confirmed:
-                staged = self._copy_sources(gen, layout, ready, state_dict, rank)
-            else:
-                copy = lambda: self._copy_sources(gen, layout, ready, state_dict, rank)  # noqa: E731
-                staged, more = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
-                allocated += more
+            profile = self.telemetry.profile
+            copy = lambda: copy_sources(  # noqa: E731
+                gen, layout, self._stream, ready, profile(Phase.STAGING), state_dict, rank
+            )
+            staged, allocated = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
             torn = torn_verdict(gen, state_dict, rank)
             if torn is not None:
                 raise torn
@@ -511,17 +496,6 @@ class BudgetedStager(AsyncStager):
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
         future.set_result(result)
-
-    def _copy_sources(
-        self,
-        gen: InFlightGeneration,
-        layout: Layout,
-        ready: torch.cuda.Event | None,
-        state_dict: StateDict,
-        rank: int | None,
-    ) -> dict[int, torch.Tensor]:
-        profiling = self.telemetry.profile(Phase.STAGING)
-        return copy_sources(gen, layout, self._stream, ready, profiling, state_dict, rank)
 
     def _fail_generation(
         self,
