@@ -12,6 +12,7 @@ transient error on a fresh stream and raises the rest; a partial copy's failure 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
 from dcp_safe.reading.budget import Admission, LoadBudget
-from dcp_safe.reading.ranges import RangeReads, commit_into
+from dcp_safe.reading.ranges import plan_blocks, read_runs
 from dcp_safe.reading.tensors import (
     known_layout,
     read_tensor_item,
@@ -81,7 +82,6 @@ class ItemReader:
     ) -> None:
         self.lock, self.budget = lock, budget
         self.verify, self.allow_pickle, self.retry = verify, allow_pickle, retry
-        self.ranges = RangeReads(lock, budget)
         self.stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.hash_pool: ThreadPoolExecutor | None = None
         self.bytes_read = self.items_read = 0
@@ -113,26 +113,21 @@ class ItemReader:
                 over would be the remote's too, and is raised as it is.
         """
         verify = self.verify if again is not None else True
-        tensor = request.type != LoadItemType.BYTE_IO
-        fresh = False  # the remote reads the item again after a transient error
-        if tensor:
+        if request.type != LoadItemType.BYTE_IO:
             try:
-                if self._load_known(stream, path, label, record, request, planner, verify=verify):
+                if self._load_known(stream, path, label, record, request, planner, verify):
                     return
             except Exception as exc:
-                fresh = _read_again(exc, again)
-        with self.budget.admit(self._raw_cost(record, request)) as held:
-            raw = None
-            if not fresh:
-                try:
-                    raw = self.read_raw(stream, path, label, record, verify=verify)
-                except Exception as exc:
-                    _read_again(exc, again)
-            if raw is None:
-                assert again is not None
-                raw = again()
-            held.count(len(raw))
-            self._deliver(raw, path, label, record, request, planner, held)
+                self.load_bytes(_retry(exc, again), path, label, record, request, planner)
+                return
+
+        def read() -> bytearray:
+            try:
+                return self.read_raw(stream, path, label, record, verify=verify)
+            except Exception as exc:
+                return _retry(exc, again)()
+
+        self.load_bytes(read, path, label, record, request, planner)
 
     def load_bytes(
         self,
@@ -192,44 +187,37 @@ class ItemReader:
         record: ItemRecord,
         request: ReadItem,
         planner: LoadPlanner,
-        *,
-        verify: bool | None = None,
+        verify: bool,
     ) -> bool:
         """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
         request needs where the item has block digests (:mod:`dcp_safe.reading.ranges`), else
-        straight into the destination when it is the whole stored tensor, contiguous and on
-        CPU, else via a fresh tensor. ``False``: not such an item."""
+        the whole stored tensor, straight into the destination where it takes the bytes as
+        read. ``False``: not such an item."""
         stored = self.stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
         if stored is None:
             return False
         require_stored(stream, path, label, record)
-        verify = self.verify if verify is None else verify
-        got = self.ranges.load(stream, path, label, record, stored, request, planner, verify)
-        if got is not None:
-            with self.lock:  # counted whole by the reader
-                self.bytes_read -= record.length - got
-            return True
         dtype, shape = stored
+        plan = plan_blocks(path, label, record, dtype, shape, request)
+        if plan is not None:
+
+            def read_blocks(dest: torch.Tensor) -> bool:
+                algorithm = record.checksum.partition(":")[0] if verify else None
+                got = read_runs(stream, path, label, record, plan, algorithm, dest)
+                with self.lock:  # counted whole by the reader
+                    self.bytes_read -= record.length - got
+                return True
+
+            region = tuple(request.lengths)
+            return self._read_into(
+                region, dtype, plan.buffer_bytes, read_blocks, path, label, request, planner
+            )
         layout = known_layout(dtype, shape, record)
         if layout is None:
             return False
-        with self.lock:
-            target = planner.resolve_tensor(request).detach()
-        direct = (
-            target.device.type == "cpu"
-            and target.dtype == dtype
-            and tuple(target.shape) == shape
-            and target.is_contiguous()
-            and not any(request.storage_offsets)
-            and tuple(request.lengths) == shape
-        )
-        # What is allocated below is known exactly: the read's own buffers and, unless the
-        # target takes the bytes directly, a tensor of the stored shape.
-        cost = transient_bytes(layout, record) + (0 if direct else layout.payload)
-        with self.budget.admit(cost) as held:
-            held.count(cost)
-            dest = target if direct else transient_tensor(shape, dtype)
-            if not read_tensor_item(
+
+        def read_whole(dest: torch.Tensor) -> bool:
+            return read_tensor_item(
                 stream,
                 path=path,
                 item=label,
@@ -238,13 +226,50 @@ class ItemReader:
                 checksum=record.checksum if verify else None,
                 dest=dest,
                 hash_pool=self.hash_pool,
-            ):
+            )
+
+        whole = not any(request.storage_offsets) and tuple(request.lengths) == shape
+        buffers = transient_bytes(layout, record)
+        return self._read_into(
+            shape, dtype, buffers, read_whole, path, label, request, planner, narrow=not whole
+        )
+
+    def _read_into(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        buffer_bytes: int,
+        read: Callable[[torch.Tensor], bool],
+        path: str,
+        label: str,
+        request: ReadItem,
+        planner: LoadPlanner,
+        *,
+        narrow: bool = False,
+    ) -> bool:
+        """``read`` a tensor of ``shape`` (holding ``buffer_bytes`` beyond it) straight into the
+        request's target where that takes the bytes as read, else into a transient tensor
+        (``narrow``: then narrowed to the request), and hand it over. ``False``: ``read`` found
+        another layout, nothing handed over."""
+        with self.lock:
+            target = planner.resolve_tensor(request).detach()
+        direct = (
+            not narrow
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and tuple(target.shape) == shape
+            and target.is_contiguous()
+        )
+        # What is allocated is known exactly: the read's own buffers and, unless the target
+        # takes the bytes directly, a tensor of the shape read.
+        cost = buffer_bytes + (0 if direct else math.prod(shape) * dtype.itemsize)
+        with self.budget.admit(cost) as held:
+            held.count(cost)
+            dest = target if direct else transient_tensor(shape, dtype)
+            if not read(dest):
                 return False
-            if direct:
-                with self.lock:
-                    planner.commit_tensor(request, target)
-            else:
-                self._hand_over(dest, path, label, request, planner)
+            tensor = _narrowed(dest, request) if narrow else dest
+            self._hand_over(tensor, path, label, request, planner, target)
         return True
 
     def _decode_tensor(
@@ -294,18 +319,46 @@ class ItemReader:
         self._hand_over(tensor, path, label, request, planner)
 
     def _hand_over(
-        self, tensor: torch.Tensor, path: str, label: str, request: ReadItem, planner: LoadPlanner
+        self,
+        tensor: torch.Tensor,
+        path: str,
+        label: str,
+        request: ReadItem,
+        planner: LoadPlanner,
+        target: torch.Tensor | None = None,
     ) -> None:
-        tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+        """Copy ``tensor`` (the request's region) into its target and commit it to the planner.
+
+        Raises:
+            CheckpointCorruptError: the region's shape is not the target's.
+        """
+        if target is None:
+            tensor = _narrowed(tensor, request)
+            with self.lock:
+                target = planner.resolve_tensor(request).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                path,
+                "stored tensor has another shape",
+                item=label,
+                expected=tuple(target.size()),
+                actual=tuple(tensor.size()),
+            )
+        if target.data_ptr() != tensor.data_ptr() or target.device != tensor.device:
+            target.copy_(tensor)
         with self.lock:
-            target = planner.resolve_tensor(request).detach()
-        commit_into(target, tensor, path, label, request, planner, self.lock)
+            planner.commit_tensor(request, target)
 
 
-def _read_again(exc: Exception, again: Callable[[], bytearray] | None) -> bool:
-    """Raise what failing to read an item means; ``True``: the remote reads it ``again``."""
+def _narrowed(tensor: torch.Tensor, request: ReadItem) -> torch.Tensor:
+    return narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+
+
+def _retry(exc: Exception, again: Callable[[], bytearray] | None) -> Callable[[], bytearray]:
+    """Raise what failing to read an item means, or return ``again``: the remote reads it again
+    on a fresh stream after a transient error."""
     if again is None:
         raise CopyFailed(exc) from exc
     if isinstance(exc, CheckpointCorruptError) or not is_transient(exc):
         raise exc
-    return True
+    return again

@@ -26,12 +26,11 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
-import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_safe.adapters.tensor_records import layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
@@ -39,10 +38,8 @@ from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import read_fully, short_read
-from dcp_safe.reading.budget import LoadBudget
-from dcp_safe.reading.tensors import transient_tensor
 
-__all__ = ["MAX_RUNS", "RangePlan", "RangeReads", "commit_into", "plan_range"]
+__all__ = ["MAX_RUNS", "RangePlan", "plan_blocks", "plan_range", "read_runs"]
 
 #: Regions of more separate runs than this are read whole (a slice along a later dim of a
 #: large tensor: every block is likely touched anyway, and planning would cost per run).
@@ -110,113 +107,59 @@ def plan_range(
     return RangePlan(runs, tuple(spans), sum(covered), piece)
 
 
-@dataclass(frozen=True)
-class RangeReads:
-    """A reader's partial reads: ``lock`` guards its planner, ``budget`` bounds its memory."""
-
-    lock: threading.RLock
-    budget: LoadBudget
-
-    def load(
-        self,
-        stream: BinaryIO,
-        path: str,
-        item: str,
-        record: ItemRecord,
-        stored: tuple[torch.dtype, tuple[int, ...]],
-        request: ReadItem,
-        planner: LoadPlanner,
-        verify: bool,
-    ) -> int | None:
-        """Load ``request``'s region of ``record`` (a tensor of ``stored`` dtype and shape)
-        from the blocks covering it, and commit it to ``planner``; the stored bytes read, or
-        ``None`` (nothing read) when it is better read whole or the item has no usable block
-        digests.
-
-        Raises:
-            CheckpointCorruptError: the file is short, or a block read differs from its
-                digest (the target may then be partly written, as in any failed DCP load).
-        """
-        dtype, shape = stored
-        blocks = record.blocks
-        if blocks is None or record.transforms:
-            return None
-        layout = layout_for(dtype, shape)
-        if layout is None or layout.length != record.length:
-            return None  # not the writer's template: the whole read's checksum decides
-        placed = (len(layout.prefix), layout.payload)
-        if (blocks.at, blocks.length) != placed:
-            # Digests over any other bytes of the item would pass a deep verify and the whole
-            # read's checksum, and hand this read the wrong elements: where the data lies is
-            # the template's, never the manifest's word.
-            raise CheckpointCorruptError(
-                path,
-                "block digests do not lie over the tensor data",
-                item=item,
-                expected=f"at {placed[0]}, {placed[1]} bytes",
-                actual=f"at {blocks.at}, {blocks.length} bytes",
-            )
-        plan = plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
-        if plan is None:
-            return None
-        with self.lock:
-            target = planner.resolve_tensor(request).detach()
-        region = tuple(request.lengths)
-        direct = (
-            target.device.type == "cpu"
-            and target.dtype == dtype
-            and tuple(target.shape) == region
-            and target.is_contiguous()
-        )
-        cost = plan.buffer_bytes + (0 if direct else math.prod(region) * dtype.itemsize)
-        with self.budget.admit(cost) as held:
-            held.count(cost)
-            dest = target if direct else transient_tensor(region, dtype)
-            algorithm = record.checksum.partition(":")[0] if verify else None
-            got = _read_runs(stream, path, item, record.start, blocks, plan, algorithm, dest)
-            commit_into(target, dest, path, item, request, planner, self.lock)
-        return got
-
-
-def commit_into(
-    target: torch.Tensor,
-    tensor: torch.Tensor,
+def plan_blocks(
     path: str,
     item: str,
+    record: ItemRecord,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
     request: ReadItem,
-    planner: LoadPlanner,
-    lock: threading.RLock,
-) -> None:
-    """Copy ``tensor`` (the request's region) into ``target`` and hand it to the planner.
+) -> RangePlan | None:
+    """The blocks of ``record`` (a tensor of ``dtype`` and ``shape``) that ``request``'s region
+    needs, or ``None`` when it is better read whole or the item has no usable block digests.
 
     Raises:
-        CheckpointCorruptError: the region's shape is not the target's.
+        CheckpointCorruptError: the digests do not lie over the tensor data.
     """
-    if target.size() != tensor.size():
+    blocks = record.blocks
+    if blocks is None or record.transforms:
+        return None
+    layout = layout_for(dtype, shape)
+    if layout is None or layout.length != record.length:
+        return None  # not the writer's template: the whole read's checksum decides
+    placed = (len(layout.prefix), layout.payload)
+    if (blocks.at, blocks.length) != placed:
+        # Digests over any other bytes of the item would pass a deep verify and the whole
+        # read's checksum, and hand this read the wrong elements: where the data lies is
+        # the template's, never the manifest's word.
         raise CheckpointCorruptError(
             path,
-            "stored tensor has another shape",
+            "block digests do not lie over the tensor data",
             item=item,
-            expected=tuple(target.size()),
-            actual=tuple(tensor.size()),
+            expected=f"at {placed[0]}, {placed[1]} bytes",
+            actual=f"at {blocks.at}, {blocks.length} bytes",
         )
-    if target.data_ptr() != tensor.data_ptr() or target.device != tensor.device:
-        target.copy_(tensor)
-    with lock:
-        planner.commit_tensor(request, target)
+    return plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
 
 
-def _read_runs(
+def read_runs(
     stream: BinaryIO,
     path: str,
     item: str,
-    item_start: int,
-    blocks: BlockDigests,
+    record: ItemRecord,
     plan: RangePlan,
     algorithm: str | None,
     dest: torch.Tensor,
 ) -> int:
-    """Read the plan's blocks, piece by piece, verify each, copy the runs into ``dest``."""
+    """Read the plan's blocks of ``record``, piece by piece, verify each (``algorithm`` None:
+    unchecked), copy the runs into ``dest`` (the region); the stored bytes read.
+
+    Raises:
+        CheckpointCorruptError: the file is short, or a block read differs from its digest
+            (``dest`` may then be partly written, as in any failed DCP load).
+    """
+    blocks = record.blocks
+    assert blocks is not None  # planned by plan_blocks
     out = tensor_bytes(dest)
     buffer = memoryview(mmap.mmap(-1, plan.buffer_bytes))  # pages go back when it is dropped
     read, run, written = 0, 0, 0
@@ -225,7 +168,7 @@ def _read_runs(
             last = min(piece + _PIECE_BLOCKS, end) - 1
             lo, hi = blocks.span(piece)[0], blocks.span(last)[1]
             view = buffer[: hi - lo]
-            stream.seek(item_start + blocks.at + lo)
+            stream.seek(record.start + blocks.at + lo)
             got = read_fully(stream, view)
             if got != hi - lo:
                 raise short_read(path, item, hi - lo, got)

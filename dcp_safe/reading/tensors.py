@@ -2,31 +2,37 @@
 
 The bytes go from the file into the destination with one copy while the whole item is hashed in
 file order; large items in chunks, each hashed on a helper thread while the next is read, so
-verification costs about max(read, hash). The destination is written before the checksum is
+verification costs about max(read, hash). A zstd item is read in small pieces, each hashed in
+file order (the checksum is of the stored, compressed bytes), and its payload decompressed into
+the destination: what is held beyond it is zstd's window and one input piece, whatever the
+item's size (reading it whole and decompressing into a second buffer held about twice the item,
+and on many threads left glibc holding freed blocks: a 256 MiB zstd load grew the process by
+226 MiB that way under a 16 MiB budget). The destination is written before the checksum is
 compared: a mismatch raises and leaves the state dict partly written, as any failed DCP load
 does, but nothing reaches the planner unchecked.
 """
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO
+from typing import IO, BinaryIO, cast
 
 import torch
+import zstandard
 
 from dcp_safe.adapters.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord
-from dcp_safe.manifest.streams import read_fully, short_read
-from dcp_safe.reading.compressed import STREAM_BYTES, read_compressed_tensor
+from dcp_safe.manifest.streams import VerifyingSlice, read_fully, short_read
 
 __all__ = [
+    "STREAM_BYTES",
     "known_layout",
-    "read_known_tensor",
     "read_tensor_item",
     "require_stored",
     "transient_bytes",
@@ -38,6 +44,14 @@ _WHOLE_MAX_BYTES = 1 << 20
 # Chunks of large items: big enough to amortise a call, small enough that hashing one overlaps
 # reading the next.
 _CHUNK_BYTES = 16 << 20
+# zstd items: compressed bytes read at once, and the most bytes of payload decompressed per call.
+_READ_BYTES = 256 << 10
+_OUT_BYTES = 16 << 20
+# The largest zstd window streamed (the writer's level 3 uses 2 MiB); a frame that needs more
+# is decoded whole by the caller instead.
+_MAX_WINDOW_BYTES = 4 << 20
+#: What one streamed zstd read holds beyond its destination, at most: the window and one read.
+STREAM_BYTES = _MAX_WINDOW_BYTES + _READ_BYTES
 
 
 def transient_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -103,28 +117,29 @@ def read_tensor_item(
     dest: torch.Tensor,
     hash_pool: ThreadPoolExecutor | None = None,
 ) -> bool:
-    """:func:`read_known_tensor`, or :func:`read_compressed_tensor` for a zstd item."""
+    """Read ``record``'s item into ``dest`` (a contiguous CPU tensor of the layout's payload),
+    decompressing a zstd one.
+
+    ``checksum`` ``None`` reads without verifying. Returns ``False``, with ``dest`` undefined
+    and nothing verified, when the bytes around the payload are not ``layout``'s, or a zstd
+    frame needs a larger window (the caller decodes the item whole, and says what is wrong).
+
+    Raises:
+        CheckpointCorruptError: the file is short, or the checksum differs.
+    """
+    if dest.numel() * dest.element_size() != layout.payload or not dest.is_contiguous():
+        raise ValueError("destination does not fit the stored tensor")  # a caller's bug
     if record.transforms:
-        return read_compressed_tensor(
-            stream,
-            path=path,
-            item=item,
-            start=record.start,
-            length=record.length,
-            layout=layout,
-            checksum=checksum,
-            dest=dest,
+        got = _read_compressed(stream, path, item, record, layout, checksum, dest)
+    else:
+        got = _read_plain(stream, path, item, record.start, layout, checksum, dest, hash_pool)
+    if isinstance(got, bool):
+        return got
+    if got != checksum:
+        raise CheckpointCorruptError(
+            path, "checksum mismatch", item=item, expected=checksum, actual=got
         )
-    return read_known_tensor(
-        stream,
-        path=path,
-        item=item,
-        start=record.start,
-        layout=layout,
-        checksum=checksum,
-        dest=dest,
-        hash_pool=hash_pool,
-    )
+    return True
 
 
 def transient_bytes(layout: TensorLayout, record: ItemRecord) -> int:
@@ -138,28 +153,18 @@ def transient_bytes(layout: TensorLayout, record: ItemRecord) -> int:
     return len(layout.prefix) + len(layout.suffix)
 
 
-def read_known_tensor(
+def _read_plain(
     stream: BinaryIO,
-    *,
     path: str,
     item: str,
     start: int,
     layout: TensorLayout,
     checksum: str | None,
     dest: torch.Tensor,
-    hash_pool: ThreadPoolExecutor | None = None,
-) -> bool:
-    """Read the item at ``start`` into ``dest`` (a contiguous CPU tensor of the layout's size).
-
-    ``checksum`` ``None`` reads without verifying. Returns ``False``, with ``dest`` undefined
-    and nothing verified, when the bytes around the payload are not ``layout``'s (the caller
-    falls back to ``torch.load``).
-
-    Raises:
-        CheckpointCorruptError: the file is short, or the checksum differs.
-    """
-    if dest.numel() * dest.element_size() != layout.payload or not dest.is_contiguous():
-        raise ValueError("destination does not fit the stored tensor")  # a caller's bug
+    hash_pool: ThreadPoolExecutor | None,
+) -> bool | str:
+    """Read the uncompressed item at ``start``: its checksum, or whether it is ``layout``'s
+    (``True`` unverified, ``False``: not)."""
     algorithm = None if checksum is None else checksum.partition(":")[0]
     hasher = None if algorithm is None else new_hasher(algorithm, size_hint=layout.length)
     stream.seek(start)
@@ -169,12 +174,7 @@ def read_known_tensor(
         known = _read_chunked(stream, path, item, layout, hasher, dest, hash_pool)
     if not known or algorithm is None or hasher is None:
         return known
-    actual = format_checksum(algorithm, hasher)
-    if actual != checksum:
-        raise CheckpointCorruptError(
-            path, "checksum mismatch", item=item, expected=checksum, actual=actual
-        )
-    return True
+    return format_checksum(algorithm, hasher)
 
 
 def _read_whole(
@@ -242,3 +242,76 @@ def _read_chunked(
     if hasher is not None:
         hasher.update(suffix)
     return layout.matches(prefix, memoryview(suffix))
+
+
+class _Window(io.RawIOBase):
+    """``[start, start + length)`` of ``stream``, read in order (no checksum)."""
+
+    def __init__(self, stream: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._left = stream, length
+        stream.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")[: self._left]
+        got = read_fully(self._stream, view)
+        self._left -= got
+        return got
+
+
+def _read_compressed(
+    stream: BinaryIO,
+    path: str,
+    item: str,
+    record: ItemRecord,
+    layout: TensorLayout,
+    checksum: str | None,
+    dest: torch.Tensor,
+) -> bool | str:
+    """Decompress the zstd item into ``dest``: as :func:`_read_plain` answers."""
+    source = (
+        _Window(stream, record.start, record.length)
+        if checksum is None
+        else VerifyingSlice(stream, record.start, record.length, checksum)
+    )
+    try:
+        known = _decompress(source, layout, dest)
+    except zstandard.ZstdError:
+        return False
+    if not known or not isinstance(source, VerifyingSlice):
+        return known
+    actual, whole = source.finish()
+    if not whole:
+        raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=item)
+    return actual
+
+
+def _decompress(source: io.RawIOBase, layout: TensorLayout, dest: torch.Tensor) -> bool:
+    reader = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW_BYTES).stream_reader(
+        cast(IO[bytes], source), read_size=_READ_BYTES
+    )
+    with reader:
+        prefix = bytearray(len(layout.prefix))
+        if _fill(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
+            return False
+        target = tensor_bytes(dest)
+        for at in range(0, layout.payload, _OUT_BYTES):
+            chunk = target[at : at + _OUT_BYTES]
+            if _fill(reader, chunk) != chunk.nbytes:
+                return False
+        suffix = bytearray(len(layout.suffix) + 1)  # one more: the item must end there
+        got = _fill(reader, memoryview(suffix))
+        return got == len(layout.suffix) and layout.matches(prefix, memoryview(suffix)[:got])
+
+
+def _fill(reader: zstandard.ZstdDecompressionReader, view: memoryview) -> int:
+    total = 0
+    while total < view.nbytes:
+        got = reader.readinto(view[total:])
+        if not got:
+            break
+        total += got
+    return total

@@ -20,7 +20,9 @@ from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWrite
 from dcp_safe.adapters.tensor_records import layout_for, write_tensor
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.reading.compressed import read_compressed_tensor
+from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
+from dcp_safe.manifest.schema import ItemRecord
+from dcp_safe.reading.tensors import read_tensor_item
 
 
 def _state() -> dict[str, Any]:
@@ -74,12 +76,20 @@ def test_a_frame_that_needs_a_larger_window_is_left_to_the_whole_item_decoder() 
     layout = layout_for(tensor.dtype, tuple(tensor.shape))
     assert layout is not None
     dest = torch.empty_like(tensor)
-    streamed = read_compressed_tensor(
+    record = ItemRecord(
+        fqn="t",
+        offset=None,
+        file="t.distcp",
+        start=0,
+        length=len(packed),
+        checksum="crc32:00000000",
+        transforms=(ZSTD_DESCRIPTOR,),
+    )
+    streamed = read_tensor_item(
         io.BytesIO(packed),
         path="mem",
         item="t",
-        start=0,
-        length=len(packed),
+        record=record,
         layout=layout,
         checksum=None,
         dest=dest,

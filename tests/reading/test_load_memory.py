@@ -26,7 +26,7 @@ import torch
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions
-from dcp_safe.reading.compressed import STREAM_BYTES
+from dcp_safe.reading.tensors import STREAM_BYTES
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
