@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import logging
 import posixpath
 import threading
@@ -190,36 +191,25 @@ class FsspecBackend(Backend):
         return None if self.object_store else 0
 
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
-        if self._multipart:
-            return self._open_multipart(rel)
-        if self.object_store:
-            return self._open_staged(rel)
-        return self._open_via_temp(rel)
+        return self._open_upload(rel) if self.object_store else self._open_via_temp(rel)
 
     @contextmanager
-    def _open_multipart(self, rel: str) -> Iterator[WritableFile]:
+    def _open_upload(self, rel: str) -> Iterator[WritableFile]:
+        """An upload that only its ``close()`` completes: S3's pipelined multipart upload, or
+        fsspec's staged file. On any failure it is dropped (safe to repeat after a failed
+        close) and the error raised as a write of ``rel``."""
         try:
-            f = S3MultipartWriter(
-                self.fs,
-                self._abs(rel),
-                block_size_of(_target_of(self.fs)),
-                parts_in_flight=self._parts_in_flight,
-            )
+            if self._multipart:
+                block = block_size_of(_target_of(self.fs))
+                f: Any = S3MultipartWriter(
+                    self.fs, self._abs(rel), block, parts_in_flight=self._parts_in_flight
+                )
+                drop: Callable[[], None] = f.abort
+            else:
+                f = self.fs.open(self._abs(rel), "wb")
+                drop = functools.partial(_discard, f)
         except (OSError, ValueError) as exc:
             raise self._fail("create", rel, exc) from exc
-        yield from self._published_by_close(rel, f, f.abort)
-
-    @contextmanager
-    def _open_staged(self, rel: str) -> Iterator[WritableFile]:
-        with self._failing("create", rel):
-            f = self.fs.open(self._abs(rel), "wb")
-        yield from self._published_by_close(rel, f, lambda: _discard(f))
-
-    def _published_by_close(
-        self, rel: str, f: Any, drop: Callable[[], None]
-    ) -> Iterator[WritableFile]:
-        """Yield ``f``, an upload that only its ``close()`` completes; on any failure ``drop``
-        it (safe to repeat after a failed close) and raise as a write of ``rel``."""
         try:
             yield f
         except BaseException as exc:
@@ -261,7 +251,10 @@ class FsspecBackend(Backend):
                 self._refuse_existing(rel)
                 self._write_small(rel, data)
         elif exclusive and self._probed_for(rel):
-            self._create_exclusive(rel, data)
+            with self._failing("write", rel):
+                made = _create_once(self.fs, self._abs(rel), data)
+            if not made:  # a conditional PUT: the server refused it, atomically
+                raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
         else:
             if exclusive:
                 # Best effort only: such a backend says so through its capability flag.
@@ -281,13 +274,6 @@ class FsspecBackend(Backend):
             return
         with self._failing("write", rel):
             self.fs.pipe_file(self._abs(rel), data)
-
-    def _create_exclusive(self, rel: str, data: bytes) -> None:
-        """A conditional PUT: the server refuses it, atomically, when the key exists."""
-        with self._failing("write", rel):
-            made = _create_once(self.fs, self._abs(rel), data)
-        if not made:
-            raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
 
     # ----------------------------------------------------------------- reading
 
@@ -397,31 +383,28 @@ class FsspecBackend(Backend):
         }
         return sorted(n for n in names if n)
 
-    def modified_at(self, rel: str) -> float | None:
+    def _find(self, rel: str) -> dict[str, Any]:
+        """Every file at or under ``rel``, by path, with fsspec's ``info`` (none when absent)."""
+        path = self._abs(rel).rstrip("/")
         try:
-            found = self.fs.find(self._abs(rel), detail=True)
+            found = self.fs.find(path, detail=True)
         except FileNotFoundError:
-            return None
+            return {}
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
-        path = self._abs(rel).rstrip("/")
-        times = [
-            _mtime(info)
+        return {
+            str(p).rstrip("/"): info
             for p, info in found.items()
             if str(p).rstrip("/") == path or str(p).startswith(f"{path}/")
-        ]
-        known = [t for t in times if t is not None]
-        return max(known) if known else None
+        }
+
+    def modified_at(self, rel: str) -> float | None:
+        known = [t for info in self._find(rel).values() if (t := _mtime(info)) is not None]
+        return max(known, default=None)
 
     def walk_files(self, rel: str) -> Iterator[str]:
         prefix = self._abs(rel).rstrip("/") + "/"
-        try:
-            found = self.fs.find(self._abs(rel))
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
-        yield from sorted(str(p).removeprefix(prefix) for p in found if str(p).startswith(prefix))
+        yield from sorted(p.removeprefix(prefix) for p in self._find(rel) if p.startswith(prefix))
 
     def entries_holding(self, member: str) -> list[str]:
         if not self.object_store:

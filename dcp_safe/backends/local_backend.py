@@ -174,62 +174,32 @@ class LocalBackend(Backend):
         return FileStat(kind, found.st_size if kind == "file" else 0)
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
+        # Written aside, then linked in: ranks poll a folder and read a report or marker as
+        # soon as its name shows, so it shows whole; a link, unlike a rename, refuses a name
+        # that exists (an exclusive create stays one). A name that exists is otherwise renamed
+        # over: a link or a file with other hard links there is replaced, never written through.
         try:
             with self._beneath.parent(rel) as (folder, name):
+                temp = layout.temp_file_name(name)
+                self._write_new(folder, temp, rel, data)
                 try:
-                    self._link_new(folder, name, rel, data)
-                    return
+                    os.link(temp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
                 except FileExistsError:
                     if exclusive:
                         raise
-                self._replace(folder, name, rel, data)
+                    os.rename(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+                    if self.fsync:
+                        os.fsync(folder)  # the new name is as durable as the old one was
+                finally:
+                    with suppress(OSError):
+                        os.unlink(temp, dir_fd=folder)
         except (FileExistsError, StorageError):
             raise
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
 
-    def _replace(self, folder: int, name: str, rel: str, data: bytes) -> None:
-        """Write ``data`` aside and rename it over ``name``: a reader never sees it torn, and
-        a link or a file with other hard links there is replaced, never written through."""
-        temp = layout.temp_file_name(name)
-        self._write_new(folder, temp, rel, data)
-        try:
-            os.rename(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
-            if self.fsync:
-                os.fsync(folder)  # the new name is as durable as the old one was
-        except OSError as exc:
-            with suppress(OSError):
-                os.unlink(temp, dir_fd=folder)
-            raise self._fail("rename", rel, exc) from exc
-
-    def _link_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
-        """Write ``data`` aside and link it in as ``name``, which must not exist: ranks poll a
-        folder and read a report or marker as soon as its name shows, so it shows whole. The
-        link, unlike a rename, refuses a name that exists (an exclusive create stays one).
-
-        Raises:
-            FileExistsError: ``name`` exists.
-        """
-        temp = layout.temp_file_name(name)
-        self._write_new(folder, temp, rel, data)
-        try:
-            os.link(temp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            raise self._fail("create", rel, exc) from exc
-        finally:
-            with suppress(OSError):
-                os.unlink(temp, dir_fd=folder)
-
     def _write_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = self._beneath.open_in(folder, name, rel, flags, 0o644)
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            raise self._fail("create", rel, exc) from exc
+        fd = self._beneath.open_in(folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             view = memoryview(data)
             while view:
@@ -262,22 +232,21 @@ class LocalBackend(Backend):
             raise not_a_file(self._abs(rel), "link")
         return found.st_size
 
-    def exists(self, rel: str) -> bool:
+    def _lstat(self, rel: str) -> os.stat_result | None:
+        """What is at ``rel``; None when absent, or behind a link (nothing of it is beneath)."""
         try:
-            self._beneath.lstat(rel)
-        except (FileNotFoundError, CheckpointCorruptError):  # absent, or behind a link
-            return False
+            return self._beneath.lstat(rel)
+        except (FileNotFoundError, CheckpointCorruptError):
+            return None
         except OSError as exc:
             raise self._fail("stat", rel, exc) from exc
-        return True
+
+    def exists(self, rel: str) -> bool:
+        return self._lstat(rel) is not None
 
     def is_dir(self, rel: str) -> bool:
-        try:
-            return stat.S_ISDIR(self._beneath.lstat(rel).st_mode)
-        except (FileNotFoundError, CheckpointCorruptError):
-            return False
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
+        found = self._lstat(rel)
+        return found is not None and stat.S_ISDIR(found.st_mode)
 
     def modified_at(self, rel: str) -> float | None:
         try:

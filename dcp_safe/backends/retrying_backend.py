@@ -19,12 +19,22 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, BinaryIO, TypeVar
 
-from dcp_safe.backends.backend import Backend, FileStat, WritableFile
+from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 
 __all__ = ["RetryingBackend", "single_try_s3_options"]
 
 T = TypeVar("T")
+
+
+def _retried(op: str, method: str) -> Any:
+    """The method ``method`` of :class:`RetryingBackend`: its inner backend's, retried whole as
+    the operation ``op`` on the path it is given first."""
+
+    def call(self: RetryingBackend, rel: str, *args: Any) -> Any:
+        return self._retry(op, rel, lambda: getattr(self.inner, method)(rel, *args))
+
+    return call
 
 
 class RetryingBackend(Backend):
@@ -97,32 +107,15 @@ class RetryingBackend(Backend):
         with stack:
             yield f
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self._retry("read", rel, lambda: self.inner.read_bytes(rel))
-
-    def size(self, rel: str) -> int:
-        return self._retry("stat", rel, lambda: self.inner.size(rel))
-
-    def stat(self, rel: str) -> FileStat:
-        return self._retry("stat", rel, lambda: self.inner.stat(rel))
-
-    def read_small(self, rel: str, max_bytes: int) -> bytes:
-        return self._retry("read", rel, lambda: self.inner.read_small(rel, max_bytes))
-
-    def sizes(self, rel: str) -> dict[str, int]:
-        return self._retry("list", rel, lambda: self.inner.sizes(rel))
-
-    def exists(self, rel: str) -> bool:
-        return self._retry("stat", rel, lambda: self.inner.exists(rel))
-
-    def is_dir(self, rel: str) -> bool:
-        return self._retry("stat", rel, lambda: self.inner.is_dir(rel))
-
-    def list_dir(self, rel: str) -> list[str]:
-        return self._retry("list", rel, lambda: self.inner.list_dir(rel))
-
-    def modified_at(self, rel: str) -> float | None:
-        return self._retry("list", rel, lambda: self.inner.modified_at(rel))
+    read_bytes = _retried("read", "read_bytes")
+    read_small = _retried("read", "read_small")
+    size = _retried("stat", "size")
+    stat = _retried("stat", "stat")
+    exists = _retried("stat", "exists")
+    is_dir = _retried("stat", "is_dir")
+    sizes = _retried("list", "sizes")
+    list_dir = _retried("list", "list_dir")
+    modified_at = _retried("list", "modified_at")
 
     def walk_files(self, rel: str) -> Iterator[str]:
         # A listing cannot resume halfway, so it is taken whole and retried whole.
@@ -133,20 +126,11 @@ class RetryingBackend(Backend):
 
     # ----------------------------------------------------------------- layout
 
-    def makedirs(self, rel: str) -> None:
-        self._retry("mkdir", rel, lambda: self.inner.makedirs(rel))
-
-    def remove_tree(self, rel: str) -> None:
-        self._retry("remove", rel, lambda: self.inner.remove_tree(rel))
-
-    def remove_file(self, rel: str) -> None:
-        self._retry("remove", rel, lambda: self.inner.remove_file(rel))
-
-    def remove_empty_dir(self, rel: str) -> bool:
-        return self._retry("remove", rel, lambda: self.inner.remove_empty_dir(rel))
-
-    def sync_dir(self, rel: str) -> None:
-        self._retry("fsync", rel, lambda: self.inner.sync_dir(rel))
+    makedirs = _retried("mkdir", "makedirs")
+    remove_tree = _retried("remove", "remove_tree")
+    remove_file = _retried("remove", "remove_file")
+    remove_empty_dir = _retried("remove", "remove_empty_dir")
+    sync_dir = _retried("fsync", "sync_dir")
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
         return self.inner.publish_dir(src, dst, replace=replace)

@@ -15,7 +15,6 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.takeover import (
     Claimant,
-    abandoned_among,
     clear_leftovers,
     held_error,
     lease_acquired_at,
@@ -127,7 +126,7 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             if others and round_ == 0:
                 # An abandoned lease is anyone's; an unfenced save only learns of one here,
                 # so that the common case (nothing in the way) costs no listing more.
-                taken |= abandoned_among(backend, name, others)
+                taken |= takeover_candidates(backend, name, _UNFENCED, others)
                 others -= taken.keys()
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")

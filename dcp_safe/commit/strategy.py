@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
@@ -82,10 +83,10 @@ class PublishStrategy(abc.ABC):
         if not self.can_replace:
             raise ConfigError(why)
 
-    @abc.abstractmethod
     def sweep(self, leftovers: Leftovers[T]) -> T:
         """Collect what this root's failed saves leave: hidden partial folders on a renaming
         root, leased prefixes on an object store."""
+        return leftovers.leased_prefixes() if self.in_place else leftovers.partial_folders()
 
     def publish(
         self,
@@ -115,11 +116,12 @@ class PublishStrategy(abc.ABC):
         """
         if replace and not self.can_replace:
             raise ValueError("a marker-published root cannot replace a committed checkpoint")
-        calls = [_writer(backend, f"{work_dir}/{rel}", data) for rel, data in files.items()]
+        write = partial(backend.write_bytes, exclusive=False)
+        calls = [partial(write, f"{work_dir}/{rel}", data) for rel, data in files.items()]
         if not self.in_place:  # the marker goes in the partial folder; the rename publishes it
             marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
-            calls.append(lambda: backend.write_bytes(marker_path, marker, exclusive=True))
-        _all_at_once(calls + [_dir_syncer(backend, f"{work_dir}/{rel}") for rel in sync_dirs])
+            calls.append(partial(backend.write_bytes, marker_path, marker, exclusive=True))
+        _all_at_once(calls + [partial(backend.sync_dir, f"{work_dir}/{rel}") for rel in sync_dirs])
         backend.sync_dir(work_dir)  # after every entry in it was created
         before_commit()
         self._commit(backend, work_dir, name, marker, replace)
@@ -144,9 +146,6 @@ class RenameStrategy(PublishStrategy):
 
     _publication = RenamedPublication
     _replica = RenamedReplica
-
-    def sweep(self, leftovers: Leftovers[T]) -> T:
-        return leftovers.partial_folders()
 
     def _commit(
         self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
@@ -173,9 +172,6 @@ class MarkerStrategy(PublishStrategy):
     _publication = LeasedPublication
     _replica = LeasedReplica
 
-    def sweep(self, leftovers: Leftovers[T]) -> T:
-        return leftovers.leased_prefixes()
-
     def _commit(
         self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
     ) -> None:
@@ -189,14 +185,6 @@ class MarkerStrategy(PublishStrategy):
 
 _RENAME = RenameStrategy()
 _MARKER = MarkerStrategy()
-
-
-def _writer(backend: Backend, rel: str, data: bytes) -> Callable[[], None]:
-    return lambda: backend.write_bytes(rel, data)
-
-
-def _dir_syncer(backend: Backend, rel: str) -> Callable[[], None]:
-    return lambda: backend.sync_dir(rel)
 
 
 def _all_at_once(calls: Sequence[Callable[[], None]]) -> None:

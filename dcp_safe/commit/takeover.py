@@ -28,7 +28,6 @@ from dcp_safe.untrusted import shown
 __all__ = [
     "DEFAULT_STALE_LEASE_S",
     "TAKEOVER_HOOKS",
-    "abandoned_among",
     "Claimant",
     "LeaseHolder",
     "clear_leftovers",
@@ -173,7 +172,7 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
         raw=raw,
         save_id=save_id if layout.is_save_id(save_id) else None,
         attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
-        run_id=_str_or_none(fields.get("run_id")),
+        run_id=run_id if isinstance(run_id := fields.get("run_id"), str) else None,
         acquired_at=(
             float(stamp)
             if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
@@ -243,27 +242,21 @@ def take_over_exclusive(
     raise held_error(backend, name, [None])
 
 
-def takeover_candidates(backend: Backend, name: str, claimant: Claimant) -> dict[str, str]:
-    """The leases under ``<name>/`` now (names) that ``claimant`` may take over, each with
-    what it is and why: with one lease per save, those left out of the contention round."""
-    if claimant.attempt is None:
-        return {}  # it judges only a lease in its way (abandoned_among): no listing
+def takeover_candidates(
+    backend: Backend, name: str, claimant: Claimant, entries: Collection[str] | None = None
+) -> dict[str, str]:
+    """The leases under ``<name>/`` (names: ``entries``, else every lease there now) that
+    ``claimant`` may take over, each with what it is and why: with one lease per save, those
+    left out of the contention round. An unfenced claimant lists nothing: it judges only the
+    leases in its way (any save may take over an abandoned one)."""
+    if entries is None:
+        entries = lease_files(backend, name) if claimant.attempt is not None else ()
     quiet = Quiet(backend, name)
     return {
         entry: why
-        for entry in lease_files(backend, name)
+        for entry in entries
         if (holder := read_holder(backend, f"{name}/{entry}")) is not None
         and (why := claimant.why_take_over(holder, quiet)) is not None
-    }
-
-
-def abandoned_among(backend: Backend, name: str, entries: Collection[str]) -> dict[str, str]:
-    """Those of the leases ``entries`` under ``<name>/`` that their save marked abandoned
-    (any save may take them over, an unfenced one too), as :func:`takeover_candidates`."""
-    return {
-        entry: f"{holder}: its save abandoned it"
-        for entry in entries
-        if (holder := read_holder(backend, f"{name}/{entry}")) is not None and holder.abandoned
     }
 
 
@@ -362,7 +355,3 @@ class Quiet:
         started = self.backend.modified_at(attempt.marker)
         changed = self.backend.modified_at(self.name)
         return started is not None and changed is not None and changed < started
-
-
-def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) else None
