@@ -16,17 +16,11 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
-from dcp_safe.errors import CheckpointCorruptError, ConfigError, DcpSafeError
+from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.errors import CheckpointCorruptError, DcpSafeError
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
-from dcp_safe.retention.retire import retire_checkpoint
-from dcp_safe.retention.sweeper import (
-    DEFAULT_GRACE_S,
-    SweepReport,
-    check_sweepable,
-    sweep_partials,
-)
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, open_sweepable, sweep_backend
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
@@ -82,11 +76,8 @@ def apply_retention(
             ``allow_bucket_root``; nothing is removed.
     """
     policy = KeepLast(keep_last)
-    if not grace_s >= 0:  # checked before anything is removed (NaN too)
-        raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
     root = as_root(root, storage_options)
-    backend = open_backend(root)
-    check_sweepable(backend, allow_bucket_root=allow_bucket_root)
+    backend = open_sweepable(root, grace_s, allow_bucket_root=allow_bucket_root)
     not_counted: list[str] = []
 
     def passed_by(name: str, exc: CheckpointCorruptError) -> None:
@@ -98,16 +89,10 @@ def apply_retention(
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
     dropped = decision.drop if dry_run else tuple(n for n in decision.drop if _retired(backend, n))
-    sweep = sweep_partials(
-        root,
-        grace_s=grace_s,
-        dry_run=dry_run,
-        allow_bucket_root=allow_bucket_root,
-    )
     return RetentionReport(
         kept=decision.keep,
         dropped=dropped,
-        sweep=sweep,
+        sweep=sweep_backend(backend, grace_s, dry_run),
         dry_run=dry_run,
         not_counted=tuple(not_counted),
     )
@@ -117,7 +102,8 @@ def _retired(backend: Backend, name: str) -> bool:
     """Retire ``name``; a failure is a warning, and one that left it published keeps it listed
     (a damaged checkpoint never stops the rest of the pass: the next one tries again)."""
     try:
-        retire_checkpoint(backend, name)
+        # Unpublished in one step first, so a crash half-way never leaves a broken one listed.
+        strategy_for(backend).retire(backend, name)
     except (DcpSafeError, OSError) as exc:
         log.warning("retiring %s failed: %s", shown(backend.full_path(name)), shown(exc, 300))
         return not backend.exists(f"{name}/{layout.COMMITTED_MARKER}")

@@ -27,13 +27,13 @@ from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads,
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.commit.takeover import last_change
-from dcp_safe.errors import ConfigError, DcpSafeError, InvalidCheckpointNameError
+from dcp_safe.errors import ConfigError, DcpSafeError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
-from dcp_safe.topology import RootLike
+from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
-__all__ = ["SweepReport", "check_sweepable", "sweep_partials"]
+__all__ = ["SweepReport", "open_sweepable", "sweep_backend", "sweep_partials"]
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,23 @@ class SweepReport:
     aborted_uploads: tuple[str, ...] = ()
 
 
-def check_sweepable(backend: Backend, *, allow_bucket_root: bool = False) -> None:
-    """Refuse a root the sweeper must not work on.
+def open_sweepable(root: RootLike, grace_s: float, *, allow_bucket_root: bool) -> Backend:
+    """The backend of a root the sweeper may work on, refused before anything is removed.
 
     Raises:
-        ConfigError: ``backend`` is a whole bucket and ``allow_bucket_root`` is not set.
+        ConfigError: a negative or NaN grace period (every age would pass NaN, and everything
+            be collected), or ``root`` is a whole bucket and ``allow_bucket_root`` is not set.
     """
+    if not grace_s >= 0:
+        raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
+    backend = open_backend(root)
     if is_bucket_root(backend) and not allow_bucket_root:
         raise ConfigError(
             f"{backend.url} is a whole bucket: cleaning it could touch other applications' "
             "objects; use a prefix (s3://bucket/run) or allow_bucket_root=True "
             "(dcp-safe gc --allow-bucket-root) if the bucket holds only dcp_safe checkpoints"
         )
+    return backend
 
 
 def sweep_partials(
@@ -82,13 +87,17 @@ def sweep_partials(
         allow_bucket_root: sweep a root that is a whole bucket (see the module docstring).
 
     Raises:
-        ConfigError: a negative or NaN grace period, or a bucket root without
-            ``allow_bucket_root``.
+        ConfigError: see :func:`open_sweepable`.
     """
-    if not grace_s >= 0:  # NaN too: every age would pass it, and everything be collected
-        raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
-    backend = open_backend(root, storage_options)
-    check_sweepable(backend, allow_bucket_root=allow_bucket_root)
+    root = as_root(root, storage_options)
+    backend = open_sweepable(root, grace_s, allow_bucket_root=allow_bucket_root)
+    return sweep_backend(backend, grace_s, dry_run, now)
+
+
+def sweep_backend(
+    backend: Backend, grace_s: float, dry_run: bool, now: float | None = None
+) -> SweepReport:
+    """:func:`sweep_partials` on a backend :func:`open_sweepable` gave."""
     now = time.time() if now is None else now
     return strategy_for(backend).sweep(_Sweep(backend, grace_s, dry_run, now))
 
@@ -105,14 +114,12 @@ class _Sweep:
 
     def partial_folders(self) -> SweepReport:
         backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
-        removed, recent = _sweep_probes(backend, grace_s, dry_run, now), []
+        removed, recent = self._probes(), []
         for entry in backend.list_dir(""):
             partial = layout.is_partial_entry(entry)
-            if not partial and not (
-                _is_checkpoint_name(entry) and _is_empty_folder(backend, entry)
-            ):
+            if not partial and not (layout.is_valid_name(entry) and self._is_empty_folder(entry)):
                 continue
-            with _passed_by_if_damaged(backend, entry):
+            with self._passed_by_if_damaged(entry):
                 changed = backend.modified_at(entry)
                 if changed is None:
                     continue  # gone meanwhile
@@ -131,18 +138,17 @@ class _Sweep:
         backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
         # Uploads are listed first: one that starts after this look is never a candidate.
         uploads = incomplete_uploads(backend)
-        probes = _sweep_probes(backend, grace_s, dry_run, now)
-        removed: list[str] = []
+        removed = self._probes()
         recent: list[str] = []
-        debris: list[str] = []  # paths under committed names, not names
+        collected: list[str] = []  # whole prefixes (not debris under committed names)
         for entry in backend.list_dir(""):
-            if not _is_checkpoint_name(entry):
+            if not layout.is_valid_name(entry):
                 continue
-            with _passed_by_if_damaged(backend, entry):
+            with self._passed_by_if_damaged(entry):
                 # One listing shows the lease, the marker and the markers under _ranks/ at once.
                 files = list(backend.walk_files(entry))
                 if layout.COMMITTED_MARKER in files:
-                    debris += _sweep_committed_debris(backend, entry, files, grace_s, dry_run, now)
+                    removed += self._committed_debris(entry, files)
                     continue
                 leased = any("/" not in rel and layout.is_lease_file(rel) for rel in files)
                 own = files and all(layout.is_own_object(f"{entry}/{rel}") for rel in files)
@@ -156,105 +162,75 @@ class _Sweep:
                     continue
                 if not dry_run:
                     backend.remove_tree(entry)
-                removed.append(entry)
+                collected.append(entry)
         aborted = abort_stale_uploads(
             backend,
             older_than_s=grace_s,
             now=now,
             dry_run=dry_run,
             in_progress=recent,
-            collected=removed,
+            collected=collected,
             uploads=uploads,
         )
         return SweepReport(
-            removed=tuple(probes + removed + debris),
+            removed=tuple(removed + collected),
             too_recent=tuple(recent),
             dry_run=dry_run,
             aborted_uploads=aborted,
         )
 
+    @contextlib.contextmanager
+    def _passed_by_if_damaged(self, entry: str) -> Iterator[None]:
+        """One entry's sweep: an entry that cannot be walked or removed is passed by with a
+        warning, so it never stops the sweep of the others."""
+        try:
+            yield
+        except (DcpSafeError, OSError) as exc:
+            where = shown(self.backend.full_path(entry))
+            log.warning("left alone: %s (%s)", where, shown(exc, 300))
 
-@contextlib.contextmanager
-def _passed_by_if_damaged(backend: Backend, entry: str) -> Iterator[None]:
-    """One entry's sweep: an entry that cannot be walked or removed is passed by with a
-    warning, so it never stops the sweep of the others."""
-    try:
-        yield
-    except (DcpSafeError, OSError) as exc:
-        log.warning("left alone: %s (%s)", shown(backend.full_path(entry)), shown(exc, 300))
-
-
-def _is_empty_folder(backend: Backend, entry: str) -> bool:
-    """A folder holding nothing at all: no checkpoint and no save's work (a local save works in
-    a hidden partial folder), but in the way of a save under its name."""
-    with contextlib.suppress(DcpSafeError, OSError):
-        return backend.is_dir(entry) and not backend.list_dir(entry)
-    return False
-
-
-def _sweep_probes(backend: Backend, grace_s: float, dry_run: bool, now: float) -> list[str]:
-    """Remove stray exclusive-create probe objects at the root older than ``grace_s``.
-
-    One without a modification time is kept; a recent one is not reported (a live probe
-    lasts two requests).
-    """
-    removed = []
-    for entry in backend.list_dir(""):
-        if not _PROBE.fullmatch(entry):
-            continue
-        with _passed_by_if_damaged(backend, entry):
-            changed = backend.modified_at(entry)
-            if changed is None or now - changed < grace_s:
-                continue
-            if not dry_run:
-                backend.remove_file(entry)
-            removed.append(entry)
-    return removed
-
-
-def _sweep_committed_debris(
-    backend: Backend, name: str, files: list[str], grace_s: float, dry_run: bool, now: float
-) -> list[str]:
-    """Remove the debris under committed ``<name>/`` (``files``, relative to it) older than
-    ``grace_s``; return the paths removed, relative to the root.
-
-    A path the manifest lists is kept whatever its name, and an unreadable manifest keeps
-    everything (readers report it; the sweeper does not judge it). Each candidate is aged on
-    its own: a lease beside the marker may be a save's that is about to withdraw it.
-    """
-    candidates = [rel for rel in files if layout.is_debris(rel)]
-    if not candidates:
-        return []
-    members = _members(backend, name)
-    if members is None:
-        return []
-    removed = []
-    for rel in candidates:
-        if rel in members:
-            continue
-        changed = backend.modified_at(f"{name}/{rel}")
-        if changed is None or now - changed < grace_s:
-            continue
-        if not dry_run:
-            backend.remove_file(f"{name}/{rel}")
-        removed.append(f"{name}/{rel}")
-    return removed
-
-
-def _members(backend: Backend, name: str) -> set[str] | None:
-    """The paths committed checkpoint ``name``'s manifest lists (None: unreadable)."""
-    rel = f"{name}/{layout.MANIFEST}"
-    try:
-        raw = backend.read_small(rel, MANIFEST_MAX_BYTES)
-        manifest = Manifest.from_json(raw, backend.full_path(rel))
-    except (OSError, DcpSafeError):
-        return None
-    return {record.path for record in manifest.files}
-
-
-def _is_checkpoint_name(entry: str) -> bool:
-    try:
-        layout.validate_name(entry)
-    except InvalidCheckpointNameError:
+    def _is_empty_folder(self, entry: str) -> bool:
+        """A folder holding nothing at all: no checkpoint and no save's work (a local save
+        works in a hidden partial folder), but in the way of a save under its name."""
+        with contextlib.suppress(DcpSafeError, OSError):
+            return self.backend.is_dir(entry) and not self.backend.list_dir(entry)
         return False
-    return True
+
+    def _probes(self) -> list[str]:
+        """Remove stray exclusive-create probe objects at the root older than ``grace_s``; a
+        recent one is not reported (a live probe lasts two requests)."""
+        probes = [entry for entry in self.backend.list_dir("") if _PROBE.fullmatch(entry)]
+        return [rel for rel in probes if self._idle_file_removed(rel)]
+
+    def _idle_file_removed(self, rel: str) -> bool:
+        """Remove file ``rel`` if it is ``grace_s`` old (one with no modification time is
+        kept); whether it was (or, in a dry run, would be)."""
+        with self._passed_by_if_damaged(rel):
+            changed = self.backend.modified_at(rel)
+            if changed is None or self.now - changed < self.grace_s:
+                return False
+            if not self.dry_run:
+                self.backend.remove_file(rel)
+            return True
+        return False
+
+    def _committed_debris(self, name: str, files: list[str]) -> list[str]:
+        """Remove the debris under committed ``<name>/`` (``files``, relative to it) older
+        than ``grace_s``; return the paths removed, relative to the root.
+
+        A path the manifest lists is kept whatever its name, and an unreadable manifest keeps
+        everything (readers report it; the sweeper does not judge it). Each candidate is aged
+        on its own: a lease beside the marker may be a save's that is about to withdraw it.
+        """
+        candidates = [rel for rel in files if layout.is_debris(rel)]
+        if not candidates:
+            return []
+        rel = f"{name}/{layout.MANIFEST}"
+        try:
+            raw = self.backend.read_small(rel, MANIFEST_MAX_BYTES)
+            manifest = Manifest.from_json(raw, self.backend.full_path(rel))
+        except (OSError, DcpSafeError):
+            return []
+        members = {record.path for record in manifest.files}
+        paths = [f"{name}/{rel}" for rel in candidates if rel not in members]
+        return [path for path in paths if self._idle_file_removed(path)]
