@@ -132,15 +132,15 @@ def remember_header(digest: str, header: CommittedHeader) -> None:
     _headers.put(digest, header)
 
 
-def committed_names(backend: Backend) -> list[str]:
-    """Names under the root that carry a commit marker (not yet checked further).
+def committed_names(backend: Backend, marker: str = layout.COMMITTED_MARKER) -> list[str]:
+    """Names under the root that carry ``marker`` (a commit marker; not yet checked further).
 
     Found from listings alone where storage allows it. A name that breaks the name rule
     (:func:`~dcp_safe.layout.validate_name`) is no checkpoint, whatever it holds: it is passed
     by with a warning that shows it escaped.
     """
     names = []
-    for entry in backend.entries_holding(layout.COMMITTED_MARKER):
+    for entry in backend.entries_holding(marker):
         if entry.startswith("."):  # a partial about to be renamed into place
             continue
         try:
@@ -184,14 +184,8 @@ def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
 
 
 def _read_committed(backend: Backend, name: str, manifest_path: str) -> tuple[bytes, str]:
-    try:
-        return read_marked_manifest(
-            backend, name, layout.COMMITTED_MARKER, "committed checkpoint", manifest_path
-        )
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            backend.full_path(name), f"it has no {layout.COMMITTED_MARKER} marker"
-        ) from None
+    marker = layout.COMMITTED_MARKER
+    return read_marked_manifest(backend, name, marker, "committed checkpoint", manifest_path)
 
 
 def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> CommittedCheckpoint:
@@ -220,11 +214,16 @@ def read_marked_manifest(
     """``name``'s manifest bytes and their digest, which its ``marker`` file must hold.
 
     Raises:
-        FileNotFoundError: no marker.
+        CheckpointNotFoundError: no marker: no ``what`` under ``name``.
         CheckpointCorruptError: no manifest (``what`` has none), or not the one the marker
             names; both errors name ``where``.
     """
-    raw_marker = backend.read_small(f"{name}/{marker}", CONTROL_MAX_BYTES)
+    try:
+        raw_marker = backend.read_small(f"{name}/{marker}", CONTROL_MAX_BYTES)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            backend.full_path(name), f"no {what} (no {marker} marker)"
+        ) from None
     expected = raw_marker.decode("ascii", errors="replace").strip()
     try:
         raw = backend.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)

@@ -12,7 +12,7 @@ import dataclasses
 import pickle
 import threading
 import weakref
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -41,7 +41,7 @@ _T = TypeVar("_T")
 # Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.
 _PICKLED_ELEMENTS_PER_ITEM = 64
 
-# Decoded plain metadata by manifest object, for as long as that object lives: open_committed
+# Decoded metadata by manifest object, for as long as that object lives: open_committed
 # keeps the last few manifests it parsed, so a restore of the same checkpoint meets it again.
 # Decoding is ~0.3 s of Python at 10,000 tensors, about a third of a warm restore.
 _decoded: dict[int, Metadata] = {}
@@ -58,11 +58,9 @@ def read_dcp_metadata(
         UnsafeCheckpointError: the checkpoint has no plain metadata and ``allow_pickle`` is
             not given.
     """
-    if manifest.dcp_metadata is not None:
-        path = backend.full_path(f"{name}/{layout.MANIFEST}")
-        return _fresh(_decoded_plain(manifest, path))
-    path = backend.full_path(f"{name}/{layout.DCP_METADATA}")
-    if not allow_pickle:
+    plain = manifest.dcp_metadata
+    path = backend.full_path(f"{name}/{layout.MANIFEST if plain else layout.DCP_METADATA}")
+    if plain is None and not allow_pickle:
         raise UnsafeCheckpointError(
             path,
             "written before dcp_safe recorded DCP's metadata as plain data in"
@@ -71,22 +69,37 @@ def read_dcp_metadata(
             " (to read such a checkpoint, or re-save it, load it once with allow_pickle=True;"
             " dcp-safe verify takes --allow-pickle)",
         )
+    with _decoded_lock:
+        metadata = _decoded.get(id(manifest))
+    if metadata is None:
+        # A pickle is read again each time (its file may change): only plain forms are kept.
+        from_pickle = plain is None
+        if plain is None:
+            plain = _plain_from_pickle(backend, name, manifest, path)
+        metadata = decode_dcp_metadata(plain, manifest, path)
+        check_declared_sizes(metadata, path)
+        with _decoded_lock:
+            if not from_pickle and id(manifest) not in _decoded:
+                _decoded[id(manifest)] = metadata
+                weakref.finalize(manifest, _decoded.pop, id(manifest), None)
+    return _fresh(metadata)
+
+
+def _plain_from_pickle(backend: Backend, name: str, manifest: Manifest, path: str) -> Any:
+    """The plain form of the trusted ``.metadata`` pickle, its ``storage_data`` matched to the
+    manifest item by item."""
     raw = _read_pickled(backend, name, manifest)
     try:
         pickled = pickle.loads(raw)  # the caller trusts this root as code
         check_storage_data(getattr(pickled, "storage_data", None), manifest, path)
-        plain = encode_dcp_metadata(
-            pickled, budget=_PICKLED_ELEMENTS_PER_ITEM * (len(manifest.items) + 1)
-        )
+        budget = _PICKLED_ELEMENTS_PER_ITEM * (len(manifest.items) + 1)
+        return encode_dcp_metadata(pickled, budget=budget)
     except CheckpointCorruptError:
         raise
     except Exception as exc:  # whatever a trusted but odd pickle holds
         raise CheckpointCorruptError(
             path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
-    metadata = decode_dcp_metadata(plain, manifest, path)
-    check_declared_sizes(metadata, path)
-    return metadata
 
 
 def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytearray:
@@ -107,20 +120,6 @@ def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytearray:
             )
     except FileNotFoundError:
         raise CheckpointCorruptError(path, "file is missing") from None
-
-
-def _decoded_plain(manifest: Manifest, path: str) -> Metadata:
-    assert manifest.dcp_metadata is not None
-    with _decoded_lock:
-        metadata = _decoded.get(id(manifest))
-    if metadata is None:
-        metadata = decode_dcp_metadata(manifest.dcp_metadata, manifest, path)
-        check_declared_sizes(metadata, path)
-        with _decoded_lock:
-            if id(manifest) not in _decoded:
-                _decoded[id(manifest)] = metadata
-                weakref.finalize(manifest, _decoded.pop, id(manifest), None)
-    return metadata
 
 
 def _fresh(metadata: Metadata) -> Metadata:

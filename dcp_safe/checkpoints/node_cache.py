@@ -9,18 +9,16 @@ listing them (docs/architecture.md, "Node caches").
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import publish_marked, read_marked_manifest
+from dcp_safe.checkpoints.committed import committed_names, publish_marked, read_marked_manifest
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.topology import RootLike
-from dcp_safe.untrusted import shown
 
 __all__ = [
     "NODE_COMMITTED_MARKER",
@@ -31,8 +29,6 @@ __all__ = [
     "publish_node_cache",
     "ranks_in",
 ]
-
-log = logging.getLogger(__name__)
 
 NODE_COMMITTED_MARKER = layout.NODE_COMMITTED_MARKER
 
@@ -77,10 +73,7 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
             names.
     """
     path = backend.full_path(name)
-    try:
-        raw, _ = read_marked_manifest(backend, name, NODE_COMMITTED_MARKER, "node cache", path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(path, f"no node cache (no {NODE_COMMITTED_MARKER})") from None
+    raw, _ = read_marked_manifest(backend, name, NODE_COMMITTED_MARKER, "node cache", path)
     manifest = Manifest.from_json(raw, path)
     ranks = tuple(sorted(ranks_in(backend, name)))
     return NodeCache(name, path, ranks, manifest)
@@ -96,12 +89,7 @@ def list_node_caches(
     """
     backend = root if isinstance(root, Backend) else open_backend(root)
     caches = []
-    for entry in backend.entries_holding(NODE_COMMITTED_MARKER):
-        if entry.startswith("."):
-            continue
-        if not layout.is_valid_name(entry):
-            log.warning("passed by: %s is not a checkpoint name", shown(backend.full_path(entry)))
-            continue
+    for entry in committed_names(backend, NODE_COMMITTED_MARKER):
         try:
             caches.append(open_node_cache(backend, entry))
         except (CheckpointNotFoundError, CheckpointCorruptError):

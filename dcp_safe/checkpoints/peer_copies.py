@@ -74,10 +74,7 @@ def open_peer_copy(local: Backend, name: str, node: int) -> PeerCopy:
     """
     rel = layout.peer_copy_dir(name, node)
     path = local.full_path(rel)
-    try:
-        raw, _ = read_marked_manifest(local, rel, layout.PEER_COMMITTED_MARKER, "peer copy", path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(path, "no committed peer copy") from None
+    raw, _ = read_marked_manifest(local, rel, layout.PEER_COMMITTED_MARKER, "peer copy", path)
     return PeerCopy(name, node, path, rel, Manifest.from_json(raw, path))
 
 

@@ -87,10 +87,9 @@ class FileCheck:
         if (items or record.checksum is None) and not tiles(items, record.size):
             raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
         self._items = items
-        self._next = 0
+        self._next = -1
         self._position = 0
-        self._hasher = _hasher_for(items[0].checksum, path) if items else None
-        self._blocks = _blocks_for(items[0], path) if items else None
+        self._start_item()
         self._finish_items()
 
     def update(self, data: bytes) -> None:
@@ -128,12 +127,14 @@ class FileCheck:
                 return
             _compare(self._path, item.describe(), item.checksum, self._hasher)
             self._compare_blocks(item)
-            self._next += 1
-            following = self._items[self._next] if self._next < len(self._items) else None
-            self._hasher = (
-                None if following is None else _hasher_for(following.checksum, self._path)
-            )
-            self._blocks = None if following is None else _blocks_for(following, self._path)
+            self._start_item()
+
+    def _start_item(self) -> None:
+        """Hash the next item from here on (none left: ``_hasher`` None)."""
+        self._next += 1
+        following = self._items[self._next] if self._next < len(self._items) else None
+        self._hasher = None if following is None else _hasher_for(following.checksum, self._path)
+        self._blocks = None if following is None else _blocks_for(following, self._path)
 
     def _compare_blocks(self, item: ItemRecord) -> None:
         if self._blocks is None or item.blocks is None:
