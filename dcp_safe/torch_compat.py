@@ -1,6 +1,6 @@
 """Every private torch API dcp_safe uses, in one place, each with why and what happens without it.
 
-dcp_safe claims torch >= 2.9 and CI runs one torch; names that start with ``_`` can change in
+dcp_safe claims torch >= 2.13 and CI runs one torch; names that start with ``_`` can change in
 any release. Keeping them here means one module to read when torch moves, and a test
 (``tests/test_architecture.py``) keeps them from spreading. Where a fallback exists, it is here
 too, so callers see one stable function.
@@ -17,38 +17,43 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import serialization
 
-# DCP's stream-transform extensions (zstd as a transform descriptor in .metadata) and its helper
-# for narrowing a stored tensor to a load request: public in behaviour, private in name since
-# torch 2.9. No fallback: without them a zstd checkpoint could not be read by torch's readers.
+# DCP's helper for narrowing a stored tensor to a load request, and its stream-transform
+# extension (zstd as a transform descriptor in .metadata): public in behaviour, private in name.
+# No fallback: without them a zstd checkpoint could not be read by torch's readers.
 from torch.distributed._shard._utils import narrow_tensor_by_index
-
-# The per-file entry of DCP's own ``.metadata`` storage map; writing it ourselves keeps the
-# checkpoint loadable by torch's FileSystemReader.
 from torch.distributed.checkpoint import state_dict_saver
-from torch.distributed.checkpoint._extension import (
-    ExtensionRegistry,
-    StreamTransformExtension,
-    ZStandard,
-)
+from torch.distributed.checkpoint._extension import ZStandard
 
 # DCP's reader set-up and its load before the Stateful hand-over: ``dcp.load`` is these two
 # (``dcp_load_state_dict`` below) plus that hand-over, and dcp_safe.load sends the entries read
-# once between them (adapters/shared_load.py). No fallback: with several ranks dcp_safe.load needs
+# once between them (adapters/api.py). No fallback: with several ranks dcp_safe.load needs
 # them.
 from torch.distributed.checkpoint._storage_utils import _storage_setup as storage_setup
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+# The per-file entry of DCP's own ``.metadata`` storage map; writing it ourselves keeps the
+# checkpoint loadable by torch's FileSystemReader.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+
+# DCP's method logger, which torch sets to DEBUG (dcp_debug_logs_unheard).
+from torch.distributed.checkpoint.logger import _dcp_logger
+
+# The WriteItems DCP's default save planner makes for one flattened entry (create_write_items).
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+# Storage class names as torch.save writes them (torch.FloatStorage for float32).
+from torch.storage import _dtype_to_storage_type_map
+
 __all__ = [
     "CURRENT_DCP_VERSION",
-    "ExtensionRegistry",
     "StorageInfo",
-    "StreamTransformExtension",
     "ZStandard",
     "create_write_items",
     "dcp_async_save",
@@ -89,33 +94,22 @@ def dcp_debug_logs_unheard() -> Iterator[None]:
     a flat state of 10,000 keys. When no handler on the logger's chain takes DEBUG records
     (torch's own is a NullHandler; the root logger's default has none), its level is raised
     for the call. A handler that does listen (a user's, pytest's capture) keeps every record.
-    Without the private logger (another torch), nothing changes.
     """
-    try:
-        from torch.distributed.checkpoint.logger import _dcp_logger as dcp_log
-    except ImportError:
+    if _dcp_logger.level != logging.DEBUG or _dcp_debug_heard():
         yield
         return
-    if dcp_log.level != logging.DEBUG or _hears_debug(dcp_log):
-        yield
-        return
-    dcp_log.setLevel(logging.INFO)
+    _dcp_logger.setLevel(logging.INFO)
     try:
         yield
     finally:
-        dcp_log.setLevel(logging.DEBUG)
+        _dcp_logger.setLevel(logging.DEBUG)
 
 
 def _dcp_debug_heard() -> bool:
-    try:
-        from torch.distributed.checkpoint.logger import _dcp_logger as dcp_log
-    except ImportError:
+    """Whether a handler on DCP's logger's chain takes the DEBUG records it makes."""
+    if not _dcp_logger.isEnabledFor(logging.DEBUG):
         return False
-    return dcp_log.isEnabledFor(logging.DEBUG) and _hears_debug(dcp_log)
-
-
-def _hears_debug(log: logging.Logger) -> bool:
-    current: logging.Logger | None = log
+    current: logging.Logger | None = _dcp_logger
     while current is not None:
         for handler in current.handlers:
             if not isinstance(handler, logging.NullHandler) and handler.level <= logging.DEBUG:
@@ -130,8 +124,6 @@ def create_write_items(fqn: str, value: Any) -> list[Any]:
     in-memory tier needs to name each stored item of a kept copy as the writer did, without
     planning the whole state again. No fallback: it has had this name and signature since 2.2.
     """
-    from torch.distributed.checkpoint.planner_helpers import _create_write_items
-
     return list(_create_write_items(fqn, value))
 
 
@@ -143,8 +135,6 @@ def default_store() -> Any:
     times out breaks nothing, where a gloo collective that times out breaks its group. No
     fallback: without it the manager cannot coalesce across ranks.
     """
-    import torch.distributed.distributed_c10d as c10d
-
     return c10d._get_default_store()
 
 
@@ -193,6 +183,13 @@ def _has_private_save() -> bool:
 _PRIVATE_SAVE = _has_private_save()
 
 
+# Quantized storages are left out: they need a quantizer to mean anything, and their tensors
+# reduce another way.
+_STORAGE_NAMES = {
+    dtype: name for dtype, name in _dtype_to_storage_type_map().items() if not name.startswith("Q")
+}
+
+
 def legacy_storage_type(dtype: torch.dtype) -> type | None:
     """The typed-storage class ``torch.save`` names in a tensor's pickle (``torch.FloatStorage``
     for float32), or ``None`` for dtypes it pickles another way (float8, uint16, quantized).
@@ -200,12 +197,8 @@ def legacy_storage_type(dtype: torch.dtype) -> type | None:
     :mod:`dcp_safe.adapters.tensor_records` writes and recognises ``torch.save``'s exact bytes for
     these; any other dtype goes through ``torch.save``/``torch.load`` themselves.
     """
-    from torch.storage import _dtype_to_storage_type_map
-
-    name = _dtype_to_storage_type_map().get(dtype)
-    if name is None or name.startswith("Q"):  # quantized tensors reduce another way
-        return None
-    storage_type = getattr(torch, name, None)
+    name = _STORAGE_NAMES.get(dtype)
+    storage_type = None if name is None else getattr(torch, name, None)
     return storage_type if isinstance(storage_type, type) else None
 
 
@@ -228,17 +221,8 @@ STORAGE_MODULES = ("torch", "torch.storage")
 
 def storage_dtypes() -> dict[str, torch.dtype]:
     """Storage class names as ``torch.save`` writes them, and the dtype each holds:
-    ``FloatStorage`` -> float32, ..., ``UntypedStorage`` -> bytes (uint8). Quantized storages
-    (which need a quantizer to mean anything) are left out."""
-    from torch.storage import _dtype_to_storage_type_map
-
-    found = {
-        name: dtype
-        for dtype, name in _dtype_to_storage_type_map().items()
-        if not name.startswith("Q")
-    }
-    found["UntypedStorage"] = torch.uint8
-    return found
+    ``FloatStorage`` -> float32, ..., ``UntypedStorage`` -> bytes (uint8); no quantized ones."""
+    return {name: dtype for dtype, name in _STORAGE_NAMES.items()} | {"UntypedStorage": torch.uint8}
 
 
 def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:
@@ -269,20 +253,16 @@ def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:
 
 # Staging copies thousands of small tensors per save; one ``_foreach_copy_`` call replaces one
 # Python-level ``copy_`` dispatch per tensor (the per-tensor cost that dominated staging at
-# 4,096 tensors of 32 KiB). Private in name; without it, the same copies one by one.
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
-
-
+# 4,096 tensors of 32 KiB). Private in name.
 def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
-    """``dst.copy_(src)`` for every pair, in one call where torch has ``_foreach_copy_``."""
-    if _FOREACH_COPY is not None:
-        try:
-            _FOREACH_COPY(dsts, srcs, non_blocking=non_blocking)
-            return
-        except RuntimeError:
-            # A mix it does not take (devices, dtypes): the pairs one by one, which raise any
-            # error that is really the caller's. Copying a pair twice is harmless.
-            pass
+    """``dst.copy_(src)`` for every pair, in one call where ``_foreach_copy_`` takes them."""
+    try:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        return
+    except RuntimeError:
+        # A mix it does not take (devices, dtypes): the pairs one by one, which raise any
+        # error that is really the caller's. Copying a pair twice is harmless.
+        pass
     for dst, src in zip(dsts, srcs, strict=True):
         dst.copy_(src, non_blocking=non_blocking)
 
@@ -300,8 +280,8 @@ def tensor_use_count(tensor: torch.Tensor) -> int:
 # top-level key in DCP's method logger and checks it against the runtime ``Stateful`` protocol
 # (``inspect.getattr_static`` per attribute): 14 us a key, 0.14 s of a save of 10,000 top-level
 # tensors. DCP's own ``async_save`` hands ``_save_state_dict`` a state dict it resolved first.
-# Without the private function (another torch), with a keyword it may not take, or while a
-# handler listens to DCP's DEBUG records, ``dcp.save`` itself.
+# With a keyword it may not take, or while a handler listens to DCP's DEBUG records,
+# ``dcp.save`` itself.
 _SAVE_KEYWORDS = frozenset(
     {"checkpoint_id", "storage_writer", "planner", "process_group", "no_dist", "use_collectives"}
 )
@@ -311,15 +291,15 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 def dcp_save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
     """``torch.distributed.checkpoint.save(state_dict, **kwargs)``, with the same result: each
     ``Stateful`` top-level value replaced by its ``state_dict()``, then DCP's save."""
-    import torch.distributed as dist
-
-    inner = getattr(state_dict_saver, "_save_state_dict", None)
-    if inner is None or not kwargs.keys() <= _SAVE_KEYWORDS or _dcp_debug_heard():
+    if not kwargs.keys() <= _SAVE_KEYWORDS or _dcp_debug_heard():
         # A handler that takes DCP's DEBUG records gets its per-key ones, as with dcp.save.
         return state_dict_saver.save(state_dict, **kwargs)
     no_dist = kwargs.get("no_dist", False) or not (dist.is_available() and dist.is_initialized())
-    writer = storage_setup(kwargs.get("storage_writer"), kwargs.get("checkpoint_id"), reader=False)
-    return inner(
+    # reader=False: a StorageWriter.
+    writer: Any = storage_setup(
+        kwargs.get("storage_writer"), kwargs.get("checkpoint_id"), reader=False
+    )
+    return state_dict_saver._save_state_dict(
         state_dict={key: _state_of(value) for key, value in state_dict.items()},
         storage_writer=writer,
         process_group=kwargs.get("process_group"),
@@ -355,7 +335,6 @@ def dcp_async_save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
         stager is None
         or kind != "thread"
         or not kwargs.keys() <= _ASYNC_KEYWORDS
-        or getattr(state_dict_saver, "AsyncSaveResponse", None) is None
         or _dcp_debug_heard()
     ):
         return state_dict_saver.async_save(state_dict, **kwargs)
@@ -390,11 +369,9 @@ def _forward_staging(done: Future[Any], staging: Future[None]) -> None:
 
 def _needs_cpu_backend(group: Any) -> None:
     """DCP's check: an asynchronous save sends its plans over a CPU backend."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
-    group = group or dist.distributed_c10d._get_default_group()
+    group = group or c10d._get_default_group()
     if torch.device("cpu") not in getattr(group, "_device_types", (torch.device("cpu"),)):
         raise AssertionError(
             "A CPU backend must be enabled for async save; try initializing process group with"

@@ -12,22 +12,25 @@ get their own process group".
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_safe.adapters.broadcast import deliver_shared
 from dcp_safe.adapters.gc_pause import gc_paused
 from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.adapters.reader import SafeStorageReader
-from dcp_safe.adapters.shared_load import load_and_share
 from dcp_safe.coordination.group import (
     DEFAULT_DEADLINE_S,
     checkpoint_group,
@@ -40,10 +43,10 @@ from dcp_safe.coordination.group import (
 from dcp_safe.errors import CommitError, ConfigError, LoadError, from_checkpoint_exception
 from dcp_safe.reading.audit import audit_load
 from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
-from dcp_safe.torch_compat import dcp_debug_logs_unheard
+from dcp_safe.torch_compat import dcp_debug_logs_unheard, dcp_load_state_dict, storage_setup
 from dcp_safe.torch_compat import dcp_save as _dcp_save
 
-__all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save", "translate_errors"]
+__all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save"]
 
 T = TypeVar("T")
 
@@ -93,32 +96,19 @@ class _Call:
 
 
 @contextmanager
-def _quiet_single_process(kwargs: dict[str, Any]) -> Iterator[None]:
+def _calling(call: _Call, kwargs: dict[str, Any]) -> Iterator[None]:
+    """DCP's call: its errors translated, and quiet where it would warn for nothing."""
     # And DCP's per-key DEBUG records nobody hears (torch_compat.dcp_debug_logs_unheard).
     with warnings.catch_warnings(), dcp_debug_logs_unheard():
         if kwargs.get("no_dist"):
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        yield
-
-
-@contextmanager
-def translate_errors() -> Iterator[None]:
-    """Re-raise DCP's ``CheckpointException`` as the matching dcp_safe error."""
-    try:
-        yield
-    except CheckpointException as exc:
-        raise from_checkpoint_exception(exc) from exc
-
-
-@contextmanager
-def _translated_call(call: _Call) -> Iterator[None]:
-    try:
-        yield
-    except (CheckpointException, RuntimeError) as exc:
-        error = call.translate(exc)
-        if error is exc:
-            raise
-        raise error from exc
+        try:
+            yield
+        except (CheckpointException, RuntimeError) as exc:
+            error = call.translate(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
 
 def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
@@ -179,10 +169,8 @@ def save(
     Without collectives a rank that died is named by rank 0's ``CommitError`` within the
     writer's ``report_timeout_s``; the other ranks learn of rank 0's failure from the barrier.
     """
-    _plan_saves(kwargs, per_rank)
-    call = _prepare(kwargs, deadline_s)
-    _share_plans(kwargs, call)
-    with _translated_call(call), _quiet_single_process(kwargs), gc_paused():
+    call = _prepare_save(kwargs, per_rank, deadline_s)
+    with _calling(call, kwargs), gc_paused():
         metadata: Metadata = _dcp_save(state_dict, **kwargs)
         return metadata
 
@@ -222,14 +210,9 @@ def load(
     if audit and not isinstance(planner, SafeLoadPlanner):
         raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
     call = _prepare(kwargs, deadline_s)
-    with (
-        _translated_call(call),
-        _quiet_single_process(kwargs),
-        _sending(planner, kwargs, call),
-        gc_paused(),
-    ):
+    with _calling(call, kwargs), _sending(planner, kwargs, call), gc_paused():
         if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
-            load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
+            _load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
         else:
             _dcp_load(state_dict, **kwargs)
         if audit:
@@ -239,7 +222,7 @@ def load(
 @contextmanager
 def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[None]:
     """Let a ``SafeLoadPlanner`` plan entries read once, with several ranks: this call sends
-    them (:func:`~dcp_safe.adapters.shared_load.load_and_share`).
+    them (:func:`_load_and_share`).
 
     Not by default from a node cache: each node holds the files its own ranks wrote, so the
     owner of an entry could be a rank that must fetch it from the remote instead. Not on a
@@ -261,6 +244,59 @@ def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[N
         planner.sends_shared = False
 
 
+def _load_and_share(
+    state_dict: dict[str, Any],
+    *,
+    planner: SafeLoadPlanner,
+    process_group: dist.ProcessGroup,
+    timeout_s: float | None,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_reader: StorageReader | None = None,
+    no_dist: bool = False,
+) -> None:
+    """``dcp.load``, with the entries read once sent to the other ranks before the hand-over.
+
+    ``dcp.load`` loads into a copy of the top-level state dict (a ``Stateful`` entry's
+    ``state_dict()``), then calls each ``Stateful``'s ``load_state_dict`` and puts the other
+    entries back; the entries other ranks read for this one (:mod:`dcp_safe.reading.read_once`)
+    must have arrived before that. So this is ``dcp.load``'s own sequence (torch 2.13's
+    ``state_dict_loader.load``, step for step, its private parts through
+    :mod:`dcp_safe.torch_compat`) with :func:`~dcp_safe.adapters.broadcast.deliver_shared`
+    between DCP's ``_load_state_dict`` and the hand-over. Sets ``planner.bytes_received``; a
+    peer lost while entries travel raises the transport's error within ``timeout_s``.
+    """
+    reader = cast(StorageReader, storage_setup(storage_reader, checkpoint_id, reader=True))
+    keys = sorted(state_dict)  # as dcp.load: the same order on every rank
+    loaded = {
+        key: value.state_dict() if isinstance(value, Stateful) else value
+        for key in keys
+        for value in (state_dict[key],)
+    }
+    dcp_load_state_dict(
+        state_dict=loaded,
+        storage_reader=reader,
+        process_group=process_group,
+        no_dist=no_dist,
+        planner=planner,
+    )
+    if planner.transfers:
+        planner.bytes_received = deliver_shared(
+            planner,
+            planner.transfers,
+            planner.sent_objects(),
+            rank=dist.get_rank(process_group),
+            group=process_group,
+            timeout_s=timeout_s,
+        )
+        planner.sent_objects().payloads.clear()
+    for key in keys:
+        value = state_dict[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(loaded[key])
+        else:
+            state_dict[key] = loaded[key]
+
+
 def async_save(
     state_dict: dict[str, Any],
     *,
@@ -278,10 +314,8 @@ def async_save(
     ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save` (``use_collectives=False``
     included: the background part then waits on storage, not on the group, until DCP's barrier).
     """
-    _plan_saves(kwargs, per_rank)
-    call = _prepare(kwargs, deadline_s)
-    _share_plans(kwargs, call)
-    with _translated_call(call), _quiet_single_process(kwargs):
+    call = _prepare_save(kwargs, per_rank, deadline_s)
+    with _calling(call, kwargs):
         response = _dcp_async_save(state_dict, **kwargs)
     if isinstance(response, Future):
         return _translated(response, call)
@@ -290,21 +324,20 @@ def async_save(
     return response
 
 
-def _plan_saves(kwargs: dict[str, Any], per_rank: Sequence[str]) -> None:
+def _prepare_save(kwargs: dict[str, Any], per_rank: Sequence[str], deadline_s: float) -> _Call:
+    """A save's planner (dcp_safe's, unless given), sharing cached plans with every save over
+    its group (docs/architecture.md), and its :class:`_Call`."""
+    collective = kwargs.get("use_collectives", True) is not False
     if "planner" not in kwargs:
         # Without collectives every rank plans alone and reports its entries through storage:
         # a cached (itemless) local plan would hide them from that report.
-        collective = kwargs.get("use_collectives", True) is not False
         kwargs["planner"] = SafeSavePlanner(per_rank=per_rank, cache_plans=collective)
     elif per_rank:
         raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
-
-
-def _share_plans(kwargs: dict[str, Any], call: _Call) -> None:
-    """Saves over one group reuse each other's cached plans (docs/architecture.md)."""
-    planner = kwargs["planner"]
-    if isinstance(planner, SafeSavePlanner) and kwargs.get("use_collectives", True) is not False:
-        planner.share_plans_over(call.group)
+    call = _prepare(kwargs, deadline_s)
+    if isinstance(kwargs["planner"], SafeSavePlanner) and collective:
+        kwargs["planner"].share_plans_over(call.group)
+    return call
 
 
 def _translated(source: Future[T], call: _Call) -> Future[T]:

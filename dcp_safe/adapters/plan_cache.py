@@ -14,7 +14,7 @@ ranks' cached plans (whose fingerprints and audit sums are an earlier save's), a
 old storage assignment on a cached save.
 
 Consistency rule: a rank's entry and the coordinator's are taken out when planning starts and
-put back only when the plan is finished (:meth:`PlanCache.take`, :meth:`PlanCache.put`). A save
+put back only when the plan is finished (:data:`PlanCache`: ``pop``, then ``[key] =``). A save
 that fails before then leaves that rank with nothing remembered, so its next save sends its
 whole plan: a rank never claims a layout the coordinator no longer holds. Each scope (a process
 group, saves without collectives, or one planner) has its own cache. Saves over one group do not
@@ -71,22 +71,9 @@ class GlobalEntry:
     metadata: Metadata
 
 
-class PlanCache:
-    """One scope's entries, by planner configuration; safe to use from several threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[Hashable, tuple[RankEntry, GlobalEntry | None]] = {}
-
-    def take(self, key: Hashable) -> tuple[RankEntry | None, GlobalEntry | None]:
-        """Remove and return what is remembered for ``key`` (nothing: ``(None, None)``)."""
-        with self._lock:
-            return self._entries.pop(key, (None, None))
-
-    def put(self, key: Hashable, rank: RankEntry, coordinator: GlobalEntry | None) -> None:
-        """Remember a finished plan (and, on the coordinator, the global plan it came from)."""
-        with self._lock:
-            self._entries[key] = (rank, coordinator)
+#: One scope's entries, by planner configuration: a rank's entry and (on the coordinator) the
+#: global plan, taken out with ``pop`` and put back with ``[key] =``, each atomic on a dict.
+PlanCache = dict[Hashable, tuple[RankEntry, GlobalEntry | None]]
 
 
 _lock = threading.Lock()

@@ -215,7 +215,7 @@ class SafeSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         if self.cache_plans:  # taken before anything here can fail (plan_cache's rule)
             self._forget_plans()
-            self._remembered, self._global = self._cache.take(self._cache_key())
+            self._remembered, self._global = self._cache.pop(self._cache_key(), (None, None))
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
         if self.check_divergence and _world_size() > 1:  # one rank has nothing to differ from
@@ -285,7 +285,7 @@ class SafeSavePlanner(DefaultSavePlanner):
             raise CommitError(f"rank {self.rank} got a cached save plan it does not hold")
         if token is not None:
             entry = RankEntry(self._layout, final, token)
-            self._cache.put(self._cache_key(), entry, self._global)
+            self._cache[self._cache_key()] = (entry, self._global)
         self._forget_plans()
         self.plan = final
         return final

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import hashlib
 import io
 import math
@@ -45,6 +46,9 @@ _LOCAL, _DESCRIPTOR, _CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
 _ZIP64_END, _ZIP64_LOCATOR, _END = 0x06064B50, 0x07064B50, 0x06054B50
 _FLAGS = 0x0808  # sizes in a data descriptor after each record; UTF-8 names
 _ID_DIGITS = 40
+# torch.save writes a random id per call; torch only logs it. One fixed id, the same in every
+# process, lets any rank reproduce the bytes another wrote (the manager's in-memory tier checks a
+# kept copy against the manifest that way).
 _SERIALIZATION_ID = (
     f"{int.from_bytes(hashlib.sha256(b'dcp_safe').digest()[:16], 'big'):0{_ID_DIGITS}d}"[
         -_ID_DIGITS:
@@ -154,137 +158,118 @@ def _parse_records(raw: bytes) -> list[tuple[str, bytes]]:
     return records
 
 
-class _Encoder:
-    """Builds layouts; checks each dtype against ``torch.save`` before it is used."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._format: _Format | bool | None = False  # False: not learnt yet; None: unusable
-        self._dtypes: dict[torch.dtype, bool] = {}
-        self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], TensorLayout | None] = {}
-        # torch.save writes a random id per call; torch only logs it. One fixed id, the same in
-        # every process, lets any rank reproduce the bytes another wrote (the manager's in-memory
-        # tier checks a kept copy against the manifest that way).
-        self._id = _SERIALIZATION_ID
-
-    def layout(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
-        # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion
-        # (the pickle must name a tuple, as Tensor.__reduce_ex__ does, not a torch.Size).
-        found = self._layouts.get((dtype, shape), False)
-        if found is not False:
-            return found  # type: ignore[return-value]
-        shape = tuple(int(size) for size in shape)
-        key = (dtype, shape)
-        with self._lock:
-            layout = self._build(dtype, shape) if self._usable(dtype) else None
-            if len(self._layouts) > 65536:  # shapes come from models: few, but bound it anyway
-                self._layouts.clear()
-            self._layouts[key] = layout
-        return layout
-
-    def _learn(self) -> _Format | None:
-        if self._format is False:
-            try:
-                out = io.BytesIO()
-                save_tensor_without_crc(torch.zeros(3), out)
-                records = _parse_records(out.getvalue())
-                archive = records[0][0].partition("/")[0]
-                constant = {"data.pkl", "data/0", ".data/serialization_id"}
-                named = tuple(
-                    (name, None if name.partition("/")[2] in constant else content)
-                    for name, content in records
-                )
-                alignment = int(dict(records).get(f"{archive}/.storage_alignment", b"64"))
-                self._format = _Format(archive, named, alignment)
-            except (ValueError, KeyError, struct.error, UnicodeDecodeError):
-                self._format = None
-        return self._format  # type: ignore[return-value]
-
-    def _usable(self, dtype: torch.dtype) -> bool:
-        known = self._dtypes.get(dtype)
-        if known is None:
-            known = self._agrees_with_torch(dtype)
-            self._dtypes[dtype] = known
-        return known
-
-    def _agrees_with_torch(self, dtype: torch.dtype) -> bool:
-        if self._learn() is None or legacy_storage_type(dtype) is None:
-            return False
-        sample = torch.zeros(3, dtype=dtype)
-        expected = io.BytesIO()
-        save_tensor_without_crc(sample, expected)
-        layout = self._build(dtype, (3,))
-        if layout is None:
-            return False
-        raw = expected.getvalue()
-        payload = raw[len(layout.prefix) : len(layout.prefix) + layout.payload]
-        return (
-            len(raw) == layout.length
-            and payload == tensor_bytes(sample)
-            and layout.matches(raw[: len(layout.prefix)], raw[len(raw) - len(layout.suffix) :])
+@functools.cache
+def _learnt_format() -> _Format | None:
+    """What torch's writer puts in every tensor stream (None: not laid out as understood here)."""
+    try:
+        out = io.BytesIO()
+        save_tensor_without_crc(torch.zeros(3), out)
+        records = _parse_records(out.getvalue())
+        archive = records[0][0].partition("/")[0]
+        constant = {"data.pkl", "data/0", ".data/serialization_id"}
+        named = tuple(
+            (name, None if name.partition("/")[2] in constant else content)
+            for name, content in records
         )
-
-    def _build(self, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
-        fmt, storage_type = self._learn(), legacy_storage_type(dtype)
-        if fmt is None or storage_type is None:
-            return None
-        payload = math.prod(shape) * dtype.itemsize
-        if not 0 < payload <= _MAX_PAYLOAD:  # torch lays an empty storage out another way
-            return None
-        content = {
-            "data.pkl": _tensor_pickle(storage_type, shape),
-            ".data/serialization_id": self._id,
-        }
-        head, tail = bytearray(), bytearray()
-        out, position, central, id_at = head, 0, bytearray(), -1
-        for name, constant in fmt.records:
-            kind = name.partition("/")[2]
-            data = constant if constant is not None else content.get(kind, b"")
-            size = payload if kind == "data/0" else len(data)
-            encoded = name.encode()
-            start = position + 30 + len(encoded) + 4
-            pad = -start % fmt.alignment
-            extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-            out += struct.pack(
-                "<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)
-            )
-            out += encoded + extra
-            central += struct.pack(
-                "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
-                len(encoded), 0, 0, 0, 0, 0, position,
-            ) + encoded  # fmt: skip
-            position = start + pad
-            if kind == "data/0":
-                out = tail  # the tensor's bytes go between the two
-            else:
-                if kind == ".data/serialization_id":
-                    id_at = len(tail)
-                out += data
-            position += size
-            out += struct.pack("<IIII", _DESCRIPTOR, 0, size, size)
-            position += 16
-        if out is not tail or id_at < 0:
-            return None
-        count, directory_at = len(fmt.records), position
-        tail += central
-        zip64_at = directory_at + len(central)
-        tail += struct.pack(
-            "<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 0x2D, 0, 0, count, count, len(central),
-            directory_at,
-        )  # fmt: skip
-        tail += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, zip64_at, 1)
-        tail += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(central), directory_at, 0)
-        return TensorLayout(bytes(head), payload, bytes(tail), id_at)
+        alignment = int(dict(records).get(f"{archive}/.storage_alignment", b"64"))
+        return _Format(archive, named, alignment)
+    except (ValueError, KeyError, struct.error, UnicodeDecodeError):
+        return None
 
 
-_ENCODER = _Encoder()
+@functools.cache
+def _agrees_with_torch(dtype: torch.dtype) -> bool:
+    """Whether this module writes ``dtype`` byte for byte as ``torch.save`` does."""
+    if _learnt_format() is None or legacy_storage_type(dtype) is None:
+        return False
+    sample = torch.zeros(3, dtype=dtype)
+    expected = io.BytesIO()
+    save_tensor_without_crc(sample, expected)
+    layout = _build(dtype, (3,))
+    if layout is None:
+        return False
+    raw = expected.getvalue()
+    payload = raw[len(layout.prefix) : len(layout.prefix) + layout.payload]
+    return (
+        len(raw) == layout.length
+        and payload == tensor_bytes(sample)
+        and layout.matches(raw[: len(layout.prefix)], raw[len(raw) - len(layout.suffix) :])
+    )
+
+
+def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
+    fmt, storage_type = _learnt_format(), legacy_storage_type(dtype)
+    if fmt is None or storage_type is None:
+        return None
+    payload = math.prod(shape) * dtype.itemsize
+    if not 0 < payload <= _MAX_PAYLOAD:  # torch lays an empty storage out another way
+        return None
+    content = {
+        "data.pkl": _tensor_pickle(storage_type, shape),
+        ".data/serialization_id": _SERIALIZATION_ID,
+    }
+    head, tail = bytearray(), bytearray()
+    out, position, central, id_at = head, 0, bytearray(), -1
+    for name, constant in fmt.records:
+        kind = name.partition("/")[2]
+        data = constant if constant is not None else content.get(kind, b"")
+        size = payload if kind == "data/0" else len(data)
+        encoded = name.encode()
+        start = position + 30 + len(encoded) + 4
+        pad = -start % fmt.alignment
+        extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        out += struct.pack(
+            "<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)
+        )
+        out += encoded + extra
+        central += struct.pack(
+            "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
+            len(encoded), 0, 0, 0, 0, 0, position,
+        ) + encoded  # fmt: skip
+        position = start + pad
+        if kind == "data/0":
+            out = tail  # the tensor's bytes go between the two
+        else:
+            if kind == ".data/serialization_id":
+                id_at = len(tail)
+            out += data
+        position += size
+        out += struct.pack("<IIII", _DESCRIPTOR, 0, size, size)
+        position += 16
+    if out is not tail or id_at < 0:
+        return None
+    count, directory_at = len(fmt.records), position
+    tail += central
+    zip64_at = directory_at + len(central)
+    tail += struct.pack(
+        "<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 0x2D, 0, 0, count, count, len(central),
+        directory_at,
+    )  # fmt: skip
+    tail += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, zip64_at, 1)
+    tail += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(central), directory_at, 0)
+    return TensorLayout(bytes(head), payload, bytes(tail), id_at)
+
+
+_layouts: dict[tuple[torch.dtype, tuple[int, ...]], TensorLayout | None] = {}
+_lock = threading.Lock()
 
 
 def layout_for(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
     """The stored form of a contiguous tensor of ``dtype`` and ``shape``, or ``None`` when
     only ``torch.save`` itself may write it (an unusual dtype, empty, over 4 GiB, another
     torch)."""
-    return _ENCODER.layout(dtype, shape)
+    # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion
+    # (the pickle must name a tuple, as Tensor.__reduce_ex__ does, not a torch.Size).
+    found = _layouts.get((dtype, shape), False)
+    if found is not False:
+        return found  # type: ignore[return-value]
+    shape = tuple(int(size) for size in shape)
+    layout = _build(dtype, shape) if _agrees_with_torch(dtype) else None
+    with _lock:
+        if len(_layouts) > 65536:  # shapes come from models: few, but bound it anyway
+            _layouts.clear()
+        _layouts[(dtype, shape)] = layout
+    return layout
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
