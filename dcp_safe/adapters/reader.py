@@ -34,10 +34,9 @@ from dcp_safe.adapters.options import READER_MOVED
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy, call_with_retries
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import open_committed, resolve_name
+from dcp_safe.checkpoints.committed import check_signed, open_committed, resolve_name
 from dcp_safe.checkpoints.items import stored_tensors
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
-from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -221,10 +220,9 @@ class SafeStorageReader(StorageReader):
         tiers = [self.backend] if self.fallback is None else [self.backend, self.fallback]
         opened: list[tuple[tuple[int, int, float], Backend, str, Manifest, Metadata]] = []
         failures: list[DcpSafeError] = []
-        accept = None if self._signing_key is None else signed_by(self._signing_key)
         for order, backend in enumerate(tiers):
             try:
-                name = resolve_name(backend, self._requested, accept=accept)
+                name = resolve_name(backend, self._requested, signing_key=self._signing_key)
                 committed = open_committed(backend, name)
                 manifest = committed.manifest
                 if self._signing_key is not None:

@@ -21,12 +21,12 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import (
     CommittedCheckpoint,
     accepted_headers,
+    check_signed,
     open_committed,
     recency,
     resolve_name,
 )
 from dcp_safe.checkpoints.loadable import check_loadable
-from dcp_safe.checkpoints.signed import check_signed, signed_by
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
@@ -93,7 +93,6 @@ def list_checkpoints(
     """
     backend = open_backend(root, storage_options)
     key = resolve_key(signing_key)
-    accept = None if key is None else signed_by(key)
     found = [
         CheckpointInfo(
             name=header.name,
@@ -104,7 +103,7 @@ def list_checkpoints(
             step=header.step,
             save_id=header.save_id,
         )
-        for header in accepted_headers(backend, accept, damaged=on_damaged or _log_damaged)
+        for header in accepted_headers(backend, key, damaged=on_damaged or _log_damaged)
     ]
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 

@@ -1,5 +1,11 @@
 """Find and open committed checkpoints under a root: the marker checked against the manifest
 (docs/architecture.md, "The rule"), so whatever opens has a manifest fit for further checks.
+
+For readers that hold a signing key, :func:`check_signed` checks the HMAC in ``_SIGNATURE``
+against the digest of the very bytes the opened manifest was parsed from (nothing swapped in
+after the open counts, nothing parsed twice) and requires every checksum in it to be
+cryptographic; item checks then authenticate every byte a load uses. Threat model:
+docs/integrity.md, "Signed checkpoints".
 """
 
 from __future__ import annotations
@@ -18,13 +24,17 @@ from dcp_safe.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     InvalidCheckpointNameError,
+    SignatureError,
+    UnsignedCheckpointError,
 )
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES, check_signature, is_cryptographic
 from dcp_safe.untrusted import shown
 
 __all__ = [
     "CommittedCheckpoint",
+    "check_signed",
     "accepted_headers",
     "CommittedHeader",
     "committed_names",
@@ -269,27 +279,22 @@ def recency(step: int | None, created_at: float, name: str) -> tuple[int, float,
     return (-1 if step is None else step, created_at, name)
 
 
-def resolve_name(
-    backend: Backend,
-    checkpoint_id: str,
-    *,
-    accept: Callable[[Backend, CommittedCheckpoint], None] | None = None,
-) -> str:
+def resolve_name(backend: Backend, checkpoint_id: str, *, signing_key: bytes | None = None) -> str:
     """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
 
-    "Newest" is :func:`recency`; a checkpoint whose manifest does not open, or that ``accept``
-    refuses by raising (a reader with a signing key accepts only what its key signed), is
-    skipped, so a damaged or planted newest checkpoint never hides a good one.
+    "Newest" is :func:`recency`; a checkpoint whose manifest does not open, or (with a
+    ``signing_key``) that is not signed with it, is skipped, so a damaged or planted newest
+    checkpoint never hides a good one.
 
     Raises:
         CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
-        CheckpointCorruptError: ``accept`` refused every committed checkpoint (its refusal of
-            the last one looked at: a ``SignatureError`` for a key that signed none).
+        CheckpointCorruptError: the key signed no committed checkpoint (the refusal of the last
+            one looked at: a ``SignatureError``).
     """
     if checkpoint_id != layout.LATEST:
         return layout.validate_name(checkpoint_id)
     refused: list[CheckpointCorruptError] = []
-    headers = accepted_headers(backend, accept, refused=lambda _, exc: refused.append(exc))
+    headers = accepted_headers(backend, signing_key, refused=lambda _, exc: refused.append(exc))
     newest = max((recency(h.step, h.created_at, h.name) for h in headers), default=None)
     if newest is None:
         if refused:
@@ -300,20 +305,22 @@ def resolve_name(
 
 def accepted_headers(
     backend: Backend,
-    accept: Callable[[Backend, CommittedCheckpoint], None] | None = None,
+    signing_key: bytes | None = None,
     *,
     damaged: Callable[[str, CheckpointCorruptError], None] = lambda name, exc: None,
     refused: Callable[[str, CheckpointCorruptError], None] | None = None,
 ) -> Iterator[CommittedHeader]:
-    """The header of each committed checkpoint that opens and that ``accept`` takes.
+    """The header of each committed checkpoint that opens (and is signed with ``signing_key``).
 
-    A name whose manifest does not open goes to ``damaged``; one that ``accept`` refuses (by
-    raising) to ``refused`` (default: ``damaged``); one removed since the listing is skipped.
-    Without ``accept``, only the header is read (:func:`open_header`).
+    With a key, only such checkpoints count (``latest``, listings, retention): an unsigned one
+    is skipped like a damaged one, so nobody who can write the root can push a signed one out.
+    A name whose manifest does not open goes to ``damaged``; one not signed with the key to
+    ``refused`` (default: ``damaged``); one removed since the listing is skipped. Without a
+    key, only the header is read (:func:`open_header`).
     """
     for name in committed_names(backend):
         try:
-            if accept is None:
+            if signing_key is None:
                 header = open_header(backend, name)[0]
             else:
                 opened = open_committed(backend, name)
@@ -323,10 +330,46 @@ def accepted_headers(
         except CheckpointCorruptError as exc:
             damaged(name, exc)
             continue
-        if accept is not None:
+        if signing_key is not None:
             try:
-                accept(backend, opened)
+                check_signed(backend, opened, signing_key)
             except CheckpointCorruptError as exc:
                 (refused or damaged)(name, exc)
                 continue
         yield header
+
+
+def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> None:
+    """Raise unless the manifest of ``opened`` (from :func:`open_committed` on ``backend``) is
+    signed with ``key``.
+
+    Raises:
+        UnsignedCheckpointError: no ``_SIGNATURE``.
+        SignatureError: a signature from another key, or over another manifest, or over one
+            with a checksum that is not cryptographic.
+    """
+    name, manifest = opened.name, opened.manifest
+    manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
+    signature = _read_signature(backend, name)
+    check_signature(key, opened.digest, signature, manifest_path)
+    weak = [
+        checksum
+        for checksum in [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
+        if checksum is not None and not is_cryptographic(checksum)
+    ]
+    if weak or not is_cryptographic(manifest.checksum_algorithm + ":"):
+        shown = weak[0] if weak else manifest.checksum_algorithm
+        raise SignatureError(manifest_path, f"signed over a non-cryptographic checksum ({shown})")
+
+
+def _read_signature(backend: Backend, name: str) -> bytes:
+    rel = f"{name}/{layout.SIGNATURE}"
+    try:
+        # Stat first: a FIFO or an endless device under this name is refused, not waited on.
+        return backend.read_small(rel, MAX_SIGNATURE_BYTES)
+    except FileNotFoundError:
+        raise UnsignedCheckpointError(
+            backend.full_path(name), f"the checkpoint has no {layout.SIGNATURE}"
+        ) from None
+    except CheckpointCorruptError as exc:  # not a regular file, or too large
+        raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None

@@ -3,7 +3,7 @@
 ``_SIGNATURE`` beside ``manifest.json`` holds ``hmac-sha256:<hex>``, an HMAC under the signing
 key of the digest ``_COMMITTED`` holds; with every item's checksum cryptographic (BLAKE3 by
 default), it covers every byte a load uses. Pure: the reads are
-:mod:`dcp_safe.checkpoints.signed`'s and the committer's. Key rules, threat model and costs:
+:mod:`dcp_safe.checkpoints.committed`'s and the committer's. Key rules, threat model and costs:
 docs/integrity.md, "Signed checkpoints".
 
 An HMAC, not a public-key signature: writer and reader are one party (a job and its restarts),

@@ -30,8 +30,12 @@ import torch
 
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.catalog import verify_opened
-from dcp_safe.checkpoints.committed import CommittedHeader, open_committed, remember_header
-from dcp_safe.checkpoints.signed import check_signed
+from dcp_safe.checkpoints.committed import (
+    CommittedHeader,
+    check_signed,
+    open_committed,
+    remember_header,
+)
 from dcp_safe.errors import WorkerError
 from dcp_safe.staging.poison import FailedStaging
 from dcp_safe.staging.shared import SharedSlabs
