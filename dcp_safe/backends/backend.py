@@ -26,7 +26,15 @@ from typing import BinaryIO, Literal
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.streams import WritableFile
 
-__all__ = ["MAX_WALK_DEPTH", "Backend", "FileStat", "WritableFile", "not_a_file", "too_deep"]
+__all__ = [
+    "MAX_WALK_DEPTH",
+    "Backend",
+    "FileStat",
+    "WritableFile",
+    "not_a_file",
+    "too_deep",
+    "unwrapped",
+]
 
 #: The most folders :meth:`Backend.walk_files` descends (dcp_safe writes two: ``<name>/_ranks/``).
 MAX_WALK_DEPTH = 16
@@ -39,6 +47,13 @@ class FileStat:
     # "link": a symbolic link, never followed (local roots); "other": a FIFO, a device...
     kind: Literal["file", "directory", "link", "other"]
     size_bytes: int
+
+
+def unwrapped(backend: Backend) -> Backend:
+    """The backend under any wrappers that name it ``inner`` (RetryingBackend)."""
+    while isinstance(inner := getattr(backend, "inner", None), Backend):
+        backend = inner
+    return backend
 
 
 def too_deep(path: str) -> CheckpointCorruptError:
@@ -142,7 +157,11 @@ class Backend(abc.ABC):
                 f"{found.size_bytes} bytes, over the {max_bytes}-byte limit for this file",
             )
         with self.open_read(rel) as f:
-            data = f.read(max_bytes + 1)  # it may have grown since the stat
+            # The buffer is the file's size (one of max_bytes + 1 would be the whole cap per
+            # file); it is read on to the cap only if the file grew since the stat.
+            data = f.read(found.size_bytes + 1)
+            if len(data) > found.size_bytes:
+                data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:
             raise CheckpointCorruptError(
                 self.full_path(rel), f"over the {max_bytes}-byte limit for this file"

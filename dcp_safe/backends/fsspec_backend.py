@@ -39,8 +39,8 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
-from dcp_safe.backends.s3_errors import is_precondition_failed, s3_error
+from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file, unwrapped
+from dcp_safe.backends.retry import is_precondition_failed, s3_error
 from dcp_safe.backends.s3_upload import (
     S3MultipartWriter,
     block_size_of,
@@ -449,8 +449,7 @@ def write_buffer_bytes(backend: Backend) -> int | None:
     """:attr:`FsspecBackend.write_buffer_bytes` of the backend under any wrappers (such as
     RetryingBackend, which names it ``inner``); 0 for a backend that writes straight to files,
     None where it is not known."""
-    while isinstance(getattr(backend, "inner", None), Backend):
-        backend = backend.inner  # type: ignore[attr-defined]
+    backend = unwrapped(backend)
     if isinstance(backend, FsspecBackend):
         return backend.write_buffer_bytes
     return 0 if not getattr(backend, "object_store", False) else None

@@ -138,21 +138,6 @@ class LocalBackend(Backend):
             os.close(fd)
             raise
 
-    def read_small(self, rel: str, max_bytes: int) -> bytes:
-        # The checks look at what was opened, so nothing can be swapped in between. The buffer
-        # is the file's size: a read(max_bytes + 1) would allocate the whole cap per file.
-        path = self._abs(rel)
-        fd = self._open_regular(rel)
-        try:
-            size = os.fstat(fd).st_size
-            if size > max_bytes:
-                raise CheckpointCorruptError(
-                    path, f"{size} bytes, over the {max_bytes}-byte limit for this file"
-                )
-            return _read_at_most(fd, size, max_bytes, path)
-        finally:
-            os.close(fd)
-
     def sizes(self, rel: str) -> dict[str, int]:
         found: dict[str, int] = {}
         try:
@@ -378,18 +363,3 @@ def _kind(mode: int) -> Literal["file", "directory", "link", "other"]:
     if stat.S_ISLNK(mode):
         return "link"
     return "directory" if stat.S_ISDIR(mode) else "other"
-
-
-def _read_at_most(fd: int, size_hint: int, max_bytes: int, path: str) -> bytes:
-    """The rest of ``fd``, refused once it passes ``max_bytes`` (the file may have grown since
-    its fstat said ``size_hint``)."""
-    chunks: list[bytes] = []
-    total = 0
-    want = size_hint + 1  # usually one read of the whole file, then one that finds its end
-    while chunk := os.read(fd, min(want, max_bytes + 1 - total)):
-        chunks.append(chunk)
-        total += len(chunk)
-        if total > max_bytes:
-            raise CheckpointCorruptError(path, f"over the {max_bytes}-byte limit for this file")
-        want = max(want, 1 << 16)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # no copy of one chunk

@@ -20,21 +20,21 @@ from collections.abc import Collection
 from typing import Any
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.backend import Backend, unwrapped
 
 __all__ = ["abort_stale_uploads", "abort_uploads_under", "incomplete_uploads", "is_bucket_root"]
 
 
 def is_bucket_root(backend: Backend) -> bool:
     """True when the backend's root is a whole bucket (``s3://bucket``), not a prefix in one."""
-    backend = _unwrap(backend)
+    backend = unwrapped(backend)
     root = str(getattr(backend, "root", "")).strip("/")
     return bool(getattr(backend, "object_store", False)) and bool(root) and "/" not in root
 
 
 def incomplete_uploads(backend: Backend) -> list[dict[str, Any]]:
     """Incomplete multipart uploads whose key lies under the backend's root (S3 only)."""
-    backend = _unwrap(backend)
+    backend = unwrapped(backend)
     fs = getattr(backend, "fs", None)
     if fs is None or not hasattr(fs, "list_multipart_uploads"):
         return []
@@ -53,6 +53,7 @@ def abort_stale_uploads(
     in_progress: Collection[str] = (),
     collected: Collection[str] = (),
     uploads: list[dict[str, Any]] | None = None,
+    only: str | None = None,
 ) -> tuple[str, ...]:
     """Abort dcp_safe's uploads under the root started more than ``older_than_s`` before ``now``.
 
@@ -62,17 +63,18 @@ def abort_stale_uploads(
         collected: checkpoint names whose abandoned save the caller is removing; their uploads
             are aborted even when the server reports no start time.
         uploads: the candidates, as :func:`incomplete_uploads` listed them (listed now if None).
+        only: the one checkpoint name whose uploads are candidates (None: every name).
 
     Returns:
         The ``s3://bucket/key`` of each upload aborted (or, in a dry run, that would be).
     """
-    backend = _unwrap(backend)
+    backend = unwrapped(backend)
     aborted = []
     root_prefix = str(backend.root).partition("/")[2]  # type: ignore[attr-defined]
     for upload in incomplete_uploads(backend) if uploads is None else uploads:
         rel = str(upload["Key"]).removeprefix(root_prefix).lstrip("/")
         name = rel.split("/", 1)[0]
-        if not layout.is_own_object(rel) or name in in_progress:
+        if not layout.is_own_object(rel) or name in in_progress or only not in (None, name):
             continue
         initiated = upload.get("Initiated")
         if isinstance(initiated, datetime.datetime):
@@ -98,24 +100,7 @@ def abort_uploads_under(backend: Backend, name: str) -> tuple[str, ...]:
     Returns:
         The ``s3://bucket/key`` of each upload aborted.
     """
-    inner = _unwrap(backend)
-    uploads = incomplete_uploads(inner)
-    if not uploads:
-        return ()
-    root_prefix = str(inner.root).partition("/")[2]  # type: ignore[attr-defined]
-    under = [
-        u
-        for u in uploads
-        if str(u["Key"]).removeprefix(root_prefix).lstrip("/").startswith(f"{name}/")
-    ]
     # An infinite "now" makes every upload old enough, one without a start time included.
     return abort_stale_uploads(
-        inner, older_than_s=0.0, now=math.inf, collected=(name,), uploads=under
+        backend, older_than_s=0.0, now=math.inf, collected=(name,), only=name
     )
-
-
-def _unwrap(backend: Backend) -> Backend:
-    """The file-system backend under wrappers such as RetryingBackend."""
-    while isinstance(getattr(backend, "inner", None), Backend):
-        backend = backend.inner  # type: ignore[attr-defined]
-    return backend

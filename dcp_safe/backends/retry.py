@@ -14,7 +14,7 @@ errors left as they are (``ReadTimeoutError``, ``ConnectionClosedError`` for a d
 ``EndpointConnectionError``), each raised while handling the aiohttp error (``__context__``).
 :class:`~dcp_safe.backends.fsspec_backend.FsspecBackend` then wraps the ``OSError`` s in
 ``StorageError``. The classifier therefore walks the ``__cause__``/``__context__`` chain until an
-exception decides.
+exception decides. :func:`s3_error` reads the same replies for the backend's own cases.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from typing import TypeVar
 
 from dcp_safe.errors import ConfigError, DcpSafeError, StorageError
 
-__all__ = ["RetryPolicy", "call_with_retries", "is_transient"]
+__all__ = [
+    "RetryPolicy",
+    "call_with_retries",
+    "is_precondition_failed",
+    "is_transient",
+    "reply_error",
+    "s3_error",
+]
 
 T = TypeVar("T")
 
@@ -161,7 +168,8 @@ def _classify(exc: BaseException) -> bool | None:
         return None if isinstance(exc, StorageError) else False
     response = getattr(exc, "response", None)
     if isinstance(response, dict):  # botocore ClientError: an HTTP answer from the server
-        return _is_transient_reply(response)
+        code, status = reply_error(response)
+        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
     transient, final = _library_types()
     if isinstance(exc, final):
         return False
@@ -170,12 +178,29 @@ def _classify(exc: BaseException) -> bool | None:
     return None
 
 
-def _is_transient_reply(response: dict[object, object]) -> bool:
-    error = response.get("Error")
+def reply_error(response: object) -> tuple[str, int | None]:
+    """The S3 error code and HTTP status of a botocore reply (``("", None)`` where absent)."""
+    if not isinstance(response, dict):
+        return "", None
+    error, metadata = response.get("Error"), response.get("ResponseMetadata")
     code = str(error.get("Code", "")) if isinstance(error, dict) else ""
-    metadata = response.get("ResponseMetadata")
     status = metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None
-    return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
+    return code, status if isinstance(status, int) else None
+
+
+def s3_error(exc: BaseException) -> tuple[str, int | None]:
+    """The S3 error code and HTTP status behind an s3fs ``OSError``, whose ``__cause__`` is
+    botocore's ``ClientError`` (``("", None)`` if none); a server may send either without the
+    other, so a 416 is also reported as InvalidRange."""
+    code, status = reply_error(getattr(exc.__cause__, "response", None))
+    return ("InvalidRange", 416) if code == "InvalidRange" or status == 416 else (code, status)
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """A 412 that s3fs did not already map to FileExistsError (some S3-compatible servers
+    leave out the ``Condition`` field s3fs keys on)."""
+    code, status = s3_error(exc)
+    return code in ("PreconditionFailed", "412") or status == 412
 
 
 @functools.cache

@@ -22,7 +22,6 @@ __all__ = [
     "Attempt",
     "attempt_from_env",
     "check_fence",
-    "newest_attempt",
     "register_attempt",
 ]
 
@@ -94,20 +93,6 @@ def register_attempt(backend: Backend, attempt: Attempt) -> None:
         backend.write_bytes(attempt.marker, body, exclusive=backend.supports_exclusive_create)
 
 
-def newest_attempt(backend: Backend, attempt: Attempt) -> int | None:
-    """The newest attempt recorded for ``attempt``'s run (None: none recorded).
-
-    A record is a file named as :attr:`Attempt.marker` names one; anything else there (a
-    folder or a link under such a name) is no record, and is passed by.
-    """
-    numbers = [
-        number
-        for entry in backend.sizes(attempt.directory)  # files only, from one listing
-        if (number := layout.attempt_of_record(entry)) is not None
-    ]
-    return max(numbers, default=None)
-
-
 def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> None:
     """Refuse to go on if a newer attempt than ``attempt`` has saved under this root.
 
@@ -116,7 +101,10 @@ def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> 
     """
     if attempt is None:
         return
-    newest = newest_attempt(backend, attempt)
+    # A record is a file named as Attempt.marker names one; anything else there (a folder or a
+    # link under such a name) is no record, and is passed by.
+    numbers = [layout.attempt_of_record(entry) for entry in backend.sizes(attempt.directory)]
+    newest = max((n for n in numbers if n is not None), default=None)
     if newest is not None and newest > attempt.number:
         record = backend.full_path(Attempt(number=newest, run_id=attempt.run_id).marker)
         # The explanation goes into ``failures``: that is what survives DCP's trip to every
