@@ -87,7 +87,8 @@ COMMIT_FAILED_PREFIX = "_FAILED-"
 _RANK_FAILED_INFIX = ".failed-"
 _RANK_SKIPPED_INFIX = ".skipped-"
 # ``<work>/_ranks/rank_R.report-<save id>``: rank R's part of a save without collectives is on
-# storage; what rank 0 needs of it to publish (adapters.without_collectives). Removed before publish.
+# storage; what rank 0 needs of it to publish (adapters.without_collectives). Removed before
+# publish.
 _RANK_REPORT_INFIX = ".report-"
 #: ``.<name>.assigned-<key>`` beside the checkpoints: rank 0's save id for a save without
 #: collectives, where the other ranks find it (dcp_safe.adapters.without_collectives).
@@ -289,10 +290,7 @@ def assignment_file_name(name: str, key: str) -> str:
 def rank_of_marker(member: str) -> int | None:
     """The rank a failure or skip marker (as :func:`rank_failure_marker_name` spells it, or its
     last path segment) names; None for anything else."""
-    if "/" not in member:
-        member = f"{RANKS_DIR}/{member}"
-    match = _RANK_MARKER.fullmatch(member)
-    return None if match is None else int(match["rank"])
+    return _rank_in(_RANK_MARKER, member)
 
 
 def is_debris(member: str) -> bool:
@@ -341,9 +339,11 @@ def rank_manifest_name(rank: int) -> str:
 def rank_of_manifest(member: str) -> int | None:
     """The rank whose manifest ``member`` is, as :func:`rank_manifest_name` spells it (or its
     last path segment, as a listing of ``_ranks/`` gives it); None for anything else."""
-    if "/" not in member:
-        member = f"{RANKS_DIR}/{member}"
-    match = _RANK_MANIFEST.fullmatch(member)
+    return _rank_in(_RANK_MANIFEST, member)
+
+
+def _rank_in(pattern: re.Pattern[str], member: str) -> int | None:
+    match = pattern.fullmatch(member if "/" in member else f"{RANKS_DIR}/{member}")
     return None if match is None else int(match["rank"])
 
 
@@ -396,12 +396,8 @@ def per_rank_base(stored: str) -> str | None:
 
 def per_rank_ranks(key: str, stored: Iterable[str]) -> set[int]:
     """The ranks that saved their own value of ``key`` among the ``stored`` keys."""
-    ranks = set()
-    for entry in stored:
-        found = _PER_RANK_KEY.match(entry)
-        if found is not None and found["base"] == key:
-            ranks.add(int(found["rank"]))
-    return ranks
+    found = map(_PER_RANK_KEY.match, stored)
+    return {int(m["rank"]) for m in found if m is not None and m["base"] == key}
 
 
 def shard_file_name(rank: int, index: int) -> str:
