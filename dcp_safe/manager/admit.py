@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
@@ -116,8 +115,6 @@ class Admitter:
     wait_timeout_s: float
     latency_objective_s: float | None
     worker: SaveWorker | None = None
-    waits_expired: int = field(default=0, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def admit(
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
@@ -157,8 +154,7 @@ class Admitter:
         still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
         if not still:
             return Decision(Verdict.START, worker=worker)
-        with self._lock:
-            self.waits_expired += 1
+        self.switch.ledger.count("waits_expired")
         ranks = ", ".join(map(str, still))
         reason = (
             f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from dcp_safe.errors import ConfigError
 from dcp_safe.host_memory import available_bytes_now
 from dcp_safe.manager.handles import SaveHandle
-from dcp_safe.manager.ledger import Ledger, SaveSpans
+from dcp_safe.manager.ledger import Ledger
 from dcp_safe.periodic import Periodic
 
 __all__ = ["FallbackMonitor", "FallbackOptions", "FallbackSwitch", "MemoryWatch"]
@@ -219,21 +219,18 @@ class FallbackSwitch:
 
     Args:
         sample_memory: the host's available bytes now (``None`` when unknown).
-        cond: the manager's condition (the monitor is not thread-safe by itself).
     """
 
     monitor: FallbackMonitor
     sample_memory: Callable[[], int | None]
     clock: Callable[[], float]
-    ledger: Ledger
-    spans: SaveSpans
-    cond: threading.Condition
+    ledger: Ledger  # its condition guards the monitor (not thread-safe by itself)
     _announced: bool = field(default=False, init=False)  # the agreed fallback is in the record
 
     @property
     def reason(self) -> str | None:
         """Why saves are synchronous now (``None``: they are not)."""
-        with self.cond:
+        with self.ledger.cond:
             return self.monitor.reason
 
     def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
@@ -246,10 +243,10 @@ class FallbackSwitch:
         now = self.clock()
         available = self.sample_memory()
         self.ledger.requested(handle.name, now)
-        with self.cond:
+        with self.ledger.cond:
             reason = self.monitor.on_request(now, available)
         in_use = leaked_bytes() if reason is None else 0
-        with self.cond:
+        with self.ledger.cond:
             reason = reason or self.monitor.on_idle(in_use)
             current = self.monitor.reason
         if reason is not None:
@@ -259,7 +256,7 @@ class FallbackSwitch:
     def follow(self, handle: SaveHandle, agreed: str | None) -> None:
         """Act on the agreed decision of a request: switch too when the ranks fall back
         because of a peer, and record the fallback once, at the same request on every rank."""
-        with self.cond:
+        with self.ledger.cond:
             if agreed is None:
                 self._announced = False
                 return
@@ -279,14 +276,14 @@ class FallbackSwitch:
         requested_at = self.ledger.completed(handle.name)
         if requested_at is None or not counted:
             return
-        with self.cond:
+        with self.ledger.cond:
             reason = self.monitor.on_completed(self.clock() - requested_at)
         if reason is not None:
             self._switched(handle, reason)
 
     def rearm(self) -> None:
         """Back to asynchronous saves (no-op when not switched)."""
-        with self.cond:
+        with self.ledger.cond:
             was = self.monitor.reason
             self.monitor.rearm()
         if was is not None:
@@ -295,4 +292,4 @@ class FallbackSwitch:
 
     def _switched(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self.spans.mark("fallback", handle, reason=reason)
+        self.ledger.spans.mark("fallback", handle, reason=reason)

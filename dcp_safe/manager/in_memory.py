@@ -130,11 +130,14 @@ class InMemoryTier:
         if kept is None or kept[0] is not handle:
             self.forget()  # a synchronous save, or one whose copy was not kept
             return
-        manifest = open_committed(self.backend, handle.name).manifest
-        record = _Kept(handle, manifest)
-        for entry in self._entries(kept[1]):
-            if not entry.reproducible:
-                record.digests[entry.key] = _digest(entry.value)
+        try:
+            record = _Kept(handle, open_committed(self.backend, handle.name).manifest)
+            for entry in self._entries(kept[1]):
+                if not entry.reproducible:
+                    record.digests[entry.key] = _digest(entry.value)
+        except BaseException:
+            self.forget()  # an older copy must not pass for the last committed step
+            raise
         with self._lock:
             self._kept = record
 

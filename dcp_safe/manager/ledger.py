@@ -24,67 +24,58 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import fields
 from typing import Any
 
 from dcp_safe.checkpoints.history import History
-from dcp_safe.manager.handles import SaveHandle
+from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.instrument import end_replication
 from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["COUNTERS", "Bookkeeper", "Ledger", "SaveSpans"]
+__all__ = ["Bookkeeper", "Ledger", "SaveSpans"]
 
 log = logging.getLogger("dcp_safe.manager")
 
 _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
 _READ_FLUSH_S = 30.0  # how long a read waits for queued appends before it reads what is there
 
-COUNTERS = (
-    "requested",
-    "started",
-    "skipped",
-    "coalesced",
-    "committed",
-    "failed",
-    "sync_saves",
-    "groups_broken",
-    "worker_saves",
-    "bookkeeping_failures",
-    "peer_copies",
-    "peer_copy_failures",
-)
+# The counters of ManagerStats that its parts keep rather than the ledger.
+_NOT_COUNTED = {"pruned", "waited_s", "waiting", "fallback_reason"}
 
 
 class Ledger:
     """The manager's record of outcomes.
 
     Args:
-        books: the history's appender (only the coordinator's appends; every rank keeps its
-            events in memory, :meth:`events`).
+        history: the commit root's history, appended to by the coordinator only (every rank
+            keeps its events in memory, :meth:`events`).
     """
 
-    def __init__(self, books: Bookkeeper, spans: SaveSpans, cond: threading.Condition) -> None:
-        self.books = books
+    def __init__(self, history: History, telemetry: Telemetry | None, *, coordinator: bool) -> None:
+        self.cond = threading.Condition()  # the manager's: every part's state is guarded by it
+        self.books = Bookkeeper(  # a failed append is logged by the books
+            history, enabled=coordinator, failed=lambda _: self.count("bookkeeping_failures")
+        )
+        self.spans = SaveSpans(telemetry)
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
-        self._spans = spans
-        self._cond = cond
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts = {f.name: 0 for f in fields(ManagerStats) if f.name not in _NOT_COUNTED}
         self._errors: list[BaseException] = []
         self._raised = 0
         self._requested_at: dict[str, float] = {}
         self._handles: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
     def count(self, key: str, n: int = 1) -> None:
-        with self._cond:
+        with self.cond:
             self._counts[key] += n
 
     def counts(self) -> dict[str, int]:
-        with self._cond:
+        with self.cond:
             return dict(self._counts)
 
     def track(self, handle: SaveHandle) -> None:
         """Remember ``handle`` (weakly) until its futures are done: :meth:`abandon` ends it."""
-        with self._cond:
+        with self.cond:
             self._handles.add(handle)
 
     def abandon(self, error: BaseException) -> int:
@@ -92,7 +83,7 @@ class Ledger:
 
         For a ``close`` that gave up on work in flight: the work goes on in the background,
         but no caller waits on it for ever. Returns how many handles it resolved."""
-        with self._cond:
+        with self.cond:
             handles = list(self._handles)
         resolved = 0
         reason = f"given up by close: {error}"
@@ -119,7 +110,7 @@ class Ledger:
         step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
         line = {"event": event, "step": step, "name": name}
         line |= {k: v for k, v in extra.items() if v is not None}
-        with self._cond:
+        with self.cond:
             self._events.append(line)
         self.books.append(event, step, name, **extra)
 
@@ -133,29 +124,27 @@ class Ledger:
 
     def events(self) -> list[dict[str, Any]]:
         """Every event this rank recorded, oldest first (as in the history, without times)."""
-        with self._cond:
+        with self.cond:
             return [dict(e) for e in self._events]
 
     def requested(self, name: str, at: float) -> None:
         """Note when ``name`` was requested (the fallback's completion latency)."""
-        with self._cond:
+        with self.cond:
             self._requested_at[name] = at
 
     def completed(self, name: str) -> float | None:
         """When the committed save ``name`` was requested (``None`` if not recorded)."""
-        with self._cond:
+        with self.cond:
             return self._requested_at.pop(name, None)
 
     def skip(self, handle: SaveHandle, reason: str, *, mark: str = "") -> None:
         """A request that will not be saved: counted, logged, recorded, marked."""
-        with self._cond:
+        with self.cond:
             self._counts["skipped"] += 1
             self._requested_at.pop(handle.name, None)
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self.record("skipped", handle, tier="local", reason=reason)
-        self.quietly(
-            "telemetry", lambda: self._spans.mark("skipped", handle, reason=mark or reason)
-        )
+        self.quietly("telemetry", lambda: self.spans.mark("skipped", handle, reason=mark or reason))
 
     def fail(
         self,
@@ -172,7 +161,7 @@ class Ledger:
         ``keep`` holds the error for ``wait``/``close``; one raised to the caller is not kept.
         The futures come first: nothing that fails while recording can leave them pending.
         """
-        with self._cond:
+        with self.cond:
             self._counts["failed"] += 1
             self._requested_at.pop(handle.name, None)
             if keep:
@@ -184,18 +173,18 @@ class Ledger:
                     target.set_exception(error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
         if tier == "local":
-            self.quietly("telemetry", lambda: self._spans.end(handle, error))
+            self.quietly("telemetry", lambda: self.spans.end(handle, error))
         self.record(
             "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
         )
 
     def keep(self, error: BaseException) -> None:
-        with self._cond:
+        with self.cond:
             self._errors.append(error)
 
     def unraised(self) -> list[BaseException]:
         """The errors not raised yet, oldest first; from now on they count as raised."""
-        with self._cond:
+        with self.cond:
             errors = self._errors[self._raised :]
             self._raised = len(self._errors)
             return errors

@@ -20,9 +20,11 @@ import functools
 import logging
 import os
 import signal as _signal
-import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from dcp_safe import layout
@@ -35,13 +37,11 @@ from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.coordination.worker_group import WorkerGroups
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
-from dcp_safe.manager import shutdown
 from dcp_safe.manager.admit import Admitter, Verdict
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
-from dcp_safe.manager.follow_up import FollowUp
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Bookkeeper, Ledger, SaveSpans
+from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.options import (
     MOVED,
     Bounds,
@@ -52,10 +52,15 @@ from dcp_safe.manager.options import (
     choose_executor,
     with_shorthands,
 )
-from dcp_safe.manager.preemption import PreemptionHandler, preempt
+from dcp_safe.manager.preemption import (
+    PreemptionHandler,
+    agreed_plan,
+    final_save,
+    why_no_final_save,
+)
 from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
-from dcp_safe.manager.shutdown import close_at_exit, countdown, drain, run_bounded
+from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -110,134 +115,110 @@ class CheckpointManager:
             policy, retention, save_every=save_every, keep_last=keep_last, when_busy=when_busy
         )
         bounds, resume, runtime = bounds or Bounds(), resume or Resume(), runtime or Runtime()
-        self.policy, self.retention = policy, retention
-        self.deadline_s = bounds.deadline_s
-        wait_timeout_s = bounds.wait_timeout_s
-        self.when_busy = BusyPolicy(policy.when_busy)
-        self.validate = Validation(policy.validate)
-        self.staging = StagingMode(policy.staging)
-        self.save_every = policy.every
-        self.per_rank = resume.per_rank
-        self.name_format = policy.name_format
+        self.policy, self.retention, self.save_every = policy, retention, policy.every
+        self.when_busy, self.staging = BusyPolicy(policy.when_busy), StagingMode(policy.staging)
+        self.deadline_s, wait_s = bounds.deadline_s, bounds.wait_timeout_s
+        deep = policy.validate is Validation.DEEP
         writer, stager, telemetry = runtime.writer, runtime.stager, runtime.telemetry
         if writer is None:
             topology = root if isinstance(root, Topology) else Topology.of(root)
-            writer = writer_for(topology, attempt=resume.attempt, remote_timeout_s=wait_timeout_s)
+            writer = writer_for(topology, attempt=resume.attempt, remote_timeout_s=wait_s)
         elif isinstance(root, Topology) and root != writer.topology:
             raise ConfigError("runtime=Runtime(writer=) brings its own topology: pass its root")
-        self.writer = writer
-        self.topology = writer.topology
+        self.writer, self.topology, self.replicate_to = writer, writer.topology, writer.replicate_to
         self.root = self.topology.commit.url  # where committed checkpoints live
-        self.replicate_to = writer.replicate_to
-        warm_start = None
-        if resume.initial_load_from is not None:
-            url = os.fspath(resume.initial_load_from)  # read with this run's root's options
-            warm_start = WarmStart(
-                dataclasses.replace(self.topology.commit, url=url), resume.initial_load_keys
-            )
         self._owns_stager = stager is None
         budget = bounds.budget
         if stager is None and budget is None:
             # The uploads' part buffers stay held while the next save stages: part of the
             # envelope the staged copies must leave free (a budget passed in is the caller's).
-            budget = MemoryBudget.from_host(
-                other_consumers_bytes=self.writer.upload_buffer_bytes or 0
-            )
+            budget = MemoryBudget.from_host(other_consumers_bytes=writer.upload_buffer_bytes or 0)
         self.executor = choose_executor(
             runtime.executor, stager, writer, writer_given=runtime.writer is not None
         )
-        in_process = self.executor == "process"
-        self.stager = stager or BudgetedStager(budget, shared_memory=in_process)
+        self.stager = stager or BudgetedStager(budget, shared_memory=self.executor == "process")
         self.telemetry = telemetry
-        self._spans = SaveSpans(telemetry)
         if telemetry is not None:
             telemetry.attach_stager(self.stager)
-        self._cond = threading.Condition()
         self._watch: MemoryWatch | None = None
         self._preemption: PreemptionHandler | None = None
-        self._agreement = Agreement.for_job(self.deadline_s)
-        self._books = Bookkeeper(
-            History(self.writer.commit_backend),
-            enabled=self._agreement.coordinator,
-            failed=lambda _: self._ledger.count("bookkeeping_failures"),  # logged by the books
+        self._closed = False
+        self._latest_state: tuple[int, dict[str, Any]] | None = None
+        self._agreement = agreement = Agreement.for_job(self.deadline_s)
+        self._ledger = ledger = Ledger(
+            History(writer.commit_backend), telemetry, coordinator=agreement.coordinator
         )
+        self._cond, self._books, self._slot = ledger.cond, ledger.books, SaveSlot(ledger.cond)
         self._tiers = Tiers(
-            self.writer,
-            policy=retention.policy(),
-            partial_grace_s=retention.partial_grace_s,
-            history=self._books,
-            cond=self._cond,
+            writer,
+            retention=retention,
+            ledger=ledger,
             deferred=self._preemption_deferred,
-            coordinator=self._agreement.coordinator,
+            coordinator=agreement.coordinator,
             # A restore's transient reads fit the envelope the staged copies of a save do.
             load_budget_bytes=max(1, self.stager.budget.envelope_bytes),
             deadline_s=self.deadline_s,
         )
-        self._slot = SaveSlot(self._cond)
-        self._closed = False
-        self._ledger = Ledger(self._books, self._spans, self._cond)
-        self._switch = switch = FallbackSwitch(
+        self._switch = FallbackSwitch(
             monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
             sample_memory=runtime.memory_sampler or self._memory_watch(),
             clock=runtime.clock,
-            ledger=self._ledger,
-            spans=self._spans,
-            cond=self._cond,
+            ledger=ledger,
         )
         self._in_memory: InMemoryTier | None = None
         if resume.keep_in_memory:
-            self._in_memory = InMemoryTier(self.stager, self._tiers.backend, self.per_rank)
-        self._follow_up = FollowUp(
-            tiers=self._tiers,
-            ledger=self._ledger,
-            switch=switch,
-            spans=self._spans,
-            deep=self.validate is Validation.DEEP,
-            flush_s=self.deadline_s,
-            verdicts=Verdicts.for_job(self._agreement, wait_timeout_s),
-            in_memory=self._in_memory,
-        )
+            self._in_memory = InMemoryTier(self.stager, writer.commit_backend, resume.per_rank)
+        worker = None
+        if self.executor == "process" and self.stager.shared is not None:
+            worker = SaveWorker(
+                writer,
+                self.stager.shared,
+                resume.per_rank,
+                wait_s,
+                WorkerGroups.for_job(agreement),  # several ranks: theirs to form
+                None if telemetry is None else ledger.spans.adopt,  # the worker's spans
+                self._tiers.deep_here(deep),
+            )
         self._runner = SaveRunner(
-            writer=self.writer,
+            writer=writer,
             stager=self.stager,
             staging=self.staging,
             slot=self._slot,
-            ledger=self._ledger,
-            spans=self._spans,
-            follow_up=self._follow_up,
-            cond=self._cond,
-            groups=self._agreement.groups,
-            barrier=PromotionBarrier.for_job(self._agreement, wait_timeout_s),
-            per_rank=self.per_rank,
+            ledger=ledger,
+            tiers=self._tiers,
+            switch=self._switch,
+            deep=deep,
+            flush_s=self.deadline_s,
+            verdicts=Verdicts.for_job(agreement, wait_s),
+            groups=agreement.groups,
+            barrier=PromotionBarrier.for_job(agreement, wait_s),
+            per_rank=resume.per_rank,
             in_memory=self._in_memory,
+            worker=worker,
         )
-        if in_process and self.stager.shared is not None:
-            groups = WorkerGroups.for_job(self._agreement)  # several ranks: theirs to form
-            adopt = None if telemetry is None else self._spans.adopt  # the worker's spans
-            deep = self._tiers.deep_here(self.validate is Validation.DEEP)
-            self._runner.worker = SaveWorker(
-                self.writer, self.stager.shared, self.per_rank, wait_timeout_s, groups, adopt, deep
-            )
-            self._follow_up.has_worker = True
         self._admitter = Admitter(
-            agreement=self._agreement,
+            agreement=agreement,
             slot=self._slot,
-            switch=switch,
+            switch=self._switch,
             stager=self.stager,
-            wait_timeout_s=wait_timeout_s,
+            wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
-            worker=self._runner.worker,
+            worker=worker,
         )
-        self._latest_state: tuple[int, dict[str, Any]] | None = None
+        warm_start = None
+        if resume.initial_load_from is not None:  # read with this run's root's options
+            url = os.fspath(resume.initial_load_from)
+            source = dataclasses.replace(self.topology.commit, url=url)
+            warm_start = WarmStart(source, resume.initial_load_keys)
         self._restorer = Restorer(
             tiers=self._tiers,
-            agreement=self._agreement,
+            agreement=agreement,
             runner=self._runner,
-            ledger=self._ledger,
-            per_rank=self.per_rank,
+            ledger=ledger,
+            per_rank=resume.per_rank,
             warm_start=warm_start,
             # A listing on shared storage: never bounded tighter than a collective.
-            wait_s=max(wait_timeout_s, self.deadline_s),
+            wait_s=max(wait_s, self.deadline_s),
             deferred=self._preemption_deferred,
             name_for=self._name_for,
         )
@@ -397,14 +378,21 @@ class CheckpointManager:
             DrainTimeoutError: still busy after ``timeout_s``.
             BaseException: the first background error not raised before.
         """
+        left = countdown(timeout_s)
         with self._preemption_deferred():
-            drain(
-                timeout_s,
-                slot=self._slot,
-                replications=self._tiers.replications,
-                post=self._runner.post,
-                books=self._books,
-            )
+            idle = self._slot.wait_idle(timeout_s)
+            remotes = self._tiers.replications()
+            if not idle:
+                raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
+            if wait_futures(remotes, timeout=left()).not_done:
+                raise DrainTimeoutError(f"replication still running after {timeout_s} s")
+            try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
+                self._runner.post.submit(lambda: None).result(timeout=left())
+            except FutureTimeout:
+                raise DrainTimeoutError(
+                    f"the manager thread was still busy after {timeout_s} s"
+                ) from None
+            self._books.flush(left())
             self._ledger.raise_first()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -438,7 +426,10 @@ class CheckpointManager:
         if worker is not None:  # whatever the steps did (a save stuck in a stopped worker)
             worker.kill()
         self._agreement.release()
-        errors = shutdown.in_flight_first(self._ledger.unraised() + errors)
+        # Work still in flight first: a kept error of a past save must not hide it.
+        errors = sorted(
+            self._ledger.unraised() + errors, key=lambda e: not isinstance(e, DrainTimeoutError)
+        )
         if errors and isinstance(errors[0], DrainTimeoutError):
             self._ledger.abandon(errors[0])  # no caller waits for ever on what is left
         if errors:
@@ -451,7 +442,6 @@ class CheckpointManager:
                 **self._ledger.counts(),
                 pruned=self._tiers.pruned,
                 waited_s=self._slot.waited_s,
-                waits_expired=self._admitter.waits_expired,
                 waiting=self._slot.waiting,
                 fallback_reason=self._switch.reason,
             )
@@ -467,7 +457,7 @@ class CheckpointManager:
             self.close()
 
     def _name_for(self, step: int) -> str:
-        return layout.format_name(self.name_format, step)
+        return layout.format_name(self.policy.name_format, step)
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first (written by the coordinator only)."""
@@ -507,25 +497,38 @@ class CheckpointManager:
         return contextlib.nullcontext() if handler is None else handler.deferred()
 
     def preempt_save(self, reason: str, deadline: float) -> str:
-        """Drain, then save the latest state synchronously; for the preemption handler.
+        """For the preemption handler: drop the pending save, drain the one in flight for half
+        the time left (``deadline``: ``time.monotonic()`` by which the job must be gone), then
+        save the latest state synchronously if it is not committed and time remains, on every
+        rank or none (the final save is a collective).
 
         Returns:
             What happened, one line (also in the ``preempted`` history event).
         """
         with self._cond:
             latest = self._latest_state
-        return preempt(
-            reason,
-            deadline,
-            latest=latest,
-            slot=self._slot,
-            drop_pending=self._runner.drop_pending,
-            ledger=self._ledger,
-            name_for=self._name_for,
-            is_committed=self._tiers.is_validated,
-            save=self._runner.foreground,
-            agreement=self._agreement,
-        )
+        pending = self._runner.drop_pending()  # its peers learn it too
+        busy = self._slot.drain(max(0.0, deadline - time.monotonic()) / 2)  # half: final save
+        if pending is not None:
+            pending.handle.cancel()
+            self._ledger.record("skipped", pending.handle, tier="local", reason="preempted")
+        drained = "abandoned the save in flight" if busy is not None else "drained"
+        handle = None if latest is None else SaveHandle(latest[0], self._name_for(latest[0]))
+        committed = handle is not None and self._tiers.is_validated(handle.name)
+        why_not = why_no_final_save(handle, busy, deadline, committed=committed)
+        step = -1 if handle is None else handle.step
+        objection = agreed_plan(self._agreement, step, why_not)
+        if objection is not None or handle is None or latest is None:
+            outcome = f"{drained}; {objection or why_not}"
+        else:
+            self._ledger.record("requested", handle, tier="local")
+            outcome = f"{drained}; " + final_save(handle, latest[1], self._runner.foreground)
+        where = (None, None) if handle is None else (handle.step, handle.name)
+        self._ledger.record("preempted", where, reason=f"{reason}: {outcome}")
+        # The process is about to go: its history appends with it, within what time is left.
+        self._books.flush(max(0.0, deadline - time.monotonic()))
+        log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
+        return outcome
 
     def _memory_watch(self) -> Callable[[], int | None]:
         self._watch = MemoryWatch()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pickle
 import time
@@ -29,7 +30,6 @@ from dcp_safe.coordination.worker_group import store_address
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.manager.handles import BusyPolicy, StagingMode, Validation
-from dcp_safe.manager.shutdown import seconds
 from dcp_safe.retention.policy import KeepEvery, KeepLast, RetentionPolicy, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -49,6 +49,15 @@ log = logging.getLogger("dcp_safe.manager")
 
 def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)  # normalizing a frozen dataclass's own field
+
+
+def seconds(name: str, value: object) -> float:
+    """``value`` as a float, or ConfigError unless it is a finite number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

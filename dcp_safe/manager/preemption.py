@@ -17,27 +17,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
 from dcp_safe.errors import ConfigError, DcpSafeError
-from dcp_safe.manager.handles import Pending, SaveHandle
-from dcp_safe.manager.ledger import Ledger
-from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.manager.handles import SaveHandle
 
-__all__ = ["PreemptionHandler", "agreed_plan", "final_save", "preempt"]
+if TYPE_CHECKING:
+    from dcp_safe.manager.manager import CheckpointManager
+
+__all__ = ["PreemptionHandler", "agreed_plan", "final_save", "why_no_final_save"]
 
 log = logging.getLogger(__name__)
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
-
-
-class _Manager(Protocol):
-    def preempt_save(self, reason: str, deadline: float) -> str: ...
-
-    def in_flight(self) -> bool: ...
-
-    def close(self, timeout_s: float | None = None) -> None: ...
 
 
 class PreemptionHandler:
@@ -50,7 +43,7 @@ class PreemptionHandler:
         ConfigError: ``budget_s`` is not positive.
     """
 
-    def __init__(self, manager: _Manager, signum: int, budget_s: float) -> None:
+    def __init__(self, manager: CheckpointManager, signum: int, budget_s: float) -> None:
         if not budget_s > 0:
             raise ConfigError(f"budget_s must be > 0, got {budget_s!r}")
         self.manager = manager
@@ -141,7 +134,7 @@ class PreemptionHandler:
         os._exit(status)
 
 
-def _why_not(
+def why_no_final_save(
     handle: SaveHandle | None, busy: SaveHandle | None, deadline: float, *, committed: bool
 ) -> str | None:
     """Why this rank sees no point (or no time) in a final save of ``handle``; ``None``: save."""
@@ -157,12 +150,14 @@ def _why_not(
     return None
 
 
-def final_save(handle: SaveHandle, save: Callable[[SaveHandle], None]) -> str:
-    """Save ``handle`` with ``save`` (which records a failure itself); what happened, one
-    line for the ``preempted`` history event."""
+def final_save(
+    handle: SaveHandle, state: dict[str, Any], save: Callable[[SaveHandle, dict[str, Any]], None]
+) -> str:
+    """Save ``state`` as ``handle`` with ``save`` (which records a failure itself); what
+    happened, one line for the ``preempted`` history event."""
     step = handle.step
     try:
-        save(handle)
+        save(handle, state)
     except BaseException as exc:  # recorded as failed by the save
         return f"final save of step {step} failed: {exc}"
     if not handle.committed.done() or handle.committed.exception() is not None:
@@ -187,53 +182,3 @@ def agreed_plan(agreement: Agreement, step: int, why_not: str | None) -> str | N
         return str(objections[0][1])  # e.g. committed already, everywhere
     listed = "; ".join(f"rank {r}: {why}" for r, why in objections)
     return f"final save abandoned on every rank ({listed})"
-
-
-def preempt(
-    reason: str,
-    deadline: float,
-    *,
-    latest: tuple[int, dict[str, Any]] | None,
-    slot: SaveSlot,
-    drop_pending: Callable[[], Pending | None],
-    ledger: Ledger,
-    name_for: Callable[[int], str],
-    is_committed: Callable[[str], bool],
-    save: Callable[[SaveHandle, dict[str, Any]], None],
-    agreement: Agreement,
-) -> str:
-    """Drop the pending save, drain the one in flight for half the time left, then save
-    ``latest`` synchronously if it is not committed and time remains, on every rank or none.
-
-    Args:
-        reason: why (the signal and budget), for the history.
-        deadline: ``time.monotonic()`` by which the job must be gone.
-        latest: the newest ``(step, state)`` passed to the manager (``None``: none yet).
-        drop_pending: takes the pending save out for good (the runner's: its peers learn it).
-
-    Returns:
-        What happened, one line (also in the ``preempted`` history event).
-    """
-    pending = drop_pending()
-    drain_s = max(0.0, deadline - time.monotonic()) / 2  # half kept for the final save
-    busy = slot.drain(drain_s)
-    if pending is not None:
-        pending.handle.cancel()
-        ledger.record("skipped", pending.handle, tier="local", reason="preempted")
-    drained = "abandoned the save in flight" if busy is not None else "drained"
-    handle = None if latest is None else SaveHandle(step=latest[0], name=name_for(latest[0]))
-    committed = handle is not None and is_committed(handle.name)
-    why_not = _why_not(handle, busy, deadline, committed=committed)
-    objection = agreed_plan(agreement, -1 if latest is None else latest[0], why_not)
-    if objection is not None or handle is None or latest is None:
-        outcome = f"{drained}; {objection or why_not}"
-    else:
-        state = latest[1]
-        ledger.record("requested", handle, tier="local")
-        outcome = f"{drained}; " + final_save(handle, lambda h: save(h, state))
-    step_name = (None, None) if handle is None else (handle.step, handle.name)
-    ledger.record("preempted", step_name, reason=f"{reason}: {outcome}")
-    # The process is about to go: its history appends with it, within what time is left.
-    ledger.books.flush(max(0.0, deadline - time.monotonic()))
-    log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
-    return outcome

@@ -1,17 +1,23 @@
-"""How an admitted save runs: in the background, in the foreground, or coalesced.
+"""How an admitted save runs (in the background, in the foreground, or coalesced) and what
+follows its local commit: verify it, record it, replicate it, then let retention prune.
 
 Background and foreground saves use two different groups (:mod:`~dcp_safe.coordination.groups`): a
 communicator carries one ordered stream of collectives, and a foreground save may run while a
 background one is still in its collectives. A save whose group broke marks it broken; the next
 vote replaces it on every rank.
+
+The follow-up runs on the manager thread (asynchronous saves) or the caller's (synchronous
+ones). A checkpoint that fails verification is not trusted: no replication, no pruning behind
+it, the save fails. A retention failure does not fail the save; it is kept for ``wait``/
+``close``. ``committed`` resolves last, ``replicated`` once the replica's outcome is recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,28 +25,41 @@ from typing import Any
 from dcp_safe.adapters import api
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, ManagerGroups
-from dcp_safe.coordination.store import PromotionBarrier
-from dcp_safe.errors import DrainTimeoutError, SnapshotMutatedError
-from dcp_safe.manager.follow_up import FollowUp
+from dcp_safe.coordination.store import PromotionBarrier, Verdicts
+from dcp_safe.errors import (
+    DcpSafeError,
+    DrainTimeoutError,
+    ReplicationSkippedError,
+    SnapshotMutatedError,
+)
+from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Ledger, SaveSpans
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.manager.tiers import Tiers
 from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors, state_dicts_of
 from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.worker.parent import SaveWorker
+from dcp_safe.worker.transport import decode_error
 
 __all__ = ["SaveRunner"]
+
+log = logging.getLogger("dcp_safe.manager")
 
 
 @dataclass(kw_only=True, eq=False)
 class SaveRunner:
-    """Runs admitted saves over the manager's parts.
+    """Runs admitted saves over the manager's parts, and follows their commits up.
 
     Args:
         writer: the manager's writer (background saves).
         slot: the single-flight slot (held by the caller of :meth:`start`).
+        deep: verify every byte (``validate="deep"``) rather than marker and manifest.
+        flush_s: the longest a commit waits for its history event to be written.
+        verdicts: the coordinator's verdicts (``None``: one process, its own check decides).
         groups, barrier: ``None`` in a single process.
         worker: runs background saves in a worker process (``executor="process"``) once every
             rank's is ready (a save's agreed ``worker`` flag); ``None``, and until then: on
@@ -52,9 +71,11 @@ class SaveRunner:
     staging: StagingMode
     slot: SaveSlot
     ledger: Ledger
-    spans: SaveSpans
-    follow_up: FollowUp
-    cond: threading.Condition
+    tiers: Tiers
+    switch: FallbackSwitch
+    deep: bool
+    flush_s: float
+    verdicts: Verdicts | None = None
     groups: ManagerGroups | None = None
     barrier: PromotionBarrier | None = None
     per_rank: tuple[str, ...] = ()
@@ -96,7 +117,7 @@ class SaveRunner:
             self.in_memory.check_room(state_dict)
             keep = handle
         if worker and self.worker is not None:
-            with self.spans.opened(handle):  # as dcp.async_save: a model by its state dict
+            with self.ledger.spans.opened(handle):  # as dcp.async_save: a model by its state dict
                 staged = self.stager.stage(state_dicts_of(state_dict))
             upload = self.worker.submit(handle.name, handle.step, staged)
             self.stager.track(upload, keep=keep)
@@ -104,11 +125,11 @@ class SaveRunner:
             self._started(handle, staged, upload, None, self.worker)
             return
         writer = self.writer.for_step(handle.step)
-        with self.collectives(BACKGROUND) as collectives, self.spans.opened(handle):
+        with self.collectives(BACKGROUND) as collectives, self.ledger.spans.opened(handle):
             response = api.async_save(
                 state_dict,
                 checkpoint_id=handle.name,
-                storage_writer=self.spans.wrap(writer),
+                storage_writer=self.ledger.spans.wrap(writer),
                 async_stager=self.stager,
                 per_rank=self.per_rank,
                 **collectives,
@@ -128,7 +149,7 @@ class SaveRunner:
         """Follow a started save (``worker``: the one running it): its copy (the handle's
         ``staged``), then its upload."""
         chain(staged, handle.staged, lambda _: None)
-        with self.cond:
+        with self.ledger.cond:
             self._last_staged = handle.staged
         upload.add_done_callback(lambda done: self._follow(handle, done, group, worker))
         if self.staging is StagingMode.SNAPSHOT:
@@ -142,7 +163,7 @@ class SaveRunner:
         Raises:
             DrainTimeoutError: the copy was not done after ``timeout_s``.
         """
-        with self.cond:
+        with self.ledger.cond:
             staged = self._last_staged
         if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
             raise DrainTimeoutError(f"the state was still being copied after {timeout_s} s")
@@ -155,11 +176,11 @@ class SaveRunner:
         writer = self.sync_writer.for_step(handle.step)
         self.ledger.count("sync_saves")
         try:
-            with self.collectives(FOREGROUND) as collectives, self.spans.opened(handle):
+            with self.collectives(FOREGROUND) as collectives, self.ledger.spans.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self.spans.wrap(writer),
+                    storage_writer=self.ledger.spans.wrap(writer),
                     per_rank=self.per_rank,
                     **collectives,
                 )
@@ -167,7 +188,7 @@ class SaveRunner:
             self.ledger.fail(handle, exc, tier="local", keep=False)
             raise
         handle.staged.set_result(None)
-        self.follow_up.after_commit(handle, writer)
+        self.after_commit(handle, writer)
 
     def coalesce(
         self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool = False
@@ -222,10 +243,19 @@ class SaveRunner:
     def _after_upload(
         self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
     ) -> None:
-        """On the manager thread: follow the commit up, then free the slot."""
+        """On the manager thread: fail the handle or follow its commit up, then free the slot.
+
+        ``worker``: the process executor's, which replicated and checked the save (its futures
+        and check are taken from it rather than from the writer and :class:`Tiers`)."""
         try:
-            self.saw_failure(BACKGROUND, upload.exception(), group)
-            self.follow_up.after_upload(handle, upload, self.writer, worker)
+            error = upload.exception()
+            self.saw_failure(BACKGROUND, error, group)
+            if error is not None and self.verdicts is None:
+                self.ledger.fail(handle, error, tier="local")
+            else:
+                self.after_commit(handle, self.writer, error, worker)
+        except BaseException as exc:  # a bug here must not leave the handle unresolved
+            self.ledger.fail(handle, exc, tier="local")
         finally:
             self._finish_slot()
 
@@ -261,3 +291,114 @@ class SaveRunner:
         """A save or load on ``group`` ended with ``error``: mark the group if that broke it."""
         if self.groups is not None and self.groups.saw_failure(purpose, error, group):
             self.ledger.count("groups_broken")
+
+    def after_commit(
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        error: BaseException | None = None,
+        worker: SaveWorker | None = None,
+    ) -> None:
+        """``handle`` committed locally through ``writer`` (or failed with ``error``, which in a
+        multi-rank job the coordinator's verdict may overrule: see :mod:`.verdicts`)."""
+        failure = (error, None) if error is not None else self._check(handle, writer, worker)
+        if self.verdicts is not None:
+            key = self.verdicts.key_for(handle.name)
+            if self.verdicts.coordinator:
+                self.verdicts.post(key, failure and failure[0])
+            else:  # the coordinator's verdict decides; this rank's own error says it best
+                verdict = self.verdicts.await_verdict(key)
+                if verdict is None:
+                    failure = None
+                elif failure is None:
+                    failure = (verdict, str(verdict))
+        if failure is not None:
+            # Neither pruning nor a replication future: the newest checkpoint is not trusted.
+            self.ledger.fail(handle, failure[0], tier="local", reason=failure[1])
+            return
+        self.ledger.count("committed")
+        if (peers := self.tiers.peers) is not None:  # every rank, in the same order of saves
+            self._copy_to_peers(handle, peers)
+        self.ledger.record("committed", handle, tier="local", validated=True)
+        if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
+            self.ledger.quietly("in-memory tier", lambda: tier.committed(handle))
+        # On a thread while the worker starts: not counted by the fallback (a start-up).
+        self.switch.on_committed(handle, counted=worker is not None or self.worker is None)
+        self._replicate(handle, writer, (worker or writer).replication)
+        try:
+            self.tiers.prune()
+        except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
+            log.warning("retention after %s failed: %s", handle.name, exc)
+            self.ledger.keep(exc)
+        # A caller that reads the history once ``committed`` resolves finds the event there.
+        self.ledger.books.flush(self.flush_s)
+        with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
+            handle.committed.set_result(handle.name)
+        self.ledger.quietly("telemetry", lambda: self.ledger.spans.end(handle, None))
+
+    def _check(
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        worker: SaveWorker | None = None,
+    ) -> tuple[BaseException, str] | None:
+        """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
+        try:
+            self.tiers.await_commit(handle.name, writer, (worker or writer).replication)
+        except (DcpSafeError, OSError) as exc:
+            return exc, f"remote commit failed: {exc}"
+        try:
+            checked = None if worker is None else worker.checked(handle.name)
+            if checked is None:
+                self.tiers.verify(handle.name, deep=self.deep)
+            elif checked.error is not None:
+                raise decode_error(checked.error)
+            else:
+                self.tiers.trust(handle.name)
+        except (DcpSafeError, OSError) as exc:
+            return exc, f"verification failed: {exc}"
+        return None
+
+    def _replicate(
+        self,
+        handle: SaveHandle,
+        writer: SafeStorageWriter,
+        replication: Callable[[str], Future[Any]],
+    ) -> None:
+        if writer.topology.replica is None:  # a node-local save is uploaded before it counts
+            handle.replicated.set_result(None)
+            return
+        remote = replication(handle.name)
+        self.tiers.track_replication(handle.name, handle.replicated)
+        remote.add_done_callback(lambda done: self._replicated(handle, done))
+
+    def _copy_to_peers(self, handle: SaveHandle, peers: PeerTier) -> None:
+        """Copy the node caches to peers in the background; ``wait``/``close`` wait for it and
+        raise its failure (counted, never failing the committed save)."""
+
+        def report(name: str, error: BaseException | None) -> None:
+            if error is None:
+                self.ledger.count("peer_copies")
+                return
+            log.warning("peer copies of %s failed: %s", name, error)
+            self.ledger.count("peer_copy_failures")
+            self.ledger.keep(error)
+
+        future = peers.copy(handle.name, report)
+        self.tiers.track_replication(handle.name, future)
+        future.add_done_callback(lambda done: self.tiers.replication_done(handle.name, done))
+
+    def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
+        if handle.replicated.done():
+            return
+        error = done.exception()
+        if error is None:
+            self.ledger.record("committed", handle, tier="remote")
+            with contextlib.suppress(InvalidStateError):
+                handle.replicated.set_result(done.result())
+        elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
+            self.ledger.record("skipped", handle, tier="remote", reason=str(error))
+            handle.replicated.set_exception(error)
+        else:
+            self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
+        self.tiers.replication_done(handle.name, handle.replicated)

@@ -3,51 +3,17 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
-from typing import Any, Protocol
+from typing import Protocol
 
-from dcp_safe.errors import ConfigError, DrainTimeoutError
-from dcp_safe.manager.ledger import Bookkeeper
-from dcp_safe.manager.slot import SaveSlot
+from dcp_safe.errors import DrainTimeoutError
 
-__all__ = ["close_at_exit", "countdown", "drain", "in_flight_first", "run_bounded", "seconds"]
+__all__ = ["close_at_exit", "countdown", "run_bounded"]
 
 log = logging.getLogger("dcp_safe.manager")
-
-
-def drain(
-    timeout_s: float | None,
-    *,
-    slot: SaveSlot,
-    replications: Callable[[], list[Future[Any]]],
-    post: ThreadPoolExecutor,
-    books: Bookkeeper,
-) -> None:
-    """Wait until no save is in flight or pending, replications are done, the manager thread
-    has run what was queued behind the last save, and the history is written; one deadline.
-
-    Raises:
-        DrainTimeoutError: something was still busy at ``timeout_s``.
-    """
-    left = countdown(timeout_s)
-    idle = slot.wait_idle(timeout_s)
-    remotes = replications()
-    if not idle:
-        raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
-    if wait_futures(remotes, timeout=left()).not_done:
-        raise DrainTimeoutError(f"replication still running after {timeout_s} s")
-    try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
-        post.submit(lambda: None).result(timeout=left())
-    except FutureTimeout:
-        raise DrainTimeoutError(f"the manager thread was still busy after {timeout_s} s") from None
-    books.flush(left())
 
 
 def countdown(timeout_s: float | None) -> Callable[[], float | None]:
@@ -56,23 +22,8 @@ def countdown(timeout_s: float | None) -> Callable[[], float | None]:
     return lambda: None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def in_flight_first(errors: list[BaseException]) -> list[BaseException]:
-    """``errors`` with those saying work is still in flight first: what ``close`` raises then
-    says so, rather than a kept error of a past save hiding it."""
-    return sorted(errors, key=lambda e: not isinstance(e, DrainTimeoutError))
-
-
 class _Closable(Protocol):
     def close(self, timeout_s: float | None = None) -> None: ...
-
-
-def seconds(name: str, value: object) -> float:
-    """``value`` as a float, or ConfigError unless it is a finite number of seconds > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
-    return float(value)
 
 
 def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> list[BaseException]:

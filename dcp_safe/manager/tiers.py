@@ -23,9 +23,10 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.ledger import Bookkeeper
+from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.options import Retention
 from dcp_safe.manager.peer_tier import PeerTier
-from dcp_safe.retention.policy import CheckpointRecord, RetentionPolicy, decide
+from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.retire import retire_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
@@ -39,8 +40,8 @@ class Tiers:
 
     Args:
         writer: the manager's writer; its ``topology`` says which root is which.
-        partial_grace_s: age after which abandoned partials are collected.
-        history: validated names are read from it once; ``pruned`` events go through it.
+        retention: which checkpoints stay, and when an abandoned partial is collected.
+        ledger: the history's validated names are read once; ``pruned`` events go to it.
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
         coordinator: this rank writes the shared state; the others neither prune nor sweep,
             and check a new checkpoint's marker and manifest only (even with ``deep``).
@@ -53,10 +54,8 @@ class Tiers:
         self,
         writer: SafeStorageWriter,
         *,
-        policy: RetentionPolicy,
-        partial_grace_s: float,
-        history: Bookkeeper,
-        cond: threading.Condition,
+        retention: Retention,
+        ledger: Ledger,
         deferred: Callable[[], AbstractContextManager[Any]],
         coordinator: bool = True,
         load_budget_bytes: int | None = None,
@@ -68,20 +67,16 @@ class Tiers:
         topology = writer.topology
         self.node_cache = None if topology.node_cache is None else topology.node_cache.url
         self.commit, self.replica = topology.commit, topology.replica
-        self.root: str = self.commit.url
         self.backend: Backend = writer.commit_backend
-        self.replicate_to = None if self.replica is None else self.replica.url
-        self.policy = policy
-        self.partial_grace_s = partial_grace_s
-        self._history = history
-        self._cond = cond
+        self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
+        self._history, self._cond = ledger.books, ledger.cond
         self._deferred = deferred
         self._prune_lock = threading.Lock()
         # With a signing writer only what its key signed counts, in every reader built here:
         # a planted unsigned checkpoint neither stands in for ``latest`` nor evicts a signed one.
         self.signing_key: bytes | None = writer.options.signing_key
         self._newest_own: str | None = None  # never pruned, whatever a listing says
-        self._validated = history.validated_names()
+        self._validated = ledger.books.validated_names()
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
@@ -108,14 +103,10 @@ class Tiers:
             CommitError: a rank's upload failed (named), or the remote commit did.
         """
         if self.node_cache is not None:
-            committed = (replication or writer.replication)(name)
-            committed.result(timeout=self._commit_wait_s(writer))
-
-    @staticmethod
-    def _commit_wait_s(writer: SafeStorageWriter) -> float:
-        # The writer's own waits end first (twice remote_timeout_s); this only backs them up.
-        options = getattr(writer, "node_options", writer.replication_options)
-        return 2 * float(options.remote_timeout_s) + 60.0
+            # The writer's own waits end first (twice remote_timeout_s); this only backs them up.
+            options = getattr(writer, "node_options", writer.replication_options)
+            wait_s = 2 * float(options.remote_timeout_s) + 60.0
+            (replication or writer.replication)(name).result(timeout=wait_s)
 
     def verify(self, name: str, *, deep: bool) -> None:
         """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
@@ -191,7 +182,9 @@ class Tiers:
                     if i.step is not None
                 ]
                 protected = {n for n, f in self._replications.items() if not f.done()}
-                protected |= self._own_newest() | (self._reading if local else set())
+                protected |= self._reading if local else set()
+                if self._newest_own is not None:  # never pruned, whatever a listing says
+                    protected.add(self._newest_own)
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
@@ -204,10 +197,6 @@ class Tiers:
                 if local:
                     self._forget(name)
             return decision.drop
-
-    def _own_newest(self) -> set[str]:
-        """The newest checkpoint this manager committed itself: kept whatever a listing says."""
-        return set() if self._newest_own is None else {self._newest_own}
 
     def _forget(self, name: str) -> None:
         with self._cond:
