@@ -44,7 +44,7 @@ from dcp_safe.manager import CheckpointManager
 from dcp_safe.manager.options import Runtime, SavePolicy
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry import MemorySampler
-from dcp_safe.telemetry.sources import ProcReader
+from dcp_safe.telemetry.memory import ProcReader
 from dcp_safe.topology import Root, RootLike, Topology, as_root
 
 __all__ = [

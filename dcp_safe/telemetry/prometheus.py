@@ -7,7 +7,6 @@ exported unasked. ``prometheus_client`` is an optional extra, imported only when
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +39,6 @@ _MEMORY_GAUGES = {
 }
 
 
-def _client() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ConfigError(
-            "the Prometheus sink needs prometheus_client: pip install dcp-safe[telemetry]"
-        ) from None
-    return prometheus_client
-
-
 class PrometheusSink(Sink):
     """Counters, gauges and histograms of saves, updated from events and samples.
 
@@ -62,17 +51,14 @@ class PrometheusSink(Sink):
     """
 
     def __init__(self, telemetry: Telemetry | None = None, *, namespace: str = "dcp_safe") -> None:
-        client = _client()
-        self._client = client
-        self.registry = client.CollectorRegistry(auto_describe=True)
-        self._lock = threading.Lock()
-        self._telemetry = telemetry
-        self._define(client, namespace)
-        if telemetry is not None:
-            telemetry.add_sink(self)
-
-    def _define(self, c: Any, ns: str) -> None:
-        reg = self.registry
+        try:
+            import prometheus_client as c
+        except ImportError:
+            raise ConfigError(
+                "the Prometheus sink needs prometheus_client: pip install dcp-safe[telemetry]"
+            ) from None
+        self._client, ns, self._telemetry = c, namespace, telemetry
+        self.registry = reg = c.CollectorRegistry(auto_describe=True)
         self.saves = c.Counter(
             f"{ns}_saves", "Saves finished, by outcome.", ["outcome"], registry=reg
         )
@@ -104,7 +90,8 @@ class PrometheusSink(Sink):
         # Read at scrape time from the latest sample: the sampler runs every 20 ms during a
         # save, scrapes come every few seconds, and a figure the host lacks is left out.
         self._latest: MemorySample | None = None
-        reg.register(_MemoryCollector(self, f"{ns}_memory_"))
+        self._memory_prefix = f"{ns}_memory_"
+        reg.register(self)  # a collector too: collect() yields the memory gauges
         self.budget_envelope = c.Gauge(
             f"{ns}_budget_envelope_bytes", "The staging budget's envelope.", registry=reg
         )
@@ -113,6 +100,8 @@ class PrometheusSink(Sink):
         )
         self.budget_envelope.set_function(lambda: self._stager_sum("envelope_bytes"))
         self.budget_used.set_function(lambda: self._stager_sum("pool_bytes"))
+        if telemetry is not None:
+            telemetry.add_sink(self)
 
     # -- Sink -----------------------------------------------------------------------------------
 
@@ -147,26 +136,13 @@ class PrometheusSink(Sink):
         text: bytes = self._client.generate_latest(self.registry)
         return text.decode("utf-8")
 
-    def _stager_sum(self, field: str) -> float:
-        if self._telemetry is None:
-            return 0.0
-        return float(sum(getattr(s.stats(), field) for s in self._telemetry.stagers()))
-
-
-_MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}
-
-
-class _MemoryCollector:
-    """Yields one gauge per figure of the sink's latest memory sample that is present."""
-
-    def __init__(self, sink: PrometheusSink, prefix: str) -> None:
-        self._sink, self._prefix = sink, prefix
-
     def describe(self) -> list[Any]:
-        return []  # names vary with what the host exposes; nothing to check up front
+        """Nothing up front: the memory gauges vary with what the host exposes."""
+        return []
 
     def collect(self) -> Iterator[Any]:
-        latest = self._sink._latest
+        """One gauge per figure of the latest memory sample that is present (at scrape time)."""
+        latest = self._latest
         if latest is None:
             return
         from prometheus_client.core import GaugeMetricFamily
@@ -174,4 +150,11 @@ class _MemoryCollector:
         for key, text in _MEMORY_GAUGES.items():
             value = getattr(latest, key)
             if value is not None:
-                yield GaugeMetricFamily(f"{self._prefix}{key}", text, value=value)
+                yield GaugeMetricFamily(f"{self._memory_prefix}{key}", text, value=value)
+
+    def _stager_sum(self, field: str) -> float:
+        stagers = [] if self._telemetry is None else self._telemetry.stagers()
+        return float(sum(getattr(s.stats(), field) for s in stagers))
+
+
+_MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}

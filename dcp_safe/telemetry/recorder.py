@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
@@ -55,20 +55,11 @@ class _Span:
     _done: bool = False
 
     def end(self, *, bytes: int | None = None, **attrs: Any) -> None:
-        self._close(True, None, bytes, attrs)
+        self._owner._closed(self, True, None, self.bytes if bytes is None else bytes, attrs)
 
     def fail(self, error: BaseException | str) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._close(False, text, None, {})
-
-    def _close(
-        self, ok: bool, error: str | None, nbytes: int | None, attrs: dict[str, Any]
-    ) -> None:
-        with self._owner._lock:
-            if self._done:
-                return
-            self._done = True
-        self._owner._closed(self, ok, error, self.bytes if nbytes is None else nbytes, attrs)
+        self._owner._closed(self, False, text, self.bytes, {})
 
 
 class Telemetry(AbstractContextManager["Telemetry"]):
@@ -141,17 +132,11 @@ class Telemetry(AbstractContextManager["Telemetry"]):
             step = step if step is not None else up.step
         span = _Span(self, next(self._ids), phase, up, save, step, bytes, self.clock())
         if phase is Phase.SAVE and save is not None:
-            self._open_root(span)
-        self._record(
-            EventKind.SPAN_START,
-            phase.value,
-            span.t0,
-            span=span.id,
-            parent=None if up is None else up.id,
-            save=save,
-            step=step,
-            bytes=bytes,
-        )
+            with self._lock:
+                self._roots[save] = span
+            if self._owns_sampler and self.sampler is not None:
+                self.sampler.mark_busy()
+        self._record_span(EventKind.SPAN_START, span, span.t0, bytes=bytes)
         return span
 
     def begin_save(self, name: str, step: int | None = None) -> SpanHandle:
@@ -230,20 +215,8 @@ class Telemetry(AbstractContextManager["Telemetry"]):
             if event.parent is None or event.span not in ended or event.span not in ids:
                 continue
             adopted += event.kind is EventKind.SPAN_END
-            self._record(
-                event.kind,
-                event.name,
-                event.t,
-                span=ids[event.span],
-                parent=ids.get(event.parent, up),
-                save=event.save,
-                step=event.step,
-                bytes=event.bytes,
-                duration_s=event.duration_s,
-                ok=event.ok,
-                error=event.error,
-                attrs=event.attrs,
-            )
+            parent_id = ids.get(event.parent, up)
+            self._emit(replace(event, rank=self.rank, span=ids[event.span], parent=parent_id))
         return adopted
 
     def saves_in_flight(self) -> int:
@@ -314,39 +287,31 @@ class Telemetry(AbstractContextManager["Telemetry"]):
                 return self._roots.get(save)
         return None
 
-    def _open_root(self, span: _Span) -> None:
-        with self._lock:
-            self._roots[span.save or ""] = span
-        if self.sampler is not None and self._owns_sampler:
-            self.sampler.mark_busy()
-
     def _closed(
         self, span: _Span, ok: bool, error: str | None, nbytes: int | None, attrs: dict[str, Any]
     ) -> None:
+        # The first end or fail counts.
+        with self._lock:
+            if span._done:
+                return
+            span._done = True
+            if span.phase is Phase.SAVE and self._roots.get(span.save or "") is span:
+                del self._roots[span.save or ""]
+        if span.phase is Phase.SAVE and self._owns_sampler and self.sampler is not None:
+            self.sampler.mark_idle()
         t = self.clock()
-        if span.phase is Phase.SAVE:
-            with self._lock:
-                if self._roots.get(span.save or "") is span:
-                    del self._roots[span.save or ""]
-            if self.sampler is not None and self._owns_sampler:
-                self.sampler.mark_idle()
-        self._record(
-            EventKind.SPAN_END,
-            span.phase.value,
-            t,
-            span=span.id,
-            parent=None if span.parent is None else span.parent.id,
-            save=span.save,
-            step=span.step,
-            bytes=nbytes,
-            duration_s=t - span.t0,
-            ok=ok,
-            error=error,
-            attrs=attrs,
-        )
+        fields = {"duration_s": t - span.t0, "ok": ok, "error": error, "attrs": attrs}
+        self._record_span(EventKind.SPAN_END, span, t, bytes=nbytes, **fields)
+
+    def _record_span(self, kind: EventKind, span: _Span, t: float, **fields: Any) -> None:
+        parent = None if span.parent is None else span.parent.id
+        name, save, step = span.phase.value, span.save, span.step
+        self._record(kind, name, t, span=span.id, parent=parent, save=save, step=step, **fields)
 
     def _record(self, kind: EventKind, name: str, t: float, **fields: Any) -> None:
-        event = Event(kind=kind, name=name, t=t, rank=self.rank, **fields)
+        self._emit(Event(kind=kind, name=name, t=t, rank=self.rank, **fields))
+
+    def _emit(self, event: Event) -> None:
         for sink in self.sinks:
             try:
                 sink.emit(event)
@@ -359,9 +324,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
 
     def _pinned_bytes(self) -> int | None:
         stagers = self.stagers()
-        if not stagers:
-            return None
-        return sum(int(s.stats().pinned_bytes) for s in stagers)
+        return sum(int(s.stats().pinned_bytes) for s in stagers) if stagers else None
 
 
 def _current_rank() -> int:
