@@ -98,14 +98,14 @@ class LocalBackend(Backend):
                 raise
             f.close()
 
-    @contextmanager
-    def open_read(self, rel: str) -> Iterator[BinaryIO]:
-        with self._open_file(rel, os.O_RDONLY, "rb") as f:
-            yield f
+    def open_read(self, rel: str) -> BinaryIO:
+        return self._open_file(rel, os.O_RDONLY, "rb")
 
-    def _open_regular(self, rel: str, flags: int = os.O_RDONLY, *, sole_link: bool = False) -> int:
-        """A descriptor of ``rel``, refused unless it is a regular file (with ``sole_link``: one
-        with no other hard link, a name for a file outside the root).
+    def _open_file(
+        self, rel: str, flags: int, mode: Literal["rb", "a+b"], *, sole_link: bool = False
+    ) -> BinaryIO:
+        """``rel`` as a file object, refused unless it is a regular file (with ``sole_link``:
+        one with no other hard link, a name for a file outside the root).
 
         Opened non-blocking: a FIFO under a checkpoint's name must not hang the caller; the
         fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
@@ -121,17 +121,6 @@ class LocalBackend(Backend):
                     f"has {found.st_nlink} hard links: it may be a file outside the root, and"
                     " dcp_safe appends only to its own; remove it (the history restarts empty)",
                 )
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open_file(
-        self, rel: str, flags: int, mode: Literal["rb", "a+b"], *, sole_link: bool = False
-    ) -> BinaryIO:
-        """:meth:`_open_regular` as a blocking file object."""
-        fd = self._open_regular(rel, flags, sole_link=sole_link)
-        try:
             os.set_blocking(fd, True)
             return os.fdopen(fd, mode)
         except BaseException:
@@ -198,8 +187,7 @@ class LocalBackend(Backend):
             raise self._fail("write", rel, exc) from exc
         os.close(fd)
 
-    @contextmanager
-    def open_append(self, rel: str) -> Iterator[BinaryIO]:
+    def open_append(self, rel: str) -> BinaryIO:
         """``rel`` opened to append to (created if absent), beneath the root.
 
         Raises:
@@ -207,9 +195,7 @@ class LocalBackend(Backend):
                 name for a file outside the root), or lies under a link.
         """
         self.makedirs("")
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
-        with self._open_file(rel, flags, "a+b", sole_link=True) as f:
-            yield f
+        return self._open_file(rel, os.O_RDWR | os.O_APPEND | os.O_CREAT, "a+b", sole_link=True)
 
     def size(self, rel: str) -> int:
         found = self._beneath.lstat(rel)
