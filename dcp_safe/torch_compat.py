@@ -8,9 +8,12 @@ too, so callers see one stable function.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
+import io
 import logging
+import math
 import pickle
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +70,7 @@ __all__ = [
     "foreach_copy",
     "legacy_storage_type",
     "narrow_tensor_by_index",
+    "pickle_stubs",
     "read_version",
     "rebuild_dtensor",
     "rebuild_tensor",
@@ -74,6 +78,7 @@ __all__ = [
     "storage_setup",
     "STORAGE_MODULES",
     "TENSOR_REBUILDERS",
+    "TensorStub",
     "storage_dtypes",
     "storage_use_count",
     "tensor_use_count",
@@ -204,6 +209,43 @@ def legacy_storage_type(dtype: torch.dtype) -> type | None:
 
 # What ``Tensor.__reduce_ex__`` names as the function that rebuilds a plain CPU tensor.
 rebuild_tensor = torch._utils._rebuild_tensor_v2
+
+
+class TensorStub:
+    """Pickles as ``Tensor.__reduce_ex__`` does a contiguous, offset-0, no-grad CPU tensor of
+    ``shape`` whose storage (``storage_type``) ``torch.save`` files as record ``data/<key>``:
+    ``data.pkl`` written by :func:`pickle_stubs` without the tensor at hand."""
+
+    def __init__(self, key: str, storage_type: type, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self.storage = _StubStorage(("storage", storage_type, key, "cpu", math.prod(shape)))
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= max(size, 1)
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        return (rebuild_tensor, (self.storage, 0, self.shape, tuple(stride[::-1]), False, hooks))
+
+
+class _StubStorage:
+    def __init__(self, persistent: tuple[Any, ...]) -> None:
+        self.persistent = persistent
+
+
+class _StubPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.persistent if isinstance(obj, _StubStorage) else None
+
+
+def pickle_stubs(obj: Any) -> bytes:
+    """``obj`` pickled as ``torch.save`` pickles it (protocol 2), each :class:`TensorStub` as
+    the tensor it stands for, its storage a persistent id."""
+    out = io.BytesIO()
+    _StubPickler(out, protocol=2).dump(obj)
+    return out.getvalue()
+
 
 #: The globals ``torch.save`` names in the pickle of a plain tensor (v2: a typed storage; v3:
 #: bytes and a dtype, for dtypes without a typed storage class) or a parameter, and what each

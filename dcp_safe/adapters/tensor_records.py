@@ -14,13 +14,11 @@ cannot read.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import hashlib
 import io
 import math
-import pickle
 import struct
 import threading
 from dataclasses import dataclass
@@ -29,7 +27,12 @@ from typing import Any
 import torch
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor, save_tensor_without_crc
+from dcp_safe.torch_compat import (
+    TensorStub,
+    legacy_storage_type,
+    pickle_stubs,
+    save_tensor_without_crc,
+)
 
 __all__ = [
     "TensorLayout",
@@ -86,44 +89,8 @@ class TensorLayout:
         )
 
 
-class _Storage:
-    """Stands for the tensor's storage in the pickle (a persistent id, as torch writes it)."""
-
-
-class _TensorStub:
-    """Pickles as ``Tensor.__reduce_ex__`` does for a contiguous, offset-0, no-grad tensor."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
-        self.storage = _Storage()
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        stride = _contiguous_stride(self.shape)
-        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        return (rebuild_tensor, (self.storage, 0, self.shape, stride, False, hooks))
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, out: io.BytesIO, storage_type: type, numel: int) -> None:
-        super().__init__(out, protocol=2)
-        self._storage_id = ("storage", storage_type, "0", "cpu", numel)
-
-    def persistent_id(self, obj: Any) -> Any:
-        return self._storage_id if isinstance(obj, _Storage) else None
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def _tensor_pickle(storage_type: type, shape: tuple[int, ...]) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, storage_type, math.prod(shape)).dump(_TensorStub(shape))
-    return out.getvalue()
+    return pickle_stubs(TensorStub("0", storage_type, shape))
 
 
 @dataclass(frozen=True)

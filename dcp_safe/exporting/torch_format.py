@@ -12,7 +12,6 @@ import collections
 import contextlib
 import functools
 import io
-import pickle
 import secrets
 import struct
 import zipfile
@@ -27,11 +26,10 @@ from dcp_safe.errors import ConfigError, StorageError
 from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
 from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
 from dcp_safe.exporting.selection import Selection, TensorEntry
-from dcp_safe.torch_compat import legacy_storage_type, rebuild_tensor
+from dcp_safe.torch_compat import TensorStub, legacy_storage_type, pickle_stubs
 
 __all__ = ["TorchFileWriter", "holds", "is_plain", "write"]
 
-_PROTOCOL = 2  # torch.save's default pickle protocol
 _ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
@@ -113,37 +111,6 @@ def _learn() -> _Format:
     return _Format(root, tuple(before), tuple(after), alignment)
 
 
-class _Storage:
-    """Stands for one tensor's storage in the pickle (a persistent id, as torch writes it)."""
-
-    def __init__(self, key: str, storage_type: type, numel: int) -> None:
-        self.persistent = ("storage", storage_type, key, "cpu", numel)
-
-
-class _TensorStub:
-    """Pickles as ``Tensor.__reduce_ex__`` does for a contiguous, offset-0, no-grad tensor."""
-
-    def __init__(self, key: str, entry: TensorEntry) -> None:
-        storage_type = legacy_storage_type(entry.out_dtype)
-        assert storage_type is not None  # refused up front (unsupported)
-        self.shape = entry.shape
-        self.storage = _Storage(key, storage_type, entry.numel)
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        stride, step = [], 1
-        for size in reversed(self.shape):
-            stride.append(step)
-            step *= max(size, 1)
-        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        stride.reverse()
-        return (rebuild_tensor, (self.storage, 0, self.shape, tuple(stride), False, hooks))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        return obj.persistent if isinstance(obj, _Storage) else None
-
-
 class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
 
@@ -168,10 +135,10 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
         self._zip = zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True)
         state: dict[str, Any] = dict(objects)
         for index, entry in enumerate(self._tensors):
-            state[entry.key] = _TensorStub(str(index), entry)
-        out = io.BytesIO()
-        _Pickler(out, protocol=_PROTOCOL).dump(dict(sorted(state.items())))
-        self._record("data.pkl", out.getvalue())
+            storage_type = legacy_storage_type(entry.out_dtype)
+            assert storage_type is not None  # refused up front (holds)
+            state[entry.key] = TensorStub(str(index), storage_type, entry.shape)
+        self._record("data.pkl", pickle_stubs(dict(sorted(state.items()))))
         for name, content in self._format.before:
             self._record(name, content)
 
