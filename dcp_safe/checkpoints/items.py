@@ -1,25 +1,48 @@
-"""One item's bytes to what it holds, bounded by what the checkpoint declares for it.
+"""One item's bytes to what it holds, bounded by what the checkpoint declares for it, without
+running code from storage.
 
 Three steps, each bounded before it allocates: its transforms (zstd inflated in chunks, no
 further than the item may hold: one byte more is an
 :class:`~dcp_safe.errors.UnsafeCheckpointError`), its ``torch.save`` archive
 (:mod:`dcp_safe.checkpoints.torch_zip`), its pickle (:mod:`dcp_safe.checkpoints.item_pickles`).
-The reader and deep verification both decode through here, so what verifies is what loads.
-Plain tensors laid out exactly as ``torch.save`` writes them never come here
-(:mod:`dcp_safe.reading.tensors`).
+The reader and deep verification (:mod:`dcp_safe.checkpoints.loadable`) both decode through
+here, so what verifies is what loads. Plain tensors laid out exactly as ``torch.save`` writes
+them never come here (:mod:`dcp_safe.reading.tensors`).
+
+A non-tensor (object) item is decoded by the bounded unpickler and DCP's planner is handed a
+stream re-serialized from that safe value, so it can only rebuild what was admitted; an
+``io.BytesIO`` entry is rebuilt from its bytes by :class:`_BytesIOUnpickler`, an exact decoder
+of what ``torch.save(BytesIO)`` writes. Anything else raises
+:class:`~dcp_safe.errors.UnsafeCheckpointError`. ``.metadata`` is unpickled only for a root the
+caller trusts (``allow_pickle=True``: :mod:`dcp_safe.checkpoints.metadata`). The threat model:
+docs/integrity.md, "Loading never runs code from the checkpoint".
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import zstandard
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_safe.checkpoints.item_pickles import TENSOR_MAX_OPS, ItemUnpickler, scan
-from dcp_safe.checkpoints.torch_zip import MemorySource, Source, TorchArchive, open_archive
+from dcp_safe.checkpoints.item_pickles import (
+    OBJECT_MAX_OPS,
+    TENSOR_MAX_OPS,
+    ItemUnpickler,
+    latin1,
+    scan,
+)
+from dcp_safe.checkpoints.torch_zip import (
+    MAX_RECORDS,
+    MemorySource,
+    Source,
+    open_archive,
+)
 from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dcp_safe.manifest.schema import ItemKey, item_key
 from dcp_safe.manifest.streams import read_verified
@@ -32,10 +55,11 @@ __all__ = [
     "OBJECT_MAX_DECODED_BYTES",
     "TENSOR_ARCHIVE_BYTES",
     "ZSTD_DESCRIPTOR",
+    "decode_object",
     "decode_tensor_item",
     "decode_transforms",
-    "item_archive",
     "read_item",
+    "sanitized_object_stream",
     "stored_tensors",
     "tensor_item_bound",
 ]
@@ -120,22 +144,25 @@ def decode_transforms(
         raise CheckpointCorruptError(path, f"cannot decompress ({exc})", item=item) from None
 
 
-def item_archive(
+def _unpickler(
     data: bytes | bytearray | memoryview | Source,
-    *,
     path: str,
     item: str,
-    max_records: int,
-    max_pickle_bytes: int | None = None,
-) -> tuple[TorchArchive, bytes | memoryview]:
-    """The checked archive of an item and its pickle (``data.pkl``).
+    *,
+    plain_data: bool,
+    materialize: bool,
+) -> ItemUnpickler | io.BytesIO:
+    """The unpickler of an item's checked archive and scanned pickle (``data.pkl``): an object
+    item's (``plain_data``) or a tensor item's, each with its bounds; for an object item that is
+    a pickled ``BytesIO``, that ``BytesIO``.
 
     Raises:
-        UnsafeCheckpointError: a compressed record, too many records, or a pickle over
-            ``max_pickle_bytes``.
+        UnsafeCheckpointError: a compressed record, too many records or opcodes, a tensor's
+            pickle over its size, or a refused opcode.
         CheckpointCorruptError: no such archive, no pickle, or saved big-endian.
     """
     source = MemorySource(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    max_records = MAX_RECORDS if plain_data else _TENSOR_MAX_RECORDS
     archive = open_archive(source, path, item, max_records=max_records)
     order = archive.read("byteorder")
     if order is not None and (bytes(order) != b"little" or sys.byteorder != "little"):
@@ -143,13 +170,27 @@ def item_archive(
     size = archive.size("data.pkl")
     if size is None:
         raise CheckpointCorruptError(path, "not a torch.save archive (no data.pkl)", item=item)
-    if max_pickle_bytes is not None and size > max_pickle_bytes:
+    if not plain_data and size > _TENSOR_PICKLE_MAX_BYTES:
         raise UnsafeCheckpointError(
             path, f"the item's pickle is {size} bytes", item=item, because=_BOMB
         )
     pickled = archive.read("data.pkl")
     assert pickled is not None
-    return archive, pickled
+    refused = scan(pickled, path, item, max_ops=OBJECT_MAX_OPS if plain_data else TENSOR_MAX_OPS)
+    found = _bytes_io(pickled) if plain_data and refused and refused <= _BYTES_IO_OPS else None
+    if found is not None:
+        return found
+    if refused:
+        uses = ", ".join(sorted(refused))
+        reason = (
+            f"the object is not plain data (its pickle uses {uses})"
+            if plain_data
+            else f"the tensor's pickle uses {uses}"
+        )
+        raise UnsafeCheckpointError(path, reason, item=item)
+    return ItemUnpickler(
+        archive, pickled, path, item, plain_data=plain_data, materialize=materialize
+    )
 
 
 def decode_tensor_item(
@@ -169,21 +210,8 @@ def decode_tensor_item(
         UnsafeCheckpointError: anything but a tensor made of the item's own records.
         CheckpointCorruptError: not a saved tensor, or another dtype or shape.
     """
-    archive, pickled = item_archive(
-        data,
-        path=path,
-        item=item,
-        max_records=_TENSOR_MAX_RECORDS,
-        max_pickle_bytes=_TENSOR_PICKLE_MAX_BYTES,
-    )
-    refused = scan(pickled, path, item, max_ops=TENSOR_MAX_OPS)
-    if refused:
-        raise UnsafeCheckpointError(
-            path, f"the tensor's pickle uses {', '.join(sorted(refused))}", item=item
-        )
-    unpickler = ItemUnpickler(
-        archive, pickled, path, item, plain_data=False, materialize=materialize
-    )
+    unpickler = _unpickler(data, path, item, plain_data=False, materialize=materialize)
+    assert isinstance(unpickler, ItemUnpickler)  # a BytesIO only for an object item
     tensor = unpickler.load_checked("a saved tensor")
     if not isinstance(tensor, torch.Tensor) or not any(tensor is t for t in unpickler.built):
         raise CheckpointCorruptError(path, "not a saved tensor", item=item)
@@ -196,3 +224,148 @@ def decode_tensor_item(
             actual=(str(tensor.dtype), list(tensor.shape)),
         )
     return tensor
+
+
+#: The deepest nesting of containers an object item may hold (honest states: a handful).
+MAX_NESTING = 100
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+# What torch.save writes for a BytesIO and nothing else may use.
+_BYTES_IO_OPS = frozenset(("NEWOBJ", "BUILD"))
+
+
+def decode_object(
+    data: bytes | bytearray | memoryview, path: str, item: str, *, materialize: bool = True
+) -> Any:
+    """The value an object item holds (after its transforms), decoded without running code.
+
+    ``materialize=False`` (deep verification) checks tensors in it without reading their
+    bytes (they come back as meta tensors).
+
+    Raises:
+        UnsafeCheckpointError: the item holds more than plain data and its own tensors, or
+            is over the opcode or record budget.
+        CheckpointCorruptError: it is not something ``torch.save`` wrote.
+    """
+    unpickler = _unpickler(data, path, item, plain_data=True, materialize=materialize)
+    if isinstance(unpickler, io.BytesIO):
+        return unpickler
+    value = unpickler.load_checked("a saved object")
+    _check_depth(value, path, item)
+    return value
+
+
+def _check_depth(value: object, path: str, item: str) -> None:
+    """Refuse containers nested deeper than :data:`MAX_NESTING`, or in a cycle. Unpickling
+    builds any depth without recursion, but a load hands DCP a re-serialized copy and pickling
+    recurses: a 500-deep list passed deep verification and failed every load with
+    ``RecursionError``. A walk without recursion, each shared container once."""
+    heights: dict[int, int] = {}  # containers walked: their nesting depth
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        node, done = stack.pop()
+        if not isinstance(node, _CONTAINERS) or (not done and id(node) in heights):
+            continue
+        inner = _inner(node)
+        if done:
+            on_path.discard(id(node))
+            heights[id(node)] = 1 + max((heights[id(c)] for c in inner), default=0)
+            if heights[id(node)] > MAX_NESTING:
+                raise UnsafeCheckpointError(
+                    path,
+                    f"the object nests containers more than {MAX_NESTING} levels deep",
+                    item=item,
+                    because="copying it for the load would exhaust the stack",
+                )
+        elif any(id(c) in on_path for c in inner):
+            raise UnsafeCheckpointError(
+                path, "the object contains itself", item=item, because="it nests without end"
+            )
+        else:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack += [(c, False) for c in inner if id(c) not in heights]
+
+
+def _inner(node: Any) -> list[Any]:
+    """The containers directly in ``node`` (a dict's keys and values)."""
+    members = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+    return [c for c in members if isinstance(c, _CONTAINERS)]
+
+
+def sanitized_object_stream(
+    payload: io.BytesIO | bytes | bytearray | memoryview,
+    path: str,
+    item: str,
+    *,
+    allow_pickle: bool = False,
+) -> io.BytesIO:
+    """A stream the planner may ``torch.load`` as it likes: re-serialized from a safe decode.
+
+    Raises:
+        UnsafeCheckpointError: the item holds more than plain data and its own tensors.
+        CheckpointCorruptError: it is not something ``torch.save`` wrote.
+    """
+    if allow_pickle:
+        return payload if isinstance(payload, io.BytesIO) else io.BytesIO(payload)
+    data = payload.getbuffer() if isinstance(payload, io.BytesIO) else payload
+    try:
+        value = decode_object(data, path, item)
+    finally:
+        del data  # a BytesIO cannot grow while a view of it lives
+    clean = io.BytesIO()
+    torch.save(value, clean)
+    clean.seek(0)
+    return clean
+
+
+class _BytesIOState:
+    """What NEWOBJ makes of ``_io.BytesIO`` here: a holder whose BUILD takes only
+    ``(bytes, position, None or {})`` (a BytesIO's own state), never attributes."""
+
+    value: bytes = b""
+    position: int = 0
+
+    def __setstate__(self, state: object) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3):
+            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, dict)")
+        value, position, extra = state
+        if not isinstance(value, bytes) or not isinstance(position, int) or extra:
+            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, no attributes)")
+        self.value, self.position = value, max(0, min(position, len(value)))
+
+
+class _BytesIOUnpickler(pickle.Unpickler):
+    """Hands out a fresh holder class and a fresh encoder for each load: ``BUILD`` may reach
+    what ``find_class`` returns, and must find nothing that outlives this load."""
+
+    def __init__(self, stream: io.BytesIO) -> None:
+        super().__init__(stream)
+        self.holder = type("_BytesIOState", (_BytesIOState,), {})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_io", "BytesIO"):
+            return self.holder
+        if (module, name) == ("_codecs", "encode"):
+            return lambda text, encoding: latin1(text, encoding)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a pickled BytesIO")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a pickled BytesIO holds no storage")
+
+
+def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
+    """The ``io.BytesIO`` that ``torch.save(BytesIO)`` pickled as ``pickled`` (an archive's
+    checked ``data.pkl``); ``None`` if it is not exactly that."""
+    unpickler = _BytesIOUnpickler(io.BytesIO(pickled))
+    try:
+        found = unpickler.load()
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError):
+        return None
+    if type(found) is not unpickler.holder:
+        return None
+    assert isinstance(found, _BytesIOState)
+    stream = io.BytesIO(found.value)
+    stream.seek(found.position)
+    return stream

@@ -18,13 +18,13 @@ import torch
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.items import (
     OBJECT_MAX_DECODED_BYTES,
+    decode_object,
     decode_tensor_item,
     decode_transforms,
     stored_tensors,
     tensor_item_bound,
 )
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
-from dcp_safe.checkpoints.restricted import decode_object
 from dcp_safe.checkpoints.torch_zip import StreamSource
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemRecord, Manifest

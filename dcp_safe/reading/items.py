@@ -27,9 +27,9 @@ from dcp_safe.checkpoints.items import (
     decode_tensor_item,
     decode_transforms,
     read_item,
+    sanitized_object_stream,
     tensor_item_bound,
 )
-from dcp_safe.checkpoints.restricted import sanitized_object_stream
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
 from dcp_safe.reading.budget import Admission, LoadBudget

@@ -178,7 +178,7 @@ def test_dcps_own_bytesio_entries_load_by_default(tmp_path: Path) -> None:
 def test_a_pickled_bytesio_that_sets_attributes_or_calls_anything_else_is_refused(
     tmp_path: Path,
 ) -> None:
-    from dcp_safe.checkpoints.restricted import sanitized_object_stream
+    from dcp_safe.checkpoints.items import sanitized_object_stream
 
     def torch_zip(payload: bytes) -> io.BytesIO:
         buffer = io.BytesIO()

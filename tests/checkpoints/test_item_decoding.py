@@ -172,8 +172,7 @@ def test_a_tensor_item_of_another_shape_than_declared_is_corrupt(tmp_path: Path)
 def test_every_entry_type_dcp_writes_decodes(tmp_path: Path) -> None:
     """Plain tensors of every dtype torch.save writes, BytesIO, plain data and tensors inside
     plain data: decoded by the item decoder itself, exactly."""
-    from dcp_safe.checkpoints.items import decode_tensor_item
-    from dcp_safe.checkpoints.restricted import decode_object
+    from dcp_safe.checkpoints.items import decode_object, decode_tensor_item
 
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]
     dtypes += [torch.uint16, torch.float8_e4m3fn, torch.complex64, torch.float64]

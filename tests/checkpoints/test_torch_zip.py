@@ -14,8 +14,7 @@ import pytest
 import torch
 from hostile_items import call_pickle, torch_archive
 
-from dcp_safe.checkpoints.items import decode_tensor_item, decode_transforms
-from dcp_safe.checkpoints.restricted import decode_object
+from dcp_safe.checkpoints.items import decode_object, decode_tensor_item, decode_transforms
 from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, UnsafeCheckpointError
 
