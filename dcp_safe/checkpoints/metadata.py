@@ -59,7 +59,7 @@ def read_dcp_metadata(
             not given.
     """
     plain = manifest.dcp_metadata
-    path = backend.full_path(f"{name}/{layout.MANIFEST if plain else layout.DCP_METADATA}")
+    path = backend.full_path(f"{name}/{layout.DCP_METADATA if plain is None else layout.MANIFEST}")
     if plain is None and not allow_pickle:
         raise UnsafeCheckpointError(
             path,
@@ -86,9 +86,23 @@ def read_dcp_metadata(
 
 
 def _plain_from_pickle(backend: Backend, name: str, manifest: Manifest, path: str) -> Any:
-    """The plain form of the trusted ``.metadata`` pickle, its ``storage_data`` matched to the
-    manifest item by item."""
-    raw = _read_pickled(backend, name, manifest)
+    """The plain form of the trusted ``.metadata`` pickle (at ``path``), its bytes checked
+    against the manifest's record of it and its ``storage_data`` matched to the manifest item
+    by item."""
+    record = manifest.file(layout.DCP_METADATA)
+    if record is None:
+        raise CheckpointCorruptError(path, "not listed in the manifest")
+    if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
+        raise CheckpointCorruptError(
+            path, f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata"
+        )
+    try:
+        with backend.open_read(f"{name}/{layout.DCP_METADATA}") as stream:
+            raw = read_verified(
+                stream, path=path, item=None, start=0, length=record.size, checksum=record.checksum
+            )
+    except FileNotFoundError:
+        raise CheckpointCorruptError(path, "file is missing") from None
     try:
         pickled = pickle.loads(raw)  # the caller trusts this root as code
         check_storage_data(getattr(pickled, "storage_data", None), manifest, path)
@@ -100,26 +114,6 @@ def _plain_from_pickle(backend: Backend, name: str, manifest: Manifest, path: st
         raise CheckpointCorruptError(
             path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
-
-
-def _read_pickled(backend: Backend, name: str, manifest: Manifest) -> bytearray:
-    """``.metadata``'s bytes, checked against the manifest's record of it."""
-    rel = f"{name}/{layout.DCP_METADATA}"
-    path = backend.full_path(rel)
-    record = manifest.file(layout.DCP_METADATA)
-    if record is None:
-        raise CheckpointCorruptError(path, "not listed in the manifest")
-    if record.size > MANIFEST_MAX_BYTES:  # read whole: refused before a byte is read
-        raise CheckpointCorruptError(
-            path, f"{record.size} bytes, over the {MANIFEST_MAX_BYTES}-byte limit for DCP metadata"
-        )
-    try:
-        with backend.open_read(rel) as stream:
-            return read_verified(
-                stream, path=path, item=None, start=0, length=record.size, checksum=record.checksum
-            )
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
 
 
 def _fresh(metadata: Metadata) -> Metadata:

@@ -101,10 +101,7 @@ def prune_peer_copies(local: Backend, keep: int) -> list[str]:
     """Remove the peer copies of all but the newest ``keep`` checkpoints held here, with any
     partial copies of those names. Returns the names removed (node-local disk only)."""
     held = {entry for entry in local.list_dir(layout.PEERS_DIR) if layout.is_valid_name(entry)}
-    newest: list[str] = []
-    for copy in reversed(list_peer_copies(local)):
-        if copy.name not in newest:
-            newest.append(copy.name)
+    newest = list(dict.fromkeys(copy.name for copy in reversed(list_peer_copies(local))))
     kept = set(newest[:keep])
     doomed = sorted(held - kept)
     for name in doomed:

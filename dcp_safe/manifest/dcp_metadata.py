@@ -30,7 +30,6 @@ save id.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Iterable, Mapping
@@ -258,7 +257,7 @@ def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
         if not _only_ints(values):
             raise ValueError("a fingerprint is not an integer in [0, 2**64)")
         try:  # "Q" refuses an integer outside [0, 2**64)
-            packed = _packer(count).pack(*values)
+            packed = struct.pack(f">{count}Q", *values)
         except struct.error:
             raise ValueError("a fingerprint is not an integer in [0, 2**64)") from None
         found.append([_str_key(key), packed.hex()])
@@ -270,11 +269,6 @@ def _only_ints(values: Iterable[object]) -> bool:
 
 
 _INT_TYPE = frozenset({int})
-
-
-@functools.cache
-def _packer(count: int) -> struct.Struct:
-    return struct.Struct(f">{count}Q")
 
 
 def _count(value: object, what: str) -> int:
@@ -520,7 +514,8 @@ def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:
     for index, info in storage.items():
         item = _item_of(manifest, index)
         stated = _stated(info)
-        if item is None or stated is None or stated != _recorded(item):
+        recorded = None if item is None else (item.file, item.start, item.length, item.transforms)
+        if stated is None or stated != recorded:
             shown = getattr(index, "fqn", "?")
             raise CheckpointCorruptError(
                 path,
@@ -550,7 +545,3 @@ def _stated(info: object) -> tuple[Any, ...] | None:
     if transforms is not None and not isinstance(transforms, (list, tuple)):
         return None
     return (info.relative_path, info.offset, info.length, tuple(transforms or ()))
-
-
-def _recorded(item: ItemRecord) -> tuple[Any, ...]:
-    return (item.file, item.start, item.length, item.transforms)

@@ -101,7 +101,9 @@ class HashingSink(io.RawIOBase):
         view = memoryview(data).cast("B")
         hasher = self._current()
         if self._pool is None or view.nbytes < _OVERLAP_MIN_BYTES:
-            self._hash(hasher, self._position, view)
+            hasher.update(view)
+            if self._blocks is not None:
+                self._blocks.update(self._position, view)
             self._target.write(view)
         else:
             blocks = self._blocks
@@ -116,11 +118,6 @@ class HashingSink(io.RawIOBase):
                     done.result()
         self._position += view.nbytes
         return view.nbytes
-
-    def _hash(self, hasher: Hasher, position: int, view: memoryview) -> None:
-        hasher.update(view)
-        if self._blocks is not None:
-            self._blocks.update(position, view)
 
     def close(self) -> None:
         # Serializers (torch.save, zstd writers) close what they are given; the file belongs
