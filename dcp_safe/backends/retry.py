@@ -230,37 +230,33 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
         BaseException: any non-transient error from ``fn``, unchanged.
     """
     start = policy.clock()
-    deadline = start + policy.deadline_s
     attempt = 0
     while True:
         attempt += 1
         try:
             return fn()
         except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
             if not is_transient(exc):
                 if _is_client_library_error(exc):
-                    raise StorageError(
-                        op_name, path, f"{type(exc).__name__}: {exc} ({_CLIENT_HINT})"
-                    ) from exc
+                    raise StorageError(op_name, path, f"{failure} ({_CLIENT_HINT})") from exc
                 raise
             delay = policy.backoff_s(attempt - 1)
             now = policy.clock()
-            if attempt >= policy.attempts or now + delay >= deadline:
-                elapsed = now - start
+            elapsed = now - start
+            if attempt >= policy.attempts or now + delay >= start + policy.deadline_s:
                 raise StorageError(
                     op_name,
                     path,
-                    f"gave up after {attempt} attempt(s) in {elapsed:.1f} s "
-                    f"(deadline {policy.deadline_s:g} s); last error: "
-                    f"{type(exc).__name__}: {exc}",
+                    f"gave up after {attempt} attempt(s) in {elapsed:.1f} s (deadline"
+                    f" {policy.deadline_s:g} s); last error: {failure}",
                 ) from exc
             logger.info(
-                "%s %s: attempt %d failed (%s: %s); retrying in %.2f s",
+                "%s %s: attempt %d failed (%s); retrying in %.2f s",
                 op_name,
                 path,
                 attempt,
-                type(exc).__name__,
-                exc,
+                failure,
                 delay,
             )
             if policy.on_retry is not None:
