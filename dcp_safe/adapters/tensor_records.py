@@ -36,7 +36,9 @@ from dcp_safe.torch_compat import (
 
 __all__ = [
     "TensorLayout",
+    "TorchFileFormat",
     "layout_for",
+    "learnt_format",
     "minimal_cpu_tensor",
     "template_parts",
     "tensor_bytes",
@@ -94,7 +96,7 @@ def _tensor_pickle(storage_type: type, shape: tuple[int, ...]) -> bytes:
 
 
 @dataclass(frozen=True)
-class _Format:
+class TorchFileFormat:
     """What torch's writer puts in every tensor stream, learnt from the running torch."""
 
     archive: str  # the records' folder name
@@ -126,7 +128,7 @@ def _parse_records(raw: bytes) -> list[tuple[str, bytes]]:
 
 
 @functools.cache
-def _learnt_format() -> _Format | None:
+def learnt_format() -> TorchFileFormat | None:
     """What torch's writer puts in every tensor stream (None: not laid out as understood here)."""
     try:
         out = io.BytesIO()
@@ -139,7 +141,7 @@ def _learnt_format() -> _Format | None:
             for name, content in records
         )
         alignment = int(dict(records).get(f"{archive}/.storage_alignment", b"64"))
-        return _Format(archive, named, alignment)
+        return TorchFileFormat(archive, named, alignment)
     except (ValueError, KeyError, struct.error, UnicodeDecodeError):
         return None
 
@@ -147,7 +149,7 @@ def _learnt_format() -> _Format | None:
 @functools.cache
 def _agrees_with_torch(dtype: torch.dtype) -> bool:
     """Whether this module writes ``dtype`` byte for byte as ``torch.save`` does."""
-    if _learnt_format() is None or legacy_storage_type(dtype) is None:
+    if learnt_format() is None or legacy_storage_type(dtype) is None:
         return False
     sample = torch.zeros(3, dtype=dtype)
     expected = io.BytesIO()
@@ -165,7 +167,7 @@ def _agrees_with_torch(dtype: torch.dtype) -> bool:
 
 
 def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
-    fmt, storage_type = _learnt_format(), legacy_storage_type(dtype)
+    fmt, storage_type = learnt_format(), legacy_storage_type(dtype)
     if fmt is None or storage_type is None:
         return None
     payload = math.prod(shape) * dtype.itemsize

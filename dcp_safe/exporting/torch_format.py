@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import io
 import secrets
 import struct
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dcp_safe import layout
+from dcp_safe.adapters.tensor_records import learnt_format
 from dcp_safe.errors import ConfigError, StorageError
 from dcp_safe.exporting.consolidate import Consolidator, NotPlainData
 from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
@@ -79,38 +77,6 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class _Format:
-    """The records torch writes around a tensor's, learnt from ``torch.save``."""
-
-    archive: str
-    before: tuple[tuple[str, bytes], ...]  # constant records between data.pkl and the data
-    after: tuple[tuple[str, bytes], ...]  # constant records after the data
-    alignment: int
-
-
-@functools.cache
-def _learn() -> _Format:
-    out = io.BytesIO()
-    torch.save(torch.zeros(3), out)
-    with zipfile.ZipFile(io.BytesIO(out.getvalue())) as archive:
-        names = archive.namelist()
-        root = names[0].partition("/")[0]
-        before: list[tuple[str, bytes]] = []
-        after: list[tuple[str, bytes]] = []
-        seen_data = False
-        for name in names:
-            kind = name.partition("/")[2]
-            if kind.startswith("data/"):
-                seen_data = True
-            elif kind not in ("data.pkl", ".data/serialization_id"):
-                (after if seen_data else before).append((kind, archive.read(name)))
-    if f"{root}/data.pkl" not in names or not seen_data:
-        raise ConfigError("format='torch' does not know this torch's file layout; use safetensors")
-    alignment = int(dict(before + after).get(".storage_alignment", b"64"))
-    return _Format(root, tuple(before), tuple(after), alignment)
-
-
 class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
 
@@ -127,7 +93,14 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     def __init__(
         self, sink: Sha256Sink, tensors: Sequence[TensorEntry], objects: dict[str, Any]
     ) -> None:
-        self._format = _learn()
+        learnt = learnt_format()  # the records torch writes around a tensor's
+        if learnt is None:
+            raise ConfigError(
+                "format='torch' does not know this torch's file layout; use safetensors"
+            )
+        self._format = learnt
+        kinds = [(name.partition("/")[2], content) for name, content in learnt.records]
+        data = next(i for i, (kind, _) in enumerate(kinds) if kind.startswith("data/"))
         self._sink = sink
         self._tensors = list(tensors)
         self._next = 0
@@ -139,8 +112,11 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
             assert storage_type is not None  # refused up front (holds)
             state[entry.key] = TensorStub(str(index), storage_type, entry.shape)
         self._record("data.pkl", pickle_stubs(dict(sorted(state.items()))))
-        for name, content in self._format.before:
-            self._record(name, content)
+        # Then the constant records before the data; those after it wait for close().
+        self._after = [(kind, content) for kind, content in kinds[data:] if content is not None]
+        for kind, content in kinds[:data]:
+            if content is not None:
+                self._record(kind, content)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc is None:
@@ -164,8 +140,8 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
         """Write the trailing records and the zip directory."""
         if self._next != len(self._tensors):
             raise ValueError("not every tensor was added")  # a caller's bug
-        for name, content in self._format.after:
-            self._record(name, content)
+        for kind, content in self._after:
+            self._record(kind, content)
         serial = f"{secrets.randbits(128):040d}"[-40:]
         self._record(".data/serialization_id", serial.encode())
         self._zip.close()
