@@ -23,6 +23,7 @@ __all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes"]
 # Shares are held as exact fractions for the arithmetic: 1/7 stays 1/7, not 0.142857...
 _SHARE_MAX_DENOMINATOR = 1 << 20
 _LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+_OTHER = "other_consumers_bytes"  # the one size that is never unknown
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,11 @@ class MemoryBudget:
     def __post_init__(self) -> None:
         if not isinstance(self.usable_bytes, int) or self.usable_bytes <= 0:
             raise ConfigError(f"usable_bytes must be a positive int, got {self.usable_bytes!r}")
-        for name in ("training_peak_bytes", "available_bytes", "reserve_bytes"):
+        for name in ("training_peak_bytes", "available_bytes", "reserve_bytes", _OTHER):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
-        if not isinstance(self.other_consumers_bytes, int) or self.other_consumers_bytes < 0:
-            raise ConfigError(
-                "other_consumers_bytes must be a non-negative int,"
-                f" got {self.other_consumers_bytes!r}"
-            )
+            if (value is not None or name == _OTHER) and (not isinstance(value, int) or value < 0):
+                unknown = "" if name == _OTHER else " (or None when unknown)"
+                raise ConfigError(f"{name} must be a non-negative int{unknown}, got {value!r}")
         if not 0.0 <= float(self.reserve_fraction) < 1.0:
             raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
         _check_share(self.share)
@@ -152,22 +149,16 @@ class MemoryBudget:
         )
 
     def _explain_node(self) -> str:
-        reserve = (
-            f"reserve {format_bytes(self.node_reserve)}"
-            if self.reserve_bytes is not None
-            else f"reserve {format_bytes(self.node_reserve)}"
-            f" ({self.reserve_fraction:.0%} of usable)"
-        )
+        reserve = f"reserve {format_bytes(self.node_reserve)}"
+        if self.reserve_bytes is None:
+            reserve += f" ({self.reserve_fraction:.0%} of usable)"
+        usable = f"usable RAM {format_bytes(self.usable_bytes)}"
+        start = f"{usable} ({self.source})"
         if self.training_peak_bytes is not None:
-            start = (
-                f"usable RAM {format_bytes(self.usable_bytes)} ({self.source})"
-                f" - training peak {format_bytes(self.training_peak_bytes)}"
-            )
+            start += f" - training peak {format_bytes(self.training_peak_bytes)}"
         elif self.available_bytes is not None:
-            start = f"MemAvailable {format_bytes(min(self.available_bytes, self.usable_bytes))}"
-            start += f" (usable RAM {format_bytes(self.usable_bytes)}, {self.source})"
-        else:
-            start = f"usable RAM {format_bytes(self.usable_bytes)} ({self.source})"
+            available = min(self.available_bytes, self.usable_bytes)
+            start = f"MemAvailable {format_bytes(available)} ({usable}, {self.source})"
         return (
             f"envelope {format_bytes(self.node_envelope_bytes)} = {start}"
             f" - other consumers {format_bytes(self.other_consumers_bytes)} - {reserve}"

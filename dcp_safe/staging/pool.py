@@ -24,6 +24,7 @@ from enum import Enum
 
 import torch
 
+from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.torch_compat import empty_host_cache, storage_use_count, tensor_use_count
@@ -46,12 +47,7 @@ class PinMemory(str, Enum):
         """Accept the enum, its value, or a bool."""
         if isinstance(value, bool):
             return cls.ON if value else cls.OFF
-        try:
-            return cls(value)
-        except ValueError:
-            raise ConfigError(
-                f"pin_memory must be one of 'auto', 'on', 'off' or a bool, got {value!r}"
-            ) from None
+        return parse_choice(cls, value, "pin_memory")
 
     def resolve(self) -> bool:
         """Whether to pin, on this host.
@@ -155,13 +151,10 @@ class Lease:
     ):
         self._pool = pool
         self.request = request
-        self.sizes = request.sizes
         self._buffers = buffers
-        self._complete = bundle is not None
         # The typed views kept with a bundle, and their storage use counts when made.
         self.views = bundle.views if bundle is not None else None
         self.storage_counts = bundle.storage_counts if bundle is not None else []
-        self.nbytes = request.nbytes
         self.allocated_bytes = 0
         self.released = False
 
@@ -175,13 +168,11 @@ class Lease:
 
     def materialize(self) -> int:
         """Allocate the buffers that could not be reused; return the bytes allocated."""
-        if self._complete:  # a whole bundle: nothing to look for
-            return 0
-        for i, size in enumerate(self.sizes):
-            if self._buffers[i] is None:
-                self._buffers[i] = self._pool._allocate(size)
-                self.allocated_bytes += size
-        self._complete = True
+        if self.views is None:  # a whole bundle has its views: nothing to look for
+            for i, size in enumerate(self.request.sizes):
+                if self._buffers[i] is None:
+                    self._buffers[i] = self._pool._allocate(size)
+                    self.allocated_bytes += size
         return self.allocated_bytes
 
     def typed_views(
@@ -389,7 +380,7 @@ class BufferPool:
                 self.condition.notify_all()
                 return
             del views  # a view nobody else holds dies here, so its buffer counts as unshared
-            for size, buffer in zip(lease.sizes, lease._buffers, strict=False):
+            for size, buffer in zip(lease.request.sizes, lease._buffers, strict=False):
                 if buffer is None:  # reserved, never allocated (staging failed early)
                     self._allocated -= self.cost(size)
                 elif not writer_done and _storage_shared(buffer):

@@ -55,8 +55,7 @@ from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, W
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
-from dcp_safe.staging.shared import SharedSlabs
-from dcp_safe.staging.slab_pinning import CudaSlabPinning
+from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs
 from dcp_safe.units import format_bytes
 
 __all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -548,7 +547,10 @@ class BudgetedStager(AsyncStager):
             first, gen.release_claimed = not gen.release_claimed, True
         span = (
             self.telemetry.begin(
-                Phase.RELEASE, save=gen.span.save, step=gen.span.step, bytes=gen.lease.nbytes
+                Phase.RELEASE,
+                save=gen.span.save,
+                step=gen.span.step,
+                bytes=gen.lease.request.nbytes,
             )
             if first
             else None
