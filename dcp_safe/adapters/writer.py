@@ -67,14 +67,13 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
-from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     remote_work_dir,
     report_commit_failure,
     report_rank_failure,
 )
-from dcp_safe.replication.replicator import Replicator
+from dcp_safe.replication.replicator import RankReplicator, RankSave, Replicator
 from dcp_safe.topology import RootLike, Topology
 
 __all__ = ["SafeStorageWriter"]

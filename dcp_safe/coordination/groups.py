@@ -52,7 +52,6 @@ class ManagerGroups:
         self._broken: dict[str, Any] = {}  # purpose -> the group seen failing
         self._own_failure: set[str] = set()  # broken by a failure this rank saw itself
         self.dead: CommitError | None = None
-        self.replaced = 0
         self._generations: dict[str, int] = {}  # purpose -> times replaced
         for purpose in _ORDER:
             try:
@@ -71,7 +70,9 @@ class ManagerGroups:
         with self._replacing:
             if self.dead is not None:
                 raise self.dead
-            if purpose == POLICY and self.is_broken(POLICY):
+            with self._lock:
+                broken = purpose == POLICY and POLICY in self._broken
+            if broken:
                 self.replace((POLICY,))
             with self._lock:
                 return self._current[purpose]
@@ -117,10 +118,6 @@ class ManagerGroups:
         votes."""
         with self._lock:
             return self._generations.get(purpose, 0)
-
-    def is_broken(self, purpose: str) -> bool:
-        with self._lock:
-            return purpose in self._broken
 
     def broken(self) -> tuple[str, ...]:
         """The save groups this rank saw fail (what its next vote reports)."""
@@ -170,7 +167,6 @@ class ManagerGroups:
             raise self.dead from exc
         with self._lock:
             self._current[purpose] = fresh
-            self.replaced += 1
 
 
 def _not_joined(exc: BaseException, purpose: str, deadline_s: float) -> CommitError:

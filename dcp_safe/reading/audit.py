@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
+from dcp_safe.coordination.group import gather_objects
 from dcp_safe.errors import ConfigError, RestoreMismatchError
 from dcp_safe.torch_compat import dtensor_chunks, dtensor_local
 from dcp_safe.untrusted import shown
@@ -54,7 +55,6 @@ __all__ = [
     "Box",
     "Piece",
     "audit_load",
-    "block_span",
     "boxes",
     "combine",
     "mismatches",
@@ -119,12 +119,6 @@ def block_samples(shape: tuple[int, ...]) -> int:
     return max(1, -(-samples // BLOCKS))
 
 
-def block_span(shape: tuple[int, ...], block: int) -> tuple[int, int]:
-    """The global flat indices ``[start, stop)`` block ``block`` of such a tensor covers."""
-    step = stride(shape) * block_samples(shape)
-    return block * step, min(math.prod(shape), (block + 1) * step)
-
-
 def partials(box: Box) -> dict[int, int]:
     """This piece's contribution to each block it touches: block index -> sum mod 2**64."""
     local = box.local.detach()
@@ -183,48 +177,28 @@ def _runs(box: Box, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _add_run(sums: dict[int, int], start: int, run: torch.Tensor, every: int, length: int) -> None:
-    """Add one run starting at global index ``start``: its samples, into their blocks (a
-    partial head, whole blocks as one matrix, a partial tail)."""
+    """Add one run starting at global index ``start``: its samples, into their blocks."""
     first = -start % every
     picked = run[first::every]
-    if picked.numel() == 0:
-        return
-    j0, weights = (start + first) // every, _weights()
-    at, count = 0, picked.numel()
-    head = min(count, -j0 % length)
-    if head:
-        _add_slice(sums, j0 // length, picked[:head], weights[j0 % length : j0 % length + head])
-        at = head
-    whole = (count - at) // length
-    if whole:
-        rows = picked[at : at + whole * length].to(torch.int64).view(whole, length)
-        totals = (rows * weights[:length]).sum(dim=1).tolist()
-        first_block = (j0 + at) // length
-        for offset, total in enumerate(totals):
-            sums[first_block + offset] = sums.get(first_block + offset, 0) + total
-        at += whole * length
-    if at < count:
-        _add_slice(sums, (j0 + at) // length, picked[at:], weights[: count - at])
-
-
-def _add_slice(
-    sums: dict[int, int], block: int, values: torch.Tensor, weights: torch.Tensor
-) -> None:
-    sums[block] = sums.get(block, 0) + int((values.to(torch.int64) * weights).sum())
+    if picked.numel():
+        sample = torch.arange(picked.numel(), dtype=torch.int64) + (start + first) // every
+        _add_samples(sums, sample, picked, length, run=True)
 
 
 def _add_samples(
-    sums: dict[int, int], sample: torch.Tensor, values: torch.Tensor, length: int
+    sums: dict[int, int], sample: torch.Tensor, values: torch.Tensor, length: int, run: bool = False
 ) -> None:
-    """Add samples (their indices and their bits) into their blocks: a few vector operations
-    whatever the number of blocks. Integer products and sums wrap: exact modulo 2**64."""
+    """Add samples (their indices, ascending, and their bits) into their blocks: a few vector
+    operations whatever the number of blocks. Integer products and sums wrap: exact modulo
+    2**64. A block with no sample is left out, unless the samples are one ``run`` (consecutive:
+    each block between the first and the last holds some)."""
     weighted = values.to(torch.int64) * _weights()[sample % length]
     blocks = sample // length
     low = int(blocks[0]) if blocks.numel() else 0
     totals = torch.zeros(int(blocks.max()) - low + 1, dtype=torch.int64)
     totals.index_add_(0, blocks - low, weighted)
     for offset, total in enumerate(totals.tolist()):
-        if total or (low + offset) in sums:
+        if total or run or (low + offset) in sums:
             sums[low + offset] = sums.get(low + offset, 0) + total
 
 
@@ -311,14 +285,11 @@ def _batched(
 def combine(reports: Iterable[dict[str, list[Piece]]]) -> dict[str, dict[int, int]]:
     """The fingerprints of every tensor: its pieces summed, each distinct piece once (a replica
     saved by several ranks, or a plain tensor every rank holds, counts once)."""
-    pieces = _by_key(reports)
-    return {key: _distinct_sum(found) for key, found in pieces.items()}
-
-
-def _distinct_sum(pieces: list[Piece]) -> dict[int, int]:
-    if len(pieces) == 1:  # the common case, one whole piece: its sums are already < 2**64
-        return pieces[0][4]
-    return _sum({p[1]: p[4] for p in pieces}.values())
+    # The common case, one whole piece: its sums are already < 2**64.
+    return {
+        key: found[0][4] if len(found) == 1 else _sum({p[1]: p[4] for p in found}.values())
+        for key, found in _by_key(reports).items()
+    }
 
 
 def mismatches(
@@ -414,11 +385,7 @@ def audit_load(planner: SafeLoadPlanner, group: Any) -> None:
         )
     rank = dist.get_rank(group) if group is not None else 0
     mine = report(planner.state_dict, rank)
-    if group is None:
-        reports = [mine]
-    else:
-        reports = [{} for _ in range(dist.get_world_size(group))]
-        dist.all_gather_object(reports, mine, group=group)
+    reports = [mine] if group is None else gather_objects(mine, group)
     found = mismatches(saved, reports)
     if found:
         raise RestoreMismatchError(name, found)

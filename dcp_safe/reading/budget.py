@@ -22,22 +22,7 @@ from dataclasses import dataclass
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["Admission", "LoadBudget", "LoadMemoryStats", "check_load_budget"]
-
-
-def check_load_budget(value: object) -> int | None:
-    """``value`` as a budget: a positive int, or ``None`` for no bound.
-
-    Raises:
-        ConfigError: anything else (zero, a negative number, a float, a bool).
-    """
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(
-            f"load_budget_bytes must be a positive int (bytes) or None for no bound, got {value!r}"
-        )
-    return value
+__all__ = ["Admission", "LoadBudget", "LoadMemoryStats"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,10 +67,21 @@ class LoadBudget:
     """Admit item reads against ``budget_bytes`` (``None``: admit all at once, still counting).
 
     Thread-safe; shared by a reader's threads.
+
+    Raises:
+        ConfigError: ``budget_bytes`` is neither a positive int nor ``None``.
     """
 
     def __init__(self, budget_bytes: int | None) -> None:
-        self.budget_bytes = check_load_budget(budget_bytes)
+        value: object = budget_bytes
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ConfigError(
+                "load_budget_bytes must be a positive int (bytes) or None for no bound, got"
+                f" {value!r}"
+            )
+        self.budget_bytes = budget_bytes
         self._cond = threading.Condition()
         self._reserved = 0  # the admitted items' stated costs
         self._waiting: collections.deque[object] = collections.deque()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.peer_copies import list_peer_copies
-from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group
+from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, gather_objects
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
@@ -45,6 +44,7 @@ from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
     DEFAULT_PEER_CHUNK_BYTES,
     SenderFailedError,
+    exchange,
     receive_file,
     send_file,
 )
@@ -186,8 +186,7 @@ class PeerSource:
         disk = f"{socket.gethostname()}:{self.disk.full_path('')}"
         made = False
         while True:  # rounds: a rejected copy is fetched from another disk in the next one
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, (pending, sorted(offers), tried, disk), group=group)
+            gathered = gather_objects((pending, sorted(offers), tried, disk), group)
             fetches = fetch_plan(
                 [g[0] for g in gathered],
                 [set(g[1]) for g in gathered],
@@ -225,35 +224,25 @@ class PeerSource:
         offers: dict[str, _Source],
         scratch: str,
     ) -> None:
-        crashed: list[BaseException] = []
-
         def send_all() -> None:
-            try:
-                for fetch in sends:
-                    backend, rel = offers[fetch.file]
-                    send_file(
-                        group,
-                        fetch.requester,
-                        backend,
-                        rel,
-                        fetch.size,
-                        tag=fetch.tag,
-                        chunk_bytes=self.chunk_bytes,
-                    )
-            except BaseException as exc:  # the transport's error: raised on this thread
-                crashed.append(exc)
+            for fetch in sends:
+                backend, rel = offers[fetch.file]
+                send_file(
+                    group,
+                    fetch.requester,
+                    backend,
+                    rel,
+                    fetch.size,
+                    tag=fetch.tag,
+                    chunk_bytes=self.chunk_bytes,
+                )
 
-        sender = threading.Thread(target=send_all, name="dcp_safe-peer-restore", daemon=True)
-        sender.start()
-        try:
-            if receives:
-                by_file = items_by_file(*self._require())
+        def receive_all() -> None:
+            by_file = items_by_file(*self._require()) if receives else {}
             for fetch in receives:
                 self._receive(group, fetch, scratch, by_file.get(fetch.file, []))
-        finally:
-            sender.join()
-        if crashed:
-            raise crashed[0]
+
+        exchange(send_all, receive_all, "dcp_safe-peer-restore")
 
     def _receive(self, group: Any, fetch: Fetch, scratch: str, items: list[ItemRecord]) -> None:
         record = self._require()[1].file(fetch.file)

@@ -100,19 +100,14 @@ class NodeCacheStats:
 
     def files_from(self, source: ReadSource) -> int:
         """Files finished from ``source``."""
-        return {
-            ReadSource.NODE_CACHE: self.files_from_cache,
-            ReadSource.PEER: self.files_from_peer,
-            ReadSource.REMOTE: self.files_from_remote,
-        }[source]
+        return int(getattr(self, f"files_from_{_FIELD[source]}"))
 
     def bytes_from(self, source: ReadSource) -> int:
         """Stored bytes ``source`` delivered."""
-        return {
-            ReadSource.NODE_CACHE: self.bytes_from_cache,
-            ReadSource.PEER: self.bytes_from_peer,
-            ReadSource.REMOTE: self.bytes_from_remote,
-        }[source]
+        return int(getattr(self, f"bytes_from_{_FIELD[source]}"))
+
+
+_FIELD = {ReadSource.NODE_CACHE: "cache", ReadSource.PEER: "peer", ReadSource.REMOTE: "remote"}
 
 
 class Rejected(Exception):

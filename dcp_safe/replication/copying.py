@@ -26,7 +26,6 @@ __all__ = [
     "open_source",
     "DEFAULT_CHUNK_BYTES",
     "CheckpointCopy",
-    "check_remote_size",
     "copy_buffer_bytes",
     "copy_file_verified",
     "make_folders",
@@ -95,27 +94,6 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     """
     buffers = write_buffer_bytes(dest)
     return None if buffers is None else chunk_bytes + buffers
-
-
-def check_remote_size(
-    remote: Backend, rel: str, expected: int, size_of: Callable[[str], int] | None = None
-) -> None:
-    """Check that ``rel`` exists on ``remote`` with ``expected`` bytes, as ``size_of(rel)``
-    finds it (``remote.size`` by default).
-
-    Raises:
-        StorageError: it is missing or of another size (the remote tier misbehaved).
-    """
-    try:
-        actual = (remote.size if size_of is None else size_of)(rel)
-    except FileNotFoundError as exc:
-        raise StorageError("verify", remote.full_path(rel), "uploaded file is missing") from exc
-    if actual != expected:
-        raise StorageError(
-            "verify",
-            remote.full_path(rel),
-            f"uploaded file has {actual} bytes, the manifest says {expected}",
-        )
 
 
 class CheckpointCopy:
@@ -187,7 +165,14 @@ class CheckpointCopy:
         # One listing per folder, not a HEAD per object (thousands at thousands of ranks).
         sizes = ListedSizes(self.remote, "")
         for path, size in [*expected, (layout.MANIFEST, len(self.raw_manifest))]:
-            check_remote_size(self.remote, f"{dest}/{path}", size, sizes.size)
+            where = self.remote.full_path(f"{dest}/{path}")
+            try:
+                actual = sizes.size(f"{dest}/{path}")
+            except FileNotFoundError as exc:
+                raise StorageError("verify", where, "uploaded file is missing") from exc
+            if actual != size:
+                why = f"uploaded file has {actual} bytes, the manifest says {size}"
+                raise StorageError("verify", where, why)
         for folder in _folders(path for path, _ in expected):
             self.remote.sync_dir(f"{dest}/{folder}")
 

@@ -18,7 +18,6 @@ died, the deadline passed) raises the transport's error, and the group cannot be
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
 from dcp_safe.replication.peer_transport import (
     DEFAULT_PEER_CHUNK_BYTES,
+    exchange,
     receive_file,
     send_file,
 )
@@ -139,43 +139,35 @@ def _exchange(
     sends = [t for t in transfers if t.src == peers.rank]
     receives = [t for t in transfers if t.dst == peers.rank]
     send_errors: list[str] = []
-    crashed: list[BaseException] = []
 
     def send_all() -> None:
-        try:
-            for transfer in sends:
-                for path, size in transfer.files:
-                    error = send_file(
-                        peers.group,
-                        transfer.dst,
-                        local,
-                        f"{name}/{path}",
-                        size,
-                        tag=transfer.tag,
-                        chunk_bytes=chunk_bytes,
-                    )
-                    if error is not None:
-                        send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
-        except BaseException as exc:  # the transport's error: raised on the caller's thread
-            crashed.append(exc)
+        for transfer in sends:
+            for path, size in transfer.files:
+                error = send_file(
+                    peers.group,
+                    transfer.dst,
+                    local,
+                    f"{name}/{path}",
+                    size,
+                    tag=transfer.tag,
+                    chunk_bytes=chunk_bytes,
+                )
+                if error is not None:
+                    send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
 
-    sender = threading.Thread(target=send_all, name=f"dcp_safe-peer-send-{name}", daemon=True)
-    sender.start()
-    landed: list[str] = []
-    errors: list[str] = []
-    try:
-        if receives:
-            raw = _committed_manifest(local, remote, name)
-            for transfer in receives:
-                folder, error = _receive_copy(name, transfer, peers, local, raw, chunk_bytes)
-                if error is None:
-                    landed.append(folder)
-                else:
-                    errors.append(error)
-    finally:
-        sender.join()
-    if crashed:
-        raise crashed[0]
+    def receive_all() -> tuple[list[str], list[str]]:
+        landed: list[str] = []
+        errors: list[str] = []
+        raw = _committed_manifest(local, remote, name) if receives else b""
+        for transfer in receives:
+            folder, error = _receive_copy(name, transfer, peers, local, raw, chunk_bytes)
+            if error is None:
+                landed.append(folder)
+            else:
+                errors.append(error)
+        return landed, errors
+
+    landed, errors = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
     errors += send_errors
     return landed, "; ".join(errors) if errors else None
 

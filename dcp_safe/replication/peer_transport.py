@@ -19,7 +19,9 @@ Holds two chunk buffers per transfer in flight (one each end): :func:`peer_buffe
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,13 @@ from dcp_safe.manifest.verify import FileCheck
 __all__ = [
     "DEFAULT_PEER_CHUNK_BYTES",
     "SenderFailedError",
+    "exchange",
     "peer_buffer_bytes",
     "receive_file",
     "send_file",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_PEER_CHUNK_BYTES = 8 << 20
 _SENT_WHOLE, _SEND_FAILED = 1, 0
@@ -48,6 +53,33 @@ class SenderFailedError(OSError):
 def peer_buffer_bytes(chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES) -> int:
     """Host bytes one rank's peer transfers hold at once: a send and a receive chunk."""
     return 2 * chunk_bytes
+
+
+def exchange(send: Callable[[], None], receive: Callable[[], T], thread_name: str) -> T:
+    """Run ``send`` on a thread while ``receive`` runs on this one: a rank's transfers both ways
+    at once (either alone could wait on a peer doing the other); ``receive``'s result, once
+    both ended.
+
+    Raises:
+        BaseException: what ``send`` raised (the transport's error), after ``receive`` ended.
+    """
+    crashed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            send()
+        except BaseException as exc:  # the transport's error: raised on the caller's thread
+            crashed.append(exc)
+
+    sender = threading.Thread(target=run, name=thread_name, daemon=True)
+    sender.start()
+    try:
+        result = receive()
+    finally:
+        sender.join()
+    if crashed:
+        raise crashed[0]
+    return result
 
 
 def send_file(
@@ -72,9 +104,11 @@ def send_file(
     view = buffer.numpy()
     error: str | None = None
     sent = 0
-    with _Reading(backend, rel) as (stream, opened):
-        if opened is not None:
-            error = opened
+    with contextlib.ExitStack() as stack:
+        try:
+            stream = stack.enter_context(backend.open_read(rel))
+        except (OSError, CheckpointCorruptError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
         while sent < size:
             n = min(chunk_bytes, size - sent)
             if error is None:
@@ -148,26 +182,6 @@ def receive_file(
 
 class _Discard(Exception):
     """Leaves ``open_write`` without a trace; the failure itself is raised after."""
-
-
-class _Reading:
-    """``open_read`` that reports a failure to open instead of raising it."""
-
-    def __init__(self, backend: Backend, rel: str) -> None:
-        self._backend, self._rel = backend, rel
-        self._context: Any = None
-
-    def __enter__(self) -> tuple[Any, str | None]:
-        try:
-            self._context = self._backend.open_read(self._rel)
-            return self._context.__enter__(), None
-        except (OSError, CheckpointCorruptError) as exc:
-            self._context = None
-            return None, f"{type(exc).__name__}: {exc}"
-
-    def __exit__(self, *exc: object) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
 
 
 def _read_into(stream: Any, view: Any, rel: str) -> str | None:

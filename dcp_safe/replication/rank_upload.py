@@ -35,7 +35,6 @@ from dcp_safe.manifest.verify import FileCheck, items_by_file
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_verified, make_folders
 
 __all__ = [
-    "FAILED_PREFIX",
     "UploadOptions",
     "await_arrivals",
     "await_remote_commit",
@@ -48,9 +47,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-#: kept for callers that spell the commit-failure marker from its prefix (layout's constant).
-FAILED_PREFIX = layout.COMMIT_FAILED_PREFIX
 
 
 @dataclass(frozen=True, kw_only=True)

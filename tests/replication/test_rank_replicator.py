@@ -19,7 +19,6 @@ from dcp_safe import CommitError, ConfigError, SafeStorageWriter, StorageError
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.errors import ReplicationSkippedError
-from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -29,6 +28,7 @@ from dcp_safe.replication.rank_upload import (
     report_commit_failure,
     report_rank_failure,
 )
+from dcp_safe.replication.replicator import RankReplicator, RankSave
 
 _TIMEOUT_S = 60.0
 

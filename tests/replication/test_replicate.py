@@ -28,14 +28,13 @@ from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.errors import CheckpointExistsError
-from dcp_safe.manifest.schema import Manifest
-from dcp_safe.replication.replicator import (
+from dcp_safe.errors import (
+    CheckpointExistsError,
     ReplicationSkippedError,
     ReplicationTimeoutError,
-    Replicator,
-    replicate_checkpoint,
 )
+from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.replicator import Replicator, replicate_checkpoint
 from dcp_safe.testing.s3 import LocalS3
 
 # Generous: only a guard against a hung test, never a measure of speed.

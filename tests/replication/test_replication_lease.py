@@ -27,9 +27,8 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.lease import acquire_lease, lease_files
 from dcp_safe.errors import CheckpointExistsError
-from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
-from dcp_safe.replication.rank_upload import FAILED_PREFIX, UploadOptions
-from dcp_safe.replication.replicator import replicate_checkpoint
+from dcp_safe.replication.rank_upload import UploadOptions
+from dcp_safe.replication.replicator import RankReplicator, RankSave, replicate_checkpoint
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.testing import world
 from dcp_safe.testing.s3 import LocalS3
@@ -341,4 +340,6 @@ def test_every_rank_fails_typed_and_uploads_nothing_when_another_save_holds_the_
     for outcome in outcomes[1:]:
         assert isinstance(outcome, CommitError) and "other-save" in str(outcome)
     left = sorted(remotes[0].walk_files("step_1"))
-    assert left == sorted([f"{FAILED_PREFIX}{save_id}", _lease_name(remotes[0], "other-save")])
+    assert left == sorted(
+        [f"{layout.COMMIT_FAILED_PREFIX}{save_id}", _lease_name(remotes[0], "other-save")]
+    )

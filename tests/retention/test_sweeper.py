@@ -18,13 +18,13 @@ from dcp_safe import ConfigError, SafeStorageWriter, cli, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease
 from dcp_safe.errors import ReplicationSkippedError
-from dcp_safe.replication.rank_replicator import RankReplicator, RankSave
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     remote_work_dir,
     report_commit_failure,
     report_rank_failure,
 )
+from dcp_safe.replication.replicator import RankReplicator, RankSave
 from dcp_safe.retention import sweeper
 from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_partials
