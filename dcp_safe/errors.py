@@ -193,27 +193,26 @@ class UnsafeCheckpointError(CheckpointCorruptError):
 class SignatureError(CheckpointCorruptError):
     """A reader holding a signing key found a checkpoint its key did not sign."""
 
+    _refused = (
+        "it was not signed with this reader's key. Check that writer and reader use the same"
+        " key (signing_key= or DCP_SAFE_SIGNING_KEY), or load a checkpoint the key signed"
+    )
+
     def __init__(self, path: str, reason: str) -> None:
-        super().__init__(
-            path,
-            f"{reason}; refused, because it was not signed with this reader's key. Check that"
-            " writer and reader use the same key (signing_key= or DCP_SAFE_SIGNING_KEY), or"
-            " load a checkpoint the key signed",
-        )
+        super().__init__(path, f"{reason}; refused, because {self._refused}")
 
 
 class UnsignedCheckpointError(SignatureError):
     """A reader holding a signing key found a checkpoint with no signature at all."""
 
+    _refused = (
+        "this reader holds a signing key and accepts only checkpoints it signed. Save with"
+        " WriterOptions(signing_key=) (or DCP_SAFE_SIGNING_KEY) to sign, or read without a key"
+        " if you trust whoever can write the root"
+    )
+
     def __init__(self, path: str, reason: str = "the checkpoint has no signature") -> None:
-        CheckpointCorruptError.__init__(
-            self,
-            path,
-            f"{reason}; refused, because this reader holds a signing key and accepts only"
-            " checkpoints it signed. Save with WriterOptions(signing_key=) (or"
-            " DCP_SAFE_SIGNING_KEY) to sign, or read without a key if you trust whoever can write"
-            " the root",
-        )
+        super().__init__(path, reason)
 
 
 class CommitError(DcpSafeError):

@@ -179,13 +179,10 @@ def empty_host_cache() -> None:
         empty()
 
 
-def _has_private_save() -> bool:
-    params = list(inspect.signature(getattr(serialization, "_save", lambda: None)).parameters)
-    expected = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
-    return params == expected and hasattr(serialization, "_get_storage_alignment")
-
-
-_PRIVATE_SAVE = _has_private_save()
+# Whether torch's private ``_save`` has the signature save_tensor_without_crc knows.
+_PRIVATE_SAVE = hasattr(serialization, "_get_storage_alignment") and list(
+    inspect.signature(getattr(serialization, "_save", lambda: None)).parameters
+) == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
 
 
 # Quantized storages are left out: they need a quantizer to mean anything, and their tensors

@@ -95,7 +95,16 @@ def select(
             continue
         shape = tuple(int(size) for size in meta.size)
         stored = meta.properties.dtype
-        _check_chunks(key, meta, shape, where)
+        # A gap would be exported as uninitialised memory (the whole tensor is allocated
+        # before it is read): the stored chunks must tile the global shape exactly.
+        chunks = [(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in meta.chunks]
+        problem = chunk_tiling_problem(shape, chunks)
+        if problem is not None:
+            raise CheckpointCorruptError(
+                where,
+                f"the tensor's stored chunks do not tile its global shape: {problem}",
+                item=key,
+            )
         cast = dtype if dtype is not None and stored.is_floating_point else stored
         tensors.append(TensorEntry(key=key, shape=shape, dtype=stored, out_dtype=cast))
     return Selection(tensors=tuple(tensors), objects=tuple(objects))
@@ -121,16 +130,3 @@ def _matching(available: list[str], keys: Sequence[str]) -> list[str]:
             " and the entries below it (dotted names, as 'dcp-safe inspect' lists them)"
         )
     return sorted(chosen)
-
-
-def _check_chunks(
-    key: str, meta: TensorStorageMetadata, shape: tuple[int, ...], where: str
-) -> None:
-    """Refuse a tensor whose stored chunks do not tile its global shape exactly: a gap would
-    be exported as uninitialised memory (the whole tensor is allocated before it is read)."""
-    chunks = [(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in meta.chunks]
-    problem = chunk_tiling_problem(shape, chunks)
-    if problem is not None:
-        raise CheckpointCorruptError(
-            where, f"the tensor's stored chunks do not tile its global shape: {problem}", item=key
-        )
