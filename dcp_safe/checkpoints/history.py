@@ -18,7 +18,7 @@ Event schema (every line; keys sorted; absent optional fields are left out)::
 
 Local roots append; other roots rewrite, since object stores have no append (the history stays
 small). A rewrite is read-modify-write, so only the manager owning the root may record, and a
-takeover of a lease by its save (:mod:`dcp_safe.commit.takeover`, which calls
+takeover of a lease by its save (:mod:`dcp_safe.commit.lease`, which calls
 :func:`record_takeover`); one lock per history file serialises a process's threads, and is
 re-entrant because a preemption handler may record while its thread is inside
 :meth:`History.append`. A save in the manager's worker process appends from that process: an
@@ -42,7 +42,7 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, not_a_file
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.commit.takeover import TAKEOVER_HOOKS
+from dcp_safe.commit.lease import TAKEOVER_HOOKS
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.limits import (
     HISTORY_MAX_BYTES,

@@ -1,44 +1,379 @@
-"""The writing lease: one save at a time under a name, on storage that cannot rename.
+"""The writing lease: one save at a time under a name, on storage that cannot rename; and
+taking over a lease that a crashed or fenced writer left behind.
 
 The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
 is a save's (never shared); :func:`join_or_acquire_lease` is replication's.
+
+Takeover: :meth:`Claimant.why_take_over` decides, :func:`take_over_exclusive` takes the one
+``_WRITING`` over, :func:`clear_leftovers` empties the name before any rank writes. When, how,
+and the limits: docs/architecture.md, "Taking over a lease". A lease lacking a field (an older
+dcp_safe, an unfenced writer) is still read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
+import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.commit.takeover import (
-    Claimant,
-    clear_leftovers,
-    held_error,
-    lease_acquired_at,
-    lease_files,
-    read_holder,
-    report_takeover,
-    take_over_exclusive,
-    takeover_candidates,
+from dcp_safe.backends.multipart import abort_uploads_under
+from dcp_safe.commit.fencing import Attempt
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigError,
+    StaleWriterError,
 )
-from dcp_safe.errors import CheckpointExistsError, StaleWriterError
+from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 from dcp_safe.untrusted import shown
 
 __all__ = [
+    "DEFAULT_STALE_LEASE_S",
+    "TAKEOVER_HOOKS",
     "abandon_lease",
     "acquire_lease",
     "check_lease",
+    "Claimant",
+    "clear_leftovers",
     "held_by_another",
+    "held_error",
     "holds_lease",
     "join_or_acquire_lease",
+    "last_change",
     "lease_acquired_at",
     "lease_files",
+    "LeaseHolder",
     "own_lease_file",
+    "read_holder",
     "release_lease",
+    "report_takeover",
+    "take_over_exclusive",
+    "takeover_candidates",
 ]
+
+#: How long nothing under a name must have changed before a lease that names no attempt of this
+#: run may be taken over (by a fenced save): well under the sweeper's 6 h grace period.
+DEFAULT_STALE_LEASE_S = 3600.0
+# Rounds of a takeover (the lease changed hands while we judged it), and takeover records
+# followed (one per takeover that died half-way): far more than a real root ever needs.
+_MAX_ROUNDS = 4
+_MAX_RECORDS = 8
+
+log = logging.getLogger(__name__)
+
+#: Called after each takeover with the root's backend, the name and what was taken over and why.
+#: :mod:`dcp_safe.checkpoints.history` adds the one that records it in the root's history: it
+#: is a layer above this one, so it registers itself, as a logging handler does.
+TAKEOVER_HOOKS: list[Callable[[Backend, str, str], None]] = []
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claimant:
+    """Who claims a name, as its lease records it, and when it takes a lease over.
+
+    Args:
+        attempt: the save's job attempt; None: an unfenced save, which never takes over.
+        stale_after_s: how long a prefix whose lease names no attempt of this run must have
+            been idle before it is taken over (sooner when idle since this job started: a
+            relaunch); None: never.
+
+    Raises:
+        ConfigError: ``stale_after_s`` is negative or not a number.
+    """
+
+    attempt: Attempt | None = None
+    stale_after_s: float | None = DEFAULT_STALE_LEASE_S
+
+    def __post_init__(self) -> None:
+        stale = self.stale_after_s
+        if stale is not None and (
+            isinstance(stale, bool) or not isinstance(stale, (int, float)) or not stale >= 0
+        ):
+            raise ConfigError(f"stale_after_s must be a number >= 0 or None, got {stale!r}")
+
+    def body(self, save_id: str, *, abandoned: bool = False) -> bytes:
+        """The lease (or takeover record) this claimant writes for save ``save_id``; with
+        ``abandoned``, the lease of a save that failed with its peers' objects left behind."""
+        fields: dict[str, object] = {"save_id": save_id, "acquired_at": time.time()}
+        if self.attempt is not None:
+            fields.update(attempt=self.attempt.number, run_id=self.attempt.run_id)
+        if abandoned:
+            fields["abandoned"] = True
+        return json.dumps(fields).encode()
+
+    def why_take_over(self, holder: LeaseHolder, quiet: Quiet) -> str | None:
+        """What ``holder``'s lease is, and why this claimant may take it over; None: it may not.
+
+        Args:
+            quiet: when the name last changed, asked only when the answer depends on it.
+        """
+        if holder.abandoned:
+            return f"{holder}: its save abandoned it"
+        if self.attempt is None:
+            return None
+        if holder.attempt is not None and holder.run_id == self.attempt.run_id:
+            if holder.attempt < self.attempt.number:
+                return f"{holder}: an older attempt than this one ({self.attempt.number})"
+            return None
+        if self.stale_after_s is None:
+            return None
+        idle = quiet.idle_s()
+        if idle is not None and idle >= self.stale_after_s:
+            return f"{holder}: nothing under the name changed for {idle:.0f} s"
+        if quiet.before(self.attempt):
+            # A relaunch (a new run id, so no attempt rule): a writer that changed nothing
+            # since this job started is its previous run's, and gone (docs/faults.md).
+            return f"{holder}: nothing under the name changed since this job started"
+        return None
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """What a lease (or a takeover record) says of its holder; a field it lacks is None."""
+
+    raw: bytes
+    save_id: str | None = None
+    attempt: int | None = None
+    run_id: str | None = None
+    acquired_at: float | None = None
+    abandoned: bool = False
+
+    def __str__(self) -> str:
+        run = "" if self.run_id is None else f" of run {shown(self.run_id, 64)}"
+        attempt = "" if self.attempt is None else f", attempt {self.attempt}"
+        return f"the lease of save {self.save_id or '(unnamed)'}{run}{attempt}"
+
+    @property
+    def record_name(self) -> str:
+        """The takeover record for this holder's lease: named after its save id, or (a lease
+        that names none a file name can carry) a digest of its bytes, the same for every
+        reader of the same lease."""
+        if self.save_id is not None:
+            with contextlib.suppress(ValueError):
+                return layout.takeover_record_name(self.save_id)
+        return layout.takeover_record_name(hashlib.sha256(self.raw).hexdigest()[:32])
+
+
+def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
+    """The holder the lease (or record) at ``rel`` names; None when it is absent.
+
+    A lease that is not a small regular file of JSON is a holder with no fields, which only the
+    idle rule can take over. A save id not as :func:`~dcp_safe.layout.is_save_id` accepts is
+    read as none, since a lease's text reaches messages and history events.
+    """
+    try:
+        raw = backend.read_small(rel, CONTROL_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except CheckpointCorruptError:
+        return LeaseHolder(raw=b"")
+    try:
+        fields = parse_json(raw, backend.full_path(rel))
+    except CheckpointCorruptError:
+        fields = None
+    if not isinstance(fields, dict):
+        return LeaseHolder(raw=raw)
+    attempt, stamp, save_id = (
+        fields.get("attempt"),
+        fields.get("acquired_at"),
+        fields.get("save_id"),
+    )
+    return LeaseHolder(
+        raw=raw,
+        save_id=save_id if layout.is_save_id(save_id) else None,
+        attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
+        run_id=run_id if isinstance(run_id := fields.get("run_id"), str) else None,
+        acquired_at=(
+            float(stamp)
+            if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
+            else None
+        ),
+        abandoned=fields.get("abandoned") is True,
+    )
+
+
+def last_change(backend: Backend, name: str, now: float) -> float | None:
+    """When anything under ``<name>/`` last changed, by the storage's clock; else what its
+    newest lease says, if not in the future; None: unknown."""
+    changed = backend.modified_at(name)
+    if changed is not None:
+        return changed
+    newest = lease_acquired_at(backend, name)
+    return newest if newest is not None and newest <= now else None
+
+
+def lease_acquired_at(backend: Backend, name: str) -> float | None:
+    """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
+    no lease, or none readable). The sweeper prefers the storage's own modification times."""
+    stamps = [
+        holder.acquired_at
+        for entry in lease_files(backend, name)
+        if (holder := read_holder(backend, f"{name}/{entry}")) is not None
+        and holder.acquired_at is not None
+    ]
+    return max(stamps, default=None)
+
+
+def lease_files(backend: Backend, name: str) -> list[str]:
+    """The leases (of either kind) under ``<name>/``, as names."""
+    return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
+
+
+def take_over_exclusive(
+    backend: Backend, name: str, save_id: str, claimant: Claimant
+) -> str | None:
+    """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
+    exclusively failed), if ``claimant`` may (:meth:`Claimant.why_take_over`). The caller
+    then clears the leftovers (:func:`clear_leftovers`).
+
+    Returns:
+        What was taken over and why, when the lease is now this save's; None when no lease is
+        there any more (the caller creates it again).
+
+    Raises:
+        CheckpointExistsError: the lease may not be taken over, or another save took it first.
+    """
+    lease = f"{name}/{layout.WRITING_LEASE}"
+    for _ in range(_MAX_ROUNDS):
+        holder = read_holder(backend, lease)
+        if holder is None:
+            return None
+        why = claimant.why_take_over(holder, Quiet(backend, name))
+        if why is None:
+            raise held_error(backend, name, [holder.save_id])
+        record = _win_record(backend, name, holder, save_id, claimant)
+        current = read_holder(backend, lease)
+        if current is not None and current.raw == holder.raw:
+            backend.write_bytes(lease, claimant.body(save_id))
+            return why
+        # It changed hands while we won the record (released, or taken by a newer attempt):
+        # judge the lease there now. Our record goes, so the name is not left looking taken.
+        backend.remove_file(record)
+    raise held_error(backend, name, [None])
+
+
+def takeover_candidates(
+    backend: Backend, name: str, claimant: Claimant, entries: Collection[str] | None = None
+) -> dict[str, str]:
+    """The leases under ``<name>/`` (names: ``entries``, else every lease there now) that
+    ``claimant`` may take over, each with what it is and why: with one lease per save, those
+    left out of the contention round. An unfenced claimant lists nothing: it judges only the
+    leases in its way (any save may take over an abandoned one)."""
+    if entries is None:
+        entries = lease_files(backend, name) if claimant.attempt is not None else ()
+    quiet = Quiet(backend, name)
+    return {
+        entry: why
+        for entry in entries
+        if (holder := read_holder(backend, f"{name}/{entry}")) is not None
+        and (why := claimant.why_take_over(holder, quiet)) is not None
+    }
+
+
+def report_takeover(backend: Backend, name: str, what: str) -> None:
+    """Say that this save took ``name`` over (``what``: whose lease, and why): a warning, and
+    each of :data:`TAKEOVER_HOOKS` (the root's history). A hook's failure fails nothing."""
+    log.warning("took the name %s over from %s", backend.full_path(name), what)
+    for hook in TAKEOVER_HOOKS:
+        try:
+            hook(backend, name, what)
+        except Exception as exc:  # the takeover stands: its record is bookkeeping
+            log.warning("could not record the takeover of %s: %s", name, shown(exc, 300))
+
+
+def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
+    """Remove what a taken-over save left under ``<name>/``: every object for which ``keep``
+    (given its path relative to ``<name>/``) is false, and every incomplete multipart upload
+    there (none is this save's: it clears before any of its ranks writes).
+
+    Returns:
+        The paths removed, relative to ``<name>/``.
+
+    Raises:
+        CheckpointExistsError: the name is committed (the taken-over writer published in the
+            round trip after its last check); nothing is removed.
+    """
+    files = list(backend.walk_files(name))
+    if layout.COMMITTED_MARKER in files:
+        raise CheckpointExistsError(backend.full_path(name), "it got committed during a takeover")
+    removed = [rel for rel in files if not keep(rel)]
+    for rel in removed:
+        backend.remove_file(f"{name}/{rel}")
+    abort_uploads_under(backend, name)
+    return tuple(removed)
+
+
+def held_error(backend: Backend, name: str, holders: Sequence[str | None]) -> CheckpointExistsError:
+    """The error for a save that finds ``name`` held by ``holders`` (save ids)."""
+    ids = ", ".join(shown(h, 64) for h in holders) or "another save"
+    return CheckpointExistsError(
+        backend.full_path(name),
+        f"save {ids} is writing it (or left it: a newer attempt of its run takes it over, a"
+        " relaunched job once nothing under the name has changed since the relaunch started,"
+        " otherwise the sweeper collects it after its grace period)",
+    )
+
+
+def _win_record(
+    backend: Backend, name: str, holder: LeaseHolder, save_id: str, claimant: Claimant
+) -> str:
+    """Create the takeover record for ``holder``'s lease exclusively; returns its path.
+
+    A record already there is another save's takeover: refused unless ``claimant`` may take
+    that one over too (a takeover that died half-way), then the record named after it is next.
+    """
+    target = holder
+    for _ in range(_MAX_RECORDS):
+        rel = f"{name}/{target.record_name}"
+        try:
+            backend.write_bytes(rel, claimant.body(save_id), exclusive=True)
+        except FileExistsError:
+            other = read_holder(backend, rel)
+            if other is None:
+                continue  # removed meanwhile by the save that won it: try again
+            if claimant.why_take_over(other, Quiet(backend, name)) is None:
+                raise held_error(backend, name, [other.save_id]) from None
+            target = other
+            continue
+        return rel
+    raise held_error(backend, name, [None])
+
+
+class Quiet:
+    """When anything under ``<name>/`` last changed, read once, and only if a rule asks."""
+
+    def __init__(self, backend: Backend, name: str) -> None:
+        self.backend = backend
+        self.name = name
+
+    @functools.cached_property
+    def changed(self) -> float | None:
+        return last_change(self.backend, self.name, time.time())
+
+    def idle_s(self) -> float | None:
+        """How long nothing under the name has changed (None: unknown)."""
+        return None if self.changed is None else time.time() - self.changed
+
+    def before(self, attempt: Attempt) -> bool:
+        """Whether nothing under the name changed since ``attempt`` started under this root.
+
+        Its start is its attempt record's modification time (written once, by its rank 0's
+        first claim under the root: :func:`~dcp_safe.commit.fencing.register_attempt`),
+        against the name's: both by the storage's clock, never a writer's. Equal times (a
+        store counting whole seconds) are not before.
+        """
+        started = self.backend.modified_at(attempt.marker)
+        changed = self.backend.modified_at(self.name)
+        return started is not None and changed is not None and changed < started
+
 
 # Per-save leases: rounds before giving up on a contended name, and the random pause between
 # rounds (long against one request, so that two contenders part).
@@ -60,7 +395,7 @@ def acquire_lease(
 
     Args:
         claimant: what the lease records, and which lease in the way it may take over
-            (:mod:`dcp_safe.commit.takeover`). Default: an unfenced save, which takes none over.
+            (above). Default: an unfenced save, which takes none over.
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it

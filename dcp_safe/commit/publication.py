@@ -16,13 +16,13 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import check_fence, register_attempt
 from dcp_safe.commit.lease import (
+    Claimant,
     abandon_lease,
     acquire_lease,
     check_lease,
     held_by_another,
     release_lease,
 )
-from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import CheckpointExistsError, DcpSafeError, StaleWriterError
 
 if TYPE_CHECKING:

@@ -17,6 +17,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import register_attempt
 from dcp_safe.commit.lease import (
+    Claimant,
     check_lease,
     held_by_another,
     holds_lease,
@@ -24,7 +25,6 @@ from dcp_safe.commit.lease import (
     own_lease_file,
     release_lease,
 )
-from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest

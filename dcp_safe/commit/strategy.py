@@ -17,9 +17,9 @@ from typing import Protocol, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.lease import Claimant
 from dcp_safe.commit.publication import LeasedPublication, Publication, RenamedPublication
 from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
-from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.schema import Manifest
 

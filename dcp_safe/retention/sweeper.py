@@ -25,8 +25,8 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.commit.lease import last_change
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.commit.takeover import last_change
 from dcp_safe.errors import ConfigError, DcpSafeError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest

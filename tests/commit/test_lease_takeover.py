@@ -37,8 +37,7 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.history import History
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV, Attempt, register_attempt
-from dcp_safe.commit.lease import abandon_lease, acquire_lease, check_lease
-from dcp_safe.commit.takeover import Claimant, read_holder
+from dcp_safe.commit.lease import Claimant, abandon_lease, acquire_lease, check_lease, read_holder
 from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 from dcp_safe.testing.multiproc import run_ranks
 

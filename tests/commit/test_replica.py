@@ -16,10 +16,9 @@ import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.commit.lease import holds_lease, lease_files
+from dcp_safe.commit.lease import Claimant, holds_lease, lease_files
 from dcp_safe.commit.replica import ReplicaPublication, committed_with
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.commit.takeover import Claimant
 from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.replication.copying import CheckpointCopy, open_source
