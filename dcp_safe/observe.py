@@ -74,39 +74,6 @@ class SpanOptions(TypedDict, total=False):
     bytes: int | None
 
 
-class Recorder(Protocol):
-    """What instrumented components call. Every method may be called from any thread."""
-
-    @property
-    def enabled(self) -> bool: ...
-
-    def begin(
-        self,
-        phase: Phase,
-        *,
-        save: str | None = None,
-        step: int | None = None,
-        parent: SpanHandle | None = None,
-        bytes: int | None = None,
-    ) -> SpanHandle:
-        """Open a span; without ``parent``: this thread's current span, else the save's root."""
-        ...
-
-    def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Any:
-        """A context manager: a span on this thread, a profiler range, ended with the outcome."""
-        ...
-
-    def mark(
-        self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any
-    ) -> None:
-        """A point event (``skipped``, ``fallback``, ``retry``)."""
-        ...
-
-    def profile(self, phase: Phase) -> AbstractContextManager[Any]:
-        """A ``torch.profiler.record_function`` range on this thread (nothing when off)."""
-        ...
-
-
 class NullSpan:
     """The span of :class:`NullRecorder`: does nothing."""
 
@@ -128,10 +95,14 @@ _NULL_CONTEXT: AbstractContextManager[None] = nullcontext()
 _NULL_SPAN_CONTEXT: AbstractContextManager[SpanHandle] = nullcontext(_NULL_SPAN)
 
 
-class NullRecorder:
-    """Telemetry off: every call returns at once; no thread, no allocation per call."""
+class Recorder(Protocol):
+    """What instrumented components call. Every method may be called from any thread.
 
-    enabled = False
+    The bodies here are telemetry off, which :class:`NullRecorder` inherits: each call returns
+    at once and allocates nothing.
+    """
+
+    enabled: bool
 
     def begin(
         self,
@@ -142,20 +113,28 @@ class NullRecorder:
         parent: SpanHandle | None = None,
         bytes: int | None = None,
     ) -> SpanHandle:
+        """Open a span; without ``parent``: this thread's current span, else the save's root."""
         return _NULL_SPAN
 
-    def span(
-        self, phase: Phase, **options: Unpack[SpanOptions]
-    ) -> AbstractContextManager[SpanHandle]:
+    def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Any:
+        """A context manager: a span on this thread, a profiler range, ended with the outcome."""
         return _NULL_SPAN_CONTEXT
 
     def mark(
         self, name: str, *, save: str | None = None, step: int | None = None, **attrs: Any
     ) -> None:
+        """A point event (``skipped``, ``fallback``, ``retry``)."""
         return None
 
     def profile(self, phase: Phase) -> AbstractContextManager[Any]:
+        """A ``torch.profiler.record_function`` range on this thread (nothing when off)."""
         return _NULL_CONTEXT
+
+
+class NullRecorder(Recorder):
+    """Telemetry off: every call returns at once; no thread, no allocation per call."""
+
+    enabled = False
 
 
 NULL_RECORDER = NullRecorder()
