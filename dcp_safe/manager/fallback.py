@@ -5,7 +5,7 @@ synchronous saves"; the precise rules (any one trips the monitor until
 :meth:`FallbackMonitor.rearm`):
 
 a. *Host memory*: a crossing is a move from at-or-above the reserve to below it; staying below
-   is one crossing. The reading is the lowest since the previous request (``memory_watch``).
+   is one crossing. The reading is the lowest since the previous request (:class:`MemoryWatch`).
 b. *Latency*: nearest-rank p99 of request-to-local-commit times. The interval is
    ``save_interval_s``, else the median gap between save requests (skipped ones included:
    they are the cadence asked for).

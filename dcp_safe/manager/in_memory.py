@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import pickle
 import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
@@ -64,21 +65,6 @@ from dcp_safe.torch_compat import create_write_items
 from dcp_safe.units import format_bytes
 
 __all__ = ["InMemoryTier"]
-
-
-class _Discard:
-    """A file that stores nothing: the hashing sink needs somewhere to write."""
-
-    def __init__(self) -> None:
-        self._position = 0
-
-    def write(self, data: bytes | bytearray | memoryview, /) -> int:
-        size = memoryview(data).nbytes
-        self._position += size
-        return size
-
-    def tell(self) -> int:
-        return self._position
 
 
 @dataclass(eq=False)
@@ -281,9 +267,10 @@ class _Entry:
                 hasher.update(part)
             return format_checksum(algorithm, hasher)
         item = self.item or create_write_items(self.fqn, self.value)[0]
-        sink = HashingSink(_Discard(), algorithm)
-        write_item(sink, item, self.data, compressed=compressed)
-        return sink.take_checksum()
+        with open(os.devnull, "wb") as discard:  # the sink hashes; nothing need be stored
+            sink = HashingSink(discard, algorithm)
+            write_item(sink, item, self.data, compressed=compressed)
+            return sink.take_checksum()
 
 
 def _key(item: WriteItem) -> ItemKey:
@@ -311,11 +298,7 @@ class _Pairing:
 
 def _descend(value: Any) -> bool:
     """Whether a value is copied into (tensors, mappings, state) rather than replaced."""
-    return (
-        isinstance(value, torch.Tensor | MutableMapping)
-        or is_stateful(value)
-        or (_holds_tensors(value))
-    )
+    return isinstance(value, MutableMapping) or is_stateful(value) or _holds_tensors(value)
 
 
 def _holds_tensors(value: Any) -> bool:

@@ -50,7 +50,6 @@ from dcp_safe.manager.options import (
     Runtime,
     SavePolicy,
     choose_executor,
-    with_shorthands,
 )
 from dcp_safe.manager.preemption import (
     PreemptionHandler,
@@ -111,9 +110,15 @@ class CheckpointManager:
         **moved: Any,
     ) -> None:
         refuse_moved("CheckpointManager", moved, MOVED)
-        policy, retention = with_shorthands(
-            policy, retention, save_every=save_every, keep_last=keep_last, when_busy=when_busy
-        )
+        # A shorthand replaces its one field: keep_last=3, retention=Retention(keep_every=10)
+        # keeps both.
+        policy, retention = policy or SavePolicy(), retention or Retention()
+        if save_every is not None:
+            policy = dataclasses.replace(policy, every=save_every)
+        if when_busy is not None:
+            policy = dataclasses.replace(policy, when_busy=when_busy)
+        if keep_last is not None:
+            retention = dataclasses.replace(retention, keep_last=keep_last)
         bounds, resume, runtime = bounds or Bounds(), resume or Resume(), runtime or Runtime()
         self.policy, self.retention, self.save_every = policy, retention, policy.every
         self.when_busy, self.staging = BusyPolicy(policy.when_busy), StagingMode(policy.staging)

@@ -11,7 +11,6 @@ before this layout is a field of the same name in one of them (``save_every`` be
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
@@ -319,24 +318,3 @@ MOVED: Mapping[str, str] = {
         for n in ("executor", "writer", "stager", "telemetry", "memory_sampler", "clock")
     },
 }
-
-
-def with_shorthands(
-    policy: SavePolicy | None,
-    retention: Retention | None,
-    *,
-    save_every: int | None,
-    keep_last: int | None,
-    when_busy: BusyPolicy | str | None,
-) -> tuple[SavePolicy, Retention]:
-    """``policy`` and ``retention`` (their defaults if ``None``) with each shorthand given
-    replacing its field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both."""
-    policy = policy or SavePolicy()
-    changes: dict[str, Any] = {"every": save_every, "when_busy": when_busy}
-    changes = {k: v for k, v in changes.items() if v is not None}
-    if changes:
-        policy = dataclasses.replace(policy, **changes)
-    retention = retention or Retention()
-    if keep_last is not None:
-        retention = dataclasses.replace(retention, keep_last=keep_last)
-    return policy, retention

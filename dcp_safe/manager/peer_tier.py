@@ -15,7 +15,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import torch.distributed as dist
 
@@ -43,74 +42,49 @@ Report = Callable[[str, BaseException | None], None]
 class PeerTier:
     """Background peer copies of committed checkpoints, on every rank.
 
+    Built on every rank at the same point (it forms two groups and gathers every rank's node).
+
     Args:
-        peers: the ranks, their nodes and the copies' group.
-        copies: ``Topology.peer_copies``.
+        topology: its ``peer_copies`` (> 1) say how many nodes hold each checkpoint.
         local: this node's root; ``remote``: the commit root.
         keep: peer copies of this many checkpoints kept per node (``None``: all).
-        restore_group: the group a restore's peer fetches use (a separate stream of messages).
+
+    Raises:
+        ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
     """
 
     def __init__(
         self,
-        peers: PeerGroup,
-        *,
-        copies: int,
-        local: Backend,
-        remote: Backend,
-        keep: int | None,
-        restore_group: Any,
-    ) -> None:
-        self.peers, self.copies, self.keep = peers, copies, keep
-        self.local, self.remote = local, remote
-        self.restore_group = restore_group
-        self._jobs: deque[tuple[str, Future[list[str]], Report]] = deque()
-        self._thread: threading.Thread | None = None  # exists only while there is work
-        self._lock = threading.Lock()
-        self._broken: BaseException | None = None
-
-    @classmethod
-    def for_topology(
-        cls,
         topology: Topology,
         *,
         local: Backend,
         remote: Backend,
         keep: int | None,
         deadline_s: float,
-    ) -> PeerTier | None:
-        """The peer tier of ``topology`` (``None`` without one).
-
-        Raises:
-            ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
-        """
+    ) -> None:
         copies = topology.peer_copies
-        if copies == 1:
-            return None
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 f"peer_copies={copies} needs a multi-node job: initialize the process group"
                 " (torchrun) before building the manager"
             )
         group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
-        restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
+        # The group a restore's peer fetches use (a separate stream of messages).
+        self.restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
         rank = dist.get_rank(group)
         nodes: list[int] = gather_objects(this_node(rank), group)
-        peers = PeerGroup(group, rank, tuple(nodes))
-        if copies > peers.node_count:
+        self.peers = PeerGroup(group, rank, tuple(nodes))
+        if copies > self.peers.node_count:
             raise ConfigError(
                 f"peer_copies={copies} needs at least {copies} nodes, this job has"
-                f" {peers.node_count} (a rank's node is GROUP_RANK, else rank //"
+                f" {self.peers.node_count} (a rank's node is GROUP_RANK, else rank //"
                 " LOCAL_WORLD_SIZE): lower peer_copies"
             )
-        return cls(
-            peers,
-            copies=copies,
-            local=local,
-            remote=remote,
-            keep=keep,
-            restore_group=restore_group,
-        )
+        self.copies, self.keep, self.local, self.remote = copies, keep, local, remote
+        self._jobs: deque[tuple[str, Future[list[str]], Report]] = deque()
+        self._thread: threading.Thread | None = None  # exists only while there is work
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
 
     def copy(self, name: str, report: Report) -> Future[list[str]]:
         """Copy ``name``'s node caches to peers in the background (after those queued before).

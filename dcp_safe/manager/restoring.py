@@ -128,7 +128,9 @@ class Restorer:
                 own.reset(wanted)
                 return None, str(own.checkpoint_id)
             except CheckpointNotFoundError:
-                if self.warm_start is None or wanted != layout.LATEST or self._has_own():
+                if self.warm_start is None or wanted != layout.LATEST:
+                    raise
+                if self.tiers.latest("local") is not None:  # the own tiers hold one
                     raise
                 return self.warm_start.resolve(self.tiers.signing_key)
 
@@ -169,10 +171,6 @@ class Restorer:
         report = planner.report
         self.ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
         return report
-
-    def _has_own(self) -> bool:
-        """Whether the manager's own tiers hold any committed checkpoint."""
-        return self.tiers.latest("local") is not None
 
 
 def _reason(where: str, report: RestoreReport) -> str:

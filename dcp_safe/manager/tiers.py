@@ -81,13 +81,15 @@ class Tiers:
         self._reading: set[str] = set()
         self.pruned = 0
         node_options = getattr(writer, "node_options", None)
-        self.peers = PeerTier.for_topology(
-            topology,
-            local=writer.backend,
-            remote=self.backend,
-            keep=None if node_options is None else node_options.keep_node_caches,
-            deadline_s=deadline_s,
-        )
+        self.peers: PeerTier | None = None
+        if topology.peer_copies > 1:  # groups formed here, on every rank at the same point
+            self.peers = PeerTier(
+                topology,
+                local=writer.backend,
+                remote=self.backend,
+                keep=None if node_options is None else node_options.keep_node_caches,
+                deadline_s=deadline_s,
+            )
 
     def await_commit(
         self,

@@ -90,7 +90,11 @@ class _Worker:
             if kind == "writer":
                 self.writer, self.per_rank, self.group = message[1], tuple(message[2]), message[3]
                 self.deep = bool(message[4])
-                self._join()
+                try:
+                    if self.group is not None:
+                        join(self.group)
+                except BaseException as exc:
+                    self.not_joined = encode_error(exc)
                 self.reply("ready", self.not_joined)
             elif kind == "slab":
                 map_slab(message[1], recv_handle(self.conn), message[2])
@@ -104,13 +108,6 @@ class _Worker:
             elif kind == "close":
                 self.close(message[1])
                 return
-
-    def _join(self) -> None:
-        if self.group is not None:
-            try:
-                join(self.group)
-            except BaseException as exc:
-                self.not_joined = encode_error(exc)
 
     def save(
         self, seq: int, name: str, step: int, data: bytes, record: bool, fsize: tuple[int, int]
@@ -127,7 +124,9 @@ class _Worker:
         telemetry = Telemetry(sample_memory=False, rank=0, clock=self.clock) if record else None
         try:
             _limit_files(fsize)
-            writer = self._writer().for_step(step)
+            if self.writer is None:
+                raise AssertionError("the parent sent a save before its writer")
+            writer = self.writer.for_step(step)
             state = pickle.loads(data)
             api.save(
                 state,
@@ -181,11 +180,6 @@ class _Worker:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
         self.reply("closed", error)
-
-    def _writer(self) -> SafeStorageWriter:
-        if self.writer is None:
-            raise AssertionError("the parent sent a save before its writer")
-        return self.writer
 
 
 def _limit_files(fsize: tuple[int, int]) -> None:

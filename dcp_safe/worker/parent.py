@@ -338,10 +338,7 @@ class SaveWorker:
     def kill(self) -> None:
         """Kill every worker now, without waiting (a close that ran out of time: no worker
         outlives its manager); their saves fail with :class:`WorkerDiedError`."""
-        with self._lock:
-            processes = [*self._retired, *([] if self._process is None else [self._process])]
-            for each in processes:
-                each.retired = True  # stopped on purpose: no group to mark broken
+        processes = self._retire_all()
         for each in processes:
             with contextlib.suppress(OSError):
                 each.popen.kill()
@@ -349,13 +346,16 @@ class SaveWorker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 each.popen.wait(_REAPED_S)
 
-    def _stop_all(self, timeout_s: float, deadline: float) -> list[BaseException | None]:
+    def _retire_all(self) -> list[_Process]:
         with self._lock:  # retired until stopped: a kill meanwhile finds them there
             process, self._process = self._process, None
             self._retired += [] if process is None else [process]
-            processes = list(self._retired)
-            for each in processes:
+            for each in self._retired:
                 each.retired = True  # stopped on purpose: no group to mark broken
+            return list(self._retired)
+
+    def _stop_all(self, timeout_s: float, deadline: float) -> list[BaseException | None]:
+        processes = self._retire_all()
         errors = [_stop(each, timeout_s, deadline) for each in processes]
         with self._lock:
             self._retired = [each for each in self._retired if each not in processes]
