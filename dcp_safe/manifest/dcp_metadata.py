@@ -187,7 +187,10 @@ def _plain_bool(value: object, what: str) -> bool:
 def _encode_dims(value: object, what: str) -> list[int]:
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
         raise ValueError(f"{what} is not a sequence of at most {MAX_DIMS} sizes")
-    return [_count(v, what) for v in value]
+    for size in value:  # the common case inline: tens of thousands of chunks a save
+        if type(size) is not int or not 0 <= size <= MAX_INT:
+            _count(size, what)  # raises, with the message
+    return list(value)
 
 
 def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
@@ -406,12 +409,9 @@ class _Decoder:
         return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
     def dims(self, what: str, raw: object, rank: int | None) -> tuple[int, ...]:
-        values = _list(what, raw, at_most=MAX_DIMS)
+        values = _encode_dims(raw, what)  # the checks of a pickled one: the same
         if rank is not None and len(values) != rank:
             raise ValueError(f"{what} has {len(values)} dimensions, its tensor {rank}")
-        for value in values:
-            if type(value) is not int or not 0 <= value <= MAX_INT:
-                _count(value, what)  # raises, with the message
         return tuple(values)
 
     def chunk(
