@@ -177,6 +177,8 @@ class S3MultipartWriter:
         self.bucket, self.key, _ = fs.split_path(path)
         self.block_size = block_size
         self.checksum_algorithm = checksum_algorithm
+        self._checksum = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
+        self._url = f"s3://{self.bucket}/{self.key}"
         self._buf = bytearray()  # the block filling; grows until the first part is sent
         self._free: list[bytearray] = []  # blocks whose part is sent, for reuse
         self._fill = 0  # bytes of the current block holding data
@@ -241,7 +243,7 @@ class S3MultipartWriter:
             if self._upload_id is None:
                 body = self._last_block()
                 self._note_peak()
-                self._call("put_object", Body=_BlockBody(body), **self._checksum_kw())
+                self._call("put_object", Body=_BlockBody(body), **self._checksum)
             else:
                 if self._fill:
                     self._send_block()
@@ -286,9 +288,6 @@ class S3MultipartWriter:
             self.abort()
             raise error
 
-    def _checksum_kw(self) -> dict[str, Any]:
-        return {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
-
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = self._fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
         return out
@@ -324,12 +323,12 @@ class S3MultipartWriter:
     def _send_block(self) -> None:
         """Hand the current block to a part thread once one is free; fill a free block next."""
         if self._upload_id is None:
-            out = self._call("create_multipart_upload", **self._checksum_kw())
+            out = self._call("create_multipart_upload", **self._checksum)
             self._upload_id = str(out["UploadId"])
         number = self._next_part
         if number > MAX_PARTS:
             raise StorageError(
-                "write", self._url(), f"more than {MAX_PARTS} parts: raise the block size"
+                "write", self._url, f"more than {MAX_PARTS} parts: raise the block size"
             )
         while len(self._in_flight) >= self.parts_in_flight:
             self._collect(everything=False)
@@ -355,20 +354,17 @@ class S3MultipartWriter:
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=view,
-                    **self._checksum_kw(),
+                    **self._checksum,
                 )
         except StorageError:
             raise
         except Exception as exc:
-            raise StorageError("write", self._url(), f"part {number}: {exc}") from exc
+            raise StorageError("write", self._url, f"part {number}: {exc}") from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
         field = f"Checksum{self.checksum_algorithm}" if self.checksum_algorithm else ""
         if field and field in out:
             part[field] = out[field]
         return part
-
-    def _url(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
 
     def _release(self) -> None:
         """Stop the threads and free the blocks."""

@@ -468,7 +468,8 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             # A contender writes its lease anew each round (a new ``acquired_at``); a holder,
             # or an abandoned lease, does not. Both racers seeing each other twice in a row
             # must not make both give up: only a lease unchanged since the last round counts.
-            stamps = {e: _acquired_at(backend, f"{name}/{e}") for e in sorted(others)}
+            holders = {e: read_holder(backend, f"{name}/{e}") for e in sorted(others)}
+            stamps = {e: None if h is None else h.acquired_at for e, h in holders.items()}
         except BaseException:
             with contextlib.suppress(OSError):
                 backend.remove_file(f"{name}/{own}")
@@ -490,11 +491,9 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
 def _kept(own: str, taken: set[str]) -> Callable[[str], bool]:
     """What a per-save takeover keeps under the name: its own lease, and any lease it did not
     take over (a contender's, which withdraws itself)."""
-
-    def kept(rel: str) -> bool:
-        return rel == own or ("/" not in rel and layout.is_lease_file(rel) and rel not in taken)
-
-    return kept
+    return lambda rel: (
+        rel == own or ("/" not in rel and layout.is_lease_file(rel) and rel not in taken)
+    )
 
 
 def join_or_acquire_lease(
@@ -591,8 +590,3 @@ def _holder(backend: Backend, name: str) -> str | None:
     regular file of JSON: :mod:`dcp_safe.manifest.limits`)."""
     holder = read_holder(backend, _lease_path(name))
     return None if holder is None else holder.save_id
-
-
-def _acquired_at(backend: Backend, rel: str) -> float | None:
-    holder = read_holder(backend, rel)
-    return None if holder is None else holder.acquired_at
