@@ -241,15 +241,13 @@ class BufferPool:
     def lease(self, request: BufferRequest | Sequence[int]) -> Lease:
         """Take free buffers for a request and reserve the rest. Call with the condition held."""
         request = self._as_request(request)
-        self._reclaim_pending()
+        self.plan(request)  # reclaims pending buffers, breaks other bundles when they are needed
         self._in_use += request.cost
         bundle = self._bundles.pop(request.token, None) if request.token is not None else None
         if bundle is not None:
             self._free_bytes -= request.cost
             self._reuses += len(bundle.buffers)
             return Lease(self, request, list(bundle.buffers), bundle)
-        if self._bundles and self._plan_free(request.sizes)[1]:
-            self._break_bundles()
         buffers: list[torch.Tensor | None] = []
         for size in request.sizes:
             free = self._free.get(size)

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as Future_
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -53,7 +53,7 @@ class InstrumentedWriter(StorageWriter):
         # Still open: another rank failed, so DCP never called finish() here; close them.
         self._fail_open("a new save started before this one finished")
         self._name = None if checkpoint_id is None else os.fspath(checkpoint_id)
-        self._guard(lambda: self.inner.reset(checkpoint_id))
+        self._guard(self.inner.reset, checkpoint_id)
         if self._name is None:
             return
         tel = self.telemetry
@@ -63,34 +63,32 @@ class InstrumentedWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._coordinator = is_coordinator
-        self._guard(lambda: self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs))
+        self._guard(self.inner.set_up_storage_writer, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        result: SavePlan = self._guard(lambda: self.inner.prepare_local_plan(plan))
-        return result
+        return cast(SavePlan, self._guard(self.inner.prepare_local_plan, plan))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        result: list[SavePlan] = self._guard(lambda: self.inner.prepare_global_plan(plans))
-        return result
+        return cast(list[SavePlan], self._guard(self.inner.prepare_global_plan, plans))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self._plan is not None:
-            self._plan.end()
-            self._plan = None
+        opened, self._plan = self._plan, None
+        if opened is not None:
+            opened.end()
         with self._phase(Phase.WRITE) as span:
             future: Future[list[WriteResult]] = self.inner.write_data(plan, planner)
             results = future.wait()
-        span.end(bytes=sum(r.size_in_bytes for r in results), items=len(results))
+            span.end(bytes=sum(r.size_in_bytes for r in results), items=len(results))
         if not self._coordinator:
-            self._end_root()  # finish() runs on the coordinator only
+            self._close_root()  # finish() runs on the coordinator only
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         nbytes = sum(r.size_in_bytes for rank in results for r in rank)
         with self._phase(Phase.COMMIT) as span:
             self.inner.finish(metadata, results)
-        span.end(bytes=nbytes)
-        self._end_root()
+            span.end(bytes=nbytes)
+        self._close_root()
         self._watch_replication()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -114,37 +112,34 @@ class InstrumentedWriter(StorageWriter):
     @contextmanager
     def _phase(self, phase: Phase) -> Iterator[SpanHandle]:
         """A span of ``phase`` over the block; an exception fails it and the root (re-raised)."""
-        span = self.telemetry.begin(phase, save=self._name, parent=self._root)
         try:
-            with self.telemetry.profile(phase):
+            with self.telemetry.span(phase, save=self._name, parent=self._root) as span:
                 yield span
         except BaseException as exc:
-            span.fail(exc)
-            self._fail_root(exc)
+            self._close_root(exc)
             raise
 
-    def _guard(self, call: Callable[[], Any]) -> Any:
+    def _guard(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return call()
+            return call(*args, **kwargs)
         except BaseException as exc:
             self._fail_open(exc)
             raise
 
-    def _fail_root(self, error: BaseException | str) -> None:
-        if self._root is not None:
-            self._root.fail(error)
-            self._root = None
-
-    def _end_root(self) -> None:
-        if self._root is not None:
-            self._root.end()
-            self._root = None
+    def _close_root(self, error: BaseException | str | None = None) -> None:
+        root, self._root = self._root, None
+        if root is None:
+            return
+        if error is None:
+            root.end()
+        else:
+            root.fail(error)
 
     def _fail_open(self, error: BaseException | str) -> None:
-        if self._plan is not None:
-            self._plan.fail(error)
-            self._plan = None
-        self._fail_root(error)
+        opened, self._plan = self._plan, None
+        if opened is not None:
+            opened.fail(error)
+        self._close_root(error)
 
     def _watch_replication(self) -> None:
         name = self._name
