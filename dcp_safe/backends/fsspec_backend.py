@@ -329,18 +329,21 @@ class FsspecBackend(Backend):
             )
         return bytes(data)
 
-    def sizes(self, rel: str) -> dict[str, int]:
-        path = self._abs(rel).rstrip("/")
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        """The entries directly under ``rel`` with their details (none when it is absent)."""
         # refresh: a listing cache (a caller's use_listings_cache) would miss new shards.
         refresh = {"refresh": True} if self.object_store else {}
         try:
-            entries = self.fs.ls(path, detail=True, **refresh)
+            return list(self.fs.ls(self._abs(rel).rstrip("/"), detail=True, **refresh))
         except (FileNotFoundError, NotADirectoryError):
-            return {}
+            return []
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        path = self._abs(rel).rstrip("/")
         found: dict[str, int] = {}
-        for entry in entries:
+        for entry in self._ls(rel):
             name = str(entry.get("name", "")).rstrip("/").removeprefix(f"{path}/")
             # ls of a file names the file itself; special files and folders are left out.
             if entry.get("type") == "file" and name and "/" not in name:
@@ -368,18 +371,12 @@ class FsspecBackend(Backend):
             return bool(self.fs.isdir(self._abs(rel)))
 
     def list_dir(self, rel: str) -> list[str]:
-        try:
-            entries = self.fs.ls(self._abs(rel), detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
         prefix = self._abs(rel).rstrip("/") + "/"
         # ls of a file (or of a key that is also a prefix) can name the path itself: skip it.
         names = {
-            str(e).rstrip("/").removeprefix(prefix).split("/")[0]
-            for e in entries
-            if str(e).startswith(prefix)
+            str(e.get("name", "")).rstrip("/").removeprefix(prefix).split("/")[0]
+            for e in self._ls(rel)
+            if str(e.get("name", "")).startswith(prefix)
         }
         return sorted(n for n in names if n)
 
