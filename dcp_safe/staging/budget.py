@@ -194,27 +194,18 @@ class MemoryBudget:
         self.check_fits(request_bytes)
         available = self.base_available_bytes - projected_bytes
         if in_flight >= max_in_flight:
-            return Admission(
-                False,
-                f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}",
-                available,
-            )
+            busy = f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}"
+            return Admission(False, busy, available)
+        after = f"projected available memory {format_bytes(available)}"
+        reserve = f"the reserve {format_bytes(self.reserve)}"
         # Same test as ``projected_bytes > envelope_bytes``, including when the host is already
         # below its reserve (envelope 0): then only a save that stages nothing is admitted.
         if projected_bytes > 0 and available < self.reserve:
+            staged = format_bytes(projected_bytes)
             return Admission(
-                False,
-                f"projected available memory {format_bytes(available)} after staging"
-                f" {format_bytes(projected_bytes)} would fall below the reserve"
-                f" {format_bytes(self.reserve)}",
-                available,
+                False, f"{after} after staging {staged} would fall below {reserve}", available
             )
-        return Admission(
-            True,
-            f"projected available memory {format_bytes(available)} stays above the reserve"
-            f" {format_bytes(self.reserve)}",
-            available,
-        )
+        return Admission(True, f"{after} stays above {reserve}", available)
 
     @classmethod
     def from_host(

@@ -59,44 +59,42 @@ class PrometheusSink(Sink):
             ) from None
         self._client, ns, self._telemetry = c, namespace, telemetry
         self.registry = reg = c.CollectorRegistry(auto_describe=True)
-        self.saves = c.Counter(
-            f"{ns}_saves", "Saves finished, by outcome.", ["outcome"], registry=reg
-        )
-        self.in_flight = c.Gauge(
-            f"{ns}_saves_in_flight", "Saves started, not finished.", registry=reg
-        )
-        self.phase_seconds = c.Histogram(
-            f"{ns}_phase_duration_seconds", "Duration of each save phase.", ["phase", "outcome"],
-            buckets=_SECONDS_BUCKETS, registry=reg,
+
+        def metric(kind: Any, name: str, text: str, *labels: str, **options: Any) -> Any:
+            return kind(f"{ns}_{name}", text, labels, registry=reg, **options)
+
+        seconds, counter = {"buckets": _SECONDS_BUCKETS}, c.Counter
+        self.saves = metric(counter, "saves", "Saves finished, by outcome.", "outcome")
+        self.in_flight = metric(c.Gauge, "saves_in_flight", "Saves started, not finished.")
+        self.phase_seconds = metric(
+            c.Histogram, "phase_duration_seconds", "Duration of each save phase.", "phase",
+            "outcome", **seconds,
         )  # fmt: skip
-        self.phase_bytes = c.Counter(
-            f"{ns}_phase_bytes", "Bytes moved by each phase.", ["phase"], registry=reg
-        )
-        self.save_bytes = c.Histogram(
-            f"{ns}_save_bytes", "Bytes written per save.", buckets=_BYTES_BUCKETS, registry=reg
+        self.phase_bytes = metric(counter, "phase_bytes", "Bytes moved by each phase.", "phase")
+        self.save_bytes = metric(
+            c.Histogram, "save_bytes", "Bytes written per save.", buckets=_BYTES_BUCKETS
         )
         self.marks = {
-            name: c.Counter(f"{ns}_{name}", help_text, registry=reg)
-            for name, help_text in (
-                ("skips", "Save requests skipped or coalesced away."),
-                ("fallbacks", "Switches to synchronous saves."),
-                ("retries", "Storage operations retried after a transient failure."),
-            )
+            "skips": metric(counter, "skips", "Save requests skipped or coalesced away."),
+            "fallbacks": metric(counter, "fallbacks", "Switches to synchronous saves."),
+            "retries": metric(
+                counter, "retries", "Storage operations retried after a transient failure."
+            ),
         }
-        self.step_seconds = c.Histogram(
-            f"{ns}_step_duration_seconds", "Training step time reported by the loop.",
-            buckets=_SECONDS_BUCKETS, registry=reg,
+        self.step_seconds = metric(
+            c.Histogram, "step_duration_seconds", "Training step time reported by the loop.",
+            **seconds,
         )  # fmt: skip
         # Read at scrape time from the latest sample: the sampler runs every 20 ms during a
         # save, scrapes come every few seconds, and a figure the host lacks is left out.
         self._latest: MemorySample | None = None
         self._memory_prefix = f"{ns}_memory_"
         reg.register(self)  # a collector too: collect() yields the memory gauges
-        self.budget_envelope = c.Gauge(
-            f"{ns}_budget_envelope_bytes", "The staging budget's envelope.", registry=reg
+        self.budget_envelope = metric(
+            c.Gauge, "budget_envelope_bytes", "The staging budget's envelope."
         )
-        self.budget_used = c.Gauge(
-            f"{ns}_budget_used_bytes", "Host bytes the staging pool holds.", registry=reg
+        self.budget_used = metric(
+            c.Gauge, "budget_used_bytes", "Host bytes the staging pool holds."
         )
         self.budget_envelope.set_function(lambda: self._stager_sum("envelope_bytes"))
         self.budget_used.set_function(lambda: self._stager_sum("pool_bytes"))
