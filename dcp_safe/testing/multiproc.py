@@ -13,11 +13,9 @@ once every other rank has reported, the stopped ones count as failed and are kil
 waited for until the deadline (detected through ``/proc``, so on Linux only; elsewhere the
 deadline catches them).
 
-Why ranks are forked from a fork server that has imported torch: see
-:mod:`dcp_safe.testing.rank_start`. A rank may itself spawn (DCP's
-``AsyncCheckpointerType.PROCESS`` starts a checkpoint daemon per rank), which is why ranks are
-not ``daemon`` processes: a daemonic process may not have children. ``fn`` must pickle by
-reference (a module-level function).
+Why ranks are forked from a fork server that has imported torch: :mod:`~.rank_start`. A rank
+may spawn (DCP's ``AsyncCheckpointerType.PROCESS`` starts a daemon per rank), so ranks are not
+``daemon`` processes (those may not have children). ``fn`` must pickle by reference.
 
 Why each rank leads its own process group: a rank's descendants (that same checkpoint daemon)
 share it, so ``killpg`` on timeout or failure takes the whole tree down and leaves no orphans.
@@ -32,6 +30,7 @@ usual ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables, as unde
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import importlib.util
 import os
@@ -452,6 +451,7 @@ def _rank_main(
     out: connection.Connection,
 ) -> None:
     os.setpgid(0, 0)
+    gc.freeze()  # the fork server's torch objects: a stager's gc.collect() on close skips them
     _die_with_parent()
     os.environ.clear()
     os.environ.update(payload.environ)

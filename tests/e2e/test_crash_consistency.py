@@ -35,6 +35,7 @@ with one), and 100 fresh processes: over ten times the default in each.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import select
@@ -43,7 +44,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +86,7 @@ LONG_ONLY = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("DCP_SAFE_LONG") != "1", reason="set DCP_SAFE_LONG=1"),
 ]
-# Kill points run two at a time (one per core).
+# Kill points in flight at a time (one per core).
 PARALLEL = 2
 WRITERS = {
     "1thread": {"thread_count": 1},
@@ -270,22 +271,29 @@ def _sweep(
     ]
     points.append(len(labels) + 1)
     killed = -signal.SIGKILL if how == "sigkill" else CHILD_EXITED
+
+    def start(kill_at: int) -> tuple[int, Path, int]:
+        root = work / f"kill_{kill_at}"
+        shutil.copytree(template, root, symlinks=True)
+
+        def child() -> None:
+            # The last point runs to completion with no kill at all: a manager's background
+            # threads interleave, so its operation count varies by a few from the probe's.
+            install_kill_switch(0 if kill_at > len(labels) else kill_at, how=how)
+            save(root)
+
+        return kill_at, root, start_fork(child)
+
+    # PARALLEL children are always in flight, also while the parent checks the root a finished
+    # one left: the checks (most of a kill point's time) run beside the next kills.
+    pending = iter(points)
+    in_flight = deque(start(kill_at) for kill_at in itertools.islice(pending, PARALLEL))
     status = None
-    for batch in [points[i : i + PARALLEL] for i in range(0, len(points), PARALLEL)]:
-        children = []
-        for kill_at in batch:
-            root = work / f"kill_{kill_at}"
-            shutil.copytree(template, root, symlinks=True)
-
-            def child(root: Path = root, kill_at: int = kill_at) -> None:
-                # The last point runs to completion with no kill at all: a manager's background
-                # threads interleave, so its operation count varies by a few from the probe's.
-                install_kill_switch(0 if kill_at > len(labels) else kill_at, how=how)
-                save(root)
-
-            children.append((kill_at, root, start_fork(child)))
-        for kill_at, root, pid in children:
+    try:
+        while in_flight:
+            kill_at, root, pid = in_flight.popleft()
             status = wait_fork(pid)
+            in_flight.extend(start(n) for n in itertools.islice(pending, 1))
             assert status in (CHILD_DONE, killed), f"child failed ({status}), see stderr"
             where = labels[kill_at - 1] if kill_at <= len(labels) else "none: ran to completion"
             report.kill_points += 1
@@ -296,6 +304,9 @@ def _sweep(
                 report.failed(f"killed before op {kill_at} ({where})", exc)
                 continue
             report.outcomes["completed" if status == CHILD_DONE else held] += 1
+    finally:
+        for _, _, pid in in_flight:  # a failed child ended the sweep: reap the others
+            wait_fork(pid)
     assert status == CHILD_DONE, "a save given every operation did not complete"
     return report
 
