@@ -3,7 +3,6 @@ writer arguments (the manager and a user of the writer both build their writer h
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
@@ -27,12 +26,9 @@ def writer_for(
         **kwargs: the other :class:`SafeStorageWriter` arguments (``attempt``, ``options``,
             ...); not the roots, which the topology gives.
     """
+    bound: dict[str, Any] = (
+        {} if remote_timeout_s is None else {"remote_timeout_s": remote_timeout_s}
+    )
     if topology.node_cache is None:
-        upload = UploadOptions()
-        if remote_timeout_s is not None:
-            upload = dataclasses.replace(upload, remote_timeout_s=remote_timeout_s)
-        return SafeStorageWriter(topology, replication_options=upload, **kwargs)
-    node = NodeLocalOptions()
-    if remote_timeout_s is not None:
-        node = dataclasses.replace(node, remote_timeout_s=remote_timeout_s)
-    return NodeLocalWriter(topology, node_options=node, **kwargs)
+        return SafeStorageWriter(topology, replication_options=UploadOptions(**bound), **kwargs)
+    return NodeLocalWriter(topology, node_options=NodeLocalOptions(**bound), **kwargs)

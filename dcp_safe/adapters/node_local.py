@@ -20,7 +20,8 @@ from torch.futures import Future as TorchFuture
 
 from dcp_safe import layout
 from dcp_safe.adapters.without_collectives import Assignment as _Assignment
-from dcp_safe.adapters.writer import SafeStorageWriter, _assignment_of
+from dcp_safe.adapters.without_collectives import assignment_of
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.commit.committer import Committer
@@ -122,14 +123,10 @@ class NodeLocalWriter(SafeStorageWriter):
         self.strategy.require_rename(
             f"a node-local root must be a local directory, got {self.root}"
         )
+        assert self.remote is not None  # a node cache's topology uploads to its commit root
+        self.remote_backend: Backend = self.remote
         self.node_options = node_options or NodeLocalOptions()
         self._start_engines()
-
-    @property
-    def remote_backend(self) -> Backend:
-        if self.remote is None:  # set in __init__; only a broken unpickling loses it
-            raise ConfigError("NodeLocalWriter has no remote")
-        return self.remote
 
     @property
     def commit_backend(self) -> Backend:
@@ -159,7 +156,7 @@ class NodeLocalWriter(SafeStorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Assign the save (base class), then take the remote name for it."""
         plans = super().prepare_global_plan(plans)
-        assignment = _assignment_of(plans[0])
+        assignment = assignment_of(plans[0])
         name = self._require_name()
         remote = self.remote_backend
         try:
@@ -175,7 +172,7 @@ class NodeLocalWriter(SafeStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         """Write this rank's files on its node (base class), then upload them in the background."""
-        assignment = _assignment_of(plan)
+        assignment = assignment_of(plan)
         # Only the coordinator's node got the work directory from prepare_global_plan.
         self.backend.makedirs(f"{assignment.work_dir}/{layout.RANKS_DIR}")
         self._wait_for_previous_upload()
@@ -215,11 +212,7 @@ class NodeLocalWriter(SafeStorageWriter):
             BaseException: the first failed upload or remote commit, as it was raised.
         """
         futures = [*self._commits.futures(), *self._uploads.futures()]
-        _, running = wait(futures, timeout=timeout_s)
-        if running:
-            raise ReplicationTimeoutError(
-                f"{len(running)} node-local uploads or commits still running after {timeout_s} s"
-            )
+        _wait(futures, timeout_s, "node-local uploads or commits")
         for future in futures:
             future.result()
 
@@ -248,32 +241,31 @@ class NodeLocalWriter(SafeStorageWriter):
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
-        running = [f for f in self._uploads.futures() if not f.done()]
-        _, still = wait(running, timeout=2 * self.node_options.remote_timeout_s)
-        if still:
-            raise ReplicationTimeoutError(
-                f"the previous upload to {self.remote_backend.url} is still running after "
-                f"{2 * self.node_options.remote_timeout_s} s"
-            )
+        previous = f"the previous upload to {self.remote_backend.url}:"
+        _wait(self._uploads.futures(), 2 * self.node_options.remote_timeout_s, previous)
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
-        work = remote_work_dir(self.remote_backend, name, assignment.save_id)
+        """Copy this rank's files to the remote, verified in flight, its rank manifest last; once
+        the remote commit is there, the node's leader publishes the node cache."""
+        remote = self.remote_backend
+        work = remote_work_dir(remote, name, assignment.save_id)
         try:
             self._upload_rank(assignment, work)
         except BaseException as exc:
-            report_rank_failure(self.remote_backend, work, assignment.rank, assignment.save_id, exc)
+            report_rank_failure(remote, work, assignment.rank, assignment.save_id, exc)
             raise
         manifest = self._await_remote_commit(name, assignment, work)
-        if self._leads_node(assignment):
-            publish_node_cache(
-                self.backend, self.remote_backend, assignment.work_dir, name, manifest
-            )
+        # The leader is the lowest rank that wrote into this node's work directory: every rank
+        # of the node wrote its local rank manifest by now; none listed means the leader
+        # already renamed the directory into place.
+        ranks = ranks_in(self.backend, assignment.work_dir)
+        if ranks and assignment.rank == min(ranks):
+            publish_node_cache(self.backend, remote, assignment.work_dir, name, manifest)
             if self.node_options.keep_node_caches is not None:
                 prune_node_caches(self.backend, self.node_options.keep_node_caches)
         return manifest
 
     def _upload_rank(self, assignment: _Assignment, work: str) -> None:
-        """Copy this rank's files to the remote, verified in flight; its rank manifest last."""
         upload_rank_part(
             self.backend,
             assignment.work_dir,
@@ -339,11 +331,13 @@ class NodeLocalWriter(SafeStorageWriter):
         remote = self.remote_backend
         return strategy_for(remote).publication(remote, name, save_id, self.claimant)
 
-    def _leads_node(self, assignment: _Assignment) -> bool:
-        """True on the lowest rank that wrote into this node's work directory.
 
-        Called after the remote commit, when every rank of the node has written its local rank
-        manifest; an empty listing means the leader already renamed the directory into place.
-        """
-        ranks = ranks_in(self.backend, assignment.work_dir)
-        return bool(ranks) and assignment.rank == min(ranks)
+def _wait(futures: list[Future[Any]], timeout_s: float | None, what: str) -> None:
+    """Wait for ``futures``, at most ``timeout_s``.
+
+    Raises:
+        ReplicationTimeoutError: some are still running then.
+    """
+    _, running = wait(futures, timeout=timeout_s)
+    if running:
+        raise ReplicationTimeoutError(f"{what} {len(running)} still running after {timeout_s} s")

@@ -10,6 +10,7 @@ plans meet before DCP deduplicates. Behaviour and the world-size rule: docs/resu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -134,11 +135,7 @@ class RestoreReport(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {k: getattr(self, k) for k in ("restored", "skipped", "missing", "unexpected")}
-        return (_rebuild_report, (self.name, fields))
-
-
-def _rebuild_report(name: str, fields: dict[str, tuple[str, ...]]) -> RestoreReport:
-    return RestoreReport(name, **fields)
+        return (functools.partial(RestoreReport, **fields), (self.name,))
 
 
 class SafeSavePlanner(DefaultSavePlanner):

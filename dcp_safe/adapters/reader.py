@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -316,24 +317,14 @@ class SafeStorageReader(StorageReader):
     # ----------------------------------------------------------------- helpers
 
     def _read_files(self, by_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
-        workers = min(self.thread_count, len(by_file))
+        workers = max(1, min(self.thread_count, len(by_file)))
         # One helper thread per reader thread hashes a large item's chunk while the next is read.
-        with ThreadPoolExecutor(
-            max_workers=max(1, workers), thread_name_prefix="dcp_safe-hash"
-        ) as hashing:
+        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-hash") as hashing:
             self._items.hash_pool = hashing if self.verify else None
             try:
-                if workers <= 1:
-                    for file_name, requests in by_file.items():
-                        self._read_file(file_name, requests, planner)
-                    return
                 with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
-                    reads = [
-                        pool.submit(self._read_file, file_name, requests, planner)
-                        for file_name, requests in by_file.items()
-                    ]
-                    for read in reads:  # the first failure, in file order, is raised
-                        read.result()
+                    # The first failure, in file order, is raised (once every read has ended).
+                    list(pool.map(self._read_file, by_file, by_file.values(), repeat(planner)))
             finally:
                 self._items.hash_pool = None
 

@@ -23,12 +23,12 @@ need every rank (docs/multirank.md, "Saves without collectives") go through the 
   replicated over.
 - **Gather** (``finish``): a rank other than 0 writes a report
   (:func:`~dcp_safe.layout.rank_report_name`) after its rank manifest: its metadata in the
-  plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`), its audit sums apart (they
-  cover only its blocks of a sharded tensor) and the checksum of its rank manifest; its results
-  are that manifest's items. A rank whose write fails leaves a failure marker instead. Rank 0
-  polls ``_ranks/`` until every rank reported, one failed, or the deadline passed, merges, and
-  the unchanged :class:`~dcp_safe.commit.committer.Committer` verifies and publishes. Reports
-  are removed before the publish: they are no part of the checkpoint.
+  plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`; its audit sums cover only
+  its blocks of a sharded tensor, rank 0 adds them up) and the checksum of its rank manifest;
+  its results are that manifest's items. A rank whose write fails leaves a failure marker
+  instead. Rank 0 polls ``_ranks/`` until every rank reported, one failed, or the deadline
+  passed, merges, and the unchanged :class:`~dcp_safe.commit.committer.Committer` verifies
+  and publishes. Reports are removed before the publish: they are no part of the checkpoint.
 
 With a signing key, the assignment and every report carry an HMAC under it
 (:func:`~dcp_safe.manifest.signing.part_mac`): a rank takes only an assignment it authenticates
@@ -76,14 +76,21 @@ from dcp_safe.manifest.schema import Manifest, RankManifest
 from dcp_safe.manifest.signing import part_mac, part_mac_matches
 from dcp_safe.version import __version__
 
-__all__ = ["Assignment", "StorageAgreement", "items_to_write", "plain_keys", "save_key"]
+__all__ = [
+    "Assignment",
+    "StorageAgreement",
+    "assignment_of",
+    "items_to_write",
+    "plain_keys",
+    "save_key",
+]
 
 _ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
 _PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
 _MASK = (1 << 64) - 1
-#: A report as rank 0 uses it: the rank's plain DCP metadata, its audit sums (key -> block ->
-#: sum) where its planner recorded them, and the checksum of its rank manifest.
-_Report = tuple[Any, dict[str, dict[int, int]] | None, str | None]
+#: A report as rank 0 uses it: the rank's plain DCP metadata (with its audit sums where its
+#: planner recorded them) and the checksum of its rank manifest.
+_Report = tuple[Any, str | None]
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,21 @@ class Assignment:
     save_id: str
     work_dir: str
     skip: frozenset[str] = frozenset()
+
+
+def assignment_of(plan: SavePlan) -> Assignment:
+    """The assignment a writer's ``prepare_global_plan`` gave ``plan``.
+
+    Raises:
+        ConfigError: ``plan`` was not prepared by the writer (DCP plans with the writer it is
+            given).
+    """
+    if not isinstance(plan.storage_data, Assignment):
+        raise ConfigError(
+            "write_data got a plan this writer did not prepare: pass the writer to dcp.save, "
+            "which plans with it"
+        )
+    return plan.storage_data
 
 
 def save_key(attempt: Attempt | None, count: int) -> str:
@@ -148,9 +170,7 @@ class StorageAgreement:
         if coordinator:
             try:
                 plan = claim([plan])[0]
-                if not isinstance(plan.storage_data, Assignment):
-                    raise ConfigError("the writer's own claim did not assign the save")
-                assignment = dataclasses.replace(plan.storage_data, world_size=world)
+                assignment = dataclasses.replace(assignment_of(plan), world_size=world)
                 self.post(assignment.save_id, world, plain)
             except BaseException as exc:
                 with contextlib.suppress(OSError, DcpSafeError):  # the others fail at once
@@ -222,19 +242,25 @@ class StorageAgreement:
         checksum = first.report.manifest.checksum if isinstance(first, ReportedItem) else None
         try:
             planner = dict(metadata.planner_data or {})
-            audit = planner.pop(layout.AUDIT_KEY, None)
+            audit = planner.get(layout.AUDIT_KEY)
+            if isinstance(audit, dict):
+                # A rank's sums cover only its blocks of a sharded tensor, and the plain form
+                # wants blocks 0, 1, ...: the others are 0, which leaves rank 0's sum as it is.
+                planner[layout.AUDIT_KEY] = {
+                    key: {b: blocks.get(b, 0) for b in range(max(blocks, default=-1) + 1)}
+                    for key, blocks in audit.items()
+                }
             try:
                 plain = encode_dcp_metadata(
                     dataclasses.replace(metadata, planner_data=planner or None)
                 )
-                sums = _encode_audit(audit)
             except ValueError as exc:
                 raise ConfigError(
                     "a save without collectives sends each rank's DCP metadata through storage"
                     f" as plain data, and this one has none ({exc}): use DCP's or dcp_safe's"
                     " planner, or use_collectives=True"
                 ) from exc
-            body = {"rank": assignment.rank, "dcp_metadata": plain, "audit": sums}
+            body = {"rank": assignment.rank, "dcp_metadata": plain}
             rel = layout.rank_report_name(assignment.rank, assignment.save_id)
             path, signer = f"{assignment.work_dir}/{rel}", (assignment.save_id, assignment.rank)
             self._write(path, {**body, "manifest": checksum}, signer)
@@ -275,23 +301,19 @@ class StorageAgreement:
             reports = self._await_reports(assignment)
             results = [results[0]]
             for rank in sorted(reports):
-                results.append(self._results_of(assignment, rank, reports[rank][2]))
+                results.append(self._results_of(assignment, rank, reports[rank][1]))
             union = _union_manifest(self.name, assignment, self.checksum, results)
             metadatas = [metadata]
             for rank in sorted(reports):
-                plain, audit, _ = reports[rank]
                 try:
-                    decoded = decode_dcp_metadata(plain, union, f"rank {rank}'s report")
+                    plain = reports[rank][0]
+                    metadatas.append(decode_dcp_metadata(plain, union, f"rank {rank}'s report"))
                 except DcpSafeError as exc:
                     raise CommitError(
                         "a rank holds entries no rank wrote: a plain entry several ranks hold"
                         " must be on rank 0 too, or be declared per rank (per_rank=)",
                         {rank: str(exc)},
                     ) from exc
-                if audit is not None:
-                    planner = {**(decoded.planner_data or {}), layout.AUDIT_KEY: audit}
-                    decoded.planner_data = planner
-                metadatas.append(decoded)
             for rank in reports:
                 rel = layout.rank_report_name(rank, assignment.save_id)
                 with contextlib.suppress(OSError, DcpSafeError):
@@ -380,7 +402,7 @@ class StorageAgreement:
                     raise ValueError(rel)
                 if checksum is not None and not isinstance(checksum, str):
                     raise ValueError("a rank manifest checksum that is not a string")
-                found[rank] = (body["dcp_metadata"], _decode_audit(body.get("audit")), checksum)
+                found[rank] = (body["dcp_metadata"], checksum)
             except ValueError as exc:
                 raise CommitError("a rank's report is malformed", {rank: str(exc)}) from exc
         return found
@@ -407,9 +429,10 @@ class StorageAgreement:
     def _results_of(
         self, assignment: Assignment, rank: int, expected: str | None
     ) -> list[WriteResult]:
-        """A rank's write results, from its rank manifest (with the report the committer
-        checks); signed, the manifest must be the one whose checksum is ``expected`` (one with
-        no items may go unnamed: it holds nothing a load reads)."""
+        """A rank's write results, from its rank manifest, with the report the committer checks
+        (that the manifest is of this save and rank, among others); signed, the manifest must
+        be the one whose checksum is ``expected`` (one with no items may go unnamed: it holds
+        nothing a load reads)."""
         rel = f"{assignment.work_dir}/{layout.rank_manifest_name(rank)}"
         try:
             raw = self.backend.read_small(rel, MANIFEST_MAX_BYTES)
@@ -423,11 +446,6 @@ class StorageAgreement:
                 "a rank manifest is not the one its rank's authenticated report names: nothing"
                 " is published (someone else wrote it, or it was damaged)",
                 {rank: self.backend.full_path(rel)},
-            )
-        if (manifest.save_id, manifest.rank) != (assignment.save_id, rank):
-            raise CommitError(
-                "a rank manifest belongs to another save",
-                {rank: f"{manifest.name}/{manifest.save_id} rank {manifest.rank}"},
             )
         if manifest.checksum_algorithm != self.checksum.value:
             raise CommitError(
@@ -546,36 +564,6 @@ def _merged(metadatas: Sequence[Metadata]) -> Metadata:
         storage_meta=StorageMeta(),
         version=metadatas[0].version,
     )
-
-
-def _encode_audit(audit: object) -> list[list[Any]] | None:
-    if audit is None:
-        return None
-    if not isinstance(audit, dict):
-        raise ValueError("fingerprints that are not a dict")
-    return [[str(k), [[int(b), int(v)] for b, v in blocks.items()]] for k, blocks in audit.items()]
-
-
-def _decode_audit(raw: object) -> dict[str, dict[int, int]] | None:
-    """A report's audit sums, strictly: ``[[key, [[block, sum], ...]], ...]``."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ValueError("audit sums that are not a list")
-    found: dict[str, dict[int, int]] = {}
-    for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise ValueError("an audit entry that is not [key, blocks]")
-        blocks = entry[1]
-        if not isinstance(blocks, list) or not all(
-            isinstance(pair, list)
-            and len(pair) == 2
-            and all(type(n) is int and 0 <= n <= _MASK for n in pair)
-            for pair in blocks
-        ):
-            raise ValueError(f"audit sums of {entry[0][:80]!r} that are not [block, sum] pairs")
-        found[entry[0]] = {b: v for b, v in blocks}
-    return found
 
 
 def _leaf(rel: str) -> str:

@@ -45,6 +45,7 @@ from dcp_safe.adapters.options import REPLICA_MOVED, WRITER_MOVED, WriterOptions
 from dcp_safe.adapters.without_collectives import Assignment as _Assignment
 from dcp_safe.adapters.without_collectives import (
     StorageAgreement,
+    assignment_of,
     items_to_write,
     plain_keys,
     save_key,
@@ -277,7 +278,7 @@ class SafeStorageWriter(StorageWriter):
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._assignment = assignment = _assignment_of(plan)
+        self._assignment = assignment = assignment_of(plan)
         items = plan.items if self._collective else items_to_write(plan.items, assignment, planner)
         buckets = _split_evenly(items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
@@ -556,15 +557,6 @@ class SafeStorageWriter(StorageWriter):
         state["_assignment"] = None
         state["_background"] = _Background()  # threads: the child starts its own if needed
         return state
-
-
-def _assignment_of(plan: SavePlan) -> _Assignment:
-    if not isinstance(plan.storage_data, _Assignment):
-        raise ConfigError(
-            "write_data got a plan this writer did not prepare: pass the writer to dcp.save, "
-            "which plans with it"
-        )
-    return plan.storage_data
 
 
 def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
