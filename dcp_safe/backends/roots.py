@@ -17,8 +17,7 @@ from fsspec.utils import get_protocol
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
+from dcp_safe.backends.retry import RetryingBackend, RetryPolicy, single_try_s3_options
 from dcp_safe.errors import ConfigError
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown

@@ -17,8 +17,12 @@ from botocore.exceptions import ConnectionClosedError
 from dcp_safe.backends.backend import Backend, WritableFile
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.backends.retry import RetryPolicy, is_transient
-from dcp_safe.backends.retrying_backend import RetryingBackend, single_try_s3_options
+from dcp_safe.backends.retry import (
+    RetryingBackend,
+    RetryPolicy,
+    is_transient,
+    single_try_s3_options,
+)
 from dcp_safe.errors import StorageError
 from dcp_safe.testing.backend_contract import BackendContract
 from dcp_safe.testing.s3 import LocalS3

@@ -17,8 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, StorageError
 from dcp_safe.backends.fsspec_backend import FsspecBackend
-from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.backends.retrying_backend import RetryingBackend
+from dcp_safe.backends.retry import RetryingBackend, RetryPolicy
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.testing.fault_plan import MAX_HANG_S
 from dcp_safe.testing.faulty_fs import (
