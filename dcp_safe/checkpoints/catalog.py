@@ -2,8 +2,8 @@
 
 ``list_checkpoints`` reads a marker and a manifest per checkpoint. ``verify_checkpoint`` reads
 every byte against its checksum, then decodes what a load would unpickle with the load's own
-checks (:mod:`dcp_safe.checkpoints.loadable`); ``deep=False`` is the quick check: the marker
-against the manifest and each file's presence and size, reading no data.
+checks (:func:`~dcp_safe.checkpoints.items.check_loadable`); ``deep=False`` is the quick check:
+the marker against the manifest and each file's presence and size, reading no data.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dcp_safe.checkpoints.committed import (
     recency,
     resolve_name,
 )
-from dcp_safe.checkpoints.loadable import check_loadable
+from dcp_safe.checkpoints.items import check_loadable
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
