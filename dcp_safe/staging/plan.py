@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,17 +122,20 @@ class PlanCache:
         # layout key (tuples per tensor) is not hash-cached: milliseconds at 10,000 tensors.
         self._latest: StagingPlan | None = None
 
-    def speculate(self, layout: Layout) -> StagingPlan | None:
-        """The latest plan, if ``layout`` has its structure and its number of tensors.
+    def speculate(
+        self, layout: Layout, admits: Callable[[StagingPlan], bool]
+    ) -> StagingPlan | None:
+        """The latest plan, if ``layout`` has its structure and its number of tensors and
+        ``admits`` (the stager's test) takes it now.
 
         A guess, not a match: the shapes, dtypes, devices and aliasing are not compared (that
         is the key's cost), so the caller must confirm it against the layout's key before
-        anything staged with it is used. ``None``: no plan, or the structure changed.
+        anything staged with it is used. ``None``: no plan, the structure changed, or refused.
         """
         plan = self._latest
-        if plan is None:
+        if plan is None or plan.count != len(layout.candidates):
             return None
-        if plan.count != len(layout.candidates) or plan.structure != layout.structure:
+        if plan.structure != layout.structure or not admits(plan):
             return None
         self.hits += 1
         return plan

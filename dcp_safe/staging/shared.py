@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -99,9 +99,8 @@ class _Slab:
     size: int
     map: mmap.mmap
     used: int = 0
-    live: int = 0
+    live: int = 0  # buffers of it still alive
     pinned: int | None = None  # the address page-locked, when it is
-    places: set[int] = field(default_factory=set)  # data pointers of its live buffers
 
 
 class SharedSlabs:
@@ -141,7 +140,6 @@ class SharedSlabs:
             slab.live += 1
             buffer = torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=offset)
             pointer = buffer.data_ptr()
-            slab.places.add(pointer)
             self._places[pointer] = Place(slab.id, offset, size)
         weakref.finalize(buffer, self._freed, pointer).atexit = False
         return buffer
@@ -217,7 +215,6 @@ class SharedSlabs:
             slab = None if place is None else self._slabs.get(place.slab)
             if place is None or slab is None:
                 return
-            slab.places.discard(pointer)
             slab.live -= 1
             start = _round_up(place.offset, mmap.PAGESIZE)
             end = (place.offset + place.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE

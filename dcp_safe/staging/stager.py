@@ -152,17 +152,16 @@ class BudgetedStager(AsyncStager):
         with self._cond:
             # Same structure as the last save: admit on its plan and let the staging thread
             # confirm the full key, which costs several times the walk.
-            plan = self._plans.speculate(layout)
-            if plan is not None and not (
-                plan.request.cost <= self.budget.envelope_bytes
-                and self._decide(plan.request)[0].admitted
-            ):
-                # A wrong guess must not make a save wait or fail: settle the plan first.
-                self._plans.retract()
-                plan = None
+            # A wrong guess must not make a save wait or fail: guess only what is admitted now.
+            plan = self._plans.speculate(
+                layout,
+                lambda p: (
+                    p.request.cost <= self.budget.envelope_bytes
+                    and self._decide(p.request)[0].admitted
+                ),
+            )
             confirmed = plan is None
-            if plan is None:
-                plan = self._plans.get(layout)
+            plan = plan or self._plans.get(layout)
         # The request is the snapshot's moment: read the counters before anything can wait.
         # Every candidate, not the plan's pick: a guessed plan may still be replaced.
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None

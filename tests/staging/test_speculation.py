@@ -47,13 +47,16 @@ def _equal(staged: dict[str, Any], state: dict[str, Any]) -> bool:
 def test_speculate_offers_the_last_plan_only_for_the_same_structure() -> None:
     cache = PlanCache(BufferPool(pin_memory="off"))
     state = _state()
-    assert cache.speculate(scan(state)) is None  # no plan yet
+    assert cache.speculate(scan(state), lambda plan: True) is None  # no plan yet
     plan = cache.get(scan(state))
     state["model"]["w0"] = torch.zeros(999)  # same structure, other shape: still offered
-    assert cache.speculate(scan(state)) is plan
+    assert cache.speculate(scan(state), lambda plan: True) is plan
     assert plan.key != scan(state).key
+    hits = cache.hits
+    assert cache.speculate(scan(state), lambda plan: False) is None  # not admitted now
+    assert cache.hits == hits  # a refused guess is not counted as a reuse
     state["model"]["w9"] = torch.zeros(1)  # a key added: the structure changed
-    assert cache.speculate(scan(state)) is None
+    assert cache.speculate(scan(state), lambda plan: True) is None
 
 
 def test_a_shape_change_under_the_same_keys_gets_a_fresh_plan_and_right_bytes() -> None:
