@@ -79,7 +79,8 @@ def deliver_shared(
     Returns:
         The bytes this rank received (tensors and objects).
     """
-    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
+    timeout = timedelta(seconds=timeout_s or 0)
     pending = _Pending()
     for transfer in transfers:
         if transfer.owner == rank:
@@ -95,20 +96,13 @@ def deliver_shared(
         else:
             _post_tensor_receive(planner, transfer, group, pending)
     for transfer, sizes, work in object_sizes:
-        _wait(work, timeout)
+        work.wait(timeout)
         _post_object_receive(planner, transfer, sizes, group, pending)
     for work in pending.works:
-        _wait(work, timeout)
+        work.wait(timeout)
     for unpack in pending.unpack:
         unpack()
     return pending.received_bytes
-
-
-def _wait(work: Any, timeout: timedelta | None) -> None:
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
 
 
 def _regions(planner: LoadPlanner, items: tuple[ReadItem, ...]) -> list[torch.Tensor]:
