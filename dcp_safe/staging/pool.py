@@ -374,18 +374,16 @@ class BufferPool:
             ):
                 self._bundles[token] = _Bundle(lease.buffers, views, lease.storage_counts)
                 self._free_bytes += lease.request.cost
-                lease._buffers = []
-                self.condition.notify_all()
-                return
-            del views  # a view nobody else holds dies here, so its buffer counts as unshared
-            for size, buffer in zip(lease.request.sizes, lease._buffers, strict=False):
-                if buffer is None:  # reserved, never allocated (staging failed early)
-                    self._allocated -= self.cost(size)
-                elif not writer_done and _storage_shared(buffer):
-                    self._pending.append(buffer)
-                    self._pending_bytes += self.cost(size)
-                else:
-                    self._put_free(buffer)
+            else:
+                del views  # a view nobody else holds dies here, so its buffer counts as unshared
+                for size, buffer in zip(lease.request.sizes, lease._buffers, strict=False):
+                    if buffer is None:  # reserved, never allocated (staging failed early)
+                        self._allocated -= self.cost(size)
+                    elif not writer_done and _storage_shared(buffer):
+                        self._pending.append(buffer)
+                        self._pending_bytes += self.cost(size)
+                    else:
+                        self._put_free(buffer)
             lease._buffers = []
             self.condition.notify_all()
 

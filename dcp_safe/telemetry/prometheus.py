@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from dcp_safe.errors import ConfigError
 from dcp_safe.observe import Phase
-from dcp_safe.telemetry.events import Event, EventKind
 from dcp_safe.telemetry.memory import MemorySample
-from dcp_safe.telemetry.sinks import Sink
+from dcp_safe.telemetry.sinks import Event, EventKind, Sink
 
 if TYPE_CHECKING:
     from dcp_safe.telemetry.recorder import Telemetry

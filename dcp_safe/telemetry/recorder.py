@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 import torch
 
 from dcp_safe.observe import Instrumentable, Phase, SpanHandle, SpanOptions
-from dcp_safe.telemetry.events import Event, EventKind
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
-from dcp_safe.telemetry.sinks import MemorySink, Sink
+from dcp_safe.telemetry.sinks import Event, EventKind, MemorySink, Sink
 
 if TYPE_CHECKING:
     from dcp_safe.telemetry.instrument import InstrumentedWriter

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_safe.observe import Phase
-from dcp_safe.telemetry.events import Event, EventKind
 from dcp_safe.telemetry.memory import MemorySample, peak_of
+from dcp_safe.telemetry.sinks import Event, EventKind
 
 __all__ = ["BAND_S", "SaveSummary", "TelemetryReport", "build_report", "percentile"]
 

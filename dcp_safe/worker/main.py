@@ -56,9 +56,9 @@ from dcp_safe.coordination.group import is_group_failure
 from dcp_safe.coordination.worker_group import WorkerGroup, join
 from dcp_safe.errors import WorkerError
 from dcp_safe.manifest.schema import Manifest
-from dcp_safe.telemetry.events import Event
 from dcp_safe.telemetry.memory import anchored_clock
 from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.telemetry.sinks import Event
 from dcp_safe.worker.transport import Checked, check_commit, encode_error, forget_slab, map_slab
 
 __all__ = ["main"]
