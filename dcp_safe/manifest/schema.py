@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from json.encoder import encode_basestring_ascii
-from typing import Any, ClassVar, Self, TypeVar, cast
+from typing import Any, ClassVar, Self, cast
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
@@ -281,11 +281,41 @@ class _Document:
         return cast(dict[str, Any], json.loads(self.to_json()))
 
     def to_json(self) -> bytes:
-        return _dumps_with_records(self._head(), self.files, self.items)
+        """Canonical JSON (sorted keys, no spaces), the records written as text."""
+        head = self._head()
+        records = {
+            "files": f"[{','.join(f.to_json_text() for f in self.files)}]",
+            "items": f"[{','.join(i.to_json_text() for i in self.items)}]",
+        }
+        fields = [
+            f"{_str(key)}:{records[key] if key in records else _dumps(head[key])}"
+            for key in sorted([*head, *records])
+        ]
+        return f"{{{','.join(fields)}}}".encode()
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Self:
-        return _build(cls, _loads(data, path, cls._FORMAT), path)
+        """Raises CheckpointCorruptError: not such a document, of this version, well formed."""
+        raw = parse_json(data, path)
+        if not isinstance(raw, dict) or raw.get("format") != cls._FORMAT:
+            raise CheckpointCorruptError(path, f"not a {cls._FORMAT} document")
+        if raw.get("version") != MANIFEST_VERSION:
+            raise CheckpointCorruptError(
+                path,
+                "unsupported manifest version",
+                expected=MANIFEST_VERSION,
+                actual=raw.get("version"),
+            )
+        del raw["format"]
+        private = sorted(key for key in raw if key.startswith("_"))
+        if private:  # the lookup tables are derived, never read from storage
+            raise CheckpointCorruptError(path, f"malformed manifest (unknown fields {private})")
+        try:
+            raw["files"] = tuple(FileRecord.from_dict(f) for f in _records("files", raw["files"]))
+            raw["items"] = tuple(ItemRecord.from_dict(i) for i in _records("items", raw["items"]))
+            return cls(**raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(path, f"malformed manifest ({exc})") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,51 +403,6 @@ def _dumps(raw: object) -> str:
 # The pieces json.dumps itself writes a str and an int with (ASCII only, as it does by default).
 _str = encode_basestring_ascii
 _int = int.__repr__
-
-
-def _dumps_with_records(
-    head: Mapping[str, Any], files: Iterable[FileRecord], items: Iterable[ItemRecord]
-) -> bytes:
-    """``_dumps`` of ``head`` with the records added, byte for byte, written as text."""
-    records = {
-        "files": f"[{','.join(f.to_json_text() for f in files)}]",
-        "items": f"[{','.join(i.to_json_text() for i in items)}]",
-    }
-    fields = [
-        f"{_str(key)}:{records[key] if key in records else _dumps(head[key])}"
-        for key in sorted([*head, *records])
-    ]
-    return f"{{{','.join(fields)}}}".encode()
-
-
-def _loads(data: bytes, path: str, kind: str) -> dict[str, Any]:
-    raw = parse_json(data, path)
-    if not isinstance(raw, dict) or raw.get("format") != kind:
-        raise CheckpointCorruptError(path, f"not a {kind} document")
-    if raw.get("version") != MANIFEST_VERSION:
-        raise CheckpointCorruptError(
-            path,
-            "unsupported manifest version",
-            expected=MANIFEST_VERSION,
-            actual=raw.get("version"),
-        )
-    del raw["format"]
-    return raw
-
-
-T = TypeVar("T")
-
-
-def _build(cls: type[T], raw: dict[str, Any], path: str) -> T:
-    private = sorted(key for key in raw if key.startswith("_"))
-    if private:  # the lookup tables are derived, never read from storage
-        raise CheckpointCorruptError(path, f"malformed manifest (unknown fields {private})")
-    try:
-        raw["files"] = tuple(FileRecord.from_dict(f) for f in _records("files", raw["files"]))
-        raw["items"] = tuple(ItemRecord.from_dict(i) for i in _records("items", raw["items"]))
-        return cls(**raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(path, f"malformed manifest ({exc})") from exc
 
 
 def _records(field: str, value: object) -> list[dict[str, Any]]:
