@@ -65,8 +65,7 @@ from dcp_safe.adapters.planners import FingerprintedPlan
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
 from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.report import ReportedItem, attach_report, report_for
-from dcp_safe.commit.results import records_by_rank
+from dcp_safe.commit.results import ReportedItem, attach_report, records_by_rank, report_for
 from dcp_safe.coordination.markers import poll
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, DivergentStateError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes

@@ -2,7 +2,7 @@
 publishes". Runs on rank 0 in ``SafeStorageWriter.finish`` and ``NodeLocalWriter``'s remote commit.
 
 Its storage calls are a few listings, not one per rank or file: manifests are checked from the
-ranks' reports (:mod:`dcp_safe.commit.report`) and one listing of ``_ranks/``, shards from one
+ranks' reports (:mod:`dcp_safe.commit.results`) and one listing of ``_ranks/``, shards from one
 listing of the work folder, on a bounded pool (``workers``). A worker's error is raised here,
 typed, the lowest failing rank first.
 """
@@ -25,30 +25,20 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.report import RankReport, report_for
 from dcp_safe.commit.results import (
+    RankReport,
     bytes_by_file,
     check_every_item_written,
     dcp_metadata,
     plain_dcp_metadata,
     records_by_rank,
+    report_for,
     same_records,
 )
-from dcp_safe.errors import (
-    CheckpointExistsError,
-    CommitError,
-    ConfigError,
-    DcpSafeError,
-)
+from dcp_safe.errors import CheckpointExistsError, CommitError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import (
-    FileRecord,
-    ItemRecord,
-    Manifest,
-    RankManifest,
-    manifest_digest,
-)
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest, manifest_digest
 from dcp_safe.manifest.signing import sign_digest
 from dcp_safe.version import __version__
 

@@ -1,4 +1,10 @@
-"""The ranks' write results as the coordinator checks them, and DCP's ``.metadata`` from them.
+"""The ranks' write results as the coordinator checks them, what each rank reports with them,
+and DCP's ``.metadata`` from them.
+
+The first write result's ``storage_data`` of a rank is a :class:`ReportedItem`: the item's
+record and the rank's :class:`RankReport`, so rank 0 need not read every rank manifest back
+(docs/architecture.md, "Phase one: every rank writes"). A rank with no items sends no report.
+The report comes from the rank that wrote the manifest: as trustworthy as the stored copy.
 
 Only the checks that need no storage (every planned item written once; a rank's records the
 same as its manifest's); :mod:`dcp_safe.commit.committer` does the rest.
@@ -10,27 +16,83 @@ import logging
 import pickle
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_safe.commit.report import RankReport, ReportedItem
+from dcp_safe import layout
 from dcp_safe.errors import CommitError
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.dcp_metadata import encode_dcp_metadata
-from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
+from dcp_safe.manifest.schema import FileRecord, ItemKey, ItemRecord, RankManifest, item_key
 from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "RankReport",
+    "ReportedItem",
+    "attach_report",
     "bytes_by_file",
     "check_every_item_written",
     "dcp_metadata",
     "plain_dcp_metadata",
     "records_by_rank",
+    "report_for",
     "same_records",
 ]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's manifest as the coordinator needs it: whose it is, its files, its own record."""
+
+    name: str
+    save_id: str
+    rank: int
+    files: tuple[FileRecord, ...]
+    #: The rank manifest as written: its path in the checkpoint, size and checksum.
+    manifest: FileRecord
+
+
+@dataclass(frozen=True)
+class ReportedItem:
+    """The ``storage_data`` of a rank's first write result: the item's record, and the report."""
+
+    record: ItemRecord
+    report: RankReport
+
+
+def report_for(manifest: RankManifest, written: bytes, algorithm: ChecksumAlgorithm) -> RankReport:
+    """The report of ``manifest``, whose stored bytes are ``written``."""
+    return RankReport(
+        name=manifest.name,
+        save_id=manifest.save_id,
+        rank=manifest.rank,
+        files=manifest.files,
+        manifest=FileRecord(
+            path=layout.rank_manifest_name(manifest.rank),
+            size=len(written),
+            checksum=digest_bytes(written, algorithm),
+        ),
+    )
+
+
+def attach_report(results: Sequence[WriteResult], report: RankReport) -> list[WriteResult]:
+    """``results`` with ``report`` carried by the first (unchanged when there is none)."""
+    if not results:
+        return list(results)
+    first = results[0]
+    if not isinstance(first.storage_data, ItemRecord):
+        raise TypeError(f"expected an ItemRecord, got {type(first.storage_data).__name__}")
+    carried = WriteResult(
+        index=first.index,
+        size_in_bytes=first.size_in_bytes,
+        storage_data=ReportedItem(first.storage_data, report),
+    )
+    return [carried, *results[1:]]
 
 
 def records_by_rank(

@@ -30,7 +30,7 @@ from dcp_safe import layout
 from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.committer import DEFAULT_COMMIT_WORKERS, Committer
-from dcp_safe.commit.report import attach_report, report_for
+from dcp_safe.commit.results import attach_report, report_for
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.manifest.checksum import digest_bytes
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest

@@ -23,7 +23,7 @@ from dcp_safe import CommitError, ConfigError, StorageError, layout
 from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.commit.committer import MAX_COMMIT_WORKERS, Committer
-from dcp_safe.commit.report import ReportedItem
+from dcp_safe.commit.results import ReportedItem
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import FileRecord, RankManifest
 from dcp_safe.testing import world

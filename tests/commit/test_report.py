@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
-from dcp_safe.commit.report import ReportedItem, attach_report, report_for
+from dcp_safe.commit.results import ReportedItem, attach_report, report_for
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
