@@ -23,6 +23,9 @@ __all__ = [
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _NO_LIMIT_BYTES = 1 << 60
+# The limit file, the usage file and the name of each cgroup version.
+_V2_FILES = ("memory.max", "memory.current", "v2")
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "v1")
 
 
 def _memberships(text: str) -> tuple[str | None, str | None]:
@@ -108,24 +111,20 @@ def cgroup_limit(
     """The tightest memory limit on this process's cgroup (v2, else v1), or None if unlimited."""
     root = Path(cgroup_root)
     v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
-    candidates: list[tuple[Path, str, str, str, str]] = []
-    if v2_rel is not None:
-        for d in _self_and_ancestors(root, v2_rel):
-            candidates.append((d, "memory.max", "memory.current", "memory.stat", "v2"))
+    v2 = [] if v2_rel is None else _self_and_ancestors(root, v2_rel)
+    candidates = [(d, *_V2_FILES) for d in v2]
     for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
-        for d in _self_and_ancestors(root / "memory", rel):
-            candidates.append(
-                (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "v1")
-            )
+        candidates += [(d, *_V1_FILES) for d in _self_and_ancestors(root / "memory", rel)]
     best: CgroupLimit | None = None
-    for directory, limit_name, usage_name, stat_name, version in candidates:
+    for directory, limit_name, usage_name, version in candidates:
         limit = _read_int(directory / limit_name)
         if limit is None or limit >= _NO_LIMIT_BYTES:
             continue
         if best is not None and best.limit_bytes <= limit:
             continue
         usage = _read_int(directory / usage_name)
-        available = None if usage is None else limit - usage + _inactive_file(directory / stat_name)
+        stat = directory / "memory.stat"
+        available = None if usage is None else limit - usage + _inactive_file(stat)
         source = f"cgroup {version} {limit_name} at {directory}"
         best = CgroupLimit(limit, source, available)
     return best
