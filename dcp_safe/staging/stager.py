@@ -201,10 +201,8 @@ class BudgetedStager(AsyncStager):
             waiting = list(self._in_flight.values())
         self.drop_kept()
         gc.collect()  # a dropped response caught in a reference cycle still holds its state
-        deadline = time.monotonic() + self.options.timeout_s
         with self._cond:
-            while self._in_flight and time.monotonic() < deadline:
-                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            self._cond.wait_for(lambda: not self._in_flight, self.options.timeout_s)
             stuck = sorted(self._in_flight)
         self._executor.shutdown(wait=True)
         self._pool.close()
