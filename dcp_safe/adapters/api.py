@@ -12,7 +12,9 @@ get their own process group".
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -28,7 +30,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_safe.adapters.broadcast import deliver_shared
-from dcp_safe.adapters.gc_pause import gc_paused
 from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.coordination.group import (
@@ -46,13 +47,52 @@ from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard, dcp_load_state_dict, storage_setup
 from dcp_safe.torch_compat import dcp_save as _dcp_save
 
-__all__ = ["DEFAULT_DEADLINE_S", "async_save", "load", "save"]
+__all__ = ["DEFAULT_DEADLINE_S", "async_save", "gc_paused", "load", "save"]
 
 T = TypeVar("T")
 
 
 # DCP warns on every single-process call, even when no_dist=True says so explicitly.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0
+_gc_resume = False  # the collector ran when the first holder paused it
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for the block (reference counting still frees memory):
+    what :func:`save` and :func:`load` run under.
+
+    A save of many small tensors makes several hundred thousand short-lived containers (plan
+    items, write results, metadata entries, audit sums). Each one that outlives a young
+    collection counts towards a full one, which walks every object of the process (torch's
+    modules, the training state, the cached plans): at 10,000 tensors of 32 KiB the collector
+    took 0.2 to 0.4 s of a 1.5 s save, measured with ``gc.callbacks`` (and up to 0.3 s of a
+    0.6 s load of them). Paused, those containers die by reference count before any collection
+    sees them; what the call keeps is collected later, as it would have been. torch's own
+    ``get_state_dict`` / ``set_state_dict`` pause it the same way.
+
+    Only for the synchronous call, where the caller waits anyway: a background save
+    (``async_save``, the manager's thread executor) leaves the collector alone, since pausing it
+    there would pause it for the training thread too. Pauses nest across threads: the collector
+    runs again when the last paused call ends, and only if it was running when the first began.
+    """
+    global _gc_holders, _gc_resume
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_resume:
+                gc.enable()
 
 
 @dataclass(frozen=True)

@@ -105,32 +105,27 @@ def deliver_shared(
     return pending.received_bytes
 
 
-def _regions(planner: LoadPlanner, items: tuple[ReadItem, ...]) -> list[torch.Tensor]:
-    return [planner.resolve_tensor(item).detach() for item in items]
-
-
-def _offsets(regions: list[torch.Tensor]) -> tuple[list[int], int]:
+def _tensor_buffer(
+    planner: LoadPlanner, items: tuple[ReadItem, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
+    """A tensor transfer's regions and the bytes they travel in: the one region itself where it
+    can be sent from or received into directly (no slots), else a new buffer holding each
+    region's slot at a 16-byte aligned offset."""
+    regions = [planner.resolve_tensor(item).detach() for item in items]
+    one = regions[0] if len(regions) == 1 else None
+    if one is not None and one.device.type == "cpu" and one.is_contiguous() and one.numel():
+        return regions, one.reshape(-1).view(torch.uint8), None
     offsets, end = [], 0
     for region in regions:
         end = -(-end // _ALIGN) * _ALIGN
         offsets.append(end)
         end += region.numel() * region.element_size()
-    return offsets, end
-
-
-def _direct(regions: list[torch.Tensor]) -> torch.Tensor | None:
-    """The one region itself as bytes, when it can be sent from or received into directly."""
-    if len(regions) != 1:
-        return None
-    region = regions[0]
-    if region.device.type != "cpu" or not region.is_contiguous() or region.numel() == 0:
-        return None
-    return region.reshape(-1).view(torch.uint8)
-
-
-def _slot(buffer: torch.Tensor, offset: int, region: torch.Tensor) -> torch.Tensor:
-    nbytes = region.numel() * region.element_size()
-    return buffer[offset : offset + nbytes].view(region.dtype).view(region.shape)
+    buffer = torch.empty(max(end, 1), dtype=torch.uint8)
+    slots = [
+        buffer[at : at + r.numel() * r.element_size()].view(r.dtype).view(r.shape)
+        for at, r in zip(offsets, regions, strict=True)
+    ]
+    return regions, buffer, slots
 
 
 def _post_sends(
@@ -154,13 +149,9 @@ def _post_sends(
                     dist.isend(data, group=group, tag=2 * transfer.tag + 1, group_dst=dest)
                 )
         return
-    regions = _regions(planner, transfer.items)
-    buffer = _direct(regions)
-    if buffer is None:
-        offsets, total = _offsets(regions)
-        buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-        for offset, region in zip(offsets, regions, strict=True):
-            _slot(buffer, offset, region).copy_(region)
+    regions, buffer, slots = _tensor_buffer(planner, transfer.items)
+    for slot, region in zip(slots or [], regions, strict=False):
+        slot.copy_(region)
     pending.keep_alive.append(buffer)
     for dest in transfer.dests:
         pending.works.append(dist.isend(buffer, group=group, tag=2 * transfer.tag, group_dst=dest))
@@ -169,22 +160,17 @@ def _post_sends(
 def _post_tensor_receive(
     planner: LoadPlanner, transfer: Transfer, group: Any, pending: _Pending
 ) -> None:
-    regions = _regions(planner, transfer.items)
-    buffer = _direct(regions)
-    direct = buffer is not None
-    offsets, total = _offsets(regions)
+    regions, buffer, slots = _tensor_buffer(planner, transfer.items)
     pending.received_bytes += sum(r.numel() * r.element_size() for r in regions)
-    if buffer is None:
-        buffer = torch.empty(max(total, 1), dtype=torch.uint8)
     pending.keep_alive.append(buffer)
     pending.works.append(
         dist.irecv(buffer, group=group, tag=2 * transfer.tag, group_src=transfer.owner)
     )
 
     def unpack() -> None:
-        for item, offset, region in zip(transfer.items, offsets, regions, strict=True):
-            if not direct:
-                region.copy_(_slot(buffer, offset, region))
+        for item, region, slot in zip(transfer.items, regions, slots or regions, strict=True):
+            if slot is not region:
+                region.copy_(slot)
             planner.commit_tensor(item, region)
 
     pending.unpack.append(unpack)

@@ -12,7 +12,7 @@ import torch
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter
-from dcp_safe.adapters.gc_pause import gc_paused
+from dcp_safe.adapters.api import gc_paused
 from dcp_safe.errors import DcpSafeError
 
 
