@@ -25,8 +25,7 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest

@@ -64,8 +64,8 @@ from dcp_safe import layout
 from dcp_safe.adapters.planners import FingerprintedPlan
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
-from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.results import ReportedItem, attach_report, records_by_rank, report_for
+from dcp_safe.commit.strategy import Publication
 from dcp_safe.coordination.markers import poll
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, DivergentStateError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes

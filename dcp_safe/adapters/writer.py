@@ -58,9 +58,8 @@ from dcp_safe.choices import refuse_moved
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.fencing import attempt_from_env
 from dcp_safe.commit.lease import DEFAULT_STALE_LEASE_S, Claimant
-from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.results import attach_report, report_for
-from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
-from dcp_safe.commit.publication import Publication
 from dcp_safe.commit.results import (
     RankReport,
     bytes_by_file,
@@ -35,6 +34,7 @@ from dcp_safe.commit.results import (
     report_for,
     same_records,
 )
+from dcp_safe.commit.strategy import Publication
 from dcp_safe.errors import CheckpointExistsError, CommitError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES

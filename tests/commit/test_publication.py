@@ -15,8 +15,7 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import Claimant, acquire_lease, lease_files
-from dcp_safe.commit.publication import Publication
-from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.errors import CheckpointExistsError, StaleWriterError
 
 NAME = "step_1"
