@@ -34,12 +34,7 @@ from dcp_safe.commit.lease import (
     release_lease,
 )
 from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
-from dcp_safe.errors import (
-    CheckpointExistsError,
-    ConfigError,
-    DcpSafeError,
-    StaleWriterError,
-)
+from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.schema import Manifest
 
 __all__ = [
