@@ -17,7 +17,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -295,26 +295,21 @@ def _unmet_need(stager: BudgetedStager | None, writer: SafeStorageWriter) -> str
 
 _TOPOLOGY = "the root: CheckpointManager(Topology.of(root, {name}=...))"
 
-#: Every keyword ``CheckpointManager`` took before the option objects, and where it lives now.
+#: Every keyword ``CheckpointManager`` took before the option objects, and where it lives now:
+#: each field of an option object but the shorthands the manager still takes.
 MOVED: Mapping[str, str] = {
     **{n: _TOPOLOGY for n in ("replicate_to", "node_local", "storage_options", "peer_copies")},
-    "keep_every": "retention=Retention(keep_every=...)",
-    "partial_grace_s": "retention=Retention(partial_grace_s=...)",
-    **{
-        n: f"policy=SavePolicy({n}=...)"
-        for n in ("staging", "validate", "name_format", "latency_objective_s", "sync_fallback")
-    },
     "fallback": "policy=SavePolicy(sync_fallback=...)",
     **{
-        n: f"bounds=Bounds({n}=...)"
-        for n in ("budget", "deadline_s", "wait_timeout_s", "exit_timeout_s")
-    },
-    **{
-        n: f"resume=Resume({n}=...)"
-        for n in ("per_rank", "initial_load_from", "initial_load_keys", "keep_in_memory", "attempt")
-    },
-    **{
-        n: f"runtime=Runtime({n}=...)"
-        for n in ("executor", "writer", "stager", "telemetry", "memory_sampler", "clock")
+        f.name: f"{param}={kind.__name__}({f.name}=...)"
+        for param, kind in (
+            ("policy", SavePolicy),
+            ("retention", Retention),
+            ("bounds", Bounds),
+            ("resume", Resume),
+            ("runtime", Runtime),
+        )
+        for f in fields(kind)
+        if f.name not in ("every", "when_busy", "keep_last")
     },
 }

@@ -240,18 +240,12 @@ class Tiers:
     def reader(self) -> SafeStorageReader:
         """A reader of the local root with the replica as its fallback (or, node-local: of the
         remote root, reading from this node's cache what it can, then from peers' copies)."""
-        if self.node_cache is not None:
-            return SafeStorageReader(
-                self.commit,
-                node_cache=self.node_cache,
-                peers=self.peers is not None,
-                process_group=None if self.peers is None else self.peers.restore_group,
-                signing_key=self.signing_key,
-                load_budget_bytes=self.load_budget_bytes,
-            )
-        return SafeStorageReader(
+        return SafeStorageReader(  # a topology has a replica or a node cache, never both
             self.commit,
             fallback=self.replica,
+            node_cache=self.node_cache,
+            peers=self.peers is not None,
+            process_group=None if self.peers is None else self.peers.restore_group,
             signing_key=self.signing_key,
             load_budget_bytes=self.load_budget_bytes,
         )

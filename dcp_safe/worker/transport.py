@@ -107,14 +107,15 @@ class _StatePickler(pickle.Pickler):
         return NotImplemented
 
 
-def _portable(error: Exception) -> bytes:
-    """``error`` pickled; a :class:`WorkerError` with its text when it does not pickle."""
+def _portable(error: BaseException, *details: str) -> bytes:
+    """``error`` pickled; a :class:`WorkerError` with its text (and ``details``) when it does
+    not survive pickling."""
     try:
         data = pickle.dumps(error)
         pickle.loads(data)
         return data
     except Exception:
-        return pickle.dumps(WorkerError(type(error).__name__, str(error)))
+        return pickle.dumps(WorkerError(type(error).__name__, str(error), *details))
 
 
 def _failed_staging(data: bytes) -> FailedStaging:
@@ -152,11 +153,9 @@ def encode_error(error: BaseException) -> bytes:
     text = "".join(traceback.format_exception(error))
     try:
         error.add_note(f"in the checkpoint worker (pid {os.getpid()}):\n{text}")
-        data = pickle.dumps(error)
-        pickle.loads(data)
-        return data
-    except Exception:
+    except Exception:  # it takes no note: sent as its text
         return pickle.dumps(WorkerError(type(error).__name__, str(error), text))
+    return _portable(error, text)
 
 
 def decode_error(data: bytes) -> BaseException:
