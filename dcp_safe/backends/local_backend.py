@@ -293,31 +293,27 @@ class LocalBackend(Backend):
         try:
             with src_parent as (src_dir, src_name), dst_parent as (dst_dir, dst_name):
                 if replace and _present(dst_dir, dst_name):
-                    return self._exchange(src_dir, src_name, dst_dir, dst_name, src, dst)
+                    if _renameat2(src_dir, src_name, dst_dir, dst_name, _RENAME_EXCHANGE):
+                        return src  # the old checkpoint now lives where the partial was
+                    # Two plain renames would leave the name empty if we died between them.
+                    raise StorageError(
+                        "replace",
+                        dst_path,
+                        "this file system cannot swap directories atomically (renameat2"
+                        " RENAME_EXCHANGE); the existing checkpoint is untouched - save under a"
+                        " new name instead",
+                    )
                 if not _renameat2(src_dir, src_name, dst_dir, dst_name, _RENAME_NOREPLACE):
                     if _present(dst_dir, dst_name):
                         raise FileExistsError(errno.EEXIST, "exists", dst_path)
                     os.rename(src_name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
-        except FileExistsError:
+        except (FileExistsError, StorageError):
             raise
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise FileExistsError(errno.EEXIST, "exists", dst_path) from exc
             raise self._fail("rename", src, exc) from exc
         return None
-
-    def _exchange(
-        self, src_dir: int, src_name: str, dst_dir: int, dst_name: str, src: str, dst: str
-    ) -> str:
-        if _renameat2(src_dir, src_name, dst_dir, dst_name, _RENAME_EXCHANGE):
-            return src  # the old checkpoint now lives where the partial was
-        # Two plain renames would leave the name empty if we died between them; refuse instead.
-        raise StorageError(
-            "replace",
-            self._abs(dst),
-            "this file system cannot swap directories atomically (renameat2 RENAME_EXCHANGE); "
-            "the existing checkpoint is untouched - save under a new name instead",
-        )
 
     def entries_holding(self, member: str) -> list[str]:
         # One listing of the root, then one lstat per entry: cheap on a local disk. An entry
