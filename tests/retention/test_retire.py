@@ -1,4 +1,5 @@
-"""Retiring a checkpoint unpublishes it before deleting anything it holds."""
+"""Retiring a checkpoint (its publish strategy's ``retire``) unpublishes it before deleting
+anything it holds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from support import make_state
 import dcp_safe
 from dcp_safe import SafeStorageWriter, list_checkpoints
 from dcp_safe.backends.backend import Backend
-from dcp_safe.retention.retire import retire_checkpoint
+from dcp_safe.commit.strategy import strategy_for
 
 
 class _Interrupted(Exception):
@@ -40,7 +41,7 @@ def _fail_bulk_deletes(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_retiring_removes_the_checkpoint_and_leaves_nothing_behind(tmp_path: Path) -> None:
     backend = _save(tmp_path, "step_1")
     _save(tmp_path, "step_2")
-    retire_checkpoint(backend, "step_1")
+    strategy_for(backend).retire(backend, "step_1")
     assert [info.name for info in list_checkpoints(tmp_path)] == ["step_2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
 
@@ -51,7 +52,7 @@ def test_a_retirement_interrupted_on_posix_leaves_only_a_hidden_partial(
     backend = _save(tmp_path, "step_1")
     _fail_bulk_deletes(backend, monkeypatch)
     with pytest.raises(_Interrupted):
-        retire_checkpoint(backend, "step_1")
+        strategy_for(backend).retire(backend, "step_1")
     assert list_checkpoints(tmp_path) == []
     (left,) = tmp_path.iterdir()
     assert left.name.startswith(".step_1.partial-")  # the sweeper's to collect
@@ -64,5 +65,5 @@ def test_a_retirement_interrupted_on_an_object_store_leaves_nothing_listed(
     assert not backend.supports_atomic_rename
     _fail_bulk_deletes(backend, monkeypatch)
     with pytest.raises(_Interrupted):
-        retire_checkpoint(backend, "step_1")
+        strategy_for(backend).retire(backend, "step_1")
     assert list_checkpoints(memory_root) == []
