@@ -71,10 +71,11 @@ class WriterOptions:
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
         timeout = self.report_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ConfigError(f"report_timeout_s must be a number, got {timeout!r}")
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(f"report_timeout_s must be positive and finite, got {timeout!r}")
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not (number and math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(
+                f"report_timeout_s must be a positive, finite number, got {timeout!r}"
+            )
         if not isinstance(self.block_digests, bool):
             raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
 

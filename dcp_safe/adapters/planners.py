@@ -232,13 +232,9 @@ class SafeSavePlanner(DefaultSavePlanner):
         self._layout = layout_of(plan)
         if self._remembered is not None and self._remembered.layout == self._layout:
             # The layout the coordinator already planned: send the values alone.
-            return FingerprintedPlan(
-                items=[],
-                usable=False,
-                fingerprints=fingerprints,
-                rank=self.rank,
-                audit=pieces,
-                plan_token=self._remembered.token,
+            token = self._remembered.token
+            return dataclasses.replace(
+                self.plan, items=[], planner_data=None, usable=False, plan_token=token
             )
         self._remembered = None
         return self.plan
@@ -292,9 +288,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         cached = self._global
         if not self.cache_plans or cached is None or len(all_plans) != len(cached.local_plans):
             return None
-        if all(_token_of(p) == cached.token for p in all_plans):
-            return cached
-        return None
+        return cached if all(_token_of(p) == cached.token for p in all_plans) else None
 
     def _layouts(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """Every rank's local plan without values: sent, or named by a cached token."""
