@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = [
     "BusyPolicy",
@@ -16,10 +14,7 @@ __all__ = [
     "SaveHandle",
     "StagingMode",
     "Validation",
-    "chain",
 ]
-
-T = TypeVar("T")
 
 
 class BusyPolicy(str, enum.Enum):
@@ -142,16 +137,3 @@ class Pending:
     nbytes: int
     seq: int = 0
     worker: bool = False
-
-
-def chain(source: Future[Any], target: Future[T], convert: Callable[[Any], T]) -> None:
-    def forward(done: Future[Any]) -> None:
-        with contextlib.suppress(InvalidStateError):  # a failure recorded it first
-            try:
-                target.set_result(convert(done.result()))
-            except CancelledError:
-                target.cancel()
-            except BaseException as exc:
-                target.set_exception(exc)
-
-    source.add_done_callback(forward)

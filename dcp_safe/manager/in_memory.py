@@ -160,12 +160,6 @@ class InMemoryTier:
         apply()
         return step
 
-    @property
-    def step(self) -> int | None:
-        """The step a rollback restores now, if any."""
-        with self._lock:
-            return None if self._kept is None else self._kept.handle.step
-
     def prepare(self, state_dict: dict[str, Any]) -> tuple[int, Callable[[], None]]:
         """Check the kept copy against ``state_dict``; return its step and the copy to run.
 

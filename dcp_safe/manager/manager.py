@@ -57,11 +57,10 @@ from dcp_safe.manager.preemption import (
     final_save,
     why_no_final_save,
 )
-from dcp_safe.manager.restoring import Restorer, WarmStart
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
-from dcp_safe.manager.tiers import Tiers
+from dcp_safe.manager.tiers import Restorer, Tiers, WarmStart
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
 from dcp_safe.worker.parent import SaveWorker

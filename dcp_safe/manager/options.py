@@ -92,12 +92,8 @@ class SavePolicy:
         _set(self, "when_busy", parse_choice(BusyPolicy, self.when_busy, "when_busy"))
         _set(self, "staging", parse_choice(StagingMode, self.staging, "staging"))
         _set(self, "validate", parse_choice(Validation, self.validate, "validate"))
-        if self.latency_objective_s is not None:
-            _set(
-                self,
-                "latency_objective_s",
-                seconds("latency_objective_s", self.latency_objective_s),
-            )
+        if (objective := self.latency_objective_s) is not None:
+            _set(self, "latency_objective_s", seconds("latency_objective_s", objective))
         if not isinstance(self.sync_fallback, FallbackOptions):
             raise ConfigError(f"sync_fallback must be FallbackOptions, got {self.sync_fallback!r}")
         layout.format_name(self.name_format, 0)  # a bad pattern fails here, not at a save

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +33,7 @@ from dcp_safe.errors import (
     SnapshotMutatedError,
 )
 from dcp_safe.manager.fallback import FallbackSwitch
-from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode, chain
+from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.peer_tier import PeerTier
@@ -148,7 +148,7 @@ class SaveRunner:
     ) -> None:
         """Follow a started save (``worker``: the one running it): its copy (the handle's
         ``staged``), then its upload."""
-        chain(staged, handle.staged, lambda _: None)
+        staged.add_done_callback(lambda done: _copied(done, handle.staged))
         with self.ledger.cond:
             self._last_staged = handle.staged
         upload.add_done_callback(lambda done: self._follow(handle, done, group, worker))
@@ -402,3 +402,15 @@ class SaveRunner:
         else:
             self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
         self.tiers.replication_done(handle.name, handle.replicated)
+
+
+def _copied(staging: Future[Any], staged: Future[None]) -> None:
+    """The staging of a save ended: resolve the handle's ``staged`` (unless a failure did)."""
+    with contextlib.suppress(InvalidStateError):
+        try:
+            staging.result()
+            staged.set_result(None)
+        except CancelledError:
+            staged.cancel()
+        except BaseException as exc:
+            staged.set_exception(exc)

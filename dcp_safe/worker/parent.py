@@ -102,6 +102,10 @@ class _Process:
             target=self._read, name="dcp_safe-worker-reader", daemon=True
         )
 
+    @property
+    def alive(self) -> bool:
+        return not self.dead and not _exited(self.popen)
+
     def _read(self) -> None:
         try:
             while True:
@@ -275,8 +279,7 @@ class SaveWorker:
             and (groups is None or process.group == groups.current())
             and process.ready.is_set()
             and process.ready_error is None
-            and not process.dead
-            and not _exited(process.popen)
+            and process.alive
         )
 
     def start(self) -> None:
@@ -408,7 +411,7 @@ class SaveWorker:
         """
         process, groups = self._process, self._groups
         group = None if groups is None else groups.current()
-        alive = process is not None and not process.dead and not _exited(process.popen)
+        alive = process is not None and process.alive
         if groups is not None and group is not None:
             if process is not None and not alive and process.group == group:
                 self._broken_at = group.generation  # its reader says so too, any moment now
