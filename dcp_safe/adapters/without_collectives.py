@@ -326,8 +326,9 @@ class StorageAgreement:
             self.clear()
 
     def _write(self, path: str, body: dict[str, Any], signer: tuple[str, int] | None) -> None:
-        """``body`` as JSON at ``path``; with a signing key and ``signer`` (the save and the
-        rank it speaks for), with its MAC."""
+        """``body`` as JSON at ``path``, of the assignment's format there and of a rank's
+        report's anywhere else (a failure marker too); with a signing key and ``signer`` (the
+        save and the rank it speaks for), with its MAC."""
         kind = _ASSIGNMENT if path == self.path else _REPORT
         body = {"format": kind, **body}
         if self.signing_key is not None and signer is not None:
