@@ -178,9 +178,7 @@ class SafeStorageReader(StorageReader):
         # Files are read on several threads; the planner, the spare tier and the counters are
         # shared between them.
         self._lock = threading.RLock()
-        self._items = ItemReader(
-            self._lock, budget, verify=verify, allow_pickle=allow_pickle, retry=self.retry
-        )
+        self._items = ItemReader(self._lock, budget, verify=verify, allow_pickle=allow_pickle)
         self._log = SourceLog()
 
     @property

@@ -201,16 +201,14 @@ def collective_failure(
         operation: what the collective was part of: ``"save"``, ``"load"`` or ``"vote"`` (the
             manager's), so that a failed load is not reported as an unpublished save.
     """
-    detail = _first_line(exc)
     missing = _missing_ranks(witnesses)
-    if missing:
-        failures = {r: f"did not finish its part of the {operation} ({detail})" for r in missing}
-    else:
-        failures = {
-            r: f"failed or unreachable; this rank cannot tell which peer ({detail})"
-            for r in range(world_size)
-            if r != rank
-        }
+    why = (
+        f"did not finish its part of the {operation}"
+        if missing
+        else "failed or unreachable; this rank cannot tell which peer"
+    )
+    named = missing or [r for r in range(world_size) if r != rank]
+    failures = {r: f"{why} ({_first_line(exc)})" for r in named}
     within = f" within the {deadline_s:g} s deadline" if deadline_s is not None else ""
     outcome, intact = _OUTCOMES.get(operation, _OUTCOMES["save"])
     error = CommitError(

@@ -57,7 +57,18 @@ class ManagerGroups:
             try:
                 self._current[purpose] = checkpoint_group(deadline_s, purpose=purpose)
             except RuntimeError as exc:  # gloo's connect timeout, or the store's (DistError)
-                raise _not_joined(exc, purpose, deadline_s) from exc
+                # A peer did not join in time: every rank constructs the manager at the same
+                # point; one slow to start misses it.
+                raise peers_failed(
+                    f"could not create the manager's {purpose} group: not every rank joined"
+                    f" within the {deadline_s:g} s deadline (every rank constructs"
+                    " CheckpointManager at the same point; a rank slow to start needs a longer"
+                    " deadline_s); restart the job",
+                    f"did not join the {purpose} group",
+                    exc,
+                    rank=dist.get_rank(),
+                    world_size=dist.get_world_size(),
+                ) from exc
         self.rank = dist.get_rank(self.group(POLICY))
         self.world_size = dist.get_world_size(self.group(POLICY))
 
@@ -167,17 +178,3 @@ class ManagerGroups:
             raise self.dead from exc
         with self._lock:
             self._current[purpose] = fresh
-
-
-def _not_joined(exc: BaseException, purpose: str, deadline_s: float) -> CommitError:
-    """The typed error for a group the manager could not create: a peer did not join in time
-    (every rank constructs the manager at the same point; one slow to start misses it)."""
-    return peers_failed(
-        f"could not create the manager's {purpose} group: not every rank joined within the"
-        f" {deadline_s:g} s deadline (every rank constructs CheckpointManager at the same point;"
-        " a rank slow to start needs a longer deadline_s); restart the job",
-        f"did not join the {purpose} group",
-        exc,
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-    )

@@ -30,7 +30,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.group import peers_failed
 from dcp_safe.coordination.groups import WORKERS, ManagerGroups
-from dcp_safe.errors import CommitError, ConfigError
+from dcp_safe.errors import ConfigError
 from dcp_safe.torch_compat import default_store
 
 __all__ = ["WorkerGroup", "WorkerGroups", "join", "store_address"]
@@ -137,21 +137,17 @@ def join(group: WorkerGroup) -> None:
         # Gloo's mesh is not necessarily up on every rank when init returns.
         dist.barrier()
     except (RuntimeError, ValueError) as exc:  # the store's timeout is a DistError
-        raise _not_joined(group, exc, store) from exc
-
-
-def _not_joined(group: WorkerGroup, exc: BaseException, store: Any) -> CommitError:
-    missing: list[int] = []  # none known (the store is gone too): every peer in doubt
-    if store is not None:
-        with contextlib.suppress(RuntimeError):
-            missing = [r for r in range(group.world_size) if not store.check([f"arrived/{r}"])]
-    return peers_failed(
-        f"the checkpoint workers could not form their group within {group.timeout_s:g} s"
-        " (deadline_s): a rank's worker did not start or died; nothing was published (the"
-        " previous checkpoint is intact) and the ranks start new workers at their next save",
-        "its checkpoint worker did not join",
-        exc,
-        rank=group.rank,
-        world_size=group.world_size,
-        ranks=(r for r in missing if r != group.rank),
-    )
+        missing: list[int] = []  # none known (the store is gone too): every peer in doubt
+        if store is not None:
+            with contextlib.suppress(RuntimeError):
+                missing = [r for r in range(group.world_size) if not store.check([f"arrived/{r}"])]
+        raise peers_failed(
+            f"the checkpoint workers could not form their group within {group.timeout_s:g} s"
+            " (deadline_s): a rank's worker did not start or died; nothing was published (the"
+            " previous checkpoint is intact) and the ranks start new workers at their next save",
+            "its checkpoint worker did not join",
+            exc,
+            rank=group.rank,
+            world_size=group.world_size,
+            ranks=(r for r in missing if r != group.rank),
+        ) from exc

@@ -108,7 +108,16 @@ class LoadBudget:
         """Hold a place for an item that allocates at most ``cost_bytes`` until the block ends
         (waiting, in arrival order, while it does not fit; alone when it never fits)."""
         cost = max(0, cost_bytes)
-        self._acquire(cost)
+        with self._cond:
+            if self.budget_bytes is not None and cost:
+                ticket = object()
+                self._waiting.append(ticket)
+                try:
+                    self._cond.wait_for(lambda: self._fits(ticket, cost))
+                finally:
+                    self._waiting.remove(ticket)
+                    self._cond.notify_all()
+            self._reserved += cost
         admission = Admission(self)
         try:
             yield admission
@@ -118,21 +127,6 @@ class LoadBudget:
                 self._held -= admission.held
                 self._reserved -= cost
                 self._cond.notify_all()
-
-    def _acquire(self, cost: int) -> None:
-        if self.budget_bytes is None or cost == 0:
-            with self._cond:
-                self._reserved += cost
-            return
-        ticket = object()
-        with self._cond:
-            self._waiting.append(ticket)
-            try:
-                self._cond.wait_for(lambda: self._fits(ticket, cost))
-            finally:
-                self._waiting.remove(ticket)
-                self._cond.notify_all()
-            self._reserved += cost
 
     def _fits(self, ticket: object, cost: int) -> bool:
         assert self.budget_bytes is not None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from dcp_safe.backends.retry import RetryPolicy, is_transient
+from dcp_safe.backends.retry import is_transient
 from dcp_safe.checkpoints.items import (
     OBJECT_MAX_DECODED_BYTES,
     decode_tensor_item,
@@ -78,10 +78,9 @@ class ItemReader:
         *,
         verify: bool,
         allow_pickle: bool,
-        retry: RetryPolicy,
     ) -> None:
         self.lock, self.budget = lock, budget
-        self.verify, self.allow_pickle, self.retry = verify, allow_pickle, retry
+        self.verify, self.allow_pickle = verify, allow_pickle
         self.stored: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.hash_pool: ThreadPoolExecutor | None = None
         self.bytes_read = self.items_read = 0
@@ -272,24 +271,6 @@ class ItemReader:
             self._hand_over(tensor, path, label, request, planner, target)
         return True
 
-    def _decode_tensor(
-        self, raw: bytes | bytearray, path: str, label: str, record: ItemRecord, held: Admission
-    ) -> torch.Tensor:
-        stored = self.stored.get(record.key)
-        if stored is None:
-            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
-        dtype, shape = stored
-        data = decode_transforms(
-            raw,
-            record.transforms,
-            max_bytes=tensor_item_bound(dtype, shape),
-            path=path,
-            item=label,
-        )
-        if data is not raw:
-            held.count(len(data))  # decompressed; the tensor is decoded over it
-        return decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
-
     def _deliver(
         self,
         raw: bytearray,
@@ -315,7 +296,15 @@ class ItemReader:
             with self.lock:
                 planner.load_bytes(request, safe)
             return
-        tensor = self._decode_tensor(raw, path, label, record, held)
+        stored = self.stored.get(record.key)
+        if stored is None:
+            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
+        dtype, shape = stored
+        bound = tensor_item_bound(dtype, shape)
+        data = decode_transforms(raw, record.transforms, max_bytes=bound, path=path, item=label)
+        if data is not raw:
+            held.count(len(data))  # decompressed; the tensor is decoded over it
+        tensor = decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
         self._hand_over(tensor, path, label, request, planner)
 
     def _hand_over(

@@ -91,7 +91,7 @@ class PeerSource:
         self._manifest: Manifest | None = None
         self._log = SourceLog()
         self._scratch: str | None = None
-        self._peer_sources: dict[str, tuple[_Source, str]] = {}  # file -> source, its holder
+        self._peer_sources: dict[str, _Source] = {}  # file -> where it is read from
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
         self._name, self._manifest = name, manifest
@@ -103,8 +103,7 @@ class PeerSource:
         self._fetch(self._needs(files), self._offers(), self._scratch)
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:
-        found = self._peer_sources.get(file_name)
-        return None if found is None else found[0]
+        return self._peer_sources.get(file_name)
 
     def finish(self, log: SourceLog) -> None:
         self._peer_sources = {}
@@ -125,13 +124,12 @@ class PeerSource:
     def _needs(self, files: set[str]) -> dict[str, int]:
         """The ``files`` this node's cache lacks (or holds at another size)."""
         name, manifest = self._require()
-        needs: dict[str, int] = {}
-        held = self._sizes(self.disk, name) if self.cache.name is not None else {}
-        for file_name in sorted(files):
-            record = manifest.file(file_name)
-            if record is not None and held.get(file_name) != record.size:
-                needs[file_name] = record.size
-        return needs
+        held = self._sizes(name) if self.cache.name is not None else {}
+        return {
+            f: record.size
+            for f in sorted(files)
+            if (record := manifest.file(f)) is not None and held.get(f) != record.size
+        }
 
     def _offers(self) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
@@ -139,7 +137,7 @@ class PeerSource:
         name, manifest = self._require()
         found: list[tuple[str, _Source]] = []
         if self.cache.name is not None:
-            found += [(f, (self.disk, f"{name}/{f}")) for f in self._sizes(self.disk, name)]
+            found += [(f, (self.disk, f"{name}/{f}")) for f in self._sizes(name)]
         try:
             copies = list_peer_copies(self.disk, name)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
@@ -149,18 +147,19 @@ class PeerSource:
             if copy.manifest != manifest:
                 self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", _PEER)
                 continue
-            sizes = self._sizes(self.disk, copy.rel)
+            sizes = self._sizes(copy.rel)
             found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in sizes]
         offers: dict[str, _Source] = {}
         for file_name, source in found:
             offers.setdefault(file_name, source)
         return offers
 
-    def _sizes(self, backend: Backend, folder: str) -> dict[str, int]:
-        """The shard files directly in ``folder`` that have their recorded size."""
+    def _sizes(self, folder: str) -> dict[str, int]:
+        """The shard files directly in ``folder`` on this node's disk that have their recorded
+        size."""
         _, manifest = self._require()
         try:
-            sizes = backend.sizes(folder)
+            sizes = self.disk.sizes(folder)
         except _UNUSABLE:
             return {}
         return {
@@ -176,7 +175,7 @@ class PeerSource:
         ranks that hold them (a collective when the job has several ranks)."""
         for file_name in needs:
             if file_name in offers:  # a peer copy on this node's own disk
-                self._peer_sources[file_name] = (offers[file_name], "this node")
+                self._peer_sources[file_name] = offers[file_name]
         group = self._peer_group()
         if group is None:
             return
@@ -248,7 +247,6 @@ class PeerSource:
         record = self._require()[1].file(fetch.file)
         assert record is not None  # needs come from the manifest
         rel = f"{scratch}/{fetch.file}"
-        holder = f"rank {fetch.holder}"
         try:
             receive_file(
                 group,
@@ -260,13 +258,11 @@ class PeerSource:
                 tag=fetch.tag,
                 chunk_bytes=self.chunk_bytes,
             )
-        except CheckpointCorruptError as exc:
-            self._log.reject(fetch.file, RejectionReason.CHECKSUM, f"{holder}: {exc}", _PEER)
-        except SenderFailedError as exc:
-            reason = RejectionReason.UNREADABLE
-            self._log.reject(fetch.file, reason, f"{holder}: {exc}", _PEER)
-        except OSError as exc:
-            detail = f"{holder}: landing here failed: {type(exc).__name__}: {exc}"
-            self._log.reject(fetch.file, RejectionReason.UNREADABLE, detail, _PEER)
+        except (CheckpointCorruptError, OSError) as exc:  # SenderFailedError is an OSError
+            corrupt = isinstance(exc, CheckpointCorruptError)
+            reason = RejectionReason.CHECKSUM if corrupt else RejectionReason.UNREADABLE
+            here = corrupt or isinstance(exc, SenderFailedError)
+            why = str(exc) if here else f"landing here failed: {type(exc).__name__}: {exc}"
+            self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", _PEER)
         else:
-            self._peer_sources[fetch.file] = ((self.disk, rel), holder)
+            self._peer_sources[fetch.file] = (self.disk, rel)

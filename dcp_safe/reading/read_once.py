@@ -197,16 +197,13 @@ def _transfers(
 
 
 def _batches(entries: list[tuple[ReadItem, str | None]]) -> list[list[ReadItem]]:
-    batches: list[list[ReadItem]] = []
-    current: list[ReadItem] = []
+    batches: list[list[ReadItem]] = [[]]  # entries is never empty
     size = 0
     for item, dtype in entries:
         nbytes = item_nbytes(item, dtype)
-        if current and size + nbytes > BATCH_BYTES:
-            batches.append(current)
-            current, size = [], 0
-        current.append(item)
+        if batches[-1] and size + nbytes > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
         size += nbytes
-    if current:
-        batches.append(current)
     return batches

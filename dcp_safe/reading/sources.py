@@ -244,27 +244,23 @@ class NodeCacheSource(_Files):
         return None if self.name is None else self.backend.full_path(self.name)
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        """Use this node's cache only where it holds the remote's very save (else log why)."""
         self.name = None
-        try:
-            self._check(name, manifest)
-        except Rejected as rejected:
-            log.reject(None, rejected.reason, rejected.detail, self.kind)
-        else:
-            self.name = name
-
-    def _check(self, name: str, manifest: Manifest) -> None:
-        """Raise :class:`Rejected` unless this node's cache holds the remote's very save."""
         try:
             cached = open_node_cache(self.backend, name)
         except CheckpointNotFoundError as exc:
-            raise Rejected(RejectionReason.NO_CACHE, str(exc)) from None
+            reason, detail = RejectionReason.NO_CACHE, str(exc)
         except CheckpointCorruptError as exc:
-            raise Rejected(RejectionReason.BAD_MARKER, str(exc)) from None
+            reason, detail = RejectionReason.BAD_MARKER, str(exc)
         except OSError as exc:
-            raise Rejected(RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}") from None
-        if cached.manifest != manifest:
-            raise Rejected(
-                RejectionReason.STALE,
+            reason, detail = RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}"
+        else:
+            if cached.manifest == manifest:
+                self.name = name
+                return
+            reason = RejectionReason.STALE
+            detail = (
                 f"node cache {cached.path} is save {cached.manifest.save_id}, "
-                f"the remote is save {manifest.save_id}",
+                f"the remote is save {manifest.save_id}"
             )
+        log.reject(None, reason, detail, self.kind)

@@ -15,6 +15,7 @@ does, but nothing reaches the planner unchecked.
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,10 +60,7 @@ def transient_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     so that its pages go back to the OS as soon as it is dropped. From ``malloc``, glibc keeps
     freed blocks in each reader thread's arena: 16 MiB items loaded on 8 threads under a
     16 MiB budget grew the process by ~240 MiB that way, as much as the budget saved."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _WHOLE_MAX_BYTES:
         return torch.empty(shape, dtype=dtype)
     # Unmapped when the last view of the tensor goes (the tensor holds the map).

@@ -66,10 +66,6 @@ class PeerGroup:
     def leads_node(self) -> bool:
         return node_leaders(self.nodes)[self.node] == self.rank
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, by rank (a collective on ``group``)."""
-        return gather_objects(value, self.group)
-
 
 def copy_to_peers(
     name: str,
@@ -100,7 +96,7 @@ def copy_to_peers(
             offer = _offer(local, name)
         except (DcpSafeError, OSError) as exc:
             failed = f"node {peers.node} offered nothing: {type(exc).__name__}: {exc}"
-    offers = peers.gather((offer, failed))
+    offers = gather_objects((offer, failed), peers.group)
     transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
     landed, failed_here = _exchange(name, transfers, peers, local, remote, chunk_bytes)
     if peers.leads_node() and keep is not None:
@@ -109,7 +105,7 @@ def copy_to_peers(
         except OSError as exc:  # reported with the outcomes: every rank must reach the gather
             why = f"pruning peer copies: {type(exc).__name__}: {exc}"
             failed_here = why if failed_here is None else f"{failed_here}; {why}"
-    outcomes = peers.gather(failed_here)
+    outcomes = gather_objects(failed_here, peers.group)
     failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
     failures |= {rank: why for rank, why in enumerate(outcomes) if why}
     if failures:
@@ -226,17 +222,13 @@ def _receive_copy(
 def _committed_manifest(local: Backend, remote: Backend, name: str) -> bytes | str:
     """The committed manifest's bytes: from this node's cache of ``name`` (published from the
     remote's), else from the remote; or why neither could be read."""
-    try:
-        raw, _ = read_marked_manifest(
-            local, name, layout.NODE_COMMITTED_MARKER, "node cache", local.full_path(name)
-        )
-        return raw
-    except (OSError, CheckpointCorruptError):
-        pass
-    try:
-        raw, _ = read_marked_manifest(
-            remote, name, layout.COMMITTED_MARKER, "checkpoint", remote.full_path(name)
-        )
-    except (OSError, CheckpointCorruptError) as exc:
-        return f"no committed manifest of {name}: {type(exc).__name__}: {exc}"
-    return raw
+    tiers = (
+        (local, layout.NODE_COMMITTED_MARKER, "node cache"),
+        (remote, layout.COMMITTED_MARKER, "checkpoint"),
+    )
+    for backend, marker, kind in tiers:
+        try:
+            return read_marked_manifest(backend, name, marker, kind, backend.full_path(name))[0]
+        except (OSError, CheckpointCorruptError) as exc:
+            why = f"no committed manifest of {name}: {type(exc).__name__}: {exc}"
+    return why

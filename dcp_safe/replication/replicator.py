@@ -84,41 +84,10 @@ def replicate_checkpoint(
             of the wrong size; nothing is committed.
     """
     name = layout.validate_name(name)
-    if chunk_bytes < 1:
-        raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    manifest, raw = open_source(local, name)
-    work = strategy_for(remote).work_dir(name, layout.new_save_id())
-    opened = _open_replica(local, remote, manifest, raw, work, claimant, chunk_bytes, None, None)
-    if opened is not None:
-        replica, copy = opened
-        replica.publish(lambda: copy.upload_to(work), copy.uploaded)
+    replicator = Replicator(local, remote, chunk_bytes=chunk_bytes, claimant=claimant)
+    manifest = replicator._run_job(name)
+    assert isinstance(manifest, Manifest)  # a Replicator's job has no commit wait
     return manifest
-
-
-def _open_replica(
-    local: Backend,
-    remote: Backend,
-    manifest: Manifest,
-    raw: bytes,
-    work: str,
-    claimant: Claimant | None,
-    chunk_bytes: int,
-    retry: RetryPolicy | None,
-    claim: Callable[[ReplicaPublication], bool] | None,
-) -> tuple[ReplicaPublication, CheckpointCopy] | None:
-    """The writing lease on ``manifest``'s name (taken by ``claim``, default: claimed here) and
-    the copy to upload into ``work`` under it; ``None`` when the remote holds that very
-    checkpoint committed already (every rank sees the same), or got it meanwhile."""
-    name, digest = manifest.name, manifest_digest(raw)
-    if committed_with(remote, name, digest):
-        return None
-    replica = strategy_for(remote).replica(remote, manifest, digest, work, claimant or Claimant())
-    if not (replica.claim() if claim is None else claim(replica)):
-        return None
-    copy = CheckpointCopy(
-        local, remote, name, manifest, raw, chunk_bytes, retry=retry, before_each=replica.check
-    )
-    return replica, copy
 
 
 # --------------------------------------------------------------------- background
@@ -155,6 +124,7 @@ class Replicator(UploadEngine):
         self.remote = remote
         self.chunk_bytes = chunk_bytes
         self.claimant = claimant
+        self.retry: RetryPolicy | None = None  # how a failed file upload is started over
 
     @property
     def max_buffer_bytes(self) -> int | None:
@@ -164,10 +134,44 @@ class Replicator(UploadEngine):
         return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def _run_job(self, name: str) -> Manifest | Job:
-        """One replication, on the worker thread (a subclass may do it its own way)."""
-        return replicate_checkpoint(
-            self.local, self.remote, name, chunk_bytes=self.chunk_bytes, claimant=self.claimant
+        """One replication (:func:`replicate_checkpoint`), on the worker thread (a subclass may
+        do it its own way)."""
+        manifest, raw = open_source(self.local, name)
+        work = strategy_for(self.remote).work_dir(name, layout.new_save_id())
+        opened = self._open_replica(manifest, raw, work)
+        if opened is not None:
+            replica, copy = opened
+            replica.publish(lambda: copy.upload_to(work), copy.uploaded)
+        return manifest
+
+    def _open_replica(
+        self,
+        manifest: Manifest,
+        raw: bytes,
+        work: str,
+        claim: Callable[[ReplicaPublication], bool] | None = None,
+    ) -> tuple[ReplicaPublication, CheckpointCopy] | None:
+        """The writing lease on ``manifest``'s name (taken by ``claim``, default: claimed here)
+        and the copy to upload into ``work`` under it; ``None`` when the remote holds that very
+        checkpoint committed already (every rank sees the same), or got it meanwhile."""
+        name, digest = manifest.name, manifest_digest(raw)
+        if committed_with(self.remote, name, digest):
+            return None
+        claimant = self.claimant or Claimant()
+        replica = strategy_for(self.remote).replica(self.remote, manifest, digest, work, claimant)
+        if not (replica.claim() if claim is None else claim(replica)):
+            return None
+        copy = CheckpointCopy(
+            self.local,
+            self.remote,
+            name,
+            manifest,
+            raw,
+            self.chunk_bytes,
+            retry=self.retry,
+            before_each=replica.check,
         )
+        return replica, copy
 
 
 @dataclass(frozen=True)
@@ -246,17 +250,7 @@ class RankReplicator(Replicator):
         work = remote_work_dir(self.remote, name, save.save_id)
         manifest, raw = self._await_local_commit(name, save, work)
         claim = functools.partial(self._await_claim, save=save, work=work)
-        opened = _open_replica(
-            self.local,
-            self.remote,
-            manifest,
-            raw,
-            work,
-            self.claimant,
-            self.chunk_bytes,
-            self.retry,
-            claim,
-        )
+        opened = self._open_replica(manifest, raw, work, claim)
         if opened is None:
             return manifest
         replica, copy = opened
