@@ -102,9 +102,7 @@ class Agreement:
         self.deadline_s = None if groups is None else groups.deadline_s
         # Well inside the deadline: a rank that waited a whole round is still in time to vote.
         self.round_s = math.inf if groups is None else groups.deadline_s / 4
-        self.token = uuid.uuid4().hex
-        if groups is not None:
-            self.token = str(self.broadcast(self.token))
+        self.token = str(self.broadcast(uuid.uuid4().hex))  # the coordinator's, on every rank
 
     @classmethod
     def for_job(cls, deadline_s: float) -> Agreement:
