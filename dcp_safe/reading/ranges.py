@@ -174,7 +174,19 @@ def read_runs(
                 raise short_read(path, item, hi - lo, got)
             read += got
             if algorithm is not None:
-                _check_blocks(path, item, blocks, algorithm, piece, last, view, lo)
+                for block in range(piece, last + 1):
+                    block_lo, block_hi = blocks.span(block)  # not ``end``: the span's
+                    hasher = new_hasher(algorithm, size_hint=block_hi - block_lo)
+                    hasher.update(view[block_lo - lo : block_hi - lo])
+                    actual, expected = hasher.hexdigest(), blocks.digests[block]
+                    if actual != expected:
+                        raise CheckpointCorruptError(
+                            path,
+                            f"checksum mismatch in block {block} of the tensor data",
+                            item=item,
+                            expected=f"{algorithm}:{expected}",
+                            actual=f"{algorithm}:{actual}",
+                        )
             for start, nbytes in plan.runs[run:]:
                 if start >= hi:
                     break
@@ -184,28 +196,3 @@ def read_runs(
                 if stop == start + nbytes:
                     written, run = written + nbytes, run + 1
     return read
-
-
-def _check_blocks(
-    path: str,
-    item: str,
-    blocks: BlockDigests,
-    algorithm: str,
-    first: int,
-    last: int,
-    view: memoryview,
-    lo: int,
-) -> None:
-    for block in range(first, last + 1):
-        begin, end = blocks.span(block)
-        hasher = new_hasher(algorithm, size_hint=end - begin)
-        hasher.update(view[begin - lo : end - lo])
-        actual, expected = hasher.hexdigest(), blocks.digests[block]
-        if actual != expected:
-            raise CheckpointCorruptError(
-                path,
-                f"checksum mismatch in block {block} of the tensor data",
-                item=item,
-                expected=f"{algorithm}:{expected}",
-                actual=f"{algorithm}:{actual}",
-            )
