@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.multipart import abort_uploads_under
+from dcp_safe.backends.s3_upload import abort_uploads_under
 from dcp_safe.commit.fencing import Attempt
 from dcp_safe.errors import (
     CheckpointCorruptError,

@@ -23,8 +23,8 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.multipart import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.backends.s3_upload import abort_stale_uploads, incomplete_uploads, is_bucket_root
 from dcp_safe.commit.lease import last_change
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import ConfigError, DcpSafeError
