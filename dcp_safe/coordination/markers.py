@@ -23,7 +23,7 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["poll", "poll_until", "watch_for_commit"]
+__all__ = ["poll", "watch_for_commit"]
 
 T = TypeVar("T")
 
@@ -90,24 +90,3 @@ def watch_for_commit(
 
     threading.Thread(target=watch, name=f"dcp_safe-watch-{name}", daemon=True).start()
     return future
-
-
-def poll_until(
-    check: Callable[[], T | None], *, timeout_s: float, poll_s: float, waiting_for: str
-) -> T:
-    """Call ``check`` every ``poll_s`` seconds until it returns something other than None.
-
-    ``check`` raises to end the wait early (a peer reported a failure); its exceptions
-    propagate unchanged. It is called at least once, and once more at the deadline.
-
-    Args:
-        timeout_s: the deadline, from now.
-        waiting_for: what is awaited, for the timeout's message.
-
-    Raises:
-        ReplicationTimeoutError: ``check`` still returned None at the deadline.
-    """
-    found = poll(check, timeout_s, pause_s=poll_s, max_pause_s=poll_s)
-    if found is None:
-        raise ReplicationTimeoutError(f"gave up after {timeout_s} s waiting for {waiting_for}")
-    return found

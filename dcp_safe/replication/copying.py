@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -28,7 +28,7 @@ __all__ = [
     "CheckpointCopy",
     "copy_buffer_bytes",
     "copy_file_verified",
-    "make_folders",
+    "copy_files",
 ]
 
 
@@ -137,22 +137,18 @@ class CheckpointCopy:
 
     def copy_files(self, dest: str, records: Iterable[FileRecord]) -> None:
         """Copy ``records`` (files of this checkpoint) under ``dest``, verified, in order."""
-        records = list(records)
-        make_folders(self.remote, dest, (r.path for r in records))
-        for record in records:
-            self.before_each()
-            dst = f"{dest}/{record.path}"
-            self.uploaded.append(dst)
-            copy_file_verified(
-                self.local,
-                f"{self.name}/{record.path}",
-                self.remote,
-                dst,
-                record,
-                self.items.get(record.path, []),
-                chunk_bytes=self.chunk_bytes,
-                retry=self.retry,
-            )
+        copy_files(
+            self.local,
+            self.name,
+            self.remote,
+            dest,
+            list(records),
+            self.items,
+            chunk_bytes=self.chunk_bytes,
+            retry=self.retry,
+            uploaded=self.uploaded,
+            before_each=self.before_each,
+        )
 
     def finish_upload(self, dest: str) -> None:
         """Write the manifest (and its signature, if signed), then check that every file of it
@@ -187,11 +183,46 @@ class CheckpointCopy:
         self.remote.write_bytes(f"{dest}/{layout.SIGNATURE}", signature)
 
 
-def make_folders(remote: Backend, dest: str, paths: Iterable[str]) -> None:
-    """Create ``dest`` and the folders ``paths`` (relative to it) sit in."""
-    remote.makedirs(dest)
-    for folder in _folders(paths):
-        remote.makedirs(f"{dest}/{folder}")
+def copy_files(
+    source: Backend,
+    src_dir: str,
+    dest: Backend,
+    dst_dir: str,
+    records: Sequence[FileRecord],
+    items: Mapping[str, Sequence[ItemRecord]],
+    *,
+    chunk_bytes: int,
+    retry: RetryPolicy | None,
+    uploaded: list[str],
+    before_each: Callable[[], None],
+    folders: Iterable[str] = (),
+) -> None:
+    """Copy ``records`` from ``src_dir`` to ``dst_dir``, verified, in order, after creating
+    the folders they (and ``folders``, relative paths) sit in.
+
+    Args:
+        items: each file's items, by path (its checksums: :func:`copy_file_verified`).
+        uploaded: each remote path is appended before it is written, for the caller's clean-up.
+        before_each: called before each file is written (the lease's check); raising there
+            stops the copy.
+    """
+    dest.makedirs(dst_dir)
+    for folder in _folders([*(r.path for r in records), *folders]):
+        dest.makedirs(f"{dst_dir}/{folder}")
+    for record in records:
+        before_each()
+        dst = f"{dst_dir}/{record.path}"
+        uploaded.append(dst)
+        copy_file_verified(
+            source,
+            f"{src_dir}/{record.path}",
+            dest,
+            dst,
+            record,
+            items.get(record.path, []),
+            chunk_bytes=chunk_bytes,
+            retry=retry,
+        )
 
 
 def _folders(paths: Iterable[str]) -> list[str]:

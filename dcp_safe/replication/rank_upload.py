@@ -18,7 +18,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.coordination.markers import poll_until
+from dcp_safe.coordination.markers import poll
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -32,7 +32,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import FileCheck, items_by_file
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_file_verified, make_folders
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_files
 
 __all__ = [
     "UploadOptions",
@@ -72,10 +72,19 @@ class UploadOptions:
             )
 
     def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
-        """:func:`~dcp_safe.coordination.markers.poll_until` every ``poll_s``, for ``deadlines``
-        times ``remote_timeout_s``."""
+        """Call ``check`` every ``poll_s`` until it returns something other than None, for at
+        most ``deadlines`` times ``remote_timeout_s`` (:func:`~dcp_safe.coordination.markers.poll`;
+        ``check`` raises to end the wait early).
+
+        Raises:
+            ReplicationTimeoutError: ``check`` still returned None at the deadline (the message
+                names ``waiting_for``).
+        """
         timeout_s = deadlines * self.remote_timeout_s
-        return poll_until(check, timeout_s=timeout_s, poll_s=self.poll_s, waiting_for=waiting_for)
+        found = poll(check, timeout_s, pause_s=self.poll_s, max_pause_s=self.poll_s)
+        if found is None:
+            raise ReplicationTimeoutError(f"gave up after {timeout_s} s waiting for {waiting_for}")
+        return found
 
 
 def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
@@ -123,21 +132,19 @@ def upload_rank_part(
     manifest = RankManifest.from_json(raw, path)
     if manifest.rank != rank:
         raise CheckpointCorruptError(path, f"rank manifest of rank {manifest.rank}, not {rank}")
-    items = items_by_file(path, manifest)
-    make_folders(remote, work, [*(f.path for f in manifest.files), rel])
-    for record in manifest.files:
-        before_each()
-        uploaded.append(f"{work}/{record.path}")
-        copy_file_verified(
-            local,
-            f"{local_dir}/{record.path}",
-            remote,
-            f"{work}/{record.path}",
-            record,
-            items.get(record.path, []),
-            chunk_bytes=chunk_bytes,
-            retry=retry,
-        )
+    copy_files(
+        local,
+        local_dir,
+        remote,
+        work,
+        manifest.files,
+        items_by_file(path, manifest),
+        chunk_bytes=chunk_bytes,
+        retry=retry,
+        uploaded=uploaded,
+        before_each=before_each,
+        folders=[rel],
+    )
     before_each()
     uploaded.append(f"{work}/{rel}")
     remote.write_bytes(f"{work}/{rel}", raw)

@@ -6,6 +6,7 @@ import pytest
 
 from dcp_safe.coordination import markers
 from dcp_safe.errors import ReplicationTimeoutError
+from dcp_safe.replication.rank_upload import UploadOptions
 
 
 class _Clock:
@@ -60,7 +61,8 @@ def test_a_check_that_raises_ends_the_wait(clock: _Clock) -> None:
         markers.poll(failed, 10.0)
 
 
-def test_poll_until_raises_a_timeout_naming_what_it_waited_for(clock: _Clock) -> None:
+def test_upload_options_poll_raises_a_timeout_naming_what_it_waited_for(clock: _Clock) -> None:
+    options = UploadOptions(remote_timeout_s=2, poll_s=0.5)
     with pytest.raises(ReplicationTimeoutError, match=r"gave up after 2 s waiting for the lease"):
-        markers.poll_until(lambda: None, timeout_s=2, poll_s=0.5, waiting_for="the lease")
+        options.poll(lambda: None, "the lease")
     assert set(clock.pauses) == {0.5}
