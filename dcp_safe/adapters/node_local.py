@@ -29,6 +29,7 @@ from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.replication.copying import Copier
 from dcp_safe.replication.engine import UploadEngine
 from dcp_safe.replication.peer_transport import peer_buffer_bytes
 from dcp_safe.replication.rank_upload import (
@@ -265,16 +266,12 @@ class NodeLocalWriter(SafeStorageWriter):
         return manifest
 
     def _upload_rank(self, assignment: _Assignment, work: str) -> None:
-        upload_rank_part(
-            self.backend,
-            assignment.work_dir,
-            self.remote_backend,
-            work,
-            assignment.rank,
-            chunk_bytes=self.node_options.chunk_bytes,
-            retry=self.retry,
-            uploaded=[],  # a failed save's objects stay, under its lease, for the sweeper
+        # A failed save's objects stay, under its lease, for the sweeper: no clean-up here.
+        chunk_bytes = self.node_options.chunk_bytes
+        copier = Copier(
+            self.backend, self.remote_backend, chunk_bytes=chunk_bytes, retry=self.retry
         )
+        upload_rank_part(copier, assignment.work_dir, work, assignment.rank)
 
     def _commit_remote(
         self,

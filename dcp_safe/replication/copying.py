@@ -26,65 +26,9 @@ __all__ = [
     "open_source",
     "DEFAULT_CHUNK_BYTES",
     "CheckpointCopy",
+    "Copier",
     "copy_buffer_bytes",
-    "copy_file_verified",
-    "copy_files",
 ]
-
-
-def copy_file_verified(
-    source: Backend,
-    src: str,
-    dest: Backend,
-    dst: str,
-    record: FileRecord,
-    items: Sequence[ItemRecord],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    retry: RetryPolicy | None = None,
-) -> None:
-    """Stream ``source``'s ``src`` to ``dest``'s ``dst``, checking the whole-file checksum (small
-    files) or each item's (shard files: ``items`` tile the file) from the bytes in flight.
-
-    Args:
-        retry: how the copy is started over whole after a transient failure (None: once).
-
-    Raises:
-        CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
-            (``dst`` may then hold a partial copy; it is the caller's to remove).
-        StorageError: reading or writing failed.
-    """
-    if retry is not None:
-        copy = functools.partial(
-            copy_file_verified, source, src, dest, dst, record, items, chunk_bytes=chunk_bytes
-        )
-        call_with_retries("upload", dest.full_path(dst), copy, retry)
-        return
-    path = source.full_path(src)
-    check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
-    try:
-        actual = source.size(src)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
-    if actual != record.size:
-        raise CheckpointCorruptError(
-            path, "file size differs from the manifest", expected=record.size, actual=actual
-        )
-    with source.open_read(src) as reader, dest.open_write(dst) as writer:
-        remaining = record.size
-        while remaining:
-            data = _read(reader.read, min(chunk_bytes, remaining), path)
-            if not data:
-                raise CheckpointCorruptError(
-                    path,
-                    "file is shorter than the manifest says",
-                    expected=record.size,
-                    actual=record.size - remaining,
-                )
-            check.update(data)
-            writer.write(data)
-            remaining -= len(data)
-        check.finish()
 
 
 def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
@@ -96,16 +40,96 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     return None if buffers is None else chunk_bytes + buffers
 
 
-class CheckpointCopy:
+class Copier:
+    """Verified copies from ``local`` to ``remote``, file by file.
+
+    Args:
+        before_each: called before each file is written (the lease's check); raising there
+            stops the copy.
+    """
+
+    def __init__(
+        self,
+        local: Backend,
+        remote: Backend,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        retry: RetryPolicy | None = None,
+        before_each: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.local, self.remote = local, remote
+        self.chunk_bytes, self.retry, self.before_each = chunk_bytes, retry, before_each
+        self.uploaded: list[str] = []  # each remote path before it is written, for clean-up
+
+    def copy_folder(
+        self,
+        src: str,
+        dest: str,
+        records: Sequence[FileRecord],
+        items: Mapping[str, Sequence[ItemRecord]],
+        folders: Iterable[str] = (),
+    ) -> None:
+        """Copy ``records`` (with their ``items``, by path) from ``src`` to ``dest``, in order,
+        after creating the folders they and ``folders`` (relative paths) sit in."""
+        self.remote.makedirs(dest)
+        for folder in _folders([*(r.path for r in records), *folders]):
+            self.remote.makedirs(f"{dest}/{folder}")
+        for record in records:
+            self.before_each()
+            dst = f"{dest}/{record.path}"
+            self.uploaded.append(dst)
+            copy = functools.partial(
+                self._copy_file, f"{src}/{record.path}", dst, record, items.get(record.path, [])
+            )
+            if self.retry is None:
+                copy()
+            else:  # started over whole after a transient failure
+                call_with_retries("upload", self.remote.full_path(dst), copy, self.retry)
+
+    def _copy_file(
+        self, src: str, dst: str, record: FileRecord, items: Sequence[ItemRecord]
+    ) -> None:
+        """Stream ``src`` to ``dst``, checking the whole-file checksum (small files) or each
+        item's (shard files: ``items`` tile the file) from the bytes in flight.
+
+        Raises:
+            CheckpointCorruptError: the source is missing, of the wrong size, or fails a checksum
+                (``dst`` may then hold a partial copy; it is the caller's to remove).
+            StorageError: reading or writing failed.
+        """
+        path = self.local.full_path(src)
+        check = FileCheck(path, record, sorted(items, key=lambda i: i.start))
+        try:
+            actual = self.local.size(src)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(path, "file is missing") from None
+        if actual != record.size:
+            raise CheckpointCorruptError(
+                path, "file size differs from the manifest", expected=record.size, actual=actual
+            )
+        with self.local.open_read(src) as reader, self.remote.open_write(dst) as writer:
+            remaining = record.size
+            while remaining:
+                data = _read(reader.read, min(self.chunk_bytes, remaining), path)
+                if not data:
+                    raise CheckpointCorruptError(
+                        path,
+                        "file is shorter than the manifest says",
+                        expected=record.size,
+                        actual=record.size - remaining,
+                    )
+                check.update(data)
+                writer.write(data)
+                remaining -= len(data)
+            check.finish()
+
+
+class CheckpointCopy(Copier):
     """The files of one committed checkpoint, copied and verified on their way to ``remote``.
 
     Call order: :meth:`copy_files` (any subset, any number of times), then :meth:`finish_upload`
     (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
     file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up.
-
-    Args:
-        before_each: called before each file is written (the lease's check); raising there
-            stops the copy.
     """
 
     def __init__(
@@ -120,13 +144,10 @@ class CheckpointCopy:
         retry: RetryPolicy | None = None,
         before_each: Callable[[], None] = lambda: None,
     ) -> None:
-        self.local, self.remote, self.name = local, remote, name
-        self.before_each = before_each
-        self.manifest = manifest
-        self.raw_manifest = raw_manifest
-        self.chunk_bytes = chunk_bytes
-        self.retry = retry
-        self.uploaded: list[str] = []
+        super().__init__(
+            local, remote, chunk_bytes=chunk_bytes, retry=retry, before_each=before_each
+        )
+        self.name, self.manifest, self.raw_manifest = name, manifest, raw_manifest
         self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
         self.records = {f.path: f for f in manifest.files}
 
@@ -137,18 +158,7 @@ class CheckpointCopy:
 
     def copy_files(self, dest: str, records: Iterable[FileRecord]) -> None:
         """Copy ``records`` (files of this checkpoint) under ``dest``, verified, in order."""
-        copy_files(
-            self.local,
-            self.name,
-            self.remote,
-            dest,
-            list(records),
-            self.items,
-            chunk_bytes=self.chunk_bytes,
-            retry=self.retry,
-            uploaded=self.uploaded,
-            before_each=self.before_each,
-        )
+        self.copy_folder(self.name, dest, list(records), self.items)
 
     def finish_upload(self, dest: str) -> None:
         """Write the manifest (and its signature, if signed), then check that every file of it
@@ -181,48 +191,6 @@ class CheckpointCopy:
             return
         self.uploaded.append(f"{dest}/{layout.SIGNATURE}")
         self.remote.write_bytes(f"{dest}/{layout.SIGNATURE}", signature)
-
-
-def copy_files(
-    source: Backend,
-    src_dir: str,
-    dest: Backend,
-    dst_dir: str,
-    records: Sequence[FileRecord],
-    items: Mapping[str, Sequence[ItemRecord]],
-    *,
-    chunk_bytes: int,
-    retry: RetryPolicy | None,
-    uploaded: list[str],
-    before_each: Callable[[], None],
-    folders: Iterable[str] = (),
-) -> None:
-    """Copy ``records`` from ``src_dir`` to ``dst_dir``, verified, in order, after creating
-    the folders they (and ``folders``, relative paths) sit in.
-
-    Args:
-        items: each file's items, by path (its checksums: :func:`copy_file_verified`).
-        uploaded: each remote path is appended before it is written, for the caller's clean-up.
-        before_each: called before each file is written (the lease's check); raising there
-            stops the copy.
-    """
-    dest.makedirs(dst_dir)
-    for folder in _folders([*(r.path for r in records), *folders]):
-        dest.makedirs(f"{dst_dir}/{folder}")
-    for record in records:
-        before_each()
-        dst = f"{dst_dir}/{record.path}"
-        uploaded.append(dst)
-        copy_file_verified(
-            source,
-            f"{src_dir}/{record.path}",
-            dest,
-            dst,
-            record,
-            items.get(record.path, []),
-            chunk_bytes=chunk_bytes,
-            retry=retry,
-        )
 
 
 def _folders(paths: Iterable[str]) -> list[str]:

@@ -15,7 +15,6 @@ from typing import TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.retry import RetryPolicy
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.coordination.markers import poll
@@ -32,7 +31,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
 from dcp_safe.manifest.verify import FileCheck, items_by_file
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_files
+from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, Copier
 
 __all__ = [
     "UploadOptions",
@@ -96,33 +95,22 @@ def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
 
 
 def upload_rank_part(
-    local: Backend,
-    local_dir: str,
-    remote: Backend,
-    work: str,
-    rank: int,
-    *,
-    chunk_bytes: int,
-    retry: RetryPolicy | None,
-    uploaded: list[str],
-    expected: FileRecord | None = None,
-    before_each: Callable[[], None] = lambda: None,
+    copier: Copier, local_dir: str, work: str, rank: int, expected: FileRecord | None = None
 ) -> None:
     """Copy rank ``rank``'s files from ``local_dir`` to ``work``, verified; its manifest last.
 
     The files are those its rank manifest lists; the remote rank manifest, written last, says
-    "arrived".
+    "arrived". Each remote path goes into ``copier.uploaded`` before it is written.
 
     Args:
-        uploaded: each remote path is appended before it is written, for the caller's clean-up.
         expected: the rank manifest's record in the checkpoint's manifest, when the part is
             uploaded from a committed checkpoint: its bytes must match it.
-        before_each: called before each file is written (the writing lease's check).
 
     Raises:
         CheckpointCorruptError: a local file (or the rank manifest) does not match its record.
         StorageError: reading or writing failed.
     """
+    local, remote = copier.local, copier.remote
     rel = layout.rank_manifest_name(rank)
     local_rel = f"{local_dir}/{rel}"
     path = local.full_path(local_rel)
@@ -132,21 +120,9 @@ def upload_rank_part(
     manifest = RankManifest.from_json(raw, path)
     if manifest.rank != rank:
         raise CheckpointCorruptError(path, f"rank manifest of rank {manifest.rank}, not {rank}")
-    copy_files(
-        local,
-        local_dir,
-        remote,
-        work,
-        manifest.files,
-        items_by_file(path, manifest),
-        chunk_bytes=chunk_bytes,
-        retry=retry,
-        uploaded=uploaded,
-        before_each=before_each,
-        folders=[rel],
-    )
-    before_each()
-    uploaded.append(f"{work}/{rel}")
+    copier.copy_folder(local_dir, work, manifest.files, items_by_file(path, manifest), [rel])
+    copier.before_each()
+    copier.uploaded.append(f"{work}/{rel}")
     remote.write_bytes(f"{work}/{rel}", raw)
 
 

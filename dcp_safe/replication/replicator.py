@@ -256,18 +256,8 @@ class RankReplicator(Replicator):
         replica, copy = opened
         try:
             with self._copying:
-                upload_rank_part(
-                    self.local,
-                    name,
-                    self.remote,
-                    work,
-                    save.rank,
-                    chunk_bytes=self.chunk_bytes,
-                    retry=self.retry,
-                    uploaded=copy.uploaded,
-                    expected=_record(copy, layout.rank_manifest_name(save.rank)),
-                    before_each=copy.before_each,
-                )
+                record = _record(copy, layout.rank_manifest_name(save.rank))
+                upload_rank_part(copy, name, work, save.rank, record)
         except Exception as exc:
             report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
             self._remove_part(replica, save, copy)
