@@ -36,7 +36,6 @@ from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
     await_remote_commit,
-    remote_work_dir,
     report_commit_failure,
     report_rank_failure,
     upload_rank_part,
@@ -248,7 +247,7 @@ class NodeLocalWriter(SafeStorageWriter):
         """Copy this rank's files to the remote, verified in flight, its rank manifest last; once
         the remote commit is there, the node's leader publishes the node cache."""
         remote = self.remote_backend
-        work = remote_work_dir(remote, name, assignment.save_id)
+        work = strategy_for(remote).work_dir(name, assignment.save_id)
         try:
             self._upload_rank(assignment, work)
         except BaseException as exc:
@@ -281,7 +280,7 @@ class NodeLocalWriter(SafeStorageWriter):
         results: list[list[WriteResult]],
     ) -> Manifest:
         remote = self.remote_backend
-        work = remote_work_dir(remote, name, assignment.save_id)
+        work = strategy_for(remote).work_dir(name, assignment.save_id)
         try:
             await_arrivals(
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options

@@ -69,7 +69,6 @@ from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
-    remote_work_dir,
     report_commit_failure,
     report_rank_failure,
 )
@@ -400,7 +399,7 @@ class SafeStorageWriter(StorageWriter):
         write failed, or (``None``) the publish. Best effort, through remote markers."""
         if self.remote is None or assignment.world_size == 1:
             return
-        work = remote_work_dir(self.remote, self._require_name(), assignment.save_id)
+        work = strategy_for(self.remote).work_dir(self._require_name(), assignment.save_id)
         if rank is None:
             report_commit_failure(self.remote, work, assignment.save_id, exc)
         else:

@@ -16,7 +16,6 @@ from typing import TypeVar
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.coordination.markers import poll
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -38,7 +37,6 @@ __all__ = [
     "await_arrivals",
     "await_remote_commit",
     "raise_reported_failures",
-    "remote_work_dir",
     "report_commit_failure",
     "report_rank_failure",
     "report_rank_skipped",
@@ -84,11 +82,6 @@ class UploadOptions:
         if found is None:
             raise ReplicationTimeoutError(f"gave up after {timeout_s} s waiting for {waiting_for}")
         return found
-
-
-def remote_work_dir(remote: Backend, name: str, save_id: str) -> str:
-    """Where every rank uploads: decided by the remote's flags, the same on every rank."""
-    return strategy_for(remote).work_dir(name, save_id)
 
 
 # --------------------------------------------------------------------- uploading

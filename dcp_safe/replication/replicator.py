@@ -42,7 +42,6 @@ from dcp_safe.replication.rank_upload import (
     await_arrivals,
     await_remote_commit,
     raise_reported_failures,
-    remote_work_dir,
     report_commit_failure,
     report_rank_failure,
     report_rank_skipped,
@@ -241,13 +240,13 @@ class RankReplicator(Replicator):
         with self._cond:
             save = self._saves.get(name)
         if save is not None:
-            work = remote_work_dir(self.remote, name, save.save_id)
+            work = strategy_for(self.remote).work_dir(name, save.save_id)
             report_rank_skipped(self.remote, work, save.rank, save.save_id, superseded_by)
 
     def _run_job(self, name: str) -> Manifest | Job:
         with self._cond:
             save = self._saves[name]
-        work = remote_work_dir(self.remote, name, save.save_id)
+        work = strategy_for(self.remote).work_dir(name, save.save_id)
         manifest, raw = self._await_local_commit(name, save, work)
         claim = functools.partial(self._await_claim, save=save, work=work)
         opened = self._open_replica(manifest, raw, work, claim)

@@ -18,13 +18,13 @@ import dcp_safe
 from dcp_safe import CommitError, ConfigError, SafeStorageWriter, StorageError
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import ReplicationSkippedError
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
     await_remote_commit,
     raise_reported_failures,
-    remote_work_dir,
     report_commit_failure,
     report_rank_failure,
 )
@@ -55,7 +55,7 @@ def test_a_save_skipped_on_one_rank_is_skipped_on_every_rank(
         second.result(timeout=_TIMEOUT_S)
     assert replicator.skipped == ["step_2"]
     # Rank 0, waiting for this rank's part of step_2, learns of the skip from storage.
-    work = remote_work_dir(remote, "step_2", _save_id("b"))
+    work = strategy_for(remote).work_dir("step_2", _save_id("b"))
     with pytest.raises(ReplicationSkippedError) as seen:
         await_arrivals(remote, work, _save_id("b"), "step_2", 2, options)
     assert (seen.value.name, seen.value.superseded_by) == ("step_2", "step_3")
@@ -73,7 +73,7 @@ def test_a_save_skipped_on_one_rank_is_skipped_on_every_rank(
 
 def test_failure_markers_name_the_ranks_and_belong_to_one_save(memory_root: str) -> None:
     remote = open_backend(memory_root)
-    work = remote_work_dir(remote, "step_1", _save_id("a"))
+    work = strategy_for(remote).work_dir("step_1", _save_id("a"))
     assert raise_reported_failures(remote, work, _save_id("a"), "step_1") == set()
 
     report_rank_failure(remote, work, 3, _save_id("a"), OSError("disk on fire"))
@@ -93,7 +93,7 @@ def test_failure_markers_name_the_ranks_and_belong_to_one_save(memory_root: str)
 
 def test_a_renaming_remote_gets_its_markers_in_the_partial_directory(tmp_path: Path) -> None:
     remote = open_backend(str(tmp_path))
-    work = remote_work_dir(remote, "step_1", _save_id("a"))
+    work = strategy_for(remote).work_dir("step_1", _save_id("a"))
     assert work.startswith(".step_1.partial-")
     report_rank_failure(remote, work, 1, _save_id("a"), OSError("gone"))  # no directory yet
     with pytest.raises(CommitError, match="gone"):
@@ -130,7 +130,7 @@ def test_a_rank_waiting_for_the_remote_commit_rides_out_an_outage_of_its_listing
     for attr in ("list_dir", "exists", "read_small", "read_bytes", "open_read"):
         if hasattr(remote, attr):
             setattr(remote, attr, down_for_a_while(getattr(remote, attr)))
-    work = remote_work_dir(remote, "step_1", save_id)
+    work = strategy_for(remote).work_dir("step_1", save_id)
     options = UploadOptions(remote_timeout_s=_TIMEOUT_S, poll_s=0.05)
 
     manifest = await_remote_commit(remote, "step_1", work, save_id, options)

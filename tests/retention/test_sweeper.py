@@ -17,10 +17,10 @@ import dcp_safe
 from dcp_safe import ConfigError, SafeStorageWriter, cli, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.lease import acquire_lease
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import ReplicationSkippedError
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
-    remote_work_dir,
     report_commit_failure,
     report_rank_failure,
 )
@@ -312,7 +312,7 @@ def test_failure_markers_under_a_committed_checkpoint_are_collected_and_its_file
     save of step_1 committed beside them. After the grace period only the markers go."""
     url, options = remote
     backend = open_backend(url, options)
-    work = remote_work_dir(backend, "step_1", "a" * 32)
+    work = strategy_for(backend).work_dir("step_1", "a" * 32)
     report_rank_failure(backend, work, 1, "a" * 32, OSError("disk on fire"))
     report_commit_failure(backend, work, "a" * 32, TimeoutError("no quorum"))
     markers = sorted(backend.walk_files("step_1"))
