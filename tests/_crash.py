@@ -5,6 +5,7 @@
 * ``install_kill_switch``: in a forked child only, count every storage operation the POSIX backend
   makes (file creates and writes, fsync, mkdir, rename, unlink) and SIGKILL the process just before
   operation N. Large writes are split in two operations, so a kill can also tear a write;
+* ``save_loop``: saves until its parent kills it, for a process killed at a random moment;
 * ``start_fork`` / ``wait_fork`` / ``fork_and_wait``: run a function in a forked child that
   always ends with ``os._exit`` (never pytest's teardown), and wait for it with a deadline.
 """
@@ -19,6 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -103,6 +105,19 @@ def save_values(
         no_dist=True,
     )
     return values
+
+
+def save_loop(root: str, scale: int, conn: Connection) -> None:
+    """Once ``conn`` says go, commit ``step_2``, ``step_3``, ... (writer options varying by step)
+    into ``root`` until killed: a process its parent kills at a random moment."""
+    conn.send("ready")
+    conn.recv()
+    conn.send("saving")
+    step = 2
+    while True:
+        options = {"thread_count": 1 + step % 2, "compression": "zstd" if step % 3 else "none"}
+        save_values(root, f"step_{step}", step, scale=scale, **options)
+        step += 1
 
 
 def load_values(root: str | os.PathLike[str], name: str, like: dict[str, Any]) -> dict[str, Any]:

@@ -18,19 +18,20 @@ checkpoint replaced it); the sweep runs to the end and then fails with the first
 Kills are SIGKILL, or ``os._exit`` (the process ends itself without unwinding). The same holds
 for ``overwrite=True`` (the name always holds the old or the new checkpoint, whole), for the
 CheckpointManager (kills during staging, the save, its verification, retention pruning ``step_1``
-and replication to a second local root), and for fresh interpreters killed by the parent at a
-random moment of a save loop.
+and replication to a second local root), and for processes of their own (forked from a fork
+server that imported torch and ran nothing else) killed by the parent at a random moment of a save
+loop.
 
 SIGKILL leaves the page cache alone, so these kills do not lose unsynced writes; the durability
 test at the end checks the fsync order that makes a power cut behave the same.
 
-Default run (>= 300 fork kill points, 10 fresh processes): every 4th of torch.save's small shard
+Default run (>= 300 fork kill points, 10 killed save loops): every 4th of torch.save's small shard
 writes for one thread, every 8th for two threads, every operation for two threads with zstd, for
 overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd), and for the manager every
 8th bulk write, then every 3rd kill point.
 ``DCP_SAFE_LONG=1`` adds every operation for all five writer configurations in each sweep
 (SIGKILL, ``os._exit``, overwrite) and for the manager with three of them (and ``os._exit``
-with one), and 100 fresh processes: over ten times the default in each.
+with one), and 100 killed save loops: over ten times the default in each.
 """
 
 from __future__ import annotations
@@ -41,12 +42,11 @@ import random
 import select
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from _crash import (
     load_values,
     make_values,
     record_figures,
+    save_loop,
     save_values,
     start_fork,
     wait_fork,
@@ -78,10 +79,10 @@ from dcp_safe import (
 )
 from dcp_safe.backends import local_backend
 from dcp_safe.checkpoints.history import HISTORY_FILE
+from dcp_safe.testing.rank_start import rank_context
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
 LONG_ONLY = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("DCP_SAFE_LONG") != "1", reason="set DCP_SAFE_LONG=1"),
@@ -538,43 +539,18 @@ def test_overwrite_without_renameat2_is_refused_and_keeps_the_old_checkpoint(
 
 # --------------------------------------------------------------------------- fresh processes
 
-_SAVE_LOOP = textwrap.dedent(
-    """
-    import sys
-    from _crash import save_values
 
-    root, scale = sys.argv[1], int(sys.argv[2])
-    print("ready", flush=True)
-    sys.stdin.readline()
-    print("saving", flush=True)
-    step = 2
-    while True:
-        options = {"thread_count": 1 + step % 2, "compression": "zstd" if step % 3 else "none"}
-        save_values(root, f"step_{step}", step, scale=scale, **options)
-        step += 1
-    """
-)
-
-
-def _read_line(child: subprocess.Popen[bytes]) -> bytes:
-    assert child.stdout is not None
-    ready, _, _ = select.select([child.stdout], [], [], 120)
-    return child.stdout.readline() if ready else b"(nothing within 120 s)"
-
-
-def _kill_save_loop(child: subprocess.Popen[bytes], delay_s: float) -> None:
+def _kill_save_loop(child: BaseProcess, conn: Connection, delay_s: float) -> None:
     """Let the child start its save loop, then SIGKILL it ``delay_s`` later."""
     try:
-        assert _read_line(child) == b"ready\n"
-        assert child.stdin is not None
-        child.stdin.write(b"go\n")
-        child.stdin.flush()
-        assert _read_line(child) == b"saving\n"
+        assert conn.poll(120) and conn.recv() == "ready"
+        conn.send("go")
+        assert conn.poll(120) and conn.recv() == "saving"
         select.select([], [], [], delay_s)  # a sleep; nothing is measured
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL, "the save loop ended by itself"
+        child.kill()
+        child.join(60)
+    assert child.exitcode == -signal.SIGKILL, "the save loop ended by itself"
 
 
 @pytest.mark.parametrize(
@@ -583,30 +559,30 @@ def _kill_save_loop(child: subprocess.Popen[bytes], delay_s: float) -> None:
 def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
     tmp_path: Path, kills: int
 ) -> None:
+    """Processes of their own, forked from the fork server that starts ``run_ranks``' ranks
+    (torch imported once, nothing else run there), each killed at a random moment of a save
+    loop (:func:`_crash.save_loop`)."""
     scale = 20  # ~50 KB per checkpoint: a save takes long enough to be hit in the middle
     template = tmp_path / "template"
     save_values(template, "step_1", 1, scale=scale)
     rng = random.Random(20240601)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.getcwd()])}
+    ctx = rank_context()
     killed_mid_save = 0
     for wave in range(0, kills, 5):
-        # Five interpreters import torch at once; each starts saving only when told to.
+        # Five processes at once; each starts saving only when told to.
         roots = [tmp_path / f"run_{i}" for i in range(wave, min(wave + 5, kills))]
-        children = []
+        children: list[tuple[BaseProcess, Connection]] = []
         try:
             for root in roots:
                 shutil.copytree(template, root)
-                children.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", _SAVE_LOOP, str(root), str(scale)],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        env=env,
-                    )
-                )
-            for root, child in zip(roots, children, strict=True):
+                ours, theirs = ctx.Pipe()
+                child = ctx.Process(target=save_loop, args=(str(root), scale, theirs), daemon=True)
+                child.start()
+                theirs.close()
+                children.append((child, ours))
+            for root, (child, conn) in zip(roots, children, strict=True):
                 delay_s = rng.uniform(0.0, 0.3)
-                _kill_save_loop(child, delay_s)
+                _kill_save_loop(child, conn, delay_s)
                 killed_mid_save += any(layout.is_partial_entry(e) for e in os.listdir(root))
                 names = [e for e in os.listdir(root) if not e.startswith(".")]
                 accept = {name: [make_values(int(name[5:]), scale=scale)] for name in names}
@@ -617,10 +593,10 @@ def test_process_killed_at_a_random_moment_leaves_only_whole_checkpoints(
                     where = f"{root.name}, killed {delay_s * 1000:.0f} ms into its save loop"
                     raise AssertionError(f"{where}: {exc}") from exc
         finally:
-            for child in children:
-                if child.poll() is None:
+            for child, _ in children:
+                if child.is_alive():
                     child.kill()
-                    child.communicate(timeout=60)
+                    child.join(60)
     record_figures("fresh", kills=kills, killed_mid_save=killed_mid_save)
     print(f"fresh-process kills: {kills}, killed mid-save (partial left behind): {killed_mid_save}")
 
