@@ -135,20 +135,6 @@ class MemoryBudget:
 
     def explain(self) -> str:
         """Say how the envelope was computed, with every term (and this rank's share)."""
-        node = self._explain_node()
-        if self.share == 1:
-            return node
-        share = f"share {_format_share(self.share)}"
-        return (
-            f"envelope {format_bytes(self.envelope_bytes)} = node envelope"
-            f" {format_bytes(self.node_envelope_bytes)} x {share} ({self.share_source}):"
-            f" available {format_bytes(self._node_base_available_bytes)} x {share}"
-            f" = {format_bytes(self.base_available_bytes)} - reserve"
-            f" {format_bytes(self.node_reserve)} x {share} = {format_bytes(self.reserve)};"
-            f" node {node}"
-        )
-
-    def _explain_node(self) -> str:
         reserve = f"reserve {format_bytes(self.node_reserve)}"
         if self.reserve_bytes is None:
             reserve += f" ({self.reserve_fraction:.0%} of usable)"
@@ -159,9 +145,20 @@ class MemoryBudget:
         elif self.available_bytes is not None:
             available = min(self.available_bytes, self.usable_bytes)
             start = f"MemAvailable {format_bytes(available)} ({usable}, {self.source})"
-        return (
+        node = (
             f"envelope {format_bytes(self.node_envelope_bytes)} = {start}"
             f" - other consumers {format_bytes(self.other_consumers_bytes)} - {reserve}"
+        )
+        if self.share == 1:
+            return node
+        share = f"share {_format_share(self.share)}"
+        return (
+            f"envelope {format_bytes(self.envelope_bytes)} = node envelope"
+            f" {format_bytes(self.node_envelope_bytes)} x {share} ({self.share_source}):"
+            f" available {format_bytes(self._node_base_available_bytes)} x {share}"
+            f" = {format_bytes(self.base_available_bytes)} - reserve"
+            f" {format_bytes(self.node_reserve)} x {share} = {format_bytes(self.reserve)};"
+            f" node {node}"
         )
 
     def check_fits(self, request_bytes: int) -> None:

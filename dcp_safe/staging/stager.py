@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
-from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, SpanHandle, StagerObserver
+from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, StagerObserver
 from dcp_safe.staging._tree import rebuild
 from dcp_safe.staging.budget import Admission, MemoryBudget
 from dcp_safe.staging.generation import (
@@ -52,7 +52,7 @@ from dcp_safe.staging.generation import (
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
+from dcp_safe.staging.plan import Layout, PlanCache, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs
@@ -167,11 +167,19 @@ class BudgetedStager(AsyncStager):
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
         span = self.telemetry.begin(Phase.STAGING, bytes=plan.nbytes)
         try:
-            gen = self._admit(plan, span, guard)
+            waited = time.monotonic()
+            with self._cond:
+                lease = self._lease(plan.request, None, "")
+                gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan)
+                gen.confirmed = confirmed
+                self._in_flight[gen.number] = gen
+                self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
+                self._admitted += 1
+                self._total_wait_s += time.monotonic() - waited
+                self._last.generation = self._latest = gen
         except BaseException as exc:
             span.fail(exc)
             raise
-        gen.confirmed = confirmed
         ready = None
         if self._stream is not None:  # whatever the plan: a confirmed one may add CUDA sources
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -349,21 +357,6 @@ class BudgetedStager(AsyncStager):
         self.close()
 
     # -- admission ------------------------------------------------------------------------------
-
-    def _admit(
-        self, plan: StagingPlan, span: SpanHandle, guard: SnapshotGuard | None
-    ) -> InFlightGeneration:
-        started = time.monotonic()
-        with self._cond:
-            lease = self._lease(plan.request, None, "")
-            gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan)
-            self._in_flight[gen.number] = gen
-            self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
-            self._admitted += 1
-            self._total_wait_s += time.monotonic() - started
-            self._last.generation = gen
-            self._latest = gen
-            return gen
 
     def _lease(self, request: BufferRequest, others: int | None, why: str) -> Lease:
         """Wait (the condition held) until ``request`` is admitted, then lease its buffers.
