@@ -107,7 +107,7 @@ HISTORY_FILE = "_history.jsonl"
 #: ``<node root>/<name>/_NODE_COMMITTED``: a node cache's marker (dcp_safe.checkpoints.node_cache).
 NODE_COMMITTED_MARKER = "_NODE_COMMITTED"
 #: ``<node root>/.peers/<name>/from_node_00001/``: another node's files, copied here (the peer tier,
-#: dcp_safe.checkpoints.peer_copies); ``_PEER_COMMITTED`` in it, written last, holds the
+#: dcp_safe.checkpoints.node_cache); ``_PEER_COMMITTED`` in it, written last, holds the
 #: manifest's digest. Hidden, so nothing that lists a node root's caches sees it.
 PEERS_DIR = ".peers"
 PEER_COMMITTED_MARKER = "_PEER_COMMITTED"

@@ -19,7 +19,7 @@ is one exchange on a dcp_safe-owned gloo group, before any item is read::
                  (fetched, or on its own disk), then the remote, each item verified again
 
 A peer copy counts only where its marker matches its manifest and that manifest is the
-remote's, as a node cache does (:mod:`dcp_safe.checkpoints.peer_copies`). The scratch folder
+remote's, as a node cache does (:mod:`dcp_safe.checkpoints.node_cache`). The scratch folder
 is removed once the reads are done (``finish``). What is trusted: docs/resume.md, "Restoring
 after a node is lost".
 """
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.peer_copies import list_peer_copies
+from dcp_safe.checkpoints.node_cache import list_peer_copies
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, gather_objects
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemRecord, Manifest

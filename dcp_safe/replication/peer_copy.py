@@ -24,8 +24,7 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import read_marked_manifest
-from dcp_safe.checkpoints.node_cache import open_node_cache
-from dcp_safe.checkpoints.peer_copies import commit_peer_copy, prune_peer_copies
+from dcp_safe.checkpoints.node_cache import commit_peer_copy, open_node_cache, prune_peer_copies
 from dcp_safe.coordination.group import gather_objects
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError
 from dcp_safe.manifest.schema import FileRecord, Manifest

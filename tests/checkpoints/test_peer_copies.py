@@ -15,9 +15,9 @@ from support import make_state
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.checkpoints.node_cache import list_node_caches
-from dcp_safe.checkpoints.peer_copies import (
+from dcp_safe.checkpoints.node_cache import (
     commit_peer_copy,
+    list_node_caches,
     list_peer_copies,
     open_peer_copy,
     prune_peer_copies,

@@ -21,7 +21,7 @@ from support import shard_rows
 from dcp_safe import CheckpointManager, ConfigError, Runtime, Topology, layout, list_checkpoints
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.peer_copies import list_peer_copies
+from dcp_safe.checkpoints.node_cache import list_peer_copies
 from dcp_safe.errors import PeerCopyError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.reading.sources import ReadSource, RejectionReason
