@@ -108,16 +108,17 @@ def test_every_doc_file_is_collected() -> None:
 
 @pytest.fixture
 def s3_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """For files that mention s3://: a moto server, an empty ``bucket``, the AWS variables."""
+    """For files that mention s3://: the session's moto server, an empty ``bucket``, the AWS
+    variables."""
     path: Path = request.param
     if "s3://" not in path.read_text(encoding="utf-8"):
         yield
         return
     import s3fs
 
-    from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, start_local_s3
+    from dcp_safe.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY
 
-    server = start_local_s3()
+    server = request.getfixturevalue("s3")
     try:
         _fresh_bucket(server.client())
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
@@ -129,11 +130,10 @@ def s3_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
         yield
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 def _fresh_bucket(client: Any) -> None:
-    """An empty ``bucket``: moto keeps its state per process, across server instances."""
+    """An empty ``bucket``: the server (and moto's state) is the session's."""
     names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     if BUCKET in names:
         for upload in client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []):
