@@ -372,6 +372,8 @@ class BufferPool:
                 and not self._closed
                 and (writer_done or not _views_held(views, lease.storage_counts))
             ):
+                if token in self._bundles:  # another generation of this layout came back first
+                    self._break_bundles()  # its buffers stay free, in the free lists
                 self._bundles[token] = _Bundle(lease.buffers, views, lease.storage_counts)
                 self._free_bytes += lease.request.cost
             else:

@@ -321,6 +321,23 @@ def test_a_pool_bundle_is_taken_whole_and_broken_for_another_layout() -> None:
     assert pool.stats().allocated_bytes == 0
 
 
+def test_two_generations_of_one_layout_both_come_back_accounted() -> None:
+    # With max_in_flight=2 two generations of one layout are leased at once; the second to come
+    # back must not drop the first one's bundle while its bytes still count as free.
+    pool = BufferPool(pin_memory="off")
+    request = pool.request([64, 32], token=3)
+    with pool.condition:
+        first, second = pool.lease(request), pool.lease(request)
+    for lease in (first, second):
+        lease.materialize()
+        lease.typed_views(lambda bufs: [b.view(torch.float32) for b in bufs])
+    first.release(writer_done=True)
+    second.release(writer_done=True)
+    assert pool.stats().free_bytes == 192
+    assert pool.trim(0) == 192
+    assert pool.stats().allocated_bytes == 0
+
+
 def test_a_view_held_from_cpp_keeps_the_bundle_apart() -> None:
     pool = BufferPool(pin_memory="off")
     request = pool.request([64], token=1)
