@@ -27,7 +27,7 @@ from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cach
 from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
-from dcp_safe.errors import CommitError, ConfigError, ReplicationTimeoutError
+from dcp_safe.errors import CommitError, ConfigError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.copying import Copier
 from dcp_safe.replication.engine import UploadEngine
@@ -204,15 +204,16 @@ class NodeLocalWriter(SafeStorageWriter):
         )
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait (bounded) for this writer's background work; raise its first failure.
+        """Wait (bounded by ``timeout_s`` each) for this writer's uploads and remote commits;
+        raise the first failure.
 
         Raises:
             ReplicationTimeoutError: still running after ``timeout_s`` seconds.
             BaseException: the first failed upload or remote commit, as it was raised.
         """
-        futures = [*self._commits.futures(), *self._uploads.futures()]
-        _wait(futures, timeout_s, "node-local uploads or commits")
-        for future in futures:
+        for engine in (self._commits, self._uploads):
+            engine.wait(timeout_s)
+        for future in [*self._commits.futures(), *self._uploads.futures()]:
             future.result()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -240,8 +241,7 @@ class NodeLocalWriter(SafeStorageWriter):
         Raises:
             ReplicationTimeoutError: the previous upload is still running at the deadline.
         """
-        previous = f"the previous upload to {self.remote_backend.url}:"
-        _wait(self._uploads.futures(), 2 * self.node_options.remote_timeout_s, previous)
+        self._uploads.wait(2 * self.node_options.remote_timeout_s)
 
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
         """Copy this rank's files to the remote, verified in flight, its rank manifest last; once
@@ -325,14 +325,3 @@ class NodeLocalWriter(SafeStorageWriter):
     def _remote_publication(self, name: str, save_id: str) -> Publication:
         remote = self.remote_backend
         return strategy_for(remote).publication(remote, name, save_id, self.claimant)
-
-
-def _wait(futures: list[Future[Any]], timeout_s: float | None, what: str) -> None:
-    """Wait for ``futures``, at most ``timeout_s``.
-
-    Raises:
-        ReplicationTimeoutError: some are still running then.
-    """
-    _, running = wait(futures, timeout=timeout_s)
-    if running:
-        raise ReplicationTimeoutError(f"{what} {len(running)} still running after {timeout_s} s")
