@@ -149,7 +149,6 @@ class CheckpointCopy(Copier):
         )
         self.name, self.manifest, self.raw_manifest = name, manifest, raw_manifest
         self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
-        self.records = {f.path: f for f in manifest.files}
 
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""

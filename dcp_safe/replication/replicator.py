@@ -362,7 +362,7 @@ class RankReplicator(Replicator):
 
 
 def _record(copy: CheckpointCopy, rel: str) -> FileRecord:
-    record = copy.records.get(rel)
+    record = copy.manifest.file(rel)
     if record is None:
         raise CheckpointCorruptError(
             copy.local.full_path(f"{copy.name}/{layout.MANIFEST}"), f"manifest does not list {rel}"
