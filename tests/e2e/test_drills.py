@@ -150,8 +150,8 @@ def test_one_forced_write_failure_reaches_the_future_frees_buffers_and_next_save
 def test_destination_held_slow_past_the_interval_bounds_memory_instead_of_queueing(
     tmp_path: Path, when_busy: str
 ) -> None:
-    # Each save opens ~7 files, each held 0.25 s: far longer than a training step here.
-    faults = FaultInjector(FaultPlan(delay_s=0.25, ops=("open",)))
+    # Each file a save opens is held 0.1 s: a save takes seconds, the twelve steps far less.
+    faults = FaultInjector(FaultPlan(delay_s=0.1, ops=("open",)))
     stager = _stager()
     manager = _manager(tmp_path, faults, when_busy, stager)
     steps = 12
