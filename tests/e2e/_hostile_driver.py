@@ -22,7 +22,8 @@ Usage: ``python _hostile_driver.py SPECS_JSON_FILE``: a list of specs, each nami
 name and seed a load of ``"latest"`` must give when it loads at all), ``timeout_s`` per entry
 point, ``case_timeout_s``, ``report`` (where to write the case's JSON report) and ``writes``
 (also run the entry points that write, last: a fenced save, and a manager's save, prune and
-restore).
+restore). Several drivers may share one list: each runs the cases it claims first (an
+exclusive create of ``report`` + ``.claimed``), so none waits while another still has cases.
 
 Cells of the report: ``ok``, ``ok: <detail>``, ``refused: <ErrorType>`` (a dcp_safe error),
 ``exit <n>: <last line on stderr>`` (CLI), or a failure: ``error: <Type>: <message>``,
@@ -344,4 +345,8 @@ if __name__ == "__main__":
         Path(check["report"]).write_text(json.dumps(check_saves(check)))
     else:
         for case_spec in json.loads(Path(sys.argv[1]).read_text()):
+            try:
+                os.close(os.open(case_spec["report"] + ".claimed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue  # another driver runs it
             _run_in_child(case_spec)
