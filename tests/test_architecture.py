@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("adapters", "reading"),
     ("staging", "telemetry"),
     ("worker",),
-    ("manager", "exporting", "api_types"),
+    ("manager", "exporting", "api_types", "torch_checkpointing"),
     ("cli", "cli_args", "demo", "bench", "testing"),
 ]
 FOUNDATION = set(LAYERS[0])

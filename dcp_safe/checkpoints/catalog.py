@@ -240,7 +240,8 @@ def verify_opened(
             progress(record)
     if deep:
         _verify_rank_manifests(backend, name, manifest)
-        objects = check_loadable(backend, name, manifest, allow_pickle=allow_pickle)
+        if manifest.data_format is None:  # DCP's items; other formats are their files' bytes
+            objects = check_loadable(backend, name, manifest, allow_pickle=allow_pickle)
     return VerifyReport(
         name=name,
         path=backend.full_path(name),
@@ -259,7 +260,7 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
             backend.full_path(f"{name}/{layout.MANIFEST}"),
             f"world size {manifest.world_size} but only {len(manifest.files)} files listed",
         )
-    needed = {layout.DCP_METADATA}
+    needed = {layout.DCP_METADATA} if manifest.data_format is None else set()
     needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
     needed |= {item.file for item in manifest.items}
     missing = sorted(needed - {record.path for record in manifest.files})

@@ -273,8 +273,9 @@ class _Document:
             for f in fields(self)  # type: ignore[arg-type]
             if f.name[0] != "_" and f.name not in _RECORDS
         }
-        if "dcp_metadata" in head and head["dcp_metadata"] is None:
-            del head["dcp_metadata"]
+        for optional in ("dcp_metadata", "data_format"):
+            if optional in head and head[optional] is None:
+                del head[optional]
         return {**head, "format": self._FORMAT}
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,6 +357,9 @@ class Manifest(_Document):
     # DCP's metadata as plain JSON (dcp_safe.manifest.dcp_metadata), checked by its decoder;
     # None in older manifests (and then left out of the JSON).
     dcp_metadata: Mapping[str, Any] | None = field(default=None, hash=False, repr=False)
+    # What wrote the files when not DCP ("torch_checkpointing": dcp_safe.torch_checkpointing);
+    # None (and left out of the JSON) for DCP's own.
+    data_format: str | None = None
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
     _by_path: Mapping[str, FileRecord] = field(default_factory=dict, repr=False, compare=False)
@@ -372,6 +376,8 @@ class Manifest(_Document):
             require_int("step", self.step)
         if self.attempt is not None:
             require_int("attempt", self.attempt)
+        if self.data_format is not None:
+            require_str("data_format", self.data_format, max_length=64)
         if self.dcp_metadata is not None and not isinstance(self.dcp_metadata, dict):
             raise ValueError("dcp_metadata must be an object")
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})

@@ -1,0 +1,537 @@
+"""dcp_safe under torch_checkpointing: its saves checksummed, committed marker-last and listed
+as dcp_safe checkpoints, and its loads verified byte for byte (docs/torch_checkpointing.md).
+
+The optional extra ``dcp-safe[tc]``; import this module, not ``dcp_safe``, to use it::
+
+    from torch_checkpointing import CheckpointManager
+    from dcp_safe.torch_checkpointing import manager_config
+
+    mgr = CheckpointManager(manager_config("s3://bucket/run", save="sync"))
+    mgr.save("step_000100", {"model": model.state_dict()})
+
+Checkpoint ids are names under the root. A save claims its name before a byte is written
+(through :class:`~dcp_safe.commit.strategy.Publication`, the lease on object stores), writes every
+file into the save's work folder, each rank reports its files and checksums at
+torch_checkpointing's pre-finalize, and rank 0 writes the manifest and the commit marker last at
+its finalize. A load reads only committed checkpoints and checks every file it hands over
+against the manifest before torch_checkpointing parses a byte of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal, cast
+
+import torch
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.committed import CommittedCheckpoint, check_signed, open_committed
+from dcp_safe.commit.strategy import Publication, strategy_for
+from dcp_safe.coordination.group import broadcast_object, checkpoint_group, gather_objects
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+)
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes, format_checksum, new_hasher
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
+from dcp_safe.manifest.signing import resolve_key, sign_digest
+from dcp_safe.topology import Root, RootLike, as_root
+from dcp_safe.version import __version__
+
+try:
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.checkpoint_writer import CallbackArgs, CheckpointWriterConfig
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
+except ImportError as exc:  # the extra is optional; say how to get it
+    raise ImportError(
+        "dcp_safe.torch_checkpointing needs torch-checkpointing: pip install 'dcp-safe[tc]'"
+    ) from exc
+
+__all__ = ["DATA_FORMAT", "SafeStorage", "SafeStorageConfig", "manager_config"]
+
+#: What the manifest of a checkpoint written here records as its ``data_format``.
+DATA_FORMAT = "torch_checkpointing"
+
+
+@dataclass
+class SafeStorageConfig(StorageConfig):
+    """A torch_checkpointing storage on a dcp_safe root (a local path or an fsspec URL).
+
+    Picklable: torch_checkpointing's async saver builds the storage again in its subprocess.
+
+    Args:
+        storage_options: fsspec options for a URL root (or give a :class:`~dcp_safe.Root`).
+        signing_key: sign each save's manifest, and refuse to load a checkpoint not signed with
+            it (default ``$DCP_SAFE_SIGNING_KEY``).
+        checksum: the files' checksum (default xxh3-128; BLAKE3 when signing).
+    """
+
+    root: RootLike
+    _: KW_ONLY
+    storage_options: dict[str, Any] | None = None
+    signing_key: bytes | str | None = None
+    checksum: ChecksumAlgorithm | str | None = None
+
+    def __post_init__(self) -> None:
+        self.root = as_root(self.root, self.storage_options)
+        self.storage_options = None
+        self.signing_key = resolve_key(self.signing_key)
+        default = ChecksumAlgorithm.BLAKE3 if self.signing_key else ChecksumAlgorithm.XXH3_128
+        self.checksum = ChecksumAlgorithm(self.checksum or default)
+
+    def create_storage(self) -> SafeStorage:
+        return SafeStorage(self)
+
+
+@dataclass
+class _Save:
+    """One save of one name in progress on this rank: where it writes and what it wrote."""
+
+    publication: Publication
+    group: Any
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    reported: list[list[FileRecord]] | None = None
+
+
+class SafeStorage(Storage):
+    """torch_checkpointing's ``Storage`` through a dcp_safe backend (see the module docstring).
+
+    Paths are ``<name>/<file>`` relative to the root (an absolute path under a local root is
+    taken relative to it). Writes go to the save's work folder; reads come from committed
+    checkpoints only, each file checked against the manifest before a byte is returned.
+    """
+
+    def __init__(self, config: SafeStorageConfig) -> None:
+        self._config = config
+        self._backend: Backend = open_backend(_root_of(config))
+        self._algorithm = ChecksumAlgorithm(config.checksum or ChecksumAlgorithm.XXH3_128)
+        self._key = config.signing_key if isinstance(config.signing_key, bytes) else None
+        self._lock = threading.Lock()
+        self._saves: dict[str, _Save] = {}
+        self._opened: dict[str, CommittedCheckpoint] = {}
+
+    # -------------------------------------------------------------------- paths
+
+    def _rel(self, path: Path | str) -> str:
+        """``path`` relative to the root, as ``<name>[/<file>]``."""
+        text, root = os.fspath(path), _root_of(self._config)
+        if os.path.isabs(text) and "://" not in root.url:
+            text = os.path.relpath(text, os.path.abspath(root.url))
+        rel = PurePosixPath(text.replace(os.sep, "/"))
+        if rel.is_absolute() or not rel.parts or ".." in rel.parts or rel.parts[0] == ".":
+            raise ConfigError(f"{os.fspath(path)!r} is not a checkpoint path under the root")
+        return rel.as_posix()
+
+    def _split(self, path: Path | str) -> tuple[str, str]:
+        """``(name, file)`` of a path (``file`` empty for the checkpoint itself)."""
+        name, _, member = self._rel(path).partition("/")
+        if not layout.is_valid_name(name):
+            raise ConfigError(f"{name!r} is not a valid checkpoint name")
+        return name, member
+
+    # -------------------------------------------------------------------- saving
+
+    def save_of(self, name: str) -> _Save:
+        """The save of ``name`` in progress, begun (its name claimed) on first use."""
+        with self._lock:
+            save = self._saves.get(name)
+            if save is None:
+                save = self._saves[name] = self._begin(name)
+            return save
+
+    def _begin(self, name: str) -> _Save:
+        """Claim ``name`` for a new save on rank 0; every rank learns its save id (a collective
+        where there are several ranks: each rank begins a save exactly once)."""
+        group = _group()
+        rank = 0 if group is None else torch.distributed.get_rank(group)
+        outcome: tuple[str, str | None] = ("", None)
+        strategy = strategy_for(self._backend)
+        if rank == 0:
+            save_id = layout.new_save_id()
+            publication = strategy.publication(self._backend, name, save_id)
+            try:
+                publication.claim()
+                outcome = (save_id, None)
+            except Exception as exc:
+                outcome = (save_id, f"{type(exc).__name__}: {exc}")
+                if group is None:
+                    raise
+                broadcast_object(outcome, group)
+                raise
+        if group is not None:
+            outcome = broadcast_object(outcome, group)
+        save_id, failure = outcome
+        if failure is not None:
+            raise CommitError(f"save of {name} refused on rank 0", {0: failure})
+        self._opened.pop(name, None)
+        return _Save(strategy.publication(self._backend, name, save_id), group)
+
+    def _work_rel(self, path: Path | str) -> tuple[_Save, str, str]:
+        name, member = self._split(path)
+        save = self.save_of(name)
+        work = save.publication.work_dir
+        return save, member, f"{work}/{member}" if member else work
+
+    def stream_write(self, path: Path) -> io.IOBase:
+        save, member, rel = self._work_rel(path)
+        if not member:
+            raise ConfigError(f"{os.fspath(path)!r} is a checkpoint, not a file of one")
+        return _HashingWriter(self._backend, rel, member, self._algorithm, save.files)
+
+    def write(self, path: Path, data: Any) -> None:
+        with self.stream_write(path) as stream:
+            stream.write(memoryview(data).cast("B"))
+
+    def mkdir(self, path: Path, recursive: bool = True) -> None:
+        self._backend.makedirs(self._work_rel(path)[2])
+
+    def finish(self, name: str) -> None:
+        """Forget the save of ``name`` (published or failed)."""
+        with self._lock:
+            self._saves.pop(name, None)
+            self._opened.pop(name, None)
+
+    # -------------------------------------------------------------------- reading
+
+    def _committed(self, name: str) -> CommittedCheckpoint:
+        """``name``'s marker and manifest (checked against each other, and the signature)."""
+        with self._lock:
+            opened = self._opened.get(name)
+        if opened is None:
+            opened = open_committed(self._backend, name)
+            if self._key is not None:
+                check_signed(self._backend, opened, self._key)
+            with self._lock:
+                self._opened[name] = opened
+        return opened
+
+    def _record(self, path: Path | str) -> tuple[str, FileRecord]:
+        name, member = self._split(path)
+        record = self._committed(name).manifest.file(member) if member else None
+        if record is None:
+            raise FileNotFoundError(f"{self._backend.full_path(self._rel(path))}: not a file")
+        return f"{name}/{member}", record
+
+    def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
+        """The whole file, read once and checked against its manifest record before any of it
+        is returned (ranged reads then seek within the checked bytes)."""
+        rel, record = self._record(path)
+        full = self._backend.full_path(rel)
+        try:
+            data = self._backend.read_bytes(rel)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(full, "file is missing") from None
+        _check(full, record, data)
+        # A BytesIO, as LocalFileSystemStorage's full-file read returns: readinto, seek, tell.
+        return cast(io.RawIOBase, io.BytesIO(data))
+
+    # Each parallel fill worker opens its own stream: one checked read of the file is cheaper.
+    @property
+    def mmap_fill_workers(self) -> int | None:
+        return 1
+
+    def getsize(self, path: Path) -> int:
+        return self._record(path)[1].size
+
+    def exists(self, path: Path) -> bool:
+        """A committed checkpoint, or a file its manifest lists: nothing uncommitted exists."""
+        name, member = self._split(path)
+        try:
+            manifest = self._committed(name).manifest
+        except CheckpointNotFoundError:
+            return False
+        return not member or manifest.file(member) is not None or _is_folder(manifest, member)
+
+    def isdir(self, path: Path) -> bool:
+        name, member = self._split(path)
+        return self.exists(path) and (
+            not member or _is_folder(self._committed(name).manifest, member)
+        )
+
+    def ls(self, path: Path) -> list[str]:
+        rel = self._rel(path)
+        if "/" not in rel and not self.exists(path):
+            return []
+        return sorted(self._backend.list_dir(rel))
+
+    def delete(self, path: Path) -> None:
+        self._backend.remove_file(self._rel(path))
+
+    def rmdir(self, path: Path) -> None:
+        self._backend.remove_tree(self._rel(path))
+
+    def rename(
+        self,
+        src_path: Path,
+        dst_path: Path,
+        is_directory: bool = False,
+        background_cleanup: bool = False,
+    ) -> None:
+        raise OSError(
+            f"rename of {src_path} refused: dcp_safe publishes with its commit marker, not a "
+            "rename (use manager_config(), which sets write_to_temp_dir=False)"
+        )
+
+    def remap_path(self, path: Path) -> str:
+        return self._backend.full_path(self._rel(path))
+
+
+def _root_of(config: SafeStorageConfig) -> Root:
+    return as_root(config.root)
+
+
+def _is_folder(manifest: Manifest, member: str) -> bool:
+    prefix = member.rstrip("/") + "/"
+    return any(record.path.startswith(prefix) for record in manifest.files)
+
+
+def _check(path: str, record: FileRecord, data: bytes) -> None:
+    """Raise unless ``data`` is the file ``record`` describes, naming the bytes that differ."""
+    if len(data) != record.size:
+        raise CheckpointCorruptError(
+            path,
+            f"file size differs from the manifest (bytes 0..{len(data)} read)",
+            expected=record.size,
+            actual=len(data),
+        )
+    if record.checksum is None:
+        raise CheckpointCorruptError(path, "manifest records no checksum for the file")
+    algorithm = record.checksum.partition(":")[0]
+    actual = digest_bytes(data, algorithm)
+    if actual != record.checksum:
+        raise CheckpointCorruptError(
+            path,
+            f"checksum mismatch in bytes 0..{record.size}",
+            expected=record.checksum,
+            actual=actual,
+        )
+
+
+class _HashingWriter(io.RawIOBase):
+    """A backend write stream that hashes what passes and records the file when it closes
+    whole (an exception inside the ``with`` leaves nothing, and records nothing)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        rel: str,
+        member: str,
+        algorithm: ChecksumAlgorithm,
+        files: dict[str, FileRecord],
+    ) -> None:
+        super().__init__()
+        self._stack = contextlib.ExitStack()
+        self._file = self._stack.enter_context(backend.open_write(rel))
+        self._hasher = new_hasher(algorithm)
+        self._algorithm = algorithm
+        self._member = member
+        self._files = files
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._file.write(view)
+        self._hasher.update(view)
+        self._size += len(view)
+        return len(view)
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+            return
+        if not self.closed:
+            self._stack.__exit__(*exc)
+            super().close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._stack.close()
+        super().close()
+        self._files[self._member] = FileRecord(
+            path=self._member,
+            size=self._size,
+            checksum=format_checksum(self._algorithm, self._hasher),
+        )
+
+
+def _group() -> Any:
+    """The checkpoint group where several ranks save, else None.
+
+    Raises:
+        ConfigError: ranks the environment names but no process group joins (an async
+            saver's subprocess: not supported yet, rather than each rank publishing alone).
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return (
+            checkpoint_group(purpose="torch_checkpointing") if dist.get_world_size() > 1 else None
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "dcp_safe.torch_checkpointing publishes through a process group; none is "
+            "initialized here (the async saver's subprocess on several ranks is not supported yet)"
+        )
+    return None
+
+
+def _storage_of(args: CallbackArgs) -> SafeStorage:
+    if not isinstance(args.storage, SafeStorage):
+        raise ConfigError("dcp_safe's callbacks need SafeStorageConfig's storage")
+    return args.storage
+
+
+def _report(args: CallbackArgs) -> None:
+    """torch_checkpointing's pre-finalize, on every rank: write this rank's manifest of its
+    files, then gather every rank's records to rank 0."""
+    storage = _storage_of(args)
+    name, _ = storage._split(args.path)
+    save = storage.save_of(name)
+    publication, group = save.publication, save.group
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    files = tuple(sorted(save.files.values(), key=lambda f: f.path))
+    rank_manifest = RankManifest(
+        name=name,
+        save_id=publication.save_id,
+        rank=rank,
+        checksum_algorithm=storage._algorithm.value,
+        files=files,
+        items=(),
+    ).to_json()
+    rank_rel = layout.rank_manifest_name(rank)
+    storage._backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
+    storage._backend.write_bytes(f"{publication.work_dir}/{rank_rel}", rank_manifest)
+    own = [
+        *files,
+        FileRecord(
+            path=rank_rel,
+            size=len(rank_manifest),
+            checksum=digest_bytes(rank_manifest, storage._algorithm),
+        ),
+    ]
+    save.reported = [own] if group is None else gather_objects(own, group)
+
+
+def _finalize(args: CallbackArgs) -> None:
+    """torch_checkpointing's finalize, on every rank: rank 0 writes the manifest and the commit
+    marker last; every rank raises if that failed."""
+    storage = _storage_of(args)
+    name, _ = storage._split(args.path)
+    save = storage.save_of(name)
+    group = save.group
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    failure: str | None = None
+    try:
+        if rank == 0:
+            try:
+                _publish(storage, name, save)
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                if group is None:
+                    raise
+        if group is not None:
+            failure = broadcast_object(failure, group)
+        if failure is not None:
+            raise CommitError(f"save of {name} was not published", {0: failure})
+    finally:
+        storage.finish(name)
+
+
+def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
+    publication, reported = save.publication, save.reported
+    if reported is None:
+        raise CommitError(f"save of {name}: no rank reported its files (no pre-finalize ran)")
+    files: list[FileRecord] = []
+    seen: dict[str, int] = {}
+    for rank, records in enumerate(reported):
+        for record in records:
+            if record.path in seen:
+                raise CommitError(
+                    f"save of {name}: {record.path} written by ranks {seen[record.path]} and {rank}"
+                )
+            seen[record.path] = rank
+            files.append(record)
+    manifest = Manifest(
+        name=name,
+        save_id=publication.save_id,
+        world_size=len(reported),
+        created_at=time.time(),
+        checksum_algorithm=storage._algorithm.value,
+        compression="none",
+        files=tuple(files),
+        items=(),
+        dcp_safe_version=__version__,
+        torch_version=torch.__version__,
+        step=_step_of(name),
+        data_format=DATA_FORMAT,
+    )
+    manifest_bytes = manifest.to_json()
+    digest = manifest_digest(manifest_bytes)
+    control = {layout.MANIFEST: manifest_bytes}
+    if storage._key is not None:
+        control[layout.SIGNATURE] = sign_digest(storage._key, digest)
+    try:
+        publication.publish(digest.encode(), files=control, sync_dirs=(layout.RANKS_DIR,))
+    except BaseException as exc:
+        publication.discard(exc)
+        raise
+
+
+def _step_of(name: str) -> int | None:
+    """The step a name ends in (``step_000100``: 100), as dcp_safe's own saves record it."""
+    digits = name[len(name.rstrip("0123456789")) :]
+    return int(digits) if digits else None
+
+
+def manager_config(
+    root: RootLike,
+    *,
+    save: Literal["async", "sync"] = "async",
+    storage_options: dict[str, Any] | None = None,
+    signing_key: bytes | str | None = None,
+    checksum: ChecksumAlgorithm | str | None = None,
+    **options: Any,
+) -> CheckpointManager.Config:
+    """A ``CheckpointManager.Config`` that saves to ``root`` as dcp_safe does (module docstring).
+
+    ``options``: the rest of ``CheckpointManager.Config`` (``items``, ``default``, ``load``,
+    ``subprocess_init_fn``...); its storage, saver and callbacks are this module's.
+
+    Raises:
+        ConfigError: an unknown ``save``, or an option this function sets itself.
+    """
+    taken = {"storage_config", "save", "pre_finalize_callback", "finalize_callback"} & set(options)
+    if taken:
+        raise ConfigError(f"manager_config() sets {sorted(taken)} itself")
+    writer = CheckpointWriterConfig(write_to_temp_dir=False)
+    savers: Mapping[str, Any] = {
+        "sync": SyncCheckpointSaverConfig,
+        "async": AsyncCheckpointSaverConfig,
+    }
+    if save not in savers:
+        raise ConfigError(f"save must be 'async' or 'sync', got {save!r}")
+    storage = SafeStorageConfig(
+        root, storage_options=storage_options, signing_key=signing_key, checksum=checksum
+    )
+    return CheckpointManager.Config(
+        storage_config=storage,
+        save=savers[save](writer_config=writer),
+        pre_finalize_callback=_report,
+        finalize_callback=_finalize,
+        **options,
+    )

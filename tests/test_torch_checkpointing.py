@@ -1,0 +1,190 @@
+"""dcp_safe.torch_checkpointing: torch_checkpointing's saves through dcp_safe's storage, commit
+and catalogue (issue #45), on real components: CheckpointManager, the local backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torch_checkpointing")
+
+from torch_checkpointing import CheckpointManager, ItemSpec
+from torch_checkpointing.default_resharder import DefaultResharder
+
+import dcp_safe
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    SignatureError,
+    UnsignedCheckpointError,
+)
+from dcp_safe.torch_checkpointing import DATA_FORMAT, SafeStorageConfig, manager_config
+
+NAME = "step_000100"
+
+
+def _payload(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=gen),
+            "b": torch.randint(0, 1000, (17,), generator=gen),
+        },
+        "step": 100 + seed,
+    }
+
+
+def _template() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.zeros(64, 32), "b": torch.zeros(17, dtype=torch.int64)},
+        "step": None,
+    }
+
+
+def _manager(root: Path, **options: Any) -> CheckpointManager:
+    items = {"model": ItemSpec(resharder=DefaultResharder())}
+    return CheckpointManager(manager_config(root, save="sync", items=items, **options))
+
+
+def _load(root: Path, name: str = NAME, **options: Any) -> dict[str, Any]:
+    mgr = _manager(root, **options)
+    try:
+        return dict(mgr.load(name, into=_template()))
+    finally:
+        mgr.close()
+
+
+def _save(root: Path, name: str = NAME, seed: int = 0, **options: Any) -> dict[str, Any]:
+    payload = _payload(seed)
+    mgr = _manager(root, **options)
+    try:
+        mgr.save(name, payload)
+    finally:
+        mgr.close()
+    return payload
+
+
+def _assert_same(loaded: dict[str, Any], saved: dict[str, Any]) -> None:
+    assert loaded["step"] == saved["step"]
+    for key, tensor in saved["model"].items():
+        got = loaded["model"][key]
+        assert got.dtype == tensor.dtype
+        assert torch.equal(got, tensor)
+
+
+def test_save_load_bit_exact_listed_and_verified(tmp_path: Path) -> None:
+    saved = _save(tmp_path)
+    _assert_same(_load(tmp_path), saved)
+
+    listed = dcp_safe.list_checkpoints(tmp_path)
+    assert [info.name for info in listed] == [NAME]
+    assert listed[0].step == 100
+    deep = dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True)
+    files = {p.relative_to(tmp_path / NAME).as_posix() for p in (tmp_path / NAME).rglob("*")}
+    assert {"metadata.pkl", "model_0.pt", "step_0.pt", "_ranks/rank_00000.json"} <= files
+    # every file but the manifest and the marker, read in full against its checksum
+    assert deep.files_checked == 4
+    assert deep.bytes_read == sum(
+        (tmp_path / NAME / f).stat().st_size
+        for f in ("metadata.pkl", "model_0.pt", "step_0.pt", "_ranks/rank_00000.json")
+    )
+    assert dcp_safe.verify_checkpoint(tmp_path, NAME, deep=False).files_checked == 4
+    manifest = (tmp_path / NAME / "manifest.json").read_text()
+    assert f'"data_format":"{DATA_FORMAT}"' in manifest
+
+
+def test_latest_is_the_newest_save(tmp_path: Path) -> None:
+    _save(tmp_path, "step_000100", seed=0)
+    newer = _save(tmp_path, "step_000200", seed=1)
+    assert dcp_safe.verify_checkpoint(tmp_path).name == "step_000200"
+    _assert_same(_load(tmp_path, "step_000200"), newer)
+
+
+@pytest.mark.parametrize("member", ["model_0.pt", "metadata.pkl", "step_0.pt"])
+def test_flipped_byte_refused_before_parsing(tmp_path: Path, member: str) -> None:
+    _save(tmp_path)
+    path = tmp_path / NAME / member
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch in bytes 0\.\.") as info:
+        _load(tmp_path)
+    assert info.value.path.endswith(f"{NAME}/{member}")
+    with pytest.raises(CheckpointCorruptError):
+        dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True)
+
+
+@pytest.mark.parametrize("member", ["model_0.pt", "metadata.pkl"])
+def test_truncated_file_refused(tmp_path: Path, member: str) -> None:
+    _save(tmp_path)
+    path = tmp_path / NAME / member
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])
+    with pytest.raises(CheckpointCorruptError, match="file size differs") as info:
+        _load(tmp_path)
+    assert info.value.expected == len(data)
+    assert info.value.actual == len(data) - 7
+
+
+def test_file_swapped_from_another_checkpoint_refused(tmp_path: Path) -> None:
+    _save(tmp_path, "step_000100", seed=0)
+    _save(tmp_path, "step_000200", seed=1)
+    other = (tmp_path / "step_000200" / "model_0.pt").read_bytes()
+    (tmp_path / "step_000100" / "model_0.pt").write_bytes(other)
+    with pytest.raises(CheckpointCorruptError):
+        _load(tmp_path, "step_000100")
+
+
+def test_unfinalized_save_is_not_listed_nor_loaded(tmp_path: Path) -> None:
+    """A save killed before its finalize (simulated: no finalize callback) leaves nothing that
+    lists or loads; the job saves the same name again afterwards."""
+    committed = _save(tmp_path, "step_000100", seed=0)
+    config = manager_config(
+        tmp_path, save="sync", items={"model": ItemSpec(resharder=DefaultResharder())}
+    )
+    config.finalize_callback = None
+    mgr = CheckpointManager(config)
+    mgr.save("step_000200", _payload(1))
+    mgr.close()
+
+    assert [info.name for info in dcp_safe.list_checkpoints(tmp_path)] == ["step_000100"]
+    assert dcp_safe.verify_checkpoint(tmp_path).name == "step_000100"
+    _assert_same(_load(tmp_path, "step_000100"), committed)
+    with pytest.raises(FileNotFoundError):
+        _load(tmp_path, "step_000200")
+
+    again = _save(tmp_path, "step_000200", seed=2)
+    _assert_same(_load(tmp_path, "step_000200"), again)
+    assert dcp_safe.verify_checkpoint(tmp_path).name == "step_000200"
+
+
+def test_committed_name_is_not_overwritten(tmp_path: Path) -> None:
+    saved = _save(tmp_path, seed=0)
+    with pytest.raises(dcp_safe.errors.CheckpointExistsError):
+        _save(tmp_path, seed=1)
+    _assert_same(_load(tmp_path), saved)
+
+
+def test_signed_saves_load_only_with_their_key(tmp_path: Path) -> None:
+    saved = _save(tmp_path, signing_key=b"k" * 32)
+    _assert_same(_load(tmp_path, signing_key=b"k" * 32), saved)
+    with pytest.raises(SignatureError):
+        _load(tmp_path, signing_key=b"x" * 32)
+    _save(tmp_path / "plain")
+    with pytest.raises(UnsignedCheckpointError):
+        _load(tmp_path / "plain", signing_key=b"k" * 32)
+
+
+def test_manager_config_refuses_what_it_sets(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sets"):
+        manager_config(tmp_path, finalize_callback=None)
+    with pytest.raises(ConfigError, match="'async' or 'sync'"):
+        manager_config(tmp_path, save="later")  # type: ignore[arg-type]
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    with pytest.raises(OSError, match="rename"):
+        storage.rename(Path("a"), Path("b"), is_directory=True)
+    with pytest.raises(ConfigError):
+        storage.exists(Path("../elsewhere"))
