@@ -21,6 +21,7 @@ from dcp_safe.errors import (
     SignatureError,
     UnsignedCheckpointError,
 )
+from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.torch_checkpointing import DATA_FORMAT, SafeStorageConfig, manager_config
 
 NAME = "step_000100"
@@ -188,3 +189,27 @@ def test_manager_config_refuses_what_it_sets(tmp_path: Path) -> None:
         storage.rename(Path("a"), Path("b"), is_directory=True)
     with pytest.raises(ConfigError):
         storage.exists(Path("../elsewhere"))
+
+
+def _rank_save_and_load(rank: int, world_size: int, root: str) -> bool:
+    saved = _payload(rank)
+    mgr = CheckpointManager(manager_config(root, save="sync"))
+    try:
+        mgr.save(NAME, saved)
+        loaded = dict(mgr.load(NAME, into=_template()))
+    finally:
+        mgr.close()
+    _assert_same(loaded, saved)
+    return True
+
+
+@pytest.mark.multiproc
+def test_two_gloo_ranks_save_one_checkpoint(tmp_path: Path) -> None:
+    assert run_ranks(_rank_save_and_load, 2, args=(str(tmp_path),)) == [True, True]
+    (info,) = dcp_safe.list_checkpoints(tmp_path)
+    assert (info.name, info.world_size) == (NAME, 2)
+    report = dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True)
+    # each rank's model and step files and its rank manifest
+    assert report.files_checked == 6
+    files = {p.name for p in (tmp_path / NAME).rglob("*") if p.is_file()}
+    assert {"model_0.pt", "model_1.pt", "rank_00000.json", "rank_00001.json"} <= files
