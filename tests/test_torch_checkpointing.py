@@ -15,6 +15,7 @@ from torch_checkpointing import CheckpointManager, ItemSpec
 from torch_checkpointing.default_resharder import DefaultResharder
 
 import dcp_safe
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -22,6 +23,7 @@ from dcp_safe.errors import (
     UnsignedCheckpointError,
 )
 from dcp_safe.testing.multiproc import run_ranks
+from dcp_safe.topology import Root
 from dcp_safe.torch_checkpointing import DATA_FORMAT, SafeStorageConfig, manager_config
 
 NAME = "step_000100"
@@ -213,3 +215,45 @@ def test_two_gloo_ranks_save_one_checkpoint(tmp_path: Path) -> None:
     assert report.files_checked == 6
     files = {p.name for p in (tmp_path / NAME).rglob("*") if p.is_file()}
     assert {"model_0.pt", "model_1.pt", "rank_00000.json", "rank_00001.json"} <= files
+
+
+@pytest.mark.s3
+def test_s3_save_lists_verifies_and_loads(s3_root: str, s3_options: dict[str, Any]) -> None:
+    saved = _payload(0)
+    mgr = CheckpointManager(manager_config(s3_root, save="sync", storage_options=s3_options))
+    try:
+        mgr.save(NAME, saved)
+        _assert_same(dict(mgr.load(NAME, into=_template())), saved)
+    finally:
+        mgr.close()
+    root = Root(s3_root, storage_options=s3_options)
+    assert [info.name for info in dcp_safe.list_checkpoints(root)] == [NAME]
+    assert dcp_safe.verify_checkpoint(root, NAME, deep=True).files_checked == 3
+
+    backend = open_backend(root)
+    data = bytearray(backend.read_bytes(f"{NAME}/model_0.pt"))
+    data[-40] ^= 0x10
+    backend.write_bytes(f"{NAME}/model_0.pt", bytes(data))
+    mgr = CheckpointManager(manager_config(s3_root, save="sync", storage_options=s3_options))
+    try:
+        with pytest.raises(CheckpointCorruptError, match=r"model_0\.pt"):
+            mgr.load(NAME, into=_template())
+    finally:
+        mgr.close()
+
+
+@pytest.mark.subprocess
+def test_async_saver_publishes_from_its_subprocess(tmp_path: Path) -> None:
+    """torch_checkpointing's async saver writes and runs the callbacks in its own process:
+    the storage config and callbacks travel there, and the save lists and loads the same."""
+    saved = _payload(3)
+    mgr = CheckpointManager(manager_config(tmp_path, save="async"))
+    try:
+        future = mgr.save(NAME, saved)
+        assert future is not None
+        future.result(timeout=120)
+        assert [info.name for info in dcp_safe.list_checkpoints(tmp_path)] == [NAME]
+        assert dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True).files_checked == 3
+        _assert_same(dict(mgr.load(NAME, into=_template())), saved)
+    finally:
+        mgr.close()
