@@ -257,3 +257,12 @@ def test_async_saver_publishes_from_its_subprocess(tmp_path: Path) -> None:
         _assert_same(dict(mgr.load(NAME, into=_template())), saved)
     finally:
         mgr.close()
+
+
+def test_dcp_tools_say_precisely_why_not(tmp_path: Path) -> None:
+    """What needs DCP's metadata (export here; inspect and DCP loads read it the same way)
+    names the format instead of calling the checkpoint unsafe."""
+    _save(tmp_path)
+    with pytest.raises(ConfigError, match="holds torch_checkpointing's files, not DCP's"):
+        dcp_safe.export(tmp_path, NAME, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()

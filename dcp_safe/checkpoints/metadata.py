@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
+from dcp_safe.errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 from dcp_safe.manifest.dcp_metadata import (
     check_declared_sizes,
     check_storage_data,
@@ -57,7 +57,13 @@ def read_dcp_metadata(
         CheckpointCorruptError: the metadata is malformed or disagrees with the manifest.
         UnsafeCheckpointError: the checkpoint has no plain metadata and ``allow_pickle`` is
             not given.
+        ConfigError: not DCP's checkpoint (``manifest.data_format``): it has no DCP metadata.
     """
+    if manifest.data_format is not None:
+        raise ConfigError(
+            f"{backend.full_path(name)} holds {manifest.data_format}'s files, not DCP's: it has"
+            f" no DCP metadata (load it with dcp_safe.{manifest.data_format})"
+        )
     plain = manifest.dcp_metadata
     path = backend.full_path(f"{name}/{layout.DCP_METADATA if plain is None else layout.MANIFEST}")
     if plain is None and not allow_pickle:
