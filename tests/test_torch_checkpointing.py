@@ -13,6 +13,7 @@ pytest.importorskip("torch_checkpointing")
 
 from torch_checkpointing import CheckpointManager, ItemSpec
 from torch_checkpointing.default_resharder import DefaultResharder
+from torch_checkpointing.storage.base_storage import ReadArgs
 
 import dcp_safe
 from dcp_safe.backends.roots import open_backend
@@ -266,3 +267,37 @@ def test_dcp_tools_say_precisely_why_not(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="holds torch_checkpointing's files, not DCP's"):
         dcp_safe.export(tmp_path, NAME, tmp_path / "exported")
     assert not (tmp_path / "exported").exists()
+
+
+def test_ranged_reads_come_from_checked_bytes(tmp_path: Path) -> None:
+    """The offset reads torch_checkpointing's resharder makes (no full pre-read, then seek)
+    see the stored bytes exactly, and a damaged file fails at open, before any byte is read."""
+    _save(tmp_path)
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    member = Path(NAME) / "model_0.pt"
+    stored = (tmp_path / member).read_bytes()
+    assert storage.getsize(member) == len(stored)
+    assert storage.exists(Path(NAME)) and storage.exists(member)
+    assert not storage.exists(Path(NAME) / "manifest-less.pt")
+    with storage.stream_read(member, ReadArgs(pre_read_full_file=False)) as stream:
+        assert stream.seek(100) == 100
+        assert stream.read(50) == stored[100:150]
+
+    damaged = bytearray(stored)
+    damaged[-1] ^= 0xFF
+    (tmp_path / member).write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointCorruptError, match=rf"bytes 0\.\.{len(stored)}"):
+        storage.stream_read(member, ReadArgs(pre_read_full_file=False))
+
+
+def test_an_uncommitted_name_does_not_exist(tmp_path: Path) -> None:
+    config = manager_config(tmp_path, save="sync")
+    config.finalize_callback = None
+    mgr = CheckpointManager(config)
+    mgr.save(NAME, _payload())
+    mgr.close()
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    assert not storage.exists(Path(NAME))
+    with pytest.raises(FileNotFoundError):
+        storage.getsize(Path(NAME) / "model_0.pt")
+    assert dcp_safe.list_checkpoints(tmp_path) == []
