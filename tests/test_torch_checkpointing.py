@@ -3,6 +3,7 @@ and catalogue (issue #45), on real components: CheckpointManager, the local back
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from dcp_safe.errors import (
     SignatureError,
     UnsignedCheckpointError,
 )
+from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.topology import Root
 from dcp_safe.torch_checkpointing import DATA_FORMAT, SafeStorageConfig, manager_config
@@ -48,7 +50,7 @@ def _template() -> dict[str, Any]:
     }
 
 
-def _manager(root: Path, **options: Any) -> CheckpointManager:
+def _manager(root: Path | str, **options: Any) -> CheckpointManager:
     items = {"model": ItemSpec(resharder=DefaultResharder())}
     return CheckpointManager(manager_config(root, save="sync", items=items, **options))
 
@@ -61,7 +63,7 @@ def _load(root: Path, name: str = NAME, **options: Any) -> dict[str, Any]:
         mgr.close()
 
 
-def _save(root: Path, name: str = NAME, seed: int = 0, **options: Any) -> dict[str, Any]:
+def _save(root: Path | str, name: str = NAME, seed: int = 0, **options: Any) -> dict[str, Any]:
     payload = _payload(seed)
     mgr = _manager(root, **options)
     try:
@@ -301,3 +303,49 @@ def test_an_uncommitted_name_does_not_exist(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         storage.getsize(Path(NAME) / "model_0.pt")
     assert dcp_safe.list_checkpoints(tmp_path) == []
+
+
+_STRUCTURE = ("open", "close", "pipe", "mkdir", "move", "copy", "remove")
+
+
+def _faulty_save(root: Path, name: str, seed: int, plan: FaultPlan) -> FaultInjector:
+    """Save through ``faulty://`` over ``root``; the injector says what it counted."""
+    faults = FaultInjector(plan)
+    options = {"target_protocol": "file", "faults": faults}
+    _save(f"faulty://{root}", name, seed, storage_options=options)
+    return faults
+
+
+def _kill_points(tmp_path: Path) -> list[FaultPlan]:
+    """Every storage operation that changes something in one save, but the data writes, which
+    get their first, middle and last (a torn write each)."""
+    counted = _faulty_save(tmp_path / "counted", NAME, 0, FaultPlan())
+    structure = sum(counted.counts[kind] for kind in _STRUCTURE)
+    writes = counted.counts["write"]
+    assert structure > 10 and writes > 2
+    plans = [FaultPlan(ops=_STRUCTURE, fail_at=k, persistent=True) for k in range(1, structure + 1)]
+    plans += [
+        FaultPlan(ops=("write",), fail_at=k, persistent=True)
+        for k in sorted({1, writes // 2, writes})
+    ]
+    return plans
+
+
+def test_a_save_dying_at_any_write_leaves_the_last_committed_one(tmp_path: Path) -> None:
+    """Killed at each operation that changes storage (every later one failing too, as after a
+    crash): the previous checkpoint still loads, nothing half-written lists or is "latest",
+    and a restarted job saves again."""
+    for number, plan in enumerate(_kill_points(tmp_path)):
+        root = tmp_path / f"kill_{number:03d}"
+        previous = _faulty_save(root, "step_000100", 0, FaultPlan()) and _payload(0)
+        with contextlib.suppress(Exception):  # the save may fail anywhere, or after its commit
+            _faulty_save(root, "step_000200", 1, plan)
+        names = [info.name for info in dcp_safe.list_checkpoints(root)]
+        assert names in (["step_000100"], ["step_000100", "step_000200"]), (plan, names)
+        latest = dcp_safe.verify_checkpoint(root, deep=True).name
+        assert latest == names[-1], plan
+        _assert_same(_load(root, "step_000100"), previous)
+        if "step_000200" in names:
+            _assert_same(_load(root, "step_000200"), _payload(1))
+        _faulty_save(root, "step_000300", 2, FaultPlan())
+        _assert_same(_load(root, dcp_safe.verify_checkpoint(root).name), _payload(2))
