@@ -103,6 +103,7 @@ class _Save:
     group: Any
     files: dict[str, FileRecord] = field(default_factory=dict)
     reported: list[list[FileRecord]] | None = None
+    failure: str | None = None  # a write failed: the save is given up
 
 
 class SafeStorage(Storage):
@@ -143,11 +144,18 @@ class SafeStorage(Storage):
 
     # -------------------------------------------------------------------- saving
 
-    def save_of(self, name: str) -> _Save:
-        """The save of ``name`` in progress, begun (its name claimed) on first use."""
+    def save_of(self, name: str, *, fresh: bool = False) -> _Save:
+        """The save of ``name`` in progress, begun (its name claimed) on first use, or with
+        ``fresh`` (the checkpoint's folder made: a new save) after a failed one.
+
+        Raises:
+            CommitError: the save in progress failed (the rest of its writes are refused).
+        """
         with self._lock:
             save = self._saves.get(name)
-            if save is None:
+            if save is not None and save.failure is not None and not fresh:
+                raise CommitError(f"the save of {name} failed on this rank: {save.failure}")
+            if save is None or save.failure is not None:
                 save = self._saves[name] = self._begin(name)
             return save
 
@@ -178,9 +186,9 @@ class SafeStorage(Storage):
         self._opened.pop(name, None)
         return _Save(strategy.publication(self._backend, name, save_id), group)
 
-    def _work_rel(self, path: Path | str) -> tuple[_Save, str, str]:
+    def _work_rel(self, path: Path | str, *, fresh: bool = False) -> tuple[_Save, str, str]:
         name, member = self._split(path)
-        save = self.save_of(name)
+        save = self.save_of(name, fresh=fresh and not member)
         work = save.publication.work_dir
         return save, member, f"{work}/{member}" if member else work
 
@@ -188,20 +196,41 @@ class SafeStorage(Storage):
         save, member, rel = self._work_rel(path)
         if not member:
             raise ConfigError(f"{os.fspath(path)!r} is a checkpoint, not a file of one")
-        return _HashingWriter(self._backend, rel, member, self._algorithm, save.files)
+        try:
+            return _HashingWriter(self, rel, member, save)
+        except BaseException as exc:
+            self.failed(save, exc)
+            raise
 
     def write(self, path: Path, data: Any) -> None:
         with self.stream_write(path) as stream:
             stream.write(memoryview(data).cast("B"))
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
-        self._backend.makedirs(self._work_rel(path)[2])
+        # torch_checkpointing makes a save's folders before it writes a file, the checkpoint's
+        # own first: that is where a new save of a name begins after a failed one.
+        save, _, rel = self._work_rel(path, fresh=True)
+        try:
+            self._backend.makedirs(rel)
+        except BaseException as exc:
+            self.failed(save, exc)
+            raise
 
     def finish(self, name: str) -> None:
         """Forget the save of ``name`` (published or failed)."""
         with self._lock:
             self._saves.pop(name, None)
             self._opened.pop(name, None)
+
+    def failed(self, save: _Save, exc: BaseException) -> None:
+        """A write of ``save`` failed, so it cannot publish: refuse its other writes, remove
+        this rank's files and give up the claim (marked abandoned where peers' files stay), so
+        the name can be saved again."""
+        with self._lock:
+            if save.failure is not None:
+                return
+            save.failure = f"{type(exc).__name__}: {exc}"
+        save.publication.abandon(list(save.files), shared=save.group is not None)
 
     # -------------------------------------------------------------------- reading
 
@@ -323,21 +352,13 @@ class _HashingWriter(io.RawIOBase):
     """A backend write stream that hashes what passes and records the file when it closes
     whole (an exception inside the ``with`` leaves nothing, and records nothing)."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        rel: str,
-        member: str,
-        algorithm: ChecksumAlgorithm,
-        files: dict[str, FileRecord],
-    ) -> None:
+    def __init__(self, storage: SafeStorage, rel: str, member: str, save: _Save) -> None:
         super().__init__()
         self._stack = contextlib.ExitStack()
-        self._file = self._stack.enter_context(backend.open_write(rel))
-        self._hasher = new_hasher(algorithm)
-        self._algorithm = algorithm
-        self._member = member
-        self._files = files
+        self._file = self._stack.enter_context(storage._backend.open_write(rel))
+        self._algorithm = storage._algorithm
+        self._hasher = new_hasher(self._algorithm)
+        self._storage, self._member, self._save = storage, member, save
         self._size = 0
 
     def writable(self) -> bool:
@@ -355,15 +376,23 @@ class _HashingWriter(io.RawIOBase):
             self.close()
             return
         if not self.closed:
-            self._stack.__exit__(*exc)
-            super().close()
+            try:
+                self._stack.__exit__(*exc)
+            finally:
+                super().close()
+                self._storage.failed(self._save, exc[1])
 
     def close(self) -> None:
         if self.closed:
             return
-        self._stack.close()
-        super().close()
-        self._files[self._member] = FileRecord(
+        try:
+            self._stack.close()
+        except BaseException as exc:
+            self._storage.failed(self._save, exc)
+            raise
+        finally:
+            super().close()
+        self._save.files[self._member] = FileRecord(
             path=self._member,
             size=self._size,
             checksum=format_checksum(self._algorithm, self._hasher),

@@ -349,3 +349,35 @@ def test_a_save_dying_at_any_write_leaves_the_last_committed_one(tmp_path: Path)
             _assert_same(_load(root, "step_000200"), _payload(1))
         _faulty_save(root, "step_000300", 2, FaultPlan())
         _assert_same(_load(root, dcp_safe.verify_checkpoint(root).name), _payload(2))
+
+
+# Past the claim (the lease's own open, write and folder come first), into the data files.
+@pytest.mark.parametrize(("kind", "at"), [("write", 5), ("open", 2), ("mkdir", 2)])
+def test_a_name_is_saved_again_after_a_failed_write(tmp_path: Path, kind: str, at: int) -> None:
+    """A failed write gives the save up (its files and its claim: here the lease), so the
+    manager's next save of that name begins afresh instead of adding to the dead one, and a
+    restarted job takes the name at once."""
+    plan = FaultPlan(ops=(kind,), fail_at=at)
+    faults = FaultInjector(plan)
+    options = {"target_protocol": "file", "faults": faults}
+    mgr = _manager(f"faulty://{tmp_path}", storage_options=options)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - torch.save may word the I/O error its way
+            mgr.save(NAME, _payload(0))
+        assert faults.failures[0].path.startswith(f"{tmp_path}/{NAME}")
+        assert "_WRITING" not in faults.failures[0].path
+        assert dcp_safe.list_checkpoints(tmp_path) == []
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        mgr.save(NAME, _payload(1))
+        faults.reset(plan)
+        with pytest.raises(Exception):  # noqa: B017
+            mgr.save("step_000200", _payload(2))
+    finally:
+        mgr.close()
+    _faulty_save(tmp_path, "step_000200", 3, FaultPlan())  # the restarted job
+    assert [info.name for info in dcp_safe.list_checkpoints(tmp_path)] == [NAME, "step_000200"]
+    for name, seed in ((NAME, 1), ("step_000200", 3)):
+        # metadata.pkl is written by a manager's first save that gets that far
+        # (torch_checkpointing skips it while the layout is unchanged)
+        assert dcp_safe.verify_checkpoint(tmp_path, name, deep=True).files_checked in (3, 4)
+        _assert_same(_load(tmp_path, name), _payload(seed))
