@@ -24,7 +24,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, cast
@@ -36,7 +36,16 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import CommittedCheckpoint, check_signed, open_committed
 from dcp_safe.commit.strategy import Publication, strategy_for
-from dcp_safe.coordination.group import broadcast_object, checkpoint_group, gather_objects
+from dcp_safe.coordination.group import (
+    DEFAULT_DEADLINE_S,
+    broadcast_object,
+    checkpoint_group,
+    collective_failure,
+    discard_group,
+    gather_objects,
+    is_collective_failure,
+    validate_deadline,
+)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -46,7 +55,7 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes, format_checksum, new_hasher
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
 from dcp_safe.manifest.signing import resolve_key, sign_digest
-from dcp_safe.topology import Root, RootLike, as_root
+from dcp_safe.topology import RootLike, as_root
 from dcp_safe.version import __version__
 
 try:
@@ -76,6 +85,7 @@ class SafeStorageConfig(StorageConfig):
         signing_key: sign each save's manifest, and refuse to load a checkpoint not signed with
             it (default ``$DCP_SAFE_SIGNING_KEY``).
         checksum: the files' checksum (default xxh3-128; BLAKE3 when signing).
+        deadline_s: how long a rank waits for its peers in a save's collectives.
     """
 
     root: RootLike
@@ -83,8 +93,10 @@ class SafeStorageConfig(StorageConfig):
     storage_options: dict[str, Any] | None = None
     signing_key: bytes | str | None = None
     checksum: ChecksumAlgorithm | str | None = None
+    deadline_s: float = DEFAULT_DEADLINE_S
 
     def __post_init__(self) -> None:
+        self.deadline_s = validate_deadline(self.deadline_s)
         self.root = as_root(self.root, self.storage_options)
         self.storage_options = None
         self.signing_key = resolve_key(self.signing_key)
@@ -116,7 +128,8 @@ class SafeStorage(Storage):
 
     def __init__(self, config: SafeStorageConfig) -> None:
         self._config = config
-        self._backend: Backend = open_backend(_root_of(config))
+        self._root = as_root(config.root)
+        self._backend: Backend = open_backend(self._root)
         self._algorithm = ChecksumAlgorithm(config.checksum or ChecksumAlgorithm.XXH3_128)
         self._key = config.signing_key if isinstance(config.signing_key, bytes) else None
         self._lock = threading.Lock()
@@ -127,7 +140,7 @@ class SafeStorage(Storage):
 
     def _rel(self, path: Path | str) -> str:
         """``path`` relative to the root, as ``<name>[/<file>]``."""
-        text, root = os.fspath(path), _root_of(self._config)
+        text, root = os.fspath(path), self._root
         if os.path.isabs(text) and "://" not in root.url:
             text = os.path.relpath(text, os.path.abspath(root.url))
         rel = PurePosixPath(text.replace(os.sep, "/"))
@@ -162,7 +175,7 @@ class SafeStorage(Storage):
     def _begin(self, name: str) -> _Save:
         """Claim ``name`` for a new save on rank 0; every rank learns its save id (a collective
         where there are several ranks: each rank begins a save exactly once)."""
-        group = _group()
+        group = _group(self._config.deadline_s)
         rank = 0 if group is None else torch.distributed.get_rank(group)
         outcome: tuple[str, str | None] = ("", None)
         strategy = strategy_for(self._backend)
@@ -176,10 +189,10 @@ class SafeStorage(Storage):
                 outcome = (save_id, f"{type(exc).__name__}: {exc}")
                 if group is None:
                     raise
-                broadcast_object(outcome, group)
+                self.collective(group, broadcast_object, outcome)
                 raise
         if group is not None:
-            outcome = broadcast_object(outcome, group)
+            outcome = self.collective(group, broadcast_object, outcome)
         save_id, failure = outcome
         if failure is not None:
             raise CommitError(f"save of {name} refused on rank 0", {0: failure})
@@ -221,6 +234,21 @@ class SafeStorage(Storage):
         with self._lock:
             self._saves.pop(name, None)
             self._opened.pop(name, None)
+
+    def collective(self, group: Any, call: Callable[[Any, Any], Any], value: Any) -> Any:
+        """``call(value, group)``; a peer that died or hung: the group is dropped (it is dead)
+        and a CommitError says so."""
+        try:
+            return call(value, group)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            dist = torch.distributed
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            discard_group(group)
+            raise collective_failure(
+                exc, rank=rank, world_size=world_size, deadline_s=self._config.deadline_s
+            ) from exc
 
     def failed(self, save: _Save, exc: BaseException) -> None:
         """A write of ``save`` failed, so it cannot publish: refuse its other writes, remove
@@ -317,10 +345,6 @@ class SafeStorage(Storage):
         return self._backend.full_path(self._rel(path))
 
 
-def _root_of(config: SafeStorageConfig) -> Root:
-    return as_root(config.root)
-
-
 def _is_folder(manifest: Manifest, member: str) -> bool:
     prefix = member.rstrip("/") + "/"
     return any(record.path.startswith(prefix) for record in manifest.files)
@@ -399,7 +423,7 @@ class _HashingWriter(io.RawIOBase):
         )
 
 
-def _group() -> Any:
+def _group(deadline_s: float) -> Any:
     """The checkpoint group where several ranks save, else None.
 
     Raises:
@@ -408,9 +432,9 @@ def _group() -> Any:
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
-        return (
-            checkpoint_group(purpose="torch_checkpointing") if dist.get_world_size() > 1 else None
-        )
+        if dist.get_world_size() > 1:
+            return checkpoint_group(deadline_s, purpose="torch_checkpointing")
+        return None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             "dcp_safe.torch_checkpointing publishes through a process group; none is "
@@ -453,7 +477,11 @@ def _report(args: CallbackArgs) -> None:
             checksum=digest_bytes(rank_manifest, storage._algorithm),
         ),
     ]
-    save.reported = [own] if group is None else gather_objects(own, group)
+    try:
+        save.reported = [own] if group is None else storage.collective(group, gather_objects, own)
+    except BaseException as exc:
+        storage.failed(save, exc)
+        raise
 
 
 def _finalize(args: CallbackArgs) -> None:
@@ -474,7 +502,7 @@ def _finalize(args: CallbackArgs) -> None:
                 if group is None:
                     raise
         if group is not None:
-            failure = broadcast_object(failure, group)
+            failure = storage.collective(group, broadcast_object, failure)
         if failure is not None:
             raise CommitError(f"save of {name} was not published", {0: failure})
     finally:
@@ -534,6 +562,7 @@ def manager_config(
     storage_options: dict[str, Any] | None = None,
     signing_key: bytes | str | None = None,
     checksum: ChecksumAlgorithm | str | None = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
     **options: Any,
 ) -> CheckpointManager.Config:
     """A ``CheckpointManager.Config`` that saves to ``root`` as dcp_safe does (module docstring).
@@ -555,7 +584,11 @@ def manager_config(
     if save not in savers:
         raise ConfigError(f"save must be 'async' or 'sync', got {save!r}")
     storage = SafeStorageConfig(
-        root, storage_options=storage_options, signing_key=signing_key, checksum=checksum
+        root,
+        storage_options=storage_options,
+        signing_key=signing_key,
+        checksum=checksum,
+        deadline_s=deadline_s,
     )
     return CheckpointManager.Config(
         storage_config=storage,

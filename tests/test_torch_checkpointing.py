@@ -381,3 +381,32 @@ def test_a_name_is_saved_again_after_a_failed_write(tmp_path: Path, kind: str, a
         # (torch_checkpointing skips it while the layout is unchanged)
         assert dcp_safe.verify_checkpoint(tmp_path, name, deep=True).files_checked in (3, 4)
         _assert_same(_load(tmp_path, name), _payload(seed))
+
+
+def _rank_save_one_failing(rank: int, world_size: int, root: str, name: str, fail: bool) -> str:
+    """Save ``name``; with ``fail``, rank 1's first data file write fails. What each rank saw."""
+    plan = FaultPlan(ops=("open",), fail_at=2) if fail and rank == 1 else FaultPlan()
+    options = {"target_protocol": "file", "faults": FaultInjector(plan)}
+    mgr = CheckpointManager(
+        manager_config(f"faulty://{root}", save="sync", storage_options=options, deadline_s=5)
+    )
+    try:
+        mgr.save(name, _payload(rank))
+    except Exception as exc:  # what failed on this rank is the result
+        return type(exc).__name__
+    finally:
+        mgr.close()
+    return "saved"
+
+
+@pytest.mark.multiproc
+def test_a_rank_failing_mid_save_publishes_nothing(tmp_path: Path) -> None:
+    """Rank 1 fails a write: it gives up, rank 0 is told by the deadline (a CommitError, the
+    group dropped), nothing is listed, and the next run saves the same name."""
+    root = str(tmp_path)
+    outcome = run_ranks(_rank_save_one_failing, 2, args=(root, NAME, True), timeout_s=90)
+    assert outcome[0] == "CommitError"
+    assert outcome[1] != "saved"
+    assert dcp_safe.list_checkpoints(tmp_path) == []
+    assert run_ranks(_rank_save_one_failing, 2, args=(root, NAME, False)) == ["saved"] * 2
+    assert dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True).files_checked == 6
