@@ -209,15 +209,17 @@ def _rank_save_and_load(rank: int, world_size: int, root: str) -> bool:
 
 
 @pytest.mark.multiproc
-def test_two_gloo_ranks_save_one_checkpoint(tmp_path: Path) -> None:
-    assert run_ranks(_rank_save_and_load, 2, args=(str(tmp_path),)) == [True, True]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_ranks_save_one_checkpoint(tmp_path: Path, world_size: int) -> None:
+    assert run_ranks(_rank_save_and_load, world_size, args=(str(tmp_path),)) == [True] * world_size
     (info,) = dcp_safe.list_checkpoints(tmp_path)
-    assert (info.name, info.world_size) == (NAME, 2)
+    assert (info.name, info.world_size) == (NAME, world_size)
     report = dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True)
     # each rank's model and step files and its rank manifest
-    assert report.files_checked == 6
+    assert report.files_checked == 3 * world_size
     files = {p.name for p in (tmp_path / NAME).rglob("*") if p.is_file()}
-    assert {"model_0.pt", "model_1.pt", "rank_00000.json", "rank_00001.json"} <= files
+    for rank in range(world_size):
+        assert {f"model_{rank}.pt", f"step_{rank}.pt", f"rank_{rank:05d}.json"} <= files
 
 
 @pytest.mark.s3
