@@ -24,6 +24,7 @@ from dcp_safe.errors import (
     SignatureError,
     UnsignedCheckpointError,
 )
+from dcp_safe.replication.replicator import replicate_checkpoint
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.topology import Root
@@ -412,3 +413,18 @@ def test_a_rank_failing_mid_save_publishes_nothing(tmp_path: Path) -> None:
     assert dcp_safe.list_checkpoints(tmp_path) == []
     assert run_ranks(_rank_save_one_failing, 2, args=(root, NAME, False)) == ["saved"] * 2
     assert dcp_safe.verify_checkpoint(tmp_path, NAME, deep=True).files_checked == 6
+
+
+@pytest.mark.s3
+def test_replicated_to_a_second_root_it_verifies_and_loads_there(
+    tmp_path: Path, s3_root: str, s3_options: dict[str, Any]
+) -> None:
+    saved = _save(tmp_path)
+    remote = Root(s3_root, storage_options=s3_options)
+    replicate_checkpoint(open_backend(tmp_path), open_backend(remote), NAME)
+    assert dcp_safe.verify_checkpoint(remote, NAME, deep=True).files_checked == 4
+    mgr = _manager(s3_root, storage_options=s3_options)
+    try:
+        _assert_same(dict(mgr.load(NAME, into=_template())), saved)
+    finally:
+        mgr.close()
