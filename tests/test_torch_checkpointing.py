@@ -428,3 +428,20 @@ def test_replicated_to_a_second_root_it_verifies_and_loads_there(
         _assert_same(dict(mgr.load(NAME, into=_template())), saved)
     finally:
         mgr.close()
+
+
+@pytest.mark.s3
+@pytest.mark.subprocess
+def test_async_saver_on_s3(s3_root: str, s3_options: dict[str, Any]) -> None:
+    saved = _payload(4)
+    config = manager_config(s3_root, save="async", storage_options=s3_options)
+    mgr = CheckpointManager(config)
+    try:
+        future = mgr.save(NAME, saved)
+        assert future is not None
+        future.result(timeout=120)
+        _assert_same(dict(mgr.load(NAME, into=_template())), saved)
+    finally:
+        mgr.close()
+    root = Root(s3_root, storage_options=s3_options)
+    assert dcp_safe.verify_checkpoint(root, NAME, deep=True).files_checked == 3
