@@ -445,3 +445,21 @@ def test_async_saver_on_s3(s3_root: str, s3_options: dict[str, Any]) -> None:
         mgr.close()
     root = Root(s3_root, storage_options=s3_options)
     assert dcp_safe.verify_checkpoint(root, NAME, deep=True).files_checked == 3
+
+
+def test_retention_and_the_sweeper_handle_these_checkpoints(tmp_path: Path) -> None:
+    for seed, name in enumerate(("step_000100", "step_000200", "step_000300")):
+        _save(tmp_path, name, seed)
+    config = manager_config(tmp_path, save="sync")
+    config.finalize_callback = None  # a save that died before its commit: a hidden partial
+    mgr = CheckpointManager(config)
+    mgr.save("step_000400", _payload(3))
+    mgr.close()
+    assert any(entry.name.startswith(".step_000400.partial-") for entry in tmp_path.iterdir())
+
+    dcp_safe.apply_retention(tmp_path, keep_last=1, grace_s=0)
+    names = [info.name for info in dcp_safe.list_checkpoints(tmp_path)]
+    assert names == ["step_000200", "step_000300"]  # the two newest are always kept
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == names
+    assert dcp_safe.verify_checkpoint(tmp_path, deep=True).name == "step_000300"
+    _assert_same(_load(tmp_path, "step_000300"), _payload(2))
