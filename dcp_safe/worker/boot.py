@@ -75,6 +75,11 @@ def boot(argv: list[str]) -> None:
     from dcp_safe.worker.main import main
 
     main(conn, lock, parent)
+    # Everything the parent waits for has been sent: unloading torch at interpreter shutdown
+    # only makes close() wait seconds longer (and tears gloo down where it can abort).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
