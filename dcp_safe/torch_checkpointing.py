@@ -294,10 +294,9 @@ class SafeStorage(Storage):
         # A BytesIO, as LocalFileSystemStorage's full-file read returns: readinto, seek, tell.
         return cast(io.RawIOBase, io.BytesIO(data))
 
-    # Each parallel fill worker opens its own stream: one checked read of the file is cheaper.
     @property
     def mmap_fill_workers(self) -> int | None:
-        return 1
+        return 1  # each parallel fill worker would read and check the whole file again
 
     def getsize(self, path: Path) -> int:
         return self._record(path)[1].size
@@ -305,6 +304,9 @@ class SafeStorage(Storage):
     def exists(self, path: Path) -> bool:
         """A committed checkpoint, or a file its manifest lists: nothing uncommitted exists."""
         name, member = self._split(path)
+        if not member:  # a load begins by asking for the checkpoint: read its manifest afresh
+            with self._lock:
+                self._opened.pop(name, None)
         try:
             manifest = self._committed(name).manifest
         except CheckpointNotFoundError:
@@ -373,8 +375,7 @@ def _check(path: str, record: FileRecord, data: bytes) -> None:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A backend write stream that hashes what passes and records the file when it closes
-    whole (an exception inside the ``with`` leaves nothing, and records nothing)."""
+    """A backend write stream that hashes what passes and records the file once it is whole."""
 
     def __init__(self, storage: SafeStorage, rel: str, member: str, save: _Save) -> None:
         super().__init__()
@@ -458,26 +459,20 @@ def _report(args: CallbackArgs) -> None:
     publication, group = save.publication, save.group
     rank = 0 if group is None else torch.distributed.get_rank(group)
     files = tuple(sorted(save.files.values(), key=lambda f: f.path))
-    rank_manifest = RankManifest(
-        name=name,
-        save_id=publication.save_id,
-        rank=rank,
-        checksum_algorithm=storage._algorithm.value,
-        files=files,
-        items=(),
-    ).to_json()
-    rank_rel = layout.rank_manifest_name(rank)
-    storage._backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
-    storage._backend.write_bytes(f"{publication.work_dir}/{rank_rel}", rank_manifest)
-    own = [
-        *files,
-        FileRecord(
-            path=rank_rel,
-            size=len(rank_manifest),
-            checksum=digest_bytes(rank_manifest, storage._algorithm),
-        ),
-    ]
+    algorithm, rank_rel = storage._algorithm, layout.rank_manifest_name(rank)
     try:
+        rank_manifest = RankManifest(
+            name=name,
+            save_id=publication.save_id,
+            rank=rank,
+            checksum_algorithm=algorithm.value,
+            files=files,
+            items=(),
+        ).to_json()
+        storage._backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
+        storage._backend.write_bytes(f"{publication.work_dir}/{rank_rel}", rank_manifest)
+        checksum = digest_bytes(rank_manifest, algorithm)
+        own = [*files, FileRecord(path=rank_rel, size=len(rank_manifest), checksum=checksum)]
         save.reported = [own] if group is None else storage.collective(group, gather_objects, own)
     except BaseException as exc:
         storage.failed(save, exc)

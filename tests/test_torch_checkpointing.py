@@ -18,6 +18,7 @@ from torch_checkpointing.storage.base_storage import ReadArgs
 
 import dcp_safe
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -463,3 +464,17 @@ def test_retention_and_the_sweeper_handle_these_checkpoints(tmp_path: Path) -> N
     assert sorted(entry.name for entry in tmp_path.iterdir()) == names
     assert dcp_safe.verify_checkpoint(tmp_path, deep=True).name == "step_000300"
     _assert_same(_load(tmp_path, "step_000300"), _payload(2))
+
+
+def test_a_load_reads_the_manifest_afresh(tmp_path: Path) -> None:
+    """One manager, the name retired and saved again by another job: its next load reads the
+    new checkpoint, not the manifest it saw before."""
+    _save(tmp_path, seed=0)
+    mgr = _manager(tmp_path)
+    try:
+        _assert_same(dict(mgr.load(NAME, into=_template())), _payload(0))
+        strategy_for(open_backend(tmp_path)).retire(open_backend(tmp_path), NAME)
+        _save(tmp_path, seed=1)
+        _assert_same(dict(mgr.load(NAME, into=_template())), _payload(1))
+    finally:
+        mgr.close()
