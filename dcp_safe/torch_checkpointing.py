@@ -72,6 +72,7 @@ __all__ = ["DATA_FORMAT", "SafeStorage", "SafeStorageConfig", "manager_config"]
 
 #: What the manifest of a checkpoint written here records as its ``data_format``.
 DATA_FORMAT = "torch_checkpointing"
+_CRYPTOGRAPHIC = (ChecksumAlgorithm.BLAKE3, ChecksumAlgorithm.SHA256)
 
 
 @dataclass
@@ -102,6 +103,10 @@ class SafeStorageConfig(StorageConfig):
         self.signing_key = resolve_key(self.signing_key)
         default = ChecksumAlgorithm.BLAKE3 if self.signing_key else ChecksumAlgorithm.XXH3_128
         self.checksum = ChecksumAlgorithm(self.checksum or default)
+        if self.signing_key and self.checksum not in _CRYPTOGRAPHIC:
+            raise ConfigError(
+                f"a signed save needs blake3 or sha256 checksums, not {self.checksum}"
+            )
 
     def create_storage(self) -> SafeStorage:
         return SafeStorage(self)
