@@ -478,7 +478,7 @@ def _manager_saves_again(base: Path, **writer_options: Any) -> None:
         dcp_safe.verify_checkpoint(base / tier, "step_4")
 
 
-# Pruning unpublishes first (dcp_safe.retention.retire): a prune killed half-way leaves only a
+# Pruning unpublishes first (the commit strategy's retire): a prune killed half-way leaves only a
 # hidden partial directory, never the rest of step_1 under its own name.
 _PRUNE_DEBRIS: frozenset[str] = frozenset()
 
