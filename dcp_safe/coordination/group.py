@@ -17,7 +17,8 @@ import atexit
 import contextlib
 import math
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -243,18 +244,39 @@ _OUTCOMES = {
 }
 
 
+# A peer that is alive but slower than this rank may still be writing its rank manifest when
+# the dead peer's connection drops: the witness is read until it stops changing, so that only
+# the ranks that really stopped are named (bounded: a failed save must fail in time).
+_SETTLE_S = 0.5
+_SETTLE_LIMIT_S = 5.0
+
+
 def _missing_ranks(witnesses: Iterable[object]) -> list[int]:
     for witness in witnesses:
         probe = getattr(witness, "missing_ranks", None)
         if probe is None:
             continue
         try:
-            missing = probe()
+            missing = _settled(probe)
         except (OSError, ValueError):
             continue  # storage failing too: fall back to naming every peer
         if missing:
             return sorted(missing)
     return []
+
+
+def _settled(probe: Callable[[], list[int] | None]) -> list[int] | None:
+    missing = probe()
+    give_up = time.monotonic() + _SETTLE_LIMIT_S
+    steady_since = time.monotonic()
+    while missing and time.monotonic() < give_up:
+        time.sleep(0.05)
+        again = probe()
+        if again != missing:
+            missing, steady_since = again, time.monotonic()
+        elif time.monotonic() - steady_since >= _SETTLE_S:
+            break
+    return missing
 
 
 def _first_line(exc: BaseException) -> str:

@@ -103,6 +103,28 @@ def test_a_failed_collective_names_the_ranks_storage_says_did_not_finish() -> No
     assert str(error).startswith("save was not published: a peer died")
 
 
+class _SlowPeer:
+    """Storage as a save sees it when a live peer finishes its manifest just after the dead
+    peer's connection dropped: rank 1 is missing at first, then only rank 2 is."""
+
+    def __init__(self, finishes_after: int) -> None:
+        self.reads = 0
+        self.finishes_after = finishes_after
+
+    def missing_ranks(self) -> list[int]:
+        self.reads += 1
+        return [1, 2] if self.reads <= self.finishes_after else [2]
+
+
+def test_a_live_peer_still_writing_its_manifest_is_not_named_with_the_dead_one() -> None:
+    cause = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+    witness = _SlowPeer(finishes_after=3)
+    error = collective_failure(cause, rank=0, world_size=4, deadline_s=8.0, witnesses=(witness,))
+
+    assert list(error.failures) == [2]
+    assert witness.reads > 3
+
+
 def test_a_failed_load_collective_says_the_load_failed_not_that_a_save_was_unpublished() -> None:
     cause = RuntimeError("Connection closed by peer")
     error = collective_failure(
