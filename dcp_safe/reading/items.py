@@ -16,6 +16,7 @@ import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +32,8 @@ from dcp_safe.checkpoints.items import (
     tensor_item_bound,
 )
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.schema import ItemKey, ItemRecord, item_key
-from dcp_safe.reading.budget import Admission, LoadBudget
+from dcp_safe.manifest.schema import ItemKey, ItemRecord
+from dcp_safe.reading.budget import LoadBudget
 from dcp_safe.reading.ranges import plan_blocks, read_runs
 from dcp_safe.reading.tensors import (
     known_layout,
@@ -112,13 +113,7 @@ class ItemReader:
                 over would be the remote's too, and is raised as it is.
         """
         verify = self.verify if again is not None else True
-        if request.type != LoadItemType.BYTE_IO:
-            try:
-                if self._load_known(stream, path, label, record, request, planner, verify):
-                    return
-            except Exception as exc:
-                self.load_bytes(_retry(exc, again), path, label, record, request, planner)
-                return
+        item = _Item(path, label, record, request, planner)
 
         def read() -> bytearray:
             try:
@@ -126,7 +121,13 @@ class ItemReader:
             except Exception as exc:
                 return _retry(exc, again)()
 
-        self.load_bytes(read, path, label, record, request, planner)
+        if request.type != LoadItemType.BYTE_IO:
+            try:
+                if self._load_known(stream, item, verify):
+                    return
+            except Exception as exc:
+                read = _retry(exc, again)
+        self._load_whole(item, read)
 
     def load_bytes(
         self,
@@ -138,10 +139,7 @@ class ItemReader:
         planner: LoadPlanner,
     ) -> None:
         """Admit the item whole, ``read`` its verified stored bytes, decode and hand them over."""
-        with self.budget.admit(self._raw_cost(record, request)) as held:
-            raw = read()
-            held.count(len(raw))
-            self._deliver(raw, path, label, record, request, planner, held)
+        self._load_whole(_Item(path, label, record, request, planner), read)
 
     def read_raw(
         self, stream: Any, path: str, label: str, record: ItemRecord, *, verify: bool | None = None
@@ -161,56 +159,66 @@ class ItemReader:
 
     # ----------------------------------------------------------------- helpers
 
-    def _raw_cost(self, record: ItemRecord, request: ReadItem) -> int:
-        """The most transient bytes reading ``record`` whole and delivering it holds: its
-        stored bytes, what they decompress to and, for an object, its re-serialized copy."""
-        if request.type == LoadItemType.BYTE_IO:
-            bound = self._object_bound(record)
-            decoded = record.length if not record.transforms else bound
-            return _UNBOUNDED_BYTES if decoded is None else record.length + 2 * decoded
-        stored = self.stored.get(record.key)
-        if not record.transforms or stored is None:
-            return record.length
-        return record.length + tensor_item_bound(*stored)
+    def _load_whole(self, item: _Item, read: Callable[[], bytearray]) -> None:
+        """Admit the item at the most transient bytes reading it whole and delivering it holds
+        (its stored bytes, what they decompress to and, for an object, its re-serialized
+        copy), ``read`` it, decode it and hand it over."""
+        record, path, label = item.record, item.path, item.label
+        objects = item.request.type == LoadItemType.BYTE_IO
+        stored = None if objects else self.stored.get(record.key)
+        bound: int | None
+        if objects:  # bounded unless the caller trusts the root (then as it decompresses)
+            bound = None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
+            decoded = bound if record.transforms else record.length
+            cost = _UNBOUNDED_BYTES if decoded is None else record.length + 2 * decoded
+        else:
+            bound = None if stored is None else tensor_item_bound(*stored)
+            cost = record.length + (bound if record.transforms and bound else 0)
+        with self.budget.admit(cost) as held:
+            raw = read()
+            held.count(len(raw))
+            if not objects and stored is None:
+                raise CheckpointCorruptError(
+                    path, "no tensor of the metadata lies here", item=label
+                )
+            data = decode_transforms(raw, record.transforms, max_bytes=bound, path=path, item=label)
+            if data is not raw:
+                held.count(len(data))  # decompressed; the value is decoded over it
+            if stored is None:
+                safe = sanitized_object_stream(data, path, label, allow_pickle=self.allow_pickle)
+                with safe.getbuffer() as copy:
+                    held.count(copy.nbytes)
+                with self.lock:
+                    item.planner.load_bytes(item.request, safe)
+                return
+            dtype, shape = stored
+            tensor = decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
+            self._hand_over(tensor, item)
 
-    def _object_bound(self, record: ItemRecord) -> int | None:
-        """The most bytes an object item may decode to (``None``: as many as it holds, for a
-        root trusted with pickles)."""
-        return None if self.allow_pickle else max(OBJECT_MAX_DECODED_BYTES, record.length)
-
-    def _load_known(
-        self,
-        stream: Any,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-        verify: bool,
-    ) -> bool:
+    def _load_known(self, stream: Any, item: _Item, verify: bool) -> bool:
         """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
         request needs where the item has block digests (:mod:`dcp_safe.reading.ranges`), else
         the whole stored tensor, straight into the destination where it takes the bytes as
         read. ``False``: not such an item."""
-        stored = self.stored.get(item_key(request.storage_index.fqn, request.storage_index.offset))
+        record, request = item.record, item.request
+        stored = self.stored.get(record.key)
         if stored is None:
             return False
-        require_stored(stream, path, label, record)
+        require_stored(stream, item.path, item.label, record)
         dtype, shape = stored
-        plan = plan_blocks(path, label, record, dtype, shape, request)
+        checksum = record.checksum if verify else None
+        plan = plan_blocks(item.path, item.label, record, dtype, shape, request)
         if plan is not None:
 
             def read_blocks(dest: torch.Tensor) -> bool:
-                algorithm = record.checksum.partition(":")[0] if verify else None
-                got = read_runs(stream, path, label, record, plan, algorithm, dest)
+                algorithm = None if checksum is None else checksum.partition(":")[0]
+                got = read_runs(stream, item.path, item.label, record, plan, algorithm, dest)
                 with self.lock:  # counted whole by the reader
                     self.bytes_read -= record.length - got
                 return True
 
             region = tuple(request.lengths)
-            return self._read_into(
-                region, dtype, plan.buffer_bytes, read_blocks, path, label, request, planner
-            )
+            return self._read_into(item, region, dtype, plan.buffer_bytes, read_blocks)
         layout = known_layout(dtype, shape, record)
         if layout is None:
             return False
@@ -218,31 +226,26 @@ class ItemReader:
         def read_whole(dest: torch.Tensor) -> bool:
             return read_tensor_item(
                 stream,
-                path=path,
-                item=label,
+                path=item.path,
+                item=item.label,
                 record=record,
                 layout=layout,
-                checksum=record.checksum if verify else None,
+                checksum=checksum,
                 dest=dest,
                 hash_pool=self.hash_pool,
             )
 
         whole = not any(request.storage_offsets) and tuple(request.lengths) == shape
         buffers = transient_bytes(layout, record)
-        return self._read_into(
-            shape, dtype, buffers, read_whole, path, label, request, planner, narrow=not whole
-        )
+        return self._read_into(item, shape, dtype, buffers, read_whole, narrow=not whole)
 
     def _read_into(
         self,
+        item: _Item,
         shape: tuple[int, ...],
         dtype: torch.dtype,
         buffer_bytes: int,
         read: Callable[[torch.Tensor], bool],
-        path: str,
-        label: str,
-        request: ReadItem,
-        planner: LoadPlanner,
         *,
         narrow: bool = False,
     ) -> bool:
@@ -251,7 +254,7 @@ class ItemReader:
         (``narrow``: then narrowed to the request), and hand it over. ``False``: ``read`` found
         another layout, nothing handed over."""
         with self.lock:
-            target = planner.resolve_tensor(request).detach()
+            target = item.planner.resolve_tensor(item.request).detach()
         direct = (
             not narrow
             and target.device.type == "cpu"
@@ -267,54 +270,12 @@ class ItemReader:
             dest = target if direct else transient_tensor(shape, dtype)
             if not read(dest):
                 return False
-            tensor = _narrowed(dest, request) if narrow else dest
-            self._hand_over(tensor, path, label, request, planner, target)
+            tensor = _narrowed(dest, item.request) if narrow else dest
+            self._hand_over(tensor, item, target)
         return True
 
-    def _deliver(
-        self,
-        raw: bytearray,
-        path: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-        held: Admission,
-    ) -> None:
-        """Decode ``raw`` (counted in ``held`` already) and hand it to the planner."""
-        if request.type == LoadItemType.BYTE_IO:
-            # Bounded unless the caller trusts the root (then as large as it decompresses).
-            bound = self._object_bound(record)
-            payload = decode_transforms(
-                raw, record.transforms, max_bytes=bound, path=path, item=label
-            )
-            if payload is not raw:
-                held.count(len(payload))
-            safe = sanitized_object_stream(payload, path, label, allow_pickle=self.allow_pickle)
-            with safe.getbuffer() as copy:
-                held.count(copy.nbytes)
-            with self.lock:
-                planner.load_bytes(request, safe)
-            return
-        stored = self.stored.get(record.key)
-        if stored is None:
-            raise CheckpointCorruptError(path, "no tensor of the metadata lies here", item=label)
-        dtype, shape = stored
-        bound = tensor_item_bound(dtype, shape)
-        data = decode_transforms(raw, record.transforms, max_bytes=bound, path=path, item=label)
-        if data is not raw:
-            held.count(len(data))  # decompressed; the tensor is decoded over it
-        tensor = decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
-        self._hand_over(tensor, path, label, request, planner)
-
     def _hand_over(
-        self,
-        tensor: torch.Tensor,
-        path: str,
-        label: str,
-        request: ReadItem,
-        planner: LoadPlanner,
-        target: torch.Tensor | None = None,
+        self, tensor: torch.Tensor, item: _Item, target: torch.Tensor | None = None
     ) -> None:
         """Copy ``tensor`` (the request's region) into its target and commit it to the planner.
 
@@ -322,21 +283,32 @@ class ItemReader:
             CheckpointCorruptError: the region's shape is not the target's.
         """
         if target is None:
-            tensor = _narrowed(tensor, request)
+            tensor = _narrowed(tensor, item.request)
             with self.lock:
-                target = planner.resolve_tensor(request).detach()
+                target = item.planner.resolve_tensor(item.request).detach()
         if target.size() != tensor.size():
             raise CheckpointCorruptError(
-                path,
+                item.path,
                 "stored tensor has another shape",
-                item=label,
+                item=item.label,
                 expected=tuple(target.size()),
                 actual=tuple(tensor.size()),
             )
         if target.data_ptr() != tensor.data_ptr() or target.device != tensor.device:
             target.copy_(tensor)
         with self.lock:
-            planner.commit_tensor(request, target)
+            item.planner.commit_tensor(item.request, target)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One request being served: its stored record, where it lies (for errors), its planner."""
+
+    path: str
+    label: str
+    record: ItemRecord
+    request: ReadItem
+    planner: LoadPlanner
 
 
 def _narrowed(tensor: torch.Tensor, request: ReadItem) -> torch.Tensor:
