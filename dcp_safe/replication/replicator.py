@@ -253,29 +253,52 @@ class RankReplicator(Replicator):
         if opened is None:
             return manifest
         replica, copy = opened
+        rel = layout.rank_manifest_name(save.rank)
         try:
+            record = manifest.file(rel)
+            if record is None:
+                where = self.local.full_path(f"{name}/{layout.MANIFEST}")
+                raise CheckpointCorruptError(where, f"manifest does not list {rel}")
             with self._copying:
-                record = _record(copy, layout.rank_manifest_name(save.rank))
                 upload_rank_part(copy, name, work, save.rank, record)
         except Exception as exc:
             report_rank_failure(self.remote, work, save.rank, save.save_id, exc)
-            self._remove_part(replica, save, copy)
+            # Rank 0 removes what it can of the whole save; another rank its own part.
+            (replica.abandon if save.rank == 0 else replica.remove_part)(copy.uploaded)
             raise CommitError(
                 f"rank {save.rank} could not upload its part of {name}; nothing was published",
                 {save.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
-        waits = self._commit if save.rank == 0 else self._await_commit
-        return functools.partial(waits, copy, save, work, replica)
+        return functools.partial(self._finish, copy, save, work, replica)
 
-    def _await_commit(
+    def _finish(
         self, copy: CheckpointCopy, save: RankSave, work: str, replica: ReplicaPublication
     ) -> Manifest:
-        """A rank other than 0: wait (bounded) until rank 0 committed the save remotely."""
+        """The commit wait: rank 0 uploads the rest once every rank arrived and publishes as
+        the Replicator does; another rank waits (bounded) until rank 0 committed remotely."""
+        if save.rank != 0:
+            try:
+                return await_remote_commit(self.remote, copy.name, work, save.save_id, self.options)
+            except BaseException:
+                replica.remove_part(copy.uploaded)
+                raise
+
+        def upload() -> None:
+            await_arrivals(
+                self.remote, work, save.save_id, copy.name, save.world_size, self.options
+            )
+            with self._copying:
+                copy.copy_files(work, self._unowned_files(copy.manifest, save.world_size))
+                copy.finish_upload(work)
+
         try:
-            return await_remote_commit(self.remote, copy.name, work, save.save_id, self.options)
-        except BaseException:
-            self._remove_part(replica, save, copy)
+            replica.publish(upload, copy.uploaded)
+        except ReplicationSkippedError:
+            raise  # every rank sees the skip marker itself
+        except BaseException as exc:
+            report_commit_failure(self.remote, work, save.save_id, exc)
             raise
+        return copy.manifest
 
     def _await_claim(self, replica: ReplicaPublication, *, save: RankSave, work: str) -> bool:
         """Rank 0 claims the name; the other ranks wait, bounded, until it is held or a peer
@@ -296,15 +319,6 @@ class RankReplicator(Replicator):
 
         return self.options.poll(held, f"rank 0's writing lease on {self.remote.full_path(name)}")
 
-    def _remove_part(
-        self, replica: ReplicaPublication, save: RankSave, copy: CheckpointCopy
-    ) -> None:
-        """On failure: rank 0 removes what it can of the whole save; another rank its own."""
-        if save.rank == 0:
-            replica.abandon(copy.uploaded)
-        else:
-            replica.remove_part(copy.uploaded)
-
     def _await_local_commit(self, name: str, save: RankSave, work: str) -> tuple[Manifest, bytes]:
         def committed() -> tuple[Manifest, bytes] | None:
             with self._cond:
@@ -324,34 +338,9 @@ class RankReplicator(Replicator):
             committed, f"{self.local.full_path(name)}/{layout.COMMITTED_MARKER}"
         )
 
-    def _commit(
-        self,
-        copy: CheckpointCopy,
-        save: RankSave,
-        work: str,
-        replica: ReplicaPublication,
-    ) -> Manifest:
-        """Rank 0: once every rank arrived, upload the rest and publish as the Replicator does."""
-        name = copy.name
-
-        def upload() -> None:
-            await_arrivals(self.remote, work, save.save_id, name, save.world_size, self.options)
-            with self._copying:
-                copy.copy_files(work, self._unowned_files(copy.manifest, name, save.world_size))
-                copy.finish_upload(work)
-
-        try:
-            replica.publish(upload, copy.uploaded)
-        except ReplicationSkippedError:
-            raise  # every rank sees the skip marker itself
-        except BaseException as exc:
-            report_commit_failure(self.remote, work, save.save_id, exc)
-            raise
-        return copy.manifest
-
-    def _unowned_files(self, manifest: Manifest, name: str, world_size: int) -> list[FileRecord]:
+    def _unowned_files(self, manifest: Manifest, world_size: int) -> list[FileRecord]:
         """The checkpoint's files no rank uploads as its own part (``.metadata``)."""
-        owned: set[str] = set()
+        name, owned = manifest.name, set[str]()
         for rank in range(world_size):
             rel = f"{name}/{layout.rank_manifest_name(rank)}"
             raw = self.local.read_small(rel, MANIFEST_MAX_BYTES)
@@ -359,12 +348,3 @@ class RankReplicator(Replicator):
             owned.update(f.path for f in part.files)
             owned.add(layout.rank_manifest_name(rank))
         return [f for f in manifest.files if f.path not in owned]
-
-
-def _record(copy: CheckpointCopy, rel: str) -> FileRecord:
-    record = copy.manifest.file(rel)
-    if record is None:
-        raise CheckpointCorruptError(
-            copy.local.full_path(f"{copy.name}/{layout.MANIFEST}"), f"manifest does not list {rel}"
-        )
-    return record
