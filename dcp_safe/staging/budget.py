@@ -13,17 +13,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
 from dcp_safe.host_memory import available_bytes_now, read_host
 from dcp_safe.units import format_bytes
 
-__all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes"]
+__all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes", "require_int"]
 
 # Shares are held as exact fractions for the arithmetic: 1/7 stays 1/7, not 0.142857...
 _SHARE_MAX_DENOMINATOR = 1 << 20
 _LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
-_OTHER = "other_consumers_bytes"  # the one size that is never unknown
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,11 @@ class MemoryBudget:
     share_source: str = "given"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.usable_bytes, int) or self.usable_bytes <= 0:
-            raise ConfigError(f"usable_bytes must be a positive int, got {self.usable_bytes!r}")
-        for name in ("training_peak_bytes", "available_bytes", "reserve_bytes", _OTHER):
-            value = getattr(self, name)
-            if (value is not None or name == _OTHER) and (not isinstance(value, int) or value < 0):
-                unknown = "" if name == _OTHER else " (or None when unknown)"
-                raise ConfigError(f"{name} must be a non-negative int{unknown}, got {value!r}")
+        require_int("usable_bytes", self.usable_bytes, 1)
+        require_int("other_consumers_bytes", self.other_consumers_bytes, 0)
+        for name in ("training_peak_bytes", "available_bytes", "reserve_bytes"):
+            if (value := getattr(self, name)) is not None:
+                require_int(name, value, 0, " (or None when unknown)")
         if not 0.0 <= float(self.reserve_fraction) < 1.0:
             raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
         _check_share(self.share)
@@ -208,26 +206,23 @@ class MemoryBudget:
     def from_host(
         cls,
         *,
-        reserve_bytes: int | None = None,
-        reserve_fraction: float = 0.15,
-        training_peak_bytes: int | None = None,
-        other_consumers_bytes: int = 0,
         cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
         proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
         local_world_size: int | None = None,
         share: float | None = None,
+        **figures: Any,
     ) -> MemoryBudget:
         """Read usable RAM and available memory from this host, now; take this rank's share.
 
         Args:
-            reserve_bytes, reserve_fraction, training_peak_bytes, other_consumers_bytes: the
-                node's figures, as in the class; with no training peak the envelope starts from
-                the measured available memory.
             cgroup_root, proc_self_cgroup: where to read the cgroup (tests point elsewhere).
             local_world_size: how many ranks share this node's envelope; when None, the
                 ``LOCAL_WORLD_SIZE`` variable torchrun sets, else 1. The share is its inverse.
             share: this rank's fraction of the node's envelope, in ``(0, 1]``; overrides
                 ``local_world_size`` (for ranks that do not split the node evenly).
+            figures: ``reserve_bytes``, ``reserve_fraction``, ``training_peak_bytes``,
+                ``other_consumers_bytes``: the node's figures, as in the class; with no training
+                peak the envelope starts from the measured available memory.
 
         Raises:
             ConfigError: ``local_world_size`` is not an int >= 1, ``share`` is outside
@@ -237,15 +232,19 @@ class MemoryBudget:
         usable, source, available = read_host(cgroup_root, proc_self_cgroup)
         return cls(
             usable_bytes=usable,
-            training_peak_bytes=training_peak_bytes,
             available_bytes=available,
-            other_consumers_bytes=other_consumers_bytes,
-            reserve_bytes=reserve_bytes,
-            reserve_fraction=reserve_fraction,
             source=source,
             share=rank_share,
             share_source=share_source,
+            **figures,
         )
+
+
+def require_int(name: str, value: object, minimum: int, note: str = "") -> None:
+    """Raise a :class:`ConfigError` unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+        raise ConfigError(f"{name} must be {kind}{note}, got {value!r}")
 
 
 def _check_share(share: object) -> None:
@@ -269,15 +268,8 @@ def _format_share(share: float) -> str:
 
 def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[float, str]:
     """This rank's share of the node and where it came from (argument, torchrun, default)."""
-    if local_world_size is not None and (
-        isinstance(local_world_size, bool)
-        or not isinstance(local_world_size, int)
-        or local_world_size < 1
-    ):
-        raise ConfigError(
-            "local_world_size must be an int >= 1, the number of ranks on this node,"
-            f" got {local_world_size!r}"
-        )
+    if local_world_size is not None:
+        require_int("local_world_size", local_world_size, 1, ", the number of ranks on this node")
     if share is not None:
         _check_share(share)
         return share, "share="
@@ -286,10 +278,7 @@ def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[f
     raw = os.environ.get(_LOCAL_WORLD_SIZE, "").strip()
     if not raw:
         return 1.0, f"{_LOCAL_WORLD_SIZE} unset"
-    try:
-        ranks = int(raw)
-    except ValueError:
-        ranks = 0
+    ranks = int(raw) if raw.isdecimal() else 0
     if ranks < 1:
         raise ConfigError(
             f"{_LOCAL_WORLD_SIZE}={raw!r} is not a positive integer (torchrun sets it to the"

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcp_safe.errors import ConfigError
-from dcp_safe.staging.budget import MemoryBudget
+from dcp_safe.staging.budget import MemoryBudget, require_int
 from dcp_safe.units import format_bytes
 
 __all__ = ["GIB", "CapacityPlan", "Generation", "max_generations", "node_budget", "plan_capacity"]
@@ -37,10 +36,8 @@ class Generation:
     buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("staged_bytes", "buffer_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
+        require_int("staged_bytes", self.staged_bytes, 0)
+        require_int("buffer_bytes", self.buffer_bytes, 0)
 
     @property
     def working_set_bytes(self) -> int:
@@ -106,8 +103,7 @@ def plan_capacity(
     Raises:
         ConfigError: ``generations`` is not a positive int.
     """
-    if not isinstance(generations, int) or isinstance(generations, bool) or generations < 1:
-        raise ConfigError(f"generations must be an int >= 1, got {generations!r}")
+    require_int("generations", generations, 1)
     envelope = budget.envelope_bytes
     needed = generations * generation.working_set_bytes
     return CapacityPlan(

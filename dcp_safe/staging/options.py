@@ -8,6 +8,7 @@ from enum import Enum
 
 from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
+from dcp_safe.staging.budget import require_int
 from dcp_safe.staging.pool import PinMemory
 
 __all__ = ["STAGER_MOVED", "StagerOptions", "StagerStats", "WhenBusy"]
@@ -54,8 +55,7 @@ class StagerOptions:
     mutation_guard: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        require_int("max_in_flight", self.max_in_flight, 1)
         # Callers may pass the modes' string values; store the enums.
         object.__setattr__(self, "pin_memory", PinMemory.coerce(self.pin_memory))
         object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))

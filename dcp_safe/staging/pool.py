@@ -19,7 +19,7 @@ import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -63,9 +63,10 @@ class PinMemory(str, Enum):
         return available
 
 
-@dataclass(frozen=True)
+@dataclass
 class PoolStats:
-    """Byte accounting of a pool at one moment (the meanings of :class:`StagerStats`).
+    """Byte accounting of a pool (the meanings of :class:`StagerStats`): a copy from
+    :meth:`BufferPool.stats`, or the pool's running :attr:`BufferPool.counts`.
 
     Attributes:
         allocated_bytes: host bytes the pool holds or has reserved (free + in use + pending).
@@ -73,15 +74,15 @@ class PoolStats:
         pinned_bytes: the pinned part of ``allocated_bytes`` (rounded as the allocator rounds).
     """
 
-    allocated_bytes: int
-    in_use_bytes: int
-    free_bytes: int
-    pending_bytes: int
-    pinned_bytes: int
-    peak_allocated_bytes: int
-    allocations: int
-    allocated_bytes_total: int
-    reuses: int
+    allocated_bytes: int = 0
+    in_use_bytes: int = 0
+    free_bytes: int = 0
+    pending_bytes: int = 0
+    pinned_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    allocations: int = 0
+    allocated_bytes_total: int = 0
+    reuses: int = 0
 
 
 def _storage_shared(buffer: torch.Tensor) -> bool:
@@ -208,8 +209,8 @@ class BufferPool:
         self._free: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
         self._pending: list[torch.Tensor] = []
         self._bundles: dict[int, _Bundle] = {}
-        self._allocated = self._in_use = self._free_bytes = self._pending_bytes = 0
-        self._pinned = self._peak = self._allocations = self._allocated_total = self._reuses = 0
+        # The running accounting; read it with the condition held for consistent values.
+        self.counts = PoolStats()
         self._closed = False
 
     def cost(self, size: int) -> int:
@@ -242,23 +243,24 @@ class BufferPool:
         """Take free buffers for a request and reserve the rest. Call with the condition held."""
         request = self._as_request(request)
         self.plan(request)  # reclaims pending buffers, breaks other bundles when they are needed
-        self._in_use += request.cost
+        counts = self.counts
+        counts.in_use_bytes += request.cost
         bundle = self._bundles.pop(request.token, None) if request.token is not None else None
         if bundle is not None:
-            self._free_bytes -= request.cost
-            self._reuses += len(bundle.buffers)
+            counts.free_bytes -= request.cost
+            counts.reuses += len(bundle.buffers)
             return Lease(self, request, list(bundle.buffers), bundle)
         buffers: list[torch.Tensor | None] = []
         for size in request.sizes:
             free = self._free.get(size)
             if free:
                 buffers.append(free.pop())
-                self._free_bytes -= self.cost(size)
-                self._reuses += 1
+                counts.free_bytes -= self.cost(size)
+                counts.reuses += 1
             else:
                 buffers.append(None)
-                self._allocated += self.cost(size)
-        self._peak = max(self._peak, self._allocated)
+                counts.allocated_bytes += self.cost(size)
+        counts.peak_allocated_bytes = max(counts.peak_allocated_bytes, counts.allocated_bytes)
         return Lease(self, request, buffers)
 
     def warm(
@@ -295,10 +297,10 @@ class BufferPool:
             self._break_bundles()
             for size in sorted(self._free, reverse=True):
                 bufs = self._free[size]
-                while bufs and self._free_bytes > target_bytes:
+                while bufs and self.counts.free_bytes > target_bytes:
                     bufs.pop()
                     cost = self.cost(size)
-                    self._free_bytes -= cost
+                    self.counts.free_bytes -= cost
                     self._account_free(size)
                     freed += cost
             self._free = defaultdict(list, {s: b for s, b in self._free.items() if b})
@@ -315,30 +317,11 @@ class BufferPool:
         self.trim(0)
 
     def stats(self) -> PoolStats:
-        """The pool's accounting now."""
+        """The pool's accounting now (a copy)."""
         with self.condition:
             self._reclaim_pending()
-            return PoolStats(
-                allocated_bytes=self._allocated,
-                in_use_bytes=self._in_use,
-                free_bytes=self._free_bytes,
-                pending_bytes=self._pending_bytes,
-                pinned_bytes=self._pinned if self.shared is None else self.shared.pinned_bytes(),
-                peak_allocated_bytes=self._peak,
-                allocations=self._allocations,
-                allocated_bytes_total=self._allocated_total,
-                reuses=self._reuses,
-            )
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes held or reserved. Read with the condition held for a consistent value."""
-        return self._allocated
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes in the free lists. Read with the condition held for a consistent value."""
-        return self._free_bytes
+            pinned = self.counts.pinned_bytes if self.shared is None else self.shared.pinned_bytes()
+            return replace(self.counts, pinned_bytes=pinned)
 
     def _allocate(self, size: int) -> torch.Tensor:
         pin = self.pin and size >= _PIN_MIN_BYTES
@@ -347,23 +330,23 @@ class BufferPool:
         else:
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         with self.condition:
-            self._allocations += 1
-            self._allocated_total += self.cost(size)
+            self.counts.allocations += 1
+            self.counts.allocated_bytes_total += self.cost(size)
             if pin:
-                self._pinned += self.cost(size)
+                self.counts.pinned_bytes += self.cost(size)
         return buffer
 
     def _account_free(self, size: int) -> None:
-        self._allocated -= self.cost(size)
+        self.counts.allocated_bytes -= self.cost(size)
         if self.pin and size >= _PIN_MIN_BYTES:
-            self._pinned -= self.cost(size)
+            self.counts.pinned_bytes -= self.cost(size)
 
     def _release(self, lease: Lease, *, writer_done: bool) -> None:
         with self.condition:
             if lease.released:
                 return
             lease.released = True
-            self._in_use -= lease.request.cost
+            self.counts.in_use_bytes -= lease.request.cost
             views, lease.views = lease.views, None
             token = lease.request.token
             if (
@@ -375,15 +358,15 @@ class BufferPool:
                 if token in self._bundles:  # another generation of this layout came back first
                     self._break_bundles()  # its buffers stay free, in the free lists
                 self._bundles[token] = _Bundle(lease.buffers, views, lease.storage_counts)
-                self._free_bytes += lease.request.cost
+                self.counts.free_bytes += lease.request.cost
             else:
                 del views  # a view nobody else holds dies here, so its buffer counts as unshared
                 for size, buffer in zip(lease.request.sizes, lease._buffers, strict=False):
                     if buffer is None:  # reserved, never allocated (staging failed early)
-                        self._allocated -= self.cost(size)
+                        self.counts.allocated_bytes -= self.cost(size)
                     elif not writer_done and _storage_shared(buffer):
                         self._pending.append(buffer)
-                        self._pending_bytes += self.cost(size)
+                        self.counts.pending_bytes += self.cost(size)
                     else:
                         self._put_free(buffer)
             lease._buffers = []
@@ -416,16 +399,13 @@ class BufferPool:
             self._account_free(size)
         else:
             self._free[size].append(buffer)
-            self._free_bytes += self.cost(size)
+            self.counts.free_bytes += self.cost(size)
 
     def _reclaim_pending(self) -> None:
-        if not self._pending:
-            return
-        still: list[torch.Tensor] = []
-        for buffer in self._pending:
+        pending, self._pending = self._pending, []
+        for buffer in pending:
             if _storage_shared(buffer):
-                still.append(buffer)
+                self._pending.append(buffer)
             else:
-                self._pending_bytes -= self.cost(buffer.numel())
+                self.counts.pending_bytes -= self.cost(buffer.numel())
                 self._put_free(buffer)
-        self._pending = still

@@ -308,10 +308,10 @@ class BudgetedStager(AsyncStager):
         self.budget.check_fits(plan.request.cost)
         with self._cond:
             _, new = self._pool.plan(plan.request)
-            if self._pool.allocated_bytes + new > self.budget.envelope_bytes:
+            if self._pool.counts.allocated_bytes + new > self.budget.envelope_bytes:
                 raise AdmissionTimeoutError(
                     f"warm_up needs {format_bytes(new)} more, but the pool holds"
-                    f" {format_bytes(self._pool.allocated_bytes)} of the"
+                    f" {format_bytes(self._pool.counts.allocated_bytes)} of the"
                     f" {self.budget.explain()}"
                 )
         return self._pool.warm(plan.request, plan.views)
@@ -397,17 +397,17 @@ class BudgetedStager(AsyncStager):
                 continue
             self._cond.wait(0.005)
         lease = self._pool.lease(request)
-        excess = self._pool.allocated_bytes - self.budget.envelope_bytes
+        excess = self._pool.counts.allocated_bytes - self.budget.envelope_bytes
         if excess > 0:  # free buffers this state cannot use make room for ones it can
-            self._pool.trim(max(0, self._pool.free_bytes - excess))
+            self._pool.trim(max(0, self._pool.counts.free_bytes - excess))
         return lease
 
     def _decide(self, request: BufferRequest, others: int | None = None) -> tuple[Admission, int]:
         reused, new = self._pool.plan(request)
-        spare = self._pool.free_bytes - reused
+        spare = self._pool.counts.free_bytes - reused
         admission = self.budget.admit(
             request_bytes=request.cost,
-            projected_bytes=self._pool.allocated_bytes + new - spare,
+            projected_bytes=self._pool.counts.allocated_bytes + new - spare,
             in_flight=len(self._in_flight) if others is None else others,
             max_in_flight=self.options.max_in_flight,
         )
