@@ -208,14 +208,10 @@ def collective_failure(
         if missing
         else "failed or unreachable; this rank cannot tell which peer"
     )
-    named = missing or [r for r in range(world_size) if r != rank]
-    failures = {r: f"{why} ({_first_line(exc)})" for r in named}
     within = f" within the {deadline_s:g} s deadline" if deadline_s is not None else ""
     outcome, intact = _OUTCOMES.get(operation, _OUTCOMES["save"])
-    error = CommitError(
-        f"{outcome}: a peer died or did not respond{within}; restart the job ({intact})",
-        failures,
-    )
+    message = f"{outcome}: a peer died or did not respond{within}; restart the job ({intact})"
+    error = peers_failed(message, why, exc, rank=rank, world_size=world_size, ranks=missing)
     error.__cause__ = exc
     return error
 
@@ -230,8 +226,10 @@ def peers_failed(
     ranks: Iterable[int] = (),
 ) -> CommitError:
     """A CommitError for peers that did not take part: ``ranks`` (else every peer of ``rank``),
-    each with ``why`` and the transport's error (chain it: ``raise ... from exc``)."""
-    detail = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    each with ``why`` and the first line of the transport's error (chain it: ``raise ... from
+    exc``)."""
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[0][:200] if text else ''}"
     named = list(ranks) or [r for r in range(world_size) if r != rank]
     return CommitError(message, {r: f"{why} ({detail})" for r in named})
 
@@ -277,8 +275,3 @@ def _settled(probe: Callable[[], list[int] | None]) -> list[int] | None:
         elif time.monotonic() - steady_since >= _SETTLE_S:
             break
     return missing
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -146,35 +146,29 @@ class ManagerGroups:
         """
         with self._replacing:
             for purpose in (p for p in (*_ORDER, WORKERS) if p in purposes):
-                self._replace(purpose)
                 with self._lock:
+                    # A failure seen now is on a stale group: the current one goes too.
+                    old, current = self._broken.pop(purpose, None), self._current.pop(purpose, None)
+                    destroy = purpose in self._own_failure
+                    self._own_failure.discard(purpose)
                     self._generations[purpose] = self._generations.get(purpose, 0) + 1
-
-    def _replace(self, purpose: str) -> None:
-        if purpose == WORKERS:  # the workers form their next group themselves
-            with self._lock:
-                self._broken.pop(purpose, None)
-            return
-        with self._lock:
-            old = self._broken.pop(purpose, None)
-            current = self._current.pop(purpose, None)  # a failure seen now is on a stale one
-            destroy = purpose in self._own_failure
-            self._own_failure.discard(purpose)
-        stale = old if old is not None else current
-        if stale is not None:
-            discard_group(stale, destroy=destroy)
-        try:
-            fresh = checkpoint_group(self.deadline_s, purpose=purpose)
-        except (RuntimeError, ValueError) as exc:
-            self.dead = peers_failed(
-                f"the manager's {purpose} group broke and a new one could not be made: a"
-                f" peer died or did not respond within the {self.deadline_s:g} s deadline;"
-                " restart the job (the previous checkpoint is intact)",
-                f"did not join the new {purpose} group",
-                exc,
-                rank=self.rank,
-                world_size=self.world_size,
-            )
-            raise self.dead from exc
-        with self._lock:
-            self._current[purpose] = fresh
+                if purpose == WORKERS:
+                    continue  # the workers form their next group themselves
+                stale = old if old is not None else current
+                if stale is not None:
+                    discard_group(stale, destroy=destroy)
+                try:
+                    fresh = checkpoint_group(self.deadline_s, purpose=purpose)
+                except (RuntimeError, ValueError) as exc:
+                    self.dead = peers_failed(
+                        f"the manager's {purpose} group broke and a new one could not be made: a"
+                        f" peer died or did not respond within the {self.deadline_s:g} s"
+                        " deadline; restart the job (the previous checkpoint is intact)",
+                        f"did not join the new {purpose} group",
+                        exc,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                    )
+                    raise self.dead from exc
+                with self._lock:
+                    self._current[purpose] = fresh
