@@ -8,6 +8,7 @@ the marker against the manifest and each file's presence and size, reading no da
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -93,18 +94,11 @@ def list_checkpoints(
     """
     backend = open_backend(root, storage_options)
     key = resolve_key(signing_key)
-    found = [
-        CheckpointInfo(
-            name=header.name,
-            path=backend.full_path(header.name),
-            size_bytes=header.total_bytes,
-            created_at=header.created_at,
-            world_size=header.world_size,
-            step=header.step,
-            save_id=header.save_id,
-        )
-        for header in accepted_headers(backend, key, damaged=on_damaged or _log_damaged)
-    ]
+    found = []
+    for header in accepted_headers(backend, key, damaged=on_damaged or _log_damaged):
+        fields = dataclasses.asdict(header)
+        fields["size_bytes"] = fields.pop("total_bytes")
+        found.append(CheckpointInfo(path=backend.full_path(header.name), **fields))
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 
 
@@ -231,7 +225,17 @@ def verify_opened(
     size_of = backend.size if deep else ListedSizes(backend, "").size
     for record in manifest.files:
         rel = f"{name}/{record.path}"
-        _check_size(backend, rel, record.size, size_of)
+        try:
+            size = size_of(rel)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+        if size != record.size:
+            raise CheckpointCorruptError(
+                backend.full_path(rel),
+                "file size differs from the manifest",
+                expected=record.size,
+                actual=size,
+            )
         if deep:
             with backend.open_read(rel) as stream:
                 items = by_file.get(record.path, [])
@@ -255,35 +259,17 @@ def verify_opened(
 
 def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
     """The manifest must list every file a load needs: what it omits, nobody checks."""
+    path = backend.full_path(f"{name}/{layout.MANIFEST}")
     if manifest.world_size > len(manifest.files):  # each rank wrote a rank manifest, at least
         raise CheckpointCorruptError(
-            backend.full_path(f"{name}/{layout.MANIFEST}"),
-            f"world size {manifest.world_size} but only {len(manifest.files)} files listed",
+            path, f"world size {manifest.world_size} but only {len(manifest.files)} files listed"
         )
     needed = {layout.DCP_METADATA} if manifest.data_format is None else set()
     needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
     needed |= {item.file for item in manifest.items}
     missing = sorted(needed - {record.path for record in manifest.files})
     if missing:
-        raise CheckpointCorruptError(
-            backend.full_path(f"{name}/{layout.MANIFEST}"),
-            f"manifest does not list {', '.join(missing)}",
-        )
-
-
-def _check_size(backend: Backend, rel: str, size: int, size_of: Callable[[str], int]) -> None:
-    """The file at ``rel`` exists and holds ``size`` bytes, as ``size_of(rel)`` finds it."""
-    try:
-        actual = size_of(rel)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
-    if actual != size:
-        raise CheckpointCorruptError(
-            backend.full_path(rel),
-            "file size differs from the manifest",
-            expected=size,
-            actual=actual,
-        )
+        raise CheckpointCorruptError(path, f"manifest does not list {', '.join(missing)}")
 
 
 def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> None:

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 from dcp_safe import layout
@@ -126,14 +126,7 @@ class CommittedHeader:
 
     @classmethod
     def of(cls, manifest: Manifest) -> CommittedHeader:
-        return cls(
-            name=manifest.name,
-            step=manifest.step,
-            created_at=manifest.created_at,
-            world_size=manifest.world_size,
-            total_bytes=manifest.total_bytes,
-            save_id=manifest.save_id,
-        )
+        return cls(**{field.name: getattr(manifest, field.name) for field in fields(cls)})
 
 
 def remember_header(digest: str, header: CommittedHeader) -> None:
@@ -169,9 +162,7 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
             names; a control file is not a regular file or over its cap; or an item lies in a
             file the manifest does not list.
     """
-    manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
-    raw, actual = _read_committed(backend, name, manifest_path)
-    return _opened(name, raw, actual, manifest_path)
+    return _opened(name, *_read_committed(backend, name))
 
 
 def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
@@ -185,17 +176,18 @@ def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError: as :func:`open_committed`.
     """
-    manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
-    raw, actual = _read_committed(backend, name, manifest_path)
+    raw, actual, manifest_path = _read_committed(backend, name)
     header = _headers.get(actual)
     if header is None or header.name != name:
         header = CommittedHeader.of(_opened(name, raw, actual, manifest_path).manifest)
     return header, actual
 
 
-def _read_committed(backend: Backend, name: str, manifest_path: str) -> tuple[bytes, str]:
+def _read_committed(backend: Backend, name: str) -> tuple[bytes, str, str]:
+    """``name``'s manifest bytes, their digest (checked against the marker) and its path."""
+    path = backend.full_path(f"{name}/{layout.MANIFEST}")
     marker = layout.COMMITTED_MARKER
-    return read_marked_manifest(backend, name, marker, "committed checkpoint", manifest_path)
+    return (*read_marked_manifest(backend, name, marker, "committed checkpoint", path), path)
 
 
 def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> CommittedCheckpoint:
@@ -350,7 +342,16 @@ def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> N
     """
     name, manifest = opened.name, opened.manifest
     manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
-    signature = _read_signature(backend, name)
+    rel = f"{name}/{layout.SIGNATURE}"
+    try:
+        # Stat first: a FIFO or an endless device under this name is refused, not waited on.
+        signature = backend.read_small(rel, MAX_SIGNATURE_BYTES)
+    except FileNotFoundError:
+        raise UnsignedCheckpointError(
+            backend.full_path(name), f"the checkpoint has no {layout.SIGNATURE}"
+        ) from None
+    except CheckpointCorruptError as exc:  # not a regular file, or too large
+        raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None
     check_signature(key, opened.digest, signature, manifest_path)
     weak = [
         checksum
@@ -360,16 +361,3 @@ def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> N
     if weak or not is_cryptographic(manifest.checksum_algorithm + ":"):
         shown = weak[0] if weak else manifest.checksum_algorithm
         raise SignatureError(manifest_path, f"signed over a non-cryptographic checksum ({shown})")
-
-
-def _read_signature(backend: Backend, name: str) -> bytes:
-    rel = f"{name}/{layout.SIGNATURE}"
-    try:
-        # Stat first: a FIFO or an endless device under this name is refused, not waited on.
-        return backend.read_small(rel, MAX_SIGNATURE_BYTES)
-    except FileNotFoundError:
-        raise UnsignedCheckpointError(
-            backend.full_path(name), f"the checkpoint has no {layout.SIGNATURE}"
-        ) from None
-    except CheckpointCorruptError as exc:  # not a regular file, or too large
-        raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None

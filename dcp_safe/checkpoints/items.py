@@ -60,9 +60,6 @@ from dcp_safe.manifest.schema import ItemKey, ItemRecord, Manifest, item_key
 from dcp_safe.manifest.streams import read_verified
 from dcp_safe.torch_compat import ZStandard
 
-# The reader's name for it: one item's bytes, read and checked before anything decodes them.
-read_item = read_verified
-
 __all__ = [
     "OBJECT_MAX_DECODED_BYTES",
     "TENSOR_ARCHIVE_BYTES",
@@ -71,7 +68,6 @@ __all__ = [
     "decode_object",
     "decode_tensor_item",
     "decode_transforms",
-    "read_item",
     "sanitized_object_stream",
     "stored_tensors",
     "tensor_item_bound",
@@ -135,18 +131,12 @@ def decode_transforms(
     if found != (ZSTD_DESCRIPTOR,):
         shown = ", ".join(t[:40] for t in found[:3])
         raise CheckpointCorruptError(path, f"unknown transforms: {shown}", item=item)
-    out = bytearray()
+    out, limit = bytearray(), sys.maxsize if max_bytes is None else max_bytes
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(raw)
-        while True:
-            want = (
-                _CHUNK_BYTES if max_bytes is None else min(_CHUNK_BYTES, max_bytes + 1 - len(out))
-            )
-            chunk = reader.read(want)
-            if not chunk:
-                return out
+        while chunk := reader.read(min(_CHUNK_BYTES, limit + 1 - len(out))):
             out += chunk
-            if max_bytes is not None and len(out) > max_bytes:
+            if len(out) > limit:
                 raise UnsafeCheckpointError(
                     path,
                     f"the item decompresses to more than the {max_bytes} bytes it may hold",
@@ -155,6 +145,7 @@ def decode_transforms(
                 )
     except zstandard.ZstdError as exc:
         raise CheckpointCorruptError(path, f"cannot decompress ({exc})", item=item) from None
+    return out
 
 
 def _unpickler(

@@ -27,12 +27,12 @@ from dcp_safe.checkpoints.items import (
     OBJECT_MAX_DECODED_BYTES,
     decode_tensor_item,
     decode_transforms,
-    read_item,
     sanitized_object_stream,
     tensor_item_bound,
 )
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemKey, ItemRecord
+from dcp_safe.manifest.streams import read_verified
 from dcp_safe.reading.budget import LoadBudget
 from dcp_safe.reading.ranges import plan_blocks, read_runs
 from dcp_safe.reading.tensors import (
@@ -148,7 +148,7 @@ class ItemReader:
         tensor decoded from them shares their memory."""
         verify = self.verify if verify is None else verify
         require_stored(stream, path, label, record)
-        return read_item(
+        return read_verified(
             stream,
             path=path,
             item=label,
