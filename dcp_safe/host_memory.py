@@ -167,31 +167,21 @@ class CgroupFiles:
 
 
 def find_cgroup_files(proc_root: str, cgroup_root: str) -> CgroupFiles:
-    """Locate this process's cgroup usage files: v2 first, then v1."""
+    """Locate this process's cgroup usage files: v2 first, then v1 (each in this process's own
+    cgroup, else in the hierarchy's root, as inside a container's cgroup namespace)."""
     v2_rel, v1_rel = _memberships(_read_text(os.path.join(proc_root, "self", "cgroup")))
-    if v2_rel is not None:
-        base = _existing_dir(cgroup_root, v2_rel)
-        if base is not None and os.path.exists(os.path.join(base, "memory.current")):
+    v1_root = os.path.join(cgroup_root, "memory")
+    for rel, root, usage, peak in (
+        (v2_rel, cgroup_root, "memory.current", "memory.peak"),
+        (v1_rel, v1_root, "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
+    ):
+        if rel is None:
+            continue
+        nested = os.path.join(root, rel.lstrip("/"))
+        base = nested if os.path.isdir(nested) else root
+        if os.path.exists(os.path.join(base, usage)):
+            peak_path = os.path.join(base, peak)
             return CgroupFiles(
-                os.path.join(base, "memory.current"), _if_exists(base, "memory.peak")
-            )
-    if v1_rel is not None:
-        base = _existing_dir(os.path.join(cgroup_root, "memory"), v1_rel)
-        if base is not None:
-            return CgroupFiles(
-                _if_exists(base, "memory.usage_in_bytes"),
-                _if_exists(base, "memory.max_usage_in_bytes"),
+                os.path.join(base, usage), peak_path if os.path.exists(peak_path) else None
             )
     return CgroupFiles(None, None)
-
-
-def _existing_dir(root: str, rel: str) -> str | None:
-    nested = os.path.join(root, rel.lstrip("/"))
-    if os.path.isdir(nested):
-        return nested
-    return root if os.path.isdir(root) else None
-
-
-def _if_exists(base: str, name: str) -> str | None:
-    path = os.path.join(base, name)
-    return path if os.path.exists(path) else None
