@@ -17,10 +17,9 @@ and a large checkpoint lists one digest per 4 MiB.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, new_hasher
 from dcp_safe.manifest.limits import require_int
@@ -70,15 +69,13 @@ class BlockDigests:
         return begin, min(begin + self.block_bytes, self.length)
 
     def to_dict(self) -> dict[str, Any]:
-        return cast(dict[str, Any], json.loads(self.to_json_text()))
-
-    def to_json_text(self) -> str:
-        """Canonical JSON (sorted keys, no spaces), as the manifest writes its records."""
-        digests = ",".join(f'"{digest}"' for digest in self.digests)  # hex: nothing to escape
-        return (
-            f'{{"at":{self.at},"bytes":{self.block_bytes},"digests":[{digests}],'
-            f'"length":{self.length}}}'
-        )
+        """The JSON object the item's manifest record holds."""
+        return {
+            "at": self.at,
+            "bytes": self.block_bytes,
+            "digests": self.digests,
+            "length": self.length,
+        }
 
     @classmethod
     def from_dict(cls, raw: object) -> BlockDigests:
