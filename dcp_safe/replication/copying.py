@@ -163,7 +163,14 @@ class CheckpointCopy(Copier):
         """Write the manifest (and its signature, if signed), then check that every file of it
         is under ``dest`` whole."""
         self.before_each()
-        self._copy_signature(dest)
+        try:  # a signed checkpoint's signature goes with it, unchecked (that needs the key)
+            with self.local.open_read(f"{self.name}/{layout.SIGNATURE}") as stream:
+                signature = stream.read(MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            pass  # not signed
+        else:
+            self.uploaded.append(f"{dest}/{layout.SIGNATURE}")
+            self.remote.write_bytes(f"{dest}/{layout.SIGNATURE}", signature)
         self.uploaded.append(f"{dest}/{layout.MANIFEST}")
         self.remote.write_bytes(f"{dest}/{layout.MANIFEST}", self.raw_manifest)
         expected = [(f.path, f.size) for f in self.manifest.files]
@@ -180,16 +187,6 @@ class CheckpointCopy(Copier):
                 raise StorageError("verify", where, why)
         for folder in _folders(path for path, _ in expected):
             self.remote.sync_dir(f"{dest}/{folder}")
-
-    def _copy_signature(self, dest: str) -> None:
-        """A signed checkpoint's ``_SIGNATURE`` goes with it, unchecked (that needs the key)."""
-        try:
-            with self.local.open_read(f"{self.name}/{layout.SIGNATURE}") as stream:
-                signature = stream.read(MAX_SIGNATURE_BYTES)
-        except FileNotFoundError:
-            return
-        self.uploaded.append(f"{dest}/{layout.SIGNATURE}")
-        self.remote.write_bytes(f"{dest}/{layout.SIGNATURE}", signature)
 
 
 def _folders(paths: Iterable[str]) -> list[str]:

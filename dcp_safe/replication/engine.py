@@ -90,7 +90,10 @@ class UploadEngine:
             future = self._new_future(name)
             if self._pending is not None and self._pending != name:  # equal: it was cancelled
                 superseded = self._pending
-                self._skip(superseded, superseded_by=name)
+                self.skipped.append(superseded)
+                old = self._futures.get(superseded)  # failed, unless the owner cancelled it
+                if old is not None and old.set_running_or_notify_cancel():
+                    old.set_exception(ReplicationSkippedError(superseded, name))
             self._pending = name
             if self._thread is None:
                 self._thread = self._last_thread = self._spawn(self._work, "")
@@ -239,13 +242,6 @@ class UploadEngine:
         else:
             with self._cond:
                 self._spawn(functools.partial(self._settle, future, name, outcome), name)
-
-    def _skip(self, name: str, *, superseded_by: str) -> None:
-        """Fail pending ``name``'s future (unless the owner cancelled it). Holds the lock."""
-        self.skipped.append(name)
-        future = self._futures.get(name)
-        if future is not None and future.set_running_or_notify_cancel():
-            future.set_exception(ReplicationSkippedError(name, superseded_by))
 
     def _forget_old(self) -> None:
         """Drop the oldest finished futures beyond ``keep_done``. Holds the lock."""
