@@ -31,7 +31,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any, BinaryIO, NoReturn
 
 import fsspec
@@ -82,50 +82,45 @@ class FsspecBackend(Backend):
         *,
         client_retries: int | None = None,
     ) -> None:
-        self.url = url
-        self.storage_options = dict(storage_options or {})
-        self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
-        options = dict(self.storage_options)
-        if self.object_store:  # a stale listing would hide a shard another rank wrote
-            options.setdefault("use_listings_cache", False)
-        fs, root = url_to_fs(url, **options)
-        self.fs: fsspec.AbstractFileSystem = fs
-        self.root = root.rstrip("/")
-        # A wrapper claims nothing of its own: the storage underneath decides.
-        target = _target_of(fs)
-        self.object_store = (
-            self.object_store or _protocols(target) & _OBJECT_STORE_PROTOCOLS != set()
-        )
-        self.process_local = _protocols(target) & _IN_PROCESS_PROTOCOLS != set()
         from s3fs import S3FileSystem  # a dependency, slow to import: only when needed
 
+        self.url = url
+        options = dict(storage_options or {})
+        self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
+        if self.object_store:  # a stale listing would hide a shard another rank wrote
+            options.setdefault("use_listings_cache", False)
+        self.fs: fsspec.AbstractFileSystem
+        self.fs, root = url_to_fs(url, **options)
+        self.root = root.rstrip("/")
+        # A wrapper claims nothing of its own: the storage underneath decides.
+        target = self._target
+        protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
+        self.object_store = self.object_store or bool(protocols & _OBJECT_STORE_PROTOCOLS)
+        self.process_local = bool(protocols & _IN_PROCESS_PROTOCOLS)
+        s3 = isinstance(target, S3FileSystem)
         # True, False, or None: to be probed on the server the first time it is asked. s3fs
         # (>= 2024.12, as pinned) sends ``pipe_file(mode="create")`` as a conditional PUT.
-        self._exclusive: bool | None = (
-            True if self.process_local else None if isinstance(target, S3FileSystem) else False
-        )
+        self._exclusive: bool | None = True if self.process_local else None if s3 else False
         self.client_retries = client_retries
-        self._limit_client_retries()
+        self.__setstate__({})
         # s3fs (or a wrapper passing its call_s3 on) reaches the S3 API for pipelined uploads.
-        self._multipart = (
-            self.object_store
-            and type(target).__name__ == "S3FileSystem"
-            and callable(getattr(fs, "call_s3", None))
-        )
+        self._multipart = s3 and callable(getattr(self.fs, "call_s3", None))
         # Checked now, not at the first upload: a bad option is the caller's, not a storage fault.
         self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # fsspec rebuilds an unpickled file system from its options; s3fs's retry count is none.
-        self.__dict__.update(state)
-        self._limit_client_retries()
-
-    def _limit_client_retries(self) -> None:
         """s3fs retries in its own loop (class attribute ``retries``), which no storage option
-        reaches; where RetryingBackend owns retries and the deadline, the client tries once."""
-        target = _target_of(self.fs)
-        if self.client_retries is not None and hasattr(target, "retries"):
-            target.retries = self.client_retries
+        reaches (nor fsspec's rebuild of an unpickled file system); where RetryingBackend owns
+        retries and the deadline, the client tries once."""
+        self.__dict__.update(state)
+        if self.client_retries is not None and hasattr(self._target, "retries"):
+            self._target.retries = self.client_retries
+
+    @property
+    def _target(self) -> fsspec.AbstractFileSystem:
+        """The file system under a wrapper that names it as ``target_fs`` (FaultyFileSystem)."""
+        target = getattr(self.fs, "target_fs", None)
+        return target if isinstance(target, fsspec.AbstractFileSystem) else self.fs
 
     @property
     def supports_exclusive_create(self) -> bool:
@@ -147,11 +142,10 @@ class FsspecBackend(Backend):
         Raises:
             StorageError: the probe could not be made.
         """
-        key = (str(getattr(_target_of(self.fs), "endpoint_url", None) or ""), self.root)
-        known = _PROBED.get(key)
-        if known is not None:
-            return known
-        target = _target_of(self.fs)
+        target = self._target
+        key = (str(getattr(target, "endpoint_url", None) or ""), self.root)
+        if key in _PROBED:
+            return _PROBED[key]
         rel = f"{layout.PROBE_PREFIX}{uuid.uuid4().hex}"
         try:
             # A refusal of the first create can only be our own (the key is ours alone),
@@ -170,25 +164,13 @@ class FsspecBackend(Backend):
         _PROBED[key] = honoured
         return honoured
 
-    def _probed_for(self, rel: str) -> bool:
-        """The flag, for a write of ``rel``: a failed probe is reported as that write's failure."""
-        try:
-            return self.supports_exclusive_create
-        except StorageError as exc:
-            raise self._fail("write", rel, exc.__cause__ or exc) from exc
-
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    # ----------------------------------------------------------------- writing
+    def _exists_error(self, rel: str) -> FileExistsError:
+        return FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
 
-    @property
-    def write_buffer_bytes(self) -> int | None:
-        """The most host bytes one :meth:`open_write` file holds in part buffers (docs/s3.md,
-        "Memory"); 0 where writes go straight to a file; None where fsspec buffers unseen."""
-        if self._multipart:
-            return upload_buffer_bytes(block_size_of(_target_of(self.fs)), self._parts_in_flight)
-        return None if self.object_store else 0
+    # ----------------------------------------------------------------- writing
 
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
         return self._open_upload(rel) if self.object_store else self._open_via_temp(rel)
@@ -200,7 +182,7 @@ class FsspecBackend(Backend):
         close) and the error raised as a write of ``rel``."""
         try:
             if self._multipart:
-                block = block_size_of(_target_of(self.fs))
+                block = block_size_of(self._target)
                 f: Any = S3MultipartWriter(
                     self.fs, self._abs(rel), block, parts_in_flight=self._parts_in_flight
                 )
@@ -219,7 +201,8 @@ class FsspecBackend(Backend):
             f.close()
         except BaseException as exc:
             drop()
-            self._remove_quietly(rel)  # the server may have completed it before failing
+            with suppress(OSError, ValueError):  # the server may have completed it first
+                self.fs.rm_file(self._abs(rel))
             self._raise_write_error(rel, exc)
 
     @contextmanager
@@ -228,15 +211,16 @@ class FsspecBackend(Backend):
         temp = posixpath.join(head, layout.temp_file_name(tail))
         with self._failing("create", rel):
             # Writes make their folder, as on an object store (fsspec's auto_mkdir is off).
-            if parent := posixpath.dirname(rel):
-                self.fs.makedirs(self._abs(parent), exist_ok=True)
+            if head:
+                self.fs.makedirs(self._abs(head), exist_ok=True)
             f = self.fs.open(self._abs(temp), "wb")
         try:
             with f:
                 yield f
             self.fs.mv(self._abs(temp), self._abs(rel))
         except BaseException as exc:
-            self._remove_quietly(temp)
+            with suppress(OSError, ValueError):
+                self.fs.rm_file(self._abs(temp))
             self._raise_write_error(rel, exc)
 
     def _raise_write_error(self, rel: str, exc: BaseException) -> NoReturn:
@@ -246,34 +230,30 @@ class FsspecBackend(Backend):
         raise exc
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
-        if exclusive and self.process_local:
-            with _IN_PROCESS_CREATE:  # exact: nothing outside this process sees the store
-                self._refuse_existing(rel)
-                self._write_small(rel, data)
-        elif exclusive and self._probed_for(rel):
-            with self._failing("write", rel):
-                made = _create_once(self.fs, self._abs(rel), data)
-            if not made:  # a conditional PUT: the server refused it, atomically
-                raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
-        else:
-            if exclusive:
-                # Best effort only: such a backend says so through its capability flag.
-                self._refuse_existing(rel)
-            self._write_small(rel, data)
-
-    def _refuse_existing(self, rel: str) -> None:
-        if self.exists(rel):
-            raise FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
-
-    def _write_small(self, rel: str, data: bytes) -> None:
-        if not self.object_store:
+        if exclusive and not self.process_local:
+            try:
+                conditional = self.supports_exclusive_create
+            except StorageError as exc:  # a failed probe is reported as this write's failure
+                raise self._fail("write", rel, exc.__cause__ or exc) from exc
+            if conditional:
+                with self._failing("write", rel):
+                    made = _create_once(self.fs, self._abs(rel), data)
+                if not made:  # a conditional PUT: the server refused it, atomically
+                    raise self._exists_error(rel)
+                return
+        # In process, exact: nothing outside it sees the store; elsewhere best effort only
+        # (such a backend says so through its capability flag).
+        with _IN_PROCESS_CREATE if exclusive else nullcontext():
+            if exclusive and self.exists(rel):
+                raise self._exists_error(rel)
+            if self.object_store:
+                with self._failing("write", rel):
+                    self.fs.pipe_file(self._abs(rel), data)
+                return
             # A PUT is atomic; a local write is not: a torn lease or marker must never sit
             # under its final name (an unreadable lease would block the name for good).
             with self._open_via_temp(rel) as f:
                 f.write(data)
-            return
-        with self._failing("write", rel):
-            self.fs.pipe_file(self._abs(rel), data)
 
     # ----------------------------------------------------------------- reading
 
@@ -305,8 +285,7 @@ class FsspecBackend(Backend):
 
     def read_bytes(self, rel: str) -> bytes:
         with self._reading("read", rel):
-            data: bytes = self.fs.cat_file(self._abs(rel))
-        return data
+            return bytes(self.fs.cat_file(self._abs(rel)))
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         if not self.object_store:
@@ -314,41 +293,47 @@ class FsspecBackend(Backend):
         # One ranged GET, not a HEAD, then the open's HEAD, then a GET: an object store holds
         # only objects, and the range bounds the read (a server that ignores it is refused).
         try:
-            data: bytes = self.fs.cat_file(self._abs(rel), start=0, end=max_bytes + 1)
-        except (FileNotFoundError, NotADirectoryError) as exc:
+            with self._reading("read", rel):
+                data = bytes(self.fs.cat_file(self._abs(rel), start=0, end=max_bytes + 1))
+        except FileNotFoundError as exc:
             if self.is_dir(rel):  # only when absent: a present file costs one request
                 raise not_a_file(self.full_path(rel), "directory") from exc
             raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
-        except OSError as exc:
-            if s3_error(exc) == ("InvalidRange", 416):  # an empty object has no byte 0
+        except StorageError as exc:
+            if s3_error(exc.__cause__ or exc) == ("InvalidRange", 416):  # no byte 0 to read
                 return super().read_small(rel, max_bytes)
-            raise self._fail("read", rel, exc) from exc
+            raise
         if len(data) > max_bytes:
             raise CheckpointCorruptError(
                 self.full_path(rel), f"over the {max_bytes}-byte limit for this file"
             )
-        return bytes(data)
+        return data
 
-    def _ls(self, rel: str) -> list[dict[str, Any]]:
-        """The entries directly under ``rel`` with their details (none when it is absent)."""
+    def _ls(self, rel: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The entries directly under ``rel``, by path relative to it, with their details
+        (none when it is absent); ``ls`` of a file (or of a key that is also a prefix) can name
+        the path itself: left out."""
+        prefix = self._abs(rel).rstrip("/") + "/"
         # refresh: a listing cache (a caller's use_listings_cache) would miss new shards.
         refresh = {"refresh": True} if self.object_store else {}
         try:
-            return list(self.fs.ls(self._abs(rel).rstrip("/"), detail=True, **refresh))
+            found = self.fs.ls(prefix.rstrip("/"), detail=True, **refresh)
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
+        for entry in found:
+            name = str(entry.get("name", "")).rstrip("/")
+            if name.startswith(prefix):
+                yield name.removeprefix(prefix), entry
 
     def sizes(self, rel: str) -> dict[str, int]:
-        path = self._abs(rel).rstrip("/")
-        found: dict[str, int] = {}
-        for entry in self._ls(rel):
-            name = str(entry.get("name", "")).rstrip("/").removeprefix(f"{path}/")
-            # ls of a file names the file itself; special files and folders are left out.
-            if entry.get("type") == "file" and name and "/" not in name:
-                found[name] = int(entry.get("size") or 0)
-        return found
+        # Special files and folders are left out.
+        return {
+            name: int(entry.get("size") or 0)
+            for name, entry in self._ls(rel)
+            if entry.get("type") == "file" and "/" not in name
+        }
 
     def size(self, rel: str) -> int:
         with self._reading("stat", rel):
@@ -371,14 +356,7 @@ class FsspecBackend(Backend):
             return bool(self.fs.isdir(self._abs(rel)))
 
     def list_dir(self, rel: str) -> list[str]:
-        prefix = self._abs(rel).rstrip("/") + "/"
-        # ls of a file (or of a key that is also a prefix) can name the path itself: skip it.
-        names = {
-            str(e.get("name", "")).rstrip("/").removeprefix(prefix).split("/")[0]
-            for e in self._ls(rel)
-            if str(e.get("name", "")).startswith(prefix)
-        }
-        return sorted(n for n in names if n)
+        return sorted({name.split("/")[0] for name, _ in self._ls(rel)})
 
     def _find(self, rel: str) -> dict[str, Any]:
         """Every file at or under ``rel``, by path, with fsspec's ``info`` (none when absent)."""
@@ -423,33 +401,23 @@ class FsspecBackend(Backend):
             self.fs.makedirs(self._abs(rel), exist_ok=True)
 
     def remove_tree(self, rel: str) -> None:
+        # On an object store, the key ``rel`` and every key under ``rel/``: never the bucket.
+        keys = list(self._find(rel)) if self.object_store else []
         with self._failing("remove", rel), suppress(FileNotFoundError):
-            if self.object_store:
-                self._remove_keys(rel)
-            elif self.fs.exists(self._abs(rel)):
+            if keys:
+                self.fs.rm(keys)
+            elif not self.object_store and self.fs.exists(self._abs(rel)):
                 self.fs.rm(self._abs(rel), recursive=True)
-
-    def _remove_keys(self, rel: str) -> None:
-        """Delete the key ``rel`` and every key under ``rel/``, never the bucket itself."""
-        path = self._abs(rel)
-        keys = [str(p) for p in self.fs.find(path)]
-        keys = [k for k in keys if k == path or k.startswith(path.rstrip("/") + "/")]
-        if keys:
-            self.fs.rm(keys)
-
-    def _remove_quietly(self, rel: str) -> None:
-        with suppress(OSError, ValueError):
-            self.fs.rm_file(self._abs(rel))
 
 
 def write_buffer_bytes(backend: Backend) -> int | None:
-    """:attr:`FsspecBackend.write_buffer_bytes` of the backend under any wrappers (such as
-    RetryingBackend, which names it ``inner``); 0 for a backend that writes straight to files,
-    None where it is not known."""
+    """The most host bytes one ``open_write`` file of the backend under any wrappers (such as
+    RetryingBackend, which names it ``inner``) holds in part buffers (docs/s3.md, "Memory"): 0
+    for a backend that writes straight to files, None where fsspec buffers unseen."""
     backend = unwrapped(backend)
-    if isinstance(backend, FsspecBackend):
-        return backend.write_buffer_bytes
-    return 0 if not getattr(backend, "object_store", False) else None
+    if isinstance(backend, FsspecBackend) and backend._multipart:
+        return upload_buffer_bytes(block_size_of(backend._target), backend._parts_in_flight)
+    return None if getattr(backend, "object_store", False) else 0
 
 
 def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
@@ -461,17 +429,6 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
             return False
         raise
     return True
-
-
-def _target_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
-    """The file system under a wrapper that names it as ``target_fs`` (FaultyFileSystem)."""
-    target = getattr(fs, "target_fs", None)
-    return target if isinstance(target, fsspec.AbstractFileSystem) else fs
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
-    protocol = fs.protocol
-    return {protocol} if isinstance(protocol, str) else set(protocol)
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

@@ -116,19 +116,21 @@ class RetryPolicy:
     on_retry: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _is_number(self.deadline_s) or not 0 < self.deadline_s < math.inf:
-            raise ConfigError(f"deadline_s must be a positive number, got {self.deadline_s!r}")
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
-            raise ConfigError(f"attempts must be an int, got {self.attempts!r}")
-        if self.attempts < 1:
-            raise ConfigError(f"attempts must be at least 1, got {self.attempts}")
-        if not _is_number(self.base_delay_s) or not 0 <= self.base_delay_s < math.inf:
-            raise ConfigError(f"base_delay_s must be >= 0, got {self.base_delay_s!r}")
-        if not _is_number(self.max_delay_s) or not self.base_delay_s <= self.max_delay_s < math.inf:
+        delays = (self.deadline_s, self.base_delay_s, self.max_delay_s)
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in delays)
+        if not numbers or not (
+            0 < self.deadline_s < math.inf and 0 <= self.base_delay_s <= self.max_delay_s < math.inf
+        ):  # NaN fails every comparison
             raise ConfigError(
-                f"max_delay_s must be >= base_delay_s ({self.base_delay_s}), "
-                f"got {self.max_delay_s!r}"
+                "need 0 < deadline_s < inf and 0 <= base_delay_s <= max_delay_s < inf,"
+                f" got {delays!r}"
             )
+        if (
+            isinstance(self.attempts, bool)
+            or not isinstance(self.attempts, int)
+            or self.attempts < 1
+        ):
+            raise ConfigError(f"attempts must be an int >= 1, got {self.attempts!r}")
 
     def backoff_s(self, retry: int) -> float:
         """The wait before retry number ``retry`` (0-based), jitter included."""
@@ -136,21 +138,11 @@ class RetryPolicy:
         return cap * self.random()
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-
-
 # Configuration problems surface from the S3 client stack as its own exception types
 # (botocore's NoCredentialsError, an unreachable endpoint...), outside the OSError tree that
 # s3fs maps HTTP answers into: they are mapped here, once, with what to check.
 _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")
 _CLIENT_HINT = "check the endpoint and credentials in storage_options or the AWS_* variables"
-
-
-def _is_client_library_error(exc: BaseException) -> bool:
-    return not isinstance(exc, (OSError, DcpSafeError)) and type(exc).__module__.startswith(
-        _CLIENT_MODULES
-    )
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -252,7 +244,9 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
             if not is_transient(exc):
-                if _is_client_library_error(exc):
+                if not isinstance(exc, OSError | DcpSafeError) and type(exc).__module__.startswith(
+                    _CLIENT_MODULES
+                ):
                     raise StorageError(op_name, path, f"{failure} ({_CLIENT_HINT})") from exc
                 raise
             delay = policy.backoff_s(attempt - 1)

@@ -220,11 +220,11 @@ def test_parts_in_flight_default_bound_and_budget_figure(
     s3_bucket: str, s3_options: dict[str, Any], backend: FsspecBackend
 ) -> None:
     assert DEFAULT_PARTS_IN_FLIGHT == 4
-    assert backend.write_buffer_bytes == 5 * BLOCK_BYTES  # 4 in flight + 1 filling
-    assert _backend_with(s3_bucket, s3_options, 2).write_buffer_bytes == 3 * BLOCK_BYTES
+    assert write_buffer_bytes(backend) == 5 * BLOCK_BYTES  # 4 in flight + 1 filling
+    assert write_buffer_bytes(_backend_with(s3_bucket, s3_options, 2)) == 3 * BLOCK_BYTES
     wrapped = open_backend(f"s3://{s3_bucket}/root", {**s3_options, "max_concurrency": 3})
     assert write_buffer_bytes(wrapped) == 4 * BLOCK_BYTES  # seen through RetryingBackend
-    assert FsspecBackend("memory://x").write_buffer_bytes == 0  # the store is the buffer
+    assert write_buffer_bytes(FsspecBackend("memory://x")) == 0  # the store is the buffer
     assert write_buffer_bytes(open_backend("/tmp")) == 0
 
 
