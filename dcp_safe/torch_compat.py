@@ -378,7 +378,13 @@ def dcp_async_save(state_dict: dict[str, Any], **kwargs: Any) -> Any:
     ):
         return state_dict_saver.async_save(state_dict, **kwargs)
     save_kwargs = {key: kwargs[key] for key in _SAVE_KEYWORDS if key in kwargs}
-    _needs_cpu_backend(kwargs.get("process_group"))
+    if dist.is_available() and dist.is_initialized():  # DCP's check: plans go over a CPU backend
+        group, cpu = kwargs.get("process_group") or c10d._get_default_group(), torch.device("cpu")
+        if cpu not in getattr(group, "_device_types", (cpu,)):
+            raise AssertionError(
+                "A CPU backend must be enabled for async save; try initializing process group"
+                " with 'cpu:gloo,cuda:nccl'"
+            )
     torch._C._log_api_usage_once("torch.distributed.checkpoint.async_save")
     staged = stager.stage({key: _state_of(value) for key, value in state_dict.items()})
     # One thread per save, as DCP's thread executor: a save never queues behind another here.
@@ -404,15 +410,3 @@ def _forward_staging(done: Future[Any], staging: Future[None]) -> None:
         staging.set_result(None)
     else:
         staging.set_exception(error)
-
-
-def _needs_cpu_backend(group: Any) -> None:
-    """DCP's check: an asynchronous save sends its plans over a CPU backend."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    group = group or c10d._get_default_group()
-    if torch.device("cpu") not in getattr(group, "_device_types", (torch.device("cpu"),)):
-        raise AssertionError(
-            "A CPU backend must be enabled for async save; try initializing process group with"
-            " 'cpu:gloo,cuda:nccl'"
-        )
