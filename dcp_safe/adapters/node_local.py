@@ -22,10 +22,9 @@ from dcp_safe import layout
 from dcp_safe.adapters.without_collectives import Assignment as _Assignment
 from dcp_safe.adapters.without_collectives import assignment_of
 from dcp_safe.adapters.writer import SafeStorageWriter
-from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
 from dcp_safe.commit.committer import Committer
-from dcp_safe.commit.strategy import Publication, strategy_for
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CommitError, ConfigError
 from dcp_safe.manifest.schema import Manifest
@@ -36,8 +35,6 @@ from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
     await_remote_commit,
-    report_commit_failure,
-    report_rank_failure,
     upload_rank_part,
 )
 from dcp_safe.topology import Root, RootLike, Topology
@@ -119,17 +116,13 @@ class NodeLocalWriter(SafeStorageWriter):
                 " Topology.of, not to the writer"
             )
         super().__init__(root, **kwargs)
-        self.strategy.require_rename(
+        strategy_for(self.backend).require_rename(
             f"a node-local root must be a local directory, got {self.root}"
         )
         assert self.remote is not None  # a node cache's topology uploads to its commit root
-        self.remote_backend: Backend = self.remote
+        self.commit_backend = self.remote
         self.node_options = node_options or NodeLocalOptions()
         self._start_engines()
-
-    @property
-    def commit_backend(self) -> Backend:
-        return self.remote_backend
 
     @property
     def upload_buffer_bytes(self) -> int | None:
@@ -156,13 +149,11 @@ class NodeLocalWriter(SafeStorageWriter):
         """Assign the save (base class), then take the remote name for it."""
         plans = super().prepare_global_plan(plans)
         assignment = assignment_of(plans[0])
-        name = self._require_name()
-        remote = self.remote_backend
         try:
             # The fence and the claim that matter are on the shared root, the only one all see.
-            publication = self._remote_publication(name, assignment.save_id)
+            publication = self._publication(assignment.save_id, self.commit_backend)
             publication.claim()
-            remote.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
+            self.commit_backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
         except BaseException:
             with contextlib.suppress(OSError):
                 self.backend.remove_tree(assignment.work_dir)
@@ -174,7 +165,10 @@ class NodeLocalWriter(SafeStorageWriter):
         assignment = assignment_of(plan)
         # Only the coordinator's node got the work directory from prepare_global_plan.
         self.backend.makedirs(f"{assignment.work_dir}/{layout.RANKS_DIR}")
-        self._wait_for_previous_upload()
+        # At most one upload in flight per rank: a slow remote slows saves down (DCP's
+        # write_data runs in the background for async_save) instead of piling them up
+        # (ReplicationTimeoutError if the previous one is still running at the deadline).
+        self._uploads.wait(2 * self.node_options.remote_timeout_s)
         # A failed write is reported to the ranks waiting on the remote by the base class.
         return super().write_data(plan, planner)
 
@@ -196,12 +190,8 @@ class NodeLocalWriter(SafeStorageWriter):
         name = layout.validate_name(name)
         with contextlib.suppress(KeyError):
             return self._uploads.future(name)
-        return watch_for_commit(
-            self.remote_backend,
-            name,
-            poll_s=poll_s,
-            timeout_s=2 * self.node_options.remote_timeout_s,
-        )
+        timeout_s = 2 * self.node_options.remote_timeout_s
+        return watch_for_commit(self.commit_backend, name, poll_s=poll_s, timeout_s=timeout_s)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait (bounded by ``timeout_s`` each) for this writer's uploads and remote commits;
@@ -228,30 +218,20 @@ class NodeLocalWriter(SafeStorageWriter):
     def _start_engines(self) -> None:
         """Its uploads and remote commits, a thread per job (docs/architecture.md, "The upload
         engine"), shared by the per-save views (``for_step``)."""
-        url = self.remote_backend.url
+        url = self.commit_backend.url
         self._uploads = UploadEngine(f"node-local uploads to {url}", thread_name="dcp_safe-node")
         self._commits = UploadEngine(f"remote commits on {url}", thread_name="dcp_safe-commit")
 
     # ----------------------------------------------------------------- background work
 
-    def _wait_for_previous_upload(self) -> None:
-        """At most one upload in flight per rank: a slow remote slows saves down (DCP's
-        ``write_data`` runs in the background for ``async_save``) instead of piling them up.
-
-        Raises:
-            ReplicationTimeoutError: the previous upload is still running at the deadline.
-        """
-        self._uploads.wait(2 * self.node_options.remote_timeout_s)
-
     def _upload_and_publish(self, name: str, assignment: _Assignment) -> Manifest:
         """Copy this rank's files to the remote, verified in flight, its rank manifest last; once
         the remote commit is there, the node's leader publishes the node cache."""
-        remote = self.remote_backend
-        work = strategy_for(remote).work_dir(name, assignment.save_id)
+        work = self._remote_work(assignment, name)
         try:
             self._upload_rank(assignment, work)
         except BaseException as exc:
-            report_rank_failure(remote, work, assignment.rank, assignment.save_id, exc)
+            self._report_failure(assignment, exc, rank=assignment.rank, name=name)
             raise
         manifest = self._await_remote_commit(name, assignment, work)
         # The leader is the lowest rank that wrote into this node's work directory: every rank
@@ -259,17 +239,17 @@ class NodeLocalWriter(SafeStorageWriter):
         # already renamed the directory into place.
         ranks = ranks_in(self.backend, assignment.work_dir)
         if ranks and assignment.rank == min(ranks):
-            publish_node_cache(self.backend, remote, assignment.work_dir, name, manifest)
+            publish_node_cache(
+                self.backend, self.commit_backend, assignment.work_dir, name, manifest
+            )
             if self.node_options.keep_node_caches is not None:
                 prune_node_caches(self.backend, self.node_options.keep_node_caches)
         return manifest
 
     def _upload_rank(self, assignment: _Assignment, work: str) -> None:
         # A failed save's objects stay, under its lease, for the sweeper: no clean-up here.
-        chunk_bytes = self.node_options.chunk_bytes
-        copier = Copier(
-            self.backend, self.remote_backend, chunk_bytes=chunk_bytes, retry=self.retry
-        )
+        chunk_bytes, remote = self.node_options.chunk_bytes, self.commit_backend
+        copier = Copier(self.backend, remote, chunk_bytes=chunk_bytes, retry=self.retry)
         upload_rank_part(copier, assignment.work_dir, work, assignment.rank)
 
     def _commit_remote(
@@ -279,21 +259,20 @@ class NodeLocalWriter(SafeStorageWriter):
         metadata: Metadata,
         results: list[list[WriteResult]],
     ) -> Manifest:
-        remote = self.remote_backend
-        work = strategy_for(remote).work_dir(name, assignment.save_id)
+        remote, work = self.commit_backend, self._remote_work(assignment, name)
         try:
             await_arrivals(
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
             return Committer(remote, self.options).publish(
-                self._remote_publication(name, assignment.save_id),
+                self._publication(assignment.save_id, remote, name),
                 world_size=assignment.world_size,
                 step=self.step,
                 metadata=metadata,
                 results=results,
             )
         except BaseException as exc:
-            report_commit_failure(remote, work, assignment.save_id, exc)
+            self._report_failure(assignment, exc, rank=None, name=name)
             raise
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
@@ -308,7 +287,7 @@ class NodeLocalWriter(SafeStorageWriter):
 
         try:
             return await_remote_commit(
-                self.remote_backend,
+                self.commit_backend,
                 name,
                 work,
                 assignment.save_id,
@@ -321,7 +300,3 @@ class NodeLocalWriter(SafeStorageWriter):
             # late rank, say) is the more exact one.
             own_commit(self.node_options.remote_timeout_s)
             raise
-
-    def _remote_publication(self, name: str, save_id: str) -> Publication:
-        remote = self.remote_backend
-        return strategy_for(remote).publication(remote, name, save_id, self.claimant)

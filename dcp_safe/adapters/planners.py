@@ -115,27 +115,22 @@ class RestoreReport(str):
     audited: tuple[str, ...]
     unaudited: tuple[str, ...]
 
-    def __new__(
-        cls,
-        name: str,
-        *,
-        restored: Iterable[str] = (),
-        skipped: Iterable[str] = (),
-        missing: Iterable[str] = (),
-        unexpected: Iterable[str] = (),
-    ) -> RestoreReport:
+    def __new__(cls, name: str, **keys: Iterable[str]) -> RestoreReport:
+        """``keys``: any of the key attributes (default: none)."""
         report = super().__new__(cls, name)
         report.name = name
-        report.restored = tuple(sorted(restored))
-        report.skipped = tuple(sorted(skipped))
-        report.missing = tuple(sorted(missing))
-        report.unexpected = tuple(sorted(unexpected))
-        report.audited = report.unaudited = ()
+        for kind in _REPORTED:
+            setattr(report, kind, tuple(sorted(keys.pop(kind, ()))))
+        if keys:
+            raise TypeError(f"RestoreReport has no {sorted(keys)}")
         return report
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fields = {k: getattr(self, k) for k in ("restored", "skipped", "missing", "unexpected")}
+        fields = {k: getattr(self, k) for k in _REPORTED}
         return (functools.partial(RestoreReport, **fields), (self.name,))
+
+
+_REPORTED = ("restored", "skipped", "missing", "unexpected", "audited", "unaudited")
 
 
 class SafeSavePlanner(DefaultSavePlanner):
@@ -225,7 +220,7 @@ class SafeSavePlanner(DefaultSavePlanner):
             )
         pieces = audit.report(self.state_dict, self.rank) if self.record_audit else {}
         self.plan = FingerprintedPlan(
-            **_fields(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
+            **vars(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
         )
         if not self.cache_plans:
             return self.plan
@@ -341,13 +336,7 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def __getstate__(self) -> dict[str, Any]:
         # A planner sent to another process (DCP's checkpoint process) caches there alone.
-        state = dict(self.__dict__)
-        state["_cache"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._cache = PlanCache()
+        return {**self.__dict__, "_cache": PlanCache()}
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -461,13 +450,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             None if i.type == LoadItemType.BYTE_IO else dtype_name(self.resolve_tensor(i).dtype)
             for i in plan.items
         ]
-        return ReadOncePlan(
-            items=plan.items,
-            storage_data=plan.storage_data,
-            planner_data=plan.planner_data,
-            dtypes=dtypes,
-            items_digest=items_digest(plan.items),
-        )
+        return ReadOncePlan(**vars(plan), dtypes=dtypes, items_digest=items_digest(plan.items))
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         return share_reads(super().create_global_plan(global_plan), self._read_cost)
@@ -521,10 +504,6 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
         for key, groups in sorted(seen.items())
         if len(groups) > 1
     }
-
-
-def _fields(plan: SavePlan) -> dict[str, Any]:
-    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(SavePlan)}
 
 
 def _without_values(plan: SavePlan) -> SavePlan:

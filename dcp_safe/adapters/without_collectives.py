@@ -219,8 +219,7 @@ class StorageAgreement:
                 "rank 0's assignment does not fit this save",
                 {0: f"save id {str(save_id)[:64]!r}, world size {world} (here {world_size})"},
             )
-        assert isinstance(save_id, str)
-        return save_id, {str(key): fingerprint for key, fingerprint in plain}
+        return str(save_id), {str(key): fingerprint for key, fingerprint in plain}
 
     def clear(self) -> None:
         """Remove the assignment file (best effort): the save is over."""
@@ -240,29 +239,10 @@ class StorageAgreement:
         # The checksum of the rank manifest as this rank wrote it (not as storage now holds it).
         checksum = first.report.manifest.checksum if isinstance(first, ReportedItem) else None
         try:
-            planner = dict(metadata.planner_data or {})
-            audit = planner.get(layout.AUDIT_KEY)
-            if isinstance(audit, dict):
-                # A rank's sums cover only its blocks of a sharded tensor, and the plain form
-                # wants blocks 0, 1, ...: the others are 0, which leaves rank 0's sum as it is.
-                planner[layout.AUDIT_KEY] = {
-                    key: {b: blocks.get(b, 0) for b in range(max(blocks, default=-1) + 1)}
-                    for key, blocks in audit.items()
-                }
-            try:
-                plain = encode_dcp_metadata(
-                    dataclasses.replace(metadata, planner_data=planner or None)
-                )
-            except ValueError as exc:
-                raise ConfigError(
-                    "a save without collectives sends each rank's DCP metadata through storage"
-                    f" as plain data, and this one has none ({exc}): use DCP's or dcp_safe's"
-                    " planner, or use_collectives=True"
-                ) from exc
-            body = {"rank": assignment.rank, "dcp_metadata": plain}
+            plain = _plain_metadata(metadata)
+            body = {"rank": assignment.rank, "dcp_metadata": plain, "manifest": checksum}
             rel = layout.rank_report_name(assignment.rank, assignment.save_id)
-            path, signer = f"{assignment.work_dir}/{rel}", (assignment.save_id, assignment.rank)
-            self._write(path, {**body, "manifest": checksum}, signer)
+            self._write(f"{assignment.work_dir}/{rel}", body, (assignment.save_id, assignment.rank))
         except BaseException as exc:
             self.failed(assignment, exc, coordinator=False)
             raise
@@ -298,12 +278,14 @@ class StorageAgreement:
         """
         try:
             reports = self._await_reports(assignment)
-            results = [results[0]]
-            for rank in sorted(reports):
-                results.append(self._results_of(assignment, rank, reports[rank][1]))
+            others = sorted(reports)
+            results = [
+                results[0],
+                *(self._results_of(assignment, r, reports[r][1]) for r in others),
+            ]
             union = _union_manifest(self.name, assignment, self.checksum, results)
             metadatas = [metadata]
-            for rank in sorted(reports):
+            for rank in others:
                 try:
                     plain = reports[rank][0]
                     metadatas.append(decode_dcp_metadata(plain, union, f"rank {rank}'s report"))
@@ -397,14 +379,11 @@ class StorageAgreement:
                     {rank: f"{'no MAC' if mac is None else 'a MAC that does not match'} in {rel}"},
                 )
             checksum = body.get("manifest")
-            try:
-                if body.get("rank") != rank or "dcp_metadata" not in body:
-                    raise ValueError(rel)
-                if checksum is not None and not isinstance(checksum, str):
-                    raise ValueError("a rank manifest checksum that is not a string")
-                found[rank] = (body["dcp_metadata"], checksum)
-            except ValueError as exc:
-                raise CommitError("a rank's report is malformed", {rank: str(exc)}) from exc
+            if body.get("rank") != rank or "dcp_metadata" not in body:
+                raise CommitError("a rank's report is malformed", {rank: rel})
+            if checksum is not None and not isinstance(checksum, str):
+                raise CommitError("a rank's report is malformed", {rank: "a checksum not a string"})
+            found[rank] = (body["dcp_metadata"], checksum)
         return found
 
     def _failure(
@@ -503,6 +482,31 @@ def _primary(value: object) -> bool:
     )
 
 
+def _plain_metadata(metadata: Metadata) -> Any:
+    """A rank's metadata in the plain form, for its report.
+
+    Raises:
+        ConfigError: the metadata has no plain form (a custom planner's data).
+    """
+    planner = dict(metadata.planner_data or {})
+    audit = planner.get(layout.AUDIT_KEY)
+    if isinstance(audit, dict):
+        # A rank's sums cover only its blocks of a sharded tensor, and the plain form wants
+        # blocks 0, 1, ...: the others are 0, which leaves rank 0's sum as it is.
+        planner[layout.AUDIT_KEY] = {
+            key: {b: blocks.get(b, 0) for b in range(max(blocks, default=-1) + 1)}
+            for key, blocks in audit.items()
+        }
+    try:
+        return encode_dcp_metadata(dataclasses.replace(metadata, planner_data=planner or None))
+    except ValueError as exc:
+        raise ConfigError(
+            "a save without collectives sends each rank's DCP metadata through storage as plain"
+            f" data, and this one has none ({exc}): use DCP's or dcp_safe's planner, or"
+            " use_collectives=True"
+        ) from exc
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
@@ -551,13 +555,13 @@ def _merged(metadatas: Sequence[Metadata]) -> Metadata:
             audits.setdefault(key, {}).setdefault(frozenset(tuple(c.offsets) for c in chunks), sums)
         paths.update(planner)
     if audits:
-        totals: dict[str, dict[int, int]] = {}
-        for key, parts in audits.items():
-            total = totals[key] = {}
-            for part in parts.values():
-                for block, value in part.items():
-                    total[block] = (total.get(block, 0) + value) & _MASK
-        paths[layout.AUDIT_KEY] = totals
+        paths[layout.AUDIT_KEY] = {
+            key: {
+                b: sum(part.get(b, 0) for part in parts.values()) & _MASK
+                for b in sorted(set().union(*parts.values()))
+            }
+            for key, parts in audits.items()
+        }
     return Metadata(
         state_dict_metadata=state,
         planner_data=paths or metadatas[0].planner_data,

@@ -168,16 +168,15 @@ class SafeStorageWriter(StorageWriter):
         self.attempt = attempt_from_env(attempt)
         self.claimant = Claimant(attempt=self.attempt, stale_after_s=stale_lease_s)
         self.backend: Backend = open_backend(root.writes_to, fsync=self.options.fsync, retry=retry)
-        self.strategy = strategy_for(self.backend)
         if self.options.overwrite:
-            self.strategy.require_rename(
+            strategy_for(self.backend).require_rename(
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
         uploads_to = root.uploads_to
-        self.remote: Backend | None = (
-            None if uploads_to is None else open_backend(uploads_to, retry=retry)
-        )
+        self.remote = None if uploads_to is None else open_backend(uploads_to, retry=retry)
+        #: The backend of the root this writer publishes checkpoints on (``topology.commit``).
+        self.commit_backend: Backend = self.backend
         self.replication_options = replication_options or UploadOptions()
         self._background = _Background()
         self._name: str | None = None
@@ -199,11 +198,6 @@ class SafeStorageWriter(StorageWriter):
         """A copy with background uploads of its own: the manager's synchronous saves run
         beside an asynchronous one, whose per-rank upload must not be ended by theirs."""
         return copy.copy(self)  # through __getstate__: fresh, empty uploads
-
-    @property
-    def commit_backend(self) -> Backend:
-        """The backend of the root this writer publishes checkpoints on (``topology.commit``)."""
-        return self.backend
 
     # ----------------------------------------------------------------- DCP call order
 
@@ -335,8 +329,19 @@ class SafeStorageWriter(StorageWriter):
         publication = self._publication(assignment.save_id)
         publication.abandon(own, shared=assignment.world_size > 1)
 
-    def _publication(self, save_id: str) -> Publication:
-        return self.strategy.publication(self.backend, self._require_name(), save_id, self.claimant)
+    def _publication(
+        self, save_id: str, backend: Backend | None = None, name: str | None = None
+    ) -> Publication:
+        """The publication of ``save_id`` of ``name`` (default: the current save's) on
+        ``backend`` (default: the writer's own root). Background work passes its own name:
+        the writer may have moved on to the next save."""
+        on, name = backend or self.backend, name or self._require_name()
+        return strategy_for(on).publication(on, name, save_id, self.claimant)
+
+    def _remote_work(self, assignment: _Assignment, name: str | None = None) -> str:
+        """The save's work directory on the root it uploads to (``name`` as for _publication)."""
+        assert self.remote is not None
+        return strategy_for(self.remote).work_dir(name or self._require_name(), assignment.save_id)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Verify every rank's results, then publish (coordinator only).
@@ -393,13 +398,14 @@ class SafeStorageWriter(StorageWriter):
         self._background.rank_replicator.begin(self._require_name(), save)
 
     def _report_failure(
-        self, assignment: _Assignment, exc: BaseException, *, rank: int | None
+        self, assignment: _Assignment, exc: BaseException, *, rank: int | None, name: str = ""
     ) -> None:
         """Tell the ranks waiting for this save's local commit that it will not come: ``rank``'s
-        write failed, or (``None``) the publish. Best effort, through remote markers."""
-        if self.remote is None or assignment.world_size == 1:
+        write failed, or (``None``) the publish. Best effort, through remote markers (a single
+        rank's replica waits on nobody; a node-local save's commit waits even then)."""
+        if self.remote is None or (assignment.world_size == 1 and not self._node_local):
             return
-        work = strategy_for(self.remote).work_dir(self._require_name(), assignment.save_id)
+        work = self._remote_work(assignment, name)
         if rank is None:
             report_commit_failure(self.remote, work, assignment.save_id, exc)
         else:
