@@ -17,16 +17,15 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
 from dcp_safe.coordination.groups import WORKERS
-from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import BusyPolicy, SaveHandle
-from dcp_safe.manager.slot import SaveSlot
-from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors
-from dcp_safe.worker.parent import SaveWorker
+
+if TYPE_CHECKING:
+    from dcp_safe.manager.saving import SaveRunner
 
 __all__ = ["Admitter", "Decision", "Verdict", "decide"]
 
@@ -109,12 +108,9 @@ class Admitter:
     checked; the stager's budget bounds a coalesced copy; ``worker``: the process executor's)."""
 
     agreement: Agreement
-    slot: SaveSlot
-    switch: FallbackSwitch
-    stager: BudgetedStager
+    runner: SaveRunner  # its slot, switch, stager and worker
     wait_timeout_s: float
     latency_objective_s: float | None
-    worker: SaveWorker | None = None
 
     def admit(
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
@@ -128,9 +124,9 @@ class Admitter:
             ConfigError: the ranks asked for different steps.
             CommitError: a peer died or did not answer within the deadline.
         """
-        fallback = self.switch.on_request(handle, self._leaked_bytes)
-        busy = not self.slot.idle()
-        ready = self.worker is not None and self.worker.ready
+        fallback = self.runner.switch.on_request(handle, self._leaked_bytes)
+        busy = not self.runner.slot.idle()
+        ready = self.runner.worker is not None and self.runner.worker.ready
         vote = Vote(
             "save",
             handle.step,
@@ -138,23 +134,25 @@ class Admitter:
             fallback=fallback,
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
-            pending=self.slot.pending_step(),
+            pending=self.runner.slot.pending_step(),
             worker_ready=ready,
         )
         decision = decide(self.agreement.gather(vote), policy)
-        if self.worker is not None and not decision.worker:
-            self.worker.start()
-        self.switch.follow(handle, decision.fallback)
+        if self.runner.worker is not None and not decision.worker:
+            self.runner.worker.start()
+        self.runner.switch.follow(handle, decision.fallback)
         return decision
 
     def wait(self, handle: SaveHandle, *, force: bool, worker: bool = False) -> Decision:
         """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``
         (``worker``: the request's agreed path, kept for the start)."""
         step = handle.step
-        still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
+        still = self.agreement.until_all(
+            "wait", step, self.runner.slot.wait_free, self.wait_timeout_s
+        )
         if not still:
             return Decision(Verdict.START, worker=worker)
-        self.switch.ledger.count("waits_expired")
+        self.runner.switch.ledger.count("waits_expired")
         ranks = ", ".join(map(str, still))
         reason = (
             f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"
@@ -166,13 +164,13 @@ class Admitter:
         """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
         # Idle first, stats second: only the training thread starts saves, so once idle, what
         # the stager still has in use was leaked by a finished save, not leased by a new one.
-        if not self.slot.idle():
+        if not self.runner.slot.idle():
             return 0
-        stats = self.stager.stats()
+        stats = self.runner.stager.stats()
         return stats.in_use_bytes - stats.kept_bytes  # keep_in_memory's copy is no leak
 
     def _stalled(self) -> str | None:
-        age = self.slot.age_s()
+        age = self.runner.slot.age_s()
         objective = self.latency_objective_s
         if age is None or objective is None or age <= objective:
             return None
@@ -180,7 +178,9 @@ class Admitter:
 
     def _no_room(self, state_dict: dict[str, Any]) -> bool:
         need = sum(t.nbytes for t in collect_tensors(state_dict))
-        pending = self.slot.pending  # the copy it replaces is alive while this one is taken
+        pending = self.runner.slot.pending  # the copy it replaces is alive while this one is taken
         held = pending.nbytes if pending is not None else 0
-        room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
+        room = (
+            self.runner.stager.budget.envelope_bytes - self.runner.stager.stats().pool_bytes - held
+        )
         return need > room

@@ -7,7 +7,7 @@ telemetry call is logged and counted (``bookkeeping_failures``), never raised.
 Thread safety: any thread; the state is guarded by the manager's condition.
 
 The coordinator's history appends run off the decision path, in order, on their own thread
-(:class:`Bookkeeper`; why, and what a failed append does: docs/multirank.md, "Bookkeeping never
+(:meth:`Ledger.append`; why, and what a failed append does: docs/multirank.md, "Bookkeeping never
 decides"). Each save has one telemetry span from admission to verified commit
 (:class:`SaveSpans`): the stager's and the wrapped writer's spans opened on the same thread nest
 under it; with ``executor="process"`` the worker's are adopted under it. With no telemetry every
@@ -33,7 +33,7 @@ from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.instrument import end_replication
 from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["Bookkeeper", "Ledger", "SaveSpans"]
+__all__ = ["Ledger", "SaveSpans"]
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -54,9 +54,8 @@ class Ledger:
 
     def __init__(self, history: History, telemetry: Telemetry | None, *, coordinator: bool) -> None:
         self.cond = threading.Condition()  # the manager's: every part's state is guarded by it
-        self.books = Bookkeeper(  # a failed append is logged by the books
-            history, enabled=coordinator, failed=lambda _: self.count("bookkeeping_failures")
-        )
+        self.history, self._appends = history, coordinator  # only the coordinator appends
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-history")
         self.spans = SaveSpans(telemetry)
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
         self._counts = {f.name: 0 for f in fields(ManagerStats) if f.name not in _NOT_COUNTED}
@@ -78,14 +77,13 @@ class Ledger:
         with self.cond:
             self._handles.add(handle)
 
-    def abandon(self, error: BaseException) -> int:
+    def abandon(self, error: BaseException) -> None:
         """Fail every future still pending of every tracked handle with ``error``.
 
         For a ``close`` that gave up on work in flight: the work goes on in the background,
-        but no caller waits on it for ever. Returns how many handles it resolved."""
+        but no caller waits on it for ever."""
         with self.cond:
             handles = list(self._handles)
-        resolved = 0
         reason = f"given up by close: {error}"
         for handle in handles:
             tiers = {"local": handle.committed, "remote": handle.replicated}
@@ -100,8 +98,6 @@ class Ledger:
             if pending:
                 tier = "local" if "local" in pending else "remote"
                 self.record("failed", handle, tier=tier, reason=reason)
-            resolved += bool(pending)
-        return resolved
 
     def record(
         self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
@@ -112,7 +108,7 @@ class Ledger:
         line |= {k: v for k, v in extra.items() if v is not None}
         with self.cond:
             self._events.append(line)
-        self.books.append(event, step, name, **extra)
+        self.append(event, step, name, **extra)
 
     def quietly(self, what: str, action: Callable[[], object]) -> None:
         """Run a secondary action (telemetry); a failure is logged and counted, not raised."""
@@ -189,77 +185,38 @@ class Ledger:
             self._raised = len(self._errors)
             return errors
 
-    def raise_first(self) -> None:
-        """Raise the oldest error not raised yet (the others count as raised with it)."""
-        errors = self.unraised()
-        if errors:
-            raise errors[0]
-
-
-class Bookkeeper:
-    """Queued appends to a root's history file.
-
-    Args:
-        enabled: append at all (in a multi-rank job, only the coordinator does).
-        failed: called with each append's error (the manager counts them).
-    """
-
-    def __init__(
-        self, history: History, *, enabled: bool, failed: Callable[[BaseException], None]
-    ) -> None:
-        self.history = history
-        self.enabled = enabled
-        self._failed = failed
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-history")
-
     def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
         """Queue one event (as :meth:`History.append` takes it); never raises for storage."""
-        if not self.enabled:
+        if not self._appends:
             return
         try:
             self._pool.submit(self._write, event, step, name, fields)
         except RuntimeError:  # closed (interpreter exit): write it here, or give up quietly
             self._write(event, step, name, fields)
 
-    def flush(self, timeout_s: float | None) -> bool:
-        """Wait for every event queued so far to be written (or to fail); whether they were
-        within ``timeout_s``. A commit, ``history()``, ``wait()`` and ``close()`` flush first."""
-        if not self.enabled:
-            return True
+    def flush(self, timeout_s: float | None) -> None:
+        """Wait up to ``timeout_s`` for every event queued so far to be written (or to fail).
+        A commit, ``history()``, ``wait()`` and ``close()`` flush first."""
         try:
             self._pool.submit(lambda: None).result(timeout=timeout_s)
         except FutureTimeout:
             log.warning("history appends still pending after %s s", timeout_s)
-            return False
         except RuntimeError:  # closed: nothing more is queued
-            return True
-        return True
+            pass
 
-    def read(self) -> list[dict[str, Any]]:
+    def read_history(self) -> list[dict[str, Any]]:
         """The history file's events (after the appends queued so far, bounded)."""
         self.flush(_READ_FLUSH_S)
         return self.history.read()
 
-    def validated_names(self) -> set[str]:
-        return self.history.validated_names()
-
-    def close(self, timeout_s: float | None) -> None:
+    def close_history(self, timeout_s: float | None) -> None:
         """Write what is queued (within ``timeout_s``), then stop the thread."""
         self.flush(timeout_s)
         self._pool.shutdown(wait=False)
 
     def _write(self, event: str, step: int | None, name: str | None, fields: Any) -> None:
-        try:
-            self.history.append(event, step, name, **fields)
-        except Exception as exc:
-            # repr: the error may quote a path or text read from storage
-            log.warning(
-                "could not record the %r event of %r in the history: %r",
-                event,
-                name,
-                f"{type(exc).__name__}: {exc}"[:300],
-            )
-            self._failed(exc)
+        what = f"recording the {event!r} event of {name!r} in the history"
+        self.quietly(what, lambda: self.history.append(event, step, name, **fields))
 
 
 class SaveSpans:

@@ -28,15 +28,22 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from dcp_safe import layout
+from dcp_safe.adapters import api
 from dcp_safe.adapters.for_topology import writer_for
-from dcp_safe.adapters.planners import RestoreReport
+from dcp_safe.adapters.planners import RestoreReport, SafeLoadPlanner
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import refuse_moved
 from dcp_safe.coordination.agreement import Agreement
+from dcp_safe.coordination.groups import FOREGROUND
 from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.coordination.worker_group import WorkerGroups
-from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DrainTimeoutError
+from dcp_safe.errors import (
+    AdmissionTimeoutError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DrainTimeoutError,
+)
 from dcp_safe.manager.admit import Admitter, Verdict
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
@@ -60,7 +67,7 @@ from dcp_safe.manager.preemption import (
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
-from dcp_safe.manager.tiers import Restorer, Tiers, WarmStart
+from dcp_safe.manager.tiers import Tiers, WarmStart
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
 from dcp_safe.worker.parent import SaveWorker
@@ -152,7 +159,7 @@ class CheckpointManager:
         self._ledger = ledger = Ledger(
             History(writer.commit_backend), telemetry, coordinator=agreement.coordinator
         )
-        self._cond, self._books, self._slot = ledger.cond, ledger.books, SaveSlot(ledger.cond)
+        self._cond, self._slot = ledger.cond, SaveSlot(ledger.cond)
         self._tiers = Tiers(
             writer,
             retention=retention,
@@ -202,39 +209,27 @@ class CheckpointManager:
         )
         self._admitter = Admitter(
             agreement=agreement,
-            slot=self._slot,
-            switch=self._switch,
-            stager=self.stager,
+            runner=self._runner,
             wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
-            worker=worker,
         )
-        warm_start = None
+        self._per_rank, self._warm_start = resume.per_rank, None
         if resume.initial_load_from is not None:  # read with this run's root's options
             url = os.fspath(resume.initial_load_from)
             source = dataclasses.replace(self.topology.commit, url=url)
-            warm_start = WarmStart(source, resume.initial_load_keys)
-        self._restorer = Restorer(
-            tiers=self._tiers,
-            agreement=agreement,
-            runner=self._runner,
-            ledger=ledger,
-            per_rank=resume.per_rank,
-            warm_start=warm_start,
-            # A listing on shared storage: never bounded tighter than a collective.
-            wait_s=max(wait_s, self.deadline_s),
-            deferred=self._preemption_deferred,
-            name_for=self._name_for,
-        )
+            self._warm_start = WarmStart(source, resume.initial_load_keys)
+        # A listing on shared storage: never bounded tighter than a collective.
+        self._resolve_s = max(wait_s, self.deadline_s)
+        # The reader of the latest restore; with node_local, its stats() say which files came
+        # from this node's cache and which from root, and why.
+        self.last_reader: SafeStorageReader | None = None
         # Safe at interpreter exit: drain (bounded) what is in flight, without keeping us alive.
         self._at_exit = close_at_exit(weakref.ref(self), bounds.exit_timeout_s)
         atexit.register(self._at_exit)
 
     def maybe_save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
         """:meth:`save` when ``step % save_every == 0``, else ``None``."""
-        if step % self.save_every:
-            return None
-        return self.save(step, state_dict)
+        return None if step % self.save_every else self.save(step, state_dict)
 
     def save(
         self, step: int, state_dict: dict[str, Any], *, force: bool = False
@@ -341,12 +336,63 @@ class CheckpointManager:
             The name loaded (a ``str``) with what was restored, skipped, missing, not asked for.
 
         Raises:
-            CheckpointNotFoundError, CheckpointCorruptError, MissingKeysError,
-            PerRankStateError, RestoreMismatchError: see :meth:`Restorer.restore`.
+            CheckpointNotFoundError: nothing committed by that name (nor to warm-start from).
+            CheckpointCorruptError: the bytes do not match their manifest on any tier.
+            MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
+            PerRankStateError: per-rank entries were saved by another world size.
+            RestoreMismatchError: ``audit`` found the live state differs from the saved one.
+            LoadError: a rank's load failed (a shape that does not match, say), cause named.
         """
-        return self._restorer.restore(
-            state_dict, step, keys=keys, exclude=exclude, allow_partial=allow_partial, audit=audit
-        )
+        wanted = step if step == layout.LATEST else self._name_for(int(step))
+        own = self._tiers.reader()
+
+        def resolve() -> tuple[str | None, str]:
+            try:
+                own.reset(wanted)
+                return None, str(own.checkpoint_id)
+            except CheckpointNotFoundError:
+                # Another run's checkpoint only while the own tiers hold none at all.
+                if self._warm_start is None or wanted != layout.LATEST or self.latest():
+                    raise
+                return self._warm_start.resolve(self._tiers.signing_key)
+
+        number = -1 if step == layout.LATEST else int(step)
+        with self._preemption_deferred():
+            source, name = self._agreement.settle("restore", number, resolve, self._resolve_s)
+            reader, where, tier = own, "this run", "local"
+            if source is not None:
+                assert self._warm_start is not None
+                reader = SafeStorageReader(
+                    dataclasses.replace(self._warm_start.source, url=source),
+                    load_budget_bytes=self._tiers.load_budget_bytes,
+                    signing_key=self._tiers.signing_key,
+                )
+                # The URL as given (credentials travel in options, never in it), shortened.
+                where, tier = f"warm start from {source[:300]}", "initial"
+                keys = keys if keys is not None else self._warm_start.keys
+            self.last_reader = reader
+            planner = SafeLoadPlanner(
+                per_rank=self._per_rank,
+                keys=keys,
+                exclude=exclude,
+                allow_partial=allow_partial,
+                name=name,
+            )
+            with (
+                self._tiers.reading(name if source is None else None),
+                self._runner.collectives(FOREGROUND) as collectives,
+            ):
+                api.load(
+                    state_dict,
+                    checkpoint_id=name,
+                    storage_reader=reader,
+                    planner=planner,
+                    audit=audit,
+                    **collectives,
+                )
+        report = planner.report
+        self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
+        return report
 
     def rollback(self, state_dict: dict[str, Any]) -> int:
         """Restore the last committed step into ``state_dict`` from host memory, in place.
@@ -369,12 +415,6 @@ class CheckpointManager:
         self._ledger.record("rolled_back", (step, self._name_for(step)), tier="memory")
         return step
 
-    @property
-    def last_reader(self) -> SafeStorageReader | None:
-        """The reader of the latest restore; with node_local, its stats() say which files came
-        from this node's cache and which from root, and why."""
-        return self._restorer.last_reader
-
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until no save is in flight or pending and replications are done.
 
@@ -396,8 +436,9 @@ class CheckpointManager:
                 raise DrainTimeoutError(
                     f"the manager thread was still busy after {timeout_s} s"
                 ) from None
-            self._books.flush(left())
-            self._ledger.raise_first()
+            self._ledger.flush(left())
+            if errors := self._ledger.unraised():  # the oldest; the others count as raised
+                raise errors[0]
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain, prune once more, stop, then raise the first background error. Idempotent.
@@ -425,7 +466,7 @@ class CheckpointManager:
         for writer in (self.writer, self._runner.sync_writer):
             if writer is not None:
                 steps.append(functools.partial(lambda w: w.close(left()), writer))
-        steps.append(lambda: self._books.close(left()))
+        steps.append(lambda: self._ledger.close_history(left()))
         errors = run_bounded(steps, timeout_s)
         if worker is not None:  # whatever the steps did (a save stuck in a stopped worker)
             worker.kill()
@@ -454,10 +495,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        with contextlib.suppress(BaseException):  # do not mask the body's exception
+        # Raised out of a clean body; never masking the body's exception.
+        with contextlib.suppress(*(() if exc_type is None else (BaseException,))):
             self.close()
 
     def _name_for(self, step: int) -> str:
@@ -465,7 +504,7 @@ class CheckpointManager:
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first (written by the coordinator only)."""
-        return self._books.read()
+        return self._ledger.read_history()
 
     def decisions(self) -> list[dict[str, Any]]:
         """This rank's own record of events (history events without their times), oldest
@@ -530,7 +569,7 @@ class CheckpointManager:
         where = (None, None) if handle is None else (handle.step, handle.name)
         self._ledger.record("preempted", where, reason=f"{reason}: {outcome}")
         # The process is about to go: its history appends with it, within what time is left.
-        self._books.flush(max(0.0, deadline - time.monotonic()))
+        self._ledger.flush(max(0.0, deadline - time.monotonic()))
         log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
         return outcome
 
@@ -541,3 +580,12 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         return not self._slot.idle()
+
+
+def _reason(where: str, report: RestoreReport) -> str:
+    parts = [where, f"{len(report.restored)} keys restored"]
+    if report.skipped:
+        parts.append(f"{len(report.skipped)} skipped on request")
+    if report.missing:
+        parts.append(f"{len(report.missing)} missing, left as they were")
+    return "; ".join(parts)

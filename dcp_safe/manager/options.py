@@ -223,8 +223,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            choices = ", ".join(map(repr, EXECUTORS))
-            raise ConfigError(f"executor must be one of {choices}, got {self.executor!r}")
+            raise ConfigError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 def choose_executor(
@@ -249,10 +248,7 @@ def choose_executor(
     """
     if executor == "thread":
         return "thread"
-    if executor == "auto" and writer_given:
-        unmet: str | None = "the writer is the caller's (executor='process' runs a copy of it)"
-    else:
-        unmet = _unmet_need(stager, writer)
+    unmet = _unmet_need(stager, writer, writer_given=writer_given and executor == "auto")
     if unmet is None:
         return "process"
     if executor == "process":
@@ -261,9 +257,13 @@ def choose_executor(
     return "thread"
 
 
-def _unmet_need(stager: BudgetedStager | None, writer: SafeStorageWriter) -> str | None:
+def _unmet_need(
+    stager: BudgetedStager | None, writer: SafeStorageWriter, *, writer_given: bool
+) -> str | None:
     """What ``executor="process"`` needs and does not have here, in a sentence (``None``:
     nothing)."""
+    if writer_given:
+        return "the writer is the caller's (executor='process' runs a copy of it)"
     if not hasattr(os, "memfd_create"):
         return "executor='process' needs os.memfd_create (Linux) for the slabs it shares"
     if stager is not None and stager.shared is None:

@@ -11,10 +11,8 @@ the future done also sees the error; it never touches the committed checkpoint.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -81,9 +79,8 @@ class PeerTier:
                 " LOCAL_WORLD_SIZE): lower peer_copies"
             )
         self.copies, self.keep, self.local, self.remote = copies, keep, local, remote
-        self._jobs: deque[tuple[str, Future[list[str]], Report]] = deque()
-        self._thread: threading.Thread | None = None  # exists only while there is work
-        self._lock = threading.Lock()
+        # One copy at a time, in commit order, off the manager's thread.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-peer-copies")
         self._broken: BaseException | None = None
 
     def copy(self, name: str, report: Report) -> Future[list[str]]:
@@ -93,37 +90,20 @@ class PeerTier:
         :class:`~dcp_safe.errors.PeerCopyError`, or ``None``); the future then resolves with
         the peer copies committed on this rank, or that error.
         """
-        future: Future[list[str]] = Future()
-        with self._lock:
-            self._jobs.append((name, future, report))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="dcp_safe-peer-copies", daemon=True
-                )
-                self._thread.start()
-        return future
+        return self._pool.submit(self._run, name, report)
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    self._thread = None
-                    return
-                name, future, report = self._jobs.popleft()
-            landed: list[str] = []
-            error: BaseException | None = None
-            try:
-                landed = self._copy(name)
-            except BaseException as exc:  # reported and handed to the future, never lost
-                error = exc
+    def _run(self, name: str, report: Report) -> list[str]:
+        error: BaseException | None = None
+        try:
+            return self._copy(name)
+        except BaseException as exc:  # reported and handed to the future, never lost
+            error = exc
+            raise
+        finally:
             try:
                 report(name, error)
             except Exception:  # the report is bookkeeping: log it, resolve the future anyway
                 log.exception("dcp_safe: reporting the peer copy of %s failed", name)
-            if error is None:
-                future.set_result(landed)
-            else:
-                future.set_exception(error)
 
     def _copy(self, name: str) -> list[str]:
         if self._broken is not None:

@@ -157,6 +157,16 @@ class SaveRunner:
             # thread) reaches the handle's futures and the history, not this call.
             wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
 
+    def _follow(
+        self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
+    ) -> None:
+        """The upload ended: follow it up on the manager thread (here, if a close that gave up
+        on it has stopped that thread: its handle is resolved already, the slot is not)."""
+        try:
+            self.post.submit(self._after_upload, handle, upload, group, worker)
+        except RuntimeError:
+            self._after_upload(handle, upload, group, worker)
+
     def wait_staged(self, timeout_s: float | None) -> None:
         """Block until the latest started save has copied the state.
 
@@ -220,7 +230,7 @@ class SaveRunner:
             if self.barrier is None:
                 self.start(handle, state, worker)
             else:  # the peers may still be busy: meet them at the barrier, off this thread
-                self.post.submit(self._run_pending, pending)
+                self.post.submit(self._finish_slot, pending)
         return handle
 
     def drop_pending(self) -> Pending | None:
@@ -229,16 +239,6 @@ class SaveRunner:
         if pending is not None and self.barrier is not None:
             self.barrier.abandon(pending.seq)
         return pending
-
-    def _follow(
-        self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
-    ) -> None:
-        """The upload ended: follow it up on the manager thread (here, if a close that gave up
-        on it has stopped that thread: its handle is resolved already, the slot is not)."""
-        try:
-            self.post.submit(self._after_upload, handle, upload, group, worker)
-        except RuntimeError:
-            self._after_upload(handle, upload, group, worker)
 
     def _after_upload(
         self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
@@ -259,19 +259,13 @@ class SaveRunner:
         finally:
             self._finish_slot()
 
-    def _finish_slot(self) -> None:
-        """Free the slot, or hand it straight to the pending coalesced save."""
-        pending = self.slot.release()
-        if pending is not None:
-            self.ledger.count("started")
-            self._run_pending(pending)
-
-    def _run_pending(self, pending: Pending | None) -> None:
-        """Start the pending save that holds the slot; on failure free the slot (or hand it on).
+    def _finish_slot(self, pending: Pending | None = None) -> None:
+        """Start ``pending`` (it holds the slot already); with none, or once it is out of the
+        way, free the slot or hand it to the next pending coalesced save, and start that.
 
         A start that fails fails the pending save's handle and is kept for ``wait``/``close``;
         one the ranks' barrier abandoned is skipped, on every rank alike."""
-        while pending is not None:
+        while pending is not None or (pending := self._release()) is not None:
             try:
                 dropped = None
                 if self.barrier is not None:
@@ -283,9 +277,13 @@ class SaveRunner:
                 self.ledger.skip(pending.handle, dropped, mark="coalesced")
             except BaseException as exc:
                 self.ledger.fail(pending.handle, exc, tier="local")
-            pending = self.slot.release()
-            if pending is not None:
-                self.ledger.count("started")
+            pending = None
+
+    def _release(self) -> Pending | None:
+        pending = self.slot.release()
+        if pending is not None:
+            self.ledger.count("started")
+        return pending
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> None:
         """A save or load on ``group`` ended with ``error``: mark the group if that broke it."""
@@ -331,7 +329,7 @@ class SaveRunner:
             log.warning("retention after %s failed: %s", handle.name, exc)
             self.ledger.keep(exc)
         # A caller that reads the history once ``committed`` resolves finds the event there.
-        self.ledger.books.flush(self.flush_s)
+        self.ledger.flush(self.flush_s)
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
         self.ledger.quietly("telemetry", lambda: self.ledger.spans.end(handle, None))
@@ -384,9 +382,7 @@ class SaveRunner:
             self.ledger.count("peer_copy_failures")
             self.ledger.keep(error)
 
-        future = peers.copy(handle.name, report)
-        self.tiers.track_replication(handle.name, future)
-        future.add_done_callback(lambda done: self.tiers.replication_done(handle.name, done))
+        self.tiers.track_replication(handle.name, peers.copy(handle.name, report))
 
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
         if handle.replicated.done():
@@ -401,7 +397,6 @@ class SaveRunner:
             handle.replicated.set_exception(error)
         else:
             self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
-        self.tiers.replication_done(handle.name, handle.replicated)
 
 
 def _copied(staging: Future[Any], staged: Future[None]) -> None:

@@ -6,11 +6,12 @@ retention treats every committed checkpoint with a step as its own.
 
 Thread safety: any thread; the sets share the manager's condition.
 
-A restore (:class:`Restorer`): the coordinator resolves the name once while every rank waits in
-rounds, so a commit or prune meanwhile cannot split the ranks. The manager's own tiers come
-first; another run's (``initial_load_from``) only when they hold no committed checkpoint at all;
-with a signing key, every reader here holds it, the warm start's too. Every restore is recorded
-in the history (``restored``, with where it came from). Keys and the report: docs/resume.md.
+A restore (``CheckpointManager.restore``): the coordinator resolves the name once while every
+rank waits in rounds, so a commit or prune meanwhile cannot split the ranks. The manager's own
+tiers come first; another run's (``initial_load_from``, :class:`WarmStart`) only when they hold
+no committed checkpoint at all; with a signing key, every reader here holds it, the warm
+start's too. Every restore is recorded in the history (``restored``, with where it came from).
+Keys and the report: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -19,23 +20,19 @@ import contextlib
 import dataclasses
 import posixpath
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dcp_safe import layout
-from dcp_safe.adapters import api
-from dcp_safe.adapters.planners import RestoreReport, SafeLoadPlanner
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
-from dcp_safe.coordination.groups import FOREGROUND
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -50,10 +47,7 @@ from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
 from dcp_safe.worker.transport import check_commit
 
-if TYPE_CHECKING:
-    from dcp_safe.manager.saving import SaveRunner
-
-__all__ = ["Restorer", "Tiers", "WarmStart"]
+__all__ = ["Tiers", "WarmStart"]
 
 
 class Tiers:
@@ -90,14 +84,14 @@ class Tiers:
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
         self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
-        self._history, self._cond = ledger.books, ledger.cond
+        self._history, self._cond = ledger, ledger.cond
         self._deferred = deferred
         self._prune_lock = threading.Lock()
         # With a signing writer only what its key signed counts, in every reader built here:
         # a planted unsigned checkpoint neither stands in for ``latest`` nor evicts a signed one.
         self.signing_key: bytes | None = writer.options.signing_key
         self._newest_own: str | None = None  # never pruned, whatever a listing says
-        self._validated = ledger.books.validated_names()
+        self._validated = ledger.history.validated_names()
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
@@ -152,11 +146,12 @@ class Tiers:
             return name in self._validated
 
     def track_replication(self, name: str, future: Future[Any]) -> None:
-        """Keep ``name`` from pruning until ``future`` is done (see :meth:`replication_done`)."""
+        """Keep ``name`` from pruning until ``future`` is done."""
         with self._cond:
             self._replications[name] = future
+        future.add_done_callback(lambda done: self._replication_done(name, done))
 
-    def replication_done(self, name: str, future: Future[Any]) -> None:
+    def _replication_done(self, name: str, future: Future[Any]) -> None:
         with self._cond:
             if self._replications.get(name) is future:
                 del self._replications[name]
@@ -316,107 +311,3 @@ class WarmStart:
         if signature is not None:
             raise signature
         raise CheckpointNotFoundError(self.source.url, "no committed checkpoint to warm-start from")
-
-
-@dataclass(kw_only=True, eq=False)
-class Restorer:
-    """Restores for one manager.
-
-    Args:
-        runner: the manager's save runner (its foreground group carries loads too).
-        wait_s: how long the ranks wait for the coordinator to resolve the checkpoint.
-        deferred: a context in which a preemption signal waits.
-    """
-
-    tiers: Tiers
-    agreement: Agreement
-    runner: SaveRunner
-    ledger: Ledger
-    per_rank: tuple[str, ...]
-    warm_start: WarmStart | None
-    wait_s: float
-    deferred: Callable[[], Any]
-    name_for: Callable[[int], str]
-    last_reader: SafeStorageReader | None = field(default=None, init=False)
-
-    def restore(
-        self,
-        state_dict: dict[str, Any],
-        step: int | str,
-        *,
-        keys: Collection[str] | None,
-        exclude: Sequence[str],
-        allow_partial: bool,
-        audit: bool = False,
-    ) -> RestoreReport:
-        """Load step ``step``'s checkpoint (or ``"latest"``) into ``state_dict``.
-
-        Raises:
-            CheckpointNotFoundError: nothing committed by that name (nor to warm-start from).
-            CheckpointCorruptError: the bytes do not match their manifest on any tier.
-            MissingKeysError: keys asked for are not in the checkpoint (without allow_partial).
-            PerRankStateError: per-rank entries were saved by another world size.
-            RestoreMismatchError: ``audit`` found the live state differs from the saved one.
-            LoadError: a rank's load failed (a shape that does not match, say), cause named.
-        """
-        wanted = step if step == layout.LATEST else self.name_for(int(step))
-        number = -1 if step == layout.LATEST else int(step)
-        own = self.tiers.reader()
-
-        def resolve() -> tuple[str | None, str]:
-            try:
-                own.reset(wanted)
-                return None, str(own.checkpoint_id)
-            except CheckpointNotFoundError:
-                if self.warm_start is None or wanted != layout.LATEST:
-                    raise
-                if self.tiers.latest("local") is not None:  # the own tiers hold one
-                    raise
-                return self.warm_start.resolve(self.tiers.signing_key)
-
-        with self.deferred():
-            source, name = self.agreement.settle("restore", number, resolve, self.wait_s)
-            if source is None:
-                reader, where, tier = own, "this run", "local"
-            else:
-                assert self.warm_start is not None
-                reader = SafeStorageReader(
-                    dataclasses.replace(self.warm_start.source, url=source),
-                    load_budget_bytes=self.tiers.load_budget_bytes,
-                    signing_key=self.tiers.signing_key,
-                )
-                # The URL as given (credentials travel in options, never in it), shortened.
-                where, tier = f"warm start from {source[:300]}", "initial"
-                keys = keys if keys is not None else self.warm_start.keys
-            self.last_reader = reader
-            planner = SafeLoadPlanner(
-                per_rank=self.per_rank,
-                keys=keys,
-                exclude=exclude,
-                allow_partial=allow_partial,
-                name=name,
-            )
-            with (
-                self.tiers.reading(name if source is None else None),
-                self.runner.collectives(FOREGROUND) as collectives,
-            ):
-                api.load(
-                    state_dict,
-                    checkpoint_id=name,
-                    storage_reader=reader,
-                    planner=planner,
-                    audit=audit,
-                    **collectives,
-                )
-        report = planner.report
-        self.ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
-        return report
-
-
-def _reason(where: str, report: RestoreReport) -> str:
-    parts = [where, f"{len(report.restored)} keys restored"]
-    if report.skipped:
-        parts.append(f"{len(report.skipped)} skipped on request")
-    if report.missing:
-        parts.append(f"{len(report.missing)} missing, left as they were")
-    return "; ".join(parts)

@@ -62,10 +62,8 @@ class _Process:
     """One started worker: its process, its end of the socket, and the saves it holds."""
 
     def __init__(self, owner: SaveWorker, group: WorkerGroup | None) -> None:
-        self.lock = owner._lock  # guards saves, replications, checks and dead
+        self.owner, self.lock = owner, owner._lock  # guards saves, replications, checks, dead
         self.group = group
-        self.broke = owner._broke  # told of a death or a failed group (not of a retirement)
-        self.adopt = owner.adopt  # given each save's spans from the worker, before its future
         self.retired = False
         # Silent past the manager's deadline (with several ranks the workers' group's, that of
         # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
@@ -86,11 +84,9 @@ class _Process:
         # as died (the next request starts another); never an OSError on the training thread.
         with contextlib.suppress(OSError):
             self.conn.send(("writer", owner.writer, owner.per_rank, group, owner.deep))
-        self.checks = owner._checks  # by name, until the follow-up takes it
         self.mapped: set[int] = set()
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
-        self.replications = owner._replications  # by name, shared with every generation
         self.replicating: set[str] = set()  # the names this worker replicates
         self.dead = False
         # Set once the worker imported and joined its group (or died): it can save now.
@@ -126,13 +122,14 @@ class _Process:
         if kind == "done":
             with self.lock:
                 future, name, _ = self.saves.pop(message[1])  # the staged state is let go here
-                replicated = self.replications.get(name) if name in self.replicating else None
+                replicating = name in self.replicating
+                replicated = self.owner._replications.get(name) if replicating else None
             if message[3]:  # before the save fails: whoever sees it sees the group marked too
-                self.broke(self)
+                self.owner._broke(self)
             self._checked(name, message[5])
-            if self.adopt is not None:  # before the follow-up ends the root span
+            if self.owner.adopt is not None:  # before the follow-up ends the root span
                 try:
-                    self.adopt(name, message[4], replicated if message[2] is None else None)
+                    self.owner.adopt(name, message[4], replicated if message[2] is None else None)
                 except Exception:  # telemetry is bookkeeping: it never fails a save
                     log.exception("dcp_safe: recording the worker's spans of %s failed", name)
             if message[2] is None:
@@ -145,7 +142,7 @@ class _Process:
         elif kind == "replicated":
             self._checked(message[1], message[3])
             with self.lock:
-                replicated = self.replications.setdefault(message[1], Future())
+                replicated = self.owner._replications.setdefault(message[1], Future())
             if message[2] is None:
                 replicated.set_result(message[4])  # the replica's header, as bytes for its span
             else:
@@ -163,20 +160,20 @@ class _Process:
             return
         checked.remember()
         with self.lock:
-            self.checks[name] = checked
+            self.owner._checks[name] = checked
 
     def died(self) -> None:
         """The worker is gone (or being given up on): fail what it held."""
         with self.lock:
             retired = self.retired
         if not retired:  # before it is reaped and its saves fail: who sees either sees this
-            self.broke(self)
+            self.owner._broke(self)
         code = self.popen.wait()
         with self.lock:
             self.dead = True
             saves = [self.saves.pop(seq) for seq in sorted(self.saves)]
             replications = [
-                (n, f) for n in sorted(self.replicating) if (f := self.replications.get(n))
+                (n, f) for n in sorted(self.replicating) if (f := self.owner._replications.get(n))
             ]
         for future, name, _ in saves:
             with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
