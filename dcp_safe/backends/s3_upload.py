@@ -167,7 +167,8 @@ class S3MultipartWriter:
     """One object written as a pipelined multipart upload (or one PUT, if it stays small).
 
     Call order: ``write()`` any number of times, then ``close()`` (complete) or ``abort()``
-    (drop), from one thread. The part threads are this object's own.
+    (drop), from one thread. The part threads are this object's own. A failed ``write()`` or
+    ``close()`` aborts the upload before it raises.
 
     Args:
         fs: an ``s3fs.S3FileSystem`` (anything with ``call_s3`` and ``split_path``).
@@ -201,17 +202,14 @@ class S3MultipartWriter:
         self.block_size = block_size
         self.checksum_algorithm = checksum_algorithm
         self._checksum = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
-        self._url = f"s3://{self.bucket}/{self.key}"
         self._buf = bytearray()  # the block filling; grows until the first part is sent
         self._free: list[bytearray] = []  # blocks whose part is sent, for reuse
         self._fill = 0  # bytes of the current block holding data
         self._pos = 0
         self._upload_id: str | None = None
-        self._next_part = 1
-        self._parts: dict[int, dict[str, Any]] = {}  # sent parts, by part number
+        self._parts: list[Future[dict[str, Any]]] = []  # every part sent, in order
         self._in_flight: dict[Future[dict[str, Any]], bytearray] = {}
         self._pool: ThreadPoolExecutor | None = None  # started with the first part
-        self._error: BaseException | None = None
         self.peak_buffer_bytes = 0
         self.closed = False
 
@@ -238,44 +236,45 @@ class S3MultipartWriter:
         """Copy ``data`` into the current block; send the block once it is full."""
         if self.closed:
             raise ValueError("I/O operation on a closed S3 upload")
-        self._raise_background_error()
-        with memoryview(data) as raw, raw.cast("B") as view:
-            n = view.nbytes
-            done = 0
-            while done < n:
-                buf = self._buf
-                take = min(n - done, self.block_size - self._fill)
-                chunk = view[done : done + take]
-                if len(buf) == self._fill:
-                    buf += chunk  # a block not yet at full size grows
-                else:
-                    buf[self._fill : self._fill + take] = chunk  # a full-size block: in place
-                self._fill += take
-                done += take
-                self._pos += take
-                if self._fill == self.block_size:
-                    self._send_block()
-        return n
+        try:
+            self._collect(None)  # a failed part's error, once known
+            with memoryview(data) as raw, raw.cast("B") as view:
+                done = 0
+                while done < view.nbytes:
+                    take = min(view.nbytes - done, self.block_size - self._fill)
+                    chunk = view[done : done + take]
+                    if len(self._buf) == self._fill:
+                        self._buf += chunk  # a block not yet at full size grows
+                    else:
+                        self._buf[self._fill : self._fill + take] = chunk  # full-size: in place
+                    self._fill += take
+                    done += take
+                    if self._fill == self.block_size:
+                        self._send_block()
+        except BaseException:
+            self.abort()
+            raise
+        self._pos += done
+        return done
 
     def close(self) -> None:
         """Complete the upload (or PUT a small file); on any failure, abort and re-raise."""
         if self.closed:
             return
-        self._raise_background_error()
         try:
+            self._collect(None)
             if self._upload_id is None:
                 body = self._last_block()
-                self._note_peak()
+                self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
                 self._call("put_object", Body=_BlockBody(body), **self._checksum)
             else:
                 if self._fill:
                     self._send_block()
-                self._collect(everything=True)
-                parts = [self._parts[number] for number in sorted(self._parts)]
+                self._collect(ALL_COMPLETED)
                 self._call(
                     "complete_multipart_upload",
                     UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": [part.result() for part in self._parts]},
                 )
         except BaseException:
             self.abort()
@@ -290,26 +289,14 @@ class S3MultipartWriter:
         for future in self._in_flight:
             future.cancel()
         wait(list(self._in_flight))  # a part still running would land on the aborted upload
-        self._in_flight.clear()
         if self._upload_id is not None:
             # If the abort itself fails the upload stays open but invisible; the sweeper
             # (abort_stale_uploads) or a bucket lifecycle rule reclaims it.
             with contextlib.suppress(Exception):
                 self._call("abort_multipart_upload", UploadId=self._upload_id)
-            self._upload_id = None
         self._release()
 
     # ------------------------------------------------------------------ internals
-
-    def _raise_background_error(self) -> None:
-        """Re-raise a failed part's error (once it is known), after aborting the upload."""
-        if self._error is None and any(f.done() for f in self._in_flight):
-            with contextlib.suppress(BaseException):
-                self._collect(everything=False, block=False)
-        if self._error is not None:
-            error = self._error
-            self.abort()
-            raise error
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = self._fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
@@ -320,54 +307,43 @@ class S3MultipartWriter:
         del self._buf[self._fill :]
         return self._buf
 
-    def _note_peak(self) -> None:
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-
-    def _collect(self, *, everything: bool, block: bool = True) -> None:
-        """Take in finished parts (all of them when ``everything``, else at least one when
-        ``block``): record each, free its block, and raise the first failure."""
-        if block and self._in_flight:
-            done, _ = wait(
-                list(self._in_flight), return_when=ALL_COMPLETED if everything else FIRST_COMPLETED
-            )
-        else:
-            done = {f for f in self._in_flight if f.done()}
-        for future in done:
+    def _collect(self, return_when: str | None) -> None:
+        """Free the blocks of the parts finished (after waiting, if ``return_when`` says for
+        what) and raise the first failure among them."""
+        if return_when is not None and self._in_flight:
+            wait(list(self._in_flight), return_when=return_when)
+        for future in [f for f in self._in_flight if f.done()]:
             self._free.append(self._in_flight.pop(future))
-            try:
-                part = future.result()
-            except BaseException as exc:
-                self._error = self._error or exc
-                continue
-            self._parts[int(part["PartNumber"])] = part
-        if self._error is not None:
-            raise self._error
+            if (error := future.exception()) is not None:
+                raise error
 
     def _send_block(self) -> None:
         """Hand the current block to a part thread once one is free; fill a free block next."""
         if self._upload_id is None:
             out = self._call("create_multipart_upload", **self._checksum)
             self._upload_id = str(out["UploadId"])
-        number = self._next_part
+        number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StorageError(
-                "write", self._url, f"more than {MAX_PARTS} parts: raise the block size"
+                "write",
+                f"s3://{self.bucket}/{self.key}",
+                f"more than {MAX_PARTS} parts: raise the block size",
             )
         while len(self._in_flight) >= self.parts_in_flight:
-            self._collect(everything=False)
+            self._collect(FIRST_COMPLETED)
         body = self._buf if self._fill == self.block_size else self._last_block()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 self.parts_in_flight, thread_name_prefix="dcp-safe-s3-part"
             )
         future = self._pool.submit(self._upload_part, self._upload_id, number, body)
+        self._parts.append(future)
         self._in_flight[future] = body
-        self._next_part += 1
         # A block is allocated only when none is free, so at most parts_in_flight + 1 exist;
         # at full size at once (the file is multipart now), so it never grows by reallocation.
         self._buf = self._free.pop() if self._free else bytearray(self.block_size)
         self._fill = 0
-        self._note_peak()
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
 
     def _upload_part(self, upload_id: str, number: int, body: bytearray) -> dict[str, Any]:
         try:
@@ -382,10 +358,12 @@ class S3MultipartWriter:
         except StorageError:
             raise
         except Exception as exc:
-            raise StorageError("write", self._url, f"part {number}: {exc}") from exc
+            raise StorageError(
+                "write", f"s3://{self.bucket}/{self.key}", f"part {number}: {exc}"
+            ) from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
-        field = f"Checksum{self.checksum_algorithm}" if self.checksum_algorithm else ""
-        if field and field in out:
+        field = f"Checksum{self.checksum_algorithm}"
+        if self.checksum_algorithm and field in out:
             part[field] = out[field]
         return part
 
