@@ -30,8 +30,7 @@ from typing import Any
 from dcp_safe.checkpoints.history import History
 from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
-from dcp_safe.telemetry.instrument import end_replication
-from dcp_safe.telemetry.recorder import Telemetry
+from dcp_safe.telemetry.recorder import Telemetry, end_replication
 
 __all__ = ["Ledger", "SaveSpans"]
 

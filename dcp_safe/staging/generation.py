@@ -30,7 +30,6 @@ __all__ = [
     "copy_guessed",
     "copy_sources",
     "holds_its_bytes",
-    "torn_verdict",
 ]
 
 # Mapped over a chunk's sources: the storage check before its copy.
@@ -55,6 +54,7 @@ class InFlightGeneration:
     span: SpanHandle  # the staging span: admission wait + copy
     guard: SnapshotGuard | None
     plan: StagingPlan
+    rank: int | None = None  # this process's rank in a group of several (errors name it)
     release_claimed: bool = False
     tracked: bool = False
     staged: threading.Event = field(default_factory=threading.Event)
@@ -67,6 +67,22 @@ class InFlightGeneration:
     result: weakref.ref[StagedStateDict] | None = None
     held: StagedStateDict | None = None
 
+    def mutated(self, state_dict: dict[str, Any], tensors: list[torch.Tensor]) -> BaseException:
+        """The error of a torn generation, naming ``tensors`` by their paths in ``state_dict``."""
+        return SnapshotMutatedError(tensor_paths(state_dict, tensors), rank=self.rank)
+
+    def torn(
+        self, state_dict: dict[str, Any], cause: BaseException | None = None
+    ) -> BaseException | None:
+        """The guard's verdict once the copy is over (or failed with ``cause``): a
+        :class:`SnapshotMutatedError` from ``cause`` when a source moved, else ``cause``."""
+        changed = [] if self.guard is None else self.guard.changed()
+        if isinstance(cause, SnapshotMutatedError) or not changed:
+            return cause
+        error = self.mutated(state_dict, changed)
+        error.__cause__ = cause
+        return error
+
 
 def copy_sources(
     gen: InFlightGeneration,
@@ -75,7 +91,6 @@ def copy_sources(
     ready: torch.cuda.Event | None,
     profile: AbstractContextManager[Any],
     state_dict: dict[str, Any],
-    rank: int | None,
 ) -> dict[int, torch.Tensor]:
     """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id.
 
@@ -96,7 +111,7 @@ def copy_sources(
             chunk = srcs[start:stop]
             now = list(map(_read_data_ptr, chunk))
             if now != held[start:stop]:
-                _check_storages(chunk, now, held, start, state_dict, rank)
+                _check_storages(gen, state_dict, chunk, now, start)
             foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
     if stream is not None:
         stream.synchronize()
@@ -104,20 +119,19 @@ def copy_sources(
 
 
 def _check_storages(
+    gen: InFlightGeneration,
+    state_dict: dict[str, Any],
     chunk: list[torch.Tensor],
     pointers: list[int],
-    held: list[int],
     start: int,
-    state_dict: dict[str, Any],
-    rank: int | None,
 ) -> None:
     """Check the sources of a chunk whose pointer moved; remember the ones that hold their bytes.
 
-    ``held`` (the plan's, indexed from ``start``) is updated in place. A pointer once found
+    The plan's ``held_pointers`` (indexed from ``start``) are updated in place. A pointer once found
     holding its bytes is trusted while it stays put: coming back to the same address with
     fewer bytes takes a storage shrunk twice between two saves.
     """
-    lost = []
+    held, lost = gen.plan.held_pointers, []
     for offset, (tensor, pointer) in enumerate(zip(chunk, pointers, strict=True)):
         if held[start + offset] == pointer:
             continue
@@ -126,7 +140,7 @@ def _check_storages(
         else:
             lost.append(tensor)
     if lost:
-        raise SnapshotMutatedError(tensor_paths(state_dict, lost), rank=rank)
+        raise gen.mutated(state_dict, lost)
 
 
 def holds_its_bytes(tensor: torch.Tensor) -> bool:
@@ -140,16 +154,6 @@ def holds_its_bytes(tensor: torch.Tensor) -> bool:
         (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
     return storage.nbytes() >= (last + 1) * tensor.element_size()
-
-
-def torn_verdict(
-    gen: InFlightGeneration, state_dict: dict[str, Any], rank: int | None
-) -> SnapshotMutatedError | None:
-    """The guard's verdict once the copy is over: ``None`` when the snapshot is exact."""
-    changed = gen.guard.changed() if gen.guard is not None else []
-    if not changed:
-        return None
-    return SnapshotMutatedError(tensor_paths(state_dict, changed), rank=rank)
 
 
 def copy_guessed(

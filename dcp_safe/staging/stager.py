@@ -48,7 +48,6 @@ from dcp_safe.staging.generation import (
     StagedStateDict,
     copy_guessed,
     copy_sources,
-    torn_verdict,
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
@@ -165,12 +164,13 @@ class BudgetedStager(AsyncStager):
         # The request is the snapshot's moment: read the counters before anything can wait.
         # Every candidate, not the plan's pick: a guessed plan may still be replaced.
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
+        rank = current_rank()
         span = self.telemetry.begin(Phase.STAGING, bytes=plan.nbytes)
         try:
             waited = time.monotonic()
             with self._cond:
                 lease = self._lease(plan.request, None, "")
-                gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan)
+                gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan, rank)
                 gen.confirmed = confirmed
                 self._in_flight[gen.number] = gen
                 self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
@@ -185,8 +185,7 @@ class BudgetedStager(AsyncStager):
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the caller's stream: copy only what its queued kernels wrote
         future: Future[StateDict] = Future()
-        rank = current_rank()
-        self._executor.submit(self._copy, gen, state_dict, layout, future, ready, started, rank)
+        self._executor.submit(self._copy, gen, state_dict, layout, future, ready, started)
         return future
 
     def synchronize_staging(self) -> None:
@@ -277,10 +276,7 @@ class BudgetedStager(AsyncStager):
             gen.held = None
             self._release(gen, writer_done=True)
 
-    def release_after(self, future: Future[Any]) -> Future[Any]:
-        """:meth:`track` for a bare upload future."""
-        self.track(future)
-        return future
+    release_after = track  # the name for a bare upload future
 
     def async_save(self, state_dict: StateDict, **kwargs: Any) -> AsyncSaveResponse:
         """``dcp.async_save(state_dict, async_stager=self, **kwargs)``, its response tracked."""
@@ -305,8 +301,7 @@ class BudgetedStager(AsyncStager):
         layout = scan(state_dict)
         with self._cond:
             plan = self._plans.get(layout)
-        self.budget.check_fits(plan.request.cost)
-        with self._cond:
+            self.budget.check_fits(plan.request.cost)
             _, new = self._pool.plan(plan.request)
             if self._pool.counts.allocated_bytes + new > self.budget.envelope_bytes:
                 raise AdmissionTimeoutError(
@@ -450,29 +445,21 @@ class BudgetedStager(AsyncStager):
         future: Future[StateDict],
         ready: torch.cuda.Event | None,
         started: float,
-        rank: int | None,
     ) -> None:
-        result: StateDict | None = None
         try:
             profile = self.telemetry.profile
             copy = lambda: copy_sources(  # noqa: E731
-                gen, layout, self._stream, ready, profile(Phase.STAGING), state_dict, rank
+                gen, layout, self._stream, ready, profile(Phase.STAGING), state_dict
             )
             staged, allocated = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
-            torn = torn_verdict(gen, state_dict, rank)
+            torn = gen.torn(state_dict)
             if torn is not None:
                 raise torn
             result = StagedStateDict(rebuild(state_dict, staged))
             del staged
         except BaseException as exc:
-            error = exc
-            if not isinstance(exc, SnapshotMutatedError):
-                # A resize between the request and the copy surfaces as a shape error first.
-                torn = torn_verdict(gen, state_dict, rank)
-                if torn is not None:
-                    torn.__cause__ = exc
-                    error = torn
-            self._fail_generation(gen, future, error, rank)
+            # A resize between the request and the copy surfaces as a shape error first.
+            self._fail_generation(gen, future, gen.torn(state_dict, exc) or exc)
             return
         finalizer = weakref.finalize(result, self._dropped, gen)
         finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
@@ -487,11 +474,7 @@ class BudgetedStager(AsyncStager):
         future.set_result(result)
 
     def _fail_generation(
-        self,
-        gen: InFlightGeneration,
-        future: Future[StateDict],
-        error: BaseException,
-        rank: int | None,
+        self, gen: InFlightGeneration, future: Future[StateDict], error: BaseException
     ) -> None:
         gen.span.fail(error)
         gen.staged.set()
@@ -499,7 +482,7 @@ class BudgetedStager(AsyncStager):
         if isinstance(error, SnapshotMutatedError):
             with self._cond:
                 self._torn_count += 1
-        if rank is not None and isinstance(error, Exception):
+        if gen.rank is not None and isinstance(error, Exception):
             # A failed Future would keep this rank out of DCP's planning collective and leave
             # peers waiting for their deadline (:mod:`dcp_safe.staging.poison`).
             future.set_result(StagedStateDict(poisoned(error)))
@@ -532,22 +515,17 @@ class BudgetedStager(AsyncStager):
             self._release(release, writer_done=True)
 
     def _release(self, gen: InFlightGeneration, *, writer_done: bool) -> None:
-        # Only the first release ends the generation, so only it is a phase.
+        # Only the first release ends the generation (and is a phase); later ones find its
+        # lease released and the generation out of the in-flight set.
         with self._cond:
-            first, gen.release_claimed = not gen.release_claimed, True
-        span = (
-            self.telemetry.begin(
-                Phase.RELEASE,
-                save=gen.span.save,
-                step=gen.span.step,
-                bytes=gen.lease.request.nbytes,
-            )
-            if first
-            else None
+            if gen.release_claimed:
+                return
+            gen.release_claimed = True
+        span = self.telemetry.begin(
+            Phase.RELEASE, save=gen.span.save, step=gen.span.step, bytes=gen.lease.request.nbytes
         )
         with self._cond:
             gen.lease.release(writer_done=writer_done)
             self._in_flight.pop(gen.number, None)
             self._cond.notify_all()
-        if span is not None:
-            span.end(writer_done=writer_done)
+        span.end(writer_done=writer_done)

@@ -1,4 +1,5 @@
-"""``Telemetry``: the recorder that turns spans, marks and steps into events for the sinks.
+"""``Telemetry``: the recorder that turns spans, marks and steps into events for the sinks, and
+:class:`InstrumentedWriter`, the wrapper that times a writer's DCP calls for it.
 
 It owns span ids, parent resolution, the saves in flight (which switch the memory sampler between
 its fast and slow rates), the step clock, and fan-out to the sinks. One instance serves one process;
@@ -9,30 +10,47 @@ wrap a writer with :meth:`Telemetry.wrap_writer`.
 Parent resolution, because phases cross threads: an explicit ``parent``; else the span opened
 by :meth:`Telemetry.span` / :meth:`Telemetry.within` on this thread; else the open root span of
 the same checkpoint name (the upload thread knows only the name, from ``reset``).
+
+:class:`InstrumentedWriter` forwards every DCP call to the wrapped writer and times it::
+
+    reset(name)            opens the save's root span if none is open (plain ``dcp.save``),
+                           then the ``plan`` span (DCP's planning, until write_data)
+    write_data             the ``write`` span: this rank's items serialized, checksummed and
+                           streamed to storage. The writer streams, so serialization and I/O are
+                           one pass, not two intervals; ``bytes`` is what this rank wrote
+    finish                 the ``commit`` span (coordinator: verify and publish)
+    after finish           the ``replication`` span, from the writer's replication future to its
+                           outcome (a sibling of the root: it outlives the save)
+
+A wrapper, not hooks, so the writer stays free of telemetry and telemetry off wraps nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future as Future_
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Unpack, cast
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from dcp_safe.observe import Instrumentable, Phase, SpanHandle, SpanOptions
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
+from dcp_safe.telemetry.report import TelemetryReport, build_report
 from dcp_safe.telemetry.sinks import Event, EventKind, MemorySink, Sink
+from dcp_safe.topology import Topology
 
-if TYPE_CHECKING:
-    from dcp_safe.telemetry.instrument import InstrumentedWriter
-    from dcp_safe.telemetry.report import TelemetryReport
-
-__all__ = ["Telemetry"]
+__all__ = ["InstrumentedWriter", "Telemetry", "end_replication"]
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +118,11 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         self._stagers: list[Instrumentable] = []
         self._last_step_t: float | None = None
         self.step_times_s: deque[float] = deque(maxlen=max_events)
-        self._owns_sampler = sampler is None and sample_memory
+        # The sampler started here (and stopped by close()); a given one is only read.
+        self._own: MemorySampler | None = None
         self.sampler = sampler
-        if self._owns_sampler:
-            self.sampler = MemorySampler(
+        if sampler is None and sample_memory:
+            self.sampler = self._own = MemorySampler(
                 busy_interval_s=busy_interval_s,
                 idle_interval_s=idle_interval_s,
                 pinned_bytes=self._pinned_bytes,
@@ -126,15 +145,14 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         """Open a span (see the module docstring for how its parent is found)."""
         phase = Phase(phase)
         up = self._resolve_parent(parent, save, phase)
-        if up is not None:
-            save = save if save is not None else up.save
-            step = step if step is not None else up.step
+        if up is not None:  # a child inherits what it was not told
+            save, step = up.save if save is None else save, up.step if step is None else step
         span = _Span(self, next(self._ids), phase, up, save, step, bytes, self.clock())
         if phase is Phase.SAVE and save is not None:
             with self._lock:
                 self._roots[save] = span
-            if self._owns_sampler and self.sampler is not None:
-                self.sampler.mark_busy()
+            if self._own is not None:
+                self._own.mark_busy()
         self._record_span(EventKind.SPAN_START, span, span.t0, bytes=bytes)
         return span
 
@@ -244,8 +262,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
 
     def wrap_writer(self, writer: Any) -> InstrumentedWriter:
         """``writer`` behind a delegating ``StorageWriter`` that records plan/write/commit spans."""
-        from dcp_safe.telemetry.instrument import InstrumentedWriter
-
         return InstrumentedWriter(writer, self)
 
     def on_retry(self, delay_s: float) -> None:
@@ -254,15 +270,13 @@ class Telemetry(AbstractContextManager["Telemetry"]):
 
     def report(self) -> TelemetryReport:
         """The save report over what was recorded so far."""
-        from dcp_safe.telemetry.report import build_report
-
         samples = self.sampler.samples() if self.sampler is not None else []
         return build_report(self.memory.events(), samples)
 
     def close(self) -> None:
         """Stop the sampler (if started here) and close every sink. Idempotent."""
-        if self._owns_sampler and self.sampler is not None:
-            self.sampler.stop()
+        if self._own is not None:
+            self._own.stop()
         for sink in self.sinks:
             sink.close()
 
@@ -296,8 +310,8 @@ class Telemetry(AbstractContextManager["Telemetry"]):
             span._done = True
             if span.phase is Phase.SAVE and self._roots.get(span.save or "") is span:
                 del self._roots[span.save or ""]
-        if span.phase is Phase.SAVE and self._owns_sampler and self.sampler is not None:
-            self.sampler.mark_idle()
+        if span.phase is Phase.SAVE and self._own is not None:
+            self._own.mark_idle()
         t = self.clock()
         fields = {"duration_s": t - span.t0, "ok": ok, "error": error, "attrs": attrs}
         self._record_span(EventKind.SPAN_END, span, t, bytes=nbytes, **fields)
@@ -332,3 +346,132 @@ def _current_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     return 0
+
+
+class InstrumentedWriter(StorageWriter):
+    """``writer`` with plan/write/commit/replication spans recorded to ``telemetry``."""
+
+    def __init__(self, writer: Any, telemetry: Telemetry) -> None:
+        super().__init__()
+        self.inner = writer
+        self.telemetry = telemetry
+        self._name: str | None = None
+        # Only when this wrapper opened it; None: the recorder finds the root by name.
+        self._root: SpanHandle | None = None
+        self._plan: SpanHandle | None = None
+        self._coordinator = True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # Still open: another rank failed, so DCP never called finish() here; close them.
+        self._fail_open("a new save started before this one finished")
+        self._name = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._guard(self.inner.reset, checkpoint_id)
+        if self._name is None:
+            return
+        tel = self.telemetry
+        if tel.root(self._name) is None:
+            self._root = tel.begin_save(self._name, getattr(self.inner, "step", None))
+        self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._root)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        self._guard(self.inner.set_up_storage_writer, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return cast(SavePlan, self._guard(self.inner.prepare_local_plan, plan))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return cast(list[SavePlan], self._guard(self.inner.prepare_global_plan, plans))
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        opened, self._plan = self._plan, None
+        if opened is not None:
+            opened.end()
+        with self._phase(Phase.WRITE) as span:
+            future: Future[list[WriteResult]] = self.inner.write_data(plan, planner)
+            results = future.wait()
+            span.end(bytes=sum(r.size_in_bytes for r in results), items=len(results))
+        if not self._coordinator:
+            self._close_root()  # finish() runs on the coordinator only
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        nbytes = sum(r.size_in_bytes for rank in results for r in rank)
+        with self._phase(Phase.COMMIT) as span:
+            self.inner.finish(metadata, results)
+            span.end(bytes=nbytes)
+        self._close_root()
+        self._watch_replication()
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta: StorageMeta | None = self.inner.storage_meta()
+        return meta
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        # DCP asks this only of writer classes it might pick by itself, never of an instance
+        # passed as storage_writer=; a wrapper is never picked, so it claims nothing.
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (checkpoint_id, root, replication, ...) is the inner writer's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @contextmanager
+    def _phase(self, phase: Phase) -> Iterator[SpanHandle]:
+        """A span of ``phase`` over the block; an exception fails it and the root (re-raised)."""
+        try:
+            with self.telemetry.span(phase, save=self._name, parent=self._root) as span:
+                yield span
+        except BaseException as exc:
+            self._close_root(exc)
+            raise
+
+    def _guard(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except BaseException as exc:
+            self._fail_open(exc)
+            raise
+
+    def _close_root(self, error: BaseException | str | None = None) -> None:
+        root, self._root = self._root, None
+        if root is None:
+            return
+        if error is None:
+            root.end()
+        else:
+            root.fail(error)
+
+    def _fail_open(self, error: BaseException | str) -> None:
+        opened, self._plan = self._plan, None
+        if opened is not None:
+            opened.fail(error)
+        self._close_root(error)
+
+    def _watch_replication(self) -> None:
+        name = self._name
+        topology: Topology | None = getattr(self.inner, "topology", None)
+        if name is None or topology is None or topology.uploads_to is None:
+            return
+        replication: Callable[[str], Future_[Any]] = self.inner.replication
+        future = replication(name)
+        span = self.telemetry.begin(Phase.REPLICATION, save=name)
+        future.add_done_callback(lambda done: end_replication(span, done))
+
+
+def end_replication(span: SpanHandle, done: Future_[Any]) -> None:
+    """End a ``replication`` span with the outcome of its future (bytes: its manifest's)."""
+    if done.cancelled():
+        span.fail("cancelled")
+        return
+    error = done.exception()
+    if error is not None:
+        span.fail(error)
+        return
+    manifest = done.result()
+    span.end(bytes=getattr(manifest, "total_bytes", None))
