@@ -12,10 +12,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -49,11 +49,8 @@ log = logging.getLogger(__name__)
 #: Storage calls the coordinator keeps in flight while it checks the ranks' outputs.
 DEFAULT_COMMIT_WORKERS = 16
 MAX_COMMIT_WORKERS = 256
-# Rank manifests read ahead of the checks, per worker: a worker never waits for the checks.
+# Rank manifests read ahead of the checks, per worker.
 _READ_AHEAD = 8
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 class CommitOptions(Protocol):
@@ -149,7 +146,7 @@ class Committer:
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
         check_every_item_written(metadata, per_rank)
-        rank_files = self._check_ranks(publication.work_dir, name, save_id, per_rank, reports)
+        rank_files = self._check_ranks(publication, per_rank, reports)
         metadata_bytes = dcp_metadata(metadata, name, save_id, results)
         plain = plain_dcp_metadata(metadata, name)
         algorithm = self.options.checksum
@@ -188,9 +185,7 @@ class Committer:
 
     def _check_ranks(
         self,
-        work_dir: str,
-        name: str,
-        save_id: str,
+        publication: Publication,
         per_rank: Mapping[int, list[ItemRecord]],
         reports: Mapping[int, RankReport],
     ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
@@ -200,19 +195,24 @@ class Committer:
         then goes on as if it had reported it. Returns, per rank in order, its shard files and
         the record of its rank manifest.
         """
-        ranks = sorted(per_rank)
+        work_dir, ranks = publication.work_dir, sorted(per_rank)
         unreported = [rank for rank in ranks if rank not in reports]
         with ThreadPoolExecutor(self.workers, thread_name_prefix="dcp_safe-commit") as pool:
             try:
                 listing = pool.submit(self.backend.sizes, work_dir)
                 ranks_dir = f"{work_dir}/{layout.RANKS_DIR}"
                 manifests = pool.submit(self.backend.sizes, ranks_dir) if reports else None
-                read = self._read_then_check(
-                    pool,
-                    unreported,
-                    lambda rank: self._read_rank(work_dir, rank),
-                    lambda rank, raw: self._report_of(work_dir, name, save_id, rank, raw, per_rank),
-                )
+                read_back: dict[int, RankReport] = {}
+                # Reads run at most a batch ahead of the checks (thousands of manifests are not
+                # held at once); checks hold the interpreter lock (parsing), so they run here,
+                # in rank order: on the workers they contended for it.
+                batch = _READ_AHEAD * self.workers
+                for first in range(0, len(unreported), batch):
+                    some = unreported[first : first + batch]
+                    raws = pool.map(partial(self._read_rank, work_dir), some)
+                    expected = [per_rank[rank] for rank in some]
+                    for rank, raw, items in zip(some, raws, expected, strict=True):
+                        read_back[rank] = self._report_of(publication, rank, raw, items)
                 listed = {
                     "": listing.result(),
                     layout.RANKS_DIR: manifests.result() if manifests else {},
@@ -223,14 +223,11 @@ class Committer:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         sizes = ListedSizes(self.backend, work_dir, listed=listed)
-        read_back = dict(zip(unreported, read, strict=True))
         checked = []
         for rank in ranks:
-            report = reports.get(rank)
-            if report is None:
-                report = read_back[rank]
-            else:
-                self._check_report(name, save_id, rank, report)
+            report = reports.get(rank) or read_back[rank]
+            if rank in reports:
+                self._check_report(publication, rank, report)
                 missing = "a rank manifest is missing or unreadable"
                 stored = self._listed_size(sizes, rank, report.manifest, missing=missing)
                 if stored != report.manifest.size:
@@ -262,29 +259,6 @@ class Committer:
             checked.append((report.files, report.manifest))
         return checked
 
-    def _read_then_check(
-        self,
-        pool: ThreadPoolExecutor,
-        tasks: Sequence[T],
-        read: Callable[[T], bytes],
-        check: Callable[[T, bytes], R],
-    ) -> list[R]:
-        """``[check(t, read(t)) for t in tasks]``: the reads on ``pool``'s threads, at most
-        ``_READ_AHEAD x workers`` ahead; the checks on this thread, in order. The first error
-        in task order is raised.
-
-        Checks hold the interpreter lock (parsing): on the workers they contended for it.
-        """
-        ahead: deque[Future[bytes]] = deque()
-        results: list[R] = []
-        for task in tasks:
-            ahead.append(pool.submit(read, task))
-            if len(ahead) > _READ_AHEAD * self.workers:
-                results.append(check(tasks[len(results)], ahead.popleft().result()))
-        while ahead:
-            results.append(check(tasks[len(results)], ahead.popleft().result()))
-        return results
-
     def _read_rank(self, work_dir: str, rank: int) -> bytes:
         """One rank's manifest, as stored (a worker)."""
         rel = layout.rank_manifest_name(rank)
@@ -294,31 +268,30 @@ class Committer:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
 
     def _report_of(
-        self,
-        work_dir: str,
-        name: str,
-        save_id: str,
-        rank: int,
-        raw: bytes,
-        per_rank: Mapping[int, list[ItemRecord]],
+        self, publication: Publication, rank: int, raw: bytes, items: list[ItemRecord]
     ) -> RankReport:
         """The report of a rank manifest read back, once checked against the rank's results
         (its items are dropped: they equal the results, and thousands of copies would pile up).
         """
         rel = layout.rank_manifest_name(rank)
         try:
-            manifest = RankManifest.from_json(raw, self.backend.full_path(f"{work_dir}/{rel}"))
+            path = self.backend.full_path(f"{publication.work_dir}/{rel}")
+            manifest = RankManifest.from_json(raw, path)
         except DcpSafeError as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
         report = report_for(manifest, raw, self.options.checksum)
-        self._check_report(name, save_id, rank, report)
-        if not same_records(manifest.items, per_rank[rank]):
+        self._check_report(publication, rank, report)
+        if not same_records(manifest.items, items):
             raise CommitError("rank manifest disagrees with the rank's write results", {rank: rel})
         return report
 
-    def _check_report(self, name: str, save_id: str, rank: int, report: RankReport) -> None:
+    def _check_report(self, publication: Publication, rank: int, report: RankReport) -> None:
         """A rank's report is of this save and this rank, checksummed as the coordinator does."""
-        if (report.name, report.save_id, report.rank) != (name, save_id, rank):
+        if (report.name, report.save_id, report.rank) != (
+            publication.name,
+            publication.save_id,
+            rank,
+        ):
             raise CommitError(
                 "a rank manifest belongs to another save",
                 {rank: f"{report.name}/{report.save_id} rank {report.rank}"},

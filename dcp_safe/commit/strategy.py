@@ -86,9 +86,10 @@ class Publication(abc.ABC):
     @abc.abstractmethod
     def _take(self, replace: bool) -> None: ...
 
-    @abc.abstractmethod
     def check(self) -> None:
-        """Raise ``StaleWriterError`` if this save lost its name (another took it over)."""
+        """Raise ``StaleWriterError`` if this save lost its name (another took it over).
+        (A partial folder is this save's own: nobody else writes in it; the rename arbitrates.)"""
+        return None
 
     def publish(
         self,
@@ -133,15 +134,16 @@ class Publication(abc.ABC):
     def discard(self, cause: BaseException) -> None:
         """After a failed publish: remove what the save wrote, while it is still this save's."""
 
-    @abc.abstractmethod
     def abandon(self, own: Sequence[str], *, shared: bool) -> None:
         """After one rank failed: remove its files ``own`` (relative to the work folder) and give
         up the claim, unless the name is committed or another save's by now. With ``shared``
-        (peers' files stay), mark the claim abandoned instead. Best effort."""
+        (peers' files stay), mark the claim abandoned instead. Best effort. (A hidden partial:
+        the coordinator or the sweeper removes it.)"""
+        return None
 
-    @abc.abstractmethod
     def release(self) -> None:
         """Give up the claim (nothing was written under it, or the save is committed)."""
+        return None
 
 
 class RenamedPublication(Publication):
@@ -151,19 +153,10 @@ class RenamedPublication(Publication):
         if not replace and self.backend.exists(f"{self.name}/{layout.COMMITTED_MARKER}"):
             raise CheckpointExistsError(self.backend.full_path(self.name))
 
-    def check(self) -> None:
-        return None  # nobody else writes in this save's partial folder; the rename arbitrates
-
     def discard(self, cause: BaseException) -> None:
         # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.
         with contextlib.suppress(OSError):
             self.backend.remove_tree(self.work_dir)
-
-    def abandon(self, own: Sequence[str], *, shared: bool) -> None:
-        return None  # a hidden partial: the coordinator or the sweeper removes it
-
-    def release(self) -> None:
-        return None
 
 
 class LeasedPublication(Publication):
@@ -375,20 +368,9 @@ _MARKER = MarkerStrategy()
 
 def _all_at_once(calls: Sequence[Callable[[], None]]) -> None:
     """Run ``calls`` concurrently and wait for all of them; re-raise the first one's error (in
-    the order given) once none is running any more. The first runs on the calling thread."""
-    if len(calls) <= 1:
-        for call in calls:
-            call()
-        return
-    first: BaseException | None = None
-    with ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="dcp_safe-sync") as pool:
-        futures = [pool.submit(call) for call in calls[1:]]
-        try:
-            calls[0]()
-        except BaseException as exc:  # raised below, once the others have finished
-            first = exc
-    if first is not None:
-        raise first
+    the order given) once none is running any more."""
+    with ThreadPoolExecutor(len(calls) or 1, thread_name_prefix="dcp_safe-sync") as pool:
+        futures = [pool.submit(call) for call in calls]
     for future in futures:
         future.result()
 
