@@ -298,18 +298,12 @@ def await_remote_commit(
 def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[int, str]]:
     """The ``(rank, path under the work location)`` of each entry of ``_ranks/`` that is the
     marker ``name_for(rank)`` spells for its own rank, lowest rank first."""
-    found = []
-    for entry in present:
-        rank = layout.rank_of_marker(entry)
-        if rank is None:
-            continue
-        try:
-            rel = name_for(rank)
-        except ValueError:
-            return []  # a save id no file name can carry: no marker was ever written for it
-        if rel.rpartition("/")[2] == entry:
-            found.append((rank, rel))
-    return sorted(found)
+    ranks = {rank for rank in map(layout.rank_of_marker, present) if rank is not None}
+    try:
+        named = sorted((rank, name_for(rank)) for rank in ranks)
+    except ValueError:
+        return []  # a save id no file name can carry: no marker was ever written for it
+    return [(rank, rel) for rank, rel in named if rel.rpartition("/")[2] in present]
 
 
 def _describe(exc: BaseException) -> str:
