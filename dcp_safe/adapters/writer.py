@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_safe import layout
-from dcp_safe.adapters.item_bytes import write_item
 from dcp_safe.adapters.options import REPLICA_MOVED, WRITER_MOVED, WriterOptions, writer_options
+from dcp_safe.adapters.tensor_records import write_item
 from dcp_safe.adapters.without_collectives import Assignment as _Assignment
 from dcp_safe.adapters.without_collectives import (
     StorageAgreement,

@@ -36,13 +36,13 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from dcp_safe.adapters.item_bytes import write_item
 from dcp_safe.adapters.planners import SafeSavePlanner
 from dcp_safe.adapters.tensor_records import (
     layout_for,
     minimal_cpu_tensor,
     template_parts,
     tensor_bytes,
+    write_item,
 )
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
