@@ -154,9 +154,15 @@ class Beneath:
         except NotADirectoryError as exc:
             raise FileNotFoundError(errno.ENOENT, "no such file", self.path(rel)) from exc
 
-    def walk(self, rel: str, *, with_stat: bool = False) -> Iterator[tuple[str, str, int]]:
+    def walk(self, rel: str, *, remove: bool = False) -> Iterator[tuple[int, str, str]]:
         """Every entry under the folder ``rel`` that is no folder (links included, never
-        followed): ``(path relative to rel, name, mtime_ns or 0)``, folder by folder.
+        followed): ``(its folder's descriptor, its path relative to rel, its name)``, folder by
+        folder.
+
+        Args:
+            remove: unlink each entry once it is yielded, and each folder below ``rel`` once it
+                is empty; a link or a file swapped in for a folder meanwhile goes, unfollowed.
+                A tree too deep raises with what was above that depth removed.
 
         Raises:
             FileNotFoundError: ``rel`` is absent.
@@ -165,34 +171,45 @@ class Beneath:
                 than :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` folders.
         """
         with self.folder(rel) as top:
-            stack = [(os.dup(top), "", _listing(top))]
+            stack = [(os.dup(top), "", *_listing(top))]
             try:
                 while stack:
-                    fd, where, (folders, others) = stack[-1]
+                    fd, where, folders, others = stack[-1]
                     for name in others:
-                        yield f"{where}{name}", name, _mtime(fd, name) if with_stat else 0
+                        yield fd, f"{where}{name}", name
+                        if remove:
+                            with suppress(FileNotFoundError):
+                                os.unlink(name, dir_fd=fd)
                     others.clear()
                     if not folders:
                         os.close(stack.pop()[0])
+                        if remove and stack:
+                            with suppress(FileNotFoundError):
+                                os.rmdir(where.rstrip("/").rpartition("/")[2], dir_fd=stack[-1][0])
                         continue
                     name = folders.pop(0)
                     sub = f"{where}{name}/"
                     below = f"{rel}/{sub}".strip("/")
                     if len(stack) > MAX_WALK_DEPTH:
                         raise too_deep(self.path(below))
-                    with suppress(FileNotFoundError):  # removed while we looked
+                    try:
                         child = self._open_folder(fd, name, below, create=False)
-                        stack.append((child, sub, _listing(child)))
+                    except FileNotFoundError:  # removed while we looked
+                        continue
+                    except (NotADirectoryError, CheckpointCorruptError):
+                        if not remove:
+                            raise
+                        with suppress(FileNotFoundError):  # swapped meanwhile
+                            os.unlink(name, dir_fd=fd)
+                        continue
+                    stack.append((child, sub, *_listing(child)))
             finally:
-                for fd, _, _ in stack:
+                for fd, *_ in stack:
                     os.close(fd)
 
     def remove(self, rel: str) -> None:
-        """Remove ``rel`` and, if it is a folder, everything under it; nothing when absent.
-
-        A link is removed, never followed. Files go as their folder is listed, folders once
-        empty; a tree deeper than :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` raises
-        :func:`~dcp_safe.backends.backend.too_deep`, with what was above that depth removed.
+        """Remove ``rel`` and, if it is a folder, everything under it (:meth:`walk` with
+        ``remove``); nothing when absent. A link is removed, never followed.
 
         Raises:
             CheckpointCorruptError: a folder above ``rel`` is a link, or the tree is too deep.
@@ -200,40 +217,14 @@ class Beneath:
         try:
             with self.parent(rel) as (parent, name):
                 found = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if not stat.S_ISDIR(found.st_mode):
+                if stat.S_ISDIR(found.st_mode):
+                    for _ in self.walk(rel, remove=True):
+                        pass
+                    os.rmdir(name, dir_fd=parent)
+                else:
                     os.unlink(name, dir_fd=parent)
-                    return
-                self._remove_folder(parent, name, rel)
         except (FileNotFoundError, NotADirectoryError):
             return
-
-    def _remove_folder(self, parent: int, name: str, rel: str) -> None:
-        top = self._open_folder(parent, name, rel, create=False)
-        stack = [(top, parent, name, _unlink_files(top))]
-        try:
-            while stack:
-                fd, above, own, folders = stack[-1]
-                if not folders:
-                    stack.pop()
-                    os.close(fd)
-                    with suppress(FileNotFoundError):
-                        os.rmdir(own, dir_fd=above)
-                    continue
-                sub = folders.pop()
-                if len(stack) > MAX_WALK_DEPTH:
-                    raise too_deep(self.path(rel))
-                try:
-                    child = self._open_folder(fd, sub, rel, create=False)
-                except FileNotFoundError:
-                    continue
-                except (NotADirectoryError, CheckpointCorruptError):  # swapped meanwhile
-                    with suppress(FileNotFoundError):
-                        os.unlink(sub, dir_fd=fd)  # a link or a file: it goes, unfollowed
-                    continue
-                stack.append((child, fd, sub, _unlink_files(child)))
-        finally:
-            for fd, _, _, _ in stack:
-                os.close(fd)
 
 
 def _is_link(folder: int, name: str) -> bool:
@@ -255,19 +246,3 @@ def _listing(fd: int) -> tuple[list[str], list[str]]:
                 continue
             (folders if is_folder else others).append(entry.name)
     return sorted(folders), sorted(others)
-
-
-def _mtime(folder: int, name: str) -> int:
-    try:
-        return os.stat(name, dir_fd=folder, follow_symlinks=False).st_mtime_ns
-    except FileNotFoundError:
-        return 0  # removed while we looked
-
-
-def _unlink_files(fd: int) -> list[str]:
-    """Unlink every entry of the open folder ``fd`` that is no folder; its folders."""
-    folders, others = _listing(fd)
-    for name in others:
-        with suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=fd)
-    return folders

@@ -127,13 +127,16 @@ class LocalBackend(Backend):
             os.close(fd)
             raise
 
-    def sizes(self, rel: str) -> dict[str, int]:
-        found: dict[str, int] = {}
+    def _entries(self, rel: str) -> dict[str, int | None]:
+        """The names in the folder ``rel``, each with its size if it is a regular file (no
+        link is followed). None when absent or behind a link, as a file under a file: nothing
+        of it is beneath the root."""
+        found: dict[str, int | None] = {}
         try:
             with self._beneath.folder(rel) as fd, os.scandir(fd) as entries:
                 for entry in entries:
+                    found[entry.name] = None
                     with suppress(FileNotFoundError):  # removed while we looked
-                        # Regular files only: no link is followed, no special file listed.
                         if entry.is_file(follow_symlinks=False):
                             found[entry.name] = entry.stat(follow_symlinks=False).st_size
         except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
@@ -141,6 +144,12 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
         return found
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        return {name: size for name, size in self._entries(rel).items() if size is not None}
+
+    def list_dir(self, rel: str) -> list[str]:
+        return sorted(self._entries(rel))
 
     def stat(self, rel: str) -> FileStat:
         found = self._beneath.lstat(rel)
@@ -224,38 +233,26 @@ class LocalBackend(Backend):
             found = self._beneath.lstat(rel)
             newest = found.st_mtime_ns
             if stat.S_ISDIR(found.st_mode):
-                for _, _, mtime_ns in self._beneath.walk(rel, with_stat=True):
-                    newest = max(newest, mtime_ns)
+                for fd, _, name in self._beneath.walk(rel):
+                    with suppress(FileNotFoundError):  # removed while we looked
+                        found = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        newest = max(newest, found.st_mtime_ns)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self._fail("stat", rel, exc) from exc
         return newest / 1e9
 
-    def list_dir(self, rel: str) -> list[str]:
-        # A folder behind a link lists as absent, as a file under a file does: nothing of it
-        # is beneath the root.
-        try:
-            with self._beneath.folder(rel) as fd:
-                return sorted(os.listdir(fd))
-        except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
-            return []
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
-
     def walk_files(self, rel: str) -> Iterator[str]:
+        if not self.is_dir(rel):
+            return  # absent, or behind a link: nothing to walk (a tree too deep still raises)
         try:
-            with self._beneath.folder(rel):
-                pass  # absent, or behind a link: nothing to walk (a tree too deep still raises)
-        except (FileNotFoundError, NotADirectoryError, CheckpointCorruptError):
-            return
-        try:
-            found = [path for path, _, _ in self._beneath.walk(rel)]
+            found = sorted(path for _, path, _ in self._beneath.walk(rel))
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return  # removed since
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
-        yield from sorted(found)
+        yield from found
 
     def makedirs(self, rel: str) -> None:
         with self._failing("mkdir", rel):
