@@ -12,14 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = [
-    "CgroupFiles",
-    "CgroupLimit",
-    "available_bytes_now",
-    "cgroup_limit",
-    "find_cgroup_files",
-    "read_host",
-]
+__all__ = ["CgroupFiles", "available_bytes_now", "find_cgroup_files", "read_host"]
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _NO_LIMIT_BYTES = 1 << 60
@@ -58,35 +51,38 @@ def _read_text(path: str | os.PathLike[str]) -> str:
 # -- the limit and what it leaves (the staging budget, the fallback) ----------------------------
 
 
-@dataclass(frozen=True)
-class CgroupLimit:
-    """The tightest memory limit on this process's cgroup; ``source`` names the file that set
-    it, and ``available_bytes`` is ``limit - usage + inactive_file`` (``None``: no usage)."""
-
-    limit_bytes: int
-    source: str
-    available_bytes: int | None
-
-
 def read_host(
     cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
     proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
 ) -> tuple[int, str, int]:
     """``(usable_bytes, source, available_bytes)`` of this host or its binding cgroup, now.
 
-    Usable RAM is the cgroup limit when one is set and below ``MemTotal``, else ``MemTotal``;
-    available is then the smaller of the cgroup's headroom and psutil's ``available``, never
-    negative.
+    Usable RAM is the tightest memory limit on this process's cgroup (v2, else v1) or its
+    ancestors when it is below ``MemTotal``, else ``MemTotal``; available is then the smaller
+    of the cgroup's headroom (``limit - usage + inactive_file``) and psutil's ``available``,
+    never negative.
     """
     import psutil
 
     vm = psutil.virtual_memory()
-    limit = cgroup_limit(cgroup_root, proc_self_cgroup)
     usable, source, available = int(vm.total), "MemTotal", int(vm.available)
-    if limit is not None and limit.limit_bytes < usable:
-        usable, source = limit.limit_bytes, limit.source
-        if limit.available_bytes is not None:
-            available = min(available, limit.available_bytes)
+    root = Path(cgroup_root)
+    v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
+    candidates = (
+        [] if v2_rel is None else [(d, *_V2_FILES) for d in _self_and_ancestors(root, v2_rel)]
+    )
+    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
+        candidates += [(d, *_V1_FILES) for d in _self_and_ancestors(root / "memory", rel)]
+    headroom: int | None = None
+    for directory, limit_name, usage_name, version in candidates:
+        limit = _read_int(directory / limit_name)
+        if limit is None or limit >= min(usable, _NO_LIMIT_BYTES):
+            continue  # no limit, or not the tightest one yet
+        usage = _read_int(directory / usage_name)
+        headroom = None if usage is None else limit - usage + _inactive_file(directory)
+        usable, source = limit, f"cgroup {version} {limit_name} at {directory}"
+    if headroom is not None:
+        available = min(available, headroom)
     return usable, source, max(0, available)
 
 
@@ -105,48 +101,17 @@ def available_bytes_now(
     return read_host(cgroup_root, proc_self_cgroup)[2]
 
 
-def cgroup_limit(
-    cgroup_root: str | os.PathLike[str], proc_self_cgroup: str | os.PathLike[str]
-) -> CgroupLimit | None:
-    """The tightest memory limit on this process's cgroup (v2, else v1), or None if unlimited."""
-    root = Path(cgroup_root)
-    v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
-    v2 = [] if v2_rel is None else _self_and_ancestors(root, v2_rel)
-    candidates = [(d, *_V2_FILES) for d in v2]
-    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
-        candidates += [(d, *_V1_FILES) for d in _self_and_ancestors(root / "memory", rel)]
-    best: CgroupLimit | None = None
-    for directory, limit_name, usage_name, version in candidates:
-        limit = _read_int(directory / limit_name)
-        if limit is None or limit >= _NO_LIMIT_BYTES:
-            continue
-        if best is not None and best.limit_bytes <= limit:
-            continue
-        usage = _read_int(directory / usage_name)
-        stat = directory / "memory.stat"
-        available = None if usage is None else limit - usage + _inactive_file(stat)
-        source = f"cgroup {version} {limit_name} at {directory}"
-        best = CgroupLimit(limit, source, available)
-    return best
-
-
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
+    text = _read_text(path).strip()
     return int(text) if text.isdigit() else None
 
 
-def _inactive_file(stat_path: Path) -> int:
+def _inactive_file(directory: Path) -> int:
     # Inactive page cache is reclaimable, so it counts as available, as MemAvailable does.
-    try:
-        for line in stat_path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("inactive_file", "total_inactive_file"):
-                return int(value)
-    except (OSError, ValueError):
-        pass
+    for line in _read_text(directory / "memory.stat").splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
+            return int(value)
     return 0
 
 
