@@ -50,43 +50,33 @@ def open_backend(
             inside a Root and beside it.
     """
     root = as_root(root, storage_options)
-    url, options, protocol = root.url, root.storage_options, get_protocol(root.url)
+    url, protocol = root.url, get_protocol(root.url)
     if protocol in ("file", "local"):
         return LocalBackend(url, fsync=fsync)
-    _require_known(url, protocol)
-    if protocol in _S3_PROTOCOLS:
-        inner = FsspecBackend(url, single_try_s3_options(options), client_retries=1)
-        return RetryingBackend(inner, retry or RetryPolicy())
-    if protocol == _FAULTY_PROTOCOL:
-        return _open_faulty(url, dict(options or {}), retry)
-    return FsspecBackend(url, options)
-
-
-def _require_known(root: str, protocol: str) -> None:
-    """Raises ConfigError unless fsspec has a file system for ``protocol``, installed."""
     try:
         fsspec.get_filesystem_class(protocol)
     except (ValueError, ImportError) as exc:
         raise ConfigError(
-            f"no storage for {shown(root, 200)}: {shown(exc, 200)}; give a local path or a"
+            f"no storage for {shown(url, 200)}: {shown(exc, 200)}; give a local path or a"
             " URL of an installed fsspec file system, e.g. s3://bucket/prefix"
         ) from None
-
-
-def _open_faulty(root: str, options: dict[str, Any], retry: RetryPolicy | None) -> Backend:
-    """A fault-injecting root: options ``fs`` (an instance) or ``target_protocol`` and
-    ``target_options`` name the storage underneath; ``faults`` or ``plan`` the faults."""
-    wrapped = options.get("fs")
-    target = (
-        (wrapped.protocol if isinstance(wrapped.protocol, str) else wrapped.protocol[0])
-        if isinstance(wrapped, fsspec.AbstractFileSystem)
-        else str(options.get("target_protocol") or "file")
-    )
-    if target not in _S3_PROTOCOLS:
-        return FsspecBackend(root, options)
-    if wrapped is None:
-        target_options = single_try_s3_options(options.get("target_options"))
-        target_options.setdefault("use_listings_cache", False)
-        options["target_options"] = target_options
-    inner = FsspecBackend(root, options, client_retries=1)
-    return RetryingBackend(inner, retry or RetryPolicy())
+    options = dict(root.storage_options or {})
+    s3 = protocol in _S3_PROTOCOLS
+    if protocol == _FAULTY_PROTOCOL:
+        # Options ``fs`` (an instance) or ``target_protocol`` and ``target_options`` name the
+        # storage underneath; ``faults`` or ``plan`` the faults.
+        wrapped = options.get("fs")
+        if isinstance(wrapped, fsspec.AbstractFileSystem):
+            protocols = wrapped.protocol
+            s3 = bool(
+                ({protocols} if isinstance(protocols, str) else set(protocols)) & _S3_PROTOCOLS
+            )
+        elif s3 := str(options.get("target_protocol") or "file") in _S3_PROTOCOLS:
+            target_options = single_try_s3_options(options.get("target_options"))
+            target_options.setdefault("use_listings_cache", False)
+            options["target_options"] = target_options
+    elif s3:
+        options = single_try_s3_options(options)
+    if not s3:
+        return FsspecBackend(url, options)
+    return RetryingBackend(FsspecBackend(url, options, client_retries=1), retry or RetryPolicy())
