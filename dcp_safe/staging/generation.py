@@ -174,20 +174,16 @@ def copy_guessed(
         The staged tensors and the bytes allocated for them.
     """
     allocated = gen.lease.materialize()
-    if gen.confirmed:
-        return copy(), allocated
+    staged: dict[int, torch.Tensor] | None = None
     try:
         staged = copy()
-    except SnapshotMutatedError:
-        raise
-    except Exception:  # a shape or dtype mismatch: the guess was wrong, or a real error
-        if gen.plan.key == layout.key:
+    except Exception as exc:  # a shape or dtype mismatch: the guess was wrong, or a real error
+        if gen.confirmed or isinstance(exc, SnapshotMutatedError) or gen.plan.key == layout.key:
             raise
-    else:
-        if gen.plan.key == layout.key:
-            gen.confirmed = True
-            return staged, allocated
-        del staged
+    if staged is not None and (gen.confirmed or gen.plan.key == layout.key):
+        gen.confirmed = True
+        return staged, allocated
+    del staged
     readmit()
     gen.confirmed = True
     allocated += gen.lease.materialize()

@@ -72,9 +72,10 @@ STAGER_MOVED: Mapping[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class StagerStats:
-    """A snapshot of a stager's accounting (bytes are host bytes as the allocator takes them).
+    """A stager's accounting (bytes are host bytes as the allocator takes them): a copy from
+    :meth:`BudgetedStager.stats`.
 
     Attributes:
         pool_bytes: bytes the pool holds or has reserved (free + in use + pending).
@@ -89,23 +90,23 @@ class StagerStats:
         kept_bytes: in-use bytes of the kept generation (``track(keep=...)``), not in flight.
     """
 
-    envelope_bytes: int
-    pool_bytes: int
-    pinned_bytes: int
-    in_use_bytes: int
-    free_bytes: int
-    pending_bytes: int
-    peak_pool_bytes: int
-    in_flight: int
-    peak_in_flight: int
-    allocations: int
-    allocated_bytes_total: int
-    last_allocated_bytes: int
-    reuses: int
-    admitted: int
-    refused: int
-    total_wait_s: float
-    last_staging_s: float
+    envelope_bytes: int = 0
+    pool_bytes: int = 0
+    pinned_bytes: int = 0
+    in_use_bytes: int = 0
+    free_bytes: int = 0
+    pending_bytes: int = 0
+    peak_pool_bytes: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    allocations: int = 0
+    allocated_bytes_total: int = 0
+    last_allocated_bytes: int = 0
+    reuses: int = 0
+    admitted: int = 0
+    refused: int = 0
+    total_wait_s: float = 0.0
+    last_staging_s: float = 0.0
     torn: int = 0
     plans_built: int = 0
     plan_reuses: int = 0

@@ -150,12 +150,10 @@ class PlanCache:
         if plan is not None:
             self._plans.move_to_end(layout.key)
             self.hits += 1
-            self._latest = plan
-            return plan
-        plan = StagingPlan(layout, self._pool, next(self._tokens))
-        self._plans[layout.key] = plan
+        else:
+            plan = self._plans[layout.key] = StagingPlan(layout, self._pool, next(self._tokens))
+            self.builds += 1
+            if len(self._plans) > self._max:
+                self._plans.popitem(last=False)  # its pooled views go when the pool needs them
         self._latest = plan
-        self.builds += 1
-        if len(self._plans) > self._max:
-            self._plans.popitem(last=False)  # its pooled views go when the pool needs them
         return plan

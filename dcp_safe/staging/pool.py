@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -233,10 +233,10 @@ class BufferPool:
         self._reclaim_pending()
         if request.token in self._bundles:
             return request.cost, 0
-        reused, new = self._plan_free(request.sizes)
+        reused, new = self._plan_free(request)
         if new and self._bundles:  # other layouts' bundles are free bytes too
             self._break_bundles()
-            reused, new = self._plan_free(request.sizes)
+            reused, new = self._plan_free(request)
         return reused, new
 
     def lease(self, request: BufferRequest | Sequence[int]) -> Lease:
@@ -375,16 +375,11 @@ class BufferPool:
     def _as_request(self, request: BufferRequest | Sequence[int]) -> BufferRequest:
         return request if isinstance(request, BufferRequest) else self.request(request)
 
-    def _plan_free(self, sizes: Sequence[int]) -> tuple[int, int]:
-        available = {size: len(bufs) for size, bufs in self._free.items()}
-        reused = new = 0
-        for size in sizes:
-            if available.get(size, 0) > 0:
-                available[size] -= 1
-                reused += self.cost(size)
-            else:
-                new += self.cost(size)
-        return reused, new
+    def _plan_free(self, request: BufferRequest) -> tuple[int, int]:
+        free = self._free
+        wanted = Counter(request.sizes).items()
+        reused = sum(self.cost(size) * min(n, len(free.get(size, ()))) for size, n in wanted)
+        return reused, request.cost - reused
 
     def _break_bundles(self) -> None:
         # Their views die with them; the buffers join the free lists (already free bytes).

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -128,9 +128,8 @@ class BudgetedStager(AsyncStager):
         self._latest: InFlightGeneration | None = None
         self._kept: InFlightGeneration | None = None
         self._closed = False
-        self._peak_in_flight = self._admitted = self._refused = self._last_allocated = 0
-        self._torn_count = 0
-        self._total_wait_s = self._last_staging_s = 0.0
+        # The stager's own counters; stats() adds the pool's, the budget's and the plans'.
+        self._counts = StagerStats()
 
     # -- DCP's AsyncStager protocol -------------------------------------------------------------
 
@@ -173,9 +172,10 @@ class BudgetedStager(AsyncStager):
                 gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan, rank)
                 gen.confirmed = confirmed
                 self._in_flight[gen.number] = gen
-                self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
-                self._admitted += 1
-                self._total_wait_s += time.monotonic() - waited
+                counts = self._counts
+                counts.peak_in_flight = max(counts.peak_in_flight, len(self._in_flight))
+                counts.admitted += 1
+                counts.total_wait_s += time.monotonic() - waited
                 self._last.generation = self._latest = gen
         except BaseException as exc:
             span.fail(exc)
@@ -327,18 +327,12 @@ class BudgetedStager(AsyncStager):
         """The stager's accounting now."""
         pool = asdict(self._pool.stats())
         with self._cond:
-            return StagerStats(
+            return replace(
+                self._counts,
                 envelope_bytes=self.budget.envelope_bytes,
                 pool_bytes=pool.pop("allocated_bytes"),
                 peak_pool_bytes=pool.pop("peak_allocated_bytes"),
                 in_flight=len(self._in_flight),
-                peak_in_flight=self._peak_in_flight,
-                last_allocated_bytes=self._last_allocated,
-                admitted=self._admitted,
-                refused=self._refused,
-                total_wait_s=self._total_wait_s,
-                last_staging_s=self._last_staging_s,
-                torn=self._torn_count,
                 plans_built=self._plans.builds,
                 plan_reuses=self._plans.hits,
                 kept_bytes=0 if self._kept is None else self._kept.lease.request.cost,
@@ -380,7 +374,7 @@ class BudgetedStager(AsyncStager):
                 if now >= grace_until:
                     break
             elif now >= started + wait_s:
-                self._refused += 1
+                self._counts.refused += 1
                 raise AdmissionTimeoutError(self._refusal(admission.reason + why))
             elif not collected and now - started >= _COLLECT_AFTER_S:
                 collected = True
@@ -467,8 +461,8 @@ class BudgetedStager(AsyncStager):
             gen.result = weakref.ref(result)
             if gen.keep is not None:
                 gen.held = result
-            self._last_allocated = allocated
-            self._last_staging_s = time.perf_counter() - started
+            self._counts.last_allocated_bytes = allocated
+            self._counts.last_staging_s = time.perf_counter() - started
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
         future.set_result(result)
@@ -481,7 +475,7 @@ class BudgetedStager(AsyncStager):
         self._release(gen, writer_done=True)  # nothing will read these buffers
         if isinstance(error, SnapshotMutatedError):
             with self._cond:
-                self._torn_count += 1
+                self._counts.torn += 1
         if gen.rank is not None and isinstance(error, Exception):
             # A failed Future would keep this rank out of DCP's planning collective and leave
             # peers waiting for their deadline (:mod:`dcp_safe.staging.poison`).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import threading
@@ -107,7 +108,7 @@ class MemorySampler:
         self.idle_interval_s = float(idle_interval_s)
         self._reader = ProcReader(proc_root, cgroup_root)
         self.pss_interval_s = pss_interval_s
-        self._last_rollup: float | None = None
+        self._last_rollup = -math.inf  # when PSS/USS were last read (monotonic)
         self._pinned = pinned_bytes
         self._in_flight = saves_in_flight
         self._on_sample = on_sample
@@ -195,10 +196,9 @@ class MemorySampler:
         return sample
 
     def _rollup_due(self) -> bool:
-        if self.pss_interval_s is None or self.is_busy:
-            return False
         now = time.monotonic()
-        if self._last_rollup is not None and now - self._last_rollup < self.pss_interval_s:
+        interval = self.pss_interval_s
+        if interval is None or self.is_busy or now - self._last_rollup < interval:
             return False
         self._last_rollup = now
         return True

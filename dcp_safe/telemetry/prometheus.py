@@ -88,7 +88,9 @@ class PrometheusSink(Sink):
         # save, scrapes come every few seconds, and a figure the host lacks is left out.
         self._latest: MemorySample | None = None
         self._memory_prefix = f"{ns}_memory_"
-        reg.register(self)  # a collector too: collect() yields the memory gauges
+        # A collector too: collect() yields the memory gauges (none yet, so nothing is
+        # described up front: they vary with what the host exposes).
+        reg.register(self)
         self.budget_envelope = metric(
             c.Gauge, "budget_envelope_bytes", "The staging budget's envelope."
         )
@@ -132,10 +134,6 @@ class PrometheusSink(Sink):
         """The registry in Prometheus text format."""
         text: bytes = self._client.generate_latest(self.registry)
         return text.decode("utf-8")
-
-    def describe(self) -> list[Any]:
-        """Nothing up front: the memory gauges vary with what the host exposes."""
-        return []
 
     def collect(self) -> Iterator[Any]:
         """One gauge per figure of the latest memory sample that is present (at scrape time)."""

@@ -31,7 +31,6 @@ import itertools
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as Future_
 from contextlib import AbstractContextManager, contextmanager
@@ -117,7 +116,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         self._local = threading.local()
         self._stagers: list[Instrumentable] = []
         self._last_step_t: float | None = None
-        self.step_times_s: deque[float] = deque(maxlen=max_events)
         # The sampler started here (and stopped by close()); a given one is only read.
         self._own: MemorySampler | None = None
         self.sampler = sampler
@@ -205,7 +203,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         if last is None:
             return None
         duration = now - last
-        self.step_times_s.append(duration)
         self._record(EventKind.STEP, "step", now, step=step, duration_s=duration)
         return duration
 
