@@ -22,9 +22,8 @@ from dcp_safe import layout
 from dcp_safe.errors import ConfigError, ReplicationSkippedError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["DEFAULT_KEEP_DONE", "Job", "UploadEngine"]
+__all__ = ["Job", "UploadEngine"]
 
-DEFAULT_KEEP_DONE = 16  # finished futures kept for ``UploadEngine.future``
 #: A job: its manifest, or the commit wait still to run for it (on a thread of its own).
 Job: TypeAlias = Callable[[], "Manifest | Job"]
 
@@ -49,18 +48,15 @@ class UploadEngine:
 
     Args:
         what: what the jobs do and where, for messages (``"replication to s3://b/ckpt"``).
-        keep_done: how many finished futures :meth:`future` can still return.
 
     Attributes:
         skipped: names whose job was skipped for a newer one, oldest first.
     """
 
-    def __init__(
-        self, what: str, *, keep_done: int = DEFAULT_KEEP_DONE, thread_name: str = "dcp_safe-work"
-    ) -> None:
-        if keep_done < 0:
-            raise ConfigError(f"keep_done must not be negative, got {keep_done}")
-        self.what, self.thread_name, self.keep_done = what, thread_name, keep_done
+    keep_done = 16  # finished futures :meth:`future` can still return
+
+    def __init__(self, what: str, *, thread_name: str = "dcp_safe-work") -> None:
+        self.what, self.thread_name = what, thread_name
         self.skipped: list[str] = []
         self._cond = threading.Condition()
         self._futures: dict[str, _TrackedFuture] = {}

@@ -36,7 +36,7 @@ from dcp_safe.replication.copying import (
     copy_buffer_bytes,
     open_source,
 )
-from dcp_safe.replication.engine import DEFAULT_KEEP_DONE, Job, UploadEngine
+from dcp_safe.replication.engine import Job, UploadEngine
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -101,7 +101,6 @@ class Replicator(UploadEngine):
     :class:`~dcp_safe.replication.engine.UploadEngine`'s.
 
     Args:
-        keep_done: how many finished futures :meth:`future` can still return.
         chunk_bytes, claimant: as :func:`replicate_checkpoint` takes them.
     """
 
@@ -111,14 +110,11 @@ class Replicator(UploadEngine):
         remote: Backend,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        keep_done: int = DEFAULT_KEEP_DONE,
         claimant: Claimant | None = None,
     ) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
-        super().__init__(
-            f"replication to {remote.url}", keep_done=keep_done, thread_name="dcp_safe-replicator"
-        )
+        super().__init__(f"replication to {remote.url}", thread_name="dcp_safe-replicator")
         self.local = local
         self.remote = remote
         self.chunk_bytes = chunk_bytes
