@@ -151,21 +151,8 @@ def _calling(call: _Call, kwargs: dict[str, Any]) -> Iterator[None]:
             raise error from exc
 
 
-def _prepare(
-    kwargs: dict[str, Any],
-    deadline_s: float,
-    per_rank: Sequence[str],
-    planner: type[SafeSavePlanner | SafeLoadPlanner],
-    **planner_kwargs: Any,
-) -> _Call:
-    """Fill in the planner (``planner``, unless given), ``no_dist`` / ``process_group``, and
-    say how to explain a failed collective."""
-    if "planner" not in kwargs:
-        kwargs["planner"] = planner(per_rank=per_rank, **planner_kwargs)
-    elif per_rank:
-        raise ConfigError(
-            f"per_rank= goes with dcp_safe's planner: pass {planner.__name__}(per_rank=)"
-        )
+def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
+    """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
     deadline_s = validate_deadline(deadline_s)
     witnesses = tuple(
         w for w in (kwargs.get("storage_writer"), kwargs.get("storage_reader")) if w is not None
@@ -255,10 +242,14 @@ def load(
         LoadError: a rank's planner or reader failed (a shape that does not match, say);
             the message names the checkpoint, the rank and the cause.
     """
-    if audit and "planner" in kwargs and not isinstance(kwargs["planner"], SafeLoadPlanner):
-        raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
-    call = _prepare(kwargs, deadline_s, per_rank, SafeLoadPlanner)
+    if "planner" not in kwargs:
+        kwargs["planner"] = SafeLoadPlanner(per_rank=per_rank)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeLoadPlanner(per_rank=)")
     planner = kwargs["planner"]
+    if audit and not isinstance(planner, SafeLoadPlanner):
+        raise ConfigError("audit=True needs a SafeLoadPlanner (or a subclass) as planner=")
+    call = _prepare(kwargs, deadline_s)
     with _calling(call, kwargs), _sending(planner, kwargs, call), gc_paused():
         if isinstance(planner, SafeLoadPlanner) and planner.sends_shared:
             _load_and_share(state_dict, timeout_s=call.deadline_s, **kwargs)
@@ -377,9 +368,13 @@ def _prepare_save(kwargs: dict[str, Any], per_rank: Sequence[str], deadline_s: f
     """A save's planner (dcp_safe's, unless given), sharing cached plans with every save over
     its group (docs/architecture.md), and its :class:`_Call`."""
     collective = kwargs.get("use_collectives", True) is not False
-    # Without collectives every rank plans alone and reports its entries through storage: a
-    # cached (itemless) local plan would hide them from that report.
-    call = _prepare(kwargs, deadline_s, per_rank, SafeSavePlanner, cache_plans=collective)
+    if "planner" not in kwargs:
+        # Without collectives every rank plans alone and reports its entries through storage:
+        # a cached (itemless) local plan would hide them from that report.
+        kwargs["planner"] = SafeSavePlanner(per_rank=per_rank, cache_plans=collective)
+    elif per_rank:
+        raise ConfigError("per_rank= goes with dcp_safe's planner: pass SafeSavePlanner(per_rank=)")
+    call = _prepare(kwargs, deadline_s)
     if isinstance(kwargs["planner"], SafeSavePlanner) and collective:
         kwargs["planner"].share_plans_over(call.group)
     return call

@@ -373,11 +373,9 @@ class SafeStorageReader(StorageReader):
                     return requests
                 if not isinstance(exc, FileNotFoundError):
                     raise
-                if self._spare_tier() is None:
-                    raise CheckpointCorruptError(path, "file is missing") from None
+                missing = CheckpointCorruptError(path, "file is missing")
                 for request in requests:  # the remote's file is missing: all from the spare
-                    label, record = self._record_for(path, request)
-                    self._load_from_spare(rel, label, record, request, planner, cause=None)
+                    self._load_from_spare(rel, request, planner, cause=missing)
                 return []
             for done, request in enumerate(requests):
                 label, record = self._record_for(path, request)
@@ -390,7 +388,7 @@ class SafeStorageReader(StorageReader):
                 except CheckpointCorruptError as exc:
                     if not remote:
                         raise
-                    self._load_from_spare(rel, label, record, request, planner, cause=exc)
+                    self._load_from_spare(rel, request, planner, cause=exc)
         return []
 
     def _check_size(self, copy: Backend, rel: str, file_name: str) -> None:
@@ -407,14 +405,19 @@ class SafeStorageReader(StorageReader):
 
     def _again(self, rel: str, label: str, record: ItemRecord) -> Callable[[], bytearray]:
         """Read an item again on a fresh stream of the remote, within the retry policy."""
-        backend = self._remote.backend
-        path = backend.full_path(rel)
+        path, fresh = self._remote.backend.full_path(rel), self._raw_from(self._remote.backend)
+        return lambda: call_with_retries(
+            "read", path, lambda: fresh(rel, label, record), self.retry
+        )
 
-        def fresh() -> bytearray:
+    def _raw_from(self, backend: Backend) -> Callable[[str, str, ItemRecord], bytearray]:
+        """A reader of one item's stored bytes from ``backend``, on a fresh stream."""
+
+        def read(rel: str, label: str, record: ItemRecord) -> bytearray:
             with backend.open_read(rel) as stream:
-                return self._items.read_raw(stream, path, label, record)
+                return self._items.read_raw(stream, backend.full_path(rel), label, record)
 
-        return lambda: call_with_retries("read", path, fresh, self.retry)
+        return read
 
     def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
         assert self._manifest is not None and self._metadata is not None
@@ -439,27 +442,21 @@ class SafeStorageReader(StorageReader):
             return self._spare
 
     def _load_from_spare(
-        self,
-        rel: str,
-        label: str,
-        record: ItemRecord,
-        request: ReadItem,
-        planner: LoadPlanner,
-        cause: Exception | None,
+        self, rel: str, request: ReadItem, planner: LoadPlanner, cause: Exception
     ) -> None:
-        """One item from the spare tier: its read on the remote failed with ``cause`` (``None``:
-        the file is missing there, and the spare was found)."""
+        """One item from the spare tier: its read on the remote failed with ``cause`` (raised
+        without a spare)."""
         spare = self._spare_tier()
         if spare is None:
-            assert cause is not None
             raise cause
+        path = self._remote.backend.full_path(rel)
+        label, record = self._record_for(path, request)
+        raw_from = self._raw_from(spare)
 
         def read() -> bytearray:
-            with spare.open_read(rel) as stream:
-                raw = self._items.read_raw(stream, spare.full_path(rel), label, record)
+            raw = raw_from(rel, label, record)
             with self._lock:
                 self.items_from_fallback += 1
             return raw
 
-        path = self._remote.backend.full_path(rel)
         self._items.load_bytes(read, path, label, record, request, planner)

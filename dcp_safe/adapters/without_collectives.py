@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from dcp_safe import layout
+from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.adapters.planners import FingerprintedPlan
 from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import DEFAULT_RUN_ID, RUN_ID_ENV, Attempt
@@ -136,13 +137,12 @@ class StorageAgreement:
     backend: Backend
     name: str
     key: str
-    #: How long a rank waits on storage for rank 0's assignment, and rank 0 for the reports.
-    deadline_s: float
-    checksum: ChecksumAlgorithm
+    #: The writer's: its ``report_timeout_s`` bounds how long a rank waits on storage for rank
+    #: 0's assignment, and rank 0 for the reports; the assignment and every report are
+    #: authenticated under its ``signing_key``.
+    options: WriterOptions
     #: The publication of a save id (the writer's, made by the root's strategy).
     publication: Callable[[str], Publication]
-    #: The writer's signing key: the assignment and every report are authenticated under it.
-    signing_key: bytes | None = None
 
     @property
     def path(self) -> str:
@@ -203,10 +203,10 @@ class StorageAgreement:
             CommitError: rank 0 failed, posted for another world size, or posted nothing
                 within the deadline (naming rank 0).
         """
-        found = poll(self._posted, self.deadline_s)
+        found = poll(self._posted, self.options.report_timeout_s)
         if found is None:
             raise CommitError(
-                f"no save id from rank 0 within {self.deadline_s} s (a save without"
+                f"no save id from rank 0 within {self.options.report_timeout_s} s (a save without"
                 " collectives waits for it on storage; signed, only for one the key"
                 " authenticates)",
                 {0: f"nothing at {self.backend.full_path(self.path)}"},
@@ -283,7 +283,7 @@ class StorageAgreement:
                 results[0],
                 *(self._results_of(assignment, r, reports[r][1]) for r in others),
             ]
-            union = _union_manifest(self.name, assignment, self.checksum, results)
+            union = _union_manifest(self.name, assignment, self.options.checksum, results)
             metadatas = [metadata]
             for rank in others:
                 try:
@@ -313,8 +313,8 @@ class StorageAgreement:
         save and the rank it speaks for), with its MAC."""
         kind = _ASSIGNMENT if path == self.path else _REPORT
         body = {"format": kind, **body}
-        if self.signing_key is not None and signer is not None:
-            body["mac"] = part_mac(self.signing_key, *signer, body)
+        if self.options.signing_key is not None and signer is not None:
+            body["mac"] = part_mac(self.options.signing_key, *signer, body)
         self.backend.write_bytes(path, json.dumps(body).encode())
 
     def _read(self, path: str, kind: str) -> tuple[dict[str, Any], object]:
@@ -333,7 +333,7 @@ class StorageAgreement:
             found, mac = self._read(self.path, _ASSIGNMENT)
         except (FileNotFoundError, ValueError):
             return None  # not there yet (or half written where a write is not atomic)
-        key = self.signing_key
+        key = self.options.signing_key
         if key is not None and not part_mac_matches(key, self.key, 0, found, mac):
             return None  # not rank 0's: wait on for rank 0's post, which replaces it
         return found
@@ -361,16 +361,17 @@ class StorageAgreement:
                 raise self._failure(assignment, failed, failures)
             return True if all(_leaf(rel) in present for rel in reports.values()) else None
 
-        if poll(every_report, self.deadline_s) is None:
+        if poll(every_report, self.options.report_timeout_s) is None:
             missing = [r for r, rel in reports.items() if _leaf(rel) not in present]
             raise CommitError(
-                f"ranks did not report within {self.deadline_s} s (a save without collectives)",
+                f"ranks did not report within {self.options.report_timeout_s} s (a save without"
+                " collectives)",
                 {r: "no report: it died, hung or is still writing" for r in missing},
             )
         found: dict[int, _Report] = {}
         for rank, rel in reports.items():
             body, mac = self._rank_part(assignment, rel, rank)
-            key = self.signing_key
+            key = self.options.signing_key
             if key is not None and not part_mac_matches(key, assignment.save_id, rank, body, mac):
                 raise CommitError(
                     "a rank's report is not authenticated by the job's signing key, so it may"
@@ -419,17 +420,21 @@ class StorageAgreement:
         except (FileNotFoundError, DcpSafeError) as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
         # The bytes checked are the bytes used (read once): nothing swapped in later counts.
-        signed = self.signing_key is not None
-        if signed and (expected or manifest.items) and digest_bytes(raw, self.checksum) != expected:
+        signed = self.options.signing_key is not None
+        if (
+            signed
+            and (expected or manifest.items)
+            and digest_bytes(raw, self.options.checksum) != expected
+        ):
             raise CommitError(
                 "a rank manifest is not the one its rank's authenticated report names: nothing"
                 " is published (someone else wrote it, or it was damaged)",
                 {rank: self.backend.full_path(rel)},
             )
-        if manifest.checksum_algorithm != self.checksum.value:
+        if manifest.checksum_algorithm != self.options.checksum.value:
             raise CommitError(
-                f"a rank checksummed with another algorithm than {self.checksum.value!r}: every"
-                " rank must be configured alike",
+                f"a rank checksummed with another algorithm than {self.options.checksum.value!r}:"
+                " every rank must be configured alike",
                 {rank: manifest.checksum_algorithm},
             )
         results = [
@@ -440,7 +445,7 @@ class StorageAgreement:
             )
             for record in manifest.items
         ]
-        return attach_report(results, report_for(manifest, raw, self.checksum))
+        return attach_report(results, report_for(manifest, raw, self.options.checksum))
 
 
 def plain_keys(plan: SavePlan) -> dict[str, int | None]:

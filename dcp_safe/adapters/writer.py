@@ -259,14 +259,9 @@ class SafeStorageWriter(StorageWriter):
         ]
 
     def _storage_agreement(self) -> StorageAgreement:
+        key = save_key(self.attempt, self._saves)
         return StorageAgreement(
-            self.backend,
-            self._require_name(),
-            save_key(self.attempt, self._saves),
-            self.options.report_timeout_s,
-            self.options.checksum,
-            self._publication,
-            self.options.signing_key,
+            self.backend, self._require_name(), key, self.options, self._publication
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

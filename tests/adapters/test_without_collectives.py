@@ -42,7 +42,6 @@ from dcp_safe.adapters.without_collectives import StorageAgreement, save_key
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.commit.fencing import Attempt
 from dcp_safe.errors import DivergentStateError
-from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.testing.multiproc import RankFailedError, run_ranks
 
@@ -500,9 +499,8 @@ def test_a_signed_save_takes_only_an_assignment_the_key_authenticates(tmp_path: 
     publication = SafeStorageWriter(tmp_path)._publication
 
     def board(key: bytes | None) -> StorageAgreement:
-        return StorageAgreement(
-            backend, "x", "run-1-1", 0.2, ChecksumAlgorithm.BLAKE3, publication, key
-        )
+        options = WriterOptions(report_timeout_s=0.2, checksum="blake3", signing_key=key)
+        return StorageAgreement(backend, "x", "run-1-1", options, publication)
 
     signed = board(KEY)
     # Planted by a writer of the root without the key: another save id, rank 0 "holding" w.
