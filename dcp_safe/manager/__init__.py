@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from dcp_safe.checkpoints.history import HISTORY_FILE
-from dcp_safe.manager.handles import (
-    BusyPolicy,
-    ManagerStats,
-    SaveHandle,
-    StagingMode,
-    Validation,
-)
+from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.manager import CheckpointManager
 from dcp_safe.manager.options import Bounds, Resume, Retention, Runtime, SavePolicy
 

@@ -23,7 +23,6 @@ the same on every rank.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import threading
 from collections import deque
@@ -35,6 +34,7 @@ from dcp_safe.host_memory import available_bytes_now
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.periodic import Periodic
+from dcp_safe.telemetry.report import percentile
 
 __all__ = ["FallbackMonitor", "FallbackOptions", "FallbackSwitch", "MemoryWatch"]
 
@@ -125,7 +125,7 @@ class FallbackMonitor:
         interval = self.interval_s()
         if len(self._durations) < self.options.min_completed or interval is None:
             return None
-        p99 = self.p99_s()
+        p99 = percentile(self._durations, 99) or 0.0  # nearest-rank
         limit = self.options.interval_factor * interval
         if p99 > limit:
             return self.trip(
@@ -149,13 +149,6 @@ class FallbackMonitor:
         if self.options.save_interval_s is not None:
             return self.options.save_interval_s
         return statistics.median(self._gaps) if self._gaps else None
-
-    def p99_s(self) -> float:
-        """Nearest-rank p99 of the completion times held (0 with none)."""
-        if not self._durations:
-            return 0.0
-        ordered = sorted(self._durations)
-        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
     def rearm(self) -> None:
         """Back to asynchronous: forget the trip and the evidence that led to it."""

@@ -58,12 +58,7 @@ from dcp_safe.manager.options import (
     SavePolicy,
     choose_executor,
 )
-from dcp_safe.manager.preemption import (
-    PreemptionHandler,
-    agreed_plan,
-    final_save,
-    why_no_final_save,
-)
+from dcp_safe.manager.preemption import PreemptionHandler, agreed_plan, final_save
 from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
@@ -424,7 +419,7 @@ class CheckpointManager:
         """
         left = countdown(timeout_s)
         with self._preemption_deferred():
-            idle = self._slot.wait_idle(timeout_s)
+            idle = self._slot.idle(timeout_s)
             remotes = self._tiers.replications()
             if not idle:
                 raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
@@ -558,11 +553,9 @@ class CheckpointManager:
         drained = "abandoned the save in flight" if busy is not None else "drained"
         handle = None if latest is None else SaveHandle(latest[0], self._name_for(latest[0]))
         committed = handle is not None and self._tiers.is_validated(handle.name)
-        why_not = why_no_final_save(handle, busy, deadline, committed=committed)
-        step = -1 if handle is None else handle.step
-        objection = agreed_plan(self._agreement, step, why_not)
+        objection = agreed_plan(self._agreement, handle, busy, deadline, committed=committed)
         if objection is not None or handle is None or latest is None:
-            outcome = f"{drained}; {objection or why_not}"
+            outcome = f"{drained}; {objection}"  # this rank objects where there is no handle
         else:
             self._ledger.record("requested", handle, tier="local")
             outcome = f"{drained}; " + final_save(handle, latest[1], self._runner.foreground)

@@ -26,7 +26,7 @@ from dcp_safe.manager.handles import SaveHandle
 if TYPE_CHECKING:
     from dcp_safe.manager.manager import CheckpointManager
 
-__all__ = ["PreemptionHandler", "agreed_plan", "final_save", "why_no_final_save"]
+__all__ = ["PreemptionHandler", "agreed_plan", "final_save"]
 
 log = logging.getLogger(__name__)
 
@@ -134,22 +134,6 @@ class PreemptionHandler:
         os._exit(status)
 
 
-def why_no_final_save(
-    handle: SaveHandle | None, busy: SaveHandle | None, deadline: float, *, committed: bool
-) -> str | None:
-    """Why this rank sees no point (or no time) in a final save of ``handle``; ``None``: save."""
-    if handle is None:
-        return "nothing was ever saved"
-    step = handle.step
-    if committed:
-        return f"step {step} was committed already"
-    if busy is not None and busy.name == handle.name:
-        return f"step {step} is that save, so no final save"
-    if time.monotonic() >= deadline:
-        return f"no time left for a final save of step {step}"
-    return None
-
-
 def final_save(
     handle: SaveHandle, state: dict[str, Any], save: Callable[[SaveHandle, dict[str, Any]], None]
 ) -> str:
@@ -165,11 +149,29 @@ def final_save(
     return f"final synchronous save of step {step} committed"
 
 
-def agreed_plan(agreement: Agreement, step: int, why_not: str | None) -> str | None:
-    """Every rank's reason against the final save, merged: ``None`` only if no rank has one.
+def agreed_plan(
+    agreement: Agreement,
+    handle: SaveHandle | None,
+    busy: SaveHandle | None,
+    deadline: float,
+    *,
+    committed: bool,
+) -> str | None:
+    """Every rank's reason against a final save of ``handle`` (``busy``: the save in flight it
+    gave up on), merged: ``None`` only if no rank sees no point, or no time, in it.
 
     Under ``torchrun`` the final save is a collective, so it happens on every rank or on none.
     """
+    step = -1 if handle is None else handle.step
+    why_not = None
+    if handle is None:
+        why_not = "nothing was ever saved"
+    elif committed:
+        why_not = f"step {step} was committed already"
+    elif busy is not None and busy.name == handle.name:
+        why_not = f"step {step} is that save, so no final save"
+    elif time.monotonic() >= deadline:
+        why_not = f"no time left for a final save of step {step}"
     try:
         votes = agreement.gather(Vote("preempt", step, detail=why_not))
         require_same_call(votes)

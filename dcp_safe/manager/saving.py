@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -322,7 +322,12 @@ class SaveRunner:
             self.ledger.quietly("in-memory tier", lambda: tier.committed(handle))
         # On a thread while the worker starts: not counted by the fallback (a start-up).
         self.switch.on_committed(handle, counted=worker is not None or self.worker is None)
-        self._replicate(handle, writer, (worker or writer).replication)
+        if writer.topology.replica is None:  # a node-local save is uploaded before it counts
+            handle.replicated.set_result(None)
+        else:
+            remote = (worker or writer).replication(handle.name)
+            self.tiers.track_replication(handle.name, handle.replicated)
+            remote.add_done_callback(lambda done: self._replicated(handle, done))
         try:
             self.tiers.prune()
         except (DcpSafeError, OSError) as exc:  # the save itself succeeded: keep, do not fail it
@@ -356,19 +361,6 @@ class SaveRunner:
         except (DcpSafeError, OSError) as exc:
             return exc, f"verification failed: {exc}"
         return None
-
-    def _replicate(
-        self,
-        handle: SaveHandle,
-        writer: SafeStorageWriter,
-        replication: Callable[[str], Future[Any]],
-    ) -> None:
-        if writer.topology.replica is None:  # a node-local save is uploaded before it counts
-            handle.replicated.set_result(None)
-            return
-        remote = replication(handle.name)
-        self.tiers.track_replication(handle.name, handle.replicated)
-        remote.add_done_callback(lambda done: self._replicated(handle, done))
 
     def _copy_to_peers(self, handle: SaveHandle, peers: PeerTier) -> None:
         """Copy the node caches to peers in the background; ``wait``/``close`` wait for it and

@@ -51,13 +51,11 @@ class SaveSlot:
         with self._cond:
             return None if self.pending is None else self.pending.handle.step
 
-    def take(self, handle: SaveHandle) -> bool:
-        """Hold the slot for ``handle`` if it is free; whether it does now."""
+    def take(self, handle: SaveHandle) -> None:
+        """Hold the slot for ``handle`` if it is free."""
         with self._cond:
-            if self.busy is not None:
-                return False
-            self._hold(handle)
-            return True
+            if self.busy is None:
+                self._hold(handle)
 
     def wait_free(self, timeout_s: float | None) -> bool:
         """Wait up to ``timeout_s`` until no save is in flight (counted in the wait stats);
@@ -112,13 +110,9 @@ class SaveSlot:
             pending, self.pending = self.pending, None
             return pending
 
-    def idle(self) -> bool:
-        """No save in flight and none pending."""
-        with self._cond:
-            return self.busy is None and self.pending is None
-
-    def wait_idle(self, timeout_s: float | None) -> bool:
-        """Wait until :meth:`idle`; ``False`` at the timeout."""
+    def idle(self, timeout_s: float | None = 0) -> bool:
+        """No save in flight and none pending, waiting up to ``timeout_s`` for it (``None``:
+        for as long as it takes)."""
         with self._cond:
             return self._cond.wait_for(
                 lambda: self.busy is None and self.pending is None, timeout_s
