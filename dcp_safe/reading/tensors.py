@@ -27,9 +27,9 @@ import zstandard
 from dcp_safe.adapters.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.checksum import Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.checksum import format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord
-from dcp_safe.manifest.streams import VerifyingSlice, read_fully, short_read
+from dcp_safe.manifest.streams import read_fully, short_read
 
 __all__ = [
     "STREAM_BYTES",
@@ -53,6 +53,9 @@ _OUT_BYTES = 16 << 20
 _MAX_WINDOW_BYTES = 4 << 20
 #: What one streamed zstd read holds beyond its destination, at most: the window and one read.
 STREAM_BYTES = _MAX_WINDOW_BYTES + _READ_BYTES
+
+# What the payload is read from: the item's slice, or zstd's reader over it.
+_Readable = io.RawIOBase | zstandard.ZstdDecompressionReader
 
 
 def transient_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -127,15 +130,22 @@ def read_tensor_item(
     """
     if dest.numel() * dest.element_size() != layout.payload or not dest.is_contiguous():
         raise ValueError("destination does not fit the stored tensor")  # a caller's bug
-    if record.transforms:
-        got = _read_compressed(stream, path, item, record, layout, checksum, dest)
-    else:
-        got = _read_plain(stream, path, item, record.start, layout, checksum, dest, hash_pool)
-    if isinstance(got, bool):
-        return got
-    if got != checksum:
+    algorithm = None if checksum is None else checksum.partition(":")[0]
+    source = _Slice(stream, record.start, record.length, algorithm, hash_pool)
+    try:
+        known = _read_parts(source, record, layout, dest)
+        if known and checksum is not None:
+            source.finish()
+    finally:
+        source.wait()
+    if source.short:
+        raise short_read(path, item, record.length, record.length - source.left)
+    if not known or algorithm is None or source.hasher is None:
+        return known
+    actual = format_checksum(algorithm, source.hasher)
+    if actual != checksum:
         raise CheckpointCorruptError(
-            path, "checksum mismatch", item=item, expected=checksum, actual=got
+            path, "checksum mismatch", item=item, expected=checksum, actual=actual
         )
     return True
 
@@ -151,161 +161,98 @@ def transient_bytes(layout: TensorLayout, record: ItemRecord) -> int:
     return len(layout.prefix) + len(layout.suffix)
 
 
-def _read_plain(
-    stream: BinaryIO,
-    path: str,
-    item: str,
-    start: int,
-    layout: TensorLayout,
-    checksum: str | None,
-    dest: torch.Tensor,
-    hash_pool: ThreadPoolExecutor | None,
-) -> bool | str:
-    """Read the uncompressed item at ``start``: its checksum, or whether it is ``layout``'s
-    (``True`` unverified, ``False``: not)."""
-    algorithm = None if checksum is None else checksum.partition(":")[0]
-    hasher = None if algorithm is None else new_hasher(algorithm, size_hint=layout.length)
-    stream.seek(start)
-    if layout.length <= _WHOLE_MAX_BYTES:
-        known = _read_whole(stream, path, item, layout, hasher, dest)
-    else:
-        known = _read_chunked(stream, path, item, layout, hasher, dest, hash_pool)
-    if not known or algorithm is None or hasher is None:
-        return known
-    return format_checksum(algorithm, hasher)
+class _Slice(io.RawIOBase):
+    """``[start, start + length)`` of ``stream``, read in order and hashed as read (with an
+    ``algorithm``): a chunk larger than :data:`_WHOLE_MAX_BYTES` (only the payload's, which
+    stay put in the destination) on ``hash_pool`` while the next is read, one at a time so
+    that the updates stay in file order."""
 
-
-def _read_whole(
-    stream: BinaryIO,
-    path: str,
-    item: str,
-    layout: TensorLayout,
-    hasher: Hasher | None,
-    dest: torch.Tensor,
-) -> bool:
-    buffer = bytearray(layout.length)
-    view = memoryview(buffer)
-    got = read_fully(stream, view)
-    if got != layout.length:
-        raise short_read(path, item, layout.length, got)
-    if hasher is not None:
-        hasher.update(view)
-    head, end = len(layout.prefix), len(layout.prefix) + layout.payload
-    if not layout.matches(view[:head], view[end:]):
-        return False
-    tensor_bytes(dest)[:] = view[head:end]
-    return True
-
-
-def _read_chunked(
-    stream: BinaryIO,
-    path: str,
-    item: str,
-    layout: TensorLayout,
-    hasher: Hasher | None,
-    dest: torch.Tensor,
-    hash_pool: ThreadPoolExecutor | None,
-) -> bool:
-    prefix = bytearray(len(layout.prefix))
-    got = read_fully(stream, memoryview(prefix))
-    if got != len(prefix):
-        raise short_read(path, item, layout.length, got)
-    if bytes(prefix) != layout.prefix:
-        return False
-    if hasher is not None:
-        hasher.update(prefix)
-    target = tensor_bytes(dest)
-    pending: Future[object] | None = None
-    try:
-        for at in range(0, layout.payload, _CHUNK_BYTES):
-            chunk = target[at : at + _CHUNK_BYTES]
-            got = read_fully(stream, chunk)
-            if got != chunk.nbytes:
-                raise short_read(path, item, layout.length, len(prefix) + at + got)
-            if hasher is None:
-                continue
-            if pending is not None:
-                pending.result()  # one hash in flight: updates must stay in file order
-            if hash_pool is None:
-                hasher.update(chunk)
-            else:
-                pending = hash_pool.submit(hasher.update, chunk)
-    finally:
-        if pending is not None:
-            pending.result()
-    suffix = bytearray(len(layout.suffix))
-    got = read_fully(stream, memoryview(suffix))
-    if got != len(suffix):
-        raise short_read(path, item, layout.length, len(prefix) + layout.payload + got)
-    if hasher is not None:
-        hasher.update(suffix)
-    return layout.matches(prefix, memoryview(suffix))
-
-
-class _Window(io.RawIOBase):
-    """``[start, start + length)`` of ``stream``, read in order (no checksum)."""
-
-    def __init__(self, stream: BinaryIO, start: int, length: int) -> None:
+    def __init__(
+        self,
+        stream: BinaryIO,
+        start: int,
+        length: int,
+        algorithm: str | None,
+        hash_pool: ThreadPoolExecutor | None,
+    ) -> None:
         super().__init__()
-        self._stream, self._left = stream, length
+        self._stream, self.left, self.short = stream, length, False
+        self.hasher = None if algorithm is None else new_hasher(algorithm, size_hint=length)
+        self._pool = hash_pool
+        self._pending: Future[object] | None = None
         stream.seek(start)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        view = memoryview(buffer).cast("B")[: self._left]
+        view = memoryview(buffer).cast("B")[: self.left]
         got = read_fully(self._stream, view)
-        self._left -= got
+        self.left -= got
+        self.short |= got < view.nbytes
+        if self.hasher is not None and got:
+            self.wait()
+            if self._pool is None or got <= _WHOLE_MAX_BYTES:
+                self.hasher.update(view[:got])
+            else:
+                self._pending = self._pool.submit(self.hasher.update, view[:got])
         return got
 
+    def wait(self) -> None:
+        """Until the hash in flight is done."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
-def _read_compressed(
-    stream: BinaryIO,
-    path: str,
-    item: str,
-    record: ItemRecord,
-    layout: TensorLayout,
-    checksum: str | None,
-    dest: torch.Tensor,
-) -> bool | str:
-    """Decompress the zstd item into ``dest``: as :func:`_read_plain` answers."""
-    source = (
-        _Window(stream, record.start, record.length)
-        if checksum is None
-        else VerifyingSlice(stream, record.start, record.length, checksum)
-    )
-    try:
-        known = _decompress(source, layout, dest)
-    except zstandard.ZstdError:
-        return False
-    if not known or not isinstance(source, VerifyingSlice):
-        return known
-    actual, whole = source.finish()
-    if not whole:
-        raise CheckpointCorruptError(path, "file is shorter than the manifest says", item=item)
-    return actual
+    def finish(self) -> None:
+        """Read and hash what is left (what a decompressor did not need): the checksum is of
+        the whole stored item."""
+        rest = bytearray(min(self.left, _READ_BYTES))
+        while self.left and not self.short:
+            self.readinto(rest)
 
 
-def _decompress(source: io.RawIOBase, layout: TensorLayout, dest: torch.Tensor) -> bool:
-    reader = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW_BYTES).stream_reader(
-        cast(IO[bytes], source), read_size=_READ_BYTES
-    )
-    with reader:
-        prefix = bytearray(len(layout.prefix))
-        if _fill(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
+def _read_parts(
+    source: _Slice, record: ItemRecord, layout: TensorLayout, dest: torch.Tensor
+) -> bool:
+    """Read the item into ``dest``, through zstd for a compressed one; whether the bytes around
+    its payload are ``layout``'s (a zstd frame that needs a larger window: ``False``)."""
+    if record.transforms:
+        decompressor = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW_BYTES)
+        try:
+            with decompressor.stream_reader(
+                cast(IO[bytes], source), read_size=_READ_BYTES
+            ) as reader:
+                return _read_layout(reader, layout, dest, _OUT_BYTES)
+        except zstandard.ZstdError:
             return False
-        target = tensor_bytes(dest)
-        for at in range(0, layout.payload, _OUT_BYTES):
-            chunk = target[at : at + _OUT_BYTES]
-            if _fill(reader, chunk) != chunk.nbytes:
-                return False
-        suffix = bytearray(len(layout.suffix) + 1)  # one more: the item must end there
-        got = _fill(reader, memoryview(suffix))
-        return got == len(layout.suffix) and layout.matches(prefix, memoryview(suffix)[:got])
+    if record.length <= _WHOLE_MAX_BYTES:  # one read and one hash call for a small item
+        whole = memoryview(bytearray(record.length))
+        head, end = len(layout.prefix), len(layout.prefix) + layout.payload
+        if source.readinto(whole) < record.length or not layout.matches(whole[:head], whole[end:]):
+            return False
+        tensor_bytes(dest)[:] = whole[head:end]
+        return True
+    return _read_layout(source, layout, dest, _CHUNK_BYTES)
 
 
-def _fill(reader: zstandard.ZstdDecompressionReader, view: memoryview) -> int:
+def _read_layout(reader: _Readable, layout: TensorLayout, dest: torch.Tensor, chunk: int) -> bool:
+    """Fill ``dest`` with the payload ``reader`` yields, ``chunk`` bytes at a time; whether the
+    bytes around it are exactly ``layout``'s."""
+    prefix = bytearray(len(layout.prefix))
+    if _fill(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
+        return False
+    target = tensor_bytes(dest)
+    for at in range(0, layout.payload, chunk):
+        part = target[at : at + chunk]
+        if _fill(reader, part) != part.nbytes:
+            return False
+    suffix = bytearray(len(layout.suffix) + 1)  # one more: the item must end there
+    got = _fill(reader, memoryview(suffix))
+    return got == len(layout.suffix) and layout.matches(prefix, memoryview(suffix)[:got])
+
+
+def _fill(reader: _Readable, view: memoryview) -> int:
     total = 0
     while total < view.nbytes:
         got = reader.readinto(view[total:])
