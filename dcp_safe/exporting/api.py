@@ -17,11 +17,9 @@ import torch
 
 from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError
-from dcp_safe.exporting import safetensors_format as st
-from dcp_safe.exporting import torch_format
-from dcp_safe.exporting.consolidate import Consolidator
+from dcp_safe.exporting import formats
+from dcp_safe.exporting.consolidate import Consolidator, parse_dtype, select
 from dcp_safe.exporting.publish import CHECKSUMS, StagedExport, check_destination
-from dcp_safe.exporting.selection import parse_dtype, select
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.units import format_bytes
 
@@ -77,7 +75,7 @@ def export(
     format: ExportFormat | str = ExportFormat.SAFETENSORS,
     keys: Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
-    max_shard_bytes: int = st.DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int = formats.DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     signing_key: bytes | str | None = None,
@@ -112,11 +110,11 @@ def export(
     """
     fmt = parse_choice(ExportFormat, format, "format")
     out_dtype = parse_dtype(dtype)
-    st.check_max_shard_bytes(max_shard_bytes)
+    formats.check_max_shard_bytes(max_shard_bytes)
     check_destination(dest, overwrite)
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
-    holds = st.holds if fmt is ExportFormat.SAFETENSORS else torch_format.holds
+    holds = formats.safetensors_holds if fmt is ExportFormat.SAFETENSORS else formats.torch_holds
     refused = [entry for entry in selection.tensors if not holds(entry.out_dtype)]
     if refused:
         dtypes = ", ".join(sorted({str(entry.out_dtype) for entry in refused}))
@@ -127,9 +125,9 @@ def export(
         )
     with StagedExport(dest, overwrite=overwrite) as staged:
         if fmt is ExportFormat.SAFETENSORS:
-            skipped = st.write(staged, source, selection, max_shard_bytes)
+            skipped = formats.write_safetensors(staged, source, selection, max_shard_bytes)
         else:
-            skipped = torch_format.write(staged, source, selection)
+            skipped = formats.write_torch(staged, source, selection)
         staged.publish()
     return ExportResult(
         dest=staged.dest,

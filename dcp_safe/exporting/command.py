@@ -10,7 +10,7 @@ import argparse
 from dcp_safe import layout
 from dcp_safe.checkpoints.catalog import latest_named
 from dcp_safe.exporting.api import ExportFormat, ExportResult, export
-from dcp_safe.exporting.safetensors_format import DEFAULT_MAX_SHARD_BYTES
+from dcp_safe.exporting.formats import DEFAULT_MAX_SHARD_BYTES
 from dcp_safe.topology import Root
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]

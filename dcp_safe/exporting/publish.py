@@ -141,7 +141,7 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         self._backend.sync_dir(self._work)
         replace = self._overwrite and os.path.lexists(self.dest)
         if replace:
-            _check_dest(self.dest, overwrite=True)
+            check_destination(self.dest, overwrite=True)
         try:
             old = self._backend.publish_dir(self._work, self._leaf, replace=replace)
         except FileExistsError:
@@ -162,26 +162,19 @@ def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
     if "://" in text and not text.startswith("file://"):
         raise ConfigError(f"dest must be a local path, got {text!r}")
     path = os.path.abspath(text.removeprefix("file://"))
-    _check_dest(path, overwrite)
+    if os.path.lexists(path) and not overwrite:
+        raise ConfigError(_exists_message(path))
+    if os.path.lexists(path) and not (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and os.path.isfile(os.path.join(path, CHECKSUMS))
+    ):
+        raise ConfigError(
+            f"refusing to replace {path}: it is not an earlier export (no {CHECKSUMS} in it);"
+            " remove it yourself or choose another dest"
+        )
     return path
 
 
 def _exists_message(dest: str) -> str:
     return f"{dest} exists; pass overwrite=True (dcp-safe export --overwrite) to replace an export"
-
-
-def _check_dest(dest: str, overwrite: bool) -> None:
-    if not os.path.lexists(dest):
-        return
-    if not overwrite:
-        raise ConfigError(_exists_message(dest))
-    is_export = (
-        os.path.isdir(dest)
-        and not os.path.islink(dest)
-        and os.path.isfile(os.path.join(dest, CHECKSUMS))
-    )
-    if not is_export:
-        raise ConfigError(
-            f"refusing to replace {dest}: it is not an earlier export (no {CHECKSUMS} in it);"
-            " remove it yourself or choose another dest"
-        )

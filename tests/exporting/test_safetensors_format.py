@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from dcp_safe.errors import ConfigError
-from dcp_safe.exporting.safetensors_format import (
+from dcp_safe.exporting.consolidate import TensorEntry, parse_dtype
+from dcp_safe.exporting.formats import (
     check_max_shard_bytes,
     encode_header,
     encode_index,
     plan_shards,
     shard_names,
 )
-from dcp_safe.exporting.selection import TensorEntry, parse_dtype
 
 
 def _entry(key: str, numel: int, dtype: torch.dtype = torch.float32) -> TensorEntry:

@@ -1,0 +1,344 @@
+"""The two export formats, each written as a stream and checked with its reference reader.
+
+safetensors: ``safetensors.save_file`` wants every tensor in memory at once; here the header is
+computed from DCP's metadata before any data is read, and the tensors are appended in the
+header's order. Shards are split as ``huggingface_hub``'s ``split_torch_state_dict_into_shards``
+splits them.
+
+torch: ``torch.save`` needs every tensor in memory; its format (a zip of a pickle that rebuilds
+each tensor from a storage record) does not. The pickle is written first, then each tensor's
+bytes. The pickle is exactly what ``Tensor.__reduce_ex__`` pickles, so
+``torch.load(weights_only=True)`` loads the file; the constant records are learnt from the
+running torch's own ``torch.save``, not hard-coded.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import secrets
+import struct
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dcp_safe import layout
+from dcp_safe.adapters.tensor_records import learnt_format
+from dcp_safe.errors import ConfigError, StorageError
+from dcp_safe.exporting.consolidate import Consolidator, NotPlainData, Selection, TensorEntry
+from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
+from dcp_safe.torch_compat import TensorStub, legacy_storage_type, pickle_stubs
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "TorchFileWriter",
+    "check_max_shard_bytes",
+    "encode_header",
+    "encode_index",
+    "is_plain",
+    "plan_shards",
+    "safetensors_holds",
+    "shard_names",
+    "torch_holds",
+    "write_safetensors",
+    "write_torch",
+]
+
+#: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key
+_ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
+
+# The dtype codes of the safetensors format (as safetensors.torch names them).
+_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def safetensors_holds(dtype: torch.dtype) -> bool:
+    """Whether the safetensors format can name ``dtype``."""
+    return dtype in _CODES
+
+
+def write_safetensors(
+    staged: StagedExport, source: Consolidator, selection: Selection, max_shard_bytes: int
+) -> dict[str, str]:
+    """Write the selected tensors as one file or as shards and their index, each file checked
+    with the reference reader; the entries skipped (every non-tensor), each with the reason.
+
+    Raises:
+        ConfigError: the selection holds no tensors, or a tensor named ``__metadata__``.
+        StorageError: a write failed, or the reader refuses a file written.
+    """
+    if not selection.tensors:
+        raise ConfigError("nothing to export: the selected entries hold no tensors")
+    shards = plan_shards(selection.tensors, max_shard_bytes)
+    files = dict(zip(shard_names(len(shards)), shards, strict=True))
+    metadata = {"format": "pt", "source": f"dcp_safe checkpoint {source.name}"}
+    for file_name, entries in files.items():
+        header = encode_header(entries, metadata)
+        with staged.open(file_name) as sink:
+            sink.write(header)
+            source.each_tensor(entries, lambda e, t: write_tensor(sink, t, e.out_dtype))
+            if sink.tell() != len(header) + sum(e.out_nbytes for e in entries):
+                raise StorageError("write", staged.path(file_name), "size is off")
+        _check_safetensors(staged.path(file_name), entries)
+    if len(files) > 1:
+        with staged.open(layout.SAFETENSORS_INDEX) as sink:
+            sink.write(encode_index(files))
+    return dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
+
+
+def check_max_shard_bytes(max_shard_bytes: object) -> None:
+    """Raise :class:`~dcp_safe.errors.ConfigError` unless it is a positive ``int``."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
+        raise ConfigError(f"max_shard_bytes must be an int, got {max_shard_bytes!r}")
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}")
+
+
+def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
+    """``entries`` (in order) split into shards of at most ``max_shard_bytes`` of tensor data,
+    except a tensor larger than that, which gets a shard of its own.
+
+    Raises:
+        ConfigError: a key is ``__metadata__``.
+    """
+    if any(entry.key == _RESERVED for entry in entries):
+        raise ConfigError(
+            f"safetensors reserves the key {_RESERVED!r} for its header, and a tensor of the"
+            f" checkpoint has it: export with format='torch', or select the other entries"
+            " with keys= (dcp-safe export --keys)"
+        )
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.out_nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.out_nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """File names for ``count`` shards, as Hugging Face names them."""
+    if count == 1:
+        return [layout.SAFETENSORS_FILE]
+    return [layout.safetensors_shard_name(i, count) for i in range(1, count + 1)]
+
+
+def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:
+    """The length prefix and JSON header of a file holding ``entries`` in this order."""
+    header: dict[str, object] = {_RESERVED: metadata}
+    offset = 0
+    for entry in entries:
+        end = offset + entry.out_nbytes
+        header[entry.key] = {
+            "dtype": _CODES[entry.out_dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def encode_index(files: dict[str, list[TensorEntry]]) -> bytes:
+    """``model.safetensors.index.json`` for the shards ``files`` (file name -> its entries)."""
+    weight_map = {entry.key: name for name, entries in files.items() for entry in entries}
+    total = sum(entry.out_nbytes for entries in files.values() for entry in entries)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode("utf-8")
+
+
+def _check_safetensors(path: str, entries: Sequence[TensorEntry]) -> None:
+    """Open a written file with the reference reader and compare its table of contents.
+
+    Raises:
+        StorageError: the reader refuses the file or lists other tensors.
+    """
+    try:
+        with safe_open(path, framework="pt") as opened:  # type: ignore[no-untyped-call]
+            keys = sorted(opened.keys())
+    except Exception as exc:
+        raise StorageError("check", path, f"safetensors refuses the file: {exc}") from exc
+    if keys != sorted(entry.key for entry in entries):
+        raise StorageError("check", path, "safetensors lists other tensors than were written")
+
+
+# ---------------------------------------------------------------- torch.save
+
+_ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def torch_holds(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` has a typed-storage class for the pickle."""
+    return legacy_storage_type(dtype) is not None
+
+
+def write_torch(staged: StagedExport, source: Consolidator, selection: Selection) -> dict[str, str]:
+    """Write ``model.pt`` of the selected tensors and the plain-data objects, checked by
+    loading it back; the objects skipped (not plain data), each with the reason.
+
+    Raises:
+        ConfigError: the selection holds no tensors and no plain data.
+        StorageError: a write failed, or ``torch.load`` finds other contents.
+    """
+    plain: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for key, value in source.objects(selection.objects).items():
+        if isinstance(value, NotPlainData):
+            skipped[key] = value.reason
+        elif not is_plain(value):
+            skipped[key] = f"not plain data ({type(value).__name__})"
+        else:
+            plain[key] = value
+    if not selection.tensors and not plain:
+        raise ConfigError("nothing to export: the selection holds no tensors and no plain data")
+    with (
+        staged.open(layout.TORCH_FILE) as sink,
+        TorchFileWriter(sink, selection.tensors, plain) as writer,
+    ):
+        source.each_tensor(selection.tensors, writer.add)
+    _check_torch(staged.path(layout.TORCH_FILE), selection.tensors, plain)
+    return skipped
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` rebuilds:
+    ``None``, numbers, strings, bytes, and lists, tuples and dicts of them."""
+    if isinstance(value, _PLAIN):
+        return True
+    if type(value) in (list, tuple):
+        return all(is_plain(item) for item in value)
+    if type(value) in (dict, collections.OrderedDict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    return False
+
+
+class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
+    """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
+
+    Call order: construct (writes the pickle), :meth:`add` once per tensor in the order given,
+    :meth:`close`. As a context manager it closes on success and, on an exception, winds the
+    archive down into a discarded sink (the caller throws the file away). The loaded file is
+    a flat dict from key to tensor or object, in key order.
+
+    Args:
+        tensors: the tensors that :meth:`add` will be given, in that order.
+        objects: plain-data entries (see :func:`is_plain`) by key.
+    """
+
+    def __init__(
+        self, sink: Sha256Sink, tensors: Sequence[TensorEntry], objects: dict[str, Any]
+    ) -> None:
+        learnt = learnt_format()  # the records torch writes around a tensor's
+        if learnt is None:
+            raise ConfigError(
+                "format='torch' does not know this torch's file layout; use safetensors"
+            )
+        self._format = learnt
+        kinds = [(name.partition("/")[2], content) for name, content in learnt.records]
+        data = next(i for i, (kind, _) in enumerate(kinds) if kind.startswith("data/"))
+        self._sink = sink
+        self._tensors = list(tensors)
+        self._next = 0
+        # No seek on the sink: zipfile writes each record front to back.
+        self._zip = zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True)
+        state: dict[str, Any] = dict(objects)
+        for index, entry in enumerate(self._tensors):
+            storage_type = legacy_storage_type(entry.out_dtype)
+            assert storage_type is not None  # refused up front (torch_holds)
+            state[entry.key] = TensorStub(str(index), storage_type, entry.shape)
+        self._record("data.pkl", pickle_stubs(dict(sorted(state.items()))))
+        # Then the constant records before the data; those after it wait for close().
+        self._after = [(kind, content) for kind, content in kinds[data:] if content is not None]
+        for kind, content in kinds[:data]:
+            if content is not None:
+                self._record(kind, content)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        self._sink.discard()
+        with contextlib.suppress(Exception):
+            self._zip.close()  # else its finalizer would try, into a closed file
+
+    def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        """Append the next tensor's record (cast to the entry's output dtype)."""
+        if self._next >= len(self._tensors) or self._tensors[self._next].key != entry.key:
+            raise ValueError(f"tensor {entry.key!r} out of order")  # a caller's bug
+        name = f"{self._format.archive}/data/{self._next}"
+        info = self._aligned(name, entry.out_nbytes)
+        with self._zip.open(info, "w", force_zip64=True) as record:
+            write_tensor(record, tensor, entry.out_dtype)
+        self._next += 1
+
+    def close(self) -> None:
+        """Write the trailing records and the zip directory."""
+        if self._next != len(self._tensors):
+            raise ValueError("not every tensor was added")  # a caller's bug
+        for kind, content in self._after:
+            self._record(kind, content)
+        serial = f"{secrets.randbits(128):040d}"[-40:]
+        self._record(".data/serialization_id", serial.encode())
+        self._zip.close()
+
+    def _record(self, kind: str, content: bytes) -> None:
+        name = f"{self._format.archive}/{kind}"
+        with self._zip.open(self._aligned(name, len(content)), "w", force_zip64=True) as record:
+            record.write(content)
+
+    def _aligned(self, name: str, size: int) -> zipfile.ZipInfo:
+        """A record whose data will start on the alignment torch uses (padding in an extra
+        field of the local header, as torch pads)."""
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.file_size = size
+        fixed = self._sink.tell() + 30 + len(name.encode()) + 4 + _ZIP64_EXTRA
+        pad = -fixed % self._format.alignment
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        return info
+
+
+def _check_torch(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
+    """Load a written file as a user will (``torch.load(weights_only=True)``, with ``mmap=True``
+    so the tensor data is mapped, not read) and compare its keys, dtypes and shapes.
+
+    Raises:
+        StorageError: torch refuses the file or finds other contents.
+    """
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise StorageError("check", path, f"torch.load refuses the file: {exc}") from exc
+    expected = {entry.key: (entry.out_dtype, entry.shape) for entry in tensors}
+    found = {
+        key: (value.dtype, tuple(value.shape))
+        for key, value in loaded.items()
+        if isinstance(value, torch.Tensor)
+    }
+    if found != expected or set(loaded) != set(expected) | set(objects):
+        raise StorageError("check", path, "torch.load finds other contents than were written")
