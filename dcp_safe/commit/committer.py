@@ -29,7 +29,6 @@ from dcp_safe.commit.results import (
     bytes_by_file,
     check_every_item_written,
     dcp_metadata,
-    plain_dcp_metadata,
     records_by_rank,
     report_for,
     same_records,
@@ -147,8 +146,7 @@ class Committer:
             )
         check_every_item_written(metadata, per_rank)
         rank_files = self._check_ranks(publication, per_rank, reports)
-        metadata_bytes = dcp_metadata(metadata, name, save_id, results)
-        plain = plain_dcp_metadata(metadata, name)
+        metadata_bytes, plain = dcp_metadata(metadata, name, save_id, results, per_rank)
         algorithm = self.options.checksum
         files = [f for shard_files, _ in rank_files for f in shard_files]
         files += [manifest_file for _, manifest_file in rank_files]

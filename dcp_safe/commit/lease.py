@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -181,21 +182,18 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
         fields = None
     if not isinstance(fields, dict):
         return LeaseHolder(raw=raw)
-    attempt, stamp, save_id = (
-        fields.get("attempt"),
-        fields.get("acquired_at"),
-        fields.get("save_id"),
-    )
+
+    def typed(key: str, kind: type | tuple[type, ...]) -> Any:
+        value = fields.get(key)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    stamp, save_id = typed("acquired_at", (int, float)), fields.get("save_id")
     return LeaseHolder(
         raw=raw,
         save_id=save_id if layout.is_save_id(save_id) else None,
-        attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
-        run_id=run_id if isinstance(run_id := fields.get("run_id"), str) else None,
-        acquired_at=(
-            float(stamp)
-            if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
-            else None
-        ),
+        attempt=typed("attempt", int),
+        run_id=typed("run_id", str),
+        acquired_at=None if stamp is None else float(stamp),
         abandoned=fields.get("abandoned") is True,
     )
 
@@ -347,12 +345,12 @@ def _win_record(
     raise held_error(backend, name, [None])
 
 
+@dataclass
 class Quiet:
     """When anything under ``<name>/`` last changed, read once, and only if a rule asks."""
 
-    def __init__(self, backend: Backend, name: str) -> None:
-        self.backend = backend
-        self.name = name
+    backend: Backend
+    name: str
 
     @functools.cached_property
     def changed(self) -> float | None:

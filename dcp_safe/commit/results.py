@@ -17,7 +17,7 @@ import pickle
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
@@ -38,7 +38,6 @@ __all__ = [
     "bytes_by_file",
     "check_every_item_written",
     "dcp_metadata",
-    "plain_dcp_metadata",
     "records_by_rank",
     "report_for",
     "same_records",
@@ -118,11 +117,6 @@ def records_by_rank(
     return per_rank, reports
 
 
-def _record_of(result: WriteResult) -> ItemRecord:
-    data = result.storage_data
-    return data.record if isinstance(data, ReportedItem) else cast(ItemRecord, data)
-
-
 def check_every_item_written(metadata: Metadata, per_rank: Mapping[int, list[ItemRecord]]) -> None:
     written: dict[ItemKey, int] = {}
     for rank, records in per_rank.items():
@@ -169,34 +163,33 @@ def bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
 
 
 def dcp_metadata(
-    metadata: Metadata, name: str, save_id: str, results: list[list[WriteResult]]
-) -> bytes:
-    """DCP's own ``.metadata``: plain ``StorageInfo`` entries, so torch's readers load it."""
-    storage: dict[Any, StorageInfo] = {}
-    for rank_results in results:
-        for result in rank_results:
-            record = _record_of(result)
-            storage[result.index] = StorageInfo(
-                relative_path=record.file,
-                offset=record.start,
-                length=record.length,
-                transform_descriptors=list(record.transforms) or None,
-            )
-    metadata.version = CURRENT_DCP_VERSION
-    metadata.storage_data = storage
-    metadata.storage_meta = StorageMeta(checkpoint_id=name, save_id=save_id)
-    return pickle.dumps(metadata)
+    metadata: Metadata,
+    name: str,
+    save_id: str,
+    results: list[list[WriteResult]],
+    per_rank: Mapping[int, list[ItemRecord]],
+) -> tuple[bytes, dict[str, Any] | None]:
+    """DCP's own ``.metadata`` (plain ``StorageInfo`` entries, so torch's readers load it), and
+    the manifest's ``dcp_metadata``: what loads read instead of unpickling ``.metadata``.
 
-
-def plain_dcp_metadata(metadata: Metadata, name: str) -> dict[str, Any] | None:
-    """The manifest's ``dcp_metadata``: what loads read instead of unpickling ``.metadata``.
-
-    ``None``, with a warning, when the metadata holds what the plain form does not carry (the
-    planner data of a custom planner): the checkpoint is still written, and dcp_safe's readers
-    then load it only with ``allow_pickle=True``.
+    The latter is ``None``, with a warning, when the metadata holds what the plain form does
+    not carry (the planner data of a custom planner): the checkpoint is still written, and
+    dcp_safe's readers then load it only with ``allow_pickle=True``.
     """
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = {
+        result.index: StorageInfo(
+            relative_path=record.file,
+            offset=record.start,
+            length=record.length,
+            transform_descriptors=list(record.transforms) or None,
+        )
+        for rank, rank_results in enumerate(results)
+        for result, record in zip(rank_results, per_rank[rank], strict=True)
+    }
+    metadata.storage_meta = StorageMeta(checkpoint_id=name, save_id=save_id)
     try:
-        return encode_dcp_metadata(metadata)
+        plain = encode_dcp_metadata(metadata)
     except ValueError as exc:
         log.warning(
             "checkpoint %s: DCP metadata has no plain form (%s); it will load only with"
@@ -204,4 +197,5 @@ def plain_dcp_metadata(metadata: Metadata, name: str) -> dict[str, Any] | None:
             name,
             exc,
         )
-        return None
+        plain = None
+    return pickle.dumps(metadata), plain

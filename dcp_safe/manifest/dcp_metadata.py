@@ -107,11 +107,9 @@ class _Budget:
     """Elements an encoding may visit (chunks, path elements, fingerprints): an unpickled
     metadata can share one long list under every key, which walked naively never ends."""
 
-    left: int | None
+    left: float  # math.inf: a save's own metadata, trusted
 
     def take(self, count: int) -> None:
-        if self.left is None:
-            return
         self.left -= count
         if self.left < 0:
             raise ValueError("more chunks, path elements or fingerprints than the manifest allows")
@@ -131,7 +129,7 @@ def encode_dcp_metadata(metadata: object, *, budget: int | None = None) -> dict[
     """
     if not isinstance(metadata, Metadata):
         raise ValueError(f"not DCP metadata ({type(metadata).__name__})")
-    count = _Budget(budget)
+    count = _Budget(math.inf if budget is None else budget)
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise ValueError("state_dict_metadata is not a dict")
@@ -268,10 +266,7 @@ def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
 
 
 def _only_ints(values: Iterable[object]) -> bool:
-    return set(map(type, values)) <= _INT_TYPE
-
-
-_INT_TYPE = frozenset({int})
+    return set(map(type, values)) <= {int}
 
 
 def _count(value: object, what: str) -> int:

@@ -71,35 +71,28 @@ def resolve_key(
     Raises:
         ConfigError: a key shorter than ``MIN_KEY_BYTES``, bad hex, or not bytes or str.
     """
+    source = "signing_key"
     if key is None:
-        value = (os.environ if environ is None else environ).get(SIGNING_KEY_ENV)
-        if not value:
+        key = (os.environ if environ is None else environ).get(SIGNING_KEY_ENV)
+        if not key:
             return None
-        return _decode(value, f"${SIGNING_KEY_ENV}")
-    if isinstance(key, bytes | bytearray):
-        return _check_length(bytes(key), "signing_key")
-    if isinstance(key, str):
-        return _decode(key, "signing_key")
-    raise ConfigError(f"signing_key must be bytes or str, got {type(key).__name__}")
-
-
-def _decode(value: str, source: str) -> bytes:
-    if value.startswith(_HEX_PREFIX):
+        source = f"${SIGNING_KEY_ENV}"
+    if isinstance(key, str) and key.startswith(_HEX_PREFIX):
         try:
-            return _check_length(bytes.fromhex(value[len(_HEX_PREFIX) :]), source)
+            key = bytes.fromhex(key[len(_HEX_PREFIX) :])
         except ValueError:
             raise ConfigError(f"{source} starts with 'hex:' but is not hex digits") from None
-    return _check_length(value.encode("utf-8"), source)
-
-
-def _check_length(key: bytes, source: str) -> bytes:
+    elif isinstance(key, str):
+        key = key.encode("utf-8")
+    elif not isinstance(key, bytes | bytearray):
+        raise ConfigError(f"signing_key must be bytes or str, got {type(key).__name__}")
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(
             f"{source} is {len(key)} bytes; a signing key needs at least {MIN_KEY_BYTES}"
             " (e.g. 'hex:' + 64 hex digits from `python -c 'import secrets;"
             " print(secrets.token_hex(32))'`)"
         )
-    return key
+    return bytes(key)
 
 
 def sign_digest(key: bytes, digest: str) -> bytes:
