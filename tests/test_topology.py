@@ -24,7 +24,7 @@ from dcp_safe import (
     WriterOptions,
     list_checkpoints,
 )
-from dcp_safe.adapters.for_topology import writer_for
+from dcp_safe.adapters.node_local import writer_for
 from dcp_safe.checkpoints.node_cache import list_node_caches
 from dcp_safe.topology import this_node
 

@@ -1,7 +1,8 @@
 """Node-local tiers: every node saves to its own disk, the shared remote holds the checkpoint.
 
 The steps, the node cache, the backpressure and why it is built this way: docs/architecture.md,
-"Node caches".
+"Node caches". :func:`writer_for` is the one place a topology's roles become writer arguments
+(the manager and a user of the writer both build their writer there).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from dcp_safe.replication.rank_upload import (
     await_remote_commit,
     upload_rank_part,
 )
-from dcp_safe.topology import Root, RootLike, Topology
+from dcp_safe.topology import RootLike, Topology
 
-__all__ = ["NodeLocalOptions", "NodeLocalWriter"]
+__all__ = ["NodeLocalOptions", "NodeLocalWriter", "writer_for"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +107,8 @@ class NodeLocalWriter(SafeStorageWriter):
             if remote is None:
                 raise ConfigError("NodeLocalWriter needs remote=, the shared root")
             options = kwargs.pop("storage_options", None)
-            commit = remote if isinstance(remote, Root) else Root(os.fspath(remote), options)
-            root = Topology(
-                commit, node_cache=Root(os.fspath(root), options), peer_copies=peer_copies
+            root = Topology.of(
+                remote, node_local=root, storage_options=options, peer_copies=peer_copies
             )
         elif (remote, peer_copies) != (None, 1):
             raise ConfigError(
@@ -300,3 +300,24 @@ class NodeLocalWriter(SafeStorageWriter):
             # late rank, say) is the more exact one.
             own_commit(self.node_options.remote_timeout_s)
             raise
+
+
+def writer_for(
+    topology: Topology, *, remote_timeout_s: float | None = None, **kwargs: Any
+) -> SafeStorageWriter:
+    """A :class:`SafeStorageWriter` of ``topology``'s commit root (and its replica), or, with a
+    node cache, a :class:`NodeLocalWriter` that writes there and uploads to the commit root.
+    The writer keeps ``topology`` itself as its ``topology``.
+
+    Args:
+        remote_timeout_s: bounds the per-rank uploads' waits (rank 0 for every rank's upload,
+            a rank for the remote commit: twice it); default: the upload options' own.
+        **kwargs: the other :class:`SafeStorageWriter` arguments (``attempt``, ``options``,
+            ...); not the roots, which the topology gives.
+    """
+    bound: dict[str, Any] = (
+        {} if remote_timeout_s is None else {"remote_timeout_s": remote_timeout_s}
+    )
+    if topology.node_cache is None:
+        return SafeStorageWriter(topology, replication_options=UploadOptions(**bound), **kwargs)
+    return NodeLocalWriter(topology, node_options=NodeLocalOptions(**bound), **kwargs)

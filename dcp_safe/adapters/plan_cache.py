@@ -88,10 +88,7 @@ def cache_for(group: Any) -> PlanCache:
     if group is None:
         return _single_process
     with _lock:
-        found = _per_group.get(group)
-        if found is None:
-            found = _per_group[group] = PlanCache()
-        return found
+        return _per_group.setdefault(group, PlanCache())
 
 
 def new_token() -> int:

@@ -27,32 +27,21 @@ __all__ = ["with_shared_entries"]
 def with_shared_entries(metadata: Metadata) -> Metadata:
     """``metadata`` with its ``state_dict_metadata`` rebuilt from shared equal parts (the
     entries of any other type kept as they are)."""
-    properties: dict[tuple[Any, ...], TensorProperties] = {}
-    sizes: dict[tuple[Any, ...], Any] = {}
+    seen: dict[tuple[Any, ...], Any] = {}
 
     def size(value: Any) -> Any:
         # torch.Size is a tuple: its elements key it (a plain tuple of the same ints too, so
         # the type is part of the key).
-        return sizes.setdefault((type(value), *value), value)
+        return seen.setdefault((type(value), *value), value)
 
     entries: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        if type(entry) is not TensorStorageMetadata or type(entry.properties) is not (
-            TensorProperties
-        ):
+        props = getattr(entry, "properties", None)
+        if type(entry) is not TensorStorageMetadata or type(props) is not TensorProperties:
             entries[key] = entry
             continue
-        props = entry.properties
-        shared = properties.setdefault(
-            (
-                props.dtype,
-                props.layout,
-                props.requires_grad,
-                props.memory_format,
-                props.pin_memory,
-            ),
-            props,
-        )
+        fields = (props.dtype, props.layout, props.requires_grad, props.memory_format)
+        shared = seen.setdefault((TensorProperties, *fields, props.pin_memory), props)
         chunks = [
             ChunkStorageMetadata(offsets=size(c.offsets), sizes=size(c.sizes))
             if type(c) is ChunkStorageMetadata

@@ -29,7 +29,7 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.adapters import api
-from dcp_safe.adapters.for_topology import writer_for
+from dcp_safe.adapters.node_local import writer_for
 from dcp_safe.adapters.planners import RestoreReport, SafeLoadPlanner
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.checkpoints.history import History
