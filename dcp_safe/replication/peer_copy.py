@@ -97,14 +97,13 @@ def copy_to_peers(
             failed = f"node {peers.node} offered nothing: {type(exc).__name__}: {exc}"
     offers = gather_objects((offer, failed), peers.group)
     transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
-    landed, failed_here = _exchange(name, transfers, peers, local, remote, chunk_bytes)
+    landed, errors = _exchange(name, transfers, peers, local, remote, chunk_bytes)
     if peers.leads_node() and keep is not None:
         try:
             prune_peer_copies(local, keep)
         except OSError as exc:  # reported with the outcomes: every rank must reach the gather
-            why = f"pruning peer copies: {type(exc).__name__}: {exc}"
-            failed_here = why if failed_here is None else f"{failed_here}; {why}"
-    outcomes = gather_objects(failed_here, peers.group)
+            errors.append(f"pruning peer copies: {type(exc).__name__}: {exc}")
+    outcomes = gather_objects("; ".join(errors) or None, peers.group)
     failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
     failures |= {rank: why for rank, why in enumerate(outcomes) if why}
     if failures:
@@ -129,7 +128,7 @@ def _exchange(
     local: Backend,
     remote: Backend,
     chunk_bytes: int,
-) -> tuple[list[str], str | None]:
+) -> tuple[list[str], list[str]]:
     """Send and receive this rank's transfers; the copies committed here, and why not all."""
     sends = [t for t in transfers if t.src == peers.rank]
     receives = [t for t in transfers if t.dst == peers.rank]
@@ -150,21 +149,13 @@ def _exchange(
                 if error is not None:
                     send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
 
-    def receive_all() -> tuple[list[str], list[str]]:
-        landed: list[str] = []
-        errors: list[str] = []
+    def receive_all() -> list[tuple[str, str | None]]:
         raw = _committed_manifest(local, remote, name) if receives else b""
-        for transfer in receives:
-            folder, error = _receive_copy(name, transfer, peers, local, raw, chunk_bytes)
-            if error is None:
-                landed.append(folder)
-            else:
-                errors.append(error)
-        return landed, errors
+        return [_receive_copy(name, t, peers, local, raw, chunk_bytes) for t in receives]
 
-    landed, errors = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
-    errors += send_errors
-    return landed, "; ".join(errors) if errors else None
+    received = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
+    landed = [folder for folder, error in received if error is None]
+    return landed, [error for _, error in received if error is not None] + send_errors
 
 
 def _receive_copy(
@@ -191,10 +182,8 @@ def _receive_copy(
     for path, size in transfer.files:
         record = None if manifest is None else manifest.file(path)
         if record is None or record.size != size:  # another save's offer: land it nowhere
-            record, failure = (
-                FileRecord(path=path, size=size),
-                failure or f"{path} is not in the manifest",
-            )
+            record = FileRecord(path=path, size=size)
+            failure = failure or f"{path} is not in the manifest"
         try:
             receive_file(
                 peers.group,
