@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from dcp_safe.torch_compat import dtensor_local, rebuild_dtensor
 
 __all__ = [
-    "ATOMIC",
     "Layout",
     "collect_tensors",
     "is_stateful",
@@ -32,7 +31,7 @@ __all__ = [
 ]
 
 # Values deepcopy returns as they are; the walks skip them without a call.
-ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
+_ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
 _MISSING = object()
 # C getters mapped over the candidates: a fraction of a microsecond per tensor each.
 _shape = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
@@ -139,7 +138,7 @@ def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) ->
         kind = type(value)
         if kind is _TENSOR or kind is _PARAMETER:
             append(value)
-        elif kind not in ATOMIC:
+        elif kind not in _ATOMIC:
             _visit(value, candidates, structure)
 
 
@@ -149,13 +148,12 @@ def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
     Every key of ``staged`` must be the ``id`` of a tensor in ``obj`` that the caller keeps
     alive, so the ids stay valid.
     """
-    memo: dict[int, Any] = dict(staged)
-    return _copy(obj, memo)
+    return _copy(obj, dict(staged))
 
 
 def _copy(obj: Any, memo: dict[int, Any]) -> Any:
     kind = type(obj)
-    if kind in ATOMIC:
+    if kind in _ATOMIC:
         return obj
     found = memo.get(id(obj), _MISSING)
     if found is not _MISSING:
@@ -167,17 +165,17 @@ def _copy(obj: Any, memo: dict[int, Any]) -> Any:
         if state:  # OrderedDict's instance attributes (state_dict()'s ``_metadata``)
             out.__dict__.update(_copy(state, memo))
         for key, value in obj.items():
-            if type(value) not in ATOMIC:
+            if type(value) not in _ATOMIC:
                 value = _copy(value, memo)
-            out[key if type(key) in ATOMIC else _copy(key, memo)] = value
+            out[key if type(key) in _ATOMIC else _copy(key, memo)] = value
         return out
     if kind is list:
         items: list[Any] = []
         memo[id(obj)] = items
-        items.extend(v if type(v) in ATOMIC else _copy(v, memo) for v in obj)
+        items.extend(v if type(v) in _ATOMIC else _copy(v, memo) for v in obj)
         return items
     if kind is tuple:
-        copied = tuple(v if type(v) in ATOMIC else _copy(v, memo) for v in obj)
+        copied = tuple(v if type(v) in _ATOMIC else _copy(v, memo) for v in obj)
         result = obj if all(a is b for a, b in zip(obj, copied, strict=True)) else copied
         memo[id(obj)] = result
         return result

@@ -82,14 +82,18 @@ class MemoryBudget:
                 require_int(name, value, 0, " (or None when unknown)")
         if not 0.0 <= float(self.reserve_fraction) < 1.0:
             raise ConfigError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
-        _check_share(self.share)
+        share = self.share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError(
+                f"share must be a number in (0, 1], this rank's fraction of the node's envelope"
+                f" (1/8 for one of 8 ranks on the node), got {share!r}"
+            )
 
     @property
     def node_reserve(self) -> int:
         """The node's OS reserve in bytes (what a node-wide available reading is compared with)."""
-        if self.reserve_bytes is not None:
-            return self.reserve_bytes
-        return int(self.usable_bytes * self.reserve_fraction)
+        given = self.reserve_bytes
+        return int(self.usable_bytes * self.reserve_fraction) if given is None else given
 
     @property
     def reserve(self) -> int:
@@ -126,8 +130,6 @@ class MemoryBudget:
     def _part(self, node_bytes: int) -> int:
         # Exact integer arithmetic on the fraction, rounded down: 1/8 of a figure is exact, and
         # N ranks' parts never sum to more than the node's figure.
-        if self.share == 1:
-            return node_bytes
         fraction = _share_fraction(self.share)
         return node_bytes * fraction.numerator // fraction.denominator
 
@@ -247,14 +249,6 @@ def require_int(name: str, value: object, minimum: int, note: str = "") -> None:
         raise ConfigError(f"{name} must be {kind}{note}, got {value!r}")
 
 
-def _check_share(share: object) -> None:
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
-        raise ConfigError(
-            f"share must be a number in (0, 1], this rank's fraction of the node's envelope"
-            f" (1/8 for one of 8 ranks on the node), got {share!r}"
-        )
-
-
 def _share_fraction(share: float) -> Fraction:
     return Fraction(share).limit_denominator(_SHARE_MAX_DENOMINATOR)
 
@@ -270,8 +264,7 @@ def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[f
     """This rank's share of the node and where it came from (argument, torchrun, default)."""
     if local_world_size is not None:
         require_int("local_world_size", local_world_size, 1, ", the number of ranks on this node")
-    if share is not None:
-        _check_share(share)
+    if share is not None:  # checked by the class, as a given share is
         return share, "share="
     if local_world_size is not None:
         return 1 / local_world_size, f"local_world_size={local_world_size}"

@@ -55,6 +55,8 @@ class InFlightGeneration:
     guard: SnapshotGuard | None
     plan: StagingPlan
     rank: int | None = None  # this process's rank in a group of several (errors name it)
+    started: float = 0.0  # perf_counter at the request
+    ready: torch.cuda.Event | None = None  # the caller's stream's event the copy waits for
     release_claimed: bool = False
     tracked: bool = False
     staged: threading.Event = field(default_factory=threading.Event)
@@ -88,7 +90,6 @@ def copy_sources(
     gen: InFlightGeneration,
     layout: Layout,
     stream: torch.cuda.Stream | None,
-    ready: torch.cuda.Event | None,
     profile: AbstractContextManager[Any],
     state_dict: dict[str, Any],
 ) -> dict[int, torch.Tensor]:
@@ -105,8 +106,8 @@ def copy_sources(
     srcs = plan.copied(layout)
     held = plan.held_pointers
     with torch.no_grad(), stream_ctx, profile:
-        if ready is not None and stream is not None:
-            stream.wait_event(ready)
+        if gen.ready is not None and stream is not None:
+            stream.wait_event(gen.ready)
         for start, stop in plan.chunks:
             chunk = srcs[start:stop]
             now = list(map(_read_data_ptr, chunk))

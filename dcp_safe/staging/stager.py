@@ -169,7 +169,8 @@ class BudgetedStager(AsyncStager):
             waited = time.monotonic()
             with self._cond:
                 lease = self._lease(plan.request, None, "")
-                gen = InFlightGeneration(next(self._numbers), lease, span, guard, plan, rank)
+                number = next(self._numbers)
+                gen = InFlightGeneration(number, lease, span, guard, plan, rank, started)
                 gen.confirmed = confirmed
                 self._in_flight[gen.number] = gen
                 counts = self._counts
@@ -180,12 +181,12 @@ class BudgetedStager(AsyncStager):
         except BaseException as exc:
             span.fail(exc)
             raise
-        ready = None
         if self._stream is not None:  # whatever the plan: a confirmed one may add CUDA sources
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record()  # the caller's stream: copy only what its queued kernels wrote
+            gen.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            gen.ready.record()  # the caller's stream: copy only what its queued kernels wrote
+        # Not on the generation: a Future holds its result, and the staged dict must be free to go.
         future: Future[StateDict] = Future()
-        self._executor.submit(self._copy, gen, state_dict, layout, future, ready, started)
+        self._executor.submit(self._copy, gen, state_dict, layout, future)
         return future
 
     def synchronize_staging(self) -> None:
@@ -437,13 +438,11 @@ class BudgetedStager(AsyncStager):
         state_dict: StateDict,
         layout: Layout,
         future: Future[StateDict],
-        ready: torch.cuda.Event | None,
-        started: float,
     ) -> None:
         try:
             profile = self.telemetry.profile
             copy = lambda: copy_sources(  # noqa: E731
-                gen, layout, self._stream, ready, profile(Phase.STAGING), state_dict
+                gen, layout, self._stream, profile(Phase.STAGING), state_dict
             )
             staged, allocated = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
             torn = gen.torn(state_dict)
@@ -462,7 +461,7 @@ class BudgetedStager(AsyncStager):
             if gen.keep is not None:
                 gen.held = result
             self._counts.last_allocated_bytes = allocated
-            self._counts.last_staging_s = time.perf_counter() - started
+            self._counts.last_staging_s = time.perf_counter() - gen.started
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
         future.set_result(result)

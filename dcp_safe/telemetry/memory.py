@@ -96,10 +96,8 @@ class MemorySampler:
         max_samples: int = 100_000,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        for name, value in (
-            ("busy_interval_s", busy_interval_s),
-            ("idle_interval_s", idle_interval_s),
-        ):
+        intervals = {"busy_interval_s": busy_interval_s, "idle_interval_s": idle_interval_s}
+        for name, value in intervals.items():
             if not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if max_samples < 1:
@@ -252,11 +250,6 @@ _MEMINFO = _picker("MemAvailable")
 _VMSTAT = _picker("pswpin", "pswpout")
 
 
-def _fields(text: str | None, pattern: re.Pattern[str], unit: int = 1) -> dict[str, int]:
-    """The ``key[:] value`` lines ``pattern`` picks, as ints times ``unit``."""
-    return {key: int(value) * unit for key, value in pattern.findall(text or "")}
-
-
 def _int(text: str | None) -> int | None:
     try:
         return int((text or "").split()[0])
@@ -293,12 +286,10 @@ class ProcReader:
             rollup: also read PSS and USS from ``smaps_rollup``; costly and it stalls a save's
                 page faults, so read it rarely (docs/telemetry.md, "The memory sampler").
         """
-        own, host = self._self, self.proc_root
-        status = _fields(self._read(os.path.join(own, "status")), _STATUS, _KIB)
-        rollup_text = self._read(os.path.join(own, "smaps_rollup")) if rollup else None
-        rollup_fields = _fields(rollup_text, _ROLLUP, _KIB)
-        meminfo = _fields(self._read(os.path.join(host, "meminfo")), _MEMINFO, _KIB)
-        vmstat = _fields(self._read(os.path.join(host, "vmstat")), _VMSTAT)
+        status = self._pick("self/status", _STATUS, _KIB)
+        rollup_fields = self._pick("self/smaps_rollup", _ROLLUP, _KIB) if rollup else {}
+        meminfo = self._pick("meminfo", _MEMINFO, _KIB)
+        vmstat = self._pick("vmstat", _VMSTAT)
         private = [rollup_fields.get(k) for k in ("Private_Clean", "Private_Dirty")]
         return {
             "rss_bytes": status.get("VmRSS", self._rss_fallback()),
@@ -312,6 +303,12 @@ class ProcReader:
             "major_faults": self._major_faults(),
             "locked_bytes": status.get("VmLck"),
         }
+
+    def _pick(self, name: str, pattern: re.Pattern[str], unit: int = 1) -> dict[str, int]:
+        """The ``key[:] value`` lines ``pattern`` picks in ``proc_root/name``, as ints times
+        ``unit``."""
+        text = self._read(os.path.join(self.proc_root, name)) or ""
+        return {key: int(value) * unit for key, value in pattern.findall(text)}
 
     def _read(self, path: str | None) -> str | None:
         if path is None:

@@ -68,11 +68,8 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-lines form: every field, plus ``schema``."""
-        out = asdict(self)
-        out["kind"] = self.kind.value
-        out["attrs"] = dict(self.attrs)
-        out["schema"] = SCHEMA_VERSION
-        return out
+        fields = {"kind": self.kind.value, "attrs": dict(self.attrs), "schema": SCHEMA_VERSION}
+        return {**asdict(self), **fields}
 
 
 class Sink:
