@@ -76,15 +76,15 @@ class ItemRecord:
     def __post_init__(self) -> None:
         if self.blocks is not None and not isinstance(self.blocks, BlockDigests):
             raise ValueError("item blocks must be BlockDigests")
+        if _plainly_valid(vars(self)):
+            return
         if not _is_member(self.file):
             raise ValueError(f"item file {self.file!r} is not a file of the checkpoint")
-        _require_size("start", self.start)
-        _require_size("length", self.length)
+        require_int("start", self.start, what="a byte count")
+        require_int("length", self.length, what="a byte count")
         require_str("fqn", self.fqn)
-        if self.offset is not None:
-            for index in self.offset:
-                if not _is_count(index):
-                    require_int("offset", index)
+        for index in self.offset or ():
+            require_int("offset", index)
         _require_checksum(self.checksum)
         for transform in self.transforms:
             require_str("transform", transform, max_length=_MAX_TRANSFORM_CHARS)
@@ -107,9 +107,11 @@ class ItemRecord:
         Raises:
             ValueError: a missing or unknown key, or a field of the wrong type or range.
         """
-        fast = _item_if_plainly_valid(raw)
-        if fast is not None:
-            return fast
+        if raw.keys() == _ITEM_KEYS and _plainly_valid(raw):  # built without the dataclass init
+            record = object.__new__(cls)
+            offset = None if raw["offset"] is None else tuple(raw["offset"])
+            record.__dict__.update(raw, offset=offset, transforms=tuple(raw["transforms"]))
+            return record
         _require_keys("item", raw, _ITEM_KEYS | {"blocks"}, _ITEM_KEYS)
         offset, blocks = raw["offset"], raw.get("blocks")
         return cls(
@@ -138,7 +140,7 @@ class FileRecord:
     def __post_init__(self) -> None:
         if not _is_member(self.path):
             raise ValueError(f"file path {self.path!r} is not a file of the checkpoint")
-        _require_size("size", self.size)
+        require_int("size", self.size, what="a byte count")
         if self.checksum is not None:
             _require_checksum(self.checksum)
 
@@ -161,6 +163,7 @@ _FILE_KEYS = frozenset(("path", "size", "checksum"))
 _KNOWN_ALGORITHMS = frozenset(a.value for a in ChecksumAlgorithm)
 _MAX_CHECKSUM_CHARS = 512
 _MAX_TRANSFORM_CHARS = 64
+_SEQUENCES = (list, tuple)
 
 
 def _require_keys(
@@ -189,11 +192,6 @@ def _is_count(value: object) -> bool:
     return type(value) is int and 0 <= value <= MAX_INT
 
 
-def _require_size(field: str, value: object) -> None:
-    if not _is_count(value):
-        require_int(field, value, what="a byte count")
-
-
 def _is_checksum(value: object) -> bool:
     """The common case of :func:`_require_checksum`, without its messages."""
     if type(value) is str and len(value) <= _MAX_CHECKSUM_CHARS:
@@ -202,30 +200,21 @@ def _is_checksum(value: object) -> bool:
     return False
 
 
-def _item_if_plainly_valid(raw: Mapping[str, Any]) -> ItemRecord | None:
-    """The record ``raw`` describes when every field is valid in its common form (exact types,
-    plain lists), built without the dataclass init; None sends it down the general path."""
-    if raw.keys() != _ITEM_KEYS:
-        return None
-    offset, transforms, fqn = raw["offset"], raw["transforms"], raw["fqn"]
-    plain = (
+def _plainly_valid(fields: Mapping[str, Any]) -> bool:
+    """Whether an item's fields (a record's, or its JSON object's) are valid in their common
+    form (exact types), checked with no call or message per field: loads check millions."""
+    offset, transforms, fqn = fields["offset"], fields["transforms"], fields["fqn"]
+    return (
         type(fqn) is str
         and len(fqn) <= MAX_STR
-        and _is_count(raw["start"])
-        and _is_count(raw["length"])
-        and _is_checksum(raw["checksum"])
-        and _is_member(raw["file"])
-        and (offset is None or (type(offset) is list and all(map(_is_count, offset))))
-        and type(transforms) is list
+        and _is_count(fields["start"])
+        and _is_count(fields["length"])
+        and _is_checksum(fields["checksum"])
+        and _is_member(fields["file"])
+        and (offset is None or (type(offset) in _SEQUENCES and all(map(_is_count, offset))))
+        and type(transforms) in _SEQUENCES
         and all(type(t) is str and len(t) <= _MAX_TRANSFORM_CHARS for t in transforms)
     )
-    if not plain:
-        return None
-    record = object.__new__(ItemRecord)
-    record.__dict__.update(raw)  # exactly the fields: the keys were checked above
-    record.__dict__["offset"] = None if offset is None else tuple(offset)
-    record.__dict__["transforms"] = tuple(transforms)
-    return record
 
 
 def _require_checksum(value: object) -> None:
