@@ -157,22 +157,19 @@ def validate_name(name: object) -> str:
     """
     if not isinstance(name, str):
         raise InvalidCheckpointNameError(name, f"expected a str, got {type(name).__name__}")
-    if not name:
-        raise InvalidCheckpointNameError(name, "it is empty")
-    if "/" in name or "\\" in name:
-        raise InvalidCheckpointNameError(name, "it contains a path separator")
-    if ".." in name:
-        raise InvalidCheckpointNameError(name, "it contains '..'")
-    if name.startswith("."):
-        raise InvalidCheckpointNameError(name, "it starts with a dot (reserved for partials)")
-    if name == LATEST:
-        raise InvalidCheckpointNameError(name, "'latest' is reserved for the newest checkpoint")
-    if name == ATTEMPTS_DIR:
-        raise InvalidCheckpointNameError(name, f"{ATTEMPTS_DIR!r} is reserved for fencing records")
-    if len(name) > _MAX_NAME_LEN:
-        raise InvalidCheckpointNameError(name, f"it is longer than {_MAX_NAME_LEN} characters")
-    if not _ALLOWED.fullmatch(name):  # `$` alone would pass a trailing newline
-        raise InvalidCheckpointNameError(name, "only letters, digits and _.=+- are allowed")
+    for refused, reason in (  # the first that applies is the one reported
+        (not name, "it is empty"),
+        ("/" in name or "\\" in name, "it contains a path separator"),
+        (".." in name, "it contains '..'"),
+        (name.startswith("."), "it starts with a dot (reserved for partials)"),
+        (name == LATEST, "'latest' is reserved for the newest checkpoint"),
+        (name == ATTEMPTS_DIR, f"{ATTEMPTS_DIR!r} is reserved for fencing records"),
+        (len(name) > _MAX_NAME_LEN, f"it is longer than {_MAX_NAME_LEN} characters"),
+        # fullmatch: `$` alone would pass a trailing newline
+        (not _ALLOWED.fullmatch(name), "only letters, digits and _.=+- are allowed"),
+    ):
+        if refused:
+            raise InvalidCheckpointNameError(name, reason)
     return name
 
 
@@ -317,7 +314,7 @@ def is_own_object(rel: str) -> bool:
 
 
 def _checked_id(save_id: str) -> str:
-    if not isinstance(save_id, str) or not re.fullmatch(_ID, save_id):
+    if not is_save_id(save_id):
         raise ValueError(f"a save id must match {_LEASE_ID.pattern}, got {save_id!r}")
     return save_id
 
