@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -102,12 +103,18 @@ class Backend(abc.ABC):
         return StorageError(op, self.full_path(rel), exc)
 
     @contextlib.contextmanager
-    def _failing(self, op: str, rel: str) -> Iterator[None]:
-        """Any ``OSError`` in the block (``FileNotFoundError`` too) becomes :meth:`_fail`'s."""
+    def _failing(self, op: str, rel: str, *, absent: bool = False) -> Iterator[None]:
+        """Any ``OSError`` in the block becomes :meth:`_fail`'s; with ``absent``, one that says
+        ``rel`` is absent (a path under a file too, as on an object store) is raised as
+        ``FileNotFoundError``."""
         try:
             yield
         except OSError as exc:
-            raise self._fail(op, rel, exc) from exc
+            if not absent or not isinstance(exc, FileNotFoundError | NotADirectoryError):
+                raise self._fail(op, rel, exc) from exc
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
 
     @abc.abstractmethod
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:

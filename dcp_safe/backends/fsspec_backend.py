@@ -40,7 +40,7 @@ from fsspec.utils import get_protocol
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file, unwrapped
-from dcp_safe.backends.retry import is_precondition_failed, s3_error
+from dcp_safe.backends.retry import s3_error
 from dcp_safe.backends.s3_upload import (
     S3MultipartWriter,
     block_size_of,
@@ -258,19 +258,6 @@ class FsspecBackend(Backend):
     # ----------------------------------------------------------------- reading
 
     @contextmanager
-    def _reading(self, operation: str, rel: str) -> Iterator[None]:
-        """Absent stays ``FileNotFoundError`` (a path under a file too, as on an object store);
-        any other failure becomes this backend's ``StorageError`` for ``operation``."""
-        try:
-            yield
-        except FileNotFoundError:
-            raise
-        except NotADirectoryError as exc:
-            raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
-        except OSError as exc:
-            raise self._fail(operation, rel, exc) from exc
-
-    @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
         if not self.object_store:
             # Opening a FIFO would wait for a writer and a device never ends; object stores
@@ -278,13 +265,13 @@ class FsspecBackend(Backend):
             found = self.stat(rel)
             if found.kind != "file":
                 raise not_a_file(self.full_path(rel), found.kind)
-        with self._reading("open", rel):
+        with self._failing("open", rel, absent=True):
             f = self.fs.open(self._abs(rel), "rb")
         with f:
             yield f
 
     def read_bytes(self, rel: str) -> bytes:
-        with self._reading("read", rel):
+        with self._failing("read", rel, absent=True):
             return bytes(self.fs.cat_file(self._abs(rel)))
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
@@ -293,7 +280,7 @@ class FsspecBackend(Backend):
         # One ranged GET, not a HEAD, then the open's HEAD, then a GET: an object store holds
         # only objects, and the range bounds the read (a server that ignores it is refused).
         try:
-            with self._reading("read", rel):
+            with self._failing("read", rel, absent=True):
                 data = bytes(self.fs.cat_file(self._abs(rel), start=0, end=max_bytes + 1))
         except FileNotFoundError as exc:
             if self.is_dir(rel):  # only when absent: a present file costs one request
@@ -336,11 +323,11 @@ class FsspecBackend(Backend):
         }
 
     def size(self, rel: str) -> int:
-        with self._reading("stat", rel):
+        with self._failing("stat", rel, absent=True):
             return int(self.fs.size(self._abs(rel)))
 
     def stat(self, rel: str) -> FileStat:
-        with self._reading("stat", rel):
+        with self._failing("stat", rel, absent=True):
             info = self.fs.info(self._abs(rel))
         kind = info.get("type")
         if kind == "file":
@@ -425,7 +412,14 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     try:
         fs.pipe_file(path, data, mode="create")
     except OSError as exc:
-        if isinstance(exc, FileExistsError) or is_precondition_failed(exc):
+        # A 412 that s3fs did not map to FileExistsError (some S3-compatible servers leave out
+        # the ``Condition`` field s3fs keys on).
+        code, status = s3_error(exc)
+        if (
+            isinstance(exc, FileExistsError)
+            or code in ("PreconditionFailed", "412")
+            or status == 412
+        ):
             return False
         raise
     return True

@@ -47,7 +47,6 @@ __all__ = [
     "RetryPolicy",
     "RetryingBackend",
     "call_with_retries",
-    "is_precondition_failed",
     "is_transient",
     "reply_error",
     "s3_error",
@@ -200,13 +199,6 @@ def s3_error(exc: BaseException) -> tuple[str, int | None]:
     other, so a 416 is also reported as InvalidRange."""
     code, status = reply_error(getattr(exc.__cause__, "response", None))
     return ("InvalidRange", 416) if code == "InvalidRange" or status == 416 else (code, status)
-
-
-def is_precondition_failed(exc: BaseException) -> bool:
-    """A 412 that s3fs did not already map to FileExistsError (some S3-compatible servers
-    leave out the ``Condition`` field s3fs keys on)."""
-    code, status = s3_error(exc)
-    return code in ("PreconditionFailed", "412") or status == 412
 
 
 @functools.cache
