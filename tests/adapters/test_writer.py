@@ -27,8 +27,7 @@ from dcp_safe import (
     WriterOptions,
     layout,
 )
-from dcp_safe.adapters.for_topology import writer_for
-from dcp_safe.adapters.node_local import NodeLocalWriter
+from dcp_safe.adapters.node_local import NodeLocalWriter, writer_for
 from dcp_safe.adapters.options import WRITER_MOVED
 from dcp_safe.errors import CheckpointExistsError, InvalidCheckpointNameError
 
