@@ -148,9 +148,7 @@ class SharedSlabs:
         """Where ``tensor``'s whole storage lives, or ``None`` when it is no buffer of ours."""
         storage = tensor.untyped_storage()
         place = self._places.get(storage.data_ptr())
-        if place is None or place.nbytes != storage.nbytes():
-            return None
-        return place
+        return place if place is not None and place.nbytes == storage.nbytes() else None
 
     def slabs(self) -> dict[int, tuple[int, int]]:
         """Every open slab: its id -> (a duplicate of its descriptor, its size).

@@ -367,7 +367,7 @@ class BudgetedStager(AsyncStager):
             admission, new = self._decide(request, others)
             now = time.monotonic()
             if admission.admitted:
-                if new == 0 or self._pool.stats().pending_bytes == 0:
+                if new == 0 or self._pool.counts.pending_bytes == 0:  # plan() reclaimed
                     break
                 # Just-released buffers stay viewed until their dying dict lets go of its
                 # tensors; reusing them beats allocating a second copy of the state.

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Unpack, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -338,11 +339,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
 
 
 def _current_rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return 0
+    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
 
 
 class InstrumentedWriter(StorageWriter):

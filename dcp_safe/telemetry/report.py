@@ -178,6 +178,4 @@ def _over_band(samples: Sequence[MemorySample], start: float, end: float) -> int
     band = [s for s in before if s.t >= start - BAND_S] or before[-1:]
     during = [s for s in samples if start <= s.t <= end]
     base, peak = peak_of(band, "rss_bytes"), peak_of(during, "rss_bytes")
-    if base is None or peak is None:
-        return None
-    return max(0, peak - base)
+    return None if base is None or peak is None else max(0, peak - base)
