@@ -27,8 +27,7 @@ class Periodic:
     ) -> None:
         self._tick = tick
         self._interval = interval_s if callable(interval_s) else (lambda: interval_s)
-        self._wake = threading.Condition()
-        self._woken = False
+        self._wake = threading.Event()  # set: the current wait ends now
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -39,24 +38,20 @@ class Periodic:
 
     def wake(self) -> None:
         """End the current wait now: the next call comes at once."""
-        with self._wake:
-            self._woken = True
-            self._wake.notify_all()
+        self._wake.set()
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Stop the thread and wait up to ``timeout_s`` (``None``: as long as it takes) for a
         ``tick`` in progress, unless called from ``tick``; idempotent."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify_all()
+        self._stopping = True
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._stopping or self._woken, self._interval())
-                if self._stopping:
-                    return
-                self._woken = False
+            self._wake.wait(self._interval())
+            if self._stopping:
+                return
+            self._wake.clear()  # a wake from now on (during the tick) ends the next wait
             self._tick()
