@@ -234,7 +234,8 @@ def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if _batchable(value):
+        # A DTensor on CPU is its pieces, not batched.
+        if value.is_cpu and not isinstance(value, DTensor) and 0 < value.numel() <= _BATCH_ELEMENTS:
             plain.setdefault((tuple(value.shape), value.dtype), []).append((key, value))
             continue
         found[key] = [
@@ -246,14 +247,6 @@ def report(state: dict[str, Any], rank: int) -> dict[str, list[Piece]]:
         for key, sums in _batched(shape, group):
             found[key] = [(rank, origin, shape, shape, sums)]
     return found
-
-
-def _batchable(value: torch.Tensor) -> bool:
-    return (
-        value.is_cpu
-        and not isinstance(value, DTensor)  # a DTensor on CPU: its pieces, not batched
-        and 0 < value.numel() <= _BATCH_ELEMENTS
-    )
 
 
 def _batched(

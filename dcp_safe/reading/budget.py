@@ -43,7 +43,7 @@ class LoadMemoryStats:
 
 
 class Admission:
-    """One item's place in the budget: ``count`` what it allocates, ``forget`` what it frees."""
+    """One item's place in the budget: ``count`` what it allocates."""
 
     def __init__(self, budget: LoadBudget) -> None:
         self._budget = budget
@@ -55,12 +55,6 @@ class Admission:
         self.held += nbytes
         self.counted = 1
         self._budget._moved(nbytes, self.held)
-
-    def forget(self, nbytes: int) -> None:
-        """``nbytes`` of this item freed before it is done."""
-        nbytes = min(nbytes, self.held)
-        self.held -= nbytes
-        self._budget._moved(-nbytes, self.held)
 
 
 class LoadBudget:

@@ -37,7 +37,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import list_peer_copies
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, gather_objects
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.schema import ItemRecord, Manifest
+from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, SourceLog
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
@@ -149,10 +149,7 @@ class PeerSource:
                 continue
             sizes = self._sizes(copy.rel)
             found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in sizes]
-        offers: dict[str, _Source] = {}
-        for file_name, source in found:
-            offers.setdefault(file_name, source)
-        return offers
+        return dict(reversed(found))  # the first found of each file
 
     def _sizes(self, folder: str) -> dict[str, int]:
         """The shard files directly in ``folder`` on this node's disk that have their recorded
@@ -223,46 +220,30 @@ class PeerSource:
         offers: dict[str, _Source],
         scratch: str,
     ) -> None:
+        chunk = {"chunk_bytes": self.chunk_bytes}
+
         def send_all() -> None:
             for fetch in sends:
                 backend, rel = offers[fetch.file]
-                send_file(
-                    group,
-                    fetch.requester,
-                    backend,
-                    rel,
-                    fetch.size,
-                    tag=fetch.tag,
-                    chunk_bytes=self.chunk_bytes,
-                )
+                send_file(group, fetch.requester, backend, rel, fetch.size, tag=fetch.tag, **chunk)
 
         def receive_all() -> None:
             by_file = items_by_file(*self._require()) if receives else {}
             for fetch in receives:
-                self._receive(group, fetch, scratch, by_file.get(fetch.file, []))
+                record = self._require()[1].file(fetch.file)
+                assert record is not None  # needs come from the manifest
+                rel, items = f"{scratch}/{fetch.file}", by_file.get(fetch.file, [])
+                try:
+                    receive_file(
+                        group, fetch.holder, self.disk, rel, record, items, tag=fetch.tag, **chunk
+                    )
+                except (CheckpointCorruptError, OSError) as exc:  # SenderFailedError: an OSError
+                    corrupt = isinstance(exc, CheckpointCorruptError)
+                    reason = RejectionReason.CHECKSUM if corrupt else RejectionReason.UNREADABLE
+                    here = corrupt or isinstance(exc, SenderFailedError)
+                    why = str(exc) if here else f"landing here failed: {type(exc).__name__}: {exc}"
+                    self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", _PEER)
+                else:
+                    self._peer_sources[fetch.file] = (self.disk, rel)
 
         exchange(send_all, receive_all, "dcp_safe-peer-restore")
-
-    def _receive(self, group: Any, fetch: Fetch, scratch: str, items: list[ItemRecord]) -> None:
-        record = self._require()[1].file(fetch.file)
-        assert record is not None  # needs come from the manifest
-        rel = f"{scratch}/{fetch.file}"
-        try:
-            receive_file(
-                group,
-                fetch.holder,
-                self.disk,
-                rel,
-                record,
-                items,
-                tag=fetch.tag,
-                chunk_bytes=self.chunk_bytes,
-            )
-        except (CheckpointCorruptError, OSError) as exc:  # SenderFailedError is an OSError
-            corrupt = isinstance(exc, CheckpointCorruptError)
-            reason = RejectionReason.CHECKSUM if corrupt else RejectionReason.UNREADABLE
-            here = corrupt or isinstance(exc, SenderFailedError)
-            why = str(exc) if here else f"landing here failed: {type(exc).__name__}: {exc}"
-            self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", _PEER)
-        else:
-            self._peer_sources[fetch.file] = (self.disk, rel)

@@ -20,7 +20,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import open_node_cache
@@ -166,18 +166,10 @@ class SourceLog:
 
     def stats(self, cache_path: str | None) -> NodeCacheStats:
         with self._lock:
-            files, read = dict(self._files), dict(self._bytes)
-            rejections = tuple(self._rejections)
-        return NodeCacheStats(
-            cache_path=cache_path,
-            files_from_cache=files[ReadSource.NODE_CACHE],
-            files_from_remote=files[ReadSource.REMOTE],
-            rejections=rejections,
-            files_from_peer=files[ReadSource.PEER],
-            bytes_from_cache=read[ReadSource.NODE_CACHE],
-            bytes_from_peer=read[ReadSource.PEER],
-            bytes_from_remote=read[ReadSource.REMOTE],
-        )
+            counts: dict[str, Any] = {f"files_from_{_FIELD[s]}": n for s, n in self._files.items()}
+            counts |= {f"bytes_from_{_FIELD[s]}": n for s, n in self._bytes.items()}
+            counts["rejections"] = tuple(self._rejections)
+        return NodeCacheStats(cache_path=cache_path, **counts)
 
 
 class Source(Protocol):
