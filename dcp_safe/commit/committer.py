@@ -145,17 +145,12 @@ class Committer:
                 {r: "no results" for r in range(world_size) if r not in per_rank},
             )
         check_every_item_written(metadata, per_rank)
-        rank_files = self._check_ranks(publication, per_rank, reports)
+        files = self._check_ranks(publication, per_rank, reports)
         metadata_bytes, plain = dcp_metadata(metadata, name, save_id, results, per_rank)
         algorithm = self.options.checksum
-        files = [f for shard_files, _ in rank_files for f in shard_files]
-        files += [manifest_file for _, manifest_file in rank_files]
+        checksum = digest_bytes(metadata_bytes, algorithm)
         files.append(
-            FileRecord(
-                path=layout.DCP_METADATA,
-                size=len(metadata_bytes),
-                checksum=digest_bytes(metadata_bytes, algorithm),
-            )
+            FileRecord(path=layout.DCP_METADATA, size=len(metadata_bytes), checksum=checksum)
         )
         manifest = Manifest(
             name=name,
@@ -186,12 +181,12 @@ class Committer:
         publication: Publication,
         per_rank: Mapping[int, list[ItemRecord]],
         reports: Mapping[int, RankReport],
-    ) -> list[tuple[tuple[FileRecord, ...], FileRecord]]:
+    ) -> list[FileRecord]:
         """Check every rank's manifest and size every shard file, ``workers`` calls at a time.
 
         A rank that sent no report has its manifest read back and checked against its results,
-        then goes on as if it had reported it. Returns, per rank in order, its shard files and
-        the record of its rank manifest.
+        then goes on as if it had reported it. Returns every rank's shard files, in rank order,
+        then the records of their rank manifests.
         """
         work_dir, ranks = publication.work_dir, sorted(per_rank)
         unreported = [rank for rank in ranks if rank not in reports]
@@ -221,9 +216,10 @@ class Committer:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         sizes = ListedSizes(self.backend, work_dir, listed=listed)
-        checked = []
+        shards: list[FileRecord] = []
+        every = {**read_back, **reports}
         for rank in ranks:
-            report = reports.get(rank) or read_back[rank]
+            report = every[rank]
             if rank in reports:
                 self._check_report(publication, rank, report)
                 missing = "a rank manifest is missing or unreadable"
@@ -254,8 +250,8 @@ class Committer:
                     raise CommitError(
                         "a shard file is not the size its items add up to", {rank: detail}
                     )
-            checked.append((report.files, report.manifest))
-        return checked
+            shards += report.files
+        return shards + [every[rank].manifest for rank in ranks]
 
     def _read_rank(self, work_dir: str, rank: int) -> bytes:
         """One rank's manifest, as stored (a worker)."""

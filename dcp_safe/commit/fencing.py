@@ -74,7 +74,7 @@ def attempt_from_env(
     if number is not None:
         return Attempt(number=number, run_id=run_id)
     raw = environ.get(ATTEMPT_ENV)
-    if raw is None or raw == "":
+    if not raw:
         return None
     try:
         return Attempt(number=int(raw), run_id=run_id)
@@ -104,8 +104,8 @@ def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> 
     # A record is a file named as Attempt.marker names one; anything else there (a folder or a
     # link under such a name) is no record, and is passed by.
     numbers = [layout.attempt_of_record(entry) for entry in backend.sizes(attempt.directory)]
-    newest = max((n for n in numbers if n is not None), default=None)
-    if newest is not None and newest > attempt.number:
+    newest = max((n for n in numbers if n is not None), default=-1)
+    if newest > attempt.number:
         record = backend.full_path(Attempt(number=newest, run_id=attempt.run_id).marker)
         # The explanation goes into ``failures``: that is what survives DCP's trip to every
         # rank (dcp_safe.errors.from_checkpoint_exception rebuilds the message from it).

@@ -387,13 +387,17 @@ def _lease_path(name: str, save_id: str | None = None) -> str:
 
 
 def acquire_lease(
-    backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-) -> None:
-    """Take the name for this save (rank 0, before any rank writes).
+    backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED, *, join: bool = False
+) -> bool:
+    """Take the name for this save (rank 0, before any rank writes); with ``join``, or share
+    the lease this same save already holds (:func:`join_or_acquire_lease`).
 
     Args:
         claimant: what the lease records, and which lease in the way it may take over
             (above). Default: an unfenced save, which takes none over.
+
+    Returns:
+        True when it joined a lease already there (only with ``join``).
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
@@ -401,9 +405,16 @@ def acquire_lease(
     """
     _refuse_if_committed(backend, name)
     if backend.supports_exclusive_create:
-        _acquire_exclusive(backend, name, save_id, claimant)
-    else:
+        return _acquire_exclusive(backend, name, save_id, claimant, join=join)
+    own = layout.lease_file_name(save_id)
+    present = set(lease_files(backend, name)) if join else set()
+    if own not in present:
         _acquire_per_save(backend, name, save_id, claimant)
+        return False
+    if others := present - {own}:
+        raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(others)])
+    _refuse_if_committed(backend, name)
+    return True
 
 
 def _acquire_exclusive(
@@ -509,19 +520,7 @@ def join_or_acquire_lease(
     Raises:
         CheckpointExistsError: as :func:`acquire_lease`.
     """
-    _refuse_if_committed(backend, name)
-    if backend.supports_exclusive_create:
-        return _acquire_exclusive(backend, name, save_id, claimant, join=True)
-    own = layout.lease_file_name(save_id)
-    present = set(lease_files(backend, name))
-    if own not in present:
-        _acquire_per_save(backend, name, save_id, claimant)
-        return False
-    others = present - {own}
-    if others:
-        raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(others)])
-    _refuse_if_committed(backend, name)
-    return True
+    return acquire_lease(backend, name, save_id, claimant, join=True)
 
 
 def holds_lease(backend: Backend, name: str, save_id: str) -> bool:

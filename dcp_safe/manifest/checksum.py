@@ -12,6 +12,7 @@ import enum
 import hashlib
 import os
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 import blake3
@@ -93,6 +94,13 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
+_HASHERS: dict[ChecksumAlgorithm, Callable[[], Hasher]] = {
+    ChecksumAlgorithm.XXH3_128: xxhash.xxh3_128,
+    ChecksumAlgorithm.SHA256: hashlib.sha256,
+    ChecksumAlgorithm.CRC32: _Crc32,
+}
+
+
 def new_hasher(algorithm: ChecksumAlgorithm | str, *, size_hint: int | None = None) -> Hasher:
     """A fresh streaming hasher for ``algorithm``.
 
@@ -100,15 +108,10 @@ def new_hasher(algorithm: ChecksumAlgorithm | str, *, size_hint: int | None = No
     core only from ``BLAKE3_PARALLEL_MIN_BYTES`` up (``None``: unknown, assumed large).
     """
     algo = ChecksumAlgorithm(algorithm)
-    if algo is ChecksumAlgorithm.XXH3_128:
-        hasher: Hasher = xxhash.xxh3_128()
-        return hasher
-    if algo is ChecksumAlgorithm.SHA256:
-        return hashlib.sha256()
     if algo is ChecksumAlgorithm.BLAKE3:
         small = size_hint is not None and size_hint < BLAKE3_PARALLEL_MIN_BYTES
         return blake3.blake3(max_threads=1 if small else _Blake3Pool.threads())
-    return _Crc32()
+    return _HASHERS[algo]()
 
 
 def format_checksum(algorithm: ChecksumAlgorithm | str, hasher: Hasher) -> str:

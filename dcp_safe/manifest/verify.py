@@ -139,12 +139,10 @@ class FileCheck:
     def _compare_blocks(self, item: ItemRecord) -> None:
         if self._blocks is None or item.blocks is None:
             return
-        expected = item.blocks.digests
         actual = self._blocks.result().digests if self._blocks.complete else ()
-        for block, digest in enumerate(expected):
-            found = actual[block] if block < len(actual) else None
+        algorithm = item.checksum.partition(":")[0]
+        for block, (digest, found) in enumerate(itertools.zip_longest(item.blocks.digests, actual)):
             if found != digest:
-                algorithm = item.checksum.partition(":")[0]
                 raise CheckpointCorruptError(
                     self._path,
                     f"checksum mismatch in block {block} of the tensor data",
