@@ -28,16 +28,11 @@ MAX_SHOWN_CHARS = 1000
 _UNSAFE = re.compile(
     "[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]"
 )
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _escape(match: re.Match[str]) -> str:
-    char = match.group()
-    named = _NAMED.get(char)
-    if named is not None:
-        return named
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    # Python's own escape of a character it would not print: ``\n``, ``\x1b``, ``\u202e``.
+    return repr(match.group())[1:-1]
 
 
 def shown(text: object, max_chars: int = MAX_SHOWN_CHARS) -> str:
