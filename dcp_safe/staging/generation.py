@@ -112,36 +112,21 @@ def copy_sources(
             chunk = srcs[start:stop]
             now = list(map(_read_data_ptr, chunk))
             if now != held[start:stop]:
-                _check_storages(gen, state_dict, chunk, now, start)
+                # Check the sources whose pointer moved; remember the ones that hold their
+                # bytes. A pointer once found so is trusted while it stays put: coming back to
+                # the same address with fewer bytes takes a storage shrunk twice between saves.
+                lost = []
+                for index, tensor, pointer in zip(range(start, stop), chunk, now, strict=True):
+                    if held[index] != pointer and holds_its_bytes(tensor):
+                        held[index] = pointer
+                    elif held[index] != pointer:
+                        lost.append(tensor)
+                if lost:
+                    raise gen.mutated(state_dict, lost)
             foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
     if stream is not None:
         stream.synchronize()
     return plan.staged(layout, dsts)
-
-
-def _check_storages(
-    gen: InFlightGeneration,
-    state_dict: dict[str, Any],
-    chunk: list[torch.Tensor],
-    pointers: list[int],
-    start: int,
-) -> None:
-    """Check the sources of a chunk whose pointer moved; remember the ones that hold their bytes.
-
-    The plan's ``held_pointers`` (indexed from ``start``) are updated in place. A pointer once found
-    holding its bytes is trusted while it stays put: coming back to the same address with
-    fewer bytes takes a storage shrunk twice between two saves.
-    """
-    held, lost = gen.plan.held_pointers, []
-    for offset, (tensor, pointer) in enumerate(zip(chunk, pointers, strict=True)):
-        if held[start + offset] == pointer:
-            continue
-        if holds_its_bytes(tensor):
-            held[start + offset] = pointer
-        else:
-            lost.append(tensor)
-    if lost:
-        raise gen.mutated(state_dict, lost)
 
 
 def holds_its_bytes(tensor: torch.Tensor) -> bool:

@@ -63,8 +63,7 @@ class StagingPlan:
         # None: every candidate is copied, in order (the common case; no selection per save).
         self._copied = None if len(copied) == len(candidates) else copied
         sources = [candidates[i] for i in copied]
-        self._shapes = [t.shape for t in sources]
-        self._dtypes = [t.dtype for t in sources]
+        self._types = [(t.dtype, t.shape) for t in sources]
         sizes = [t.nbytes for t in sources]
         self.nbytes = sum(sizes)
         self.any_cuda = any(t.is_cuda for t in sources)
@@ -80,10 +79,7 @@ class StagingPlan:
 
     def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each buffer viewed as its tensor's dtype and shape, in request order."""
-        return [
-            b.view(dtype).view(shape)
-            for b, dtype, shape in zip(buffers, self._dtypes, self._shapes, strict=True)
-        ]
+        return [b.view(d).view(s) for b, (d, s) in zip(buffers, self._types, strict=True)]
 
     def staged(self, layout: Layout, dsts: list[torch.Tensor]) -> dict[int, Any]:
         """The staged copy per source ``id``: the views, and a fresh tensor per empty source."""

@@ -265,9 +265,7 @@ class BudgetedStager(AsyncStager):
         beyond :meth:`drop_kept` or the next kept generation."""
         with self._cond:
             gen = self._kept
-            if gen is None or gen.held is None:
-                return None
-            return gen.keep, gen.held
+            return None if gen is None or gen.held is None else (gen.keep, gen.held)
 
     def drop_kept(self) -> None:
         """Release the kept generation, if any (its buffers go back to the pool)."""

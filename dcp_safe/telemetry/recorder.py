@@ -398,8 +398,7 @@ class InstrumentedWriter(StorageWriter):
         self._watch_replication()
 
     def storage_meta(self) -> StorageMeta | None:
-        meta: StorageMeta | None = self.inner.storage_meta()
-        return meta
+        return cast(StorageMeta | None, self.inner.storage_meta())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -434,12 +433,10 @@ class InstrumentedWriter(StorageWriter):
 
     def _close_root(self, error: BaseException | str | None = None) -> None:
         root, self._root = self._root, None
-        if root is None:
-            return
-        if error is None:
-            root.end()
-        else:
+        if root is not None and error is not None:
             root.fail(error)
+        elif root is not None:
+            root.end()
 
     def _fail_open(self, error: BaseException | str) -> None:
         opened, self._plan = self._plan, None
@@ -452,8 +449,7 @@ class InstrumentedWriter(StorageWriter):
         topology: Topology | None = getattr(self.inner, "topology", None)
         if name is None or topology is None or topology.uploads_to is None:
             return
-        replication: Callable[[str], Future_[Any]] = self.inner.replication
-        future = replication(name)
+        future: Future_[Any] = self.inner.replication(name)
         span = self.telemetry.begin(Phase.REPLICATION, save=name)
         future.add_done_callback(lambda done: end_replication(span, done))
 
@@ -462,10 +458,7 @@ def end_replication(span: SpanHandle, done: Future_[Any]) -> None:
     """End a ``replication`` span with the outcome of its future (bytes: its manifest's)."""
     if done.cancelled():
         span.fail("cancelled")
-        return
-    error = done.exception()
-    if error is not None:
+    elif (error := done.exception()) is not None:
         span.fail(error)
-        return
-    manifest = done.result()
-    span.end(bytes=getattr(manifest, "total_bytes", None))
+    else:
+        span.end(bytes=getattr(done.result(), "total_bytes", None))
