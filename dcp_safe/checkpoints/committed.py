@@ -64,8 +64,9 @@ class _Kept(Generic[_V]):
                 self._values.move_to_end(digest)
             return value
 
-    def put(self, digest: str, value: _V) -> None:
+    def put(self, digest: str, value: _V) -> _V:
         self.keep(self.count, (digest, value))
+        return value
 
     def keep(self, count: int, new: tuple[str, _V] | None = None) -> None:
         """Keep at most ``count`` from now on (with ``new`` the newest)."""
@@ -92,14 +93,6 @@ _headers: _Kept[CommittedHeader] = _Kept(1024)
 def keep_parsed(count: int) -> None:
     """Keep at most ``count`` parsed manifests in this process from now on (default 4)."""
     _parsed.keep(count)
-
-
-def _parse(raw: bytes, digest: str, path: str) -> Manifest:
-    manifest = _parsed.get(digest)
-    if manifest is None:
-        manifest = Manifest.from_json(raw, path)
-        _parsed.put(digest, manifest)
-    return manifest
 
 
 @dataclass(frozen=True)
@@ -191,7 +184,7 @@ def _read_committed(backend: Backend, name: str) -> tuple[bytes, str, str]:
 
 
 def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> CommittedCheckpoint:
-    manifest = _parse(raw, actual, manifest_path)
+    manifest = _parsed.get(actual) or _parsed.put(actual, Manifest.from_json(raw, manifest_path))
     if manifest.name != name:
         raise CheckpointCorruptError(
             manifest_path,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import threading
 import weakref
 from typing import Any, TypeVar
 
@@ -43,9 +42,9 @@ _PICKLED_ELEMENTS_PER_ITEM = 64
 
 # Decoded metadata by manifest object, for as long as that object lives: open_committed
 # keeps the last few manifests it parsed, so a restore of the same checkpoint meets it again.
-# Decoding is ~0.3 s of Python at 10,000 tensors, about a third of a warm restore.
+# Decoding is ~0.3 s of Python at 10,000 tensors, about a third of a warm restore. Shared by
+# threads: ``get`` and ``setdefault`` are atomic, and the first decode kept is the one kept.
 _decoded: dict[int, Metadata] = {}
-_decoded_lock = threading.Lock()
 
 
 def read_dcp_metadata(
@@ -75,19 +74,14 @@ def read_dcp_metadata(
             " (to read such a checkpoint, or re-save it, load it once with allow_pickle=True;"
             " dcp-safe verify takes --allow-pickle)",
         )
-    with _decoded_lock:
-        metadata = _decoded.get(id(manifest))
+    metadata = _decoded.get(id(manifest))
     if metadata is None:
-        # A pickle is read again each time (its file may change): only plain forms are kept.
-        from_pickle = plain is None
-        if plain is None:
-            plain = _plain_from_pickle(backend, name, manifest, path)
-        metadata = decode_dcp_metadata(plain, manifest, path)
+        found = plain if plain is not None else _plain_from_pickle(backend, name, manifest, path)
+        metadata = decode_dcp_metadata(found, manifest, path)
         check_declared_sizes(metadata, path)
-        with _decoded_lock:
-            if not from_pickle and id(manifest) not in _decoded:
-                _decoded[id(manifest)] = metadata
-                weakref.finalize(manifest, _decoded.pop, id(manifest), None)
+        # A pickle is read again each time (its file may change): only plain forms are kept.
+        if plain is not None and _decoded.setdefault(id(manifest), metadata) is metadata:
+            weakref.finalize(manifest, _decoded.pop, id(manifest), None)
     return _fresh(metadata)
 
 

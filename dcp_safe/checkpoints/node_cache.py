@@ -94,14 +94,11 @@ def open_node_cache(backend: Backend, name: str) -> NodeCache:
     """
     path = backend.full_path(name)
     raw, _ = read_marked_manifest(backend, name, NODE_COMMITTED_MARKER, "node cache", path)
-    manifest = Manifest.from_json(raw, path)
     ranks = tuple(sorted(ranks_in(backend, name)))
-    return NodeCache(name, path, ranks, manifest)
+    return NodeCache(name, path, ranks, Manifest.from_json(raw, path))
 
 
-def list_node_caches(
-    root: RootLike | Backend,
-) -> list[NodeCache]:
+def list_node_caches(root: RootLike | Backend) -> list[NodeCache]:
     """The node caches published under a node-local ``root``, oldest first.
 
     Entries whose marker does not match their manifest are left out; so are names that break
