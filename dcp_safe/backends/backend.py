@@ -22,7 +22,7 @@ import errno
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, NoReturn
 
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.streams import WritableFile
@@ -115,6 +115,12 @@ class Backend(abc.ABC):
             if isinstance(exc, FileNotFoundError):
                 raise
             raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
+
+    def _raise_write_error(self, rel: str, exc: BaseException) -> NoReturn:
+        """Re-raise ``exc``; a lower-layer ``OSError`` becomes a StorageError naming ``rel``."""
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise self._fail("write", rel, exc) from exc
+        raise exc
 
     @abc.abstractmethod
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:

@@ -32,7 +32,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -222,12 +222,6 @@ class FsspecBackend(Backend):
             with suppress(OSError, ValueError):
                 self.fs.rm_file(self._abs(temp))
             self._raise_write_error(rel, exc)
-
-    def _raise_write_error(self, rel: str, exc: BaseException) -> NoReturn:
-        """Re-raise ``exc``; a lower-layer ``OSError`` becomes a StorageError naming ``rel``."""
-        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
-            raise self._fail("write", rel, exc) from exc
-        raise exc
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
         if exclusive and not self.process_local:
