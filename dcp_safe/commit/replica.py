@@ -232,9 +232,8 @@ class LeasedReplica(ReplicaPublication):
     def abandon(self, uploaded: Sequence[str]) -> None:
         """Every object of the save, then the lease, if this replica took the lease and still
         holds it; otherwise both are left to their holder or the sweeper."""
-        objects = [f"{self.name}/{r.path}" for r in self.manifest.files]
-        objects += [f"{self.name}/{layout.SIGNATURE}", f"{self.name}/{layout.MANIFEST}"]
-        objects += [rel for rel in uploaded if rel not in set(objects)]
+        names = [r.path for r in self.manifest.files] + [layout.SIGNATURE, layout.MANIFEST]
+        objects = list(dict.fromkeys([f"{self.name}/{n}" for n in names] + list(uploaded)))
         with contextlib.suppress(Exception):
             if self.joined or not holds_lease(self.remote, self.name, self.save_id):
                 return
