@@ -75,28 +75,23 @@ class LocalBackend(Backend):
             # A link on the way is refused as it is (corrupt, not an OSError).
             with self._failing("create", rel):
                 folder, name = stack.enter_context(self._beneath.parent(rel))
-            yield stack.enter_context(self._new_file(folder, name, rel))
-
-    @contextmanager
-    def _new_file(self, folder: int, name: str, rel: str) -> Iterator[WritableFile]:
-        """A new file ``name`` in the open ``folder`` (``rel``: for messages), durable once the
-        block succeeds; removed if it fails."""
-        with self._failing("create", rel):
-            fd = self._beneath.open_in(folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        f = os.fdopen(fd, "wb")
-        try:
-            # Durable files start their writeback as they are written, so the fsync below
-            # waits for the tail only (dcp_safe.backends.writeback).
-            yield WritebackFile(f) if self.fsync else f
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        except BaseException as exc:
+                fd = self._beneath.open_in(
+                    folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+                )
+            f = os.fdopen(fd, "wb")
+            try:
+                # Durable files start their writeback as they are written, so the fsync below
+                # waits for the tail only (dcp_safe.backends.writeback).
+                yield WritebackFile(f) if self.fsync else f
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            except BaseException as exc:
+                f.close()
+                with suppress(OSError):
+                    os.unlink(name, dir_fd=folder)
+                self._raise_write_error(rel, exc)
             f.close()
-            with suppress(OSError):
-                os.unlink(name, dir_fd=folder)
-            self._raise_write_error(rel, exc)
-        f.close()
 
     def open_read(self, rel: str) -> BinaryIO:
         return self._open_file(rel, os.O_RDONLY, "rb")
@@ -164,8 +159,7 @@ class LocalBackend(Backend):
         try:
             with self._beneath.parent(rel) as (folder, name):
                 temp = layout.temp_file_name(name)
-                with self._new_file(folder, temp, rel) as f:
-                    f.write(data)
+                self._write_new(folder, temp, rel, data)
                 try:
                     os.link(temp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
                 except FileExistsError:
@@ -181,6 +175,21 @@ class LocalBackend(Backend):
             raise
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
+
+    def _write_new(self, folder: int, name: str, rel: str, data: bytes) -> None:
+        fd = self._beneath.open_in(folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            with suppress(OSError):
+                os.unlink(name, dir_fd=folder)
+            raise self._fail("write", rel, exc) from exc
+        os.close(fd)
 
     def open_append(self, rel: str) -> BinaryIO:
         """``rel`` opened to append to (created if absent), beneath the root.
