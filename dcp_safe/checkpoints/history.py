@@ -106,26 +106,23 @@ class History:
         data = (json.dumps(line, sort_keys=True) + "\n").encode()
         with self._lock:
             self.backend.makedirs("")
-            if isinstance(self.backend, LocalBackend):
-                self._append_local(self.backend, data)
-            else:
+            if not isinstance(self.backend, LocalBackend):
                 raw = self._raw()
                 fresh_line = not raw or raw.endswith(b"\n")
                 self.backend.write_bytes(HISTORY_FILE, raw + (b"" if fresh_line else b"\n") + data)
-
-    def _append_local(self, backend: LocalBackend, data: bytes) -> None:
-        # Opened beneath the root without following links, a regular file with no other hard
-        # link (LocalBackend.open_append): never a FIFO, a device or a file outside the root.
-        with backend.open_append(HISTORY_FILE) as f:
-            # A torn tail (power loss mid-append) has no newline: start a fresh line, so the
-            # new event is not glued to it and lost with it.
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    data = b"\n" + data
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # an acknowledged event survives power loss
+                return
+            # Opened beneath the root without following links, a regular file with no other
+            # hard link (LocalBackend.open_append): never a FIFO, a device or a file outside it.
+            with self.backend.open_append(HISTORY_FILE) as f:
+                # A torn tail (power loss mid-append) has no newline: start a fresh line, so
+                # the new event is not glued to it and lost with it.
+                if f.seek(0, os.SEEK_END) > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        data = b"\n" + data
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # an acknowledged event survives power loss
 
     def read(self) -> list[dict[str, Any]]:
         """Every readable event, oldest first.

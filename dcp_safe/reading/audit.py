@@ -128,16 +128,13 @@ def partials(box: Box) -> dict[int, int]:
     if local.numel() == 0:
         return sums
     every, length = stride(box.global_shape), block_samples(box.global_shape)
-    if tuple(local.shape) == box.global_shape:  # the whole tensor: one run from 0
-        _add_run(sums, 0, _bits(local).reshape(-1), every, length)
+    starts, rows = _runs(box, _bits(local))  # the whole tensor: one run from 0
+    if starts.numel() == 1:
+        _add_run(sums, int(starts[0]), rows[0], every, length)
     else:
-        starts, rows = _runs(box, _bits(local))
-        if starts.numel() == 1:
-            _add_run(sums, int(starts[0]), rows[0], every, length)
-        else:
-            for at in range(0, starts.numel(), _ROWS_PER_CHUNK):
-                chunk = slice(at, at + _ROWS_PER_CHUNK)
-                _add_rows(sums, starts[chunk], rows[chunk], every, length)
+        for at in range(0, starts.numel(), _ROWS_PER_CHUNK):
+            chunk = slice(at, at + _ROWS_PER_CHUNK)
+            _add_rows(sums, starts[chunk], rows[chunk], every, length)
     return {b: v & _MASK for b, v in sums.items()}
 
 

@@ -81,12 +81,9 @@ def require_stored(stream: BinaryIO, path: str, item: str, record: ItemRecord) -
     Raises:
         CheckpointCorruptError: the file ends before the item does.
     """
-    fileno = getattr(stream, "fileno", None)
     try:
-        size = os.fstat(fileno()).st_size if fileno is not None else None
-    except (OSError, ValueError):  # io.UnsupportedOperation is both
-        size = None
-    if size is None:
+        size: int | None = os.fstat(stream.fileno()).st_size
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
         size = getattr(stream, "size", None)  # an fsspec file knows it from its open
     if not isinstance(size, int):
         at = stream.tell()
