@@ -122,7 +122,6 @@ class NodeLocalWriter(SafeStorageWriter):
         assert self.remote is not None  # a node cache's topology uploads to its commit root
         self.commit_backend = self.remote
         self.node_options = node_options or NodeLocalOptions()
-        self._start_engines()
 
     @property
     def upload_buffer_bytes(self) -> int | None:
@@ -151,9 +150,7 @@ class NodeLocalWriter(SafeStorageWriter):
         assignment = assignment_of(plans[0])
         try:
             # The fence and the claim that matter are on the shared root, the only one all see.
-            publication = self._publication(assignment.save_id, self.commit_backend)
-            publication.claim()
-            self.commit_backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
+            self._claim_on(self.commit_backend, assignment.save_id)
         except BaseException:
             with contextlib.suppress(OSError):
                 self.backend.remove_tree(assignment.work_dir)
@@ -206,19 +203,14 @@ class NodeLocalWriter(SafeStorageWriter):
         for future in [*self._commits.futures(), *self._uploads.futures()]:
             future.result()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        del state["_uploads"], state["_commits"]  # this process's threads
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._start_engines()
+    _ENGINES = ("_uploads", "_commits")
 
     def _start_engines(self) -> None:
         """Its uploads and remote commits, a thread per job (docs/architecture.md, "The upload
-        engine"), shared by the per-save views (``for_step``)."""
-        url = self.commit_backend.url
+        engine"), instead of the base class's replicators."""
+        assert self.remote is not None
+        self._replicator = self._rank_replicator = None
+        url = self.remote.url
         self._uploads = UploadEngine(f"node-local uploads to {url}", thread_name="dcp_safe-node")
         self._commits = UploadEngine(f"remote commits on {url}", thread_name="dcp_safe-commit")
 

@@ -290,8 +290,10 @@ class SafeSavePlanner(DefaultSavePlanner):
         cached, stale = self._global, []
         layouts: list[SavePlan] = []
         for rank, plan in enumerate(all_plans):
-            if plan.usable:
-                layouts.append(_without_values(plan))
+            if plan.usable and isinstance(plan, FingerprintedPlan):
+                layouts.append(dataclasses.replace(plan, fingerprints={}, audit={}))
+            elif plan.usable:
+                layouts.append(plan)
             elif cached is not None and _token_of(plan) == cached.token:
                 layouts.append(cached.local_plans[rank])
             else:
@@ -504,12 +506,6 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
         for key, groups in sorted(seen.items())
         if len(groups) > 1
     }
-
-
-def _without_values(plan: SavePlan) -> SavePlan:
-    if isinstance(plan, FingerprintedPlan):
-        return dataclasses.replace(plan, fingerprints={}, audit={})
-    return plan
 
 
 def _token_of(plan: SavePlan) -> int | None:

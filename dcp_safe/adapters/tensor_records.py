@@ -101,10 +101,6 @@ class TensorLayout:
         )
 
 
-def _tensor_pickle(storage_type: type, shape: tuple[int, ...]) -> bytes:
-    return pickle_stubs(TensorStub("0", storage_type, shape))
-
-
 @dataclass(frozen=True)
 class TorchFileFormat:
     """What torch's writer puts in every tensor stream, learnt from the running torch."""
@@ -184,7 +180,7 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
     if not 0 < payload <= _MAX_PAYLOAD:  # torch lays an empty storage out another way
         return None
     content = {
-        "data.pkl": _tensor_pickle(storage_type, shape),
+        "data.pkl": pickle_stubs(TensorStub("0", storage_type, shape)),
         ".data/serialization_id": _SERIALIZATION_ID,
     }
     head, tail = bytearray(), bytearray()

@@ -31,7 +31,6 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Self
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -76,14 +75,6 @@ from dcp_safe.replication.replicator import RankReplicator, RankSave, Replicator
 from dcp_safe.topology import RootLike, Topology
 
 __all__ = ["SafeStorageWriter"]
-
-
-@dataclass
-class _Background:
-    """A writer's background uploads, shared by its per-save views (:meth:`for_step`)."""
-
-    replicator: Replicator | None = None
-    rank_replicator: RankReplicator | None = None
 
 
 class SafeStorageWriter(StorageWriter):
@@ -178,26 +169,49 @@ class SafeStorageWriter(StorageWriter):
         #: The backend of the root this writer publishes checkpoints on (``topology.commit``).
         self.commit_backend: Backend = self.backend
         self.replication_options = replication_options or UploadOptions()
-        self._background = _Background()
         self._name: str | None = None
         self._rank = 0
         self._assignment: _Assignment | None = None
         self._collective, self._coordinator, self._saves = True, True, 0
         self._plain: dict[str, int | None] = {}  # this rank's plain entries, without collectives
+        self._start_engines()
+
+    #: What holds this process's background threads: shared by the per-save views
+    #: (:meth:`for_step`), never pickled, started afresh in a copy (:meth:`_start_engines`).
+    _ENGINES: tuple[str, ...] = ("_replicator", "_rank_replicator")
+
+    def _start_engines(self) -> None:
+        """The uploads to ``replicate_to``: of a single rank's checkpoint once committed, or of
+        this rank's part of a save of several ranks (neither starts a thread until used)."""
+        remote, claimant = self.remote, self.claimant
+        self._replicator = (
+            None if remote is None else Replicator(self.backend, remote, claimant=claimant)
+        )
+        self._rank_replicator = (
+            None
+            if remote is None
+            else RankReplicator(
+                self.backend,
+                remote,
+                options=self.replication_options,
+                retry=self.retry,
+                claimant=claimant,
+            )
+        )
 
     def for_step(self, step: int | None) -> Self:
         """This writer for one save of training step ``step`` (its manifest records it): the
         same roots, options and background uploads, and per-save state of its own, so that a
         save never changes a writer that another save may still be using."""
         view = object.__new__(type(self))
-        view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the uploads
+        view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the engines
         view.step, view._name, view._assignment = step, None, None
         return view
 
     def detached(self) -> Self:
         """A copy with background uploads of its own: the manager's synchronous saves run
         beside an asynchronous one, whose per-rank upload must not be ended by theirs."""
-        return copy.copy(self)  # through __getstate__: fresh, empty uploads
+        return copy.copy(self)  # through __getstate__ and __setstate__: fresh engines
 
     # ----------------------------------------------------------------- DCP call order
 
@@ -243,20 +257,25 @@ class SafeStorageWriter(StorageWriter):
         ]
 
     def _claim(self, plans: list[SavePlan]) -> list[SavePlan]:
-        publication = self._publication(layout.new_save_id())
-        publication.claim(replace=self.options.overwrite)
+        publication = self._claim_on(self.backend, layout.new_save_id(), self.options.overwrite)
         save_id, work_dir = publication.save_id, publication.work_dir
+        return [
+            dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def _claim_on(self, backend: Backend, save_id: str, replace: bool = False) -> Publication:
+        """Claim this save's name on ``backend`` for ``save_id``, with its ranks directory."""
+        publication = self._publication(save_id, backend)
+        publication.claim(replace=replace)
         try:
-            self.backend.makedirs(f"{work_dir}/{layout.RANKS_DIR}")
+            backend.makedirs(f"{publication.work_dir}/{layout.RANKS_DIR}")
         except BaseException:
             # Held with nothing under it, the name would stay blocked until the sweeper's.
             with contextlib.suppress(OSError):
                 publication.release()
             raise
-        return [
-            dataclasses.replace(plan, storage_data=_Assignment(rank, len(plans), save_id, work_dir))
-            for rank, plan in enumerate(plans)
-        ]
+        return publication
 
     def _storage_agreement(self) -> StorageAgreement:
         key = save_key(self.attempt, self._saves)
@@ -369,28 +388,15 @@ class SafeStorageWriter(StorageWriter):
         except BaseException as exc:
             self._report_failure(assignment, exc, rank=None)
             raise
-        if self.remote is not None and assignment.world_size == 1:
-            if self._background.replicator is None:
-                self._background.replicator = Replicator(
-                    self.backend, self.remote, claimant=self.claimant
-                )
-            self._background.replicator.submit(name)
+        if self._replicator is not None and assignment.world_size == 1:
+            self._replicator.submit(name)
 
     def _replicate_rank_part(self, assignment: _Assignment) -> None:
         """After this rank wrote its files: in a save of several ranks with ``replicate_to``,
         upload them once the save is committed locally (in the background)."""
-        if self.remote is None or assignment.world_size == 1:
-            return
-        if self._background.rank_replicator is None:
-            self._background.rank_replicator = RankReplicator(
-                self.backend,
-                self.remote,
-                options=self.replication_options,
-                retry=self.retry,
-                claimant=self.claimant,
-            )
-        save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
-        self._background.rank_replicator.begin(self._require_name(), save)
+        if self._rank_replicator is not None and assignment.world_size > 1:
+            save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
+            self._rank_replicator.begin(self._require_name(), save)
 
     def _report_failure(
         self, assignment: _Assignment, exc: BaseException, *, rank: int | None, name: str = ""
@@ -405,8 +411,8 @@ class SafeStorageWriter(StorageWriter):
             report_commit_failure(self.remote, work, assignment.save_id, exc)
         else:
             report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
-        if self._background.rank_replicator is not None:
-            self._background.rank_replicator.end_saves()
+        if self._rank_replicator is not None:
+            self._rank_replicator.end_saves()
 
     def missing_ranks(self) -> list[int] | None:
         """Ranks of the current save whose rank manifest is not (yet) on storage.
@@ -438,7 +444,7 @@ class SafeStorageWriter(StorageWriter):
         name = layout.validate_name(name)
         if self.remote is None:
             raise ConfigError("this writer was created without replicate_to")
-        for replicator in (self._background.rank_replicator, self._background.replicator):
+        for replicator in (self._rank_replicator, self._replicator):
             if replicator is not None:
                 with contextlib.suppress(KeyError):
                     return replicator.future(name)
@@ -471,11 +477,11 @@ class SafeStorageWriter(StorageWriter):
             BaseException: the first replication failure whose future nobody retrieved.
         """
         try:
-            if self._background.rank_replicator is not None:
-                self._background.rank_replicator.close(timeout_s)
+            if self._rank_replicator is not None:
+                self._rank_replicator.close(timeout_s)
         finally:
-            if self._background.replicator is not None:
-                self._background.replicator.close(timeout_s)
+            if self._replicator is not None:
+                self._replicator.close(timeout_s)
 
     def storage_meta(self) -> Any:
         return StorageMeta(checkpoint_id=self._name)
@@ -552,10 +558,13 @@ class SafeStorageWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process-based executor pickles the writer: no per-save state into the child.
-        state = self.__dict__.copy()
+        state = {k: v for k, v in self.__dict__.items() if k not in self._ENGINES}
         state["_assignment"] = None
-        state["_background"] = _Background()  # threads: the child starts its own if needed
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start_engines()
 
 
 def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
