@@ -206,25 +206,22 @@ class RankReplicator(Replicator):
         super().__init__(local, remote, chunk_bytes=self.options.chunk_bytes, claimant=claimant)
         self.retry = retry
         self._saves: dict[str, RankSave] = {}
-        self._ended: set[str] = set()  # saves known to have ended on this rank
+        self._open: str | None = None  # the one save not known to have ended on this rank
         self._copying = threading.Lock()  # one copy at a time: max_buffer_bytes holds
 
     def begin(self, name: str, save: RankSave) -> Future[Manifest]:
         """Start replicating this rank's part of save ``save`` of ``name`` in the background."""
         name = layout.validate_name(name)
         with self._cond:
-            self._ended.update(self._saves)
-            self._ended.discard(name)
-            self._saves[name] = save
+            self._open, self._saves[name] = name, save  # every earlier save has ended
             for old in [n for n in self._saves if n != name and n not in self._futures]:
                 del self._saves[old]
-                self._ended.discard(old)
         return self.submit(name)
 
     def end_saves(self) -> None:
         """Every save begun so far has ended on this rank (committed locally, or failed)."""
         with self._cond:
-            self._ended.update(self._saves)
+            self._open = None
 
     def close(self, timeout_s: float | None = None) -> None:
         self.end_saves()
@@ -318,7 +315,7 @@ class RankReplicator(Replicator):
     def _await_local_commit(self, name: str, save: RankSave, work: str) -> tuple[Manifest, bytes]:
         def committed() -> tuple[Manifest, bytes] | None:
             with self._cond:
-                ended = name in self._ended
+                ended = name != self._open
             try:
                 manifest, raw = open_source(self.local, name)
             except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
