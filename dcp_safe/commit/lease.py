@@ -4,8 +4,8 @@ taking over a lease that a crashed or fenced writer left behind.
 The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
 is a save's (never shared); :func:`join_or_acquire_lease` is replication's.
 
-Takeover: :meth:`Claimant.why_take_over` decides, :func:`take_over_exclusive` takes the one
-``_WRITING`` over, :func:`clear_leftovers` empties the name before any rank writes. When, how,
+Takeover: :meth:`Claimant.why_take_over` decides, :func:`_take_over_exclusive` takes the one
+``_WRITING`` over, :func:`_clear_leftovers` empties the name before any rank writes. When, how,
 and the limits: docs/architecture.md, "Taking over a lease". A lease lacking a field (an older
 dcp_safe, an unfenced writer) is still read.
 """
@@ -43,9 +43,7 @@ __all__ = [
     "acquire_lease",
     "check_lease",
     "Claimant",
-    "clear_leftovers",
     "held_by_another",
-    "held_error",
     "holds_lease",
     "join_or_acquire_lease",
     "last_change",
@@ -55,9 +53,6 @@ __all__ = [
     "own_lease_file",
     "read_holder",
     "release_lease",
-    "report_takeover",
-    "take_over_exclusive",
-    "takeover_candidates",
 ]
 
 #: How long nothing under a name must have changed before a lease that names no attempt of this
@@ -225,12 +220,12 @@ def lease_files(backend: Backend, name: str) -> list[str]:
     return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
-def take_over_exclusive(
+def _take_over_exclusive(
     backend: Backend, name: str, save_id: str, claimant: Claimant
 ) -> str | None:
     """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
     exclusively failed), if ``claimant`` may (:meth:`Claimant.why_take_over`). The caller
-    then clears the leftovers (:func:`clear_leftovers`).
+    then clears the leftovers (:func:`_clear_leftovers`).
 
     Returns:
         What was taken over and why, when the lease is now this save's; None when no lease is
@@ -246,7 +241,7 @@ def take_over_exclusive(
             return None
         why = claimant.why_take_over(holder, Quiet(backend, name))
         if why is None:
-            raise held_error(backend, name, [holder.save_id])
+            raise _held_error(backend, name, [holder.save_id])
         record = _win_record(backend, name, holder, save_id, claimant)
         current = read_holder(backend, lease)
         if current is not None and current.raw == holder.raw:
@@ -255,10 +250,10 @@ def take_over_exclusive(
         # It changed hands while we won the record (released, or taken by a newer attempt):
         # judge the lease there now. Our record goes, so the name is not left looking taken.
         backend.remove_file(record)
-    raise held_error(backend, name, [None])
+    raise _held_error(backend, name, [None])
 
 
-def takeover_candidates(
+def _takeover_candidates(
     backend: Backend, name: str, claimant: Claimant, entries: Collection[str] | None = None
 ) -> dict[str, str]:
     """The leases under ``<name>/`` (names: ``entries``, else every lease there now) that
@@ -276,7 +271,7 @@ def takeover_candidates(
     }
 
 
-def report_takeover(backend: Backend, name: str, what: str) -> None:
+def _report_takeover(backend: Backend, name: str, what: str) -> None:
     """Say that this save took ``name`` over (``what``: whose lease, and why): a warning, and
     each of :data:`TAKEOVER_HOOKS` (the root's history). A hook's failure fails nothing."""
     log.warning("took the name %s over from %s", backend.full_path(name), what)
@@ -287,7 +282,7 @@ def report_takeover(backend: Backend, name: str, what: str) -> None:
             log.warning("could not record the takeover of %s: %s", name, shown(exc, 300))
 
 
-def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
+def _clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
     """Remove what a taken-over save left under ``<name>/``: every object for which ``keep``
     (given its path relative to ``<name>/``) is false, and every incomplete multipart upload
     there (none is this save's: it clears before any of its ranks writes).
@@ -309,7 +304,9 @@ def clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) ->
     return tuple(removed)
 
 
-def held_error(backend: Backend, name: str, holders: Sequence[str | None]) -> CheckpointExistsError:
+def _held_error(
+    backend: Backend, name: str, holders: Sequence[str | None]
+) -> CheckpointExistsError:
     """The error for a save that finds ``name`` held by ``holders`` (save ids)."""
     ids = ", ".join(shown(h, 64) for h in holders) or "another save"
     return CheckpointExistsError(
@@ -338,11 +335,11 @@ def _win_record(
             if other is None:
                 continue  # removed meanwhile by the save that won it: try again
             if claimant.why_take_over(other, Quiet(backend, name)) is None:
-                raise held_error(backend, name, [other.save_id]) from None
+                raise _held_error(backend, name, [other.save_id]) from None
             target = other
             continue
         return rel
-    raise held_error(backend, name, [None])
+    raise _held_error(backend, name, [None])
 
 
 @dataclass
@@ -412,7 +409,7 @@ def acquire_lease(
         _acquire_per_save(backend, name, save_id, claimant)
         return False
     if others := present - {own}:
-        raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(others)])
+        raise _held_error(backend, name, [_save_id_of(entry) for entry in sorted(others)])
     _refuse_if_committed(backend, name)
     return True
 
@@ -429,15 +426,15 @@ def _acquire_exclusive(
             if join and _holder(backend, name) == save_id:
                 _refuse_if_committed(backend, name)  # never withdraws: the co-holder's
                 return True
-            taken = take_over_exclusive(backend, name, save_id, claimant)
+            taken = _take_over_exclusive(backend, name, save_id, claimant)
             if taken is not None:
                 _clear_after_takeover(backend, name, lease, lambda rel: rel == layout.WRITING_LEASE)
-                report_takeover(backend, name, taken)
+                _report_takeover(backend, name, taken)
                 return False
             continue  # the holder let go as we looked: create it again
         _refuse_if_committed(backend, name, withdraw=lease)
         return False
-    raise held_error(backend, name, [_holder(backend, name)])
+    raise _held_error(backend, name, [_holder(backend, name)])
 
 
 def _clear_after_takeover(
@@ -450,7 +447,7 @@ def _clear_after_takeover(
     """
     try:
         _refuse_if_committed(backend, name)
-        clear_leftovers(backend, name, keep)
+        _clear_leftovers(backend, name, keep)
     except CheckpointExistsError:
         with contextlib.suppress(OSError):
             backend.remove_file(lease)
@@ -461,7 +458,7 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
     own = layout.lease_file_name(save_id)
     # Judged once, before our own lease is there (it would make the prefix look busy). A lease
     # written later is a contender's or a new holder's, never one to take over.
-    taken = takeover_candidates(backend, name, claimant)
+    taken = _takeover_candidates(backend, name, claimant)
     seen: dict[str, float | None] = {}
     for round_ in range(_ROUNDS):
         backend.write_bytes(f"{name}/{own}", claimant.body(save_id))
@@ -470,7 +467,7 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             if others and round_ == 0:
                 # An abandoned lease is anyone's; an unfenced save only learns of one here,
                 # so that the common case (nothing in the way) costs no listing more.
-                taken |= takeover_candidates(backend, name, _UNFENCED, others)
+                taken |= _takeover_candidates(backend, name, _UNFENCED, others)
                 others -= taken.keys()
             if not others:
                 _refuse_if_committed(backend, name, withdraw=f"{name}/{own}")
@@ -487,14 +484,14 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             if taken:
                 _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, set(taken)))
             for what in taken.values():
-                report_takeover(backend, name, what)
+                _report_takeover(backend, name, what)
             return
         backend.remove_file(f"{name}/{own}")
         if any(entry in seen and seen[entry] == stamp for entry, stamp in stamps.items()):
             break  # unchanged after a pause: a holder (or abandoned), not a contender
         seen = stamps
         _pause()
-    raise held_error(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
+    raise _held_error(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
 def _kept(own: str, taken: set[str]) -> Callable[[str], bool]:

@@ -32,13 +32,7 @@ from dcp_safe.manifest.schema import Manifest, manifest_digest
 if TYPE_CHECKING:
     from dcp_safe.commit.strategy import PublishStrategy
 
-__all__ = [
-    "LeasedReplica",
-    "RenamedReplica",
-    "ReplicaPublication",
-    "committed_with",
-    "remove_uploads",
-]
+__all__ = ["LeasedReplica", "RenamedReplica", "ReplicaPublication", "committed_with"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +63,7 @@ def committed_with(remote: Backend, name: str, digest: str) -> bool:
     return True
 
 
-def remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
+def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None:
     """Best effort: drop what this attempt uploaded, unless ``name`` got committed meanwhile
     (then the objects may be a committed checkpoint's, ours or another writer's). Never
     raises: the caller is already raising the error that matters."""
@@ -168,7 +162,7 @@ class ReplicaPublication(abc.ABC):
     def remove_part(self, uploaded: Sequence[str]) -> None:
         """Another rank's clean-up after its failure: its own uploads, unless another save
         holds the name now (the paths may be its). Best effort, never raising."""
-        remove_uploads(self.remote, self.name, uploaded)
+        _remove_uploads(self.remote, self.name, uploaded)
 
     def release(self) -> None:
         """After the commit: give up the claim. Never raises (the replica is whole)."""
@@ -191,7 +185,7 @@ class RenamedReplica(ReplicaPublication):
         return None  # the whole work folder goes (above)
 
     def abandon(self, uploaded: Sequence[str]) -> None:
-        remove_uploads(self.remote, self.name, uploaded)
+        _remove_uploads(self.remote, self.name, uploaded)
 
 
 class LeasedReplica(ReplicaPublication):
@@ -237,7 +231,7 @@ class LeasedReplica(ReplicaPublication):
         with contextlib.suppress(Exception):
             if self.joined or not holds_lease(self.remote, self.name, self.save_id):
                 return
-            remove_uploads(self.remote, self.name, objects)
+            _remove_uploads(self.remote, self.name, objects)
             own = own_lease_file(self.remote, self.save_id)
             if list(self.remote.walk_files(self.name)) == [own]:
                 self.remote.remove_tree(self.name)  # the lease and any empty folders at once
@@ -247,7 +241,7 @@ class LeasedReplica(ReplicaPublication):
     def remove_part(self, uploaded: Sequence[str]) -> None:
         with contextlib.suppress(Exception):
             if not held_by_another(self.remote, self.name, self.save_id):
-                remove_uploads(self.remote, self.name, uploaded)
+                _remove_uploads(self.remote, self.name, uploaded)
 
     def release(self) -> None:
         try:

@@ -19,7 +19,7 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksu
 from dcp_safe.manifest.limits import TILE_MAX_CELLS
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
-__all__ = ["FileCheck", "check_stream", "chunk_tiling_problem", "items_by_file", "tiles"]
+__all__ = ["FileCheck", "check_stream", "chunk_tiling_problem", "items_by_file"]
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -84,7 +84,7 @@ class FileCheck:
         self._path = path
         self._record = record
         self._whole = None if record.checksum is None else _hasher_for(record.checksum, path)
-        if (items or record.checksum is None) and not tiles(items, record.size):
+        if (items or record.checksum is None) and not _tiles(items, record.size):
             raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
         self._items = items
         self._next = -1
@@ -179,7 +179,7 @@ def _compare(
         )
 
 
-def tiles(items: Sequence[ItemRecord], size: int) -> bool:
+def _tiles(items: Sequence[ItemRecord], size: int) -> bool:
     position = 0
     for item in items:
         if item.start != position or item.length < 0:
