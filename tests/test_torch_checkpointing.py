@@ -18,6 +18,7 @@ from torch_checkpointing.storage.base_storage import ReadArgs
 
 import dcp_safe
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.cli import main as cli_main
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -480,3 +481,15 @@ def test_a_load_reads_the_manifest_afresh(tmp_path: Path) -> None:
         _assert_same(dict(mgr.load(NAME, into=_template())), _payload(1))
     finally:
         mgr.close()
+
+
+def test_the_cli_verifies_every_file_and_names_the_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dcp-safe verify`` checks these checkpoints by their bytes and says so: it does not
+    claim DCP metadata or items that this format does not have."""
+    _save(tmp_path)
+    assert cli_main(["verify", str(tmp_path), NAME]) == 0
+    out = capsys.readouterr().out
+    assert f"OK {NAME}: 4 files, 0 items" in out  # three of its own, one rank manifest
+    assert "(torch_checkpointing's files)" in out and "DCP's metadata" not in out
