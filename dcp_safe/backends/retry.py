@@ -115,21 +115,18 @@ class RetryPolicy:
     on_retry: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        delays = (self.deadline_s, self.base_delay_s, self.max_delay_s)
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in delays)
-        if not numbers or not (
-            0 < self.deadline_s < math.inf and 0 <= self.base_delay_s <= self.max_delay_s < math.inf
-        ):  # NaN fails every comparison
-            raise ConfigError(
-                "need 0 < deadline_s < inf and 0 <= base_delay_s <= max_delay_s < inf,"
-                f" got {delays!r}"
-            )
-        if (
-            isinstance(self.attempts, bool)
-            or not isinstance(self.attempts, int)
-            or self.attempts < 1
+        d, a, lo, hi = self.deadline_s, self.attempts, self.base_delay_s, self.max_delay_s
+        numbers = all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in (d, a, lo, hi)
+        )
+        # NaN fails every comparison.
+        if not (numbers and isinstance(a, int) and a >= 1 and 0 < d < math.inf) or not (
+            0 <= lo <= hi < math.inf
         ):
-            raise ConfigError(f"attempts must be an int >= 1, got {self.attempts!r}")
+            raise ConfigError(
+                "a RetryPolicy needs an int attempts >= 1, 0 < deadline_s < inf and"
+                f" 0 <= base_delay_s <= max_delay_s < inf, got {self!r}"
+            )
 
     def backoff_s(self, retry: int) -> float:
         """The wait before retry number ``retry`` (0-based), jitter included."""

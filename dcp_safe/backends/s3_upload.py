@@ -118,16 +118,12 @@ class _BlockBody(io.BytesIO):
         self._at = 0
 
     def read(self, size: int | None = -1, /) -> bytes:
-        end = (
-            self._view.nbytes
-            if size is None or size < 0
-            else min(self._at + size, self._view.nbytes)
-        )
-        start, self._at = self._at, max(end, self._at)
-        return bytes(self._view[start:end])
+        left = self._view.nbytes - self._at
+        chunk = self._view[self._at : self._at + (left if size is None or size < 0 else size)]
+        self._at += chunk.nbytes
+        return bytes(chunk)
 
-    def read1(self, size: int | None = -1, /) -> bytes:
-        return self.read(size)
+    read1 = read
 
     def readinto(self, buffer: Any, /) -> int:
         with memoryview(buffer).cast("B") as target:
@@ -152,11 +148,10 @@ class _BlockBody(io.BytesIO):
     def getvalue(self) -> bytes:
         return bytes(self._view)
 
-    def write(self, data: Any, /) -> int:
+    def _read_only(self, *args: Any) -> Any:
         raise io.UnsupportedOperation("a block body is read-only")
 
-    def truncate(self, size: int | None = None, /) -> int:
-        raise io.UnsupportedOperation("a block body is read-only")
+    write = truncate = _read_only
 
     def close(self) -> None:
         self._view.release()

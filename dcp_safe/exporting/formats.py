@@ -108,12 +108,10 @@ def write_safetensors(
     return dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
 
 
-def check_max_shard_bytes(max_shard_bytes: object) -> None:
-    """Raise :class:`~dcp_safe.errors.ConfigError` unless it is a positive ``int``."""
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
-        raise ConfigError(f"max_shard_bytes must be an int, got {max_shard_bytes!r}")
-    if max_shard_bytes < 1:
-        raise ConfigError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}")
+def check_max_shard_bytes(value: object) -> None:
+    """Raise :class:`~dcp_safe.errors.ConfigError` unless ``max_shard_bytes`` is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_shard_bytes must be an int >= 1, got {value!r}")
 
 
 def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
