@@ -13,8 +13,7 @@ import enum
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -196,16 +195,16 @@ class Committer:
                 ranks_dir = f"{work_dir}/{layout.RANKS_DIR}"
                 manifests = pool.submit(self.backend.sizes, ranks_dir) if reports else None
                 read_back: dict[int, RankReport] = {}
-                # Reads run at most a batch ahead of the checks (thousands of manifests are not
-                # held at once); checks hold the interpreter lock (parsing), so they run here,
-                # in rank order: on the workers they contended for it.
-                batch = _READ_AHEAD * self.workers
-                for first in range(0, len(unreported), batch):
-                    some = unreported[first : first + batch]
-                    raws = pool.map(partial(self._read_rank, work_dir), some)
-                    expected = [per_rank[rank] for rank in some]
-                    for rank, raw, items in zip(some, raws, expected, strict=True):
-                        read_back[rank] = self._report_of(publication, rank, raw, items)
+                # Reads run at most ``window`` ahead of the checks (thousands of manifests are not
+                # held at once), so a worker never waits for them; checks hold the interpreter
+                # lock (parsing), so they run here, in rank order: on the workers they contended.
+                window = _READ_AHEAD * self.workers
+                reads: dict[int, Future[bytes]] = {}
+                for n, rank in enumerate(unreported):
+                    for later in unreported[len(reads) + n : n + window + 1]:
+                        reads[later] = pool.submit(self._read_rank, work_dir, later)
+                    raw = reads.pop(rank).result()
+                    read_back[rank] = self._report_of(publication, rank, raw, per_rank[rank])
                 listed = {
                     "": listing.result(),
                     layout.RANKS_DIR: manifests.result() if manifests else {},
