@@ -1,4 +1,6 @@
-"""Admission of one save request: this rank's :class:`Vote`, the agreed decision, bounded waits.
+"""Admission of one save request: the decision every rank takes from every rank's :class:`Vote`.
+
+:class:`~dcp_safe.manager.saving.SaveRunner` casts this rank's vote, waits and starts the save.
 
 ``when_busy="wait"`` waits with every rank, in rounds, up to ``wait_timeout_s``, then skips
 (``force=True``: raises); a save in flight past ``latency_objective_s`` means the storage is
@@ -17,17 +19,12 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
+from dcp_safe.coordination.agreement import Vote, require_same_call
 from dcp_safe.coordination.groups import WORKERS
-from dcp_safe.manager.handles import BusyPolicy, SaveHandle
-from dcp_safe.staging._tree import collect_tensors
+from dcp_safe.manager.handles import BusyPolicy
 
-if TYPE_CHECKING:
-    from dcp_safe.manager.saving import SaveRunner
-
-__all__ = ["Admitter", "Decision", "Verdict", "decide"]
+__all__ = ["Decision", "Verdict", "decide"]
 
 
 class Verdict(str, enum.Enum):
@@ -100,87 +97,3 @@ def _decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-@dataclass(kw_only=True, eq=False)
-class Admitter:
-    """Turns a request into the decision every rank takes (``latency_objective_s=None``: not
-    checked; the stager's budget bounds a coalesced copy; ``worker``: the process executor's)."""
-
-    agreement: Agreement
-    runner: SaveRunner  # its slot, switch, stager and worker
-    wait_timeout_s: float
-    latency_objective_s: float | None
-
-    def admit(
-        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
-    ) -> Decision:
-        """The decision for ``handle``; ``START`` means the slot is free now on every rank.
-
-        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait`, outside the
-        slot's freeze (the wait is for the slot to free up).
-
-        Raises:
-            ConfigError: the ranks asked for different steps.
-            CommitError: a peer died or did not answer within the deadline.
-        """
-        fallback = self.runner.switch.on_request(handle, self._leaked_bytes)
-        busy = not self.runner.slot.idle()
-        ready = self.runner.worker is not None and self.runner.worker.ready
-        vote = Vote(
-            "save",
-            handle.step,
-            busy=busy,
-            fallback=fallback,
-            no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
-            stalled=None if force else self._stalled(),
-            pending=self.runner.slot.pending_step(),
-            worker_ready=ready,
-        )
-        decision = decide(self.agreement.gather(vote), policy)
-        if self.runner.worker is not None and not decision.worker:
-            self.runner.worker.start()
-        self.runner.switch.follow(handle, decision.fallback)
-        return decision
-
-    def wait(self, handle: SaveHandle, *, force: bool, worker: bool = False) -> Decision:
-        """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``
-        (``worker``: the request's agreed path, kept for the start)."""
-        step = handle.step
-        still = self.agreement.until_all(
-            "wait", step, self.runner.slot.wait_free, self.wait_timeout_s
-        )
-        if not still:
-            return Decision(Verdict.START, worker=worker)
-        self.runner.switch.ledger.count("waits_expired")
-        ranks = ", ".join(map(str, still))
-        reason = (
-            f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"
-            f" on rank(s) {ranks}"
-        )
-        return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
-
-    def _leaked_bytes(self) -> int:
-        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
-        # Idle first, stats second: only the training thread starts saves, so once idle, what
-        # the stager still has in use was leaked by a finished save, not leased by a new one.
-        if not self.runner.slot.idle():
-            return 0
-        stats = self.runner.stager.stats()
-        return stats.in_use_bytes - stats.kept_bytes  # keep_in_memory's copy is no leak
-
-    def _stalled(self) -> str | None:
-        age = self.runner.slot.age_s()
-        objective = self.latency_objective_s
-        if age is None or objective is None or age <= objective:
-            return None
-        return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective:g}"
-
-    def _no_room(self, state_dict: dict[str, Any]) -> bool:
-        need = sum(t.nbytes for t in collect_tensors(state_dict))
-        pending = self.runner.slot.pending  # the copy it replaces is alive while this one is taken
-        held = pending.nbytes if pending is not None else 0
-        room = (
-            self.runner.stager.budget.envelope_bytes - self.runner.stager.stats().pool_bytes - held
-        )
-        return need > room

@@ -142,10 +142,10 @@ class InMemoryTier:
             CheckpointCorruptError, MissingKeysError: as :meth:`prepare`; nothing changed.
         """
         try:
-            step, apply = self.prepare(state_dict)
+            step, copies = self.prepare(state_dict)
             failed: DcpSafeError | None = None
         except DcpSafeError as exc:
-            step, failed = -1, exc
+            step, copies, failed = -1, [], exc
         votes = agreement.gather(Vote("rollback", step, detail=failed and repr(failed)))
         if failed is not None:
             raise failed
@@ -157,13 +157,15 @@ class InMemoryTier:
                 f"the ranks cannot all roll back to one step ({seen}); nothing changed. Call"
                 " wait() on every rank so each has verified the last commit, then rollback()"
             )
-        apply()
+        with torch.no_grad():
+            for copy_into, value in copies:
+                copy_into(value)
         return step
 
-    def prepare(self, state_dict: dict[str, Any]) -> tuple[int, Callable[[], None]]:
-        """Check the kept copy against ``state_dict``; return its step and the copy to run.
+    def prepare(self, state_dict: dict[str, Any]) -> tuple[int, list[_Copy]]:
+        """Check the kept copy against ``state_dict``; return its step and the copies to make.
 
-        Nothing changes until the returned callable runs (it copies the kept values into
+        Nothing changes until the copies are made (each copies a kept value into
         ``state_dict`` in place), so several ranks can all check before any of them copies.
 
         Raises:
@@ -211,13 +213,7 @@ class InMemoryTier:
                 + "; ".join(pairing.mismatched[:10])
                 + ". rollback() restores into the state that was saved; use restore() otherwise"
             )
-
-        def apply() -> None:
-            with torch.no_grad():
-                for copy_into, value in pairing.copies:
-                    copy_into(value)
-
-        return record.handle.step, apply
+        return record.handle.step, pairing.copies
 
     def _entries(self, staged: dict[str, Any]) -> Iterator[_Entry]:
         """The items of ``staged`` as this rank's writer stored them (per-rank keys renamed)."""
@@ -281,18 +277,16 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(pickle.dumps(value, protocol=5)).hexdigest()
 
 
+_Copy = tuple[Callable[[Any], object], Any]  # what copies a kept value, and the value
+
+
 @dataclass
 class _Pairing:
     """What a rollback copies where, or why it cannot."""
 
-    copies: list[tuple[Callable[[Any], object], Any]] = field(default_factory=list)
+    copies: list[_Copy] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
-
-
-def _descend(value: Any) -> bool:
-    """Whether a value is copied into (tensors, mappings, state) rather than replaced."""
-    return isinstance(value, MutableMapping) or is_stateful(value) or _holds_tensors(value)
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -330,7 +324,8 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
             name = f"{prefix}.{key}" if prefix else str(key)
             if key not in source:
                 out.missing.append(name)
-            elif _descend(value):
+            # Copied into (tensors, mappings, state), rather than replaced.
+            elif isinstance(value, MutableMapping) or is_stateful(value) or _holds_tensors(value):
                 _pair(value, source[key], name, out)
             else:
                 out.copies.append((_setter(target, key), source[key]))

@@ -44,7 +44,7 @@ from dcp_safe.errors import (
     ConfigError,
     DrainTimeoutError,
 )
-from dcp_safe.manager.admit import Admitter, Verdict
+from dcp_safe.manager.admit import Verdict
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
@@ -124,7 +124,6 @@ class CheckpointManager:
         self.policy, self.retention, self.save_every = policy, retention, policy.every
         self.when_busy, self.staging = BusyPolicy(policy.when_busy), StagingMode(policy.staging)
         self.deadline_s, wait_s = bounds.deadline_s, bounds.wait_timeout_s
-        deep = policy.validate is Validation.DEEP
         writer, stager, telemetry = runtime.writer, runtime.stager, runtime.telemetry
         if writer is None:
             topology = root if isinstance(root, Topology) else Topology.of(root)
@@ -151,6 +150,9 @@ class CheckpointManager:
         self._closed = False
         self._latest_state: tuple[int, dict[str, Any]] | None = None
         self._agreement = agreement = Agreement.for_job(self.deadline_s)
+        # Every byte of a new checkpoint is checked by the coordinator; the others check its
+        # marker and manifest.
+        deep = policy.validate is Validation.DEEP and agreement.coordinator
         self._ledger = ledger = Ledger(
             History(writer.commit_backend), telemetry, coordinator=agreement.coordinator
         )
@@ -183,7 +185,7 @@ class CheckpointManager:
                 wait_s,
                 WorkerGroups.for_job(agreement),  # several ranks: theirs to form
                 None if telemetry is None else ledger.spans.adopt,  # the worker's spans
-                self._tiers.deep_here(deep),
+                deep,
             )
         self._runner = SaveRunner(
             writer=writer,
@@ -201,10 +203,7 @@ class CheckpointManager:
             per_rank=resume.per_rank,
             in_memory=self._in_memory,
             worker=worker,
-        )
-        self._admitter = Admitter(
             agreement=agreement,
-            runner=self._runner,
             wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
         )
@@ -253,39 +252,34 @@ class CheckpointManager:
             self._latest_state = (step, state_dict)
         self._ledger.count("requested")
         with self._preemption_deferred():
-            return self._admit(handle, policy, state_dict, force=force)
-
-    def _admit(
-        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
-    ) -> SaveHandle | None:
-        self._ledger.record("requested", handle, tier="local")
-        self._ledger.track(handle)
-        try:
-            # Frozen while the ranks vote: a save ending meanwhile must not start the pending
-            # one on this rank alone.
-            with self._slot.frozen():
-                decision = self._admitter.admit(handle, policy, state_dict, force=force)
-                if decision.verdict is Verdict.COALESCE:
-                    return self._runner.coalesce(handle, state_dict, decision.worker)
-            if decision.verdict is Verdict.WAIT:
-                decision = self._admitter.wait(handle, force=force, worker=decision.worker)
-            verdict, reason = decision.verdict, decision.reason
-            if verdict is Verdict.START:
-                self._slot.take(handle)  # free: this rank voted idle, or waited until it was
-                self._ledger.count("started")
-                self._runner.start(handle, state_dict, decision.worker)
-                return handle
-            if verdict is Verdict.SYNC:
-                self._runner.foreground(handle, state_dict)
-                return handle
-        except BaseException as exc:  # a request that raised ends in an outcome on every rank
-            if not handle.committed.done():
-                self._ledger.fail(handle, exc, tier="local", keep=False)
-            raise
-        self._ledger.skip(handle, reason)
-        if verdict is Verdict.RAISE:
-            raise AdmissionTimeoutError(f"save of step {handle.step} refused: {reason}")
-        return None
+            self._ledger.record("requested", handle, tier="local")
+            self._ledger.track(handle)
+            try:
+                # Frozen while the ranks vote: a save ending meanwhile must not start the pending
+                # one on this rank alone.
+                with self._slot.frozen():
+                    decision = self._runner.admit(handle, policy, state_dict, force=force)
+                    if decision.verdict is Verdict.COALESCE:
+                        return self._runner.coalesce(handle, state_dict, decision.worker)
+                if decision.verdict is Verdict.WAIT:
+                    decision = self._runner.wait(handle, force=force, worker=decision.worker)
+                verdict, reason = decision.verdict, decision.reason
+                if verdict is Verdict.START:
+                    self._slot.take(handle)  # free: this rank voted idle, or waited until it was
+                    self._ledger.count("started")
+                    self._runner.start(handle, state_dict, decision.worker)
+                    return handle
+                if verdict is Verdict.SYNC:
+                    self._runner.foreground(handle, state_dict)
+                    return handle
+            except BaseException as exc:  # a request that raised ends in an outcome on every rank
+                if not handle.committed.done():
+                    self._ledger.fail(handle, exc, tier="local", keep=False)
+                raise
+            self._ledger.skip(handle, reason)
+            if verdict is Verdict.RAISE:
+                raise AdmissionTimeoutError(f"save of step {handle.step} refused: {reason}")
+            return None
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
         """Block until the latest started save has copied the state (``"overlap"`` staging).

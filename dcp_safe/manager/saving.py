@@ -24,6 +24,7 @@ from typing import Any
 
 from dcp_safe.adapters import api
 from dcp_safe.adapters.writer import SafeStorageWriter
+from dcp_safe.coordination.agreement import Agreement, Vote
 from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, ManagerGroups
 from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.errors import (
@@ -32,8 +33,9 @@ from dcp_safe.errors import (
     ReplicationSkippedError,
     SnapshotMutatedError,
 )
+from dcp_safe.manager.admit import Decision, Verdict, decide
 from dcp_safe.manager.fallback import FallbackSwitch
-from dcp_safe.manager.handles import Pending, SaveHandle, StagingMode
+from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.peer_tier import PeerTier
@@ -43,7 +45,7 @@ from dcp_safe.staging import BudgetedStager
 from dcp_safe.staging._tree import collect_tensors, state_dicts_of
 from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.worker.parent import SaveWorker
-from dcp_safe.worker.transport import decode_error
+from dcp_safe.worker.transport import check_commit, decode_error
 
 __all__ = ["SaveRunner"]
 
@@ -52,15 +54,19 @@ log = logging.getLogger("dcp_safe.manager")
 
 @dataclass(kw_only=True, eq=False)
 class SaveRunner:
-    """Runs admitted saves over the manager's parts, and follows their commits up.
+    """Admits saves (:mod:`.admit`), runs them over the manager's parts, follows their commits up.
 
     Args:
         writer: the manager's writer (background saves).
         slot: the single-flight slot (held by the caller of :meth:`start`).
-        deep: verify every byte (``validate="deep"``) rather than marker and manifest.
+        deep: this rank checks every byte of a new checkpoint (``validate="deep"``, the
+            coordinator's job) rather than its marker and manifest.
         flush_s: the longest a commit waits for its history event to be written.
         verdicts: the coordinator's verdicts (``None``: one process, its own check decides).
         groups, barrier: ``None`` in a single process.
+        wait_timeout_s: the longest a request waits with every rank for the slot.
+        latency_objective_s: a save in flight older than this skips requests (``None``: not
+            checked); the stager's budget bounds a coalesced copy.
         worker: runs background saves in a worker process (``executor="process"``) once every
             rank's is ready (a save's agreed ``worker`` flag); ``None``, and until then: on
             DCP's upload thread here.
@@ -81,6 +87,9 @@ class SaveRunner:
     per_rank: tuple[str, ...] = ()
     in_memory: InMemoryTier | None = None  # keep_in_memory=True
     worker: SaveWorker | None = None
+    agreement: Agreement
+    wait_timeout_s: float
+    latency_objective_s: float | None = None
     # The agreed coalesce decisions so far: a pending save's ``seq``.
     _coalesced: int = field(default=0, init=False)
     sync_writer: SafeStorageWriter | None = field(default=None, init=False)
@@ -89,6 +98,75 @@ class SaveRunner:
 
     def __post_init__(self) -> None:
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
+
+    def admit(
+        self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
+    ) -> Decision:
+        """The decision for ``handle``; ``START`` means the slot is free now on every rank.
+
+        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait`, outside the
+        slot's freeze (the wait is for the slot to free up).
+
+        Raises:
+            ConfigError: the ranks asked for different steps.
+            CommitError: a peer died or did not answer within the deadline.
+        """
+        fallback = self.switch.on_request(handle, self._leaked_bytes)
+        busy = not self.slot.idle()
+        ready = self.worker is not None and self.worker.ready
+        vote = Vote(
+            "save",
+            handle.step,
+            busy=busy,
+            fallback=fallback,
+            no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
+            stalled=None if force else self._stalled(),
+            pending=self.slot.pending_step(),
+            worker_ready=ready,
+        )
+        decision = decide(self.agreement.gather(vote), policy)
+        if self.worker is not None and not decision.worker:
+            self.worker.start()
+        self.switch.follow(handle, decision.fallback)
+        return decision
+
+    def wait(self, handle: SaveHandle, *, force: bool, worker: bool = False) -> Decision:
+        """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``
+        (``worker``: the request's agreed path, kept for the start)."""
+        step = handle.step
+        still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
+        if not still:
+            return Decision(Verdict.START, worker=worker)
+        self.switch.ledger.count("waits_expired")
+        ranks = ", ".join(map(str, still))
+        reason = (
+            f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"
+            f" on rank(s) {ranks}"
+        )
+        return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
+
+    def _leaked_bytes(self) -> int:
+        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
+        # Idle first, stats second: only the training thread starts saves, so once idle, what
+        # the stager still has in use was leaked by a finished save, not leased by a new one.
+        if not self.slot.idle():
+            return 0
+        stats = self.stager.stats()
+        return stats.in_use_bytes - stats.kept_bytes  # keep_in_memory's copy is no leak
+
+    def _stalled(self) -> str | None:
+        age = self.slot.age_s()
+        objective = self.latency_objective_s
+        if age is None or objective is None or age <= objective:
+            return None
+        return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective:g}"
+
+    def _no_room(self, state_dict: dict[str, Any]) -> bool:
+        need = sum(t.nbytes for t in collect_tensors(state_dict))
+        pending = self.slot.pending  # the copy it replaces is alive while this one is taken
+        held = pending.nbytes if pending is not None else 0
+        room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
+        return need > room
 
     @contextlib.contextmanager
     def collectives(self, purpose: str) -> Iterator[dict[str, Any]]:
@@ -347,17 +425,20 @@ class SaveRunner:
     ) -> tuple[BaseException, str] | None:
         """Wait for the commit (node-local) and check the checkpoint; why it is not trusted."""
         try:
-            self.tiers.await_commit(handle.name, writer, (worker or writer).replication)
+            if writer.topology.node_cache is not None:  # committed once uploaded: wait
+                # The writer's own waits end first (twice remote_timeout_s); this backs them up.
+                options = getattr(writer, "node_options", writer.replication_options)
+                wait_s = 2 * float(options.remote_timeout_s) + 60.0
+                (worker or writer).replication(handle.name).result(timeout=wait_s)
         except (DcpSafeError, OSError) as exc:
             return exc, f"remote commit failed: {exc}"
         try:
             checked = None if worker is None else worker.checked(handle.name)
             if checked is None:
-                self.tiers.verify(handle.name, deep=self.deep)
+                check_commit(self.writer, handle.name, deep=self.deep)
             elif checked.error is not None:
                 raise decode_error(checked.error)
-            else:
-                self.tiers.trust(handle.name)
+            self.tiers.trust(handle.name)
         except (DcpSafeError, OSError) as exc:
             return exc, f"verification failed: {exc}"
         return None

@@ -32,7 +32,6 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -45,7 +44,6 @@ from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
-from dcp_safe.worker.transport import check_commit
 
 __all__ = ["Tiers", "WarmStart"]
 
@@ -59,7 +57,7 @@ class Tiers:
         ledger: the history's validated names are read once; ``pruned`` events go to it.
         deferred: a context in which a preemption signal waits (pruning is not interrupted).
         coordinator: this rank writes the shared state; the others neither prune nor sweep,
-            and check a new checkpoint's marker and manifest only (even with ``deep``).
+            nor write the history.
         load_budget_bytes: every reader's ``load_budget_bytes`` (``None``: unbounded).
         deadline_s: the peer tier's deadline (with ``peer_copies``; its groups are built here,
             on every rank at the same point).
@@ -72,15 +70,14 @@ class Tiers:
         retention: Retention,
         ledger: Ledger,
         deferred: Callable[[], AbstractContextManager[Any]],
-        coordinator: bool = True,
-        load_budget_bytes: int | None = None,
-        deadline_s: float = DEFAULT_DEADLINE_S,
+        coordinator: bool,
+        load_budget_bytes: int | None,
+        deadline_s: float,
     ) -> None:
         self.coordinator = coordinator
         self.load_budget_bytes = load_budget_bytes
         self.writer = writer
         topology = writer.topology
-        self.node_cache = None if topology.node_cache is None else topology.node_cache.url
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
         self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
@@ -105,34 +102,6 @@ class Tiers:
                 keep=None if node_options is None else node_options.keep_node_caches,
                 deadline_s=deadline_s,
             )
-
-    def await_commit(
-        self,
-        name: str,
-        writer: SafeStorageWriter,
-        replication: Callable[[str], Future[Any]] | None = None,
-    ) -> None:
-        """Wait for a node-local save's remote commit (bounded); other saves are committed
-        when DCP returns. ``replication``: where the commit's future comes from when not from
-        ``writer`` (the process executor's worker uploads and commits).
-
-        Raises:
-            CommitError: a rank's upload failed (named), or the remote commit did.
-        """
-        if self.node_cache is not None:
-            # The writer's own waits end first (twice remote_timeout_s); this only backs them up.
-            options = getattr(writer, "node_options", writer.replication_options)
-            wait_s = 2 * float(options.remote_timeout_s) + 60.0
-            (replication or writer.replication)(name).result(timeout=wait_s)
-
-    def verify(self, name: str, *, deep: bool) -> None:
-        """Check a new local checkpoint (marker and manifest, or every byte), then trust it."""
-        check_commit(self.writer, name, deep=self.deep_here(deep))
-        self.trust(name)
-
-    def deep_here(self, deep: bool) -> bool:
-        """Whether this rank checks every byte of a new checkpoint (the coordinator's job)."""
-        return deep and self.coordinator
 
     def trust(self, name: str) -> None:
         """``name`` passed its check (here, or in the checkpoint worker): retention may count
@@ -259,7 +228,7 @@ class Tiers:
         return SafeStorageReader(  # a topology has a replica or a node cache, never both
             self.commit,
             fallback=self.replica,
-            node_cache=self.node_cache,
+            node_cache=None if (cache := self.writer.topology.node_cache) is None else cache.url,
             peers=self.peers is not None,
             process_group=None if self.peers is None else self.peers.restore_group,
             signing_key=self.signing_key,

@@ -171,16 +171,14 @@ class _Process:
         code = self.popen.wait()
         with self.lock:
             self.dead = True
-            saves = [self.saves.pop(seq) for seq in sorted(self.saves)]
-            replications = [
-                (n, f) for n in sorted(self.replicating) if (f := self.owner._replications.get(n))
-            ]
-        for future, name, _ in saves:
+            held = [(f, f"the save of {n}") for _, (f, n, _) in sorted(self.saves.items())]
+            self.saves.clear()
+            for name in sorted(self.replicating):
+                if (replicated := self.owner._replications.get(name)) is not None:
+                    held.append((replicated, f"the replication of {name}"))
+        for future, what in held:
             with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
-                future.set_exception(self.death(f"during the save of {name}", code))
-        for name, replicated in replications:
-            with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
-                replicated.set_exception(self.death(f"during the replication of {name}", code))
+                future.set_exception(self.death(f"during {what}", code))
         if not self.closed.done():
             self.closed.set_result(None)
         self.ready.set()  # nobody waits for a dead worker

@@ -21,7 +21,7 @@ from dcp_safe import (
     SavePolicy,
     Topology,
 )
-from dcp_safe.adapters.for_topology import writer_for
+from dcp_safe.adapters.node_local import writer_for
 from dcp_safe.manager import BusyPolicy, StagingMode
 from dcp_safe.manager.options import MOVED
 

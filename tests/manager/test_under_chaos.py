@@ -356,7 +356,7 @@ def test_a_request_that_raises_ends_in_a_recorded_failure_at_once(tmp_path: Path
     def broken_vote(*args: Any, **kwargs: Any) -> Any:
         raise CommitError("the manager's group broke (injected)", failures={1: "gone"})
 
-    manager._admitter.admit = broken_vote  # type: ignore[method-assign]
+    manager._runner.admit = broken_vote  # type: ignore[method-assign]
     with pytest.raises(CommitError):
         manager.save(1, {"w": torch.ones(4)})
     assert _events_of(manager, 1) == [("requested", "local"), ("failed", "local")]
