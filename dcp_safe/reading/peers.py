@@ -100,7 +100,14 @@ class PeerSource:
         """Fetch what this node lacks from peers: a collective on every rank."""
         self._log, self._peer_sources = log, {}
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
-        self._fetch(self._needs(files), self._offers(), self._scratch)
+        name, manifest = self._require()
+        held = self._sizes(name) if self.cache.name is not None else {}  # in this node's cache
+        needs = {
+            f: record.size
+            for f in sorted(files)
+            if (record := manifest.file(f)) is not None and f not in held
+        }
+        self._fetch(needs, self._offers(held), self._scratch)
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:
         return self._peer_sources.get(file_name)
@@ -121,23 +128,11 @@ class PeerSource:
         assert self._name is not None and self._manifest is not None
         return self._name, self._manifest
 
-    def _needs(self, files: set[str]) -> dict[str, int]:
-        """The ``files`` this node's cache lacks (or holds at another size)."""
-        name, manifest = self._require()
-        held = self._sizes(name) if self.cache.name is not None else {}
-        return {
-            f: record.size
-            for f in sorted(files)
-            if (record := manifest.file(f)) is not None and held.get(f) != record.size
-        }
-
-    def _offers(self) -> dict[str, _Source]:
+    def _offers(self, held: dict[str, int]) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
-        node cache's, then those of the peer copies whose manifest is the remote's."""
+        node cache's (``held``), then those of the peer copies whose manifest is the remote's."""
         name, manifest = self._require()
-        found: list[tuple[str, _Source]] = []
-        if self.cache.name is not None:
-            found += [(f, (self.disk, f"{name}/{f}")) for f in self._sizes(name)]
+        found = [(f, (self.disk, f"{name}/{f}")) for f in held]
         try:
             copies = list_peer_copies(self.disk, name)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
@@ -183,12 +178,8 @@ class PeerSource:
         made = False
         while True:  # rounds: a rejected copy is fetched from another disk in the next one
             gathered = gather_objects((pending, sorted(offers), tried, disk), group)
-            fetches = fetch_plan(
-                [g[0] for g in gathered],
-                [set(g[1]) for g in gathered],
-                [g[2] for g in gathered],
-                [g[3] for g in gathered],
-            )
+            wanted, offered, tries, disks = zip(*gathered, strict=True)
+            fetches = fetch_plan(wanted, [set(names) for names in offered], tries, disks)
             if not fetches:  # the same on every rank: every rank leaves the loop here
                 return
             receives = [f for f in fetches if f.requester == rank]
@@ -198,7 +189,6 @@ class PeerSource:
                 made = True
             sends = [f for f in fetches if f.holder == rank]
             self._transfer(group, sends, receives, offers, scratch)
-            disks = [g[3] for g in gathered]
             for fetch in receives:
                 tried.setdefault(fetch.file, []).append(disks[fetch.holder])
                 if fetch.file in self._peer_sources:
