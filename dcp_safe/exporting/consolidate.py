@@ -159,11 +159,11 @@ def _matching(available: list[str], keys: Sequence[str]) -> list[str]:
 BATCH_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
 class NotPlainData:
     """Stands for a non-tensor entry that does not load as plain data (a ``BytesIO``)."""
 
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
+    reason: str
 
 
 class _ExportPlanner(DefaultLoadPlanner):
@@ -178,8 +178,8 @@ class _ExportPlanner(DefaultLoadPlanner):
         try:
             self.state_dict[key] = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as exc:
-            reason = f"does not load as plain data ({type(exc).__name__})"
-            self.state_dict[key] = NotPlainData(reason)
+            why = f"does not load as plain data ({type(exc).__name__})"
+            self.state_dict[key] = NotPlainData(why)
 
 
 def batches(entries: Sequence[TensorEntry], batch_bytes: int) -> Iterator[list[TensorEntry]]:

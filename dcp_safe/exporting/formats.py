@@ -21,7 +21,7 @@ import secrets
 import struct
 import zipfile
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import torch
 from safetensors import safe_open
@@ -289,9 +289,7 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
         """Append the next tensor's record (cast to the entry's output dtype)."""
         if self._next >= len(self._tensors) or self._tensors[self._next].key != entry.key:
             raise ValueError(f"tensor {entry.key!r} out of order")  # a caller's bug
-        name = f"{self._format.archive}/data/{self._next}"
-        info = self._aligned(name, entry.out_nbytes)
-        with self._zip.open(info, "w", force_zip64=True) as record:
+        with self._open_record(f"data/{self._next}", entry.out_nbytes) as record:
             write_tensor(record, tensor, entry.out_dtype)
         self._next += 1
 
@@ -306,19 +304,19 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
         self._zip.close()
 
     def _record(self, kind: str, content: bytes) -> None:
-        name = f"{self._format.archive}/{kind}"
-        with self._zip.open(self._aligned(name, len(content)), "w", force_zip64=True) as record:
+        with self._open_record(kind, len(content)) as record:
             record.write(content)
 
-    def _aligned(self, name: str, size: int) -> zipfile.ZipInfo:
-        """A record whose data will start on the alignment torch uses (padding in an extra
-        field of the local header, as torch pads)."""
+    def _open_record(self, kind: str, size: int) -> IO[bytes]:
+        """A new record whose data will start on the alignment torch uses (padding in an
+        extra field of the local header, as torch pads)."""
+        name = f"{self._format.archive}/{kind}"
         info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
         info.file_size = size
         fixed = self._sink.tell() + 30 + len(name.encode()) + 4 + _ZIP64_EXTRA
         pad = -fixed % self._format.alignment
         info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        return info
+        return self._zip.open(info, "w", force_zip64=True)
 
 
 def _check_torch(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
