@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import posixpath
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -40,26 +41,23 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     return None if buffers is None else chunk_bytes + buffers
 
 
+@dataclass(eq=False)
 class Copier:
     """Verified copies from ``local`` to ``remote``, file by file.
 
-    Args:
+    Attributes:
         before_each: called before each file is written (the lease's check); raising there
             stops the copy.
+        uploaded: each remote path, listed before it is written, for the caller's clean-up.
     """
 
-    def __init__(
-        self,
-        local: Backend,
-        remote: Backend,
-        *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        retry: RetryPolicy | None = None,
-        before_each: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.local, self.remote = local, remote
-        self.chunk_bytes, self.retry, self.before_each = chunk_bytes, retry, before_each
-        self.uploaded: list[str] = []  # each remote path before it is written, for clean-up
+    local: Backend
+    remote: Backend
+    _: KW_ONLY
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    retry: RetryPolicy | None = None
+    before_each: Callable[[], None] = lambda: None
+    uploaded: list[str] = field(default_factory=list, init=False)
 
     def copy_folder(
         self,
@@ -124,31 +122,23 @@ class Copier:
             check.finish()
 
 
+@dataclass(eq=False)
 class CheckpointCopy(Copier):
-    """The files of one committed checkpoint, copied and verified on their way to ``remote``.
+    """The files of committed checkpoint ``name``, copied and verified on their way to ``remote``.
 
     Call order: :meth:`copy_files` (any subset, any number of times), then :meth:`finish_upload`
     (the manifest, every object's size, durable folders). :meth:`upload_to` does both for every
     file. :attr:`uploaded` lists what this copy wrote, for the caller's clean-up.
     """
 
-    def __init__(
-        self,
-        local: Backend,
-        remote: Backend,
-        name: str,
-        manifest: Manifest,
-        raw_manifest: bytes,
-        chunk_bytes: int,
-        *,
-        retry: RetryPolicy | None = None,
-        before_each: Callable[[], None] = lambda: None,
-    ) -> None:
-        super().__init__(
-            local, remote, chunk_bytes=chunk_bytes, retry=retry, before_each=before_each
-        )
-        self.name, self.manifest, self.raw_manifest = name, manifest, raw_manifest
-        self.items = items_by_file(local.full_path(f"{name}/{layout.MANIFEST}"), manifest)
+    name: str
+    manifest: Manifest
+    raw_manifest: bytes
+    items: Mapping[str, Sequence[ItemRecord]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        where = self.local.full_path(f"{self.name}/{layout.MANIFEST}")
+        self.items = items_by_file(where, self.manifest)
 
     def upload_to(self, dest: str) -> None:
         """Copy every file and the manifest under ``dest``, then check every remote size."""

@@ -162,7 +162,7 @@ class Replicator(UploadEngine):
             name,
             manifest,
             raw,
-            self.chunk_bytes,
+            chunk_bytes=self.chunk_bytes,
             retry=self.retry,
             before_each=replica.check,
         )

@@ -53,7 +53,9 @@ def test_a_replica_is_claimed_uploaded_and_published_the_same_way_on_every_root(
     local, manifest, raw = source
     replica = _replica(remote, manifest, raw)
     assert replica.claim()
-    copy = CheckpointCopy(local, remote, NAME, manifest, raw, 1 << 20, before_each=replica.check)
+    copy = CheckpointCopy(
+        local, remote, NAME, manifest, raw, chunk_bytes=1 << 20, before_each=replica.check
+    )
     replica.publish(lambda: copy.upload_to(replica.work_dir), copy.uploaded)
     assert committed_with(remote, NAME, manifest_digest(raw))
     assert remote.read_bytes(f"{NAME}/{layout.MANIFEST}") == raw  # the source's, byte for byte
@@ -68,7 +70,9 @@ def test_a_failed_upload_publishes_nothing_and_leaves_nothing_of_the_save(
     local, manifest, raw = source
     replica = _replica(remote, manifest, raw)
     replica.claim()
-    copy = CheckpointCopy(local, remote, NAME, manifest, raw, 1 << 20, before_each=replica.check)
+    copy = CheckpointCopy(
+        local, remote, NAME, manifest, raw, chunk_bytes=1 << 20, before_each=replica.check
+    )
 
     def upload_then_fail() -> None:
         copy.copy_files(replica.work_dir, manifest.files[:1])
