@@ -183,7 +183,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         self.cache_plans = cache_plans
         self.rank = 0
         self._cache = PlanCache()
-        self._forget_plans()
+        self._layout = self._remembered = self._global = None
 
     def share_plans_over(self, group: Any) -> None:
         """Share cached plans with every planner of this configuration saving over ``group``
@@ -206,7 +206,7 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         if self.cache_plans:  # taken before anything here can fail (plan_cache's rule)
-            self._forget_plans()
+            self._layout = None
             self._remembered, self._global = self._cache.pop(self._cache_key(), (None, None))
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
@@ -274,7 +274,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         if token is not None:
             entry = RankEntry(self._layout, final, token)
             self._cache[self._cache_key()] = (entry, self._global)
-        self._forget_plans()
+        self._layout = self._remembered = self._global = None
         self.plan = final
         return final
 
@@ -330,11 +330,6 @@ class SafeSavePlanner(DefaultSavePlanner):
             self.flatten_sharded_tensors,
             self.dedup_save_to_lowest_rank,
         )
-
-    def _forget_plans(self) -> None:
-        self._layout = None
-        self._remembered = None
-        self._global = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A planner sent to another process (DCP's checkpoint process) caches there alone.

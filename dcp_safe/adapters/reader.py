@@ -137,9 +137,7 @@ class SafeStorageReader(StorageReader):
         refuse_moved(type(self).__name__, moved, READER_MOVED)
         budget = LoadBudget(load_budget_bytes)
         self.load_budget_bytes = budget.budget_bytes
-        if thread_count is not None and (
-            not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1
-        ):
+        if thread_count is not None and (type(thread_count) is not int or thread_count < 1):
             raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
         self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
         self.allow_pickle = allow_pickle
@@ -159,9 +157,8 @@ class SafeStorageReader(StorageReader):
         self.fallback = None if fallback is None else open_backend(fallback, retry=retry)
         if peers and node_cache is None:
             raise ConfigError("peers=True reads peer copies on this node's disk: pass node_cache")
-        self._cache = (
-            None if node_cache is None else NodeCacheSource(open_backend(node_cache, retry=retry))
-        )
+        cache = None if node_cache is None else open_backend(node_cache, retry=retry)
+        self._cache = None if cache is None else NodeCacheSource(cache)
         self._remote = RemoteSource(self.backend)
         #: Where each file is read from, best first; the remote, last, holds every file.
         self.sources: list[Source] = [] if self._cache is None else [self._cache]
