@@ -172,17 +172,14 @@ class ReplicaPublication(abc.ABC):
 class RenamedReplica(ReplicaPublication):
     """A hidden partial folder on a renaming remote; the rename arbitrates, so no claim."""
 
-    def publish(self, upload: Callable[[], None], uploaded: Sequence[str]) -> None:
-        try:
-            super().publish(upload, uploaded)
-        finally:
-            # Best effort, never hiding the real error; absent once published (a no-op then).
-            # A partial left behind is collected by the sweeper after its grace period.
-            with contextlib.suppress(Exception):
-                self.remote.remove_tree(self.work_dir)
-
     def _failed(self, uploaded: Sequence[str]) -> None:
-        return None  # the whole work folder goes (above)
+        # The whole work folder goes. Best effort, never hiding the real error; a partial left
+        # behind is collected by the sweeper after its grace period.
+        with contextlib.suppress(Exception):
+            self.remote.remove_tree(self.work_dir)
+
+    def release(self) -> None:
+        self._failed(())  # absent once published (a no-op then); present if another published
 
     def abandon(self, uploaded: Sequence[str]) -> None:
         _remove_uploads(self.remote, self.name, uploaded)
