@@ -18,7 +18,8 @@ checkpoint replaced it); the sweep runs to the end and then fails with the first
 Kills are SIGKILL, or ``os._exit`` (the process ends itself without unwinding). The same holds
 for ``overwrite=True`` (the name always holds the old or the new checkpoint, whole), for the
 CheckpointManager (kills during staging, the save, its verification, retention pruning ``step_1``
-and replication to a second local root), and for processes of their own (forked from a fork
+and replication to a second local root), for torch_checkpointing's sync saver on a dcp_safe
+root (``dcp_safe.torch_checkpointing``), and for processes of their own (forked from a fork
 server that imported torch and ran nothing else) killed by the parent at a random moment of a save
 loop.
 
@@ -28,7 +29,7 @@ test at the end checks the fsync order that makes a power cut behave the same.
 Default run (>= 300 fork kill points, 10 killed save loops): every 4th of torch.save's small shard
 writes for one thread, every 8th for two threads, every operation for two threads with zstd, for
 overwrite (two threads, zstd), for ``os._exit`` (one thread, zstd), and for the manager every
-8th bulk write, then every 3rd kill point.
+8th bulk write, then every 3rd kill point, and torch_checkpointing every 8th small write.
 ``DCP_SAFE_LONG=1`` adds every operation for all five writer configurations in each sweep
 (SIGKILL, ``os._exit``, overwrite) and for the manager with three of them (and ``os._exit``
 with one), and 100 killed save loops: over ten times the default in each.
@@ -54,6 +55,7 @@ import pytest
 from _crash import (
     CHILD_DONE,
     CHILD_EXITED,
+    blank_like,
     fork_and_wait,
     install_kill_switch,
     is_bit_exact,
@@ -234,13 +236,15 @@ def _probe(template: Path, work: Path, save: Callable[[Path], None]) -> list[str
     return log.read_text().splitlines()
 
 
-def _kill_points(labels: list[str], stride: int) -> list[int]:
+def _kill_points(
+    labels: list[str], stride: int, bulk_suffix: str = layout.SHARD_SUFFIX
+) -> list[int]:
     """Every operation, except that of the many small writes torch.save makes into a shard
-    only every ``stride``-th and the last one are kept (they all leave the same kind of state:
-    a shorter shard in a hidden directory)."""
+    (a file ending in ``bulk_suffix``) only every ``stride``-th and the last one are kept (they
+    all leave the same kind of state: a shorter shard in a hidden directory)."""
     points, bulk_seen = [], 0
     for n, label in enumerate(labels, start=1):
-        bulk = label.startswith(("write ", "write-rest ")) and label.endswith(layout.SHARD_SUFFIX)
+        bulk = label.startswith(("write ", "write-rest ")) and label.endswith(bulk_suffix)
         following = labels[n] if n < len(labels) else ""
         last_of_run = bulk and following.partition(" ")[0] not in ("write", "write-rest")
         if not bulk or bulk_seen % stride == 0 or last_of_run:
@@ -258,13 +262,14 @@ def _sweep(
     stride: int,
     how: str = "sigkill",
     thin: int = 1,
+    bulk_suffix: str = layout.SHARD_SUFFIX,
 ) -> SweepReport:
     """Kill ``save`` before each chosen storage operation (``how``: SIGKILL or ``os._exit``;
     with ``thin``, only every thin-th of them), then ``check`` what it left and that
     ``next_saves`` succeed."""
     labels = _probe(template, work, save)
     report = SweepReport(operations=len(labels))
-    chosen = _kill_points(labels, stride)
+    chosen = _kill_points(labels, stride, bulk_suffix)
     # Thinning never drops a rename, unlink or rmdir: the publish and the retire steps are
     # the few operations where a kill has most to break.
     points = [
@@ -535,6 +540,96 @@ def test_overwrite_without_renameat2_is_refused_and_keeps_the_old_checkpoint(
     assert not [e for e in os.listdir(root) if e.startswith(".")]  # the partial was discarded
     old = make_values(1)
     assert is_bit_exact(load_values(root, "step_1", old), old)
+
+
+# --------------------------------------------------------------------------- torch_checkpointing
+
+
+def _tc_manager(root: Path) -> Any:
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+
+    from dcp_safe.torch_checkpointing import manager_config
+
+    items = {"model": ItemSpec(resharder=DefaultResharder())}
+    return CheckpointManager(manager_config(root, save="sync", items=items))
+
+
+def _tc_save(root: Path, name: str, seed: int) -> None:
+    mgr = _tc_manager(root)
+    try:
+        mgr.save(name, {"model": make_values(seed), "step": seed})
+    finally:
+        mgr.close()
+
+
+def _tc_load(root: Path, name: str) -> dict[str, Any]:
+    mgr = _tc_manager(root)
+    try:
+        into = {"model": blank_like(make_values(0)), "step": None}
+        return dict(mgr.load(name, into=into))
+    finally:
+        mgr.close()
+
+
+def _check_tc_root(root: Path) -> str:
+    """As a restarted job sees it: ``step_1`` whole, ``step_2`` absent or whole, ``latest`` the
+    newest, nothing else visible; what is listed verifies byte for byte and loads as saved."""
+    visible = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    listed = [info.name for info in dcp_safe.list_checkpoints(root)]
+    assert set(visible) == set(listed), f"visible entries that are not checkpoints: {visible}"
+    if "step_1" not in listed:
+        raise LastGoodLost(f"last good checkpoint lost: listed {listed}")
+    assert set(listed) <= {"step_1", "step_2"}, f"unexpected checkpoints: {listed}"
+    for name in listed:
+        try:
+            dcp_safe.verify_checkpoint(root, name, deep=True)
+            loaded = _tc_load(root, name)
+        except dcp_safe.DcpSafeError as exc:
+            raise CorruptPublish(f"{name} is listed but broken: {exc}") from exc
+        seed = int(name[5:])
+        if loaded["step"] != seed or not is_bit_exact(loaded["model"], make_values(seed)):
+            error = LastGoodLost if name == "step_1" else CorruptPublish
+            raise error(f"{name} loads, but not as the values saved under that name")
+    latest = dcp_safe.list_checkpoints(root)[-1].name
+    assert latest == listed[-1], "latest is not newest"
+    return " ".join(f"{name}=0" for name in listed)
+
+
+def _tc_saves_again(root: Path) -> None:
+    """The restarted job saves (``step_2`` again if the killed save never published)."""
+    names = ["step_3"] if (root / "step_2").exists() else ["step_2", "step_3"]
+    for name in names:
+        _tc_save(root, name, int(name[5:]))
+        dcp_safe.verify_checkpoint(root, name, deep=True)
+        assert is_bit_exact(_tc_load(root, name)["model"], make_values(int(name[5:])))
+
+
+@pytest.mark.parametrize(
+    "stride", [8, pytest.param(1, marks=[*LONG_ONLY, pytest.mark.timeout(3600)], id="every-op")]
+)
+def test_killed_torch_checkpointing_save_never_publishes_a_broken_checkpoint(
+    tmp_path: Path, stride: int
+) -> None:
+    """torch_checkpointing's sync saver on a dcp_safe root (issue 45), killed before each of its
+    storage operations: the same guarantees as a DCP save."""
+    pytest.importorskip("torch_checkpointing")
+    template = tmp_path / "template"
+    template.mkdir()
+    assert fork_and_wait(lambda: _tc_save(template, "step_1", 1)) == CHILD_DONE
+    report = _sweep(
+        template,
+        tmp_path / "work",
+        lambda root: _tc_save(root, "step_2", 2),
+        _check_tc_root,
+        _tc_saves_again,
+        stride=stride,
+        bulk_suffix=".pt",  # torch_checkpointing's files: torch.save's many small writes
+    )
+    report.finish("torch_checkpointing sync save")
+    assert report.outcomes["step_1=0"] > 0  # killed before the marker: step_2 never listed
+    assert report.outcomes["step_1=0 step_2=0"] > 0  # killed after it: step_2 whole
+    assert report.kill_points >= 20
 
 
 # --------------------------------------------------------------------------- fresh processes
