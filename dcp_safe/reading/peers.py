@@ -39,7 +39,13 @@ from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, ga
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.verify import items_by_file
-from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, SourceLog
+from dcp_safe.reading.sources import (
+    NodeCacheSource,
+    ReadSource,
+    RejectionReason,
+    Source,
+    SourceLog,
+)
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
     DEFAULT_PEER_CHUNK_BYTES,
@@ -64,7 +70,7 @@ _UNUSABLE = (OSError, CheckpointCorruptError)
 _PEER = ReadSource.PEER
 
 
-class PeerSource:
+class PeerSource(Source):
     """Peer copies of other nodes' files, on this node's disk or fetched from the ranks holding
     them.
 

@@ -20,7 +20,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import open_node_cache
@@ -172,32 +172,15 @@ class SourceLog:
         return NodeCacheStats(cache_path=cache_path, **counts)
 
 
-class Source(Protocol):
-    """A partial copy of the checkpoint, read before the remote.
+class Source:
+    """A copy of the checkpoint's files, read in order (a partial copy before the remote).
 
     Call order (by the reader, every rank): ``open`` in ``reset``; ``prepare`` at the start of
     each ``read_data`` (a collective where the source says so), then ``where`` per file, on the
-    reader's threads; ``finish`` once the reads are done.
+    reader's threads; ``finish`` once the reads are done. This base is a copy under the
+    checkpoint's name on one backend: once ``open``, it names every file (read as is: the
+    reader checks sizes and items).
     """
-
-    kind: ReadSource
-
-    def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        """Check the copy of ``name`` is the remote's ``manifest``; log a rejection if not."""
-
-    def prepare(self, files: set[str], log: SourceLog) -> None:
-        """Get ready to serve ``files`` (those this rank's plan reads)."""
-
-    def where(self, file_name: str) -> tuple[Backend, str] | None:
-        """The backend and path (relative to it) to read ``file_name`` from, or ``None``."""
-
-    def finish(self, log: SourceLog) -> None:
-        """The reads are done: drop anything held for them."""
-
-
-class _Files:
-    """A copy of the checkpoint's files under its name on one backend: once ``open``, it names
-    every file (read as is: the reader checks sizes and items)."""
 
     kind: ReadSource
 
@@ -206,26 +189,28 @@ class _Files:
         self.name: str | None = None  # the checkpoint, once the copy is known to be its own
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
+        """Check the copy of ``name`` is the remote's ``manifest``; log a rejection if not."""
         self.name = name
 
     def prepare(self, files: set[str], log: SourceLog) -> None:
-        pass  # on its backend already
+        """Get ready to serve ``files`` (those this rank's plan reads)."""
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:
+        """The backend and path (relative to it) to read ``file_name`` from, or ``None``."""
         return None if self.name is None else (self.backend, f"{self.name}/{file_name}")
 
     def finish(self, log: SourceLog) -> None:
-        pass
+        """The reads are done: drop anything held for them."""
 
 
-class RemoteSource(_Files):
+class RemoteSource(Source):
     """The one complete copy, read last: the root (or the fallback) ``reset`` chose and
     checked."""
 
     kind = ReadSource.REMOTE
 
 
-class NodeCacheSource(_Files):
+class NodeCacheSource(Source):
     """This node's cache (``NodeLocalWriter``'s root), used where it holds the remote's save."""
 
     kind = ReadSource.NODE_CACHE
