@@ -4,8 +4,9 @@
 every rank (so every owner's reads succeeded, verified by the reader). Point-to-point sends on
 the load's own group, not broadcasts: an entry reaches exactly the ranks that asked for it (with
 HSDP, a shard's replicas, not the whole group), and ranks not involved in a transfer do not wait
-on it. Every send and receive is posted before any is waited on, each with a tag the plan
-assigned, so the order ranks get to them cannot deadlock; each wait is bounded by the group's
+on it. Sends and receives go in two rounds (objects' lengths, then every transfer's bytes), each
+posted whole before any of it is waited on, with tags from the plan, so the order ranks get to
+them cannot deadlock; each wait is bounded by the group's
 timeout, and a peer lost meanwhile raises the transport's error (translated by the caller).
 
 A transfer's tensors travel in one buffer, each at a 16-byte aligned offset, as their
@@ -18,7 +19,7 @@ did: first their lengths, then their bytes.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,16 +56,6 @@ class SentObjects:
             self.payloads[key] = stream.getvalue()
 
 
-@dataclass
-class _Pending:
-    """Posted operations, and what to do with the received bytes once they are waited on."""
-
-    works: list[Any] = field(default_factory=list)
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
-    unpack: list[Callable[[], None]] = field(default_factory=list)
-    received_bytes: int = 0
-
-
 def deliver_shared(
     planner: LoadPlanner,
     transfers: list[Transfer],
@@ -81,117 +72,104 @@ def deliver_shared(
     """
     # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
     timeout = timedelta(seconds=timeout_s or 0)
-    pending = _Pending()
-    for transfer in transfers:
-        if transfer.owner == rank:
-            _post_sends(planner, transfer, sent.payloads, group, pending)
-    object_sizes: list[tuple[Transfer, torch.Tensor, Any]] = []
-    for transfer in transfers:
-        if transfer.owner == rank:
-            continue
-        if transfer.objects:
-            sizes = torch.empty(len(transfer.items), dtype=torch.int64)
-            work = dist.irecv(sizes, group=group, tag=2 * transfer.tag, group_src=transfer.owner)
-            object_sizes.append((transfer, sizes, work))
+    # Objects announce their lengths first (tag 2t): a receiver sizes its buffer by them.
+    lengths: dict[int, torch.Tensor] = {}
+    for t in (t for t in transfers if t.objects):
+        if t.owner == rank:
+            streams = [len(sent.payloads[object_key(item)]) for item in t.items]
+            lengths[t.tag] = torch.tensor(streams, dtype=torch.int64)
         else:
-            _post_tensor_receive(planner, transfer, group, pending)
-    for transfer, sizes, work in object_sizes:
+            lengths[t.tag] = torch.empty(len(t.items), dtype=torch.int64)
+    for work in [
+        w for t in transfers if t.objects for w in _post(t, lengths[t.tag], rank, group, 0)
+    ]:
         work.wait(timeout)
-        _post_object_receive(planner, transfer, sizes, group, pending)
-    for work in pending.works:
+    # Then every transfer's bytes travel as one buffer (tag 2t + 1), unpacked once all arrived.
+    works, unpack, buffers, received = [], [], [], 0
+    for t in transfers:
+        if t.objects:
+            sizes = [int(n) for n in lengths[t.tag].tolist()]
+            buffer, nbytes, done = _object_buffer(planner, t, sent, sizes, rank)
+        else:
+            buffer, nbytes, done = _tensor_buffer(planner, t, rank)
+        if nbytes:
+            works += _post(t, buffer, rank, group, 1)
+        buffers.append(buffer)
+        if t.owner != rank:
+            unpack.append(done)
+            received += nbytes
+    for work in works:
         work.wait(timeout)
-    for unpack in pending.unpack:
-        unpack()
-    return pending.received_bytes
+    for done in unpack:
+        done()
+    return received
+
+
+def _post(transfer: Transfer, buffer: torch.Tensor, rank: int, group: Any, part: int) -> list[Any]:
+    """``buffer`` sent to each destination (this rank owns ``transfer``), or received."""
+    tag = 2 * transfer.tag + part
+    if transfer.owner == rank:
+        return [dist.isend(buffer, group=group, tag=tag, group_dst=d) for d in transfer.dests]
+    return [dist.irecv(buffer, group=group, tag=tag, group_src=transfer.owner)]
+
+
+def _object_buffer(
+    planner: LoadPlanner, transfer: Transfer, sent: SentObjects, sizes: list[int], rank: int
+) -> tuple[torch.Tensor, int, Callable[[], None]]:
+    """An object transfer's bytes (the owner's streams, one after another), their count, and
+    how a receiver hands each stream to the planner."""
+    if transfer.owner == rank:
+        joined = b"".join(sent.payloads[object_key(item)] for item in transfer.items)
+        data = torch.frombuffer(bytearray(joined) or bytearray(1), dtype=torch.uint8)
+        return data, sum(sizes), _nothing
+    buffer = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
+
+    def unpack() -> None:
+        raw, at = buffer.numpy().tobytes(), 0
+        for item, length in zip(transfer.items, sizes, strict=True):
+            planner.load_bytes(item, io.BytesIO(raw[at : at + length]))
+            at += length
+
+    return buffer, sum(sizes), unpack
 
 
 def _tensor_buffer(
-    planner: LoadPlanner, items: tuple[ReadItem, ...]
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None]:
-    """A tensor transfer's regions and the bytes they travel in: the one region itself where it
-    can be sent from or received into directly (no slots), else a new buffer holding each
-    region's slot at a 16-byte aligned offset."""
-    regions = [planner.resolve_tensor(item).detach() for item in items]
+    planner: LoadPlanner, transfer: Transfer, rank: int
+) -> tuple[torch.Tensor, int, Callable[[], None]]:
+    """A tensor transfer's bytes, their count, and how a receiver commits each region to the
+    planner: the one region itself where it can be sent from or received into directly, else a
+    new buffer holding each region at a 16-byte aligned offset (filled here on the owner)."""
+    regions = [planner.resolve_tensor(item).detach() for item in transfer.items]
     one = regions[0] if len(regions) == 1 else None
     if one is not None and one.device.type == "cpu" and one.is_contiguous() and one.numel():
-        return regions, one.reshape(-1).view(torch.uint8), None
-    offsets, end = [], 0
-    for region in regions:
-        end = -(-end // _ALIGN) * _ALIGN
-        offsets.append(end)
-        end += region.numel() * region.element_size()
-    buffer = torch.empty(max(end, 1), dtype=torch.uint8)
-    slots = [
-        buffer[at : at + r.numel() * r.element_size()].view(r.dtype).view(r.shape)
-        for at, r in zip(offsets, regions, strict=True)
-    ]
-    return regions, buffer, slots
-
-
-def _post_sends(
-    planner: LoadPlanner,
-    transfer: Transfer,
-    payloads: Mapping[ObjectKey, bytes],
-    group: Any,
-    pending: _Pending,
-) -> None:
-    if transfer.objects:
-        streams = [payloads[object_key(item)] for item in transfer.items]
-        sizes = torch.tensor([len(s) for s in streams], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(b"".join(streams)) or bytearray(1), dtype=torch.uint8)
-        pending.keep_alive += [sizes, data]
-        for dest in transfer.dests:
-            pending.works.append(
-                dist.isend(sizes, group=group, tag=2 * transfer.tag, group_dst=dest)
-            )
-            if sum(len(s) for s in streams):
-                pending.works.append(
-                    dist.isend(data, group=group, tag=2 * transfer.tag + 1, group_dst=dest)
-                )
-        return
-    regions, buffer, slots = _tensor_buffer(planner, transfer.items)
-    for slot, region in zip(slots or [], regions, strict=False):
-        slot.copy_(region)
-    pending.keep_alive.append(buffer)
-    for dest in transfer.dests:
-        pending.works.append(dist.isend(buffer, group=group, tag=2 * transfer.tag, group_dst=dest))
-
-
-def _post_tensor_receive(
-    planner: LoadPlanner, transfer: Transfer, group: Any, pending: _Pending
-) -> None:
-    regions, buffer, slots = _tensor_buffer(planner, transfer.items)
-    pending.received_bytes += sum(r.numel() * r.element_size() for r in regions)
-    pending.keep_alive.append(buffer)
-    pending.works.append(
-        dist.irecv(buffer, group=group, tag=2 * transfer.tag, group_src=transfer.owner)
-    )
+        buffer, slots = one.reshape(-1).view(torch.uint8), regions
+    else:
+        offsets, end = [], 0
+        for region in regions:
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets.append(end)
+            end += region.numel() * region.element_size()
+        buffer = torch.empty(max(end, 1), dtype=torch.uint8)
+        slots = [
+            buffer[at : at + r.numel() * r.element_size()].view(r.dtype).view(r.shape)
+            for at, r in zip(offsets, regions, strict=True)
+        ]
+    pairs = list(zip(regions, slots, strict=True))
+    nbytes = sum(r.numel() * r.element_size() for r in regions)
+    if transfer.owner == rank:
+        for region, slot in pairs:
+            if slot is not region:
+                slot.copy_(region)
+        return buffer, nbytes, _nothing
 
     def unpack() -> None:
-        for item, region, slot in zip(transfer.items, regions, slots or regions, strict=True):
+        for item, (region, slot) in zip(transfer.items, pairs, strict=True):
             if slot is not region:
                 region.copy_(slot)
             planner.commit_tensor(item, region)
 
-    pending.unpack.append(unpack)
+    return buffer, nbytes, unpack
 
 
-def _post_object_receive(
-    planner: LoadPlanner, transfer: Transfer, sizes: torch.Tensor, group: Any, pending: _Pending
-) -> None:
-    lengths = [int(n) for n in sizes.tolist()]
-    data = torch.empty(max(sum(lengths), 1), dtype=torch.uint8)
-    pending.received_bytes += sum(lengths)
-    if sum(lengths):
-        pending.works.append(
-            dist.irecv(data, group=group, tag=2 * transfer.tag + 1, group_src=transfer.owner)
-        )
-
-    def unpack() -> None:
-        raw = data.numpy().tobytes()
-        at = 0
-        for item, length in zip(transfer.items, lengths, strict=True):
-            planner.load_bytes(item, io.BytesIO(raw[at : at + length]))
-            at += length
-
-    pending.unpack.append(unpack)
+def _nothing() -> None:
+    pass
