@@ -341,10 +341,8 @@ class Manifest(_Document):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
-        by_path: dict[str, FileRecord] = {}
-        for record in self.files:
-            by_path.setdefault(record.path, record)  # the first, as a scan would find
-        object.__setattr__(self, "_by_path", by_path)
+        # Reversed: of records of one path, the first wins, as a scan would find it.
+        object.__setattr__(self, "_by_path", {r.path: r for r in reversed(self.files)})
 
     @property
     def total_bytes(self) -> int:
