@@ -19,8 +19,8 @@ Holds two chunk buffers per transfer in flight (one each end): :func:`peer_buffe
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -63,22 +63,10 @@ def exchange(send: Callable[[], None], receive: Callable[[], T], thread_name: st
     Raises:
         BaseException: what ``send`` raised (the transport's error), after ``receive`` ended.
     """
-    crashed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            send()
-        except BaseException as exc:  # the transport's error: raised on the caller's thread
-            crashed.append(exc)
-
-    sender = threading.Thread(target=run, name=thread_name, daemon=True)
-    sender.start()
-    try:
-        result = receive()
-    finally:
-        sender.join()
-    if crashed:
-        raise crashed[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name) as sender:
+        sent = sender.submit(send)
+        result = receive()  # leaving the block waits for ``send`` to end, whatever happened
+    sent.result()  # what ``send`` raised, if anything
     return result
 
 
