@@ -507,10 +507,7 @@ def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:
     if not isinstance(storage, dict) or len(storage) > len(manifest.items):
         raise CheckpointCorruptError(path, "storage_data is not a map of the manifest's items")
     for index, info in storage.items():
-        item = _item_of(manifest, index)
-        stated = _stated(info)
-        recorded = None if item is None else (item.file, item.start, item.length, item.transforms)
-        if stated is None or stated != recorded:
+        if not _agrees(manifest, index, info):
             shown = getattr(index, "fqn", "?")
             raise CheckpointCorruptError(
                 path,
@@ -520,23 +517,18 @@ def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:
             )
 
 
-def _item_of(manifest: Manifest, index: object) -> ItemRecord | None:
-    if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
-        return None
-    offset = index.offset
-    if offset is not None and not (
-        isinstance(offset, tuple)
-        and len(offset) <= MAX_DIMS
-        and all(type(o) is int for o in offset)
+def _agrees(manifest: Manifest, index: object, info: object) -> bool:
+    """Whether the ``storage_data`` entry ``index: info`` says what the manifest's item does."""
+    if type(index) is not MetadataIndex or type(info) is not StorageInfo:
+        return False
+    offset, transforms = index.offset, info.transform_descriptors
+    if not isinstance(index.fqn, str) or not (
+        offset is None
+        or (isinstance(offset, tuple) and len(offset) <= MAX_DIMS and _only_ints(offset))
     ):
-        return None
-    return manifest.item((index.fqn, None if offset is None else tuple(offset)))
-
-
-def _stated(info: object) -> tuple[Any, ...] | None:
-    if type(info) is not StorageInfo:
-        return None
-    transforms = info.transform_descriptors
+        return False
     if transforms is not None and not isinstance(transforms, (list, tuple)):
-        return None
-    return (info.relative_path, info.offset, info.length, tuple(transforms or ()))
+        return False
+    item = manifest.item((index.fqn, None if offset is None else tuple(offset)))
+    stated = (info.relative_path, info.offset, info.length, tuple(transforms or ()))
+    return item is not None and (item.file, item.start, item.length, item.transforms) == stated
