@@ -37,6 +37,7 @@ with one), and 100 killed save loops: over ten times the default in each.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -630,6 +631,67 @@ def test_killed_torch_checkpointing_save_never_publishes_a_broken_checkpoint(
     assert report.outcomes["step_1=0"] > 0  # killed before the marker: step_2 never listed
     assert report.outcomes["step_1=0 step_2=0"] > 0  # killed after it: step_2 whole
     assert report.kill_points >= 20
+
+
+def _saver_init(kill_at: int) -> None:
+    """torch_checkpointing's ``subprocess_init_fn``: its saver process is SIGKILLed just before
+    its ``kill_at``-th storage operation."""
+    install_kill_switch(kill_at)
+
+
+def _tc_async_save_killed(root: Path, kill_at: int) -> None:
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+
+    from dcp_safe.torch_checkpointing import manager_config
+
+    config = manager_config(
+        root,
+        save="async",
+        items={"model": ItemSpec(resharder=DefaultResharder())},
+        subprocess_init_fn=_saver_init,
+        subprocess_init_args=(kill_at,),
+    )
+    mgr = CheckpointManager(config)
+    try:
+        future = mgr.save("step_2", {"model": make_values(2), "step": 2})
+        assert future is not None
+        with pytest.raises(RuntimeError, match="terminated"):
+            future.result(timeout=120)  # the training process learns that its saver died
+    finally:
+        with contextlib.suppress(RuntimeError):  # the same news, again, from the dead saver
+            mgr.close()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "every", [None, pytest.param(4, marks=[*LONG_ONLY, pytest.mark.timeout(3600)], id="every-4")]
+)
+def test_killed_torch_checkpointing_saver_process_leaves_the_last_checkpoint_whole(
+    tmp_path: Path, every: int | None
+) -> None:
+    """The async saver's own process (spawned by torch_checkpointing, where the writes and the
+    commit run) killed mid-save and just after the publish; by default those two kill points
+    (a process start each), in long mode every 4th operation too."""
+    pytest.importorskip("torch_checkpointing")
+    template = tmp_path / "template"
+    template.mkdir()
+    assert fork_and_wait(lambda: _tc_save(template, "step_1", 1)) == CHILD_DONE
+    # The saver process runs the same writer as the sync saver: its operations, counted here.
+    labels = _probe(template, tmp_path, lambda root: _tc_save(root, "step_2", 2))
+    publish = next(n for n, label in enumerate(labels, 1) if label.startswith("renameat2"))
+    mid_data = next(n for n, label in enumerate(labels, 1) if label.startswith("write "))
+    points = [mid_data + 8, publish + 1]
+    if every is not None:
+        points = sorted({*points, publish, *range(1, len(labels) + 1, every)})
+    seen: Counter[str] = Counter()
+    for kill_at in points:
+        root = tmp_path / f"kill_{kill_at}"
+        shutil.copytree(template, root)
+        _tc_async_save_killed(root, kill_at)
+        seen[_check_tc_root(root)] += 1
+        _tc_saves_again(root)
+    assert seen["step_1=0"] > 0 and seen["step_1=0 step_2=0"] > 0, seen
 
 
 # --------------------------------------------------------------------------- fresh processes
