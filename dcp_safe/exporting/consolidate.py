@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_safe import layout
 from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.errors import CheckpointCorruptError, ConfigError
 from dcp_safe.manifest.streams import short_read
 from dcp_safe.manifest.verify import chunk_tiling_problem
@@ -224,7 +225,8 @@ class Consolidator:
         self.name: str = self._reader.checkpoint_id or name
         self.metadata_path = self._reader.backend.full_path(f"{self.name}/{layout.DCP_METADATA}")
         self._batch_bytes = batch_bytes
-        self._sizes: dict[str, int] = {}  # each data file's real size, asked once
+        # Each data file's real size: listed, or else asked, once.
+        self._sizes = ListedSizes(self._reader.backend, self.name)
 
     def each_tensor(
         self,
@@ -258,15 +260,13 @@ class Consolidator:
             assert isinstance(meta, TensorStorageMetadata)  # select() took only tensors
             for chunk in meta.chunks:
                 info = storage[MetadataIndex(entry.key, chunk.offsets)]
-                rel = f"{self.name}/{info.relative_path}"
-                if rel not in self._sizes:
-                    self._sizes[rel] = self._reader.backend.size(rel)
-                if info.offset + info.length > self._sizes[rel]:
+                stored = self._sizes.size(info.relative_path)
+                if info.offset + info.length > stored:
                     raise short_read(
-                        self._reader.backend.full_path(rel),
+                        self._reader.backend.full_path(self._sizes.path(info.relative_path)),
                         f"{entry.key}@{list(chunk.offsets)}",
                         info.length,
-                        max(0, self._sizes[rel] - info.offset),
+                        max(0, stored - info.offset),
                     )
 
     def objects(self, keys: Sequence[str]) -> dict[str, Any]:
