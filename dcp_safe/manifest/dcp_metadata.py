@@ -93,9 +93,14 @@ _MEMORY_FORMATS: dict[str, torch.memory_format] = {
     "preserve_format": torch.preserve_format,
 }
 _TOP_KEYS = frozenset(("format", "version", "dcp_version", "entries", "planner_data"))
-_TENSOR_KEYS = frozenset(
-    ("dtype", "layout", "memory_format", "requires_grad", "pin_memory", "size", "chunks")
-)
+# A tensor entry's properties: those named from a table, and the flags.
+_NAMED: dict[str, Mapping[str, Any]] = {
+    "dtype": _DTYPES,
+    "layout": _LAYOUTS,
+    "memory_format": _MEMORY_FORMATS,
+}
+_FLAGS = ("requires_grad", "pin_memory")
+_TENSOR_KEYS = frozenset((*_NAMED, *_FLAGS, "size", "chunks"))
 _PLANNER_KEYS = frozenset(("paths", "audit"))
 
 
@@ -206,11 +211,8 @@ def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
             raise ValueError(f"unknown chunk type {type(chunk).__name__}")
         encoded.append([_encode_dims(chunk.offsets, "offsets"), _encode_dims(chunk.sizes, "sizes")])
     return {
-        "dtype": _name_of(_DTYPES, props.dtype, "dtype"),
-        "layout": _name_of(_LAYOUTS, props.layout, "layout"),
-        "memory_format": _name_of(_MEMORY_FORMATS, props.memory_format, "memory format"),
-        "requires_grad": _plain_bool(props.requires_grad, "requires_grad"),
-        "pin_memory": _plain_bool(props.pin_memory, "pin_memory"),
+        **{key: _name_of(table, getattr(props, key), key) for key, table in _NAMED.items()},
+        **{key: _plain_bool(getattr(props, key), key) for key in _FLAGS},
         "size": _encode_dims(entry.size, "size"),
         "chunks": encoded,
     }
@@ -388,19 +390,15 @@ class _Decoder:
 
     def tensor(self, key: str, raw: object) -> TensorStorageMetadata:
         body = _exact(f"entry {key[:80]!r}", raw, _TENSOR_KEYS)
-        dtype = _lookup("dtype", _DTYPES, body["dtype"])
+        fields: dict[str, Any] = {n: _lookup(n, table, body[n]) for n, table in _NAMED.items()}
+        fields.update((n, _plain_bool(body[n], n)) for n in _FLAGS)
+        properties = TensorProperties(**fields)
         size = self.dims("size", body["size"], None)
         chunks_raw = _list("chunks", body["chunks"], at_most=len(self.manifest.items))
         chunks = [
-            self.chunk(key, dtype, size, raw_chunk, n) for n, raw_chunk in enumerate(chunks_raw)
+            self.chunk(key, properties.dtype, size, raw_chunk, n)
+            for n, raw_chunk in enumerate(chunks_raw)
         ]
-        properties = TensorProperties(
-            dtype=dtype,
-            layout=_lookup("layout", _LAYOUTS, body["layout"]),
-            requires_grad=_plain_bool(body["requires_grad"], "requires_grad"),
-            memory_format=_lookup("memory format", _MEMORY_FORMATS, body["memory_format"]),
-            pin_memory=_plain_bool(body["pin_memory"], "pin_memory"),
-        )
         return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
     def dims(self, what: str, raw: object, rank: int | None) -> tuple[int, ...]:
