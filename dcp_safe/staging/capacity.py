@@ -88,9 +88,8 @@ def node_budget(
 
 def max_generations(budget: MemoryBudget, generation: Generation) -> int:
     """How many overlapping generations fit ``budget``'s envelope (a generation of 0 B: 0)."""
-    if generation.working_set_bytes == 0:
-        return 0
-    return budget.envelope_bytes // generation.working_set_bytes
+    working_set = generation.working_set_bytes
+    return 0 if working_set == 0 else budget.envelope_bytes // working_set
 
 
 def plan_capacity(

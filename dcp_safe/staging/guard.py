@@ -72,12 +72,10 @@ def _walk(obj: object, path: str, wanted: dict[int, torch.Tensor], found: dict[i
     if isinstance(obj, torch.Tensor):
         if id(obj) in wanted:
             found.setdefault(id(obj), path or "<root>")
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
+    elif isinstance(obj, Mapping | list | tuple):
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for key, value in items:
             _walk(value, f"{path}.{key}" if path else str(key), wanted, found)
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            _walk(value, f"{path}.{index}" if path else str(index), wanted, found)
 
 
 def current_rank() -> int | None:

@@ -215,9 +215,7 @@ class BufferPool:
 
     def cost(self, size: int) -> int:
         """Host bytes one buffer of ``size`` bytes really takes."""
-        if self.pin and size >= _PIN_MIN_BYTES:
-            return 1 << (size - 1).bit_length()
-        return size
+        return 1 << (size - 1).bit_length() if self.pin and size >= _PIN_MIN_BYTES else size
 
     def request(self, sizes: Sequence[int], *, token: int | None = None) -> BufferRequest:
         """A request for buffers of ``sizes`` bytes, its host cost computed once."""
@@ -299,10 +297,9 @@ class BufferPool:
                 bufs = self._free[size]
                 while bufs and self.counts.free_bytes > target_bytes:
                     bufs.pop()
-                    cost = self.cost(size)
-                    self.counts.free_bytes -= cost
+                    self.counts.free_bytes -= self.cost(size)
                     self._account_free(size)
-                    freed += cost
+                    freed += self.cost(size)
             self._free = defaultdict(list, {s: b for s, b in self._free.items() if b})
             self.condition.notify_all()
         if freed and self.pin:

@@ -506,17 +506,19 @@ class BudgetedStager(AsyncStager):
             self._release(release, writer_done=True)
 
     def _release(self, gen: InFlightGeneration, *, writer_done: bool) -> None:
-        # Only the first release ends the generation (and is a phase); later ones find its
-        # lease released and the generation out of the in-flight set.
+        # Only the first release ends the generation, so only it is a phase; a second one may
+        # still return the buffers first (the first is opening its span outside the lock).
         with self._cond:
-            if gen.release_claimed:
-                return
-            gen.release_claimed = True
-        span = self.telemetry.begin(
-            Phase.RELEASE, save=gen.span.save, step=gen.span.step, bytes=gen.lease.request.nbytes
-        )
+            first, gen.release_claimed = not gen.release_claimed, True
+        span = None
+        if first:
+            nbytes = gen.lease.request.nbytes
+            span = self.telemetry.begin(
+                Phase.RELEASE, save=gen.span.save, step=gen.span.step, bytes=nbytes
+            )
         with self._cond:
             gen.lease.release(writer_done=writer_done)
             self._in_flight.pop(gen.number, None)
             self._cond.notify_all()
-        span.end(writer_done=writer_done)
+        if span is not None:
+            span.end(writer_done=writer_done)

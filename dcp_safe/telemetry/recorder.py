@@ -115,7 +115,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         self._ids = itertools.count(1)
         self._roots: dict[str, _Span] = {}
         self._local = threading.local()
-        self._stagers: list[Instrumentable] = []
+        self._stagers: dict[Instrumentable, None] = {}  # an ordered set
         self._last_step_t: float | None = None
         # The sampler started here (and stopped by close()); a given one is only read.
         self._own: MemorySampler | None = None
@@ -245,8 +245,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         """Record ``stager``'s staging and release spans; sample its pinned bytes."""
         stager.telemetry = self
         with self._lock:
-            if stager not in self._stagers:
-                self._stagers.append(stager)
+            self._stagers[stager] = None
         return stager
 
     def add_sink(self, sink: Sink) -> None:
