@@ -7,6 +7,7 @@ item the streamed path cannot take (a frame needing a larger window) is decoded 
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from dcp_safe.adapters.tensor_records import layout_for, write_tensor
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
+from dcp_safe.manifest.checksum import format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.reading.tensors import read_tensor_item
 
@@ -95,3 +97,57 @@ def test_a_frame_that_needs_a_larger_window_is_left_to_the_whole_item_decoder() 
         dest=dest,
     )
     assert streamed is False  # the reader then decodes it whole, as before
+
+
+def _stored(tensor: torch.Tensor, *, zstd: bool) -> tuple[bytes, ItemRecord]:
+    """``tensor`` as an item at offset 5 of a file with bytes after it, and its record."""
+    plain = io.BytesIO()
+    assert write_tensor(tensor, plain)
+    data = zstandard.ZstdCompressor().compress(plain.getvalue()) if zstd else plain.getvalue()
+    hasher = new_hasher("sha256", size_hint=len(data))
+    hasher.update(data)
+    record = ItemRecord(
+        fqn="t",
+        offset=None,
+        file="t.distcp",
+        start=5,
+        length=len(data),
+        checksum=format_checksum("sha256", hasher),
+        transforms=(ZSTD_DESCRIPTOR,) if zstd else (),
+    )
+    return b"head!" + data + b"next item", record
+
+
+@pytest.mark.parametrize("zstd", [False, True], ids=["plain", "zstd"])
+@pytest.mark.parametrize("numel", [100_000, 9 << 20], ids=["whole", "chunked"])
+@pytest.mark.parametrize("pooled", [False, True], ids=["inline", "pool"])
+def test_a_tensor_item_is_read_verified_whatever_its_size_or_transform(
+    zstd: bool, numel: int, pooled: bool
+) -> None:
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    stored, record = _stored(tensor, zstd=zstd)
+    layout = layout_for(tensor.dtype, tuple(tensor.shape))
+    assert layout is not None
+
+    def read(data: bytes) -> torch.Tensor:
+        dest = torch.empty_like(tensor)
+        with ThreadPoolExecutor(1) as pool:
+            assert read_tensor_item(
+                io.BytesIO(data),
+                path="mem",
+                item="t",
+                record=record,
+                layout=layout,
+                checksum=record.checksum,
+                dest=dest,
+                hash_pool=pool if pooled else None,
+            )
+        return dest
+
+    assert torch.equal(read(stored), tensor)
+    flipped = bytearray(stored)
+    flipped[5 + record.length // 2] ^= 1  # in the payload
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        read(bytes(flipped))
+    with pytest.raises(CheckpointCorruptError, match="file is shorter than the manifest says"):
+        read(stored[: 5 + record.length - 1])
