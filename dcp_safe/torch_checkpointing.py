@@ -331,10 +331,21 @@ class SafeStorage(Storage):
         return sorted(self._backend.list_dir(rel))
 
     def delete(self, path: Path) -> None:
-        self._backend.remove_file(self._rel(path))
+        raise OSError(
+            f"delete of {path} refused: a committed checkpoint's files are removed with the "
+            "checkpoint (rmdir of its name), never one by one"
+        )
 
     def rmdir(self, path: Path) -> None:
-        self._backend.remove_tree(self._rel(path))
+        """Remove a checkpoint (torchtitan's retention calls this): unpublished in one step
+        first, as dcp_safe's retention does, so a removal cut short never leaves a listed
+        checkpoint with files missing."""
+        name, member = self._split(path)
+        if member:
+            raise OSError(f"rmdir of {path} refused: only a whole checkpoint is removed")
+        with self._lock:
+            self._opened.pop(name, None)
+        strategy_for(self._backend).retire(self._backend, name)
 
     def rename(
         self,

@@ -493,3 +493,25 @@ def test_the_cli_verifies_every_file_and_names_the_format(
     out = capsys.readouterr().out
     assert f"OK {NAME}: 4 files, 0 items" in out  # three of its own, one rank manifest
     assert "(torch_checkpointing's files)" in out and "DCP's metadata" not in out
+
+
+def test_removing_a_checkpoint_unpublishes_it_first_and_single_files_are_never_removed(
+    tmp_path: Path,
+) -> None:
+    """torchtitan's retention removes old checkpoints through ``Storage.rmdir``: that retires
+    the checkpoint as dcp_safe's retention does (unpublished in one step, then deleted); a file
+    of a committed checkpoint is never deleted on its own."""
+    _save(tmp_path, "step_000001", seed=1)
+    kept = _save(tmp_path, "step_000002", seed=2)
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    with pytest.raises(OSError, match="removed with the checkpoint"):
+        storage.delete(tmp_path / "step_000002" / "step_0.pt")
+    with pytest.raises(OSError, match="only a whole checkpoint"):
+        storage.rmdir(tmp_path / "step_000002" / "step_0.pt")
+    storage.rmdir(tmp_path / "step_000001")
+    assert [c.name for c in dcp_safe.list_checkpoints(tmp_path)] == ["step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "step_000002"
+    ]
+    dcp_safe.verify_checkpoint(tmp_path, "step_000002", deep=True)
+    _assert_same(_load(tmp_path, "step_000002"), kept)
