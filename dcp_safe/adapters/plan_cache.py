@@ -106,14 +106,8 @@ def layout_of(plan: SavePlan) -> Layout:
     """
     # torch.Size is a tuple, enums compare by identity: nothing needs converting.
     items = tuple(
-        (
-            item.index.fqn,
-            item.index.offset,
-            item.index.index,
-            item.type,
-            _tensor_layout(item.tensor_data),
-        )
-        for item in plan.items
+        (i.index.fqn, i.index.offset, i.index.index, i.type, _tensor_layout(i.tensor_data))
+        for i in plan.items
     )
     mappings = plan.planner_data
     return (items, tuple(mappings.items()) if isinstance(mappings, dict) else mappings)
@@ -123,13 +117,5 @@ def _tensor_layout(data: Any) -> tuple[Any, ...] | None:
     if data is None:
         return None
     props, chunk = data.properties, data.chunk
-    return (
-        data.size,
-        props.dtype,
-        props.layout,
-        props.requires_grad,
-        props.memory_format,
-        props.pin_memory,
-        chunk.offsets,
-        chunk.sizes,
-    )
+    kept = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+    return (data.size, *kept, chunk.offsets, chunk.sizes)

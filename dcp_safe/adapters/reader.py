@@ -239,9 +239,8 @@ class SafeStorageReader(StorageReader):
                 break  # a named checkpoint: the first tier that has it, local first
         if not opened:
             raise failures[0]
-        _, self._remote.backend, self._name, self._manifest, self._metadata = max(
-            opened, key=lambda entry: entry[0]
-        )
+        # The keys differ (by order), so nothing past them is ever compared.
+        _, self._remote.backend, self._name, self._manifest, self._metadata = max(opened)
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
         self._items.reset(stored_tensors(self._metadata))

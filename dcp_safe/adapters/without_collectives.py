@@ -152,7 +152,6 @@ class StorageAgreement:
     def agree(
         self,
         plan: SavePlan,
-        *,
         rank: int,
         coordinator: bool,
         plain: dict[str, int | None],
@@ -379,11 +378,10 @@ class StorageAgreement:
                     " same signing key, and check who else can write the root",
                     {rank: f"{'no MAC' if mac is None else 'a MAC that does not match'} in {rel}"},
                 )
-            checksum = body.get("manifest")
-            if body.get("rank") != rank or "dcp_metadata" not in body:
+            checksum = body.get("manifest")  # of its rank manifest
+            fits = body.get("rank") == rank and "dcp_metadata" in body
+            if not fits or not isinstance(checksum, str | None):
                 raise CommitError("a rank's report is malformed", {rank: rel})
-            if checksum is not None and not isinstance(checksum, str):
-                raise CommitError("a rank's report is malformed", {rank: "a checksum not a string"})
             found[rank] = (body["dcp_metadata"], checksum)
         return found
 
@@ -420,21 +418,17 @@ class StorageAgreement:
         except (FileNotFoundError, DcpSafeError) as exc:
             raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
         # The bytes checked are the bytes used (read once): nothing swapped in later counts.
-        signed = self.options.signing_key is not None
-        if (
-            signed
-            and (expected or manifest.items)
-            and digest_bytes(raw, self.options.checksum) != expected
-        ):
+        signed, algorithm = self.options.signing_key is not None, self.options.checksum
+        if signed and (expected or manifest.items) and digest_bytes(raw, algorithm) != expected:
             raise CommitError(
                 "a rank manifest is not the one its rank's authenticated report names: nothing"
                 " is published (someone else wrote it, or it was damaged)",
                 {rank: self.backend.full_path(rel)},
             )
-        if manifest.checksum_algorithm != self.options.checksum.value:
+        if manifest.checksum_algorithm != algorithm.value:
             raise CommitError(
-                f"a rank checksummed with another algorithm than {self.options.checksum.value!r}:"
-                " every rank must be configured alike",
+                f"a rank checksummed with another algorithm than {algorithm.value!r}: every"
+                " rank must be configured alike",
                 {rank: manifest.checksum_algorithm},
             )
         results = [
@@ -445,7 +439,7 @@ class StorageAgreement:
             )
             for record in manifest.items
         ]
-        return attach_report(results, report_for(manifest, raw, self.options.checksum))
+        return attach_report(results, report_for(manifest, raw, algorithm))
 
 
 def plain_keys(plan: SavePlan) -> dict[str, int | None]:

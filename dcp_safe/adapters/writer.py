@@ -249,12 +249,7 @@ class SafeStorageWriter(StorageWriter):
         if self._collective:
             return self._claim(plans)
         agreement = self._storage_agreement()
-        claim, plain = self._claim, self._plain
-        return [
-            agreement.agree(
-                plans[0], rank=self._rank, coordinator=self._coordinator, plain=plain, claim=claim
-            )
-        ]
+        return [agreement.agree(plans[0], self._rank, self._coordinator, self._plain, self._claim)]
 
     def _claim(self, plans: list[SavePlan]) -> list[SavePlan]:
         publication = self._claim_on(self.backend, layout.new_save_id(), self.options.overwrite)
