@@ -80,15 +80,9 @@ class Committer:
     def __init__(
         self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
     ) -> None:
-        if (
-            isinstance(workers, bool)
-            or not isinstance(workers, int)
-            or not 1 <= workers <= MAX_COMMIT_WORKERS
-        ):
+        if type(workers) is not int or not 1 <= workers <= MAX_COMMIT_WORKERS:  # not a bool
             raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
-        self.backend = backend
-        self.options = options
-        self.workers = workers
+        self.backend, self.options, self.workers = backend, options, workers
 
     def publish(
         self,

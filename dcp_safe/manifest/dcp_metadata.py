@@ -230,16 +230,12 @@ def _encode_planner(data: object, budget: _Budget) -> dict[str, Any] | None:
     for key, value in data.items():
         if key == layout.AUDIT_KEY:
             audit = _encode_audit(value, budget)
-        else:
-            paths.append([_str_key(key), _encode_path(value, budget)])
+            continue
+        if not isinstance(value, (tuple, list)) or not 0 < len(value) <= _MAX_PATH:
+            raise ValueError("planner data that is not a flatten path")
+        budget.take(len(value))
+        paths.append([_str_key(key), [_path_element(v) for v in value]])
     return {"paths": paths, "audit": audit}
-
-
-def _encode_path(value: object, budget: _Budget) -> list[str | int]:
-    if not isinstance(value, (tuple, list)) or not 0 < len(value) <= _MAX_PATH:
-        raise ValueError("planner data that is not a flatten path")
-    budget.take(len(value))
-    return [_path_element(v) for v in value]
 
 
 def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
