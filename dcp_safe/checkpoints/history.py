@@ -75,9 +75,8 @@ EVENTS = frozenset(
     }
 )
 # One lock per history file in this process: the manager's appends and a save's takeover
-# record rewrite the same object.
+# record rewrite the same object (``setdefault`` is atomic: two threads get the same lock).
 _LOCKS: dict[str, threading.RLock] = {}
-_LOCKS_LOCK = threading.Lock()
 
 
 class History:
@@ -85,8 +84,7 @@ class History:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        with _LOCKS_LOCK:
-            self._lock = _LOCKS.setdefault(backend.full_path(HISTORY_FILE), threading.RLock())
+        self._lock = _LOCKS.setdefault(backend.full_path(HISTORY_FILE), threading.RLock())
 
     def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
         """Record one event; ``None`` fields are left out.

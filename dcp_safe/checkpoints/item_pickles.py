@@ -66,21 +66,18 @@ def scan(data: bytes | memoryview, path: str, item: str, *, max_ops: int) -> fro
     try:
         for count, (opcode, _, _) in enumerate(pickletools.genops(io.BytesIO(data))):
             if count >= max_ops:
-                raise UnsafeCheckpointError(
-                    path,
-                    f"the pickle has more than {max_ops} opcodes",
-                    item=item,
-                    because=_UNSAFE_FOR_MEMORY,
-                )
+                break
             if opcode.name in _REFUSED_OPS:
                 found.add(opcode.name)
-    except UnsafeCheckpointError:
-        raise
+        else:
+            return frozenset(found)
     except Exception as exc:  # genops: ValueError on a bad opcode or a short argument
         raise CheckpointCorruptError(
             path, f"not a pickle ({type(exc).__name__}: {str(exc)[:200]})", item=item
         ) from None
-    return frozenset(found)
+    raise UnsafeCheckpointError(
+        path, f"the pickle has more than {max_ops} opcodes", item=item, because=_UNSAFE_FOR_MEMORY
+    )
 
 
 class _StorageKind:

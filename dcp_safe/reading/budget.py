@@ -67,13 +67,10 @@ class LoadBudget:
     """
 
     def __init__(self, budget_bytes: int | None) -> None:
-        value: object = budget_bytes
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
+        if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes < 1):
             raise ConfigError(
                 "load_budget_bytes must be a positive int (bytes) or None for no bound, got"
-                f" {value!r}"
+                f" {budget_bytes!r}"
             )
         self.budget_bytes = budget_bytes
         self._cond = threading.Condition()
