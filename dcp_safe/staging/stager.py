@@ -51,7 +51,7 @@ from dcp_safe.staging.generation import (
 )
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.plan import Layout, PlanCache, scan
+from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs
@@ -108,11 +108,8 @@ class BudgetedStager(AsyncStager):
             telemetry.attach_stager(self)
         self.budget = budget if budget is not None else MemoryBudget.from_host()
         # Buffers a worker process can read (:mod:`dcp_safe.staging.shared`); ``None``: private.
-        self.shared = (
-            SharedSlabs(pinning=CudaSlabPinning() if self.options.pin_memory.resolve() else None)
-            if shared_memory
-            else None
-        )
+        pinning = CudaSlabPinning() if self.options.pin_memory.resolve() else None
+        self.shared = SharedSlabs(pinning=pinning) if shared_memory else None
         self._pool = BufferPool(pin_memory=self.options.pin_memory, shared=self.shared)
         self._cond = self._pool.condition
         self._plans = PlanCache(self._pool)
@@ -150,14 +147,7 @@ class BudgetedStager(AsyncStager):
         with self._cond:
             # Same structure as the last save: admit on its plan and let the staging thread
             # confirm the full key, which costs several times the walk.
-            # A wrong guess must not make a save wait or fail: guess only what is admitted now.
-            plan = self._plans.speculate(
-                layout,
-                lambda p: (
-                    p.request.cost <= self.budget.envelope_bytes
-                    and self._decide(p.request)[0].admitted
-                ),
-            )
+            plan = self._plans.speculate(layout, self._admits_now)
             confirmed = plan is None
             plan = plan or self._plans.get(layout)
         # The request is the snapshot's moment: read the counters before anything can wait.
@@ -389,6 +379,11 @@ class BudgetedStager(AsyncStager):
         if excess > 0:  # free buffers this state cannot use make room for ones it can
             self._pool.trim(max(0, self._pool.counts.free_bytes - excess))
         return lease
+
+    def _admits_now(self, plan: StagingPlan) -> bool:
+        # A wrong guess must not make a save wait or fail: guess only what is admitted now.
+        fits = plan.request.cost <= self.budget.envelope_bytes
+        return fits and self._decide(plan.request)[0].admitted
 
     def _decide(self, request: BufferRequest, others: int | None = None) -> tuple[Admission, int]:
         reused, new = self._pool.plan(request)
