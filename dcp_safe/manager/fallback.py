@@ -285,4 +285,4 @@ class FallbackSwitch:
 
     def _switched(self, handle: SaveHandle, reason: str) -> None:
         log.warning("dcp_safe: falling back to synchronous checkpoints: %s", reason)
-        self.ledger.spans.mark("fallback", handle, reason=reason)
+        self.ledger.mark("fallback", handle, reason=reason)

@@ -9,7 +9,7 @@ Thread safety: any thread; the state is guarded by the manager's condition.
 The coordinator's history appends run off the decision path, in order, on their own thread
 (:meth:`Ledger.append`; why, and what a failed append does: docs/multirank.md, "Bookkeeping never
 decides"). Each save has one telemetry span from admission to verified commit
-(:class:`SaveSpans`): the stager's and the wrapped writer's spans opened on the same thread nest
+(:meth:`Ledger.opened`): the stager's and the wrapped writer's spans opened on the same thread nest
 under it; with ``executor="process"`` the worker's are adopted under it. With no telemetry every
 call there is a no-op and writers are not wrapped.
 """
@@ -32,7 +32,7 @@ from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.recorder import Telemetry, end_replication
 
-__all__ = ["Ledger", "SaveSpans"]
+__all__ = ["Ledger"]
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -55,7 +55,9 @@ class Ledger:
         self.cond = threading.Condition()  # the manager's: every part's state is guarded by it
         self.history, self._appends = history, coordinator  # only the coordinator appends
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-history")
-        self.spans = SaveSpans(telemetry)
+        # Each save's one telemetry span, open from admission to verified commit, by name.
+        self.telemetry = telemetry
+        self._open_spans: dict[str, SpanHandle] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
         self._counts = {f.name: 0 for f in fields(ManagerStats) if f.name not in _NOT_COUNTED}
         self._errors: list[BaseException] = []
@@ -139,7 +141,7 @@ class Ledger:
             self._requested_at.pop(handle.name, None)
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self.record("skipped", handle, tier="local", reason=reason)
-        self.quietly("telemetry", lambda: self.spans.mark("skipped", handle, reason=mark or reason))
+        self.quietly("telemetry", lambda: self.mark("skipped", handle, reason=mark or reason))
 
     def fail(
         self,
@@ -168,7 +170,7 @@ class Ledger:
                     target.set_exception(error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
         if tier == "local":
-            self.quietly("telemetry", lambda: self.spans.end(handle, error))
+            self.quietly("telemetry", lambda: self.end_span(handle, error))
         self.record(
             "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
         )
@@ -217,15 +219,6 @@ class Ledger:
         what = f"recording the {event!r} event of {name!r} in the history"
         self.quietly(what, lambda: self.history.append(event, step, name, **fields))
 
-
-class SaveSpans:
-    """The open root span of each save, by checkpoint name (``telemetry=None``: none)."""
-
-    def __init__(self, telemetry: Telemetry | None) -> None:
-        self.telemetry = telemetry
-        self._lock = threading.Lock()
-        self._open: dict[str, SpanHandle] = {}
-
     @contextlib.contextmanager
     def opened(self, handle: SaveHandle) -> Iterator[None]:
         """Open the save's root span; phases started on this thread inside nest under it."""
@@ -233,15 +226,15 @@ class SaveSpans:
             yield
             return
         span = self.telemetry.begin_save(handle.name, handle.step)
-        with self._lock:
-            self._open[handle.name] = span
+        with self.cond:
+            self._open_spans[handle.name] = span
         with self.telemetry.within(span):
             yield
 
-    def end(self, handle: SaveHandle, error: BaseException | None) -> None:
+    def end_span(self, handle: SaveHandle, error: BaseException | None) -> None:
         """Close the save's root span (once; later calls do nothing)."""
-        with self._lock:
-            span = self._open.pop(handle.name, None)
+        with self.cond:
+            span = self._open_spans.pop(handle.name, None)
         if span is None:
             return
         if error is None:
@@ -255,8 +248,8 @@ class SaveSpans:
         telemetry wrapper records it with threads)."""
         if self.telemetry is None:
             return
-        with self._lock:
-            span = self._open.get(name)
+        with self.cond:
+            span = self._open_spans.get(name)
         self.telemetry.adopt(events, span)
         if replication is not None:
             replicating = self.telemetry.begin(Phase.REPLICATION, save=name)

@@ -184,7 +184,7 @@ class CheckpointManager:
                 resume.per_rank,
                 wait_s,
                 WorkerGroups.for_job(agreement),  # several ranks: theirs to form
-                None if telemetry is None else ledger.spans.adopt,  # the worker's spans
+                None if telemetry is None else ledger.adopt,  # the worker's spans
                 deep,
             )
         self._runner = SaveRunner(

@@ -195,7 +195,7 @@ class SaveRunner:
             self.in_memory.check_room(state_dict)
             keep = handle
         if worker and self.worker is not None:
-            with self.ledger.spans.opened(handle):  # as dcp.async_save: a model by its state dict
+            with self.ledger.opened(handle):  # as dcp.async_save: a model by its state dict
                 staged = self.stager.stage(state_dicts_of(state_dict))
             upload = self.worker.submit(handle.name, handle.step, staged)
             self.stager.track(upload, keep=keep)
@@ -203,11 +203,11 @@ class SaveRunner:
             self._started(handle, staged, upload, None, self.worker)
             return
         writer = self.writer.for_step(handle.step)
-        with self.collectives(BACKGROUND) as collectives, self.ledger.spans.opened(handle):
+        with self.collectives(BACKGROUND) as collectives, self.ledger.opened(handle):
             response = api.async_save(
                 state_dict,
                 checkpoint_id=handle.name,
-                storage_writer=self.ledger.spans.wrap(writer),
+                storage_writer=self.ledger.wrap(writer),
                 async_stager=self.stager,
                 per_rank=self.per_rank,
                 **collectives,
@@ -264,11 +264,11 @@ class SaveRunner:
         writer = self.sync_writer.for_step(handle.step)
         self.ledger.count("sync_saves")
         try:
-            with self.collectives(FOREGROUND) as collectives, self.ledger.spans.opened(handle):
+            with self.collectives(FOREGROUND) as collectives, self.ledger.opened(handle):
                 api.save(
                     state_dict,
                     checkpoint_id=handle.name,
-                    storage_writer=self.ledger.spans.wrap(writer),
+                    storage_writer=self.ledger.wrap(writer),
                     per_rank=self.per_rank,
                     **collectives,
                 )
@@ -415,7 +415,7 @@ class SaveRunner:
         self.ledger.flush(self.flush_s)
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
-        self.ledger.quietly("telemetry", lambda: self.ledger.spans.end(handle, None))
+        self.ledger.quietly("telemetry", lambda: self.ledger.end_span(handle, None))
 
     def _check(
         self,

@@ -175,34 +175,24 @@ class Tiers:
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
+                error, reason = None, "retention"
                 try:
-                    self._retire(backend, name, step, tier)
-                except Exception:
-                    if local and not self._still_committed(backend, name):
-                        self._forget(name)
-                    raise
-                if local:
-                    self._forget(name)
-            return decision.drop
-
-    def _forget(self, name: str) -> None:
-        with self._cond:
-            self._validated.discard(name)
-            self._replications.pop(name, None)
-            self.pruned += 1
-
-    def _retire(self, backend: Backend, name: str, step: int | None, tier: str) -> None:
-        """Retire ``name`` and record it; one unpublished whose files could not all be removed
-        is recorded as pruned too (it is gone from the listing), with why, and the error raised.
-        """
-        try:
-            strategy_for(backend).retire(backend, name)
-        except Exception as exc:
-            if not self._still_committed(backend, name):
-                reason = f"retention; unpublished, but removing its files failed: {exc}"[:500]
+                    strategy_for(backend).retire(backend, name)
+                except Exception as exc:
+                    if self._still_committed(backend, name):
+                        raise
+                    # Gone from the listing: recorded as pruned, with why, and the error raised.
+                    error = exc
+                    reason = f"retention; unpublished, but removing its files failed: {exc}"[:500]
                 self._history.append("pruned", step, name, tier=tier, reason=reason)
-            raise
-        self._history.append("pruned", step, name, tier=tier, reason="retention")
+                if local:
+                    with self._cond:
+                        self._validated.discard(name)
+                        self._replications.pop(name, None)
+                        self.pruned += 1
+                if error is not None:
+                    raise error
+            return decision.drop
 
     @staticmethod
     def _still_committed(backend: Backend, name: str) -> bool:
@@ -215,8 +205,7 @@ class Tiers:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
         if tier not in ("local", "remote"):
             raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
-        local = tier == "local"
-        root = self.commit if local else self.replica
+        root = self.commit if tier == "local" else self.replica
         if root is None:
             raise ConfigError("this manager has no replicate_to")
         found = list_checkpoints(root, signing_key=self.signing_key)

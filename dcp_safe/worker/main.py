@@ -88,8 +88,7 @@ class _Worker:
                 return  # the parent is gone
             kind = message[0]
             if kind == "writer":
-                self.writer, self.per_rank, self.group = message[1], tuple(message[2]), message[3]
-                self.deep = bool(message[4])
+                _, self.writer, self.per_rank, self.group, self.deep = message
                 try:
                     if self.group is not None:
                         join(self.group)

@@ -246,7 +246,6 @@ class SaveWorker:
         self.deep = deep
         self._checks: dict[str, Checked] = {}
         self.timeout_s = timeout_s
-        self.slabs = slabs
         self._encoder = StateEncoder(slabs)
         self.per_rank = per_rank
         self._lock = threading.Lock()
@@ -444,7 +443,7 @@ class SaveWorker:
             process.conn.send(("close", self.timeout_s))
 
     def _share_slabs(self, process: _Process) -> None:
-        open_slabs = self.slabs.slabs()
+        open_slabs = self._encoder.slabs.slabs()
         try:
             gone = process.mapped - set(open_slabs)
             if gone:
