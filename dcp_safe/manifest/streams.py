@@ -141,10 +141,7 @@ def read_fully(stream: BinaryIO, view: memoryview) -> int:
     """Fill ``view`` from ``stream``'s position on (a read may return less than asked); the
     bytes read, fewer only at the end of the file."""
     total = 0
-    while total < view.nbytes:
-        got = stream.readinto(view[total:])  # type: ignore[attr-defined]
-        if not got:
-            break
+    while total < view.nbytes and (got := stream.readinto(view[total:])):  # type: ignore[attr-defined]
         total += got
     return total
 

@@ -39,11 +39,7 @@ def check_stream(
     """
     check = FileCheck(path, record, items)
     remaining = record.size
-    while remaining:
-        size = min(chunk_bytes, remaining)
-        data = stream.read(size)
-        if not data:
-            break
+    while remaining and (data := stream.read(min(chunk_bytes, remaining))):
         check.update(data)
         remaining -= len(data)
     check.finish()
