@@ -127,9 +127,7 @@ def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
         return _fail(err, f"{exc}; {hint}", EXIT_USAGE)
     except CheckpointCorruptError as exc:
         return _fail(err, f"CORRUPT: {exc}", EXIT_FAILED)
-    except DcpSafeError as exc:
-        return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
-    except OSError as exc:
+    except (DcpSafeError, OSError) as exc:
         return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
 
 
@@ -318,8 +316,7 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
         )
     if not args.deep:
         how = "marker, manifest and file sizes"
-    elif manifest.data_format is not None:
-        # No DCP metadata or items to decode: the files are another library's, checked by bytes.
+    elif manifest.data_format is not None:  # another library's files: no DCP items to decode
         how = f"every byte matches its checksum ({manifest.data_format}'s files)"
     elif args.allow_pickle:
         how = "every byte matches its checksum (unpickling not checked: --allow-pickle)"

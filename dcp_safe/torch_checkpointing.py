@@ -24,7 +24,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, cast
@@ -331,20 +331,15 @@ class SafeStorage(Storage):
         return sorted(self._backend.list_dir(rel))
 
     def delete(self, path: Path) -> None:
-        raise OSError(
-            f"delete of {path} refused: a committed checkpoint's files are removed with the "
-            "checkpoint (rmdir of its name), never one by one"
-        )
+        raise OSError(f"delete of {path} refused: files are removed with the checkpoint (rmdir)")
 
     def rmdir(self, path: Path) -> None:
-        """Remove a checkpoint (torchtitan's retention calls this): unpublished in one step
-        first, as dcp_safe's retention does, so a removal cut short never leaves a listed
-        checkpoint with files missing."""
+        """Remove a checkpoint (torchtitan's retention does): unpublished in one step first,
+        so a removal cut short never leaves a listed checkpoint with files missing."""
         name, member = self._split(path)
         if member:
             raise OSError(f"rmdir of {path} refused: only a whole checkpoint is removed")
-        with self._lock:
-            self._opened.pop(name, None)
+        self._opened.pop(name, None)
         strategy_for(self._backend).retire(self._backend, name)
 
     def rename(
@@ -548,9 +543,8 @@ def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
         step=_step_of(name),
         data_format=DATA_FORMAT,
     )
-    manifest_bytes = manifest.to_json()
-    digest = manifest_digest(manifest_bytes)
-    control = {layout.MANIFEST: manifest_bytes}
+    control = {layout.MANIFEST: manifest.to_json()}
+    digest = manifest_digest(control[layout.MANIFEST])
     if storage._key is not None:
         control[layout.SIGNATURE] = sign_digest(storage._key, digest)
     try:
@@ -587,11 +581,7 @@ def manager_config(
     taken = {"storage_config", "save", "pre_finalize_callback", "finalize_callback"} & set(options)
     if taken:
         raise ConfigError(f"manager_config() sets {sorted(taken)} itself")
-    writer = CheckpointWriterConfig(write_to_temp_dir=False)
-    savers: Mapping[str, Any] = {
-        "sync": SyncCheckpointSaverConfig,
-        "async": AsyncCheckpointSaverConfig,
-    }
+    savers = {"sync": SyncCheckpointSaverConfig, "async": AsyncCheckpointSaverConfig}
     if save not in savers:
         raise ConfigError(f"save must be 'async' or 'sync', got {save!r}")
     storage = SafeStorageConfig(
@@ -603,7 +593,7 @@ def manager_config(
     )
     return CheckpointManager.Config(
         storage_config=storage,
-        save=savers[save](writer_config=writer),
+        save=savers[save](writer_config=CheckpointWriterConfig(write_to_temp_dir=False)),
         pre_finalize_callback=_report,
         finalize_callback=_finalize,
         **options,

@@ -504,7 +504,7 @@ def test_removing_a_checkpoint_unpublishes_it_first_and_single_files_are_never_r
     _save(tmp_path, "step_000001", seed=1)
     kept = _save(tmp_path, "step_000002", seed=2)
     storage = SafeStorageConfig(tmp_path).create_storage()
-    with pytest.raises(OSError, match="removed with the checkpoint"):
+    with pytest.raises(OSError, match="files are removed with the checkpoint"):
         storage.delete(tmp_path / "step_000002" / "step_0.pt")
     with pytest.raises(OSError, match="only a whole checkpoint"):
         storage.rmdir(tmp_path / "step_000002" / "step_0.pt")
