@@ -93,7 +93,7 @@ def register_attempt(backend: Backend, attempt: Attempt) -> None:
         backend.write_bytes(attempt.marker, body, exclusive=backend.supports_exclusive_create)
 
 
-def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> None:
+def check_fence(backend: Backend, attempt: Attempt | None) -> None:
     """Refuse to go on if a newer attempt than ``attempt`` has saved under this root.
 
     Raises:
@@ -108,11 +108,12 @@ def check_fence(backend: Backend, attempt: Attempt | None, *, rank: int = 0) -> 
     if newest > attempt.number:
         record = backend.full_path(Attempt(number=newest, run_id=attempt.run_id).marker)
         # The explanation goes into ``failures``: that is what survives DCP's trip to every
-        # rank (dcp_safe.errors.from_checkpoint_exception rebuilds the message from it).
+        # rank (dcp_safe.errors.from_checkpoint_exception rebuilds the message from it), named
+        # as rank 0's: the fence is checked where a save claims and publishes.
         raise StaleWriterError(
             "a writer of an older job attempt may not publish",
             {
-                rank: f"attempt {attempt.number} of run {attempt.run_id!r} is stale: attempt "
+                0: f"attempt {attempt.number} of run {attempt.run_id!r} is stale: attempt "
                 f"{newest} has started saving under {backend.url} (its record: {record}); "
                 "this process is a leftover of a restart, stop it. If no attempt "
                 f"{newest} of this run exists (a record another job with this run id left, or "

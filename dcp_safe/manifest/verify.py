@@ -24,14 +24,7 @@ __all__ = ["FileCheck", "check_stream", "chunk_tiling_problem", "items_by_file"]
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 
-def check_stream(
-    stream: BinaryIO,
-    path: str,
-    record: FileRecord,
-    items: list[ItemRecord],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> int:
+def check_stream(stream: BinaryIO, path: str, record: FileRecord, items: list[ItemRecord]) -> int:
     """Read ``stream`` to its recorded size through a :class:`FileCheck`; return bytes read.
 
     Raises:
@@ -39,7 +32,7 @@ def check_stream(
     """
     check = FileCheck(path, record, items)
     remaining = record.size
-    while remaining and (data := stream.read(min(chunk_bytes, remaining))):
+    while remaining and (data := stream.read(min(DEFAULT_CHUNK_BYTES, remaining))):
         check.update(data)
         remaining -= len(data)
     check.finish()
