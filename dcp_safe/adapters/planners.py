@@ -211,13 +211,9 @@ class SafeSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
         if self.check_divergence and _world_size() > 1:  # one rank has nothing to differ from
-            fingerprints = fingerprints_of(
-                {
-                    item.index.fqn: self.state_dict[item.index.fqn]
-                    for item in plan.items
-                    if item.type in (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
-                }
-            )
+            plain = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
+            keys = [item.index.fqn for item in plan.items if item.type in plain]
+            fingerprints = fingerprints_of({key: self.state_dict[key] for key in keys})
         pieces = audit.report(self.state_dict, self.rank) if self.record_audit else {}
         self.plan = FingerprintedPlan(
             **vars(plan), fingerprints=fingerprints, rank=self.rank, audit=pieces
@@ -252,8 +248,7 @@ class SafeSavePlanner(DefaultSavePlanner):
                 plans, metadata = self._remember_global(layouts, plans, metadata)
         if self.record_audit:
             sums = audit.combine(p.audit for p in all_plans if isinstance(p, FingerprintedPlan))
-            recorded = dict(metadata.planner_data or {})
-            recorded[layout.AUDIT_KEY] = sums
+            recorded = {**(metadata.planner_data or {}), layout.AUDIT_KEY: sums}
             metadata = dataclasses.replace(metadata, planner_data=recorded)
         self.metadata = metadata
         return plans, metadata

@@ -155,14 +155,12 @@ def learnt_format() -> TorchFileFormat | None:
 @functools.cache
 def _agrees_with_torch(dtype: torch.dtype) -> bool:
     """Whether this module writes ``dtype`` byte for byte as ``torch.save`` does."""
-    if learnt_format() is None or legacy_storage_type(dtype) is None:
+    layout = _build(dtype, (3,))  # None without a learnt format or a storage type for dtype
+    if layout is None:
         return False
     sample = torch.zeros(3, dtype=dtype)
     expected = io.BytesIO()
     save_tensor_without_crc(sample, expected)
-    layout = _build(dtype, (3,))
-    if layout is None:
-        return False
     raw = expected.getvalue()
     payload = raw[len(layout.prefix) : len(layout.prefix) + layout.payload]
     return (
@@ -273,9 +271,7 @@ def template_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes] | No
     ):
         return None
     layout = layout_for(tensor.dtype, tensor.shape)
-    if layout is None:
-        return None
-    return layout.prefix, tensor_bytes(tensor), layout.suffix
+    return None if layout is None else (layout.prefix, tensor_bytes(tensor), layout.suffix)
 
 
 def write_tensor(tensor: torch.Tensor, out: Any) -> bool:

@@ -532,27 +532,25 @@ def _union_manifest(
 def _merged(metadatas: Sequence[Metadata]) -> Metadata:
     """One metadata from the ranks': each entry once, each distinct chunk once (rank order)."""
     state: dict[str, Any] = {}
+    chunks: dict[str, dict[tuple[int, ...], Any]] = {}  # by key, then by offsets
     paths: dict[str, Any] = {}
     audits: dict[str, dict[frozenset[tuple[int, ...]], Mapping[int, int]]] = {}
     for metadata in metadatas:
         for key, entry in metadata.state_dict_metadata.items():
-            known = state.get(key)
-            if known is None:
-                if isinstance(entry, TensorStorageMetadata):
-                    entry = TensorStorageMetadata(entry.properties, entry.size, list(entry.chunks))
-                state[key] = entry
-            elif isinstance(known, TensorStorageMetadata) and isinstance(
-                entry, TensorStorageMetadata
-            ):
-                seen = {tuple(c.offsets) for c in known.chunks}
-                known.chunks.extend(c for c in entry.chunks if tuple(c.offsets) not in seen)
+            state.setdefault(key, entry)
+            for chunk in entry.chunks if isinstance(entry, TensorStorageMetadata) else ():
+                chunks.setdefault(key, {}).setdefault(tuple(chunk.offsets), chunk)
         planner = dict(metadata.planner_data or {})
         for key, sums in planner.pop(layout.AUDIT_KEY, {}).items():
             # A rank's sums cover its chunks; ranks holding the same chunks count once.
             held = metadata.state_dict_metadata.get(key)
-            chunks = held.chunks if isinstance(held, TensorStorageMetadata) else []
-            audits.setdefault(key, {}).setdefault(frozenset(tuple(c.offsets) for c in chunks), sums)
+            pieces = held.chunks if isinstance(held, TensorStorageMetadata) else []
+            audits.setdefault(key, {}).setdefault(frozenset(tuple(c.offsets) for c in pieces), sums)
         paths.update(planner)
+    for key, entry in state.items():
+        if isinstance(entry, TensorStorageMetadata):
+            merged = [*chunks.get(key, {}).values()]
+            state[key] = TensorStorageMetadata(entry.properties, entry.size, merged)
     if audits:
         paths[layout.AUDIT_KEY] = {
             key: {
