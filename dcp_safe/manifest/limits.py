@@ -97,23 +97,23 @@ def parse_cost(data: bytes) -> int:
     )
 
 
-def parse_json(data: bytes, path: str, *, budget_bytes: int = PARSE_BUDGET_BYTES) -> Any:
-    """The JSON document in ``data``, strictly.
+def parse_json(data: bytes, path: str) -> Any:
+    """The JSON document in ``data``, strictly; one whose :func:`parse_cost` is over
+    :data:`PARSE_BUDGET_BYTES` is refused unparsed.
 
     Args:
         path: the file it came from, for errors.
-        budget_bytes: refuse a document whose :func:`parse_cost` is over this, unparsed.
 
     Raises:
         CheckpointCorruptError: not UTF-8 JSON; NaN, an infinity or a float out of range; an
             integer past Python's digit limit; nesting too deep to parse; over the budget.
     """
     cost = parse_cost(data)
-    if cost > budget_bytes:
+    if cost > PARSE_BUDGET_BYTES:
         raise CheckpointCorruptError(
             path,
             f"{len(data)} bytes of JSON whose parse could take {cost} bytes of memory,"
-            f" over the {budget_bytes}-byte budget",
+            f" over the {PARSE_BUDGET_BYTES}-byte budget",
         )
     try:
         return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
@@ -123,17 +123,10 @@ def parse_json(data: bytes, path: str, *, budget_bytes: int = PARSE_BUDGET_BYTES
         raise CheckpointCorruptError(path, f"not valid JSON ({str(exc)[:200]})") from None
 
 
-def require_int(
-    field: str,
-    value: object,
-    *,
-    minimum: int = 0,
-    maximum: int = MAX_INT,
-    what: str = "an integer",
-) -> int:
-    """``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ValueError(f"{field} must be {what} in [{minimum}, {maximum}], got {_show(value)}")
+def require_int(field: str, value: object, *, minimum: int = 0, what: str = "an integer") -> int:
+    """``value`` if it is an int (not a bool) in ``[minimum, MAX_INT]``, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise ValueError(f"{field} must be {what} in [{minimum}, {MAX_INT}], got {_show(value)}")
     return value
 
 
