@@ -121,9 +121,7 @@ class BlockHasher:
         while lo < hi:
             if lo != self._done:
                 raise ValueError("block hashing fed out of order")  # a caller's bug
-            block_end = self._start + ((lo - self._start) // self._block_bytes + 1) * (
-                self._block_bytes
-            )
+            block_end = lo + self._block_bytes - (lo - self._start) % self._block_bytes
             take = min(hi, block_end) - lo
             if self._hasher is None:
                 self._hasher = new_hasher(self._algorithm, size_hint=self._block_bytes)
