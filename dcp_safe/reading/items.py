@@ -198,8 +198,9 @@ class ItemReader:
     def _load_known(self, stream: Any, item: _Item, verify: bool) -> bool:
         """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
         request needs where the item has block digests (:mod:`dcp_safe.reading.ranges`), else
-        the whole stored tensor, straight into the destination where it takes the bytes as
-        read. ``False``: not such an item."""
+        the whole stored tensor; straight into the request's target where that takes the bytes
+        as read, else into a transient tensor (narrowed to the request when the whole was
+        read), and hand it over. ``False``: not such an item, nothing handed over."""
         record, request = item.record, item.request
         stored = self.stored.get(record.key)
         if stored is None:
@@ -208,53 +209,16 @@ class ItemReader:
         dtype, shape = stored
         checksum = record.checksum if verify else None
         plan = plan_blocks(item.path, item.label, record, dtype, shape, request)
+        layout = None if plan is not None else known_layout(dtype, shape, record)
         if plan is not None:
-
-            def read_blocks(dest: torch.Tensor) -> bool:
-                algorithm = None if checksum is None else checksum.partition(":")[0]
-                got = read_runs(stream, item.path, item.label, record, plan, algorithm, dest)
-                with self.lock:  # counted whole by the reader
-                    self.bytes_read -= record.length - got
-                return True
-
-            region = tuple(request.lengths)
-            return self._read_into(item, region, dtype, plan.buffer_bytes, read_blocks)
-        layout = known_layout(dtype, shape, record)
-        if layout is None:
+            shape, buffer_bytes, narrow = tuple(request.lengths), plan.buffer_bytes, False
+        elif layout is not None:
+            buffer_bytes = transient_bytes(layout, record)
+            narrow = any(request.storage_offsets) or tuple(request.lengths) != shape
+        else:
             return False
-
-        def read_whole(dest: torch.Tensor) -> bool:
-            return read_tensor_item(
-                stream,
-                path=item.path,
-                item=item.label,
-                record=record,
-                layout=layout,
-                checksum=checksum,
-                dest=dest,
-                hash_pool=self.hash_pool,
-            )
-
-        whole = not any(request.storage_offsets) and tuple(request.lengths) == shape
-        buffers = transient_bytes(layout, record)
-        return self._read_into(item, shape, dtype, buffers, read_whole, narrow=not whole)
-
-    def _read_into(
-        self,
-        item: _Item,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        buffer_bytes: int,
-        read: Callable[[torch.Tensor], bool],
-        *,
-        narrow: bool = False,
-    ) -> bool:
-        """``read`` a tensor of ``shape`` (holding ``buffer_bytes`` beyond it) straight into the
-        request's target where that takes the bytes as read, else into a transient tensor
-        (``narrow``: then narrowed to the request), and hand it over. ``False``: ``read`` found
-        another layout, nothing handed over."""
         with self.lock:
-            target = item.planner.resolve_tensor(item.request).detach()
+            target = item.planner.resolve_tensor(request).detach()
         direct = (
             not narrow
             and target.device.type == "cpu"
@@ -268,10 +232,25 @@ class ItemReader:
         with self.budget.admit(cost) as held:
             held.count(cost)
             dest = target if direct else transient_tensor(shape, dtype)
-            if not read(dest):
-                return False
-            tensor = _narrowed(dest, item.request) if narrow else dest
-            self._hand_over(tensor, item, target)
+            if layout is not None:
+                if not read_tensor_item(
+                    stream,
+                    path=item.path,
+                    item=item.label,
+                    record=record,
+                    layout=layout,
+                    checksum=checksum,
+                    dest=dest,
+                    hash_pool=self.hash_pool,
+                ):
+                    return False
+            else:
+                assert plan is not None
+                algorithm = None if checksum is None else checksum.partition(":")[0]
+                got = read_runs(stream, item.path, item.label, record, plan, algorithm, dest)
+                with self.lock:  # counted whole by the reader
+                    self.bytes_read -= record.length - got
+            self._hand_over(_narrowed(dest, request) if narrow else dest, item, target)
         return True
 
     def _hand_over(
