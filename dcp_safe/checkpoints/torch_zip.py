@@ -114,14 +114,15 @@ class _Parser:
             self.path, f"not a torch.save archive ({reason})", item=self.item
         )
 
+    def unsafe(self, reason: str) -> UnsafeCheckpointError:
+        because = "decoding it would take more memory than the item declares"
+        return UnsafeCheckpointError(self.path, reason, item=self.item, because=because)
+
     def archive(self) -> TorchArchive:
         entries, cd_offset, cd_size, end = self.end_record()
         if entries > self.max_records:
-            raise UnsafeCheckpointError(
-                self.path,
-                f"the item's archive has {entries} records, more than {self.max_records}",
-                item=self.item,
-                because="decoding it would take more memory than the item declares",
+            raise self.unsafe(
+                f"the item's archive has {entries} records, more than {self.max_records}"
             )
         if cd_offset + cd_size > end:
             raise self.corrupt("its directory lies outside it")
@@ -196,12 +197,9 @@ class _Parser:
         extra = directory[at + _CENTRAL.size + name_len : at + _CENTRAL.size + name_len + extra_len]
         size, packed, header = _zip64(extra, size, packed, header)
         if flags & _ENCRYPTED or method != _STORED or packed != size:
-            raise UnsafeCheckpointError(
-                self.path,
+            raise self.unsafe(
                 f"record {name[:80]!r} is compressed or encrypted (method {method});"
-                " torch.save writes every record stored",
-                item=self.item,
-                because="decoding it would take more memory than the item declares",
+                " torch.save writes every record stored"
             )
         data = self.local(header, raw_name, name)
         if data + size > cd_offset:
