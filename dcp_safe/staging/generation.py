@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,6 @@ from dcp_safe.torch_compat import foreach_copy
 __all__ = [
     "InFlightGeneration",
     "StagedStateDict",
-    "copy_guessed",
     "copy_sources",
     "holds_its_bytes",
 ]
@@ -140,37 +138,3 @@ def holds_its_bytes(tensor: torch.Tensor) -> bool:
         (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
     return storage.nbytes() >= (last + 1) * tensor.element_size()
-
-
-def copy_guessed(
-    gen: InFlightGeneration,
-    layout: Layout,
-    copy: Callable[[], dict[int, torch.Tensor]],
-    readmit: Callable[[], None],
-) -> tuple[dict[int, torch.Tensor], int]:
-    """Allocate ``gen``'s missing buffers and ``copy``; a plan stage() guessed is confirmed after
-    its copy, re-planned and copied again on a miss.
-
-    The key is checked after the copy: the copy releases the GIL, so the caller's
-    ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
-    A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
-    ``readmit`` swaps ``gen``'s plan and lease for the layout's own, admitted anew.
-
-    Returns:
-        The staged tensors and the bytes allocated for them.
-    """
-    allocated = gen.lease.materialize()
-    staged: dict[int, torch.Tensor] | None = None
-    try:
-        staged = copy()
-    except Exception as exc:  # a shape or dtype mismatch: the guess was wrong, or a real error
-        if gen.confirmed or isinstance(exc, SnapshotMutatedError) or gen.plan.key == layout.key:
-            raise
-    if staged is not None and (gen.confirmed or gen.plan.key == layout.key):
-        gen.confirmed = True
-        return staged, allocated
-    del staged
-    readmit()
-    gen.confirmed = True
-    allocated += gen.lease.materialize()
-    return copy(), allocated

@@ -43,12 +43,7 @@ from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, Sn
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, StagerObserver
 from dcp_safe.staging._tree import rebuild
 from dcp_safe.staging.budget import Admission, MemoryBudget
-from dcp_safe.staging.generation import (
-    InFlightGeneration,
-    StagedStateDict,
-    copy_guessed,
-    copy_sources,
-)
+from dcp_safe.staging.generation import InFlightGeneration, StagedStateDict, copy_sources
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
@@ -396,21 +391,6 @@ class BudgetedStager(AsyncStager):
         )
         return admission, new
 
-    def _readmit(self, gen: InFlightGeneration, layout: Layout) -> None:
-        """Swap a wrongly guessed plan's lease for the real plan's, admitted like any save.
-
-        Raises:
-            BudgetExceededError: the new layout is larger than the whole envelope.
-            AdmissionTimeoutError: the new layout does not fit while other saves hold memory.
-        """
-        with self._cond:
-            self._plans.retract()
-            gen.plan = self._plans.get(layout)
-            gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
-            # This generation is in flight already: count only the others.
-            why = " (the tensors' shapes or dtypes changed)"
-            gen.lease = self._lease(gen.plan.request, len(self._in_flight) - 1, why)
-
     def _refusal(self, reason: str) -> str:
         held = ", ".join(
             f"#{g.number}{' (tracked)' if g.tracked else ''}" for g in self._in_flight.values()
@@ -437,7 +417,7 @@ class BudgetedStager(AsyncStager):
             copy = lambda: copy_sources(  # noqa: E731
                 gen, layout, self._stream, profile(Phase.STAGING), state_dict
             )
-            staged, allocated = copy_guessed(gen, layout, copy, lambda: self._readmit(gen, layout))
+            staged, allocated = self._copy_guessed(gen, layout, copy)
             torn = gen.torn(state_dict)
             if torn is not None:
                 raise torn
@@ -458,6 +438,46 @@ class BudgetedStager(AsyncStager):
         gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
         future.set_result(result)
+
+    def _copy_guessed(
+        self, gen: InFlightGeneration, layout: Layout, copy: Callable[[], dict[int, torch.Tensor]]
+    ) -> tuple[dict[int, torch.Tensor], int]:
+        """Allocate ``gen``'s missing buffers and ``copy``; a plan stage() guessed is confirmed
+        after its copy. On a miss, the guess's lease is swapped for the layout's own plan's,
+        admitted like any save, and the copy runs again.
+
+        The key is checked after the copy: the copy releases the GIL, so the caller's
+        ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
+        A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
+
+        Returns:
+            The staged tensors and the bytes allocated for them.
+
+        Raises:
+            BudgetExceededError: the new layout is larger than the whole envelope.
+            AdmissionTimeoutError: the new layout does not fit while other saves hold memory.
+        """
+        allocated = gen.lease.materialize()
+        staged: dict[int, torch.Tensor] | None = None
+        try:
+            staged = copy()
+        except Exception as exc:  # a shape or dtype mismatch: the guess was wrong, or a real error
+            if gen.confirmed or isinstance(exc, SnapshotMutatedError) or gen.plan.key == layout.key:
+                raise
+        if staged is not None and (gen.confirmed or gen.plan.key == layout.key):
+            gen.confirmed = True
+            return staged, allocated
+        del staged
+        with self._cond:
+            self._plans.retract()
+            gen.plan = self._plans.get(layout)
+            gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
+            # This generation is in flight already: count only the others.
+            why = " (the tensors' shapes or dtypes changed)"
+            gen.lease = self._lease(gen.plan.request, len(self._in_flight) - 1, why)
+        gen.confirmed = True
+        allocated += gen.lease.materialize()
+        return copy(), allocated
 
     def _fail_generation(
         self, gen: InFlightGeneration, future: Future[StateDict], error: BaseException
