@@ -310,17 +310,16 @@ def accepted_headers(
             else:
                 opened = open_committed(backend, name)
                 header = CommittedHeader.of(opened.manifest)
+                try:
+                    check_signed(backend, opened, signing_key)
+                except CheckpointCorruptError as exc:
+                    (refused or damaged)(name, exc)
+                    continue
         except CheckpointNotFoundError:
             continue  # removed since it was listed
         except CheckpointCorruptError as exc:
             damaged(name, exc)
             continue
-        if signing_key is not None:
-            try:
-                check_signed(backend, opened, signing_key)
-            except CheckpointCorruptError as exc:
-                (refused or damaged)(name, exc)
-                continue
         yield header
 
 

@@ -304,9 +304,8 @@ def mismatches(
         if odd:
             continue
         live = _sum({p[1]: p[4] for p in pieces}.values())
-        for block in sorted(set(expected) | set(live)):
-            if expected.get(block, 0) != live.get(block, 0):
-                found.append((key, block, sorted({p[0] for p in pieces if block in p[4]})))
+        for block in _differing(live, expected):
+            found.append((key, block, sorted({p[0] for p in pieces if block in p[4]})))
     return found
 
 
@@ -325,12 +324,13 @@ def _odd_copies(pieces: list[Piece], expected: dict[int, int]) -> list[tuple[int
             if len(values) == 1:
                 continue
             reference = dict(values.most_common(1)[0][0])
-        for piece in copies:
-            blocks = sorted(set(piece[4]) | set(reference))
-            differing = [b for b in blocks if piece[4].get(b, 0) != reference.get(b, 0)]
-            if differing:
-                odd.append((piece[0], differing[0]))
+        odd += [(p[0], blocks[0]) for p in copies if (blocks := _differing(p[4], reference))]
     return odd
+
+
+def _differing(sums: Mapping[int, int], reference: Mapping[int, int]) -> list[int]:
+    """The blocks whose sums differ (an absent block sums to 0), ascending."""
+    return sorted(b for b in set(sums) | set(reference) if sums.get(b, 0) != reference.get(b, 0))
 
 
 def _whole(piece: Piece) -> bool:
