@@ -70,35 +70,34 @@ class FileCheck:
     """
 
     def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
-        self._path = path
-        self._record = record
+        self._path, self._record, self._position = path, record, 0
         self._whole = None if record.checksum is None else _hasher_for(record.checksum, path)
         if (items or record.checksum is None) and not _tiles(items, record.size):
             raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
-        self._items = items
-        self._next = -1
-        self._position = 0
-        self._start_item()
-        self._finish_items()
+        self._pending = iter(items)
+        # The item being hashed, its hasher and its block hasher; None once none is left.
+        self._item: tuple[ItemRecord, tuple[ChecksumAlgorithm, Hasher], BlockHasher | None] | None
+        self._item = None
+        self._next_items()
 
     def update(self, data: bytes) -> None:
         if self._whole is not None:
             self._whole[1].update(data)
         view = memoryview(data)
-        while view and self._hasher is not None:
-            item = self._items[self._next]
+        while view and self._item is not None:
+            item, (_, hasher), blocks = self._item
             take = min(len(view), item.start + item.length - self._position)
-            self._hasher[1].update(view[:take])
-            if self._blocks is not None:
-                self._blocks.update(self._position, view[:take])
+            hasher.update(view[:take])
+            if blocks is not None:
+                blocks.update(self._position, view[:take])
             self._position += take
             view = view[take:]
-            self._finish_items()
+            self._next_items()
         self._position += len(view)
 
     def finish(self) -> None:
         """Raise unless every byte arrived and the whole-file checksum (if any) matches."""
-        if self._position != self._record.size or self._hasher is not None:
+        if self._position != self._record.size or self._item is not None:
             raise CheckpointCorruptError(
                 self._path,
                 "file is shorter than the manifest says",
@@ -108,27 +107,25 @@ class FileCheck:
         if self._whole is not None:
             _compare(self._path, None, self._record.checksum, self._whole)
 
-    def _finish_items(self) -> None:
-        """Close every item that ends at the current position (zero-length ones included)."""
-        while self._hasher is not None:
-            item = self._items[self._next]
-            if item.start + item.length != self._position:
+    def _next_items(self) -> None:
+        """Close every item that ends at the current position (zero-length ones included), and
+        hash the next one from here on."""
+        while self._item is None or self._item[0].start + self._item[0].length == self._position:
+            if self._item is not None:
+                item, hasher, blocks = self._item
+                _compare(self._path, item.describe(), item.checksum, hasher)
+                self._compare_blocks(item, blocks)
+            following = next(self._pending, None)
+            if following is None:
+                self._item = None
                 return
-            _compare(self._path, item.describe(), item.checksum, self._hasher)
-            self._compare_blocks(item)
-            self._start_item()
+            hasher = _hasher_for(following.checksum, self._path)
+            self._item = (following, hasher, _blocks_for(following, self._path))
 
-    def _start_item(self) -> None:
-        """Hash the next item from here on (none left: ``_hasher`` None)."""
-        self._next += 1
-        following = self._items[self._next] if self._next < len(self._items) else None
-        self._hasher = None if following is None else _hasher_for(following.checksum, self._path)
-        self._blocks = None if following is None else _blocks_for(following, self._path)
-
-    def _compare_blocks(self, item: ItemRecord) -> None:
-        if self._blocks is None or item.blocks is None:
+    def _compare_blocks(self, item: ItemRecord, blocks: BlockHasher | None) -> None:
+        if blocks is None or item.blocks is None:
             return
-        actual = self._blocks.result().digests if self._blocks.complete else ()
+        actual = blocks.result().digests if blocks.complete else ()
         algorithm = item.checksum.partition(":")[0]
         for block, (digest, found) in enumerate(itertools.zip_longest(item.blocks.digests, actual)):
             if found != digest:
