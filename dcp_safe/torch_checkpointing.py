@@ -212,9 +212,9 @@ class SafeStorage(Storage):
 
     def stream_write(self, path: Path) -> io.IOBase:
         save, member, rel = self._work_rel(path)
-        if not member:
-            raise ConfigError(f"{os.fspath(path)!r} is a checkpoint, not a file of one")
         try:
+            if not layout.is_member_path(member):  # a manifest names files one folder deep
+                raise ConfigError(f"{os.fspath(path)!r} is not a file a checkpoint can hold")
             return _HashingWriter(self, rel, member, save)
         except BaseException as exc:
             self.failed(save, exc)

@@ -66,8 +66,8 @@ and why:
     fill range would read and check the whole file again. The loaded values are the same.
 11. A layout file more than one folder deep (``a/b/deep.pt``) is refused on ours: a dcp_safe
     manifest names files at most one folder deep, so nothing it lists leads a reader outside
-    the checkpoint. How it is refused is a bug (two strict xfails below): a bare ValueError
-    after the file is written, and the save is not given up.
+    the checkpoint: ``ConfigError`` before a byte of that file is written, and the save is given
+    up, so the same manager can save the name again.
 """
 
 from __future__ import annotations
@@ -788,7 +788,7 @@ def test_difference_files_two_folders_deep(store: Store) -> None:
     a dcp_safe manifest names files at most one folder deep, so ours refuses the save."""
     payload = {"model": torch.arange(3), "deep": torch.zeros(2)}
     if store.ours:
-        with pytest.raises(ValueError, match="not a file of the checkpoint"):
+        with pytest.raises(ConfigError, match="not a file a checkpoint can hold"):
             _save(store, payload, items=_deep_layout())
         assert dcp_safe.list_checkpoints(store.root) == []
     else:
@@ -797,13 +797,6 @@ def test_difference_files_two_folders_deep(store: Store) -> None:
         assert _same(loaded, payload)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="dcp_safe.torch_checkpointing: a file path more than one folder deep is refused "
-    "by FileRecord with a bare ValueError, raised in _HashingWriter.close after the file's "
-    "bytes are written, instead of a ConfigError before any byte",
-)
 def test_ours_refuses_a_deep_file_as_a_config_error_before_writing(tmp_path: Path) -> None:
     store = Store(OURS, tmp_path)
     with pytest.raises(ConfigError, match=r"a/b/deep\.pt"):
@@ -811,18 +804,10 @@ def test_ours_refuses_a_deep_file_as_a_config_error_before_writing(tmp_path: Pat
     assert not any(path.name == "deep.pt" for path in tmp_path.rglob("*"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=StorageError,
-    reason="dcp_safe.torch_checkpointing: the ValueError from FileRecord in "
-    "_HashingWriter.close is outside the try that calls SafeStorage.failed, so the save is "
-    "not given up: the same manager's next save of that name continues the dead save and "
-    "fails (StorageError: File exists: model_0.pt) instead of beginning afresh",
-)
 def test_ours_saves_a_name_again_after_a_refused_deep_file(tmp_path: Path) -> None:
     store = Store(OURS, tmp_path)
     with _managed(store, items=_deep_layout()) as mgr:
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError):
             mgr.save(NAME, {"model": torch.arange(3), "deep": torch.zeros(2)})
         mgr.save(NAME, {"model": torch.arange(3) + 1})
     assert _same(_load(store, {"model": None}), {"model": torch.arange(3) + 1})
