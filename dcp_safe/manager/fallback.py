@@ -182,10 +182,7 @@ class MemoryWatch:
         """The lowest reading since the last call (``None``: the host does not say)."""
         with self._lock:
             lowest, self._lowest = self._lowest, None
-        now = self._read()
-        if lowest is None:
-            return now
-        return lowest if now is None else min(lowest, now)
+        return _least(lowest, self._read())
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""
@@ -193,10 +190,8 @@ class MemoryWatch:
 
     def _tick(self) -> None:
         reading = self._read()
-        if reading is None:
-            return
         with self._lock:
-            self._lowest = reading if self._lowest is None else min(self._lowest, reading)
+            self._lowest = _least(self._lowest, reading)
 
     def _read(self) -> int | None:
         try:
@@ -204,6 +199,10 @@ class MemoryWatch:
         except (OSError, ValueError) as exc:  # a host that stops saying is not an error
             log.debug("dcp_safe: reading available memory failed: %s", exc)
             return None
+
+
+def _least(*readings: int | None) -> int | None:
+    return min((r for r in readings if r is not None), default=None)
 
 
 @dataclass(kw_only=True, eq=False)

@@ -65,9 +65,9 @@ class Ledger:
         self._requested_at: dict[str, float] = {}
         self._handles: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
-    def count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str) -> None:
         with self.cond:
-            self._counts[key] += n
+            self._counts[key] += 1
 
     def counts(self) -> dict[str, int]:
         with self.cond:
@@ -89,11 +89,8 @@ class Ledger:
         for handle in handles:
             tiers = {"local": handle.committed, "remote": handle.replicated}
             pending = {tier: f for tier, f in tiers.items() if not f.done()}
-            with contextlib.suppress(InvalidStateError):  # it finished meanwhile
-                if not handle.staged.done():
-                    handle.staged.set_exception(error)
-            for future in pending.values():
-                with contextlib.suppress(InvalidStateError):
+            for future in (handle.staged, *pending.values()):
+                with contextlib.suppress(InvalidStateError):  # done (or cancelled) meanwhile
                     future.set_exception(error)
             # Recorded so that a rank that gave up has the events a peer that saw the outcome has.
             if pending:
@@ -166,8 +163,7 @@ class Ledger:
         everything: list[Future[Any]] = [handle.staged, handle.committed, handle.replicated]
         for target in everything if future is None else [future]:
             with contextlib.suppress(InvalidStateError):  # done already (or cancelled)
-                if not target.done():
-                    target.set_exception(error)
+                target.set_exception(error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
         if tier == "local":
             self.quietly("telemetry", lambda: self.end_span(handle, error))

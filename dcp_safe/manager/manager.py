@@ -207,7 +207,7 @@ class CheckpointManager:
             wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
         )
-        self._per_rank, self._warm_start = resume.per_rank, None
+        self._warm_start = None
         if resume.initial_load_from is not None:  # read with this run's root's options
             url = os.fspath(resume.initial_load_from)
             source = dataclasses.replace(self.topology.commit, url=url)
@@ -361,7 +361,7 @@ class CheckpointManager:
                 keys = keys if keys is not None else self._warm_start.keys
             self.last_reader = reader
             planner = SafeLoadPlanner(
-                per_rank=self._per_rank,
+                per_rank=self._runner.per_rank,
                 keys=keys,
                 exclude=exclude,
                 allow_partial=allow_partial,

@@ -78,18 +78,17 @@ class PreemptionHandler:
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """Around a manager call: a signal arriving inside it is handled on the way out."""
-        main = threading.current_thread() is threading.main_thread()
-        if main:
-            self._depth += 1
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals are handled on the main thread only
+            return
+        self._depth += 1
         try:
             yield
         finally:
-            if main:
-                self._depth -= 1
-                if self._depth == 0 and self._deferred is not None:
-                    signum, frame = self._deferred
-                    self._deferred = None
-                    self._handle(signum, frame)
+            self._depth -= 1
+            if self._depth == 0 and (deferred := self._deferred) is not None:
+                self._deferred = None
+                self._handle(*deferred)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._depth > 0:

@@ -38,7 +38,6 @@ from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
-from dcp_safe.manager.peer_tier import PeerTier
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.staging import BudgetedStager
@@ -190,10 +189,9 @@ class SaveRunner:
             raise
 
     def _launch(self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool) -> None:
-        keep = None
         if self.in_memory is not None:
             self.in_memory.check_room(state_dict)
-            keep = handle
+        keep = None if self.in_memory is None else handle  # kept once its upload succeeded
         if worker and self.worker is not None:
             with self.ledger.opened(handle):  # as dcp.async_save: a model by its state dict
                 staged = self.stager.stage(state_dicts_of(state_dict))
@@ -394,7 +392,7 @@ class SaveRunner:
             return
         self.ledger.count("committed")
         if (peers := self.tiers.peers) is not None:  # every rank, in the same order of saves
-            self._copy_to_peers(handle, peers)
+            self.tiers.track_replication(handle.name, peers.copy(handle.name, self._peer_copied))
         self.ledger.record("committed", handle, tier="local", validated=True)
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: tier.committed(handle))
@@ -443,19 +441,15 @@ class SaveRunner:
             return exc, f"verification failed: {exc}"
         return None
 
-    def _copy_to_peers(self, handle: SaveHandle, peers: PeerTier) -> None:
-        """Copy the node caches to peers in the background; ``wait``/``close`` wait for it and
-        raise its failure (counted, never failing the committed save)."""
-
-        def report(name: str, error: BaseException | None) -> None:
-            if error is None:
-                self.ledger.count("peer_copies")
-                return
-            log.warning("peer copies of %s failed: %s", name, error)
-            self.ledger.count("peer_copy_failures")
-            self.ledger.keep(error)
-
-        self.tiers.track_replication(handle.name, peers.copy(handle.name, report))
+    def _peer_copied(self, name: str, error: BaseException | None) -> None:
+        """The peer copies of ``name`` ended: counted; a failure is kept for ``wait``/``close``
+        to raise, never failing the committed save."""
+        if error is None:
+            self.ledger.count("peer_copies")
+            return
+        log.warning("peer copies of %s failed: %s", name, error)
+        self.ledger.count("peer_copy_failures")
+        self.ledger.keep(error)
 
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
         if handle.replicated.done():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its exit hook first: see _BEFORE_POOLS_STOP)
+import contextlib
 import logging
 import threading
 import time
@@ -59,10 +61,11 @@ def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> l
     return errors
 
 
-# The at-exit closes still to run, run before the interpreter stops its thread pools.
+# The at-exit closes still to run, when the main thread ends: before ``concurrent.futures``
+# stops its pools from the same ``threading`` exit hooks (run last registered first; by
+# ``atexit`` the pools refuse work, and the save in flight would fail). Where that hook is
+# missing, the ``atexit`` hook alone runs.
 _BEFORE_POOLS_STOP: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
-_HOOKED = threading.Lock()
-_hooked = False
 
 
 def _close_all_before_pools_stop() -> None:
@@ -70,26 +73,14 @@ def _close_all_before_pools_stop() -> None:
         close()
 
 
-def _run_before_pools_stop(close: Callable[[], None]) -> None:
-    """Have ``close`` run when the main thread ends, before ``concurrent.futures`` stops its
-    pools from the same ``threading`` exit hooks (by ``atexit`` they refuse work, and the save
-    in flight would fail). Where that hook is missing, the ``atexit`` hook alone runs."""
-    global _hooked
-    register = getattr(threading, "_register_atexit", None)
-    with _HOOKED:
-        if not _hooked and callable(register):
-            try:
-                register(_close_all_before_pools_stop)
-            except RuntimeError:  # the interpreter is already stopping
-                return
-            _hooked = True
-    _BEFORE_POOLS_STOP.add(close)
+with contextlib.suppress(AttributeError):  # after the pools' own hook (imported above)
+    threading._register_atexit(_close_all_before_pools_stop)  # type: ignore[attr-defined]
 
 
 def close_at_exit(manager: weakref.ref[_Closable], timeout_s: float) -> Callable[[], None]:
     """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so).
 
-    The close runs once, at the first of: the main thread's end (:func:`_run_before_pools_stop`)
+    The close runs once, at the first of: the main thread's end (:data:`_BEFORE_POOLS_STOP`)
     or the returned hook. A close that fails is logged as one line, never a traceback.
     """
     done = threading.Lock()
@@ -109,5 +100,5 @@ def close_at_exit(manager: weakref.ref[_Closable], timeout_s: float) -> Callable
                 " ".join(str(exc).split())[:500],
             )
 
-    _run_before_pools_stop(close)
+    _BEFORE_POOLS_STOP.add(close)
     return close
