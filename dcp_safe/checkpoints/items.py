@@ -271,7 +271,8 @@ def _check_depth(value: object, path: str, item: str) -> None:
         node, done = stack.pop()
         if not isinstance(node, _CONTAINERS) or (not done and id(node) in heights):
             continue
-        inner = _inner(node)
+        members = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        inner = [c for c in members if isinstance(c, _CONTAINERS)]  # a dict's keys and values
         if done:
             on_path.discard(id(node))
             heights[id(node)] = 1 + max((heights[id(c)] for c in inner), default=0)
@@ -290,12 +291,6 @@ def _check_depth(value: object, path: str, item: str) -> None:
             on_path.add(id(node))
             stack.append((node, True))
             stack += [(c, False) for c in inner if id(c) not in heights]
-
-
-def _inner(node: Any) -> list[Any]:
-    """The containers directly in ``node`` (a dict's keys and values)."""
-    members = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-    return [c for c in members if isinstance(c, _CONTAINERS)]
 
 
 def sanitized_object_stream(
