@@ -17,7 +17,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,26 +113,15 @@ class _Sweep:
     now: float
 
     def partial_folders(self) -> SweepReport:
-        backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
-        removed, recent = self._probes(), []
-        for entry in backend.list_dir(""):
+        removed, recent = self._probes(), list[str]()
+        for entry in self.backend.list_dir(""):
             partial = layout.is_partial_entry(entry)
-            if not partial and not (layout.is_valid_name(entry) and self._is_empty_folder(entry)):
-                continue
-            with self._passed_by_if_damaged(entry):
-                changed = backend.modified_at(entry)
-                if changed is None:
-                    continue  # gone meanwhile
-                if now - changed < grace_s:
-                    recent.append(entry)
-                    continue
+            if partial or (layout.is_valid_name(entry) and self._is_empty_folder(entry)):
                 # An empty folder under a checkpoint's name is removed only while it is empty.
-                if not dry_run and not partial and not backend.remove_empty_dir(entry):
-                    continue
-                if not dry_run and partial:
-                    backend.remove_tree(entry)
-                removed.append(entry)
-        return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
+                remove = self.backend.remove_tree if partial else self.backend.remove_empty_dir
+                if self._idle_removed(entry, remove, recent):
+                    removed.append(entry)
+        return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=self.dry_run)
 
     def leased_prefixes(self) -> SweepReport:
         backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
@@ -200,18 +189,27 @@ class _Sweep:
         """Remove stray exclusive-create probe objects at the root older than ``grace_s``; a
         recent one is not reported (a live probe lasts two requests)."""
         probes = [entry for entry in self.backend.list_dir("") if _PROBE.fullmatch(entry)]
-        return [rel for rel in probes if self._idle_file_removed(rel)]
+        return [rel for rel in probes if self._idle_removed(rel)]
 
-    def _idle_file_removed(self, rel: str) -> bool:
-        """Remove file ``rel`` if it is ``grace_s`` old (one with no modification time is
-        kept); whether it was (or, in a dry run, would be)."""
+    def _idle_removed(
+        self,
+        rel: str,
+        remove: Callable[[str], bool | None] | None = None,
+        recent: list[str] | None = None,
+    ) -> bool:
+        """Remove ``rel`` with ``remove`` (a file's removal by default; one that answers False
+        removed nothing) if it has been idle for ``grace_s``; whether it was (or, in a dry run,
+        would be). One with no modification time (gone meanwhile) is kept; a recent one is
+        added to ``recent``, if given."""
         with self._passed_by_if_damaged(rel):
             changed = self.backend.modified_at(rel)
-            if changed is None or self.now - changed < self.grace_s:
+            if changed is None:
                 return False
-            if not self.dry_run:
-                self.backend.remove_file(rel)
-            return True
+            if self.now - changed < self.grace_s:
+                if recent is not None:
+                    recent.append(rel)
+                return False
+            return self.dry_run or (remove or self.backend.remove_file)(rel) is not False
         return False
 
     def _committed_debris(self, name: str, files: list[str]) -> list[str]:
@@ -233,4 +231,4 @@ class _Sweep:
             return []
         members = {record.path for record in manifest.files}
         paths = [f"{name}/{rel}" for rel in candidates if rel not in members]
-        return [path for path in paths if self._idle_file_removed(path)]
+        return [path for path in paths if self._idle_removed(path)]
