@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from dcp_safe.backends.backend import Backend
+from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.group import (
     checkpoint_group,
     discard_group,
@@ -26,7 +26,7 @@ from dcp_safe.coordination.group import (
 from dcp_safe.errors import ConfigError, PeerCopyError
 from dcp_safe.reading.peers import PEER_RESTORE
 from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
-from dcp_safe.topology import Topology, this_node
+from dcp_safe.topology import this_node
 
 __all__ = ["PEER_COPIES", "PeerTier"]
 
@@ -43,24 +43,17 @@ class PeerTier:
     Built on every rank at the same point (it forms two groups and gathers every rank's node).
 
     Args:
-        topology: its ``peer_copies`` (> 1) say how many nodes hold each checkpoint.
-        local: this node's root; ``remote``: the commit root.
-        keep: peer copies of this many checkpoints kept per node (``None``: all).
+        writer: the manager's; its topology's ``peer_copies`` (> 1) say how many nodes hold
+            each checkpoint, its backends are this node's root and the commit root, and a
+            node-local writer's ``keep_node_caches`` how many checkpoints' peer copies a node
+            keeps (``None``: all).
 
     Raises:
         ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        local: Backend,
-        remote: Backend,
-        keep: int | None,
-        deadline_s: float,
-    ) -> None:
-        copies = topology.peer_copies
+    def __init__(self, writer: SafeStorageWriter, deadline_s: float) -> None:
+        copies = writer.topology.peer_copies
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 f"peer_copies={copies} needs a multi-node job: initialize the process group"
@@ -78,7 +71,9 @@ class PeerTier:
                 f" {self.peers.node_count} (a rank's node is GROUP_RANK, else rank //"
                 " LOCAL_WORLD_SIZE): lower peer_copies"
             )
-        self.copies, self.keep, self.local, self.remote = copies, keep, local, remote
+        self.copies, self.local, self.remote = copies, writer.backend, writer.commit_backend
+        node_options = getattr(writer, "node_options", None)  # a node-local writer's
+        self.keep = None if node_options is None else node_options.keep_node_caches
         # One copy at a time, in commit order, off the manager's thread.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-peer-copies")
         self._broken: BaseException | None = None

@@ -112,7 +112,6 @@ class SaveRunner:
         """
         fallback = self.switch.on_request(handle, self._leaked_bytes)
         busy = not self.slot.idle()
-        ready = self.worker is not None and self.worker.ready
         vote = Vote(
             "save",
             handle.step,
@@ -121,7 +120,7 @@ class SaveRunner:
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
             stalled=None if force else self._stalled(),
             pending=self.slot.pending_step(),
-            worker_ready=ready,
+            worker_ready=self.worker is not None and self.worker.ready,
         )
         decision = decide(self.agreement.gather(vote), policy)
         if self.worker is not None and not decision.worker:

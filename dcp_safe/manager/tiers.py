@@ -92,16 +92,7 @@ class Tiers:
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
-        node_options = getattr(writer, "node_options", None)
-        self.peers: PeerTier | None = None
-        if topology.peer_copies > 1:  # groups formed here, on every rank at the same point
-            self.peers = PeerTier(
-                topology,
-                local=writer.backend,
-                remote=self.backend,
-                keep=None if node_options is None else node_options.keep_node_caches,
-                deadline_s=deadline_s,
-            )
+        self.peers = None if topology.peer_copies < 2 else PeerTier(writer, deadline_s)
 
     def trust(self, name: str) -> None:
         """``name`` passed its check (here, or in the checkpoint worker): retention may count
