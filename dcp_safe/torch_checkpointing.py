@@ -287,17 +287,8 @@ class SafeStorage(Storage):
         return f"{name}/{member}", record
 
     def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
-        """The whole file, read once and checked against its manifest record before any of it
-        is returned (ranged reads then seek within the checked bytes)."""
-        rel, record = self._record(path)
-        full = self._backend.full_path(rel)
-        try:
-            data = self._backend.read_bytes(rel)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(full, "file is missing") from None
-        _check(full, record, data)
-        # A BytesIO, as LocalFileSystemStorage's full-file read returns: readinto, seek, tell.
-        return cast(io.RawIOBase, io.BytesIO(data))
+        """The file, every byte checked against its manifest record before any is returned."""
+        return _CheckedFile(self._backend, *self._record(path))
 
     @property
     def mmap_fill_workers(self) -> int | None:
@@ -363,14 +354,94 @@ def _is_folder(manifest: Manifest, member: str) -> bool:
     return any(record.path.startswith(prefix) for record in manifest.files)
 
 
-def _check(path: str, record: FileRecord, data: bytes) -> None:
-    """Raise unless ``data`` is the file ``record`` describes, naming the bytes that differ."""
-    if len(data) != record.size:
+class _CheckedFile(io.RawIOBase):
+    """A committed file handed over only once all of it is checked. torch_checkpointing's load
+    reads a file with one ``readinto`` the size of the file (its mmap fill): the bytes go
+    straight into that buffer and are checked there before the call returns, one copy. Any
+    other read (a smaller buffer, a seek, a second pass) reads the file into memory once,
+    checks it, and serves ranged reads from those bytes."""
+
+    def __init__(self, backend: Backend, rel: str, record: FileRecord) -> None:
+        super().__init__()
+        self._backend, self._rel, self._record = backend, rel, record
+        self._checked: io.BytesIO | None = None
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        # Every view of the caller's buffer is released before this returns or raises: the
+        # caller closes its mmap after a failed read, which views still held would refuse.
+        with memoryview(buffer) as raw, raw.cast("B") as view:
+            size = self._record.size
+            if self._checked is not None or self._pos != 0 or len(view) < size:
+                return self._memory().readinto(view)
+            try:
+                got, extra = self._read_into(view, size)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(self._full, "file is missing") from None
+            except OSError:  # a fault mid-read (the open is retried, a read is not): retry all
+                data = self._read_whole()
+                got, extra = min(len(data), size), max(len(data) - size, 0)
+                view[:got] = data[:got]
+            with view[:got] as read:
+                _check(self._full, self._record, read, extra)
+            self._pos = size
+            return size
+
+    def readall(self) -> bytes:
+        return self._memory().read()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._memory().seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._pos if self._checked is None else self._checked.tell()
+
+    @property
+    def _full(self) -> str:
+        return self._backend.full_path(self._rel)
+
+    def _read_into(self, view: memoryview, size: int) -> tuple[int, int]:
+        """The file read into ``view``: (bytes read, up to ``size``; 1 if more follow, else 0)."""
+        got = 0
+        with self._backend.open_read(self._rel) as f:
+            while got < size:
+                with view[got:size] as rest:
+                    n = cast(io.BufferedIOBase, f).readinto(rest)  # BinaryIO omits it
+                if not n:
+                    break
+                got += n
+            return got, len(f.read(1))
+
+    def _read_whole(self) -> bytes:
+        try:
+            return self._backend.read_bytes(self._rel)  # retried where the backend retries
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self._full, "file is missing") from None
+
+    def _memory(self) -> io.BytesIO:
+        if self._checked is None:
+            data = self._read_whole()
+            _check(self._full, self._record, memoryview(data))
+            self._checked = io.BytesIO(data)
+            self._checked.seek(self._pos)
+        return self._checked
+
+
+def _check(path: str, record: FileRecord, data: memoryview, extra: int = 0) -> None:
+    """Raise unless ``data`` (and ``extra`` bytes after it) is the file ``record`` describes,
+    naming the bytes that differ."""
+    if len(data) + extra != record.size or extra:
         raise CheckpointCorruptError(
             path,
-            f"file size differs from the manifest (bytes 0..{len(data)} read)",
+            f"file size differs from the manifest (bytes 0..{len(data) + extra} read)",
             expected=record.size,
-            actual=len(data),
+            actual=len(data) + extra,
         )
     if record.checksum is None:
         raise CheckpointCorruptError(path, "manifest records no checksum for the file")

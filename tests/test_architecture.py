@@ -50,6 +50,9 @@ FOUNDATION = set(LAYERS[0])
 LEAVES = {"staging", "telemetry"}
 FACES = set(LAYERS[-1])
 MAX_LINES = 600
+# Issue #44 lets a module reach 800 lines where one concept reads better in one file: the
+# torch_checkpointing adapter is one Storage, its commit callbacks and its checked reads.
+ONE_CONCEPT = {"dcp_safe.torch_checkpointing": 800}
 
 
 def _part(module: str) -> str:
@@ -152,7 +155,7 @@ def test_private_torch_apis_are_used_in_one_module_only() -> None:
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_is_over_the_size_limit(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{module}: {lines} lines; split it by job"
+    assert lines <= ONE_CONCEPT.get(module, MAX_LINES), f"{module}: {lines} lines; split it by job"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:

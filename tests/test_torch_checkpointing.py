@@ -4,6 +4,8 @@ and catalogue (issue #45), on real components: CheckpointManager, the local back
 from __future__ import annotations
 
 import contextlib
+import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +282,8 @@ def test_dcp_tools_say_precisely_why_not(tmp_path: Path) -> None:
 
 def test_ranged_reads_come_from_checked_bytes(tmp_path: Path) -> None:
     """The offset reads torch_checkpointing's resharder makes (no full pre-read, then seek)
-    see the stored bytes exactly, and a damaged file fails at open, before any byte is read."""
+    see the stored bytes exactly, and a damaged file fails at the first read, before any byte
+    is handed over."""
     _save(tmp_path)
     storage = SafeStorageConfig(tmp_path).create_storage()
     member = Path(NAME) / "model_0.pt"
@@ -295,8 +298,66 @@ def test_ranged_reads_come_from_checked_bytes(tmp_path: Path) -> None:
     damaged = bytearray(stored)
     damaged[-1] ^= 0xFF
     (tmp_path / member).write_bytes(bytes(damaged))
-    with pytest.raises(CheckpointCorruptError, match=rf"bytes 0\.\.{len(stored)}"):
-        storage.stream_read(member, ReadArgs(pre_read_full_file=False))
+    stream = storage.stream_read(member, ReadArgs(pre_read_full_file=False))
+    with stream, pytest.raises(CheckpointCorruptError, match=rf"bytes 0\.\.{len(stored)}"):
+        stream.seek(100)
+
+
+def test_a_whole_file_read_is_checked_in_the_callers_buffer(tmp_path: Path) -> None:
+    """torch_checkpointing's load reads a file with one ``readinto`` the size of the file: the
+    bytes land in that buffer and are checked there before the call returns (one copy); a
+    damaged or longer file raises from that call; reading again after it still works."""
+    _save(tmp_path)
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    member = Path(NAME) / "model_0.pt"
+    stored = (tmp_path / member).read_bytes()
+    into = bytearray(len(stored) + 7)
+    with storage.stream_read(member) as stream:
+        assert stream.readinto(into) == len(stored) and bytes(into[: len(stored)]) == stored
+        assert stream.tell() == len(stored) and stream.readinto(bytearray(8)) == 0
+        assert stream.seek(0) == 0 and stream.read() == stored
+
+    for damage, match in [(b"\x00", "file size differs"), (None, "checksum mismatch")]:
+        bad = stored + damage if damage else bytes([stored[0] ^ 1]) + stored[1:]
+        (tmp_path / member).write_bytes(bad)
+        with (
+            storage.stream_read(member) as stream,
+            pytest.raises(CheckpointCorruptError, match=match),
+        ):
+            stream.readinto(bytearray(len(bad)))
+
+
+def test_a_fault_mid_read_falls_back_to_the_retried_whole_file_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The straight read into the caller's buffer is one stream (an object store retries its
+    open, not each read): a connection lost mid-read reads the file again through the backend's
+    retried whole-file read, and the caller still gets checked bytes."""
+    _save(tmp_path)
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    member = Path(NAME) / "model_0.pt"
+    stored = (tmp_path / member).read_bytes()
+
+    class _Dropped(io.RawIOBase):
+        def readinto(self, buffer: Any) -> int:
+            raise ConnectionResetError("connection reset by peer")
+
+    real_open, opened = storage._backend.open_read, []
+
+    @contextlib.contextmanager
+    def dropped_once(rel: str) -> Iterator[Any]:
+        opened.extend([rel] if rel.endswith("model_0.pt") else [])
+        if opened.count(rel) != 1:  # the retry reads the file again (and other files)
+            with real_open(rel) as f:
+                yield f
+        else:
+            yield _Dropped()
+
+    monkeypatch.setattr(storage._backend, "open_read", dropped_once)
+    into = bytearray(len(stored))
+    with storage.stream_read(member) as stream:
+        assert stream.readinto(into) == len(stored)
+    assert bytes(into) == stored and len(opened) == 2
 
 
 def test_an_uncommitted_name_does_not_exist(tmp_path: Path) -> None:
