@@ -382,9 +382,7 @@ class _CheckedFile(io.RawIOBase):
                 return self._memory().readinto(view)
             try:
                 got, extra = self._read_into(view, size)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(self._full, "file is missing") from None
-            except OSError:  # a fault mid-read (the open is retried, a read is not): retry all
+            except OSError:  # a fault mid-read (the open is retried, a read is not), or missing
                 data = self._read_whole()
                 got, extra = min(len(data), size), max(len(data) - size, 0)
                 view[:got] = data[:got]
@@ -436,7 +434,7 @@ class _CheckedFile(io.RawIOBase):
 def _check(path: str, record: FileRecord, data: memoryview, extra: int = 0) -> None:
     """Raise unless ``data`` (and ``extra`` bytes after it) is the file ``record`` describes,
     naming the bytes that differ."""
-    if len(data) + extra != record.size or extra:
+    if len(data) + extra != record.size:
         raise CheckpointCorruptError(
             path,
             f"file size differs from the manifest (bytes 0..{len(data) + extra} read)",

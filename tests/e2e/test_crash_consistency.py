@@ -546,14 +546,14 @@ def test_overwrite_without_renameat2_is_refused_and_keeps_the_old_checkpoint(
 # --------------------------------------------------------------------------- torch_checkpointing
 
 
-def _tc_manager(root: Path) -> Any:
+def _tc_manager(root: Path, save: str = "sync", **options: Any) -> Any:
     from torch_checkpointing import CheckpointManager, ItemSpec
     from torch_checkpointing.default_resharder import DefaultResharder
 
     from dcp_safe.torch_checkpointing import manager_config
 
     items = {"model": ItemSpec(resharder=DefaultResharder())}
-    return CheckpointManager(manager_config(root, save="sync", items=items))
+    return CheckpointManager(manager_config(root, save=save, items=items, **options))
 
 
 def _tc_save(root: Path, name: str, seed: int) -> None:
@@ -640,19 +640,9 @@ def _saver_init(kill_at: int) -> None:
 
 
 def _tc_async_save_killed(root: Path, kill_at: int) -> None:
-    from torch_checkpointing import CheckpointManager, ItemSpec
-    from torch_checkpointing.default_resharder import DefaultResharder
-
-    from dcp_safe.torch_checkpointing import manager_config
-
-    config = manager_config(
-        root,
-        save="async",
-        items={"model": ItemSpec(resharder=DefaultResharder())},
-        subprocess_init_fn=_saver_init,
-        subprocess_init_args=(kill_at,),
+    mgr = _tc_manager(
+        root, "async", subprocess_init_fn=_saver_init, subprocess_init_args=(kill_at,)
     )
-    mgr = CheckpointManager(config)
     try:
         future = mgr.save("step_2", {"model": make_values(2), "step": 2})
         assert future is not None
