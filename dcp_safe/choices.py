@@ -12,8 +12,6 @@ from typing import Any, TypeVar
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["parse_choice", "refuse_moved"]
-
 E = TypeVar("E", bound=enum.Enum)
 
 

@@ -52,8 +52,6 @@ from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
-
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -21,14 +21,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
-__all__ = [
-    "OneLineParser",
-    "UsageError",
-    "check_roots",
-    "key_from_file",
-    "parse_storage_options",
-]
-
 
 class UsageError(Exception):
     """A mistake in the command line the user can fix; exit status 2."""

@@ -12,8 +12,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CgroupFiles", "available_bytes_now", "find_cgroup_files", "read_host"]
-
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _NO_LIMIT_BYTES = 1 << 60
 # The limit file, the usage file and the name of each cgroup version.

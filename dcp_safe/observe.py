@@ -15,18 +15,6 @@ import enum
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, TypedDict, Unpack
 
-__all__ = [
-    "NULL_RECORDER",
-    "Instrumentable",
-    "StagerObserver",
-    "NullRecorder",
-    "NullSpan",
-    "Phase",
-    "Recorder",
-    "SpanHandle",
-    "SpanOptions",
-]
-
 
 class Phase(str, enum.Enum):
     """The phases of one save, in the order they start.

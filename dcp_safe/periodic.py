@@ -10,8 +10,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["Periodic"]
-
 
 class Periodic:
     """Calls ``tick`` on a daemon thread every ``interval_s`` seconds until :meth:`stop`.

@@ -13,8 +13,6 @@ from typing import Any
 from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import ConfigError
 
-__all__ = ["TOPOLOGY_MOVED", "Root", "RootLike", "Topology", "as_root", "this_node"]
-
 
 @dataclass(frozen=True)
 class Root:

@@ -68,8 +68,6 @@ except ImportError as exc:  # the extra is optional; say how to get it
         "dcp_safe.torch_checkpointing needs torch-checkpointing: pip install 'dcp-safe[tc]'"
     ) from exc
 
-__all__ = ["DATA_FORMAT", "SafeStorage", "SafeStorageConfig", "manager_config"]
-
 #: What the manifest of a checkpoint written here records as its ``data_format``.
 DATA_FORMAT = "torch_checkpointing"
 _CRYPTOGRAPHIC = (ChecksumAlgorithm.BLAKE3, ChecksumAlgorithm.SHA256)

@@ -7,8 +7,6 @@ columns stay narrow.
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_size"]
-
 
 def format_bytes(n: int) -> str:
     """Render a byte count for messages, with the exact figure (``"3.00 GiB (3221225472 B)"``)."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_SHOWN_CHARS", "shown"]
-
 #: The default bound on the characters :func:`shown` returns (before its escapes).
 MAX_SHOWN_CHARS = 1000
 

@@ -47,8 +47,6 @@ from dcp_safe.torch_compat import dcp_async_save as _dcp_async_save
 from dcp_safe.torch_compat import dcp_debug_logs_unheard, dcp_load_state_dict, storage_setup
 from dcp_safe.torch_compat import dcp_save as _dcp_save
 
-__all__ = ["DEFAULT_DEADLINE_S", "async_save", "gc_paused", "load", "save"]
-
 T = TypeVar("T")
 
 

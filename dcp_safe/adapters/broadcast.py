@@ -30,8 +30,6 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from dcp_safe.reading.read_once import Transfer
 
-__all__ = ["ObjectKey", "SentObjects", "deliver_shared", "object_key"]
-
 _ALIGN = 16
 
 #: The key an object entry is kept under on its owner until it is sent.

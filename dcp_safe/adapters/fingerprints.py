@@ -19,8 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["fingerprint", "fingerprints_of"]
-
 #: Tensors of at least this many bytes are hashed on a thread pool (xxhash releases the GIL
 #: while it hashes a buffer); smaller ones cost less than handing them to a thread.
 _PARALLEL_BYTES = 4 << 20

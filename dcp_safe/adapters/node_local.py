@@ -40,8 +40,6 @@ from dcp_safe.replication.rank_upload import (
 )
 from dcp_safe.topology import RootLike, Topology
 
-__all__ = ["NodeLocalOptions", "NodeLocalWriter", "writer_for"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class NodeLocalOptions(UploadOptions):

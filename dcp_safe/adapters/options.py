@@ -12,16 +12,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import checksum_for, resolve_key
 
-__all__ = [
-    "DEFAULT_REPORT_TIMEOUT_S",
-    "READER_MOVED",
-    "REPLICA_MOVED",
-    "WRITER_MOVED",
-    "Compression",
-    "WriterOptions",
-    "writer_options",
-]
-
 #: How long a save without collectives waits on storage for a peer (docs/multirank.md).
 DEFAULT_REPORT_TIMEOUT_S = 600.0
 

@@ -34,8 +34,6 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-__all__ = ["GlobalEntry", "PlanCache", "RankEntry", "cache_for", "layout_of", "new_token"]
-
 Layout = tuple[Any, ...]
 
 

@@ -62,14 +62,6 @@ from dcp_safe.reading.read_once import (
     share_reads,
 )
 
-__all__ = [
-    "FingerprintedPlan",
-    "RestoreReport",
-    "SafeLoadPlanner",
-    "SafeSavePlanner",
-    "divergent_keys",
-]
-
 
 @dataclass(frozen=True)
 class FingerprintedPlan(SavePlan):

@@ -63,8 +63,6 @@ from dcp_safe.reading.sources import (
 from dcp_safe.replication.peer_transport import DEFAULT_PEER_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
 
-__all__ = ["SafeStorageReader"]
-
 
 class SafeStorageReader(StorageReader):
     """Load committed checkpoints from ``root``, verifying every byte it uses.

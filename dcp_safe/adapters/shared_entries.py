@@ -21,8 +21,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["with_shared_entries"]
-
 
 def with_shared_entries(metadata: Metadata) -> Metadata:
     """``metadata`` with its ``state_dict_metadata`` rebuilt from shared equal parts (the

@@ -43,18 +43,6 @@ from dcp_safe.torch_compat import (
     save_tensor_without_crc,
 )
 
-__all__ = [
-    "TensorLayout",
-    "TorchFileFormat",
-    "layout_for",
-    "learnt_format",
-    "minimal_cpu_tensor",
-    "template_parts",
-    "tensor_bytes",
-    "write_item",
-    "write_tensor",
-]
-
 # Past this, torch's writer switches records to zip64 forms that the template does not cover.
 _MAX_PAYLOAD = (1 << 32) - (1 << 20)
 _LOCAL, _DESCRIPTOR, _CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50

@@ -76,15 +76,6 @@ from dcp_safe.manifest.schema import Manifest, RankManifest
 from dcp_safe.manifest.signing import part_mac, part_mac_matches
 from dcp_safe.version import __version__
 
-__all__ = [
-    "Assignment",
-    "StorageAgreement",
-    "assignment_of",
-    "items_to_write",
-    "plain_keys",
-    "save_key",
-]
-
 _ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
 _PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
 _MASK = (1 << 64) - 1

@@ -65,7 +65,8 @@ from dcp_safe.manifest.blocks import BLOCK_BYTES
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
 from dcp_safe.manifest.streams import HashingSink
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, copy_buffer_bytes
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
+from dcp_safe.replication.copying import copy_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     report_commit_failure,
@@ -73,8 +74,6 @@ from dcp_safe.replication.rank_upload import (
 )
 from dcp_safe.replication.replicator import RankReplicator, RankSave, Replicator
 from dcp_safe.topology import RootLike, Topology
-
-__all__ = ["SafeStorageWriter"]
 
 
 class SafeStorageWriter(StorageWriter):

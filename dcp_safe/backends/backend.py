@@ -27,16 +27,6 @@ from typing import BinaryIO, Literal, NoReturn
 from dcp_safe.errors import CheckpointCorruptError, StorageError
 from dcp_safe.manifest.streams import WritableFile
 
-__all__ = [
-    "MAX_WALK_DEPTH",
-    "Backend",
-    "FileStat",
-    "WritableFile",
-    "not_a_file",
-    "too_deep",
-    "unwrapped",
-]
-
 #: The most folders :meth:`Backend.walk_files` descends (dcp_safe writes two: ``<name>/_ranks/``).
 MAX_WALK_DEPTH = 16
 

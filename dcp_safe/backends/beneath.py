@@ -29,8 +29,6 @@ from contextlib import contextmanager, suppress
 from dcp_safe.backends.backend import MAX_WALK_DEPTH, not_a_file, too_deep
 from dcp_safe.errors import CheckpointCorruptError
 
-__all__ = ["Beneath", "link_refused"]
-
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -39,7 +39,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file, unwrapped
+from dcp_safe.backends.backend import Backend, FileStat, not_a_file, unwrapped
 from dcp_safe.backends.retry import s3_error
 from dcp_safe.backends.s3_upload import (
     S3MultipartWriter,
@@ -48,8 +48,7 @@ from dcp_safe.backends.s3_upload import (
     upload_buffer_bytes,
 )
 from dcp_safe.errors import CheckpointCorruptError, StorageError
-
-__all__ = ["FsspecBackend", "write_buffer_bytes"]
+from dcp_safe.manifest.streams import WritableFile
 
 # File systems without real directories, whose open("wb") stages the whole object until close.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})

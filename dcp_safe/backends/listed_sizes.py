@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dcp_safe.backends.backend import Backend
 
-__all__ = ["ListedSizes"]
-
 
 class ListedSizes:
     """Sizes of files under ``base``, each folder listed once, on first use.

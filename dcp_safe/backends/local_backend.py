@@ -22,13 +22,12 @@ from contextlib import ExitStack, contextmanager, suppress
 from typing import BinaryIO, Literal
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend, FileStat, WritableFile, not_a_file
+from dcp_safe.backends.backend import Backend, FileStat, not_a_file
 from dcp_safe.backends.beneath import Beneath
 from dcp_safe.backends.writeback import WritebackFile
 from dcp_safe.errors import CheckpointCorruptError, StorageError
+from dcp_safe.manifest.streams import WritableFile
 from dcp_safe.untrusted import shown
-
-__all__ = ["LocalBackend"]
 
 log = logging.getLogger(__name__)
 

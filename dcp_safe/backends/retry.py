@@ -40,18 +40,9 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
-from dcp_safe.backends.backend import Backend, WritableFile
+from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import ConfigError, DcpSafeError, StorageError
-
-__all__ = [
-    "RetryPolicy",
-    "RetryingBackend",
-    "call_with_retries",
-    "is_transient",
-    "reply_error",
-    "s3_error",
-    "single_try_s3_options",
-]
+from dcp_safe.manifest.streams import WritableFile
 
 T = TypeVar("T")
 

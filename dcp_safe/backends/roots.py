@@ -22,8 +22,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
-__all__ = ["open_backend"]
-
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 _FAULTY_PROTOCOL = "faulty"
 # By name, so that opening a root never imports the testing package unless a faulty root asks.

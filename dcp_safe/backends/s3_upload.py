@@ -40,21 +40,6 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, unwrapped
 from dcp_safe.errors import ConfigError, StorageError
 
-__all__ = [
-    "DEFAULT_PARTS_IN_FLIGHT",
-    "MAX_PARTS",
-    "MIN_PART_BYTES",
-    "S3MultipartWriter",
-    "abort_stale_uploads",
-    "abort_uploads_under",
-    "block_size_of",
-    "check_parts_in_flight",
-    "incomplete_uploads",
-    "is_bucket_root",
-    "parts_in_flight_of",
-    "upload_buffer_bytes",
-]
-
 MIN_PART_BYTES = 5 * 2**20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's largest part number
 DEFAULT_PARTS_IN_FLIGHT = 4

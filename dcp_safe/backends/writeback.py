@@ -13,8 +13,6 @@ import ctypes
 import io
 from collections.abc import Callable
 
-__all__ = ["WRITEBACK_STEP_BYTES", "WritebackFile", "early_writeback_available"]
-
 #: Bytes written between two writeback requests.
 WRITEBACK_STEP_BYTES = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait

@@ -20,8 +20,6 @@ from typing import Any, Literal
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["Regression", "compare_ratios", "make_ratio", "unmatched", "worsening"]
-
 Better = Literal["lower", "higher"]
 
 

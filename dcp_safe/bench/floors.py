@@ -23,8 +23,6 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from dcp_safe.bench.measure import State, tensor_bytes, tensors_of
 
-__all__ = ["checksum_rate", "copy_floor_s", "load_s", "raw_write_floor_s", "zstd_rate"]
-
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     array: Any = tensor.contiguous().view(-1).view(torch.uint8).numpy()

@@ -26,18 +26,6 @@ import torch
 
 from dcp_safe.periodic import Periodic
 
-__all__ = [
-    "MIB",
-    "RssSampler",
-    "State",
-    "describe_machine",
-    "make_state",
-    "median",
-    "rotate",
-    "tensor_bytes",
-    "tensors_of",
-]
-
 T = TypeVar("T")
 MIB = 1 << 20
 State = dict[str, Any]

@@ -49,8 +49,6 @@ from dcp_safe.cli_args import OneLineParser
 from dcp_safe.errors import ConfigError
 from dcp_safe.host_memory import available_bytes_now
 
-__all__ = ["SCHEMA", "main", "run_quick"]
-
 SCHEMA = "dcp_safe.bench.quick/1"
 CONTENDERS = ("dcp_safe", "torch_default_async", "raw_floor", "copy_floor")
 TENSORS = 8

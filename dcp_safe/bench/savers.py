@@ -41,8 +41,6 @@ from dcp_safe.choices import parse_choice
 from dcp_safe.staging import BudgetedStager, PinMemory, StagerOptions
 from dcp_safe.topology import RootLike, as_root
 
-__all__ = ["DcpSafeSaver", "Saver", "Started", "TorchSaver", "TorchStaging"]
-
 
 @dataclass(frozen=True)
 class Started:

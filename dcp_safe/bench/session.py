@@ -31,8 +31,6 @@ from typing import Any
 from dcp_safe.bench.measure import RssSampler, State
 from dcp_safe.bench.savers import Saver, Started
 
-__all__ = ["Record", "remove_tree", "run_session"]
-
 Record = dict[str, float]
 
 

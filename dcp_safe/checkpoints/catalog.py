@@ -35,14 +35,6 @@ from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.manifest.verify import check_stream, items_by_file
 from dcp_safe.topology import RootLike, as_root
 
-__all__ = [
-    "CheckpointInfo",
-    "VerifyReport",
-    "list_checkpoints",
-    "verify_checkpoint",
-    "verify_opened",
-]
-
 log = logging.getLogger(__name__)
 
 

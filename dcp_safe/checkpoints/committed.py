@@ -32,19 +32,6 @@ from dcp_safe.manifest.schema import Manifest, manifest_digest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES, check_signature, is_cryptographic
 from dcp_safe.untrusted import shown
 
-__all__ = [
-    "CommittedCheckpoint",
-    "check_signed",
-    "accepted_headers",
-    "CommittedHeader",
-    "committed_names",
-    "open_committed",
-    "keep_parsed",
-    "open_header",
-    "remember_header",
-    "resolve_name",
-]
-
 log = logging.getLogger(__name__)
 
 _V = TypeVar("_V")

@@ -53,8 +53,6 @@ from dcp_safe.manifest.limits import (
 )
 from dcp_safe.untrusted import shown
 
-__all__ = ["EVENTS", "HISTORY_FILE", "History", "record_takeover"]
-
 log = logging.getLogger(__name__)
 
 HISTORY_FILE = layout.HISTORY_FILE

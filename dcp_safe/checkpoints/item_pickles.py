@@ -27,8 +27,6 @@ from dcp_safe.manifest.dcp_metadata import MAX_DIMS
 from dcp_safe.manifest.limits import MAX_INT
 from dcp_safe.torch_compat import STORAGE_MODULES, TENSOR_REBUILDERS, storage_dtypes
 
-__all__ = ["OBJECT_MAX_OPS", "TENSOR_MAX_OPS", "ItemUnpickler", "Refused", "latin1", "scan"]
-
 #: Opcodes in an object item's pickle at most (a list of a million floats is about this many;
 #: each opcode makes at most one object, so this bounds what the pickle allocates).
 OBJECT_MAX_OPS = 1 << 20

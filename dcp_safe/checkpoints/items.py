@@ -60,19 +60,6 @@ from dcp_safe.manifest.schema import ItemKey, ItemRecord, Manifest, item_key
 from dcp_safe.manifest.streams import read_verified
 from dcp_safe.torch_compat import ZStandard
 
-__all__ = [
-    "OBJECT_MAX_DECODED_BYTES",
-    "TENSOR_ARCHIVE_BYTES",
-    "ZSTD_DESCRIPTOR",
-    "check_loadable",
-    "decode_object",
-    "decode_tensor_item",
-    "decode_transforms",
-    "sanitized_object_stream",
-    "stored_tensors",
-    "tensor_item_bound",
-]
-
 #: The transform descriptor of DCP's zstd extension (what ``SafeStorageWriter`` records).
 ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
 #: A compressed object item decodes to at most this many bytes (a larger one needs

@@ -33,8 +33,6 @@ from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.streams import read_verified
 
-__all__ = ["read_dcp_metadata"]
-
 _T = TypeVar("_T")
 
 # Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.

@@ -33,21 +33,6 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.topology import RootLike
 from dcp_safe.untrusted import shown
 
-__all__ = [
-    "NODE_COMMITTED_MARKER",
-    "NodeCache",
-    "PeerCopy",
-    "commit_peer_copy",
-    "list_node_caches",
-    "list_peer_copies",
-    "open_node_cache",
-    "open_peer_copy",
-    "prune_node_caches",
-    "prune_peer_copies",
-    "publish_node_cache",
-    "ranks_in",
-]
-
 log = logging.getLogger(__name__)
 
 NODE_COMMITTED_MARKER = layout.NODE_COMMITTED_MARKER

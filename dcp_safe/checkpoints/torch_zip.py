@@ -18,8 +18,6 @@ from typing import BinaryIO, Protocol
 
 from dcp_safe.errors import CheckpointCorruptError, UnsafeCheckpointError
 
-__all__ = ["MAX_RECORDS", "MemorySource", "Source", "StreamSource", "TorchArchive", "open_archive"]
-
 #: Records in one item's archive at most (a tensor has 7; an object one more per tensor in it).
 MAX_RECORDS = 1 << 16
 

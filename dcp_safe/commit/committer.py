@@ -40,8 +40,6 @@ from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManif
 from dcp_safe.manifest.signing import sign_digest
 from dcp_safe.version import __version__
 
-__all__ = ["DEFAULT_COMMIT_WORKERS", "MAX_COMMIT_WORKERS", "Committer"]
-
 log = logging.getLogger(__name__)
 
 #: Storage calls the coordinator keeps in flight while it checks the ranks' outputs.

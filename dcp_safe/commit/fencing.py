@@ -16,15 +16,6 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import ConfigError, StaleWriterError
 
-__all__ = [
-    "ATTEMPT_ENV",
-    "RUN_ID_ENV",
-    "Attempt",
-    "attempt_from_env",
-    "check_fence",
-    "register_attempt",
-]
-
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 DEFAULT_RUN_ID = "default"

@@ -36,25 +36,6 @@ from dcp_safe.errors import (
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 from dcp_safe.untrusted import shown
 
-__all__ = [
-    "DEFAULT_STALE_LEASE_S",
-    "TAKEOVER_HOOKS",
-    "abandon_lease",
-    "acquire_lease",
-    "check_lease",
-    "Claimant",
-    "held_by_another",
-    "holds_lease",
-    "join_or_acquire_lease",
-    "last_change",
-    "lease_acquired_at",
-    "lease_files",
-    "LeaseHolder",
-    "own_lease_file",
-    "read_holder",
-    "release_lease",
-]
-
 #: How long nothing under a name must have changed before a lease that names no attempt of this
 #: run may be taken over (by a fenced save): well under the sweeper's 6 h grace period.
 DEFAULT_STALE_LEASE_S = 3600.0

@@ -32,8 +32,6 @@ from dcp_safe.manifest.schema import Manifest, manifest_digest
 if TYPE_CHECKING:
     from dcp_safe.commit.strategy import PublishStrategy
 
-__all__ = ["LeasedReplica", "RenamedReplica", "ReplicaPublication", "committed_with"]
-
 log = logging.getLogger(__name__)
 
 

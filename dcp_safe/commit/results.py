@@ -31,18 +31,6 @@ from dcp_safe.torch_compat import CURRENT_DCP_VERSION, StorageInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "RankReport",
-    "ReportedItem",
-    "attach_report",
-    "bytes_by_file",
-    "check_every_item_written",
-    "dcp_metadata",
-    "records_by_rank",
-    "report_for",
-    "same_records",
-]
-
 
 @dataclass(frozen=True)
 class RankReport:

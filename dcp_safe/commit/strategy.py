@@ -37,17 +37,6 @@ from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublic
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = [
-    "LeasedPublication",
-    "Leftovers",
-    "MarkerStrategy",
-    "Publication",
-    "PublishStrategy",
-    "RenameStrategy",
-    "RenamedPublication",
-    "strategy_for",
-]
-
 log = logging.getLogger(__name__)
 
 

@@ -30,8 +30,6 @@ from dcp_safe.coordination.group import (
 from dcp_safe.coordination.groups import POLICY, ManagerGroups
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
 
-__all__ = ["Agreement", "Vote", "groups_to_replace", "require_same_call"]
-
 T = TypeVar("T")
 
 

@@ -27,20 +27,6 @@ import torch.distributed as dist
 
 from dcp_safe.errors import CommitError, ConfigError
 
-__all__ = [
-    "DEFAULT_DEADLINE_S",
-    "broadcast_object",
-    "checkpoint_group",
-    "collective_failure",
-    "deadline_of",
-    "discard_group",
-    "gather_objects",
-    "is_collective_failure",
-    "is_group_failure",
-    "peers_failed",
-    "validate_deadline",
-]
-
 DEFAULT_DEADLINE_S = 120.0
 """Well under the usual process-group timeout (30 min), well over a healthy save's collectives."""
 

@@ -20,8 +20,6 @@ from dcp_safe.coordination.group import (
 )
 from dcp_safe.errors import CommitError
 
-__all__ = ["BACKGROUND", "FOREGROUND", "POLICY", "WORKERS", "ManagerGroups"]
-
 POLICY = "manager-policy"
 FOREGROUND = "manager-sync"
 BACKGROUND = "manager-async"

@@ -23,8 +23,6 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["poll", "watch_for_commit"]
-
 T = TypeVar("T")
 
 DEFAULT_WATCH_TIMEOUT_S = 3600.0

@@ -25,8 +25,6 @@ from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.errors import CommitError
 from dcp_safe.torch_compat import default_store
 
-__all__ = ["PromotionBarrier", "Verdicts", "wait_for"]
-
 _GO = b"go"
 _ABANDONED = b"abandoned"
 _OK = "ok"

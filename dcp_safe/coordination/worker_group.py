@@ -33,8 +33,6 @@ from dcp_safe.coordination.groups import WORKERS, ManagerGroups
 from dcp_safe.errors import ConfigError
 from dcp_safe.torch_compat import default_store
 
-__all__ = ["WorkerGroup", "WorkerGroups", "join", "store_address"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerGroup:

@@ -20,8 +20,6 @@ from dcp_safe.manager import ManagerStats
 from dcp_safe.staging import MemoryBudget
 from dcp_safe.units import format_size
 
-__all__ = ["DemoReport", "SaveRecord", "raise_if_failed", "render", "summary_lines"]
-
 
 @dataclass
 class SaveRecord:

@@ -38,7 +38,7 @@ from dcp_safe.adapters import api
 from dcp_safe.adapters.reader import SafeStorageReader
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.catalog import list_checkpoints
-from dcp_safe.demo.report import DemoReport, SaveRecord, raise_if_failed, render, summary_lines
+from dcp_safe.demo.report import DemoReport, SaveRecord
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.manager.options import Runtime, SavePolicy
@@ -46,17 +46,6 @@ from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.telemetry import MemorySampler
 from dcp_safe.telemetry.memory import ProcReader
 from dcp_safe.topology import Root, RootLike, Topology, as_root
-
-__all__ = [
-    "DemoOptions",
-    "DemoReport",
-    "SaveRecord",
-    "quiet",
-    "raise_if_failed",
-    "render",
-    "run_demo",
-    "summary_lines",
-]
 
 Say = Callable[[str], None]
 

@@ -23,8 +23,6 @@ from dcp_safe.exporting.publish import CHECKSUMS, StagedExport, check_destinatio
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.units import format_bytes
 
-__all__ = ["ExportFormat", "ExportResult", "export"]
-
 
 class ExportFormat(str, enum.Enum):
     """What :func:`export` writes."""

@@ -13,8 +13,6 @@ from dcp_safe.exporting.api import ExportFormat, ExportResult, export
 from dcp_safe.exporting.formats import DEFAULT_MAX_SHARD_BYTES
 from dcp_safe.topology import Root
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
-
 DESCRIPTION = (
     f"Write a committed checkpoint as consolidated safetensors ({layout.SAFETENSORS_FILE}, or"
     f" shards plus {layout.SAFETENSORS_INDEX} past --max-shard-bytes) or one torch.save file"

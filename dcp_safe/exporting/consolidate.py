@@ -31,17 +31,6 @@ from dcp_safe.manifest.streams import short_read
 from dcp_safe.manifest.verify import chunk_tiling_problem
 from dcp_safe.topology import RootLike
 
-__all__ = [
-    "BATCH_BYTES",
-    "Consolidator",
-    "NotPlainData",
-    "Selection",
-    "TensorEntry",
-    "batches",
-    "parse_dtype",
-    "select",
-]
-
 
 @dataclass(frozen=True)
 class TensorEntry:

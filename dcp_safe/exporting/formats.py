@@ -33,21 +33,6 @@ from dcp_safe.exporting.consolidate import Consolidator, NotPlainData, Selection
 from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
 from dcp_safe.torch_compat import TensorStub, legacy_storage_type, pickle_stubs
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
-    "TorchFileWriter",
-    "check_max_shard_bytes",
-    "encode_header",
-    "encode_index",
-    "is_plain",
-    "plan_shards",
-    "safetensors_holds",
-    "shard_names",
-    "torch_holds",
-    "write_safetensors",
-    "write_torch",
-]
-
 #: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key

@@ -27,8 +27,6 @@ from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.streams import WritableFile
 
-__all__ = ["CHECKSUMS", "Sha256Sink", "StagedExport", "check_destination", "write_tensor"]
-
 CHECKSUMS = layout.EXPORT_CHECKSUMS
 #: Bytes written (and cast) per call: small next to any tensor worth streaming, large enough
 #: that a call's overhead does not show.

@@ -24,8 +24,6 @@ from dcp_safe.coordination.agreement import Vote, require_same_call
 from dcp_safe.coordination.groups import WORKERS
 from dcp_safe.manager.handles import BusyPolicy
 
-__all__ = ["Decision", "Verdict", "decide"]
-
 
 class Verdict(str, enum.Enum):
     """What every rank does with the request."""

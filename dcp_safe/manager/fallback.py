@@ -36,8 +36,6 @@ from dcp_safe.manager.ledger import Ledger
 from dcp_safe.periodic import Periodic
 from dcp_safe.telemetry.report import percentile
 
-__all__ = ["FallbackMonitor", "FallbackOptions", "FallbackSwitch", "MemoryWatch"]
-
 log = logging.getLogger("dcp_safe.manager")
 
 

@@ -7,15 +7,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "BusyPolicy",
-    "ManagerStats",
-    "Pending",
-    "SaveHandle",
-    "StagingMode",
-    "Validation",
-]
-
 
 class BusyPolicy(str, enum.Enum):
     """What :meth:`CheckpointManager.save` does while a save is in flight.

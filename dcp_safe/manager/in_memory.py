@@ -64,8 +64,6 @@ from dcp_safe.staging._tree import collect_tensors, is_stateful, state_dicts_of
 from dcp_safe.torch_compat import create_write_items
 from dcp_safe.units import format_bytes
 
-__all__ = ["InMemoryTier"]
-
 
 @dataclass(eq=False)
 class _Kept:

@@ -32,8 +32,6 @@ from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.recorder import Telemetry, end_replication
 
-__all__ = ["Ledger"]
-
 log = logging.getLogger("dcp_safe.manager")
 
 _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones

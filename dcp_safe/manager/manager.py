@@ -67,8 +67,6 @@ from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
 from dcp_safe.worker.parent import SaveWorker
 
-__all__ = ["CheckpointManager"]
-
 log = logging.getLogger(__name__)
 
 

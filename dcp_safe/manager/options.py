@@ -38,8 +38,6 @@ if TYPE_CHECKING:
     from dcp_safe.adapters.writer import SafeStorageWriter
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["MOVED", "Bounds", "Resume", "Retention", "Runtime", "SavePolicy", "choose_executor"]
-
 Executor = Literal["thread", "process"]
 EXECUTORS = ("auto", "thread", "process")
 

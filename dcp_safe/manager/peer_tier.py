@@ -28,8 +28,6 @@ from dcp_safe.reading.peers import PEER_RESTORE
 from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
 from dcp_safe.topology import this_node
 
-__all__ = ["PEER_COPIES", "PeerTier"]
-
 log = logging.getLogger("dcp_safe.manager")
 
 PEER_COPIES = "peer-copies"

@@ -26,8 +26,6 @@ from dcp_safe.manager.handles import SaveHandle
 if TYPE_CHECKING:
     from dcp_safe.manager.manager import CheckpointManager
 
-__all__ = ["PreemptionHandler", "agreed_plan", "final_save"]
-
 log = logging.getLogger(__name__)
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None

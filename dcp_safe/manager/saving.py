@@ -46,8 +46,6 @@ from dcp_safe.staging.guard import snapshot_copy
 from dcp_safe.worker.parent import SaveWorker
 from dcp_safe.worker.transport import check_commit, decode_error
 
-__all__ = ["SaveRunner"]
-
 log = logging.getLogger("dcp_safe.manager")
 
 

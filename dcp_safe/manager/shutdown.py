@@ -13,8 +13,6 @@ from typing import Protocol
 
 from dcp_safe.errors import DrainTimeoutError
 
-__all__ = ["close_at_exit", "countdown", "run_bounded"]
-
 log = logging.getLogger("dcp_safe.manager")
 
 

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 
 from dcp_safe.manager.handles import Pending, SaveHandle
 
-__all__ = ["SaveSlot"]
-
 
 class SaveSlot:
     """Who holds the slot (``busy``), who waits behind it (``pending``), and the waits it cost.

@@ -45,8 +45,6 @@ from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
 
-__all__ = ["Tiers", "WarmStart"]
-
 
 class Tiers:
     """Retention and reading on the local root and the replica.

@@ -24,8 +24,6 @@ from typing import Any
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, new_hasher
 from dcp_safe.manifest.limits import require_int
 
-__all__ = ["BLOCK_BYTES", "BLOCK_DIGEST_MIN_BYTES", "BlockDigests", "BlockHasher"]
-
 #: The block size the writer uses: small enough that a reader rounds a range up by little,
 #: large enough that the manifest grows by about 44 bytes per 4 MiB (0.001%).
 BLOCK_BYTES = 4 << 20

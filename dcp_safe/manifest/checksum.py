@@ -18,16 +18,6 @@ from typing import Protocol
 import blake3
 import xxhash
 
-__all__ = [
-    "BLAKE3_MAX_THREADS",
-    "ChecksumAlgorithm",
-    "Hasher",
-    "digest_bytes",
-    "format_checksum",
-    "new_hasher",
-    "parse_checksum",
-]
-
 
 class ChecksumAlgorithm(str, enum.Enum):
     """Supported checksum algorithms."""

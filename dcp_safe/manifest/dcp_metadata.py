@@ -53,17 +53,6 @@ from dcp_safe.manifest.limits import MAX_INT, MAX_STR
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.torch_compat import StorageInfo
 
-__all__ = [
-    "FORMAT",
-    "MAX_DIMS",
-    "VERSION",
-    "ZSTD_MAX_RATIO",
-    "check_declared_sizes",
-    "check_storage_data",
-    "decode_dcp_metadata",
-    "encode_dcp_metadata",
-]
-
 FORMAT = "dcp_safe/dcp-metadata"
 VERSION = 1
 #: Dimensions of a tensor at most (torch itself allows 64 on CPU).

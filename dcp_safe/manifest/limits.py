@@ -19,22 +19,6 @@ from typing import Any
 
 from dcp_safe.errors import CheckpointCorruptError
 
-__all__ = [
-    "CONTROL_MAX_BYTES",
-    "HISTORY_MAX_BYTES",
-    "MANIFEST_MAX_BYTES",
-    "MAX_INT",
-    "MAX_STR",
-    "MAX_TIMESTAMP",
-    "PARSE_BUDGET_BYTES",
-    "TILE_MAX_CELLS",
-    "parse_cost",
-    "parse_json",
-    "require_int",
-    "require_str",
-    "require_timestamp",
-]
-
 #: Markers (``_COMMITTED``, ``_NODE_COMMITTED``) and writing leases.
 CONTROL_MAX_BYTES = 1 << 20
 #: ``manifest.json``, rank manifests and ``.metadata``: about a million items' worth.

@@ -33,17 +33,6 @@ from dcp_safe.manifest.limits import (
     require_timestamp,
 )
 
-__all__ = [
-    "MANIFEST_VERSION",
-    "FileRecord",
-    "ItemKey",
-    "ItemRecord",
-    "Manifest",
-    "RankManifest",
-    "item_key",
-    "manifest_digest",
-]
-
 MANIFEST_VERSION = 1
 
 ItemKey = tuple[str, tuple[int, ...] | None]

@@ -24,22 +24,6 @@ from dcp_safe.choices import parse_choice
 from dcp_safe.errors import ConfigError, SignatureError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 
-__all__ = [
-    "CRYPTOGRAPHIC_CHECKSUMS",
-    "MAX_SIGNATURE_BYTES",
-    "MIN_KEY_BYTES",
-    "SIGNATURE_ALGORITHM",
-    "SIGNED_DEFAULT_CHECKSUM",
-    "SIGNING_KEY_ENV",
-    "check_signature",
-    "checksum_for",
-    "is_cryptographic",
-    "part_mac",
-    "part_mac_matches",
-    "resolve_key",
-    "sign_digest",
-]
-
 SIGNING_KEY_ENV = "DCP_SAFE_SIGNING_KEY"
 SIGNATURE_ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 16

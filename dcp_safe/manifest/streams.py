@@ -24,15 +24,6 @@ from dcp_safe.manifest.checksum import (
     new_hasher,
 )
 
-__all__ = [
-    "HashingSink",
-    "VerifyingSlice",
-    "WritableFile",
-    "read_fully",
-    "read_verified",
-    "short_read",
-]
-
 
 class WritableFile(Protocol):
     """The file object a backend hands out for streaming writes (what a sink writes to)."""

@@ -19,8 +19,6 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksu
 from dcp_safe.manifest.limits import TILE_MAX_CELLS
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
-__all__ = ["FileCheck", "check_stream", "chunk_tiling_problem", "items_by_file"]
-
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 

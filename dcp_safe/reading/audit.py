@@ -49,20 +49,6 @@ from dcp_safe.untrusted import shown
 if TYPE_CHECKING:  # the planner imports this module
     from dcp_safe.adapters.planners import SafeLoadPlanner
 
-__all__ = [
-    "BLOCKS",
-    "MAX_SAMPLES",
-    "Box",
-    "Piece",
-    "audit_load",
-    "boxes",
-    "combine",
-    "mismatches",
-    "partials",
-    "report",
-    "stride",
-]
-
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 1 << 10

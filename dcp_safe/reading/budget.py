@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 from dcp_safe.errors import ConfigError
 
-__all__ = ["Admission", "LoadBudget", "LoadMemoryStats"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class LoadMemoryStats:

@@ -44,8 +44,6 @@ from dcp_safe.reading.tensors import (
 )
 from dcp_safe.torch_compat import narrow_tensor_by_index
 
-__all__ = ["CopyFailed", "ItemReader"]
-
 # The stated cost of an item whose decoded size nothing bounds (a compressed object from a
 # root trusted with pickles): more than any budget, so it is admitted alone.
 _UNBOUNDED_BYTES = 1 << 62

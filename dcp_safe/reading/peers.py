@@ -55,8 +55,6 @@ from dcp_safe.replication.peer_transport import (
     send_file,
 )
 
-__all__ = ["PEER_RESTORE", "PeerSource"]
-
 #: The purpose of the gloo group a restore's peer fetches travel on.
 PEER_RESTORE = "peer-restore"
 

@@ -39,8 +39,6 @@ from dcp_safe.manifest.checksum import new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import read_fully, short_read
 
-__all__ = ["MAX_RUNS", "RangePlan", "plan_blocks", "plan_range", "read_runs"]
-
 #: Regions of more separate runs than this are read whole (a slice along a later dim of a
 #: large tensor: every block is likely touched anyway, and planning would cost per run).
 MAX_RUNS = 1024

@@ -25,15 +25,6 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-__all__ = [
-    "ReadOncePlan",
-    "Transfer",
-    "dtype_name",
-    "item_nbytes",
-    "items_digest",
-    "share_reads",
-]
-
 #: Entries sent between two ranks travel packed in buffers of up to this many bytes (fewer
 #: messages for many small entries); a larger entry travels alone, straight from its tensor.
 BATCH_BYTES = 16 << 20

@@ -27,18 +27,6 @@ from dcp_safe.checkpoints.node_cache import open_node_cache
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = [
-    "CacheRejection",
-    "NodeCacheSource",
-    "NodeCacheStats",
-    "ReadSource",
-    "RemoteSource",
-    "Rejected",
-    "RejectionReason",
-    "Source",
-    "SourceLog",
-]
-
 log = logging.getLogger(__name__)
 
 

@@ -31,15 +31,6 @@ from dcp_safe.manifest.checksum import format_checksum, new_hasher
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import read_fully, short_read
 
-__all__ = [
-    "STREAM_BYTES",
-    "known_layout",
-    "read_tensor_item",
-    "require_stored",
-    "transient_bytes",
-    "transient_tensor",
-]
-
 # Items up to this size are read whole into memory in one call (one syscall, one hash call).
 _WHOLE_MAX_BYTES = 1 << 20
 # Chunks of large items: big enough to amortise a call, small enough that hashing one overlaps

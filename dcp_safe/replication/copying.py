@@ -23,14 +23,6 @@ from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
 
-__all__ = [
-    "open_source",
-    "DEFAULT_CHUNK_BYTES",
-    "CheckpointCopy",
-    "Copier",
-    "copy_buffer_bytes",
-]
-
 
 def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
     """The most host bytes one verified copy to ``dest`` holds at once: the chunk read from the

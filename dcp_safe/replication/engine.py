@@ -22,8 +22,6 @@ from dcp_safe import layout
 from dcp_safe.errors import ConfigError, ReplicationSkippedError, ReplicationTimeoutError
 from dcp_safe.manifest.schema import Manifest
 
-__all__ = ["Job", "UploadEngine"]
-
 #: A job: its manifest, or the commit wait still to run for it (on a thread of its own).
 Job: TypeAlias = Callable[[], "Manifest | Job"]
 

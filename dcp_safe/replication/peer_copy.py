@@ -37,8 +37,6 @@ from dcp_safe.replication.peer_transport import (
     send_file,
 )
 
-__all__ = ["PeerGroup", "copy_to_peers"]
-
 
 @dataclass(frozen=True)
 class PeerGroup:

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CopyTransfer", "Fetch", "buddies", "copy_plan", "fetch_plan", "node_leaders"]
-
 
 @dataclass(frozen=True)
 class CopyTransfer:

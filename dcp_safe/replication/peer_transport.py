@@ -31,15 +31,6 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import FileRecord, ItemRecord
 from dcp_safe.manifest.verify import FileCheck
 
-__all__ = [
-    "DEFAULT_PEER_CHUNK_BYTES",
-    "SenderFailedError",
-    "exchange",
-    "peer_buffer_bytes",
-    "receive_file",
-    "send_file",
-]
-
 T = TypeVar("T")
 
 DEFAULT_PEER_CHUNK_BYTES = 8 << 20

@@ -29,19 +29,8 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
-from dcp_safe.manifest.verify import FileCheck, items_by_file
-from dcp_safe.replication.copying import DEFAULT_CHUNK_BYTES, Copier
-
-__all__ = [
-    "UploadOptions",
-    "await_arrivals",
-    "await_remote_commit",
-    "raise_reported_failures",
-    "report_commit_failure",
-    "report_rank_failure",
-    "report_rank_skipped",
-    "upload_rank_part",
-]
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES, FileCheck, items_by_file
+from dcp_safe.replication.copying import Copier
 
 T = TypeVar("T")
 

@@ -30,8 +30,8 @@ from dcp_safe.errors import (
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.replication.copying import (
-    DEFAULT_CHUNK_BYTES,
     CheckpointCopy,
     copy_buffer_bytes,
     open_source,
@@ -47,8 +47,6 @@ from dcp_safe.replication.rank_upload import (
     report_rank_skipped,
     upload_rank_part,
 )
-
-__all__ = ["RankReplicator", "RankSave", "Replicator", "replicate_checkpoint"]
 
 # --------------------------------------------------------------------- one checkpoint
 

@@ -24,8 +24,6 @@ from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, open_sweepa
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
-__all__ = ["RetentionReport", "apply_retention"]
-
 log = logging.getLogger(__name__)
 
 

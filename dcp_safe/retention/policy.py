@@ -23,16 +23,6 @@ from typing import Protocol
 
 from dcp_safe.errors import ConfigError
 
-__all__ = [
-    "CheckpointRecord",
-    "KeepEvery",
-    "KeepLast",
-    "RetentionDecision",
-    "RetentionPolicy",
-    "combine",
-    "decide",
-]
-
 
 @dataclass(frozen=True)
 class CheckpointRecord:

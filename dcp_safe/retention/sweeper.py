@@ -33,8 +33,6 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
-__all__ = ["SweepReport", "open_sweepable", "sweep_backend", "sweep_partials"]
-
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 6 * 3600.0

@@ -20,16 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from dcp_safe.torch_compat import dtensor_local, rebuild_dtensor
 
-__all__ = [
-    "Layout",
-    "collect_tensors",
-    "is_stateful",
-    "rebuild",
-    "scan",
-    "stageable",
-    "state_dicts_of",
-]
-
 # Values deepcopy returns as they are; the walks skip them without a call.
 _ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
 _MISSING = object()

@@ -16,10 +16,8 @@ from fractions import Fraction
 from typing import Any
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
-from dcp_safe.host_memory import available_bytes_now, read_host
+from dcp_safe.host_memory import read_host
 from dcp_safe.units import format_bytes
-
-__all__ = ["Admission", "MemoryBudget", "available_bytes_now", "format_bytes", "require_int"]
 
 # Shares are held as exact fractions for the arithmetic: 1/7 stays 1/7, not 0.142857...
 _SHARE_MAX_DENOMINATOR = 1 << 20

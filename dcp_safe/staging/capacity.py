@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from dcp_safe.staging.budget import MemoryBudget, require_int
 from dcp_safe.units import format_bytes
 
-__all__ = ["GIB", "CapacityPlan", "Generation", "max_generations", "node_budget", "plan_capacity"]
-
 GIB = 1 << 30
 
 

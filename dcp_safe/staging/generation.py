@@ -18,17 +18,11 @@ import torch
 
 from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.observe import SpanHandle
+from dcp_safe.staging._tree import Layout
 from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
-from dcp_safe.staging.plan import Layout, StagingPlan
+from dcp_safe.staging.plan import StagingPlan
 from dcp_safe.staging.pool import Lease
 from dcp_safe.torch_compat import foreach_copy
-
-__all__ = [
-    "InFlightGeneration",
-    "StagedStateDict",
-    "copy_sources",
-    "holds_its_bytes",
-]
 
 # Mapped over a chunk's sources: the storage check before its copy.
 _read_data_ptr = torch.Tensor.data_ptr

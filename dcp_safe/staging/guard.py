@@ -20,13 +20,6 @@ from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.staging._tree import collect_tensors, rebuild
 from dcp_safe.torch_compat import dtensor_local, read_version
 
-__all__ = [
-    "SnapshotGuard",
-    "current_rank",
-    "snapshot_copy",
-    "tensor_paths",
-]
-
 
 class SnapshotGuard:
     """The version counters of a save's source tensors, read at the request.

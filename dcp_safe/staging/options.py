@@ -11,8 +11,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.staging.budget import require_int
 from dcp_safe.staging.pool import PinMemory
 
-__all__ = ["STAGER_MOVED", "StagerOptions", "StagerStats", "WhenBusy"]
-
 
 class WhenBusy(str, Enum):
     """What ``stage()`` does when a save cannot be admitted now.

@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from dcp_safe.staging._tree import Layout, scan, stageable
+from dcp_safe.staging._tree import Layout, stageable
 from dcp_safe.staging.pool import BufferPool
-
-__all__ = ["Layout", "PlanCache", "StagingPlan", "scan"]
 
 # A chunk ends after this many tensors or bytes, whichever comes first.
 _CHUNK_TENSORS = 1024

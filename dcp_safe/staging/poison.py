@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-__all__ = ["POISON_KEY", "FailedStaging", "poisoned"]
-
 # The key of the only entry of a poisoned state dict (a name no model uses).
 POISON_KEY = "__dcp_safe_staging_failed__"
 

@@ -29,8 +29,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.torch_compat import empty_host_cache, storage_use_count, tensor_use_count
 
-__all__ = ["BufferPool", "BufferRequest", "Lease", "PinMemory", "PoolStats"]
-
 # Small buffers gain nothing from pinning and each pinned block costs a driver call.
 _PIN_MIN_BYTES = 64 << 10
 

@@ -37,8 +37,6 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CudaSlabPinning", "Place", "SharedSlabs", "SlabPinning"]
-
 log = logging.getLogger(__name__)
 
 _SLAB_BYTES = 64 << 20

@@ -41,18 +41,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from dcp_safe.choices import refuse_moved
 from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, SnapshotMutatedError
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, StagerObserver
-from dcp_safe.staging._tree import rebuild
+from dcp_safe.staging._tree import Layout, rebuild, scan
 from dcp_safe.staging.budget import Admission, MemoryBudget
 from dcp_safe.staging.generation import InFlightGeneration, StagedStateDict, copy_sources
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.plan import Layout, PlanCache, StagingPlan, scan
+from dcp_safe.staging.plan import PlanCache, StagingPlan
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs
 from dcp_safe.units import format_bytes
-
-__all__ = ["BudgetedStager", "StagerOptions", "StagerStats", "WhenBusy"]
 
 StateDict = dict[str, Any]
 

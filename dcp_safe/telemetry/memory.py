@@ -24,8 +24,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.host_memory import find_cgroup_files
 from dcp_safe.periodic import Periodic
 
-__all__ = ["MemorySample", "MemorySampler", "ProcReader", "anchored_clock", "peak_of"]
-
 log = logging.getLogger(__name__)
 
 

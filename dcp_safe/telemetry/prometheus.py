@@ -18,8 +18,6 @@ from dcp_safe.telemetry.sinks import Event, EventKind, Sink
 if TYPE_CHECKING:
     from dcp_safe.telemetry.recorder import Telemetry
 
-__all__ = ["PrometheusSink"]
-
 # Phase durations span 1 ms (small commits) to an hour (large uploads to a slow store).
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 _BYTES_BUCKETS = tuple(float(2**e) for e in range(20, 42, 2))  # 1 MiB .. 2 TiB

@@ -50,8 +50,6 @@ from dcp_safe.telemetry.report import TelemetryReport, build_report
 from dcp_safe.telemetry.sinks import Event, EventKind, MemorySink, Sink
 from dcp_safe.topology import Topology
 
-__all__ = ["InstrumentedWriter", "Telemetry", "end_replication"]
-
 log = logging.getLogger(__name__)
 
 _ROOT_LEVEL = frozenset({Phase.SAVE, Phase.RELEASE, Phase.REPLICATION})

@@ -17,8 +17,6 @@ from dcp_safe.observe import Phase
 from dcp_safe.telemetry.memory import MemorySample, peak_of
 from dcp_safe.telemetry.sinks import Event, EventKind
 
-__all__ = ["BAND_S", "SaveSummary", "TelemetryReport", "build_report", "percentile"]
-
 BAND_S = 1.0
 _WIDE = 140
 

@@ -24,8 +24,6 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dcp_safe.telemetry.memory import MemorySample
 
-__all__ = ["SCHEMA_VERSION", "Event", "EventKind", "JsonLinesSink", "MemorySink", "Sink"]
-
 SCHEMA_VERSION = 1
 
 

@@ -61,8 +61,6 @@ from dcp_safe.telemetry.recorder import Telemetry
 from dcp_safe.telemetry.sinks import Event
 from dcp_safe.worker.transport import Checked, check_commit, encode_error, forget_slab, map_slab
 
-__all__ = ["main"]
-
 
 class _Worker:
     def __init__(self, conn: Connection, lock: threading.Lock, parent: int) -> None:

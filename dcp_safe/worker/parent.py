@@ -44,8 +44,6 @@ from dcp_safe.staging.shared import SharedSlabs
 from dcp_safe.worker.boot import BEAT_S
 from dcp_safe.worker.transport import Checked, StateEncoder, decode_error
 
-__all__ = ["SaveWorker"]
-
 _BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
 # The fewest beats a worker may miss before its parent kills it, whatever the deadlines.
 _MIN_SILENT_BEATS = 5

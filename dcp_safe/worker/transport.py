@@ -40,16 +40,6 @@ from dcp_safe.errors import WorkerError
 from dcp_safe.staging.poison import FailedStaging
 from dcp_safe.staging.shared import SharedSlabs
 
-__all__ = [
-    "Checked",
-    "StateEncoder",
-    "check_commit",
-    "decode_error",
-    "encode_error",
-    "forget_slab",
-    "map_slab",
-]
-
 # The worker's maps of the parent's slabs, by slab id.
 _MAPS: dict[int, mmap.mmap] = {}
 

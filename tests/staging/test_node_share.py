@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dcp_safe.errors import BudgetExceededError, ConfigError
-from dcp_safe.staging.budget import MemoryBudget, available_bytes_now
+from dcp_safe.host_memory import available_bytes_now
+from dcp_safe.staging.budget import MemoryBudget
 from dcp_safe.staging.capacity import node_budget
 from dcp_safe.staging.pool import BufferPool
 

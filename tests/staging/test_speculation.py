@@ -16,7 +16,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_safe.errors import AdmissionTimeoutError, BudgetExceededError, SnapshotMutatedError
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
-from dcp_safe.staging.plan import PlanCache, scan
+from dcp_safe.staging._tree import scan
+from dcp_safe.staging.plan import PlanCache
 from dcp_safe.staging.pool import BufferPool
 from dcp_safe.testing.staging import hold_staging
 
