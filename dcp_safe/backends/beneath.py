@@ -32,15 +32,6 @@ from dcp_safe.errors import CheckpointCorruptError
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def link_refused(path: str) -> CheckpointCorruptError:
-    """The error for a symbolic link met beneath a root."""
-    return CheckpointCorruptError(
-        path,
-        "a symbolic link: dcp_safe reads and writes nothing outside its root and follows no"
-        " link beneath it; remove the link (or copy what it points to into the root)",
-    )
-
-
 class Beneath:
     """Paths relative to one local root, resolved without following links below it.
 
@@ -106,7 +97,12 @@ class Beneath:
         except OSError as exc:
             linked = isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP
             if linked and _is_link(parent, name):
-                raise link_refused(self.path(rel)) from None
+                raise CheckpointCorruptError(
+                    self.path(rel),
+                    "a symbolic link: dcp_safe reads and writes nothing outside its root and"
+                    " follows no link beneath it; remove the link (or copy what it points to"
+                    " into the root)",
+                ) from None
             raise
         with suppress(FileExistsError):  # made meanwhile by another writer: as good
             os.mkdir(name, 0o777, dir_fd=parent)

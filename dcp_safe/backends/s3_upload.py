@@ -63,15 +63,7 @@ def parts_in_flight_of(fs: Any) -> int:
         ConfigError: the option is not an int >= 1.
     """
     options = getattr(fs, "storage_options", None) or {}
-    return check_parts_in_flight(options.get(_CONCURRENCY_OPTION, DEFAULT_PARTS_IN_FLIGHT))
-
-
-def check_parts_in_flight(value: object) -> int:
-    """``value`` as a count of parts in flight.
-
-    Raises:
-        ConfigError: ``value`` is not an int >= 1.
-    """
+    value = options.get(_CONCURRENCY_OPTION, DEFAULT_PARTS_IN_FLIGHT)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
             f"parts in flight ({_CONCURRENCY_OPTION} in storage_options) must be an int >= 1,"
@@ -153,16 +145,14 @@ class S3MultipartWriter:
     Args:
         fs: an ``s3fs.S3FileSystem`` (anything with ``call_s3`` and ``split_path``).
         path: ``bucket/key``.
-        block_size: bytes per part; every part but the last is exactly this size.
+        block_size: bytes per part (:func:`block_size_of`); every part but the last is exactly
+            this size.
         checksum_algorithm: named on every request (``None``: none named).
-        parts_in_flight: the most parts being sent at once (:func:`parts_in_flight_of`).
+        parts_in_flight: the most parts being sent at once, as :func:`parts_in_flight_of`
+            checked it.
 
     Attributes:
         peak_buffer_bytes: the most block bytes this upload has held at once.
-
-    Raises:
-        ValueError: ``block_size`` is below S3's smallest part.
-        ConfigError: ``parts_in_flight`` is not an int >= 1.
     """
 
     def __init__(
@@ -174,9 +164,7 @@ class S3MultipartWriter:
         *,
         parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
     ) -> None:
-        if block_size < MIN_PART_BYTES:
-            raise ValueError(f"block_size {block_size} is below S3's {MIN_PART_BYTES}-byte part")
-        self.parts_in_flight = check_parts_in_flight(parts_in_flight)
+        self.parts_in_flight = parts_in_flight
         self._fs = fs
         self.bucket, self.key, _ = fs.split_path(path)
         self.block_size = block_size
@@ -192,11 +180,6 @@ class S3MultipartWriter:
         self._pool: ThreadPoolExecutor | None = None  # started with the first part
         self.peak_buffer_bytes = 0
         self.closed = False
-
-    @property
-    def max_buffer_bytes(self) -> int:
-        """The most block bytes this upload can hold: :func:`upload_buffer_bytes`."""
-        return upload_buffer_bytes(self.block_size, self.parts_in_flight)
 
     @property
     def buffer_bytes(self) -> int:

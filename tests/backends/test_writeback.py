@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dcp_safe.backends import writeback
-from dcp_safe.backends.local_backend import LocalBackend
-from dcp_safe.backends.writeback import WritebackFile, early_writeback_available
+from dcp_safe.backends import local_backend as writeback
+from dcp_safe.backends.local_backend import LocalBackend, WritebackFile
 
 STEP = 64 << 10
 
@@ -34,7 +33,7 @@ class _Recorder:
 
 def test_linux_has_it() -> None:
     if sys.platform == "linux":
-        assert early_writeback_available()
+        assert writeback._sync_file_range is not None
 
 
 def test_writeback_is_requested_for_each_step_in_order_and_the_bytes_are_unchanged(
