@@ -9,15 +9,9 @@ in those packages); docs/manager.md lists where each name that left the root liv
 
 from __future__ import annotations
 
-from dcp_safe.adapters.api import async_save, load, save
-from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
-from dcp_safe.adapters.options import WriterOptions
-from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
-from dcp_safe.adapters.reader import SafeStorageReader
-from dcp_safe.adapters.writer import SafeStorageWriter
-from dcp_safe.backends.retry import RetryPolicy
-from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
-from dcp_safe.coordination.group import checkpoint_group
+import importlib
+from typing import TYPE_CHECKING
+
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -26,15 +20,61 @@ from dcp_safe.errors import (
     DcpSafeError,
     StorageError,
 )
-from dcp_safe.exporting import export
-from dcp_safe.manager import Bounds, CheckpointManager, Resume, Retention, Runtime, SavePolicy
-from dcp_safe.manager.fallback import FallbackOptions
-from dcp_safe.replication.rank_upload import UploadOptions
-from dcp_safe.retention.apply import apply_retention
-from dcp_safe.retention.sweeper import sweep_partials
-from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
-from dcp_safe.topology import Root, Topology
 from dcp_safe.version import __version__
+
+if TYPE_CHECKING:  # the same names, for type checkers; at run time __getattr__ imports them
+    from dcp_safe.adapters.api import async_save, load, save
+    from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
+    from dcp_safe.adapters.options import WriterOptions
+    from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
+    from dcp_safe.adapters.reader import SafeStorageReader
+    from dcp_safe.adapters.writer import SafeStorageWriter
+    from dcp_safe.backends.retry import RetryPolicy
+    from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
+    from dcp_safe.coordination.group import checkpoint_group
+    from dcp_safe.exporting import export
+    from dcp_safe.manager import Bounds, CheckpointManager, Resume, Retention, Runtime, SavePolicy
+    from dcp_safe.manager.fallback import FallbackOptions
+    from dcp_safe.replication.rank_upload import UploadOptions
+    from dcp_safe.retention.apply import apply_retention
+    from dcp_safe.retention.sweeper import sweep_partials
+    from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
+    from dcp_safe.topology import Root, Topology
+
+# Imported on first use (PEP 562), so that what needs only part of dcp_safe (``dcp-safe ls``,
+# ``history``, ``show``) does not pay for torch's import: name -> the module that defines it.
+_LAZY = {
+    "async_save": "dcp_safe.adapters.api",
+    "load": "dcp_safe.adapters.api",
+    "save": "dcp_safe.adapters.api",
+    "NodeLocalOptions": "dcp_safe.adapters.node_local",
+    "NodeLocalWriter": "dcp_safe.adapters.node_local",
+    "WriterOptions": "dcp_safe.adapters.options",
+    "SafeLoadPlanner": "dcp_safe.adapters.planners",
+    "SafeSavePlanner": "dcp_safe.adapters.planners",
+    "SafeStorageReader": "dcp_safe.adapters.reader",
+    "SafeStorageWriter": "dcp_safe.adapters.writer",
+    "RetryPolicy": "dcp_safe.backends.retry",
+    "list_checkpoints": "dcp_safe.checkpoints.catalog",
+    "verify_checkpoint": "dcp_safe.checkpoints.catalog",
+    "checkpoint_group": "dcp_safe.coordination.group",
+    "export": "dcp_safe.exporting",
+    "Bounds": "dcp_safe.manager",
+    "CheckpointManager": "dcp_safe.manager",
+    "Resume": "dcp_safe.manager",
+    "Retention": "dcp_safe.manager",
+    "Runtime": "dcp_safe.manager",
+    "SavePolicy": "dcp_safe.manager",
+    "FallbackOptions": "dcp_safe.manager.fallback",
+    "UploadOptions": "dcp_safe.replication.rank_upload",
+    "apply_retention": "dcp_safe.retention.apply",
+    "sweep_partials": "dcp_safe.retention.sweeper",
+    "BudgetedStager": "dcp_safe.staging",
+    "MemoryBudget": "dcp_safe.staging",
+    "StagerOptions": "dcp_safe.staging",
+    "Root": "dcp_safe.topology",
+    "Topology": "dcp_safe.topology",
+}
 
 __all__ = [
     # the policy layer and its option values
@@ -79,3 +119,16 @@ __all__ = [
     "CheckpointCorruptError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_safe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,25 +1,31 @@
-"""``dcp-safe``: list, verify, inspect, export and collect checkpoints; run the demo and bench.
+"""``dcp-safe``: list, verify, inspect, export and collect checkpoints; read a root's history,
+show and compare manifests, replicate one checkpoint; run the demo and bench.
 
 This module parses arguments, calls the library, and prints; the work is done by
 :mod:`dcp_safe.checkpoints.catalog`, :mod:`dcp_safe.retention`, :mod:`dcp_safe.adapters`,
-:mod:`dcp_safe.exporting` and :mod:`dcp_safe.demo`. Tables and progress bars are rich's.
+:mod:`dcp_safe.exporting`, :mod:`dcp_safe.replication` and :mod:`dcp_safe.demo`. Tables and
+progress bars are rich's.
 
-Exit status: 0 success; 1 a checkpoint is corrupt or a check or operation failed; 2 a usage
-error (bad arguments, no such root or checkpoint), always with one line saying what to do.
-Expected errors (the :class:`~dcp_safe.errors.DcpSafeError` tree) print that one line, never a
-traceback.
+A subcommand is an ``_add_<verb>(sub, common)`` function (its parser lines, ending in
+``set_defaults(run=...)``) listed in :data:`_COMMANDS`, and its ``run(args, options, out)``,
+which returns the exit status; :mod:`dcp_safe.cli_manifests` holds ``history``, ``show``,
+``diff`` and ``replicate``. Every data subcommand takes ``--json``: one document on stdout, its
+schema in :mod:`dcp_safe.cli_schemas` (docs/cli.md). Exit codes: one table,
+:data:`dcp_safe.cli_output.EXIT_CODES`. Expected errors print one line (or, with ``--json``, one
+``{"error", "message", "exit_code"}`` document), never a traceback.
+
+Nothing here imports torch at module level: what needs it (``inspect``, ``export``, ``demo``,
+deep verification) imports it when it runs, so ``ls``, ``history`` and ``show`` start fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
-import logging
+import io
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -27,8 +33,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from dcp_safe import layout
-from dcp_safe.adapters.reader import SafeStorageReader
+from dcp_safe import cli_manifests, cli_tensors, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints import catalog
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
@@ -39,26 +44,31 @@ from dcp_safe.cli_args import (
     check_roots,
     key_from_file,
     parse_storage_options,
+    require_root,
 )
-from dcp_safe.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    ConfigError,
-    DcpSafeError,
+from dcp_safe.cli_output import EXIT_FAILED as EXIT_FAILED
+from dcp_safe.cli_output import EXIT_NOT_FOUND as EXIT_NOT_FOUND
+from dcp_safe.cli_output import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Unavailable,
+    add_subcommand,
+    emit_json,
+    exit_codes_text,
+    fail,
+    fail_json,
+    failure,
+    library_warnings,
+    size_text,
+    when_text,
 )
-from dcp_safe.exporting import command as export_command
+from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-class _Unavailable(Exception):
-    """A part of dcp_safe this installation lacks; exit status 1."""
+Run = Callable[[argparse.Namespace, dict[str, Any] | None, Console], int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,91 +76,86 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
-        return _guarded(err, lambda: _bench(argv[1:]), "ROOT")
+        return _guarded(out, err, lambda: _bench(argv[1:]), "ROOT", as_json=False)
+    as_json = "--json" in argv
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage and the error
+        with _usage_errors(out, as_json):
+            args = _parser(argv[0] if argv else None).parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage and the error (or JSON did)
         return _exit_code(exc)
-    run = args.run
-    with _library_warnings(err):
+    run: Run = args.run
+    as_json = bool(getattr(args, "json", False))
+    with library_warnings(err):
         return _guarded(
+            out,
             err,
             lambda: run(args, _options(args), out),
             getattr(args, "root", None) or "ROOT",
+            as_json=as_json,
         )
 
 
-class _WarningLines(logging.Handler):
-    """The library's logged warnings, printed as the CLI's own ``dcp-safe: warning:`` lines."""
-
-    def __init__(self, err: Console) -> None:
-        super().__init__(logging.WARNING)
-        self._err = err
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = shown(" ".join(record.getMessage().split()))
-        self._err.print(f"dcp-safe: warning: {message}", markup=False, highlight=False)
-
-
 @contextlib.contextmanager
-def _library_warnings(err: Console) -> Iterator[None]:
-    """While a command runs, dcp_safe's warnings (a damaged entry that ``gc`` or ``ls`` skips,
-    a torn history line) reach stderr in the CLI's form, one line each, instead of through
-    logging's bare last-resort handler."""
-    logger = logging.getLogger("dcp_safe")
-    handler, propagate = _WarningLines(err), logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
+def _usage_errors(out: Console, as_json: bool) -> Any:
+    """With ``--json``, argparse's one-line error becomes the JSON error document."""
+    if not as_json:
         yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
+        return
+    caught = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(caught):
+            yield
+    except SystemExit as exc:
+        text = caught.getvalue().strip()
+        if text:  # an error (help goes to stdout and exits 0 with nothing here)
+            fail_json(out, None, text.removeprefix("dcp-safe: error: "), _exit_code(exc))
+        raise
 
 
 def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else EXIT_OK
 
 
-def _guarded(err: Console, run: Callable[[], int], root: str) -> int:
-    """Run a command; map expected errors to one line and an exit status."""
+def _guarded(
+    out: Console, err: Console, run: Callable[[], int], root: str, *, as_json: bool
+) -> int:
+    """Run a command; map expected errors to one line (or one JSON document) and a status."""
     try:
         return run()
-    except UsageError as exc:
-        return _fail(err, str(exc), EXIT_USAGE)
-    except _Unavailable as exc:
-        return _fail(err, str(exc), EXIT_FAILED)
-    except (ConfigError, CheckpointNotFoundError) as exc:
-        hint = f"run 'dcp-safe ls {root}' to see what is committed"
-        return _fail(err, f"{exc}; {hint}", EXIT_USAGE)
-    except CheckpointCorruptError as exc:
-        return _fail(err, f"CORRUPT: {exc}", EXIT_FAILED)
-    except (DcpSafeError, OSError) as exc:
-        return _fail(err, f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    except Exception as exc:
+        mapped = failure(exc, root)
+        if mapped is None:
+            raise
+        status, message = mapped
+        return fail_json(out, exc, message, status) if as_json else fail(err, message, status)
 
 
-def _fail(err: Console, message: str, status: int) -> int:
-    err.print(f"dcp-safe: error: {shown(message, 4000)}", markup=False, highlight=False)
-    return status
-
-
-def _parser() -> argparse.ArgumentParser:
-    common = OneLineParser(add_help=False)
-    common.add_argument(
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` (the first argument) lets a verb whose arguments need torch to
+    describe them (``export``) build them only when it is the one run."""
+    storage = OneLineParser(add_help=False)
+    storage.add_argument(
         "--storage-options",
         metavar="JSON",
         help='fsspec/s3fs options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
     )
+    common = OneLineParser(add_help=False, parents=[storage])
+    common.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON document (schema: docs/cli.md); errors too, as {"error": ...}',
+    )
     parser = OneLineParser(
-        prog="dcp-safe", description="Inspect and maintain dcp_safe checkpoints."
+        prog="dcp-safe",
+        description="Inspect and maintain dcp_safe checkpoints.",
+        epilog=exit_codes_text() + "\n\nReference: docs/cli.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_ls(sub, common)
-    _add_verify(sub, common)
-    _add_inspect(sub, common)
-    _add_export(sub, common)
-    _add_gc(sub, common)
-    _add_demo(sub, common)
+    for add in _COMMANDS:
+        add(sub, common)
+    cli_tensors.add_export(sub, common, full=command == "export")
+    _add_demo(sub, storage)
     sub.add_parser("bench", help="the quick benchmark (dcp-safe bench --help for its options)")
     return parser
 
@@ -162,22 +167,14 @@ def _options(args: argparse.Namespace) -> dict[str, Any] | None:
     return options
 
 
-def _require_root(root: str) -> None:
-    """A local root that does not exist is a typo, not an empty root."""
-    if "://" in root and not root.startswith("file://"):
-        return
-    path = root.removeprefix("file://")
-    if not os.path.isdir(path):
-        raise UsageError(f"no such directory: {path}; give the checkpoint root (a directory)")
-
-
 # ---------------------------------------------------------------------------------------- ls
 
 
 def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
+    p = add_subcommand(
+        sub,
         "ls",
-        parents=[common],
+        common,
         help="list committed checkpoints",
         description="Committed checkpoints, oldest first (by step). A damaged entry (a marker,"
         " manifest or control file that does not check out) is not listed; a warning on"
@@ -185,12 +182,11 @@ def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("root", help="checkpoint root: a directory or a URL such as s3://bucket/run")
     p.add_argument("--remote", metavar="URL", help="the replica root: show where each is committed")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_ls)
 
 
 def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    _require_root(args.root)
+    require_root(args.root)
     err = Console(stderr=True, soft_wrap=True)
 
     def damaged(name: str, exc: CheckpointCorruptError) -> None:
@@ -202,9 +198,7 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         tiers["remote"] = list_checkpoints(Root(args.remote, options), on_damaged=damaged)
     rows = _merge_tiers(tiers)
     if args.json:
-        out.print_json(
-            json.dumps([_info_json(info, where) for info, where in rows]), ensure_ascii=True
-        )
+        emit_json(out, [_info_json(info, where) for info, where in rows])
         return EXIT_OK
     # Text, not markup: a root or a name ("step_1\n" passes the name rule's `$`) prints as is.
     table = Table(title=Text(f"committed checkpoints under {shown(args.root)}"))
@@ -215,8 +209,8 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
             Text(shown(info.name)),
             "-" if info.step is None else str(info.step),
             ", ".join(where),
-            _size(info.size_bytes),
-            _when(info.created_at),
+            size_text(info.size_bytes),
+            when_text(info.created_at),
             str(info.world_size),
         )
     out.print(table)
@@ -254,10 +248,11 @@ def _info_json(info: CheckpointInfo, where: list[str]) -> dict[str, Any]:
 
 
 def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
+    p = add_subcommand(
+        sub,
         "verify",
-        parents=[common],
-        help="check a checkpoint: exit 0 sound, 1 corrupt, 2 usage error",
+        common,
+        help="check a checkpoint: exit 0 sound, 1 damaged (see the exit codes)",
         description="Every byte against its checksum (default, as verify_checkpoint()), and "
         "DCP's metadata and every item through the bounded decoders that loading uses: a "
         "planted pickle or a decompression bomb is refused (exit 1) as a load would refuse it. "
@@ -295,14 +290,14 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    _require_root(args.root)
+    require_root(args.root)
     root = Root(args.root, options)
     backend = open_backend(root)
     name = resolve_name(backend, catalog.latest_named(root, args.name, strict=True))
     manifest = open_committed(backend, name).manifest
     total = sum(record.size for record in manifest.files)
     key = key_from_file(args.signing_key_file)
-    with _progress(out) as progress:
+    with _progress(out, hidden=args.json) as progress:
         task = progress.add_task(f"{'deep' if args.deep else 'quick'} {name}", total=total)
         report = verify_checkpoint(
             root,
@@ -312,6 +307,24 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
             signing_key=key,
             allow_pickle=args.allow_pickle,
         )
+    if args.json:
+        emit_json(
+            out,
+            {
+                "name": name,
+                "ok": True,
+                "deep": args.deep,
+                "format": manifest.data_format or "dcp",
+                "files_checked": report.files_checked,
+                "items_checked": report.items_checked,
+                "objects_checked": report.objects_checked,
+                "bytes_read": report.bytes_read,
+                "signature_checked": key is not None or _env_key_set(),
+                "pickle_checked": args.deep and not args.allow_pickle,
+                "seconds": report.seconds,
+            },
+        )
+        return EXIT_OK
     if not args.deep:
         how = "marker, manifest and file sizes"
     elif manifest.data_format is not None:  # another library's files: no DCP items to decode
@@ -327,135 +340,28 @@ def _verify(args: argparse.Namespace, options: dict[str, Any] | None, out: Conso
     return EXIT_OK
 
 
-def _progress(out: Console) -> Progress:
+def _env_key_set() -> bool:
+    return bool(os.environ.get("DCP_SAFE_SIGNING_KEY"))
+
+
+def _progress(out: Console, *, hidden: bool = False) -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         console=out,
-        disable=not out.is_terminal,
+        disable=hidden or not out.is_terminal,
     )
-
-
-# ----------------------------------------------------------------------------------- inspect
-
-
-def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("inspect", parents=[common], help="tensors and objects in a checkpoint")
-    p.add_argument("root", help="checkpoint root")
-    p.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(run=_inspect)
-
-
-def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    _require_root(args.root)
-    reader = SafeStorageReader(root := Root(args.root, options))
-    reader.reset(catalog.latest_named(root, args.name))
-    metadata = reader.read_metadata()
-    name = reader.checkpoint_id or args.name
-    stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)
-    entries = [
-        _entry(fqn, meta, stored.get(fqn, 0)) for fqn, meta in metadata.state_dict_metadata.items()
-    ]
-    entries.sort(key=lambda e: e["fqn"])
-    totals = {
-        "entries": len(entries),
-        "tensors": sum(1 for e in entries if e["kind"] == "tensor"),
-        "bytes": sum(e["bytes"] for e in entries),
-        "stored_bytes": sum(e["stored_bytes"] for e in entries),
-    }
-    if args.json:
-        out.print_json(
-            json.dumps({"name": name, "entries": entries, "totals": totals}), ensure_ascii=True
-        )
-        return EXIT_OK
-    table = Table(title=Text(f"{name} under {shown(args.root)}"))  # text, not markup
-    for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
-        right = column in ("bytes", "stored", "shards")
-        table.add_column(column, justify="right" if right else "left", overflow="fold")
-    for e in entries:
-        shape = "-" if e["shape"] is None else "x".join(map(str, e["shape"])) or "()"
-        table.add_row(
-            Text(shown(e["fqn"])),  # .metadata's keys: storage's text ("w[/b]" is no markup)
-            shape,
-            e["dtype"],
-            _size(e["bytes"]),
-            _size(e["stored_bytes"]),
-            str(e["shards"]),
-        )
-    out.print(table)
-    out.print(
-        f"{totals['entries']} entries ({totals['tensors']} tensors): {_size(totals['bytes'])}"
-        f" of tensor data, {_size(totals['stored_bytes'])} stored",
-        highlight=False,
-    )
-    return EXIT_OK
-
-
-def _stored_bytes(items: Sequence[Any]) -> dict[str, int]:
-    stored: dict[str, int] = {}
-    for item in items:
-        stored[item.fqn] = stored.get(item.fqn, 0) + item.length
-    return stored
-
-
-def _entry(fqn: str, meta: Any, stored: int) -> dict[str, Any]:
-    chunks = getattr(meta, "chunks", None)
-    if chunks is None:  # BytesStorageMetadata: a pickled object
-        return {
-            "fqn": fqn,
-            "kind": "object",
-            "shape": None,
-            "dtype": "object",
-            "bytes": 0,
-            "stored_bytes": stored,
-            "shards": 1,
-        }
-    dtype = meta.properties.dtype
-    numel = 1
-    for dim in meta.size:
-        numel *= dim
-    element = dtype.itemsize if hasattr(dtype, "itemsize") else 0
-    return {
-        "fqn": fqn,
-        "kind": "tensor",
-        "shape": list(meta.size),
-        "dtype": str(dtype).removeprefix("torch."),
-        "bytes": numel * element,
-        "stored_bytes": stored,
-        "shards": len(chunks),
-    }
-
-
-# ------------------------------------------------------------------------------------ export
-
-
-def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "export",
-        parents=[common],
-        help="write a checkpoint as safetensors or one torch file",
-        description=export_command.DESCRIPTION,
-    )
-    export_command.add_arguments(p)
-    p.set_defaults(run=_export)
-
-
-def _export(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    _require_root(args.root)
-    for line in export_command.run(args, Root(args.root, options)).summary():
-        out.print(line, markup=False, highlight=False)
-    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------- gc
 
 
 def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
+    p = add_subcommand(
+        sub,
         "gc",
-        parents=[common],
+        common,
         help="apply retention and remove abandoned partial saves",
         description="Keeps the --keep newest checkpoints (plus the safety rules of "
         "dcp_safe.retention.policy.decide) and removes leftovers of failed saves older than "
@@ -491,7 +397,7 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    _require_root(args.root)
+    require_root(args.root)
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1, got {args.keep}")
     report = apply_retention(
@@ -502,9 +408,24 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         allow_bucket_root=args.allow_bucket_root,
         signing_key=key_from_file(args.signing_key_file),
     )
+    if args.json:
+        emit_json(out, _gc_json(report))
+        return EXIT_OK
     for line in _gc_lines(report, args.grace_s):
         out.print(line, markup=False, highlight=False)  # names from storage: no markup
     return EXIT_OK
+
+
+def _gc_json(report: RetentionReport) -> dict[str, Any]:
+    return {
+        "dry_run": report.dry_run,
+        "kept": list(report.kept),
+        "removed": list(report.dropped),
+        "not_counted": list(report.not_counted),
+        "partials_removed": list(report.sweep.removed),
+        "partials_too_recent": list(report.sweep.too_recent),
+        "uploads_aborted": list(report.sweep.aborted_uploads),
+    }
 
 
 def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
@@ -528,10 +449,10 @@ def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
 # -------------------------------------------------------------------------------------- demo
 
 
-def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_demo(sub: Any, storage: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "demo",
-        parents=[common],
+        parents=[storage],
         help="train a small model with async checkpoints to local disk + S3, then restore",
     )
     p.add_argument("--root", help="local checkpoint root (default: a new temporary directory)")
@@ -568,7 +489,7 @@ def _bench(argv: list[str]) -> int:
     try:
         from dcp_safe.bench import quick
     except ImportError as exc:
-        raise _Unavailable(
+        raise Unavailable(
             f"the benchmark (dcp_safe.bench.quick) is not available in this installation: {exc}"
         ) from None
     try:
@@ -578,19 +499,17 @@ def _bench(argv: list[str]) -> int:
     return status
 
 
-# ------------------------------------------------------------------------------------ format
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def _when(timestamp: float) -> str:
-    moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
+# The data subcommands, in the order ``--help`` lists them (export, demo and bench follow).
+_COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
+    _add_ls,
+    _add_verify,
+    cli_tensors.add_inspect,
+    _add_gc,
+    cli_manifests.add_history,
+    cli_manifests.add_show,
+    cli_manifests.add_diff,
+    cli_manifests.add_replicate,
+]
 
 
 if __name__ == "__main__":  # pragma: no cover

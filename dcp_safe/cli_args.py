@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -105,3 +106,18 @@ def key_from_file(path: str | None) -> str | bytes | None:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:
         return data
+
+
+def require_root(root: str) -> None:
+    """A local root that does not exist is a typo, not an empty root.
+
+    Raises:
+        FileNotFoundError: no such directory (exit status 3, "not found").
+    """
+    if "://" in root and not root.startswith("file://"):
+        return
+    path = root.removeprefix("file://")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"no such directory: {path}; give the checkpoint root (a directory)"
+        )

@@ -42,7 +42,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("staging", "telemetry"),
     ("worker",),
     ("manager", "exporting", "api_types", "torch_checkpointing"),
-    ("cli", "cli_args", "demo", "bench", "testing"),
+    (
+        "cli",
+        "cli_args",
+        "cli_manifests",
+        "cli_output",
+        "cli_tensors",
+        "demo",
+        "bench",
+        "testing",
+    ),
 ]
 FOUNDATION = set(LAYERS[0])
 # Leaves: used by the layers above, they depend on nothing but the foundation (they report
@@ -285,7 +294,8 @@ def _storage_names(source: str) -> set[str]:
 
 def _strings(source: str) -> list[tuple[int, str]]:
     """Every string constant in ``source`` with its line, the constant parts of f-strings
-    included; docstrings (they describe) and ``__all__`` (it names Python objects) left out."""
+    included; docstrings (they describe), ``__all__`` and the package root's ``_LAZY`` (they
+    name Python objects and modules) left out."""
     tree = ast.parse(source)
     skipped: set[int] = set()
     for node in ast.walk(tree):
@@ -295,7 +305,7 @@ def _strings(source: str) -> list[tuple[int, str]]:
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 skipped.add(id(first.value))
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            isinstance(t, ast.Name) and t.id in ("__all__", "_LAZY") for t in node.targets
         ):
             skipped |= {id(n) for n in ast.walk(node.value)}
     return [

@@ -24,7 +24,7 @@ import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from dcp_safe.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, main
 from dcp_safe.testing.s3 import LocalS3
 from dcp_safe.topology import Root
 
@@ -114,11 +114,11 @@ def test_ls_table_leaves_out_an_abandoned_partial_save(
     assert "step_0009" not in out
 
 
-def test_ls_of_a_missing_root_is_a_usage_error(
+def test_ls_of_a_missing_root_is_not_found(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, _, err = _run(capsys, "ls", str(tmp_path / "nope"))
-    assert status == EXIT_USAGE
+    assert status == EXIT_NOT_FOUND
     assert "no such directory" in err and "Traceback" not in err
 
 
@@ -230,21 +230,21 @@ def test_verify_quick_catches_a_truncated_shard(
 
 
 @pytest.mark.parametrize(
-    ("argv", "says"),
+    ("argv", "says", "code"),
     [
-        (["verify", "{root}", "step_0042"], "dcp-safe ls"),
-        (["verify", "{root}", "../escape"], "invalid checkpoint name"),
-        (["verify", "{root}/missing"], "no such directory"),
-        (["verify"], "required"),
-        (["verify", "{root}", "--storage-options", "{{not json"], "not valid JSON"),
-        (["verify", "{root}", "--storage-options", "[1]"], "JSON object"),
+        (["verify", "{root}", "step_0042"], "dcp-safe ls", EXIT_NOT_FOUND),
+        (["verify", "{root}", "../escape"], "invalid checkpoint name", EXIT_USAGE),
+        (["verify", "{root}/missing"], "no such directory", EXIT_NOT_FOUND),
+        (["verify"], "required", EXIT_USAGE),
+        (["verify", "{root}", "--storage-options", "{{not json"], "not valid JSON", EXIT_USAGE),
+        (["verify", "{root}", "--storage-options", "[1]"], "JSON object", EXIT_USAGE),
     ],
 )
-def test_verify_usage_errors_exit_two_and_say_what_to_do(
-    root: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+def test_verify_usage_and_lookup_errors_exit_with_their_code_and_say_what_to_do(
+    root: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str, code: int
 ) -> None:
     status, _, err = _run(capsys, *(a.format(root=root) for a in argv))
-    assert status == EXIT_USAGE
+    assert status == code
     assert says in err and "Traceback" not in err
 
 
@@ -291,7 +291,7 @@ def test_verify_of_an_empty_root_says_nothing_is_committed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, _, err = _run(capsys, "verify", str(tmp_path))
-    assert status == EXIT_USAGE
+    assert status == EXIT_NOT_FOUND
     assert "no committed checkpoint" in err
 
 
@@ -359,11 +359,11 @@ def test_inspect_reads_a_checkpoint_on_s3(
     assert {e["fqn"] for e in json.loads(out)["entries"]} >= {"f32", "bf16", "i64"}
 
 
-def test_inspect_unknown_checkpoint_is_a_usage_error(
+def test_inspect_unknown_checkpoint_is_not_found(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, _, err = _run(capsys, "inspect", str(root), "step_0099")
-    assert status == EXIT_USAGE and "step_0099" in err
+    assert status == EXIT_NOT_FOUND and "step_0099" in err
 
 
 # ------------------------------------------------------------------------------------ gc

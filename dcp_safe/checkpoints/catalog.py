@@ -27,7 +27,6 @@ from dcp_safe.checkpoints.committed import (
     recency,
     resolve_name,
 )
-from dcp_safe.checkpoints.items import check_loadable
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
@@ -237,6 +236,9 @@ def verify_opened(
     if deep:
         _verify_rank_manifests(backend, name, manifest)
         if manifest.data_format is None:  # DCP's items; other formats are their files' bytes
+            # Here, not at the top: listing (``dcp-safe ls``) must not pay for torch's import.
+            from dcp_safe.checkpoints.items import check_loadable
+
             objects = check_loadable(backend, name, manifest, allow_pickle=allow_pickle)
     return VerifyReport(
         name=name,

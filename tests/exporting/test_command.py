@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions, layout
-from dcp_safe.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from dcp_safe.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, main
 
 pytestmark = pytest.mark.subprocess
 
@@ -149,13 +149,13 @@ def test_bad_options_are_one_line_usage_errors(
     assert not dest.exists()
 
 
-def test_a_missing_root_or_checkpoint_is_a_usage_error(
+def test_a_missing_root_or_checkpoint_is_not_found(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, _, err = _run(capsys, "export", str(tmp_path / "nope"), "latest", str(tmp_path / "o"))
-    assert status == EXIT_USAGE and "no such directory" in err
+    assert status == EXIT_NOT_FOUND and "no such directory" in err
     status, _, err = _run(capsys, "export", str(root), "step_0404", str(tmp_path / "o"))
-    assert status == EXIT_USAGE
+    assert status == EXIT_NOT_FOUND
     _one_line_error(err)
 
 

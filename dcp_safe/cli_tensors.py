@@ -1,0 +1,155 @@
+"""``dcp-safe inspect`` and ``export``: the verbs that decode DCP's metadata and tensors.
+
+Both need torch, so both import what needs it when they run (``export``'s arguments, whose
+choices come from the export module, only when ``export`` is the verb): the other verbs start
+without torch (docs/cli.md, "Startup").
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dcp_safe import layout
+from dcp_safe.checkpoints import catalog
+from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.cli_args import require_root
+from dcp_safe.cli_output import EXIT_OK, add_subcommand, emit_json, size_text
+from dcp_safe.topology import Root
+from dcp_safe.untrusted import shown
+
+# ----------------------------------------------------------------------------------- inspect
+
+
+def add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_subcommand(sub, "inspect", common, help="tensors and objects in a checkpoint")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
+    p.set_defaults(run=_inspect)
+
+
+def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    from dcp_safe.adapters.reader import SafeStorageReader  # torch: only for this verb
+
+    require_root(args.root)
+    reader = SafeStorageReader(root := Root(args.root, options))
+    reader.reset(catalog.latest_named(root, args.name))
+    metadata = reader.read_metadata()
+    name = reader.checkpoint_id or args.name
+    stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)
+    entries = [
+        _entry(fqn, meta, stored.get(fqn, 0)) for fqn, meta in metadata.state_dict_metadata.items()
+    ]
+    entries.sort(key=lambda e: e["fqn"])
+    totals = {
+        "entries": len(entries),
+        "tensors": sum(1 for e in entries if e["kind"] == "tensor"),
+        "bytes": sum(e["bytes"] for e in entries),
+        "stored_bytes": sum(e["stored_bytes"] for e in entries),
+    }
+    if args.json:
+        emit_json(out, {"name": name, "entries": entries, "totals": totals})
+        return EXIT_OK
+    table = Table(title=Text(f"{name} under {shown(args.root)}"))  # text, not markup
+    for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
+        right = column in ("bytes", "stored", "shards")
+        table.add_column(column, justify="right" if right else "left", overflow="fold")
+    for e in entries:
+        shape = "-" if e["shape"] is None else "x".join(map(str, e["shape"])) or "()"
+        table.add_row(
+            Text(shown(e["fqn"])),  # .metadata's keys: storage's text ("w[/b]" is no markup)
+            shape,
+            e["dtype"],
+            size_text(e["bytes"]),
+            size_text(e["stored_bytes"]),
+            str(e["shards"]),
+        )
+    out.print(table)
+    out.print(
+        f"{totals['entries']} entries ({totals['tensors']} tensors): {size_text(totals['bytes'])}"
+        f" of tensor data, {size_text(totals['stored_bytes'])} stored",
+        highlight=False,
+    )
+    return EXIT_OK
+
+
+def _stored_bytes(items: Sequence[Any]) -> dict[str, int]:
+    stored: dict[str, int] = {}
+    for item in items:
+        stored[item.fqn] = stored.get(item.fqn, 0) + item.length
+    return stored
+
+
+def _entry(fqn: str, meta: Any, stored: int) -> dict[str, Any]:
+    chunks = getattr(meta, "chunks", None)
+    if chunks is None:  # BytesStorageMetadata: a pickled object
+        return {
+            "fqn": fqn,
+            "kind": "object",
+            "shape": None,
+            "dtype": "object",
+            "bytes": 0,
+            "stored_bytes": stored,
+            "shards": 1,
+        }
+    dtype = meta.properties.dtype
+    numel = 1
+    for dim in meta.size:
+        numel *= dim
+    element = dtype.itemsize if hasattr(dtype, "itemsize") else 0
+    return {
+        "fqn": fqn,
+        "kind": "tensor",
+        "shape": list(meta.size),
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": numel * element,
+        "stored_bytes": stored,
+        "shards": len(chunks),
+    }
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+def add_export(sub: Any, common: argparse.ArgumentParser, *, full: bool) -> None:
+    help_line = "write a checkpoint as safetensors or one torch file"
+    if not full:  # listed in the help; its arguments (and torch) only when it runs
+        add_subcommand(sub, "export", common, help=help_line, add_help=False)
+        return
+    from dcp_safe.exporting import command as export_command
+
+    p = add_subcommand(
+        sub, "export", common, help=help_line, description=export_command.DESCRIPTION
+    )
+    export_command.add_arguments(p)
+    p.set_defaults(run=_export)
+
+
+def _export(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    from dcp_safe.exporting import command as export_command
+
+    require_root(args.root)
+    result = export_command.run(args, Root(args.root, options))
+    if args.json:
+        emit_json(
+            out,
+            {
+                "name": result.checkpoint,
+                "dest": result.dest,
+                "format": result.format.value,
+                "files": list(result.files),
+                "tensors": result.tensors,
+                "tensor_bytes": result.tensor_bytes,
+                "objects": result.objects,
+                "skipped": dict(result.skipped),
+            },
+        )
+        return EXIT_OK
+    for line in result.summary():
+        out.print(line, markup=False, highlight=False)
+    return EXIT_OK
