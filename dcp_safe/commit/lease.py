@@ -2,7 +2,7 @@
 taking over a lease that a crashed or fenced writer left behind.
 
 The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
-is a save's (never shared); :func:`join_or_acquire_lease` is replication's.
+is a save's (never shared), and replication's with ``join=True``.
 
 Takeover: :meth:`Claimant.why_take_over` decides, :func:`_take_over_exclusive` takes the one
 ``_WRITING`` over, :func:`_clear_leftovers` empties the name before any rank writes. When, how,
@@ -102,7 +102,7 @@ class Claimant:
             return None
         if self.stale_after_s is None:
             return None
-        idle = quiet.idle_s()
+        idle = None if quiet.changed is None else time.time() - quiet.changed
         if idle is not None and idle >= self.stale_after_s:
             return f"{holder}: nothing under the name changed for {idle:.0f} s"
         if quiet.before(self.attempt):
@@ -334,10 +334,6 @@ class Quiet:
     def changed(self) -> float | None:
         return last_change(self.backend, self.name, time.time())
 
-    def idle_s(self) -> float | None:
-        """How long nothing under the name has changed (None: unknown)."""
-        return None if self.changed is None else time.time() - self.changed
-
     def before(self, attempt: Attempt) -> bool:
         """Whether nothing under the name changed since ``attempt`` started under this root.
 
@@ -368,20 +364,27 @@ def acquire_lease(
     backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED, *, join: bool = False
 ) -> bool:
     """Take the name for this save (rank 0, before any rank writes); with ``join``, or share
-    the lease this same save already holds (:func:`join_or_acquire_lease`).
+    the lease this same save already holds: replication's, where ``save_id`` is the
+    checkpoint's own (docs/architecture.md, "The writing lease").
 
     Args:
         claimant: what the lease records, and which lease in the way it may take over
             (above). Default: an unfenced save, which takes none over.
 
     Returns:
-        True when it joined a lease already there (only with ``join``).
+        True when it joined a lease already there (only with ``join``; its taker, or the
+        sweeper, removes it); False when it took the name itself.
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
             and its lease may not be taken over.
     """
     _refuse_if_committed(backend, name)
+    if backend.exists(f"{name}/{layout.TRASH_MARKER}"):  # its files would mix with this save's
+        raise CheckpointExistsError(
+            backend.full_path(name),
+            "in the trash: restore it (dcp-safe gc --restore) or let trash_grace_s delete it",
+        )
     if backend.supports_exclusive_create:
         return _acquire_exclusive(backend, name, save_id, claimant, join=join)
     own = layout.lease_file_name(save_id)
@@ -481,24 +484,6 @@ def _kept(own: str, taken: set[str]) -> Callable[[str], bool]:
     return lambda rel: (
         rel == own or ("/" not in rel and layout.is_lease_file(rel) and rel not in taken)
     )
-
-
-def join_or_acquire_lease(
-    backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED
-) -> bool:
-    """Take the name for save ``save_id``, or share the lease that same save already holds.
-
-    For replication only, where ``save_id`` is the checkpoint's own (docs/architecture.md, "The
-    writing lease"); otherwise as :func:`acquire_lease`.
-
-    Returns:
-        True when it joined a lease already there (its taker, or the sweeper, removes it);
-        False when it took the name itself.
-
-    Raises:
-        CheckpointExistsError: as :func:`acquire_lease`.
-    """
-    return acquire_lease(backend, name, save_id, claimant, join=True)
 
 
 def holds_lease(backend: Backend, name: str, save_id: str) -> bool:

@@ -6,7 +6,6 @@ remote tier".
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
@@ -18,10 +17,10 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.commit.fencing import register_attempt
 from dcp_safe.commit.lease import (
     Claimant,
+    acquire_lease,
     check_lease,
     held_by_another,
     holds_lease,
-    join_or_acquire_lease,
     own_lease_file,
     release_lease,
 )
@@ -75,7 +74,7 @@ def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None
 
 
 @dataclass(eq=False)
-class ReplicaPublication(abc.ABC):
+class ReplicaPublication:
     """The replica of checkpoint ``name`` (``manifest``, whose digest is ``digest``) on
     ``remote``, written under ``work_dir``.
 
@@ -110,7 +109,6 @@ class ReplicaPublication(abc.ABC):
 
     def check(self) -> None:
         """Raise ``StaleWriterError`` if this replica lost its claim on the name."""
-        return None
 
     def held(self) -> bool | None:
         """For a rank waiting for the publisher's claim: True once it is held, False when the
@@ -153,9 +151,10 @@ class ReplicaPublication(abc.ABC):
     def _failed(self, uploaded: Sequence[str]) -> None:
         self.abandon(uploaded)
 
-    @abc.abstractmethod
     def abandon(self, uploaded: Sequence[str]) -> None:
-        """The publisher's clean-up after a failure; best effort, never raising."""
+        """The publisher's clean-up after a failure; best effort, never raising. This default
+        removes ``uploaded``, as :meth:`remove_part` does."""
+        _remove_uploads(self.remote, self.name, uploaded)
 
     def remove_part(self, uploaded: Sequence[str]) -> None:
         """Another rank's clean-up after its failure: its own uploads, unless another save
@@ -164,7 +163,6 @@ class ReplicaPublication(abc.ABC):
 
     def release(self) -> None:
         """After the commit: give up the claim. Never raises (the replica is whole)."""
-        return None
 
 
 class RenamedReplica(ReplicaPublication):
@@ -178,9 +176,6 @@ class RenamedReplica(ReplicaPublication):
 
     def release(self) -> None:
         self._failed(())  # absent once published (a no-op then); present if another published
-
-    def abandon(self, uploaded: Sequence[str]) -> None:
-        _remove_uploads(self.remote, self.name, uploaded)
 
 
 class LeasedReplica(ReplicaPublication):
@@ -203,7 +198,9 @@ class LeasedReplica(ReplicaPublication):
         if self.claimant.attempt is not None:  # its start, for a relaunch's takeover rule
             register_attempt(self.remote, self.claimant.attempt)
         try:
-            self.joined = join_or_acquire_lease(self.remote, self.name, self.save_id, self.claimant)
+            self.joined = acquire_lease(
+                self.remote, self.name, self.save_id, self.claimant, join=True
+            )
         except CheckpointExistsError:
             if committed_with(self.remote, self.name, self.digest):
                 return False

@@ -20,7 +20,6 @@ from dcp_safe.commit.lease import (
     check_lease,
     held_by_another,
     holds_lease,
-    join_or_acquire_lease,
     release_lease,
 )
 from dcp_safe.commit.strategy import strategy_for
@@ -227,12 +226,12 @@ def _lease_of(backend: Backend, save_id: str) -> str:
 def test_a_lease_of_the_same_save_is_joined_and_one_of_another_is_refused(
     either: Backend,
 ) -> None:
-    assert join_or_acquire_lease(either, "step_1", "mine") is False  # taken
-    assert join_or_acquire_lease(either, "step_1", "mine") is True  # joined
+    assert acquire_lease(either, "step_1", "mine", join=True) is False  # taken
+    assert acquire_lease(either, "step_1", "mine", join=True) is True  # joined
     assert holds_lease(either, "step_1", "mine")
     assert not held_by_another(either, "step_1", "mine")
     with pytest.raises(CheckpointExistsError, match="mine"):
-        join_or_acquire_lease(either, "step_1", "other")
+        acquire_lease(either, "step_1", "other", join=True)
     assert held_by_another(either, "step_1", "other")
     assert either.list_dir("step_1") == [_lease_of(either, "mine")]
 
@@ -241,17 +240,17 @@ def test_a_local_save_never_joins_an_exclusive_lease_even_of_its_own_save_id(roo
     """(A local save's id is fresh for each save, so with per-save leases the same key cannot
     already be there; only the exclusive lease could be mistaken for its own.)"""
     backend = open_backend(root)
-    join_or_acquire_lease(backend, "step_1", "mine")
+    acquire_lease(backend, "step_1", "mine", join=True)
     with pytest.raises(CheckpointExistsError):
         acquire_lease(backend, "step_1", "mine")
     assert backend.list_dir("step_1") == [layout.WRITING_LEASE]
 
 
 def test_a_committed_name_is_refused_to_a_joiner_too(either: Backend) -> None:
-    join_or_acquire_lease(either, "step_1", "mine")
+    acquire_lease(either, "step_1", "mine", join=True)
     either.write_bytes(f"step_1/{layout.COMMITTED_MARKER}", b"digest")
     with pytest.raises(CheckpointExistsError):
-        join_or_acquire_lease(either, "step_1", "mine")
+        acquire_lease(either, "step_1", "mine", join=True)
     assert sorted(either.list_dir("step_1")) == sorted(
         [layout.COMMITTED_MARKER, _lease_of(either, "mine")]  # the co-holder's, left alone
     )
@@ -265,7 +264,7 @@ def test_a_per_save_lease_beside_another_saves_is_not_joined_nor_removed(
     for save_id in ("mine", "other"):
         per_save.write_bytes(f"step_1/{layout.lease_file_name(save_id)}", b"{}")
     with pytest.raises(CheckpointExistsError, match="other"):
-        join_or_acquire_lease(per_save, "step_1", "mine")
+        acquire_lease(per_save, "step_1", "mine", join=True)
     assert per_save.list_dir("step_1") == sorted(
         layout.lease_file_name(save_id) for save_id in ("mine", "other")
     )
