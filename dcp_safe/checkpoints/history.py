@@ -15,6 +15,11 @@ Event schema (every line; keys sorted; absent optional fields are left out)::
     reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption;
                       on "lease_taken_over": whose lease it was, and why it could be taken)
     validated  bool   optional: on "committed": verification passed
+    source     str    optional: on "restored" from a warm start or ``restore(source=)``: the
+                      URL it came from (shortened)
+    source_digest str optional: with ``source``, for Hugging Face weights: "sha256:<hex>" of
+                      their index and each file's name, size and header (what pins every
+                      tensor's name, dtype, shape and place; dcp_safe.reading.safetensors_import)
 
 Local roots append; other roots rewrite, since object stores have no append (the history stays
 small). A rewrite is read-modify-write, so only the manager owning the root may record, and a
@@ -180,7 +185,13 @@ class History:
 
 
 # Optional fields and their types (the module docstring's schema).
-_OPTIONAL: dict[str, type] = {"tier": str, "reason": str, "validated": bool}
+_OPTIONAL: dict[str, type] = {
+    "tier": str,
+    "reason": str,
+    "validated": bool,
+    "source": str,
+    "source_digest": str,
+}
 
 
 def _event(raw: object) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from dcp_safe.checkpoints.history import HISTORY_FILE
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.manager import CheckpointManager
 from dcp_safe.manager.options import Bounds, Resume, Retention, Runtime, SavePolicy
+from dcp_safe.reading.safetensors_import import SafetensorsSource
 
 __all__ = [
     "HISTORY_FILE",
@@ -18,6 +19,7 @@ __all__ = [
     "Runtime",
     "SaveHandle",
     "SavePolicy",
+    "SafetensorsSource",
     "StagingMode",
     "Validation",
 ]

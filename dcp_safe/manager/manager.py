@@ -63,6 +63,7 @@ from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers, WarmStart
+from dcp_safe.reading.safetensors_import import SafetensorsReader, SafetensorsSource
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
 from dcp_safe.worker.parent import SaveWorker
@@ -207,9 +208,9 @@ class CheckpointManager:
         )
         self._warm_start = None
         if resume.initial_load_from is not None:  # read with this run's root's options
-            url = os.fspath(resume.initial_load_from)
-            source = dataclasses.replace(self.topology.commit, url=url)
-            self._warm_start = WarmStart(source, resume.initial_load_keys)
+            self._warm_start = WarmStart.of(
+                resume.initial_load_from, self.topology.commit, resume.initial_load_keys
+            )
         # A listing on shared storage: never bounded tighter than a collective.
         self._resolve_s = max(wait_s, self.deadline_s)
         # The reader of the latest restore; with node_local, its stats() say which files came
@@ -306,11 +307,12 @@ class CheckpointManager:
         exclude: Sequence[str] = (),
         allow_partial: bool = False,
         audit: bool = False,
+        source: str | os.PathLike[str] | SafetensorsSource | None = None,
     ) -> RestoreReport:
         """Load checkpoint ``step`` (or the newest) into ``state_dict``, in place.
 
         From the local root, then ``replicate_to`` (or the node cache, then ``root``); with
-        nothing committed there, ``initial_load_from``.
+        nothing committed there, ``initial_load_from``. With ``source``, from there instead.
 
         Args:
             keys: restore only these keys (or key prefixes, as DCP flattens the state dict).
@@ -318,6 +320,11 @@ class CheckpointManager:
             allow_partial: keys the checkpoint lacks are left as they are, not an error.
             audit: check after the load that the live tensors equal what was saved (block
                 fingerprints recorded at save; RestoreMismatchError names key, block, rank).
+            source: load this instead, as ``initial_load_from`` names one: another run's root
+                or ``ROOT/NAME``, or Hugging Face weights (a
+                :class:`~dcp_safe.manager.SafetensorsSource`, a model folder,
+                ``model.safetensors[.index.json]``; docs/resume.md). Its URL and, for
+                safetensors, its digest go to the history's ``restored`` event.
 
         Returns:
             The name loaded (a ``str``) with what was restored, skipped, missing, not asked for.
@@ -332,8 +339,14 @@ class CheckpointManager:
         """
         wanted = step if step == layout.LATEST else self._name_for(int(step))
         own = self._tiers.reader()
+        given = None if source is None else WarmStart.of(source, self.topology.commit)
+        if given is not None and step != layout.LATEST:
+            raise ConfigError("restore(source=) takes no step: name a checkpoint as ROOT/NAME")
+        warm = given or self._warm_start
 
         def resolve() -> tuple[str | None, str]:
+            if given is not None:
+                return given.resolve(self._tiers.signing_key)
             try:
                 own.reset(wanted)
                 return None, str(own.checkpoint_id)
@@ -345,19 +358,22 @@ class CheckpointManager:
 
         number = -1 if step == layout.LATEST else int(step)
         with self._preemption_deferred():
-            source, name = self._agreement.settle("restore", number, resolve, self._resolve_s)
-            reader, where, tier = own, "this run", "local"
-            if source is not None:
-                assert self._warm_start is not None
-                reader = SafeStorageReader(
-                    dataclasses.replace(self._warm_start.source, url=source),
+            url, name = self._agreement.settle("restore", number, resolve, self._resolve_s)
+            reader: SafeStorageReader | SafetensorsReader = own
+            where, tier = "this run", "local"
+            if url is not None:
+                assert warm is not None
+                reader = warm.reader(
+                    url,
                     load_budget_bytes=self._tiers.load_budget_bytes,
                     signing_key=self._tiers.signing_key,
                 )
                 # The URL as given (credentials travel in options, never in it), shortened.
-                where, tier = f"warm start from {source[:300]}", "initial"
-                keys = keys if keys is not None else self._warm_start.keys
-            self.last_reader = reader
+                url = url[:300]
+                where = f"{'warm start' if given is None else 'source'} from {url}"
+                tier = "initial"
+                keys = keys if keys is not None else warm.keys
+            self.last_reader = reader if isinstance(reader, SafeStorageReader) else None
             planner = SafeLoadPlanner(
                 per_rank=self._runner.per_rank,
                 keys=keys,
@@ -366,7 +382,7 @@ class CheckpointManager:
                 name=name,
             )
             with (
-                self._tiers.reading(name if source is None else None),
+                self._tiers.reading(name if url is None else None),
                 self._runner.collectives(FOREGROUND) as collectives,
             ):
                 api.load(
@@ -378,7 +394,11 @@ class CheckpointManager:
                     **collectives,
                 )
         report = planner.report
-        self._ledger.record("restored", (None, name), tier=tier, reason=_reason(where, report))
+        digest = reader.digest if isinstance(reader, SafetensorsReader) else None
+        reason = _reason(where, report)
+        self._ledger.record(
+            "restored", (None, name), tier=tier, reason=reason, source=url, source_digest=digest
+        )
         return report
 
     def rollback(self, state_dict: dict[str, Any]) -> int:

@@ -29,6 +29,7 @@ from dcp_safe.coordination.worker_group import store_address
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.manager.handles import BusyPolicy, StagingMode, Validation
+from dcp_safe.reading.safetensors_import import SafetensorsSource
 from dcp_safe.retention.policy import KeepEvery, KeepLast, RetentionPolicy, combine
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
@@ -168,7 +169,9 @@ class Resume:
             with :class:`~dcp_safe.errors.DivergentStateError` (docs/resume.md).
         initial_load_from: another run's root (its newest committed checkpoint) or
             ``ROOT/NAME``: what :meth:`~dcp_safe.CheckpointManager.restore` loads while this
-            manager's roots hold no committed checkpoint (a warm start).
+            manager's roots hold no committed checkpoint (a warm start). Or Hugging Face
+            weights: a :class:`~dcp_safe.manager.SafetensorsSource`, or the path of a model
+            folder or of its ``model.safetensors[.index.json]`` (docs/resume.md).
         initial_load_keys: restore only these keys of the warm start.
         keep_in_memory: keep the last committed step's staged copy in host memory, inside the
             stager's envelope (which must hold two copies of the state), for ``rollback()``.
@@ -177,7 +180,7 @@ class Resume:
     """
 
     per_rank: tuple[str, ...] = ()
-    initial_load_from: str | os.PathLike[str] | None = None
+    initial_load_from: str | os.PathLike[str] | SafetensorsSource | None = None
     initial_load_keys: tuple[str, ...] | None = None
     keep_in_memory: bool = False
     attempt: int | None = None
@@ -188,7 +191,9 @@ class Resume:
         _set(self, "per_rank", tuple(self.per_rank))
         if self.initial_load_keys is not None:
             _set(self, "initial_load_keys", tuple(self.initial_load_keys))
-        if self.initial_load_from is not None:
+        if self.initial_load_from is not None and not isinstance(
+            self.initial_load_from, SafetensorsSource
+        ):
             _set(self, "initial_load_from", os.fspath(self.initial_load_from))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
@@ -41,6 +42,13 @@ from dcp_safe.errors import (
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.options import Retention
 from dcp_safe.manager.peer_tier import PeerTier
+from dcp_safe.reading.safetensors_import import (
+    NameMap,
+    SafetensorsReader,
+    SafetensorsSource,
+    is_safetensors_file,
+    locate,
+)
 from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials
 from dcp_safe.topology import Root
@@ -216,26 +224,64 @@ class Tiers:
 
 @dataclass(frozen=True)
 class WarmStart:
-    """Another run's checkpoints to start from when the manager's own roots hold none.
+    """Another run's checkpoints (or Hugging Face weights) to start from when the manager's
+    own roots hold none, or to restore from when ``restore(source=)`` names them.
 
     Attributes:
         source: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint),
-            with its fsspec options.
+            or a safetensors file or model folder, with its fsspec options.
         keys: restore only these key prefixes (``None``: every key the state dict asks for).
+        name_map: a safetensors source's (:class:`~dcp_safe.manager.SafetensorsSource`).
+        safetensors: read as safetensors whatever it holds; else so only where ``source``
+            names such a file or a folder holding one.
     """
 
     source: Root
     keys: tuple[str, ...] | None = None
+    name_map: NameMap | None = None
+    safetensors: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        value: str | os.PathLike[str] | SafetensorsSource,
+        commit: Root,
+        keys: tuple[str, ...] | None = None,
+    ) -> WarmStart:
+        """``value`` read with the storage options of ``commit`` unless it brings its own."""
+        if not isinstance(value, SafetensorsSource):
+            return cls(dataclasses.replace(commit, url=os.fspath(value)), keys)
+        given = value.storage_options
+        root = Root(str(value.url), commit.storage_options if given is None else given)
+        return cls(root, keys, value.name_map, safetensors=True)
+
+    def reader(
+        self, url: str, *, load_budget_bytes: int | None, signing_key: bytes | None
+    ) -> SafeStorageReader | SafetensorsReader:
+        """The reader of ``url``, which :meth:`resolve` gave."""
+        source = dataclasses.replace(self.source, url=url)
+        if is_safetensors_file(url):
+            return SafetensorsReader(source, self.name_map)
+        return SafeStorageReader(
+            source, load_budget_bytes=load_budget_bytes, signing_key=signing_key
+        )
 
     def resolve(self, signing_key: bytes | None) -> tuple[str, str]:
         """``(root, name)`` of the checkpoint to start from: with ``signing_key`` (the
-        manager's), only one it signed counts, as for the manager's own checkpoints.
+        manager's), only one it signed counts, as for the manager's own checkpoints. For
+        safetensors, ``(the file or index to read, its name)``: not signed, whatever the key
+        (the user named it; its digest goes to the history).
 
         Raises:
+            CheckpointNotFoundError: a :class:`~dcp_safe.manager.SafetensorsSource` folder holds no
+                ``model.safetensors[.index.json]``.
             SignatureError: with a key, ``source`` holds committed checkpoints, none signed
                 with it (``UnsignedCheckpointError``: the one named is not signed at all).
             CheckpointNotFoundError: ``source`` holds no committed checkpoint.
         """
+        file = locate(self.source, required=self.safetensors)
+        if file is not None:
+            return file, posixpath.basename(file)
         refused: dict[str, CheckpointCorruptError] = {}
 
         def listed(url: str) -> list[str]:
