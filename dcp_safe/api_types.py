@@ -22,7 +22,7 @@ from dcp_safe.reading.sources import NodeCacheStats
 from dcp_safe.retention.apply import RetentionReport
 from dcp_safe.retention.policy import RetentionPolicy
 from dcp_safe.retention.sweeper import SweepReport
-from dcp_safe.staging.generation import StagedStateDict
+from dcp_safe.staging.plan import StagedStateDict
 
 __all__ = [
     "Backend",

@@ -21,7 +21,7 @@ class Generation:
     """The host memory one checkpoint generation holds at its peak (planning arithmetic only).
 
     The stager's own record of an admitted save is
-    :class:`~dcp_safe.staging.generation.InFlightGeneration`, a different thing.
+    :class:`~dcp_safe.staging.plan.InFlightGeneration`, a different thing.
 
     ``buffer_bytes`` are the serialization, compression and writer buffers held while it is
     written.

@@ -43,10 +43,15 @@ from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, Sn
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, StagerObserver
 from dcp_safe.staging._tree import Layout, rebuild, scan
 from dcp_safe.staging.budget import Admission, MemoryBudget
-from dcp_safe.staging.generation import InFlightGeneration, StagedStateDict, copy_sources
 from dcp_safe.staging.guard import SnapshotGuard, current_rank
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
-from dcp_safe.staging.plan import PlanCache, StagingPlan
+from dcp_safe.staging.plan import (
+    InFlightGeneration,
+    PlanCache,
+    StagedStateDict,
+    StagingPlan,
+    copy_sources,
+)
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from dcp_safe.errors import SnapshotMutatedError
 from dcp_safe.staging import BudgetedStager, MemoryBudget, StagerOptions
 from dcp_safe.staging._tree import scan
-from dcp_safe.staging.generation import holds_its_bytes
+from dcp_safe.staging.plan import holds_its_bytes
 from dcp_safe.staging.pool import BufferPool
 from dcp_safe.testing.staging import hold_staging
 
