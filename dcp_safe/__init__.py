@@ -23,7 +23,7 @@ from dcp_safe.errors import (
 from dcp_safe.version import __version__
 
 if TYPE_CHECKING:  # the same names, for type checkers; at run time __getattr__ imports them
-    from dcp_safe.adapters.api import async_save, load, save
+    from dcp_safe.adapters.api import async_save, load, save, translate_errors
     from dcp_safe.adapters.node_local import NodeLocalOptions, NodeLocalWriter
     from dcp_safe.adapters.options import WriterOptions
     from dcp_safe.adapters.planners import SafeLoadPlanner, SafeSavePlanner
@@ -47,6 +47,7 @@ _LAZY = {
     "async_save": "dcp_safe.adapters.api",
     "load": "dcp_safe.adapters.api",
     "save": "dcp_safe.adapters.api",
+    "translate_errors": "dcp_safe.adapters.api",
     "NodeLocalOptions": "dcp_safe.adapters.node_local",
     "NodeLocalWriter": "dcp_safe.adapters.node_local",
     "WriterOptions": "dcp_safe.adapters.options",
@@ -103,6 +104,7 @@ __all__ = [
     "save",
     "load",
     "async_save",
+    "translate_errors",
     "checkpoint_group",
     # what is on storage
     "list_checkpoints",

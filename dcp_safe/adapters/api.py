@@ -149,6 +149,30 @@ def _calling(call: _Call, kwargs: dict[str, Any]) -> Iterator[None]:
             raise error from exc
 
 
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Plain ``dcp.save``, ``dcp.async_save`` (its futures' ``result()`` too) and ``dcp.load``,
+    raising dcp_safe's errors as :func:`save`, :func:`async_save` and :func:`load` do.
+
+    DCP wraps whatever a rank's writer, reader or planner raises in its ``CheckpointException``
+    (a ``BaseException`` whose message starts ``CheckpointException ranks:``), and none of its
+    arguments changes that. In this block one is replaced, with ``raise ... from``, by the same
+    translation those calls make: the error the ranks raised (a missing bucket or a full disk:
+    ``StorageError``, its message first), else a ``CommitError`` (a save) or ``LoadError`` (a
+    load) naming each rank. Anything else passes unchanged::
+
+        with dcp_safe.translate_errors():
+            dcp.save(state, checkpoint_id="step_1", storage_writer=SafeStorageWriter(root))
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        # DCP names the failed step ("plan", "write", "read"), not the call: its frames do.
+        frames = [frame.filename for _, trace in exc.failures.values() for frame in trace or ()]
+        loading = any(name.endswith("state_dict_loader.py") for name in frames)
+        raise _Call(operation="load" if loading else "save").translate(exc) from exc
+
+
 def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
     deadline_s = validate_deadline(deadline_s)

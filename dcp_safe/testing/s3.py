@@ -14,13 +14,16 @@ Needs the test extra (``moto[server]``, ``boto3``).
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LocalS3", "local_s3", "start_local_s3"]
+__all__ = ["LocalS3", "local_s3", "start_local_s3", "use_local_s3"]
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
@@ -114,3 +117,24 @@ def local_s3() -> Iterator[LocalS3]:
         yield s3
     finally:
         s3.stop()
+
+
+def use_local_s3(*buckets: str) -> LocalS3:
+    """Start a local S3 (moto, ``127.0.0.1``, a free port) with ``buckets``, and point this
+    process's ``AWS_*`` variables at it (endpoint, region, dummy credentials): the docs' S3
+    examples start with it, so ``s3://bucket/...`` works in them as it does with a real endpoint
+    and credentials in the environment. Processes started afterwards inherit the variables. The
+    server stops when the interpreter exits (or on ``stop()``); its request log stays quiet.
+    """
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    s3 = start_local_s3()
+    atexit.register(s3.stop)
+    for bucket in buckets:
+        s3.create_bucket(bucket)
+    os.environ.update(
+        AWS_ENDPOINT_URL=s3.endpoint_url,
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION=REGION,
+    )
+    return s3
