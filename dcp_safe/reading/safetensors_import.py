@@ -1,31 +1,25 @@
 """Import Hugging Face weights: a DCP ``StorageReader`` over safetensors files.
 
 A source is a model folder (holding ``model.safetensors.index.json`` or ``model.safetensors``),
-or either file, local or any fsspec URL. DCP's own planner reshards it onto the live state
-(DTensor, FSDP2): the files are described to it as one chunk per tensor, and each rank reads
-only the rows its request covers.
+or either file, local or any fsspec URL. Each tensor is one chunk to DCP's own load planner,
+which reshards it onto the live state (DTensor, FSDP2); each rank reads only its rows.
 
-Why not DCP's ``HuggingFaceStorageReader``: it opens files with the ``safetensors`` library's
-memory map (local paths only), lists every ``*.safetensors`` of the folder rather than
-following the index, reads an unknown dtype as the default dtype, and trusts the header's
-offsets. Here every file's header is parsed (8 bytes little-endian length, then JSON) and
-checked before any tensor is read, on every rank: each tensor's dtype is known, its
-``data_offsets`` span exactly ``dtype x shape`` bytes, the tensors tile the data section from
-its start with no gap or overlap, and the file ends where the last tensor does. A file that
-ends inside a tensor (truncated) is refused with
-:class:`~dcp_safe.errors.CheckpointCorruptError` naming the file and that tensor; an index
-must list exactly the tensors its files hold.
+Why not DCP's ``HuggingFaceStorageReader``: it memory-maps local files only, lists the folder
+rather than following the index, reads an unknown dtype as the default one and trusts the
+header. Here each header (8 bytes little-endian length, then JSON) is checked on every rank
+before a byte of data is read: known dtypes, ``data_offsets`` spanning exactly dtype x shape,
+tensors tiling the data section with no gap or overlap up to the file's end, an index that
+lists exactly the tensors its files hold. Anything else, a truncated file included, is a
+:class:`~dcp_safe.errors.CheckpointCorruptError` naming the file and the tensor.
 
-The source's digest (:attr:`SafetensorsReader.digest`, recorded in the history) is sha256 over
-the index (if any), then each file's name, size and header bytes. safetensors files carry no
-checksums, and hashing every tensor byte would read the whole model on one rank, where each
-rank reads only its shard: the header pins each tensor's name, dtype, shape and place, and the
-sizes pin the rest. The Hub's own per-file sha256 is there to compare the data against.
+:attr:`SafetensorsReader.digest` (recorded in the history) is sha256 of the index (if any),
+then each file's name, size and header: safetensors carries no checksums, and hashing every
+byte would read the whole model on one rank where each reads only its share. The header pins
+each tensor's name, dtype, shape and place; the sizes pin the rest.
 
-Memory: a read holds at most :data:`PIECE_BYTES` beyond its target (whole rows of dim 0, then
-narrowed), and a header at most :data:`MAX_HEADER_BYTES` (the ``safetensors`` library's limit).
-Local files are opened through fsspec, following links: the Hub's cache links each file of a
-snapshot to its blob.
+Memory: a read holds at most :data:`PIECE_BYTES` beyond its target, a header at most
+:data:`MAX_HEADER_BYTES` (the ``safetensors`` library's limit). Local files are opened through
+fsspec, following links: the Hub's cache links each file of a snapshot to its blob.
 """
 
 from __future__ import annotations
@@ -182,7 +176,6 @@ class SafetensorsReader(StorageReader):
     def __init__(self, source: Root, name_map: NameMap | None = None) -> None:
         super().__init__()
         folder, self._entry = posixpath.split(source.url.rstrip("/"))
-        self.url = source.url
         self._backend = _backend(Root(folder or ".", source.storage_options))
         self._name_map = name_map
         self._places: dict[MetadataIndex, _Place] = {}
