@@ -44,6 +44,9 @@ MIN_PART_BYTES = 5 * 2**20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's largest part number
 DEFAULT_PARTS_IN_FLIGHT = 4
 _DEFAULT_BLOCK = 50 * 2**20  # s3fs's default_block_size
+# Named on every request, so that the server checks each part.
+_CHECKSUM = {"ChecksumAlgorithm": "CRC32"}
+_CHECKSUM_FIELD = "ChecksumCRC32"
 # s3fs's per-file transfer concurrency option, read as this writer's parts in flight.
 _CONCURRENCY_OPTION = "max_concurrency"
 
@@ -147,7 +150,6 @@ class S3MultipartWriter:
         path: ``bucket/key``.
         block_size: bytes per part (:func:`block_size_of`); every part but the last is exactly
             this size.
-        checksum_algorithm: named on every request (``None``: none named).
         parts_in_flight: the most parts being sent at once, as :func:`parts_in_flight_of`
             checked it.
 
@@ -160,7 +162,6 @@ class S3MultipartWriter:
         fs: Any,
         path: str,
         block_size: int,
-        checksum_algorithm: str | None = "CRC32",
         *,
         parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
     ) -> None:
@@ -168,8 +169,6 @@ class S3MultipartWriter:
         self._fs = fs
         self.bucket, self.key, _ = fs.split_path(path)
         self.block_size = block_size
-        self.checksum_algorithm = checksum_algorithm
-        self._checksum = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
         self._buf = bytearray()  # the block filling; grows until the first part is sent
         self._free: list[bytearray] = []  # blocks whose part is sent, for reuse
         self._fill = 0  # bytes of the current block holding data
@@ -229,7 +228,7 @@ class S3MultipartWriter:
             if self._upload_id is None:
                 body = self._last_block()
                 self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-                self._call("put_object", Body=_BlockBody(body), **self._checksum)
+                self._call("put_object", Body=_BlockBody(body), **_CHECKSUM)
             else:
                 if self._fill:
                     self._send_block()
@@ -283,7 +282,7 @@ class S3MultipartWriter:
     def _send_block(self) -> None:
         """Hand the current block to a part thread once one is free; fill a free block next."""
         if self._upload_id is None:
-            out = self._call("create_multipart_upload", **self._checksum)
+            out = self._call("create_multipart_upload", **_CHECKSUM)
             self._upload_id = str(out["UploadId"])
         number = len(self._parts) + 1
         if number > MAX_PARTS:
@@ -316,7 +315,7 @@ class S3MultipartWriter:
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=view,
-                    **self._checksum,
+                    **_CHECKSUM,
                 )
         except StorageError:
             raise
@@ -325,9 +324,8 @@ class S3MultipartWriter:
                 "write", f"s3://{self.bucket}/{self.key}", f"part {number}: {exc}"
             ) from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
-        field = f"Checksum{self.checksum_algorithm}"
-        if self.checksum_algorithm and field in out:
-            part[field] = out[field]
+        if _CHECKSUM_FIELD in out:
+            part[_CHECKSUM_FIELD] = out[_CHECKSUM_FIELD]
         return part
 
     def _release(self) -> None:

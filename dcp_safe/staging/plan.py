@@ -118,9 +118,8 @@ class PlanCache:
     Not thread-safe: the stager calls it with its condition held.
     """
 
-    def __init__(self, pool: BufferPool, max_plans: int = _MAX_PLANS) -> None:
+    def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
-        self._max = max_plans
         self._plans: OrderedDict[tuple[Any, ...], StagingPlan] = OrderedDict()
         self._tokens = itertools.count(1)
         self.builds = self.hits = 0
@@ -159,7 +158,7 @@ class PlanCache:
         else:
             plan = self._plans[layout.key] = StagingPlan(layout, self._pool, next(self._tokens))
             self.builds += 1
-            if len(self._plans) > self._max:
+            if len(self._plans) > _MAX_PLANS:
                 self._plans.popitem(last=False)  # its pooled views go when the pool needs them
         self._latest = plan
         return plan
