@@ -26,12 +26,9 @@ import io
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-from rich.table import Table
-from rich.text import Text
 
 from dcp_safe import cli_manifests, cli_tensors, layout
 from dcp_safe.backends.roots import open_backend
@@ -59,14 +56,19 @@ from dcp_safe.cli_output import (
     fail_json,
     failure,
     library_warnings,
+    print_columns,
     size_text,
     when_text,
 )
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.retention.apply import RetentionReport, apply_retention
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
+
+if TYPE_CHECKING:  # imported where used: ``ls`` starts without them
+    from rich.progress import Progress
+
+    from dcp_safe.retention.apply import RetentionReport
 
 Run = Callable[[argparse.Namespace, dict[str, Any] | None, Console], int]
 
@@ -200,20 +202,23 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     if args.json:
         emit_json(out, [_info_json(info, where) for info, where in rows])
         return EXIT_OK
-    # Text, not markup: a root or a name ("step_1\n" passes the name rule's `$`) prints as is.
-    table = Table(title=Text(f"committed checkpoints under {shown(args.root)}"))
-    for column in ("name", "step", "tiers", "size", "created (UTC)", "world size"):
-        table.add_column(column, justify="left" if column in ("name", "tiers") else "right")
-    for info, where in rows:
-        table.add_row(
-            Text(shown(info.name)),
-            "-" if info.step is None else str(info.step),
-            ", ".join(where),
-            size_text(info.size_bytes),
-            when_text(info.created_at),
-            str(info.world_size),
-        )
-    out.print(table)
+    print_columns(
+        out,
+        f"committed checkpoints under {args.root}",
+        ("name", "step", "tiers", "size", "created (UTC)", "world size"),
+        [
+            (
+                info.name,
+                "-" if info.step is None else str(info.step),
+                ", ".join(where),
+                size_text(info.size_bytes),
+                when_text(info.created_at),
+                str(info.world_size),
+            )
+            for info, where in rows
+        ],
+        right={1, 3, 4, 5},
+    )
     if not rows:
         out.print("no committed checkpoints", highlight=False)
     return EXIT_OK
@@ -345,6 +350,8 @@ def _env_key_set() -> bool:
 
 
 def _progress(out: Console, *, hidden: bool = False) -> Progress:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -397,6 +404,8 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    from dcp_safe.retention.apply import apply_retention
+
     require_root(args.root)
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1, got {args.keep}")

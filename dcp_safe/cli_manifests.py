@@ -22,10 +22,17 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints import catalog
-from dcp_safe.checkpoints.committed import CommittedCheckpoint, open_committed
+from dcp_safe.checkpoints.committed import CommittedCheckpoint, open_committed, resolve_name
 from dcp_safe.checkpoints.history import History
 from dcp_safe.cli_args import require_root
-from dcp_safe.cli_output import EXIT_OK, add_subcommand, emit_json, size_text, when_text
+from dcp_safe.cli_output import (
+    EXIT_OK,
+    add_subcommand,
+    emit_json,
+    print_columns,
+    size_text,
+    when_text,
+)
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.manifest.signing import MAX_SIGNATURE_BYTES
 from dcp_safe.topology import Root
@@ -42,7 +49,7 @@ def _opened(
     require_root(args.root)
     root = Root(args.root, options)
     backend = open_backend(root)
-    return backend, open_committed(backend, catalog.latest_named(root, name))
+    return backend, open_committed(backend, resolve_name(backend, catalog.latest_named(root, name)))
 
 
 # ----------------------------------------------------------------------------------- history
@@ -78,19 +85,23 @@ def _history(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
     if args.json:
         emit_json(out, {"root": args.root, "events": events})
         return EXIT_OK
-    table = Table(title=Text(f"history of {shown(args.root)}"))
-    for column in ("time (UTC)", "event", "step", "name", "tier", "reason"):
-        table.add_column(column, overflow="fold")
-    for e in events:
-        table.add_row(
-            when_text(e["time"]),
-            e["event"],
-            "-" if e["step"] is None else str(e["step"]),
-            Text(shown(e["name"] or "-")),
-            e["tier"] or "-",
-            Text(shown(e["reason"] or "")),
-        )
-    out.print(table)
+    print_columns(
+        out,
+        f"history of {args.root}",
+        ("time (UTC)", "event", "step", "name", "tier", "reason"),
+        [
+            (
+                when_text(e["time"]),
+                e["event"],
+                "-" if e["step"] is None else str(e["step"]),
+                e["name"] or "-",
+                e["tier"] or "-",
+                e["reason"] or "",
+            )
+            for e in events
+        ],
+        right={2},
+    )
     if not events:
         out.print("no events recorded", highlight=False)
     return EXIT_OK

@@ -21,6 +21,7 @@ FACES = {
     "cli_args.py",
     "cli_manifests.py",
     "cli_output.py",
+    "cli_schemas.py",
     "cli_tensors.py",
 }
 

@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "cli_args",
         "cli_manifests",
         "cli_output",
+        "cli_schemas",
         "cli_tensors",
         "demo",
         "bench",
