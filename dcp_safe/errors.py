@@ -38,7 +38,8 @@ print; the attributes keep the text as it was.
 
 DCP reports failures as ``CheckpointException``, which derives from ``BaseException`` (so
 ``except Exception`` misses it). :func:`from_checkpoint_exception` maps it to this tree once,
-where it crosses dcp_safe's API, keeping the original as ``__cause__``.
+where it crosses dcp_safe's API (``dcp_safe.save`` / ``load``, and plain DCP's calls inside
+``dcp_safe.translate_errors()``), keeping the original as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ __all__ = [
     "MissingKeysError",
     "PeerCopyError",
     "PerRankStateError",
+    "PickledClassesError",
     "RestoreMismatchError",
     "RollbackUnavailableError",
     "StaleWriterError",
@@ -188,6 +190,17 @@ class UnsafeCheckpointError(CheckpointCorruptError):
             " pass allow_pickle=True",
             item=item,
         )
+
+
+class PickledClassesError(UnsafeCheckpointError):
+    """A checkpoint whose metadata or objects can be rebuilt only by importing and running
+    classes (``classes``, as ``module.name``): refused unless ``allow_pickle=True``."""
+
+    def __init__(self, path: str, classes: list[str] | tuple[str, ...]) -> None:
+        self.classes = tuple(classes)
+        shown_names = ", ".join(c[:120] for c in self.classes[:20])
+        more = f" and {len(self.classes) - 20} more" if len(self.classes) > 20 else ""
+        super().__init__(path, f"it needs pickled classes: {shown_names}{more}")
 
 
 class SignatureError(CheckpointCorruptError):
