@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the same names, for type checkers; at run time __getattr__ 
     from dcp_safe.adapters.reader import SafeStorageReader
     from dcp_safe.adapters.writer import SafeStorageWriter
     from dcp_safe.backends.retry import RetryPolicy
+    from dcp_safe.checkpoints.adopt import adopt
     from dcp_safe.checkpoints.catalog import list_checkpoints, verify_checkpoint
     from dcp_safe.coordination.group import checkpoint_group
     from dcp_safe.exporting import export
@@ -56,6 +57,7 @@ _LAZY = {
     "SafeStorageReader": "dcp_safe.adapters.reader",
     "SafeStorageWriter": "dcp_safe.adapters.writer",
     "RetryPolicy": "dcp_safe.backends.retry",
+    "adopt": "dcp_safe.checkpoints.adopt",
     "list_checkpoints": "dcp_safe.checkpoints.catalog",
     "verify_checkpoint": "dcp_safe.checkpoints.catalog",
     "checkpoint_group": "dcp_safe.coordination.group",
@@ -110,6 +112,7 @@ __all__ = [
     "list_checkpoints",
     "verify_checkpoint",
     "export",
+    "adopt",
     "apply_retention",
     "sweep_partials",
     # the errors a training loop catches (the rest: dcp_safe.errors)

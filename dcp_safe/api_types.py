@@ -12,6 +12,7 @@ from dcp_safe.adapters.broadcast import SentObjects
 from dcp_safe.adapters.options import Compression
 from dcp_safe.adapters.planners import RestoreReport
 from dcp_safe.backends.backend import Backend
+from dcp_safe.checkpoints.adopt import AdoptReport
 from dcp_safe.checkpoints.catalog import CheckpointInfo, VerifyReport
 from dcp_safe.manager.preemption import PreemptionHandler
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
@@ -25,6 +26,7 @@ from dcp_safe.retention.sweeper import SweepReport
 from dcp_safe.staging.plan import StagedStateDict
 
 __all__ = [
+    "AdoptReport",
     "Backend",
     "CheckpointInfo",
     "ChecksumAlgorithm",

@@ -14,6 +14,11 @@ from collections.abc import Iterable
 from dcp_safe.errors import ConfigError, InvalidCheckpointNameError
 
 COMMITTED_MARKER = "_COMMITTED"
+#: ``<name>/_TRASHED``: retention moved the checkpoint to the trash (dcp_safe.retention.trash);
+#: it holds the manifest's digest, and its age is the trash's clock.
+TRASH_MARKER = "_TRASHED"
+#: ``.<name>.trash-<save id>``: a trashed checkpoint on a root that renames.
+TRASH_INFIX = ".trash-"
 WRITING_LEASE = "_WRITING"
 MANIFEST = "manifest.json"
 SIGNATURE = "_SIGNATURE"  # signed checkpoints only: dcp_safe.manifest.signing
@@ -74,6 +79,7 @@ _MAX_NAME_LEN = 200
 _ALLOWED = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 _SAVE_ID = r"[0-9a-f]{32}"
 _PARTIAL = re.compile(rf"^\.(?P<name>.+){re.escape(PARTIAL_INFIX)}{_SAVE_ID}$")
+_TRASHED = re.compile(rf"^\.(?P<name>.+){re.escape(TRASH_INFIX)}{_SAVE_ID}$")
 _ID = r"[A-Za-z0-9_-]{1,64}"  # a save id as a file name may carry it
 _LEASE_ID = re.compile(rf"^{_ID}$")
 # What follows ``_ranks/`` in a rank's manifest and markers: its rank, in five digits or more.
@@ -161,6 +167,17 @@ def peer_restore_dir(token: str) -> str:
 def partial_dir_name(name: str, save_id: str) -> str:
     """The hidden directory a save works in on storage that can rename atomically."""
     return f".{name}{PARTIAL_INFIX}{save_id}"
+
+
+def trash_dir_name(name: str) -> str:
+    """A fresh hidden folder for checkpoint ``name`` in the trash (a root that renames)."""
+    return f".{name}{TRASH_INFIX}{new_save_id()}"
+
+
+def trashed_name(entry: str) -> str | None:
+    """The checkpoint name of a trash folder (:func:`trash_dir_name`), else ``None``."""
+    match = _TRASHED.match(entry)
+    return match["name"] if match is not None and is_valid_name(match["name"]) else None
 
 
 def is_partial_entry(entry: str) -> bool:
@@ -344,6 +361,15 @@ def per_rank_ranks(key: str, stored: Iterable[str]) -> set[int]:
 def shard_file_name(rank: int, index: int) -> str:
     """DCP's own shard naming (``__<rank>_<n>.distcp``), so torch's readers find nothing odd."""
     return f"__{rank}_{index}{SHARD_SUFFIX}"
+
+
+_SHARD = re.compile(rf"__(?P<rank>[0-9]{{1,7}})_[0-9]+{re.escape(SHARD_SUFFIX)}")
+
+
+def rank_of_shard(rel: str) -> int | None:
+    """The rank in a shard file's name (:func:`shard_file_name`), or ``None``."""
+    match = _SHARD.fullmatch(rel)
+    return None if match is None else int(match["rank"])
 
 
 _MEMBER_SEGMENT = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.=+-]*$")

@@ -28,6 +28,7 @@ from torch import serialization
 # extension (zstd as a transform descriptor in .metadata): public in behaviour, private in name.
 # No fallback: without them a zstd checkpoint could not be read by torch's readers.
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint._extension import ZStandard
 
@@ -56,6 +57,9 @@ from torch.storage import _dtype_to_storage_type_map
 
 __all__ = [
     "CURRENT_DCP_VERSION",
+    "DCP_LAYOUT",
+    "DCP_MEMORY_FORMAT",
+    "DCP_STORAGE_INFO",
     "StorageInfo",
     "ZStandard",
     "create_write_items",
@@ -256,6 +260,14 @@ TENSOR_REBUILDERS: dict[tuple[str, str], str] = {
 #: Where ``torch.save`` names storage classes in a persistent id (``torch.FloatStorage``,
 #: ``torch.storage.UntypedStorage``).
 STORAGE_MODULES = ("torch", "torch.storage")
+#: The private globals a stock ``.metadata`` pickle names, as ``module.name``: the storage map's
+#: entry, and what ``TensorProperties`` rebuilds its layout and memory format with. Adoption
+#: (:mod:`dcp_safe.checkpoints.adopt`) reads them as stand-ins and never calls them; a torch that
+#: pickles others makes adoption refuse, naming them.
+DCP_STORAGE_INFO, DCP_LAYOUT, DCP_MEMORY_FORMAT = (
+    f"{hook.__module__}.{hook.__qualname__}"
+    for hook in (StorageInfo, serialization._get_layout, dcp_metadata._MEM_FORMAT_ENCODING)
+)
 
 
 def storage_dtypes() -> dict[str, torch.dtype]:

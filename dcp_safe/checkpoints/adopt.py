@@ -1,0 +1,532 @@
+"""Adopting a stock DCP checkpoint (a folder torch's ``FileSystemWriter`` wrote, local or any
+fsspec URL) under a root as a committed checkpoint, running no code from it (docs/adopt.md).
+
+``.metadata`` is a pickle: :class:`_Shadows` unpickles it into stand-ins that record arguments
+and state, so no class's code runs (not even DCP's ``__setstate__``), and names every global;
+one it does not admit is refused (:class:`~dcp_safe.errors.PickledClassesError`, all named)
+unless ``allow_pickle``. :class:`_Walk` turns the stand-ins into the manifest's plain
+``dcp_metadata``, which the strict decoder of :mod:`dcp_safe.manifest.dcp_metadata` checks
+against the items DCP's ``storage_data`` names. Then every file must be whole (its items back
+to back, ending where it ends), every item is read once and checksummed (while copied), and
+every item decodes as a load decodes it (:func:`~dcp_safe.checkpoints.items.check_loadable`).
+What cannot be checked is in :data:`UNCHECKED`. Published by the usual commit: a publication's
+work folder, or (``copy=False``) the marker protocol on the source folder itself, whose files a
+failed adoption never removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+import posixpath
+import time
+from collections.abc import Callable, Sized
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from dcp_safe import layout
+from dcp_safe.backends.backend import Backend
+from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.item_pickles import ItemUnpickler
+from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR, check_loadable, decode_object
+from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
+from dcp_safe.commit.strategy import MarkerStrategy, Publication, strategy_for
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpSafeError,
+    PickledClassesError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
+from dcp_safe.manifest.dcp_metadata import FORMAT, VERSION, check_declared_sizes
+from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata as decode_plain
+from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
+from dcp_safe.manifest.schema import FileRecord, ItemKey, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.schema import manifest_digest as digest_of
+from dcp_safe.manifest.streams import HashingSink, WritableFile, read_verified, short_read
+from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
+from dcp_safe.topology import Root, RootLike, as_root
+from dcp_safe.torch_compat import DCP_LAYOUT, DCP_MEMORY_FORMAT, DCP_STORAGE_INFO
+from dcp_safe.version import __version__
+
+#: What adoption cannot check, as its report states it.
+UNCHECKED = (
+    "DCP stores no checksums: a byte changed inside a tensor's data before adoption, its size"
+    " unchanged, cannot be told from the value saved, and is adopted (and verifies) as it is",
+)
+_DCP = f"{Metadata.__module__}."
+_DCP_NAMES = "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata"
+_MORE_NAMES = "TensorProperties MetadataIndex StorageMeta"
+_PATHS = "pathlib.PosixPath pathlib.WindowsPath pathlib.PurePosixPath pathlib.PureWindowsPath"
+_ADMITTED = frozenset(
+    [_DCP + n for n in f"{_DCP_NAMES} {_MORE_NAMES}".split()]
+    + [DCP_STORAGE_INFO, DCP_LAYOUT, DCP_MEMORY_FORMAT, "torch.Size", *_PATHS.split()]
+)
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")  # DCP's encoding
+_ALGORITHM = ChecksumAlgorithm.XXH3_128
+_PENDING = f"{_ALGORITHM.value}:0"  # an item's checksum until its bytes are read
+_MAX_WORLD = 1 << 20
+
+
+@dataclass(frozen=True)
+class AdoptReport:
+    """What :func:`adopt` published and checked, and what it could not check (``unchecked``)."""
+
+    name: str
+    path: str
+    copied: bool
+    world_size: int
+    files: int
+    items: int
+    bytes_read: int
+    objects_checked: int
+    unchecked: tuple[str, ...] = UNCHECKED
+
+
+def adopt(
+    source: RootLike,
+    root: RootLike,
+    name: str | None = None,
+    *,
+    copy: bool = True,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> AdoptReport:
+    """Check the stock DCP checkpoint folder ``source`` and commit it under ``root`` as ``name``
+    (default: the folder's name), so that it lists, verifies and loads like any other.
+
+    Args:
+        source: the folder ``FileSystemWriter`` (or ``FsspecWriter``) wrote: a path or URL.
+        copy: copy its files under ``root``, streamed and checksummed on the way; ``False``:
+            adopt it where it is, ``root`` being its parent.
+        allow_pickle: adopt one whose metadata or objects need pickled classes (a source
+            trusted as code; its loads need ``allow_pickle=True`` too).
+        storage_options: fsspec options for both (else give each as a ``Root``).
+
+    Raises:
+        CheckpointNotFoundError: ``source`` holds no DCP metadata.
+        PickledClassesError: it needs pickled classes (all named), without ``allow_pickle``.
+        CheckpointCorruptError: a file is missing, truncated or padded, or an item is not what
+            the metadata declares (file, item and byte offsets named).
+        CheckpointExistsError: ``name`` is committed under ``root`` already.
+        ConfigError: ``copy=False`` where ``root`` is not the source's parent; a bad name.
+        StorageError: reading or writing failed; nothing is published.
+    """
+    src = as_root(source, storage_options)
+    parent, folder = _split(src.url)
+    name = layout.validate_name(folder if name is None else name)
+    dest = open_backend(root, storage_options)
+    here = open_backend(Root(parent, src.storage_options)) if copy else dest
+    in_parent = _split(f"{as_root(root, storage_options).url}/{folder}")[0] == parent
+    if not copy and not (in_parent and name == folder):
+        raise ConfigError(
+            f"adopting in place (copy=False) publishes the folder where it is: root must be its"
+            f" parent ({parent}) and the name its own ({folder}); or copy it"
+        )
+    meta_path = here.full_path(f"{folder}/{layout.DCP_METADATA}")
+    try:
+        raw = here.read_small(f"{folder}/{layout.DCP_METADATA}", MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(meta_path, "not a DCP checkpoint folder") from None
+    plain, items = _decode(raw, meta_path, allow_pickle=allow_pickle)
+    sizes = here.sizes(folder)
+    by_file = _check_tiling(items, sizes, lambda f: here.full_path(f"{folder}/{f}"))
+    save_id, created_at = layout.new_save_id(), here.modified_at(folder) or time.time()
+    pending = _manifests(name, save_id, by_file, raw, plain, created_at)[0]
+    check_declared_sizes(decode_plain(plain, pending, meta_path), meta_path)
+    publication = (strategy_for(dest) if copy else MarkerStrategy()).publication(
+        dest, name, save_id
+    )
+    publication.claim()
+    work, written = publication.work_dir, list[str]()
+    try:
+        sums = _read_items(here, folder, dest if copy else None, work, by_file, written)
+        by_file = {
+            f: [dataclasses.replace(i, checksum=sums[i.key]) for i in g] for f, g in by_file.items()
+        }
+        manifest, control = _manifests(name, save_id, by_file, raw, plain, created_at)
+        objects = _check_items(here, folder, manifest, allow_pickle=allow_pickle)
+        if not copy:
+            del control[layout.DCP_METADATA]  # the source's own, as read and recorded above
+        control[layout.MANIFEST] = manifest.to_json()
+        dest.makedirs(f"{work}/{layout.RANKS_DIR}")
+        written += [f"{work}/{rel}" for rel in control]
+        marker = digest_of(control[layout.MANIFEST]).encode()
+        publication.publish(marker, files=control, sync_dirs=(layout.RANKS_DIR,))
+    except BaseException as exc:
+        _abandon(publication, dest, written, copy=copy, cause=exc)
+        raise
+    return AdoptReport(
+        name=name,
+        path=dest.full_path(name),
+        copied=copy,
+        world_size=manifest.world_size,
+        files=len(manifest.files),
+        items=len(manifest.items),
+        bytes_read=sum(sizes[f] for f in by_file) + len(raw),
+        objects_checked=objects,
+    )
+
+
+def _split(url: str) -> tuple[str, str]:
+    """A folder's parent and name (a local path made absolute)."""
+    parent, folder = posixpath.split((url if "://" in url else os.path.abspath(url)).rstrip("/"))
+    if not folder or parent.endswith(":") or parent.endswith(":/"):
+        raise ConfigError(f"adopt a checkpoint folder, not a bucket or a file system: {url}")
+    return parent, folder
+
+
+def _abandon(
+    publication: Publication, dest: Backend, written: list[str], *, copy: bool, cause: BaseException
+) -> None:
+    """After a failed adoption: a copy is discarded as a failed save is; in place, only what
+    this adoption wrote beside the source's files goes, then its lease."""
+    if copy:
+        publication.discard(cause)
+        return
+    with contextlib.suppress(OSError, DcpSafeError):  # best effort, as a failed save's is
+        if not dest.exists(f"{publication.name}/{layout.COMMITTED_MARKER}"):
+            for rel in written:
+                dest.remove_file(rel)
+            dest.remove_empty_dir(f"{publication.name}/{layout.RANKS_DIR}")
+            publication.release()
+
+
+# ---------------------------------------------------------------------------- the metadata
+
+
+class _Stand:
+    """What a pickle made of a global: its arguments and its state; nothing of the class runs."""
+
+    __slots__ = ("args", "state")
+    args: tuple[Any, ...]
+    state: Any
+    qualname = ""
+
+    def __new__(cls, *args: object) -> _Stand:
+        made = object.__new__(cls)
+        made.args, made.state = args, None
+        return made
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _Shadows(pickle.Unpickler):
+    """Unpickles into stand-ins, a fresh class per global and load (``BUILD`` reaches nothing
+    shared), noting every global named; a persistent id (an item's storage) is None."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__(io.BytesIO(data))
+        self.stands: dict[tuple[str, str], type[_Stand]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if (module, name) not in self.stands:
+            fields = {"__slots__": (), "qualname": f"{module}.{name}"}
+            self.stands[module, name] = type(name, (_Stand,), fields)
+        return self.stands[module, name]
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+    def refused(self) -> list[str]:
+        return sorted({c.qualname for c in self.stands.values()} - _ADMITTED)
+
+
+def _decode(raw: bytes, path: str, *, allow_pickle: bool) -> tuple[Any, list[ItemRecord]]:
+    """The plain form of ``.metadata`` and the items its ``storage_data`` names. With
+    ``allow_pickle``, globals not admitted are let be: the walk reads none of them."""
+    shadows = _Shadows(raw)
+    try:
+        top = shadows.load()
+        if shadows.refused() and not allow_pickle:
+            raise PickledClassesError(path, shadows.refused())
+        return _Walk(len(raw)).metadata(top)
+    except DcpSafeError:
+        raise
+    except Exception as exc:  # whatever a malformed pickle makes the unpickler or the walk raise
+        raise CheckpointCorruptError(
+            path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+
+
+_Sized = TypeVar("_Sized", bound=Sized)
+
+
+class _Walk:
+    """Stand-ins to plain values (the decoder checks their types); each element counted against
+    the pickle's size, since lists shared under many keys would make a naive walk endless."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def take(self, values: _Sized) -> _Sized:
+        self.left -= len(values)
+        if self.left < 0:
+            raise ValueError("more elements than its bytes hold (shared lists)")
+        return values
+
+    @staticmethod
+    def of(value: object, qualname: str) -> _Stand:
+        if not isinstance(value, _Stand) or type(value).qualname != qualname:
+            raise ValueError(f"{qualname.rpartition('.')[2]} expected, not {type(value).__name__}")
+        return value
+
+    def fields(self, value: object, qualname: str) -> dict[str, Any]:
+        state = self.of(value, qualname).state
+        if not isinstance(state, dict | None):
+            raise ValueError(f"{qualname.rpartition('.')[2]} whose state is not a dict")
+        return self.take(state or {})
+
+    def dims(self, value: object) -> list[Any]:
+        if isinstance(value, _Stand) and type(value).qualname == "torch.Size":
+            value = value.args[0] if value.args else ()
+        if not isinstance(value, tuple):
+            raise ValueError("a size that is not a torch.Size")
+        return list(self.take(value))
+
+    def metadata(self, top: object) -> tuple[dict[str, Any], list[ItemRecord]]:
+        body = self.fields(top, _DCP + "Metadata")
+        entries, paths = body["state_dict_metadata"], body.get("planner_data") or {}
+        if not isinstance(paths, dict) or not all(isinstance(p, tuple) for p in paths.values()):
+            raise ValueError("planner data that is not DCP's flatten paths (a custom planner's)")
+        plain = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dcp_version": body.get("version"),
+            "entries": [[key, self.entry(value)] for key, value in self.take(entries).items()],
+            "planner_data": {
+                "paths": [[k, list(self.take(p))] for k, p in paths.items()],
+                "audit": None,
+            },
+        }
+        storage = self.take(body["storage_data"])
+        return plain, [self.item(index, info) for index, info in storage.items()]
+
+    def entry(self, value: object) -> dict[str, Any] | None:
+        if isinstance(value, _Stand) and type(value).qualname == _DCP + "BytesStorageMetadata":
+            return None
+        body = self.fields(value, _DCP + "TensorStorageMetadata")
+        properties = self.of(body["properties"], _DCP + "TensorProperties").state
+        dtype, layout_, grad, memory, pin = properties
+        chunks = [self.fields(c, _DCP + "ChunkStorageMetadata") for c in self.take(body["chunks"])]
+        return {  # a stand-in is named as no dtype or layout is: the decoder refuses it
+            "dtype": str(dtype).removeprefix("torch."),
+            "layout": str(self.of(layout_, DCP_LAYOUT).args[0]).removeprefix("torch."),
+            "memory_format": _MEMORY_FORMATS[self.of(memory, DCP_MEMORY_FORMAT).args[0]],
+            "requires_grad": grad,
+            "pin_memory": pin,
+            "size": self.dims(body["size"]),
+            "chunks": [[self.dims(c["offsets"]), self.dims(c["sizes"])] for c in chunks],
+        }
+
+    def item(self, index: object, info: object) -> ItemRecord:
+        """An item's record, its checksum pending (``ItemRecord`` checks every field)."""
+        where, at = self.fields(index, _DCP + "MetadataIndex"), self.fields(info, DCP_STORAGE_INFO)
+        offset = where.get("offset")
+        return ItemRecord(
+            fqn=where["fqn"],
+            offset=None if offset is None else tuple(self.dims(offset)),
+            file=at["relative_path"],
+            start=at["offset"],
+            length=at["length"],
+            checksum=_PENDING,
+            transforms=tuple(at.get("transform_descriptors") or ()),
+        )
+
+
+# ---------------------------------------------------------------------------- the files
+
+
+def _check_tiling(
+    items: list[ItemRecord], sizes: dict[str, int], where: Callable[[str], str]
+) -> dict[str, list[ItemRecord]]:
+    """Each file's items in order: back to back, ending where the file ends, as
+    ``FileSystemWriter`` writes them; no item named twice."""
+    by_file: dict[str, list[ItemRecord]] = {}
+    if len({item.key for item in items}) != len(items):
+        raise CheckpointCorruptError(where(layout.DCP_METADATA), "an item is named twice")
+    for item in sorted(items, key=lambda i: (i.start, i.length)):
+        by_file.setdefault(item.file, []).append(item)
+    for file, group in by_file.items():
+        if file not in sizes:
+            raise CheckpointCorruptError(where(file), "file is missing", item=group[0].describe())
+        end = 0
+        for item in group:
+            if item.start != end:
+                raise CheckpointCorruptError(
+                    where(file),
+                    f"{'a gap' if item.start > end else 'an overlap'} before the item at bytes"
+                    f" {item.start}..{item.start + item.length}",
+                    item=item.describe(),
+                )
+            end += item.length
+        if sizes[file] != end:
+            raise CheckpointCorruptError(
+                where(file),
+                f"{'truncated' if sizes[file] < end else 'longer than its items'}: DCP's"
+                f" metadata puts its last item at bytes {group[-1].start}..{end}",
+                item=group[-1].describe(),
+                expected=end,
+                actual=sizes[file],
+            )
+    return by_file
+
+
+class _Nowhere:
+    """The target of an adoption in place: bytes are hashed, not written."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        return len(data)
+
+    def tell(self) -> int:
+        return 0
+
+
+def _read_items(
+    here: Backend,
+    folder: str,
+    dest: Backend | None,
+    work: str,
+    by_file: dict[str, list[ItemRecord]],
+    written: list[str],
+) -> dict[ItemKey, str]:
+    """Every item's checksum, from one read of each file (copied to ``dest`` on the way)."""
+    checksums = {}
+    if dest is not None:
+        dest.makedirs(work)
+    for file, items in by_file.items():
+        path = here.full_path(f"{folder}/{file}")
+        with contextlib.ExitStack() as stack:
+            reader = stack.enter_context(here.open_read(f"{folder}/{file}"))
+            target: WritableFile = _Nowhere()
+            if dest is not None:
+                written.append(f"{work}/{file}")
+                target = stack.enter_context(dest.open_write(f"{work}/{file}"))
+            sink = HashingSink(target, _ALGORITHM)
+            for item in items:
+                sink.expect(left := item.length)
+                while left:
+                    try:
+                        data = reader.read(min(DEFAULT_CHUNK_BYTES, left))
+                    except DcpSafeError:
+                        raise
+                    except OSError as exc:
+                        raise StorageError("read", path, exc) from exc
+                    if not data:
+                        raise short_read(path, item.describe(), item.length, item.length - left)
+                    left -= sink.write(data)
+                checksums[item.key] = sink.take_checksum()
+    return checksums
+
+
+def _manifests(
+    name: str,
+    save_id: str,
+    by_file: dict[str, list[ItemRecord]],
+    raw: bytes,
+    plain: dict[str, Any],
+    created_at: float,
+) -> tuple[Manifest, dict[str, bytes]]:
+    """The global manifest and the control files (``.metadata``, the rank manifests). A file
+    is rank R's when DCP named it ``__R_<n>.distcp``; any other, rank 0's."""
+    shards: dict[int, list[FileRecord]] = {}
+    for file, group in sorted(by_file.items()):
+        record = FileRecord(path=file, size=sum(i.length for i in group))
+        shards.setdefault(layout.rank_of_shard(file) or 0, []).append(record)
+    world_size = max(shards, default=0) + 1
+    if world_size > _MAX_WORLD:
+        raise CheckpointCorruptError(name, f"a shard file names rank {world_size - 1}")
+    control = {layout.DCP_METADATA: raw}
+    files = [FileRecord(path=layout.DCP_METADATA, size=len(raw), checksum=_digest(raw))]
+    items: list[ItemRecord] = []
+    for rank in range(world_size):
+        own = shards.get(rank, [])
+        mine = [i for f in own for i in by_file[f.path]]
+        rank_manifest = RankManifest(
+            name=name,
+            save_id=save_id,
+            rank=rank,
+            checksum_algorithm=_ALGORITHM.value,
+            files=tuple(own),
+            items=tuple(mine),
+        )
+        rel = layout.rank_manifest_name(rank)
+        control[rel] = data = rank_manifest.to_json()
+        files += [*own, FileRecord(path=rel, size=len(data), checksum=_digest(data))]
+        items += mine
+    manifest = Manifest(
+        name=name,
+        save_id=save_id,
+        world_size=world_size,
+        created_at=created_at,
+        checksum_algorithm=_ALGORITHM.value,
+        compression="zstd" if any(ZSTD_DESCRIPTOR in i.transforms for i in items) else "none",
+        files=tuple(files),
+        items=tuple(items),
+        dcp_safe_version=__version__,
+        torch_version=torch.__version__,
+        dcp_metadata=plain,
+    )
+    return manifest, control
+
+
+def _digest(data: bytes) -> str:
+    return digest_bytes(data, _ALGORITHM)
+
+
+# ---------------------------------------------------------------------------- the items
+
+
+def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pickle: bool) -> int:
+    """Every item decodes as a load decodes it; objects that need classes name them all."""
+    try:
+        return check_loadable(backend, folder, manifest, allow_pickle=allow_pickle)
+    except UnsafeCheckpointError as exc:
+        needed = sorted(_classes_needed(backend, folder, manifest))
+        if not needed:
+            raise
+        raise PickledClassesError(backend.full_path(folder), needed) from exc
+
+
+def _classes_needed(backend: Backend, folder: str, manifest: Manifest) -> set[str]:
+    """The globals a load's unpickler refuses, of the object items it refuses."""
+    needed: set[str] = set()
+    for item in (i for i in manifest.items if i.offset is None and not i.transforms):
+        path, label = backend.full_path(f"{folder}/{item.file}"), item.describe()
+        with backend.open_read(f"{folder}/{item.file}") as stream:
+            data = read_verified(
+                stream,
+                path=path,
+                item=label,
+                start=item.start,
+                length=item.length,
+                checksum=item.checksum,
+            )
+        with contextlib.suppress(UnsafeCheckpointError):
+            decode_object(data, path, label, materialize=False)
+            continue
+        archive = open_archive(MemorySource(data), path, label)
+        pickled = archive.read("data.pkl") or b""
+        shadows = _Shadows(pickled)
+        with contextlib.suppress(Exception):  # only the names are wanted, whatever else fails
+            shadows.load()
+        unpickler = ItemUnpickler(archive, pickled, path, label, plain_data=True)
+        for module, name in shadows.stands:
+            try:
+                unpickler.find_class(module, name)
+            except (UnsafeCheckpointError, pickle.UnpicklingError):
+                needed.add(f"{module}.{name}")
+    return needed
