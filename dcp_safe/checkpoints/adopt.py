@@ -127,8 +127,10 @@ def adopt(
     name = layout.validate_name(folder if name is None else name)
     dest = open_backend(root, storage_options)
     here = open_backend(Root(parent, src.storage_options)) if copy else dest
-    in_parent = _split(f"{as_root(root, storage_options).url}/{folder}")[0] == parent
-    if not copy and not (in_parent and name == folder):
+    itself = _split(f"{as_root(root, storage_options).url}/{folder}")[0] == parent
+    if copy and itself and name == folder:
+        raise ConfigError(f"{src.url} is {name} under that root: adopt it in place (copy=False)")
+    if not copy and not (itself and name == folder):
         raise ConfigError(
             f"adopting in place (copy=False) publishes the folder where it is: root must be its"
             f" parent ({parent}) and the name its own ({folder}); or copy it"

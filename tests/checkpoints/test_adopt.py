@@ -183,6 +183,9 @@ def test_in_place_adoption_keeps_the_files_where_they_are(tmp_path: Path) -> Non
         dcp_safe.adopt(source, tmp_path / "elsewhere", copy=False)
     with pytest.raises(ConfigError, match="parent"):
         dcp_safe.adopt(source, tmp_path / "run", "step_000200", copy=False)
+    with pytest.raises(ConfigError, match="in place"):  # a copy onto itself
+        dcp_safe.adopt(source, tmp_path / "run")
+    assert _snapshot(source) == before
 
     report = dcp_safe.adopt(source, tmp_path / "run", copy=False)
     assert (report.copied, report.path) == (False, str(source))
