@@ -256,6 +256,19 @@ def test_replicate_json_copies_commits_and_checks_at_dest(
     )
 
 
+@pytest.mark.s3
+def test_replicate_to_s3_then_both_tiers_list_it_and_show_reads_it_there(
+    root: Path, s3_root: str, s3_options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = ["--storage-options", json.dumps(s3_options)]
+    doc = _json(capsys, "replicate", str(root), "step_000000004", s3_root, *options, "--deep")
+    assert doc["dest"].startswith("s3://") and doc["verified"] == "deep"
+    rows = _json(capsys, "ls", str(root), "--remote", s3_root, *options)
+    assert {r["name"]: r["tiers"] for r in rows}["step_000000004"] == ["local", "remote"]
+    there = _json(capsys, "show", s3_root, "latest", *options)
+    assert there["digest"] == _json(capsys, "show", str(root), "step_000000004")["digest"]
+
+
 def test_replicate_refuses_a_dest_holding_the_name_with_another_checkpoint(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
