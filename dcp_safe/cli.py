@@ -25,7 +25,7 @@ import contextlib
 import io
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _usage_errors(out: Console, as_json: bool) -> Any:
+def _usage_errors(out: Console, as_json: bool) -> Iterator[None]:
     """With ``--json``, argparse's one-line error becomes the JSON error document."""
     if not as_json:
         yield
