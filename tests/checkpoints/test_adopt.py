@@ -16,12 +16,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, layout, list_checkpoints, verify_checkpoint
+from dcp_safe import Root, SafeStorageReader, layout, list_checkpoints, verify_checkpoint
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -29,6 +31,7 @@ from dcp_safe.errors import (
     ConfigError,
     PickledClassesError,
 )
+from dcp_safe.testing.s3_proxy import FaultProxy
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -217,3 +220,24 @@ def test_a_folder_without_dcp_metadata_is_not_found(tmp_path: Path) -> None:
     shutil.rmtree(source)
     with pytest.raises(CheckpointNotFoundError):
         dcp_safe.adopt(source, tmp_path / "root")
+
+
+@pytest.mark.s3
+def test_in_place_on_a_store_that_ignores_conditional_writes_commits_behind_a_lease(
+    tmp_path: Path, proxy: FaultProxy, s3_root: str
+) -> None:
+    """Where the marker cannot be created exclusively, the commit's per-save lease keeps a
+    second adopter out: one commit, no lease left, and the name is then taken."""
+    proxy.strip_header("If-None-Match", method="PUT")
+    options = proxy.storage_options()
+    root = Root(s3_root, options)
+    assert not open_backend(root).supports_exclusive_create
+    source = _stock(tmp_path / "ck")
+    fsspec.filesystem("s3", **options).put(str(source), f"{s3_root[5:]}/ck", recursive=True)
+    report = dcp_safe.adopt(Root(f"{s3_root}/ck", options), root, copy=False)
+    assert report.copied is False
+    assert [c.name for c in list_checkpoints(root)] == ["ck"]
+    verify_checkpoint(root, "ck")
+    assert not [e for e in open_backend(root).list_dir("ck") if layout.is_lease_file(e)]
+    with pytest.raises(CheckpointExistsError):
+        dcp_safe.adopt(Root(f"{s3_root}/ck", options), root, copy=False)
