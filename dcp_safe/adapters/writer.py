@@ -28,7 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
@@ -163,6 +163,7 @@ class SafeStorageWriter(StorageWriter):
                 f"overwrite=True needs a backend that renames atomically; {self.root} does not"
             )
         self.step = step
+        self.metrics: Mapping[str, float | str] | None = None  # recorded in the manifest
         uploads_to = root.uploads_to
         self.remote = None if uploads_to is None else open_backend(uploads_to, retry=retry)
         #: The backend of the root this writer publishes checkpoints on (``topology.commit``).
@@ -198,13 +199,14 @@ class SafeStorageWriter(StorageWriter):
             )
         )
 
-    def for_step(self, step: int | None) -> Self:
-        """This writer for one save of training step ``step`` (its manifest records it): the
+    def for_step(self, step: int | None, metrics: Mapping[str, float | str] | None = None) -> Self:
+        """This writer for one save of training step ``step`` (its manifest records it, and
+        ``metrics``, checked by :func:`~dcp_safe.manifest.schema.check_metrics`): the
         same roots, options and background uploads, and per-save state of its own, so that a
         save never changes a writer that another save may still be using."""
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the engines
-        view.step, view._name, view._assignment = step, None, None
+        view.step, view.metrics, view._name, view._assignment = step, metrics, None, None
         return view
 
     def detached(self) -> Self:
@@ -376,6 +378,7 @@ class SafeStorageWriter(StorageWriter):
                 self._publication(assignment.save_id),
                 world_size=assignment.world_size,
                 step=self.step,
+                metrics=self.metrics,
                 metadata=metadata,
                 results=results,
             )

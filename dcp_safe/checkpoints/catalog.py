@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,8 @@ class CheckpointInfo:
     world_size: int
     step: int | None
     save_id: str
+    #: what the save was given as ``metrics`` (``None``: nothing).
+    metrics: Mapping[str, float | str] | None = dataclasses.field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

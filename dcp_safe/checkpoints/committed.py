@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -103,6 +104,8 @@ class CommittedHeader:
     world_size: int
     total_bytes: int
     save_id: str
+    #: the metrics the save was given (``Manifest.metrics``), for listings and retention.
+    metrics: Mapping[str, float | str] | None = field(default=None, hash=False)
 
     @classmethod
     def of(cls, manifest: Manifest) -> CommittedHeader:
@@ -123,8 +126,11 @@ def committed_names(backend: Backend, marker: str = layout.COMMITTED_MARKER) -> 
     by with a warning that shows it escaped.
     """
     names = []
+    # In the trash where a prune stopped before removing the commit marker (an object store).
+    trashed = {folder for _, folder in strategy_for(backend).trashed(backend)}
     for entry in backend.entries_holding(marker):
-        if entry.startswith("."):  # a partial about to be renamed into place
+        # A partial about to be renamed into place, or a checkpoint in the trash.
+        if entry.startswith(".") or entry in trashed:
             continue
         try:
             names.append(layout.validate_name(entry))

@@ -15,6 +15,7 @@ Event schema (every line; keys sorted; absent optional fields are left out)::
     reason     str    optional: why (a skip, a failure, a fallback, the signal of a preemption;
                       on "lease_taken_over": whose lease it was, and why it could be taken)
     validated  bool   optional: on "committed": verification passed
+    metrics    dict   optional: on "committed": the save's metrics, as its manifest holds them
     source     str    optional: on "restored" from a warm start or ``restore(source=)``: the
                       URL it came from (shortened)
     source_digest str optional: with ``source``, for Hugging Face weights: "sha256:<hex>" of
@@ -56,6 +57,7 @@ from dcp_safe.manifest.limits import (
     require_str,
     require_timestamp,
 )
+from dcp_safe.manifest.schema import check_metrics
 from dcp_safe.untrusted import shown
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,7 @@ _OPTIONAL: dict[str, type] = {
     "tier": str,
     "reason": str,
     "validated": bool,
+    "metrics": dict,
     "source": str,
     "source_digest": str,
 }
@@ -211,6 +214,8 @@ def _event(raw: object) -> dict[str, Any]:
     for key, kind in _OPTIONAL.items():
         if key in raw and not isinstance(raw[key], kind):
             raise ValueError(f"{key} must be a {kind.__name__}")
+    if "metrics" in raw:
+        check_metrics(raw["metrics"])
     return raw
 
 

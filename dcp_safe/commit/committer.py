@@ -90,6 +90,7 @@ class Committer:
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
+        metrics: Mapping[str, float | str] | None = None,
     ) -> Manifest:
         """Verify, then publish the save of ``publication`` (claimed). Returns its manifest.
 
@@ -102,7 +103,9 @@ class Committer:
         """
         try:
             publication.check()  # before reading anything: the name may have been taken over
-            manifest, marker, control = self._seal(publication, world_size, step, metadata, results)
+            manifest, marker, control = self._seal(
+                publication, world_size, step, metadata, results, metrics
+            )
             try:
                 publication.publish(
                     marker,
@@ -126,6 +129,7 @@ class Committer:
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
+        metrics: Mapping[str, float | str] | None = None,
     ) -> tuple[Manifest, bytes, dict[str, bytes]]:
         """The manifest, the marker and the control files to write, once verified."""
         name, save_id, attempt = publication.name, publication.save_id, publication.claimant.attempt
@@ -157,6 +161,7 @@ class Committer:
             step=step,
             attempt=None if attempt is None else attempt.number,
             dcp_metadata=plain,
+            metrics=metrics,
         )
         manifest_bytes = manifest.to_json()
         digest = manifest_digest(manifest_bytes)

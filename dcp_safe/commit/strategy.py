@@ -305,6 +305,25 @@ class PublishStrategy(abc.ABC):
     def retire(self, backend: Backend, name: str) -> None:
         """Unpublish checkpoint ``name`` in one step, then delete what it held."""
 
+    # The trash (dcp_safe.retention.trash): ``<name>/_TRASHED`` is written first, then one
+    # step here takes the checkpoint out of the listings; restoring undoes it.
+
+    @abc.abstractmethod
+    def trash(self, backend: Backend, name: str) -> None:
+        """Move committed ``name``, its trash marker written, to the trash in one step."""
+
+    @abc.abstractmethod
+    def trashed(self, backend: Backend) -> list[tuple[str, str]]:
+        """``(name, folder)`` of each checkpoint in the trash, sorted."""
+
+    @abc.abstractmethod
+    def untrash(self, backend: Backend, folder: str, name: str) -> None:
+        """Bring ``name`` back from the trash ``folder`` (its commit marker back in it).
+
+        Raises:
+            CheckpointExistsError: ``name`` is committed anew meanwhile.
+        """
+
 
 class RenameStrategy(PublishStrategy):
     """Work in a hidden partial directory; one atomic rename publishes it."""
@@ -330,6 +349,23 @@ class RenameStrategy(PublishStrategy):
         backend.sync_dir("")
         backend.remove_tree(parked)
 
+    def trash(self, backend: Backend, name: str) -> None:
+        backend.publish_dir(name, layout.trash_dir_name(name), replace=False)
+        backend.sync_dir("")
+
+    def trashed(self, backend: Backend) -> list[tuple[str, str]]:
+        listed = ((layout.trashed_name(entry), entry) for entry in backend.list_dir(""))
+        return sorted((name, entry) for name, entry in listed if name is not None)
+
+    def untrash(self, backend: Backend, folder: str, name: str) -> None:
+        try:
+            backend.publish_dir(folder, name, replace=False)
+        except FileExistsError:
+            raise CheckpointExistsError(backend.full_path(name), "committed anew") from None
+        backend.sync_dir("")
+        # A stray one left by a crash here means nothing under a name on such a root.
+        backend.remove_file(f"{name}/{layout.TRASH_MARKER}")
+
 
 class MarkerStrategy(PublishStrategy):
     """Work under ``<name>/`` behind a lease; creating the marker exclusively publishes it."""
@@ -349,6 +385,15 @@ class MarkerStrategy(PublishStrategy):
     def retire(self, backend: Backend, name: str) -> None:
         backend.remove_file(f"{name}/{layout.COMMITTED_MARKER}")
         backend.remove_tree(name)
+
+    def trash(self, backend: Backend, name: str) -> None:
+        backend.remove_file(f"{name}/{layout.COMMITTED_MARKER}")  # its trash marker hides it
+
+    def trashed(self, backend: Backend) -> list[tuple[str, str]]:
+        return [(name, name) for name in backend.entries_holding(layout.TRASH_MARKER)]
+
+    def untrash(self, backend: Backend, folder: str, name: str) -> None:
+        backend.remove_file(f"{name}/{layout.TRASH_MARKER}")  # back in the listings
 
 
 _RENAME = RenameStrategy()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+from dcp_safe.errors import ConfigError
+from dcp_safe.manifest.schema import check_metrics
 
 
 class BusyPolicy(str, enum.Enum):
@@ -71,6 +75,8 @@ class SaveHandle:
             request replaced this one.
         replicated: resolves once committed on ``replicate_to`` (``None`` without one), with
             the replica's manifest (the process executor: its ``CommittedHeader``).
+        metrics: what the save records in its manifest and history (checked here:
+            :func:`~dcp_safe.manifest.schema.check_metrics`; ``ConfigError`` if not).
     """
 
     step: int
@@ -78,6 +84,14 @@ class SaveHandle:
     staged: Future[None] = field(default_factory=Future, repr=False)
     committed: Future[str] = field(default_factory=Future, repr=False)
     replicated: Future[Any] = field(default_factory=Future, repr=False)
+    metrics: Mapping[str, float | str] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.metrics is not None:
+            try:
+                object.__setattr__(self, "metrics", check_metrics(self.metrics))
+            except ValueError as exc:
+                raise ConfigError(f"save(metrics=...): {exc}") from None
 
     def cancel(self) -> None:
         for future in (self.staged, self.committed, self.replicated):

@@ -63,6 +63,7 @@ from dcp_safe.manager.saving import SaveRunner
 from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers, WarmStart
+from dcp_safe.manifest.schema import Metrics
 from dcp_safe.reading.safetensors_import import SafetensorsReader, SafetensorsSource
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.topology import Topology
@@ -220,12 +221,19 @@ class CheckpointManager:
         self._at_exit = close_at_exit(weakref.ref(self), bounds.exit_timeout_s)
         atexit.register(self._at_exit)
 
-    def maybe_save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle | None:
+    def maybe_save(
+        self, step: int, state_dict: dict[str, Any], *, metrics: Metrics | None = None
+    ) -> SaveHandle | None:
         """:meth:`save` when ``step % save_every == 0``, else ``None``."""
-        return None if step % self.save_every else self.save(step, state_dict)
+        return None if step % self.save_every else self.save(step, state_dict, metrics=metrics)
 
     def save(
-        self, step: int, state_dict: dict[str, Any], *, force: bool = False
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        *,
+        force: bool = False,
+        metrics: Metrics | None = None,
     ) -> SaveHandle | None:
         """Save ``state_dict`` as checkpoint ``step``, by the ``when_busy`` policy.
 
@@ -233,7 +241,8 @@ class CheckpointManager:
         ``"overlap"`` wait on ``handle.staged`` (or :meth:`wait_staged`) before mutating it. A
         copy whose sources changed meanwhile fails the handle with
         :class:`~dcp_safe.errors.SnapshotMutatedError` and publishes nothing. ``force=True``
-        waits whatever ``when_busy`` says (bounded by ``wait_timeout_s``).
+        waits whatever ``when_busy`` says (bounded by ``wait_timeout_s``). ``metrics`` go to the
+        manifest, ``dcp-safe ls`` and the history (docs/manager.md, "Retention").
 
         Returns:
             The save's handle, or ``None`` when it was skipped.
@@ -241,9 +250,9 @@ class CheckpointManager:
         Raises:
             AdmissionTimeoutError: busy with ``when_busy="raise"``, or not admitted by the stager.
             BudgetExceededError: the state can never fit the budget.
-            ConfigError: the manager is closed, or the name is invalid.
+            ConfigError: the manager is closed, or the name or ``metrics`` are invalid.
         """
-        handle = SaveHandle(step=step, name=self._name_for(step))
+        handle = SaveHandle(step=step, name=self._name_for(step), metrics=metrics)
         policy = BusyPolicy.WAIT if force else self.when_busy
         with self._cond:
             if self._closed:

@@ -30,7 +30,14 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.manager.fallback import FallbackOptions
 from dcp_safe.manager.handles import BusyPolicy, StagingMode, Validation
 from dcp_safe.reading.safetensors_import import SafetensorsSource
-from dcp_safe.retention.policy import KeepEvery, KeepLast, RetentionPolicy, combine
+from dcp_safe.retention.policy import (
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    KeepWithin,
+    RetentionPolicy,
+    combine,
+)
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
 from dcp_safe.torch_compat import default_store
@@ -106,7 +113,15 @@ class Retention:
         keep_last: keep this many newest checkpoints (plus the safety rules of
             :mod:`dcp_safe.retention.policy`).
         keep_every: also keep every checkpoint whose step is a multiple of this.
+        keep_best: ``(k, metric, "min" | "max")``: also keep the ``k`` best checkpoints by the
+            number their save recorded under ``metric`` (``save(..., metrics=)``).
+        keep_within_s: also keep every checkpoint committed at most this long before the
+            newest one.
         partial_grace_s: how old an unpublished save must be before a sweep removes it.
+        trash_grace_s: how long a pruned checkpoint waits in the trash, restorable with
+            ``dcp-safe gc --restore NAME``, before the coordinator deletes it in the
+            background. 0 (the default): deleted at once, as the root's size was planned for
+            ``keep_last``; a grace period holds every checkpoint pruned within it on top.
 
     Raises:
         ConfigError: a value out of range.
@@ -114,19 +129,32 @@ class Retention:
 
     keep_last: int = 2
     keep_every: int | None = None
+    keep_best: tuple[int, str, str] | None = None
+    keep_within_s: float | None = None
     partial_grace_s: float = DEFAULT_GRACE_S
+    trash_grace_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.policy()  # KeepLast / KeepEvery validate their counts
-        if isinstance(self.partial_grace_s, bool) or not isinstance(
-            self.partial_grace_s, (int, float)
-        ):
-            raise ConfigError(f"partial_grace_s must be seconds, got {self.partial_grace_s!r}")
+        self.policy()  # each policy validates its own fields
+        for name in ("partial_grace_s", "trash_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be seconds, got {value!r}")
+        if not 0 <= self.trash_grace_s < math.inf:
+            raise ConfigError(f"trash_grace_s must be finite seconds >= 0: {self.trash_grace_s}")
 
     def policy(self) -> RetentionPolicy:
         """The retention policy these options describe."""
-        every = [] if self.keep_every is None else [KeepEvery(self.keep_every)]
-        return combine(KeepLast(self.keep_last), *every)
+        more: list[RetentionPolicy] = []
+        if self.keep_every is not None:
+            more.append(KeepEvery(self.keep_every))
+        if self.keep_best is not None:
+            if not isinstance(self.keep_best, tuple) or not 2 <= len(self.keep_best) <= 3:
+                raise ConfigError(f"keep_best is (k, metric, 'min'|'max'): {self.keep_best!r}")
+            more.append(KeepBest(*self.keep_best))  # type: ignore[arg-type]
+        if self.keep_within_s is not None:
+            more.append(KeepWithin(self.keep_within_s))
+        return combine(KeepLast(self.keep_last), *more)
 
 
 @dataclass(frozen=True)

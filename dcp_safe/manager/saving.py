@@ -192,12 +192,12 @@ class SaveRunner:
         if worker and self.worker is not None:
             with self.ledger.opened(handle):  # as dcp.async_save: a model by its state dict
                 staged = self.stager.stage(state_dicts_of(state_dict))
-            upload = self.worker.submit(handle.name, handle.step, staged)
+            upload = self.worker.submit(handle.name, handle.step, staged, handle.metrics)
             self.stager.track(upload, keep=keep)
             self.ledger.count("worker_saves")
             self._started(handle, staged, upload, None, self.worker)
             return
-        writer = self.writer.for_step(handle.step)
+        writer = self.writer.for_step(handle.step, handle.metrics)
         with self.collectives(BACKGROUND) as collectives, self.ledger.opened(handle):
             response = api.async_save(
                 state_dict,
@@ -256,7 +256,7 @@ class SaveRunner:
         since an asynchronous save may be running on the writer), then follow its commit up."""
         if self.sync_writer is None:
             self.sync_writer = self.writer.detached()
-        writer = self.sync_writer.for_step(handle.step)
+        writer = self.sync_writer.for_step(handle.step, handle.metrics)
         self.ledger.count("sync_saves")
         try:
             with self.collectives(FOREGROUND) as collectives, self.ledger.opened(handle):
@@ -390,7 +390,9 @@ class SaveRunner:
         self.ledger.count("committed")
         if (peers := self.tiers.peers) is not None:  # every rank, in the same order of saves
             self.tiers.track_replication(handle.name, peers.copy(handle.name, self._peer_copied))
-        self.ledger.record("committed", handle, tier="local", validated=True)
+        self.ledger.record(
+            "committed", handle, tier="local", validated=True, metrics=handle.metrics
+        )
         if (tier := self.in_memory) is not None:  # before ``committed``: a rollback may follow
             self.ledger.quietly("in-memory tier", lambda: tier.committed(handle))
         # On a thread while the worker starts: not counted by the fallback (a start-up).

@@ -37,6 +37,7 @@ from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
+    DcpSafeError,
     SignatureError,
 )
 from dcp_safe.manager.ledger import Ledger
@@ -50,7 +51,8 @@ from dcp_safe.reading.safetensors_import import (
     locate,
 )
 from dcp_safe.retention.policy import CheckpointRecord, decide
-from dcp_safe.retention.sweeper import sweep_partials
+from dcp_safe.retention.sweeper import sweep_partials, sweep_trash
+from dcp_safe.retention.trash import trash
 from dcp_safe.topology import Root
 
 
@@ -87,6 +89,8 @@ class Tiers:
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
         self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
+        self.trash_grace_s = retention.trash_grace_s
+        self._expiry: threading.Thread | None = None
         self._history, self._cond = ledger, ledger.cond
         self._deferred = deferred
         self._prune_lock = threading.Lock()
@@ -145,7 +149,9 @@ class Tiers:
         Checkpoints being read or replicated are kept until a later prune; names with no step
         in the manifest are left alone. A committed remote checkpoint counts as validated (the
         replicator checked every byte before its marker). Abandoned partials older than
-        ``partial_grace_s`` are collected locally. Only the coordinator prunes.
+        ``partial_grace_s`` are collected locally. Only the coordinator prunes. With
+        ``trash_grace_s``, what is dropped goes to the trash, and what the trash holds past it
+        is deleted on a thread of its own.
         """
         if not self.coordinator:
             return ()
@@ -153,7 +159,21 @@ class Tiers:
         if self.writer.remote is not None and self.replica is not None:
             self._prune(self.writer.remote, self.replica, "remote")
         sweep_partials(self.commit, grace_s=self.partial_grace_s)
+        if self.trash_grace_s:
+            with self._cond:  # one pass at a time; deleting never holds up a save's commit
+                if self._expiry is None or not self._expiry.is_alive():
+                    self._expiry = threading.Thread(target=self._expire, name="dcp_safe-trash")
+                    self._expiry.daemon = True  # killed mid-delete, the trash stays consistent
+                    self._expiry.start()
         return dropped
+
+    def _expire(self) -> None:
+        remote = self.writer.remote if self.replica is not None else None
+        for backend in (self.backend, *([remote] if remote is not None else [])):
+            try:
+                sweep_trash(backend, self.trash_grace_s)
+            except (DcpSafeError, OSError) as exc:  # raised by close(), as a prune's would be
+                self._history.keep(exc)
 
     def _prune(self, backend: Backend, root: Root, tier: str) -> tuple[str, ...]:
         local = tier == "local"  # the names validated, read and counted here are local ones
@@ -161,7 +181,13 @@ class Tiers:
             infos = list_checkpoints(root, signing_key=self.signing_key)
             with self._cond:
                 records = [
-                    CheckpointRecord(i.name, i.step, not local or i.name in self._validated)
+                    CheckpointRecord(
+                        i.name,
+                        i.step,
+                        not local or i.name in self._validated,
+                        i.created_at,
+                        i.metrics,
+                    )
                     for i in infos
                     if i.step is not None
                 ]
@@ -173,8 +199,10 @@ class Tiers:
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
                 error, reason = None, "retention"
+                if self.trash_grace_s:
+                    reason = f"retention; in the trash for {self.trash_grace_s:g} s"
                 try:
-                    strategy_for(backend).retire(backend, name)
+                    (trash if self.trash_grace_s else strategy_for(backend).retire)(backend, name)
                 except Exception as exc:
                     if self._still_committed(backend, name):
                         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -248,10 +249,10 @@ class _Document:
 
     def to_dict(self) -> dict[str, Any]:
         """The document's JSON object, its records as records (:func:`_dumps` writes them);
-        ``dcp_metadata`` and ``data_format`` left out when None, so such a manifest is byte for
-        byte what older versions wrote."""
+        ``dcp_metadata``, ``data_format`` and ``metrics`` left out when None, so such a
+        manifest is byte for byte what older versions wrote."""
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name[0] != "_"}  # type: ignore[arg-type]
-        for optional in ("dcp_metadata", "data_format"):
+        for optional in ("dcp_metadata", "data_format", "metrics"):
             if optional in plain and plain[optional] is None:
                 del plain[optional]
         return {**plain, "format": self._FORMAT}
@@ -322,6 +323,9 @@ class Manifest(_Document):
     # What wrote the files when not DCP ("torch_checkpointing": dcp_safe.torch_checkpointing);
     # None (and left out of the JSON) for DCP's own.
     data_format: str | None = None
+    # The user's metrics and labels of this save (check_metrics); None (and left out of the
+    # JSON) when none were given, and in older manifests. Covered by the digest and signature.
+    metrics: Mapping[str, float | str] | None = field(default=None, hash=False)
     version: int = MANIFEST_VERSION
     _by_key: Mapping[ItemKey, ItemRecord] = field(default_factory=dict, repr=False, compare=False)
     _by_path: Mapping[str, FileRecord] = field(default_factory=dict, repr=False, compare=False)
@@ -329,6 +333,8 @@ class Manifest(_Document):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.metrics is not None:
+            object.__setattr__(self, "metrics", check_metrics(self.metrics))
         object.__setattr__(self, "_by_key", {item.key: item for item in self.items})
         # Reversed: of records of one path, the first wins, as a scan would find it.
         object.__setattr__(self, "_by_path", {r.path: r for r in reversed(self.files)})
@@ -342,6 +348,45 @@ class Manifest(_Document):
 
     def file(self, path: str) -> FileRecord | None:
         return self._by_path.get(path)
+
+
+Metrics = Mapping[str, float | str]
+"""A save's metrics and labels, as :func:`check_metrics` takes them."""
+MAX_METRICS = 64
+_MAX_METRIC_KEY_CHARS = 64
+
+
+def check_metrics(metrics: object) -> dict[str, float | str]:
+    """``metrics`` as a manifest holds them: at most :data:`MAX_METRICS` entries, each key a
+    non-empty printable string of at most 64 characters, each value a finite number (stored as a
+    float; retention ranks by these) or a printable string of at most 255 characters (a label: a
+    config hash, a data position). Small by design: a manifest is read at every listing.
+
+    Raises:
+        ValueError: anything else (``ConfigError`` is one, where a caller passes it in).
+    """
+    if not isinstance(metrics, Mapping):
+        kind = type(metrics).__name__
+        raise ValueError(f"metrics must be a mapping of str to number or str, got {kind}")
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"at most {MAX_METRICS} metrics, got {len(metrics)}")
+    checked: dict[str, float | str] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not 0 < len(key) <= _MAX_METRIC_KEY_CHARS:
+            raise ValueError(f"a metric's name must be 1 to 64 characters, got {key!r:.70}")
+        if not key.isprintable() or (isinstance(value, str) and not value.isprintable()):
+            raise ValueError(f"metric {key!r}: names and labels must be printable text")
+        if isinstance(value, str):
+            checked[key] = require_str(f"metric {key!r}", value, max_length=255)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value) if -1e300 < value < 1e300 else math.inf  # a huge int, too
+            if not math.isfinite(number):
+                raise ValueError(f"metric {key!r} must be finite, got {value!r:.40}")
+            checked[key] = number
+        else:
+            kind = type(value).__name__
+            raise ValueError(f"metric {key!r} must be a number or a str, got {kind}")
+    return checked
 
 
 def manifest_digest(data: bytes) -> str:

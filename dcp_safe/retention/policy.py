@@ -1,8 +1,9 @@
 """Retention as pure functions: which committed checkpoints to keep and which to drop.
 
 It touches no storage (``dcp_safe.manager`` and ``apply`` do the IO). A policy names the
-checkpoints it wants kept (:class:`KeepLast`, :class:`KeepEvery`, or their union through
-:func:`combine`), and :func:`decide` adds the safety rules that no policy can override:
+checkpoints it wants kept (:class:`KeepLast`, :class:`KeepEvery`, :class:`KeepBest`,
+:class:`KeepWithin`, or their union through :func:`combine`), and :func:`decide` adds the
+safety rules that no policy can override:
 
 1. the newest committed checkpoint is never dropped;
 2. only checkpoints older than the newest *validated* one are ever dropped (nothing is dropped
@@ -17,9 +18,10 @@ checkpoints to keep, so combining policies can never drop something one of them 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 from dcp_safe.errors import ConfigError
 
@@ -31,11 +33,15 @@ class CheckpointRecord:
     Attributes:
         step: the training step it captures; orders checkpoints (then ``name``).
         validated: it passed verification after its commit.
+        created_at: its commit time (the writer's clock), for :class:`KeepWithin`.
+        metrics: what its save recorded (``Manifest.metrics``), for :class:`KeepBest`.
     """
 
     name: str
     step: int
     validated: bool
+    created_at: float = 0.0
+    metrics: Mapping[str, float | str] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,56 @@ class KeepEvery:
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         return {r.name for r in records if r.step % self.k == 0}
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``k`` checkpoints with the lowest (``mode="min"``) or highest (``"max"``)
+    number under ``metric``; one without it, or with a label there, is never among the best.
+    Ties go to the newer checkpoint."""
+
+    k: int
+    metric: str
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ConfigError(f"keep_best needs an int k >= 1, got {self.k!r}")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"keep_best needs a metric name, got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"keep_best's mode must be 'min' or 'max', got {self.mode!r}")
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked = sorted(
+            (sign * value, -r.step, r.name)
+            for r in records
+            if isinstance(value := (r.metrics or {}).get(self.metric), float)
+        )
+        return {name for _, _, name in ranked[: self.k]}
+
+
+@dataclass(frozen=True)
+class KeepWithin:
+    """Keep every checkpoint committed at most ``seconds`` before the newest one did.
+
+    Measured from the newest checkpoint, not from now: a decision is a function of the records
+    alone, and a run that stopped for a week still keeps its last ``seconds`` of history.
+    """
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        value = self.seconds
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"keep_within_s must be seconds >= 0, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"keep_within_s must be finite, got {value!r}")
+
+    def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        newest = max((r.created_at for r in records), default=0.0)
+        return {r.name for r in records if r.created_at >= newest - self.seconds}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import ConfigError, DcpSafeError
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest
+from dcp_safe.retention.trash import trash_entries
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
@@ -90,6 +91,35 @@ def sweep_partials(
     root = as_root(root, storage_options)
     backend = open_sweepable(root, grace_s, allow_bucket_root=allow_bucket_root)
     return sweep_backend(backend, grace_s, dry_run, now)
+
+
+def sweep_trash(
+    backend: Backend, grace_s: float, *, dry_run: bool = False, now: float | None = None
+) -> SweepReport:
+    """Delete the checkpoints in the trash (:mod:`dcp_safe.retention.trash`) whose trash marker
+    is ``grace_s`` old (one with no age is kept). A folder whose deletion began (its marker is
+    gone: a crash mid-delete) goes at once; on an object store, what a deletion cut short
+    leaves is the partial sweep's (no marker, no lease)."""
+    sweep = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
+    removed: list[str] = []
+    recent: list[str] = []
+    for _, entry in trash_entries(backend):
+        marker = f"{entry}/{layout.TRASH_MARKER}"
+        with sweep._passed_by_if_damaged(entry):
+            begun = not backend.exists(marker)
+            changed = None if begun else backend.modified_at(marker)
+            if not begun and (changed is None or sweep.now - changed < grace_s):
+                recent.append(entry)  # (no age: kept, as the partial sweep keeps one)
+                continue
+            if not dry_run:
+                # The markers first: a deletion cut short leaves no checkpoint committed or in
+                # the trash whose files are part gone (the commit marker is still there where
+                # a prune stopped half-way on an object store).
+                backend.remove_file(f"{entry}/{layout.COMMITTED_MARKER}")
+                backend.remove_file(marker)
+                backend.remove_tree(entry)
+            removed.append(entry)
+    return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
 
 
 def sweep_backend(

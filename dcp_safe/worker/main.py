@@ -15,7 +15,7 @@ also sends ``("alive",)`` every second (the parent kills a worker silent past it
                                      the group failed (every save then fails with it)
     ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
     ("forget", ids)                  unmap slabs the parent closed
-    ("save", seq, name, step, data, record, fsize)
+    ("save", seq, name, (step, metrics), data, record, fsize)
                                      save the staged state ``data`` (not if the parent is gone:
                                      the worker exits) under the rank's RLIMIT_FSIZE ``fsize``
                                      (one it cannot take fails the save): plan, write,
@@ -42,6 +42,7 @@ import os
 import pickle
 import resource
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -107,7 +108,13 @@ class _Worker:
                 return
 
     def save(
-        self, seq: int, name: str, step: int, data: bytes, record: bool, fsize: tuple[int, int]
+        self,
+        seq: int,
+        name: str,
+        step: tuple[int, Mapping[str, float | str] | None],
+        data: bytes,
+        record: bool,
+        fsize: tuple[int, int],
     ) -> None:
         # Several ranks: over the workers' group, on a dedicated group of the save's deadline,
         # as the thread executor saves over the manager's.
@@ -123,7 +130,7 @@ class _Worker:
             _limit_files(fsize)
             if self.writer is None:
                 raise AssertionError("the parent sent a save before its writer")
-            writer = self.writer.for_step(step)
+            writer = self.writer.for_step(*step)
             state = pickle.loads(data)
             api.save(
                 state,

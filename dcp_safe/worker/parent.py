@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -289,11 +289,18 @@ class SaveWorker:
         if process.ready_error is not None:  # it will never save: the ranks replace it
             self._broke(process)
 
-    def submit(self, name: str, step: int, staged: Future[dict[str, Any]]) -> Future[None]:
-        """Save the state ``staged`` resolves to as ``name``; a future of the save's end (failing
-        with the staging's error, the save's, or :class:`WorkerDiedError`)."""
+    def submit(
+        self,
+        name: str,
+        step: int,
+        staged: Future[dict[str, Any]],
+        metrics: Mapping[str, float | str] | None = None,
+    ) -> Future[None]:
+        """Save the state ``staged`` resolves to as ``name`` (its manifest records ``metrics``);
+        a future of the save's end (failing with the staging's error, the save's, or
+        :class:`WorkerDiedError`)."""
         done: Future[None] = Future()
-        self._sender.submit(self._send, name, step, staged, done)
+        self._sender.submit(self._send, name, (step, metrics), staged, done)
         return done
 
     def replication(self, name: str) -> Future[Any]:
@@ -357,7 +364,11 @@ class SaveWorker:
         return errors
 
     def _send(
-        self, name: str, step: int, staged: Future[dict[str, Any]], done: Future[None]
+        self,
+        name: str,
+        step: tuple[int, Mapping[str, float | str] | None],
+        staged: Future[dict[str, Any]],
+        done: Future[None],
     ) -> None:
         try:
             state = staged.result()

@@ -219,7 +219,10 @@ def _reference_json(manifest: Manifest | RankManifest, kind: str) -> bytes:
         f.name: getattr(manifest, f.name)
         for f in dataclasses.fields(manifest)
         if not f.name.startswith("_")
-        and not (f.name in ("dcp_metadata", "data_format") and getattr(manifest, f.name) is None)
+        and not (
+            f.name in ("dcp_metadata", "data_format", "metrics")
+            and getattr(manifest, f.name) is None
+        )
     }
     raw["files"] = [dataclasses.asdict(f) for f in manifest.files]
     raw["items"] = [
