@@ -4,15 +4,19 @@ Started once by tests/e2e/test_docs.py. It imports torch, dcp_safe and moto once
 child per page (a reader's fresh session, for the price of a fork): the child runs the page's
 blocks in order in an empty working directory, python blocks in one ``__main__`` namespace, bash
 blocks with ``bash -euo pipefail`` and the environment the page started with, then runs the
-session's exit handlers. Requests and replies are JSON lines on stdin and stdout::
+session's exit handlers. With ``pasted``, python blocks are typed line by line into an
+interactive interpreter (``code.InteractiveConsole``), as a reader pastes them into ``python``.
+Requests and replies are JSON lines on stdin and stdout::
 
-    {"page": "/abs/README.md", "cwd": "/tmp/x", "log": "/tmp/x.log", "timeout_s": 240}
+    {"page": "/abs/README.md", "cwd": "/tmp/x", "log": "/tmp/x.log", "timeout_s": 240,
+     "pasted": true}
     {"ok": false, "where": "README.md:61", "error": "Traceback ..."}
 """
 
 from __future__ import annotations
 
 import atexit
+import code
 import contextlib
 import json
 import os
@@ -44,8 +48,31 @@ def _run_bash(block: Block, env: dict[str, str]) -> None:
         raise RuntimeError(f"bash block exited {done.returncode} (its output is in the log)")
 
 
-def _run_page(page: Path, result: Path) -> int:
-    """The child: every runnable block of ``page``; the first failure is written to ``result``."""
+class _Pasted(code.InteractiveConsole):
+    """The interactive interpreter a reader pastes into, line by line; an error stops the page
+    instead of being printed."""
+
+    def runcode(self, code: Any) -> None:
+        exec(code, self.locals)
+
+    def showsyntaxerror(self, filename: str | None = None, **kwargs: Any) -> None:
+        raise  # the SyntaxError being handled: a block that does not paste
+
+
+def _run_python(block: Block, namespace: dict[str, Any], pasted: bool) -> None:
+    if pasted:
+        console = _Pasted(namespace, filename=block.where)
+        for line in [*block.code.splitlines(), ""]:  # the blank line ends an open statement
+            console.push(line)
+        return
+    # Padding keeps line numbers in tracebacks equal to the markdown file's.
+    source = "\n" * (block.line - 1) + block.code
+    exec(compile(source, str(block.path), "exec"), namespace)
+
+
+def _run_page(page: Path, result: Path, pasted: bool) -> int:
+    """The child: every runnable block of ``page``; the first failure is written to ``result``.
+    ``pasted``: python blocks go through the interactive interpreter, line by line."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     namespace: dict[str, Any] = {"__name__": "__main__"}
@@ -56,9 +83,7 @@ def _run_page(page: Path, result: Path) -> int:
         print(f"===== {block.where} [{block.language}]", flush=True)
         try:
             if block.language == "python":
-                # Padding keeps line numbers in tracebacks equal to the markdown file's.
-                code = "\n" * (block.line - 1) + block.code
-                exec(compile(code, str(page), "exec"), namespace)
+                _run_python(block, namespace, pasted)
             else:
                 _run_bash(block, env)
         except BaseException:
@@ -69,21 +94,21 @@ def _run_page(page: Path, result: Path) -> int:
     return 0
 
 
-def _child(page: Path, cwd: Path, log: Path, result: Path) -> None:
+def _child(page: Path, cwd: Path, log: Path, result: Path, pasted: bool) -> None:
     os.setpgid(0, 0)  # one group: a timeout ends the page's every process
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.chdir(cwd)
-    code = 1
+    status = 1
     try:
-        code = _run_page(page, result)
+        status = _run_page(page, result, pasted)
         atexit._run_exitfuncs()  # as the reader's session ends: managers drain, servers stop
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(status)
 
 
 def _serve(request: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +116,7 @@ def _serve(request: dict[str, Any]) -> dict[str, Any]:
     result = log.with_suffix(".result")
     pid = os.fork()
     if pid == 0:
-        _child(page, cwd, log, result)
+        _child(page, cwd, log, result, bool(request.get("pasted")))
     deadline = time.monotonic() + float(request["timeout_s"])
     status = None
     while status is None:

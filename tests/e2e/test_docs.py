@@ -14,6 +14,8 @@ The convention (docs authors: write to it; this test enforces it):
 * Any other block, and a ``python`` or ``bash`` block that cannot run here (real AWS, GPUs,
   minutes of benchmarks), is marked on the line before it with ``<!-- not run: why -->``.
   A block with no language, or another one, and no such mark fails this test.
+* README.md's python blocks are pasted line by line into ``python``'s interactive interpreter,
+  the first thing a reader tries: an indented block there ends with a blank line.
 * Budget: a few seconds per page; the whole file well under 90 s on a loaded 2-core machine.
   Only a hang fails for time (a generous per-page deadline); nothing here measures speed.
 
@@ -38,6 +40,9 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(600)]
 # Generous: only a guard against a hung example, never a measure of speed.
 _PAGE_TIMEOUT_S = 240
 _RUNNER = Path(__file__).with_name("_docs_pages.py")
+# Pages whose python blocks are pasted line by line into ``python``'s interactive interpreter
+# (the first thing a reader tries): an indented block must end with a blank line there.
+_PASTED = {"README.md"}
 
 
 class _Pages:
@@ -52,11 +57,12 @@ class _Pages:
             cwd=REPO,
         )
 
-    def run(self, page: Path, workdir: Path) -> tuple[dict[str, Any], str]:
-        """Run ``page``'s blocks in ``workdir``; its reply and what the page printed."""
+    def run(self, page: Path, workdir: Path, *, pasted: bool = False) -> tuple[dict[str, Any], str]:
+        """Run ``page``'s blocks in ``workdir`` (``pasted``: python blocks line by line into an
+        interactive interpreter); its reply and what the page printed."""
         cwd, log = workdir / "cwd", workdir / "page.log"
         cwd.mkdir(parents=True)
-        request = {"page": str(page), "cwd": str(cwd), "log": str(log)}
+        request = {"page": str(page), "cwd": str(cwd), "log": str(log), "pasted": pasted}
         stdin, stdout = self._pipes()
         stdin.write(json.dumps({**request, "timeout_s": _PAGE_TIMEOUT_S}) + "\n")
         stdin.flush()
@@ -95,7 +101,7 @@ def _explain(reply: dict[str, Any], output: str) -> str:
 def test_examples_run(page: Path, pages: _Pages, tmp_path: Path) -> None:
     if not any(block.runs for block in parse_blocks(page)):
         pytest.skip(f"{page.name} has no block to run")
-    reply, output = pages.run(page, tmp_path)
+    reply, output = pages.run(page, tmp_path, pasted=page.name in _PASTED)
     assert reply["ok"], _explain(reply, output)
     assert reply["ran"] == [b.where for b in parse_blocks(page) if b.runs]
 
@@ -151,6 +157,20 @@ def test_an_unmarked_block_that_fails_fails_the_page(pages: _Pages, tmp_path: Pa
     sample.write_text(_SAMPLE)  # the bash block finds no file
     reply, _ = pages.run(sample, tmp_path / "bash")
     assert not reply["ok"] and reply["where"] == "sample.md:18" and "exited 3" in reply["error"]
+
+
+def test_a_block_that_does_not_paste_fails_a_pasted_page(pages: _Pages, tmp_path: Path) -> None:
+    sample = tmp_path / "sample.md"
+    loop = "for i in range(2):\n    open(f'f{i}', 'w').close()\n"
+    sample.write_text(f"```python\n{loop}print('after')\n```\n")
+    reply, output = pages.run(sample, tmp_path / "script")
+    assert reply["ok"], _explain(reply, output)  # fine as a script
+    reply, _ = pages.run(sample, tmp_path / "pasted", pasted=True)
+    assert not reply["ok"] and "SyntaxError" in reply["error"]  # the REPL needs a blank line
+    sample.write_text(f"```python\n{loop}\nprint('after')\n```\n")
+    reply, output = pages.run(sample, tmp_path / "fixed", pasted=True)
+    assert reply["ok"], _explain(reply, output)
+    assert "after" in output and (tmp_path / "fixed" / "cwd" / "f1").exists()
 
 
 def test_the_parser_reads_languages_marks_and_line_numbers(tmp_path: Path) -> None:
