@@ -39,6 +39,7 @@ from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
 from dcp_safe.commit.strategy import MarkerStrategy, Publication, strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
@@ -118,7 +119,8 @@ def adopt(
         PickledClassesError: it needs pickled classes (all named), without ``allow_pickle``.
         CheckpointCorruptError: a file is missing, truncated or padded, or an item is not what
             the metadata declares (file, item and byte offsets named).
-        CheckpointExistsError: ``name`` is committed under ``root`` already.
+        CheckpointExistsError: ``name`` is committed under ``root`` already, or ``source`` is
+            a committed checkpoint (``dcp-safe replicate`` copies one).
         ConfigError: ``copy=False`` where ``root`` is not the source's parent; a bad name.
         StorageError: reading or writing failed; nothing is published.
     """
@@ -135,6 +137,9 @@ def adopt(
             f"adopting in place (copy=False) publishes the folder where it is: root must be its"
             f" parent ({parent}) and the name its own ({folder}); or copy it"
         )
+    if here.exists(f"{folder}/{layout.COMMITTED_MARKER}"):
+        why = "it is a committed checkpoint already ('dcp-safe replicate' copies one)"
+        raise CheckpointExistsError(here.full_path(folder), why)
     meta_path = here.full_path(f"{folder}/{layout.DCP_METADATA}")
     try:
         raw = here.read_small(f"{folder}/{layout.DCP_METADATA}", MANIFEST_MAX_BYTES)

@@ -81,6 +81,8 @@ def test_an_adopted_copy_lists_verifies_and_loads(tmp_path: Path) -> None:
     assert _snapshot(source) == before  # the source is left as it was
     with pytest.raises(CheckpointExistsError):
         dcp_safe.adopt(source, tmp_path / "root")
+    with pytest.raises(CheckpointExistsError, match="committed checkpoint already"):
+        dcp_safe.adopt(tmp_path / "root" / "step_000100", tmp_path / "other")
 
 
 def test_classes_a_checkpoint_needs_are_named_and_adopted_only_with_allow_pickle(
