@@ -68,12 +68,11 @@ def report_for(manifest: RankManifest, written: bytes, algorithm: ChecksumAlgori
 
 
 def attach_report(results: Sequence[WriteResult], report: RankReport) -> list[WriteResult]:
-    """``results`` with ``report`` carried by the first (unchanged when there is none)."""
+    """``results`` with ``report`` carried by the first (unchanged when there is none). A first
+    result that is no :class:`ItemRecord` is refused by :func:`records_by_rank`, typed."""
     if not results:
         return list(results)
     first = results[0]
-    if not isinstance(first.storage_data, ItemRecord):
-        raise TypeError(f"expected an ItemRecord, got {type(first.storage_data).__name__}")
     carried = WriteResult(
         index=first.index,
         size_in_bytes=first.size_in_bytes,

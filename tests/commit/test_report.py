@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
-from dcp_safe.commit.results import ReportedItem, attach_report, report_for
+from dcp_safe.commit.results import ReportedItem, attach_report, records_by_rank, report_for
+from dcp_safe.errors import CommitError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 
@@ -67,8 +68,10 @@ def test_the_first_result_carries_the_report_and_the_rest_are_unchanged() -> Non
 
 def test_a_result_the_writer_did_not_produce_is_refused() -> None:
     foreign = WriteResult(index=MetadataIndex("a"), size_in_bytes=4, storage_data="not ours")
-    with pytest.raises(TypeError, match="ItemRecord"):
-        attach_report([foreign], report_for(_manifest(), b"{}", ChecksumAlgorithm.XXH3_128))
+    carried = attach_report([foreign], report_for(_manifest(), b"{}", ChecksumAlgorithm.XXH3_128))
+    with pytest.raises(CommitError, match="did not produce") as caught:
+        records_by_rank([carried])
+    assert caught.value.failures == {0: "str"}
 
 
 class _Capturing(SafeStorageWriter):
