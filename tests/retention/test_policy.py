@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dcp_safe import Retention
 from dcp_safe.errors import ConfigError
 from dcp_safe.retention.policy import (
     CheckpointRecord,
+    KeepBest,
     KeepEvery,
     KeepLast,
+    KeepWithin,
     RetentionPolicy,
     combine,
     decide,
@@ -114,3 +119,78 @@ def test_decide_is_order_independent(
     records: list[CheckpointRecord], policy: RetentionPolicy
 ) -> None:
     assert decide(records, policy) == decide(list(reversed(records)), policy)
+
+
+# ------------------------------------------------------------------ by metric and by time
+
+
+def _scored(losses: dict[int, float | str | None]) -> list[CheckpointRecord]:
+    return [
+        CheckpointRecord(
+            f"step_{s:04d}", s, True, created_at=100.0 * s, metrics=None if v is None else {"l": v}
+        )
+        for s, v in sorted(losses.items())
+    ]
+
+
+@given(
+    st.dictionaries(st.integers(1, 60), st.floats(-1e6, 1e6), min_size=1, max_size=30),
+    st.integers(1, 5),
+    st.sampled_from(["min", "max"]),
+)
+def test_keep_best_keeps_the_k_best_and_decide_adds_only_the_safety_rules(
+    losses: dict[int, float], k: int, mode: str
+) -> None:
+    records = _scored(dict(losses))
+    best = KeepBest(k, "l", mode)  # type: ignore[arg-type]
+    kept = best.keeps(records)
+    ranked = sorted(losses, key=lambda s: (losses[s] if mode == "min" else -losses[s], -s))
+    assert kept == {f"step_{s:04d}" for s in ranked[:k]}
+    decision = decide(records, combine(KeepLast(1), best))
+    two_newest = {r.name for r in records[-2:]} if len(records) > 1 else {records[0].name}
+    assert set(decision.keep) == kept | two_newest
+
+
+def test_keep_best_passes_by_a_missing_metric_and_a_label() -> None:
+    records = _scored({1: 0.5, 2: None, 3: "n/a", 4: 0.1})
+    assert KeepBest(3, "l").keeps(records) == {"step_0001", "step_0004"}
+    assert KeepBest(1, "l", "max").keeps(records) == {"step_0001"}
+
+
+def test_ties_go_to_the_newer_checkpoint() -> None:
+    assert KeepBest(1, "l").keeps(_scored({1: 0.5, 2: 0.5, 3: 0.9})) == {"step_0002"}
+
+
+def test_keep_within_counts_from_the_newest_checkpoint_not_from_now() -> None:
+    records = _scored(dict.fromkeys(range(1, 11), 0.0))  # committed at 100 s, 200 s, ...
+    assert _steps(tuple(sorted(KeepWithin(250.0).keeps(records)))) == [8, 9, 10]
+    assert KeepWithin(0.0).keeps(records) == {"step_0010"}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KeepBest(0, "l"),
+        lambda: KeepBest(True, "l"),  # type: ignore[arg-type]
+        lambda: KeepBest(1, ""),
+        lambda: KeepBest(1, "l", "median"),  # type: ignore[arg-type]
+        lambda: KeepWithin(-1.0),
+        lambda: KeepWithin(float("nan")),
+        lambda: KeepWithin(float("inf")),
+        lambda: Retention(keep_best=(2, "l", "avg")),  # type: ignore[arg-type]
+        lambda: Retention(keep_best=2),  # type: ignore[arg-type]
+        lambda: Retention(trash_grace_s=-1.0),
+        lambda: Retention(trash_grace_s=float("inf")),
+        lambda: Retention(trash_grace_s="1h"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_bad_policy_is_a_config_error(make: Callable[[], object]) -> None:
+    with pytest.raises(ConfigError):
+        make()
+
+
+def test_retention_composes_every_policy_it_names() -> None:
+    retention = Retention(keep_last=1, keep_every=5, keep_best=(1, "l", "min"), keep_within_s=150)
+    records = _scored({s: 1.0 / s if s != 3 else 0.0 for s in range(1, 11)})
+    # keep_every: 5, 10; keep_best: 3 (loss 0); keep_within: 9, 10; newest two: 9, 10.
+    assert _steps(decide(records, retention.policy()).keep) == [3, 5, 9, 10]

@@ -17,12 +17,14 @@ import pytest
 import torch
 from _crash import CHILD_DONE, fork_and_wait, install_kill_switch
 from support import assert_state_equal, blank_like, make_state
+from support.counting import ready_worker
 
 import dcp_safe
 from dcp_safe import (
     Bounds,
     CheckpointManager,
     Retention,
+    Runtime,
     SafeStorageWriter,
     Topology,
     WriterOptions,
@@ -333,3 +335,17 @@ def test_a_prune_or_restore_cut_short_on_an_object_store_leaves_the_trash_consis
         if finished:
             break
     assert seen == ({"committed", "trash", "gone"} if work == "prune" else {"committed", "trash"})
+
+
+@pytest.mark.worker_process
+def test_metrics_reach_the_manifest_from_the_worker_process(tmp_path: Path) -> None:
+    runtime = Runtime(executor="process")
+    with CheckpointManager(tmp_path, runtime=runtime, bounds=Bounds(budget=BUDGET)) as manager:
+        ready_worker(manager)
+        handle = manager.save(1, {"w": torch.zeros(2)}, metrics={"val_loss": 0.5, "data": "s3"})
+        assert handle is not None
+        handle.committed.result()
+        assert manager.stats().worker_saves == 1
+    assert [i.metrics for i in dcp_safe.list_checkpoints(tmp_path)] == [
+        {"val_loss": 0.5, "data": "s3"}
+    ]
