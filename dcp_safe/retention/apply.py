@@ -20,7 +20,13 @@ from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError
 from dcp_safe.retention.policy import CheckpointRecord, KeepLast, decide
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport, open_sweepable, sweep_backend
+from dcp_safe.retention.sweeper import (
+    DEFAULT_GRACE_S,
+    SweepReport,
+    open_sweepable,
+    sweep_backend,
+    sweep_trash,
+)
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
@@ -37,6 +43,7 @@ class RetentionReport:
         sweep: what the sweep of abandoned partial saves removed and left for later.
         not_counted: committed names left in place and out of the count: damaged, or not
             signed with the key (planted by someone without it, or another job's).
+        trash: what the expiry of the trash removed and left (``None``: not asked for).
     """
 
     kept: tuple[str, ...]
@@ -44,6 +51,7 @@ class RetentionReport:
     sweep: SweepReport
     dry_run: bool
     not_counted: tuple[str, ...] = ()
+    trash: SweepReport | None = None
 
 
 def apply_retention(
@@ -55,6 +63,7 @@ def apply_retention(
     storage_options: dict[str, Any] | None = None,
     allow_bucket_root: bool = False,
     signing_key: bytes | str | None = None,
+    trash_grace_s: float | None = None,
 ) -> RetentionReport:
     """Keep the ``keep_last`` newest checkpoints under ``root`` and sweep old partial saves.
 
@@ -68,6 +77,9 @@ def apply_retention(
             sweep there could touch other applications' objects).
         signing_key: count only checkpoints signed with this key (default
             ``DCP_SAFE_SIGNING_KEY`` if set), as a signing manager's own retention does.
+        trash_grace_s: also delete what the trash holds past this many seconds
+            (:func:`~dcp_safe.retention.sweeper.sweep_trash`); dropped checkpoints are deleted
+            at once either way.
 
     Raises:
         ConfigError: a negative ``keep_last`` or ``grace_s``, or a bucket root without
@@ -93,6 +105,9 @@ def apply_retention(
         sweep=sweep_backend(backend, grace_s, dry_run),
         dry_run=dry_run,
         not_counted=tuple(not_counted),
+        trash=None
+        if trash_grace_s is None
+        else sweep_trash(backend, trash_grace_s, dry_run=dry_run),
     )
 
 

@@ -99,7 +99,13 @@ def sweep_trash(
     """Delete the checkpoints in the trash (:mod:`dcp_safe.retention.trash`) whose trash marker
     is ``grace_s`` old (one with no age is kept). A folder whose deletion began (its marker is
     gone: a crash mid-delete) goes at once; on an object store, what a deletion cut short
-    leaves is the partial sweep's (no marker, no lease)."""
+    leaves is the partial sweep's (no marker, no lease).
+
+    Raises:
+        ConfigError: a negative or NaN ``grace_s`` (it would delete the whole trash).
+    """
+    if not grace_s >= 0:
+        raise ConfigError(f"the trash's grace period must be seconds >= 0, got {grace_s}")
     sweep = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
     removed: list[str] = []
     recent: list[str] = []

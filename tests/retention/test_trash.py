@@ -34,6 +34,7 @@ from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
 from dcp_safe.manager import HISTORY_FILE
+from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_trash
 from dcp_safe.retention.trash import restore_trashed, trash, trash_entries
 from dcp_safe.staging import MemoryBudget
@@ -349,3 +350,17 @@ def test_metrics_reach_the_manifest_from_the_worker_process(tmp_path: Path) -> N
     assert [i.metrics for i in dcp_safe.list_checkpoints(tmp_path)] == [
         {"val_loss": 0.5, "data": "s3"}
     ]
+
+
+def test_gc_expires_the_trash_when_asked_and_refuses_a_negative_grace(tmp_path: Path) -> None:
+    backend = open_backend(str(tmp_path))
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    trash(backend, "step_1")
+    kept = apply_retention(tmp_path, keep_last=5, trash_grace_s=3600.0)
+    assert kept.trash is not None and len(kept.trash.too_recent) == 1
+    assert apply_retention(tmp_path, keep_last=5).trash is None
+    gone = apply_retention(tmp_path, keep_last=5, trash_grace_s=0.0)
+    assert gone.trash is not None and len(gone.trash.removed) == 1 and trash_entries(backend) == []
+    with pytest.raises(ConfigError, match="grace"):
+        apply_retention(tmp_path, keep_last=5, trash_grace_s=-1.0)
