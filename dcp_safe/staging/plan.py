@@ -145,10 +145,6 @@ class PlanCache:
         self.hits += 1
         return plan
 
-    def retract(self) -> None:
-        """Un-count the last :meth:`speculate` hit: its plan did not match after all."""
-        self.hits -= 1
-
     def get(self, layout: Layout) -> StagingPlan:
         """The plan for ``layout``: the cached one while its key holds, else a new one."""
         plan = self._plans.get(layout.key)

@@ -472,7 +472,7 @@ class BudgetedStager(AsyncStager):
             return staged, allocated
         del staged
         with self._cond:
-            self._plans.retract()
+            self._plans.hits -= 1  # the guess was counted a reuse; it did not match after all
             gen.plan = self._plans.get(layout)
             gen.lease.release(writer_done=True)  # the guess's copy: nobody reads it
             # This generation is in flight already: count only the others.
