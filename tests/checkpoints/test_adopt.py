@@ -20,6 +20,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import dcp_safe
 from dcp_safe import Root, SafeStorageReader, layout, list_checkpoints, verify_checkpoint
@@ -120,6 +121,19 @@ def test_metadata_that_would_run_code_is_refused_without_running_it(tmp_path: Pa
         dcp_safe.adopt(source, tmp_path / "root")
     assert refused.value.classes == ("pathlib.Path.touch",)
     assert not flag.exists()
+
+
+def test_metadata_sharing_one_long_list_under_many_keys_is_refused(tmp_path: Path) -> None:
+    """A pickle's memo lets one list of chunks stand under every key: a few hundred KiB that a
+    naive walk would visit a million times over. The walk counts against the pickle's size."""
+    source = _stock(tmp_path / "ck")
+    metadata = pickle.loads((source / layout.DCP_METADATA).read_bytes())  # our own, trusted
+    entry = metadata.state_dict_metadata["w"]
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 1]))] * 5000
+    metadata.state_dict_metadata = {f"k{n}": entry for n in range(2000)}
+    (source / layout.DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointCorruptError, match="shared lists"):
+        dcp_safe.adopt(source, tmp_path / "root")
 
 
 def test_a_truncated_file_is_named_with_its_item_and_offsets(tmp_path: Path) -> None:
