@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -45,6 +44,7 @@ from dcp_safe.errors import (
     DrainTimeoutError,
 )
 from dcp_safe.manager.admit import Verdict
+from dcp_safe.manager.cadence import Cadence
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
@@ -57,6 +57,8 @@ from dcp_safe.manager.options import (
     Runtime,
     SavePolicy,
     choose_executor,
+    refuse_writes,
+    with_shorthands,
 )
 from dcp_safe.manager.preemption import PreemptionHandler, agreed_plan, final_save
 from dcp_safe.manager.saving import SaveRunner
@@ -111,17 +113,12 @@ class CheckpointManager:
         **moved: Any,
     ) -> None:
         refuse_moved("CheckpointManager", moved, MOVED)
-        # A shorthand replaces its one field: keep_last=3, retention=Retention(keep_every=10)
-        # keeps both.
-        policy, retention = policy or SavePolicy(), retention or Retention()
-        if save_every is not None:
-            policy = dataclasses.replace(policy, every=save_every)
-        if when_busy is not None:
-            policy = dataclasses.replace(policy, when_busy=when_busy)
-        if keep_last is not None:
-            retention = dataclasses.replace(retention, keep_last=keep_last)
+        policy, retention = with_shorthands(
+            policy, retention, save_every=save_every, when_busy=when_busy, keep_last=keep_last
+        )
         bounds, resume, runtime = bounds or Bounds(), resume or Resume(), runtime or Runtime()
         self.policy, self.retention, self.save_every = policy, retention, policy.every
+        self.read_only = runtime.read_only  # a reader beside training: no writes
         self.when_busy, self.staging = BusyPolicy(policy.when_busy), StagingMode(policy.staging)
         self.deadline_s, wait_s = bounds.deadline_s, bounds.wait_timeout_s
         writer, stager, telemetry = runtime.writer, runtime.stager, runtime.telemetry
@@ -153,20 +150,20 @@ class CheckpointManager:
         # Every byte of a new checkpoint is checked by the coordinator; the others check its
         # marker and manifest.
         deep = policy.validate is Validation.DEEP and agreement.coordinator
-        self._ledger = ledger = Ledger(
-            History(writer.commit_backend), telemetry, coordinator=agreement.coordinator
-        )
+        owns = agreement.coordinator and not self.read_only  # the history, pruning, sweeping
+        self._ledger = ledger = Ledger(History(writer.commit_backend), telemetry, coordinator=owns)
         self._cond, self._slot = ledger.cond, SaveSlot(ledger.cond)
         self._tiers = Tiers(
             writer,
             retention=retention,
             ledger=ledger,
             deferred=self._preemption_deferred,
-            coordinator=agreement.coordinator,
+            coordinator=owns,
             # A restore's transient reads fit the envelope the staged copies of a save do.
             load_budget_bytes=max(1, self.stager.budget.envelope_bytes),
             deadline_s=self.deadline_s,
         )
+        self._tiers.peers = None if self.read_only else self._tiers.peers  # would land on disk
         self._switch = FallbackSwitch(
             monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
             sample_memory=runtime.memory_sampler or self._memory_watch(),
@@ -207,6 +204,7 @@ class CheckpointManager:
             wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
         )
+        self._cadence = Cadence(policy, runtime.clock, agreement, self._slot)
         self._warm_start = None
         if resume.initial_load_from is not None:  # read with this run's root's options
             self._warm_start = WarmStart.of(
@@ -224,8 +222,10 @@ class CheckpointManager:
     def maybe_save(
         self, step: int, state_dict: dict[str, Any], *, metrics: Metrics | None = None
     ) -> SaveHandle | None:
-        """:meth:`save` when ``step % save_every == 0``, else ``None``."""
-        return None if step % self.save_every else self.save(step, state_dict, metrics=metrics)
+        """:meth:`save` when ``step`` is due by the policy's cadence, else ``None``."""
+        refuse_writes("maybe_save", read_only=self.read_only, closed=self._closed)
+        due = self._cadence.due(step)
+        return self.save(step, state_dict, metrics=metrics) if due else None
 
     def save(
         self,
@@ -252,7 +252,9 @@ class CheckpointManager:
             BudgetExceededError: the state can never fit the budget.
             ConfigError: the manager is closed, or the name or ``metrics`` are invalid.
         """
+        refuse_writes("save", read_only=self.read_only, closed=self._closed)
         handle = SaveHandle(step=step, name=self._name_for(step), metrics=metrics)
+        handle.committed.add_done_callback(self._cadence.committed)  # restarts interval_s
         policy = BusyPolicy.WAIT if force else self.when_busy
         with self._cond:
             if self._closed:
@@ -301,6 +303,7 @@ class CheckpointManager:
 
     def prune(self) -> tuple[str, ...]:
         """Apply retention to both tiers now (:meth:`Tiers.prune`); the local names removed."""
+        refuse_writes("prune", read_only=self.read_only, closed=self._closed)
         return self._tiers.prune()
 
     def latest(self, tier: str = "local") -> str | None:
@@ -471,7 +474,7 @@ class CheckpointManager:
             self._closed = True
         atexit.unregister(self._at_exit)
         left = countdown(timeout_s)
-        steps: list[Callable[[], object]] = [lambda: self.wait(left()), self.prune]
+        steps: list[Callable[[], object]] = [lambda: self.wait(left()), self._tiers.prune]
         steps.append(lambda: self._runner.post.shutdown(wait=True))
         if (worker := self._runner.worker) is not None:  # before the stager (slabs outlive maps)
             steps.append(lambda: worker.close(left()))
@@ -545,6 +548,7 @@ class CheckpointManager:
         Raises:
             ConfigError: not on the main thread, a bad budget, or one is installed already.
         """
+        refuse_writes("install_preemption_handler", read_only=self.read_only, closed=self._closed)
         if self._preemption is not None:
             raise ConfigError("a preemption handler is installed already")
         self._preemption = PreemptionHandler(self, signal, budget_s)

@@ -11,6 +11,7 @@ before this layout is a field of the same name in one of them (``save_every`` be
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -79,9 +80,20 @@ class SavePolicy:
             skipped, with the reason recorded (``None``: not checked).
         sync_fallback: thresholds of the automatic switch to synchronous saves
             (docs/runbook.md).
+        interval_s: of the steps ``every`` names, save one when at least this long has
+            passed since the last committed save (or since the manager was built).
+        continuous: of the steps ``every`` names, save one as soon as the previous save
+            committed (on every rank), and no sooner than ``min_interval_s`` after it began.
+        min_interval_s: see ``continuous`` (``None``: no minimum).
+        first_step: also save at the first :meth:`~dcp_safe.CheckpointManager.maybe_save`.
+
+    The timed cadences (``interval_s``, ``continuous``) are decided in one vote of every
+    rank at each step ``every`` names, on the coordinator's clock (``Runtime.clock``; why:
+    :mod:`dcp_safe.manager.cadence`), and never while a save is in flight.
 
     Raises:
-        ConfigError: a value out of range, or a name pattern without a usable ``{step}``.
+        ConfigError: a value out of range, a name pattern without a usable ``{step}``, or
+            cadences that cannot combine (the message names the field).
     """
 
     every: int = 1
@@ -91,10 +103,25 @@ class SavePolicy:
     name_format: str = "step_{step:09d}"
     latency_objective_s: float | None = None
     sync_fallback: FallbackOptions = field(default_factory=FallbackOptions)
+    interval_s: float | None = None
+    continuous: bool = False
+    min_interval_s: float | None = None
+    first_step: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {self.every!r}")
+        for flag in ("continuous", "first_step"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.interval_s is not None:
+            _set(self, "interval_s", seconds("interval_s", self.interval_s))
+            if self.continuous:
+                raise ConfigError("interval_s and continuous=True are two cadences: pick one")
+        if self.min_interval_s is not None:
+            _set(self, "min_interval_s", seconds("min_interval_s", self.min_interval_s))
+            if not self.continuous:
+                raise ConfigError("min_interval_s bounds continuous=True saves: set continuous")
         _set(self, "when_busy", parse_choice(BusyPolicy, self.when_busy, "when_busy"))
         _set(self, "staging", parse_choice(StagingMode, self.staging, "staging"))
         _set(self, "validate", parse_choice(Validation, self.validate, "validate"))
@@ -239,7 +266,12 @@ class Runtime:
         telemetry: ``None`` records nothing. Not closed by ``close()``.
         memory_sampler: the node's available bytes at each request, against the budget's
             ``node_reserve`` (default: the lowest reading of a 1 s sampler since the last one).
-        clock: monotonic seconds for the fallback's windows and latencies.
+        clock: monotonic seconds for the fallback's windows and latencies, and this rank's
+            readings for a timed cadence (:mod:`dcp_safe.manager.cadence`).
+        read_only: list, restore and follow the root without writing anything (an evaluation
+            job beside training): no history line, no prune or sweep, no worker process;
+            ``save``, ``maybe_save``, ``prune`` and ``install_preemption_handler`` raise
+            ConfigError.
 
     Raises:
         ConfigError: an unknown executor.
@@ -251,10 +283,46 @@ class Runtime:
     telemetry: Telemetry | None = None
     memory_sampler: Callable[[], int | None] | None = None
     clock: Callable[[], float] = time.monotonic
+    read_only: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.read_only, bool):
+            raise ConfigError(f"read_only must be True or False, got {self.read_only!r}")
+        if self.read_only:  # it saves nothing: no worker process to start
+            _set(self, "executor", "thread")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+
+
+def with_shorthands(
+    policy: SavePolicy | None,
+    retention: Retention | None,
+    *,
+    save_every: int | None,
+    when_busy: BusyPolicy | str | None,
+    keep_last: int | None,
+) -> tuple[SavePolicy, Retention]:
+    """``policy`` and ``retention`` (or the defaults), each shorthand given replacing its one
+    field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both."""
+    policy, retention = policy or SavePolicy(), retention or Retention()
+    if save_every is not None:
+        policy = dataclasses.replace(policy, every=save_every)
+    if when_busy is not None:
+        policy = dataclasses.replace(policy, when_busy=when_busy)
+    if keep_last is not None:
+        retention = dataclasses.replace(retention, keep_last=keep_last)
+    return policy, retention
+
+
+def refuse_writes(call: str, *, read_only: bool, closed: bool) -> None:
+    """Raise unless the manager may write (``call``: the manager's method asked to).
+
+    Raises:
+        ConfigError: the manager is read-only (``Runtime(read_only=True)``) or closed.
+    """
+    if read_only or closed:
+        why = "read-only (Runtime(read_only=True))" if read_only else "closed"
+        raise ConfigError(f"{call}() writes, and this CheckpointManager is {why}")
 
 
 def choose_executor(

@@ -1,0 +1,128 @@
+"""``Runtime(read_only=True)``: an evaluation job's manager beside a training run's.
+
+It lists, restores and follows the root while training saves into it, and writes nothing: the
+root's tree (every path and every file's bytes) is the same before and after its calls, an
+abandoned partial a sweep would remove included, and each write call raises ConfigError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support import assert_state_equal, blank_like, make_state
+from support.faults import abandon_a_save
+
+import dcp_safe
+from dcp_safe import CheckpointManager, ConfigError, Retention, Runtime
+
+_EVENT_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
+READ_ONLY = Runtime(read_only=True)
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path under ``root``: a folder as ``/``, a file as the hash of its bytes."""
+    found: dict[str, str] = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders:
+            found[os.path.relpath(os.path.join(folder, name), root)] = "/"
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def _step_of(name: str) -> int:
+    return int(name.rsplit("_", 1)[1])
+
+
+def _restore_latest(reader: CheckpointManager) -> int:
+    target = blank_like(make_state(0))
+    name = reader.restore(target)
+    assert_state_equal(target, make_state(_step_of(name)))
+    return _step_of(name)
+
+
+def test_a_read_only_manager_follows_training_and_writes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    paused, go, restored_meanwhile = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            with CheckpointManager(root, keep_last=3) as trainer:
+                for step in range(1, 13):
+                    trainer.save(step, make_state(step)).committed.result()  # type: ignore[union-attr]
+                    if step == 6:
+                        paused.set()
+                        assert go.wait(_EVENT_TIMEOUT_S)
+                    if step == 8:  # the reader restores while training goes on
+                        assert restored_meanwhile.wait(_EVENT_TIMEOUT_S)
+        except BaseException as exc:
+            errors.append(exc)
+            paused.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    reader = CheckpointManager(root, retention=Retention(partial_grace_s=1.0), runtime=READ_ONLY)
+    assert paused.wait(_EVENT_TIMEOUT_S) and not errors
+    # An abandoned save, old enough for any sweep: the reader must leave it where it is.
+    partial = root / abandon_a_save(root, "step_000000099")
+    old = time.time() - 7 * 3600  # past the training manager's grace (6 h) too
+    for folder, _, files in os.walk(partial):
+        for name in [*files, "."]:
+            os.utime(os.path.join(folder, name), (old, old))
+    before = _tree(root)
+
+    assert reader.latest() == "step_000000006"  # read now, not when the reader was built
+    assert _restore_latest(reader) == 6
+    target = blank_like(make_state(0))
+    assert reader.restore(target, step=5, audit=True) == "step_000000005"
+    assert_state_equal(target, make_state(5))
+    assert [c.name for c in dcp_safe.list_checkpoints(root)][-1] == "step_000000006"
+    assert dcp_safe.verify_checkpoint(root, "step_000000006").files_checked > 0
+    assert [e["step"] for e in reader.history() if e["event"] == "committed"] == list(range(1, 7))
+    for call in (
+        lambda: reader.save(7, make_state(7)),
+        lambda: reader.maybe_save(7, make_state(7)),
+        reader.prune,
+        reader.install_preemption_handler,
+    ):
+        with pytest.raises(ConfigError, match="read-only"):
+            call()
+    assert _tree(root) == before
+
+    go.set()
+    while not errors and trainer.is_alive() and not restored_meanwhile.is_set():
+        if _restore_latest(reader) >= 7:  # a save training committed after the pause
+            restored_meanwhile.set()
+    trainer.join(_EVENT_TIMEOUT_S)
+    assert not errors and not trainer.is_alive()
+    assert reader.latest() == "step_000000012"
+    assert _restore_latest(reader) == 12
+    reader.close()
+
+    events = reader.history()
+    assert {e["event"] for e in events} <= {"requested", "committed", "pruned"}  # training's
+    assert not partial.exists()  # training's own sweep took it: the reader's would have too
+
+
+def test_a_read_only_manager_creates_nothing_where_there_is_nothing(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "absent", runtime=READ_ONLY) as reader:
+        assert reader.latest() is None and reader.executor == "thread"
+        with pytest.raises(dcp_safe.CheckpointNotFoundError):
+            reader.restore({"w": torch.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_is_a_runtime_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"read_only=\) moved to runtime=Runtime\(read_only="):
+        CheckpointManager(tmp_path, read_only=True)
+    with pytest.raises(ConfigError, match="read_only"):
+        Runtime(read_only="yes")  # type: ignore[arg-type]
