@@ -32,7 +32,13 @@ from dcp_safe import (
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    SignatureError,
+)
 from dcp_safe.manager import HISTORY_FILE
 from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_trash
@@ -364,3 +370,29 @@ def test_gc_expires_the_trash_when_asked_and_refuses_a_negative_grace(tmp_path: 
     assert gone.trash is not None and len(gone.trash.removed) == 1 and trash_entries(backend) == []
     with pytest.raises(ConfigError, match="grace"):
         apply_retention(tmp_path, keep_last=5, trash_grace_s=-1.0)
+
+
+def test_a_damaged_checkpoint_in_the_trash_is_not_restored_and_stays_there(tmp_path: Path) -> None:
+    backend = open_backend(str(tmp_path))
+    trash(backend, _save(tmp_path, 1))
+    _save(tmp_path, 2)
+    ((_, folder),) = trash_entries(backend)
+    shard = next((tmp_path / folder).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError):
+        restore_trashed(tmp_path, "step_1")
+    assert trash_entries(backend) == [("step_1", folder)] and _names(tmp_path) == ["step_2"]
+
+
+def test_a_signed_checkpoint_is_restored_only_under_its_key(tmp_path: Path) -> None:
+    key = "hex:" + "5a" * 32
+    options = WriterOptions(fsync=False, signing_key=key)  # type: ignore[arg-type]
+    writer = SafeStorageWriter(tmp_path, step=1, options=options)
+    dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=writer)
+    trash(open_backend(str(tmp_path)), "step_1")
+    with pytest.raises(SignatureError):
+        restore_trashed(tmp_path, "step_1", signing_key="hex:" + "77" * 32)
+    restore_trashed(tmp_path, "step_1", signing_key=key)
+    dcp_safe.verify_checkpoint(tmp_path, "step_1", signing_key=key)
