@@ -5,9 +5,9 @@ gloo group (:func:`dcp_safe.checkpoint_group`, timeout ``deadline_s``) unless gi
 ``process_group=`` or ``no_dist=``, and translate errors once, on the calling thread and every
 future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
 ``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
-naming the ranks). The first call creates the group, a collective over the default group:
-every rank must make it at the same point. See docs/multirank.md, "Deadlines, and why saves
-get their own process group".
+naming the ranks); :func:`translate_errors` gives plain DCP's calls the same translation. The
+first call creates the group, a collective over the default group: every rank must make it at
+the same point. See docs/multirank.md, "Deadlines, and why saves get their own process group".
 """
 
 from __future__ import annotations
