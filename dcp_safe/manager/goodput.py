@@ -1,8 +1,278 @@
-"""The goodput controller (Young–Daly) and the expected-work-lost arithmetic.
+"""The goodput controller (Young-Daly) and the expected-work-lost arithmetic.
 
-Pure functions over values every rank agreed on (no clock, no torch, no threads): what
-`SavePolicy(auto=True)` uses to choose the save interval, and what `stats()` reports as the
-expected work lost per hour for every cadence. (Work in progress: issue #47 part 2.)
+Saves start every ``T`` seconds and cost the job ``C`` seconds each. A save is durable ``L``
+seconds after it starts (committed on every tier). Failures come at rate ``1/M`` per second,
+independent of the schedule (``M``: the mean time between failures).
+
+*Measuring C*, from the times between the training loop's votes (:meth:`Goodput.vote`), so
+that what is measured is what the job loses, whatever it was spent on: the *stall* is how much
+longer the steps from a vote that started a save to the next vote took than the same steps
+with no save in flight; the *slowdown* is the fraction of speed lost while a save is in flight
+(those steps' time over the idle steps', minus one); the *background phase* is the rest of the
+time to durable commit. ``C = stall + slowdown · background``. Each is a moving average over
+the recent saves, so the choice follows costs that change.
+
+*Expected work lost per failure*: the newest durable state is the newest save started at least
+``L`` before the failure; with the failure at a uniformly random point of the schedule, the work
+since that save began is uniform over ``[L, L + T)``: ``T/2 + L`` on average, whether or not
+``L < T``. *Per hour*: ``3600/M · (T/2 + L)`` (:func:`loss_per_hour_s`). The restart itself
+(the scheduler's relaunch, reading the checkpoint back) is the same whatever the cadence and
+is left out. First order in ``T/M``: a failure restarts the schedule, which shortens the next
+interval; the simulation in tests/manager/test_goodput.py bounds the error where ``T ≪ M``.
+
+*The optimum*: the time lost per second is ``C/T + (T/2 + L)/M``; its derivative is zero at
+``T* = sqrt(2·C·M)`` (Young, 1974; ``L`` drops out). Daly's higher-order form (2006) corrects it
+by terms in ``sqrt(C/2M)``: under 3 % for ``C/M < 10⁻³``, below the noise of measured costs,
+so Young's form is used. ``T*`` is then bounded: above by ``M`` (Daly's limit: past it nearly
+every interval fails) and by :data:`LONGEST_S`; below by ``L``, which a save cannot start more
+often than, since the storage would queue saves without end (and the staged copy holds the host
+budget until the background phase ends, which is before ``L``).
+
+*The MTBF*: ``SavePolicy(mtbf_s=)``, or estimated from the root's history
+(:func:`estimate_mtbf`): restarts counted against the history's span, with a prior of one
+failure per :data:`PRIOR_MTBF_S` (a Gamma(1, PRIOR_MTBF_S) prior on the rate; the estimate is
+``(PRIOR_MTBF_S + span) / (1 + restarts)``, the prior's when the history is short, lengthening
+while nothing fails).
+
+Every rank measures its own costs; the job's are the slowest rank's (every collective waits for
+it) and the MTBF the coordinator's (only it reads the history), agreed in the cadence's vote
+(:mod:`dcp_safe.manager.cadence`), so every rank chooses the same interval.
 """
 
 from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcp_safe.manager.handles import SaveHandle
+    from dcp_safe.manager.ledger import Ledger
+    from dcp_safe.manager.options import SavePolicy
+
+#: The prior's mean time between failures: one a day, a small job's; a job of thousands of
+#: accelerators fails every few hours and should give ``mtbf_s``.
+PRIOR_MTBF_S = 24 * 3600.0
+#: The longest interval ``auto`` chooses: a young failure-free history argues for ever longer
+#: intervals exactly where the estimate is least reliable.
+LONGEST_S = 6 * 3600.0
+_WEIGHT = 0.3  # of the newest measurement in each moving average: costs change, the choice follows
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a save costs the job, in seconds (moving averages over the recent saves).
+
+    Attributes:
+        stall_s: the request until the state is staged: training waits.
+        background_s: staged until committed: the write, beside training.
+        slowdown: the fraction of step speed lost while a save is in the background.
+        commit_s: the request until durable on every tier.
+        mtbf_s: the mean time between failures (``None``: not known on this rank).
+        mtbf_note: where ``mtbf_s`` came from.
+    """
+
+    stall_s: float = 0.0
+    background_s: float = 0.0
+    slowdown: float = 0.0
+    commit_s: float = 0.0
+    mtbf_s: float | None = None
+    mtbf_note: str = ""
+
+    @property
+    def save_s(self) -> float:
+        """``C``: one save's cost to the job."""
+        return self.stall_s + self.slowdown * self.background_s
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The interval between saves, why, the expected work lost per hour at it, and the save
+    cost and MTBF it came from (named as :class:`~dcp_safe.manager.ManagerStats` names them)."""
+
+    save_interval_s: float | None = None
+    interval_reason: str = "no save committed yet"
+    expected_loss_per_hour_s: float | None = None
+    save_cost_s: float | None = None
+    mtbf_s: float | None = None
+
+
+def agree(costs: Sequence[Costs]) -> Costs:
+    """The job's costs from every rank's (index = rank): the slowest rank's, rank 0's MTBF."""
+    worst = {f: max(getattr(c, f) for c in costs) for f in ("stall_s", "background_s", "commit_s")}
+    return replace(costs[0], slowdown=max(c.slowdown for c in costs), **worst)
+
+
+def young_daly_s(save_s: float, mtbf_s: float) -> float:
+    """``sqrt(2·C·M)``: the interval that loses least (the module docstring derives it)."""
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def loss_per_hour_s(interval_s: float, commit_s: float, mtbf_s: float) -> float:
+    """Expected seconds of work lost per hour: ``3600/M · (T/2 + L)``."""
+    return 3600.0 / mtbf_s * (interval_s / 2.0 + commit_s)
+
+
+def choose(costs: Costs) -> Choice:
+    """``auto``'s interval: Young-Daly's, bounded (the module docstring says by what)."""
+    if costs.mtbf_s is None:  # a cadence built without the history (a test's)
+        costs = replace(costs, mtbf_s=PRIOR_MTBF_S, mtbf_note="the prior")
+    mtbf, c = costs.mtbf_s or PRIOR_MTBF_S, costs.save_s
+    interval = young_daly_s(c, mtbf)
+    why = f"auto: sqrt(2 * cost {c:.3g} s * MTBF {mtbf:.4g} s ({costs.mtbf_note}))"
+    if interval > (upper := min(mtbf, LONGEST_S)):
+        interval, why = upper, f"{why}, capped at {'the MTBF' if upper == mtbf else 'LONGEST_S'}"
+    if interval < costs.commit_s:
+        interval, why = costs.commit_s, f"{why}, raised to the time to durable commit"
+    return Choice(interval, why, loss_per_hour_s(interval, costs.commit_s, mtbf), c, mtbf)
+
+
+def estimate_mtbf(events: Sequence[Mapping[str, Any]], now: float) -> tuple[float, str]:
+    """The MTBF from a root's history events (oldest first) at ``now`` (``time.time()``), and
+    how it was estimated. A restart is a ``restored`` event from the run's own tiers not right
+    after a ``preempted`` one (a planned stop loses nothing), or a ``rolled_back`` one."""
+    times = [e["time"] for e in events if isinstance(e.get("time"), (int, float))]
+    span = max(0.0, now - min(times)) if times else 0.0
+    restarts = sum(
+        e.get("event") == "rolled_back"
+        or (e.get("event") == "restored" and e.get("tier") != "initial" and before != "preempted")
+        for before, e in zip([None, *(p.get("event") for p in events)], events, strict=False)
+    )
+    note = f"{restarts} restarts in {span / 3600:.3g} h of history, prior 1 per 24 h"
+    return (PRIOR_MTBF_S + span) / (1 + restarts), note
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new
+
+
+class Goodput:
+    """One rank's measurements of what saves cost, and the interval chosen from them.
+
+    Args:
+        policy: the manager's.
+        clock: this rank's monotonic seconds.
+        mtbf: ``(mtbf_s, note)`` (``None``: not known here; the coordinator's is agreed).
+        on_commit: called with the current choice after each commit (telemetry).
+
+    Thread safety: the training thread votes, the manager thread reports commits; a lock.
+    """
+
+    def __init__(
+        self,
+        policy: SavePolicy,
+        clock: Callable[[], float],
+        mtbf: tuple[float, str] | None = None,
+        on_commit: Callable[[Choice], None] | None = None,
+    ) -> None:
+        self.policy, self._clock, self._on_commit = policy, clock, on_commit
+        if policy.mtbf_s is not None:
+            mtbf = (policy.mtbf_s, "mtbf_s")
+        self._costs = Costs() if mtbf is None else Costs(mtbf_s=mtbf[0], mtbf_note=mtbf[1])
+        self._lock = threading.Lock()
+        # Times between votes: busy (a save in flight), idle, and from one that started a save.
+        self._gaps: dict[bool | None, float | None] = {True: None, False: None, None: None}
+        self._last_vote: tuple[float, bool | None] | None = None  # None: it started a save
+        self._commit_s: float | None = None
+        self._committed_at: float | None = None
+        self._between_s: float | None = None  # measured start-to-start (commit-to-commit)
+        self._agreed: Choice = Choice()
+
+    @classmethod
+    def of(
+        cls, policy: SavePolicy, clock: Callable[[], float], ledger: Ledger, *, history: bool
+    ) -> Goodput:
+        """A manager's: the MTBF estimated from the root's history where ``history`` (the
+        coordinator) and not given; each commit's choice marked ``save_interval`` in the
+        telemetry (a failure there counted, never raised)."""
+        mtbf = None
+        if history and policy.mtbf_s is None:
+            mtbf = estimate_mtbf(ledger.history.read(), time.time())
+        telemetry = ledger.telemetry
+        if telemetry is None:
+            return cls(policy, clock, mtbf)
+
+        def mark(choice: Choice) -> None:
+            ledger.quietly("telemetry", lambda: telemetry.mark("save_interval", **vars(choice)))
+
+        return cls(policy, clock, mtbf, mark)
+
+    def vote(self, now: float, busy: bool) -> Costs:
+        """At a vote (``now``, this rank busy or not): times the steps since the previous one;
+        this rank's costs."""
+        with self._lock:
+            if self._last_vote is not None:
+                then, kind = self._last_vote
+                if kind is None or kind is busy:  # not a save ending in between
+                    self._gaps[kind] = _average(self._gaps[kind], now - then)
+            self._last_vote = (now, busy)
+            idle, busy_s, saving = (self._gaps[k] for k in (False, True, None))
+            stall = max(0.0, saving - idle) if saving is not None and idle else 0.0
+            slowdown = min(1.0, max(0.0, busy_s / idle - 1)) if busy_s and idle else 0.0
+            background = max(0.0, self._costs.commit_s - stall)
+            self._costs = replace(
+                self._costs, stall_s=stall, slowdown=slowdown, background_s=background
+            )
+            return self._costs
+
+    def decided(self, costs: Sequence[Costs], saving: bool) -> Choice:
+        """Every rank's costs were gathered (``saving``: this vote starts a save): the choice."""
+        with self._lock:
+            if saving and self._last_vote is not None:
+                self._last_vote = (self._last_vote[0], None)  # the next gap holds the stall
+            if self.policy.auto and costs:
+                self._agreed = choose(agree(costs))
+            return self._agreed
+
+    def watch(self, handle: SaveHandle) -> None:
+        """Time ``handle`` until durable (``auto`` only: other cadences read the clock no more)."""
+        if not self.policy.auto:
+            return
+        start = self._clock()
+
+        def durable(done: Future[Any]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._commit_took(self._clock() - start)
+
+        handle.replicated.add_done_callback(durable)  # after committed (None without a replica)
+
+    def committed(self, at: float, started_at: float | None) -> None:
+        """A save committed at ``at`` (the cadence's reading), started at ``started_at``."""
+        with self._lock:
+            if self._committed_at is not None:
+                self._between_s = _average(self._between_s, at - self._committed_at)
+            self._committed_at = at
+        if not self.policy.auto and started_at is not None and at >= started_at:
+            self._commit_took(at - started_at)
+        if self._on_commit is not None:
+            self._on_commit(self.choice())
+
+    def choice(self) -> Choice:
+        """The current interval and expected loss: ``auto``'s as agreed at the last vote; any
+        other cadence's from this rank's measurements."""
+        with self._lock:
+            return self._agreed if self.policy.auto else self._fixed(self._costs)
+
+    def _commit_took(self, seconds: float) -> None:
+        with self._lock:
+            self._commit_s = _average(self._commit_s, seconds)
+            self._costs = replace(self._costs, commit_s=self._commit_s)
+
+    def _fixed(self, costs: Costs) -> Choice:
+        given = self.policy.interval_s
+        interval, why = (given, "interval_s") if given is not None else (self._between_s, "")
+        if interval is None:
+            return Choice()
+        why = why or f"measured between commits ({_cadence(self.policy)})"
+        if costs.mtbf_s is None:
+            return Choice(interval, why)
+        loss = loss_per_hour_s(interval, costs.commit_s, costs.mtbf_s)
+        return Choice(interval, why, loss, mtbf_s=costs.mtbf_s)
+
+
+def _cadence(policy: SavePolicy) -> str:
+    return "continuous=True" if policy.continuous else f"every={policy.every}"

@@ -7,7 +7,7 @@ exported unasked. ``prometheus_client`` is an optional extra, imported only when
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dcp_safe.errors import ConfigError
@@ -78,6 +78,14 @@ class PrometheusSink(Sink):
                 counter, "retries", "Storage operations retried after a transient failure."
             ),
         }
+        # From the manager's ``save_interval`` mark at each commit (dcp_safe.manager.goodput).
+        self.save_interval = metric(c.Gauge, "save_interval_seconds", "Interval between saves.")
+        self.expected_loss = metric(
+            c.Gauge, "expected_loss_per_hour_seconds", "Expected work lost per hour."
+        )
+        self.interval_source = metric(
+            c.Enum, "save_interval_source", "What set the save interval.", states=_SOURCES
+        )
         self.step_seconds = metric(
             c.Histogram, "step_duration_seconds", "Training step time reported by the loop.",
             **seconds,
@@ -107,6 +115,8 @@ class PrometheusSink(Sink):
             self.in_flight.inc()
         elif event.kind is EventKind.SPAN_END:
             self._span_end(event)
+        elif event.kind is EventKind.MARK and event.name == "save_interval":
+            self._interval(event.attrs)
         elif event.kind is EventKind.MARK:
             counter = self.marks.get(_MARK_COUNTERS.get(event.name, ""))
             if counter is not None:
@@ -124,6 +134,16 @@ class PrometheusSink(Sink):
             self.saves.labels(outcome).inc()
         elif event.name == Phase.WRITE.value and event.ok and event.bytes is not None:
             self.save_bytes.observe(event.bytes)
+
+    def _interval(self, attrs: Mapping[str, Any]) -> None:
+        for gauge, key in (
+            (self.save_interval, "save_interval_s"),
+            (self.expected_loss, "expected_loss_per_hour_s"),
+        ):
+            if isinstance(value := attrs.get(key), (int, float)):
+                gauge.set(value)
+        reason = str(attrs.get("interval_reason", ""))
+        self.interval_source.state(next((s for s in _SOURCES if reason.startswith(s)), "none"))
 
     def sample(self, sample: MemorySample) -> None:
         self._latest = sample  # one reference store: atomic, no lock needed
@@ -150,4 +170,6 @@ class PrometheusSink(Sink):
         return float(sum(getattr(s.stats(), field) for s in stagers))
 
 
+# What set the interval, by the start of its reason (interval_reason in ManagerStats).
+_SOURCES = ["auto", "interval_s", "measured", "none"]
 _MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}
