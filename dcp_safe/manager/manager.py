@@ -224,7 +224,8 @@ class CheckpointManager:
     ) -> SaveHandle | None:
         """:meth:`save` when ``step`` is due by the policy's cadence, else ``None``."""
         refuse_writes("maybe_save", read_only=self.read_only, closed=self._closed)
-        due = self._cadence.due(step)
+        with self._preemption_deferred():  # as the save's vote: a signal waits for its end
+            due = self._cadence.due(step)
         return self.save(step, state_dict, metrics=metrics) if due else None
 
     def save(
