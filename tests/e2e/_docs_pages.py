@@ -101,6 +101,15 @@ def _child(page: Path, cwd: Path, log: Path, result: Path, pasted: bool) -> None
     os.dup2(fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.chdir(cwd)
+    # Nothing of the host's AWS setup: an S3 example that forgot its local S3 fails here,
+    # rather than reaching a real account.
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        del os.environ[name]
+    os.environ.update(
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_CONFIG_FILE=os.devnull,
+    )
     status = 1
     try:
         status = _run_page(page, result, pasted)

@@ -8,7 +8,8 @@ The convention (docs authors: write to it; this test enforces it):
   environment's ``bin`` first on ``PATH``), all in one fresh, empty working directory and one
   fresh process per page: nothing else is set up. An S3 example starts its own local S3 with
   ``dcp_safe.testing.s3.use_local_s3("bucket")`` (moto on 127.0.0.1, a free port, dummy
-  credentials in ``AWS_*``); a bash block sees none of that, so keep S3 out of bash blocks. A
+  credentials in ``AWS_*``); a bash block sees none of that, so keep S3 out of bash blocks. The
+  host's own ``AWS_*`` variables are removed, so no example can reach a real account. A
   block that needs several ranks runs them itself (``torchrun ...`` in a bash block).
 * ``text`` and ``json`` blocks show something (output, a file, a formula) and never run.
 * Any other block, and a ``python`` or ``bash`` block that cannot run here (real AWS, GPUs,
