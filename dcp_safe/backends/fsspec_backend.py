@@ -69,6 +69,8 @@ class FsspecBackend(Backend):
             ``max_concurrency`` (s3fs's per-file transfer concurrency) is also the number of
             parts each streamed upload keeps in flight (default 4) and ``default_block_size``
             the part size.
+        client_retries: s3fs's own tries per request on S3 (:func:`open_backend` gives 1: the
+            retry layer above owns retries); None: s3fs's default.
 
     Raises:
         ConfigError: ``max_concurrency`` is not an int >= 1.
@@ -96,14 +98,14 @@ class FsspecBackend(Backend):
         protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
         self.object_store = self.object_store or bool(protocols & _OBJECT_STORE_PROTOCOLS)
         self.process_local = bool(protocols & _IN_PROCESS_PROTOCOLS)
-        s3 = isinstance(target, S3FileSystem)
+        self.s3 = isinstance(target, S3FileSystem)  # under any wrapper
         # True, False, or None: to be probed on the server the first time it is asked. s3fs
         # (>= 2024.12, as pinned) sends ``pipe_file(mode="create")`` as a conditional PUT.
-        self._exclusive: bool | None = True if self.process_local else None if s3 else False
+        self._exclusive: bool | None = True if self.process_local else None if self.s3 else False
         self.client_retries = client_retries
         self.__setstate__({})
         # s3fs (or a wrapper passing its call_s3 on) reaches the S3 API for pipelined uploads.
-        self._multipart = s3 and callable(getattr(self.fs, "call_s3", None))
+        self._multipart = self.s3 and callable(getattr(self.fs, "call_s3", None))
         # Checked now, not at the first upload: a bad option is the caller's, not a storage fault.
         self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
 
@@ -112,7 +114,7 @@ class FsspecBackend(Backend):
         reaches (nor fsspec's rebuild of an unpickled file system); where RetryingBackend owns
         retries and the deadline, the client tries once."""
         self.__dict__.update(state)
-        if self.client_retries is not None and hasattr(self._target, "retries"):
+        if self.client_retries is not None and self.s3:
             self._target.retries = self.client_retries
 
     @property

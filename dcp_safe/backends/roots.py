@@ -3,8 +3,8 @@
 ``faulty://`` roots (:mod:`dcp_safe.testing.faulty_fs`, a fault-injecting wrapper) get the
 backend the storage they wrap would get, minus what only a real POSIX path can do: a faulty
 local root goes through fsspec (no ``renameat2``, no fsync: the faults must reach every
-operation, and LocalBackend calls ``os`` directly), a faulty S3 root keeps the retry layer, the
-single-try client settings and its conditional puts.
+operation, and LocalBackend calls ``os`` directly), a faulty S3 root keeps the retry layer and
+its conditional puts (the wrapper builds an S3 target with single-try client settings itself).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from dcp_safe.topology import RootLike, as_root
 from dcp_safe.untrusted import shown
 
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
-_FAULTY_PROTOCOL = "faulty"
 # By name, so that opening a root never imports the testing package unless a faulty root asks.
 fsspec.register_implementation(
-    _FAULTY_PROTOCOL, "dcp_safe.testing.faulty_fs.FaultyFileSystem", clobber=False
+    "faulty", "dcp_safe.testing.faulty_fs.FaultyFileSystem", clobber=False
 )
 
 
@@ -39,9 +38,9 @@ def open_backend(
 ) -> Backend:
     """Pick the backend for a root: a Root, or a path or URL and its ``storage_options``.
 
-    Local paths and ``file://`` URLs get the POSIX backend; S3 gets fsspec behind
-    :class:`RetryingBackend` with single-try clients (stacked, s3fs and botocore would take
-    ~40 s to report a persistent fault); anything else, fsspec as it is.
+    Local paths and ``file://`` URLs get the POSIX backend; S3 (also under a wrapper) gets
+    fsspec behind :class:`RetryingBackend` with single-try clients (stacked, s3fs and botocore
+    would take ~40 s to report a persistent fault); anything else, fsspec as it is.
 
     Raises:
         ConfigError: no fsspec file system is installed for the URL's protocol; options both
@@ -59,22 +58,7 @@ def open_backend(
             " URL of an installed fsspec file system, e.g. s3://bucket/prefix"
         ) from None
     options = dict(root.storage_options or {})
-    s3 = protocol in _S3_PROTOCOLS
-    if protocol == _FAULTY_PROTOCOL:
-        # Options ``fs`` (an instance) or ``target_protocol`` and ``target_options`` name the
-        # storage underneath; ``faults`` or ``plan`` the faults.
-        wrapped = options.get("fs")
-        if isinstance(wrapped, fsspec.AbstractFileSystem):
-            protocols = wrapped.protocol
-            s3 = bool(
-                ({protocols} if isinstance(protocols, str) else set(protocols)) & _S3_PROTOCOLS
-            )
-        elif s3 := str(options.get("target_protocol") or "file") in _S3_PROTOCOLS:
-            target_options = single_try_s3_options(options.get("target_options"))
-            target_options.setdefault("use_listings_cache", False)
-            options["target_options"] = target_options
-    elif s3:
+    if protocol in _S3_PROTOCOLS:
         options = single_try_s3_options(options)
-    if not s3:
-        return FsspecBackend(url, options)
-    return RetryingBackend(FsspecBackend(url, options, client_retries=1), retry or RetryPolicy())
+    backend = FsspecBackend(url, options, client_retries=1)
+    return RetryingBackend(backend, retry or RetryPolicy()) if backend.s3 else backend

@@ -58,6 +58,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
+from dcp_safe.backends.retry import single_try_s3_options
 from dcp_safe.errors import ConfigError
 from dcp_safe.testing.fault_plan import (
     OPERATION_KINDS,
@@ -358,6 +359,11 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise ConfigError("give either fs (an instance) or target_protocol, not both")
         if faults is not None and plan is not None:
             raise ConfigError("give either faults (a shared injector) or plan, not both")
+        if fs is None and target_protocol in ("s3", "s3a"):
+            # As open_backend builds an S3 root: single-try clients (the retry layer above owns
+            # retries and the deadline) and no listing cache (a stale one hides new shards).
+            target_options = single_try_s3_options(target_options)
+            target_options.setdefault("use_listings_cache", False)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
         elif not isinstance(fs, AbstractFileSystem):
