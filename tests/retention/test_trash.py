@@ -44,6 +44,7 @@ from dcp_safe.retention.apply import apply_retention
 from dcp_safe.retention.sweeper import sweep_trash
 from dcp_safe.retention.trash import restore_trashed, trash, trash_entries
 from dcp_safe.staging import MemoryBudget
+from dcp_safe.topology import Root
 
 BUDGET = MemoryBudget(usable_bytes=1 << 28, reserve_bytes=0)
 
@@ -232,22 +233,23 @@ def test_the_manager_deletes_expired_trash_in_the_background(tmp_path: Path) -> 
 # ------------------------------------------------------------------ cut short anywhere
 
 
-def _state_of(root: str, name: str, expected: dict[str, Any]) -> str:
+def _state_of(root: str, name: str, expected: dict[str, Any], **options: Any) -> str:
     """``committed``, ``trash`` or ``gone``: whichever ``name`` is, each checked whole (a
     committed one verifies and loads as saved; one in the trash restores and loads)."""
-    if name in _names(root):
-        where = "committed"
+    where = Root(root, options or None)
+    if name in _names(root, **options):
+        state = "committed"
     else:
         try:
-            restore_trashed(root, name)
+            restore_trashed(where, name)
         except CheckpointNotFoundError:
             return "gone"
-        where = "trash"
-    dcp_safe.verify_checkpoint(root, name)
+        state = "trash"
+    dcp_safe.verify_checkpoint(where, name)
     loaded = blank_like(expected)
-    dcp_safe.load(loaded, checkpoint_id=name, storage_reader=dcp_safe.SafeStorageReader(root))
+    dcp_safe.load(loaded, checkpoint_id=name, storage_reader=dcp_safe.SafeStorageReader(where))
     assert_state_equal(loaded, expected)
-    return where
+    return state
 
 
 def _sweep_kills(
@@ -313,16 +315,20 @@ def _cut_short_at(patch: pytest.MonkeyPatch, call: int) -> None:
         patch.setattr(FsspecBackend, method, step)
 
 
+@pytest.mark.parametrize("store", ["memory", pytest.param("s3", marks=pytest.mark.s3)])
 @pytest.mark.parametrize("work", ["prune", "restore"])
 def test_a_prune_or_restore_cut_short_on_an_object_store_leaves_the_trash_consistent(
-    work: str, monkeypatch: pytest.MonkeyPatch
+    work: str, store: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
+    options: dict[str, Any] = {}
+    if store == "s3":
+        base, options = request.getfixturevalue("s3_root"), request.getfixturevalue("s3_options")
     seen = set()
     for call in range(1, 50):
-        root = f"memory://dcp-safe-cut-{uuid.uuid4().hex}"
-        _save(root, 1)
-        _save(root, 2)
-        backend = open_backend(root)
+        root = f"{base}/cut-{call}" if store == "s3" else f"memory://cut-{uuid.uuid4().hex}"
+        _save(root, 1, storage_options=options or None)
+        _save(root, 2, storage_options=options or None)
+        backend = open_backend(root, options or None)
         if work == "restore":
             trash(backend, "step_1")
         finished = True
@@ -333,12 +339,13 @@ def test_a_prune_or_restore_cut_short_on_an_object_store_leaves_the_trash_consis
                     trash(backend, "step_1")
                     sweep_trash(backend, 0.0, now=time.time() + 1)
                 else:
-                    restore_trashed(root, "step_1")
+                    restore_trashed(root, "step_1", storage_options=options or None)
             except _CutShort:
                 finished = False
-        seen.add(_state_of(root, "step_1", make_state(1)))
-        assert _state_of(root, "step_2", make_state(2)) == "committed"
-        fsspec.filesystem("memory").rm(root, recursive=True)
+        seen.add(_state_of(root, "step_1", make_state(1), **options))
+        assert _state_of(root, "step_2", make_state(2), **options) == "committed"
+        if store == "memory":
+            fsspec.filesystem("memory").rm(root, recursive=True)
         if finished:
             break
     assert seen == ({"committed", "trash", "gone"} if work == "prune" else {"committed", "trash"})
