@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -194,15 +194,6 @@ class LeasedPublication(Publication):
 
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-
-class Leftovers(Protocol[T_co]):
-    """What collects the leftovers of failed saves, for each way a root publishes."""
-
-    def partial_folders(self) -> T_co: ...
-
-    def leased_prefixes(self) -> T_co: ...
 
 
 _NO_FILES: Mapping[str, bytes] = MappingProxyType({})
@@ -251,10 +242,10 @@ class PublishStrategy(abc.ABC):
         if not self.can_replace:
             raise ConfigError(why)
 
-    def sweep(self, leftovers: Leftovers[T]) -> T:
+    def sweep(self, partial_folders: Callable[[], T], leased_prefixes: Callable[[], T]) -> T:
         """Collect what this root's failed saves leave: hidden partial folders on a renaming
-        root, leased prefixes on an object store."""
-        return leftovers.leased_prefixes() if self.in_place else leftovers.partial_folders()
+        root, leased prefixes on an object store (the caller's collector of each)."""
+        return leased_prefixes() if self.in_place else partial_folders()
 
     def publish(
         self,

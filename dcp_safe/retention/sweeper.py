@@ -133,7 +133,8 @@ def sweep_backend(
 ) -> SweepReport:
     """:func:`sweep_partials` on a backend :func:`open_sweepable` gave."""
     now = time.time() if now is None else now
-    return strategy_for(backend).sweep(_Sweep(backend, grace_s, dry_run, now))
+    leftovers = _Sweep(backend, grace_s, dry_run, now)
+    return strategy_for(backend).sweep(leftovers.partial_folders, leftovers.leased_prefixes)
 
 
 @dataclass(frozen=True)
