@@ -6,11 +6,12 @@ blocks in order in an empty working directory, python blocks in one ``__main__``
 blocks with ``bash -euo pipefail`` and the environment the page started with, then runs the
 session's exit handlers. With ``pasted``, python blocks are typed line by line into an
 interactive interpreter (``code.InteractiveConsole``), as a reader pastes them into ``python``.
-Requests and replies are JSON lines on stdin and stdout::
+Requests and replies are JSON lines on stdin and stdout; up to ``argv[1]`` pages (2) run at
+once, and each reply comes when its page ends::
 
-    {"page": "/abs/README.md", "cwd": "/tmp/x", "log": "/tmp/x.log", "timeout_s": 240,
-     "pasted": true}
-    {"ok": false, "where": "README.md:61", "error": "Traceback ..."}
+    {"id": "3", "page": "/abs/README.md", "cwd": "/tmp/x", "log": "/tmp/x.log",
+     "timeout_s": 240, "pasted": true}
+    {"id": "3", "ok": false, "where": "README.md:61", "error": "Traceback ..."}
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import code
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,36 +123,63 @@ def _child(page: Path, cwd: Path, log: Path, result: Path, pasted: bool) -> None
         os._exit(status)
 
 
-def _serve(request: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class _Running:
+    request: dict[str, Any]
+    deadline: float
+
+
+def _start(request: dict[str, Any]) -> int:
     page, cwd, log = Path(request["page"]), Path(request["cwd"]), Path(request["log"])
-    result = log.with_suffix(".result")
     pid = os.fork()
     if pid == 0:
-        _child(page, cwd, log, result, bool(request.get("pasted")))
-    deadline = time.monotonic() + float(request["timeout_s"])
-    status = None
-    while status is None:
-        done, raw = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status = os.waitstatus_to_exitcode(raw)
-        elif time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return {"ok": False, "where": page.name, "error": "timed out"}
-        else:
-            time.sleep(0.05)
+        _child(page, cwd, log, log.with_suffix(".result"), bool(request.get("pasted")))
+    return pid
+
+
+def _finished(pid: int, running: _Running) -> dict[str, Any] | None:
+    """The reply for a page's process, once it has ended (killed at its deadline); else None."""
+    page, log = Path(running.request["page"]), Path(running.request["log"])
+    done, raw = os.waitpid(pid, os.WNOHANG)
+    if not done and time.monotonic() < running.deadline:
+        return None
+    if not done:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return {"ok": False, "where": page.name, "error": "timed out"}
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)  # what the page left running
+    status = os.waitstatus_to_exitcode(raw)
+    result = log.with_suffix(".result")
     reply: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
     if status != 0 and "error" not in reply:
         reply = {"where": page.name, "error": f"the page's process ended with {status}"}
     return {"ok": status == 0, **reply}
 
 
-def main() -> None:
-    for line in sys.stdin:
-        print(json.dumps(_serve(json.loads(line))), flush=True)
+def main(slots: int) -> None:
+    """Serve requests as they come, ``slots`` pages at a time, each reply when its page ends.
+    No thread: the pages are forked from this process."""
+    pending: list[dict[str, Any]] = []
+    running: dict[int, _Running] = {}
+    buffered, reading = b"", True
+    while reading or pending or running:
+        if reading and select.select([0], [], [], 0.05)[0]:
+            chunk = os.read(0, 1 << 16)
+            reading = bool(chunk)
+            *lines, buffered = (buffered + chunk).split(b"\n")
+            pending += [json.loads(line) for line in lines if line.strip()]
+        elif not reading:
+            time.sleep(0.05)
+        while pending and len(running) < slots:
+            request = pending.pop(0)
+            running[_start(request)] = _Running(request, time.monotonic() + request["timeout_s"])
+        for pid, page in list(running.items()):
+            reply = _finished(pid, page)
+            if reply is not None:
+                del running[pid]
+                print(json.dumps({"id": page.request["id"], **reply}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)

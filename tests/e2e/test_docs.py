@@ -47,30 +47,47 @@ _PASTED = {"README.md"}
 
 
 class _Pages:
-    """The page runner: one request, one reply, one page at a time."""
+    """The page runner: pages submitted ahead run two at a time; ``result`` waits for one."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(_RUNNER)],
+            [sys.executable, str(_RUNNER), "2"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=REPO,
         )
+        self.replies: dict[str, dict[str, Any]] = {}
+        self.logs: dict[str, Path] = {}
 
-    def run(self, page: Path, workdir: Path, *, pasted: bool = False) -> tuple[dict[str, Any], str]:
-        """Run ``page``'s blocks in ``workdir`` (``pasted``: python blocks line by line into an
-        interactive interpreter); its reply and what the page printed."""
+    def submit(self, page: Path, workdir: Path, *, pasted: bool = False) -> str:
+        """Queue ``page``'s blocks to run in ``workdir`` (``pasted``: python blocks line by line
+        into an interactive interpreter); the request's id."""
         cwd, log = workdir / "cwd", workdir / "page.log"
         cwd.mkdir(parents=True)
-        request = {"page": str(page), "cwd": str(cwd), "log": str(log), "pasted": pasted}
-        stdin, stdout = self._pipes()
-        stdin.write(json.dumps({**request, "timeout_s": _PAGE_TIMEOUT_S}) + "\n")
+        ident = str(len(self.logs))
+        self.logs[ident] = log
+        request = {"id": ident, "page": str(page), "cwd": str(cwd), "log": str(log)}
+        stdin, _ = self._pipes()
+        stdin.write(json.dumps({**request, "pasted": pasted, "timeout_s": _PAGE_TIMEOUT_S}))
+        stdin.write("\n")
         stdin.flush()
-        line = stdout.readline()
-        if not line:
-            raise AssertionError(f"the page runner died (exit {self.proc.wait(timeout=30)})")
-        return json.loads(line), log.read_text(errors="replace") if log.exists() else ""
+        return ident
+
+    def result(self, ident: str) -> tuple[dict[str, Any], str]:
+        """The reply for request ``ident`` and what its page printed."""
+        _, stdout = self._pipes()
+        while ident not in self.replies:
+            line = stdout.readline()
+            if not line:
+                raise AssertionError(f"the page runner died (exit {self.proc.wait(timeout=30)})")
+            reply = json.loads(line)
+            self.replies[reply["id"]] = reply
+        log = self.logs[ident]
+        return self.replies[ident], log.read_text(errors="replace") if log.exists() else ""
+
+    def run(self, page: Path, workdir: Path, *, pasted: bool = False) -> tuple[dict[str, Any], str]:
+        return self.result(self.submit(page, workdir, pasted=pasted))
 
     def _pipes(self) -> tuple[IO[str], IO[str]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -78,9 +95,13 @@ class _Pages:
 
     def close(self) -> None:
         stdin, stdout = self._pipes()
-        stdin.close()
-        self.proc.wait(timeout=60)
-        stdout.close()
+        stdin.close()  # the runner ends once the pages queued have (each within its deadline)
+        try:
+            self.proc.wait(timeout=_PAGE_TIMEOUT_S * 2)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+            stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +113,24 @@ def pages() -> Iterator[_Pages]:
         runner.close()
 
 
+@pytest.fixture(scope="module")
+def submitted(
+    pages: _Pages, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[Path, str]:
+    """Every selected page with a block to run, submitted at once: they run while earlier
+    pages' results are checked."""
+    selected = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if item.path == Path(__file__) and getattr(item, "originalname", "") == "test_examples_run"
+    ]
+    return {
+        page: pages.submit(page, tmp_path_factory.mktemp(page.stem), pasted=page.name in _PASTED)
+        for page in selected
+        if any(block.runs for block in parse_blocks(page))
+    }
+
+
 def _explain(reply: dict[str, Any], output: str) -> str:
     return (
         f"block at {reply.get('where')} failed:\n{reply.get('error')}\n--- output\n{output[-6000:]}"
@@ -99,10 +138,10 @@ def _explain(reply: dict[str, Any], output: str) -> str:
 
 
 @pytest.mark.parametrize("page", doc_files(), ids=lambda p: p.name)
-def test_examples_run(page: Path, pages: _Pages, tmp_path: Path) -> None:
-    if not any(block.runs for block in parse_blocks(page)):
+def test_examples_run(page: Path, pages: _Pages, submitted: dict[Path, str]) -> None:
+    if page not in submitted:
         pytest.skip(f"{page.name} has no block to run")
-    reply, output = pages.run(page, tmp_path, pasted=page.name in _PASTED)
+    reply, output = pages.result(submitted[page])
     assert reply["ok"], _explain(reply, output)
     assert reply["ran"] == [b.where for b in parse_blocks(page) if b.runs]
 
