@@ -10,7 +10,8 @@ the vote (which replaces a broken workers' group), without waiting for it.
 
 Every rank decides the same: :func:`decide` is a pure function of every rank's vote, from one
 exchange per request; the rules are in docs/multirank.md ("The manager under torchrun", "When
-one rank is slow").
+one rank is slow"). Whether ``maybe_save`` requests a save at all is decided before, by the
+cadence's own vote (:mod:`.cadence`).
 """
 
 from __future__ import annotations

@@ -61,9 +61,9 @@ def test_a_save_in_flight_on_any_rank_is_never_due() -> None:
 
 
 def test_every_narrows_the_steps_a_timed_cadence_looks_at() -> None:
-    policy = SavePolicy(every=5, interval_s=1)
-    assert due(policy, 12, False, _votes(Reading(1e9), step=12)) is None
-    assert due(policy, 15, False, _votes(Reading(1e9), step=15)) is not None
+    for policy in (SavePolicy(every=5, interval_s=1), SavePolicy(every=5, continuous=True)):
+        assert due(policy, 12, False, _votes(Reading(1e9, 1e9), step=12)) is None
+        assert due(policy, 15, False, _votes(Reading(1e9, 1e9), step=15)) is not None
 
 
 def test_continuous_saves_once_the_last_committed_and_not_before_its_minimum() -> None:
