@@ -17,11 +17,12 @@ The convention (docs authors: write to it; this test enforces it):
   A block with no language, or another one, and no such mark fails this test.
 * README.md's python blocks are pasted line by line into ``python``'s interactive interpreter,
   the first thing a reader tries: an indented block there ends with a blank line.
-* Budget: a few seconds per page; the whole file well under 90 s on a loaded 2-core machine.
+* Budget: a few seconds per page; the whole file under 90 s on a loaded 2-core machine.
   Only a hang fails for time (a generous per-page deadline); nothing here measures speed.
 
 New files under docs/ are picked up automatically. The pages run in
-``tests/e2e/_docs_pages.py``, which imports torch once and forks a process per page.
+``tests/e2e/_docs_pages.py``, which imports torch once and forks a process per page, two pages
+at a time.
 """
 
 from __future__ import annotations
