@@ -25,13 +25,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
+from dcp_safe.manager.goodput import Costs, Goodput, agree, choose
 from dcp_safe.manager.slot import SaveSlot
 
 if TYPE_CHECKING:
+    from dcp_safe.manager.handles import SaveHandle
+    from dcp_safe.manager.ledger import Ledger
     from dcp_safe.manager.options import SavePolicy
 
 log = logging.getLogger("dcp_safe.manager")
@@ -44,15 +47,17 @@ class Reading:
     Attributes:
         since_commit_s: since the last save committed (or the manager was built).
         since_start_s: since the last save this cadence started (``None``: none yet).
+        costs: what a save costs, as this rank measured it (:mod:`dcp_safe.manager.goodput`).
     """
 
     since_commit_s: float
     since_start_s: float | None = None
+    costs: Costs = field(default_factory=Costs)
 
 
 def timed(policy: SavePolicy) -> bool:
     """Whether ``policy`` needs the ranks' clocks (a vote per step that could save)."""
-    return policy.interval_s is not None or policy.continuous
+    return policy.interval_s is not None or policy.continuous or policy.auto
 
 
 def due(policy: SavePolicy, step: int, first: bool, votes: Sequence[Vote]) -> str | None:
@@ -80,9 +85,13 @@ def due(policy: SavePolicy, step: int, first: bool, votes: Sequence[Vote]) -> st
                 "" if since is None else f", {since:.1f} s after it began"
             )
         return None
-    assert policy.interval_s is not None  # timed and not continuous
-    if agreed.since_commit_s >= policy.interval_s:
-        return f"{agreed.since_commit_s:.1f} s since the last commit >= interval_s"
+    interval = policy.interval_s
+    if policy.auto:  # what the costs every rank measured give (dcp_safe.manager.goodput)
+        interval = choose(agree([v.detail.costs for v in votes])).save_interval_s
+    assert interval is not None  # timed and not continuous
+    if agreed.since_commit_s >= interval:
+        chosen = f" ({interval:.1f} s, auto=True)" if policy.auto else ""
+        return f"{agreed.since_commit_s:.1f} s since the last commit >= interval_s{chosen}"
     return None
 
 
@@ -94,6 +103,8 @@ class Cadence:
         clock: monotonic seconds of this rank (``Runtime.clock``; tests give each rank its own).
         agreement: the manager's exchange of votes.
         slot: the manager's; a save in flight or pending on this rank makes it vote busy.
+        ledger: the manager's: the goodput controller's telemetry, and the history it reads
+            the MTBF from where ``history`` (the coordinator; :mod:`dcp_safe.manager.goodput`).
     """
 
     def __init__(
@@ -102,8 +113,14 @@ class Cadence:
         clock: Callable[[], float],
         agreement: Agreement,
         slot: SaveSlot | None = None,
+        ledger: Ledger | None = None,
+        *,
+        history: bool = False,
     ) -> None:
         self.policy, self._clock, self._agreement, self._slot = policy, clock, agreement, slot
+        self.goodput = Goodput(policy, clock)
+        if ledger is not None:
+            self.goodput = Goodput.of(policy, clock, ledger, history=history)
         self._committed_at = clock()
         self._started_at: float | None = None
         self._first = True
@@ -122,18 +139,26 @@ class Cadence:
         if timed(self.policy) and not decided_alone:
             now = self._clock()
             since_start = None if self._started_at is None else now - self._started_at
-            mine = Reading(now - self._committed_at, since_start)
             busy = self._slot is not None and not self._slot.idle()
+            mine = Reading(now - self._committed_at, since_start, self.goodput.vote(now, busy))
             votes = self._agreement.gather(Vote("maybe_save", step, busy=busy, detail=mine))
             require_same_call(votes)
         self.reason = due(self.policy, step, first, votes)
+        self.goodput.decided([v.detail.costs for v in votes], saving=self.reason is not None)
         if self.reason is None:
             return False
         self._started_at = self._clock()
         log.debug("maybe_save(%d): saving: %s", step, self.reason)
         return True
 
+    def watch(self, handle: SaveHandle) -> None:
+        """A save was requested: its commit restarts the interval; the goodput controller
+        times it."""
+        handle.committed.add_done_callback(self.committed)
+        self.goodput.watch(handle)
+
     def committed(self, done: Future[str]) -> None:
         """A save's ``committed`` future resolved: a commit restarts the interval."""
         if not done.cancelled() and done.exception() is None:
             self._committed_at = self._clock()
+            self.goodput.committed(self._committed_at, self._started_at)

@@ -211,7 +211,9 @@ class Goodput:
                     self._gaps[kind] = _average(self._gaps[kind], now - then)
             self._last_vote = (now, busy)
             idle, busy_s, saving = (self._gaps[k] for k in (False, True, None))
-            stall = max(0.0, saving - idle) if saving is not None and idle else 0.0
+            # No idle step timed yet (every vote saved so far): the whole gap, or the interval
+            # would stay too short to ever time one.
+            stall = 0.0 if saving is None else max(0.0, saving - (idle or 0.0))
             slowdown = min(1.0, max(0.0, busy_s / idle - 1)) if busy_s and idle else 0.0
             background = max(0.0, self._costs.commit_s - stall)
             self._costs = replace(

@@ -110,6 +110,14 @@ class ManagerStats:
     failed (the failure is also raised by ``wait``/``close``; the save stays committed);
     ``worker_saves`` the saves started in the checkpoint worker process (the others ran on a
     thread: ``executor="thread"``, or while the worker was starting).
+
+    ``save_interval_s`` is the interval between saves (``SavePolicy(auto=True)``: the one the
+    goodput controller chose at the last vote, agreed by every rank; ``interval_s``; else the
+    measured time between commits), ``interval_reason`` why, and ``expected_loss_per_hour_s``
+    the work a failure is expected to lose per hour at it, ``3600/MTBF * (interval/2 + time to
+    durable commit)`` (``None`` without an MTBF: ``mtbf_s`` not given, on a rank other than
+    the coordinator, which estimates it from the history); ``save_cost_s`` (``auto`` only) and
+    ``mtbf_s`` are what the choice came from: :mod:`dcp_safe.manager.goodput`.
     """
 
     requested: int
@@ -129,6 +137,11 @@ class ManagerStats:
     peer_copies: int = 0
     peer_copy_failures: int = 0
     worker_saves: int = 0
+    save_interval_s: float | None = None
+    interval_reason: str = "no save committed yet"
+    expected_loss_per_hour_s: float | None = None
+    save_cost_s: float | None = None
+    mtbf_s: float | None = None
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import fields
 from typing import Any
 
 from dcp_safe.checkpoints.history import History
+from dcp_safe.manager.goodput import Choice
 from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.recorder import Telemetry, end_replication
@@ -38,7 +39,7 @@ _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
 _READ_FLUSH_S = 30.0  # how long a read waits for queued appends before it reads what is there
 
 # The counters of ManagerStats that its parts keep rather than the ledger.
-_NOT_COUNTED = {"pruned", "waited_s", "waiting", "fallback_reason"}
+_NOT_COUNTED = {"pruned", "waited_s", "waiting", "fallback_reason"} | set(vars(Choice()))
 
 
 class Ledger:
@@ -67,7 +68,7 @@ class Ledger:
         with self.cond:
             self._counts[key] += 1
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, Any]:  # ints, spread into ManagerStats beside its str fields
         with self.cond:
             return dict(self._counts)
 

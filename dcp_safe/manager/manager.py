@@ -204,7 +204,7 @@ class CheckpointManager:
             wait_timeout_s=wait_s,
             latency_objective_s=policy.latency_objective_s,
         )
-        self._cadence = Cadence(policy, runtime.clock, agreement, self._slot)
+        self._cadence = Cadence(policy, runtime.clock, agreement, self._slot, ledger, history=owns)
         self._warm_start = None
         if resume.initial_load_from is not None:  # read with this run's root's options
             self._warm_start = WarmStart.of(
@@ -255,7 +255,7 @@ class CheckpointManager:
         """
         refuse_writes("save", read_only=self.read_only, closed=self._closed)
         handle = SaveHandle(step=step, name=self._name_for(step), metrics=metrics)
-        handle.committed.add_done_callback(self._cadence.committed)  # restarts interval_s
+        self._cadence.watch(handle)  # its commit restarts interval_s; auto times it
         policy = BusyPolicy.WAIT if force else self.when_busy
         with self._cond:
             if self._closed:
@@ -509,6 +509,7 @@ class CheckpointManager:
                 waited_s=self._slot.waited_s,
                 waiting=self._slot.waiting,
                 fallback_reason=self._switch.reason,
+                **vars(self._cadence.goodput.choice()),
             )
 
     def __enter__(self) -> CheckpointManager:

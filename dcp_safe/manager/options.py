@@ -86,6 +86,10 @@ class SavePolicy:
             committed (on every rank), and no sooner than ``min_interval_s`` after it began.
         min_interval_s: see ``continuous`` (``None``: no minimum).
         first_step: also save at the first :meth:`~dcp_safe.CheckpointManager.maybe_save`.
+        auto: choose ``interval_s`` from the measured costs of a save and the failure rate,
+            re-evaluated at each vote (:mod:`dcp_safe.manager.goodput`, docs/manager.md).
+        mtbf_s: the job's mean time between failures (``None``: estimated from the root's
+            history); also what ``stats().expected_loss_per_hour_s`` is computed with.
 
     The timed cadences (``interval_s``, ``continuous``) are decided in one vote of every
     rank at each step ``every`` names, on the coordinator's clock (``Runtime.clock``; why:
@@ -107,17 +111,23 @@ class SavePolicy:
     continuous: bool = False
     min_interval_s: float | None = None
     first_step: bool = False
+    auto: bool = False
+    mtbf_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"save_every must be an int >= 1, got {self.every!r}")
-        for flag in ("continuous", "first_step"):
+        for flag in ("continuous", "first_step", "auto"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.interval_s is not None:
             _set(self, "interval_s", seconds("interval_s", self.interval_s))
             if self.continuous:
                 raise ConfigError("interval_s and continuous=True are two cadences: pick one")
+        if self.mtbf_s is not None:
+            _set(self, "mtbf_s", seconds("mtbf_s", self.mtbf_s))
+        if self.auto and (self.interval_s is not None or self.continuous):
+            raise ConfigError("auto=True chooses the interval: drop interval_s and continuous")
         if self.min_interval_s is not None:
             _set(self, "min_interval_s", seconds("min_interval_s", self.min_interval_s))
             if not self.continuous:

@@ -139,6 +139,16 @@ def test_the_slowdown_and_stall_are_measured_from_the_loops_votes() -> None:
     assert costs.slowdown == pytest.approx(0.25) and costs.stall_s == pytest.approx(3.0)
 
 
+def test_a_save_at_every_vote_still_counts_its_stall() -> None:
+    # With no idle step timed yet, the whole gap counts: a stall of 0 would keep the interval
+    # at 0, a save at every vote, and no idle step would ever be timed.
+    meter = Goodput(SavePolicy(auto=True), SkewedClock(), (3600.0, "given"))
+    for t in (10.0, 40.0, 70.0):
+        costs = meter.vote(t, False)
+        meter.decided([costs], saving=True)
+    assert costs.stall_s == 30.0
+
+
 # -- the expected work lost, against a simulated run ---------------------------------------------
 
 
