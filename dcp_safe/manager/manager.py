@@ -112,11 +112,17 @@ class CheckpointManager:
         runtime: Runtime | None = None,
         **moved: Any,
     ) -> None:
-        refuse_moved("CheckpointManager", moved, MOVED)
-        policy, retention = with_shorthands(
-            policy, retention, save_every=save_every, when_busy=when_busy, keep_last=keep_last
+        policy, retention, runtime = with_shorthands(
+            policy,
+            retention,
+            runtime,
+            save_every=save_every,
+            when_busy=when_busy,
+            keep_last=keep_last,
+            moved=moved,
         )
-        bounds, resume, runtime = bounds or Bounds(), resume or Resume(), runtime or Runtime()
+        refuse_moved("CheckpointManager", moved, MOVED)
+        bounds, resume = bounds or Bounds(), resume or Resume()
         self.policy, self.retention, self.save_every = policy, retention, policy.every
         self.read_only = runtime.read_only  # a reader beside training: no writes
         self.when_busy, self.staging = BusyPolicy(policy.when_busy), StagingMode(policy.staging)

@@ -19,7 +19,7 @@ import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
@@ -307,21 +307,31 @@ class Runtime:
 def with_shorthands(
     policy: SavePolicy | None,
     retention: Retention | None,
+    runtime: Runtime | None,
     *,
     save_every: int | None,
     when_busy: BusyPolicy | str | None,
     keep_last: int | None,
-) -> tuple[SavePolicy, Retention]:
-    """``policy`` and ``retention`` (or the defaults), each shorthand given replacing its one
-    field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both."""
-    policy, retention = policy or SavePolicy(), retention or Retention()
+    moved: dict[str, Any],
+) -> tuple[SavePolicy, Retention, Runtime]:
+    """``policy``, ``retention`` and ``runtime`` (or the defaults), each shorthand given replacing
+    its one field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both.
+    ``read_only=True`` (taken from ``moved``: the signature holds ten parameters at most) is
+    ``runtime=Runtime(read_only=True)``, the spelling an evaluation job reaches for first."""
+    policy, retention, runtime = (
+        policy or SavePolicy(),
+        retention or Retention(),
+        runtime or Runtime(),
+    )
+    if "read_only" in moved:
+        runtime = dataclasses.replace(runtime, read_only=moved.pop("read_only"))
     if save_every is not None:
         policy = dataclasses.replace(policy, every=save_every)
     if when_busy is not None:
         policy = dataclasses.replace(policy, when_busy=when_busy)
     if keep_last is not None:
         retention = dataclasses.replace(retention, keep_last=keep_last)
-    return policy, retention
+    return policy, retention, runtime
 
 
 def refuse_writes(call: str, *, read_only: bool, closed: bool) -> None:
@@ -415,6 +425,6 @@ MOVED: Mapping[str, str] = {
             ("runtime", Runtime),
         )
         for f in fields(kind)
-        if f.name not in ("every", "when_busy", "keep_last")
+        if f.name not in ("every", "when_busy", "keep_last", "read_only")
     },
 }

@@ -125,8 +125,14 @@ def test_a_read_only_manager_creates_nothing_where_there_is_nothing(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_read_only_is_a_runtime_option(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"read_only=\) moved to runtime=Runtime\(read_only="):
-        CheckpointManager(tmp_path, read_only=True)
+def test_read_only_is_a_shorthand_of_the_runtime_option(tmp_path: Path) -> None:
+    """``CheckpointManager(root, read_only=True)`` (issue 47's spelling) is the Runtime field."""
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert reader.read_only
+        with pytest.raises(ConfigError, match="read-only"):
+            reader.save(1, {"w": torch.zeros(2)})
+    with CheckpointManager(tmp_path, read_only=False, runtime=READ_ONLY) as writer:
+        assert not writer.read_only  # the shorthand given replaces its one field
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(ConfigError, match="read_only"):
         Runtime(read_only="yes")  # type: ignore[arg-type]
