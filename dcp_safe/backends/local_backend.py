@@ -68,11 +68,8 @@ class LocalBackend(Backend):
         self.fsync = fsync
         self._beneath = Beneath(self.root)
 
-    def _abs(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
-
     def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
-        return StorageError(op, self._abs(rel), exc)
+        return StorageError(op, self._beneath.path(rel), exc)
 
     @contextmanager
     def open_write(self, rel: str) -> Iterator[WritableFile]:
@@ -114,10 +111,10 @@ class LocalBackend(Backend):
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
-                raise not_a_file(self._abs(rel), _kind(found.st_mode))
+                raise not_a_file(self._beneath.path(rel), _kind(found.st_mode))
             if sole_link and found.st_nlink > 1:
                 raise CheckpointCorruptError(
-                    self._abs(rel),
+                    self._beneath.path(rel),
                     f"has {found.st_nlink} hard links: it may be a file outside the root, and"
                     " dcp_safe appends only to its own; remove it (the history restarts empty)",
                 )
@@ -209,7 +206,7 @@ class LocalBackend(Backend):
     def size(self, rel: str) -> int:
         found = self._beneath.lstat(rel)
         if stat.S_ISLNK(found.st_mode):
-            raise not_a_file(self._abs(rel), "link")
+            raise not_a_file(self._beneath.path(rel), "link")
         return found.st_size
 
     def _lstat(self, rel: str) -> os.stat_result | None:
@@ -285,7 +282,7 @@ class LocalBackend(Backend):
             os.fsync(fd)
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
-        dst_path = self._abs(dst)
+        dst_path = self._beneath.path(dst)
         src_parent, dst_parent = self._beneath.parent(src), self._beneath.parent(dst)
         try:
             with src_parent as (src_dir, src_name), dst_parent as (dst_dir, dst_name):
@@ -322,7 +319,7 @@ class LocalBackend(Backend):
             except FileNotFoundError:
                 continue
             if kind == "link":
-                log.warning("%s is a symbolic link: passed by", shown(self._abs(entry)))
+                log.warning("%s is a symbolic link: passed by", shown(self._beneath.path(entry)))
             elif kind == "directory" and self.exists(f"{entry}/{member}"):
                 found.append(entry)
         return found
