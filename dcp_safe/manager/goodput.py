@@ -1,46 +1,42 @@
 """The goodput controller (Young-Daly) and the expected-work-lost arithmetic.
 
-Saves start every ``T`` seconds and cost the job ``C`` seconds each. A save is durable ``L``
-seconds after it starts (committed on every tier). Failures come at rate ``1/M`` per second,
-independent of the schedule (``M``: the mean time between failures).
+Saves start every ``T`` seconds, cost the job ``C`` seconds each, and are durable (committed
+on every tier) ``L`` seconds after they start; failures come at rate ``1/M`` per second,
+independent of the schedule (``M``: the mean time between failures, MTBF).
 
-*Measuring C*, from the times between the training loop's votes (:meth:`Goodput.vote`), so
-that what is measured is what the job loses, whatever it was spent on: the *stall* is how much
-longer the steps from a vote that started a save to the next vote took than the same steps
-with no save in flight; the *slowdown* is the fraction of speed lost while a save is in flight
-(those steps' time over the idle steps', minus one); the *background phase* is the rest of the
-time to durable commit. ``C = stall + slowdown · background``. Each is a moving average over
-the recent saves, so the choice follows costs that change.
+*Measuring C* from the times between the loop's votes (:meth:`Goodput.vote`), so that what is
+measured is what the job loses: the *stall* is how much longer the steps from a vote that
+started a save to the next vote took than idle ones; the *slowdown*, the fraction of speed lost
+while a save is in flight (those steps' time over the idle steps', minus one); then
+``C = stall + slowdown · (L - stall)``. Moving averages over the recent saves: costs that
+change move the choice.
 
 *Expected work lost per failure*: the newest durable state is the newest save started at least
 ``L`` before the failure; with the failure at a uniformly random point of the schedule, the work
-since that save began is uniform over ``[L, L + T)``: ``T/2 + L`` on average, whether or not
-``L < T``. *Per hour*: ``3600/M · (T/2 + L)`` (:func:`loss_per_hour_s`). The restart itself
-(the scheduler's relaunch, reading the checkpoint back) is the same whatever the cadence and
-is left out. First order in ``T/M``: a failure restarts the schedule, which shortens the next
-interval; the simulation in tests/manager/test_goodput.py bounds the error where ``T ≪ M``.
+since that save began is uniform over ``[L, L + T)``: ``T/2 + L`` on average. *Per hour*:
+``3600/M · (T/2 + L)`` (:func:`loss_per_hour_s`). The restart itself (relaunch, reading back)
+is the same for every cadence and left out. First order in ``T/M``: a failure restarts the
+schedule; tests/manager/test_goodput.py simulates it and bounds the error.
 
-*The optimum*: the time lost per second is ``C/T + (T/2 + L)/M``; its derivative is zero at
-``T* = sqrt(2·C·M)`` (Young, 1974; ``L`` drops out). Daly's higher-order form (2006) corrects it
-by terms in ``sqrt(C/2M)``: under 3 % for ``C/M < 10⁻³``, below the noise of measured costs,
-so Young's form is used. ``T*`` is then bounded: above by ``M`` (Daly's limit: past it nearly
-every interval fails) and by :data:`LONGEST_S`; below by ``L``, which a save cannot start more
-often than, since the storage would queue saves without end (and the staged copy holds the host
-budget until the background phase ends, which is before ``L``).
+*The optimum*: the time lost per second, ``C/T + (T/2 + L)/M``, is least at
+``T* = sqrt(2·C·M)`` (Young, 1974; ``L`` drops out). Daly's higher-order form (2006) differs by
+terms in ``sqrt(C/2M)``, under 3 % for ``C/M < 10⁻³``, below the noise of measured costs: Young's
+is used. ``T*`` is bounded above by ``M`` (Daly's limit) and :data:`LONGEST_S`, below by ``L``:
+saves started more often than the storage makes them durable would queue without end (and the
+staged copy holds the host budget until the write ends, before ``L``).
 
-*The MTBF*: ``SavePolicy(mtbf_s=)``, or estimated from the root's history
-(:func:`estimate_mtbf`): restarts counted against the history's span, with a prior of one
-failure per :data:`PRIOR_MTBF_S` (a Gamma(1, PRIOR_MTBF_S) prior on the rate; the estimate is
-``(PRIOR_MTBF_S + span) / (1 + restarts)``, the prior's when the history is short, lengthening
-while nothing fails).
+*The MTBF*: ``SavePolicy(mtbf_s=)``, or :func:`estimate_mtbf` from the root's history: a
+Gamma(1, PRIOR_MTBF_S) prior on the failure rate, so ``(PRIOR_MTBF_S + span) / (1 + restarts)``
+-- the prior's for a short history, lengthening while nothing fails.
 
-Every rank measures its own costs; the job's are the slowest rank's (every collective waits for
+Each rank measures its own costs; the job's are the slowest rank's (every collective waits for
 it) and the MTBF the coordinator's (only it reads the history), agreed in the cadence's vote
-(:mod:`dcp_safe.manager.cadence`), so every rank chooses the same interval.
+(:mod:`dcp_safe.manager.cadence`): every rank chooses the same interval.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -65,28 +61,19 @@ _WEIGHT = 0.3  # of the newest measurement in each moving average: costs change,
 
 @dataclass(frozen=True)
 class Costs:
-    """What a save costs the job, in seconds (moving averages over the recent saves).
-
-    Attributes:
-        stall_s: the request until the state is staged: training waits.
-        background_s: staged until committed: the write, beside training.
-        slowdown: the fraction of step speed lost while a save is in the background.
-        commit_s: the request until durable on every tier.
-        mtbf_s: the mean time between failures (``None``: not known on this rank).
-        mtbf_note: where ``mtbf_s`` came from.
-    """
+    """A save's stall, slowdown and time to durable commit (``L``), as the module docstring
+    measures them, and the MTBF with where it came from (``None``: not known on this rank)."""
 
     stall_s: float = 0.0
-    background_s: float = 0.0
     slowdown: float = 0.0
     commit_s: float = 0.0
     mtbf_s: float | None = None
-    mtbf_note: str = ""
+    mtbf_note: str = "the prior"
 
     @property
     def save_s(self) -> float:
         """``C``: one save's cost to the job."""
-        return self.stall_s + self.slowdown * self.background_s
+        return self.stall_s + self.slowdown * max(0.0, self.commit_s - self.stall_s)
 
 
 @dataclass(frozen=True)
@@ -103,8 +90,8 @@ class Choice:
 
 def agree(costs: Sequence[Costs]) -> Costs:
     """The job's costs from every rank's (index = rank): the slowest rank's, rank 0's MTBF."""
-    worst = {f: max(getattr(c, f) for c in costs) for f in ("stall_s", "background_s", "commit_s")}
-    return replace(costs[0], slowdown=max(c.slowdown for c in costs), **worst)
+    worst = {f: max(getattr(c, f) for c in costs) for f in ("stall_s", "slowdown", "commit_s")}
+    return replace(costs[0], **worst)
 
 
 def young_daly_s(save_s: float, mtbf_s: float) -> float:
@@ -119,9 +106,7 @@ def loss_per_hour_s(interval_s: float, commit_s: float, mtbf_s: float) -> float:
 
 def choose(costs: Costs) -> Choice:
     """``auto``'s interval: Young-Daly's, bounded (the module docstring says by what)."""
-    if costs.mtbf_s is None:  # a cadence built without the history (a test's)
-        costs = replace(costs, mtbf_s=PRIOR_MTBF_S, mtbf_note="the prior")
-    mtbf, c = costs.mtbf_s or PRIOR_MTBF_S, costs.save_s
+    mtbf, c = costs.mtbf_s or PRIOR_MTBF_S, costs.save_s  # None: a cadence without history
     interval = young_daly_s(c, mtbf)
     why = f"auto: sqrt(2 * cost {c:.3g} s * MTBF {mtbf:.4g} s ({costs.mtbf_note}))"
     if interval > (upper := min(mtbf, LONGEST_S)):
@@ -177,7 +162,6 @@ class Goodput:
         # Times between votes: busy (a save in flight), idle, and from one that started a save.
         self._gaps: dict[bool | None, float | None] = {True: None, False: None, None: None}
         self._last_vote: tuple[float, bool | None] | None = None  # None: it started a save
-        self._commit_s: float | None = None
         self._committed_at: float | None = None
         self._between_s: float | None = None  # measured start-to-start (commit-to-commit)
         self._agreed: Choice = Choice()
@@ -192,14 +176,11 @@ class Goodput:
         mtbf = None
         if history and policy.mtbf_s is None:
             mtbf = estimate_mtbf(ledger.history.read(), time.time())
-        telemetry = ledger.telemetry
-        if telemetry is None:
+        if (telemetry := ledger.telemetry) is None:
             return cls(policy, clock, mtbf)
-
-        def mark(choice: Choice) -> None:
-            ledger.quietly("telemetry", lambda: telemetry.mark("save_interval", **vars(choice)))
-
-        return cls(policy, clock, mtbf, mark)
+        mark = functools.partial(telemetry.mark, "save_interval")
+        quietly = functools.partial(ledger.quietly, "telemetry")
+        return cls(policy, clock, mtbf, lambda c: quietly(lambda: mark(**vars(c))))
 
     def vote(self, now: float, busy: bool) -> Costs:
         """At a vote (``now``, this rank busy or not): times the steps since the previous one;
@@ -215,10 +196,7 @@ class Goodput:
             # would stay too short to ever time one.
             stall = 0.0 if saving is None else max(0.0, saving - (idle or 0.0))
             slowdown = min(1.0, max(0.0, busy_s / idle - 1)) if busy_s and idle else 0.0
-            background = max(0.0, self._costs.commit_s - stall)
-            self._costs = replace(
-                self._costs, stall_s=stall, slowdown=slowdown, background_s=background
-            )
+            self._costs = replace(self._costs, stall_s=stall, slowdown=slowdown)
             return self._costs
 
     def decided(self, costs: Sequence[Costs], saving: bool) -> Choice:
@@ -261,20 +239,15 @@ class Goodput:
 
     def _commit_took(self, seconds: float) -> None:
         with self._lock:
-            self._commit_s = _average(self._commit_s, seconds)
-            self._costs = replace(self._costs, commit_s=self._commit_s)
+            took = _average(self._costs.commit_s or None, seconds)
+            self._costs = replace(self._costs, commit_s=took)
 
     def _fixed(self, costs: Costs) -> Choice:
-        given = self.policy.interval_s
-        interval, why = (given, "interval_s") if given is not None else (self._between_s, "")
+        policy, interval, why = self.policy, self.policy.interval_s, "interval_s"
         if interval is None:
-            return Choice()
-        why = why or f"measured between commits ({_cadence(self.policy)})"
-        if costs.mtbf_s is None:
-            return Choice(interval, why)
+            cadence = "continuous=True" if policy.continuous else f"every={policy.every}"
+            interval, why = self._between_s, f"measured between commits ({cadence})"
+        if interval is None or costs.mtbf_s is None:
+            return Choice() if interval is None else Choice(interval, why)
         loss = loss_per_hour_s(interval, costs.commit_s, costs.mtbf_s)
         return Choice(interval, why, loss, mtbf_s=costs.mtbf_s)
-
-
-def _cadence(policy: SavePolicy) -> str:
-    return "continuous=True" if policy.continuous else f"every={policy.every}"

@@ -111,13 +111,10 @@ class ManagerStats:
     ``worker_saves`` the saves started in the checkpoint worker process (the others ran on a
     thread: ``executor="thread"``, or while the worker was starting).
 
-    ``save_interval_s`` is the interval between saves (``SavePolicy(auto=True)``: the one the
-    goodput controller chose at the last vote, agreed by every rank; ``interval_s``; else the
-    measured time between commits), ``interval_reason`` why, and ``expected_loss_per_hour_s``
-    the work a failure is expected to lose per hour at it, ``3600/MTBF * (interval/2 + time to
-    durable commit)`` (``None`` without an MTBF: ``mtbf_s`` not given, on a rank other than
-    the coordinator, which estimates it from the history); ``save_cost_s`` (``auto`` only) and
-    ``mtbf_s`` are what the choice came from: :mod:`dcp_safe.manager.goodput`.
+    ``save_interval_s`` is the interval between saves (``auto``'s choice, agreed at the last
+    vote; ``interval_s``; or the time measured between commits), ``interval_reason`` why,
+    ``expected_loss_per_hour_s`` the work failures lose per hour at it (``None`` where the MTBF
+    is unknown), ``save_cost_s`` and ``mtbf_s`` what it came from (docs/manager.md).
     """
 
     requested: int
