@@ -149,6 +149,22 @@ def test_a_save_at_every_vote_still_counts_its_stall() -> None:
     assert costs.stall_s == 30.0
 
 
+def test_the_interval_follows_costs_that_change() -> None:
+    meter, t = Goodput(SavePolicy(auto=True), SkewedClock(), (3600.0, "given")), 0.0
+
+    def chosen_after_saves(stall_s: float, saves: int) -> float | None:
+        nonlocal t
+        for _ in range(saves):  # an idle step, a step that saves, a step it stalls
+            for saving, gap in ((False, 1.0), (True, 1.0), (False, 1.0 + stall_s)):
+                t += gap
+                meter.decided([meter.vote(t, False)], saving=saving)
+        return meter.choice().save_interval_s
+
+    assert chosen_after_saves(2.0, 3) == pytest.approx(young_daly_s(2.0, 3600.0))
+    slower = chosen_after_saves(11.0, 8)  # the moving average nears the new stall
+    assert slower is not None and slower > 0.9 * young_daly_s(11.0, 3600.0)
+
+
 # -- the expected work lost, against a simulated run ---------------------------------------------
 
 
