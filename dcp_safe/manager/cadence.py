@@ -103,8 +103,7 @@ class Cadence:
         clock: monotonic seconds of this rank (``Runtime.clock``; tests give each rank its own).
         agreement: the manager's exchange of votes.
         slot: the manager's; a save in flight or pending on this rank makes it vote busy.
-        ledger: the manager's: the goodput controller's telemetry, and the history it reads
-            the MTBF from where ``history`` (the coordinator; :mod:`dcp_safe.manager.goodput`).
+        ledger, history: the goodput controller's telemetry, and its history (read if ``history``).
     """
 
     def __init__(
@@ -152,8 +151,7 @@ class Cadence:
         return True
 
     def watch(self, handle: SaveHandle) -> None:
-        """A save was requested: its commit restarts the interval; the goodput controller
-        times it."""
+        """A save was requested: its commit restarts the interval; the controller times it."""
         handle.committed.add_done_callback(self.committed)
         self.goodput.watch(handle)
 

@@ -1,37 +1,31 @@
 """The goodput controller (Young-Daly) and the expected-work-lost arithmetic.
 
-Saves start every ``T`` seconds, cost the job ``C`` seconds each, and are durable (committed
-on every tier) ``L`` seconds after they start; failures come at rate ``1/M`` per second,
-independent of the schedule (``M``: the mean time between failures, MTBF).
+Saves start every ``T`` s, cost the job ``C`` s each and are durable (on every tier) ``L`` s
+after they start; failures come at rate ``1/M`` (``M``: the MTBF), independent of the schedule.
 
-*Measuring C* from the times between the loop's votes (:meth:`Goodput.vote`), so that what is
-measured is what the job loses: the *stall* is how much longer the steps from a vote that
-started a save to the next vote took than idle ones; the *slowdown*, the fraction of speed lost
-while a save is in flight (those steps' time over the idle steps', minus one); then
-``C = stall + slowdown · (L - stall)``. Moving averages over the recent saves: costs that
-change move the choice.
+*C*, from the times between the loop's votes (:meth:`Goodput.vote`), so that it is what the job
+loses: the *stall* is how much longer the steps from a vote that started a save to the next
+vote took than idle ones; the *slowdown*, the fraction of speed lost while a save is in flight;
+``C = stall + slowdown · (L - stall)``. Moving averages: the choice follows costs that change.
 
-*Expected work lost per failure*: the newest durable state is the newest save started at least
-``L`` before the failure; with the failure at a uniformly random point of the schedule, the work
-since that save began is uniform over ``[L, L + T)``: ``T/2 + L`` on average. *Per hour*:
-``3600/M · (T/2 + L)`` (:func:`loss_per_hour_s`). The restart itself (relaunch, reading back)
-is the same for every cadence and left out. First order in ``T/M``: a failure restarts the
-schedule; tests/manager/test_goodput.py simulates it and bounds the error.
+*Work lost per failure*: the newest durable state is the newest save started at least ``L``
+before the failure; a failure at a uniformly random point of the schedule loses work uniform
+over ``[L, L + T)``, ``T/2 + L`` on average; per hour ``3600/M · (T/2 + L)``. The restart itself
+is the same for every cadence, left out. First order in ``T/M`` (a failure restarts the
+schedule): tests/manager/test_goodput.py simulates it and bounds the error.
 
 *The optimum*: the time lost per second, ``C/T + (T/2 + L)/M``, is least at
-``T* = sqrt(2·C·M)`` (Young, 1974; ``L`` drops out). Daly's higher-order form (2006) differs by
-terms in ``sqrt(C/2M)``, under 3 % for ``C/M < 10⁻³``, below the noise of measured costs: Young's
-is used. ``T*`` is bounded above by ``M`` (Daly's limit) and :data:`LONGEST_S`, below by ``L``:
-saves started more often than the storage makes them durable would queue without end (and the
-staged copy holds the host budget until the write ends, before ``L``).
+``T* = sqrt(2·C·M)`` (Young, 1974). Daly's higher-order form (2006) differs by terms in
+``sqrt(C/2M)``, under 3 % for ``C/M < 10⁻³``, below the noise of measured costs. ``T*`` is
+bounded above by ``M`` (Daly's limit) and :data:`LONGEST_S`, below by ``L``: saves started more
+often than the storage makes them durable would queue without end (and the staged copy holds
+the host budget until the write ends, before ``L``).
 
-*The MTBF*: ``SavePolicy(mtbf_s=)``, or :func:`estimate_mtbf` from the root's history: a
-Gamma(1, PRIOR_MTBF_S) prior on the failure rate, so ``(PRIOR_MTBF_S + span) / (1 + restarts)``
--- the prior's for a short history, lengthening while nothing fails.
+*The MTBF*: ``SavePolicy(mtbf_s=)``, or :func:`estimate_mtbf` from the root's history, with a
+Gamma(1, PRIOR_MTBF_S) prior on the rate: ``(PRIOR_MTBF_S + span) / (1 + restarts)``.
 
-Each rank measures its own costs; the job's are the slowest rank's (every collective waits for
-it) and the MTBF the coordinator's (only it reads the history), agreed in the cadence's vote
-(:mod:`dcp_safe.manager.cadence`): every rank chooses the same interval.
+The job's costs are the slowest rank's (every collective waits for it), its MTBF the
+coordinator's (only it reads the history), agreed in the cadence's vote: one interval on all.
 """
 
 from __future__ import annotations
@@ -136,16 +130,9 @@ def _average(old: float | None, new: float) -> float:
 
 
 class Goodput:
-    """One rank's measurements of what saves cost, and the interval chosen from them.
-
-    Args:
-        policy: the manager's.
-        clock: this rank's monotonic seconds.
-        mtbf: ``(mtbf_s, note)`` (``None``: not known here; the coordinator's is agreed).
-        on_commit: called with the current choice after each commit (telemetry).
-
-    Thread safety: the training thread votes, the manager thread reports commits; a lock.
-    """
+    """One rank's measurements of what saves cost (``clock``: its monotonic seconds), and the
+    interval chosen; ``mtbf``: ``(mtbf_s, note)`` where known; ``on_commit``: given the choice
+    at each commit. The training thread votes, the manager thread reports commits: a lock."""
 
     def __init__(
         self,

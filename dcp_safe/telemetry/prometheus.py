@@ -79,10 +79,12 @@ class PrometheusSink(Sink):
             ),
         }
         # From the manager's ``save_interval`` mark at each commit (dcp_safe.manager.goodput).
-        self.save_interval = metric(c.Gauge, "save_interval_seconds", "Interval between saves.")
-        self.expected_loss = metric(
-            c.Gauge, "expected_loss_per_hour_seconds", "Expected work lost per hour."
-        )
+        self.intervals = {
+            "save_interval_s": metric(c.Gauge, "save_interval_seconds", "Between saves."),
+            "expected_loss_per_hour_s": metric(
+                c.Gauge, "expected_loss_per_hour_seconds", "Expected work lost per hour."
+            ),
+        }
         self.interval_source = metric(
             c.Enum, "save_interval_source", "What set the save interval.", states=_SOURCES
         )
@@ -136,10 +138,7 @@ class PrometheusSink(Sink):
             self.save_bytes.observe(event.bytes)
 
     def _interval(self, attrs: Mapping[str, Any]) -> None:
-        for gauge, key in (
-            (self.save_interval, "save_interval_s"),
-            (self.expected_loss, "expected_loss_per_hour_s"),
-        ):
+        for key, gauge in self.intervals.items():
             if isinstance(value := attrs.get(key), (int, float)):
                 gauge.set(value)
         reason = str(attrs.get("interval_reason", ""))
