@@ -44,11 +44,9 @@ if TYPE_CHECKING:
     from dcp_safe.manager.ledger import Ledger
     from dcp_safe.manager.options import SavePolicy
 
-#: The prior's mean time between failures: one a day, a small job's; a job of thousands of
-#: accelerators fails every few hours and should give ``mtbf_s``.
+#: The prior's MTBF, a small job's: one of thousands of accelerators should give ``mtbf_s``.
 PRIOR_MTBF_S = 24 * 3600.0
-#: The longest interval ``auto`` chooses: a young failure-free history argues for ever longer
-#: intervals exactly where the estimate is least reliable.
+#: The longest interval ``auto`` chooses: a failure-free history is least reliable there.
 LONGEST_S = 6 * 3600.0
 _WEIGHT = 0.3  # of the newest measurement in each moving average: costs change, the choice follows
 
@@ -72,8 +70,7 @@ class Costs:
 
 @dataclass(frozen=True)
 class Choice:
-    """The interval between saves, why, the expected work lost per hour at it, and the save
-    cost and MTBF it came from (named as :class:`~dcp_safe.manager.ManagerStats` names them)."""
+    """The interval, why, the loss per hour at it, what it came from (as in ManagerStats)."""
 
     save_interval_s: float | None = None
     interval_reason: str = "no save committed yet"

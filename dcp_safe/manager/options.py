@@ -86,10 +86,9 @@ class SavePolicy:
             committed (on every rank), and no sooner than ``min_interval_s`` after it began.
         min_interval_s: see ``continuous`` (``None``: no minimum).
         first_step: also save at the first :meth:`~dcp_safe.CheckpointManager.maybe_save`.
-        auto: choose ``interval_s`` from the measured costs of a save and the failure rate,
-            re-evaluated at each vote (:mod:`dcp_safe.manager.goodput`, docs/manager.md).
-        mtbf_s: the job's mean time between failures (``None``: estimated from the root's
-            history); also what ``stats().expected_loss_per_hour_s`` is computed with.
+        auto: choose the interval from a save's measured costs and the MTBF (docs/manager.md).
+        mtbf_s: the job's mean time between failures (``None``: estimated from the history);
+            ``auto`` and ``stats().expected_loss_per_hour_s`` use it.
 
     The timed cadences (``interval_s``, ``continuous``) are decided in one vote of every
     rank at each step ``every`` names, on the coordinator's clock (``Runtime.clock``; why:
