@@ -108,9 +108,8 @@ def choose(costs: Costs) -> Choice:
 
 
 def estimate_mtbf(events: Sequence[Mapping[str, Any]], now: float) -> tuple[float, str]:
-    """The MTBF from a root's history events (oldest first) at ``now`` (``time.time()``), and
-    how it was estimated. A restart is a ``restored`` event from the run's own tiers not right
-    after a ``preempted`` one (a planned stop loses nothing), or a ``rolled_back`` one."""
+    """The MTBF from a root's history events at ``now`` (``time.time()``), and how. A restart:
+    a ``rolled_back``, or a ``restored`` from the run's own tiers not after a ``preempted``."""
     times = [e["time"] for e in events if isinstance(e.get("time"), (int, float))]
     span = max(0.0, now - min(times)) if times else 0.0
     restarts = sum(
@@ -154,9 +153,8 @@ class Goodput:
     def of(
         cls, policy: SavePolicy, clock: Callable[[], float], ledger: Ledger, *, history: bool
     ) -> Goodput:
-        """A manager's: the MTBF estimated from the root's history where ``history`` (the
-        coordinator) and not given; each commit's choice marked ``save_interval`` in the
-        telemetry (a failure there counted, never raised)."""
+        """A manager's: the MTBF from the history where ``history`` (the coordinator) and not
+        given; each commit's choice marked ``save_interval`` (a failure there only counted)."""
         mtbf = None
         if history and policy.mtbf_s is None:
             mtbf = estimate_mtbf(ledger.history.read(), time.time())

@@ -78,16 +78,14 @@ class PrometheusSink(Sink):
                 counter, "retries", "Storage operations retried after a transient failure."
             ),
         }
-        # From the manager's ``save_interval`` mark at each commit (dcp_safe.manager.goodput).
+        # From the manager's ``save_interval`` mark at each commit; the source by the reason.
         self.intervals = {
-            "save_interval_s": metric(c.Gauge, "save_interval_seconds", "Between saves."),
+            "save_interval_s": metric(c.Gauge, "save_interval_seconds", "Time between saves."),
             "expected_loss_per_hour_s": metric(
                 c.Gauge, "expected_loss_per_hour_seconds", "Expected work lost per hour."
             ),
         }
-        self.interval_source = metric(
-            c.Enum, "save_interval_source", "What set the save interval.", states=_SOURCES
-        )
+        self.interval_source = metric(c.Enum, "save_interval_source", "Its cause.", states=_SOURCES)
         self.step_seconds = metric(
             c.Histogram, "step_duration_seconds", "Training step time reported by the loop.",
             **seconds,
@@ -169,6 +167,5 @@ class PrometheusSink(Sink):
         return float(sum(getattr(s.stats(), field) for s in stagers))
 
 
-# What set the interval, by the start of its reason (interval_reason in ManagerStats).
 _SOURCES = ["auto", "interval_s", "measured", "none"]
 _MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}
