@@ -156,8 +156,10 @@ class Goodput:
         """A manager's: the MTBF from the history where ``history`` (the coordinator) and not
         given; each commit's choice marked ``save_interval`` (a failure there only counted)."""
         mtbf = None
-        if history and policy.mtbf_s is None:
-            mtbf = estimate_mtbf(ledger.history.read(), time.time())
+        if history and policy.mtbf_s is None:  # an unreadable history: the prior, counted
+            events: list[Any] = []
+            ledger.quietly("reading the history", lambda: events.extend(ledger.history.read()))
+            mtbf = estimate_mtbf(events, time.time())
         if (telemetry := ledger.telemetry) is None:
             return cls(policy, clock, mtbf)
         mark = functools.partial(telemetry.mark, "save_interval")
