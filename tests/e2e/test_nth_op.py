@@ -36,11 +36,22 @@ from _crash import (
 
 import dcp_safe
 from dcp_safe import DcpSafeError, SafeStorageReader, SafeStorageWriter, WriterOptions
+from dcp_safe.commit import lease as lease_module
 from dcp_safe.errors import CheckpointExistsError
 from dcp_safe.layout import WRITING_LEASE
 from dcp_safe.testing.faulty_fs import FaultInjector, FaultPlan
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(autouse=True)
+def _short_lease_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease a failed save left behind is judged over two rounds with a random pause between
+    them (0.05-0.5 s, so that two racing contenders part). A sweep saves one save at a time:
+    no contender rewrites a lease during the pause, and a pause of milliseconds judges the same
+    lease the same way. Those pauses were 11 of the persistent local sweep's 17 s."""
+    monkeypatch.setattr(lease_module, "_PAUSE_S", (0.001, 0.005))
+
 
 LONG = os.environ.get("DCP_SAFE_LONG") == "1"
 TESTS_DIR = Path(__file__).resolve().parents[1]

@@ -74,8 +74,13 @@ def _comparable(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 # -- 1 and 2: a coordinator busy past the deadline ------------------------------------------
 
 
+# Rank 0 lists about 9 times a save (2 in the save, 7 in retention's follow-up): at 0.75 s each
+# its follow-up (~5 s) outlasts the 2 s deadline more than twice, at half the time 1.5 s took.
+LIST_DELAY_S = 0.75
+
+
 def _busy_coordinator(rank: int, world_size: int, root: str, policy: str) -> dict[str, Any]:
-    options = _slow_listing_on_rank0(rank, root, delay_s=1.5)
+    options = _slow_listing_on_rank0(rank, root, delay_s=LIST_DELAY_S)
     handles = []
     with CheckpointManager(
         Topology.of(f"faulty://{root}", storage_options=options),
@@ -99,12 +104,15 @@ def _busy_coordinator(rank: int, world_size: int, root: str, policy: str) -> dic
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_wait_policy_waits_for_a_coordinator_busy_past_the_deadline(tmp_path: Path) -> None:
-    """Finding 1: rank 0's follow-up (retention listings at 1.5 s each) outlasts the 2 s
+    """Finding 1: rank 0's follow-up (retention listings at 0.75 s each) outlasts the 2 s
     deadline; the next request waits for it on every rank, in rounds, and every save commits."""
     results = run_ranks(_busy_coordinator, 2, args=(str(tmp_path), "wait"), timeout_s=240)
     for result in results:
         assert result["outcomes"] == [(s, "committed") for s in range(1, 5)]
         assert result["stats"].waited_s > 0  # rank 0 was busy, and every rank waited
+    # Three requests waited (steps 2-4): more than three deadlines in all means at least one
+    # wait outlasted the deadline, which is the finding.
+    assert results[0]["stats"].waited_s > 3 * DEADLINE_S
     assert results[0]["decisions"] == results[1]["decisions"]
     assert [c.name for c in list_checkpoints(tmp_path)] == ["step_000000003", "step_000000004"]
 
