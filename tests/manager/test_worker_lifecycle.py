@@ -31,7 +31,7 @@ from dcp_safe.worker import parent as worker_module
 pytestmark = pytest.mark.worker_process  # "auto" keeps choosing the worker here
 
 _TIMEOUT_S = 120  # a safety net against a hang, never an assertion
-_DEADLINE_S = 15.0  # with several ranks, the bound of a worker's silence
+_DEADLINE_S = 10.0  # with several ranks, the bound of a worker's silence
 
 
 def _gone(pid: int) -> bool:
@@ -136,16 +136,16 @@ def test_a_worker_killed_as_it_appears_is_a_death_not_an_error_of_the_request(
 
 def test_a_stopped_worker_fails_its_save_and_the_next_save_succeeds(tmp_path: Path) -> None:
     writer = StopsInWorker(str(tmp_path), at_step=2)
-    # The worker's bound of silence follows the manager's deadlines: here 10 s.
+    # The worker's bound of silence follows the manager's deadlines: here 5 s, its least.
     with CheckpointManager(
         tmp_path,
-        bounds=Bounds(wait_timeout_s=10),
+        bounds=Bounds(wait_timeout_s=5),
         runtime=Runtime(writer=writer, executor="process"),
     ) as manager:
         first = ready_worker(manager)
         assert manager.save(1, make_state(1)).committed.result(_TIMEOUT_S) == "step_000000001"
         handle = manager.save(2, make_state(2))
-        with pytest.raises(WorkerDiedError, match=r"sent nothing for 10 s .*stopped"):
+        with pytest.raises(WorkerDiedError, match=r"sent nothing for 5 s .*stopped"):
             handle.committed.result(_TIMEOUT_S)
         assert _gone(first)
         assert manager.save(3, make_state(3)).committed.result(_TIMEOUT_S) == "step_000000003"
