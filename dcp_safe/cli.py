@@ -56,12 +56,13 @@ from dcp_safe.cli_output import (
     fail_json,
     failure,
     library_warnings,
+    metrics_text,
     print_columns,
     size_text,
     when_text,
 )
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
+from dcp_safe.retention.sweeper import DEFAULT_GRACE_S, SweepReport
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
@@ -205,7 +206,7 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     print_columns(
         out,
         f"committed checkpoints under {args.root}",
-        ("name", "step", "tiers", "size", "created (UTC)", "world size"),
+        ("name", "step", "tiers", "size", "created (UTC)", "world size", "metrics"),
         [
             (
                 info.name,
@@ -214,6 +215,7 @@ def _ls(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
                 size_text(info.size_bytes),
                 when_text(info.created_at),
                 str(info.world_size),
+                metrics_text(info.metrics) or "-",
             )
             for info, where in rows
         ],
@@ -246,6 +248,7 @@ def _info_json(info: CheckpointInfo, where: list[str]) -> dict[str, Any]:
         "world_size": info.world_size,
         "path": info.path,
         "save_id": info.save_id,
+        "metrics": None if info.metrics is None else dict(info.metrics),
     }
 
 
@@ -369,15 +372,25 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         sub,
         "gc",
         common,
-        help="apply retention and remove abandoned partial saves",
+        help="apply retention, remove abandoned partial saves, restore from the trash",
         description="Keeps the --keep newest checkpoints (plus the safety rules of "
         "dcp_safe.retention.policy.decide) and removes leftovers of failed saves older than "
         "--grace-s. Whatever --keep says, the two newest checkpoints are kept. Checkpoints "
-        "without a step (not saved by a CheckpointManager) are left alone.",
+        "without a step (not saved by a CheckpointManager) are left alone. --restore NAME"
+        " brings a checkpoint back from the trash (docs/retention.md) instead.",
     )
     p.add_argument("root", help="checkpoint root")
+    p.add_argument("--keep", type=int, metavar="N", help="newest checkpoints to keep")
     p.add_argument(
-        "--keep", type=int, required=True, metavar="N", help="newest checkpoints to keep"
+        "--restore",
+        metavar="NAME",
+        help="commit NAME again from the trash, once every byte is checked; nothing else",
+    )
+    p.add_argument(
+        "--trash-grace-s",
+        type=float,
+        metavar="S",
+        help="also delete what has been in the trash for S seconds (default: the trash is kept)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="say what would be removed; remove nothing"
@@ -407,6 +420,10 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     from dcp_safe.retention.apply import apply_retention
 
     require_root(args.root)
+    if args.restore is not None:
+        return _restore(args, options, out)
+    if args.keep is None:
+        raise UsageError("gc needs --keep N (or --restore NAME)")
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1, got {args.keep}")
     report = apply_retention(
@@ -416,6 +433,7 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
         grace_s=args.grace_s,
         allow_bucket_root=args.allow_bucket_root,
         signing_key=key_from_file(args.signing_key_file),
+        trash_grace_s=args.trash_grace_s,
     )
     if args.json:
         emit_json(out, _gc_json(report))
@@ -425,8 +443,34 @@ def _gc(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) 
     return EXIT_OK
 
 
+def _restore(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
+    from dcp_safe.retention.apply import RetentionReport
+    from dcp_safe.retention.trash import restore_trashed
+
+    key = key_from_file(args.signing_key_file)
+    checked = restore_trashed(Root(args.root, options), args.restore, signing_key=key)
+    if args.json:
+        empty = _gc_json(RetentionReport(kept=(), dropped=(), sweep=_NO_SWEEP, dry_run=False))
+        emit_json(out, {**empty, "restored": [checked.name]})
+        return EXIT_OK
+    out.print(
+        f"restored {checked.name} from the trash: {checked.files_checked} files and"
+        f" {checked.items_checked} items checked",
+        markup=False,
+        highlight=False,
+    )
+    return EXIT_OK
+
+
+_NO_SWEEP = SweepReport(removed=(), too_recent=(), dry_run=False)
+
+
 def _gc_json(report: RetentionReport) -> dict[str, Any]:
+    trash = report.trash or _NO_SWEEP
     return {
+        "restored": [],
+        "trash_removed": list(trash.removed),
+        "trash_kept": list(trash.too_recent),
         "dry_run": report.dry_run,
         "kept": list(report.kept),
         "removed": list(report.dropped),
@@ -447,6 +491,8 @@ def _gc_lines(report: RetentionReport, grace_s: float) -> list[str]:
             f"kept partial save {entry}: idle for less than {grace_s:g} s"
             for entry in report.sweep.too_recent
         ),
+        *(f"{verb} from the trash {entry}" for entry in (report.trash or _NO_SWEEP).removed),
+        *(f"kept in the trash {entry}" for entry in (report.trash or _NO_SWEEP).too_recent),
         f"kept {len(report.kept)} checkpoint(s): {', '.join(report.kept) or '-'}",
         *(
             f"not counted, left in place: {shown(name)} (damaged, or not signed with the key)"

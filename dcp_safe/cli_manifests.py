@@ -29,6 +29,7 @@ from dcp_safe.cli_output import (
     EXIT_OK,
     add_subcommand,
     emit_json,
+    metrics_text,
     print_columns,
     size_text,
     when_text,
@@ -96,7 +97,7 @@ def _history(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
                 "-" if e["step"] is None else str(e["step"]),
                 e["name"] or "-",
                 e["tier"] or "-",
-                e["reason"] or "",
+                e["reason"] or metrics_text(e["fields"].get("metrics")),
             )
             for e in events
         ],
@@ -151,9 +152,11 @@ def _show(args: argparse.Namespace, options: dict[str, Any] | None, out: Console
         ("signature", "signature"),
         ("save id", "save_id"),
         ("digest", "digest"),
+        ("metrics", "metrics"),
     ):
         value = doc[key]
         text = when_text(value) if key == "created_at" else "-" if value is None else str(value)
+        text = (metrics_text(value) or "-") if key == "metrics" else text
         out.print(Text(f"{label:14} {shown(text)}"))
     out.print(
         f"{'size':14} {size_text(doc['total_bytes'])} in {doc['files']} file(s),"
@@ -212,6 +215,7 @@ def _summary(backend: Backend, opened: CommittedCheckpoint) -> dict[str, Any]:
         "attempt": manifest.attempt,
         "signature": _signature(backend, opened.name),
         "digest": opened.digest,
+        "metrics": None if manifest.metrics is None else dict(manifest.metrics),
         "total_bytes": manifest.total_bytes,
         "files": len(manifest.files),
         "items": len(manifest.items),

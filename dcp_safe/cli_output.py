@@ -14,7 +14,7 @@ import contextlib
 import datetime
 import json
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -165,6 +165,12 @@ def size_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def metrics_text(metrics: Mapping[str, float | str] | None) -> str:
+    """A save's metrics as ``val_loss=0.25, config=ab12`` ("": none), escaped: storage's."""
+    items = (metrics or {}).items()
+    return shown(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in items))
 
 
 def when_text(timestamp: float) -> str:

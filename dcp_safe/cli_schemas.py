@@ -22,6 +22,7 @@ _CHECKPOINT = {
     "world_size": "int",
     "path": "str",
     "save_id": "str",
+    "metrics": "object?",
 }
 
 _ENTRY = {
@@ -71,6 +72,7 @@ SCHEMAS: dict[str, Any] = {
     },
     "inspect": {
         "name": "str",
+        "metrics": "object?",
         "entries": [_ENTRY],
         "totals": {"entries": "int", "tensors": "int", "bytes": "int", "stored_bytes": "int"},
     },
@@ -85,6 +87,9 @@ SCHEMAS: dict[str, Any] = {
         "skipped": "object",
     },
     "gc": {
+        "restored": "str[]",
+        "trash_removed": "str[]",
+        "trash_kept": "str[]",
         "dry_run": "bool",
         "kept": "str[]",
         "removed": "str[]",
@@ -110,6 +115,7 @@ SCHEMAS: dict[str, Any] = {
         "attempt": "int?",
         "signature": "str?",
         "digest": "str",
+        "metrics": "object?",
         "total_bytes": "int",
         "files": "int",
         "items": "int",

@@ -19,7 +19,7 @@ from dcp_safe import layout
 from dcp_safe.checkpoints import catalog
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.cli_args import require_root
-from dcp_safe.cli_output import EXIT_OK, add_subcommand, emit_json, size_text
+from dcp_safe.cli_output import EXIT_OK, add_subcommand, emit_json, metrics_text, size_text
 from dcp_safe.topology import Root
 from dcp_safe.untrusted import shown
 
@@ -41,7 +41,8 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
     reader.reset(catalog.latest_named(root, args.name))
     metadata = reader.read_metadata()
     name = reader.checkpoint_id or args.name
-    stored = _stored_bytes(open_committed(reader.backend, name).manifest.items)
+    manifest = open_committed(reader.backend, name).manifest
+    stored = _stored_bytes(manifest.items)
     entries = [
         _entry(fqn, meta, stored.get(fqn, 0)) for fqn, meta in metadata.state_dict_metadata.items()
     ]
@@ -53,7 +54,8 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
         "stored_bytes": sum(e["stored_bytes"] for e in entries),
     }
     if args.json:
-        emit_json(out, {"name": name, "entries": entries, "totals": totals})
+        metrics = None if manifest.metrics is None else dict(manifest.metrics)
+        emit_json(out, {"name": name, "metrics": metrics, "entries": entries, "totals": totals})
         return EXIT_OK
     table = Table(title=Text(f"{name} under {shown(args.root)}"))  # text, not markup
     for column in ("FQN", "shape", "dtype", "bytes", "stored", "shards"):
@@ -75,6 +77,8 @@ def _inspect(args: argparse.Namespace, options: dict[str, Any] | None, out: Cons
         f" of tensor data, {size_text(totals['stored_bytes'])} stored",
         highlight=False,
     )
+    if manifest.metrics:
+        out.print(Text(f"metrics: {metrics_text(manifest.metrics)}"))
     return EXIT_OK
 
 

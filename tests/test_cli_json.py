@@ -18,7 +18,14 @@ import pytest
 import torch
 
 import dcp_safe
-from dcp_safe import CheckpointManager, SafeStorageWriter, SavePolicy, WriterOptions, layout
+from dcp_safe import (
+    CheckpointManager,
+    Retention,
+    SafeStorageWriter,
+    SavePolicy,
+    WriterOptions,
+    layout,
+)
 from dcp_safe.cli import main
 from dcp_safe.cli_output import (
     EXIT_CODES,
@@ -161,6 +168,31 @@ def test_export_json(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_gc_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = _json(capsys, "gc", str(root), "--keep", "1", "--dry-run")
     assert doc["dry_run"] and doc["removed"] == [] and "step_000000004" in doc["kept"]
+
+
+def test_metrics_and_the_trash_through_ls_show_inspect_history_and_gc(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, losses = tmp_path / "best", {1: 0.25, 2: 0.5, 3: 0.75}
+    retention = Retention(keep_last=1, trash_grace_s=3600.0)
+    with CheckpointManager(path, retention=retention) as manager:
+        for step, loss in losses.items():
+            metrics = {"val_loss": loss, "config": "sha256:ab"}
+            manager.save(step, _state(step), metrics=metrics).committed.result()  # type: ignore[union-attr]
+    listed = _json(capsys, "ls", str(path))
+    assert [c["metrics"]["val_loss"] for c in listed] == [0.5, 0.75]
+    assert "config=sha256:ab, val_loss=0.5" in _run(capsys, "ls", str(path))[1]
+    kept = _json(capsys, "gc", str(path), "--keep", "5", "--trash-grace-s", "3600")
+    assert len(kept["trash_kept"]) == 1 and kept["trash_removed"] == []
+    restored = _json(capsys, "gc", str(path), "--restore", "step_000000001")
+    assert restored["restored"] == ["step_000000001"] and restored["kept"] == []
+    shown = _json(capsys, "show", str(path), "step_000000001")
+    assert shown["metrics"] == {"val_loss": 0.25, "config": "sha256:ab"}
+    assert _json(capsys, "inspect", str(path), "step_000000001")["metrics"] == shown["metrics"]
+    events = _json(capsys, "history", str(path), "--event", "committed")["events"]
+    assert [e["fields"]["metrics"]["val_loss"] for e in events] == list(losses.values())
+    again = _run(capsys, "gc", str(path), "--restore", "step_000000001")
+    assert again[0] == EXIT_NOT_FOUND and "not in the trash" in again[2]
 
 
 def test_history_json_is_the_managers_record(
