@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from dcp_safe import cli_manifests, cli_tensors, layout
+from dcp_safe import cli_adopt, cli_manifests, cli_tensors, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints import catalog
 from dcp_safe.checkpoints.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
@@ -564,6 +564,7 @@ _COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     cli_manifests.add_show,
     cli_manifests.add_diff,
     cli_manifests.add_replicate,
+    cli_adopt.add_adopt,
 ]
 
 

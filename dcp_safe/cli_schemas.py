@@ -140,6 +140,17 @@ SCHEMAS: dict[str, Any] = {
         "verified": "str",
         "seconds": "number",
     },
+    "adopt": {
+        "name": "str",
+        "path": "str",
+        "copied": "bool",
+        "world_size": "int",
+        "files": "int",
+        "items": "int",
+        "bytes_read": "int",
+        "objects_checked": "int",
+        "unchecked": "str[]",
+    },
     # Any subcommand's failure with --json (the exit status is exit_code).
     "error": {"error": "str", "message": "str", "exit_code": "int"},
 }

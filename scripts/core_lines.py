@@ -18,6 +18,7 @@ FACES = {
     "bench",
     "demo",
     "cli.py",
+    "cli_adopt.py",
     "cli_args.py",
     "cli_manifests.py",
     "cli_output.py",

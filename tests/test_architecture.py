@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("manager", "exporting", "api_types", "torch_checkpointing"),
     (
         "cli",
+        "cli_adopt",
         "cli_args",
         "cli_manifests",
         "cli_output",

@@ -128,6 +128,7 @@ def test_the_schema_check_refuses_a_key_added_left_out_or_of_another_type() -> N
 
 def test_every_subcommand_with_json_has_a_schema_and_a_test_here() -> None:
     tested = {"ls", "verify", "inspect", "export", "gc", "history", "show", "diff", "replicate"}
+    tested.add("adopt")
     assert set(SCHEMAS) == tested | {"error"}
     source = Path(__file__).read_text(encoding="utf-8")
     for command in tested:
@@ -329,6 +330,23 @@ def test_replicate_of_a_corrupt_source_commits_nothing(
     status, _, err = _run(capsys, "replicate", str(root), "step_000000002", str(dest))
     assert status == EXIT_FAILED and "CORRUPT" in err
     assert not dest.exists() or dcp_safe.list_checkpoints(dest) == []
+
+
+def test_adopt_json_commits_a_stock_checkpoint_that_then_lists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    stock = tmp_path / "old" / "step_7"
+    dcp.save({"w": torch.ones(3), "step": 7}, storage_writer=dcp.FileSystemWriter(str(stock)))
+    doc = _json(capsys, "adopt", str(stock), str(tmp_path / "new"))
+    assert (doc["name"], doc["copied"], doc["world_size"], doc["items"]) == ("step_7", True, 1, 2)
+    assert doc["unchecked"] and "no checksums" in doc["unchecked"][0]
+    assert [c["name"] for c in _json(capsys, "ls", str(tmp_path / "new"))] == ["step_7"]
+    status, out, _ = _run(capsys, "adopt", str(stock), str(tmp_path / "new"), "--json")
+    assert status == EXIT_EXISTS and json.loads(out)["exit_code"] == EXIT_EXISTS
+    status, _, err = _run(capsys, "adopt", str(tmp_path / "nothing"), str(tmp_path / "new"))
+    assert status == EXIT_NOT_FOUND and "stock DCP checkpoint to adopt" in err
 
 
 # ------------------------------------------------------------------------- errors and exit codes

@@ -144,7 +144,8 @@ def adopt(
     try:
         raw = here.read_small(f"{folder}/{layout.DCP_METADATA}", MANIFEST_MAX_BYTES)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(meta_path, "not a DCP checkpoint folder") from None
+        why = f"nor a stock DCP checkpoint to adopt (no {layout.DCP_METADATA} in it)"
+        raise CheckpointNotFoundError(here.full_path(folder), why) from None
     plain, items = _decode(raw, meta_path, allow_pickle=allow_pickle)
     sizes = here.sizes(folder)
     by_file = _check_tiling(items, sizes, lambda f: here.full_path(f"{folder}/{f}"))

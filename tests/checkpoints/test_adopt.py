@@ -231,7 +231,7 @@ def test_a_failed_in_place_adoption_leaves_the_source_as_it_was(tmp_path: Path) 
 def test_a_folder_without_dcp_metadata_is_not_found(tmp_path: Path) -> None:
     source = _stock(tmp_path / "ck")
     (source / layout.DCP_METADATA).unlink()
-    with pytest.raises(CheckpointNotFoundError, match="not a DCP checkpoint"):
+    with pytest.raises(CheckpointNotFoundError, match="stock DCP checkpoint to adopt"):
         dcp_safe.adopt(source, tmp_path / "root")
     shutil.rmtree(source)
     with pytest.raises(CheckpointNotFoundError):
