@@ -62,8 +62,10 @@ LEAVES = {"staging", "telemetry"}
 FACES = set(LAYERS[-1])
 MAX_LINES = 600
 # Issue #44 lets a module reach 800 lines where one concept reads better in one file: the
-# torch_checkpointing adapter is one Storage, its commit callbacks and its checked reads.
-ONE_CONCEPT = {"dcp_safe.torch_checkpointing": 800}
+# torch_checkpointing adapter is one Storage, its commit callbacks and its checked reads; the
+# manager module is the one public class a loop calls, each method a facade over a part, its
+# docstrings the API reference (about 30 % of its lines).
+ONE_CONCEPT = {"dcp_safe.torch_checkpointing": 800, "dcp_safe.manager.manager": 700}
 
 
 def _part(module: str) -> str:
