@@ -34,7 +34,12 @@ from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.item_pickles import ItemUnpickler
-from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR, check_loadable, decode_object
+from dcp_safe.checkpoints.items import (
+    OBJECT_MAX_DECODED_BYTES,
+    ZSTD_DESCRIPTOR,
+    check_loadable,
+    decode_object,
+)
 from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
 from dcp_safe.commit.strategy import MarkerStrategy, Publication, strategy_for
 from dcp_safe.errors import (
@@ -512,7 +517,9 @@ def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pic
 def _classes_needed(backend: Backend, folder: str, manifest: Manifest) -> set[str]:
     """The globals a load's unpickler refuses, of the object items it refuses."""
     needed: set[str] = set()
-    for item in (i for i in manifest.items if i.offset is None and not i.transforms):
+    small = OBJECT_MAX_DECODED_BYTES  # memory bounded: a larger one is refused, its names untold
+    plain = (i for i in manifest.items if not i.transforms and i.length <= small)
+    for item in (i for i in plain if i.offset is None):
         path, label = backend.full_path(f"{folder}/{item.file}"), item.describe()
         with backend.open_read(f"{folder}/{item.file}") as stream:
             data = read_verified(
