@@ -33,6 +33,7 @@ from dcp_safe.errors import (
     PickledClassesError,
 )
 from dcp_safe.testing.s3_proxy import FaultProxy
+from dcp_safe.torch_compat import ZStandard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -257,3 +258,13 @@ def test_in_place_on_a_store_that_ignores_conditional_writes_commits_behind_a_le
     assert not [e for e in open_backend(root).list_dir("ck") if layout.is_lease_file(e)]
     with pytest.raises(CheckpointExistsError):
         dcp_safe.adopt(Root(f"{s3_root}/ck", options), root, copy=False)
+
+
+def test_a_checkpoint_dcp_compressed_with_zstd_is_adopted_and_loads(tmp_path: Path) -> None:
+    state = {"w": WEIGHTS.clone(), "step": 7, "train": io.BytesIO(b"epoch=3")}
+    writer = dcp.FileSystemWriter(str(tmp_path / "ck"), _extensions=[ZStandard()])
+    dcp.save(state, storage_writer=writer)
+    dcp_safe.adopt(tmp_path / "ck", tmp_path / "root")
+    assert verify_checkpoint(tmp_path / "root", "ck").items_checked == 3
+    loaded = _load(tmp_path / "root", "ck")
+    assert torch.equal(loaded["w"], WEIGHTS) and loaded["train"].getvalue() == b"epoch=3"
