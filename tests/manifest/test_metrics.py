@@ -59,7 +59,7 @@ def test_metrics_round_trip_as_floats_and_labels() -> None:
 def test_malformed_metrics_make_the_manifest_corrupt(metrics: object) -> None:
     raw = json.loads(_OLD.to_json())
     raw["metrics"] = metrics
-    with pytest.raises(CheckpointCorruptError, match="malformed manifest|not valid JSON"):
+    with pytest.raises(CheckpointCorruptError, match=r"malformed manifest|not valid JSON"):
         Manifest.from_json(json.dumps(raw).encode(), "manifest.json")
 
 
