@@ -209,8 +209,10 @@ def read_marked_manifest(
     try:
         raw_marker = backend.read_small(f"{name}/{marker}", CONTROL_MAX_BYTES)
     except FileNotFoundError:
+        # A missing bucket or root folder reads as a missing marker too: say which it is.
+        why = "" if backend.exists("") else f"; the root {backend.full_path('')} does not exist"
         raise CheckpointNotFoundError(
-            backend.full_path(name), f"no {what} (no {marker} marker)"
+            backend.full_path(name), f"no {what} (no {marker} marker){why}"
         ) from None
     expected = raw_marker.decode("ascii", errors="replace").strip()
     try:

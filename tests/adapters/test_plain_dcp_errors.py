@@ -36,7 +36,10 @@ pytestmark = [pytest.mark.timeout(300)]
 # Each case's error, as its first line reads: the type and a part of the message.
 EXPECTED = {
     "missing_bucket/save": ("StorageError", "bucket does not exist"),
-    "missing_bucket/load": ("CheckpointNotFoundError", "s3://no-such-bucket/run/step_1"),
+    "missing_bucket/load": (
+        "CheckpointNotFoundError",
+        "the root s3://no-such-bucket/run does not exist",
+    ),
     "full_disk/save": ("StorageError", "[Errno 28]"),
     "unwritable_root/save": ("StorageError", "mkdir failed"),
     "bad_url/save": ("ConfigError", "no storage for nope://bucket/run"),
