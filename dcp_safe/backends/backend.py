@@ -219,14 +219,16 @@ class Backend(abc.ABC):
                 else:
                     pending.append((f"{sub}{name}/", depth + 1))
 
-    def entries_holding(self, member: str) -> list[str]:
+    def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
         """The names directly under the root that hold the file ``<name>/<member>`` (the
-        commit marker: which entries may be checkpoints), sorted.
+        commit marker: which entries may be checkpoints), sorted; with ``unless``, not those
+        that also hold ``<name>/<unless>`` (a checkpoint in the trash).
 
         This default costs a listing and a request per entry; backends that can answer from
-        listings alone (an object store: a request per 1,000 keys) do.
+        listings alone (an object store: a request per 1,000 keys) do, in one walk.
         """
-        return [e for e in self.list_dir("") if self.exists(f"{e}/{member}")]
+        found = [e for e in self.list_dir("") if self.exists(f"{e}/{member}")]
+        return [e for e in found if unless is None or not self.exists(f"{e}/{unless}")]
 
     @abc.abstractmethod
     def is_dir(self, rel: str) -> bool: ...

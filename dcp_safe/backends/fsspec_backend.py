@@ -363,14 +363,13 @@ class FsspecBackend(Backend):
         prefix = self._abs(rel).rstrip("/") + "/"
         yield from sorted(p.removeprefix(prefix) for p in self._find(rel) if p.startswith(prefix))
 
-    def entries_holding(self, member: str) -> list[str]:
+    def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
         if not self.object_store:
-            return super().entries_holding(member)
+            return super().entries_holding(member, unless=unless)
         # One recursive listing (a request per 1,000 keys), not a request per entry.
-        tail = f"/{member}"
-        return [
-            p[: -len(tail)] for p in self.walk_files("") if p.count("/") == 1 and p.endswith(tail)
-        ]
+        top = [p.split("/") for p in self.walk_files("") if p.count("/") == 1]
+        held = {entry for entry, name in top if name == member}
+        return sorted(held - {entry for entry, name in top if name == unless})
 
     # ----------------------------------------------------------------- layout
 

@@ -309,7 +309,7 @@ class LocalBackend(Backend):
             raise self._fail("rename", src, exc) from exc
         return None
 
-    def entries_holding(self, member: str) -> list[str]:
+    def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
         # One listing of the root, then one lstat per entry: cheap on a local disk. An entry
         # that is a link is passed by, with a warning: nothing beneath a link is read.
         found = []
@@ -322,7 +322,7 @@ class LocalBackend(Backend):
                 log.warning("%s is a symbolic link: passed by", shown(self._beneath.path(entry)))
             elif kind == "directory" and self.exists(f"{entry}/{member}"):
                 found.append(entry)
-        return found
+        return [e for e in found if unless is None or not self.exists(f"{e}/{unless}")]
 
 
 def _present(folder: int, name: str) -> bool:

@@ -346,8 +346,8 @@ class RetryingBackend(Backend):
         # A listing cannot resume halfway, so it is taken whole and retried whole.
         yield from self._retry("list", rel, lambda: list(self.inner.walk_files(rel)))
 
-    def entries_holding(self, member: str) -> list[str]:
-        return self._retry("list", "", lambda: self.inner.entries_holding(member))
+    def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
+        return self._retry("list", "", lambda: self.inner.entries_holding(member, unless=unless))
 
     # ----------------------------------------------------------------- layout
 

@@ -126,11 +126,12 @@ def committed_names(backend: Backend, marker: str = layout.COMMITTED_MARKER) -> 
     by with a warning that shows it escaped.
     """
     names = []
-    # In the trash where a prune stopped before removing the commit marker (an object store).
-    trashed = {folder for _, folder in strategy_for(backend).trashed(backend)}
-    for entry in backend.entries_holding(marker):
-        # A partial about to be renamed into place, or a checkpoint in the trash.
-        if entry.startswith(".") or entry in trashed:
+    # Not one in the trash where a prune stopped before removing the commit marker (an object
+    # store): asked of the same listing, as a second walk would double every listing's cost.
+    hidden_by = strategy_for(backend).hidden_by
+    for entry in backend.entries_holding(marker, unless=hidden_by):
+        # A partial about to be renamed into place, or a checkpoint in the trash (POSIX).
+        if entry.startswith("."):
             continue
         try:
             names.append(layout.validate_name(entry))

@@ -298,6 +298,9 @@ class PublishStrategy(abc.ABC):
 
     # The trash (dcp_safe.retention.trash): ``<name>/_TRASHED`` is written first, then one
     # step here takes the checkpoint out of the listings; restoring undoes it.
+    #: A name holding this beside its commit marker is not listed (a trash step cut short);
+    #: ``None`` where the trash is a renamed folder and a stray marker means nothing.
+    hidden_by: str | None = None
 
     @abc.abstractmethod
     def trash(self, backend: Backend, name: str) -> None:
@@ -363,6 +366,7 @@ class MarkerStrategy(PublishStrategy):
 
     in_place = True
     can_replace = False
+    hidden_by = layout.TRASH_MARKER
 
     _publication = LeasedPublication
     _replica = LeasedReplica

@@ -27,7 +27,7 @@ from support import make_state
 import dcp_safe
 from dcp_safe import SafeStorageWriter, WriterOptions, layout, list_checkpoints
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import resolve_name
+from dcp_safe.checkpoints.committed import committed_names, resolve_name
 from dcp_safe.cli import main as cli_main
 from dcp_safe.manifest.schema import manifest_digest
 from dcp_safe.testing.s3_proxy import FaultProxy
@@ -124,3 +124,22 @@ def test_latest_on_s3_costs_listing_pages_not_a_request_per_entry(
         assert resolve_name(open_backend(s3_root, options), layout.LATEST) == GOOD[-1]
         costs.append(proxy.requests_seen - before)
     assert costs[0] == costs[1], costs
+
+
+@pytest.mark.s3
+def test_a_listing_on_s3_walks_the_root_once_trash_included(
+    s3_root: str, proxy: FaultProxy
+) -> None:
+    """Which names hold a commit marker and which a trash marker too come from one walk: a
+    listing costs what one walk of the root costs, not two."""
+    options = proxy.storage_options()
+    for step in (1, 2):
+        _save(s3_root, options, step)
+    backend = open_backend(s3_root, options)
+    backend.write_bytes(f"{GOOD[0]}/{layout.TRASH_MARKER}", b"x")  # a prune stopped halfway
+    before = proxy.requests_seen
+    list(open_backend(s3_root, options).walk_files(""))
+    walk = proxy.requests_seen - before
+    before = proxy.requests_seen
+    assert committed_names(open_backend(s3_root, options)) == [GOOD[1]]
+    assert proxy.requests_seen - before == walk > 0
