@@ -15,13 +15,11 @@ from typing import Any
 import pytest
 import torch
 from support.clocks import SkewedClock
+from support.faults import GatedWriter
 
 from dcp_safe import CheckpointManager, ConfigError, Runtime, SavePolicy
-from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.agreement import Agreement, Vote
 from dcp_safe.manager.cadence import Cadence, Reading, due
-
-_GATE_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 
 
 def _votes(*readings: Reading | None, step: int = 10, busy: tuple[int, ...] = ()) -> list[Vote]:
@@ -121,19 +119,6 @@ def _resolved() -> Any:
 # -- the manager, real saves -------------------------------------------------------------------
 
 
-class _GatedWriter(SafeStorageWriter):
-    """Background uploads wait for ``gate`` (a save stays in flight until the test says)."""
-
-    def __init__(self, root: Any, gate: threading.Event) -> None:
-        super().__init__(root)
-        self.gate = gate
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            assert self.gate.wait(_GATE_TIMEOUT_S)
-        return super().write_data(plan, planner)
-
-
 def test_first_step_saves_step_one(tmp_path: Path) -> None:
     policy = SavePolicy(every=100, first_step=True)
     state = {"w": torch.ones(4)}
@@ -148,7 +133,7 @@ def test_first_step_saves_step_one(tmp_path: Path) -> None:
 def test_interval_saves_by_the_injected_clock_and_restarts_at_each_commit(tmp_path: Path) -> None:
     clock, gate = SkewedClock(), threading.Event()
     policy = SavePolicy(interval_s=10)
-    runtime = Runtime(writer=_GatedWriter(tmp_path, gate), clock=clock)
+    runtime = Runtime(writer=GatedWriter(tmp_path, gate), clock=clock)
     saved = []
     with CheckpointManager(tmp_path, policy=policy, runtime=runtime) as manager:
         for step in range(1, 41):
@@ -185,7 +170,7 @@ def test_continuous_waits_for_the_commit_without_requesting_a_save(tmp_path: Pat
     gate = threading.Event()
     clock = SkewedClock()
     policy = SavePolicy(continuous=True, min_interval_s=5, when_busy="wait")
-    runtime = Runtime(writer=_GatedWriter(tmp_path, gate), clock=clock)
+    runtime = Runtime(writer=GatedWriter(tmp_path, gate), clock=clock)
     state = {"w": torch.ones(4)}
     with CheckpointManager(tmp_path, policy=policy, runtime=runtime) as manager:
         first = manager.maybe_save(1, state)

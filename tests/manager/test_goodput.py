@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 from support.clocks import SkewedClock
+from support.faults import GatedWriter
 
 from dcp_safe import CheckpointManager, ConfigError, Runtime, SavePolicy
-from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.agreement import Vote
 from dcp_safe.layout import HISTORY_FILE
 from dcp_safe.manager.cadence import Reading, due
@@ -202,19 +202,6 @@ def test_the_expected_loss_per_hour_matches_a_simulated_run(cost_s: float, commi
 # -- the manager: real saves, a test clock -----------------------------------------------------
 
 
-class _GatedWriter(SafeStorageWriter):
-    """Background writes wait for ``gate``: a save stays in flight until the test says."""
-
-    def __init__(self, root: Any, gate: threading.Event) -> None:
-        super().__init__(root)
-        self.gate = gate
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            assert self.gate.wait(_GATE_TIMEOUT_S)
-        return super().write_data(plan, planner)
-
-
 def _train(
     root: Path,
     policy: SavePolicy,
@@ -226,7 +213,7 @@ def _train(
     """A loop of 1 s steps (1.5 s while a save is in flight: a slowdown of 0.5) whose saves
     block it 2 s more and stay in flight ``in_flight_steps`` steps (the storage's speed)."""
     clock, gate = SkewedClock(), threading.Event()
-    writer = _GatedWriter(root, gate)
+    writer = GatedWriter(root, gate)
     runtime = Runtime(executor="thread", writer=writer, clock=clock, telemetry=telemetry)
     with CheckpointManager(root, policy=policy, runtime=runtime) as manager:
         flying: tuple[Any, int] | None = None

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from support import blank_like, make_state
+from support.faults import GatedWriter
 
 import dcp_safe
 from dcp_safe import Bounds, Runtime
-from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager import CheckpointManager
 from dcp_safe.staging import MemoryBudget
@@ -96,19 +96,6 @@ def test_sigterm_saves_the_last_step_and_exits_143(tmp_path: Path) -> None:
         assert preempted["step"] == last and "SIGTERM" in preempted["reason"]
 
 
-class _GatedWriter(SafeStorageWriter):
-    """Background uploads wait for ``gate``; the foreground (main-thread) writer does not."""
-
-    def __init__(self, root: Any, gate: threading.Event) -> None:
-        super().__init__(root)
-        self.gate = gate
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            assert self.gate.wait(_EXIT_TIMEOUT_S)
-        return super().write_data(plan, planner)
-
-
 def test_a_python_handler_is_chained_after_abandoning_and_saving_the_live_state(
     tmp_path: Path,
 ) -> None:
@@ -117,7 +104,7 @@ def test_a_python_handler_is_chained_after_abandoning_and_saving_the_live_state(
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
     try:
         budget = MemoryBudget(usable_bytes=1 << 30, reserve_bytes=0)
-        writer = _GatedWriter(tmp_path, gate)
+        writer = GatedWriter(tmp_path, gate)
         manager = CheckpointManager(
             tmp_path,
             keep_last=5,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,20 @@ class StopsInWorker(DiesMidWrite):
         if os.getpid() == self.builder:
             return SafeStorageWriter._write_item(self, sink, file_name, item, planner)
         return super()._write_item(sink, file_name, item, planner)
+
+
+class GatedWriter(SafeStorageWriter):
+    """Background writes wait for ``gate`` (a save stays in flight until the test says); the
+    foreground (main-thread) writer does not. ``timeout_s`` is a safety net, never an assertion."""
+
+    def __init__(self, root: Any, gate: threading.Event, timeout_s: float = 120.0) -> None:
+        super().__init__(root)
+        self.gate, self.timeout_s = gate, timeout_s
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            assert self.gate.wait(self.timeout_s)
+        return super().write_data(plan, planner)
 
 
 class SlowOnRank(SafeStorageWriter):
