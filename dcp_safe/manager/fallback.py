@@ -76,10 +76,7 @@ class FallbackOptions:
 
 class FallbackMonitor:
     """Feed it observations; each ``on_*`` returns the reason when it trips, else ``None``.
-
-    Args:
-        reserve_bytes: the memory budget's reserve (trigger a).
-    """
+    ``reserve_bytes``: the memory budget's reserve (trigger a)."""
 
     def __init__(self, options: FallbackOptions, reserve_bytes: int) -> None:
         self.options = options
@@ -93,11 +90,9 @@ class FallbackMonitor:
 
     @property
     def tripped(self) -> bool:
-        """Saves should be synchronous."""
         return self.reason is not None
 
     def on_request(self, now: float, available_bytes: int | None) -> str | None:
-        """A save was requested at ``now`` with this much host memory available."""
         if self._last_request is not None:
             self._gaps.append(max(0.0, now - self._last_request))
         self._last_request = now
@@ -118,7 +113,6 @@ class FallbackMonitor:
         return None
 
     def on_completed(self, duration_s: float) -> str | None:
-        """A save committed ``duration_s`` after it was requested."""
         self._durations.append(duration_s)
         interval = self.interval_s()
         if len(self._durations) < self.options.min_completed or interval is None:
@@ -135,12 +129,12 @@ class FallbackMonitor:
 
     def on_idle(self, in_use_bytes: int) -> str | None:
         """No save is in flight, and the stager reports ``in_use_bytes`` leased."""
-        if in_use_bytes > 0:
-            return self.trip(
-                f"staging buffers outlived their save: {in_use_bytes} B still in use with no"
-                " save in flight"
-            )
-        return None
+        if in_use_bytes <= 0:
+            return None
+        return self.trip(
+            f"staging buffers outlived their save: {in_use_bytes} B still in use with no"
+            " save in flight"
+        )
 
     def interval_s(self) -> float | None:
         """The configured interval, else the median measured gap (``None`` before two)."""
@@ -150,9 +144,8 @@ class FallbackMonitor:
 
     def rearm(self) -> None:
         """Back to asynchronous: forget the trip and the evidence that led to it."""
-        self.reason = None
+        self.reason, self._below = None, False
         self._crossings.clear()
-        self._below = False
         self._durations.clear()
 
     def trip(self, reason: str) -> str | None:
@@ -170,9 +163,7 @@ class MemoryWatch:
     def __init__(
         self, sample: Callable[[], int] = available_bytes_now, interval_s: float = 1.0
     ) -> None:
-        self._sample = sample
-        self.interval_s = interval_s
-        self._lock = threading.Lock()
+        self._sample, self._lock = sample, threading.Lock()
         self._lowest: int | None = None
         self._periodic = Periodic(self._tick, interval_s, name="dcp_safe-fallback-watch").start()
 
@@ -182,8 +173,7 @@ class MemoryWatch:
             lowest, self._lowest = self._lowest, None
         return _least(lowest, self._read())
 
-    def close(self) -> None:
-        """Stop the thread (idempotent)."""
+    def close(self) -> None:  # idempotent
         self._periodic.stop(timeout_s=5)
 
     def _tick(self) -> None:
@@ -205,11 +195,8 @@ def _least(*readings: int | None) -> int | None:
 
 @dataclass(kw_only=True, eq=False)
 class FallbackSwitch:
-    """Feeds a :class:`FallbackMonitor` and acts on its verdicts.
-
-    Args:
-        sample_memory: the host's available bytes now (``None`` when unknown).
-    """
+    """Feeds a :class:`FallbackMonitor` and acts on its verdicts (``sample_memory``: the host's
+    available bytes now, ``None`` when unknown)."""
 
     monitor: FallbackMonitor
     sample_memory: Callable[[], int | None]
@@ -225,11 +212,7 @@ class FallbackSwitch:
 
     def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
         """Feed a save request; the reason this rank saves synchronously (``None``: it does not).
-
-        Args:
-            leaked_bytes: staging bytes still in use although no save is in flight (called only
-                when no other trigger fired).
-        """
+        ``leaked_bytes`` is called only when no other trigger fired."""
         now = self.clock()
         available = self.sample_memory()
         self.ledger.requested(handle.name, now)

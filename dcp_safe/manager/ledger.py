@@ -28,7 +28,7 @@ from dataclasses import fields
 from typing import Any
 
 from dcp_safe.checkpoints.history import History
-from dcp_safe.manager.goodput import Choice
+from dcp_safe.manager.cadence import Choice
 from dcp_safe.manager.handles import ManagerStats, SaveHandle
 from dcp_safe.observe import Phase, SpanHandle
 from dcp_safe.telemetry.recorder import Telemetry, end_replication

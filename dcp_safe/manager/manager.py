@@ -57,7 +57,6 @@ from dcp_safe.manager.options import (
     Runtime,
     SavePolicy,
     choose_executor,
-    refuse_writes,
     with_shorthands,
 )
 from dcp_safe.manager.preemption import PreemptionHandler, agreed_plan, final_save
@@ -148,7 +147,10 @@ class CheckpointManager:
         self.telemetry = telemetry
         if telemetry is not None:
             telemetry.attach_stager(self.stager)
-        self._watch: MemoryWatch | None = None
+        self._watch, sample = None, runtime.memory_sampler
+        if sample is None:  # the lowest reading of a 1 s sampler since the last request
+            self._watch = MemoryWatch()
+            sample = self._watch.lowest
         self._preemption: PreemptionHandler | None = None
         self._closed = False
         self._latest_state: tuple[int, dict[str, Any]] | None = None
@@ -172,7 +174,7 @@ class CheckpointManager:
         self._tiers.peers = None if self.read_only else self._tiers.peers  # would land on disk
         self._switch = FallbackSwitch(
             monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
-            sample_memory=runtime.memory_sampler or self._memory_watch(),
+            sample_memory=sample,
             clock=runtime.clock,
             ledger=ledger,
         )
@@ -229,7 +231,7 @@ class CheckpointManager:
         self, step: int, state_dict: dict[str, Any], *, metrics: Metrics | None = None
     ) -> SaveHandle | None:
         """:meth:`save` when ``step`` is due by the policy's cadence, else ``None``."""
-        refuse_writes("maybe_save", read_only=self.read_only, closed=self._closed)
+        self._writable("maybe_save")
         with self._preemption_deferred():  # as the save's vote: a signal waits for its end
             due = self._cadence.due(step)
         return self.save(step, state_dict, metrics=metrics) if due else None
@@ -259,7 +261,7 @@ class CheckpointManager:
             BudgetExceededError: the state can never fit the budget.
             ConfigError: the manager is closed, or the name or ``metrics`` are invalid.
         """
-        refuse_writes("save", read_only=self.read_only, closed=self._closed)
+        self._writable("save")
         handle = SaveHandle(step=step, name=self._name_for(step), metrics=metrics)
         self._cadence.watch(handle)  # its commit restarts interval_s; auto times it
         policy = BusyPolicy.WAIT if force else self.when_busy
@@ -310,7 +312,7 @@ class CheckpointManager:
 
     def prune(self) -> tuple[str, ...]:
         """Apply retention to both tiers now (:meth:`Tiers.prune`); the local names removed."""
-        refuse_writes("prune", read_only=self.read_only, closed=self._closed)
+        self._writable("prune")
         return self._tiers.prune()
 
     def latest(self, tier: str = "local") -> str | None:
@@ -526,6 +528,11 @@ class CheckpointManager:
         with contextlib.suppress(*(() if exc_type is None else (BaseException,))):
             self.close()
 
+    def _writable(self, call: str) -> None:
+        if self.read_only or self._closed:
+            why = "read-only (Runtime(read_only=True))" if self.read_only else "closed"
+            raise ConfigError(f"{call}() writes, and this CheckpointManager is {why}")
+
     def _name_for(self, step: int) -> str:
         return layout.format_name(self.policy.name_format, step)
 
@@ -556,7 +563,7 @@ class CheckpointManager:
         Raises:
             ConfigError: not on the main thread, a bad budget, or one is installed already.
         """
-        refuse_writes("install_preemption_handler", read_only=self.read_only, closed=self._closed)
+        self._writable("install_preemption_handler")
         if self._preemption is not None:
             raise ConfigError("a preemption handler is installed already")
         self._preemption = PreemptionHandler(self, signal, budget_s)
@@ -598,10 +605,6 @@ class CheckpointManager:
         self._ledger.flush(max(0.0, deadline - time.monotonic()))
         log.warning("dcp_safe: preempted (%s): %s", reason, outcome)
         return outcome
-
-    def _memory_watch(self) -> Callable[[], int | None]:
-        self._watch = MemoryWatch()
-        return self._watch.lowest
 
     def in_flight(self) -> bool:
         """A save is in flight or pending."""

@@ -119,23 +119,18 @@ class SavePolicy:
         for flag in ("continuous", "first_step", "auto"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.interval_s is not None:
-            _set(self, "interval_s", seconds("interval_s", self.interval_s))
-            if self.continuous:
-                raise ConfigError("interval_s and continuous=True are two cadences: pick one")
-        if self.mtbf_s is not None:
-            _set(self, "mtbf_s", seconds("mtbf_s", self.mtbf_s))
+        for name in ("interval_s", "mtbf_s", "min_interval_s", "latency_objective_s"):
+            if (value := getattr(self, name)) is not None:
+                _set(self, name, seconds(name, value))
+        if self.interval_s is not None and self.continuous:
+            raise ConfigError("interval_s and continuous=True are two cadences: pick one")
         if self.auto and (self.interval_s is not None or self.continuous):
             raise ConfigError("auto=True chooses the interval: drop interval_s and continuous")
-        if self.min_interval_s is not None:
-            _set(self, "min_interval_s", seconds("min_interval_s", self.min_interval_s))
-            if not self.continuous:
-                raise ConfigError("min_interval_s bounds continuous=True saves: set continuous")
-        _set(self, "when_busy", parse_choice(BusyPolicy, self.when_busy, "when_busy"))
-        _set(self, "staging", parse_choice(StagingMode, self.staging, "staging"))
+        if self.min_interval_s is not None and not self.continuous:
+            raise ConfigError("min_interval_s bounds continuous=True saves: set continuous")
+        for name, kind in (("when_busy", BusyPolicy), ("staging", StagingMode)):
+            _set(self, name, parse_choice(kind, getattr(self, name), name))
         _set(self, "validate", parse_choice(Validation, self.validate, "validate"))
-        if (objective := self.latency_objective_s) is not None:
-            _set(self, "latency_objective_s", seconds("latency_objective_s", objective))
         if not isinstance(self.sync_fallback, FallbackOptions):
             raise ConfigError(f"sync_fallback must be FallbackOptions, got {self.sync_fallback!r}")
         layout.format_name(self.name_format, 0)  # a bad pattern fails here, not at a save
@@ -317,31 +312,17 @@ def with_shorthands(
     its one field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both.
     ``read_only=True`` (taken from ``moved``: the signature holds ten parameters at most) is
     ``runtime=Runtime(read_only=True)``, the spelling an evaluation job reaches for first."""
-    policy, retention, runtime = (
-        policy or SavePolicy(),
-        retention or Retention(),
+
+    def given(obj: Any, **values: Any) -> Any:
+        return dataclasses.replace(obj, **{k: v for k, v in values.items() if v is not None})
+
+    if "read_only" in moved:
+        runtime = dataclasses.replace(runtime or Runtime(), read_only=moved.pop("read_only"))
+    return (
+        given(policy or SavePolicy(), every=save_every, when_busy=when_busy),
+        given(retention or Retention(), keep_last=keep_last),
         runtime or Runtime(),
     )
-    if "read_only" in moved:
-        runtime = dataclasses.replace(runtime, read_only=moved.pop("read_only"))
-    if save_every is not None:
-        policy = dataclasses.replace(policy, every=save_every)
-    if when_busy is not None:
-        policy = dataclasses.replace(policy, when_busy=when_busy)
-    if keep_last is not None:
-        retention = dataclasses.replace(retention, keep_last=keep_last)
-    return policy, retention, runtime
-
-
-def refuse_writes(call: str, *, read_only: bool, closed: bool) -> None:
-    """Raise unless the manager may write (``call``: the manager's method asked to).
-
-    Raises:
-        ConfigError: the manager is read-only (``Runtime(read_only=True)``) or closed.
-    """
-    if read_only or closed:
-        why = "read-only (Runtime(read_only=True))" if read_only else "closed"
-        raise ConfigError(f"{call}() writes, and this CheckpointManager is {why}")
 
 
 def choose_executor(
@@ -378,8 +359,7 @@ def choose_executor(
 def _unmet_need(
     stager: BudgetedStager | None, writer: SafeStorageWriter, *, writer_given: bool
 ) -> str | None:
-    """What ``executor="process"`` needs and does not have here, in a sentence (``None``:
-    nothing)."""
+    """What ``executor="process"`` needs and does not have here, in a sentence."""
     if writer_given:
         return "the writer is the caller's (executor='process' runs a copy of it)"
     if not hasattr(os, "memfd_create"):

@@ -53,20 +53,10 @@ log = logging.getLogger("dcp_safe.manager")
 class SaveRunner:
     """Admits saves (:mod:`.admit`), runs them over the manager's parts, follows their commits up.
 
-    Args:
-        writer: the manager's writer (background saves).
-        slot: the single-flight slot (held by the caller of :meth:`start`).
-        deep: this rank checks every byte of a new checkpoint (``validate="deep"``, the
-            coordinator's job) rather than its marker and manifest.
-        flush_s: the longest a commit waits for its history event to be written.
-        verdicts: the coordinator's verdicts (``None``: one process, its own check decides).
-        groups, barrier: ``None`` in a single process.
-        wait_timeout_s: the longest a request waits with every rank for the slot.
-        latency_objective_s: a save in flight older than this skips requests (``None``: not
-            checked); the stager's budget bounds a coalesced copy.
-        worker: runs background saves in a worker process (``executor="process"``) once every
-            rank's is ready (a save's agreed ``worker`` flag); ``None``, and until then: on
-            DCP's upload thread here.
+    ``deep``: this rank checks every byte of a new checkpoint (the coordinator's job with
+    ``validate="deep"``). ``verdicts``, ``groups``, ``barrier``: ``None`` in a single process.
+    ``worker`` runs background saves in a worker process once every rank's is ready (a save's
+    agreed ``worker`` flag); until then, and without one, they run on DCP's upload thread.
     """
 
     writer: SafeStorageWriter
@@ -77,7 +67,7 @@ class SaveRunner:
     tiers: Tiers
     switch: FallbackSwitch
     deep: bool
-    flush_s: float
+    flush_s: float  # the longest a commit waits for its history event to be written
     verdicts: Verdicts | None = None
     groups: ManagerGroups | None = None
     barrier: PromotionBarrier | None = None
@@ -100,14 +90,7 @@ class SaveRunner:
         self, handle: SaveHandle, policy: BusyPolicy, state_dict: dict[str, Any], *, force: bool
     ) -> Decision:
         """The decision for ``handle``; ``START`` means the slot is free now on every rank.
-
-        ``WAIT`` is returned as it is: the caller resolves it with :meth:`wait`, outside the
-        slot's freeze (the wait is for the slot to free up).
-
-        Raises:
-            ConfigError: the ranks asked for different steps.
-            CommitError: a peer died or did not answer within the deadline.
-        """
+        ``WAIT`` the caller resolves with :meth:`wait`, outside the slot's freeze."""
         fallback = self.switch.on_request(handle, self._leaked_bytes)
         busy = not self.slot.idle()
         vote = Vote(
@@ -141,8 +124,7 @@ class SaveRunner:
         )
         return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
 
-    def _leaked_bytes(self) -> int:
-        """Staging bytes in use while no save is in flight (the fallback's trigger c)."""
+    def _leaked_bytes(self) -> int:  # the fallback's trigger c
         # Idle first, stats second: only the training thread starts saves, so once idle, what
         # the stager still has in use was leaked by a finished save, not leased by a new one.
         if not self.slot.idle():
@@ -158,11 +140,10 @@ class SaveRunner:
         return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective:g}"
 
     def _no_room(self, state_dict: dict[str, Any]) -> bool:
-        need = sum(t.nbytes for t in collect_tensors(state_dict))
         pending = self.slot.pending  # the copy it replaces is alive while this one is taken
         held = pending.nbytes if pending is not None else 0
         room = self.stager.budget.envelope_bytes - self.stager.stats().pool_bytes - held
-        return need > room
+        return _nbytes(state_dict) > room
 
     @contextlib.contextmanager
     def collectives(self, purpose: str) -> Iterator[dict[str, Any]]:
@@ -219,8 +200,7 @@ class SaveRunner:
         group: Any,
         worker: SaveWorker | None = None,
     ) -> None:
-        """Follow a started save (``worker``: the one running it): its copy (the handle's
-        ``staged``), then its upload."""
+        """Follow a started save (``worker``: the one running it): its copy, then its upload."""
         staged.add_done_callback(lambda done: _copied(done, handle.staged))
         with self.ledger.cond:
             self._last_staged = handle.staged
@@ -241,11 +221,6 @@ class SaveRunner:
             self._after_upload(handle, upload, group, worker)
 
     def wait_staged(self, timeout_s: float | None) -> None:
-        """Block until the latest started save has copied the state.
-
-        Raises:
-            DrainTimeoutError: the copy was not done after ``timeout_s``.
-        """
         with self.ledger.cond:
             staged = self._last_staged
         if staged is not None and wait_futures([staged], timeout=timeout_s).not_done:
@@ -277,11 +252,8 @@ class SaveRunner:
         self, handle: SaveHandle, state_dict: dict[str, Any], worker: bool = False
     ) -> SaveHandle | None:
         """Copy the state now and make it the pending save (started at once if the slot is
-        free meanwhile; in the worker if ``worker``, as agreed now). The admission checked the
-        budget has room for the copy.
-
-        Called for an agreed ``COALESCE`` decision, on every rank, with the slot frozen."""
-        need = sum(t.nbytes for t in collect_tensors(state_dict))
+        free meanwhile; in the worker if ``worker``). For an agreed ``COALESCE`` decision, on
+        every rank, with the slot frozen (the admission checked the budget has room)."""
         self._coalesced += 1  # counted before the copy can fail: the same on every rank
         try:  # another thread may update the state while it is copied
             state = snapshot_copy(state_dict)
@@ -291,7 +263,7 @@ class SaveRunner:
                 self.barrier.abandon(self._coalesced)
             return handle
         handle.staged.set_result(None)
-        pending = Pending(handle, state, need, seq=self._coalesced, worker=worker)
+        pending = Pending(handle, state, _nbytes(state), seq=self._coalesced, worker=worker)
         replaced, start_now = self.slot.park(pending)
         self.ledger.count("coalesced")
         if replaced is not None:
@@ -463,6 +435,10 @@ class SaveRunner:
             handle.replicated.set_exception(error)
         else:
             self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
+
+
+def _nbytes(state_dict: dict[str, Any]) -> int:
+    return sum(t.nbytes for t in collect_tensors(state_dict))
 
 
 def _copied(staging: Future[Any], staged: Future[None]) -> None:

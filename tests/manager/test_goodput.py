@@ -25,14 +25,15 @@ from support.faults import GatedWriter
 from dcp_safe import CheckpointManager, ConfigError, Runtime, SavePolicy
 from dcp_safe.coordination.agreement import Vote
 from dcp_safe.layout import HISTORY_FILE
-from dcp_safe.manager.cadence import Reading, due
-from dcp_safe.manager.goodput import (
+from dcp_safe.manager.cadence import (
     LONGEST_S,
     PRIOR_MTBF_S,
     Costs,
     Goodput,
+    Reading,
     agree,
     choose,
+    due,
     estimate_mtbf,
     loss_per_hour_s,
     young_daly_s,
@@ -234,7 +235,7 @@ def _train(
 
 
 def _expected_cost(in_flight_steps: int) -> tuple[float, float]:
-    """(C, L) the schedule of :func:`_train` implies, by dcp_safe.manager.goodput's definitions:
+    """(C, L) the schedule of :func:`_train` implies, by dcp_safe.manager.cadence's definitions:
     the save's step took 2 s + 1.5 s against 1 s idle (a stall of 2.5 s); durable after the
     2 s and the steps until its release at 1.5 s; the rest of that at a slowdown of 0.5."""
     stall, commit = 2.5, 2.0 + 1.5 * (in_flight_steps + 1)

@@ -16,7 +16,7 @@ import torch
 from support.clocks import SkewedClock
 
 from dcp_safe import Bounds, CheckpointManager, Runtime, SavePolicy
-from dcp_safe.manager.goodput import young_daly_s
+from dcp_safe.manager.cadence import young_daly_s
 from dcp_safe.testing.multiproc import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
