@@ -55,38 +55,9 @@ from torch.distributed.tensor import DTensor
 # Storage class names as torch.save writes them (torch.FloatStorage for float32).
 from torch.storage import _dtype_to_storage_type_map
 
-__all__ = [
-    "CURRENT_DCP_VERSION",
-    "DCP_LAYOUT",
-    "DCP_MEMORY_FORMAT",
-    "DCP_STORAGE_INFO",
-    "StorageInfo",
-    "ZStandard",
-    "create_write_items",
-    "dcp_async_save",
-    "dcp_save",
-    "dcp_debug_logs_unheard",
-    "dcp_load_state_dict",
-    "default_store",
-    "dtensor_chunks",
-    "dtensor_local",
-    "empty_host_cache",
-    "foreach_copy",
-    "legacy_storage_type",
-    "narrow_tensor_by_index",
-    "pickle_stubs",
-    "read_version",
-    "rebuild_dtensor",
-    "rebuild_tensor",
-    "save_tensor_without_crc",
-    "storage_setup",
-    "STORAGE_MODULES",
-    "TENSOR_REBUILDERS",
-    "TensorStub",
-    "storage_dtypes",
-    "storage_use_count",
-    "tensor_use_count",
-]
+# Re-exported from torch for the modules that need them (the rest is defined here).
+__all__ = ["CURRENT_DCP_VERSION", "StorageInfo", "ZStandard", "dcp_load_state_dict"]
+__all__ += ["narrow_tensor_by_index", "storage_setup"]
 
 # ``Tensor._version`` is the autograd version counter every in-place update bumps; its C getter
 # mapped over a list costs about 0.1 us a tensor (the mutation guard's whole cost).

@@ -6,7 +6,6 @@ Off by default: components hold :data:`~dcp_safe.observe.NULL_RECORDER` until gi
 
 from dcp_safe.observe import NULL_RECORDER, Phase
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler
-from dcp_safe.telemetry.prometheus import PrometheusSink
 from dcp_safe.telemetry.recorder import InstrumentedWriter, Telemetry
 from dcp_safe.telemetry.report import SaveSummary, TelemetryReport, build_report
 from dcp_safe.telemetry.sinks import (
@@ -15,6 +14,7 @@ from dcp_safe.telemetry.sinks import (
     EventKind,
     JsonLinesSink,
     MemorySink,
+    PrometheusSink,
     Sink,
 )
 

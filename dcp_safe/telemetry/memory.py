@@ -67,14 +67,9 @@ def peak_of(samples: Iterable[MemorySample], field: str) -> int | None:
 class MemorySampler:
     """Samples memory on a background thread; a context manager, or :meth:`start`/:meth:`stop`.
 
-    Args:
-        proc_root, cgroup_root: mount points (tests point them at a fake tree).
-        pss_interval_s: the shortest interval between PSS/USS reads, which happen only while
-            idle; ``None`` never reads them.
-        pinned_bytes: returns the staging pool's pinned bytes (e.g. from ``stager.stats()``).
-        saves_in_flight: returns the number of saves in flight.
-        on_sample: called with each sample, on the sampler's thread.
-        clock: epoch seconds (default: :func:`anchored_clock`).
+    ``proc_root`` and ``cgroup_root`` are mount points (tests point them at a fake tree). PSS and
+    USS are read only while idle, at most every ``pss_interval_s`` (``None``: never).
+    ``on_sample`` is called with each sample, on the sampler's thread.
 
     Raises:
         ConfigError: an interval that is not positive, or ``max_samples < 1``.
@@ -100,21 +95,16 @@ class MemorySampler:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if max_samples < 1:
             raise ConfigError(f"max_samples must be >= 1, got {max_samples!r}")
-        self.busy_interval_s = float(busy_interval_s)
-        self.idle_interval_s = float(idle_interval_s)
+        self.busy_interval_s, self.idle_interval_s = float(busy_interval_s), float(idle_interval_s)
         self._reader = ProcReader(proc_root, cgroup_root)
         self.pss_interval_s = pss_interval_s
         self._last_rollup = -math.inf  # when PSS/USS were last read (monotonic)
-        self._pinned = pinned_bytes
-        self._in_flight = saves_in_flight
-        self._on_sample = on_sample
+        self._pinned, self._in_flight, self._on_sample = pinned_bytes, saves_in_flight, on_sample
         self._clock = clock or anchored_clock()
         self._samples: deque[MemorySample] = deque(maxlen=max_samples)
         self._lock = threading.Lock()
         self._busy = 0
         self._periodic: Periodic | None = None
-
-    # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> MemorySampler:
         """Take a first sample now and start the thread (no-op when running)."""
@@ -142,8 +132,6 @@ class MemorySampler:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    # -- rate -----------------------------------------------------------------------------------
-
     def mark_busy(self) -> None:
         """Sample at ``busy_interval_s`` until the matching :meth:`mark_idle`."""
         with self._lock:
@@ -153,25 +141,16 @@ class MemorySampler:
             periodic.wake()
 
     def mark_idle(self) -> None:
-        """Undo one :meth:`mark_busy`."""
         with self._lock:
             self._busy = max(0, self._busy - 1)
 
     @contextmanager
     def busy(self) -> Iterator[MemorySampler]:
-        """Sample fast inside the block."""
         self.mark_busy()
         try:
             yield self
         finally:
             self.mark_idle()
-
-    @property
-    def is_busy(self) -> bool:
-        with self._lock:
-            return self._busy > 0
-
-    # -- samples --------------------------------------------------------------------------------
 
     def sample_now(self) -> MemorySample:
         """Take one sample on this thread, keep it, and return it."""
@@ -194,13 +173,12 @@ class MemorySampler:
     def _rollup_due(self) -> bool:
         now = time.monotonic()
         interval = self.pss_interval_s
-        if interval is None or self.is_busy or now - self._last_rollup < interval:
+        if interval is None or self._busy or now - self._last_rollup < interval:
             return False
         self._last_rollup = now
         return True
 
     def samples(self) -> list[MemorySample]:
-        """The samples kept, oldest first."""
         with self._lock:
             return list(self._samples)
 
@@ -216,7 +194,6 @@ class MemorySampler:
 
     @property
     def count(self) -> int:
-        """Samples taken and kept so far."""
         with self._lock:
             return len(self._samples)
 
@@ -278,12 +255,8 @@ class ProcReader:
         weakref.finalize(self, _close_all, self._fds)
 
     def read(self, *, rollup: bool = True) -> dict[str, int | None]:
-        """Every figure now; ``None`` for those this host does not expose.
-
-        Args:
-            rollup: also read PSS and USS from ``smaps_rollup``; costly and it stalls a save's
-                page faults, so read it rarely (docs/telemetry.md, "The memory sampler").
-        """
+        """Every figure now; ``None`` for those this host does not expose. ``rollup``: also PSS
+        and USS, from ``smaps_rollup``, which is costly and stalls a save's page faults."""
         status = self._pick("self/status", _STATUS, _KIB)
         rollup_fields = self._pick("self/smaps_rollup", _ROLLUP, _KIB) if rollup else {}
         meminfo = self._pick("meminfo", _MEMINFO, _KIB)
@@ -303,8 +276,6 @@ class ProcReader:
         }
 
     def _pick(self, name: str, pattern: re.Pattern[str], unit: int = 1) -> dict[str, int]:
-        """The ``key[:] value`` lines ``pattern`` picks in ``proc_root/name``, as ints times
-        ``unit``."""
         text = self._read(os.path.join(self.proc_root, name)) or ""
         return {key: int(value) * unit for key, value in pattern.findall(text)}
 

@@ -1,11 +1,8 @@
 """``Telemetry``: the recorder that turns spans, marks and steps into events for the sinks, and
 :class:`InstrumentedWriter`, the wrapper that times a writer's DCP calls for it.
 
-It owns span ids, parent resolution, the saves in flight (which switch the memory sampler between
-its fast and slow rates), the step clock, and fan-out to the sinks. One instance serves one process;
-pass it to :class:`~dcp_safe.manager.CheckpointManager` (``runtime=Runtime(telemetry=)``), to a
-:class:`~dcp_safe.staging.BudgetedStager` (``telemetry=`` or :meth:`Telemetry.attach_stager`) or
-wrap a writer with :meth:`Telemetry.wrap_writer`.
+One instance serves one process; its saves in flight switch the memory sampler between its fast
+and slow rates.
 
 Parent resolution, because phases cross threads: an explicit ``parent``; else the span opened
 by :meth:`Telemetry.span` / :meth:`Telemetry.within` on this thread; else the open root span of
@@ -78,17 +75,12 @@ class _Span:
 
 
 class Telemetry(AbstractContextManager["Telemetry"]):
-    """Spans, marks, steps and memory samples of checkpointing, sent to ``sinks``.
+    """Spans, marks, steps and memory samples of checkpointing, sent to ``sinks`` (besides the
+    in-memory sink the report reads, which keeps ``max_events``).
 
-    Args:
-        sinks: where events go besides the built-in in-memory sink the report reads.
-        sample_memory: run a :class:`MemorySampler` (started now, stopped by :meth:`close`).
-        busy_interval_s, idle_interval_s: the sampler's rates (busy: a save is in flight).
-        sampler: a sampler to use instead (its ``on_sample``/``saves_in_flight`` are not wired;
-            it is not started or stopped here).
-        rank: recorded in every event (default: this process's rank, 0 without a group).
-        clock: epoch seconds for event times (tests inject one).
-        max_events: events kept in memory for :meth:`report`.
+    ``sample_memory`` runs a :class:`MemorySampler` (started now, stopped by :meth:`close`) at
+    the busy rate while a save is in flight; a given ``sampler`` is only read (not wired, started
+    or stopped here). ``rank`` defaults to this process's rank (0 without a group).
     """
 
     enabled = True
@@ -106,7 +98,9 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         max_events: int = 100_000,
     ) -> None:
         self.clock = clock or anchored_clock()
-        self.rank = _current_rank() if rank is None else rank
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
         self.memory = MemorySink(max_events)
         self.sinks: tuple[Sink, ...] = (self.memory, *sinks)
         self._lock = threading.Lock()
@@ -127,8 +121,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
                 on_sample=self._sampled,
                 clock=self.clock,
             ).start()
-
-    # -- spans ----------------------------------------------------------------------------------
 
     def begin(
         self,
@@ -156,11 +148,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
     def begin_save(self, name: str, step: int | None = None) -> SpanHandle:
         """Open the root span of save ``name``; the sampler samples fast until it ends."""
         return self.begin(Phase.SAVE, save=name, step=step)
-
-    def root(self, name: str) -> SpanHandle | None:
-        """The open root span of save ``name``, if any."""
-        with self._lock:
-            return self._roots.get(name)
 
     @contextmanager
     def span(self, phase: Phase, **options: Unpack[SpanOptions]) -> Iterator[SpanHandle]:
@@ -233,11 +220,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         return adopted
 
     def saves_in_flight(self) -> int:
-        """Root spans open now."""
-        with self._lock:
-            return len(self._roots)
-
-    # -- wiring ---------------------------------------------------------------------------------
+        return len(self._roots)
 
     def attach_stager(self, stager: Instrumentable) -> Instrumentable:
         """Record ``stager``'s staging and release spans; sample its pinned bytes."""
@@ -278,8 +261,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- internals ------------------------------------------------------------------------------
-
     def _resolve_parent(
         self, parent: SpanHandle | None, save: str | None, phase: Phase
     ) -> _Span | None:
@@ -290,10 +271,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         stack = getattr(self._local, "stack", None)
         if stack and isinstance(stack[-1], _Span):
             return stack[-1]
-        if save is not None:
-            with self._lock:
-                return self._roots.get(save)
-        return None
+        return None if save is None else self._roots.get(save)
 
     def _closed(
         self, span: _Span, ok: bool, error: str | None, nbytes: int | None, attrs: dict[str, Any]
@@ -335,10 +313,6 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         return sum(int(s.stats().pinned_bytes) for s in stagers) if stagers else None
 
 
-def _current_rank() -> int:
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
-
-
 class InstrumentedWriter(StorageWriter):
     """``writer`` with plan/write/commit/replication spans recorded to ``telemetry``."""
 
@@ -360,7 +334,7 @@ class InstrumentedWriter(StorageWriter):
         if self._name is None:
             return
         tel = self.telemetry
-        if tel.root(self._name) is None:
+        if self._name not in tel._roots:
             self._root = tel.begin_save(self._name, getattr(self.inner, "step", None))
         self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._root)
 
@@ -408,8 +382,6 @@ class InstrumentedWriter(StorageWriter):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    # -- helpers --------------------------------------------------------------------------------
 
     @contextmanager
     def _phase(self, phase: Phase) -> Iterator[SpanHandle]:
