@@ -105,11 +105,9 @@ class BlockHasher:
         length: int,
         block_bytes: int,
     ) -> None:
-        self._algorithm = ChecksumAlgorithm(algorithm)
-        self._at, self._length = at, length
-        self._start = item_start + at
+        self._algorithm, self._at, self._length = ChecksumAlgorithm(algorithm), at, length
+        self._start = self._done = item_start + at
         self._end, self._block_bytes = self._start + length, block_bytes
-        self._done = self._start
         self._hasher: Hasher | None = None
         self._digests: list[str] = []
 
@@ -129,17 +127,13 @@ class BlockHasher:
                 self._digests.append(self._hasher.hexdigest())
                 self._hasher = None
 
-    @property
-    def complete(self) -> bool:
-        return self._done == self._end
-
     def result(self) -> BlockDigests:
         """The digests, once every byte of the range was fed.
 
         Raises:
             ValueError: bytes of the range are missing (a caller's bug, or a short file).
         """
-        if not self.complete:
+        if self._done != self._end:
             raise ValueError("block hashing ended before its range did")
         return BlockDigests(
             at=self._at,

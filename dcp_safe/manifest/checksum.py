@@ -36,30 +36,25 @@ BLAKE3_MAX_THREADS: int = blake3.blake3.AUTO
 BLAKE3_PARALLEL_MIN_BYTES = 4 << 20
 
 
-class _Blake3Pool:
-    """Whether this process may hand BLAKE3 work to the package's thread pool.
-
-    That pool (Rust's rayon) does not survive ``fork``: a child of a process that used it waits
-    forever for workers that were not copied, so such children hash on the calling thread.
-    """
-
-    used = False
-    forked_after_use = False
-
-    @classmethod
-    def threads(cls) -> int:
-        if cls.forked_after_use:
-            return 1
-        if BLAKE3_MAX_THREADS != 1:
-            cls.used = True
-        return BLAKE3_MAX_THREADS
-
-    @classmethod
-    def after_fork_in_child(cls) -> None:
-        cls.forked_after_use = cls.forked_after_use or cls.used
+# Rust's rayon pool does not survive ``fork``: a child of a process that used it waits forever
+# for workers that were not copied, so such children hash on the calling thread.
+_pool_used = _forked_after_use = False
 
 
-os.register_at_fork(after_in_child=_Blake3Pool.after_fork_in_child)
+def _blake3_threads() -> int:
+    global _pool_used
+    if _forked_after_use:
+        return 1
+    _pool_used = _pool_used or BLAKE3_MAX_THREADS != 1
+    return BLAKE3_MAX_THREADS
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _pool_used
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Hasher(Protocol):
@@ -100,7 +95,7 @@ def new_hasher(algorithm: ChecksumAlgorithm | str, *, size_hint: int | None = No
     algo = ChecksumAlgorithm(algorithm)
     if algo is ChecksumAlgorithm.BLAKE3:
         small = size_hint is not None and size_hint < BLAKE3_PARALLEL_MIN_BYTES
-        return blake3.blake3(max_threads=1 if small else _Blake3Pool.threads())
+        return blake3.blake3(max_threads=1 if small else _blake3_threads())
     return _HASHERS[algo]()
 
 

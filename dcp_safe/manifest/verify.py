@@ -15,9 +15,10 @@ from typing import BinaryIO
 
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockHasher
-from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, format_checksum, new_hasher
+from dcp_safe.manifest.checksum import Hasher, new_hasher
 from dcp_safe.manifest.limits import TILE_MAX_CELLS
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.streams import check_digest, short_read
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -50,12 +51,8 @@ def items_by_file(
     return {path: sorted(items, key=lambda i: i.start) for path, items in by_file.items()}
 
 
-def _hasher_for(checksum: str, path: str) -> tuple[ChecksumAlgorithm, Hasher]:
-    try:
-        algorithm = ChecksumAlgorithm(checksum.partition(":")[0])
-    except ValueError:
-        raise CheckpointCorruptError(path, f"unknown checksum algorithm in {checksum!r}") from None
-    return algorithm, new_hasher(algorithm)
+def _hasher(checksum: str) -> Hasher:
+    return new_hasher(checksum.partition(":")[0])  # a record's algorithm is a known one
 
 
 class FileCheck:
@@ -69,21 +66,20 @@ class FileCheck:
 
     def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
         self._path, self._record, self._position = path, record, 0
-        self._whole = None if record.checksum is None else _hasher_for(record.checksum, path)
+        self._whole = None if record.checksum is None else _hasher(record.checksum)
         if (items or record.checksum is None) and not _tiles(items, record.size):
             raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
         self._pending = iter(items)
         # The item being hashed, its hasher and its block hasher; None once none is left.
-        self._item: tuple[ItemRecord, tuple[ChecksumAlgorithm, Hasher], BlockHasher | None] | None
-        self._item = None
+        self._item: tuple[ItemRecord, Hasher, BlockHasher | None] | None = None
         self._next_items()
 
     def update(self, data: bytes) -> None:
         if self._whole is not None:
-            self._whole[1].update(data)
+            self._whole.update(data)
         view = memoryview(data)
         while view and self._item is not None:
-            item, (_, hasher), blocks = self._item
+            item, hasher, blocks = self._item
             take = min(len(view), item.start + item.length - self._position)
             hasher.update(view[:take])
             if blocks is not None:
@@ -96,14 +92,9 @@ class FileCheck:
     def finish(self) -> None:
         """Raise unless every byte arrived and the whole-file checksum (if any) matches."""
         if self._position != self._record.size or self._item is not None:
-            raise CheckpointCorruptError(
-                self._path,
-                "file is shorter than the manifest says",
-                expected=self._record.size,
-                actual=self._position,
-            )
-        if self._whole is not None:
-            _compare(self._path, None, self._record.checksum, self._whole)
+            raise short_read(self._path, None, self._record.size, self._position)
+        if self._whole is not None and self._record.checksum is not None:
+            check_digest(self._path, None, self._record.checksum, self._whole)
 
     def _next_items(self) -> None:
         """Close every item that ends at the current position (zero-length ones included), and
@@ -111,29 +102,21 @@ class FileCheck:
         while self._item is None or self._item[0].start + self._item[0].length == self._position:
             if self._item is not None:
                 item, hasher, blocks = self._item
-                _compare(self._path, item.describe(), item.checksum, hasher)
-                self._compare_blocks(item, blocks)
+                check_digest(self._path, item.describe(), item.checksum, hasher)
+                if blocks is not None and item.blocks is not None:  # fed every byte of its range
+                    algorithm, found = item.checksum.partition(":")[0], blocks.result().digests
+                    for block, digest in enumerate(item.blocks.digests):
+                        expected, actual = f"{algorithm}:{digest}", f"{algorithm}:{found[block]}"
+                        check_digest(self._path, item.describe(), expected, actual, block=block)
             following = next(self._pending, None)
             if following is None:
                 self._item = None
                 return
-            hasher = _hasher_for(following.checksum, self._path)
-            self._item = (following, hasher, _blocks_for(following, self._path))
-
-    def _compare_blocks(self, item: ItemRecord, blocks: BlockHasher | None) -> None:
-        if blocks is None or item.blocks is None:
-            return
-        actual = blocks.result().digests if blocks.complete else ()
-        algorithm = item.checksum.partition(":")[0]
-        for block, (digest, found) in enumerate(itertools.zip_longest(item.blocks.digests, actual)):
-            if found != digest:
-                raise CheckpointCorruptError(
-                    self._path,
-                    f"checksum mismatch in block {block} of the tensor data",
-                    item=item.describe(),
-                    expected=f"{algorithm}:{digest}",
-                    actual=None if found is None else f"{algorithm}:{found}",
-                )
+            self._item = (
+                following,
+                _hasher(following.checksum),
+                _blocks_for(following, self._path),
+            )
 
 
 def _blocks_for(item: ItemRecord, path: str) -> BlockHasher | None:
@@ -153,20 +136,10 @@ def _blocks_for(item: ItemRecord, path: str) -> BlockHasher | None:
     )
 
 
-def _compare(
-    path: str, item: str | None, expected: str | None, hasher: tuple[ChecksumAlgorithm, Hasher]
-) -> None:
-    actual = format_checksum(*hasher)
-    if actual != expected:
-        raise CheckpointCorruptError(
-            path, "checksum mismatch", item=item, expected=expected, actual=actual
-        )
-
-
 def _tiles(items: Sequence[ItemRecord], size: int) -> bool:
     position = 0
     for item in items:
-        if item.start != position or item.length < 0:
+        if item.start != position:
             return False
         position += item.length
     return position == size

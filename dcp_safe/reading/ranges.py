@@ -37,7 +37,7 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockDigests
 from dcp_safe.manifest.checksum import new_hasher
 from dcp_safe.manifest.schema import ItemRecord
-from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.manifest.streams import check_digest, read_fully, short_read
 
 #: Regions of more separate runs than this are read whole (a slice along a later dim of a
 #: large tensor: every block is likely touched anyway, and planning would cost per run).
@@ -176,15 +176,8 @@ def read_runs(
                     block_lo, block_hi = blocks.span(block)  # not ``end``: the span's
                     hasher = new_hasher(algorithm, size_hint=block_hi - block_lo)
                     hasher.update(view[block_lo - lo : block_hi - lo])
-                    actual, expected = hasher.hexdigest(), blocks.digests[block]
-                    if actual != expected:
-                        raise CheckpointCorruptError(
-                            path,
-                            f"checksum mismatch in block {block} of the tensor data",
-                            item=item,
-                            expected=f"{algorithm}:{expected}",
-                            actual=f"{algorithm}:{actual}",
-                        )
+                    expected = f"{algorithm}:{blocks.digests[block]}"
+                    check_digest(path, item, expected, hasher, block=block)
             for start, nbytes in plan.runs[run:]:
                 if start >= hi:
                     break

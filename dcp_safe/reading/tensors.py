@@ -26,10 +26,9 @@ import zstandard
 
 from dcp_safe.adapters.tensor_records import TensorLayout, layout_for, tensor_bytes
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
-from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.checksum import format_checksum, new_hasher
+from dcp_safe.manifest.checksum import new_hasher
 from dcp_safe.manifest.schema import ItemRecord
-from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.manifest.streams import check_digest, read_fully, short_read
 
 # Items up to this size are read whole into memory in one call (one syscall, one hash call).
 _WHOLE_MAX_BYTES = 1 << 20
@@ -116,8 +115,6 @@ def read_tensor_item(
     Raises:
         CheckpointCorruptError: the file is short, or the checksum differs.
     """
-    if dest.numel() * dest.element_size() != layout.payload or not dest.is_contiguous():
-        raise ValueError("destination does not fit the stored tensor")  # a caller's bug
     algorithm = None if checksum is None else checksum.partition(":")[0]
     source = _Slice(stream, record.start, record.length, algorithm, hash_pool)
     try:
@@ -128,14 +125,9 @@ def read_tensor_item(
         source.wait()
     if source.short:
         raise short_read(path, item, record.length, record.length - source.left)
-    if not known or algorithm is None or source.hasher is None:
-        return known
-    actual = format_checksum(algorithm, source.hasher)
-    if actual != checksum:
-        raise CheckpointCorruptError(
-            path, "checksum mismatch", item=item, expected=checksum, actual=actual
-        )
-    return True
+    if known and checksum is not None and source.hasher is not None:
+        check_digest(path, item, checksum, source.hasher)
+    return known
 
 
 def transient_bytes(layout: TensorLayout, record: ItemRecord) -> int:
@@ -228,23 +220,13 @@ def _read_layout(reader: _Readable, layout: TensorLayout, dest: torch.Tensor, ch
     """Fill ``dest`` with the payload ``reader`` yields, ``chunk`` bytes at a time; whether the
     bytes around it are exactly ``layout``'s."""
     prefix = bytearray(len(layout.prefix))
-    if _fill(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
+    if read_fully(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
         return False
     target = tensor_bytes(dest)
     for at in range(0, layout.payload, chunk):
         part = target[at : at + chunk]
-        if _fill(reader, part) != part.nbytes:
+        if read_fully(reader, part) != part.nbytes:
             return False
     suffix = bytearray(len(layout.suffix) + 1)  # one more: the item must end there
-    got = _fill(reader, memoryview(suffix))
+    got = read_fully(reader, memoryview(suffix))
     return got == len(layout.suffix) and layout.matches(prefix, memoryview(suffix)[:got])
-
-
-def _fill(reader: _Readable, view: memoryview) -> int:
-    total = 0
-    while total < view.nbytes:
-        got = reader.readinto(view[total:])
-        if not got:
-            break
-        total += got
-    return total
