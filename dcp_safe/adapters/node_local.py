@@ -45,13 +45,10 @@ from dcp_safe.topology import RootLike, Topology
 class NodeLocalOptions(UploadOptions):
     """How long and how often the background steps of a node-local save wait.
 
-    Args:
-        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest; the
-            other waits (a rank for the remote commit, a save for the previous upload) are
-            bounded by twice this, so that rank 0's verdict reaches every rank first.
-        chunk_bytes: bytes read and uploaded at a time, per file.
-        keep_node_caches: node caches kept on each node after a new one is published (the
-            older ones are removed; the remote tier is untouched). ``None`` keeps them all.
+    ``remote_timeout_s`` bounds rank 0's wait for every rank's remote rank manifest; the other
+    waits (a rank for the remote commit, a save for the previous upload) are bounded by twice
+    it, so that rank 0's verdict reaches every rank first. ``keep_node_caches``: node caches
+    kept on each node after a new one is published (the remote is untouched; ``None``: all).
     """
 
     keep_node_caches: int | None = 2
@@ -72,19 +69,17 @@ class NodeLocalWriter(SafeStorageWriter):
     once the remote ``_COMMITTED`` does. Wait for that with :meth:`replication` (on every rank).
 
     Args:
-        remote: the shared root every rank uploads to (``s3://...`` or a shared directory),
-            with ``storage_options``, or a ``Root`` with its own; not given with a ``Topology``,
-            nor is the next one.
-        peer_copies: the topology's peer tier (``Topology.peer_copies``); the manager copies
-            node caches to other nodes, this writer only counts their buffers.
+        remote: the shared root every rank uploads to, with ``storage_options``, or a ``Root``;
+            not given with a ``Topology``, nor is ``peer_copies``.
+        peer_copies: the topology's peer tier; the manager copies node caches to other nodes,
+            this writer only counts their buffers.
         **kwargs: the other :class:`SafeStorageWriter` options (``options.overwrite`` is
             refused: a remote name is never replaced).
 
     Raises:
-        ConfigError: ``root`` cannot rename atomically (it must be a local directory);
-            ``options.overwrite`` or ``replicate_to`` was given; a ``Topology`` with
-            ``remote``, or without a node cache.
-            (At save time: ``use_collectives=False``, which node-local roots cannot serve.)
+        ConfigError: ``root`` is not a local directory; ``options.overwrite`` or
+            ``replicate_to``; a ``Topology`` with ``remote`` or without a node cache; at save
+            time, ``use_collectives=False`` (node-local roots share no storage to agree on).
     """
 
     _node_local = True
@@ -299,11 +294,8 @@ def writer_for(
     node cache, a :class:`NodeLocalWriter` that writes there and uploads to the commit root.
     The writer keeps ``topology`` itself as its ``topology``.
 
-    Args:
-        remote_timeout_s: bounds the per-rank uploads' waits (rank 0 for every rank's upload,
-            a rank for the remote commit: twice it); default: the upload options' own.
-        **kwargs: the other :class:`SafeStorageWriter` arguments (``attempt``, ``options``,
-            ...); not the roots, which the topology gives.
+    ``remote_timeout_s`` bounds the per-rank uploads' waits (default: the upload options');
+    ``kwargs``: the other :class:`SafeStorageWriter` arguments, not the roots.
     """
     bound: dict[str, Any] = (
         {} if remote_timeout_s is None else {"remote_timeout_s": remote_timeout_s}

@@ -10,16 +10,11 @@ DCP calls a writer in this order (every rank unless noted; one save at a time pe
     finish(metadata, results)       coordinator only, and only if every rank's write_data
                                     succeeded: verify, then publish
 
-With ``use_collectives=False`` DCP calls every step on every rank, each with its own plan only:
-rank 0 then hands out the save id through storage, each rank reports its part through storage,
-and rank 0 publishes once every rank reported (:mod:`dcp_safe.adapters.assignment_board`,
-:mod:`dcp_safe.adapters.rank_reports`; docs/multirank.md, "Saves without collectives").
-
-What each step does for the commit: docs/architecture.md, "The commit protocol".
-
-Shard files use DCP's own format (optional zstd as DCP's transform descriptor), so torch's
-``FileSystemReader`` loads them; plain tensors are laid down from a template of ``torch.save``'s
-bytes (:mod:`dcp_safe.adapters.tensor_records`). No shard is ever buffered whole.
+With ``use_collectives=False`` every step runs on every rank with its own plan only, and the
+ranks agree and report through storage (:mod:`dcp_safe.adapters.without_collectives`). What each
+step does for the commit: docs/architecture.md, "The commit protocol". Shard files use DCP's own
+format (zstd as DCP's transform descriptor), so torch's ``FileSystemReader`` loads them; no shard
+is ever buffered whole.
 """
 
 from __future__ import annotations
@@ -80,42 +75,29 @@ class SafeStorageWriter(StorageWriter):
     """Write DCP checkpoints under ``root`` with checksums and an atomic two-phase commit.
 
     Args:
-        root: a local directory or an fsspec URL, or a :class:`~dcp_safe.topology.Root` with
-            its fsspec options; each checkpoint is ``<root>/<checkpoint_id>``. Or a
-            :class:`~dcp_safe.topology.Topology`, which the writer keeps as its own
-            (``writer_for`` builds writers so); it names the roots, so ``replicate_to`` and the
-            storage options are not given then.
-        storage_options: the shorthand of ``Root(root, storage_options=...)``: passed to fsspec
-            (endpoint, credentials) for URL roots.
-        step: recorded in the manifest (the training step this checkpoint captures).
-        replicate_to: a second root (typically ``s3://...``) every checkpoint is copied to and
-            committed on, in the background (see :meth:`replication`); a path or URL gets
-            ``root``'s fsspec options, a ``Root`` its own.
-        replication_options: deadlines, polling and chunk size of the per-rank uploads of a
-            multi-rank save (default: :class:`~dcp_safe.replication.rank_upload.UploadOptions`).
-        retry: deadline and backoff for transient storage errors (5xx, SlowDown, timeouts,
-            dropped connections); a shard file that fails transiently is rewritten whole.
+        root: a directory, an fsspec URL or a :class:`~dcp_safe.topology.Root`; each checkpoint
+            is ``<root>/<checkpoint_id>``. Or a :class:`~dcp_safe.topology.Topology`, kept as the
+            writer's own, which names the roots (no ``replicate_to``/``storage_options`` then).
+        storage_options: the shorthand of ``Root(root, storage_options=...)``.
+        step: the training step the manifest records.
+        replicate_to: a second root every checkpoint is copied to and committed on, in the
+            background (:meth:`replication`); a path or URL gets ``root``'s fsspec options.
+        replication_options: the per-rank uploads' deadlines, polling and chunk size.
+        retry: for transient storage errors; a shard file that fails so is rewritten whole.
         attempt: this job attempt's number, monotone across restarts (default:
-            ``TORCHELASTIC_RESTART_COUNT`` when set, else no fencing). A writer of an older
-            attempt than one that has saved under ``root`` fails with ``StaleWriterError``
-            (docs/architecture.md, "Fencing").
+            ``TORCHELASTIC_RESTART_COUNT``, else no fencing); a writer of an older attempt than
+            one that saved under ``root`` fails with ``StaleWriterError`` (docs/architecture.md,
+            "Fencing").
         stale_lease_s: with ``attempt``, a lease naming no attempt of this run is taken over
             once its name was idle this long (None: never).
-        options: how it writes (:class:`~dcp_safe.adapters.options.WriterOptions`: compression,
-            checksum, threads, fsync, overwrite, signing key, ...). With no ``signing_key`` in
-            it, the key is ``$DCP_SAFE_SIGNING_KEY``'s, and a checksum left at its default
-            becomes the signed default (docs/integrity.md, "Signed checkpoints").
-
-    With ``use_collectives=False`` the ranks find the save id on storage under a key each
-    computes alike (run id, attempt, saves begun through this writer): it assumes every rank's
-    writer is made alike and sees the same saves (:mod:`dcp_safe.adapters.assignment_board`).
+        options: :class:`~dcp_safe.adapters.options.WriterOptions`; without a ``signing_key``,
+            ``$DCP_SAFE_SIGNING_KEY``'s, and a checksum left at its default becomes the signed
+            default (docs/integrity.md, "Signed checkpoints").
 
     Raises:
-        ConfigError: an option has an unsupported value; a keyword that moved into
-            ``options`` (``fsync=``: ``options=WriterOptions(fsync=...)``) or into a root
-            (``replicate_storage_options=``: ``replicate_to=Root(url, storage_options=...)``);
-            roots given beside a
-            ``Topology``, or a node-local one (that is :class:`NodeLocalWriter`'s).
+        ConfigError: an unsupported option; a keyword that moved into ``options`` or a root
+            (:data:`~dcp_safe.adapters.options.WRITER_MOVED`); roots beside a ``Topology``, or
+            a node-local one (that is :class:`NodeLocalWriter`'s).
     """
 
     #: Whether the writer takes a topology with a node cache (``NodeLocalWriter`` does).
@@ -184,20 +166,13 @@ class SafeStorageWriter(StorageWriter):
         """The uploads to ``replicate_to``: of a single rank's checkpoint once committed, or of
         this rank's part of a save of several ranks (neither starts a thread until used)."""
         remote, claimant = self.remote, self.claimant
-        self._replicator = (
-            None if remote is None else Replicator(self.backend, remote, claimant=claimant)
-        )
-        self._rank_replicator = (
-            None
-            if remote is None
-            else RankReplicator(
-                self.backend,
-                remote,
-                options=self.replication_options,
-                retry=self.retry,
-                claimant=claimant,
+        self._replicator = self._rank_replicator = None
+        if remote is not None:
+            self._replicator = Replicator(self.backend, remote, claimant=claimant)
+            options = self.replication_options
+            self._rank_replicator = RankReplicator(
+                self.backend, remote, options=options, retry=self.retry, claimant=claimant
             )
-        )
 
     def for_step(self, step: int | None, metrics: Mapping[str, float | str] | None = None) -> Self:
         """This writer for one save of training step ``step`` (its manifest records it, and
@@ -336,8 +311,7 @@ class SafeStorageWriter(StorageWriter):
     def _abandon(self, assignment: _Assignment, files: list[str]) -> None:
         """After this rank failed (DCP will not call ``finish``, so nobody else would)."""
         own = [*files, layout.rank_manifest_name(assignment.rank)]
-        publication = self._publication(assignment.save_id)
-        publication.abandon(own, shared=assignment.world_size > 1)
+        self._publication(assignment.save_id).abandon(own, shared=assignment.world_size > 1)
 
     def _publication(
         self, save_id: str, backend: Backend | None = None, name: str | None = None
@@ -412,12 +386,8 @@ class SafeStorageWriter(StorageWriter):
             self._rank_replicator.end_saves()
 
     def missing_ranks(self) -> list[int] | None:
-        """Ranks of the current save whose rank manifest is not (yet) on storage.
-
-        A rank writes its manifest last, after its shard files, so after a failed collective
-        these are the ranks that died or hung before finishing their part (see
-        :func:`dcp_safe.coordination.group.collective_failure`). ``None`` before ``write_data``.
-        """
+        """Ranks of the current save whose rank manifest (written last) is not on storage: after
+        a failed collective, those that died or hung (``None`` before ``write_data``)."""
         assignment = self._assignment
         if assignment is None:
             return None
@@ -570,8 +540,7 @@ def _split_evenly(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]
         return [list(items)]
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     sizes = [0] * bins
-    by_size = sorted(items, key=_item_bytes, reverse=True)
-    for item in by_size:
+    for item in sorted(items, key=_item_bytes, reverse=True):
         target = sizes.index(min(sizes))
         buckets[target].append(item)
         sizes[target] += max(_item_bytes(item), 1)
