@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -25,7 +26,6 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
 from dcp_safe.commit.results import (
     RankReport,
-    bytes_by_file,
     check_every_item_written,
     dcp_metadata,
     records_by_rank,
@@ -47,6 +47,7 @@ DEFAULT_COMMIT_WORKERS = 16
 MAX_COMMIT_WORKERS = 256
 # Rank manifests read ahead of the checks, per worker.
 _READ_AHEAD = 8
+_UNREADABLE = "a rank manifest is missing or unreadable"
 
 
 class CommitOptions(Protocol):
@@ -66,14 +67,8 @@ class CommitOptions(Protocol):
 
 
 class Committer:
-    """Publishes one save. Stateless between calls; one instance per publish is fine.
-
-    Args:
-        workers: storage calls in flight at once while the ranks' outputs are checked.
-
-    Raises:
-        ConfigError: ``workers`` is not an int in ``1..MAX_COMMIT_WORKERS``.
-    """
+    """Publishes one save, ``workers`` storage calls in flight while it checks the ranks'
+    outputs. Stateless between calls; one instance per publish is fine."""
 
     def __init__(
         self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
@@ -120,8 +115,6 @@ class Committer:
             raise
         return manifest
 
-    # ----------------------------------------------------------------- verification
-
     def _seal(
         self,
         publication: Publication,
@@ -129,7 +122,7 @@ class Committer:
         step: int | None,
         metadata: Metadata,
         results: list[list[WriteResult]],
-        metrics: Mapping[str, float | str] | None = None,
+        metrics: Mapping[str, float | str] | None,
     ) -> tuple[Manifest, bytes, dict[str, bytes]]:
         """The manifest, the marker and the control files to write, once verified."""
         name, save_id, attempt = publication.name, publication.save_id, publication.claimant.attempt
@@ -218,33 +211,30 @@ class Committer:
             report = every[rank]
             if rank in reports:
                 self._check_report(publication, rank, report)
-                missing = "a rank manifest is missing or unreadable"
-                stored = self._listed_size(sizes, rank, report.manifest, missing=missing)
+                stored = _listed_size(sizes, rank, report.manifest, _UNREADABLE)
                 if stored != report.manifest.size:
+                    where = f"{sizes.path(report.manifest.path)}: on storage {stored} bytes"
                     raise CommitError(
                         "a rank manifest on storage is not the one its rank wrote",
-                        {
-                            rank: f"{sizes.path(report.manifest.path)}: on storage {stored} bytes,"
-                            f" written {report.manifest.size}"
-                        },
+                        {rank: f"{where}, written {report.manifest.size}"},
                     )
-            covered = bytes_by_file(per_rank[rank])
-            unlisted = covered.keys() - {file.path for file in report.files}
-            if unlisted:
+            covered: Counter[str] = Counter()
+            for item in per_rank[rank]:
+                covered[item.file] += item.length
+            if unlisted := covered.keys() - {file.path for file in report.files}:
                 raise CommitError(
                     "a rank's items lie in a file its manifest does not list",
                     {rank: ", ".join(sorted(unlisted)[:5])},
                 )
             for file in report.files:
-                actual = self._listed_size(sizes, rank, file)
-                covered_bytes = covered.get(file.path, 0)
-                if not actual == file.size == covered_bytes:
+                actual = _listed_size(sizes, rank, file, "a shard file is missing")
+                if not actual == file.size == covered[file.path]:
                     detail = (
-                        f"{file.path}: on storage {actual}, manifest {file.size}, "
-                        f"items {covered_bytes}"
+                        f"on storage {actual}, manifest {file.size}, items {covered[file.path]}"
                     )
                     raise CommitError(
-                        "a shard file is not the size its items add up to", {rank: detail}
+                        "a shard file is not the size its items add up to",
+                        {rank: f"{file.path}: {detail}"},
                     )
             shards += report.files
         return shards + [every[rank].manifest for rank in ranks]
@@ -255,7 +245,7 @@ class Committer:
         try:
             return self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
         except (FileNotFoundError, DcpSafeError) as exc:
-            raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
+            raise CommitError(_UNREADABLE, {rank: str(exc)}) from exc
 
     def _report_of(
         self, publication: Publication, rank: int, raw: bytes, items: list[ItemRecord]
@@ -268,7 +258,7 @@ class Committer:
             path = self.backend.full_path(f"{publication.work_dir}/{rel}")
             manifest = RankManifest.from_json(raw, path)
         except DcpSafeError as exc:
-            raise CommitError("a rank manifest is missing or unreadable", {rank: str(exc)}) from exc
+            raise CommitError(_UNREADABLE, {rank: str(exc)}) from exc
         report = report_for(manifest, raw, self.options.checksum)
         self._check_report(publication, rank, report)
         if not same_records(manifest.items, items):
@@ -287,31 +277,14 @@ class Committer:
                 {rank: f"{report.name}/{report.save_id} rank {report.rank}"},
             )
         expected = self.options.checksum.value
-        checksum = report.manifest.checksum or ""
-        if checksum.partition(":")[0] != expected:
+        used = (report.manifest.checksum or "").partition(":")[0]
+        if used != expected:
             # The global manifest names one algorithm for every file it lists.
             raise CommitError(
                 f"a rank checksummed its manifest with another algorithm than {expected!r}: "
                 "every rank must be configured alike",
-                {rank: checksum.partition(":")[0] or "no checksum"},
+                {rank: used or "no checksum"},
             )
-
-    def _listed_size(
-        self,
-        sizes: ListedSizes,
-        rank: int,
-        file: FileRecord,
-        *,
-        missing: str = "a shard file is missing",
-    ) -> int:
-        """One file's size, listed or else asked (:class:`ListedSizes`); a file neither finds
-        fails the commit with ``missing``, naming ``rank``."""
-        try:
-            return sizes.size(file.path)
-        except FileNotFoundError as exc:
-            raise CommitError(missing, {rank: sizes.path(file.path)}) from exc
-
-    # ----------------------------------------------------------------- publish
 
     def _taken(self, name: str) -> CheckpointExistsError:
         """The error for a publish that found ``name`` taken: by a committed checkpoint, or by
@@ -325,3 +298,12 @@ class Committer:
             " name; `dcp-safe gc` removes an empty folder once it has been idle for its grace"
             " period",
         )
+
+
+def _listed_size(sizes: ListedSizes, rank: int, file: FileRecord, missing: str) -> int:
+    """One file's size, listed or else asked; a file neither finds fails the commit with
+    ``missing``, naming ``rank``."""
+    try:
+        return sizes.size(file.path)
+    except FileNotFoundError as exc:
+        raise CommitError(missing, {rank: sizes.path(file.path)}) from exc

@@ -1,13 +1,7 @@
 """The writing lease: one save at a time under a name, on storage that cannot rename; and
-taking over a lease that a crashed or fenced writer left behind.
-
-The two kinds and the rules: docs/architecture.md, "The writing lease". :func:`acquire_lease`
-is a save's (never shared), and replication's with ``join=True``.
-
-Takeover: :meth:`Claimant.why_take_over` decides, :func:`_take_over_exclusive` takes the one
-``_WRITING`` over, :func:`_clear_leftovers` empties the name before any rank writes. When, how,
-and the limits: docs/architecture.md, "Taking over a lease". A lease lacking a field (an older
-dcp_safe, an unfenced writer) is still read.
+taking over a lease that a crashed or fenced writer left behind (docs/architecture.md, "The
+writing lease" and "Taking over a lease"). A lease lacking a field (an older dcp_safe, an
+unfenced writer) is still read.
 """
 
 from __future__ import annotations
@@ -56,14 +50,9 @@ TAKEOVER_HOOKS: list[Callable[[Backend, str, str], None]] = []
 class Claimant:
     """Who claims a name, as its lease records it, and when it takes a lease over.
 
-    Args:
-        attempt: the save's job attempt; None: an unfenced save, which never takes over.
-        stale_after_s: how long a prefix whose lease names no attempt of this run must have
-            been idle before it is taken over (sooner when idle since this job started: a
-            relaunch); None: never.
-
-    Raises:
-        ConfigError: ``stale_after_s`` is negative or not a number.
+    ``attempt`` None: an unfenced save, which never takes over. ``stale_after_s``: how long a
+    prefix whose lease names no attempt of this run must have been idle before it is taken
+    over (sooner when idle since this job started: a relaunch); None: never.
     """
 
     attempt: Attempt | None = None
@@ -88,10 +77,7 @@ class Claimant:
 
     def why_take_over(self, holder: LeaseHolder, quiet: Quiet) -> str | None:
         """What ``holder``'s lease is, and why this claimant may take it over; None: it may not.
-
-        Args:
-            quiet: when the name last changed, asked only when the answer depends on it.
-        """
+        ``quiet`` is asked only when the answer depends on it."""
         if holder.abandoned:
             return f"{holder}: its save abandoned it"
         if self.attempt is None:
@@ -205,12 +191,8 @@ def _take_over_exclusive(
     backend: Backend, name: str, save_id: str, claimant: Claimant
 ) -> str | None:
     """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
-    exclusively failed), if ``claimant`` may (:meth:`Claimant.why_take_over`). The caller
-    then clears the leftovers (:func:`_clear_leftovers`).
-
-    Returns:
-        What was taken over and why, when the lease is now this save's; None when no lease is
-        there any more (the caller creates it again).
+    exclusively failed), if ``claimant`` may: what was taken over and why; None when no lease
+    is there any more (the caller creates it again). The caller then clears the leftovers.
 
     Raises:
         CheckpointExistsError: the lease may not be taken over, or another save took it first.
@@ -261,28 +243,6 @@ def _report_takeover(backend: Backend, name: str, what: str) -> None:
             hook(backend, name, what)
         except Exception as exc:  # the takeover stands: its record is bookkeeping
             log.warning("could not record the takeover of %s: %s", name, shown(exc, 300))
-
-
-def _clear_leftovers(backend: Backend, name: str, keep: Callable[[str], bool]) -> tuple[str, ...]:
-    """Remove what a taken-over save left under ``<name>/``: every object for which ``keep``
-    (given its path relative to ``<name>/``) is false, and every incomplete multipart upload
-    there (none is this save's: it clears before any of its ranks writes).
-
-    Returns:
-        The paths removed, relative to ``<name>/``.
-
-    Raises:
-        CheckpointExistsError: the name is committed (the taken-over writer published in the
-            round trip after its last check); nothing is removed.
-    """
-    files = list(backend.walk_files(name))
-    if layout.COMMITTED_MARKER in files:
-        raise CheckpointExistsError(backend.full_path(name), "it got committed during a takeover")
-    removed = [rel for rel in files if not keep(rel)]
-    for rel in removed:
-        backend.remove_file(f"{name}/{rel}")
-    abort_uploads_under(backend, name)
-    return tuple(removed)
 
 
 def _held_error(
@@ -356,24 +316,13 @@ _CREATE_TRIES = 2
 _UNFENCED = Claimant()
 
 
-def _lease_path(name: str, save_id: str | None = None) -> str:
-    return f"{name}/{layout.lease_file_name(save_id)}"
-
-
 def acquire_lease(
     backend: Backend, name: str, save_id: str, claimant: Claimant = _UNFENCED, *, join: bool = False
 ) -> bool:
     """Take the name for this save (rank 0, before any rank writes); with ``join``, or share
     the lease this same save already holds: replication's, where ``save_id`` is the
-    checkpoint's own (docs/architecture.md, "The writing lease").
-
-    Args:
-        claimant: what the lease records, and which lease in the way it may take over
-            (above). Default: an unfenced save, which takes none over.
-
-    Returns:
-        True when it joined a lease already there (only with ``join``; its taker, or the
-        sweeper, removes it); False when it took the name itself.
+    checkpoint's own. ``claimant``: what the lease records, and which lease in the way it may
+    take over. True: it joined a lease already there (its taker, or the sweeper, removes it).
 
     Raises:
         CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
@@ -402,7 +351,7 @@ def _acquire_exclusive(
     backend: Backend, name: str, save_id: str, claimant: Claimant, *, join: bool = False
 ) -> bool:
     """True: joined (with ``join``) the lease save ``save_id`` already holds."""
-    lease = _lease_path(name)
+    lease = f"{name}/{layout.WRITING_LEASE}"
     for _ in range(_CREATE_TRIES):
         try:
             backend.write_bytes(lease, claimant.body(save_id), exclusive=True)
@@ -424,14 +373,26 @@ def _acquire_exclusive(
 def _clear_after_takeover(
     backend: Backend, name: str, lease: str, keep: Callable[[str], bool]
 ) -> None:
-    """Holding ``lease`` after a takeover: refuse a committed name, else clear the leftovers.
+    """Holding ``lease`` after a takeover: refuse a committed name, else remove what the
+    taken-over save left under ``<name>/``: every object ``keep`` (given its path relative to
+    ``<name>/``) refuses, and every incomplete multipart upload there (none is this save's: it
+    clears before any of its ranks writes).
 
-    Only a committed name withdraws the lease: any other failure keeps it, so that no save
-    claims the name over the leftovers before the next takeover (or the sweeper) clears them.
+    Only a committed name (also one the taken-over writer published in the round trip after
+    its last check) withdraws the lease: any other failure keeps it, so that no save claims
+    the name over the leftovers before the next takeover (or the sweeper) clears them.
     """
     try:
         _refuse_if_committed(backend, name)
-        _clear_leftovers(backend, name, keep)
+        files = list(backend.walk_files(name))
+        if layout.COMMITTED_MARKER in files:
+            raise CheckpointExistsError(
+                backend.full_path(name), "it got committed during a takeover"
+            )
+        for rel in files:
+            if not keep(rel):
+                backend.remove_file(f"{name}/{rel}")
+        abort_uploads_under(backend, name)
     except CheckpointExistsError:
         with contextlib.suppress(OSError):
             backend.remove_file(lease)
@@ -466,7 +427,13 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
             raise
         if not others:
             if taken:
-                _clear_after_takeover(backend, name, f"{name}/{own}", _kept(own, set(taken)))
+                # Kept: its own lease, and any lease it did not take over (a contender's,
+                # which withdraws itself). Called at once, so ``taken`` is this round's.
+                def keep(rel: str) -> bool:
+                    lease = "/" not in rel and layout.is_lease_file(rel)
+                    return rel == own or (lease and rel not in taken)  # noqa: B023
+
+                _clear_after_takeover(backend, name, f"{name}/{own}", keep)
             for what in taken.values():
                 _report_takeover(backend, name, what)
             return
@@ -478,25 +445,19 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
     raise _held_error(backend, name, [_save_id_of(entry) for entry in sorted(seen)])
 
 
-def _kept(own: str, taken: set[str]) -> Callable[[str], bool]:
-    """What a per-save takeover keeps under the name: its own lease, and any lease it did not
-    take over (a contender's, which withdraws itself)."""
-    return lambda rel: (
-        rel == own or ("/" not in rel and layout.is_lease_file(rel) and rel not in taken)
-    )
-
-
 def holds_lease(backend: Backend, name: str, save_id: str) -> bool:
     """True while the lease on ``name`` is save ``save_id``'s."""
     if backend.supports_exclusive_create:
         return _holder(backend, name) == save_id
-    return backend.exists(_lease_path(name, save_id))
+    return backend.exists(f"{name}/{layout.lease_file_name(save_id)}")
 
 
 def held_by_another(backend: Backend, name: str, save_id: str) -> bool:
     """True when a lease of a save other than ``save_id`` (or one unreadable) is on ``name``."""
     if backend.supports_exclusive_create:
-        return backend.exists(_lease_path(name)) and _holder(backend, name) != save_id
+        return (
+            backend.exists(f"{name}/{layout.WRITING_LEASE}") and _holder(backend, name) != save_id
+        )
     return bool(set(lease_files(backend, name)) - {layout.lease_file_name(save_id)})
 
 
@@ -548,5 +509,5 @@ def _save_id_of(entry: str) -> str:
 def _holder(backend: Backend, name: str) -> str | None:
     """The save id the one ``_WRITING`` names; None when absent or unreadable (not a small
     regular file of JSON: :mod:`dcp_safe.manifest.limits`)."""
-    holder = read_holder(backend, _lease_path(name))
+    holder = read_holder(backend, f"{name}/{layout.WRITING_LEASE}")
     return None if holder is None else holder.save_id

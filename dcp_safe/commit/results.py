@@ -141,14 +141,6 @@ def same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) 
     return Counter(_fingerprints(written)) == Counter(_fingerprints(reported))
 
 
-def bytes_by_file(items: Iterable[ItemRecord]) -> dict[str, int]:
-    """How many bytes each file's items add up to: one pass, not one scan per file."""
-    covered: dict[str, int] = {}
-    for item in items:
-        covered[item.file] = covered.get(item.file, 0) + item.length
-    return covered
-
-
 def dcp_metadata(
     metadata: Metadata,
     name: str,

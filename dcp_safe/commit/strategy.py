@@ -56,7 +56,6 @@ class Publication(abc.ABC):
 
     @property
     def work_dir(self) -> str:
-        """Where the save's files are written before it is published."""
         return self.strategy.work_dir(self.name, self.save_id)
 
     def claim(self, *, replace: bool = False) -> None:
@@ -88,17 +87,15 @@ class Publication(abc.ABC):
         sync_dirs: Sequence[str] = (),
         replace: bool = False,
     ) -> None:
-        """Write ``files`` and the marker durably and make the work folder checkpoint ``name``;
-        then give up the claim. The fence and the claim are checked right before the commit
-        point too, so a save that lost either publishes nothing.
+        """:meth:`PublishStrategy.publish` of the work folder as ``name``, the fence and the
+        claim checked right before the commit point too; then give up the claim.
 
         Raises:
             FileExistsError: ``name`` was committed meanwhile (and is not being replaced).
         """
-        attempt = self.claimant.attempt
 
         def before_commit() -> None:
-            check_fence(self.backend, attempt)
+            check_fence(self.backend, self.claimant.attempt)
             self.check()
 
         self.check()
@@ -194,8 +191,6 @@ class LeasedPublication(Publication):
 
 
 T = TypeVar("T")
-
-
 _NO_FILES: Mapping[str, bytes] = MappingProxyType({})
 _UNFENCED = Claimant()
 
@@ -259,24 +254,18 @@ class PublishStrategy(abc.ABC):
         replace: bool = False,
         before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        """Write ``files`` and the ``_COMMITTED`` marker (exclusively), durably, and make
-        ``work_dir`` checkpoint ``name``.
-
-        Args:
-            files: control files to write under ``work_dir`` (relative path to bytes).
-            sync_dirs: folders under ``work_dir`` whose entries (the rank manifests, say) must
-                be durable before the commit point.
-            replace: replace a committed ``name`` atomically (where ``can_replace``).
-            before_commit: the last check (fence, lease), called right before the commit
-                point; raising there publishes nothing.
+        """Write ``files`` (control files, by path under ``work_dir``) and the ``_COMMITTED``
+        marker (exclusively), durably, and make ``work_dir`` checkpoint ``name``. The entries of
+        ``sync_dirs`` (under ``work_dir``: the rank manifests, say) are made durable too;
+        ``before_commit`` (fence, lease) runs right before the commit point: raising there
+        publishes nothing.
 
         Raises:
             FileExistsError: ``name`` is committed already (and not being replaced).
         """
         if replace and not self.can_replace:
             raise ValueError("a marker-published root cannot replace a committed checkpoint")
-        write = partial(backend.write_bytes, exclusive=False)
-        calls = [partial(write, f"{work_dir}/{rel}", data) for rel, data in files.items()]
+        calls = [partial(backend.write_bytes, f"{work_dir}/{r}", d) for r, d in files.items()]
         if not self.in_place:  # the marker goes in the partial folder; the rename publishes it
             marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
             calls.append(partial(backend.write_bytes, marker_path, marker, exclusive=True))
