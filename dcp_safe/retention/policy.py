@@ -9,11 +9,14 @@ safety rules that no policy can override:
 2. only checkpoints older than the newest *validated* one are ever dropped (nothing is dropped
    while no checkpoint is validated), so a run whose latest saves fail verification keeps the
    history it needs to roll back;
-3. once two checkpoints are validated, the two newest validated ones are kept;
+3. at least two validated checkpoints are kept (all of them if fewer exist): when the policy and
+   rules 1, 2 and 4 keep fewer, the newest validated ones not yet kept are added until two are,
+   so a policy such as ``keep_best`` keeps exactly what it names once that holds two validated;
 4. names in ``protected`` (being read, being replicated) are kept.
 
 Why a union of keeps rather than orbax's chain of filters: every policy then only ever *adds*
-checkpoints to keep, so combining policies can never drop something one of them wanted.
+checkpoints to keep, so combining policies can never drop something one of them wanted (rule 3
+may then have less to add).
 """
 
 from __future__ import annotations
@@ -174,7 +177,9 @@ def decide(
     validated = [i for i, r in enumerate(ordered) if r.validated]
     cutoff = validated[-1] if validated else 0
     keep |= {r.name for r in ordered[cutoff:]}  # the newest validated and everything after
-    keep |= {ordered[i].name for i in validated[-2:]}
+    kept_validated = sum(ordered[i].name in keep for i in validated)
+    missing = [ordered[i].name for i in reversed(validated) if ordered[i].name not in keep]
+    keep |= set(missing[: max(0, 2 - kept_validated)])
     return RetentionDecision(
         keep=tuple(r.name for r in ordered if r.name in keep),
         drop=tuple(r.name for r in ordered if r.name not in keep),

@@ -355,10 +355,10 @@ def test_a_checkpoint_is_not_pruned_while_its_replication_is_running(
         makedirs(rel)
 
     writer.remote.makedirs = gated_makedirs  # type: ignore[method-assign]
-    manager = _manager(Topology.of(tmp_path, replicate_to=memory_root), writer, keep_last=1)
+    manager = _manager(Topology.of(tmp_path, replicate_to=memory_root), writer, keep_last=2)
     handles = [manager.save(step, make_state(step)) for step in (1, 2, 3)]
     assert all(h is not None and h.committed.result(_GATE_TIMEOUT_S) for h in handles)
-    # 1 is still replicating; without that, 1 would go (the two newest validated are 2 and 3).
+    # 1 is still replicating; without that, 1 would go (keep_last=2 keeps 2 and 3).
     assert _names(tmp_path) == [_name(1), _name(2), _name(3)]
     assert _events(tmp_path, "pruned") == []
     gate.set()

@@ -57,7 +57,20 @@ def test_nothing_is_dropped_while_nothing_is_validated() -> None:
 
 def test_protected_names_are_kept() -> None:
     decision = decide(_records([1, 2, 3]), KeepLast(1), protected={"step_0001", "other"})
-    assert _steps(decision.keep) == [1, 2, 3]  # 2 by the two-validated rule
+    # 1 (protected) and 3 (the policy's) are two validated ones: rule 3 has nothing to add.
+    assert _steps(decision.keep) == [1, 3]
+    assert _steps(decision.drop) == [2]
+
+
+def test_a_second_validated_checkpoint_is_added_when_the_policy_keeps_only_one() -> None:
+    assert _steps(decide(_records([1, 2, 3]), KeepLast(1)).keep) == [2, 3]
+    # The newest validated one not yet kept is added, not merely the second newest: 2 is not
+    # validated, so it goes and 1 stays.
+    decision = decide(_records([1, 2, 3, 4], validated={1, 3}), KeepLast(1))
+    assert _steps(decision.keep) == [1, 3, 4]
+    assert _steps(decision.drop) == [2]
+    # One validated checkpoint in all: it alone is kept by rule 3 (with what follows it).
+    assert _steps(decide(_records([1, 2, 3], validated={2}), KeepLast(0)).keep) == [2, 3]
 
 
 def test_bad_arguments_are_config_errors() -> None:
@@ -109,9 +122,23 @@ def test_safety_rules_hold_for_every_policy(
 def test_combine_never_drops_what_either_policy_keeps(
     records: list[CheckpointRecord], a: RetentionPolicy, b: RetentionPolicy
 ) -> None:
-    both = set(decide(records, combine(a, b)).keep)
-    assert set(decide(records, a).keep) <= both
-    assert set(decide(records, b).keep) <= both
+    names = {r.name for r in records}
+    combined = combine(a, b)
+    either = (a.keeps(records) | b.keeps(records)) & names
+    assert combined.keeps(records) & names == either
+    decision = decide(records, combined, protected={"step_0000"})
+    keep = set(decision.keep)
+    assert either <= keep
+    # ... plus the safety rules (not monotone in the policy: rule 3 adds a validated checkpoint
+    # only when the policy's keeps hold fewer than two).
+    by_step = sorted(records, key=lambda r: r.step)
+    validated = [r for r in by_step if r.validated]
+    if by_step:
+        assert by_step[-1].name in keep
+    if validated:
+        assert {r.name for r in by_step if r.step >= validated[-1].step} <= keep
+    assert len([r for r in validated if r.name in keep]) >= min(2, len(validated))
+    assert {"step_0000"} & names <= keep
 
 
 @given(records=_histories, policy=_policies)
@@ -147,8 +174,17 @@ def test_keep_best_keeps_the_k_best_and_decide_adds_only_the_safety_rules(
     ranked = sorted(losses, key=lambda s: (losses[s] if mode == "min" else -losses[s], -s))
     assert kept == {f"step_{s:04d}" for s in ranked[:k]}
     decision = decide(records, combine(KeepLast(1), best))
-    two_newest = {r.name for r in records[-2:]} if len(records) > 1 else {records[0].name}
-    assert set(decision.keep) == kept | two_newest
+    expected = kept | {records[-1].name}  # every record is validated here
+    if len(expected) < 2 and len(records) > 1:  # rule 3: the newest validated not yet kept
+        expected |= {records[-2].name}  # _scored orders by step
+    assert set(decision.keep) == expected
+
+
+def test_keep_best_keeps_exactly_the_best_k_and_the_newest_when_those_hold_two_validated() -> None:
+    records = _scored({1: 5.0, 2: 1.0, 3: 4.0, 4: 2.0, 5: 6.0, 6: 7.0})  # best two: 2 and 4
+    decision = decide(records, combine(KeepLast(1), KeepBest(2, "l")))
+    assert _steps(decision.keep) == [2, 4, 6]  # 5, the second newest, is not kept
+    assert _steps(decision.drop) == [1, 3, 5]
 
 
 def test_keep_best_passes_by_a_missing_metric_and_a_label() -> None:

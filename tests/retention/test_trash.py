@@ -77,16 +77,25 @@ def any_root(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[
 # ------------------------------------------------------------------ metrics and keep_best
 
 
-def test_keep_best_keeps_exactly_the_best_k_and_the_newest(tmp_path: Path) -> None:
-    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 6.0, 5: 2.0, 6: 7.0}  # best two: steps 2 and 5
+@pytest.mark.parametrize(
+    ("losses", "kept"),
+    [
+        ({1: 5.0, 2: 1.0, 3: 4.0, 4: 6.0, 5: 2.0, 6: 7.0}, [2, 5, 6]),  # best two: 2 and 5
+        # Best two: 2 and 4. The second newest (5) goes: with the newest, they are the two
+        # validated checkpoints the safety rules ask for.
+        ({1: 5.0, 2: 1.0, 3: 4.0, 4: 2.0, 5: 6.0, 6: 7.0}, [2, 4, 6]),
+    ],
+)
+def test_keep_best_keeps_exactly_the_best_k_and_the_newest(
+    tmp_path: Path, losses: dict[int, float], kept: list[int]
+) -> None:
     with _manager(tmp_path, keep_last=1, keep_best=(2, "val_loss", "min")) as manager:
         for step, loss in losses.items():
             state = {"w": torch.full((4,), float(step))}
             handle = manager.save(step, state, metrics={"val_loss": loss})
             assert handle is not None
             handle.committed.result()
-    # Step 5 is also the second newest, which the safety rules keep anyway: nothing else stays.
-    assert _names(tmp_path) == ["step_000000002", "step_000000005", "step_000000006"]
+    assert _names(tmp_path) == [f"step_{step:09d}" for step in kept]
 
 
 def test_keep_best_by_max_passes_by_checkpoints_without_the_metric(tmp_path: Path) -> None:
