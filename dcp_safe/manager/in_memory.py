@@ -66,9 +66,7 @@ from dcp_safe.units import format_bytes
 
 
 @dataclass(eq=False)
-class _Kept:
-    """The kept copy of one committed step, with what checks it."""
-
+class _Kept:  # the kept copy of one committed step, with what checks it
     handle: SaveHandle
     manifest: Manifest
     # Items not written from a template: their pickle's digest when the commit was verified.
@@ -77,13 +75,9 @@ class _Kept:
 
 @dataclass(eq=False)
 class InMemoryTier:
-    """Keeps the last committed step in host memory and rolls the live state back to it.
-
-    Args:
-        stager: the manager's stager, which holds the kept generation.
-        backend: the commit root (its committed manifest is read when a commit is verified).
-        per_rank: the manager's per-rank prefixes (the stored names of those keys).
-    """
+    """Keeps the last committed step in host memory (the ``stager`` holds the kept generation)
+    and rolls the live state back to it. ``backend``: the commit root, whose committed manifest
+    is read when a commit is verified; ``per_rank``: the manager's per-rank prefixes."""
 
     stager: BudgetedStager
     backend: Backend
@@ -92,11 +86,8 @@ class InMemoryTier:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def check_room(self, state_dict: dict[str, Any]) -> None:
-        """Refuse a state whose kept copy and next staged copy cannot both fit the envelope.
-
-        Raises:
-            BudgetExceededError: twice the state's tensor bytes exceed the stager's envelope.
-        """
+        """``BudgetExceededError`` unless the kept copy and the next staged copy of
+        ``state_dict`` both fit the stager's envelope."""
         need = sum(t.nbytes for t in collect_tensors(state_dicts_of(state_dict)))  # as staged
         envelope = self.stager.budget.envelope_bytes
         if 2 * need > envelope:
@@ -125,20 +116,15 @@ class InMemoryTier:
         with self._lock:
             self._kept = record
 
-    def forget(self) -> None:
-        """Drop the kept copy (a newer step committed without one)."""
+    def forget(self) -> None:  # a newer step committed without a kept copy
         with self._lock:
             self._kept = None
         self.stager.drop_kept()
 
     def rollback(self, state_dict: dict[str, Any], agreement: Agreement) -> int:
         """:meth:`prepare` on every rank, then, only if every rank can, copy; return the step.
-
-        Raises:
-            RollbackUnavailableError: this rank or another cannot roll back, or the ranks' kept
-                steps differ (a rank has not verified the last commit yet); nothing changed.
-            CheckpointCorruptError, MissingKeysError: as :meth:`prepare`; nothing changed.
-        """
+        ``RollbackUnavailableError`` (nothing changed) also where another rank cannot, or the
+        ranks' kept steps differ (a rank has not verified the last commit yet)."""
         try:
             step, copies = self.prepare(state_dict)
             failed: DcpSafeError | None = None
@@ -168,9 +154,9 @@ class InMemoryTier:
 
         Raises:
             RollbackUnavailableError: no kept copy of the last committed step.
-            CheckpointCorruptError: the kept copy no longer matches the manifest (nothing changed).
-            MissingKeysError: ``state_dict`` has keys the kept copy lacks (nothing changed).
-            ConfigError: a tensor's shape or a container's length differs (nothing changed).
+            CheckpointCorruptError: the kept copy no longer matches the manifest.
+            MissingKeysError: ``state_dict`` has keys the kept copy lacks.
+            ConfigError: a tensor's shape or a container's length differs.
         """
         with self._lock:
             record = self._kept
@@ -229,9 +215,7 @@ class InMemoryTier:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """One stored item of the kept copy."""
-
+class _Entry:  # one stored item of the kept copy
     key: ItemKey
     fqn: str
     data: Any  # what the writer serialized: a tensor, or torch.save's bytes of an object
@@ -279,9 +263,7 @@ _Copy = tuple[Callable[[Any], object], Any]  # what copies a kept value, and the
 
 
 @dataclass
-class _Pairing:
-    """What a rollback copies where, or why it cannot."""
-
+class _Pairing:  # what a rollback copies where, or why it cannot
     copies: list[_Copy] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)

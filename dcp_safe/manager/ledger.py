@@ -43,12 +43,8 @@ _NOT_COUNTED = {"pruned", "waited_s", "waiting", "fallback_reason"} | set(vars(C
 
 
 class Ledger:
-    """The manager's record of outcomes.
-
-    Args:
-        history: the commit root's history, appended to by the coordinator only (every rank
-            keeps its events in memory, :meth:`events`).
-    """
+    """The manager's record of outcomes: the commit root's ``history`` is appended to by the
+    coordinator only; every rank keeps its events in memory (:meth:`events`)."""
 
     def __init__(self, history: History, telemetry: Telemetry | None, *, coordinator: bool) -> None:
         self.cond = threading.Condition()  # the manager's: every part's state is guarded by it
@@ -99,7 +95,6 @@ class Ledger:
     def record(
         self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
     ) -> None:
-        """Append a history event about ``handle`` (or a ``(step, name)`` pair)."""
         step, name = (handle.step, handle.name) if isinstance(handle, SaveHandle) else handle
         line = {"event": event, "step": step, "name": name}
         line |= {k: v for k, v in extra.items() if v is not None}
@@ -116,17 +111,14 @@ class Ledger:
             self.count("bookkeeping_failures")
 
     def events(self) -> list[dict[str, Any]]:
-        """Every event this rank recorded, oldest first (as in the history, without times)."""
         with self.cond:
             return [dict(e) for e in self._events]
 
-    def requested(self, name: str, at: float) -> None:
-        """Note when ``name`` was requested (the fallback's completion latency)."""
+    def requested(self, name: str, at: float) -> None:  # for the fallback's latencies
         with self.cond:
             self._requested_at[name] = at
 
     def completed(self, name: str) -> float | None:
-        """When the committed save ``name`` was requested (``None`` if not recorded)."""
         with self.cond:
             return self._requested_at.pop(name, None)
 
@@ -170,7 +162,7 @@ class Ledger:
             "failed", handle, tier=tier, reason=reason or f"{type(error).__name__}: {error}"
         )
 
-    def keep(self, error: BaseException) -> None:
+    def keep(self, error: BaseException) -> None:  # for wait() or close() to raise
         with self.cond:
             self._errors.append(error)
 
@@ -201,12 +193,10 @@ class Ledger:
             pass
 
     def read_history(self) -> list[dict[str, Any]]:
-        """The history file's events (after the appends queued so far, bounded)."""
-        self.flush(_READ_FLUSH_S)
+        self.flush(_READ_FLUSH_S)  # the appends queued so far first
         return self.history.read()
 
     def close_history(self, timeout_s: float | None) -> None:
-        """Write what is queued (within ``timeout_s``), then stop the thread."""
         self.flush(timeout_s)
         self._pool.shutdown(wait=False)
 
@@ -230,12 +220,8 @@ class Ledger:
         """Close the save's root span (once; later calls do nothing)."""
         with self.cond:
             span = self._open_spans.pop(handle.name, None)
-        if span is None:
-            return
-        if error is None:
-            span.end()
-        else:
-            span.fail(error)
+        if span is not None:
+            span.end() if error is None else span.fail(error)
 
     def adopt(self, name: str, events: list[Any], replication: Future[Any] | None) -> None:
         """Record the spans a worker process recorded for save ``name`` under its root, and
@@ -251,7 +237,6 @@ class Ledger:
             replication.add_done_callback(lambda done: end_replication(replicating, done))
 
     def wrap(self, writer: Any) -> Any:
-        """``writer`` behind the telemetry wrapper, or as it is without telemetry."""
         return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)
 
     def mark(self, name: str, handle: SaveHandle, **attrs: Any) -> None:

@@ -112,13 +112,7 @@ class CheckpointManager:
         **moved: Any,
     ) -> None:
         policy, retention, runtime = with_shorthands(
-            policy,
-            retention,
-            runtime,
-            save_every=save_every,
-            when_busy=when_busy,
-            keep_last=keep_last,
-            moved=moved,
+            policy, retention, runtime, moved, save_every, when_busy, keep_last
         )
         refuse_moved("CheckpointManager", moved, MOVED)
         bounds, resume = bounds or Bounds(), resume or Resume()
@@ -304,9 +298,7 @@ class CheckpointManager:
         """Block until the latest started save has copied the state (``"overlap"`` staging).
 
         A failed copy is not raised here: it fails the handle, and :meth:`wait`/:meth:`close`.
-
-        Raises:
-            DrainTimeoutError: the copy was not done after ``timeout_s``.
+        ``DrainTimeoutError``: the copy was not done after ``timeout_s``.
         """
         self._runner.wait_staged(timeout_s)
 

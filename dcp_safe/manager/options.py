@@ -302,11 +302,10 @@ def with_shorthands(
     policy: SavePolicy | None,
     retention: Retention | None,
     runtime: Runtime | None,
-    *,
+    moved: dict[str, Any],
     save_every: int | None,
     when_busy: BusyPolicy | str | None,
     keep_last: int | None,
-    moved: dict[str, Any],
 ) -> tuple[SavePolicy, Retention, Runtime]:
     """``policy``, ``retention`` and ``runtime`` (or the defaults), each shorthand given replacing
     its one field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both.

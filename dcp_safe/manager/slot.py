@@ -18,10 +18,7 @@ from dcp_safe.manager.handles import Pending, SaveHandle
 
 class SaveSlot:
     """Who holds the slot (``busy``), who waits behind it (``pending``), and the waits it cost.
-
-    Args:
-        cond: the manager's condition; notified whenever the slot frees up.
-    """
+    ``cond``: the manager's condition, notified whenever the slot frees up."""
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
@@ -45,12 +42,10 @@ class SaveSlot:
                 self._cond.notify_all()
 
     def pending_step(self) -> int | None:
-        """The step of the pending save (``None``: none parked)."""
         with self._cond:
             return None if self.pending is None else self.pending.handle.step
 
     def take(self, handle: SaveHandle) -> None:
-        """Hold the slot for ``handle`` if it is free."""
         with self._cond:
             if self.busy is None:
                 self._hold(handle)
@@ -103,7 +98,6 @@ class SaveSlot:
             return pending
 
     def drop_pending(self) -> Pending | None:
-        """Take the pending save out (it will not be started); return it."""
         with self._cond:
             pending, self.pending = self.pending, None
             return pending

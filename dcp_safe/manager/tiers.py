@@ -1,4 +1,5 @@
-"""The manager's roots once a checkpoint is committed: verification, retention, ``latest``, readers.
+"""The manager's roots once a checkpoint is committed: verification, retention, ``latest``,
+readers, and the peer tier's background copies (:class:`PeerTier`).
 
 It keeps what must not be pruned yet (names being read or replicated, the newest one this
 manager committed) and writes the ``pruned`` history events. One manager owns a root:
@@ -18,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.adapters.reader import SafeStorageReader
@@ -33,16 +37,23 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.commit.strategy import strategy_for
+from dcp_safe.coordination.group import (
+    checkpoint_group,
+    discard_group,
+    gather_objects,
+    is_group_failure,
+)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
+    PeerCopyError,
     SignatureError,
 )
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.options import Retention
-from dcp_safe.manager.peer_tier import PeerTier
+from dcp_safe.reading.peers import PEER_RESTORE
 from dcp_safe.reading.safetensors_import import (
     NameMap,
     SafetensorsReader,
@@ -50,25 +61,20 @@ from dcp_safe.reading.safetensors_import import (
     is_safetensors_file,
     locate,
 )
+from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
 from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials, sweep_trash
 from dcp_safe.retention.trash import trash
-from dcp_safe.topology import Root
+from dcp_safe.topology import Root, this_node
+
+log = logging.getLogger("dcp_safe.manager")
 
 
 class Tiers:
-    """Retention and reading on the local root and the replica.
-
-    Args:
-        writer: the manager's writer; its ``topology`` says which root is which.
-        retention: which checkpoints stay, and when an abandoned partial is collected.
-        ledger: the history's validated names are read once; ``pruned`` events go to it.
-        deferred: a context in which a preemption signal waits (pruning is not interrupted).
-        coordinator: this rank writes the shared state; the others neither prune nor sweep,
-            nor write the history.
-        load_budget_bytes: every reader's ``load_budget_bytes`` (``None``: unbounded).
-        deadline_s: the peer tier's deadline (with ``peer_copies``; its groups are built here,
-            on every rank at the same point).
+    """Retention and reading on the local root and the replica (the writer's ``topology`` says
+    which root is which). Only the ``coordinator`` prunes and sweeps; pruning runs inside
+    ``deferred`` (a preemption signal waits for it). With ``peer_copies`` the peer tier's groups
+    are built here, on every rank at the same point.
     """
 
     def __init__(
@@ -82,17 +88,18 @@ class Tiers:
         load_budget_bytes: int | None,
         deadline_s: float,
     ) -> None:
-        self.coordinator = coordinator
-        self.load_budget_bytes = load_budget_bytes
-        self.writer = writer
+        self.coordinator, self.load_budget_bytes, self.writer = (
+            coordinator,
+            load_budget_bytes,
+            writer,
+        )
         topology = writer.topology
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
         self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
         self.trash_grace_s = retention.trash_grace_s
         self._expiry: threading.Thread | None = None
-        self._history, self._cond = ledger, ledger.cond
-        self._deferred = deferred
+        self._history, self._cond, self._deferred = ledger, ledger.cond, deferred
         self._prune_lock = threading.Lock()
         # With a signing writer only what its key signed counts, in every reader built here:
         # a planted unsigned checkpoint neither stands in for ``latest`` nor evicts a signed one.
@@ -125,7 +132,6 @@ class Tiers:
         with self._cond:
             if self._replications.get(name) is future:
                 del self._replications[name]
-            self._cond.notify_all()
 
     def replications(self) -> list[Future[Any]]:
         with self._cond:
@@ -135,8 +141,7 @@ class Tiers:
     def reading(self, name: str | None) -> Iterator[None]:
         """Keep ``name`` from pruning while it is read."""
         with self._cond:
-            if name is not None:
-                self._reading.add(name)
+            self._reading.add(name or "")
         try:
             yield
         finally:
@@ -199,8 +204,8 @@ class Tiers:
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
                 error, reason = None, "retention"
-                if self.trash_grace_s:
-                    reason = f"retention; in the trash for {self.trash_grace_s:g} s"
+                if grace := self.trash_grace_s:
+                    reason = f"retention; in the trash for {grace:g} s"
                 try:
                     (trash if self.trash_grace_s else strategy_for(backend).retire)(backend, name)
                 except Exception as exc:
@@ -223,8 +228,8 @@ class Tiers:
     def _still_committed(backend: Backend, name: str) -> bool:
         try:
             return backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
-        except OSError:
-            return True  # cannot tell: do not claim it was pruned
+        except OSError:  # cannot tell: do not claim it was pruned
+            return True
 
     def latest(self, tier: str = "local") -> str | None:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
@@ -255,17 +260,13 @@ class WarmStart:
     """Another run's checkpoints (or Hugging Face weights) to start from when the manager's
     own roots hold none, or to restore from when ``restore(source=)`` names them.
 
-    Attributes:
-        source: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint),
-            or a safetensors file or model folder, with its fsspec options.
-        keys: restore only these key prefixes (``None``: every key the state dict asks for).
-        name_map: a safetensors source's (:class:`~dcp_safe.manager.SafetensorsSource`).
-        safetensors: read as safetensors whatever it holds; else so only where ``source``
-            names such a file or a folder holding one.
+    ``source``: a root (its newest committed checkpoint) or ``ROOT/NAME`` (that checkpoint), or
+    a safetensors file or model folder. ``safetensors``: read as safetensors whatever it holds;
+    else so only where ``source`` names such a file or a folder holding one.
     """
 
     source: Root
-    keys: tuple[str, ...] | None = None
+    keys: tuple[str, ...] | None = None  # None: every key the state dict asks for
     name_map: NameMap | None = None
     safetensors: bool = False
 
@@ -301,11 +302,10 @@ class WarmStart:
         (the user named it; its digest goes to the history).
 
         Raises:
-            CheckpointNotFoundError: a :class:`~dcp_safe.manager.SafetensorsSource` folder holds no
-                ``model.safetensors[.index.json]``.
+            CheckpointNotFoundError: no committed checkpoint there (nor, for a safetensors
+                folder, a ``model.safetensors[.index.json]``).
             SignatureError: with a key, ``source`` holds committed checkpoints, none signed
                 with it (``UnsignedCheckpointError``: the one named is not signed at all).
-            CheckpointNotFoundError: ``source`` holds no committed checkpoint.
         """
         file = locate(self.source, required=self.safetensors)
         if file is not None:
@@ -332,3 +332,95 @@ class WarmStart:
         if signature is not None:
             raise signature
         raise CheckpointNotFoundError(self.source.url, "no committed checkpoint to warm-start from")
+
+
+PEER_COPIES = "peer-copies"
+
+Report = Callable[[str, BaseException | None], None]
+
+
+class PeerTier:
+    """Background peer copies of each committed checkpoint's node caches to other nodes.
+
+    Built on every rank at the same point (it forms two gloo groups and gathers every rank's
+    node: collectives). Each committed save is copied one at a time, in commit order on every
+    rank (the coordinator's verdicts make that order the same everywhere), on a thread of its
+    own: neither training nor the next save's commit waits for it. A failure is reported
+    (``report``) before the copy's future resolves, so a ``wait`` that saw the future done also
+    sees the error; it never touches the committed checkpoint. The writer's topology says how
+    many nodes hold each checkpoint (``peer_copies`` > 1); a node-local writer's
+    ``keep_node_caches`` how many checkpoints' peer copies a node keeps (``None``: all).
+
+    Raises:
+        ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
+    """
+
+    def __init__(self, writer: SafeStorageWriter, deadline_s: float) -> None:
+        copies = writer.topology.peer_copies
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"peer_copies={copies} needs a multi-node job: initialize the process group"
+                " (torchrun) before building the manager"
+            )
+        group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
+        # The group a restore's peer fetches use (a separate stream of messages).
+        self.restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
+        rank = dist.get_rank(group)
+        nodes: list[int] = gather_objects(this_node(rank), group)
+        self.peers = PeerGroup(group, rank, tuple(nodes))
+        if copies > self.peers.node_count:
+            raise ConfigError(
+                f"peer_copies={copies} needs at least {copies} nodes, this job has"
+                f" {self.peers.node_count} (a rank's node is GROUP_RANK, else rank //"
+                " LOCAL_WORLD_SIZE): lower peer_copies"
+            )
+        self.copies, self.local, self.remote = copies, writer.backend, writer.commit_backend
+        node_options = getattr(writer, "node_options", None)  # a node-local writer's
+        self.keep = None if node_options is None else node_options.keep_node_caches
+        # One copy at a time, in commit order, off the manager's thread.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-peer-copies")
+        self._broken: BaseException | None = None
+
+    def copy(self, name: str, report: Report) -> Future[list[str]]:
+        """Copy ``name``'s node caches to peers in the background (after those queued before).
+
+        ``report(name, error)`` runs first when it is done (``error``: a
+        :class:`~dcp_safe.errors.PeerCopyError`, or ``None``); the future then resolves with
+        the peer copies committed on this rank, or that error.
+        """
+        return self._pool.submit(self._run, name, report)
+
+    def _run(self, name: str, report: Report) -> list[str]:
+        error: BaseException | None = None
+        try:
+            return self._copy(name)
+        except BaseException as exc:  # reported and handed to the future, never lost
+            error = exc
+            raise
+        finally:
+            try:
+                report(name, error)
+            except Exception:  # the report is bookkeeping: log it, resolve the future anyway
+                log.exception("dcp_safe: reporting the peer copy of %s failed", name)
+
+    def _copy(self, name: str) -> list[str]:
+        if self._broken is not None:
+            raise PeerCopyError(
+                name, {self.peers.rank: f"the peer group failed earlier ({self._broken})"}
+            )
+        try:
+            return copy_to_peers(
+                name,
+                peers=self.peers,
+                copies=self.copies,
+                local=self.local,
+                remote=self.remote,
+                keep=self.keep,
+            )
+        except PeerCopyError:
+            raise
+        except Exception as exc:
+            if is_group_failure(exc):  # a gloo group with a dead member cannot be used again
+                self._broken = exc
+                discard_group(self.peers.group, destroy=False)
+            raise PeerCopyError(name, {self.peers.rank: f"{type(exc).__name__}: {exc}"}) from exc
