@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -85,31 +86,22 @@ class SafeStorageReader(StorageReader):
         thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
             called from one thread at a time.
         load_budget_bytes: the most transient host bytes the reads hold at once beyond the
-            target state: an item's stored bytes read before they are copied into its tensor,
-            its decompressed copy, a tensor built to be narrowed or copied to another device
-            (plain CPU tensors loaded whole are read straight into the target and hold almost
-            nothing). Each item is admitted, in arrival order, at a cost stated before it is
-            read; one that costs more than the whole budget is admitted alone, so a small
-            budget (even 1) slows a load down but never deadlocks it, and that item's bytes
-            are then the bound. ``None`` (the default): no bound. What was held:
-            :meth:`memory_stats`.
+            target state (:class:`~dcp_safe.reading.budget.LoadBudget`; an item costing more
+            is admitted alone, so a small budget slows a load but never deadlocks it). ``None``:
+            no bound. What was held: :meth:`memory_stats`.
         node_cache: this node's local root (``NodeLocalWriter``'s ``root``): each file is read
-            from this node's cache of the checkpoint where it holds the remote's very save,
-            every item verified whatever ``verify`` says, and from the remote otherwise (a bad
-            cache never fails a load the remote can serve). Give every rank its own node's.
+            from this node's cache where it holds the remote's very save, every item verified,
+            and from the remote otherwise (a bad cache never fails a load the remote can serve).
             Where each file came from, and why a copy was passed by: :meth:`stats`.
         peers: also read other nodes' files from peer copies (after this node's cache, before
-            the remote); ``read_data`` is then a collective on ``process_group``
-            (:mod:`dcp_safe.reading.peers`). Needs ``node_cache``.
-        process_group: the group peer fetches travel on (its timeout is their deadline);
-            default: dcp_safe's own group for them.
-        peer_chunk_bytes: bytes per peer message.
+            the remote); ``read_data`` is then a collective on ``process_group`` (default:
+            dcp_safe's own group; its timeout is the deadline). Needs ``node_cache``.
 
     Raises:
         ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
             bad key, ``thread_count`` below 1, ``load_budget_bytes`` not a positive int, or
             ``peers`` without ``node_cache``; a keyword that moved into a root
-            (``fallback_storage_options=``: ``fallback=Root(url, storage_options=...)``).
+            (:data:`~dcp_safe.adapters.options.READER_MOVED`).
     """
 
     def __init__(
@@ -399,19 +391,14 @@ class SafeStorageReader(StorageReader):
 
     def _again(self, rel: str, label: str, record: ItemRecord) -> Callable[[], bytearray]:
         """Read an item again on a fresh stream of the remote, within the retry policy."""
-        path, fresh = self._remote.backend.full_path(rel), self._raw_from(self._remote.backend)
-        return lambda: call_with_retries(
-            "read", path, lambda: fresh(rel, label, record), self.retry
-        )
+        remote = self._remote.backend
+        fresh = functools.partial(self._raw, remote, rel, label, record)
+        return lambda: call_with_retries("read", remote.full_path(rel), fresh, self.retry)
 
-    def _raw_from(self, backend: Backend) -> Callable[[str, str, ItemRecord], bytearray]:
-        """A reader of one item's stored bytes from ``backend``, on a fresh stream."""
-
-        def read(rel: str, label: str, record: ItemRecord) -> bytearray:
-            with backend.open_read(rel) as stream:
-                return self._items.read_raw(stream, backend.full_path(rel), label, record)
-
-        return read
+    def _raw(self, backend: Backend, rel: str, label: str, record: ItemRecord) -> bytearray:
+        """One item's stored bytes from ``backend``, on a fresh stream."""
+        with backend.open_read(rel) as stream:
+            return self._items.read_raw(stream, backend.full_path(rel), label, record)
 
     def _record_for(self, path: str, request: ReadItem) -> tuple[str, ItemRecord]:
         assert self._manifest is not None and self._metadata is not None
@@ -445,10 +432,9 @@ class SafeStorageReader(StorageReader):
             raise cause
         path = self._remote.backend.full_path(rel)
         label, record = self._record_for(path, request)
-        raw_from = self._raw_from(spare)
 
         def read() -> bytearray:
-            raw = raw_from(rel, label, record)
+            raw = self._raw(spare, rel, label, record)
             with self._lock:
                 self.items_from_fallback += 1
             return raw

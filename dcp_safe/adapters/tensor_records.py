@@ -24,7 +24,6 @@ import hashlib
 import io
 import math
 import struct
-import threading
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -91,10 +90,11 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class TorchFileFormat:
-    """What torch's writer puts in every tensor stream, learnt from the running torch."""
+    """What torch's writer puts in every tensor stream, learnt from the running torch: the
+    records' folder name, each record's name and constant content (in order), the alignment."""
 
-    archive: str  # the records' folder name
-    records: tuple[tuple[str, bytes | None], ...]  # name and constant content, in order
+    archive: str
+    records: tuple[tuple[str, bytes | None], ...]
     alignment: int
 
 
@@ -211,26 +211,15 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
     return TensorLayout(bytes(head), payload, bytes(tail), id_at)
 
 
-_layouts: dict[tuple[torch.dtype, tuple[int, ...]], TensorLayout | None] = {}
-_lock = threading.Lock()
-
-
+@functools.lru_cache(maxsize=65536)  # shapes come from models: few, but bound it anyway
 def layout_for(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
     """The stored form of a contiguous tensor of ``dtype`` and ``shape``, or ``None`` when
     only ``torch.save`` itself may write it (an unusual dtype, empty, over 4 GiB, another
     torch)."""
     # A torch.Size finds the entry of the equal tuple; only a miss pays for the conversion
     # (the pickle must name a tuple, as Tensor.__reduce_ex__ does, not a torch.Size).
-    found = _layouts.get((dtype, shape), False)
-    if found is not False:
-        return found  # type: ignore[return-value]
     shape = tuple(int(size) for size in shape)
-    layout = _build(dtype, shape) if _agrees_with_torch(dtype) else None
-    with _lock:
-        if len(_layouts) > 65536:  # shapes come from models: few, but bound it anyway
-            _layouts.clear()
-        _layouts[(dtype, shape)] = layout
-    return layout
+    return _build(dtype, shape) if _agrees_with_torch(dtype) else None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -277,9 +266,7 @@ def minimal_cpu_tensor(data: Any) -> torch.Tensor:
     """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
     if not isinstance(data, torch.Tensor):
         raise ConfigError(f"planner resolved a tensor item to {type(data).__name__}")
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+    tensor = data.detach().cpu()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
