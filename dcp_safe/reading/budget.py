@@ -44,15 +44,15 @@ class Admission:
     """One item's place in the budget: ``count`` what it allocates."""
 
     def __init__(self, budget: LoadBudget) -> None:
-        self._budget = budget
-        self.held = 0
-        self.counted = 0  # 1 once it has held anything
+        self._budget, self.held, self.counted = budget, 0, 0  # counted: 1 once it held any
 
     def count(self, nbytes: int) -> None:
         """``nbytes`` more held by this item (a buffer about to be, or just, allocated)."""
-        self.held += nbytes
-        self.counted = 1
-        self._budget._moved(nbytes, self.held)
+        budget, self.held, self.counted = self._budget, self.held + nbytes, 1
+        with budget._cond:
+            budget._held += nbytes
+            budget._peak = max(budget._peak, budget._held)
+            budget._largest = max(budget._largest, self.held)
 
 
 class LoadBudget:
@@ -73,11 +73,8 @@ class LoadBudget:
         self.budget_bytes = budget_bytes
         self._cond = threading.Condition()
         self._reserved = 0  # the admitted items' stated costs
-        self._waiting: collections.deque[object] = collections.deque()
-        self._held = 0
-        self._peak = 0
-        self._largest = 0
-        self._items = 0
+        self._waiting: collections.deque[object] = collections.deque()  # tickets, in order
+        self._held = self._peak = self._largest = self._items = 0
 
     def reset_stats(self) -> None:
         with self._cond:
@@ -122,9 +119,3 @@ class LoadBudget:
         if self._waiting[0] is not ticket:
             return False
         return self._reserved == 0 or self._reserved + cost <= self.budget_bytes
-
-    def _moved(self, delta: int, item_held: int) -> None:
-        with self._cond:
-            self._held += delta
-            self._peak = max(self._peak, self._held)
-            self._largest = max(self._largest, item_held)

@@ -60,15 +60,9 @@ class CopyFailed(Exception):
 
 class ItemReader:
     """Reads items for one reader: ``lock`` guards its planner and counters (files are read on
-    several threads), ``budget`` bounds its transient memory.
-
-    Attributes:
-        bytes_read, items_read: stored bytes and items asked for since :meth:`reset` (each
-            item's stored length once, or the blocks of it a partial read used; whatever
-            source served it; a retry is not counted again).
-        hash_pool: set by the reader while it reads: hashes a large item's chunk while the
-            next is read.
-    """
+    several threads), ``budget`` bounds its transient memory. ``bytes_read`` and ``items_read``:
+    the reader's (``SafeStorageReader.bytes_read``); ``hash_pool``: set by the reader while it
+    reads, hashes a large item's chunk while the next is read."""
 
     def __init__(
         self,
@@ -136,7 +130,6 @@ class ItemReader:
         request: ReadItem,
         planner: LoadPlanner,
     ) -> None:
-        """Admit the item whole, ``read`` its verified stored bytes, decode and hand them over."""
         self._load_whole(_Item(path, label, record, request, planner), read)
 
     def read_raw(
@@ -254,11 +247,8 @@ class ItemReader:
     def _hand_over(
         self, tensor: torch.Tensor, item: _Item, target: torch.Tensor | None = None
     ) -> None:
-        """Copy ``tensor`` (the request's region) into its target and commit it to the planner.
-
-        Raises:
-            CheckpointCorruptError: the region's shape is not the target's.
-        """
+        """Copy ``tensor`` (the request's region) into its target and commit it to the planner
+        (CheckpointCorruptError: the region's shape is not the target's)."""
         if target is None:
             tensor = _narrowed(tensor, item.request)
             with self.lock:

@@ -69,16 +69,10 @@ _PEER = ReadSource.PEER
 
 
 class PeerSource(Source):
-    """Peer copies of other nodes' files, on this node's disk or fetched from the ranks holding
-    them.
-
-    Args:
-        cache: this node's cache source (its disk holds the peer copies and the fetched files).
-        process_group: the group peer fetches travel on (its timeout is their deadline);
-            default: dcp_safe's own group for them (created at the first ``prepare`` on every
-            rank; none in a single process, which reads peer copies on its disk only).
-        chunk_bytes: bytes per message.
-    """
+    """Peer copies of other nodes' files, on this node's disk (that of ``cache``, which also
+    holds the fetched files) or fetched from the ranks holding them, on ``process_group`` (its
+    timeout is their deadline; default: dcp_safe's own, made at the first ``prepare`` on every
+    rank; none in a single process, which reads peer copies on its disk only)."""
 
     kind = _PEER
 
@@ -91,14 +85,13 @@ class PeerSource(Source):
         self.cache, self.disk = cache, cache.backend
         self._group = process_group
         self.chunk_bytes = chunk_bytes
-        self._name: str | None = None
-        self._manifest: Manifest | None = None
+        self._opened: tuple[str, Manifest] | None = None
         self._log = SourceLog()
         self._scratch: str | None = None
         self._peer_sources: dict[str, _Source] = {}  # file -> where it is read from
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        self._name, self._manifest = name, manifest
+        self._opened = (name, manifest)
 
     def prepare(self, files: set[str], log: SourceLog) -> None:
         """Fetch what this node lacks from peers: a collective on every rank."""
@@ -129,8 +122,8 @@ class PeerSource(Source):
     # ----------------------------------------------------------------- sources
 
     def _require(self) -> tuple[str, Manifest]:
-        assert self._name is not None and self._manifest is not None
-        return self._name, self._manifest
+        assert self._opened is not None
+        return self._opened
 
     def _offers(self, held: dict[str, int]) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
@@ -151,8 +144,7 @@ class PeerSource(Source):
         return dict(reversed(found))  # the first found of each file
 
     def _sizes(self, folder: str) -> dict[str, int]:
-        """The shard files directly in ``folder`` on this node's disk that have their recorded
-        size."""
+        """The files directly in ``folder`` on this node's disk at their recorded size."""
         _, manifest = self._require()
         try:
             sizes = self.disk.sizes(folder)

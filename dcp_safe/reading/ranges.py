@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from dcp_safe.adapters.tensor_records import layout_for, tensor_bytes
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.blocks import BlockDigests
-from dcp_safe.manifest.checksum import new_hasher
+from dcp_safe.manifest.checksum import digest_bytes
 from dcp_safe.manifest.schema import ItemRecord
 from dcp_safe.manifest.streams import check_digest, read_fully, short_read
 
@@ -48,15 +48,10 @@ _PIECE_BLOCKS = 4
 
 @dataclass(frozen=True)
 class RangePlan:
-    """What to read for one request.
-
-    Attributes:
-        runs: ``(start, nbytes)`` of each run of the region in the tensor's data, in the
-            region's C order (so the runs, concatenated, are the region's contiguous bytes).
-        spans: ``[first, end)`` block indices to read, ascending, coalesced.
-        read_bytes: the data bytes the spans cover (what is read).
-        buffer_bytes: the largest piece read at once (what the read holds beyond its target).
-    """
+    """What to read for one request: the region's ``runs`` in the tensor's data, ``(start,
+    nbytes)`` in its C order (concatenated, the region's bytes); the ``spans`` of blocks to read,
+    ``[first, end)``, ascending and coalesced; the ``read_bytes`` they cover; the largest piece
+    read at once, ``buffer_bytes`` (what the read holds beyond its target)."""
 
     runs: tuple[tuple[int, int], ...]
     spans: tuple[tuple[int, int], ...]
@@ -174,10 +169,9 @@ def read_runs(
             if algorithm is not None:
                 for block in range(piece, last + 1):
                     block_lo, block_hi = blocks.span(block)  # not ``end``: the span's
-                    hasher = new_hasher(algorithm, size_hint=block_hi - block_lo)
-                    hasher.update(view[block_lo - lo : block_hi - lo])
+                    actual = digest_bytes(view[block_lo - lo : block_hi - lo], algorithm)
                     expected = f"{algorithm}:{blocks.digests[block]}"
-                    check_digest(path, item, expected, hasher, block=block)
+                    check_digest(path, item, expected, actual, block=block)
             for start, nbytes in plan.runs[run:]:
                 if start >= hi:
                     break

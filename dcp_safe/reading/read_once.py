@@ -32,12 +32,9 @@ BATCH_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class Transfer:
-    """Entries ``owner`` read and sends, in this order, to each of ``dests``.
-
-    Attributes:
-        tag: unique within one load, the same on every rank: it pairs sends with receives.
-        objects: the entries are objects (sent pickled, all of them at once), not tensors.
-    """
+    """Entries ``owner`` read and sends, in this order, to each of ``dests``; ``tag`` pairs
+    sends with receives (unique within one load, the same on every rank); ``objects``: the
+    entries are objects (sent pickled, all at once), not tensors."""
 
     tag: int
     owner: int
@@ -48,15 +45,11 @@ class Transfer:
 
 @dataclass
 class ReadOncePlan(LoadPlan):
-    """A load plan that knows which entries travel between ranks.
-
-    Attributes:
-        dtypes: the local plan's destination dtype per item (``None`` for an object).
-        items_digest: :func:`items_digest` of the items ``dtypes`` describe: a planner subclass
-            that edits the items of this plan leaves them undescribed, and nothing is shared.
-        transfers: after the global plan, the transfers this rank sends or receives.
-        share: whether the coordinator shared entries at all (the same on every rank).
-    """
+    """A load plan that knows which entries travel between ranks: ``dtypes``, the destination
+    dtype per item (``None``: an object); ``items_digest`` of the items they describe (a planner
+    subclass that edits the items leaves them undescribed, and nothing is shared); after the
+    global plan, the ``transfers`` this rank takes part in, and whether entries were ``share``d
+    at all (the same on every rank)."""
 
     dtypes: list[str | None] = field(default_factory=list)
     items_digest: int = 0
@@ -80,8 +73,8 @@ def item_nbytes(item: ReadItem, dtype: str | None) -> int:
     """The bytes of a tensor item's destination region (``0`` for an object)."""
     if item.type == LoadItemType.BYTE_IO or dtype is None:
         return 0
-    element = torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
-    return math.prod(item.lengths) * element
+    itemsize: int = getattr(torch, dtype.removeprefix("torch.")).itemsize
+    return math.prod(item.lengths) * itemsize
 
 
 def _identity(item: ReadItem, dtype: str | None) -> Hashable:
@@ -101,13 +94,8 @@ def _identity(item: ReadItem, dtype: str | None) -> Hashable:
 
 
 def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]) -> list[LoadPlan]:
-    """Every rank's plan with each shared entry kept by its owner only, and its transfers.
-
-    Args:
-        plans: every rank's local plan, in rank order (``ReadOncePlan`` each, else returned
-            unchanged).
-        read_bytes: what reading an item from storage costs, in bytes.
-    """
+    """Every rank's plan (in rank order; unchanged unless each is a ``ReadOncePlan``) with each
+    shared entry kept by its owner only, and its transfers; ``read_bytes``: an item's cost."""
     local = [p for p in plans if isinstance(p, ReadOncePlan) and _described(p)]
     if len(plans) < 2 or len(local) != len(plans):
         return list(plans)

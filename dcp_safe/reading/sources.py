@@ -107,10 +107,8 @@ class Rejected(Exception):
 
 
 class SourceLog:
-    """What the sources did since ``reset``: files and bytes each delivered, every rejection.
-
-    Shared by the reader's threads.
-    """
+    """What the sources did since ``reset`` (files and bytes each delivered, every rejection),
+    shared by the reader's threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -121,7 +119,6 @@ class SourceLog:
     def reject(
         self, file_name: str | None, reason: RejectionReason, detail: str, source: ReadSource
     ) -> None:
-        """Record and log that ``source`` (or its ``file_name``) was passed by."""
         with self._lock:
             self._rejections.append(CacheRejection(file_name, reason, detail, source))
         quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
@@ -135,16 +132,15 @@ class SourceLog:
         )
 
     def reject_file(self, file_name: str, path: str, exc: Exception, source: ReadSource) -> None:
-        """Record why reading ``file_name`` (at ``path``) from ``source`` failed with ``exc``."""
         if isinstance(exc, Rejected):
-            self.reject(file_name, exc.reason, exc.detail, source)
+            reason, detail = exc.reason, exc.detail
         elif isinstance(exc, FileNotFoundError):
-            self.reject(file_name, RejectionReason.MISSING, path, source)
+            reason, detail = RejectionReason.MISSING, path
         elif isinstance(exc, CheckpointCorruptError):
-            self.reject(file_name, RejectionReason.CHECKSUM, str(exc), source)
+            reason, detail = RejectionReason.CHECKSUM, str(exc)
         else:
-            detail = f"{type(exc).__name__}: {exc}"
-            self.reject(file_name, RejectionReason.UNREADABLE, detail, source)
+            reason, detail = RejectionReason.UNREADABLE, f"{type(exc).__name__}: {exc}"
+        self.reject(file_name, reason, detail, source)
 
     def count(self, source: ReadSource, stored_bytes: int, *, finished: bool) -> None:
         """``source`` delivered ``stored_bytes`` of a file (all that was left: ``finished``)."""
@@ -177,7 +173,6 @@ class Source:
         self.name: str | None = None  # the checkpoint, once the copy is known to be its own
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        """Check the copy of ``name`` is the remote's ``manifest``; log a rejection if not."""
         self.name = name
 
     def prepare(self, files: set[str], log: SourceLog) -> None:
@@ -192,8 +187,7 @@ class Source:
 
 
 class RemoteSource(Source):
-    """The one complete copy, read last: the root (or the fallback) ``reset`` chose and
-    checked."""
+    """The one complete copy, read last: the root (or fallback) ``reset`` chose and checked."""
 
     kind = ReadSource.REMOTE
 
@@ -204,12 +198,10 @@ class NodeCacheSource(Source):
     kind = ReadSource.NODE_CACHE
 
     @property
-    def path(self) -> str | None:
-        """The node cache in use, or ``None`` when it was missing or ignored."""
+    def path(self) -> str | None:  # None: missing or ignored
         return None if self.name is None else self.backend.full_path(self.name)
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        """Use this node's cache only where it holds the remote's very save (else log why)."""
         self.name = None
         try:
             cached = open_node_cache(self.backend, name)
