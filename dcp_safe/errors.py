@@ -104,11 +104,7 @@ class ConfigError(DcpSafeError, ValueError):
 
 
 class InvalidCheckpointNameError(ConfigError):
-    """A checkpoint name that could escape its root or hide itself.
-
-    Attributes:
-        name: the rejected name.
-    """
+    """A checkpoint name that could escape its root or hide itself (``name``)."""
 
     def __init__(self, name: object, reason: str) -> None:
         super().__init__(
@@ -141,14 +137,8 @@ class CheckpointNotFoundError(DcpSafeError, FileNotFoundError):
 
 
 class CheckpointCorruptError(DcpSafeError, ValueError):
-    """Stored bytes do not match what the manifest promised.
-
-    Attributes:
-        path: the file that failed.
-        item: the state-dict item (fully qualified name and offset), when one is involved.
-        expected: the checksum, digest or size the manifest records.
-        actual: what was found.
-    """
+    """Stored bytes (``path``; ``item``, its fully qualified name and offset, where one is
+    involved) do not match what the manifest promised (``expected``; ``actual`` was found)."""
 
     def __init__(
         self,
@@ -166,10 +156,7 @@ class CheckpointCorruptError(DcpSafeError, ValueError):
             else ""
         )
         super().__init__(f"corrupt checkpoint data in {where}: {shown(reason)}{detail}")
-        self.path = path
-        self.item = item
-        self.expected = expected
-        self.actual = actual
+        self.path, self.item, self.expected, self.actual = path, item, expected, actual
 
 
 class UnsafeCheckpointError(CheckpointCorruptError):
@@ -229,11 +216,8 @@ class UnsignedCheckpointError(SignatureError):
 
 
 class CommitError(DcpSafeError):
-    """A save failed on one or more ranks, so nothing was published.
-
-    Attributes:
-        failures: the failing ranks, each with a one-line description of its error.
-    """
+    """A save failed on one or more ranks, so nothing was published; ``failures``: each failing
+    rank with a one-line description of its error."""
 
     def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
         self.failures: dict[int, str] = dict(failures or {})
@@ -257,31 +241,20 @@ class WorkerDiedError(CommitError):
 
 
 class WorkerError(CommitError):
-    """The checkpoint worker failed with an error that could not be sent back as it was.
-
-    Attributes:
-        type_name: the original error's class name.
-        worker_traceback: its traceback in the worker, as text.
-    """
+    """The checkpoint worker failed with an error that could not be sent back as it was (its
+    class name ``type_name``, its ``worker_traceback`` as text)."""
 
     def __init__(self, type_name: str, message: str, worker_traceback: str = "") -> None:
         super().__init__(f"the checkpoint worker failed with {type_name}: {message}")
-        self.type_name = type_name
-        self.worker_traceback = worker_traceback
+        self.type_name, self.worker_traceback = type_name, worker_traceback
 
 
 class StorageError(DcpSafeError, OSError):
-    """An I/O operation failed.
-
-    Attributes:
-        operation: what was being done ("write", "rename", "fsync", ...).
-        path: the file, directory or object involved.
-    """
+    """An I/O ``operation`` ("write", "rename", "fsync", ...) failed on ``path``."""
 
     def __init__(self, operation: str, path: str, cause: BaseException | str) -> None:
         super().__init__(f"{operation} failed for {shown(path)}: {shown(cause)}")
-        self.operation = operation
-        self.path = path
+        self.operation, self.path = operation, path
 
 
 class BudgetExceededError(DcpSafeError):
@@ -290,12 +263,8 @@ class BudgetExceededError(DcpSafeError):
 
 class SnapshotMutatedError(DcpSafeError):
     """Source tensors changed in place (or were resized or freed) while a save staged them;
-    nothing was published. See docs/staging.md, "A snapshot of one moment".
-
-    Attributes:
-        fqns: the changed tensors' paths in the state dict.
-        rank: the rank whose state changed (``None`` in a single process).
-    """
+    nothing was published (``fqns``: the changed tensors; ``rank``: whose, ``None`` in a single
+    process). See docs/staging.md, "A snapshot of one moment"."""
 
     def __init__(self, fqns: list[str] | tuple[str, ...], *, rank: int | None = None) -> None:
         self.fqns: tuple[str, ...] = tuple(fqns)
@@ -316,11 +285,8 @@ class SnapshotMutatedError(DcpSafeError):
 class DivergentStateError(DcpSafeError, ValueError):
     """Ranks saved different values under one key, which DCP would keep only one copy of.
 
-    Raised on every rank, at planning, before anything is written.
-
-    Attributes:
-        keys: each differing key (as DCP flattens it) -> the ranks grouped by equal value.
-    """
+    Raised on every rank, at planning, before anything is written. ``keys``: each differing key
+    (as DCP flattens it) -> the ranks grouped by equal value."""
 
     def __init__(self, keys: Mapping[str, list[list[int]]]) -> None:
         self.keys = {k: [list(g) for g in groups] for k, groups in keys.items()}
@@ -343,18 +309,11 @@ class DivergentStateError(DcpSafeError, ValueError):
 
 
 class PerRankStateError(DcpSafeError, ValueError):
-    """Per-rank entries restore only onto the world size that saved them.
-
-    Attributes:
-        key: the entry.
-        saved_ranks: the ranks that saved their own value of it.
-        world_size: this job's world size.
-    """
+    """Per-rank entry ``key`` (saved by ``saved_ranks``) restores only onto the world size that
+    saved it, not this job's ``world_size``."""
 
     def __init__(self, key: str, *, saved_ranks: list[int], world_size: int) -> None:
-        self.key = key
-        self.saved_ranks = list(saved_ranks)
-        self.world_size = world_size
+        self.key, self.saved_ranks, self.world_size = key, list(saved_ranks), world_size
         super().__init__(
             f"{key!r} was saved per rank by {len(saved_ranks)} ranks and this job has"
             f" {world_size}: each rank restores its own value only on the world size that"
@@ -364,11 +323,8 @@ class PerRankStateError(DcpSafeError, ValueError):
 
 
 class MissingKeysError(DcpSafeError, LookupError):
-    """Keys asked for are not in the checkpoint (pass ``allow_partial=True`` to leave them).
-
-    Attributes:
-        keys: the missing keys, as DCP flattens them.
-    """
+    """Keys asked for (``keys``, as DCP flattens them) are not in the checkpoint (pass
+    ``allow_partial=True`` to leave them)."""
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = list(keys)
@@ -386,11 +342,8 @@ class RollbackUnavailableError(DcpSafeError, LookupError):
 
 
 class RestoreMismatchError(DcpSafeError, ValueError):
-    """After a load, the live state differs from the fingerprints recorded when it was saved.
-
-    Attributes:
-        mismatches: (key, block, ranks holding that block) for each differing block.
-    """
+    """After a load, the live state differs from the fingerprints recorded when it was saved
+    (``mismatches``: key, block and the ranks holding it, for each differing block)."""
 
     def __init__(self, checkpoint: str, mismatches: list[tuple[str, int, list[int]]]) -> None:
         self.checkpoint = checkpoint
@@ -412,20 +365,15 @@ class AdmissionTimeoutError(DcpSafeError, TimeoutError):
 
 
 class ReplicationSkippedError(DcpSafeError):
-    """A pending replication was dropped because a newer checkpoint was submitted.
-
-    Attributes:
-        name: the checkpoint that was not replicated.
-        superseded_by: the newer checkpoint that replaced it in the queue.
-    """
+    """Pending replication ``name`` was dropped: newer checkpoint ``superseded_by`` replaced it
+    in the queue."""
 
     def __init__(self, name: str, superseded_by: str) -> None:
         super().__init__(
             f"replication of {name!r} was skipped: {superseded_by!r} was submitted before it "
             "started, and only the newest pending checkpoint is replicated"
         )
-        self.name = name
-        self.superseded_by = superseded_by
+        self.name, self.superseded_by = name, superseded_by
 
 
 class ReplicationTimeoutError(DcpSafeError, TimeoutError):
@@ -439,12 +387,8 @@ class UploadTimeoutError(CommitError, ReplicationTimeoutError):
 class PeerCopyError(DcpSafeError):
     """Copying a committed checkpoint's node caches to other nodes (the peer tier) failed.
 
-    The checkpoint itself is committed on the remote and unaffected; a restore reads what a
-    missing peer copy would have held from the remote instead.
-
-    Attributes:
-        name: the checkpoint whose peer copies are incomplete.
-        failures: the ranks that failed, each with a one-line description of its error.
+    Checkpoint ``name`` itself is committed on the remote and unaffected; a restore reads what
+    a missing peer copy would have held from the remote instead. ``failures``: as CommitError's.
     """
 
     def __init__(self, name: str, failures: Mapping[int, str]) -> None:
@@ -465,11 +409,8 @@ class DrainTimeoutError(DcpSafeError, TimeoutError):
 class LoadError(DcpSafeError):
     """A load failed on one or more ranks (DCP's planner or reader raised), the cause first.
 
-    The checkpoint itself is untouched; the target state may be partly loaded.
-
-    Attributes:
-        checkpoint: what was being loaded.
-        failures: the failing ranks, each with a one-line description of its error.
+    The ``checkpoint`` itself is untouched; the target state may be partly loaded.
+    ``failures``: as CommitError's.
     """
 
     def __init__(self, checkpoint: str, failures: Mapping[int, str]) -> None:
@@ -484,7 +425,8 @@ class LoadError(DcpSafeError):
         )
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """``Type: message``: how one rank's error reads in a ``failures`` map or a marker."""
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -506,11 +448,11 @@ def from_checkpoint_exception(exc: BaseException) -> BaseException:
         first.__cause__ = exc
         return first
     if len(kinds) == 1 and isinstance(first, CommitError):
-        merged = dict(first.failures) or {min(errors): _describe(first)}
+        merged = dict(first.failures) or {min(errors): describe(first)}
         error: CommitError = type(first)("save was not published", merged)
     else:
         error = CommitError(
-            "save was not published", {rank: _describe(e) for rank, e in errors.items()}
+            "save was not published", {rank: describe(e) for rank, e in errors.items()}
         )
     error.__cause__ = exc
     return error

@@ -51,6 +51,7 @@ from dcp_safe.errors import (
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
+    describe,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes, format_checksum, new_hasher
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
@@ -189,7 +190,7 @@ class SafeStorage(Storage):
                 publication.claim()
                 outcome = (save_id, None)
             except Exception as exc:
-                outcome = (save_id, f"{type(exc).__name__}: {exc}")
+                outcome = (save_id, describe(exc))
                 if group is None:
                     raise
                 self.collective(group, broadcast_object, outcome)
@@ -260,7 +261,7 @@ class SafeStorage(Storage):
         with self._lock:
             if save.failure is not None:
                 return
-            save.failure = f"{type(exc).__name__}: {exc}"
+            save.failure = describe(exc)
         save.publication.abandon(list(save.files), shared=save.group is not None)
 
     # -------------------------------------------------------------------- reading
@@ -571,7 +572,7 @@ def _finalize(args: CallbackArgs) -> None:
             try:
                 _publish(storage, name, save)
             except Exception as exc:
-                failure = f"{type(exc).__name__}: {exc}"
+                failure = describe(exc)
                 if group is None:
                     raise
         if group is not None:

@@ -28,7 +28,7 @@ from dcp_safe.coordination.group import (
     is_collective_failure,
 )
 from dcp_safe.coordination.groups import POLICY, ManagerGroups
-from dcp_safe.errors import CommitError, ConfigError, DcpSafeError
+from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, describe
 
 T = TypeVar("T")
 
@@ -251,7 +251,7 @@ def _portable(error: BaseException) -> str:
     try:
         return pickle.dumps(error).hex()
     except Exception:
-        return pickle.dumps(DcpSafeError(f"{type(error).__name__}: {error}")).hex()
+        return pickle.dumps(DcpSafeError(describe(error))).hex()
 
 
 def _restored(blob: str, rank: int) -> BaseException:

@@ -26,7 +26,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import read_marked_manifest
 from dcp_safe.checkpoints.node_cache import commit_peer_copy, open_node_cache, prune_peer_copies
 from dcp_safe.coordination.group import gather_objects
-from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError
+from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError, describe
 from dcp_safe.manifest.schema import FileRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
@@ -92,7 +92,7 @@ def copy_to_peers(
         try:
             offer = _offer(local, name)
         except (DcpSafeError, OSError) as exc:
-            failed = f"node {peers.node} offered nothing: {type(exc).__name__}: {exc}"
+            failed = f"node {peers.node} offered nothing: {describe(exc)}"
     offers = gather_objects((offer, failed), peers.group)
     transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
     landed, errors = _exchange(name, transfers, peers, local, remote, chunk_bytes)
@@ -100,7 +100,7 @@ def copy_to_peers(
         try:
             prune_peer_copies(local, keep)
         except OSError as exc:  # reported with the outcomes: every rank must reach the gather
-            errors.append(f"pruning peer copies: {type(exc).__name__}: {exc}")
+            errors.append(f"pruning peer copies: {describe(exc)}")
     outcomes = gather_objects("; ".join(errors) or None, peers.group)
     failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
     failures |= {rank: why for rank, why in enumerate(outcomes) if why}
@@ -176,7 +176,7 @@ def _receive_copy(
             by_file = items_by_file(local.full_path(name), manifest)
         local.makedirs(f"{partial}/{layout.RANKS_DIR}")
     except (CheckpointCorruptError, OSError) as exc:  # every file is still received, dropped
-        failure = failure or f"{type(exc).__name__}: {exc}"
+        failure = failure or describe(exc)
     for path, size in transfer.files:
         record = None if manifest is None else manifest.file(path)
         if record is None or record.size != size:  # another save's offer: land it nowhere
@@ -216,5 +216,5 @@ def _committed_manifest(local: Backend, remote: Backend, name: str) -> bytes | s
         try:
             return read_marked_manifest(backend, name, marker, kind, backend.full_path(name))[0]
         except (OSError, CheckpointCorruptError) as exc:
-            why = f"no committed manifest of {name}: {type(exc).__name__}: {exc}"
+            why = f"no committed manifest of {name}: {describe(exc)}"
     return why

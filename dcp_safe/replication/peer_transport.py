@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_safe.backends.backend import Backend
-from dcp_safe.errors import CheckpointCorruptError
+from dcp_safe.errors import CheckpointCorruptError, describe
 from dcp_safe.manifest.schema import FileRecord, ItemRecord
 from dcp_safe.manifest.verify import FileCheck
 
@@ -87,7 +87,7 @@ def send_file(
         try:
             stream = stack.enter_context(backend.open_read(rel))
         except (OSError, CheckpointCorruptError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe(exc)
         while sent < size:
             n = min(chunk_bytes, size - sent)
             if error is None:
@@ -173,5 +173,5 @@ def _read_into(stream: Any, view: Any, rel: str) -> str | None:
                 return f"{rel} is shorter than the manifest says"
             filled += got
     except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return describe(exc)
     return None

@@ -26,6 +26,7 @@ from dcp_safe.errors import (
     ReplicationSkippedError,
     ReplicationTimeoutError,
     UploadTimeoutError,
+    describe,
 )
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
@@ -39,11 +40,9 @@ T = TypeVar("T")
 class UploadOptions:
     """How long and how often the background steps of a per-rank upload wait.
 
-    Args:
-        remote_timeout_s: how long rank 0 waits for every rank's remote rank manifest (and a
-            rank for the local commit it uploads from); a rank waits twice this for the remote
-            commit, so that rank 0's verdict reaches it first.
-        chunk_bytes: bytes read and uploaded at a time, per file.
+    ``remote_timeout_s``: how long rank 0 waits for every rank's remote rank manifest (and a rank
+    for the local commit it uploads from); a rank waits twice this for the remote commit, so that
+    rank 0's verdict reaches it first. ``chunk_bytes``: read and uploaded at a time, per file.
     """
 
     remote_timeout_s: float = 1800.0
@@ -58,14 +57,9 @@ class UploadOptions:
             )
 
     def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
-        """Call ``check`` every ``poll_s`` until it returns something other than None, for at
-        most ``deadlines`` times ``remote_timeout_s`` (:func:`~dcp_safe.coordination.markers.poll`;
-        ``check`` raises to end the wait early).
-
-        Raises:
-            ReplicationTimeoutError: ``check`` still returned None at the deadline (the message
-                names ``waiting_for``).
-        """
+        """:func:`~dcp_safe.coordination.markers.poll` of ``check`` every ``poll_s``, for at most
+        ``deadlines`` times ``remote_timeout_s``; at the deadline, a ReplicationTimeoutError
+        naming ``waiting_for``."""
         timeout_s = deadlines * self.remote_timeout_s
         found = poll(check, timeout_s, pause_s=self.poll_s, max_pause_s=self.poll_s)
         if found is None:
@@ -73,30 +67,22 @@ class UploadOptions:
         return found
 
 
-# --------------------------------------------------------------------- uploading
-
-
 def upload_rank_part(
     copier: Copier, local_dir: str, work: str, rank: int, expected: FileRecord | None = None
 ) -> None:
     """Copy rank ``rank``'s files from ``local_dir`` to ``work``, verified; its manifest last.
 
-    The files are those its rank manifest lists; the remote rank manifest, written last, says
+    The files are those its rank manifest lists (whose bytes must match ``expected``, its record
+    in a committed checkpoint's manifest); the remote rank manifest, written last, says
     "arrived". Each remote path goes into ``copier.uploaded`` before it is written.
-
-    Args:
-        expected: the rank manifest's record in the checkpoint's manifest, when the part is
-            uploaded from a committed checkpoint: its bytes must match it.
 
     Raises:
         CheckpointCorruptError: a local file (or the rank manifest) does not match its record.
         StorageError: reading or writing failed.
     """
-    local, remote = copier.local, copier.remote
     rel = layout.rank_manifest_name(rank)
-    local_rel = f"{local_dir}/{rel}"
-    path = local.full_path(local_rel)
-    raw = local.read_small(local_rel, MANIFEST_MAX_BYTES)
+    path = copier.local.full_path(f"{local_dir}/{rel}")
+    raw = copier.local.read_small(f"{local_dir}/{rel}", MANIFEST_MAX_BYTES)
     if expected is not None:
         _check_bytes(path, raw, expected)
     manifest = RankManifest.from_json(raw, path)
@@ -105,7 +91,7 @@ def upload_rank_part(
     copier.copy_folder(local_dir, work, manifest.files, items_by_file(path, manifest), [rel])
     copier.before_each()
     copier.uploaded.append(f"{work}/{rel}")
-    remote.write_bytes(f"{work}/{rel}", raw)
+    copier.remote.write_bytes(f"{work}/{rel}", raw)
 
 
 def _check_bytes(path: str, data: bytes, record: FileRecord) -> None:
@@ -118,15 +104,12 @@ def _check_bytes(path: str, data: bytes, record: FileRecord) -> None:
     check.finish()
 
 
-# --------------------------------------------------------------------- markers
-
-
 def report_rank_failure(
     remote: Backend, work: str, rank: int, save_id: str, exc: BaseException
 ) -> None:
     """Best effort: tell the peers that ``rank`` failed; the caller re-raises ``exc``."""
     _write_marker(
-        remote, work, lambda: layout.rank_failure_marker_name(rank, save_id), _describe(exc)
+        remote, work, lambda: layout.rank_failure_marker_name(rank, save_id), describe(exc)
     )
 
 
@@ -142,17 +125,15 @@ def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseExc
 
     A failure that names ranks (:class:`CommitError`) is written with them, so that the peers
     name the same ranks rather than rank 0, which only reports it."""
-    text = _describe(exc)
+    text = describe(exc)
     if isinstance(exc, CommitError) and exc.failures:
         text = json.dumps({"error": text, "failures": exc.failures})
     _write_marker(remote, work, lambda: layout.commit_failure_marker_name(save_id), text)
 
 
 def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str) -> set[str]:
-    """Raise if a peer reported that save ``save_id`` of ``name`` failed or was skipped.
-
-    Returns:
-        The entries of ``W/_ranks`` (names, not paths), for the caller's own checks.
+    """Raise if a peer reported that save ``save_id`` of ``name`` failed or was skipped; else
+    the entries of ``W/_ranks`` (names, not paths), for the caller's own checks.
 
     Raises:
         CommitError: ranks failed (naming each), or rank 0's commit failed.
@@ -187,9 +168,6 @@ def _reported_failures(text: str) -> dict[int, str]:
             # Read from storage: keys must be ranks, values short text, nothing else.
             return {int(r): str(why)[:500] for r, why in failures.items() if str(r).isdigit()}
     return {0: text}
-
-
-# --------------------------------------------------------------------- waiting
 
 
 def await_arrivals(
@@ -237,14 +215,9 @@ def await_remote_commit(
     *,
     before: Callable[[], None] = lambda: None,
 ) -> Manifest:
-    """Wait, bounded by twice ``options.remote_timeout_s``, for ``name``'s remote commit.
-
-    Args:
-        before: called first on every poll; raises to end the wait (rank 0's own outcome,
-            when it runs in this very process).
-
-    Returns:
-        The remote manifest, once ``_COMMITTED`` names save ``save_id``.
+    """Wait, bounded by twice ``options.remote_timeout_s``, for ``name``'s remote commit: the
+    remote manifest, once ``_COMMITTED`` names save ``save_id``. ``before`` is called first on
+    every poll and raises to end the wait (rank 0's own outcome, run in this very process).
 
     Raises:
         CheckpointExistsError: another save committed ``name`` on the remote.
@@ -252,7 +225,6 @@ def await_remote_commit(
         ReplicationTimeoutError: nothing happened by the deadline (chained to the last storage
             error when the store was unavailable: a failed poll ends no wait on its own).
     """
-
     unavailable: list[OSError] = []
 
     def committed() -> Manifest | None:
@@ -281,9 +253,6 @@ def await_remote_commit(
         raise
 
 
-# --------------------------------------------------------------------- helpers
-
-
 def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[int, str]]:
     """The ``(rank, path under the work location)`` of each entry of ``_ranks/`` that is the
     marker ``name_for(rank)`` spells for its own rank, lowest rank first."""
@@ -293,10 +262,6 @@ def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[in
     except ValueError:
         return []  # a save id no file name can carry: no marker was ever written for it
     return [(rank, rel) for rank, rel in named if rel.rpartition("/")[2] in present]
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _write_marker(remote: Backend, work: str, name: Callable[[], str], text: str) -> None:

@@ -27,15 +27,12 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     ReplicationSkippedError,
+    describe,
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
-from dcp_safe.replication.copying import (
-    CheckpointCopy,
-    copy_buffer_bytes,
-    open_source,
-)
+from dcp_safe.replication.copying import CheckpointCopy, copy_buffer_bytes, open_source
 from dcp_safe.replication.engine import Job, UploadEngine
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
@@ -47,8 +44,6 @@ from dcp_safe.replication.rank_upload import (
     report_rank_skipped,
     upload_rank_part,
 )
-
-# --------------------------------------------------------------------- one checkpoint
 
 
 def replicate_checkpoint(
@@ -63,12 +58,8 @@ def replicate_checkpoint(
 
     Returns its manifest. Idempotent: nothing is copied when ``remote`` already holds ``name``
     committed with the same digest (its marker trusted, as every reader trusts it).
-
-    Args:
-        chunk_bytes: bytes read and handed to the remote file at a time (the memory a copy
-            holds: :func:`~dcp_safe.replication.copying.copy_buffer_bytes`).
-        claimant: this process's job attempt, as the remote lease records it (and what it may
-            take over: :mod:`dcp_safe.commit.lease`).
+    ``chunk_bytes`` bounds the memory a copy holds (:func:`.copying.copy_buffer_bytes`);
+    ``claimant`` is this process's job attempt, as the remote lease records it.
 
     Raises:
         CheckpointNotFoundError: ``name`` is not committed locally.
@@ -80,14 +71,10 @@ def replicate_checkpoint(
         StorageError: a remote (or local) I/O step failed, or an uploaded object is missing or
             of the wrong size; nothing is committed.
     """
-    name = layout.validate_name(name)
     replicator = Replicator(local, remote, chunk_bytes=chunk_bytes, claimant=claimant)
-    manifest = replicator._run_job(name)
+    manifest = replicator._run_job(layout.validate_name(name))
     assert isinstance(manifest, Manifest)  # a Replicator's job has no commit wait
     return manifest
-
-
-# --------------------------------------------------------------------- background
 
 
 class Replicator(UploadEngine):
@@ -97,9 +84,6 @@ class Replicator(UploadEngine):
     committed name, from any thread; results arrive through the returned futures; the owner
     calls :meth:`close` once at the end. Threads, coalescing to the newest name and errors are
     :class:`~dcp_safe.replication.engine.UploadEngine`'s.
-
-    Args:
-        chunk_bytes, claimant: as :func:`replicate_checkpoint` takes them.
     """
 
     def __init__(
@@ -113,10 +97,12 @@ class Replicator(UploadEngine):
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         super().__init__(f"replication to {remote.url}", thread_name="dcp_safe-replicator")
-        self.local = local
-        self.remote = remote
-        self.chunk_bytes = chunk_bytes
-        self.claimant = claimant
+        self.local, self.remote, self.chunk_bytes, self.claimant = (
+            local,
+            remote,
+            chunk_bytes,
+            claimant,
+        )
         self.retry: RetryPolicy | None = None  # how a failed file upload is started over
 
     @property
@@ -127,8 +113,6 @@ class Replicator(UploadEngine):
         return copy_buffer_bytes(self.remote, self.chunk_bytes)
 
     def _run_job(self, name: str) -> Manifest | Job:
-        """One replication (:func:`replicate_checkpoint`), on the worker thread (a subclass may
-        do it its own way)."""
         manifest, raw = open_source(self.local, name)
         work = strategy_for(self.remote).work_dir(name, layout.new_save_id())
         opened = self._open_replica(manifest, raw, work)
@@ -154,16 +138,8 @@ class Replicator(UploadEngine):
         replica = strategy_for(self.remote).replica(self.remote, manifest, digest, work, claimant)
         if not (replica.claim() if claim is None else claim(replica)):
             return None
-        copy = CheckpointCopy(
-            self.local,
-            self.remote,
-            name,
-            manifest,
-            raw,
-            chunk_bytes=self.chunk_bytes,
-            retry=self.retry,
-            before_each=replica.check,
-        )
+        copy = CheckpointCopy(self.local, self.remote, name, manifest, raw, retry=self.retry)
+        copy.chunk_bytes, copy.before_each = self.chunk_bytes, replica.check
         return replica, copy
 
 
@@ -185,10 +161,6 @@ class RankReplicator(Replicator):
     :meth:`close` once at the end. Errors, coalescing and threads are the engine's: the upload
     runs on its lane, the wait for the remote commit (rank 0: for every rank's part, then the
     publish) on a thread of its own, so the next save's upload never waits behind it.
-
-    Args:
-        retry: how a file upload that fails transiently is started over.
-        claimant: as :func:`~dcp_safe.replication.replicator.replicate_checkpoint` takes it.
     """
 
     def __init__(
@@ -225,8 +197,6 @@ class RankReplicator(Replicator):
         self.end_saves()
         super().close(timeout_s)
 
-    # ----------------------------------------------------------------- worker
-
     def _skipped(self, name: str, *, superseded_by: str) -> None:
         with self._cond:
             save = self._saves.get(name)
@@ -258,7 +228,7 @@ class RankReplicator(Replicator):
             (replica.abandon if save.rank == 0 else replica.remove_part)(copy.uploaded)
             raise CommitError(
                 f"rank {save.rank} could not upload its part of {name}; nothing was published",
-                {save.rank: f"{type(exc).__name__}: {exc}"},
+                {save.rank: describe(exc)},
             ) from exc
         return functools.partial(self._finish, copy, save, work, replica)
 

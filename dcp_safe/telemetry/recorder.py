@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcp_safe.errors import describe
 from dcp_safe.observe import Instrumentable, Phase, SpanHandle, SpanOptions
 from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_clock
 from dcp_safe.telemetry.report import TelemetryReport, build_report
@@ -70,7 +71,7 @@ class _Span:
         self._owner._closed(self, True, None, self.bytes if bytes is None else bytes, attrs)
 
     def fail(self, error: BaseException | str) -> None:
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        text = error if isinstance(error, str) else describe(error)
         self._owner._closed(self, False, text, self.bytes, {})
 
 
