@@ -59,9 +59,15 @@ from dcp_safe.manager.options import (
     choose_executor,
     with_shorthands,
 )
-from dcp_safe.manager.preemption import PreemptionHandler, agreed_plan, final_save
+from dcp_safe.manager.preemption import (
+    PreemptionHandler,
+    agreed_plan,
+    close_at_exit,
+    countdown,
+    final_save,
+    run_bounded,
+)
 from dcp_safe.manager.saving import SaveRunner
-from dcp_safe.manager.shutdown import close_at_exit, countdown, run_bounded
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers, WarmStart
 from dcp_safe.manifest.schema import Metrics
@@ -376,11 +382,7 @@ class CheckpointManager:
             where, tier = "this run", "local"
             if url is not None:
                 assert warm is not None
-                reader = warm.reader(
-                    url,
-                    load_budget_bytes=self._tiers.load_budget_bytes,
-                    signing_key=self._tiers.signing_key,
-                )
+                reader = warm.reader(url, self._tiers)
                 # The URL as given (credentials travel in options, never in it), shortened.
                 url = url[:300]
                 where = f"{'warm start' if given is None else 'source'} from {url}"

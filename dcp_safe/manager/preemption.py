@@ -1,4 +1,5 @@
-"""Save once more when the job is told to stop: an opt-in signal handler for a manager.
+"""How a manager stops: a close bounded by one deadline, the drain at interpreter exit, and,
+opt-in, a signal handler that saves once more when the job is told to stop.
 
 The sequence (drain half the budget, an agreed final synchronous save of the live state, the
 ``preempted`` event, then the previous handler) and its limits: docs/runbook.md, "Preemption".
@@ -8,6 +9,7 @@ returns, so the handler never re-enters the manager.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its exit hook first: see _BEFORE_POOLS_STOP)
 import contextlib
 import logging
 import os
@@ -15,12 +17,13 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
-from dcp_safe.errors import ConfigError, DcpSafeError
+from dcp_safe.errors import ConfigError, DcpSafeError, DrainTimeoutError
 from dcp_safe.manager.handles import SaveHandle
 
 if TYPE_CHECKING:
@@ -32,14 +35,8 @@ _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class PreemptionHandler:
-    """The signal handler; see the module docstring.
-
-    Args:
-        budget_s: seconds from the signal to the end of the drain.
-
-    Raises:
-        ConfigError: ``budget_s`` is not positive.
-    """
+    """The signal handler; see the module docstring (``budget_s``: seconds from the signal to
+    the end of the drain; ``ConfigError`` unless positive)."""
 
     def __init__(self, manager: CheckpointManager, signum: int, budget_s: float) -> None:
         if not budget_s > 0:
@@ -55,11 +52,7 @@ class PreemptionHandler:
         self._handling = False
 
     def install(self) -> None:
-        """Install on the main thread, keeping the previous handler to chain to.
-
-        Raises:
-            ConfigError: not on the main thread.
-        """
+        """Install on the main thread (else ``ConfigError``), keeping the previous handler."""
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("install_preemption_handler() must be called on the main thread")
         self._previous = signal.signal(self.signum, self._on_signal)
@@ -181,3 +174,85 @@ def agreed_plan(
         return str(objections[0][1])  # e.g. committed already, everywhere
     listed = "; ".join(f"rank {r}: {why}" for r, why in objections)
     return f"final save abandoned on every rank ({listed})"
+
+
+def countdown(timeout_s: float | None) -> Callable[[], float | None]:
+    """The seconds left of ``timeout_s`` from now, at each call (``None``: no bound)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return lambda: None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> list[BaseException]:
+    """Run ``steps`` in order, each whatever the previous raised; their errors.
+
+    With a timeout they run on a thread of their own, so a step with no bound of its own (a
+    prune on a slow file system) cannot hold the caller: a :class:`DrainTimeoutError` comes
+    first at ``timeout_s`` and the rest goes on in the background.
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                errors.append(exc)
+
+    if timeout_s is None:
+        run()
+        return errors
+    closer = threading.Thread(target=run, name="dcp_safe-close", daemon=True)
+    closer.start()
+    closer.join(timeout_s)
+    if closer.is_alive():
+        return [
+            DrainTimeoutError(
+                f"close did not finish within {timeout_s:g} s; what is left goes on in the"
+                " background"
+            ),
+            *errors,
+        ]
+    return errors
+
+
+# The at-exit closes still to run, when the main thread ends: before ``concurrent.futures``
+# stops its pools from the same ``threading`` exit hooks (run last registered first; by
+# ``atexit`` the pools refuse work, and the save in flight would fail). Where that hook is
+# missing, the ``atexit`` hook alone runs.
+_BEFORE_POOLS_STOP: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
+
+
+def _close_all_before_pools_stop() -> None:
+    for close in list(_BEFORE_POOLS_STOP):
+        close()
+
+
+with contextlib.suppress(AttributeError):  # after the pools' own hook (imported above)
+    threading._register_atexit(_close_all_before_pools_stop)  # type: ignore[attr-defined]
+
+
+def close_at_exit(manager: weakref.ref[CheckpointManager], timeout_s: float) -> Callable[[], None]:
+    """An ``atexit`` hook that closes ``manager`` if it is still alive (without keeping it so).
+
+    The close runs once, at the first of: the main thread's end (:data:`_BEFORE_POOLS_STOP`)
+    or the returned hook. A close that fails is logged as one line, never a traceback.
+    """
+    done = threading.Lock()
+
+    def close() -> None:
+        if not done.acquire(blocking=False):
+            return  # closed already
+        live = manager()
+        if live is None:
+            return
+        try:
+            live.close(timeout_s)
+        except BaseException as exc:  # at exit: say what happened, in one line
+            log.warning(
+                "dcp_safe: draining the CheckpointManager at exit failed: %s: %s",
+                type(exc).__name__,
+                " ".join(str(exc).split())[:500],
+            )
+
+    _BEFORE_POOLS_STOP.add(close)
+    return close

@@ -284,16 +284,13 @@ class WarmStart:
         root = Root(str(value.url), commit.storage_options if given is None else given)
         return cls(root, keys, value.name_map, safetensors=True)
 
-    def reader(
-        self, url: str, *, load_budget_bytes: int | None, signing_key: bytes | None
-    ) -> SafeStorageReader | SafetensorsReader:
-        """The reader of ``url``, which :meth:`resolve` gave."""
+    def reader(self, url: str, tiers: Tiers) -> SafeStorageReader | SafetensorsReader:
+        """The reader of ``url`` (which :meth:`resolve` gave), bounded and keyed as ``tiers``'."""
         source = dataclasses.replace(self.source, url=url)
         if is_safetensors_file(url):
             return SafetensorsReader(source, self.name_map)
-        return SafeStorageReader(
-            source, load_budget_bytes=load_budget_bytes, signing_key=signing_key
-        )
+        budget, key = tiers.load_budget_bytes, tiers.signing_key
+        return SafeStorageReader(source, load_budget_bytes=budget, signing_key=key)
 
     def resolve(self, signing_key: bytes | None) -> tuple[str, str]:
         """``(root, name)`` of the checkpoint to start from: with ``signing_key`` (the
