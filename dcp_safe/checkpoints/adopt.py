@@ -56,9 +56,9 @@ from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.dcp_metadata import FORMAT, VERSION, check_declared_sizes
 from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata as decode_plain
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import FileRecord, ItemKey, ItemRecord, Manifest, RankManifest
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 from dcp_safe.manifest.schema import manifest_digest as digest_of
-from dcp_safe.manifest.streams import HashingSink, WritableFile, read_verified, short_read
+from dcp_safe.manifest.streams import HashingSink, read_verified, short_read
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
 from dcp_safe.torch_compat import DCP_LAYOUT, DCP_MEMORY_FORMAT, DCP_STORAGE_INFO
@@ -163,10 +163,7 @@ def adopt(
     publication.claim()
     work, written = publication.work_dir, list[str]()
     try:
-        sums = _read_items(here, folder, dest if copy else None, work, by_file, written)
-        by_file = {
-            f: [dataclasses.replace(i, checksum=sums[i.key]) for i in g] for f, g in by_file.items()
-        }
+        by_file = _read_items(here, folder, dest if copy else None, work, by_file, written)
         manifest, control = _manifests(name, save_id, by_file, raw, plain, created_at)
         objects = _check_items(here, folder, manifest, allow_pickle=allow_pickle)
         if not copy:
@@ -379,33 +376,22 @@ def _check_tiling(
         end = 0
         for item in group:
             if item.start != end:
+                what = "a gap" if item.start > end else "an overlap"
+                at = f"{item.start}..{item.start + item.length}"
                 raise CheckpointCorruptError(
-                    where(file),
-                    f"{'a gap' if item.start > end else 'an overlap'} before the item at bytes"
-                    f" {item.start}..{item.start + item.length}",
-                    item=item.describe(),
+                    where(file), f"{what} before the item at bytes {at}", item=item.describe()
                 )
             end += item.length
         if sizes[file] != end:
+            what = "truncated" if sizes[file] < end else "longer than its items"
             raise CheckpointCorruptError(
                 where(file),
-                f"{'truncated' if sizes[file] < end else 'longer than its items'}: DCP's"
-                f" metadata puts its last item at bytes {group[-1].start}..{end}",
+                f"{what}: DCP's metadata puts its last item at bytes {group[-1].start}..{end}",
                 item=group[-1].describe(),
                 expected=end,
                 actual=sizes[file],
             )
     return by_file
-
-
-class _Nowhere:
-    """The target of an adoption in place: bytes are hashed, not written."""
-
-    def write(self, data: bytes | bytearray | memoryview, /) -> int:
-        return len(data)
-
-    def tell(self) -> int:
-        return 0
 
 
 def _read_items(
@@ -415,19 +401,23 @@ def _read_items(
     work: str,
     by_file: dict[str, list[ItemRecord]],
     written: list[str],
-) -> dict[ItemKey, str]:
-    """Every item's checksum, from one read of each file (copied to ``dest`` on the way)."""
-    checksums = {}
+) -> dict[str, list[ItemRecord]]:
+    """``by_file`` with every item's checksum, from one read of each file (copied to ``dest``
+    on the way; in place, the bytes go to ``os.devnull``)."""
+    summed: dict[str, list[ItemRecord]] = {}
     if dest is not None:
         dest.makedirs(work)
     for file, items in by_file.items():
         path = here.full_path(f"{folder}/{file}")
         with contextlib.ExitStack() as stack:
             reader = stack.enter_context(here.open_read(f"{folder}/{file}"))
-            target: WritableFile = _Nowhere()
             if dest is not None:
                 written.append(f"{work}/{file}")
-                target = stack.enter_context(dest.open_write(f"{work}/{file}"))
+            target = stack.enter_context(
+                open(os.devnull, "wb")  # noqa: SIM115 - the stack closes it
+                if dest is None
+                else dest.open_write(f"{work}/{file}")
+            )
             sink = HashingSink(target, _ALGORITHM)
             for item in items:
                 sink.expect(left := item.length)
@@ -441,8 +431,10 @@ def _read_items(
                     if not data:
                         raise short_read(path, item.describe(), item.length, item.length - left)
                     left -= sink.write(data)
-                checksums[item.key] = sink.take_checksum()
-    return checksums
+                summed.setdefault(file, []).append(
+                    dataclasses.replace(item, checksum=sink.take_checksum())
+                )
+    return summed
 
 
 def _manifests(
@@ -462,24 +454,23 @@ def _manifests(
     world_size = max(shards, default=0) + 1
     if world_size > _MAX_WORLD:
         raise CheckpointCorruptError(name, f"a shard file names rank {world_size - 1}")
-    control = {layout.DCP_METADATA: raw}
-    files = [FileRecord(path=layout.DCP_METADATA, size=len(raw), checksum=_digest(raw))]
-    items: list[ItemRecord] = []
+    control, files, items = {layout.DCP_METADATA: raw}, list[FileRecord](), list[ItemRecord]()
     for rank in range(world_size):
         own = shards.get(rank, [])
         mine = [i for f in own for i in by_file[f.path]]
-        rank_manifest = RankManifest(
+        control[layout.rank_manifest_name(rank)] = RankManifest(
             name=name,
             save_id=save_id,
             rank=rank,
             checksum_algorithm=_ALGORITHM.value,
             files=tuple(own),
             items=tuple(mine),
-        )
-        rel = layout.rank_manifest_name(rank)
-        control[rel] = data = rank_manifest.to_json()
-        files += [*own, FileRecord(path=rel, size=len(data), checksum=_digest(data))]
-        items += mine
+        ).to_json()
+        files, items = files + own, items + mine
+    files += [
+        FileRecord(path=rel, size=len(data), checksum=digest_bytes(data, _ALGORITHM))
+        for rel, data in control.items()
+    ]
     manifest = Manifest(
         name=name,
         save_id=save_id,
@@ -496,39 +487,25 @@ def _manifests(
     return manifest, control
 
 
-def _digest(data: bytes) -> str:
-    return digest_bytes(data, _ALGORITHM)
-
-
 # ---------------------------------------------------------------------------- the items
 
 
 def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pickle: bool) -> int:
-    """Every item decodes as a load decodes it; objects that need classes name them all."""
+    """Every item decodes as a load decodes it; objects that need classes name them all: the
+    globals a load's unpickler refuses, of the object items it refuses."""
     try:
         return check_loadable(backend, folder, manifest, allow_pickle=allow_pickle)
     except UnsafeCheckpointError as exc:
-        needed = sorted(_classes_needed(backend, folder, manifest))
-        if not needed:
-            raise
-        raise PickledClassesError(backend.full_path(folder), needed) from exc
-
-
-def _classes_needed(backend: Backend, folder: str, manifest: Manifest) -> set[str]:
-    """The globals a load's unpickler refuses, of the object items it refuses."""
+        error = exc
     needed: set[str] = set()
     small = OBJECT_MAX_DECODED_BYTES  # memory bounded: a larger one is refused, its names untold
-    plain = (i for i in manifest.items if not i.transforms and i.length <= small)
-    for item in (i for i in plain if i.offset is None):
-        path, label = backend.full_path(f"{folder}/{item.file}"), item.describe()
+    for item in manifest.items:
+        if item.offset is not None or item.transforms or item.length > small:
+            continue
+        path, label, at = backend.full_path(f"{folder}/{item.file}"), item.describe(), item.start
         with backend.open_read(f"{folder}/{item.file}") as stream:
             data = read_verified(
-                stream,
-                path=path,
-                item=label,
-                start=item.start,
-                length=item.length,
-                checksum=item.checksum,
+                stream, path=path, item=label, start=at, length=item.length, checksum=item.checksum
             )
         with contextlib.suppress(UnsafeCheckpointError):
             decode_object(data, path, label, materialize=False)
@@ -544,4 +521,6 @@ def _classes_needed(backend: Backend, folder: str, manifest: Manifest) -> set[st
                 unpickler.find_class(module, name)
             except (UnsafeCheckpointError, pickle.UnpicklingError):
                 needed.add(f"{module}.{name}")
-    return needed
+    if not needed:
+        raise error
+    raise PickledClassesError(backend.full_path(folder), sorted(needed)) from error

@@ -67,24 +67,12 @@ PIECE_BYTES = 16 << 20
 _SUFFIXES = (".safetensors", ".safetensors.index.json")
 _RESERVED = "__metadata__"
 
-# The safetensors format's dtype codes.
+# The safetensors format's dtype codes, as CODE=torch's name.
+_CODES = """F64=float64 F32=float32 F16=float16 BF16=bfloat16 I64=int64 I32=int32 I16=int16 I8=int8
+U8=uint8 U16=uint16 U32=uint32 U64=uint64 BOOL=bool F8_E4M3=float8_e4m3fn F8_E5M2=float8_e5m2
+C64=complex64"""
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
+    code: getattr(torch, name) for code, _, name in (p.partition("=") for p in _CODES.split())
 }
 
 
@@ -159,18 +147,13 @@ class _Place:
 
 
 class SafetensorsReader(StorageReader):
-    """Reads a safetensors source for ``dcp.load`` (DCP's load planner reshards it).
+    """Reads a safetensors source (the file or index :func:`locate` gives) for ``dcp.load``
+    (DCP's load planner reshards it); ``digest``: ``"sha256:<hex>"`` of its index and headers,
+    once read.
 
     Call order (DCP's): ``reset`` (every rank parses and checks every header, before any
     collective), ``read_metadata``, ``set_up_storage_reader``, the plans, then ``read_data``
     with this rank's requests.
-
-    Args:
-        source: the file or index to read (:func:`locate`), with its storage options.
-        name_map: see :class:`SafetensorsSource`.
-
-    Attributes:
-        digest: ``"sha256:<hex>"`` of the source's index and headers, once read.
     """
 
     def __init__(self, source: Root, name_map: NameMap | None = None) -> None:
@@ -317,13 +300,23 @@ def _read_header(backend: Backend, file: str, hasher: Any) -> dict[str, _Place]:
     header = parse_json(raw, path)
     if not isinstance(header, dict):
         raise CheckpointCorruptError(path, "the safetensors header is not a JSON object")
-    base = 8 + length
-    places = {
-        name: _place(path, file, name, entry, base)
-        for name, entry in header.items()
-        if name != _RESERVED
-    }
-    _check_tiling(path, places.values(), base, size - base)
+    base, end, data_bytes = 8 + length, 0, size - 8 - length
+    places = {n: _place(path, file, n, e, base) for n, e in header.items() if n != _RESERVED}
+    # The tensors tile the data section exactly, in offset order.
+    for place in sorted(places.values(), key=lambda p: (p.start, p.length)):
+        if (at := place.start - base) != end:
+            raise CheckpointCorruptError(
+                path, "tensors overlap or leave a gap", item=place.name, expected=end, actual=at
+            )
+        end += place.length
+        if end > data_bytes:
+            why = "the file ends inside this tensor (truncated)"
+            raise CheckpointCorruptError(
+                path, why, item=place.name, expected=f"{end} bytes", actual=f"{data_bytes} bytes"
+            )
+    if end != data_bytes:
+        why, expected = "bytes after the last tensor", f"{end} bytes of tensor data"
+        raise CheckpointCorruptError(path, why, expected=expected, actual=data_bytes)
     return places
 
 
@@ -339,51 +332,16 @@ def _place(path: str, file: str, name: str, entry: object, base: int) -> _Place:
             item=name,
             actual=str(entry)[:200],
         )
-    begin, end = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
-    if end - begin != nbytes:
+    begin, nbytes = offsets[0], math.prod(shape) * dtype.itemsize
+    if (spans := offsets[1] - begin) != nbytes:
         raise CheckpointCorruptError(
-            path,
-            "data_offsets do not span dtype x shape",
-            item=name,
-            expected=nbytes,
-            actual=end - begin,
+            path, "data_offsets do not span dtype x shape", item=name, expected=nbytes, actual=spans
         )
     return _Place(name, file, base + begin, nbytes, dtype, tuple(shape))
 
 
 def _naturals(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(type(v) is int and 0 <= v < 1 << 62 for v in value)
-
-
-def _check_tiling(path: str, places: Any, base: int, data_bytes: int) -> None:
-    """The tensors tile the data section exactly, in offset order."""
-    end = 0
-    for place in sorted(places, key=lambda p: (p.start, p.length)):
-        if place.start - base != end:
-            raise CheckpointCorruptError(
-                path,
-                "tensors overlap or leave a gap",
-                item=place.name,
-                expected=end,
-                actual=place.start - base,
-            )
-        end += place.length
-        if end > data_bytes:
-            raise CheckpointCorruptError(
-                path,
-                "the file ends inside this tensor (truncated)",
-                item=place.name,
-                expected=f"{end} bytes of tensor data",
-                actual=f"{data_bytes} bytes",
-            )
-    if end != data_bytes:
-        raise CheckpointCorruptError(
-            path,
-            "bytes after the last tensor",
-            expected=f"{end} bytes of tensor data",
-            actual=data_bytes,
-        )
 
 
 def _mapped(places: dict[str, _Place], name_map: NameMap | None) -> dict[str, _Place]:
