@@ -40,7 +40,7 @@ _V = TypeVar("_V")
 
 class _Kept(Generic[_V]):
     """The last ``count`` values put, by the digest of the manifest bytes they came from; safe
-    across threads."""
+    across threads. A lowered ``count`` holds from the next put on."""
 
     def __init__(self, count: int) -> None:
         self.count, self._values, self._lock = count, OrderedDict[str, _V](), threading.Lock()
@@ -53,18 +53,12 @@ class _Kept(Generic[_V]):
             return value
 
     def put(self, digest: str, value: _V) -> _V:
-        self.keep(self.count, (digest, value))
-        return value
-
-    def keep(self, count: int, new: tuple[str, _V] | None = None) -> None:
-        """Keep at most ``count`` from now on (with ``new`` the newest)."""
         with self._lock:
-            self.count = count
-            if new is not None:
-                self._values[new[0]] = new[1]
-                self._values.move_to_end(new[0])
-            while len(self._values) > count:
+            self._values[digest] = value
+            self._values.move_to_end(digest)
+            while len(self._values) > self.count:
                 self._values.popitem(last=False)
+        return value
 
 
 # Parsed manifests: the same bytes parse to the same Manifest, so a manifest read again (each
@@ -79,8 +73,8 @@ _headers: _Kept[CommittedHeader] = _Kept(1024)
 
 
 def keep_parsed(count: int) -> None:
-    """Keep at most ``count`` parsed manifests in this process from now on (default 4)."""
-    _parsed.keep(count)
+    """Keep at most ``count`` parsed manifests in this process (default 4)."""
+    _parsed.count = count
 
 
 @dataclass(frozen=True)
@@ -153,16 +147,11 @@ def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
 
 
 def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
-    """``name``'s header and manifest digest, as :func:`open_committed` would give them.
-
-    The marker and the manifest bytes are read and checked against each other every time; only
-    the parse is skipped when these exact bytes passed every check before (a manager's
-    retention lists every checkpoint after each save, and at 10,000 items a parse costs
-    ~0.3 s of Python on whichever thread asks).
-
-    Raises:
-        CheckpointNotFoundError, CheckpointCorruptError: as :func:`open_committed`.
-    """
+    """``name``'s header and manifest digest, as :func:`open_committed` would give them (and
+    raise). The marker and the manifest bytes are read and checked against each other every
+    time; only the parse is skipped when these exact bytes passed every check before (a
+    manager's retention lists every checkpoint after each save, and at 10,000 items a parse
+    costs ~0.3 s of Python on whichever thread asks)."""
     raw, actual, manifest_path = _read_committed(backend, name)
     header = _headers.get(actual)
     if header is None or header.name != name:
@@ -173,8 +162,10 @@ def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
 def _read_committed(backend: Backend, name: str) -> tuple[bytes, str, str]:
     """``name``'s manifest bytes, their digest (checked against the marker) and its path."""
     path = backend.full_path(f"{name}/{layout.MANIFEST}")
-    marker = layout.COMMITTED_MARKER
-    return (*read_marked_manifest(backend, name, marker, "committed checkpoint", path), path)
+    found = read_marked_manifest(
+        backend, name, layout.COMMITTED_MARKER, "committed checkpoint", path
+    )
+    return (*found, path)
 
 
 def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> CommittedCheckpoint:
@@ -239,7 +230,6 @@ def publish_marked(
 
     Raises:
         CheckpointExistsError: ``final`` exists (``what`` holds it).
-        StorageError: an I/O step failed.
     """
     local.write_bytes(f"{work}/{layout.MANIFEST}", raw_manifest)
     local.write_bytes(f"{work}/{marker}", manifest_digest(raw_manifest).encode())

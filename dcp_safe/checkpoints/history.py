@@ -92,11 +92,7 @@ class History:
         self._lock = _LOCKS.setdefault(backend.full_path(HISTORY_FILE), threading.RLock())
 
     def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
-        """Record one event; ``None`` fields are left out.
-
-        Raises:
-            ValueError: an event not in the schema.
-        """
+        """Record one event; ``None`` fields are left out. ValueError: no event of the schema."""
         if event not in EVENTS:
             raise ValueError(f"unknown history event {event!r}")
         line: dict[str, Any] = {"event": event, "step": step, "name": name}
@@ -164,11 +160,8 @@ class History:
         }
 
     def _raw(self) -> bytes:
-        """The file's newest :data:`HISTORY_MAX_BYTES`, from a line start on (b"": none yet).
-
-        Raises:
-            CheckpointCorruptError: it is not a regular file.
-        """
+        """The file's newest :data:`HISTORY_MAX_BYTES`, from a line start on (b"": none yet);
+        CheckpointCorruptError if it is not a regular file."""
         try:
             found = self.backend.stat(HISTORY_FILE)
             if found.kind != "file":
@@ -187,13 +180,9 @@ class History:
 
 
 # Optional fields and their types (the module docstring's schema).
-_OPTIONAL: dict[str, type] = {
-    "tier": str,
-    "reason": str,
+_OPTIONAL = dict.fromkeys(("tier", "reason", "source", "source_digest"), str) | {
     "validated": bool,
     "metrics": dict,
-    "source": str,
-    "source_digest": str,
 }
 
 

@@ -70,13 +70,8 @@ def publish_node_cache(
 
 
 def open_node_cache(backend: Backend, name: str) -> NodeCache:
-    """Open the node cache ``name`` under ``backend``'s root, checking its marker.
-
-    Raises:
-        CheckpointNotFoundError: no ``<name>/`` with a ``_NODE_COMMITTED`` marker.
-        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
-            names.
-    """
+    """Open the node cache ``name`` under ``backend``'s root, checking its marker (errors as
+    :func:`~dcp_safe.checkpoints.committed.read_marked_manifest`'s)."""
     path = backend.full_path(name)
     raw, _ = read_marked_manifest(backend, name, NODE_COMMITTED_MARKER, "node cache", path)
     ranks = tuple(sorted(ranks_in(backend, name)))
@@ -100,10 +95,8 @@ def list_node_caches(root: RootLike | Backend) -> list[NodeCache]:
 
 
 def prune_node_caches(backend: Backend, keep: int) -> list[str]:
-    """Remove all but the newest ``keep`` node caches under ``backend``'s root.
-
-    Returns the names removed. Frees node-local disk only: the remote's retention is separate.
-    """
+    """Remove all but the newest ``keep`` node caches under ``backend``'s root; the names
+    removed. Frees node-local disk only: the remote's retention is separate."""
     caches = list_node_caches(backend)
     doomed = [cache.name for cache in caches[: max(0, len(caches) - keep)]]
     for name in doomed:
@@ -134,15 +127,12 @@ class PeerCopy:
 def commit_peer_copy(
     local: Backend, partial: str, name: str, node: int, raw_manifest: bytes
 ) -> str:
-    """Make the landed files in ``partial`` the peer copy of node ``node``'s share of ``name``.
-
-    The files (``.metadata`` among them) are in ``partial``, each checked as it landed; the
-    manifest goes in, then the marker last, then the rename. Returns the copy's folder
-    (relative to ``local``'s root).
+    """Make the landed files in ``partial`` (``.metadata`` among them, each checked as it
+    landed) the peer copy of node ``node``'s share of ``name``, as :func:`publish_marked` does;
+    returns the copy's folder (relative to ``local``'s root).
 
     Raises:
         CheckpointExistsError: a committed copy of that node's share is there already.
-        StorageError: an I/O step failed.
     """
     final = layout.peer_copy_dir(name, node)
     publish_marked(local, partial, final, raw_manifest, layout.PEER_COMMITTED_MARKER, "a peer copy")
@@ -150,13 +140,8 @@ def commit_peer_copy(
 
 
 def open_peer_copy(local: Backend, name: str, node: int) -> PeerCopy:
-    """Open node ``node``'s peer copy of ``name``, checking its marker.
-
-    Raises:
-        CheckpointNotFoundError: no such copy with a ``_PEER_COMMITTED`` marker.
-        CheckpointCorruptError: the manifest is missing, unreadable, or not the one the marker
-            names.
-    """
+    """Open node ``node``'s peer copy of ``name``, checking its marker (errors as
+    :func:`~dcp_safe.checkpoints.committed.read_marked_manifest`'s)."""
     rel = layout.peer_copy_dir(name, node)
     path = local.full_path(rel)
     raw, _ = read_marked_manifest(local, rel, layout.PEER_COMMITTED_MARKER, "peer copy", path)

@@ -1,8 +1,6 @@
-"""``ReplicaPublication``: the commit of a replica of a checkpoint already committed elsewhere.
-
-See docs/architecture.md, "One object per save: the publication" and "Replication and the
-remote tier".
-"""
+"""``ReplicaPublication``: the commit of a replica of a checkpoint already committed elsewhere
+(docs/architecture.md, "One object per save: the publication", "Replication and the remote
+tier")."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def committed_with(remote: Backend, name: str, digest: str) -> bool:
-    """True when ``remote`` holds ``name`` committed with ``digest`` (its manifest is then the
+    """Whether ``remote`` holds ``name`` committed with ``digest`` (its manifest is then the
     source's, byte for byte).
 
     Raises:
@@ -100,11 +98,8 @@ class ReplicaPublication:
         return self.manifest.save_id
 
     def claim(self) -> bool:
-        """Take the name for this replica. False: committed with this digest meanwhile.
-
-        Raises:
-            CheckpointExistsError: another save holds or committed the name.
-        """
+        """Take the name for this replica (CheckpointExistsError: another save holds or
+        committed it). False: committed with this digest meanwhile."""
         return True
 
     def check(self) -> None:
@@ -152,8 +147,7 @@ class ReplicaPublication:
         self.abandon(uploaded)
 
     def abandon(self, uploaded: Sequence[str]) -> None:
-        """The publisher's clean-up after a failure; best effort, never raising. This default
-        removes ``uploaded``, as :meth:`remove_part` does."""
+        """The publisher's clean-up after a failure; best effort, never raising."""
         _remove_uploads(self.remote, self.name, uploaded)
 
     def remove_part(self, uploaded: Sequence[str]) -> None:

@@ -59,12 +59,8 @@ class Publication(abc.ABC):
         return self.strategy.work_dir(self.name, self.save_id)
 
     def claim(self, *, replace: bool = False) -> None:
-        """Fence the save's attempt, then take the name for it before a byte is written.
-
-        Raises:
-            StaleWriterError: a newer attempt saves under this root.
-            CheckpointExistsError: the name is committed (and not being replaced) or held.
-        """
+        """Fence the save's attempt (StaleWriterError), then take the name for it before a byte
+        is written (CheckpointExistsError: committed, and not being replaced, or held)."""
         attempt = self.claimant.attempt
         if attempt is not None:
             register_attempt(self.backend, attempt)
@@ -229,11 +225,7 @@ class PublishStrategy(abc.ABC):
         return self._replica(self, backend, manifest, digest, work_dir, claimant)
 
     def require_rename(self, why: str) -> None:
-        """Refuse a root that cannot rename atomically where a caller needs one.
-
-        Raises:
-            ConfigError: ``why``, on a root that publishes in place.
-        """
+        """Refuse (ConfigError: ``why``) a root that cannot rename atomically."""
         if not self.can_replace:
             raise ConfigError(why)
 
@@ -301,11 +293,8 @@ class PublishStrategy(abc.ABC):
 
     @abc.abstractmethod
     def untrash(self, backend: Backend, folder: str, name: str) -> None:
-        """Bring ``name`` back from the trash ``folder`` (its commit marker back in it).
-
-        Raises:
-            CheckpointExistsError: ``name`` is committed anew meanwhile.
-        """
+        """Bring ``name`` back from the trash ``folder`` (its commit marker back in it);
+        CheckpointExistsError if ``name`` is committed anew meanwhile."""
 
 
 class RenameStrategy(PublishStrategy):

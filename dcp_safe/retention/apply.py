@@ -35,16 +35,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionReport:
-    """What :func:`apply_retention` did (or, in a dry run, would do).
-
-    Attributes:
-        kept: committed checkpoints kept, oldest first.
-        dropped: committed checkpoints removed (would be removed, in a dry run), oldest first.
-        sweep: what the sweep of abandoned partial saves removed and left for later.
-        not_counted: committed names left in place and out of the count: damaged, or not
-            signed with the key (planted by someone without it, or another job's).
-        trash: what the expiry of the trash removed and left (``None``: not asked for).
-    """
+    """What :func:`apply_retention` did (or, in a dry run, would do); names oldest first.
+    ``not_counted``: committed names left in place and out of the count: damaged, or not signed
+    with the key (planted by someone without it, or another job's). ``trash``: what the expiry
+    of the trash removed and left (``None``: not asked for)."""
 
     kept: tuple[str, ...]
     dropped: tuple[str, ...]
@@ -99,15 +93,15 @@ def apply_retention(
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
     dropped = decision.drop if dry_run else tuple(n for n in decision.drop if _retired(backend, n))
+    sweep = sweep_backend(backend, grace_s, dry_run)
+    trash = None if trash_grace_s is None else sweep_trash(backend, trash_grace_s, dry_run=dry_run)
     return RetentionReport(
         kept=decision.keep,
         dropped=dropped,
-        sweep=sweep_backend(backend, grace_s, dry_run),
+        sweep=sweep,
         dry_run=dry_run,
         not_counted=tuple(not_counted),
-        trash=None
-        if trash_grace_s is None
-        else sweep_trash(backend, trash_grace_s, dry_run=dry_run),
+        trash=trash,
     )
 
 

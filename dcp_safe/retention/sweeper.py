@@ -80,16 +80,12 @@ def sweep_partials(
     now: float | None = None,
     allow_bucket_root: bool = False,
 ) -> SweepReport:
-    """Remove leftovers of failed saves under ``root`` idle for at least ``grace_s``.
-
-    Args:
-        allow_bucket_root: sweep a root that is a whole bucket (see the module docstring).
-
-    Raises:
-        ConfigError: see :func:`open_sweepable`.
+    """Remove leftovers of failed saves under ``root`` idle for at least ``grace_s``
+    (``allow_bucket_root``: see the module docstring; ConfigError: see :func:`open_sweepable`).
     """
-    root = as_root(root, storage_options)
-    backend = open_sweepable(root, grace_s, allow_bucket_root=allow_bucket_root)
+    backend = open_sweepable(
+        as_root(root, storage_options), grace_s, allow_bucket_root=allow_bucket_root
+    )
     return sweep_backend(backend, grace_s, dry_run, now)
 
 
@@ -97,13 +93,10 @@ def sweep_trash(
     backend: Backend, grace_s: float, *, dry_run: bool = False, now: float | None = None
 ) -> SweepReport:
     """Delete the checkpoints in the trash (:mod:`dcp_safe.retention.trash`) whose trash marker
-    is ``grace_s`` old (one with no age is kept). A folder whose deletion began (its marker is
-    gone: a crash mid-delete) goes at once; on an object store, what a deletion cut short
-    leaves is the partial sweep's (no marker, no lease).
-
-    Raises:
-        ConfigError: a negative or NaN ``grace_s`` (it would delete the whole trash).
-    """
+    is ``grace_s`` old (one with no age is kept; ConfigError for a negative or NaN one, which
+    would delete the whole trash). A folder whose deletion began (its marker is gone: a crash
+    mid-delete) goes at once; on an object store, what a deletion cut short leaves is the
+    partial sweep's (no marker, no lease)."""
     if not grace_s >= 0:
         raise ConfigError(f"the trash's grace period must be seconds >= 0, got {grace_s}")
     sweep = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
@@ -132,8 +125,7 @@ def sweep_backend(
     backend: Backend, grace_s: float, dry_run: bool, now: float | None = None
 ) -> SweepReport:
     """:func:`sweep_partials` on a backend :func:`open_sweepable` gave."""
-    now = time.time() if now is None else now
-    leftovers = _Sweep(backend, grace_s, dry_run, now)
+    leftovers = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
     return strategy_for(backend).sweep(leftovers.partial_folders, leftovers.leased_prefixes)
 
 
@@ -159,7 +151,7 @@ class _Sweep:
         return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=self.dry_run)
 
     def leased_prefixes(self) -> SweepReport:
-        backend, grace_s, dry_run, now = self.backend, self.grace_s, self.dry_run, self.now
+        backend, now = self.backend, self.now
         # Uploads are listed first: one that starts after this look is never a candidate.
         uploads = incomplete_uploads(backend)
         removed = self._probes()
@@ -181,27 +173,22 @@ class _Sweep:
                 if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
                     continue  # committed since the listing
                 changed = last_change(backend, entry, now)
-                if changed is None or now - changed < grace_s:
+                if changed is None or now - changed < self.grace_s:
                     recent.append(entry)
                     continue
-                if not dry_run:
+                if not self.dry_run:
                     backend.remove_tree(entry)
                 collected.append(entry)
         aborted = abort_stale_uploads(
             backend,
-            older_than_s=grace_s,
+            older_than_s=self.grace_s,
             now=now,
-            dry_run=dry_run,
+            dry_run=self.dry_run,
             in_progress=recent,
             collected=collected,
             uploads=uploads,
         )
-        return SweepReport(
-            removed=tuple(removed + collected),
-            too_recent=tuple(recent),
-            dry_run=dry_run,
-            aborted_uploads=aborted,
-        )
+        return SweepReport(tuple(removed + collected), tuple(recent), self.dry_run, aborted)
 
     @contextlib.contextmanager
     def _passed_by_if_damaged(self, entry: str) -> Iterator[None]:
@@ -232,10 +219,9 @@ class _Sweep:
         remove: Callable[[str], bool | None] | None = None,
         recent: list[str] | None = None,
     ) -> bool:
-        """Remove ``rel`` with ``remove`` (a file's removal by default; one that answers False
-        removed nothing) if it has been idle for ``grace_s``; whether it was (or, in a dry run,
-        would be). One with no modification time (gone meanwhile) is kept; a recent one is
-        added to ``recent``, if given."""
+        """Whether ``rel``, idle for ``grace_s``, was removed with ``remove`` (a file's removal by
+        default; one that answers False removed nothing), or in a dry run would be. One with no
+        modification time (gone meanwhile) is kept; a recent one is added to ``recent``."""
         with self._passed_by_if_damaged(rel):
             changed = self.backend.modified_at(rel)
             if changed is None:
@@ -249,12 +235,10 @@ class _Sweep:
 
     def _committed_debris(self, name: str, files: list[str]) -> list[str]:
         """Remove the debris under committed ``<name>/`` (``files``, relative to it) older
-        than ``grace_s``; return the paths removed, relative to the root.
-
-        A path the manifest lists is kept whatever its name, and an unreadable manifest keeps
-        everything (readers report it; the sweeper does not judge it). Each candidate is aged
-        on its own: a lease beside the marker may be a save's that is about to withdraw it.
-        """
+        than ``grace_s``; the paths removed, relative to the root. A path the manifest lists is
+        kept whatever its name, and an unreadable manifest keeps everything (readers report it;
+        the sweeper does not judge it). Each candidate is aged on its own: a lease beside the
+        marker may be a save's that is about to withdraw it."""
         candidates = [rel for rel in files if layout.is_debris(rel)]
         if not candidates:
             return []
