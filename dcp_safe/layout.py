@@ -137,7 +137,6 @@ def format_name(name_format: str, step: int) -> str:
 
 
 def new_save_id() -> str:
-    """A fresh identifier for one save attempt (32 hex digits)."""
     return uuid.uuid4().hex
 
 
@@ -160,12 +159,12 @@ def peer_node_of(entry: str) -> int | None:
 
 
 def peer_restore_dir(token: str) -> str:
-    """``.peers/.restore-<token>``: files a restore fetched from peers, removed after it."""
+    """Files a restore fetched from peers, removed after it."""
     return f"{PEERS_DIR}/{_PEER_RESTORE_PREFIX}{token}"
 
 
 def partial_dir_name(name: str, save_id: str) -> str:
-    """The hidden directory a save works in on storage that can rename atomically."""
+    """Where a save works on storage that can rename atomically."""
     return f".{name}{PARTIAL_INFIX}{save_id}"
 
 
@@ -211,31 +210,23 @@ def is_save_id(value: object) -> bool:
 
 
 def takeover_record_name(save_id: str) -> str:
-    """The record under ``<name>/`` that arbitrates who takes over save ``save_id``'s lease."""
     return f"{TAKEOVER_PREFIX}{_checked_id(save_id)}"
 
 
+# The markers and reports of save ``save_id``, relative to its work folder (spelled above).
 def commit_failure_marker_name(save_id: str) -> str:
-    """The marker, relative to a per-rank upload's work location, saying rank 0's commit of
-    save ``save_id`` failed."""
     return f"{COMMIT_FAILED_PREFIX}{_checked_id(save_id)}"
 
 
 def rank_failure_marker_name(rank: int, save_id: str) -> str:
-    """The marker, relative to a per-rank upload's work location, saying rank ``rank``'s part
-    of save ``save_id`` failed."""
     return f"{_rank_stem(rank)}{_RANK_FAILED_INFIX}{_checked_id(save_id)}"
 
 
 def rank_skip_marker_name(rank: int, save_id: str) -> str:
-    """The marker, relative to a per-rank upload's work location, saying rank ``rank`` dropped
-    save ``save_id`` for a newer one."""
     return f"{_rank_stem(rank)}{_RANK_SKIPPED_INFIX}{_checked_id(save_id)}"
 
 
 def rank_report_name(rank: int, save_id: str) -> str:
-    """The report, relative to the work folder, saying rank ``rank``'s part of save ``save_id``
-    (one without collectives) is written, with what rank 0 needs of it to publish."""
     return f"{_rank_stem(rank)}{_RANK_REPORT_INFIX}{_checked_id(save_id)}"
 
 
@@ -290,7 +281,6 @@ def is_valid_name(name: object) -> bool:
 
 
 def rank_manifest_name(rank: int) -> str:
-    """Path of a rank's manifest, relative to the checkpoint directory."""
     return f"{_rank_stem(rank)}.json"
 
 
@@ -316,23 +306,19 @@ def attempts_dir(run_id: str) -> str:
 
 
 def attempt_record_name(number: int) -> str:
-    """The record of attempt ``number`` under :func:`attempts_dir` (nine digits)."""
     return f"{_ATTEMPT_PREFIX}{number:09d}"
 
 
 def attempt_of_record(entry: str) -> int | None:
-    """The attempt number :func:`attempt_record_name` gave ``entry``; None for anything else."""
     match = _ATTEMPT_RECORD.fullmatch(entry)
     return None if match is None else int(match["number"])
 
 
 def temp_file_name(leaf: str) -> str:
-    """A fresh hidden name, beside ``leaf``, for a write that is renamed to ``leaf`` when done."""
     return f".{leaf}{TEMP_INFIX}{uuid.uuid4().hex}"
 
 
 def export_work_dir_name(leaf: str, token: str) -> str:
-    """The hidden folder, beside export ``leaf``, that the export is written into."""
     return f".{leaf}{EXPORT_INFIX}{token}"
 
 
@@ -342,7 +328,6 @@ def safetensors_shard_name(index: int, count: int) -> str:
 
 
 def per_rank_key(key: str, rank: int) -> str:
-    """The key under which ``rank``'s own value of state dict entry ``key`` is saved."""
     return f"{key}{PER_RANK_INFIX}{rank:05d}"
 
 

@@ -79,13 +79,8 @@ class SafeStorageConfig(StorageConfig):
     """A torch_checkpointing storage on a dcp_safe root (a local path or an fsspec URL).
 
     Picklable: torch_checkpointing's async saver builds the storage again in its subprocess.
-
-    Args:
-        storage_options: fsspec options for a URL root (or give a :class:`~dcp_safe.Root`).
-        signing_key: sign each save's manifest, and refuse to load a checkpoint not signed with
-            it (default ``$DCP_SAFE_SIGNING_KEY``).
-        checksum: the files' checksum (default xxh3-128; BLAKE3 when signing).
-        deadline_s: how long a rank waits for its peers in a save's collectives.
+    ``signing_key`` (default ``$DCP_SAFE_SIGNING_KEY``) signs each save's manifest and refuses
+    to load a checkpoint it did not sign; ``checksum`` defaults to xxh3-128, BLAKE3 when signing.
     """
 
     root: RootLike
@@ -134,13 +129,11 @@ class SafeStorage(Storage):
         self._config = config
         self._root = as_root(config.root)
         self._backend: Backend = open_backend(self._root)
-        self._algorithm = ChecksumAlgorithm(config.checksum or ChecksumAlgorithm.XXH3_128)
+        self._algorithm = ChecksumAlgorithm(config.checksum)  # validated by the config
         self._key = config.signing_key if isinstance(config.signing_key, bytes) else None
         self._lock = threading.Lock()
         self._saves: dict[str, _Save] = {}
         self._opened: dict[str, CommittedCheckpoint] = {}
-
-    # -------------------------------------------------------------------- paths
 
     def _rel(self, path: Path | str) -> str:
         """``path`` relative to the root, as ``<name>[/<file>]``."""
@@ -153,13 +146,11 @@ class SafeStorage(Storage):
         return rel.as_posix()
 
     def _split(self, path: Path | str) -> tuple[str, str]:
-        """``(name, file)`` of a path (``file`` empty for the checkpoint itself)."""
+        """``(name, file)``; ``file`` empty for the checkpoint itself."""
         name, _, member = self._rel(path).partition("/")
         if not layout.is_valid_name(name):
             raise ConfigError(f"{name!r} is not a valid checkpoint name")
         return name, member
-
-    # -------------------------------------------------------------------- saving
 
     def save_of(self, name: str, *, fresh: bool = False) -> _Save:
         """The save of ``name`` in progress, begun (its name claimed) on first use, or with
@@ -263,8 +254,6 @@ class SafeStorage(Storage):
                 return
             save.failure = describe(exc)
         save.publication.abandon(list(save.files), shared=save.group is not None)
-
-    # -------------------------------------------------------------------- reading
 
     def _committed(self, name: str) -> CommittedCheckpoint:
         """``name``'s marker and manifest (checked against each other, and the signature)."""
@@ -523,20 +512,21 @@ def _group(deadline_s: float) -> Any:
     return None
 
 
-def _storage_of(args: CallbackArgs) -> SafeStorage:
-    if not isinstance(args.storage, SafeStorage):
+def _save_of(args: CallbackArgs) -> tuple[SafeStorage, str, _Save, int]:
+    """The storage, name, save in progress and group rank a callback is about."""
+    storage = args.storage
+    if not isinstance(storage, SafeStorage):
         raise ConfigError("dcp_safe's callbacks need SafeStorageConfig's storage")
-    return args.storage
+    name, _ = storage._split(args.path)
+    save = storage.save_of(name)
+    return storage, name, save, 0 if save.group is None else torch.distributed.get_rank(save.group)
 
 
 def _report(args: CallbackArgs) -> None:
     """torch_checkpointing's pre-finalize, on every rank: write this rank's manifest of its
     files, then gather every rank's records to rank 0."""
-    storage = _storage_of(args)
-    name, _ = storage._split(args.path)
-    save = storage.save_of(name)
+    storage, name, save, rank = _save_of(args)
     publication, group = save.publication, save.group
-    rank = 0 if group is None else torch.distributed.get_rank(group)
     files = tuple(sorted(save.files.values(), key=lambda f: f.path))
     algorithm, rank_rel = storage._algorithm, layout.rank_manifest_name(rank)
     try:
@@ -561,12 +551,8 @@ def _report(args: CallbackArgs) -> None:
 def _finalize(args: CallbackArgs) -> None:
     """torch_checkpointing's finalize, on every rank: rank 0 writes the manifest and the commit
     marker last; every rank raises if that failed."""
-    storage = _storage_of(args)
-    name, _ = storage._split(args.path)
-    save = storage.save_of(name)
-    group = save.group
-    rank = 0 if group is None else torch.distributed.get_rank(group)
-    failure: str | None = None
+    storage, name, save, rank = _save_of(args)
+    group, failure = save.group, None
     try:
         if rank == 0:
             try:

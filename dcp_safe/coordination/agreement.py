@@ -35,33 +35,19 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Vote:
-    """What one rank sees when a request arrives.
+    """What one rank sees when a request arrives."""
 
-    Attributes:
-        call: which manager call is voting (``"save"``, ``"wait"``, ``"preempt"``...).
-        step: the step requested (``-1`` when the call has none).
-        busy: a save is in flight or pending on this rank.
-        fallback: why this rank's automatic fallback tripped (``None``: it did not).
-        no_room: no memory for a coalesced pending copy on this rank.
-        stalled: why the save in flight is over its latency objective (``None``: it is not).
-        detail: anything else the call exchanges (a preemption's plan, a restore's name).
-        pending: the step of the coalesced save parked on this rank and not started yet.
-        broken: the save groups this rank saw fail since its last vote.
-        expired: in a round of waiting, this rank's wait passed its bound.
-        worker_ready: this rank's checkpoint worker is started and ready (``executor="process"``).
-    """
-
-    call: str
-    step: int
-    busy: bool = False
-    fallback: str | None = None
-    no_room: bool = False
-    stalled: str | None = None
-    detail: Any = None
-    pending: int | None = None
-    broken: tuple[str, ...] = ()
-    expired: bool = False
-    worker_ready: bool = False
+    call: str  # which manager call is voting ("save", "wait", "preempt"...)
+    step: int  # -1 when the call has none
+    busy: bool = False  # a save is in flight or pending on this rank
+    fallback: str | None = None  # why this rank's automatic fallback tripped
+    no_room: bool = False  # no memory for a coalesced pending copy on this rank
+    stalled: str | None = None  # why the save in flight is over its latency objective
+    detail: Any = None  # anything else the call exchanges (a preemption's plan, a restore's name)
+    pending: int | None = None  # the step of the coalesced save parked here, not started yet
+    broken: tuple[str, ...] = ()  # the save groups this rank saw fail since its last vote
+    expired: bool = False  # in a round of waiting, this rank's wait passed its bound
+    worker_ready: bool = False  # this rank's checkpoint worker is ready (executor="process")
 
 
 def groups_to_replace(votes: Sequence[Vote]) -> tuple[str, ...]:
@@ -87,11 +73,8 @@ def require_same_call(votes: Sequence[Vote]) -> None:
 
 
 class Agreement:
-    """The exchange of votes: over the manager's policy group, or within one process.
-
-    Args:
-        groups: the manager's groups (``None``: a single process, nothing is exchanged).
-    """
+    """The exchange of votes: over the manager's policy ``groups``, or within one process
+    (``None``: nothing is exchanged)."""
 
     def __init__(self, groups: ManagerGroups | None = None) -> None:
         self.groups = groups
@@ -114,7 +97,6 @@ class Agreement:
         return cls(ManagerGroups(deadline_s))
 
     def release(self) -> None:
-        """Drop the groups (the manager is closed)."""
         if self.groups is not None:
             self.groups.release()
 
@@ -132,7 +114,7 @@ class Agreement:
 
         Raises:
             CommitError: a peer died or did not answer within the deadline, or a broken save
-                group could not be replaced.
+                group could not be replaced (also from :meth:`broadcast` and the waits).
         """
         if self.groups is None:
             return [vote]
@@ -144,11 +126,7 @@ class Agreement:
         return votes
 
     def broadcast(self, value: object) -> Any:
-        """The coordinator's ``value`` on every rank (``value`` is ignored elsewhere).
-
-        Raises:
-            CommitError: as for :meth:`gather`.
-        """
+        """The coordinator's ``value`` on every rank (``value`` is ignored elsewhere)."""
         if self.groups is None:
             return value
         mine = value if self.coordinator else None
@@ -160,14 +138,9 @@ class Agreement:
         """Wait, in rounds, until every rank is ready or one rank's wait passed ``timeout_s``.
 
         Each round every rank calls ``ready(wait_s)`` (wait at most ``wait_s`` for its own
-        work; ``True`` once it is done), then votes; every rank leaves at the same round.
-
-        Returns:
-            The ranks still not ready (empty: every rank is ready).
-
-        Raises:
-            ConfigError: the ranks are in different calls.
-            CommitError: as for :meth:`gather`.
+        work; ``True`` once it is done), then votes; every rank leaves at the same round, with
+        the ranks still not ready (empty: every rank is). ConfigError: the ranks are in
+        different calls.
         """
         started = time.monotonic()
         while True:
@@ -190,8 +163,7 @@ class Agreement:
         Raises:
             BaseException: what ``work`` raised on the coordinator (unpicklable errors travel
                 as :class:`DcpSafeError` with their text).
-            CommitError: ``work`` took longer than ``timeout_s``, or as for :meth:`gather`.
-            ConfigError: the ranks are in different calls.
+            CommitError: ``work`` took longer than ``timeout_s``.
         """
         if self.groups is None:
             return work()

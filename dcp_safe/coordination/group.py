@@ -46,7 +46,6 @@ def _forget_groups() -> None:
 
 
 def validate_deadline(deadline_s: object) -> float:
-    """Return ``deadline_s`` as a float, or raise ConfigError unless it is finite and > 0."""
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
         raise ConfigError(f"deadline_s must be a number of seconds, got {deadline_s!r}")
     if not math.isfinite(deadline_s) or deadline_s <= 0:
@@ -87,7 +86,7 @@ def checkpoint_group(
 
 
 def deadline_of(group: Any) -> float | None:
-    """The deadline of ``group`` if it is one of dcp_safe's groups (``None`` otherwise)."""
+    """The deadline of ``group`` if it is one of dcp_safe's groups."""
     with _lock:
         for (_, timeout_s, _), (_, cached) in _groups.items():
             if cached is group:
@@ -123,7 +122,7 @@ def gather_objects(value: object, group: Any) -> list[Any]:
 
 
 def broadcast_object(value: object, group: Any) -> Any:
-    """The ``value`` of ``group``'s first rank, on every rank of it (ignored on the others)."""
+    """The ``value`` of ``group``'s first rank, on every rank of it."""
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
@@ -177,16 +176,12 @@ def collective_failure(
     witnesses: Iterable[object] = (),
     operation: str = "save",
 ) -> CommitError:
-    """A CommitError for a collective that failed because a peer died or hung.
+    """A CommitError for a collective that failed because a peer died or hung (``exc``, chained
+    as ``__cause__``).
 
-    Args:
-        exc: the transport's error (chained as ``__cause__``).
-        rank: this rank, in the group the collective ran on.
-        deadline_s: the group's deadline, for the message (None: not dcp_safe's group).
-        witnesses: the save's storage writer or reader; any with ``missing_ranks()`` names the
-            ranks that did not finish.
-        operation: what the collective was part of: ``"save"``, ``"load"`` or ``"vote"`` (the
-            manager's), so that a failed load is not reported as an unpublished save.
+    ``witnesses``: the save's storage writer or reader; any with ``missing_ranks()`` names the
+    ranks that did not finish. ``operation``: ``"save"``, ``"load"`` or ``"vote"`` (the
+    manager's), so that a failed load is not reported as an unpublished save.
     """
     missing = _missing_ranks(witnesses)
     why = (

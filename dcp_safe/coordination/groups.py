@@ -30,10 +30,8 @@ WORKERS = "manager-workers"
 
 
 class ManagerGroups:
-    """The three groups of one manager in a multi-rank job, with their health.
-
-    Args:
-        deadline_s: every group's timeout.
+    """The three groups of one manager in a multi-rank job, with their health; ``deadline_s`` is
+    every group's timeout.
 
     Call order: construct on every rank at the same point (creating the groups is collective);
     :meth:`group` from any thread; :meth:`replace` only where every rank calls it with the same
@@ -101,7 +99,6 @@ class ManagerGroups:
                 self.dead = CommitError("the CheckpointManager is closed: its groups are released")
 
     def collectives(self, purpose: str) -> dict[str, Any]:
-        """DCP's keyword arguments for a save or load on ``purpose``'s group."""
         return {"process_group": self.group(purpose), "deadline_s": self.deadline_s}
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> bool:

@@ -42,22 +42,14 @@ def wait_for(store: Any, key: str, timeout_s: float) -> bool:
 
 
 class PromotionBarrier:
-    """Where the ranks meet before a coalesced save starts.
-
-    Args:
-        store: the default group's store.
-        token: the manager's agreed key prefix.
-        timeout_s: the longest a rank waits for its peers (``wait_timeout_s``).
-    """
+    """Where the ranks meet before a coalesced save starts; ``timeout_s`` (``wait_timeout_s``)
+    is the longest a rank waits for its peers."""
 
     def __init__(
         self, store: Any, token: str, *, rank: int, world_size: int, timeout_s: float
     ) -> None:
-        self._store = store
-        self._prefix = f"dcp_safe/manager/{token}/coalesced"
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = timeout_s
+        self._store, self._prefix = store, f"dcp_safe/manager/{token}/coalesced"
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
 
     @classmethod
     def for_job(cls, agreement: Agreement, timeout_s: float) -> PromotionBarrier | None:
@@ -109,18 +101,11 @@ class PromotionBarrier:
 
 
 class Verdicts:
-    """Post (coordinator) and await (everyone else) the outcome of each save.
-
-    Args:
-        store: the default group's store.
-        token: the manager's agreed key prefix.
-    """
+    """Post (coordinator) and await (everyone else) the outcome of each save."""
 
     def __init__(self, store: Any, token: str, *, coordinator: bool, timeout_s: float) -> None:
-        self._store = store
-        self._prefix = f"dcp_safe/manager/{token}/verdict"
-        self.coordinator = coordinator
-        self.timeout_s = timeout_s
+        self._store, self._prefix = store, f"dcp_safe/manager/{token}/verdict"
+        self.coordinator, self.timeout_s = coordinator, timeout_s
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
 

@@ -36,32 +36,20 @@ from dcp_safe.torch_compat import default_store
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerGroup:
-    """Where one generation of workers meets: sent to each worker when it starts.
+    """Where one generation of workers meets: sent to each worker when it starts."""
 
-    Attributes:
-        host, port: the job's rendezvous store.
-        prefix: this manager's and this generation's keys there.
-        rank, world_size: the worker's place in the group (its parent's, in the job).
-        timeout_s: the group's deadline (the manager's ``deadline_s``), joining included.
-        generation: how many times the workers' group was replaced before this one.
-    """
-
-    host: str
+    host: str  # the job's rendezvous store
     port: int
-    prefix: str
-    rank: int
+    prefix: str  # this manager's and this generation's keys there
+    rank: int  # the worker's place in the group (its parent's, in the job)
     world_size: int
-    timeout_s: float
-    generation: int
+    timeout_s: float  # the group's deadline (the manager's deadline_s), joining included
+    generation: int  # how many times the workers' group was replaced before this one
 
 
 class WorkerGroups:
-    """The parent's side: which generation this rank's worker belongs to, and its failures.
-
-    Args:
-        groups: the manager's groups (their votes replace a broken workers' group).
-        token: the manager's agreed key prefix.
-    """
+    """The parent's side: which generation this rank's worker belongs to, and its failures
+    (the manager's ``groups`` votes replace a broken workers' group)."""
 
     def __init__(self, groups: ManagerGroups, token: str) -> None:
         self.groups = groups
@@ -69,7 +57,6 @@ class WorkerGroups:
         self.prefix = f"dcp_safe/manager/{token}/workers"
 
     def current(self) -> WorkerGroup:
-        """The group a worker started now joins."""
         generation = self.groups.generation(WORKERS)
         return WorkerGroup(
             host=self.host,
