@@ -23,7 +23,7 @@ import os
 import pickle
 import posixpath
 import time
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -373,25 +373,31 @@ def _check_tiling(
     for file, group in by_file.items():
         if file not in sizes:
             raise CheckpointCorruptError(where(file), "file is missing", item=group[0].describe())
-        end = 0
-        for item in group:
-            if item.start != end:
-                what = "a gap" if item.start > end else "an overlap"
-                at = f"{item.start}..{item.start + item.length}"
-                raise CheckpointCorruptError(
-                    where(file), f"{what} before the item at bytes {at}", item=item.describe()
-                )
-            end += item.length
-        if sizes[file] != end:
-            what = "truncated" if sizes[file] < end else "longer than its items"
-            raise CheckpointCorruptError(
-                where(file),
-                f"{what}: DCP's metadata puts its last item at bytes {group[-1].start}..{end}",
-                item=group[-1].describe(),
-                expected=end,
-                actual=sizes[file],
-            )
+        spans = [(i.describe(), i.start, i.length) for i in group]
+        check_tiling(where(file), spans, 0, sizes[file], "item")
     return by_file
+
+
+def check_tiling(
+    path: str, spans: Iterable[tuple[str, int, int]], begin: int, size: int, what: str
+) -> None:
+    """Raise :class:`CheckpointCorruptError` unless the ``(label, start, length)`` spans
+    (``what``: items, tensors) tile bytes ``begin`` to ``size`` of the file ``path`` back to back,
+    as ``FileSystemWriter`` writes a shard's items and the safetensors format a file's tensors."""
+    end = begin
+    for label, start, length in sorted(spans, key=lambda span: span[1:]):
+        at = f"bytes {start}..{start + length}"
+        if start != end:
+            how = "leave a gap" if start > end else "overlap"
+            why = f"{what}s {how} before the one at {at}"
+            raise CheckpointCorruptError(path, why, item=label, expected=end, actual=start)
+        end += length
+        if end > size:
+            why = f"the file ends inside this {what} (truncated), at {at}"
+            raise CheckpointCorruptError(path, why, item=label, expected=end, actual=size)
+    if end != size:
+        why = f"the file is longer than its {what}s (bytes after the last {what})"
+        raise CheckpointCorruptError(path, why, expected=end, actual=size)
 
 
 def _read_items(

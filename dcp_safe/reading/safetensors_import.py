@@ -52,6 +52,7 @@ from dcp_safe.adapters.tensor_records import tensor_bytes
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.fsspec_backend import FsspecBackend
 from dcp_safe.backends.roots import open_backend
+from dcp_safe.checkpoints.adopt import check_tiling
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 from dcp_safe.manifest.streams import read_fully, short_read
@@ -300,23 +301,9 @@ def _read_header(backend: Backend, file: str, hasher: Any) -> dict[str, _Place]:
     header = parse_json(raw, path)
     if not isinstance(header, dict):
         raise CheckpointCorruptError(path, "the safetensors header is not a JSON object")
-    base, end, data_bytes = 8 + length, 0, size - 8 - length
+    base = 8 + length
     places = {n: _place(path, file, n, e, base) for n, e in header.items() if n != _RESERVED}
-    # The tensors tile the data section exactly, in offset order.
-    for place in sorted(places.values(), key=lambda p: (p.start, p.length)):
-        if (at := place.start - base) != end:
-            raise CheckpointCorruptError(
-                path, "tensors overlap or leave a gap", item=place.name, expected=end, actual=at
-            )
-        end += place.length
-        if end > data_bytes:
-            why = "the file ends inside this tensor (truncated)"
-            raise CheckpointCorruptError(
-                path, why, item=place.name, expected=f"{end} bytes", actual=f"{data_bytes} bytes"
-            )
-    if end != data_bytes:
-        why, expected = "bytes after the last tensor", f"{end} bytes of tensor data"
-        raise CheckpointCorruptError(path, why, expected=expected, actual=data_bytes)
+    check_tiling(path, [(p.name, p.start, p.length) for p in places.values()], base, size, "tensor")
     return places
 
 
