@@ -1,17 +1,15 @@
 """A small byte protocol over one storage root, with capability flags.
 
-Higher layers (writer, reader, committer) speak only this protocol and choose their commit
-strategy from the flags — ``supports_atomic_rename`` and ``supports_exclusive_create`` — never
-from the concrete file system type. Paths are ``/``-separated and relative to the root, so the
-on-storage layout is the same on a local disk and an object store.
+Higher layers speak only this protocol and choose their commit strategy from the flags
+(``supports_atomic_rename``, ``supports_exclusive_create``), never from the file system type.
+Paths are ``/``-separated and relative to the root, so the on-storage layout is the same on a
+local disk and an object store.
 
 Every lower-layer ``OSError`` is mapped once, here, to :class:`~dcp_safe.errors.StorageError`
-naming the operation and the full path. ``FileNotFoundError`` is left as it is: callers turn it
-into the error that fits (a missing checkpoint, a missing shard).
-
-Call order and threads: a backend is used from the training thread and from writer threads at
-once; implementations hold no per-call state and must be safe for concurrent calls on different
-paths. Backends are pickled into DCP's process-based async executor, so they hold no open handles.
+naming the operation and the full path; ``FileNotFoundError`` is left as it is, for callers to
+turn into the error that fits. A backend is used from several threads at once (safe for
+concurrent calls on different paths) and pickled into DCP's process-based executor, so it holds
+no per-call state and no open handles.
 """
 
 from __future__ import annotations
@@ -33,11 +31,9 @@ MAX_WALK_DEPTH = 16
 
 @dataclass(frozen=True)
 class FileStat:
-    """What a stat says about one path: its kind and, for a file, its size."""
-
     # "link": a symbolic link, never followed (local roots); "other": a FIFO, a device...
     kind: Literal["file", "directory", "link", "other"]
-    size_bytes: int
+    size_bytes: int  # 0 for anything but a file
 
 
 def unwrapped(backend: Backend) -> Backend:
@@ -48,7 +44,6 @@ def unwrapped(backend: Backend) -> Backend:
 
 
 def too_deep(path: str) -> CheckpointCorruptError:
-    """The error for a tree nested deeper than :data:`MAX_WALK_DEPTH` folders."""
     return CheckpointCorruptError(
         path,
         f"folders nested more than {MAX_WALK_DEPTH} deep: dcp_safe never writes such a tree,"
@@ -57,12 +52,15 @@ def too_deep(path: str) -> CheckpointCorruptError:
 
 
 def not_a_file(path: str, kind: str) -> CheckpointCorruptError:
-    """The error for a path that should be a regular file and is not."""
     what = {
         "directory": "a directory",
         "link": "a symbolic link, which dcp_safe never follows beneath its root",
     }.get(kind, "a FIFO, a device or a socket")
     return CheckpointCorruptError(path, f"not a regular file ({what})")
+
+
+def _over_limit(path: str, max_bytes: int, size: str = "") -> CheckpointCorruptError:
+    return CheckpointCorruptError(path, f"{size}over the {max_bytes}-byte limit for this file")
 
 
 class Backend(abc.ABC):
@@ -86,7 +84,6 @@ class Backend(abc.ABC):
     process_local: bool = False
 
     def full_path(self, rel: str) -> str:
-        """The path or URL of ``rel``, for messages and for users."""
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
 
     def _fail(self, op: str, rel: str, exc: BaseException) -> StorageError:
@@ -107,7 +104,6 @@ class Backend(abc.ABC):
             raise FileNotFoundError(errno.ENOENT, "no such file", self.full_path(rel)) from exc
 
     def _raise_write_error(self, rel: str, exc: BaseException) -> NoReturn:
-        """Re-raise ``exc``; a lower-layer ``OSError`` becomes a StorageError naming ``rel``."""
         if isinstance(exc, OSError) and not isinstance(exc, StorageError):
             raise self._fail("write", rel, exc) from exc
         raise exc
@@ -128,37 +124,22 @@ class Backend(abc.ABC):
         """Write a small file durably. With ``exclusive``, raise FileExistsError if present."""
 
     def read_bytes(self, rel: str) -> bytes:
-        """A whole small file. Raises FileNotFoundError when absent."""
         with self.open_read(rel) as f:
             return f.read()
 
     def stat(self, rel: str) -> FileStat:
-        """The kind and size of ``rel``. Raises FileNotFoundError when absent.
-
-        This default knows files and directories only; backends that can meet other kinds
-        (a FIFO or a device on a POSIX file system) say so.
-        """
-        if self.is_dir(rel):
-            return FileStat("directory", 0)
-        return FileStat("file", self.size(rel))
+        # Files and directories only; backends that can meet other kinds (a FIFO) say so.
+        return FileStat("directory", 0) if self.is_dir(rel) else FileStat("file", self.size(rel))
 
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         """A whole control file (a marker, a manifest, a lease), read only if it is a regular
         file of at most ``max_bytes``: a directory, a FIFO, a device or an oversized file under
-        a control file's name is refused, never read or waited on.
-
-        Raises:
-            FileNotFoundError: absent.
-            CheckpointCorruptError: not a regular file, or larger than ``max_bytes``.
-        """
+        a control file's name is refused (CheckpointCorruptError), never read or waited on."""
         found = self.stat(rel)
         if found.kind != "file":
             raise not_a_file(self.full_path(rel), found.kind)
         if found.size_bytes > max_bytes:
-            raise CheckpointCorruptError(
-                self.full_path(rel),
-                f"{found.size_bytes} bytes, over the {max_bytes}-byte limit for this file",
-            )
+            raise _over_limit(self.full_path(rel), max_bytes, f"{found.size_bytes} bytes, ")
         with self.open_read(rel) as f:
             # The buffer is the file's size (one of max_bytes + 1 would be the whole cap per
             # file); it is read on to the cap only if the file grew since the stat.
@@ -166,28 +147,23 @@ class Backend(abc.ABC):
             if len(data) > found.size_bytes:
                 data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:
-            raise CheckpointCorruptError(
-                self.full_path(rel), f"over the {max_bytes}-byte limit for this file"
-            )
+            raise _over_limit(self.full_path(rel), max_bytes)
         return bytes(data)
 
     @abc.abstractmethod
-    def size(self, rel: str) -> int:
-        """Size in bytes. Raises FileNotFoundError when absent."""
+    def size(self, rel: str) -> int: ...
 
     def sizes(self, rel: str) -> dict[str, int]:
         """The size of every regular file directly under the folder ``rel``, by name, from one
-        listing where the storage lists sizes. Folders and special files are left out; empty
-        when ``rel`` is absent.
+        listing where the storage lists sizes (empty when absent).
 
         A listing is a snapshot: a caller that finds a name missing and must be sure asks
-        :meth:`size` for it. This default asks :meth:`size` for every entry.
+        :meth:`size` for it. This default asks :meth:`stat` for every entry.
         """
         found: dict[str, int] = {}
         for name in self.list_dir(rel):
-            child = f"{rel}/{name}" if rel else name
             with contextlib.suppress(FileNotFoundError):  # removed while we looked
-                entry = self.stat(child)
+                entry = self.stat(f"{rel}/{name}" if rel else name)
                 if entry.kind == "file":
                     found[name] = entry.size_bytes
         return found
@@ -247,23 +223,21 @@ class Backend(abc.ABC):
         """Remove ``rel`` and everything under it; no error when absent."""
 
     def remove_file(self, rel: str) -> None:
-        """Remove one file; no error when absent."""
         self.remove_tree(rel)
 
     def remove_empty_dir(self, rel: str) -> bool:
         """Remove the folder ``rel`` if it is empty, atomically (nothing written into it
-        meanwhile is lost); True when removed. This default removes nothing: storage without
-        real folders has no empty one."""
+        meanwhile is lost); True when removed. Storage without real folders has no empty one."""
         return False
 
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op is right where there are no dirs
-        """Make directory entries under ``rel`` durable (no-op where that has no meaning)."""
+        """Make directory entries under ``rel`` durable."""
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
-        """Atomically rename directory ``src`` to ``dst``.
+        """Atomically rename directory ``src`` to ``dst`` (``supports_atomic_rename`` only).
 
-        Only for backends with ``supports_atomic_rename``. Without ``replace``, raises
-        FileExistsError if ``dst`` exists. With ``replace``, an existing ``dst`` is swapped out
-        atomically and its new location is returned, for the caller to remove.
+        Without ``replace``, raises FileExistsError if ``dst`` exists. With ``replace``, an
+        existing ``dst`` is swapped out atomically and its new location is returned, for the
+        caller to remove.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot rename directories atomically")

@@ -9,13 +9,14 @@ the user gave it (it may well be a link to a scratch disk).
 
 The alternatives: a containment check (``realpath``, then "is it under the root?") races with
 a writer who swaps a folder for a link between the check and the open; ``openat2`` with
-``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` does this walk in the kernel in one call, but needs
-Linux 5.6 and is not in Python's ``os``; ``O_NOFOLLOW`` on the last component alone leaves
-every folder above it open to a link. The walk costs an ``openat`` per folder of the path (two
-or three for a checkpoint's files), small beside the I/O that follows.
-
+``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` does this walk in the kernel, but needs Linux 5.6 and
+is not in Python's ``os``; ``O_NOFOLLOW`` on the last component alone leaves every folder above
+it open to a link. The walk costs an ``openat`` per folder of the path, small beside the I/O.
 Tree walks are iterative, one descriptor per level, and refuse a tree deeper than
 :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` as damaged instead of recursing.
+
+Errors: a path under a file is absent (``FileNotFoundError``); a link on the way is a
+:class:`~dcp_safe.errors.CheckpointCorruptError`.
 """
 
 from __future__ import annotations
@@ -33,17 +34,15 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Beneath:
-    """Paths relative to one local root, resolved without following links below it.
+    """Paths relative to one local (absolute) root, resolved without following links below it.
 
-    Nothing is held open between calls: a descriptor of the root is opened per operation, so
-    the owner (a backend) stays picklable. ``root`` is absolute.
+    Nothing is held open between calls, so the owner (a backend) stays picklable.
     """
 
     def __init__(self, root: str) -> None:
         self.root = root
 
     def path(self, rel: str) -> str:
-        """The full path of ``rel``, for messages."""
         return os.path.join(self.root, rel) if rel else self.root
 
     def _parts(self, rel: str) -> list[str]:
@@ -54,16 +53,9 @@ class Beneath:
 
     @contextmanager
     def folder(self, rel: str, *, create: bool = False) -> Iterator[int]:
-        """A descriptor of the folder ``rel`` (``""``: the root), closed on exit.
-
-        Args:
-            create: make missing folders (never the root), as ``mkdir -p`` beneath the root.
-
-        Raises:
-            FileNotFoundError: a folder on the way is absent (and ``create`` is off).
-            NotADirectoryError: something on the way is not a folder.
-            CheckpointCorruptError: something on the way is a link.
-        """
+        """A descriptor of the folder ``rel`` (``""``: the root), closed on exit; with
+        ``create``, missing folders are made (never the root), as ``mkdir -p``.
+        NotADirectoryError: something on the way is not a folder."""
         parts = self._parts(rel)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -77,11 +69,7 @@ class Beneath:
 
     @contextmanager
     def parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
-        """``rel``'s folder (a descriptor, closed on exit) and its last component.
-
-        Raises:
-            as :meth:`folder`, for the folders above ``rel``.
-        """
+        """``rel``'s folder (a descriptor, closed on exit, as :meth:`folder`) and its name."""
         parts = self._parts(rel)
         if not parts:
             raise CheckpointCorruptError(self.root, "the root has no name beneath itself")
@@ -109,12 +97,7 @@ class Beneath:
         return self._open_folder(parent, name, rel, create=False)
 
     def open(self, rel: str, flags: int, mode: int = 0o644) -> int:
-        """``os.open`` of ``rel`` beneath the root with ``O_NOFOLLOW``: a descriptor.
-
-        Raises:
-            FileNotFoundError: absent (a path under a file too).
-            CheckpointCorruptError: ``rel`` or a folder above it is a link.
-        """
+        # ``os.open`` of ``rel`` beneath the root with ``O_NOFOLLOW``.
         try:
             with self.parent(rel) as (fd, name):
                 return self.open_in(fd, name, rel, flags, mode)
@@ -122,8 +105,7 @@ class Beneath:
             raise FileNotFoundError(errno.ENOENT, "no such file", self.path(rel)) from exc
 
     def open_in(self, folder: int, name: str, rel: str, flags: int, mode: int = 0o644) -> int:
-        """``os.open`` of ``name`` in the open ``folder`` with ``O_NOFOLLOW`` (``rel``: for
-        messages)."""
+        # ``os.open`` of ``name`` in the open ``folder`` with ``O_NOFOLLOW``.
         try:
             return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=folder)
         except OSError as exc:
@@ -134,12 +116,7 @@ class Beneath:
             raise
 
     def lstat(self, rel: str) -> os.stat_result:
-        """What is at ``rel`` itself (a link is reported as one, never followed).
-
-        Raises:
-            FileNotFoundError: absent (a path under a file too).
-            CheckpointCorruptError: a folder above ``rel`` is a link.
-        """
+        # What is at ``rel`` itself (a link is reported as one, never followed).
         if not self._parts(rel):
             return os.stat(self.root)
         try:
@@ -151,18 +128,11 @@ class Beneath:
     def walk(self, rel: str, *, remove: bool = False) -> Iterator[tuple[int, str, str]]:
         """Every entry under the folder ``rel`` that is no folder (links included, never
         followed): ``(its folder's descriptor, its path relative to rel, its name)``, folder by
-        folder.
+        folder. NotADirectoryError: ``rel`` is not a folder.
 
-        Args:
-            remove: unlink each entry once it is yielded, and each folder below ``rel`` once it
-                is empty; a link or a file swapped in for a folder meanwhile goes, unfollowed.
-                A tree too deep raises with what was above that depth removed.
-
-        Raises:
-            FileNotFoundError: ``rel`` is absent.
-            NotADirectoryError: ``rel`` is not a folder.
-            CheckpointCorruptError: ``rel`` is (or lies under) a link, or the tree is deeper
-                than :data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` folders.
+        With ``remove``, each entry is unlinked once yielded and each folder below ``rel`` once
+        empty; a link or a file swapped in for a folder meanwhile goes, unfollowed. A tree too
+        deep raises with what was above that depth removed.
         """
         with self.folder(rel) as top:
             stack = [(os.dup(top), "", *_listing(top))]
@@ -202,12 +172,8 @@ class Beneath:
                     os.close(fd)
 
     def remove(self, rel: str) -> None:
-        """Remove ``rel`` and, if it is a folder, everything under it (:meth:`walk` with
-        ``remove``); nothing when absent. A link is removed, never followed.
-
-        Raises:
-            CheckpointCorruptError: a folder above ``rel`` is a link, or the tree is too deep.
-        """
+        # ``rel`` and, for a folder, everything under it; nothing when absent. A link is
+        # removed, never followed.
         try:
             with self.parent(rel) as (parent, name):
                 found = os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -229,7 +195,7 @@ def _is_link(folder: int, name: str) -> bool:
 
 
 def _listing(fd: int) -> tuple[list[str], list[str]]:
-    """The folders and the other entries (links included) of the open folder ``fd``."""
+    # The folders and the other entries (links included) of the open folder ``fd``.
     folders: list[str] = []
     others: list[str] = []
     with os.scandir(fd) as entries:

@@ -1,24 +1,21 @@
 """Any fsspec file system (``memory://``, ``s3://``, ...) behind the backend protocol.
 
-Object stores cannot rename atomically, so this backend reports ``supports_atomic_rename=False``
-and the committer publishes by writing the ``_COMMITTED`` marker last, with an exclusive write.
+Object stores cannot rename atomically (``supports_atomic_rename=False``): the committer
+publishes by writing the ``_COMMITTED`` marker last, with an exclusive write. Exclusive create
+is reported only where it is real: on S3 once a probe shows the server honours ``If-None-Match``
+(docs/s3.md, "How a checkpoint is committed on S3"); on ``memory://`` by a check and a write
+under one lock. fsspec's generic ``mode="create"`` is check-then-write, so elsewhere the flag
+stays ``False`` and the commit takes the protocol that needs none.
 
-Exclusive create is reported only where it is real: on S3 once a probe shows the server honours
-``If-None-Match`` (docs/s3.md, "How a checkpoint is committed on S3"); on ``memory://`` by a
-check and a write under one lock. fsspec's generic ``mode="create"`` is check-then-write, so
-elsewhere the flag stays ``False`` and the commit takes the protocol that needs none.
+Streamed writes: S3 as a pipelined multipart upload (:mod:`dcp_safe.backends.s3_upload`); other
+object stores stage in the file object, and a failed write is discarded, never closed (closing
+an fsspec buffered file publishes what was written); other file systems (``memory://`` publishes
+a file as soon as it is opened) write a hidden sibling and move it into place, so a torn write
+never sits under its final name. A wrapper that names the storage it wraps as ``target_fs``
+(:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets that storage's flags and uploads.
 
-Streamed writes: S3 through s3fs as a pipelined multipart upload
-(:mod:`dcp_safe.backends.s3_upload`); other object stores stage in the file object, and a failed
-write is discarded, never closed (closing an fsspec buffered file publishes what was written);
-other file systems (``memory://`` publishes a file as soon as it is opened) write a hidden
-sibling and move it into place, so a torn write never sits under its final name.
-
-A wrapper that names the storage it wraps as ``target_fs`` (the fault-injecting
-:class:`~dcp_safe.testing.faulty_fs.FaultyFileSystem`) gets that storage's flags and upload path.
-
-Directory listings are never cached on object stores (``use_listings_cache=False`` unless the
-caller says otherwise): a stale listing would make a shard another rank wrote look missing.
+Listings are never cached on object stores (``use_listings_cache=False`` unless the caller says
+otherwise): a stale listing would make a shard another rank wrote look missing.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
 from dcp_safe import layout
-from dcp_safe.backends.backend import Backend, FileStat, not_a_file, unwrapped
+from dcp_safe.backends.backend import Backend, FileStat, _over_limit, not_a_file, unwrapped
 from dcp_safe.backends.retry import s3_error
 from dcp_safe.backends.s3_upload import (
     S3MultipartWriter,
@@ -47,13 +44,12 @@ from dcp_safe.backends.s3_upload import (
     parts_in_flight_of,
     upload_buffer_bytes,
 )
-from dcp_safe.errors import CheckpointCorruptError, StorageError
+from dcp_safe.errors import StorageError
 from dcp_safe.manifest.streams import WritableFile
 
 # File systems without real directories, whose open("wb") stages the whole object until close.
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-# File systems whose store lives in this process: a lock makes their exclusive create exact.
-_IN_PROCESS_PROTOCOLS = frozenset({"memory"})
+# memory:// lives in this process: a lock makes its exclusive create exact.
 _IN_PROCESS_CREATE = threading.Lock()
 # Whether a server honours If-None-Match, per (endpoint, root), as probed by this process.
 _PROBED: dict[tuple[str, str], bool] = {}
@@ -68,12 +64,9 @@ class FsspecBackend(Backend):
         storage_options: passed to fsspec (credentials, ``endpoint_url``, ...). On S3,
             ``max_concurrency`` (s3fs's per-file transfer concurrency) is also the number of
             parts each streamed upload keeps in flight (default 4) and ``default_block_size``
-            the part size.
+            the part size (a ConfigError if ``max_concurrency`` is not an int >= 1).
         client_retries: s3fs's own tries per request on S3 (:func:`open_backend` gives 1: the
             retry layer above owns retries); None: s3fs's default.
-
-    Raises:
-        ConfigError: ``max_concurrency`` is not an int >= 1.
     """
 
     def __init__(
@@ -87,8 +80,7 @@ class FsspecBackend(Backend):
 
         self.url = url
         options = dict(storage_options or {})
-        self.object_store = get_protocol(url) in _OBJECT_STORE_PROTOCOLS
-        if self.object_store:  # a stale listing would hide a shard another rank wrote
+        if get_protocol(url) in _OBJECT_STORE_PROTOCOLS:
             options.setdefault("use_listings_cache", False)
         self.fs: fsspec.AbstractFileSystem
         self.fs, root = url_to_fs(url, **options)
@@ -96,8 +88,8 @@ class FsspecBackend(Backend):
         # A wrapper claims nothing of its own: the storage underneath decides.
         target = self._target
         protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
-        self.object_store = self.object_store or bool(protocols & _OBJECT_STORE_PROTOCOLS)
-        self.process_local = bool(protocols & _IN_PROCESS_PROTOCOLS)
+        self.object_store = bool({get_protocol(url), *protocols} & _OBJECT_STORE_PROTOCOLS)
+        self.process_local = "memory" in protocols
         self.s3 = isinstance(target, S3FileSystem)  # under any wrapper
         # True, False, or None: to be probed on the server the first time it is asked. s3fs
         # (>= 2024.12, as pinned) sends ``pipe_file(mode="create")`` as a conditional PUT.
@@ -110,9 +102,8 @@ class FsspecBackend(Backend):
         self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """s3fs retries in its own loop (class attribute ``retries``), which no storage option
-        reaches (nor fsspec's rebuild of an unpickled file system); where RetryingBackend owns
-        retries and the deadline, the client tries once."""
+        # s3fs retries in its own loop (class attribute ``retries``), which no storage option
+        # reaches (nor fsspec's rebuild of an unpickled file system): set it on every unpickle.
         self.__dict__.update(state)
         if self.client_retries is not None and self.s3:
             self._target.retries = self.client_retries
@@ -137,27 +128,26 @@ class FsspecBackend(Backend):
         """Whether the server refuses a second ``If-None-Match: *`` create of one object.
 
         Sent to the storage under any fault-injecting wrapper: it asks about the server, and
-        must not shift a test's count of operations. A failed probe raises (and is not
-        remembered): a wrong answer either way would make two processes disagree on the lease.
-
-        Raises:
-            StorageError: the probe could not be made.
+        must not shift a test's count of operations. A failed probe raises StorageError (and is
+        not remembered): a wrong answer either way would make two processes disagree on the
+        lease.
         """
         target = self._target
         key = (str(getattr(target, "endpoint_url", None) or ""), self.root)
         if key in _PROBED:
             return _PROBED[key]
         rel = f"{layout.PROBE_PREFIX}{uuid.uuid4().hex}"
+        path = self._abs(rel)
         try:
             # A refusal of the first create can only be our own (the key is ours alone),
             # applied before a lost reply and resent by the client.
-            _create_once(target, self._abs(rel), b"first")
-            honoured = not _create_once(target, self._abs(rel), b"second")
+            _create_once(target, path, b"first")
+            honoured = not _create_once(target, path, b"second")
         except OSError as exc:
             raise self._fail("probe", rel, exc) from exc
         finally:
             with suppress(OSError, ValueError):
-                target.rm_file(self._abs(rel))
+                target.rm_file(path)
         if not honoured:
             log.warning(
                 "%s ignores If-None-Match: saves take the per-save lease protocol there", self.url
@@ -178,15 +168,12 @@ class FsspecBackend(Backend):
 
     @contextmanager
     def _open_upload(self, rel: str) -> Iterator[WritableFile]:
-        """An upload that only its ``close()`` completes: S3's pipelined multipart upload, or
-        fsspec's staged file. On any failure it is dropped (safe to repeat after a failed
-        close) and the error raised as a write of ``rel``."""
+        """An upload that only its ``close()`` completes; on any failure it is dropped (safe to
+        repeat after a failed close) and the error raised as a write of ``rel``."""
         try:
             if self._multipart:
-                block = block_size_of(self._target)
-                f: Any = S3MultipartWriter(
-                    self.fs, self._abs(rel), block, parts_in_flight=self._parts_in_flight
-                )
+                block, parts = block_size_of(self._target), self._parts_in_flight
+                f: Any = S3MultipartWriter(self.fs, self._abs(rel), block, parts_in_flight=parts)
                 drop: Callable[[], None] = f.abort
             else:
                 f = self.fs.open(self._abs(rel), "wb")
@@ -209,19 +196,19 @@ class FsspecBackend(Backend):
     @contextmanager
     def _open_via_temp(self, rel: str) -> Iterator[WritableFile]:
         head, tail = posixpath.split(rel)
-        temp = posixpath.join(head, layout.temp_file_name(tail))
+        temp = self._abs(posixpath.join(head, layout.temp_file_name(tail)))
         with self._failing("create", rel):
             # Writes make their folder, as on an object store (fsspec's auto_mkdir is off).
             if head:
                 self.fs.makedirs(self._abs(head), exist_ok=True)
-            f = self.fs.open(self._abs(temp), "wb")
+            f = self.fs.open(temp, "wb")
         try:
             with f:
                 yield f
-            self.fs.mv(self._abs(temp), self._abs(rel))
+            self.fs.mv(temp, self._abs(rel))
         except BaseException as exc:
             with suppress(OSError, ValueError):
-                self.fs.rm_file(self._abs(temp))
+                self.fs.rm_file(temp)
             self._raise_write_error(rel, exc)
 
     def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
@@ -286,9 +273,7 @@ class FsspecBackend(Backend):
                 return super().read_small(rel, max_bytes)
             raise
         if len(data) > max_bytes:
-            raise CheckpointCorruptError(
-                self.full_path(rel), f"over the {max_bytes}-byte limit for this file"
-            )
+            raise _over_limit(self.full_path(rel), max_bytes)
         return data
 
     def _ls(self, rel: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -310,7 +295,6 @@ class FsspecBackend(Backend):
                 yield name.removeprefix(prefix), entry
 
     def sizes(self, rel: str) -> dict[str, int]:
-        # Special files and folders are left out.
         return {
             name: int(entry.get("size") or 0)
             for name, entry in self._ls(rel)
@@ -349,11 +333,8 @@ class FsspecBackend(Backend):
             return {}
         except OSError as exc:
             raise self._fail("list", rel, exc) from exc
-        return {
-            str(p).rstrip("/"): info
-            for p, info in found.items()
-            if str(p).rstrip("/") == path or str(p).startswith(f"{path}/")
-        }
+        found = {str(p).rstrip("/"): info for p, info in found.items()}
+        return {p: info for p, info in found.items() if p == path or p.startswith(f"{path}/")}
 
     def modified_at(self, rel: str) -> float | None:
         known = [t for info in self._find(rel).values() if (t := _mtime(info)) is not None]
@@ -374,12 +355,11 @@ class FsspecBackend(Backend):
     # ----------------------------------------------------------------- layout
 
     def makedirs(self, rel: str) -> None:
-        if self.object_store:
-            # No directories: a prefix exists once a key is under it. s3fs's makedirs would
-            # create a missing bucket, with default settings, which a checkpoint must not do.
-            return
-        with self._failing("mkdir", rel):
-            self.fs.makedirs(self._abs(rel), exist_ok=True)
+        # On an object store, no directories: a prefix exists once a key is under it. s3fs's
+        # makedirs would create a missing bucket, with default settings, which must not happen.
+        if not self.object_store:
+            with self._failing("mkdir", rel):
+                self.fs.makedirs(self._abs(rel), exist_ok=True)
 
     def remove_tree(self, rel: str) -> None:
         # On an object store, the key ``rel`` and every key under ``rel/``: never the bucket.
@@ -392,9 +372,9 @@ class FsspecBackend(Backend):
 
 
 def write_buffer_bytes(backend: Backend) -> int | None:
-    """The most host bytes one ``open_write`` file of the backend under any wrappers (such as
-    RetryingBackend, which names it ``inner``) holds in part buffers (docs/s3.md, "Memory"): 0
-    for a backend that writes straight to files, None where fsspec buffers unseen."""
+    """The most host bytes one ``open_write`` file of the backend under any wrappers holds in
+    part buffers (docs/s3.md, "Memory"): 0 for a backend that writes straight to files, None
+    where fsspec buffers unseen."""
     backend = unwrapped(backend)
     if isinstance(backend, FsspecBackend) and backend._multipart:
         return upload_buffer_bytes(block_size_of(backend._target), backend._parts_in_flight)
@@ -426,17 +406,15 @@ def _mtime(info: dict[str, Any]) -> float | None:
         value = info.get(field)
         if isinstance(value, datetime.datetime):
             return value.timestamp()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
     return None
 
 
 def _discard(f: Any) -> None:
-    """Drop a half-written fsspec file without publishing it.
-
-    ``discard()`` aborts s3fs's multipart upload (if one was started) and drops the buffer;
-    marking the file closed keeps ``close()`` and ``__del__`` from flushing what is left.
-    """
+    """Drop a half-written fsspec file without publishing it: ``discard()`` aborts s3fs's
+    multipart upload (if one was started); marking the file closed keeps ``close()`` and
+    ``__del__`` from flushing what is left."""
     discard = getattr(f, "discard", None)
     if callable(discard):
         # If the abort itself fails, the upload stays open but invisible; a bucket lifecycle

@@ -12,37 +12,26 @@ from dcp_safe.backends.backend import Backend
 
 
 class ListedSizes:
-    """Sizes of files under ``base``, each folder listed once, on first use.
+    """Sizes of files under the folder ``base``, each folder listed once, on first use.
 
-    Args:
-        base: the folder that the relative paths given to :meth:`size` start from.
-        listed: folders already listed, by path relative to ``base`` (``""``: ``base`` itself),
-            by a caller that lists them ahead (in parallel); the others with
-            :meth:`Backend.sizes`.
+    ``listed``: folders already listed, by path relative to ``base`` (``""``: ``base`` itself),
+    by a caller that lists them ahead (in parallel).
     """
 
     def __init__(
-        self,
-        backend: Backend,
-        base: str,
-        *,
-        listed: dict[str, dict[str, int]] | None = None,
+        self, backend: Backend, base: str, *, listed: dict[str, dict[str, int]] | None = None
     ) -> None:
         self.backend = backend
         self.base = base
         self.listed: dict[str, dict[str, int]] = listed if listed is not None else {}
 
     def path(self, rel: str) -> str:
-        """``rel`` as a path relative to the backend's root."""
+        # ``rel`` as a path relative to the backend's root.
         return f"{self.base}/{rel}" if self.base else rel
 
     def size(self, rel: str) -> int:
-        """The size of the file at ``rel`` (relative to ``base``).
-
-        Raises:
-            FileNotFoundError: neither its folder's listing nor a lone ``size`` call found it.
-            OSError: storage failed (whatever :meth:`Backend.sizes` or :meth:`Backend.size` raise).
-        """
+        """The size of the file at ``rel`` (relative to ``base``); FileNotFoundError when
+        neither its folder's listing nor a lone ``size`` found it."""
         folder, _, name = rel.rpartition("/")
         if folder not in self.listed:
             self.listed[folder] = self.backend.sizes(self.path(folder) if folder else self.base)

@@ -1,9 +1,7 @@
 """POSIX backend: plain ``os`` calls beneath the root, fsync, and ``renameat2`` for publishing.
 
 fsspec's ``LocalFileSystem`` would work, but its ``mv`` is not a single ``rename(2)`` and it
-hides ``fileno()`` behind a wrapper; a checkpoint commit needs exactly rename, fsync of files and
-fsync of the parent directory, so this backend calls them directly.
-
+hides ``fileno()``; a commit needs exactly rename, fsync of files and of the parent directory.
 Every path is resolved by :class:`~dcp_safe.backends.beneath.Beneath`, never through a link.
 Files are replaced by a rename, never rewritten in place, so a file with other hard links is
 never written through; an append (the history) refuses such a file. How ``renameat2`` publishes
@@ -11,9 +9,9 @@ and why plain ``rename(2)`` may not replace: docs/architecture.md, "How a root p
 
 Durable files start their writeback early (:class:`WritebackFile`): ``sync_file_range(
 SYNC_FILE_RANGE_WRITE)`` every few MiB starts it without waiting (as RocksDB's
-``bytes_per_sync``), so the closing ``fsync`` waits for the tail only; that fsync still makes the
-file durable. Measurements: docs/benchmarks.md, "Durable commit against the raw write floor".
-Linux only; elsewhere, or once a file system refuses it for a file, files are written as before.
+``bytes_per_sync``), so the closing ``fsync`` waits for the tail only (docs/benchmarks.md,
+"Durable commit against the raw write floor"). Linux only; elsewhere, or once a file system
+refuses it for a file, the fsync alone does the work.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, FileStat, not_a_file
@@ -41,14 +39,18 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
+def _libc(name: str) -> Any:
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError):
+        return None
+
+
 def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> bool:
     """True when renameat2 did the job; False when it is unavailable here."""
-    try:
-        func = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
+    if (func := _libc("renameat2")) is None:
         return False
-    rc = func(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), ctypes.c_uint(flags))
-    if rc == 0:
+    if func(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), ctypes.c_uint(flags)) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -57,8 +59,6 @@ def _renameat2(src_dir: int, src: str, dst_dir: int, dst: str, flags: int) -> bo
 
 
 class LocalBackend(Backend):
-    """A directory on a POSIX file system."""
-
     supports_atomic_rename = True
     supports_exclusive_create = True
 
@@ -82,8 +82,6 @@ class LocalBackend(Backend):
                 )
             f = os.fdopen(fd, "wb")
             try:
-                # Durable files start their writeback as they are written, so the fsync below
-                # waits for the tail only (:class:`WritebackFile`).
                 yield WritebackFile(f) if self.fsync else f
                 f.flush()
                 if self.fsync:
@@ -101,12 +99,9 @@ class LocalBackend(Backend):
     def _open_file(
         self, rel: str, flags: int, mode: Literal["rb", "a+b"], *, sole_link: bool = False
     ) -> BinaryIO:
-        """``rel`` as a file object, refused unless it is a regular file (with ``sole_link``:
-        one with no other hard link, a name for a file outside the root).
-
-        Opened non-blocking: a FIFO under a checkpoint's name must not hang the caller; the
-        fstat then refuses anything but a regular file (a FIFO, a device such as /dev/zero).
-        """
+        # Refused unless a regular file (with ``sole_link``: with no other hard link, a name
+        # for a file outside the root). Opened non-blocking: a FIFO under a checkpoint's name
+        # must not hang the caller; the fstat then refuses it (or a device such as /dev/zero).
         fd = self._beneath.open(rel, flags | os.O_NONBLOCK, 0o644)
         try:
             found = os.fstat(fd)
@@ -125,9 +120,8 @@ class LocalBackend(Backend):
             raise
 
     def _entries(self, rel: str) -> dict[str, int | None]:
-        """The names in the folder ``rel``, each with its size if it is a regular file (no
-        link is followed). None when absent or behind a link, as a file under a file: nothing
-        of it is beneath the root."""
+        # The names in the folder ``rel``, each with its size if it is a regular file (no link
+        # followed). None when absent or behind a link, or under a file: nothing is beneath.
         found: dict[str, int | None] = {}
         try:
             with self._beneath.folder(rel) as fd, os.scandir(fd) as entries:
@@ -194,12 +188,9 @@ class LocalBackend(Backend):
         os.close(fd)
 
     def open_append(self, rel: str) -> BinaryIO:
-        """``rel`` opened to append to (created if absent), beneath the root.
-
-        Raises:
-            CheckpointCorruptError: ``rel`` is not a regular file, or has other hard links (a
-                name for a file outside the root), or lies under a link.
-        """
+        """``rel`` opened to append to (created if absent); CheckpointCorruptError when it is
+        not a regular file, has other hard links (a name for a file outside the root), or lies
+        under a link."""
         self.makedirs("")
         return self._open_file(rel, os.O_RDWR | os.O_APPEND | os.O_CREAT, "a+b", sole_link=True)
 
@@ -210,13 +201,10 @@ class LocalBackend(Backend):
         return found.st_size
 
     def _lstat(self, rel: str) -> os.stat_result | None:
-        """What is at ``rel``; None when absent, or behind a link (nothing of it is beneath)."""
-        try:
+        # None when absent, or behind a link (nothing of it is beneath the root).
+        with self._failing("stat", rel), suppress(FileNotFoundError, CheckpointCorruptError):
             return self._beneath.lstat(rel)
-        except (FileNotFoundError, CheckpointCorruptError):
-            return None
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
+        return None
 
     def exists(self, rel: str) -> bool:
         return self._lstat(rel) is not None
@@ -226,7 +214,7 @@ class LocalBackend(Backend):
         return found is not None and stat.S_ISDIR(found.st_mode)
 
     def modified_at(self, rel: str) -> float | None:
-        try:
+        with self._failing("stat", rel), suppress(FileNotFoundError):
             found = self._beneath.lstat(rel)
             newest = found.st_mtime_ns
             if stat.S_ISDIR(found.st_mode):
@@ -234,21 +222,15 @@ class LocalBackend(Backend):
                     with suppress(FileNotFoundError):  # removed while we looked
                         found = os.stat(name, dir_fd=fd, follow_symlinks=False)
                         newest = max(newest, found.st_mtime_ns)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._fail("stat", rel, exc) from exc
-        return newest / 1e9
+            return newest / 1e9
+        return None
 
     def walk_files(self, rel: str) -> Iterator[str]:
-        if not self.is_dir(rel):
-            return  # absent, or behind a link: nothing to walk (a tree too deep still raises)
-        try:
-            found = sorted(path for _, path, _ in self._beneath.walk(rel))
-        except (FileNotFoundError, NotADirectoryError):
-            return  # removed since
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
+        found: list[str] = []
+        # Absent, behind a link or removed since: nothing to walk (a tree too deep still raises).
+        if self.is_dir(rel):
+            with self._failing("list", rel), suppress(FileNotFoundError, NotADirectoryError):
+                found = sorted(path for _, path, _ in self._beneath.walk(rel))
         yield from found
 
     def makedirs(self, rel: str) -> None:
@@ -262,9 +244,7 @@ class LocalBackend(Backend):
             self._beneath.remove(rel)
 
     def remove_empty_dir(self, rel: str) -> bool:
-        """Remove the folder ``rel`` if it is empty (one ``rmdir``: nothing written into it
-        meanwhile is lost). True when removed; False when absent, not empty or no folder."""
-        try:
+        try:  # one rmdir: nothing written into it meanwhile is lost
             with self._beneath.parent(rel) as (folder, name):
                 os.rmdir(name, dir_fd=folder)
         except (FileNotFoundError, NotADirectoryError):
@@ -276,10 +256,9 @@ class LocalBackend(Backend):
         return True
 
     def sync_dir(self, rel: str) -> None:
-        if not self.fsync:
-            return
-        with self._failing("fsync", rel), self._beneath.folder(rel) as fd:
-            os.fsync(fd)
+        if self.fsync:
+            with self._failing("fsync", rel), self._beneath.folder(rel) as fd:
+                os.fsync(fd)
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
         dst_path = self._beneath.path(dst)
@@ -347,12 +326,9 @@ _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do n
 
 
 def _load() -> Callable[[int, int, int, int], int] | None:
-    try:
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
+    if (func := _libc("sync_file_range")) is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        func.restype = ctypes.c_int
     return func  # type: ignore[no-any-return]
 
 
@@ -360,12 +336,8 @@ _sync_file_range = _load()
 
 
 class WritebackFile:
-    """A new file's buffered writer that starts writeback of every ``step`` bytes written.
-
-    Args:
-        file: the file, opened for writing at offset 0 (a new file).
-        step: bytes between two writeback requests.
-    """
+    """A new file's buffered writer (``file``, at offset 0) that starts writeback of every
+    ``step`` bytes written."""
 
     def __init__(self, file: io.BufferedWriter, step: int = WRITEBACK_STEP_BYTES) -> None:
         self._file = file

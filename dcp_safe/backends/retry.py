@@ -2,28 +2,25 @@
 
 :func:`is_transient` tells accidents (``500``, ``503 SlowDown``, a dropped connection, a
 timeout) from answers (``403``, ``404``, ``412``); :func:`call_with_retries` retries accidents
-under a :class:`RetryPolicy`. The clients are set to try once, because s3fs's and botocore's own
-loops multiply when stacked and ignore our deadline (docs/architecture.md, "Transient faults and
-deadlines").
+under a :class:`RetryPolicy`; :class:`RetryingBackend` retries every small operation of a
+one-try backend. The clients underneath try once (:func:`single_try_s3_options`), because s3fs's
+and botocore's own loops multiply when stacked and ignore our deadline (docs/architecture.md,
+"Transient faults and deadlines").
 
 What reaches us from s3fs 2026.9: HTTP error replies are botocore ``ClientError`` s, which s3fs
 turns into builtin errors with the ``ClientError`` as ``__cause__`` (``NoSuchKey`` ->
 ``FileNotFoundError``, ``SlowDown`` -> ``OSError(EBUSY)``, ``InternalError`` ->
 ``OSError(EREMOTEIO)``, ``RequestTimeout`` -> ``TimeoutError``); transport failures are botocore
-errors left as they are (``ReadTimeoutError``, ``ConnectionClosedError`` for a dropped reply,
-``EndpointConnectionError``), each raised while handling the aiohttp error (``__context__``).
-:class:`~dcp_safe.backends.fsspec_backend.FsspecBackend` then wraps the ``OSError`` s in
-``StorageError``. The classifier therefore walks the ``__cause__``/``__context__`` chain until an
-exception decides. :func:`s3_error` reads the same replies for the backend's own cases.
+errors left as they are (``ReadTimeoutError``, ``ConnectionClosedError``,
+``EndpointConnectionError``), raised while handling the aiohttp error (``__context__``); the
+backend wraps ``OSError`` s in ``StorageError``. So the classifier walks the
+``__cause__``/``__context__`` chain until an exception decides.
 
-:class:`RetryingBackend` wraps a backend so that every small operation is retried, and the
-backends stay one-try; the clients underneath must try once too (:func:`single_try_s3_options`).
 An exclusive create whose reply was lost comes back as ``FileExistsError``, refused by our own
-object; aiohttp resends an idempotent ``PUT`` once on a dropped connection, so this happens even
-on what looks like the first attempt. So every such refusal is checked by reading the object
-back: the same bytes mean our write succeeded. This relies on the payloads of exclusive creates
-being unique to their writer, as dcp_safe's are (a lease names its save id; a marker holds the
-digest of a manifest that names it).
+object (aiohttp resends an idempotent ``PUT`` once on a dropped connection, so even a first
+attempt can). Every such refusal is checked by reading the object back: the same bytes mean our
+write succeeded. This relies on the payloads of exclusive creates being unique to their writer,
+as dcp_safe's are (a lease names its save id; a marker holds the digest of a manifest).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import itertools
 import logging
 import math
 import random as _random
@@ -57,13 +55,8 @@ _TRANSIENT_CODES = frozenset(
 )
 # Answers, not accidents: asking again gets the same answer. Checked before anything else, so a
 # FileNotFoundError caused by a 404 ClientError is never mistaken for the transport error below.
-_FINAL_TYPES: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    FileExistsError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-)
+_FINAL_TYPES: tuple[type[OSError], ...] = (FileNotFoundError, FileExistsError, PermissionError)
+_FINAL_TYPES += (IsADirectoryError, NotADirectoryError)
 _MAX_CHAIN = 16  # how deep to follow __cause__/__context__ (chains are short; cycles are possible)
 
 
@@ -79,21 +72,11 @@ class RetryPolicy:
 
     The n-th retry (n = 0, 1, ...) waits ``uniform(0, min(max_delay_s, base_delay_s * 2**n))``
     ("full jitter", so that ranks hit by the same throttling spread out). No attempt starts and
-    no sleep ends after ``deadline_s`` from the first attempt; an attempt already in flight is
-    bounded by the client's own connect/read timeouts, not by this policy.
-
-    Args:
-        deadline_s: wall-clock budget for one operation, all attempts and sleeps together.
-        attempts: most attempts, the first one included (1 means never retry).
-        base_delay_s: the cap of the first backoff.
-        max_delay_s: the cap of every backoff.
-        sleep, clock, random: ``time.sleep``, monotonic seconds, a uniform float in ``[0, 1)``
-            (tests pass fakes).
-        on_retry: called with the backoff's seconds before each retry (telemetry counts them:
-            ``RetryPolicy(on_retry=telemetry.on_retry)``).
-
-    Raises:
-        ConfigError: a value out of range.
+    no sleep ends after ``deadline_s`` from the first attempt (all attempts and sleeps of one
+    operation); an attempt already in flight is bounded by the client's own connect/read
+    timeouts. ``attempts`` counts the first one (1: never retry). ``sleep``, ``clock`` and
+    ``random`` are seams for tests; ``on_retry`` gets each backoff's seconds before it
+    (``RetryPolicy(on_retry=telemetry.on_retry)``). A value out of range is a ConfigError.
     """
 
     deadline_s: float = 60.0
@@ -107,12 +90,10 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         d, a, lo, hi = self.deadline_s, self.attempts, self.base_delay_s, self.max_delay_s
-        numbers = all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in (d, a, lo, hi)
-        )
+        real = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (d, a, lo, hi))
         # NaN fails every comparison.
-        if not (numbers and isinstance(a, int) and a >= 1 and 0 < d < math.inf) or not (
-            0 <= lo <= hi < math.inf
+        if not (
+            real and isinstance(a, int) and a >= 1 and 0 < d < math.inf and 0 <= lo <= hi < math.inf
         ):
             raise ConfigError(
                 "a RetryPolicy needs an int attempts >= 1, 0 < deadline_s < inf and"
@@ -120,7 +101,6 @@ class RetryPolicy:
             )
 
     def backoff_s(self, retry: int) -> float:
-        """The wait before retry number ``retry`` (0-based), jitter included."""
         cap = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(retry, 64))
         return cap * self.random()
 
@@ -154,7 +134,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _classify(exc: BaseException) -> bool | None:
-    """True or False when ``exc`` alone decides; None to look at what caused it."""
+    # True or False when ``exc`` alone decides; None to look at what caused it.
     if isinstance(exc, _FINAL_TYPES):
         return False
     if isinstance(exc, DcpSafeError):
@@ -191,8 +171,7 @@ def s3_error(exc: BaseException) -> tuple[str, int | None]:
 
 @functools.cache
 def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(transient, final) exception types from the builtins and the S3 client libraries."""
-    # s3fs, a dependency, brings both (imported here: they are slow to import).
+    # (transient, final) types. s3fs, a dependency, brings both libraries (slow to import).
     import aiohttp
     from botocore import exceptions as boto
 
@@ -204,21 +183,17 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
 
 
 def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
-    """Run ``fn``, retrying transient failures under ``policy``.
-
-    ``fn`` must be safe to run again after a transient failure; ``op_name`` ("write", ...) and
-    ``path`` (a full URL) name it in the error.
+    """Run ``fn`` (safe to run again after a transient failure), retrying transient failures.
 
     Raises:
-        StorageError: a transient failure outlasted the attempts or the deadline (the last
-            failure is its ``__cause__``), or the S3 client stack refused to send the request at
-            all (no credentials, a bad endpoint), with a hint of what to check.
+        StorageError: naming ``op_name`` and ``path``: a transient failure outlasted the
+            attempts or the deadline (the last failure is its ``__cause__``), or the S3 client
+            stack refused to send the request at all (no credentials, a bad endpoint), with a
+            hint of what to check.
         BaseException: any non-transient error from ``fn``, unchanged.
     """
     start = policy.clock()
-    attempt = 0
-    while True:
-        attempt += 1
+    for attempt in itertools.count(1):
         try:
             return fn()
         except Exception as exc:
@@ -229,32 +204,21 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
                 ):
                     raise StorageError(op_name, path, f"{failure} ({_CLIENT_HINT})") from exc
                 raise
-            delay = policy.backoff_s(attempt - 1)
-            now = policy.clock()
-            elapsed = now - start
+            delay, now = policy.backoff_s(attempt - 1), policy.clock()
             if attempt >= policy.attempts or now + delay >= start + policy.deadline_s:
-                raise StorageError(
-                    op_name,
-                    path,
-                    f"gave up after {attempt} attempt(s) in {elapsed:.1f} s (deadline"
-                    f" {policy.deadline_s:g} s); last error: {failure}",
-                ) from exc
-            logger.info(
-                "%s %s: attempt %d failed (%s); retrying in %.2f s",
-                op_name,
-                path,
-                attempt,
-                failure,
-                delay,
-            )
+                gave_up = f"gave up after {attempt} attempt(s) in {now - start:.1f} s"
+                why = f"{gave_up} (deadline {policy.deadline_s:g} s); last error: {failure}"
+                raise StorageError(op_name, path, why) from exc
+            retrying = "%s %s: attempt %d failed (%s); retrying in %.2f s"
+            logger.info(retrying, op_name, path, attempt, failure, delay)
             if policy.on_retry is not None:
                 policy.on_retry(delay)
             policy.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 def _retried(op: str, method: str) -> Any:
-    """The method ``method`` of :class:`RetryingBackend`: its inner backend's, retried whole as
-    the operation ``op`` on the path it is given first."""
+    # ``method`` of the inner backend, retried whole as the operation ``op`` on its first path.
 
     def call(self: RetryingBackend, rel: str, *args: Any) -> Any:
         return self._retry(op, rel, lambda: getattr(self.inner, method)(rel, *args))
@@ -281,7 +245,7 @@ class RetryingBackend(Backend):
 
     @property
     def supports_exclusive_create(self) -> bool:
-        """The inner backend's flag; where it probes the server, the probe is retried."""
+        # The inner backend's flag; where it probes the server, the probe is retried.
         return self._retry("probe", "", lambda: self.inner.supports_exclusive_create)
 
     @supports_exclusive_create.setter
@@ -307,7 +271,7 @@ class RetryingBackend(Backend):
         self._retry("write", rel, lambda: once(rel, data))
 
     def _create_exclusive(self, rel: str, data: bytes) -> None:
-        """One try at an exclusive create; a refusal by our own earlier write is success."""
+        # One try at an exclusive create; a refusal by our own earlier write is success.
         try:
             self.inner.write_bytes(rel, data, exclusive=True)
         except FileExistsError:
@@ -367,24 +331,15 @@ def single_try_s3_options(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """s3fs ``storage_options`` under which botocore tries each request once, with bounded
-    timeouts, so that :class:`RetryingBackend` owns retries and its deadline holds.
+    """A copy of ``storage_options`` under which botocore tries each request once, with
+    bounded timeouts, so that :class:`RetryingBackend` owns retries and its deadline holds.
 
     Settings the caller already made in ``config_kwargs`` win. s3fs's own retry loop (the class
-    attribute ``S3FileSystem.retries``, five tries) is not reachable through storage options;
-    set ``fs.retries = 1`` on the file system as well.
-
-    Args:
-        storage_options: the user's options (not modified).
-        connect_timeout_s: botocore's connect timeout for one try.
-        read_timeout_s: botocore's read timeout for one try (between bytes, not in total).
-            Long, because some servers (moto; AWS less so, it sends keep-alive whitespace)
-            answer CompleteMultipartUpload of a large object only when done: at 15 s a 1 GiB
-            upload to moto timed out. The deadline bounds when new attempts start; one attempt
-            that hangs is bounded by this timeout.
-
-    Returns:
-        A new options dict.
+    attribute ``S3FileSystem.retries``) is not reachable through storage options; set
+    ``fs.retries = 1`` on the file system as well. ``read_timeout_s`` (between bytes, for one
+    try) is long because some servers (moto; AWS less so, it sends keep-alive whitespace)
+    answer CompleteMultipartUpload of a large object only when done: at 15 s a 1 GiB upload to
+    moto timed out. The deadline bounds when attempts start; this bounds one that hangs.
     """
     options = copy.deepcopy(dict(storage_options or {}))
     config = dict(options.get("config_kwargs") or {})

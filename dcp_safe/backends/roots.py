@@ -57,8 +57,7 @@ def open_backend(
             f"no storage for {shown(url, 200)}: {shown(exc, 200)}; give a local path or a"
             " URL of an installed fsspec file system, e.g. s3://bucket/prefix"
         ) from None
-    options = dict(root.storage_options or {})
-    if protocol in _S3_PROTOCOLS:
-        options = single_try_s3_options(options)
+    options = root.storage_options
+    options = single_try_s3_options(options) if protocol in _S3_PROTOCOLS else dict(options or {})
     backend = FsspecBackend(url, options, client_retries=1)
     return RetryingBackend(backend, retry or RetryPolicy()) if backend.s3 else backend

@@ -12,18 +12,13 @@ it after every part in flight has finished, so no part lands on an aborted uploa
 names ``ChecksumAlgorithm``, so the server checks each part. A failed part is not retried here:
 the writer's retry loop rewrites the whole file.
 
-The sweeper's side (:func:`abort_stale_uploads`): dcp_safe's own incomplete uploads under a root.
-
-An upload that was never completed or aborted (a killed writer) is invisible as an object but
-is billed as storage. ``FsspecBackend`` aborts its own failed uploads at once; this collects what
-a killed process could not, for the sweeper. Other file systems have no such thing: no-op.
-
-Only uploads dcp_safe could have started are candidates: under the root, with a key of its own
-layout (``<name>/<shard, metadata, manifest...>``, :func:`dcp_safe.layout.is_own_object`). A
-bucket is shared ground: another application's upload under the same root or beside it is never
-touched. An upload whose start time the server does not report has no age; it is aborted only
-together with its save's prefix (the sweeper found that save abandoned), otherwise left to the
-bucket's lifecycle rule.
+The sweeper's side (:func:`abort_stale_uploads`): an upload never completed or aborted (a killed
+writer) is invisible as an object but billed as storage. Only uploads dcp_safe could have
+started are candidates: under the root, with a key of its own layout
+(:func:`dcp_safe.layout.is_own_object`); a bucket is shared ground, and another application's
+upload is never touched. An upload whose start time the server does not report has no age; it
+is aborted only together with its save's prefix (the sweeper found that save abandoned),
+otherwise left to the bucket's lifecycle rule.
 """
 
 from __future__ import annotations
@@ -52,19 +47,16 @@ _CONCURRENCY_OPTION = "max_concurrency"
 
 
 def block_size_of(fs: Any) -> int:
-    """The part size for ``fs``: its ``default_block_size`` (or ``blocksize``), at least 5 MiB."""
+    # The part size: ``default_block_size`` (or ``blocksize``), at least S3's 5 MiB.
     size = getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", None)
     return max(int(size or _DEFAULT_BLOCK), MIN_PART_BYTES)
 
 
 def parts_in_flight_of(fs: Any) -> int:
     """The parts one upload to ``fs`` keeps in flight: ``max_concurrency`` when the caller set
-    it in ``storage_options``, else :data:`DEFAULT_PARTS_IN_FLIGHT` (not s3fs's 10: ten 50 MiB
-    blocks per open file is more than a writer with several files open should hold unasked).
-
-    Raises:
-        ConfigError: the option is not an int >= 1.
-    """
+    it in ``storage_options`` (a ConfigError unless an int >= 1), else
+    :data:`DEFAULT_PARTS_IN_FLIGHT` (not s3fs's 10: ten 50 MiB blocks per open file is more than
+    a writer with several files open should hold unasked)."""
     options = getattr(fs, "storage_options", None) or {}
     value = options.get(_CONCURRENCY_OPTION, DEFAULT_PARTS_IN_FLIGHT)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -76,10 +68,8 @@ def parts_in_flight_of(fs: Any) -> int:
 
 
 def upload_buffer_bytes(block_size: int, parts_in_flight: int) -> int:
-    """The most block bytes one upload holds: every part in flight plus the block filling.
-
-    (The first block grows as it fills, so CPython may reserve up to an eighth more for it.)
-    """
+    # Every part in flight plus the block filling (the first block grows as it fills, so
+    # CPython may reserve up to an eighth more for it).
     return (parts_in_flight + 1) * block_size
 
 
@@ -139,22 +129,13 @@ class _BlockBody(io.BytesIO):
 
 
 class S3MultipartWriter:
-    """One object written as a pipelined multipart upload (or one PUT, if it stays small).
+    """One object (``bucket/key`` on ``fs``, anything with ``call_s3`` and ``split_path``)
+    written as a pipelined multipart upload of ``block_size`` parts, or one PUT if it stays
+    small.
 
     Call order: ``write()`` any number of times, then ``close()`` (complete) or ``abort()``
     (drop), from one thread. The part threads are this object's own. A failed ``write()`` or
     ``close()`` aborts the upload before it raises.
-
-    Args:
-        fs: an ``s3fs.S3FileSystem`` (anything with ``call_s3`` and ``split_path``).
-        path: ``bucket/key``.
-        block_size: bytes per part (:func:`block_size_of`); every part but the last is exactly
-            this size.
-        parts_in_flight: the most parts being sent at once, as :func:`parts_in_flight_of`
-            checked it.
-
-    Attributes:
-        peak_buffer_bytes: the most block bytes this upload has held at once.
     """
 
     def __init__(
@@ -177,12 +158,12 @@ class S3MultipartWriter:
         self._parts: list[Future[dict[str, Any]]] = []  # every part sent, in order
         self._in_flight: dict[Future[dict[str, Any]], bytearray] = {}
         self._pool: ThreadPoolExecutor | None = None  # started with the first part
-        self.peak_buffer_bytes = 0
+        self.peak_buffer_bytes = 0  # the most block bytes held at once
         self.closed = False
+        self.url = f"s3://{self.bucket}/{self.key}"
 
     @property
     def buffer_bytes(self) -> int:
-        """Block bytes held now: the block filling, the parts in flight, the free blocks."""
         held = [self._buf, *self._free, *self._in_flight.values()]
         return sum(len(block) for block in held)
 
@@ -195,7 +176,6 @@ class S3MultipartWriter:
         return True
 
     def write(self, data: Any) -> int:
-        """Copy ``data`` into the current block; send the block once it is full."""
         if self.closed:
             raise ValueError("I/O operation on a closed S3 upload")
         try:
@@ -204,11 +184,8 @@ class S3MultipartWriter:
                 done = 0
                 while done < view.nbytes:
                     take = min(view.nbytes - done, self.block_size - self._fill)
-                    chunk = view[done : done + take]
-                    if len(self._buf) == self._fill:
-                        self._buf += chunk  # a block not yet at full size grows
-                    else:
-                        self._buf[self._fill : self._fill + take] = chunk  # full-size: in place
+                    # In place in a full-size block; the first block grows (a slice at its end).
+                    self._buf[self._fill : self._fill + take] = view[done : done + take]
                     self._fill += take
                     done += take
                     if self._fill == self.block_size:
@@ -220,7 +197,6 @@ class S3MultipartWriter:
         return done
 
     def close(self) -> None:
-        """Complete the upload (or PUT a small file); on any failure, abort and re-raise."""
         if self.closed:
             return
         try:
@@ -244,8 +220,7 @@ class S3MultipartWriter:
         self._release()
 
     def abort(self) -> None:
-        """Drop the upload: cancel the parts not started, wait out the ones being sent, then
-        abort it server side. Quiet."""
+        # Cancel the parts not started, wait out the ones being sent, abort it server side.
         if self.closed:
             return
         for future in self._in_flight:
@@ -265,13 +240,12 @@ class S3MultipartWriter:
         return out
 
     def _last_block(self) -> bytearray:
-        """The current block cut to its data (in place: it is never filled again)."""
         del self._buf[self._fill :]
         return self._buf
 
     def _collect(self, return_when: str | None) -> None:
-        """Free the blocks of the parts finished (after waiting, if ``return_when`` says for
-        what) and raise the first failure among them."""
+        # Free the blocks of the parts finished (after waiting, if ``return_when`` says for
+        # what) and raise the first failure among them.
         if return_when is not None and self._in_flight:
             wait(list(self._in_flight), return_when=return_when)
         for future in [f for f in self._in_flight if f.done()]:
@@ -280,16 +254,13 @@ class S3MultipartWriter:
                 raise error
 
     def _send_block(self) -> None:
-        """Hand the current block to a part thread once one is free; fill a free block next."""
         if self._upload_id is None:
             out = self._call("create_multipart_upload", **_CHECKSUM)
             self._upload_id = str(out["UploadId"])
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StorageError(
-                "write",
-                f"s3://{self.bucket}/{self.key}",
-                f"more than {MAX_PARTS} parts: raise the block size",
+                "write", self.url, f"more than {MAX_PARTS} parts: raise the block size"
             )
         while len(self._in_flight) >= self.parts_in_flight:
             self._collect(FIRST_COMPLETED)
@@ -320,16 +291,13 @@ class S3MultipartWriter:
         except StorageError:
             raise
         except Exception as exc:
-            raise StorageError(
-                "write", f"s3://{self.bucket}/{self.key}", f"part {number}: {exc}"
-            ) from exc
+            raise StorageError("write", self.url, f"part {number}: {exc}") from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
         if _CHECKSUM_FIELD in out:
             part[_CHECKSUM_FIELD] = out[_CHECKSUM_FIELD]
         return part
 
     def _release(self) -> None:
-        """Stop the threads and free the blocks."""
         self.closed = True
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -340,14 +308,14 @@ class S3MultipartWriter:
 
 
 def is_bucket_root(backend: Backend) -> bool:
-    """True when the backend's root is a whole bucket (``s3://bucket``), not a prefix in one."""
+    # The root is a whole bucket (``s3://bucket``), not a prefix in one.
     backend = unwrapped(backend)
     root = str(getattr(backend, "root", "")).strip("/")
     return bool(getattr(backend, "object_store", False)) and bool(root) and "/" not in root
 
 
 def incomplete_uploads(backend: Backend) -> list[dict[str, Any]]:
-    """Incomplete multipart uploads whose key lies under the backend's root (S3 only)."""
+    # Incomplete multipart uploads whose key lies under the backend's root (S3 only).
     backend = unwrapped(backend)
     fs = getattr(backend, "fs", None)
     if fs is None or not hasattr(fs, "list_multipart_uploads"):
@@ -369,18 +337,13 @@ def abort_stale_uploads(
     uploads: list[dict[str, Any]] | None = None,
     only: str | None = None,
 ) -> tuple[str, ...]:
-    """Abort dcp_safe's uploads under the root started more than ``older_than_s`` before ``now``.
+    """Abort dcp_safe's uploads under the root started more than ``older_than_s`` before
+    ``now``; return the ``s3://bucket/key`` of each (in a dry run, that would be).
 
-    Args:
-        in_progress: checkpoint names with a save known to be live; their uploads are kept
-            whatever their start time says.
-        collected: checkpoint names whose abandoned save the caller is removing; their uploads
-            are aborted even when the server reports no start time.
-        uploads: the candidates, as :func:`incomplete_uploads` listed them (listed now if None).
-        only: the one checkpoint name whose uploads are candidates (None: every name).
-
-    Returns:
-        The ``s3://bucket/key`` of each upload aborted (or, in a dry run, that would be).
+    ``in_progress``: names with a save known to be live (kept whatever their age);
+    ``collected``: names whose abandoned save the caller is removing (aborted even without a
+    start time); ``uploads``: the candidates (:func:`incomplete_uploads` when None); ``only``:
+    the one name whose uploads are candidates.
     """
     backend = unwrapped(backend)
     aborted = []
@@ -408,12 +371,8 @@ def abort_stale_uploads(
 
 
 def abort_uploads_under(backend: Backend, name: str) -> tuple[str, ...]:
-    """Abort every dcp_safe upload under ``<name>/``, whatever its age: for a save that took
-    the name over from a dead or fenced one, before any of its own ranks started an upload.
-
-    Returns:
-        The ``s3://bucket/key`` of each upload aborted.
-    """
+    """Abort every dcp_safe upload under ``<name>/``, whatever its age (for a save that took
+    the name over from a dead or fenced one, before any of its own ranks started an upload)."""
     # An infinite "now" makes every upload old enough, one without a start time included.
     return abort_stale_uploads(
         backend, older_than_s=0.0, now=math.inf, collected=(name,), only=name
