@@ -24,7 +24,6 @@ from dcp_safe.adapters.without_collectives import Assignment as _Assignment
 from dcp_safe.adapters.without_collectives import assignment_of
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.checkpoints.node_cache import prune_node_caches, publish_node_cache, ranks_in
-from dcp_safe.commit.committer import Committer
 from dcp_safe.commit.strategy import strategy_for
 from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CommitError, ConfigError
@@ -249,16 +248,10 @@ class NodeLocalWriter(SafeStorageWriter):
             await_arrivals(
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
-            return Committer(remote, self.options).publish(
-                self._publication(assignment.save_id, remote, name),
-                world_size=assignment.world_size,
-                step=self.step,
-                metadata=metadata,
-                results=results,
-            )
         except BaseException as exc:
             self._report_failure(assignment, exc, rank=None, name=name)
             raise
+        return self._publish(assignment, metadata, results, remote, name)
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:
         def own_commit(wait_s: float = 0.0) -> None:

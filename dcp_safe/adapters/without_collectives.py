@@ -4,13 +4,10 @@ DCP then plans on every rank alone and exchanges no plans and no results, so the
 need every rank (docs/multirank.md, "Saves without collectives") go through the shared root:
 
 - **Agree** (``prepare_global_plan``): rank 0 claims the name as always, then posts the save id
-  and its plain keys with their fingerprints in the assignment file beside the checkpoints
-  (:func:`~dcp_safe.layout.assignment_file_name`), named by a key every rank of one save
-  computes alike and no earlier save of the name shares (:func:`save_key`)::
-
-      key = <run id>-<attempt>-<saves of this name begun through this writer>
-
-  The assumption: every rank's writer is made the same way and sees the same saves. Rank 0
+  and its plain keys with their fingerprints in the assignment file beside the checkpoints,
+  named by a key every rank of one save computes alike and no earlier save of the name shares
+  (:func:`save_key`: ``<run id>-<attempt>-<saves of this name begun through this writer>``;
+  it assumes every rank's writer is made the same way and sees the same saves). Rank 0
   removes the file when its save ends, so only a process killed mid-save leaves one behind, and
   its job restarts with a higher attempt (``TORCHELASTIC_RESTART_COUNT``). Without an attempt a
   crashed run's leftover could be read by the next run's first save of that name: the ranks
@@ -21,14 +18,13 @@ need every rank (docs/multirank.md, "Saves without collectives") go through the 
   copy whose fingerprint differs (:class:`DivergentStateError`, unless ``check_divergence`` is
   off). A DTensor chunk is written by the ranks at coordinate 0 of each mesh dimension it is
   replicated over.
-- **Gather** (``finish``): a rank other than 0 writes a report
-  (:func:`~dcp_safe.layout.rank_report_name`) after its rank manifest: its metadata in the
-  plain form manifests use (:mod:`dcp_safe.manifest.dcp_metadata`; its audit sums cover only
-  its blocks of a sharded tensor, rank 0 adds them up) and the checksum of its rank manifest;
-  its results are that manifest's items. A rank whose write fails leaves a failure marker
-  instead. Rank 0 polls ``_ranks/`` until every rank reported, one failed, or the deadline
-  passed, merges, and the unchanged :class:`~dcp_safe.commit.committer.Committer` verifies
-  and publishes. Reports are removed before the publish: they are no part of the checkpoint.
+- **Gather** (``finish``): a rank other than 0 writes a report after its rank manifest: its
+  metadata in the plain form manifests use (its audit sums cover only its blocks of a sharded
+  tensor, rank 0 adds them up) and the checksum of its rank manifest, whose items are its
+  results. A rank whose write fails leaves a failure marker instead. Rank 0 polls ``_ranks/``
+  until every rank reported, one failed, or the deadline passed, merges, and the unchanged
+  :class:`~dcp_safe.commit.committer.Committer` verifies and publishes. Reports are removed
+  before the publish: they are no part of the checkpoint.
 
 With a signing key, the assignment and every report carry an HMAC under it
 (:func:`~dcp_safe.manifest.signing.part_mac`): a rank takes only an assignment it authenticates
@@ -79,33 +75,23 @@ from dcp_safe.version import __version__
 _ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
 _PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
 _MASK = (1 << 64) - 1
-#: A report as rank 0 uses it: the rank's plain DCP metadata (with its audit sums where its
-#: planner recorded them) and the checksum of its rank manifest.
+#: A report as rank 0 uses it: the rank's plain DCP metadata and its rank manifest's checksum.
 _Report = tuple[Any, str | None]
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """What every rank of a save needs to know of it (the plan's ``storage_data``).
-
-    Attributes:
-        skip: plain keys this rank holds and leaves to rank 0 (a save without collectives).
-    """
+    """What every rank of a save needs to know of it (the plan's ``storage_data``)."""
 
     rank: int
     world_size: int
     save_id: str
     work_dir: str
-    skip: frozenset[str] = frozenset()
+    skip: frozenset[str] = frozenset()  # plain keys this rank leaves to rank 0 (no collectives)
 
 
 def assignment_of(plan: SavePlan) -> Assignment:
-    """The assignment a writer's ``prepare_global_plan`` gave ``plan``.
-
-    Raises:
-        ConfigError: ``plan`` was not prepared by the writer (DCP plans with the writer it is
-            given).
-    """
+    """The assignment a writer's ``prepare_global_plan`` gave ``plan`` (ConfigError if none)."""
     if not isinstance(plan.storage_data, Assignment):
         raise ConfigError(
             "write_data got a plan this writer did not prepare: pass the writer to dcp.save, "
@@ -137,7 +123,6 @@ class StorageAgreement:
 
     @property
     def path(self) -> str:
-        """The assignment file, relative to the root."""
         return layout.assignment_file_name(self.name, self.key)
 
     def agree(
@@ -212,7 +197,6 @@ class StorageAgreement:
         return str(save_id), {str(key): fingerprint for key, fingerprint in plain}
 
     def clear(self) -> None:
-        """Remove the assignment file (best effort): the save is over."""
         with contextlib.suppress(OSError, DcpSafeError):
             self.backend.remove_file(self.path)
 

@@ -58,7 +58,7 @@ from dcp_safe.coordination.markers import watch_for_commit
 from dcp_safe.errors import CheckpointExistsError, ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
-from dcp_safe.manifest.schema import FileRecord, ItemRecord, RankManifest
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.replication.copying import copy_buffer_bytes
@@ -347,18 +347,7 @@ class SafeStorageWriter(StorageWriter):
                 results,
                 on_failure=lambda exc: self._report_failure(assignment, exc, rank=None),
             )
-        try:
-            Committer(self.backend, self.options).publish(
-                self._publication(assignment.save_id),
-                world_size=assignment.world_size,
-                step=self.step,
-                metrics=self.metrics,
-                metadata=metadata,
-                results=results,
-            )
-        except BaseException as exc:
-            self._report_failure(assignment, exc, rank=None)
-            raise
+        self._publish(assignment, metadata, results)
         if self._replicator is not None and assignment.world_size == 1:
             self._replicator.submit(name)
 
@@ -369,8 +358,36 @@ class SafeStorageWriter(StorageWriter):
             save = RankSave(assignment.save_id, assignment.rank, assignment.world_size)
             self._rank_replicator.begin(self._require_name(), save)
 
+    def _publish(
+        self,
+        assignment: _Assignment,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+        on: Backend | None = None,
+        name: str | None = None,
+    ) -> Manifest:
+        """Verify every rank's results, then publish on ``on`` (default: this root); a failure
+        is reported to the ranks waiting for the commit (``name`` as for :meth:`_publication`)."""
+        try:
+            return Committer(on or self.backend, self.options).publish(
+                self._publication(assignment.save_id, on, name),
+                world_size=assignment.world_size,
+                step=self.step,
+                metrics=self.metrics,
+                metadata=metadata,
+                results=results,
+            )
+        except BaseException as exc:
+            self._report_failure(assignment, exc, rank=None, name=name)
+            raise
+
     def _report_failure(
-        self, assignment: _Assignment, exc: BaseException, *, rank: int | None, name: str = ""
+        self,
+        assignment: _Assignment,
+        exc: BaseException,
+        *,
+        rank: int | None,
+        name: str | None = None,
     ) -> None:
         """Tell the ranks waiting for this save's local commit that it will not come: ``rank``'s
         write failed, or (``None``) the publish. Best effort, through remote markers (a single

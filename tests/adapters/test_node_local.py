@@ -253,6 +253,21 @@ def test_one_process_keeps_the_newest_node_caches_and_every_remote_checkpoint(
     assert torch.equal(target["w"], _full_state(2)["w"]) and target["meta"] == {"seed": 2}
 
 
+def test_the_remote_manifest_records_the_step_and_metrics_of_a_node_local_save(
+    tmp_path: Path, memory_root: str
+) -> None:
+    # Retention's keep_best ranks checkpoints by these metrics: a node-local tier must keep them.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    options = NodeLocalOptions(remote_timeout_s=60.0, poll_s=0.01)
+    writer = NodeLocalWriter(tmp_path, remote=memory_root, node_options=options)
+    view = writer.for_step(7, {"val_loss": 0.5})
+    dcp_safe.save(_full_state(1), checkpoint_id="step_7", storage_writer=view)
+    writer.replication("step_7").result(timeout=60)
+    writer.close(timeout_s=60)
+    [info] = list_checkpoints(memory_root)
+    assert (info.name, info.step, info.metrics) == ("step_7", 7, {"val_loss": 0.5})
+
+
 @pytest.mark.multiproc
 def test_a_rank_stalled_in_its_upload_is_named_as_itself_on_every_rank(tmp_path: Path) -> None:
     """Rank 1 never uploads its part: rank 0 gives up after remote_timeout_s naming rank 1
