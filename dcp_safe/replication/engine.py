@@ -15,7 +15,6 @@ import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from types import TracebackType
 from typing import NoReturn, TypeAlias
 
 from dcp_safe import layout
@@ -42,13 +41,8 @@ class _TrackedFuture(Future[Manifest]):
 
 
 class UploadEngine:
-    """Named background jobs (the module docstring).
-
-    Args:
-        what: what the jobs do and where, for messages (``"replication to s3://b/ckpt"``).
-
-    Attributes:
-        skipped: names whose job was skipped for a newer one, oldest first.
+    """Named background jobs (the module docstring); ``what`` they do and where, for messages
+    (``"replication to s3://b/ckpt"``); ``skipped``: names skipped for a newer one, oldest first.
     """
 
     keep_done = 16  # finished futures :meth:`future` can still return
@@ -66,11 +60,8 @@ class UploadEngine:
         self._closed = False
 
     def submit(self, name: str) -> Future[Manifest]:
-        """Schedule the lane's job for ``name`` (:meth:`_run_job`).
-
-        Returns:
-            Its future: the job's manifest, or its error; a name already pending or running
-            gets its existing future back.
+        """Schedule the lane's job for ``name`` (:meth:`_run_job`): its future (a name already
+        pending or running gets its existing one back).
 
         Raises:
             InvalidCheckpointNameError: ``name`` is not a valid checkpoint name.
@@ -115,7 +106,6 @@ class UploadEngine:
             return self._futures[name]
 
     def futures(self) -> list[Future[Manifest]]:
-        """Every future still kept, oldest first."""
         with self._cond:
             return list(self._futures.values())
 
@@ -155,9 +145,7 @@ class UploadEngine:
     def __enter__(self) -> UploadEngine:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __reduce__(self) -> NoReturn:
@@ -165,8 +153,6 @@ class UploadEngine:
             f"a {type(self).__name__} owns threads and a lock and cannot be pickled; drop it"
             " in the owner's __getstate__"
         )
-
-    # ----------------------------------------------------------------- threads
 
     def _run_job(self, name: str) -> Manifest | Job:
         """The lane's job for ``name`` (a subclass's replication of it)."""

@@ -18,6 +18,7 @@ died, the deadline passed) raises the transport's error, and the group cannot be
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +41,11 @@ from dcp_safe.replication.peer_transport import (
 
 @dataclass(frozen=True)
 class PeerGroup:
-    """The ranks of a job and their nodes, on one dcp_safe-owned gloo group.
+    """The ranks of a job and their nodes, on one dcp_safe-owned gloo group."""
 
-    Attributes:
-        group: the gloo group the peer messages travel on (its timeout is their deadline).
-        rank: this rank in ``group``.
-        nodes: the node of every rank, by rank.
-    """
-
-    group: Any
-    rank: int
-    nodes: tuple[int, ...]
+    group: Any  # the peer messages travel on it; its timeout is their deadline
+    rank: int  # this rank in ``group``
+    nodes: tuple[int, ...]  # the node of every rank, by rank
 
     @property
     def node(self) -> int:
@@ -74,13 +69,11 @@ def copy_to_peers(
     keep: int | None = None,
     chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
 ) -> list[str]:
-    """Copy each node's cache of ``name`` into the node caches of ``copies - 1`` other nodes.
+    """Copy each node's cache of ``name`` into the node caches of ``copies - 1`` other nodes;
+    the peer copies committed on this rank (folders relative to ``local``).
 
     Call on every rank with the same arguments but ``local`` (this node's root). ``keep``: peer
     copies of this many checkpoints are kept on this node afterwards (``None``: all).
-
-    Returns:
-        The peer copies committed on this rank (folders relative to ``local``).
 
     Raises:
         PeerCopyError: on every rank, when any copy failed (with each failing rank's reason).
@@ -131,19 +124,12 @@ def _exchange(
     sends = [t for t in transfers if t.src == peers.rank]
     receives = [t for t in transfers if t.dst == peers.rank]
     send_errors: list[str] = []
+    send = functools.partial(send_file, peers.group, chunk_bytes=chunk_bytes)
 
     def send_all() -> None:
         for transfer in sends:
             for path, size in transfer.files:
-                error = send_file(
-                    peers.group,
-                    transfer.dst,
-                    local,
-                    f"{name}/{path}",
-                    size,
-                    tag=transfer.tag,
-                    chunk_bytes=chunk_bytes,
-                )
+                error = send(transfer.dst, local, f"{name}/{path}", size, tag=transfer.tag)
                 if error is not None:
                     send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
 
@@ -170,6 +156,7 @@ def _receive_copy(
     partial = layout.peer_partial_dir(name, transfer.node, layout.new_save_id())
     failure: str | None = raw if isinstance(raw, str) else None
     manifest, by_file = None, {}
+    receive = functools.partial(receive_file, peers.group, transfer.src, local, tag=transfer.tag)
     try:
         if isinstance(raw, bytes):
             manifest = Manifest.from_json(raw, local.full_path(name))
@@ -183,16 +170,7 @@ def _receive_copy(
             record = FileRecord(path=path, size=size)
             failure = failure or f"{path} is not in the manifest"
         try:
-            receive_file(
-                peers.group,
-                transfer.src,
-                local,
-                f"{partial}/{path}",
-                record,
-                by_file.get(path, []),
-                tag=transfer.tag,
-                chunk_bytes=chunk_bytes,
-            )
+            receive(f"{partial}/{path}", record, by_file.get(path, []), chunk_bytes=chunk_bytes)
         except (CheckpointCorruptError, OSError) as exc:
             failure = failure or f"{path} from rank {transfer.src}: {exc}"
     try:

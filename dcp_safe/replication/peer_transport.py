@@ -71,13 +71,10 @@ def send_file(
     tag: int,
     chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
 ) -> str | None:
-    """Send ``rel`` (``size`` bytes, as the manifest records) to group rank ``dst``.
-
-    Returns ``None`` when the whole file was sent, else why it could not be read (the peer then
-    got zeros for the rest and a failed status, and rejects it).
-
-    Raises:
-        RuntimeError: the transport's error (a peer died or the deadline passed).
+    """Send ``rel`` (``size`` bytes, as the manifest records) to group rank ``dst``: ``None``
+    when the whole file was sent, else why it could not be read (the peer then got zeros for
+    the rest and a failed status, and rejects it). The transport's error (a peer died or the
+    deadline passed) is raised as it is, a RuntimeError.
     """
     buffer = torch.zeros(max(1, min(chunk_bytes, size)), dtype=torch.uint8)
     view = buffer.numpy()
@@ -164,7 +161,6 @@ class _Discard(Exception):
 
 
 def _read_into(stream: Any, view: Any, rel: str) -> str | None:
-    """Fill ``view`` from ``stream``; why not, if it could not."""
     try:
         filled = 0
         while filled < len(view):

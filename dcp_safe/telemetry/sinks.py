@@ -15,6 +15,7 @@ sink is made.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import os
 import threading
@@ -161,11 +162,9 @@ _MEMORY_GAUGES = {
 
 
 class PrometheusSink(Sink):
-    """Counters, gauges and histograms of saves, updated from events and samples.
-
-    Args:
-        telemetry: when given, the sink adds itself to it, and the budget gauges read its
-            attached stagers at scrape time.
+    """Counters, gauges and histograms of saves, updated from events and samples. Given a
+    ``telemetry``, the sink adds itself to it, and the budget gauges read its attached stagers
+    at scrape time.
 
     Raises:
         ConfigError: ``prometheus_client`` is not installed.
@@ -195,10 +194,10 @@ class PrometheusSink(Sink):
         self.save_bytes = metric(
             c.Histogram, "save_bytes", "Bytes written per save.", buckets=_BYTES_BUCKETS
         )
-        self.marks = {
-            "skips": metric(counter, "skips", "Save requests skipped or coalesced away."),
-            "fallbacks": metric(counter, "fallbacks", "Switches to synchronous saves."),
-            "retries": metric(
+        self.marks = {  # by the mark's name
+            "skipped": metric(counter, "skips", "Save requests skipped or coalesced away."),
+            "fallback": metric(counter, "fallbacks", "Switches to synchronous saves."),
+            "retry": metric(
                 counter, "retries", "Storage operations retried after a transient failure."
             ),
         }
@@ -221,14 +220,12 @@ class PrometheusSink(Sink):
         # A collector too: collect() yields the memory gauges (none yet, so nothing is
         # described up front: they vary with what the host exposes).
         reg.register(self)
-        self.budget_envelope = metric(
-            c.Gauge, "budget_envelope_bytes", "The staging budget's envelope."
-        )
-        self.budget_used = metric(
-            c.Gauge, "budget_used_bytes", "Host bytes the staging pool holds."
-        )
-        self.budget_envelope.set_function(lambda: self._stager_sum("envelope_bytes"))
-        self.budget_used.set_function(lambda: self._stager_sum("pool_bytes"))
+        for name, text, stat in (
+            ("envelope_bytes", "The staging budget's envelope.", "envelope_bytes"),
+            ("used_bytes", "Host bytes the staging pool holds.", "pool_bytes"),
+        ):
+            gauge = metric(c.Gauge, f"budget_{name}", text)
+            gauge.set_function(functools.partial(self._stager_sum, stat))
         if telemetry is not None:
             telemetry.add_sink(self)
 
@@ -240,8 +237,7 @@ class PrometheusSink(Sink):
         elif event.kind is EventKind.MARK and event.name == "save_interval":
             self._interval(event.attrs)
         elif event.kind is EventKind.MARK:
-            counter = self.marks.get(_MARK_COUNTERS.get(event.name, ""))
-            if counter is not None:
+            if (counter := self.marks.get(event.name)) is not None:
                 counter.inc()
         elif event.kind is EventKind.STEP and event.duration_s is not None:
             self.step_seconds.observe(event.duration_s)
@@ -290,4 +286,3 @@ class PrometheusSink(Sink):
 
 
 _SOURCES = ["auto", "interval_s", "measured", "none"]
-_MARK_COUNTERS = {"skipped": "skips", "fallback": "fallbacks", "retry": "retries"}
