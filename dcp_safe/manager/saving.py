@@ -204,21 +204,18 @@ class SaveRunner:
         staged.add_done_callback(lambda done: _copied(done, handle.staged))
         with self.ledger.cond:
             self._last_staged = handle.staged
-        upload.add_done_callback(lambda done: self._follow(handle, done, group, worker))
+
+        def follow(done: Future[Any]) -> None:  # here if a close that gave up stopped the thread
+            try:
+                self.post.submit(self._after_upload, handle, done, group, worker)
+            except RuntimeError:
+                self._after_upload(handle, done, group, worker)
+
+        upload.add_done_callback(follow)
         if self.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
             # thread) reaches the handle's futures and the history, not this call.
             wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
-
-    def _follow(
-        self, handle: SaveHandle, upload: Future[Any], group: Any, worker: SaveWorker | None
-    ) -> None:
-        """The upload ended: follow it up on the manager thread (here, if a close that gave up
-        on it has stopped that thread: its handle is resolved already, the slot is not)."""
-        try:
-            self.post.submit(self._after_upload, handle, upload, group, worker)
-        except RuntimeError:
-            self._after_upload(handle, upload, group, worker)
 
     def wait_staged(self, timeout_s: float | None) -> None:
         with self.ledger.cond:
@@ -325,13 +322,11 @@ class SaveRunner:
             pending = None
 
     def _release(self) -> Pending | None:
-        pending = self.slot.release()
-        if pending is not None:
+        if (pending := self.slot.release()) is not None:
             self.ledger.count("started")
         return pending
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> None:
-        """A save or load on ``group`` ended with ``error``: mark the group if that broke it."""
         if self.groups is not None and self.groups.saw_failure(purpose, error, group):
             self.ledger.count("groups_broken")
 

@@ -214,41 +214,29 @@ def _spawn(command: list[str], fd: int) -> subprocess.Popen[bytes]:
 
 
 class SaveWorker:
-    """Runs saves of staged state in a worker process.
-
-    Args:
-        writer: the manager's writer, pickled to the worker once per worker.
-        slabs: the stager's shared slabs (:attr:`BudgetedStager.shared`).
-        per_rank: key prefixes saved once per rank.
-        timeout_s: the longest :meth:`close` waits when given no timeout of its own.
-        groups: with several ranks, the workers' groups (``None``: this worker saves alone).
-        adopt: called with a save's name, the plan, write and commit span events its worker
-            recorded and its replication's future (``None`` unless it succeeded and
-            replicates), before the save's future resolves; ``None``: the worker records none.
-        deep: the worker checks every byte of each new checkpoint, not only its marker and
-            manifest (:func:`~dcp_safe.worker.transport.check_commit`).
+    """Runs saves of staged state (in the stager's shared ``slabs``) in a worker process, which
+    is sent ``writer`` pickled once. ``timeout_s``: the longest :meth:`close` waits by default;
+    ``groups``: with several ranks, the workers' groups; ``adopt``: given each save's span events
+    before its future resolves (``None``: the worker records none); ``deep``: the worker checks
+    every byte of each new checkpoint (:func:`~dcp_safe.worker.transport.check_commit`).
     """
 
     def __init__(
         self,
         writer: SafeStorageWriter,
         slabs: SharedSlabs,
-        per_rank: tuple[str, ...] = (),
-        timeout_s: float = 600.0,
-        groups: WorkerGroups | None = None,
-        adopt: Adopt | None = None,
-        deep: bool = False,
+        per_rank: tuple[str, ...],
+        timeout_s: float,
+        groups: WorkerGroups | None,
+        adopt: Adopt | None,
+        deep: bool,
     ) -> None:
-        self.writer = writer
-        self.adopt = adopt
-        self.deep = deep
+        self.writer, self.per_rank, self.timeout_s, self.adopt = writer, per_rank, timeout_s, adopt
+        self.deep, self._groups = deep, groups
         self._checks: dict[str, Checked] = {}
-        self.timeout_s = timeout_s
         self._encoder = StateEncoder(slabs)
-        self.per_rank = per_rank
         self._lock = threading.Lock()
         self._process: _Process | None = None
-        self._groups = groups
         self._retired: list[_Process] = []  # of earlier generations, closing
         self._broken_at: int | None = None  # the generation this rank saw break
         self._replications: dict[str, Future[Any]] = {}
@@ -304,7 +292,6 @@ class SaveWorker:
         return done
 
     def replication(self, name: str) -> Future[Any]:
-        """The replication of ``name`` the worker reports (with ``replicate_to``)."""
         with self._lock:
             replicated = self._replications.get(name)
         # No worker replicates it (it was saved before this manager): watch the remote marker.

@@ -115,16 +115,14 @@ def _failed_staging(data: bytes) -> FailedStaging:
     return FailedStaging(error)
 
 
-def map_slab(slab: int, fd: int, size: int) -> None:
-    """In the worker: map slab ``slab`` from ``fd`` (closed here)."""
+def map_slab(slab: int, fd: int, size: int) -> None:  # in the worker; closes fd
     try:
         _MAPS[slab] = mmap.mmap(fd, size)
     finally:
         os.close(fd)
 
 
-def forget_slab(slab: int) -> None:
-    """In the worker: unmap a slab the parent closed (once no tensor views it)."""
+def forget_slab(slab: int) -> None:  # in the worker: unmapped once no tensor views it
     _MAPS.pop(slab, None)
 
 
@@ -161,21 +159,14 @@ def decode_error(data: bytes) -> BaseException:
 
 @dataclass(frozen=True)
 class Checked:
-    """A new checkpoint's check, as the worker reports it.
-
-    Attributes:
-        error: the check's error, pickled with its worker traceback
-            (:func:`~dcp_safe.worker.transport.encode_error`); ``None``: it passed.
-        digest: the manifest digest the check read (empty when it failed).
-        header: that manifest's header (``None`` when it failed).
-    """
+    """A new checkpoint's check, as the worker reports it: its error (:func:`encode_error`;
+    ``None``: it passed), or the manifest digest it read and that manifest's header."""
 
     error: bytes | None = None
     digest: str = ""
     header: CommittedHeader | None = None
 
-    def remember(self) -> None:
-        """Let this process list the checkpoint without parsing its manifest again."""
+    def remember(self) -> None:  # this process lists it without parsing its manifest again
         if self.header is not None:
             remember_header(self.digest, self.header)
 
