@@ -17,12 +17,11 @@ and a large checkpoint lists one digest per 4 MiB.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, Hasher, new_hasher
-from dcp_safe.manifest.limits import require_int
+from dcp_safe.manifest.limits import require_int, require_keys, require_list
 
 #: The block size the writer uses: small enough that a reader rounds a range up by little,
 #: large enough that the manifest grows by about 44 bytes per 4 MiB (0.001%).
@@ -78,14 +77,9 @@ class BlockDigests:
     @classmethod
     def from_dict(cls, raw: object) -> BlockDigests:
         """Raises ValueError: not an object of exactly these fields, well typed."""
-        if not isinstance(raw, Mapping) or raw.keys() != _KEYS:
-            raise ValueError("blocks must be an object of at, bytes, digests and length")
-        digests = raw["digests"]
-        if not isinstance(digests, list):
-            raise ValueError("blocks.digests must be a list")
-        return cls(
-            at=raw["at"], length=raw["length"], block_bytes=raw["bytes"], digests=tuple(digests)
-        )
+        raw = require_keys("blocks", raw, _KEYS)
+        digests = tuple(require_list("blocks.digests", raw["digests"]))
+        return cls(at=raw["at"], length=raw["length"], block_bytes=raw["bytes"], digests=digests)
 
 
 class BlockHasher:

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.limits import MAX_INT, MAX_STR
+from dcp_safe.manifest.limits import MAX_INT, MAX_STR, require_keys, require_list
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.torch_compat import StorageInfo
 
@@ -110,12 +110,9 @@ class _Budget:
 
 
 def encode_dcp_metadata(metadata: object, *, budget: int | None = None) -> dict[str, Any]:
-    """The plain form of DCP's ``Metadata`` (the ``dcp_metadata`` field of a manifest).
-
-    Args:
-        metadata: DCP's metadata, as a save's coordinator holds it or as ``.metadata`` unpickles.
-        budget: chunks, path elements and fingerprints it may visit at most (``None``: a save's
-            own metadata, trusted).
+    """The plain form (a manifest's ``dcp_metadata``) of DCP's ``Metadata``, as a save's
+    coordinator holds it or as ``.metadata`` unpickles (then visiting at most ``budget`` chunks,
+    path elements and fingerprints; ``None``: a save's own, trusted).
 
     Raises:
         ValueError: something DCP's own planners never write (a custom planner's data, an
@@ -286,23 +283,6 @@ def decode_dcp_metadata(raw: object, manifest: Manifest, path: str) -> Metadata:
         raise CheckpointCorruptError(path, f"malformed DCP metadata ({exc})") from None
 
 
-def _exact(what: str, raw: object, keys: frozenset[str]) -> Mapping[str, Any]:
-    if not isinstance(raw, dict):
-        raise ValueError(f"{what} is not an object")
-    if raw.keys() != keys:
-        missing, unknown = sorted(keys - raw.keys()), sorted(raw.keys() - keys)[:5]
-        raise ValueError(f"{what}: missing {missing}, unknown {[k[:40] for k in unknown]}")
-    return raw
-
-
-def _list(what: str, raw: object, *, at_most: int) -> list[Any]:
-    if not isinstance(raw, list):
-        raise ValueError(f"{what} is not a list")
-    if len(raw) > at_most:
-        raise ValueError(f"{what} has {len(raw)} elements, more than {at_most}")
-    return raw
-
-
 def _pair(what: str, raw: object) -> tuple[Any, Any]:
     if not isinstance(raw, list) or len(raw) != 2:
         raise ValueError(f"{what} is not a pair")
@@ -324,7 +304,7 @@ class _Decoder:
         self.keys: set[str] = set()
 
     def metadata(self, raw: object) -> Metadata:
-        top = _exact("the metadata", raw, _TOP_KEYS)
+        top = require_keys("the metadata", raw, _TOP_KEYS)
         if top["format"] != FORMAT:
             raise ValueError(f"format is not {FORMAT!r}")
         if top["version"] != VERSION:
@@ -333,7 +313,7 @@ class _Decoder:
         if version is not None and (not isinstance(version, str) or len(version) > 64):
             raise ValueError("dcp_version is not a short string")
         # Each entry takes at least one item of the manifest.
-        entries = _list("entries", top["entries"], at_most=len(self.manifest.items))
+        entries = require_list("entries", top["entries"], at_most=len(self.manifest.items))
         state = dict(self.entry(raw_entry) for raw_entry in entries)
         return Metadata(
             state_dict_metadata=state,
@@ -374,12 +354,12 @@ class _Decoder:
         return item
 
     def tensor(self, key: str, raw: object) -> TensorStorageMetadata:
-        body = _exact(f"entry {key[:80]!r}", raw, _TENSOR_KEYS)
+        body = require_keys(f"entry {key[:80]!r}", raw, _TENSOR_KEYS)
         fields: dict[str, Any] = {n: _lookup(n, table, body[n]) for n, table in _NAMED.items()}
         fields.update((n, _plain_bool(body[n], n)) for n in _FLAGS)
         properties = TensorProperties(**fields)
         size = self.dims("size", body["size"], None)
-        chunks_raw = _list("chunks", body["chunks"], at_most=len(self.manifest.items))
+        chunks_raw = require_list("chunks", body["chunks"], at_most=len(self.manifest.items))
         chunks = [
             self.chunk(key, properties.dtype, size, raw_chunk, n)
             for n, raw_chunk in enumerate(chunks_raw)
@@ -407,15 +387,15 @@ class _Decoder:
     def planner(self, raw: object) -> dict[str, Any] | None:
         if raw is None:
             return None
-        body = _exact("planner_data", raw, _PLANNER_KEYS)
+        body = require_keys("planner_data", raw, _PLANNER_KEYS)
         limit = len(self.manifest.items) + len(self.keys)
         data: dict[str, Any] = {}
-        for pair in _list("paths", body["paths"], at_most=limit):
+        for pair in require_list("paths", body["paths"], at_most=limit):
             key, path = _pair("a path", pair)
             key = _str_key(key)
             if key in data or key == layout.AUDIT_KEY:
                 raise ValueError(f"path of {key[:80]!r} given twice")
-            data[key] = tuple(map(_path_element, _list("a path", path, at_most=_MAX_PATH)))
+            data[key] = tuple(map(_path_element, require_list("a path", path, at_most=_MAX_PATH)))
         if body["audit"] is not None:
             data[layout.AUDIT_KEY] = self.audit(body["audit"], limit)
         return data
@@ -423,7 +403,7 @@ class _Decoder:
     @staticmethod
     def audit(raw: object, limit: int) -> dict[str, dict[int, int]]:
         found: dict[str, dict[int, int]] = {}
-        for pair in _list("audit", raw, at_most=limit):
+        for pair in require_list("audit", raw, at_most=limit):
             key, text = _pair("fingerprints", pair)
             key = _str_key(key)
             if not isinstance(text, str) or len(text) % 16 or len(text) > 16 * _MAX_BLOCKS:

@@ -132,6 +132,28 @@ def require_str(field: str, value: object, *, max_length: int = MAX_STR) -> str:
     return value
 
 
+def require_keys(
+    what: str, raw: object, allowed: frozenset[str], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """``raw`` if it is a JSON object of the ``allowed`` keys (each but ``optional`` present),
+    else ValueError naming a few of the missing and unknown keys."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be an object, got {type(raw).__name__}")
+    missing, unknown = sorted(allowed - optional - raw.keys()), sorted(raw.keys() - allowed)[:5]
+    if missing or unknown:
+        raise ValueError(f"{what}: missing {missing}, unknown {[k[:40] for k in unknown]}")
+    return raw
+
+
+def require_list(what: str, value: object, *, at_most: int = MAX_INT) -> list[Any]:
+    """``value`` if it is a JSON list of at most ``at_most`` elements, else ValueError."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list, got {type(value).__name__}")
+    if len(value) > at_most:
+        raise ValueError(f"{what} has {len(value)} elements, more than {at_most}")
+    return value
+
+
 def _show(value: object) -> str:
     """A short description of a rejected value (never its whole text)."""
     if isinstance(value, (bool, float)) or (isinstance(value, int) and abs(value) < 10**30):

@@ -30,6 +30,8 @@ from dcp_safe.manifest.limits import (
     MAX_STR,
     parse_json,
     require_int,
+    require_keys,
+    require_list,
     require_str,
     require_timestamp,
 )
@@ -64,8 +66,6 @@ class ItemRecord:
     blocks: BlockDigests | None = None
 
     def __post_init__(self) -> None:
-        if self.blocks is not None and not isinstance(self.blocks, BlockDigests):
-            raise ValueError("item blocks must be BlockDigests")
         if _plainly_valid(vars(self)):
             return
         if not _is_member(self.file):
@@ -102,18 +102,13 @@ class ItemRecord:
             offset = None if raw["offset"] is None else tuple(raw["offset"])
             record.__dict__.update(raw, offset=offset, transforms=tuple(raw["transforms"]))
             return record
-        _require_keys("item", raw, _ITEM_KEYS | {"blocks"}, _ITEM_KEYS)
-        offset, blocks = raw["offset"], raw.get("blocks")
-        return cls(
-            fqn=raw["fqn"],
-            offset=None if offset is None else tuple(_list("offset", offset)),
-            file=raw["file"],
-            start=raw["start"],
-            length=raw["length"],
-            checksum=raw["checksum"],
-            transforms=tuple(_list("transforms", raw["transforms"])),
-            blocks=None if blocks is None else BlockDigests.from_dict(blocks),
-        )
+        fields = dict(require_keys("item record", raw, _ITEM_KEYS | {"blocks"}, _BLOCKS))
+        fields["transforms"] = tuple(require_list("transforms", raw["transforms"]))
+        if raw["offset"] is not None:
+            fields["offset"] = tuple(require_list("offset", raw["offset"]))
+        if raw.get("blocks") is not None:
+            fields["blocks"] = BlockDigests.from_dict(raw["blocks"])
+        return cls(**fields)
 
     def describe(self) -> str:
         return self.fqn if self.offset is None else f"{self.fqn}@{list(self.offset)}"
@@ -144,27 +139,16 @@ class FileRecord:
         Raises:
             ValueError: a missing or unknown key, or a field of the wrong type or range.
         """
-        _require_keys("file", raw, _FILE_KEYS, _FILE_KEYS - {"checksum"})
-        return cls(path=raw["path"], size=raw["size"], checksum=raw.get("checksum"))
+        return cls(**require_keys("file record", raw, _FILE_KEYS, frozenset({"checksum"})))
 
 
 _ITEM_KEYS = frozenset(("fqn", "offset", "file", "start", "length", "checksum", "transforms"))
 _FILE_KEYS = frozenset(("path", "size", "checksum"))
+_BLOCKS = frozenset({"blocks"})
 _KNOWN_ALGORITHMS = frozenset(a.value for a in ChecksumAlgorithm)
 _MAX_CHECKSUM_CHARS = 512
 _MAX_TRANSFORM_CHARS = 64
 _SEQUENCES = (list, tuple)
-
-
-def _require_keys(
-    what: str, raw: Mapping[str, Any], allowed: frozenset[str], required: frozenset[str]
-) -> None:
-    keys = raw.keys()
-    if keys == allowed:
-        return
-    missing, unknown = sorted(required - keys), sorted(keys - allowed)
-    if missing or unknown:
-        raise ValueError(f"{what} record: missing {missing}, unknown {unknown}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -403,13 +387,7 @@ def _dumps(value: object) -> str:
 
 def _records(field: str, value: object) -> list[dict[str, Any]]:
     """A JSON list of objects (a string or a mapping would iterate as something else)."""
-    records = _list(field, value)
+    records = require_list(field, value)
     if not all(isinstance(r, dict) for r in records):
         raise ValueError(f"{field} must be a list of objects")
     return records
-
-
-def _list(field: str, value: object) -> list[Any]:
-    if not isinstance(value, list):
-        raise ValueError(f"{field} must be a list, got {type(value).__name__}")
-    return value
