@@ -86,16 +86,15 @@ def list_checkpoints(
             ``DCP_SAFE_SIGNING_KEY`` if set): with a key, nothing else counts.
     """
     backend = open_backend(root, storage_options)
-    key = resolve_key(signing_key)
     found = []
-    for header in accepted_headers(backend, key, damaged=on_damaged or _log_damaged):
+    for header in accepted_headers(backend, resolve_key(signing_key), damaged=on_damaged or _log):
         fields = dataclasses.asdict(header)
         fields["size_bytes"] = fields.pop("total_bytes")
         found.append(CheckpointInfo(path=backend.full_path(header.name), **fields))
     return sorted(found, key=lambda info: recency(info.step, info.created_at, info.name))
 
 
-def _log_damaged(name: str, exc: CheckpointCorruptError) -> None:
+def _log(name: str, exc: CheckpointCorruptError) -> None:
     log.warning("not listed: %s is damaged (%s)", name, exc)
 
 

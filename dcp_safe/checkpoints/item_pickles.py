@@ -55,11 +55,7 @@ _UNSAFE_FOR_MEMORY = "decoding it would take more memory than the item declares"
 
 def scan(data: bytes | memoryview, path: str, item: str, *, max_ops: int) -> frozenset[str]:
     """Read ``data``'s opcodes without building anything; the refused ones it holds.
-
-    Raises:
-        UnsafeCheckpointError: more than ``max_ops`` opcodes.
-        CheckpointCorruptError: not a pickle.
-    """
+    UnsafeCheckpointError: more than ``max_ops`` opcodes; CheckpointCorruptError: no pickle."""
     found: set[str] = set()
     try:
         for count, (opcode, _, _) in enumerate(pickletools.genops(io.BytesIO(data))):
@@ -153,15 +149,10 @@ _PLAIN: dict[tuple[str, str], Callable[..., Any]] = {
 
 
 class ItemUnpickler(pickle.Unpickler):
-    """Loads an item's ``data.pkl`` (already :func:`scan`-ned) from its own archive.
-
-    Args:
-        path, item: for errors.
-        plain_data: an object item (plain containers, numbers, strings, tensors); else a
-            tensor item (the tensor rebuilders only).
-        materialize: build tensors (a load). ``False`` (deep verification): check each view
-            against its record and return meta tensors, reading no tensor bytes.
-    """
+    """Loads an item's ``data.pkl`` (already :func:`scan`-ned) from its own archive: an object
+    item's (``plain_data``: plain containers, numbers, strings, tensors), else a tensor item's
+    (the tensor rebuilders only). ``materialize=False`` (deep verification) checks each view
+    against its record and returns meta tensors, reading no tensor bytes."""
 
     def __init__(
         self,
@@ -338,7 +329,5 @@ def _check_view(
         if size > 1 and (size > elements or stride > elements):
             raise pickle.UnpicklingError("a tensor larger than its storage")
         last += (size - 1) * stride
-        if last >= elements:
-            raise pickle.UnpicklingError("a tensor larger than its storage")
     if last >= elements:
         raise pickle.UnpicklingError("a tensor larger than its storage")

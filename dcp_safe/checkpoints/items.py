@@ -1,21 +1,15 @@
 """One item's bytes to what it holds, bounded by what the checkpoint declares for it, without
-running code from storage.
+running code from storage (threat model: docs/integrity.md, "Loading never runs code from the
+checkpoint").
 
 Three steps, each bounded before it allocates: its transforms (zstd inflated in chunks, no
-further than the item may hold: one byte more is an
-:class:`~dcp_safe.errors.UnsafeCheckpointError`), its ``torch.save`` archive
+further than the item may hold), its ``torch.save`` archive
 (:mod:`dcp_safe.checkpoints.torch_zip`), its pickle (:mod:`dcp_safe.checkpoints.item_pickles`).
 The reader and deep verification both decode through here, so what verifies is what loads.
 Plain tensors laid out exactly as ``torch.save`` writes them never come here
-(:mod:`dcp_safe.reading.tensors`).
-
-A non-tensor (object) item is decoded by the bounded unpickler and DCP's planner is handed a
-stream re-serialized from that safe value, so it can only rebuild what was admitted; an
-``io.BytesIO`` entry is rebuilt from its bytes by :class:`_BytesIOUnpickler`, an exact decoder
-of what ``torch.save(BytesIO)`` writes. Anything else raises
-:class:`~dcp_safe.errors.UnsafeCheckpointError`. ``.metadata`` is unpickled only for a root the
-caller trusts (``allow_pickle=True``: :mod:`dcp_safe.checkpoints.metadata`). The threat model:
-docs/integrity.md, "Loading never runs code from the checkpoint".
+(:mod:`dcp_safe.reading.tensors`). DCP's planner is handed an object item re-serialized from
+its safe decode, so it can only rebuild what was admitted; a pickled ``io.BytesIO`` has an
+exact decoder of its own.
 
 Deep verification's last step (:func:`check_loadable`): checksums do not prove decoding is safe
 (whoever writes the root re-checksums a planted pickle), so DCP's metadata and every item go
@@ -173,11 +167,9 @@ def _unpickler(
         return found
     if refused:
         uses = ", ".join(sorted(refused))
-        reason = (
-            f"the object is not plain data (its pickle uses {uses})"
-            if plain_data
-            else f"the tensor's pickle uses {uses}"
-        )
+        reason = f"the tensor's pickle uses {uses}"
+        if plain_data:
+            reason = f"the object is not plain data (its pickle uses {uses})"
         raise UnsafeCheckpointError(path, reason, item=item)
     return ItemUnpickler(
         archive, pickled, path, item, plain_data=plain_data, materialize=materialize
@@ -287,12 +279,8 @@ def sanitized_object_stream(
     *,
     allow_pickle: bool = False,
 ) -> io.BytesIO:
-    """A stream the planner may ``torch.load`` as it likes: re-serialized from a safe decode.
-
-    Raises:
-        UnsafeCheckpointError: the item holds more than plain data and its own tensors.
-        CheckpointCorruptError: it is not something ``torch.save`` wrote.
-    """
+    """A stream the planner may ``torch.load`` as it likes: re-serialized from a safe decode
+    (errors as :func:`decode_object`'s)."""
     if allow_pickle:
         return payload if isinstance(payload, io.BytesIO) else io.BytesIO(payload)
     data = payload.getbuffer() if isinstance(payload, io.BytesIO) else payload
@@ -360,9 +348,8 @@ def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
 def check_loadable(
     backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
 ) -> int:
-    """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them.
-
-    Returns the number of object items checked. ``allow_pickle``: as in the module docstring.
+    """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them;
+    the number of object items checked. ``allow_pickle``: as in the module docstring.
 
     Raises:
         UnsafeCheckpointError: an object item refers to more than plain data, an item decodes

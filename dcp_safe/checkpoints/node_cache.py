@@ -2,16 +2,12 @@
 checkpoints committed on the shared remote root. This module owns that layout: publishing,
 opening, listing and pruning both (docs/architecture.md, "Node caches", "The peer tier").
 
-The node cache ``<root>/<name>/`` holds that node's shard files and rank manifests, copies of
-the remote ``manifest.json`` and ``.metadata``, and a ``_NODE_COMMITTED`` marker (written before
-the rename, so a cache under its name is always whole), never ``_COMMITTED``: everything that
-looks for checkpoints passes it by.
-
-A peer copy ``<root>/.peers/<name>/from_node_NNNNN/`` holds node N's files of ``name`` (shard
-files, rank manifests, ``.metadata``), the remote ``manifest.json``, and a ``_PEER_COMMITTED``
-marker with the manifest's digest, written last, inside a hidden partial folder that is then
-renamed into place: a peer copy under its name is always whole. It is used only where that
-manifest is the remote's committed one.
+The node cache ``<root>/<name>/`` holds that node's share and copies of the remote
+``manifest.json`` and ``.metadata``, marked ``_NODE_COMMITTED``, never ``_COMMITTED``:
+everything that looks for checkpoints passes it by. A peer copy
+``<root>/.peers/<name>/from_node_NNNNN/`` holds node N's share and the remote manifest, marked
+``_PEER_COMMITTED``; it is used only where that manifest is the remote's committed one. Both
+are whole under their name (:func:`~dcp_safe.checkpoints.committed.publish_marked`).
 
 Why under a hidden ``.peers/``: a node cache's ``<name>/`` is that node's own share (its
 ``_NODE_COMMITTED`` says so); another node's share beside it would make ``list_node_caches``

@@ -373,17 +373,16 @@ def _acquire_exclusive(
 def _clear_after_takeover(
     backend: Backend, name: str, lease: str, keep: Callable[[str], bool]
 ) -> None:
-    """Holding ``lease`` after a takeover: refuse a committed name, else remove what the
-    taken-over save left under ``<name>/``: every object ``keep`` (given its path relative to
-    ``<name>/``) refuses, and every incomplete multipart upload there (none is this save's: it
-    clears before any of its ranks writes).
+    """Holding ``lease`` after a takeover: refuse a committed name (the taken-over writer
+    published in the round trip after its last check), else remove what the taken-over save
+    left under ``<name>/``: every object ``keep`` (given its path relative to ``<name>/``)
+    refuses, and every incomplete multipart upload there (none is this save's: it clears before
+    any of its ranks writes). The one listing shows the marker and the leftovers at once.
 
-    Only a committed name (also one the taken-over writer published in the round trip after
-    its last check) withdraws the lease: any other failure keeps it, so that no save claims
-    the name over the leftovers before the next takeover (or the sweeper) clears them.
+    Only a committed name withdraws the lease: any other failure keeps it, so that no save
+    claims the name over the leftovers before the next takeover (or the sweeper) clears them.
     """
     try:
-        _refuse_if_committed(backend, name)
         files = list(backend.walk_files(name))
         if layout.COMMITTED_MARKER in files:
             raise CheckpointExistsError(

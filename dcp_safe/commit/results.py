@@ -16,7 +16,7 @@ import logging
 import pickle
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -73,12 +73,7 @@ def attach_report(results: Sequence[WriteResult], report: RankReport) -> list[Wr
     if not results:
         return list(results)
     first = results[0]
-    carried = WriteResult(
-        index=first.index,
-        size_in_bytes=first.size_in_bytes,
-        storage_data=ReportedItem(first.storage_data, report),
-    )
-    return [carried, *results[1:]]
+    return [replace(first, storage_data=ReportedItem(first.storage_data, report)), *results[1:]]
 
 
 def records_by_rank(

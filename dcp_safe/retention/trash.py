@@ -36,12 +36,8 @@ from dcp_safe.topology import RootLike
 
 
 def trash(backend: Backend, name: str) -> None:
-    """Move committed checkpoint ``name`` to the trash (module docstring).
-
-    Raises:
-        CheckpointNotFoundError: ``name`` is not committed (gone, or trashed already).
-        OSError: a storage step failed; ``name`` is still committed, or in the trash.
-    """
+    """Move committed checkpoint ``name`` to the trash (CheckpointNotFoundError: it is not
+    committed). A storage step's OSError leaves it committed, or in the trash."""
     try:
         marker = backend.read_small(f"{name}/{layout.COMMITTED_MARKER}", CONTROL_MAX_BYTES)
     except FileNotFoundError:
