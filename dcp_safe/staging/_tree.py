@@ -33,8 +33,8 @@ _PARAMETER = torch.nn.Parameter
 
 
 def is_stateful(value: object) -> bool:
-    """Whether DCP treats ``value`` as ``Stateful`` (a model, an optimizer): duck typed, since
-    ``isinstance`` on the runtime protocol costs ~25 us a value."""
+    # Whether DCP treats ``value`` as ``Stateful`` (a model, an optimizer): duck typed, since
+    # ``isinstance`` on the runtime protocol costs ~25 us a value.
     return (
         not isinstance(value, torch.Tensor | Mapping)
         and hasattr(value, "state_dict")
@@ -49,7 +49,7 @@ def state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def stageable(value: object) -> bool:
-    """Whether ``value`` is a tensor the pool can hold: dense, strided, not a subclass."""
+    # A tensor the pool can hold: dense, strided, not a subclass.
     return (
         type(value) in (torch.Tensor, torch.nn.Parameter)
         and isinstance(value, torch.Tensor)
@@ -60,20 +60,15 @@ def stageable(value: object) -> bool:
 
 
 def collect_tensors(obj: object) -> list[torch.Tensor]:
-    """The distinct stageable tensors of ``obj`` (DTensors contribute their local shard).
-
-    Order is the walk order, so two walks of the same state give the same list.
-    """
+    """The distinct stageable tensors of ``obj`` (DTensors contribute their local shard), in
+    walk order, so two walks of the same state give the same list."""
     return list({id(t): t for t in scan(obj).candidates if stageable(t)}.values())
 
 
 class Layout:
-    """One walk of a state dict: its candidate tensors, in walk order, and its layout key.
-
-    The key is computed on first use: the walk alone is what ``stage()`` pays on the training
-    thread while the state's structure is unchanged (see
-    :meth:`~dcp_safe.staging.plan.PlanCache.speculate`).
-    """
+    """One walk of a state dict: its candidate tensors, in walk order, and its layout key,
+    computed on first use: the walk alone is what ``stage()`` pays on the training thread while
+    the state's structure is unchanged (:meth:`~dcp_safe.staging.plan.PlanCache.speculate`)."""
 
     __slots__ = ("_key", "candidates", "structure")
 
@@ -98,7 +93,7 @@ class Layout:
 
 
 def scan(state: object) -> Layout:
-    """Walk ``state`` once: the tensors DCP's planner would see, and its containers."""
+    # One walk: the tensors DCP's planner would see, and the containers.
     candidates: list[torch.Tensor] = []
     structure: list[Any] = []
     _visit(state, candidates, structure)
@@ -133,11 +128,8 @@ def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) ->
 
 
 def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
-    """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy.
-
-    Every key of ``staged`` must be the ``id`` of a tensor in ``obj`` that the caller keeps
-    alive, so the ids stay valid.
-    """
+    """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy (every
+    key the ``id`` of a tensor in ``obj`` that the caller keeps alive, so the ids stay valid)."""
     return _copy(obj, dict(staged))
 
 

@@ -38,37 +38,22 @@ class Admission:
 class MemoryBudget:
     """The host-memory envelope for checkpoint staging, for this rank.
 
-    Every size describes the whole node (or container); ``share`` then says which part of the
-    node's envelope is this rank's. With ``share=1`` (the default) the rank has the node to
-    itself and the per-rank figures equal the node's.
-
-    Args:
-        usable_bytes: usable RAM: the cgroup limit when set, else ``MemTotal``.
-        training_peak_bytes: the measured steady training peak (RSS) of the node, all of its
-            ranks together. When given, the envelope is ``usable - peak - other - reserve``.
-        available_bytes: measured ``MemAvailable`` (or cgroup headroom); used when no training
-            peak is given. When neither is given, all of ``usable_bytes`` counts as available.
-        other_consumers_bytes: memory other consumers will take that the measurement does not
-            show yet (a data loader that grows, a sidecar).
-        reserve_bytes: memory kept free for the OS and page cache. Overrides
-            ``reserve_fraction`` when given.
-        reserve_fraction: the reserve as a fraction of ``usable_bytes``.
-        source, share_source: how ``usable_bytes`` and ``share`` were found, for messages.
-        share: this rank's fraction of the node's envelope, in ``(0, 1]`` (``1/8`` for one of
-            8 ranks on the node); the per-rank properties are the node's figures times it.
-
-    Raises:
-        ConfigError: a negative size, a fraction outside ``[0, 1)``, a share outside
-            ``(0, 1]``, or no usable RAM.
+    Every size describes the whole node (or container); ``share`` (in ``(0, 1]``: ``1/8`` for one
+    of 8 ranks on the node) says which part of the node's envelope is this rank's, and the
+    per-rank properties are the node's figures times it. When ``training_peak_bytes`` is given,
+    the envelope is ``usable - peak - other - reserve``; else ``available_bytes`` stands for
+    ``usable - peak``; else all of ``usable_bytes`` counts as available. A negative size, a
+    fraction outside ``[0, 1)``, a share outside ``(0, 1]`` or no usable RAM is a ConfigError.
     """
 
-    usable_bytes: int
-    training_peak_bytes: int | None = None
-    available_bytes: int | None = None
+    usable_bytes: int  # the cgroup limit when set, else MemTotal
+    training_peak_bytes: int | None = None  # the node's steady training RSS, all ranks
+    available_bytes: int | None = None  # measured MemAvailable (or cgroup headroom)
+    # What other consumers will take that the measurement does not show yet (a sidecar).
     other_consumers_bytes: int = 0
-    reserve_bytes: int | None = None
-    reserve_fraction: float = 0.15
-    source: str = "given"
+    reserve_bytes: int | None = None  # kept free for the OS and page cache; else the fraction
+    reserve_fraction: float = 0.15  # of usable_bytes
+    source: str = "given"  # how usable_bytes was found, for messages
     share: float = 1.0
     share_source: str = "given"
 
@@ -89,30 +74,25 @@ class MemoryBudget:
 
     @property
     def node_reserve(self) -> int:
-        """The node's OS reserve in bytes (what a node-wide available reading is compared with)."""
         given = self.reserve_bytes
         return int(self.usable_bytes * self.reserve_fraction) if given is None else given
 
     @property
     def reserve(self) -> int:
-        """This rank's part of the OS reserve in bytes: ``node_reserve`` times ``share``,
-        rounded up (so the ranks' envelopes never sum to more than the node's)."""
+        # Rounded up, so the ranks' envelopes never sum to more than the node's.
         return -self._part(-self.node_reserve)
 
     @property
     def base_available_bytes(self) -> int:
-        """This rank's part of the memory available to staging and the reserve, before the
-        stager holds anything: the node's figure times ``share``."""
+        # This rank's part of what staging and the reserve may take before the stager holds any.
         return self._part(self._node_base_available_bytes)
 
     @property
     def envelope_bytes(self) -> int:
-        """The most host bytes this rank's staging may hold at once (never negative)."""
         return max(0, self.base_available_bytes - self.reserve)
 
     @property
     def node_envelope_bytes(self) -> int:
-        """The node's envelope, all ranks together (equals ``envelope_bytes`` when share is 1)."""
         return max(0, self._node_base_available_bytes - self.node_reserve)
 
     @property
@@ -132,7 +112,6 @@ class MemoryBudget:
         return node_bytes * fraction.numerator // fraction.denominator
 
     def explain(self) -> str:
-        """Say how the envelope was computed, with every term (and this rank's share)."""
         reserve = f"reserve {format_bytes(self.node_reserve)}"
         if self.reserve_bytes is None:
             reserve += f" ({self.reserve_fraction:.0%} of usable)"
@@ -160,11 +139,7 @@ class MemoryBudget:
         )
 
     def check_fits(self, request_bytes: int) -> None:
-        """Refuse a state that could never be admitted, however long it waited.
-
-        Raises:
-            BudgetExceededError: ``request_bytes`` is larger than the whole envelope.
-        """
+        # A state that could never be admitted, however long it waited.
         if request_bytes > self.envelope_bytes:
             raise BudgetExceededError(
                 f"state needs {format_bytes(request_bytes)} of host staging memory, more than the"
@@ -175,17 +150,9 @@ class MemoryBudget:
     def admit(
         self, *, request_bytes: int, projected_bytes: int, in_flight: int, max_in_flight: int
     ) -> Admission:
-        """Decide whether one more generation may start now.
-
-        Args:
-            request_bytes: bytes the new generation stages (its whole state).
-            projected_bytes: bytes the stager would hold in all, this generation included, after
-                reusing what it can.
-            in_flight: generations admitted whose buffers are not yet released.
-
-        Raises:
-            BudgetExceededError: ``request_bytes`` is larger than the whole envelope.
-        """
+        """Whether one more generation, staging ``request_bytes`` (BudgetExceededError if it is
+        more than the whole envelope), may start now; ``projected_bytes``: what the stager would
+        hold in all, this generation included, after reusing what it can."""
         self.check_fits(request_bytes)
         available = self.base_available_bytes - projected_bytes
         if in_flight >= max_in_flight:
@@ -214,19 +181,10 @@ class MemoryBudget:
     ) -> MemoryBudget:
         """Read usable RAM and available memory from this host, now; take this rank's share.
 
-        Args:
-            cgroup_root, proc_self_cgroup: where to read the cgroup (tests point elsewhere).
-            local_world_size: how many ranks share this node's envelope; when None, the
-                ``LOCAL_WORLD_SIZE`` variable torchrun sets, else 1. The share is its inverse.
-            share: this rank's fraction of the node's envelope, in ``(0, 1]``; overrides
-                ``local_world_size`` (for ranks that do not split the node evenly).
-            figures: ``reserve_bytes``, ``reserve_fraction``, ``training_peak_bytes``,
-                ``other_consumers_bytes``: the node's figures, as in the class; with no training
-                peak the envelope starts from the measured available memory.
-
-        Raises:
-            ConfigError: ``local_world_size`` is not an int >= 1, ``share`` is outside
-                ``(0, 1]``, or ``LOCAL_WORLD_SIZE`` is set but not a positive integer.
+        The share is ``share`` (for ranks that do not split the node evenly), else one over
+        ``local_world_size``, else over the ``LOCAL_WORLD_SIZE`` torchrun sets, else 1 (a
+        ConfigError when out of range or not a positive integer). ``figures``: the node's other
+        figures, as in the class. ``cgroup_root`` and ``proc_self_cgroup``: seams for tests.
         """
         rank_share, share_source = _resolve_share(local_world_size, share)
         usable, source, available = read_host(cgroup_root, proc_self_cgroup)
@@ -241,7 +199,6 @@ class MemoryBudget:
 
 
 def require_int(name: str, value: object, minimum: int, note: str = "") -> None:
-    """Raise a :class:`ConfigError` unless ``value`` is an int (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
         raise ConfigError(f"{name} must be {kind}{note}, got {value!r}")
@@ -259,7 +216,6 @@ def _format_share(share: float) -> str:
 
 
 def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[float, str]:
-    """This rank's share of the node and where it came from (argument, torchrun, default)."""
     if local_world_size is not None:
         require_int("local_world_size", local_world_size, 1, ", the number of ranks on this node")
     if share is not None:  # checked by the class, as a given share is

@@ -18,16 +18,11 @@ GIB = 1 << 30
 
 @dataclass(frozen=True, kw_only=True)
 class Generation:
-    """The host memory one checkpoint generation holds at its peak (planning arithmetic only).
-
-    The stager's own record of an admitted save is
-    :class:`~dcp_safe.staging.plan.InFlightGeneration`, a different thing.
+    """The host memory one checkpoint generation holds at its peak (planning arithmetic only;
+    not the stager's :class:`~dcp_safe.staging.plan.InFlightGeneration`).
 
     ``buffer_bytes`` are the serialization, compression and writer buffers held while it is
-    written.
-
-    Raises:
-        ConfigError: a negative or non-integer size.
+    written. A negative or non-integer size is a ConfigError.
     """
 
     staged_bytes: int
@@ -39,7 +34,6 @@ class Generation:
 
     @property
     def working_set_bytes(self) -> int:
-        """Staged bytes plus buffers."""
         return self.staged_bytes + self.buffer_bytes
 
 
@@ -56,7 +50,6 @@ class CapacityPlan:
     max_generations: int
 
     def explain(self) -> str:
-        """One line with the figures and the verdict."""
         verdict = "fit" if self.fits else "do NOT fit"
         return (
             f"{self.generations} generation(s) x {format_bytes(self.generation_bytes)}"
@@ -67,11 +60,7 @@ class CapacityPlan:
 
 
 def node_budget(
-    *,
-    usable_bytes: int,
-    training_peak_bytes: int,
-    other_consumers_bytes: int,
-    reserve_bytes: int,
+    *, usable_bytes: int, training_peak_bytes: int, other_consumers_bytes: int, reserve_bytes: int
 ) -> MemoryBudget:
     """A :class:`MemoryBudget` for a node described by the operator's own measurements, which a
     :class:`~dcp_safe.staging.stager.BudgetedStager` on that node can take as it is."""
@@ -93,22 +82,11 @@ def max_generations(budget: MemoryBudget, generation: Generation) -> int:
 def plan_capacity(
     budget: MemoryBudget, generation: Generation, *, generations: int = 1
 ) -> CapacityPlan:
-    """Whether ``generations`` overlapping generations fit ``budget``'s envelope.
-
-    ``generations`` is how many may overlap (the stager's ``max_in_flight``).
-
-    Raises:
-        ConfigError: ``generations`` is not a positive int.
-    """
+    """Whether ``generations`` overlapping generations (the stager's ``max_in_flight``; a
+    ConfigError unless a positive int) fit ``budget``'s envelope."""
     require_int("generations", generations, 1)
-    envelope = budget.envelope_bytes
-    needed = generations * generation.working_set_bytes
-    return CapacityPlan(
-        envelope_bytes=envelope,
-        generation_bytes=generation.working_set_bytes,
-        generations=generations,
-        needed_bytes=needed,
-        fits=needed <= envelope,
-        headroom_bytes=envelope - needed,
-        max_generations=max_generations(budget, generation),
-    )
+    envelope, each = budget.envelope_bytes, generation.working_set_bytes
+    needed = generations * each
+    fits, headroom = needed <= envelope, envelope - needed
+    most = max_generations(budget, generation)
+    return CapacityPlan(envelope, each, generations, needed, fits, headroom, most)

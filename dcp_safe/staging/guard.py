@@ -25,8 +25,7 @@ class SnapshotGuard:
     """The version counters of a save's source tensors, read at the request.
 
     ``sources`` are every candidate of the walk, a superset of what the plan picks, so the
-    snapshot stays right when the plan is confirmed only later. The guard keeps them alive, so
-    their identities stay valid.
+    snapshot stays right when the plan is confirmed only later (kept alive: their ids stay valid).
     """
 
     __slots__ = ("_sources", "_versions")
@@ -37,7 +36,6 @@ class SnapshotGuard:
         self._versions = list(map(read_version, sources))
 
     def changed(self) -> list[torch.Tensor]:
-        """The sources whose counter moved since the request (empty when none did)."""
         now = list(map(read_version, self._sources))
         if now == self._versions:  # the common case: one C-level list comparison
             return []
@@ -46,11 +44,8 @@ class SnapshotGuard:
 
 
 def tensor_paths(state_dict: object, tensors: Iterable[torch.Tensor]) -> list[str]:
-    """The dotted paths in ``state_dict`` at which ``tensors`` appear (for error messages).
-
-    A tensor reached through a DTensor is named by the DTensor's path. Tensors not found by the
-    walk (hidden in other objects) are named by shape and dtype.
-    """
+    """The dotted paths in ``state_dict`` at which ``tensors`` appear (for error messages); a
+    DTensor's shard by the DTensor's path, one the walk cannot find by its shape and dtype."""
     wanted = {id(t): t for t in tensors}
     found: dict[int, str] = {}
     _walk(state_dict, "", wanted, found)
@@ -72,24 +67,18 @@ def _walk(obj: object, path: str, wanted: dict[int, torch.Tensor], found: dict[i
 
 
 def current_rank() -> int | None:
-    """This process's rank in the default group, or ``None`` without a group of several ranks."""
+    # None without a default group of several ranks.
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank()
     return None
 
 
 def snapshot_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A private copy of ``state_dict`` (tensors copied to host memory, outside any pool).
-
-    Raises:
-        SnapshotMutatedError: a tensor changed in place while it was being copied.
-    """
-    sources = collect_tensors(state_dict)
-    guard = SnapshotGuard(sources)
-    state: dict[str, Any] = rebuild(
-        state_dict, {id(t): t.detach().to("cpu", copy=True) for t in sources}
-    )
-    changed = guard.changed()
-    if changed:
+    """A private copy of ``state_dict``, tensors copied to host memory outside any pool
+    (SnapshotMutatedError when one changed in place while it was copied)."""
+    guard = SnapshotGuard(sources := collect_tensors(state_dict))
+    copies = {id(t): t.detach().to("cpu", copy=True) for t in sources}
+    state: dict[str, Any] = rebuild(state_dict, copies)
+    if changed := guard.changed():
         raise SnapshotMutatedError(tensor_paths(state_dict, changed))
     return state

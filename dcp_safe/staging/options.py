@@ -23,27 +23,16 @@ class WhenBusy(str, Enum):
     WAIT = "wait"  # wait up to ``timeout_s`` for a generation to be released
     RAISE = "raise"  # raise AdmissionTimeoutError at once (a wait of zero)
 
-    @classmethod
-    def coerce(cls, value: WhenBusy | str) -> WhenBusy:
-        """Accept the enum or its value."""
-        return parse_choice(cls, value, "when_busy")
-
 
 @dataclass(frozen=True, kw_only=True)
 class StagerOptions:
-    """Options of :class:`BudgetedStager`.
+    """Options of :class:`BudgetedStager` (a ConfigError for a value out of range).
 
-    Args:
-        max_in_flight: generations (staged, not yet released) allowed at once.
-        pin_memory: ``"auto"`` pins when CUDA is available; ``"on"``, ``"off"`` or a bool.
-        when_busy: ``"wait"`` or ``"raise"``.
-        timeout_s: the longest admission wait, and the longest ``close()`` waits for work in
-            flight.
-        mutation_guard: fail a save whose sources change in place while they are copied
-            (:mod:`dcp_safe.staging.guard`); turn off only to measure the guard's cost.
-
-    Raises:
-        ConfigError: a value out of range or an unknown mode.
+    ``max_in_flight``: generations (staged, not yet released) at once. ``pin_memory``:
+    ``"auto"`` pins when CUDA is available; ``"on"``, ``"off"`` or a bool. ``timeout_s``: the
+    longest admission wait, and the longest ``close()`` waits for work in flight.
+    ``mutation_guard``: fail a save whose sources change in place while they are copied
+    (:mod:`dcp_safe.staging.guard`); turn off only to measure the guard's cost.
     """
 
     max_in_flight: int = 1
@@ -56,7 +45,7 @@ class StagerOptions:
         require_int("max_in_flight", self.max_in_flight, 1)
         # Callers may pass the modes' string values; store the enums.
         object.__setattr__(self, "pin_memory", PinMemory.coerce(self.pin_memory))
-        object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))
+        object.__setattr__(self, "when_busy", parse_choice(WhenBusy, self.when_busy, "when_busy"))
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s >= 0:
             raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
         if not isinstance(self.mutation_guard, bool):
@@ -72,40 +61,27 @@ STAGER_MOVED: Mapping[str, str] = {
 
 @dataclass
 class StagerStats:
-    """A stager's accounting (bytes are host bytes as the allocator takes them): a copy from
-    :meth:`BudgetedStager.stats`.
-
-    Attributes:
-        pool_bytes: bytes the pool holds or has reserved (free + in use + pending).
-        pending_bytes: released bytes still viewed from outside.
-        in_flight: generations admitted and not yet released.
-        last_allocated_bytes: bytes the latest completed staging allocated (0 on reuse).
-        refused: ``stage()`` calls refused (busy with ``when_busy="raise"``, or timed out).
-        last_staging_s: duration of the latest completed staging (call to Future resolved).
-        torn: generations the mutation guard failed.
-        plans_built: staging plans made (one per new layout of the state).
-        plan_reuses: saves (and warm-ups) that found the plan of their unchanged layout.
-        kept_bytes: in-use bytes of the kept generation (``track(keep=...)``), not in flight.
-    """
+    """A stager's accounting, a copy from :meth:`BudgetedStager.stats` (bytes are host bytes as
+    the allocator takes them)."""
 
     envelope_bytes: int = 0
-    pool_bytes: int = 0
+    pool_bytes: int = 0  # held or reserved: free + in use + pending
     pinned_bytes: int = 0
     in_use_bytes: int = 0
     free_bytes: int = 0
-    pending_bytes: int = 0
+    pending_bytes: int = 0  # released, still viewed from outside
     peak_pool_bytes: int = 0
-    in_flight: int = 0
+    in_flight: int = 0  # admitted, not yet released
     peak_in_flight: int = 0
     allocations: int = 0
     allocated_bytes_total: int = 0
-    last_allocated_bytes: int = 0
+    last_allocated_bytes: int = 0  # by the latest completed staging (0 on reuse)
     reuses: int = 0
     admitted: int = 0
-    refused: int = 0
+    refused: int = 0  # busy with when_busy="raise", or timed out
     total_wait_s: float = 0.0
-    last_staging_s: float = 0.0
-    torn: int = 0
-    plans_built: int = 0
-    plan_reuses: int = 0
-    kept_bytes: int = 0
+    last_staging_s: float = 0.0  # the latest completed staging, call to Future resolved
+    torn: int = 0  # generations the mutation guard failed
+    plans_built: int = 0  # one per new layout of the state
+    plan_reuses: int = 0  # saves (and warm-ups) that found their unchanged layout's plan
+    kept_bytes: int = 0  # in use by the kept generation (track(keep=...)), not in flight

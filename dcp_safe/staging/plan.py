@@ -44,16 +44,9 @@ class StagingPlan:
     """What staging one layout takes, computed from its first walk.
 
     The *copied* sources are the distinct stageable candidates that hold bytes; an empty one is
-    staged as a fresh tensor.
-
-    Attributes:
-        key: the layout key it was built for.
-        request: the buffers it leases (sizes, host cost, and the token its views are kept by).
-        nbytes: bytes staged per save.
-        any_cuda: whether any copied source is on a CUDA device.
-        chunks: ``(start, stop)`` ranges of the copied sources, one ``_foreach_copy_`` each.
-        held_pointers: per copied source, the data pointer last found holding its bytes; read
-            and updated by the stager's one staging thread (:func:`copy_sources`).
+    staged as a fresh tensor. ``chunks`` are ``(start, stop)`` ranges of the copied sources, one
+    ``_foreach_copy_`` each; ``held_pointers`` holds, per copied source, the data pointer last
+    found holding its bytes (read and updated by the stager's one staging thread).
     """
 
     def __init__(self, layout: Layout, pool: BufferPool, token: int) -> None:
@@ -75,7 +68,6 @@ class StagingPlan:
         sources = [candidates[i] for i in copied]
         self._types = [(t.dtype, t.shape) for t in sources]
         sizes = [t.nbytes for t in sources]
-        self.nbytes = sum(sizes)
         self.any_cuda = any(t.is_cuda for t in sources)
         self.request = pool.request(sizes, token=token)
         self.chunks = _chunks(sizes)
@@ -83,16 +75,15 @@ class StagingPlan:
         self.held_pointers: list[int] = [-1] * len(copied)
 
     def copied(self, layout: Layout) -> list[torch.Tensor]:
-        """The copied sources of ``layout`` (which must have this plan's key), in request order."""
+        # ``layout`` must have this plan's key.
         values = layout.candidates
         return values if self._copied is None else [values[i] for i in self._copied]
 
     def views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each buffer viewed as its tensor's dtype and shape, in request order."""
         return [b.view(d).view(s) for b, (d, s) in zip(buffers, self._types, strict=True)]
 
     def staged(self, layout: Layout, dsts: list[torch.Tensor]) -> dict[int, Any]:
-        """The staged copy per source ``id``: the views, and a fresh tensor per empty source."""
+        # The staged copy per source ``id``: the views, and a fresh tensor per empty source.
         staged: dict[int, Any] = dict(zip(map(id, self.copied(layout)), dsts, strict=True))
         for index, shape, dtype in self._empty:
             staged[id(layout.candidates[index])] = torch.empty(shape, dtype=dtype)
@@ -113,10 +104,7 @@ def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 class PlanCache:
-    """The plans of the last few layouts a stager saw, most recent first.
-
-    Not thread-safe: the stager calls it with its condition held.
-    """
+    """The plans of the last few layouts a stager saw (the stager holds its condition)."""
 
     def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
@@ -131,11 +119,11 @@ class PlanCache:
         self, layout: Layout, admits: Callable[[StagingPlan], bool]
     ) -> StagingPlan | None:
         """The latest plan, if ``layout`` has its structure and its number of tensors and
-        ``admits`` (the stager's test) takes it now.
+        ``admits`` (the stager's test) takes it now; else None.
 
         A guess, not a match: the shapes, dtypes, devices and aliasing are not compared (that
         is the key's cost), so the caller must confirm it against the layout's key before
-        anything staged with it is used. ``None``: no plan, the structure changed, or refused.
+        anything staged with it is used.
         """
         plan = self._latest
         if plan is None or plan.count != len(layout.candidates):
@@ -146,7 +134,6 @@ class PlanCache:
         return plan
 
     def get(self, layout: Layout) -> StagingPlan:
-        """The plan for ``layout``: the cached one while its key holds, else a new one."""
         plan = self._plans.get(layout.key)
         if plan is not None:
             self._plans.move_to_end(layout.key)
@@ -165,32 +152,30 @@ _read_data_ptr = torch.Tensor.data_ptr
 
 
 class StagedStateDict(dict[str, Any]):
-    """The staged state: a plain dict that can carry the weak reference that releases it."""
+    """The staged state: a dict that can carry the weak reference that releases it."""
 
     __slots__ = ("__weakref__",)
 
 
 @dataclass(eq=False)
 class InFlightGeneration:
-    """One admitted save: its plan, lease, guard and staging span, until it is released.
-
-    Not :class:`dcp_safe.staging.capacity.Generation`, the planner's byte sizes of one.
-    """
+    """One admitted save until it is released (not the planner's
+    :class:`~dcp_safe.staging.capacity.Generation`)."""
 
     number: int
     lease: Lease
     span: SpanHandle  # the staging span: admission wait + copy
     guard: SnapshotGuard | None
     plan: StagingPlan
-    rank: int | None = None  # this process's rank in a group of several (errors name it)
-    started: float = 0.0  # perf_counter at the request
+    rank: int | None  # this process's rank in a group of several (errors name it)
+    started: float  # perf_counter at the request
+    # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
+    confirmed: bool
     ready: torch.cuda.Event | None = None  # the caller's stream's event the copy waits for
     release_claimed: bool = False
     tracked: bool = False
     staged: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
-    confirmed: bool = True
     # ``track(keep=tag)``: kept after a successful upload, under this tag, with its staged
     # dict held strongly (else DCP dropping it would release the buffers).
     keep: object | None = None
@@ -198,14 +183,13 @@ class InFlightGeneration:
     held: StagedStateDict | None = None
 
     def mutated(self, state_dict: dict[str, Any], tensors: list[torch.Tensor]) -> BaseException:
-        """The error of a torn generation, naming ``tensors`` by their paths in ``state_dict``."""
         return SnapshotMutatedError(tensor_paths(state_dict, tensors), rank=self.rank)
 
     def torn(
         self, state_dict: dict[str, Any], cause: BaseException | None = None
     ) -> BaseException | None:
-        """The guard's verdict once the copy is over (or failed with ``cause``): a
-        :class:`SnapshotMutatedError` from ``cause`` when a source moved, else ``cause``."""
+        # The guard's verdict once the copy is over (or failed with ``cause``): a
+        # SnapshotMutatedError from ``cause`` when a source moved, else ``cause``.
         changed = [] if self.guard is None else self.guard.changed()
         if isinstance(cause, SnapshotMutatedError) or not changed:
             return cause
@@ -221,14 +205,9 @@ def copy_sources(
     profile: AbstractContextManager[Any],
     state_dict: dict[str, Any],
 ) -> dict[int, torch.Tensor]:
-    """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id.
-
-    Raises:
-        SnapshotMutatedError: a source's storage was freed or shrunk (see the module docstring).
-    """
-    stream_ctx: AbstractContextManager[Any] = (
-        torch.cuda.stream(stream) if stream is not None else nullcontext()
-    )
+    """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id
+    (SnapshotMutatedError when a source's storage was freed or shrunk: the module docstring)."""
+    stream_ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     plan = gen.plan
     dsts = gen.lease.typed_views(plan.views)
     srcs = plan.copied(layout)
@@ -258,7 +237,7 @@ def copy_sources(
 
 
 def holds_its_bytes(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s storage is allocated and reaches its last element (dense, strided)."""
+    # Whether the storage is allocated and reaches the last element (dense, strided).
     if tensor.numel() == 0:
         return True
     storage = tensor.untyped_storage()

@@ -17,8 +17,7 @@ POISON_KEY = "__dcp_safe_staging_failed__"
 
 
 class FailedStaging:
-    """The entry of a poisoned state dict: any attempt to plan or serialize it raises ``error``."""
-
+    # The entry of a poisoned state dict: any attempt to plan or serialize it raises ``error``.
     def __init__(self, error: Exception) -> None:
         self.error = error
 
@@ -37,5 +36,4 @@ class FailedStaging:
 
 
 def poisoned(error: Exception) -> dict[str, Any]:
-    """A state dict whose save fails with ``error`` on every rank (see the module docstring)."""
     return {POISON_KEY: FailedStaging(error)}

@@ -42,17 +42,12 @@ class PinMemory(str, Enum):
 
     @classmethod
     def coerce(cls, value: PinMemory | str | bool) -> PinMemory:
-        """Accept the enum, its value, or a bool."""
         if isinstance(value, bool):
             return cls.ON if value else cls.OFF
         return parse_choice(cls, value, "pin_memory")
 
     def resolve(self) -> bool:
-        """Whether to pin, on this host.
-
-        Raises:
-            ConfigError: ``ON`` without CUDA (pinning needs a driver).
-        """
+        """Whether to pin, on this host (ConfigError: ``ON`` without CUDA)."""
         if self is PinMemory.OFF:
             return False
         available = torch.cuda.is_available()
@@ -63,14 +58,9 @@ class PinMemory(str, Enum):
 
 @dataclass
 class PoolStats:
-    """Byte accounting of a pool (the meanings of :class:`StagerStats`): a copy from
-    :meth:`BufferPool.stats`, or the pool's running :attr:`BufferPool.counts`.
-
-    Attributes:
-        allocated_bytes: host bytes the pool holds or has reserved (free + in use + pending).
-        pending_bytes: released bytes still viewed from outside, not yet reusable.
-        pinned_bytes: the pinned part of ``allocated_bytes`` (rounded as the allocator rounds).
-    """
+    """Byte accounting of a pool (the meanings of :class:`StagerStats`, where
+    ``allocated_bytes`` is ``pool_bytes``): a copy from :meth:`BufferPool.stats`, or the pool's
+    running :attr:`BufferPool.counts`."""
 
     allocated_bytes: int = 0
     in_use_bytes: int = 0
@@ -101,11 +91,9 @@ def _storage_counts(views: list[torch.Tensor]) -> list[int]:
 
 
 def _views_held(views: list[torch.Tensor], storage_counts: list[int]) -> bool:
-    """Whether anyone but the pool still holds a cached view or reads its buffer.
-
-    ``storage_counts`` are the views' storage use counts when they were made: how many
-    references a view chain takes internally is torch's business, so it is measured, not assumed.
-    """
+    # Whether anyone but the pool still holds a cached view or reads its buffer.
+    # ``storage_counts`` are the views' storage use counts when they were made: how many
+    # references a view chain takes internally is torch's business, so it is measured.
     if max(_python_refs(views), default=0) > _OWN_REFS:
         return True  # the very tensor the staged dict held (a caller kept it)
     if any(tensor_use_count(v) > 1 for v in views):
@@ -115,10 +103,8 @@ def _views_held(views: list[torch.Tensor], storage_counts: list[int]) -> bool:
 
 @dataclass(frozen=True)
 class BufferRequest:
-    """The buffers one save needs: their sizes in order, their host cost, and its plan's token.
-
-    Make one with :meth:`BufferPool.request` (the cost depends on the pool's pinning).
-    """
+    """The buffers one save needs: their sizes in order, their host cost (made by
+    :meth:`BufferPool.request`: it depends on the pool's pinning), and its plan's token."""
 
     sizes: Sequence[int]
     cost: int
@@ -136,9 +122,8 @@ class _Bundle:
 class Lease:
     """One generation's buffers, one per requested size, in request order.
 
-    Created by :meth:`BufferPool.lease`; the staging thread calls :meth:`materialize` and then
-    reads :attr:`buffers`. :meth:`release` may be called from any thread, any number of times;
-    only the first call counts.
+    The staging thread calls :meth:`materialize` and then reads :attr:`buffers`.
+    :meth:`release` may be called from any thread, any number of times; the first counts.
     """
 
     def __init__(
@@ -159,14 +144,13 @@ class Lease:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The buffers, in request order (after :meth:`materialize`)."""
         out = [b for b in self._buffers if b is not None]
         if len(out) != len(self._buffers):
             raise AssertionError("lease read before materialize()")
         return out
 
     def materialize(self) -> int:
-        """Allocate the buffers that could not be reused; return the bytes allocated."""
+        """Allocate the buffers that could not be reused; return the bytes allocated so far."""
         if self.views is None:  # a whole bundle has its views: nothing to look for
             for i, size in enumerate(self.request.sizes):
                 if self._buffers[i] is None:
@@ -184,15 +168,15 @@ class Lease:
         return self.views
 
     def release(self, *, writer_done: bool) -> None:
-        """Give the buffers back; see the module docstring for the two strengths."""
+        # The two strengths: the module docstring.
         self._pool._release(self, writer_done=writer_done)
 
 
 class BufferPool:
-    """Host buffers reused across saves (in ``shared`` slabs when given).
+    """Host buffers reused across saves (in ``shared`` slabs when given), from any thread.
 
-    Thread safety: every method may be called from any thread. :attr:`condition` is notified
-    whenever bytes are released or freed, so an admission loop can wait on it.
+    :attr:`condition` is notified whenever bytes are released or freed, so an admission loop
+    can wait on it.
     """
 
     def __init__(
@@ -212,19 +196,16 @@ class BufferPool:
         self._closed = False
 
     def cost(self, size: int) -> int:
-        """Host bytes one buffer of ``size`` bytes really takes."""
+        # Host bytes one buffer really takes: pinned blocks round up to a power of two.
         return 1 << (size - 1).bit_length() if self.pin and size >= _PIN_MIN_BYTES else size
 
     def request(self, sizes: Sequence[int], *, token: int | None = None) -> BufferRequest:
-        """A request for buffers of ``sizes`` bytes, its host cost computed once."""
         cost = sum(map(self.cost, sizes)) if self.pin else sum(sizes)
         return BufferRequest(sizes=tuple(sizes), cost=cost, nbytes=sum(sizes), token=token)
 
     def plan(self, request: BufferRequest | Sequence[int]) -> tuple[int, int]:
-        """How many bytes of a request free buffers cover, and how many must be allocated.
-
-        Call with :attr:`condition` held. Returns ``(reused_cost, new_cost)`` in host bytes.
-        """
+        """``(reused, new)``: the host bytes of a request free buffers cover, and those to be
+        allocated. Call with :attr:`condition` held."""
         request = self._as_request(request)
         self._reclaim_pending()
         if request.token in self._bundles:
@@ -266,9 +247,9 @@ class BufferPool:
     ) -> int:
         """Allocate and first-touch free buffers for a request; return the bytes allocated.
 
-        Sizes already covered by free buffers are skipped, so warming twice is free. With a
-        token, ``views`` makes the typed views kept with the bundle. Call without the condition
-        held (allocation is slow); the caller checks the budget first.
+        Sizes free buffers cover are skipped (warming twice is free). With a token, ``views``
+        makes the typed views kept with the bundle. Call without the condition held (allocation
+        is slow); the caller checks the budget first.
         """
         request = self._as_request(request)
         with self.condition:
@@ -285,8 +266,7 @@ class BufferPool:
         return allocated
 
     def trim(self, target_bytes: int = 0) -> int:
-        """Free unused buffers until at most ``target_bytes`` of free buffers remain; return the
-        host bytes freed."""
+        # Free unused buffers until at most ``target_bytes`` of free ones remain; the bytes freed.
         freed = 0
         with self.condition:
             self._reclaim_pending()
@@ -306,13 +286,12 @@ class BufferPool:
         return freed
 
     def close(self) -> None:
-        """Free every free buffer now; buffers still leased are freed when released."""
+        # Buffers still leased are freed when released.
         with self.condition:
             self._closed = True
         self.trim(0)
 
     def stats(self) -> PoolStats:
-        """The pool's accounting now (a copy)."""
         with self.condition:
             self._reclaim_pending()
             pinned = self.counts.pinned_bytes if self.shared is None else self.shared.pinned_bytes()

@@ -13,15 +13,13 @@ left with no buffer is closed here (its memory goes once no worker maps it eithe
 ``pinning`` (a host with CUDA) each slab is page-locked when created and unlocked before it is
 let go.
 
-Page-locking: a private pool buffer is pinned by torch's pinned allocator
-(``torch.empty(pin_memory=True)``). A shared slab is memory torch did not allocate, so it is
-registered with the CUDA runtime instead (``cudaHostRegister``), once per slab when it is
-created, and unregistered before the slab is let go. A worker process never registers its own
-mapping: it only reads the slab to write it to storage. A slab the runtime refuses to lock
-(``ulimit -l``, the driver) stays pageable: copies into it are slower, never wrong; the
-stager's ``pinned_bytes`` shows how much is locked. :class:`SlabPinning` is the seam:
-:class:`CudaSlabPinning` on a host with CUDA, a recording double in the tests of a host without
-one.
+Page-locking: a shared slab is memory torch did not allocate, so instead of torch's pinned
+allocator it is registered with the CUDA runtime (``cudaHostRegister``) once, when created, and
+unregistered before it is let go. A worker process never registers its own mapping: it only
+reads the slab. A slab the runtime refuses to lock (``ulimit -l``, the driver) stays pageable:
+copies into it are slower, never wrong (the stager's ``pinned_bytes`` shows how much is
+locked). :class:`SlabPinning` is the seam: :class:`CudaSlabPinning` on a host with CUDA, a
+recording double in the tests of a host without one.
 """
 
 from __future__ import annotations
@@ -50,18 +48,14 @@ _PORTABLE = 1
 
 
 class SlabPinning(Protocol):
-    """Page-locks and releases host memory ranges."""
+    """Page-locks (``pin``) and releases (``unpin``) host memory ranges; OSError if it cannot."""
 
-    def pin(self, pointer: int, nbytes: int) -> None:
-        """Page-lock ``nbytes`` from ``pointer``; raises :class:`OSError` if it cannot."""
+    def pin(self, pointer: int, nbytes: int) -> None: ...
 
-    def unpin(self, pointer: int) -> None:
-        """Release a range :meth:`pin` locked; raises :class:`OSError` if it cannot."""
+    def unpin(self, pointer: int) -> None: ...
 
 
 class CudaSlabPinning:
-    """:class:`SlabPinning` by the CUDA runtime (``cudaHostRegister`` / ``cudaHostUnregister``)."""
-
     def pin(self, pointer: int, nbytes: int) -> None:
         runtime = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         error = int(runtime.cudaHostRegister(pointer, nbytes, _PORTABLE))
@@ -83,8 +77,6 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Place:
-    """Where a buffer lives: its slab's id, its byte offset there, and its size."""
-
     slab: int
     offset: int
     nbytes: int
@@ -102,14 +94,8 @@ class _Slab:
 
 
 class SharedSlabs:
-    """Allocates buffers in shared slabs and says where each one is.
-
-    Args:
-        slab_bytes: the size of a slab shared by small buffers.
-        pinning: page-locks each slab (``None``: pageable slabs).
-
-    Thread safety: every method may be called from any thread.
-    """
+    """Allocates buffers in shared slabs (of ``slab_bytes`` for small buffers, page-locked by
+    ``pinning``) and says where each one is; from any thread."""
 
     def __init__(self, slab_bytes: int = _SLAB_BYTES, pinning: SlabPinning | None = None) -> None:
         self.slab_bytes = slab_bytes
@@ -121,7 +107,7 @@ class SharedSlabs:
         self._places: dict[int, Place] = {}  # by the buffer's data pointer
 
     def allocate(self, size: int) -> torch.Tensor:
-        """A uint8 tensor of ``size`` bytes in a slab (a private one for a large buffer)."""
+        # A uint8 tensor of ``size`` bytes in a slab (a private one for a large buffer).
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         with self._lock:
@@ -143,32 +129,27 @@ class SharedSlabs:
         return buffer
 
     def place_of(self, tensor: torch.Tensor) -> Place | None:
-        """Where ``tensor``'s whole storage lives, or ``None`` when it is no buffer of ours."""
+        # Where ``tensor``'s whole storage lives; None when it is no buffer of ours.
         storage = tensor.untyped_storage()
         place = self._places.get(storage.data_ptr())
         return place if place is not None and place.nbytes == storage.nbytes() else None
 
     def slabs(self) -> dict[int, tuple[int, int]]:
-        """Every open slab: its id -> (a duplicate of its descriptor, its size).
-
-        The caller owns (and closes) the duplicates, so a slab closed meanwhile is no hazard.
-        """
+        # id -> (a duplicate of its descriptor, its size): the caller owns (and closes) the
+        # duplicates, so a slab closed meanwhile is no hazard.
         with self._lock:
             return {s.id: (os.dup(s.fd), s.size) for s in self._slabs.values()}
 
     def slab_ids(self) -> set[int]:
-        """The ids of the open slabs."""
         with self._lock:
             return set(self._slabs)
 
     def pinned_bytes(self) -> int:
-        """Bytes of the open slabs that are page-locked."""
         with self._lock:
             return sum(s.size for s in self._slabs.values() if s.pinned is not None)
 
     def close(self) -> None:
-        """Close every slab's descriptor here and unlock its pages; buffers still alive keep
-        their memory mapped (pageable from now on)."""
+        # Buffers still alive keep their memory mapped (pageable from now on).
         with self._lock:
             for slab in self._slabs.values():
                 self._unpin(slab)

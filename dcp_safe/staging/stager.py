@@ -69,21 +69,13 @@ _COLLECT_AFTER_S = 0.5
 class BudgetedStager(AsyncStager):
     """A DCP ``AsyncStager`` that stages into budgeted, reused host buffers.
 
-    Args:
-        budget: the host-memory envelope; ``None`` reads this host now
-            (:meth:`MemoryBudget.from_host`).
-        options: admission, pinning and the mutation guard (:class:`StagerOptions`); ``None``:
-            its defaults.
-        telemetry: records a ``staging`` span per save (admission wait and copy) and a
-            ``release`` span when its buffers go back to the pool; off by default.
-        shared_memory: stage into shared slabs a worker process can map (:attr:`shared`; the
-            manager's ``executor="process"``), page-locked as ``options.pin_memory`` says.
-
-    Raises:
-        ConfigError: ``options`` not a :class:`StagerOptions`, or a keyword of the earlier
-            layout (``pin_memory=``, ...; :data:`~dcp_safe.staging.options.STAGER_MOVED`).
-
-    Thread safety: ``stage``, ``track`` and ``stats`` may be called from any thread.
+    ``budget``: the host-memory envelope (``None``: :meth:`MemoryBudget.from_host`, now).
+    ``telemetry`` records a ``staging`` span per save (admission wait and copy) and a
+    ``release`` span when its buffers go back to the pool. ``shared_memory``: stage into shared
+    slabs a worker process can map (:attr:`shared`; the manager's ``executor="process"``),
+    page-locked as ``options.pin_memory`` says. A keyword of the earlier layout (``pin_memory=``,
+    ...) is a ConfigError naming where it moved (:data:`~dcp_safe.staging.options.STAGER_MOVED`).
+    ``stage``, ``track`` and ``stats`` may be called from any thread.
     """
 
     _synchronize_after_execute: bool = False
@@ -151,15 +143,13 @@ class BudgetedStager(AsyncStager):
         # The request is the snapshot's moment: read the counters before anything can wait.
         # Every candidate, not the plan's pick: a guessed plan may still be replaced.
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
-        rank = current_rank()
-        span = self.telemetry.begin(Phase.STAGING, bytes=plan.nbytes)
+        rank, span = current_rank(), self.telemetry.begin(Phase.STAGING, bytes=plan.request.nbytes)
         try:
             waited = time.monotonic()
             with self._cond:
                 lease = self._lease(plan.request, None, "")
                 number = next(self._numbers)
-                gen = InFlightGeneration(number, lease, span, guard, plan, rank, started)
-                gen.confirmed = confirmed
+                gen = InFlightGeneration(number, lease, span, guard, plan, rank, started, confirmed)
                 self._in_flight[gen.number] = gen
                 counts = self._counts
                 counts.peak_in_flight = max(counts.peak_in_flight, len(self._in_flight))
@@ -178,18 +168,15 @@ class BudgetedStager(AsyncStager):
         return future
 
     def synchronize_staging(self) -> None:
-        """Wait until the latest staging has finished (DCP uses the Future instead)."""
+        # DCP uses the Future instead.
         gen = self._latest
         if gen is not None:
             gen.staged.wait()
 
     def close(self) -> None:
-        """Wait (up to ``timeout_s``) for work in flight, then free the pool.
-
-        Raises:
-            TimeoutError: work in flight was not released in time.
-            BaseException: the first error of a staging or tracked upload that was in flight.
-        """
+        """Wait (up to ``timeout_s``) for work in flight, then free the pool; raise TimeoutError
+        if it was not released in time, else the first error of a staging or tracked upload
+        that was in flight."""
         with self._cond:
             if self._closed:
                 return
@@ -219,19 +206,16 @@ class BudgetedStager(AsyncStager):
     def track(
         self, response: AsyncSaveResponse | Future[Any], *, keep: object | None = None
     ) -> AsyncSaveResponse | Future[Any]:
-        """Release the generation this thread staged last when its upload finishes.
+        """Release the generation this thread staged last when its upload finishes (call right
+        after ``dcp.async_save`` on the same thread; a ConfigError if none is left to track).
 
-        Call right after ``dcp.async_save`` on the same thread. Success or failure, the buffers
-        go back to the pool as soon as the upload future is done, and its error is kept for
-        :meth:`close`. Returns ``response``, for chaining.
+        Success or failure, the buffers go back to the pool as soon as the upload future is
+        done, and its error is kept for :meth:`close`. Returns ``response``, for chaining.
 
         With ``keep`` (any tag), a *successful* upload keeps the generation instead, staged
         dict and buffers, as :meth:`kept` under that tag, and releases the one kept before:
         one kept generation at most, outside ``max_in_flight`` but inside the envelope (its
         buffers stay leased). A failed upload releases as usual and leaves the kept one.
-
-        Raises:
-            ConfigError: this thread has no staged generation left to track.
         """
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         gen: InFlightGeneration | None = getattr(self._last, "generation", None)
@@ -256,7 +240,6 @@ class BudgetedStager(AsyncStager):
             return None if gen is None or gen.held is None else (gen.keep, gen.held)
 
     def drop_kept(self) -> None:
-        """Release the kept generation, if any (its buffers go back to the pool)."""
         with self._cond:
             gen, self._kept = self._kept, None
         if gen is not None:
@@ -276,10 +259,8 @@ class BudgetedStager(AsyncStager):
         return response
 
     def warm_up(self, state_dict: StateDict) -> int:
-        """Allocate and first-touch buffers for ``state_dict`` now, so its first save reuses.
-
-        Returns:
-            Host bytes allocated (0 when the pool already covers the state).
+        """Allocate and first-touch buffers for ``state_dict`` now, so its first save reuses;
+        return the host bytes allocated (0 when the pool already covers the state).
 
         Raises:
             BudgetExceededError: the state is larger than the whole envelope.
@@ -311,7 +292,6 @@ class BudgetedStager(AsyncStager):
         return self._pool.trim(0)
 
     def stats(self) -> StagerStats:
-        """The stager's accounting now."""
         pool = asdict(self._pool.stats())
         with self._cond:
             return replace(
@@ -335,14 +315,8 @@ class BudgetedStager(AsyncStager):
     # -- admission ------------------------------------------------------------------------------
 
     def _lease(self, request: BufferRequest, others: int | None, why: str) -> Lease:
-        """Wait (the condition held) until ``request`` is admitted, then lease its buffers.
-
-        ``others``: the generations in flight besides the caller's (``None``: all of them).
-
-        Raises:
-            BudgetExceededError: the request is larger than the whole envelope.
-            AdmissionTimeoutError: not admitted within ``timeout_s`` (at once when raising).
-        """
+        # Wait (the condition held) until ``request`` is admitted, then lease its buffers.
+        # ``others``: the generations in flight besides the caller's (``None``: all of them).
         started = time.monotonic()
         wait_s = 0.0 if self.options.when_busy is WhenBusy.RAISE else self.options.timeout_s
         collected = False
@@ -445,20 +419,14 @@ class BudgetedStager(AsyncStager):
     def _copy_guessed(
         self, gen: InFlightGeneration, layout: Layout, copy: Callable[[], dict[int, torch.Tensor]]
     ) -> tuple[dict[int, torch.Tensor], int]:
-        """Allocate ``gen``'s missing buffers and ``copy``; a plan stage() guessed is confirmed
-        after its copy. On a miss, the guess's lease is swapped for the layout's own plan's,
-        admitted like any save, and the copy runs again.
+        """Allocate ``gen``'s missing buffers and ``copy``; return the staged tensors and the
+        bytes allocated. A plan stage() guessed is confirmed after its copy; on a miss, the
+        guess's lease is swapped for the layout's own plan's, admitted like any save (so it may
+        raise as stage() does), and the copy runs again.
 
         The key is checked after the copy: the copy releases the GIL, so the caller's
         ``async_save`` returns while it runs and the key's cost overlaps the caller's compute.
         A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
-
-        Returns:
-            The staged tensors and the bytes allocated for them.
-
-        Raises:
-            BudgetExceededError: the new layout is larger than the whole envelope.
-            AdmissionTimeoutError: the new layout does not fit while other saves hold memory.
         """
         allocated = gen.lease.materialize()
         staged: dict[int, torch.Tensor] | None = None
