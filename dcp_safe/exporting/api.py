@@ -33,16 +33,9 @@ class ExportFormat(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What an export wrote.
-
-    Attributes:
-        dest: the directory now holding the export (absolute).
-        checkpoint: the exported checkpoint's name (``"latest"`` resolved).
-        files: the files in ``dest``, sorted (``SHA256SUMS`` included).
-        tensor_bytes: bytes of tensor data written (after any cast).
-        objects: non-tensor entries written (``format="torch"`` only).
-        skipped: selected entries that were not written, each with the reason.
-    """
+    """What an export wrote (docs/export.md, "Python API"): ``dest`` absolute, ``checkpoint``
+    with ``"latest"`` resolved, ``files`` sorted (``SHA256SUMS`` included), ``tensor_bytes``
+    after any cast, ``objects`` written (``format="torch"`` only), ``skipped`` with reasons."""
 
     dest: str
     format: ExportFormat
@@ -84,9 +77,6 @@ def export(
     what each format holds).
 
     Args:
-        root: the checkpoint root (a directory, an fsspec URL, or a
-            :class:`~dcp_safe.topology.Root` with its fsspec options).
-        storage_options: fsspec options of a URL ``root`` (a shorthand of ``Root``).
         name: the checkpoint's name, or ``"latest"``.
         dest: the directory to create (a local path).
         format: ``"safetensors"`` (non-tensor entries skipped) or ``"torch"`` (plain-data
@@ -113,8 +103,7 @@ def export(
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
     holds = formats.safetensors_holds if fmt is ExportFormat.SAFETENSORS else formats.torch_holds
-    refused = [entry for entry in selection.tensors if not holds(entry.out_dtype)]
-    if refused:
+    if refused := [entry for entry in selection.tensors if not holds(entry.out_dtype)]:
         dtypes = ", ".join(sorted({str(entry.out_dtype) for entry in refused}))
         raise ConfigError(
             f"format={fmt.value!r} cannot hold {dtypes} tensors"
@@ -131,7 +120,7 @@ def export(
         dest=staged.dest,
         format=fmt,
         checkpoint=source.name,
-        files=tuple(sorted((*staged.files, CHECKSUMS))),
+        files=tuple(sorted((*staged.digests, CHECKSUMS))),
         tensors=len(selection.tensors),
         tensor_bytes=sum(entry.out_nbytes for entry in selection.tensors),
         objects=len(selection.objects) - len(skipped),

@@ -12,9 +12,10 @@ checkpoint every time. The memory bound: docs/export.md, "Memory".
 
 from __future__ import annotations
 
+import collections
 import io
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,18 +43,13 @@ class TensorEntry:
     out_dtype: torch.dtype
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor as stored (what reading it holds in memory)."""
-        return self.numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def out_nbytes(self) -> int:
-        """Bytes of the whole tensor as written."""
-        return self.numel * self.out_dtype.itemsize
+        return math.prod(self.shape) * self.out_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -86,12 +82,8 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def select(
     metadata: Metadata, keys: Sequence[str] | None, dtype: torch.dtype | None, *, where: str
 ) -> Selection:
-    """The entries of ``metadata`` that ``keys`` select (all when ``None``), with output dtypes.
-
-    Args:
-        keys: full keys or prefixes on a dot boundary (``model`` selects ``model.w``).
-        dtype: cast floating tensors to this dtype; other tensors keep theirs.
-        where: the metadata's path, for errors.
+    """The entries of ``metadata`` that ``keys`` (full keys or prefixes on a dot boundary:
+    ``model`` selects ``model.w``; ``None``: all) select; floating tensors cast to ``dtype``.
 
     Raises:
         ConfigError: ``keys`` is empty, holds a non-string, or a key selects nothing.
@@ -111,13 +103,9 @@ def select(
         # A gap would be exported as uninitialised memory (the whole tensor is allocated
         # before it is read): the stored chunks must tile the global shape exactly.
         chunks = [(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in meta.chunks]
-        problem = chunk_tiling_problem(shape, chunks)
-        if problem is not None:
-            raise CheckpointCorruptError(
-                where,
-                f"the tensor's stored chunks do not tile its global shape: {problem}",
-                item=key,
-            )
+        if (problem := chunk_tiling_problem(shape, chunks)) is not None:
+            why = f"the tensor's stored chunks do not tile its global shape: {problem}"
+            raise CheckpointCorruptError(where, why, item=key)
         cast = dtype if dtype is not None and stored.is_floating_point else stored
         tensors.append(TensorEntry(key=key, shape=shape, dtype=stored, out_dtype=cast))
     return Selection(tensors=tuple(tensors), objects=tuple(objects))
@@ -149,50 +137,66 @@ def _matching(available: list[str], keys: Sequence[str]) -> list[str]:
 BATCH_BYTES = 64 << 20
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
 @dataclass(frozen=True)
 class NotPlainData:
-    """Stands for a non-tensor entry that does not load as plain data (a ``BytesIO``)."""
+    """Stands for a non-tensor entry that is not plain data (a ``BytesIO``), with the reason."""
 
     reason: str
 
 
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` rebuilds:
+    ``None``, numbers, strings, bytes, and lists, tuples and dicts of them."""
+    if isinstance(value, _PLAIN):
+        return True
+    if type(value) in (list, tuple):
+        return all(is_plain(item) for item in value)
+    if type(value) in (dict, collections.OrderedDict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    return False
+
+
 class _ExportPlanner(DefaultLoadPlanner):
     """DCP's load planner over a flat state dict of exactly the keys being read; an object
-    that does not load with torch's weights-only unpickler becomes a :class:`NotPlainData`."""
+    that is not plain data (:func:`is_plain`, after torch's weights-only unpickler) becomes a
+    :class:`NotPlainData`."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        key = read_item.dest_index.fqn
         try:
-            self.state_dict[key] = torch.load(value, map_location="cpu", weights_only=True)
+            found = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as exc:
-            why = f"does not load as plain data ({type(exc).__name__})"
-            self.state_dict[key] = NotPlainData(why)
+            found = NotPlainData(f"does not load as plain data ({type(exc).__name__})")
+        if not isinstance(found, NotPlainData) and not is_plain(found):
+            found = NotPlainData(f"not plain data ({type(found).__name__})")
+        self.state_dict[read_item.dest_index.fqn] = found
 
 
-def batches(entries: Sequence[TensorEntry], batch_bytes: int) -> Iterator[list[TensorEntry]]:
-    """``entries`` in order, grouped into runs of at most ``batch_bytes`` (stored size); a
-    tensor larger than that is a run of its own."""
-    batch: list[TensorEntry] = []
+def runs(
+    entries: Sequence[TensorEntry], limit: int, *, written: bool = False
+) -> list[list[TensorEntry]]:
+    """``entries`` in order, in runs of at most ``limit`` bytes (stored; ``written``: as
+    written), a tensor larger than that a run of its own: the reads of an export, and the
+    shards of a safetensors one."""
+    runs: list[list[TensorEntry]] = [[]]
     held = 0
     for entry in entries:
-        if batch and held + entry.nbytes > batch_bytes:
-            yield batch
-            batch, held = [], 0
-        batch.append(entry)
-        held += entry.nbytes
-    if batch:
-        yield batch
+        size = entry.out_nbytes if written else entry.nbytes
+        if runs[-1] and held + size > limit:
+            runs.append([])
+            held = 0
+        runs[-1].append(entry)
+        held += size
+    return runs if runs[-1] else []
 
 
 class Consolidator:
-    """Reads whole global tensors and plain objects from one committed checkpoint.
-
-    Args:
-        name: the checkpoint's name, or ``"latest"``.
-        batch_bytes: tensor bytes read together; a larger tensor is read alone.
+    """Reads whole global tensors and plain objects from checkpoint ``name`` (or ``"latest"``).
 
     Raises:
         CheckpointNotFoundError: no such committed checkpoint.
@@ -205,7 +209,6 @@ class Consolidator:
         name: str,
         *,
         signing_key: bytes | str | None = None,
-        batch_bytes: int = BATCH_BYTES,
     ) -> None:
         self._reader = SafeStorageReader(root, signing_key=signing_key)
         self._reader.reset(name)
@@ -213,7 +216,6 @@ class Consolidator:
         self._reader.set_up_storage_reader(self.metadata, True)
         self.name: str = self._reader.checkpoint_id or name
         self.metadata_path = self._reader.backend.full_path(f"{self.name}/{layout.DCP_METADATA}")
-        self._batch_bytes = batch_bytes
         # Each data file's real size: listed, or else asked, once.
         self._sizes = ListedSizes(self._reader.backend, self.name)
 
@@ -231,7 +233,7 @@ class Consolidator:
             CheckpointCorruptError: an item's bytes do not match its checksum, or a file is
                 missing or short.
         """
-        for batch in batches(entries, self._batch_bytes):
+        for batch in runs(entries, BATCH_BYTES):
             self._require_stored(batch)
             state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in batch}
             self._read(state)

@@ -14,7 +14,6 @@ running torch's own ``torch.save``, not hard-coded.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import secrets
@@ -29,34 +28,15 @@ from safetensors import safe_open
 from dcp_safe import layout
 from dcp_safe.adapters.tensor_records import learnt_format
 from dcp_safe.errors import ConfigError, StorageError
-from dcp_safe.exporting.consolidate import Consolidator, NotPlainData, Selection, TensorEntry
+from dcp_safe.exporting.consolidate import Consolidator, NotPlainData, Selection, TensorEntry, runs
 from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
+from dcp_safe.reading.safetensors_import import DTYPES, RESERVED
 from dcp_safe.torch_compat import TensorStub, legacy_storage_type, pickle_stubs
 
 #: Hugging Face's default ``max_shard_size="5GB"`` (decimal, as it parses it).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-_RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key
 _ALIGN = 8  # the header is padded with spaces so the data section starts 8-byte aligned
-
-# The dtype codes of the safetensors format (as safetensors.torch names them).
-_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}  # the format's dtype codes
 
 
 def safetensors_holds(dtype: torch.dtype) -> bool:
@@ -106,21 +86,13 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[li
     Raises:
         ConfigError: a key is ``__metadata__``.
     """
-    if any(entry.key == _RESERVED for entry in entries):
+    if any(entry.key == RESERVED for entry in entries):
         raise ConfigError(
-            f"safetensors reserves the key {_RESERVED!r} for its header, and a tensor of the"
+            f"safetensors reserves the key {RESERVED!r} for its header, and a tensor of the"
             f" checkpoint has it: export with format='torch', or select the other entries"
             " with keys= (dcp-safe export --keys)"
         )
-    shards: list[list[TensorEntry]] = [[]]
-    size = 0
-    for entry in entries:
-        if shards[-1] and size + entry.out_nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.out_nbytes
-    return shards
+    return runs(entries, max_shard_bytes, written=True)
 
 
 def shard_names(count: int) -> list[str]:
@@ -132,7 +104,7 @@ def shard_names(count: int) -> list[str]:
 
 def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:
     """The length prefix and JSON header of a file holding ``entries`` in this order."""
-    header: dict[str, object] = {_RESERVED: metadata}
+    header: dict[str, object] = {RESERVED: metadata}
     offset = 0
     for entry in entries:
         end = offset + entry.out_nbytes
@@ -173,7 +145,6 @@ def _check_safetensors(path: str, entries: Sequence[TensorEntry]) -> None:
 # ---------------------------------------------------------------- torch.save
 
 _ZIP64_EXTRA = 20  # the zip64 field zipfile adds to a local header opened with force_zip64
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 
 def torch_holds(dtype: torch.dtype) -> bool:
@@ -189,15 +160,9 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
         ConfigError: the selection holds no tensors and no plain data.
         StorageError: a write failed, or ``torch.load`` finds other contents.
     """
-    plain: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for key, value in source.objects(selection.objects).items():
-        if isinstance(value, NotPlainData):
-            skipped[key] = value.reason
-        elif not is_plain(value):
-            skipped[key] = f"not plain data ({type(value).__name__})"
-        else:
-            plain[key] = value
+    objects = source.objects(selection.objects)
+    skipped = {k: v.reason for k, v in objects.items() if isinstance(v, NotPlainData)}
+    plain = {k: v for k, v in objects.items() if k not in skipped}
     if not selection.tensors and not plain:
         raise ConfigError("nothing to export: the selection holds no tensors and no plain data")
     with (
@@ -209,18 +174,6 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
     return skipped
 
 
-def is_plain(value: Any) -> bool:
-    """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` rebuilds:
-    ``None``, numbers, strings, bytes, and lists, tuples and dicts of them."""
-    if isinstance(value, _PLAIN):
-        return True
-    if type(value) in (list, tuple):
-        return all(is_plain(item) for item in value)
-    if type(value) in (dict, collections.OrderedDict):
-        return all(is_plain(k) and is_plain(v) for k, v in value.items())
-    return False
-
-
 class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
 
@@ -229,9 +182,7 @@ class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
     archive down into a discarded sink (the caller throws the file away). The loaded file is
     a flat dict from key to tensor or object, in key order.
 
-    Args:
-        tensors: the tensors that :meth:`add` will be given, in that order.
-        objects: plain-data entries (see :func:`is_plain`) by key.
+    ``objects``: plain-data entries by key (:func:`~dcp_safe.exporting.consolidate.is_plain`).
     """
 
     def __init__(

@@ -100,7 +100,7 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         self._backend = LocalBackend(parent)
         self._work = layout.export_work_dir_name(self._leaf, secrets.token_hex(6))
         os.mkdir(os.path.join(parent, self._work))
-        self._digests: dict[str, str] = {}
+        self.digests: dict[str, str] = {}  # the files written so far: their sha256
         self._published = False
 
     def __exit__(self, *exc_info: object) -> None:
@@ -114,17 +114,12 @@ class StagedExport(AbstractContextManager["StagedExport"]):
     @contextmanager
     def open(self, file_name: str) -> Iterator[Sha256Sink]:
         """A new file in the export, hashed as it is written and fsynced when closed."""
-        if file_name in self._digests or file_name == CHECKSUMS:
+        if file_name in self.digests or file_name == CHECKSUMS:
             raise ValueError(f"{file_name} is written twice")  # a caller's bug
         with self._backend.open_write(f"{self._work}/{file_name}") as target:
             sink = Sha256Sink(target)
             yield sink
-        self._digests[file_name] = sink.hexdigest()
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """The files written so far, sorted."""
-        return tuple(sorted(self._digests))
+        self.digests[file_name] = sink.hexdigest()
 
     def publish(self) -> None:
         """Write ``SHA256SUMS``, make the folder durable, and rename it to ``dest``.
@@ -133,7 +128,7 @@ class StagedExport(AbstractContextManager["StagedExport"]):
             ConfigError: ``dest`` appeared meanwhile (without ``overwrite``).
             StorageError: a write, fsync or rename failed.
         """
-        lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(self._digests.items()))
+        lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(self.digests.items()))
         with self._backend.open_write(f"{self._work}/{CHECKSUMS}") as target:
             target.write(lines.encode())
         self._backend.sync_dir(self._work)

@@ -66,13 +66,13 @@ MAX_HEADER_BYTES = 100 << 20
 _MAX_INDEX_BYTES = 64 * CONTROL_MAX_BYTES
 PIECE_BYTES = 16 << 20
 _SUFFIXES = (".safetensors", ".safetensors.index.json")
-_RESERVED = "__metadata__"
+RESERVED = "__metadata__"  # the header's own entry: no tensor may have this key
 
 # The safetensors format's dtype codes, as CODE=torch's name.
 _CODES = """F64=float64 F32=float32 F16=float16 BF16=bfloat16 I64=int64 I32=int32 I16=int16 I8=int8
 U8=uint8 U16=uint16 U32=uint32 U64=uint64 BOOL=bool F8_E4M3=float8_e4m3fn F8_E5M2=float8_e5m2
 C64=complex64"""
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     code: getattr(torch, name) for code, _, name in (p.partition("=") for p in _CODES.split())
 }
 
@@ -302,7 +302,7 @@ def _read_header(backend: Backend, file: str, hasher: Any) -> dict[str, _Place]:
     if not isinstance(header, dict):
         raise CheckpointCorruptError(path, "the safetensors header is not a JSON object")
     base = 8 + length
-    places = {n: _place(path, file, n, e, base) for n, e in header.items() if n != _RESERVED}
+    places = {n: _place(path, file, n, e, base) for n, e in header.items() if n != RESERVED}
     check_tiling(path, [(p.name, p.start, p.length) for p in places.values()], base, size, "tensor")
     return places
 
@@ -310,7 +310,7 @@ def _read_header(backend: Backend, file: str, hasher: Any) -> dict[str, _Place]:
 def _place(path: str, file: str, name: str, entry: object, base: int) -> _Place:
     """One header entry as a place, its dtype, shape and offsets checked against each other."""
     entry = entry if isinstance(entry, dict) else {}
-    dtype = _DTYPES.get(str(entry.get("dtype")))
+    dtype = DTYPES.get(str(entry.get("dtype")))
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if dtype is None or not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
         raise CheckpointCorruptError(
