@@ -245,22 +245,22 @@ class Goodput:
         """The current interval and expected loss: ``auto``'s as agreed at the last vote; any
         other cadence's from this rank's measurements."""
         with self._lock:
-            return self._agreed if self.policy.auto else self._fixed(self._costs)
+            policy, costs = self.policy, self._costs
+            if policy.auto:
+                return self._agreed
+            interval, why = policy.interval_s, "interval_s"
+            if interval is None:
+                cadence = "continuous=True" if policy.continuous else f"every={policy.every}"
+                interval, why = self._between_s, f"measured between commits ({cadence})"
+            if interval is None or costs.mtbf_s is None:
+                return Choice() if interval is None else Choice(interval, why)
+            loss = loss_per_hour_s(interval, costs.commit_s, costs.mtbf_s)
+            return Choice(interval, why, loss, mtbf_s=costs.mtbf_s)
 
     def _commit_took(self, seconds: float) -> None:
         with self._lock:
             took = _average(self._costs.commit_s or None, seconds)
             self._costs = replace(self._costs, commit_s=took)
-
-    def _fixed(self, costs: Costs) -> Choice:
-        policy, interval, why = self.policy, self.policy.interval_s, "interval_s"
-        if interval is None:
-            cadence = "continuous=True" if policy.continuous else f"every={policy.every}"
-            interval, why = self._between_s, f"measured between commits ({cadence})"
-        if interval is None or costs.mtbf_s is None:
-            return Choice() if interval is None else Choice(interval, why)
-        loss = loss_per_hour_s(interval, costs.commit_s, costs.mtbf_s)
-        return Choice(interval, why, loss, mtbf_s=costs.mtbf_s)
 
 
 @dataclass(frozen=True)

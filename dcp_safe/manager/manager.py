@@ -410,7 +410,11 @@ class CheckpointManager:
                 )
         report = planner.report
         digest = reader.digest if isinstance(reader, SafetensorsReader) else None
-        reason = _reason(where, report)
+        reason = "; ".join(
+            [where, f"{len(report.restored)} keys restored"]
+            + [f"{len(report.skipped)} skipped on request"] * bool(report.skipped)
+            + [f"{len(report.missing)} missing, left as they were"] * bool(report.missing)
+        )
         self._ledger.record(
             "restored", (None, name), tier=tier, reason=reason, source=url, source_digest=digest
         )
@@ -603,12 +607,3 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """A save is in flight or pending."""
         return not self._slot.idle()
-
-
-def _reason(where: str, report: RestoreReport) -> str:
-    parts = [where, f"{len(report.restored)} keys restored"]
-    if report.skipped:
-        parts.append(f"{len(report.skipped)} skipped on request")
-    if report.missing:
-        parts.append(f"{len(report.missing)} missing, left as they were")
-    return "; ".join(parts)

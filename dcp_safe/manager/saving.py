@@ -99,7 +99,7 @@ class SaveRunner:
             busy=busy,
             fallback=fallback,
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
-            stalled=None if force else self._stalled(),
+            stalled=None if force else self.slot.stalled(self.latency_objective_s),
             pending=self.slot.pending_step(),
             worker_ready=self.worker is not None and self.worker.ready,
         )
@@ -131,13 +131,6 @@ class SaveRunner:
             return 0
         stats = self.stager.stats()
         return stats.in_use_bytes - stats.kept_bytes  # keep_in_memory's copy is no leak
-
-    def _stalled(self) -> str | None:
-        age = self.slot.age_s()
-        objective = self.latency_objective_s
-        if age is None or objective is None or age <= objective:
-            return None
-        return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective:g}"
 
     def _no_room(self, state_dict: dict[str, Any]) -> bool:
         pending = self.slot.pending  # the copy it replaces is alive while this one is taken

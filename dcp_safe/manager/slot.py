@@ -64,10 +64,13 @@ class SaveSlot:
                 self.waiting -= 1
                 self.waited_s += time.perf_counter() - started
 
-    def age_s(self) -> float | None:
-        """Seconds since the save in flight took the slot (``None``: none in flight)."""
+    def stalled(self, objective_s: float | None) -> str | None:
+        """Why the save in flight is past ``latency_objective_s`` (``None``: it is not)."""
         with self._cond:
-            return None if self.busy is None else time.monotonic() - self._since
+            age = None if self.busy is None else time.monotonic() - self._since
+        if age is None or objective_s is None or age <= objective_s:
+            return None
+        return f"the save in flight is {age:.1f} s old, over latency_objective_s={objective_s:g}"
 
     def _hold(self, handle: SaveHandle) -> None:
         self.busy, self._since = handle, time.monotonic()

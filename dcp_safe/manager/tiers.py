@@ -209,7 +209,11 @@ class Tiers:
                 try:
                     (trash if self.trash_grace_s else strategy_for(backend).retire)(backend, name)
                 except Exception as exc:
-                    if self._still_committed(backend, name):
+                    try:
+                        committed = backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
+                    except OSError:  # cannot tell: do not claim it was pruned
+                        committed = True
+                    if committed:
                         raise
                     # Gone from the listing: recorded as pruned, with why, and the error raised.
                     error = exc
@@ -223,13 +227,6 @@ class Tiers:
                 if error is not None:
                     raise error
             return decision.drop
-
-    @staticmethod
-    def _still_committed(backend: Backend, name: str) -> bool:
-        try:
-            return backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
-        except OSError:  # cannot tell: do not claim it was pruned
-            return True
 
     def latest(self, tier: str = "local") -> str | None:
         """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
