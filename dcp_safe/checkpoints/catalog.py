@@ -153,10 +153,10 @@ def verify_checkpoint(
     signing_key: bytes | str | None = None,
     allow_pickle: bool = False,
 ) -> VerifyReport:
-    """Check checkpoint ``name`` (or the latest): every byte, or (``deep=False``) quickly.
+    """Check checkpoint ``name`` (or ``"latest"``): every byte, or (``deep=False``) quickly;
+    a report of what was checked, when everything matches.
 
     Args:
-        name: the checkpoint's name, or ``"latest"``.
         progress: called with each file's record once that file is checked (progress bars).
         deep: read every byte against its checksum (the default). ``False``: the quick check
             (module docstring); its report checks no items.
@@ -164,9 +164,6 @@ def verify_checkpoint(
             ``$DCP_SAFE_SIGNING_KEY``; see :mod:`dcp_safe.manifest.signing`).
         allow_pickle: skip the restricted decoding of ``.metadata`` and object items, as
             ``SafeStorageReader(allow_pickle=True)`` does (a root trusted as code).
-
-    Returns:
-        A report of what was checked, when everything matches.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint by that name.

@@ -61,13 +61,8 @@ def restore_trashed(
     signing_key: bytes | str | None = None,
 ) -> VerifyReport:
     """Commit checkpoint ``name`` again from the trash, once every byte is checked (the newest
-    copy, if the trash holds several). A later prune that does not keep it trashes it again.
-
-    Args:
-        signing_key: also require its signature (as ``verify_checkpoint`` does).
-
-    Returns:
-        The check it passed.
+    copy, if the trash holds several; with ``signing_key``, its signature too); the check it
+    passed. A later prune that does not keep it trashes it again.
 
     Raises:
         CheckpointNotFoundError: the trash holds no ``name`` (never trashed, or deleted).
