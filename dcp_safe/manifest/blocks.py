@@ -93,7 +93,6 @@ class BlockHasher:
     def __init__(
         self,
         algorithm: ChecksumAlgorithm | str,
-        *,
         item_start: int,
         at: int,
         length: int,

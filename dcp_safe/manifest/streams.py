@@ -67,13 +67,7 @@ class HashingSink(io.RawIOBase):
         """Also digest ``[at, at + length)`` of the next item (from its start) block by block,
         in the same pass (:mod:`dcp_safe.manifest.blocks`); :meth:`take_blocks` returns them.
         Called before the item's first byte is written."""
-        self._blocks = BlockHasher(
-            self._algorithm,
-            item_start=self._position,
-            at=at,
-            length=length,
-            block_bytes=block_bytes,
-        )
+        self._blocks = BlockHasher(self._algorithm, self._position, at, length, block_bytes)
 
     def _current(self) -> Hasher:
         if self._hasher is None:
@@ -157,7 +151,7 @@ def check_digest(
 
 
 def read_verified(
-    stream: BinaryIO, *, path: str, item: str | None, start: int, length: int, checksum: str | None
+    stream: BinaryIO, path: str, item: str | None, start: int, length: int, checksum: str | None
 ) -> bytearray:
     """Read ``length`` bytes at ``start`` into a ``bytearray`` (decoded tensors may share its
     memory) and check them against ``checksum`` (if given).

@@ -112,28 +112,16 @@ class FileCheck:
             if following is None:
                 self._item = None
                 return
-            self._item = (
-                following,
-                _hasher(following.checksum),
-                _blocks_for(following, self._path),
-            )
+            self._item = (following, _hasher(following.checksum), self._blocks_for(following))
 
-
-def _blocks_for(item: ItemRecord, path: str) -> BlockHasher | None:
-    blocks = item.blocks
-    if blocks is None:
-        return None
-    if blocks.at + blocks.length > item.length:
-        raise CheckpointCorruptError(
-            path, "block digests reach past the item", item=item.describe()
-        )
-    return BlockHasher(
-        item.checksum.partition(":")[0],
-        item_start=item.start,
-        at=blocks.at,
-        length=blocks.length,
-        block_bytes=blocks.block_bytes,
-    )
+    def _blocks_for(self, item: ItemRecord) -> BlockHasher | None:
+        if (blocks := item.blocks) is None:
+            return None
+        if blocks.at + blocks.length > item.length:
+            reason = "block digests reach past the item"
+            raise CheckpointCorruptError(self._path, reason, item=item.describe())
+        algorithm = item.checksum.partition(":")[0]
+        return BlockHasher(algorithm, item.start, blocks.at, blocks.length, blocks.block_bytes)
 
 
 def _tiles(items: Sequence[ItemRecord], size: int) -> bool:

@@ -139,14 +139,8 @@ class ItemReader:
         tensor decoded from them shares their memory."""
         verify = self.verify if verify is None else verify
         require_stored(stream, path, label, record)
-        return read_verified(
-            stream,
-            path=path,
-            item=label,
-            start=record.start,
-            length=record.length,
-            checksum=record.checksum if verify else None,
-        )
+        checksum = record.checksum if verify else None
+        return read_verified(stream, path, label, record.start, record.length, checksum)
 
     # ----------------------------------------------------------------- helpers
 
@@ -224,16 +218,8 @@ class ItemReader:
             held.count(cost)
             dest = target if direct else transient_tensor(shape, dtype)
             if layout is not None:
-                if not read_tensor_item(
-                    stream,
-                    path=item.path,
-                    item=item.label,
-                    record=record,
-                    layout=layout,
-                    checksum=checksum,
-                    dest=dest,
-                    hash_pool=self.hash_pool,
-                ):
+                args = (item.path, item.label, record, layout, checksum, dest, self.hash_pool)
+                if not read_tensor_item(stream, *args):
                     return False
             else:
                 assert plan is not None

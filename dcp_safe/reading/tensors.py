@@ -96,7 +96,6 @@ def known_layout(
 
 def read_tensor_item(
     stream: BinaryIO,
-    *,
     path: str,
     item: str,
     record: ItemRecord,
