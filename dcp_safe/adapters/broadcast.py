@@ -63,11 +63,8 @@ def deliver_shared(
     group: Any,
     timeout_s: float | None,
 ) -> int:
-    """Send this rank's entries and receive the others' into ``planner``'s state dict.
-
-    Returns:
-        The bytes this rank received (tensors and objects).
-    """
+    """Send this rank's entries and receive the others' into ``planner``'s state dict; return
+    the bytes this rank received."""
     # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
     timeout = timedelta(seconds=timeout_s or 0)
     # Objects announce their lengths first (tag 2t): a receiver sizes its buffer by them.
@@ -119,7 +116,7 @@ def _object_buffer(
     if transfer.owner == rank:
         joined = b"".join(sent.payloads[object_key(item)] for item in transfer.items)
         data = torch.frombuffer(bytearray(joined) or bytearray(1), dtype=torch.uint8)
-        return data, sum(sizes), _nothing
+        return data, sum(sizes), lambda: None
     buffer = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
 
     def unpack() -> None:
@@ -158,7 +155,7 @@ def _tensor_buffer(
         for region, slot in pairs:
             if slot is not region:
                 slot.copy_(region)
-        return buffer, nbytes, _nothing
+        return buffer, nbytes, lambda: None
 
     def unpack() -> None:
         for item, (region, slot) in zip(transfer.items, pairs, strict=True):
@@ -167,7 +164,3 @@ def _tensor_buffer(
             planner.commit_tensor(item, region)
 
     return buffer, nbytes, unpack
-
-
-def _nothing() -> None:
-    pass

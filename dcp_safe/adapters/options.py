@@ -12,9 +12,6 @@ from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import checksum_for, resolve_key
 
-#: How long a save without collectives waits on storage for a peer (docs/multirank.md).
-DEFAULT_REPORT_TIMEOUT_S = 600.0
-
 
 class Compression(str, enum.Enum):
     NONE = "none"
@@ -47,7 +44,7 @@ class WriterOptions:
     overwrite: bool = False
     # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
     signing_key: bytes | None = field(default=None, repr=False)
-    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    report_timeout_s: float = 600.0
     block_digests: bool = True
 
     def __post_init__(self) -> None:
@@ -92,12 +89,7 @@ READER_MOVED = {
 
 def writer_options(options: WriterOptions | None) -> WriterOptions:
     """``options`` (default: ``WriterOptions()``), with ``$DCP_SAFE_SIGNING_KEY`` when it names
-    no key; a signed save's checksum left at its default is then the signed default
-    (:func:`checksum_for`).
-
-    Raises:
-        ConfigError: ``options`` is not a :class:`WriterOptions`.
-    """
+    no key; a signed save's checksum left at its default is then the signed default."""
     options = WriterOptions() if options is None else options
     if not isinstance(options, WriterOptions):
         raise ConfigError(f"options must be a WriterOptions, got {type(options).__name__}")

@@ -39,29 +39,18 @@ Layout = tuple[Any, ...]
 
 @dataclass(frozen=True)
 class RankEntry:
-    """One rank's last finished plan.
+    """One rank's last finished plan."""
 
-    Attributes:
-        layout: :func:`layout_of` its local plan.
-        final: the plan it wrote with (its storage assignment is replaced every save).
-        token: the coordinator's token for the global plan ``final`` came from.
-    """
-
-    layout: Layout
-    final: SavePlan
-    token: int
+    layout: Layout  # layout_of its local plan
+    final: SavePlan  # the plan it wrote with (its storage assignment is replaced every save)
+    token: int  # the coordinator's token for the global plan final came from
 
 
 @dataclass(frozen=True)
 class GlobalEntry:
-    """The coordinator's last global plan.
-
-    Attributes:
-        token: what each rank names it by.
-        local_plans: every rank's local plan, without values.
-        global_plan: the plans scattered to the ranks, without values.
-        metadata: DCP's metadata, without the audit sums or any storage data.
-    """
+    """The coordinator's last global plan: its token, and every rank's local plan, the plans
+    scattered to the ranks and DCP's metadata, each without values (no audit sums, no storage
+    data)."""
 
     token: int
     local_plans: tuple[SavePlan, ...]

@@ -19,8 +19,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints
-from dcp_safe.adapters.fingerprints import fingerprint, fingerprints_of
-from dcp_safe.adapters.planners import FingerprintedPlan, divergent_keys
+from dcp_safe.adapters.planners import (
+    FingerprintedPlan,
+    divergent_keys,
+    fingerprint,
+    fingerprints_of,
+)
 from dcp_safe.errors import DivergentStateError, MissingKeysError, PerRankStateError
 from dcp_safe.testing.multiproc import run_ranks
 
