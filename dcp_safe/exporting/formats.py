@@ -29,7 +29,7 @@ from dcp_safe import layout
 from dcp_safe.adapters.tensor_records import learnt_format
 from dcp_safe.errors import ConfigError, StorageError
 from dcp_safe.exporting.consolidate import Consolidator, NotPlainData, Selection, TensorEntry, runs
-from dcp_safe.exporting.publish import Sha256Sink, StagedExport, write_tensor
+from dcp_safe.exporting.publish import StagedExport, write_tensor
 from dcp_safe.reading.safetensors_import import DTYPES, RESERVED
 from dcp_safe.torch_compat import TensorStub, legacy_storage_type, pickle_stubs
 
@@ -156,6 +156,11 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
     """Write ``model.pt`` of the selected tensors and the plain-data objects, checked by
     loading it back; the objects skipped (not plain data), each with the reason.
 
+    The loaded file is a flat dict from key to tensor or object, in key order. The pickle goes
+    first (each tensor a stub naming its record), then the constant records before the data,
+    each tensor's record as it is read, the records after the data, and the zip directory. On a
+    failure the archive winds down into a discarded sink (the file is thrown away).
+
     Raises:
         ConfigError: the selection holds no tensors and no plain data.
         StorageError: a write failed, or ``torch.load`` finds other contents.
@@ -165,94 +170,57 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
     plain = {k: v for k, v in objects.items() if k not in skipped}
     if not selection.tensors and not plain:
         raise ConfigError("nothing to export: the selection holds no tensors and no plain data")
-    with (
-        staged.open(layout.TORCH_FILE) as sink,
-        TorchFileWriter(sink, selection.tensors, plain) as writer,
-    ):
-        source.each_tensor(selection.tensors, writer.add)
+    learnt = learnt_format()  # the records torch writes around a tensor's
+    if learnt is None:
+        raise ConfigError("format='torch' does not know this torch's file layout; use safetensors")
+    kinds = [(name.partition("/")[2], content) for name, content in learnt.records]
+    data = next(i for i, (kind, _) in enumerate(kinds) if kind.startswith("data/"))
+    index = {entry.key: str(i) for i, entry in enumerate(selection.tensors)}
+    state: dict[str, Any] = dict(plain)
+    for entry in selection.tensors:
+        storage_type = legacy_storage_type(entry.out_dtype)
+        assert storage_type is not None  # refused up front (torch_holds)
+        state[entry.key] = TensorStub(index[entry.key], storage_type, entry.shape)
+    with staged.open(layout.TORCH_FILE) as sink:
+        # No seek on the sink: zipfile writes each record front to back.
+        archive = zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True)
+
+        def record(kind: str, size: int) -> IO[bytes]:
+            """A new record whose data starts on the alignment torch uses (padding in an
+            extra field of the local header, as torch pads)."""
+            name = f"{learnt.archive}/{kind}"
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.file_size = size
+            fixed = sink.tell() + 30 + len(name.encode()) + 4 + _ZIP64_EXTRA
+            pad = -fixed % learnt.alignment
+            info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            return archive.open(info, "w", force_zip64=True)
+
+        def put(kind: str, content: bytes | None) -> None:
+            if content is not None:
+                with record(kind, len(content)) as out:
+                    out.write(content)
+
+        def add(entry: TensorEntry, tensor: torch.Tensor) -> None:
+            with record(f"data/{index[entry.key]}", entry.out_nbytes) as out:
+                write_tensor(out, tensor, entry.out_dtype)
+
+        try:
+            put("data.pkl", pickle_stubs(dict(sorted(state.items()))))
+            for kind, content in kinds[:data]:
+                put(kind, content)
+            source.each_tensor(selection.tensors, add)
+            for kind, content in kinds[data:]:
+                put(kind, content)
+            put(".data/serialization_id", f"{secrets.randbits(128):040d}"[-40:].encode())
+            archive.close()
+        except BaseException:
+            sink.discard()
+            with contextlib.suppress(Exception):
+                archive.close()  # else its finalizer would try, into a closed file
+            raise
     _check_torch(staged.path(layout.TORCH_FILE), selection.tensors, plain)
     return skipped
-
-
-class TorchFileWriter(contextlib.AbstractContextManager["TorchFileWriter"]):
-    """Writes one ``torch.save``-format file of ``tensors`` (in order) and ``objects``.
-
-    Call order: construct (writes the pickle), :meth:`add` once per tensor in the order given,
-    :meth:`close`. As a context manager it closes on success and, on an exception, winds the
-    archive down into a discarded sink (the caller throws the file away). The loaded file is
-    a flat dict from key to tensor or object, in key order.
-
-    ``objects``: plain-data entries by key (:func:`~dcp_safe.exporting.consolidate.is_plain`).
-    """
-
-    def __init__(
-        self, sink: Sha256Sink, tensors: Sequence[TensorEntry], objects: dict[str, Any]
-    ) -> None:
-        learnt = learnt_format()  # the records torch writes around a tensor's
-        if learnt is None:
-            raise ConfigError(
-                "format='torch' does not know this torch's file layout; use safetensors"
-            )
-        self._format = learnt
-        kinds = [(name.partition("/")[2], content) for name, content in learnt.records]
-        data = next(i for i, (kind, _) in enumerate(kinds) if kind.startswith("data/"))
-        self._sink = sink
-        self._tensors = list(tensors)
-        self._next = 0
-        # No seek on the sink: zipfile writes each record front to back.
-        self._zip = zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True)
-        state: dict[str, Any] = dict(objects)
-        for index, entry in enumerate(self._tensors):
-            storage_type = legacy_storage_type(entry.out_dtype)
-            assert storage_type is not None  # refused up front (torch_holds)
-            state[entry.key] = TensorStub(str(index), storage_type, entry.shape)
-        self._record("data.pkl", pickle_stubs(dict(sorted(state.items()))))
-        # Then the constant records before the data; those after it wait for close().
-        self._after = [(kind, content) for kind, content in kinds[data:] if content is not None]
-        for kind, content in kinds[:data]:
-            if content is not None:
-                self._record(kind, content)
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
-        self._sink.discard()
-        with contextlib.suppress(Exception):
-            self._zip.close()  # else its finalizer would try, into a closed file
-
-    def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
-        """Append the next tensor's record (cast to the entry's output dtype)."""
-        if self._next >= len(self._tensors) or self._tensors[self._next].key != entry.key:
-            raise ValueError(f"tensor {entry.key!r} out of order")  # a caller's bug
-        with self._open_record(f"data/{self._next}", entry.out_nbytes) as record:
-            write_tensor(record, tensor, entry.out_dtype)
-        self._next += 1
-
-    def close(self) -> None:
-        """Write the trailing records and the zip directory."""
-        if self._next != len(self._tensors):
-            raise ValueError("not every tensor was added")  # a caller's bug
-        for kind, content in self._after:
-            self._record(kind, content)
-        serial = f"{secrets.randbits(128):040d}"[-40:]
-        self._record(".data/serialization_id", serial.encode())
-        self._zip.close()
-
-    def _record(self, kind: str, content: bytes) -> None:
-        with self._open_record(kind, len(content)) as record:
-            record.write(content)
-
-    def _open_record(self, kind: str, size: int) -> IO[bytes]:
-        """A new record whose data will start on the alignment torch uses (padding in an
-        extra field of the local header, as torch pads)."""
-        name = f"{self._format.archive}/{kind}"
-        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-        info.file_size = size
-        fixed = self._sink.tell() + 30 + len(name.encode()) + 4 + _ZIP64_EXTRA
-        pad = -fixed % self._format.alignment
-        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        return self._zip.open(info, "w", force_zip64=True)
 
 
 def _check_torch(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
@@ -267,10 +235,6 @@ def _check_torch(path: str, tensors: Sequence[TensorEntry], objects: dict[str, A
     except Exception as exc:
         raise StorageError("check", path, f"torch.load refuses the file: {exc}") from exc
     expected = {entry.key: (entry.out_dtype, entry.shape) for entry in tensors}
-    found = {
-        key: (value.dtype, tuple(value.shape))
-        for key, value in loaded.items()
-        if isinstance(value, torch.Tensor)
-    }
+    found = {k: (v.dtype, tuple(v.shape)) for k, v in loaded.items() if isinstance(v, torch.Tensor)}
     if found != expected or set(loaded) != set(expected) | set(objects):
         raise StorageError("check", path, "torch.load finds other contents than were written")
