@@ -89,12 +89,8 @@ def available_bytes_now(
     cgroup_root: str | os.PathLike[str] = "/sys/fs/cgroup",
     proc_self_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
 ) -> int:
-    """Memory available to this node (or container) now, from the source the budget uses.
-
-    When a cgroup memory limit binds (below ``MemTotal``), this is the smaller of the cgroup's
-    headroom (``limit - usage + inactive_file``) and psutil's ``available``; otherwise psutil's
-    ``available``. It is a node-wide figure: compare it with a budget's ``node_reserve``, not
-    with the per-rank ``reserve``. Never negative.
+    """Memory available to this node (or container) now, as :func:`read_host` finds it: a
+    node-wide figure, to compare with a budget's ``node_reserve``, not the per-rank ``reserve``.
     """
     return read_host(cgroup_root, proc_self_cgroup)[2]
 

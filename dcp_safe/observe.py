@@ -63,8 +63,6 @@ class SpanOptions(TypedDict, total=False):
 
 
 class NullSpan:
-    """The span of :class:`NullRecorder`: does nothing."""
-
     __slots__ = ()
     # Class attributes: with no slots, an instance cannot set them.
     id: int | None = None
@@ -120,9 +118,7 @@ class Recorder(Protocol):
 
 
 class NullRecorder(Recorder):
-    """Telemetry off: every call returns at once; no thread, no allocation per call."""
-
-    enabled = False
+    enabled = False  # telemetry off: the protocol's bodies, which return at once
 
 
 NULL_RECORDER = NullRecorder()

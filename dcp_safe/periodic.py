@@ -30,7 +30,6 @@ class Periodic:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> Periodic:
-        """Start the thread (once)."""
         self._thread.start()
         return self
 

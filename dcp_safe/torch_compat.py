@@ -86,7 +86,6 @@ def dcp_debug_logs_unheard() -> Iterator[None]:
 
 
 def _dcp_debug_heard() -> bool:
-    """Whether a handler on DCP's logger's chain takes the DEBUG records it makes."""
     if not _dcp_logger.isEnabledFor(logging.DEBUG):
         return False
     current: logging.Logger | None = _dcp_logger
@@ -120,8 +119,7 @@ def default_store() -> Any:
 
 def dtensor_local(tensor: DTensor) -> torch.Tensor:
     """A DTensor's local shard, as it is (``to_local()`` would add an autograd node)."""
-    local: torch.Tensor = tensor._local_tensor
-    return local
+    return tensor._local_tensor
 
 
 def dtensor_chunks(tensor: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -143,7 +141,7 @@ def rebuild_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
-    """How many tensors (and storage objects) share ``tensor``'s storage, this call's included."""
+    """How many tensors (and storage objects) share ``tensor``'s storage."""
     return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
@@ -388,8 +386,7 @@ def _save_staged(staged: Any, save_kwargs: dict[str, Any]) -> Any:
 
 
 def _forward_staging(done: Future[Any], staging: Future[None]) -> None:
-    error = done.exception()
-    if error is None:
+    if (error := done.exception()) is None:
         staging.set_result(None)
     else:
         staging.set_exception(error)

@@ -35,20 +35,16 @@ def copy_buffer_bytes(dest: Backend, chunk_bytes: int) -> int | None:
 
 @dataclass(eq=False)
 class Copier:
-    """Verified copies from ``local`` to ``remote``, file by file.
-
-    Attributes:
-        before_each: called before each file is written (the lease's check); raising there
-            stops the copy.
-        uploaded: each remote path, listed before it is written, for the caller's clean-up.
-    """
+    """Verified copies from ``local`` to ``remote``, file by file."""
 
     local: Backend
     remote: Backend
     _: KW_ONLY
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     retry: RetryPolicy | None = None
+    # Called before each file is written (the lease's check); raising there stops the copy.
     before_each: Callable[[], None] = lambda: None
+    # Each remote path, listed before it is written, for the caller's clean-up.
     uploaded: list[str] = field(default_factory=list, init=False)
 
     def copy_folder(
@@ -133,12 +129,10 @@ class CheckpointCopy(Copier):
         self.items = items_by_file(where, self.manifest)
 
     def upload_to(self, dest: str) -> None:
-        """Copy every file and the manifest under ``dest``, then check every remote size."""
         self.copy_files(dest, self.manifest.files)
         self.finish_upload(dest)
 
     def copy_files(self, dest: str, records: Iterable[FileRecord]) -> None:
-        """Copy ``records`` (files of this checkpoint) under ``dest``, verified, in order."""
         self.copy_folder(self.name, dest, list(records), self.items)
 
     def finish_upload(self, dest: str) -> None:

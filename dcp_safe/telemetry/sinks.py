@@ -45,31 +45,21 @@ class EventKind(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    """One telemetry event; :meth:`to_dict` is exactly one JSON line of schema version 1.
-
-    Attributes:
-        name: the phase (spans), the mark's name, or ``"step"``.
-        t: seconds since the epoch (a monotonic clock anchored to wall time once).
-        span: the span's id, unique within one :class:`~dcp_safe.telemetry.Telemetry`.
-        duration_s: ``span_end`` and ``step`` only.
-        ok: ``span_end`` only: the phase succeeded.
-        error: ``span_end`` only: ``"Type: message"`` of the failure.
-        attrs: anything else, JSON-compatible.
-    """
+    """One telemetry event; :meth:`to_dict` is exactly one JSON line of schema version 1."""
 
     kind: EventKind
-    name: str
-    t: float
+    name: str  # the phase (spans), the mark's name, or "step"
+    t: float  # seconds since the epoch (a monotonic clock anchored to wall time once)
     rank: int = 0
-    span: int | None = None
+    span: int | None = None  # unique within one Telemetry
     parent: int | None = None
     save: str | None = None
     step: int | None = None
     bytes: int | None = None
-    duration_s: float | None = None
-    ok: bool | None = None
-    error: str | None = None
-    attrs: Mapping[str, Any] = field(default_factory=dict)
+    duration_s: float | None = None  # span_end and step only
+    ok: bool | None = None  # span_end only
+    error: str | None = None  # span_end only: "Type: message" of the failure
+    attrs: Mapping[str, Any] = field(default_factory=dict)  # anything else, JSON-compatible
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-lines form: every field, plus ``schema``."""
@@ -80,14 +70,11 @@ class Event:
 class Sink:
     """Base of every sink: override what you need; the defaults ignore the call."""
 
-    def emit(self, event: Event) -> None:
-        """One event, on the thread that produced it."""
+    def emit(self, event: Event) -> None: ...
 
-    def sample(self, sample: MemorySample) -> None:
-        """One memory sample, on the sampler's thread."""
+    def sample(self, sample: MemorySample) -> None: ...  # on the sampler's thread
 
-    def close(self) -> None:
-        """Flush and release what the sink holds."""
+    def close(self) -> None: ...
 
 
 class MemorySink(Sink):
@@ -108,12 +95,9 @@ class MemorySink(Sink):
 
 
 class JsonLinesSink(Sink):
-    """Appends one JSON object per line to ``path`` (schema in ``docs/telemetry.md``).
-
-    Args:
-        include_samples: also write memory samples (``kind: "sample"``); off by default
-            because the sampler runs every few tens of milliseconds during saves.
-    """
+    """Appends one JSON object per line to ``path`` (schema in ``docs/telemetry.md``); memory
+    samples too (``kind: "sample"``) with ``include_samples``, off by default because the
+    sampler runs every few tens of milliseconds during saves."""
 
     def __init__(self, path: str | os.PathLike[str], *, include_samples: bool = False) -> None:
         self.path = os.fspath(path)
@@ -264,12 +248,11 @@ class PrometheusSink(Sink):
         self._latest = sample  # one reference store: atomic, no lock needed
 
     def exposition(self) -> str:
-        """The registry in Prometheus text format."""
         text: bytes = self._client.generate_latest(self.registry)
         return text.decode("utf-8")
 
     def collect(self) -> Iterator[Any]:
-        """One gauge per figure of the latest memory sample that is present (at scrape time)."""
+        """One gauge per figure of the latest memory sample that is present."""
         latest = self._latest
         if latest is None:
             return
