@@ -144,11 +144,7 @@ def _classify(exc: BaseException) -> bool | None:
         code, status = reply_error(response)
         return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
     transient, final = _library_types()
-    if isinstance(exc, final):
-        return False
-    if isinstance(exc, transient):
-        return True
-    return None
+    return False if isinstance(exc, final) else True if isinstance(exc, transient) else None
 
 
 def reply_error(response: object) -> tuple[str, int | None]:

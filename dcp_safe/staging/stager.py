@@ -197,8 +197,7 @@ class BudgetedStager(AsyncStager):
                 " uploads have not finished, or a failed response still holds the staged state"
                 " (pass responses to stager.track())"
             )
-        errors = [g.error for g in waiting if g.error is not None]
-        if errors:
+        if errors := [g.error for g in waiting if g.error is not None]:
             raise errors[0]
 
     # -- dcp_safe's additions -------------------------------------------------------------------
@@ -395,8 +394,7 @@ class BudgetedStager(AsyncStager):
                 gen, layout, self._stream, profile(Phase.STAGING), state_dict
             )
             staged, allocated = self._copy_guessed(gen, layout, copy)
-            torn = gen.torn(state_dict)
-            if torn is not None:
+            if (torn := gen.torn(state_dict)) is not None:
                 raise torn
             result = StagedStateDict(rebuild(state_dict, staged))
             del staged
@@ -404,8 +402,8 @@ class BudgetedStager(AsyncStager):
             # A resize between the request and the copy surfaces as a shape error first.
             self._fail_generation(gen, future, gen.torn(state_dict, exc) or exc)
             return
-        finalizer = weakref.finalize(result, self._dropped, gen)
-        finalizer.atexit = False  # at interpreter exit there is nothing left to reuse
+        # At interpreter exit there is nothing left to reuse.
+        weakref.finalize(result, self._dropped, gen).atexit = False
         with self._cond:
             gen.result = weakref.ref(result)
             if gen.keep is not None:
