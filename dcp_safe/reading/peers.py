@@ -184,28 +184,22 @@ class PeerSource(Source):
                     self.disk.makedirs(scratch)
                 made = True
             sends = [f for f in fetches if f.holder == rank]
-            self._transfer(group, sends, receives, offers, scratch)
+            self._transfer(group, sends, receives, offers)
             for fetch in receives:
                 tried.setdefault(fetch.file, []).append(disks[fetch.holder])
                 if fetch.file in self._peer_sources:
                     pending.pop(fetch.file, None)
 
     def _peer_group(self) -> Any:
-        if self._group is not None:
-            return self._group
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self._group is None and several:
+            self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
         return self._group
 
     def _transfer(
-        self,
-        group: Any,
-        sends: list[Fetch],
-        receives: list[Fetch],
-        offers: dict[str, _Source],
-        scratch: str,
+        self, group: Any, sends: list[Fetch], receives: list[Fetch], offers: dict[str, _Source]
     ) -> None:
+        """Send ``sends`` and receive ``receives`` into the scratch folder, at once."""
         chunk = {"chunk_bytes": self.chunk_bytes}
 
         def send_all() -> None:
@@ -214,11 +208,12 @@ class PeerSource(Source):
                 send_file(group, fetch.requester, backend, rel, fetch.size, tag=fetch.tag, **chunk)
 
         def receive_all() -> None:
-            by_file = items_by_file(*self._require()) if receives else {}
+            name, manifest = self._require()
+            by_file = items_by_file(name, manifest) if receives else {}
             for fetch in receives:
-                record = self._require()[1].file(fetch.file)
+                record = manifest.file(fetch.file)
                 assert record is not None  # needs come from the manifest
-                rel, items = f"{scratch}/{fetch.file}", by_file.get(fetch.file, [])
+                rel, items = f"{self._scratch}/{fetch.file}", by_file.get(fetch.file, [])
                 try:
                     receive_file(
                         group, fetch.holder, self.disk, rel, record, items, tag=fetch.tag, **chunk
