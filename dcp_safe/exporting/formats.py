@@ -158,8 +158,7 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
 
     The loaded file is a flat dict from key to tensor or object, in key order. The pickle goes
     first (each tensor a stub naming its record), then the constant records before the data,
-    each tensor's record as it is read, the records after the data, and the zip directory. On a
-    failure the archive winds down into a discarded sink (the file is thrown away).
+    each tensor's record as it is read, the records after the data, and the zip directory.
 
     Raises:
         ConfigError: the selection holds no tensors and no plain data.
@@ -215,9 +214,10 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
             put(".data/serialization_id", f"{secrets.randbits(128):040d}"[-40:].encode())
             archive.close()
         except BaseException:
-            sink.discard()
+            # Wound down into the file being thrown away; else its finalizer would try, into
+            # a closed file. A second failure there says nothing new.
             with contextlib.suppress(Exception):
-                archive.close()  # else its finalizer would try, into a closed file
+                archive.close()
             raise
     _check_torch(staged.path(layout.TORCH_FILE), selection.tensors, plain)
     return skipped

@@ -1,8 +1,8 @@
 """An export's destination: written beside it in a hidden folder, renamed into place whole.
 
-Each file is written through an append-only :class:`Sha256Sink` that hashes what it writes (no
-``seek``: :mod:`zipfile` writes the torch format sequentially, sizes and CRCs in a descriptor
-after each record), so ``SHA256SUMS`` costs no second read.
+Each file is written through an append-only :class:`~dcp_safe.manifest.streams.HashingSink`
+that hashes what it writes (no ``seek``: :mod:`zipfile` writes the torch format sequentially,
+sizes and CRCs in a descriptor after each record), so ``SHA256SUMS`` costs no second read.
 
 The protocol (fsyncs, ``RENAME_NOREPLACE``, ``RENAME_EXCHANGE`` for ``overwrite``) is in
 docs/export.md, "Publication and failures"; the renames and fsyncs are
@@ -13,7 +13,6 @@ not ours.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 from collections.abc import Iterator
@@ -25,46 +24,13 @@ from dcp_safe import layout
 from dcp_safe.adapters.tensor_records import tensor_bytes
 from dcp_safe.backends.local_backend import LocalBackend
 from dcp_safe.errors import ConfigError
-from dcp_safe.manifest.streams import WritableFile
+from dcp_safe.manifest.checksum import ChecksumAlgorithm
+from dcp_safe.manifest.streams import HashingSink, WritableFile
 
 CHECKSUMS = layout.EXPORT_CHECKSUMS
 #: Bytes written (and cast) per call: small next to any tensor worth streaming, large enough
 #: that a call's overhead does not show.
 SLICE_BYTES = 16 << 20
-
-
-class Sha256Sink:
-    """Forwards writes to ``target`` (at offset 0) and hashes them; not seekable, by design."""
-
-    def __init__(self, target: WritableFile) -> None:
-        self._target: WritableFile | None = target
-        self._hash = hashlib.sha256()
-        self._written = 0
-
-    def write(self, data: bytes | bytearray | memoryview, /) -> int:
-        view = memoryview(data)
-        self._hash.update(view)
-        if self._target is not None:
-            self._target.write(view)
-        self._written += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self._written
-
-    def flush(self) -> None:
-        """Nothing to do: the backend flushes and fsyncs the file when it is closed."""
-
-    def close(self) -> None:
-        """Nothing to do: the file belongs to whoever opened it."""
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-    def discard(self) -> None:
-        """Drop every later write: the file is being thrown away after a failure, and a
-        writer winding down (a zip archive closing) must not fail on it again."""
-        self._target = None
 
 
 def write_tensor(sink: WritableFile, tensor: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -112,14 +78,14 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         return os.path.join(self._backend.root, self._work, file_name)
 
     @contextmanager
-    def open(self, file_name: str) -> Iterator[Sha256Sink]:
+    def open(self, file_name: str) -> Iterator[HashingSink]:
         """A new file in the export, hashed as it is written and fsynced when closed."""
         if file_name in self.digests or file_name == CHECKSUMS:
             raise ValueError(f"{file_name} is written twice")  # a caller's bug
         with self._backend.open_write(f"{self._work}/{file_name}") as target:
-            sink = Sha256Sink(target)
+            sink = HashingSink(target, ChecksumAlgorithm.SHA256)
             yield sink
-        self.digests[file_name] = sink.hexdigest()
+        self.digests[file_name] = sink.take_checksum().partition(":")[2]
 
     def publish(self) -> None:
         """Write ``SHA256SUMS``, make the folder durable, and rename it to ``dest``.
