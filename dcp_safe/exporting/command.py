@@ -28,25 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root")
     parser.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
     parser.add_argument("dest", help="directory to create (refused if it exists)")
-    parser.add_argument(
-        "--format",
-        choices=[f.value for f in ExportFormat],
-        default=ExportFormat.SAFETENSORS.value,
-        help="output format (default safetensors)",
-    )
-    parser.add_argument(
-        "--keys",
-        nargs="+",
-        metavar="K",
-        help="export only these entries: full dotted keys or prefixes (default: all)",
-    )
+    formats, default = [f.value for f in ExportFormat], ExportFormat.SAFETENSORS.value
+    format_help = "output format (default safetensors)"
+    parser.add_argument("--format", choices=formats, default=default, help=format_help)
+    keys = "export only these entries: full dotted keys or prefixes (default: all)"
+    parser.add_argument("--keys", nargs="+", metavar="K", help=keys)
     parser.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    shard = f"most bytes per safetensors file (default {DEFAULT_MAX_SHARD_BYTES})"
     parser.add_argument(
-        "--max-shard-bytes",
-        type=int,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        metavar="N",
-        help=f"most bytes per safetensors file (default {DEFAULT_MAX_SHARD_BYTES})",
+        "--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, metavar="N", help=shard
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export at DEST atomically"

@@ -91,8 +91,7 @@ def select(
     """
     entries = metadata.state_dict_metadata
     chosen = sorted(entries) if keys is None else _matching(sorted(entries), keys)
-    tensors: list[TensorEntry] = []
-    objects: list[str] = []
+    tensors, objects = list[TensorEntry](), list[str]()
     for key in chosen:
         meta = entries[key]
         if not isinstance(meta, TensorStorageMetadata):

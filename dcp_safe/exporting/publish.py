@@ -31,6 +31,7 @@ CHECKSUMS = layout.EXPORT_CHECKSUMS
 #: Bytes written (and cast) per call: small next to any tensor worth streaming, large enough
 #: that a call's overhead does not show.
 SLICE_BYTES = 16 << 20
+_EXISTS = "{} exists; pass overwrite=True (dcp-safe export --overwrite) to replace an export"
 
 
 def write_tensor(sink: WritableFile, tensor: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -104,7 +105,7 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         try:
             old = self._backend.publish_dir(self._work, self._leaf, replace=replace)
         except FileExistsError:
-            raise ConfigError(_exists_message(self.dest)) from None
+            raise ConfigError(_EXISTS.format(self.dest)) from None
         self._published = True
         if old is not None:
             self._backend.remove_tree(old)
@@ -112,17 +113,14 @@ class StagedExport(AbstractContextManager["StagedExport"]):
 
 
 def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
-    """Refuse ``dest`` now, before any work, as :class:`StagedExport` does; its absolute path.
-
-    Raises:
-        ConfigError: see :class:`StagedExport`.
-    """
+    """Refuse ``dest`` now, before any work, as :class:`StagedExport` does (the same
+    :class:`~dcp_safe.errors.ConfigError`); its absolute path."""
     text = os.fspath(dest)
     if "://" in text and not text.startswith("file://"):
         raise ConfigError(f"dest must be a local path, got {text!r}")
     path = os.path.abspath(text.removeprefix("file://"))
     if os.path.lexists(path) and not overwrite:
-        raise ConfigError(_exists_message(path))
+        raise ConfigError(_EXISTS.format(path))
     if os.path.lexists(path) and not (
         os.path.isdir(path)
         and not os.path.islink(path)
@@ -133,7 +131,3 @@ def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
             " remove it yourself or choose another dest"
         )
     return path
-
-
-def _exists_message(dest: str) -> str:
-    return f"{dest} exists; pass overwrite=True (dcp-safe export --overwrite) to replace an export"
