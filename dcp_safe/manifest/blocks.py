@@ -7,7 +7,7 @@ its stored bytes, in blocks of ``block_bytes``, in the same pass as the item che
 same algorithm: a reader that needs a sub-range reads and checks only the blocks covering it.
 ``at`` and ``length`` record where the writer put the data; a reader never takes them on trust
 (digests can be recomputed over any bytes of the item): it derives the data's place from the
-tensor's stored template and refuses a record that disagrees (:mod:`dcp_safe.reading.ranges`).
+tensor's stored template and refuses a record that disagrees (:mod:`dcp_safe.reading.tensors`).
 The digests live in the item's manifest record, so ``_COMMITTED``'s digest (and a signature over
 it) covers them as it covers the item checksums (docs/integrity.md, "Block digests").
 

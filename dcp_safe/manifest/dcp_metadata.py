@@ -338,13 +338,11 @@ class _Decoder:
 
     def take(self, key: str, offsets: tuple[int, ...] | None, index: int) -> ItemRecord:
         """The manifest's item for ``(key, offsets)``, recorded as where those bytes lie."""
-        item = self.manifest.item((key, offsets))
-        where = None if item is None else MetadataIndex(key, offsets, index)
-        if where is None or where in self.storage:
+        item, where = self.manifest.item((key, offsets)), MetadataIndex(key, offsets, index)
+        if item is None or where in self.storage:
             shown = key[:80] if offsets is None else f"{key[:80]}@{list(offsets)}"
-            problem = "is not an item of the manifest" if where is None else "appears twice"
+            problem = "is not an item of the manifest" if item is None else "appears twice"
             raise ValueError(f"{shown} {problem}")
-        assert item is not None
         self.storage[where] = StorageInfo(
             relative_path=item.file,
             offset=item.start,

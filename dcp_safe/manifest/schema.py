@@ -151,14 +151,12 @@ _MAX_TRANSFORM_CHARS = 64
 _SEQUENCES = (list, tuple)
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_member_cached(path: str) -> bool:
-    return layout.is_member_path(path)
+# A save names few distinct files across thousands of items: each name is checked once.
+_is_member_name = functools.lru_cache(maxsize=4096)(layout.is_member_path)
 
 
 def _is_member(path: object) -> bool:
-    # A save names few distinct files across thousands of items: check each name once.
-    return _is_member_cached(path) if type(path) is str else layout.is_member_path(path)
+    return _is_member_name(path) if type(path) is str else layout.is_member_path(path)
 
 
 def _is_count(value: object) -> bool:

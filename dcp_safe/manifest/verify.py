@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from array import array
 from collections.abc import Sequence
 from typing import BinaryIO
@@ -169,9 +170,7 @@ def chunk_tiling_problem(shape: Sequence[int], chunks: Sequence[Box]) -> str | N
         cells *= len(cut) - 1
         if cells > TILE_MAX_CELLS:
             return f"its {len(chunks)} chunks cut it into over {TILE_MAX_CELLS} pieces to check"
-    strides = [1] * len(cuts)
-    for d in range(len(cuts) - 2, -1, -1):
-        strides[d] = strides[d + 1] * (len(cuts[d + 1]) - 1)
+    strides = [math.prod(len(cut) - 1 for cut in cuts[d + 1 :]) for d in range(len(cuts))]
     owner = array("q", [-1]) * cells
     for index, (offsets, sizes) in enumerate(boxes):
         spans = [

@@ -65,12 +65,8 @@ _FOLD = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd constant, as a signed 64-bit in
 
 @dataclass(frozen=True)
 class Box:
-    """One rank's piece of a tensor: where it sits in the global tensor, and its values.
-
-    Attributes:
-        offsets: its first element's index along each dimension of the global tensor.
-        local: its values (shape = its sizes).
-    """
+    """One rank's piece of a tensor: its first element's ``offsets`` in the global tensor (of
+    ``global_shape``), and its ``local`` values."""
 
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
@@ -81,8 +77,7 @@ def boxes(value: torch.Tensor) -> list[Box]:
     """The pieces of ``value`` this rank holds: the whole of a plain tensor, a DTensor's shard
     (a replica is a piece too: the caller decides which replica counts)."""
     if isinstance(value, DTensor):
-        shape = tuple(value.shape)
-        local = dtensor_local(value)
+        shape, local = tuple(value.shape), dtensor_local(value)
         return [Box(offsets, shape, local) for offsets, _ in dtensor_chunks(value)]
     return [Box((0,) * value.dim(), tuple(value.shape), value)]
 
@@ -107,9 +102,7 @@ def block_samples(shape: tuple[int, ...]) -> int:
 
 def partials(box: Box) -> dict[int, int]:
     """This piece's contribution to each block it touches: block index -> sum mod 2**64."""
-    local = box.local.detach()
-    if local.device.type != "cpu":
-        local = local.cpu()
+    local = box.local.detach().cpu()
     sums: dict[int, int] = {}
     if local.numel() == 0:
         return sums
@@ -144,9 +137,7 @@ def _runs(box: Box, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not shape:  # a scalar
         return torch.zeros(1, dtype=torch.int64), bits.reshape(1, 1)
     sizes = tuple(bits.shape)
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     # The trailing dimensions the piece spans whole merge with the one before into one run.
     k = len(shape) - 1
     while k > 0 and sizes[k] == shape[k] and offsets[k] == 0:

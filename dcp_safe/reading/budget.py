@@ -56,9 +56,8 @@ class Admission:
 
 
 class LoadBudget:
-    """Admit item reads against ``budget_bytes`` (``None``: admit all at once, still counting).
-
-    Thread-safe; shared by a reader's threads.
+    """Admit item reads against ``budget_bytes`` (``None``: admit all at once, still counting);
+    shared by a reader's threads.
 
     Raises:
         ConfigError: ``budget_bytes`` is neither a positive int nor ``None``.

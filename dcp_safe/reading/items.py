@@ -1,13 +1,12 @@
 """``ItemReader``: one stored item, read, verified, decoded and handed to DCP's planner.
 
 Whatever the source (the remote, this node's cache, a peer copy), an item is read the same way:
-only the blocks a request needs where the item has block digests (:mod:`.ranges`), a plain
-tensor straight into its destination (:mod:`.tensors`), anything else read whole, decoded and
-narrowed. Every read is admitted against the load budget at a cost stated before it is made
-(:mod:`.budget`). The sources differ only in what a failure means: the remote retries a
-transient error on a fresh stream and raises the rest; a partial copy's failure is
-:class:`CopyFailed`, and the next source decides
-(:class:`~dcp_safe.adapters.reader.SafeStorageReader`).
+only the blocks a request needs where the item has block digests, a plain tensor straight into
+its destination (both :mod:`.tensors`), anything else read whole, decoded and narrowed. Every
+read is admitted against the load budget at a cost stated before it is made (:mod:`.budget`).
+The sources differ only in what a failure means: the remote retries a transient error on a fresh
+stream and raises the rest; a partial copy's failure is :class:`CopyFailed`, and the next source
+decides (:class:`~dcp_safe.adapters.reader.SafeStorageReader`).
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import ItemKey, ItemRecord
 from dcp_safe.manifest.streams import read_verified
 from dcp_safe.reading.budget import LoadBudget
-from dcp_safe.reading.ranges import plan_blocks, read_runs
 from dcp_safe.reading.tensors import (
     known_layout,
+    plan_blocks,
+    read_runs,
     read_tensor_item,
     require_stored,
     transient_bytes,
@@ -182,7 +182,7 @@ class ItemReader:
 
     def _load_known(self, stream: Any, item: _Item, verify: bool) -> bool:
         """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
-        request needs where the item has block digests (:mod:`dcp_safe.reading.ranges`), else
+        request needs where the item has block digests (:mod:`dcp_safe.reading.tensors`), else
         the whole stored tensor; straight into the request's target where that takes the bytes
         as read, else into a transient tensor (narrowed to the request when the whole was
         read), and hand it over. ``False``: not such an item, nothing handed over."""

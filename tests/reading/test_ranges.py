@@ -44,7 +44,7 @@ from dcp_safe.adapters.options import WriterOptions
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.blocks import BLOCK_BYTES, BlockDigests, BlockHasher
 from dcp_safe.manifest.schema import Manifest
-from dcp_safe.reading.ranges import plan_range
+from dcp_safe.reading.tensors import plan_range
 from dcp_safe.testing.multiproc import run_ranks
 
 MIB = 1 << 20
