@@ -176,10 +176,9 @@ def translate_errors() -> Iterator[None]:
 def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
     deadline_s = validate_deadline(deadline_s)
-    witnesses = tuple(
-        w for w in (kwargs.get("storage_writer"), kwargs.get("storage_reader")) if w is not None
-    )
-    operation = "save" if kwargs.get("storage_writer") is not None else "load"
+    writer, reader = kwargs.get("storage_writer"), kwargs.get("storage_reader")
+    witnesses = tuple(w for w in (writer, reader) if w is not None)
+    operation = "save" if writer is not None else "load"
     checkpoint = str(kwargs.get("checkpoint_id") or "the checkpoint")
     distributed = dist.is_available() and dist.is_initialized()
     if kwargs.get("no_dist") or not distributed:

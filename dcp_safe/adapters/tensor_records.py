@@ -9,11 +9,9 @@ straight into the destination, anything else is left to ``torch.load`` (docs/ben
 The template is learnt from the running torch, not hard-coded: a dtype is handled here only if
 a 3-element ``torch.save`` is byte-identical to what this module writes (the serialization id
 aside), so a torch that changes its format turns this path off instead of writing files torch
-cannot read.
-
-:func:`write_item` lays down one write item's stored form, for the writer and for whatever must
-reproduce its bytes without storage (the manager's in-memory tier checks a kept copy against the
-manifest's checksums by writing each item again into a hashing sink that stores nothing).
+cannot read. :func:`write_item` lays down one write item's stored form, for the writer and the
+manager's in-memory tier (which checks a kept copy by writing each item again into a hashing sink
+that stores nothing).
 """
 
 from __future__ import annotations
@@ -60,10 +58,8 @@ _SERIALIZATION_ID = (
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """One stored tensor item: ``prefix``, ``payload`` tensor bytes, ``suffix``.
-
-    ``id_at`` is where, in ``suffix``, the per-save serialization id lies: the only bytes a
-    recognised item may differ in.
+    """One stored tensor item: ``prefix``, ``payload`` tensor bytes, ``suffix``; ``id_at`` is
+    where, in ``suffix``, the serialization id lies: the only bytes a recognised item may differ in.
     """
 
     prefix: bytes
@@ -99,11 +95,8 @@ class TorchFileFormat:
 
 
 def _parse_records(raw: bytes) -> list[tuple[str, bytes]]:
-    """The (name, content) of each record of a torch-written stream, in file order.
-
-    Raises:
-        ValueError: not laid out as this module writes it.
-    """
+    """The (name, content) of each record of a torch-written stream, in file order (ValueError:
+    not laid out as this module writes it)."""
     records, at = [], 0
     while raw[at : at + 4] == struct.pack("<I", _LOCAL):
         fields = struct.unpack_from("<IHHHHHIIIHH", raw, at)
