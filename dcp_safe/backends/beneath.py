@@ -68,12 +68,12 @@ class Beneath:
             os.close(fd)
 
     @contextmanager
-    def parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    def parent(self, rel: str) -> Iterator[tuple[int, str]]:
         """``rel``'s folder (a descriptor, closed on exit, as :meth:`folder`) and its name."""
         parts = self._parts(rel)
         if not parts:
             raise CheckpointCorruptError(self.root, "the root has no name beneath itself")
-        with self.folder("/".join(parts[:-1]), create=create) as fd:
+        with self.folder("/".join(parts[:-1])) as fd:
             yield fd, parts[-1]
 
     def _open_folder(self, parent: int, name: str, rel: str, create: bool) -> int:
@@ -96,11 +96,11 @@ class Beneath:
             os.mkdir(name, 0o777, dir_fd=parent)
         return self._open_folder(parent, name, rel, create=False)
 
-    def open(self, rel: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, rel: str, flags: int) -> int:
         # ``os.open`` of ``rel`` beneath the root with ``O_NOFOLLOW``.
         try:
             with self.parent(rel) as (fd, name):
-                return self.open_in(fd, name, rel, flags, mode)
+                return self.open_in(fd, name, rel, flags)
         except NotADirectoryError as exc:  # a path under a file: absent
             raise FileNotFoundError(errno.ENOENT, "no such file", self.path(rel)) from exc
 

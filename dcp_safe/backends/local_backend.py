@@ -77,9 +77,7 @@ class LocalBackend(Backend):
             # A link on the way is refused as it is (corrupt, not an OSError).
             with self._failing("create", rel):
                 folder, name = stack.enter_context(self._beneath.parent(rel))
-                fd = self._beneath.open_in(
-                    folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
-                )
+                fd = self._beneath.open_in(folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             f = os.fdopen(fd, "wb")
             try:
                 yield WritebackFile(f) if self.fsync else f
@@ -102,7 +100,7 @@ class LocalBackend(Backend):
         # Refused unless a regular file (with ``sole_link``: with no other hard link, a name
         # for a file outside the root). Opened non-blocking: a FIFO under a checkpoint's name
         # must not hang the caller; the fstat then refuses it (or a device such as /dev/zero).
-        fd = self._beneath.open(rel, flags | os.O_NONBLOCK, 0o644)
+        fd = self._beneath.open(rel, flags | os.O_NONBLOCK)
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
