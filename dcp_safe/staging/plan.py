@@ -1,16 +1,14 @@
-"""Per-layout staging plans, and one save's staged copy (a *generation*) as the staging thread
-copies it.
+"""Per-layout staging plans (docs/staging.md, "Thousands of tensors"), and one save's staged
+copy (a *generation*) as the staging thread copies it.
 
-What a layout key covers and what a plan holds: docs/staging.md, "Thousands of tensors". The key
-is compared, never keyed on identity: the same dict is mutated between saves, and a rebuilt
-optimizer keeps the layout but not the tensors' ids. Its per-tensor part costs about 2 µs a
-tensor, so :meth:`PlanCache.speculate` offers the last plan on the walk's containers alone and
-the stager confirms the full key on its staging thread.
+The key is compared, never keyed on identity: the same dict is mutated between saves, and a
+rebuilt optimizer keeps the layout but not the tensors' ids. Its per-tensor part costs about
+2 µs a tensor, so :meth:`PlanCache.speculate` offers the last plan on the walk's containers
+alone and the stager confirms the full key on its staging thread.
 
-Each chunk (one ``_foreach_copy_`` call) is copied only after its sources' storages are found to
-still hold their bytes: a storage freed under its tensor (as FSDP frees an unsharded parameter)
-moves no version counter, and copying it would read released memory (docs/staging.md, "A
-snapshot of one moment"). Admission and release stay in :mod:`dcp_safe.staging.stager`.
+Each chunk is copied only after its sources' storages are found to still hold their bytes: a
+storage freed under its tensor (as FSDP frees an unsharded parameter) moves no version counter,
+and copying it would read released memory (docs/staging.md, "A snapshot of one moment").
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Reusable host buffers for staged tensors, with exact byte accounting and safe release.
+"""Reusable host buffers for staged tensors, with exact byte accounting and safe release
+(docs/staging.md, "Buffers and release", "Thousands of tensors").
 
 Each staged tensor gets one buffer of exactly its byte size, so it owns its whole storage
-(DCP's writers serialize whole storages and would clone a view of a larger slab). Free buffers
-sit in per-size free lists, so a second save of the same state allocates nothing.
-
-A *lease* is one generation's buffers, created under the pool's lock and released exactly once:
-``release(writer_done=True)`` when the writer has returned (straight back to the free lists),
-``writer_done=False`` when only the staged dict was dropped (a buffer still viewed from outside
-stays *pending*, rechecked on every later lease). A request with a plan's *token* is kept whole
-as a *bundle* with its typed views, so the next save of that layout reuses them in one step;
-bundled bytes count as free (docs/staging.md, "Thousands of tensors"). Pinned sizes are counted
-as torch's caching host allocator rounds them, so the budget is never understated.
+(DCP's writers serialize whole storages and would clone a view of a larger slab). A *lease* is
+one generation's buffers, released once: ``writer_done=True`` when the writer has returned
+(straight back to the free lists), ``False`` when only the staged dict was dropped (a buffer
+still viewed from outside stays *pending*). A request with a plan's *token* is kept whole as a
+*bundle* with its typed views; bundled bytes count as free.
 """
 
 from __future__ import annotations

@@ -14,12 +14,9 @@ Call order (``dcp.async_save(state_dict, async_stager=stager, ...)``)::
     upload thread     DCP's ``save()`` on the staged dict -> ``upload_completion``
     any thread        release: buffers back to the pool, generation leaves the in-flight set
 
-A generation is released by whichever comes first: its staged dict is dropped (a
-``weakref.finalize``; DCP's upload thread drops it when ``save()`` returns) or its tracked upload
-future is done (:meth:`BudgetedStager.track`), which failures need because a traceback keeps the
-staged dict alive. A buffer still viewed outside the pool waits as *pending*. Admission runs on
-the caller's thread, so refusals come out of ``dcp.async_save`` itself. See docs/staging.md
-("The envelope", "A snapshot of one moment", "Buffers and release", "Thousands of tensors").
+A generation is released when its staged dict is dropped (a ``weakref.finalize``) or its
+tracked upload future is done, whichever comes first (docs/staging.md, "Buffers and release").
+Admission runs on the caller's thread, so refusals come out of ``dcp.async_save`` itself.
 """
 
 from __future__ import annotations
