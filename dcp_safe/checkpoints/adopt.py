@@ -157,9 +157,8 @@ def adopt(
     save_id, created_at = layout.new_save_id(), here.modified_at(folder) or time.time()
     pending = _manifests(name, save_id, by_file, raw, plain, created_at)[0]
     check_declared_sizes(decode_plain(plain, pending, meta_path), meta_path)
-    publication = (strategy_for(dest) if copy else MarkerStrategy()).publication(
-        dest, name, save_id
-    )
+    strategy = strategy_for(dest) if copy else MarkerStrategy()
+    publication = strategy.publication(dest, name, save_id)
     publication.claim()
     work, written = publication.work_dir, list[str]()
     try:
@@ -267,9 +266,8 @@ def _decode(raw: bytes, path: str, *, allow_pickle: bool) -> tuple[Any, list[Ite
     except DcpSafeError:
         raise
     except Exception as exc:  # whatever a malformed pickle makes the unpickler or the walk raise
-        raise CheckpointCorruptError(
-            path, f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
-        ) from None
+        why = f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
+        raise CheckpointCorruptError(path, why) from None
 
 
 _Sized = TypeVar("_Sized", bound=Sized)

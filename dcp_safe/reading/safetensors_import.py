@@ -129,9 +129,8 @@ def locate(source: Root, *, required: bool) -> str | None:
         if backend.exists(name):
             return f"{url}/{name}"
     if required:
-        raise CheckpointNotFoundError(
-            url, f"no {layout.SAFETENSORS_INDEX} or {layout.SAFETENSORS_FILE} there"
-        )
+        why = f"no {layout.SAFETENSORS_INDEX} or {layout.SAFETENSORS_FILE} there"
+        raise CheckpointNotFoundError(url, why)
     return None
 
 
@@ -286,13 +285,10 @@ def _read_header(backend: Backend, file: str, hasher: Any) -> dict[str, _Place]:
     with backend.open_read(file) as stream:
         prefix = stream.read(8)
         (length,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (-1,)
-        if not 0 <= length <= min(MAX_HEADER_BYTES, size - 8):
-            raise CheckpointCorruptError(
-                path,
-                "not a safetensors file: its header length does not fit the file",
-                expected=f"<= {min(MAX_HEADER_BYTES, size - 8)}",
-                actual=length,
-            )
+        most = min(MAX_HEADER_BYTES, size - 8)
+        if not 0 <= length <= most:
+            why = "not a safetensors file: its header length does not fit the file"
+            raise CheckpointCorruptError(path, why, expected=f"<= {most}", actual=length)
         raw = stream.read(length)
     if len(raw) != length:
         raise short_read(path, None, length, len(raw))
@@ -313,12 +309,8 @@ def _place(path: str, file: str, name: str, entry: object, base: int) -> _Place:
     dtype = DTYPES.get(str(entry.get("dtype")))
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if dtype is None or not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
-        raise CheckpointCorruptError(
-            path,
-            "a header entry is not {dtype, shape, data_offsets} of the safetensors format",
-            item=name,
-            actual=str(entry)[:200],
-        )
+        why = "a header entry is not {dtype, shape, data_offsets} of the safetensors format"
+        raise CheckpointCorruptError(path, why, item=name, actual=str(entry)[:200])
     begin, nbytes = offsets[0], math.prod(shape) * dtype.itemsize
     if (spans := offsets[1] - begin) != nbytes:
         raise CheckpointCorruptError(
