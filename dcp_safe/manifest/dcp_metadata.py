@@ -30,6 +30,7 @@ save id.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable, Mapping
@@ -49,7 +50,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.limits import MAX_INT, MAX_STR, require_keys, require_list
+from dcp_safe.manifest.limits import (
+    MAX_INT,
+    require_int,
+    require_keys,
+    require_list,
+    require_str,
+)
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.torch_compat import StorageInfo
 
@@ -154,10 +161,7 @@ def _entries(entries: dict[Any, Any], count: _Budget, *, trusted: bool) -> list[
     return list(encoded)
 
 
-def _str_key(key: object) -> str:
-    if not isinstance(key, str) or len(key) > MAX_STR:
-        raise ValueError("a key is not a string of at most 65,536 characters")
-    return key
+_str_key = functools.partial(require_str, "a key")
 
 
 def _name_of(table: Mapping[str, T], value: object, what: str) -> str:
@@ -178,7 +182,7 @@ def _encode_dims(value: object, what: str) -> list[int]:
         raise ValueError(f"{what} is not a sequence of at most {MAX_DIMS} sizes")
     for size in value:  # the common case inline: tens of thousands of chunks a save
         if type(size) is not int or not 0 <= size <= MAX_INT:
-            _count(size, what)  # raises, with the message
+            require_int(what, size)  # raises, with the message
     return list(value)
 
 
@@ -253,14 +257,8 @@ def _only_ints(values: Iterable[object]) -> bool:
     return set(map(type, values)) <= {int}
 
 
-def _count(value: object, what: str) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_INT:
-        raise ValueError(f"{what} is not an integer in [0, 2**63)")
-    return value
-
-
 def _path_element(value: object) -> str | int:
-    return _str_key(value) if isinstance(value, str) else _count(value, "a path index")
+    return _str_key(value) if isinstance(value, str) else require_int("a path index", value)
 
 
 # ---------------------------------------------------------------------------- decoding

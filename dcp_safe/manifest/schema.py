@@ -366,8 +366,9 @@ def check_metrics(metrics: object) -> dict[str, float | str]:
                 raise ValueError(f"metric {key!r} must be finite, got {value!r:.40}")
             checked[key] = number
         else:
-            kind = type(value).__name__
-            raise ValueError(f"metric {key!r} must be a number or a str, got {kind}")
+            raise ValueError(
+                f"metric {key!r} must be a number or a str, got {type(value).__name__}"
+            )
     return checked
 
 

@@ -159,30 +159,23 @@ def _transfers(
     first: dict[Hashable, tuple[ReadItem, str | None]],
     owners: dict[Hashable, int],
 ) -> list[Transfer]:
-    """The shared entries grouped by (owner, receivers), tensors packed into batches."""
+    """The shared entries grouped by (owner, receivers), tensors packed into batches of up to
+    :data:`BATCH_BYTES` (objects, 0 bytes each by :func:`item_nbytes`, all in one)."""
     groups: dict[tuple[int, tuple[int, ...], bool], list[tuple[ReadItem, str | None]]] = {}
     for key, owner in owners.items():
+        item = first[key][0]
         dests = tuple(r for r in holders[key] if r != owner)
-        item, dtype = first[key]
-        groups.setdefault((owner, dests, item.type == LoadItemType.BYTE_IO), []).append(
-            (item, dtype)
-        )
+        groups.setdefault((owner, dests, item.type == LoadItemType.BYTE_IO), []).append(first[key])
     transfers: list[Transfer] = []
     for (owner, dests, objects), entries in groups.items():
-        batches = [[item for item, _ in entries]] if objects else _batches(entries)
-        for batch in batches:
-            transfers.append(Transfer(len(transfers), owner, dests, tuple(batch), objects))
+        batch: list[ReadItem] = []
+        size = 0
+        for item, dtype in entries:  # never empty
+            nbytes = item_nbytes(item, dtype)
+            if batch and size + nbytes > BATCH_BYTES:
+                transfers.append(Transfer(len(transfers), owner, dests, tuple(batch), objects))
+                batch, size = [], 0
+            batch.append(item)
+            size += nbytes
+        transfers.append(Transfer(len(transfers), owner, dests, tuple(batch), objects))
     return transfers
-
-
-def _batches(entries: list[tuple[ReadItem, str | None]]) -> list[list[ReadItem]]:
-    batches: list[list[ReadItem]] = [[]]  # entries is never empty
-    size = 0
-    for item, dtype in entries:
-        nbytes = item_nbytes(item, dtype)
-        if batches[-1] and size + nbytes > BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += nbytes
-    return batches

@@ -140,7 +140,8 @@ def read_tensor_item(
         CheckpointCorruptError: the file is short, or the checksum differs.
     """
     algorithm = None if checksum is None else checksum.partition(":")[0]
-    source = _Slice(stream, record.start, record.length, algorithm, hash_pool)
+    stream.seek(record.start)
+    source = _Slice(stream, record.length, algorithm, hash_pool)
     try:
         known = _read_parts(source, record, layout, dest)
         if known and checksum is not None:
@@ -166,25 +167,18 @@ def transient_bytes(layout: TensorLayout, record: ItemRecord) -> int:
 
 
 class _Slice(io.RawIOBase):
-    """``[start, start + length)`` of ``stream``, read in order and hashed as read (with an
-    ``algorithm``): a chunk larger than :data:`_WHOLE_MAX_BYTES` (only the payload's, which
-    stay put in the destination) on ``hash_pool`` while the next is read, one at a time so
-    that the updates stay in file order."""
+    """``length`` bytes of ``stream`` from where it is, read in order and hashed as read (with
+    an ``algorithm``): a chunk larger than :data:`_WHOLE_MAX_BYTES` (only the payload's, which
+    stay put in the destination) on ``pool`` while the next is read, one at a time so that the
+    updates stay in file order."""
 
     def __init__(
-        self,
-        stream: BinaryIO,
-        start: int,
-        length: int,
-        algorithm: str | None,
-        hash_pool: ThreadPoolExecutor | None,
+        self, stream: BinaryIO, length: int, algorithm: str | None, pool: ThreadPoolExecutor | None
     ) -> None:
         super().__init__()
-        self._stream, self.left, self.short = stream, length, False
+        self._stream, self.left, self.short, self._pool = stream, length, False, pool
         self.hasher = None if algorithm is None else new_hasher(algorithm, size_hint=length)
-        self._pool = hash_pool
         self._pending: Future[object] | None = None
-        stream.seek(start)
 
     def readable(self) -> bool:
         return True
