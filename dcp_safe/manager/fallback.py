@@ -51,8 +51,7 @@ class FallbackOptions:
         interval_factor: trigger (b) trips when p99 > this many intervals.
         save_interval_s: the save interval; ``None`` measures it from save requests.
 
-    Raises:
-        ConfigError: a value out of range.
+    A value out of range raises a ConfigError.
     """
 
     enabled: bool = True

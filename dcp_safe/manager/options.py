@@ -7,6 +7,9 @@ shorthands a loop sets every time, and one object per concern. Each keyword the 
 before this layout is a field of the same name in one of them (``save_every`` became
 ``SavePolicy.every``); :data:`MOVED` says where, and passing one raises a
 :class:`~dcp_safe.errors.ConfigError` that says so (docs/manager.md, "Where each option went").
+Each object validates its fields when built: a value out of range, a name pattern without a
+usable ``{step}``, cadences that cannot combine or an unknown executor raise a ConfigError
+naming the field.
 """
 
 from __future__ import annotations
@@ -93,10 +96,6 @@ class SavePolicy:
     The timed cadences (``interval_s``, ``continuous``) are decided in one vote of every
     rank at each step ``every`` names, on the coordinator's clock (``Runtime.clock``; why:
     :mod:`dcp_safe.manager.cadence`), and never while a save is in flight.
-
-    Raises:
-        ConfigError: a value out of range, a name pattern without a usable ``{step}``, or
-            cadences that cannot combine (the message names the field).
     """
 
     every: int = 1
@@ -153,9 +152,6 @@ class Retention:
             ``dcp-safe gc --restore NAME``, before the coordinator deletes it in the
             background. 0 (the default): deleted at once, as the root's size was planned for
             ``keep_last``; a grace period holds every checkpoint pruned within it on top.
-
-    Raises:
-        ConfigError: a value out of range.
     """
 
     keep_last: int = 2
@@ -202,9 +198,6 @@ class Bounds:
             coalesced saves, restores and uploads (docs/multirank.md, "Every bound, in one
             place").
         exit_timeout_s: how long the drain at interpreter exit may take.
-
-    Raises:
-        ConfigError: a bound that is not a finite positive number of seconds.
     """
 
     budget: MemoryBudget | None = None
@@ -276,9 +269,6 @@ class Runtime:
             job beside training): no history line, no prune or sweep, no worker process;
             ``save``, ``maybe_save``, ``prune`` and ``install_preemption_handler`` raise
             ConfigError.
-
-    Raises:
-        ConfigError: an unknown executor.
     """
 
     executor: str = "auto"

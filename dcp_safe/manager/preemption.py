@@ -100,10 +100,7 @@ class PreemptionHandler:
             log.error("dcp_safe: preemption save failed: %s", exc)
         finally:
             self._handling = False
-        self._chain(signum, frame, deadline)
-
-    def _chain(self, signum: int, frame: FrameType | None, deadline: float) -> None:
-        previous = self._previous
+        previous = self._previous  # chained to
         if callable(previous):
             previous(signum, frame)
             return

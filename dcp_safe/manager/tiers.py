@@ -126,12 +126,13 @@ class Tiers:
         """Keep ``name`` from pruning until ``future`` is done."""
         with self._cond:
             self._replications[name] = future
-        future.add_done_callback(lambda done: self._replication_done(name, done))
 
-    def _replication_done(self, name: str, future: Future[Any]) -> None:
-        with self._cond:
-            if self._replications.get(name) is future:
-                del self._replications[name]
+        def done(_: Future[Any]) -> None:
+            with self._cond:
+                if self._replications.get(name) is future:
+                    del self._replications[name]
+
+        future.add_done_callback(done)
 
     def replications(self) -> list[Future[Any]]:
         with self._cond:

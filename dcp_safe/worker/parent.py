@@ -409,8 +409,12 @@ class SaveWorker:
             if self._broken_at == group.generation:
                 raise _not_replaced_yet(group, died=not alive)
             if alive and process is not None and process.group != group:
-                self._retire(process)  # the ranks replaced the group: every one starts anew
-                alive = False
+                # The ranks replaced the group: every one starts anew. This one drains its
+                # replication without being waited for here (close() waits for it).
+                process.retired, alive = True, False
+                self._retired.append(process)
+                with contextlib.suppress(OSError), process.send_lock:
+                    process.conn.send(("close", self.timeout_s))
         if not alive:
             # A dead one's reader fails the saves it held, on its own thread.
             process = self._process = _Process(self, group)
@@ -429,14 +433,6 @@ class SaveWorker:
         with self._lock:
             self._broken_at = generation
         self._groups.broke()
-
-    def _retire(self, process: _Process) -> None:
-        """Close a worker of an earlier generation, without waiting (call with the lock held):
-        it drains its replication; :meth:`close` waits for it."""
-        process.retired = True
-        self._retired.append(process)
-        with contextlib.suppress(OSError), process.send_lock:
-            process.conn.send(("close", self.timeout_s))
 
     def _share_slabs(self, process: _Process) -> None:
         open_slabs = self._encoder.slabs.slabs()
