@@ -82,11 +82,8 @@ def parse_cost(data: bytes) -> int:
 
 
 def parse_json(data: bytes, path: str) -> Any:
-    """The JSON document in ``data``, strictly; one whose :func:`parse_cost` is over
-    :data:`PARSE_BUDGET_BYTES` is refused unparsed.
-
-    Args:
-        path: the file it came from, for errors.
+    """The JSON document in ``data`` (from ``path``), strictly; one whose :func:`parse_cost`
+    is over :data:`PARSE_BUDGET_BYTES` is refused unparsed.
 
     Raises:
         CheckpointCorruptError: not UTF-8 JSON; NaN, an infinity or a float out of range; an

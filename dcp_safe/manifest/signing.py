@@ -47,10 +47,8 @@ def resolve_key(
 ) -> bytes | None:
     """The signing key to use: ``key``, else ``DCP_SAFE_SIGNING_KEY``, else ``None``.
 
-    Args:
-        key: bytes as they are; a str as its UTF-8 bytes, or ``"hex:<digits>"`` decoded (the
-            variable's value likewise).
-        environ: where to look for the variable (default: ``os.environ``).
+    Bytes are used as they are; a str as its UTF-8 bytes, or ``"hex:<digits>"`` decoded (the
+    variable's value likewise, read from ``environ``, default ``os.environ``).
 
     Raises:
         ConfigError: a key shorter than ``MIN_KEY_BYTES``, bad hex, or not bytes or str.

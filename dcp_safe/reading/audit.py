@@ -275,10 +275,8 @@ def mismatches(
         if len(pieces) == 1 and _whole(pieces[0]) and pieces[0][4] == saved[key]:
             continue  # the common case, a plain tensor on one rank: one dict comparison
         expected = {int(b): int(v) for b, v in saved[key].items()}
-        odd = _odd_copies(pieces, expected)
-        for rank, block in odd:
-            found.append((key, block, [rank]))
-        if odd:
+        if odd := _odd_copies(pieces, expected):
+            found += [(key, block, [rank]) for rank, block in odd]
             continue
         live = _sum({p[1]: p[4] for p in pieces}.values())
         for block in _differing(live, expected):
