@@ -84,9 +84,7 @@ _DTYPES = _torch_names(torch.dtype)
 _LAYOUTS = _torch_names(torch.layout)
 # The memory formats DCP's TensorProperties can pickle at all.
 _MEMORY_FORMATS: dict[str, torch.memory_format] = {
-    "contiguous_format": torch.contiguous_format,
-    "channels_last": torch.channels_last,
-    "preserve_format": torch.preserve_format,
+    name: getattr(torch, name) for name in ("contiguous_format", "channels_last", "preserve_format")
 }
 _TOP_KEYS = frozenset(("format", "version", "dcp_version", "entries", "planner_data"))
 # A tensor entry's properties: those named from a table, and the flags.

@@ -41,11 +41,7 @@ PARSE_BUDGET_BYTES = 1 << 30
 # (CPython 3.11, 64-bit; ``tests/manifest/test_limits.py`` checks each is an upper bound): a list
 # with its first element, a dict with its first key table and value, a further dict entry, a
 # further element (a number, or a slot), a string's object header (per quote, two a string).
-_COST_LIST = 112
-_COST_DICT = 200
-_COST_ENTRY = 64
-_COST_ELEMENT = 40
-_COST_QUOTE = 32
+_COSTS = {b"[": 112, b"{": 200, b":": 64, b",": 40, b'"': 32}
 # The parser's own fixed allocations (its scanner, the memo of keys, object headers).
 _COST_BASE = 1 << 16
 
@@ -70,15 +66,7 @@ def parse_cost(data: bytes) -> int:
     """
     plain = data.isascii() and b"\\u" not in data
     text = len(data) * (2 if plain else 8)  # the decoded text, and the strings cut from it
-    return (
-        _COST_BASE
-        + text
-        + _COST_LIST * data.count(b"[")
-        + _COST_DICT * data.count(b"{")
-        + _COST_ENTRY * data.count(b":")
-        + _COST_ELEMENT * data.count(b",")
-        + _COST_QUOTE * data.count(b'"')
-    )
+    return _COST_BASE + text + sum(cost * data.count(byte) for byte, cost in _COSTS.items())
 
 
 def parse_json(data: bytes, path: str) -> Any:

@@ -94,11 +94,16 @@ class LoadBudget:
         (waiting, in arrival order, while it does not fit; alone when it never fits)."""
         cost = max(0, cost_bytes)
         with self._cond:
-            if self.budget_bytes is not None and cost:
+            if (budget := self.budget_bytes) is not None and cost:
                 ticket = object()
                 self._waiting.append(ticket)
                 try:
-                    self._cond.wait_for(lambda: self._fits(ticket, cost))
+                    self._cond.wait_for(
+                        lambda: (
+                            self._waiting[0] is ticket
+                            and (self._reserved == 0 or self._reserved + cost <= budget)
+                        )
+                    )
                 finally:
                     self._waiting.remove(ticket)
                     self._cond.notify_all()
@@ -112,9 +117,3 @@ class LoadBudget:
                 self._held -= admission.held
                 self._reserved -= cost
                 self._cond.notify_all()
-
-    def _fits(self, ticket: object, cost: int) -> bool:
-        assert self.budget_bytes is not None
-        if self._waiting[0] is not ticket:
-            return False
-        return self._reserved == 0 or self._reserved + cost <= self.budget_bytes
