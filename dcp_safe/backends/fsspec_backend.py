@@ -161,8 +161,6 @@ class FsspecBackend(Backend):
     def _exists_error(self, rel: str) -> FileExistsError:
         return FileExistsError(errno.EEXIST, "already exists", self.full_path(rel))
 
-    # ----------------------------------------------------------------- writing
-
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
         return self._open_upload(rel) if self.object_store else self._open_via_temp(rel)
 
@@ -236,8 +234,6 @@ class FsspecBackend(Backend):
             # under its final name (an unreadable lease would block the name for good).
             with self._open_via_temp(rel) as f:
                 f.write(data)
-
-    # ----------------------------------------------------------------- reading
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
@@ -351,8 +347,6 @@ class FsspecBackend(Backend):
         top = [p.split("/") for p in self.walk_files("") if p.count("/") == 1]
         held = {entry for entry, name in top if name == member}
         return sorted(held - {entry for entry, name in top if name == unless})
-
-    # ----------------------------------------------------------------- layout
 
     def makedirs(self, rel: str) -> None:
         # On an object store, no directories: a prefix exists once a key is under it. s3fs's

@@ -257,8 +257,6 @@ class RetryingBackend(Backend):
     def _retry(self, op: str, rel: str, fn: Callable[[], T]) -> T:
         return call_with_retries(op, self.full_path(rel), fn, self.policy)
 
-    # ----------------------------------------------------------------- writing
-
     def open_write(self, rel: str) -> AbstractContextManager[WritableFile]:
         return self.inner.open_write(rel)
 
@@ -278,8 +276,6 @@ class RetryingBackend(Backend):
             if stored != data:
                 raise
             # A transient failure of this read propagates and the whole step is retried.
-
-    # ----------------------------------------------------------------- reading
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
@@ -308,8 +304,6 @@ class RetryingBackend(Backend):
 
     def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
         return self._retry("list", "", lambda: self.inner.entries_holding(member, unless=unless))
-
-    # ----------------------------------------------------------------- layout
 
     makedirs = _retried("mkdir", "makedirs")
     remove_tree = _retried("remove", "remove_tree")

@@ -167,8 +167,6 @@ class S3MultipartWriter:
         held = [self._buf, *self._free, *self._in_flight.values()]
         return sum(len(block) for block in held)
 
-    # ------------------------------------------------------------------ the file API
-
     def tell(self) -> int:
         return self._pos
 
@@ -232,8 +230,6 @@ class S3MultipartWriter:
             with contextlib.suppress(Exception):
                 self._call("abort_multipart_upload", UploadId=self._upload_id)
         self._release()
-
-    # ------------------------------------------------------------------ internals
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = self._fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
