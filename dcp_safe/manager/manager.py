@@ -43,7 +43,6 @@ from dcp_safe.errors import (
     ConfigError,
     DrainTimeoutError,
 )
-from dcp_safe.manager.admit import Verdict
 from dcp_safe.manager.cadence import Cadence
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
@@ -67,7 +66,7 @@ from dcp_safe.manager.preemption import (
     final_save,
     run_bounded,
 )
-from dcp_safe.manager.saving import SaveRunner
+from dcp_safe.manager.saving import SaveRunner, Verdict
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers, WarmStart
 from dcp_safe.manifest.schema import Metrics

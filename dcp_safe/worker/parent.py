@@ -4,7 +4,7 @@ One persistent worker process per rank (:mod:`dcp_safe.worker.main`), started by
 first save request without waiting for it (:meth:`SaveWorker.start`; a manager that only
 restores starts none) and reused. No save waits for a worker to start: until every rank's worker
 is :attr:`~SaveWorker.ready` (the first one, and every replacement after a death), the ranks
-agree to save on the thread path instead (:func:`~dcp_safe.manager.admit.decide`).
+agree to save on the thread path instead (:func:`~dcp_safe.manager.saving.decide`).
 
 The parent stages as always, into shared slabs; a sender thread then hands the worker the
 staged state (tensors by place: :mod:`dcp_safe.worker.transport`) and any slab it has not

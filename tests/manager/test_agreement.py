@@ -6,8 +6,8 @@ import pytest
 
 from dcp_safe.coordination.agreement import Agreement, Vote, groups_to_replace
 from dcp_safe.errors import ConfigError
-from dcp_safe.manager.admit import Verdict, decide
 from dcp_safe.manager.handles import BusyPolicy
+from dcp_safe.manager.saving import Verdict, decide
 
 
 def _votes(*busy: bool, step: int = 4, **extra: object) -> list[Vote]:

@@ -25,8 +25,8 @@ from support import make_state, ready_worker
 from dcp_safe import Bounds, CheckpointManager, FallbackOptions, Runtime, SavePolicy
 from dcp_safe.coordination.agreement import Vote
 from dcp_safe.coordination.groups import WORKERS
-from dcp_safe.manager.admit import decide
 from dcp_safe.manager.handles import BusyPolicy
+from dcp_safe.manager.saving import decide
 from dcp_safe.testing.multiproc import run_ranks
 from dcp_safe.worker import parent as worker_module
 from dcp_safe.worker.parent import SaveWorker, _Process
