@@ -375,7 +375,8 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         help="apply retention, remove abandoned partial saves, restore from the trash",
         description="Keeps the --keep newest checkpoints (plus the safety rules of "
         "dcp_safe.retention.policy.decide) and removes leftovers of failed saves older than "
-        "--grace-s. Whatever --keep says, the two newest checkpoints are kept. Checkpoints "
+        "--grace-s. Whatever --keep says, the newest checkpoint and two validated ones are "
+        "kept. Checkpoints "
         "without a step (not saved by a CheckpointManager) are left alone. --restore NAME"
         " brings a checkpoint back from the trash (docs/retention.md) instead.",
     )
