@@ -125,20 +125,52 @@ def add_export(sub: Any, common: argparse.ArgumentParser, *, full: bool) -> None
     if not full:  # listed in the help; its arguments (and torch) only when it runs
         add_subcommand(sub, "export", common, help=help_line, add_help=False)
         return
-    from dcp_safe.exporting import command as export_command
+    from dcp_safe.exporting.api import ExportFormat
+    from dcp_safe.exporting.formats import DEFAULT_MAX_SHARD_BYTES
 
-    p = add_subcommand(
-        sub, "export", common, help=help_line, description=export_command.DESCRIPTION
+    description = (
+        f"Write a committed checkpoint as consolidated safetensors ({layout.SAFETENSORS_FILE},"
+        f" or shards plus {layout.SAFETENSORS_INDEX} past --max-shard-bytes) or one torch.save"
+        f" file ({layout.TORCH_FILE}), into the new directory DEST with a"
+        f" {layout.EXPORT_CHECKSUMS}. Every byte is read through the verifying reader; tensors"
+        " saved by several ranks are assembled whole; DEST appears complete or not at all."
+        " Non-tensor entries are skipped for safetensors."
     )
-    export_command.add_arguments(p)
+    p = add_subcommand(sub, "export", common, help=help_line, description=description)
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("name", help=f"checkpoint name or {layout.LATEST!r}")
+    p.add_argument("dest", help="directory to create (refused if it exists)")
+    formats, default = [f.value for f in ExportFormat], ExportFormat.SAFETENSORS.value
+    format_help = "output format (default safetensors)"
+    p.add_argument("--format", choices=formats, default=default, help=format_help)
+    keys = "export only these entries: full dotted keys or prefixes (default: all)"
+    p.add_argument("--keys", nargs="+", metavar="K", help=keys)
+    p.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    shard = f"most bytes per safetensors file (default {DEFAULT_MAX_SHARD_BYTES})"
+    p.add_argument(
+        "--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, metavar="N", help=shard
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export at DEST atomically"
+    )
     p.set_defaults(run=_export)
 
 
 def _export(args: argparse.Namespace, options: dict[str, Any] | None, out: Console) -> int:
-    from dcp_safe.exporting import command as export_command
+    from dcp_safe.exporting.api import export
 
     require_root(args.root)
-    result = export_command.run(args, Root(args.root, options))
+    root = Root(args.root, options)
+    result = export(
+        root,
+        catalog.latest_named(root, args.name),  # warns of damage
+        args.dest,
+        format=args.format,
+        keys=args.keys,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        overwrite=args.overwrite,
+    )
     if args.json:
         emit_json(
             out,
