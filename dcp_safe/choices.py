@@ -28,12 +28,7 @@ def parse_choice(kind: type[E], value: object, field: str) -> E:
 def refuse_moved(owner: str, keywords: Mapping[str, Any], moved: Mapping[str, str]) -> None:
     """Raise for the first of ``keywords`` (what ``owner``'s ``**`` caught): a ConfigError
     naming where a keyword of an earlier layout went (``moved``: name -> its place now, where
-    ``{name}`` stands for it), else a ``TypeError`` as Python's own.
-
-    Raises:
-        ConfigError: a keyword in ``moved``.
-        TypeError: an unknown keyword.
-    """
+    ``{name}`` stands for it), else a ``TypeError`` as Python's own."""
     for name in keywords:
         if name in moved:
             where = moved[name].format(name=name)

@@ -37,11 +37,8 @@ RootLike = str | os.PathLike[str] | Root
 
 def as_root(root: RootLike, storage_options: dict[str, Any] | None = None) -> Root:
     """``root`` as one value: a Root as given, else the path or URL with ``storage_options``
-    (the shorthand some entry points keep: docs/manager.md, "Where each option went").
-
-    Raises:
-        ConfigError: a Root and ``storage_options`` both (which options would it mean?).
-    """
+    (the shorthand some entry points keep: docs/manager.md, "Where each option went"), never
+    both (which options would it mean?)."""
     if not isinstance(root, Root):
         return Root(os.fspath(root), storage_options)
     if storage_options is not None:
@@ -58,11 +55,8 @@ class Topology:
     ``peer_copies``: how many nodes hold each node's files (its own included): 1, no peer
     tier; K > 1, each node cache is also copied into the node caches of K - 1 other nodes
     (``<node cache>/.peers/``), so a restore after losing a node reads them from a peer.
-
-    Raises:
-        ConfigError: both ``replica`` and ``node_cache`` (a node-local save already uploads to
-            its commit root; a replica of it is a second copy nothing would read);
-            ``peer_copies`` below 1, or above 1 without a node cache.
+    A ``replica`` beside a ``node_cache`` is refused: a node-local save already uploads to its
+    commit root, and a replica of it would be a second copy nothing reads.
     """
 
     commit: Root
@@ -99,11 +93,8 @@ class Topology:
         """The topology of the manager's arguments: ``root`` commits; ``replicate_to`` is a
         replica (its options default to the commit root's); ``node_local`` a node cache
         (always a local directory, so it takes no fsspec options), with ``peer_copies``. Each
-        root may be a Root, its options inside it.
-
-        Raises:
-            ConfigError: options given both inside a Root and beside it; a keyword that moved
-                into a root (:data:`TOPOLOGY_MOVED`).
+        root may be a Root, its options inside it (not beside it too). A keyword that moved
+        into a root (:data:`TOPOLOGY_MOVED`) raises a ConfigError naming where.
         """
         refuse_moved("Topology.of", moved, TOPOLOGY_MOVED)
         commit = as_root(root, storage_options)
@@ -131,11 +122,7 @@ class Topology:
 
 def this_node(rank: int) -> int:
     """This process's node, as torchrun numbers them: ``GROUP_RANK`` if set, else ``rank //
-    LOCAL_WORLD_SIZE`` (1 when unset), so nodes can be simulated on one machine.
-
-    Raises:
-        ConfigError: either variable is set but is not a non-negative (positive) integer.
-    """
+    LOCAL_WORLD_SIZE`` (1 when unset), so nodes can be simulated on one machine."""
     group = os.environ.get("GROUP_RANK")
     if group is not None:
         if not group.isdigit():

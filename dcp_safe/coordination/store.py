@@ -65,12 +65,9 @@ class PromotionBarrier:
         )
 
     def cross(self, seq: int, step: int) -> str | None:
-        """Arrive at barrier ``seq`` and wait until every rank has, or the barrier is abandoned.
-
-        Returns:
-            ``None``: every rank starts the save; else why it was abandoned (the same outcome
-            on every rank), naming the ranks that did not arrive.
-        """
+        """Arrive at barrier ``seq`` and wait until every rank has (``None``: every rank starts
+        the save), or the barrier is abandoned: why, naming the ranks that did not arrive (the
+        same outcome on every rank)."""
         key = f"{self._prefix}/{seq}"
         self._store.append(f"{key}/arrived", f"{self.rank},")
         if self._store.add(f"{key}/count", 1) == self.world_size:

@@ -180,11 +180,8 @@ def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
 
 
 def open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:
-    """The committed local manifest and its exact bytes (the remote copy must be identical).
-
-    Raises:
-        CheckpointNotFoundError: ``name`` is not committed locally.
-        CheckpointCorruptError: its marker and manifest disagree, or it changed while opened.
+    """The committed local manifest and its exact bytes (the remote copy must be identical);
+    CheckpointCorruptError where its marker and manifest disagree, or it changed while opened.
     """
     manifest = open_committed(local, name).manifest
     rel = f"{name}/{layout.MANIFEST}"

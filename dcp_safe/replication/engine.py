@@ -96,12 +96,8 @@ class UploadEngine:
         return future
 
     def future(self, name: str) -> Future[Manifest]:
-        """The future of the latest job of ``name``.
-
-        Raises:
-            KeyError: ``name`` was never submitted (or finished long enough ago to be
-                forgotten: only the newest ``keep_done`` finished futures are kept).
-        """
+        """The future of the latest job of ``name``; KeyError if it was never submitted, or
+        finished long enough ago to be forgotten (only ``keep_done`` finished ones are kept)."""
         with self._cond:
             return self._futures[name]
 

@@ -79,20 +79,18 @@ def send_file(
     buffer = torch.zeros(max(1, min(chunk_bytes, size)), dtype=torch.uint8)
     view = buffer.numpy()
     error: str | None = None
-    sent = 0
     with contextlib.ExitStack() as stack:
         try:
             stream = stack.enter_context(backend.open_read(rel))
         except (OSError, CheckpointCorruptError) as exc:
             error = describe(exc)
-        while sent < size:
+        for sent in range(0, size, chunk_bytes):
             n = min(chunk_bytes, size - sent)
             if error is None:
                 error = _read_into(stream, view[:n], rel)
             if error is not None:
                 view[:n] = 0
             dist.send(buffer[:n], group=group, group_dst=dst, tag=tag)
-            sent += n
     status = _SENT_WHOLE if error is None else _SEND_FAILED
     dist.send(torch.tensor([status], dtype=torch.int64), group=group, group_dst=dst, tag=tag)
     return error
@@ -131,8 +129,7 @@ def receive_file(
                 out = stack.enter_context(backend.open_write(rel))
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
-            received = 0
-            while received < record.size:
+            for received in range(0, record.size, chunk_bytes):
                 n = min(chunk_bytes, record.size - received)
                 dist.recv(buffer[:n], group=group, group_src=src, tag=tag)
                 if failure is None:
@@ -142,7 +139,6 @@ def receive_file(
                         out.write(data)
                     except (CheckpointCorruptError, OSError) as exc:
                         failure = exc
-                received += n
             status = torch.zeros(1, dtype=torch.int64)
             dist.recv(status, group=group, group_src=src, tag=tag)
             if int(status.item()) != _SENT_WHOLE:

@@ -403,10 +403,8 @@ class InstrumentedWriter(StorageWriter):
 
     def _close_root(self, error: BaseException | str | None = None) -> None:
         root, self._root = self._root, None
-        if root is not None and error is not None:
-            root.fail(error)
-        elif root is not None:
-            root.end()
+        if root is not None:
+            root.end() if error is None else root.fail(error)
 
     def _fail_open(self, error: BaseException | str) -> None:
         opened, self._plan = self._plan, None
