@@ -34,7 +34,12 @@ import torch
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.committed import CommittedCheckpoint, check_signed, open_committed
+from dcp_safe.checkpoints.committed import (
+    CommittedCheckpoint,
+    check_signed,
+    committed_names,
+    open_committed,
+)
 from dcp_safe.commit.strategy import Publication, strategy_for
 from dcp_safe.coordination.group import (
     DEFAULT_DEADLINE_S,
@@ -81,6 +86,9 @@ class SafeStorageConfig(StorageConfig):
     Picklable: torch_checkpointing's async saver builds the storage again in its subprocess.
     ``signing_key`` (default ``$DCP_SAFE_SIGNING_KEY``) signs each save's manifest and refuses
     to load a checkpoint it did not sign; ``checksum`` defaults to xxh3-128, BLAKE3 when signing.
+    ``folder``: a local path that stands for the root, so a caller that joins its checkpoint ids
+    off a folder of its own (torchtitan's ``checkpoint.folder``) names the root and the
+    checkpoints in it (default: a local root's own path).
     """
 
     root: RootLike
@@ -89,11 +97,15 @@ class SafeStorageConfig(StorageConfig):
     signing_key: bytes | str | None = None
     checksum: ChecksumAlgorithm | str | None = None
     deadline_s: float = DEFAULT_DEADLINE_S
+    folder: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         self.deadline_s = validate_deadline(self.deadline_s)
         self.root = as_root(self.root, self.storage_options)
         self.storage_options = None
+        local = self.root.url.removeprefix("file://")
+        folder = local if self.folder is None and "://" not in local else self.folder
+        self.folder = None if folder is None else os.path.abspath(folder)
         self.signing_key = resolve_key(self.signing_key)
         default = ChecksumAlgorithm.BLAKE3 if self.signing_key else ChecksumAlgorithm.XXH3_128
         self.checksum = ChecksumAlgorithm(self.checksum or default)
@@ -136,10 +148,17 @@ class SafeStorage(Storage):
         self._opened: dict[str, CommittedCheckpoint] = {}
 
     def _rel(self, path: Path | str) -> str:
-        """``path`` relative to the root, as ``<name>[/<file>]``."""
-        text, root = os.fspath(path), self._root
-        if os.path.isabs(text) and "://" not in root.url:
-            text = os.path.relpath(text, os.path.abspath(root.url))
+        """``path`` relative to the root: ``<name>[/<file>]``, or ``""`` for the root itself
+        (the config's ``folder``, or a path under it, resolved from here)."""
+        text, folder = os.fspath(path), self._config.folder
+        if folder is not None and "://" not in text:
+            under = _under(text, folder)
+            if under == os.curdir:
+                return ""
+            # A relative path is a name under the root, unless it leads into the folder from
+            # a working directory outside it (torchtitan's ids, joined off a relative folder).
+            if under is not None and (os.path.isabs(text) or _under(os.curdir, folder) is None):
+                text = under
         rel = PurePosixPath(text.replace(os.sep, "/"))
         if rel.is_absolute() or not rel.parts or ".." in rel.parts or rel.parts[0] == ".":
             raise ConfigError(f"{os.fspath(path)!r} is not a checkpoint path under the root")
@@ -148,8 +167,8 @@ class SafeStorage(Storage):
     def _split(self, path: Path | str) -> tuple[str, str]:
         """``(name, file)``; ``file`` empty for the checkpoint itself."""
         name, _, member = self._rel(path).partition("/")
-        if not layout.is_valid_name(name):
-            raise ConfigError(f"{name!r} is not a valid checkpoint name")
+        if not layout.is_valid_name(name):  # the root too
+            raise ConfigError(f"{os.fspath(path)!r} names no checkpoint ({name!r})")
         return name, member
 
     def save_of(self, name: str, *, fresh: bool = False) -> _Save:
@@ -286,7 +305,10 @@ class SafeStorage(Storage):
         return self._record(path)[1].size
 
     def exists(self, path: Path) -> bool:
-        """A committed checkpoint, or a file its manifest lists: nothing uncommitted exists."""
+        """The root, a committed checkpoint, or a file its manifest lists: nothing uncommitted
+        exists."""
+        if not self._rel(path):
+            return True
         name, member = self._split(path)
         if not member:  # a load begins by asking for the checkpoint: read its manifest afresh
             with self._lock:
@@ -298,6 +320,8 @@ class SafeStorage(Storage):
         return not member or manifest.file(member) is not None or _is_folder(manifest, member)
 
     def isdir(self, path: Path) -> bool:
+        if not self._rel(path):
+            return True
         name, member = self._split(path)
         return self.exists(path) and (
             not member or _is_folder(self._committed(name).manifest, member)
@@ -305,6 +329,8 @@ class SafeStorage(Storage):
 
     def ls(self, path: Path) -> list[str]:
         rel = self._rel(path)
+        if not rel:  # the root: its committed checkpoints
+            return sorted(committed_names(self._backend))
         if "/" not in rel and not self.exists(path):
             return []
         return sorted(self._backend.list_dir(rel))
@@ -335,6 +361,12 @@ class SafeStorage(Storage):
 
     def remap_path(self, path: Path) -> str:
         return self._backend.full_path(self._rel(path))
+
+
+def _under(path: str, folder: str | os.PathLike[str]) -> str | None:
+    """``path`` relative to ``folder`` (``"."``: the folder) where it lies there, else None."""
+    rel = os.path.relpath(os.path.abspath(path), folder)
+    return None if rel.split(os.sep)[0] == os.pardir else rel
 
 
 def _is_folder(manifest: Manifest, member: str) -> bool:
@@ -622,6 +654,7 @@ def manager_config(
     signing_key: bytes | str | None = None,
     checksum: ChecksumAlgorithm | str | None = None,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    folder: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> CheckpointManager.Config:
     """A ``CheckpointManager.Config`` that saves to ``root`` as dcp_safe does (module docstring).
@@ -644,6 +677,7 @@ def manager_config(
         signing_key=signing_key,
         checksum=checksum,
         deadline_s=deadline_s,
+        folder=folder,
     )
     return CheckpointManager.Config(
         storage_config=storage,

@@ -56,8 +56,8 @@ and why:
    short must never leave a listed checkpoint with files missing.
 7. ``ls`` of a checkpoint also shows dcp_safe's own files (``manifest.json``, ``_COMMITTED``,
    ``_ranks/``); the data files listed are the same.
-8. ``ls``/``glob`` on the root itself raise ConfigError (the root is not a checkpoint path);
-   listing checkpoints is ``dcp_safe.list_checkpoints``, which shows committed ones only.
+8. ``ls``/``glob`` on the root itself show committed checkpoints only (as
+   ``dcp_safe.list_checkpoints`` does), where the local storage shows every entry.
 9. A write before its checkpoint's ``mkdir`` fails on both and creates nothing, but with
    StorageError (an OSError) on ours where the local storage raises RuntimeError; ours also
    gives that save up, so further writes raise CommitError until a ``mkdir`` begins a new one
@@ -738,22 +738,24 @@ def test_difference_delete_and_rmdir(store: Store) -> None:
 
 
 def test_difference_listing(store: Store) -> None:
-    """7 and 8. ``ls`` of a checkpoint shows dcp_safe's own files too; the root is not a
-    checkpoint path (listing checkpoints is dcp_safe.list_checkpoints)."""
+    """7 and 8. ``ls`` of a checkpoint shows dcp_safe's own files too; ``ls`` of the root shows
+    committed checkpoints only (what dcp_safe.list_checkpoints shows)."""
     _save(store, {"model": torch.arange(3), "step": 1})
+    (store.root / "step_000200").mkdir()  # a folder that is no committed checkpoint
     storage = store.storage()
     data = {"model_0.pt", "step_0.pt"}
     if store.ours:
         assert set(storage.ls(store.path(NAME))) == data | {"manifest.json", "_COMMITTED", "_ranks"}
-        with pytest.raises(ConfigError, match="not a checkpoint path"):
-            storage.ls(store.root)
-        with pytest.raises(ConfigError, match="not a checkpoint path"):
-            storage.glob(str(store.root / "step_*"))
+        assert storage.ls(store.root) == [NAME]
+        assert storage.glob(str(store.root / "step_*")) == [str(store.path(NAME))]
         assert [info.name for info in dcp_safe.list_checkpoints(store.root)] == [NAME]
     else:
         assert set(storage.ls(store.path(NAME))) == data
-        assert storage.ls(store.root) == [NAME]
-        assert storage.glob(str(store.root / "step_*")) == [str(store.path(NAME))]
+        assert sorted(storage.ls(store.root)) == [NAME, "step_000200"]
+        assert sorted(storage.glob(str(store.root / "step_*"))) == [
+            str(store.path(NAME)),
+            str(store.root / "step_000200"),
+        ]
 
 
 def test_difference_write_before_mkdir(store: Store) -> None:
