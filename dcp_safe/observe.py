@@ -69,11 +69,9 @@ class NullSpan:
     save: str | None = None
     step: int | None = None
 
-    def end(self, *, bytes: int | None = None, **attrs: Any) -> None:
-        return None
+    def end(self, *, bytes: int | None = None, **attrs: Any) -> None: ...
 
-    def fail(self, error: BaseException | str) -> None:
-        return None
+    def fail(self, error: BaseException | str) -> None: ...
 
 
 _NULL_SPAN = NullSpan()
