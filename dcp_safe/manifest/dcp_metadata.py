@@ -241,13 +241,9 @@ def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
         if not _only_ints(blocks) or sorted(blocks) != list(range(count)):
             raise ValueError("fingerprints of a tensor that are not blocks 0, 1, ...")
         values = [blocks[b] for b in range(count)]
-        if not _only_ints(values):
+        if not _only_ints(values) or min(values, default=0) < 0 or max(values, default=0) >> 64:
             raise ValueError("a fingerprint is not an integer in [0, 2**64)")
-        try:  # "Q" refuses an integer outside [0, 2**64)
-            packed = struct.pack(f">{count}Q", *values)
-        except struct.error:
-            raise ValueError("a fingerprint is not an integer in [0, 2**64)") from None
-        found.append([_str_key(key), packed.hex()])
+        found.append([_str_key(key), struct.pack(f">{count}Q", *values).hex()])
     return found
 
 
