@@ -108,12 +108,20 @@ def partials(box: Box) -> dict[int, int]:
         return sums
     every, length = stride(box.global_shape), block_samples(box.global_shape)
     starts, rows = _runs(box, _bits(local))  # the whole tensor: one run from 0
-    if starts.numel() == 1:
-        _add_run(sums, int(starts[0]), rows[0], every, length)
-    else:
+    if starts.numel() == 1:  # one run: its samples are a strided view of it
+        first = -int(starts[0]) % every
+        picked = rows[0][first::every]
+        if picked.numel():
+            begin = (int(starts[0]) + first) // every
+            sample = torch.arange(picked.numel(), dtype=torch.int64) + begin
+            _add_samples(sums, sample, picked, length, run=True)
+    else:  # many runs, a chunk at a time: every element's global index, the sampled ones kept
         for at in range(0, starts.numel(), _ROWS_PER_CHUNK):
             chunk = slice(at, at + _ROWS_PER_CHUNK)
-            _add_rows(sums, starts[chunk], rows[chunk], every, length)
+            index = starts[chunk, None] + torch.arange(rows.shape[1], dtype=torch.int64)[None, :]
+            keep = index % every == 0
+            if bool(keep.any()):
+                _add_samples(sums, index[keep] // every, rows[chunk][keep], length)
     return {b: v & _MASK for b, v in sums.items()}
 
 
@@ -150,15 +158,6 @@ def _runs(box: Box, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts, bits.reshape(-1, length)
 
 
-def _add_run(sums: dict[int, int], start: int, run: torch.Tensor, every: int, length: int) -> None:
-    """Add one run starting at global index ``start``: its samples, into their blocks."""
-    first = -start % every
-    picked = run[first::every]
-    if picked.numel():
-        sample = torch.arange(picked.numel(), dtype=torch.int64) + (start + first) // every
-        _add_samples(sums, sample, picked, length, run=True)
-
-
 def _add_samples(
     sums: dict[int, int], sample: torch.Tensor, values: torch.Tensor, length: int, run: bool = False
 ) -> None:
@@ -174,16 +173,6 @@ def _add_samples(
     for offset, total in enumerate(totals.tolist()):
         if total or run or (low + offset) in sums:
             sums[low + offset] = sums.get(low + offset, 0) + total
-
-
-def _add_rows(
-    sums: dict[int, int], starts: torch.Tensor, rows: torch.Tensor, every: int, length: int
-) -> None:
-    """Add many runs at once: every element's global index, the sampled ones kept."""
-    index = starts[:, None] + torch.arange(rows.shape[1], dtype=torch.int64)[None, :]
-    keep = index % every == 0
-    if bool(keep.any()):
-        _add_samples(sums, index[keep] // every, rows[keep], length)
 
 
 @functools.cache
