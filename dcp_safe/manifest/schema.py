@@ -230,7 +230,7 @@ class _Document:
         parse_checksum(self.checksum_algorithm + ":")  # ValueError on an unknown algorithm
 
     def to_dict(self) -> dict[str, Any]:
-        """The document's JSON object, its records as records (:func:`_dumps` writes them);
+        """The document's JSON object, its records as records (:meth:`to_json` writes them);
         ``dcp_metadata``, ``data_format`` and ``metrics`` left out when None, so such a
         manifest is byte for byte what older versions wrote."""
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name[0] != "_"}  # type: ignore[arg-type]
@@ -240,8 +240,11 @@ class _Document:
         return {**plain, "format": self._FORMAT}
 
     def to_json(self) -> bytes:
-        """Canonical JSON (sorted keys, no spaces)."""
-        return _dumps(self.to_dict()).encode()
+        """Canonical JSON (sorted keys, no spaces, ASCII), records as their ``to_dict``."""
+        records = operator.methodcaller("to_dict")
+        return json.dumps(
+            self.to_dict(), sort_keys=True, separators=(",", ":"), default=records
+        ).encode()
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> Self:
@@ -375,13 +378,6 @@ def check_metrics(metrics: object) -> dict[str, float | str]:
 def manifest_digest(data: bytes) -> str:
     """The digest ``_COMMITTED`` holds: sha256 of the manifest's exact bytes."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def _dumps(value: object) -> str:
-    """Canonical JSON (sorted keys, no spaces, ASCII), each record written as its ``to_dict``."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), default=operator.methodcaller("to_dict")
-    )
 
 
 def _records(field: str, value: object) -> list[dict[str, Any]]:

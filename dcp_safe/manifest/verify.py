@@ -68,7 +68,9 @@ class FileCheck:
     def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
         self._path, self._record, self._position = path, record, 0
         self._whole = None if record.checksum is None else _hasher(record.checksum)
-        if (items or record.checksum is None) and not _tiles(items, record.size):
+        ends = list(itertools.accumulate((item.length for item in items), initial=0))
+        tiled = ends[-1] == record.size and [item.start for item in items] == ends[:-1]
+        if (items or record.checksum is None) and not tiled:
             raise CheckpointCorruptError(path, "manifest items do not cover the file exactly")
         self._pending = iter(items)
         # The item being hashed, its hasher and its block hasher; None once none is left.
@@ -123,15 +125,6 @@ class FileCheck:
             raise CheckpointCorruptError(self._path, reason, item=item.describe())
         algorithm = item.checksum.partition(":")[0]
         return BlockHasher(algorithm, item.start, blocks.at, blocks.length, blocks.block_bytes)
-
-
-def _tiles(items: Sequence[ItemRecord], size: int) -> bool:
-    position = 0
-    for item in items:
-        if item.start != position:
-            return False
-        position += item.length
-    return position == size
 
 
 Box = tuple[Sequence[int], Sequence[int]]

@@ -164,8 +164,10 @@ class PeerSource(Source):
         for file_name in needs:
             if file_name in offers:  # a peer copy on this node's own disk
                 self._peer_sources[file_name] = offers[file_name]
-        group = self._peer_group()
-        if group is None:
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self._group is None and several:
+            self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
+        if (group := self._group) is None:
             return
         rank = dist.get_rank(group)
         pending = {f: size for f, size in needs.items() if f not in self._peer_sources}
@@ -189,12 +191,6 @@ class PeerSource(Source):
                 tried.setdefault(fetch.file, []).append(disks[fetch.holder])
                 if fetch.file in self._peer_sources:
                     pending.pop(fetch.file, None)
-
-    def _peer_group(self) -> Any:
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if self._group is None and several:
-            self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
-        return self._group
 
     def _transfer(
         self, group: Any, sends: list[Fetch], receives: list[Fetch], offers: dict[str, _Source]

@@ -96,7 +96,13 @@ def _identity(item: ReadItem, dtype: str | None) -> Hashable:
 def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]) -> list[LoadPlan]:
     """Every rank's plan (in rank order; unchanged unless each is a ``ReadOncePlan``) with each
     shared entry kept by its owner only, and its transfers; ``read_bytes``: an item's cost."""
-    local = [p for p in plans if isinstance(p, ReadOncePlan) and _described(p)]
+    local = [
+        p
+        for p in plans
+        if isinstance(p, ReadOncePlan)
+        and len(p.dtypes) == len(p.items)
+        and p.items_digest == items_digest(p.items)
+    ]
     if len(plans) < 2 or len(local) != len(plans):
         return list(plans)
     holders: dict[Hashable, list[int]] = {}
@@ -126,10 +132,6 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
             )
         )
     return result
-
-
-def _described(plan: ReadOncePlan) -> bool:
-    return len(plan.dtypes) == len(plan.items) and plan.items_digest == items_digest(plan.items)
 
 
 def _owners(
