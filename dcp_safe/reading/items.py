@@ -142,8 +142,6 @@ class ItemReader:
         checksum = record.checksum if verify else None
         return read_verified(stream, path, label, record.start, record.length, checksum)
 
-    # ----------------------------------------------------------------- helpers
-
     def _load_whole(self, item: _Item, read: Callable[[], bytearray]) -> None:
         """Admit the item at the most transient bytes reading it whole and delivering it holds
         (its stored bytes, what they decompress to and, for an object, its re-serialized

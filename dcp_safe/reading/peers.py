@@ -119,8 +119,6 @@ class PeerSource(Source):
         except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
             log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
 
-    # ----------------------------------------------------------------- sources
-
     def _require(self) -> tuple[str, Manifest]:
         assert self._opened is not None
         return self._opened
@@ -155,8 +153,6 @@ class PeerSource(Source):
             for f, size in sizes.items()
             if (record := manifest.file(f)) is not None and record.size == size
         }
-
-    # ----------------------------------------------------------------- the exchange
 
     def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the
