@@ -19,6 +19,7 @@ from torch_checkpointing.default_resharder import DefaultResharder
 from torch_checkpointing.storage.base_storage import ReadArgs
 
 import dcp_safe
+import dcp_safe.torch_checkpointing as tc_module
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.cli import main as cli_main
 from dcp_safe.commit.strategy import strategy_for
@@ -325,6 +326,31 @@ def test_a_whole_file_read_is_checked_in_the_callers_buffer(tmp_path: Path) -> N
             pytest.raises(CheckpointCorruptError, match=match),
         ):
             stream.readinto(bytearray(len(bad)))
+
+
+@pytest.mark.parametrize("flip", [None, 0, 999, 1000, -1])
+def test_a_whole_file_read_hashes_each_step_as_it_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flip: int | None
+) -> None:
+    """The read into the caller's buffer goes a step at a time, each step hashed as it lands:
+    the bytes come back exactly, and a byte flipped in any step, or on either side of a step's
+    edge, is refused."""
+    monkeypatch.setattr(tc_module, "_STEP", 1000)
+    _save(tmp_path)
+    storage = SafeStorageConfig(tmp_path).create_storage()
+    member = Path(NAME) / "model_0.pt"
+    stored = bytearray((tmp_path / member).read_bytes())
+    assert len(stored) > 3000
+    if flip is not None:
+        stored[flip] ^= 0x10
+        (tmp_path / member).write_bytes(bytes(stored))
+    into = bytearray(len(stored))
+    with storage.stream_read(member) as stream:
+        if flip is None:
+            assert stream.readinto(into) == len(stored) and into == stored
+        else:
+            with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+                stream.readinto(into)
 
 
 def test_a_fault_mid_read_falls_back_to_the_retried_whole_file_read(
