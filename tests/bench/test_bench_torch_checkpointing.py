@@ -32,6 +32,7 @@ def test_a_tiny_run_measures_ours_against_torch_checkpointings_own_storage(
         assert all(seconds > 0 for seconds in figures[contender].values()), contender
     ratio = figures["ratio"]["save_s"]
     assert ratio == figures["dcp_safe"]["save_s"] / figures["tc local"]["save_s"]
+    assert figures["durable floor"]["save_s"] > 0  # the same bytes written and fsynced
     text = bench.report(results)
-    assert "| tiny | save_s |" in text and "<= 1.15" in text
+    assert "| tiny | save_s |" in text and "<= 1.15" in text and "durable floor" in text
     assert [p.name for p in (tmp_path / "tiny").iterdir()] == []  # each round's root removed
