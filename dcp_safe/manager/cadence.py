@@ -90,7 +90,6 @@ class Costs:
 
     @property
     def save_s(self) -> float:
-        """``C``: one save's cost to the job."""
         return self.stall_s + self.slowdown * max(0.0, self.commit_s - self.stall_s)
 
 
@@ -357,7 +356,6 @@ class Cadence:
         self.goodput.watch(handle)
 
     def committed(self, done: Future[str]) -> None:
-        """A save's ``committed`` future resolved: a commit restarts the interval."""
         if not done.cancelled() and done.exception() is None:
             self._committed_at = self._clock()
             self.goodput.committed(self._committed_at, self._started_at)

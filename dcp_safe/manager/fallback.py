@@ -205,7 +205,6 @@ class FallbackSwitch:
 
     @property
     def reason(self) -> str | None:
-        """Why saves are synchronous now (``None``: they are not)."""
         with self.ledger.cond:
             return self.monitor.reason
 
@@ -254,7 +253,6 @@ class FallbackSwitch:
             self._switched(handle, reason)
 
     def rearm(self) -> None:
-        """Back to asynchronous saves (no-op when not switched)."""
         with self.ledger.cond:
             was = self.monitor.reason
             self.monitor.rearm()

@@ -217,7 +217,6 @@ class Ledger:
             yield
 
     def end_span(self, handle: SaveHandle, error: BaseException | None) -> None:
-        """Close the save's root span (once; later calls do nothing)."""
         with self.cond:
             span = self._open_spans.pop(handle.name, None)
         if span is not None:
@@ -240,6 +239,5 @@ class Ledger:
         return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)
 
     def mark(self, name: str, handle: SaveHandle, **attrs: Any) -> None:
-        """A point event about ``handle`` (``skipped``, ``fallback``)."""
         if self.telemetry is not None:
             self.telemetry.mark(name, save=handle.name, step=handle.step, **attrs)

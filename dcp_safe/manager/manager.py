@@ -35,7 +35,6 @@ from dcp_safe.checkpoints.history import History
 from dcp_safe.choices import refuse_moved
 from dcp_safe.coordination.agreement import Agreement
 from dcp_safe.coordination.groups import FOREGROUND
-from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.coordination.worker_group import WorkerGroups
 from dcp_safe.errors import (
     AdmissionTimeoutError,
@@ -194,22 +193,17 @@ class CheckpointManager:
         self._runner = SaveRunner(
             writer=writer,
             stager=self.stager,
-            staging=self.staging,
             slot=self._slot,
             ledger=ledger,
             tiers=self._tiers,
             switch=self._switch,
             deep=deep,
-            flush_s=self.deadline_s,
-            verdicts=Verdicts.for_job(agreement, wait_s),
-            groups=agreement.groups,
-            barrier=PromotionBarrier.for_job(agreement, wait_s),
             per_rank=resume.per_rank,
             in_memory=self._in_memory,
             worker=worker,
             agreement=agreement,
-            wait_timeout_s=wait_s,
-            latency_objective_s=policy.latency_objective_s,
+            policy=policy,
+            bounds=bounds,
         )
         self._cadence = Cadence(policy, runtime.clock, agreement, self._slot, ledger, history=owns)
         self._warm_start = None

@@ -53,6 +53,7 @@ from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.options import Bounds, SavePolicy
 from dcp_safe.manager.slot import SaveSlot
 from dcp_safe.manager.tiers import Tiers
 from dcp_safe.staging import BudgetedStager
@@ -148,22 +149,20 @@ class SaveRunner:
 
     writer: SafeStorageWriter
     stager: BudgetedStager
-    staging: StagingMode
     slot: SaveSlot
     ledger: Ledger
     tiers: Tiers
     switch: FallbackSwitch
     deep: bool
-    flush_s: float  # the longest a commit waits for its history event to be written
-    verdicts: Verdicts | None = None
-    groups: ManagerGroups | None = None
-    barrier: PromotionBarrier | None = None
-    per_rank: tuple[str, ...] = ()
-    in_memory: InMemoryTier | None = None  # keep_in_memory=True
-    worker: SaveWorker | None = None
+    per_rank: tuple[str, ...]
+    in_memory: InMemoryTier | None  # keep_in_memory=True
+    worker: SaveWorker | None
     agreement: Agreement
-    wait_timeout_s: float
-    latency_objective_s: float | None = None
+    policy: SavePolicy
+    bounds: Bounds
+    verdicts: Verdicts | None = field(init=False)
+    groups: ManagerGroups | None = field(init=False)
+    barrier: PromotionBarrier | None = field(init=False)
     # The agreed coalesce decisions so far: a pending save's ``seq``.
     _coalesced: int = field(default=0, init=False)
     sync_writer: SafeStorageWriter | None = field(default=None, init=False)
@@ -171,6 +170,10 @@ class SaveRunner:
     post: ThreadPoolExecutor = field(init=False)  # the manager thread
 
     def __post_init__(self) -> None:
+        wait_s = self.bounds.wait_timeout_s
+        self.verdicts = Verdicts.for_job(self.agreement, wait_s)
+        self.groups = self.agreement.groups
+        self.barrier = PromotionBarrier.for_job(self.agreement, wait_s)
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
 
     def admit(
@@ -186,7 +189,7 @@ class SaveRunner:
             busy=busy,
             fallback=fallback,
             no_room=busy and policy is BusyPolicy.COALESCE and self._no_room(state_dict),
-            stalled=None if force else self.slot.stalled(self.latency_objective_s),
+            stalled=None if force else self.slot.stalled(self.policy.latency_objective_s),
             pending=self.slot.pending_step(),
             worker_ready=self.worker is not None and self.worker.ready,
         )
@@ -199,15 +202,14 @@ class SaveRunner:
     def wait(self, handle: SaveHandle, *, force: bool, worker: bool = False) -> Decision:
         """Wait with every rank until no rank has a save in flight, or ``wait_timeout_s``
         (``worker``: the request's agreed path, kept for the start)."""
-        step = handle.step
-        still = self.agreement.until_all("wait", step, self.slot.wait_free, self.wait_timeout_s)
+        wait_s = self.bounds.wait_timeout_s
+        still = self.agreement.until_all("wait", handle.step, self.slot.wait_free, wait_s)
         if not still:
             return Decision(Verdict.START, worker=worker)
-        self.switch.ledger.count("waits_expired")
-        ranks = ", ".join(map(str, still))
+        self.ledger.count("waits_expired")
         reason = (
-            f"waited {self.wait_timeout_s:g} s (wait_timeout_s) and a save was still in flight"
-            f" on rank(s) {ranks}"
+            f"waited {wait_s:g} s (wait_timeout_s) and a save was still in flight on rank(s)"
+            f" {', '.join(map(str, still))}"
         )
         return Decision(Verdict.RAISE if force else Verdict.SKIP, reason)
 
@@ -292,7 +294,7 @@ class SaveRunner:
                 self._after_upload(handle, done, group, worker)
 
         upload.add_done_callback(follow)
-        if self.staging is StagingMode.SNAPSHOT:
+        if self.policy.staging is StagingMode.SNAPSHOT:
             # The copy is bounded and budgeted; its failure (a torn snapshot from another
             # thread) reaches the handle's futures and the history, not this call.
             wait_futures([handle.staged], timeout=self.stager.options.timeout_s)
@@ -456,7 +458,7 @@ class SaveRunner:
             log.warning("retention after %s failed: %s", handle.name, exc)
             self.ledger.keep(exc)
         # A caller that reads the history once ``committed`` resolves finds the event there.
-        self.ledger.flush(self.flush_s)
+        self.ledger.flush(self.bounds.deadline_s)
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
         self.ledger.quietly("telemetry", lambda: self.ledger.end_span(handle, None))

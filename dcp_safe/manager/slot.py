@@ -114,7 +114,6 @@ class SaveSlot:
             )
 
     def drain(self, timeout_s: float) -> SaveHandle | None:
-        """Wait up to ``timeout_s`` for the save in flight; return it if it is still there."""
         with self._cond:
             self._cond.wait_for(lambda: self.busy is None, timeout_s)
             return self.busy

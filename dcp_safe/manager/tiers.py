@@ -123,7 +123,6 @@ class Tiers:
             return name in self._validated
 
     def track_replication(self, name: str, future: Future[Any]) -> None:
-        """Keep ``name`` from pruning until ``future`` is done."""
         with self._cond:
             self._replications[name] = future
 
@@ -140,7 +139,6 @@ class Tiers:
 
     @contextlib.contextmanager
     def reading(self, name: str | None) -> Iterator[None]:
-        """Keep ``name`` from pruning while it is read."""
         with self._cond:
             self._reading.add(name or "")
         try:
@@ -230,7 +228,6 @@ class Tiers:
             return decision.drop
 
     def latest(self, tier: str = "local") -> str | None:
-        """The newest committed checkpoint's name on ``tier`` (``"local"`` or ``"remote"``)."""
         if tier not in ("local", "remote"):
             raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")
         root = self.commit if tier == "local" else self.replica

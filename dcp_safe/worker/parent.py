@@ -161,7 +161,6 @@ class _Process:
             self.owner._checks[name] = checked
 
     def died(self) -> None:
-        """The worker is gone (or being given up on): fail what it held."""
         with self.lock:
             retired = self.retired
         if not retired:  # before it is reaped and its saves fail: who sees either sees this

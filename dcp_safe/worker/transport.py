@@ -60,7 +60,6 @@ class StateEncoder:
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], _Reduction]] = {}
 
     def dump(self, state_dict: dict[str, Any]) -> bytes:
-        """``state_dict`` pickled, its tensors in the slabs by place, not by value."""
         out = io.BytesIO()
         _StatePickler(out, self).dump(state_dict)
         return out.getvalue()
