@@ -36,7 +36,7 @@ from dcp_safe.telemetry.recorder import Telemetry, end_replication
 log = logging.getLogger("dcp_safe.manager")
 
 _EVENTS_KEPT = 10_000  # per rank, in memory: the newest ones
-_READ_FLUSH_S = 30.0  # how long a read waits for queued appends before it reads what is there
+READ_FLUSH_S = 30.0  # how long a read waits for queued appends before it reads what is there
 
 # The counters of ManagerStats that its parts keep rather than the ledger.
 _NOT_COUNTED = {"pruned", "waited_s", "waiting", "fallback_reason"} | set(vars(Choice()))
@@ -191,10 +191,6 @@ class Ledger:
             log.warning("history appends still pending after %s s", timeout_s)
         except RuntimeError:  # closed: nothing more is queued
             pass
-
-    def read_history(self) -> list[dict[str, Any]]:
-        self.flush(_READ_FLUSH_S)  # the appends queued so far first
-        return self.history.read()
 
     def close_history(self, timeout_s: float | None) -> None:
         self.flush(timeout_s)

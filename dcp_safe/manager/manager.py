@@ -46,7 +46,7 @@ from dcp_safe.manager.cadence import Cadence
 from dcp_safe.manager.fallback import FallbackMonitor, FallbackSwitch, MemoryWatch
 from dcp_safe.manager.handles import BusyPolicy, ManagerStats, SaveHandle, StagingMode, Validation
 from dcp_safe.manager.in_memory import InMemoryTier
-from dcp_safe.manager.ledger import Ledger
+from dcp_safe.manager.ledger import READ_FLUSH_S, Ledger
 from dcp_safe.manager.options import (
     MOVED,
     Bounds,
@@ -529,7 +529,8 @@ class CheckpointManager:
 
     def history(self) -> list[dict[str, Any]]:
         """The history file's events, oldest first (written by the coordinator only)."""
-        return self._ledger.read_history()
+        self._ledger.flush(READ_FLUSH_S)  # the appends queued so far first
+        return self._ledger.history.read()
 
     def decisions(self) -> list[dict[str, Any]]:
         """This rank's own record of events (history events without their times), oldest

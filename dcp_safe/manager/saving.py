@@ -492,12 +492,10 @@ class SaveRunner:
     def _peer_copied(self, name: str, error: BaseException | None) -> None:
         """The peer copies of ``name`` ended: counted; a failure is kept for ``wait``/``close``
         to raise, never failing the committed save."""
-        if error is None:
-            self.ledger.count("peer_copies")
-            return
-        log.warning("peer copies of %s failed: %s", name, error)
-        self.ledger.count("peer_copy_failures")
-        self.ledger.keep(error)
+        if error is not None:
+            log.warning("peer copies of %s failed: %s", name, error)
+            self.ledger.keep(error)
+        self.ledger.count("peer_copies" if error is None else "peer_copy_failures")
 
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
         if handle.replicated.done():

@@ -65,9 +65,8 @@ from dcp_safe.worker.transport import Checked, check_commit, encode_error, forge
 
 class _Worker:
     def __init__(self, conn: Connection, lock: threading.Lock, parent: int) -> None:
-        self.conn = conn
-        self.lock = lock  # replies come from the main thread, replication's and the beat
-        self.parent = parent
+        # Replies come from the main thread, replication's and the beat: one ``lock``.
+        self.conn, self.lock, self.parent = conn, lock, parent
         self.writer: SafeStorageWriter | None = None
         self.per_rank: tuple[str, ...] = ()
         self.group: WorkerGroup | None = None
