@@ -1,6 +1,6 @@
 """The manager's exchange of votes: one small all-gather per request on the policy group.
 
-Every rank then takes the same decision from the same votes (:mod:`dcp_safe.manager.admit`).
+Every rank then takes the same decision from the same votes (:mod:`dcp_safe.manager.saving`).
 The rounds of a wait and the replacement of broken groups are described in docs/multirank.md
 ("The manager under torchrun", "When one rank is slow", "A broken group is replaced, never
 reused"). The exchange runs on the training thread; in a single process there is none: the list
