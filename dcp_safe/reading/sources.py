@@ -123,13 +123,8 @@ class SourceLog:
             self._rejections.append(CacheRejection(file_name, reason, detail, source))
         quiet = reason in (RejectionReason.NO_CACHE, RejectionReason.MISSING)
         where = f"the {source.value}" if file_name is None else f"{file_name} from {source.value}"
-        log.log(
-            logging.DEBUG if quiet else logging.WARNING,
-            "not reading %s (%s): %s; reading it from the next source instead",
-            where,
-            reason.value,
-            detail,
-        )
+        message = "not reading %s (%s): %s; reading it from the next source instead"
+        log.log(logging.DEBUG if quiet else logging.WARNING, message, where, reason.value, detail)
 
     def reject_file(self, file_name: str, path: str, exc: Exception, source: ReadSource) -> None:
         if isinstance(exc, Rejected):
