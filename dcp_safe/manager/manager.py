@@ -168,8 +168,8 @@ class CheckpointManager:
             # A restore's transient reads fit the envelope the staged copies of a save do.
             load_budget_bytes=max(1, self.stager.budget.envelope_bytes),
             deadline_s=self.deadline_s,
+            read_only=self.read_only,
         )
-        self._tiers.peers = None if self.read_only else self._tiers.peers  # would land on disk
         self._switch = FallbackSwitch(
             monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
             sample_memory=sample,

@@ -74,7 +74,8 @@ class Tiers:
     """Retention and reading on the local root and the replica (the writer's ``topology`` says
     which root is which). Only the ``coordinator`` prunes and sweeps; pruning runs inside
     ``deferred`` (a preemption signal waits for it). With ``peer_copies`` the peer tier's groups
-    are built here, on every rank at the same point.
+    are built here, on every rank at the same point, unless ``read_only``: such a manager makes
+    no copies and fetches none (a fetch lands on this node's disk), so it holds no group for them.
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class Tiers:
         coordinator: bool,
         load_budget_bytes: int | None,
         deadline_s: float,
+        read_only: bool = False,
     ) -> None:
         self.coordinator, self.load_budget_bytes, self.writer = (
             coordinator,
@@ -109,7 +111,8 @@ class Tiers:
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
-        self.peers = None if topology.peer_copies < 2 else PeerTier(writer, deadline_s)
+        peers = topology.peer_copies > 1 and not read_only
+        self.peers = PeerTier(writer, deadline_s) if peers else None
 
     def trust(self, name: str) -> None:
         """``name`` passed its check (here, or in the checkpoint worker): retention may count

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,11 @@ from support import assert_state_equal, blank_like, make_state
 from support.faults import abandon_a_save
 
 import dcp_safe
-from dcp_safe import CheckpointManager, ConfigError, Retention, Runtime
+from dcp_safe import CheckpointManager, ConfigError, Retention, Runtime, Topology
+from dcp_safe.coordination import group as group_registry
+from dcp_safe.manager.tiers import PEER_COPIES
+from dcp_safe.reading.peers import PEER_RESTORE
+from dcp_safe.testing.multiproc import run_ranks
 
 _EVENT_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
 READ_ONLY = Runtime(read_only=True)
@@ -136,3 +141,51 @@ def test_read_only_is_a_shorthand_of_the_runtime_option(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ConfigError, match="read_only"):
         Runtime(read_only="yes")  # type: ignore[arg-type]
+
+
+def _peer_tier(rank: int, nodes: list[str], remote: str) -> Topology:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per node: rank r is node r
+    return Topology.of(remote, node_local=nodes[rank], peer_copies=2)
+
+
+def _own_state(rank: int, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return {f"rank{rank}": torch.randn(64, generator=gen)}
+
+
+def _group_purposes() -> set[str]:
+    """The purposes of the groups dcp_safe's coordination layer has created in this process."""
+    return {purpose for _, _, purpose in group_registry._groups}
+
+
+def _train_with_peer_copies(rank: int, world_size: int, nodes: list[str], remote: str) -> Any:
+    with CheckpointManager(_peer_tier(rank, nodes, remote)) as trainer:
+        for step in (1, 2):
+            trainer.save(step, _own_state(rank, step)).committed.result(timeout=120)  # type: ignore[union-attr]
+        trainer.wait(timeout_s=120)  # the peer copies too
+        return trainer.stats().peer_copies, _group_purposes()
+
+
+def _evaluate(rank: int, world_size: int, nodes: list[str], remote: str) -> Any:
+    with CheckpointManager(_peer_tier(rank, nodes, remote), runtime=READ_ONLY) as reader:
+        listed = [c.name for c in dcp_safe.list_checkpoints(remote)]
+        target = {f"rank{rank}": torch.zeros(64)}
+        name = reader.restore(target, step=1)
+        exact = torch.equal(target[f"rank{rank}"], _own_state(rank, 1)[f"rank{rank}"])
+        return reader.latest(), listed, name, exact, reader._tiers.peers, _group_purposes()
+
+
+@pytest.mark.multiproc
+def test_a_read_only_manager_builds_no_peer_tier_group(tmp_path: Path) -> None:
+    """A read-only manager makes no peer copies and fetches none (they would land on this
+    node's disk): it forms neither peer-tier group, where a writing one forms both."""
+    nodes, remote = [str(tmp_path / "node_a"), str(tmp_path / "node_b")], str(tmp_path / "remote")
+    peer_groups = {PEER_COPIES, PEER_RESTORE}
+    for copies, purposes in run_ranks(_train_with_peer_copies, 2, args=(nodes, remote)):
+        assert copies == 2 and peer_groups <= purposes  # the registry sees a peer tier's groups
+    for latest, listed, name, exact, peers, purposes in run_ranks(
+        _evaluate, 2, args=(nodes, remote)
+    ):
+        assert (latest, listed) == ("step_000000002", ["step_000000001", "step_000000002"])
+        assert (name, exact, peers) == ("step_000000001", True, None)
+        assert not peer_groups & purposes
