@@ -413,8 +413,7 @@ class _CheckedFile(io.RawIOBase):
                 data = self._read_whole()
                 got, extra = min(len(data), size), max(len(data) - size, 0)
                 view[:got] = data[:got]
-                hasher = _hasher(self._full, self._record)
-                hasher.update(data[:got])
+                hasher = _hasher(self._full, self._record, memoryview(data)[:got])
             _check(self._full, self._record, got + extra, hasher)
             self._pos = size
             return size
@@ -456,9 +455,7 @@ class _CheckedFile(io.RawIOBase):
     def _memory(self) -> io.BytesIO:
         if self._checked is None:
             data = self._read_whole()
-            hasher = _hasher(self._full, self._record)
-            hasher.update(data)
-            _check(self._full, self._record, len(data), hasher)
+            _check(self._full, self._record, len(data), _hasher(self._full, self._record, data))
             self._checked = io.BytesIO(data)
             self._checked.seek(self._pos)
         return self._checked
@@ -469,11 +466,14 @@ class _CheckedFile(io.RawIOBase):
 _STEP = 4 << 20
 
 
-def _hasher(path: str, record: FileRecord) -> Hasher:
-    """A hasher of the algorithm ``record``'s checksum names (refused where it names none)."""
+def _hasher(path: str, record: FileRecord, data: bytes | memoryview = b"") -> Hasher:
+    """A hasher of the algorithm ``record``'s checksum names (refused where it names none),
+    fed ``data``."""
     if record.checksum is None:
         raise CheckpointCorruptError(path, "manifest records no checksum for the file")
-    return new_hasher(record.checksum.partition(":")[0], size_hint=record.size)
+    hasher = new_hasher(record.checksum.partition(":")[0], size_hint=record.size)
+    hasher.update(data)
+    return hasher
 
 
 def _check(path: str, record: FileRecord, size: int, hasher: Hasher) -> None:
