@@ -28,11 +28,14 @@ def test_a_tiny_run_measures_ours_against_torch_checkpointings_own_storage(
     assert entry["bytes"] == 3 * 64 * 1024
     figures = entry["figures"]
     for contender in bench.CONTENDERS:
-        assert sorted(figures[contender]) == ["load_evicted_s", "load_warm_s", "save_s"]
-        assert all(seconds > 0 for seconds in figures[contender].values()), contender
+        walls = ["load_evicted_s", "load_warm_s", "save_s"]
+        assert sorted(figures[contender]) == sorted(walls + [k[:-1] + "cpu" for k in walls])
+        assert all(figures[contender][key] > 0 for key in walls), contender
+        assert all(seconds >= 0 for seconds in figures[contender].values()), contender
     ratio = figures["ratio"]["save_s"]
     assert ratio == figures["dcp_safe"]["save_s"] / figures["tc local"]["save_s"]
     assert figures["durable floor"]["save_s"] > 0  # the same bytes written and fsynced
     text = bench.report(results)
     assert "| tiny | save_s |" in text and "<= 1.15" in text and "durable floor" in text
+    assert "| tiny | save_cpu |" in text
     assert [p.name for p in (tmp_path / "tiny").iterdir()] == []  # each round's root removed
