@@ -50,6 +50,7 @@ from torch_checkpointing.storage.base_storage import Storage
 
 import dcp_safe
 from dcp_safe.errors import ConfigError
+from dcp_safe.topology import Root
 from dcp_safe.torch_checkpointing import SafeStorageConfig, manager_config
 
 STEP_DIR = r"step-(0|[1-9]\d*)"  # BaseCheckpointManager._STEP_DIR_PATTERN
@@ -125,14 +126,16 @@ def _state(step: int) -> dict[str, Any]:
     return {"model": {"w": torch.randn(8, 4, generator=gen)}, "step": step}
 
 
-def _manager(root: Path, folder: str | None) -> CheckpointManager:
+def _manager(root: Path | Root, folder: str | None) -> CheckpointManager:
     items = {"model": ItemSpec(resharder=DefaultResharder(), required=False)}
     return CheckpointManager(manager_config(root, save="sync", folder=folder, items=items))
 
 
-@pytest.mark.parametrize("where", ["root_is_the_folder", "root_elsewhere"])
+@pytest.mark.parametrize(
+    "where", ["root_is_the_folder", "root_elsewhere", pytest.param("s3", marks=pytest.mark.s3)]
+)
 def test_torchtitan_folder_ids_probes_retention_and_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, where: str
 ) -> None:
     """torchtitan's relative ``./outputs/checkpoint/step-N`` ids name checkpoints under the
     root: the folder probes as a directory that lists committed steps only, each step passes
@@ -140,10 +143,14 @@ def test_torchtitan_folder_ids_probes_retention_and_resume(
     loads the newest; the same catalogue is dcp_safe's."""
     monkeypatch.chdir(tmp_path)
     folder = os.path.join("./outputs", "checkpoint")  # filesystem.join(base_folder, folder)
+    root: Path | Root
     if where == "root_is_the_folder":
         root, mapped = tmp_path / "outputs" / "checkpoint", None  # a local root is its folder
-    else:  # as with an object-store root, which torchtitan cannot name
+    elif where == "root_elsewhere":  # as with an object-store root, which torchtitan cannot name
         root, mapped = tmp_path / "elsewhere", folder
+    else:
+        options = request.getfixturevalue("s3_options")
+        root, mapped = Root(request.getfixturevalue("s3_root"), options), folder
     probes = TitanProbes(SafeStorageConfig(root, folder=mapped).create_storage())
 
     assert probes.isdir(folder) and probes.listdir(folder) == []
