@@ -145,8 +145,7 @@ class SafeStorage(Storage):
 
     def __init__(self, config: SafeStorageConfig) -> None:
         self._config = config
-        self._root = as_root(config.root)
-        self._backend: Backend = open_backend(self._root)
+        self._backend: Backend = open_backend(as_root(config.root))
         self._algorithm = ChecksumAlgorithm(config.checksum)  # validated by the config
         self._key = config.signing_key if isinstance(config.signing_key, bytes) else None
         self._lock = threading.Lock()
