@@ -97,12 +97,10 @@ class Replicator(UploadEngine):
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
         super().__init__(f"replication to {remote.url}", thread_name="dcp_safe-replicator")
-        self.local, self.remote, self.chunk_bytes, self.claimant = (
-            local,
-            remote,
-            chunk_bytes,
-            claimant,
-        )
+        self.local = local
+        self.remote = remote
+        self.chunk_bytes = chunk_bytes
+        self.claimant = claimant
         self.retry: RetryPolicy | None = None  # how a failed file upload is started over
 
     @property
@@ -138,8 +136,16 @@ class Replicator(UploadEngine):
         replica = strategy_for(self.remote).replica(self.remote, manifest, digest, work, claimant)
         if not (replica.claim() if claim is None else claim(replica)):
             return None
-        copy = CheckpointCopy(self.local, self.remote, name, manifest, raw, retry=self.retry)
-        copy.chunk_bytes, copy.before_each = self.chunk_bytes, replica.check
+        copy = CheckpointCopy(
+            self.local,
+            self.remote,
+            name,
+            manifest,
+            raw,
+            chunk_bytes=self.chunk_bytes,
+            retry=self.retry,
+            before_each=replica.check,
+        )
         return replica, copy
 
 
