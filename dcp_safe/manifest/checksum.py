@@ -43,10 +43,8 @@ _pool_used = _forked_after_use = False
 
 def _blake3_threads() -> int:
     global _pool_used
-    if _forked_after_use:
-        return 1
     _pool_used = _pool_used or BLAKE3_MAX_THREADS != 1
-    return BLAKE3_MAX_THREADS
+    return 1 if _forked_after_use else BLAKE3_MAX_THREADS
 
 
 def _after_fork_in_child() -> None:

@@ -34,7 +34,7 @@ import functools
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -175,9 +175,11 @@ def _plain_bool(value: object, what: str) -> bool:
     return value
 
 
-def _encode_dims(value: object, what: str) -> list[int]:
+def _encode_dims(value: object, what: str, rank: int | None = None) -> list[int]:
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
         raise ValueError(f"{what} is not a sequence of at most {MAX_DIMS} sizes")
+    if rank is not None and len(value) != rank:
+        raise ValueError(f"{what} has {len(value)} dimensions, its tensor {rank}")
     for size in value:  # the common case inline: tens of thousands of chunks a save
         if type(size) is not int or not 0 <= size <= MAX_INT:
             require_int(what, size)  # raises, with the message
@@ -193,16 +195,15 @@ def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
     if type(props) is not TensorProperties or not isinstance(chunks, list):
         raise ValueError("a tensor entry without properties or chunks")
     budget.take(len(chunks))
-    encoded = []
-    for chunk in chunks:
-        if type(chunk) is not ChunkStorageMetadata:
-            raise ValueError(f"unknown chunk type {type(chunk).__name__}")
-        encoded.append([_encode_dims(chunk.offsets, "offsets"), _encode_dims(chunk.sizes, "sizes")])
+    if odd := [c for c in chunks if type(c) is not ChunkStorageMetadata][:1]:
+        raise ValueError(f"unknown chunk type {type(odd[0]).__name__}")
     return {
         **{key: _name_of(table, getattr(props, key), key) for key, table in _NAMED.items()},
         **{key: _plain_bool(getattr(props, key), key) for key in _FLAGS},
         "size": _encode_dims(entry.size, "size"),
-        "chunks": encoded,
+        "chunks": [
+            [_encode_dims(c.offsets, "offsets"), _encode_dims(c.sizes, "sizes")] for c in chunks
+        ],
     }
 
 
@@ -287,13 +288,13 @@ def _lookup(what: str, table: Mapping[str, T], name: object) -> T:
     return table[name]
 
 
+@dataclass
 class _Decoder:
     """One decode against one manifest: every chunk and object takes its item once."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        self.manifest = manifest
-        self.storage: dict[MetadataIndex, StorageInfo] = {}
-        self.keys: set[str] = set()
+    manifest: Manifest
+    storage: dict[MetadataIndex, StorageInfo] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
 
     def metadata(self, raw: object) -> Metadata:
         top = require_keys("the metadata", raw, _TOP_KEYS)
@@ -348,7 +349,7 @@ class _Decoder:
         fields: dict[str, Any] = {n: _lookup(n, table, body[n]) for n, table in _NAMED.items()}
         fields.update((n, _plain_bool(body[n], n)) for n in _FLAGS)
         properties = TensorProperties(**fields)
-        size = self.dims("size", body["size"], None)
+        size = tuple(_encode_dims(body["size"], "size"))
         chunks_raw = require_list("chunks", body["chunks"], at_most=len(self.manifest.items))
         chunks = [
             self.chunk(key, properties.dtype, size, raw_chunk, n)
@@ -356,18 +357,12 @@ class _Decoder:
         ]
         return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
-    def dims(self, what: str, raw: object, rank: int | None) -> tuple[int, ...]:
-        values = _encode_dims(raw, what)  # the checks of a pickled one: the same
-        if rank is not None and len(values) != rank:
-            raise ValueError(f"{what} has {len(values)} dimensions, its tensor {rank}")
-        return tuple(values)
-
     def chunk(
         self, key: str, dtype: torch.dtype, size: tuple[int, ...], raw: object, index: int
     ) -> ChunkStorageMetadata:
         raw_offsets, raw_sizes = _pair("a chunk", raw)
-        offsets = self.dims("offsets", raw_offsets, len(size))
-        sizes = self.dims("sizes", raw_sizes, len(size))
+        offsets = tuple(_encode_dims(raw_offsets, "offsets", len(size)))
+        sizes = tuple(_encode_dims(raw_sizes, "sizes", len(size)))
         if any(o + s > whole for o, s, whole in zip(offsets, sizes, size, strict=True)):
             raise ValueError(f"chunk {key[:80]}@{list(offsets)} lies outside its tensor")
         item = self.take(key, offsets, index)
@@ -475,12 +470,12 @@ def _agrees(manifest: Manifest, index: object, info: object) -> bool:
     if type(index) is not MetadataIndex or type(info) is not StorageInfo:
         return False
     offset, transforms = index.offset, info.transform_descriptors
-    if not isinstance(index.fqn, str) or not (
-        offset is None
-        or (isinstance(offset, tuple) and len(offset) <= MAX_DIMS and _only_ints(offset))
+    if not (
+        isinstance(index.fqn, str)
+        and (offset is None or (isinstance(offset, tuple) and len(offset) <= MAX_DIMS))
+        and _only_ints(offset or ())
+        and isinstance(transforms, (list, tuple, type(None)))
     ):
-        return False
-    if transforms is not None and not isinstance(transforms, (list, tuple)):
         return False
     item = manifest.item((index.fqn, None if offset is None else tuple(offset)))
     stated = (info.relative_path, info.offset, info.length, tuple(transforms or ()))

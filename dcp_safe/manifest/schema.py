@@ -114,7 +114,7 @@ class ItemRecord:
         return self.fqn if self.offset is None else f"{self.fqn}@{list(self.offset)}"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class FileRecord:
     """One file of a checkpoint. ``checksum`` is None for shard files (their items cover them)."""
 
@@ -234,10 +234,8 @@ class _Document:
         ``dcp_metadata``, ``data_format`` and ``metrics`` left out when None, so such a
         manifest is byte for byte what older versions wrote."""
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name[0] != "_"}  # type: ignore[arg-type]
-        for optional in ("dcp_metadata", "data_format", "metrics"):
-            if optional in plain and plain[optional] is None:
-                del plain[optional]
-        return {**plain, "format": self._FORMAT}
+        dropped = [k for k in ("dcp_metadata", "data_format", "metrics") if plain.get(k, 0) is None]
+        return {k: v for k, v in plain.items() if k not in dropped} | {"format": self._FORMAT}
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces, ASCII), records as their ``to_dict``."""
