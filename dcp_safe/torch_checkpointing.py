@@ -195,24 +195,16 @@ class SafeStorage(Storage):
         """Claim ``name`` for a new save on rank 0; every rank learns its save id (a collective
         where there are several ranks: each rank begins a save exactly once)."""
         group = _group(self._config.deadline_s)
-        rank = 0 if group is None else torch.distributed.get_rank(group)
-        outcome: tuple[str, str | None] = ("", None)
-        strategy = strategy_for(self._backend)
-        if rank == 0:
-            save_id = layout.new_save_id()
-            publication = strategy.publication(self._backend, name, save_id)
+        strategy, save_id, failure = strategy_for(self._backend), layout.new_save_id(), None
+        if group is None or torch.distributed.get_rank(group) == 0:
             try:
-                publication.claim()
-                outcome = (save_id, None)
+                strategy.publication(self._backend, name, save_id).claim()
             except Exception as exc:
-                outcome = (save_id, describe(exc))
-                if group is None:
-                    raise
-                self.collective(group, broadcast_object, outcome)
+                if group is not None:
+                    self.collective(group, broadcast_object, (save_id, describe(exc)))
                 raise
-        if group is not None:
-            outcome = self.collective(group, broadcast_object, outcome)
-        save_id, failure = outcome
+        if group is not None:  # rank 0's save id (and its failure) on every rank
+            save_id, failure = self.collective(group, broadcast_object, (save_id, None))
         if failure is not None:
             raise CommitError(f"save of {name} refused on rank 0", {0: failure})
         self._opened.pop(name, None)
@@ -556,9 +548,8 @@ def _group(deadline_s: float) -> Any:
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            return checkpoint_group(deadline_s, purpose="torch_checkpointing")
-        return None
+        several = dist.get_world_size() > 1
+        return checkpoint_group(deadline_s, purpose="torch_checkpointing") if several else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             "dcp_safe.torch_checkpointing publishes through a process group; none is "
@@ -628,16 +619,14 @@ def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
     publication, reported = save.publication, save.reported
     if reported is None:
         raise CommitError(f"save of {name}: no rank reported its files (no pre-finalize ran)")
-    files: list[FileRecord] = []
     seen: dict[str, int] = {}
     for rank, records in enumerate(reported):
         for record in records:
-            if record.path in seen:
+            if (first := seen.setdefault(record.path, rank)) != rank:
                 raise CommitError(
-                    f"save of {name}: {record.path} written by ranks {seen[record.path]} and {rank}"
+                    f"save of {name}: {record.path} written by ranks {first} and {rank}"
                 )
-            seen[record.path] = rank
-            files.append(record)
+    files = [record for records in reported for record in records]
     manifest = Manifest(
         name=name,
         save_id=publication.save_id,

@@ -36,10 +36,7 @@ class Fetch:
 
 def node_leaders(nodes: Sequence[int]) -> dict[int, int]:
     """Each node's lowest rank (``nodes[rank]`` is the node of ``rank``)."""
-    leaders: dict[int, int] = {}
-    for rank, node in enumerate(nodes):
-        leaders.setdefault(node, rank)
-    return leaders
+    return {node: rank for rank, node in reversed(list(enumerate(nodes)))}
 
 
 def buddies(node: int, nodes: Sequence[int], copies: int) -> list[int]:
@@ -56,16 +53,13 @@ def copy_plan(
     """The transfers of one save: each node's offered files (its leader's offer; ``None`` or
     empty: nothing to send) to its buddies' leaders."""
     leaders = node_leaders(nodes)
-    transfers: list[CopyTransfer] = []
-    for node in sorted(leaders):
-        offered = offers[leaders[node]]
-        if not offered:
-            continue
-        for buddy in buddies(node, nodes, copies):
-            transfers.append(
-                CopyTransfer(len(transfers), leaders[node], leaders[buddy], node, tuple(offered))
-            )
-    return transfers
+    sent = [
+        (n, b) for n in sorted(leaders) if offers[leaders[n]] for b in buddies(n, nodes, copies)
+    ]
+    return [
+        CopyTransfer(tag, leaders[n], leaders[b], n, tuple(offers[leaders[n]] or ()))
+        for tag, (n, b) in enumerate(sent)
+    ]
 
 
 def fetch_plan(
@@ -96,9 +90,7 @@ def fetch_plan(
                 continue
             excluded = set(done.get(file, ()))
             holders = [
-                rank
-                for rank, held in enumerate(offers)
-                if file in held and disk_of[rank] not in excluded
+                r for r, held in enumerate(offers) if file in held and disk_of[r] not in excluded
             ]
             if not holders:
                 continue
