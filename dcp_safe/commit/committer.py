@@ -67,8 +67,7 @@ class CommitOptions(Protocol):
 
 
 class Committer:
-    """Publishes one save, ``workers`` storage calls in flight while it checks the ranks'
-    outputs. Stateless between calls; one instance per publish is fine."""
+    """Publishes one save; stateless between calls."""
 
     def __init__(
         self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
@@ -96,74 +95,57 @@ class Committer:
             CheckpointExistsError: ``name`` was committed by someone else meanwhile.
             StorageError: an I/O step failed; nothing is published.
         """
+        name, save_id, attempt = publication.name, publication.save_id, publication.claimant.attempt
         try:
             publication.check()  # before reading anything: the name may have been taken over
-            manifest, marker, control = self._seal(
-                publication, world_size, step, metadata, results, metrics
+            per_rank, reports = records_by_rank(results)
+            if len(per_rank) != world_size:
+                raise CommitError(
+                    f"expected results from {world_size} ranks, got {len(per_rank)}",
+                    {r: "no results" for r in range(world_size) if r not in per_rank},
+                )
+            check_every_item_written(metadata, per_rank)
+            files = self._check_ranks(publication, per_rank, reports)
+            metadata_bytes, plain = dcp_metadata(metadata, name, save_id, results, per_rank)
+            algorithm = self.options.checksum
+            checksum = digest_bytes(metadata_bytes, algorithm)
+            files.append(FileRecord(layout.DCP_METADATA, len(metadata_bytes), checksum))
+            manifest = Manifest(
+                name=name,
+                save_id=save_id,
+                world_size=world_size,
+                created_at=time.time(),
+                checksum_algorithm=algorithm.value,
+                compression=self.options.compression.value,
+                files=tuple(files),
+                items=tuple(rec for r in sorted(per_rank) for rec in per_rank[r]),
+                dcp_safe_version=__version__,
+                torch_version=torch.__version__,
+                step=step,
+                attempt=None if attempt is None else attempt.number,
+                dcp_metadata=plain,
+                metrics=metrics,
             )
+            manifest_bytes = manifest.to_json()
+            digest = manifest_digest(manifest_bytes)
+            control = {layout.DCP_METADATA: metadata_bytes, layout.MANIFEST: manifest_bytes}
+            if self.options.signing_key is not None:
+                # Before the marker, like every file of the checkpoint: a committed signed
+                # checkpoint always has its signature.
+                control[layout.SIGNATURE] = sign_digest(self.options.signing_key, digest)
             try:
                 publication.publish(
-                    marker,
+                    digest.encode(),
                     files=control,
                     sync_dirs=(layout.RANKS_DIR,),
                     replace=self.options.overwrite,
                 )
             except FileExistsError as exc:
-                raise self._taken(publication.name) from exc
+                raise self._taken(name) from exc
         except BaseException as exc:
             publication.discard(exc)
             raise
         return manifest
-
-    def _seal(
-        self,
-        publication: Publication,
-        world_size: int,
-        step: int | None,
-        metadata: Metadata,
-        results: list[list[WriteResult]],
-        metrics: Mapping[str, float | str] | None,
-    ) -> tuple[Manifest, bytes, dict[str, bytes]]:
-        """The manifest, the marker and the control files to write, once verified."""
-        name, save_id, attempt = publication.name, publication.save_id, publication.claimant.attempt
-        per_rank, reports = records_by_rank(results)
-        if len(per_rank) != world_size:
-            raise CommitError(
-                f"expected results from {world_size} ranks, got {len(per_rank)}",
-                {r: "no results" for r in range(world_size) if r not in per_rank},
-            )
-        check_every_item_written(metadata, per_rank)
-        files = self._check_ranks(publication, per_rank, reports)
-        metadata_bytes, plain = dcp_metadata(metadata, name, save_id, results, per_rank)
-        algorithm = self.options.checksum
-        checksum = digest_bytes(metadata_bytes, algorithm)
-        files.append(
-            FileRecord(path=layout.DCP_METADATA, size=len(metadata_bytes), checksum=checksum)
-        )
-        manifest = Manifest(
-            name=name,
-            save_id=save_id,
-            world_size=world_size,
-            created_at=time.time(),
-            checksum_algorithm=algorithm.value,
-            compression=self.options.compression.value,
-            files=tuple(files),
-            items=tuple(rec for r in sorted(per_rank) for rec in per_rank[r]),
-            dcp_safe_version=__version__,
-            torch_version=torch.__version__,
-            step=step,
-            attempt=None if attempt is None else attempt.number,
-            dcp_metadata=plain,
-            metrics=metrics,
-        )
-        manifest_bytes = manifest.to_json()
-        digest = manifest_digest(manifest_bytes)
-        control = {layout.DCP_METADATA: metadata_bytes, layout.MANIFEST: manifest_bytes}
-        if self.options.signing_key is not None:
-            # Before the marker, like every file of the checkpoint: a committed signed
-            # checkpoint always has its signature.
-            control[layout.SIGNATURE] = sign_digest(self.options.signing_key, digest)
-        return manifest, digest.encode(), control
 
     def _check_ranks(
         self,
@@ -240,19 +222,18 @@ class Committer:
         return shards + [every[rank].manifest for rank in ranks]
 
     def _read_rank(self, work_dir: str, rank: int) -> bytes:
-        """One rank's manifest, as stored (a worker)."""
-        rel = layout.rank_manifest_name(rank)
         try:
-            return self.backend.read_small(f"{work_dir}/{rel}", MANIFEST_MAX_BYTES)
+            return self.backend.read_small(
+                f"{work_dir}/{layout.rank_manifest_name(rank)}", MANIFEST_MAX_BYTES
+            )
         except (FileNotFoundError, DcpSafeError) as exc:
             raise CommitError(_UNREADABLE, {rank: str(exc)}) from exc
 
     def _report_of(
         self, publication: Publication, rank: int, raw: bytes, items: list[ItemRecord]
     ) -> RankReport:
-        """The report of a rank manifest read back, once checked against the rank's results
-        (its items are dropped: they equal the results, and thousands of copies would pile up).
-        """
+        """A rank manifest read back, checked against the rank's results; its items are
+        dropped (they equal the results, and thousands of copies would pile up)."""
         rel = layout.rank_manifest_name(rank)
         try:
             path = self.backend.full_path(f"{publication.work_dir}/{rel}")
@@ -267,11 +248,8 @@ class Committer:
 
     def _check_report(self, publication: Publication, rank: int, report: RankReport) -> None:
         """A rank's report is of this save and this rank, checksummed as the coordinator does."""
-        if (report.name, report.save_id, report.rank) != (
-            publication.name,
-            publication.save_id,
-            rank,
-        ):
+        got = (report.name, report.save_id, report.rank)
+        if got != (publication.name, publication.save_id, rank):
             raise CommitError(
                 "a rank manifest belongs to another save",
                 {rank: f"{report.name}/{report.save_id} rank {report.rank}"},
@@ -287,8 +265,6 @@ class Committer:
             )
 
     def _taken(self, name: str) -> CheckpointExistsError:
-        """The error for a publish that found ``name`` taken: by a committed checkpoint, or by
-        something else in the way, named with what to do about it."""
         if self.backend.exists(f"{name}/{layout.COMMITTED_MARKER}"):
             return CheckpointExistsError(self.backend.full_path(name))
         return CheckpointExistsError(
@@ -301,8 +277,6 @@ class Committer:
 
 
 def _listed_size(sizes: ListedSizes, rank: int, file: FileRecord, missing: str) -> int:
-    """One file's size, listed or else asked; a file neither finds fails the commit with
-    ``missing``, naming ``rank``."""
     try:
         return sizes.size(file.path)
     except FileNotFoundError as exc:

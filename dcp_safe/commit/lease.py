@@ -132,16 +132,14 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
     idle rule can take over. A save id not as :func:`~dcp_safe.layout.is_save_id` accepts is
     read as none, since a lease's text reaches messages and history events.
     """
+    raw, fields = b"", None
     try:
         raw = backend.read_small(rel, CONTROL_MAX_BYTES)
+        fields = parse_json(raw, backend.full_path(rel))
     except FileNotFoundError:
         return None
     except CheckpointCorruptError:
-        return LeaseHolder(raw=b"")
-    try:
-        fields = parse_json(raw, backend.full_path(rel))
-    except CheckpointCorruptError:
-        fields = None
+        pass
     if not isinstance(fields, dict):
         return LeaseHolder(raw=raw)
 
@@ -163,27 +161,20 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
 def last_change(backend: Backend, name: str, now: float) -> float | None:
     """When anything under ``<name>/`` last changed, by the storage's clock; else what its
     newest lease says, if not in the future; None: unknown."""
-    changed = backend.modified_at(name)
-    if changed is not None:
+    if (changed := backend.modified_at(name)) is not None:
         return changed
     newest = lease_acquired_at(backend, name)
     return newest if newest is not None and newest <= now else None
 
 
 def lease_acquired_at(backend: Backend, name: str) -> float | None:
-    """When the newest readable lease on ``name`` says it was taken (the writer's clock; None:
-    no lease, or none readable). The sweeper prefers the storage's own modification times."""
-    stamps = [
-        holder.acquired_at
-        for entry in lease_files(backend, name)
-        if (holder := read_holder(backend, f"{name}/{entry}")) is not None
-        and holder.acquired_at is not None
-    ]
-    return max(stamps, default=None)
+    """When the newest readable lease on ``name`` says it was taken (the writer's clock). The
+    sweeper prefers the storage's own modification times."""
+    holders = [read_holder(backend, f"{name}/{entry}") for entry in lease_files(backend, name)]
+    return max((h.acquired_at for h in holders if h and h.acquired_at is not None), default=None)
 
 
 def lease_files(backend: Backend, name: str) -> list[str]:
-    """The leases (of either kind) under ``<name>/``, as names."""
     return [entry for entry in backend.list_dir(name) if layout.is_lease_file(entry)]
 
 
@@ -235,8 +226,6 @@ def _takeover_candidates(
 
 
 def _report_takeover(backend: Backend, name: str, what: str) -> None:
-    """Say that this save took ``name`` over (``what``: whose lease, and why): a warning, and
-    each of :data:`TAKEOVER_HOOKS` (the root's history). A hook's failure fails nothing."""
     log.warning("took the name %s over from %s", backend.full_path(name), what)
     for hook in TAKEOVER_HOOKS:
         try:
@@ -248,7 +237,6 @@ def _report_takeover(backend: Backend, name: str, what: str) -> None:
 def _held_error(
     backend: Backend, name: str, holders: Sequence[str | None]
 ) -> CheckpointExistsError:
-    """The error for a save that finds ``name`` held by ``holders`` (save ids)."""
     ids = ", ".join(shown(h, 64) for h in holders) or "another save"
     return CheckpointExistsError(
         backend.full_path(name),
@@ -261,11 +249,9 @@ def _held_error(
 def _win_record(
     backend: Backend, name: str, holder: LeaseHolder, save_id: str, claimant: Claimant
 ) -> str:
-    """Create the takeover record for ``holder``'s lease exclusively; returns its path.
-
-    A record already there is another save's takeover: refused unless ``claimant`` may take
-    that one over too (a takeover that died half-way), then the record named after it is next.
-    """
+    """Create the takeover record for ``holder``'s lease exclusively; returns its path. One
+    already there is another save's takeover: refused unless ``claimant`` may take that one over
+    too (a takeover that died half-way), then the record named after it is next."""
     target = holder
     for _ in range(_MAX_RECORDS):
         rel = f"{name}/{target.record_name}"
@@ -350,7 +336,6 @@ def acquire_lease(
 def _acquire_exclusive(
     backend: Backend, name: str, save_id: str, claimant: Claimant, *, join: bool = False
 ) -> bool:
-    """True: joined (with ``join``) the lease save ``save_id`` already holds."""
     lease = f"{name}/{layout.WRITING_LEASE}"
     for _ in range(_CREATE_TRIES):
         try:
@@ -445,7 +430,6 @@ def _acquire_per_save(backend: Backend, name: str, save_id: str, claimant: Claim
 
 
 def holds_lease(backend: Backend, name: str, save_id: str) -> bool:
-    """True while the lease on ``name`` is save ``save_id``'s."""
     if backend.supports_exclusive_create:
         return _holder(backend, name) == save_id
     return backend.exists(f"{name}/{layout.lease_file_name(save_id)}")
@@ -461,7 +445,6 @@ def held_by_another(backend: Backend, name: str, save_id: str) -> bool:
 
 
 def check_lease(backend: Backend, name: str, save_id: str) -> None:
-    """Raises StaleWriterError unless this save still holds the lease."""
     if holds_lease(backend, name, save_id):
         return
     holder = _holder(backend, name) if backend.supports_exclusive_create else None
@@ -479,13 +462,11 @@ def abandon_lease(backend: Backend, name: str, save_id: str, claimant: Claimant)
 
 
 def release_lease(backend: Backend, name: str, save_id: str) -> None:
-    """Remove this save's lease (after its marker, or once it failed and removed its files)."""
     backend.remove_file(f"{name}/{own_lease_file(backend, save_id)}")
 
 
 def own_lease_file(backend: Backend, save_id: str) -> str:
-    """The name of the lease save ``save_id`` writes under a checkpoint's folder on
-    ``backend``: the one ``_WRITING``, or its own per-save lease."""
+    # The one ``_WRITING``, or the save's own per-save lease.
     return layout.lease_file_name(None if backend.supports_exclusive_create else save_id)
 
 

@@ -83,19 +83,17 @@ def records_by_rank(
     per_rank: dict[int, list[ItemRecord]] = {}
     reports: dict[int, RankReport] = {}
     for rank, rank_results in enumerate(results):
-        records = []
+        per_rank[rank] = []
         for result in rank_results:
             data = result.storage_data
             if isinstance(data, ReportedItem):
-                reports[rank] = data.report
-                data = data.record
+                reports[rank], data = data.report, data.record
             if not isinstance(data, ItemRecord):
                 raise CommitError(
                     "a rank returned results SafeStorageWriter did not produce",
                     {rank: type(data).__name__},
                 )
-            records.append(data)
-        per_rank[rank] = records
+            per_rank[rank].append(data)
     return per_rank, reports
 
 
@@ -109,19 +107,14 @@ def check_every_item_written(metadata: Metadata, per_rank: Mapping[int, list[Ite
                     {rank: "duplicate", written[record.key]: "duplicate"},
                 )
             written[record.key] = rank
-    missing = [key for key in _planned_keys(metadata) if key not in written]
-    if missing:
+    planned = [
+        item_key(fqn, None if chunk is None else chunk.offsets)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        for chunk in (entry.chunks if isinstance(entry, TensorStorageMetadata) else [None])
+    ]
+    if missing := [key for key in planned if key not in written]:
         shown = ", ".join(f"{fqn}@{offset}" for fqn, offset in missing[:5])
         raise CommitError(f"{len(missing)} planned items have no write result: {shown}")
-
-
-def _planned_keys(metadata: Metadata) -> Iterable[ItemKey]:
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            for chunk in entry.chunks:
-                yield item_key(fqn, chunk.offsets)
-        else:
-            yield item_key(fqn, None)
 
 
 def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
@@ -131,9 +124,8 @@ def _fingerprints(records: Iterable[ItemRecord]) -> Iterator[tuple[Any, ...]]:
 def same_records(written: Sequence[ItemRecord], reported: Sequence[ItemRecord]) -> bool:
     """The same records, in any order (a rank writes them in its results' order: compared
     pairwise first, counted only if that fails)."""
-    if list(_fingerprints(written)) == list(_fingerprints(reported)):
-        return True
-    return Counter(_fingerprints(written)) == Counter(_fingerprints(reported))
+    ours, theirs = list(_fingerprints(written)), list(_fingerprints(reported))
+    return ours == theirs or Counter(ours) == Counter(theirs)
 
 
 def dcp_metadata(
