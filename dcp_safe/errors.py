@@ -185,9 +185,7 @@ class PickledClassesError(UnsafeCheckpointError):
 
     def __init__(self, path: str, classes: list[str] | tuple[str, ...]) -> None:
         self.classes = tuple(classes)
-        shown_names = ", ".join(c[:120] for c in self.classes[:20])
-        more = f" and {len(self.classes) - 20} more" if len(self.classes) > 20 else ""
-        super().__init__(path, f"it needs pickled classes: {shown_names}{more}")
+        super().__init__(path, f"it needs pickled classes: {_listed([c[:120] for c in classes])}")
 
 
 class SignatureError(CheckpointCorruptError):
@@ -222,8 +220,7 @@ class CommitError(DcpSafeError):
     def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
         self.failures: dict[int, str] = dict(failures or {})
         if self.failures:
-            ranks = ", ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
-            message = f"{message} ({ranks})"
+            message = f"{message} ({_per_rank(self.failures, ', ')})"
         super().__init__(message)
 
 
@@ -290,17 +287,16 @@ class DivergentStateError(DcpSafeError, ValueError):
 
     def __init__(self, keys: Mapping[str, list[list[int]]]) -> None:
         self.keys = {k: [list(g) for g in groups] for k, groups in keys.items()}
-        listed = "; ".join(
-            f"{k!r} ({' | '.join(_ranks(g) for g in groups)})"
-            for k, groups in list(self.keys.items())[:20]
+        listed = _listed(
+            [f"{k!r} ({' | '.join(_ranks(g) for g in groups)})" for k, groups in self.keys.items()],
+            sep="; ",
         )
-        more = f" and {len(self.keys) - 20} more" if len(self.keys) > 20 else ""
         prefixes = sorted({k.split(".")[0] for k in self.keys})
         # Thousands of top-level keys would make the advice unreadable: name a few.
         suggested = repr(tuple(prefixes)) if len(prefixes) <= 10 else "(...)"
         named = "" if len(prefixes) <= 10 else f" naming the {len(prefixes)} prefixes"
         super().__init__(
-            f"ranks hold different values under the same key: {listed}{more}. DCP would save"
+            f"ranks hold different values under the same key: {listed}. DCP would save"
             " one rank's value and restore it on every rank, so nothing was saved. Declare"
             " per-rank state: CheckpointManager(...,"
             f" resume=Resume(per_rank={suggested})){named} (or"
@@ -328,11 +324,9 @@ class MissingKeysError(DcpSafeError, LookupError):
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = list(keys)
-        shown = ", ".join(repr(k) for k in self.keys[:20])
-        more = f" and {len(self.keys) - 20} more" if len(self.keys) > 20 else ""
         super().__init__(
-            f"the checkpoint holds no {shown}{more}; restore with allow_partial=True to leave"
-            " them as they are, or exclude them"
+            f"the checkpoint holds no {_listed([repr(k) for k in self.keys])}; restore with"
+            " allow_partial=True to leave them as they are, or exclude them"
         )
 
 
@@ -348,16 +342,27 @@ class RestoreMismatchError(DcpSafeError, ValueError):
     def __init__(self, checkpoint: str, mismatches: list[tuple[str, int, list[int]]]) -> None:
         self.checkpoint = checkpoint
         self.mismatches = [(k, int(b), list(r)) for k, b, r in mismatches]
-        shown = "; ".join(f"{k!r} block {b} on {_ranks(r)}" for k, b, r in self.mismatches[:10])
-        more = f" and {len(self.mismatches) - 10} more" if len(self.mismatches) > 10 else ""
+        shown = _listed(
+            [f"{k!r} block {b} on {_ranks(r)}" for k, b, r in self.mismatches], 10, "; "
+        )
         super().__init__(
-            f"the state restored from {checkpoint!r} is not what was saved: {shown}{more}."
+            f"the state restored from {checkpoint!r} is not what was saved: {shown}."
             " The load planner or the reader placed data wrongly; do not train on this state"
         )
 
 
 def _ranks(group: list[int]) -> str:
     return ("rank " if len(group) == 1 else "ranks ") + ", ".join(map(str, group))
+
+
+def _listed(texts: list[str], limit: int = 20, sep: str = ", ") -> str:
+    """The first ``limit`` of ``texts``, and how many more there are (a message stays short)."""
+    more = f" and {len(texts) - limit} more" if len(texts) > limit else ""
+    return sep.join(texts[:limit]) + more
+
+
+def _per_rank(failures: Mapping[int, str], sep: str) -> str:
+    return sep.join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
 
 
 class AdmissionTimeoutError(DcpSafeError, TimeoutError):
@@ -394,11 +399,10 @@ class PeerCopyError(DcpSafeError):
     def __init__(self, name: str, failures: Mapping[int, str]) -> None:
         self.name = name
         self.failures: dict[int, str] = dict(failures)
-        ranks = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
         super().__init__(
-            f"peer copies of {shown(name)} are incomplete ({ranks}); the checkpoint is committed"
-            " on the remote, and a restore reads the missing copies' files from there. Check"
-            " the named ranks' node-local disks and network"
+            f"peer copies of {shown(name)} are incomplete ({_per_rank(failures, '; ')}); the"
+            " checkpoint is committed on the remote, and a restore reads the missing copies' files"
+            " from there. Check the named ranks' node-local disks and network"
         )
 
 
