@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dcp_safe.errors import SnapshotMutatedError
@@ -64,13 +63,6 @@ def _walk(obj: object, path: str, wanted: dict[int, torch.Tensor], found: dict[i
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for key, value in items:
             _walk(value, f"{path}.{key}" if path else str(key), wanted, found)
-
-
-def current_rank() -> int | None:
-    # None without a default group of several ranks.
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank()
-    return None
 
 
 def snapshot_copy(state_dict: dict[str, Any]) -> dict[str, Any]:

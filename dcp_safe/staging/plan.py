@@ -49,17 +49,12 @@ class StagingPlan:
 
     def __init__(self, layout: Layout, pool: BufferPool, token: int) -> None:
         candidates = layout.candidates
-        seen: set[int] = set()
-        copied: list[int] = []
-        self._empty: list[tuple[int, torch.Size, torch.dtype]] = []
+        first: dict[int, int] = {}  # each distinct stageable tensor's first index
         for index, tensor in enumerate(candidates):
-            if id(tensor) in seen or not stageable(tensor):
-                continue
-            seen.add(id(tensor))
-            if tensor.nbytes > 0:
-                copied.append(index)
-            else:
-                self._empty.append((index, tensor.shape, tensor.dtype))
+            if stageable(tensor):
+                first.setdefault(id(tensor), index)
+        copied = [i for i in first.values() if candidates[i].nbytes > 0]
+        self._empty = [i for i in first.values() if candidates[i].nbytes == 0]
         self.key, self.structure, self.count = layout.key, layout.structure, len(candidates)
         # None: every candidate is copied, in order (the common case; no selection per save).
         self._copied = None if len(copied) == len(candidates) else copied
@@ -83,21 +78,19 @@ class StagingPlan:
     def staged(self, layout: Layout, dsts: list[torch.Tensor]) -> dict[int, Any]:
         # The staged copy per source ``id``: the views, and a fresh tensor per empty source.
         staged: dict[int, Any] = dict(zip(map(id, self.copied(layout)), dsts, strict=True))
-        for index, shape, dtype in self._empty:
-            staged[id(layout.candidates[index])] = torch.empty(shape, dtype=dtype)
+        for empty in map(layout.candidates.__getitem__, self._empty):
+            staged[id(empty)] = torch.empty(empty.shape, dtype=empty.dtype)
         return staged
 
 
 def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
     chunks: list[tuple[int, int]] = []
     start = held = 0
-    for index, size in enumerate(sizes):
+    for stop, size in enumerate(sizes, 1):
         held += size
-        if index + 1 - start >= _CHUNK_TENSORS or held >= _CHUNK_BYTES:
-            chunks.append((start, index + 1))
-            start, held = index + 1, 0
-    if start < len(sizes):
-        chunks.append((start, len(sizes)))
+        if stop - start >= _CHUNK_TENSORS or held >= _CHUNK_BYTES or stop == len(sizes):
+            chunks.append((start, stop))
+            start, held = stop, 0
     return chunks
 
 
@@ -132,8 +125,7 @@ class PlanCache:
         return plan
 
     def get(self, layout: Layout) -> StagingPlan:
-        plan = self._plans.get(layout.key)
-        if plan is not None:
+        if (plan := self._plans.get(layout.key)) is not None:
             self._plans.move_to_end(layout.key)
             self.hits += 1
         else:

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -115,6 +115,7 @@ class _Bundle:
     storage_counts: list[int]
 
 
+@dataclass(eq=False)
 class Lease:
     """One generation's buffers, one per requested size, in request order.
 
@@ -122,21 +123,14 @@ class Lease:
     :meth:`release` may be called from any thread, any number of times; the first counts.
     """
 
-    def __init__(
-        self,
-        pool: BufferPool,
-        request: BufferRequest,
-        buffers: list[torch.Tensor | None],
-        bundle: _Bundle | None = None,
-    ):
-        self._pool = pool
-        self.request = request
-        self._buffers = buffers
-        # The typed views kept with a bundle, and their storage use counts when made.
-        self.views = bundle.views if bundle is not None else None
-        self.storage_counts = bundle.storage_counts if bundle is not None else []
-        self.allocated_bytes = 0
-        self.released = False
+    _pool: BufferPool
+    request: BufferRequest
+    _buffers: list[torch.Tensor | None]
+    # The typed views kept with a bundle, and their storage use counts when made.
+    views: list[torch.Tensor] | None = None
+    storage_counts: list[int] = field(default_factory=list)
+    allocated_bytes: int = 0
+    released: bool = False
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -222,17 +216,13 @@ class BufferPool:
         if bundle is not None:
             counts.free_bytes -= request.cost
             counts.reuses += len(bundle.buffers)
-            return Lease(self, request, list(bundle.buffers), bundle)
-        buffers: list[torch.Tensor | None] = []
-        for size in request.sizes:
-            free = self._free.get(size)
-            if free:
-                buffers.append(free.pop())
-                counts.free_bytes -= self.cost(size)
-                counts.reuses += 1
-            else:
-                buffers.append(None)
-                counts.allocated_bytes += self.cost(size)
+            return Lease(self, request, list(bundle.buffers), bundle.views, bundle.storage_counts)
+        free = self._free
+        buffers = [free[size].pop() if free.get(size) else None for size in request.sizes]
+        taken = [self.cost(s) for s, b in zip(request.sizes, buffers, strict=True) if b is not None]
+        counts.free_bytes -= sum(taken)
+        counts.reuses += len(taken)
+        counts.allocated_bytes += request.cost - sum(taken)
         counts.peak_allocated_bytes = max(counts.peak_allocated_bytes, counts.allocated_bytes)
         return Lease(self, request, buffers)
 

@@ -1,25 +1,12 @@
 """Staging buffers in shared memory, which a worker process reads without a copy.
 
-Buffers are carved from a few *slabs*: anonymous memory files (``memfd_create``) mapped here. A
-worker maps each slab once, from its file descriptor passed over a socket, then finds any
-buffer by slab, offset and size (:class:`Place`). A slab has no name anywhere (no ``/dev/shm``
-entry): its memory lives until the last process that maps it or holds its descriptor exits, so a
-SIGKILL of either side leaks nothing. One descriptor per slab stays open here, to hand the slab
-to a restarted worker; never one per tensor.
-
-Each buffer is a tensor with a storage of exactly its size (``torch.frombuffer`` over its range),
-as the pool requires. A buffer the pool lets go of gives its pages back (``MADV_REMOVE``); a slab
-left with no buffer is closed here (its memory goes once no worker maps it either). With
-``pinning`` (a host with CUDA) each slab is page-locked when created and unlocked before it is
-let go.
-
-Page-locking: a shared slab is memory torch did not allocate, so instead of torch's pinned
-allocator it is registered with the CUDA runtime (``cudaHostRegister``) once, when created, and
-unregistered before it is let go. A worker process never registers its own mapping: it only
-reads the slab. A slab the runtime refuses to lock (``ulimit -l``, the driver) stays pageable:
-copies into it are slower, never wrong (the stager's ``pinned_bytes`` shows how much is
-locked). :class:`SlabPinning` is the seam: :class:`CudaSlabPinning` on a host with CUDA, a
-recording double in the tests of a host without one.
+Buffers are carved from a few *slabs*, anonymous memory files (``memfd_create``) mapped here; a
+worker maps each slab once, from its descriptor passed over a socket, and finds any buffer by
+slab, offset and size (:class:`Place`). Each buffer is a tensor with a storage of exactly its
+size, as the pool requires. Why slabs and not one share per tensor, why a SIGKILL of either side
+leaks nothing, and how a slab is page-locked (or stays pageable when it cannot be): docs/staging.md,
+"The transport" and "Pinned slabs". :class:`SlabPinning` is the seam: :class:`CudaSlabPinning`
+on a host with CUDA, a recording double in the tests of a host without one.
 """
 
 from __future__ import annotations

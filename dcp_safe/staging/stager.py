@@ -29,9 +29,10 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -40,7 +41,7 @@ from dcp_safe.errors import AdmissionTimeoutError, ConfigError, DcpSafeError, Sn
 from dcp_safe.observe import NULL_RECORDER, Phase, Recorder, StagerObserver
 from dcp_safe.staging._tree import Layout, rebuild, scan
 from dcp_safe.staging.budget import Admission, MemoryBudget
-from dcp_safe.staging.guard import SnapshotGuard, current_rank
+from dcp_safe.staging.guard import SnapshotGuard
 from dcp_safe.staging.options import STAGER_MOVED, StagerOptions, StagerStats, WhenBusy
 from dcp_safe.staging.plan import (
     InFlightGeneration,
@@ -140,7 +141,10 @@ class BudgetedStager(AsyncStager):
         # The request is the snapshot's moment: read the counters before anything can wait.
         # Every candidate, not the plan's pick: a guessed plan may still be replaced.
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
-        rank, span = current_rank(), self.telemetry.begin(Phase.STAGING, bytes=plan.request.nbytes)
+        # None without a default group of several ranks.
+        grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = dist.get_rank() if grouped else None
+        span = self.telemetry.begin(Phase.STAGING, bytes=plan.request.nbytes)
         try:
             waited = time.monotonic()
             with self._cond:
@@ -249,10 +253,7 @@ class BudgetedStager(AsyncStager):
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
         response = async_save(state_dict, async_stager=self, **kwargs)
-        if not isinstance(response, AsyncSaveResponse):
-            raise AssertionError("dcp.async_save did not return an AsyncSaveResponse")
-        self.track(response)
-        return response
+        return cast(AsyncSaveResponse, self.track(response))  # a stager's save always answers so
 
     def warm_up(self, state_dict: StateDict) -> int:
         """Allocate and first-touch buffers for ``state_dict`` now, so its first save reuses;
@@ -424,16 +425,15 @@ class BudgetedStager(AsyncStager):
         A wrong guess is memory-safe: checked ``copy_`` calls into the guess's own buffers.
         """
         allocated = gen.lease.materialize()
-        staged: dict[int, torch.Tensor] | None = None
         try:
             staged = copy()
+            if gen.confirmed or gen.plan.key == layout.key:
+                gen.confirmed = True
+                return staged, allocated
+            del staged
         except Exception as exc:  # a shape or dtype mismatch: the guess was wrong, or a real error
             if gen.confirmed or isinstance(exc, SnapshotMutatedError) or gen.plan.key == layout.key:
                 raise
-        if staged is not None and (gen.confirmed or gen.plan.key == layout.key):
-            gen.confirmed = True
-            return staged, allocated
-        del staged
         with self._cond:
             self._plans.hits -= 1  # the guess was counted a reuse; it did not match after all
             gen.plan = self._plans.get(layout)
@@ -473,8 +473,7 @@ class BudgetedStager(AsyncStager):
 
     def _upload_done(self, gen: InFlightGeneration, upload: Future[Any]) -> None:
         exc = upload.exception()
-        if exc is not None and gen.error is None:
-            gen.error = exc
+        gen.error = gen.error or exc
         release: InFlightGeneration | None = gen
         if exc is None and gen.held is not None:
             with self._cond:

@@ -1,25 +1,13 @@
 """``Telemetry``: the recorder that turns spans, marks and steps into events for the sinks, and
-:class:`InstrumentedWriter`, the wrapper that times a writer's DCP calls for it.
+:class:`InstrumentedWriter`, the wrapper that times a writer's DCP calls for it (which call
+opens which span: docs/telemetry.md, "What is recorded"; ``reset`` also opens the save's root
+span when none is open, as under a plain ``dcp.save``). A wrapper, not hooks, so the writer
+stays free of telemetry and telemetry off wraps nothing.
 
 One instance serves one process; its saves in flight switch the memory sampler between its fast
-and slow rates.
-
-Parent resolution, because phases cross threads: an explicit ``parent``; else the span opened
-by :meth:`Telemetry.span` / :meth:`Telemetry.within` on this thread; else the open root span of
-the same checkpoint name (the upload thread knows only the name, from ``reset``).
-
-:class:`InstrumentedWriter` forwards every DCP call to the wrapped writer and times it::
-
-    reset(name)            opens the save's root span if none is open (plain ``dcp.save``),
-                           then the ``plan`` span (DCP's planning, until write_data)
-    write_data             the ``write`` span: this rank's items serialized, checksummed and
-                           streamed to storage. The writer streams, so serialization and I/O are
-                           one pass, not two intervals; ``bytes`` is what this rank wrote
-    finish                 the ``commit`` span (coordinator: verify and publish)
-    after finish           the ``replication`` span, from the writer's replication future to its
-                           outcome (a sibling of the root: it outlives the save)
-
-A wrapper, not hooks, so the writer stays free of telemetry and telemetry off wraps nothing.
+and slow rates. Parent resolution, because phases cross threads: an explicit ``parent``; else
+the span opened by :meth:`Telemetry.span` / :meth:`Telemetry.within` on this thread; else the
+open root span of the same checkpoint name (the upload thread knows only the name).
 """
 
 from __future__ import annotations
@@ -99,9 +87,8 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         max_events: int = 100_000,
     ) -> None:
         self.clock = clock or anchored_clock()
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = rank
+        grouped = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else dist.get_rank() if grouped else 0
         self.memory = MemorySink(max_events)
         self.sinks: tuple[Sink, ...] = (self.memory, *sinks)
         self._lock = threading.Lock()
@@ -207,18 +194,15 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         spans = [e for e in events if e.kind in (EventKind.SPAN_START, EventKind.SPAN_END)]
         ended = {e.span for e in spans if e.kind is EventKind.SPAN_END}
         up = None if parent is None else parent.id
-        ids: dict[int | None, int | None] = {}
-        for event in spans:
-            if event.kind is EventKind.SPAN_START:
-                ids[event.span] = up if event.parent is None else next(self._ids)
-        adopted = 0
-        for event in spans:
-            if event.parent is None or event.span not in ended or event.span not in ids:
-                continue
-            adopted += event.kind is EventKind.SPAN_END
-            parent_id = ids.get(event.parent, up)
-            self._emit(replace(event, rank=self.rank, span=ids[event.span], parent=parent_id))
-        return adopted
+        ids: dict[int | None, int | None] = {
+            e.span: up if e.parent is None else next(self._ids)
+            for e in spans
+            if e.kind is EventKind.SPAN_START
+        }
+        kept = [e for e in spans if e.parent is not None and e.span in ended and e.span in ids]
+        for e in kept:
+            self._emit(replace(e, rank=self.rank, span=ids[e.span], parent=ids.get(e.parent, up)))
+        return sum(e.kind is EventKind.SPAN_END for e in kept)
 
     def saves_in_flight(self) -> int:
         return len(self._roots)
