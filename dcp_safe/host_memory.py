@@ -25,17 +25,9 @@ def _memberships(text: str) -> tuple[str | None, str | None]:
     Each path is relative to its hierarchy's root; inside a container with its own cgroup
     namespace it is ``/``, so the root's files are this cgroup's.
     """
-    v2: str | None = None
-    v1: str | None = None
-    for line in text.splitlines():
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        if fields[0] == "0" and fields[1] == "" and v2 is None:
-            v2 = fields[2]
-        elif "memory" in fields[1].split(",") and v1 is None:
-            v1 = fields[2]
-    return v2, v1
+    rows = [f for f in (line.split(":", 2) for line in text.splitlines()) if len(f) == 3]
+    v2 = next((path for hid, ctls, path in rows if hid == "0" and ctls == ""), None)
+    return v2, next((path for _, ctls, path in rows if "memory" in ctls.split(",")), None)
 
 
 def _read_text(path: str | os.PathLike[str]) -> str:

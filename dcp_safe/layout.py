@@ -192,9 +192,7 @@ def is_partial_entry(entry: str) -> bool:
 def lease_file_name(save_id: str | None = None) -> str:
     """The writing lease under ``<name>/``: ``_WRITING`` where it is taken by an exclusive
     create, ``_WRITING-<save id>`` (one per save) where storage has none (see commit.lease)."""
-    if save_id is None:
-        return WRITING_LEASE
-    return f"{WRITING_LEASE}-{_checked_id(save_id)}"
+    return WRITING_LEASE if save_id is None else f"{WRITING_LEASE}-{_checked_id(save_id)}"
 
 
 def is_lease_file(entry: str) -> bool:

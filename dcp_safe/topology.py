@@ -115,9 +115,7 @@ class Topology:
     def uploads_to(self) -> Root | None:
         """Where a save's files are copied after they are written: the replica, the commit root
         of a node-local save, or nowhere."""
-        if self.node_cache is not None:
-            return self.commit
-        return self.replica
+        return self.commit if self.node_cache is not None else self.replica
 
 
 def this_node(rank: int) -> int:

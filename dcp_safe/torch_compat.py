@@ -147,9 +147,7 @@ def storage_use_count(tensor: torch.Tensor) -> int:
 
 def empty_host_cache() -> None:
     """Give freed pinned blocks in torch's caching host allocator back (no-op where absent)."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
+    getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 # Whether torch's private ``_save`` has the signature save_tensor_without_crc knows.

@@ -88,10 +88,7 @@ def checkpoint_group(
 def deadline_of(group: Any) -> float | None:
     """The deadline of ``group`` if it is one of dcp_safe's groups."""
     with _lock:
-        for (_, timeout_s, _), (_, cached) in _groups.items():
-            if cached is group:
-                return timeout_s
-    return None
+        return next((t for (_, t, _), (_, cached) in _groups.items() if cached is group), None)
 
 
 def discard_group(group: Any, *, destroy: bool = True) -> None:
