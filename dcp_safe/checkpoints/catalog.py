@@ -98,12 +98,7 @@ def _log(name: str, exc: CheckpointCorruptError) -> None:
     log.warning("not listed: %s is damaged (%s)", name, exc)
 
 
-def latest_named(
-    root: RootLike,
-    checkpoint_id: str,
-    *,
-    strict: bool = False,
-) -> str:
+def latest_named(root: RootLike, checkpoint_id: str, *, strict: bool = False) -> str:
     """``checkpoint_id``, or for ``"latest"`` the newest sound checkpoint, saying so when a
     damaged name present may be newer: a logged warning (``inspect``, ``export``), or with
     ``strict`` an error (``verify``, which must check the newest name present).

@@ -172,10 +172,7 @@ def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> Committed
     manifest = _parsed.get(actual) or _parsed.put(actual, Manifest.from_json(raw, manifest_path))
     if manifest.name != name:
         raise CheckpointCorruptError(
-            manifest_path,
-            "manifest names another checkpoint",
-            expected=name,
-            actual=manifest.name,
+            manifest_path, "manifest names another checkpoint", expected=name, actual=manifest.name
         )
     # Data is read only from the files the manifest lists (and sizes and checks).
     unlisted = {item.file for item in manifest.items} - {record.path for record in manifest.files}

@@ -65,19 +65,8 @@ log = logging.getLogger(__name__)
 HISTORY_FILE = layout.HISTORY_FILE
 
 EVENTS = frozenset(
-    {
-        "requested",
-        "skipped",
-        "committed",
-        "failed",
-        "pruned",
-        "fallback",
-        "rearmed",
-        "preempted",
-        "restored",
-        "rolled_back",
-        "lease_taken_over",
-    }
+    {"requested", "skipped", "committed", "failed", "pruned", "fallback", "rearmed", "preempted"}
+    | {"restored", "rolled_back", "lease_taken_over"}
 )
 # One lock per history file in this process: the manager's appends and a save's takeover
 # record rewrite the same object (``setdefault`` is atomic: two threads get the same lock).
@@ -124,11 +113,8 @@ class History:
                 os.fsync(f.fileno())  # an acknowledged event survives power loss
 
     def read(self) -> list[dict[str, Any]]:
-        """Every readable event, oldest first.
-
-        A damaged line (a torn or NUL-filled tail after power loss) is skipped with a warning:
-        it never hides the others or stops a manager from starting.
-        """
+        """Every readable event, oldest first. A damaged line (a torn or NUL-filled tail after
+        power loss) is skipped with a warning: it never hides the others or stops a manager."""
         with self._lock:
             try:
                 raw = self._raw()
@@ -136,19 +122,12 @@ class History:
                 log.warning("%s is unreadable, read as empty: %s", HISTORY_FILE, shown(exc))
                 return []
         events: list[dict[str, Any]] = []
-        path = self.backend.full_path(HISTORY_FILE)
         for number, line in enumerate(raw.split(b"\n"), 1):
-            if not line.strip():
-                continue
             try:
-                events.append(_event(parse_json(line, path)))
+                if line.strip():
+                    events.append(_event(parse_json(line, self.backend.full_path(HISTORY_FILE))))
             except (CheckpointCorruptError, ValueError) as exc:
-                log.warning(
-                    "%s line %d is not an event (torn write?): skipped (%s)",
-                    HISTORY_FILE,
-                    number,
-                    shown(exc, 200),
-                )
+                log.warning("%s line %d skipped (torn?): %s", HISTORY_FILE, number, shown(exc))
         return events
 
     def validated_names(self) -> set[str]:
@@ -192,9 +171,8 @@ def _event(raw: object) -> dict[str, Any]:
         raise ValueError("not a JSON object")
     if raw.get("event") not in EVENTS:
         raise ValueError(f"unknown event {str(raw.get('event'))[:40]!r}")
-    for key in ("step", "name"):
-        if key not in raw:
-            raise ValueError(f"no {key!r}")
+    if "step" not in raw or "name" not in raw:
+        raise ValueError("no 'step' or no 'name'")
     if raw["step"] is not None:
         require_int("step", raw["step"])
     if raw["name"] is not None:

@@ -35,19 +35,8 @@ TENSOR_MAX_OPS = 1 << 10
 # Opcodes that set attributes on (or construct) arbitrary objects, reach the extension
 # registry, or take persistent ids or buffers other than torch's.
 _REFUSED_OPS = frozenset(
-    (
-        "BUILD",
-        "INST",
-        "OBJ",
-        "NEWOBJ",
-        "NEWOBJ_EX",
-        "EXT1",
-        "EXT2",
-        "EXT4",
-        "PERSID",
-        "NEXT_BUFFER",
-        "READONLY_BUFFER",
-    )
+    {"BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID"}
+    | {"NEXT_BUFFER", "READONLY_BUFFER"}
 )
 _STORAGE_DTYPES = storage_dtypes()
 _UNSAFE_FOR_MEMORY = "decoding it would take more memory than the item declares"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import pickle
 import sys
 from collections.abc import Iterable
@@ -66,39 +67,30 @@ TENSOR_ARCHIVE_BYTES = 64 << 10
 _TENSOR_PICKLE_MAX_BYTES = 64 << 10
 _TENSOR_MAX_RECORDS = 16
 _CHUNK_BYTES = 1 << 20
+_Bytes = bytes | bytearray | memoryview
 _BOMB = "decoding it would take more memory than the checkpoint declares for it"
 
 
 def stored_tensors(metadata: Metadata | None) -> dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]]:
     """Each stored tensor chunk's dtype and shape, by its manifest item key."""
-    found: dict[ItemKey, tuple[torch.dtype, tuple[int, ...]]] = {}
-    if metadata is None:
-        return found
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            dtype = entry.properties.dtype
-            for chunk in entry.chunks:
-                found[item_key(fqn, chunk.offsets)] = (dtype, tuple(int(s) for s in chunk.sizes))
-    return found
+    entries = {} if metadata is None else metadata.state_dict_metadata
+    return {
+        item_key(fqn, chunk.offsets): (entry.properties.dtype, tuple(int(s) for s in chunk.sizes))
+        for fqn, entry in entries.items()
+        if isinstance(entry, TensorStorageMetadata)
+        for chunk in entry.chunks
+    }
 
 
 def tensor_item_bound(dtype: torch.dtype, shape: Iterable[int]) -> int:
     """The most bytes a stored tensor of ``dtype`` and ``shape`` decodes to (the metadata's
     decoder has bounded its sizes against the item already)."""
-    count = 1
-    for size in shape:
-        count *= size
-    return count * max(1, dtype.itemsize) + TENSOR_ARCHIVE_BYTES
+    return math.prod(shape) * max(1, dtype.itemsize) + TENSOR_ARCHIVE_BYTES
 
 
 def decode_transforms(
-    raw: bytes | bytearray | memoryview,
-    transforms: Iterable[str],
-    *,
-    max_bytes: int | None,
-    path: str,
-    item: str,
-) -> bytes | bytearray | memoryview:
+    raw: _Bytes, transforms: Iterable[str], *, max_bytes: int | None, path: str, item: str
+) -> _Bytes:
     """``raw`` with its transforms undone, at most ``max_bytes`` (``None``: unbounded, for a
     root the caller trusts).
 
@@ -130,12 +122,7 @@ def decode_transforms(
 
 
 def _unpickler(
-    data: bytes | bytearray | memoryview | Source,
-    path: str,
-    item: str,
-    *,
-    plain_data: bool,
-    materialize: bool,
+    data: _Bytes | Source, path: str, item: str, *, plain_data: bool, materialize: bool
 ) -> ItemUnpickler | io.BytesIO:
     """The unpickler of an item's checked archive and scanned pickle (``data.pkl``): an object
     item's (``plain_data``) or a tensor item's, each with its bounds; for an object item that is
@@ -166,10 +153,10 @@ def _unpickler(
     if found is not None:
         return found
     if refused:
-        uses = ", ".join(sorted(refused))
-        reason = f"the tensor's pickle uses {uses}"
-        if plain_data:
-            reason = f"the object is not plain data (its pickle uses {uses})"
+        uses = f"pickle uses {', '.join(sorted(refused))}"
+        reason = (
+            f"the object is not plain data (its {uses})" if plain_data else f"the tensor's {uses}"
+        )
         raise UnsafeCheckpointError(path, reason, item=item)
     return ItemUnpickler(
         archive, pickled, path, item, plain_data=plain_data, materialize=materialize
@@ -177,7 +164,7 @@ def _unpickler(
 
 
 def decode_tensor_item(
-    data: bytes | bytearray | memoryview | Source,
+    data: _Bytes | Source,
     *,
     dtype: torch.dtype,
     shape: tuple[int, ...],
@@ -217,9 +204,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 _BYTES_IO_OPS = frozenset(("NEWOBJ", "BUILD"))
 
 
-def decode_object(
-    data: bytes | bytearray | memoryview, path: str, item: str, *, materialize: bool = True
-) -> Any:
+def decode_object(data: _Bytes, path: str, item: str, *, materialize: bool = True) -> Any:
     """The value an object item holds (after its transforms), decoded without running code.
 
     ``materialize=False`` (deep verification) checks tensors in it without reading their
@@ -273,11 +258,7 @@ def _check_depth(value: object, path: str, item: str) -> None:
 
 
 def sanitized_object_stream(
-    payload: io.BytesIO | bytes | bytearray | memoryview,
-    path: str,
-    item: str,
-    *,
-    allow_pickle: bool = False,
+    payload: io.BytesIO | _Bytes, path: str, item: str, *, allow_pickle: bool = False
 ) -> io.BytesIO:
     """A stream the planner may ``torch.load`` as it likes: re-serialized from a safe decode
     (errors as :func:`decode_object`'s)."""

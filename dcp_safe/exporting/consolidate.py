@@ -203,11 +203,7 @@ class Consolidator:
     """
 
     def __init__(
-        self,
-        root: RootLike,
-        name: str,
-        *,
-        signing_key: bytes | str | None = None,
+        self, root: RootLike, name: str, *, signing_key: bytes | str | None = None
     ) -> None:
         self._reader = SafeStorageReader(root, signing_key=signing_key)
         self._reader.reset(name)
@@ -219,9 +215,7 @@ class Consolidator:
         self._sizes = ListedSizes(self._reader.backend, self.name)
 
     def each_tensor(
-        self,
-        entries: Sequence[TensorEntry],
-        consume: Callable[[TensorEntry, torch.Tensor], object],
+        self, entries: Sequence[TensorEntry], consume: Callable[[TensorEntry, torch.Tensor], object]
     ) -> None:
         """Call ``consume(entry, tensor)`` for every entry, in order, with its whole tensor.
 
