@@ -12,6 +12,7 @@ the same point. See docs/multirank.md, "Deadlines, and why saves get their own p
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -177,27 +178,26 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
     deadline_s = validate_deadline(deadline_s)
     writer, reader = kwargs.get("storage_writer"), kwargs.get("storage_reader")
-    witnesses = tuple(w for w in (writer, reader) if w is not None)
     operation = "save" if writer is not None else "load"
-    checkpoint = str(kwargs.get("checkpoint_id") or "the checkpoint")
+    call = _Call(
+        operation=operation, checkpoint=str(kwargs.get("checkpoint_id") or _Call.checkpoint)
+    )
     distributed = dist.is_available() and dist.is_initialized()
     if kwargs.get("no_dist") or not distributed:
         # Say it explicitly rather than let DCP warn that it guessed.
         kwargs.setdefault("no_dist", not distributed)
-        return _Call(operation=operation, checkpoint=checkpoint)
+        return call
     group = kwargs.get("process_group")
-    owned = group is None
-    if owned:
+    if owned := group is None:
         group = kwargs["process_group"] = checkpoint_group(deadline_s)
-    return _Call(
+    return dataclasses.replace(
+        call,
         group=group,
         owned=owned,
         deadline_s=deadline_s if owned else deadline_of(group),
-        witnesses=witnesses,
+        witnesses=tuple(w for w in (writer, reader) if w is not None),
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
-        operation=operation,
-        checkpoint=checkpoint,
     )
 
 
@@ -208,27 +208,23 @@ def save(
     per_rank: Sequence[str] = (),
     **kwargs: Any,
 ) -> Metadata:
-    """``dcp.save`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+    """``dcp.save`` (its keyword arguments passed on; without ``planner=``, a
+    :class:`~dcp_safe.adapters.planners.SafeSavePlanner` plans) with a deadline and translated
+    errors.
 
-    Args:
-        deadline_s: how long any collective of this save may wait for a peer (the dedicated
-            group's timeout); ignored with ``process_group=`` or ``no_dist=True``. Must exceed
-            the spread of per-rank write times.
-        per_rank: key prefixes saved once per rank (:mod:`dcp_safe.adapters.planners`).
-        **kwargs: passed to ``dcp.save``. Without ``planner=``, a
-            :class:`~dcp_safe.adapters.planners.SafeSavePlanner` plans the save. With
-            ``use_collectives=False`` the ranks plan alone and agree through storage
-            (docs/multirank.md, "Saves without collectives"); what stays collective is
-            DCP's barrier after the save (bounded by ``deadline_s``) and, on the first call,
-            the creation of the dedicated group.
+    ``deadline_s`` bounds how long any collective of this save waits for a peer (the dedicated
+    group's timeout; ignored with ``process_group=`` or ``no_dist=True``): it must exceed the
+    spread of per-rank write times. ``per_rank``: key prefixes saved once per rank. With
+    ``use_collectives=False`` the ranks plan alone and agree through storage (docs/multirank.md,
+    "Saves without collectives"): what stays collective is DCP's barrier after the save (bounded
+    by ``deadline_s``) and, on the first call, creating the group; a rank that died is named by
+    rank 0's ``CommitError`` within the writer's ``report_timeout_s``, and the other ranks learn
+    of rank 0's failure from the barrier.
 
     Raises:
         CommitError: a rank failed, died or hung; ``failures`` names it. Nothing was published.
         DivergentStateError: ranks hold different values under one key not declared per rank.
         ConfigError: ``deadline_s`` is not a positive number.
-
-    Without collectives a rank that died is named by rank 0's ``CommitError`` within the
-    writer's ``report_timeout_s``; the other ranks learn of rank 0's failure from the barrier.
     """
     call = _prepare_save(kwargs, per_rank, deadline_s)
     with _calling(call, kwargs), gc_paused():
@@ -244,17 +240,15 @@ def load(
     audit: bool = False,
     **kwargs: Any,
 ) -> None:
-    """``dcp.load`` with a deadline and translated errors. Takes DCP's keyword arguments too.
+    """``dcp.load`` into ``state_dict`` in place, with a deadline and translated errors as
+    :func:`save` (a :class:`~dcp_safe.adapters.planners.SafeLoadPlanner` by default: with several
+    ranks each entry they load identically is read once and sent to the others after DCP's load,
+    its ``read_once``; docs/multirank.md, "Restores read each entry once").
 
     Args:
-        state_dict: the target, loaded in place.
         per_rank: the key prefixes the checkpoint saved per rank: each rank gets its own.
         audit: after the load, check on every rank that the live tensors equal what was saved
             (:func:`dcp_safe.reading.audit.audit_load`); needs a ``SafeLoadPlanner``.
-        **kwargs: passed to ``dcp.load``. Without ``planner=``, a
-            :class:`~dcp_safe.adapters.planners.SafeLoadPlanner` plans the load; with several ranks
-            it has each entry they load identically read once and sent to the others, after
-            DCP's load (its ``read_once``; docs/multirank.md, "Restores read each entry once").
 
     Raises:
         MissingKeysError: the checkpoint lacks keys of ``state_dict``.
@@ -315,17 +309,11 @@ def _load_and_share(
     storage_reader: StorageReader | None = None,
     no_dist: bool = False,
 ) -> None:
-    """``dcp.load``, with the entries read once sent to the other ranks before the hand-over.
-
-    ``dcp.load`` loads into a copy of the top-level state dict (a ``Stateful`` entry's
-    ``state_dict()``), then calls each ``Stateful``'s ``load_state_dict`` and puts the other
-    entries back; the entries other ranks read for this one (:mod:`dcp_safe.reading.read_once`)
-    must have arrived before that. So this is ``dcp.load``'s own sequence (torch 2.13's
-    ``state_dict_loader.load``, step for step, its private parts through
-    :mod:`dcp_safe.torch_compat`) with :func:`~dcp_safe.adapters.broadcast.deliver_shared`
-    between DCP's ``_load_state_dict`` and the hand-over. Sets ``planner.bytes_received``; a
-    peer lost while entries travel raises the transport's error within ``timeout_s``.
-    """
+    """``dcp.load`` (torch 2.13's ``state_dict_loader.load``, step for step, its private parts
+    through :mod:`dcp_safe.torch_compat`) with the entries read once sent to the other ranks
+    (:func:`~dcp_safe.adapters.broadcast.deliver_shared`) before the hand-over: the entries other
+    ranks read for this one must arrive before each ``Stateful``'s ``load_state_dict`` runs. A
+    peer lost while entries travel raises the transport's error within ``timeout_s``."""
     reader = cast(StorageReader, storage_setup(storage_reader, checkpoint_id, reader=True))
     keys = sorted(state_dict)  # as dcp.load: the same order on every rank
     loaded = {
@@ -333,23 +321,10 @@ def _load_and_share(
         for key in keys
         for value in (state_dict[key],)
     }
-    dcp_load_state_dict(
-        state_dict=loaded,
-        storage_reader=reader,
-        process_group=process_group,
-        no_dist=no_dist,
-        planner=planner,
-    )
+    dcp_load_state_dict(loaded, reader, process_group, no_dist=no_dist, planner=planner)
     if planner.transfers:
-        planner.bytes_received = deliver_shared(
-            planner,
-            planner.transfers,
-            planner.sent_objects(),
-            rank=dist.get_rank(process_group),
-            group=process_group,
-            timeout_s=timeout_s,
-        )
-        planner.sent_objects().payloads.clear()
+        rank = dist.get_rank(process_group)
+        planner.bytes_received = deliver_shared(planner, rank, process_group, timeout_s)
     for key in keys:
         value = state_dict[key]
         if isinstance(value, Stateful):
@@ -365,15 +340,12 @@ def async_save(
     per_rank: Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
-    """``dcp.async_save`` with a deadline, whose futures fail with dcp_safe errors.
-
-    Returns what DCP returns (an ``AsyncSaveResponse`` when the stager returns a future, else a
-    future), with every future replaced by one that carries the translated error. With
-    ``async_checkpointer_type=PROCESS`` the upload runs in DCP's checkpoint process, on the
-    group DCP creates there: ``deadline_s`` then bounds only the call itself.
-
-    ``deadline_s``, ``per_rank`` and ``**kwargs`` are as for :func:`save` (``use_collectives=False``
-    included: the background part then waits on storage, not on the group, until DCP's barrier).
+    """``dcp.async_save`` as :func:`save` (without collectives, the background part waits on
+    storage, not on the group, until DCP's barrier). Returns what DCP returns (an
+    ``AsyncSaveResponse`` when the stager returns a future, else a future), each future replaced
+    by one that carries the translated error. With ``async_checkpointer_type=PROCESS`` the upload
+    runs in DCP's checkpoint process, on the group DCP creates there: ``deadline_s`` then bounds
+    only the call itself.
     """
     call = _prepare_save(kwargs, per_rank, deadline_s)
     with _calling(call, kwargs):

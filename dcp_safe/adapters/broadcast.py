@@ -22,13 +22,16 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from dcp_safe.reading.read_once import Transfer
+
+if TYPE_CHECKING:
+    from dcp_safe.adapters.planners import SafeLoadPlanner
 
 _ALIGN = 16
 
@@ -54,30 +57,22 @@ class SentObjects:
             self.payloads[key] = stream.getvalue()
 
 
-def deliver_shared(
-    planner: LoadPlanner,
-    transfers: list[Transfer],
-    sent: SentObjects,
-    *,
-    rank: int,
-    group: Any,
-    timeout_s: float | None,
-) -> int:
-    """Send this rank's entries and receive the others' into ``planner``'s state dict; return
-    the bytes this rank received."""
+def deliver_shared(planner: SafeLoadPlanner, rank: int, group: Any, timeout_s: float | None) -> int:
+    """Send this rank's entries (its ``planner``'s transfers, objects dropped once sent) and
+    receive the others' into ``planner``'s state dict; return the bytes this rank received."""
+    transfers, sent = planner.transfers, planner.sent_objects()
     # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
     timeout = timedelta(seconds=timeout_s or 0)
     # Objects announce their lengths first (tag 2t): a receiver sizes its buffer by them.
-    lengths: dict[int, torch.Tensor] = {}
-    for t in (t for t in transfers if t.objects):
-        if t.owner == rank:
-            streams = [len(sent.payloads[object_key(item)]) for item in t.items]
-            lengths[t.tag] = torch.tensor(streams, dtype=torch.int64)
-        else:
-            lengths[t.tag] = torch.empty(len(t.items), dtype=torch.int64)
-    for work in [
-        w for t in transfers if t.objects for w in _post(t, lengths[t.tag], rank, group, 0)
-    ]:
+    objects = [t for t in transfers if t.objects]
+    lengths = {
+        t.tag: torch.tensor(
+            [len(sent.payloads[object_key(i)]) if t.owner == rank else 0 for i in t.items],
+            dtype=torch.int64,
+        )
+        for t in objects
+    }
+    for work in [w for t in objects for w in _post(t, lengths[t.tag], rank, group, 0)]:
         work.wait(timeout)
     # Then every transfer's bytes travel as one buffer (tag 2t + 1), unpacked once all arrived.
     works, unpack, buffers, received = [], [], [], 0
@@ -97,6 +92,7 @@ def deliver_shared(
         work.wait(timeout)
     for done in unpack:
         done()
+    sent.payloads.clear()
     return received
 
 
@@ -135,22 +131,21 @@ def _tensor_buffer(
     planner: the one region itself where it can be sent from or received into directly, else a
     new buffer holding each region at a 16-byte aligned offset (filled here on the owner)."""
     regions = [planner.resolve_tensor(item).detach() for item in transfer.items]
-    one = regions[0] if len(regions) == 1 else None
-    if one is not None and one.device.type == "cpu" and one.is_contiguous() and one.numel():
+    sizes = [r.numel() * r.element_size() for r in regions]
+    one = regions[0]
+    if len(regions) == 1 and one.device.type == "cpu" and one.is_contiguous() and one.numel():
         buffer, slots = one.reshape(-1).view(torch.uint8), regions
     else:
         offsets, end = [], 0
-        for region in regions:
-            end = -(-end // _ALIGN) * _ALIGN
-            offsets.append(end)
-            end += region.numel() * region.element_size()
+        for size in sizes:
+            offsets.append(end := -(-end // _ALIGN) * _ALIGN)
+            end += size
         buffer = torch.empty(max(end, 1), dtype=torch.uint8)
         slots = [
-            buffer[at : at + r.numel() * r.element_size()].view(r.dtype).view(r.shape)
-            for at, r in zip(offsets, regions, strict=True)
+            buffer[at : at + n].view(r.dtype).view(r.shape)
+            for at, n, r in zip(offsets, sizes, regions, strict=True)
         ]
-    pairs = list(zip(regions, slots, strict=True))
-    nbytes = sum(r.numel() * r.element_size() for r in regions)
+    pairs, nbytes = list(zip(regions, slots, strict=True)), sum(sizes)
     if transfer.owner == rank:
         for region, slot in pairs:
             if slot is not region:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -48,18 +49,16 @@ class WriterOptions:
     block_digests: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "compression", parse_choice(Compression, self.compression, "compression")
-        )
-        if self.signing_key is not None:
-            object.__setattr__(self, "signing_key", resolve_key(self.signing_key))
-        signed = self.signing_key is not None
-        object.__setattr__(self, "checksum", checksum_for(self.checksum, signed=signed))
+        normalize = functools.partial(object.__setattr__, self)
+        normalize("compression", parse_choice(Compression, self.compression, "compression"))
+        key = None if self.signing_key is None else resolve_key(self.signing_key)
+        normalize("signing_key", key)
+        normalize("checksum", checksum_for(self.checksum, signed=key is not None))
         if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
             raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
         timeout = self.report_timeout_s
         number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if not (number and math.isfinite(timeout) and timeout > 0):
+        if not (number and 0 < timeout < math.inf):
             raise ConfigError(
                 f"report_timeout_s must be a positive, finite number, got {timeout!r}"
             )

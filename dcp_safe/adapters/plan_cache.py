@@ -20,10 +20,21 @@ whole plan: a rank never claims a layout the coordinator no longer holds. Each s
 group, saves without collectives, or one planner) has its own cache. Saves over one group do not
 overlap; two concurrent saves in one process without collectives each take the entry or find
 none, and the coordinator's part travels with its own rank's, so neither can be mismatched.
+
+The global plan's metadata, cached or not, has equal values made one object
+(:func:`with_shared_entries`), so ``.metadata`` pickles each once: DCP's planner gives every
+tensor entry its own ``TensorProperties`` and ``torch.Size`` objects (size, and each chunk's
+offsets and sizes), though thousands of entries hold equal ones, and pickle writes an object it
+has seen before as a two-byte reference to its memo. At 10,000 tensors of 32 KiB:
+``state_dict_metadata`` pickles in 33 ms instead of 85 to 120 ms, and in 0.63 MB instead of 1.04
+MB (which unpickles faster on every load by torch's reader). The values, and so what any reader
+unpickles, are equal; entries only share objects nobody changes once planned (DCP's readers do
+not).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -31,7 +42,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 Layout = tuple[Any, ...]
@@ -106,3 +122,33 @@ def _tensor_layout(data: Any) -> tuple[Any, ...] | None:
     props, chunk = data.properties, data.chunk
     kept = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
     return (data.size, *kept, chunk.offsets, chunk.sizes)
+
+
+def with_shared_entries(metadata: Metadata) -> Metadata:
+    """``metadata`` with its ``state_dict_metadata`` rebuilt from shared equal parts (the
+    entries of any other type kept as they are)."""
+    seen: dict[tuple[Any, ...], Any] = {}
+
+    def size(value: Any) -> Any:
+        # torch.Size is a tuple: its elements key it (a plain tuple of the same ints too, so
+        # the type is part of the key).
+        return seen.setdefault((type(value), *value), value)
+
+    entries: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        props = getattr(entry, "properties", None)
+        if type(entry) is not TensorStorageMetadata or type(props) is not TensorProperties:
+            entries[key] = entry
+            continue
+        fields = (props.dtype, props.layout, props.requires_grad, props.memory_format)
+        shared = seen.setdefault((TensorProperties, *fields, props.pin_memory), props)
+        chunks = [
+            ChunkStorageMetadata(offsets=size(c.offsets), sizes=size(c.sizes))
+            if type(c) is ChunkStorageMetadata
+            else c
+            for c in entry.chunks
+        ]
+        entries[key] = TensorStorageMetadata(
+            properties=shared, size=size(entry.size), chunks=chunks
+        )
+    return dataclasses.replace(metadata, state_dict_metadata=entries)

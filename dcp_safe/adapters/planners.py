@@ -49,8 +49,8 @@ from dcp_safe.adapters.plan_cache import (
     cache_for,
     layout_of,
     new_token,
+    with_shared_entries,
 )
-from dcp_safe.adapters.shared_entries import with_shared_entries
 from dcp_safe.errors import (
     CommitError,
     ConfigError,
@@ -89,26 +89,16 @@ class FingerprintedPlan(SavePlan):
 
 class RestoreReport(str):
     """What a restore did: the checkpoint's name (a ``str``, as ``restore`` returned before),
-    with what was restored, skipped and missing, as flattened keys, sorted.
+    with what was restored, skipped and missing, as flattened keys, sorted."""
 
-    Attributes:
-        name: the checkpoint loaded.
-        restored: keys loaded into the state dict.
-        skipped: keys of the state dict left alone on request (``keys=``/``exclude=``).
-        missing: keys of the state dict the checkpoint does not hold (left alone; an error
-            unless ``allow_partial=True``).
-        unexpected: keys of the checkpoint the state dict did not ask for.
-        audited: tensors checked against their saved fingerprints (``audit=True``), as stored
-            (a per-rank entry under its rank's key).
-        unaudited: tensors restored that the checkpoint holds no fingerprints for, so
-            ``audit=True`` could not check them (a warning says so too).
-    """
-
-    name: str
-    restored: tuple[str, ...]
-    skipped: tuple[str, ...]
+    name: str  # the checkpoint loaded
+    restored: tuple[str, ...]  # keys loaded into the state dict
+    skipped: tuple[str, ...]  # keys left alone on request (keys= / exclude=)
+    # Keys the checkpoint does not hold (left alone; an error unless allow_partial=True).
     missing: tuple[str, ...]
-    unexpected: tuple[str, ...]
+    unexpected: tuple[str, ...]  # keys of the checkpoint the state dict did not ask for
+    # Tensors checked against their saved fingerprints (audit=True), as stored (a per-rank
+    # entry under its rank's key), and those restored without fingerprints to check (warned).
     audited: tuple[str, ...]
     unaudited: tuple[str, ...]
 
@@ -240,7 +230,12 @@ class SafeSavePlanner(DefaultSavePlanner):
             plans, metadata = super().create_global_plan(layouts)
             metadata = with_shared_entries(metadata)
             if self.cache_plans:
-                plans, metadata = self._remember_global(layouts, plans, metadata)
+                token = new_token()
+                tokened = functools.partial(dataclasses.replace, plan_token=token)
+                plans = [tokened(p) if isinstance(p, FingerprintedPlan) else p for p in plans]
+                metadata = dataclasses.replace(metadata, storage_data=None)
+                self._global = GlobalEntry(token, tuple(layouts), tuple(plans), metadata)
+                metadata = dataclasses.replace(metadata)
         if self.record_audit:
             sums = audit.combine(p.audit for p in all_plans if isinstance(p, FingerprintedPlan))
             recorded = {**(metadata.planner_data or {}), layout.AUDIT_KEY: sums}
@@ -297,29 +292,11 @@ class SafeSavePlanner(DefaultSavePlanner):
             )
         return layouts
 
-    def _remember_global(
-        self, layouts: list[SavePlan], plans: list[SavePlan], metadata: Metadata
-    ) -> tuple[list[SavePlan], Metadata]:
-        token = new_token()
-        plans = [
-            dataclasses.replace(p, plan_token=token) if isinstance(p, FingerprintedPlan) else p
-            for p in plans
-        ]
-        stored = dataclasses.replace(metadata, storage_data=None)
-        self._global = GlobalEntry(token, tuple(layouts), tuple(plans), stored)
-        return plans, dataclasses.replace(stored)
-
     def _cache_key(self) -> tuple[Any, ...]:
         """What, besides the layout, decides the global plan."""
-        return (
-            type(self).__qualname__,
-            self.per_rank,
-            self.check_divergence,
-            self.record_audit,
-            self.flatten_state_dict,
-            self.flatten_sharded_tensors,
-            self.dedup_save_to_lowest_rank,
-        )
+        ours = (type(self).__qualname__, self.per_rank, self.check_divergence, self.record_audit)
+        flat = (self.flatten_state_dict, self.flatten_sharded_tensors)
+        return (*ours, *flat, self.dedup_save_to_lowest_rank)
 
     def __getstate__(self) -> dict[str, Any]:
         # A planner sent to another process (DCP's checkpoint process) caches there alone.
@@ -387,8 +364,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         skipped = set(self.state_dict) - wanted
         for key in skipped:
             self._forget(key)
-        self._map_per_rank(stored)
-        if self.read_once and not self.sends_shared and _world_size() > 1:
+        world = _world_size()
+        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
+            # This rank's per-rank keys point at its own stored entries.
+            saved = sorted(layout.per_rank_ranks(key, stored))
+            if not saved:
+                continue  # saved as one entry (equal on every rank, or before per_rank)
+            if saved != list(range(world)):
+                raise PerRankStateError(key, saved_ranks=saved, world_size=world)
+            self._per_rank_keys[key] = own = layout.per_rank_key(key, _rank())
+            _rename(self, key, own)
+        if self.read_once and not self.sends_shared and world > 1:
             raise ConfigError(
                 "read_once=True needs dcp_safe.load (on a group with gloo), which sends the"
                 " entries read once to the other ranks; otherwise pass read_once=False"
@@ -410,19 +396,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             missing=missing,
             unexpected=unexpected,
         )
-
-    def _map_per_rank(self, stored: set[str]) -> None:
-        """Point this rank's per-rank keys at its own stored entries."""
-        world = _world_size()
-        for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
-            saved = sorted(layout.per_rank_ranks(key, stored))
-            if not saved:
-                continue  # saved as one entry (equal on every rank, or before per_rank)
-            if saved != list(range(world)):
-                raise PerRankStateError(key, saved_ranks=saved, world_size=world)
-            own = layout.per_rank_key(key, _rank())
-            _rename(self, key, own)
-            self._per_rank_keys[key] = own
 
     def create_local_plan(self) -> LoadPlan:
         # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
@@ -516,9 +489,7 @@ def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:
 
 def _matches(key: str, prefixes: tuple[str, ...] | None) -> bool:
     """``key`` is one of ``prefixes`` or below one (``None``: every key matches)."""
-    if prefixes is None:
-        return True
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
+    return prefixes is None or any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def _rank() -> int:

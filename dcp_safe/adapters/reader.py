@@ -156,7 +156,8 @@ class SafeStorageReader(StorageReader):
             self.sources.append(PeerSource(self._cache, process_group, peer_chunk_bytes))
         self.sources.append(self._remote)
         self._requested = checkpoint_id
-        self._name: str | None = None
+        #: The resolved name of the checkpoint being read (after ``reset``).
+        self.checkpoint_id: str | None = None
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
         self._spare: Backend | None = None
@@ -167,11 +168,6 @@ class SafeStorageReader(StorageReader):
         self._lock = threading.RLock()
         self._items = ItemReader(self._lock, budget, verify=verify, allow_pickle=allow_pickle)
         self._log = SourceLog()
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        """The resolved name of the checkpoint being read (after ``reset``)."""
-        return self._name
 
     @property
     def node_cache(self) -> Backend | None:
@@ -230,13 +226,13 @@ class SafeStorageReader(StorageReader):
         if not opened:
             raise failures[0]
         # The keys differ (by order), so nothing past them is ever compared.
-        _, self._remote.backend, self._name, self._manifest, self._metadata = max(opened)
+        _, self._remote.backend, self.checkpoint_id, self._manifest, self._metadata = max(opened)
         self._spare, self._spare_checked = None, False
         self.items_from_fallback = 0
         self._items.reset(stored_tensors(self._metadata))
         self._log = SourceLog()
         for source in self.sources:
-            source.open(self._name, self._manifest, self._log)
+            source.open(self.checkpoint_id, self._manifest, self._log)
 
     def memory_stats(self) -> LoadMemoryStats:
         """Transient host memory the reads held since the last ``reset`` (this rank)."""
@@ -272,7 +268,7 @@ class SafeStorageReader(StorageReader):
             CheckpointCorruptError: a file is missing or short on the remote, or an item's
                 checksum differs there.
         """
-        assert self._name is not None and self._metadata is not None
+        assert self.checkpoint_id is not None and self._metadata is not None
         storage = self._metadata.storage_data
         by_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
@@ -416,9 +412,9 @@ class SafeStorageReader(StorageReader):
             if not self._spare_checked:
                 self._spare_checked = True
                 other = self.fallback if self._remote.backend is self.backend else self.backend
-                if other is not None and self._name is not None:
+                if other is not None and self.checkpoint_id is not None:
                     with contextlib.suppress(CheckpointNotFoundError, CheckpointCorruptError):
-                        if open_committed(other, self._name).manifest == self._manifest:
+                        if open_committed(other, self.checkpoint_id).manifest == self._manifest:
                             self._spare = other
             return self._spare
 

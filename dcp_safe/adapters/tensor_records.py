@@ -73,14 +73,13 @@ class TensorLayout:
 
     def matches(self, prefix: bytes | bytearray | memoryview, suffix: bytes | memoryview) -> bool:
         """Whether the bytes around a stored payload are exactly this layout's."""
-        if bytes(prefix) != self.prefix or len(suffix) != len(self.suffix):
-            return False
-        end = self.id_at + _ID_DIGITS
-        tail = bytes(suffix)
+        tail, at, end = bytes(suffix), self.id_at, self.id_at + _ID_DIGITS
         return (
-            tail[: self.id_at] == self.suffix[: self.id_at]
+            bytes(prefix) == self.prefix
+            and len(tail) == len(self.suffix)
+            and tail[:at] == self.suffix[:at]
             and tail[end:] == self.suffix[end:]
-            and tail[self.id_at : end].isdigit()
+            and tail[at:end].isdigit()
         )
 
 
@@ -139,15 +138,13 @@ def _agrees_with_torch(dtype: torch.dtype) -> bool:
     layout = _build(dtype, (3,))  # None without a learnt format or a storage type for dtype
     if layout is None:
         return False
-    sample = torch.zeros(3, dtype=dtype)
-    expected = io.BytesIO()
+    sample, expected = torch.zeros(3, dtype=dtype), io.BytesIO()
     save_tensor_without_crc(sample, expected)
-    raw = expected.getvalue()
-    payload = raw[len(layout.prefix) : len(layout.prefix) + layout.payload]
+    raw, start, end = expected.getvalue(), len(layout.prefix), len(layout.prefix) + layout.payload
     return (
         len(raw) == layout.length
-        and payload == tensor_bytes(sample)
-        and layout.matches(raw[: len(layout.prefix)], raw[len(raw) - len(layout.suffix) :])
+        and raw[start:end] == tensor_bytes(sample)
+        and layout.matches(raw[:start], raw[end:])
     )
 
 
@@ -280,11 +277,9 @@ def write_item(
     this size (:meth:`HashingSink.take_blocks`); only where the data lies as one run of the
     tensor's raw bytes, which is what a partial read assumes.
     """
-    target: Any = (
-        zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], out), closefd=False)
-        if compressed
-        else out
-    )
+    target: Any = out
+    if compressed:
+        target = zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], out), closefd=False)
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")

@@ -251,17 +251,15 @@ class StorageAgreement:
                 names, or its metadata names items no rank wrote (naming the ranks).
         """
         try:
-            reports = self._await_reports(assignment)
-            others = sorted(reports)
+            reports = self._await_reports(assignment)  # by rank
             results = [
                 results[0],
-                *(self._results_of(assignment, r, reports[r][1]) for r in others),
+                *(self._results_of(assignment, r, c) for r, (_, c) in reports.items()),
             ]
             union = _union_manifest(self.name, assignment, self.options.checksum, results)
             metadatas = [metadata]
-            for rank in others:
+            for rank, (plain, _) in reports.items():
                 try:
-                    plain = reports[rank][0]
                     metadatas.append(decode_dcp_metadata(plain, union, f"rank {rank}'s report"))
                 except DcpSafeError as exc:
                     raise CommitError(
@@ -328,15 +326,17 @@ class StorageAgreement:
         present: set[str] = set()
 
         def every_report() -> bool | None:
+            # Both names are in the ranks' directory (layout's rank stem).
+            listed = self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}")
             present.clear()
-            present.update(self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}"))
-            failed = [r for r, rel in failures.items() if _leaf(rel) in present]
+            present.update(f"{layout.RANKS_DIR}/{leaf}" for leaf in listed)
+            failed = [r for r, rel in failures.items() if rel in present]
             if failed:
                 raise self._failure(assignment, failed, failures)
-            return True if all(_leaf(rel) in present for rel in reports.values()) else None
+            return True if present.issuperset(reports.values()) else None
 
         if poll(every_report, self.options.report_timeout_s) is None:
-            missing = [r for r, rel in reports.items() if _leaf(rel) not in present]
+            missing = [r for r, rel in reports.items() if rel not in present]
             raise CommitError(
                 f"ranks did not report within {self.options.report_timeout_s} s (a save without"
                 " collectives)",
@@ -406,14 +406,7 @@ class StorageAgreement:
                 " rank must be configured alike",
                 {rank: manifest.checksum_algorithm},
             )
-        results = [
-            WriteResult(
-                index=MetadataIndex(record.fqn, record.offset),
-                size_in_bytes=record.length,
-                storage_data=record,
-            )
-            for record in manifest.items
-        ]
+        results = [WriteResult(MetadataIndex(r.fqn, r.offset), r.length, r) for r in manifest.items]
         return attach_report(results, report_for(manifest, raw, algorithm))
 
 
@@ -540,7 +533,3 @@ def _merged(metadatas: Sequence[Metadata]) -> Metadata:
         storage_meta=StorageMeta(),
         version=metadatas[0].version,
     )
-
-
-def _leaf(rel: str) -> str:
-    return rel.rpartition("/")[2]
