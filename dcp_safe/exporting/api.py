@@ -99,7 +99,7 @@ def export(
     fmt = parse_choice(ExportFormat, format, "format")
     out_dtype = parse_dtype(dtype)
     formats.check_max_shard_bytes(max_shard_bytes)
-    check_destination(dest, overwrite)
+    path = check_destination(dest, overwrite)
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
     holds = formats.safetensors_holds if fmt is ExportFormat.SAFETENSORS else formats.torch_holds
@@ -110,7 +110,7 @@ def export(
             f" ({', '.join(e.key for e in refused[:8])}); choose the other format or cast with"
             " dtype="
         )
-    with StagedExport(dest, overwrite=overwrite) as staged:
+    with StagedExport(path, overwrite=overwrite) as staged:
         if fmt is ExportFormat.SAFETENSORS:
             skipped = formats.write_safetensors(staged, source, selection, max_shard_bytes)
         else:

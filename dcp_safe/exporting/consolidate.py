@@ -66,16 +66,10 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     Raises:
         ConfigError: not a dtype name, or not a floating dtype.
     """
-    if dtype is None:
-        return None
-    found = dtype
-    if isinstance(dtype, str):
-        found = getattr(torch, dtype.removeprefix("torch."), None)  # type: ignore[assignment]
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
-        raise ConfigError(
-            f"dtype must be a floating torch dtype such as torch.bfloat16 or 'float16', "
-            f"got {dtype!r}"
-        )
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if dtype is not None and not (isinstance(found, torch.dtype) and found.is_floating_point):
+        why = "dtype must be a floating torch dtype such as torch.bfloat16 or 'float16'"
+        raise ConfigError(f"{why}, got {dtype!r}")
     return found
 
 
@@ -115,21 +109,15 @@ def _matching(available: list[str], keys: Sequence[str]) -> list[str]:
         keys = [keys]
     if not keys or not all(isinstance(key, str) and key for key in keys):
         raise ConfigError(f"keys must be a non-empty list of key names or prefixes, got {keys!r}")
-    chosen: set[str] = set()
-    missing: list[str] = []
-    for key in keys:
-        found = [name for name in available if name == key or name.startswith(key + ".")]
-        if not found:
-            missing.append(key)
-        chosen.update(found)
-    if missing:
+    found = {key: [n for n in available if n == key or n.startswith(key + ".")] for key in keys}
+    if missing := [key for key, names in found.items() if not names]:
         shown = ", ".join(repr(key) for key in missing[:8])
         more = f" ({len(missing)} in all)" if len(missing) > 8 else ""
         raise ConfigError(
             f"keys not in the checkpoint: {shown}{more}; a key selects the entry of that name"
             " and the entries below it (dotted names, as 'dcp-safe inspect' lists them)"
         )
-    return sorted(chosen)
+    return sorted({name for names in found.values() for name in names})
 
 
 #: Tensors read together, in bytes: enough to amortise a read call over many small tensors.

@@ -48,21 +48,13 @@ def write_tensor(sink: WritableFile, tensor: torch.Tensor, out_dtype: torch.dtyp
 
 
 class StagedExport(AbstractContextManager["StagedExport"]):
-    """The hidden folder an export is written into, and its publication as ``dest``.
+    """The hidden folder an export is written into, and its publication as ``dest`` (the path
+    :func:`check_destination` gave). Leaving the context without :meth:`publish` (or by an
+    exception) removes everything written."""
 
-    Use as a context manager: leaving it without :meth:`publish` (or by an exception) removes
-    everything written.
-
-    Raises:
-        ConfigError: ``dest`` is a URL, exists (without ``overwrite``), or is not an earlier
-            export (with it).
-    """
-
-    def __init__(self, dest: str | os.PathLike[str], *, overwrite: bool) -> None:
-        # A file system root has no leaf to create, but it always exists: refused here.
-        self.dest = check_destination(dest, overwrite)
-        parent, self._leaf = os.path.split(self.dest)
-        self._overwrite = overwrite
+    def __init__(self, dest: str, *, overwrite: bool) -> None:
+        self.dest, self._overwrite = dest, overwrite
+        parent, self._leaf = os.path.split(dest)
         os.makedirs(parent, exist_ok=True)
         self._backend = LocalBackend(parent)
         self._work = layout.export_work_dir_name(self._leaf, secrets.token_hex(6))
@@ -113,8 +105,9 @@ class StagedExport(AbstractContextManager["StagedExport"]):
 
 
 def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
-    """Refuse ``dest`` now, before any work, as :class:`StagedExport` does (the same
-    :class:`~dcp_safe.errors.ConfigError`); its absolute path."""
+    """``dest``'s absolute path, unless it is refused (ConfigError): a URL, there already
+    (without ``overwrite``), or not an earlier export (with it; a file system root, which has
+    no leaf to create, always exists)."""
     text = os.fspath(dest)
     if "://" in text and not text.startswith("file://"):
         raise ConfigError(f"dest must be a local path, got {text!r}")
