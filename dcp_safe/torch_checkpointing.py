@@ -382,6 +382,7 @@ class _CheckedFile(io.RawIOBase):
     def __init__(self, backend: Backend, rel: str, record: FileRecord) -> None:
         super().__init__()
         self._backend, self._rel, self._record = backend, rel, record
+        self._full = backend.full_path(rel)
         self._checked: io.BytesIO | None = None
         self._pos = 0
 
@@ -417,10 +418,6 @@ class _CheckedFile(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos if self._checked is None else self._checked.tell()
-
-    @property
-    def _full(self) -> str:
-        return self._backend.full_path(self._rel)
 
     def _read_into(self, view: memoryview, size: int) -> tuple[int, int, Hasher]:
         """The file read into ``view``: (bytes read, up to ``size``; 1 if more follow, else 0;
@@ -494,8 +491,7 @@ class _HashingWriter(io.RawIOBase):
         super().__init__()
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(storage._backend.open_write(rel))
-        self._algorithm = storage._algorithm
-        self._hasher = new_hasher(self._algorithm)
+        self._hasher = new_hasher(storage._algorithm)
         self._storage, self._member, self._save = storage, member, save
         self._size = 0
 
@@ -535,7 +531,7 @@ class _HashingWriter(io.RawIOBase):
         self._save.files[self._member] = FileRecord(
             path=self._member,
             size=self._size,
-            checksum=format_checksum(self._algorithm, self._hasher),
+            checksum=format_checksum(self._storage._algorithm, self._hasher),
         )
 
 

@@ -189,12 +189,9 @@ class TensorStub:
         self.storage = _StubStorage(("storage", storage_type, key, "cpu", math.prod(shape)))
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        stride, step = [], 1
-        for size in reversed(self.shape):
-            stride.append(step)
-            step *= max(size, 1)
-        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        return (rebuild_tensor, (self.storage, 0, self.shape, tuple(stride[::-1]), False, hooks))
+        shape = self.shape
+        stride = tuple(math.prod(max(n, 1) for n in shape[at + 1 :]) for at in range(len(shape)))
+        return (rebuild_tensor, (self.storage, 0, shape, stride, False, collections.OrderedDict()))
 
 
 class _StubStorage:

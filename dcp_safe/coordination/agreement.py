@@ -78,7 +78,9 @@ class Agreement:
 
     def __init__(self, groups: ManagerGroups | None = None) -> None:
         self.groups = groups
+        self.distributed = groups is not None
         self.rank = 0 if groups is None else groups.rank
+        self.coordinator = self.rank == 0  # this rank writes the shared state (history, sweeping)
         self.world_size = 1 if groups is None else groups.world_size
         self.deadline_s = None if groups is None else groups.deadline_s
         # Well inside the deadline: a rank that waited a whole round is still in time to vote.
@@ -99,15 +101,6 @@ class Agreement:
     def release(self) -> None:
         if self.groups is not None:
             self.groups.release()
-
-    @property
-    def distributed(self) -> bool:
-        return self.groups is not None
-
-    @property
-    def coordinator(self) -> bool:
-        """This rank writes the shared state (history, retention, sweeping)."""
-        return self.rank == 0
 
     def gather(self, vote: Vote) -> list[Vote]:
         """Every rank's vote, in rank order (only this one's in a single process).
