@@ -50,13 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_safe import layout
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.limits import (
-    MAX_INT,
-    require_int,
-    require_keys,
-    require_list,
-    require_str,
-)
+from dcp_safe.manifest.limits import MAX_INT, require_int, require_keys, require_list, require_str
 from dcp_safe.manifest.schema import ItemRecord, Manifest
 from dcp_safe.torch_compat import StorageInfo
 
@@ -96,9 +90,6 @@ _NAMED: dict[str, Mapping[str, Any]] = {
 _FLAGS = ("requires_grad", "pin_memory")
 _TENSOR_KEYS = frozenset((*_NAMED, *_FLAGS, "size", "chunks"))
 _PLANNER_KEYS = frozenset(("paths", "audit"))
-
-
-# ---------------------------------------------------------------------------- encoding
 
 
 @dataclass
@@ -256,9 +247,6 @@ def _path_element(value: object) -> str | int:
     return _str_key(value) if isinstance(value, str) else require_int("a path index", value)
 
 
-# ---------------------------------------------------------------------------- decoding
-
-
 def decode_dcp_metadata(raw: object, manifest: Manifest, path: str) -> Metadata:
     """DCP's ``Metadata`` from its plain form, checked against ``manifest`` field by field.
 
@@ -366,7 +354,14 @@ class _Decoder:
         if any(o + s > whole for o, s, whole in zip(offsets, sizes, size, strict=True)):
             raise ValueError(f"chunk {key[:80]}@{list(offsets)} lies outside its tensor")
         item = self.take(key, offsets, index)
-        _check_elements(key, dtype, sizes, item)
+        # No more elements than the item's bytes can hold, each size capped first so that no
+        # product of hostile sizes is ever formed.
+        limit = item.length * (ZSTD_MAX_RATIO if item.transforms else 1) // max(1, dtype.itemsize)
+        if math.prod(min(size, limit + 1) for size in sizes) > limit:
+            raise ValueError(
+                f"chunk {key[:80]} of {list(sizes)} {str(dtype)[6:]} elements is larger than"
+                f" its {item.length} stored bytes can hold"
+            )
         return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
 
     def planner(self, raw: object) -> dict[str, Any] | None:
@@ -422,26 +417,6 @@ def check_declared_sizes(metadata: Metadata, path: str) -> None:
                 f" {str(entry.properties.dtype)[6:]} elements ({numel}), more than its"
                 f" {len(entry.chunks)} chunk(s) hold ({held}))",
             )
-
-
-def _check_elements(key: str, dtype: torch.dtype, sizes: tuple[int, ...], item: ItemRecord) -> None:
-    """A chunk may hold no more elements than its item's bytes can: checked one dimension at a
-    time, so no product of hostile sizes is ever formed."""
-    if 0 in sizes:
-        return
-    stored = item.length * (ZSTD_MAX_RATIO if item.transforms else 1)
-    limit = stored // max(1, dtype.itemsize)
-    count = 1
-    for size in sizes:
-        count *= min(size, limit + 1)
-        if count > limit:
-            raise ValueError(
-                f"chunk {key[:80]} of {list(sizes)} {str(dtype)[6:]} elements is larger than"
-                f" its {item.length} stored bytes can hold"
-            )
-
-
-# ---------------------------------------------------------------------------- pickled metadata
 
 
 def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:

@@ -183,8 +183,6 @@ def _weights() -> torch.Tensor:
     return raw * 2 + 1
 
 
-# -- what a rank reports, and the coordinator's sums ----------------------------------------
-
 #: One piece as a rank reports it: (rank, offsets, sizes, global shape, block -> partial sum).
 Piece = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], dict[int, int]]
 
@@ -280,14 +278,9 @@ def _odd_copies(pieces: list[Piece], expected: dict[int, int]) -> list[tuple[int
     groups: dict[tuple[int, ...], list[Piece]] = {}
     for piece in pieces:
         groups.setdefault(piece[1], []).append(piece)
-    for copies in groups.values():
-        if _whole(copies[0]):
-            reference = expected
-        else:
-            values = Counter(tuple(sorted(p[4].items())) for p in copies)
-            if len(values) == 1:
-                continue
-            reference = dict(values.most_common(1)[0][0])
+    for copies in groups.values():  # a piece's most common copy, or the saved whole tensor
+        common = Counter(tuple(sorted(p[4].items())) for p in copies).most_common(1)[0][0]
+        reference = expected if _whole(copies[0]) else dict(common)
         odd += [(p[0], blocks[0]) for p in copies if (blocks := _differing(p[4], reference))]
     return odd
 

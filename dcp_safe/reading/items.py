@@ -65,12 +65,7 @@ class ItemReader:
     reads, hashes a large item's chunk while the next is read."""
 
     def __init__(
-        self,
-        lock: threading.RLock,
-        budget: LoadBudget,
-        *,
-        verify: bool,
-        allow_pickle: bool,
+        self, lock: threading.RLock, budget: LoadBudget, *, verify: bool, allow_pickle: bool
     ) -> None:
         self.lock, self.budget = lock, budget
         self.verify, self.allow_pickle = verify, allow_pickle

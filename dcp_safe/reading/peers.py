@@ -39,13 +39,7 @@ from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, ga
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.verify import items_by_file
-from dcp_safe.reading.sources import (
-    NodeCacheSource,
-    ReadSource,
-    RejectionReason,
-    Source,
-    SourceLog,
-)
+from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, Source, SourceLog
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
     DEFAULT_PEER_CHUNK_BYTES,
@@ -110,10 +104,9 @@ class PeerSource(Source):
         return self._peer_sources.get(file_name)
 
     def finish(self, log: SourceLog) -> None:
-        self._peer_sources = {}
-        if self._scratch is None:
+        scratch, self._scratch, self._peer_sources = self._scratch, None, {}
+        if scratch is None:
             return
-        scratch, self._scratch = self._scratch, None
         try:
             self.disk.remove_tree(scratch)
         except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
@@ -157,9 +150,8 @@ class PeerSource(Source):
     def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the
         ranks that hold them (a collective when the job has several ranks)."""
-        for file_name in needs:
-            if file_name in offers:  # a peer copy on this node's own disk
-                self._peer_sources[file_name] = offers[file_name]
+        # Peer copies on this node's own disk first.
+        self._peer_sources = {f: offers[f] for f in needs if f in offers}
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if self._group is None and several:
             self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)

@@ -114,24 +114,20 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
             first.setdefault(key, (item, dtype))
     owners = _owners(local, holders, first, read_bytes)
     transfers = _transfers(holders, first, owners)
-    result: list[LoadPlan] = []
-    for rank, plan in enumerate(local):
-        kept = [
-            item
-            for item, dtype in zip(plan.items, plan.dtypes, strict=True)
-            if owners.get(_identity(item, dtype), rank) == rank
-        ]
-        mine = [t for t in transfers if t.owner == rank or rank in t.dests]
-        result.append(
-            ReadOncePlan(
-                items=kept,
-                storage_data=plan.storage_data,
-                planner_data=plan.planner_data,
-                transfers=mine,
-                share=True,
-            )
+    return [
+        ReadOncePlan(
+            items=[
+                i
+                for i, d in zip(p.items, p.dtypes, strict=True)
+                if owners.get(_identity(i, d), r) == r
+            ],
+            storage_data=p.storage_data,
+            planner_data=p.planner_data,
+            transfers=[t for t in transfers if t.owner == r or r in t.dests],
+            share=True,
         )
-    return result
+        for r, p in enumerate(local)
+    ]
 
 
 def _owners(

@@ -20,7 +20,6 @@ import logging
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.node_cache import open_node_cache
@@ -112,8 +111,7 @@ class SourceLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._files = dict.fromkeys(ReadSource, 0)
-        self._bytes = dict.fromkeys(ReadSource, 0)
+        self._counts = {f"{n}_from_{s}": 0 for n in ("files", "bytes") for s in _FIELD.values()}
         self._rejections: list[CacheRejection] = []
 
     def reject(
@@ -140,15 +138,13 @@ class SourceLog:
     def count(self, source: ReadSource, stored_bytes: int, *, finished: bool) -> None:
         """``source`` delivered ``stored_bytes`` of a file (all that was left: ``finished``)."""
         with self._lock:
-            self._bytes[source] += stored_bytes
-            self._files[source] += finished
+            self._counts[f"bytes_from_{_FIELD[source]}"] += stored_bytes
+            self._counts[f"files_from_{_FIELD[source]}"] += finished
 
     def stats(self, cache_path: str | None) -> NodeCacheStats:
         with self._lock:
-            counts: dict[str, Any] = {f"files_from_{_FIELD[s]}": n for s, n in self._files.items()}
-            counts |= {f"bytes_from_{_FIELD[s]}": n for s, n in self._bytes.items()}
-            counts["rejections"] = tuple(self._rejections)
-        return NodeCacheStats(cache_path=cache_path, **counts)
+            rejections = tuple(self._rejections)
+            return NodeCacheStats(cache_path=cache_path, rejections=rejections, **self._counts)
 
 
 class Source:

@@ -250,8 +250,6 @@ def _read_layout(reader: _Readable, layout: TensorLayout, dest: torch.Tensor, ch
     return got == len(layout.suffix) and layout.matches(prefix, memoryview(suffix)[:got])
 
 
-# ------------------------------------------------------------------------- blocks of an item
-
 #: Regions of more separate runs than this are read whole (a slice along a later dim of a
 #: large tensor: every block is likely touched anyway, and planning would cost per run).
 MAX_RUNS = 1024
