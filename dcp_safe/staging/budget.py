@@ -158,16 +158,13 @@ class MemoryBudget:
         if in_flight >= max_in_flight:
             busy = f"{in_flight} generation(s) in flight, max_in_flight={max_in_flight}"
             return Admission(False, busy, available)
-        after = f"projected available memory {format_bytes(available)}"
-        reserve = f"the reserve {format_bytes(self.reserve)}"
         # Same test as ``projected_bytes > envelope_bytes``, including when the host is already
         # below its reserve (envelope 0): then only a save that stages nothing is admitted.
-        if projected_bytes > 0 and available < self.reserve:
-            staged = format_bytes(projected_bytes)
-            return Admission(
-                False, f"{after} after staging {staged} would fall below {reserve}", available
-            )
-        return Admission(True, f"{after} stays above {reserve}", available)
+        fits = projected_bytes == 0 or available >= self.reserve
+        staged = format_bytes(projected_bytes)
+        how = "stays above" if fits else f"after staging {staged} would fall below"
+        why = f"projected available memory {format_bytes(available)} {how} the reserve"
+        return Admission(fits, f"{why} {format_bytes(self.reserve)}", available)
 
     @classmethod
     def from_host(

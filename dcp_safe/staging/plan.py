@@ -13,19 +13,18 @@ and copying it would read released memory (docs/staging.md, "A snapshot of one m
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dcp_safe.errors import SnapshotMutatedError
-from dcp_safe.observe import SpanHandle
+from dcp_safe.observe import Phase, Recorder, SpanHandle
 from dcp_safe.staging._tree import Layout, stageable
 from dcp_safe.staging.guard import SnapshotGuard, tensor_paths
 from dcp_safe.staging.pool import BufferPool, Lease
@@ -100,7 +99,6 @@ class PlanCache:
     def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
         self._plans: OrderedDict[tuple[Any, ...], StagingPlan] = OrderedDict()
-        self._tokens = itertools.count(1)
         self.builds = self.hits = 0
         # Not ``next(reversed(self._plans.values()))``: that looks the key up again, and a
         # layout key (tuples per tensor) is not hash-cached: milliseconds at 10,000 tensors.
@@ -129,8 +127,8 @@ class PlanCache:
             self._plans.move_to_end(layout.key)
             self.hits += 1
         else:
-            plan = self._plans[layout.key] = StagingPlan(layout, self._pool, next(self._tokens))
-            self.builds += 1
+            self.builds += 1  # also the plan's token: unique in the pool
+            plan = self._plans[layout.key] = StagingPlan(layout, self._pool, self.builds)
             if len(self._plans) > _MAX_PLANS:
                 self._plans.popitem(last=False)  # its pooled views go when the pool needs them
         self._latest = plan
@@ -192,7 +190,7 @@ def copy_sources(
     gen: InFlightGeneration,
     layout: Layout,
     stream: torch.cuda.Stream | None,
-    profile: AbstractContextManager[Any],
+    recorder: Recorder,
     state_dict: dict[str, Any],
 ) -> dict[int, torch.Tensor]:
     """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id
@@ -202,7 +200,7 @@ def copy_sources(
     dsts = gen.lease.typed_views(plan.views)
     srcs = plan.copied(layout)
     held = plan.held_pointers
-    with torch.no_grad(), stream_ctx, profile:
+    with torch.no_grad(), stream_ctx, recorder.profile(Phase.STAGING):
         if gen.ready is not None and stream is not None:
             stream.wait_event(gen.ready)
         for start, stop in plan.chunks:

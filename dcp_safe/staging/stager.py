@@ -22,13 +22,13 @@ Admission runs on the caller's thread, so refusals come out of ``dcp.async_save`
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -107,7 +107,6 @@ class BudgetedStager(AsyncStager):
         self._stream = (
             torch.cuda.Stream() if torch.cuda.is_available() else None  # type: ignore[no-untyped-call]
         )
-        self._numbers = itertools.count(1)
         self._in_flight: dict[int, InFlightGeneration] = {}
         self._last = threading.local()
         self._latest: InFlightGeneration | None = None
@@ -149,12 +148,12 @@ class BudgetedStager(AsyncStager):
             waited = time.monotonic()
             with self._cond:
                 lease = self._lease(plan.request, None, "")
-                number = next(self._numbers)
+                counts = self._counts
+                counts.admitted += 1
+                number = counts.admitted  # the n-th admitted save is generation #n
                 gen = InFlightGeneration(number, lease, span, guard, plan, rank, started, confirmed)
                 self._in_flight[gen.number] = gen
-                counts = self._counts
                 counts.peak_in_flight = max(counts.peak_in_flight, len(self._in_flight))
-                counts.admitted += 1
                 counts.total_wait_s += time.monotonic() - waited
                 self._last.generation = self._latest = gen
         except BaseException as exc:
@@ -387,10 +386,7 @@ class BudgetedStager(AsyncStager):
         future: Future[StateDict],
     ) -> None:
         try:
-            profile = self.telemetry.profile
-            copy = lambda: copy_sources(  # noqa: E731
-                gen, layout, self._stream, profile(Phase.STAGING), state_dict
-            )
+            copy = partial(copy_sources, gen, layout, self._stream, self.telemetry, state_dict)
             staged, allocated = self._copy_guessed(gen, layout, copy)
             if (torn := gen.torn(state_dict)) is not None:
                 raise torn

@@ -74,18 +74,13 @@ class TelemetryReport:
         for column in ("save", "ok", "stall", "completion", *_PHASES, "written", "GB/s", "peak+"):
             table.add_column(column, justify="left" if column == "save" else "right")
         for s in self.saves:
+            gbps = s.throughput_bytes_per_s
             table.add_row(
-                s.save,
-                "yes" if s.ok else "NO",
-                _secs(s.stall_s),
-                _secs(s.completion_s),
-                *(_secs(s.phases_s.get(p)) for p in _PHASES),
-                _bytes(s.bytes),
-                "-"
-                if s.throughput_bytes_per_s is None
-                else f"{s.throughput_bytes_per_s / 1e9:.2f}",
+                s.save, "yes" if s.ok else "NO",
+                *map(_secs, (s.stall_s, s.completion_s, *(s.phases_s.get(p) for p in _PHASES))),
+                _bytes(s.bytes), "-" if gbps is None else f"{gbps / 1e9:.2f}",
                 _bytes(s.peak_rss_over_band_bytes),
-            )
+            )  # fmt: skip
         return table
 
     def print(self, console: Any = None) -> None:
