@@ -105,9 +105,17 @@ def validate_name(name: object) -> str:
             reserved words ``latest`` and ``_ATTEMPTS``, or characters outside
             ``[A-Za-z0-9_.=+-]``.
     """
+    reason = _refusal(name)
+    if reason is not None:
+        raise InvalidCheckpointNameError(name, reason)
+    return str(name)  # a str: _refusal checked
+
+
+def _refusal(name: object) -> str | None:
+    """Why ``name`` is no checkpoint name (the first reason that applies), or None."""
     if not isinstance(name, str):
-        raise InvalidCheckpointNameError(name, f"expected a str, got {type(name).__name__}")
-    for refused, reason in (  # the first that applies is the one reported
+        return f"expected a str, got {type(name).__name__}"
+    reasons = (
         (not name, "it is empty"),
         ("/" in name or "\\" in name, "it contains a path separator"),
         (".." in name, "it contains '..'"),
@@ -117,10 +125,8 @@ def validate_name(name: object) -> str:
         (len(name) > _MAX_NAME_LEN, f"it is longer than {_MAX_NAME_LEN} characters"),
         # fullmatch: `$` alone would pass a trailing newline
         (not _ALLOWED.fullmatch(name), "only letters, digits and _.=+- are allowed"),
-    ):
-        if refused:
-            raise InvalidCheckpointNameError(name, reason)
-    return name
+    )
+    return next((reason for refused, reason in reasons if refused), None)
 
 
 def format_name(name_format: str, step: int) -> str:
@@ -271,11 +277,7 @@ def _checked_id(save_id: str) -> str:
 
 def is_valid_name(name: object) -> bool:
     """Whether :func:`validate_name` accepts ``name`` (a listed entry may be a checkpoint)."""
-    try:
-        validate_name(name)
-    except InvalidCheckpointNameError:
-        return False
-    return True
+    return _refusal(name) is None
 
 
 def rank_manifest_name(rank: int) -> str:
