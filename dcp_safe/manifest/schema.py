@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -362,10 +361,9 @@ def check_metrics(metrics: object) -> dict[str, float | str]:
         if isinstance(value, str):
             checked[key] = require_str(f"metric {key!r}", value, max_length=255)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if -1e300 < value < 1e300 else math.inf  # a huge int, too
-            if not math.isfinite(number):
+            if not -1e300 < value < 1e300:  # NaN, an infinity, or a float or int past them
                 raise ValueError(f"metric {key!r} must be finite, got {value!r:.40}")
-            checked[key] = number
+            checked[key] = float(value)
         else:
             raise ValueError(
                 f"metric {key!r} must be a number or a str, got {type(value).__name__}"
