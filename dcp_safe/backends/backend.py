@@ -155,11 +155,8 @@ class Backend(abc.ABC):
 
     def sizes(self, rel: str) -> dict[str, int]:
         """The size of every regular file directly under the folder ``rel``, by name, from one
-        listing where the storage lists sizes (empty when absent).
-
-        A listing is a snapshot: a caller that finds a name missing and must be sure asks
-        :meth:`size` for it. This default asks :meth:`stat` for every entry.
-        """
+        listing where the storage lists sizes (empty when absent). A listing is a snapshot: a
+        caller that finds a name missing and must be sure asks :meth:`size` for it."""
         found: dict[str, int] = {}
         for name in self.list_dir(rel):
             with contextlib.suppress(FileNotFoundError):  # removed while we looked
@@ -176,12 +173,9 @@ class Backend(abc.ABC):
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
 
     def walk_files(self, rel: str) -> Iterator[str]:
-        """Every file under ``rel``, as paths relative to ``rel``.
-
-        Iterative, and at most :data:`MAX_WALK_DEPTH` folders deep: a deeper tree is not one
-        dcp_safe wrote, and raises :class:`~dcp_safe.errors.CheckpointCorruptError` naming it
-        (never a ``RecursionError``), so a caller walking many entries can pass it by.
-        """
+        """Every file under ``rel``, as paths relative to ``rel``. At most
+        :data:`MAX_WALK_DEPTH` folders deep: a deeper tree is not one dcp_safe wrote, and raises
+        CheckpointCorruptError naming it (never a ``RecursionError``), for a caller to pass by."""
         pending = [("", 0)]
         while pending:
             sub, depth = pending.pop()
@@ -198,11 +192,8 @@ class Backend(abc.ABC):
     def entries_holding(self, member: str, *, unless: str | None = None) -> list[str]:
         """The names directly under the root that hold the file ``<name>/<member>`` (the
         commit marker: which entries may be checkpoints), sorted; with ``unless``, not those
-        that also hold ``<name>/<unless>`` (a checkpoint in the trash).
-
-        This default costs a listing and a request per entry; backends that can answer from
-        listings alone (an object store: a request per 1,000 keys) do, in one walk.
-        """
+        that also hold ``<name>/<unless>`` (a checkpoint in the trash). An object store answers
+        from one walk (a request per 1,000 keys), not a request per entry."""
         found = [e for e in self.list_dir("") if self.exists(f"{e}/{member}")]
         return [e for e in found if unless is None or not self.exists(f"{e}/{unless}")]
 
@@ -235,9 +226,6 @@ class Backend(abc.ABC):
 
     def publish_dir(self, src: str, dst: str, *, replace: bool) -> str | None:
         """Atomically rename directory ``src`` to ``dst`` (``supports_atomic_rename`` only).
-
-        Without ``replace``, raises FileExistsError if ``dst`` exists. With ``replace``, an
-        existing ``dst`` is swapped out atomically and its new location is returned, for the
-        caller to remove.
-        """
+        Without ``replace``, FileExistsError if ``dst`` exists; with it, an existing ``dst`` is
+        swapped out atomically and its new location returned, for the caller to remove."""
         raise NotImplementedError(f"{type(self).__name__} cannot rename directories atomically")

@@ -200,9 +200,6 @@ def _listing(fd: int) -> tuple[list[str], list[str]]:
     others: list[str] = []
     with os.scandir(fd) as entries:
         for entry in entries:
-            try:
-                is_folder = entry.is_dir(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            (folders if is_folder else others).append(entry.name)
+            with suppress(FileNotFoundError):  # removed while we looked
+                (folders if entry.is_dir(follow_symlinks=False) else others).append(entry.name)
     return sorted(folders), sorted(others)

@@ -125,13 +125,10 @@ class FsspecBackend(Backend):
         self._exclusive = value
 
     def _probe_exclusive_create(self) -> bool:
-        """Whether the server refuses a second ``If-None-Match: *`` create of one object.
-
-        Sent to the storage under any fault-injecting wrapper: it asks about the server, and
-        must not shift a test's count of operations. A failed probe raises StorageError (and is
-        not remembered): a wrong answer either way would make two processes disagree on the
-        lease.
-        """
+        """Whether the server refuses a second ``If-None-Match: *`` create of one object. Sent
+        under any fault-injecting wrapper: it asks about the server, and must not shift a test's
+        count of operations. A failed probe raises StorageError and is not remembered: a wrong
+        answer either way would make two processes disagree on the lease."""
         target = self._target
         key = (str(getattr(target, "endpoint_url", None) or ""), self.root)
         if key in _PROBED:
@@ -385,8 +382,8 @@ def _create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
         code, status = s3_error(exc)
         if (
             isinstance(exc, FileExistsError)
-            or code in ("PreconditionFailed", "412")
             or status == 412
+            or code in ("PreconditionFailed", "412")
         ):
             return False
         raise

@@ -8,9 +8,12 @@ called missing (the error stays what a lone ``size`` would raise).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from dcp_safe.backends.backend import Backend
 
 
+@dataclass
 class ListedSizes:
     """Sizes of files under the folder ``base``, each folder listed once, on first use.
 
@@ -18,20 +21,16 @@ class ListedSizes:
     by a caller that lists them ahead (in parallel).
     """
 
-    def __init__(
-        self, backend: Backend, base: str, *, listed: dict[str, dict[str, int]] | None = None
-    ) -> None:
-        self.backend = backend
-        self.base = base
-        self.listed: dict[str, dict[str, int]] = listed if listed is not None else {}
+    backend: Backend
+    base: str
+    listed: dict[str, dict[str, int]] = field(default_factory=dict, kw_only=True)
 
     def path(self, rel: str) -> str:
         # ``rel`` as a path relative to the backend's root.
         return f"{self.base}/{rel}" if self.base else rel
 
     def size(self, rel: str) -> int:
-        """The size of the file at ``rel`` (relative to ``base``); FileNotFoundError when
-        neither its folder's listing nor a lone ``size`` found it."""
+        # FileNotFoundError when neither its folder's listing nor a lone ``size`` found it.
         folder, _, name = rel.rpartition("/")
         if folder not in self.listed:
             self.listed[folder] = self.backend.sizes(self.path(folder) if folder else self.base)

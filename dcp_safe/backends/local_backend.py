@@ -20,6 +20,7 @@ import ctypes
 import errno
 import io
 import logging
+import math
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -291,23 +292,21 @@ class LocalBackend(Backend):
         # that is a link is passed by, with a warning: nothing beneath a link is read.
         found = []
         for entry in self.list_dir(""):
-            try:
+            with suppress(FileNotFoundError):  # removed while we looked
                 kind = _kind(self._beneath.lstat(entry).st_mode)
-            except FileNotFoundError:
-                continue
-            if kind == "link":
-                log.warning("%s is a symbolic link: passed by", shown(self._beneath.path(entry)))
-            elif kind == "directory" and self.exists(f"{entry}/{member}"):
-                found.append(entry)
+                if kind == "link":
+                    log.warning(
+                        "%s is a symbolic link: passed by", shown(self._beneath.path(entry))
+                    )
+                elif kind == "directory" and self.exists(f"{entry}/{member}"):
+                    found.append(entry)
         return [e for e in found if unless is None or not self.exists(f"{e}/{unless}")]
 
 
 def _present(folder: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=folder, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
+    with suppress(FileNotFoundError):
+        return bool(os.stat(name, dir_fd=folder, follow_symlinks=False))
+    return False
 
 
 def _kind(mode: int) -> Literal["file", "directory", "link", "other"]:
@@ -339,15 +338,14 @@ class WritebackFile:
 
     def __init__(self, file: io.BufferedWriter, step: int = WRITEBACK_STEP_BYTES) -> None:
         self._file = file
-        self._step = step
+        self._step = step if _sync_file_range is not None else math.inf  # inf: never
         self._written = 0
         self._started = 0  # writeback was requested for [0, _started)
-        self._enabled = _sync_file_range is not None
 
     def write(self, data: bytes | bytearray | memoryview, /) -> int:
         count = self._file.write(data)
         self._written += count
-        if self._enabled and self._written - self._started >= self._step:
+        if self._written - self._started >= self._step:
             self._start_writeback()
         return count
 
@@ -361,5 +359,5 @@ class WritebackFile:
         if _sync_file_range(self._file.fileno(), self._started, length, _SYNC_FILE_RANGE_WRITE):
             # Refused here (a file system without it): the closing fsync does all the work, as
             # it would without this class.
-            self._enabled = False
+            self._step = math.inf
         self._started = self._written

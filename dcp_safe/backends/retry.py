@@ -180,14 +180,9 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
 
 def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: RetryPolicy) -> T:
     """Run ``fn`` (safe to run again after a transient failure), retrying transient failures.
-
-    Raises:
-        StorageError: naming ``op_name`` and ``path``: a transient failure outlasted the
-            attempts or the deadline (the last failure is its ``__cause__``), or the S3 client
-            stack refused to send the request at all (no credentials, a bad endpoint), with a
-            hint of what to check.
-        BaseException: any non-transient error from ``fn``, unchanged.
-    """
+    StorageError naming ``op_name`` and ``path`` when one outlasted the attempts or the deadline
+    (the last is its ``__cause__``), or the S3 client stack refused to send the request at all
+    (no credentials, a bad endpoint), with a hint; any other error from ``fn`` as it is."""
     start = policy.clock()
     for attempt in itertools.count(1):
         try:
@@ -195,9 +190,8 @@ def call_with_retries(op_name: str, path: str, fn: Callable[[], T], policy: Retr
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
             if not is_transient(exc):
-                if not isinstance(exc, OSError | DcpSafeError) and type(exc).__module__.startswith(
-                    _CLIENT_MODULES
-                ):
+                client = type(exc).__module__.startswith(_CLIENT_MODULES)
+                if client and not isinstance(exc, OSError | DcpSafeError):
                     raise StorageError(op_name, path, f"{failure} ({_CLIENT_HINT})") from exc
                 raise
             delay, now = policy.backoff_s(attempt - 1), policy.clock()

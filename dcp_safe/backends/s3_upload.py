@@ -164,8 +164,7 @@ class S3MultipartWriter:
 
     @property
     def buffer_bytes(self) -> int:
-        held = [self._buf, *self._free, *self._in_flight.values()]
-        return sum(len(block) for block in held)
+        return sum(map(len, [self._buf, *self._free, *self._in_flight.values()]))
 
     def tell(self) -> int:
         return self._pos
@@ -200,9 +199,7 @@ class S3MultipartWriter:
         try:
             self._collect(None)
             if self._upload_id is None:
-                body = self._last_block()
-                self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-                self._call("put_object", Body=_BlockBody(body), **_CHECKSUM)
+                self._call("put_object", Body=_BlockBody(self._last_block()), **_CHECKSUM)
             else:
                 if self._fill:
                     self._send_block()
@@ -232,11 +229,11 @@ class S3MultipartWriter:
         self._release()
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
-        out: dict[str, Any] = self._fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
-        return out
+        return dict(self._fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
 
     def _last_block(self) -> bytearray:
         del self._buf[self._fill :]
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return self._buf
 
     def _collect(self, return_when: str | None) -> None:
@@ -276,16 +273,10 @@ class S3MultipartWriter:
 
     def _upload_part(self, upload_id: str, number: int, body: bytearray) -> dict[str, Any]:
         try:
-            with _BlockBody(body) as view:
+            with _BlockBody(body) as f:
                 out = self._call(
-                    "upload_part",
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=view,
-                    **_CHECKSUM,
+                    "upload_part", UploadId=upload_id, PartNumber=number, Body=f, **_CHECKSUM
                 )
-        except StorageError:
-            raise
         except Exception as exc:
             raise StorageError("write", self.url, f"part {number}: {exc}") from exc
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
@@ -356,12 +347,8 @@ def abort_stale_uploads(
         elif name not in collected:
             continue  # no age: only with its abandoned save's prefix
         if not dry_run:
-            backend.fs.call_s3(  # type: ignore[attr-defined]
-                "abort_multipart_upload",
-                Bucket=upload["Bucket"],
-                Key=upload["Key"],
-                UploadId=upload["UploadId"],
-            )
+            ids = {key: upload[key] for key in ("Bucket", "Key", "UploadId")}
+            backend.fs.call_s3("abort_multipart_upload", **ids)  # type: ignore[attr-defined]
         aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
     return tuple(aborted)
 
