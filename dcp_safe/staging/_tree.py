@@ -143,8 +143,7 @@ def _copy(obj: Any, memo: dict[int, Any]) -> Any:
     if kind is dict or kind is OrderedDict:
         out: dict[Any, Any] = kind()
         memo[id(obj)] = out
-        state = getattr(obj, "__dict__", None)
-        if state:  # OrderedDict's instance attributes (state_dict()'s ``_metadata``)
+        if state := getattr(obj, "__dict__", None):  # an OrderedDict's (state_dict()'s _metadata)
             out.__dict__.update(_copy(state, memo))
         for key, value in obj.items():
             if type(value) not in _ATOMIC:
@@ -158,13 +157,12 @@ def _copy(obj: Any, memo: dict[int, Any]) -> Any:
         return items
     if kind is tuple:
         copied = tuple(v if type(v) in _ATOMIC else _copy(v, memo) for v in obj)
-        result = obj if all(a is b for a, b in zip(obj, copied, strict=True)) else copied
-        memo[id(obj)] = result
+        same = all(a is b for a, b in zip(obj, copied, strict=True))
+        memo[id(obj)] = result = obj if same else copied
         return result
     if isinstance(obj, DTensor):
         local = memo.get(id(dtensor_local(obj)), _MISSING)
         if local is not _MISSING:
-            rebuilt = rebuild_dtensor(local, obj)
-            memo[id(obj)] = rebuilt
+            memo[id(obj)] = rebuilt = rebuild_dtensor(local, obj)
             return rebuilt
     return copy.deepcopy(obj, memo)

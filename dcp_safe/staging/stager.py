@@ -118,17 +118,12 @@ class BudgetedStager(AsyncStager):
     # -- DCP's AsyncStager protocol -------------------------------------------------------------
 
     def stage(self, state_dict: StateDict) -> Future[StateDict]:
-        """Admit a save and start copying it; return a Future of the staged state dict.
-
-        Runs on the caller's thread until admission; the copy runs on the staging thread. The
-        Future fails with :class:`~dcp_safe.errors.SnapshotMutatedError` when a source changed
-        in place before its copy finished (in one process; several ranks: docs/staging.md).
-
-        Raises:
-            BudgetExceededError: the state is larger than the whole envelope.
-            AdmissionTimeoutError: not admitted within ``timeout_s`` (at once with
-                ``when_busy="raise"``).
-        """
+        """Admit a save (BudgetExceededError: larger than the whole envelope;
+        AdmissionTimeoutError: not admitted within ``timeout_s``, at once with
+        ``when_busy="raise"``) and start copying it on the staging thread; return a Future of
+        the staged dict. It fails with :class:`~dcp_safe.errors.SnapshotMutatedError` when a
+        source changed in place before its copy finished (in one process; several ranks:
+        docs/staging.md)."""
         started = time.perf_counter()
         layout = scan(state_dict)
         with self._cond:
@@ -257,11 +252,8 @@ class BudgetedStager(AsyncStager):
     def warm_up(self, state_dict: StateDict) -> int:
         """Allocate and first-touch buffers for ``state_dict`` now, so its first save reuses;
         return the host bytes allocated (0 when the pool already covers the state).
-
-        Raises:
-            BudgetExceededError: the state is larger than the whole envelope.
-            AdmissionTimeoutError: the pool cannot grow that much while other work holds it.
-        """
+        BudgetExceededError: larger than the whole envelope; AdmissionTimeoutError: the pool
+        cannot grow that much while other work holds it."""
         layout = scan(state_dict)
         with self._cond:
             plan = self._plans.get(layout)

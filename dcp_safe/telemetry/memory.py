@@ -69,10 +69,8 @@ class MemorySampler:
 
     ``proc_root`` and ``cgroup_root`` are mount points (tests point them at a fake tree). PSS and
     USS are read only while idle, at most every ``pss_interval_s`` (``None``: never).
-    ``on_sample`` is called with each sample, on the sampler's thread.
-
-    Raises:
-        ConfigError: an interval that is not positive, or ``max_samples < 1``.
+    ``on_sample`` is called with each sample, on the sampler's thread. An interval that is not
+    positive, or ``max_samples < 1``, is a ConfigError.
     """
 
     def __init__(
@@ -183,11 +181,8 @@ class MemorySampler:
             return list(self._samples)
 
     def peak(self, field: str) -> int | None:
-        """The largest value of ``field`` over the samples kept (``None`` if never present).
-
-        Raises:
-            ConfigError: ``field`` is not a :class:`MemorySample` figure.
-        """
+        """The largest value of ``field`` (a ConfigError unless a :class:`MemorySample` figure)
+        over the samples kept (``None`` if never present)."""
         if field not in FIELDS:
             raise ConfigError(f"unknown sample field {field!r}; one of {', '.join(FIELDS)}")
         return peak_of(self.samples(), field)

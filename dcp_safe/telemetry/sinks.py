@@ -148,10 +148,7 @@ _MEMORY_GAUGES = {
 class PrometheusSink(Sink):
     """Counters, gauges and histograms of saves, updated from events and samples. Given a
     ``telemetry``, the sink adds itself to it, and the budget gauges read its attached stagers
-    at scrape time.
-
-    Raises:
-        ConfigError: ``prometheus_client`` is not installed.
+    at scrape time. A ConfigError when ``prometheus_client`` is not installed.
     """
 
     def __init__(self, telemetry: Telemetry | None = None, *, namespace: str = "dcp_safe") -> None:
@@ -204,12 +201,10 @@ class PrometheusSink(Sink):
         # A collector too: collect() yields the memory gauges (none yet, so nothing is
         # described up front: they vary with what the host exposes).
         reg.register(self)
-        for name, text, stat in (
-            ("envelope_bytes", "The staging budget's envelope.", "envelope_bytes"),
-            ("used_bytes", "Host bytes the staging pool holds.", "pool_bytes"),
-        ):
-            gauge = metric(c.Gauge, f"budget_{name}", text)
-            gauge.set_function(functools.partial(self._stager_sum, stat))
+        envelope = metric(c.Gauge, "budget_envelope_bytes", "The staging budget's envelope.")
+        envelope.set_function(functools.partial(self._stager_sum, "envelope_bytes"))
+        used = metric(c.Gauge, "budget_used_bytes", "Host bytes the staging pool holds.")
+        used.set_function(functools.partial(self._stager_sum, "pool_bytes"))
         if telemetry is not None:
             telemetry.add_sink(self)
 
@@ -220,9 +215,8 @@ class PrometheusSink(Sink):
             self._span_end(event)
         elif event.kind is EventKind.MARK and event.name == "save_interval":
             self._interval(event.attrs)
-        elif event.kind is EventKind.MARK:
-            if (counter := self.marks.get(event.name)) is not None:
-                counter.inc()
+        elif event.kind is EventKind.MARK and event.name in self.marks:
+            self.marks[event.name].inc()
         elif event.kind is EventKind.STEP and event.duration_s is not None:
             self.step_seconds.observe(event.duration_s)
 
@@ -259,8 +253,7 @@ class PrometheusSink(Sink):
         from prometheus_client.core import GaugeMetricFamily
 
         for key, text in _MEMORY_GAUGES.items():
-            value = getattr(latest, key)
-            if value is not None:
+            if (value := getattr(latest, key)) is not None:
                 yield GaugeMetricFamily(f"{self._memory_prefix}{key}", text, value=value)
 
     def _stager_sum(self, field: str) -> float:
