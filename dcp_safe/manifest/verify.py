@@ -52,10 +52,6 @@ def items_by_file(
     return {path: sorted(items, key=lambda i: i.start) for path, items in by_file.items()}
 
 
-def _hasher(checksum: str) -> Hasher:
-    return new_hasher(checksum.partition(":")[0])  # a record's algorithm is a known one
-
-
 class FileCheck:
     """Checks one file against its manifest record as its bytes stream past, chunk by chunk.
 
@@ -67,7 +63,8 @@ class FileCheck:
 
     def __init__(self, path: str, record: FileRecord, items: list[ItemRecord]) -> None:
         self._path, self._record, self._position = path, record, 0
-        self._whole = None if record.checksum is None else _hasher(record.checksum)
+        # A record's algorithm is a known one (the record was checked when it was made).
+        self._whole = None if record.checksum is None else new_hasher(record.checksum.split(":")[0])
         ends = list(itertools.accumulate((item.length for item in items), initial=0))
         tiled = ends[-1] == record.size and [item.start for item in items] == ends[:-1]
         if (items or record.checksum is None) and not tiled:
@@ -111,20 +108,21 @@ class FileCheck:
                     for block, digest in enumerate(item.blocks.digests):
                         expected, actual = f"{algorithm}:{digest}", f"{algorithm}:{found[block]}"
                         check_digest(self._path, item.describe(), expected, actual, block=block)
-            following = next(self._pending, None)
-            if following is None:
+            if (following := next(self._pending, None)) is None:
                 self._item = None
                 return
-            self._item = (following, _hasher(following.checksum), self._blocks_for(following))
+            self._item = self._start(following)
 
-    def _blocks_for(self, item: ItemRecord) -> BlockHasher | None:
-        if (blocks := item.blocks) is None:
-            return None
+    def _start(self, item: ItemRecord) -> tuple[ItemRecord, Hasher, BlockHasher | None]:
+        """``item``'s hashers: of its bytes, and of its block digests' range (if it has any)."""
+        algorithm, blocks = item.checksum.partition(":")[0], item.blocks
+        if blocks is None:
+            return item, new_hasher(algorithm), None
         if blocks.at + blocks.length > item.length:
             reason = "block digests reach past the item"
             raise CheckpointCorruptError(self._path, reason, item=item.describe())
-        algorithm = item.checksum.partition(":")[0]
-        return BlockHasher(algorithm, item.start, blocks.at, blocks.length, blocks.block_bytes)
+        hasher = BlockHasher(algorithm, item.start, blocks.at, blocks.length, blocks.block_bytes)
+        return item, new_hasher(algorithm), hasher
 
 
 Box = tuple[Sequence[int], Sequence[int]]
