@@ -63,21 +63,14 @@ _gc_resume = False  # the collector ran when the first holder paused it
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector for the block (reference counting still frees memory):
-    what :func:`save` and :func:`load` run under.
+    what :func:`save` and :func:`load` run under (why, and what it saves: docs/architecture.md).
 
-    A save of many small tensors makes several hundred thousand short-lived containers (plan
-    items, write results, metadata entries, audit sums). Each one that outlives a young
-    collection counts towards a full one, which walks every object of the process (torch's
-    modules, the training state, the cached plans): at 10,000 tensors of 32 KiB the collector
-    took 0.2 to 0.4 s of a 1.5 s save, measured with ``gc.callbacks`` (and up to 0.3 s of a
-    0.6 s load of them). Paused, those containers die by reference count before any collection
-    sees them; what the call keeps is collected later, as it would have been. torch's own
-    ``get_state_dict`` / ``set_state_dict`` pause it the same way.
-
-    Only for the synchronous call, where the caller waits anyway: a background save
-    (``async_save``, the manager's thread executor) leaves the collector alone, since pausing it
-    there would pause it for the training thread too. Pauses nest across threads: the collector
-    runs again when the last paused call ends, and only if it was running when the first began.
+    A save of many small tensors makes several hundred thousand short-lived containers, each
+    counting towards a full collection that walks every object of the process: at 10,000
+    tensors of 32 KiB the collector took 0.2 to 0.4 s of a 1.5 s save (``gc.callbacks``).
+    Only for the synchronous call: in a background one it would pause for the training thread
+    too. Pauses nest across threads: the collector runs again when the last paused call ends,
+    and only if it was running when the first began.
     """
     global _gc_holders, _gc_resume
     with _gc_lock:
@@ -120,14 +113,8 @@ class _Call:
         if self.group is not None and is_collective_failure(exc):
             # DCP wraps storage and planner errors in CheckpointException; what comes out bare
             # from a collective is the transport's (a peer gone, or the deadline passed).
-            error = collective_failure(
-                exc,
-                rank=self.rank,
-                world_size=self.world_size,
-                deadline_s=self.deadline_s,
-                witnesses=self.witnesses,
-                operation=self.operation,
-            )
+            facts = ("rank", "world_size", "deadline_s", "witnesses", "operation")
+            error = collective_failure(exc, **{name: getattr(self, name) for name in facts})
             if self.owned:
                 discard_group(self.group)
             return error
@@ -323,8 +310,7 @@ def _load_and_share(
     }
     dcp_load_state_dict(loaded, reader, process_group, no_dist=no_dist, planner=planner)
     if planner.transfers:
-        rank = dist.get_rank(process_group)
-        planner.bytes_received = deliver_shared(planner, rank, process_group, timeout_s)
+        planner.bytes_received = deliver_shared(planner, process_group, timeout_s)
     for key in keys:
         value = state_dict[key]
         if isinstance(value, Stateful):

@@ -1,19 +1,16 @@
 """Send each shared entry from the rank that read it to the ranks that need it, after the load.
 
 :mod:`dcp_safe.reading.read_once` planned who reads what; this runs once DCP's load has returned on
-every rank (so every owner's reads succeeded, verified by the reader). Point-to-point sends on
-the load's own group, not broadcasts: an entry reaches exactly the ranks that asked for it (with
-HSDP, a shard's replicas, not the whole group), and ranks not involved in a transfer do not wait
-on it. Sends and receives go in two rounds (objects' lengths, then every transfer's bytes), each
-posted whole before any of it is waited on, with tags from the plan, so the order ranks get to
-them cannot deadlock; each wait is bounded by the group's
+every rank (every owner's reads succeeded, verified). Point-to-point sends on the load's group
+(docs/multirank.md, "Restores read each entry once"), in two rounds (objects' lengths, then
+every transfer's bytes), each posted whole before any of it is waited on, with tags from the
+plan, so the order ranks get to them cannot deadlock; each wait is bounded by the group's
 timeout, and a peer lost meanwhile raises the transport's error (translated by the caller).
 
 A transfer's tensors travel in one buffer, each at a 16-byte aligned offset, as their
-destination dtype (the plan matched it on both ends); an entry that is a whole contiguous CPU
-tensor alone in its transfer goes straight from and into its tensor. Objects travel as the
-sanitized stream the owner's planner loaded, so each receiver unpickles exactly what the owner
-did: first their lengths, then their bytes.
+destination dtype (the plan matched it on both ends); a whole contiguous CPU tensor alone in its
+transfer goes straight from and into its tensor. Objects travel as the sanitized stream the
+owner's planner loaded, so each receiver unpickles exactly what the owner did.
 """
 
 from __future__ import annotations
@@ -57,10 +54,10 @@ class SentObjects:
             self.payloads[key] = stream.getvalue()
 
 
-def deliver_shared(planner: SafeLoadPlanner, rank: int, group: Any, timeout_s: float | None) -> int:
+def deliver_shared(planner: SafeLoadPlanner, group: Any, timeout_s: float | None) -> int:
     """Send this rank's entries (its ``planner``'s transfers, objects dropped once sent) and
     receive the others' into ``planner``'s state dict; return the bytes this rank received."""
-    transfers, sent = planner.transfers, planner.sent_objects()
+    transfers, sent, rank = planner.transfers, planner.sent_objects(), dist.get_rank(group)
     # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
     timeout = timedelta(seconds=timeout_s or 0)
     # Objects announce their lengths first (tag 2t): a receiver sizes its buffer by them.

@@ -103,7 +103,8 @@ class RestoreReport(str):
     unaudited: tuple[str, ...]
 
     def __new__(cls, name: str, **keys: Iterable[str]) -> RestoreReport:
-        """``keys``: any of the key attributes (default: none)."""
+        """``keys``: any of the key attributes (default: none). A copy or pickle restores them
+        from the instance's ``__dict__`` (``str``'s own reduction)."""
         report = super().__new__(cls, name)
         report.name = name
         for kind in _REPORTED:
@@ -111,10 +112,6 @@ class RestoreReport(str):
         if keys:
             raise TypeError(f"RestoreReport has no {sorted(keys)}")
         return report
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        fields = {k: getattr(self, k) for k in _REPORTED}
-        return (functools.partial(RestoreReport, **fields), (self.name,))
 
 
 _REPORTED = ("restored", "skipped", "missing", "unexpected", "audited", "unaudited")
@@ -386,16 +383,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for key in missing:
             self._forget(key)
         asked = {self._stored_key(k) for k in wanted}
-        unexpected = (
-            {layout.per_rank_base(k) or k for k in stored if k not in asked} - set(wanted) - skipped
-        )
-        self.report = RestoreReport(
-            self.report.name,
-            restored=wanted - missing,
-            skipped=skipped,
-            missing=missing,
-            unexpected=unexpected,
-        )
+        unexpected = {layout.per_rank_base(k) or k for k in stored if k not in asked} - wanted
+        found = {"restored": wanted - missing, "skipped": skipped, "missing": missing}
+        self.report = RestoreReport(self.report.name, unexpected=unexpected - skipped, **found)
 
     def create_local_plan(self) -> LoadPlan:
         # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,
@@ -452,9 +442,7 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
     Plans without fingerprints (another planner) are left out of the comparison.
     """
     seen: dict[str, dict[int, list[int]]] = {}
-    for plan in plans:
-        if not isinstance(plan, FingerprintedPlan):
-            continue
+    for plan in [p for p in plans if isinstance(p, FingerprintedPlan)]:
         for key, digest in plan.fingerprints.items():
             seen.setdefault(key, {}).setdefault(digest, []).append(plan.rank)
     return {

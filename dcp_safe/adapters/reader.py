@@ -70,9 +70,8 @@ class SafeStorageReader(StorageReader):
 
     Args:
         root: a directory, an fsspec URL, or a :class:`~dcp_safe.topology.Root` with its fsspec
-            options (as are ``fallback`` and ``node_cache``).
-        storage_options: the shorthand of ``Root(root, storage_options=...)``; a ``fallback``
-            given as a path or URL gets them too.
+            options (as are ``fallback`` and ``node_cache``; ``storage_options`` is the
+            shorthand, which a ``fallback`` given as a path or URL gets too).
         verify: check item checksums while reading (the marker, manifest and ``.metadata``
             are always checked).
         checkpoint_id: the default checkpoint when ``dcp.load`` is given none; ``"latest"``.
@@ -86,9 +85,8 @@ class SafeStorageReader(StorageReader):
         thread_count: files read at once (default: up to 4, at most the CPUs); the planner is
             called from one thread at a time.
         load_budget_bytes: the most transient host bytes the reads hold at once beyond the
-            target state (:class:`~dcp_safe.reading.budget.LoadBudget`; an item costing more
-            is admitted alone, so a small budget slows a load but never deadlocks it). ``None``:
-            no bound. What was held: :meth:`memory_stats`.
+            target state (:class:`~dcp_safe.reading.budget.LoadBudget`); ``None``: no bound.
+            What was held: :meth:`memory_stats`.
         node_cache: this node's local root (``NodeLocalWriter``'s ``root``): each file is read
             from this node's cache where it holds the remote's very save, every item verified,
             and from the remote otherwise (a bad cache never fails a load the remote can serve).
@@ -98,9 +96,8 @@ class SafeStorageReader(StorageReader):
             dcp_safe's own group; its timeout is the deadline). Needs ``node_cache``.
 
     Raises:
-        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), a
-            bad key, ``thread_count`` below 1, ``load_budget_bytes`` not a positive int, or
-            ``peers`` without ``node_cache``; a keyword that moved into a root
+        ConfigError: ``verify=False`` with a signing key (unverified bytes prove nothing), an
+            argument out of its range, or a keyword that moved into a root
             (:data:`~dcp_safe.adapters.options.READER_MOVED`).
     """
 
@@ -163,8 +160,7 @@ class SafeStorageReader(StorageReader):
         self._spare: Backend | None = None
         self._spare_checked = False
         self.items_from_fallback = 0
-        # Files are read on several threads; the planner, the spare tier and the counters are
-        # shared between them.
+        # Files are read on several threads, sharing the planner, the spare tier and counters.
         self._lock = threading.RLock()
         self._items = ItemReader(self._lock, budget, verify=verify, allow_pickle=allow_pickle)
         self._log = SourceLog()
@@ -187,8 +183,8 @@ class SafeStorageReader(StorageReader):
         return self._items.items_read
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Resolve and open the checkpoint on the remote, then check each partial source's copy
-        of it (a copy that does not match is passed by, never an error).
+        """Resolve and open the checkpoint, then check each partial source's copy of it (one
+        that does not match is passed by, never an error).
 
         Raises:
             InvalidCheckpointNameError: a malformed name.
@@ -278,11 +274,20 @@ class SafeStorageReader(StorageReader):
             self._items.bytes_read += self._stored_bytes(plan.items)
         for requests in by_file.values():
             requests.sort(key=lambda r: storage[r.storage_index].offset)
+        workers = max(1, min(self.thread_count, len(by_file)))
         try:
             for source in self.sources:
                 source.prepare(set(by_file), self._log)
-            self._read_files(by_file, planner)
+            # One helper thread per reader thread hashes a large item's chunk while the next is
+            # read; the first failure, in file order, is raised once every read has ended.
+            with (
+                ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-hash") as hashing,
+                ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool,
+            ):
+                self._items.hash_pool = hashing if self.verify else None
+                list(pool.map(self._read_file, by_file, by_file.values(), repeat(planner)))
         finally:
+            self._items.hash_pool = None
             for source in self.sources:
                 source.finish(self._log)
         future: Future[None] = Future()
@@ -293,20 +298,6 @@ class SafeStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         checkpoint_id = os.fspath(checkpoint_id)
         return checkpoint_id == layout.LATEST or layout.is_valid_name(checkpoint_id)
-
-    # ----------------------------------------------------------------- helpers
-
-    def _read_files(self, by_file: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
-        workers = max(1, min(self.thread_count, len(by_file)))
-        # One helper thread per reader thread hashes a large item's chunk while the next is read.
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-hash") as hashing:
-            self._items.hash_pool = hashing if self.verify else None
-            try:
-                with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-read") as pool:
-                    # The first failure, in file order, is raised (once every read has ended).
-                    list(pool.map(self._read_file, by_file, by_file.values(), repeat(planner)))
-            finally:
-                self._items.hash_pool = None
 
     def _stored_bytes(self, requests: list[ReadItem]) -> int:
         assert self._metadata is not None
@@ -421,8 +412,7 @@ class SafeStorageReader(StorageReader):
     def _load_from_spare(
         self, rel: str, request: ReadItem, planner: LoadPlanner, cause: Exception
     ) -> None:
-        """One item from the spare tier: its read on the remote failed with ``cause`` (raised
-        without a spare)."""
+        """One item from the spare tier, its read on the remote having failed with ``cause``."""
         spare = self._spare_tier()
         if spare is None:
             raise cause

@@ -126,8 +126,8 @@ def learnt_format() -> TorchFileFormat | None:
             (name, None if name.partition("/")[2] in constant else content)
             for name, content in records
         )
-        alignment = int(dict(records).get(f"{archive}/.storage_alignment", b"64"))
-        return TorchFileFormat(archive, named, alignment)
+        alignment = dict(records).get(f"{archive}/.storage_alignment", b"64")
+        return TorchFileFormat(archive, named, int(alignment))
     except (ValueError, KeyError, struct.error, UnicodeDecodeError):
         return None
 
@@ -177,16 +177,14 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
             "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
             len(encoded), 0, 0, 0, 0, 0, position,
         ) + encoded  # fmt: skip
-        position = start + pad
         if kind == "data/0":
             out = tail  # the tensor's bytes go between the two
         else:
             if kind == ".data/serialization_id":
                 id_at = len(tail)
             out += data
-        position += size
         out += struct.pack("<IIII", _DESCRIPTOR, 0, size, size)
-        position += 16
+        position = start + pad + size + 16
     if out is not tail or id_at < 0:
         return None
     count, directory_at = len(fmt.records), position
@@ -245,11 +243,9 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can
     (:func:`template_parts`); ``False``, nothing written, if it cannot."""
     parts = template_parts(tensor)
-    if parts is None:
-        return False
-    for part in parts:
+    for part in parts or ():
         out.write(part)
-    return True
+    return parts is not None
 
 
 def minimal_cpu_tensor(data: Any) -> torch.Tensor:
@@ -285,18 +281,15 @@ def write_item(
             raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
         target.write(data.getbuffer())
     else:
-        tensor = minimal_cpu_tensor(data)
         # torch.save's exact bytes from a template where it can (36 us an item instead of
         # 370 here); torch.save itself for the rest.
-        parts = template_parts(tensor)
+        parts = template_parts(tensor := minimal_cpu_tensor(data))
         if parts is None:
             save_tensor_without_crc(tensor, target)
-        else:
-            prefix, payload, _ = parts
-            if block_bytes and not compressed and payload.nbytes >= BLOCK_DIGEST_MIN_BYTES:
-                out.hash_blocks(at=len(prefix), length=payload.nbytes, block_bytes=block_bytes)
-            for part in parts:
-                target.write(part)
+        elif block_bytes and not compressed and parts[1].nbytes >= BLOCK_DIGEST_MIN_BYTES:
+            out.hash_blocks(at=len(parts[0]), length=parts[1].nbytes, block_bytes=block_bytes)
+        for part in parts or ():
+            target.write(part)
     if compressed:
         target.close()
         return (ZSTD_DESCRIPTOR,)

@@ -1,36 +1,21 @@
 """A save without collectives (``use_collectives=False``): the ranks agree and report on storage.
 
 DCP then plans on every rank alone and exchanges no plans and no results, so the two steps that
-need every rank (docs/multirank.md, "Saves without collectives") go through the shared root:
+need every rank go through the shared root (the protocol, the assignment key's rule and what it
+trusts with and without a signing key: docs/multirank.md, "Saves without collectives"):
 
 - **Agree** (``prepare_global_plan``): rank 0 claims the name as always, then posts the save id
-  and its plain keys with their fingerprints in the assignment file beside the checkpoints,
-  named by a key every rank of one save computes alike and no earlier save of the name shares
-  (:func:`save_key`: ``<run id>-<attempt>-<saves of this name begun through this writer>``;
-  it assumes every rank's writer is made the same way and sees the same saves). Rank 0
-  removes the file when its save ends, so only a process killed mid-save leaves one behind, and
-  its job restarts with a higher attempt (``TORCHELASTIC_RESTART_COUNT``). Without an attempt a
-  crashed run's leftover could be read by the next run's first save of that name: the ranks
-  then disagree on the save id, the save fails typed (a rank never reports) and commits nothing.
-- **Who writes what**, without DCP's plan exchange (which keeps one copy of each replicated
-  entry): a plain entry (a tensor or object that is not sharded) is written by rank 0 when rank
-  0 holds it, else by each rank that holds it; the others skip rank 0's plain keys and refuse a
-  copy whose fingerprint differs (:class:`DivergentStateError`, unless ``check_divergence`` is
-  off). A DTensor chunk is written by the ranks at coordinate 0 of each mesh dimension it is
-  replicated over.
-- **Gather** (``finish``): a rank other than 0 writes a report after its rank manifest: its
-  metadata in the plain form manifests use (its audit sums cover only its blocks of a sharded
-  tensor, rank 0 adds them up) and the checksum of its rank manifest, whose items are its
-  results. A rank whose write fails leaves a failure marker instead. Rank 0 polls ``_ranks/``
-  until every rank reported, one failed, or the deadline passed, merges, and the unchanged
-  :class:`~dcp_safe.commit.committer.Committer` verifies and publishes. Reports are removed
-  before the publish: they are no part of the checkpoint.
+  and its plain keys with their fingerprints in an assignment file named by :func:`save_key`;
+  the others take it, leave rank 0's plain keys to it and refuse a copy whose fingerprint
+  differs (:class:`DivergentStateError`). Who writes what: :func:`items_to_write`.
+- **Gather** (``finish``): a rank other than 0 writes a report after its rank manifest (its
+  metadata in plain form, the checksum of that manifest), or a failure marker; rank 0 polls
+  ``_ranks/`` until every rank reported, one failed, or the deadline passed, merges, and the
+  unchanged :class:`~dcp_safe.commit.committer.Committer` verifies and publishes.
 
-With a signing key, the assignment and every report carry an HMAC under it
-(:func:`~dcp_safe.manifest.signing.part_mac`): a rank takes only an assignment it authenticates
-(a writer of the root without the key can at most delay it, to the deadline), and rank 0
-refuses a report without one that matches, or a rank manifest of other bytes than its report
-names. Without a key, rank 0 trusts whoever can write the root.
+With a signing key the assignment and every report carry an HMAC under it
+(:func:`~dcp_safe.manifest.signing.part_mac`), and rank 0 refuses a rank manifest of other bytes
+than its report names.
 """
 
 from __future__ import annotations
@@ -423,7 +408,9 @@ def plain_keys(plan: SavePlan) -> dict[str, int | None]:
 def items_to_write(
     items: Sequence[WriteItem], assignment: Assignment, planner: SavePlanner
 ) -> list[WriteItem]:
-    """The items of a save without collectives that this rank writes (the module's rule)."""
+    """The items of a save without collectives that this rank writes: a plain entry (a tensor
+    or object that is not sharded) when rank 0 does not hold it (``assignment.skip``), a DTensor
+    chunk at coordinate 0 of each mesh dimension it is replicated over."""
     state = getattr(planner, "state_dict", None)
     state = state if isinstance(state, dict) else {}
     return [
@@ -515,10 +502,9 @@ def _merged(metadatas: Sequence[Metadata]) -> Metadata:
             pieces = held.chunks if isinstance(held, TensorStorageMetadata) else []
             audits.setdefault(key, {}).setdefault(frozenset(tuple(c.offsets) for c in pieces), sums)
         paths.update(planner)
-    for key, entry in state.items():
-        if isinstance(entry, TensorStorageMetadata):
-            merged = [*chunks.get(key, {}).values()]
-            state[key] = TensorStorageMetadata(entry.properties, entry.size, merged)
+    for key, by_offsets in chunks.items():
+        entry = state[key]
+        state[key] = TensorStorageMetadata(entry.properties, entry.size, [*by_offsets.values()])
     if audits:
         paths[layout.AUDIT_KEY] = {
             key: {

@@ -8,6 +8,8 @@ each rank's own values; replicated state that really is equal saves as before.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import dcp_safe
 from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints
 from dcp_safe.adapters.planners import (
     FingerprintedPlan,
+    RestoreReport,
     divergent_keys,
     fingerprint,
     fingerprints_of,
@@ -204,3 +207,15 @@ def test_a_selective_load_reports_what_it_restored_skipped_and_found_missing(
     assert torch.equal(asking_more["model"]["w"], torch.ones(4))
     assert partial.report.missing == ("model.extra",)
     assert partial.report.unexpected == ("model.b", "optim.lr")
+
+
+def test_a_restore_report_survives_pickling_and_copying_with_every_key_list() -> None:
+    report = RestoreReport("step_1", restored=["b", "a"], missing=["m"], audited=["a"])
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        again = pickle.loads(pickle.dumps(report, protocol=proto))
+        assert type(again) is RestoreReport and again == "step_1" and again.name == "step_1"
+        assert vars(again) == vars(report) and again.restored == ("a", "b")
+    assert vars(copy.deepcopy(report)) == vars(report) == vars(copy.copy(report))
+    assert report.audited == ("a",) and report.skipped == ()
+    with pytest.raises(TypeError, match="restord"):
+        RestoreReport("step_1", restord=["a"])
