@@ -209,21 +209,17 @@ def verify_opened(
     size_of = backend.size if deep else ListedSizes(backend, "").size
     for record in manifest.files:
         rel = f"{name}/{record.path}"
+        path = backend.full_path(rel)
         try:
             size = size_of(rel)
         except FileNotFoundError:
-            raise CheckpointCorruptError(backend.full_path(rel), "file is missing") from None
+            raise CheckpointCorruptError(path, "file is missing") from None
         if size != record.size:
-            raise CheckpointCorruptError(
-                backend.full_path(rel),
-                "file size differs from the manifest",
-                expected=record.size,
-                actual=size,
-            )
+            why = "file size differs from the manifest"
+            raise CheckpointCorruptError(path, why, expected=record.size, actual=size)
         if deep:
             with backend.open_read(rel) as stream:
-                items = by_file.get(record.path, [])
-                bytes_read += check_stream(stream, backend.full_path(rel), record, items)
+                bytes_read += check_stream(stream, path, record, by_file.get(record.path, []))
         if progress is not None:
             progress(record)
     if deep:
@@ -263,12 +259,8 @@ def _verify_rank_manifests(backend: Backend, name: str, manifest: Manifest) -> N
     """Each rank manifest (already checksummed as a file) must agree with the global one."""
     for rank in range(manifest.world_size):
         rel = f"{name}/{layout.rank_manifest_name(rank)}"
-        raw = backend.read_small(rel, MANIFEST_MAX_BYTES)
-        rank_manifest = RankManifest.from_json(raw, backend.full_path(rel))
-        for item in rank_manifest.items:
+        path = backend.full_path(rel)
+        for item in RankManifest.from_json(backend.read_small(rel, MANIFEST_MAX_BYTES), path).items:
             if manifest.item(item.key) != item:
-                raise CheckpointCorruptError(
-                    backend.full_path(rel),
-                    f"rank manifest disagrees with {layout.MANIFEST}",
-                    item=item.describe(),
-                )
+                why = f"rank manifest disagrees with {layout.MANIFEST}"
+                raise CheckpointCorruptError(path, why, item=item.describe())

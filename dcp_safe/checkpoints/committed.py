@@ -162,10 +162,8 @@ def open_header(backend: Backend, name: str) -> tuple[CommittedHeader, str]:
 def _read_committed(backend: Backend, name: str) -> tuple[bytes, str, str]:
     """``name``'s manifest bytes, their digest (checked against the marker) and its path."""
     path = backend.full_path(f"{name}/{layout.MANIFEST}")
-    found = read_marked_manifest(
-        backend, name, layout.COMMITTED_MARKER, "committed checkpoint", path
-    )
-    return (*found, path)
+    got = read_marked_manifest(backend, name, layout.COMMITTED_MARKER, "committed checkpoint", path)
+    return (*got, path)
 
 
 def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> CommittedCheckpoint:
@@ -328,11 +326,8 @@ def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> N
     except CheckpointCorruptError as exc:  # not a regular file, or too large
         raise SignatureError(backend.full_path(rel), f"unusable signature file: {exc}") from None
     check_signature(key, opened.digest, signature, manifest_path)
-    weak = [
-        checksum
-        for checksum in [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
-        if checksum is not None and not is_cryptographic(checksum)
-    ]
+    sums = [f.checksum for f in manifest.files] + [i.checksum for i in manifest.items]
+    weak = [sum_ for sum_ in sums if sum_ is not None and not is_cryptographic(sum_)]
     if weak or not is_cryptographic(manifest.checksum_algorithm + ":"):
         shown = weak[0] if weak else manifest.checksum_algorithm
         raise SignatureError(manifest_path, f"signed over a non-cryptographic checksum ({shown})")

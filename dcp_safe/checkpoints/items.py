@@ -369,14 +369,7 @@ def _check_item(
         data = StreamSource(stream, item.start, item.length)
     else:
         bound = OBJECT_MAX_DECODED_BYTES if tensor is None else tensor_item_bound(*tensor)
-        raw = read_verified(
-            stream,
-            path=path,
-            item=label,
-            start=item.start,
-            length=item.length,
-            checksum=item.checksum,
-        )
+        raw = read_verified(stream, path, label, item.start, item.length, item.checksum)
         data = decode_transforms(raw, item.transforms, max_bytes=bound, path=path, item=label)
     if tensor is None:
         decode_object(data, path, label, materialize=False)

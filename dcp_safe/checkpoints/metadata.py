@@ -96,9 +96,7 @@ def _plain_from_pickle(backend: Backend, name: str, manifest: Manifest, path: st
         )
     try:
         with backend.open_read(f"{name}/{layout.DCP_METADATA}") as stream:
-            raw = read_verified(
-                stream, path=path, item=None, start=0, length=record.size, checksum=record.checksum
-            )
+            raw = read_verified(stream, path, None, 0, record.size, record.checksum)
     except FileNotFoundError:
         raise CheckpointCorruptError(path, "file is missing") from None
     try:

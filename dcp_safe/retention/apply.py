@@ -24,7 +24,7 @@ from dcp_safe.retention.sweeper import (
     DEFAULT_GRACE_S,
     SweepReport,
     open_sweepable,
-    sweep_backend,
+    sweep_partials,
     sweep_trash,
 )
 from dcp_safe.topology import RootLike, as_root
@@ -79,7 +79,7 @@ def apply_retention(
         ConfigError: a negative ``keep_last`` or ``grace_s``, or a bucket root without
             ``allow_bucket_root``; nothing is removed.
     """
-    policy = KeepLast(keep_last)
+    policy = KeepLast(keep_last)  # refused before anything is read
     root = as_root(root, storage_options)
     backend = open_sweepable(root, grace_s, allow_bucket_root=allow_bucket_root)
     not_counted: list[str] = []
@@ -93,7 +93,9 @@ def apply_retention(
     records = [CheckpointRecord(i.name, i.step, True) for i in infos if i.step is not None]
     decision = decide(records, policy)
     dropped = decision.drop if dry_run else tuple(n for n in decision.drop if _retired(backend, n))
-    sweep = sweep_backend(backend, grace_s, dry_run)
+    sweep = sweep_partials(
+        root, grace_s=grace_s, dry_run=dry_run, allow_bucket_root=allow_bucket_root
+    )
     trash = None if trash_grace_s is None else sweep_trash(backend, trash_grace_s, dry_run=dry_run)
     return RetentionReport(
         kept=decision.keep,

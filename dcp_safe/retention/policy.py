@@ -132,10 +132,12 @@ class KeepWithin:
 
     def __post_init__(self) -> None:
         value = self.seconds
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ConfigError(f"keep_within_s must be seconds >= 0, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"keep_within_s must be finite, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value < math.inf
+        ):
+            raise ConfigError(f"keep_within_s must be finite seconds >= 0, got {value!r}")
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         newest = max((r.created_at for r in records), default=0.0)

@@ -86,7 +86,8 @@ def sweep_partials(
     backend = open_sweepable(
         as_root(root, storage_options), grace_s, allow_bucket_root=allow_bucket_root
     )
-    return sweep_backend(backend, grace_s, dry_run, now)
+    leftovers = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
+    return strategy_for(backend).sweep(leftovers.partial_folders, leftovers.leased_prefixes)
 
 
 def sweep_trash(
@@ -100,8 +101,7 @@ def sweep_trash(
     if not grace_s >= 0:
         raise ConfigError(f"the trash's grace period must be seconds >= 0, got {grace_s}")
     sweep = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
-    removed: list[str] = []
-    recent: list[str] = []
+    removed, recent = list[str](), list[str]()
     for _, entry in trash_entries(backend):
         marker = f"{entry}/{layout.TRASH_MARKER}"
         with sweep._passed_by_if_damaged(entry):
@@ -119,14 +119,6 @@ def sweep_trash(
                 backend.remove_tree(entry)
             removed.append(entry)
     return SweepReport(removed=tuple(removed), too_recent=tuple(recent), dry_run=dry_run)
-
-
-def sweep_backend(
-    backend: Backend, grace_s: float, dry_run: bool, now: float | None = None
-) -> SweepReport:
-    """:func:`sweep_partials` on a backend :func:`open_sweepable` gave."""
-    leftovers = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
-    return strategy_for(backend).sweep(leftovers.partial_folders, leftovers.leased_prefixes)
 
 
 @dataclass(frozen=True)
@@ -154,8 +146,7 @@ class _Sweep:
         backend, now = self.backend, self.now
         # Uploads are listed first: one that starts after this look is never a candidate.
         uploads = incomplete_uploads(backend)
-        removed = self._probes()
-        recent: list[str] = []
+        removed, recent = self._probes(), list[str]()
         collected: list[str] = []  # whole prefixes (not debris under committed names)
         for entry in backend.list_dir(""):
             if not layout.is_valid_name(entry):
