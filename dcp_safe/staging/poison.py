@@ -10,16 +10,17 @@ one process the staging future simply fails.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 # The key of the only entry of a poisoned state dict (a name no model uses).
 POISON_KEY = "__dcp_safe_staging_failed__"
 
 
+@dataclass(eq=False)
 class FailedStaging:
     # The entry of a poisoned state dict: any attempt to plan or serialize it raises ``error``.
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    error: Exception
 
     def __create_write_items__(self, fqn: str, obj: object) -> NoReturn:
         # DCP's planner calls this while making the local plan, inside its collective.
@@ -30,9 +31,6 @@ class FailedStaging:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FailedStaging:
         return self
-
-    def __repr__(self) -> str:
-        return f"FailedStaging({self.error!r})"
 
 
 def poisoned(error: Exception) -> dict[str, Any]:

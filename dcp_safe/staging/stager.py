@@ -386,7 +386,20 @@ class BudgetedStager(AsyncStager):
             del staged
         except BaseException as exc:
             # A resize between the request and the copy surfaces as a shape error first.
-            self._fail_generation(gen, future, gen.torn(state_dict, exc) or exc)
+            error = gen.torn(state_dict, exc) or exc
+            gen.span.fail(error)
+            gen.staged.set()
+            self._release(gen, writer_done=True)  # nothing will read these buffers
+            if isinstance(error, SnapshotMutatedError):
+                with self._cond:
+                    self._counts.torn += 1
+            if gen.rank is not None and isinstance(error, Exception):
+                # A failed Future would keep this rank out of DCP's planning collective and leave
+                # peers waiting for their deadline (:mod:`dcp_safe.staging.poison`).
+                future.set_result(StagedStateDict(poisoned(error)))
+            else:
+                gen.error = error
+                future.set_exception(error)
             return
         # At interpreter exit there is nothing left to reuse.
         weakref.finalize(result, self._dropped, gen).atexit = False
@@ -432,23 +445,6 @@ class BudgetedStager(AsyncStager):
         gen.confirmed = True
         allocated += gen.lease.materialize()
         return copy(), allocated
-
-    def _fail_generation(
-        self, gen: InFlightGeneration, future: Future[StateDict], error: BaseException
-    ) -> None:
-        gen.span.fail(error)
-        gen.staged.set()
-        self._release(gen, writer_done=True)  # nothing will read these buffers
-        if isinstance(error, SnapshotMutatedError):
-            with self._cond:
-                self._counts.torn += 1
-        if gen.rank is not None and isinstance(error, Exception):
-            # A failed Future would keep this rank out of DCP's planning collective and leave
-            # peers waiting for their deadline (:mod:`dcp_safe.staging.poison`).
-            future.set_result(StagedStateDict(poisoned(error)))
-            return
-        gen.error = error
-        future.set_exception(error)
 
     # -- release --------------------------------------------------------------------------------
 
