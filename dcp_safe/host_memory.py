@@ -58,11 +58,9 @@ def read_host(
     usable, source, available = int(vm.total), "MemTotal", int(vm.available)
     root = Path(cgroup_root)
     v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
-    candidates = (
-        [] if v2_rel is None else [(d, *_V2_FILES) for d in _self_and_ancestors(root, v2_rel)]
-    )
-    for rel in ([v1_rel] if v1_rel is not None else []) + ["/"]:
-        candidates += [(d, *_V1_FILES) for d in _self_and_ancestors(root / "memory", rel)]
+    v2 = [] if v2_rel is None else _self_and_ancestors(root, v2_rel)
+    v1 = [d for rel in (v1_rel or "/", "/") for d in _self_and_ancestors(root / "memory", rel)]
+    candidates = [(d, *_V2_FILES) for d in v2] + [(d, *_V1_FILES) for d in v1]
     headroom: int | None = None
     for directory, limit_name, usage_name, version in candidates:
         limit = _read_int(directory / limit_name)

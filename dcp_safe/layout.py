@@ -159,9 +159,7 @@ def peer_partial_dir(name: str, node: int, save_id: str) -> str:
 def peer_node_of(entry: str) -> int | None:
     """The node of a committed peer copy's folder name (``from_node_00001`` -> 1), else ``None``."""
     digits = entry.removeprefix(_PEER_NODE_PREFIX)
-    if digits == entry or len(digits) < 5 or not digits.isdigit():
-        return None
-    return int(digits)
+    return int(digits) if digits != entry and len(digits) >= 5 and digits.isdigit() else None
 
 
 def peer_restore_dir(token: str) -> str:

@@ -170,8 +170,7 @@ def legacy_storage_type(dtype: torch.dtype) -> type | None:
     :mod:`dcp_safe.adapters.tensor_records` writes and recognises ``torch.save``'s exact bytes for
     these; any other dtype goes through ``torch.save``/``torch.load`` themselves.
     """
-    name = _STORAGE_NAMES.get(dtype)
-    storage_type = None if name is None else getattr(torch, name, None)
+    storage_type = getattr(torch, _STORAGE_NAMES.get(dtype, ""), None)
     return storage_type if isinstance(storage_type, type) else None
 
 
@@ -271,13 +270,11 @@ def save_tensor_without_crc(tensor: torch.Tensor, out: Any) -> None:
 # 4,096 tensors of 32 KiB). Private in name.
 def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
     """``dst.copy_(src)`` for every pair, in one call where ``_foreach_copy_`` takes them."""
-    try:
+    # A mix it does not take (devices, dtypes): the pairs one by one, which raise any error
+    # that is really the caller's. Copying a pair twice is harmless.
+    with contextlib.suppress(RuntimeError):
         torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
         return
-    except RuntimeError:
-        # A mix it does not take (devices, dtypes): the pairs one by one, which raise any
-        # error that is really the caller's. Copying a pair twice is harmless.
-        pass
     for dst, src in zip(dsts, srcs, strict=True):
         dst.copy_(src, non_blocking=non_blocking)
 
