@@ -126,8 +126,7 @@ def is_transient(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen and len(seen) < _MAX_CHAIN:
         seen.add(id(current))
-        verdict = _classify(current)
-        if verdict is not None:
+        if (verdict := _classify(current)) is not None:
             return verdict
         current = current.__cause__ or current.__context__
     return False
@@ -139,8 +138,7 @@ def _classify(exc: BaseException) -> bool | None:
         return False
     if isinstance(exc, DcpSafeError):
         return None if isinstance(exc, StorageError) else False
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):  # botocore ClientError: an HTTP answer from the server
+    if isinstance(response := getattr(exc, "response", None), dict):  # botocore ClientError
         code, status = reply_error(response)
         return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS
     transient, final = _library_types()

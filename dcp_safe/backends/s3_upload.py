@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import math
 from collections.abc import Collection
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -351,12 +350,3 @@ def abort_stale_uploads(
             backend.fs.call_s3("abort_multipart_upload", **ids)  # type: ignore[attr-defined]
         aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
     return tuple(aborted)
-
-
-def abort_uploads_under(backend: Backend, name: str) -> tuple[str, ...]:
-    """Abort every dcp_safe upload under ``<name>/``, whatever its age (for a save that took
-    the name over from a dead or fenced one, before any of its own ranks started an upload)."""
-    # An infinite "now" makes every upload old enough, one without a start time included.
-    return abort_stale_uploads(
-        backend, older_than_s=0.0, now=math.inf, collected=(name,), only=name
-    )

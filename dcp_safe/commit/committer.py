@@ -177,10 +177,9 @@ class Committer:
                         reads[later] = pool.submit(self._read_rank, work_dir, later)
                     raw = reads.pop(rank).result()
                     read_back[rank] = self._report_of(publication, rank, raw, per_rank[rank])
-                listed = {
-                    "": listing.result(),
-                    layout.RANKS_DIR: manifests.result() if manifests else {},
-                }
+                listed = {"": listing.result()}
+                if manifests:
+                    listed[layout.RANKS_DIR] = manifests.result()
             except BaseException:
                 # The calls not yet started are cancelled and the running ones waited for, so
                 # that no call touches storage after we return.

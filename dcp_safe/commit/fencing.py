@@ -23,26 +23,20 @@ DEFAULT_RUN_ID = "default"
 
 @dataclass(frozen=True, kw_only=True)
 class Attempt:
-    """One job attempt: its number (monotone across restarts) and the run it belongs to.
-
-    Raises:
-        ConfigError: ``number`` is not a non-negative int, or ``run_id`` is empty.
-    """
+    """One job attempt: its number (monotone across restarts) and the run it belongs to."""
 
     number: int
     run_id: str = DEFAULT_RUN_ID
 
     def __post_init__(self) -> None:
-        if isinstance(self.number, bool) or not isinstance(self.number, int):
-            raise ConfigError(f"attempt must be an int, got {self.number!r}")
-        if not 0 <= self.number < 10**9:
-            raise ConfigError(f"attempt must be in [0, 1e9), got {self.number}")
+        n = self.number
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 10**9:
+            raise ConfigError(f"attempt must be an int in [0, 1e9), got {n!r}")
         if not isinstance(self.run_id, str) or not self.run_id:
             raise ConfigError(f"run_id must be a non-empty str, got {self.run_id!r}")
 
     @property
     def directory(self) -> str:
-        """Where this run's attempts are recorded, relative to the root."""
         return layout.attempts_dir(self.run_id)
 
     @property
@@ -53,19 +47,13 @@ class Attempt:
 def attempt_from_env(
     number: int | None = None, environ: Mapping[str, str] | None = None
 ) -> Attempt | None:
-    """The attempt a writer runs as: ``number`` if given, else torchelastic's restart count.
-
-    Returns None when neither is set (the writer is then not fenced).
-
-    Raises:
-        ConfigError: ``TORCHELASTIC_RESTART_COUNT`` is set but not an integer.
-    """
+    """The attempt a writer runs as: ``number`` if given, else torchelastic's restart count;
+    None when neither is set (the writer is then not fenced)."""
     environ = os.environ if environ is None else environ
     run_id = environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID
     if number is not None:
         return Attempt(number=number, run_id=run_id)
-    raw = environ.get(ATTEMPT_ENV)
-    if not raw:
+    if not (raw := environ.get(ATTEMPT_ENV)):
         return None
     try:
         return Attempt(number=int(raw), run_id=run_id)
@@ -85,11 +73,7 @@ def register_attempt(backend: Backend, attempt: Attempt) -> None:
 
 
 def check_fence(backend: Backend, attempt: Attempt | None) -> None:
-    """Refuse to go on if a newer attempt than ``attempt`` has saved under this root.
-
-    Raises:
-        StaleWriterError: a newer attempt exists; this writer must not publish.
-    """
+    """StaleWriterError if a newer attempt than ``attempt`` has saved under this root."""
     if attempt is None:
         return
     # A record is a file named as Attempt.marker names one; anything else there (a folder or a

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.backends.s3_upload import abort_uploads_under
+from dcp_safe.backends.s3_upload import abort_stale_uploads
 from dcp_safe.commit.fencing import Attempt
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -159,8 +160,7 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
 
 
 def last_change(backend: Backend, name: str, now: float) -> float | None:
-    """When anything under ``<name>/`` last changed, by the storage's clock; else what its
-    newest lease says, if not in the future; None: unknown."""
+    # By the storage's clock; else what its newest lease says, if not in the future.
     if (changed := backend.modified_at(name)) is not None:
         return changed
     newest = lease_acquired_at(backend, name)
@@ -183,11 +183,8 @@ def _take_over_exclusive(
 ) -> str | None:
     """Take ``name``'s one ``_WRITING`` lease over for save ``save_id`` (after creating it
     exclusively failed), if ``claimant`` may: what was taken over and why; None when no lease
-    is there any more (the caller creates it again). The caller then clears the leftovers.
-
-    Raises:
-        CheckpointExistsError: the lease may not be taken over, or another save took it first.
-    """
+    is there any more (the caller creates it again); CheckpointExistsError when it may not be
+    taken over, or another save took it first. The caller then clears the leftovers."""
     lease = f"{name}/{layout.WRITING_LEASE}"
     for _ in range(_MAX_ROUNDS):
         holder = read_holder(backend, lease)
@@ -257,6 +254,7 @@ def _win_record(
         rel = f"{name}/{target.record_name}"
         try:
             backend.write_bytes(rel, claimant.body(save_id), exclusive=True)
+            return rel
         except FileExistsError:
             other = read_holder(backend, rel)
             if other is None:
@@ -264,8 +262,6 @@ def _win_record(
             if claimant.why_take_over(other, Quiet(backend, name)) is None:
                 raise _held_error(backend, name, [other.save_id]) from None
             target = other
-            continue
-        return rel
     raise _held_error(backend, name, [None])
 
 
@@ -281,13 +277,10 @@ class Quiet:
         return last_change(self.backend, self.name, time.time())
 
     def before(self, attempt: Attempt) -> bool:
-        """Whether nothing under the name changed since ``attempt`` started under this root.
-
-        Its start is its attempt record's modification time (written once, by its rank 0's
-        first claim under the root: :func:`~dcp_safe.commit.fencing.register_attempt`),
-        against the name's: both by the storage's clock, never a writer's. Equal times (a
-        store counting whole seconds) are not before.
-        """
+        """Whether nothing under the name changed since ``attempt`` started under this root:
+        its attempt record's modification time (written once, by its rank 0's first claim under
+        the root) against the name's, both by the storage's clock, never a writer's. Equal
+        times (a store counting whole seconds) are not before."""
         started = self.backend.modified_at(attempt.marker)
         changed = self.backend.modified_at(self.name)
         return started is not None and changed is not None and changed < started
@@ -309,11 +302,8 @@ def acquire_lease(
     the lease this same save already holds: replication's, where ``save_id`` is the
     checkpoint's own. ``claimant``: what the lease records, and which lease in the way it may
     take over. True: it joined a lease already there (its taker, or the sweeper, removes it).
-
-    Raises:
-        CheckpointExistsError: the name is committed, or another save holds (or abandoned) it
-            and its lease may not be taken over.
-    """
+    CheckpointExistsError: the name is committed, or another save holds (or abandoned) it and
+    its lease may not be taken over."""
     _refuse_if_committed(backend, name)
     if backend.exists(f"{name}/{layout.TRASH_MARKER}"):  # its files would mix with this save's
         raise CheckpointExistsError(
@@ -376,7 +366,9 @@ def _clear_after_takeover(
         for rel in files:
             if not keep(rel):
                 backend.remove_file(f"{name}/{rel}")
-        abort_uploads_under(backend, name)
+        # Whatever their age: an infinite "now" makes every upload old enough, one without a
+        # start time included.
+        abort_stale_uploads(backend, older_than_s=0, now=math.inf, collected=(name,), only=name)
     except CheckpointExistsError:
         with contextlib.suppress(OSError):
             backend.remove_file(lease)

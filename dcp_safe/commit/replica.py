@@ -34,12 +34,8 @@ log = logging.getLogger(__name__)
 
 def committed_with(remote: Backend, name: str, digest: str) -> bool:
     """Whether ``remote`` holds ``name`` committed with ``digest`` (its manifest is then the
-    source's, byte for byte).
-
-    Raises:
-        CheckpointExistsError: it is committed there with another digest.
-        CheckpointCorruptError: its marker is ours but its manifest does not match it.
-    """
+    source's, byte for byte); CheckpointExistsError when committed with another digest,
+    CheckpointCorruptError when its manifest does not match its marker."""
     try:
         marker = remote.read_small(f"{name}/{layout.COMMITTED_MARKER}", CONTROL_MAX_BYTES)
     except FileNotFoundError:
@@ -112,23 +108,14 @@ class ReplicaPublication:
 
     def publish(self, upload: Callable[[], None], uploaded: Sequence[str]) -> None:
         """Run ``upload`` (which fills the work folder and ``uploaded``), then publish it as
-        ``name``, never replacing; on failure remove what it can of this save.
-
-        Raises:
-            CheckpointExistsError: ``name`` is committed on the remote with another digest.
-            StaleWriterError: the claim was lost before the commit point, and ``name`` is not
-                committed with this digest.
-        """
+        ``name``, never replacing; on failure remove what it can of this save. Raises
+        CheckpointExistsError when ``name`` is committed on the remote with another digest,
+        StaleWriterError when the claim was lost before the commit point and it is not."""
         try:
             upload()
             try:
-                self.strategy.publish(
-                    self.remote,
-                    self.work_dir,
-                    self.name,
-                    self.digest.encode(),
-                    before_commit=self.check,
-                )
+                where = (self.remote, self.work_dir, self.name, self.digest.encode())
+                self.strategy.publish(*where, before_commit=self.check)
             except FileExistsError as exc:
                 # e.g. published meanwhile, reply lost: fine if it is ours
                 if not committed_with(self.remote, self.name, self.digest):
@@ -136,15 +123,12 @@ class ReplicaPublication:
         except StaleWriterError:
             # The same save's other writer may have published and released the shared lease.
             if not committed_with(self.remote, self.name, self.digest):
-                self._failed(uploaded)
+                self.abandon(uploaded)
                 raise
         except BaseException:
-            self._failed(uploaded)
+            self.abandon(uploaded)
             raise
         self.release()
-
-    def _failed(self, uploaded: Sequence[str]) -> None:
-        self.abandon(uploaded)
 
     def abandon(self, uploaded: Sequence[str]) -> None:
         """The publisher's clean-up after a failure; best effort, never raising."""
@@ -162,14 +146,14 @@ class ReplicaPublication:
 class RenamedReplica(ReplicaPublication):
     """A hidden partial folder on a renaming remote; the rename arbitrates, so no claim."""
 
-    def _failed(self, uploaded: Sequence[str]) -> None:
+    def abandon(self, uploaded: Sequence[str]) -> None:
         # The whole work folder goes. Best effort, never hiding the real error; a partial left
         # behind is collected by the sweeper after its grace period.
         with contextlib.suppress(Exception):
             self.remote.remove_tree(self.work_dir)
 
     def release(self) -> None:
-        self._failed(())  # absent once published (a no-op then); present if another published
+        self.abandon(())  # absent once published (a no-op then); present if another published
 
 
 class LeasedReplica(ReplicaPublication):

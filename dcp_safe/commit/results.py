@@ -157,11 +157,7 @@ def dcp_metadata(
     try:
         plain = encode_dcp_metadata(metadata)
     except ValueError as exc:
-        log.warning(
-            "checkpoint %s: DCP metadata has no plain form (%s); it will load only with"
-            " allow_pickle=True",
-            name,
-            exc,
-        )
+        pickled = "it will load only with allow_pickle=True"
+        log.warning("checkpoint %s: DCP metadata has no plain form (%s); %s", name, exc, pickled)
         plain = None
     return pickle.dumps(metadata), plain
