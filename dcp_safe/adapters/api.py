@@ -165,10 +165,8 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
     """Fill in ``no_dist`` / ``process_group`` and say how to explain a failed collective."""
     deadline_s = validate_deadline(deadline_s)
     writer, reader = kwargs.get("storage_writer"), kwargs.get("storage_reader")
-    operation = "save" if writer is not None else "load"
-    call = _Call(
-        operation=operation, checkpoint=str(kwargs.get("checkpoint_id") or _Call.checkpoint)
-    )
+    checkpoint = str(kwargs.get("checkpoint_id") or _Call.checkpoint)
+    call = _Call(operation="load" if writer is None else "save", checkpoint=checkpoint)
     distributed = dist.is_available() and dist.is_initialized()
     if kwargs.get("no_dist") or not distributed:
         # Say it explicitly rather than let DCP warn that it guessed.

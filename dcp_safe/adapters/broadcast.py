@@ -49,8 +49,7 @@ class SentObjects:
     payloads: dict[ObjectKey, bytes] = field(default_factory=dict)
 
     def keep(self, item: ReadItem, stream: io.BytesIO) -> None:
-        key = object_key(item)
-        if key in self.wanted:
+        if (key := object_key(item)) in self.wanted:
             self.payloads[key] = stream.getvalue()
 
 

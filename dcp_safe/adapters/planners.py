@@ -5,9 +5,6 @@
 stored once per rank. :class:`SafeLoadPlanner` maps them back, restores only the keys asked for
 and reports what it did (:class:`RestoreReport`). A planner, because only there do all ranks'
 plans meet before DCP deduplicates. Behaviour and the world-size rule: docs/resume.md.
-
-A fingerprint (:func:`fingerprint`) is an xxh3-64 digest of a value's content (a tensor's dtype,
-shape and bytes; an object's canonical encoding), sent with every save plan for each plain entry.
 """
 
 from __future__ import annotations
@@ -72,8 +69,8 @@ from dcp_safe.reading.read_once import (
 
 @dataclass(frozen=True)
 class FingerprintedPlan(SavePlan):
-    """A local save plan with the fingerprints of the entries DCP would deduplicate (flattened
-    key -> fingerprint), and every tensor's pieces on this rank with their block fingerprints
+    """A local save plan with the :func:`fingerprint` of each entry DCP would deduplicate (by
+    flattened key), and every tensor's pieces on this rank with their block fingerprints
     (``audit``, :mod:`dcp_safe.reading.audit`).
 
     ``plan_token``: on a local plan with no items (``usable=False``), the rank's layout is the
@@ -136,12 +133,6 @@ class SafeSavePlanner(DefaultSavePlanner):
             ``cache_plans`` is not a bool, or DCP's ``enable_plan_caching`` was asked for.
     """
 
-    # This save's plan cache state: the local layout, what this rank and (on the coordinator)
-    # the global plan were, taken out of the cache until finish_plan puts them back.
-    _layout: Any
-    _remembered: RankEntry | None
-    _global: GlobalEntry | None
-
     def __init__(
         self,
         *,
@@ -165,7 +156,11 @@ class SafeSavePlanner(DefaultSavePlanner):
         self.cache_plans = cache_plans
         self.rank = 0
         self._cache = PlanCache()
-        self._layout = self._remembered = self._global = None
+        # This save's plan cache state: the local layout, what this rank and (on the coordinator)
+        # the global plan were, taken out of the cache until finish_plan puts them back.
+        self._layout: Any = None
+        self._remembered: RankEntry | None = None
+        self._global: GlobalEntry | None = None
 
     def share_plans_over(self, group: Any) -> None:
         """Share cached plans with every planner of this configuration saving over ``group``
@@ -214,11 +209,9 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # On the coordinator, with every rank's values, cached layout or not.
-        differing = divergent_keys(all_plans)
-        if differing:
+        if differing := divergent_keys(all_plans):
             raise DivergentStateError(differing)
-        reused = self._reusable(all_plans)
-        if reused is not None:
+        if (reused := self._reusable(all_plans)) is not None:
             plans: list[SavePlan] = [SavePlan([], usable=False) for _ in all_plans]
             self.global_plan = list(reused.global_plan)
             metadata = dataclasses.replace(reused.metadata)
@@ -364,8 +357,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         world = _world_size()
         for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
             # This rank's per-rank keys point at its own stored entries.
-            saved = sorted(layout.per_rank_ranks(key, stored))
-            if not saved:
+            if not (saved := sorted(layout.per_rank_ranks(key, stored))):
                 continue  # saved as one entry (equal on every rank, or before per_rank)
             if saved != list(range(world)):
                 raise PerRankStateError(key, saved_ranks=saved, world_size=world)

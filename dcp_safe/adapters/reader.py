@@ -307,8 +307,7 @@ class SafeStorageReader(StorageReader):
         """Read ``file_name`` from each source in turn, each taking what the one before left."""
         remaining = requests
         for source in self.sources:
-            where = source.where(file_name)
-            if where is None:
+            if (where := source.where(file_name)) is None:
                 continue
             left = self._read_from(source.kind, *where, file_name, remaining, planner)
             done = remaining[: len(remaining) - len(left)]
@@ -369,8 +368,7 @@ class SafeStorageReader(StorageReader):
         record = self._manifest.file(file_name)
         if record is None:  # the remote read reports it
             raise Rejected(RejectionReason.MISSING, f"{file_name} is not in the manifest")
-        size = copy.size(rel)
-        if size != record.size:
+        if (size := copy.size(rel)) != record.size:
             raise Rejected(
                 RejectionReason.SIZE,
                 f"{copy.full_path(rel)}: expected {record.size} bytes, found {size}",
@@ -413,8 +411,7 @@ class SafeStorageReader(StorageReader):
         self, rel: str, request: ReadItem, planner: LoadPlanner, cause: Exception
     ) -> None:
         """One item from the spare tier, its read on the remote having failed with ``cause``."""
-        spare = self._spare_tier()
-        if spare is None:
+        if (spare := self._spare_tier()) is None:
             raise cause
         path = self._remote.backend.full_path(rel)
         label, record = self._record_for(path, request)

@@ -140,12 +140,11 @@ class StorageAgreement:
         shared = plain.keys() & taken.keys()
         work_dir = self.publication(save_id).work_dir
         assignment = Assignment(rank, world, save_id, work_dir, frozenset(shared))
-        divergent = {
+        if divergent := {
             key: [[0], [rank]]
             for key in sorted(shared)
             if None not in (plain[key], taken[key]) and plain[key] != taken[key]
-        }
-        if divergent:
+        }:
             error = DivergentStateError(divergent)
             self.failed(assignment, error, coordinator=False)
             raise error
@@ -315,8 +314,7 @@ class StorageAgreement:
             listed = self.backend.list_dir(f"{assignment.work_dir}/{layout.RANKS_DIR}")
             present.clear()
             present.update(f"{layout.RANKS_DIR}/{leaf}" for leaf in listed)
-            failed = [r for r, rel in failures.items() if rel in present]
-            if failed:
+            if failed := [r for r, rel in failures.items() if rel in present]:
                 raise self._failure(assignment, failed, failures)
             return True if present.issuperset(reports.values()) else None
 
@@ -357,8 +355,7 @@ class StorageAgreement:
             except CommitError:
                 body = {}
             described[rank] = str(body.get("error", "failed (no detail)"))
-            found = body.get("divergent")
-            if isinstance(found, dict):
+            if isinstance(found := body.get("divergent"), dict):
                 divergent.update({str(k): v for k, v in found.items() if isinstance(v, list)})
         if divergent:
             return DivergentStateError(divergent)
@@ -426,8 +423,7 @@ def _primary(value: object) -> bool:
     by the rank at coordinate 0 of each replicated mesh dimension; anything else is this rank's."""
     if not isinstance(value, DTensor):
         return True
-    coordinate = value.device_mesh.get_coordinate()
-    if coordinate is None:
+    if (coordinate := value.device_mesh.get_coordinate()) is None:
         return False  # not in the mesh: holds no chunk of it
     return all(
         coordinate[dim] == 0
@@ -443,8 +439,7 @@ def _plain_metadata(metadata: Metadata) -> Any:
         ConfigError: the metadata has no plain form (a custom planner's data).
     """
     planner = dict(metadata.planner_data or {})
-    audit = planner.get(layout.AUDIT_KEY)
-    if isinstance(audit, dict):
+    if isinstance(audit := planner.get(layout.AUDIT_KEY), dict):
         # A rank's sums cover only its blocks of a sharded tensor, and the plain form wants
         # blocks 0, 1, ...: the others are 0, which leaves rank 0's sum as it is.
         planner[layout.AUDIT_KEY] = {
