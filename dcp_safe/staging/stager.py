@@ -115,8 +115,6 @@ class BudgetedStager(AsyncStager):
         # The stager's own counters; stats() adds the pool's, the budget's and the plans'.
         self._counts = StagerStats()
 
-    # -- DCP's AsyncStager protocol -------------------------------------------------------------
-
     def stage(self, state_dict: StateDict) -> Future[StateDict]:
         """Admit a save (BudgetExceededError: larger than the whole envelope;
         AdmissionTimeoutError: not admitted within ``timeout_s``, at once with
@@ -194,8 +192,6 @@ class BudgetedStager(AsyncStager):
             )
         if errors := [g.error for g in waiting if g.error is not None]:
             raise errors[0]
-
-    # -- dcp_safe's additions -------------------------------------------------------------------
 
     def track(
         self, response: AsyncSaveResponse | Future[Any], *, keep: object | None = None
@@ -300,8 +296,6 @@ class BudgetedStager(AsyncStager):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- admission ------------------------------------------------------------------------------
-
     def _lease(self, request: BufferRequest, others: int | None, why: str) -> Lease:
         # Wait (the condition held) until ``request`` is admitted, then lease its buffers.
         # ``others``: the generations in flight besides the caller's (``None``: all of them).
@@ -367,8 +361,6 @@ class BudgetedStager(AsyncStager):
             " A generation is released when its upload finishes; an untracked failed upload"
             " holds its buffers until its response is dropped (use stager.track(response))"
         )
-
-    # -- staging thread -------------------------------------------------------------------------
 
     def _copy(
         self,
@@ -445,8 +437,6 @@ class BudgetedStager(AsyncStager):
         gen.confirmed = True
         allocated += gen.lease.materialize()
         return copy(), allocated
-
-    # -- release --------------------------------------------------------------------------------
 
     def _dropped(self, gen: InFlightGeneration) -> None:
         # Runs inside the dict's deallocation; its tensors are freed only after we return.
