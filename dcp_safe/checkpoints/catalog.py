@@ -78,13 +78,9 @@ def list_checkpoints(
     A name whose marker does not match its manifest, or whose marker or manifest is not a
     well-formed control file (:mod:`dcp_safe.manifest.limits`), is not listed: it is not a
     checkpoint anyone should load (``verify_checkpoint`` names what is wrong with it). Each is
-    reported to ``on_damaged`` (default: a logged warning), and never hides the others.
-
-    Args:
-        on_damaged: called with the name and the error of each damaged entry.
-        signing_key: list only checkpoints signed with this key (default
-            ``DCP_SAFE_SIGNING_KEY`` if set): with a key, nothing else counts.
-    """
+    reported to ``on_damaged`` with its error (default: a logged warning), and never hides the
+    others. With a ``signing_key`` (default ``DCP_SAFE_SIGNING_KEY`` if set) only checkpoints
+    signed with it are listed."""
     backend = open_backend(root, storage_options)
     found = []
     for header in accepted_headers(backend, resolve_key(signing_key), damaged=on_damaged or _log):
@@ -169,7 +165,6 @@ def verify_checkpoint(
             (``UnsignedCheckpointError``: not signed at all).
         ConfigError: a bad signing key.
     """
-    started = time.perf_counter()
     backend = open_backend(root, storage_options)
     opened = open_committed(backend, resolve_name(backend, name))
     return verify_opened(
@@ -179,7 +174,6 @@ def verify_checkpoint(
         deep=deep,
         signing_key=signing_key,
         allow_pickle=allow_pickle,
-        started=started,
     )
 
 
@@ -191,11 +185,10 @@ def verify_opened(
     deep: bool = True,
     signing_key: bytes | str | None = None,
     allow_pickle: bool = False,
-    started: float | None = None,
 ) -> VerifyReport:
     """:func:`verify_checkpoint` of a checkpoint already opened on ``backend`` (its marker and
-    manifest are not read again); ``started``: when the check began (default: now)."""
-    started = time.perf_counter() if started is None else started
+    manifest are not read again)."""
+    started = time.perf_counter()
     name, manifest = opened.name, opened.manifest
     key = resolve_key(signing_key)
     if key is not None:

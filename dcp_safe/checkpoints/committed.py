@@ -175,10 +175,8 @@ def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> Committed
     # Data is read only from the files the manifest lists (and sizes and checks).
     unlisted = {item.file for item in manifest.items} - {record.path for record in manifest.files}
     if unlisted:
-        raise CheckpointCorruptError(
-            manifest_path,
-            f"items in files the manifest does not list: {', '.join(sorted(unlisted)[:5])}",
-        )
+        why = f"items in files the manifest does not list: {', '.join(sorted(unlisted)[:5])}"
+        raise CheckpointCorruptError(manifest_path, why)
     remember_header(actual, CommittedHeader.of(manifest))
     return CommittedCheckpoint(name=name, manifest=manifest, digest=actual)
 
@@ -208,12 +206,8 @@ def read_marked_manifest(
         raise CheckpointCorruptError(where, f"{what} has no manifest") from None
     actual = manifest_digest(raw)
     if actual != expected:
-        raise CheckpointCorruptError(
-            where,
-            f"manifest does not match the digest in {marker}",
-            expected=expected[:100],
-            actual=actual,
-        )
+        why = f"manifest does not match the digest in {marker}"
+        raise CheckpointCorruptError(where, why, expected=expected[:100], actual=actual)
     return raw, actual
 
 

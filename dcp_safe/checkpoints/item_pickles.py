@@ -177,12 +177,8 @@ class ItemUnpickler(pickle.Unpickler):
 
     def refuse(self, what: str) -> UnsafeCheckpointError:
         kind = "object is not plain data" if self.plain_data else "item is not a plain tensor"
-        return UnsafeCheckpointError(
-            self.path,
-            f"the {kind} (it refers to {what[:120]}; only plain data and tensors made of the"
-            " item's own bytes are loaded)",
-            item=self.item,
-        )
+        why = f"it refers to {what[:120]}; only plain data and tensors made of the item's own bytes"
+        return UnsafeCheckpointError(self.path, f"the {kind} ({why} are loaded)", item=self.item)
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "__builtin__":  # protocol 2 names builtins as Python 2 did

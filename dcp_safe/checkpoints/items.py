@@ -110,12 +110,8 @@ def decode_transforms(
         while chunk := reader.read(min(_CHUNK_BYTES, limit + 1 - len(out))):
             out += chunk
             if len(out) > limit:
-                raise UnsafeCheckpointError(
-                    path,
-                    f"the item decompresses to more than the {max_bytes} bytes it may hold",
-                    item=item,
-                    because=_BOMB,
-                )
+                why = f"the item decompresses to more than the {max_bytes} bytes it may hold"
+                raise UnsafeCheckpointError(path, why, item=item, because=_BOMB)
     except zstandard.ZstdError as exc:
         raise CheckpointCorruptError(path, f"cannot decompress ({exc})", item=item) from None
     return out
@@ -241,12 +237,9 @@ def _check_depth(value: object, path: str, item: str) -> None:
             on_path.discard(id(node))
             heights[id(node)] = 1 + max((heights[id(c)] for c in inner), default=0)
             if heights[id(node)] > MAX_NESTING:
-                raise UnsafeCheckpointError(
-                    path,
-                    f"the object nests containers more than {MAX_NESTING} levels deep",
-                    item=item,
-                    because="copying it for the load would exhaust the stack",
-                )
+                why = f"the object nests containers more than {MAX_NESTING} levels deep"
+                because = "copying it for the load would exhaust the stack"
+                raise UnsafeCheckpointError(path, why, item=item, because=because)
         elif any(id(c) in on_path for c in inner):
             raise UnsafeCheckpointError(
                 path, "the object contains itself", item=item, because="it nests without end"

@@ -137,13 +137,9 @@ class NotPlainData:
 def is_plain(value: Any) -> bool:
     """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` rebuilds:
     ``None``, numbers, strings, bytes, and lists, tuples and dicts of them."""
-    if isinstance(value, _PLAIN):
-        return True
-    if type(value) in (list, tuple):
-        return all(is_plain(item) for item in value)
     if type(value) in (dict, collections.OrderedDict):
         return all(is_plain(k) and is_plain(v) for k, v in value.items())
-    return False
+    return isinstance(value, _PLAIN) or (type(value) in (list, tuple) and all(map(is_plain, value)))
 
 
 class _ExportPlanner(DefaultLoadPlanner):
@@ -234,12 +230,9 @@ class Consolidator:
                 info = storage[MetadataIndex(entry.key, chunk.offsets)]
                 stored = self._sizes.size(info.relative_path)
                 if info.offset + info.length > stored:
-                    raise short_read(
-                        self._reader.backend.full_path(self._sizes.path(info.relative_path)),
-                        f"{entry.key}@{list(chunk.offsets)}",
-                        info.length,
-                        max(0, stored - info.offset),
-                    )
+                    path = self._reader.backend.full_path(self._sizes.path(info.relative_path))
+                    label, left = f"{entry.key}@{list(chunk.offsets)}", max(0, stored - info.offset)
+                    raise short_read(path, label, info.length, left)
 
     def objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """The non-tensor entries ``keys``, each as loaded or as a :class:`NotPlainData`."""
