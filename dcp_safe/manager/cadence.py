@@ -174,26 +174,7 @@ class Goodput:
         self._between_s: float | None = None  # measured start-to-start (commit-to-commit)
         self._agreed: Choice = Choice()
 
-    @classmethod
-    def of(
-        cls, policy: SavePolicy, clock: Callable[[], float], ledger: Ledger, *, history: bool
-    ) -> Goodput:
-        """A manager's: the MTBF from the history where ``history`` (the coordinator) and not
-        given; each commit's choice marked ``save_interval`` (a failure there only counted)."""
-        mtbf = None
-        if history and policy.mtbf_s is None:  # an unreadable history: the prior, counted
-            events: list[Any] = []
-            ledger.quietly("reading the history", lambda: events.extend(ledger.history.read()))
-            mtbf = estimate_mtbf(events, time.time())
-        if (telemetry := ledger.telemetry) is None:
-            return cls(policy, clock, mtbf)
-        mark = functools.partial(telemetry.mark, "save_interval")
-        quietly = functools.partial(ledger.quietly, "telemetry")
-        return cls(policy, clock, mtbf, lambda c: quietly(lambda: mark(**vars(c))))
-
-    def vote(self, now: float, busy: bool) -> Costs:
-        """At a vote (``now``, this rank busy or not): times the steps since the previous one;
-        this rank's costs."""
+    def vote(self, now: float, busy: bool) -> Costs:  # times the steps since the last vote
         with self._lock:
             if self._last_vote is not None:
                 then, kind = self._last_vote
@@ -208,8 +189,7 @@ class Goodput:
             self._costs = replace(self._costs, stall_s=stall, slowdown=slowdown)
             return self._costs
 
-    def decided(self, costs: Sequence[Costs], saving: bool) -> Choice:
-        """Every rank's costs were gathered (``saving``: this vote starts a save): the choice."""
+    def decided(self, costs: Sequence[Costs], saving: bool) -> Choice:  # every rank's costs
         with self._lock:
             if saving and self._last_vote is not None:
                 self._last_vote = (self._last_vote[0], None)  # the next gap holds the stall
@@ -217,9 +197,8 @@ class Goodput:
                 self._agreed = choose(agree(costs))
             return self._agreed
 
-    def watch(self, handle: SaveHandle) -> None:
-        """Time ``handle`` until durable (``auto`` only: other cadences read the clock no more)."""
-        if not self.policy.auto:
+    def watch(self, handle: SaveHandle) -> None:  # until durable
+        if not self.policy.auto:  # other cadences read the clock no more
             return
         start = self._clock()
 
@@ -229,8 +208,7 @@ class Goodput:
 
         handle.replicated.add_done_callback(durable)  # after committed (None without a replica)
 
-    def committed(self, at: float, started_at: float | None) -> None:
-        """A save committed at ``at`` (the cadence's reading), started at ``started_at``."""
+    def committed(self, at: float, started_at: float | None) -> None:  # cadence readings
         with self._lock:
             if self._committed_at is not None:
                 self._between_s = _average(self._between_s, at - self._committed_at)
@@ -321,9 +299,18 @@ class Cadence:
         history: bool = False,
     ) -> None:
         self.policy, self._clock, self._agreement, self._slot = policy, clock, agreement, slot
-        self.goodput = Goodput(policy, clock)
-        if ledger is not None:
-            self.goodput = Goodput.of(policy, clock, ledger, history=history)
+        # A manager's: the MTBF from the history where ``history`` (the coordinator) and not
+        # given; each commit's choice marked ``save_interval`` (a failure there only counted).
+        mtbf, on_commit = None, None
+        if ledger is not None and history and policy.mtbf_s is None:  # unreadable: the prior
+            events: list[Any] = []
+            ledger.quietly("reading the history", lambda: events.extend(ledger.history.read()))
+            mtbf = estimate_mtbf(events, time.time())
+        if ledger is not None and (telemetry := ledger.telemetry) is not None:
+            mark = functools.partial(telemetry.mark, "save_interval")
+            quietly = functools.partial(ledger.quietly, "telemetry")
+            on_commit = lambda c: quietly(lambda: mark(**vars(c)))  # noqa: E731
+        self.goodput = Goodput(policy, clock, mtbf, on_commit)
         self._committed_at = clock()
         self._started_at: float | None = None
         self._first = True
@@ -350,8 +337,7 @@ class Cadence:
         log.debug("maybe_save(%d): saving: %s", step, self.reason)
         return True
 
-    def watch(self, handle: SaveHandle) -> None:
-        """A save was requested: its commit restarts the interval; the controller times it."""
+    def watch(self, handle: SaveHandle) -> None:  # its commit restarts the interval
         handle.committed.add_done_callback(self.committed)
         self.goodput.watch(handle)
 

@@ -135,11 +135,9 @@ class FallbackMonitor:
             " save in flight"
         )
 
-    def interval_s(self) -> float | None:
-        """The configured interval, else the median measured gap (``None`` before two)."""
-        if self.options.save_interval_s is not None:
-            return self.options.save_interval_s
-        return statistics.median(self._gaps) if self._gaps else None
+    def interval_s(self) -> float | None:  # else the median measured gap (None before two)
+        median = statistics.median(self._gaps) if self._gaps else None
+        return self.options.save_interval_s or median
 
     def rearm(self) -> None:
         """Back to asynchronous: forget the trip and the evidence that led to it."""
@@ -231,9 +229,7 @@ class FallbackSwitch:
             if agreed is None:
                 self._announced = False
                 return
-            reason = (
-                None if self.monitor.tripped else self.monitor.trip(f"peers fell back: {agreed}")
-            )
+            reason = self.monitor.trip(f"peers fell back: {agreed}")  # None: tripped already
             first, self._announced = not self._announced, True
         if reason is not None:
             self._switched(handle, reason)

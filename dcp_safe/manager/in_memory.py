@@ -70,7 +70,7 @@ class _Kept:  # the kept copy of one committed step, with what checks it
     handle: SaveHandle
     manifest: Manifest
     # Items not written from a template: their pickle's digest when the commit was verified.
-    digests: dict[ItemKey, str] = field(default_factory=dict)
+    digests: dict[ItemKey, str]
 
 
 @dataclass(eq=False)
@@ -106,10 +106,9 @@ class InMemoryTier:
             self.forget()  # a synchronous save, or one whose copy was not kept
             return
         try:
-            record = _Kept(handle, open_committed(self.backend, handle.name).manifest)
-            for entry in self._entries(kept[1]):
-                if not entry.reproducible:
-                    record.digests[entry.key] = _digest(entry.value)
+            manifest = open_committed(self.backend, handle.name).manifest
+            entries = [e for e in self._entries(kept[1]) if not e.reproducible]
+            record = _Kept(handle, manifest, {e.key: _digest(e.value) for e in entries})
         except BaseException:
             self.forget()  # an older copy must not pass for the last committed step
             raise
@@ -211,7 +210,9 @@ class InMemoryTier:
                 continue
             for item in create_write_items(fqn, value):  # as DCP's planner makes them
                 data = planner.resolve_data(item)
-                yield _Entry(_key(item), fqn, data, planner.lookup_object(item.index), item)
+                offset = None if item.index.offset is None else tuple(item.index.offset)
+                key = item_key(item.index.fqn, offset)
+                yield _Entry(key, fqn, data, planner.lookup_object(item.index), item)
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,7 @@ class _Entry:  # one stored item of the kept copy
     item: WriteItem | None = None  # None: a plain tensor, its own item
 
     @property
-    def reproducible(self) -> bool:
-        """Whether writing it again gives the stored bytes (a tensor from the template)."""
+    def reproducible(self) -> bool:  # writing it again gives the stored bytes
         if self.item is not None and self.item.type == WriteItemType.BYTE_IO:
             return False
         tensor = minimal_cpu_tensor(self.data)
@@ -243,11 +243,6 @@ class _Entry:  # one stored item of the kept copy
             sink = HashingSink(discard, algorithm)
             write_item(sink, item, self.data, compressed=compressed)
             return sink.take_checksum()
-
-
-def _key(item: WriteItem) -> ItemKey:
-    offset = item.index.offset
-    return item_key(item.index.fqn, None if offset is None else tuple(offset))
 
 
 def _digest(value: Any) -> str:
@@ -270,13 +265,9 @@ class _Pairing:  # what a rollback copies where, or why it cannot
 
 
 def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_holds_tensors(v) for v in value)
-    return False
+    if isinstance(value, Mapping | list | tuple):
+        return any(map(_holds_tensors, value.values() if isinstance(value, Mapping) else value))
+    return isinstance(value, torch.Tensor)
 
 
 def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
@@ -322,8 +313,6 @@ def _pair(target: Any, source: Any, prefix: str, out: _Pairing) -> None:
         out.mismatched.append(f"{prefix}: a {type(target).__name__} holding tensors")
 
 
-def _setter(container: Any, key: Any) -> Any:
-    def set_value(value: Any) -> None:
-        container[key] = copy.deepcopy(value)  # never hand out what the pool will reuse
-
-    return set_value
+def _setter(container: Any, key: Any) -> Callable[[Any], object]:
+    # A copy: never hand out what the pool will reuse.
+    return lambda value: container.__setitem__(key, copy.deepcopy(value))

@@ -68,16 +68,13 @@ class Ledger:
         with self.cond:
             return dict(self._counts)
 
-    def track(self, handle: SaveHandle) -> None:
-        """Remember ``handle`` (weakly) until its futures are done: :meth:`abandon` ends it."""
+    def track(self, handle: SaveHandle) -> None:  # weakly, for abandon()
         with self.cond:
             self._handles.add(handle)
 
     def abandon(self, error: BaseException) -> None:
-        """Fail every future still pending of every tracked handle with ``error``.
-
-        For a ``close`` that gave up on work in flight: the work goes on in the background,
-        but no caller waits on it for ever."""
+        """Fail every tracked handle's pending futures with ``error``: a ``close`` that gave up
+        on work in flight leaves it running in the background, but no caller waits for ever."""
         with self.cond:
             handles = list(self._handles)
         reason = f"given up by close: {error}"
@@ -88,9 +85,8 @@ class Ledger:
                 with contextlib.suppress(InvalidStateError):  # done (or cancelled) meanwhile
                     future.set_exception(error)
             # Recorded so that a rank that gave up has the events a peer that saw the outcome has.
-            if pending:
-                tier = "local" if "local" in pending else "remote"
-                self.record("failed", handle, tier=tier, reason=reason)
+            if pending:  # the first tier pending: local before remote
+                self.record("failed", handle, tier=next(iter(pending)), reason=reason)
 
     def record(
         self, event: str, handle: SaveHandle | tuple[int | None, str | None], **extra: Any
@@ -102,8 +98,7 @@ class Ledger:
             self._events.append(line)
         self.append(event, step, name, **extra)
 
-    def quietly(self, what: str, action: Callable[[], object]) -> None:
-        """Run a secondary action (telemetry); a failure is logged and counted, not raised."""
+    def quietly(self, what: str, action: Callable[[], object]) -> None:  # logged, counted
         try:
             action()
         except Exception as exc:
@@ -123,7 +118,6 @@ class Ledger:
             return self._requested_at.pop(name, None)
 
     def skip(self, handle: SaveHandle, reason: str, *, mark: str = "") -> None:
-        """A request that will not be saved: counted, logged, recorded, marked."""
         with self.cond:
             self._counts["skipped"] += 1
             self._requested_at.pop(handle.name, None)
@@ -166,8 +160,7 @@ class Ledger:
         with self.cond:
             self._errors.append(error)
 
-    def unraised(self) -> list[BaseException]:
-        """The errors not raised yet, oldest first; from now on they count as raised."""
+    def unraised(self) -> list[BaseException]:  # oldest first; from now on counted as raised
         with self.cond:
             errors = self._errors[self._raised :]
             self._raised = len(self._errors)
@@ -182,9 +175,7 @@ class Ledger:
         except RuntimeError:  # closed (interpreter exit): write it here, or give up quietly
             self._write(event, step, name, fields)
 
-    def flush(self, timeout_s: float | None) -> None:
-        """Wait up to ``timeout_s`` for every event queued so far to be written (or to fail).
-        A commit, ``history()``, ``wait()`` and ``close()`` flush first."""
+    def flush(self, timeout_s: float | None) -> None:  # for the events queued so far
         try:
             self._pool.submit(lambda: None).result(timeout=timeout_s)
         except FutureTimeout:
@@ -201,8 +192,7 @@ class Ledger:
         self.quietly(what, lambda: self.history.append(event, step, name, **fields))
 
     @contextlib.contextmanager
-    def opened(self, handle: SaveHandle) -> Iterator[None]:
-        """Open the save's root span; phases started on this thread inside nest under it."""
+    def opened(self, handle: SaveHandle) -> Iterator[None]:  # phases inside nest under it
         if self.telemetry is None:
             yield
             return
@@ -219,9 +209,8 @@ class Ledger:
             span.end() if error is None else span.fail(error)
 
     def adopt(self, name: str, events: list[Any], replication: Future[Any] | None) -> None:
-        """Record the spans a worker process recorded for save ``name`` under its root, and
-        a ``replication`` span from now until the worker's ``replication`` resolves (as the
-        telemetry wrapper records it with threads)."""
+        """A worker's spans of save ``name`` under its root, and a ``replication`` span until the
+        worker's ``replication`` resolves (as the telemetry wrapper records it with threads)."""
         if self.telemetry is None:
             return
         with self.cond:

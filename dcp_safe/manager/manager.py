@@ -62,7 +62,6 @@ from dcp_safe.manager.preemption import (
     agreed_plan,
     close_at_exit,
     countdown,
-    final_save,
     run_bounded,
 )
 from dcp_safe.manager.saving import SaveRunner, Verdict
@@ -181,14 +180,10 @@ class CheckpointManager:
             self._in_memory = InMemoryTier(self.stager, writer.commit_backend, resume.per_rank)
         worker = None
         if self.executor == "process" and self.stager.shared is not None:
+            groups = WorkerGroups.for_job(agreement)  # several ranks: theirs to form
+            adopt = None if telemetry is None else ledger.adopt  # the worker's spans
             worker = SaveWorker(
-                writer,
-                self.stager.shared,
-                resume.per_rank,
-                wait_s,
-                WorkerGroups.for_job(agreement),  # several ranks: theirs to form
-                None if telemetry is None else ledger.adopt,  # the worker's spans
-                deep,
+                writer, self.stager.shared, resume.per_rank, wait_s, groups, adopt, deep
             )
         self._runner = SaveRunner(
             writer=writer,
@@ -206,11 +201,12 @@ class CheckpointManager:
             bounds=bounds,
         )
         self._cadence = Cadence(policy, runtime.clock, agreement, self._slot, ledger, history=owns)
-        self._warm_start = None
-        if resume.initial_load_from is not None:  # read with this run's root's options
-            self._warm_start = WarmStart.of(
-                resume.initial_load_from, self.topology.commit, resume.initial_load_keys
-            )
+        warm = resume.initial_load_from  # read with this run's root's options
+        self._warm_start = (
+            None
+            if warm is None
+            else WarmStart.of(warm, self.topology.commit, resume.initial_load_keys)
+        )
         # A listing on shared storage: never bounded tighter than a collective.
         self._resolve_s = max(wait_s, self.deadline_s)
         # The reader of the latest restore; with node_local, its stats() say which files came
@@ -349,10 +345,9 @@ class CheckpointManager:
             RestoreMismatchError: ``audit`` found the live state differs from the saved one.
             LoadError: a rank's load failed (a shape that does not match, say), cause named.
         """
-        wanted = step if step == layout.LATEST else self._name_for(int(step))
-        own = self._tiers.reader()
+        latest, own = step == layout.LATEST, self._tiers.reader()
         given = None if source is None else WarmStart.of(source, self.topology.commit)
-        if given is not None and step != layout.LATEST:
+        if given is not None and not latest:
             raise ConfigError("restore(source=) takes no step: name a checkpoint as ROOT/NAME")
         warm = given or self._warm_start
 
@@ -360,27 +355,25 @@ class CheckpointManager:
             if given is not None:
                 return given.resolve(self._tiers.signing_key)
             try:
-                own.reset(wanted)
+                own.reset(layout.LATEST if latest else self._name_for(int(step)))
                 return None, str(own.checkpoint_id)
             except CheckpointNotFoundError:
                 # Another run's checkpoint only while the own tiers hold none at all.
-                if self._warm_start is None or wanted != layout.LATEST or self.latest():
+                if self._warm_start is None or not latest or self.latest():
                     raise
                 return self._warm_start.resolve(self._tiers.signing_key)
 
-        number = -1 if step == layout.LATEST else int(step)
         with self._preemption_deferred():
+            number = -1 if latest else int(step)
             url, name = self._agreement.settle("restore", number, resolve, self._resolve_s)
             reader: SafeStorageReader | SafetensorsReader = own
             where, tier = "this run", "local"
             if url is not None:
                 assert warm is not None
-                reader = warm.reader(url, self._tiers)
                 # The URL as given (credentials travel in options, never in it), shortened.
-                url = url[:300]
+                reader, url, tier = warm.reader(url, self._tiers), url[:300], "initial"
                 where = f"{'warm start' if given is None else 'source'} from {url}"
-                tier = "initial"
-                keys = keys if keys is not None else warm.keys
+                keys = warm.keys if keys is None else keys
             self.last_reader = reader if isinstance(reader, SafeStorageReader) else None
             planner = SafeLoadPlanner(
                 per_rank=self._runner.per_rank,
@@ -473,20 +466,20 @@ class CheckpointManager:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        left = countdown(timeout_s)
-        steps: list[Callable[[], object]] = [lambda: self.wait(left()), self._tiers.prune]
-        steps.append(lambda: self._runner.post.shutdown(wait=True))
-        if (worker := self._runner.worker) is not None:  # before the stager (slabs outlive maps)
-            steps.append(lambda: worker.close(left()))
-        if self._owns_stager:
-            steps.append(self.stager.close)
-        if self._watch is not None:
-            steps.append(self._watch.close)
-        for writer in (self.writer, self._runner.sync_writer):
-            if writer is not None:
-                steps.append(functools.partial(lambda w: w.close(left()), writer))
-        steps.append(lambda: self._ledger.close_history(left()))
-        errors = run_bounded(steps, timeout_s)
+        left, worker = countdown(timeout_s), self._runner.worker
+        writers = [w for w in (self.writer, self._runner.sync_writer) if w is not None]
+        steps: list[Callable[[], object] | None] = [
+            lambda: self.wait(left()),
+            self._tiers.prune,
+            lambda: self._runner.post.shutdown(wait=True),
+            # before the stager (slabs outlive maps)
+            None if worker is None else lambda: worker.close(left()),
+            self.stager.close if self._owns_stager else None,
+            None if self._watch is None else self._watch.close,
+            *(functools.partial(lambda w: w.close(left()), w) for w in writers),
+            lambda: self._ledger.close_history(left()),
+        ]
+        errors = run_bounded([step for step in steps if step is not None], timeout_s)
         if worker is not None:  # whatever the steps did (a save stuck in a stopped worker)
             worker.kill()
         self._agreement.release()
@@ -586,11 +579,18 @@ class CheckpointManager:
         handle = None if latest is None else SaveHandle(latest[0], self._name_for(latest[0]))
         committed = handle is not None and self._tiers.is_validated(handle.name)
         objection = agreed_plan(self._agreement, handle, busy, deadline, committed=committed)
-        if objection is not None or handle is None or latest is None:
-            outcome = f"{drained}; {objection}"  # this rank objects where there is no handle
-        else:
+        outcome = f"{drained}; {objection}"  # this rank objects where there is no handle
+        if objection is None and handle is not None and latest is not None:
             self._ledger.record("requested", handle, tier="local")
-            outcome = f"{drained}; " + final_save(handle, latest[1], self._runner.foreground)
+            step, done = handle.step, handle.committed
+            try:  # a failure is recorded by the save
+                self._runner.foreground(handle, latest[1])
+                how = f"synchronous save of step {step} committed"
+                if not done.done() or done.exception() is not None:
+                    how = f"save of step {step} did not verify"
+            except BaseException as exc:
+                how = f"save of step {step} failed: {exc}"
+            outcome = f"{drained}; final {how}"
         where = (None, None) if handle is None else (handle.step, handle.name)
         self._ledger.record("preempted", where, reason=f"{reason}: {outcome}")
         # The process is about to go: its history appends with it, within what time is left.

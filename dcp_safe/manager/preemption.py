@@ -51,15 +51,13 @@ class PreemptionHandler:
         self._deferred: tuple[int, FrameType | None] | None = None
         self._handling = False
 
-    def install(self) -> None:
-        """Install on the main thread (else ``ConfigError``), keeping the previous handler."""
+    def install(self) -> None:  # keeping the previous handler
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("install_preemption_handler() must be called on the main thread")
         self._previous = signal.signal(self.signum, self._on_signal)
         self._installed = True
 
-    def uninstall(self) -> None:
-        """Restore the previous handler (on the main thread; elsewhere, left installed)."""
+    def uninstall(self) -> None:  # on the main thread; elsewhere, left installed
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(self.signum) == self._on_signal:
@@ -67,8 +65,7 @@ class PreemptionHandler:
         self._installed = False
 
     @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """Around a manager call: a signal arriving inside it is handled on the way out."""
+    def deferred(self) -> Iterator[None]:  # a signal inside a manager call: handled on the way out
         if threading.current_thread() is not threading.main_thread():
             yield  # signals are handled on the main thread only
             return
@@ -121,21 +118,6 @@ class PreemptionHandler:
         os._exit(status)
 
 
-def final_save(
-    handle: SaveHandle, state: dict[str, Any], save: Callable[[SaveHandle, dict[str, Any]], None]
-) -> str:
-    """Save ``state`` as ``handle`` with ``save`` (which records a failure itself); what
-    happened, one line for the ``preempted`` history event."""
-    step = handle.step
-    try:
-        save(handle, state)
-    except BaseException as exc:  # recorded as failed by the save
-        return f"final save of step {step} failed: {exc}"
-    if not handle.committed.done() or handle.committed.exception() is not None:
-        return f"final save of step {step} did not verify"
-    return f"final synchronous save of step {step} committed"
-
-
 def agreed_plan(
     agreement: Agreement,
     handle: SaveHandle | None,
@@ -173,8 +155,7 @@ def agreed_plan(
     return f"final save abandoned on every rank ({listed})"
 
 
-def countdown(timeout_s: float | None) -> Callable[[], float | None]:
-    """The seconds left of ``timeout_s`` from now, at each call (``None``: no bound)."""
+def countdown(timeout_s: float | None) -> Callable[[], float | None]:  # None: no bound
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     return lambda: None if deadline is None else max(0.0, deadline - time.monotonic())
 

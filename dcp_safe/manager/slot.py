@@ -30,8 +30,7 @@ class SaveSlot:
         self._frozen = False
 
     @contextlib.contextmanager
-    def frozen(self) -> Iterator[None]:
-        """While the caller votes on a request: the pending save is not taken out meanwhile."""
+    def frozen(self) -> Iterator[None]:  # while a request's vote runs: the pending save stays
         with self._cond:
             self._frozen = True
         try:
@@ -50,9 +49,7 @@ class SaveSlot:
             if self.busy is None:
                 self._hold(handle)
 
-    def wait_free(self, timeout_s: float | None) -> bool:
-        """Wait up to ``timeout_s`` until no save is in flight (counted in the wait stats);
-        whether the slot is free now."""
+    def wait_free(self, timeout_s: float | None) -> bool:  # counted in the wait stats
         with self._cond:
             if self.busy is None:
                 return True
@@ -64,8 +61,7 @@ class SaveSlot:
                 self.waiting -= 1
                 self.waited_s += time.perf_counter() - started
 
-    def stalled(self, objective_s: float | None) -> str | None:
-        """Why the save in flight is past ``latency_objective_s`` (``None``: it is not)."""
+    def stalled(self, objective_s: float | None) -> str | None:  # past latency_objective_s
         with self._cond:
             age = None if self.busy is None else time.monotonic() - self._since
         if age is None or objective_s is None or age <= objective_s:
@@ -105,9 +101,7 @@ class SaveSlot:
             pending, self.pending = self.pending, None
             return pending
 
-    def idle(self, timeout_s: float | None = 0) -> bool:
-        """No save in flight and none pending, waiting up to ``timeout_s`` for it (``None``:
-        for as long as it takes)."""
+    def idle(self, timeout_s: float | None = 0) -> bool:  # nothing in flight nor pending
         with self._cond:
             return self._cond.wait_for(
                 lambda: self.busy is None and self.pending is None, timeout_s

@@ -1,32 +1,24 @@
-"""The checkpoint worker, one per rank: :func:`main`, after
-:mod:`~dcp_safe.worker.boot` (which knew its parent, lowered its priority and started
-its beat before this module's imports).
+"""The checkpoint worker, one per rank: :func:`main`, after :mod:`~dcp_safe.worker.boot` (which
+knew its parent, lowered its priority and started its beat before this module's imports).
 
 Started by :class:`~dcp_safe.worker.parent.SaveWorker` with one end of a socket pair. It serves
 the parent's messages in order until told to close or the parent is gone; from its start on it
 also sends ``("alive",)`` every second (the parent kills a worker silent past its bound)::
 
-    ("writer", writer, per_rank, group, deep)
-                                     the manager's writer (pickled once), per-rank keys, with
-                                     several ranks the workers' group to join first
-                                     (:class:`~dcp_safe.coordination.worker_group.WorkerGroup`),
-                                     and how each new checkpoint is checked (every byte or not);
-                                     reply ("ready", None), or ("ready", error) where joining
-                                     the group failed (every save then fails with it)
-    ("slab", id, size) + a fd        map a staging slab (the fd follows as SCM_RIGHTS)
-    ("forget", ids)                  unmap slabs the parent closed
-    ("save", seq, name, (step, metrics), data, record, fsize)
-                                     save the staged state ``data`` (not if the parent is gone:
-                                     the worker exits) under the rank's RLIMIT_FSIZE ``fsize``
-                                     (one it cannot take fails the save): plan, write,
-                                     checksums, manifest, commit, check; reply ("done", seq,
-                                     error or None, whether the workers' group broke, the
-                                     save's plan, write and commit spans when ``record``, its
-                                     check or None),
-                                     then, with ``replicate_to`` or a node-local cache,
-                                     ("replicated", name, error or None, its check or None,
-                                     the replica manifest's header or None)
-    ("close", timeout_s)             drain the writer's replication; reply ("closed", error)
+    ("writer", writer, per_rank, group, deep): the manager's writer (pickled once), per-rank keys,
+        with several ranks the workers' group to join first (WorkerGroup), and how each new
+        checkpoint is checked (every byte or not); reply ("ready", None), or ("ready", error)
+        where joining the group failed (every save then fails with it)
+    ("slab", id, size) + a fd: map a staging slab (the fd follows as SCM_RIGHTS)
+    ("forget", ids): unmap slabs the parent closed
+    ("save", seq, name, (step, metrics), data, record, fsize): save the staged state ``data``
+        (not if the parent is gone: the worker exits) under the rank's RLIMIT_FSIZE ``fsize``
+        (one it cannot take fails the save): plan, write, checksums, manifest, commit, check;
+        reply ("done", seq, error or None, whether the workers' group broke, the save's plan,
+        write and commit spans when ``record``, its check or None), then, with ``replicate_to``
+        or a node-local cache, ("replicated", name, error or None, its check or None, the
+        replica manifest's header or None)
+    ("close", timeout_s): drain the writer's replication; reply ("closed", error)
 
 A check (:func:`~.transport.check_commit`) follows the commit here, so that the training
 process parses no manifest of its saves; a node-local save is checked once its remote commit is
@@ -127,8 +119,7 @@ class _Worker:
         telemetry = Telemetry(sample_memory=False, rank=0, clock=self.clock) if record else None
         try:
             _limit_files(fsize)
-            if self.writer is None:
-                raise AssertionError("the parent sent a save before its writer")
+            assert self.writer is not None  # the parent sends it first
             writer = self.writer.for_step(*step)
             state = pickle.loads(data)
             api.save(

@@ -61,13 +61,11 @@ class _Process:
 
     def __init__(self, owner: SaveWorker, group: WorkerGroup | None) -> None:
         self.owner, self.lock = owner, owner._lock  # guards saves, replications, checks, dead
-        self.group = group
-        self.retired = False
+        self.group, self.retired, self.dead = group, False, False
         # Silent past the manager's deadline (with several ranks the workers' group's, that of
         # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
         bound = owner.timeout_s if group is None else min(owner.timeout_s, group.timeout_s)
-        self.silent_s = max(bound, _MIN_SILENT_BEATS * BEAT_S)
-        self.silenced = False  # killed for its silence
+        self.silent_s, self.silenced = max(bound, _MIN_SILENT_BEATS * BEAT_S), False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # Isolated (-I: no current directory on sys.path), its parent's pid first; it imports
         # what the parent can (a writer subclass of a test, say): sys.path's absolute entries.
@@ -86,7 +84,6 @@ class _Process:
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
         self.replicating: set[str] = set()  # the names this worker replicates
-        self.dead = False
         # Set once the worker imported and joined its group (or died): it can save now.
         self.ready = threading.Event()
         self.ready_error: BaseException | None = None  # why it could not join its group
@@ -151,19 +148,14 @@ class _Process:
             self.ready_error = None if message[1] is None else decode_error(message[1])
             self.ready.set()
 
-    def _checked(self, name: str, checked: Checked | None) -> None:
-        """Keep the worker's check of ``name`` for its follow-up (before the future it waits
-        for resolves)."""
-        if checked is None:
-            return
-        checked.remember()
-        with self.lock:
-            self.owner._checks[name] = checked
+    def _checked(self, name: str, checked: Checked | None) -> None:  # before the save resolves
+        if checked is not None:
+            checked.remember()
+            with self.lock:
+                self.owner._checks[name] = checked
 
     def died(self) -> None:
-        with self.lock:
-            retired = self.retired
-        if not retired:  # before it is reaped and its saves fail: who sees either sees this
+        if not self.retired:  # before it is reaped and its saves fail: who sees either sees this
             self.owner._broke(self)
         code = self.popen.wait()
         with self.lock:
@@ -243,15 +235,12 @@ class SaveWorker:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-worker")
 
     @property
-    def pid(self) -> int | None:
-        """The running worker's process id (``None`` before the first save or after a death)."""
+    def pid(self) -> int | None:  # None before the first save or after a death
         process = self._process
         return None if process is None or _exited(process.popen) else process.popen.pid
 
     @property
-    def ready(self) -> bool:
-        """A worker is running and can save now (it imported, and joined the ranks' current
-        group)."""
+    def ready(self) -> bool:  # it imported and joined the ranks' current group: it can save now
         process, groups = self._process, self._groups
         return (
             process is not None
@@ -262,9 +251,8 @@ class SaveWorker:
         )
 
     def start(self) -> None:
-        """Start a worker if none is running (or its group was replaced), without waiting for
-        it; one that cannot start yet (its group broke and the ranks' next vote replaces it)
-        is started by a later call."""
+        """Start a worker if none runs in the current group, without waiting for it; one that
+        cannot start yet (its group broke, to be replaced at the next vote) starts later."""
         with self._lock:
             try:
                 process = self._started()
@@ -296,8 +284,7 @@ class SaveWorker:
         # No worker replicates it (it was saved before this manager): watch the remote marker.
         return self.writer.replication(name) if replicated is None else replicated
 
-    def checked(self, name: str) -> Checked | None:
-        """The worker's check of ``name``, once (``None``: it ran none, the caller checks)."""
+    def checked(self, name: str) -> Checked | None:  # once; None: the caller checks
         with self._lock:
             return self._checks.pop(name, None)
 
@@ -308,8 +295,7 @@ class SaveWorker:
         Raises:
             BaseException: the worker's writer failed to drain its replication.
         """
-        if timeout_s is None:
-            timeout_s = self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         # The saves queued are sent first, by the deadline: a send blocked on a stopped worker
         # is freed by that worker's kill below, and one sent then to a new worker is stopped too.
@@ -358,8 +344,7 @@ class SaveWorker:
     ) -> None:
         try:
             state = staged.result()
-            data = self._encoder.dump(state)
-            record = self.adopt is not None
+            data, record = self._encoder.dump(state), self.adopt is not None
             for retry in (False, True):
                 process, seq = self._register(name, done, state)
                 try:  # outside the lock: a worker dying meanwhile fails it through its reader
@@ -379,7 +364,7 @@ class SaveWorker:
                 done.set_exception(exc)
 
     def _register(self, name: str, done: Future[None], state: Any) -> tuple[_Process, int]:
-        """The save in the live worker's book (the state kept alive there); its sequence."""
+        # In the live worker's book, which keeps the state alive.
         with self._lock:
             process = self._started()
             self._seq += 1
@@ -421,9 +406,7 @@ class SaveWorker:
         assert process is not None
         return process
 
-    def _broke(self, process: _Process) -> None:
-        """``process`` died or its group failed: the ranks replace the group at their next
-        vote."""
+    def _broke(self, process: _Process) -> None:  # the ranks replace the group at their next vote
         if self._groups is None or process.group is None:
             return
         generation = process.group.generation
@@ -450,7 +433,7 @@ class SaveWorker:
 
 
 def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException | None:
-    """Close ``process`` by ``deadline`` (killed past it); its writer's error, if any."""
+    # Closed by ``deadline`` (killed past it); its writer's error, if any.
     with process.lock:
         starting = not process.ready.is_set() and not process.saves
     if starting:  # it holds nothing to drain: waiting for its imports would only delay close
@@ -458,9 +441,8 @@ def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException
     # A send blocked on a stopped worker holds the lock: it is killed at the deadline instead.
     if process.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
         try:
-            process.conn.send(("close", timeout_s))
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                process.conn.send(("close", timeout_s))
         finally:
             process.send_lock.release()
     error = None

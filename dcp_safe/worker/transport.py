@@ -145,8 +145,7 @@ def encode_error(error: BaseException) -> bytes:
     return _portable(error, text)
 
 
-def decode_error(data: bytes) -> BaseException:
-    """The error the worker sent (a :class:`WorkerError` if it cannot be rebuilt here)."""
+def decode_error(data: bytes) -> BaseException:  # a WorkerError if it cannot be rebuilt here
     try:
         error = pickle.loads(data)
     except Exception as exc:
