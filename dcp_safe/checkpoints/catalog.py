@@ -95,18 +95,15 @@ def _log(name: str, exc: CheckpointCorruptError) -> None:
 
 
 def latest_named(root: RootLike, checkpoint_id: str, *, strict: bool = False) -> str:
-    """``checkpoint_id``, or for ``"latest"`` the newest sound checkpoint, saying so when a
-    damaged name present may be newer: a logged warning (``inspect``, ``export``), or with
-    ``strict`` an error (``verify``, which must check the newest name present).
+    """``checkpoint_id``, or for ``"latest"`` the newest sound checkpoint (none:
+    CheckpointNotFoundError), saying so when a damaged name present may be newer: a logged
+    warning (``inspect``, ``export``), or with ``strict`` a CheckpointCorruptError (``verify``,
+    which must check the newest name present).
 
     ``"latest"`` alone passes a damaged entry by, so that it never hides a good one; a tool
     that did so silently would leave a truncated newest manifest unseen. A damaged entry has no
     step to trust, so it counts as newer unless the number its name ends in
     (``step_000000042``) is below the newest sound one's.
-
-    Raises:
-        CheckpointNotFoundError: ``"latest"`` was asked for and nothing sound is committed.
-        CheckpointCorruptError: with ``strict``, a damaged name that may be the newest.
     """
     if checkpoint_id != layout.LATEST:
         return checkpoint_id

@@ -135,14 +135,10 @@ def committed_names(backend: Backend, marker: str = layout.COMMITTED_MARKER) -> 
 
 
 def open_committed(backend: Backend, name: str) -> CommittedCheckpoint:
-    """Open ``name``, checking its marker against its manifest.
-
-    Raises:
-        CheckpointNotFoundError: no marker (never committed, or not there at all).
-        CheckpointCorruptError: the manifest is missing, malformed or not the one the marker
-            names; a control file is not a regular file or over its cap; or an item lies in a
-            file the manifest does not list.
-    """
+    """Open ``name``, checking its marker against its manifest: CheckpointNotFoundError without
+    a marker (never committed, or not there at all); CheckpointCorruptError if the manifest is
+    missing, malformed or not the one the marker names, a control file is not a regular file or
+    over its cap, or an item lies in a file the manifest does not list."""
     return _opened(name, *_read_committed(backend, name))
 
 
@@ -184,12 +180,9 @@ def _opened(name: str, raw: bytes, actual: str, manifest_path: str) -> Committed
 def read_marked_manifest(
     backend: Backend, name: str, marker: str, what: str, where: str
 ) -> tuple[bytes, str]:
-    """``name``'s manifest bytes and their digest, which its ``marker`` file must hold.
-
-    Raises:
-        CheckpointNotFoundError: no marker: no ``what`` under ``name``.
-        CheckpointCorruptError: no manifest (``what`` has none), or not the one the marker
-            names; both errors name ``where``.
+    """``name``'s manifest bytes and their digest, which its ``marker`` file must hold:
+    CheckpointNotFoundError without the marker (no ``what`` under ``name``);
+    CheckpointCorruptError naming ``where`` without a manifest, or another than the marker names.
     """
     try:
         raw_marker = backend.read_small(f"{name}/{marker}", CONTROL_MAX_BYTES)
@@ -215,11 +208,8 @@ def publish_marked(
     local: Backend, work: str, final: str, raw_manifest: bytes, marker: str, what: str
 ) -> None:
     """Make ``work`` (its other files landed) the folder ``final``: the manifest goes in, then
-    ``marker`` with its digest, last, then the rename, so a folder under its name is whole.
-
-    Raises:
-        CheckpointExistsError: ``final`` exists (``what`` holds it).
-    """
+    ``marker`` with its digest, last, then the rename, so a folder under its name is whole
+    (CheckpointExistsError if ``final`` exists: ``what`` holds it)."""
     local.write_bytes(f"{work}/{layout.MANIFEST}", raw_manifest)
     local.write_bytes(f"{work}/{marker}", manifest_digest(raw_manifest).encode())
     local.sync_dir(work)
@@ -240,17 +230,11 @@ def recency(step: int | None, created_at: float, name: str) -> tuple[int, float,
 
 
 def resolve_name(backend: Backend, checkpoint_id: str, *, signing_key: bytes | None = None) -> str:
-    """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint.
-
-    "Newest" is :func:`recency`; a checkpoint whose manifest does not open, or (with a
-    ``signing_key``) that is not signed with it, is skipped, so a damaged or planted newest
-    checkpoint never hides a good one.
-
-    Raises:
-        CheckpointNotFoundError: ``"latest"`` was asked for and nothing is committed.
-        CheckpointCorruptError: the key signed no committed checkpoint (the refusal of the last
-            one looked at: a ``SignatureError``).
-    """
+    """``checkpoint_id`` itself, or for ``"latest"`` the newest committed checkpoint
+    (:func:`recency`). One whose manifest does not open, or (with a ``signing_key``) that is not
+    signed with it, is skipped, so a damaged or planted newest checkpoint never hides a good one.
+    CheckpointNotFoundError: nothing is committed; if the key signed no committed checkpoint,
+    the refusal of the last one looked at (a ``SignatureError``)."""
     if checkpoint_id != layout.LATEST:
         return layout.validate_name(checkpoint_id)
     refused: list[CheckpointCorruptError] = []
@@ -300,13 +284,9 @@ def accepted_headers(
 
 def check_signed(backend: Backend, opened: CommittedCheckpoint, key: bytes) -> None:
     """Raise unless the manifest of ``opened`` (from :func:`open_committed` on ``backend``) is
-    signed with ``key``.
-
-    Raises:
-        UnsignedCheckpointError: no ``_SIGNATURE``.
-        SignatureError: a signature from another key, or over another manifest, or over one
-            with a checksum that is not cryptographic.
-    """
+    signed with ``key``: UnsignedCheckpointError without a ``_SIGNATURE``; SignatureError for a
+    signature from another key, or over another manifest, or over one with a checksum that is
+    not cryptographic."""
     name, manifest = opened.name, opened.manifest
     manifest_path = backend.full_path(f"{name}/{layout.MANIFEST}")
     rel = f"{name}/{layout.SIGNATURE}"

@@ -92,12 +92,8 @@ def decode_transforms(
     raw: _Bytes, transforms: Iterable[str], *, max_bytes: int | None, path: str, item: str
 ) -> _Bytes:
     """``raw`` with its transforms undone, at most ``max_bytes`` (``None``: unbounded, for a
-    root the caller trusts).
-
-    Raises:
-        UnsafeCheckpointError: it decodes to more than ``max_bytes``.
-        CheckpointCorruptError: an unknown transform, or bytes it cannot decode.
-    """
+    root the caller trusts; more: UnsafeCheckpointError). CheckpointCorruptError: an unknown
+    transform, or bytes it cannot decode."""
     found = tuple(transforms)
     if not found:
         return raw
@@ -122,13 +118,9 @@ def _unpickler(
 ) -> ItemUnpickler | io.BytesIO:
     """The unpickler of an item's checked archive and scanned pickle (``data.pkl``): an object
     item's (``plain_data``) or a tensor item's, each with its bounds; for an object item that is
-    a pickled ``BytesIO``, that ``BytesIO``.
-
-    Raises:
-        UnsafeCheckpointError: a compressed record, too many records or opcodes, a tensor's
-            pickle over its size, or a refused opcode.
-        CheckpointCorruptError: no such archive, no pickle, or saved big-endian.
-    """
+    a pickled ``BytesIO``, that ``BytesIO``. UnsafeCheckpointError: a compressed record, too
+    many records or opcodes, a tensor's pickle over its size, or a refused opcode;
+    CheckpointCorruptError: no such archive, no pickle, or saved big-endian."""
     source = MemorySource(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     max_records = MAX_RECORDS if plain_data else _TENSOR_MAX_RECORDS
     archive = open_archive(source, path, item, max_records=max_records)
@@ -169,13 +161,9 @@ def decode_tensor_item(
     materialize: bool = True,
 ) -> torch.Tensor:
     """The tensor a tensor item holds, which must be of the ``dtype`` and ``shape`` the
-    metadata declares. ``materialize=False`` checks everything but reads no tensor bytes
-    (deep verification) and returns a meta tensor.
-
-    Raises:
-        UnsafeCheckpointError: anything but a tensor made of the item's own records.
-        CheckpointCorruptError: not a saved tensor, or another dtype or shape.
-    """
+    metadata declares (else CheckpointCorruptError, as for anything but a saved tensor; one not
+    made of the item's own records: UnsafeCheckpointError). ``materialize=False`` checks
+    everything but reads no tensor bytes (deep verification) and returns a meta tensor."""
     unpickler = _unpickler(data, path, item, plain_data=False, materialize=materialize)
     assert isinstance(unpickler, ItemUnpickler)  # a BytesIO only for an object item
     tensor = unpickler.load_checked("a saved tensor")
@@ -201,16 +189,11 @@ _BYTES_IO_OPS = frozenset(("NEWOBJ", "BUILD"))
 
 
 def decode_object(data: _Bytes, path: str, item: str, *, materialize: bool = True) -> Any:
-    """The value an object item holds (after its transforms), decoded without running code.
-
-    ``materialize=False`` (deep verification) checks tensors in it without reading their
-    bytes (they come back as meta tensors).
-
-    Raises:
-        UnsafeCheckpointError: the item holds more than plain data and its own tensors, or
-            is over the opcode or record budget.
-        CheckpointCorruptError: it is not something ``torch.save`` wrote.
-    """
+    """The value an object item holds (after its transforms), decoded without running code;
+    ``materialize=False`` (deep verification) checks tensors in it without reading their bytes
+    (they come back as meta tensors). UnsafeCheckpointError: more than plain data and its own
+    tensors, or over the opcode or record budget; CheckpointCorruptError: not something
+    ``torch.save`` wrote."""
     unpickler = _unpickler(data, path, item, plain_data=True, materialize=materialize)
     if isinstance(unpickler, io.BytesIO):
         return unpickler
@@ -322,15 +305,11 @@ def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
 def check_loadable(
     backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
 ) -> int:
-    """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them;
-    the number of object items checked. ``allow_pickle``: as in the module docstring.
-
-    Raises:
-        UnsafeCheckpointError: an object item refers to more than plain data, an item decodes
-            past what the checkpoint declares, or (without ``allow_pickle``) the checkpoint
-            has no plain metadata.
-        CheckpointCorruptError: the metadata is malformed, or an item is not what it declares.
-    """
+    """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them
+    (UnsafeCheckpointError: an object item refers to more than plain data, an item decodes past
+    what the checkpoint declares, or, without ``allow_pickle``, the checkpoint has no plain
+    metadata; CheckpointCorruptError: malformed metadata, or an item not what it declares); the
+    number of object items checked. ``allow_pickle``: as in the module docstring."""
     if allow_pickle and manifest.dcp_metadata is None:
         return 0
     metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)

@@ -49,13 +49,9 @@ def read_dcp_metadata(
     backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
 ) -> Metadata:
     """DCP's ``Metadata`` of checkpoint ``name``, whose verified manifest is ``manifest``.
-
-    Raises:
-        CheckpointCorruptError: the metadata is malformed or disagrees with the manifest.
-        UnsafeCheckpointError: the checkpoint has no plain metadata and ``allow_pickle`` is
-            not given.
-        ConfigError: not DCP's checkpoint (``manifest.data_format``): it has no DCP metadata.
-    """
+    CheckpointCorruptError: it is malformed or disagrees with the manifest;
+    UnsafeCheckpointError: no plain metadata, without ``allow_pickle``; ConfigError: not DCP's
+    checkpoint (``manifest.data_format``), so no DCP metadata."""
     if manifest.data_format is not None:
         raise ConfigError(
             f"{backend.full_path(name)} holds {manifest.data_format}'s files, not DCP's: it has"

@@ -47,16 +47,11 @@ class NodeCache:
 def publish_node_cache(
     local: Backend, remote: Backend, work: str, name: str, manifest: Manifest
 ) -> None:
-    """Turn the node's hidden work directory ``work`` into the node cache ``<name>/``.
-
-    Call it once per node (the lowest rank), after ``name`` is committed on ``remote`` with
-    ``manifest``.
-
-    Raises:
-        CheckpointCorruptError: the remote manifest changed since it was opened.
-        CheckpointExistsError: ``<name>/`` already exists on this node's root.
-        StorageError: a local or remote I/O step failed.
-    """
+    """Turn the node's hidden work directory ``work`` into the node cache ``<name>/``, once per
+    node (the lowest rank), after ``name`` is committed on ``remote`` with ``manifest``.
+    CheckpointCorruptError: the remote manifest changed since it was opened;
+    CheckpointExistsError: ``<name>/`` exists on this node's root already; StorageError: a local
+    or remote I/O step failed."""
     raw = remote.read_small(f"{name}/{layout.MANIFEST}", MANIFEST_MAX_BYTES)
     if Manifest.from_json(raw, remote.full_path(name)) != manifest:
         raise CheckpointCorruptError(remote.full_path(name), "manifest changed while read")
@@ -124,12 +119,9 @@ def commit_peer_copy(
     local: Backend, partial: str, name: str, node: int, raw_manifest: bytes
 ) -> str:
     """Make the landed files in ``partial`` (``.metadata`` among them, each checked as it
-    landed) the peer copy of node ``node``'s share of ``name``, as :func:`publish_marked` does;
-    returns the copy's folder (relative to ``local``'s root).
-
-    Raises:
-        CheckpointExistsError: a committed copy of that node's share is there already.
-    """
+    landed) the peer copy of node ``node``'s share of ``name``, as :func:`publish_marked` does
+    (CheckpointExistsError: a committed copy of that share is there already); its folder,
+    relative to ``local``'s root."""
     final = layout.peer_copy_dir(name, node)
     publish_marked(local, partial, final, raw_manifest, layout.PEER_COMMITTED_MARKER, "a peer copy")
     return final

@@ -93,13 +93,9 @@ def open_archive(
     source: Source, path: str, item: str, *, max_records: int = MAX_RECORDS
 ) -> TorchArchive:
     """Locate and check every record of the ``torch.save`` archive in ``source``.
-
-    Raises:
-        UnsafeCheckpointError: a record is compressed or encrypted, or there are more than
-            ``max_records``.
-        CheckpointCorruptError: not such an archive (no end record, entries or records
-            outside the item, names that disagree or repeat).
-    """
+    UnsafeCheckpointError: a record is compressed or encrypted, or there are more than
+    ``max_records``; CheckpointCorruptError: no such archive (no end record, entries or records
+    outside the item, names that disagree or repeat)."""
     return _Parser(source, path, item, max_records).archive()
 
 

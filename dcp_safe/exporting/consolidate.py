@@ -61,11 +61,8 @@ class Selection:
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The floating dtype to cast to, from a ``torch.dtype`` or its name (``"bfloat16"``).
-
-    Raises:
-        ConfigError: not a dtype name, or not a floating dtype.
-    """
+    """The floating dtype to cast to, from a ``torch.dtype`` or its name (``"bfloat16"``);
+    ConfigError for anything else."""
     found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if dtype is not None and not (isinstance(found, torch.dtype) and found.is_floating_point):
         why = "dtype must be a floating torch dtype such as torch.bfloat16 or 'float16'"
@@ -78,11 +75,8 @@ def select(
 ) -> Selection:
     """The entries of ``metadata`` that ``keys`` (full keys or prefixes on a dot boundary:
     ``model`` selects ``model.w``; ``None``: all) select; floating tensors cast to ``dtype``.
-
-    Raises:
-        ConfigError: ``keys`` is empty, holds a non-string, or a key selects nothing.
-        CheckpointCorruptError: a tensor's chunks do not add up to its global shape.
-    """
+    ConfigError: ``keys`` is empty, holds a non-string, or a key selects nothing;
+    CheckpointCorruptError: a tensor's chunks do not add up to its global shape."""
     entries = metadata.state_dict_metadata
     chosen = sorted(entries) if keys is None else _matching(sorted(entries), keys)
     tensors, objects = list[TensorEntry](), list[str]()
@@ -179,12 +173,9 @@ def runs(
 
 
 class Consolidator:
-    """Reads whole global tensors and plain objects from checkpoint ``name`` (or ``"latest"``).
-
-    Raises:
-        CheckpointNotFoundError: no such committed checkpoint.
-        CheckpointCorruptError: its marker, manifest or ``.metadata`` do not check out.
-    """
+    """Reads whole global tensors and plain objects from checkpoint ``name`` (or ``"latest"``),
+    once it is found (else CheckpointNotFoundError) and its marker, manifest and ``.metadata``
+    check out (else CheckpointCorruptError)."""
 
     def __init__(
         self, root: RootLike, name: str, *, signing_key: bytes | str | None = None
@@ -201,15 +192,10 @@ class Consolidator:
     def each_tensor(
         self, entries: Sequence[TensorEntry], consume: Callable[[TensorEntry, torch.Tensor], object]
     ) -> None:
-        """Call ``consume(entry, tensor)`` for every entry, in order, with its whole tensor.
-
-        The tensor is dropped when ``consume`` returns (keep no reference to it: the bound
-        on memory counts on that).
-
-        Raises:
-            CheckpointCorruptError: an item's bytes do not match its checksum, or a file is
-                missing or short.
-        """
+        """Call ``consume(entry, tensor)`` for every entry, in order, with its whole tensor,
+        dropped when ``consume`` returns (keep no reference to it: the bound on memory counts
+        on that). CheckpointCorruptError: an item's bytes do not match its checksum, or a file
+        is missing or short."""
         for batch in runs(entries, BATCH_BYTES):
             self._require_stored(batch)
             state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in batch}

@@ -49,11 +49,8 @@ def write_safetensors(
 ) -> dict[str, str]:
     """Write the selected tensors as one file or as shards and their index, each file checked
     with the reference reader; the entries skipped (every non-tensor), each with the reason.
-
-    Raises:
-        ConfigError: the selection holds no tensors, or a tensor named ``__metadata__``.
-        StorageError: a write failed, or the reader refuses a file written.
-    """
+    ConfigError: no tensors, or one named ``__metadata__``; StorageError: a write failed, or the
+    reader refuses a file written."""
     if not selection.tensors:
         raise ConfigError("nothing to export: the selected entries hold no tensors")
     shards = plan_shards(selection.tensors, max_shard_bytes)
@@ -81,11 +78,8 @@ def check_max_shard_bytes(value: object) -> None:
 
 def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
     """``entries`` (in order) split into shards of at most ``max_shard_bytes`` of tensor data,
-    except a tensor larger than that, which gets a shard of its own.
-
-    Raises:
-        ConfigError: a key is ``__metadata__``.
-    """
+    except a tensor larger than that, which gets a shard of its own (ConfigError: a key is
+    ``__metadata__``)."""
     if any(entry.key == RESERVED for entry in entries):
         raise ConfigError(
             f"safetensors reserves the key {RESERVED!r} for its header, and a tensor of the"
@@ -128,11 +122,8 @@ def encode_index(files: dict[str, list[TensorEntry]]) -> bytes:
 
 
 def _check_safetensors(path: str, entries: Sequence[TensorEntry]) -> None:
-    """Open a written file with the reference reader and compare its table of contents.
-
-    Raises:
-        StorageError: the reader refuses the file or lists other tensors.
-    """
+    """Open a written file with the reference reader and compare its table of contents
+    (StorageError: the reader refuses the file or lists other tensors)."""
     try:
         with safe_open(path, framework="pt") as opened:  # type: ignore[no-untyped-call]
             keys = sorted(opened.keys())
@@ -154,15 +145,13 @@ def torch_holds(dtype: torch.dtype) -> bool:
 
 def write_torch(staged: StagedExport, source: Consolidator, selection: Selection) -> dict[str, str]:
     """Write ``model.pt`` of the selected tensors and the plain-data objects, checked by
-    loading it back; the objects skipped (not plain data), each with the reason.
+    loading it back; the objects skipped (not plain data), each with the reason. ConfigError:
+    no tensors and no plain data; StorageError: a write failed, or ``torch.load`` finds other
+    contents.
 
     The loaded file is a flat dict from key to tensor or object, in key order. The pickle goes
     first (each tensor a stub naming its record), then the constant records before the data,
     each tensor's record as it is read, the records after the data, and the zip directory.
-
-    Raises:
-        ConfigError: the selection holds no tensors and no plain data.
-        StorageError: a write failed, or ``torch.load`` finds other contents.
     """
     objects = source.objects(selection.objects)
     skipped = {k: v.reason for k, v in objects.items() if isinstance(v, NotPlainData)}
@@ -225,11 +214,8 @@ def write_torch(staged: StagedExport, source: Consolidator, selection: Selection
 
 def _check_torch(path: str, tensors: Sequence[TensorEntry], objects: dict[str, Any]) -> None:
     """Load a written file as a user will (``torch.load(weights_only=True)``, with ``mmap=True``
-    so the tensor data is mapped, not read) and compare its keys, dtypes and shapes.
-
-    Raises:
-        StorageError: torch refuses the file or finds other contents.
-    """
+    so the tensor data is mapped, not read) and compare its keys, dtypes and shapes
+    (StorageError: torch refuses the file or finds other contents)."""
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:

@@ -81,12 +81,9 @@ class StagedExport(AbstractContextManager["StagedExport"]):
         self.digests[file_name] = sink.take_checksum().partition(":")[2]
 
     def publish(self) -> None:
-        """Write ``SHA256SUMS``, make the folder durable, and rename it to ``dest``.
-
-        Raises:
-            ConfigError: ``dest`` appeared meanwhile (without ``overwrite``).
-            StorageError: a write, fsync or rename failed.
-        """
+        """Write ``SHA256SUMS``, make the folder durable, and rename it to ``dest``. ConfigError:
+        ``dest`` appeared meanwhile (without ``overwrite``); StorageError: a write, fsync or
+        rename failed."""
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(self.digests.items()))
         with self._backend.open_write(f"{self._work}/{CHECKSUMS}") as target:
             target.write(lines.encode())

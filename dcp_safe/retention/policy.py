@@ -31,14 +31,9 @@ from dcp_safe.errors import ConfigError
 
 @dataclass(frozen=True)
 class CheckpointRecord:
-    """A committed checkpoint as retention sees it.
-
-    Attributes:
-        step: the training step it captures; orders checkpoints (then ``name``).
-        validated: it passed verification after its commit.
-        created_at: its commit time (the writer's clock), for :class:`KeepWithin`.
-        metrics: what its save recorded (``Manifest.metrics``), for :class:`KeepBest`.
-    """
+    """A committed checkpoint as retention sees it: its ``step`` orders checkpoints (then
+    ``name``); ``validated``: it passed verification after its commit; its commit time (the
+    writer's clock) is for :class:`KeepWithin`, its save's ``metrics`` for :class:`KeepBest`."""
 
     name: str
     step: int
@@ -163,15 +158,9 @@ def decide(
     *,
     protected: Collection[str] = frozenset(),
 ) -> RetentionDecision:
-    """Split ``records`` into keep and drop: the policy's keeps plus the safety rules.
-
-    Args:
-        records: committed checkpoints, in any order; names must be distinct.
-        protected: names never dropped now (being read or replicated).
-
-    Raises:
-        ConfigError: two records share a name.
-    """
+    """Split ``records`` (in any order; ConfigError if two share a name) into keep and drop:
+    the policy's keeps plus the safety rules; ``protected`` names (being read or replicated)
+    are never dropped now."""
     ordered = _ordered(records)
     if len({r.name for r in ordered}) != len(ordered):
         raise ConfigError("retention records must have distinct names")

@@ -53,12 +53,9 @@ class SweepReport:
 
 
 def open_sweepable(root: RootLike, grace_s: float, *, allow_bucket_root: bool) -> Backend:
-    """The backend of a root the sweeper may work on, refused before anything is removed.
-
-    Raises:
-        ConfigError: a negative or NaN grace period (every age would pass NaN, and everything
-            be collected), or ``root`` is a whole bucket and ``allow_bucket_root`` is not set.
-    """
+    """The backend of a root the sweeper may work on, refused (ConfigError) before anything is
+    removed: a negative or NaN grace period (every age would pass NaN, and everything be
+    collected), or a whole bucket without ``allow_bucket_root``."""
     if not grace_s >= 0:
         raise ConfigError(f"grace_s must be a number >= 0, got {grace_s}")
     backend = open_backend(root)
