@@ -141,11 +141,7 @@ class PeerSource(Source):
             sizes = self.disk.sizes(folder)
         except _UNUSABLE:
             return {}
-        return {
-            f: size
-            for f, size in sizes.items()
-            if (record := manifest.file(f)) is not None and record.size == size
-        }
+        return {f: n for f, n in sizes.items() if (r := manifest.file(f)) and r.size == n}
 
     def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the

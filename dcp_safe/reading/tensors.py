@@ -366,7 +366,7 @@ def read_runs(
     assert blocks is not None  # planned by plan_blocks
     out = tensor_bytes(dest)
     buffer = memoryview(mmap.mmap(-1, plan.buffer_bytes))  # pages go back when it is dropped
-    read, run, written = 0, 0, 0
+    run = written = 0
     for first, end in plan.spans:
         for piece in range(first, end, _PIECE_BLOCKS):
             last = min(piece + _PIECE_BLOCKS, end) - 1
@@ -376,7 +376,6 @@ def read_runs(
             got = read_fully(stream, view)
             if got != hi - lo:
                 raise short_read(path, item, hi - lo, got)
-            read += got
             if algorithm is not None:
                 for block in range(piece, last + 1):
                     block_lo, block_hi = blocks.span(block)  # not ``end``: the span's
@@ -391,4 +390,4 @@ def read_runs(
                 out[at : at + stop - begin] = view[begin - lo : stop - lo]
                 if stop == start + nbytes:
                     written, run = written + nbytes, run + 1
-    return read
+    return plan.read_bytes  # the pieces cover the spans' blocks exactly, each read whole
