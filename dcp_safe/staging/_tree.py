@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -65,31 +67,26 @@ def collect_tensors(obj: object) -> list[torch.Tensor]:
     return list({id(t): t for t in scan(obj).candidates if stageable(t)}.values())
 
 
+@dataclass(eq=False)
 class Layout:
     """One walk of a state dict: its candidate tensors, in walk order, and its layout key,
     computed on first use: the walk alone is what ``stage()`` pays on the training thread while
     the state's structure is unchanged (:meth:`~dcp_safe.staging.plan.PlanCache.speculate`)."""
 
-    __slots__ = ("_key", "candidates", "structure")
+    candidates: list[torch.Tensor]
+    structure: tuple[Any, ...]
 
-    def __init__(self, candidates: list[torch.Tensor], structure: tuple[Any, ...]) -> None:
-        self.candidates = candidates
-        self.structure = structure
-        self._key: tuple[Any, ...] | None = None
-
-    @property
+    @cached_property
     def key(self) -> tuple[Any, ...]:
         """The full layout key (docs/staging.md, "Thousands of tensors"); about 2 us a tensor."""
-        if self._key is None:
-            candidates = self.candidates
-            ids = list(map(id, candidates))
-            aliases = None
-            if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout
-                first: dict[int, int] = {}
-                aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
-            getters = (_shape, _dtype, _device, _layout)
-            self._key = (self.structure, *(tuple(map(g, candidates)) for g in getters), aliases)
-        return self._key
+        candidates = self.candidates
+        ids = list(map(id, candidates))
+        aliases = None
+        if len(set(ids)) != len(ids):  # a tensor reached twice: which entries share is layout
+            first: dict[int, int] = {}
+            aliases = tuple(first.setdefault(i, n) for n, i in enumerate(ids))
+        getters = (_shape, _dtype, _device, _layout)
+        return (self.structure, *(tuple(map(g, candidates)) for g in getters), aliases)
 
 
 def scan(state: object) -> Layout:

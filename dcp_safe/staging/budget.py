@@ -206,10 +206,8 @@ def _share_fraction(share: float) -> Fraction:
 
 
 def _format_share(share: float) -> str:
-    fraction = _share_fraction(share)
-    if fraction.denominator <= 1024:
-        return f"{fraction.numerator}/{fraction.denominator}"
-    return f"{share:.6g}"
+    f = _share_fraction(share)
+    return f"{f.numerator}/{f.denominator}" if f.denominator <= 1024 else f"{share:.6g}"
 
 
 def _resolve_share(local_world_size: int | None, share: float | None) -> tuple[float, str]:

@@ -70,7 +70,13 @@ class TelemetryReport:
         """The per-save table as a ``rich.table.Table``, the run-wide figures as its caption."""
         from rich.table import Table
 
-        table = Table(title="dcp_safe saves", caption=self._caption())
+        caption = (
+            f"steps {self.steps}: p50 {_secs(self.step_p50_s)}, p99 {_secs(self.step_p99_s)}; "
+            f"completion p50 {_secs(self.completion_p50_s)}, "
+            f"p99 {_secs(self.completion_p99_s)}; peak RSS {_bytes(self.peak_rss_bytes)}; "
+            f"skipped {self.skipped}, fallbacks {self.fallbacks}, retries {self.retries}"
+        )
+        table = Table(title="dcp_safe saves", caption=caption)
         for column in ("save", "ok", "stall", "completion", *_PHASES, "written", "GB/s", "peak+"):
             table.add_column(column, justify="left" if column == "save" else "right")
         for s in self.saves:
@@ -90,14 +96,6 @@ class TelemetryReport:
         if console is None:  # a pipe or a log file gets room for every column
             console = Console() if sys.stdout.isatty() else Console(width=_WIDE)
         console.print(self.table())
-
-    def _caption(self) -> str:
-        return (
-            f"steps {self.steps}: p50 {_secs(self.step_p50_s)}, p99 {_secs(self.step_p99_s)}; "
-            f"completion p50 {_secs(self.completion_p50_s)}, "
-            f"p99 {_secs(self.completion_p99_s)}; peak RSS {_bytes(self.peak_rss_bytes)}; "
-            f"skipped {self.skipped}, fallbacks {self.fallbacks}, retries {self.retries}"
-        )
 
 
 _PHASES = tuple(
