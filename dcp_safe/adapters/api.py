@@ -213,8 +213,7 @@ def save(
     """
     call = _prepare_save(kwargs, per_rank, deadline_s)
     with _calling(call, kwargs), gc_paused():
-        metadata: Metadata = _dcp_save(state_dict, **kwargs)
-        return metadata
+        return cast(Metadata, _dcp_save(state_dict, **kwargs))
 
 
 def load(

@@ -74,8 +74,7 @@ def deliver_shared(planner: SafeLoadPlanner, group: Any, timeout_s: float | None
     works, unpack, buffers, received = [], [], [], 0
     for t in transfers:
         if t.objects:
-            sizes = [int(n) for n in lengths[t.tag].tolist()]
-            buffer, nbytes, done = _object_buffer(planner, t, sent, sizes, rank)
+            buffer, nbytes, done = _object_buffer(planner, t, sent, lengths[t.tag].tolist(), rank)
         else:
             buffer, nbytes, done = _tensor_buffer(planner, t, rank)
         if nbytes:

@@ -59,9 +59,7 @@ class WriterOptions:
         timeout = self.report_timeout_s
         number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
         if not (number and 0 < timeout < math.inf):
-            raise ConfigError(
-                f"report_timeout_s must be a positive, finite number, got {timeout!r}"
-            )
+            raise ConfigError(f"report_timeout_s must be a positive finite number, got {timeout!r}")
         if not isinstance(self.block_digests, bool):
             raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
 

@@ -247,8 +247,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         else:
             raise CommitError(f"rank {self.rank} got a cached save plan it does not hold")
         if token is not None:
-            entry = RankEntry(self._layout, final, token)
-            self._cache[self._cache_key()] = (entry, self._global)
+            self._cache[self._cache_key()] = (RankEntry(self._layout, final, token), self._global)
         self._layout = self._remembered = self._global = None
         self.plan = final
         return final
@@ -445,9 +444,7 @@ def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
 
 
 def _token_of(plan: SavePlan) -> int | None:
-    if plan.usable or not isinstance(plan, FingerprintedPlan):
-        return None
-    return plan.plan_token
+    return None if plan.usable or not isinstance(plan, FingerprintedPlan) else plan.plan_token
 
 
 def _rename(planner: DefaultSavePlanner | DefaultLoadPlanner, key: str, stored: str) -> None:
@@ -461,9 +458,8 @@ def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:
     if isinstance(keys, str):
         raise ConfigError(f"keys are a sequence of key prefixes, not one string: {keys!r}")
     found = tuple(keys)
-    for key in found:
-        if not isinstance(key, str) or not key:
-            raise ConfigError(f"a key prefix must be a non-empty string, got {key!r}")
+    if bad := [key for key in found if not isinstance(key, str) or not key]:
+        raise ConfigError(f"a key prefix must be a non-empty string, got {bad[0]!r}")
     return found
 
 
@@ -500,9 +496,7 @@ def fingerprints_of(values: dict[str, object]) -> dict[str, int]:
         workers = min(len(large), os.cpu_count() or 1, 8)
         with ThreadPoolExecutor(workers, thread_name_prefix="dcp_safe-fingerprint") as pool:
             found = dict(zip(large, pool.map(fingerprint, (values[k] for k in large)), strict=True))
-    return {
-        key: found[key] if key in found else fingerprint(value) for key, value in values.items()
-    }
+    return {k: found[k] if k in found else fingerprint(v) for k, v in values.items()}
 
 
 def fingerprint(value: object) -> int:

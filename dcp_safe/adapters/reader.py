@@ -144,8 +144,9 @@ class SafeStorageReader(StorageReader):
         self.fallback = None if fallback is None else open_backend(fallback, retry=retry)
         if peers and node_cache is None:
             raise ConfigError("peers=True reads peer copies on this node's disk: pass node_cache")
-        cache = None if node_cache is None else open_backend(node_cache, retry=retry)
-        self._cache = None if cache is None else NodeCacheSource(cache)
+        #: This node's cache root (``None``: the reader has none).
+        self.node_cache = None if node_cache is None else open_backend(node_cache, retry=retry)
+        self._cache = None if self.node_cache is None else NodeCacheSource(self.node_cache)
         self._remote = RemoteSource(self.backend)
         #: Where each file is read from, best first; the remote, last, holds every file.
         self.sources: list[Source] = [] if self._cache is None else [self._cache]
@@ -164,11 +165,6 @@ class SafeStorageReader(StorageReader):
         self._lock = threading.RLock()
         self._items = ItemReader(self._lock, budget, verify=verify, allow_pickle=allow_pickle)
         self._log = SourceLog()
-
-    @property
-    def node_cache(self) -> Backend | None:
-        """This node's cache root (``None``: the reader has none)."""
-        return None if self._cache is None else self._cache.backend
 
     @property
     def bytes_read(self) -> int:

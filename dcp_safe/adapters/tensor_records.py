@@ -169,9 +169,7 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
         start = position + 30 + len(encoded) + 4
         pad = -start % fmt.alignment
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        out += struct.pack(
-            "<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)
-        )
+        out += struct.pack("<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, *[0] * 6, len(encoded), len(extra))
         out += encoded + extra
         central += struct.pack(
             "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,

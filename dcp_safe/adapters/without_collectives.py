@@ -273,15 +273,21 @@ class StorageAgreement:
             body["mac"] = part_mac(self.options.signing_key, *signer, body)
         self.backend.write_bytes(path, json.dumps(body).encode())
 
-    def _read(self, path: str, kind: str) -> tuple[dict[str, Any], object]:
+    def _read(self, path: str, kind: str, rank: int | None = None) -> tuple[dict[str, Any], object]:
         """The JSON body at ``path`` and its MAC (``None`` without one).
 
         Raises:
-            FileNotFoundError: nothing there. ValueError: not JSON of ``kind``.
+            FileNotFoundError: nothing there. ValueError: not JSON of ``kind``. CommitError
+                instead of any error, for a part ``rank`` wrote.
         """
-        body = json.loads(self.backend.read_small(path, MANIFEST_MAX_BYTES))
-        if not isinstance(body, dict) or body.get("format") != kind:
-            raise ValueError(f"not a {kind}")
+        try:
+            body = json.loads(self.backend.read_small(path, MANIFEST_MAX_BYTES))
+            if not isinstance(body, dict) or body.get("format") != kind:
+                raise ValueError(f"not a {kind}")
+        except (FileNotFoundError, ValueError, DcpSafeError) as exc:
+            if rank is None:
+                raise
+            raise CommitError("a rank's report is missing or unreadable", {rank: str(exc)}) from exc
         return body, body.pop("mac", None)
 
     def _posted(self) -> dict[str, Any] | None:
@@ -293,14 +299,6 @@ class StorageAgreement:
         if key is not None and not part_mac_matches(key, self.key, 0, found, mac):
             return None  # not rank 0's: wait on for rank 0's post, which replaces it
         return found
-
-    def _rank_part(
-        self, assignment: Assignment, rel: str, rank: int
-    ) -> tuple[dict[str, Any], object]:
-        try:
-            return self._read(f"{assignment.work_dir}/{rel}", _REPORT)
-        except (FileNotFoundError, ValueError, DcpSafeError) as exc:
-            raise CommitError("a rank's report is missing or unreadable", {rank: str(exc)}) from exc
 
     def _await_reports(self, assignment: Assignment) -> dict[int, _Report]:
         """Every other rank's report, once all are on storage; with a key, authenticated."""
@@ -327,7 +325,7 @@ class StorageAgreement:
             )
         found: dict[int, _Report] = {}
         for rank, rel in reports.items():
-            body, mac = self._rank_part(assignment, rel, rank)
+            body, mac = self._read(f"{assignment.work_dir}/{rel}", _REPORT, rank)
             key = self.options.signing_key
             if key is not None and not part_mac_matches(key, assignment.save_id, rank, body, mac):
                 raise CommitError(
@@ -351,7 +349,7 @@ class StorageAgreement:
         described = {}
         for rank in failed:
             try:
-                body, _ = self._rank_part(assignment, markers[rank], rank)
+                body, _ = self._read(f"{assignment.work_dir}/{markers[rank]}", _REPORT, rank)
             except CommitError:
                 body = {}
             described[rank] = str(body.get("error", "failed (no detail)"))
@@ -395,11 +393,7 @@ class StorageAgreement:
 def plain_keys(plan: SavePlan) -> dict[str, int | None]:
     """A local plan's plain entries, each with its fingerprint (None where not taken)."""
     fingerprints = plan.fingerprints if isinstance(plan, FingerprintedPlan) else {}
-    return {
-        item.index.fqn: fingerprints.get(item.index.fqn)
-        for item in plan.items
-        if item.type in _PLAIN
-    }
+    return {i.index.fqn: fingerprints.get(i.index.fqn) for i in plan.items if i.type in _PLAIN}
 
 
 def items_to_write(
@@ -425,11 +419,7 @@ def _primary(value: object) -> bool:
         return True
     if (coordinate := value.device_mesh.get_coordinate()) is None:
         return False  # not in the mesh: holds no chunk of it
-    return all(
-        coordinate[dim] == 0
-        for dim, placement in enumerate(value.placements)
-        if placement.is_replicate()
-    )
+    return all(coordinate[d] == 0 for d, p in enumerate(value.placements) if p.is_replicate())
 
 
 def _plain_metadata(metadata: Metadata) -> Any:
