@@ -79,18 +79,16 @@ class LocalBackend(Backend):
             with self._failing("create", rel):
                 folder, name = stack.enter_context(self._beneath.parent(rel))
                 fd = self._beneath.open_in(folder, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-            f = os.fdopen(fd, "wb")
+            f = stack.enter_context(os.fdopen(fd, "wb"))  # closed before its folder
             try:
                 yield WritebackFile(f) if self.fsync else f
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
             except BaseException as exc:
-                f.close()
                 with suppress(OSError):
                     os.unlink(name, dir_fd=folder)
                 self._raise_write_error(rel, exc)
-            f.close()
 
     def open_read(self, rel: str) -> BinaryIO:
         return self._open_file(rel, os.O_RDONLY, "rb")
