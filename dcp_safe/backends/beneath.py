@@ -176,8 +176,7 @@ class Beneath:
         # removed, never followed.
         try:
             with self.parent(rel) as (parent, name):
-                found = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if stat.S_ISDIR(found.st_mode):
+                if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
                     for _ in self.walk(rel, remove=True):
                         pass
                     os.rmdir(name, dir_fd=parent)

@@ -138,12 +138,7 @@ class S3MultipartWriter:
     """
 
     def __init__(
-        self,
-        fs: Any,
-        path: str,
-        block_size: int,
-        *,
-        parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
+        self, fs: Any, path: str, block_size: int, *, parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT
     ) -> None:
         self.parts_in_flight = parts_in_flight
         self._fs = fs
