@@ -240,8 +240,7 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
     needed = {layout.DCP_METADATA} if manifest.data_format is None else set()
     needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
     needed |= {item.file for item in manifest.items}
-    missing = sorted(needed - {record.path for record in manifest.files})
-    if missing:
+    if missing := sorted(needed - {record.path for record in manifest.files}):
         raise CheckpointCorruptError(path, f"manifest does not list {', '.join(missing)}")
 
 

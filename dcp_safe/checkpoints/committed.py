@@ -122,8 +122,7 @@ def committed_names(backend: Backend, marker: str = layout.COMMITTED_MARKER) -> 
     names = []
     # Not one in the trash where a prune stopped before removing the commit marker (an object
     # store): asked of the same listing, as a second walk would double every listing's cost.
-    hidden_by = strategy_for(backend).hidden_by
-    for entry in backend.entries_holding(marker, unless=hidden_by):
+    for entry in backend.entries_holding(marker, unless=strategy_for(backend).hidden_by):
         # A partial about to be renamed into place, or a checkpoint in the trash (POSIX).
         if entry.startswith("."):
             continue

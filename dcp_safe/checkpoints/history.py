@@ -80,17 +80,14 @@ class History:
         self.backend = backend
         self._lock = _LOCKS.setdefault(backend.full_path(HISTORY_FILE), threading.RLock())
 
-    def append(self, event: str, step: int | None, name: str | None, **fields: Any) -> None:
+    def append(self, event: str, step: int | None, name: str | None, **given: Any) -> None:
         """Record one event; ``None`` fields are left out. ValueError: no event of the schema."""
         if event not in EVENTS:
             raise ValueError(f"unknown history event {event!r}")
-        line: dict[str, Any] = {"event": event, "step": step, "name": name}
         # A reason may quote storage (a lease's text in an error): escaped, so the event never
         # carries a control character to whoever reads the history.
-        line |= {
-            k: shown(v) if isinstance(v, str) else v for k, v in fields.items() if v is not None
-        }
-        line["time"] = time.time()
+        more = {k: shown(v) if isinstance(v, str) else v for k, v in given.items() if v is not None}
+        line = {"event": event, "step": step, "name": name, "time": time.time(), **more}
         data = (json.dumps(line, sort_keys=True) + "\n").encode()
         with self._lock:
             self.backend.makedirs("")

@@ -160,8 +160,7 @@ def prune_peer_copies(local: Backend, keep: int) -> list[str]:
     partial copies of those names. Returns the names removed (node-local disk only)."""
     held = {entry for entry in local.list_dir(layout.PEERS_DIR) if layout.is_valid_name(entry)}
     newest = list(dict.fromkeys(copy.name for copy in reversed(list_peer_copies(local))))
-    kept = set(newest[:keep])
-    doomed = sorted(held - kept)
+    doomed = sorted(held - set(newest[:keep]))
     for name in doomed:
         local.remove_tree(f"{layout.PEERS_DIR}/{name}")
     return doomed

@@ -141,9 +141,6 @@ class _ExportPlanner(DefaultLoadPlanner):
     that is not plain data (:func:`is_plain`, after torch's weights-only unpickler) becomes a
     :class:`NotPlainData`."""
 
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             found = torch.load(value, map_location="cpu", weights_only=True)
@@ -228,7 +225,7 @@ class Consolidator:
         return state
 
     def _read(self, state: dict[str, Any]) -> None:
-        planner = _ExportPlanner()
+        planner = _ExportPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         planner.set_up_planner(state, self.metadata, is_coordinator=True)
         local = self._reader.prepare_local_plan(planner.create_local_plan())
         (central,) = self._reader.prepare_global_plan(planner.create_global_plan([local]))
