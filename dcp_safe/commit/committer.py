@@ -55,13 +55,10 @@ class CommitOptions(Protocol):
 
     @property
     def checksum(self) -> ChecksumAlgorithm: ...
-
     @property
     def compression(self) -> enum.Enum: ...
-
     @property
     def overwrite(self) -> bool: ...
-
     @property
     def signing_key(self) -> bytes | None: ...
 
