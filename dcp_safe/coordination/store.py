@@ -13,6 +13,12 @@ check of a new checkpoint can disagree (a second-long outage fails rank 0's read
 1's), so the coordinator checks and posts its verdict and the others adopt it; a rank's own
 failure is not a verdict, as the coordinator checked every rank's part before it published. Keys
 count saves per name, so they match whatever order a background and a foreground follow-up run in.
+The verdict key is decided once, as the barrier's state is: the coordinator posts with
+``compare_set``, a rank whose wait ran out claims it failed the same way, and every rank (the
+coordinator too) adopts the one value that won. A coordinator whose ``ok`` lost withdraws the
+checkpoint it committed (``SaveRunner.after_commit``). The remote tier's outcome of a replicated
+save is decided the same way, under its own key: a rank that gave up waiting for rank 0's
+remote commit and a rank 0 whose commit retried through an outage and succeeded then agree.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from datetime import timedelta
 from typing import Any
 
 from dcp_safe.coordination.agreement import Agreement
-from dcp_safe.errors import CommitError
+from dcp_safe.errors import CommitError, DcpSafeError, ReplicationSkippedError
 from dcp_safe.torch_compat import default_store
 
 _GO = b"go"
 _ABANDONED = b"abandoned"
 _OK = "ok"
 _FAILED = "failed:"
+_EXPIRED = "expired:"  # a rank's wait ran out first: the save failed, on every rank alike
+_SKIPPED = "skipped:"  # the replication was superseded: a skip on every rank, not a failure
 _MAX_REASON = 2000
 
 
@@ -115,26 +123,43 @@ class Verdicts:
             default_store(), agreement.token, coordinator=agreement.coordinator, timeout_s=timeout_s
         )
 
-    def key_for(self, name: str) -> str:
-        """The key of the next verdict on ``name`` (one per save of that name)."""
+    def key_for(self, name: str, tier: str = "local") -> str:
+        """The key of the next verdict on ``name`` in ``tier`` (one per save of that name)."""
         with self._lock:
-            self._counts[name] = count = self._counts.get(name, 0) + 1
-        return f"{self._prefix}/{name}/{count}"
+            self._counts[tier + name] = count = self._counts.get(tier + name, 0) + 1
+        return f"{self._prefix}/{tier}/{name}/{count}"
 
-    def post(self, key: str, failure: BaseException | None) -> None:
-        """The coordinator's verdict: committed (``failure`` is ``None``) or why not."""
-        text = _OK if failure is None else _FAILED + f"{type(failure).__name__}: {failure}"
-        self._store.set(key, text[:_MAX_REASON])
+    def post(self, key: str, failure: BaseException | None) -> DcpSafeError | None:
+        """The coordinator's verdict: committed (``failure`` is ``None``) or why not. Returns
+        the verdict every rank adopts (as :meth:`await_verdict`): its own, unless a rank whose
+        wait ran out claimed the key first."""
+        if isinstance(failure, ReplicationSkippedError):
+            text = _SKIPPED + failure.superseded_by
+        else:
+            text = _OK if failure is None else _FAILED + f"{type(failure).__name__}: {failure}"
+        self._store.compare_set(key, "", text[:_MAX_REASON])
+        return self._decided(key)
 
-    def await_verdict(self, key: str) -> CommitError | None:
+    def await_verdict(self, key: str) -> DcpSafeError | None:
         """The coordinator's verdict on this rank: ``None`` if committed, else the error (also
-        a ``CommitError`` naming rank 0 when none came within ``timeout_s``)."""
+        a ``CommitError`` naming rank 0 when none came within ``timeout_s``: then this rank
+        claims the key, so that a verdict landing later loses on every rank)."""
         if not wait_for(self._store, key, self.timeout_s):
-            return CommitError(
-                "no verdict on the save from the coordinator",
-                {0: f"did not report whether the save committed within {self.timeout_s:g} s"},
-            )
+            self._store.compare_set(key, "", f"{_EXPIRED}{self.timeout_s:g}")
+        return self._decided(key)
+
+    def _decided(self, key: str) -> DcpSafeError | None:
+        """The value that won ``key``, as every rank reads it."""
         text = self._store.get(key).decode("utf-8", errors="replace")
         if text == _OK:
             return None
-        return CommitError("the coordinator found the save not committed", {0: text[7:]})
+        if text.startswith(_SKIPPED):
+            return ReplicationSkippedError(key.rsplit("/", 2)[-2], text[len(_SKIPPED) :])
+        if text.startswith(_EXPIRED):
+            return CommitError(
+                "no verdict on the save from the coordinator",
+                {0: f"did not report whether the save committed within {text[len(_EXPIRED) :]} s"},
+            )
+        return CommitError(
+            "the coordinator found the save not committed", {0: text[len(_FAILED) :]}
+        )

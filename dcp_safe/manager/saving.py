@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -425,7 +426,9 @@ class SaveRunner:
         if self.verdicts is not None:
             key = self.verdicts.key_for(handle.name)
             if self.verdicts.coordinator:
-                self.verdicts.post(key, failure and failure[0])
+                lost = self.verdicts.post(key, failure and failure[0])
+                if failure is None and lost is not None:  # a peer gave up waiting first
+                    failure = (lost, self._withdraw(handle, lost))
             else:  # the coordinator's verdict decides; this rank's own error says it best
                 verdict = self.verdicts.await_verdict(key)
                 if verdict is None:
@@ -462,6 +465,19 @@ class SaveRunner:
         with contextlib.suppress(InvalidStateError):  # resolved by a close that gave up on it
             handle.committed.set_result(handle.name)
         self.ledger.quietly("telemetry", lambda: self.ledger.end_span(handle, None))
+
+    def _withdraw(self, handle: SaveHandle, lost: BaseException, tier: str = "local") -> str:
+        """The coordinator's verdict lost to a peer that gave up waiting (every rank records the
+        save failed): retire the checkpoint it committed, so that no checkpoint is listed
+        without its ``committed`` event. Why, for the ``failed`` event."""
+        reason = f"committed, but {lost}: withdrawn"
+        try:
+            self.tiers.withdraw(handle.name, tier)
+        except (DcpSafeError, OSError) as exc:  # still listed: kept for wait/close to raise
+            log.warning("withdrawing %s failed: %s", handle.name, exc)
+            self.ledger.keep(exc)
+            reason = f"committed, but {lost}; withdrawing it failed: {exc}"
+        return reason[:500]
 
     def _check(
         self,
@@ -500,16 +516,49 @@ class SaveRunner:
     def _replicated(self, handle: SaveHandle, done: Future[Any]) -> None:
         if handle.replicated.done():
             return
-        error = done.exception()
+        if self.verdicts is None:
+            self._record_replication(handle, done, done.exception())
+            return
+        # Several ranks: rank 0's remote outcome decides, as its local one does. On a thread of
+        # its own: a rank waits up to wait_timeout_s for it, and this is an upload's thread.
+        key = self.verdicts.key_for(handle.name, "remote")
+        args = (handle, done, key)
+        name = "dcp_safe-remote-verdict"
+        threading.Thread(target=self._remote_verdict, args=args, name=name, daemon=True).start()
+
+    def _remote_verdict(self, handle: SaveHandle, done: Future[Any], key: str) -> None:
+        assert self.verdicts is not None
+        error, reason = done.exception(), None
+        try:
+            if self.verdicts.coordinator:
+                decided = self.verdicts.post(key, error)
+                if error is None and decided is not None:  # a peer gave up waiting first
+                    error, reason = decided, self._withdraw(handle, decided, "remote")
+            else:  # committed by rank 0: so here too, even where this rank's own wait gave up
+                decided = self.verdicts.await_verdict(key)
+                if decided is None or error is None or isinstance(decided, ReplicationSkippedError):
+                    error = decided
+        except BaseException as exc:  # the store is gone: this rank's own outcome, said why
+            error = error or exc
+        self._record_replication(handle, done, error, reason)
+
+    def _record_replication(
+        self,
+        handle: SaveHandle,
+        done: Future[Any],
+        error: BaseException | None,
+        reason: str | None = None,
+    ) -> None:
         if error is None:
             self.ledger.record("committed", handle, tier="remote")
-            with contextlib.suppress(InvalidStateError):
-                handle.replicated.set_result(done.result())
+            with contextlib.suppress(InvalidStateError):  # None: this rank's own wait gave up
+                handle.replicated.set_result(None if done.exception() else done.result())
         elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
             self.ledger.record("skipped", handle, tier="remote", reason=str(error))
-            handle.replicated.set_exception(error)
+            with contextlib.suppress(InvalidStateError):
+                handle.replicated.set_exception(error)
         else:
-            self.ledger.fail(handle, error, tier="remote", future=handle.replicated)
+            self.ledger.fail(handle, error, tier="remote", future=handle.replicated, reason=reason)
 
 
 def _nbytes(state_dict: dict[str, Any]) -> int:

@@ -230,6 +230,16 @@ class Tiers:
                     raise error
             return decision.drop
 
+    def withdraw(self, name: str, tier: str = "local") -> None:
+        """Retire ``name``, committed on ``tier``'s root but failed on every rank (its verdict
+        lost): out of the listings first, then its files. Never counted, never pruned."""
+        backend = self.backend if tier == "local" else self.writer.remote
+        assert backend is not None  # a remote verdict exists only with replicate_to
+        with self._deferred(), self._prune_lock:
+            strategy_for(backend).retire(backend, name)
+            with self._cond:
+                self._validated.discard(name)
+
     def latest(self, tier: str = "local") -> str | None:
         if tier not in ("local", "remote"):
             raise ConfigError(f"tier must be 'local' or 'remote', got {tier!r}")

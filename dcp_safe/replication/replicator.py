@@ -27,6 +27,7 @@ from dcp_safe.errors import (
     CommitError,
     ConfigError,
     ReplicationSkippedError,
+    ReplicationTimeoutError,
     describe,
 )
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
@@ -246,6 +247,11 @@ class RankReplicator(Replicator):
         if save.rank != 0:
             try:
                 return await_remote_commit(self.remote, copy.name, work, save.save_id, self.options)
+            except ReplicationTimeoutError:
+                # Rank 0 may still publish (its commit retrying through an outage): the part
+                # stays, or the checkpoint published would lack it; the sweeper removes it if
+                # rank 0 never publishes. A manager's remote verdict settles the outcome.
+                raise
             except BaseException:
                 replica.remove_part(copy.uploaded)
                 raise

@@ -66,3 +66,27 @@ def test_a_store_wait_reports_its_timeout_rather_than_raising() -> None:
     assert wait_for(store, "missing", 0.05) is False
     store.set("there", "1")
     assert wait_for(store, "there", 0.05) is True
+
+
+def test_a_verdict_posted_after_a_peer_gave_up_loses_on_every_rank() -> None:
+    store = HashStore()
+    coordinator = Verdicts(store, "t", coordinator=True, timeout_s=0.05)
+    other = Verdicts(store, "t", coordinator=False, timeout_s=0.05)
+    key = other.key_for("step_1")
+    assert coordinator.key_for("step_1") == key
+    gave_up = other.await_verdict(key)  # no verdict yet: rank 1 claims the key failed
+    assert isinstance(gave_up, CommitError)
+    adopted = coordinator.post(key, None)  # the coordinator's late "ok" loses
+    assert isinstance(adopted, CommitError)
+    assert str(adopted) == str(gave_up)
+    assert "within 0.05 s" in adopted.failures[0]
+
+
+def test_a_verdict_posted_in_time_wins_over_a_later_claim() -> None:
+    store = HashStore()
+    coordinator = Verdicts(store, "t", coordinator=True, timeout_s=0.05)
+    other = Verdicts(store, "t", coordinator=False, timeout_s=0.05)
+    key = coordinator.key_for("step_1")
+    assert coordinator.post(key, None) is None
+    store.compare_set(key, "", "expired:0.05")  # a claim after the verdict changes nothing
+    assert other.await_verdict(other.key_for("step_1")) is None
