@@ -1,13 +1,11 @@
 """``save`` / ``async_save`` / ``load``: DCP's calls, with deadlines and dcp_safe's errors.
 
-They call ``torch.distributed.checkpoint`` unchanged, but run its collectives on dcp_safe's own
-gloo group (:func:`dcp_safe.checkpoint_group`, timeout ``deadline_s``) unless given
-``process_group=`` or ``no_dist=``, and translate errors once, on the calling thread and every
-future: DCP's ``CheckpointException`` (a ``BaseException``) and a dead peer's raw
-``RuntimeError`` become :mod:`dcp_safe.errors` types (a :class:`~dcp_safe.errors.CommitError`
-naming the ranks); :func:`translate_errors` gives plain DCP's calls the same translation. The
-first call creates the group, a collective over the default group: every rank must make it at
-the same point. See docs/multirank.md, "Deadlines, and why saves get their own process group".
+They call ``torch.distributed.checkpoint`` unchanged, on dcp_safe's own gloo group (timeout
+``deadline_s``; its creation, on the first call, is a collective every rank must make at the same
+point) unless given ``process_group=`` or ``no_dist=``, and translate errors once, on the calling
+thread and every future: DCP's ``CheckpointException`` and a dead peer's raw ``RuntimeError``
+become :mod:`dcp_safe.errors` types naming the ranks (docs/multirank.md, "Deadlines, and why
+saves get their own process group"). :func:`translate_errors` does it for plain DCP's calls.
 """
 
 from __future__ import annotations
@@ -261,11 +259,8 @@ def load(
 @contextmanager
 def _sending(planner: object, kwargs: dict[str, Any], call: _Call) -> Iterator[None]:
     """Let a ``SafeLoadPlanner`` plan entries read once, with several ranks: this call sends
-    them (:func:`_load_and_share`).
-
-    Not by default from a node cache: each node holds the files its own ranks wrote, so the
-    owner of an entry could be a rank that must fetch it from the remote instead. Not on a
-    group without gloo (entries travel as CPU tensors): every rank then reads what it needs.
+    them (:func:`_load_and_share`). Not by default from a node cache: each node holds the files
+    its own ranks wrote, so an entry's owner could be a rank that must fetch it from the remote.
     """
     if not isinstance(planner, SafeLoadPlanner):
         yield

@@ -21,20 +21,17 @@ class Compression(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class WriterOptions:
-    """How ``SafeStorageWriter`` writes. Strings are accepted and normalized to enums.
-
-    ``compression``: ``"none"`` or ``"zstd"``. ``checksum``: ``"xxh3_128"`` (the default
-    unsigned), ``"blake3"`` (the default signed), ``"sha256"`` or ``"crc32"``. ``thread_count``:
-    files written in parallel per rank. ``fsync``: make files and directory entries durable
-    before publishing. ``overwrite``: allow replacing a committed checkpoint of the same name;
-    the old one stays loadable until the new one is committed. ``signing_key``: sign every
-    checkpoint with this key (bytes; a str is its UTF-8 bytes, or ``"hex:<digits>"``); the
-    writer defaults it to ``$DCP_SAFE_SIGNING_KEY`` (docs/integrity.md, "Signed checkpoints").
-    ``report_timeout_s`` bounds a save without collectives (``use_collectives=False``): how
-    long rank 0 waits for every rank's report, and every rank for rank 0's save id.
-    ``block_digests``: record per-block digests of large uncompressed tensors, so that a
-    resharded load reads only the blocks it needs (docs/integrity.md, "Block digests"); off,
-    the manifest is what versions before them wrote.
+    """How ``SafeStorageWriter`` writes (strings are normalized to enums): ``compression``
+    ``"none"`` or ``"zstd"``; ``checksum`` ``"xxh3_128"`` (unsigned default), ``"blake3"`` (signed
+    default), ``"sha256"`` or ``"crc32"``; ``thread_count``: files written in parallel per rank;
+    ``fsync``: files and directory entries made durable before publishing; ``overwrite``: a
+    committed checkpoint of the same name may be replaced (the old one loads until then);
+    ``signing_key`` signs every checkpoint (bytes; a str is its UTF-8 bytes, or ``"hex:<digits>"``;
+    the writer defaults it to ``$DCP_SAFE_SIGNING_KEY``: docs/integrity.md, "Signed
+    checkpoints"); ``report_timeout_s`` bounds a save without collectives (rank 0's wait for every
+    report, every rank's for rank 0's save id); ``block_digests`` records per-block digests of
+    large uncompressed tensors, so a resharded load reads only the blocks it needs (off: manifests
+    as before them; docs/integrity.md, "Block digests").
     """
 
     compression: Compression = Compression.NONE
@@ -43,8 +40,7 @@ class WriterOptions:
     thread_count: int = 1
     fsync: bool = True
     overwrite: bool = False
-    # Signs each checkpoint (dcp_safe.manifest.signing); kept out of repr and logs.
-    signing_key: bytes | None = field(default=None, repr=False)
+    signing_key: bytes | None = field(default=None, repr=False)  # out of repr and logs
     report_timeout_s: float = 600.0
     block_digests: bool = True
 

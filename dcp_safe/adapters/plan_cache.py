@@ -1,17 +1,11 @@
 """What ranks and the coordinator remember of the last save plan, to reuse for the same layout.
 
 A save plan depends on the state's *layout* (keys, shapes, dtypes, sharding) only, so a repeated
-save of the same structure can skip what planning costs: sending every rank's items to the
-coordinator, deduplicating and validating them, building DCP's metadata, and sending each rank
-its items back. The values (:class:`~dcp_safe.adapters.planners.FingerprintedPlan`'s fingerprints
-and audit) still travel every save. How :class:`~dcp_safe.adapters.planners.SafeSavePlanner` uses
-this, and the figures: docs/architecture.md, "Cached save plans".
-
-Why our own cache and not DCP's ``enable_plan_caching``: DCP's compares items without their
-dtype (a dtype change would reuse stale metadata), keys its class-level cache by class name (two
-managers in one process would share it), would merge a changed rank's plan with the other
-ranks' cached plans (whose fingerprints and audit sums are an earlier save's), and returns the
-old storage assignment on a cached save.
+save of the same structure skips planning's exchange, deduplication, validation and metadata;
+the values (fingerprints, audit sums) still travel every save. How
+:class:`~dcp_safe.adapters.planners.SafeSavePlanner` uses this, the figures, and why not DCP's
+``enable_plan_caching`` (it ignores dtypes, shares one class-wide cache, mixes earlier saves'
+values in, keeps the old storage assignment): docs/architecture.md, "Cached save plans".
 
 Consistency rule: a rank's entry and the coordinator's are taken out when planning starts and
 put back only when the plan is finished (:data:`PlanCache`: ``pop``, then ``[key] =``). A save

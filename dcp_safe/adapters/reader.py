@@ -168,9 +168,8 @@ class SafeStorageReader(StorageReader):
 
     @property
     def bytes_read(self) -> int:
-        """Stored bytes this reader was asked to read since ``reset`` (each item's stored length
-        once, or the blocks of it a partial read used; whatever source served it; a retry is
-        not counted again)."""
+        """Stored bytes this reader was asked to read since ``reset``: each item's stored length
+        (or its blocks a partial read used) once, whatever source served it, retries or not."""
         return self._items.bytes_read
 
     @property
@@ -299,18 +298,14 @@ class SafeStorageReader(StorageReader):
         assert self._metadata is not None
         return sum(self._metadata.storage_data[r.storage_index].length for r in requests)
 
-    def _read_file(self, file_name: str, requests: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, file_name: str, remaining: list[ReadItem], planner: LoadPlanner) -> None:
         """Read ``file_name`` from each source in turn, each taking what the one before left."""
-        remaining = requests
         for source in self.sources:
-            if (where := source.where(file_name)) is None:
-                continue
-            left = self._read_from(source.kind, *where, file_name, remaining, planner)
-            done = remaining[: len(remaining) - len(left)]
-            self._log.count(source.kind, self._stored_bytes(done), finished=not left)
-            remaining = left
-            if not remaining:
-                return
+            if remaining and (where := source.where(file_name)) is not None:
+                left = self._read_from(source.kind, *where, file_name, remaining, planner)
+                done = self._stored_bytes(remaining[: len(remaining) - len(left)])
+                self._log.count(source.kind, done, finished=not left)
+                remaining = left
 
     def _read_from(
         self,

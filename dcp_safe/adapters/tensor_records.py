@@ -10,8 +10,7 @@ The template is learnt from the running torch, not hard-coded: a dtype is handle
 a 3-element ``torch.save`` is byte-identical to what this module writes (the serialization id
 aside), so a torch that changes its format turns this path off instead of writing files torch
 cannot read. :func:`write_item` lays down one write item's stored form, for the writer and the
-manager's in-memory tier (which checks a kept copy by writing each item again into a hashing sink
-that stores nothing).
+manager's in-memory tier.
 """
 
 from __future__ import annotations
@@ -265,12 +264,9 @@ def write_item(
     block_bytes: int | None = None,
 ) -> tuple[str, ...]:
     """Write ``data`` (the planner's ``resolve_data(item)``) to ``out`` as the writer stores it;
-    return the item's transform descriptors.
-
-    ``block_bytes``: also have ``out`` digest a large uncompressed tensor's data in blocks of
-    this size (:meth:`HashingSink.take_blocks`); only where the data lies as one run of the
-    tensor's raw bytes, which is what a partial read assumes.
-    """
+    return the item's transform descriptors. ``block_bytes``: also have ``out`` digest a large
+    uncompressed tensor's data in blocks of this size (:meth:`HashingSink.take_blocks`), only
+    where the data lies as one run of the tensor's raw bytes, as a partial read assumes."""
     target: Any = out
     if compressed:
         target = zstandard.ZstdCompressor().stream_writer(cast(IO[bytes], out), closefd=False)

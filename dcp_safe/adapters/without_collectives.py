@@ -99,10 +99,7 @@ class StorageAgreement:
     backend: Backend
     name: str
     key: str
-    #: The writer's: its ``report_timeout_s`` bounds how long a rank waits on storage for rank
-    #: 0's assignment, and rank 0 for the reports; the assignment and every report are
-    #: authenticated under its ``signing_key``.
-    options: WriterOptions
+    options: WriterOptions  # the writer's: its report_timeout_s and signing_key
     #: The publication of a save id (the writer's, made by the root's strategy).
     publication: Callable[[str], Publication]
 
@@ -264,9 +261,8 @@ class StorageAgreement:
             self.clear()
 
     def _write(self, path: str, body: dict[str, Any], signer: tuple[str, int] | None) -> None:
-        """``body`` as JSON at ``path``, of the assignment's format there and of a rank's
-        report's anywhere else (a failure marker too); with a signing key and ``signer`` (the
-        save and the rank it speaks for), with its MAC."""
+        """``body`` as JSON at ``path`` (the assignment's format there, else a rank's report's),
+        with a signing key and ``signer`` (the save and the rank it speaks for), with its MAC."""
         kind = _ASSIGNMENT if path == self.path else _REPORT
         body = {"format": kind, **body}
         if self.options.signing_key is not None and signer is not None:
@@ -278,8 +274,7 @@ class StorageAgreement:
 
         Raises:
             FileNotFoundError: nothing there. ValueError: not JSON of ``kind``. CommitError
-                instead of any error, for a part ``rank`` wrote.
-        """
+                instead, for a part ``rank`` wrote."""
         try:
             body = json.loads(self.backend.read_small(path, MANIFEST_MAX_BYTES))
             if not isinstance(body, dict) or body.get("format") != kind:
@@ -362,10 +357,9 @@ class StorageAgreement:
     def _results_of(
         self, assignment: Assignment, rank: int, expected: str | None
     ) -> list[WriteResult]:
-        """A rank's write results, from its rank manifest, with the report the committer checks
-        (that the manifest is of this save and rank, among others); signed, the manifest must
-        be the one whose checksum is ``expected`` (one with no items may go unnamed: it holds
-        nothing a load reads)."""
+        """A rank's write results, from its rank manifest, with the report the committer checks;
+        signed, the manifest must be the one whose checksum is ``expected`` (one with no items
+        may go unnamed: it holds nothing a load reads)."""
         rel = f"{assignment.work_dir}/{layout.rank_manifest_name(rank)}"
         try:
             raw = self.backend.read_small(rel, MANIFEST_MAX_BYTES)
