@@ -190,7 +190,7 @@ def _least(*readings: int | None) -> int | None:
     return min((r for r in readings if r is not None), default=None)
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(eq=False)
 class FallbackSwitch:
     """Feeds a :class:`FallbackMonitor` and acts on its verdicts (``sample_memory``: the host's
     available bytes now, ``None`` when unknown)."""

@@ -22,7 +22,6 @@ import signal as _signal
 import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -169,12 +168,8 @@ class CheckpointManager:
             deadline_s=self.deadline_s,
             read_only=self.read_only,
         )
-        self._switch = FallbackSwitch(
-            monitor=FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve),
-            sample_memory=sample,
-            clock=runtime.clock,
-            ledger=ledger,
-        )
+        monitor = FallbackMonitor(policy.sync_fallback, self.stager.budget.node_reserve)
+        self._switch = FallbackSwitch(monitor, sample, runtime.clock, ledger)
         self._in_memory: InMemoryTier | None = None
         if resume.keep_in_memory:
             self._in_memory = InMemoryTier(self.stager, writer.commit_backend, resume.per_rank)
@@ -442,12 +437,9 @@ class CheckpointManager:
                 raise DrainTimeoutError(f"a save was still in flight after {timeout_s} s")
             if wait_futures(remotes, timeout=left()).not_done:
                 raise DrainTimeoutError(f"replication still running after {timeout_s} s")
-            try:  # callbacks queued behind the last save (a coalesced save meeting its peers)
-                self._runner.post.submit(lambda: None).result(timeout=left())
-            except FutureTimeout:
-                raise DrainTimeoutError(
-                    f"the manager thread was still busy after {timeout_s} s"
-                ) from None
+            # Callbacks queued behind the last save (a coalesced save meeting its peers).
+            if wait_futures([self._runner.post.submit(lambda: None)], timeout=left()).not_done:
+                raise DrainTimeoutError(f"the manager thread was still busy after {timeout_s} s")
             self._ledger.flush(left())
             if errors := self._ledger.unraised():  # the oldest; the others count as raised
                 raise errors[0]
