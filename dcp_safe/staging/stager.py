@@ -27,6 +27,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, replace
 from functools import partial
 from typing import Any, cast
@@ -64,7 +65,7 @@ _PENDING_GRACE_S = 0.05
 _COLLECT_AFTER_S = 0.5
 
 
-class BudgetedStager(AsyncStager):
+class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
     """A DCP ``AsyncStager`` that stages into budgeted, reused host buffers.
 
     ``budget``: the host-memory envelope (``None``: :meth:`MemoryBudget.from_host`, now).
@@ -289,9 +290,6 @@ class BudgetedStager(AsyncStager):
                 kept_bytes=0 if self._kept is None else self._kept.lease.request.cost,
                 **pool,
             )
-
-    def __enter__(self) -> BudgetedStager:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
