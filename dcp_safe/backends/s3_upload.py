@@ -151,7 +151,8 @@ class S3MultipartWriter:
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []  # every part sent, in order
         self._in_flight: dict[Future[dict[str, Any]], bytearray] = {}
-        self._pool: ThreadPoolExecutor | None = None  # started with the first part
+        # Its threads start with the first part: a single-PUT file starts none.
+        self._pool = ThreadPoolExecutor(parts_in_flight, thread_name_prefix="dcp-safe-s3-part")
         self.peak_buffer_bytes = 0  # the most block bytes held at once
         self.closed = False
         self.url = f"s3://{self.bucket}/{self.key}"
@@ -252,10 +253,6 @@ class S3MultipartWriter:
         while len(self._in_flight) >= self.parts_in_flight:
             self._collect(FIRST_COMPLETED)
         body = self._buf if self._fill == self.block_size else self._last_block()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.parts_in_flight, thread_name_prefix="dcp-safe-s3-part"
-            )
         future = self._pool.submit(self._upload_part, self._upload_id, number, body)
         self._parts.append(future)
         self._in_flight[future] = body
@@ -280,9 +277,7 @@ class S3MultipartWriter:
 
     def _release(self) -> None:
         self.closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         self._buf = bytearray()
         self._free.clear()
         self._in_flight.clear()
