@@ -1,24 +1,9 @@
 """The in-memory tier: the last committed step's staged copy, kept for :meth:`rollback`.
 
-With ``CheckpointManager(resume=Resume(keep_in_memory=True))`` every asynchronous save asks the
-stager to keep its generation once the upload succeeded (``BudgetedStager.track(keep=handle)``): the
-staged dict and its buffers stay leased, inside the stager's envelope, until the next one replaces
-them. When the manager has verified that save's commit, this tier takes the committed manifest (read
-then, while the commit is checked, never at rollback) and the copy becomes the rollback source.
-
-A rollback reads no storage. It first checks the whole kept copy, then copies it into the live
-state, so a copy that fails the check changes nothing:
-
-* a plain tensor item is written again, in memory, exactly as the writer wrote it (the same
-  template of ``torch.save``'s bytes, compressed the same way) into a sink that only hashes,
-  and must match the manifest's checksum;
-* anything the writer did not lay down from a template (objects, a tensor ``torch.save`` wrote
-  itself) embeds ``torch.save``'s random per-call id, so it cannot be written again to the same
-  bytes: it is checked against a digest of its pickle taken when the commit was verified.
-
-A synchronous save (sync fallback, ``force``) stages nothing: after its commit the kept copy is
-older than the last committed step, so it is dropped, and rollback raises until the next
-asynchronous save commits.
+How the copy is kept (by the stager, once its upload succeeded), checked before a byte is copied
+(items written from a template against the manifest's checksums, the others against a digest of
+their pickle taken at the verified commit) and dropped (after a synchronous save): docs/resume.md,
+"Rolling back in memory".
 """
 
 from __future__ import annotations

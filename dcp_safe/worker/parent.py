@@ -1,17 +1,12 @@
 """``SaveWorker``: the parent's side of the checkpoint worker (``executor="process"``).
 
-One persistent worker process per rank (:mod:`dcp_safe.worker.main`), started by the
-first save request without waiting for it (:meth:`SaveWorker.start`; a manager that only
-restores starts none) and reused. No save waits for a worker to start: until every rank's worker
-is :attr:`~SaveWorker.ready` (the first one, and every replacement after a death), the ranks
-agree to save on the thread path instead (:func:`~dcp_safe.manager.saving.decide`).
-
-The parent stages as always, into shared slabs; a sender thread then hands the worker the
-staged state (tensors by place: :mod:`dcp_safe.worker.transport`) and any slab it has not
-mapped yet. A reader thread resolves each save's future from the worker's reply. The staged
-state stays referenced here until then, so its buffers are not reused under the worker's write.
-A worker that dies fails every save it held with :class:`~dcp_safe.errors.WorkerDiedError`; the
-next save request starts a new one.
+One persistent worker process per rank (:mod:`dcp_safe.worker.main`), started by the first save
+request without waiting for it and reused; until every rank's is :attr:`~SaveWorker.ready` the
+ranks save on the thread path (docs/staging.md, "The process executor"). A sender thread hands
+the worker each staged state (by place: :mod:`dcp_safe.worker.transport`) and any slab it has
+not mapped yet; a reader thread resolves each save's future from the reply, and the staged state
+stays referenced here until then (its buffers are not reused under the worker's write). A worker
+that dies fails every save it held with :class:`~dcp_safe.errors.WorkerDiedError`.
 
 With several ranks the workers save over a group of their own
 (:mod:`dcp_safe.coordination.worker_group`). A death, or a failure of that group, marks it broken;
