@@ -155,7 +155,6 @@ class History:
         return tail[tail.find(b"\n") + 1 :]  # the first line is cut: drop it
 
 
-# Optional fields and their types (the module docstring's schema).
 _OPTIONAL = dict.fromkeys(("tier", "reason", "source", "source_digest"), str) | {
     "validated": bool,
     "metrics": dict,

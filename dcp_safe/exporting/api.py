@@ -48,14 +48,12 @@ class ExportResult:
 
     def summary(self) -> list[str]:
         """The result in a few lines, as ``dcp-safe export`` prints it."""
-        lines = [
+        objects = f", {self.objects} object(s)" if self.objects else ""
+        files = ", ".join(self.files)
+        return [
             f"exported {self.checkpoint} to {self.dest} as {self.format.value}: {self.tensors}"
-            f" tensor(s), {format_bytes(self.tensor_bytes)}"
-            + (f", {self.objects} object(s)" if self.objects else "")
-            + f"; files: {', '.join(self.files)}"
-        ]
-        lines += [f"skipped {key}: {why}" for key, why in sorted(self.skipped.items())]
-        return lines
+            f" tensor(s), {format_bytes(self.tensor_bytes)}{objects}; files: {files}"
+        ] + [f"skipped {key}: {why}" for key, why in sorted(self.skipped.items())]
 
 
 def export(
