@@ -123,12 +123,15 @@ class ReplicaPublication:
         except StaleWriterError:
             # The same save's other writer may have published and released the shared lease.
             if not committed_with(self.remote, self.name, self.digest):
-                self.abandon(uploaded)
+                self._failed(uploaded)
                 raise
         except BaseException:
-            self.abandon(uploaded)
+            self._failed(uploaded)
             raise
         self.release()
+
+    def _failed(self, uploaded: Sequence[str]) -> None:
+        self.abandon(uploaded)
 
     def abandon(self, uploaded: Sequence[str]) -> None:
         """The publisher's clean-up after a failure; best effort, never raising."""
@@ -146,14 +149,15 @@ class ReplicaPublication:
 class RenamedReplica(ReplicaPublication):
     """A hidden partial folder on a renaming remote; the rename arbitrates, so no claim."""
 
-    def abandon(self, uploaded: Sequence[str]) -> None:
-        # The whole work folder goes. Best effort, never hiding the real error; a partial left
-        # behind is collected by the sweeper after its grace period.
+    def _failed(self, uploaded: Sequence[str]) -> None:
+        # The publish failed: the whole work folder goes (``abandon``, rank 0's own part
+        # failing, keeps the failure marker it wrote there for its peers). Best effort, never
+        # hiding the real error; a partial left behind is collected by the sweeper later.
         with contextlib.suppress(Exception):
             self.remote.remove_tree(self.work_dir)
 
     def release(self) -> None:
-        self.abandon(())  # absent once published (a no-op then); present if another published
+        self._failed(())  # absent once published (a no-op then); present if another published
 
 
 class LeasedReplica(ReplicaPublication):
