@@ -114,8 +114,13 @@ class ReplicaPublication:
         try:
             upload()
             try:
-                where = (self.remote, self.work_dir, self.name, self.digest.encode())
-                self.strategy.publish(*where, before_commit=self.check)
+                self.strategy.publish(
+                    self.remote,
+                    self.work_dir,
+                    self.name,
+                    self.digest.encode(),
+                    before_commit=self.check,
+                )
             except FileExistsError as exc:
                 # e.g. published meanwhile, reply lost: fine if it is ours
                 if not committed_with(self.remote, self.name, self.digest):
