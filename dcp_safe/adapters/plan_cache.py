@@ -51,9 +51,8 @@ class RankEntry:
 
 @dataclass(frozen=True)
 class GlobalEntry:
-    """The coordinator's last global plan: its token, and every rank's local plan, the plans
-    scattered to the ranks and DCP's metadata, each without values (no audit sums, no storage
-    data)."""
+    """The coordinator's last global plan: its token, every rank's local plan, the plans
+    scattered to the ranks and DCP's metadata, all without values (audit sums, storage data)."""
 
     token: int
     local_plans: tuple[SavePlan, ...]

@@ -71,11 +71,9 @@ from dcp_safe.reading.read_once import (
 class FingerprintedPlan(SavePlan):
     """A local save plan with the :func:`fingerprint` of each entry DCP would deduplicate (by
     flattened key), and every tensor's pieces on this rank with their block fingerprints
-    (``audit``, :mod:`dcp_safe.reading.audit`).
-
-    ``plan_token``: on a local plan with no items (``usable=False``), the rank's layout is the
-    one of the cached global plan with this token; on a global plan, its token, for the rank to
-    name it by next time (:mod:`dcp_safe.adapters.plan_cache`).
+    (``audit``, :mod:`dcp_safe.reading.audit`). ``plan_token``: on a local plan with no items
+    (``usable=False``), its layout is the cached global plan's with this token; on a global plan,
+    its token, for the rank to name it by next time (:mod:`dcp_safe.adapters.plan_cache`).
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
@@ -117,11 +115,10 @@ _REPORTED = ("restored", "skipped", "missing", "unexpected", "audited", "unaudit
 class SafeSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, refusing divergent state and storing per-rank state per rank.
 
-    Repeated saves of one layout reuse the last global plan and metadata (``cache_plans``):
-    each rank sends only its values, and gets back an empty plan. The cache is this planner's
-    own, or, after :meth:`share_plans_over`, every such planner's saving over that group
-    (``dcp_safe.save``, ``async_save`` and the manager share it). docs/architecture.md,
-    "Cached save plans".
+    Repeated saves of one layout reuse the last global plan and metadata (``cache_plans``;
+    docs/architecture.md, "Cached save plans"): each rank sends only its values, and gets back an
+    empty plan. The cache is this planner's own, or, after :meth:`share_plans_over`, every such
+    planner's saving over that group (``dcp_safe.save``, ``async_save`` and the manager's).
 
     Args:
         per_rank: key prefixes (of the flattened state dict) saved once per rank.
@@ -428,10 +425,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def divergent_keys(plans: Sequence[SavePlan]) -> dict[str, list[list[int]]]:
-    """Keys whose fingerprints differ between ranks: key -> the ranks grouped by value.
-
-    Plans without fingerprints (another planner) are left out of the comparison.
-    """
+    """Keys whose fingerprints differ between ranks: key -> the ranks grouped by value (plans
+    without fingerprints, another planner's, left out)."""
     seen: dict[str, dict[int, list[int]]] = {}
     for plan in [p for p in plans if isinstance(p, FingerprintedPlan)]:
         for key, digest in plan.fingerprints.items():

@@ -407,10 +407,7 @@ class SafeStorageReader(StorageReader):
         path = self._remote.backend.full_path(rel)
         label, record = self._record_for(path, request)
 
-        def read() -> bytearray:
-            raw = self._raw(spare, rel, label, record)
-            with self._lock:
-                self.items_from_fallback += 1
-            return raw
-
+        read = functools.partial(self._raw, spare, rel, label, record)
         self._items.load_bytes(read, path, label, record, request, planner)
+        with self._lock:
+            self.items_from_fallback += 1

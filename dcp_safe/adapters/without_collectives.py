@@ -417,11 +417,7 @@ def _primary(value: object) -> bool:
 
 
 def _plain_metadata(metadata: Metadata) -> Any:
-    """A rank's metadata in the plain form, for its report.
-
-    Raises:
-        ConfigError: the metadata has no plain form (a custom planner's data).
-    """
+    """A rank's metadata in the plain form, for its report (ConfigError where it has none)."""
     planner = dict(metadata.planner_data or {})
     if isinstance(audit := planner.get(layout.AUDIT_KEY), dict):
         # A rank's sums cover only its blocks of a sharded tensor, and the plain form wants
