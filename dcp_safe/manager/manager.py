@@ -196,12 +196,9 @@ class CheckpointManager:
             bounds=bounds,
         )
         self._cadence = Cadence(policy, runtime.clock, agreement, self._slot, ledger, history=owns)
-        warm = resume.initial_load_from  # read with this run's root's options
-        self._warm_start = (
-            None
-            if warm is None
-            else WarmStart.of(warm, self.topology.commit, resume.initial_load_keys)
-        )
+        self._warm_start = None
+        if (warm := resume.initial_load_from) is not None:  # read with this run's root's options
+            self._warm_start = WarmStart.of(warm, self.topology.commit, resume.initial_load_keys)
         # A listing on shared storage: never bounded tighter than a collective.
         self._resolve_s = max(wait_s, self.deadline_s)
         # The reader of the latest restore; with node_local, its stats() say which files came
@@ -464,8 +461,7 @@ class CheckpointManager:
             lambda: self.wait(left()),
             self._tiers.prune,
             lambda: self._runner.post.shutdown(wait=True),
-            # before the stager (slabs outlive maps)
-            None if worker is None else lambda: worker.close(left()),
+            None if worker is None else lambda: worker.close(left()),  # before the stager's slabs
             self.stager.close if self._owns_stager else None,
             None if self._watch is None else self._watch.close,
             *(functools.partial(lambda w: w.close(left()), w) for w in writers),
