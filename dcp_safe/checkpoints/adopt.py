@@ -82,6 +82,7 @@ _MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")  # D
 _ALGORITHM = ChecksumAlgorithm.XXH3_128
 _PENDING = f"{_ALGORITHM.value}:0"  # an item's checksum until its bytes are read
 _MAX_WORLD = 1 << 20
+_ByFile = dict[str, list[ItemRecord]]  # a file's items, in order
 
 
 @dataclass(frozen=True)
@@ -360,10 +361,10 @@ class _Walk:
 
 def _check_tiling(
     items: list[ItemRecord], sizes: dict[str, int], where: Callable[[str], str]
-) -> dict[str, list[ItemRecord]]:
+) -> _ByFile:
     """Each file's items in order: back to back, ending where the file ends, as
     ``FileSystemWriter`` writes them; no item named twice."""
-    by_file: dict[str, list[ItemRecord]] = {}
+    by_file: _ByFile = {}
     if len({item.key for item in items}) != len(items):
         raise CheckpointCorruptError(where(layout.DCP_METADATA), "an item is named twice")
     for item in sorted(items, key=lambda i: (i.start, i.length)):
@@ -399,16 +400,11 @@ def check_tiling(
 
 
 def _read_items(
-    here: Backend,
-    folder: str,
-    dest: Backend | None,
-    work: str,
-    by_file: dict[str, list[ItemRecord]],
-    written: list[str],
-) -> dict[str, list[ItemRecord]]:
+    here: Backend, folder: str, dest: Backend | None, work: str, by_file: _ByFile, wrote: list[str]
+) -> _ByFile:
     """``by_file`` with every item's checksum, from one read of each file (copied to ``dest``
     on the way; in place, the bytes go to ``os.devnull``)."""
-    summed: dict[str, list[ItemRecord]] = {}
+    summed: _ByFile = {}
     if dest is not None:
         dest.makedirs(work)
     for file, items in by_file.items():
@@ -416,7 +412,7 @@ def _read_items(
         with contextlib.ExitStack() as stack:
             reader = stack.enter_context(here.open_read(f"{folder}/{file}"))
             if dest is not None:
-                written.append(f"{work}/{file}")
+                wrote.append(f"{work}/{file}")
             target = stack.enter_context(
                 open(os.devnull, "wb")  # noqa: SIM115 - the stack closes it
                 if dest is None
@@ -442,12 +438,7 @@ def _read_items(
 
 
 def _manifests(
-    name: str,
-    save_id: str,
-    by_file: dict[str, list[ItemRecord]],
-    raw: bytes,
-    plain: dict[str, Any],
-    created_at: float,
+    name: str, save_id: str, by_file: _ByFile, raw: bytes, plain: dict[str, Any], created_at: float
 ) -> tuple[Manifest, dict[str, bytes]]:
     """The global manifest and the control files (``.metadata``, the rank manifests). A file
     is rank R's when DCP named it ``__R_<n>.distcp``; any other, rank 0's."""

@@ -243,19 +243,12 @@ class ItemUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError("a tensor's dtype is not a dtype")
         return self.tensor(*args[:6], *args[7:], dtype=args[6])
 
-    def tensor(
-        self,
-        storage: object,
-        offset: object,
-        size: object,
-        stride: object,
-        requires_grad: object,
-        hooks: object,
-        metadata: object = None,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """``_rebuild_tensor_v2`` (the storage's dtype), or v3's with ``dtype``."""
+    def tensor(self, *args: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])``
+        (the storage's dtype), or v3's with ``dtype``."""
+        if len(args) not in (6, 7):
+            raise pickle.UnpicklingError("a tensor is rebuilt from 6 or 7 arguments")
+        storage, offset, size, stride, requires_grad, hooks, metadata = (*args, None)[:7]
         if not isinstance(storage, _Storage) or storage.owner is not self:
             raise self.refuse("a tensor over a storage that is not one of the item's records")
         if (dtype is None) == storage.kind.untyped:
@@ -263,8 +256,7 @@ class ItemUnpickler(pickle.Unpickler):
         if hooks or metadata or not isinstance(requires_grad, bool):
             raise self.refuse("a tensor with hooks or Python state")
         dtype = storage.kind.dtype if dtype is None else dtype
-        shape, strides = _dims(size), _dims(stride)
-        start = _index(offset)
+        shape, strides, start = _dims(size), _dims(stride), _index(offset)
         if len(shape) != len(strides):
             raise pickle.UnpicklingError("a tensor's size and stride disagree")
         itemsize = max(1, dtype.itemsize)
