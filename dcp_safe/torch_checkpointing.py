@@ -195,7 +195,9 @@ class SafeStorage(Storage):
         """Claim ``name`` for a new save on rank 0; every rank learns its save id (a collective
         where there are several ranks: each rank begins a save exactly once)."""
         group = _group(self._config.deadline_s)
-        strategy, save_id, failure = strategy_for(self._backend), layout.new_save_id(), None
+        strategy = strategy_for(self._backend)
+        save_id = layout.new_save_id()
+        failure = None
         if group is None or torch.distributed.get_rank(group) == 0:
             try:
                 strategy.publication(self._backend, name, save_id).claim()

@@ -336,7 +336,11 @@ def abort_stale_uploads(
         elif name not in collected:
             continue  # no age: only with its abandoned save's prefix
         if not dry_run:
-            ids = {key: upload[key] for key in ("Bucket", "Key", "UploadId")}
-            backend.fs.call_s3("abort_multipart_upload", **ids)  # type: ignore[attr-defined]
+            backend.fs.call_s3(  # type: ignore[attr-defined]
+                "abort_multipart_upload",
+                Bucket=upload["Bucket"],
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
         aborted.append(f"s3://{upload['Bucket']}/{upload['Key']}")
     return tuple(aborted)

@@ -53,7 +53,8 @@ def attempt_from_env(
     run_id = environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID
     if number is not None:
         return Attempt(number=number, run_id=run_id)
-    if not (raw := environ.get(ATTEMPT_ENV)):
+    raw = environ.get(ATTEMPT_ENV)
+    if not raw:
         return None
     try:
         return Attempt(number=int(raw), run_id=run_id)

@@ -133,7 +133,8 @@ def read_holder(backend: Backend, rel: str) -> LeaseHolder | None:
     idle rule can take over. A save id not as :func:`~dcp_safe.layout.is_save_id` accepts is
     read as none, since a lease's text reaches messages and history events.
     """
-    raw, fields = b"", None
+    raw = b""
+    fields = None
     try:
         raw = backend.read_small(rel, CONTROL_MAX_BYTES)
         fields = parse_json(raw, backend.full_path(rel))

@@ -87,7 +87,8 @@ def records_by_rank(
         for result in rank_results:
             data = result.storage_data
             if isinstance(data, ReportedItem):
-                reports[rank], data = data.report, data.record
+                reports[rank] = data.report
+                data = data.record
             if not isinstance(data, ItemRecord):
                 raise CommitError(
                     "a rank returned results SafeStorageWriter did not produce",

@@ -108,14 +108,16 @@ class FileCheck:
                     for block, digest in enumerate(item.blocks.digests):
                         expected, actual = f"{algorithm}:{digest}", f"{algorithm}:{found[block]}"
                         check_digest(self._path, item.describe(), expected, actual, block=block)
-            if (following := next(self._pending, None)) is None:
+            following = next(self._pending, None)
+            if following is None:
                 self._item = None
                 return
             self._item = self._start(following)
 
     def _start(self, item: ItemRecord) -> tuple[ItemRecord, Hasher, BlockHasher | None]:
         """``item``'s hashers: of its bytes, and of its block digests' range (if it has any)."""
-        algorithm, blocks = item.checksum.partition(":")[0], item.blocks
+        algorithm = item.checksum.partition(":")[0]
+        blocks = item.blocks
         if blocks is None:
             return item, new_hasher(algorithm), None
         if blocks.at + blocks.length > item.length:

@@ -86,7 +86,8 @@ def plan_capacity(
     ConfigError unless a positive int) fit ``budget``'s envelope."""
     require_int("generations", generations, 1)
     envelope, each = budget.envelope_bytes, generation.working_set_bytes
-    needed, most = generations * each, max_generations(budget, generation)
+    needed = generations * each
+    most = max_generations(budget, generation)
     return CapacityPlan(
         envelope, each, generations, needed, needed <= envelope, envelope - needed, most
     )

@@ -123,7 +123,8 @@ class PlanCache:
         return plan
 
     def get(self, layout: Layout) -> StagingPlan:
-        if (plan := self._plans.get(layout.key)) is not None:
+        plan = self._plans.get(layout.key)
+        if plan is not None:
             self._plans.move_to_end(layout.key)
             self.hits += 1
         else:

@@ -82,11 +82,15 @@ class TelemetryReport:
         for s in self.saves:
             gbps = s.throughput_bytes_per_s
             table.add_row(
-                s.save, "yes" if s.ok else "NO",
-                *map(_secs, (s.stall_s, s.completion_s, *(s.phases_s.get(p) for p in _PHASES))),
-                _bytes(s.bytes), "-" if gbps is None else f"{gbps / 1e9:.2f}",
+                s.save,
+                "yes" if s.ok else "NO",
+                _secs(s.stall_s),
+                _secs(s.completion_s),
+                *(_secs(s.phases_s.get(p)) for p in _PHASES),
+                _bytes(s.bytes),
+                "-" if gbps is None else f"{gbps / 1e9:.2f}",
                 _bytes(s.peak_rss_over_band_bytes),
-            )  # fmt: skip
+            )
         return table
 
     def print(self, console: Any = None) -> None:
