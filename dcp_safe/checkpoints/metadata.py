@@ -62,11 +62,10 @@ def read_dcp_metadata(
     if plain is None and not allow_pickle:
         raise UnsafeCheckpointError(
             path,
-            "written before dcp_safe recorded DCP's metadata as plain data in"
-            f" {layout.MANIFEST};"
-            " its only copy is this pickle, which dcp_safe does not unpickle by default"
-            " (to read such a checkpoint, or re-save it, load it once with allow_pickle=True;"
-            " dcp-safe verify takes --allow-pickle)",
+            f"written before dcp_safe recorded DCP's metadata as plain data in {layout.MANIFEST};"
+            " its only copy is this pickle, which dcp_safe does not unpickle by default (to read"
+            " such a checkpoint, or re-save it, load it once with allow_pickle=True; dcp-safe"
+            " verify takes --allow-pickle)",
         )
     metadata = _decoded.get(id(manifest))
     if metadata is None:

@@ -103,11 +103,9 @@ def export(
     holds = formats.safetensors_holds if fmt is ExportFormat.SAFETENSORS else formats.torch_holds
     if refused := [entry for entry in selection.tensors if not holds(entry.out_dtype)]:
         dtypes = ", ".join(sorted({str(entry.out_dtype) for entry in refused}))
-        raise ConfigError(
-            f"format={fmt.value!r} cannot hold {dtypes} tensors"
-            f" ({', '.join(e.key for e in refused[:8])}); choose the other format or cast with"
-            " dtype="
-        )
+        why = f"format={fmt.value!r} cannot hold {dtypes} tensors"
+        named = ", ".join(e.key for e in refused[:8])
+        raise ConfigError(f"{why} ({named}); choose the other format or cast with dtype=")
     with StagedExport(path, overwrite=overwrite) as staged:
         if fmt is ExportFormat.SAFETENSORS:
             skipped = formats.write_safetensors(staged, source, selection, max_shard_bytes)

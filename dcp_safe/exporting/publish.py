@@ -73,8 +73,6 @@ class StagedExport(AbstractContextManager["StagedExport"]):
     @contextmanager
     def open(self, file_name: str) -> Iterator[HashingSink]:
         """A new file in the export, hashed as it is written and fsynced when closed."""
-        if file_name in self.digests or file_name == CHECKSUMS:
-            raise ValueError(f"{file_name} is written twice")  # a caller's bug
         with self._backend.open_write(f"{self._work}/{file_name}") as target:
             sink = HashingSink(target, ChecksumAlgorithm.SHA256)
             yield sink
@@ -111,11 +109,9 @@ def check_destination(dest: str | os.PathLike[str], overwrite: bool) -> str:
     path = os.path.abspath(text.removeprefix("file://"))
     if os.path.lexists(path) and not overwrite:
         raise ConfigError(_EXISTS.format(path))
-    if os.path.lexists(path) and not (
-        os.path.isdir(path)
-        and not os.path.islink(path)
-        and os.path.isfile(os.path.join(path, CHECKSUMS))
-    ):
+    # Only a folder holding a SHA256SUMS (so no link) is an earlier export.
+    ours = not os.path.islink(path) and os.path.isfile(os.path.join(path, CHECKSUMS))
+    if os.path.lexists(path) and not ours:
         raise ConfigError(
             f"refusing to replace {path}: it is not an earlier export (no {CHECKSUMS} in it);"
             " remove it yourself or choose another dest"
