@@ -414,8 +414,7 @@ class SaveWorker:
     def _share_slabs(self, process: _Process) -> None:
         open_slabs = self._encoder.slabs.slabs()
         try:
-            gone = process.mapped - set(open_slabs)
-            if gone:
+            if gone := process.mapped - set(open_slabs):
                 process.conn.send(("forget", sorted(gone)))
             for slab, (fd, size) in open_slabs.items():
                 if slab not in process.mapped:
