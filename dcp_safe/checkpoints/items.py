@@ -121,7 +121,7 @@ def _unpickler(
     a pickled ``BytesIO``, that ``BytesIO``. UnsafeCheckpointError: a compressed record, too
     many records or opcodes, a tensor's pickle over its size, or a refused opcode;
     CheckpointCorruptError: no such archive, no pickle, or saved big-endian."""
-    source = MemorySource(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    source = MemorySource(data) if isinstance(data, _Bytes) else data
     max_records = MAX_RECORDS if plain_data else _TENSOR_MAX_RECORDS
     archive = open_archive(source, path, item, max_records=max_records)
     order = archive.read("byteorder")

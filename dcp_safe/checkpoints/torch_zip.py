@@ -123,9 +123,7 @@ class _Parser:
         if cd_size > entries * _MAX_ENTRY_BYTES:
             raise self.corrupt(f"a directory of {cd_size} bytes for {entries} records")
         directory = bytes(self.source.read_at(cd_offset, cd_size))
-        records: dict[str, tuple[int, int]] = {}
-        prefix: str | None = None
-        at = 0
+        records, at, prefix = dict[str, tuple[int, int]](), 0, None
         for _ in range(entries):
             name, record, at = self.entry(directory, at, cd_offset)
             top, slash, rest = name.partition("/")
@@ -166,12 +164,10 @@ class _Parser:
         signature, _, offset, _ = _LOCATOR.unpack(locator)
         if signature != _SIG_LOCATOR or offset + _EOCD64.size > eocd - _LOCATOR.size:
             raise self.corrupt("a bad zip64 locator")
-        record = bytes(self.source.read_at(offset, _EOCD64.size))
-        fields = _EOCD64.unpack(record)
+        fields = _EOCD64.unpack(bytes(self.source.read_at(offset, _EOCD64.size)))
         if fields[0] != _SIG_EOCD64:
             raise self.corrupt("a bad zip64 end record")
-        entries, cd_size, cd_offset = fields[7], fields[8], fields[9]
-        return entries, cd_offset, cd_size, offset
+        return fields[7], fields[9], fields[8], offset  # entries, directory offset and size
 
     def entry(self, directory: bytes, at: int, cd_offset: int) -> tuple[str, tuple[int, int], int]:
         if at + _CENTRAL.size > len(directory):
