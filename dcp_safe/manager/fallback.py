@@ -209,7 +209,8 @@ class FallbackSwitch:
     def on_request(self, handle: SaveHandle, leaked_bytes: Callable[[], int]) -> str | None:
         """Feed a save request; the reason this rank saves synchronously (``None``: it does not).
         ``leaked_bytes`` is called only when no other trigger fired."""
-        now, available = self.clock(), self.sample_memory()
+        now = self.clock()
+        available = self.sample_memory()
         self.ledger.requested(handle.name, now)
         with self.ledger.cond:
             reason = self.monitor.on_request(now, available)

@@ -337,7 +337,8 @@ class CheckpointManager:
             RestoreMismatchError: ``audit`` found the live state differs from the saved one.
             LoadError: a rank's load failed (a shape that does not match, say), cause named.
         """
-        latest, own = step == layout.LATEST, self._tiers.reader()
+        latest = step == layout.LATEST
+        own = self._tiers.reader()
         given = None if source is None else WarmStart.of(source, self.topology.commit)
         if given is not None and not latest:
             raise ConfigError("restore(source=) takes no step: name a checkpoint as ROOT/NAME")
@@ -363,8 +364,10 @@ class CheckpointManager:
             if url is not None:
                 assert warm is not None
                 # The URL as given (credentials travel in options, never in it), shortened.
-                reader, url, tier = warm.reader(url, self._tiers), url[:300], "initial"
+                reader = warm.reader(url, self._tiers)
+                url = url[:300]
                 where = f"{'warm start' if given is None else 'source'} from {url}"
+                tier = "initial"
                 keys = warm.keys if keys is None else keys
             self.last_reader = reader if isinstance(reader, SafeStorageReader) else None
             planner = SafeLoadPlanner(
@@ -455,7 +458,8 @@ class CheckpointManager:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        left, worker = countdown(timeout_s), self._runner.worker
+        left = countdown(timeout_s)
+        worker = self._runner.worker
         writers = [w for w in (self.writer, self._runner.sync_writer) if w is not None]
         steps: list[Callable[[], object] | None] = [
             lambda: self.wait(left()),

@@ -41,11 +41,15 @@ class PreemptionHandler:
     def __init__(self, manager: CheckpointManager, signum: int, budget_s: float) -> None:
         if not budget_s > 0:
             raise ConfigError(f"budget_s must be > 0, got {budget_s!r}")
-        self.manager, self.signum, self.budget_s = manager, signal.Signals(signum), float(budget_s)
+        self.manager = manager
+        self.signum = signal.Signals(signum)
+        self.budget_s = float(budget_s)
         self.outcome: str | None = None
         self._previous: _Handler = None
-        self._installed, self._handling, self._depth = False, False, 0
+        self._installed = False
+        self._depth = 0
         self._deferred: tuple[int, FrameType | None] | None = None
+        self._handling = False
 
     def install(self) -> None:  # keeping the previous handler
         if threading.current_thread() is not threading.main_thread():

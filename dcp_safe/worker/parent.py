@@ -56,11 +56,14 @@ class _Process:
 
     def __init__(self, owner: SaveWorker, group: WorkerGroup | None) -> None:
         self.owner, self.lock = owner, owner._lock  # guards saves, replications, checks, dead
-        self.group, self.retired, self.dead = group, False, False
+        self.group = group
+        self.retired = False
+        self.dead = False
         # Silent past the manager's deadline (with several ranks the workers' group's, that of
         # any exchange with a peer), or its bound of waits: stopped, frozen or stuck.
         bound = owner.timeout_s if group is None else min(owner.timeout_s, group.timeout_s)
-        self.silent_s, self.silenced = max(bound, _MIN_SILENT_BEATS * BEAT_S), False
+        self.silent_s = max(bound, _MIN_SILENT_BEATS * BEAT_S)
+        self.silenced = False  # killed for its silence
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # Isolated (-I: no current directory on sys.path), its parent's pid first; it imports
         # what the parent can (a writer subclass of a test, say): sys.path's absolute entries.
@@ -339,7 +342,8 @@ class SaveWorker:
     ) -> None:
         try:
             state = staged.result()
-            data, record = self._encoder.dump(state), self.adopt is not None
+            data = self._encoder.dump(state)
+            record = self.adopt is not None
             for retry in (False, True):
                 process, seq = self._register(name, done, state)
                 try:  # outside the lock: a worker dying meanwhile fails it through its reader
