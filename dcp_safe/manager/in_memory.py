@@ -131,17 +131,9 @@ class InMemoryTier:
         return step
 
     def prepare(self, state_dict: dict[str, Any]) -> tuple[int, list[_Copy]]:
-        """Check the kept copy against ``state_dict``; return its step and the copies to make.
-
-        Nothing changes until the copies are made (each copies a kept value into
-        ``state_dict`` in place), so several ranks can all check before any of them copies.
-
-        Raises:
-            RollbackUnavailableError: no kept copy of the last committed step.
-            CheckpointCorruptError: the kept copy no longer matches the manifest.
-            MissingKeysError: ``state_dict`` has keys the kept copy lacks.
-            ConfigError: a tensor's shape or a container's length differs.
-        """
+        """Check the kept copy against ``state_dict``; its step and the copies to make. Nothing
+        changes until they are made, so every rank can check before any copies (the errors:
+        :meth:`~dcp_safe.CheckpointManager.rollback`'s, and ConfigError for another layout)."""
         with self._lock:
             record = self._kept
         kept = self.stager.kept()

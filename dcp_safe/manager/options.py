@@ -321,8 +321,7 @@ def choose_executor(
     *,
     writer_given: bool,
 ) -> Executor:
-    """The executor ``executor`` names for a manager with ``stager`` (``None``: its own) and
-    ``writer`` (``writer_given``: the caller's, not one the manager built).
+    """The executor ``executor`` names (``writer_given``: the caller's writer, not the manager's).
 
     ``"auto"`` leaves a writer of the caller's on a thread: the worker would run a pickled copy
     of it, and whatever it does to objects of this process (counters, callbacks, events) would
