@@ -1,11 +1,9 @@
 """The staged state on its way to the checkpoint worker, and errors and checks on their way back.
 
-A staged tensor crosses as where its bytes are (:class:`~dcp_safe.staging.shared.Place`) plus its
-dtype, shape and strides: the worker maps the slabs once (:func:`map_slab`) and rebuilds each
-tensor over the same memory, so no byte is copied and no descriptor is sent per tensor. Anything
-else in the state (step counters, RNG states) is pickled as it is. A poisoned state (a rank's
-refused staging, :mod:`dcp_safe.staging.poison`) crosses as its error, so that the worker's save
-raises it inside the planning collective and every rank's worker learns of it.
+A staged tensor crosses as its place in a slab and its layout, rebuilt over the same memory in
+the worker (docs/staging.md, "The transport"). A poisoned state (a rank's refused staging,
+:mod:`dcp_safe.staging.poison`) crosses as its error, so that the worker's save raises it inside
+the planning collective and every rank's worker learns of it.
 
 The check a new checkpoint passes before the manager trusts it (:func:`check_commit`) runs where
 the save ran: on the manager's thread with the thread executor; in the worker, right after the
