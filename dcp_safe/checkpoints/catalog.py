@@ -164,20 +164,12 @@ def verify_checkpoint(
     """
     backend = open_backend(root, storage_options)
     opened = open_committed(backend, resolve_name(backend, name))
-    return verify_opened(
-        backend,
-        opened,
-        progress=progress,
-        deep=deep,
-        signing_key=signing_key,
-        allow_pickle=allow_pickle,
-    )
+    return verify_opened(backend, opened, progress, deep, signing_key, allow_pickle)
 
 
 def verify_opened(
     backend: Backend,
     opened: CommittedCheckpoint,
-    *,
     progress: Callable[[FileRecord], None] | None = None,
     deep: bool = True,
     signing_key: bytes | str | None = None,

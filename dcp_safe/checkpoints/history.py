@@ -129,11 +129,8 @@ class History:
 
     def validated_names(self) -> set[str]:
         """Names recorded as committed locally and validated."""
-        return {
-            e["name"]
-            for e in self.read()
-            if e.get("event") == "committed" and e.get("tier") == "local" and e.get("validated")
-        }
+        local = [e for e in self.read() if e["event"] == "committed" and e.get("tier") == "local"]
+        return {e["name"] for e in local if e.get("validated")}
 
     def _raw(self) -> bytes:
         """The file's newest :data:`HISTORY_MAX_BYTES`, from a line start on (b"": none yet);

@@ -195,10 +195,8 @@ class ItemUnpickler(pickle.Unpickler):
         dtype = vars(torch).get(name) if module == "torch" else None  # no lazy imports
         if isinstance(dtype, torch.dtype):
             return dtype
-        if (module, name) == ("collections", "OrderedDict") or (
-            self.plain_data and (module, name) in _PLAIN
-        ):
-            return _PLAIN[module, name]
+        if (self.plain_data or name == "OrderedDict") and (module, name) in _PLAIN:
+            return _PLAIN[module, name]  # a tensor item's pickle may hold an OrderedDict too
         raise self.refuse(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
@@ -220,9 +218,8 @@ class ItemUnpickler(pickle.Unpickler):
         itemsize = 1 if kind.untyped else kind.dtype.itemsize
         if type(numel) is not int or not 0 <= numel <= size or numel * itemsize != size:
             raise pickle.UnpicklingError(f"storage {key!r}: its size is not its record's")
-        storage = _Storage(self.record_bytes(f"data/{key}", size), kind, self)
-        self.storages[key] = storage
-        return storage
+        self.storages[key] = _Storage(self.record_bytes(f"data/{key}", size), kind, self)
+        return self.storages[key]
 
     def record_bytes(self, name: str, size: int) -> torch.Tensor:
         """The record's bytes as a uint8 tensor (a view of the item's memory where it can)."""

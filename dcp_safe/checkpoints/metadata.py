@@ -34,6 +34,7 @@ from dcp_safe.manifest.schema import Manifest
 from dcp_safe.manifest.streams import read_verified
 
 _T = TypeVar("_T")
+_Entry = TensorStorageMetadata | BytesStorageMetadata
 
 # Chunks, path elements and fingerprints an unpickled .metadata may hold per manifest item.
 _PICKLED_ELEMENTS_PER_ITEM = 64
@@ -125,9 +126,7 @@ def _fresh(metadata: Metadata) -> Metadata:
     )
 
 
-def _entry(
-    entry: TensorStorageMetadata | BytesStorageMetadata,
-) -> TensorStorageMetadata | BytesStorageMetadata:
+def _entry(entry: _Entry) -> _Entry:
     if not isinstance(entry, TensorStorageMetadata):
         return BytesStorageMetadata()
     chunks = [ChunkStorageMetadata(offsets=c.offsets, sizes=c.sizes) for c in entry.chunks]

@@ -16,6 +16,7 @@ claim ranks this node never wrote, and everything that lists a node root passes 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -78,10 +79,8 @@ def list_node_caches(root: RootLike | Backend) -> list[NodeCache]:
     backend = root if isinstance(root, Backend) else open_backend(root)
     caches = []
     for entry in committed_names(backend, NODE_COMMITTED_MARKER):
-        try:
+        with contextlib.suppress(CheckpointNotFoundError, CheckpointCorruptError):
             caches.append(open_node_cache(backend, entry))
-        except (CheckpointNotFoundError, CheckpointCorruptError):
-            continue
     return sorted(caches, key=lambda cache: (cache.manifest.created_at, cache.name))
 
 

@@ -101,13 +101,9 @@ def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> b
     header: dict[str, object] = {RESERVED: metadata}
     offset = 0
     for entry in entries:
-        end = offset + entry.out_nbytes
-        header[entry.key] = {
-            "dtype": _CODES[entry.out_dtype],
-            "shape": list(entry.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
+        span, shape = [offset, offset + entry.out_nbytes], list(entry.shape)
+        header[entry.key] = {"dtype": _CODES[entry.out_dtype], "shape": shape, "data_offsets": span}
+        offset = span[1]
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % _ALIGN)
     return struct.pack("<Q", len(raw)) + raw
