@@ -74,7 +74,9 @@ class SaveHandle:
             fails with the upload's or verification's error; cancelled if a newer coalesced
             request replaced this one.
         replicated: resolves once committed on ``replicate_to`` (``None`` without one), with
-            the replica's manifest (the process executor: its ``CommittedHeader``).
+            the replica's manifest (the process executor: its ``CommittedHeader``; ``None`` on a
+            rank whose own wait gave up before rank 0's remote commit, which rank 0's verdict
+            says landed).
         metrics: what the save records in its manifest and history (checked here:
             :func:`~dcp_safe.manifest.schema.check_metrics`; ``ConfigError`` if not).
     """
