@@ -294,9 +294,8 @@ def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
         found = unpickler.load()
     except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError):
         return None
-    if type(found) is not unpickler.holder:
+    if type(found) is not unpickler.holder or not isinstance(found, _BytesIOState):
         return None
-    assert isinstance(found, _BytesIOState)
     stream = io.BytesIO(found.value)
     stream.seek(found.position)
     return stream

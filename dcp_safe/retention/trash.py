@@ -13,9 +13,6 @@ the commit marker held; its age is the trash's clock.
   holding one, :func:`~dcp_safe.checkpoints.committed.committed_names`), then the commit marker
   is removed. A save never claims a name in the trash (:mod:`dcp_safe.commit.lease`), so its
   files are never mixed with a new save's.
-
-Restoring checks every byte against the manifest the trash marker names (and the signature,
-with a key) before the checkpoint is committed again under its name.
 """
 
 from __future__ import annotations
@@ -60,9 +57,10 @@ def restore_trashed(
     storage_options: dict[str, Any] | None = None,
     signing_key: bytes | str | None = None,
 ) -> VerifyReport:
-    """Commit checkpoint ``name`` again from the trash, once every byte is checked (the newest
-    copy, if the trash holds several; with ``signing_key``, its signature too); the check it
-    passed. A later prune that does not keep it trashes it again.
+    """Commit checkpoint ``name`` again from the trash, once every byte is checked against the
+    manifest its trash marker names (the newest copy, if the trash holds several; with
+    ``signing_key``, its signature too); the check it passed. A later prune that does not keep
+    it trashes it again.
 
     Raises:
         CheckpointNotFoundError: the trash holds no ``name`` (never trashed, or deleted).
