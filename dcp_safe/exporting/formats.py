@@ -61,8 +61,6 @@ def write_safetensors(
         with staged.open(file_name) as sink:
             sink.write(header)
             source.each_tensor(entries, lambda e, t: write_tensor(sink, t, e.out_dtype))
-            if sink.tell() != len(header) + sum(e.out_nbytes for e in entries):
-                raise StorageError("write", staged.path(file_name), "size is off")
         _check_safetensors(staged.path(file_name), entries)
     if len(files) > 1:
         with staged.open(layout.SAFETENSORS_INDEX) as sink:
@@ -71,7 +69,6 @@ def write_safetensors(
 
 
 def check_max_shard_bytes(value: object) -> None:
-    """Raise :class:`~dcp_safe.errors.ConfigError` unless ``max_shard_bytes`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"max_shard_bytes must be an int >= 1, got {value!r}")
 
