@@ -111,8 +111,14 @@ class _Call:
         if self.group is not None and is_collective_failure(exc):
             # DCP wraps storage and planner errors in CheckpointException; what comes out bare
             # from a collective is the transport's (a peer gone, or the deadline passed).
-            facts = ("rank", "world_size", "deadline_s", "witnesses", "operation")
-            error = collective_failure(exc, **{name: getattr(self, name) for name in facts})
+            error = collective_failure(
+                exc,
+                rank=self.rank,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
+                witnesses=self.witnesses,
+                operation=self.operation,
+            )
             if self.owned:
                 discard_group(self.group)
             return error
@@ -171,7 +177,8 @@ def _prepare(kwargs: dict[str, Any], deadline_s: float) -> _Call:
         kwargs.setdefault("no_dist", not distributed)
         return call
     group = kwargs.get("process_group")
-    if owned := group is None:
+    owned = group is None
+    if owned:
         group = kwargs["process_group"] = checkpoint_group(deadline_s)
     return dataclasses.replace(
         call,

@@ -56,7 +56,9 @@ class SentObjects:
 def deliver_shared(planner: SafeLoadPlanner, group: Any, timeout_s: float | None) -> int:
     """Send this rank's entries (its ``planner``'s transfers, objects dropped once sent) and
     receive the others' into ``planner``'s state dict; return the bytes this rank received."""
-    transfers, sent, rank = planner.transfers, planner.sent_objects(), dist.get_rank(group)
+    transfers = planner.transfers
+    sent = planner.sent_objects()
+    rank = dist.get_rank(group)
     # A zero timeout is the default argument of Work.wait: no bound beyond the group's own.
     timeout = timedelta(seconds=timeout_s or 0)
     # Objects announce their lengths first (tag 2t): a receiver sizes its buffer by them.
@@ -133,14 +135,16 @@ def _tensor_buffer(
     else:
         offsets, end = [], 0
         for size in sizes:
-            offsets.append(end := -(-end // _ALIGN) * _ALIGN)
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets.append(end)
             end += size
         buffer = torch.empty(max(end, 1), dtype=torch.uint8)
         slots = [
             buffer[at : at + n].view(r.dtype).view(r.shape)
             for at, n, r in zip(offsets, sizes, regions, strict=True)
         ]
-    pairs, nbytes = list(zip(regions, slots, strict=True)), sum(sizes)
+    pairs = list(zip(regions, slots, strict=True))
+    nbytes = sum(sizes)
     if transfer.owner == rank:
         for region, slot in pairs:
             if slot is not region:

@@ -86,7 +86,8 @@ def writer_options(options: WriterOptions | None) -> WriterOptions:
     options = WriterOptions() if options is None else options
     if not isinstance(options, WriterOptions):
         raise ConfigError(f"options must be a WriterOptions, got {type(options).__name__}")
-    if options.signing_key is not None or (key := resolve_key(None)) is None:
+    key = None if options.signing_key is not None else resolve_key(None)
+    if key is None:
         return options
     # A checksum at its (unsigned) default was not chosen: a signed save takes the signed one.
     chosen = None if options.checksum is WriterOptions().checksum else options.checksum

@@ -280,9 +280,15 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def _cache_key(self) -> tuple[Any, ...]:
         """What, besides the layout, decides the global plan."""
-        ours = (type(self).__qualname__, self.per_rank, self.check_divergence, self.record_audit)
-        flat = (self.flatten_state_dict, self.flatten_sharded_tensors)
-        return (*ours, *flat, self.dedup_save_to_lowest_rank)
+        return (
+            type(self).__qualname__,
+            self.per_rank,
+            self.check_divergence,
+            self.record_audit,
+            self.flatten_state_dict,
+            self.flatten_sharded_tensors,
+            self.dedup_save_to_lowest_rank,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # A planner sent to another process (DCP's checkpoint process) caches there alone.
@@ -353,12 +359,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         world = _world_size()
         for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
             # This rank's per-rank keys point at its own stored entries.
-            if not (saved := sorted(layout.per_rank_ranks(key, stored))):
+            saved = sorted(layout.per_rank_ranks(key, stored))
+            if not saved:
                 continue  # saved as one entry (equal on every rank, or before per_rank)
             if saved != list(range(world)):
                 raise PerRankStateError(key, saved_ranks=saved, world_size=world)
-            self._per_rank_keys[key] = own = layout.per_rank_key(key, _rank())
+            own = layout.per_rank_key(key, _rank())
             _rename(self, key, own)
+            self._per_rank_keys[key] = own
         if self.read_once and not self.sends_shared and world > 1:
             raise ConfigError(
                 "read_once=True needs dcp_safe.load (on a group with gloo), which sends the"
@@ -372,8 +380,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self._forget(key)
         asked = {self._stored_key(k) for k in wanted}
         unexpected = {layout.per_rank_base(k) or k for k in stored if k not in asked} - wanted
-        found = {"restored": wanted - missing, "skipped": skipped, "missing": missing}
-        self.report = RestoreReport(self.report.name, unexpected=unexpected - skipped, **found)
+        self.report = RestoreReport(
+            self.report.name,
+            restored=wanted - missing,
+            skipped=skipped,
+            missing=missing,
+            unexpected=unexpected - skipped,
+        )
 
     def create_local_plan(self) -> LoadPlan:
         # Not DefaultLoadPlanner's: its torch 2.3 key fallback re-flattens the whole state dict,

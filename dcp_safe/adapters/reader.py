@@ -402,7 +402,8 @@ class SafeStorageReader(StorageReader):
         self, rel: str, request: ReadItem, planner: LoadPlanner, cause: Exception
     ) -> None:
         """One item from the spare tier, its read on the remote having failed with ``cause``."""
-        if (spare := self._spare_tier()) is None:
+        spare = self._spare_tier()
+        if spare is None:
             raise cause
         path = self._remote.backend.full_path(rel)
         label, record = self._record_for(path, request)

@@ -72,7 +72,8 @@ class TensorLayout:
 
     def matches(self, prefix: bytes | bytearray | memoryview, suffix: bytes | memoryview) -> bool:
         """Whether the bytes around a stored payload are exactly this layout's."""
-        tail, at, end = bytes(suffix), self.id_at, self.id_at + _ID_DIGITS
+        tail = bytes(suffix)
+        at, end = self.id_at, self.id_at + _ID_DIGITS
         return (
             bytes(prefix) == self.prefix
             and len(tail) == len(self.suffix)
@@ -137,9 +138,11 @@ def _agrees_with_torch(dtype: torch.dtype) -> bool:
     layout = _build(dtype, (3,))  # None without a learnt format or a storage type for dtype
     if layout is None:
         return False
-    sample, expected = torch.zeros(3, dtype=dtype), io.BytesIO()
+    sample = torch.zeros(3, dtype=dtype)
+    expected = io.BytesIO()
     save_tensor_without_crc(sample, expected)
-    raw, start, end = expected.getvalue(), len(layout.prefix), len(layout.prefix) + layout.payload
+    raw = expected.getvalue()
+    start, end = len(layout.prefix), len(layout.prefix) + layout.payload
     return (
         len(raw) == layout.length
         and raw[start:end] == tensor_bytes(sample)
@@ -168,7 +171,9 @@ def _build(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorLayout | None:
         start = position + 30 + len(encoded) + 4
         pad = -start % fmt.alignment
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        out += struct.pack("<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, *[0] * 6, len(encoded), len(extra))
+        out += struct.pack(
+            "<IHHHHHIIIHH", _LOCAL, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)
+        )
         out += encoded + extra
         central += struct.pack(
             "<IHHHHHHIIIHHHHHII", _CENTRAL, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
@@ -275,9 +280,10 @@ def write_item(
             raise ConfigError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
         target.write(data.getbuffer())
     else:
+        tensor = minimal_cpu_tensor(data)
         # torch.save's exact bytes from a template where it can (36 us an item instead of
         # 370 here); torch.save itself for the rest.
-        parts = template_parts(tensor := minimal_cpu_tensor(data))
+        parts = template_parts(tensor)
         if parts is None:
             save_tensor_without_crc(tensor, target)
         elif block_bytes and not compressed and parts[1].nbytes >= BLOCK_DIGEST_MIN_BYTES:

@@ -411,7 +411,8 @@ def _primary(value: object) -> bool:
     by the rank at coordinate 0 of each replicated mesh dimension; anything else is this rank's."""
     if not isinstance(value, DTensor):
         return True
-    if (coordinate := value.device_mesh.get_coordinate()) is None:
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:
         return False  # not in the mesh: holds no chunk of it
     return all(coordinate[d] == 0 for d, p in enumerate(value.placements) if p.is_replicate())
 
