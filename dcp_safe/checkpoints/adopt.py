@@ -497,7 +497,8 @@ def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pic
     for item in manifest.items:
         if item.offset is not None or item.transforms or item.length > small:
             continue
-        path, label = backend.full_path(f"{folder}/{item.file}"), item.describe()
+        path = backend.full_path(f"{folder}/{item.file}")
+        label = item.describe()
         with backend.open_read(f"{folder}/{item.file}") as stream:
             data = read_verified(stream, path, label, item.start, item.length, item.checksum)
         with contextlib.suppress(UnsafeCheckpointError):

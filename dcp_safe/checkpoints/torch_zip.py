@@ -123,7 +123,9 @@ class _Parser:
         if cd_size > entries * _MAX_ENTRY_BYTES:
             raise self.corrupt(f"a directory of {cd_size} bytes for {entries} records")
         directory = bytes(self.source.read_at(cd_offset, cd_size))
-        records, at, prefix = dict[str, tuple[int, int]](), 0, None
+        records: dict[str, tuple[int, int]] = {}
+        at = 0
+        prefix: str | None = None
         for _ in range(entries):
             name, record, at = self.entry(directory, at, cd_offset)
             top, slash, rest = name.partition("/")

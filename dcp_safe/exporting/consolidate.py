@@ -214,7 +214,8 @@ class Consolidator:
                 stored = self._sizes.size(info.relative_path)
                 if info.offset + info.length > stored:
                     path = self._reader.backend.full_path(self._sizes.path(info.relative_path))
-                    label, left = f"{entry.key}@{list(chunk.offsets)}", max(0, stored - info.offset)
+                    label = f"{entry.key}@{list(chunk.offsets)}"
+                    left = max(0, stored - info.offset)
                     raise short_read(path, label, info.length, left)
 
     def objects(self, keys: Sequence[str]) -> dict[str, Any]:

@@ -98,7 +98,8 @@ def encode_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> b
     header: dict[str, object] = {RESERVED: metadata}
     offset = 0
     for entry in entries:
-        span, shape = [offset, offset + entry.out_nbytes], list(entry.shape)
+        span = [offset, offset + entry.out_nbytes]
+        shape = list(entry.shape)
         header[entry.key] = {"dtype": _CODES[entry.out_dtype], "shape": shape, "data_offsets": span}
         offset = span[1]
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

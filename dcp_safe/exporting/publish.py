@@ -53,7 +53,8 @@ class StagedExport(AbstractContextManager["StagedExport"]):
     exception) removes everything written."""
 
     def __init__(self, dest: str, *, overwrite: bool) -> None:
-        self.dest, self._overwrite = dest, overwrite
+        self.dest = dest
+        self._overwrite = overwrite
         parent, self._leaf = os.path.split(dest)
         os.makedirs(parent, exist_ok=True)
         self._backend = LocalBackend(parent)

@@ -98,7 +98,8 @@ def sweep_trash(
     if not grace_s >= 0:
         raise ConfigError(f"the trash's grace period must be seconds >= 0, got {grace_s}")
     sweep = _Sweep(backend, grace_s, dry_run, time.time() if now is None else now)
-    removed, recent = list[str](), list[str]()
+    removed: list[str] = []
+    recent: list[str] = []
     for _, entry in trash_entries(backend):
         marker = f"{entry}/{layout.TRASH_MARKER}"
         with sweep._passed_by_if_damaged(entry):
@@ -143,7 +144,8 @@ class _Sweep:
         backend, now = self.backend, self.now
         # Uploads are listed first: one that starts after this look is never a candidate.
         uploads = incomplete_uploads(backend)
-        removed, recent = self._probes(), list[str]()
+        removed = self._probes()
+        recent: list[str] = []
         collected: list[str] = []  # whole prefixes (not debris under committed names)
         for entry in backend.list_dir(""):
             if not layout.is_valid_name(entry):
