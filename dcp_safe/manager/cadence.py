@@ -301,7 +301,8 @@ class Cadence:
         self.policy, self._clock, self._agreement, self._slot = policy, clock, agreement, slot
         # A manager's: the MTBF from the history where ``history`` (the coordinator) and not
         # given; each commit's choice marked ``save_interval`` (a failure there only counted).
-        mtbf, on_commit = None, None
+        mtbf = None
+        on_commit = None
         if ledger is not None and history and policy.mtbf_s is None:  # unreadable: the prior
             events: list[Any] = []
             ledger.quietly("reading the history", lambda: events.extend(ledger.history.read()))
