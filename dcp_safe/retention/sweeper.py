@@ -160,6 +160,15 @@ class _Sweep:
                 own = files and all(layout.is_own_object(f"{entry}/{rel}") for rel in files)
                 if not leased and not own:
                     continue  # not a save of ours: an empty folder, or objects we never write
+                if not leased and _finished_by_dcp(files):
+                    # DCP's own writer finished it (a save of ours leaves its rank manifests):
+                    # somebody's checkpoint, perhaps to be adopted, never a leftover.
+                    log.warning(
+                        "left alone: %s is a DCP checkpoint dcp_safe did not commit "
+                        "(dcp-safe adopt brings it under the root)",
+                        shown(backend.full_path(entry)),
+                    )
+                    continue
                 if backend.exists(f"{entry}/{layout.COMMITTED_MARKER}"):
                     continue  # committed since the listing
                 changed = last_change(backend, entry, now)
@@ -241,3 +250,10 @@ class _Sweep:
         members = {record.path for record in manifest.files}
         paths = [f"{name}/{rel}" for rel in candidates if rel not in members]
         return [path for path in paths if self._idle_removed(path)]
+
+
+def _finished_by_dcp(files: list[str]) -> bool:
+    """Whether ``files`` (relative to a prefix) are exactly what DCP's own writer leaves: its
+    ``.metadata`` and shards."""
+    shards = [rel for rel in files if layout.rank_of_shard(rel) is not None]
+    return layout.DCP_METADATA in files and len(shards) == len(files) - 1

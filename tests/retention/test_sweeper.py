@@ -407,3 +407,28 @@ def test_a_nan_grace_period_is_refused_before_anything_is_removed(tmp_path: Path
     with pytest.raises(ConfigError):
         apply_retention(tmp_path, keep_last=1, grace_s=float("nan"))
     assert (tmp_path / partial).is_dir()
+
+
+def test_a_stock_dcp_checkpoint_under_the_root_is_never_collected(
+    remote: tuple[str, dict[str, Any] | None], tmp_path: Path
+) -> None:
+    # A folder DCP's own FileSystemWriter finished (its .metadata and shards, no lease, no
+    # marker) is somebody's checkpoint, perhaps waiting to be adopted: only names dcp_safe also
+    # writes, yet no leftover of a save of ours, which always leaves its rank manifests.
+    import torch.distributed.checkpoint as dcp
+
+    url, options = remote
+    backend = open_backend(url, options)
+    dcp.save(
+        make_state(0), storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True
+    )
+    for path in sorted((tmp_path / "stock").iterdir()):
+        backend.write_bytes(f"step_7/{path.name}", path.read_bytes())
+    backend.write_bytes("step_8/__0_0.distcp", b"a failed save's shard")
+    backend.write_bytes(f"step_8/{layout.RANKS_DIR}/rank_00000.json", b"{}")
+
+    report = sweep_partials(url, grace_s=0, now=time.time() + 10, storage_options=options)
+    assert report.removed == ("step_8",)
+    assert sorted(backend.list_dir("step_7")) == sorted(
+        p.name for p in (tmp_path / "stock").iterdir()
+    )
