@@ -240,12 +240,19 @@ class ItemUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError("a tensor's dtype is not a dtype")
         return self.tensor(*args[:6], *args[7:], dtype=args[6])
 
-    def tensor(self, *args: object, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])``
-        (the storage's dtype), or v3's with ``dtype``."""
-        if len(args) not in (6, 7):
-            raise pickle.UnpicklingError("a tensor is rebuilt from 6 or 7 arguments")
-        storage, offset, size, stride, requires_grad, hooks, metadata = (*args, None)[:7]
+    def tensor(
+        self,
+        storage: object,
+        offset: object,
+        size: object,
+        stride: object,
+        requires_grad: object,
+        hooks: object,
+        metadata: object = None,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``_rebuild_tensor_v2`` (the storage's dtype), or v3's with ``dtype``."""
         if not isinstance(storage, _Storage) or storage.owner is not self:
             raise self.refuse("a tensor over a storage that is not one of the item's records")
         if (dtype is None) == storage.kind.untyped:
