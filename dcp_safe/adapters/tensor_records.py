@@ -245,9 +245,11 @@ def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
     """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can
     (:func:`template_parts`); ``False``, nothing written, if it cannot."""
     parts = template_parts(tensor)
-    for part in parts or ():
+    if parts is None:
+        return False
+    for part in parts:
         out.write(part)
-    return parts is not None
+    return True
 
 
 def minimal_cpu_tensor(data: Any) -> torch.Tensor:
@@ -286,10 +288,12 @@ def write_item(
         parts = template_parts(tensor)
         if parts is None:
             save_tensor_without_crc(tensor, target)
-        elif block_bytes and not compressed and parts[1].nbytes >= BLOCK_DIGEST_MIN_BYTES:
-            out.hash_blocks(at=len(parts[0]), length=parts[1].nbytes, block_bytes=block_bytes)
-        for part in parts or ():
-            target.write(part)
+        else:
+            prefix, payload, _ = parts
+            if block_bytes and not compressed and payload.nbytes >= BLOCK_DIGEST_MIN_BYTES:
+                out.hash_blocks(at=len(prefix), length=payload.nbytes, block_bytes=block_bytes)
+            for part in parts:
+                target.write(part)
     if compressed:
         target.close()
         return (ZSTD_DESCRIPTOR,)
