@@ -87,8 +87,9 @@ class Telemetry(AbstractContextManager["Telemetry"]):
         max_events: int = 100_000,
     ) -> None:
         self.clock = clock or anchored_clock()
-        grouped = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else dist.get_rank() if grouped else 0
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
         self.memory = MemorySink(max_events)
         self.sinks: tuple[Sink, ...] = (self.memory, *sinks)
         self._lock = threading.Lock()
