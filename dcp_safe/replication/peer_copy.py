@@ -31,12 +31,7 @@ from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError,
 from dcp_safe.manifest.schema import FileRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
-from dcp_safe.replication.peer_transport import (
-    DEFAULT_PEER_CHUNK_BYTES,
-    exchange,
-    receive_file,
-    send_file,
-)
+from dcp_safe.replication.peer_transport import exchange, receive_file, send_file
 
 
 @dataclass(frozen=True)
@@ -67,7 +62,6 @@ def copy_to_peers(
     local: Backend,
     remote: Backend,
     keep: int | None = None,
-    chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
 ) -> list[str]:
     """Copy each node's cache of ``name`` into the node caches of ``copies - 1`` other nodes;
     the peer copies committed on this rank (folders relative to ``local``).
@@ -88,7 +82,24 @@ def copy_to_peers(
             failed = f"node {peers.node} offered nothing: {describe(exc)}"
     offers = gather_objects((offer, failed), peers.group)
     transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
-    landed, errors = _exchange(name, transfers, peers, local, remote, chunk_bytes)
+    receives = [t for t in transfers if t.dst == peers.rank]
+    send_errors: list[str] = []
+
+    def send_all() -> None:
+        for transfer in (t for t in transfers if t.src == peers.rank):
+            for path, size in transfer.files:
+                error = send_file(
+                    peers.group, transfer.dst, local, f"{name}/{path}", size, tag=transfer.tag
+                )
+                if error is not None:
+                    send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
+
+    def receive_all() -> list[tuple[str, str | None]]:
+        raw = _committed_manifest(local, remote, name) if receives else b""
+        return [_receive_copy(name, t, peers.group, local, raw) for t in receives]
+
+    received = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
+    errors = [error for _, error in received if error is not None] + send_errors
     if peers.leads_node() and keep is not None:
         try:
             prune_peer_copies(local, keep)
@@ -99,7 +110,7 @@ def copy_to_peers(
     failures |= {rank: why for rank, why in enumerate(outcomes) if why}
     if failures:
         raise PeerCopyError(name, failures)
-    return landed
+    return [folder for folder, error in received if error is None]
 
 
 def _offer(local: Backend, name: str) -> list[tuple[str, int]]:
@@ -112,43 +123,8 @@ def _offer(local: Backend, name: str) -> list[tuple[str, int]]:
     return [(f.path, f.size) for f in cache.manifest.files if sizes.get(f.path) == f.size]
 
 
-def _exchange(
-    name: str,
-    transfers: list[CopyTransfer],
-    peers: PeerGroup,
-    local: Backend,
-    remote: Backend,
-    chunk_bytes: int,
-) -> tuple[list[str], list[str]]:
-    """Send and receive this rank's transfers; the copies committed here, and why not all."""
-    sends = [t for t in transfers if t.src == peers.rank]
-    receives = [t for t in transfers if t.dst == peers.rank]
-    send_errors: list[str] = []
-    send = functools.partial(send_file, peers.group, chunk_bytes=chunk_bytes)
-
-    def send_all() -> None:
-        for transfer in sends:
-            for path, size in transfer.files:
-                error = send(transfer.dst, local, f"{name}/{path}", size, tag=transfer.tag)
-                if error is not None:
-                    send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
-
-    def receive_all() -> list[tuple[str, str | None]]:
-        raw = _committed_manifest(local, remote, name) if receives else b""
-        return [_receive_copy(name, t, peers, local, raw, chunk_bytes) for t in receives]
-
-    received = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
-    landed = [folder for folder, error in received if error is None]
-    return landed, [error for _, error in received if error is not None] + send_errors
-
-
 def _receive_copy(
-    name: str,
-    transfer: CopyTransfer,
-    peers: PeerGroup,
-    local: Backend,
-    raw: bytes | str,
-    chunk_bytes: int,
+    name: str, transfer: CopyTransfer, group: Any, local: Backend, raw: bytes | str
 ) -> tuple[str, str | None]:
     """Receive one node's files and commit them as its peer copy: the copy's folder, and why
     not. Every file is received, whatever fails (``raw``: why there is no manifest), so that
@@ -156,7 +132,7 @@ def _receive_copy(
     partial = layout.peer_partial_dir(name, transfer.node, layout.new_save_id())
     failure: str | None = raw if isinstance(raw, str) else None
     manifest, by_file = None, {}
-    receive = functools.partial(receive_file, peers.group, transfer.src, local, tag=transfer.tag)
+    receive = functools.partial(receive_file, group, transfer.src, local, tag=transfer.tag)
     try:
         if isinstance(raw, bytes):
             manifest = Manifest.from_json(raw, local.full_path(name))
@@ -170,7 +146,7 @@ def _receive_copy(
             record = FileRecord(path=path, size=size)
             failure = failure or f"{path} is not in the manifest"
         try:
-            receive(f"{partial}/{path}", record, by_file.get(path, []), chunk_bytes=chunk_bytes)
+            receive(f"{partial}/{path}", record, by_file.get(path, []))
         except (CheckpointCorruptError, OSError) as exc:
             failure = failure or f"{path} from rank {transfer.src}: {exc}"
     try:
