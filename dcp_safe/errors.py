@@ -44,7 +44,7 @@ where it crosses dcp_safe's API (``dcp_safe.save`` / ``load``, and plain DCP's c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dcp_safe.untrusted import shown
@@ -266,14 +266,11 @@ class SnapshotMutatedError(DcpSafeError):
     def __init__(self, fqns: list[str] | tuple[str, ...], *, rank: int | None = None) -> None:
         self.fqns: tuple[str, ...] = tuple(fqns)
         self.rank = rank
-        shown = ", ".join(self.fqns[:8]) + (
-            f", ... ({len(self.fqns)} in all)" if len(self.fqns) > 8 else ""
-        )
         where = f" on rank {rank}" if rank is not None else ""
         super().__init__(
-            f"the state changed while it was being staged{where}: {shown} changed in place (or"
-            " were resized or freed) between the save request and the end of the copy, so the"
-            " copy could be torn; nothing was published. Wait for staging to finish"
+            f"the state changed while it was being staged{where}: {_listed(self.fqns, 8)} changed"
+            " in place (or were resized or freed) between the save request and the end of the"
+            " copy, so the copy could be torn; nothing was published. Wait for staging to finish"
             " (handle.staged or resp.staging_completion) before updating the state in place, or"
             " use CheckpointManager's default staging='snapshot'"
         )
@@ -355,7 +352,7 @@ def _ranks(group: list[int]) -> str:
     return ("rank " if len(group) == 1 else "ranks ") + ", ".join(map(str, group))
 
 
-def _listed(texts: list[str], limit: int = 20, sep: str = ", ") -> str:
+def _listed(texts: Sequence[str], limit: int = 20, sep: str = ", ") -> str:
     """The first ``limit`` of ``texts``, and how many more there are (a message stays short)."""
     more = f" and {len(texts) - limit} more" if len(texts) > limit else ""
     return sep.join(texts[:limit]) + more
@@ -420,12 +417,10 @@ class LoadError(DcpSafeError):
     def __init__(self, checkpoint: str, failures: Mapping[int, str]) -> None:
         self.checkpoint = checkpoint
         self.failures: dict[int, str] = dict(failures)
-        first, *others = sorted(self.failures)
-        more = "".join(f"; rank {r}: {shown(self.failures[r])}" for r in others)
+        failed = _per_rank({rank: shown(why) for rank, why in self.failures.items()}, "; ")
         super().__init__(
-            f"load of {shown(checkpoint)} failed on rank {first}:"
-            f" {shown(self.failures[first])}{more}. The checkpoint is intact; the target state"
-            " may be partly loaded: fix the cause and load again"
+            f"load of {shown(checkpoint)} failed on {failed}. The checkpoint is intact; the target"
+            " state may be partly loaded: fix the cause and load again"
         )
 
 
@@ -446,17 +441,15 @@ def from_checkpoint_exception(exc: BaseException) -> BaseException:
     if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict):
         return exc
     errors = {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in failures.items()}
-    kinds = {type(e) for e in errors.values()}
     first = errors[min(errors)]
-    if len(kinds) == 1 and isinstance(first, DcpSafeError) and not isinstance(first, CommitError):
-        first.__cause__ = exc
-        return first
-    if len(kinds) == 1 and isinstance(first, CommitError):
-        merged = dict(first.failures) or {min(errors): describe(first)}
-        error: CommitError = type(first)("save was not published", merged)
-    else:
-        error = CommitError(
-            "save was not published", {rank: describe(e) for rank, e in errors.items()}
-        )
+    kind: type[CommitError] = CommitError
+    described = {rank: describe(e) for rank, e in errors.items()}
+    if len({type(e) for e in errors.values()}) == 1 and isinstance(first, DcpSafeError):
+        if not isinstance(first, CommitError):
+            first.__cause__ = exc
+            return first
+        kind = type(first)
+        described = dict(first.failures) or {min(errors): describe(first)}
+    error = kind("save was not published", described)
     error.__cause__ = exc
     return error

@@ -404,10 +404,7 @@ class _CheckedFile(io.RawIOBase):
             try:
                 got, extra, hasher = self._read_into(view, size)
             except OSError:  # a fault mid-read (the open is retried, a read is not), or missing
-                data = self._read_whole()
-                got, extra = min(len(data), size), max(len(data) - size, 0)
-                view[:got] = data[:got]
-                hasher = _hasher(self._full, self._record, memoryview(data)[:got])
+                return self._memory().readinto(view)
             _check(self._full, self._record, got + extra, hasher)
             self._pos = size
             return size
@@ -436,15 +433,12 @@ class _CheckedFile(io.RawIOBase):
                 got += n
             return got, len(f.read(1)), hasher
 
-    def _read_whole(self) -> bytes:
-        try:
-            return self._backend.read_bytes(self._rel)  # retried where the backend retries
-        except FileNotFoundError:
-            raise CheckpointCorruptError(self._full, "file is missing") from None
-
     def _memory(self) -> io.BytesIO:
         if self._checked is None:
-            data = self._read_whole()
+            try:
+                data = self._backend.read_bytes(self._rel)  # retried where the backend retries
+            except FileNotFoundError:
+                raise CheckpointCorruptError(self._full, "file is missing") from None
             _check(self._full, self._record, len(data), _hasher(self._full, self._record, data))
             self._checked = io.BytesIO(data)
             self._checked.seek(self._pos)
