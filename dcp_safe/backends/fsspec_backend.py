@@ -276,12 +276,9 @@ class FsspecBackend(Backend):
         prefix = self._abs(rel).rstrip("/") + "/"
         # refresh: a listing cache (a caller's use_listings_cache) would miss new shards.
         refresh = {"refresh": True} if self.object_store else {}
-        try:
+        found = []
+        with self._failing("list", rel), suppress(FileNotFoundError, NotADirectoryError):
             found = self.fs.ls(prefix.rstrip("/"), detail=True, **refresh)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
         for entry in found:
             name = str(entry.get("name", "")).rstrip("/")
             if name.startswith(prefix):
@@ -320,12 +317,9 @@ class FsspecBackend(Backend):
     def _find(self, rel: str) -> dict[str, Any]:
         """Every file at or under ``rel``, by path, with fsspec's ``info`` (none when absent)."""
         path = self._abs(rel).rstrip("/")
-        try:
+        found = {}
+        with self._failing("list", rel), suppress(FileNotFoundError):
             found = self.fs.find(path, detail=True)
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            raise self._fail("list", rel, exc) from exc
         found = {str(p).rstrip("/"): info for p, info in found.items()}
         return {p: info for p, info in found.items() if p == path or p.startswith(f"{path}/")}
 

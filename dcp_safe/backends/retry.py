@@ -243,9 +243,6 @@ class RetryingBackend(Backend):
     def __repr__(self) -> str:
         return f"RetryingBackend({self.inner!r}, {self.policy!r})"
 
-    def full_path(self, rel: str) -> str:
-        return self.inner.full_path(rel)
-
     def _retry(self, op: str, rel: str, fn: Callable[[], T]) -> T:
         return call_with_retries(op, self.full_path(rel), fn, self.policy)
 

@@ -127,12 +127,15 @@ class Publication(abc.ABC):
         """Give up the claim (nothing was written under it, or the save is committed)."""
         return None
 
+    def _committed(self) -> bool:
+        return self.backend.exists(f"{self.name}/{layout.COMMITTED_MARKER}")
+
 
 class RenamedPublication(Publication):
     """A hidden partial folder of this save's own; one atomic rename publishes it."""
 
     def _take(self, replace: bool) -> None:
-        if not replace and self.backend.exists(f"{self.name}/{layout.COMMITTED_MARKER}"):
+        if not replace and self._committed():
             raise CheckpointExistsError(self.backend.full_path(self.name))
 
     def discard(self, cause: BaseException) -> None:
@@ -181,9 +184,6 @@ class LeasedPublication(Publication):
 
     def release(self) -> None:
         release_lease(self.backend, self.name, self.save_id)
-
-    def _committed(self) -> bool:
-        return self.backend.exists(f"{self.name}/{layout.COMMITTED_MARKER}")
 
 
 T = TypeVar("T")
@@ -255,13 +255,15 @@ class PublishStrategy(abc.ABC):
         Raises:
             FileExistsError: ``name`` is committed already (and not being replaced).
         """
-        if replace and not self.can_replace:
-            raise ValueError("a marker-published root cannot replace a committed checkpoint")
         calls = [partial(backend.write_bytes, f"{work_dir}/{r}", d) for r, d in files.items()]
         if not self.in_place:  # the marker goes in the partial folder; the rename publishes it
             marker_path = f"{work_dir}/{layout.COMMITTED_MARKER}"
             calls.append(partial(backend.write_bytes, marker_path, marker, exclusive=True))
-        _all_at_once(calls + [partial(backend.sync_dir, f"{work_dir}/{rel}") for rel in sync_dirs])
+        calls += [partial(backend.sync_dir, f"{work_dir}/{rel}") for rel in sync_dirs]
+        with ThreadPoolExecutor(len(calls) or 1, thread_name_prefix="dcp_safe-sync") as pool:
+            futures = [pool.submit(call) for call in calls]
+        for future in futures:  # the first error in the order given, once none is running
+            future.result()
         backend.sync_dir(work_dir)  # after every entry in it was created
         before_commit()
         self._commit(backend, work_dir, name, marker, replace)
@@ -371,15 +373,6 @@ class MarkerStrategy(PublishStrategy):
 
 _RENAME = RenameStrategy()
 _MARKER = MarkerStrategy()
-
-
-def _all_at_once(calls: Sequence[Callable[[], None]]) -> None:
-    """Run ``calls`` concurrently and wait for all of them; re-raise the first one's error (in
-    the order given) once none is running any more."""
-    with ThreadPoolExecutor(len(calls) or 1, thread_name_prefix="dcp_safe-sync") as pool:
-        futures = [pool.submit(call) for call in calls]
-    for future in futures:
-        future.result()
 
 
 def strategy_for(backend: Backend) -> PublishStrategy:
