@@ -1,14 +1,15 @@
 """Adopting a stock DCP checkpoint (a folder torch's ``FileSystemWriter`` wrote, local or any
 fsspec URL) under a root as a committed checkpoint, running no code from it (docs/adopt.md).
 
-``.metadata`` is a pickle: :class:`_Shadows` unpickles it into stand-ins that record arguments
-and state, so no class's code runs (not even DCP's ``__setstate__``), and names every global;
-one it does not admit is refused (:class:`~dcp_safe.errors.PickledClassesError`, all named)
-unless ``allow_pickle``. :class:`_Walk` turns the stand-ins into the manifest's plain
-``dcp_metadata``, which the strict decoder of :mod:`dcp_safe.manifest.dcp_metadata` checks
-against the items DCP's ``storage_data`` names. Then every file must be whole (its items back
-to back, ending where it ends), every item is read once and checksummed (while copied), and
-every item decodes as a load decodes it (:func:`~dcp_safe.checkpoints.items.check_loadable`).
+``.metadata`` is a pickle: :class:`~dcp_safe.checkpoints.item_pickles.Shadows` unpickles it
+into stand-ins that record arguments and state, so no class's code runs (not even DCP's
+``__setstate__``), and names every global; one it does not admit is refused
+(:class:`~dcp_safe.errors.PickledClassesError`, all named) unless ``allow_pickle``.
+:class:`_Walk` turns the stand-ins into the manifest's plain ``dcp_metadata``, which the strict
+decoder of :mod:`dcp_safe.manifest.dcp_metadata` checks against the items DCP's
+``storage_data`` names. Then every file must be whole (its items back to back, ending where it
+ends), every item is read once and checksummed (while copied), and every item decodes as a load
+decodes it (:func:`~dcp_safe.checkpoints.items.check_loadable`).
 What cannot be checked is in :data:`UNCHECKED`. Published by the usual commit: a publication's
 work folder, or (``copy=False``) the marker protocol on the source folder itself, whose files a
 failed adoption never removes.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import pickle
 import posixpath
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.item_pickles import ItemUnpickler
+from dcp_safe.checkpoints.item_pickles import ItemUnpickler, Shadows, StandIn, is_stand_in
 from dcp_safe.checkpoints.items import (
     OBJECT_MAX_DECODED_BYTES,
     ZSTD_DESCRIPTOR,
@@ -77,7 +77,6 @@ _ADMITTED = frozenset(
     [_DCP + n for n in f"{_DCP_NAMES} {_MORE_NAMES}".split()]
     + [DCP_STORAGE_INFO, DCP_LAYOUT, DCP_MEMORY_FORMAT, "torch.Size", *_PATHS.split()]
 )
-_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")  # DCP's encoding
 _ALGORITHM = ChecksumAlgorithm.XXH3_128
 _PENDING = f"{_ALGORITHM.value}:0"  # an item's checksum until its bytes are read
@@ -215,54 +214,15 @@ def _abandon(
 # ---------------------------------------------------------------------------- the metadata
 
 
-class _Stand:
-    """What a pickle made of a global: its arguments and its state; nothing of the class runs."""
-
-    __slots__ = ("args", "state")
-    args: tuple[Any, ...]
-    state: Any
-    qualname = ""
-
-    def __new__(cls, *args: object) -> _Stand:
-        made = object.__new__(cls)
-        made.args, made.state = args, None
-        return made
-
-    def __setstate__(self, state: object) -> None:
-        self.state = state
-
-
-class _Shadows(pickle.Unpickler):
-    """Unpickles into stand-ins, a fresh class per global and load (``BUILD`` reaches nothing
-    shared), noting every global named; a persistent id (an item's storage) is None."""
-
-    def __init__(self, data: bytes | memoryview) -> None:
-        super().__init__(io.BytesIO(data))
-        self.stands: dict[tuple[str, str], type[_Stand]] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]
-        if (module, name) not in self.stands:
-            fields = {"__slots__": (), "qualname": f"{module}.{name}"}
-            self.stands[module, name] = type(name, (_Stand,), fields)
-        return self.stands[module, name]
-
-    def persistent_load(self, pid: Any) -> None:
-        return None
-
-    def refused(self) -> list[str]:
-        return sorted({c.qualname for c in self.stands.values()} - _ADMITTED)
-
-
 def _decode(raw: bytes, path: str, *, allow_pickle: bool) -> tuple[Any, list[ItemRecord]]:
     """The plain form of ``.metadata`` and the items its ``storage_data`` names. With
     ``allow_pickle``, globals not admitted are let be: the walk reads none of them."""
-    shadows = _Shadows(raw)
+    shadows = Shadows(raw)
     try:
         top = shadows.load()
-        if shadows.refused() and not allow_pickle:
-            raise PickledClassesError(path, shadows.refused())
+        refused = sorted({f"{module}.{name}" for module, name in shadows.stands} - _ADMITTED)
+        if refused and not allow_pickle:
+            raise PickledClassesError(path, refused)
         return _Walk(len(raw)).metadata(top)
     except DcpSafeError:
         raise
@@ -288,8 +248,8 @@ class _Walk:
         return values
 
     @staticmethod
-    def of(value: object, qualname: str) -> _Stand:
-        if not isinstance(value, _Stand) or type(value).qualname != qualname:
+    def of(value: object, qualname: str) -> StandIn:
+        if not is_stand_in(value, qualname):
             raise ValueError(f"{qualname.rpartition('.')[2]} expected, not {type(value).__name__}")
         return value
 
@@ -300,7 +260,7 @@ class _Walk:
         return self.take(state or {})
 
     def dims(self, value: object) -> list[Any]:
-        if isinstance(value, _Stand) and type(value).qualname == "torch.Size":
+        if is_stand_in(value, "torch.Size"):
             value = value.args[0] if value.args else ()
         if not isinstance(value, tuple):
             raise ValueError("a size that is not a torch.Size")
@@ -325,7 +285,7 @@ class _Walk:
         return plain, [self.item(index, info) for index, info in storage.items()]
 
     def entry(self, value: object) -> dict[str, Any] | None:
-        if isinstance(value, _Stand) and type(value).qualname == _DCP + "BytesStorageMetadata":
+        if is_stand_in(value, _DCP + "BytesStorageMetadata"):
             return None
         body = self.fields(value, _DCP + "TensorStorageMetadata")
         properties = self.of(body["properties"], _DCP + "TensorProperties").state
@@ -506,7 +466,7 @@ def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pic
             continue
         archive = open_archive(MemorySource(data), path, label)
         pickled = archive.read("data.pkl") or b""
-        shadows = _Shadows(pickled)
+        shadows = Shadows(pickled)
         with contextlib.suppress(Exception):  # only the names are wanted, whatever else fails
             shadows.load()
         unpickler = ItemUnpickler(archive, pickled, path, label, plain_data=True)

@@ -17,7 +17,7 @@ import io
 import pickle
 import pickletools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -39,6 +39,7 @@ _REFUSED_OPS = frozenset(
     | {"NEXT_BUFFER", "READONLY_BUFFER"}
 )
 _STORAGE_DTYPES = storage_dtypes()
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _UNSAFE_FOR_MEMORY = "decoding it would take more memory than the item declares"
 
 
@@ -61,6 +62,50 @@ def scan(data: bytes | memoryview, path: str, item: str, *, max_ops: int) -> fro
     raise UnsafeCheckpointError(
         path, f"the pickle has more than {max_ops} opcodes", item=item, because=_UNSAFE_FOR_MEMORY
     )
+
+
+class StandIn:
+    """What a pickle made of a global: its arguments and its state; nothing of the class runs."""
+
+    __slots__ = ("args", "state")
+    args: tuple[Any, ...]
+    state: Any
+    qualname = ""
+
+    def __new__(cls, *args: object) -> StandIn:
+        made = object.__new__(cls)
+        made.args, made.state = args, None
+        return made
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class Shadows(pickle.Unpickler):
+    """Unpickles into stand-ins, a fresh class per global and load (``BUILD`` reaches nothing
+    shared), noting every global named; a persistent id (an item's storage) is None. For
+    reading what a pickle holds without trusting it: a stock checkpoint's ``.metadata``, the
+    classes an object item needs, a pickled ``BytesIO``."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__(io.BytesIO(data))
+        self.stands: dict[tuple[str, str], type[StandIn]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if (module, name) not in self.stands:
+            fields = {"__slots__": (), "qualname": f"{module}.{name}"}
+            self.stands[module, name] = type(name, (StandIn,), fields)
+        return self.stands[module, name]
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def is_stand_in(value: object, qualname: str) -> TypeGuard[StandIn]:
+    """Whether ``value`` is what :class:`Shadows` made of the global ``qualname``."""
+    return isinstance(value, StandIn) and type(value).qualname == qualname
 
 
 class _StorageKind:
@@ -192,9 +237,8 @@ class ItemUnpickler(pickle.Unpickler):
             return _parameter
         if module in STORAGE_MODULES and name in _STORAGE_DTYPES:
             return _StorageKind(_STORAGE_DTYPES[name], untyped=name == "UntypedStorage")
-        dtype = vars(torch).get(name) if module == "torch" else None  # no lazy imports
-        if isinstance(dtype, torch.dtype):
-            return dtype
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         if (self.plain_data or name == "OrderedDict") and (module, name) in _PLAIN:
             return _PLAIN[module, name]  # a tensor item's pickle may hold an OrderedDict too
         raise self.refuse(f"{module}.{name}")

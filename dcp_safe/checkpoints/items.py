@@ -39,6 +39,8 @@ from dcp_safe.checkpoints.item_pickles import (
     OBJECT_MAX_OPS,
     TENSOR_MAX_OPS,
     ItemUnpickler,
+    Shadows,
+    is_stand_in,
     latin1,
     scan,
 )
@@ -251,53 +253,31 @@ def sanitized_object_stream(
     return clean
 
 
-class _BytesIOState:
-    """What NEWOBJ makes of ``_io.BytesIO`` here: a holder whose BUILD takes only
-    ``(bytes, position, None or {})`` (a BytesIO's own state), never attributes."""
-
-    value: bytes = b""
-    position: int = 0
-
-    def __setstate__(self, state: object) -> None:
-        if not (isinstance(state, tuple) and len(state) == 3):
-            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, dict)")
-        value, position, extra = state
-        if not isinstance(value, bytes) or not isinstance(position, int) or extra:
-            raise pickle.UnpicklingError("a BytesIO's state is (bytes, position, no attributes)")
-        self.value, self.position = value, max(0, min(position, len(value)))
-
-
-class _BytesIOUnpickler(pickle.Unpickler):
-    """Hands out a fresh holder class and a fresh encoder for each load: ``BUILD`` may reach
-    what ``find_class`` returns, and must find nothing that outlives this load."""
-
-    def __init__(self, stream: io.BytesIO) -> None:
-        super().__init__(stream)
-        self.holder = type("_BytesIOState", (_BytesIOState,), {})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("_io", "BytesIO"):
-            return self.holder
-        if (module, name) == ("_codecs", "encode"):
-            return lambda text, encoding: latin1(text, encoding)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a pickled BytesIO")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a pickled BytesIO holds no storage")
-
-
 def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
     """The ``io.BytesIO`` that ``torch.save(BytesIO)`` pickled as ``pickled`` (an archive's
-    checked ``data.pkl``); ``None`` if it is not exactly that."""
-    unpickler = _BytesIOUnpickler(io.BytesIO(pickled))
+    checked ``data.pkl``): made of stand-ins, it must name ``_io.BytesIO`` (and, as protocol 2
+    pickles bytes, ``_codecs.encode``) only, and its state be a BytesIO's own ``(bytes,
+    position, None or {})``, never attributes; ``None`` if it is not exactly that."""
+    shadows = Shadows(pickled)
     try:
-        found = unpickler.load()
-    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError):
+        found = shadows.load()
+    except Exception:  # whatever a malformed pickle makes the unpickler raise
         return None
-    if type(found) is not unpickler.holder or not isinstance(found, _BytesIOState):
+    if set(shadows.stands) - {("_io", "BytesIO"), ("_codecs", "encode")}:
         return None
-    stream = io.BytesIO(found.value)
-    stream.seek(found.position)
+    state = found.state if is_stand_in(found, "_io.BytesIO") and not found.args else None
+    if not (isinstance(state, tuple) and len(state) == 3):
+        return None
+    value, position, extra = state
+    if is_stand_in(value, "_codecs.encode"):
+        try:
+            value = latin1(*value.args)
+        except (TypeError, pickle.UnpicklingError):
+            return None
+    if not isinstance(value, bytes) or not isinstance(position, int) or extra:
+        return None
+    stream = io.BytesIO(value)
+    stream.seek(max(0, min(position, len(value))))
     return stream
 
 
