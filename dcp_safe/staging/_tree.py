@@ -124,13 +124,10 @@ def _visit(obj: object, candidates: list[torch.Tensor], structure: list[Any]) ->
             _visit(value, candidates, structure)
 
 
-def rebuild(obj: Any, staged: dict[int, torch.Tensor]) -> Any:
-    """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy (every
-    key the ``id`` of a tensor in ``obj`` that the caller keeps alive, so the ids stay valid)."""
-    return _copy(obj, dict(staged))
-
-
-def _copy(obj: Any, memo: dict[int, Any]) -> Any:
+def rebuild(obj: Any, memo: dict[int, Any]) -> Any:
+    """Deep-copy ``obj`` with each source tensor (by ``id``) replaced by its staged copy in
+    ``memo`` (every key the ``id`` of a tensor in ``obj`` that the caller keeps alive, so the ids
+    stay valid); ``memo`` becomes the copy's deepcopy memo."""
     kind = type(obj)
     if kind in _ATOMIC:
         return obj
@@ -141,19 +138,19 @@ def _copy(obj: Any, memo: dict[int, Any]) -> Any:
         out: dict[Any, Any] = kind()
         memo[id(obj)] = out
         if state := getattr(obj, "__dict__", None):  # an OrderedDict's (state_dict()'s _metadata)
-            out.__dict__.update(_copy(state, memo))
+            out.__dict__.update(rebuild(state, memo))
         for key, value in obj.items():
             if type(value) not in _ATOMIC:
-                value = _copy(value, memo)
-            out[key if type(key) in _ATOMIC else _copy(key, memo)] = value
+                value = rebuild(value, memo)
+            out[key if type(key) in _ATOMIC else rebuild(key, memo)] = value
         return out
     if kind is list:
         items: list[Any] = []
         memo[id(obj)] = items
-        items.extend(v if type(v) in _ATOMIC else _copy(v, memo) for v in obj)
+        items.extend(v if type(v) in _ATOMIC else rebuild(v, memo) for v in obj)
         return items
     if kind is tuple:
-        copied = tuple(v if type(v) in _ATOMIC else _copy(v, memo) for v in obj)
+        copied = tuple(v if type(v) in _ATOMIC else rebuild(v, memo) for v in obj)
         same = all(a is b for a, b in zip(obj, copied, strict=True))
         memo[id(obj)] = result = obj if same else copied
         return result

@@ -23,10 +23,6 @@ class WhenBusy(str, Enum):
     WAIT = "wait"  # wait up to ``timeout_s`` for a generation to be released
     RAISE = "raise"  # raise AdmissionTimeoutError at once (a wait of zero)
 
-    @classmethod
-    def coerce(cls, value: WhenBusy | str) -> WhenBusy:
-        return parse_choice(cls, value, "when_busy")
-
 
 @dataclass(frozen=True, kw_only=True)
 class StagerOptions:
@@ -49,7 +45,7 @@ class StagerOptions:
         require_int("max_in_flight", self.max_in_flight, 1)
         # Callers may pass the modes' string values; store the enums.
         object.__setattr__(self, "pin_memory", PinMemory.coerce(self.pin_memory))
-        object.__setattr__(self, "when_busy", WhenBusy.coerce(self.when_busy))
+        object.__setattr__(self, "when_busy", parse_choice(WhenBusy, self.when_busy, "when_busy"))
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s >= 0:
             raise ConfigError(f"timeout_s must be a number >= 0, got {self.timeout_s!r}")
         if not isinstance(self.mutation_guard, bool):

@@ -13,12 +13,10 @@ and copying it would read released memory (docs/staging.md, "A snapshot of one m
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -163,16 +161,12 @@ class InFlightGeneration:
     ready: torch.cuda.Event | None = None  # the caller's stream's event the copy waits for
     release_claimed: bool = False
     tracked: bool = False
-    staged: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     # ``track(keep=tag)``: kept after a successful upload, under this tag, with its staged
     # dict held strongly (else DCP dropping it would release the buffers).
     keep: object | None = None
     result: weakref.ref[StagedStateDict] | None = None
     held: StagedStateDict | None = None
-
-    def mutated(self, state_dict: dict[str, Any], tensors: list[torch.Tensor]) -> BaseException:
-        return SnapshotMutatedError(tensor_paths(state_dict, tensors), rank=self.rank)
 
     def torn(
         self, state_dict: dict[str, Any], cause: BaseException | None = None
@@ -182,7 +176,7 @@ class InFlightGeneration:
         changed = [] if self.guard is None else self.guard.changed()
         if isinstance(cause, SnapshotMutatedError) or not changed:
             return cause
-        error = self.mutated(state_dict, changed)
+        error = SnapshotMutatedError(tensor_paths(state_dict, changed), rank=self.rank)
         error.__cause__ = cause
         return error
 
@@ -196,12 +190,11 @@ def copy_sources(
 ) -> dict[int, torch.Tensor]:
     """Copy every source of ``layout`` into its pool buffer; return the staged tensors by id
     (SnapshotMutatedError when a source's storage was freed or shrunk: the module docstring)."""
-    stream_ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
     plan = gen.plan
     dsts = gen.lease.typed_views(plan.views)
     srcs = plan.copied(layout)
     held = plan.held_pointers
-    with torch.no_grad(), stream_ctx, recorder.profile(Phase.STAGING):
+    with torch.no_grad(), torch.cuda.stream(stream), recorder.profile(Phase.STAGING):
         if gen.ready is not None and stream is not None:
             stream.wait_event(gen.ready)
         for start, stop in plan.chunks:
@@ -218,7 +211,7 @@ def copy_sources(
                     elif held[index] != pointer:
                         lost.append(tensor)
                 if lost:
-                    raise gen.mutated(state_dict, lost)
+                    raise SnapshotMutatedError(tensor_paths(state_dict, lost), rank=gen.rank)
             foreach_copy(dsts[start:stop], chunk, plan.any_cuda)
     if stream is not None:
         stream.synchronize()

@@ -83,10 +83,6 @@ def _python_refs(views: list[torch.Tensor]) -> list[int]:
 _OWN_REFS = _python_refs([torch.empty(0)])[0]
 
 
-def _storage_counts(views: list[torch.Tensor]) -> list[int]:
-    return list(map(storage_use_count, views))
-
-
 def _views_held(views: list[torch.Tensor], storage_counts: list[int]) -> bool:
     # Whether anyone but the pool still holds a cached view or reads its buffer.
     # ``storage_counts`` are the views' storage use counts when they were made: how many
@@ -95,7 +91,7 @@ def _views_held(views: list[torch.Tensor], storage_counts: list[int]) -> bool:
         return True  # the very tensor the staged dict held (a caller kept it)
     if any(tensor_use_count(v) > 1 for v in views):
         return True  # a C++ owner of the tensor itself (an async writer)
-    return any(now > then for now, then in zip(_storage_counts(views), storage_counts, strict=True))
+    return any(storage_use_count(v) > then for v, then in zip(views, storage_counts, strict=True))
 
 
 @dataclass(frozen=True)
@@ -152,7 +148,7 @@ class Lease:
         """The buffers' typed views: the bundle's, or ``make(buffers)`` kept for the next lease."""
         if self.views is None:
             self.views = make(self.buffers)
-            self.storage_counts = _storage_counts(self.views)
+            self.storage_counts = list(map(storage_use_count, self.views))
         return self.views
 
     def release(self, *, writer_done: bool) -> None:

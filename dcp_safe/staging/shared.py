@@ -81,11 +81,10 @@ class _Slab:
 
 
 class SharedSlabs:
-    """Allocates buffers in shared slabs (of ``slab_bytes`` for small buffers, page-locked by
+    """Allocates buffers in shared slabs (64 MiB ones for small buffers, page-locked by
     ``pinning``) and says where each one is; from any thread."""
 
-    def __init__(self, slab_bytes: int = _SLAB_BYTES, pinning: SlabPinning | None = None) -> None:
-        self.slab_bytes = slab_bytes
+    def __init__(self, pinning: SlabPinning | None = None) -> None:
         self.pinning = pinning
         self._lock = threading.RLock()
         self._slabs: dict[int, _Slab] = {}
@@ -100,10 +99,10 @@ class SharedSlabs:
         with self._lock:
             current = self._current
             offset = 0 if current is None else _round_up(current.used, _ALIGN)
-            if size * 4 > self.slab_bytes:
+            if size * 4 > _SLAB_BYTES:
                 slab, offset = self._new_slab(_round_up(size, mmap.PAGESIZE)), 0
             elif current is None or offset + size > current.size:
-                slab, offset = self._new_slab(self.slab_bytes), 0
+                slab, offset = self._new_slab(_SLAB_BYTES), 0
                 self._current = slab
             else:
                 slab = current

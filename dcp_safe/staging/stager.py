@@ -110,7 +110,6 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
         )
         self._in_flight: dict[int, InFlightGeneration] = {}
         self._last = threading.local()
-        self._latest: InFlightGeneration | None = None
         self._kept: InFlightGeneration | None = None
         self._closed = False
         # The stager's own counters; stats() adds the pool's, the budget's and the plans'.
@@ -149,7 +148,7 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
                 self._in_flight[gen.number] = gen
                 counts.peak_in_flight = max(counts.peak_in_flight, len(self._in_flight))
                 counts.total_wait_s += time.monotonic() - waited
-                self._last.generation = self._latest = gen
+                self._last.generation = gen
         except BaseException as exc:
             span.fail(exc)
             raise
@@ -162,10 +161,10 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
         return future
 
     def synchronize_staging(self) -> None:
-        # DCP uses the Future instead.
-        gen = self._latest
-        if gen is not None:
-            gen.staged.wait()
+        # DCP uses the Future instead. Copies run one at a time, in request order: once a no-op
+        # submitted now has run, every copy requested so far has ended (after close(): all have).
+        if not self._closed:
+            self._executor.submit(int).result()
 
     def close(self) -> None:
         """Wait (up to ``timeout_s``) for work in flight, then free the pool; raise TimeoutError
@@ -378,7 +377,6 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
             # A resize between the request and the copy surfaces as a shape error first.
             error = gen.torn(state_dict, exc) or exc
             gen.span.fail(error)
-            gen.staged.set()
             self._release(gen, writer_done=True)  # nothing will read these buffers
             if isinstance(error, SnapshotMutatedError):
                 with self._cond:
@@ -399,7 +397,6 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
                 gen.held = result
             self._counts.last_allocated_bytes = allocated
             self._counts.last_staging_s = time.perf_counter() - gen.started
-        gen.staged.set()
         gen.span.end(allocated_bytes=allocated)
         future.set_result(result)
 

@@ -257,6 +257,8 @@ class ProcReader:
         meminfo = self._pick("meminfo", _MEMINFO, _KIB)
         vmstat = self._pick("vmstat", _VMSTAT)
         private = [rollup_fields.get(k) for k in ("Private_Clean", "Private_Dirty")]
+        # The command name may hold spaces; the 10th field after it is majflt.
+        stat = (self._read(os.path.join(self._self, "stat")) or "").rpartition(")")[2].split()
         return {
             "rss_bytes": status.get("VmRSS", self._rss_fallback()),
             "pss_bytes": rollup_fields.get("Pss"),
@@ -266,7 +268,7 @@ class ProcReader:
             "host_available_bytes": meminfo.get("MemAvailable"),
             "swap_in_pages": vmstat.get("pswpin"),
             "swap_out_pages": vmstat.get("pswpout"),
-            "major_faults": self._major_faults(),
+            "major_faults": _int(stat[9]) if len(stat) > 9 else None,
             "locked_bytes": status.get("VmLck"),
         }
 
@@ -285,12 +287,6 @@ class ProcReader:
             return os.pread(fd, _READ_BYTES, 0).decode("ascii", errors="replace")
         except OSError:  # missing, unreadable, or gone: absent now, tried again next time
             return None
-
-    def _major_faults(self) -> int | None:
-        text = self._read(os.path.join(self._self, "stat"))
-        # The command name may hold spaces; the 10th field after it is majflt.
-        fields = (text or "").rpartition(")")[2].split()
-        return _int(fields[9]) if len(fields) > 9 else None
 
     def _rss_fallback(self) -> int | None:
         if not self._psutil_fallback:
