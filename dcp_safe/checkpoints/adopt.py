@@ -162,7 +162,7 @@ def adopt(
     publication.claim()
     work, written = publication.work_dir, list[str]()
     try:
-        by_file = _read_items(here, folder, dest if copy else None, work, by_file, written)
+        by_file = _read_items(here, folder, dest if copy else None, work, by_file)
         manifest, control = _manifests(name, save_id, by_file, raw, plain, created_at)
         objects = _check_items(here, folder, manifest, allow_pickle=allow_pickle)
         if not copy:
@@ -360,7 +360,7 @@ def check_tiling(
 
 
 def _read_items(
-    here: Backend, folder: str, dest: Backend | None, work: str, by_file: _ByFile, wrote: list[str]
+    here: Backend, folder: str, dest: Backend | None, work: str, by_file: _ByFile
 ) -> _ByFile:
     """``by_file`` with every item's checksum, from one read of each file (copied to ``dest``
     on the way; in place, the bytes go to ``os.devnull``)."""
@@ -369,15 +369,10 @@ def _read_items(
         dest.makedirs(work)
     for file, items in by_file.items():
         path = here.full_path(f"{folder}/{file}")
-        with contextlib.ExitStack() as stack:
-            reader = stack.enter_context(here.open_read(f"{folder}/{file}"))
-            if dest is not None:
-                wrote.append(f"{work}/{file}")
-            target = stack.enter_context(
-                open(os.devnull, "wb")  # noqa: SIM115 - the stack closes it
-                if dest is None
-                else dest.open_write(f"{work}/{file}")
-            )
+        with (
+            here.open_read(f"{folder}/{file}") as reader,
+            open(os.devnull, "wb") if dest is None else dest.open_write(f"{work}/{file}") as target,
+        ):
             sink = HashingSink(target, _ALGORITHM)
             for item in items:
                 sink.expect(left := item.length)
