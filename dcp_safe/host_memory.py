@@ -59,7 +59,7 @@ def read_host(
     root = Path(cgroup_root)
     v2_rel, v1_rel = _memberships(_read_text(proc_self_cgroup))
     v2 = [] if v2_rel is None else _self_and_ancestors(root, v2_rel)
-    v1 = [d for rel in (v1_rel or "/", "/") for d in _self_and_ancestors(root / "memory", rel)]
+    v1 = _self_and_ancestors(root / "memory", v1_rel or "/")
     candidates = [(d, *_V2_FILES) for d in v2] + [(d, *_V1_FILES) for d in v1]
     headroom: int | None = None
     for directory, limit_name, usage_name, version in candidates:

@@ -24,7 +24,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, cast
@@ -197,7 +197,6 @@ class SafeStorage(Storage):
         group = _group(self._config.deadline_s)
         strategy = strategy_for(self._backend)
         save_id = layout.new_save_id()
-        failure = None
         if group is None or torch.distributed.get_rank(group) == 0:
             try:
                 strategy.publication(self._backend, name, save_id).claim()
@@ -207,8 +206,8 @@ class SafeStorage(Storage):
                 raise
         if group is not None:  # rank 0's save id (and its failure) on every rank
             save_id, failure = self.collective(group, broadcast_object, (save_id, None))
-        if failure is not None:
-            raise CommitError(f"save of {name} refused on rank 0", {0: failure})
+            if failure is not None:
+                raise CommitError(f"save of {name} refused on rank 0", {0: failure})
         self._opened.pop(name, None)
         return _Save(strategy.publication(self._backend, name, save_id), group)
 
@@ -220,27 +219,21 @@ class SafeStorage(Storage):
 
     def stream_write(self, path: Path) -> io.IOBase:
         save, member, rel = self._work_rel(path)
-        try:
+        with self.failing(save):
             if not layout.is_member_path(member):  # a manifest names files one folder deep
                 raise ConfigError(f"{os.fspath(path)!r} is not a file a checkpoint can hold")
             return _HashingWriter(self, rel, member, save)
-        except BaseException as exc:
-            self.failed(save, exc)
-            raise
 
     def write(self, path: Path, data: Any) -> None:
         with self.stream_write(path) as stream:
-            stream.write(memoryview(data).cast("B"))
+            stream.write(data)
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
         # torch_checkpointing makes a save's folders before it writes a file, the checkpoint's
         # own first: that is where a new save of a name begins after a failed one.
         save, _, rel = self._work_rel(path, fresh=True)
-        try:
+        with self.failing(save):
             self._backend.makedirs(rel)
-        except BaseException as exc:
-            self.failed(save, exc)
-            raise
 
     def finish(self, name: str) -> None:
         """Forget the save of ``name`` (published or failed)."""
@@ -272,6 +265,15 @@ class SafeStorage(Storage):
                 return
             save.failure = describe(exc)
         save.publication.abandon(list(save.files), shared=save.group is not None)
+
+    @contextlib.contextmanager
+    def failing(self, save: _Save) -> Iterator[None]:
+        """Whatever the block raises gives ``save`` up (:meth:`failed`) on its way out."""
+        try:
+            yield
+        except BaseException as exc:
+            self.failed(save, exc)
+            raise
 
     def _committed(self, name: str) -> CommittedCheckpoint:
         """``name``'s marker and manifest (checked against each other, and the signature)."""
@@ -506,8 +508,7 @@ class _HashingWriter(io.RawIOBase):
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
-            return
-        if not self.closed:
+        elif not self.closed:
             try:
                 self._stack.__exit__(*exc)
             finally:
@@ -518,10 +519,8 @@ class _HashingWriter(io.RawIOBase):
         if self.closed:
             return
         try:
-            self._stack.close()
-        except BaseException as exc:
-            self._storage.failed(self._save, exc)
-            raise
+            with self._storage.failing(self._save):
+                self._stack.close()
         finally:
             super().close()
         self._save.files[self._member] = FileRecord(
@@ -567,7 +566,7 @@ def _report(args: CallbackArgs) -> None:
     publication, group = save.publication, save.group
     files = tuple(sorted(save.files.values(), key=lambda f: f.path))
     algorithm, rank_rel = storage._algorithm, layout.rank_manifest_name(rank)
-    try:
+    with storage.failing(save):
         rank_manifest = RankManifest(
             name=name,
             save_id=publication.save_id,
@@ -581,9 +580,6 @@ def _report(args: CallbackArgs) -> None:
         checksum = digest_bytes(rank_manifest, algorithm)
         own = [*files, FileRecord(path=rank_rel, size=len(rank_manifest), checksum=checksum)]
         save.reported = [own] if group is None else storage.collective(group, gather_objects, own)
-    except BaseException as exc:
-        storage.failed(save, exc)
-        raise
 
 
 def _finalize(args: CallbackArgs) -> None:

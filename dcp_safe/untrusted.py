@@ -28,11 +28,6 @@ _UNSAFE = re.compile(
 )
 
 
-def _escape(match: re.Match[str]) -> str:
-    # Python's own escape of a character it would not print: ``\n``, ``\x1b``, ``\u202e``.
-    return repr(match.group())[1:-1]
-
-
 def shown(text: object, max_chars: int = MAX_SHOWN_CHARS) -> str:
     """``text`` (``str()`` of it; bytes decoded as UTF-8, undecodable bytes escaped) with
     every control, bidi and separator character escaped, cut to ``max_chars`` characters.
@@ -45,4 +40,5 @@ def shown(text: object, max_chars: int = MAX_SHOWN_CHARS) -> str:
     value = text if isinstance(text, str) else str(text)
     if len(value) > max_chars:
         value = f"{value[:max_chars]}...(+{len(value) - max_chars} chars)"
-    return _UNSAFE.sub(_escape, value)
+    # Python's own escape of a character it would not print: ``\n``, ``\x1b``, ``\u202e``.
+    return _UNSAFE.sub(lambda match: repr(match.group())[1:-1], value)
