@@ -156,7 +156,7 @@ class InFlightGeneration:
     plan: StagingPlan
     rank: int | None  # this process's rank in a group of several (errors name it)
     started: float  # perf_counter at the request
-    # False while ``plan`` is stage()'s guess, not yet checked against the state's key.
+    # False when stage() took ``plan`` as a guess: the copy checks it against the state's key.
     confirmed: bool
     ready: torch.cuda.Event | None = None  # the caller's stream's event the copy waits for
     release_claimed: bool = False

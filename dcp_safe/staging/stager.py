@@ -416,7 +416,6 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
         try:
             staged = copy()
             if gen.confirmed or gen.plan.key == layout.key:
-                gen.confirmed = True
                 return staged, allocated
             del staged
         except Exception as exc:  # a shape or dtype mismatch: the guess was wrong, or a real error
@@ -429,7 +428,6 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
             # This generation is in flight already: count only the others.
             why = " (the tensors' shapes or dtypes changed)"
             gen.lease = self._lease(gen.plan.request, len(self._in_flight) - 1, why)
-        gen.confirmed = True
         allocated += gen.lease.materialize()
         return copy(), allocated
 
