@@ -12,8 +12,8 @@ a writer who swaps a folder for a link between the check and the open; ``openat2
 ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` does this walk in the kernel, but needs Linux 5.6 and
 is not in Python's ``os``; ``O_NOFOLLOW`` on the last component alone leaves every folder above
 it open to a link. The walk costs an ``openat`` per folder of the path, small beside the I/O.
-Tree walks are iterative, one descriptor per level, and refuse a tree deeper than
-:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` as damaged instead of recursing.
+Tree walks hold one descriptor per level and refuse a tree deeper than
+:data:`~dcp_safe.backends.backend.MAX_WALK_DEPTH` as damaged, so they never recurse deeper.
 
 Errors: a path under a file is absent (``FileNotFoundError``); a link on the way is a
 :class:`~dcp_safe.errors.CheckpointCorruptError`.
@@ -135,41 +135,38 @@ class Beneath:
         deep raises with what was above that depth removed.
         """
         with self.folder(rel) as top:
-            stack = [(os.dup(top), "", *_listing(top))]
+            yield from self._walk(top, rel, "", remove)
+
+    def _walk(self, fd: int, rel: str, where: str, remove: bool) -> Iterator[tuple[int, str, str]]:
+        # The folder ``where`` under ``rel`` (open as ``fd``), then each folder in it, depth
+        # first: the recursion is as deep as the tree, which is refused past MAX_WALK_DEPTH.
+        folders, others = _listing(fd)
+        for name in others:
+            yield fd, f"{where}{name}", name
+            if remove:
+                with suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+        for name in folders:
+            below = f"{rel}/{where}{name}".strip("/")
+            if where.count("/") >= MAX_WALK_DEPTH:
+                raise too_deep(self.path(below))
             try:
-                while stack:
-                    fd, where, folders, others = stack[-1]
-                    for name in others:
-                        yield fd, f"{where}{name}", name
-                        if remove:
-                            with suppress(FileNotFoundError):
-                                os.unlink(name, dir_fd=fd)
-                    others.clear()
-                    if not folders:
-                        os.close(stack.pop()[0])
-                        if remove and stack:
-                            with suppress(FileNotFoundError):
-                                os.rmdir(where.rstrip("/").rpartition("/")[2], dir_fd=stack[-1][0])
-                        continue
-                    name = folders.pop(0)
-                    sub = f"{where}{name}/"
-                    below = f"{rel}/{sub}".strip("/")
-                    if len(stack) > MAX_WALK_DEPTH:
-                        raise too_deep(self.path(below))
-                    try:
-                        child = self._open_folder(fd, name, below, create=False)
-                    except FileNotFoundError:  # removed while we looked
-                        continue
-                    except (NotADirectoryError, CheckpointCorruptError):
-                        if not remove:
-                            raise
-                        with suppress(FileNotFoundError):  # swapped meanwhile
-                            os.unlink(name, dir_fd=fd)
-                        continue
-                    stack.append((child, sub, *_listing(child)))
+                child = self._open_folder(fd, name, below, create=False)
+            except FileNotFoundError:  # removed while we looked
+                continue
+            except (NotADirectoryError, CheckpointCorruptError):
+                if not remove:
+                    raise
+                with suppress(FileNotFoundError):  # swapped meanwhile
+                    os.unlink(name, dir_fd=fd)
+                continue
+            try:
+                yield from self._walk(child, rel, f"{where}{name}/", remove)
             finally:
-                for fd, *_ in stack:
-                    os.close(fd)
+                os.close(child)
+            if remove:
+                with suppress(FileNotFoundError):
+                    os.rmdir(name, dir_fd=fd)
 
     def remove(self, rel: str) -> None:
         # ``rel`` and, for a folder, everything under it; nothing when absent. A link is

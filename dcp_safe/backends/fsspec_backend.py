@@ -90,16 +90,16 @@ class FsspecBackend(Backend):
         protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
         self.object_store = bool({get_protocol(url), *protocols} & _OBJECT_STORE_PROTOCOLS)
         self.process_local = "memory" in protocols
-        self.s3 = isinstance(target, S3FileSystem)  # under any wrapper
+        # Under any wrapper; S3 uploads are pipelined multipart uploads through ``call_s3``,
+        # which s3fs has and a wrapper passes on (FaultyFileSystem).
+        self.s3 = isinstance(target, S3FileSystem)
         # True, False, or None: to be probed on the server the first time it is asked. s3fs
         # (>= 2024.12, as pinned) sends ``pipe_file(mode="create")`` as a conditional PUT.
         self._exclusive: bool | None = True if self.process_local else None if self.s3 else False
         self.client_retries = client_retries
         self.__setstate__({})
-        # s3fs (or a wrapper passing its call_s3 on) reaches the S3 API for pipelined uploads.
-        self._multipart = self.s3 and callable(getattr(self.fs, "call_s3", None))
         # Checked now, not at the first upload: a bad option is the caller's, not a storage fault.
-        self._parts_in_flight = parts_in_flight_of(target) if self._multipart else 0
+        self._parts_in_flight = parts_in_flight_of(target) if self.s3 else 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # s3fs retries in its own loop (class attribute ``retries``), which no storage option
@@ -166,7 +166,7 @@ class FsspecBackend(Backend):
         """An upload that only its ``close()`` completes; on any failure it is dropped (safe to
         repeat after a failed close) and the error raised as a write of ``rel``."""
         try:
-            if self._multipart:
+            if self.s3:
                 block, parts = block_size_of(self._target), self._parts_in_flight
                 f: Any = S3MultipartWriter(self.fs, self._abs(rel), block, parts_in_flight=parts)
                 drop: Callable[[], None] = f.abort
@@ -361,7 +361,7 @@ def write_buffer_bytes(backend: Backend) -> int | None:
     part buffers (docs/s3.md, "Memory"): 0 for a backend that writes straight to files, None
     where fsspec buffers unseen."""
     backend = unwrapped(backend)
-    if isinstance(backend, FsspecBackend) and backend._multipart:
+    if isinstance(backend, FsspecBackend) and backend.s3:
         return upload_buffer_bytes(block_size_of(backend._target), backend._parts_in_flight)
     return None if getattr(backend, "object_store", False) else 0
 
