@@ -145,7 +145,7 @@ class SafeStorage(Storage):
 
     def __init__(self, config: SafeStorageConfig) -> None:
         self._config = config
-        self._backend: Backend = open_backend(as_root(config.root))
+        self._backend: Backend = open_backend(config.root)
         self._algorithm = ChecksumAlgorithm(config.checksum)  # validated by the config
         self._key = config.signing_key if isinstance(config.signing_key, bytes) else None
         self._lock = threading.Lock()
@@ -671,16 +671,15 @@ def manager_config(
     savers = {"sync": SyncCheckpointSaverConfig, "async": AsyncCheckpointSaverConfig}
     if save not in savers:
         raise ConfigError(f"save must be 'async' or 'sync', got {save!r}")
-    storage = SafeStorageConfig(
-        root,
-        storage_options=storage_options,
-        signing_key=signing_key,
-        checksum=checksum,
-        deadline_s=deadline_s,
-        folder=folder,
-    )
     return CheckpointManager.Config(
-        storage_config=storage,
+        storage_config=SafeStorageConfig(
+            root,
+            storage_options=storage_options,
+            signing_key=signing_key,
+            checksum=checksum,
+            deadline_s=deadline_s,
+            folder=folder,
+        ),
         save=savers[save](writer_config=CheckpointWriterConfig(write_to_temp_dir=False)),
         pre_finalize_callback=_report,
         finalize_callback=_finalize,
