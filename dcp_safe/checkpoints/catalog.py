@@ -223,7 +223,8 @@ def verify_opened(
 
 
 def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -> None:
-    """The manifest must list every file a load needs: what it omits, nobody checks."""
+    """The manifest must list every file a load needs: what it omits, nobody checks (the files
+    of its items: :func:`~dcp_safe.manifest.verify.items_by_file`, called next)."""
     path = backend.full_path(f"{name}/{layout.MANIFEST}")
     if manifest.world_size > len(manifest.files):  # each rank wrote a rank manifest, at least
         raise CheckpointCorruptError(
@@ -231,7 +232,6 @@ def _require_complete_listing(backend: Backend, name: str, manifest: Manifest) -
         )
     needed = {layout.DCP_METADATA} if manifest.data_format is None else set()
     needed |= {layout.rank_manifest_name(rank) for rank in range(manifest.world_size)}
-    needed |= {item.file for item in manifest.items}
     if missing := sorted(needed - {record.path for record in manifest.files}):
         raise CheckpointCorruptError(path, f"manifest does not list {', '.join(missing)}")
 
