@@ -152,8 +152,8 @@ class LocalBackend(Backend):
         try:
             with self._beneath.parent(rel) as (folder, name):
                 temp = layout.temp_file_name(name)
-                self._write_new(folder, temp, rel, data)
                 try:
+                    self._write_new(folder, temp, rel, data)
                     os.link(temp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
                 except FileExistsError:
                     if exclusive:
@@ -178,11 +178,9 @@ class LocalBackend(Backend):
             if self.fsync:
                 os.fsync(fd)
         except OSError as exc:
-            os.close(fd)
-            with suppress(OSError):
-                os.unlink(name, dir_fd=folder)
             raise self._fail("write", rel, exc) from exc
-        os.close(fd)
+        finally:
+            os.close(fd)
 
     def open_append(self, rel: str) -> BinaryIO:
         """``rel`` opened to append to (created if absent); CheckpointCorruptError when it is
