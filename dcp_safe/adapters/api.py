@@ -365,10 +365,8 @@ def _translated(source: Future[T], call: _Call) -> Future[T]:
         try:
             target.set_result(done.result())
         except BaseException as exc:
-            error = call.translate(exc)
-            if error is not exc and error.__cause__ is None:
-                error.__cause__ = exc
-            target.set_exception(error)
+            # Every error translate makes is chained to exc (its __cause__) already.
+            target.set_exception(call.translate(exc))
 
     source.add_done_callback(forward)
     return target

@@ -125,17 +125,6 @@ class NodeLocalWriter(SafeStorageWriter):
 
     # ----------------------------------------------------------------- DCP call order
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
-            # Each rank saves to its own node's root: there is no storage where rank 0 could
-            # post the save id and read every rank's report, as a save without collectives needs.
-            raise ConfigError(
-                "NodeLocalWriter needs use_collectives=True: its ranks write to node-local roots,"
-                " which share no storage to agree through; use SafeStorageWriter on a shared root"
-                " for saves without collectives"
-            )
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Assign the save (base class), then take the remote name for it."""
         plans = super().prepare_global_plan(plans)

@@ -60,8 +60,6 @@ from dcp_safe.version import __version__
 _ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
 _PLAIN = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
 _MASK = (1 << 64) - 1
-#: A report as rank 0 uses it: the rank's plain DCP metadata and its rank manifest's checksum.
-_Report = tuple[Any, str | None]
 
 
 @dataclass(frozen=True)
@@ -295,8 +293,9 @@ class StorageAgreement:
             return None  # not rank 0's: wait on for rank 0's post, which replaces it
         return found
 
-    def _await_reports(self, assignment: Assignment) -> dict[int, _Report]:
-        """Every other rank's report, once all are on storage; with a key, authenticated."""
+    def _await_reports(self, assignment: Assignment) -> dict[int, tuple[Any, str | None]]:
+        """Every other rank's report (its plain DCP metadata and its rank manifest's checksum),
+        once all are on storage; with a key, authenticated."""
         others = range(1, assignment.world_size)
         reports = {r: layout.rank_report_name(r, assignment.save_id) for r in others}
         failures = {r: layout.rank_failure_marker_name(r, assignment.save_id) for r in others}
@@ -318,7 +317,7 @@ class StorageAgreement:
                 " collectives)",
                 {r: "no report: it died, hung or is still writing" for r in missing},
             )
-        found: dict[int, _Report] = {}
+        found: dict[int, tuple[Any, str | None]] = {}
         for rank, rel in reports.items():
             body, mac = self._read(f"{assignment.work_dir}/{rel}", _REPORT, rank)
             key = self.options.signing_key

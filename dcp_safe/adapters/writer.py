@@ -209,6 +209,14 @@ class SafeStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._rank = int(kwargs.get("rank") or 0)
         self._collective = kwargs.get("use_collectives", True) is not False
+        if self._node_local and not self._collective:
+            # Each rank saves to its own node's root: there is no storage where rank 0 could
+            # post the save id and read every rank's report, as a save without collectives needs.
+            raise ConfigError(
+                "NodeLocalWriter needs use_collectives=True: its ranks write to node-local roots,"
+                " which share no storage to agree through; use SafeStorageWriter on a shared root"
+                " for saves without collectives"
+            )
         self._coordinator, self._saves = bool(is_coordinator), self._saves + 1
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
