@@ -6,7 +6,7 @@ Each staged tensor gets one buffer of exactly its byte size, so it owns its whol
 one generation's buffers, released once: ``writer_done=True`` when the writer has returned
 (straight back to the free lists), ``False`` when only the staged dict was dropped (a buffer
 still viewed from outside stays *pending*). A request with a plan's *token* is kept whole as a
-*bundle* with its typed views; bundled bytes count as free.
+*bundle* with its typed views (the next lease of that plan, ready); bundled bytes count as free.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from dcp_safe.torch_compat import empty_host_cache, storage_use_count, tensor_us
 
 # Small buffers gain nothing from pinning and each pinned block costs a driver call.
 _PIN_MIN_BYTES = 64 << 10
+# Makes a lease's typed views from its buffers (a plan's :meth:`StagingPlan.views`).
+_MakeViews = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 class PinMemory(str, Enum):
@@ -105,13 +107,6 @@ class BufferRequest:
     token: int | None = None
 
 
-@dataclass(slots=True, eq=False)
-class _Bundle:
-    buffers: list[torch.Tensor]
-    views: list[torch.Tensor]
-    storage_counts: list[int]
-
-
 @dataclass(eq=False)
 class Lease:
     """One generation's buffers, one per requested size, in request order.
@@ -142,9 +137,7 @@ class Lease:
                     self.allocated_bytes += size
         return self.allocated_bytes
 
-    def typed_views(
-        self, make: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    ) -> list[torch.Tensor]:
+    def typed_views(self, make: _MakeViews) -> list[torch.Tensor]:
         """The buffers' typed views: the bundle's, or ``make(buffers)`` kept for the next lease."""
         if self.views is None:
             self.views = make(self.buffers)
@@ -174,7 +167,7 @@ class BufferPool:
         self.condition = threading.Condition(threading.RLock())
         self._free: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
         self._pending: list[torch.Tensor] = []
-        self._bundles: dict[int, _Bundle] = {}
+        self._bundles: dict[int, Lease] = {}
         # The running accounting; read it with the condition held for consistent values.
         self.counts = PoolStats()
         self._closed = False
@@ -210,7 +203,7 @@ class BufferPool:
         if bundle is not None:
             counts.free_bytes -= request.cost
             counts.reuses += len(bundle.buffers)
-            return Lease(self, request, list(bundle.buffers), bundle.views, bundle.storage_counts)
+            return bundle
         free = self._free
         buffers = [free[size].pop() if free.get(size) else None for size in request.sizes]
         taken = [self.cost(s) for s, b in zip(request.sizes, buffers, strict=True) if b is not None]
@@ -220,11 +213,7 @@ class BufferPool:
         counts.peak_allocated_bytes = max(counts.peak_allocated_bytes, counts.allocated_bytes)
         return Lease(self, request, buffers)
 
-    def warm(
-        self,
-        request: BufferRequest | Sequence[int],
-        views: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-    ) -> int:
+    def warm(self, request: BufferRequest | Sequence[int], views: _MakeViews | None = None) -> int:
         """Allocate and first-touch free buffers for a request; return the bytes allocated.
 
         Sizes free buffers cover are skipped (warming twice is free). With a token, ``views``
@@ -311,7 +300,9 @@ class BufferPool:
             ):
                 if token in self._bundles:  # another generation of this layout came back first
                     self._break_bundles()  # its buffers stay free, in the free lists
-                self._bundles[token] = _Bundle(lease.buffers, views, lease.storage_counts)
+                self._bundles[token] = Lease(
+                    self, lease.request, lease._buffers, views, lease.storage_counts
+                )
                 self.counts.free_bytes += lease.request.cost
             else:
                 del views  # a view nobody else holds dies here, so its buffer counts as unshared
