@@ -431,9 +431,8 @@ def holds_lease(backend: Backend, name: str, save_id: str) -> bool:
 def held_by_another(backend: Backend, name: str, save_id: str) -> bool:
     """True when a lease of a save other than ``save_id`` (or one unreadable) is on ``name``."""
     if backend.supports_exclusive_create:
-        return (
-            backend.exists(f"{name}/{layout.WRITING_LEASE}") and _holder(backend, name) != save_id
-        )
+        holder = read_holder(backend, f"{name}/{layout.WRITING_LEASE}")
+        return holder is not None and holder.save_id != save_id
     return bool(set(lease_files(backend, name)) - {layout.lease_file_name(save_id)})
 
 
