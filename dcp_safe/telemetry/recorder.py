@@ -352,7 +352,12 @@ class InstrumentedWriter(StorageWriter):
             self.inner.finish(metadata, results)
             span.end(bytes=nbytes)
         self._close_root()
-        self._watch_replication()
+        topology: Topology | None = getattr(self.inner, "topology", None)
+        if self._name is None or topology is None or topology.uploads_to is None:
+            return
+        replication: Future_[Any] = self.inner.replication(self._name)
+        replicating = self.telemetry.begin(Phase.REPLICATION, save=self._name)
+        replication.add_done_callback(lambda done: end_replication(replicating, done))
 
     def storage_meta(self) -> StorageMeta | None:
         return cast(StorageMeta | None, self.inner.storage_meta())
@@ -396,15 +401,6 @@ class InstrumentedWriter(StorageWriter):
         if opened is not None:
             opened.fail(error)
         self._close_root(error)
-
-    def _watch_replication(self) -> None:
-        name = self._name
-        topology: Topology | None = getattr(self.inner, "topology", None)
-        if name is None or topology is None or topology.uploads_to is None:
-            return
-        future: Future_[Any] = self.inner.replication(name)
-        span = self.telemetry.begin(Phase.REPLICATION, save=name)
-        future.add_done_callback(lambda done: end_replication(span, done))
 
 
 def end_replication(span: SpanHandle, done: Future_[Any]) -> None:
