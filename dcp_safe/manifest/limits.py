@@ -46,14 +46,11 @@ _COSTS = {b"[": 112, b"{": 200, b":": 64, b",": 40, b'"': 32}
 _COST_BASE = 1 << 16
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a control file may hold")
-
-
 def _finite_float(text: str) -> float:
+    """A JSON float, or constant (``NaN``, ``Infinity``, ``-Infinity``), if it is finite."""
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text} is out of range")
+        raise ValueError(f"{text} is not a number a control file may hold")
     return value
 
 
@@ -85,7 +82,7 @@ def parse_json(data: bytes, path: str) -> Any:
             f" over the {PARSE_BUDGET_BYTES}-byte budget",
         )
     try:
-        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+        return json.loads(data, parse_constant=_finite_float, parse_float=_finite_float)
     except RecursionError:
         raise CheckpointCorruptError(path, "not valid JSON (nested too deeply)") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError

@@ -53,15 +53,15 @@ class HashingSink(io.RawIOBase):
         self._target = target
         self._algorithm = algorithm
         self._pool = hash_pool
-        self._size_hint: int | None = None
-        self._hasher: Hasher | None = None  # made at the item's first write, sized by expect()
+        self._hasher: Hasher | None = None  # made by expect() or at the item's first write
         self._blocks: BlockHasher | None = None
         self._position = 0
 
     def expect(self, size_hint: int) -> None:
         """Say about how many bytes the next item holds (BLAKE3 spreads only large items over
-        every core; a small one would pay for the hand-off on each write)."""
-        self._size_hint = size_hint
+        every core; a small one would pay for the hand-off on each write). Called before the
+        item's first byte is written."""
+        self._hasher = new_hasher(self._algorithm, size_hint=size_hint)
 
     def hash_blocks(self, *, at: int, length: int, block_bytes: int) -> None:
         """Also digest ``[at, at + length)`` of the next item (from its start) block by block,
@@ -71,7 +71,7 @@ class HashingSink(io.RawIOBase):
 
     def _current(self) -> Hasher:
         if self._hasher is None:
-            self._hasher = new_hasher(self._algorithm, size_hint=self._size_hint)
+            self._hasher = new_hasher(self._algorithm)
         return self._hasher
 
     def writable(self) -> bool:
@@ -110,7 +110,7 @@ class HashingSink(io.RawIOBase):
     def take_checksum(self) -> str:
         """The checksum of everything written since the last call; starts the next item."""
         checksum = format_checksum(self._algorithm, self._current())
-        self._hasher, self._size_hint = None, None
+        self._hasher = None
         return checksum
 
     def take_blocks(self) -> BlockDigests | None:

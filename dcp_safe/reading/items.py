@@ -34,8 +34,7 @@ from dcp_safe.manifest.schema import ItemKey, ItemRecord
 from dcp_safe.manifest.streams import read_verified
 from dcp_safe.reading.budget import LoadBudget
 from dcp_safe.reading.tensors import (
-    known_layout,
-    plan_blocks,
+    plan_tensor_read,
     read_runs,
     read_tensor_item,
     require_stored,
@@ -186,15 +185,15 @@ class ItemReader:
         require_stored(stream, item.path, item.label, record)
         dtype, shape = stored
         checksum = record.checksum if verify else None
-        plan = plan_blocks(item.path, item.label, record, dtype, shape, request)
-        layout = None if plan is not None else known_layout(dtype, shape, record)
+        how = plan_tensor_read(item.path, item.label, record, dtype, shape, request)
+        if how is None:
+            return False
+        layout, plan = how
         if plan is not None:
             shape, buffer_bytes, narrow = tuple(request.lengths), plan.buffer_bytes, False
-        elif layout is not None:
+        else:
             buffer_bytes = transient_bytes(layout, record)
             narrow = any(request.storage_offsets) or tuple(request.lengths) != shape
-        else:
-            return False
         with self.lock:
             target = item.planner.resolve_tensor(request).detach()
         direct = (
@@ -210,16 +209,15 @@ class ItemReader:
         with self.budget.admit(cost) as held:
             held.count(cost)
             dest = target if direct else transient_tensor(shape, dtype)
-            if layout is not None:
+            if plan is None:
                 args = (item.path, item.label, record, layout, checksum, dest, self.hash_pool)
                 if not read_tensor_item(stream, *args):
                     return False
             else:
-                assert plan is not None
                 algorithm = None if checksum is None else checksum.partition(":")[0]
-                got = read_runs(stream, item.path, item.label, record, plan, algorithm, dest)
+                read_runs(stream, item.path, item.label, record, plan, algorithm, dest)
                 with self.lock:  # counted whole by the reader
-                    self.bytes_read -= record.length - got
+                    self.bytes_read -= record.length - plan.read_bytes
             self._hand_over(_narrowed(dest, request) if narrow else dest, item, target)
         return True
 

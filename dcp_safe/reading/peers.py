@@ -69,6 +69,8 @@ class PeerSource(Source):
     rank; none in a single process, which reads peer copies on its disk only)."""
 
     kind = _PEER
+    _checkpoint: str  # the checkpoint and its remote manifest, set by ``open``
+    _manifest: Manifest
 
     def __init__(
         self,
@@ -79,24 +81,23 @@ class PeerSource(Source):
         self.cache, self.disk = cache, cache.backend
         self._group = process_group
         self.chunk_bytes = chunk_bytes
-        self._opened: tuple[str, Manifest] | None = None
         self._log = SourceLog()
         self._scratch: str | None = None
         self._peer_sources: dict[str, _Source] = {}  # file -> where it is read from
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
-        self._opened = (name, manifest)
+        self._checkpoint = name
+        self._manifest = manifest
 
     def prepare(self, files: set[str], log: SourceLog) -> None:
         """Fetch what this node lacks from peers: a collective on every rank."""
         self._log, self._peer_sources = log, {}
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
-        name, manifest = self._require()
-        held = self._sizes(name) if self.cache.name is not None else {}  # in this node's cache
+        held = self._sizes(self._checkpoint) if self.cache.name is not None else {}  # cached
         needs = {
             f: record.size
             for f in sorted(files)
-            if (record := manifest.file(f)) is not None and f not in held
+            if (record := self._manifest.file(f)) is not None and f not in held
         }
         self._fetch(needs, self._offers(held), self._scratch)
 
@@ -112,22 +113,17 @@ class PeerSource(Source):
         except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
             log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
 
-    def _require(self) -> tuple[str, Manifest]:
-        assert self._opened is not None
-        return self._opened
-
     def _offers(self, held: dict[str, int]) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
         node cache's (``held``), then those of the peer copies whose manifest is the remote's."""
-        name, manifest = self._require()
-        found = [(f, (self.disk, f"{name}/{f}")) for f in held]
+        found = [(f, (self.disk, f"{self._checkpoint}/{f}")) for f in held]
         try:
-            copies = list_peer_copies(self.disk, name)
+            copies = list_peer_copies(self.disk, self._checkpoint)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
             self._log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
             copies = []
         for copy in copies:
-            if copy.manifest != manifest:
+            if copy.manifest != self._manifest:
                 self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", _PEER)
                 continue
             sizes = self._sizes(copy.rel)
@@ -136,12 +132,11 @@ class PeerSource(Source):
 
     def _sizes(self, folder: str) -> dict[str, int]:
         """The files directly in ``folder`` on this node's disk at their recorded size."""
-        _, manifest = self._require()
         try:
             sizes = self.disk.sizes(folder)
         except _UNUSABLE:
             return {}
-        return {f: n for f, n in sizes.items() if (r := manifest.file(f)) and r.size == n}
+        return {f: n for f, n in sizes.items() if (r := self._manifest.file(f)) and r.size == n}
 
     def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the
@@ -157,7 +152,6 @@ class PeerSource(Source):
         pending = {f: size for f, size in needs.items() if f not in self._peer_sources}
         tried: dict[str, list[str]] = {}
         disk = f"{socket.gethostname()}:{self.disk.full_path('')}"
-        made = False
         while True:  # rounds: a rejected copy is fetched from another disk in the next one
             gathered = gather_objects((pending, sorted(offers), tried, disk), group)
             wanted, offered, tries, disks = zip(*gathered, strict=True)
@@ -165,10 +159,9 @@ class PeerSource(Source):
             if not fetches:  # the same on every rank: every rank leaves the loop here
                 return
             receives = [f for f in fetches if f.requester == rank]
-            if receives and not made:  # where it fails, each landing fails and is named
+            if receives:  # where it fails, each landing fails and is named
                 with contextlib.suppress(*_UNUSABLE):
                     self.disk.makedirs(scratch)
-                made = True
             sends = [f for f in fetches if f.holder == rank]
             self._transfer(group, sends, receives, offers)
             for fetch in receives:
@@ -188,10 +181,9 @@ class PeerSource(Source):
                 send_file(group, fetch.requester, backend, rel, fetch.size, tag=fetch.tag, **chunk)
 
         def receive_all() -> None:
-            name, manifest = self._require()
-            by_file = items_by_file(name, manifest) if receives else {}
+            by_file = items_by_file(self._checkpoint, self._manifest) if receives else {}
             for fetch in receives:
-                record = manifest.file(fetch.file)
+                record = self._manifest.file(fetch.file)
                 assert record is not None  # needs come from the manifest
                 rel, items = f"{self._scratch}/{fetch.file}", by_file.get(fetch.file, [])
                 try:

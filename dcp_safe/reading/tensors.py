@@ -96,27 +96,11 @@ def require_stored(stream: BinaryIO, path: str, item: str, record: ItemRecord) -
     Raises:
         CheckpointCorruptError: the file ends before the item does.
     """
-    try:
-        size: int | None = os.fstat(stream.fileno()).st_size
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
-        size = getattr(stream, "size", None)  # an fsspec file knows it from its open
-    if not isinstance(size, int):
-        at = stream.tell()
-        size = stream.seek(0, os.SEEK_END)
-        stream.seek(at)
+    at = stream.tell()
+    size = stream.seek(0, os.SEEK_END)  # no I/O: an fsspec file knows its size from its open
+    stream.seek(at)
     if record.start + record.length > size:
         raise short_read(path, item, record.length, max(0, size - record.start))
-
-
-def known_layout(
-    dtype: torch.dtype, shape: tuple[int, ...], record: ItemRecord
-) -> TensorLayout | None:
-    """The layout of a tensor item read here without ``torch.load``: an uncompressed one of
-    the layout's length, or a zstd one (checked as it decompresses); ``None``: another item."""
-    layout = layout_for(dtype, shape)
-    if layout is None or record.transforms not in ((), (ZSTD_DESCRIPTOR,)):
-        return None
-    return layout if record.transforms or layout.length == record.length else None
 
 
 def read_tensor_item(
@@ -311,26 +295,32 @@ def plan_range(
     return RangePlan(runs, tuple(spans), sum(covered), piece)
 
 
-def plan_blocks(
+def plan_tensor_read(
     path: str,
     item: str,
     record: ItemRecord,
     dtype: torch.dtype,
     shape: tuple[int, ...],
     request: ReadItem,
-) -> RangePlan | None:
-    """The blocks of ``record`` (a tensor of ``dtype`` and ``shape``) that ``request``'s region
-    needs, or ``None`` when it is better read whole or the item has no usable block digests.
+) -> tuple[TensorLayout, RangePlan | None] | None:
+    """How to read ``record`` (a tensor of ``dtype`` and ``shape``) without ``torch.load``: its
+    layout, and the blocks ``request``'s region needs (``None``: read it whole, an uncompressed
+    one of the layout's length or a zstd one, checked as it decompresses); ``None``: another
+    item, decoded whole.
 
     Raises:
-        CheckpointCorruptError: the digests do not lie over the tensor data.
+        CheckpointCorruptError: the block digests do not lie over the tensor data.
     """
-    blocks = record.blocks
-    if blocks is None or record.transforms:
-        return None
     layout = layout_for(dtype, shape)
-    if layout is None or layout.length != record.length:
+    if layout is None or record.transforms not in ((), (ZSTD_DESCRIPTOR,)):
+        return None
+    if record.transforms:
+        return layout, None
+    if layout.length != record.length:
         return None  # not the writer's template: the whole read's checksum decides
+    blocks = record.blocks
+    if blocks is None:
+        return layout, None
     placed = (len(layout.prefix), layout.payload)
     if (blocks.at, blocks.length) != placed:
         # Digests over any other bytes of the item would pass a deep verify and the whole
@@ -343,7 +333,9 @@ def plan_blocks(
             expected=f"at {placed[0]}, {placed[1]} bytes",
             actual=f"at {blocks.at}, {blocks.length} bytes",
         )
-    return plan_range(blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths)
+    return layout, plan_range(
+        blocks, shape, dtype.itemsize, request.storage_offsets, request.lengths
+    )
 
 
 def read_runs(
@@ -354,16 +346,17 @@ def read_runs(
     plan: RangePlan,
     algorithm: str | None,
     dest: torch.Tensor,
-) -> int:
+) -> None:
     """Read the plan's blocks of ``record``, piece by piece, verify each (``algorithm`` None:
-    unchecked), copy the runs into ``dest`` (the region); the stored bytes read.
+    unchecked), copy the runs into ``dest`` (the region): ``plan.read_bytes`` stored bytes (the
+    pieces cover the spans' blocks exactly, each read whole).
 
     Raises:
         CheckpointCorruptError: the file is short, or a block read differs from its digest
             (``dest`` may then be partly written, as in any failed DCP load).
     """
     blocks = record.blocks
-    assert blocks is not None  # planned by plan_blocks
+    assert blocks is not None  # planned by plan_tensor_read
     out = tensor_bytes(dest)
     buffer = memoryview(mmap.mmap(-1, plan.buffer_bytes))  # pages go back when it is dropped
     run = written = 0
@@ -390,4 +383,3 @@ def read_runs(
                 out[at : at + stop - begin] = view[begin - lo : stop - lo]
                 if stop == start + nbytes:
                     written, run = written + nbytes, run + 1
-    return plan.read_bytes  # the pieces cover the spans' blocks exactly, each read whole
