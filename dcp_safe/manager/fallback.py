@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -200,6 +201,10 @@ class FallbackSwitch:
     clock: Callable[[], float]
     ledger: Ledger  # its condition guards the monitor (not thread-safe by itself)
     _announced: bool = field(default=False, init=False)  # the agreed fallback is in the record
+    # For the latencies (trigger b): a request's time, until its handle is gone.
+    _requested_at: weakref.WeakKeyDictionary[SaveHandle, float] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False
+    )
 
     @property
     def reason(self) -> str | None:
@@ -211,8 +216,8 @@ class FallbackSwitch:
         ``leaked_bytes`` is called only when no other trigger fired."""
         now = self.clock()
         available = self.sample_memory()
-        self.ledger.requested(handle.name, now)
         with self.ledger.cond:
+            self._requested_at[handle] = now
             reason = self.monitor.on_request(now, available)
         in_use = leaked_bytes() if reason is None else 0
         with self.ledger.cond:
@@ -240,10 +245,10 @@ class FallbackSwitch:
         """Feed the completion latency of a committed save, unless not ``counted``: one that
         ran on a thread while the checkpoint worker started shares the host with its imports
         and carries the first save's one-time costs; the steady state is what is judged."""
-        requested_at = self.ledger.completed(handle.name)
-        if requested_at is None or not counted:
-            return
         with self.ledger.cond:
+            requested_at = self._requested_at.pop(handle, None)
+            if requested_at is None or not counted:
+                return
             reason = self.monitor.on_completed(self.clock() - requested_at)
         if reason is not None:
             self._switched(handle, reason)

@@ -1,4 +1,4 @@
-"""What happened to each save: counters, history events, request times, and kept errors.
+"""What happened to each save: counters, history events, and kept errors.
 
 One way of writing down every outcome (skip, superseded, failure, commit). Recording never
 fails the outcome it records: a failure's futures are set first, and a failed history append or
@@ -57,7 +57,6 @@ class Ledger:
         self._counts = {f.name: 0 for f in fields(ManagerStats) if f.name not in _NOT_COUNTED}
         self._errors: list[BaseException] = []
         self._raised = 0
-        self._requested_at: dict[str, float] = {}
         self._handles: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
     def count(self, key: str) -> None:
@@ -109,18 +108,8 @@ class Ledger:
         with self.cond:
             return [dict(e) for e in self._events]
 
-    def requested(self, name: str, at: float) -> None:  # for the fallback's latencies
-        with self.cond:
-            self._requested_at[name] = at
-
-    def completed(self, name: str) -> float | None:
-        with self.cond:
-            return self._requested_at.pop(name, None)
-
     def skip(self, handle: SaveHandle, reason: str, *, mark: str = "") -> None:
-        with self.cond:
-            self._counts["skipped"] += 1
-            self._requested_at.pop(handle.name, None)
+        self.count("skipped")
         log.info("checkpoint %s skipped: %s", handle.name, reason)
         self.record("skipped", handle, tier="local", reason=reason)
         self.quietly("telemetry", lambda: self.mark("skipped", handle, reason=mark or reason))
@@ -142,7 +131,6 @@ class Ledger:
         """
         with self.cond:
             self._counts["failed"] += 1
-            self._requested_at.pop(handle.name, None)
             if keep:
                 self._errors.append(error)
         everything: list[Future[Any]] = [handle.staged, handle.committed, handle.replicated]

@@ -127,9 +127,9 @@ class SavePolicy:
             raise ConfigError("auto=True chooses the interval: drop interval_s and continuous")
         if self.min_interval_s is not None and not self.continuous:
             raise ConfigError("min_interval_s bounds continuous=True saves: set continuous")
-        for name, kind in (("when_busy", BusyPolicy), ("staging", StagingMode)):
+        choices = (("when_busy", BusyPolicy), ("staging", StagingMode), ("validate", Validation))
+        for name, kind in choices:
             _set(self, name, parse_choice(kind, getattr(self, name), name))
-        _set(self, "validate", parse_choice(Validation, self.validate, "validate"))
         if not isinstance(self.sync_fallback, FallbackOptions):
             raise ConfigError(f"sync_fallback must be FallbackOptions, got {self.sync_fallback!r}")
         layout.format_name(self.name_format, 0)  # a bad pattern fails here, not at a save

@@ -42,7 +42,7 @@ from typing import Any
 from dcp_safe.adapters import api
 from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
-from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, WORKERS, ManagerGroups
+from dcp_safe.coordination.groups import BACKGROUND, FOREGROUND, WORKERS
 from dcp_safe.coordination.store import PromotionBarrier, Verdicts
 from dcp_safe.errors import (
     DcpSafeError,
@@ -143,7 +143,7 @@ class SaveRunner:
     """Admits saves (as above), runs them over the manager's parts, follows their commits up.
 
     ``deep``: this rank checks every byte of a new checkpoint (the coordinator's job with
-    ``validate="deep"``). ``verdicts``, ``groups``, ``barrier``: ``None`` in a single process.
+    ``validate="deep"``). ``verdicts``, ``barrier``: ``None`` in a single process.
     ``worker`` runs background saves in a worker process once every rank's is ready (a save's
     agreed ``worker`` flag); until then, and without one, they run on DCP's upload thread.
     """
@@ -162,7 +162,6 @@ class SaveRunner:
     policy: SavePolicy
     bounds: Bounds
     verdicts: Verdicts | None = field(init=False)
-    groups: ManagerGroups | None = field(init=False)
     barrier: PromotionBarrier | None = field(init=False)
     # The agreed coalesce decisions so far: a pending save's ``seq``.
     _coalesced: int = field(default=0, init=False)
@@ -173,7 +172,6 @@ class SaveRunner:
     def __post_init__(self) -> None:
         wait_s = self.bounds.wait_timeout_s
         self.verdicts = Verdicts.for_job(self.agreement, wait_s)
-        self.groups = self.agreement.groups
         self.barrier = PromotionBarrier.for_job(self.agreement, wait_s)
         self.post = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-manager")
 
@@ -232,7 +230,8 @@ class SaveRunner:
     def collectives(self, purpose: str) -> Iterator[dict[str, Any]]:
         """DCP's keyword arguments for a save or load on ``purpose``'s group; a failure inside
         that broke the group marks it (:meth:`saw_failure`)."""
-        kwargs = {"no_dist": True} if self.groups is None else self.groups.collectives(purpose)
+        groups = self.agreement.groups
+        kwargs = {"no_dist": True} if groups is None else groups.collectives(purpose)
         try:
             yield kwargs
         except BaseException as exc:
@@ -375,10 +374,7 @@ class SaveRunner:
         try:
             error = upload.exception()
             self.saw_failure(BACKGROUND, error, group)
-            if error is not None and self.verdicts is None:
-                self.ledger.fail(handle, error, tier="local")
-            else:
-                self.after_commit(handle, self.writer, error, worker)
+            self.after_commit(handle, self.writer, error, worker)
         except BaseException as exc:  # a bug here must not leave the handle unresolved
             self.ledger.fail(handle, exc, tier="local")
         finally:
@@ -410,7 +406,8 @@ class SaveRunner:
         return pending
 
     def saw_failure(self, purpose: str, error: BaseException | None, group: Any) -> None:
-        if self.groups is not None and self.groups.saw_failure(purpose, error, group):
+        groups = self.agreement.groups
+        if groups is not None and groups.saw_failure(purpose, error, group):
             self.ledger.count("groups_broken")
 
     def after_commit(

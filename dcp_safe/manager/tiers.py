@@ -98,6 +98,8 @@ class Tiers:
         topology = writer.topology
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
+        # The replica's backend (a node-local writer's remote is the commit root: not a tier).
+        self.remote = None if self.replica is None else writer.remote
         self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
         self.trash_grace_s = retention.trash_grace_s
         self._expiry: threading.Thread | None = None
@@ -163,8 +165,8 @@ class Tiers:
         if not self.coordinator:
             return ()
         dropped = self._prune(self.backend, self.commit, "local")
-        if self.writer.remote is not None and self.replica is not None:
-            self._prune(self.writer.remote, self.replica, "remote")
+        if self.remote is not None and self.replica is not None:
+            self._prune(self.remote, self.replica, "remote")
         sweep_partials(self.commit, grace_s=self.partial_grace_s)
         if self.trash_grace_s:
             with self._cond:  # one pass at a time; deleting never holds up a save's commit
@@ -175,8 +177,7 @@ class Tiers:
         return dropped
 
     def _expire(self) -> None:
-        remote = self.writer.remote if self.replica is not None else None
-        for backend in (self.backend, *([remote] if remote is not None else [])):
+        for backend in (self.backend, *([self.remote] if self.remote is not None else [])):
             try:
                 sweep_trash(backend, self.trash_grace_s)
             except (DcpSafeError, OSError) as exc:  # raised by close(), as a prune's would be
@@ -233,7 +234,7 @@ class Tiers:
     def withdraw(self, name: str, tier: str = "local") -> None:
         """Retire ``name``, committed on ``tier``'s root but failed on every rank (its verdict
         lost): out of the listings first, then its files. Never counted, never pruned."""
-        backend = self.backend if tier == "local" else self.writer.remote
+        backend = self.backend if tier == "local" else self.remote
         assert backend is not None  # a remote verdict exists only with replicate_to
         with self._deferred(), self._prune_lock:
             strategy_for(backend).retire(backend, name)
