@@ -371,8 +371,8 @@ def _under(path: str, folder: str | os.PathLike[str]) -> str | None:
 
 
 def _is_folder(manifest: Manifest, member: str) -> bool:
-    prefix = member.rstrip("/") + "/"
-    return any(record.path.startswith(prefix) for record in manifest.files)
+    # ``member`` comes from _split: normalized, so it never ends in "/".
+    return any(record.path.startswith(f"{member}/") for record in manifest.files)
 
 
 class _CheckedFile(io.RawIOBase):
