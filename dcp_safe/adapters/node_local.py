@@ -201,11 +201,8 @@ class NodeLocalWriter(SafeStorageWriter):
         """Copy this rank's files to the remote, verified in flight, its rank manifest last; once
         the remote commit is there, the node's leader publishes the node cache."""
         work = self._remote_work(assignment, name)
-        try:
+        with self._failure_reported(assignment, rank=assignment.rank, name=name):
             self._upload_rank(assignment, work)
-        except BaseException as exc:
-            self._report_failure(assignment, exc, rank=assignment.rank, name=name)
-            raise
         manifest = self._await_remote_commit(name, assignment, work)
         # The leader is the lowest rank that wrote into this node's work directory: every rank
         # of the node wrote its local rank manifest by now; none listed means the leader
@@ -233,13 +230,10 @@ class NodeLocalWriter(SafeStorageWriter):
         results: list[list[WriteResult]],
     ) -> Manifest:
         remote, work = self.commit_backend, self._remote_work(assignment, name)
-        try:
+        with self._failure_reported(assignment, rank=None, name=name):
             await_arrivals(
                 remote, work, assignment.save_id, name, assignment.world_size, self.node_options
             )
-        except BaseException as exc:
-            self._report_failure(assignment, exc, rank=None, name=name)
-            raise
         return self._publish(assignment, metadata, results, remote, name)
 
     def _await_remote_commit(self, name: str, assignment: _Assignment, work: str) -> Manifest:

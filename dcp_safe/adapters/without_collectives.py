@@ -216,12 +216,9 @@ class StorageAgreement:
         assignment: Assignment,
         metadata: Metadata,
         results: list[list[WriteResult]],
-        *,
-        on_failure: Callable[[BaseException], None],
     ) -> tuple[Metadata, list[list[WriteResult]]]:
         """Rank 0: the global metadata and every rank's results, once every rank reported; the
-        reports are removed. On a failure nothing is published, the save's files are removed
-        and ``on_failure`` is told.
+        reports are removed. On a failure nothing is published and the save's files are removed.
 
         Raises:
             DivergentStateError: a rank's copy of a plain entry differs from rank 0's.
@@ -253,7 +250,6 @@ class StorageAgreement:
             return _merged(metadatas), results
         except BaseException as exc:
             self.publication(assignment.save_id).discard(exc)
-            on_failure(exc)
             raise
         finally:
             self.clear()

@@ -23,7 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future as Future_
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
@@ -267,15 +267,15 @@ class SafeStorageWriter(StorageWriter):
         items = plan.items if self._collective else items_to_write(plan.items, assignment, planner)
         buckets = _split_evenly(items, self.options.thread_count)
         files = [layout.shard_file_name(assignment.rank, i) for i in range(len(buckets))]
-        try:
-            self._publication(assignment.save_id).check()
-            results = self._write_rank(assignment, files, buckets, planner)
-        except BaseException as exc:
-            if not self._collective:
-                self._storage_agreement().failed(assignment, exc, coordinator=self._coordinator)
-            self._abandon(assignment, files)
-            self._report_failure(assignment, exc, rank=assignment.rank)
-            raise
+        with self._failure_reported(assignment, rank=assignment.rank):
+            try:
+                self._publication(assignment.save_id).check()
+                results = self._write_rank(assignment, files, buckets, planner)
+            except BaseException as exc:
+                if not self._collective:
+                    self._storage_agreement().failed(assignment, exc, coordinator=self._coordinator)
+                self._abandon(assignment, files)
+                raise
         self._replicate_rank_part(assignment)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -349,12 +349,8 @@ class SafeStorageWriter(StorageWriter):
             if not self._coordinator:
                 self._storage_agreement().report(assignment, metadata, results)
                 return
-            metadata, results = self._storage_agreement().gather(
-                assignment,
-                metadata,
-                results,
-                on_failure=lambda exc: self._report_failure(assignment, exc, rank=None),
-            )
+            with self._failure_reported(assignment, rank=None):
+                metadata, results = self._storage_agreement().gather(assignment, metadata, results)
         self._publish(assignment, metadata, results)
         if self._replicator is not None and assignment.world_size == 1:
             self._replicator.submit(name)
@@ -376,8 +372,8 @@ class SafeStorageWriter(StorageWriter):
     ) -> Manifest:
         """Verify every rank's results, then publish on ``on`` (default: this root); a failure
         is reported to the ranks waiting for the commit (``name`` as for :meth:`_publication`)."""
-        try:
-            return Committer(on or self.backend, self.options).publish(
+        with self._failure_reported(assignment, rank=None, name=name):
+            manifest = Committer(on or self.backend, self.options).publish(
                 self._publication(assignment.save_id, on, name),
                 world_size=assignment.world_size,
                 step=self.step,
@@ -385,30 +381,28 @@ class SafeStorageWriter(StorageWriter):
                 metadata=metadata,
                 results=results,
             )
-        except BaseException as exc:
-            self._report_failure(assignment, exc, rank=None, name=name)
-            raise
+        return manifest
 
-    def _report_failure(
-        self,
-        assignment: _Assignment,
-        exc: BaseException,
-        *,
-        rank: int | None,
-        name: str | None = None,
-    ) -> None:
-        """Tell the ranks waiting for this save's local commit that it will not come: ``rank``'s
-        write failed, or (``None``) the publish. Best effort, through remote markers (a single
-        rank's replica waits on nobody; a node-local save's commit waits even then)."""
-        if self.remote is None or (assignment.world_size == 1 and not self._node_local):
-            return
-        work = self._remote_work(assignment, name)
-        if rank is None:
-            report_commit_failure(self.remote, work, assignment.save_id, exc)
-        else:
-            report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
-        if self._rank_replicator is not None:
-            self._rank_replicator.end_saves()
+    @contextlib.contextmanager
+    def _failure_reported(
+        self, assignment: _Assignment, *, rank: int | None, name: str | None = None
+    ) -> Iterator[None]:
+        """If the block raises, tell the ranks waiting for this save's local commit that it will
+        not come: ``rank``'s write failed, or (``None``) the gather or publish. Best effort,
+        through remote markers (a single rank's replica waits on nobody; a node-local save's
+        commit waits even then); ``name`` as for :meth:`_publication`."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.remote is not None and (assignment.world_size > 1 or self._node_local):
+                work = self._remote_work(assignment, name)
+                if rank is None:
+                    report_commit_failure(self.remote, work, assignment.save_id, exc)
+                else:
+                    report_rank_failure(self.remote, work, rank, assignment.save_id, exc)
+                if self._rank_replicator is not None:
+                    self._rank_replicator.end_saves()
+            raise
 
     def missing_ranks(self) -> list[int] | None:
         """Ranks of the current save whose rank manifest (written last) is not on storage: after
