@@ -82,7 +82,6 @@ class Agreement:
         self.rank = 0 if groups is None else groups.rank
         self.coordinator = self.rank == 0  # this rank writes the shared state (history, sweeping)
         self.world_size = 1 if groups is None else groups.world_size
-        self.deadline_s = None if groups is None else groups.deadline_s
         # Well inside the deadline: a rank that waited a whole round is still in time to vote.
         self.round_s = math.inf if groups is None else groups.deadline_s / 4
         self.token = str(self.broadcast(uuid.uuid4().hex))  # the coordinator's, on every rank
@@ -191,7 +190,7 @@ class Agreement:
         if failed:
             raise failed[0]
         if kind == "error":
-            raise _restored(value, 0)
+            raise _restored(value)
         return cast(T, value)
 
     def _exchange(self, run: Callable[[Any], T]) -> T:
@@ -207,7 +206,7 @@ class Agreement:
                 exc,
                 rank=self.rank,
                 world_size=self.world_size,
-                deadline_s=self.deadline_s,
+                deadline_s=self.groups.deadline_s,
                 operation="vote",
             ) from exc
 
@@ -219,11 +218,11 @@ def _portable(error: BaseException) -> str:
         return pickle.dumps(DcpSafeError(describe(error))).hex()
 
 
-def _restored(blob: str, rank: int) -> BaseException:
+def _restored(blob: str) -> BaseException:
     try:
         error = pickle.loads(bytes.fromhex(blob))  # from a peer of this job, not from storage
     except Exception:
         error = None
     if isinstance(error, BaseException):
         return error
-    return DcpSafeError(f"rank {rank} failed (its error could not be passed on)")
+    return DcpSafeError("rank 0 failed (its error could not be passed on)")

@@ -78,9 +78,10 @@ def checkpoint_group(
         cached = _groups.get(key)
         if cached is not None and cached[0] is default:
             return cached[1]
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        if not isinstance(group, dist.ProcessGroup):  # only for ranks outside the new group
-            raise ConfigError("dist.new_group returned no group for this rank")
+        # Of every rank of the default group (no ranks=): a group on this rank too.
+        group: dist.ProcessGroup = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=timeout_s)
+        )
         _groups[key] = (default, group)
         return group
 

@@ -45,8 +45,8 @@ class ManagerGroups:
         # create one itself, which would be a collective no peer meets.
         self._replacing = threading.RLock()
         self._current: dict[str, Any] = {}  # purpose -> its group; only created here
-        self._broken: dict[str, Any] = {}  # purpose -> the group seen failing
-        self._own_failure: set[str] = set()  # broken by a failure this rank saw itself
+        # purpose -> the group this rank saw failing (None: a group it does not hold, WORKERS)
+        self._broken: dict[str, Any] = {}
         self.dead: CommitError | None = None
         self._generations: dict[str, int] = {}  # purpose -> times replaced
         for purpose in _ORDER:
@@ -110,7 +110,6 @@ class ManagerGroups:
             if group is not self._current.get(purpose):
                 return False
             self._broken.setdefault(purpose, group)
-            self._own_failure.add(purpose)
         return True
 
     def mark_broken(self, purpose: str) -> None:
@@ -144,14 +143,12 @@ class ManagerGroups:
                 with self._lock:
                     # A failure seen now is on a stale group: the current one goes too.
                     old, current = self._broken.pop(purpose, None), self._current.pop(purpose, None)
-                    destroy = purpose in self._own_failure
-                    self._own_failure.discard(purpose)
                     self._generations[purpose] = self._generations.get(purpose, 0) + 1
                 if purpose == WORKERS:
                     continue  # the workers form their next group themselves
                 stale = old if old is not None else current
-                if stale is not None:
-                    discard_group(stale, destroy=destroy)
+                if stale is not None:  # destroyed where this rank saw it fail itself
+                    discard_group(stale, destroy=old is not None)
                 try:
                     fresh = checkpoint_group(self.deadline_s, purpose=purpose)
                 except (RuntimeError, ValueError) as exc:

@@ -96,7 +96,12 @@ class Copier:
         with self.local.open_read(src) as reader, self.remote.open_write(dst) as writer:
             remaining = record.size
             while remaining:
-                data = _read(reader.read, min(self.chunk_bytes, remaining), path)
+                try:
+                    data = reader.read(min(self.chunk_bytes, remaining))
+                except StorageError:
+                    raise
+                except OSError as exc:  # left raw, it would surface as the remote write failing
+                    raise StorageError("read", path, exc) from exc
                 if not data:
                     raise CheckpointCorruptError(
                         path,
@@ -167,16 +172,6 @@ class CheckpointCopy(Copier):
 
 def _folders(paths: Iterable[str]) -> list[str]:
     return sorted({posixpath.dirname(p) for p in paths} - {""})
-
-
-def _read(read: Callable[[int], bytes], size: int, path: str) -> bytes:
-    # Map here: left raw, a local read error would surface as the remote write failing.
-    try:
-        return read(size)
-    except StorageError:
-        raise
-    except OSError as exc:
-        raise StorageError("read", path, exc) from exc
 
 
 def open_source(local: Backend, name: str) -> tuple[Manifest, bytes]:

@@ -84,7 +84,13 @@ def upload_rank_part(
     path = copier.local.full_path(f"{local_dir}/{rel}")
     raw = copier.local.read_small(f"{local_dir}/{rel}", MANIFEST_MAX_BYTES)
     if expected is not None:
-        _check_bytes(path, raw, expected)
+        if len(raw) != expected.size:
+            raise CheckpointCorruptError(
+                path, "file size differs from the manifest", expected=expected.size, actual=len(raw)
+            )
+        check = FileCheck(path, expected, [])
+        check.update(raw)
+        check.finish()
     manifest = RankManifest.from_json(raw, path)
     if manifest.rank != rank:
         raise CheckpointCorruptError(path, f"rank manifest of rank {manifest.rank}, not {rank}")
@@ -92,16 +98,6 @@ def upload_rank_part(
     copier.before_each()
     copier.uploaded.append(f"{work}/{rel}")
     copier.remote.write_bytes(f"{work}/{rel}", raw)
-
-
-def _check_bytes(path: str, data: bytes, record: FileRecord) -> None:
-    if len(data) != record.size:
-        raise CheckpointCorruptError(
-            path, "file size differs from the manifest", expected=record.size, actual=len(data)
-        )
-    check = FileCheck(path, record, [])
-    check.update(data)
-    check.finish()
 
 
 def report_rank_failure(

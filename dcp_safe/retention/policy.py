@@ -68,9 +68,8 @@ class KeepLast:
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         # max(0, ...): with fewer records than n, a negative start would count from the end
-        # and keep only the newest few.
-        newest = _ordered(records)[max(0, len(records) - self.n) :]
-        return {r.name for r in newest} if self.n else set()
+        # and keep only the newest few; n = 0 starts past the end and keeps none.
+        return {r.name for r in _ordered(records)[max(0, len(records) - self.n) :]}
 
 
 @dataclass(frozen=True)
@@ -126,13 +125,9 @@ class KeepWithin:
     seconds: float
 
     def __post_init__(self) -> None:
-        value = self.seconds
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not 0 <= value < math.inf
-        ):
-            raise ConfigError(f"keep_within_s must be finite seconds >= 0, got {value!r}")
+        number = isinstance(self.seconds, (int, float)) and not isinstance(self.seconds, bool)
+        if not (number and 0 <= self.seconds < math.inf):
+            raise ConfigError(f"keep_within_s must be finite seconds >= 0, got {self.seconds!r}")
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         newest = max((r.created_at for r in records), default=0.0)

@@ -35,24 +35,6 @@ _NICE = 10
 BEAT_S = 1.0  # the parent's bound of silence is a multiple of it (worker.py)
 
 
-def _die_with(parent: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the beat thread watches
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(3)
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)
-    try:  # psutil knows ionice where the platform has it (imported from the parent's path)
-        import psutil
-
-        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
-    except (ImportError, AttributeError, OSError, ValueError):
-        pass
-
-
 def _beat(conn: Connection, lock: threading.Lock, parent: int) -> None:
     # A parent killed mid-save cannot say so: a save it will never hear of is not worth ending.
     while os.getppid() == parent:
@@ -65,9 +47,19 @@ def _beat(conn: Connection, lock: threading.Lock, parent: int) -> None:
 def boot(argv: list[str]) -> None:
     """Start the worker for parent ``argv[0]`` on the socket whose descriptor is ``argv[1]``."""
     parent, fd, paths = int(argv[0]), int(argv[1]), argv[2:]
-    _die_with(parent)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the beat thread watches
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(3)
     sys.path[:0] = [p for p in paths if os.path.isabs(p) and p not in sys.path]
-    _lower_priority()
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)
+    try:  # psutil knows ionice where the platform has it (imported from the parent's path)
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
     conn, lock = Connection(fd), threading.Lock()
     threading.Thread(
         target=_beat, args=(conn, lock, parent), name="dcp_safe-beat", daemon=True

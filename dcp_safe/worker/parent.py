@@ -82,9 +82,9 @@ class _Process:
         # seq -> (the save's future, its name, the staged state it must keep alive)
         self.saves: dict[int, tuple[Future[None], str, Any]] = {}
         self.replicating: set[str] = set()  # the names this worker replicates
-        # Set once the worker imported and joined its group (or died): it can save now.
-        self.ready = threading.Event()
-        self.ready_error: BaseException | None = None  # why it could not join its group
+        # Set once the worker imported and joined its group (or died): it can save now, unless
+        # it holds why it could not join its group.
+        self.ready: Future[BaseException | None] = Future()
         self.closed: Future[BaseException | None] = Future()
         self.send_lock = threading.Lock()  # one message (and its descriptor) at a time
         self.reader = threading.Thread(
@@ -115,8 +115,7 @@ class _Process:
         if kind == "done":
             with self.lock:
                 future, name, _ = self.saves.pop(message[1])  # the staged state is let go here
-                replicating = name in self.replicating
-                replicated = self.owner._replications.get(name) if replicating else None
+                replicated = self.owner._replications.get(name)  # None: no replicate_to
             if message[3]:  # before the save fails: whoever sees it sees the group marked too
                 self.owner._broke(self)
             self._checked(name, message[5])
@@ -143,8 +142,7 @@ class _Process:
         elif kind == "closed":
             self.closed.set_result(None if message[1] is None else decode_error(message[1]))
         elif kind == "ready":
-            self.ready_error = None if message[1] is None else decode_error(message[1])
-            self.ready.set()
+            self.ready.set_result(None if message[1] is None else decode_error(message[1]))
 
     def _checked(self, name: str, checked: Checked | None) -> None:  # before the save resolves
         if checked is not None:
@@ -166,9 +164,9 @@ class _Process:
         for future, what in held:
             with contextlib.suppress(Exception):  # InvalidStateError: resolved meanwhile
                 future.set_exception(self.death(f"during {what}", code))
-        if not self.closed.done():
-            self.closed.set_result(None)
-        self.ready.set()  # nobody waits for a dead worker
+        for outcome in (self.closed, self.ready):  # nobody waits for a dead worker
+            if not outcome.done():
+                outcome.set_result(None)
 
     def death(self, when: str, code: int) -> WorkerDiedError:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
@@ -243,8 +241,8 @@ class SaveWorker:
         return (
             process is not None
             and (groups is None or process.group == groups.current())
-            and process.ready.is_set()
-            and process.ready_error is None
+            and process.ready.done()
+            and process.ready.result() is None
             and process.alive
         )
 
@@ -259,8 +257,8 @@ class SaveWorker:
             except OSError as exc:  # no process to start (fork, memory): saves stay on threads
                 log.warning("dcp_safe: the checkpoint worker could not start: %s", exc)
                 return
-        if process.ready_error is not None:  # it will never save: the ranks replace it
-            self._broke(process)
+        if process.ready.done() and process.ready.result() is not None:
+            self._broke(process)  # it will never save: the ranks replace it
 
     def submit(
         self,
@@ -433,7 +431,7 @@ class SaveWorker:
 def _stop(process: _Process, timeout_s: float, deadline: float) -> BaseException | None:
     # Closed by ``deadline`` (killed past it); its writer's error, if any.
     with process.lock:
-        starting = not process.ready.is_set() and not process.saves
+        starting = not process.ready.done() and not process.saves
     if starting:  # it holds nothing to drain: waiting for its imports would only delay close
         process.popen.kill()
     # A send blocked on a stopped worker holds the lock: it is killed at the deadline instead.

@@ -15,6 +15,7 @@ retention lists the new checkpoint without parsing it either.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
@@ -136,11 +137,10 @@ def encode_error(error: BaseException) -> bytes:
     """``error`` pickled with its worker traceback as a note; a :class:`WorkerError` carrying
     its text when it does not survive pickling."""
     text = "".join(traceback.format_exception(error))
-    try:
+    with contextlib.suppress(Exception):  # it takes no note: sent as its text, below
         error.add_note(f"in the checkpoint worker (pid {os.getpid()}):\n{text}")
-    except Exception:  # it takes no note: sent as its text
-        return pickle.dumps(WorkerError(type(error).__name__, str(error), text))
-    return _portable(error, text)
+        return _portable(error, text)
+    return pickle.dumps(WorkerError(type(error).__name__, str(error), text))
 
 
 def decode_error(data: bytes) -> BaseException:  # a WorkerError if it cannot be rebuilt here

@@ -82,7 +82,7 @@ staged = Future()
 staged.set_result({"w": torch.ones(4096)})
 worker.submit("step_000000001", 1, staged)  # a save handed to the worker, as it starts
 worker._sender.submit(lambda: None).result()  # sent: it waits in the worker's socket
-assert not worker._process.ready.is_set(), "the worker started before the rank died"
+assert not worker._process.ready.done(), "the worker started before the rank died"
 print(worker._process.popen.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
