@@ -56,9 +56,8 @@ def tensor_paths(state_dict: object, tensors: Iterable[torch.Tensor]) -> list[st
 def _walk(obj: object, path: str, wanted: dict[int, torch.Tensor], found: dict[int, str]) -> None:
     if isinstance(obj, DTensor):
         obj = dtensor_local(obj)
-    if isinstance(obj, torch.Tensor):
-        if id(obj) in wanted:
-            found.setdefault(id(obj), path or "<root>")
+    if isinstance(obj, torch.Tensor) and id(obj) in wanted:
+        found.setdefault(id(obj), path or "<root>")
     elif isinstance(obj, Mapping | list | tuple):
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for key, value in items:
