@@ -46,10 +46,22 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 # DCP's method logger, which torch sets to DEBUG (dcp_debug_logs_unheard).
 from torch.distributed.checkpoint.logger import _dcp_logger
 
-# The WriteItems DCP's default save planner makes for one flattened entry (create_write_items).
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
+# The ``WriteItem``s DCP's default save planner makes for one flattened entry (a tensor, a
+# DTensor's local chunks, or an object's byte item): what the manager's in-memory tier needs to
+# name each stored item of a kept copy as the writer did, without planning the whole state
+# again. No fallback: it has had this name and signature since 2.2.
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_write_items as create_write_items,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+# The default process group's key-value store (a ``dist.Store``). The manager meets its peers
+# there when the wait may outlast a collective's deadline (a coalesced save starts once every
+# rank finished its previous one): a store ``wait`` that times out breaks nothing, where a gloo
+# collective that times out breaks its group. No fallback: without it the manager cannot
+# coalesce across ranks.
+from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.tensor import DTensor
 
 # Storage class names as torch.save writes them (torch.FloatStorage for float32).
@@ -57,7 +69,7 @@ from torch.storage import _dtype_to_storage_type_map
 
 # Re-exported from torch for the modules that need them (the rest is defined here).
 __all__ = ["CURRENT_DCP_VERSION", "StorageInfo", "ZStandard", "dcp_load_state_dict"]
-__all__ += ["narrow_tensor_by_index", "storage_setup"]
+__all__ += ["create_write_items", "default_store", "narrow_tensor_by_index", "storage_setup"]
 
 # ``Tensor._version`` is the autograd version counter every in-place update bumps; its C getter
 # mapped over a list costs about 0.1 us a tensor (the mutation guard's whole cost).
@@ -95,26 +107,6 @@ def _dcp_debug_heard() -> bool:
                 return True
         current = current.parent if current.propagate else None
     return False
-
-
-def create_write_items(fqn: str, value: Any) -> list[Any]:
-    """The ``WriteItem``s DCP's default save planner makes for one flattened entry (a tensor,
-    a DTensor's local chunks, or an object's byte item). Private in torch; what the manager's
-    in-memory tier needs to name each stored item of a kept copy as the writer did, without
-    planning the whole state again. No fallback: it has had this name and signature since 2.2.
-    """
-    return list(_create_write_items(fqn, value))
-
-
-def default_store() -> Any:
-    """The default process group's key-value store (a ``dist.Store``).
-
-    The manager meets its peers there when the wait may outlast a collective's deadline (a
-    coalesced save starts once every rank finished its previous one): a store ``wait`` that
-    times out breaks nothing, where a gloo collective that times out breaks its group. No
-    fallback: without it the manager cannot coalesce across ranks.
-    """
-    return c10d._get_default_store()
 
 
 def dtensor_local(tensor: DTensor) -> torch.Tensor:
