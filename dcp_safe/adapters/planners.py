@@ -180,7 +180,6 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         if self.cache_plans:  # taken before anything here can fail (plan_cache's rule)
-            self._layout = None
             self._remembered, self._global = self._cache.pop(self._cache_key(), (None, None))
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
