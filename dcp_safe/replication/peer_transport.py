@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dcp_safe.backends.backend import Backend
 from dcp_safe.errors import CheckpointCorruptError, describe
 from dcp_safe.manifest.schema import FileRecord, ItemRecord
+from dcp_safe.manifest.streams import read_fully
 from dcp_safe.manifest.verify import FileCheck
 
 T = TypeVar("T")
@@ -87,7 +88,11 @@ def send_file(
         for sent in range(0, size, chunk_bytes):
             n = min(chunk_bytes, size - sent)
             if error is None:
-                error = _read_into(stream, view[:n], rel)
+                try:
+                    if read_fully(stream, view[:n].data) < n:
+                        error = f"{rel} is shorter than the manifest says"
+                except OSError as exc:
+                    error = describe(exc)
             if error is not None:
                 view[:n] = 0
             dist.send(buffer[:n], group=group, group_dst=dst, tag=tag)
@@ -154,16 +159,3 @@ def receive_file(
 
 class _Discard(Exception):
     """Leaves ``open_write`` without a trace; the failure itself is raised after."""
-
-
-def _read_into(stream: Any, view: Any, rel: str) -> str | None:
-    try:
-        filled = 0
-        while filled < len(view):
-            got = stream.readinto(memoryview(view[filled:]))
-            if not got:
-                return f"{rel} is shorter than the manifest says"
-            filled += got
-    except OSError as exc:
-        return describe(exc)
-    return None
