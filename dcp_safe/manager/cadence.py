@@ -152,17 +152,16 @@ def _average(old: float | None, new: float) -> float:
 
 class Goodput:
     """One rank's measurements of what saves cost (``clock``: its monotonic seconds), and the
-    interval chosen; ``mtbf``: ``(mtbf_s, note)`` where known; ``on_commit``: given the choice
-    at each commit. The training thread votes, the manager thread reports commits: a lock."""
+    interval chosen; ``mtbf``: ``(mtbf_s, note)`` where known. The training thread votes, the
+    manager thread reports commits: a lock."""
 
     def __init__(
         self,
         policy: SavePolicy,
         clock: Callable[[], float],
         mtbf: tuple[float, str] | None = None,
-        on_commit: Callable[[Choice], None] | None = None,
     ) -> None:
-        self.policy, self._clock, self._on_commit = policy, clock, on_commit
+        self.policy, self._clock = policy, clock
         if policy.mtbf_s is not None:
             mtbf = (policy.mtbf_s, "mtbf_s")
         self._costs = Costs() if mtbf is None else Costs(mtbf_s=mtbf[0], mtbf_note=mtbf[1])
@@ -215,8 +214,6 @@ class Goodput:
             self._committed_at = at
         if not self.policy.auto and started_at is not None and at >= started_at:
             self._commit_took(at - started_at)
-        if self._on_commit is not None:
-            self._on_commit(self.choice())
 
     def choice(self) -> Choice:
         """The current interval and expected loss: ``auto``'s as agreed at the last vote; any
@@ -299,19 +296,15 @@ class Cadence:
         history: bool = False,
     ) -> None:
         self.policy, self._clock, self._agreement, self._slot = policy, clock, agreement, slot
+        self._ledger = ledger
         # A manager's: the MTBF from the history where ``history`` (the coordinator) and not
         # given; each commit's choice marked ``save_interval`` (a failure there only counted).
         mtbf = None
-        on_commit = None
         if ledger is not None and history and policy.mtbf_s is None:  # unreadable: the prior
             events: list[Any] = []
             ledger.quietly("reading the history", lambda: events.extend(ledger.history.read()))
             mtbf = estimate_mtbf(events, time.time())
-        if ledger is not None and (telemetry := ledger.telemetry) is not None:
-            mark = functools.partial(telemetry.mark, "save_interval")
-            quietly = functools.partial(ledger.quietly, "telemetry")
-            on_commit = lambda c: quietly(lambda: mark(**vars(c)))  # noqa: E731
-        self.goodput = Goodput(policy, clock, mtbf, on_commit)
+        self.goodput = Goodput(policy, clock, mtbf)
         self._committed_at = clock()
         self._started_at: float | None = None
         self._first = True
@@ -346,3 +339,7 @@ class Cadence:
         if not done.cancelled() and done.exception() is None:
             self._committed_at = self._clock()
             self.goodput.committed(self._committed_at, self._started_at)
+            if self._ledger is not None and (telemetry := self._ledger.telemetry) is not None:
+                choice = vars(self.goodput.choice())
+                mark = functools.partial(telemetry.mark, "save_interval", **choice)
+                self._ledger.quietly("telemetry", mark)

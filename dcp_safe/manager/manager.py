@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -54,7 +55,7 @@ from dcp_safe.manager.options import (
     Runtime,
     SavePolicy,
     choose_executor,
-    with_shorthands,
+    given,
 )
 from dcp_safe.manager.preemption import (
     PreemptionHandler,
@@ -113,10 +114,14 @@ class CheckpointManager:
         runtime: Runtime | None = None,
         **moved: Any,
     ) -> None:
-        policy, retention, runtime = with_shorthands(
-            policy, retention, runtime, moved, save_every, when_busy, keep_last
-        )
+        # read_only=True is runtime=Runtime(read_only=True), the spelling an evaluation job
+        # reaches for first; taken from the moved keywords: the signature holds ten at most.
+        if "read_only" in moved:
+            runtime = dataclasses.replace(runtime or Runtime(), read_only=moved.pop("read_only"))
         refuse_moved("CheckpointManager", moved, MOVED)
+        policy = given(policy or SavePolicy(), every=save_every, when_busy=when_busy)
+        retention = given(retention or Retention(), keep_last=keep_last)
+        runtime = runtime or Runtime()
         bounds, resume = bounds or Bounds(), resume or Resume()
         self.policy, self.retention, self.save_every = policy, retention, policy.every
         self.read_only = runtime.read_only  # a reader beside training: no writes

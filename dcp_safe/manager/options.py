@@ -288,30 +288,10 @@ class Runtime:
             raise ConfigError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
-def with_shorthands(
-    policy: SavePolicy | None,
-    retention: Retention | None,
-    runtime: Runtime | None,
-    moved: dict[str, Any],
-    save_every: int | None,
-    when_busy: BusyPolicy | str | None,
-    keep_last: int | None,
-) -> tuple[SavePolicy, Retention, Runtime]:
-    """``policy``, ``retention`` and ``runtime`` (or the defaults), each shorthand given replacing
-    its one field: ``keep_last=3, retention=Retention(keep_every=10)`` keeps both.
-    ``read_only=True`` (taken from ``moved``: the signature holds ten parameters at most) is
-    ``runtime=Runtime(read_only=True)``, the spelling an evaluation job reaches for first."""
-
-    def given(obj: Any, **values: Any) -> Any:
-        return dataclasses.replace(obj, **{k: v for k, v in values.items() if v is not None})
-
-    if "read_only" in moved:
-        runtime = dataclasses.replace(runtime or Runtime(), read_only=moved.pop("read_only"))
-    return (
-        given(policy or SavePolicy(), every=save_every, when_busy=when_busy),
-        given(retention or Retention(), keep_last=keep_last),
-        runtime or Runtime(),
-    )
+def given(options: Any, **shorthands: Any) -> Any:
+    """``options`` with each shorthand given (not ``None``) replacing its one field:
+    ``keep_last=3, retention=Retention(keep_every=10)`` keeps both."""
+    return dataclasses.replace(options, **{k: v for k, v in shorthands.items() if v is not None})
 
 
 def choose_executor(
