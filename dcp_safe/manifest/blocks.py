@@ -105,11 +105,10 @@ class BlockHasher:
         self._digests: list[str] = []
 
     def update(self, position: int, data: memoryview) -> None:
-        """Feed ``data``, which lies at ``position`` (bytes before the range may be skipped)."""
+        """Feed ``data``, which lies at ``position``: in order, each byte once or more (bytes
+        before the range, or fed before, are skipped; the callers feed a file's bytes in order)."""
         lo, hi = max(position, self._done), min(position + data.nbytes, self._end)
         while lo < hi:
-            if lo != self._done:
-                raise ValueError("block hashing fed out of order")  # a caller's bug
             block_end = lo + self._block_bytes - (lo - self._start) % self._block_bytes
             take = min(hi, block_end) - lo
             if self._hasher is None:

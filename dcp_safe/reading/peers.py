@@ -91,7 +91,7 @@ class PeerSource(Source):
 
     def prepare(self, files: set[str], log: SourceLog) -> None:
         """Fetch what this node lacks from peers: a collective on every rank."""
-        self._log, self._peer_sources = log, {}
+        self._log = log
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
         held = self._sizes(self._checkpoint) if self.cache.name is not None else {}  # cached
         needs = {
