@@ -614,7 +614,6 @@ def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
                 raise CommitError(
                     f"save of {name}: {record.path} written by ranks {first} and {rank}"
                 )
-    files = [record for records in reported for record in records]
     manifest = Manifest(
         name=name,
         save_id=publication.save_id,
@@ -622,7 +621,7 @@ def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
         created_at=time.time(),
         checksum_algorithm=storage._algorithm.value,
         compression="none",
-        files=tuple(files),
+        files=tuple(record for records in reported for record in records),
         items=(),
         dcp_safe_version=__version__,
         torch_version=torch.__version__,
