@@ -308,7 +308,6 @@ class Cadence:
         self._committed_at = clock()
         self._started_at: float | None = None
         self._first = True
-        self.reason: str | None = None  # why the last step decided was saved (None: it was not)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved: the same answer on every rank (``ConfigError``: the ranks
@@ -323,12 +322,12 @@ class Cadence:
             mine = Reading(now - self._committed_at, since_start, self.goodput.vote(now, busy))
             votes = self._agreement.gather(Vote("maybe_save", step, busy=busy, detail=mine))
             require_same_call(votes)
-        self.reason = due(self.policy, step, first, votes)
-        self.goodput.decided([v.detail.costs for v in votes], saving=self.reason is not None)
-        if self.reason is None:
+        reason = due(self.policy, step, first, votes)
+        self.goodput.decided([v.detail.costs for v in votes], saving=reason is not None)
+        if reason is None:
             return False
         self._started_at = self._clock()
-        log.debug("maybe_save(%d): saving: %s", step, self.reason)
+        log.debug("maybe_save(%d): saving: %s", step, reason)
         return True
 
     def watch(self, handle: SaveHandle) -> None:  # its commit restarts the interval

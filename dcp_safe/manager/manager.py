@@ -588,8 +588,7 @@ class CheckpointManager:
             except BaseException as exc:
                 how = f"save of step {step} failed: {exc}"
             outcome = f"{drained}; final {how}"
-        where = (None, None) if handle is None else (handle.step, handle.name)
-        self._ledger.record("preempted", where, reason=f"{reason}: {outcome}")
+        self._ledger.record("preempted", handle or (None, None), reason=f"{reason}: {outcome}")
         # The process is about to go: its history appends with it, within what time is left.
         self._ledger.flush(max(0.0, deadline - time.monotonic()))
         log.warning("dcp_safe: preempted (%s): %s", reason, outcome)

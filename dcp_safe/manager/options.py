@@ -243,9 +243,7 @@ class Resume:
         _set(self, "per_rank", tuple(self.per_rank))
         if self.initial_load_keys is not None:
             _set(self, "initial_load_keys", tuple(self.initial_load_keys))
-        if self.initial_load_from is not None and not isinstance(
-            self.initial_load_from, SafetensorsSource
-        ):
+        if not isinstance(self.initial_load_from, SafetensorsSource | None):
             _set(self, "initial_load_from", os.fspath(self.initial_load_from))
 
 

@@ -90,11 +90,9 @@ class Tiers:
         deadline_s: float,
         read_only: bool = False,
     ) -> None:
-        self.coordinator, self.load_budget_bytes, self.writer = (
-            coordinator,
-            load_budget_bytes,
-            writer,
-        )
+        self.coordinator = coordinator
+        self.load_budget_bytes = load_budget_bytes
+        self.writer = writer
         topology = writer.topology
         self.commit, self.replica = topology.commit, topology.replica
         self.backend: Backend = writer.commit_backend
