@@ -112,9 +112,7 @@ class Agreement:
             return [vote]
         mine = dataclasses.replace(vote, broken=self.groups.broken())
         votes: list[Vote] = self._exchange(lambda group: gather_objects(mine, group))
-        replace = groups_to_replace(votes)
-        if replace:
-            self.groups.replace(replace)
+        self.groups.replace(groups_to_replace(votes))  # none: nothing to replace
         return votes
 
     def broadcast(self, value: object) -> Any:

@@ -127,8 +127,6 @@ def receive_file(
     failure: Exception | None = None
     try:
         with contextlib.ExitStack() as stack:
-            check: Any = None
-            out: Any = None
             try:  # whatever fails here, every chunk is still received: the sender sends them
                 check = FileCheck(path, record, items)
                 out = stack.enter_context(backend.open_write(rel))
