@@ -164,9 +164,6 @@ class S3MultipartWriter:
     def tell(self) -> int:
         return self._pos
 
-    def writable(self) -> bool:
-        return True
-
     def write(self, data: Any) -> int:
         if self.closed:
             raise ValueError("I/O operation on a closed S3 upload")
