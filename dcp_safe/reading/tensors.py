@@ -57,12 +57,12 @@ from dcp_safe.manifest.streams import check_digest, read_fully, short_read
 
 # Items up to this size are read whole into memory in one call (one syscall, one hash call).
 _WHOLE_MAX_BYTES = 1 << 20
-# Chunks of large items: big enough to amortise a call, small enough that hashing one overlaps
-# reading the next.
+# The payload of a large item is filled this many bytes at a time (read, or decompressed from a
+# zstd item): big enough to amortise a call, small enough that hashing one overlaps reading the
+# next.
 _CHUNK_BYTES = 16 << 20
-# zstd items: compressed bytes read at once, and the most bytes of payload decompressed per call.
+# zstd items: compressed bytes read at once.
 _READ_BYTES = 256 << 10
-_OUT_BYTES = 16 << 20
 # The largest zstd window streamed (the writer's level 3 uses 2 MiB); a frame that needs more
 # is decoded whole by the caller instead.
 _MAX_WINDOW_BYTES = 4 << 20
@@ -205,7 +205,7 @@ def _read_parts(
             with decompressor.stream_reader(
                 cast(IO[bytes], source), read_size=_READ_BYTES
             ) as reader:
-                return _read_layout(reader, layout, dest, _OUT_BYTES)
+                return _read_layout(reader, layout, dest)
         except zstandard.ZstdError:
             return False
     if record.length <= _WHOLE_MAX_BYTES:  # one read and one hash call for a small item
@@ -215,18 +215,18 @@ def _read_parts(
             return False
         tensor_bytes(dest)[:] = whole[head:end]
         return True
-    return _read_layout(source, layout, dest, _CHUNK_BYTES)
+    return _read_layout(source, layout, dest)
 
 
-def _read_layout(reader: _Readable, layout: TensorLayout, dest: torch.Tensor, chunk: int) -> bool:
-    """Fill ``dest`` with the payload ``reader`` yields, ``chunk`` bytes at a time; whether the
-    bytes around it are exactly ``layout``'s."""
+def _read_layout(reader: _Readable, layout: TensorLayout, dest: torch.Tensor) -> bool:
+    """Fill ``dest`` with the payload ``reader`` yields, :data:`_CHUNK_BYTES` at a time; whether
+    the bytes around it are exactly ``layout``'s."""
     prefix = bytearray(len(layout.prefix))
     if read_fully(reader, memoryview(prefix)) != len(prefix) or bytes(prefix) != layout.prefix:
         return False
     target = tensor_bytes(dest)
-    for at in range(0, layout.payload, chunk):
-        part = target[at : at + chunk]
+    for at in range(0, layout.payload, _CHUNK_BYTES):
+        part = target[at : at + _CHUNK_BYTES]
         if read_fully(reader, part) != part.nbytes:
             return False
     suffix = bytearray(len(layout.suffix) + 1)  # one more: the item must end there
