@@ -30,7 +30,6 @@ from dcp_safe.errors import CommitError, ConfigError
 from dcp_safe.manifest.schema import Manifest
 from dcp_safe.replication.copying import Copier
 from dcp_safe.replication.engine import UploadEngine
-from dcp_safe.replication.peer_transport import peer_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     await_arrivals,
@@ -114,14 +113,6 @@ class NodeLocalWriter(SafeStorageWriter):
         assert self.remote is not None  # a node cache's topology uploads to its commit root
         self.commit_backend = self.remote
         self.node_options = node_options or NodeLocalOptions()
-
-    @property
-    def upload_buffer_bytes(self) -> int | None:
-        """The base class's, plus the peer tier's chunk buffers when it copies to peers."""
-        uploads = super().upload_buffer_bytes
-        if uploads is None or self.topology.peer_copies == 1:
-            return uploads
-        return uploads + peer_buffer_bytes()
 
     # ----------------------------------------------------------------- DCP call order
 

@@ -62,6 +62,7 @@ from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManif
 from dcp_safe.manifest.streams import HashingSink
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.replication.copying import copy_buffer_bytes
+from dcp_safe.replication.peer_transport import peer_buffer_bytes
 from dcp_safe.replication.rank_upload import (
     UploadOptions,
     report_commit_failure,
@@ -440,7 +441,8 @@ class SafeStorageWriter(StorageWriter):
     def upload_buffer_bytes(self) -> int | None:
         """The most host bytes this writer's uploads hold at once, beside the state it writes
         (docs/s3.md): 0 for a local root without ``replicate_to``; None where a root buffers by
-        an amount not known here (an object store other than S3)."""
+        an amount not known here (an object store other than S3). With peer copies (a node-local
+        topology's), the peer tier's chunk buffers too."""
         direct = write_buffer_bytes(self.backend)
         if direct is None:
             return None
@@ -453,6 +455,8 @@ class SafeStorageWriter(StorageWriter):
             if replication is None:
                 return None
             total += replication
+        if self.topology.peer_copies > 1:
+            total += peer_buffer_bytes()
         return total
 
     def close(self, timeout_s: float | None = None) -> None:
