@@ -170,7 +170,9 @@ class ItemReader:
                 return
             dtype, shape = stored
             tensor = decode_tensor_item(data, dtype=dtype, shape=shape, path=path, item=label)
-            self._hand_over(tensor, item)
+            with self.lock:
+                target = item.planner.resolve_tensor(item.request).detach()
+            self._hand_over(_narrowed(tensor, item.request), item, target)
 
     def _load_known(self, stream: Any, item: _Item, verify: bool) -> bool:
         """Read a plain-tensor item (zstd too) without ``torch.load``: only the blocks the
@@ -221,15 +223,9 @@ class ItemReader:
             self._hand_over(_narrowed(dest, request) if narrow else dest, item, target)
         return True
 
-    def _hand_over(
-        self, tensor: torch.Tensor, item: _Item, target: torch.Tensor | None = None
-    ) -> None:
-        """Copy ``tensor`` (the request's region) into its target and commit it to the planner
-        (CheckpointCorruptError: the region's shape is not the target's)."""
-        if target is None:
-            tensor = _narrowed(tensor, item.request)
-            with self.lock:
-                target = item.planner.resolve_tensor(item.request).detach()
+    def _hand_over(self, tensor: torch.Tensor, item: _Item, target: torch.Tensor) -> None:
+        """Copy ``tensor`` (the request's region) into ``target`` (the planner's, resolved) and
+        commit it (CheckpointCorruptError: the region's shape is not the target's)."""
         if target.size() != tensor.size():
             raise CheckpointCorruptError(
                 item.path,
