@@ -126,8 +126,7 @@ class PeerSource(Source):
             if copy.manifest != self._manifest:
                 self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", _PEER)
                 continue
-            sizes = self._sizes(copy.rel)
-            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in sizes]
+            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in self._sizes(copy.rel)]
         return dict(reversed(found))  # the first found of each file
 
     def _sizes(self, folder: str) -> dict[str, int]:

@@ -112,7 +112,7 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
             key = _identity(item, dtype)
             holders.setdefault(key, []).append(rank)
             first.setdefault(key, (item, dtype))
-    owners = _owners(local, holders, first, read_bytes)
+    owners = _owners(len(local), holders, first, read_bytes)
     transfers = _transfers(holders, first, owners)
     return [
         ReadOncePlan(
@@ -131,17 +131,17 @@ def share_reads(plans: Sequence[LoadPlan], read_bytes: Callable[[ReadItem], int]
 
 
 def _owners(
-    plans: Sequence[ReadOncePlan],
+    world: int,
     holders: dict[Hashable, list[int]],
     first: dict[Hashable, tuple[ReadItem, str | None]],
     read_bytes: Callable[[ReadItem], int],
 ) -> dict[Hashable, int]:
-    """The owner of each shared entry: largest first, to the holder with the least to read."""
-    load = [0] * len(plans)
-    for rank, plan in enumerate(plans):
-        for item, dtype in zip(plan.items, plan.dtypes, strict=True):
-            if len(holders[_identity(item, dtype)]) == 1:
-                load[rank] += read_bytes(item)
+    """The owner of each shared entry (of ``world`` ranks' plans): largest first, to the holder
+    with the least to read (its own entries, then the shared ones it was given)."""
+    load = [0] * world
+    for key, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += read_bytes(first[key][0])
     shared = [key for key, ranks in holders.items() if len(ranks) > 1]
     cost = {key: read_bytes(first[key][0]) for key in shared}
     owners: dict[Hashable, int] = {}
