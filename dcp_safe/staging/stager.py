@@ -164,7 +164,7 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
         # DCP uses the Future instead. Copies run one at a time, in request order: once a no-op
         # submitted now has run, every copy requested so far has ended (after close(): all have).
         if not self._closed:
-            self._executor.submit(int).result()
+            self.run_on_staging_thread(lambda: None).result()
 
     def close(self) -> None:
         """Wait (up to ``timeout_s``) for work in flight, then free the pool; raise TimeoutError
