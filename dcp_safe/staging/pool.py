@@ -220,7 +220,6 @@ class BufferPool:
         makes the typed views kept with the bundle. Call without the condition held (allocation
         is slow); the caller checks the budget first.
         """
-        request = self._as_request(request)
         with self.condition:
             _, new = self.plan(request)
             if new == 0:
