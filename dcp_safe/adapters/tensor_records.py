@@ -29,6 +29,7 @@ import zstandard
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
+from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.blocks import BLOCK_DIGEST_MIN_BYTES
 from dcp_safe.manifest.streams import HashingSink
@@ -93,42 +94,23 @@ class TorchFileFormat:
     alignment: int
 
 
-def _parse_records(raw: bytes) -> list[tuple[str, bytes]]:
-    """The (name, content) of each record of a torch-written stream, in file order (ValueError:
-    not laid out as this module writes it)."""
-    records, at = [], 0
-    while raw[at : at + 4] == struct.pack("<I", _LOCAL):
-        fields = struct.unpack_from("<IHHHHHIIIHH", raw, at)
-        if fields[2] != _FLAGS or fields[3] != 0:
-            raise ValueError("unexpected record flags or compression")
-        name_len, extra_len = fields[9], fields[10]
-        name = raw[at + 30 : at + 30 + name_len].decode()
-        start = at + 30 + name_len + extra_len
-        end = raw.index(struct.pack("<I", _DESCRIPTOR), start)
-        _, _, size, _ = struct.unpack_from("<IIII", raw, end)
-        if size != end - start:
-            raise ValueError("record size does not match its descriptor")
-        records.append((name, raw[start:end]))
-        at = end + 16
-    return records
-
-
 @functools.cache
 def learnt_format() -> TorchFileFormat | None:
     """What torch's writer puts in every tensor stream (None: not laid out as understood here)."""
     try:
         out = io.BytesIO()
         save_tensor_without_crc(torch.zeros(3), out)
-        records = _parse_records(out.getvalue())
-        archive = records[0][0].partition("/")[0]
+        source = MemorySource(out.getvalue())
+        archive = open_archive(source, "torch.save", "a tensor")
+        records = {kind: bytes(source.read_at(*where)) for kind, where in archive.records.items()}
         constant = {"data.pkl", "data/0", ".data/serialization_id"}
         named = tuple(
-            (name, None if name.partition("/")[2] in constant else content)
-            for name, content in records
+            (f"{archive.prefix}/{kind}", None if kind in constant else content)
+            for kind, content in records.items()
         )
-        alignment = dict(records).get(f"{archive}/.storage_alignment", b"64")
-        return TorchFileFormat(archive, named, int(alignment))
-    except (ValueError, KeyError, struct.error, UnicodeDecodeError):
+        alignment = records.get(".storage_alignment", b"64")
+        return TorchFileFormat(archive.prefix, named, int(alignment))
+    except ValueError:  # CheckpointCorruptError too
         return None
 
 
