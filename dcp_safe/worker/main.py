@@ -201,7 +201,5 @@ def main(conn: Connection, lock: threading.Lock, parent: int) -> None:
     # check); what listings need goes back to the parent as a header. Keeping more parsed
     # manifests here only holds ~24 MiB each at 10,000 items.
     keep_parsed(1)
-    try:
+    with conn:
         _Worker(conn, lock, parent).serve()
-    finally:
-        conn.close()

@@ -69,10 +69,8 @@ class _Process:
         # what the parent can (a writer subclass of a test, say): sys.path's absolute entries.
         paths = [p for p in sys.path if os.path.isabs(p)]
         command = [sys.executable, "-I", _BOOT, str(os.getpid()), str(theirs.fileno()), *paths]
-        try:
+        with theirs:  # the worker's end: this process closes its copy once it is started
             self.popen = _spawn(command, theirs.fileno())
-        finally:
-            theirs.close()
         self.conn = Connection(ours.detach())
         # A worker killed as it appeared breaks the pipe: its reader sees the end and it counts
         # as died (the next request starts another); never an OSError on the training thread.
