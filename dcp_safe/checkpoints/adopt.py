@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pickle
 import posixpath
 import time
 from collections.abc import Callable, Iterable, Sized
@@ -33,14 +32,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.item_pickles import ItemUnpickler, Shadows, StandIn, is_stand_in
-from dcp_safe.checkpoints.items import (
-    OBJECT_MAX_DECODED_BYTES,
-    ZSTD_DESCRIPTOR,
-    check_loadable,
-    decode_object,
-)
-from dcp_safe.checkpoints.torch_zip import MemorySource, open_archive
+from dcp_safe.checkpoints.item_pickles import Shadows, StandIn, is_stand_in
+from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR, check_loadable
 from dcp_safe.commit.strategy import MarkerStrategy, Publication, strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -50,7 +43,6 @@ from dcp_safe.errors import (
     DcpSafeError,
     PickledClassesError,
     StorageError,
-    UnsafeCheckpointError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.dcp_metadata import FORMAT, VERSION, check_declared_sizes
@@ -58,7 +50,7 @@ from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata as decode_plain
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 from dcp_safe.manifest.schema import manifest_digest as digest_of
-from dcp_safe.manifest.streams import HashingSink, read_verified, short_read
+from dcp_safe.manifest.streams import HashingSink, short_read
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
 from dcp_safe.torch_compat import DCP_LAYOUT, DCP_MEMORY_FORMAT, DCP_STORAGE_INFO
@@ -164,7 +156,10 @@ def adopt(
     try:
         by_file = _read_items(here, folder, dest if copy else None, work, by_file)
         manifest, control = _manifests(name, save_id, by_file, raw, plain, created_at)
-        objects = _check_items(here, folder, manifest, allow_pickle=allow_pickle)
+        needed: set[str] = set()  # the classes its object items need, all named
+        objects = check_loadable(here, folder, manifest, allow_pickle=allow_pickle, classes=needed)
+        if needed:
+            raise PickledClassesError(here.full_path(folder), sorted(needed))
         if not copy:
             del control[layout.DCP_METADATA]  # the source's own, as read and recorded above
         control[layout.MANIFEST] = manifest.to_json()
@@ -435,41 +430,3 @@ def _manifests(
         dcp_metadata=plain,
     )
     return manifest, control
-
-
-# ---------------------------------------------------------------------------- the items
-
-
-def _check_items(backend: Backend, folder: str, manifest: Manifest, *, allow_pickle: bool) -> int:
-    """Every item decodes as a load decodes it; objects that need classes name them all: the
-    globals a load's unpickler refuses, of the object items it refuses."""
-    try:
-        return check_loadable(backend, folder, manifest, allow_pickle=allow_pickle)
-    except UnsafeCheckpointError as exc:
-        error = exc
-    needed: set[str] = set()
-    small = OBJECT_MAX_DECODED_BYTES  # memory bounded: a larger one is refused, its names untold
-    for item in manifest.items:
-        if item.offset is not None or item.transforms or item.length > small:
-            continue
-        path = backend.full_path(f"{folder}/{item.file}")
-        label = item.describe()
-        with backend.open_read(f"{folder}/{item.file}") as stream:
-            data = read_verified(stream, path, label, item.start, item.length, item.checksum)
-        with contextlib.suppress(UnsafeCheckpointError):
-            decode_object(data, path, label, materialize=False)
-            continue
-        archive = open_archive(MemorySource(data), path, label)
-        pickled = archive.read("data.pkl") or b""
-        shadows = Shadows(pickled)
-        with contextlib.suppress(Exception):  # only the names are wanted, whatever else fails
-            shadows.load()
-        unpickler = ItemUnpickler(archive, pickled, path, label, plain_data=True)
-        for module, name in shadows.stands:
-            try:
-                unpickler.find_class(module, name)
-            except (UnsafeCheckpointError, pickle.UnpicklingError):
-                needed.add(f"{module}.{name}")
-    if not needed:
-        raise error
-    raise PickledClassesError(backend.full_path(folder), sorted(needed)) from error

@@ -13,6 +13,7 @@ bytes once, as ``torch.load`` does.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import pickle
 import pickletools
@@ -21,7 +22,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from dcp_safe.checkpoints.torch_zip import MemorySource, TorchArchive
+from dcp_safe.checkpoints.torch_zip import MemorySource, TorchArchive, open_archive
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, UnsafeCheckpointError
 from dcp_safe.manifest.dcp_metadata import MAX_DIMS
 from dcp_safe.manifest.limits import MAX_INT
@@ -320,6 +321,26 @@ class ItemUnpickler(pickle.Unpickler):
             tensor.requires_grad_(True)
         self.built.append(tensor)
         return tensor
+
+
+def refused_globals(data: bytes | bytearray | memoryview, path: str, item: str) -> set[str]:
+    """The globals (``module.name``) that the pickle of the object item ``data`` names and
+    :class:`ItemUnpickler` refuses: the classes it needs, read by :class:`Shadows` so that none
+    runs, its opcodes bounded first (errors as :func:`scan`'s)."""
+    archive = open_archive(MemorySource(data), path, item)
+    pickled = archive.read("data.pkl") or b""
+    scan(pickled, path, item, max_ops=OBJECT_MAX_OPS)
+    shadows = Shadows(pickled)
+    with contextlib.suppress(Exception):  # only the names are wanted, whatever else fails
+        shadows.load()
+    unpickler = ItemUnpickler(archive, pickled, path, item, plain_data=True)
+    refused: set[str] = set()
+    for module, name in shadows.stands:
+        try:
+            unpickler.find_class(module, name)
+        except UnsafeCheckpointError:
+            refused.add(f"{module}.{name}")
+    return refused
 
 
 def _parameter(data: object, requires_grad: object, hooks: object) -> torch.nn.Parameter:

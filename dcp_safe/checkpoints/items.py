@@ -42,6 +42,7 @@ from dcp_safe.checkpoints.item_pickles import (
     Shadows,
     is_stand_in,
     latin1,
+    refused_globals,
     scan,
 )
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
@@ -282,13 +283,20 @@ def _bytes_io(pickled: bytes | memoryview) -> io.BytesIO | None:
 
 
 def check_loadable(
-    backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False
+    backend: Backend,
+    name: str,
+    manifest: Manifest,
+    *,
+    allow_pickle: bool,
+    classes: set[str] | None = None,
 ) -> int:
     """Raise unless DCP's metadata and every item of ``name`` decode as a load decodes them
     (UnsafeCheckpointError: an object item refers to more than plain data, an item decodes past
     what the checkpoint declares, or, without ``allow_pickle``, the checkpoint has no plain
     metadata; CheckpointCorruptError: malformed metadata, or an item not what it declares); the
-    number of object items checked. ``allow_pickle``: as in the module docstring."""
+    number of object items checked. ``allow_pickle``: as in the module docstring. ``classes``:
+    an object item refused for the classes it needs adds their names to it (those a load's
+    unpickler refuses) and the check goes on, so that all of them can be named."""
     if allow_pickle and manifest.dcp_metadata is None:
         return 0
     metadata = read_dcp_metadata(backend, name, manifest, allow_pickle=allow_pickle)
@@ -303,14 +311,18 @@ def check_loadable(
         try:
             with backend.open_read(rel) as stream:
                 for item in group:
-                    _check_item(stream, path, item, tensors.get(item.key))
+                    _check_item(stream, path, item, tensors.get(item.key), classes)
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
     return len(objects)
 
 
 def _check_item(
-    stream: BinaryIO, path: str, item: ItemRecord, tensor: tuple[torch.dtype, Any] | None
+    stream: BinaryIO,
+    path: str,
+    item: ItemRecord,
+    tensor: tuple[torch.dtype, Any] | None,
+    classes: set[str] | None,
 ) -> None:
     """Decode one item as a load would, reading no tensor bytes: an object item when ``tensor``
     (its stored dtype and shape) is None; an uncompressed tensor item checked in place."""
@@ -322,9 +334,17 @@ def _check_item(
         bound = OBJECT_MAX_DECODED_BYTES if tensor is None else tensor_item_bound(*tensor)
         raw = read_verified(stream, path, label, item.start, item.length, item.checksum)
         data = decode_transforms(raw, item.transforms, max_bytes=bound, path=path, item=label)
-    if tensor is None:
-        decode_object(data, path, label, materialize=False)
-    else:
+    if tensor is not None:
         decode_tensor_item(
             data, dtype=tensor[0], shape=tensor[1], path=path, item=label, materialize=False
         )
+        return
+    try:
+        decode_object(data, path, label, materialize=False)
+    except UnsafeCheckpointError:
+        if classes is None:
+            raise
+        needed = refused_globals(data, path, label)
+        if not needed:
+            raise
+        classes.update(needed)

@@ -268,3 +268,13 @@ def test_a_checkpoint_dcp_compressed_with_zstd_is_adopted_and_loads(tmp_path: Pa
     assert verify_checkpoint(tmp_path / "root", "ck").items_checked == 3
     loaded = _load(tmp_path / "root", "ck")
     assert torch.equal(loaded["w"], WEIGHTS) and loaded["train"].getvalue() == b"epoch=3"
+
+
+def test_classes_a_compressed_object_needs_are_named_too(tmp_path: Path) -> None:
+    state = {"w": WEIGHTS.clone(), "when": datetime.date(2024, 1, 2)}
+    writer = dcp.FileSystemWriter(str(tmp_path / "ck"), _extensions=[ZStandard()])
+    dcp.save(state, storage_writer=writer)
+    with pytest.raises(PickledClassesError) as refused:
+        dcp_safe.adopt(tmp_path / "ck", tmp_path / "root")
+    assert refused.value.classes == ("datetime.date",)
+    assert list_checkpoints(tmp_path / "root") == []
