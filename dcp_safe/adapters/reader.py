@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -203,8 +203,6 @@ class SafeStorageReader(StorageReader):
                 metadata = read_dcp_metadata(
                     backend, name, manifest, allow_pickle=self.allow_pickle
                 )
-                if getattr(metadata, "storage_meta", None) is None:
-                    metadata.storage_meta = StorageMeta()
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 failures.append(exc)
                 continue
