@@ -26,7 +26,8 @@ _LOCATOR = struct.Struct("<IIQI")  # signature, disk, offset of the zip64 end re
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # signature, size, versions, disks, entries, size, offset
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
-_SIG_EOCD, _SIG_LOCATOR, _SIG_EOCD64 = 0x06054B50, 0x07064B50, 0x06064B50
+_SIG_EOCD = b"PK\x05\x06"  # bytes: the end record is searched for in the tail
+_SIG_LOCATOR, _SIG_EOCD64 = 0x07064B50, 0x06064B50
 _SIG_CENTRAL, _SIG_LOCAL = 0x02014B50, 0x04034B50
 _STORED = 0
 _ENCRYPTED = 0x1
@@ -145,12 +146,12 @@ class _Parser:
         # torch writes no comment: the end record is the last 22 bytes. Else search for it.
         tail_start = max(0, length - _EOCD.size)
         tail = bytes(self.source.read_at(tail_start, length - tail_start))
-        if not tail.startswith(b"PK\x05\x06") or _comment(tail, 0):
+        if not tail.startswith(_SIG_EOCD) or _comment(tail, 0):
             tail_start = max(0, length - _EOCD.size - _MAX_COMMENT)
             tail = bytes(self.source.read_at(tail_start, length - tail_start))
-        at = tail.rfind(b"PK\x05\x06")
+        at = tail.rfind(_SIG_EOCD)
         while at >= 0 and at + _EOCD.size + _comment(tail, at) != len(tail):
-            at = tail.rfind(b"PK\x05\x06", 0, at)
+            at = tail.rfind(_SIG_EOCD, 0, at)
         if at < 0:
             raise self.corrupt("no end record")
         _, _, _, _, entries, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
