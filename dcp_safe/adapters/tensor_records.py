@@ -48,11 +48,9 @@ _FLAGS = 0x0808  # sizes in a data descriptor after each record; UTF-8 names
 _ID_DIGITS = 40
 # torch.save writes a random id per call; torch only logs it. One fixed id, the same in every
 # process, lets any rank reproduce the bytes another wrote (the manager's in-memory tier checks a
-# kept copy against the manifest that way).
+# kept copy against the manifest that way). 128 bits take at most 39 of its digits.
 _SERIALIZATION_ID = (
-    f"{int.from_bytes(hashlib.sha256(b'dcp_safe').digest()[:16], 'big'):0{_ID_DIGITS}d}"[
-        -_ID_DIGITS:
-    ].encode()
+    f"{int.from_bytes(hashlib.sha256(b'dcp_safe').digest()[:16], 'big'):0{_ID_DIGITS}d}".encode()
 )
 
 
