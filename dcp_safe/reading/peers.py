@@ -59,8 +59,6 @@ _Source = tuple[Backend, str]  # a backend and a file's path relative to its roo
 # is passed by and the files are read from the next source.
 _UNUSABLE = (OSError, CheckpointCorruptError)
 
-_PEER = ReadSource.PEER
-
 
 class PeerSource(Source):
     """Peer copies of other nodes' files, on this node's disk (that of ``cache``, which also
@@ -68,7 +66,7 @@ class PeerSource(Source):
     timeout is their deadline; default: dcp_safe's own, made at the first ``prepare`` on every
     rank; none in a single process, which reads peer copies on its disk only)."""
 
-    kind = _PEER
+    kind = ReadSource.PEER
     _checkpoint: str  # the checkpoint and its remote manifest, set by ``open``
     _manifest: Manifest
 
@@ -111,7 +109,7 @@ class PeerSource(Source):
         try:
             self.disk.remove_tree(scratch)
         except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
-            log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
+            log.reject(None, RejectionReason.UNREADABLE, str(exc), self.kind)
 
     def _offers(self, held: dict[str, int]) -> dict[str, _Source]:
         """The files this node's disk holds for this checkpoint at their recorded sizes: its
@@ -120,11 +118,11 @@ class PeerSource(Source):
         try:
             copies = list_peer_copies(self.disk, self._checkpoint)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
-            self._log.reject(None, RejectionReason.UNREADABLE, str(exc), _PEER)
+            self._log.reject(None, RejectionReason.UNREADABLE, str(exc), self.kind)
             copies = []
         for copy in copies:
             if copy.manifest != self._manifest:
-                self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", _PEER)
+                self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", self.kind)
                 continue
             found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in self._sizes(copy.rel)]
         return dict(reversed(found))  # the first found of each file
@@ -194,7 +192,7 @@ class PeerSource(Source):
                     reason = RejectionReason.CHECKSUM if corrupt else RejectionReason.UNREADABLE
                     here = corrupt or isinstance(exc, SenderFailedError)
                     why = str(exc) if here else f"landing here failed: {type(exc).__name__}: {exc}"
-                    self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", _PEER)
+                    self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", self.kind)
                 else:
                     self._peer_sources[fetch.file] = (self.disk, rel)
 
