@@ -12,22 +12,13 @@ from typing import TYPE_CHECKING
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.commit.fencing import register_attempt
-from dcp_safe.commit.lease import (
-    Claimant,
-    acquire_lease,
-    check_lease,
-    held_by_another,
-    holds_lease,
-    own_lease_file,
-    release_lease,
-)
+from dcp_safe.commit.lease import held_by_another, holds_lease, own_lease_file
 from dcp_safe.errors import CheckpointCorruptError, CheckpointExistsError, StaleWriterError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, manifest_digest
 
 if TYPE_CHECKING:
-    from dcp_safe.commit.strategy import PublishStrategy
+    from dcp_safe.commit.strategy import Publication
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +60,11 @@ def _remove_uploads(remote: Backend, name: str, uploaded: Sequence[str]) -> None
 
 @dataclass(eq=False)
 class ReplicaPublication:
-    """The replica of checkpoint ``name`` (``manifest``, whose digest is ``digest``) on
-    ``remote``, written under ``work_dir``.
+    """The replica of checkpoint ``manifest`` (whose digest is ``digest``), published on its
+    remote by ``publication``: of the checkpoint's own save id, written under the work folder
+    the replicator chose, and not fenced (the checkpoint was, where it was saved). On a
+    renaming remote the rename arbitrates; on a marker remote, a writing lease of that save id,
+    taken or joined (the same checkpoint's other writers share it).
 
     Call order: :meth:`claim` before the first upload (rank 0 only in a multi-rank save; the
     others wait for :meth:`held`); :meth:`check` before each file uploaded; then
@@ -78,32 +72,62 @@ class ReplicaPublication:
     :meth:`remove_part` (another rank).
     """
 
-    strategy: PublishStrategy
-    remote: Backend
+    publication: Publication
     manifest: Manifest
     digest: str
-    work_dir: str
-    claimant: Claimant
+    #: whether :meth:`claim` joined a lease already there (then it is not this replica's)
+    joined: bool = False
+
+    def __post_init__(self) -> None:
+        if not self._leased:
+            return
+        try:
+            layout.lease_file_name(self.manifest.save_id)
+        except ValueError as exc:
+            raise CheckpointCorruptError(
+                self.remote.full_path(self.name),
+                f"its manifest's save id {self.manifest.save_id!r} cannot name a writing lease:"
+                f" {exc}",
+            ) from None
+
+    @property
+    def _leased(self) -> bool:
+        return self.publication.strategy.in_place
 
     @property
     def name(self) -> str:
         return self.manifest.name
 
     @property
-    def save_id(self) -> str:
-        return self.manifest.save_id
+    def remote(self) -> Backend:
+        return self.publication.backend
+
+    @property
+    def work_dir(self) -> str:
+        return self.publication.work_dir
 
     def claim(self) -> bool:
         """Take the name for this replica (CheckpointExistsError: another save holds or
         committed it). False: committed with this digest meanwhile."""
+        try:
+            self.joined = self.publication.claim(join=True)
+        except CheckpointExistsError:
+            if committed_with(self.remote, self.name, self.digest):
+                return False
+            raise
         return True
 
     def check(self) -> None:
         """Raise ``StaleWriterError`` if this replica lost its claim on the name."""
+        self.publication.check()
 
     def held(self) -> bool | None:
         """For a rank waiting for the publisher's claim: True once it is held, False when the
         name got committed with this digest meanwhile, None while neither."""
+        try:
+            self.publication.check()
+        except StaleWriterError:
+            return False if committed_with(self.remote, self.name, self.digest) else None
         return True
 
     def publish(self, upload: Callable[[], None], uploaded: Sequence[str]) -> None:
@@ -114,13 +138,8 @@ class ReplicaPublication:
         try:
             upload()
             try:
-                self.strategy.publish(
-                    self.remote,
-                    self.work_dir,
-                    self.name,
-                    self.digest.encode(),
-                    before_commit=self.check,
-                )
+                self.publication.publish(self.digest.encode(), files={})
+                return  # and the claim given up
             except FileExistsError as exc:
                 # e.g. published meanwhile, reply lost: fine if it is ours
                 if not committed_with(self.remote, self.name, self.digest):
@@ -133,97 +152,48 @@ class ReplicaPublication:
         except BaseException:
             self._failed(uploaded)
             raise
-        self.release()
+        # Published by another writer of this checkpoint: give up the claim, or the folder.
+        if not self._leased:
+            self._failed(uploaded)
+            return
+        try:
+            self.publication.release()
+        except Exception as exc:
+            log.warning("replica %s committed; removing its lease failed: %s", self.name, exc)
 
     def _failed(self, uploaded: Sequence[str]) -> None:
-        self.abandon(uploaded)
+        if self._leased:
+            self.abandon(uploaded)
+            return
+        # The whole work folder goes (``abandon``, rank 0's own part failing, keeps the
+        # failure marker it wrote there for its peers). Best effort, never hiding the real
+        # error; a partial left behind is collected by the sweeper later.
+        with contextlib.suppress(Exception):
+            self.remote.remove_tree(self.work_dir)
 
     def abandon(self, uploaded: Sequence[str]) -> None:
-        """The publisher's clean-up after a failure; best effort, never raising."""
-        _remove_uploads(self.remote, self.name, uploaded)
+        """The publisher's clean-up after a failure; best effort, never raising. On a marker
+        remote: every object of the save, then the lease, if this replica took the lease and
+        still holds it; otherwise both are left to their holder or the sweeper."""
+        if not self._leased:
+            _remove_uploads(self.remote, self.name, uploaded)
+            return
+        names = [r.path for r in self.manifest.files] + [layout.SIGNATURE, layout.MANIFEST]
+        objects = list(dict.fromkeys([f"{self.name}/{n}" for n in names] + list(uploaded)))
+        save_id = self.manifest.save_id
+        with contextlib.suppress(Exception):
+            if self.joined or not holds_lease(self.remote, self.name, save_id):
+                return
+            _remove_uploads(self.remote, self.name, objects)
+            own = own_lease_file(self.remote, save_id)
+            if list(self.remote.walk_files(self.name)) == [own]:
+                self.remote.remove_tree(self.name)  # the lease and any empty folders at once
+            else:
+                self.publication.release()  # peers' markers stay
 
     def remove_part(self, uploaded: Sequence[str]) -> None:
         """Another rank's clean-up after its failure: its own uploads, unless another save
         holds the name now (the paths may be its). Best effort, never raising."""
-        _remove_uploads(self.remote, self.name, uploaded)
-
-    def release(self) -> None:
-        """After the commit: give up the claim. Never raises (the replica is whole)."""
-
-
-class RenamedReplica(ReplicaPublication):
-    """A hidden partial folder on a renaming remote; the rename arbitrates, so no claim."""
-
-    def _failed(self, uploaded: Sequence[str]) -> None:
-        # The publish failed: the whole work folder goes (``abandon``, rank 0's own part
-        # failing, keeps the failure marker it wrote there for its peers). Best effort, never
-        # hiding the real error; a partial left behind is collected by the sweeper later.
         with contextlib.suppress(Exception):
-            self.remote.remove_tree(self.work_dir)
-
-    def release(self) -> None:
-        self._failed(())  # absent once published (a no-op then); present if another published
-
-
-class LeasedReplica(ReplicaPublication):
-    """Objects written straight under ``<name>/`` behind a writing lease of the checkpoint's
-    own save id, taken or joined; the marker publishes."""
-
-    #: whether :meth:`claim` joined a lease already there (then it is not this replica's)
-    joined = False
-
-    def __post_init__(self) -> None:
-        try:
-            layout.lease_file_name(self.save_id)
-        except ValueError as exc:
-            raise CheckpointCorruptError(
-                self.remote.full_path(self.name),
-                f"its manifest's save id {self.save_id!r} cannot name a writing lease: {exc}",
-            ) from None
-
-    def claim(self) -> bool:
-        if self.claimant.attempt is not None:  # its start, for a relaunch's takeover rule
-            register_attempt(self.remote, self.claimant.attempt)
-        try:
-            self.joined = acquire_lease(
-                self.remote, self.name, self.save_id, self.claimant, join=True
-            )
-        except CheckpointExistsError:
-            if committed_with(self.remote, self.name, self.digest):
-                return False
-            raise
-        return True
-
-    def check(self) -> None:
-        check_lease(self.remote, self.name, self.save_id)
-
-    def held(self) -> bool | None:
-        if holds_lease(self.remote, self.name, self.save_id):
-            return True
-        return False if committed_with(self.remote, self.name, self.digest) else None
-
-    def abandon(self, uploaded: Sequence[str]) -> None:
-        """Every object of the save, then the lease, if this replica took the lease and still
-        holds it; otherwise both are left to their holder or the sweeper."""
-        names = [r.path for r in self.manifest.files] + [layout.SIGNATURE, layout.MANIFEST]
-        objects = list(dict.fromkeys([f"{self.name}/{n}" for n in names] + list(uploaded)))
-        with contextlib.suppress(Exception):
-            if self.joined or not holds_lease(self.remote, self.name, self.save_id):
-                return
-            _remove_uploads(self.remote, self.name, objects)
-            own = own_lease_file(self.remote, self.save_id)
-            if list(self.remote.walk_files(self.name)) == [own]:
-                self.remote.remove_tree(self.name)  # the lease and any empty folders at once
-            else:
-                release_lease(self.remote, self.name, self.save_id)  # peers' markers stay
-
-    def remove_part(self, uploaded: Sequence[str]) -> None:
-        with contextlib.suppress(Exception):
-            if not held_by_another(self.remote, self.name, self.save_id):
+            if not held_by_another(self.remote, self.name, self.manifest.save_id):
                 _remove_uploads(self.remote, self.name, uploaded)
-
-    def release(self) -> None:
-        try:
-            release_lease(self.remote, self.name, self.save_id)
-        except Exception as exc:
-            log.warning("replica %s committed; removing its lease failed: %s", self.name, exc)

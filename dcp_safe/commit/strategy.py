@@ -33,7 +33,7 @@ from dcp_safe.commit.lease import (
     held_by_another,
     release_lease,
 )
-from dcp_safe.commit.replica import LeasedReplica, RenamedReplica, ReplicaPublication
+from dcp_safe.commit.replica import ReplicaPublication
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError, StaleWriterError
 from dcp_safe.manifest.schema import Manifest
 
@@ -53,22 +53,30 @@ class Publication(abc.ABC):
     name: str
     save_id: str
     claimant: Claimant
+    #: where the save writes before it is published (by default, where its strategy says)
+    work_dir: str = ""
+    #: whether the claim and the commit point check the fence: not a replica's, whose
+    #: checkpoint was fenced where it was saved
+    fenced: bool = True
 
-    @property
-    def work_dir(self) -> str:
-        return self.strategy.work_dir(self.name, self.save_id)
+    def __post_init__(self) -> None:
+        if not self.work_dir:
+            self.work_dir = self.strategy.work_dir(self.name, self.save_id)
 
-    def claim(self, *, replace: bool = False) -> None:
+    def claim(self, *, replace: bool = False, join: bool = False) -> bool:
         """Fence the save's attempt (StaleWriterError), then take the name for it before a byte
-        is written (CheckpointExistsError: committed, and not being replaced, or held)."""
+        is written (CheckpointExistsError: committed, and not being replaced, or held). With
+        ``join``, share a lease this very save id holds already (a replica's, whose save id is
+        its checkpoint's); True: it joined one, which is then not this publication's."""
         attempt = self.claimant.attempt
         if attempt is not None:
             register_attempt(self.backend, attempt)
-            check_fence(self.backend, attempt)
-        self._take(replace)
+            if self.fenced:
+                check_fence(self.backend, attempt)
+        return self._take(replace, join)
 
     @abc.abstractmethod
-    def _take(self, replace: bool) -> None: ...
+    def _take(self, replace: bool, join: bool) -> bool: ...
 
     def check(self) -> None:
         """Raise ``StaleWriterError`` if this save lost its name (another took it over).
@@ -91,7 +99,8 @@ class Publication(abc.ABC):
         """
 
         def before_commit() -> None:
-            check_fence(self.backend, self.claimant.attempt)
+            if self.fenced:
+                check_fence(self.backend, self.claimant.attempt)
             self.check()
 
         self.check()
@@ -134,9 +143,10 @@ class Publication(abc.ABC):
 class RenamedPublication(Publication):
     """A hidden partial folder of this save's own; one atomic rename publishes it."""
 
-    def _take(self, replace: bool) -> None:
+    def _take(self, replace: bool, join: bool) -> bool:
         if not replace and self._committed():
             raise CheckpointExistsError(self.backend.full_path(self.name))
+        return False
 
     def discard(self, cause: BaseException) -> None:
         # If this fails too, it is a hidden partial: the sweeper collects it after a grace period.
@@ -147,8 +157,8 @@ class RenamedPublication(Publication):
 class LeasedPublication(Publication):
     """Files written straight under ``<name>/`` behind a writing lease; the marker publishes."""
 
-    def _take(self, replace: bool) -> None:
-        acquire_lease(self.backend, self.name, self.save_id, self.claimant)
+    def _take(self, replace: bool, join: bool) -> bool:
+        return acquire_lease(self.backend, self.name, self.save_id, self.claimant, join=join)
 
     def check(self) -> None:
         check_lease(self.backend, self.name, self.save_id)
@@ -198,9 +208,8 @@ class PublishStrategy(abc.ABC):
     in_place: bool
     #: a committed checkpoint can be replaced atomically (``overwrite=True``).
     can_replace: bool
-    #: what :meth:`publication` and :meth:`replica` make on this kind of root.
+    #: what :meth:`publication` makes on this kind of root.
     _publication: type[Publication]
-    _replica: type[ReplicaPublication]
 
     def work_dir(self, name: str, save_id: str) -> str:
         """Where save ``save_id`` of ``name`` writes before it is published."""
@@ -222,7 +231,10 @@ class PublishStrategy(abc.ABC):
     ) -> ReplicaPublication:
         """The publication on ``backend`` of a replica of a checkpoint committed elsewhere
         (``manifest``, whose digest is ``digest``), written under ``work_dir``."""
-        return self._replica(self, backend, manifest, digest, work_dir, claimant)
+        publication = self._publication(
+            self, backend, manifest.name, manifest.save_id, claimant, work_dir, fenced=False
+        )
+        return ReplicaPublication(publication, manifest, digest)
 
     def require_rename(self, why: str) -> None:
         """Refuse (ConfigError: ``why``) a root that cannot rename atomically."""
@@ -306,7 +318,6 @@ class RenameStrategy(PublishStrategy):
     can_replace = True
 
     _publication = RenamedPublication
-    _replica = RenamedReplica
 
     def _commit(
         self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool
@@ -349,7 +360,6 @@ class MarkerStrategy(PublishStrategy):
     hidden_by = layout.TRASH_MARKER
 
     _publication = LeasedPublication
-    _replica = LeasedReplica
 
     def _commit(
         self, backend: Backend, work_dir: str, name: str, marker: bytes, replace: bool

@@ -21,7 +21,7 @@ from dcp_safe import SafeStorageReader, SafeStorageWriter, WriterOptions, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.commit.fencing import ATTEMPT_ENV, RUN_ID_ENV
-from dcp_safe.commit.replica import LeasedReplica
+from dcp_safe.commit.replica import ReplicaPublication
 from dcp_safe.topology import Root
 
 _TIMEOUT_S = 120.0  # only a guard against a hung test
@@ -80,7 +80,7 @@ def test_a_restarted_attempt_replicates_over_the_lease_a_killed_replication_left
     _kill_before_the_manifest(killed)
     with monkeypatch.context() as patched:
         patched.setattr(
-            LeasedReplica, "abandon", lambda self, uploaded: None
+            ReplicaPublication, "abandon", lambda self, uploaded: None
         )  # killed: no clean-up
         dcp_safe.save(make_state(1), checkpoint_id="step_1", storage_writer=killed)
         with pytest.raises(_Killed):
