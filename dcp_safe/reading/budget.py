@@ -92,22 +92,21 @@ class LoadBudget:
     def admit(self, cost_bytes: int) -> Iterator[Admission]:
         """Hold a place for an item that allocates at most ``cost_bytes`` until the block ends
         (waiting, in arrival order, while it does not fit; alone when it never fits)."""
-        cost = max(0, cost_bytes)
         with self._cond:
-            if (budget := self.budget_bytes) is not None and cost:
+            if (budget := self.budget_bytes) is not None and cost_bytes:
                 ticket = object()
                 self._waiting.append(ticket)
                 try:
                     self._cond.wait_for(
                         lambda: (
                             self._waiting[0] is ticket
-                            and (self._reserved == 0 or self._reserved + cost <= budget)
+                            and (self._reserved == 0 or self._reserved + cost_bytes <= budget)
                         )
                     )
                 finally:
                     self._waiting.remove(ticket)
                     self._cond.notify_all()
-            self._reserved += cost
+            self._reserved += cost_bytes
         admission = Admission(self)
         try:
             yield admission
@@ -115,5 +114,5 @@ class LoadBudget:
             with self._cond:
                 self._items += admission.counted
                 self._held -= admission.held
-                self._reserved -= cost
+                self._reserved -= cost_bytes
                 self._cond.notify_all()
