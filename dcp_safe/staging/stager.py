@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import asdict, replace
 from functools import partial
@@ -439,7 +439,9 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
             self._release(gen, writer_done=False)
 
     def _upload_done(self, gen: InFlightGeneration, upload: Future[Any]) -> None:
-        exc = upload.exception()
+        # A cancelled future has no exception to read: exception() would raise in this callback
+        # and leave the generation in flight, its buffers leased, until close() timed out.
+        exc = CancelledError() if upload.cancelled() else upload.exception()
         gen.error = gen.error or exc
         release: InFlightGeneration | None = gen
         if exc is None and gen.held is not None:

@@ -7,6 +7,7 @@ import gc
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -426,3 +427,17 @@ def test_failed_staging_releases_its_generation(monkeypatch: pytest.MonkeyPatch)
         staged = stager.stage(state).result()
         assert _equal(dict(staged), state)
         del staged
+
+
+def test_a_cancelled_upload_releases_its_generation() -> None:
+    # A future cancelled before it ran (a queued upload the caller gave up) is done without a
+    # result or an exception to read: the generation must still go back, not stay in flight
+    # with its buffers leased until close() times out.
+    stager = BudgetedStager(budget=_budget(), options=StagerOptions(timeout_s=5))
+    stager.stage(_state()).result()
+    upload: Future[None] = Future()
+    stager.track(upload)
+    assert stager.stats().in_flight == 1
+    assert upload.cancel()
+    assert stager.stats().in_flight == 0
+    stager.close()  # nothing left in flight: no TimeoutError
