@@ -105,8 +105,8 @@ class BlockHasher:
         self._digests: list[str] = []
 
     def update(self, position: int, data: memoryview) -> None:
-        """Feed ``data``, which lies at ``position``: in order, each byte once or more (bytes
-        before the range, or fed before, are skipped; the callers feed a file's bytes in order)."""
+        """Feed ``data``, which lies at ``position``; bytes before the range, or already fed, are
+        skipped (the callers feed a file's bytes in order)."""
         lo, hi = max(position, self._done), min(position + data.nbytes, self._end)
         while lo < hi:
             block_end = lo + self._block_bytes - (lo - self._start) % self._block_bytes

@@ -91,7 +91,8 @@ class PeerSource(Source):
         """Fetch what this node lacks from peers: a collective on every rank."""
         self._log = log
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
-        held = self._sizes(self._checkpoint) if self.cache.name is not None else {}  # cached
+        # The files this node's own cache holds.
+        held = self._sizes(self._checkpoint) if self.cache.name is not None else {}
         needs = {
             f: record.size
             for f in sorted(files)
