@@ -42,7 +42,6 @@ from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, Source, SourceLog
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
-    DEFAULT_PEER_CHUNK_BYTES,
     SenderFailedError,
     exchange,
     receive_file,
@@ -63,19 +62,15 @@ _UNUSABLE = (OSError, CheckpointCorruptError)
 class PeerSource(Source):
     """Peer copies of other nodes' files, on this node's disk (that of ``cache``, which also
     holds the fetched files) or fetched from the ranks holding them, on ``process_group`` (its
-    timeout is their deadline; default: dcp_safe's own, made at the first ``prepare`` on every
-    rank; none in a single process, which reads peer copies on its disk only)."""
+    timeout is their deadline; ``None``: dcp_safe's own, made at the first ``prepare`` on every
+    rank; none in a single process, which reads peer copies on its disk only), ``chunk_bytes``
+    a message."""
 
     kind = ReadSource.PEER
     _checkpoint: str  # the checkpoint and its remote manifest, set by ``open``
     _manifest: Manifest
 
-    def __init__(
-        self,
-        cache: NodeCacheSource,
-        process_group: Any = None,
-        chunk_bytes: int = DEFAULT_PEER_CHUNK_BYTES,
-    ) -> None:
+    def __init__(self, cache: NodeCacheSource, process_group: Any, chunk_bytes: int) -> None:
         self.cache, self.disk = cache, cache.backend
         self._group = process_group
         self.chunk_bytes = chunk_bytes
