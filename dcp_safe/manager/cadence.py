@@ -161,7 +161,8 @@ class Goodput:
         clock: Callable[[], float],
         mtbf: tuple[float, str] | None = None,
     ) -> None:
-        self.policy, self._clock = policy, clock
+        self.policy = policy
+        self._clock = clock
         if policy.mtbf_s is not None:
             mtbf = (policy.mtbf_s, "mtbf_s")
         self._costs = Costs() if mtbf is None else Costs(mtbf_s=mtbf[0], mtbf_note=mtbf[1])
@@ -295,7 +296,10 @@ class Cadence:
         *,
         history: bool = False,
     ) -> None:
-        self.policy, self._clock, self._agreement, self._slot = policy, clock, agreement, slot
+        self.policy = policy
+        self._clock = clock
+        self._agreement = agreement
+        self._slot = slot
         self._ledger = ledger
         # A manager's: the MTBF from the history where ``history`` (the coordinator) and not
         # given; each commit's choice marked ``save_interval`` (a failure there only counted).

@@ -39,6 +39,7 @@ from dcp_safe.errors import (
     DcpSafeError,
     MissingKeysError,
     RollbackUnavailableError,
+    _per_rank,
 )
 from dcp_safe.manager.handles import SaveHandle
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, format_checksum, new_hasher
@@ -118,9 +119,7 @@ class InMemoryTier:
         if failed is not None:
             raise failed
         if any((v.call, v.step, v.detail) != ("rollback", step, None) for v in votes):
-            seen = "; ".join(
-                f"rank {r}: {v.detail or f'step {v.step}'}" for r, v in enumerate(votes)
-            )
+            seen = _per_rank({r: v.detail or f"step {v.step}" for r, v in enumerate(votes)}, "; ")
             raise RollbackUnavailableError(
                 f"the ranks cannot all roll back to one step ({seen}); nothing changed. Call"
                 " wait() on every rank so each has verified the last commit, then rollback()"

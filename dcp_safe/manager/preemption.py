@@ -23,7 +23,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from dcp_safe.coordination.agreement import Agreement, Vote, require_same_call
-from dcp_safe.errors import ConfigError, DcpSafeError, DrainTimeoutError
+from dcp_safe.errors import ConfigError, DcpSafeError, DrainTimeoutError, _per_rank
 from dcp_safe.manager.handles import SaveHandle
 
 if TYPE_CHECKING:
@@ -146,13 +146,12 @@ def agreed_plan(
         require_same_call(votes)
     except DcpSafeError as exc:
         return f"final save abandoned on every rank: {exc}"
-    objections = [(r, v.detail) for r, v in enumerate(votes) if v.detail is not None]
+    objections = {r: v.detail for r, v in enumerate(votes) if v.detail is not None}
     if not objections:
         return None
-    if len(objections) == len(votes) and len({why for _, why in objections}) == 1:
-        return str(objections[0][1])  # e.g. committed already, everywhere
-    listed = "; ".join(f"rank {r}: {why}" for r, why in objections)
-    return f"final save abandoned on every rank ({listed})"
+    if len(objections) == len(votes) and len(set(objections.values())) == 1:
+        return str(objections[0])  # e.g. committed already, everywhere
+    return f"final save abandoned on every rank ({_per_rank(objections, '; ')})"
 
 
 def countdown(timeout_s: float | None) -> Callable[[], float | None]:  # None: no bound

@@ -49,6 +49,8 @@ from dcp_safe.errors import (
     DrainTimeoutError,
     ReplicationSkippedError,
     SnapshotMutatedError,
+    _per_rank,
+    _ranks,
 )
 from dcp_safe.manager.fallback import FallbackSwitch
 from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode
@@ -106,13 +108,13 @@ def decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
 
 def _decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
     require_same_call(votes)
-    tripped = [(r, v.fallback) for r, v in enumerate(votes) if v.fallback is not None]
+    tripped = {r: v.fallback for r, v in enumerate(votes) if v.fallback is not None}
     if tripped:
-        reason = "; ".join(f"rank {r}: {why}" for r, why in tripped)
+        reason = _per_rank(tripped, "; ")
         return Decision(Verdict.SYNC, reason, fallback=reason)
-    stalled = [(r, v.stalled) for r, v in enumerate(votes) if v.stalled is not None]
+    stalled = {r: v.stalled for r, v in enumerate(votes) if v.stalled is not None}
     if stalled:
-        reason = "; ".join(f"rank {r}: {why}" for r, why in stalled)
+        reason = _per_rank(stalled, "; ")
         return Decision(Verdict.RAISE if policy is BusyPolicy.RAISE else Verdict.SKIP, reason)
     busy = [r for r, v in enumerate(votes) if v.busy]
     if not busy:
@@ -132,10 +134,6 @@ def _decide(votes: Sequence[Vote], policy: BusyPolicy) -> Decision:
         return Decision(Verdict.COALESCE, f"a save is in flight on {who}")
     verdict = Verdict(policy.value)  # wait, skip, raise, sync: each names its verdict
     return Decision(verdict, f"busy: a save is in flight on {who} (when_busy={policy.value!r})")
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 @dataclass(kw_only=True, eq=False)
