@@ -36,8 +36,7 @@ from dcp_safe.commit.strategy import Publication
 from dcp_safe.errors import CheckpointExistsError, CommitError, ConfigError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
-from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest, manifest_digest
-from dcp_safe.manifest.signing import sign_digest
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
 from dcp_safe.version import __version__
 
 log = logging.getLogger(__name__)
@@ -123,18 +122,11 @@ class Committer:
                 dcp_metadata=plain,
                 metrics=metrics,
             )
-            manifest_bytes = manifest.to_json()
-            digest = manifest_digest(manifest_bytes)
-            control = {layout.DCP_METADATA: metadata_bytes, layout.MANIFEST: manifest_bytes}
-            if self.options.signing_key is not None:
-                # Before the marker, like every file of the checkpoint: a committed signed
-                # checkpoint always has its signature.
-                control[layout.SIGNATURE] = sign_digest(self.options.signing_key, digest)
             try:
-                publication.publish(
-                    digest.encode(),
-                    files=control,
-                    sync_dirs=(layout.RANKS_DIR,),
+                publication.publish_manifest(
+                    manifest,
+                    {layout.DCP_METADATA: metadata_bytes},
+                    signing_key=self.options.signing_key,
                     replace=self.options.overwrite,
                 )
             except FileExistsError as exc:

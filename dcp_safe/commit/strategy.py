@@ -35,7 +35,8 @@ from dcp_safe.commit.lease import (
 )
 from dcp_safe.commit.replica import ReplicaPublication
 from dcp_safe.errors import CheckpointExistsError, ConfigError, DcpSafeError, StaleWriterError
-from dcp_safe.manifest.schema import Manifest
+from dcp_safe.manifest.schema import Manifest, manifest_digest
+from dcp_safe.manifest.signing import sign_digest
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,26 @@ class Publication(abc.ABC):
             # Committed and whole: a lease left beside the marker is harmless (the sweeper
             # ignores committed names), so the save must not be reported as failed.
             log.warning("checkpoint %s committed; removing its lease failed: %s", self.name, exc)
+
+    def publish_manifest(
+        self,
+        manifest: Manifest,
+        control: Mapping[str, bytes],
+        *,
+        signing_key: bytes | None = None,
+        replace: bool = False,
+    ) -> None:
+        """:meth:`publish` the save with ``manifest`` beside the other control files
+        ``control`` (by path under the work folder), the manifest's digest its marker, the rank
+        manifests made durable too. With ``signing_key``, its signature is written before the
+        marker, like every file of the checkpoint: a committed signed checkpoint always has it.
+        """
+        raw = manifest.to_json()
+        digest = manifest_digest(raw)
+        files = {**control, layout.MANIFEST: raw}
+        if signing_key is not None:
+            files[layout.SIGNATURE] = sign_digest(signing_key, digest)
+        self.publish(digest.encode(), files=files, sync_dirs=(layout.RANKS_DIR,), replace=replace)
 
     @abc.abstractmethod
     def discard(self, cause: BaseException) -> None:
