@@ -21,7 +21,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import fields
@@ -30,8 +30,7 @@ from typing import Any
 from dcp_safe.checkpoints.history import History
 from dcp_safe.manager.cadence import Choice
 from dcp_safe.manager.handles import ManagerStats, SaveHandle
-from dcp_safe.observe import Phase, SpanHandle
-from dcp_safe.telemetry.recorder import Telemetry, end_replication
+from dcp_safe.telemetry.recorder import Telemetry
 
 log = logging.getLogger("dcp_safe.manager")
 
@@ -50,9 +49,7 @@ class Ledger:
         self.cond = threading.Condition()  # the manager's: every part's state is guarded by it
         self.history, self._appends = history, coordinator  # only the coordinator appends
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-history")
-        # Each save's one telemetry span, open from admission to verified commit, by name.
         self.telemetry = telemetry
-        self._open_spans: dict[str, SpanHandle] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=_EVENTS_KEPT)
         self._counts = {f.name: 0 for f in fields(ManagerStats) if f.name not in _NOT_COUNTED}
         self._errors: list[BaseException] = []
@@ -179,20 +176,14 @@ class Ledger:
         what = f"recording the {event!r} event of {name!r} in the history"
         self.quietly(what, lambda: self.history.append(event, step, name, **fields))
 
-    @contextlib.contextmanager
-    def opened(self, handle: SaveHandle) -> Iterator[None]:  # phases inside nest under it
+    def opened(self, handle: SaveHandle) -> contextlib.AbstractContextManager[object]:
+        """Open the save's root span (ended by :meth:`end_span`); phases inside nest under it."""
         if self.telemetry is None:
-            yield
-            return
-        span = self.telemetry.begin_save(handle.name, handle.step)
-        with self.cond:
-            self._open_spans[handle.name] = span
-        with self.telemetry.within(span):
-            yield
+            return contextlib.nullcontext()
+        return self.telemetry.within(self.telemetry.begin_save(handle.name, handle.step))
 
     def end_span(self, handle: SaveHandle, error: BaseException | None) -> None:
-        with self.cond:
-            span = self._open_spans.pop(handle.name, None)
+        span = None if self.telemetry is None else self.telemetry.root(handle.name)
         if span is not None:
             span.end() if error is None else span.fail(error)
 
@@ -201,12 +192,9 @@ class Ledger:
         worker's ``replication`` resolves (as the telemetry wrapper records it with threads)."""
         if self.telemetry is None:
             return
-        with self.cond:
-            span = self._open_spans.get(name)
-        self.telemetry.adopt(events, span)
+        self.telemetry.adopt(events, self.telemetry.root(name))
         if replication is not None:
-            replicating = self.telemetry.begin(Phase.REPLICATION, save=name)
-            replication.add_done_callback(lambda done: end_replication(replicating, done))
+            self.telemetry.follow_replication(name, replication)
 
     def wrap(self, writer: Any) -> Any:
         return writer if self.telemetry is None else self.telemetry.wrap_writer(writer)

@@ -205,6 +205,26 @@ class Telemetry(AbstractContextManager["Telemetry"]):
             self._emit(replace(e, rank=self.rank, span=ids[e.span], parent=ids.get(e.parent, up)))
         return sum(e.kind is EventKind.SPAN_END for e in kept)
 
+    def root(self, save: str) -> SpanHandle | None:
+        """The open root span of save ``save`` (``None``: none is open)."""
+        with self._lock:
+            return self._roots.get(save)
+
+    def follow_replication(self, save: str, replication: Future_[Any]) -> None:
+        """A ``replication`` span of ``save``, ended with the outcome of ``replication`` (bytes:
+        its manifest's)."""
+        span = self.begin(Phase.REPLICATION, save=save)
+
+        def ended(done: Future_[Any]) -> None:
+            if done.cancelled():
+                span.fail("cancelled")
+            elif (error := done.exception()) is not None:
+                span.fail(error)
+            else:
+                span.end(bytes=getattr(done.result(), "total_bytes", None))
+
+        replication.add_done_callback(ended)
+
     def saves_in_flight(self) -> int:
         return len(self._roots)
 
@@ -320,7 +340,7 @@ class InstrumentedWriter(StorageWriter):
         if self._name is None:
             return
         tel = self.telemetry
-        if self._name not in tel._roots:
+        if tel.root(self._name) is None:
             self._root = tel.begin_save(self._name, getattr(self.inner, "step", None))
         self._plan = tel.begin(Phase.PLAN, save=self._name, parent=self._root)
 
@@ -355,9 +375,7 @@ class InstrumentedWriter(StorageWriter):
         topology: Topology | None = getattr(self.inner, "topology", None)
         if self._name is None or topology is None or topology.uploads_to is None:
             return
-        replication: Future_[Any] = self.inner.replication(self._name)
-        replicating = self.telemetry.begin(Phase.REPLICATION, save=self._name)
-        replication.add_done_callback(lambda done: end_replication(replicating, done))
+        self.telemetry.follow_replication(self._name, self.inner.replication(self._name))
 
     def storage_meta(self) -> StorageMeta | None:
         return cast(StorageMeta | None, self.inner.storage_meta())
@@ -401,13 +419,3 @@ class InstrumentedWriter(StorageWriter):
         if opened is not None:
             opened.fail(error)
         self._close_root(error)
-
-
-def end_replication(span: SpanHandle, done: Future_[Any]) -> None:
-    """End a ``replication`` span with the outcome of its future (bytes: its manifest's)."""
-    if done.cancelled():
-        span.fail("cancelled")
-    elif (error := done.exception()) is not None:
-        span.fail(error)
-    else:
-        span.end(bytes=getattr(done.result(), "total_bytes", None))
