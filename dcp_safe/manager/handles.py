@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,13 @@ class SaveHandle:
     def cancel(self) -> None:
         for future in (self.staged, self.committed, self.replicated):
             future.cancel()
+
+
+def settle(futures: Iterable[Future[Any]], error: BaseException) -> None:
+    """Fail each of ``futures`` with ``error``; one done already (or cancelled) stays as it is."""
+    for future in futures:
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(error)
 
 
 @dataclass(frozen=True)

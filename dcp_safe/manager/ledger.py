@@ -22,14 +22,14 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import fields
 from typing import Any
 
 from dcp_safe.checkpoints.history import History
 from dcp_safe.manager.cadence import Choice
-from dcp_safe.manager.handles import ManagerStats, SaveHandle
+from dcp_safe.manager.handles import ManagerStats, SaveHandle, settle
 from dcp_safe.telemetry.recorder import Telemetry
 
 log = logging.getLogger("dcp_safe.manager")
@@ -77,9 +77,7 @@ class Ledger:
         for handle in handles:
             tiers = {"local": handle.committed, "remote": handle.replicated}
             pending = {tier: f for tier, f in tiers.items() if not f.done()}
-            for future in (handle.staged, *pending.values()):
-                with contextlib.suppress(InvalidStateError):  # done (or cancelled) meanwhile
-                    future.set_exception(error)
+            settle([handle.staged, *pending.values()], error)  # unless done meanwhile
             # Recorded so that a rank that gave up has the events a peer that saw the outcome has.
             if pending:  # the first tier pending: local before remote
                 self.record("failed", handle, tier=next(iter(pending)), reason=reason)
@@ -131,9 +129,7 @@ class Ledger:
             if keep:
                 self._errors.append(error)
         everything: list[Future[Any]] = [handle.staged, handle.committed, handle.replicated]
-        for target in everything if future is None else [future]:
-            with contextlib.suppress(InvalidStateError):  # done already (or cancelled)
-                target.set_exception(error)
+        settle(everything if future is None else [future], error)
         log.warning("checkpoint %s failed (%s): %s", handle.name, tier, error)
         if tier == "local":
             self.quietly("telemetry", lambda: self.end_span(handle, error))

@@ -53,7 +53,7 @@ from dcp_safe.errors import (
     _ranks,
 )
 from dcp_safe.manager.fallback import FallbackSwitch
-from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode
+from dcp_safe.manager.handles import BusyPolicy, Pending, SaveHandle, StagingMode, settle
 from dcp_safe.manager.in_memory import InMemoryTier
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.options import Bounds, SavePolicy
@@ -550,8 +550,7 @@ class SaveRunner:
                 handle.replicated.set_result(None if done.exception() else done.result())
         elif isinstance(error, ReplicationSkippedError):  # policy, not a failure
             self.ledger.record("skipped", handle, tier="remote", reason=str(error))
-            with contextlib.suppress(InvalidStateError):
-                handle.replicated.set_exception(error)
+            settle([handle.replicated], error)
         else:
             self.ledger.fail(handle, error, tier="remote", future=handle.replicated, reason=reason)
 
