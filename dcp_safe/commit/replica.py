@@ -109,6 +109,8 @@ class ReplicaPublication:
     def claim(self) -> bool:
         """Take the name for this replica (CheckpointExistsError: another save holds or
         committed it). False: committed with this digest meanwhile."""
+        if not self._leased:
+            return True  # the rename arbitrates; no attempt is recorded on such a remote
         try:
             self.joined = self.publication.claim(join=True)
         except CheckpointExistsError:
