@@ -18,6 +18,7 @@ from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ReplicationTimeoutError,
 )
@@ -56,35 +57,60 @@ def poll(
         pause = min(pause * 2, max_pause_s)
 
 
-def watch_for_commit(
-    backend: Backend, name: str, *, poll_s: float = 0.5, timeout_s: float = DEFAULT_WATCH_TIMEOUT_S
-) -> Future[Manifest]:
-    """A future for ``name``'s manifest once ``<name>/_COMMITTED`` matches it on ``backend``.
+def await_committed(
+    backend: Backend,
+    name: str,
+    *,
+    timeout_s: float,
+    pause_s: float,
+    save_id: str | None = None,
+    before: Callable[[], None] = lambda: None,
+    between: Callable[[], None] = lambda: None,
+) -> Manifest:
+    """``name``'s manifest once ``<name>/_COMMITTED`` matches it on ``backend``, polled every
+    ``pause_s`` for at most ``timeout_s``. ``before`` runs first on every poll, ``between``
+    after each poll that found nothing; either raises to end the wait (a peer's failure).
 
-    Fails with ``ReplicationTimeoutError`` after ``timeout_s``; storage errors while polling are
-    retried until then (the last one is chained).
+    Raises:
+        CheckpointExistsError: ``save_id`` is given and another save committed ``name``.
+        ReplicationTimeoutError: not committed by the deadline; storage errors while polling
+            are retried until then (the last one is chained).
     """
-    future: Future[Manifest] = Future()
-    last: BaseException | None = None
+    last: Exception | None = None
 
     def committed() -> Manifest | None:
         nonlocal last
+        before()
         try:
-            return open_committed(backend, name).manifest
+            manifest = open_committed(backend, name).manifest
         except (CheckpointNotFoundError, CheckpointCorruptError, OSError) as exc:
             last = exc  # not there yet, or half-visible on an eventually consistent store
-            return None
+            manifest = None
+        if manifest is None:
+            between()
+        elif save_id is not None and manifest.save_id != save_id:
+            raise CheckpointExistsError(backend.full_path(name), "another save committed it")
+        return manifest
+
+    found = poll(committed, timeout_s, pause_s=pause_s, max_pause_s=pause_s)
+    if found is None:
+        where = backend.full_path(name)
+        raise ReplicationTimeoutError(f"{where} was not committed within {timeout_s} s") from last
+    return found
+
+
+def watch_for_commit(
+    backend: Backend, name: str, *, poll_s: float = 0.5, timeout_s: float = DEFAULT_WATCH_TIMEOUT_S
+) -> Future[Manifest]:
+    """A future for ``name``'s manifest once ``<name>/_COMMITTED`` matches it on ``backend``
+    (:func:`await_committed` on a thread of its own)."""
+    future: Future[Manifest] = Future()
 
     def watch() -> None:
-        found = poll(committed, timeout_s, pause_s=poll_s, max_pause_s=poll_s)
-        if found is not None:
-            future.set_result(found)
-            return
-        error = ReplicationTimeoutError(
-            f"{backend.full_path(name)} was not committed within {timeout_s} s"
-        )
-        error.__cause__ = last
-        future.set_exception(error)
+        try:
+            future.set_result(await_committed(backend, name, timeout_s=timeout_s, pause_s=poll_s))
+        except ReplicationTimeoutError as exc:
+            future.set_exception(exc)
 
     threading.Thread(target=watch, name=f"dcp_safe-watch-{name}", daemon=True).start()
     return future

@@ -15,12 +15,9 @@ from typing import TypeVar
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.committed import open_committed
-from dcp_safe.coordination.markers import poll
+from dcp_safe.coordination.markers import await_committed, poll
 from dcp_safe.errors import (
     CheckpointCorruptError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
     CommitError,
     ConfigError,
     ReplicationSkippedError,
@@ -56,11 +53,10 @@ class UploadOptions:
                 f"{self.remote_timeout_s}, {self.poll_s}, {self.chunk_bytes}"
             )
 
-    def poll(self, check: Callable[[], T | None], waiting_for: str, *, deadlines: int = 1) -> T:
+    def poll(self, check: Callable[[], T | None], waiting_for: str) -> T:
         """:func:`~dcp_safe.coordination.markers.poll` of ``check`` every ``poll_s``, for at most
-        ``deadlines`` times ``remote_timeout_s``; at the deadline, a ReplicationTimeoutError
-        naming ``waiting_for``."""
-        timeout_s = deadlines * self.remote_timeout_s
+        ``remote_timeout_s``; at the deadline, a ReplicationTimeoutError naming ``waiting_for``."""
+        timeout_s = self.remote_timeout_s
         found = poll(check, timeout_s, pause_s=self.poll_s, max_pause_s=self.poll_s)
         if found is None:
             raise ReplicationTimeoutError(f"gave up after {timeout_s} s waiting for {waiting_for}")
@@ -218,35 +214,25 @@ def await_remote_commit(
     Raises:
         CheckpointExistsError: another save committed ``name`` on the remote.
         CommitError, ReplicationSkippedError: a peer reported a failure or a skip.
-        ReplicationTimeoutError: nothing happened by the deadline (chained to the last storage
-            error when the store was unavailable: a failed poll ends no wait on its own).
+        ReplicationTimeoutError: nothing happened by the deadline (chained to the last error
+            opening the commit, a storage error when the store was unavailable).
     """
-    unavailable: list[OSError] = []
 
-    def committed() -> Manifest | None:
-        before()
-        try:
-            manifest = open_committed(remote, name).manifest
-        except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
-            manifest = None  # not there yet, or half-visible on an eventually consistent store
-        if manifest is not None:
-            if manifest.save_id != save_id:
-                raise CheckpointExistsError(remote.full_path(name), "another save committed it")
-            return manifest
-        try:
+    def reported() -> None:
+        # A storage error (StorageError included) ends no wait on its own: rank 0's commit may
+        # retry through the outage and succeed.
+        with contextlib.suppress(OSError):
             raise_reported_failures(remote, work, save_id, name)
-        except OSError as exc:  # StorageError included: the store is down for a while
-            # A poll that saw nothing: rank 0's commit may retry through the outage and succeed.
-            unavailable[:] = [exc]
-        return None
 
-    try:
-        waiting_for = f"{remote.full_path(name)}/{layout.COMMITTED_MARKER}"
-        return options.poll(committed, waiting_for, deadlines=2)
-    except ReplicationTimeoutError as exc:
-        if unavailable:
-            raise exc from unavailable[0]  # the last storage error says why nothing was seen
-        raise
+    return await_committed(
+        remote,
+        name,
+        timeout_s=2 * options.remote_timeout_s,
+        pause_s=options.poll_s,
+        save_id=save_id,
+        before=before,
+        between=reported,
+    )
 
 
 def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[int, str]]:
