@@ -94,6 +94,15 @@ def prune_node_caches(backend: Backend, keep: int) -> list[str]:
     return doomed
 
 
+def held_files(backend: Backend, folder: str, manifest: Manifest) -> dict[str, int]:
+    """The files of ``manifest`` that ``folder`` holds at their recorded size (its rank
+    manifests in ``_ranks/`` among them), by path in the checkpoint."""
+    sizes = backend.sizes(folder)
+    ranks = backend.sizes(f"{folder}/{layout.RANKS_DIR}")
+    sizes |= {f"{layout.RANKS_DIR}/{rank}": size for rank, size in ranks.items()}
+    return {f.path: f.size for f in manifest.files if sizes.get(f.path) == f.size}
+
+
 def ranks_in(backend: Backend, directory: str) -> list[int]:
     """Ranks whose rank manifest is in ``directory``'s ``_ranks/``."""
     entries = backend.list_dir(f"{directory}/{layout.RANKS_DIR}")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
-from dcp_safe.checkpoints.node_cache import list_peer_copies
+from dcp_safe.checkpoints.node_cache import held_files, list_peer_copies
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, checkpoint_group, gather_objects
 from dcp_safe.errors import CheckpointCorruptError
 from dcp_safe.manifest.schema import Manifest
@@ -87,7 +87,7 @@ class PeerSource(Source):
         self._log = log
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
         # The files this node's own cache holds.
-        held = self._sizes(self._checkpoint) if self.cache.name is not None else {}
+        held = self._held(self._checkpoint) if self.cache.name is not None else {}
         needs = {
             f: record.size
             for f in sorted(files)
@@ -120,16 +120,16 @@ class PeerSource(Source):
             if copy.manifest != self._manifest:
                 self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", self.kind)
                 continue
-            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in self._sizes(copy.rel)]
+            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in self._held(copy.rel)]
         return dict(reversed(found))  # the first found of each file
 
-    def _sizes(self, folder: str) -> dict[str, int]:
-        """The files directly in ``folder`` on this node's disk at their recorded size."""
+    def _held(self, folder: str) -> dict[str, int]:
+        """The files of ``folder`` on this node's disk at their recorded size (none where it is
+        unusable)."""
         try:
-            sizes = self.disk.sizes(folder)
+            return held_files(self.disk, folder, self._manifest)
         except _UNUSABLE:
             return {}
-        return {f: n for f, n in sizes.items() if (r := self._manifest.file(f)) and r.size == n}
 
     def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the

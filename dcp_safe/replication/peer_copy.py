@@ -25,7 +25,12 @@ from typing import Any
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.committed import read_marked_manifest
-from dcp_safe.checkpoints.node_cache import commit_peer_copy, open_node_cache, prune_peer_copies
+from dcp_safe.checkpoints.node_cache import (
+    commit_peer_copy,
+    held_files,
+    open_node_cache,
+    prune_peer_copies,
+)
 from dcp_safe.coordination.group import gather_objects
 from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError, describe
 from dcp_safe.manifest.schema import FileRecord, Manifest
@@ -77,7 +82,8 @@ def copy_to_peers(
     failed: str | None = None
     if peers.leads_node():
         try:
-            offer = _offer(local, name)
+            manifest = open_node_cache(local, name).manifest
+            offer = list(held_files(local, name, manifest).items())
         except (DcpSafeError, OSError) as exc:
             failed = f"node {peers.node} offered nothing: {describe(exc)}"
     offers = gather_objects((offer, failed), peers.group)
@@ -111,16 +117,6 @@ def copy_to_peers(
     if failures:
         raise PeerCopyError(name, failures)
     return [folder for folder, error in received if error is None]
-
-
-def _offer(local: Backend, name: str) -> list[tuple[str, int]]:
-    """The files this node's cache of ``name`` holds with their recorded sizes."""
-    cache = open_node_cache(local, name)
-    sizes = dict(local.sizes(name))
-    sizes |= {
-        f"{layout.RANKS_DIR}/{k}": v for k, v in local.sizes(f"{name}/{layout.RANKS_DIR}").items()
-    }
-    return [(f.path, f.size) for f in cache.manifest.files if sizes.get(f.path) == f.size]
 
 
 def _receive_copy(
