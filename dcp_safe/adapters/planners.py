@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
 import os
 import pickle
 from collections.abc import Collection, Iterable, Sequence
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_load_plan,
 )
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -60,8 +61,6 @@ from dcp_safe.reading.audit import Piece
 from dcp_safe.reading.read_once import (
     ReadOncePlan,
     Transfer,
-    dtype_name,
-    item_nbytes,
     items_digest,
     share_reads,
 )
@@ -395,7 +394,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if not self.sends_shared or self.read_once is False:
             return plan
         dtypes = [
-            None if i.type == LoadItemType.BYTE_IO else dtype_name(self.resolve_tensor(i).dtype)
+            None if i.type == LoadItemType.BYTE_IO else str(self.resolve_tensor(i).dtype)
             for i in plan.items
         ]
         return ReadOncePlan(**vars(plan), dtypes=dtypes, items_digest=items_digest(plan.items))
@@ -422,11 +421,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return self._sent
 
     def _read_cost(self, item: ReadItem) -> int:
-        """Bytes read from storage for ``item``: its stored length where the metadata says."""
-        storage = getattr(self.metadata, "storage_data", None)
+        """Bytes read from storage for ``item``: its stored length where the reader's metadata
+        says, else (a reader that keeps no lengths, as DCP's Hugging Face one) its region's bytes
+        in the stored dtype; ``0`` for an object."""
+        assert self.metadata is not None  # create_local_plan ran first, on this rank too
+        storage = self.metadata.storage_data
         info = storage.get(item.storage_index) if isinstance(storage, dict) else None
         length = getattr(info, "length", None)
-        return int(length) if isinstance(length, int) else item_nbytes(item, None)
+        if isinstance(length, int):
+            return length
+        stored = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        if not isinstance(stored, TensorStorageMetadata):
+            return 0
+        return math.prod(item.lengths) * stored.properties.dtype.itemsize
 
     def _stored_key(self, key: str) -> str:
         return self._per_rank_keys.get(key, key)

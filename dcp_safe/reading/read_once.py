@@ -65,10 +65,6 @@ def items_digest(items: Sequence[ReadItem]) -> int:
     return int(hasher.intdigest())
 
 
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype)
-
-
 def item_nbytes(item: ReadItem, dtype: str | None) -> int:
     """The bytes of a tensor item's destination region (``0`` for an object)."""
     if item.type == LoadItemType.BYTE_IO or dtype is None:

@@ -15,12 +15,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dcp_safe
-from dcp_safe import SafeStorageReader, SafeStorageWriter, list_checkpoints
+from dcp_safe import SafeLoadPlanner, SafeStorageReader, SafeStorageWriter, list_checkpoints
 from dcp_safe.adapters.planners import (
     FingerprintedPlan,
     RestoreReport,
@@ -29,6 +36,7 @@ from dcp_safe.adapters.planners import (
     fingerprints_of,
 )
 from dcp_safe.errors import DivergentStateError, MissingKeysError, PerRankStateError
+from dcp_safe.reading.read_once import ReadOncePlan, items_digest
 from dcp_safe.testing.multiproc import run_ranks
 
 # -- the pure parts -------------------------------------------------------------------------
@@ -66,6 +74,35 @@ def test_large_tensors_hashed_in_parallel_get_the_same_fingerprints_in_key_order
     found = fingerprints_of(values)
     assert list(found) == list(values)
     assert found == {key: fingerprint(value) for key, value in values.items()}
+
+
+def test_shared_reads_spread_over_ranks_when_the_reader_keeps_no_stored_lengths() -> None:
+    """A reader whose metadata has no stored lengths (DCP's Hugging Face one): each entry costs
+    its region in the stored dtype, so two ranks holding the same two tensors read one each."""
+    shape = torch.Size([8, 4])
+    chunk = ChunkStorageMetadata(torch.Size([0, 0]), shape)
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float16), shape, [chunk])
+    planner = SafeLoadPlanner()
+    planner.metadata = Metadata(
+        state_dict_metadata={"a": tensor, "b": tensor},
+        storage_data={MetadataIndex(k, [0, 0]): object() for k in ("a", "b")},
+    )
+    items = [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(key, [0, 0]),
+            dest_offsets=torch.Size([0, 0]),
+            storage_index=MetadataIndex(key, [0, 0]),
+            storage_offsets=torch.Size([0, 0]),
+            lengths=shape,
+        )
+        for key in ("a", "b")
+    ]
+    local = ReadOncePlan(
+        items=items, dtypes=["torch.float16"] * 2, items_digest=items_digest(items)
+    )
+    result = planner.create_global_plan([local, local])
+    assert [len(plan.items) for plan in result] == [1, 1]
 
 
 # -- the probe, on real ranks -----------------------------------------------------------------
