@@ -28,7 +28,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_safe import layout
@@ -51,6 +50,7 @@ from dcp_safe.manifest.signing import resolve_key
 from dcp_safe.reading.budget import LoadBudget, LoadMemoryStats
 from dcp_safe.reading.items import CopyFailed, ItemReader
 from dcp_safe.reading.peers import PeerSource
+from dcp_safe.reading.plain import PlainReader, done
 from dcp_safe.reading.sources import (
     NodeCacheSource,
     NodeCacheStats,
@@ -65,7 +65,7 @@ from dcp_safe.replication.peer_transport import DEFAULT_PEER_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
 
 
-class SafeStorageReader(StorageReader):
+class SafeStorageReader(PlainReader):
     """Load committed checkpoints from ``root``, verifying every byte it uses.
 
     Args:
@@ -157,7 +157,6 @@ class SafeStorageReader(StorageReader):
         #: The resolved name of the checkpoint being read (after ``reset``).
         self.checkpoint_id: str | None = None
         self._manifest: Manifest | None = None
-        self._metadata: Metadata | None = None
         self._spare: Backend | None = None
         self._spare_checked = False
         self.items_from_fallback = 0
@@ -231,23 +230,11 @@ class SafeStorageReader(StorageReader):
         """Where the files read since the last ``reset`` came from, and why a copy was not used."""
         return self._log.stats(None if self._cache is None else self._cache.path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self.reset()
-        assert self._metadata is not None
-        return self._metadata
-
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         if self._manifest is None:
             raise ConfigError("SafeStorageReader used before reset()")
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read, verify and hand over every item of ``plan``, one file at a time in file order,
@@ -283,9 +270,7 @@ class SafeStorageReader(StorageReader):
             self._items.hash_pool = None
             for source in self.sources:
                 source.finish(self._log)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return done()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_safe import layout
@@ -56,6 +55,7 @@ from dcp_safe.checkpoints.adopt import check_tiling
 from dcp_safe.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from dcp_safe.manifest.limits import CONTROL_MAX_BYTES, parse_json
 from dcp_safe.manifest.streams import read_fully, short_read
+from dcp_safe.reading.plain import PlainReader, done
 from dcp_safe.topology import Root
 
 #: What a name map takes (a tensor's name in the files) and gives (its state-dict key, or
@@ -146,7 +146,7 @@ class _Place:
     shape: tuple[int, ...]
 
 
-class SafetensorsReader(StorageReader):
+class SafetensorsReader(PlainReader):
     """Reads a safetensors source (the file or index :func:`locate` gives) for ``dcp.load``
     (DCP's load planner reshards it); ``digest``: ``"sha256:<hex>"`` of its index and headers,
     once read.
@@ -162,7 +162,6 @@ class SafetensorsReader(StorageReader):
         self._backend = _backend(Root(folder or ".", source.storage_options))
         self._name_map = name_map
         self._places: dict[MetadataIndex, _Place] = {}
-        self._metadata: Metadata | None = None
         self.digest: str | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -194,20 +193,8 @@ class SafetensorsReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self.reset()
-        assert self._metadata is not None
-        return self._metadata
-
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
         self._places = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
@@ -217,9 +204,7 @@ class SafetensorsReader(StorageReader):
             with self._backend.open_read(file) as stream:
                 for item in items:
                     self._read(stream, item, planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        return done()
 
     def _read(self, stream: BinaryIO, item: ReadItem, planner: LoadPlanner) -> None:
         """Copy ``item``'s region into its target, whole rows of dim 0 at a time."""
