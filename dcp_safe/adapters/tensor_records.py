@@ -221,17 +221,6 @@ def template_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview, bytes] | No
     return None if layout is None else (layout.prefix, tensor_bytes(tensor), layout.suffix)
 
 
-def write_tensor(tensor: torch.Tensor, out: Any) -> bool:
-    """Write ``tensor`` to ``out`` exactly as ``torch.save`` would, if this module can
-    (:func:`template_parts`); ``False``, nothing written, if it cannot."""
-    parts = template_parts(tensor)
-    if parts is None:
-        return False
-    for part in parts:
-        out.write(part)
-    return True
-
-
 def minimal_cpu_tensor(data: Any) -> torch.Tensor:
     """A CPU tensor whose storage holds exactly its bytes (torch.save writes whole storages)."""
     if not isinstance(data, torch.Tensor):

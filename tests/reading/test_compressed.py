@@ -18,7 +18,7 @@ from support import assert_state_equal
 
 import dcp_safe
 from dcp_safe import CheckpointCorruptError, SafeStorageReader, SafeStorageWriter, WriterOptions
-from dcp_safe.adapters.tensor_records import layout_for, write_tensor
+from dcp_safe.adapters.tensor_records import layout_for, template_parts
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR
@@ -71,10 +71,11 @@ def test_a_flipped_byte_in_a_zstd_item_is_a_checksum_mismatch(tmp_path: Path) ->
 
 def test_a_frame_that_needs_a_larger_window_is_left_to_the_whole_item_decoder() -> None:
     tensor = torch.randn(3 << 20)  # 12 MiB: a window of 32 MiB holds all of it
-    plain = io.BytesIO()
-    assert write_tensor(tensor, plain)
+    parts = template_parts(tensor)
+    assert parts is not None
+    plain = b"".join(parts)
     params = zstandard.ZstdCompressionParameters.from_level(3, window_log=25)
-    packed = zstandard.ZstdCompressor(compression_params=params).compress(plain.getvalue())
+    packed = zstandard.ZstdCompressor(compression_params=params).compress(plain)
     layout = layout_for(tensor.dtype, tuple(tensor.shape))
     assert layout is not None
     dest = torch.empty_like(tensor)
@@ -101,9 +102,10 @@ def test_a_frame_that_needs_a_larger_window_is_left_to_the_whole_item_decoder() 
 
 def _stored(tensor: torch.Tensor, *, zstd: bool) -> tuple[bytes, ItemRecord]:
     """``tensor`` as an item at offset 5 of a file with bytes after it, and its record."""
-    plain = io.BytesIO()
-    assert write_tensor(tensor, plain)
-    data = zstandard.ZstdCompressor().compress(plain.getvalue()) if zstd else plain.getvalue()
+    parts = template_parts(tensor)
+    assert parts is not None
+    plain = b"".join(parts)
+    data = zstandard.ZstdCompressor().compress(plain) if zstd else plain
     hasher = new_hasher("sha256", size_hint=len(data))
     hasher.update(data)
     record = ItemRecord(
