@@ -1,5 +1,6 @@
 """The manager's roots once a checkpoint is committed: verification, retention, ``latest``,
-readers, and the peer tier's background copies (:class:`PeerTier`).
+readers, and the peer tier's background copies (a
+:class:`~dcp_safe.replication.peer_copy.PeerCopier`).
 
 It keeps what must not be pruned yet (names being read or replicated, the newest one this
 manager committed) and writes the ``pruned`` history events. One manager owns a root:
@@ -19,17 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.adapters.reader import SafeStorageReader
@@ -37,23 +35,15 @@ from dcp_safe.adapters.writer import SafeStorageWriter
 from dcp_safe.backends.backend import Backend
 from dcp_safe.checkpoints.catalog import list_checkpoints
 from dcp_safe.commit.strategy import strategy_for
-from dcp_safe.coordination.group import (
-    checkpoint_group,
-    discard_group,
-    gather_objects,
-    is_group_failure,
-)
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     ConfigError,
     DcpSafeError,
-    PeerCopyError,
     SignatureError,
 )
 from dcp_safe.manager.ledger import Ledger
 from dcp_safe.manager.options import Retention
-from dcp_safe.reading.peers import PEER_RESTORE
 from dcp_safe.reading.safetensors_import import (
     NameMap,
     SafetensorsReader,
@@ -61,13 +51,12 @@ from dcp_safe.reading.safetensors_import import (
     is_safetensors_file,
     locate,
 )
-from dcp_safe.replication.peer_copy import PeerGroup, copy_to_peers
+from dcp_safe.replication.peer_copy import PEER_COPIES as PEER_COPIES  # tests name the groups
+from dcp_safe.replication.peer_copy import PeerCopier
 from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials, sweep_trash
 from dcp_safe.retention.trash import trash
-from dcp_safe.topology import Root, this_node
-
-log = logging.getLogger("dcp_safe.manager")
+from dcp_safe.topology import Root
 
 
 class Tiers:
@@ -111,8 +100,16 @@ class Tiers:
         self._replications: dict[str, Future[Any]] = {}
         self._reading: set[str] = set()
         self.pruned = 0
-        peers = topology.peer_copies > 1 and not read_only
-        self.peers = PeerTier(writer, deadline_s) if peers else None
+        self.peers: PeerCopier | None = None
+        if topology.peer_copies > 1 and not read_only:
+            node_options = getattr(writer, "node_options", None)  # a node-local writer's
+            self.peers = PeerCopier(
+                copies=topology.peer_copies,
+                local=writer.backend,
+                remote=writer.commit_backend,
+                keep=None if node_options is None else node_options.keep_node_caches,
+                deadline_s=deadline_s,
+            )
 
     def trust(self, name: str) -> None:
         """``name`` passed its check (here, or in the checkpoint worker): retention may count
@@ -336,95 +333,3 @@ class WarmStart:
         if signature is not None:
             raise signature
         raise CheckpointNotFoundError(self.source.url, "no committed checkpoint to warm-start from")
-
-
-PEER_COPIES = "peer-copies"
-
-Report = Callable[[str, BaseException | None], None]
-
-
-class PeerTier:
-    """Background peer copies of each committed checkpoint's node caches to other nodes.
-
-    Built on every rank at the same point (it forms two gloo groups and gathers every rank's
-    node: collectives). Each committed save is copied one at a time, in commit order on every
-    rank (the coordinator's verdicts make that order the same everywhere), on a thread of its
-    own: neither training nor the next save's commit waits for it. A failure is reported
-    (``report``) before the copy's future resolves, so a ``wait`` that saw the future done also
-    sees the error; it never touches the committed checkpoint. The writer's topology says how
-    many nodes hold each checkpoint (``peer_copies`` > 1); a node-local writer's
-    ``keep_node_caches`` how many checkpoints' peer copies a node keeps (``None``: all).
-
-    Raises:
-        ConfigError: no initialized process group, or fewer nodes than ``peer_copies``.
-    """
-
-    def __init__(self, writer: SafeStorageWriter, deadline_s: float) -> None:
-        copies = writer.topology.peer_copies
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                f"peer_copies={copies} needs a multi-node job: initialize the process group"
-                " (torchrun) before building the manager"
-            )
-        group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
-        # The group a restore's peer fetches use (a separate stream of messages).
-        self.restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
-        rank = dist.get_rank(group)
-        nodes: list[int] = gather_objects(this_node(rank), group)
-        self.peers = PeerGroup(group, rank, tuple(nodes))
-        if copies > self.peers.node_count:
-            raise ConfigError(
-                f"peer_copies={copies} needs at least {copies} nodes, this job has"
-                f" {self.peers.node_count} (a rank's node is GROUP_RANK, else rank //"
-                " LOCAL_WORLD_SIZE): lower peer_copies"
-            )
-        self.copies, self.local, self.remote = copies, writer.backend, writer.commit_backend
-        node_options = getattr(writer, "node_options", None)  # a node-local writer's
-        self.keep = None if node_options is None else node_options.keep_node_caches
-        # One copy at a time, in commit order, off the manager's thread.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-peer-copies")
-        self._broken: BaseException | None = None
-
-    def copy(self, name: str, report: Report) -> Future[list[str]]:
-        """Copy ``name``'s node caches to peers in the background (after those queued before).
-
-        ``report(name, error)`` runs first when it is done (``error``: a
-        :class:`~dcp_safe.errors.PeerCopyError`, or ``None``); the future then resolves with
-        the peer copies committed on this rank, or that error.
-        """
-        return self._pool.submit(self._run, name, report)
-
-    def _run(self, name: str, report: Report) -> list[str]:
-        error: BaseException | None = None
-        try:
-            return self._copy(name)
-        except BaseException as exc:  # reported and handed to the future, never lost
-            error = exc
-            raise
-        finally:
-            try:
-                report(name, error)
-            except Exception:  # the report is bookkeeping: log it, resolve the future anyway
-                log.exception("dcp_safe: reporting the peer copy of %s failed", name)
-
-    def _copy(self, name: str) -> list[str]:
-        if self._broken is not None:
-            raise PeerCopyError(
-                name, {self.peers.rank: f"the peer group failed earlier ({self._broken})"}
-            )
-        try:
-            return copy_to_peers(
-                name,
-                peers=self.peers,
-                copies=self.copies,
-                local=self.local,
-                remote=self.remote,
-                keep=self.keep,
-            )
-        except PeerCopyError:
-            raise
-        except Exception as exc:
-            if is_group_failure(exc):  # a gloo group with a dead member cannot be used again
-                self._broken = exc
-                discard_group(self.peers.group, destroy=False)
-            raise PeerCopyError(name, {self.peers.rank: f"{type(exc).__name__}: {exc}"}) from exc

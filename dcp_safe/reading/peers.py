@@ -42,14 +42,12 @@ from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.reading.sources import NodeCacheSource, ReadSource, RejectionReason, Source, SourceLog
 from dcp_safe.replication.peer_schedule import Fetch, fetch_plan
 from dcp_safe.replication.peer_transport import (
+    PEER_RESTORE,
     SenderFailedError,
     exchange,
     receive_file,
     send_file,
 )
-
-#: The purpose of the gloo group a restore's peer fetches travel on.
-PEER_RESTORE = "peer-restore"
 
 _Source = tuple[Backend, str]  # a backend and a file's path relative to its root
 

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch.distributed as dist
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
@@ -31,92 +35,165 @@ from dcp_safe.checkpoints.node_cache import (
     open_node_cache,
     prune_peer_copies,
 )
-from dcp_safe.coordination.group import gather_objects
-from dcp_safe.errors import CheckpointCorruptError, DcpSafeError, PeerCopyError, describe
+from dcp_safe.coordination.group import (
+    checkpoint_group,
+    discard_group,
+    gather_objects,
+    is_group_failure,
+)
+from dcp_safe.errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    DcpSafeError,
+    PeerCopyError,
+    describe,
+)
 from dcp_safe.manifest.schema import FileRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
-from dcp_safe.replication.peer_transport import exchange, receive_file, send_file
+from dcp_safe.replication.peer_transport import PEER_RESTORE, exchange, receive_file, send_file
+from dcp_safe.topology import this_node
+
+#: The purpose of the gloo group the peer copies travel on.
+PEER_COPIES = "peer-copies"
+
+Report = Callable[[str, BaseException | None], None]
+
+log = logging.getLogger("dcp_safe.manager")
 
 
-@dataclass(frozen=True)
-class PeerGroup:
-    """The ranks of a job and their nodes, on one dcp_safe-owned gloo group."""
+class PeerCopier:
+    """Background peer copies of each committed checkpoint's node caches to other nodes.
 
-    group: Any  # the peer messages travel on it; its timeout is their deadline
-    rank: int  # this rank in ``group``
-    nodes: tuple[int, ...]  # the node of every rank, by rank
-
-    @property
-    def node(self) -> int:
-        return self.nodes[self.rank]
-
-    @property
-    def node_count(self) -> int:
-        return len(set(self.nodes))
-
-    def leads_node(self) -> bool:
-        return node_leaders(self.nodes)[self.node] == self.rank
-
-
-def copy_to_peers(
-    name: str,
-    *,
-    peers: PeerGroup,
-    copies: int,
-    local: Backend,
-    remote: Backend,
-    keep: int | None = None,
-) -> list[str]:
-    """Copy each node's cache of ``name`` into the node caches of ``copies - 1`` other nodes;
-    the peer copies committed on this rank (folders relative to ``local``).
-
-    Call on every rank with the same arguments but ``local`` (this node's root). ``keep``: peer
-    copies of this many checkpoints are kept on this node afterwards (``None``: all).
+    Built on every rank at the same point (it forms two gloo groups, their timeout the deadline
+    of every peer message, and gathers every rank's node: collectives). Each committed save is
+    copied one at a time, in commit order on every rank (the coordinator's verdicts make that
+    order the same everywhere), on a thread of its own: neither training nor the next save's
+    commit waits for it. A failure is reported (``report``) before the copy's future resolves,
+    so a ``wait`` that saw the future done also sees the error; it never touches the committed
+    checkpoint. ``copies`` nodes hold each checkpoint (> 1); ``local`` is this node's root,
+    ``remote`` the one the checkpoints are committed on; ``keep``: peer copies of this many
+    checkpoints are kept on this node after each copy (``None``: all).
 
     Raises:
-        PeerCopyError: on every rank, when any copy failed (with each failing rank's reason).
-        RuntimeError: the transport's error (a peer died or the deadline passed).
+        ConfigError: no initialized process group, or fewer nodes than ``copies``.
     """
-    offer: list[tuple[str, int]] | None = None
-    failed: str | None = None
-    if peers.leads_node():
+
+    def __init__(
+        self, *, copies: int, local: Backend, remote: Backend, keep: int | None, deadline_s: float
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"peer_copies={copies} needs a multi-node job: initialize the process group"
+                " (torchrun) before building the manager"
+            )
+        self.group = checkpoint_group(deadline_s, purpose=PEER_COPIES)
+        # The group a restore's peer fetches use (a separate stream of messages).
+        self.restore_group = checkpoint_group(deadline_s, purpose=PEER_RESTORE)
+        self.rank = dist.get_rank(self.group)
+        self.nodes: tuple[int, ...] = tuple(gather_objects(this_node(self.rank), self.group))
+        node_count = len(set(self.nodes))
+        if copies > node_count:
+            raise ConfigError(
+                f"peer_copies={copies} needs at least {copies} nodes, this job has"
+                f" {node_count} (a rank's node is GROUP_RANK, else rank //"
+                " LOCAL_WORLD_SIZE): lower peer_copies"
+            )
+        self.copies = copies
+        self.local = local
+        self.remote = remote
+        self.keep = keep
+        # One copy at a time, in commit order, off the manager's thread.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_safe-peer-copies")
+        self._broken: BaseException | None = None
+
+    def copy(self, name: str, report: Report) -> Future[list[str]]:
+        """Copy ``name``'s node caches to peers in the background (after those queued before).
+
+        ``report(name, error)`` runs first when it is done (``error``: a
+        :class:`~dcp_safe.errors.PeerCopyError`, or ``None``); the future then resolves with
+        the peer copies committed on this rank (folders relative to ``local``), or that error.
+        """
+        return self._pool.submit(self._run, name, report)
+
+    def _run(self, name: str, report: Report) -> list[str]:
+        error: BaseException | None = None
         try:
-            manifest = open_node_cache(local, name).manifest
-            offer = list(held_files(local, name, manifest).items())
-        except (DcpSafeError, OSError) as exc:
-            failed = f"node {peers.node} offered nothing: {describe(exc)}"
-    offers = gather_objects((offer, failed), peers.group)
-    transfers = copy_plan(peers.nodes, [o for o, _ in offers], copies)
-    receives = [t for t in transfers if t.dst == peers.rank]
-    send_errors: list[str] = []
+            return self._copy(name)
+        except BaseException as exc:  # reported and handed to the future, never lost
+            error = exc
+            raise
+        finally:
+            try:
+                report(name, error)
+            except Exception:  # the report is bookkeeping: log it, resolve the future anyway
+                log.exception("dcp_safe: reporting the peer copy of %s failed", name)
 
-    def send_all() -> None:
-        for transfer in (t for t in transfers if t.src == peers.rank):
-            for path, size in transfer.files:
-                error = send_file(
-                    peers.group, transfer.dst, local, f"{name}/{path}", size, tag=transfer.tag
-                )
-                if error is not None:
-                    send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
-
-    def receive_all() -> list[tuple[str, str | None]]:
-        raw = _committed_manifest(local, remote, name) if receives else b""
-        return [_receive_copy(name, t, peers.group, local, raw) for t in receives]
-
-    received = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
-    errors = [error for _, error in received if error is not None] + send_errors
-    if peers.leads_node() and keep is not None:
+    def _copy(self, name: str) -> list[str]:
+        if self._broken is not None:
+            raise PeerCopyError(
+                name, {self.rank: f"the peer group failed earlier ({self._broken})"}
+            )
         try:
-            prune_peer_copies(local, keep)
-        except OSError as exc:  # reported with the outcomes: every rank must reach the gather
-            errors.append(f"pruning peer copies: {describe(exc)}")
-    outcomes = gather_objects("; ".join(errors) or None, peers.group)
-    failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
-    failures |= {rank: why for rank, why in enumerate(outcomes) if why}
-    if failures:
-        raise PeerCopyError(name, failures)
-    return [folder for folder, error in received if error is None]
+            return self._exchange(name)
+        except PeerCopyError:
+            raise
+        except Exception as exc:
+            if is_group_failure(exc):  # a gloo group with a dead member cannot be used again
+                self._broken = exc
+                discard_group(self.group, destroy=False)
+            raise PeerCopyError(name, {self.rank: f"{type(exc).__name__}: {exc}"}) from exc
+
+    def _exchange(self, name: str) -> list[str]:
+        """Copy each node's cache of ``name`` into ``copies - 1`` other nodes' (the steps in
+        the module docstring); the peer copies committed on this rank.
+
+        Raises:
+            PeerCopyError: on every rank, when any copy failed (with each failing rank's reason).
+            RuntimeError: the transport's error (a peer died or the deadline passed).
+        """
+        node = self.nodes[self.rank]
+        leads = node_leaders(self.nodes)[node] == self.rank
+        offer: list[tuple[str, int]] | None = None
+        failed: str | None = None
+        if leads:
+            try:
+                manifest = open_node_cache(self.local, name).manifest
+                offer = list(held_files(self.local, name, manifest).items())
+            except (DcpSafeError, OSError) as exc:
+                failed = f"node {node} offered nothing: {describe(exc)}"
+        offers = gather_objects((offer, failed), self.group)
+        transfers = copy_plan(self.nodes, [o for o, _ in offers], self.copies)
+        receives = [t for t in transfers if t.dst == self.rank]
+        send_errors: list[str] = []
+
+        def send_all() -> None:
+            for transfer in (t for t in transfers if t.src == self.rank):
+                for path, size in transfer.files:
+                    rel = f"{name}/{path}"
+                    error = send_file(
+                        self.group, transfer.dst, self.local, rel, size, tag=transfer.tag
+                    )
+                    if error is not None:
+                        send_errors.append(f"sending {path} to rank {transfer.dst}: {error}")
+
+        def receive_all() -> list[tuple[str, str | None]]:
+            raw = _committed_manifest(self.local, self.remote, name) if receives else b""
+            return [_receive_copy(name, t, self.group, self.local, raw) for t in receives]
+
+        received = exchange(send_all, receive_all, f"dcp_safe-peer-send-{name}")
+        errors = [error for _, error in received if error is not None] + send_errors
+        if leads and self.keep is not None:
+            try:
+                prune_peer_copies(self.local, self.keep)
+            except OSError as exc:  # reported with the outcomes: every rank must reach the gather
+                errors.append(f"pruning peer copies: {describe(exc)}")
+        outcomes = gather_objects("; ".join(errors) or None, self.group)
+        failures = {rank: why for rank, (_, why) in enumerate(offers) if why}
+        failures |= {rank: why for rank, why in enumerate(outcomes) if why}
+        if failures:
+            raise PeerCopyError(name, failures)
+        return [folder for folder, error in received if error is None]
 
 
 def _receive_copy(

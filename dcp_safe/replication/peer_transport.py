@@ -35,6 +35,8 @@ from dcp_safe.manifest.verify import FileCheck
 T = TypeVar("T")
 
 DEFAULT_PEER_CHUNK_BYTES = 8 << 20
+#: The purpose of the gloo group a restore's peer fetches travel on.
+PEER_RESTORE = "peer-restore"
 _SENT_WHOLE, _SEND_FAILED = 1, 0
 
 
