@@ -100,16 +100,14 @@ def report_rank_failure(
     remote: Backend, work: str, rank: int, save_id: str, exc: BaseException
 ) -> None:
     """Best effort: tell the peers that ``rank`` failed; the caller re-raises ``exc``."""
-    _write_marker(
-        remote, work, lambda: layout.rank_failure_marker_name(rank, save_id), describe(exc)
-    )
+    _write_marker(remote, f"{work}/{layout.rank_failure_marker_name(rank, save_id)}", describe(exc))
 
 
 def report_rank_skipped(
     remote: Backend, work: str, rank: int, save_id: str, superseded_by: str
 ) -> None:
     """Best effort: tell the peers that ``rank`` dropped this save for ``superseded_by``."""
-    _write_marker(remote, work, lambda: layout.rank_skip_marker_name(rank, save_id), superseded_by)
+    _write_marker(remote, f"{work}/{layout.rank_skip_marker_name(rank, save_id)}", superseded_by)
 
 
 def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseException) -> None:
@@ -120,7 +118,7 @@ def report_commit_failure(remote: Backend, work: str, save_id: str, exc: BaseExc
     text = describe(exc)
     if isinstance(exc, CommitError) and exc.failures:
         text = json.dumps({"error": text, "failures": exc.failures})
-    _write_marker(remote, work, lambda: layout.commit_failure_marker_name(save_id), text)
+    _write_marker(remote, f"{work}/{layout.commit_failure_marker_name(save_id)}", text)
 
 
 def raise_reported_failures(remote: Backend, work: str, save_id: str, name: str) -> set[str]:
@@ -239,18 +237,14 @@ def _markers(present: set[str], name_for: Callable[[int], str]) -> list[tuple[in
     """The ``(rank, path under the work location)`` of each entry of ``_ranks/`` that is the
     marker ``name_for(rank)`` spells for its own rank, lowest rank first."""
     ranks = {rank for rank in map(layout.rank_of_marker, present) if rank is not None}
-    try:
-        named = sorted((rank, name_for(rank)) for rank in ranks)
-    except ValueError:
-        return []  # a save id no file name can carry: no marker was ever written for it
+    named = sorted((rank, name_for(rank)) for rank in ranks)
     return [(rank, rel) for rank, rel in named if rel.rpartition("/")[2] in present]
 
 
-def _write_marker(remote: Backend, work: str, name: Callable[[], str], text: str) -> None:
-    # Best effort, the name included (a save id no file name can carry): the caller is raising
-    # the error that matters, and a peer that misses the marker still stops at its deadline.
+def _write_marker(remote: Backend, rel: str, text: str) -> None:
+    # Best effort: the caller is raising the error that matters, and a peer that misses the
+    # marker still stops at its deadline.
     with contextlib.suppress(Exception):
-        rel = f"{work}/{name()}"
         remote.makedirs(posixpath.dirname(rel))  # a renaming remote's partial may not exist yet
         remote.write_bytes(rel, text.encode())
 
