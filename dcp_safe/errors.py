@@ -44,7 +44,8 @@ where it crosses dcp_safe's API (``dcp_safe.save`` / ``load``, and plain DCP's c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import pickle
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dcp_safe.untrusted import shown
@@ -427,6 +428,29 @@ class LoadError(DcpSafeError):
 def describe(exc: BaseException) -> str:
     """``Type: message``: how one rank's error reads in a ``failures`` map or a marker."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def portable(error: BaseException, fallback: BaseException) -> bytes:
+    """``error`` pickled for another process of this job (a peer rank, the checkpoint worker's
+    parent); ``fallback`` pickled instead where ``error`` does not survive pickling."""
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps(fallback)
+
+
+def restored(data: bytes, fallback: Callable[[Exception], BaseException]) -> BaseException:
+    """The error :func:`portable` pickled (by a process of this job: never data from storage);
+    ``fallback(exc)``, with what went wrong, where it cannot be rebuilt here."""
+    try:
+        error = pickle.loads(data)
+        if not isinstance(error, BaseException):
+            raise TypeError(f"not an error: {error!r}")
+    except Exception as exc:
+        return fallback(exc)
+    return error
 
 
 def from_checkpoint_exception(exc: BaseException) -> BaseException:

@@ -45,10 +45,8 @@ from dcp_safe.coordination.group import (
     DEFAULT_DEADLINE_S,
     broadcast_object,
     checkpoint_group,
-    collective_failure,
-    discard_group,
     gather_objects,
-    is_collective_failure,
+    typed_failures,
     validate_deadline,
 )
 from dcp_safe.errors import (
@@ -244,17 +242,8 @@ class SafeStorage(Storage):
     def collective(self, group: Any, call: Callable[[Any, Any], Any], value: Any) -> Any:
         """``call(value, group)``; a peer that died or hung: the group is dropped (it is dead)
         and a CommitError says so."""
-        try:
+        with typed_failures(group, deadline_s=self._config.deadline_s):
             return call(value, group)
-        except Exception as exc:
-            if not is_collective_failure(exc):
-                raise
-            dist = torch.distributed
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-            discard_group(group)
-            raise collective_failure(
-                exc, rank=rank, world_size=world_size, deadline_s=self._config.deadline_s
-            ) from exc
 
     def failed(self, save: _Save, exc: BaseException) -> None:
         """A write of ``save`` failed, so it cannot publish: refuse its other writes, remove

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 import threading
 import time
 import uuid
@@ -21,14 +20,9 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from dcp_safe.coordination.group import (
-    broadcast_object,
-    collective_failure,
-    gather_objects,
-    is_collective_failure,
-)
+from dcp_safe.coordination.group import broadcast_object, gather_objects, typed_failures
 from dcp_safe.coordination.groups import POLICY, ManagerGroups
-from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, describe
+from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, describe, portable, restored
 
 T = TypeVar("T")
 
@@ -151,21 +145,27 @@ class Agreement:
         the peers wait in rounds, so a slow listing is not taken for a dead coordinator.
 
         Raises:
-            BaseException: what ``work`` raised on the coordinator (unpicklable errors travel
-                as :class:`DcpSafeError` with their text).
+            BaseException: what ``work`` raised, on the coordinator; on the peers an
+                ``Exception`` as it is, anything else (or an unpicklable error) as a
+                :class:`CommitError` naming rank 0 with its text.
             CommitError: ``work`` took longer than ``timeout_s``.
         """
         if self.groups is None:
             return work()
         outcome: list[tuple[str, Any]] = []
-        failed: list[Exception] = []
+        failed: list[BaseException] = []
 
         def run() -> None:
             try:
                 outcome.append(("ok", work()))
-            except Exception as exc:
-                failed.append(exc)
-                outcome.append(("error", _portable(exc)))
+            except BaseException as exc:
+                failed.append(exc)  # raised on the coordinator, after the peers learn of it
+                stopped = CommitError(
+                    f"{call}: the coordinator failed with {describe(exc)}", {0: describe(exc)}
+                )
+                # The peers were not interrupted nor asked to exit: only an Exception travels.
+                sent = exc if isinstance(exc, Exception) else stopped
+                outcome.append(("error", portable(sent, stopped).hex()))
 
         worker = threading.Thread(target=run, name=f"dcp_safe-{call}", daemon=True)
         if self.coordinator:
@@ -188,39 +188,21 @@ class Agreement:
         if failed:
             raise failed[0]
         if kind == "error":
-            raise _restored(value)
+            # From a peer of this job, not from storage.
+            raise restored(
+                bytes.fromhex(value),
+                lambda _: DcpSafeError("rank 0 failed (its error could not be passed on)"),
+            )
         return cast(T, value)
 
     def _exchange(self, run: Callable[[Any], T]) -> T:
-        assert self.groups is not None
-        group = self.groups.group(POLICY)
-        try:
+        groups = self.groups
+        assert groups is not None
+        group = groups.group(POLICY)
+        with typed_failures(
+            group,
+            deadline_s=groups.deadline_s,
+            operation="vote",
+            forget=lambda exc: groups.saw_failure(POLICY, exc, group),
+        ):
             return run(group)
-        except RuntimeError as exc:
-            if not is_collective_failure(exc):
-                raise
-            self.groups.saw_failure(POLICY, exc, group)
-            raise collective_failure(
-                exc,
-                rank=self.rank,
-                world_size=self.world_size,
-                deadline_s=self.groups.deadline_s,
-                operation="vote",
-            ) from exc
-
-
-def _portable(error: BaseException) -> str:
-    try:
-        return pickle.dumps(error).hex()
-    except Exception:
-        return pickle.dumps(DcpSafeError(describe(error))).hex()
-
-
-def _restored(blob: str) -> BaseException:
-    try:
-        error = pickle.loads(bytes.fromhex(blob))  # from a peer of this job, not from storage
-    except Exception:
-        error = None
-    if isinstance(error, BaseException):
-        return error
-    return DcpSafeError("rank 0 failed (its error could not be passed on)")

@@ -18,7 +18,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -193,6 +193,37 @@ def collective_failure(
     error = peers_failed(message, why, exc, rank=rank, world_size=world_size, ranks=missing)
     error.__cause__ = exc
     return error
+
+
+@contextlib.contextmanager
+def typed_failures(
+    group: Any,
+    *,
+    deadline_s: float | None,
+    operation: str = "save",
+    forget: Callable[[BaseException], object] | None = None,
+) -> Iterator[None]:
+    """The block's collectives on ``group``: a peer that died or hung raises
+    :func:`collective_failure`'s CommitError (from the transport's error) after ``forget(exc)``
+    (by default the group is discarded: it is dead); any other error passes unchanged.
+
+    The rank and world size are read before the block: after a failure the group may be torn
+    down.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        yield
+    except RuntimeError as exc:
+        if not is_collective_failure(exc):
+            raise
+        error = collective_failure(
+            exc, rank=rank, world_size=world_size, deadline_s=deadline_s, operation=operation
+        )
+        if forget is None:
+            discard_group(group)
+        else:
+            forget(exc)
+        raise error from exc
 
 
 def peers_failed(

@@ -49,24 +49,19 @@ class ManagerGroups:
         self._broken: dict[str, Any] = {}
         self.dead: CommitError | None = None
         self._generations: dict[str, int] = {}  # purpose -> times replaced
+        # Every group holds every rank of the default group: a rank is the same in each.
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         for purpose in _ORDER:
-            try:
-                self._current[purpose] = checkpoint_group(deadline_s, purpose=purpose)
-            except RuntimeError as exc:  # gloo's connect timeout, or the store's (DistError)
-                # A peer did not join in time: every rank constructs the manager at the same
-                # point; one slow to start misses it.
-                raise peers_failed(
-                    f"could not create the manager's {purpose} group: not every rank joined"
-                    f" within the {deadline_s:g} s deadline (every rank constructs"
-                    " CheckpointManager at the same point; a rank slow to start needs a longer"
-                    " deadline_s); restart the job",
-                    f"did not join the {purpose} group",
-                    exc,
-                    rank=dist.get_rank(),
-                    world_size=dist.get_world_size(),
-                ) from exc
-        self.rank = dist.get_rank(self.group(POLICY))
-        self.world_size = dist.get_world_size(self.group(POLICY))
+            # A peer that does not join in time: every rank constructs the manager at the same
+            # point; one slow to start misses it.
+            self._current[purpose] = self._fresh(
+                purpose,
+                f"could not create the manager's {purpose} group: not every rank joined within"
+                f" the {deadline_s:g} s deadline (every rank constructs CheckpointManager at the"
+                " same point; a rank slow to start needs a longer deadline_s); restart the job",
+                f"did not join the {purpose} group",
+            )
 
     def group(self, purpose: str) -> Any:
         """The current group for ``purpose`` (replacing a broken policy group first).
@@ -149,18 +144,21 @@ class ManagerGroups:
                 stale = old if old is not None else current
                 if stale is not None:  # destroyed where this rank saw it fail itself
                     discard_group(stale, destroy=old is not None)
-                try:
-                    fresh = checkpoint_group(self.deadline_s, purpose=purpose)
-                except (RuntimeError, ValueError) as exc:
-                    self.dead = peers_failed(
-                        f"the manager's {purpose} group broke and a new one could not be made: a"
-                        f" peer died or did not respond within the {self.deadline_s:g} s"
-                        " deadline; restart the job (the previous checkpoint is intact)",
-                        f"did not join the new {purpose} group",
-                        exc,
-                        rank=self.rank,
-                        world_size=self.world_size,
-                    )
-                    raise self.dead from exc
+                fresh = self._fresh(
+                    purpose,
+                    f"the manager's {purpose} group broke and a new one could not be made: a peer"
+                    f" died or did not respond within the {self.deadline_s:g} s deadline; restart"
+                    " the job (the previous checkpoint is intact)",
+                    f"did not join the new {purpose} group",
+                )
                 with self._lock:
                     self._current[purpose] = fresh
+
+    def _fresh(self, purpose: str, message: str, why: str) -> Any:
+        """A new group for ``purpose``; where a peer does not join, the manager is dead: a
+        CommitError with ``message``, each peer failed with ``why``."""
+        try:
+            return checkpoint_group(self.deadline_s, purpose=purpose)
+        except (RuntimeError, ValueError) as exc:  # gloo's connect timeout, the store's (DistError)
+            self.dead = peers_failed(message, why, exc, rank=self.rank, world_size=self.world_size)
+            raise self.dead from exc

@@ -35,7 +35,7 @@ from dcp_safe.checkpoints.committed import (
     open_committed,
     remember_header,
 )
-from dcp_safe.errors import WorkerError
+from dcp_safe.errors import WorkerError, portable, restored
 from dcp_safe.staging.poison import FailedStaging
 from dcp_safe.staging.shared import SharedSlabs
 
@@ -91,19 +91,9 @@ class _StatePickler(pickle.Pickler):
             if reduction is not None:
                 return reduction
         elif type(obj) is FailedStaging:  # its own reduction raises, by design
-            return (_failed_staging, (_portable(obj.error),))
+            error = WorkerError(type(obj.error).__name__, str(obj.error))
+            return (_failed_staging, (portable(obj.error, error),))
         return NotImplemented
-
-
-def _portable(error: BaseException, *details: str) -> bytes:
-    """``error`` pickled; a :class:`WorkerError` with its text (and ``details``) when it does
-    not survive pickling."""
-    try:
-        data = pickle.dumps(error)
-        pickle.loads(data)
-        return data
-    except Exception:
-        return pickle.dumps(WorkerError(type(error).__name__, str(error), *details))
 
 
 def _failed_staging(data: bytes) -> FailedStaging:
@@ -137,20 +127,20 @@ def encode_error(error: BaseException) -> bytes:
     """``error`` pickled with its worker traceback as a note; a :class:`WorkerError` carrying
     its text when it does not survive pickling."""
     text = "".join(traceback.format_exception(error))
+    fallback = WorkerError(type(error).__name__, str(error), text)
     with contextlib.suppress(Exception):  # it takes no note: sent as its text, below
         error.add_note(f"in the checkpoint worker (pid {os.getpid()}):\n{text}")
-        return _portable(error, text)
-    return pickle.dumps(WorkerError(type(error).__name__, str(error), text))
+        return portable(error, fallback)
+    return pickle.dumps(fallback)
 
 
 def decode_error(data: bytes) -> BaseException:  # a WorkerError if it cannot be rebuilt here
-    try:
-        error = pickle.loads(data)
-    except Exception as exc:
-        return WorkerError(type(exc).__name__, f"an error the parent could not unpickle: {exc}")
-    if not isinstance(error, BaseException):
-        return WorkerError(type(error).__name__, repr(error))
-    return error
+    return restored(
+        data,
+        lambda exc: WorkerError(
+            type(exc).__name__, f"an error the parent could not rebuild: {exc}"
+        ),
+    )
 
 
 @dataclass(frozen=True)
