@@ -83,14 +83,18 @@ class Tiers:
         self.load_budget_bytes = load_budget_bytes
         self.writer = writer
         topology = writer.topology
-        self.commit, self.replica = topology.commit, topology.replica
+        self.commit = topology.commit
+        self.replica = topology.replica
         self.backend: Backend = writer.commit_backend
         # The replica's backend (a node-local writer's remote is the commit root: not a tier).
         self.remote = None if self.replica is None else writer.remote
-        self.policy, self.partial_grace_s = retention.policy(), retention.partial_grace_s
+        self.policy = retention.policy()
+        self.partial_grace_s = retention.partial_grace_s
         self.trash_grace_s = retention.trash_grace_s
         self._expiry: threading.Thread | None = None
-        self._history, self._cond, self._deferred = ledger, ledger.cond, deferred
+        self._history = ledger
+        self._cond = ledger.cond
+        self._deferred = deferred
         self._prune_lock = threading.Lock()
         # With a signing writer only what its key signed counts, in every reader built here:
         # a planted unsigned checkpoint neither stands in for ``latest`` nor evicts a signed one.
@@ -201,9 +205,10 @@ class Tiers:
             decision = decide(records, self.policy, protected=protected)
             for name in decision.drop:
                 step = next(r.step for r in records if r.name == name)
-                error, reason = None, "retention"
-                if grace := self.trash_grace_s:
-                    reason = f"retention; in the trash for {grace:g} s"
+                error: Exception | None = None
+                reason = "retention"
+                if self.trash_grace_s:
+                    reason = f"retention; in the trash for {self.trash_grace_s:g} s"
                 try:
                     (trash if self.trash_grace_s else strategy_for(backend).retire)(backend, name)
                 except Exception as exc:
@@ -293,8 +298,9 @@ class WarmStart:
         source = dataclasses.replace(self.source, url=url)
         if is_safetensors_file(url):
             return SafetensorsReader(source, self.name_map)
-        budget, key = tiers.load_budget_bytes, tiers.signing_key
-        return SafeStorageReader(source, load_budget_bytes=budget, signing_key=key)
+        return SafeStorageReader(
+            source, load_budget_bytes=tiers.load_budget_bytes, signing_key=tiers.signing_key
+        )
 
     def resolve(self, signing_key: bytes | None) -> tuple[str, str]:
         """``(root, name)`` of the checkpoint to start from: with ``signing_key`` (the

@@ -27,6 +27,7 @@ after a node is lost".
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 from typing import Any
 
@@ -69,7 +70,8 @@ class PeerSource(Source):
     _manifest: Manifest
 
     def __init__(self, cache: NodeCacheSource, process_group: Any, chunk_bytes: int) -> None:
-        self.cache, self.disk = cache, cache.backend
+        self.cache = cache
+        self.disk = cache.backend
         self._group = process_group
         self.chunk_bytes = chunk_bytes
         self._log = SourceLog()
@@ -97,7 +99,9 @@ class PeerSource(Source):
         return self._peer_sources.get(file_name)
 
     def finish(self, log: SourceLog) -> None:
-        scratch, self._scratch, self._peer_sources = self._scratch, None, {}
+        scratch = self._scratch
+        self._scratch = None
+        self._peer_sources = {}
         if scratch is None:
             return
         try:
@@ -164,23 +168,23 @@ class PeerSource(Source):
         self, group: Any, sends: list[Fetch], receives: list[Fetch], offers: dict[str, _Source]
     ) -> None:
         """Send ``sends`` and receive ``receives`` into the scratch folder, at once."""
-        chunk = {"chunk_bytes": self.chunk_bytes}
+        send = functools.partial(send_file, group, chunk_bytes=self.chunk_bytes)
+        receive = functools.partial(receive_file, group, chunk_bytes=self.chunk_bytes)
 
         def send_all() -> None:
             for fetch in sends:
                 backend, rel = offers[fetch.file]
-                send_file(group, fetch.requester, backend, rel, fetch.size, tag=fetch.tag, **chunk)
+                send(fetch.requester, backend, rel, fetch.size, tag=fetch.tag)
 
         def receive_all() -> None:
             by_file = items_by_file(self._checkpoint, self._manifest) if receives else {}
             for fetch in receives:
                 record = self._manifest.file(fetch.file)
                 assert record is not None  # needs come from the manifest
-                rel, items = f"{self._scratch}/{fetch.file}", by_file.get(fetch.file, [])
+                rel = f"{self._scratch}/{fetch.file}"
+                items = by_file.get(fetch.file, [])
                 try:
-                    receive_file(
-                        group, fetch.holder, self.disk, rel, record, items, tag=fetch.tag, **chunk
-                    )
+                    receive(fetch.holder, self.disk, rel, record, items, tag=fetch.tag)
                 except (CheckpointCorruptError, OSError) as exc:  # SenderFailedError: an OSError
                     corrupt = isinstance(exc, CheckpointCorruptError)
                     reason = RejectionReason.CHECKSUM if corrupt else RejectionReason.UNREADABLE

@@ -48,7 +48,7 @@ from dcp_safe.errors import (
     PeerCopyError,
     describe,
 )
-from dcp_safe.manifest.schema import FileRecord, Manifest
+from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest
 from dcp_safe.manifest.verify import items_by_file
 from dcp_safe.replication.peer_schedule import CopyTransfer, copy_plan, node_leaders
 from dcp_safe.replication.peer_transport import PEER_RESTORE, exchange, receive_file, send_file
@@ -204,7 +204,8 @@ def _receive_copy(
     both ends stay in step."""
     partial = layout.peer_partial_dir(name, transfer.node, layout.new_save_id())
     failure: str | None = raw if isinstance(raw, str) else None
-    manifest, by_file = None, {}
+    manifest: Manifest | None = None
+    by_file: dict[str, list[ItemRecord]] = {}
     receive = functools.partial(receive_file, group, transfer.src, local, tag=transfer.tag)
     try:
         if isinstance(raw, bytes):
