@@ -187,14 +187,10 @@ class Tiers:
         with self._deferred(), self._prune_lock:
             infos = list_checkpoints(root, signing_key=self.signing_key)
             with self._cond:
+                # A committed remote checkpoint counts as validated (see prune).
+                counted = self._validated if local else {i.name for i in infos}
                 records = [
-                    CheckpointRecord(
-                        i.name,
-                        i.step,
-                        not local or i.name in self._validated,
-                        i.created_at,
-                        i.metrics,
-                    )
+                    CheckpointRecord(i.name, i.step, i.name in counted, i.created_at, i.metrics)
                     for i in infos
                     if i.step is not None
                 ]

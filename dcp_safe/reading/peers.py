@@ -50,8 +50,6 @@ from dcp_safe.replication.peer_transport import (
     send_file,
 )
 
-_Source = tuple[Backend, str]  # a backend and a file's path relative to its root
-
 # What this node's disk may raise where it is unusable: a link in the way (``.peers/`` planted
 # as a symlink) is refused as CheckpointCorruptError, never followed; either way the peer tier
 # is passed by and the files are read from the next source.
@@ -76,7 +74,7 @@ class PeerSource(Source):
         self.chunk_bytes = chunk_bytes
         self._log = SourceLog()
         self._scratch: str | None = None
-        self._peer_sources: dict[str, _Source] = {}  # file -> where it is read from
+        self._peer_sources: dict[str, str] = {}  # file -> where on this node's disk it is read
 
     def open(self, name: str, manifest: Manifest, log: SourceLog) -> None:
         self._checkpoint = name
@@ -96,7 +94,8 @@ class PeerSource(Source):
         self._fetch(needs, self._offers(held), self._scratch)
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:
-        return self._peer_sources.get(file_name)
+        rel = self._peer_sources.get(file_name)
+        return None if rel is None else (self.disk, rel)
 
     def finish(self, log: SourceLog) -> None:
         scratch = self._scratch
@@ -109,10 +108,10 @@ class PeerSource(Source):
         except _UNUSABLE as exc:  # logged and counted: the load itself did not need it
             log.reject(None, RejectionReason.UNREADABLE, str(exc), self.kind)
 
-    def _offers(self, held: dict[str, int]) -> dict[str, _Source]:
-        """The files this node's disk holds for this checkpoint at their recorded sizes: its
+    def _offers(self, held: dict[str, int]) -> dict[str, str]:
+        """Where on this node's disk each file of this checkpoint is at its recorded size: its
         node cache's (``held``), then those of the peer copies whose manifest is the remote's."""
-        found = [(f, (self.disk, f"{self._checkpoint}/{f}")) for f in held]
+        found = [(f, f"{self._checkpoint}/{f}") for f in held]
         try:
             copies = list_peer_copies(self.disk, self._checkpoint)
         except _UNUSABLE as exc:  # an unreadable .peers/ offers nothing; the exchange goes on
@@ -122,7 +121,7 @@ class PeerSource(Source):
             if copy.manifest != self._manifest:
                 self._log.reject(None, RejectionReason.STALE, f"peer copy {copy.path}", self.kind)
                 continue
-            found += [(f, (self.disk, f"{copy.rel}/{f}")) for f in self._held(copy.rel)]
+            found += [(f, f"{copy.rel}/{f}") for f in self._held(copy.rel)]
         return dict(reversed(found))  # the first found of each file
 
     def _held(self, folder: str) -> dict[str, int]:
@@ -133,7 +132,7 @@ class PeerSource(Source):
         except _UNUSABLE:
             return {}
 
-    def _fetch(self, needs: dict[str, int], offers: dict[str, _Source], scratch: str) -> None:
+    def _fetch(self, needs: dict[str, int], offers: dict[str, str], scratch: str) -> None:
         """Fill ``_peer_sources``: peer copies on this node's disk, and files fetched from the
         ranks that hold them (a collective when the job has several ranks)."""
         # Peer copies on this node's own disk first.
@@ -141,14 +140,14 @@ class PeerSource(Source):
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if self._group is None and several:
             self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
-        if (group := self._group) is None:
+        if self._group is None:
             return
-        rank = dist.get_rank(group)
+        rank = dist.get_rank(self._group)
         pending = {f: size for f, size in needs.items() if f not in self._peer_sources}
         tried: dict[str, list[str]] = {}
         disk = f"{socket.gethostname()}:{self.disk.full_path('')}"
         while True:  # rounds: a rejected copy is fetched from another disk in the next one
-            gathered = gather_objects((pending, sorted(offers), tried, disk), group)
+            gathered = gather_objects((pending, sorted(offers), tried, disk), self._group)
             wanted, offered, tries, disks = zip(*gathered, strict=True)
             fetches = fetch_plan(wanted, [set(names) for names in offered], tries, disks)
             if not fetches:  # the same on every rank: every rank leaves the loop here
@@ -158,14 +157,14 @@ class PeerSource(Source):
                 with contextlib.suppress(*_UNUSABLE):
                     self.disk.makedirs(scratch)
             sends = [f for f in fetches if f.holder == rank]
-            self._transfer(group, sends, receives, offers)
+            self._transfer(self._group, sends, receives, offers)
             for fetch in receives:
                 tried.setdefault(fetch.file, []).append(disks[fetch.holder])
                 if fetch.file in self._peer_sources:
                     pending.pop(fetch.file, None)
 
     def _transfer(
-        self, group: Any, sends: list[Fetch], receives: list[Fetch], offers: dict[str, _Source]
+        self, group: Any, sends: list[Fetch], receives: list[Fetch], offers: dict[str, str]
     ) -> None:
         """Send ``sends`` and receive ``receives`` into the scratch folder, at once."""
         send = functools.partial(send_file, group, chunk_bytes=self.chunk_bytes)
@@ -173,8 +172,7 @@ class PeerSource(Source):
 
         def send_all() -> None:
             for fetch in sends:
-                backend, rel = offers[fetch.file]
-                send(fetch.requester, backend, rel, fetch.size, tag=fetch.tag)
+                send(fetch.requester, self.disk, offers[fetch.file], fetch.size, tag=fetch.tag)
 
         def receive_all() -> None:
             by_file = items_by_file(self._checkpoint, self._manifest) if receives else {}
@@ -192,6 +190,6 @@ class PeerSource(Source):
                     why = str(exc) if here else f"landing here failed: {type(exc).__name__}: {exc}"
                     self._log.reject(fetch.file, reason, f"rank {fetch.holder}: {why}", self.kind)
                 else:
-                    self._peer_sources[fetch.file] = (self.disk, rel)
+                    self._peer_sources[fetch.file] = rel
 
         exchange(send_all, receive_all, "dcp_safe-peer-restore")
