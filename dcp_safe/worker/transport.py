@@ -23,7 +23,7 @@ import pickle
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -97,10 +97,8 @@ class _StatePickler(pickle.Pickler):
 
 
 def _failed_staging(data: bytes) -> FailedStaging:
-    error = decode_error(data)
-    if not isinstance(error, Exception):
-        error = WorkerError(type(error).__name__, str(error))
-    return FailedStaging(error)
+    # What the reducer above sent: a staging's error (an Exception), or a WorkerError.
+    return FailedStaging(cast(Exception, decode_error(data)))
 
 
 def map_slab(slab: int, fd: int, size: int) -> None:  # in the worker; closes fd
