@@ -86,11 +86,8 @@ class PeerSource(Source):
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
         # The files this node's own cache holds.
         held = self._held(self._checkpoint) if self.cache.name is not None else {}
-        needs = {
-            f: record.size
-            for f in sorted(files)
-            if (record := self._manifest.file(f)) is not None and f not in held
-        }
+        lacking = files - held.keys()
+        needs = {r.path: r.size for r in self._manifest.files if r.path in lacking}
         self._fetch(needs, self._offers(held), self._scratch)
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:

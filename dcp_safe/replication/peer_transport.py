@@ -37,7 +37,8 @@ T = TypeVar("T")
 DEFAULT_PEER_CHUNK_BYTES = 8 << 20
 #: The purpose of the gloo group a restore's peer fetches travel on.
 PEER_RESTORE = "peer-restore"
-_SENT_WHOLE, _SEND_FAILED = 1, 0
+_SENT_WHOLE = 1
+_SEND_FAILED = 0
 
 
 class SenderFailedError(OSError):
