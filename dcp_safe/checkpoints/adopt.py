@@ -1,11 +1,9 @@
 """Adopting a stock DCP checkpoint (a folder torch's ``FileSystemWriter`` wrote, local or any
 fsspec URL) under a root as a committed checkpoint, running no code from it (docs/adopt.md).
 
-``.metadata`` is a pickle: :class:`~dcp_safe.checkpoints.item_pickles.Shadows` unpickles it
-into stand-ins that record arguments and state, so no class's code runs (not even DCP's
-``__setstate__``), and names every global; one it does not admit is refused
-(:class:`~dcp_safe.errors.PickledClassesError`, all named) unless ``allow_pickle``.
-:class:`_Walk` turns the stand-ins into the manifest's plain ``dcp_metadata``, which the strict
+``.metadata`` is a pickle, read without running it
+(:func:`~dcp_safe.checkpoints.metadata.decode_pickled_metadata`: a global it does not admit is
+refused unless ``allow_pickle``) into the manifest's plain ``dcp_metadata``, which the strict
 decoder of :mod:`dcp_safe.manifest.dcp_metadata` checks against the items DCP's
 ``storage_data`` names. Then every file must be whole (its items back to back, ending where it
 ends), every item is read once and checksummed (while copied), and every item decodes as a load
@@ -22,18 +20,17 @@ import dataclasses
 import os
 import posixpath
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.roots import open_backend
-from dcp_safe.checkpoints.item_pickles import Shadows, StandIn, is_stand_in
 from dcp_safe.checkpoints.items import ZSTD_DESCRIPTOR, check_loadable
+from dcp_safe.checkpoints.metadata import decode_pickled_metadata
 from dcp_safe.commit.strategy import MarkerStrategy, Publication, strategy_for
 from dcp_safe.errors import (
     CheckpointCorruptError,
@@ -45,7 +42,7 @@ from dcp_safe.errors import (
     StorageError,
 )
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
-from dcp_safe.manifest.dcp_metadata import FORMAT, VERSION, check_declared_sizes
+from dcp_safe.manifest.dcp_metadata import check_declared_sizes
 from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata as decode_plain
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
@@ -53,7 +50,6 @@ from dcp_safe.manifest.schema import manifest_digest as digest_of
 from dcp_safe.manifest.streams import HashingSink, short_read
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
-from dcp_safe.torch_compat import DCP_LAYOUT, DCP_MEMORY_FORMAT, DCP_STORAGE_INFO
 from dcp_safe.version import __version__
 
 #: What adoption cannot check, as its report states it.
@@ -61,17 +57,7 @@ UNCHECKED = (
     "DCP stores no checksums: a byte changed inside a tensor's data before adoption, its size"
     " unchanged, cannot be told from the value saved, and is adopted (and verifies) as it is",
 )
-_DCP = f"{Metadata.__module__}."
-_DCP_NAMES = "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata"
-_MORE_NAMES = "TensorProperties MetadataIndex StorageMeta"
-_PATHS = "pathlib.PosixPath pathlib.WindowsPath pathlib.PurePosixPath pathlib.PureWindowsPath"
-_ADMITTED = frozenset(
-    [_DCP + n for n in f"{_DCP_NAMES} {_MORE_NAMES}".split()]
-    + [DCP_STORAGE_INFO, DCP_LAYOUT, DCP_MEMORY_FORMAT, "torch.Size", *_PATHS.split()]
-)
-_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")  # DCP's encoding
 _ALGORITHM = ChecksumAlgorithm.XXH3_128
-_PENDING = f"{_ALGORITHM.value}:0"  # an item's checksum until its bytes are read
 _MAX_WORLD = 1 << 20
 _ByFile = dict[str, list[ItemRecord]]  # a file's items, in order
 
@@ -143,7 +129,7 @@ def adopt(
     except FileNotFoundError:
         why = f"nor a stock DCP checkpoint to adopt (no {layout.DCP_METADATA} in it)"
         raise CheckpointNotFoundError(here.full_path(folder), why) from None
-    plain, items = _decode(raw, meta_path, allow_pickle=allow_pickle)
+    plain, items = decode_pickled_metadata(raw, meta_path, allow_pickle=allow_pickle)
     sizes = here.sizes(folder)
     by_file = _check_tiling(items, sizes, lambda f: here.full_path(f"{folder}/{f}"))
     save_id, created_at = layout.new_save_id(), here.modified_at(folder) or time.time()
@@ -204,111 +190,6 @@ def _abandon(
                 dest.remove_file(rel)
             dest.remove_empty_dir(f"{publication.name}/{layout.RANKS_DIR}")
             publication.release()
-
-
-# ---------------------------------------------------------------------------- the metadata
-
-
-def _decode(raw: bytes, path: str, *, allow_pickle: bool) -> tuple[Any, list[ItemRecord]]:
-    """The plain form of ``.metadata`` and the items its ``storage_data`` names. With
-    ``allow_pickle``, globals not admitted are let be: the walk reads none of them."""
-    shadows = Shadows(raw)
-    try:
-        top = shadows.load()
-        refused = sorted({f"{module}.{name}" for module, name in shadows.stands} - _ADMITTED)
-        if refused and not allow_pickle:
-            raise PickledClassesError(path, refused)
-        return _Walk(len(raw)).metadata(top)
-    except DcpSafeError:
-        raise
-    except Exception as exc:  # whatever a malformed pickle makes the unpickler or the walk raise
-        why = f"not DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
-        raise CheckpointCorruptError(path, why) from None
-
-
-_Sized = TypeVar("_Sized", bound=Sized)
-
-
-class _Walk:
-    """Stand-ins to plain values (the decoder checks their types); each element counted against
-    the pickle's size, since lists shared under many keys would make a naive walk endless."""
-
-    def __init__(self, budget: int) -> None:
-        self.left = budget
-
-    def take(self, values: _Sized) -> _Sized:
-        self.left -= len(values)
-        if self.left < 0:
-            raise ValueError("more elements than its bytes hold (shared lists)")
-        return values
-
-    @staticmethod
-    def of(value: object, qualname: str) -> StandIn:
-        if not is_stand_in(value, qualname):
-            raise ValueError(f"{qualname.rpartition('.')[2]} expected, not {type(value).__name__}")
-        return value
-
-    def fields(self, value: object, qualname: str) -> dict[str, Any]:
-        state = self.of(value, qualname).state
-        if not isinstance(state, dict | None):
-            raise ValueError(f"{qualname.rpartition('.')[2]} whose state is not a dict")
-        return self.take(state or {})
-
-    def dims(self, value: object) -> list[Any]:
-        if is_stand_in(value, "torch.Size"):
-            value = value.args[0] if value.args else ()
-        if not isinstance(value, tuple):
-            raise ValueError("a size that is not a torch.Size")
-        return list(self.take(value))
-
-    def metadata(self, top: object) -> tuple[dict[str, Any], list[ItemRecord]]:
-        body = self.fields(top, _DCP + "Metadata")
-        entries, paths = body["state_dict_metadata"], body.get("planner_data") or {}
-        if not isinstance(paths, dict) or not all(isinstance(p, tuple) for p in paths.values()):
-            raise ValueError("planner data that is not DCP's flatten paths (a custom planner's)")
-        plain = {
-            "format": FORMAT,
-            "version": VERSION,
-            "dcp_version": body.get("version"),
-            "entries": [[key, self.entry(value)] for key, value in self.take(entries).items()],
-            "planner_data": {
-                "paths": [[k, list(self.take(p))] for k, p in paths.items()],
-                "audit": None,
-            },
-        }
-        storage = self.take(body["storage_data"])
-        return plain, [self.item(index, info) for index, info in storage.items()]
-
-    def entry(self, value: object) -> dict[str, Any] | None:
-        if is_stand_in(value, _DCP + "BytesStorageMetadata"):
-            return None
-        body = self.fields(value, _DCP + "TensorStorageMetadata")
-        properties = self.of(body["properties"], _DCP + "TensorProperties").state
-        dtype, layout_, grad, memory, pin = properties
-        chunks = [self.fields(c, _DCP + "ChunkStorageMetadata") for c in self.take(body["chunks"])]
-        return {  # a stand-in is named as no dtype or layout is: the decoder refuses it
-            "dtype": str(dtype).removeprefix("torch."),
-            "layout": str(self.of(layout_, DCP_LAYOUT).args[0]).removeprefix("torch."),
-            "memory_format": _MEMORY_FORMATS[self.of(memory, DCP_MEMORY_FORMAT).args[0]],
-            "requires_grad": grad,
-            "pin_memory": pin,
-            "size": self.dims(body["size"]),
-            "chunks": [[self.dims(c["offsets"]), self.dims(c["sizes"])] for c in chunks],
-        }
-
-    def item(self, index: object, info: object) -> ItemRecord:
-        """An item's record, its checksum pending (``ItemRecord`` checks every field)."""
-        where, at = self.fields(index, _DCP + "MetadataIndex"), self.fields(info, DCP_STORAGE_INFO)
-        offset = where.get("offset")
-        return ItemRecord(
-            fqn=where["fqn"],
-            offset=None if offset is None else tuple(self.dims(offset)),
-            file=at["relative_path"],
-            start=at["offset"],
-            length=at["length"],
-            checksum=_PENDING,
-            transforms=tuple(at.get("transform_descriptors") or ()),
-        )
 
 
 # ---------------------------------------------------------------------------- the files

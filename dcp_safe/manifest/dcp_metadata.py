@@ -5,7 +5,8 @@ DCP's ``.metadata`` is a pickle, and a restricted unpickler still leaves its mem
 So the coordinator records what a load needs of it as plain values under the manifest's
 ``dcp_metadata`` field, and :func:`decode_dcp_metadata` rebuilds ``Metadata`` from them, every
 field typed, bounded and matched to its manifest item. A trusted ``.metadata``
-(``allow_pickle=True``) goes through the same decoder, after :func:`encode_dcp_metadata`.
+(``allow_pickle=True``) goes through the same decoder, walked into this form without running it
+(:func:`dcp_safe.checkpoints.metadata.decode_pickled_metadata`).
 
 A manifest field, not a file: the marker's digest and a signature cover it with nothing added,
 the one read that opens a checkpoint reads it, and it travels wherever the manifest is copied.
@@ -92,35 +93,19 @@ _TENSOR_KEYS = frozenset((*_NAMED, *_FLAGS, "size", "chunks"))
 _PLANNER_KEYS = frozenset(("paths", "audit"))
 
 
-@dataclass
-class _Budget:
-    """Elements an encoding may visit (chunks, path elements, fingerprints): an unpickled
-    metadata can share one long list under every key, which walked naively never ends."""
-
-    left: float  # math.inf: a save's own metadata, trusted
-
-    def take(self, count: int) -> None:
-        self.left -= count
-        if self.left < 0:
-            raise ValueError("more chunks, path elements or fingerprints than the manifest allows")
-
-
-def encode_dcp_metadata(metadata: object, *, budget: int | None = None) -> dict[str, Any]:
+def encode_dcp_metadata(metadata: object) -> dict[str, Any]:
     """The plain form (a manifest's ``dcp_metadata``) of DCP's ``Metadata``, as a save's
-    coordinator holds it or as ``.metadata`` unpickles (then visiting at most ``budget`` chunks,
-    path elements and fingerprints; ``None``: a save's own, trusted).
+    coordinator holds it.
 
     Raises:
         ValueError: something DCP's own planners never write (a custom planner's data, an
-            unknown entry type or field type), or over the budget.
+            unknown entry type or field type).
     """
     if not isinstance(metadata, Metadata):
         raise ValueError(f"not DCP metadata ({type(metadata).__name__})")
-    count = _Budget(math.inf if budget is None else budget)
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise ValueError("state_dict_metadata is not a dict")
-    count.take(len(entries))
     version = metadata.version
     if version is not None and not isinstance(version, str):
         raise ValueError("version is not a string")
@@ -128,25 +113,24 @@ def encode_dcp_metadata(metadata: object, *, budget: int | None = None) -> dict[
         "format": FORMAT,
         "version": VERSION,
         "dcp_version": version,
-        "entries": _entries(entries, count, trusted=budget is None),
-        "planner_data": _encode_planner(metadata.planner_data, count),
+        "entries": _entries(entries),
+        "planner_data": _encode_planner(metadata.planner_data),
     }
 
 
-# The last trusted entries encoded, with their encoding: a save with a cached plan hands over
+# The last entries encoded, with their encoding: a save with a cached plan hands over
 # the very same ``state_dict_metadata`` (the layout did not change), whose encoding was a fifth
 # of a 10,000-tensor save. Nothing in a save changes that dict once planned.
 _last_entries: tuple[dict[Any, Any], int, list[list[Any]]] | None = None
 
 
-def _entries(entries: dict[Any, Any], count: _Budget, *, trusted: bool) -> list[list[Any]]:
+def _entries(entries: dict[Any, Any]) -> list[list[Any]]:
     global _last_entries
     last = _last_entries
-    if trusted and last is not None and last[0] is entries and last[1] == len(entries):
+    if last is not None and last[0] is entries and last[1] == len(entries):
         return list(last[2])
-    encoded = [[_str_key(key), _encode_entry(entry, count)] for key, entry in entries.items()]
-    if trusted:
-        _last_entries = (entries, len(entries), encoded)
+    encoded = [[_str_key(key), _encode_entry(entry)] for key, entry in entries.items()]
+    _last_entries = (entries, len(entries), encoded)
     return list(encoded)
 
 
@@ -177,7 +161,7 @@ def _encode_dims(value: object, what: str, rank: int | None = None) -> list[int]
     return list(value)
 
 
-def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
+def _encode_entry(entry: object) -> dict[str, Any] | None:
     if type(entry) is BytesStorageMetadata:
         return None
     if type(entry) is not TensorStorageMetadata:
@@ -185,7 +169,6 @@ def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
     props, chunks = entry.properties, entry.chunks
     if type(props) is not TensorProperties or not isinstance(chunks, list):
         raise ValueError("a tensor entry without properties or chunks")
-    budget.take(len(chunks))
     if odd := [c for c in chunks if type(c) is not ChunkStorageMetadata][:1]:
         raise ValueError(f"unknown chunk type {type(odd[0]).__name__}")
     return {
@@ -198,27 +181,30 @@ def _encode_entry(entry: object, budget: _Budget) -> dict[str, Any] | None:
     }
 
 
-def _encode_planner(data: object, budget: _Budget) -> dict[str, Any] | None:
+def _encode_planner(data: object) -> dict[str, Any] | None:
     """DCP's flatten mappings (key -> path) and dcp_safe's fingerprints (under AUDIT_KEY)."""
     if data is None:
         return None
     if not isinstance(data, dict):
         raise ValueError(f"planner data of type {type(data).__name__} (a custom planner's)")
-    budget.take(len(data))
     paths: list[list[Any]] = []
     audit: list[list[Any]] | None = None
     for key, value in data.items():
         if key == layout.AUDIT_KEY:
-            audit = _encode_audit(value, budget)
+            audit = encode_audit(value)
             continue
         if not isinstance(value, (tuple, list)) or not 0 < len(value) <= _MAX_PATH:
             raise ValueError("planner data that is not a flatten path")
-        budget.take(len(value))
         paths.append([_str_key(key), [_path_element(v) for v in value]])
     return {"paths": paths, "audit": audit}
 
 
-def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
+def encode_audit(value: object) -> list[list[Any]]:
+    """The plain form of dcp_safe's fingerprints (``planner_data[AUDIT_KEY]``).
+
+    Raises:
+        ValueError: not a dict of tensors' blocks 0, 1, ... of integers in [0, 2**64).
+    """
     if not isinstance(value, dict):
         raise ValueError("fingerprints that are not a dict")
     found = []
@@ -226,7 +212,6 @@ def _encode_audit(value: object, budget: _Budget) -> list[list[Any]]:
         if not isinstance(blocks, dict) or len(blocks) > _MAX_BLOCKS:
             raise ValueError("fingerprints of a tensor that are not a dict of blocks")
         count = len(blocks)
-        budget.take(count)
         # Ranks' partials are summed in the order their pieces arrive, so blocks come in any
         # order; what must hold is that they are exactly 0 .. n-1 (ints, not bools). The
         # type checks run in C (``map``), not a generator: 10,000 tensors a save.
@@ -417,41 +402,3 @@ def check_declared_sizes(metadata: Metadata, path: str) -> None:
                 f" {str(entry.properties.dtype)[6:]} elements ({numel}), more than its"
                 f" {len(entry.chunks)} chunk(s) hold ({held}))",
             )
-
-
-def check_storage_data(storage: object, manifest: Manifest, path: str) -> None:
-    """Unpickled metadata must say of every item it names what the manifest says: the same
-    file, offset, length and transforms. Data is read only from the files the manifest names.
-
-    Raises:
-        CheckpointCorruptError: a ``storage_data`` entry names another file or byte range, or
-            an item the manifest does not have.
-    """
-    if not isinstance(storage, dict) or len(storage) > len(manifest.items):
-        raise CheckpointCorruptError(path, "storage_data is not a map of the manifest's items")
-    for index, info in storage.items():
-        if not _agrees(manifest, index, info):
-            shown = getattr(index, "fqn", "?")
-            raise CheckpointCorruptError(
-                path,
-                "storage_data disagrees with the manifest (a file, offset or length the"
-                " manifest does not record for this item)",
-                item=shown[:200] if isinstance(shown, str) else "?",
-            )
-
-
-def _agrees(manifest: Manifest, index: object, info: object) -> bool:
-    """Whether the ``storage_data`` entry ``index: info`` says what the manifest's item does."""
-    if type(index) is not MetadataIndex or type(info) is not StorageInfo:
-        return False
-    offset, transforms = index.offset, info.transform_descriptors
-    if not (
-        isinstance(index.fqn, str)
-        and (offset is None or (isinstance(offset, tuple) and len(offset) <= MAX_DIMS))
-        and _only_ints(offset or ())
-        and isinstance(transforms, (list, tuple, type(None)))
-    ):
-        return False
-    item = manifest.item((index.fqn, None if offset is None else tuple(offset)))
-    stated = (info.relative_path, info.offset, info.length, tuple(transforms or ()))
-    return item is not None and (item.file, item.start, item.length, item.transforms) == stated

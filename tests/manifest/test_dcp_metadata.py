@@ -18,13 +18,10 @@ import dcp_safe
 from dcp_safe import SafeStorageWriter, layout
 from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import open_committed
+from dcp_safe.checkpoints.metadata import decode_pickled_metadata
 from dcp_safe.cli import main as cli_main
 from dcp_safe.errors import CheckpointCorruptError
-from dcp_safe.manifest.dcp_metadata import (
-    check_storage_data,
-    decode_dcp_metadata,
-    encode_dcp_metadata,
-)
+from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata, encode_dcp_metadata
 from dcp_safe.manifest.schema import Manifest
 
 
@@ -42,7 +39,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest, Any
 
 
 def test_the_plain_form_decodes_to_exactly_what_dcp_pickled(saved: Any) -> None:
-    _, manifest, pickled = saved
+    root, manifest, pickled = saved
     assert manifest.dcp_metadata is not None
     decoded = decode_dcp_metadata(manifest.dcp_metadata, manifest, "m")
     assert decoded.state_dict_metadata == pickled.state_dict_metadata
@@ -53,8 +50,12 @@ def test_the_plain_form_decodes_to_exactly_what_dcp_pickled(saved: Any) -> None:
     assert decoded.storage_meta.checkpoint_id == pickled.storage_meta.checkpoint_id
     assert decoded.storage_meta.save_id == pickled.storage_meta.save_id
     assert decoded.version == pickled.version
-    # And the unpickled form encodes to the very same plain form.
+    # And the unpickled form encodes to the very same plain form, as the pickle walks to it.
     assert encode_dcp_metadata(pickled) == manifest.dcp_metadata
+    raw = (root / "step_1" / layout.DCP_METADATA).read_bytes()
+    plain, items = decode_pickled_metadata(raw, "m", allow_pickle=False, manifest=manifest)
+    assert plain == manifest.dcp_metadata
+    assert sorted(i.key for i in items) == sorted(i.key for i in manifest.items)
 
 
 def test_a_repeated_layout_reuses_its_entries_and_a_new_one_is_encoded_afresh(saved: Any) -> None:
@@ -67,8 +68,8 @@ def test_a_repeated_layout_reuses_its_entries_and_a_new_one_is_encoded_afresh(sa
     other = copy.deepcopy(pickled)  # an equal layout in another dict: encoded again
     fresh = encode_dcp_metadata(other)
     assert fresh == first and fresh["entries"][0] is not first["entries"][0]
-    untrusted = encode_dcp_metadata(other, budget=10_000)  # storage's: never from the memo
-    assert untrusted == first and untrusted["entries"][0] is not fresh["entries"][0]
+    walked = decode_pickled_metadata(pickle.dumps(other), "m", allow_pickle=True)[0]
+    assert walked == first and walked["entries"][0] is not fresh["entries"][0]  # not the memo
 
 
 def _broken(manifest: Manifest, edit: Any) -> dict[str, Any]:
@@ -178,24 +179,30 @@ def test_a_tensor_declared_larger_than_its_chunks_is_refused_by_verify_and_inspe
 
 def test_pickled_storage_data_must_name_the_manifests_own_files_and_bytes(saved: Any) -> None:
     _, manifest, pickled = saved
-    check_storage_data(pickled.storage_data, manifest, "m")  # as written: agrees
+
+    def walk(storage: dict[Any, Any]) -> Any:
+        raw = pickle.dumps(dataclasses.replace(pickled, storage_data=storage))
+        return decode_pickled_metadata(raw, "m", allow_pickle=True, manifest=manifest)
+
+    _, items = walk(pickled.storage_data)  # as written: agrees, and names the manifest's items
+    assert all(manifest.item(item.key) is item for item in items)
     moved = {
         index: dataclasses.replace(info, relative_path="../step_0/__0_0.distcp")
         for index, info in pickled.storage_data.items()
     }
     with pytest.raises(CheckpointCorruptError, match="disagrees with the manifest"):
-        check_storage_data(moved, manifest, "m")
+        walk(moved)
     shifted = {
         index: dataclasses.replace(info, offset=info.offset + 1)
         for index, info in pickled.storage_data.items()
     }
     with pytest.raises(CheckpointCorruptError, match="disagrees with the manifest"):
-        check_storage_data(shifted, manifest, "m")
+        walk(shifted)
 
 
 def test_a_shared_chunk_list_is_refused_by_the_budget_not_walked(saved: Any) -> None:
-    """An unpickled metadata can share one list of chunks under every key; encoding it costs
-    the budget it is given, not the product of the two."""
+    """A pickled metadata can share one list of chunks under every key; walking it costs the
+    pickle's size, not the product of the two."""
     _, _, pickled = saved
     entry = pickled.state_dict_metadata["f32"]
     shared = entry.chunks * 10_000
@@ -203,8 +210,8 @@ def test_a_shared_chunk_list_is_refused_by_the_budget_not_walked(saved: Any) -> 
     metadata.state_dict_metadata = {
         f"k{i}": dataclasses.replace(entry, chunks=shared) for i in range(10_000)
     }
-    with pytest.raises(ValueError, match="more chunks"):
-        encode_dcp_metadata(metadata, budget=100_000)
+    with pytest.raises(CheckpointCorruptError, match="more elements than its bytes hold"):
+        decode_pickled_metadata(pickle.dumps(metadata), "m", allow_pickle=True)
 
 
 def test_custom_planner_data_has_no_plain_form(saved: Any) -> None:
@@ -213,6 +220,8 @@ def test_custom_planner_data_has_no_plain_form(saved: Any) -> None:
     odd.planner_data = {"my_planner": {"state": torch.ones(1)}}
     with pytest.raises(ValueError):
         encode_dcp_metadata(odd)
+    with pytest.raises(CheckpointCorruptError, match="flatten paths"):
+        decode_pickled_metadata(pickle.dumps(odd), "m", allow_pickle=True)
 
 
 def test_fingerprint_blocks_summed_from_several_ranks_encode_in_block_order(saved: Any) -> None:
