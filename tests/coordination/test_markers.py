@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import dcp_safe
+from dcp_safe import SafeStorageWriter
+from dcp_safe.backends.roots import open_backend
 from dcp_safe.coordination import markers
-from dcp_safe.errors import ReplicationTimeoutError
+from dcp_safe.errors import CheckpointExistsError, CheckpointNotFoundError, ReplicationTimeoutError
 from dcp_safe.replication.rank_upload import UploadOptions
 
 
@@ -66,3 +70,20 @@ def test_upload_options_poll_raises_a_timeout_naming_what_it_waited_for(clock: _
     with pytest.raises(ReplicationTimeoutError, match=r"gave up after 2 s waiting for the lease"):
         options.poll(lambda: None, "the lease")
     assert set(clock.pauses) == {0.5}
+
+
+def test_await_committed_refuses_another_saves_commit_and_chains_why_it_timed_out(
+    memory_root: str,
+) -> None:
+    dcp_safe.save(
+        {"w": torch.arange(4.0)},
+        checkpoint_id="step_1",
+        storage_writer=SafeStorageWriter(memory_root),
+    )
+    backend = open_backend(memory_root)
+    assert markers.await_committed(backend, "step_1", timeout_s=5, pause_s=0.01).name == "step_1"
+    with pytest.raises(CheckpointExistsError, match="another save committed it"):
+        markers.await_committed(backend, "step_1", timeout_s=5, pause_s=0.01, save_id="b" * 32)
+    with pytest.raises(ReplicationTimeoutError, match="step_2 was not committed within") as seen:
+        markers.await_committed(backend, "step_2", timeout_s=0.05, pause_s=0.01)
+    assert isinstance(seen.value.__cause__, CheckpointNotFoundError)
