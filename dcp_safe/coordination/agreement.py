@@ -165,7 +165,7 @@ class Agreement:
                 )
                 # The peers were not interrupted nor asked to exit: only an Exception travels.
                 sent = exc if isinstance(exc, Exception) else stopped
-                outcome.append(("error", portable(sent, stopped).hex()))
+                outcome.append(("error", portable(sent, stopped)))
 
         worker = threading.Thread(target=run, name=f"dcp_safe-{call}", daemon=True)
         if self.coordinator:
@@ -190,8 +190,7 @@ class Agreement:
         if kind == "error":
             # From a peer of this job, not from storage.
             raise restored(
-                bytes.fromhex(value),
-                lambda _: DcpSafeError("rank 0 failed (its error could not be passed on)"),
+                value, lambda _: DcpSafeError("rank 0 failed (its error could not be passed on)")
             )
         return cast(T, value)
 

@@ -8,7 +8,8 @@ at the same point: docs/multirank.md, "Deadlines, and why saves get their own pr
 :func:`collective_failure` turns a transport error into a :class:`~dcp_safe.errors.CommitError`
 naming the failed ranks, with storage as the witness: the ranks whose ``_ranks/`` manifest is
 missing are the ones that died or hung (gloo names a peer's address, not its rank). The group is
-then discarded: a gloo group with a dead member cannot be used again.
+then discarded: a gloo group with a dead member cannot be used again. :func:`typed_failures`
+does both around a block of collectives.
 """
 
 from __future__ import annotations
