@@ -86,8 +86,9 @@ class PeerSource(Source):
         self._scratch = layout.peer_restore_dir(layout.new_save_id())
         # The files this node's own cache holds.
         held = self._held(self._checkpoint) if self.cache.name is not None else {}
-        lacking = files - held.keys()
-        needs = {r.path: r.size for r in self._manifest.files if r.path in lacking}
+        # Sized as the receiver's check will be: by the manifest's record of each path.
+        records = [self._manifest.file(f) for f in sorted(files - held.keys())]
+        needs = {r.path: r.size for r in records if r is not None}
         self._fetch(needs, self._offers(held), self._scratch)
 
     def where(self, file_name: str) -> tuple[Backend, str] | None:
