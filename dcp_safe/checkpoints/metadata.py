@@ -197,7 +197,7 @@ class _Walk:
         ):
             raise ValueError("planner data that is not DCP's flatten paths (a custom planner's)")
         audit = paths.pop(layout.AUDIT_KEY, None)  # dcp_safe's fingerprints: a dict of dicts
-        for blocks in self.take(audit or {}).values():
+        for blocks in self.take(audit or {}).values():  # counted before encode_audit visits them
             self.take(blocks)
         plain = {
             "format": FORMAT,
