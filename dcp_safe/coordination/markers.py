@@ -109,7 +109,7 @@ def watch_for_commit(
     def watch() -> None:
         try:
             future.set_result(await_committed(backend, name, timeout_s=timeout_s, pause_s=poll_s))
-        except ReplicationTimeoutError as exc:
+        except BaseException as exc:  # whatever ends the watch reaches the waiting writer
             future.set_exception(exc)
 
     threading.Thread(target=watch, name=f"dcp_safe-watch-{name}", daemon=True).start()

@@ -87,3 +87,17 @@ def test_await_committed_refuses_another_saves_commit_and_chains_why_it_timed_ou
     with pytest.raises(ReplicationTimeoutError, match="step_2 was not committed within") as seen:
         markers.await_committed(backend, "step_2", timeout_s=0.05, pause_s=0.01)
     assert isinstance(seen.value.__cause__, CheckpointNotFoundError)
+
+
+def test_a_watch_whose_storage_fails_in_an_unexpected_way_fails_its_future(
+    memory_root: str,
+) -> None:
+    # Only a timeout used to reach the future: any other error ended the watching thread and
+    # left the future pending forever, and the writer waiting on it hung.
+    class Broken:
+        def __getattr__(self, name: str) -> object:
+            raise RuntimeError("the backend's client went away")
+
+    future = markers.watch_for_commit(Broken(), "step_1", poll_s=0.01, timeout_s=5)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="client went away"):
+        future.result(timeout=30)
