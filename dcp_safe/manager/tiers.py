@@ -51,7 +51,6 @@ from dcp_safe.reading.safetensors_import import (
     is_safetensors_file,
     locate,
 )
-from dcp_safe.replication.peer_copy import PEER_COPIES as PEER_COPIES  # tests name the groups
 from dcp_safe.replication.peer_copy import PeerCopier
 from dcp_safe.retention.policy import CheckpointRecord, decide
 from dcp_safe.retention.sweeper import sweep_partials, sweep_trash

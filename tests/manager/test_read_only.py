@@ -22,8 +22,8 @@ from support.faults import abandon_a_save
 import dcp_safe
 from dcp_safe import CheckpointManager, ConfigError, Retention, Runtime, Topology
 from dcp_safe.coordination import group as group_registry
-from dcp_safe.manager.tiers import PEER_COPIES
 from dcp_safe.reading.peers import PEER_RESTORE
+from dcp_safe.replication.peer_copy import PEER_COPIES
 from dcp_safe.testing.multiproc import run_ranks
 
 _EVENT_TIMEOUT_S = 120  # a safety net against a hang, never an assertion
