@@ -115,5 +115,8 @@ def _retired(backend: Backend, name: str) -> bool:
         strategy_for(backend).retire(backend, name)
     except (DcpSafeError, OSError) as exc:
         log.warning("retiring %s failed: %s", shown(backend.full_path(name)), shown(exc, 300))
-        return not backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
+        try:
+            return not backend.exists(f"{name}/{layout.COMMITTED_MARKER}")
+        except OSError:  # cannot tell: counted as still published, as Tiers does
+            return False
     return True

@@ -116,3 +116,38 @@ def test_applies_retention_on_s3(
     report = apply_retention(s3_root, keep_last=2, storage_options=s3_options)
     assert report.dropped == ("step_0001",)
     assert _names(s3_root, **s3_options) == ["step_0002", "step_0003"]
+
+
+def test_a_retire_that_fails_while_storage_cannot_say_what_is_left_warns_and_goes_on(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # step_0001's retire fails and so does the look at its marker after it: it is reported
+    # kept (the next pass tries again), and the rest of the pass still runs.
+    from dcp_safe.backends.local_backend import LocalBackend
+    from dcp_safe.retention import apply
+
+    failed: list[str] = []
+    exists, strategy_for = LocalBackend.exists, apply.strategy_for
+
+    class FailingFirst:
+        def __init__(self, backend: Any) -> None:
+            self.inner = strategy_for(backend)
+
+        def retire(self, backend: Any, name: str) -> None:
+            if name == "step_0001":
+                failed.append(name)
+                raise OSError("the disk went read-only")
+            self.inner.retire(backend, name)
+
+    def failing_exists(self: LocalBackend, rel: str) -> bool:
+        if failed and rel.startswith("step_0001/"):
+            raise OSError("the disk went away")
+        return exists(self, rel)
+
+    monkeypatch.setattr(apply, "strategy_for", FailingFirst)
+    monkeypatch.setattr(LocalBackend, "exists", failing_exists)
+    report = apply_retention(root, keep_last=2)
+    assert report.dropped == ("step_0002",)
+    assert "retiring" in caplog.text and "read-only" in caplog.text
+    failed.clear()
+    assert _names(root) == ["step_0001", "step_0003", "step_0004"]
