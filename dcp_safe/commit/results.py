@@ -140,8 +140,9 @@ def dcp_metadata(
     the manifest's ``dcp_metadata``: what loads read instead of unpickling ``.metadata``.
 
     The latter is ``None``, with a warning, when the metadata holds what the plain form does
-    not carry (the planner data of a custom planner): the checkpoint is still written, and
-    dcp_safe's readers then load it only with ``allow_pickle=True``.
+    not carry (the planner data of a custom planner): the checkpoint is still written, for
+    torch's own readers; dcp_safe's readers refuse it, ``allow_pickle=True`` or not (they read
+    ``.metadata`` without running its pickle, and a custom planner's data is not DCP's).
     """
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_data = {
@@ -158,7 +159,7 @@ def dcp_metadata(
     try:
         plain = encode_dcp_metadata(metadata)
     except ValueError as exc:
-        pickled = "it will load only with allow_pickle=True"
+        pickled = "dcp_safe's readers will refuse to load it"
         log.warning("checkpoint %s: DCP metadata has no plain form (%s); %s", name, exc, pickled)
         plain = None
     return pickle.dumps(metadata), plain
