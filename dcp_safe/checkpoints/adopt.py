@@ -46,7 +46,6 @@ from dcp_safe.manifest.dcp_metadata import check_declared_sizes
 from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata as decode_plain
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
-from dcp_safe.manifest.schema import manifest_digest as digest_of
 from dcp_safe.manifest.streams import HashingSink, short_read
 from dcp_safe.manifest.verify import DEFAULT_CHUNK_BYTES
 from dcp_safe.topology import Root, RootLike, as_root
@@ -148,11 +147,9 @@ def adopt(
             raise PickledClassesError(here.full_path(folder), sorted(needed))
         if not copy:
             del control[layout.DCP_METADATA]  # the source's own, as read and recorded above
-        control[layout.MANIFEST] = manifest.to_json()
         dest.makedirs(f"{work}/{layout.RANKS_DIR}")
-        written += [f"{work}/{rel}" for rel in control]
-        marker = digest_of(control[layout.MANIFEST]).encode()
-        publication.publish(marker, files=control, sync_dirs=(layout.RANKS_DIR,))
+        written += [f"{work}/{rel}" for rel in [*control, layout.MANIFEST]]
+        publication.publish_manifest(manifest, control)
     except BaseException as exc:
         _abandon(publication, dest, written, copy=copy, cause=exc)
         raise
