@@ -96,7 +96,8 @@ def export(
     """
     fmt = parse_choice(ExportFormat, format, "format")
     out_dtype = parse_dtype(dtype)
-    formats.check_max_shard_bytes(max_shard_bytes)
+    if type(max_shard_bytes) is not int or max_shard_bytes < 1:  # a bool is no size
+        raise ConfigError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
     path = check_destination(dest, overwrite)
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)

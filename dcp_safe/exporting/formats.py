@@ -68,11 +68,6 @@ def write_safetensors(
     return dict.fromkeys(selection.objects, "not a tensor (safetensors holds tensors only)")
 
 
-def check_max_shard_bytes(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"max_shard_bytes must be an int >= 1, got {value!r}")
-
-
 def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
     """``entries`` (in order) split into shards of at most ``max_shard_bytes`` of tensor data,
     except a tensor larger than that, which gets a shard of its own (ConfigError: a key is

@@ -284,7 +284,8 @@ def test_only_objects_selected_for_safetensors_is_nothing_to_export(
 
 @pytest.mark.parametrize(
     "options",
-    [{"format": "onnx"}, {"dtype": "int8"}, {"dtype": "nonsense"}, {"max_shard_bytes": 0}],
+    [{"format": "onnx"}, {"dtype": "int8"}, {"dtype": "nonsense"}]
+    + [{"max_shard_bytes": bad} for bad in (0, -1, 1.5, True, "5GB")],
 )
 def test_bad_options_are_config_errors(root: Path, tmp_path: Path, options: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):

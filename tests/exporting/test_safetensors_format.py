@@ -15,7 +15,6 @@ import torch
 from dcp_safe.errors import ConfigError
 from dcp_safe.exporting.consolidate import TensorEntry, parse_dtype
 from dcp_safe.exporting.formats import (
-    check_max_shard_bytes,
     encode_header,
     encode_index,
     plan_shards,
@@ -36,12 +35,6 @@ def test_shards_fill_up_to_the_limit_and_a_large_tensor_stands_alone() -> None:
 def test_one_shard_is_a_plain_model_safetensors() -> None:
     assert shard_names(1) == ["model.safetensors"]
     assert shard_names(3)[-1] == "model-00003-of-00003.safetensors"
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "5GB"])
-def test_max_shard_bytes_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ConfigError):
-        check_max_shard_bytes(bad)  # export() checks it first (test_bad_options_are_config_errors)
 
 
 def test_header_offsets_are_contiguous_and_the_data_section_aligned() -> None:
