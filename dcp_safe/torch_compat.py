@@ -280,6 +280,13 @@ def tensor_use_count(tensor: torch.Tensor) -> int:
     return int(tensor._use_count())  # type: ignore[attr-defined]
 
 
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the default group's world size: ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 # ``dcp.save`` is ``_save_state_dict`` after ``_stateful_to_state_dict``, which wraps every
 # top-level key in DCP's method logger and checks it against the runtime ``Stateful`` protocol
 # (``inspect.getattr_static`` per attribute): 14 us a key, 0.14 s of a save of 10,000 top-level

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -64,6 +63,7 @@ from dcp_safe.reading.read_once import (
     items_digest,
     share_reads,
 )
+from dcp_safe.torch_compat import rank_world
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class SafeSavePlanner(DefaultSavePlanner):
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self.rank = _rank()
+        self.rank = rank_world()[0]
         for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
             value = self.state_dict[key]
             if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
@@ -182,7 +182,7 @@ class SafeSavePlanner(DefaultSavePlanner):
             self._remembered, self._global = self._cache.pop(self._cache_key(), (None, None))
         plan = super().create_local_plan()
         fingerprints: dict[str, int] = {}
-        if self.check_divergence and _world_size() > 1:  # one rank has nothing to differ from
+        if self.check_divergence and rank_world()[1] > 1:  # one rank has nothing to differ from
             plain = (WriteItemType.TENSOR, WriteItemType.BYTE_IO)
             keys = [item.index.fqn for item in plan.items if item.type in plain]
             fingerprints = fingerprints_of({key: self.state_dict[key] for key in keys})
@@ -354,7 +354,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         skipped = set(self.state_dict) - wanted
         for key in skipped:
             self._forget(key)
-        world = _world_size()
+        rank, world = rank_world()
         for key in [k for k in self.state_dict if _matches(k, self.per_rank)]:
             # This rank's per-rank keys point at its own stored entries.
             saved = sorted(layout.per_rank_ranks(key, stored))
@@ -362,7 +362,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 continue  # saved as one entry (equal on every rank, or before per_rank)
             if saved != list(range(world)):
                 raise PerRankStateError(key, saved_ranks=saved, world_size=world)
-            own = layout.per_rank_key(key, _rank())
+            own = layout.per_rank_key(key, rank)
             _rename(self, key, own)
             self._per_rank_keys[key] = own
         if self.read_once and not self.sends_shared and world > 1:
@@ -480,14 +480,6 @@ def _prefixes(keys: Iterable[str]) -> tuple[str, ...]:
 def _matches(key: str, prefixes: tuple[str, ...] | None) -> bool:
     """``key`` is one of ``prefixes`` or below one (``None``: every key matches)."""
     return prefixes is None or any(key == p or key.startswith(p + ".") for p in prefixes)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 #: Tensors of at least this many bytes are hashed on a thread pool (xxhash releases the GIL

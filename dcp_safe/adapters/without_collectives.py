@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -55,6 +54,7 @@ from dcp_safe.manifest.dcp_metadata import decode_dcp_metadata, encode_dcp_metad
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import Manifest, RankManifest
 from dcp_safe.manifest.signing import part_mac, part_mac_matches
+from dcp_safe.torch_compat import rank_world
 from dcp_safe.version import __version__
 
 _ASSIGNMENT, _REPORT = "dcp_safe/assignment", "dcp_safe/rank-report"
@@ -120,7 +120,7 @@ class StorageAgreement:
             DivergentStateError: this rank's copy of a plain entry differs from rank 0's.
             CommitError: rank 0 posted nothing in time, or failed (naming rank 0).
         """
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = rank_world()[1]
         if coordinator:
             try:
                 plan = claim([plan])[0]

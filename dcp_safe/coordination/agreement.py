@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-import torch.distributed as dist
-
 from dcp_safe.coordination.group import broadcast_object, gather_objects, typed_failures
 from dcp_safe.coordination.groups import POLICY, ManagerGroups
 from dcp_safe.errors import CommitError, ConfigError, DcpSafeError, describe, portable, restored
+from dcp_safe.torch_compat import rank_world
 
 T = TypeVar("T")
 
@@ -87,7 +86,7 @@ class Agreement:
         Creating the groups is a collective: every rank must construct its manager at the same
         point in its program.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if rank_world()[1] == 1:
             return cls()
         return cls(ManagerGroups(deadline_s))
 

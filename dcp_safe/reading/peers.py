@@ -49,6 +49,7 @@ from dcp_safe.replication.peer_transport import (
     receive_file,
     send_file,
 )
+from dcp_safe.torch_compat import rank_world
 
 # What this node's disk may raise where it is unusable: a link in the way (``.peers/`` planted
 # as a symlink) is refused as CheckpointCorruptError, never followed; either way the peer tier
@@ -135,8 +136,7 @@ class PeerSource(Source):
         ranks that hold them (a collective when the job has several ranks)."""
         # Peer copies on this node's own disk first.
         self._peer_sources = {f: offers[f] for f in needs if f in offers}
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if self._group is None and several:
+        if self._group is None and rank_world()[1] > 1:
             self._group = checkpoint_group(DEFAULT_DEADLINE_S, purpose=PEER_RESTORE)
         if self._group is None:
             return

@@ -33,7 +33,6 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -54,6 +53,7 @@ from dcp_safe.staging.plan import (
 from dcp_safe.staging.poison import poisoned
 from dcp_safe.staging.pool import BufferPool, BufferRequest, Lease
 from dcp_safe.staging.shared import CudaSlabPinning, SharedSlabs
+from dcp_safe.torch_compat import rank_world
 from dcp_safe.units import format_bytes
 
 StateDict = dict[str, Any]
@@ -133,9 +133,8 @@ class BudgetedStager(AsyncStager, AbstractContextManager["BudgetedStager"]):
         # The request is the snapshot's moment: read the counters before anything can wait.
         # Every candidate, not the plan's pick: a guessed plan may still be replaced.
         guard = SnapshotGuard(layout.candidates) if self.options.mutation_guard else None
-        # None without a default group of several ranks.
-        grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        rank = dist.get_rank() if grouped else None
+        own_rank, world = rank_world()
+        rank = own_rank if world > 1 else None  # None without a default group of several ranks
         span = self.telemetry.begin(Phase.STAGING, bytes=plan.request.nbytes)
         try:
             waited = time.monotonic()

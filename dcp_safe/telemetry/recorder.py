@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Unpack, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -35,6 +34,7 @@ from dcp_safe.telemetry.memory import MemorySample, MemorySampler, anchored_cloc
 from dcp_safe.telemetry.report import TelemetryReport, build_report
 from dcp_safe.telemetry.sinks import Event, EventKind, MemorySink, Sink
 from dcp_safe.topology import Topology
+from dcp_safe.torch_compat import rank_world
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Telemetry(AbstractContextManager["Telemetry"]):
     ) -> None:
         self.clock = clock or anchored_clock()
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = rank_world()[0]
         self.rank = rank
         self.memory = MemorySink(max_events)
         self.sinks: tuple[Sink, ...] = (self.memory, *sinks)
