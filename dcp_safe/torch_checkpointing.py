@@ -63,8 +63,8 @@ from dcp_safe.manifest.checksum import (
     format_checksum,
     new_hasher,
 )
-from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest, manifest_digest
-from dcp_safe.manifest.signing import resolve_key, sign_digest
+from dcp_safe.manifest.schema import FileRecord, Manifest, RankManifest
+from dcp_safe.manifest.signing import checksum_for, resolve_key
 from dcp_safe.topology import RootLike, as_root
 from dcp_safe.version import __version__
 
@@ -80,7 +80,6 @@ except ImportError as exc:  # the extra is optional; say how to get it
 
 #: What the manifest of a checkpoint written here records as its ``data_format``.
 DATA_FORMAT = "torch_checkpointing"
-_CRYPTOGRAPHIC = (ChecksumAlgorithm.BLAKE3, ChecksumAlgorithm.SHA256)
 
 
 @dataclass
@@ -111,12 +110,7 @@ class SafeStorageConfig(StorageConfig):
         folder = local if self.folder is None and "://" not in local else self.folder
         self.folder = None if folder is None else os.path.abspath(folder)
         self.signing_key = resolve_key(self.signing_key)
-        default = ChecksumAlgorithm.BLAKE3 if self.signing_key else ChecksumAlgorithm.XXH3_128
-        self.checksum = ChecksumAlgorithm(self.checksum or default)
-        if self.signing_key and self.checksum not in _CRYPTOGRAPHIC:
-            raise ConfigError(
-                f"a signed save needs blake3 or sha256 checksums, not {self.checksum}"
-            )
+        self.checksum = checksum_for(self.checksum, signed=bool(self.signing_key))
 
     def create_storage(self) -> SafeStorage:
         return SafeStorage(self)
@@ -617,12 +611,8 @@ def _publish(storage: SafeStorage, name: str, save: _Save) -> None:
         step=_step_of(name),
         data_format=DATA_FORMAT,
     )
-    control = {layout.MANIFEST: manifest.to_json()}
-    digest = manifest_digest(control[layout.MANIFEST])
-    if storage._key is not None:
-        control[layout.SIGNATURE] = sign_digest(storage._key, digest)
     try:
-        publication.publish(digest.encode(), files=control, sync_dirs=(layout.RANKS_DIR,))
+        publication.publish_manifest(manifest, {}, signing_key=storage._key)
     except BaseException as exc:
         publication.discard(exc)
         raise
