@@ -119,18 +119,15 @@ def find_cgroup_files(proc_root: str, cgroup_root: str) -> CgroupFiles:
     """Locate this process's cgroup usage files: v2 first, then v1 (each in this process's own
     cgroup, else in the hierarchy's root, as inside a container's cgroup namespace)."""
     v2_rel, v1_rel = _memberships(_read_text(os.path.join(proc_root, "self", "cgroup")))
-    v1_root = os.path.join(cgroup_root, "memory")
     for rel, root, usage, peak in (
-        (v2_rel, cgroup_root, "memory.current", "memory.peak"),
-        (v1_rel, v1_root, "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
+        (v2_rel, Path(cgroup_root), "memory.current", "memory.peak"),
+        (v1_rel, Path(cgroup_root, "memory"), "memory.usage_in_bytes", "memory.max_usage_in_bytes"),
     ):
         if rel is None:
             continue
-        nested = os.path.join(root, rel.lstrip("/"))
-        base = nested if os.path.isdir(nested) else root
-        if os.path.exists(os.path.join(base, usage)):
-            peak_path = os.path.join(base, peak)
-            return CgroupFiles(
-                os.path.join(base, usage), peak_path if os.path.exists(peak_path) else None
-            )
+        folders = _self_and_ancestors(root, rel)
+        base = folders[0] if folders[0].is_dir() else folders[-1]
+        if (base / usage).exists():
+            peak_path = base / peak
+            return CgroupFiles(str(base / usage), str(peak_path) if peak_path.exists() else None)
     return CgroupFiles(None, None)
