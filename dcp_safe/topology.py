@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_safe.choices import refuse_moved
+from dcp_safe.choices import refuse_moved, require_int
 from dcp_safe.errors import ConfigError
 
 
@@ -70,10 +70,8 @@ class Topology:
                 "node_local= and replicate_to= do not go together: with node_local, root is the"
                 " shared remote every rank uploads to"
             )
-        copies = self.peer_copies
-        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
-            raise ConfigError(f"peer_copies must be an int >= 1, got {copies!r}")
-        if copies > 1 and self.node_cache is None:
+        require_int("peer_copies", self.peer_copies, 1)
+        if self.peer_copies > 1 and self.node_cache is None:
             raise ConfigError(
                 "peer_copies= needs node_local=: peer copies are node caches held on other"
                 " nodes; without node-local disks every rank already reads the one shared root"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 from dataclasses import dataclass, field
 
-from dcp_safe.choices import parse_choice
+from dcp_safe.choices import parse_choice, require_int, seconds
 from dcp_safe.errors import ConfigError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm
 from dcp_safe.manifest.signing import checksum_for, resolve_key
@@ -50,12 +49,8 @@ class WriterOptions:
         key = None if self.signing_key is None else resolve_key(self.signing_key)
         normalize("signing_key", key)
         normalize("checksum", checksum_for(self.checksum, signed=key is not None))
-        if not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= 64:
-            raise ConfigError(f"thread_count must be an int in 1..64, got {self.thread_count!r}")
-        timeout = self.report_timeout_s
-        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if not (number and 0 < timeout < math.inf):
-            raise ConfigError(f"report_timeout_s must be a positive finite number, got {timeout!r}")
+        require_int("thread_count", self.thread_count, 1, maximum=64)
+        seconds("report_timeout_s", self.report_timeout_s)
         if not isinstance(self.block_digests, bool):
             raise ConfigError(f"block_digests must be a bool, got {self.block_digests!r}")
 

@@ -38,7 +38,7 @@ from dcp_safe.backends.roots import open_backend
 from dcp_safe.checkpoints.committed import check_signed, open_committed, resolve_name
 from dcp_safe.checkpoints.items import stored_tensors
 from dcp_safe.checkpoints.metadata import read_dcp_metadata
-from dcp_safe.choices import refuse_moved
+from dcp_safe.choices import refuse_moved, require_int
 from dcp_safe.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -124,8 +124,8 @@ class SafeStorageReader(PlainReader):
         refuse_moved(type(self).__name__, moved, READER_MOVED)
         budget = LoadBudget(load_budget_bytes)
         self.load_budget_bytes = budget.budget_bytes
-        if thread_count is not None and (type(thread_count) is not int or thread_count < 1):
-            raise ConfigError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        if thread_count is not None:
+            require_int("thread_count", thread_count, 1)
         self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
         self.allow_pickle = allow_pickle
         self._signing_key = resolve_key(signing_key)

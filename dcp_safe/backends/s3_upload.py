@@ -32,7 +32,8 @@ from typing import Any
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend, unwrapped
-from dcp_safe.errors import ConfigError, StorageError
+from dcp_safe.choices import require_int
+from dcp_safe.errors import StorageError
 
 MIN_PART_BYTES = 5 * 2**20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's largest part number
@@ -58,12 +59,7 @@ def parts_in_flight_of(fs: Any) -> int:
     a writer with several files open should hold unasked)."""
     options = getattr(fs, "storage_options", None) or {}
     value = options.get(_CONCURRENCY_OPTION, DEFAULT_PARTS_IN_FLIGHT)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"parts in flight ({_CONCURRENCY_OPTION} in storage_options) must be an int >= 1,"
-            f" got {value!r}"
-        )
-    return value
+    return require_int(f"parts in flight ({_CONCURRENCY_OPTION} in storage_options)", value, 1)
 
 
 def upload_buffer_bytes(block_size: int, parts_in_flight: int) -> int:

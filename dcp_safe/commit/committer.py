@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
 from dcp_safe.backends.listed_sizes import ListedSizes
+from dcp_safe.choices import require_int
 from dcp_safe.commit.results import (
     RankReport,
     check_every_item_written,
@@ -33,7 +34,7 @@ from dcp_safe.commit.results import (
     same_records,
 )
 from dcp_safe.commit.strategy import Publication
-from dcp_safe.errors import CheckpointExistsError, CommitError, ConfigError, DcpSafeError
+from dcp_safe.errors import CheckpointExistsError, CommitError, DcpSafeError
 from dcp_safe.manifest.checksum import ChecksumAlgorithm, digest_bytes
 from dcp_safe.manifest.limits import MANIFEST_MAX_BYTES
 from dcp_safe.manifest.schema import FileRecord, ItemRecord, Manifest, RankManifest
@@ -68,8 +69,7 @@ class Committer:
     def __init__(
         self, backend: Backend, options: CommitOptions, *, workers: int = DEFAULT_COMMIT_WORKERS
     ) -> None:
-        if type(workers) is not int or not 1 <= workers <= MAX_COMMIT_WORKERS:  # not a bool
-            raise ConfigError(f"workers must be an int in 1..{MAX_COMMIT_WORKERS}, got {workers!r}")
+        require_int("workers", workers, 1, maximum=MAX_COMMIT_WORKERS)
         self.backend, self.options, self.workers = backend, options, workers
 
     def publish(

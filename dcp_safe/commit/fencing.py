@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dcp_safe import layout
 from dcp_safe.backends.backend import Backend
+from dcp_safe.choices import require_int
 from dcp_safe.errors import ConfigError, StaleWriterError
 
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -29,9 +30,7 @@ class Attempt:
     run_id: str = DEFAULT_RUN_ID
 
     def __post_init__(self) -> None:
-        n = self.number
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 10**9:
-            raise ConfigError(f"attempt must be an int in [0, 1e9), got {n!r}")
+        require_int("attempt", self.number, 0, maximum=10**9 - 1)
         if not isinstance(self.run_id, str) or not self.run_id:
             raise ConfigError(f"run_id must be a non-empty str, got {self.run_id!r}")
 

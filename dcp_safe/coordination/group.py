@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcp_safe.choices import seconds
 from dcp_safe.errors import CommitError, ConfigError
 
 DEFAULT_DEADLINE_S = 120.0
@@ -47,11 +47,7 @@ def _forget_groups() -> None:
 
 
 def validate_deadline(deadline_s: object) -> float:
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
-        raise ConfigError(f"deadline_s must be a number of seconds, got {deadline_s!r}")
-    if not math.isfinite(deadline_s) or deadline_s <= 0:
-        raise ConfigError(f"deadline_s must be finite and positive, got {deadline_s!r}")
-    return float(deadline_s)
+    return seconds("deadline_s", deadline_s)
 
 
 def checkpoint_group(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pickle
 import time
@@ -27,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch.distributed as dist
 
 from dcp_safe import layout
-from dcp_safe.choices import parse_choice
-from dcp_safe.coordination.group import DEFAULT_DEADLINE_S, validate_deadline
+from dcp_safe.choices import parse_choice, require_int, seconds
+from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
 from dcp_safe.coordination.worker_group import store_address
 from dcp_safe.errors import ConfigError
 from dcp_safe.manager.fallback import FallbackOptions
@@ -58,15 +57,6 @@ log = logging.getLogger("dcp_safe.manager")
 
 def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)  # normalizing a frozen dataclass's own field
-
-
-def seconds(name: str, value: object) -> float:
-    """``value`` as a float, or ConfigError unless it is a finite number of seconds > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite: nothing may wait forever, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -113,8 +103,7 @@ class SavePolicy:
     mtbf_s: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"save_every must be an int >= 1, got {self.every!r}")
+        require_int("save_every", self.every, 1)
         for flag in ("continuous", "first_step", "auto"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -163,12 +152,10 @@ class Retention:
 
     def __post_init__(self) -> None:
         self.policy()  # each policy validates its own fields
-        for name in ("partial_grace_s", "trash_grace_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{name} must be seconds, got {value!r}")
-        if not 0 <= self.trash_grace_s < math.inf:
-            raise ConfigError(f"trash_grace_s must be finite seconds >= 0: {self.trash_grace_s}")
+        grace = self.partial_grace_s  # inf allowed (never swept); the sweep refuses < 0
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+            raise ConfigError(f"partial_grace_s must be seconds, got {grace!r}")
+        seconds("trash_grace_s", self.trash_grace_s, zero_ok=True)
 
     def policy(self) -> RetentionPolicy:
         """The retention policy these options describe."""
@@ -206,9 +193,8 @@ class Bounds:
     exit_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _set(self, "deadline_s", validate_deadline(self.deadline_s))
-        _set(self, "wait_timeout_s", seconds("wait_timeout_s", self.wait_timeout_s))
-        _set(self, "exit_timeout_s", seconds("exit_timeout_s", self.exit_timeout_s))
+        for name in ("deadline_s", "wait_timeout_s", "exit_timeout_s"):
+            _set(self, name, seconds(name, getattr(self, name)))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dcp_safe.errors import ConfigError
+from dcp_safe.choices import require_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,11 +64,8 @@ class LoadBudget:
     """
 
     def __init__(self, budget_bytes: int | None) -> None:
-        if budget_bytes is not None and (type(budget_bytes) is not int or budget_bytes < 1):
-            raise ConfigError(
-                "load_budget_bytes must be a positive int (bytes) or None for no bound, got"
-                f" {budget_bytes!r}"
-            )
+        if budget_bytes is not None:
+            require_int("load_budget_bytes", budget_bytes, 1, " (bytes) or None for no bound")
         self.budget_bytes = budget_bytes
         self._cond = threading.Condition()
         self._reserved = 0  # the admitted items' stated costs

@@ -21,11 +21,11 @@ may then have less to add).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from dcp_safe.choices import require_int, seconds
 from dcp_safe.errors import ConfigError
 
 
@@ -63,8 +63,7 @@ class KeepLast:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 0:
-            raise ConfigError(f"KeepLast needs an int n >= 0, got {self.n!r}")
+        require_int("KeepLast's n", self.n, 0)
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         # max(0, ...): with fewer records than n, a negative start would count from the end
@@ -79,8 +78,7 @@ class KeepEvery:
     k: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ConfigError(f"KeepEvery needs an int k >= 1, got {self.k!r}")
+        require_int("KeepEvery's k", self.k, 1)
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         return {r.name for r in records if r.step % self.k == 0}
@@ -97,8 +95,7 @@ class KeepBest:
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ConfigError(f"keep_best needs an int k >= 1, got {self.k!r}")
+        require_int("keep_best's k", self.k, 1)
         if not isinstance(self.metric, str) or not self.metric:
             raise ConfigError(f"keep_best needs a metric name, got {self.metric!r}")
         if self.mode not in ("min", "max"):
@@ -125,9 +122,7 @@ class KeepWithin:
     seconds: float
 
     def __post_init__(self) -> None:
-        number = isinstance(self.seconds, (int, float)) and not isinstance(self.seconds, bool)
-        if not (number and 0 <= self.seconds < math.inf):
-            raise ConfigError(f"keep_within_s must be finite seconds >= 0, got {self.seconds!r}")
+        seconds("keep_within_s", self.seconds, zero_ok=True)
 
     def keeps(self, records: Sequence[CheckpointRecord]) -> set[str]:
         newest = max((r.created_at for r in records), default=0.0)

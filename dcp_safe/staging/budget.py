@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+# require_int re-exported: staging/capacity.py and staging/options.py import it from here.
+from dcp_safe.choices import require_int as require_int
 from dcp_safe.errors import BudgetExceededError, ConfigError
 from dcp_safe.host_memory import read_host
 from dcp_safe.units import format_bytes
@@ -193,12 +195,6 @@ class MemoryBudget:
             share_source=share_source,
             **figures,
         )
-
-
-def require_int(name: str, value: object, minimum: int, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
-        raise ConfigError(f"{name} must be {kind}{note}, got {value!r}")
 
 
 def _share_fraction(share: float) -> Fraction:

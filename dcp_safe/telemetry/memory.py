@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
+from dcp_safe.choices import require_int, seconds
 from dcp_safe.errors import ConfigError
 from dcp_safe.host_memory import find_cgroup_files
 from dcp_safe.periodic import Periodic
@@ -70,7 +71,7 @@ class MemorySampler:
     ``proc_root`` and ``cgroup_root`` are mount points (tests point them at a fake tree). PSS and
     USS are read only while idle, at most every ``pss_interval_s`` (``None``: never).
     ``on_sample`` is called with each sample, on the sampler's thread. An interval that is not
-    positive, or ``max_samples < 1``, is a ConfigError.
+    positive and finite, or ``max_samples < 1``, is a ConfigError.
     """
 
     def __init__(
@@ -87,13 +88,9 @@ class MemorySampler:
         max_samples: int = 100_000,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        intervals = {"busy_interval_s": busy_interval_s, "idle_interval_s": idle_interval_s}
-        for name, value in intervals.items():
-            if not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if max_samples < 1:
-            raise ConfigError(f"max_samples must be >= 1, got {max_samples!r}")
-        self.busy_interval_s, self.idle_interval_s = float(busy_interval_s), float(idle_interval_s)
+        self.busy_interval_s = seconds("busy_interval_s", busy_interval_s)
+        self.idle_interval_s = seconds("idle_interval_s", idle_interval_s)
+        require_int("max_samples", max_samples, 1)
         self._reader = ProcReader(proc_root, cgroup_root)
         self.pss_interval_s = pss_interval_s
         self._last_rollup = -math.inf  # when PSS/USS were last read (monotonic)
