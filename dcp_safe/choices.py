@@ -35,12 +35,7 @@ def require_int(
     ``maximum``; ``note`` follows the range in the message."""
     highest = math.inf if maximum is None else maximum
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= highest:
-        if maximum is not None:
-            kind = f"an int in {minimum}..{maximum}"
-        elif minimum == 0:
-            kind = "a non-negative int"
-        else:
-            kind = f"an int >= {minimum}"
+        kind = f"an int >= {minimum}" if maximum is None else f"an int in {minimum}..{maximum}"
         raise ConfigError(f"{name} must be {kind}{note}, got {value!r}")
     return value
 
