@@ -123,3 +123,10 @@ def test_pss_is_read_while_idle_and_never_while_busy() -> None:
 def test_sampler_rejects_a_non_positive_interval() -> None:
     with pytest.raises(ConfigError, match="busy_interval_s"):
         MemorySampler(busy_interval_s=0)
+
+
+# An infinite interval would end the sampler's thread: Event.wait(inf) raises OverflowError.
+@pytest.mark.parametrize("bad", [float("inf"), True])
+def test_sampler_rejects_an_interval_that_is_not_a_finite_number(bad: object) -> None:
+    with pytest.raises(ConfigError, match="idle_interval_s"):
+        MemorySampler(idle_interval_s=bad)  # type: ignore[arg-type]
