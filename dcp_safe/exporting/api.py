@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dcp_safe.choices import parse_choice
+from dcp_safe.choices import parse_choice, require_int
 from dcp_safe.errors import ConfigError
 from dcp_safe.exporting import formats
 from dcp_safe.exporting.consolidate import Consolidator, parse_dtype, select
@@ -96,8 +96,7 @@ def export(
     """
     fmt = parse_choice(ExportFormat, format, "format")
     out_dtype = parse_dtype(dtype)
-    if type(max_shard_bytes) is not int or max_shard_bytes < 1:  # a bool is no size
-        raise ConfigError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
+    require_int("max_shard_bytes", max_shard_bytes, 1)
     path = check_destination(dest, overwrite)
     source = Consolidator(as_root(root, storage_options), name, signing_key=signing_key)
     selection = select(source.metadata, keys, out_dtype, where=source.metadata_path)
