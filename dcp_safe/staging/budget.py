@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-# require_int re-exported: staging/capacity.py and staging/options.py import it from here.
-from dcp_safe.choices import require_int as require_int
+from dcp_safe.choices import require_int
 from dcp_safe.errors import BudgetExceededError, ConfigError
 from dcp_safe.host_memory import read_host
 from dcp_safe.units import format_bytes

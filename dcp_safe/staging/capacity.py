@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcp_safe.staging.budget import MemoryBudget, require_int
+from dcp_safe.choices import require_int
+from dcp_safe.staging.budget import MemoryBudget
 from dcp_safe.units import format_bytes
 
 GIB = 1 << 30

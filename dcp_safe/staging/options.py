@@ -6,9 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from dcp_safe.choices import parse_choice
+from dcp_safe.choices import parse_choice, require_int
 from dcp_safe.errors import ConfigError
-from dcp_safe.staging.budget import require_int
 from dcp_safe.staging.pool import PinMemory
 
 
