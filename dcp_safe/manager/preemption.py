@@ -162,9 +162,10 @@ def countdown(timeout_s: float | None) -> Callable[[], float | None]:  # None: n
 def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> list[BaseException]:
     """Run ``steps`` in order, each whatever the previous raised; their errors.
 
-    They run on a thread of their own, so a step with no bound of its own (a prune on a slow
-    file system) cannot hold the caller: a :class:`DrainTimeoutError` comes first at
-    ``timeout_s`` and the rest goes on in the background (``None``: the caller waits for all).
+    With a timeout they run on a thread of their own, so a step with no bound of its own (a
+    prune on a slow file system) cannot hold the caller: a :class:`DrainTimeoutError` comes
+    first at ``timeout_s`` and the rest goes on in the background. Without one they run on the
+    caller's thread: a Ctrl-C then ends the step it lands in, not the drain.
     """
     errors: list[BaseException] = []
 
@@ -175,6 +176,9 @@ def run_bounded(steps: list[Callable[[], object]], timeout_s: float | None) -> l
             except BaseException as exc:
                 errors.append(exc)
 
+    if timeout_s is None:
+        run()
+        return errors
     closer = threading.Thread(target=run, name="dcp_safe-close", daemon=True)
     closer.start()
     closer.join(timeout_s)

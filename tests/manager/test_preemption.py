@@ -174,3 +174,24 @@ def test_a_signal_inside_a_manager_call_is_handled_on_its_way_out(tmp_path: Path
             assert events == ["requested", "committed", "preempted"]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_ctrl_c_during_an_unbounded_close_does_not_abandon_the_drain() -> None:
+    # close() without a timeout runs its steps on the caller's thread: a Ctrl-C lands in the
+    # step running then, and the steps after it (the rest of the drain) still run; on a thread
+    # of their own, the interrupt would return from close() with the drain cut short.
+    from dcp_safe.manager.preemption import run_bounded
+
+    ran: list[str] = []
+
+    def interrupted() -> None:
+        ran.append("first")
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Event().wait(5)  # the signal's KeyboardInterrupt ends this wait
+
+    try:
+        errors = run_bounded([interrupted, lambda: ran.append("second")], None)
+    except KeyboardInterrupt:
+        pytest.fail(f"the Ctrl-C escaped the close, its drain cut short after {ran}")
+    assert ran == ["first", "second"]
+    assert [type(e) for e in errors] == [KeyboardInterrupt]
