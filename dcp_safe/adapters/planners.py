@@ -347,6 +347,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         is_coordinator: bool = False,
     ) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._per_rank_keys = {}  # this load's: a planner used again must not keep the last's
         stored = set(metadata.state_dict_metadata) if metadata is not None else set()
         wanted = {
             k for k in self.state_dict if _matches(k, self.keys) and not _matches(k, self.exclude)

@@ -256,3 +256,22 @@ def test_a_restore_report_survives_pickling_and_copying_with_every_key_list() ->
     assert report.audited == ("a",) and report.skipped == ()
     with pytest.raises(TypeError, match="restord"):
         RestoreReport("step_1", restord=["a"])
+
+
+def test_a_planner_used_for_a_second_load_maps_per_rank_keys_afresh(tmp_path: Path) -> None:
+    # The first checkpoint holds "rng" per rank, the second as one entry: the second load must
+    # not look for the first one's per-rank name.
+    root = str(tmp_path)
+    state = {"w": torch.ones(2), "rng": torch.arange(3.0)}
+    dcp_safe.save(
+        state, checkpoint_id="a", storage_writer=SafeStorageWriter(root), per_rank=("rng",)
+    )
+    state["rng"] = torch.arange(3.0) + 1
+    dcp_safe.save(state, checkpoint_id="b", storage_writer=SafeStorageWriter(root))
+    planner = dcp_safe.SafeLoadPlanner(per_rank=("rng",))
+    for name, expected in (("a", torch.arange(3.0)), ("b", torch.arange(3.0) + 1)):
+        target = {"w": torch.zeros(2), "rng": torch.zeros(3)}
+        dcp_safe.load(
+            target, checkpoint_id=name, storage_reader=SafeStorageReader(root), planner=planner
+        )
+        assert torch.equal(target["rng"], expected), name
