@@ -152,9 +152,9 @@ class Retention:
 
     def __post_init__(self) -> None:
         self.policy()  # each policy validates its own fields
-        grace = self.partial_grace_s  # inf allowed (never swept); the sweep refuses < 0
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
-            raise ConfigError(f"partial_grace_s must be seconds, got {grace!r}")
+        grace = self.partial_grace_s  # inf allowed: never swept
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ConfigError(f"partial_grace_s must be seconds >= 0 (or inf), got {grace!r}")
         seconds("trash_grace_s", self.trash_grace_s, zero_ok=True)
 
     def policy(self) -> RetentionPolicy:

@@ -114,6 +114,8 @@ def test_the_root_may_be_a_topology(tmp_path: Path) -> None:
         (lambda: SavePolicy(latency_objective_s=-1), "latency_objective_s"),
         (lambda: Retention(keep_last=-1), "KeepLast"),
         (lambda: Retention(keep_every=0), "KeepEvery"),
+        (lambda: Retention(partial_grace_s=-1), "partial_grace_s"),  # refused when built, not
+        (lambda: Retention(partial_grace_s=float("nan")), "partial_grace_s"),  # at the sweep
         (lambda: Bounds(deadline_s=float("inf")), "deadline_s"),
         (lambda: Bounds(wait_timeout_s=0), "wait_timeout_s"),
         (lambda: Resume(per_rank="rng"), "per_rank"),
