@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -88,6 +88,18 @@ def save_key(attempt: Attempt | None, count: int) -> str:
     if attempt is None:
         return f"{os.environ.get(RUN_ID_ENV) or DEFAULT_RUN_ID}-none-{count}"
     return f"{attempt.run_id}-{attempt.number}-{count}"
+
+
+def _entries(plain: object) -> TypeGuard[list[tuple[str, int | None]]]:
+    """Whether ``plain`` is what :meth:`StorageAgreement.post` writes: ``[key, fingerprint]``
+    pairs (an unsigned assignment file is anyone's to write: a bare TypeError is no answer)."""
+    return isinstance(plain, list) and all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and (pair[1] is None or (isinstance(pair[1], int) and not isinstance(pair[1], bool)))
+        for pair in plain
+    )
 
 
 @dataclass(frozen=True)
@@ -168,12 +180,12 @@ class StorageAgreement:
         if "error" in found:
             raise CommitError("rank 0 could not start the save", {0: str(found["error"])})
         save_id, world, plain = found.get("save_id"), found.get("world_size"), found.get("plain")
-        if not layout.is_save_id(save_id) or world != world_size or not isinstance(plain, list):
+        if not layout.is_save_id(save_id) or world != world_size or not _entries(plain):
             raise CommitError(
                 "rank 0's assignment does not fit this save",
                 {0: f"save id {str(save_id)[:64]!r}, world size {world} (here {world_size})"},
             )
-        return str(save_id), {str(key): fingerprint for key, fingerprint in plain}
+        return str(save_id), dict(plain)
 
     def clear(self) -> None:
         with contextlib.suppress(OSError, DcpSafeError):

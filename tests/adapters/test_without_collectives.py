@@ -511,3 +511,22 @@ def test_a_signed_save_takes_only_an_assignment_the_key_authenticates(tmp_path: 
     signed.post("a" * 32, 2, {})  # rank 0's own post replaces it
     assert signed.take(2) == ("a" * 32, {})
     assert board(None).take(2) == ("a" * 32, {})  # a reader without the key still reads it
+
+
+@pytest.mark.parametrize("plain", [[1, 2], [["w"]], [["w", "f"]], [[3, None]], {"w": None}])
+def test_a_malformed_assignment_is_a_commit_error_naming_rank_0(tmp_path: Path, plain: Any) -> None:
+    # An unsigned assignment file is anyone's to write: whatever its entries, the ranks get the
+    # typed error naming rank 0, not a bare TypeError from unpacking them.
+    options = WriterOptions(report_timeout_s=0.2)
+    board = StorageAgreement(
+        open_backend(str(tmp_path)),
+        "x",
+        "run-1-1",
+        options,
+        SafeStorageWriter(tmp_path)._publication,
+    )
+    body = {"format": "dcp_safe/assignment", "save_id": "a" * 32, "world_size": 2, "plain": plain}
+    (tmp_path / board.path).write_text(json.dumps(body))
+    with pytest.raises(CommitError, match="does not fit this save") as seen:
+        board.take(2)
+    assert list(seen.value.failures) == [0]
