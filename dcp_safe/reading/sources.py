@@ -85,6 +85,14 @@ class NodeCacheStats:
     bytes_from_peer: int = 0
     bytes_from_remote: int = 0
 
+    def files_from(self, source: ReadSource) -> int:
+        """Files finished from ``source``."""
+        return int(getattr(self, f"files_from_{_FIELD[source]}"))
+
+    def bytes_from(self, source: ReadSource) -> int:
+        """Stored bytes ``source`` delivered."""
+        return int(getattr(self, f"bytes_from_{_FIELD[source]}"))
+
 
 _FIELD = {ReadSource.NODE_CACHE: "cache", ReadSource.PEER: "peer", ReadSource.REMOTE: "remote"}
 
