@@ -189,9 +189,13 @@ def test_a_ctrl_c_during_an_unbounded_close_does_not_abandon_the_drain() -> None
         os.kill(os.getpid(), signal.SIGINT)
         threading.Event().wait(5)  # the signal's KeyboardInterrupt ends this wait
 
+    # Python's own Ctrl-C handler, whatever an earlier test of the session left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         errors = run_bounded([interrupted, lambda: ran.append("second")], None)
     except KeyboardInterrupt:
         pytest.fail(f"the Ctrl-C escaped the close, its drain cut short after {ran}")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ran == ["first", "second"]
     assert [type(e) for e in errors] == [KeyboardInterrupt]
