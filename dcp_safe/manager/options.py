@@ -23,8 +23,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch.distributed as dist
-
 from dcp_safe import layout
 from dcp_safe.choices import parse_choice, require_int, seconds
 from dcp_safe.coordination.group import DEFAULT_DEADLINE_S
@@ -43,7 +41,7 @@ from dcp_safe.retention.policy import (
 )
 from dcp_safe.retention.sweeper import DEFAULT_GRACE_S
 from dcp_safe.staging import BudgetedStager, MemoryBudget
-from dcp_safe.torch_compat import default_store
+from dcp_safe.torch_compat import default_store, rank_world
 
 if TYPE_CHECKING:
     from dcp_safe.adapters.writer import SafeStorageWriter
@@ -318,7 +316,7 @@ def _unmet_need(
         return "executor='process' needs os.memfd_create (Linux) for the slabs it shares"
     if stager is not None and stager.shared is None:
         return "executor='process' needs a stager built with shared_memory=True"
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_world()[1] > 1:
         try:
             store_address(default_store())  # the workers meet there
         except ConfigError as exc:
